@@ -1,0 +1,33 @@
+// Package source delivers the cluster state the agent acts on: namespaces,
+// pods, services, endpoint slices and mesh policies. Every source (a watched
+// file, the Kubernetes API) hands out complete snapshots, so consumers diff
+// desired against actual state instead of replaying events.
+package source
+
+import (
+	"context"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+)
+
+// Snapshot is the whole state a source knows at one moment. Consumers must
+// treat it as read-only: it may be shared between them.
+type Snapshot struct {
+	Namespaces            []corev1.Namespace
+	Pods                  []corev1.Pod
+	Services              []corev1.Service
+	EndpointSlices        []discoveryv1.EndpointSlice
+	PeerAuthentications   []policy.PeerAuthentication
+	AuthorizationPolicies []policy.AuthorizationPolicy
+}
+
+// Source watches cluster state and calls update with a fresh snapshot after
+// every change (and once at start). Run blocks until ctx is done or the source
+// fails beyond repair. A malformed object is reported through the logger and
+// left out of the snapshot; it never stops the source.
+type Source interface {
+	Run(ctx context.Context, update func(Snapshot)) error
+}
