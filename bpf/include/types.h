@@ -1,0 +1,78 @@
+/* Structs shared between the BPF programs and Go (exported with bpf2go -type).
+ * Define a struct here once; never mirror it by hand in Go. */
+#pragma once
+
+#include <linux/types.h>
+
+/* An address of an enrolled pod. IPv4 is stored IPv4-mapped (::ffff:a.b.c.d),
+ * so one map serves both families. */
+struct pod_addr {
+	__u8 addr[16];
+};
+
+/* Per-pod settings flags. */
+enum pod_flag {
+	POD_CAPTURE_OUTBOUND = 1 << 0, /* steer the pod's outgoing TCP to 15001 */
+	POD_CAPTURE_INBOUND = 1 << 1,  /* steer new plaintext TCP to the pod to 15006 */
+};
+
+/* Value of the enrollment map: what to do for one pod address. The entry's
+ * presence is the kill switch: without it, the programs pass everything. */
+struct pod_settings {
+	__u32 flags;   /* enum pod_flag bits */
+	__u32 pod_id;  /* unique per node: tells whether two addresses belong to one pod */
+};
+
+/* Per-pod packet counters (per-CPU values, summed in Go). */
+struct pod_counters {
+	__u64 outbound_conns;   /* outbound SYNs steered to the outbound listener */
+	__u64 inbound_conns;    /* inbound SYNs assigned to the inbound listener */
+	__u64 steered_packets;  /* packets re-injected from egress to ingress */
+	__u64 dropped_packets;  /* packets dropped to fail closed */
+	__u64 bypassed_packets; /* enrolled-pod packets deliberately passed (probe, HBONE, tunnel) */
+};
+
+/* Reasons counted in the per-CPU reason array, for every enrolled pod. */
+enum verdict_reason {
+	REASON_OUT_SYN_STEERED = 0,  /* egress: new outbound connection re-injected */
+	REASON_OUT_TUNNEL_SOCKET,    /* egress: packet of a tunnel-owned connection re-injected */
+	REASON_OUT_PASS_TUNNEL_MARK, /* egress: sent by the tunnel itself */
+	REASON_OUT_PASS_EXCLUDED,    /* egress: destination never captured (probe address, loopback) */
+	REASON_IN_ASSIGN_OUTBOUND,   /* ingress: re-injected SYN assigned to 15001 */
+	REASON_IN_ASSIGN_INBOUND,    /* ingress: plaintext SYN assigned to 15006 */
+	REASON_IN_PASS_HBONE,        /* ingress: to the HBONE port 15008 */
+	REASON_IN_PASS_PROBE,        /* ingress: from the host-probe SNAT address */
+	REASON_IN_PASS_REINJECTED,   /* ingress: re-injected packet of an existing connection */
+	REASON_IN_PASS_EXISTING,     /* ingress: packet of a connection that already has a socket */
+	REASON_IN_PASS_NO_CAPTURE,   /* ingress: inbound capture off for this pod */
+	REASON_DROP_NO_LISTENER,     /* fail closed: the tunnel listener is missing */
+	REASON_DROP_ASSIGN_FAILED,   /* fail closed: bpf_sk_assign refused */
+	REASON_DROP_SPOOFED,         /* ingress: pod's own source address from the wire */
+	REASON_MAX,
+};
+
+#define POD_META_MAX_ADDRS 4
+
+/* How the programs were attached to a pod's interface. */
+enum attach_mode {
+	ATTACH_TCX = 1,       /* tcx links, pinned under <root>/pods/<id>/ */
+	ATTACH_TC_LEGACY = 2, /* clsact qdisc + cls_bpf filters (kernels without tcx) */
+};
+
+/* Value of the pod-metadata map: what the loader attached for one pod, so a
+ * restarted agent, `redirector inspect` and `uninstall` know without any
+ * other state. The programs never read it. Strings are NUL-padded. */
+struct pod_meta {
+	__u8 uid[64];
+	__u8 namespace[64];
+	__u8 name[128];
+	__u8 netns[192];      /* path of the pod's network namespace */
+	__u8 ifname[16];      /* the pod interface */
+	struct pod_addr addrs[POD_META_MAX_ADDRS];
+	__u32 naddrs;
+	__u32 flags;          /* enum pod_flag bits, as in rd_pods */
+	__u32 attach_mode;    /* enum attach_mode */
+	__s32 accept_local;   /* interface sysctl values before attach, restored on detach */
+	__s32 rp_filter;
+	__u32 _pad;
+};

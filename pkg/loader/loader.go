@@ -1,0 +1,171 @@
+// Package loader loads the data path's BPF objects with their maps pinned,
+// attaches and detaches the programs of each enrolled pod inside the pod's
+// network namespace, and removes everything on uninstall.
+//
+// Pinned maps and links outlive the agent: Close releases file descriptors
+// only, traffic keeps being redirected, and the next Load picks the state up
+// again and swaps in its own programs without a gap.
+package loader
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/maps"
+)
+
+// DefaultPinRoot is where a node agent pins its maps and links.
+const DefaultPinRoot = "/sys/fs/bpf/redirector"
+
+// Config says where to pin and what to compile into the programs.
+type Config struct {
+	PinRoot  string
+	Settings Settings
+	// ForceLegacyTC attaches with clsact + cls_bpf even where tcx exists
+	// (tcx is used otherwise, with the legacy path as the fallback).
+	ForceLegacyTC bool
+	Logger        *slog.Logger
+}
+
+// Loader holds the loaded programs and pinned maps of one node.
+type Loader struct {
+	cfg     Config
+	log     *slog.Logger
+	maps    *maps.Maps
+	ingress *ebpf.Program
+	egress  *ebpf.Program
+
+	mu sync.Mutex // serialises pod attach/detach and id allocation
+}
+
+// Load loads the programs, creating or reusing the maps pinned under
+// cfg.PinRoot, and swaps the new programs into every pinned pod link.
+func Load(ctx context.Context, cfg Config) (*Loader, error) {
+	if cfg.PinRoot == "" {
+		cfg.PinRoot = DefaultPinRoot
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if err := cfg.Settings.Validate(); err != nil {
+		return nil, fmt.Errorf("data path settings: %w", err)
+	}
+	if err := ensureBPFFS(cfg.PinRoot); err != nil {
+		return nil, err
+	}
+	spec, err := bpf.LoadCapture()
+	if err != nil {
+		return nil, fmt.Errorf("read embedded BPF object: %w", err)
+	}
+	if err := cfg.Settings.apply(spec); err != nil {
+		return nil, err
+	}
+	var objs bpf.CaptureObjects
+	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}
+	if err := spec.LoadAndAssign(&objs, opts); err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return nil, fmt.Errorf("load BPF programs: %+v", ve)
+		}
+		return nil, fmt.Errorf("load BPF programs (pin root %s): %w", cfg.PinRoot, err)
+	}
+	l := &Loader{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		ingress: objs.RdPodIngress,
+		egress:  objs.RdPodEgress,
+		maps: &maps.Maps{
+			Pods:     objs.RdPods,
+			PodStats: objs.RdPodStats,
+			Reasons:  objs.RdReasons,
+			PodMeta:  objs.RdPodMeta,
+		},
+	}
+	if err := l.upgradePinnedLinks(ctx); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// Maps returns the typed maps. The Loader owns them.
+func (l *Loader) Maps() *maps.Maps { return l.maps }
+
+// PinRoot is where this loader pins.
+func (l *Loader) PinRoot() string { return l.cfg.PinRoot }
+
+// Close releases file descriptors. Pinned maps and links stay, so the pods
+// stay redirected while no agent runs.
+func (l *Loader) Close() error {
+	return errors.Join(l.ingress.Close(), l.egress.Close(), l.maps.Close())
+}
+
+// upgradePinnedLinks points every pinned pod link at the programs just
+// loaded. The link stays attached throughout, so no packet goes unhandled.
+func (l *Loader) upgradePinnedLinks(ctx context.Context) error {
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return err
+	}
+	for id, m := range metas {
+		if m.AttachMode != maps.AttachTCX {
+			continue
+		}
+		for _, dir := range []direction{ingress, egress} {
+			if err := l.updatePinnedLink(id, dir); err != nil {
+				// Not fatal: the reconciler re-attaches pods whose links broke.
+				l.log.WarnContext(ctx, "keep old program on pinned link", "pod", m.Namespace+"/"+m.Name, "direction", dir, "error", err)
+			}
+		}
+	}
+	return nil
+}
+
+func (l *Loader) podDir(id uint32) string {
+	return filepath.Join(l.cfg.PinRoot, "pods", fmt.Sprint(id))
+}
+
+// Uninstall removes everything a loader pinned under root: each pod's links,
+// rules and routes (restoring its interface sysctls), then the maps and the
+// root itself. Pods whose namespace is gone are skipped quietly.
+func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) error {
+	if log == nil {
+		log = slog.Default()
+	}
+	if _, err := os.Stat(root); errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	var errs []error
+	m, err := maps.OpenPinned(root)
+	if err == nil {
+		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m}
+		metas, err := m.ListMeta()
+		errs = append(errs, err)
+		for id, meta := range metas {
+			errs = append(errs, l.detach(ctx, id, meta))
+		}
+		errs = append(errs, m.Close())
+	} else {
+		log.WarnContext(ctx, "no pinned maps to read pods from", "root", root, "error", err)
+	}
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
+		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
+		}
+	}
+	if err := os.RemoveAll(filepath.Join(root, "pods")); err != nil {
+		errs = append(errs, fmt.Errorf("remove pod pins: %w", err))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	return removeRoot(root)
+}

@@ -1,0 +1,400 @@
+package loader_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+const tunnelMark = 0x539
+
+// serve answers each connection with "<name> <local addr> <peer addr>\n" and
+// then echoes one line, so the test sees which socket took the connection
+// and that data flows both ways.
+func serve(t *testing.T, l net.Listener, name string) {
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				fmt.Fprintf(c, "%s %s %s\n", name, c.LocalAddr(), c.RemoteAddr())
+				line, err := bufio.NewReader(c).ReadString('\n')
+				if err == nil {
+					io.WriteString(c, "echo "+line)
+				}
+			}()
+		}
+	}()
+}
+
+func listen(t *testing.T, path, addr, name string, opts netns.SocketOptions) {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), path, "tcp", addr, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serve(t, l, name)
+}
+
+type reply struct{ name, local, peer string }
+
+// call dials dst from inside path and returns who answered.
+func call(path string, dst netip.AddrPort, opts netns.SocketOptions) (reply, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, path, "tcp", dst.String(), opts)
+	if err != nil {
+		return reply{}, err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	r := bufio.NewReader(c)
+	line, err := r.ReadString('\n')
+	if err != nil {
+		return reply{}, fmt.Errorf("read greeting: %w", err)
+	}
+	f := strings.Fields(line)
+	if len(f) != 3 {
+		return reply{}, fmt.Errorf("bad greeting %q", line)
+	}
+	if _, err := io.WriteString(c, "ping\n"); err != nil {
+		return reply{}, err
+	}
+	if echo, err := r.ReadString('\n'); err != nil || echo != "echo ping\n" {
+		return reply{}, fmt.Errorf("echo: %q %v", echo, err)
+	}
+	return reply{f[0], unmapped(f[1]), unmapped(f[2])}, nil
+}
+
+func unmapped(s string) string {
+	ap, err := netip.ParseAddrPort(s)
+	if err != nil {
+		return s
+	}
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()).String()
+}
+
+func tempBPFFS(t *testing.T) string {
+	root := filepath.Join(t.TempDir(), "bpf")
+	t.Cleanup(func() {
+		// Uninstall unmounts; this catches tests that failed before it.
+		_ = unix.Unmount(root, unix.MNT_DETACH)
+	})
+	return root
+}
+
+func load(t *testing.T, root string) *loader.Loader {
+	t.Helper()
+	l, err := loader.Load(context.Background(), loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), Logger: slog.Default()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+func podOf(p *netnstest.Pod, inbound bool) loader.Pod {
+	return loader.Pod{UID: "uid-" + p.Name, Namespace: "test", Name: p.Name, NetNS: p.Path(), Addrs: p.Addrs(), CaptureInbound: inbound}
+}
+
+func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
+
+func TestCapture(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	client, server, other := node.AddPod("client"), node.AddPod("server"), node.AddPod("other")
+	root := tempBPFFS(t)
+	l := load(t, root)
+	defer l.Close()
+
+	// The "tunnel": transparent, marked listeners in the enrolled pods.
+	tun := netns.SocketOptions{Transparent: true, Mark: tunnelMark}
+	listen(t, client.Path(), "[::]:15001", "outbound", tun)
+	listen(t, server.Path(), "[::]:15006", "inbound", tun)
+	listen(t, server.Path(), "[::]:15008", "hbone", tun)
+	listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
+	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+
+	ctx := context.Background()
+	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.AttachPod(ctx, podOf(server, true)); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, fam := range []struct {
+		name                  string
+		client, server, other netip.Addr
+	}{
+		{"ipv4", client.IPv4, server.IPv4, other.IPv4},
+		{"ipv6", client.IPv6, server.IPv6, other.IPv6},
+	} {
+		t.Run(fam.name, func(t *testing.T) {
+			// Outbound: captured by 15001, original destination as local address.
+			r, err := call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{})
+			if err != nil {
+				t.Fatalf("outbound: %v", err)
+			}
+			if r.name != "outbound" || r.local != ap(fam.other, 8080).String() {
+				t.Errorf("outbound conn reached %+v, want the outbound listener with local %s", r, ap(fam.other, 8080))
+			}
+			// Inbound plaintext from an unenrolled pod: 15006 with the pod's own address.
+			r, err = call(other.Path(), ap(fam.server, 8080), netns.SocketOptions{})
+			if err != nil {
+				t.Fatalf("inbound: %v", err)
+			}
+			if r.name != "inbound" || r.local != ap(fam.server, 8080).String() || !strings.HasPrefix(r.peer, addrPrefix(fam.other)) {
+				t.Errorf("inbound conn reached %+v, want the inbound listener with local %s and peer %s", r, ap(fam.server, 8080), fam.other)
+			}
+			// HBONE port: the real listener.
+			r, err = call(other.Path(), ap(fam.server, 15008), netns.SocketOptions{})
+			if err != nil || r.name != "hbone" {
+				t.Errorf("to :15008 reached %+v (%v), want the hbone listener", r, err)
+			}
+			// Tunnel-marked sockets are never captured.
+			r, err = call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{Mark: tunnelMark})
+			if err != nil || r.name != "other-app" {
+				t.Errorf("marked conn reached %+v (%v), want other-app", r, err)
+			}
+		})
+	}
+
+	// Probe SNAT source passes to the app directly.
+	probe := loader.DefaultSettings().ProbeSNATv4
+	if _, err := netnstest.Exec(ctx, node.Path(), "ip", "addr", "add", probe.String()+"/32", "dev", "rdbr"); err != nil {
+		t.Fatal(err)
+	}
+	r, err := call(node.Path(), ap(server.IPv4, 8080), netns.SocketOptions{Local: &net.TCPAddr{IP: probe.AsSlice()}})
+	if err != nil || r.name != "server-app" || !strings.HasPrefix(r.peer, probe.String()+":") {
+		t.Errorf("probe-sourced conn reached %+v (%v), want server-app seeing %s", r, err, probe)
+	}
+
+	// Counters: the outbound connections above were counted for the client.
+	c, ok, err := l.Maps().Counters(client.IPv4)
+	if err != nil || !ok || c.OutboundConns < 1 {
+		t.Errorf("client v4 counters %+v ok=%v err=%v, want outbound connections counted", c, ok, err)
+	}
+	before := c.OutboundConns
+	const n = 5
+	for i := 0; i < n; i++ {
+		if _, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c, _, _ = l.Maps().Counters(client.IPv4)
+	if got := c.OutboundConns - before; got != n {
+		t.Errorf("after %d captured connections the counter grew by %d", n, got)
+	}
+	// An unenrolled pod is never touched: no entry, no counters.
+	if _, ok, _ := l.Maps().Counters(other.IPv4); ok {
+		t.Errorf("unenrolled pod has counters")
+	}
+	if _, ok, _ := l.Maps().Pod(other.IPv4); ok {
+		t.Errorf("unenrolled pod has an enrollment entry")
+	}
+	c, _, _ = l.Maps().Counters(server.IPv6)
+	if c.InboundConns < 1 {
+		t.Errorf("server v6 inbound connections not counted: %+v", c)
+	}
+
+	// Kill switch: without the entry, the programs pass everything at once.
+	if err := l.Maps().DeletePod(client.IPv4); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+		t.Errorf("after deleting the entry, conn reached %+v (%v), want other-app", r, err)
+	}
+}
+
+func attachType(d string) ebpf.AttachType {
+	if d == "ingress" {
+		return ebpf.AttachTCXIngress
+	}
+	return ebpf.AttachTCXEgress
+}
+
+func addrPrefix(a netip.Addr) string {
+	if a.Is6() {
+		return "[" + a.String() + "]:"
+	}
+	return a.String() + ":"
+}
+
+func TestFailClosedWithoutListener(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
+	l := load(t, tempBPFFS(t))
+	defer l.Close()
+	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	if _, err := l.AttachPod(context.Background(), podOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	// No outbound listener: the connection must not leave in plaintext.
+	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err == nil {
+		t.Fatalf("connection without a tunnel listener reached %+v", r)
+	}
+	reasons, err := l.Maps().ReasonCounts()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var drops uint64
+	for r, n := range reasons {
+		if maps.ReasonName(r) == "drop_no_listener" {
+			drops = n
+		}
+	}
+	if drops == 0 {
+		t.Errorf("no drop_no_listener counted: %v", reasons)
+	}
+}
+
+func TestRestartAndUninstall(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
+	root := tempBPFFS(t)
+	ctx := context.Background()
+	listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: tunnelMark})
+	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+
+	l := load(t, root)
+	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	// The agent goes away without uninstalling: capture goes on.
+	l.Close()
+	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "outbound" {
+		t.Fatalf("with no loader running, conn reached %+v (%v), want outbound", r, err)
+	}
+	// A new loader picks the pinned state up without re-attaching.
+	l = load(t, root)
+	pods, err := l.Pods()
+	if err != nil || len(pods) != 1 || pods[0].Meta.Name != "client" {
+		t.Fatalf("pinned pods after restart: %+v %v", pods, err)
+	}
+	if r, err := call(client.Path(), ap(other.IPv6, 8080), netns.SocketOptions{}); err != nil || r.name != "outbound" {
+		t.Fatalf("after restart, conn reached %+v (%v), want outbound", r, err)
+	}
+	// bpftool prints field names of the pinned enrollment map (BTF).
+	if _, err := exec.LookPath("bpftool"); err == nil {
+		out, err := exec.Command("bpftool", "map", "dump", "pinned", filepath.Join(root, maps.PodsName)).CombinedOutput()
+		if err != nil || !strings.Contains(string(out), "pod_id") || !strings.Contains(string(out), "flags") {
+			t.Errorf("bpftool map dump: %v\n%s", err, out)
+		}
+	} else {
+		t.Error("bpftool not installed (make deps installs it)")
+	}
+	l.Close()
+
+	if err := loader.Uninstall(ctx, root, loader.DefaultSettings(), nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(root); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pin root %s still exists after uninstall (%v)", root, err)
+	}
+	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+		t.Errorf("after uninstall, conn reached %+v (%v), want other-app", r, err)
+	}
+	err = netns.Do(client.Path(), func() error {
+		iface, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for _, attach := range []string{"ingress", "egress"} {
+			res, err := link.QueryPrograms(link.QueryOptions{Target: iface.Attrs().Index, Attach: attachType(attach)})
+			if err != nil {
+				return fmt.Errorf("query tcx %s: %w", attach, err)
+			}
+			if len(res.Programs) != 0 {
+				return fmt.Errorf("%d tcx %s programs left on eth0", len(res.Programs), attach)
+			}
+		}
+		rules, err := netlink.RuleList(netlink.FAMILY_ALL)
+		if err != nil {
+			return err
+		}
+		for _, r := range rules {
+			if r.Table == loader.DefaultSettings().RouteTable {
+				return fmt.Errorf("rule left behind: %v", r)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+}
+
+func TestAttachBadInput(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	pod := topo.Nodes[0].AddPod("pod")
+	l := load(t, tempBPFFS(t))
+	defer l.Close()
+	ctx := context.Background()
+	cases := []struct {
+		name string
+		pod  loader.Pod
+		want string
+	}{
+		{"missing netns", loader.Pod{UID: "u1", Namespace: "t", Name: "a", NetNS: "/var/run/netns/does-not-exist", Addrs: pod.Addrs()}, "does-not-exist"},
+		{"missing interface", loader.Pod{UID: "u2", Namespace: "t", Name: "b", NetNS: pod.Path(), Interface: "eth9", Addrs: pod.Addrs()}, "eth9"},
+		{"foreign address", loader.Pod{UID: "u3", Namespace: "t", Name: "c", NetNS: pod.Path(), Addrs: []netip.Addr{netip.MustParseAddr("10.9.9.9")}}, "10.9.9.9"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := l.AttachPod(ctx, tc.pod)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("AttachPod error %v, want one naming %q", err, tc.want)
+			}
+			pods, _ := l.Pods()
+			entries, _ := l.Maps().ListPods()
+			if len(pods) != 0 || len(entries) != 0 {
+				t.Errorf("partial state left: pods %+v entries %+v", pods, entries)
+			}
+		})
+	}
+	// Nothing in the pod either.
+	err := netns.Do(pod.Path(), func() error {
+		rules, err := netlink.RuleList(netlink.FAMILY_ALL)
+		if err != nil {
+			return err
+		}
+		for _, r := range rules {
+			if r.Table == loader.DefaultSettings().RouteTable {
+				return fmt.Errorf("rule left behind: %v", r)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+	// Detaching twice is fine.
+	if err := l.DetachPod(ctx, "never-attached"); err != nil {
+		t.Error(err)
+	}
+}

@@ -1,0 +1,144 @@
+package loader
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// The functions here run inside the pod's network namespace (netns.Do).
+
+func sysctlPath(family, iface, name string) string {
+	return fmt.Sprintf("/proc/sys/net/%s/conf/%s/%s", family, iface, name)
+}
+
+func readSysctl(path string) (int32, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return -1, fmt.Errorf("read %s: %w", path, err)
+	}
+	v, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return -1, fmt.Errorf("read %s: %w", path, err)
+	}
+	return int32(v), nil
+}
+
+func writeSysctl(path string, v int32) error {
+	if err := os.WriteFile(path, []byte(strconv.Itoa(int(v))), 0o644); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	return nil
+}
+
+// podRouting is the fwmark rule and local route that make re-injected and
+// assigned packets, whose destination is not an address of the pod, reach
+// their socket: `ip rule fwmark MARK/MASK lookup TABLE` and
+// `ip route add local 0.0.0.0/0 dev lo table TABLE` (and the IPv6 twins).
+func (l *Loader) podRouting(family int) (*netlink.Rule, *netlink.Route, error) {
+	s := l.cfg.Settings
+	rule := netlink.NewRule()
+	rule.Family = family
+	rule.Mark = s.ReinjectMark
+	mask := s.MarkMask
+	rule.Mask = &mask
+	rule.Table = s.RouteTable
+	rule.Priority = s.RulePriority
+
+	lo, err := netlink.LinkByName("lo")
+	if err != nil {
+		return nil, nil, fmt.Errorf("find lo: %w", err)
+	}
+	dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+	if family == netlink.FAMILY_V6 {
+		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+	}
+	route := &netlink.Route{
+		LinkIndex: lo.Attrs().Index,
+		Dst:       dst,
+		Table:     s.RouteTable,
+		Type:      unix.RTN_LOCAL,
+		Scope:     unix.RT_SCOPE_HOST,
+		Family:    family,
+	}
+	return rule, route, nil
+}
+
+func families(addrs []netip.Addr) []int {
+	var v4, v6 bool
+	for _, a := range addrs {
+		v4 = v4 || a.Is4()
+		v6 = v6 || a.Is6()
+	}
+	var out []int
+	if v4 {
+		out = append(out, netlink.FAMILY_V4)
+	}
+	if v6 {
+		out = append(out, netlink.FAMILY_V6)
+	}
+	return out
+}
+
+func (l *Loader) addRouting(addrs []netip.Addr) error {
+	for _, fam := range families(addrs) {
+		rule, route, err := l.podRouting(fam)
+		if err != nil {
+			return err
+		}
+		if err := netlink.RouteReplace(route); err != nil {
+			return fmt.Errorf("add local route to table %d: %w", route.Table, err)
+		}
+		if err := netlink.RuleAdd(rule); err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("add fwmark rule: %w", err)
+		}
+	}
+	return nil
+}
+
+func (l *Loader) delRouting(addrs []netip.Addr) error {
+	var errs []error
+	for _, fam := range families(addrs) {
+		rule, route, err := l.podRouting(fam)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := netlink.RuleDel(rule); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("delete fwmark rule: %w", err))
+		}
+		if err := netlink.RouteDel(route); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("delete local route: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// checkAddrs fails unless every address is configured on iface: enrolling an
+// address the pod does not own would capture someone else's traffic.
+func checkAddrs(iface netlink.Link, addrs []netip.Addr) error {
+	have, err := netlink.AddrList(iface, netlink.FAMILY_ALL)
+	if err != nil {
+		return fmt.Errorf("list addresses of %s: %w", iface.Attrs().Name, err)
+	}
+	for _, want := range addrs {
+		found := false
+		for _, a := range have {
+			if got, ok := netip.AddrFromSlice(a.IP); ok && got.Unmap() == want {
+				found = true
+				break
+			}
+		}
+		if !found {
+			return fmt.Errorf("address %s is not configured on %s", want, iface.Attrs().Name)
+		}
+	}
+	return nil
+}

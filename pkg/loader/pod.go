@@ -1,0 +1,287 @@
+package loader
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// Pod is what the loader needs to redirect one pod.
+type Pod struct {
+	UID, Namespace, Name string
+	NetNS                string // path of the pod's network namespace
+	Interface            string // the pod's interface; "eth0" when empty
+	Addrs                []netip.Addr
+	// CaptureInbound is false for pods annotated
+	// ambient.istio.io/bypass-inbound-capture: "true".
+	CaptureInbound bool
+}
+
+func (p Pod) String() string { return p.Namespace + "/" + p.Name }
+
+func (p *Pod) validate() error {
+	if p.UID == "" {
+		return fmt.Errorf("pod %s has no uid", p)
+	}
+	if p.NetNS == "" {
+		return fmt.Errorf("pod %s has no network namespace path", p)
+	}
+	if p.Interface == "" {
+		p.Interface = "eth0"
+	}
+	if len(p.Addrs) == 0 || len(p.Addrs) > maps.MaxMetaAddrs {
+		return fmt.Errorf("pod %s has %d addresses, want 1 to %d", p, len(p.Addrs), maps.MaxMetaAddrs)
+	}
+	for i, a := range p.Addrs {
+		if !a.IsValid() || a.IsUnspecified() || a.IsLoopback() {
+			return fmt.Errorf("pod %s: address %q cannot be a pod address", p, a)
+		}
+		p.Addrs[i] = a.Unmap()
+	}
+	return nil
+}
+
+// AttachPod redirects the pod's traffic: it attaches the programs to the pod's
+// interface inside its namespace, adds the fwmark rule and local route, sets
+// the interface sysctls re-injection needs, pins the links, and writes the
+// enrollment entries last. It is idempotent: attaching an attached pod
+// updates it in place. On error nothing of the pod is left behind.
+//
+// The tunnel's listeners in the pod should exist before this is called: from
+// the moment the entries are written, captured SYNs without a listener are
+// dropped (fail closed).
+func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
+	if err := p.validate(); err != nil {
+		return PodState{}, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return PodState{}, err
+	}
+	id, old, existed := findPod(metas, p.UID)
+	if !existed {
+		if id, err = freeID(metas); err != nil {
+			return PodState{}, err
+		}
+	}
+	meta := maps.PodMeta{
+		UID: p.UID, Namespace: p.Namespace, Name: p.Name,
+		NetNS: p.NetNS, Interface: p.Interface, Addrs: p.Addrs,
+		Settings:    maps.PodSettings{CaptureOutbound: true, CaptureInbound: p.CaptureInbound, PodID: id},
+		AttachMode:  maps.AttachTCX,
+		AcceptLocal: -1, RPFilter: -1,
+	}
+	if existed {
+		meta.AcceptLocal, meta.RPFilter = old.AcceptLocal, old.RPFilter
+	}
+	if l.cfg.ForceLegacyTC {
+		meta.AttachMode = maps.AttachTCLegacy
+	}
+
+	// Record first, so that a crash half-way leaves state the reconciler and
+	// uninstall can find and remove.
+	if err := l.attachInNetNS(ctx, id, &meta, existed); err != nil {
+		if !existed {
+			err = errors.Join(err, l.detach(ctx, id, meta))
+		}
+		return PodState{}, fmt.Errorf("attach pod %s: %w", p, err)
+	}
+	// Addresses the pod no longer has lose their entries.
+	if existed {
+		for _, a := range old.Addrs {
+			if !containsAddr(p.Addrs, a) {
+				err = errors.Join(err, l.maps.DeletePod(a), l.maps.DeleteCounters(a))
+			}
+		}
+	}
+	for _, a := range p.Addrs {
+		if err == nil {
+			err = errors.Join(l.maps.CreateCounters(a), l.maps.SetPod(a, meta.Settings))
+		}
+	}
+	if err != nil {
+		if !existed {
+			err = errors.Join(err, l.detach(ctx, id, meta))
+		}
+		return PodState{}, fmt.Errorf("enroll pod %s: %w", p, err)
+	}
+	return PodState{ID: id, Meta: meta}, nil
+}
+
+func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMeta, existed bool) error {
+	return netns.Do(meta.NetNS, func() error {
+		iface, err := netlink.LinkByName(meta.Interface)
+		if err != nil {
+			return fmt.Errorf("interface %s not found in network namespace %s: %w", meta.Interface, meta.NetNS, err)
+		}
+		if err := checkAddrs(iface, meta.Addrs); err != nil {
+			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		}
+		al, rp := sysctlPath("ipv4", meta.Interface, "accept_local"), sysctlPath("ipv4", meta.Interface, "rp_filter")
+		if !existed {
+			// Remember what the pod had, to restore it on detach.
+			meta.AcceptLocal, _ = readSysctl(al)
+			meta.RPFilter, _ = readSysctl(rp)
+		}
+		if err := l.maps.PutMeta(id, *meta); err != nil {
+			return err
+		}
+		if hasV4(meta.Addrs) {
+			// Re-injected packets carry the pod's own source address.
+			if err := writeSysctl(al, 1); err != nil {
+				return err
+			}
+			// The effective rp_filter is the larger of "all" and the interface.
+			if err := writeSysctl(rp, 0); err != nil {
+				return err
+			}
+			if v, err := readSysctl(sysctlPath("ipv4", "all", "rp_filter")); err == nil && v != 0 {
+				if err := writeSysctl(sysctlPath("ipv4", "all", "rp_filter"), 0); err != nil {
+					return err
+				}
+			}
+		}
+		if err := l.addRouting(meta.Addrs); err != nil {
+			return err
+		}
+		if meta.AttachMode == maps.AttachTCLegacy {
+			return l.attachLegacy(iface.Attrs().Index)
+		}
+		for _, d := range []direction{ingress, egress} {
+			if err := l.attachTCX(id, iface.Attrs().Index, d); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// DetachPod stops redirecting the pod: enrollment entries go first (the kill
+// switch), then links, rules, routes and sysctls. Detaching a pod that is not
+// attached is not an error.
+func (l *Loader) DetachPod(ctx context.Context, uid string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return err
+	}
+	id, meta, ok := findPod(metas, uid)
+	if !ok {
+		return nil
+	}
+	if err := l.detach(ctx, id, meta); err != nil {
+		return fmt.Errorf("detach pod %s/%s: %w", meta.Namespace, meta.Name, err)
+	}
+	return nil
+}
+
+func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
+	var errs []error
+	for _, a := range meta.Addrs {
+		errs = append(errs, l.maps.DeletePod(a))
+	}
+	err := netns.Do(meta.NetNS, func() error {
+		var errs []error
+		iface, err := netlink.LinkByName(meta.Interface)
+		if err == nil && meta.AttachMode == maps.AttachTCLegacy {
+			errs = append(errs, detachLegacy(iface.Attrs().Index))
+		}
+		errs = append(errs, l.delRouting(meta.Addrs))
+		if err == nil && hasV4(meta.Addrs) {
+			if meta.AcceptLocal >= 0 {
+				errs = append(errs, writeSysctl(sysctlPath("ipv4", meta.Interface, "accept_local"), meta.AcceptLocal))
+			}
+			if meta.RPFilter >= 0 {
+				errs = append(errs, writeSysctl(sysctlPath("ipv4", meta.Interface, "rp_filter"), meta.RPFilter))
+			}
+		}
+		return errors.Join(errs...)
+	})
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		// The namespace being gone (pod deleted) takes its links, rules and
+		// routes with it; anything else is worth reporting.
+		errs = append(errs, err)
+	} else if err != nil {
+		l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
+	}
+	for _, d := range []direction{ingress, egress} {
+		errs = append(errs, l.detachTCX(id, d))
+	}
+	if err := os.Remove(l.podDir(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("remove pod pin dir: %w", err))
+	}
+	for _, a := range meta.Addrs {
+		errs = append(errs, l.maps.DeleteCounters(a))
+	}
+	errs = append(errs, l.maps.DeleteMeta(id))
+	return errors.Join(errs...)
+}
+
+// PodState is one attached pod as the pinned state records it.
+type PodState struct {
+	ID   uint32
+	Meta maps.PodMeta
+}
+
+// Pods lists the attached pods from the pinned state.
+func (l *Loader) Pods() ([]PodState, error) {
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]PodState, 0, len(metas))
+	for id, m := range metas {
+		out = append(out, PodState{ID: id, Meta: m})
+	}
+	return out, nil
+}
+
+func findPod(metas map[uint32]maps.PodMeta, uid string) (uint32, maps.PodMeta, bool) {
+	for id, m := range metas {
+		if m.UID == uid {
+			return id, m, true
+		}
+	}
+	return 0, maps.PodMeta{}, false
+}
+
+// freeID picks the smallest unused pod id, starting at 1.
+func freeID(metas map[uint32]maps.PodMeta) (uint32, error) {
+	for id := uint32(1); id <= uint32(maxPods); id++ {
+		if _, used := metas[id]; !used {
+			return id, nil
+		}
+	}
+	return 0, fmt.Errorf("all %d pod slots are in use", maxPods)
+}
+
+const maxPods = 4096 // MAX_PODS in bpf/include/maps.h
+
+func hasV4(addrs []netip.Addr) bool {
+	for _, a := range addrs {
+		if a.Is4() {
+			return true
+		}
+	}
+	return false
+}
+
+func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
+	for _, b := range addrs {
+		if a == b {
+			return true
+		}
+	}
+	return false
+}

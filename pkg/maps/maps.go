@@ -1,0 +1,78 @@
+// Package maps gives typed Go views of the data path's BPF maps: callers speak
+// netip.Addr and Go structs, the C layout stays in bpf/. Deleting a key that
+// is absent is not an error, so every caller can be idempotent.
+package maps
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/redirector-mesh/redirector/bpf"
+)
+
+// Names of the pinned maps, as bpftool shows them under the pin root.
+const (
+	PodsName     = bpf.CaptureMapRdPods
+	PodStatsName = bpf.CaptureMapRdPodStats
+	ReasonsName  = bpf.CaptureMapRdReasons
+	PodMetaName  = bpf.CaptureMapRdPodMeta
+)
+
+// Maps holds the data path's maps. It owns the file descriptors.
+type Maps struct {
+	Pods     *ebpf.Map // pod address -> PodSettings (the enrollment map)
+	PodStats *ebpf.Map // pod address -> per-CPU PodCounters
+	Reasons  *ebpf.Map // Reason -> per-CPU packet count
+	PodMeta  *ebpf.Map // pod id -> PodMeta
+}
+
+// OpenPinned opens the maps pinned under root, for readers such as
+// `redirector inspect` that work while the agent is stopped.
+func OpenPinned(root string) (*Maps, error) {
+	m := &Maps{}
+	for _, x := range []struct {
+		name string
+		dst  **ebpf.Map
+	}{{PodsName, &m.Pods}, {PodStatsName, &m.PodStats}, {ReasonsName, &m.Reasons}, {PodMetaName, &m.PodMeta}} {
+		mp, err := ebpf.LoadPinnedMap(filepath.Join(root, x.name), &ebpf.LoadPinOptions{})
+		if err != nil {
+			m.Close()
+			return nil, fmt.Errorf("open pinned map %s under %s: %w", x.name, root, err)
+		}
+		*x.dst = mp
+	}
+	return m, nil
+}
+
+// Close releases the file descriptors; pinned maps stay.
+func (m *Maps) Close() error {
+	var errs []error
+	for _, mp := range []*ebpf.Map{m.Pods, m.PodStats, m.Reasons, m.PodMeta} {
+		if mp != nil {
+			errs = append(errs, mp.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// PodKey converts an address to the map key: IPv4 is stored IPv4-mapped so one
+// map holds both families.
+func PodKey(a netip.Addr) bpf.CapturePodAddr {
+	return bpf.CapturePodAddr{Addr: a.As16()}
+}
+
+// AddrOf converts a map key back to an address, unmapping IPv4.
+func AddrOf(k bpf.CapturePodAddr) netip.Addr {
+	return netip.AddrFrom16(k.Addr).Unmap()
+}
+
+func ignoreMissing(err error) error {
+	if errors.Is(err, ebpf.ErrKeyNotExist) {
+		return nil
+	}
+	return err
+}

@@ -1,0 +1,153 @@
+// Package netns runs code inside another network namespace and opens sockets
+// there. A socket keeps the namespace it was created in, so one agent process
+// can serve listeners in every enrolled pod after its thread has left.
+package netns
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"runtime"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Do runs fn on an OS thread that has entered the network namespace at path,
+// then returns the thread to its own namespace. If the thread cannot return,
+// it stays locked and dies with the goroutine, so no other goroutine ever
+// runs in a namespace it did not ask for.
+func Do(path string, fn func() error) error {
+	target, err := os.Open(path)
+	if err != nil {
+		return fmt.Errorf("open network namespace %s: %w", path, err)
+	}
+	defer target.Close()
+	if err := checkNetNS(target); err != nil {
+		return fmt.Errorf("network namespace %s: %w", path, err)
+	}
+
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		own, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("open own network namespace: %w", err)
+			return
+		}
+		defer own.Close()
+		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("enter network namespace %s: %w", path, err)
+			return
+		}
+		ferr := fn()
+		if err := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); err != nil {
+			// Leave the thread locked: it exits with this goroutine.
+			errc <- errors.Join(ferr, fmt.Errorf("return from network namespace %s: %w", path, err))
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- ferr
+	}()
+	return <-errc
+}
+
+func checkNetNS(f *os.File) error {
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &st); err != nil {
+		return err
+	}
+	if st.Type != unix.NSFS_MAGIC && st.Type != unix.PROC_SUPER_MAGIC {
+		return fmt.Errorf("not a namespace file")
+	}
+	return nil
+}
+
+// Inode returns the namespace's inode number, which identifies it.
+func Inode(path string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return 0, fmt.Errorf("stat network namespace %s: %w", path, err)
+	}
+	return st.Ino, nil
+}
+
+// SocketOptions are applied to a socket before bind.
+type SocketOptions struct {
+	// Transparent lets a listener accept connections to any address and a
+	// dialer bind to an address the namespace does not own.
+	Transparent bool
+	// Mark is the SO_MARK of the socket; the BPF programs never capture
+	// packets carrying the tunnel mark.
+	Mark uint32
+	// Local is the address a dialer binds to (zero: chosen by the kernel).
+	Local net.Addr
+}
+
+func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {
+	var serr error
+	err := c.Control(func(fd uintptr) {
+		if o.Mark != 0 {
+			if serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.Mark)); serr != nil {
+				serr = fmt.Errorf("set SO_MARK: %w", serr)
+				return
+			}
+		}
+		if !o.Transparent {
+			return
+		}
+		switch network {
+		case "tcp4":
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		default:
+			// An IPv6 socket may carry IPv4 too; set both where possible.
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+			if serr == nil {
+				_ = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+			}
+		}
+		if serr != nil {
+			serr = fmt.Errorf("set transparent: %w", serr)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+// Listen opens a TCP listener inside the network namespace at path.
+func Listen(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Listener, error) {
+	var l net.Listener
+	err := Do(path, func() error {
+		var err error
+		lc := net.ListenConfig{Control: opts.control}
+		l, err = lc.Listen(ctx, network, addr)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, path, err)
+	}
+	return l, nil
+}
+
+// Dial connects from inside the network namespace at path. The socket is
+// created and connected on a thread in that namespace; afterwards it is an
+// ordinary net.Conn.
+func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+	var c net.Conn
+	err := Do(path, func() error {
+		var err error
+		d := net.Dialer{Control: opts.control, LocalAddr: opts.Local}
+		c, err = d.DialContext(ctx, network, addr)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dial %s from %s: %w", addr, path, err)
+	}
+	return c, nil
+}

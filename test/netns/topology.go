@@ -1,0 +1,221 @@
+// Package netnstest builds simulated Kubernetes nodes and pods out of network
+// namespaces, for privileged tests and the demo. Nothing it creates has a
+// route to the machine's real interfaces: nodes meet on a bridge inside a
+// "fabric" namespace of their own, pods hang off a bridge in their node.
+//
+// Layout for node i (1-based) and its pod j:
+//
+//	fabric ns:  bridge rdfab, node uplinks enslaved
+//	node ns:    uplink 192.168.100.i/24, fd00:100::i/64; bridge rdbr 10.i.0.1/24, fd00:i::1/64
+//	pod ns:     eth0 10.i.0.(j+1)/24, fd00:i::(j+1)/64; default routes via the node bridge
+//
+// Every namespace, and so every link in it, is deleted in t.Cleanup, also when
+// the test fails.
+package netnstest
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// NetNSDir is where iproute2 keeps named network namespaces.
+const NetNSDir = "/var/run/netns"
+
+// Topology is a set of simulated nodes joined by a fabric bridge.
+type Topology struct {
+	t      testing.TB
+	prefix string
+	fabric string
+
+	mu    sync.Mutex
+	Nodes []*Node
+}
+
+// Node is a simulated node: its own network namespace, forwarding on.
+type Node struct {
+	topo  *Topology
+	Index int
+	Name  string // namespace name
+	IPv4  netip.Addr
+	IPv6  netip.Addr
+	pods  int
+	Pods  []*Pod
+}
+
+// Pod is a simulated pod: a network namespace with eth0 on its node's bridge.
+type Pod struct {
+	Node *Node
+	Name string // short name given by the test
+	NS   string // namespace name
+	IPv4 netip.Addr
+	IPv6 netip.Addr
+	// HostVeth is the node-side end of the pod's eth0.
+	HostVeth string
+}
+
+// Path is the pod's network namespace file.
+func (p *Pod) Path() string { return filepath.Join(NetNSDir, p.NS) }
+
+// Path is the node's network namespace file.
+func (n *Node) Path() string { return filepath.Join(NetNSDir, n.Name) }
+
+// Addrs returns the pod's addresses.
+func (p *Pod) Addrs() []netip.Addr { return []netip.Addr{p.IPv4, p.IPv6} }
+
+// New creates the fabric and the given number of nodes.
+func New(t testing.TB, nodes int) *Topology {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	tp := &Topology{t: t, prefix: fmt.Sprintf("rd%04x", rand.IntN(0xffff))}
+	tp.fabric = tp.prefix + "-fabric"
+	t.Cleanup(tp.cleanup)
+	tp.addNS(tp.fabric)
+	tp.ip(tp.fabric, "link", "add", "rdfab", "type", "bridge")
+	tp.ip(tp.fabric, "link", "set", "rdfab", "up")
+	for i := 1; i <= nodes; i++ {
+		tp.addNode(i)
+	}
+	// Every node routes every other node's pod subnet via that node.
+	for _, n := range tp.Nodes {
+		for _, m := range tp.Nodes {
+			if n == m {
+				continue
+			}
+			tp.ip(n.Name, "route", "add", fmt.Sprintf("10.%d.0.0/24", m.Index), "via", m.IPv4.String())
+			tp.ip(n.Name, "-6", "route", "add", fmt.Sprintf("fd00:%d::/64", m.Index), "via", m.IPv6.String())
+		}
+	}
+	return tp
+}
+
+// Prefix is unique to this topology; use it to name anything else the test
+// creates (pin roots, files) so that parallel tests never collide.
+func (tp *Topology) Prefix() string { return tp.prefix }
+
+func (tp *Topology) addNode(i int) {
+	n := &Node{topo: tp, Index: i, Name: fmt.Sprintf("%s-node%d", tp.prefix, i),
+		IPv4: netip.MustParseAddr(fmt.Sprintf("192.168.100.%d", i)),
+		IPv6: netip.MustParseAddr(fmt.Sprintf("fd00:100::%d", i))}
+	tp.addNS(n.Name)
+	up := fmt.Sprintf("%sn%d", tp.prefix, i) // fabric side
+	tp.ip(tp.fabric, "link", "add", up, "type", "veth", "peer", "name", "uplink", "netns", n.Name)
+	tp.ip(tp.fabric, "link", "set", up, "master", "rdfab", "up")
+	tp.ip(n.Name, "addr", "add", n.IPv4.String()+"/24", "dev", "uplink")
+	tp.ip(n.Name, "addr", "add", n.IPv6.String()+"/64", "dev", "uplink", "nodad")
+	tp.ip(n.Name, "link", "set", "uplink", "up")
+	tp.ip(n.Name, "link", "add", "rdbr", "type", "bridge")
+	tp.ip(n.Name, "addr", "add", fmt.Sprintf("10.%d.0.1/24", i), "dev", "rdbr")
+	tp.ip(n.Name, "addr", "add", fmt.Sprintf("fd00:%d::1/64", i), "dev", "rdbr", "nodad")
+	tp.ip(n.Name, "link", "set", "rdbr", "up")
+	// Forwarding only inside the namespaces this test created.
+	tp.sysctl(n.Name, "net.ipv4.ip_forward", "1")
+	tp.sysctl(n.Name, "net.ipv6.conf.all.forwarding", "1")
+	tp.mu.Lock()
+	tp.Nodes = append(tp.Nodes, n)
+	tp.mu.Unlock()
+}
+
+// AddPod creates a pod on the node. The pod is not enrolled in anything.
+func (n *Node) AddPod(name string) *Pod {
+	tp := n.topo
+	tp.t.Helper()
+	tp.mu.Lock()
+	n.pods++
+	j := n.pods
+	tp.mu.Unlock()
+	p := &Pod{Node: n, Name: name, NS: fmt.Sprintf("%s-n%d-%s", tp.prefix, n.Index, name),
+		IPv4:     netip.MustParseAddr(fmt.Sprintf("10.%d.0.%d", n.Index, j+1)),
+		IPv6:     netip.MustParseAddr(fmt.Sprintf("fd00:%d::%x", n.Index, j+1)),
+		HostVeth: fmt.Sprintf("veth%dp%d", n.Index, j)}
+	tp.addNS(p.NS)
+	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
+	tp.ip(n.Name, "link", "set", p.HostVeth, "master", "rdbr", "up")
+	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
+	tp.ip(p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
+	tp.ip(p.NS, "link", "set", "eth0", "up")
+	tp.ip(p.NS, "route", "add", "default", "via", fmt.Sprintf("10.%d.0.1", n.Index))
+	tp.ip(p.NS, "-6", "route", "add", "default", "via", fmt.Sprintf("fd00:%d::1", n.Index))
+	tp.mu.Lock()
+	n.Pods = append(n.Pods, p)
+	tp.mu.Unlock()
+	return p
+}
+
+// Pod returns the first pod named name on any node.
+func (tp *Topology) Pod(name string) *Pod {
+	for _, n := range tp.Nodes {
+		for _, p := range n.Pods {
+			if p.Name == name {
+				return p
+			}
+		}
+	}
+	return nil
+}
+
+func (tp *Topology) addNS(name string) {
+	tp.t.Helper()
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		tp.t.Fatalf("ip netns add %s: %v: %s", name, err, out)
+	}
+	tp.ip(name, "link", "set", "lo", "up")
+}
+
+func (tp *Topology) ip(ns string, args ...string) {
+	tp.t.Helper()
+	full := append([]string{"-n", ns}, args...)
+	if out, err := exec.Command("ip", full...).CombinedOutput(); err != nil {
+		tp.t.Fatalf("ip %s: %v: %s", strings.Join(full, " "), err, out)
+	}
+}
+
+func (tp *Topology) sysctl(ns, key, value string) {
+	tp.t.Helper()
+	path := "/proc/sys/" + strings.ReplaceAll(key, ".", "/")
+	if _, err := Exec(context.Background(), filepath.Join(NetNSDir, ns), "sh", "-c", "echo "+value+" > "+path); err != nil {
+		tp.t.Fatalf("sysctl %s=%s in %s: %v", key, value, ns, err)
+	}
+}
+
+func (tp *Topology) cleanup() {
+	out, _ := exec.Command("ip", "netns", "list").Output()
+	for _, line := range strings.Split(string(out), "\n") {
+		name, _, _ := strings.Cut(strings.TrimSpace(line), " ")
+		if strings.HasPrefix(name, tp.prefix+"-") {
+			if o, err := exec.Command("ip", "netns", "del", name).CombinedOutput(); err != nil {
+				tp.t.Logf("cleanup: ip netns del %s: %v: %s", name, err, o)
+			}
+		}
+	}
+}
+
+// Exec runs a command inside the network namespace at path (and only the
+// network namespace: unlike `ip netns exec` it keeps the mounts, so bpffs and
+// cgroups stay visible). It returns combined output.
+func Exec(ctx context.Context, path string, name string, args ...string) ([]byte, error) {
+	cmd := Command(ctx, path, name, args...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return out, fmt.Errorf("%s %s in %s: %w: %s", name, strings.Join(args, " "), path, err, out)
+	}
+	return out, nil
+}
+
+// Command prepares a command to run inside the network namespace at path.
+func Command(ctx context.Context, path, name string, args ...string) *exec.Cmd {
+	full := append([]string{"--net=" + path, "--", name}, args...)
+	cmd := exec.CommandContext(ctx, "nsenter", full...)
+	cmd.WaitDelay = 5 * time.Second
+	return cmd
+}
