@@ -1,0 +1,68 @@
+# redirector: eBPF ambient-mesh node agent. `make help` lists the targets.
+
+GO      ?= go
+export PATH := $(PATH):/usr/local/go/bin
+BIN     := bin
+PKGS    := ./...
+DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl util-linux ca-certificates git make
+FUZZTIME ?= 10s
+
+.DEFAULT_GOAL := help
+
+## help: list the targets
+.PHONY: help
+help:
+	@awk '/^## /{sub(/^## /,""); i=index($$0,": "); printf "  %-12s %s\n", substr($$0,1,i-1), substr($$0,i+2)}' $(MAKEFILE_LIST)
+
+## deps: install the Debian packages the build, tests and demo need (idempotent)
+.PHONY: deps
+deps:
+	@missing=$$(for p in $(DEBS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing:" $$missing; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "deps: all installed"; fi
+	@$(GO) version
+
+## generate: compile the BPF C programs and regenerate the bpf2go Go bindings
+.PHONY: generate
+generate:
+	$(GO) generate ./bpf/...
+
+## gen-check: fail if the committed bpf2go output differs from a fresh generate
+.PHONY: gen-check
+gen-check: generate
+	@git diff --exit-code --stat -- bpf/ || { echo "bpf2go output is stale: run make generate and commit"; exit 1; }
+
+## build: build redirector and redirector-cni into bin/
+.PHONY: build
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
+
+## lint: gofmt and go vet
+.PHONY: lint
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); [ -z "$$out" ] || { echo "gofmt needed:"; echo "$$out"; exit 1; }
+	$(GO) vet $(PKGS)
+
+## test-unit: tests that need no root
+.PHONY: test-unit
+test-unit:
+	$(GO) test -count=1 -short $(PKGS)
+
+## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
+.PHONY: test
+test: deps lint gen-check build
+	$(GO) test -count=1 -timeout 25m $(PKGS)
+	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
+		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
+			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
+			$(GO) test -run='^$$' -fuzz="^$$fn$$" -fuzztime=$(FUZZTIME) ./$$target || exit 1; \
+		done; \
+	done
+
+## clean: remove build output
+.PHONY: clean
+clean:
+	rm -rf $(BIN)
