@@ -1,0 +1,167 @@
+// Package selection decides which pods the agent enrolls in the mesh. It is
+// Istio ambient's enrollment rules as a pure function, so the Kubernetes and
+// file sources, the reconciler and the inspect CLI all agree on the outcome
+// and on the reason shown to the user.
+package selection
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
+)
+
+// Labels and annotations the rules read. They are Istio's, so manifests
+// written for Istio ambient select the same pods here.
+const (
+	DataplaneModeLabel      = "istio.io/dataplane-mode"
+	DataplaneModeAmbient    = "ambient"
+	DataplaneModeNone       = "none"
+	SidecarStatusAnnotation = "sidecar.istio.io/status"
+	BypassInboundAnnotation = "ambient.istio.io/bypass-inbound-capture"
+)
+
+// ErrUnknownRuntimeClass marks a pod whose RuntimeClass the lookup does not
+// know: the agent cannot tell whether the pod runs in a sandbox it must skip,
+// so it leaves the pod alone and the caller should log the error.
+var ErrUnknownRuntimeClass = errors.New("unknown runtime class")
+
+// Config is the operator's part of the rules.
+type Config struct {
+	// ExcludeNamespaces are never enrolled (kube-system and the agent's
+	// own namespace, typically).
+	ExcludeNamespaces []string
+	// SkipRuntimeClasses are RuntimeClass handlers (not class names) whose
+	// pods are never enrolled: VM-sandboxed runtimes such as Kata have their
+	// own kernel, so in-pod eBPF on the node cannot see their traffic.
+	SkipRuntimeClasses []string
+}
+
+// HandlerLookup maps a RuntimeClass name to its handler; ok is false when
+// the class does not exist. The Kubernetes source backs it with an informer.
+type HandlerLookup func(className string) (handler string, ok bool)
+
+// Decision is the outcome for one pod.
+type Decision struct {
+	Enrolled bool
+	// Reason is a short human sentence naming the rule that decided.
+	Reason string
+	// BypassInbound turns inbound capture off while outbound stays on.
+	BypassInbound bool
+	// Err is set when the pod is left out because of a problem the
+	// operator should fix (wraps ErrUnknownRuntimeClass); Reason repeats it.
+	Err error
+}
+
+// Decide applies the rules to pod, whose namespace object is ns (nil if
+// unknown). The opt-in rules are evaluated first, first match wins:
+//
+//  1. namespace in cfg.ExcludeNamespaces: out
+//  2. hostNetwork: out (the pod has no netns of its own)
+//  3. sidecar.istio.io/status annotation: out (a sidecar already captures)
+//  4. pod label istio.io/dataplane-mode=none: out
+//  5. pod label istio.io/dataplane-mode=ambient: in
+//  6. namespace label istio.io/dataplane-mode=ambient: in
+//  7. otherwise out.
+//
+// A pod the rules enroll is still left out when its phase is Succeeded or
+// Failed, when its RuntimeClass handler is skipped or the class is unknown
+// (checked only when cfg.SkipRuntimeClasses is set; lookup may be nil
+// otherwise), or when it has no IP yet. A Pending pod with an IP is enrolled
+// so that its init containers are meshed, and a terminating pod stays
+// enrolled: its netns, and connections in it, live until it is gone.
+func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLookup) Decision {
+	d := optIn(cfg, ns, pod)
+	if !d.Enrolled {
+		return d
+	}
+	if p := pod.Status.Phase; p == corev1.PodSucceeded || p == corev1.PodFailed {
+		return Decision{Reason: fmt.Sprintf("pod phase is %s", p)}
+	}
+	if out := checkRuntimeClass(cfg, pod, lookup); out != nil {
+		return *out
+	}
+	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
+		return Decision{Reason: "pod has no IP yet"}
+	}
+	if pod.DeletionTimestamp != nil {
+		d.Reason += "; terminating, kept until its netns is gone"
+	}
+	if pod.Annotations[BypassInboundAnnotation] == "true" {
+		d.BypassInbound = true
+		d.Reason += "; inbound capture bypassed by annotation " + BypassInboundAnnotation
+	}
+	return d
+}
+
+// optIn is rules 1 to 7.
+func optIn(cfg Config, ns *corev1.Namespace, pod *corev1.Pod) Decision {
+	switch {
+	case slices.Contains(cfg.ExcludeNamespaces, pod.Namespace):
+		return Decision{Reason: fmt.Sprintf("namespace %s is excluded", pod.Namespace)}
+	case pod.Spec.HostNetwork:
+		return Decision{Reason: "pod uses hostNetwork"}
+	}
+	if _, ok := pod.Annotations[SidecarStatusAnnotation]; ok {
+		return Decision{Reason: "pod has a sidecar (annotation " + SidecarStatusAnnotation + ")"}
+	}
+	switch pod.Labels[DataplaneModeLabel] {
+	case DataplaneModeNone:
+		return Decision{Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeNone}
+	case DataplaneModeAmbient:
+		return Decision{Enrolled: true, Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}
+	}
+	if ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient {
+		return Decision{Enrolled: true, Reason: "namespace label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}
+	}
+	return Decision{Reason: "no " + DataplaneModeLabel + "=" + DataplaneModeAmbient + " label on pod or namespace"}
+}
+
+// checkRuntimeClass returns a not-enrolled decision when the pod's runtime
+// handler is skipped or cannot be resolved, and nil when it may be enrolled.
+func checkRuntimeClass(cfg Config, pod *corev1.Pod, lookup HandlerLookup) *Decision {
+	if len(cfg.SkipRuntimeClasses) == 0 || pod.Spec.RuntimeClassName == nil {
+		return nil
+	}
+	class := *pod.Spec.RuntimeClassName
+	var handler string
+	ok := false
+	if lookup != nil {
+		handler, ok = lookup(class)
+	}
+	if !ok {
+		err := fmt.Errorf("pod %s/%s: %w %q", pod.Namespace, pod.Name, ErrUnknownRuntimeClass, class)
+		return &Decision{Reason: err.Error(), Err: err}
+	}
+	if slices.Contains(cfg.SkipRuntimeClasses, handler) {
+		return &Decision{Reason: fmt.Sprintf("runtime class %s (handler %s) is skipped", class, handler)}
+	}
+	return nil
+}
+
+// PodAddrs returns the pod's addresses from status.podIPs, or status.podIP
+// when podIPs is empty. The error names the pod and the bad string, so one
+// malformed pod can be reported and skipped.
+func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
+	raw := make([]string, 0, len(pod.Status.PodIPs))
+	for _, ip := range pod.Status.PodIPs {
+		raw = append(raw, ip.IP)
+	}
+	if len(raw) == 0 && pod.Status.PodIP != "" {
+		raw = append(raw, pod.Status.PodIP)
+	}
+	addrs := make([]netip.Addr, 0, len(raw))
+	for _, s := range raw {
+		a, err := netip.ParseAddr(s)
+		if err == nil && a.Zone() != "" {
+			err = errors.New("zone not allowed")
+		}
+		if err != nil {
+			return nil, fmt.Errorf("pod %s/%s: bad IP %q: %w", pod.Namespace, pod.Name, s, err)
+		}
+		addrs = append(addrs, a.Unmap())
+	}
+	return addrs, nil
+}

@@ -1,0 +1,226 @@
+package selection
+
+import (
+	"errors"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+type podOpt func(*corev1.Pod)
+
+func label(k, v string) podOpt { return func(p *corev1.Pod) { p.Labels[k] = v } }
+func annotate(k, v string) podOpt {
+	return func(p *corev1.Pod) { p.Annotations[k] = v }
+}
+func inNamespace(ns string) podOpt    { return func(p *corev1.Pod) { p.Namespace = ns } }
+func hostNetwork() podOpt             { return func(p *corev1.Pod) { p.Spec.HostNetwork = true } }
+func phase(ph corev1.PodPhase) podOpt { return func(p *corev1.Pod) { p.Status.Phase = ph } }
+func noIP() podOpt                    { return func(p *corev1.Pod) { p.Status.PodIP, p.Status.PodIPs = "", nil } }
+func runtimeClass(c string) podOpt    { return func(p *corev1.Pod) { p.Spec.RuntimeClassName = &c } }
+func terminating() podOpt {
+	return func(p *corev1.Pod) { p.DeletionTimestamp = &metav1.Time{} }
+}
+
+func newPod(opts ...podOpt) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", Labels: map[string]string{}, Annotations: map[string]string{}},
+		Status: corev1.PodStatus{
+			Phase:  corev1.PodRunning,
+			PodIP:  "10.0.0.5",
+			PodIPs: []corev1.PodIP{{IP: "10.0.0.5"}},
+		},
+	}
+	for _, o := range opts {
+		o(p)
+	}
+	return p
+}
+
+func namespace(name string, ambient bool) *corev1.Namespace {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	if ambient {
+		ns.Labels = map[string]string{DataplaneModeLabel: DataplaneModeAmbient}
+	}
+	return ns
+}
+
+func TestDecide(t *testing.T) {
+	const (
+		podAmbient   = "pod label istio.io/dataplane-mode=ambient"
+		nsAmbient    = "namespace label istio.io/dataplane-mode=ambient"
+		podNone      = "pod label istio.io/dataplane-mode=none"
+		sidecar      = "pod has a sidecar (annotation sidecar.istio.io/status)"
+		hostNet      = "pod uses hostNetwork"
+		noLabel      = "no istio.io/dataplane-mode=ambient label on pod or namespace"
+		excludedKube = "namespace kube-system is excluded"
+	)
+	cfg := Config{ExcludeNamespaces: []string{"kube-system", "redirector"}, SkipRuntimeClasses: []string{"kata-qemu"}}
+	handlers := map[string]string{"kata": "kata-qemu", "gvisor": "runsc"}
+	lookup := func(c string) (string, bool) { h, ok := handlers[c]; return h, ok }
+
+	tests := []struct {
+		name   string
+		ns     *corev1.Namespace
+		pod    *corev1.Pod
+		want   Decision
+		wantEr error
+	}{
+		// Each rule on its own.
+		{"no labels", namespace("shop", false), newPod(), Decision{Reason: noLabel}, nil},
+		{"namespace unknown", nil, newPod(), Decision{Reason: noLabel}, nil},
+		{"namespace ambient", namespace("shop", true), newPod(), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"pod ambient", namespace("shop", false), newPod(label(DataplaneModeLabel, "ambient")), Decision{Enrolled: true, Reason: podAmbient}, nil},
+		{"pod ambient, namespace unknown", nil, newPod(label(DataplaneModeLabel, "ambient")), Decision{Enrolled: true, Reason: podAmbient}, nil},
+		{"pod none", namespace("shop", false), newPod(label(DataplaneModeLabel, "none")), Decision{Reason: podNone}, nil},
+		{"excluded namespace", namespace("kube-system", true), newPod(inNamespace("kube-system")), Decision{Reason: excludedKube}, nil},
+		{"hostNetwork", namespace("shop", true), newPod(hostNetwork()), Decision{Reason: hostNet}, nil},
+		{"sidecar", namespace("shop", true), newPod(annotate(SidecarStatusAnnotation, "{}")), Decision{Reason: sidecar}, nil},
+		{"sidecar annotation empty value", namespace("shop", true), newPod(annotate(SidecarStatusAnnotation, "")), Decision{Reason: sidecar}, nil},
+		{"unknown pod mode falls through to namespace", namespace("shop", true), newPod(label(DataplaneModeLabel, "sidecar")), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"namespace none is not ambient", &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{DataplaneModeLabel: "none"}}}, newPod(), Decision{Reason: noLabel}, nil},
+
+		// Ordering conflicts: the earlier rule wins.
+		{"excluded namespace beats pod ambient", namespace("kube-system", false), newPod(inNamespace("kube-system"), label(DataplaneModeLabel, "ambient")), Decision{Reason: excludedKube}, nil},
+		{"excluded namespace beats hostNetwork", nil, newPod(inNamespace("redirector"), hostNetwork()), Decision{Reason: "namespace redirector is excluded"}, nil},
+		{"hostNetwork beats pod ambient", nil, newPod(hostNetwork(), label(DataplaneModeLabel, "ambient")), Decision{Reason: hostNet}, nil},
+		{"hostNetwork beats sidecar", nil, newPod(hostNetwork(), annotate(SidecarStatusAnnotation, "{}")), Decision{Reason: hostNet}, nil},
+		{"hostNetwork beats pod none", nil, newPod(hostNetwork(), label(DataplaneModeLabel, "none")), Decision{Reason: hostNet}, nil},
+		{"hostNetwork beats namespace ambient", namespace("shop", true), newPod(hostNetwork()), Decision{Reason: hostNet}, nil},
+		{"sidecar beats pod ambient", nil, newPod(annotate(SidecarStatusAnnotation, "{}"), label(DataplaneModeLabel, "ambient")), Decision{Reason: sidecar}, nil},
+		{"sidecar beats pod none", nil, newPod(annotate(SidecarStatusAnnotation, "{}"), label(DataplaneModeLabel, "none")), Decision{Reason: sidecar}, nil},
+		{"pod none beats namespace ambient", namespace("shop", true), newPod(label(DataplaneModeLabel, "none")), Decision{Reason: podNone}, nil},
+		{"pod ambient beats namespace without label", namespace("shop", false), newPod(label(DataplaneModeLabel, "ambient")), Decision{Enrolled: true, Reason: podAmbient}, nil},
+		{"pod ambient and namespace ambient names the pod", namespace("shop", true), newPod(label(DataplaneModeLabel, "ambient")), Decision{Enrolled: true, Reason: podAmbient}, nil},
+
+		// Pod lifecycle.
+		{"pending with IP is enrolled", namespace("shop", true), newPod(phase(corev1.PodPending)), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"pending without IP", namespace("shop", true), newPod(phase(corev1.PodPending), noIP()), Decision{Reason: "pod has no IP yet"}, nil},
+		{"podIP only", namespace("shop", true), newPod(func(p *corev1.Pod) { p.Status.PodIPs = nil }), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"succeeded", namespace("shop", true), newPod(phase(corev1.PodSucceeded)), Decision{Reason: "pod phase is Succeeded"}, nil},
+		{"failed", namespace("shop", true), newPod(phase(corev1.PodFailed)), Decision{Reason: "pod phase is Failed"}, nil},
+		{"failed and not selected names the selection", namespace("shop", false), newPod(phase(corev1.PodFailed)), Decision{Reason: noLabel}, nil},
+		{"terminating stays enrolled", namespace("shop", true), newPod(terminating()), Decision{Enrolled: true, Reason: nsAmbient + "; terminating, kept until its netns is gone"}, nil},
+
+		// Runtime classes.
+		{"skipped runtime handler", namespace("shop", true), newPod(runtimeClass("kata")), Decision{Reason: "runtime class kata (handler kata-qemu) is skipped"}, nil},
+		{"other runtime handler", namespace("shop", true), newPod(runtimeClass("gvisor")), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"unknown runtime class", namespace("shop", true), newPod(runtimeClass("firecracker")), Decision{Reason: `pod shop/web-1: unknown runtime class "firecracker"`}, ErrUnknownRuntimeClass},
+		{"unknown runtime class on a pod not selected", namespace("shop", false), newPod(runtimeClass("firecracker")), Decision{Reason: noLabel}, nil},
+		{"skipped runtime beats no IP", namespace("shop", true), newPod(runtimeClass("kata"), noIP()), Decision{Reason: "runtime class kata (handler kata-qemu) is skipped"}, nil},
+
+		// Bypass annotation.
+		{"bypass inbound", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Enrolled: true, BypassInbound: true, Reason: nsAmbient + "; inbound capture bypassed by annotation " + BypassInboundAnnotation}, nil},
+		{"bypass inbound false", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "false")), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		{"bypass on a pod not enrolled", namespace("shop", false), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Reason: noLabel}, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := Decide(cfg, tt.ns, tt.pod, lookup)
+			if !errors.Is(got.Err, tt.wantEr) {
+				t.Errorf("Err = %v, want %v", got.Err, tt.wantEr)
+			}
+			got.Err = nil
+			if got != tt.want {
+				t.Errorf("Decide() = %+v\nwant        %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestDecideRuntimeClassWithoutSkipList(t *testing.T) {
+	// With no skip list the handler cannot change the outcome, so no lookup
+	// is needed and an unknown class is no error.
+	pod := newPod(label(DataplaneModeLabel, "ambient"), runtimeClass("kata"))
+	got := Decide(Config{}, nil, pod, nil)
+	if !got.Enrolled || got.Err != nil {
+		t.Fatalf("Decide() = %+v, want enrolled", got)
+	}
+}
+
+func TestDecideNilLookupWithSkipList(t *testing.T) {
+	pod := newPod(label(DataplaneModeLabel, "ambient"), runtimeClass("kata"))
+	got := Decide(Config{SkipRuntimeClasses: []string{"kata-qemu"}}, nil, pod, nil)
+	if got.Enrolled || !errors.Is(got.Err, ErrUnknownRuntimeClass) {
+		t.Fatalf("Decide() = %+v, want not enrolled with ErrUnknownRuntimeClass", got)
+	}
+}
+
+func TestPodAddrs(t *testing.T) {
+	tests := []struct {
+		name    string
+		podIP   string
+		podIPs  []string
+		want    []string
+		wantErr string
+	}{
+		{name: "none"},
+		{name: "podIP fallback", podIP: "10.0.0.5", want: []string{"10.0.0.5"}},
+		{name: "dual stack", podIP: "10.0.0.5", podIPs: []string{"10.0.0.5", "fd00::5"}, want: []string{"10.0.0.5", "fd00::5"}},
+		{name: "podIPs wins over podIP", podIP: "10.0.0.9", podIPs: []string{"10.0.0.5"}, want: []string{"10.0.0.5"}},
+		{name: "v4-mapped is unmapped", podIPs: []string{"::ffff:10.0.0.5"}, want: []string{"10.0.0.5"}},
+		{name: "malformed", podIPs: []string{"10.0.0.5", "10.0.0.300"}, wantErr: `pod shop/web-1: bad IP "10.0.0.300"`},
+		{name: "malformed podIP", podIP: "not-an-ip", wantErr: `pod shop/web-1: bad IP "not-an-ip"`},
+		{name: "zone", podIPs: []string{"fe80::1%eth0"}, wantErr: `pod shop/web-1: bad IP "fe80::1%eth0"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pod := newPod(noIP())
+			pod.Status.PodIP = tt.podIP
+			for _, ip := range tt.podIPs {
+				pod.Status.PodIPs = append(pod.Status.PodIPs, corev1.PodIP{IP: ip})
+			}
+			got, err := PodAddrs(pod)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err = %v, want it to contain %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want []netip.Addr
+			for _, s := range tt.want {
+				want = append(want, netip.MustParseAddr(s))
+			}
+			if !slices.Equal(got, want) {
+				t.Fatalf("PodAddrs() = %v, want %v", got, want)
+			}
+		})
+	}
+}
+
+func TestParseConfig(t *testing.T) {
+	cfg, err := ParseConfig(" kube-system, redirector ,,", "kata-qemu,runsc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(cfg.ExcludeNamespaces, []string{"kube-system", "redirector"}) {
+		t.Errorf("ExcludeNamespaces = %q", cfg.ExcludeNamespaces)
+	}
+	if !slices.Equal(cfg.SkipRuntimeClasses, []string{"kata-qemu", "runsc"}) {
+		t.Errorf("SkipRuntimeClasses = %q", cfg.SkipRuntimeClasses)
+	}
+
+	cfg, err = ParseConfig("", " ")
+	if err != nil || cfg.ExcludeNamespaces != nil || cfg.SkipRuntimeClasses != nil {
+		t.Errorf("ParseConfig(empty) = %+v, %v; want empty config", cfg, err)
+	}
+
+	for _, tt := range []struct{ ns, rc, want string }{
+		{"kube-system,Kube_System", "", `EXCLUDE_NAMESPACES: "Kube_System" is not a DNS-1123 label`},
+		{"", "kata.qemu", `SKIP_RUNTIME_CLASSES: "kata.qemu" is not a DNS-1123 label`},
+		{"a b", "", `EXCLUDE_NAMESPACES: "a b" is not a DNS-1123 label`},
+		{"", strings.Repeat("x", 64), `SKIP_RUNTIME_CLASSES: "` + strings.Repeat("x", 64) + `" is not a DNS-1123 label`},
+	} {
+		_, err := ParseConfig(tt.ns, tt.rc)
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("ParseConfig(%q, %q) error = %v, want it to contain %q", tt.ns, tt.rc, err, tt.want)
+		}
+	}
+}

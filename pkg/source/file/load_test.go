@@ -1,0 +1,338 @@
+package file
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+)
+
+const everyKind = `# the demo cluster
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: shop
+  labels:
+    istio.io/dataplane-mode: ambient
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: web-1
+  namespace: shop
+  labels: {app: web}
+spec:
+  nodeName: node-a
+  serviceAccountName: web
+  containers:
+  - name: web
+    image: nginx
+    ports:
+    - {name: http, containerPort: 8080}
+status:
+  phase: Running
+  podIP: 10.0.0.5
+  podIPs:
+  - ip: 10.0.0.5
+  - ip: fd00::5
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  selector: {app: web}
+  ports:
+  - {name: http, port: 80, targetPort: http}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- addresses: [10.0.0.5]
+  conditions: {ready: true}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: shop}
+spec:
+  mtls: {mode: STRICT}
+  portLevelMtls:
+    8080: {mode: PERMISSIVE}
+---
+apiVersion: security.istio.io/v1beta1
+kind: AuthorizationPolicy
+metadata: {name: allow-front, namespace: shop}
+spec:
+  selector:
+    matchLabels: {app: web}
+  action: ALLOW
+  rules:
+  - from:
+    - source:
+        principals: [cluster.local/ns/shop/sa/front]
+    to:
+    - operation:
+        ports: ["8080"]
+`
+
+func writeFile(t *testing.T, dir, name, content string) string {
+	t.Helper()
+	path := filepath.Join(dir, name)
+	if err := os.WriteFile(path, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestLoadEveryKind(t *testing.T) {
+	path := writeFile(t, t.TempDir(), "cluster.yaml", everyKind)
+	snap, errs := Load(path)
+	if len(errs) > 0 {
+		t.Fatalf("errors: %v", errs)
+	}
+	if len(snap.Namespaces) != 1 || snap.Namespaces[0].Labels["istio.io/dataplane-mode"] != "ambient" {
+		t.Errorf("namespaces = %+v", snap.Namespaces)
+	}
+	if len(snap.Pods) != 1 {
+		t.Fatalf("pods = %d, want 1", len(snap.Pods))
+	}
+	pod := snap.Pods[0]
+	if pod.Spec.NodeName != "node-a" || pod.Status.PodIP != "10.0.0.5" || len(pod.Status.PodIPs) != 2 ||
+		pod.Status.PodIPs[1].IP != "fd00::5" || pod.Spec.Containers[0].Ports[0].ContainerPort != 8080 {
+		t.Errorf("pod = %+v", pod)
+	}
+	if len(snap.Services) != 1 || snap.Services[0].Spec.ClusterIP != "10.96.0.10" || snap.Services[0].Spec.Ports[0].TargetPort.StrVal != "http" {
+		t.Errorf("services = %+v", snap.Services)
+	}
+	if len(snap.EndpointSlices) != 1 || snap.EndpointSlices[0].Endpoints[0].Addresses[0] != "10.0.0.5" ||
+		*snap.EndpointSlices[0].Ports[0].Port != 8080 {
+		t.Errorf("endpointslices = %+v", snap.EndpointSlices)
+	}
+	if len(snap.PeerAuthentications) != 1 {
+		t.Fatalf("peerauthentications = %d, want 1", len(snap.PeerAuthentications))
+	}
+	pa := snap.PeerAuthentications[0].Spec
+	if pa.MTLS.Mode != policy.ModeStrict || pa.PortLevelMTLS[8080].Mode != policy.ModePermissive {
+		t.Errorf("peerauthentication spec = %+v", pa)
+	}
+	if len(snap.AuthorizationPolicies) != 1 {
+		t.Fatalf("authorizationpolicies = %d, want 1", len(snap.AuthorizationPolicies))
+	}
+	ap := snap.AuthorizationPolicies[0]
+	if ap.APIVersion != "security.istio.io/v1beta1" || ap.Spec.Action != policy.ActionAllow ||
+		ap.Spec.Rules[0].From[0].Source.Principals[0] != "cluster.local/ns/shop/sa/front" ||
+		ap.Spec.Rules[0].To[0].Operation.Ports[0] != "8080" {
+		t.Errorf("authorizationpolicy = %+v", ap)
+	}
+}
+
+func TestLoadListSortAndDefaults(t *testing.T) {
+	const list = `apiVersion: v1
+kind: List
+metadata: {resourceVersion: ""}
+items:
+- apiVersion: v1
+  kind: Pod
+  metadata: {name: b, namespace: x}
+- apiVersion: v1
+  kind: Pod
+  metadata: {name: a, namespace: x}
+- apiVersion: v1
+  kind: Pod
+  metadata: {name: z}
+- apiVersion: v1
+  kind: Secret
+  metadata: {name: s}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: x, namespace: ignored}
+`
+	path := writeFile(t, t.TempDir(), "list.yaml", list)
+	snap, errs := Load(path)
+	var got []string
+	for _, p := range snap.Pods {
+		got = append(got, p.Namespace+"/"+p.Name)
+	}
+	if strings.Join(got, " ") != "default/z x/a x/b" {
+		t.Errorf("pods = %v, want sorted, namespace defaulted", got)
+	}
+	if len(snap.Namespaces) != 1 || snap.Namespaces[0].Namespace != "" {
+		t.Errorf("namespaces = %+v", snap.Namespaces)
+	}
+	wantErrs(t, errs, path+": document 1 (line 1) item 4: unsupported kind Secret in apiVersion v1")
+}
+
+func TestLoadMalformed(t *testing.T) {
+	pod := func(name string) string {
+		return "apiVersion: v1\nkind: Pod\nmetadata: {name: " + name + ", namespace: shop}\n"
+	}
+	tests := []struct {
+		name     string
+		stream   string
+		wantPods string
+		wantErrs []string
+	}{
+		{
+			name:     "syntax error in document 2 of 3",
+			stream:   pod("a") + "---\napiVersion: v1\nkind: Pod\nmetadata: {name: [b\n---\n" + pod("c"),
+			wantPods: "a c",
+			wantErrs: []string{"document 2 (line 5): error converting YAML to JSON"},
+		},
+		{
+			name:     "unknown kind",
+			stream:   pod("a") + "---\napiVersion: v1\nkind: Frobnicator\nmetadata: {name: f}\n---\n" + pod("c"),
+			wantPods: "a c",
+			wantErrs: []string{"document 2 (line 5): unsupported kind Frobnicator in apiVersion v1"},
+		},
+		{
+			name:     "kind in the wrong group",
+			stream:   "apiVersion: v1\nkind: EndpointSlice\nmetadata: {name: e}\n",
+			wantErrs: []string{"document 1 (line 1): unsupported kind EndpointSlice in apiVersion v1"},
+		},
+		{
+			name:     "unknown field",
+			stream:   pod("a") + "---\n" + pod("b") + "spec:\n  unknownField: 1\n---\n" + pod("c"),
+			wantPods: "a c",
+			wantErrs: []string{`document 2 (line 5): error unmarshaling JSON: while decoding JSON: json: unknown field "unknownField"`},
+		},
+		{
+			name:     "bad field type",
+			stream:   pod("a") + "spec:\n  hostNetwork: maybe\n",
+			wantErrs: []string{"document 1 (line 1): error unmarshaling JSON"},
+		},
+		{
+			name:     "missing name",
+			stream:   "apiVersion: v1\nkind: Pod\nmetadata: {namespace: shop}\n---\n" + pod("b"),
+			wantPods: "b",
+			wantErrs: []string{"document 1 (line 1): metadata.name is required"},
+		},
+		{
+			name:     "missing kind",
+			stream:   "apiVersion: v1\nmetadata: {name: x}\n",
+			wantErrs: []string{"document 1 (line 1): apiVersion and kind are required"},
+		},
+		{
+			name:     "not a mapping",
+			stream:   "- a\n- b\n---\n" + pod("b"),
+			wantPods: "b",
+			wantErrs: []string{"document 1 (line 1): error unmarshaling JSON"},
+		},
+		{
+			name:     "duplicate",
+			stream:   pod("a") + "---\n" + pod("a"),
+			wantPods: "a",
+			wantErrs: []string{"document 2 (line 5): duplicate Pod shop/a, first defined in "},
+		},
+		{
+			name:     "blank and comment-only documents are not counted",
+			stream:   "---\n# nothing\n---\n\n---\n" + pod("a") + "---\nkind: Pod\n",
+			wantPods: "a",
+			wantErrs: []string{"document 2 (line 10): apiVersion and kind are required"},
+		},
+		{
+			name:     "content after separator",
+			stream:   pod("a") + "--- kind: Pod\n" + "---  # fine\n" + pod("c"),
+			wantPods: "a c",
+			wantErrs: []string{`document 2 (line 4): content after a "---" separator on the same line is not supported`},
+		},
+		{
+			name:     "CRLF line endings",
+			stream:   strings.ReplaceAll(pod("a")+"---\n"+pod("b"), "\n", "\r\n"),
+			wantPods: "a b",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := writeFile(t, t.TempDir(), "c.yaml", tt.stream)
+			snap, errs := Load(path)
+			if got := podNames(snap.Pods); got != tt.wantPods {
+				t.Errorf("pods = %q, want %q", got, tt.wantPods)
+			}
+			var want []string
+			for _, w := range tt.wantErrs {
+				want = append(want, path+": "+w)
+			}
+			wantErrs(t, errs, want...)
+			for _, err := range errs {
+				var de *DocError
+				if !errors.As(err, &de) || de.File != path {
+					t.Errorf("error %v is not a *DocError for %s", err, path)
+				}
+			}
+		})
+	}
+}
+
+func TestLoadDirectory(t *testing.T) {
+	dir := t.TempDir()
+	writeFile(t, dir, "b.yml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: b}\n")
+	a := writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: a}\n---\nkind: Oops\napiVersion: v9\n")
+	writeFile(t, dir, "notes.txt", "not yaml at all: [")
+	writeFile(t, dir, ".#a.yaml", "not yaml at all: [") // an editor lock file
+	if err := os.Mkdir(filepath.Join(dir, "sub.yaml"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/nonexistent", filepath.Join(dir, "dangling.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	snap, errs := Load(dir)
+	if len(snap.Namespaces) != 2 || snap.Namespaces[0].Name != "a" || snap.Namespaces[1].Name != "b" {
+		t.Errorf("namespaces = %+v", snap.Namespaces)
+	}
+	wantErrs(t, errs, a+": document 2 (line 5): unsupported kind Oops in apiVersion v9")
+}
+
+func TestLoadDuplicateAcrossFiles(t *testing.T) {
+	dir := t.TempDir()
+	a := writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n")
+	b := writeFile(t, dir, "b.yaml", "apiVersion: v1\nkind: Namespace\nmetadata: {name: x}\n")
+	snap, errs := Load(dir)
+	if len(snap.Namespaces) != 1 {
+		t.Errorf("namespaces = %+v", snap.Namespaces)
+	}
+	wantErrs(t, errs, b+": document 1 (line 1): duplicate Namespace x, first defined in "+a+" document 1 (line 1)")
+}
+
+func TestLoadMissing(t *testing.T) {
+	snap, errs := Load(filepath.Join(t.TempDir(), "nope.yaml"))
+	if len(errs) != 1 || !errors.Is(errs[0], os.ErrNotExist) {
+		t.Fatalf("errors = %v, want one not-exist error", errs)
+	}
+	if len(snap.Pods)+len(snap.Namespaces) != 0 {
+		t.Errorf("snapshot not empty: %+v", snap)
+	}
+}
+
+func podNames(pods []corev1.Pod) string {
+	var names []string
+	for _, p := range pods {
+		names = append(names, p.Name)
+	}
+	return strings.Join(names, " ")
+}
+
+// wantErrs checks that errs has one error per prefix, in order.
+func wantErrs(t *testing.T, errs []error, prefixes ...string) {
+	t.Helper()
+	if len(errs) != len(prefixes) {
+		t.Fatalf("got %d errors %v, want %d", len(errs), errs, len(prefixes))
+	}
+	for i, err := range errs {
+		if !strings.HasPrefix(err.Error(), prefixes[i]) {
+			t.Errorf("error %d = %q\nwant prefix  %q", i, err, prefixes[i])
+		}
+	}
+}
