@@ -1,8 +1,11 @@
 // Package policy holds the security.istio.io/v1 PeerAuthentication and L4
 // AuthorizationPolicy shapes and decides, for one connection, what they say.
 //
-// The types mirror the YAML users write for Istio (only the L4 fields), so a
-// manifest that works with Istio ambient decodes here unchanged.
+// The types mirror the YAML users write for Istio, so a manifest that works
+// with Istio ambient decodes here unchanged. The fields that only a waypoint
+// (L7 proxy) can enforce are decoded too, not to enforce them but so that
+// Authorize can treat rules that use them the way ztunnel does instead of
+// silently reading them as broader rules.
 package policy
 
 import metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -45,20 +48,32 @@ type PeerAuthentication struct {
 // Action is an AuthorizationPolicy action.
 type Action string
 
-// Authorization actions handled at L4.
+// Authorization actions. Only ALLOW and DENY are enforced at L4; AUDIT and
+// CUSTOM are Istio actions that ztunnel ignores, and so does Authorize. An
+// empty action means ALLOW, as in Istio.
 const (
-	ActionAllow Action = "ALLOW"
-	ActionDeny  Action = "DENY"
+	ActionAllow  Action = "ALLOW"
+	ActionDeny   Action = "DENY"
+	ActionAudit  Action = "AUDIT"
+	ActionCustom Action = "CUSTOM"
 )
 
 // Source is rule.from[].source.
 type Source struct {
-	Principals    []string `json:"principals,omitempty"`
-	NotPrincipals []string `json:"notPrincipals,omitempty"`
-	Namespaces    []string `json:"namespaces,omitempty"`
-	NotNamespaces []string `json:"notNamespaces,omitempty"`
-	IPBlocks      []string `json:"ipBlocks,omitempty"`
-	NotIPBlocks   []string `json:"notIpBlocks,omitempty"`
+	Principals         []string `json:"principals,omitempty"`
+	NotPrincipals      []string `json:"notPrincipals,omitempty"`
+	Namespaces         []string `json:"namespaces,omitempty"`
+	NotNamespaces      []string `json:"notNamespaces,omitempty"`
+	ServiceAccounts    []string `json:"serviceAccounts,omitempty"`
+	NotServiceAccounts []string `json:"notServiceAccounts,omitempty"`
+	IPBlocks           []string `json:"ipBlocks,omitempty"`
+	NotIPBlocks        []string `json:"notIpBlocks,omitempty"`
+
+	// L7 only: recognised, never enforced here (see Authorize).
+	RequestPrincipals    []string `json:"requestPrincipals,omitempty"`
+	NotRequestPrincipals []string `json:"notRequestPrincipals,omitempty"`
+	RemoteIPBlocks       []string `json:"remoteIpBlocks,omitempty"`
+	NotRemoteIPBlocks    []string `json:"notRemoteIpBlocks,omitempty"`
 }
 
 // From is one entry of rule.from.
@@ -66,10 +81,18 @@ type From struct {
 	Source *Source `json:"source,omitempty"`
 }
 
-// Operation is rule.to[].operation (L4 fields only).
+// Operation is rule.to[].operation.
 type Operation struct {
 	Ports    []string `json:"ports,omitempty"`
 	NotPorts []string `json:"notPorts,omitempty"`
+
+	// L7 only: recognised, never enforced here (see Authorize).
+	Hosts      []string `json:"hosts,omitempty"`
+	NotHosts   []string `json:"notHosts,omitempty"`
+	Methods    []string `json:"methods,omitempty"`
+	NotMethods []string `json:"notMethods,omitempty"`
+	Paths      []string `json:"paths,omitempty"`
+	NotPaths   []string `json:"notPaths,omitempty"`
 }
 
 // To is one entry of rule.to.
@@ -77,17 +100,41 @@ type To struct {
 	Operation *Operation `json:"operation,omitempty"`
 }
 
+// Condition is one entry of rule.when. Only the keys source.ip,
+// source.namespace, source.principal, destination.ip and destination.port
+// can be decided at L4; any other key is L7 (see Authorize).
+type Condition struct {
+	Key       string   `json:"key"`
+	Values    []string `json:"values,omitempty"`
+	NotValues []string `json:"notValues,omitempty"`
+}
+
 // Rule is one AuthorizationPolicy rule.
 type Rule struct {
-	From []From `json:"from,omitempty"`
-	To   []To   `json:"to,omitempty"`
+	From []From      `json:"from,omitempty"`
+	To   []To        `json:"to,omitempty"`
+	When []Condition `json:"when,omitempty"`
+}
+
+// PolicyTargetReference is spec.targetRef(s): it binds a policy to a
+// waypoint, gateway or service instead of to pods.
+type PolicyTargetReference struct {
+	Group     string `json:"group,omitempty"`
+	Kind      string `json:"kind"`
+	Name      string `json:"name"`
+	Namespace string `json:"namespace,omitempty"`
 }
 
 // AuthorizationPolicySpec is spec of security.istio.io/v1 AuthorizationPolicy.
 type AuthorizationPolicySpec struct {
 	Selector *WorkloadSelector `json:"selector,omitempty"`
-	Action   Action            `json:"action,omitempty"`
-	Rules    []Rule            `json:"rules,omitempty"`
+	// TargetRef and TargetRefs attach the policy to a waypoint or gateway;
+	// such a policy is never enforced by the node's L4 tunnel (as in
+	// ztunnel), so Authorize skips it.
+	TargetRef  *PolicyTargetReference  `json:"targetRef,omitempty"`
+	TargetRefs []PolicyTargetReference `json:"targetRefs,omitempty"`
+	Action     Action                  `json:"action,omitempty"`
+	Rules      []Rule                  `json:"rules,omitempty"`
 }
 
 // AuthorizationPolicy is security.istio.io/v1 AuthorizationPolicy.

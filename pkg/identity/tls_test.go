@@ -1,0 +1,274 @@
+package identity
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"io"
+	"math/big"
+	"net"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+)
+
+func pemCert(der []byte) []byte {
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
+}
+
+type handshakeResult struct {
+	client, server       *tls.Conn
+	clientErr, serverErr error
+}
+
+// handshake runs a TLS handshake over loopback TCP (kernel buffers, so a
+// side that fails early never blocks the other) and returns both ends.
+func handshake(t *testing.T, clientCfg, serverCfg *tls.Config) handshakeResult {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	type accepted struct {
+		conn *tls.Conn
+		err  error
+	}
+	done := make(chan accepted, 1)
+	go func() {
+		raw, err := ln.Accept()
+		if err != nil {
+			done <- accepted{err: err}
+			return
+		}
+		raw.SetDeadline(time.Now().Add(10 * time.Second))
+		conn := tls.Server(raw, serverCfg)
+		done <- accepted{conn: conn, err: conn.HandshakeContext(ctx)}
+	}()
+
+	raw, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw.SetDeadline(time.Now().Add(10 * time.Second))
+	client := tls.Client(raw, clientCfg)
+	clientErr := client.HandshakeContext(ctx)
+	srv := <-done
+	t.Cleanup(func() {
+		client.Close()
+		if srv.conn != nil {
+			srv.conn.Close()
+		}
+	})
+	return handshakeResult{client: client, server: srv.conn, clientErr: clientErr, serverErr: srv.err}
+}
+
+// exchange sends one message each way and fails the test if either is lost.
+func exchange(t *testing.T, a, b *tls.Conn) {
+	t.Helper()
+	for _, pair := range [][2]*tls.Conn{{a, b}, {b, a}} {
+		errc := make(chan error, 1)
+		go func() {
+			_, err := pair[0].Write([]byte("ping"))
+			errc <- err
+		}()
+		buf := make([]byte, 4)
+		if _, err := io.ReadFull(pair[1], buf); err != nil || string(buf) != "ping" {
+			t.Fatalf("read %q: %v", buf, err)
+		}
+		if err := <-errc; err != nil {
+			t.Fatalf("write: %v", err)
+		}
+	}
+}
+
+func TestHandshake(t *testing.T) {
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	r := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart))
+	if r.clientErr != nil || r.serverErr != nil {
+		t.Fatalf("handshake: client %v, server %v", r.clientErr, r.serverErr)
+	}
+	exchange(t, r.client, r.server)
+
+	cs := r.client.ConnectionState()
+	if cs.Version != tls.VersionTLS13 || cs.NegotiatedProtocol != "h2" {
+		t.Errorf("version %x alpn %q, want TLS 1.3 and h2", cs.Version, cs.NegotiatedProtocol)
+	}
+	if got, err := PeerID(cs); err != nil || got != idCart {
+		t.Errorf("client sees server %v (%v), want %v", got, err, idCart)
+	}
+	if got, err := PeerID(r.server.ConnectionState()); err != nil || got != idWeb {
+		t.Errorf("server sees client %v (%v), want %v", got, err, idWeb)
+	}
+}
+
+func TestPeerIDNeedsHandshake(t *testing.T) {
+	if _, err := PeerID(tls.ConnectionState{}); err == nil {
+		t.Error("PeerID of an incomplete handshake succeeded")
+	}
+	if _, err := PeerID(tls.ConnectionState{HandshakeComplete: true}); !errors.Is(err, ErrNoPeerCertificate) {
+		t.Errorf("PeerID without certificates: err = %v", err)
+	}
+}
+
+func TestServerRefusesForeignClient(t *testing.T) {
+	mesh := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	// Same trust domain, different root: only the root tells them apart.
+	foreign := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+
+	// The intruder does not check the server, so the server's own check is
+	// what is under test.
+	intruder := ClientConfig(foreign, idWeb, idCart)
+	intruder.VerifyConnection = nil
+	r := handshake(t, intruder, ServerConfig(mesh, idCart))
+	if !errors.Is(r.serverErr, ErrUntrustedPeer) {
+		t.Fatalf("server err = %v, want ErrUntrustedPeer", r.serverErr)
+	}
+	// In TLS 1.3 the client learns of the refusal on its first read.
+	if r.clientErr == nil {
+		if _, err := r.client.Read(make([]byte, 1)); err == nil {
+			t.Error("refused client could read")
+		}
+	}
+}
+
+func TestServerRequiresClientCertificate(t *testing.T) {
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	anon := ClientConfig(m, idWeb, idCart)
+	anon.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+		return &tls.Certificate{}, nil
+	}
+	r := handshake(t, anon, ServerConfig(m, idCart))
+	if r.serverErr == nil {
+		t.Fatal("server accepted a client without a certificate")
+	}
+}
+
+func TestClientRefusesForeignServer(t *testing.T) {
+	mesh := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	foreign := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	r := handshake(t, ClientConfig(mesh, idWeb, idCart), ServerConfig(foreign, idCart))
+	if !errors.Is(r.clientErr, ErrUntrustedPeer) {
+		t.Fatalf("client err = %v, want ErrUntrustedPeer", r.clientErr)
+	}
+	if r.serverErr == nil {
+		t.Error("server handshake succeeded with a client that refused it")
+	}
+}
+
+func TestClientRefusesWrongServerIdentity(t *testing.T) {
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	impostor := ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "impostor"}
+	r := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, impostor))
+	if !errors.Is(r.clientErr, ErrUnexpectedIdentity) {
+		t.Fatalf("client err = %v, want ErrUnexpectedIdentity", r.clientErr)
+	}
+	msg := r.clientErr.Error()
+	if !strings.Contains(msg, "expected server "+idCart.String()) || !strings.Contains(msg, "got "+impostor.String()) {
+		t.Errorf("error %q does not say expected vs got", msg)
+	}
+}
+
+func TestRefusesNonH2(t *testing.T) {
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	plain := ClientConfig(m, idWeb, idCart)
+	plain.NextProtos = nil       // offers no ALPN: not an HBONE client
+	plain.VerifyConnection = nil // so the server's check is the one under test
+	r := handshake(t, plain, ServerConfig(m, idCart))
+	if r.serverErr == nil || !strings.Contains(r.serverErr.Error(), "alpn") {
+		t.Errorf("server err = %v, want an alpn refusal", r.serverErr)
+	}
+
+	plainServer := ServerConfig(m, idCart)
+	plainServer.NextProtos = nil
+	r = handshake(t, ClientConfig(m, idWeb, idCart), plainServer)
+	if r.clientErr == nil || !strings.Contains(r.clientErr.Error(), "alpn") {
+		t.Errorf("client err = %v, want an alpn refusal", r.clientErr)
+	}
+}
+
+func TestRotationKeepsOpenConnections(t *testing.T) {
+	clock := newFakeClock()
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, clock.Now)
+	serial := func(r handshakeResult) (server, client *big.Int) {
+		t.Helper()
+		if r.clientErr != nil || r.serverErr != nil {
+			t.Fatalf("handshake: client %v, server %v", r.clientErr, r.serverErr)
+		}
+		return r.client.ConnectionState().PeerCertificates[0].SerialNumber,
+			r.server.ConnectionState().PeerCertificates[0].SerialNumber
+	}
+
+	old := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart))
+	srv1, cli1 := serial(old)
+
+	clock.Advance(29 * time.Minute)
+	srv2, cli2 := serial(handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart)))
+	if srv2.Cmp(srv1) != 0 || cli2.Cmp(cli1) != 0 {
+		t.Error("certificates changed before half-life")
+	}
+
+	clock.Advance(2 * time.Minute)
+	srv3, cli3 := serial(handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart)))
+	if srv3.Cmp(srv1) == 0 || cli3.Cmp(cli1) == 0 {
+		t.Error("new handshake after half-life still got the old certificates")
+	}
+	exchange(t, old.client, old.server)
+}
+
+func TestVerifyPeerRejectsBadLeaves(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	m := NewManager(ca, time.Hour, nil)
+	mint := func(mod func(*x509.Certificate)) *x509.Certificate {
+		t.Helper()
+		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		tmpl := &x509.Certificate{
+			SerialNumber:          big.NewInt(42),
+			NotBefore:             time.Now().Add(-time.Minute),
+			NotAfter:              time.Now().Add(time.Hour),
+			KeyUsage:              x509.KeyUsageDigitalSignature,
+			ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+			BasicConstraintsValid: true,
+			URIs:                  []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+		}
+		mod(tmpl)
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, _ := x509.ParseCertificate(der)
+		return c
+	}
+
+	ok := mint(func(*x509.Certificate) {})
+	if id, err := verifyPeer(m, []*x509.Certificate{ok}, x509.ExtKeyUsageClientAuth); err != nil || id != (ID{"cluster.local", "a", "b"}) {
+		t.Fatalf("control leaf: %v %v", id, err)
+	}
+	for name, leaf := range map[string]*x509.Certificate{
+		"server-only usage": mint(func(c *x509.Certificate) { c.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth} }),
+		"two uris": mint(func(c *x509.Certificate) {
+			c.URIs = append(c.URIs, &url.URL{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/c"})
+		}),
+		"no uri":         mint(func(c *x509.Certificate) { c.URIs = nil }),
+		"other domain":   mint(func(c *x509.Certificate) { c.URIs[0].Host = "evil.example" }),
+		"not a k8s id":   mint(func(c *x509.Certificate) { c.URIs[0].Path = "/workload/x" }),
+		"expired":        mint(func(c *x509.Certificate) { c.NotAfter = time.Now().Add(-time.Second) }),
+		"ca as workload": mint(func(c *x509.Certificate) { c.IsCA = true }),
+	} {
+		if _, err := verifyPeer(m, []*x509.Certificate{leaf}, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrUntrustedPeer) {
+			t.Errorf("%s: err = %v, want ErrUntrustedPeer", name, err)
+		}
+	}
+	if _, err := verifyPeer(m, nil, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrNoPeerCertificate) {
+		t.Errorf("no chain: err = %v", err)
+	}
+}

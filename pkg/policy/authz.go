@@ -1,0 +1,322 @@
+package policy
+
+import (
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Target is the destination of a connection: the pod being reached.
+type Target struct {
+	Namespace string
+	Labels    map[string]string
+	Port      uint16
+	// Addr is the pod address the client dialled. Only `when` conditions on
+	// destination.ip read it; leave it zero if unknown and such conditions
+	// will not match.
+	Addr netip.Addr
+}
+
+// Peer is the source of a connection.
+type Peer struct {
+	// Principal is the verified SPIFFE ID without the spiffe:// prefix, as
+	// Istio writes principals: "cluster.local/ns/shop/sa/web" (a leading
+	// spiffe:// is tolerated and dropped).
+	Principal string
+	// Namespace is the namespace of the verified identity; if empty it is
+	// read from Principal.
+	Namespace string
+	// Addr is the source address; an IPv4-mapped IPv6 address is treated as
+	// the IPv4 address it carries.
+	Addr netip.Addr
+	// Authenticated is true when the connection arrived over mTLS and
+	// Principal is verified. When false, Principal and Namespace are
+	// ignored: principals, namespaces and serviceAccounts never match and
+	// their not- forms always do (as in ztunnel).
+	Authenticated bool
+}
+
+// Verdict is the outcome of Authorize.
+type Verdict struct {
+	Allowed bool
+	// Reason says why, for logs and metrics labels.
+	Reason string
+	// Policy is "namespace/name" of the policy that decided, or "" when
+	// no single policy did (no policy applies, or no ALLOW matched).
+	Policy string
+}
+
+// l4WhenKeys are the `when` keys a node tunnel can decide, as in ztunnel.
+var l4WhenKeys = []string{"source.ip", "source.namespace", "source.principal", "destination.ip", "destination.port"}
+
+// Authorize decides whether src may connect to dst, with Istio's
+// AuthorizationPolicy semantics as the node's L4 proxy (ztunnel) applies
+// them.
+//
+// Which policies apply: those in rootNamespace ("" means istio-system),
+// whose selector matches dst's labels in any namespace, and those in
+// dst.Namespace whose selector matches (no selector: every pod there).
+// Policies with targetRef(s) belong to waypoints and gateways, and AUDIT
+// and CUSTOM are not enforced at L4; all three are skipped.
+//
+// Order: if any applicable DENY rule matches, deny. Otherwise, if any ALLOW
+// policy applies, allow only if one of its rules matches. Otherwise allow.
+// A rule matches when each of from (any entry), to (any entry) and every
+// when condition matches; within an entry every field present must match.
+//
+// Fields only an L7 proxy can decide (hosts, methods, paths, their not-
+// forms, requestPrincipals, remoteIpBlocks, when keys other than
+// source.ip/namespace/principal and destination.ip/port) are handled so
+// that not enforcing them can only deny more, never allow more: an ALLOW
+// rule using any of them never matches; a DENY rule is applied as if they
+// were absent (a DENY whose only conditions are L7 then denies everything it
+// selects). ztunnel states the same intent; note that ztunnel 1.30 in fact
+// lets such an L7-only DENY rule match nothing, which this code does not
+// copy.
+//
+// Invalid policies (see Validate) fail closed: an invalid DENY policy, or
+// one with an unknown action, denies everything it selects; an invalid
+// ALLOW policy still counts as an applicable ALLOW but admits nothing.
+func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src Peer) Verdict {
+	if rootNamespace == "" {
+		rootNamespace = DefaultRootNamespace
+	}
+	c := newConn(dst, src)
+
+	var allows []*AuthorizationPolicy
+	for i := range aps {
+		ap := &aps[i]
+		if !appliesTo(ap, rootNamespace, dst) {
+			continue
+		}
+		switch ap.Spec.Action {
+		case ActionAudit, ActionCustom:
+			continue
+		case "", ActionAllow:
+			allows = append(allows, ap)
+			continue
+		}
+		// DENY, or an unknown action, which is read as DENY everything.
+		if err := validate(ap); err != nil {
+			return Verdict{Reason: "denied by an invalid policy (fails closed): " + err.Error(), Policy: key(ap)}
+		}
+		for r := range ap.Spec.Rules {
+			if ruleMatches(&ap.Spec.Rules[r], ActionDeny, ap.Namespace, &c) {
+				return Verdict{Reason: "denied by DENY policy " + key(ap) + " rule " + strconv.Itoa(r), Policy: key(ap)}
+			}
+		}
+	}
+
+	if len(allows) == 0 {
+		return Verdict{Allowed: true, Reason: "no ALLOW policy applies"}
+	}
+	var names []string
+	for _, ap := range allows {
+		if validate(ap) != nil {
+			names = append(names, key(ap)+" (invalid)")
+			continue
+		}
+		for r := range ap.Spec.Rules {
+			if ruleMatches(&ap.Spec.Rules[r], ActionAllow, ap.Namespace, &c) {
+				return Verdict{Allowed: true, Reason: "allowed by ALLOW policy " + key(ap) + " rule " + strconv.Itoa(r), Policy: key(ap)}
+			}
+		}
+		names = append(names, key(ap))
+	}
+	return Verdict{Reason: "no ALLOW policy matched (applicable: " + strings.Join(names, ", ") + ")"}
+}
+
+func key(ap *AuthorizationPolicy) string { return ap.Namespace + "/" + ap.Name }
+
+func appliesTo(ap *AuthorizationPolicy, rootNamespace string, dst Target) bool {
+	if ap.Spec.TargetRef != nil || len(ap.Spec.TargetRefs) > 0 {
+		return false
+	}
+	if ap.Namespace != rootNamespace && ap.Namespace != dst.Namespace {
+		return false
+	}
+	return selects(ap.Spec.Selector, dst.Labels)
+}
+
+// conn is a connection in the form rules are matched against.
+type conn struct {
+	principal, namespace, serviceAccount string // empty unless authenticated
+	src, dst                             netip.Addr
+	port                                 uint16
+}
+
+func newConn(dst Target, src Peer) conn {
+	c := conn{src: src.Addr.Unmap().WithZone(""), dst: dst.Addr.Unmap().WithZone(""), port: dst.Port}
+	if !src.Authenticated || src.Principal == "" {
+		return c
+	}
+	c.principal = strings.TrimPrefix(src.Principal, "spiffe://")
+	c.namespace = src.Namespace
+	// <trust-domain>/ns/<namespace>/sa/<service-account>
+	if parts := strings.Split(c.principal, "/"); len(parts) == 5 && parts[1] == "ns" && parts[3] == "sa" {
+		if c.namespace == "" {
+			c.namespace = parts[2]
+		}
+		if c.namespace == parts[2] {
+			c.serviceAccount = parts[4]
+		}
+	}
+	return c
+}
+
+// ruleMatches reports whether rule r of a policy in namespace policyNS with
+// the given action matches c; see Authorize for the L7 treatment.
+func ruleMatches(r *Rule, action Action, policyNS string, c *conn) bool {
+	if action == ActionAllow && usesL7(r) {
+		return false
+	}
+	if len(r.From) > 0 && !slices.ContainsFunc(r.From, func(f From) bool { return sourceMatches(f.Source, policyNS, c) }) {
+		return false
+	}
+	if len(r.To) > 0 && !slices.ContainsFunc(r.To, func(t To) bool { return operationMatches(t.Operation, c) }) {
+		return false
+	}
+	for i := range r.When {
+		if !conditionMatches(&r.When[i], c) {
+			return false
+		}
+	}
+	return true
+}
+
+func usesL7(r *Rule) bool {
+	for _, f := range r.From {
+		if s := f.Source; s != nil && len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks) > 0 {
+			return true
+		}
+	}
+	for _, t := range r.To {
+		if o := t.Operation; o != nil && len(o.Hosts)+len(o.NotHosts)+len(o.Methods)+len(o.NotMethods)+len(o.Paths)+len(o.NotPaths) > 0 {
+			return true
+		}
+	}
+	for _, w := range r.When {
+		if !slices.Contains(l4WhenKeys, w.Key) {
+			return true
+		}
+	}
+	return false
+}
+
+// sourceMatches ignores L7 fields; a nil source (invalid) matches nothing.
+func sourceMatches(s *Source, policyNS string, c *conn) bool {
+	if s == nil {
+		return false
+	}
+	return matchList(s.Principals, s.NotPrincipals, func(p string) bool { return matchString(p, c.principal) }) &&
+		matchList(s.Namespaces, s.NotNamespaces, func(p string) bool { return matchString(p, c.namespace) }) &&
+		matchList(s.ServiceAccounts, s.NotServiceAccounts, func(p string) bool { return matchServiceAccount(p, policyNS, c) }) &&
+		matchList(s.IPBlocks, s.NotIPBlocks, func(b string) bool { return matchIP(b, c.src) })
+}
+
+// operationMatches ignores L7 fields; a nil operation (invalid) matches
+// nothing.
+func operationMatches(o *Operation, c *conn) bool {
+	if o == nil {
+		return false
+	}
+	return matchList(o.Ports, o.NotPorts, func(p string) bool { return matchPort(p, c.port) })
+}
+
+// conditionMatches decides one `when` entry; keys that are not L4 are
+// ignored (they only reach here in DENY rules).
+func conditionMatches(w *Condition, c *conn) bool {
+	var pred func(string) bool
+	switch w.Key {
+	case "source.ip":
+		pred = func(v string) bool { return matchIP(v, c.src) }
+	case "source.namespace":
+		pred = func(v string) bool { return matchString(v, c.namespace) }
+	case "source.principal":
+		pred = func(v string) bool { return matchString(v, c.principal) }
+	case "destination.ip":
+		pred = func(v string) bool { return matchIP(v, c.dst) }
+	case "destination.port":
+		pred = func(v string) bool { return matchPort(v, c.port) }
+	default:
+		return true
+	}
+	return matchList(w.Values, w.NotValues, pred)
+}
+
+// matchList is Istio's rule for a field and its not- form: if the positive
+// list is present one entry must match, and no entry of the negative list
+// may match.
+func matchList(pos, neg []string, match func(string) bool) bool {
+	if len(pos) > 0 && !slices.ContainsFunc(pos, match) {
+		return false
+	}
+	return !slices.ContainsFunc(neg, match)
+}
+
+// matchString matches Istio's string patterns: "*" is any non-empty value
+// (for principals and namespaces: any authenticated peer), "*suffix" and
+// "prefix*" match by suffix and prefix, anything else exactly. An empty
+// value (no identity) matches nothing.
+func matchString(pattern, v string) bool {
+	switch {
+	case v == "":
+		return false
+	case pattern == "*":
+		return true
+	case strings.HasPrefix(pattern, "*"):
+		return strings.HasSuffix(v, pattern[1:])
+	case strings.HasSuffix(pattern, "*"):
+		return strings.HasPrefix(v, pattern[:len(pattern)-1])
+	default:
+		return pattern == v
+	}
+}
+
+// matchServiceAccount matches "namespace/name", or "name" meaning a service
+// account in the policy's own namespace.
+func matchServiceAccount(v, policyNS string, c *conn) bool {
+	if c.serviceAccount == "" {
+		return false
+	}
+	ns, sa, ok := strings.Cut(v, "/")
+	if !ok {
+		ns, sa = policyNS, v
+	}
+	return ns == c.namespace && sa == c.serviceAccount
+}
+
+// matchIP matches a CIDR or single address; malformed blocks match nothing
+// (Validate reports them).
+func matchIP(block string, a netip.Addr) bool {
+	p, err := parseIPBlock(block)
+	return err == nil && a.IsValid() && p.Contains(a)
+}
+
+func parseIPBlock(block string) (netip.Prefix, error) {
+	if strings.Contains(block, "/") {
+		return netip.ParsePrefix(block)
+	}
+	a, err := netip.ParseAddr(block)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	if a.Zone() != "" {
+		return netip.Prefix{}, errZone
+	}
+	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+func matchPort(s string, port uint16) bool {
+	p, err := parsePort(s)
+	return err == nil && p == port
+}
+
+func parsePort(s string) (uint16, error) {
+	n, err := strconv.ParseUint(s, 10, 16)
+	if err != nil || n == 0 {
+		return 0, errPort
+	}
+	return uint16(n), nil
+}

@@ -1,0 +1,140 @@
+package policy
+
+import (
+	"fmt"
+	"strings"
+)
+
+// DefaultRootNamespace is Istio's default root namespace: policies without
+// a selector there are mesh-wide.
+const DefaultRootNamespace = "istio-system"
+
+// Decision is the effective PeerAuthentication mode for one pod port and
+// which policy decided it, for logs and the config dump.
+type Decision struct {
+	Mode MTLSMode
+	// Source names the deciding policy and level, for example
+	// "shop/db-strict (workload, port 5432)", "shop/default (namespace)",
+	// "istio-system/default (mesh)", or "default (no policy)".
+	Source string
+}
+
+// Strict reports whether the port accepts only mTLS (HBONE) connections. In
+// ambient mode DISABLE behaves as PERMISSIVE does: the node's tunnel has
+// no sidecar to turn off, so both accept plaintext and mTLS alike.
+func (d Decision) Strict() bool { return d.Mode == ModeStrict }
+
+// EffectiveMode resolves the PeerAuthentications that apply to a pod port
+// with Istio's precedence, most specific first:
+//
+//  1. portLevelMtls of the workload policy, for that port;
+//  2. the workload policy: one with a non-empty selector in the pod's
+//     namespace matching podLabels (the oldest by creationTimestamp, then
+//     name, if several match; selector policies in the root namespace are
+//     ignored, as Istio does);
+//  3. the namespace policy: no selector, in the pod's namespace;
+//  4. the mesh policy: no selector, in rootNamespace ("" means
+//     istio-system);
+//  5. PERMISSIVE.
+//
+// A level whose mode is UNSET (or absent) inherits from the next one. As in
+// Istio, portLevelMtls is honoured only on a workload policy; on a namespace
+// or mesh policy it is invalid and ignored.
+//
+// A mode that is not one of Istio's (ValidatePA reports it) is read as
+// STRICT: a typo must not quietly weaken what the author meant to enforce.
+func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string, podLabels map[string]string, port uint16) Decision {
+	if rootNamespace == "" {
+		rootNamespace = DefaultRootNamespace
+	}
+	var mesh, namespace, workload *PeerAuthentication
+	for i := range pas {
+		pa := &pas[i]
+		switch {
+		case !hasSelector(pa.Spec.Selector):
+			if pa.Namespace == rootNamespace {
+				mesh = older(mesh, pa)
+			} else if pa.Namespace == podNamespace {
+				namespace = older(namespace, pa)
+			}
+		case pa.Namespace == podNamespace && pa.Namespace != rootNamespace &&
+			selects(pa.Spec.Selector, podLabels):
+			workload = older(workload, pa)
+		}
+	}
+
+	d := Decision{Mode: ModePermissive, Source: "default (no policy)"}
+	apply := func(pa *PeerAuthentication, mtls *MTLS, level string) {
+		if pa == nil || mtls == nil {
+			return
+		}
+		mode, note := readMode(mtls.Mode)
+		if mode == ModeUnset {
+			return
+		}
+		d = Decision{Mode: mode, Source: pa.Namespace + "/" + pa.Name + " (" + level + note + ")"}
+	}
+	apply(mesh, mesh.mtlsOrNil(), "mesh")
+	apply(namespace, namespace.mtlsOrNil(), "namespace")
+	apply(workload, workload.mtlsOrNil(), "workload")
+	if workload != nil {
+		if pm, ok := workload.Spec.PortLevelMTLS[uint32(port)]; ok {
+			apply(workload, &pm, fmt.Sprintf("workload, port %d", port))
+		}
+	}
+	return d
+}
+
+func (pa *PeerAuthentication) mtlsOrNil() *MTLS {
+	if pa == nil {
+		return nil
+	}
+	return pa.Spec.MTLS
+}
+
+// readMode maps a written mode to the one enforced, with a note for the
+// Source when they differ.
+func readMode(m MTLSMode) (MTLSMode, string) {
+	switch m {
+	case "", ModeUnset:
+		return ModeUnset, ""
+	case ModeStrict, ModePermissive, ModeDisable:
+		return m, ""
+	default:
+		return ModeStrict, fmt.Sprintf(", invalid mode %q read as STRICT", string(m))
+	}
+}
+
+// older returns whichever of cur and cand Istio prefers when several
+// policies compete for one level: the oldest, then the first by name, so
+// the choice does not depend on list order.
+func older(cur, cand *PeerAuthentication) *PeerAuthentication {
+	if cur == nil {
+		return cand
+	}
+	ct, nt := cur.CreationTimestamp, cand.CreationTimestamp
+	if nt.Before(&ct) || (nt.Equal(&ct) && strings.Compare(cand.Name, cur.Name) < 0) {
+		return cand
+	}
+	return cur
+}
+
+// hasSelector reports whether sel picks particular pods; Istio treats an
+// empty matchLabels like no selector.
+func hasSelector(sel *WorkloadSelector) bool {
+	return sel != nil && len(sel.MatchLabels) > 0
+}
+
+// selects reports whether sel matches labels: every matchLabels entry must
+// be present with the same value. No selector selects everything.
+func selects(sel *WorkloadSelector, labels map[string]string) bool {
+	if sel == nil {
+		return true
+	}
+	for k, v := range sel.MatchLabels {
+		if got, ok := labels[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
+}
