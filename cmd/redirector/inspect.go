@@ -1,0 +1,218 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/maps"
+)
+
+// runInspect prints what the node's data path holds. `pods` and `maps` read
+// the pinned maps directly, so they work while the agent is stopped; `certs`
+// and `policies` ask the running agent's admin endpoint.
+func runInspect(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		return fmt.Errorf("usage: redirector inspect pods|maps|certs|policies [-o table|json|yaml]")
+	}
+	what := args[0]
+	s := newSettings("inspect " + what)
+	root := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "where the agent pinned its maps")
+	admin := s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "the agent's admin address")
+	out := s.add("o", "OUTPUT", "table", "output format: table, json or yaml")
+	if err := s.parse(args[1:]); err != nil {
+		return err
+	}
+	if !slices.Contains([]string{"table", "json", "yaml"}, *out) {
+		return fmt.Errorf("%s: unknown output format %q (want table, json or yaml)", s.name(out), *out)
+	}
+	switch what {
+	case "pods":
+		rows, err := inspectPods(*root)
+		if err != nil {
+			return err
+		}
+		return render(os.Stdout, *out, rows, []string{"ID", "NAMESPACE", "NAME", "ADDRESSES", "INBOUND", "MODE", "OUT-CONNS", "IN-CONNS", "DROPPED", "NETNS"}, func(r podRow) []string {
+			return []string{fmt.Sprint(r.ID), r.Namespace, r.Name, strings.Join(r.Addresses, ","), fmt.Sprint(r.CaptureInbound), r.AttachMode,
+				fmt.Sprint(r.Counters.OutboundConns), fmt.Sprint(r.Counters.InboundConns), fmt.Sprint(r.Counters.DroppedPackets), r.NetNS}
+		})
+	case "maps":
+		rows, err := inspectMaps(*root)
+		if err != nil {
+			return err
+		}
+		return render(os.Stdout, *out, rows, []string{"MAP", "KEY", "VALUE"}, func(r mapRow) []string {
+			return []string{r.Map, r.Key, r.Value}
+		})
+	case "certs", "policies":
+		return inspectAdmin(ctx, *admin, what, *out)
+	default:
+		return fmt.Errorf("unknown inspect target %q (want pods, maps, certs or policies)", what)
+	}
+}
+
+type podRow struct {
+	ID             uint32           `json:"id"`
+	UID            string           `json:"uid"`
+	Namespace      string           `json:"namespace"`
+	Name           string           `json:"name"`
+	Addresses      []string         `json:"addresses"`
+	CaptureInbound bool             `json:"captureInbound"`
+	AttachMode     string           `json:"attachMode"`
+	NetNS          string           `json:"netns"`
+	Interface      string           `json:"interface"`
+	Counters       maps.PodCounters `json:"counters"`
+}
+
+func inspectPods(root string) ([]podRow, error) {
+	m, err := maps.OpenPinned(root)
+	if err != nil {
+		return nil, fmt.Errorf("%w (is an agent installed with --bpf-root %s?)", err, root)
+	}
+	defer m.Close()
+	metas, err := m.ListMeta()
+	if err != nil {
+		return nil, err
+	}
+	var rows []podRow
+	for id, meta := range metas {
+		r := podRow{ID: id, UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, CaptureInbound: meta.Settings.CaptureInbound,
+			AttachMode: meta.AttachMode.String(), NetNS: meta.NetNS, Interface: meta.Interface}
+		for _, a := range meta.Addrs {
+			r.Addresses = append(r.Addresses, a.String())
+			if c, ok, err := m.Counters(a); err == nil && ok {
+				r.Counters.OutboundConns += c.OutboundConns
+				r.Counters.InboundConns += c.InboundConns
+				r.Counters.SteeredPackets += c.SteeredPackets
+				r.Counters.DroppedPackets += c.DroppedPackets
+				r.Counters.BypassedPackets += c.BypassedPackets
+			}
+		}
+		rows = append(rows, r)
+	}
+	slices.SortFunc(rows, func(a, b podRow) int { return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name) })
+	return rows, nil
+}
+
+type mapRow struct {
+	Map   string `json:"map"`
+	Key   string `json:"key"`
+	Value string `json:"value"`
+}
+
+func inspectMaps(root string) ([]mapRow, error) {
+	m, err := maps.OpenPinned(root)
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	var rows []mapRow
+	pods, err := m.ListPods()
+	if err != nil {
+		return nil, err
+	}
+	for a, s := range pods {
+		rows = append(rows, mapRow{maps.PodsName, a.String(), fmt.Sprintf("pod_id=%d outbound=%v inbound=%v", s.PodID, s.CaptureOutbound, s.CaptureInbound)})
+	}
+	counters, err := m.AllCounters()
+	if err != nil {
+		return nil, err
+	}
+	for a, c := range counters {
+		rows = append(rows, mapRow{maps.PodStatsName, a.String(), fmt.Sprintf("outbound_conns=%d inbound_conns=%d steered=%d dropped=%d bypassed=%d",
+			c.OutboundConns, c.InboundConns, c.SteeredPackets, c.DroppedPackets, c.BypassedPackets)})
+	}
+	reasons, err := m.ReasonCounts()
+	if err != nil {
+		return nil, err
+	}
+	for r, n := range reasons {
+		rows = append(rows, mapRow{maps.ReasonsName, maps.ReasonName(r), fmt.Sprint(n)})
+	}
+	slices.SortFunc(rows, func(a, b mapRow) int { return strings.Compare(a.Map+" "+a.Key, b.Map+" "+b.Key) })
+	return rows, nil
+}
+
+// render prints rows as a table, JSON or YAML.
+func render[T any](w io.Writer, format string, rows []T, header []string, cells func(T) []string) error {
+	switch format {
+	case "json":
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rows)
+	case "yaml":
+		b, err := yaml.Marshal(rows)
+		if err != nil {
+			return err
+		}
+		_, err = w.Write(b)
+		return err
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(header, "\t"))
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join(cells(r), "\t"))
+	}
+	return tw.Flush()
+}
+
+// inspectAdmin fetches one section of the running agent's config dump.
+func inspectAdmin(ctx context.Context, addr, what, format string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/config_dump", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return fmt.Errorf("ask the agent at %s (is it running? certs and policies come from the live agent): %w", addr, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("agent at %s answered %s", addr, resp.Status)
+	}
+	var dump map[string]json.RawMessage
+	if err := json.NewDecoder(resp.Body).Decode(&dump); err != nil {
+		return fmt.Errorf("decode config dump: %w", err)
+	}
+	section := dump[what]
+	switch what {
+	case "certs":
+		var rows []certRow
+		if err := json.Unmarshal(section, &rows); err != nil {
+			return fmt.Errorf("decode certs: %w", err)
+		}
+		return render(os.Stdout, format, rows, []string{"IDENTITY", "SERIAL", "VALID FROM", "VALID TO", "ISSUER", "STATE"}, func(r certRow) []string {
+			return []string{r.Identity, r.Serial, r.NotBefore.Format(time.RFC3339), r.NotAfter.Format(time.RFC3339), r.Issuer, r.State}
+		})
+	default:
+		var v any
+		if err := json.Unmarshal(section, &v); err != nil {
+			return fmt.Errorf("decode %s: %w", what, err)
+		}
+		if format == "table" {
+			format = "yaml" // policies are nested documents
+		}
+		return render(os.Stdout, format, []any{v}, nil, nil)
+	}
+}
+
+type certRow struct {
+	Identity  string    `json:"identity"`
+	Serial    string    `json:"serial"`
+	NotBefore time.Time `json:"notBefore"`
+	NotAfter  time.Time `json:"notAfter"`
+	Issuer    string    `json:"issuer"`
+	State     string    `json:"state"`
+}

@@ -1,0 +1,310 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/probe"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/file"
+	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/pkg/tunnel"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// agentConfig is every setting of `redirector run`, validated.
+type agentConfig struct {
+	node            string
+	source          string // "kubernetes" or a file path
+	kubeconfig      string
+	caDir           string
+	trustDomain     string
+	bpfRoot         string
+	metricsAddr     string
+	readinessAddr   string
+	adminAddr       string
+	selection       selection.Config
+	rootNamespace   string
+	certTTL         time.Duration
+	reconcilePeriod time.Duration
+	drainTimeout    time.Duration
+	poolMaxStreams  int
+	poolIdle        time.Duration
+	legacyTC        bool
+	logLevel        slog.Level
+	data            loader.Settings
+}
+
+func parseRunFlags(args []string) (agentConfig, error) {
+	s := newSettings("run")
+	node := s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here")
+	src := s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes")
+	kubeconfig := s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)")
+	caDir := s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem) made by `redirector ca init`")
+	td := s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's")
+	bpfRoot := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links")
+	metrics := s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint")
+	ready := s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready")
+	admin := s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)")
+	exclude := s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled")
+	ownNS := s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well")
+	skipRC := s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled")
+	rootNS := s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies")
+	ttl := s.add("cert-ttl", "CERT_TTL", identity.DefaultTTL.String(), "lifetime of workload certificates; rotated at half-life")
+	period := s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile")
+	drain := s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections")
+	maxStreams := s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection")
+	poolIdle := s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this")
+	tcMode := s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)")
+	probe4 := s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)")
+	probe6 := s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to")
+	logLevel := s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error")
+	if err := s.parse(args); err != nil {
+		return agentConfig{}, err
+	}
+	if err := s.require(node, src, caDir); err != nil {
+		return agentConfig{}, err
+	}
+	c := agentConfig{node: *node, kubeconfig: *kubeconfig, caDir: *caDir, trustDomain: *td, bpfRoot: *bpfRoot,
+		metricsAddr: *metrics, readinessAddr: *ready, adminAddr: *admin, rootNamespace: *rootNS, data: loader.DefaultSettings()}
+	switch {
+	case *src == "kubernetes":
+		c.source = "kubernetes"
+	case strings.HasPrefix(*src, "file:") && len(*src) > len("file:"):
+		c.source = strings.TrimPrefix(*src, "file:")
+	default:
+		return c, fmt.Errorf("%s: %q is neither file:PATH nor kubernetes", s.name(src), *src)
+	}
+	if err := identity.ValidateTrustDomain(*td); err != nil {
+		return c, fmt.Errorf("%s: %w", s.name(td), err)
+	}
+	var err error
+	if c.selection, err = selection.ParseConfig(*exclude+","+*ownNS, *skipRC); err != nil {
+		return c, err
+	}
+	durations := []struct {
+		dst *time.Duration
+		val *string
+	}{{&c.certTTL, ttl}, {&c.reconcilePeriod, period}, {&c.drainTimeout, drain}, {&c.poolIdle, poolIdle}}
+	for _, d := range durations {
+		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
+			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
+		}
+	}
+	if c.certTTL < 2*time.Minute {
+		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(ttl), c.certTTL)
+	}
+	if c.poolMaxStreams, err = strconv.Atoi(*maxStreams); err != nil || c.poolMaxStreams < 1 {
+		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(maxStreams), *maxStreams)
+	}
+	switch *tcMode {
+	case "auto", "tcx":
+	case "legacy":
+		c.legacyTC = true
+	default:
+		return c, fmt.Errorf("%s: %q is not auto, tcx or legacy", s.name(tcMode), *tcMode)
+	}
+	if err := c.logLevel.UnmarshalText([]byte(*logLevel)); err != nil {
+		return c, fmt.Errorf("%s: %q is not debug, info, warn or error", s.name(logLevel), *logLevel)
+	}
+	if c.data.ProbeSNATv4, c.data.ProbeSNATv6, err = probe.ParseSNAT(*probe4, *probe6); err != nil {
+		return c, err
+	}
+	return c, nil
+}
+
+func runAgent(ctx context.Context, args []string) error {
+	cfg, err := parseRunFlags(args)
+	if err != nil {
+		return err
+	}
+	level := new(slog.LevelVar)
+	level.Set(cfg.logLevel)
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("node", cfg.node)
+	slog.SetDefault(log)
+
+	ca, err := identity.LoadCA(cfg.caDir)
+	if err != nil {
+		return fmt.Errorf("--ca-dir (CA_DIR): %w", err)
+	}
+	if ca.TrustDomain() != cfg.trustDomain {
+		return fmt.Errorf("--trust-domain (TRUST_DOMAIN) is %s but the CA in %s is for %s", cfg.trustDomain, cfg.caDir, ca.TrustDomain())
+	}
+	certs := identity.NewManager(ca, cfg.certTTL, time.Now)
+
+	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC, Logger: log})
+	if err != nil {
+		return err
+	}
+	defer ld.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, IdleTimeout: cfg.poolIdle, Logger: log})
+	defer pool.Close()
+	tun := tunnel.New(tunnel.Config{
+		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
+		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
+		TunnelMark: cfg.data.TunnelMark, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
+	})
+	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
+
+	src, err := newSource(cfg, log)
+	if err != nil {
+		return err
+	}
+	var ready atomic.Bool
+	servers := startHTTP(ctx, log, cfg, reg, &ready)
+	defer func() {
+		for _, s := range servers {
+			s.Close()
+		}
+	}()
+
+	snaps := make(chan source.Snapshot, 1)
+	srcErr := make(chan error, 1)
+	go func() {
+		srcErr <- src.Run(ctx, func(s source.Snapshot) {
+			// Latest wins: a reconcile always starts from the newest state.
+			select {
+			case <-snaps:
+			default:
+			}
+			snaps <- s
+		})
+	}()
+
+	log.Info("agent started", "source", cfg.source, "bpf_root", cfg.bpfRoot, "trust_domain", cfg.trustDomain)
+	ticker := time.NewTicker(cfg.reconcilePeriod)
+	defer ticker.Stop()
+	var last *source.Snapshot
+	for {
+		full := false
+		select {
+		case <-ctx.Done():
+			log.Info("shutting down: draining connections, leaving redirection pinned", "timeout", cfg.drainTimeout)
+			dctx, cancel := context.WithTimeout(context.Background(), cfg.drainTimeout)
+			defer cancel()
+			return tun.Shutdown(dctx)
+		case err := <-srcErr:
+			if err != nil {
+				return fmt.Errorf("source %s: %w", cfg.source, err)
+			}
+			return nil
+		case s := <-snaps:
+			full = last == nil
+			last = &s
+		case <-ticker.C:
+			full = true
+		}
+		if last == nil {
+			continue
+		}
+		apply(ctx, log, cfg, *last, tun, rec, full)
+		ready.Store(true)
+	}
+}
+
+// apply turns one snapshot into the tunnel's state and this node's
+// enrollment.
+func apply(ctx context.Context, log *slog.Logger, cfg agentConfig, s source.Snapshot, tun *tunnel.Tunnel, rec *loader.Reconciler, full bool) {
+	dir, errs := workload.Build(s, cfg.selection, nil)
+	for _, err := range errs {
+		log.Error("workload skipped", "error", err)
+	}
+	tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies})
+	var want []loader.Pod
+	for _, w := range dir.LocalPods(cfg.node) {
+		if !w.Enrolled {
+			continue
+		}
+		uid := w.UID
+		if uid == "" {
+			uid = w.Namespace + "/" + w.Name
+		}
+		want = append(want, loader.Pod{UID: uid, Namespace: w.Namespace, Name: w.Name, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
+	}
+	res := rec.Reconcile(ctx, want, full)
+	for _, p := range res.Attached {
+		log.Info("pod enrolled", "pod", p)
+	}
+	for _, p := range res.Detached {
+		log.Info("pod unenrolled", "pod", p)
+	}
+	for _, p := range res.Repaired {
+		log.Warn("pod repaired", "pod", p)
+	}
+	for _, err := range res.Errors {
+		log.Error("reconcile", "error", err)
+	}
+}
+
+func newSource(cfg agentConfig, log *slog.Logger) (source.Source, error) {
+	if cfg.source != "kubernetes" {
+		if _, err := os.Stat(cfg.source); err != nil {
+			return nil, fmt.Errorf("--source (SOURCE): %w", err)
+		}
+		return file.New(cfg.source, log), nil
+	}
+	var rc *rest.Config
+	var err error
+	if cfg.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log})
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes source: %w", err)
+	}
+	return ks, nil
+}
+
+// startHTTP serves metrics and readiness. Ready means the BPF objects are
+// loaded and the first reconcile has run.
+func startHTTP(ctx context.Context, log *slog.Logger, cfg agentConfig, reg *prometheus.Registry, ready *atomic.Bool) []*http.Server {
+	metricsMux := http.NewServeMux()
+	metricsMux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	readyMux := http.NewServeMux()
+	readyMux.HandleFunc("/healthz/ready", func(w http.ResponseWriter, r *http.Request) {
+		if !ready.Load() {
+			http.Error(w, "not ready: first reconcile pending", http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	var out []*http.Server
+	for _, s := range []*http.Server{{Addr: cfg.metricsAddr, Handler: metricsMux}, {Addr: cfg.readinessAddr, Handler: readyMux}} {
+		s.ReadHeaderTimeout = 5 * time.Second
+		out = append(out, s)
+		go func() {
+			if err := s.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.ErrorContext(ctx, "http server", "addr", s.Addr, "error", err)
+			}
+		}()
+	}
+	return out
+}

@@ -1,0 +1,133 @@
+package tunnel
+
+import (
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Metrics are the tunnel's Prometheus metrics: Istio's TCP metrics with
+// Istio's labels, reported by both ends, plus the tunnel's own. Labels are
+// bounded by workloads and services, never by connection.
+type Metrics struct {
+	connsOpened   *prometheus.CounterVec
+	connsClosed   *prometheus.CounterVec
+	sentBytes     *prometheus.CounterVec
+	receivedBytes *prometheus.CounterVec
+	policyDenials *prometheus.CounterVec
+	failClosed    *prometheus.CounterVec
+	servedPods    prometheus.Gauge
+}
+
+// istioLabels are the labels Istio puts on its TCP metrics.
+var istioLabels = []string{
+	"reporter",
+	"source_workload", "source_workload_namespace", "source_principal", "source_app",
+	"destination_workload", "destination_workload_namespace", "destination_principal", "destination_app",
+	"destination_service", "destination_service_name", "destination_service_namespace",
+	"request_protocol", "response_flags", "connection_security_policy",
+}
+
+// NewMetrics creates the metrics and registers them with reg (nil: not
+// registered, for tests and tools).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		connsOpened: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_tcp_connections_opened_total", Help: "TCP connections opened, as Istio reports them."}, istioLabels),
+		connsClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_tcp_connections_closed_total", Help: "TCP connections closed, as Istio reports them."}, istioLabels),
+		sentBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_tcp_sent_bytes_total", Help: "Bytes sent in responses (server to client)."}, istioLabels),
+		receivedBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_tcp_received_bytes_total", Help: "Bytes received in requests (client to server)."}, istioLabels),
+		policyDenials: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_policy_denials_total", Help: "Inbound connections refused, by reason."}, []string{"reason"}),
+		failClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_fail_closed_total", Help: "Connections dropped by the tunnel rather than sent insecurely, by reason."}, []string{"reason"}),
+		servedPods: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_tunnel_pods", Help: "Pods whose tunnel listeners are open."}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes, m.policyDenials, m.failClosed, m.servedPods)
+	}
+	return m
+}
+
+// connInfo describes one proxied connection for the metric labels.
+type connInfo struct {
+	reporter     string // "source" (outbound side) or "destination"
+	src, dst     *workload.Workload
+	srcID, dstID identity.ID
+	service      *workload.Service
+	secure       bool
+	flags        string // Istio response flags: "-" or e.g. "UF" (upstream failure)
+}
+
+func (c connInfo) labels() prometheus.Labels {
+	l := prometheus.Labels{"reporter": c.reporter, "request_protocol": "tcp"}
+	workloadLabels(l, "source", c.src, c.srcID)
+	workloadLabels(l, "destination", c.dst, c.dstID)
+	l["destination_service"], l["destination_service_name"], l["destination_service_namespace"] = "unknown", "unknown", "unknown"
+	if c.service != nil {
+		l["destination_service"] = c.service.Hostname("")
+		l["destination_service_name"] = c.service.Name
+		l["destination_service_namespace"] = c.service.Namespace
+	}
+	l["response_flags"] = "-"
+	if c.flags != "" {
+		l["response_flags"] = c.flags
+	}
+	l["connection_security_policy"] = "none"
+	if c.secure {
+		l["connection_security_policy"] = "mutual_tls"
+	}
+	return l
+}
+
+func workloadLabels(l prometheus.Labels, side string, w *workload.Workload, id identity.ID) {
+	l[side+"_workload"], l[side+"_workload_namespace"], l[side+"_app"] = "unknown", "unknown", "unknown"
+	l[side+"_principal"] = "unknown"
+	if !id.IsZero() {
+		l[side+"_principal"] = id.String()
+	}
+	if w == nil {
+		return
+	}
+	l[side+"_workload"] = workloadName(w)
+	l[side+"_workload_namespace"] = w.Namespace
+	if app := w.Labels["app"]; app != "" {
+		l[side+"_app"] = app
+	} else if app := w.Labels["app.kubernetes.io/name"]; app != "" {
+		l[side+"_app"] = app
+	}
+}
+
+// workloadName is the pod's workload as Istio names it: the canonical name
+// label, else app, else the pod name without a ReplicaSet's hash suffixes.
+func workloadName(w *workload.Workload) string {
+	for _, k := range []string{"service.istio.io/canonical-name", "app.kubernetes.io/name", "app"} {
+		if v := w.Labels[k]; v != "" {
+			return v
+		}
+	}
+	if h := w.Labels["pod-template-hash"]; h != "" {
+		if i := strings.Index(w.Name, "-"+h+"-"); i > 0 {
+			return w.Name[:i]
+		}
+	}
+	return w.Name
+}
+
+func (m *Metrics) opened(c connInfo) { m.connsOpened.With(c.labels()).Inc() }
+
+func (m *Metrics) closed(c connInfo, requestBytes, responseBytes int64) {
+	l := c.labels()
+	m.connsClosed.With(l).Inc()
+	m.receivedBytes.With(l).Add(float64(requestBytes))
+	m.sentBytes.With(l).Add(float64(responseBytes))
+}
+
+func (m *Metrics) denied(reason string) { m.policyDenials.WithLabelValues(reason).Inc() }

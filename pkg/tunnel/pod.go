@@ -1,0 +1,158 @@
+package tunnel
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"sync"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+)
+
+// pod is one enrolled pod's listeners and the connections they accepted.
+type pod struct {
+	t     *Tunnel
+	uid   string
+	netns string
+	addrs []netip.Addr
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	lns    []net.Listener
+	hbone  *hbone.Server
+	wg     sync.WaitGroup // accept loops and connection handlers
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+// listen opens the pod's listeners on the wildcard address: one dual-stack
+// IPv6 socket when the namespace has IPv6, else IPv4 only.
+func listenWildcard(ctx context.Context, path string, port uint16, opts netns.SocketOptions) (net.Listener, error) {
+	l, err := netns.Listen(ctx, path, "tcp", net.JoinHostPort("::", strconv.Itoa(int(port))), opts)
+	if err == nil {
+		return l, nil
+	}
+	l4, err4 := netns.Listen(ctx, path, "tcp4", net.JoinHostPort("0.0.0.0", strconv.Itoa(int(port))), opts)
+	if err4 != nil {
+		return nil, errors.Join(err, err4)
+	}
+	return l4, nil
+}
+
+func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.Addr) (*pod, error) {
+	pctx, cancel := context.WithCancel(context.Background())
+	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]struct{}{}}
+	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark}
+	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("outbound listener: %w", err)
+	}
+	in, err := listenWildcard(ctx, path, t.cfg.InboundPort, transparent)
+	if err != nil {
+		out.Close()
+		cancel()
+		return nil, fmt.Errorf("inbound listener: %w", err)
+	}
+	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark})
+	if err != nil {
+		out.Close()
+		in.Close()
+		cancel()
+		return nil, fmt.Errorf("HBONE listener: %w", err)
+	}
+	p.lns = []net.Listener{out, in, hb}
+	if p.hbone, err = t.newHBONEServer(p); err != nil {
+		for _, l := range p.lns {
+			l.Close()
+		}
+		cancel()
+		return nil, fmt.Errorf("HBONE server: %w", err)
+	}
+	p.acceptLoop(out, p.handleOutbound)
+	p.acceptLoop(in, p.handleInboundPlaintext)
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		_ = p.hbone.Serve(hb)
+	}()
+	t.log.InfoContext(ctx, "serving pod", "uid", uid, "netns", path, "addrs", addrs)
+	return p, nil
+}
+
+func (p *pod) acceptLoop(l net.Listener, handle func(net.Conn)) {
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			p.track(c, true)
+			p.wg.Add(1)
+			go func() {
+				defer p.wg.Done()
+				defer p.track(c, false)
+				handle(c)
+			}()
+		}
+	}()
+}
+
+func (p *pod) track(c net.Conn, add bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if add {
+		p.conns[c] = struct{}{}
+	} else {
+		delete(p.conns, c)
+	}
+}
+
+// stop closes the listeners, lets connections finish until ctx ends, then
+// closes the rest and waits for every goroutine.
+func (p *pod) stop(ctx context.Context) {
+	for _, l := range p.lns {
+		l.Close()
+	}
+	_ = p.hbone.Shutdown(ctx)
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+	p.cancel()
+	p.mu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+	<-done
+}
+
+// owns reports whether a is one of the pod's addresses.
+func (p *pod) owns(a netip.Addr) bool {
+	a = a.Unmap()
+	for _, b := range p.addrs {
+		if a == b {
+			return true
+		}
+	}
+	return false
+}
+
+func addrPortOf(a net.Addr) netip.AddrPort {
+	if tcp, ok := a.(*net.TCPAddr); ok {
+		ap := tcp.AddrPort()
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+	}
+	ap, _ := netip.ParseAddrPort(a.String())
+	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+}

@@ -1,0 +1,170 @@
+// Package tunnel is the userspace half of the data path. For every enrolled
+// pod it opens three listeners inside the pod's network namespace: outbound
+// (15001) takes the connections the BPF programs captured from the pod,
+// inbound plaintext (15006) takes new plaintext connections to the pod, and
+// HBONE (15008) takes mutual-TLS HTTP/2 CONNECT streams from other pods'
+// tunnels. Outbound goes to a meshed destination over HBONE with the source
+// pod's SPIFFE identity, or as plain TCP to anything else; inbound is checked
+// against PeerAuthentication and AuthorizationPolicy and delivered to the app
+// from the client's own address.
+package tunnel
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Config wires the tunnel to identity, ports and metrics.
+type Config struct {
+	TrustDomain   string
+	RootNamespace string // PeerAuthentication/AuthorizationPolicy root, default istio-system
+	OutboundPort  uint16
+	InboundPort   uint16
+	HBONEPort     uint16
+	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
+	// the BPF programs never capture packets that carry it.
+	TunnelMark uint32
+	Certs      *identity.Manager
+	Pool       *hbone.Pool
+	Metrics    *Metrics
+	Logger     *slog.Logger
+}
+
+// State is what the tunnel decides with: the workload directory and the
+// mesh policies of one source snapshot. It is replaced whole, never edited.
+type State struct {
+	Dir                   *workload.Directory
+	PeerAuthentications   []policy.PeerAuthentication
+	AuthorizationPolicies []policy.AuthorizationPolicy
+}
+
+// Tunnel serves the enrolled pods of one node.
+type Tunnel struct {
+	cfg   Config
+	log   *slog.Logger
+	state atomic.Pointer[State]
+
+	mu   sync.Mutex
+	pods map[string]*pod // by pod uid
+}
+
+// New returns a tunnel serving no pod yet.
+func New(cfg Config) *Tunnel {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.RootNamespace == "" {
+		cfg.RootNamespace = policy.DefaultRootNamespace
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NewMetrics(nil)
+	}
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}}
+	t.state.Store(&State{Dir: &workload.Directory{}})
+	return t
+}
+
+// Update replaces the directory and policies used for new connections.
+func (t *Tunnel) Update(s *State) { t.state.Store(s) }
+
+// State returns the current directory and policies.
+func (t *Tunnel) State() *State { return t.state.Load() }
+
+// ServePod opens the pod's listeners inside netnsPath. Serving a pod that is
+// already served from the same namespace is a no-op.
+func (t *Tunnel) ServePod(ctx context.Context, uid, netnsPath string, addrs []netip.Addr) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if p, ok := t.pods[uid]; ok {
+		if p.netns == netnsPath && slices.Equal(p.addrs, addrs) {
+			return nil
+		}
+		p.stop(ctx)
+		delete(t.pods, uid)
+	}
+	p, err := t.startPod(ctx, uid, netnsPath, addrs)
+	if err != nil {
+		return err
+	}
+	t.pods[uid] = p
+	t.cfg.Metrics.servedPods.Set(float64(len(t.pods)))
+	return nil
+}
+
+// StopPod closes the pod's listeners and ends its connections.
+func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
+	t.mu.Lock()
+	p, ok := t.pods[uid]
+	delete(t.pods, uid)
+	t.cfg.Metrics.servedPods.Set(float64(len(t.pods)))
+	t.mu.Unlock()
+	if ok {
+		// The pod's entries are gone already, so its captured connections
+		// cannot go on; give them a moment, not a drain.
+		ctx, cancel := context.WithTimeout(ctx, time.Second)
+		defer cancel()
+		p.stop(ctx)
+	}
+	return nil
+}
+
+// ServedPods lists the uids of pods with open listeners.
+func (t *Tunnel) ServedPods() []string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]string, 0, len(t.pods))
+	for uid := range t.pods {
+		out = append(out, uid)
+	}
+	return out
+}
+
+// PodReady reports whether the pod has all its listeners open.
+func (t *Tunnel) PodReady(uid string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.pods[uid]
+	return ok
+}
+
+// Shutdown stops accepting in every pod and waits, until ctx ends, for open
+// connections to finish; then it closes what is left.
+func (t *Tunnel) Shutdown(ctx context.Context) error {
+	t.mu.Lock()
+	pods := t.pods
+	t.pods = map[string]*pod{}
+	t.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, p := range pods {
+		wg.Add(1)
+		go func() { defer wg.Done(); p.stop(ctx) }()
+	}
+	wg.Wait()
+	return nil
+}
+
+// localWorkload returns the enrolled pod at addr, which must be one this
+// tunnel serves.
+func (t *Tunnel) localWorkload(addr netip.Addr) (*workload.Workload, identity.ID, error) {
+	w, ok := t.State().Dir.ByAddr(addr.Unmap())
+	if !ok {
+		return nil, identity.ID{}, fmt.Errorf("no workload known at %s", addr)
+	}
+	return w, t.identityOf(w), nil
+}
+
+func (t *Tunnel) identityOf(w *workload.Workload) identity.ID {
+	return identity.ID{TrustDomain: t.cfg.TrustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+}
+
