@@ -167,4 +167,3 @@ func (t *Tunnel) localWorkload(addr netip.Addr) (*workload.Workload, identity.ID
 func (t *Tunnel) identityOf(w *workload.Workload) identity.ID {
 	return identity.ID{TrustDomain: t.cfg.TrustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
 }
-
