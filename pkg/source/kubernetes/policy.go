@@ -1,0 +1,179 @@
+package kubernetes
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/tools/cache"
+)
+
+// istioSecurity is the API group version of the policies.
+var istioSecurity = schema.GroupVersion{Group: "security.istio.io", Version: "v1"}
+
+// policyKind is one Istio policy resource, watched once its CRD is served.
+type policyKind struct {
+	resource string
+	// check reports whether an object converts to the policy types, and what is lost.
+	check func(*unstructured.Unstructured) (leftOut bool, err error)
+
+	informer      cache.SharedIndexInformer // nil while the CRD is missing
+	loggedMissing bool
+}
+
+// policyWatch starts the policy informers when (and if) their CRDs appear. The agent must run
+// in clusters without Istio's CRDs, so a missing CRD is not an error: it is looked up again
+// every Config.PolicyRecheck. A CRD removed later is not noticed; its informer keeps retrying.
+type policyWatch struct {
+	s       *Source
+	factory dynamicinformer.DynamicSharedInformerFactory
+	kinds   []*policyKind
+	notify  func()
+}
+
+// check starts the informers of the policy kinds the API server now serves. It fails only
+// when discovery gives no answer; a group or kind that is not served is not an error.
+func (w *policyWatch) check(ctx context.Context) error {
+	resources, err := w.s.discovery.ServerResourcesForGroupVersion(istioSecurity.String())
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("look up %s resources: %w", istioSecurity, err)
+	}
+	served := map[string]bool{}
+	if resources != nil {
+		for _, r := range resources.APIResources {
+			served[r.Name] = true
+		}
+	}
+	var started []cache.InformerSynced
+	for _, k := range w.kinds {
+		switch {
+		case k.informer != nil:
+		case served[k.resource]:
+			k.informer = w.factory.ForResource(istioSecurity.WithResource(k.resource)).Informer()
+			if err := k.informer.SetTransform(dropManagedFields); err != nil {
+				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
+			}
+			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
+				w.s.log.Warn("add event handler", "resource", k.resource, "err", err)
+			}
+			w.s.log.Info("watching Istio policies", "resource", k.resource)
+			started = append(started, k.informer.HasSynced)
+		case !k.loggedMissing:
+			w.s.log.Info("Istio policy CRD not installed; checking again periodically",
+				"resource", k.resource+"."+istioSecurity.Group, "every", w.s.cfg.PolicyRecheck)
+			k.loggedMissing = true
+		}
+	}
+	if len(started) == 0 {
+		return nil
+	}
+	w.factory.Start(ctx.Done())
+	// Policies of a kind enter snapshots only once its informer synced (a partial list of
+	// ALLOW/DENY policies would be wrong, not just stale); snapshot on that moment even if
+	// the list was empty and fired no event.
+	go func() {
+		if cache.WaitForCacheSync(ctx.Done(), started...) {
+			w.notify()
+		}
+	}()
+	return nil
+}
+
+// missing reports whether a policy kind waits for its CRD.
+func (w *policyWatch) missing() bool {
+	return slices.ContainsFunc(w.kinds, func(k *policyKind) bool { return k.informer == nil })
+}
+
+// synced reports whether every started policy informer has synced.
+func (w *policyWatch) synced() bool {
+	for _, k := range w.kinds {
+		if k.informer != nil && !k.informer.HasSynced() {
+			return false
+		}
+	}
+	return true
+}
+
+// handler logs objects that do not convert (once per change, not once per snapshot) and
+// asks for a snapshot.
+func (w *policyWatch) handler(k *policyKind) cache.ResourceEventHandlerFuncs {
+	checkObj := func(obj any) {
+		u, ok := obj.(*unstructured.Unstructured)
+		if !ok {
+			return
+		}
+		leftOut, err := k.check(u)
+		switch {
+		case leftOut:
+			w.s.log.Warn("Istio policy does not convert; left out", "resource", k.resource,
+				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
+		case err != nil:
+			w.s.log.Warn("Istio policy has an unknown field; ignored", "resource", k.resource,
+				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
+		}
+	}
+	return cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { checkObj(obj); w.notify() },
+		UpdateFunc: func(_, obj any) { checkObj(obj); w.notify() },
+		DeleteFunc: func(any) { w.notify() },
+	}
+}
+
+// decodeAll converts the cached objects of k to T. Objects that do not decode are left out
+// (the handler logged them). Nothing is returned before the informer has synced.
+func decodeAll[T any](k *policyKind) []*T {
+	if k.informer == nil || !k.informer.HasSynced() {
+		return nil
+	}
+	var out []*T
+	for _, obj := range k.informer.GetStore().List() {
+		u, ok := obj.(*unstructured.Unstructured)
+		if !ok {
+			continue
+		}
+		if v, err := decode[T](u); err == nil {
+			out = append(out, v)
+		}
+	}
+	return out
+}
+
+// decode converts an unstructured object to T through JSON, the encoding the policy types
+// are written for (their port maps have integer keys, which the unstructured converter does
+// not handle).
+func decode[T any](u *unstructured.Unstructured) (*T, error) {
+	b, err := u.MarshalJSON()
+	if err != nil {
+		return nil, fmt.Errorf("encode %s/%s: %w", u.GetNamespace(), u.GetName(), err)
+	}
+	v := new(T)
+	if err := json.Unmarshal(b, v); err != nil {
+		return nil, fmt.Errorf("decode %s/%s: %w", u.GetNamespace(), u.GetName(), err)
+	}
+	return v, nil
+}
+
+// checkSpec decodes the spec of u into S, as decode will. leftOut means it does not decode
+// (and the object stays out of snapshots); otherwise a non-nil err names a field the policy
+// types do not know (a typo, a newer Istio field), which decoding drops.
+func checkSpec[S any](u *unstructured.Unstructured) (leftOut bool, err error) {
+	b, err := json.Marshal(u.Object["spec"])
+	if err != nil {
+		return true, fmt.Errorf("encode spec: %w", err)
+	}
+	if err := json.Unmarshal(b, new(S)); err != nil {
+		return true, fmt.Errorf("decode spec: %w", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(new(S)); err != nil {
+		return false, fmt.Errorf("decode spec: %w", err)
+	}
+	return false, nil
+}

@@ -1,0 +1,286 @@
+// Package kubernetes is the production source.Source: cluster state from the Kubernetes API
+// through client-go informers, delivered as complete snapshots.
+//
+// It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
+// so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices and,
+// when their CRDs are installed, security.istio.io/v1 PeerAuthentications and
+// AuthorizationPolicies. The Annotator patches pods.
+//
+// RBAC the agent's ClusterRole needs for this package:
+//
+//	""                   namespaces, pods, services        get, list, watch
+//	""                   pods                              patch   (Annotator)
+//	discovery.k8s.io     endpointslices                    get, list, watch
+//	security.istio.io    peerauthentications,
+//	                     authorizationpolicies             get, list, watch
+//
+// Discovery of security.istio.io/v1 needs no rule: system:discovery allows it to every
+// authenticated user.
+package kubernetes
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
+	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/source"
+)
+
+// debounce is how long a change waits for more before a snapshot is built: a rollout or the
+// initial list fires hundreds of events, and consumers diff whole snapshots.
+const debounce = 50 * time.Millisecond
+
+// defaultPolicyRecheck is how often to look again for missing Istio CRDs.
+const defaultPolicyRecheck = 30 * time.Second
+
+// Config configures a Source.
+type Config struct {
+	// RestConfig reaches the API server (from a kubeconfig or rest.InClusterConfig).
+	RestConfig *rest.Config
+	// NodeName is the node the agent runs on; it only labels logs, since pods of all nodes
+	// are watched.
+	NodeName string
+	// Logger receives the source's logs; nil means slog.Default().
+	Logger *slog.Logger
+	// Resync re-delivers every cached object this often, which yields a fresh snapshot even
+	// without changes, so consumers repair drift periodically. 0 disables it.
+	Resync time.Duration
+	// PolicyRecheck is how often to check whether the PeerAuthentication and
+	// AuthorizationPolicy CRDs got installed while they are missing; 0 means 30 s.
+	PolicyRecheck time.Duration
+}
+
+// Source is a source.Source backed by the Kubernetes API.
+type Source struct {
+	cfg       Config
+	log       *slog.Logger
+	client    kubernetes.Interface
+	dynamic   dynamic.Interface
+	discovery discovery.DiscoveryInterface
+}
+
+var _ source.Source = (*Source)(nil)
+
+// New returns a Source for cfg. It does not contact the API server; Run does.
+func New(cfg Config) (*Source, error) {
+	if cfg.RestConfig == nil {
+		return nil, errors.New("kubernetes source: no rest config")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.PolicyRecheck <= 0 {
+		cfg.PolicyRecheck = defaultPolicyRecheck
+	}
+	rc := rest.CopyConfig(cfg.RestConfig)
+	if rc.UserAgent == "" {
+		rc.UserAgent = "redirector/" + cfg.NodeName
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("dynamic client: %w", err)
+	}
+	disc, err := discovery.NewDiscoveryClientForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("discovery client: %w", err)
+	}
+	// Built-in types travel as protobuf: cheaper to decode than JSON for thousands of pods.
+	// The dynamic and discovery clients above keep JSON, which CRDs require.
+	rc.ContentType = runtime.ContentTypeProtobuf
+	rc.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
+	client, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return &Source{
+		cfg:       cfg,
+		log:       cfg.Logger.With("source", "kubernetes", "node", cfg.NodeName),
+		client:    client,
+		dynamic:   dyn,
+		discovery: disc,
+	}, nil
+}
+
+// Run watches the cluster and calls update with a full snapshot: first once every informer
+// has synced (so the first snapshot is complete, not the early part of a list), then after
+// each burst of changes, debounced. update is called from Run's goroutine, one call at a time.
+// Run returns nil when ctx is done, or an error if the informers cannot be set up.
+func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
+	ctx, cancel := context.WithCancel(ctx)
+
+	changed := make(chan struct{}, 1)
+	notify := func() {
+		select {
+		case changed <- struct{}{}:
+		default: // a snapshot is already due
+		}
+	}
+	onChange := cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { notify() },
+		UpdateFunc: func(any, any) { notify() },
+		DeleteFunc: func(any) { notify() },
+	}
+
+	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync,
+		informers.WithTransform(dropManagedFields))
+	dynFactory := dynamicinformer.NewDynamicSharedInformerFactory(s.dynamic, s.cfg.Resync)
+	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
+	defer func() {
+		cancel()
+		factory.Shutdown()
+		dynFactory.Shutdown()
+	}()
+
+	l := listers{
+		namespaces:     factory.Core().V1().Namespaces(),
+		pods:           factory.Core().V1().Pods(),
+		services:       factory.Core().V1().Services(),
+		endpointSlices: factory.Discovery().V1().EndpointSlices(),
+		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec]},
+		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec]},
+	}
+	for _, inf := range []cache.SharedIndexInformer{
+		l.namespaces.Informer(), l.pods.Informer(), l.services.Informer(), l.endpointSlices.Informer(),
+	} {
+		if _, err := inf.AddEventHandler(onChange); err != nil {
+			return fmt.Errorf("add event handler: %w", err)
+		}
+	}
+	start := time.Now()
+	factory.Start(ctx.Done())
+
+	// The first snapshot must not lack policies only because the API server did not answer
+	// discovery yet (that would drop DENY policies until the next check): retry until it does.
+	pw := &policyWatch{s: s, factory: dynFactory, kinds: []*policyKind{l.peerAuthn, l.authz}, notify: notify}
+	for {
+		err := pw.check(ctx)
+		if err == nil {
+			break
+		}
+		s.log.Warn("Istio policy discovery failed; retrying", "err", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Second):
+		}
+	}
+
+	for typ, ok := range factory.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("sync %v informer", typ)
+		}
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), pw.synced) {
+		return nil // ctx done
+	}
+
+	// Whatever the initial lists notified is in the first snapshot already.
+	select {
+	case <-changed:
+	default:
+	}
+	snap := l.snapshot()
+	s.log.Info("kubernetes source synced", "took", time.Since(start).Round(time.Millisecond),
+		"namespaces", len(snap.Namespaces), "pods", len(snap.Pods), "services", len(snap.Services),
+		"endpointSlices", len(snap.EndpointSlices), "peerAuthentications", len(snap.PeerAuthentications),
+		"authorizationPolicies", len(snap.AuthorizationPolicies))
+	update(snap)
+
+	recheck := time.NewTicker(s.cfg.PolicyRecheck)
+	defer recheck.Stop()
+	var due <-chan time.Time // non-nil while a snapshot waits out the debounce
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-changed:
+			if due == nil {
+				due = time.After(debounce)
+			}
+		case <-due:
+			due = nil
+			update(l.snapshot())
+		case <-recheck.C:
+			if !pw.missing() {
+				continue
+			}
+			if err := pw.check(ctx); err != nil {
+				s.log.Warn("Istio policy discovery failed", "err", err)
+			}
+		}
+	}
+}
+
+// listers reads the informer caches.
+type listers struct {
+	namespaces     coreinformers.NamespaceInformer
+	pods           coreinformers.PodInformer
+	services       coreinformers.ServiceInformer
+	endpointSlices discoveryinformers.EndpointSliceInformer
+	peerAuthn      *policyKind
+	authz          *policyKind
+}
+
+// snapshot copies the caches into a Snapshot, each list sorted by namespace and name so that
+// equal states give equal snapshots. The objects are shallow copies that share maps and
+// slices with the cache: consumers must not modify them (as source.Snapshot requires).
+func (l listers) snapshot() source.Snapshot {
+	return source.Snapshot{
+		Namespaces:            sortedValues(must(l.namespaces.Lister().List(labels.Everything()))),
+		Pods:                  sortedValues(must(l.pods.Lister().List(labels.Everything()))),
+		Services:              sortedValues(must(l.services.Lister().List(labels.Everything()))),
+		EndpointSlices:        sortedValues(must(l.endpointSlices.Lister().List(labels.Everything()))),
+		PeerAuthentications:   sortedValues(decodeAll[policy.PeerAuthentication](l.peerAuthn)),
+		AuthorizationPolicies: sortedValues(decodeAll[policy.AuthorizationPolicy](l.authz)),
+	}
+}
+
+// sortedValues sorts objs by namespace and name and returns copies of the objects.
+func sortedValues[T any, P interface {
+	*T
+	metav1.Object
+}](objs []P) []T {
+	slices.SortFunc(objs, func(a, b P) int {
+		return cmp.Or(cmp.Compare(a.GetNamespace(), b.GetNamespace()), cmp.Compare(a.GetName(), b.GetName()))
+	})
+	out := make([]T, len(objs))
+	for i, o := range objs {
+		out[i] = *o
+	}
+	return out
+}
+
+// must drops the error of a lister List with labels.Everything(), which cannot fail: the
+// error only reports a selector that does not parse.
+func must[T any](v []T, _ error) []T { return v }
+
+// dropManagedFields strips metadata.managedFields before objects enter the caches: nothing
+// here reads them, and they are a large part of every object's memory.
+func dropManagedFields(obj any) (any, error) {
+	if m, err := meta.Accessor(obj); err == nil {
+		m.SetManagedFields(nil)
+	}
+	return obj, nil
+}
