@@ -1,0 +1,491 @@
+package netnstest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// meshed is the usual cluster: an ambient namespace "mesh" with client (node
+// 1) and server (node 2), and a plain namespace with a non-meshed pod "plain"
+// on node 1.
+func meshed(t *testing.T, extra ...string) (*mesh, *Pod, *Pod, *Pod) {
+	var client, server, plain *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server = tp.Nodes[1].AddPod("server")
+		plain = tp.Nodes[0].AddPod("plain")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(client, "mesh", "client-sa", "app=client").
+			Pod(server, "mesh", "server-sa", "app=server").
+			Pod(plain, "plain", "default")
+		for _, doc := range extra {
+			m.Raw(doc)
+		}
+	})
+	httpApp(t, server, "server")
+	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	return ms, client, server, plain
+}
+
+// rewrite replaces the cluster file with the base objects plus extra docs;
+// the agents pick it up through their file watch.
+func (ms *mesh) rewrite(t *testing.T, client, server, plain *Pod, extra ...string) {
+	t.Helper()
+	m := &Manifest{}
+	m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+		Pod(client, "mesh", "client-sa", "app=client").
+		Pod(server, "mesh", "server-sa", "app=server").
+		Pod(plain, "plain", "default")
+	for _, doc := range extra {
+		m.Raw(doc)
+	}
+	if err := m.Write(ms.manifest); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// capture records every frame on iface inside the namespace at path until
+// stop is called.
+func capture(t *testing.T, path, iface string) (stop func() []byte) {
+	t.Helper()
+	var fd int
+	err := netns.Do(path, func() error {
+		ifi, err := net.InterfaceByName(iface)
+		if err != nil {
+			return err
+		}
+		proto := int(htons(unix.ETH_P_ALL))
+		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW, proto)
+		if err != nil {
+			return err
+		}
+		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index})
+	})
+	if err != nil {
+		t.Fatalf("capture on %s: %v", iface, err)
+	}
+	var mu sync.Mutex
+	var buf bytes.Buffer
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		b := make([]byte, 65536)
+		for {
+			n, _, err := unix.Recvfrom(fd, b, 0)
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			buf.Write(b[:n])
+			mu.Unlock()
+		}
+	}()
+	return func() []byte {
+		unix.Shutdown(fd, unix.SHUT_RDWR)
+		unix.Close(fd)
+		<-done
+		mu.Lock()
+		defer mu.Unlock()
+		return buf.Bytes()
+	}
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+func TestOnlyTLSBetweenNodes(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	_ = ms
+	stop := capture(t, client.Node.Path(), "uplink")
+	const marker = "plaintext-marker-7f3a9c"
+	Eventually(t, 10*time.Second, func() error {
+		out, err := curl(client, urlOf(server.IPv4, 8080)+marker)
+		if err == nil && !strings.Contains(out, "server peer="+client.IPv4.String()) {
+			return fmt.Errorf("unexpected answer %q", out)
+		}
+		return err
+	})
+	if _, err := curl(client, urlOf(server.IPv6, 8080)+marker); err != nil {
+		t.Fatal(err)
+	}
+	wire := stop()
+	if bytes.Contains(wire, []byte(marker)) || bytes.Contains(wire, []byte("server peer=")) {
+		t.Fatal("plaintext request or response seen on the link between the nodes")
+	}
+	// A TLS handshake record (content type 22, version 3.x) went over the wire.
+	if !bytes.Contains(wire, []byte{0x16, 0x03, 0x01}) && !bytes.Contains(wire, []byte{0x16, 0x03, 0x03}) {
+		t.Fatal("no TLS handshake seen on the link between the nodes")
+	}
+	if len(wire) == 0 {
+		t.Fatal("capture saw nothing")
+	}
+}
+
+func TestForeignCARefused(t *testing.T) {
+	var client, server, client2, server2 *Pod
+	tp := New(t, 2)
+	client, server = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
+	client2, server2 = tp.Nodes[1].AddPod("client2"), tp.Nodes[0].AddPod("server2")
+	m := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").
+		Pod(client, "mesh", "client").Pod(server, "mesh", "server").
+		Pod(client2, "mesh", "client").Pod(server2, "mesh", "server")
+	dir := t.TempDir()
+	manifest := filepath.Join(dir, "cluster.yaml")
+	if err := m.Write(manifest); err != nil {
+		t.Fatal(err)
+	}
+	var agents []*Agent
+	for i, n := range tp.Nodes {
+		ca := filepath.Join(dir, fmt.Sprintf("ca%d", i))
+		if out, err := Exec(context.Background(), "/proc/self/ns/net", redirectorBin(), "ca", "init", "--dir", ca); err != nil {
+			t.Fatalf("%v %s", err, out)
+		}
+		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca}))
+	}
+	httpApp(t, server, "server")
+	httpApp(t, server2, "server2")
+	for _, a := range agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
+	time.Sleep(500 * time.Millisecond)
+	// node1 -> node2 and node2 -> node1: each side holds a different root.
+	if out, err := curl(client, urlOf(server.IPv4, 8080)); err == nil {
+		t.Errorf("client reached a server of another CA: %q", out)
+	}
+	if out, err := curl(client2, urlOf(server2.IPv4, 8080)); err == nil {
+		t.Errorf("client2 reached a server of another CA: %q", out)
+	}
+	for _, a := range agents {
+		a.WaitLog(t, "HBONE connect failed", 5*time.Second)
+	}
+}
+
+func TestPeerAuthenticationAndAuthorization(t *testing.T) {
+	strict := `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`
+	ms, client, server, plain := meshed(t, strict)
+	httpAppOn(t, server, 8081, "server-8081")
+	// Meshed client passes under STRICT.
+	Eventually(t, 10*time.Second, func() error { _, err := curl(client, urlOf(server.IPv4, 8080)); return err })
+	// Plaintext from a non-meshed pod is refused.
+	if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+		t.Fatalf("STRICT: plaintext client got %q", out)
+	}
+
+	// PERMISSIVE: plaintext works.
+	ms.rewrite(t, client, server, plain, strings.Replace(strict, "STRICT", "PERMISSIVE", 1))
+	Eventually(t, 5*time.Second, func() error {
+		out, err := curl(plain, urlOf(server.IPv4, 8080))
+		if err == nil && !strings.Contains(out, "peer="+plain.IPv4.String()) {
+			return fmt.Errorf("app saw %q, want the plain pod's address", out)
+		}
+		return err
+	})
+
+	// Workload STRICT with a port-level PERMISSIVE exception on 8081 only.
+	portLevel := `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: server, namespace: mesh}
+spec:
+  selector: {matchLabels: {app: server}}
+  mtls: {mode: STRICT}
+  portLevelMtls:
+    8081: {mode: PERMISSIVE}`
+	ms.rewrite(t, client, server, plain, portLevel)
+	Eventually(t, 5*time.Second, func() error {
+		if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+			return fmt.Errorf("port 8080 still accepts plaintext: %q", out)
+		}
+		return nil
+	})
+	if _, err := curl(plain, urlOf(server.IPv4, 8081)); err != nil {
+		t.Errorf("port-level PERMISSIVE 8081 refused plaintext: %v", err)
+	}
+
+	// DENY by principal blocks exactly that client.
+	deny := `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-client, namespace: mesh}
+spec:
+  action: DENY
+  rules:
+  - from:
+    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	ms.rewrite(t, client, server, plain, deny)
+	Eventually(t, 5*time.Second, func() error {
+		if out, err := curl(client, urlOf(server.IPv4, 8080)); err == nil {
+			return fmt.Errorf("denied client still gets %q", out)
+		}
+		return nil
+	})
+	if _, err := curl(plain, urlOf(server.IPv4, 8080)); err != nil {
+		t.Errorf("DENY by principal also blocked the plaintext pod: %v", err)
+	}
+
+	// ALLOW admits only what it names: the client's principal, not the plain pod.
+	allow := `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: allow-client, namespace: mesh}
+spec:
+  action: ALLOW
+  rules:
+  - from:
+    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	ms.rewrite(t, client, server, plain, allow)
+	Eventually(t, 5*time.Second, func() error { _, err := curl(client, urlOf(server.IPv4, 8080)); return err })
+	if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+		t.Errorf("ALLOW naming only the client admitted the plain pod: %q", out)
+	}
+	ms.agents[1].WaitLog(t, "denied by authorization policy", 2*time.Second)
+}
+
+// httpAppOn is httpApp on another port.
+func httpAppOn(t *testing.T, p *Pod, port int, name string) {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				br := bufio.NewReader(c)
+				for {
+					line, err := br.ReadString('\n')
+					if err != nil || line == "\r\n" {
+						break
+					}
+				}
+				body := name + "\n"
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+			}()
+		}
+	}()
+	t.Cleanup(func() { l.Close() })
+}
+
+// sinkServer reads until EOF, then answers the SHA-256 of what it read and
+// closes: it exercises half-close in both directions.
+func sinkServer(t *testing.T, p *Pod, port int) {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				h := sha256.New()
+				if _, err := io.Copy(h, c); err != nil {
+					return
+				}
+				io.WriteString(c, hex.EncodeToString(h.Sum(nil))+"\n")
+			}()
+		}
+	}()
+	t.Cleanup(func() { l.Close() })
+}
+
+func TestBulkTransferAndHalfClose(t *testing.T) {
+	_, client, server, _ := meshed(t)
+	sinkServer(t, server, 9000)
+	size := int64(1 << 30)
+	if testing.Short() {
+		size = 64 << 20
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var c net.Conn
+	Eventually(t, 10*time.Second, func() error {
+		var err error
+		c, err = netns.Dial(ctx, client.Path(), "tcp", netip.AddrPortFrom(server.IPv4, 9000).String(), netns.SocketOptions{})
+		return err
+	})
+	defer c.Close()
+	h := sha256.New()
+	start := time.Now()
+	src := io.TeeReader(io.LimitReader(newPattern(), size), h)
+	if _, err := io.Copy(c, src); err != nil {
+		t.Fatalf("send: %v", err)
+	}
+	// Half-close: the server reads to EOF and only then replies.
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	reply, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		t.Fatalf("reply after half-close: %v", err)
+	}
+	elapsed := time.Since(start)
+	if got, want := strings.TrimSpace(reply), hex.EncodeToString(h.Sum(nil)); got != want {
+		t.Fatalf("server read sha256 %s, client sent %s", got, want)
+	}
+	t.Logf("%d MiB through the mesh in %s (%.2f Gbit/s)", size>>20, elapsed.Round(time.Millisecond), float64(size)*8/elapsed.Seconds()/1e9)
+}
+
+// pattern is a cheap, non-repeating-looking byte stream.
+type pattern struct{ x uint64 }
+
+func newPattern() *pattern { return &pattern{x: 0x9e3779b97f4a7c15} }
+
+func (p *pattern) Read(b []byte) (int, error) {
+	for i := range b {
+		p.x ^= p.x << 13
+		p.x ^= p.x >> 7
+		p.x ^= p.x << 17
+		b[i] = byte(p.x)
+	}
+	return len(b), nil
+}
+
+func TestPooledConnections(t *testing.T) {
+	_, client, server, _ := meshed(t)
+	echo, err := netns.Listen(context.Background(), server.Path(), "tcp", "[::]:9200", netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { echo.Close() })
+	go func() {
+		for {
+			c, err := echo.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+	const n = 200
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conns := make([]net.Conn, n)
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := netns.Dial(ctx, client.Path(), "tcp", netip.AddrPortFrom(server.IPv4, 9200).String(), netns.SocketOptions{})
+			if err != nil {
+				errs <- err
+				return
+			}
+			conns[i] = c
+			msg := fmt.Sprintf("hello %d\n", i)
+			c.SetDeadline(time.Now().Add(20 * time.Second))
+			if _, err := io.WriteString(c, msg); err != nil {
+				errs <- err
+				return
+			}
+			got, err := bufio.NewReader(c).ReadString('\n')
+			if err != nil || got != msg {
+				errs <- fmt.Errorf("conn %d echoed %q, %v", i, got, err)
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	// While all 200 are open, count TLS connections into the server's :15008.
+	var hbone int
+	err = netns.Do(server.Path(), func() error {
+		var err error
+		hbone, err = countEstablished(15008)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range conns {
+		if c != nil {
+			c.Close()
+		}
+	}
+	t.Logf("%d concurrent connections used %d HBONE connections", n, hbone)
+	if hbone < 1 || hbone > 6 {
+		t.Errorf("%d concurrent connections used %d HBONE connections, want a handful (2 at 100 streams each)", n, hbone)
+	}
+}
+
+// countEstablished counts established TCP sockets with local port port in
+// the current network namespace, from /proc/net/tcp{,6}.
+func countEstablished(port int) (int, error) {
+	n := 0
+	for _, f := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			return 0, err
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			fields := strings.Fields(line)
+			if len(fields) < 4 {
+				continue
+			}
+			local := fields[1]
+			if strings.HasSuffix(local, fmt.Sprintf(":%04X", port)) && fields[3] == "01" {
+				n++
+			}
+		}
+	}
+	return n, nil
+}
+
+func TestSameNodeIsMeshed(t *testing.T) {
+	strict := `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`
+	var a, b, plain *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		a, b, plain = tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b"), tp.Nodes[0].AddPod("plain")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(a, "mesh", "a-sa").Pod(b, "mesh", "b-sa").Pod(plain, "plain", "default").Raw(strict)
+	})
+	httpApp(t, b, "b")
+	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
+	var out string
+	Eventually(t, 10*time.Second, func() error { var err error; out, err = curl(a, urlOf(b.IPv6, 8080)); return err })
+	if !strings.Contains(out, "peer="+a.IPv6.String()) {
+		t.Errorf("same-node app saw %q, want peer %s", out, a.IPv6)
+	}
+	ms.agents[0].WaitLog(t, "spiffe://cluster.local/ns/mesh/sa/a-sa", 2*time.Second)
+	if out, err := curl(plain, urlOf(b.IPv4, 8080)); err == nil {
+		t.Errorf("same-node plaintext reached a STRICT pod: %q", out)
+	}
+}
