@@ -169,10 +169,11 @@ func runAgent(ctx context.Context, args []string) error {
 	})
 	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
 
-	src, err := newSource(cfg, log)
+	src, ann, err := newSource(cfg, log)
 	if err != nil {
 		return err
 	}
+	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann}
 	var ready atomic.Bool
 	servers := startHTTP(ctx, log, cfg, reg, &ready)
 	defer func() {
@@ -220,51 +221,100 @@ func runAgent(ctx context.Context, args []string) error {
 		if last == nil {
 			continue
 		}
-		apply(ctx, log, cfg, *last, tun, rec, full)
+		ag.apply(ctx, *last, full)
 		ready.Store(true)
 	}
 }
 
+// agent holds what one snapshot is applied to.
+type agent struct {
+	cfg agentConfig
+	log *slog.Logger
+	tun *tunnel.Tunnel
+	ld  *loader.Loader
+	rec *loader.Reconciler
+	// ann writes the redirection annotation; nil for the file source.
+	ann *kubernetes.Annotator
+}
+
 // apply turns one snapshot into the tunnel's state and this node's
 // enrollment.
-func apply(ctx context.Context, log *slog.Logger, cfg agentConfig, s source.Snapshot, tun *tunnel.Tunnel, rec *loader.Reconciler, full bool) {
-	dir, errs := workload.Build(s, cfg.selection, nil)
+func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
+	dir, errs := workload.Build(s, a.cfg.selection, nil)
 	for _, err := range errs {
-		log.Error("workload skipped", "error", err)
+		a.log.Error("workload skipped", "error", err)
 	}
-	tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies})
+	a.tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies})
 	var want []loader.Pod
-	for _, w := range dir.LocalPods(cfg.node) {
+	for _, w := range dir.LocalPods(a.cfg.node) {
 		if !w.Enrolled {
 			continue
 		}
-		uid := w.UID
-		if uid == "" {
-			uid = w.Namespace + "/" + w.Name
-		}
-		want = append(want, loader.Pod{UID: uid, Namespace: w.Namespace, Name: w.Name, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
+		want = append(want, loader.Pod{UID: podUID(w), Namespace: w.Namespace, Name: w.Name, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
 	}
-	res := rec.Reconcile(ctx, want, full)
+	res := a.rec.Reconcile(ctx, want, full)
 	for _, p := range res.Attached {
-		log.Info("pod enrolled", "pod", p)
+		a.log.Info("pod enrolled", "pod", p)
 	}
 	for _, p := range res.Detached {
-		log.Info("pod unenrolled", "pod", p)
+		a.log.Info("pod unenrolled", "pod", p)
 	}
 	for _, p := range res.Repaired {
-		log.Warn("pod repaired", "pod", p)
+		a.log.Warn("pod repaired", "pod", p)
 	}
 	for _, err := range res.Errors {
-		log.Error("reconcile", "error", err)
+		a.log.Error("reconcile", "error", err)
+	}
+	if a.ann != nil {
+		a.syncAnnotations(ctx, s)
 	}
 }
 
-func newSource(cfg agentConfig, log *slog.Logger) (source.Source, error) {
+// podUID identifies a pod to the loader; manifests without a uid fall back
+// to namespace/name.
+func podUID(w *workload.Workload) string {
+	if w.UID != "" {
+		return w.UID
+	}
+	return w.Namespace + "/" + w.Name
+}
+
+// syncAnnotations makes ambient.istio.io/redirection on this node's pods say
+// what is attached: "enabled" exactly on the pods the loader redirects.
+func (a *agent) syncAnnotations(ctx context.Context, s source.Snapshot) {
+	pods, err := a.ld.Pods()
+	if err != nil {
+		a.log.Error("read attached pods", "error", err)
+		return
+	}
+	attached := map[string]bool{}
+	for _, p := range pods {
+		attached[p.Meta.UID] = true
+	}
+	for i := range s.Pods {
+		p := &s.Pods[i]
+		if p.Spec.NodeName != a.cfg.node {
+			continue
+		}
+		want := attached[string(p.UID)]
+		have := p.Annotations[kubernetes.RedirectionAnnotation] == "enabled"
+		if want == have || (!want && p.DeletionTimestamp != nil) {
+			continue
+		}
+		if err := a.ann.SetRedirection(ctx, p.Namespace, p.Name, want); err != nil {
+			a.log.Error("annotate pod", "error", err)
+		}
+	}
+}
+
+// newSource returns the configured source, and for Kubernetes the
+// annotator that marks redirected pods.
+func newSource(cfg agentConfig, log *slog.Logger) (source.Source, *kubernetes.Annotator, error) {
 	if cfg.source != "kubernetes" {
 		if _, err := os.Stat(cfg.source); err != nil {
-			return nil, fmt.Errorf("--source (SOURCE): %w", err)
+			return nil, nil, fmt.Errorf("--source (SOURCE): %w", err)
 		}
-		return file.New(cfg.source, log), nil
+		return file.New(cfg.source, log), nil, nil
 	}
 	var rc *rest.Config
 	var err error
@@ -274,13 +324,17 @@ func newSource(cfg agentConfig, log *slog.Logger) (source.Source, error) {
 		rc, err = rest.InClusterConfig()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes client config: %w", err)
+		return nil, nil, fmt.Errorf("kubernetes client config: %w", err)
 	}
 	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log})
 	if err != nil {
-		return nil, fmt.Errorf("kubernetes source: %w", err)
+		return nil, nil, fmt.Errorf("kubernetes source: %w", err)
 	}
-	return ks, nil
+	ann, err := kubernetes.NewAnnotator(rc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
+	}
+	return ks, ann, nil
 }
 
 // startHTTP serves metrics and readiness. Ready means the BPF objects are

@@ -1,0 +1,204 @@
+package netnstest
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/redirector-mesh/redirector/pkg/maps"
+)
+
+// enrolledNames reads the pinned pod metadata of an agent: namespace/name -> id.
+func enrolledNames(root string) (map[string]uint32, error) {
+	m, err := maps.OpenPinned(root)
+	if err != nil {
+		return nil, err
+	}
+	defer m.Close()
+	metas, err := m.ListMeta()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]uint32{}
+	for id, meta := range metas {
+		out[meta.Namespace+"/"+meta.Name] = id
+	}
+	return out, nil
+}
+
+func mustEnrolledNames(t *testing.T, root string) map[string]uint32 {
+	t.Helper()
+	got, err := enrolledNames(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+func entryCount(t *testing.T, root string) int {
+	t.Helper()
+	m, err := maps.OpenPinned(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	pods, err := m.ListPods()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(pods)
+}
+
+func waitEnrolled(t *testing.T, root string, timeout time.Duration, want ...string) {
+	t.Helper()
+	Eventually(t, timeout, func() error {
+		got, err := enrolledNames(root)
+		if err != nil {
+			return err
+		}
+		if len(got) != len(want) {
+			return fmt.Errorf("enrolled %v, want %v", got, want)
+		}
+		for _, w := range want {
+			if _, ok := got[w]; !ok {
+				return fmt.Errorf("enrolled %v, want %v", got, want)
+			}
+		}
+		return nil
+	})
+}
+
+func TestEnrollmentFollowsLabels(t *testing.T) {
+	tp := New(t, 1)
+	a, b := tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b")
+	dir := t.TempDir()
+	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
+	write := func(nsLabels []string, bLabels ...string) {
+		m := (&Manifest{}).Namespace("shop", nsLabels...).Pod(a, "shop", "a").Pod(b, "shop", "b", bLabels...)
+		if err := m.Write(manifest); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write([]string{"istio.io/dataplane-mode=ambient"})
+	initCA(t, ca)
+	ag := StartAgent(t, tp.Nodes[0], AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca})
+	waitEnrolled(t, ag.BPFRoot, 10*time.Second, "shop/a", "shop/b")
+
+	// Pod relabelled none: only that pod leaves.
+	write([]string{"istio.io/dataplane-mode=ambient"}, "istio.io/dataplane-mode=none")
+	waitEnrolled(t, ag.BPFRoot, 2*time.Second, "shop/a")
+
+	// Namespace label removed: every pod leaves within a second, entries and all.
+	write(nil)
+	start := time.Now()
+	waitEnrolled(t, ag.BPFRoot, time.Second)
+	if n := entryCount(t, ag.BPFRoot); n != 0 {
+		t.Errorf("%d enrollment entries left after the namespace label was removed", n)
+	}
+	t.Logf("namespace label removed -> pods unenrolled in %s", time.Since(start).Round(time.Millisecond))
+}
+
+func TestRestartConverges(t *testing.T) {
+	tp := New(t, 1)
+	n := tp.Nodes[0]
+	a, b, c := n.AddPod("a"), n.AddPod("b"), n.AddPod("c")
+	dir := t.TempDir()
+	manifest, ca, root := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca"), filepath.Join(dir, "bpf")
+	m := (&Manifest{}).Namespace("shop", "istio.io/dataplane-mode=ambient").Pod(a, "shop", "a").Pod(b, "shop", "b").Pod(c, "shop", "c", "istio.io/dataplane-mode=none")
+	if err := m.Write(manifest); err != nil {
+		t.Fatal(err)
+	}
+	initCA(t, ca)
+	opts := AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, BPFRoot: root}
+	first := StartAgent(t, n, opts)
+	waitEnrolled(t, root, 10*time.Second, "shop/a", "shop/b")
+	before := mustEnrolledNames(t, root)
+	linkID := pinnedLinkID(t, root, before["shop/a"])
+
+	first.Kill() // kill -9: no drain, no cleanup
+	// While it is down: b leaves the mesh, c joins.
+	m = (&Manifest{}).Namespace("shop", "istio.io/dataplane-mode=ambient").Pod(a, "shop", "a").Pod(b, "shop", "b", "istio.io/dataplane-mode=none").Pod(c, "shop", "c")
+	if err := m.Write(manifest); err != nil {
+		t.Fatal(err)
+	}
+	second := StartAgent(t, n, opts)
+	waitEnrolled(t, root, 10*time.Second, "shop/a", "shop/c")
+	after := mustEnrolledNames(t, root)
+	if after["shop/a"] != before["shop/a"] || pinnedLinkID(t, root, after["shop/a"]) != linkID {
+		t.Errorf("pod a was re-attached (id %d -> %d, link %d -> %d); its state was right", before["shop/a"], after["shop/a"], linkID, pinnedLinkID(t, root, after["shop/a"]))
+	}
+	log := second.Log()
+	if strings.Contains(log, "pod enrolled pod=shop/a") || strings.Contains(log, "pod repaired pod=shop/a") {
+		t.Errorf("the restarted agent touched pod a:\n%s", log)
+	}
+	// a's captured traffic works again through the new process.
+	httpApp(t, b, "b")
+	Eventually(t, 5*time.Second, func() error { _, err := curl(a, urlOf(b.IPv4, 8080)); return err })
+}
+
+func pinnedLinkID(t *testing.T, root string, id uint32) link.ID {
+	t.Helper()
+	l, err := link.LoadPinnedLink(filepath.Join(root, "pods", fmt.Sprint(id), "egress"), &ebpf.LoadPinOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return info.ID
+}
+
+func initCA(t *testing.T, dir string) {
+	t.Helper()
+	if out, err := Exec(t.Context(), "/proc/self/ns/net", redirectorBin(), "ca", "init", "--dir", dir); err != nil {
+		t.Fatalf("ca init: %v: %s", err, out)
+	}
+}
+
+func TestBadInputIsIsolated(t *testing.T) {
+	tp := New(t, 1)
+	good, server := tp.Nodes[0].AddPod("good"), tp.Nodes[0].AddPod("server")
+	dir := t.TempDir()
+	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
+	m := (&Manifest{}).Namespace("shop", "istio.io/dataplane-mode=ambient").Pod(good, "shop", "good").Raw(`
+apiVersion: v1
+kind: Pod
+metadata: {name: bad-ip, namespace: shop}
+spec: {nodeName: node1, containers: [{name: c, image: c}]}
+status: {phase: Running, podIP: 10.1.0.999}`).Raw(`
+apiVersion: v1
+kind: Pod
+metadata: {name: no-netns, namespace: shop, uid: uid-no-netns}
+spec: {nodeName: node1, containers: [{name: c, image: c}]}
+status: {phase: Running, podIP: 10.1.0.200}`).Raw(`
+apiVersion: v1
+kind: Pod
+metadata: {name: odd-runtime, namespace: shop}
+spec: {nodeName: node1, runtimeClassName: kata-fc, containers: [{name: c, image: c}]}
+status: {phase: Running, podIP: 10.1.0.201}`).Raw(`
+apiVersion: v1
+kind: Pod
+metadata: {name: broken
+  namespace: shop`)
+	if err := os.WriteFile(manifest, []byte(m.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	initCA(t, ca)
+	ag := StartAgent(t, tp.Nodes[0], AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, Env: []string{"SKIP_RUNTIME_CLASSES=kata"}})
+	waitEnrolled(t, ag.BPFRoot, 10*time.Second, "shop/good")
+	for _, want := range []string{"shop/bad-ip", "10.1.0.999", "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=6"} {
+		ag.WaitLog(t, want, 5*time.Second)
+	}
+	httpApp(t, server, "server")
+	if out, err := curl(good, urlOf(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
+		t.Errorf("the good pod does not work next to bad input: %q %v", out, err)
+	}
+}
