@@ -1,0 +1,108 @@
+package cni
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+)
+
+// SelectionHint is the agent's last word on which namespaces are in the
+// ambient mesh, for the plugin to use only while the agent is unreachable.
+//
+// The rule the plugin applies with it (WouldEnroll) is deliberately coarse:
+// CNI carries no pod labels, so a pod opted in by its own label in a
+// non-ambient namespace passes (the agent enrolls it when it is back, its
+// start-up reconcile finds pods by address), and a pod opted out by label in
+// an ambient namespace is refused until the agent answers again.
+type SelectionHint struct {
+	// AmbientNamespaces carry istio.io/dataplane-mode=ambient.
+	AmbientNamespaces []string `json:"ambientNamespaces"`
+	// ExcludedNamespaces are never enrolled whatever their labels.
+	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// Written is when the agent wrote the hint, for operators reading it.
+	Written time.Time `json:"written"`
+}
+
+// WouldEnroll reports whether a pod in namespace would probably be enrolled.
+func (h SelectionHint) WouldEnroll(namespace string) bool {
+	return !slices.Contains(h.ExcludedNamespaces, namespace) && slices.Contains(h.AmbientNamespaces, namespace)
+}
+
+// WriteSelectionHint replaces the hint at path (DefaultHintPath if empty).
+// The agent calls it on every snapshot. The write is atomic (temporary file,
+// fsync, rename), so a plugin running at the same moment reads the old or the
+// new hint, never half of one. The directory is created (0700) if missing.
+func WriteSelectionHint(path string, ambientNamespaces, excluded []string) error {
+	if path == "" {
+		path = DefaultHintPath
+	}
+	h := SelectionHint{
+		AmbientNamespaces:  sortedUnique(ambientNamespaces),
+		ExcludedNamespaces: sortedUnique(excluded),
+		Written:            time.Now().UTC(),
+	}
+	data, err := json.MarshalIndent(h, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode selection hint: %w", err)
+	}
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create selection hint directory: %w", err)
+	}
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".*")
+	if err != nil {
+		return fmt.Errorf("write selection hint: %w", err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // fails harmlessly after the rename
+	if _, err := f.Write(append(data, '\n')); err != nil {
+		f.Close()
+		return fmt.Errorf("write selection hint %s: %w", tmp, err)
+	}
+	if err := f.Chmod(0o644); err != nil {
+		f.Close()
+		return fmt.Errorf("write selection hint %s: %w", tmp, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("sync selection hint %s: %w", tmp, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("close selection hint %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("replace selection hint %s: %w", path, err)
+	}
+	return nil
+}
+
+// ReadSelectionHint reads the hint at path (DefaultHintPath if empty). A
+// missing file is an error wrapping os.ErrNotExist: the caller must not take
+// it as "no namespace is ambient".
+func ReadSelectionHint(path string) (SelectionHint, error) {
+	if path == "" {
+		path = DefaultHintPath
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return SelectionHint{}, fmt.Errorf("read selection hint: %w", err)
+	}
+	var h SelectionHint
+	if err := json.Unmarshal(data, &h); err != nil {
+		return SelectionHint{}, fmt.Errorf("decode selection hint %s: %w", path, err)
+	}
+	return h, nil
+}
+
+func sortedUnique(in []string) []string {
+	out := slices.Clone(in)
+	slices.Sort(out)
+	out = slices.Compact(out)
+	if out == nil {
+		out = []string{}
+	}
+	return out
+}
