@@ -72,8 +72,12 @@ func StartAgent(t testing.TB, n *Node, o AgentOptions) *Agent {
 		o.BPFRoot = filepath.Join(t.TempDir(), "bpf-"+n.Name)
 	}
 	a := &Agent{Node: n, BPFRoot: o.BPFRoot, log: &syncBuffer{}, done: make(chan struct{})}
-	args := append([]string{"run", "--node-name", fmt.Sprintf("node%d", n.Index), "--source", "file:" + o.Manifest,
-		"--ca-dir", o.CADir, "--bpf-root", o.BPFRoot, "--reconcile-period", "2s", "--log-level", "debug"}, o.Args...)
+	args := []string{"run", "--node-name", fmt.Sprintf("node%d", n.Index)}
+	if o.Manifest != "" {
+		args = append(args, "--source", "file:"+o.Manifest)
+	}
+	args = append(append(args,
+		"--ca-dir", o.CADir, "--bpf-root", o.BPFRoot, "--reconcile-period", "2s", "--log-level", "debug"), o.Args...)
 	a.cmd = Command(context.Background(), n.Path(), o.Binary, args...)
 	a.cmd.Env = append(os.Environ(), o.Env...)
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
