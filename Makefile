@@ -51,10 +51,17 @@ lint:
 test-unit:
 	$(GO) test -count=1 -short $(PKGS)
 
+## test-deps: build the test kube-apiserver/etcd and the reference CNI plugins (cached by content hash)
+.PHONY: test-deps
+test-deps:
+	@bash hack/k8s-binaries.sh >/dev/null
+	@bash hack/cni-plugins.sh >/dev/null
+
 ## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
 .PHONY: test
-test: deps lint gen-check build
+test: deps lint gen-check build test-deps
 	$(GO) test -count=1 -timeout 25m $(PKGS)
+	cd test/cniplugins && $(GO) vet ./...
 	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
 			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
