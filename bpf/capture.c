@@ -69,7 +69,7 @@ static __always_inline int is_probe_addr(const struct pod_addr *a)
 {
 	struct pod_addr probe = {};
 
-	if (a->addr[10] == 0xff && a->addr[11] == 0xff) {
+	if (is_v4(a)) {
 		probe.addr[10] = 0xff;
 		probe.addr[11] = 0xff;
 		probe.addr[12] = probe_snat_v4[0];

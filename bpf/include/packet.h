@@ -39,10 +39,19 @@ static __always_inline int addr_eq(const struct pod_addr *a, const struct pod_ad
 	return x[0] == y[0] && x[1] == y[1];
 }
 
+/* is_v4 reports whether a is IPv4-mapped (::ffff:a.b.c.d). All ten
+ * leading bytes must be zero: an IPv6 address may well have 0xffff in
+ * bytes 10-11 (the default probe SNAT address does). */
+static __always_inline int is_v4(const struct pod_addr *a)
+{
+	const __u64 *w = (const __u64 *)a->addr;
+	return w[0] == 0 && a->addr[8] == 0 && a->addr[9] == 0 && a->addr[10] == 0xff && a->addr[11] == 0xff;
+}
+
 static __always_inline int is_loopback(const struct pod_addr *a)
 {
 	static const struct pod_addr lo6 = {.addr = {[15] = 1}};
-	if (a->addr[10] == 0xff && a->addr[11] == 0xff && a->addr[12] == 127)
+	if (is_v4(a) && a->addr[12] == 127)
 		return 1;
 	return addr_eq(a, &lo6);
 }

@@ -166,6 +166,8 @@ func initCA(t *testing.T, dir string) {
 func TestBadInputIsIsolated(t *testing.T) {
 	tp := New(t, 1)
 	good, server := tp.Nodes[0].AddPod("good"), tp.Nodes[0].AddPod("server")
+	badIP := strings.Replace(tp.Nodes[0].PodAddr4(200).String(), ".200", ".999", 1)
+	noNetNS, oddRuntime := tp.Nodes[0].PodAddr4(200), tp.Nodes[0].PodAddr4(201)
 	dir := t.TempDir()
 	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
 	m := (&Manifest{}).Namespace("shop", "istio.io/dataplane-mode=ambient").Pod(good, "shop", "good").Raw(`
@@ -173,17 +175,17 @@ apiVersion: v1
 kind: Pod
 metadata: {name: bad-ip, namespace: shop}
 spec: {nodeName: node1, containers: [{name: c, image: c}]}
-status: {phase: Running, podIP: 10.1.0.999}`).Raw(`
+status: {phase: Running, podIP: ` + badIP + `}`).Raw(`
 apiVersion: v1
 kind: Pod
 metadata: {name: no-netns, namespace: shop, uid: uid-no-netns}
 spec: {nodeName: node1, containers: [{name: c, image: c}]}
-status: {phase: Running, podIP: 10.1.0.200}`).Raw(`
+status: {phase: Running, podIP: ` + noNetNS.String() + `}`).Raw(`
 apiVersion: v1
 kind: Pod
 metadata: {name: odd-runtime, namespace: shop}
 spec: {nodeName: node1, runtimeClassName: kata-fc, containers: [{name: c, image: c}]}
-status: {phase: Running, podIP: 10.1.0.201}`).Raw(`
+status: {phase: Running, podIP: ` + oddRuntime.String() + `}`).Raw(`
 apiVersion: v1
 kind: Pod
 metadata: {name: broken
@@ -194,7 +196,7 @@ metadata: {name: broken
 	initCA(t, ca)
 	ag := StartAgent(t, tp.Nodes[0], AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, Env: []string{"SKIP_RUNTIME_CLASSES=kata"}})
 	waitEnrolled(t, ag.BPFRoot, 10*time.Second, "shop/good")
-	for _, want := range []string{"shop/bad-ip", "10.1.0.999", "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=6"} {
+	for _, want := range []string{"shop/bad-ip", badIP, "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=6"} {
 		ag.WaitLog(t, want, 5*time.Second)
 	}
 	httpApp(t, server, "server")

@@ -3,11 +3,15 @@
 // route to the machine's real interfaces: nodes meet on a bridge inside a
 // "fabric" namespace of their own, pods hang off a bridge in their node.
 //
-// Layout for node i (1-based) and its pod j:
+// Layout for node i (1-based) and its pod j, with S the topology's slot:
 //
 //	fabric ns:  bridge rdfab, node uplinks enslaved
-//	node ns:    uplink 192.168.100.i/24, fd00:100::i/64; bridge rdbr 10.i.0.1/24, fd00:i::1/64
-//	pod ns:     eth0 10.i.0.(j+1)/24, fd00:i::(j+1)/64; default routes via the node bridge
+//	node ns:    uplink 192.168.100.i/24, fd00:100::i/64; bridge rdbr 10.S.i.1/24, fd00:S:i::1/64
+//	pod ns:     eth0 10.S.i.(j+1)/24, fd00:S:i::(j+1)/64; default routes via the node bridge
+//
+// The slot S (100..163) is held with a lock file for the topology's life, so
+// tests running at the same time in other packages never share a pod
+// address: agents find a pod's namespace by its address.
 //
 // Every namespace, and so every link in it, is deleted in t.Cleanup, also when
 // the test fails.
@@ -25,6 +29,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // NetNSDir is where iproute2 keeps named network namespaces.
@@ -35,6 +41,7 @@ type Topology struct {
 	t      testing.TB
 	prefix string
 	fabric string
+	slot   int
 
 	mu    sync.Mutex
 	Nodes []*Node
@@ -79,6 +86,7 @@ func New(t testing.TB, nodes int) *Topology {
 	}
 	tp := &Topology{t: t, prefix: fmt.Sprintf("rd%04x", rand.IntN(0xffff))}
 	tp.fabric = tp.prefix + "-fabric"
+	tp.slot = takeSlot(t)
 	t.Cleanup(tp.cleanup)
 	tp.addNS(tp.fabric)
 	tp.ip(tp.fabric, "link", "add", "rdfab", "type", "bridge")
@@ -92,8 +100,8 @@ func New(t testing.TB, nodes int) *Topology {
 			if n == m {
 				continue
 			}
-			tp.ip(n.Name, "route", "add", fmt.Sprintf("10.%d.0.0/24", m.Index), "via", m.IPv4.String())
-			tp.ip(n.Name, "-6", "route", "add", fmt.Sprintf("fd00:%d::/64", m.Index), "via", m.IPv6.String())
+			tp.ip(n.Name, "route", "add", m.Subnet4(), "via", m.IPv4.String())
+			tp.ip(n.Name, "-6", "route", "add", m.Subnet6(), "via", m.IPv6.String())
 		}
 	}
 	return tp
@@ -115,8 +123,8 @@ func (tp *Topology) addNode(i int) {
 	tp.ip(n.Name, "addr", "add", n.IPv6.String()+"/64", "dev", "uplink", "nodad")
 	tp.ip(n.Name, "link", "set", "uplink", "up")
 	tp.ip(n.Name, "link", "add", "rdbr", "type", "bridge")
-	tp.ip(n.Name, "addr", "add", fmt.Sprintf("10.%d.0.1/24", i), "dev", "rdbr")
-	tp.ip(n.Name, "addr", "add", fmt.Sprintf("fd00:%d::1/64", i), "dev", "rdbr", "nodad")
+	tp.ip(n.Name, "addr", "add", n.PodAddr4(1).String()+"/24", "dev", "rdbr")
+	tp.ip(n.Name, "addr", "add", n.PodAddr6(1).String()+"/64", "dev", "rdbr", "nodad")
 	tp.ip(n.Name, "link", "set", "rdbr", "up")
 	// Forwarding only inside the namespaces this test created.
 	tp.sysctl(n.Name, "net.ipv4.ip_forward", "1")
@@ -135,8 +143,8 @@ func (n *Node) AddPod(name string) *Pod {
 	j := n.pods
 	tp.mu.Unlock()
 	p := &Pod{Node: n, Name: name, NS: fmt.Sprintf("%s-n%d-%s", tp.prefix, n.Index, name),
-		IPv4:     netip.MustParseAddr(fmt.Sprintf("10.%d.0.%d", n.Index, j+1)),
-		IPv6:     netip.MustParseAddr(fmt.Sprintf("fd00:%d::%x", n.Index, j+1)),
+		IPv4:     n.PodAddr4(j + 1),
+		IPv6:     n.PodAddr6(j + 1),
 		HostVeth: fmt.Sprintf("veth%dp%d", n.Index, j)}
 	tp.addNS(p.NS)
 	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
@@ -144,12 +152,59 @@ func (n *Node) AddPod(name string) *Pod {
 	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
 	tp.ip(p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
 	tp.ip(p.NS, "link", "set", "eth0", "up")
-	tp.ip(p.NS, "route", "add", "default", "via", fmt.Sprintf("10.%d.0.1", n.Index))
-	tp.ip(p.NS, "-6", "route", "add", "default", "via", fmt.Sprintf("fd00:%d::1", n.Index))
+	tp.ip(p.NS, "route", "add", "default", "via", n.Gateway4().String())
+	tp.ip(p.NS, "-6", "route", "add", "default", "via", n.Gateway6().String())
 	tp.mu.Lock()
 	n.Pods = append(n.Pods, p)
 	tp.mu.Unlock()
 	return p
+}
+
+// PodAddr4 is host number h in the node's pod subnet (1 is the node's bridge).
+func (n *Node) PodAddr4(h int) netip.Addr {
+	return netip.MustParseAddr(fmt.Sprintf("10.%d.%d.%d", n.topo.slot, n.Index, h))
+}
+
+// PodAddr6 is host number h in the node's IPv6 pod subnet.
+func (n *Node) PodAddr6(h int) netip.Addr {
+	return netip.MustParseAddr(fmt.Sprintf("fd00:%d:%d::%x", n.topo.slot, n.Index, h))
+}
+
+// Gateway4 is the node's address on its pod bridge: what a pod sees as the
+// node (and the source of host-originated traffic such as probes).
+func (n *Node) Gateway4() netip.Addr { return n.PodAddr4(1) }
+
+// Gateway6 is Gateway4's IPv6 twin.
+func (n *Node) Gateway6() netip.Addr { return n.PodAddr6(1) }
+
+// Subnet4 is the node's IPv4 pod subnet.
+func (n *Node) Subnet4() string { return fmt.Sprintf("10.%d.%d.0/24", n.topo.slot, n.Index) }
+
+// Subnet6 is the node's IPv6 pod subnet.
+func (n *Node) Subnet6() string { return fmt.Sprintf("fd00:%d:%d::/64", n.topo.slot, n.Index) }
+
+// takeSlot locks one of 64 address slots for the test's life.
+func takeSlot(t testing.TB) int {
+	t.Helper()
+	const dir = "/run/redirector-netnstest"
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatalf("slot dir: %v", err)
+	}
+	for _, i := range rand.Perm(64) {
+		slot := 100 + i
+		f, err := os.OpenFile(filepath.Join(dir, fmt.Sprintf("slot-%d", slot)), os.O_CREATE|os.O_RDWR, 0o600)
+		if err != nil {
+			t.Fatalf("slot file: %v", err)
+		}
+		if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+			f.Close()
+			continue
+		}
+		t.Cleanup(func() { f.Close() }) // closing releases the lock
+		return slot
+	}
+	t.Fatal("all 64 address slots of simulated topologies are in use")
+	return 0
 }
 
 // Pod returns the first pod named name on any node.

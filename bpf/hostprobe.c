@@ -1,0 +1,204 @@
+//go:build ignore
+
+/* Host-probe SNAT: two tcx programs on the node-side end of each enrolled
+ * pod's veth, in the node's network namespace. Kubelet probes leave the node
+ * through that veth; their source becomes a fixed SNAT address that the
+ * pod-side programs never capture, so probes reach the app even where
+ * plaintext is otherwise refused. The pod's replies get the node's address
+ * back. Like Istio's `-m owner --socket-exists ... -j SNAT`, but conntrack-free:
+ * a bounded LRU map remembers each SNATed connection. See docs/architecture.md. */
+
+#include "include/hostprobe_maps.h"
+#include "include/hostprobe.h"
+
+char __license[] SEC("license") = "GPL";
+
+/* Load-time settings, set from Go through spec.Variables before loading. */
+volatile const __u32 mark_mask = 0xfff;
+volatile const __u32 tunnel_mark = 0x539; /* SO_MARK of every tunnel socket */
+volatile const __u8 snat_v4[4] = {169, 254, 7, 127};
+volatile const __u8 snat_v6[16] = {0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37,
+				   0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+
+enum snat_counter {
+	CNT_CONN,
+	CNT_SNAT,
+	CNT_REPLY,
+	CNT_TUNNEL_MARKED,
+	CNT_ERROR,
+};
+
+static __always_inline void count(__u32 pod_id, enum snat_counter f)
+{
+	struct snat_counters *c = bpf_map_lookup_elem(&rd_probe_stats, &pod_id);
+
+	if (!c)
+		return;
+	switch (f) {
+	case CNT_CONN:
+		c->conns++;
+		break;
+	case CNT_SNAT:
+		c->snat_packets++;
+		break;
+	case CNT_REPLY:
+		c->reply_packets++;
+		break;
+	case CNT_TUNNEL_MARKED:
+		c->tunnel_marked++;
+		break;
+	case CNT_ERROR:
+		c->errors++;
+		break;
+	}
+}
+
+/* snat_addr is the SNAT address of the packet's family, IPv4-mapped for IPv4
+ * like every address in these maps. */
+static __always_inline void snat_addr(struct pod_addr *a, int v6)
+{
+	if (v6) {
+#pragma unroll
+		for (int i = 0; i < 16; i++)
+			a->addr[i] = snat_v6[i];
+		return;
+	}
+	__builtin_memset(a, 0, sizeof(*a));
+	a->addr[10] = 0xff;
+	a->addr[11] = 0xff;
+	a->addr[12] = snat_v4[0];
+	a->addr[13] = snat_v4[1];
+	a->addr[14] = snat_v4[2];
+	a->addr[15] = snat_v4[3];
+}
+
+/* host_socket reports whether this node's stack sent the packet from a full
+ * socket: what "has a local socket" means for a probe's SYN. Packets bridged
+ * or routed through the node have none. */
+static __always_inline int host_socket(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+
+	if (!sk)
+		return 0;
+	return bpf_sk_fullsock(sk) != NULL;
+}
+
+/* rd_host_egress: tcx egress of the node-side veth of an enrolled pod
+ * (node -> pod: packets the node sends or forwards to the pod).
+ *
+ * Verdicts:
+ *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine, rewritten or
+ *                  not, so programs attached after this one still run:
+ *     - a SYN without ACK from a local full socket without the tunnel mark,
+ *       to an enrolled pod address (rd_pods), gets an rd_probe_nat entry and
+ *       its source rewritten to the SNAT address;
+ *     - a later packet of such a connection (the entry exists and its node
+ *       address is the packet's source) is rewritten the same way;
+ *     - everything else passes untouched: non-TCP, forwarded traffic (no
+ *       socket: other pods, other nodes), tunnel-marked sockets, connections
+ *       the pod opened to the node (the node answers with SYN-ACK, which
+ *       never creates an entry), unenrolled pods, IPv6 extension headers;
+ *   TC_ACT_SHOT    when the NAT entry cannot be stored (the SYN is retried)
+ *                  or a rewrite failed half-way (the packet is corrupt).
+ *
+ * Why only a SYN starts SNAT: it makes the rule apply to connections the node
+ * opens, as Istio's nat-table rule does through conntrack, and a connection
+ * is SNATed from its first packet to its last or not at all. */
+SEC("tcx/egress")
+int rd_host_egress(struct __sk_buff *skb)
+{
+	struct host_pkt p = {};
+	struct nat_key key = {};
+	struct nat_entry ent = {};
+	struct pod_addr snat;
+
+	if (parse_host_pkt(skb, &p) < 0)
+		return TC_ACT_UNSPEC;
+	key.pod = p.dst;
+	key.pod_port = p.dport;
+	key.node_port = p.sport;
+	snat_addr(&snat, p.v6);
+
+	if (p.syn && !p.ack) {
+		struct pod_settings *pod;
+
+		if (!host_socket(skb))
+			return TC_ACT_UNSPEC;
+		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
+		if (!pod)
+			return TC_ACT_UNSPEC;
+		ent.pod_id = pod->pod_id;
+		if ((skb->mark & mark_mask) == tunnel_mark) {
+			count(ent.pod_id, CNT_TUNNEL_MARKED);
+			return TC_ACT_UNSPEC;
+		}
+		/* already from the SNAT address: nothing to translate */
+		if (addr_eq(&p.src, &snat))
+			return TC_ACT_UNSPEC;
+		ent.node = p.src;
+		if (bpf_map_update_elem(&rd_probe_nat, &key, &ent, BPF_ANY) < 0) {
+			count(ent.pod_id, CNT_ERROR);
+			return TC_ACT_SHOT;
+		}
+		count(ent.pod_id, CNT_CONN);
+	} else {
+		struct nat_entry *e = bpf_map_lookup_elem(&rd_probe_nat, &key);
+
+		if (!e || !addr_eq(&e->node, &p.src))
+			return TC_ACT_UNSPEC;
+		ent = *e;
+	}
+
+	if (rewrite_addr(skb, &p, p.v6 ? IP6_SADDR_OFF : IP4_SADDR_OFF, &p.src, &snat) < 0) {
+		count(ent.pod_id, CNT_ERROR);
+		return TC_ACT_SHOT;
+	}
+	count(ent.pod_id, CNT_SNAT);
+	return TC_ACT_UNSPEC;
+}
+
+/* rd_host_ingress: tcx ingress of the node-side veth of an enrolled pod
+ * (pod -> node and everything else the pod sends).
+ *
+ * Verdicts:
+ *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine: a TCP packet
+ *                  to the SNAT address whose connection is in rd_probe_nat
+ *                  gets the node's address back as its destination; all other
+ *                  packets pass untouched. The NAT entry is not checked
+ *                  against rd_pods, so a probe connection open while its pod
+ *                  is unenrolled still gets its replies;
+ *   TC_ACT_SHOT    when a rewrite failed half-way (the packet is corrupt).
+ *
+ * Why here: the pod routes replies to the SNAT address via its default
+ * gateway, so they cross this veth before the node's stack sees them. */
+SEC("tcx/ingress")
+int rd_host_ingress(struct __sk_buff *skb)
+{
+	struct host_pkt p = {};
+	struct nat_key key = {};
+	struct nat_entry *e;
+	struct pod_addr snat, node;
+	__u32 pod_id;
+
+	if (parse_host_pkt(skb, &p) < 0)
+		return TC_ACT_UNSPEC;
+	snat_addr(&snat, p.v6);
+	if (!addr_eq(&p.dst, &snat))
+		return TC_ACT_UNSPEC;
+	key.pod = p.src;
+	key.pod_port = p.sport;
+	key.node_port = p.dport;
+	e = bpf_map_lookup_elem(&rd_probe_nat, &key);
+	if (!e)
+		return TC_ACT_UNSPEC;
+	node = e->node;
+	pod_id = e->pod_id;
+
+	if (rewrite_addr(skb, &p, p.v6 ? IP6_DADDR_OFF : IP4_DADDR_OFF, &snat, &node) < 0) {
+		count(pod_id, CNT_ERROR);
+		return TC_ACT_SHOT;
+	}
+	count(pod_id, CNT_REPLY);
+	return TC_ACT_UNSPEC;
+}

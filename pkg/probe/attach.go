@@ -1,0 +1,223 @@
+package probe
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+type direction string
+
+const (
+	ingress direction = "host-ingress"
+	egress  direction = "host-egress"
+)
+
+var directions = []direction{egress, ingress}
+
+func (a *Attacher) program(d direction) *ebpf.Program {
+	if d == ingress {
+		return a.objs.RdHostIngress
+	}
+	return a.objs.RdHostEgress
+}
+
+func (a *Attacher) podDir(podID uint32) string {
+	return filepath.Join(a.cfg.PinRoot, "pods", fmt.Sprint(podID))
+}
+
+func (a *Attacher) linkPin(podID uint32, d direction) string {
+	return filepath.Join(a.podDir(podID), string(d))
+}
+
+// AttachHost attaches the programs to the node-side veth of pod podID
+// (hostIfindex, in the calling thread's network namespace: the node's) as
+// tcx links pinned at <pin root>/pods/<podID>/host-{ingress,egress}, and
+// starts the pod's counters. An existing pinned link is updated in place.
+// Probes are SNATed to the pod's addresses while they are in rd_pods, so the
+// caller enrolls them once the pod's own programs and listeners are ready.
+// On error nothing of the pod is left behind, unless it was attached before.
+func (a *Attacher) AttachHost(podID uint32, hostIfindex int) error {
+	if podID == 0 || hostIfindex <= 0 {
+		return fmt.Errorf("attach host veth: bad pod id %d or ifindex %d", podID, hostIfindex)
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	existed := a.pinned(podID)
+	err := a.createCounters(podID)
+	for _, d := range directions {
+		if err == nil {
+			err = a.attachTCX(podID, hostIfindex, d)
+		}
+	}
+	if err != nil {
+		if !existed {
+			err = errors.Join(err, a.detach(podID))
+		}
+		return fmt.Errorf("attach host veth (ifindex %d) of pod %d: %w", hostIfindex, podID, err)
+	}
+	return nil
+}
+
+// DetachHost stops SNAT for pod podID: it unpins its host links (the kernel
+// detaches them), deletes its counters and forgets its NAT entries. Detaching
+// a pod that is not attached, or whose veth is gone, is not an error.
+func (a *Attacher) DetachHost(podID uint32) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if err := a.detach(podID); err != nil {
+		return fmt.Errorf("detach host veth of pod %d: %w", podID, err)
+	}
+	return nil
+}
+
+func (a *Attacher) detach(podID uint32) error {
+	var errs []error
+	for _, d := range directions {
+		errs = append(errs, a.detachTCX(podID, d))
+	}
+	removeIfEmpty(a.podDir(podID))
+	errs = append(errs, ignoreMissing(a.objs.RdProbeStats.Delete(podID)), a.forgetNAT(podID))
+	return errors.Join(errs...)
+}
+
+func (a *Attacher) pinned(podID uint32) bool {
+	for _, d := range directions {
+		if _, err := os.Lstat(a.linkPin(podID, d)); err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// updatePinnedLink swaps the program of a pinned tcx link. It reports
+// os.ErrNotExist when there is no pin and an error when the link is defunct
+// (its veth is gone).
+func (a *Attacher) updatePinnedLink(podID uint32, d direction) error {
+	lk, err := link.LoadPinnedLink(a.linkPin(podID, d), &ebpf.LoadPinOptions{})
+	if err != nil {
+		return err
+	}
+	defer lk.Close()
+	if err := lk.Update(a.program(d)); err != nil {
+		return fmt.Errorf("update pinned %s link: %w", d, err)
+	}
+	return nil
+}
+
+// attachTCX updates the pinned link, or attaches and pins a new one. The
+// kernel resolves hostIfindex in the calling thread's network namespace.
+func (a *Attacher) attachTCX(podID uint32, hostIfindex int, d direction) error {
+	err := a.updatePinnedLink(podID, d)
+	if err == nil {
+		return nil
+	}
+	if !errors.Is(err, os.ErrNotExist) {
+		// A defunct link (ENOLINK) or a stale pin: replace it.
+		_ = os.Remove(a.linkPin(podID, d))
+	}
+	attach := ebpf.AttachTCXIngress
+	if d == egress {
+		attach = ebpf.AttachTCXEgress
+	}
+	lk, err := link.AttachTCX(link.TCXOptions{Interface: hostIfindex, Program: a.program(d), Attach: attach})
+	if err != nil {
+		return fmt.Errorf("attach tcx %s: %w", d, err)
+	}
+	defer lk.Close()
+	if err := os.MkdirAll(a.podDir(podID), 0o700); err != nil {
+		return fmt.Errorf("create pod pin dir: %w", err)
+	}
+	if err := lk.Pin(a.linkPin(podID, d)); err != nil {
+		return fmt.Errorf("pin tcx %s link: %w", d, err)
+	}
+	return nil
+}
+
+// detachTCX unpins the link; the kernel detaches it with its last reference.
+func (a *Attacher) detachTCX(podID uint32, d direction) error {
+	path := a.linkPin(podID, d)
+	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		// Defunct links cannot be opened as links; the pin is all that is left.
+		if rmErr := os.Remove(path); rmErr != nil && !errors.Is(rmErr, os.ErrNotExist) {
+			return fmt.Errorf("remove %s pin: %w", d, rmErr)
+		}
+		return nil
+	}
+	defer lk.Close()
+	if err := lk.Unpin(); err != nil {
+		return fmt.Errorf("unpin %s link: %w", d, err)
+	}
+	return nil
+}
+
+// upgradePinnedLinks points every pinned host link at the programs just
+// loaded. Failures are logged: the link keeps its old program, and the
+// caller's next AttachHost replaces a broken one.
+func (a *Attacher) upgradePinnedLinks(ctx context.Context) {
+	for _, d := range directions {
+		pins, _ := filepath.Glob(filepath.Join(a.cfg.PinRoot, "pods", "*", string(d)))
+		for _, p := range pins {
+			var id uint32
+			if _, err := fmt.Sscan(filepath.Base(filepath.Dir(p)), &id); err != nil {
+				continue
+			}
+			if err := a.updatePinnedLink(id, d); err != nil {
+				a.log.WarnContext(ctx, "keep old program on pinned host link", "pod", id, "direction", d, "error", err)
+			}
+		}
+	}
+}
+
+// HostPeerIndex returns the ifindex, in the calling thread's network
+// namespace (the node's), of the peer of the veth podIface inside the pod's
+// network namespace at podNetNSPath: the interface AttachHost wants.
+func HostPeerIndex(podNetNSPath, podIface string) (int, error) {
+	var peer, podIndex int
+	err := netns.Do(podNetNSPath, func() error {
+		l, err := netlink.LinkByName(podIface)
+		if err != nil {
+			return fmt.Errorf("interface %s: %w", podIface, err)
+		}
+		if l.Type() != "veth" {
+			return fmt.Errorf("interface %s is a %s, not a veth", podIface, l.Type())
+		}
+		peer, podIndex = l.Attrs().ParentIndex, l.Attrs().Index
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("find host peer of %s in %s: %w", podIface, podNetNSPath, err)
+	}
+	host, err := netlink.LinkByIndex(peer)
+	if err != nil {
+		return 0, fmt.Errorf("peer (ifindex %d) of %s in %s is not in this network namespace: %w", peer, podIface, podNetNSPath, err)
+	}
+	// ifindexes repeat across namespaces: check that the peer points back at
+	// this pod's interface in this pod's namespace.
+	ok := host.Type() == "veth" && host.Attrs().ParentIndex == podIndex
+	if ok {
+		f, err := os.Open(podNetNSPath)
+		if err != nil {
+			return 0, fmt.Errorf("open %s: %w", podNetNSPath, err)
+		}
+		id, err := netlink.GetNetNsIdByFd(int(f.Fd()))
+		f.Close()
+		ok = err == nil && id >= 0 && host.Attrs().NetNsID == id
+	}
+	if !ok {
+		return 0, fmt.Errorf("interface %s (ifindex %d) in this network namespace is not the peer of %s in %s", host.Attrs().Name, peer, podIface, podNetNSPath)
+	}
+	return peer, nil
+}
