@@ -2,10 +2,8 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
-	"net/http"
 	"os"
 	"strconv"
 	"strings"
@@ -14,12 +12,13 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/redirector-mesh/redirector/pkg/admin"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/probe"
@@ -168,19 +167,49 @@ func runAgent(ctx context.Context, args []string) error {
 		TunnelMark: cfg.data.TunnelMark, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
+	reg.MustRegister(
+		maps.NewCollector(ld.Maps()),
+		admin.NewAgentCollector(func() (runs, errs, repairs uint64, enrolled int) {
+			st := rec.Stats()
+			return st.Runs, st.Errors, st.Repairs, st.Enrolled
+		}),
+		admin.NewCertCollector(func() []admin.CertRow { return certRows(certs) }),
+		admin.NewPoolCollector(func() admin.PoolStats {
+			st := pool.Stats()
+			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
+		}),
+		admin.NewServerCollector(func() admin.ServerStats {
+			st := tun.HBONEStats()
+			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
+				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused}
+		}),
+	)
 
 	src, ann, err := newSource(cfg, log)
 	if err != nil {
 		return err
 	}
 	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann}
-	var ready atomic.Bool
-	servers := startHTTP(ctx, log, cfg, reg, &ready)
-	defer func() {
-		for _, s := range servers {
-			s.Close()
-		}
-	}()
+	// Ready: the BPF objects are loaded (Load returned), the first full
+	// reconcile finished, every enrolled pod has its listeners and a valid
+	// certificate, and no shutdown has begun.
+	var reconciled atomic.Bool
+	servers, err := admin.Start(ctx, admin.Options{
+		MetricsAddr: cfg.metricsAddr, ReadinessAddr: cfg.readinessAddr, AdminAddr: cfg.adminAddr,
+		Registry: reg,
+		Ready: admin.AllReady(
+			func() (bool, string) { return ctx.Err() == nil, "shutting down" },
+			func() (bool, string) { return reconciled.Load(), "first full reconcile pending" },
+			func() (bool, string) { return podsReady(cfg, tun, certs) },
+		),
+		Sections: configSections(cfg, tun, certs),
+		Level:    level,
+		Logger:   log,
+	})
+	if err != nil {
+		return err
+	}
+	defer servers.Close()
 
 	snaps := make(chan source.Snapshot, 1)
 	srcErr := make(chan error, 1)
@@ -222,7 +251,9 @@ func runAgent(ctx context.Context, args []string) error {
 			continue
 		}
 		ag.apply(ctx, *last, full)
-		ready.Store(true)
+		if full {
+			reconciled.Store(true)
+		}
 	}
 }
 
@@ -335,30 +366,4 @@ func newSource(cfg agentConfig, log *slog.Logger) (source.Source, *kubernetes.An
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
 	return ks, ann, nil
-}
-
-// startHTTP serves metrics and readiness. Ready means the BPF objects are
-// loaded and the first reconcile has run.
-func startHTTP(ctx context.Context, log *slog.Logger, cfg agentConfig, reg *prometheus.Registry, ready *atomic.Bool) []*http.Server {
-	metricsMux := http.NewServeMux()
-	metricsMux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
-	readyMux := http.NewServeMux()
-	readyMux.HandleFunc("/healthz/ready", func(w http.ResponseWriter, r *http.Request) {
-		if !ready.Load() {
-			http.Error(w, "not ready: first reconcile pending", http.StatusServiceUnavailable)
-			return
-		}
-		fmt.Fprintln(w, "ready")
-	})
-	var out []*http.Server
-	for _, s := range []*http.Server{{Addr: cfg.metricsAddr, Handler: metricsMux}, {Addr: cfg.readinessAddr, Handler: readyMux}} {
-		s.ReadHeaderTimeout = 5 * time.Second
-		out = append(out, s)
-		go func() {
-			if err := s.ListenAndServe(); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				log.ErrorContext(ctx, "http server", "addr", s.Addr, "error", err)
-			}
-		}()
-	}
-	return out
 }

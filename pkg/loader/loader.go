@@ -20,6 +20,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/bpf"
 	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/probe"
 )
 
 // DefaultPinRoot is where a node agent pins its maps and links.
@@ -42,6 +43,9 @@ type Loader struct {
 	maps    *maps.Maps
 	ingress *ebpf.Program
 	egress  *ebpf.Program
+	// probes SNATs host-originated connections (kubelet probes) on the host
+	// end of each pod's veth.
+	probes *probe.Attacher
 
 	mu sync.Mutex // serialises pod attach/detach and id allocation
 }
@@ -89,6 +93,12 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			PodMeta:  objs.RdPodMeta,
 		},
 	}
+	l.probes, err = probe.Load(ctx, probe.Config{PinRoot: cfg.PinRoot, SNATv4: cfg.Settings.ProbeSNATv4, SNATv6: cfg.Settings.ProbeSNATv6,
+		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, Logger: cfg.Logger})
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("load host-probe SNAT: %w", err)
+	}
 	if err := l.upgradePinnedLinks(ctx); err != nil {
 		l.Close()
 		return nil, err
@@ -105,7 +115,11 @@ func (l *Loader) PinRoot() string { return l.cfg.PinRoot }
 // Close releases file descriptors. Pinned maps and links stay, so the pods
 // stay redirected while no agent runs.
 func (l *Loader) Close() error {
-	return errors.Join(l.ingress.Close(), l.egress.Close(), l.maps.Close())
+	errs := []error{l.ingress.Close(), l.egress.Close(), l.maps.Close()}
+	if l.probes != nil {
+		errs = append(errs, l.probes.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // upgradePinnedLinks points every pinned pod link at the programs just
@@ -143,7 +157,8 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	if _, err := os.Stat(root); errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
-	var errs []error
+	// Host links first: they share the pod pin directories.
+	errs := []error{probe.Uninstall(root)}
 	m, err := maps.OpenPinned(root)
 	if err == nil {
 		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m}
@@ -156,6 +171,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	} else {
 		log.WarnContext(ctx, "no pinned maps to read pods from", "root", root, "error", err)
 	}
+
 	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))

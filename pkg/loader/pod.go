@@ -11,6 +11,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/probe"
 )
 
 // Pod is what the loader needs to redirect one pod.
@@ -104,6 +105,11 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 			}
 		}
 	}
+	// Probe SNAT on the host end comes before the entries: from the moment
+	// inbound capture is on, kubelet's probes must already bypass it.
+	if err == nil {
+		err = l.attachHostProbe(ctx, id, meta)
+	}
 	for _, a := range p.Addrs {
 		if err == nil {
 			err = errors.Join(l.maps.CreateCounters(a), l.maps.SetPod(a, meta.Settings))
@@ -166,6 +172,25 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 	})
 }
 
+// attachHostProbe puts the probe SNAT programs on the host end of the pod's
+// veth, when that end is in this (the node's) network namespace. Pods wired
+// otherwise (no veth, or a peer elsewhere) get no SNAT: their probes are
+// treated like any plaintext client, which the log says.
+func (l *Loader) attachHostProbe(ctx context.Context, id uint32, meta maps.PodMeta) error {
+	if l.probes == nil {
+		return nil
+	}
+	peer, err := probe.HostPeerIndex(meta.NetNS, meta.Interface)
+	if err != nil {
+		l.log.WarnContext(ctx, "no host-probe SNAT for pod: kubelet probes will be treated as plaintext clients", "pod", meta.Namespace+"/"+meta.Name, "reason", err)
+		return nil
+	}
+	if err := l.probes.AttachHost(id, peer); err != nil {
+		return fmt.Errorf("host-probe SNAT: %w", err)
+	}
+	return nil
+}
+
 // DetachPod stops redirecting the pod: enrollment entries go first (the kill
 // switch), then links, rules, routes and sysctls. Detaching a pod that is not
 // attached is not an error.
@@ -190,6 +215,9 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 	var errs []error
 	for _, a := range meta.Addrs {
 		errs = append(errs, l.maps.DeletePod(a))
+	}
+	if l.probes != nil {
+		errs = append(errs, l.probes.DetachHost(id))
 	}
 	err := netns.Do(meta.NetNS, func() error {
 		var errs []error

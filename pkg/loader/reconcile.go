@@ -37,8 +37,10 @@ type Reconciler struct {
 	finder NetNSFinder
 	log    *slog.Logger
 
-	mu    sync.Mutex
-	stats ReconcileStats
+	mu sync.Mutex // one reconcile at a time
+
+	statsMu sync.Mutex // separate, so a scrape never waits for a reconcile
+	stats   ReconcileStats
 }
 
 // ReconcileStats are cumulative counts, exported as metrics.
@@ -63,8 +65,8 @@ func NewReconciler(l *Loader, s PodServer, f NetNSFinder, log *slog.Logger) *Rec
 
 // Stats returns the cumulative counts.
 func (r *Reconciler) Stats() ReconcileStats {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+	r.statsMu.Lock()
+	defer r.statsMu.Unlock()
 	return r.stats
 }
 
@@ -174,6 +176,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 }
 
 func (r *Reconciler) record(res Result, enrolled int) {
+	r.statsMu.Lock()
+	defer r.statsMu.Unlock()
 	r.stats.Runs++
 	r.stats.Errors += uint64(len(res.Errors))
 	r.stats.Repairs += uint64(len(res.Repaired))

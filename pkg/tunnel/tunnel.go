@@ -55,8 +55,9 @@ type Tunnel struct {
 	log   *slog.Logger
 	state atomic.Pointer[State]
 
-	mu   sync.Mutex
-	pods map[string]*pod // by pod uid
+	mu      sync.Mutex
+	pods    map[string]*pod   // by pod uid
+	retired hbone.ServerStats // HBONE counts of pods no longer served
 }
 
 // New returns a tunnel serving no pod yet.
@@ -92,6 +93,7 @@ func (t *Tunnel) ServePod(ctx context.Context, uid, netnsPath string, addrs []ne
 		}
 		p.stop(ctx)
 		delete(t.pods, uid)
+		t.retire(p)
 	}
 	p, err := t.startPod(ctx, uid, netnsPath, addrs)
 	if err != nil {
@@ -107,6 +109,9 @@ func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
 	t.mu.Lock()
 	p, ok := t.pods[uid]
 	delete(t.pods, uid)
+	if ok {
+		t.retire(p)
+	}
 	t.cfg.Metrics.servedPods.Set(float64(len(t.pods)))
 	t.mu.Unlock()
 	if ok {
@@ -144,6 +149,9 @@ func (t *Tunnel) Shutdown(ctx context.Context) error {
 	t.mu.Lock()
 	pods := t.pods
 	t.pods = map[string]*pod{}
+	for _, p := range pods {
+		t.retire(p)
+	}
 	t.mu.Unlock()
 	var wg sync.WaitGroup
 	for _, p := range pods {

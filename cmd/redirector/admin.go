@@ -1,0 +1,75 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/redirector-mesh/redirector/pkg/admin"
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/tunnel"
+)
+
+// podsReady reports whether every pod enrolled on this node has its
+// listeners open and can get a valid certificate. Asking the Manager mints
+// a certificate the pod has none of yet, so its first connection does not
+// wait for one.
+func podsReady(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager) (bool, string) {
+	var missing []string
+	for _, w := range tun.State().Dir.LocalPods(cfg.node) {
+		if !w.Enrolled {
+			continue
+		}
+		if !tun.PodReady(podUID(w)) {
+			missing = append(missing, w.String()+": listeners not open")
+			continue
+		}
+		id := identity.ID{TrustDomain: cfg.trustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+		if _, err := certs.Certificate(id); err != nil {
+			missing = append(missing, w.String()+": "+err.Error())
+		}
+	}
+	if len(missing) == 0 {
+		return true, ""
+	}
+	if len(missing) > 3 {
+		missing = append(missing[:3], fmt.Sprintf("and %d more pods", len(missing)-3))
+	}
+	return false, strings.Join(missing, "; ")
+}
+
+// configSections feed the admin config dump from the tunnel's current state
+// and the certificate cache.
+func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager) map[string]func() any {
+	return map[string]func() any{
+		admin.SectionPods: func() any {
+			rows := []admin.PodRow{}
+			for _, w := range tun.State().Dir.LocalPods(cfg.node) {
+				r := admin.PodRow{Namespace: w.Namespace, Name: w.Name, UID: w.UID, Enrolled: w.Enrolled, Reason: w.Reason,
+					CaptureInbound: w.Enrolled && !w.BypassInbound, Listening: tun.PodReady(podUID(w))}
+				for _, a := range w.Addrs {
+					r.Addresses = append(r.Addresses, a.String())
+				}
+				rows = append(rows, r)
+			}
+			return rows
+		},
+		admin.SectionWorkloads: func() any { return tun.State().Dir.All() },
+		admin.SectionServices:  func() any { return tun.State().Dir.Services() },
+		admin.SectionPolicies: func() any {
+			st := tun.State()
+			return admin.Policies{PeerAuthentications: st.PeerAuthentications, AuthorizationPolicies: st.AuthorizationPolicies}
+		},
+		admin.SectionCerts: func() any { return certRows(certs) },
+	}
+}
+
+// certRows describes the cached certificates for the config dump and the
+// expiry metric.
+func certRows(m *identity.Manager) []admin.CertRow {
+	rows := []admin.CertRow{}
+	for _, c := range m.Snapshot() {
+		rows = append(rows, admin.CertRow{Identity: c.ID.String(), Serial: c.Serial, NotBefore: c.NotBefore,
+			NotAfter: c.NotAfter, Issuer: c.Issuer, State: string(c.State)})
+	}
+	return rows
+}

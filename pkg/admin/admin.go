@@ -1,0 +1,143 @@
+// Package admin serves the agent's HTTP endpoints on the ports Istio's agents
+// use: Prometheus metrics (:15020/metrics), the readiness probe
+// (:15021/healthz/ready) and, on localhost, the admin endpoint (:15000: config
+// dump, pprof, log level). It is fed through functions and plain types, so it
+// imports nothing of the data path, and everything it reports is computed
+// when asked: a scrape or a probe never sees a stale copy.
+package admin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Options says what to serve where. An empty address leaves that endpoint
+// out, for tests and tools that need only some of them.
+type Options struct {
+	// MetricsAddr serves GET /metrics from Registry.
+	MetricsAddr string
+	// ReadinessAddr serves GET /healthz/ready from Ready.
+	ReadinessAddr string
+	// AdminAddr serves the config dump, pprof and the log level. It exposes
+	// the process's internals, so it belongs on a loopback address.
+	AdminAddr string
+
+	Registry *prometheus.Registry
+	// Ready is asked on every probe: ready, or the reason why not, which
+	// the probe's body carries so that `kubectl describe` shows it.
+	Ready func() (ready bool, reason string)
+	// Sections are the config dump's top-level keys, each computed when the
+	// dump is asked for (see the Section* names).
+	Sections map[string]func() any
+	// Level is the log level that /logging reads and changes.
+	Level *slog.LevelVar
+	// Logger gets server errors and level changes (slog.Default if nil).
+	Logger *slog.Logger
+}
+
+// Servers are the running endpoints.
+type Servers struct {
+	metricsAddr, readinessAddr, adminAddr string
+
+	servers []*http.Server
+	wg      sync.WaitGroup
+}
+
+// Start listens on every address before it returns, so a port already in use
+// fails the agent's start with an error naming the endpoint and address
+// rather than a log line later; then it serves in the background until Close.
+// ctx bounds only the listening.
+func Start(ctx context.Context, o Options) (*Servers, error) {
+	if err := o.validate(); err != nil {
+		return nil, err
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	s := &Servers{}
+	endpoints := []struct {
+		name, addr string
+		handler    func() http.Handler
+		bound      *string
+	}{
+		{"metrics", o.MetricsAddr, func() http.Handler { return metricsHandler(o.Registry, log) }, &s.metricsAddr},
+		{"readiness", o.ReadinessAddr, func() http.Handler { return readinessHandler(o.Ready) }, &s.readinessAddr},
+		{"admin", o.AdminAddr, func() http.Handler { return adminHandler(o.Sections, o.Level, log) }, &s.adminAddr},
+	}
+	for _, e := range endpoints {
+		if e.addr == "" {
+			continue
+		}
+		l, err := (&net.ListenConfig{}).Listen(ctx, "tcp", e.addr)
+		if err != nil {
+			s.Close()
+			return nil, fmt.Errorf("%s endpoint: %w", e.name, err)
+		}
+		*e.bound = l.Addr().String()
+		if e.name == "admin" && !isLoopback(l.Addr()) {
+			log.Warn("admin endpoint is not on a loopback address: anyone who reaches it can read the config and profile the agent", "addr", *e.bound)
+		}
+		srv := &http.Server{
+			Handler:           e.handler(),
+			ReadHeaderTimeout: 5 * time.Second,
+			IdleTimeout:       time.Minute,
+			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		}
+		s.servers = append(s.servers, srv)
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+				log.Error("http endpoint stopped", "endpoint", e.name, "addr", l.Addr().String(), "error", err)
+			}
+		}()
+	}
+	return s, nil
+}
+
+func (o Options) validate() error {
+	switch {
+	case o.MetricsAddr != "" && o.Registry == nil:
+		return errors.New("metrics endpoint: no registry given")
+	case o.ReadinessAddr != "" && o.Ready == nil:
+		return errors.New("readiness endpoint: no readiness check given")
+	case o.AdminAddr != "" && o.Level == nil:
+		return errors.New("admin endpoint: no log level variable given")
+	}
+	return nil
+}
+
+func isLoopback(a net.Addr) bool {
+	t, ok := a.(*net.TCPAddr)
+	return ok && t.IP.IsLoopback()
+}
+
+// MetricsAddr is the address /metrics is served on ("" if it is not), with
+// the port the kernel chose if it was given as 0.
+func (s *Servers) MetricsAddr() string { return s.metricsAddr }
+
+// ReadinessAddr is the address /healthz/ready is served on ("" if it is not).
+func (s *Servers) ReadinessAddr() string { return s.readinessAddr }
+
+// AdminAddr is the address of the admin endpoint ("" if it is not served).
+func (s *Servers) AdminAddr() string { return s.adminAddr }
+
+// Close stops every endpoint at once, open requests included, and waits for
+// the servers to return. Calling it again is harmless.
+func (s *Servers) Close() error {
+	var errs []error
+	for _, srv := range s.servers {
+		errs = append(errs, srv.Close())
+	}
+	s.wg.Wait()
+	return errors.Join(errs...)
+}

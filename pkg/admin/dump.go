@@ -1,0 +1,45 @@
+package admin
+
+import "time"
+
+// Config dump sections. `redirector inspect certs|policies` reads the dump
+// by these names.
+const (
+	SectionPods      = "pods"      // this node's pods with their selection decision ([]PodRow)
+	SectionWorkloads = "workloads" // the workload directory
+	SectionServices  = "services"  // services and their endpoints
+	SectionPolicies  = "policies"  // Policies
+	SectionCerts     = "certs"     // []CertRow
+)
+
+// PodRow is one pod of the pods section: what selection decided and why,
+// and whether the tunnel serves it, which is what someone asking "why is my
+// pod not captured?" needs.
+type PodRow struct {
+	Namespace      string   `json:"namespace"`
+	Name           string   `json:"name"`
+	UID            string   `json:"uid"`
+	Addresses      []string `json:"addresses"`
+	Enrolled       bool     `json:"enrolled"`
+	Reason         string   `json:"reason"` // the selection rule that decided
+	CaptureInbound bool     `json:"captureInbound"`
+	Listening      bool     `json:"listening"` // the tunnel's listeners are open
+}
+
+// Policies is the policies section.
+type Policies struct {
+	PeerAuthentications   any `json:"peerAuthentications"`
+	AuthorizationPolicies any `json:"authorizationPolicies"`
+}
+
+// CertRow is one cached workload certificate, in the certs section and the
+// expiry metric. The JSON names are what `redirector inspect certs` decodes:
+// keep them.
+type CertRow struct {
+	Identity  string    `json:"identity"` // SPIFFE URI
+	Serial    string    `json:"serial"`   // lowercase hex
+	NotBefore time.Time `json:"notBefore"`
+	NotAfter  time.Time `json:"notAfter"`
+	Issuer    string    `json:"issuer"`
+	State     string    `json:"state"` // valid, expiring or expired
+}

@@ -1,0 +1,142 @@
+package admin
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// scrapeCollector asks its source when scraped: the agent's counters live
+// where they are counted (the reconciler, the pool, the servers), and no
+// goroutine copies them into gauges in between.
+type scrapeCollector struct {
+	descs   []*prometheus.Desc
+	collect func(ch chan<- prometheus.Metric)
+}
+
+func (c scrapeCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range c.descs {
+		ch <- d
+	}
+}
+
+func (c scrapeCollector) Collect(ch chan<- prometheus.Metric) { c.collect(ch) }
+
+func counter(d *prometheus.Desc, v uint64, labels ...string) prometheus.Metric {
+	return prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+}
+
+func gauge(d *prometheus.Desc, v float64, labels ...string) prometheus.Metric {
+	return prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+}
+
+// NewAgentCollector reports enrollment and the reconciler's cumulative
+// counts, from stats (loader.Reconciler.Stats in the agent).
+func NewAgentCollector(stats func() (runs, errors, repairs uint64, enrolled int)) prometheus.Collector {
+	enrolled := prometheus.NewDesc("redirector_enrolled_pods",
+		"Pods on this node whose traffic the data path captures.", nil, nil)
+	runs := prometheus.NewDesc("redirector_reconcile_runs_total",
+		"Enrollment reconciles run, incremental and full.", nil, nil)
+	errs := prometheus.NewDesc("redirector_reconcile_errors_total",
+		"Pods a reconcile could not converge, counted once per reconcile that failed them.", nil, nil)
+	repairs := prometheus.NewDesc("redirector_reconcile_repairs_total",
+		"Pods found drifted (a missing pin or enrollment entry) and attached again.", nil, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{enrolled, runs, errs, repairs},
+		collect: func(ch chan<- prometheus.Metric) {
+			r, e, p, n := stats()
+			ch <- gauge(enrolled, float64(n))
+			ch <- counter(runs, r)
+			ch <- counter(errs, e)
+			ch <- counter(repairs, p)
+		},
+	}
+}
+
+// NewCertCollector reports how long each cached workload certificate has
+// left, from the same rows as the config dump's certs section.
+func NewCertCollector(certs func() []CertRow) prometheus.Collector {
+	return newCertCollector(certs, time.Now)
+}
+
+func newCertCollector(certs func() []CertRow, now func() time.Time) prometheus.Collector {
+	expiry := prometheus.NewDesc("redirector_certificate_expiry_seconds",
+		"Seconds until the cached certificate of a workload identity expires, negative once expired. "+
+			"Certificates are renewed by the first handshake past half their lifetime, so an idle identity's value keeps falling.",
+		[]string{"identity"}, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{expiry},
+		collect: func(ch chan<- prometheus.Metric) {
+			t := now()
+			// One series per identity, even if the source repeats one:
+			// a duplicate would fail the whole scrape. The earliest
+			// expiry is the one to alert on.
+			soonest := map[string]time.Time{}
+			for _, c := range certs() {
+				if old, ok := soonest[c.Identity]; !ok || c.NotAfter.Before(old) {
+					soonest[c.Identity] = c.NotAfter
+				}
+			}
+			for id, notAfter := range soonest {
+				ch <- gauge(expiry, notAfter.Sub(t).Seconds(), id)
+			}
+		},
+	}
+}
+
+// PoolStats is the HBONE client pool's state (hbone.PoolStats in the agent).
+type PoolStats struct {
+	Conns         int    // open pooled connections
+	ActiveStreams int    // streams open or being opened
+	Dials         uint64 // connections dialled since start
+}
+
+// NewPoolCollector reports the HBONE client pool.
+func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
+	conns := prometheus.NewDesc("redirector_hbone_pool_connections",
+		"Pooled HBONE connections open to other nodes' tunnels.", nil, nil)
+	streams := prometheus.NewDesc("redirector_hbone_pool_active_streams",
+		"HBONE streams open or being opened over pooled connections.", nil, nil)
+	dials := prometheus.NewDesc("redirector_hbone_dials_total",
+		"HBONE connections dialled; far fewer than streams while pooling works.", nil, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{conns, streams, dials},
+		collect: func(ch chan<- prometheus.Metric) {
+			s := stats()
+			ch <- gauge(conns, float64(s.Conns))
+			ch <- gauge(streams, float64(s.ActiveStreams))
+			ch <- counter(dials, s.Dials)
+		},
+	}
+}
+
+// ServerStats is the HBONE servers' cumulative counts, summed over the
+// node's pods (from hbone.ServerStats in the agent). The sums must never go
+// down, so counts of servers already stopped have to stay in them.
+type ServerStats struct {
+	HandshakeFailures uint64 // TLS handshakes (or ALPN) that failed
+	StreamsOK         uint64 // tunnels established (200)
+	StreamsBadRequest uint64 // malformed requests (400, 405, 431)
+	StreamsDenied     uint64 // refused by policy
+	StreamsRefused    uint64 // REFUSED_STREAM: stream limit or draining
+}
+
+// NewServerCollector reports the HBONE servers.
+func NewServerCollector(stats func() ServerStats) prometheus.Collector {
+	handshakes := prometheus.NewDesc("redirector_hbone_tls_handshake_failures_total",
+		"Inbound HBONE TLS handshakes that failed: a peer with an untrusted or expired certificate, or no h2 ALPN.", nil, nil)
+	streams := prometheus.NewDesc("redirector_hbone_streams_total",
+		"Inbound HBONE CONNECT streams by outcome: ok, bad_request, denied (policy) or refused (stream limit, draining).",
+		[]string{"outcome"}, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{handshakes, streams},
+		collect: func(ch chan<- prometheus.Metric) {
+			s := stats()
+			ch <- counter(handshakes, s.HandshakeFailures)
+			ch <- counter(streams, s.StreamsOK, "ok")
+			ch <- counter(streams, s.StreamsBadRequest, "bad_request")
+			ch <- counter(streams, s.StreamsDenied, "denied")
+			ch <- counter(streams, s.StreamsRefused, "refused")
+		},
+	}
+}

@@ -1,0 +1,152 @@
+package admin
+
+import (
+	"errors"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// scrape registers c alone on a pedantic registry, which also checks that
+// Collect only sends what Describe announced, and returns every series as
+// name{label="value",...} -> value.
+func scrape(t *testing.T, c prometheus.Collector) map[string]float64 {
+	t.Helper()
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(c); err != nil {
+		t.Fatalf("register: %v", err)
+	}
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatalf("gather: %v", err)
+	}
+	out := map[string]float64{}
+	for _, f := range families {
+		for _, m := range f.GetMetric() {
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
+			}
+			key := f.GetName()
+			if len(labels) > 0 {
+				key += "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.Counter != nil:
+				out[key] = m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				out[key] = m.GetGauge().GetValue()
+			default:
+				t.Fatalf("%s is neither a counter nor a gauge", key)
+			}
+		}
+	}
+	return out
+}
+
+func expect(t *testing.T, got map[string]float64, want map[string]float64) {
+	t.Helper()
+	for k, w := range want {
+		if v, ok := got[k]; !ok {
+			t.Errorf("missing %s", k)
+		} else if v != w {
+			t.Errorf("%s = %v, want %v", k, v, w)
+		}
+	}
+	for k := range got {
+		if _, ok := want[k]; !ok {
+			t.Errorf("unexpected series %s", k)
+		}
+	}
+}
+
+func TestAgentCollector(t *testing.T) {
+	runs := uint64(3)
+	c := NewAgentCollector(func() (uint64, uint64, uint64, int) { return runs, 2, 1, 4 })
+	expect(t, scrape(t, c), map[string]float64{
+		"redirector_enrolled_pods":           4,
+		"redirector_reconcile_runs_total":    3,
+		"redirector_reconcile_errors_total":  2,
+		"redirector_reconcile_repairs_total": 1,
+	})
+	runs = 4 // read at scrape time, not at construction
+	if v := scrape(t, c)["redirector_reconcile_runs_total"]; v != 4 {
+		t.Errorf("runs %v after the source changed, want 4", v)
+	}
+}
+
+func TestCertCollector(t *testing.T) {
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	rows := []CertRow{
+		{Identity: "spiffe://cluster.local/ns/shop/sa/web", NotAfter: now.Add(90 * time.Minute)},
+		{Identity: "spiffe://cluster.local/ns/shop/sa/db", NotAfter: now.Add(-time.Minute)},
+		// A repeated identity must not fail the scrape; the sooner expiry wins.
+		{Identity: "spiffe://cluster.local/ns/shop/sa/web", NotAfter: now.Add(time.Hour)},
+	}
+	c := newCertCollector(func() []CertRow { return rows }, func() time.Time { return now })
+	expect(t, scrape(t, c), map[string]float64{
+		`redirector_certificate_expiry_seconds{identity="spiffe://cluster.local/ns/shop/sa/web"}`: 3600,
+		`redirector_certificate_expiry_seconds{identity="spiffe://cluster.local/ns/shop/sa/db"}`:  -60,
+	})
+}
+
+func TestHBONECollectors(t *testing.T) {
+	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5} })
+	expect(t, scrape(t, pool), map[string]float64{
+		"redirector_hbone_pool_connections":    2,
+		"redirector_hbone_pool_active_streams": 7,
+		"redirector_hbone_dials_total":         5,
+	})
+	server := NewServerCollector(func() ServerStats {
+		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4}
+	})
+	expect(t, scrape(t, server), map[string]float64{
+		"redirector_hbone_tls_handshake_failures_total":         1,
+		`redirector_hbone_streams_total{outcome="ok"}`:          10,
+		`redirector_hbone_streams_total{outcome="bad_request"}`: 2,
+		`redirector_hbone_streams_total{outcome="denied"}`:      3,
+		`redirector_hbone_streams_total{outcome="refused"}`:     4,
+	})
+}
+
+// failing is a collector whose source cannot be read, like a BPF map that
+// went away.
+type failing struct{ desc *prometheus.Desc }
+
+func (f failing) Describe(ch chan<- *prometheus.Desc) { ch <- f.desc }
+func (f failing) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.NewInvalidMetric(f.desc, errors.New("read map: bad file descriptor"))
+}
+
+// TestMetricsEndpoint checks the exposition over HTTP, and that one failing
+// collector does not take the other metrics down with it.
+func TestMetricsEndpoint(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		NewAgentCollector(func() (uint64, uint64, uint64, int) { return 1, 0, 0, 1 }),
+		NewServerCollector(func() ServerStats { return ServerStats{StreamsDenied: 3} }),
+		NewPoolCollector(func() PoolStats { return PoolStats{} }),
+		failing{prometheus.NewDesc("redirector_broken_total", "A source that fails.", nil, nil)},
+	)
+	s := start(t, Options{Registry: reg})
+	get(t, "http://"+s.MetricsAddr()+"/metrics") // the failure is counted in the next scrape
+	code, body := get(t, "http://"+s.MetricsAddr()+"/metrics")
+	if code != http.StatusOK {
+		t.Fatalf("%d %s", code, body)
+	}
+	for _, line := range []string{
+		"# TYPE redirector_enrolled_pods gauge",
+		"redirector_enrolled_pods 1",
+		"# TYPE redirector_reconcile_runs_total counter",
+		`redirector_hbone_streams_total{outcome="denied"} 3`,
+		"redirector_hbone_pool_connections 0",
+		`promhttp_metric_handler_errors_total{cause="gathering"} 1`,
+	} {
+		if !strings.Contains(body, line+"\n") {
+			t.Errorf("/metrics has no line %q", line)
+		}
+	}
+}
