@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -29,6 +30,10 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	state := t.State()
+	if svc, ok := state.Dir.ServiceByVIP(dst.Addr()); ok {
+		p.handleService(ctx, c, svc, src, dst)
+		return
+	}
 	dstW, meshed := state.Dir.ByAddr(dst.Addr())
 	if !meshed || !dstW.Enrolled {
 		p.passthrough(ctx, c, srcW, dstW, src, dst)
@@ -66,6 +71,9 @@ func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, dstW *wor
 	}
 	req := hbone.Request{Authority: dst, Forwarded: fwd}
 	tlsConf := identity.ClientConfig(t.cfg.Certs, srcID, dstID)
+	// The timeout bounds dial, handshake and response, not the stream.
+	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
 	stream, err := t.cfg.Pool.Connect(ctx, key, dial, tlsConf, req)
 	if err != nil {
 		return nil, fmt.Errorf("HBONE to %s via %s: %w", dst, hboneAddr, err)
@@ -78,7 +86,7 @@ func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, dstW *wor
 func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.Workload, src, dst netip.AddrPort) {
 	t := p.t
 	conn := connInfo{reporter: "source", src: srcW, srcID: t.identityOf(srcW), dst: dstW}
-	up, err := netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: t.cfg.TunnelMark})
+	up, err := p.dialPlain(ctx, dst)
 	if err != nil {
 		conn.flags = "UF"
 		t.cfg.Metrics.opened(conn)
@@ -90,6 +98,17 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 	t.cfg.Metrics.opened(conn)
 	reqBytes, respBytes, _ := hbone.Relay(c, up)
 	t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+}
+
+// connectTimeout bounds establishing an upstream connection.
+const connectTimeout = 5 * time.Second
+
+// dialPlain connects to dst in plain TCP from inside the pod, with the
+// tunnel mark so the pod's own programs let it go.
+func (p *pod) dialPlain(ctx context.Context, dst netip.AddrPort) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	return netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
 }
 
 func forwardedAddr(a netip.Addr) string {

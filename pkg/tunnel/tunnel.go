@@ -54,6 +54,7 @@ type Tunnel struct {
 	cfg   Config
 	log   *slog.Logger
 	state atomic.Pointer[State]
+	lb    *balancer
 
 	mu      sync.Mutex
 	pods    map[string]*pod   // by pod uid
@@ -71,7 +72,7 @@ func New(cfg Config) *Tunnel {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics(nil)
 	}
-	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}}
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer()}
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	return t
 }

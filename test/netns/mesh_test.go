@@ -16,7 +16,7 @@ import (
 )
 
 // httpApp serves "<name> peer=<client addr>" on :8080 inside the pod.
-func httpApp(t *testing.T, p *Pod, name string) {
+func httpApp(t *testing.T, p *Pod, name string) *http.Server {
 	t.Helper()
 	l, err := netns.Listen(context.Background(), p.Path(), "tcp", "[::]:8080", netns.SocketOptions{})
 	if err != nil {
@@ -29,6 +29,7 @@ func httpApp(t *testing.T, p *Pod, name string) {
 	})}
 	go srv.Serve(l)
 	t.Cleanup(func() { srv.Close() })
+	return srv
 }
 
 // curl fetches url from inside pod p.

@@ -1,0 +1,145 @@
+package hbone
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"strings"
+	"time"
+
+	"golang.org/x/net/http/httpguts"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// Request describes one CONNECT.
+type Request struct {
+	// Authority is the original destination, ip:port; it becomes :authority.
+	Authority netip.AddrPort
+	// Forwarded is the Forwarded header value, e.g. `for="10.0.0.1"` or
+	// `for="[fd00::1]";host=name.ns.svc.cluster.local`. Empty: not sent.
+	Forwarded string
+	// Header holds extra request headers (baggage, traceparent, ...).
+	Header http.Header
+}
+
+// connectionSpecific reports a field HTTP/2 forbids (RFC 9113 §8.2.2); a
+// request carrying one is malformed.
+func connectionSpecific(name, value string) bool {
+	switch name {
+	case "connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade":
+		return true
+	case "te":
+		return value != "trailers"
+	}
+	return false
+}
+
+// fields builds the request header block, rejecting what a peer would
+// reject as malformed.
+func (r *Request) fields() ([]hpack.HeaderField, error) {
+	if !r.Authority.IsValid() || r.Authority.Port() == 0 {
+		return nil, fmt.Errorf("invalid hbone authority %v: want ip:port", r.Authority)
+	}
+	fields := make([]hpack.HeaderField, 0, 3+len(r.Header))
+	fields = append(fields,
+		hpack.HeaderField{Name: ":method", Value: "CONNECT"},
+		hpack.HeaderField{Name: ":authority", Value: r.Authority.String()})
+	if r.Forwarded != "" {
+		if !httpguts.ValidHeaderFieldValue(r.Forwarded) {
+			return nil, fmt.Errorf("invalid forwarded header value %q", r.Forwarded)
+		}
+		fields = append(fields, hpack.HeaderField{Name: "forwarded", Value: r.Forwarded})
+	}
+	for k, vs := range r.Header {
+		name := strings.ToLower(k)
+		if !httpguts.ValidHeaderFieldName(name) || name == "host" || name == "forwarded" {
+			return nil, fmt.Errorf("invalid hbone request header %q", k)
+		}
+		for _, v := range vs {
+			if !httpguts.ValidHeaderFieldValue(v) || connectionSpecific(name, v) {
+				return nil, fmt.Errorf("invalid value for hbone request header %q", k)
+			}
+			fields = append(fields, hpack.HeaderField{Name: name, Value: v})
+		}
+	}
+	return fields, nil
+}
+
+// openStream sends the CONNECT headers on a stream slot the caller reserved
+// (tryReserve). Stream ids must reach the wire in increasing order, so the
+// id is taken under the write lock.
+func (c *conn) openStream(fields []hpack.HeaderField) (*Stream, error) {
+	c.wmu.Lock()
+	c.mu.Lock()
+	if c.err != nil || c.goAway || c.nextID > maxStreamID {
+		c.goAway = true
+		closeNow := c.releaseLocked()
+		c.mu.Unlock()
+		c.wmu.Unlock()
+		if closeNow {
+			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		}
+		return nil, fmt.Errorf("%w: connection going away", errRetry)
+	}
+	s := newStream(c, c.nextID)
+	c.nextID += 2
+	s.sendWindow = c.peerInitWindow
+	c.streams[s.id] = s
+	c.mu.Unlock()
+	err := c.writeHeadersLocked(s.id, fields, false)
+	c.wmu.Unlock()
+	if err != nil {
+		c.close(http2.ErrCodeNo, fmt.Errorf("write request: %w", err), false)
+		return nil, fmt.Errorf("%w: %w", ErrConnClosed, err)
+	}
+	return s, nil
+}
+
+// roundTrip opens a stream and waits for the 200 that establishes the
+// tunnel.
+func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField) (*Stream, error) {
+	s, err := c.openStream(fields)
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-s.respc:
+	case <-ctx.Done():
+		s.Close()
+		return nil, ctx.Err()
+	}
+	s.mu.Lock()
+	got, status, reason, serr := s.gotResponse, s.status, s.reason, s.err
+	s.mu.Unlock()
+	if !got {
+		s.Close()
+		if serr == nil {
+			serr = errors.New("stream closed before response")
+		}
+		return nil, serr
+	}
+	if status != http.StatusOK {
+		if reason == "" {
+			reason = s.readReason(ctx)
+		}
+		s.Close()
+		return nil, &StatusError{Status: status, Reason: reason}
+	}
+	return s, nil
+}
+
+// readReason reads a short error body, bounded in size and time: it is only
+// there to make the StatusError say why.
+func (s *Stream) readReason(ctx context.Context) string {
+	deadline := time.Now().Add(time.Second)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	_ = s.SetReadDeadline(deadline)
+	b, _ := io.ReadAll(io.LimitReader(s, 1<<10))
+	return strings.TrimSpace(string(b))
+}

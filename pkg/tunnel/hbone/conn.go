@@ -1,0 +1,769 @@
+package hbone
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// HTTP/2 settings this package advertises, and related limits.
+const (
+	// streamWindow is the receive window granted to each stream. It is large
+	// so that one stream can fill a fast link without stalling on
+	// WINDOW_UPDATE round trips; memory is only spent on bytes the
+	// application has not read yet.
+	streamWindow = 4 << 20
+	// connWindow bounds what all streams of a connection may have buffered
+	// but unread together.
+	connWindow = 16 << 20
+	// maxReadFrameSize lets peers send large DATA frames: fewer frame
+	// headers and reads per byte.
+	maxReadFrameSize = 1 << 20
+	// maxHeaderListSize bounds a decoded header block. A CONNECT request
+	// needs a few hundred bytes.
+	maxHeaderListSize = 16 << 10
+	// frameBufSize is the size of the buffers DATA frames are built in. A
+	// full frame (9-byte header and payload) fills exactly four 16 KiB TLS
+	// records, so the TLS layer never emits a runt record after each frame.
+	frameBufSize = 64 << 10
+
+	frameHeaderLen     = 9
+	defaultWindow      = 65535 // RFC 9113 initial window
+	defaultMaxFrame    = 16384 // RFC 9113 initial SETTINGS_MAX_FRAME_SIZE
+	maxWindow          = 1<<31 - 1
+	maxStreamID        = 1<<31 - 1
+	maxQueuedControl   = 4096 // more pending control frames than this is a flood
+	closeWriteDeadline = time.Second
+)
+
+// frameBufPool holds frameBufSize buffers for building DATA frames in place.
+var frameBufPool = sync.Pool{New: func() any {
+	b := make([]byte, frameBufSize)
+	return &b
+}}
+
+// connConfig is what the owner (Pool or Server) tells a conn.
+type connConfig struct {
+	client      bool
+	maxStreams  uint32        // server: SETTINGS_MAX_CONCURRENT_STREAMS we enforce
+	idleTimeout time.Duration // 0: never idle-close
+	log         *slog.Logger
+	// onIdle runs on a timer goroutine when the conn had no streams for
+	// idleTimeout. It must re-check idleness (idleForLocked).
+	onIdle func(*conn)
+	// onClose runs once, after the conn died and its streams were failed.
+	onClose func(*conn)
+	// onReady (client) runs once, when the peer's first SETTINGS arrived or
+	// the conn died before that.
+	onReady func(*conn)
+	// onRequest (server) is called on the reader goroutine for each new
+	// stream; it must not block.
+	onRequest func(*Stream, *http2.MetaHeadersFrame)
+	// onRefused (server) counts streams refused for lack of capacity.
+	onRefused func()
+	// prefaceTimeout (server) bounds the wait for the client preface.
+	prefaceTimeout time.Duration
+}
+
+// ctlFrame is a control frame queued for the control writer goroutine.
+type ctlFrame struct {
+	typ  http2.FrameType
+	id   uint32
+	val  uint32 // WINDOW_UPDATE increment or error code
+	ping [8]byte
+}
+
+// conn is one HTTP/2 connection carrying CONNECT streams, client or server.
+//
+// Goroutines: one reader (readLoop) decodes frames and never blocks on the
+// network write side, so two peers writing to each other cannot deadlock;
+// one control writer sends the frames the reader and readers of stream data
+// produce (SETTINGS/PING acks, WINDOW_UPDATE, RST_STREAM); DATA and HEADERS
+// are written by the goroutine that calls Stream.Write.
+//
+// Lock order: Pool.mu, Stream.wmu, Stream.mu, conn.wmu, conn.mu; conn.mu
+// is never held while taking another lock, and the owner's callbacks run
+// without conn locks.
+type conn struct {
+	cfg      connConfig
+	nc       net.Conn
+	tlsState *tls.ConnectionState
+	fr       *http2.Framer
+	ctx      context.Context // cancelled when the conn dies
+	cancel   context.CancelFunc
+	poolKey  PoolKey // client: the pool entry this conn belongs to
+
+	peerMaxFrame  atomic.Uint32
+	peerTableSize atomic.Uint32
+	readyOnce     sync.Once
+
+	// wmu serializes writes to bw. It is held only while writing, never
+	// while waiting for flow control.
+	wmu       sync.Mutex
+	bw        *bufio.Writer
+	henc      *hpack.Encoder
+	hbuf      bytes.Buffer
+	hencLimit uint32
+
+	mu             sync.Mutex
+	sendCond       sync.Cond // L is &mu: send windows grew, or a stream/the conn failed
+	streams        map[uint32]*Stream
+	active         int // streams open or reserved (client) on this conn
+	nextID         uint32
+	lastPeerID     uint32
+	peerMaxStreams uint32
+	peerInitWindow int64
+	sendWindow     int64 // connection-level window the peer granted us
+	recvWindow     int64 // what the peer may still send before our next WINDOW_UPDATE
+	recvUnacked    int64 // bytes consumed locally and not yet returned to the peer
+	sawSettings    bool
+	goAway         bool // no new streams: GOAWAY sent or received, or closing
+	goAwaySent     bool
+	err            error // set once, when the conn dies
+	idleSince      time.Time
+	idleTimer      *time.Timer
+	ctl, ctlSpare  []ctlFrame
+
+	ctlWake chan struct{}
+	done    chan struct{}
+}
+
+func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
+	c := &conn{
+		cfg:            cfg,
+		nc:             nc,
+		streams:        make(map[uint32]*Stream),
+		nextID:         1,
+		peerMaxStreams: math.MaxUint32,
+		peerInitWindow: defaultWindow,
+		sendWindow:     defaultWindow,
+		recvWindow:     connWindow,
+		ctlWake:        make(chan struct{}, 1),
+		done:           make(chan struct{}),
+		hencLimit:      4096,
+	}
+	c.ctx, c.cancel = context.WithCancel(parent)
+	c.sendCond.L = &c.mu
+	c.peerMaxFrame.Store(defaultMaxFrame)
+	c.peerTableSize.Store(4096)
+	// Frames other than DATA are small; bw coalesces them into one TLS
+	// record. DATA frames are larger than bw, so bufio hands them to TLS
+	// without copying (bw is always flushed before wmu is released).
+	c.bw = bufio.NewWriterSize(nc, 4<<10)
+	c.fr = http2.NewFramer(c.bw, nc)
+	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	c.fr.MaxHeaderListSize = maxHeaderListSize
+	c.fr.SetMaxReadFrameSize(maxReadFrameSize)
+	c.fr.SetReuseFrames()
+	c.henc = hpack.NewEncoder(&c.hbuf)
+	if cfg.idleTimeout > 0 {
+		c.idleSince = time.Now()
+		c.idleTimer = time.AfterFunc(cfg.idleTimeout, func() { cfg.onIdle(c) })
+	}
+	return c
+}
+
+// start writes our connection preface and launches the control writer. The
+// caller then runs readLoop (server) or starts it on a goroutine (client).
+func (c *conn) start() error {
+	settings := []http2.Setting{
+		{ID: http2.SettingInitialWindowSize, Val: streamWindow},
+		{ID: http2.SettingMaxFrameSize, Val: maxReadFrameSize},
+		{ID: http2.SettingMaxHeaderListSize, Val: maxHeaderListSize},
+	}
+	if c.cfg.client {
+		settings = append(settings, http2.Setting{ID: http2.SettingEnablePush, Val: 0})
+	} else {
+		settings = append(settings, http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: c.cfg.maxStreams})
+	}
+	c.wmu.Lock()
+	if c.cfg.client {
+		_, _ = c.bw.WriteString(http2.ClientPreface)
+	}
+	_ = c.fr.WriteSettings(settings...)
+	_ = c.fr.WriteWindowUpdate(0, connWindow-defaultWindow)
+	err := c.bw.Flush()
+	c.wmu.Unlock()
+	if err != nil {
+		return fmt.Errorf("write http2 preface: %w", err)
+	}
+	go c.ctlLoop()
+	return nil
+}
+
+// readLoop reads frames until the connection fails, then closes it.
+func (c *conn) readLoop() {
+	err := c.readFrames()
+	var ce http2.ConnectionError
+	switch {
+	case errors.As(err, &ce):
+		c.close(http2.ErrCode(ce), fmt.Errorf("peer broke http2 protocol: %w", err), true)
+	case errors.Is(err, http2.ErrFrameTooLarge):
+		c.close(http2.ErrCodeFrameSize, err, true)
+	default:
+		c.close(http2.ErrCodeNo, err, false)
+	}
+}
+
+func (c *conn) readFrames() error {
+	if !c.cfg.client {
+		var preface [len(http2.ClientPreface)]byte
+		if c.cfg.prefaceTimeout > 0 {
+			_ = c.nc.SetReadDeadline(time.Now().Add(c.cfg.prefaceTimeout))
+		}
+		if _, err := io.ReadFull(c.nc, preface[:]); err != nil {
+			return fmt.Errorf("read client preface: %w", err)
+		}
+		if string(preface[:]) != http2.ClientPreface {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		_ = c.nc.SetReadDeadline(time.Time{})
+	}
+	for {
+		f, err := c.fr.ReadFrame()
+		if err == nil {
+			err = c.onFrame(f)
+		}
+		if err == nil {
+			continue
+		}
+		var se http2.StreamError
+		if !errors.As(err, &se) {
+			return err
+		}
+		c.resetStream(se.StreamID, se.Code)
+	}
+}
+
+func (c *conn) onFrame(f http2.Frame) error {
+	if !c.sawSettings {
+		// RFC 9113 §3.4: the preface ends with a SETTINGS frame.
+		if sf, ok := f.(*http2.SettingsFrame); !ok || sf.IsAck() {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+	}
+	switch f := f.(type) {
+	case *http2.DataFrame:
+		return c.onData(f)
+	case *http2.MetaHeadersFrame:
+		return c.onHeaders(f)
+	case *http2.SettingsFrame:
+		return c.onSettings(f)
+	case *http2.WindowUpdateFrame:
+		return c.onWindowUpdate(f)
+	case *http2.PingFrame:
+		if !f.IsAck() {
+			c.queue(ctlFrame{typ: http2.FramePing, ping: f.Data})
+		}
+	case *http2.RSTStreamFrame:
+		c.onReset(f)
+	case *http2.GoAwayFrame:
+		c.onGoAway(f)
+	case *http2.PushPromiseFrame:
+		// We never enable push, and a client cannot push.
+		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
+	// PRIORITY, unknown and other frames are ignored (RFC 9113 §5.5).
+	return nil
+}
+
+// idleStreamLocked reports whether id names a stream that was never opened;
+// frames other than HEADERS on such a stream are a connection error.
+func (c *conn) idleStreamLocked(id uint32) bool {
+	if c.cfg.client {
+		return id%2 == 0 || id >= c.nextID
+	}
+	return id > c.lastPeerID
+}
+
+func (c *conn) onData(f *http2.DataFrame) error {
+	id := f.StreamID
+	n := int64(f.Length) // flow control counts padding too
+	c.mu.Lock()
+	if n > c.recvWindow {
+		c.mu.Unlock()
+		return http2.ConnectionError(http2.ErrCodeFlowControl)
+	}
+	c.recvWindow -= n
+	s := c.streams[id]
+	idle := s == nil && c.idleStreamLocked(id)
+	c.mu.Unlock()
+	if s == nil {
+		if idle {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		// A stream we already closed or reset: the data is dropped but the
+		// connection window must not shrink for good.
+		c.credit(0, 0, n)
+		return nil
+	}
+	return s.onData(f.Data(), n, f.StreamEnded())
+}
+
+func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
+	id := f.StreamID
+	c.mu.Lock()
+	s := c.streams[id]
+	if s != nil {
+		c.mu.Unlock()
+		return s.onHeaders(f)
+	}
+	if c.cfg.client {
+		idle := c.idleStreamLocked(id)
+		c.mu.Unlock()
+		if idle {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		return nil // response to a stream we gave up on
+	}
+	if id%2 == 0 || id <= c.lastPeerID {
+		c.mu.Unlock()
+		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
+	c.lastPeerID = id
+	if c.goAway || uint32(c.active) >= c.cfg.maxStreams {
+		c.mu.Unlock()
+		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(http2.ErrCodeRefusedStream)})
+		if c.cfg.onRefused != nil {
+			c.cfg.onRefused()
+		}
+		return nil
+	}
+	s = newStream(c, id)
+	s.sendWindow = c.peerInitWindow
+	s.remoteEnded = f.StreamEnded()
+	c.streams[id] = s
+	c.addActiveLocked()
+	c.mu.Unlock()
+	c.cfg.onRequest(s, f)
+	return nil
+}
+
+func (c *conn) onSettings(f *http2.SettingsFrame) error {
+	if f.IsAck() {
+		return nil
+	}
+	c.mu.Lock()
+	err := f.ForeachSetting(func(s http2.Setting) error {
+		if err := s.Valid(); err != nil {
+			return err
+		}
+		switch s.ID {
+		case http2.SettingMaxFrameSize:
+			c.peerMaxFrame.Store(s.Val)
+		case http2.SettingMaxConcurrentStreams:
+			c.peerMaxStreams = s.Val
+		case http2.SettingHeaderTableSize:
+			c.peerTableSize.Store(s.Val)
+		case http2.SettingInitialWindowSize:
+			delta := int64(s.Val) - c.peerInitWindow
+			c.peerInitWindow = int64(s.Val)
+			for _, st := range c.streams {
+				st.sendWindow += delta
+				if st.sendWindow > maxWindow {
+					return http2.ConnectionError(http2.ErrCodeFlowControl)
+				}
+			}
+		}
+		return nil
+	})
+	c.sawSettings = true
+	c.sendCond.Broadcast()
+	c.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	c.queue(ctlFrame{typ: http2.FrameSettings})
+	c.ready()
+	return nil
+}
+
+func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
+	inc := int64(f.Increment)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if f.StreamID == 0 {
+		c.sendWindow += inc
+		if c.sendWindow > maxWindow {
+			return http2.ConnectionError(http2.ErrCodeFlowControl)
+		}
+		c.sendCond.Broadcast()
+		return nil
+	}
+	s := c.streams[f.StreamID]
+	if s == nil {
+		if c.idleStreamLocked(f.StreamID) {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		return nil
+	}
+	s.sendWindow += inc
+	if s.sendWindow > maxWindow {
+		return http2.StreamError{StreamID: f.StreamID, Code: http2.ErrCodeFlowControl}
+	}
+	c.sendCond.Broadcast()
+	return nil
+}
+
+func (c *conn) onReset(f *http2.RSTStreamFrame) {
+	c.mu.Lock()
+	s := c.streams[f.StreamID]
+	c.mu.Unlock()
+	if s == nil {
+		return
+	}
+	var err error = &ResetError{Code: f.ErrCode, Remote: true}
+	if f.ErrCode == http2.ErrCodeRefusedStream {
+		err = fmt.Errorf("%w: %w", errRetry, err)
+	}
+	s.abort(err)
+}
+
+func (c *conn) onGoAway(f *http2.GoAwayFrame) {
+	c.mu.Lock()
+	c.goAway = true
+	var unprocessed []*Stream
+	for id, s := range c.streams {
+		// Only streams we opened can be beyond the peer's last stream.
+		if id > f.LastStreamID && (id%2 == 1) == c.cfg.client {
+			unprocessed = append(unprocessed, s)
+		}
+	}
+	idle := c.active == len(unprocessed)
+	c.mu.Unlock()
+	for _, s := range unprocessed {
+		s.abort(fmt.Errorf("%w: connection going away", errRetry))
+	}
+	if f.ErrCode != http2.ErrCodeNo {
+		c.close(http2.ErrCodeNo, &GoAwayError{Code: f.ErrCode, Debug: string(f.DebugData())}, false)
+		return
+	}
+	if idle {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: peer sent GOAWAY", ErrConnClosed), true)
+	}
+}
+
+// resetStream answers a stream error: RST_STREAM to the peer, and the local
+// stream (if any) fails.
+func (c *conn) resetStream(id uint32, code http2.ErrCode) {
+	c.mu.Lock()
+	s := c.streams[id]
+	if !c.cfg.client && s == nil && id%2 == 1 && id > c.lastPeerID {
+		c.lastPeerID = id // a malformed request still opened (and closed) the stream
+	}
+	c.mu.Unlock()
+	c.queue(ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)})
+	if s != nil {
+		s.abort(&ResetError{Code: code})
+	}
+}
+
+// queue hands a control frame to the control writer without blocking.
+func (c *conn) queue(f ctlFrame) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.ctl = append(c.ctl, f)
+	flood := len(c.ctl) > maxQueuedControl
+	c.mu.Unlock()
+	if flood {
+		c.close(http2.ErrCodeEnhanceYourCalm, errors.New("peer floods control frames"), true)
+		return
+	}
+	select {
+	case c.ctlWake <- struct{}{}:
+	default:
+	}
+}
+
+// credit returns receive window to the peer after n bytes were consumed
+// (conn level) and, for streams, after the stream's own threshold.
+func (c *conn) credit(id uint32, streamInc uint32, n int64) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	queued := false
+	if streamInc > 0 {
+		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameWindowUpdate, id: id, val: streamInc})
+		queued = true
+	}
+	c.recvUnacked += n
+	// Returning credit in quarters of the window keeps WINDOW_UPDATE frames
+	// rare while the sender never runs dry on a fast link.
+	if c.recvUnacked >= connWindow/4 {
+		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameWindowUpdate, val: uint32(c.recvUnacked)})
+		c.recvWindow += c.recvUnacked
+		c.recvUnacked = 0
+		queued = true
+	}
+	c.mu.Unlock()
+	if queued {
+		select {
+		case c.ctlWake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// ctlLoop writes queued control frames.
+func (c *conn) ctlLoop() {
+	for {
+		select {
+		case <-c.ctlWake:
+		case <-c.done:
+			return
+		}
+		c.mu.Lock()
+		batch := c.ctl
+		c.ctl, c.ctlSpare = c.ctlSpare[:0], nil
+		c.mu.Unlock()
+		if len(batch) == 0 {
+			continue
+		}
+		c.wmu.Lock()
+		var err error
+		for _, f := range batch {
+			if err = c.writeCtlLocked(f); err != nil {
+				break
+			}
+		}
+		if err == nil {
+			err = c.bw.Flush()
+		}
+		c.wmu.Unlock()
+		c.mu.Lock()
+		c.ctlSpare = batch[:0]
+		c.mu.Unlock()
+		if err != nil {
+			c.close(http2.ErrCodeNo, fmt.Errorf("write control frame: %w", err), false)
+			return
+		}
+	}
+}
+
+func (c *conn) writeCtlLocked(f ctlFrame) error {
+	switch f.typ {
+	case http2.FrameSettings:
+		return c.fr.WriteSettingsAck()
+	case http2.FramePing:
+		return c.fr.WritePing(true, f.ping)
+	case http2.FrameWindowUpdate:
+		return c.fr.WriteWindowUpdate(f.id, f.val)
+	case http2.FrameRSTStream:
+		return c.fr.WriteRSTStream(f.id, http2.ErrCode(f.val))
+	case http2.FrameGoAway:
+		return c.fr.WriteGoAway(f.id, http2.ErrCode(f.val), nil)
+	}
+	return nil
+}
+
+// writeData writes one DATA frame. frame holds the 9-byte header space
+// followed by the payload, so frame and payload go to TLS in one write.
+func (c *conn) writeData(frame []byte, id uint32, end bool) error {
+	n := len(frame) - frameHeaderLen
+	var flags byte
+	if end {
+		flags = byte(http2.FlagDataEndStream)
+	}
+	frame[0], frame[1], frame[2] = byte(n>>16), byte(n>>8), byte(n)
+	frame[3] = byte(http2.FrameData)
+	frame[4] = flags
+	frame[5], frame[6], frame[7], frame[8] = byte(id>>24), byte(id>>16), byte(id>>8), byte(id)
+	c.wmu.Lock()
+	_, err := c.bw.Write(frame)
+	if err == nil {
+		err = c.bw.Flush()
+	}
+	c.wmu.Unlock()
+	if err != nil {
+		c.close(http2.ErrCodeNo, fmt.Errorf("write data: %w", err), false)
+		return fmt.Errorf("%w: %w", ErrConnClosed, err)
+	}
+	return nil
+}
+
+// writeHeadersLocked encodes fields and writes HEADERS (and CONTINUATION
+// when the block exceeds the peer's frame size). The caller holds wmu.
+func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) error {
+	if limit := c.peerTableSize.Load(); limit != c.hencLimit {
+		c.henc.SetMaxDynamicTableSizeLimit(limit)
+		c.hencLimit = limit
+	}
+	c.hbuf.Reset()
+	for _, f := range fields {
+		if err := c.henc.WriteField(f); err != nil {
+			return fmt.Errorf("encode header %s: %w", f.Name, err)
+		}
+	}
+	block := c.hbuf.Bytes()
+	max := int(c.peerMaxFrame.Load())
+	first := true
+	for first || len(block) > 0 {
+		frag := block
+		if len(frag) > max {
+			frag = frag[:max]
+		}
+		block = block[len(frag):]
+		var err error
+		if first {
+			err = c.fr.WriteHeaders(http2.HeadersFrameParam{
+				StreamID:      id,
+				BlockFragment: frag,
+				EndStream:     end,
+				EndHeaders:    len(block) == 0,
+			})
+		} else {
+			err = c.fr.WriteContinuation(id, len(block) == 0, frag)
+		}
+		if err != nil {
+			return err
+		}
+		first = false
+	}
+	return c.bw.Flush()
+}
+
+// addActiveLocked counts a new (or reserved) stream.
+func (c *conn) addActiveLocked() {
+	c.active++
+	if c.active == 1 && c.idleTimer != nil {
+		c.idleTimer.Stop()
+	}
+}
+
+// releaseLocked uncounts a stream and reports whether the conn, draining,
+// has just become empty and should close.
+func (c *conn) releaseLocked() (closeNow bool) {
+	c.active--
+	if c.active > 0 || c.err != nil {
+		return false
+	}
+	if c.goAway {
+		return true
+	}
+	if c.idleTimer != nil {
+		c.idleSince = time.Now()
+		c.idleTimer.Reset(c.cfg.idleTimeout)
+	}
+	return false
+}
+
+// forget removes a finished stream from the conn.
+func (c *conn) forget(s *Stream) {
+	c.mu.Lock()
+	if c.streams[s.id] != s {
+		c.mu.Unlock()
+		return
+	}
+	delete(c.streams, s.id)
+	closeNow := c.releaseLocked()
+	c.mu.Unlock()
+	if closeNow {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+	}
+}
+
+// idleForLocked reports whether the conn has had no streams for at least d and
+// is still open. Timer callbacks use it to ignore stale firings.
+func (c *conn) idleForLocked(d time.Duration) bool {
+	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
+}
+
+// drain stops new streams (GOAWAY) and closes the conn once the last
+// stream finishes.
+func (c *conn) drain() {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.goAway = true
+	idle := c.active == 0
+	last := c.lastPeerID
+	if !idle && !c.goAwaySent {
+		c.goAwaySent = true
+		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameGoAway, id: last, val: uint32(http2.ErrCodeNo)})
+	}
+	c.mu.Unlock()
+	if idle {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		return
+	}
+	select {
+	case c.ctlWake <- struct{}{}:
+	default:
+	}
+}
+
+// close kills the conn once: optionally tells the peer why (GOAWAY), closes
+// the socket, fails every stream and tells the owner.
+func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	if !errors.Is(cause, ErrConnClosed) {
+		cause = fmt.Errorf("%w: %w", ErrConnClosed, cause)
+	}
+	c.err = cause
+	c.goAway = true
+	sendGoAway = sendGoAway && !c.goAwaySent
+	last := c.lastPeerID
+	streams := make([]*Stream, 0, len(c.streams))
+	for _, s := range c.streams {
+		streams = append(streams, s)
+	}
+	if c.idleTimer != nil {
+		c.idleTimer.Stop()
+	}
+	c.sendCond.Broadcast()
+	c.mu.Unlock()
+
+	close(c.done)
+	c.cancel()
+	if sendGoAway {
+		// Bound the write: a peer that stopped reading must not hold us.
+		_ = c.nc.SetWriteDeadline(time.Now().Add(closeWriteDeadline))
+		c.wmu.Lock()
+		if c.fr.WriteGoAway(last, code, nil) == nil {
+			_ = c.bw.Flush()
+		}
+		c.wmu.Unlock()
+	}
+	_ = c.nc.Close()
+	for _, s := range streams {
+		s.abort(cause)
+	}
+	if code != http2.ErrCodeNo {
+		c.cfg.log.Debug("hbone connection closed", "remote", c.nc.RemoteAddr(), "code", code, "err", cause)
+	}
+	c.ready()
+	if c.cfg.onClose != nil {
+		c.cfg.onClose(c)
+	}
+}
+
+// ready calls onReady once.
+func (c *conn) ready() {
+	if c.cfg.onReady != nil {
+		c.readyOnce.Do(func() { c.cfg.onReady(c) })
+	}
+}

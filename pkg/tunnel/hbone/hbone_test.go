@@ -1,0 +1,684 @@
+package hbone
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+func TestEcho(t *testing.T) {
+	var got atomic.Pointer[ServerRequest]
+	var done sync.WaitGroup
+	var fromClient, toClient atomic.Int64
+	done.Add(1)
+	handler := func(ctx context.Context, req *ServerRequest) Response {
+		got.Store(req)
+		resp := dialTarget(ctx, req)
+		resp.Done = func(in, out int64, err error) {
+			fromClient.Store(in)
+			toClient.Store(out)
+			done.Done()
+		}
+		return resp
+	}
+	e := newEnv(t, handler, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+
+	ctx := context.Background()
+	s, err := e.pool.Connect(ctx, e.key, tcpDial, mustClientTLS(), Request{
+		Authority: app,
+		Forwarded: `for="10.0.0.1";host=echo.default.svc.cluster.local`,
+		Header:    http.Header{"Baggage": {"k8s.namespace.name=default"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg := []byte("hello through hbone")
+	if _, err := s.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(s, buf); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(buf, msg) {
+		t.Fatalf("echo = %q, want %q", buf, msg)
+	}
+	if err := s.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if rest, err := io.ReadAll(s); err != nil || len(rest) != 0 {
+		t.Fatalf("after CloseWrite: read %q, %v; want EOF", rest, err)
+	}
+	s.Close()
+	done.Wait()
+
+	req := got.Load()
+	if req.Target != app || req.Authority != app.String() {
+		t.Errorf("target %v authority %q, want %v", req.Target, req.Authority, app)
+	}
+	if req.Forwarded != `for="10.0.0.1";host=echo.default.svc.cluster.local` {
+		t.Errorf("forwarded = %q", req.Forwarded)
+	}
+	if req.Header.Get("Baggage") != "k8s.namespace.name=default" {
+		t.Errorf("headers = %v", req.Header)
+	}
+	if req.TLS == nil || len(req.TLS.PeerCertificates) == 0 || req.TLS.PeerCertificates[0].URIs[0].String() != "spiffe://cluster.local/ns/default/sa/test" {
+		t.Errorf("peer identity not passed to the handler")
+	}
+	if fromClient.Load() != int64(len(msg)) || toClient.Load() != int64(len(msg)) {
+		t.Errorf("relay counted %d in, %d out; want %d each", fromClient.Load(), toClient.Load(), len(msg))
+	}
+	if s.LocalAddr() == nil || s.RemoteAddr().String() != e.addr.String() {
+		t.Errorf("addresses: local %v remote %v", s.LocalAddr(), s.RemoteAddr())
+	}
+	if st := e.srv.Stats(); st.StreamsOK != 1 || st.ConnsAccepted != 1 {
+		t.Errorf("server stats = %+v", st)
+	}
+}
+
+func mustClientTLS() *tls.Config {
+	good, _ := pkis()
+	return good.clientTLS()
+}
+
+func TestIPv6Authority(t *testing.T) {
+	var got atomic.Value
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		got.Store(req.Authority)
+		return Response{Status: 403, Reason: "no"}
+	}, ServerOptions{}, PoolOptions{})
+	target := netip.MustParseAddrPort("[fd00::1]:8080")
+	_, err := e.connect(context.Background(), target)
+	var se *StatusError
+	if !errors.As(err, &se) || se.Status != 403 {
+		t.Fatalf("err = %v, want 403", err)
+	}
+	if got.Load() != "[fd00::1]:8080" {
+		t.Fatalf("authority = %v", got.Load())
+	}
+}
+
+// TestConcurrentStreams opens 200 streams at once: the pool must spread them
+// over ceil(200/MaxStreamsPerConn) connections (plus a little slack), and
+// concurrent Connects for the new key must not each dial.
+func TestConcurrentStreams(t *testing.T) {
+	const streams, perConn = 200, 50
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{MaxStreamsPerConn: perConn})
+	app := startUpstream(t, echo)
+
+	var (
+		wg    sync.WaitGroup
+		open  sync.WaitGroup
+		errs  = make(chan error, streams)
+		ready = make(chan struct{})
+	)
+	wg.Add(streams)
+	open.Add(streams)
+	for i := range streams {
+		go func() {
+			defer wg.Done()
+			s, err := e.connect(context.Background(), app)
+			open.Done()
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer s.Close()
+			<-ready // hold every stream open until all are
+			msg := fmt.Appendf(nil, "stream %d", i)
+			if _, err := s.Write(msg); err != nil {
+				errs <- err
+				return
+			}
+			_ = s.CloseWrite()
+			got, err := io.ReadAll(s)
+			if err != nil || !bytes.Equal(got, msg) {
+				errs <- fmt.Errorf("stream %d: got %q, %v", i, got, err)
+			}
+		}()
+	}
+	open.Wait()
+	st := e.pool.Stats()
+	close(ready)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	maxConns := (streams+perConn-1)/perConn + 1
+	if st.ActiveStreams != streams || st.Conns > maxConns || st.DialsTotal > uint64(maxConns) {
+		t.Errorf("with %d streams open: %+v, want %d active on at most %d conns", streams, st, streams, maxConns)
+	}
+	eventually(t, "streams to finish", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+}
+
+// TestServerStreamLimit: the pool allows more streams than the server does;
+// it must follow the server's SETTINGS and retry refused streams.
+func TestServerStreamLimit(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{MaxConcurrentStreams: 4}, PoolOptions{})
+	app := startUpstream(t, echo)
+	var wg, opened sync.WaitGroup
+	errs := make(chan error, 20)
+	release := make(chan struct{})
+	for range 20 {
+		wg.Add(1)
+		opened.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := e.connect(context.Background(), app)
+			opened.Done()
+			if err != nil {
+				errs <- err
+				return
+			}
+			<-release
+			s.Close()
+		}()
+	}
+	opened.Wait()
+	if st := e.pool.Stats(); st.Conns < 5 || st.ActiveStreams != 20 {
+		t.Errorf("20 streams with a server limit of 4: %+v, want 20 streams on at least 5 conns", st)
+	}
+	close(release)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+// TestNoDialStampede: concurrent Connects for a new key share one dial.
+func TestNoDialStampede(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	var wg sync.WaitGroup
+	streams := make(chan *Stream, 50)
+	for range 50 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			streams <- s
+		}()
+	}
+	wg.Wait()
+	close(streams)
+	for s := range streams {
+		s.Close()
+	}
+	if st := e.pool.Stats(); st.DialsTotal != 1 || st.Conns != 1 {
+		t.Errorf("50 concurrent connects: %+v, want one dial", st)
+	}
+}
+
+// TestHalfClose: the client half-closes; the application sees EOF, still
+// answers, then closes; the client reads the answer and then EOF.
+func TestHalfClose(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, func(c *net.TCPConn) {
+		n, _ := io.Copy(io.Discard, c) // until the client's CloseWrite
+		fmt.Fprintf(c, "got %d bytes", n)
+	})
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := s.Write(make([]byte, 100000)); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Write([]byte("x")); err == nil {
+		t.Error("write after CloseWrite succeeded")
+	}
+	got, err := io.ReadAll(s)
+	if err != nil || string(got) != "got 100000 bytes" {
+		t.Fatalf("read %q, %v", got, err)
+	}
+}
+
+// TestLargeTransfer sends 256 MiB through a stream; the application hashes
+// what it got and sends the hash back.
+func TestLargeTransfer(t *testing.T) {
+	size := int64(256 << 20)
+	if testing.Short() {
+		size = 32 << 20
+	}
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, func(c *net.TCPConn) {
+		h := sha256.New()
+		_, _ = io.Copy(h, c)
+		_, _ = c.Write(h.Sum(nil))
+	})
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	want := sha256.New()
+	src := io.TeeReader(io.LimitReader(newPRNGReader(1), size), want)
+	n, err := io.Copy(s, src)
+	if err != nil || n != size {
+		t.Fatalf("copied %d, %v", n, err)
+	}
+	if err := s.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want.Sum(nil)) {
+		t.Fatalf("sha256 mismatch after %d bytes", size)
+	}
+}
+
+// prngReader yields a cheap deterministic byte stream.
+type prngReader struct{ r *rand.ChaCha8 }
+
+func newPRNGReader(seed byte) io.Reader { return prngReader{rand.NewChaCha8([32]byte{seed})} }
+
+func (p prngReader) Read(b []byte) (int, error) { return p.r.Read(b) }
+
+func TestDeniedCarriesReason(t *testing.T) {
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		return Response{Status: http.StatusForbidden, Reason: "denied by policy ns1/deny-all"}
+	}, ServerOptions{}, PoolOptions{})
+	_, err := e.connect(context.Background(), netip.MustParseAddrPort("10.0.0.2:80"))
+	var se *StatusError
+	if !errors.As(err, &se) || se.Status != 403 || se.Reason != "denied by policy ns1/deny-all" {
+		t.Fatalf("err = %v, want 403 with the reason", err)
+	}
+	eventually(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	if st := e.srv.Stats(); st.StreamsDenied != 1 {
+		t.Errorf("server stats = %+v", st)
+	}
+}
+
+func TestDialFailureIs503(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	l, _ := net.Listen("tcp", "127.0.0.1:0")
+	closed := l.Addr().(*net.TCPAddr).AddrPort()
+	l.Close()
+	_, err := e.connect(context.Background(), closed)
+	var se *StatusError
+	if !errors.As(err, &se) || se.Status != 503 || !contains(se.Reason, "connection refused") {
+		t.Fatalf("err = %v, want 503 naming the dial error", err)
+	}
+}
+
+// TestMalformedRequests uses a generic HTTP/2 client (x/net) to send what
+// the pool never sends.
+func TestMalformedRequests(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	tr := &http2.Transport{TLSClientConfig: mustClientTLS()}
+	defer tr.CloseIdleConnections()
+	base := "https://" + e.addr.String()
+
+	tests := []struct {
+		name, method, host string
+		status             int
+		reason             string
+	}{
+		{"GET", "GET", "10.0.0.1:80", 405, `method "GET" not allowed`},
+		{"authority not ip:port", "CONNECT", "foo.example:80", 400, "malformed :authority"},
+		{"authority without port", "CONNECT", "10.0.0.1", 400, "malformed :authority"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req, _ := http.NewRequest(tc.method, base, nil)
+			req.Host = tc.host
+			resp, err := tr.RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != tc.status {
+				t.Errorf("status = %d, want %d", resp.StatusCode, tc.status)
+			}
+			if h := resp.Header.Get(ReasonHeader); !contains(h, tc.reason) || !contains(string(body), tc.reason) {
+				t.Errorf("reason header %q body %q, want %q", h, body, tc.reason)
+			}
+		})
+	}
+	if st := e.srv.Stats(); st.StreamsBadRequest != uint64(len(tests)) {
+		t.Errorf("server stats = %+v", st)
+	}
+}
+
+func TestParseRequest(t *testing.T) {
+	f := func(kv ...string) []hpackField {
+		var out []hpackField
+		for i := 0; i < len(kv); i += 2 {
+			out = append(out, hpackField{Name: kv[i], Value: kv[i+1]})
+		}
+		return out
+	}
+	tests := []struct {
+		name   string
+		fields []hpackField
+		status int
+		target string
+	}{
+		{"ok", f(":method", "CONNECT", ":authority", "10.1.2.3:8080"), 0, "10.1.2.3:8080"},
+		{"ok ipv6", f(":method", "CONNECT", ":authority", "[fd00::2]:80"), 0, "[fd00::2]:80"},
+		{"v4-mapped is unmapped", f(":method", "CONNECT", ":authority", "[::ffff:10.0.0.1]:80"), 0, "10.0.0.1:80"},
+		{"no method", f(":authority", "10.1.2.3:8080"), 405, ""},
+		{"post", f(":method", "POST", ":authority", "10.1.2.3:8080"), 405, ""},
+		{"no authority", f(":method", "CONNECT"), 400, ""},
+		{"hostname", f(":method", "CONNECT", ":authority", "svc:80"), 400, ""},
+		{"zone", f(":method", "CONNECT", ":authority", "[fe80::1%eth0]:80"), 400, ""},
+		{"port 0", f(":method", "CONNECT", ":authority", "10.0.0.1:0"), 400, ""},
+		{"path", f(":method", "CONNECT", ":authority", "10.0.0.1:80", ":path", "/"), 400, ""},
+		{"extended connect", f(":method", "CONNECT", ":protocol", "websocket", ":authority", "10.0.0.1:80"), 400, ""},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req, status, reason := parseRequest(tc.fields, false)
+			if status != tc.status {
+				t.Fatalf("status = %d (%s), want %d", status, reason, tc.status)
+			}
+			if status == 0 && req.Target.String() != tc.target {
+				t.Errorf("target = %v, want %v", req.Target, tc.target)
+			}
+			if status != 0 && reason == "" {
+				t.Error("refusal without a reason")
+			}
+		})
+	}
+	if _, status, _ := parseRequest(f(":method", "CONNECT", ":authority", "10.0.0.1:80"), true); status != 431 {
+		t.Errorf("truncated headers: status %d, want 431", status)
+	}
+}
+
+func TestWrongCAFailsHandshake(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	_, other := pkis()
+	_, err := e.pool.Connect(context.Background(), e.key, tcpDial, other.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.1:80")})
+	if err == nil || !contains(err.Error(), "tls handshake") {
+		t.Fatalf("err = %v, want a handshake failure", err)
+	}
+	eventually(t, "handshake failure counted", func() bool { return e.srv.Stats().HandshakeFailures == 1 })
+	if st := e.pool.Stats(); st.Conns != 0 {
+		t.Errorf("failed dial left %d conns in the pool", st.Conns)
+	}
+}
+
+func TestIdleConnClosed(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{IdleTimeout: 100 * time.Millisecond})
+	app := startUpstream(t, echo)
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // an open stream keeps the conn
+	if st := e.pool.Stats(); st.Conns != 1 {
+		t.Fatalf("conn with an open stream closed: %+v", st)
+	}
+	s.Close()
+	eventually(t, "idle conn closed", func() bool { return e.pool.Stats().Conns == 0 })
+	eventually(t, "server saw the close", func() bool { return e.srv.Stats().ConnsActive == 0 })
+
+	// The next Connect dials again.
+	s, err = e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if st := e.pool.Stats(); st.DialsTotal != 2 {
+		t.Errorf("dials = %d, want 2", st.DialsTotal)
+	}
+}
+
+func TestServerIdleTimeout(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{IdleTimeout: 100 * time.Millisecond}, PoolOptions{})
+	s, err := e.connect(context.Background(), startUpstream(t, echo))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	eventually(t, "server closes idle conn", func() bool { return e.srv.Stats().ConnsActive == 0 })
+	eventually(t, "pool drops the conn", func() bool { return e.pool.Stats().Conns == 0 })
+}
+
+// TestShutdownDrains: Shutdown lets an open stream finish, refuses new
+// ones, and returns once it ended.
+func TestShutdownDrains(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shut := make(chan error, 1)
+	go func() { shut <- e.srv.Shutdown(context.Background()) }()
+	eventually(t, "pool sees GOAWAY", func() bool {
+		s2, err := e.connect(context.Background(), app)
+		if err != nil {
+			return true
+		}
+		s2.Close()
+		return false
+	})
+	if _, err := s.Write([]byte("still works")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 11)
+	if _, err := io.ReadFull(s, buf); err != nil || string(buf) != "still works" {
+		t.Fatalf("read %q, %v", buf, err)
+	}
+	select {
+	case err := <-shut:
+		t.Fatalf("shutdown returned %v with a stream open", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	s.Close()
+	select {
+	case err := <-shut:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("shutdown did not return after the last stream closed")
+	}
+}
+
+func TestShutdownTimeoutClosesStreams(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	s, err := e.connect(context.Background(), startUpstream(t, echo))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := e.srv.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("shutdown = %v, want deadline exceeded", err)
+	}
+	if _, err := io.ReadAll(s); err == nil {
+		t.Fatal("stream survived a forced shutdown")
+	}
+	eventually(t, "broken conn removed from the pool", func() bool { return e.pool.Stats().Conns == 0 })
+}
+
+func TestReadDeadline(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	s, err := e.connect(context.Background(), startUpstream(t, echo))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	_ = s.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+	if _, err := s.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read = %v, want deadline exceeded", err)
+	}
+	_ = s.SetReadDeadline(time.Time{})
+	if _, err := s.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(s, make([]byte, 1)); err != nil {
+		t.Fatalf("read after clearing the deadline: %v", err)
+	}
+}
+
+// TestWriteDeadline: an application that stops reading exhausts the
+// stream's flow-control window; a blocked Write then honours its deadline.
+func TestWriteDeadline(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	stop := make(chan struct{})
+	app := startUpstream(t, func(c *net.TCPConn) { <-stop })
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer close(stop)
+	defer s.Close()
+	_ = s.SetWriteDeadline(time.Now().Add(300 * time.Millisecond))
+	buf := make([]byte, 1<<20)
+	var total int
+	for total < 256<<20 {
+		n, err := s.Write(buf)
+		total += n
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Fatalf("wrote %d bytes to an application that reads nothing", total)
+}
+
+// TestPeerCloseResetsStream: the application closing abruptly reaches the
+// client as the end of the stream, and the conn stays usable.
+func TestUpstreamCloseEndsStream(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, func(c *net.TCPConn) { _, _ = c.Write([]byte("bye")) })
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(s)
+	if string(got) != "bye" || err != nil {
+		t.Fatalf("read %q, %v", got, err)
+	}
+	s.Close()
+	s, err = e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	if st := e.pool.Stats(); st.DialsTotal != 1 {
+		t.Errorf("dials = %d, want 1 (conn reused)", st.DialsTotal)
+	}
+}
+
+func TestConnectContextCancelled(t *testing.T) {
+	block := make(chan struct{})
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		select {
+		case <-block:
+		case <-ctx.Done():
+		}
+		return Response{Status: 503}
+	}, ServerOptions{}, PoolOptions{})
+	defer close(block)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if _, err := e.connect(ctx, netip.MustParseAddrPort("10.0.0.1:80")); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err = %v, want deadline exceeded", err)
+	}
+	eventually(t, "cancelled stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+}
+
+func TestRelayHalfCloseTCP(t *testing.T) {
+	checkGoroutines(t)
+	// client <-> [a  Relay  b] <-> app, all TCP.
+	app := startUpstream(t, func(c *net.TCPConn) {
+		b, _ := io.ReadAll(c)
+		_, _ = c.Write(bytes.ToUpper(b))
+	})
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	type result struct {
+		ab, ba int64
+		err    error
+	}
+	res := make(chan result, 1)
+	go func() {
+		a, err := l.Accept()
+		if err != nil {
+			res <- result{err: err}
+			return
+		}
+		b, err := net.Dial("tcp", app.String())
+		if err != nil {
+			a.Close()
+			res <- result{err: err}
+			return
+		}
+		ab, ba, err := Relay(a, b)
+		res <- result{ab, ba, err}
+	}()
+	c, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, _ = c.Write([]byte("hello"))
+	_ = c.(*net.TCPConn).CloseWrite()
+	got, _ := io.ReadAll(c)
+	if string(got) != "HELLO" {
+		t.Fatalf("got %q", got)
+	}
+	r := <-res
+	if r.err != nil || r.ab != 5 || r.ba != 5 {
+		t.Fatalf("relay = %+v", r)
+	}
+}
+
+func TestRequestValidation(t *testing.T) {
+	p := NewPool(PoolOptions{})
+	defer p.Close()
+	bad := []Request{
+		{},
+		{Authority: netip.MustParseAddrPort("10.0.0.1:0")},
+		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Forwarded: "for=\"x\"\r\nevil: 1"},
+		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Header: http.Header{"Connection": {"close"}}},
+		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Header: http.Header{"Bad Name": {"x"}}},
+	}
+	for _, r := range bad {
+		if _, err := p.Connect(context.Background(), PoolKey{}, tcpDial, mustClientTLS(), r); err == nil {
+			t.Errorf("Connect(%+v) succeeded", r)
+		}
+	}
+	if st := p.Stats(); st.DialsTotal != 0 {
+		t.Errorf("invalid requests dialled: %+v", st)
+	}
+}

@@ -1,0 +1,332 @@
+package hbone
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+)
+
+// Dialer opens the TCP connection under an HBONE connection. The caller
+// supplies it so the socket is made where it must be (inside the source
+// pod's network namespace, with the tunnel's socket mark).
+type Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
+
+// PoolKey identifies the connections streams may share: streams between the
+// same identities to the same HBONE endpoint.
+type PoolKey struct {
+	SrcIdentity string
+	DstIdentity string
+	// DstAddr is the HBONE endpoint, the destination pod's ip:15008.
+	DstAddr netip.AddrPort
+}
+
+// PoolOptions configure a Pool. Zero values pick the defaults.
+type PoolOptions struct {
+	// MaxStreamsPerConn caps concurrent streams on one connection; more
+	// open another connection for the same key. Default 100, as ztunnel.
+	MaxStreamsPerConn int
+	// IdleTimeout closes a connection that carried no stream for this
+	// long. Default 30s: long enough to reuse connections across bursts,
+	// short enough not to hold sockets to pods that went quiet.
+	IdleTimeout time.Duration
+	Logger      *slog.Logger
+}
+
+// PoolStats is a snapshot for metrics and tests.
+type PoolStats struct {
+	Conns         int    // open connections
+	ActiveStreams int    // streams open or being opened
+	DialsTotal    uint64 // connections dialled since the pool was made
+}
+
+// Pool is the HBONE client: it multiplexes streams over pooled TLS
+// connections, one or more per PoolKey.
+type Pool struct {
+	opts  PoolOptions
+	log   *slog.Logger
+	dials atomic.Uint64
+
+	mu      sync.Mutex
+	entries map[PoolKey]*poolEntry
+	closed  bool
+}
+
+type poolEntry struct {
+	conns   []*conn
+	dialing *dialCall // non-nil while a connection for the key is being made
+}
+
+// dialCall lets concurrent Connects for a new key wait for one dial instead
+// of each dialling.
+type dialCall struct {
+	done chan struct{}
+	err  error
+}
+
+// maxConnectAttempts bounds retries of streams the peer refused unprocessed
+// (GOAWAY race, REFUSED_STREAM).
+const maxConnectAttempts = 3
+
+// NewPool returns an empty pool.
+func NewPool(opts PoolOptions) *Pool {
+	if opts.MaxStreamsPerConn <= 0 {
+		opts.MaxStreamsPerConn = 100
+	}
+	if opts.IdleTimeout <= 0 {
+		opts.IdleTimeout = 30 * time.Second
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Pool{opts: opts, log: log, entries: make(map[PoolKey]*poolEntry)}
+}
+
+// Connect opens a CONNECT stream to req.Authority through the HBONE
+// endpoint key.DstAddr, reusing a pooled connection for key when one has
+// room and otherwise dialling with dial and tlsConf (ALPN h2 is added when
+// missing). ctx bounds the dial, the handshake and the wait for the
+// response, not the returned stream. A non-200 answer is a *StatusError.
+func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, req Request) (*Stream, error) {
+	fields, err := req.fields()
+	if err != nil {
+		return nil, err
+	}
+	for attempt := 1; ; attempt++ {
+		c, err := p.reserve(ctx, key, dial, tlsConf)
+		if err != nil {
+			return nil, err
+		}
+		s, err := c.roundTrip(ctx, fields)
+		if err == nil {
+			return s, nil
+		}
+		if !errors.Is(err, errRetry) || attempt == maxConnectAttempts || ctx.Err() != nil {
+			return nil, fmt.Errorf("hbone connect %v via %v: %w", req.Authority, key.DstAddr, err)
+		}
+	}
+}
+
+// reserve returns a connection for key with a stream slot reserved on it.
+func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config) (*conn, error) {
+	p.mu.Lock()
+	for {
+		if p.closed {
+			p.mu.Unlock()
+			return nil, ErrPoolClosed
+		}
+		e := p.entries[key]
+		if e == nil {
+			e = &poolEntry{}
+			p.entries[key] = e
+		}
+		for _, c := range e.conns {
+			if c.tryReserve(p.opts.MaxStreamsPerConn) {
+				p.mu.Unlock()
+				return c, nil
+			}
+		}
+		if d := e.dialing; d != nil {
+			p.mu.Unlock()
+			select {
+			case <-d.done:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			// Another caller's cancelled dial says nothing about ours.
+			if d.err != nil && !errors.Is(d.err, context.Canceled) && !errors.Is(d.err, context.DeadlineExceeded) {
+				return nil, d.err
+			}
+			p.mu.Lock()
+			continue
+		}
+
+		d := &dialCall{done: make(chan struct{})}
+		e.dialing = d
+		p.mu.Unlock()
+		c, err := p.dial(ctx, key, dial, tlsConf, d)
+		p.mu.Lock()
+		switch {
+		case err != nil:
+			p.dialDoneLocked(key, d, err)
+			p.mu.Unlock()
+			return nil, err
+		case p.closed:
+			p.dialDoneLocked(key, d, ErrPoolClosed)
+			p.mu.Unlock()
+			c.close(http2.ErrCodeNo, ErrPoolClosed, true)
+			return nil, ErrPoolClosed
+		}
+		// The dialler's stream goes out at once, pipelined with the peer's
+		// SETTINGS. Others keep waiting on d until the SETTINGS tell the
+		// real stream limit (onReady), so a burst neither overfills the
+		// conn nor dials more conns than it needs.
+		c.tryReserve(p.opts.MaxStreamsPerConn)
+		e.conns = append(e.conns, c)
+		p.mu.Unlock()
+		go c.readLoop()
+		return c, nil
+	}
+}
+
+// dialDoneLocked ends a dial and wakes the Connects waiting for it.
+func (p *Pool) dialDoneLocked(key PoolKey, d *dialCall, err error) {
+	e := p.entries[key]
+	if e == nil || e.dialing != d {
+		return
+	}
+	e.dialing = nil
+	d.err = err
+	close(d.done)
+	p.dropEntryLocked(key, e)
+}
+
+// dial makes and handshakes a new connection for key.
+func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, d *dialCall) (*conn, error) {
+	p.dials.Add(1)
+	raw, err := dial(ctx, "tcp", key.DstAddr.String())
+	if err != nil {
+		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
+	}
+	tc := tls.Client(raw, withH2(tlsConf))
+	if err := tc.HandshakeContext(ctx); err != nil {
+		_ = raw.Close()
+		return nil, fmt.Errorf("tls handshake with hbone %v: %w", key.DstAddr, err)
+	}
+	if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
+		_ = tc.Close()
+		return nil, fmt.Errorf("hbone %v negotiated ALPN %q, want h2", key.DstAddr, proto)
+	}
+	c := newConn(context.Background(), tc, connConfig{
+		client:      true,
+		idleTimeout: p.opts.IdleTimeout,
+		log:         p.log,
+		onIdle:      p.onIdle,
+		onClose:     p.onClose,
+		onReady: func(*conn) {
+			p.mu.Lock()
+			p.dialDoneLocked(key, d, nil)
+			p.mu.Unlock()
+		},
+	})
+	c.poolKey = key
+	if err := c.start(); err != nil {
+		_ = tc.Close()
+		return nil, err
+	}
+	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)
+	return c, nil
+}
+
+// withH2 makes sure the config offers ALPN h2, without changing the
+// caller's config.
+func withH2(conf *tls.Config) *tls.Config {
+	if slices.Contains(conf.NextProtos, "h2") {
+		return conf
+	}
+	conf = conf.Clone()
+	conf.NextProtos = append([]string{"h2"}, conf.NextProtos...)
+	return conf
+}
+
+// tryReserve takes a stream slot if the conn is usable and below both our
+// cap and the peer's SETTINGS_MAX_CONCURRENT_STREAMS.
+func (c *conn) tryReserve(maxStreams int) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil || c.goAway || (!c.sawSettings && c.active > 0) {
+		return false
+	}
+	if c.active >= maxStreams || uint64(c.active) >= uint64(c.peerMaxStreams) {
+		return false
+	}
+	c.addActiveLocked()
+	return true
+}
+
+// onIdle closes a conn that stayed without streams for IdleTimeout. The
+// pool lock makes the check and the removal atomic against reserve.
+func (p *Pool) onIdle(c *conn) {
+	p.mu.Lock()
+	c.mu.Lock()
+	idle := c.idleForLocked(p.opts.IdleTimeout)
+	if idle {
+		c.goAway = true
+	}
+	c.mu.Unlock()
+	if idle {
+		p.removeLocked(c)
+	}
+	p.mu.Unlock()
+	if idle {
+		p.log.Debug("hbone connection idle, closing", "dst", c.poolKey.DstAddr)
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle", ErrConnClosed), true)
+	}
+}
+
+func (p *Pool) onClose(c *conn) {
+	p.mu.Lock()
+	p.removeLocked(c)
+	p.mu.Unlock()
+}
+
+func (p *Pool) removeLocked(c *conn) {
+	e := p.entries[c.poolKey]
+	if e == nil {
+		return
+	}
+	if i := slices.Index(e.conns, c); i >= 0 {
+		e.conns = slices.Delete(e.conns, i, i+1)
+	}
+	p.dropEntryLocked(c.poolKey, e)
+}
+
+// dropEntryLocked deletes an entry with nothing left in it, so keys of
+// pods that went away do not accumulate.
+func (p *Pool) dropEntryLocked(key PoolKey, e *poolEntry) {
+	if len(e.conns) == 0 && e.dialing == nil && p.entries[key] == e {
+		delete(p.entries, key)
+	}
+}
+
+// Stats returns a snapshot of the pool.
+func (p *Pool) Stats() PoolStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st := PoolStats{DialsTotal: p.dials.Load()}
+	for _, e := range p.entries {
+		for _, c := range e.conns {
+			st.Conns++
+			c.mu.Lock()
+			st.ActiveStreams += c.active
+			c.mu.Unlock()
+		}
+	}
+	return st
+}
+
+// Close closes every pooled connection, failing their streams, and makes
+// later Connects fail with ErrPoolClosed.
+func (p *Pool) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	var conns []*conn
+	for _, e := range p.entries {
+		conns = append(conns, e.conns...)
+	}
+	p.mu.Unlock()
+	for _, c := range conns {
+		c.close(http2.ErrCodeNo, ErrPoolClosed, true)
+	}
+	return nil
+}

@@ -1,0 +1,457 @@
+package hbone
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// ServerRequest is a validated CONNECT request, as the Handler sees it.
+type ServerRequest struct {
+	// Authority is the raw :authority; Target is it parsed. The Handler
+	// still has to check that Target is one of its pods.
+	Authority string
+	Target    netip.AddrPort
+	// Forwarded is the Forwarded header (several joined with ", ").
+	Forwarded string
+	// Header holds the other regular request headers.
+	Header http.Header
+	// TLS is the connection's state; TLS.PeerCertificates carry the
+	// client's identity.
+	TLS        *tls.ConnectionState
+	RemoteAddr net.Addr
+	LocalAddr  net.Addr
+}
+
+// Response is the Handler's decision on a request.
+type Response struct {
+	// Upstream, when set, accepts the tunnel: the server answers 200 and
+	// relays between the stream and Upstream, then closes both.
+	Upstream net.Conn
+	// Status and Reason refuse the tunnel when Upstream is nil: 403 for
+	// policy, 502/503 when the application cannot be reached. Status 0
+	// means 503. Reason is sent in ReasonHeader and the body.
+	Status int
+	Reason string
+	// Done, if set, is called after the relay with the bytes that went
+	// from the client to Upstream and back, for metrics.
+	Done func(fromClient, toClient int64, err error)
+}
+
+// Handler decides what to do with a CONNECT: check the target, authorize
+// the peer, dial the application. ctx ends when the connection dies or the
+// server is closed.
+type Handler func(ctx context.Context, req *ServerRequest) Response
+
+// ServerOptions configure a Server. Zero values pick the defaults.
+type ServerOptions struct {
+	// TLSConfig must require and verify client certificates; ALPN h2 is
+	// added when missing.
+	TLSConfig *tls.Config
+	Handler   Handler
+	// MaxConcurrentStreams per connection, advertised in SETTINGS; more
+	// are refused with REFUSED_STREAM. Default 200, as ztunnel.
+	MaxConcurrentStreams uint32
+	// HandshakeTimeout bounds the TLS handshake and the HTTP/2 preface.
+	// Default 10s.
+	HandshakeTimeout time.Duration
+	// IdleTimeout closes connections without streams for this long.
+	// Default 5m, longer than the client pool's, so clients normally close
+	// first and never race a server-side close.
+	IdleTimeout time.Duration
+	Logger      *slog.Logger
+}
+
+// ServerStats counts what the server did, for metrics and tests.
+type ServerStats struct {
+	ConnsAccepted     uint64 // TCP connections accepted
+	ConnsActive       uint64 // HTTP/2 connections currently served
+	HandshakeFailures uint64 // TLS handshakes (or ALPN) that failed
+	StreamsOK         uint64 // tunnels established (200)
+	StreamsBadRequest uint64 // malformed requests: 400, 405, 431
+	StreamsDenied     uint64 // refused by the Handler
+	StreamsRefused    uint64 // REFUSED_STREAM: stream limit or draining
+}
+
+type serverCounters struct {
+	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
+	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
+}
+
+// Server accepts HBONE connections and serves their CONNECT streams.
+type Server struct {
+	opts    ServerOptions
+	tlsConf *tls.Config
+	log     *slog.Logger
+	ctx     context.Context // parent of every conn's context
+	cancel  context.CancelFunc
+	stats   serverCounters
+
+	mu        sync.Mutex
+	listeners map[net.Listener]struct{}
+	conns     map[*conn]struct{}
+	closed    bool
+	// wg counts Serve calls, connection goroutines and stream goroutines,
+	// so Shutdown knows when everything finished.
+	wg sync.WaitGroup
+}
+
+// NewServer returns a server; call Serve to accept connections.
+func NewServer(opts ServerOptions) (*Server, error) {
+	if opts.TLSConfig == nil {
+		return nil, errors.New("hbone server needs a TLS config")
+	}
+	if opts.Handler == nil {
+		return nil, errors.New("hbone server needs a handler")
+	}
+	if opts.MaxConcurrentStreams == 0 {
+		opts.MaxConcurrentStreams = 200
+	}
+	if opts.HandshakeTimeout <= 0 {
+		opts.HandshakeTimeout = 10 * time.Second
+	}
+	if opts.IdleTimeout <= 0 {
+		opts.IdleTimeout = 5 * time.Minute
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Server{
+		opts:      opts,
+		tlsConf:   withH2(opts.TLSConfig),
+		log:       log,
+		ctx:       ctx,
+		cancel:    cancel,
+		listeners: make(map[net.Listener]struct{}),
+		conns:     make(map[*conn]struct{}),
+	}, nil
+}
+
+// Stats returns a snapshot of the counters.
+func (srv *Server) Stats() ServerStats {
+	st := &srv.stats
+	return ServerStats{
+		ConnsAccepted:     st.connsAccepted.Load(),
+		ConnsActive:       st.connsActive.Load(),
+		HandshakeFailures: st.handshakeFailures.Load(),
+		StreamsOK:         st.streamsOK.Load(),
+		StreamsBadRequest: st.streamsBadRequest.Load(),
+		StreamsDenied:     st.streamsDenied.Load(),
+		StreamsRefused:    st.refused.Load(),
+	}
+}
+
+// Serve accepts connections on l until l fails or the server shuts down,
+// then returns ErrServerClosed. Temporary accept errors (EMFILE) back off.
+func (srv *Server) Serve(l net.Listener) error {
+	srv.mu.Lock()
+	if srv.closed {
+		srv.mu.Unlock()
+		return ErrServerClosed
+	}
+	srv.listeners[l] = struct{}{}
+	srv.wg.Add(1)
+	srv.mu.Unlock()
+	defer func() {
+		srv.mu.Lock()
+		delete(srv.listeners, l)
+		srv.mu.Unlock()
+		srv.wg.Done()
+	}()
+
+	var backoff time.Duration
+	for {
+		nc, err := l.Accept()
+		if err != nil {
+			if srv.isClosed() {
+				return ErrServerClosed
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return fmt.Errorf("hbone accept: %w", err)
+			}
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			srv.log.Warn("hbone accept failed, retrying", "err", err, "backoff", backoff)
+			time.Sleep(backoff)
+			continue
+		}
+		backoff = 0
+		srv.stats.connsAccepted.Add(1)
+		srv.wg.Add(1)
+		go srv.serveConn(nc)
+	}
+}
+
+func (srv *Server) isClosed() bool {
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	return srv.closed
+}
+
+// serveConn handshakes and then runs the conn's reader on this goroutine.
+func (srv *Server) serveConn(nc net.Conn) {
+	defer srv.wg.Done()
+	tc := tls.Server(nc, srv.tlsConf)
+	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
+	err := tc.HandshakeContext(ctx)
+	cancel()
+	if err == nil {
+		if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
+			err = fmt.Errorf("client negotiated ALPN %q, want h2", proto)
+		}
+	}
+	if err != nil {
+		srv.stats.handshakeFailures.Add(1)
+		srv.log.Debug("hbone handshake failed", "remote", nc.RemoteAddr(), "err", err)
+		_ = nc.Close()
+		return
+	}
+	state := tc.ConnectionState()
+	srv.serveHTTP2(tc, &state)
+}
+
+// serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
+// dies.
+func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState) {
+	var c *conn
+	c = newConn(srv.ctx, nc, connConfig{
+		maxStreams:     srv.opts.MaxConcurrentStreams,
+		idleTimeout:    srv.opts.IdleTimeout,
+		prefaceTimeout: srv.opts.HandshakeTimeout,
+		log:            srv.log,
+		onIdle:         srv.onIdle,
+		onClose:        srv.onClose,
+		onRequest:      func(s *Stream, f *http2.MetaHeadersFrame) { srv.startStream(c, s, f) },
+		onRefused:      func() { srv.stats.refused.Add(1) },
+	})
+	c.tlsState = state
+
+	srv.mu.Lock()
+	if srv.closed {
+		srv.mu.Unlock()
+		c.close(http2.ErrCodeNo, ErrServerClosed, false)
+		return
+	}
+	srv.conns[c] = struct{}{}
+	srv.mu.Unlock()
+	srv.stats.connsActive.Add(1)
+
+	if err := c.start(); err != nil {
+		c.close(http2.ErrCodeNo, err, false)
+		return
+	}
+	c.readLoop()
+}
+
+func (srv *Server) onIdle(c *conn) {
+	c.mu.Lock()
+	idle := c.idleForLocked(srv.opts.IdleTimeout)
+	c.mu.Unlock()
+	if idle {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle", ErrConnClosed), true)
+	}
+}
+
+func (srv *Server) onClose(c *conn) {
+	srv.mu.Lock()
+	if _, ok := srv.conns[c]; ok {
+		delete(srv.conns, c)
+		srv.stats.connsActive.Add(^uint64(0))
+	}
+	srv.mu.Unlock()
+}
+
+// startStream runs on the conn's reader goroutine: it must not block.
+func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) {
+	srv.wg.Add(1) // the conn goroutine holds a count, so this cannot race Wait at zero
+	go srv.serveStream(c, s, f.Fields, f.Truncated)
+}
+
+func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, truncated bool) {
+	defer srv.wg.Done()
+	req, status, reason := parseRequest(fields, truncated)
+	if status != 0 {
+		srv.stats.streamsBadRequest.Add(1)
+		srv.log.Debug("hbone request rejected", "remote", c.nc.RemoteAddr(), "status", status, "reason", reason)
+		s.refuse(status, reason)
+		return
+	}
+	req.TLS = c.tlsState
+	req.RemoteAddr = c.nc.RemoteAddr()
+	req.LocalAddr = c.nc.LocalAddr()
+
+	resp := srv.opts.Handler(c.ctx, req)
+	if resp.Upstream == nil {
+		status := resp.Status
+		if status < 300 || status > 599 {
+			status = http.StatusServiceUnavailable
+		}
+		srv.stats.streamsDenied.Add(1)
+		srv.log.Debug("hbone request denied", "remote", c.nc.RemoteAddr(), "target", req.Target, "status", status, "reason", resp.Reason)
+		s.refuse(status, resp.Reason)
+		return
+	}
+	if err := s.writeResponse(http.StatusOK, "", false); err != nil {
+		_ = resp.Upstream.Close()
+		s.Close()
+		if resp.Done != nil {
+			resp.Done(0, 0, err)
+		}
+		return
+	}
+	srv.stats.streamsOK.Add(1)
+	fromClient, toClient, err := Relay(s, resp.Upstream)
+	if resp.Done != nil {
+		resp.Done(fromClient, toClient, err)
+	}
+}
+
+// refuse answers with an error status, the reason in a header and the body,
+// then closes the stream; RST_STREAM(NO_ERROR) tells a client still sending
+// that it can stop (RFC 9113 §8.1).
+func (s *Stream) refuse(status int, reason string) {
+	reason = sanitizeReason(reason)
+	if reason == "" {
+		reason = http.StatusText(status)
+	}
+	if err := s.writeResponse(status, reason, false); err == nil {
+		if _, err := s.Write([]byte(reason + "\n")); err == nil {
+			_ = s.CloseWrite()
+		}
+	}
+	s.closeWithCode(http2.ErrCodeNo)
+}
+
+// sanitizeReason makes reason a valid, short header value.
+func sanitizeReason(reason string) string {
+	const maxReason = 256
+	if len(reason) > maxReason {
+		reason = reason[:maxReason]
+	}
+	return strings.Map(func(r rune) rune {
+		if r < ' ' || r == 0x7f || r > '~' {
+			return ' '
+		}
+		return r
+	}, reason)
+}
+
+// parseRequest checks a CONNECT request's header block. It returns the
+// request, or a status (400, 405, 431) and a reason to refuse it with.
+// The framer has already rejected invalid field names and values and
+// misplaced or duplicate pseudo-headers (with RST_STREAM).
+func parseRequest(fields []hpack.HeaderField, truncated bool) (*ServerRequest, int, string) {
+	if truncated {
+		return nil, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed %d bytes", maxHeaderListSize)
+	}
+	req := &ServerRequest{}
+	var method string
+	var forwarded []string
+	var malformed string
+	for _, f := range fields {
+		switch f.Name {
+		case ":method":
+			method = f.Value
+		case ":authority":
+			req.Authority = f.Value
+		case ":scheme", ":path":
+			malformed = "CONNECT must not carry :scheme or :path"
+		case ":protocol":
+			malformed = "extended CONNECT is not supported"
+		case "forwarded":
+			forwarded = append(forwarded, f.Value)
+		default:
+			switch {
+			case strings.HasPrefix(f.Name, ":"):
+				malformed = fmt.Sprintf("unknown pseudo-header %q", f.Name)
+			case connectionSpecific(f.Name, f.Value):
+				malformed = fmt.Sprintf("connection-specific header %q not allowed in HTTP/2", f.Name)
+			default:
+				if req.Header == nil {
+					req.Header = make(http.Header)
+				}
+				name := http.CanonicalHeaderKey(f.Name)
+				req.Header[name] = append(req.Header[name], f.Value)
+			}
+		}
+	}
+	if method != http.MethodConnect {
+		return nil, http.StatusMethodNotAllowed, fmt.Sprintf("method %q not allowed, only CONNECT", method)
+	}
+	if malformed != "" {
+		return nil, http.StatusBadRequest, malformed
+	}
+	if req.Authority == "" {
+		return nil, http.StatusBadRequest, "missing :authority"
+	}
+	target, err := netip.ParseAddrPort(req.Authority)
+	if err != nil || target.Addr().Zone() != "" || target.Port() == 0 {
+		return nil, http.StatusBadRequest, fmt.Sprintf("malformed :authority %q: want ip:port", req.Authority)
+	}
+	req.Target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
+	req.Forwarded = strings.Join(forwarded, ", ")
+	return req, 0, ""
+}
+
+// Shutdown stops accepting, tells every connection to finish (GOAWAY) and
+// waits until all streams ended or ctx is done; then it closes what is left
+// and returns ctx's error.
+func (srv *Server) Shutdown(ctx context.Context) error {
+	conns := srv.stop()
+	for _, c := range conns {
+		c.drain()
+	}
+	done := make(chan struct{})
+	go func() {
+		srv.wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		_ = srv.Close()
+		<-done
+		return ctx.Err()
+	}
+}
+
+// Close stops accepting and closes every connection now, failing their
+// streams.
+func (srv *Server) Close() error {
+	conns := srv.stop()
+	srv.cancel()
+	for _, c := range conns {
+		c.close(http2.ErrCodeNo, ErrServerClosed, true)
+	}
+	return nil
+}
+
+// stop marks the server closed, closes its listeners and returns its conns.
+func (srv *Server) stop() []*conn {
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	srv.closed = true
+	for l := range srv.listeners {
+		_ = l.Close()
+	}
+	conns := make([]*conn, 0, len(srv.conns))
+	for c := range srv.conns {
+		conns = append(conns, c)
+	}
+	return slices.Clip(conns)
+}

@@ -1,0 +1,620 @@
+package hbone
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// chunkSize is the unit of a stream's receive buffer. It matches the size
+// Relay writes to a socket in one call.
+const chunkSize = 64 << 10
+
+var chunkPool = sync.Pool{New: func() any {
+	b := make([]byte, chunkSize)
+	return &b
+}}
+
+var errWriteAfterCloseWrite = errors.New("hbone stream write after CloseWrite")
+
+// recvBuf is a FIFO of pooled chunks, so a stream holds memory only for
+// bytes the application has not read yet.
+type recvBuf struct {
+	chunks []*[]byte
+	r      int // read offset in chunks[0]
+	w      int // write offset in the last chunk
+	n      int // bytes buffered
+}
+
+func (b *recvBuf) write(p []byte) {
+	for len(p) > 0 {
+		if len(b.chunks) == 0 || b.w == chunkSize {
+			b.chunks = append(b.chunks, chunkPool.Get().(*[]byte))
+			b.w = 0
+		}
+		k := copy((*b.chunks[len(b.chunks)-1])[b.w:], p)
+		b.w += k
+		b.n += k
+		p = p[k:]
+	}
+}
+
+// peek returns the first contiguous run of buffered bytes.
+func (b *recvBuf) peek() []byte {
+	if b.n == 0 {
+		return nil
+	}
+	end := chunkSize
+	if len(b.chunks) == 1 {
+		end = b.w
+	}
+	return (*b.chunks[0])[b.r:end]
+}
+
+// advance drops k bytes from the front; recycle is false while a slice
+// from peek may still be in use outside the lock.
+func (b *recvBuf) advance(k int, recycle bool) {
+	b.r += k
+	b.n -= k
+	end := chunkSize
+	if len(b.chunks) == 1 {
+		end = b.w
+	}
+	if b.r < end {
+		return
+	}
+	if recycle {
+		chunkPool.Put(b.chunks[0])
+	}
+	b.chunks[0] = nil
+	b.chunks = b.chunks[1:]
+	b.r = 0
+	if len(b.chunks) == 0 {
+		b.chunks = nil
+		b.w = 0
+	}
+}
+
+func (b *recvBuf) read(p []byte) int {
+	n := 0
+	for n < len(p) && b.n > 0 {
+		k := copy(p[n:], b.peek())
+		b.advance(k, true)
+		n += k
+	}
+	return n
+}
+
+func (b *recvBuf) release(recycle bool) {
+	if recycle {
+		for _, c := range b.chunks {
+			chunkPool.Put(c)
+		}
+	}
+	*b = recvBuf{}
+}
+
+// Stream is one CONNECT tunnel: a bidirectional byte stream multiplexed with
+// others on a shared TLS connection. It implements net.Conn, CloseWrite for
+// half-close, and io.WriterTo / io.ReaderFrom so that io.Copy and Relay move
+// bytes between a stream and a socket without an intermediate buffer.
+//
+// Deadlines interrupt waiting for data or for flow-control window; a write
+// already handed to the TLS connection completes on the connection's terms.
+type Stream struct {
+	c  *conn
+	id uint32
+
+	// Receive side and state, guarded by mu.
+	mu           sync.Mutex
+	rcond        sync.Cond
+	buf          recvBuf
+	recvWindow   int64 // what the peer may still send on this stream
+	recvUnacked  int64
+	remoteEnded  bool  // END_STREAM received
+	localEnded   bool  // END_STREAM sent (also written under wmu)
+	err          error // reset or connection failure
+	closed       bool  // Close called
+	draining     bool  // WriteTo holds a slice of buf outside mu
+	readDeadline time.Time
+	readTimer    *time.Timer
+	// Client: the response, signalled by closing respc.
+	respc       chan struct{}
+	respDone    bool
+	gotResponse bool
+	status      int
+	reason      string
+
+	// wmu makes one writer at a time frame its bytes, so a Write's frames
+	// stay in order and END_STREAM comes last.
+	wmu sync.Mutex
+	// Guarded by c.mu, next to the connection's own send window.
+	sendWindow    int64
+	sendErr       error
+	writeDeadline time.Time
+	writeTimer    *time.Timer
+}
+
+func newStream(c *conn, id uint32) *Stream {
+	s := &Stream{c: c, id: id, recvWindow: streamWindow}
+	s.rcond.L = &s.mu
+	if c.cfg.client {
+		s.respc = make(chan struct{})
+	}
+	return s
+}
+
+// closeRespLocked wakes a client waiting for the response.
+func (s *Stream) closeRespLocked() {
+	if s.respc != nil && !s.respDone {
+		s.respDone = true
+		close(s.respc)
+	}
+}
+
+// onData stores a DATA frame's payload; n is its flow-controlled length.
+func (s *Stream) onData(data []byte, n int64, end bool) error {
+	s.mu.Lock()
+	var code http2.ErrCode
+	switch {
+	case s.remoteEnded:
+		code = http2.ErrCodeStreamClosed
+	case s.respc != nil && !s.gotResponse:
+		code = http2.ErrCodeProtocol // DATA before the response headers
+	case n > s.recvWindow:
+		code = http2.ErrCodeFlowControl
+	}
+	if code != http2.ErrCodeNo {
+		s.mu.Unlock()
+		s.c.credit(0, 0, n)
+		return http2.StreamError{StreamID: s.id, Code: code}
+	}
+	s.recvWindow -= n
+	consumed := n - int64(len(data)) // padding is consumed on arrival
+	if s.closed {
+		consumed = n
+	} else {
+		s.buf.write(data)
+	}
+	if end {
+		s.remoteEnded = true
+	}
+	s.rcond.Broadcast()
+	inc := s.consumedLocked(consumed)
+	done := s.remoteEnded && s.localEnded
+	s.mu.Unlock()
+	if consumed > 0 {
+		s.c.credit(s.id, inc, consumed)
+	}
+	if done {
+		s.c.forget(s)
+	}
+	return nil
+}
+
+// onHeaders handles the response (client) or trailers on an open stream.
+func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
+	protoErr := http2.StreamError{StreamID: s.id, Code: http2.ErrCodeProtocol}
+	s.mu.Lock()
+	if s.respc != nil && !s.gotResponse {
+		status, err := strconv.Atoi(f.PseudoValue("status"))
+		if err != nil || status < 100 || status > 999 {
+			s.mu.Unlock()
+			return protoErr
+		}
+		if status < 200 { // interim response: wait for the final one
+			s.mu.Unlock()
+			if f.StreamEnded() {
+				return protoErr
+			}
+			return nil
+		}
+		s.gotResponse = true
+		s.status = status
+		for _, hf := range f.RegularFields() {
+			if hf.Name == ReasonHeader {
+				s.reason = hf.Value
+			}
+		}
+		s.closeRespLocked()
+	} else if !f.StreamEnded() {
+		s.mu.Unlock()
+		return protoErr // trailers must end the stream
+	}
+	if f.StreamEnded() {
+		if s.remoteEnded {
+			s.mu.Unlock()
+			return http2.StreamError{StreamID: s.id, Code: http2.ErrCodeStreamClosed}
+		}
+		s.remoteEnded = true
+		s.rcond.Broadcast()
+	}
+	done := s.remoteEnded && s.localEnded
+	s.mu.Unlock()
+	if done {
+		s.c.forget(s)
+	}
+	return nil
+}
+
+// abort fails both directions of the stream with err and forgets it.
+func (s *Stream) abort(err error) {
+	s.mu.Lock()
+	if s.err == nil {
+		s.err = err
+	}
+	s.closeRespLocked()
+	s.rcond.Broadcast()
+	s.mu.Unlock()
+	c := s.c
+	c.mu.Lock()
+	if s.sendErr == nil {
+		s.sendErr = err
+	}
+	c.sendCond.Broadcast()
+	c.mu.Unlock()
+	c.forget(s)
+}
+
+// consumedLocked accounts n bytes taken by the application and returns the
+// stream WINDOW_UPDATE increment to send, if the threshold was reached.
+func (s *Stream) consumedLocked(n int64) uint32 {
+	if n == 0 || s.remoteEnded || s.closed {
+		return 0
+	}
+	s.recvUnacked += n
+	if s.recvUnacked < streamWindow/4 {
+		return 0
+	}
+	inc := s.recvUnacked
+	s.recvWindow += inc
+	s.recvUnacked = 0
+	return uint32(inc)
+}
+
+// waitLocked waits for buffered data; it returns io.EOF once the peer ended
+// the stream and everything was read.
+func (s *Stream) waitLocked() error {
+	for s.buf.n == 0 {
+		switch {
+		case s.closed:
+			return net.ErrClosed
+		case s.remoteEnded:
+			return io.EOF
+		case s.err != nil:
+			return s.err
+		case !s.readDeadline.IsZero() && !time.Now().Before(s.readDeadline):
+			return os.ErrDeadlineExceeded
+		}
+		s.rcond.Wait()
+	}
+	return nil
+}
+
+// Read reads tunnelled bytes; io.EOF means the peer half-closed.
+func (s *Stream) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	s.mu.Lock()
+	if err := s.waitLocked(); err != nil {
+		s.mu.Unlock()
+		return 0, err
+	}
+	n := s.buf.read(p)
+	inc := s.consumedLocked(int64(n))
+	s.mu.Unlock()
+	s.c.credit(s.id, inc, int64(n))
+	return n, nil
+}
+
+// WriteTo writes the stream's bytes to w straight from the receive buffer
+// until the peer half-closes (returning nil) or an error.
+func (s *Stream) WriteTo(w io.Writer) (int64, error) {
+	var total int64
+	for {
+		s.mu.Lock()
+		if err := s.waitLocked(); err != nil {
+			s.mu.Unlock()
+			if err == io.EOF {
+				return total, nil
+			}
+			return total, err
+		}
+		p := s.buf.peek()
+		s.draining = true
+		s.mu.Unlock()
+
+		n, werr := w.Write(p)
+
+		s.mu.Lock()
+		s.draining = false
+		if s.closed { // Close dropped the buffer while we wrote from it
+			s.mu.Unlock()
+			if werr == nil {
+				werr = net.ErrClosed
+			}
+			return total + int64(n), werr
+		}
+		s.buf.advance(n, true)
+		inc := s.consumedLocked(int64(n))
+		s.mu.Unlock()
+		s.c.credit(s.id, inc, int64(n))
+		total += int64(n)
+		if werr != nil {
+			return total, werr
+		}
+	}
+}
+
+// Write sends p as DATA frames, waiting for flow-control window as needed.
+func (s *Stream) Write(p []byte) (int, error) {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	bp := frameBufPool.Get().(*[]byte)
+	defer frameBufPool.Put(bp)
+	buf := *bp
+	written := 0
+	for len(p) > 0 {
+		k := copy(buf[frameHeaderLen:], p)
+		n, err := s.sendLocked(buf, k)
+		written += n
+		if err != nil {
+			return written, err
+		}
+		p = p[k:]
+	}
+	return written, nil
+}
+
+// ReadFrom sends everything r yields until io.EOF (returning nil), reading
+// straight into frame buffers. It does not half-close the stream.
+func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	bp := frameBufPool.Get().(*[]byte)
+	defer frameBufPool.Put(bp)
+	buf := *bp
+	var total int64
+	for {
+		n, rerr := r.Read(buf[frameHeaderLen:])
+		if n > 0 {
+			sent, err := s.sendLocked(buf, n)
+			total += int64(sent)
+			if err != nil {
+				return total, err
+			}
+		}
+		if rerr == io.EOF {
+			return total, nil
+		}
+		if rerr != nil {
+			return total, rerr
+		}
+	}
+}
+
+// sendLocked sends buf[9:9+n] as one or more DATA frames, writing each
+// frame header in place just before its payload. The caller holds wmu.
+func (s *Stream) sendLocked(buf []byte, n int) (int, error) {
+	if s.localEnded {
+		return 0, errWriteAfterCloseWrite
+	}
+	off := 0
+	for off < n {
+		k, err := s.awaitSendWindow(n - off)
+		if err != nil {
+			return off, err
+		}
+		if err := s.c.writeData(buf[off:off+frameHeaderLen+k], s.id, false); err != nil {
+			return off, err
+		}
+		off += k
+	}
+	return n, nil
+}
+
+// awaitSendWindow reserves up to want bytes of stream and connection send
+// window, at most one frame's worth.
+func (s *Stream) awaitSendWindow(want int) (int, error) {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for {
+		switch {
+		case s.sendErr != nil:
+			return 0, s.sendErr
+		case c.err != nil:
+			return 0, c.err
+		case !s.writeDeadline.IsZero() && !time.Now().Before(s.writeDeadline):
+			return 0, os.ErrDeadlineExceeded
+		case s.sendWindow > 0 && c.sendWindow > 0:
+			k := min(int64(want), s.sendWindow, c.sendWindow, int64(c.peerMaxFrame.Load()))
+			s.sendWindow -= k
+			c.sendWindow -= k
+			return int(k), nil
+		}
+		c.sendCond.Wait()
+	}
+}
+
+// sendErrNow reports why the stream can no longer send, if it cannot.
+func (s *Stream) sendErrNow() error {
+	s.c.mu.Lock()
+	defer s.c.mu.Unlock()
+	if s.sendErr != nil {
+		return s.sendErr
+	}
+	return s.c.err
+}
+
+// CloseWrite half-closes the stream: the peer reads EOF (END_STREAM) while
+// this side can still read. It waits for a concurrent Write or ReadFrom.
+func (s *Stream) CloseWrite() error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	if s.localEnded {
+		return nil
+	}
+	if err := s.sendErrNow(); err != nil {
+		return err
+	}
+	var hdr [frameHeaderLen]byte
+	if err := s.c.writeData(hdr[:], s.id, true); err != nil {
+		return err
+	}
+	s.endLocal()
+	return nil
+}
+
+// endLocal records that END_STREAM was sent. The caller holds wmu.
+func (s *Stream) endLocal() {
+	s.mu.Lock()
+	s.localEnded = true
+	done := s.remoteEnded
+	s.mu.Unlock()
+	if done {
+		s.c.forget(s)
+	}
+}
+
+// writeResponse sends the server's response HEADERS.
+func (s *Stream) writeResponse(status int, reason string, end bool) error {
+	fields := []hpack.HeaderField{{Name: ":status", Value: strconv.Itoa(status)}}
+	if reason != "" {
+		fields = append(fields,
+			hpack.HeaderField{Name: ReasonHeader, Value: reason},
+			hpack.HeaderField{Name: "content-type", Value: "text/plain; charset=utf-8"})
+	}
+	if status == 405 {
+		fields = append(fields, hpack.HeaderField{Name: "allow", Value: "CONNECT"})
+	}
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	if err := s.sendErrNow(); err != nil {
+		return err
+	}
+	c := s.c
+	c.wmu.Lock()
+	err := c.writeHeadersLocked(s.id, fields, end)
+	c.wmu.Unlock()
+	if err != nil {
+		c.close(http2.ErrCodeNo, fmt.Errorf("write response: %w", err), false)
+		return fmt.Errorf("%w: %w", ErrConnClosed, err)
+	}
+	if end {
+		s.endLocal()
+	}
+	return nil
+}
+
+// Close ends the stream in both directions. Unless both sides had already
+// ended it cleanly, the peer gets RST_STREAM(CANCEL). Unread data is
+// discarded.
+func (s *Stream) Close() error {
+	s.closeWithCode(http2.ErrCodeCancel)
+	return nil
+}
+
+func (s *Stream) closeWithCode(code http2.ErrCode) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.closed = true
+	reset := s.err == nil && !(s.localEnded && s.remoteEnded)
+	unread := int64(s.buf.n)
+	s.buf.release(!s.draining)
+	s.closeRespLocked()
+	s.rcond.Broadcast()
+	if s.readTimer != nil {
+		s.readTimer.Stop()
+	}
+	s.mu.Unlock()
+
+	c := s.c
+	c.mu.Lock()
+	if s.sendErr == nil {
+		s.sendErr = net.ErrClosed
+	}
+	if s.writeTimer != nil {
+		s.writeTimer.Stop()
+	}
+	c.sendCond.Broadcast()
+	c.mu.Unlock()
+	if reset {
+		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
+	}
+	if unread > 0 {
+		c.credit(0, 0, unread)
+	}
+	c.forget(s)
+}
+
+// LocalAddr is the local address of the underlying TLS connection.
+func (s *Stream) LocalAddr() net.Addr { return s.c.nc.LocalAddr() }
+
+// RemoteAddr is the remote address of the underlying TLS connection.
+func (s *Stream) RemoteAddr() net.Addr { return s.c.nc.RemoteAddr() }
+
+// SetDeadline sets both the read and the write deadline.
+func (s *Stream) SetDeadline(t time.Time) error {
+	_ = s.SetReadDeadline(t)
+	return s.SetWriteDeadline(t)
+}
+
+// SetReadDeadline bounds waiting in Read and WriteTo.
+func (s *Stream) SetReadDeadline(t time.Time) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.readDeadline = t
+	s.readTimer = armTimer(s.readTimer, t, func() {
+		s.mu.Lock()
+		s.rcond.Broadcast()
+		s.mu.Unlock()
+	})
+	s.rcond.Broadcast()
+	return nil
+}
+
+// SetWriteDeadline bounds waiting for flow-control window in Write and
+// ReadFrom.
+func (s *Stream) SetWriteDeadline(t time.Time) error {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s.writeDeadline = t
+	s.writeTimer = armTimer(s.writeTimer, t, func() {
+		c.mu.Lock()
+		c.sendCond.Broadcast()
+		c.mu.Unlock()
+	})
+	c.sendCond.Broadcast()
+	return nil
+}
+
+// armTimer (re)arms t to run f at at, or stops it for a zero time.
+func armTimer(t *time.Timer, at time.Time, f func()) *time.Timer {
+	if at.IsZero() {
+		if t != nil {
+			t.Stop()
+		}
+		return t
+	}
+	if t == nil {
+		return time.AfterFunc(time.Until(at), f)
+	}
+	t.Reset(time.Until(at))
+	return t
+}
+
+var _ net.Conn = (*Stream)(nil)

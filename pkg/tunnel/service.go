@@ -1,0 +1,199 @@
+package tunnel
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"sync"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// failureMemory is how long an endpoint that refused a connection is
+// skipped while others are available.
+const failureMemory = 10 * time.Second
+
+// maxServiceAttempts bounds how many endpoints one connection tries.
+const maxServiceAttempts = 3
+
+// balancer picks service endpoints round-robin, skipping endpoints that
+// failed recently. It is shared by all pods of the node.
+type balancer struct {
+	mu     sync.Mutex
+	next   map[string]uint64            // per service: round-robin cursor
+	failed map[netip.AddrPort]time.Time // endpoint -> when it last failed
+	now    func() time.Time
+}
+
+func newBalancer() *balancer {
+	return &balancer{next: map[string]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now}
+}
+
+// target is one endpoint able to serve a service port.
+type target struct {
+	ep   workload.Endpoint
+	addr netip.AddrPort // endpoint address and the resolved target port
+}
+
+// order returns the ready endpoints serving port, starting at the service's
+// round-robin cursor, recently failed ones last.
+func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []target {
+	var fresh, stale []target
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	key := svc.String() + "/" + port.Name
+	start := b.next[key]
+	b.next[key]++
+	n := len(svc.Endpoints)
+	for i := 0; i < n; i++ {
+		ep := svc.Endpoints[(int(start)+i)%n]
+		if !ep.Ready {
+			continue
+		}
+		tp, ok := targetPort(port, ep)
+		if !ok {
+			continue
+		}
+		t := target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)}
+		if at, bad := b.failed[t.addr]; bad && b.now().Sub(at) < failureMemory {
+			stale = append(stale, t)
+		} else {
+			fresh = append(fresh, t)
+		}
+	}
+	return append(fresh, stale...)
+}
+
+func (b *balancer) fail(a netip.AddrPort) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.failed[a] = b.now()
+	for k, at := range b.failed {
+		if b.now().Sub(at) > failureMemory {
+			delete(b.failed, k)
+		}
+	}
+}
+
+func (b *balancer) ok(a netip.AddrPort) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.failed, a)
+}
+
+// targetPort resolves the port an endpoint serves a service port on: the
+// EndpointSlice's port of the same name first (it already holds the
+// resolved targetPort), else a numeric targetPort, else the named port among
+// the endpoint pod's container ports.
+func targetPort(port workload.ServicePort, ep workload.Endpoint) (uint16, bool) {
+	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
+		return uint16(p), true
+	}
+	switch port.TargetPort.Type {
+	case intstr.Int:
+		if v := port.TargetPort.IntVal; v > 0 {
+			return uint16(v), true
+		}
+		return uint16(port.Port), true
+	case intstr.String:
+		if port.TargetPort.StrVal == "" {
+			return uint16(port.Port), true
+		}
+		if ep.Workload != nil {
+			if p, ok := ep.Workload.ContainerPorts[port.TargetPort.StrVal]; ok && p > 0 {
+				return uint16(p), true
+			}
+		}
+	}
+	return 0, false
+}
+
+// errNoEndpoint means a service has nothing to send the connection to.
+var errNoEndpoint = errors.New("no ready endpoint")
+
+// handleService serves an outbound connection to a service VIP. kube-proxy
+// never sees it (it was captured in the pod), so the tunnel resolves the
+// service itself: it picks a ready endpoint, and opens HBONE to it when the
+// endpoint is meshed, plain TCP otherwise. Without an endpoint the
+// connection is refused; it is never sent to the VIP in plaintext.
+func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Service, src, dst netip.AddrPort) {
+	t := p.t
+	srcW, srcID, err := t.localWorkload(src.Addr())
+	if err != nil {
+		t.cfg.Metrics.failClosed.WithLabelValues("unknown_source").Inc()
+		resetConn(c)
+		return
+	}
+	var port *workload.ServicePort
+	for i := range svc.Ports {
+		if svc.Ports[i].Port == int32(dst.Port()) && (svc.Ports[i].Protocol == "" || svc.Ports[i].Protocol == "TCP") {
+			port = &svc.Ports[i]
+		}
+	}
+	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, service: svc}
+	if port == nil {
+		t.cfg.Metrics.failClosed.WithLabelValues("no_service_port").Inc()
+		t.log.WarnContext(ctx, "service connection refused: the service has no such port", "service", svc.String(), "vip", dst)
+		resetConn(c)
+		return
+	}
+	candidates := t.lb.order(svc, *port)
+	if len(candidates) == 0 {
+		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
+		t.log.WarnContext(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", port.TargetPort.String())
+		resetConn(c)
+		return
+	}
+	var lastErr error
+	for i, cand := range candidates {
+		if i == maxServiceAttempts {
+			break
+		}
+		up, meshed, err := p.dialEndpoint(ctx, srcID, svc, cand, src)
+		if err != nil {
+			lastErr = err
+			t.lb.fail(cand.addr)
+			t.log.InfoContext(ctx, "service endpoint failed; trying the next", "service", svc.String(), "endpoint", cand.addr, "error", err)
+			continue
+		}
+		t.lb.ok(cand.addr)
+		conn.dst, conn.secure = cand.ep.Workload, meshed
+		if meshed {
+			conn.dstID = t.identityOf(cand.ep.Workload)
+		}
+		t.cfg.Metrics.opened(conn)
+		reqBytes, respBytes, _ := hbone.Relay(c, up)
+		t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+		return
+	}
+	conn.flags = "UF"
+	t.cfg.Metrics.opened(conn)
+	t.cfg.Metrics.closed(conn, 0, 0)
+	t.log.WarnContext(ctx, "service connection failed on every endpoint tried", "service", svc.String(), "error", lastErr)
+	resetConn(c)
+}
+
+// dialEndpoint connects to one service endpoint: HBONE with the service host
+// name when the endpoint pod is meshed, plain TCP from the pod otherwise.
+func (p *pod) dialEndpoint(ctx context.Context, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort) (io.ReadWriteCloser, bool, error) {
+	w := cand.ep.Workload
+	if w != nil && w.Enrolled {
+		s, err := p.dialHBONE(ctx, srcID, p.t.identityOf(w), w, src, cand.addr, svc.Hostname(""))
+		if err != nil {
+			return nil, true, err
+		}
+		return s, true, nil
+	}
+	c, err := p.dialPlain(ctx, cand.addr)
+	if err != nil {
+		return nil, false, err
+	}
+	return c, false, nil
+}
