@@ -1,0 +1,164 @@
+package netnstest
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// mirrorServer reads the request to EOF, then sends as many bytes back.
+func mirrorServer(t *testing.T, p *Pod, port int) {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				n, _ := io.Copy(io.Discard, c)
+				io.Copy(c, io.LimitReader(newPattern(), n))
+			}()
+		}
+	}()
+}
+
+// scrape fetches a URL from inside the node namespace of agent a.
+func scrape(t *testing.T, a *Agent, url string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := Exec(ctx, a.Node.Path(), "curl", "-sS", "--max-time", "5", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out)
+}
+
+// metricSum adds up the samples of name whose labels contain every want.
+func metricSum(text, name string, want ...string) float64 {
+	var sum float64
+	re := regexp.MustCompile(`^` + name + `\{(.*)\} (\S+)$`)
+	for _, line := range strings.Split(text, "\n") {
+		m := re.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		ok := true
+		for _, w := range want {
+			ok = ok && strings.Contains(m[1], w)
+		}
+		if ok {
+			v, _ := strconv.ParseFloat(m[2], 64)
+			sum += v
+		}
+	}
+	return sum
+}
+
+func TestObservability(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	mirrorServer(t, server, 9300)
+	const size = 10 << 20
+	const conns = 3
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := 0; i < conns; i++ {
+		var c net.Conn
+		Eventually(t, 10*time.Second, func() error {
+			var err error
+			c, err = netns.Dial(ctx, client.Path(), "tcp", netip.AddrPortFrom(server.IPv4, 9300).String(), netns.SocketOptions{})
+			return err
+		})
+		n := int64(size)
+		if i > 0 {
+			n = 1000 // small ones, to count connections
+		}
+		if _, err := io.Copy(c, io.LimitReader(newPattern(), n)); err != nil {
+			t.Fatal(err)
+		}
+		c.(*net.TCPConn).CloseWrite()
+		got, err := io.Copy(io.Discard, bufio.NewReader(c))
+		if err != nil || got != n {
+			t.Fatalf("mirror returned %d bytes (%v), want %d", got, err, n)
+		}
+		c.Close()
+	}
+	srcP, dstP := `source_principal="spiffe://cluster.local/ns/mesh/sa/client-sa"`, `destination_principal="spiffe://cluster.local/ns/mesh/sa/server-sa"`
+	want := float64(size + 2*1000)
+	for i, reporter := range []string{"source", "destination"} {
+		a := ms.agents[i]
+		var text string
+		Eventually(t, 5*time.Second, func() error {
+			text = scrape(t, a, "http://127.0.0.1:15020/metrics")
+			if got := metricSum(text, "istio_tcp_connections_closed_total", `reporter="`+reporter+`"`, srcP, dstP); got < conns {
+				return fmt.Errorf("%s reporter: %v connections closed, want %d", reporter, got, conns)
+			}
+			return nil
+		})
+		for _, name := range []string{"istio_tcp_received_bytes_total", "istio_tcp_sent_bytes_total"} {
+			got := metricSum(text, name, `reporter="`+reporter+`"`, srcP, dstP, `connection_security_policy="mutual_tls"`)
+			if got < want*0.99 || got > want*1.01 {
+				t.Errorf("%s{reporter=%s} = %.0f, want within 1%% of %.0f", name, reporter, got, want)
+			}
+		}
+		opened := metricSum(text, "istio_tcp_connections_opened_total", `reporter="`+reporter+`"`, srcP, dstP)
+		closed := metricSum(text, "istio_tcp_connections_closed_total", `reporter="`+reporter+`"`, srcP, dstP)
+		if opened != closed || opened < conns {
+			t.Errorf("%s reporter: opened %v closed %v, want equal and >= %d", reporter, opened, closed, conns)
+		}
+		for _, m := range []string{"redirector_bpf_packets_total", "redirector_enrolled_pods 1", "redirector_certificate_expiry_seconds", "go_goroutines", "process_resident_memory_bytes"} {
+			if !strings.Contains(text, m) {
+				t.Errorf("%s agent metrics lack %s", reporter, m)
+			}
+		}
+		if out := scrape(t, a, "http://127.0.0.1:15021/healthz/ready"); !strings.Contains(out, "ready") {
+			t.Errorf("readiness: %q", out)
+		}
+	}
+	if got := metricSum(scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics"), "redirector_bpf_pod_connections_total", `pod="client"`, `direction="outbound"`); got < conns {
+		t.Errorf("BPF outbound connection counter of the client is %v, want >= %d", got, conns)
+	}
+
+	// Config dump and inspect against the live agent.
+	var dump map[string]json.RawMessage
+	if err := json.Unmarshal([]byte(scrape(t, ms.agents[1], "http://127.0.0.1:15000/config_dump")), &dump); err != nil {
+		t.Fatal(err)
+	}
+	for _, section := range []string{"pods", "workloads", "services", "policies", "certs"} {
+		if len(dump[section]) == 0 {
+			t.Errorf("config dump lacks %s", section)
+		}
+	}
+	out, err := Exec(ctx, ms.agents[1].Node.Path(), redirectorBin(), "inspect", "certs")
+	if err != nil || !strings.Contains(string(out), "spiffe://cluster.local/ns/mesh/sa/server-sa") || !strings.Contains(string(out), "valid") {
+		t.Errorf("inspect certs: %v\n%s", err, out)
+	}
+	// inspect pods and maps read pinned state: they work with the agent stopped.
+	ms.agents[0].Stop(10 * time.Second)
+	out, err = Exec(ctx, ms.agents[0].Node.Path(), redirectorBin(), "inspect", "pods", "--bpf-root", ms.agents[0].BPFRoot)
+	if err != nil || !strings.Contains(string(out), "client") || !strings.Contains(string(out), client.IPv4.String()) {
+		t.Errorf("inspect pods with the agent stopped: %v\n%s", err, out)
+	}
+	out, err = Exec(ctx, ms.agents[0].Node.Path(), redirectorBin(), "inspect", "maps", "-o", "json", "--bpf-root", ms.agents[0].BPFRoot)
+	if err != nil || !strings.Contains(string(out), "out_syn_steered") {
+		t.Errorf("inspect maps: %v\n%s", err, out)
+	}
+}
