@@ -40,6 +40,11 @@ gen-check: generate
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
 
+## demo: build, then run the embedded default: two simulated nodes, real agents, real traffic (root)
+.PHONY: demo
+demo: deps build
+	./$(BIN)/redirector-demo
+
 ## lint: gofmt and go vet
 .PHONY: lint
 lint:

@@ -10,7 +10,6 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -66,7 +65,7 @@ type AgentOptions struct {
 // StartAgent runs the agent for node n. Its output goes to the test log
 // when the test fails. The process is killed in t.Cleanup, and the pinned
 // state is uninstalled, so nothing outlives the test.
-func StartAgent(t testing.TB, n *Node, o AgentOptions) *Agent {
+func StartAgent(t TB, n *Node, o AgentOptions) *Agent {
 	t.Helper()
 	if o.BPFRoot == "" {
 		o.BPFRoot = filepath.Join(t.TempDir(), "bpf-"+n.Name)
@@ -124,7 +123,7 @@ func (a *Agent) Stop(timeout time.Duration) error {
 }
 
 // WaitLog waits until the agent's log contains s.
-func (a *Agent) WaitLog(t testing.TB, s string, timeout time.Duration) {
+func (a *Agent) WaitLog(t TB, s string, timeout time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
@@ -141,7 +140,7 @@ func (a *Agent) WaitLog(t testing.TB, s string, timeout time.Duration) {
 }
 
 // Eventually polls f until it returns nil or the timeout passes.
-func Eventually(t testing.TB, timeout time.Duration, f func() error) {
+func Eventually(t TB, timeout time.Duration, f func() error) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	var err error

@@ -138,8 +138,8 @@ func TestRestartConverges(t *testing.T) {
 		t.Errorf("the restarted agent touched pod a:\n%s", log)
 	}
 	// a's captured traffic works again through the new process.
-	httpApp(t, b, "b")
-	Eventually(t, 5*time.Second, func() error { _, err := curl(a, urlOf(b.IPv4, 8080)); return err })
+	HTTPApp(t, b, 8080, "b")
+	Eventually(t, 5*time.Second, func() error { _, err := Curl(a, URL(b.IPv4, 8080)); return err })
 }
 
 func pinnedLinkID(t *testing.T, root string, id uint32) link.ID {
@@ -199,8 +199,8 @@ metadata: {name: broken
 	for _, want := range []string{"shop/bad-ip", badIP, "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=6"} {
 		ag.WaitLog(t, want, 5*time.Second)
 	}
-	httpApp(t, server, "server")
-	if out, err := curl(good, urlOf(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
+	HTTPApp(t, server, 8080, "server")
+	if out, err := Curl(good, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
 		t.Errorf("the good pod does not work next to bad input: %q %v", out, err)
 	}
 }

@@ -79,8 +79,8 @@ func TestKubernetesSource(t *testing.T) {
 	// Enrolled while still Pending: the annotation appears, capture works.
 	wantAnnotation(t, cs, "shop", "a", "enabled", 15*time.Second)
 	waitEnrolled(t, ag.BPFRoot, 5*time.Second, "shop/a")
-	httpApp(t, server, "server")
-	Eventually(t, 5*time.Second, func() error { _, err := curl(a, urlOf(server.IPv4, 8080)); return err })
+	HTTPApp(t, server, 8080, "server")
+	Eventually(t, 5*time.Second, func() error { _, err := Curl(a, URL(server.IPv4, 8080)); return err })
 
 	// Namespace label removed: unenrolled, annotation removed.
 	got, err := cs.CoreV1().Namespaces().Get(ctx, "shop", metav1.GetOptions{})

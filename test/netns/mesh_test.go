@@ -1,48 +1,14 @@
 package netnstest
 
 import (
-	"context"
-	"fmt"
-	"net"
-	"net/http"
 	"net/netip"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/redirector-mesh/redirector/pkg/netns"
 )
-
-// httpApp serves "<name> peer=<client addr>" on :8080 inside the pod.
-func httpApp(t *testing.T, p *Pod, name string) *http.Server {
-	t.Helper()
-	l, err := netns.Listen(context.Background(), p.Path(), "tcp", "[::]:8080", netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		host, _, _ := net.SplitHostPort(r.RemoteAddr)
-		a, _ := netip.ParseAddr(host)
-		fmt.Fprintf(w, "%s peer=%s\n", name, a.Unmap())
-	})}
-	go srv.Serve(l)
-	t.Cleanup(func() { srv.Close() })
-	return srv
-}
-
-// curl fetches url from inside pod p.
-func curl(p *Pod, url string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	out, err := Exec(ctx, p.Path(), "curl", "-sS", "-g", "--max-time", "5", url)
-	return string(out), err
-}
-
-func urlOf(a netip.Addr, port int) string {
-	return "http://" + netip.AddrPortFrom(a, uint16(port)).String() + "/"
-}
 
 // mesh is a two-node cluster with the real agent on each node.
 type mesh struct {
@@ -80,7 +46,7 @@ func TestMeshCurlAcrossNodes(t *testing.T) {
 			Pod(client, "mesh", "client-sa").
 			Pod(server, "mesh", "server-sa")
 	})
-	httpApp(t, server, "server")
+	HTTPApp(t, server, 8080, "server")
 	for _, a := range ms.agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)
 	}
@@ -92,7 +58,7 @@ func TestMeshCurlAcrossNodes(t *testing.T) {
 			var out string
 			Eventually(t, 10*time.Second, func() error {
 				var err error
-				out, err = curl(client, urlOf(fam.server, 8080))
+				out, err = Curl(client, URL(fam.server, 8080))
 				return err
 			})
 			if want := "server peer=" + fam.client.String(); !strings.Contains(out, want) {
@@ -102,4 +68,29 @@ func TestMeshCurlAcrossNodes(t *testing.T) {
 	}
 	// The server side saw the client's SPIFFE identity.
 	ms.agents[1].WaitLog(t, "spiffe://cluster.local/ns/mesh/sa/client-sa", 5*time.Second)
+}
+
+// TestDemo runs `make demo`'s program: it must finish, show the flows with
+// their outcomes, and leave nothing behind.
+func TestDemo(t *testing.T) {
+	before, _ := exec.Command("ip", "netns", "list").Output()
+	out, err := exec.Command(filepath.Join(bin, "redirector-demo"), "--bin", bin).CombinedOutput()
+	if err != nil {
+		t.Fatalf("demo: %v\n%s", err, out)
+	}
+	for _, want := range []string{
+		`shop/frontend -> shop/backend +ok`,
+		`plain/outsider -> shop/backend +refused`,
+		`kubelet probe\) -> shop/backend +ok +169\.254\.7\.127`,
+		`source_principal="spiffe://cluster\.local/ns/shop/sa/frontend"`,
+		`cleaned up`,
+	} {
+		if !regexp.MustCompile(want).Match(out) {
+			t.Errorf("demo output lacks %q:\n%s", want, out)
+		}
+	}
+	after, _ := exec.Command("ip", "netns", "list").Output()
+	if len(after) > len(before) {
+		t.Errorf("demo left namespaces behind:\n%s", after)
+	}
 }

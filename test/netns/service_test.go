@@ -78,9 +78,9 @@ spec:
 			Pod(s1, "mesh", "web", "app=web").Pod(s2, "mesh", "web", "app=web").Pod(s3, "mesh", "web", "app=web").
 			Raw(strict).Raw(serviceDocs(s1, s2, s3))
 	})
-	httpApp(t, s1, "s1")
-	httpApp(t, s2, "s2")
-	app3 := httpApp(t, s3, "s3")
+	HTTPApp(t, s1, 8080, "s1")
+	HTTPApp(t, s2, 8080, "s2")
+	app3 := HTTPApp(t, s3, 8080, "s3")
 	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
 	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
 
@@ -88,7 +88,7 @@ spec:
 		t.Helper()
 		got := map[string]int{}
 		for i := 0; i < n; i++ {
-			out, err := curl(client, url)
+			out, err := Curl(client, url)
 			if err != nil {
 				t.Fatalf("call %d to %s: %v", i, url, err)
 			}
@@ -97,7 +97,7 @@ spec:
 		return got
 	}
 	stop := capture(t, client.Node.Path(), "uplink")
-	Eventually(t, 10*time.Second, func() error { _, err := curl(client, "http://"+vip4+"/"); return err })
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, "http://"+vip4+"/"); return err })
 	got := hits(30, "http://"+vip4+"/service-marker-55e1")
 	for _, s := range []string{"s1", "s2", "s3"} {
 		if got[s] == 0 {
@@ -105,7 +105,7 @@ spec:
 		}
 	}
 	// IPv6 VIP, balanced onto the same (IPv4) endpoints.
-	if _, err := curl(client, "http://["+vip6+"]/"); err != nil {
+	if _, err := Curl(client, "http://["+vip6+"]/"); err != nil {
 		t.Errorf("IPv6 VIP: %v", err)
 	}
 	wire := stop()
@@ -113,16 +113,16 @@ spec:
 		t.Error("service request seen in plaintext between the nodes")
 	}
 	// STRICT still holds on the endpoints for plaintext clients.
-	if out, err := curl(plain, urlOf(s2.IPv4, 8080)); err == nil {
+	if out, err := Curl(plain, URL(s2.IPv4, 8080)); err == nil {
 		t.Errorf("plaintext reached a STRICT endpoint: %q", out)
 	}
 	// A selector-less service with a hand-made slice that names no ports:
 	// the named targetPort resolves through the endpoint pod's container ports.
-	if out, err := curl(client, "http://10.96.0.11/"); err != nil || !strings.HasPrefix(out, "s1 ") {
+	if out, err := Curl(client, "http://10.96.0.11/"); err != nil || !strings.HasPrefix(out, "s1 ") {
 		t.Errorf("named targetPort via container ports: %q %v", out, err)
 	}
 	// A service port no endpoint serves is refused with a reason.
-	if out, err := curl(client, "http://"+vip4+":81/"); err == nil {
+	if out, err := Curl(client, "http://"+vip4+":81/"); err == nil {
 		t.Errorf("port without endpoints answered %q", out)
 	}
 	ms.agents[0].WaitLog(t, "no ready endpoint serves the port", 2*time.Second)

@@ -27,18 +27,29 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
+
+// TB is what the harness needs of a test: testing.TB satisfies it, and so
+// does the demo's runner, which is why the harness does not ask for more.
+type TB interface {
+	Helper()
+	Fatalf(format string, args ...any)
+	Logf(format string, args ...any)
+	Skip(args ...any)
+	Cleanup(func())
+	TempDir() string
+	Failed() bool
+}
 
 // NetNSDir is where iproute2 keeps named network namespaces.
 const NetNSDir = "/var/run/netns"
 
 // Topology is a set of simulated nodes joined by a fabric bridge.
 type Topology struct {
-	t      testing.TB
+	t      TB
 	prefix string
 	fabric string
 	slot   int
@@ -79,7 +90,7 @@ func (n *Node) Path() string { return filepath.Join(NetNSDir, n.Name) }
 func (p *Pod) Addrs() []netip.Addr { return []netip.Addr{p.IPv4, p.IPv6} }
 
 // New creates the fabric and the given number of nodes.
-func New(t testing.TB, nodes int) *Topology {
+func New(t TB, nodes int) *Topology {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root to create network namespaces")
@@ -184,7 +195,7 @@ func (n *Node) Subnet4() string { return fmt.Sprintf("10.%d.%d.0/24", n.topo.slo
 func (n *Node) Subnet6() string { return fmt.Sprintf("fd00:%d:%d::/64", n.topo.slot, n.Index) }
 
 // takeSlot locks one of 64 address slots for the test's life.
-func takeSlot(t testing.TB) int {
+func takeSlot(t TB) int {
 	t.Helper()
 	const dir = "/run/redirector-netnstest"
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -203,7 +214,7 @@ func takeSlot(t testing.TB) int {
 		t.Cleanup(func() { f.Close() }) // closing releases the lock
 		return slot
 	}
-	t.Fatal("all 64 address slots of simulated topologies are in use")
+	t.Fatalf("all 64 address slots of simulated topologies are in use")
 	return 0
 }
 

@@ -40,7 +40,7 @@ func meshed(t *testing.T, extra ...string) (*mesh, *Pod, *Pod, *Pod) {
 			m.Raw(doc)
 		}
 	})
-	httpApp(t, server, "server")
+	HTTPApp(t, server, 8080, "server")
 	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
 	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
 	return ms, client, server, plain
@@ -117,13 +117,13 @@ func TestOnlyTLSBetweenNodes(t *testing.T) {
 	stop := capture(t, client.Node.Path(), "uplink")
 	const marker = "plaintext-marker-7f3a9c"
 	Eventually(t, 10*time.Second, func() error {
-		out, err := curl(client, urlOf(server.IPv4, 8080)+marker)
+		out, err := Curl(client, URL(server.IPv4, 8080)+marker)
 		if err == nil && !strings.Contains(out, "server peer="+client.IPv4.String()) {
 			return fmt.Errorf("unexpected answer %q", out)
 		}
 		return err
 	})
-	if _, err := curl(client, urlOf(server.IPv6, 8080)+marker); err != nil {
+	if _, err := Curl(client, URL(server.IPv6, 8080)+marker); err != nil {
 		t.Fatal(err)
 	}
 	wire := stop()
@@ -160,17 +160,17 @@ func TestForeignCARefused(t *testing.T) {
 		}
 		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca}))
 	}
-	httpApp(t, server, "server")
-	httpApp(t, server2, "server2")
+	HTTPApp(t, server, 8080, "server")
+	HTTPApp(t, server2, 8080, "server2")
 	for _, a := range agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)
 	}
 	time.Sleep(500 * time.Millisecond)
 	// node1 -> node2 and node2 -> node1: each side holds a different root.
-	if out, err := curl(client, urlOf(server.IPv4, 8080)); err == nil {
+	if out, err := Curl(client, URL(server.IPv4, 8080)); err == nil {
 		t.Errorf("client reached a server of another CA: %q", out)
 	}
-	if out, err := curl(client2, urlOf(server2.IPv4, 8080)); err == nil {
+	if out, err := Curl(client2, URL(server2.IPv4, 8080)); err == nil {
 		t.Errorf("client2 reached a server of another CA: %q", out)
 	}
 	for _, a := range agents {
@@ -185,18 +185,18 @@ metadata: {name: strict, namespace: mesh}
 spec:
   mtls: {mode: STRICT}`
 	ms, client, server, plain := meshed(t, strict)
-	httpAppOn(t, server, 8081, "server-8081")
+	HTTPApp(t, server, 8081, "server-8081")
 	// Meshed client passes under STRICT.
-	Eventually(t, 10*time.Second, func() error { _, err := curl(client, urlOf(server.IPv4, 8080)); return err })
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	// Plaintext from a non-meshed pod is refused.
-	if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+	if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {
 		t.Fatalf("STRICT: plaintext client got %q", out)
 	}
 
 	// PERMISSIVE: plaintext works.
 	ms.rewrite(t, client, server, plain, strings.Replace(strict, "STRICT", "PERMISSIVE", 1))
 	Eventually(t, 5*time.Second, func() error {
-		out, err := curl(plain, urlOf(server.IPv4, 8080))
+		out, err := Curl(plain, URL(server.IPv4, 8080))
 		if err == nil && !strings.Contains(out, "peer="+plain.IPv4.String()) {
 			return fmt.Errorf("app saw %q, want the plain pod's address", out)
 		}
@@ -214,12 +214,12 @@ spec:
     8081: {mode: PERMISSIVE}`
 	ms.rewrite(t, client, server, plain, portLevel)
 	Eventually(t, 5*time.Second, func() error {
-		if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+		if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {
 			return fmt.Errorf("port 8080 still accepts plaintext: %q", out)
 		}
 		return nil
 	})
-	if _, err := curl(plain, urlOf(server.IPv4, 8081)); err != nil {
+	if _, err := Curl(plain, URL(server.IPv4, 8081)); err != nil {
 		t.Errorf("port-level PERMISSIVE 8081 refused plaintext: %v", err)
 	}
 
@@ -234,12 +234,12 @@ spec:
     - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
 	ms.rewrite(t, client, server, plain, deny)
 	Eventually(t, 5*time.Second, func() error {
-		if out, err := curl(client, urlOf(server.IPv4, 8080)); err == nil {
+		if out, err := Curl(client, URL(server.IPv4, 8080)); err == nil {
 			return fmt.Errorf("denied client still gets %q", out)
 		}
 		return nil
 	})
-	if _, err := curl(plain, urlOf(server.IPv4, 8080)); err != nil {
+	if _, err := Curl(plain, URL(server.IPv4, 8080)); err != nil {
 		t.Errorf("DENY by principal also blocked the plaintext pod: %v", err)
 	}
 
@@ -253,41 +253,11 @@ spec:
   - from:
     - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
 	ms.rewrite(t, client, server, plain, allow)
-	Eventually(t, 5*time.Second, func() error { _, err := curl(client, urlOf(server.IPv4, 8080)); return err })
-	if out, err := curl(plain, urlOf(server.IPv4, 8080)); err == nil {
+	Eventually(t, 5*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {
 		t.Errorf("ALLOW naming only the client admitted the plain pod: %q", out)
 	}
 	ms.agents[1].WaitLog(t, "denied by authorization policy", 2*time.Second)
-}
-
-// httpAppOn is httpApp on another port.
-func httpAppOn(t *testing.T, p *Pod, port int, name string) {
-	t.Helper()
-	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				br := bufio.NewReader(c)
-				for {
-					line, err := br.ReadString('\n')
-					if err != nil || line == "\r\n" {
-						break
-					}
-				}
-				body := name + "\n"
-				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
-			}()
-		}
-	}()
-	t.Cleanup(func() { l.Close() })
 }
 
 // sinkServer reads until EOF, then answers the SHA-256 of what it read and
@@ -477,15 +447,15 @@ spec:
 		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
 			Pod(a, "mesh", "a-sa").Pod(b, "mesh", "b-sa").Pod(plain, "plain", "default").Raw(strict)
 	})
-	httpApp(t, b, "b")
+	HTTPApp(t, b, 8080, "b")
 	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
 	var out string
-	Eventually(t, 10*time.Second, func() error { var err error; out, err = curl(a, urlOf(b.IPv6, 8080)); return err })
+	Eventually(t, 10*time.Second, func() error { var err error; out, err = Curl(a, URL(b.IPv6, 8080)); return err })
 	if !strings.Contains(out, "peer="+a.IPv6.String()) {
 		t.Errorf("same-node app saw %q, want peer %s", out, a.IPv6)
 	}
 	ms.agents[0].WaitLog(t, "spiffe://cluster.local/ns/mesh/sa/a-sa", 2*time.Second)
-	if out, err := curl(plain, urlOf(b.IPv4, 8080)); err == nil {
+	if out, err := Curl(plain, URL(b.IPv4, 8080)); err == nil {
 		t.Errorf("same-node plaintext reached a STRICT pod: %q", out)
 	}
 }
