@@ -7,6 +7,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/admin"
+	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/maps"
@@ -52,6 +54,7 @@ type agentConfig struct {
 	legacyTC        bool
 	logLevel        slog.Level
 	data            loader.Settings
+	cniSocket       string
 }
 
 func parseRunFlags(args []string) (agentConfig, error) {
@@ -59,7 +62,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	node := s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here")
 	src := s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes")
 	kubeconfig := s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)")
-	caDir := s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem) made by `redirector ca init`")
+	caDir := s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem), as made by redirector ca init")
 	td := s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's")
 	bpfRoot := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links")
 	metrics := s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint")
@@ -69,7 +72,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	ownNS := s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well")
 	skipRC := s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled")
 	rootNS := s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies")
-	ttl := s.add("cert-ttl", "CERT_TTL", identity.DefaultTTL.String(), "lifetime of workload certificates; rotated at half-life")
+	ttl := s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life")
 	period := s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile")
 	drain := s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections")
 	maxStreams := s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection")
@@ -78,13 +81,14 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	probe4 := s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)")
 	probe6 := s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to")
 	logLevel := s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error")
+	cniSocket := s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")")
 	if err := s.parse(args); err != nil {
 		return agentConfig{}, err
 	}
 	if err := s.require(node, src, caDir); err != nil {
 		return agentConfig{}, err
 	}
-	c := agentConfig{node: *node, kubeconfig: *kubeconfig, caDir: *caDir, trustDomain: *td, bpfRoot: *bpfRoot,
+	c := agentConfig{node: *node, kubeconfig: *kubeconfig, cniSocket: *cniSocket, caDir: *caDir, trustDomain: *td, bpfRoot: *bpfRoot,
 		metricsAddr: *metrics, readinessAddr: *ready, adminAddr: *admin, rootNamespace: *rootNS, data: loader.DefaultSettings()}
 	switch {
 	case *src == "kubernetes":
@@ -189,7 +193,15 @@ func runAgent(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann}
+	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}}
+	if cfg.cniSocket != "" {
+		srv := cni.NewServer(cfg.cniSocket, ag.handleCNI, log)
+		go func() {
+			if err := srv.Serve(ctx); err != nil {
+				log.Error("CNI event server stopped", "socket", cfg.cniSocket, "error", err)
+			}
+		}()
+	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
 	// certificate, and no shutdown has begun.
@@ -227,7 +239,6 @@ func runAgent(ctx context.Context, args []string) error {
 	log.Info("agent started", "source", cfg.source, "bpf_root", cfg.bpfRoot, "trust_domain", cfg.trustDomain)
 	ticker := time.NewTicker(cfg.reconcilePeriod)
 	defer ticker.Stop()
-	var last *source.Snapshot
 	for {
 		full := false
 		select {
@@ -242,16 +253,11 @@ func runAgent(ctx context.Context, args []string) error {
 			}
 			return nil
 		case s := <-snaps:
-			full = last == nil
-			last = &s
+			full = ag.setSnapshot(s)
 		case <-ticker.C:
 			full = true
 		}
-		if last == nil {
-			continue
-		}
-		ag.apply(ctx, *last, full)
-		if full {
+		if ag.applyLatest(ctx, full) && full {
 			reconciled.Store(true)
 		}
 	}
@@ -266,12 +272,42 @@ type agent struct {
 	rec *loader.Reconciler
 	// ann writes the redirection annotation; nil for the file source.
 	ann *kubernetes.Annotator
+
+	// mu serialises applying: the main loop and CNI events both apply the
+	// latest snapshot.
+	mu       sync.Mutex
+	last     *source.Snapshot
+	cniPods  map[string]cniPod // namespace/name -> what the CNI plugin reported
+	lastHint string
+}
+
+
+// setSnapshot records the newest snapshot; it reports whether it was the
+// first.
+func (a *agent) setSnapshot(s source.Snapshot) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	first := a.last == nil
+	a.last = &s
+	return first
+}
+
+// applyLatest applies the newest snapshot, if there is one.
+func (a *agent) applyLatest(ctx context.Context, full bool) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.last == nil {
+		return false
+	}
+	a.apply(ctx, *a.last, full)
+	return true
 }
 
 // apply turns one snapshot into the tunnel's state and this node's
-// enrollment.
+// enrollment. Callers hold a.mu.
 func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
-	dir, errs := workload.Build(s, a.cfg.selection, nil)
+	a.writeHint(s)
+	dir, errs := workload.Build(withCNIAddrs(s, a.cniPods), a.cfg.selection, nil)
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}
@@ -281,7 +317,7 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 		if !w.Enrolled {
 			continue
 		}
-		want = append(want, loader.Pod{UID: podUID(w), Namespace: w.Namespace, Name: w.Name, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
+		want = append(want, loader.Pod{UID: podUID(w), Namespace: w.Namespace, Name: w.Name, NetNS: a.cniNetNS(w), Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
 	}
 	res := a.rec.Reconcile(ctx, want, full)
 	for _, p := range res.Attached {

@@ -56,6 +56,13 @@ func (l *Loader) podRouting(family int) (*netlink.Rule, *netlink.Route, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("find lo: %w", err)
 	}
+	// Assigned packets are delivered through lo; a runtime's loopback
+	// plugin normally has it up already.
+	if lo.Attrs().Flags&net.FlagUp == 0 {
+		if err := netlink.LinkSetUp(lo); err != nil {
+			return nil, nil, fmt.Errorf("set lo up: %w", err)
+		}
+	}
 	dst := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
 	if family == netlink.FAMILY_V6 {
 		dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
