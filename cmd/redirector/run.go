@@ -281,7 +281,6 @@ type agent struct {
 	lastHint string
 }
 
-
 // setSnapshot records the newest snapshot; it reports whether it was the
 // first.
 func (a *agent) setSnapshot(s source.Snapshot) bool {

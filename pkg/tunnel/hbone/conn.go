@@ -40,6 +40,11 @@ const (
 	// records, so the TLS layer never emits a runt record after each frame.
 	frameBufSize = 64 << 10
 
+	// directReadMin is the DATA payload size from which the reader reads
+	// straight into fresh receive-buffer chunks (one copy less per byte);
+	// half a chunk, so such chunks are at least half full.
+	directReadMin = chunkSize / 2
+
 	frameHeaderLen     = 9
 	defaultWindow      = 65535 // RFC 9113 initial window
 	defaultMaxFrame    = 16384 // RFC 9113 initial SETTINGS_MAX_FRAME_SIZE
@@ -49,11 +54,20 @@ const (
 	closeWriteDeadline = time.Second
 )
 
-// frameBufPool holds frameBufSize buffers for building DATA frames in place.
-var frameBufPool = sync.Pool{New: func() any {
-	b := make([]byte, frameBufSize)
-	return &b
-}}
+// smallBufSize is the frame buffer a Stream.ReadFrom waits with.
+const smallBufSize = 4 << 10
+
+// Buffers for building DATA frames in place.
+var (
+	frameBufPool = sync.Pool{New: func() any {
+		b := make([]byte, frameBufSize)
+		return &b
+	}}
+	smallBufPool = sync.Pool{New: func() any {
+		b := make([]byte, smallBufSize)
+		return &b
+	}}
+)
 
 // connConfig is what the owner (Pool or Server) tells a conn.
 type connConfig struct {
@@ -139,6 +153,8 @@ type conn struct {
 
 	ctlWake chan struct{}
 	done    chan struct{}
+
+	rchunks []chunk // reader-owned, reused by readChunks
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -233,9 +249,18 @@ func (c *conn) readFrames() error {
 		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	for {
-		f, err := c.fr.ReadFrame()
+		// DATA payloads are read here rather than by the framer, straight
+		// into the stream's buffer; the framer reads everything else.
+		fh, err := c.fr.ReadFrameHeader()
 		if err == nil {
-			err = c.onFrame(f)
+			if fh.Type == http2.FrameData && c.sawSettings {
+				err = c.readData(fh)
+			} else {
+				var f http2.Frame
+				if f, err = c.fr.ReadFrameForHeader(fh); err == nil {
+					err = c.onFrame(f)
+				}
+			}
 		}
 		if err == nil {
 			continue
@@ -255,9 +280,7 @@ func (c *conn) onFrame(f http2.Frame) error {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
 	}
-	switch f := f.(type) {
-	case *http2.DataFrame:
-		return c.onData(f)
+	switch f := f.(type) { // DATA is handled by readData
 	case *http2.MetaHeadersFrame:
 		return c.onHeaders(f)
 	case *http2.SettingsFrame:
@@ -289,9 +312,28 @@ func (c *conn) idleStreamLocked(id uint32) bool {
 	return id > c.lastPeerID
 }
 
-func (c *conn) onData(f *http2.DataFrame) error {
-	id := f.StreamID
-	n := int64(f.Length) // flow control counts padding too
+// readData reads a DATA frame's payload (RFC 9113 §6.1) and hands it to
+// its stream.
+func (c *conn) readData(fh http2.FrameHeader) error {
+	id := fh.StreamID
+	n := int64(fh.Length) // flow control counts padding too
+	payload, pad := int(fh.Length), 0
+	if id == 0 {
+		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
+	if fh.Flags.Has(http2.FlagDataPadded) {
+		var b [1]byte
+		if payload == 0 {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		if _, err := io.ReadFull(c.nc, b[:]); err != nil {
+			return err
+		}
+		payload, pad = payload-1, int(b[0])
+		if pad > payload {
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+	}
 	c.mu.Lock()
 	if n > c.recvWindow {
 		c.mu.Unlock()
@@ -301,16 +343,67 @@ func (c *conn) onData(f *http2.DataFrame) error {
 	s := c.streams[id]
 	idle := s == nil && c.idleStreamLocked(id)
 	c.mu.Unlock()
+	if idle {
+		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
 	if s == nil {
-		if idle {
-			return http2.ConnectionError(http2.ErrCodeProtocol)
-		}
-		// A stream we already closed or reset: the data is dropped but the
-		// connection window must not shrink for good.
+		// A stream we already closed or reset: drop the data, but give the
+		// connection window back.
 		c.credit(0, 0, n)
+		return c.skip(payload)
+	}
+	if payload-pad < directReadMin {
+		// Small payloads go through a pooled scratch buffer and are packed
+		// into the stream's last chunk, so small messages do not each take
+		// a chunk.
+		bp := frameBufPool.Get().(*[]byte)
+		defer frameBufPool.Put(bp)
+		small := (*bp)[:payload-pad]
+		if _, err := io.ReadFull(c.nc, small); err != nil {
+			return err
+		}
+		if err := c.skip(pad); err != nil {
+			return err
+		}
+		return s.onData(small, nil, n, fh.Flags.Has(http2.FlagDataEndStream))
+	}
+	chunks, err := c.readChunks(payload - pad)
+	if err != nil {
+		return err
+	}
+	if err := c.skip(pad); err != nil {
+		recycleChunks(chunks)
+		return err
+	}
+	return s.onData(nil, chunks, n, fh.Flags.Has(http2.FlagDataEndStream))
+}
+
+// skip discards n payload bytes (padding, data of a closed stream).
+func (c *conn) skip(n int) error {
+	if n == 0 {
 		return nil
 	}
-	return s.onData(f.Data(), n, f.StreamEnded())
+	_, err := io.CopyN(io.Discard, c.nc, int64(n))
+	return err
+}
+
+// readChunks reads n bytes of DATA straight into fresh receive-buffer
+// chunks, which then become part of the stream's buffer as they are.
+func (c *conn) readChunks(n int) ([]chunk, error) {
+	chunks := c.rchunks[:0]
+	for n > 0 {
+		k := min(n, chunkSize)
+		bp := chunkPool.Get().(*[]byte)
+		if _, err := io.ReadFull(c.nc, (*bp)[:k]); err != nil {
+			chunkPool.Put(bp)
+			recycleChunks(chunks)
+			return nil, err
+		}
+		chunks = append(chunks, chunk{b: bp, w: k})
+		n -= k
+	}
+	c.rchunks = chunks
+	return chunks, nil
 }
 
 func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {

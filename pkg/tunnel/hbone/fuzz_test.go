@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -227,5 +228,86 @@ func TestFlowControlViolation(t *testing.T) {
 	})
 	if out.reset != http2.ErrCodeFlowControl && !out.goAway {
 		t.Fatalf("window overrun: %+v, want RST_STREAM(FLOW_CONTROL_ERROR)", out)
+	}
+}
+
+// recordConn is an upstream that keeps what it is sent and reports it at
+// the stream's end.
+type recordConn struct {
+	sinkConn
+	mu   sync.Mutex
+	data []byte
+	got  chan []byte
+}
+
+func (c *recordConn) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	c.data = append(c.data, p...)
+	c.mu.Unlock()
+	return len(p), nil
+}
+
+func (c *recordConn) CloseWrite() error {
+	c.mu.Lock()
+	c.got <- c.data
+	c.mu.Unlock()
+	return c.sinkConn.CloseWrite()
+}
+
+// TestPaddedAndLargeDataFrames sends DATA frames our client never sends
+// (padded, and larger than a receive chunk) and checks the bytes arrive.
+func TestPaddedAndLargeDataFrames(t *testing.T) {
+	checkGoroutines(t)
+	up := &recordConn{sinkConn: *newSinkConn(), got: make(chan []byte, 1)}
+	srv := newFuzzServer(t)
+	srv.opts.Handler = func(ctx context.Context, req *ServerRequest) Response { return Response{Upstream: up} }
+
+	cli, srvSide := net.Pipe()
+	defer cli.Close()
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{})
+	_ = cli.SetDeadline(time.Now().Add(5 * time.Second))
+	settings := make(chan struct{})
+	go func() { // drain the server's frames; note its SETTINGS
+		fr := http2.NewFramer(nil, cli)
+		once := sync.Once{}
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
+				once.Do(func() { close(settings) })
+			}
+		}
+	}()
+
+	large := make([]byte, 3*chunkSize+123)
+	_, _ = newPRNGReader(7).Read(large)
+	want := append(append([]byte("hello"), large...), "end"...)
+
+	fr := http2.NewFramer(cli, nil)
+	var buf bytes.Buffer
+	_, _ = cli.Write([]byte(http2.ClientPreface))
+	_ = fr.WriteSettings()
+	<-settings
+	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: "10.0.0.1:80"}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteDataPadded(1, false, []byte("hello"), make([]byte, 10)); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteDataPadded(1, false, large, make([]byte, 255)); err != nil {
+		t.Fatal(err)
+	}
+	if err := fr.WriteData(1, true, []byte("end")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case got := <-up.got:
+		if !bytes.Equal(got, want) {
+			t.Fatalf("upstream got %d bytes, want %d (or different bytes)", len(got), len(want))
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("upstream never saw the end of the stream")
 	}
 }

@@ -14,93 +14,7 @@ import (
 	"golang.org/x/net/http2/hpack"
 )
 
-// chunkSize is the unit of a stream's receive buffer. It matches the size
-// Relay writes to a socket in one call.
-const chunkSize = 64 << 10
-
-var chunkPool = sync.Pool{New: func() any {
-	b := make([]byte, chunkSize)
-	return &b
-}}
-
 var errWriteAfterCloseWrite = errors.New("hbone stream write after CloseWrite")
-
-// recvBuf is a FIFO of pooled chunks, so a stream holds memory only for
-// bytes the application has not read yet.
-type recvBuf struct {
-	chunks []*[]byte
-	r      int // read offset in chunks[0]
-	w      int // write offset in the last chunk
-	n      int // bytes buffered
-}
-
-func (b *recvBuf) write(p []byte) {
-	for len(p) > 0 {
-		if len(b.chunks) == 0 || b.w == chunkSize {
-			b.chunks = append(b.chunks, chunkPool.Get().(*[]byte))
-			b.w = 0
-		}
-		k := copy((*b.chunks[len(b.chunks)-1])[b.w:], p)
-		b.w += k
-		b.n += k
-		p = p[k:]
-	}
-}
-
-// peek returns the first contiguous run of buffered bytes.
-func (b *recvBuf) peek() []byte {
-	if b.n == 0 {
-		return nil
-	}
-	end := chunkSize
-	if len(b.chunks) == 1 {
-		end = b.w
-	}
-	return (*b.chunks[0])[b.r:end]
-}
-
-// advance drops k bytes from the front; recycle is false while a slice
-// from peek may still be in use outside the lock.
-func (b *recvBuf) advance(k int, recycle bool) {
-	b.r += k
-	b.n -= k
-	end := chunkSize
-	if len(b.chunks) == 1 {
-		end = b.w
-	}
-	if b.r < end {
-		return
-	}
-	if recycle {
-		chunkPool.Put(b.chunks[0])
-	}
-	b.chunks[0] = nil
-	b.chunks = b.chunks[1:]
-	b.r = 0
-	if len(b.chunks) == 0 {
-		b.chunks = nil
-		b.w = 0
-	}
-}
-
-func (b *recvBuf) read(p []byte) int {
-	n := 0
-	for n < len(p) && b.n > 0 {
-		k := copy(p[n:], b.peek())
-		b.advance(k, true)
-		n += k
-	}
-	return n
-}
-
-func (b *recvBuf) release(recycle bool) {
-	if recycle {
-		for _, c := range b.chunks {
-			chunkPool.Put(c)
-		}
-	}
-	*b = recvBuf{}
-}
 
 // Stream is one CONNECT tunnel: a bidirectional byte stream multiplexed with
 // others on a shared TLS connection. It implements net.Conn, CloseWrite for
@@ -160,8 +74,10 @@ func (s *Stream) closeRespLocked() {
 	}
 }
 
-// onData stores a DATA frame's payload; n is its flow-controlled length.
-func (s *Stream) onData(data []byte, n int64, end bool) error {
+// onData stores a DATA frame's payload, given as small (copied into the
+// buffer) and/or chunks (filled by readPayload, linked in without a copy);
+// n is the frame's flow-controlled length.
+func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	s.mu.Lock()
 	var code http2.ErrCode
 	switch {
@@ -174,15 +90,24 @@ func (s *Stream) onData(data []byte, n int64, end bool) error {
 	}
 	if code != http2.ErrCodeNo {
 		s.mu.Unlock()
+		recycleChunks(chunks)
 		s.c.credit(0, 0, n)
 		return http2.StreamError{StreamID: s.id, Code: code}
 	}
 	s.recvWindow -= n
-	consumed := n - int64(len(data)) // padding is consumed on arrival
+	stored := int64(len(small))
+	for _, c := range chunks {
+		stored += int64(c.w)
+	}
+	consumed := n - stored // padding is consumed on arrival
 	if s.closed {
 		consumed = n
+		recycleChunks(chunks)
 	} else {
-		s.buf.write(data)
+		s.buf.write(small)
+		for _, c := range chunks {
+			s.buf.add(c)
+		}
 	}
 	if end {
 		s.remoteEnded = true
@@ -377,12 +302,21 @@ func (s *Stream) Write(p []byte) (int, error) {
 
 // ReadFrom sends everything r yields until io.EOF (returning nil), reading
 // straight into frame buffers. It does not half-close the stream.
+//
+// It waits for r with a small buffer and takes a full frame buffer only
+// while reads fill the small one, so an idle tunnel does not pin 64 KiB.
 func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
-	bp := frameBufPool.Get().(*[]byte)
-	defer frameBufPool.Put(bp)
-	buf := *bp
+	small := smallBufPool.Get().(*[]byte)
+	defer smallBufPool.Put(small)
+	var big *[]byte
+	defer func() {
+		if big != nil {
+			frameBufPool.Put(big)
+		}
+	}()
+	buf := *small
 	var total int64
 	for {
 		n, rerr := r.Read(buf[frameHeaderLen:])
@@ -398,6 +332,15 @@ func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 		}
 		if rerr != nil {
 			return total, rerr
+		}
+		switch {
+		case big == nil && n == len(buf)-frameHeaderLen: // a burst: more is waiting
+			big = frameBufPool.Get().(*[]byte)
+			buf = *big
+		case big != nil && n < smallBufSize-frameHeaderLen: // the burst is over
+			frameBufPool.Put(big)
+			big = nil
+			buf = *small
 		}
 	}
 }
