@@ -1,5 +1,6 @@
 # redirector: eBPF ambient-mesh node agent. `make help` lists the targets.
 
+SHELL   := /bin/bash
 GO      ?= go
 export PATH := $(PATH):/usr/local/go/bin
 BIN     := bin
@@ -65,7 +66,10 @@ test-deps:
 ## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
 .PHONY: test
 test: deps lint gen-check build test-deps
-	$(GO) test -count=1 -timeout 25m $(PKGS)
+	@mkdir -p $(BIN)
+	@set -o pipefail; $(GO) test -v -count=1 -timeout 25m $(PKGS) 2>&1 | tee $(BIN)/test.log | grep -E '^(=== RUN|--- |ok|FAIL|panic)|_test.go:[0-9]+:' || { echo "tests failed; the failures in full (all output: $(BIN)/test.log):"; grep -A80 -- '--- FAIL' $(BIN)/test.log | head -600; exit 1; }
+	@if grep -q -- '--- SKIP' $(BIN)/test.log; then echo "tests were skipped; CI must run every test:"; grep -- '--- SKIP' $(BIN)/test.log; exit 1; fi
+	@echo "tests run: $$(grep -c -- '--- PASS' $(BIN)/test.log) passed, 0 skipped"
 	cd test/cniplugins && $(GO) vet ./...
 	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
