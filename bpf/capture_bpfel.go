@@ -43,11 +43,11 @@ const (
 
 type CapturePodMeta struct {
 	_           structs.HostLayout
-	Uid         [64]uint8
-	Namespace   [64]uint8
-	Name        [128]uint8
-	Netns       [192]uint8
-	Ifname      [16]uint8
+	Uid         [64]int8
+	Namespace   [64]int8
+	Name        [128]int8
+	Netns       [192]int8
+	Ifname      [16]int8
 	Addrs       [4]CapturePodAddr
 	Naddrs      uint32
 	Flags       uint32

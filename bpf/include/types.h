@@ -63,11 +63,11 @@ enum attach_mode {
  * restarted agent, `redirector inspect` and `uninstall` know without any
  * other state. The programs never read it. Strings are NUL-padded. */
 struct pod_meta {
-	__u8 uid[64];
-	__u8 namespace[64];
-	__u8 name[128];
-	__u8 netns[192];      /* path of the pod's network namespace */
-	__u8 ifname[16];      /* the pod interface */
+	char uid[64];
+	char namespace[64];
+	char name[128];
+	char netns[192];      /* path of the pod's network namespace */
+	char ifname[16];      /* the pod interface */
 	struct pod_addr addrs[POD_META_MAX_ADDRS];
 	__u32 naddrs;
 	__u32 flags;          /* enum pod_flag bits, as in rd_pods */

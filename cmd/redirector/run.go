@@ -57,80 +57,92 @@ type agentConfig struct {
 	cniSocket       string
 }
 
-func parseRunFlags(args []string) (agentConfig, error) {
+// runFlags are the settings of `redirector run`, each with an env twin.
+type runFlags struct {
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket *string
+}
+
+// runSettings registers the run settings; tests list them to check the README.
+func runSettings() (*settings, runFlags) {
 	s := newSettings("run")
-	node := s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here")
-	src := s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes")
-	kubeconfig := s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)")
-	caDir := s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem), as made by redirector ca init")
-	td := s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's")
-	bpfRoot := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links")
-	metrics := s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint")
-	ready := s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready")
-	admin := s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)")
-	exclude := s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled")
-	ownNS := s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well")
-	skipRC := s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled")
-	rootNS := s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies")
-	ttl := s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life")
-	period := s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile")
-	drain := s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections")
-	maxStreams := s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection")
-	poolIdle := s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this")
-	tcMode := s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)")
-	probe4 := s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)")
-	probe6 := s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to")
-	logLevel := s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error")
-	cniSocket := s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")")
+	return s, runFlags{
+		node:       s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
+		src:        s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes"),
+		kubeconfig: s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
+		caDir:      s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem), as made by redirector ca init"),
+		td:         s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
+		bpfRoot:    s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
+		metrics:    s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
+		ready:      s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
+		admin:      s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
+		exclude:    s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
+		ownNS:      s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
+		skipRC:     s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
+		rootNS:     s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
+		ttl:        s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
+		period:     s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
+		drain:      s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
+		maxStreams: s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
+		poolIdle:   s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
+		tcMode:     s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
+		probe4:     s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
+		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
+		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
+		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
+	}
+}
+
+func parseRunFlags(args []string) (agentConfig, error) {
+	s, f := runSettings()
 	if err := s.parse(args); err != nil {
 		return agentConfig{}, err
 	}
-	if err := s.require(node, src, caDir); err != nil {
+	if err := s.require(f.node, f.src, f.caDir); err != nil {
 		return agentConfig{}, err
 	}
-	c := agentConfig{node: *node, kubeconfig: *kubeconfig, cniSocket: *cniSocket, caDir: *caDir, trustDomain: *td, bpfRoot: *bpfRoot,
-		metricsAddr: *metrics, readinessAddr: *ready, adminAddr: *admin, rootNamespace: *rootNS, data: loader.DefaultSettings()}
+	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
+		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	switch {
-	case *src == "kubernetes":
+	case *f.src == "kubernetes":
 		c.source = "kubernetes"
-	case strings.HasPrefix(*src, "file:") && len(*src) > len("file:"):
-		c.source = strings.TrimPrefix(*src, "file:")
+	case strings.HasPrefix(*f.src, "file:") && len(*f.src) > len("file:"):
+		c.source = strings.TrimPrefix(*f.src, "file:")
 	default:
-		return c, fmt.Errorf("%s: %q is neither file:PATH nor kubernetes", s.name(src), *src)
+		return c, fmt.Errorf("%s: %q is neither file:PATH nor kubernetes", s.name(f.src), *f.src)
 	}
-	if err := identity.ValidateTrustDomain(*td); err != nil {
-		return c, fmt.Errorf("%s: %w", s.name(td), err)
+	if err := identity.ValidateTrustDomain(*f.td); err != nil {
+		return c, fmt.Errorf("%s: %w", s.name(f.td), err)
 	}
 	var err error
-	if c.selection, err = selection.ParseConfig(*exclude+","+*ownNS, *skipRC); err != nil {
+	if c.selection, err = selection.ParseConfig(*f.exclude+","+*f.ownNS, *f.skipRC); err != nil {
 		return c, err
 	}
 	durations := []struct {
 		dst *time.Duration
 		val *string
-	}{{&c.certTTL, ttl}, {&c.reconcilePeriod, period}, {&c.drainTimeout, drain}, {&c.poolIdle, poolIdle}}
+	}{{&c.certTTL, f.ttl}, {&c.reconcilePeriod, f.period}, {&c.drainTimeout, f.drain}, {&c.poolIdle, f.poolIdle}}
 	for _, d := range durations {
 		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
 	}
 	if c.certTTL < 2*time.Minute {
-		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(ttl), c.certTTL)
+		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(f.ttl), c.certTTL)
 	}
-	if c.poolMaxStreams, err = strconv.Atoi(*maxStreams); err != nil || c.poolMaxStreams < 1 {
-		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(maxStreams), *maxStreams)
+	if c.poolMaxStreams, err = strconv.Atoi(*f.maxStreams); err != nil || c.poolMaxStreams < 1 {
+		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(f.maxStreams), *f.maxStreams)
 	}
-	switch *tcMode {
+	switch *f.tcMode {
 	case "auto", "tcx":
 	case "legacy":
 		c.legacyTC = true
 	default:
-		return c, fmt.Errorf("%s: %q is not auto, tcx or legacy", s.name(tcMode), *tcMode)
+		return c, fmt.Errorf("%s: %q is not auto, tcx or legacy", s.name(f.tcMode), *f.tcMode)
 	}
-	if err := c.logLevel.UnmarshalText([]byte(*logLevel)); err != nil {
-		return c, fmt.Errorf("%s: %q is not debug, info, warn or error", s.name(logLevel), *logLevel)
+	if err := c.logLevel.UnmarshalText([]byte(*f.logLevel)); err != nil {
+		return c, fmt.Errorf("%s: %q is not debug, info, warn or error", s.name(f.logLevel), *f.logLevel)
 	}
-	if c.data.ProbeSNATv4, c.data.ProbeSNATv6, err = probe.ParseSNAT(*probe4, *probe6); err != nil {
+	if c.data.ProbeSNATv4, c.data.ProbeSNATv6, err = probe.ParseSNAT(*f.probe4, *f.probe6); err != nil {
 		return c, err
 	}
 	return c, nil

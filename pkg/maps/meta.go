@@ -1,7 +1,6 @@
 package maps
 
 import (
-	"bytes"
 	"fmt"
 	"net/netip"
 
@@ -43,25 +42,32 @@ type PodMeta struct {
 // MaxMetaAddrs is how many addresses one pod can have.
 const MaxMetaAddrs = len(bpf.CapturePodMeta{}.Addrs)
 
-func putString(dst []uint8, s, field string) error {
+// The metadata strings are C chars, so bpftool prints them as text.
+func putString(dst []int8, s, field string) error {
 	if len(s) >= len(dst) {
 		return fmt.Errorf("%s %q is longer than %d bytes", field, s, len(dst)-1)
 	}
-	copy(dst, s)
+	for i := 0; i < len(s); i++ {
+		dst[i] = int8(s[i])
+	}
 	return nil
 }
 
-func getString(b []uint8) string {
-	if i := bytes.IndexByte(b, 0); i >= 0 {
-		b = b[:i]
+func getString(b []int8) string {
+	out := make([]byte, 0, len(b))
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		out = append(out, byte(c))
 	}
-	return string(b)
+	return string(out)
 }
 
 func (p PodMeta) raw() (bpf.CapturePodMeta, error) {
 	var r bpf.CapturePodMeta
 	for _, f := range []struct {
-		dst        []uint8
+		dst        []int8
 		val, field string
 	}{
 		{r.Uid[:], p.UID, "pod uid"},
