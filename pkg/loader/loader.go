@@ -62,6 +62,9 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if err := cfg.Settings.Validate(); err != nil {
 		return nil, fmt.Errorf("data path settings: %w", err)
 	}
+	if err := CheckKernel(); err != nil {
+		return nil, err
+	}
 	if err := ensureBPFFS(cfg.PinRoot); err != nil {
 		return nil, err
 	}

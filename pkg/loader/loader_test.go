@@ -398,3 +398,56 @@ func TestAttachBadInput(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestLegacyTC attaches with clsact + cls_bpf (the fallback for kernels
+// without tcx): capture works the same, and detach leaves no filter.
+func TestLegacyTC(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
+	root := tempBPFFS(t)
+	ctx := context.Background()
+	l, err := loader.Load(ctx, loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), ForceLegacyTC: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: tunnelMark})
+	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	st, err := l.AttachPod(ctx, podOf(client, true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Meta.AttachMode != maps.AttachTCLegacy {
+		t.Fatalf("attach mode %s, want tc", st.Meta.AttachMode)
+	}
+	for _, dst := range []netip.AddrPort{ap(other.IPv4, 8080), ap(other.IPv6, 8080)} {
+		if r, err := call(client.Path(), dst, netns.SocketOptions{}); err != nil || r.name != "outbound" || r.local != dst.String() {
+			t.Errorf("legacy tc: conn to %s reached %+v (%v), want outbound", dst, r, err)
+		}
+	}
+	if err := l.DetachPod(ctx, "uid-client"); err != nil {
+		t.Fatal(err)
+	}
+	err = netns.Do(client.Path(), func() error {
+		iface, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for _, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+			fs, err := netlink.FilterList(iface, parent)
+			if err != nil {
+				return err
+			}
+			if len(fs) != 0 {
+				return fmt.Errorf("%d tc filters left under parent %x", len(fs), parent)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+		t.Errorf("after detach, conn reached %+v (%v), want other-app", r, err)
+	}
+}

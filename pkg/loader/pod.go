@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
@@ -160,15 +161,22 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if err := l.addRouting(meta.Addrs); err != nil {
 			return err
 		}
-		if meta.AttachMode == maps.AttachTCLegacy {
-			return l.attachLegacy(iface.Attrs().Index)
-		}
-		for _, d := range []direction{ingress, egress} {
-			if err := l.attachTCX(id, iface.Attrs().Index, d); err != nil {
+		if meta.AttachMode == maps.AttachTCX {
+			err := l.attachTCX(id, iface.Attrs().Index, ingress)
+			if err == nil {
+				return l.attachTCX(id, iface.Attrs().Index, egress)
+			}
+			if !errors.Is(err, ebpf.ErrNotSupported) {
+				return err
+			}
+			// No tcx in this kernel (before 6.6): classic tc instead.
+			l.log.InfoContext(ctx, "tcx not supported by the kernel; attaching with clsact + cls_bpf", "pod", meta.Namespace+"/"+meta.Name)
+			meta.AttachMode = maps.AttachTCLegacy
+			if err := l.maps.PutMeta(id, *meta); err != nil {
 				return err
 			}
 		}
-		return nil
+		return l.attachLegacy(iface.Attrs().Index)
 	})
 }
 
