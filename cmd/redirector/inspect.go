@@ -42,18 +42,13 @@ func runInspect(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		return render(os.Stdout, *out, rows, []string{"ID", "NAMESPACE", "NAME", "ADDRESSES", "INBOUND", "MODE", "OUT-CONNS", "IN-CONNS", "DROPPED", "NETNS"}, func(r podRow) []string {
-			return []string{fmt.Sprint(r.ID), r.Namespace, r.Name, strings.Join(r.Addresses, ","), fmt.Sprint(r.CaptureInbound), r.AttachMode,
-				fmt.Sprint(r.Counters.OutboundConns), fmt.Sprint(r.Counters.InboundConns), fmt.Sprint(r.Counters.DroppedPackets), r.NetNS}
-		})
+		return renderPods(os.Stdout, *out, rows)
 	case "maps":
 		rows, err := inspectMaps(*root)
 		if err != nil {
 			return err
 		}
-		return render(os.Stdout, *out, rows, []string{"MAP", "KEY", "VALUE"}, func(r mapRow) []string {
-			return []string{r.Map, r.Key, r.Value}
-		})
+		return renderMaps(os.Stdout, *out, rows)
 	case "certs", "policies":
 		return inspectAdmin(ctx, *admin, what, *out)
 	default:
@@ -143,6 +138,25 @@ func inspectMaps(root string) ([]mapRow, error) {
 	return rows, nil
 }
 
+func renderPods(w io.Writer, format string, rows []podRow) error {
+	return render(w, format, rows, []string{"ID", "NAMESPACE", "NAME", "ADDRESSES", "INBOUND", "MODE", "OUT-CONNS", "IN-CONNS", "DROPPED", "NETNS"}, func(r podRow) []string {
+		return []string{fmt.Sprint(r.ID), r.Namespace, r.Name, strings.Join(r.Addresses, ","), fmt.Sprint(r.CaptureInbound), r.AttachMode,
+			fmt.Sprint(r.Counters.OutboundConns), fmt.Sprint(r.Counters.InboundConns), fmt.Sprint(r.Counters.DroppedPackets), r.NetNS}
+	})
+}
+
+func renderMaps(w io.Writer, format string, rows []mapRow) error {
+	return render(w, format, rows, []string{"MAP", "KEY", "VALUE"}, func(r mapRow) []string {
+		return []string{r.Map, r.Key, r.Value}
+	})
+}
+
+func renderCerts(w io.Writer, format string, rows []certRow) error {
+	return render(w, format, rows, []string{"IDENTITY", "SERIAL", "VALID FROM", "VALID TO", "ISSUER", "STATE"}, func(r certRow) []string {
+		return []string{r.Identity, r.Serial, r.NotBefore.Format(time.RFC3339), r.NotAfter.Format(time.RFC3339), r.Issuer, r.State}
+	})
+}
+
 // render prints rows as a table, JSON or YAML.
 func render[T any](w io.Writer, format string, rows []T, header []string, cells func(T) []string) error {
 	switch format {
@@ -193,9 +207,7 @@ func inspectAdmin(ctx context.Context, addr, what, format string) error {
 		if err := json.Unmarshal(section, &rows); err != nil {
 			return fmt.Errorf("decode certs: %w", err)
 		}
-		return render(os.Stdout, format, rows, []string{"IDENTITY", "SERIAL", "VALID FROM", "VALID TO", "ISSUER", "STATE"}, func(r certRow) []string {
-			return []string{r.Identity, r.Serial, r.NotBefore.Format(time.RFC3339), r.NotAfter.Format(time.RFC3339), r.Issuer, r.State}
-		})
+		return renderCerts(os.Stdout, format, rows)
 	default:
 		var v any
 		if err := json.Unmarshal(section, &v); err != nil {

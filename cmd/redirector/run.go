@@ -223,6 +223,12 @@ func runAgent(ctx context.Context, args []string) error {
 		Registry: reg,
 		Ready: admin.AllReady(
 			func() (bool, string) { return ctx.Err() == nil, "shutting down" },
+			func() (bool, string) {
+				if err := ld.Healthy(); err != nil {
+					return false, "BPF objects: " + err.Error()
+				}
+				return true, ""
+			},
 			func() (bool, string) { return reconciled.Load(), "first full reconcile pending" },
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
 		),

@@ -188,3 +188,15 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	}
 	return removeRoot(root)
 }
+
+// Healthy reports whether the pinned maps are still in place under the pin
+// root: if someone removed them underneath, the programs no longer see the
+// loader's updates and the node must not claim to be ready.
+func (l *Loader) Healthy() error {
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
+		if _, err := os.Stat(filepath.Join(l.cfg.PinRoot, name)); err != nil {
+			return fmt.Errorf("pinned map %s is gone from %s", name, l.cfg.PinRoot)
+		}
+	}
+	return nil
+}

@@ -8,11 +8,15 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
@@ -160,5 +164,85 @@ func TestObservability(t *testing.T) {
 	out, err = Exec(ctx, ms.agents[0].Node.Path(), redirectorBin(), "inspect", "maps", "-o", "json", "--bpf-root", ms.agents[0].BPFRoot)
 	if err != nil || !strings.Contains(string(out), "out_syn_steered") {
 		t.Errorf("inspect maps: %v\n%s", err, out)
+	}
+}
+
+// TestReadinessAndCounters: readiness flips to ready after the first
+// reconcile and back when the BPF objects are removed underneath; the BPF
+// counters agree across /metrics, `inspect maps` and bpftool; /metrics
+// passes promlint.
+func TestReadinessAndCounters(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	a := ms.agents[0]
+	for i := 0; i < 3; i++ {
+		Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	}
+	readiness := func() (int, string) {
+		out, err := Exec(context.Background(), a.Node.Path(), "curl", "-sS", "-o", "/dev/stderr", "-w", "%{http_code}", "http://127.0.0.1:15021/healthz/ready")
+		if err != nil {
+			t.Fatal(err)
+		}
+		code, _ := strconv.Atoi(strings.TrimSpace(string(out[len(out)-3:])))
+		return code, string(out)
+	}
+	Eventually(t, 5*time.Second, func() error {
+		if code, body := readiness(); code != 200 {
+			return fmt.Errorf("readiness %d %s", code, body)
+		}
+		return nil
+	})
+
+	// The same counter three ways: /metrics, inspect maps (json), bpftool.
+	text := scrape(t, a, "http://127.0.0.1:15020/metrics")
+	fromMetrics := metricSum(text, "redirector_bpf_packets_total", `reason="out_syn_steered"`)
+	out, err := Exec(context.Background(), a.Node.Path(), redirectorBin(), "inspect", "maps", "-o", "json", "--bpf-root", a.BPFRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []struct{ Map, Key, Value string }
+	if err := json.Unmarshal(out, &rows); err != nil {
+		t.Fatal(err)
+	}
+	var fromInspect float64 = -1
+	for _, r := range rows {
+		if r.Map == "rd_reasons" && r.Key == "out_syn_steered" {
+			fromInspect, _ = strconv.ParseFloat(r.Value, 64)
+		}
+	}
+	bt, err := exec.Command("bpftool", "-j", "map", "lookup", "pinned", a.BPFRoot+"/rd_reasons", "key", "0", "0", "0", "0").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lookup struct {
+		Formatted struct {
+			Values []struct{ Value uint64 } `json:"values"`
+		} `json:"formatted"`
+	}
+	if err := json.Unmarshal(bt, &lookup); err != nil {
+		t.Fatalf("bpftool output %s: %v", bt, err)
+	}
+	var fromBpftool float64
+	for _, v := range lookup.Formatted.Values {
+		fromBpftool += float64(v.Value)
+	}
+	if fromMetrics < 3 || fromMetrics != fromInspect || fromMetrics != fromBpftool {
+		t.Errorf("out_syn_steered: /metrics %v, inspect %v, bpftool %v: want equal and >= 3", fromMetrics, fromInspect, fromBpftool)
+	}
+
+	// promlint finds nothing wrong with /metrics.
+	problems, err := promlint.New(strings.NewReader(text)).Lint()
+	if err != nil {
+		t.Fatalf("metrics do not parse: %v", err)
+	}
+	for _, p := range problems {
+		t.Errorf("promlint: %s: %s", p.Metric, p.Text)
+	}
+
+	// BPF objects removed underneath: not ready.
+	if err := os.Remove(a.BPFRoot + "/rd_pods"); err != nil {
+		t.Fatal(err)
+	}
+	if code, body := readiness(); code != 503 || !strings.Contains(body, "rd_pods") {
+		t.Errorf("with rd_pods unpinned, readiness %d %q, want 503 naming rd_pods", code, body)
 	}
 }
