@@ -59,7 +59,7 @@ func scrape(t *testing.T, a *Agent, url string) string {
 // metricSum adds up the samples of name whose labels contain every want.
 func metricSum(text, name string, want ...string) float64 {
 	var sum float64
-	re := regexp.MustCompile(`^` + name + `\{(.*)\} (\S+)$`)
+	re := regexp.MustCompile(`^` + name + `(?:\{(.*)\})? (\S+)$`)
 	for _, line := range strings.Split(text, "\n") {
 		m := re.FindStringSubmatch(line)
 		if m == nil {

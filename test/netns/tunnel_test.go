@@ -175,6 +175,11 @@ func TestForeignCARefused(t *testing.T) {
 	}
 	for _, a := range agents {
 		a.WaitLog(t, "HBONE connect failed", 5*time.Second)
+		// Each side refused the other's certificate: counted as a TLS failure.
+		text := scrape(t, a, "http://127.0.0.1:15020/metrics")
+		if got := metricSum(text, "redirector_hbone_tls_handshake_failures_total"); got < 1 {
+			t.Errorf("agent %s counted %v TLS handshake failures, want >= 1", a.Node.Name, got)
+		}
 	}
 }
 
