@@ -3,13 +3,13 @@ package loader
 import (
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/pin"
 )
 
 type direction string
@@ -30,70 +30,25 @@ func (l *Loader) linkPin(id uint32, d direction) string {
 	return filepath.Join(l.podDir(id), string(d))
 }
 
-// updatePinnedLink swaps the program of a pinned tcx link. It reports
-// os.ErrNotExist when there is no pin and an error when the link is defunct
-// (its interface is gone).
+func (d direction) attachType() ebpf.AttachType {
+	if d == ingress {
+		return ebpf.AttachTCXIngress
+	}
+	return ebpf.AttachTCXEgress
+}
+
 func (l *Loader) updatePinnedLink(id uint32, d direction) error {
-	lk, err := link.LoadPinnedLink(l.linkPin(id, d), &ebpf.LoadPinOptions{})
-	if err != nil {
-		return err
-	}
-	defer lk.Close()
-	if err := lk.Update(l.program(d)); err != nil {
-		return fmt.Errorf("update pinned %s link: %w", d, err)
-	}
-	return nil
+	return pin.UpdateTCX(l.linkPin(id, d), l.program(d))
 }
 
-// attachTCX attaches (or updates) the pod's tcx link in direction d and pins
-// it. It must run inside the pod's network namespace: the kernel resolves
-// ifindex there.
+// attachTCX must run inside the pod's network namespace: the kernel
+// resolves ifindex there.
 func (l *Loader) attachTCX(id uint32, ifindex int, d direction) error {
-	err := l.updatePinnedLink(id, d)
-	if err == nil {
-		return nil
-	}
-	if !errors.Is(err, os.ErrNotExist) {
-		// A defunct link (ENOLINK) or a stale pin: replace it.
-		_ = os.Remove(l.linkPin(id, d))
-	}
-	attach := ebpf.AttachTCXIngress
-	if d == egress {
-		attach = ebpf.AttachTCXEgress
-	}
-	lk, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: l.program(d), Attach: attach})
-	if err != nil {
-		return fmt.Errorf("attach tcx %s: %w", d, err)
-	}
-	defer lk.Close()
-	if err := os.MkdirAll(l.podDir(id), 0o700); err != nil {
-		return fmt.Errorf("create pod pin dir: %w", err)
-	}
-	if err := lk.Pin(l.linkPin(id, d)); err != nil {
-		return fmt.Errorf("pin tcx %s link: %w", d, err)
-	}
-	return nil
+	return pin.AttachTCX(l.linkPin(id, d), ifindex, l.program(d), d.attachType())
 }
 
-// detachTCX unpins the pod's link; the kernel detaches it once the last
-// reference (the pin) is gone. Missing pins are fine.
 func (l *Loader) detachTCX(id uint32, d direction) error {
-	lk, err := link.LoadPinnedLink(l.linkPin(id, d), &ebpf.LoadPinOptions{})
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		// Defunct links cannot be opened as links; the pin is all that is left.
-		if rmErr := os.Remove(l.linkPin(id, d)); rmErr != nil && !errors.Is(rmErr, os.ErrNotExist) {
-			return fmt.Errorf("remove %s pin: %w", d, rmErr)
-		}
-		return nil
-	}
-	defer lk.Close()
-	if err := lk.Unpin(); err != nil {
-		return fmt.Errorf("unpin %s link: %w", d, err)
-	}
-	return nil
+	return pin.DetachTCX(l.linkPin(id, d))
 }
 
 // Legacy tc: a clsact qdisc with one direct-action cls_bpf filter per

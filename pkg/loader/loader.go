@@ -20,6 +20,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/bpf"
 	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/pin"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 )
 
@@ -65,7 +66,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if err := CheckKernel(); err != nil {
 		return nil, err
 	}
-	if err := ensureBPFFS(cfg.PinRoot); err != nil {
+	if err := pin.EnsureBPFFS(cfg.PinRoot); err != nil {
 		return nil, err
 	}
 	spec, err := bpf.LoadCapture()
@@ -186,7 +187,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	return removeRoot(root)
+	return pin.RemoveRoot(root)
 }
 
 // Healthy reports whether the pinned maps are still in place under the pin

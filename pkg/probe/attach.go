@@ -8,10 +8,10 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/pin"
 )
 
 type direction string
@@ -98,69 +98,24 @@ func (a *Attacher) pinned(podID uint32) bool {
 	return false
 }
 
-// updatePinnedLink swaps the program of a pinned tcx link. It reports
-// os.ErrNotExist when there is no pin and an error when the link is defunct
-// (its veth is gone).
+func (d direction) attachType() ebpf.AttachType {
+	if d == ingress {
+		return ebpf.AttachTCXIngress
+	}
+	return ebpf.AttachTCXEgress
+}
+
 func (a *Attacher) updatePinnedLink(podID uint32, d direction) error {
-	lk, err := link.LoadPinnedLink(a.linkPin(podID, d), &ebpf.LoadPinOptions{})
-	if err != nil {
-		return err
-	}
-	defer lk.Close()
-	if err := lk.Update(a.program(d)); err != nil {
-		return fmt.Errorf("update pinned %s link: %w", d, err)
-	}
-	return nil
+	return pin.UpdateTCX(a.linkPin(podID, d), a.program(d))
 }
 
-// attachTCX updates the pinned link, or attaches and pins a new one. The
-// kernel resolves hostIfindex in the calling thread's network namespace.
+// attachTCX runs in the calling thread's network namespace (the node's).
 func (a *Attacher) attachTCX(podID uint32, hostIfindex int, d direction) error {
-	err := a.updatePinnedLink(podID, d)
-	if err == nil {
-		return nil
-	}
-	if !errors.Is(err, os.ErrNotExist) {
-		// A defunct link (ENOLINK) or a stale pin: replace it.
-		_ = os.Remove(a.linkPin(podID, d))
-	}
-	attach := ebpf.AttachTCXIngress
-	if d == egress {
-		attach = ebpf.AttachTCXEgress
-	}
-	lk, err := link.AttachTCX(link.TCXOptions{Interface: hostIfindex, Program: a.program(d), Attach: attach})
-	if err != nil {
-		return fmt.Errorf("attach tcx %s: %w", d, err)
-	}
-	defer lk.Close()
-	if err := os.MkdirAll(a.podDir(podID), 0o700); err != nil {
-		return fmt.Errorf("create pod pin dir: %w", err)
-	}
-	if err := lk.Pin(a.linkPin(podID, d)); err != nil {
-		return fmt.Errorf("pin tcx %s link: %w", d, err)
-	}
-	return nil
+	return pin.AttachTCX(a.linkPin(podID, d), hostIfindex, a.program(d), d.attachType())
 }
 
-// detachTCX unpins the link; the kernel detaches it with its last reference.
 func (a *Attacher) detachTCX(podID uint32, d direction) error {
-	path := a.linkPin(podID, d)
-	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		// Defunct links cannot be opened as links; the pin is all that is left.
-		if rmErr := os.Remove(path); rmErr != nil && !errors.Is(rmErr, os.ErrNotExist) {
-			return fmt.Errorf("remove %s pin: %w", d, rmErr)
-		}
-		return nil
-	}
-	defer lk.Close()
-	if err := lk.Unpin(); err != nil {
-		return fmt.Errorf("unpin %s link: %w", d, err)
-	}
-	return nil
+	return pin.DetachTCX(a.linkPin(podID, d))
 }
 
 // upgradePinnedLinks points every pinned host link at the programs just
@@ -220,4 +175,10 @@ func HostPeerIndex(podNetNSPath, podIface string) (int, error) {
 		return 0, fmt.Errorf("interface %s (ifindex %d) in this network namespace is not the peer of %s in %s", host.Attrs().Name, peer, podIface, podNetNSPath)
 	}
 	return peer, nil
+}
+
+// removeIfEmpty removes a pod's pin directory once neither this package nor
+// the loader has anything left in it.
+func removeIfEmpty(dir string) {
+	_ = os.Remove(dir) // fails, harmlessly, while the directory holds pins
 }

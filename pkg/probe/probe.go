@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/pin"
 )
 
 // Names of the pinned maps this package owns, as bpftool shows them under the
@@ -105,7 +106,7 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	if err := ensureBPFFS(cfg.PinRoot); err != nil {
+	if err := pin.EnsureBPFFS(cfg.PinRoot); err != nil {
 		return nil, err
 	}
 	spec, err := bpf.LoadHostProbe()
