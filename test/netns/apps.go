@@ -48,3 +48,26 @@ func CurlFrom(path, url string) (string, error) {
 func URL(a netip.Addr, port int) string {
 	return "http://" + netip.AddrPortFrom(a, uint16(port)).String() + "/"
 }
+
+// ServeTCP accepts connections on port inside the pod and runs handle for
+// each, closing the connection afterwards; it stops in t.Cleanup.
+func ServeTCP(t TB, p *Pod, port int, handle func(net.Conn)) {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
+	if err != nil {
+		t.Fatalf("listen on %s:%d: %v", p.Name, port, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
+}

@@ -23,25 +23,10 @@ import (
 
 // mirrorServer reads the request to EOF, then sends as many bytes back.
 func mirrorServer(t *testing.T, p *Pod, port int) {
-	t.Helper()
-	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				n, _ := io.Copy(io.Discard, c)
-				io.Copy(c, io.LimitReader(newPattern(), n))
-			}()
-		}
-	}()
+	ServeTCP(t, p, port, func(c net.Conn) {
+		n, _ := io.Copy(io.Discard, c)
+		io.Copy(c, io.LimitReader(newPattern(), n))
+	})
 }
 
 // scrape fetches a URL from inside the node namespace of agent a.

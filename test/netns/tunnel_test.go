@@ -268,28 +268,13 @@ spec:
 // sinkServer reads until EOF, then answers the SHA-256 of what it read and
 // closes: it exercises half-close in both directions.
 func sinkServer(t *testing.T, p *Pod, port int) {
-	t.Helper()
-	l, err := netns.Listen(context.Background(), p.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				h := sha256.New()
-				if _, err := io.Copy(h, c); err != nil {
-					return
-				}
-				io.WriteString(c, hex.EncodeToString(h.Sum(nil))+"\n")
-			}()
+	ServeTCP(t, p, port, func(c net.Conn) {
+		h := sha256.New()
+		if _, err := io.Copy(h, c); err != nil {
+			return
 		}
-	}()
-	t.Cleanup(func() { l.Close() })
+		io.WriteString(c, hex.EncodeToString(h.Sum(nil))+"\n")
+	})
 }
 
 func TestBulkTransferAndHalfClose(t *testing.T) {
@@ -346,20 +331,7 @@ func (p *pattern) Read(b []byte) (int, error) {
 
 func TestPooledConnections(t *testing.T) {
 	_, client, server, _ := meshed(t)
-	echo, err := netns.Listen(context.Background(), server.Path(), "tcp", "[::]:9200", netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { echo.Close() })
-	go func() {
-		for {
-			c, err := echo.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); io.Copy(c, c) }()
-		}
-	}()
+	ServeTCP(t, server, 9200, func(c net.Conn) { io.Copy(c, c) })
 	const n = 200
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -395,7 +367,7 @@ func TestPooledConnections(t *testing.T) {
 	}
 	// While all 200 are open, count TLS connections into the server's :15008.
 	var hbone int
-	err = netns.Do(server.Path(), func() error {
+	err := netns.Do(server.Path(), func() error {
 		var err error
 		hbone, err = countEstablished(15008)
 		return err
