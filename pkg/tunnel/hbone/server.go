@@ -294,7 +294,7 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	req.RemoteAddr = c.nc.RemoteAddr()
 	req.LocalAddr = c.nc.LocalAddr()
 
-	resp := srv.opts.Handler(c.ctx, req)
+	resp := srv.callHandler(c.ctx, req)
 	if resp.Upstream == nil {
 		status := resp.Status
 		if status < 300 || status > 599 {
@@ -454,4 +454,16 @@ func (srv *Server) stop() []*conn {
 		conns = append(conns, c)
 	}
 	return slices.Clip(conns)
+}
+
+// callHandler runs the Handler, turning a panic into a 500 for this stream
+// only: one bad request must not take down every tunnel of the node.
+func (srv *Server) callHandler(ctx context.Context, req *ServerRequest) (resp Response) {
+	defer func() {
+		if v := recover(); v != nil {
+			srv.log.Error("hbone handler panicked", "target", req.Target, "panic", v)
+			resp = Response{Status: http.StatusInternalServerError, Reason: "internal error"}
+		}
+	}()
+	return srv.opts.Handler(ctx, req)
 }
