@@ -324,7 +324,7 @@ func (a *agent) applyLatest(ctx context.Context, full bool) bool {
 // enrollment. Callers hold a.mu.
 func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	a.writeHint(s)
-	dir, errs := workload.Build(withCNIAddrs(s, a.cniPods), a.cfg.selection, nil)
+	dir, errs := workload.Build(withCNIAddrs(s, a.cniPods), a.cfg.selection, s.HandlerLookup())
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}

@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	nodev1 "k8s.io/api/node/v1"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 )
@@ -16,10 +17,13 @@ import (
 // Snapshot is the whole state a source knows at one moment. Consumers must
 // treat it as read-only: it may be shared between them.
 type Snapshot struct {
-	Namespaces            []corev1.Namespace
-	Pods                  []corev1.Pod
-	Services              []corev1.Service
-	EndpointSlices        []discoveryv1.EndpointSlice
+	Namespaces     []corev1.Namespace
+	Pods           []corev1.Pod
+	Services       []corev1.Service
+	EndpointSlices []discoveryv1.EndpointSlice
+	// RuntimeClasses map a pod's runtimeClassName to its handler, which
+	// SKIP_RUNTIME_CLASSES names.
+	RuntimeClasses        []nodev1.RuntimeClass
 	PeerAuthentications   []policy.PeerAuthentication
 	AuthorizationPolicies []policy.AuthorizationPolicy
 }
@@ -30,4 +34,17 @@ type Snapshot struct {
 // left out of the snapshot; it never stops the source.
 type Source interface {
 	Run(ctx context.Context, update func(Snapshot)) error
+}
+
+// HandlerLookup returns the RuntimeClass handler of a class name, from the
+// snapshot's RuntimeClasses.
+func (s Snapshot) HandlerLookup() func(className string) (string, bool) {
+	handlers := make(map[string]string, len(s.RuntimeClasses))
+	for _, rc := range s.RuntimeClasses {
+		handlers[rc.Name] = rc.Handler
+	}
+	return func(className string) (string, bool) {
+		h, ok := handlers[className]
+		return h, ok
+	}
 }

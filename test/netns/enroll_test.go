@@ -167,7 +167,7 @@ func TestBadInputIsIsolated(t *testing.T) {
 	tp := New(t, 1)
 	good, server := tp.Nodes[0].AddPod("good"), tp.Nodes[0].AddPod("server")
 	badIP := strings.Replace(tp.Nodes[0].PodAddr4(200).String(), ".200", ".999", 1)
-	noNetNS, oddRuntime := tp.Nodes[0].PodAddr4(200), tp.Nodes[0].PodAddr4(201)
+	noNetNS, oddRuntime, vmPod := tp.Nodes[0].PodAddr4(200), tp.Nodes[0].PodAddr4(201), tp.Nodes[0].PodAddr4(202)
 	dir := t.TempDir()
 	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
 	m := (&Manifest{}).Namespace("shop", "istio.io/dataplane-mode=ambient").Pod(good, "shop", "good").Raw(`
@@ -186,6 +186,15 @@ kind: Pod
 metadata: {name: odd-runtime, namespace: shop}
 spec: {nodeName: node1, runtimeClassName: kata-fc, containers: [{name: c, image: c}]}
 status: {phase: Running, podIP: ` + oddRuntime.String() + `}`).Raw(`
+apiVersion: node.k8s.io/v1
+kind: RuntimeClass
+metadata: {name: kata-qemu}
+handler: kata`).Raw(`
+apiVersion: v1
+kind: Pod
+metadata: {name: vm-pod, namespace: shop}
+spec: {nodeName: node1, runtimeClassName: kata-qemu, containers: [{name: c, image: c}]}
+status: {phase: Running, podIP: ` + vmPod.String() + `}`).Raw(`
 apiVersion: v1
 kind: Pod
 metadata: {name: broken
@@ -196,7 +205,7 @@ metadata: {name: broken
 	initCA(t, ca)
 	ag := StartAgent(t, tp.Nodes[0], AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, Env: []string{"SKIP_RUNTIME_CLASSES=kata"}})
 	waitEnrolled(t, ag.BPFRoot, 10*time.Second, "shop/good")
-	for _, want := range []string{"shop/bad-ip", badIP, "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=6"} {
+	for _, want := range []string{"shop/bad-ip", badIP, "shop/no-netns", "shop/odd-runtime", "kata-fc", "doc=8"} {
 		ag.WaitLog(t, want, 5*time.Second)
 	}
 	HTTPApp(t, server, 8080, "server")

@@ -254,6 +254,8 @@ func (b *builder) addObject(loc DocError, tm metav1.TypeMeta, data []byte) error
 		return add(b, loc, tm.Kind, data, &s.Services, true)
 	case tm.APIVersion == "discovery.k8s.io/v1" && tm.Kind == "EndpointSlice":
 		return add(b, loc, tm.Kind, data, &s.EndpointSlices, true)
+	case tm.APIVersion == "node.k8s.io/v1" && tm.Kind == "RuntimeClass":
+		return add(b, loc, tm.Kind, data, &s.RuntimeClasses, false)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "PeerAuthentication":
 		return add(b, loc, tm.Kind, data, &s.PeerAuthentications, true)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "AuthorizationPolicy":
@@ -310,6 +312,7 @@ func (b *builder) snapshot() source.Snapshot {
 	sortObjects(s.Pods)
 	sortObjects(s.Services)
 	sortObjects(s.EndpointSlices)
+	sortObjects(s.RuntimeClasses)
 	sortObjects(s.PeerAuthentications)
 	sortObjects(s.AuthorizationPolicies)
 	return s

@@ -2,7 +2,8 @@
 // through client-go informers, delivered as complete snapshots.
 //
 // It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
-// so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices and,
+// so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices,
+// node.k8s.io/v1 RuntimeClasses and,
 // when their CRDs are installed, security.istio.io/v1 PeerAuthentications and
 // AuthorizationPolicies. The Annotator patches pods.
 //
@@ -11,6 +12,7 @@
 //	""                   namespaces, pods, services        get, list, watch
 //	""                   pods                              patch   (Annotator)
 //	discovery.k8s.io     endpointslices                    get, list, watch
+//	node.k8s.io          runtimeclasses                    get, list, watch
 //	security.istio.io    peerauthentications,
 //	                     authorizationpolicies             get, list, watch
 //
@@ -37,6 +39,7 @@ import (
 	"k8s.io/client-go/informers"
 	coreinformers "k8s.io/client-go/informers/core/v1"
 	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
+	nodeinformers "k8s.io/client-go/informers/node/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -155,11 +158,13 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		pods:           factory.Core().V1().Pods(),
 		services:       factory.Core().V1().Services(),
 		endpointSlices: factory.Discovery().V1().EndpointSlices(),
+		runtimeClasses: factory.Node().V1().RuntimeClasses(),
 		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec]},
 		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec]},
 	}
 	for _, inf := range []cache.SharedIndexInformer{
 		l.namespaces.Informer(), l.pods.Informer(), l.services.Informer(), l.endpointSlices.Informer(),
+		l.runtimeClasses.Informer(),
 	} {
 		if _, err := inf.AddEventHandler(onChange); err != nil {
 			return fmt.Errorf("add event handler: %w", err)
@@ -239,6 +244,7 @@ type listers struct {
 	pods           coreinformers.PodInformer
 	services       coreinformers.ServiceInformer
 	endpointSlices discoveryinformers.EndpointSliceInformer
+	runtimeClasses nodeinformers.RuntimeClassInformer
 	peerAuthn      *policyKind
 	authz          *policyKind
 }
@@ -252,6 +258,7 @@ func (l listers) snapshot() source.Snapshot {
 		Pods:                  sortedValues(must(l.pods.Lister().List(labels.Everything()))),
 		Services:              sortedValues(must(l.services.Lister().List(labels.Everything()))),
 		EndpointSlices:        sortedValues(must(l.endpointSlices.Lister().List(labels.Everything()))),
+		RuntimeClasses:        sortedValues(must(l.runtimeClasses.Lister().List(labels.Everything()))),
 		PeerAuthentications:   sortedValues(decodeAll[policy.PeerAuthentication](l.peerAuthn)),
 		AuthorizationPolicies: sortedValues(decodeAll[policy.AuthorizationPolicy](l.authz)),
 	}
