@@ -5,7 +5,7 @@ GO      ?= go
 export PATH := $(PATH):/usr/local/go/bin
 BIN     := bin
 PKGS    := ./...
-DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl util-linux ca-certificates git make
+DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-certificates git make
 FUZZTIME ?= 10s
 
 .DEFAULT_GOAL := help
@@ -66,11 +66,16 @@ test-deps:
 ## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
 .PHONY: test
 test: deps lint gen-check build test-deps
-	@mkdir -p $(BIN)
-	@set -o pipefail; $(GO) test -v -count=1 -timeout 25m $(PKGS) 2>&1 | tee $(BIN)/test.log | grep -E '^(=== RUN|--- |ok|FAIL|panic)|_test.go:[0-9]+:' || { echo "tests failed; the failures in full (all output: $(BIN)/test.log):"; grep -A80 -- '--- FAIL' $(BIN)/test.log | head -600; exit 1; }
+	@mkdir -p $(BIN); : > $(BIN)/test.log
+	@for mod in . manifests; do \
+		echo "== go test in $$mod"; \
+		set -o pipefail; (cd $$mod && $(GO) test -v -count=1 -timeout 25m ./... 2>&1) | tee -a $(BIN)/test.log | grep -E '^(=== RUN|--- |ok|FAIL|panic)|_test.go:[0-9]+:' \
+			|| { echo "tests failed; the failures in full (all output: $(BIN)/test.log):"; grep -A80 -- '--- FAIL' $(BIN)/test.log | head -600; exit 1; }; \
+	done
 	@if grep -q -- '--- SKIP' $(BIN)/test.log; then echo "tests were skipped; CI must run every test:"; grep -- '--- SKIP' $(BIN)/test.log; exit 1; fi
 	@echo "tests run: $$(grep -c -- '--- PASS' $(BIN)/test.log) passed, 0 skipped"
 	cd test/cniplugins && $(GO) vet ./...
+	cd manifests && $(GO) vet ./...
 	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
 			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
@@ -82,3 +87,11 @@ test: deps lint gen-check build test-deps
 .PHONY: clean
 clean:
 	rm -rf $(BIN)
+
+## bench: mesh benchmark suite as root: direct vs meshed vs capture-only vs iptables TPROXY, plus Go microbenchmarks (BENCH_QUICK=1: ~2 min)
+.PHONY: bench
+bench: build
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables"
+	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
+	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
+	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out bench/results $(if $(BENCH_QUICK),--quick) $(BENCH_FLAGS)

@@ -1,0 +1,632 @@
+package manifests
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"strings"
+	"testing"
+
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/lint/support"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+)
+
+// wantProfiles are the profiles the chart must ship; profiles() finds any others too.
+var wantProfiles = []string{"debug", "default", "dual-stack", "strict"}
+
+// agentCaps is the documented capability set of the agent (templates/_helpers.tpl,
+// README.md): adding or dropping one must change the docs and this list together.
+var agentCaps = []corev1.Capability{"BPF", "DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"}
+
+func TestChartShipsProfiles(t *testing.T) {
+	got := profiles(t)
+	for _, p := range wantProfiles {
+		if !slices.Contains(got, p) {
+			t.Errorf("profile %q missing; the chart has %v", p, got)
+		}
+	}
+}
+
+// TestEveryProfileRenders renders each profile and checks what must hold whatever the
+// profile: the pod's security, mounts, scheduling, probes and RBAC.
+func TestEveryProfileRenders(t *testing.T) {
+	for _, p := range profiles(t) {
+		t.Run(p, func(t *testing.T) {
+			r := mustRender(t, renderOpts{set: []string{"profile=" + p}, apiVersions: []string{peerAuthnAPI}})
+			checkObjects(t, r)
+			checkPodScheduling(t, r.DaemonSet)
+			checkSecurity(t, r.DaemonSet)
+			checkMounts(t, r.DaemonSet, r.ConfigMap)
+			checkProbesAndMetrics(t, r.DaemonSet)
+			checkEnv(t, r.DaemonSet, r.ConfigMap)
+			checkRBAC(t, r)
+		})
+	}
+}
+
+func checkObjects(t *testing.T, r *rendered) {
+	t.Helper()
+	for name, missing := range map[string]bool{
+		"DaemonSet": r.DaemonSet == nil, "ServiceAccount": r.ServiceAccount == nil, "ConfigMap": r.ConfigMap == nil,
+		"ClusterRole": r.ClusterRole == nil, "ClusterRoleBinding": r.ClusterRoleBinding == nil,
+		"Role": r.Role == nil, "RoleBinding": r.RoleBinding == nil,
+	} {
+		if missing {
+			t.Fatalf("no %s rendered:\n%s", name, r.Manifest)
+		}
+	}
+	for _, ns := range []string{r.DaemonSet.Namespace, r.ServiceAccount.Namespace, r.ConfigMap.Namespace, r.Role.Namespace, r.RoleBinding.Namespace} {
+		if ns != releaseNamespace {
+			t.Errorf("namespaced object in %q, want the release namespace %q", ns, releaseNamespace)
+		}
+	}
+}
+
+func checkPodScheduling(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	spec := ds.Spec.Template.Spec
+	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("hostNetwork %v, dnsPolicy %q: want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
+	}
+	// hostPID: the agent scans the fixed path /proc for pre-existing pods' namespaces.
+	if !spec.HostPID {
+		t.Error("hostPID is off: the agent cannot see other pods' processes in /proc")
+	}
+	if spec.HostIPC {
+		t.Error("hostIPC is on; nothing needs it")
+	}
+	if spec.PriorityClassName != "system-node-critical" {
+		t.Errorf("priorityClassName %q, want system-node-critical", spec.PriorityClassName)
+	}
+	if want := []corev1.Toleration{{Operator: corev1.TolerationOpExists}}; !slices.Equal(spec.Tolerations, want) {
+		t.Errorf("tolerations %+v, want exactly %+v (every taint)", spec.Tolerations, want)
+	}
+	if spec.NodeSelector["kubernetes.io/os"] != "linux" {
+		t.Errorf("nodeSelector %v: want kubernetes.io/os=linux", spec.NodeSelector)
+	}
+	us := ds.Spec.UpdateStrategy
+	if us.Type != appsv1.RollingUpdateDaemonSetStrategyType || us.RollingUpdate == nil ||
+		us.RollingUpdate.MaxUnavailable == nil || us.RollingUpdate.MaxUnavailable.IntValue() != 1 {
+		t.Errorf("updateStrategy %+v, want RollingUpdate with maxUnavailable 1", us)
+	}
+	if spec.ServiceAccountName != ds.Name {
+		t.Errorf("serviceAccountName %q, want %q", spec.ServiceAccountName, ds.Name)
+	}
+	if got := ds.Spec.Selector.MatchLabels; !maps.Equal(got, subset(ds.Spec.Template.Labels, got)) {
+		t.Errorf("selector %v does not match the pod labels %v", got, ds.Spec.Template.Labels)
+	}
+	if ds.Spec.Template.Labels["istio.io/dataplane-mode"] != "none" {
+		t.Error("the agent's own pods must carry istio.io/dataplane-mode=none")
+	}
+	// The order is the lifecycle: bpffs before anything pins, node-setup as a native
+	// sidecar (stopped after the agent, so its clean-up never races a running agent).
+	var names []string
+	for _, c := range spec.InitContainers {
+		names = append(names, c.Name)
+	}
+	if !slices.Equal(names, []string{"mount-bpffs", "node-setup"}) {
+		t.Errorf("init containers %v, want [mount-bpffs node-setup]", names)
+	}
+	if rp := container(t, ds, "node-setup").RestartPolicy; rp == nil || *rp != corev1.ContainerRestartPolicyAlways {
+		t.Error("node-setup is not a native sidecar (restartPolicy: Always)")
+	}
+	if len(spec.Containers) != 1 || spec.Containers[0].Name != "agent" {
+		t.Errorf("containers %v, want only agent", spec.Containers)
+	}
+	if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 20 {
+		t.Errorf("terminationGracePeriodSeconds %v: too short for the drain and the clean-up", g)
+	}
+}
+
+// subset returns the entries of m whose keys are in keys.
+func subset(m, keys map[string]string) map[string]string {
+	out := map[string]string{}
+	for k := range keys {
+		if v, ok := m[k]; ok {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+func checkSecurity(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	for _, name := range []string{"agent", "node-setup"} {
+		c := container(t, ds, name)
+		sc := c.SecurityContext
+		if sc == nil || sc.Privileged == nil || *sc.Privileged {
+			t.Errorf("%s: privileged must be explicitly false", name)
+			continue
+		}
+		if sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+			t.Errorf("%s: capabilities must drop ALL, got %+v", name, sc.Capabilities)
+			continue
+		}
+		got := slices.Clone(sc.Capabilities.Add)
+		slices.Sort(got)
+		if !slices.Equal(got, agentCaps) {
+			t.Errorf("%s: capabilities %v, want exactly %v", name, got, agentCaps)
+		}
+		if sc.RunAsUser == nil || *sc.RunAsUser != 0 {
+			t.Errorf("%s: must run as uid 0, the only user added capabilities are granted to", name)
+		}
+		if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+			t.Errorf("%s: root filesystem is writable", name)
+		}
+		if sc.AppArmorProfile == nil || sc.AppArmorProfile.Type != corev1.AppArmorProfileTypeUnconfined {
+			t.Errorf("%s: AppArmor must be Unconfined (the default profile denies writes below /sys and /proc/sys)", name)
+		}
+		// Kubernetes rejects allowPrivilegeEscalation: false together with SYS_ADMIN.
+		if sc.AllowPrivilegeEscalation != nil {
+			t.Errorf("%s: allowPrivilegeEscalation set; with SYS_ADMIN the API server rejects false", name)
+		}
+	}
+
+	// Only mount-bpffs is privileged, and only because Bidirectional propagation requires
+	// it (API validation: "Bidirectional mount propagation is available only to privileged
+	// containers"). Its single mount is the bpffs.
+	mb := container(t, ds, "mount-bpffs")
+	if mb.SecurityContext == nil || mb.SecurityContext.Privileged == nil || !*mb.SecurityContext.Privileged {
+		t.Error("mount-bpffs must be privileged: its mount propagates to the host (Bidirectional)")
+	}
+	if len(mb.VolumeMounts) != 1 || mb.VolumeMounts[0].Name != "bpffs" {
+		t.Errorf("mount-bpffs mounts %+v, want only bpffs", mb.VolumeMounts)
+	}
+	if !slices.Equal(mb.Command, []string{"redirector-node", "mount-bpffs"}) {
+		t.Errorf("mount-bpffs runs %v", mb.Command)
+	}
+	spec := ds.Spec.Template.Spec
+	for _, c := range slices.Concat(spec.InitContainers, spec.Containers) {
+		privileged := c.SecurityContext != nil && c.SecurityContext.Privileged != nil && *c.SecurityContext.Privileged
+		if privileged && c.Name != "mount-bpffs" {
+			t.Errorf("%s is privileged; only mount-bpffs may be", c.Name)
+		}
+		for _, m := range c.VolumeMounts {
+			if m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional && !privileged {
+				t.Errorf("%s mounts %s Bidirectional without privileged: the API server rejects that", c.Name, m.Name)
+			}
+		}
+	}
+}
+
+// wantMount describes one volume mount and the host path behind it.
+type wantMount struct {
+	container, volume, path string
+	propagation             corev1.MountPropagationMode // "" means none
+	hostPath                string                      // "" for non-hostPath volumes
+	readOnly                bool
+}
+
+func checkMounts(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
+	t.Helper()
+	hostToContainer, bidirectional := corev1.MountPropagationHostToContainer, corev1.MountPropagationBidirectional
+	for _, w := range []wantMount{
+		{"mount-bpffs", "bpffs", "/sys/fs/bpf", bidirectional, "/sys/fs/bpf", false},
+		{"agent", "bpffs", "/sys/fs/bpf", hostToContainer, "/sys/fs/bpf", false},
+		{"agent", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
+		{"agent", "socket-dir", "/var/run/redirector", "", "/var/run/redirector", false},
+		{"agent", "ca", cm.Data["CA_DIR"], "", "", true},
+		{"node-setup", "bpffs", "/sys/fs/bpf", hostToContainer, "/sys/fs/bpf", false},
+		{"node-setup", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
+		{"node-setup", "cni-bin", "/host/opt/cni/bin", "", "/opt/cni/bin", false},
+		{"node-setup", "cni-conf", "/host/etc/cni/net.d", "", "/etc/cni/net.d", false},
+	} {
+		checkMount(t, ds, w)
+	}
+	if ca := volume(t, ds, "ca"); ca.Secret == nil || ca.Secret.SecretName != "redirector-ca" {
+		t.Errorf("ca volume %+v, want the Secret redirector-ca", ca.VolumeSource)
+	}
+	// Each container mounts only what it needs: the CA key stays out of node-setup, the
+	// CNI directories out of the agent.
+	for _, c := range []struct{ container, volume string }{{"node-setup", "ca"}, {"agent", "cni-bin"}, {"agent", "cni-conf"}} {
+		for _, m := range container(t, ds, c.container).VolumeMounts {
+			if m.Name == c.volume {
+				t.Errorf("%s mounts %s", c.container, c.volume)
+			}
+		}
+	}
+}
+
+func checkMount(t *testing.T, ds *appsv1.DaemonSet, w wantMount) {
+	t.Helper()
+	c := container(t, ds, w.container)
+	i := slices.IndexFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.Name == w.volume })
+	if i < 0 {
+		t.Errorf("%s does not mount %s", w.container, w.volume)
+		return
+	}
+	m := c.VolumeMounts[i]
+	var prop corev1.MountPropagationMode
+	if m.MountPropagation != nil {
+		prop = *m.MountPropagation
+	}
+	if m.MountPath != w.path || prop != w.propagation || m.ReadOnly != w.readOnly {
+		t.Errorf("%s mounts %s at %s (propagation %q, readOnly %v), want %s (%q, %v)",
+			w.container, w.volume, m.MountPath, prop, m.ReadOnly, w.path, w.propagation, w.readOnly)
+	}
+	if w.hostPath != "" {
+		v := volume(t, ds, w.volume)
+		if v.HostPath == nil || v.HostPath.Path != w.hostPath {
+			t.Errorf("volume %s is %+v, want hostPath %s", w.volume, v.VolumeSource, w.hostPath)
+		}
+	}
+}
+
+func checkProbesAndMetrics(t *testing.T, ds *appsv1.DaemonSet) {
+	t.Helper()
+	agent := container(t, ds, "agent")
+	rp := agent.ReadinessProbe
+	if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/healthz/ready" || rp.HTTPGet.Port.IntValue() != 15021 {
+		t.Errorf("readiness probe %+v, want GET :15021/healthz/ready", rp)
+	}
+	lp := agent.LivenessProbe
+	if lp == nil || lp.TCPSocket == nil || lp.TCPSocket.Port.IntValue() != 15021 {
+		t.Errorf("liveness probe %+v, want a TCP check of :15021", lp)
+	} else if lp.FailureThreshold*lp.PeriodSeconds < 30 {
+		t.Errorf("liveness gives up after %ds: too eager for a node agent", lp.FailureThreshold*lp.PeriodSeconds)
+	}
+	ports := map[string]int32{}
+	for _, p := range agent.Ports {
+		ports[p.Name] = p.ContainerPort
+	}
+	if ports["metrics"] != 15020 || ports["health"] != 15021 {
+		t.Errorf("agent ports %v, want metrics 15020 and health 15021", ports)
+	}
+	ann := ds.Spec.Template.Annotations
+	for k, v := range map[string]string{"prometheus.io/scrape": "true", "prometheus.io/port": "15020", "prometheus.io/path": "/metrics"} {
+		if ann[k] != v {
+			t.Errorf("pod annotation %s=%q, want %q", k, ann[k], v)
+		}
+	}
+	if ann["checksum/config"] == "" {
+		t.Error("no checksum/config annotation: a settings change would not roll the pods")
+	}
+}
+
+func checkEnv(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
+	t.Helper()
+	if cm.Data["SOURCE"] != "kubernetes" {
+		t.Errorf("SOURCE=%q, want kubernetes", cm.Data["SOURCE"])
+	}
+	// The agent listens where the plugin (told by node-setup) connects: the same host
+	// directory, seen from the agent's container.
+	sock := cm.Data["CNI_SOCKET"]
+	agentMount := slices.IndexFunc(container(t, ds, "agent").VolumeMounts, func(m corev1.VolumeMount) bool {
+		return m.Name == "socket-dir" && m.MountPath+"/cni.sock" == sock
+	})
+	hostSock, _ := env(container(t, ds, "node-setup"), "PLUGIN_AGENT_SOCKET")
+	if agentMount < 0 || hostSock != volume(t, ds, "socket-dir").HostPath.Path+"/cni.sock" {
+		t.Errorf("agent CNI_SOCKET %q and plugin agentSocket %q are not the same file of socket-dir", sock, hostSock)
+	}
+	for _, name := range []string{"agent", "node-setup"} {
+		c := container(t, ds, name)
+		if len(c.EnvFrom) != 1 || c.EnvFrom[0].ConfigMapRef == nil || c.EnvFrom[0].ConfigMapRef.Name != cm.Name {
+			t.Errorf("%s: envFrom %+v, want the ConfigMap %s", name, c.EnvFrom, cm.Name)
+		}
+	}
+	downward := map[string]string{}
+	for _, e := range container(t, ds, "agent").Env {
+		if e.ValueFrom != nil && e.ValueFrom.FieldRef != nil {
+			downward[e.Name] = e.ValueFrom.FieldRef.FieldPath
+		}
+	}
+	if want := map[string]string{"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace"}; !maps.Equal(downward, want) {
+		t.Errorf("agent downward-API env %v, want %v", downward, want)
+	}
+}
+
+// rule is one (API group, resource, verb) grant, with its resourceNames.
+type rule struct{ group, resource, verb, names string }
+
+func flatten(rules []rbacv1.PolicyRule) []rule {
+	var out []rule
+	for _, r := range rules {
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				for _, v := range r.Verbs {
+					out = append(out, rule{g, res, v, strings.Join(r.ResourceNames, ",")})
+				}
+			}
+		}
+		if len(r.NonResourceURLs) > 0 {
+			out = append(out, rule{"", "nonResourceURLs", strings.Join(r.NonResourceURLs, ","), ""})
+		}
+	}
+	slices.SortFunc(out, func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) })
+	return out
+}
+
+func checkRBAC(t *testing.T, r *rendered) {
+	t.Helper()
+	// Exactly the calls of pkg/source/kubernetes (see its package comment).
+	var want []rule
+	for _, res := range []string{"namespaces", "pods", "services"} {
+		for _, v := range []string{"get", "list", "watch"} {
+			want = append(want, rule{"", res, v, ""})
+		}
+	}
+	want = append(want, rule{"", "pods", "patch", ""})
+	for _, v := range []string{"get", "list", "watch"} {
+		want = append(want, rule{"discovery.k8s.io", "endpointslices", v, ""})
+		want = append(want, rule{"node.k8s.io", "runtimeclasses", v, ""})
+		want = append(want, rule{"security.istio.io", "peerauthentications", v, ""})
+		want = append(want, rule{"security.istio.io", "authorizationpolicies", v, ""})
+	}
+	slices.SortFunc(want, func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) })
+	if got := flatten(r.ClusterRole.Rules); !slices.Equal(got, want) {
+		t.Errorf("ClusterRole grants\n%v\nwant exactly\n%v", got, want)
+	}
+	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
+		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet, read-only)", got, want)
+	}
+	for _, rl := range slices.Concat(r.ClusterRole.Rules, r.Role.Rules) {
+		for _, list := range [][]string{rl.APIGroups, rl.Resources, rl.Verbs, rl.ResourceNames} {
+			if slices.Contains(list, "*") {
+				t.Errorf("wildcard in rule %+v", rl)
+			}
+		}
+	}
+	sa := rbacv1.Subject{Kind: "ServiceAccount", Name: r.ServiceAccount.Name, Namespace: r.ServiceAccount.Namespace}
+	for name, b := range map[string]struct {
+		ref      rbacv1.RoleRef
+		subjects []rbacv1.Subject
+		target   string
+	}{
+		"ClusterRoleBinding": {r.ClusterRoleBinding.RoleRef, r.ClusterRoleBinding.Subjects, r.ClusterRole.Name},
+		"RoleBinding":        {r.RoleBinding.RoleRef, r.RoleBinding.Subjects, r.Role.Name},
+	} {
+		if b.ref.Name != b.target || !slices.Equal(b.subjects, []rbacv1.Subject{sa}) {
+			t.Errorf("%s binds %s to %+v, want %s to %+v", name, b.ref.Name, b.subjects, b.target, sa)
+		}
+	}
+}
+
+// TestPrecedence: what the user sets (--set, -f) wins over the profile, which wins over the
+// chart defaults, key by key and at any depth.
+func TestPrecedence(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts renderOpts
+		key  string // ConfigMap key, or env:NAME of the node-setup container
+		want string
+	}{
+		{"chart default", renderOpts{}, "LOG_LEVEL", "info"},
+		{"no profile at all", renderOpts{set: []string{"profile="}}, "LOG_LEVEL", "info"},
+		{"profile beats default", renderOpts{set: []string{"profile=debug"}}, "LOG_LEVEL", "debug"},
+		{"--set beats profile", renderOpts{set: []string{"profile=debug", "logLevel=warn"}}, "LOG_LEVEL", "warn"},
+		{"--set beats default", renderOpts{set: []string{"logLevel=error"}}, "LOG_LEVEL", "error"},
+		{"-f beats profile", renderOpts{set: []string{"profile=debug"}, valuesYAML: "logLevel: warn\n"}, "LOG_LEVEL", "warn"},
+		{"--set beats -f", renderOpts{valuesYAML: "logLevel: warn\n", set: []string{"logLevel=error"}}, "LOG_LEVEL", "error"},
+		{"profile keeps keys the user did not set", renderOpts{set: []string{"profile=debug", "logLevel=warn"}}, "RECONCILE_PERIOD", "10s"},
+		{"false beats a profile's true", renderOpts{set: []string{"profile=debug", "cni.verbose=false"}}, "env:VERBOSE", "false"},
+		{"nested: user port, profile host", renderOpts{set: []string{"profile=debug", "admin.port=16000"}}, "ADMIN_ADDR", ":16000"},
+		{"nested: user port, default host", renderOpts{set: []string{"admin.port=16000"}}, "ADMIN_ADDR", "127.0.0.1:16000"},
+		{"a list replaces the default list", renderOpts{set: []string{"excludeNamespaces={kube-system,monitoring}"}}, "EXCLUDE_NAMESPACES", "kube-system,monitoring"},
+		{"an empty list replaces the default list", renderOpts{valuesYAML: "excludeNamespaces: []\n"}, "EXCLUDE_NAMESPACES", ""},
+		{"IPv6 admin host", renderOpts{set: []string{"admin.host=::1"}}, "ADMIN_ADDR", "[::1]:15000"},
+		{"user value inside a profile's map", renderOpts{set: []string{"profile=dual-stack", "hostProbeSNAT.ipv6=fd00:7127::1"}}, "HOST_PROBE_SNAT_IPV6", "fd00:7127::1"},
+		{"profile map keeps the other key", renderOpts{set: []string{"profile=dual-stack", "hostProbeSNAT.ipv6=fd00:7127::1"}}, "HOST_PROBE_SNAT_IP", "169.254.7.127"},
+		{"numbers from --set", renderOpts{set: []string{"pool.maxStreams=250"}}, "POOL_MAX_STREAMS", "250"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := mustRender(t, tc.opts)
+			var got string
+			var ok bool
+			if name, isEnv := strings.CutPrefix(tc.key, "env:"); isEnv {
+				got, ok = env(container(t, r.DaemonSet, "node-setup"), name)
+			} else {
+				got, ok = r.ConfigMap.Data[tc.key]
+			}
+			if !ok || got != tc.want {
+				t.Errorf("%s = %q (set: %v), want %q", tc.key, got, ok, tc.want)
+			}
+		})
+	}
+}
+
+// TestRendersDoNotLeak: a render must not change the loaded chart's defaults, or a
+// profile or --set of one install would show up in the next (helm's SDK users, and these
+// tests, reuse a loaded chart).
+func TestRendersDoNotLeak(t *testing.T) {
+	mustRender(t, renderOpts{set: []string{"profile=debug", "logLevel=warn", "admin.port=16000", "cni.binDir=/x"}})
+	r := mustRender(t, renderOpts{})
+	if got := r.ConfigMap.Data["LOG_LEVEL"] + " " + r.ConfigMap.Data["ADMIN_ADDR"] + " " + r.ConfigMap.Data["RECONCILE_PERIOD"]; got != "info 127.0.0.1:15000 30s" {
+		t.Errorf("second render got %q: the first one changed the chart's defaults", got)
+	}
+	if v := volume(t, r.DaemonSet, "cni-bin"); v.HostPath.Path != "/opt/cni/bin" {
+		t.Errorf("second render's cni-bin is %s", v.HostPath.Path)
+	}
+}
+
+func TestRenderErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts renderOpts
+		want string
+	}{
+		{"typo in a key", renderOpts{set: []string{"loglevel=debug"}}, `unknown value "loglevel"`},
+		{"typo in a -f file", renderOpts{valuesYAML: "cnii: {enabled: false}\n"}, `unknown value "cnii"`},
+		{"unknown profile", renderOpts{set: []string{"profile=fast"}}, `profile "fast" does not exist: use one of debug, default, dual-stack, strict`},
+		{"strict without Istio's CRDs", renderOpts{set: []string{"profile=strict"}}, "does not serve"},
+		{"bad mTLS mode", renderOpts{set: []string{"meshMTLSMode=strict"}, apiVersions: []string{peerAuthnAPI}}, `meshMTLSMode "strict" is not STRICT`},
+		{"cluster without native sidecars", renderOpts{kubeVersion: "v1.29.4"}, "incompatible with Kubernetes v1.29.4"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := render(t, tc.opts)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestStrictProfile(t *testing.T) {
+	r := mustRender(t, renderOpts{set: []string{"profile=strict"}, apiVersions: []string{peerAuthnAPI}})
+	pa := r.PeerAuthentication
+	if pa == nil {
+		t.Fatal("profile strict renders no PeerAuthentication")
+	}
+	if pa.Name != "default" || pa.Namespace != "istio-system" || pa.Spec.MTLS.Mode != "STRICT" {
+		t.Errorf("PeerAuthentication %s/%s mode %q, want istio-system/default STRICT", pa.Namespace, pa.Name, pa.Spec.MTLS.Mode)
+	}
+	// The policy follows the agent's root namespace, where mesh-wide policies live.
+	r = mustRender(t, renderOpts{set: []string{"profile=strict", "rootNamespace=mesh-root"}, apiVersions: []string{peerAuthnAPI}})
+	if r.PeerAuthentication.Namespace != "mesh-root" || r.ConfigMap.Data["ROOT_NAMESPACE"] != "mesh-root" {
+		t.Errorf("PeerAuthentication in %q, ROOT_NAMESPACE %q: want both mesh-root", r.PeerAuthentication.Namespace, r.ConfigMap.Data["ROOT_NAMESPACE"])
+	}
+	for _, p := range []string{"default", "debug", "dual-stack"} {
+		if r := mustRender(t, renderOpts{set: []string{"profile=" + p}}); r.PeerAuthentication != nil {
+			t.Errorf("profile %s renders a PeerAuthentication", p)
+		}
+	}
+}
+
+func TestDebugProfile(t *testing.T) {
+	r := mustRender(t, renderOpts{set: []string{"profile=debug"}})
+	cm := r.ConfigMap.Data
+	if cm["LOG_LEVEL"] != "debug" || cm["ADMIN_ADDR"] != ":15000" {
+		t.Errorf("LOG_LEVEL %q, ADMIN_ADDR %q: want debug and every address", cm["LOG_LEVEL"], cm["ADMIN_ADDR"])
+	}
+	if v, _ := env(container(t, r.DaemonSet, "node-setup"), "VERBOSE"); v != "true" {
+		t.Errorf("node-setup VERBOSE %q, want true", v)
+	}
+	if !slices.ContainsFunc(container(t, r.DaemonSet, "agent").Ports, func(p corev1.ContainerPort) bool {
+		return p.Name == "admin" && p.ContainerPort == 15000
+	}) {
+		t.Error("debug exposes the admin endpoint but declares no admin port")
+	}
+	if !strings.Contains(r.Notes, "WARNING: the admin endpoint") {
+		t.Errorf("NOTES do not warn about the exposed admin endpoint:\n%s", r.Notes)
+	}
+	// The default keeps admin on loopback and says nothing.
+	r = mustRender(t, renderOpts{})
+	if r.ConfigMap.Data["ADMIN_ADDR"] != "127.0.0.1:15000" || strings.Contains(r.Notes, "WARNING") {
+		t.Errorf("default ADMIN_ADDR %q; notes:\n%s", r.ConfigMap.Data["ADMIN_ADDR"], r.Notes)
+	}
+	for _, p := range container(t, r.DaemonSet, "agent").Ports {
+		if p.Name == "admin" {
+			t.Error("default declares an admin port")
+		}
+	}
+}
+
+func TestDualStackProfile(t *testing.T) {
+	r := mustRender(t, renderOpts{set: []string{"profile=dual-stack"}})
+	if got := r.ConfigMap.Data["HOST_PROBE_SNAT_IPV6"]; got != "fd16:9254:7127:1337:ffff:ffff:ffff:ffff" {
+		t.Errorf("HOST_PROBE_SNAT_IPV6 %q", got)
+	}
+	// Listeners without a host accept both families.
+	for _, k := range []string{"METRICS_ADDR", "READINESS_ADDR"} {
+		if got := r.ConfigMap.Data[k]; !strings.HasPrefix(got, ":") {
+			t.Errorf("%s %q binds one address family", k, got)
+		}
+	}
+}
+
+func TestCNIDisabled(t *testing.T) {
+	r := mustRender(t, renderOpts{set: []string{"cni.enabled=false"}})
+	node := container(t, r.DaemonSet, "node-setup")
+	if v, _ := env(node, "CNI_ENABLED"); v != "false" {
+		t.Errorf("CNI_ENABLED %q", v)
+	}
+	if node.ReadinessProbe != nil {
+		t.Error("node-setup checks a CNI install that is off")
+	}
+	if got := r.ConfigMap.Data["CNI_SOCKET"]; got != "" {
+		t.Errorf("CNI_SOCKET %q with the plugin off, want empty (no CNI server)", got)
+	}
+	for _, v := range r.DaemonSet.Spec.Template.Spec.Volumes {
+		if v.Name == "cni-bin" || v.Name == "cni-conf" {
+			t.Errorf("volume %s with the CNI plugin off", v.Name)
+		}
+	}
+	// The clean-up on deletion stays: it also removes the BPF state.
+	if !slices.Equal(node.Command, []string{"redirector-node", "watch"}) {
+		t.Errorf("node-setup runs %v", node.Command)
+	}
+}
+
+func TestCNISettings(t *testing.T) {
+	r := mustRender(t, renderOpts{set: []string{
+		"cni.binDir=/home/kubernetes/bin", "cni.confDir=/var/lib/rancher/k3s/agent/etc/cni/net.d",
+		"cni.confName=10-flannel.conflist", "cni.socketDir=/run/redirector/", "cni.checkInterval=3",
+	}})
+	ds := r.DaemonSet
+	if v := volume(t, ds, "cni-bin"); v.HostPath.Path != "/home/kubernetes/bin" {
+		t.Errorf("cni-bin hostPath %s", v.HostPath.Path)
+	}
+	if v := volume(t, ds, "cni-conf"); v.HostPath.Path != "/var/lib/rancher/k3s/agent/etc/cni/net.d" {
+		t.Errorf("cni-conf hostPath %s", v.HostPath.Path)
+	}
+	if v := volume(t, ds, "socket-dir"); v.HostPath.Path != "/run/redirector/" {
+		t.Errorf("socket-dir hostPath %s", v.HostPath.Path)
+	}
+	node := container(t, ds, "node-setup")
+	for k, want := range map[string]string{
+		"CNI_CONF_NAME": "10-flannel.conflist", "CNI_CHECK_INTERVAL": "3",
+		"PLUGIN_AGENT_SOCKET": "/run/redirector/cni.sock", "PLUGIN_SELECTION_HINT": "/run/redirector/ambient-namespaces.json",
+		// In-container paths stay fixed whatever the host's are.
+		"CNI_BIN_DIR": "/host/opt/cni/bin", "CNI_CONF_DIR": "/host/etc/cni/net.d",
+		"DAEMONSET_NAME": ds.Name,
+	} {
+		if got, _ := env(node, k); got != want {
+			t.Errorf("node-setup %s=%q, want %q", k, got, want)
+		}
+	}
+	if node.ReadinessProbe == nil || node.ReadinessProbe.Exec == nil ||
+		!slices.Equal(node.ReadinessProbe.Exec.Command, []string{"redirector-node", "check-cni"}) {
+		t.Errorf("node-setup readiness %+v, want redirector-node check-cni", node.ReadinessProbe)
+	}
+}
+
+func TestConfigChecksumFollowsSettings(t *testing.T) {
+	a := mustRender(t, renderOpts{}).DaemonSet.Spec.Template.Annotations["checksum/config"]
+	b := mustRender(t, renderOpts{set: []string{"logLevel=debug"}}).DaemonSet.Spec.Template.Annotations["checksum/config"]
+	if a == b {
+		t.Error("changing a setting leaves checksum/config alone: the pods would not restart")
+	}
+}
+
+func TestImage(t *testing.T) {
+	for _, tc := range []struct {
+		set  []string
+		want string
+	}{
+		{nil, "ghcr.io/redirector-mesh/redirector:0.1.0"},
+		{[]string{"image.tag=v9"}, "ghcr.io/redirector-mesh/redirector:v9"},
+		{[]string{"image.tag=v9", "image.digest=sha256:abc"}, "ghcr.io/redirector-mesh/redirector@sha256:abc"},
+	} {
+		ds := mustRender(t, renderOpts{set: tc.set}).DaemonSet
+		for _, c := range slices.Concat(ds.Spec.Template.Spec.InitContainers, ds.Spec.Template.Spec.Containers) {
+			if c.Image != tc.want {
+				t.Errorf("--set %v: %s image %q, want %q", tc.set, c.Image, c.Name, tc.want)
+			}
+		}
+	}
+}
+
+// TestHelmLint runs `helm lint --strict` on every profile: no errors, no warnings.
+func TestHelmLint(t *testing.T) {
+	for _, p := range profiles(t) {
+		vals := map[string]any{"profile": p}
+		if p == "strict" {
+			// Lint cannot pass --api-versions; lint the same templates with the mode off.
+			vals["meshMTLSMode"] = ""
+		}
+		lint := action.NewLint()
+		lint.Strict = true
+		lint.Namespace = releaseNamespace
+		res := lint.Run([]string{chartDir}, vals)
+		for _, e := range res.Errors {
+			t.Errorf("profile %s: lint: %v", p, e)
+		}
+		for _, m := range res.Messages {
+			if m.Severity >= support.WarningSev {
+				t.Errorf("profile %s: lint: %s", p, m)
+			}
+		}
+	}
+}

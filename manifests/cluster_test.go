@@ -1,0 +1,247 @@
+package manifests
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/yaml"
+
+	"github.com/redirector-mesh/redirector/pkg/source"
+	k8ssource "github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/test/kubetest"
+)
+
+// Tests against a real kube-apiserver (test/kubetest): what a render cannot show, that the
+// API server accepts every object (its validation rejects, for example, Bidirectional
+// propagation in an unprivileged container), and that the chart's RBAC lets the agent's own
+// Kubernetes code do its work.
+
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+const clusterTimeout = 30 * time.Second
+
+func startCluster(t *testing.T) (*kubetest.Cluster, kubernetes.Interface, dynamic.Interface) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("starts kube-apiserver and etcd; skipped with -short")
+	}
+	c := kubetest.Start(t)
+	dyn, err := dynamic.NewForConfig(c.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Istio's policy CRDs, as the agent's source tests install them.
+	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
+		createUnstructured(t, dyn, crdGVR, readFile(t, filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f)))
+	}
+	waitServed(t, c.Config, "security.istio.io/v1", "peerauthentications")
+	client := c.Client(t)
+	for _, ns := range []string{releaseNamespace, "apps"} {
+		if _, err := client.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return c, client, dyn
+}
+
+func createUnstructured(t *testing.T, dyn dynamic.Interface, gvr schema.GroupVersionResource, manifest string) {
+	t.Helper()
+	var u unstructured.Unstructured
+	if err := yaml.Unmarshal([]byte(manifest), &u.Object); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dyn.Resource(gvr).Namespace(u.GetNamespace()).Create(t.Context(), &u, metav1.CreateOptions{FieldValidation: "Strict"}); err != nil {
+		t.Fatalf("create %s %s: %v", gvr.Resource, u.GetName(), err)
+	}
+}
+
+func waitServed(t *testing.T, cfg *rest.Config, groupVersion, resource string) {
+	t.Helper()
+	disc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(clusterTimeout); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+		list, err := disc.ServerResourcesForGroupVersion(groupVersion)
+		if err == nil && slices.ContainsFunc(list.APIResources, func(r metav1.APIResource) bool { return r.Name == resource }) {
+			return
+		}
+	}
+	t.Fatalf("%s %s not served after %v", groupVersion, resource, clusterTimeout)
+}
+
+// apply creates every object of r, with strict field validation; dryRun leaves the cluster
+// as it was.
+func apply(t *testing.T, client kubernetes.Interface, dyn dynamic.Interface, r *rendered, dryRun bool) {
+	t.Helper()
+	ctx := t.Context()
+	opts := metav1.CreateOptions{FieldValidation: "Strict"}
+	if dryRun {
+		opts.DryRun = []string{metav1.DryRunAll}
+	}
+	check := func(what string, err error) {
+		t.Helper()
+		if err != nil {
+			t.Errorf("the API server refuses the %s: %v", what, err)
+		}
+	}
+	_, err := client.CoreV1().ServiceAccounts(releaseNamespace).Create(ctx, r.ServiceAccount, opts)
+	check("ServiceAccount", err)
+	_, err = client.CoreV1().ConfigMaps(releaseNamespace).Create(ctx, r.ConfigMap, opts)
+	check("ConfigMap", err)
+	_, err = client.RbacV1().ClusterRoles().Create(ctx, r.ClusterRole, opts)
+	check("ClusterRole", err)
+	_, err = client.RbacV1().ClusterRoleBindings().Create(ctx, r.ClusterRoleBinding, opts)
+	check("ClusterRoleBinding", err)
+	_, err = client.RbacV1().Roles(releaseNamespace).Create(ctx, r.Role, opts)
+	check("Role", err)
+	_, err = client.RbacV1().RoleBindings(releaseNamespace).Create(ctx, r.RoleBinding, opts)
+	check("RoleBinding", err)
+	_, err = client.AppsV1().DaemonSets(releaseNamespace).Create(ctx, r.DaemonSet, opts)
+	check("DaemonSet", err)
+	if pa := r.PeerAuthentication; pa != nil {
+		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(pa)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gvr := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "peerauthentications"}
+		_, err = dyn.Resource(gvr).Namespace(pa.Namespace).Create(ctx, &unstructured.Unstructured{Object: obj}, opts)
+		check("PeerAuthentication", err)
+	}
+}
+
+// TestAPIServerAcceptsEveryProfile creates each profile's objects in dry-run mode, so the API
+// server's own validation judges them.
+func TestAPIServerAcceptsEveryProfile(t *testing.T) {
+	_, client, dyn := startCluster(t)
+	for _, p := range profiles(t) {
+		t.Run(p, func(t *testing.T) {
+			apply(t, client, dyn, mustRender(t, renderOpts{set: []string{"profile=" + p}, apiVersions: []string{peerAuthnAPI}}), true)
+		})
+	}
+	// The check is real: the API server refuses Bidirectional propagation in the agent.
+	r := mustRender(t, renderOpts{})
+	agent := container(t, r.DaemonSet, "agent")
+	bidirectional := corev1.MountPropagationBidirectional
+	agent.VolumeMounts[0].MountPropagation = &bidirectional
+	_, err := client.AppsV1().DaemonSets(releaseNamespace).Create(t.Context(), r.DaemonSet,
+		metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+	if !apierrors.IsInvalid(err) {
+		t.Errorf("an unprivileged agent with a Bidirectional mount was not refused: %v", err)
+	}
+}
+
+// TestRBACIsEnoughForTheAgent installs the chart, then runs the agent's Kubernetes source and
+// pod annotator as the chart's ServiceAccount: a missing rule would stall the source's
+// informers or fail the patch. Requests beyond the chart's rules must be forbidden.
+func TestRBACIsEnoughForTheAgent(t *testing.T) {
+	c, client, dyn := startCluster(t)
+	r := mustRender(t, renderOpts{set: []string{"profile=strict"}, apiVersions: []string{peerAuthnAPI}})
+	apply(t, client, dyn, r, false)
+	if t.Failed() {
+		t.FailNow()
+	}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "apps"},
+		Spec:       corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "web", Image: "web"}}},
+	}
+	if _, err := client.CoreV1().Pods("apps").Create(t.Context(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// What the pods of the DaemonSet authenticate as.
+	asAgent := rest.CopyConfig(c.Config)
+	asAgent.Impersonate = rest.ImpersonationConfig{
+		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.ServiceAccount.Name),
+	}
+
+	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
+	defer cancel()
+	src, err := k8ssource.New(k8ssource.Config{RestConfig: asAgent, NodeName: "node-a",
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan source.Snapshot, 1)
+	runErr := make(chan error, 1)
+	go func() {
+		runErr <- src.Run(ctx, func(s source.Snapshot) {
+			select {
+			case first <- s:
+			default:
+			}
+		})
+	}()
+	select {
+	case s := <-first:
+		if !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) ||
+			len(s.PeerAuthentications) != 1 || s.PeerAuthentications[0].Name != "default" {
+			t.Errorf("first snapshot as the agent: pods %d, PeerAuthentications %v", len(s.Pods), s.PeerAuthentications)
+		}
+	case err := <-runErr:
+		t.Fatalf("the source stopped as the agent: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no snapshot as the agent: its informers cannot list or watch something (RBAC?)")
+	}
+
+	annotator, err := k8ssource.NewAnnotator(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := annotator.SetRedirection(ctx, "apps", "web", true); err != nil {
+		t.Errorf("annotate a pod as the agent: %v", err)
+	}
+
+	// Least privilege: neighbouring verbs and resources stay forbidden.
+	agentClient, err := kubernetes.NewForConfig(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for what, call := range map[string]func() error{
+		"delete a pod": func() error { return agentClient.CoreV1().Pods("apps").Delete(ctx, "web", metav1.DeleteOptions{}) },
+		"read secrets": func() error {
+			_, err := agentClient.CoreV1().Secrets(releaseNamespace).List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"update a namespace": func() error {
+			ns, err := client.CoreV1().Namespaces().Get(ctx, "apps", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			_, err = agentClient.CoreV1().Namespaces().Update(ctx, ns, metav1.UpdateOptions{})
+			return err
+		},
+		"read another DaemonSet": func() error {
+			_, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, "kube-proxy", metav1.GetOptions{})
+			return err
+		},
+		"list DaemonSets": func() error {
+			_, err := agentClient.AppsV1().DaemonSets(releaseNamespace).List(ctx, metav1.ListOptions{})
+			return err
+		},
+	} {
+		if err := call(); !apierrors.IsForbidden(err) {
+			t.Errorf("%s as the agent: %v, want forbidden", what, err)
+		}
+	}
+	// node-setup's one read: its own DaemonSet.
+	if _, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, r.DaemonSet.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("node-setup cannot read its DaemonSet: %v", err)
+	}
+}
