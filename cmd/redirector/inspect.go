@@ -23,7 +23,7 @@ import (
 // and `policies` ask the running agent's admin endpoint.
 func runInspect(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("usage: redirector inspect pods|maps|certs|policies [-o table|json|yaml]")
+		return fmt.Errorf("usage: redirector inspect pods|maps|certs|services|policies [-o table|json|yaml]")
 	}
 	what := args[0]
 	s := newSettings("inspect " + what)
@@ -49,10 +49,10 @@ func runInspect(ctx context.Context, args []string) error {
 			return err
 		}
 		return renderMaps(os.Stdout, *out, rows)
-	case "certs", "policies":
+	case "certs", "services", "policies":
 		return inspectAdmin(ctx, *admin, what, *out)
 	default:
-		return fmt.Errorf("unknown inspect target %q (want pods, maps, certs or policies)", what)
+		return fmt.Errorf("unknown inspect target %q (want pods, maps, certs, services or policies)", what)
 	}
 }
 
@@ -157,6 +157,40 @@ func renderCerts(w io.Writer, format string, rows []certRow) error {
 	})
 }
 
+// serviceRow is a service as the config dump shows it (workload.Service).
+type serviceRow struct {
+	Name      string
+	Namespace string
+	VIPs      []string
+	Ports     []struct {
+		Name       string
+		Port       int32
+		TargetPort any
+	}
+	Endpoints []struct {
+		Addr  string
+		Ports map[string]int32
+		Ready bool
+	}
+}
+
+func renderServices(w io.Writer, format string, rows []serviceRow) error {
+	return render(w, format, rows, []string{"NAMESPACE", "NAME", "VIPS", "PORTS", "ENDPOINTS (ready)"}, func(r serviceRow) []string {
+		var ports, eps []string
+		for _, p := range r.Ports {
+			ports = append(ports, fmt.Sprintf("%d->%v", p.Port, p.TargetPort))
+		}
+		for _, e := range r.Endpoints {
+			mark := ""
+			if !e.Ready {
+				mark = " (not ready)"
+			}
+			eps = append(eps, e.Addr+mark)
+		}
+		return []string{r.Namespace, r.Name, strings.Join(r.VIPs, ","), strings.Join(ports, ","), strings.Join(eps, ",")}
+	})
+}
+
 // render prints rows as a table, JSON or YAML.
 func render[T any](w io.Writer, format string, rows []T, header []string, cells func(T) []string) error {
 	switch format {
@@ -208,6 +242,12 @@ func inspectAdmin(ctx context.Context, addr, what, format string) error {
 			return fmt.Errorf("decode certs: %w", err)
 		}
 		return renderCerts(os.Stdout, format, rows)
+	case "services":
+		var rows []serviceRow
+		if err := json.Unmarshal(section, &rows); err != nil {
+			return fmt.Errorf("decode services: %w", err)
+		}
+		return renderServices(os.Stdout, format, rows)
 	default:
 		var v any
 		if err := json.Unmarshal(section, &v); err != nil {

@@ -126,6 +126,13 @@ spec:
 		t.Errorf("port without endpoints answered %q", out)
 	}
 	ms.agents[0].WaitLog(t, "no ready endpoint serves the port", 2*time.Second)
+	if got := metricSum(scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics"), "redirector_fail_closed_total", `reason="no_endpoint"`); got < 1 {
+		t.Errorf("refused service connection not counted: redirector_fail_closed_total{reason=no_endpoint} = %v", got)
+	}
+	out, err := Exec(t.Context(), ms.agents[0].Node.Path(), redirectorBin(), "inspect", "services")
+	if err != nil || !strings.Contains(string(out), vip4) || !strings.Contains(string(out), s2.IPv4.String()) {
+		t.Errorf("inspect services: %v\n%s", err, out)
+	}
 
 	// s3 leaves the slice: no new connection reaches it after a second.
 	m := baseServiceManifest(client, plain, s1, s2, s3, strict).Raw(serviceDocs(s1, s2))
