@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/redirector-mesh/redirector/pkg/accel"
 	"github.com/redirector-mesh/redirector/pkg/admin"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -55,11 +56,12 @@ type agentConfig struct {
 	logLevel        slog.Level
 	data            loader.Settings
 	cniSocket       string
+	accel           bool
 }
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket *string
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel *string
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -88,6 +90,7 @@ func runSettings() (*settings, runFlags) {
 		probe4:     s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
 		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
+		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "move payload between a pod's app and the tunnel socket to socket (sockops + sk_msg) instead of through the TCP stack"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 	}
 }
@@ -100,7 +103,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := s.require(f.node, f.src, f.caDir); err != nil {
 		return agentConfig{}, err
 	}
-	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
+	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	switch {
 	case *f.src == "kubernetes":
@@ -131,6 +134,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	}
 	if c.poolMaxStreams, err = strconv.Atoi(*f.maxStreams); err != nil || c.poolMaxStreams < 1 {
 		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(f.maxStreams), *f.maxStreams)
+	}
+	if *f.accel != "true" && *f.accel != "false" {
+		return c, fmt.Errorf("%s: %q is not true or false", s.name(f.accel), *f.accel)
 	}
 	switch *f.tcMode {
 	case "auto", "tcx":
@@ -172,6 +178,16 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer ld.Close()
+	if cfg.accel {
+		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, Logger: log})
+		if err != nil {
+			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
+		}
+		defer acc.Close()
+	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
+		// A previous run had it on: turn it off, as the setting says.
+		log.Warn("remove sockops acceleration", "error", err)
+	}
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))

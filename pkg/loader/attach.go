@@ -48,7 +48,7 @@ func (l *Loader) attachTCX(id uint32, ifindex int, d direction) error {
 }
 
 func (l *Loader) detachTCX(id uint32, d direction) error {
-	return pin.DetachTCX(l.linkPin(id, d))
+	return pin.DetachLink(l.linkPin(id, d))
 }
 
 // Legacy tc: a clsact qdisc with one direct-action cls_bpf filter per

@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/accel"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/pin"
 	"github.com/redirector-mesh/redirector/pkg/probe"
@@ -162,7 +163,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 		return nil
 	}
 	// Host links first: they share the pod pin directories.
-	errs := []error{probe.Uninstall(root)}
+	errs := []error{accel.Uninstall(root), probe.Uninstall(root)}
 	m, err := maps.OpenPinned(root)
 	if err == nil {
 		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m}

@@ -109,9 +109,9 @@ func AttachTCX(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachT
 	return nil
 }
 
-// DetachTCX removes the pin at path; the kernel detaches the link with its
+// DetachLink removes the pin at path; the kernel detaches the link with its
 // last reference. A missing pin is fine.
-func DetachTCX(path string) error {
+func DetachLink(path string) error {
 	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
 	if errors.Is(err, os.ErrNotExist) {
 		return nil

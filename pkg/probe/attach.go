@@ -115,7 +115,7 @@ func (a *Attacher) attachTCX(podID uint32, hostIfindex int, d direction) error {
 }
 
 func (a *Attacher) detachTCX(podID uint32, d direction) error {
-	return pin.DetachTCX(a.linkPin(podID, d))
+	return pin.DetachLink(a.linkPin(podID, d))
 }
 
 // upgradePinnedLinks points every pinned host link at the programs just

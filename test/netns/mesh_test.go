@@ -20,6 +20,12 @@ type mesh struct {
 
 func newMesh(t *testing.T, build func(tp *Topology, m *Manifest)) *mesh {
 	t.Helper()
+	return newMeshWith(t, nil, build)
+}
+
+// newMeshWith is newMesh with extra agent arguments.
+func newMeshWith(t *testing.T, args []string, build func(tp *Topology, m *Manifest)) *mesh {
+	t.Helper()
 	tp := New(t, 2)
 	m := &Manifest{}
 	build(tp, m)
@@ -32,7 +38,7 @@ func newMesh(t *testing.T, build func(tp *Topology, m *Manifest)) *mesh {
 		t.Fatalf("ca init: %v: %s", err, out)
 	}
 	for _, n := range tp.Nodes {
-		ms.agents = append(ms.agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir}))
+		ms.agents = append(ms.agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, Args: args}))
 	}
 	return ms
 }

@@ -1,0 +1,174 @@
+// Package accel is the optional sockops acceleration: a cgroup sock_ops
+// program puts the connected sockets of enrolled pods into a sockhash, and an
+// sk_msg program moves each send straight into the other end's receive queue
+// when both ends are local sockets of one namespace (an app and the tunnel).
+// Payload then skips the TCP stack, the pod interface and the re-injection.
+// Handshakes, FIN and RST still take the normal path, so half-close works.
+package accel
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/pin"
+)
+
+// Config says where to pin and which cgroup to watch.
+type Config struct {
+	// PinRoot is the data path's pin root (rd_pods is shared from there).
+	PinRoot string
+	// CgroupPath is the cgroup v2 directory whose sockets are accelerated;
+	// empty means the root of the cgroup v2 hierarchy.
+	CgroupPath string
+	Logger     *slog.Logger
+}
+
+// Accelerator holds the loaded programs.
+type Accelerator struct {
+	objs bpf.SockopsObjects
+	cfg  Config
+}
+
+func linkPin(root string) string { return filepath.Join(root, "accel", "sockops") }
+
+// Load attaches the programs, replacing those of an earlier process in place.
+func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.CgroupPath == "" {
+		p, err := CgroupV2Root()
+		if err != nil {
+			return nil, err
+		}
+		cfg.CgroupPath = p
+	}
+	if err := pin.EnsureBPFFS(cfg.PinRoot); err != nil {
+		return nil, err
+	}
+	spec, err := bpf.LoadSockops()
+	if err != nil {
+		return nil, fmt.Errorf("read embedded sockops object: %w", err)
+	}
+	a := &Accelerator{cfg: cfg}
+	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}); err != nil {
+		return nil, fmt.Errorf("load sockops programs: %w", err)
+	}
+	// The sk_msg verdict hangs off the map; attaching again replaces it.
+	if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: a.objs.RdSockPairs.FD(), Program: a.objs.RdSkMsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
+		a.objs.Close()
+		return nil, fmt.Errorf("attach sk_msg to %s: %w", bpf.SockopsMapRdSockPairs, err)
+	}
+	if err := a.attachSockops(); err != nil {
+		a.objs.Close()
+		return nil, err
+	}
+	cfg.Logger.InfoContext(ctx, "sockops acceleration on", "cgroup", cfg.CgroupPath)
+	return a, nil
+}
+
+func (a *Accelerator) attachSockops() error {
+	path := linkPin(a.cfg.PinRoot)
+	if l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{}); err == nil {
+		defer l.Close()
+		if err := l.Update(a.objs.RdSockops); err != nil {
+			return fmt.Errorf("update pinned sockops link: %w", err)
+		}
+		return nil
+	}
+	l, err := link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: ebpf.AttachCGroupSockOps, Program: a.objs.RdSockops})
+	if err != nil {
+		return fmt.Errorf("attach sock_ops to cgroup %s: %w", a.cfg.CgroupPath, err)
+	}
+	defer l.Close()
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	if err := l.Pin(path); err != nil {
+		return fmt.Errorf("pin sockops link: %w", err)
+	}
+	return nil
+}
+
+// Close releases file descriptors; the pinned link keeps working.
+func (a *Accelerator) Close() error { return a.objs.Close() }
+
+// Counters are the acceleration's totals.
+type Counters struct {
+	Sockets, Redirected, RedirectedBytes, Passed uint64
+}
+
+// Counters sums the per-CPU counters.
+func (a *Accelerator) Counters() (Counters, error) { return readCounters(a.objs.RdAccelStats) }
+
+func readCounters(m *ebpf.Map) (Counters, error) {
+	var per []bpf.SockopsAccelCounters
+	if err := m.Lookup(uint32(0), &per); err != nil {
+		return Counters{}, fmt.Errorf("read %s: %w", bpf.SockopsMapRdAccelStats, err)
+	}
+	var c Counters
+	for _, p := range per {
+		c.Sockets += p.Sockets
+		c.Redirected += p.Redirected
+		c.RedirectedBytes += p.RedirectedBytes
+		c.Passed += p.Passed
+	}
+	return c, nil
+}
+
+// PinnedCounters reads the counters of the acceleration pinned under root.
+func PinnedCounters(root string) (Counters, error) {
+	m, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.SockopsMapRdAccelStats), &ebpf.LoadPinOptions{})
+	if err != nil {
+		return Counters{}, err
+	}
+	defer m.Close()
+	return readCounters(m)
+}
+
+// Uninstall detaches the sock_ops program (no new socket joins) and removes
+// the acceleration's pins. Sockets already paired keep their fast path until
+// they close.
+func Uninstall(root string) error {
+	var errs []error
+	errs = append(errs, pin.DetachLink(linkPin(root)))
+	_ = os.Remove(filepath.Dir(linkPin(root)))
+	for _, name := range []string{bpf.SockopsMapRdSockPairs, bpf.SockopsMapRdSockOpen, bpf.SockopsMapRdAccelStats} {
+		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// CgroupV2Root finds the cgroup v2 mount from /proc/self/mountinfo (it is
+// /sys/fs/cgroup on unified hosts and /sys/fs/cgroup/unified on hybrid ones).
+func CgroupV2Root() (string, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// "... mountpoint options ... - fstype source superoptions"
+		pre, post, ok := strings.Cut(sc.Text(), " - ")
+		if !ok || !strings.HasPrefix(post, "cgroup2 ") {
+			continue
+		}
+		if fields := strings.Fields(pre); len(fields) >= 5 {
+			return fields[4], nil
+		}
+	}
+	return "", errors.New("no cgroup v2 mount in /proc/self/mountinfo: sockops acceleration needs cgroup v2")
+}
