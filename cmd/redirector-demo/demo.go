@@ -77,6 +77,7 @@ func run(r *runner, redirector string, verbose bool) {
 	fmt.Printf("  node1: shop/frontend %s, shop/legacy %s (opted out: istio.io/dataplane-mode=none)\n", c.frontend.IPv4, c.legacy.IPv4)
 	fmt.Printf("  node2: shop/backend  %s, plain/outsider %s (namespace not in the mesh)\n", c.backend.IPv4, c.outsider.IPv4)
 	fmt.Printf("  namespace shop is labelled istio.io/dataplane-mode=ambient; service shop/backend is %s:80\n", serviceVIP)
+	fmt.Printf("  (network namespaces %s-*)\n", c.topo.Prefix())
 
 	step("creating the mesh CA and starting one agent per node")
 	ca := filepath.Join(dir, "ca")

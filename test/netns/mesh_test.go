@@ -79,7 +79,6 @@ func TestMeshCurlAcrossNodes(t *testing.T) {
 // TestDemo runs `make demo`'s program: it must finish, show the flows with
 // their outcomes, and leave nothing behind.
 func TestDemo(t *testing.T) {
-	before, _ := exec.Command("ip", "netns", "list").Output()
 	out, err := exec.Command(filepath.Join(bin, "redirector-demo"), "--bin", bin).CombinedOutput()
 	if err != nil {
 		t.Fatalf("demo: %v\n%s", err, out)
@@ -95,8 +94,12 @@ func TestDemo(t *testing.T) {
 			t.Errorf("demo output lacks %q:\n%s", want, out)
 		}
 	}
+	m := regexp.MustCompile(`network namespaces (rd[0-9a-f]+)-\*`).FindSubmatch(out)
+	if m == nil {
+		t.Fatalf("demo did not say which namespaces it made:\n%s", out)
+	}
 	after, _ := exec.Command("ip", "netns", "list").Output()
-	if len(after) > len(before) {
-		t.Errorf("demo left namespaces behind:\n%s", after)
+	if strings.Contains(string(after), string(m[1])+"-") {
+		t.Errorf("demo left namespaces %s-* behind:\n%s", m[1], after)
 	}
 }
