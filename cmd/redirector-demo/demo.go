@@ -108,7 +108,7 @@ func run(r *runner, redirector string, verbose bool) {
 
 	step("applying PeerAuthentication STRICT to namespace shop")
 	c.write(r, true)
-	waitRefused(r, c.outsider, netnstest.URL(c.backend.IPv4, 8080))
+	netnstest.WaitRefused(r, c.outsider, netnstest.URL(c.backend.IPv4, 8080), 15*time.Second)
 	runFlows([]flow{
 		{"shop/frontend -> shop/backend", c.frontend.Path(), netnstest.URL(c.backend.IPv4, 8080), "mTLS (HBONE)"},
 		{"plain/outsider -> shop/backend", c.outsider.Path(), netnstest.URL(c.backend.IPv4, 8080), "refused: plaintext under STRICT"},
@@ -155,19 +155,6 @@ func waitReady(r *runner, from *netnstest.Pod, url string) {
 			r.Fatalf("mesh not ready: %v", err)
 		}
 		time.Sleep(200 * time.Millisecond)
-	}
-}
-
-// waitRefused waits until the agents applied STRICT: plaintext to the pod fails.
-func waitRefused(r *runner, from *netnstest.Pod, url string) {
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		if _, err := netnstest.Curl(from, url); err != nil {
-			return
-		} else if time.Now().After(deadline) {
-			r.Fatalf("STRICT not applied within 15s")
-		}
-		time.Sleep(100 * time.Millisecond)
 	}
 }
 

@@ -71,3 +71,20 @@ func ServeTCP(t TB, p *Pod, port int, handle func(net.Conn)) {
 		}
 	}()
 }
+
+// WaitRefused waits until a request from p to url fails, as it does once
+// the agents applied a policy that refuses it.
+func WaitRefused(t TB, p *Pod, url string, timeout time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		out, err := Curl(p, url)
+		if err != nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s from %s still answered after %s: %q", url, p.Name, timeout, out)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}

@@ -219,12 +219,7 @@ spec:
   portLevelMtls:
     8081: {mode: PERMISSIVE}`
 	ms.rewrite(t, client, server, plain, portLevel)
-	Eventually(t, 5*time.Second, func() error {
-		if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {
-			return fmt.Errorf("port 8080 still accepts plaintext: %q", out)
-		}
-		return nil
-	})
+	WaitRefused(t, plain, URL(server.IPv4, 8080), 5*time.Second)
 	if _, err := Curl(plain, URL(server.IPv4, 8081)); err != nil {
 		t.Errorf("port-level PERMISSIVE 8081 refused plaintext: %v", err)
 	}
@@ -239,12 +234,7 @@ spec:
   - from:
     - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
 	ms.rewrite(t, client, server, plain, deny)
-	Eventually(t, 5*time.Second, func() error {
-		if out, err := Curl(client, URL(server.IPv4, 8080)); err == nil {
-			return fmt.Errorf("denied client still gets %q", out)
-		}
-		return nil
-	})
+	WaitRefused(t, client, URL(server.IPv4, 8080), 5*time.Second)
 	if _, err := Curl(plain, URL(server.IPv4, 8080)); err != nil {
 		t.Errorf("DENY by principal also blocked the plaintext pod: %v", err)
 	}
