@@ -7,6 +7,7 @@ BIN     := bin
 PKGS    := ./...
 DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-certificates git make
 FUZZTIME ?= 10s
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 
 .DEFAULT_GOAL := help
 
@@ -39,7 +40,7 @@ gen-check: generate
 ## build: build redirector and redirector-cni into bin/
 .PHONY: build
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN)/ ./cmd/...
 
 ## demo: build, then run the embedded default: two simulated nodes, real agents, real traffic (root)
 .PHONY: demo
