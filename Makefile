@@ -77,6 +77,8 @@ test: deps lint gen-check build test-deps
 	@echo "tests run: $$(grep -c -- '--- PASS' $(BIN)/test.log) passed, 0 skipped"
 	cd test/cniplugins && $(GO) vet ./...
 	cd manifests && $(GO) vet ./...
+	cd bench && $(GO) vet ./...
+	$(MAKE) --no-print-directory bench-smoke
 	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
 			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
@@ -96,3 +98,12 @@ bench: build
 	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
 	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
 	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out bench/results $(if $(BENCH_QUICK),--quick) $(BENCH_FLAGS)
+
+## bench-smoke: one short round of the benchmark suite (about a minute); fails unless every variant produced numbers
+.PHONY: bench-smoke
+bench-smoke: build
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables"
+	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
+	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
+	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out $(BIN)/bench-smoke --quick --runs 1 --strict \
+		--iperf-time 1s --http-time 1s --http-max-time 1s --cps-time 500ms --rr-count 300 --idle-conns 20 --profile-time -1 --micro=false

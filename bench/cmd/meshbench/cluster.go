@@ -1,0 +1,253 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// Ports the server pods serve on.
+const (
+	iperfPort  = 5201
+	fortioPort = 8080
+	echoPort   = 7000
+)
+
+// variant is one path from a client pod to a server pod.
+type variant struct {
+	Name   string
+	Desc   string
+	client *netnstest.Pod
+	server netip.Addr
+	// proxies are the processes that carry this path's traffic (agents,
+	// relay); their CPU time is charged to the variant.
+	proxies []int
+	meshed  bool
+	relay   *child // the relay of capture-only and iptables-tproxy
+}
+
+// cluster is the simulated cluster every variant lives in:
+//
+//	node1: client, local (mesh); dclient, cclient, tclient (not enrolled)
+//	node2: server (mesh), sserver (namespace "strict": STRICT mTLS), plain (not enrolled)
+//
+// direct: dclient -> plain; meshed cross-node: client -> server; meshed
+// same-node: client -> local; capture-only: cclient (eBPF capture by this
+// process's own loader) -> relay -> plain; iptables TPROXY: tclient
+// (iptables in its namespace) -> relay -> plain.
+type cluster struct {
+	cfg      config
+	topo     *netnstest.Topology
+	agents   []*netnstest.Agent
+	agentPID []int // by node index - 1
+	manifest *netnstest.Manifest
+	manPath  string
+
+	client, local, server, sserver, plain *netnstest.Pod
+	variants                              []*variant
+	late                                  int // pods added for the enrollment test
+}
+
+func (c *cluster) variant(name string) *variant {
+	for _, v := range c.variants {
+		if v.Name == name {
+			return v
+		}
+	}
+	return nil
+}
+
+// buildCluster creates the namespaces, the agents, the servers and the
+// capture setups, and checks every variant carries an echo.
+func buildCluster(ctx context.Context, r *runner, cfg config) (*cluster, error) {
+	c := &cluster{cfg: cfg, topo: netnstest.New(r, 2)}
+	n1, n2 := c.topo.Nodes[0], c.topo.Nodes[1]
+	c.client, c.local = n1.AddPod("client"), n1.AddPod("local")
+	dclient, cclient, tclient := n1.AddPod("dclient"), n1.AddPod("cclient"), n1.AddPod("tclient")
+	c.server, c.sserver, c.plain = n2.AddPod("server"), n2.AddPod("sserver"), n2.AddPod("plain")
+	for _, p := range []*netnstest.Pod{c.client, dclient, cclient, tclient} {
+		if err := clientSysctls(ctx, p.Path()); err != nil {
+			return nil, err
+		}
+	}
+
+	// Servers first, so nothing races their start.
+	for _, p := range []*netnstest.Pod{c.server, c.local, c.plain} {
+		if err := startServers(ctx, r, cfg, p, true); err != nil {
+			return nil, err
+		}
+	}
+	if err := startServers(ctx, r, cfg, c.sserver, false); err != nil {
+		return nil, err
+	}
+
+	// The mesh: the real agents, fed by a manifest file.
+	dir := r.TempDir()
+	c.manPath = filepath.Join(dir, "cluster.yaml")
+	c.manifest = (&netnstest.Manifest{}).
+		Namespace("mesh", "istio.io/dataplane-mode=ambient").
+		Namespace("strict", "istio.io/dataplane-mode=ambient").
+		Pod(c.client, "mesh", "client-sa", "app=client").
+		Pod(c.local, "mesh", "server-sa", "app=local").
+		Pod(c.server, "mesh", "server-sa", "app=server").
+		Pod(c.sserver, "strict", "server-sa", "app=sserver").
+		Raw(`apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: strict}
+spec:
+  mtls: {mode: STRICT}`)
+	if err := c.manifest.Write(c.manPath); err != nil {
+		return nil, fmt.Errorf("write manifest: %w", err)
+	}
+	bin := filepath.Join(cfg.Bin, "redirector")
+	caDir := filepath.Join(dir, "ca")
+	if out, err := exec.Command(bin, "ca", "init", "--dir", caDir).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("redirector ca init: %w: %s", err, out)
+	}
+	for _, n := range c.topo.Nodes {
+		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: bin, Manifest: c.manPath, CADir: caDir,
+			BPFRoot: filepath.Join(dir, "bpf-"+n.Name),
+			// The harness asks for debug logs; per-connection logging
+			// would be part of what we measure. The last flag wins.
+			Args: []string{"--log-level", "info", fmt.Sprintf("--sockops-acceleration=%v", cfg.Sockops)}})
+		c.agents = append(c.agents, a)
+	}
+	for i, want := range []int{2, 2} { // pods per node
+		if err := waitEnrolled(ctx, c.agents[i], want, 20*time.Second); err != nil {
+			return nil, err
+		}
+		pid, err := agentPID(c.agents[i].BPFRoot)
+		if err != nil {
+			return nil, err
+		}
+		c.agentPID = append(c.agentPID, pid)
+	}
+
+	capRelay, err := setupCaptureOnly(ctx, r, cclient)
+	if err != nil {
+		return nil, fmt.Errorf("capture-only: %w", err)
+	}
+	tpRelay, err := setupTPROXY(ctx, r, tclient)
+	if err != nil {
+		return nil, fmt.Errorf("iptables TPROXY: %w", err)
+	}
+
+	c.variants = []*variant{
+		{Name: "direct", Desc: "no mesh: client and server pods not enrolled, cross-node", client: dclient, server: c.plain.IPv4},
+		{Name: "meshed-cross", Desc: "HBONE between the two nodes' agents", client: c.client, server: c.server.IPv4,
+			proxies: c.agentPID, meshed: true},
+		{Name: "meshed-same", Desc: "HBONE, client and server pods on one node (one agent)", client: c.client, server: c.local.IPv4,
+			proxies: c.agentPID[:1], meshed: true},
+		{Name: "capture-only", Desc: "the eBPF capture (pkg/loader) into a plain Go TCP relay in the client pod, no TLS", client: cclient,
+			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, relay: capRelay},
+		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
+			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, relay: tpRelay},
+	}
+	for _, v := range c.variants {
+		if err := c.checkPath(ctx, v); err != nil {
+			return nil, err
+		}
+	}
+	// Prove each path is what it claims: the relays carried the checks, and
+	// the meshed client reaches a server that accepts only mTLS.
+	for _, x := range []struct {
+		v     *variant
+		relay *child
+	}{{c.variant("capture-only"), capRelay}, {c.variant("iptables-tproxy"), tpRelay}} {
+		before, err := relayedCount(ctx, x.relay)
+		if err != nil {
+			return nil, err
+		}
+		if err := c.checkPath(ctx, x.v); err != nil {
+			return nil, err
+		}
+		if after, err := relayedCount(ctx, x.relay); err != nil || after <= before {
+			return nil, fmt.Errorf("variant %s: the relay carried no connection (%d before, %d after; %v): the capture does not work",
+				x.v.Name, before, after, err)
+		}
+	}
+	strict := &variant{Name: "meshed client to STRICT server", client: c.client, server: c.sserver.IPv4}
+	if err := c.checkPath(ctx, strict); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// clientSysctls lets a client pod open tens of thousands of short
+// connections a second without running out of ports: TIME_WAIT reuse and a
+// wide ephemeral range, in the pod's own namespace only.
+func clientSysctls(ctx context.Context, nsPath string) error {
+	_, err := output(ctx, nsPath, 10*time.Second, "sh", "-c",
+		"echo 1 > /proc/sys/net/ipv4/tcp_tw_reuse && echo '1024 65000' > /proc/sys/net/ipv4/ip_local_port_range")
+	return err
+}
+
+// startServers runs the echo server and, if all, iperf3 and fortio servers
+// in the pod.
+func startServers(ctx context.Context, r *runner, cfg config, p *netnstest.Pod, all bool) error {
+	echo, err := startChild(r, p.Path(), "echo server in "+p.Name, selfPath(), "echo", "-listen", fmt.Sprintf("[::]:%d", echoPort))
+	if err != nil {
+		return err
+	}
+	if _, err := echo.waitLine(ctx, "ready", 10*time.Second); err != nil {
+		return err
+	}
+	if !all {
+		return nil
+	}
+	if _, err := startChild(r, p.Path(), "iperf3 server in "+p.Name, "iperf3", "-s", "-p", fmt.Sprint(iperfPort)); err != nil {
+		return err
+	}
+	if _, err := startChild(r, p.Path(), "fortio server in "+p.Name, cfg.Fortio, "server", "-http-port", fmt.Sprint(fortioPort),
+		"-grpc-port", "disabled", "-redirect-port", "disabled", "-tcp-port", "disabled", "-udp-port", "disabled",
+		"-loglevel", "warning"); err != nil {
+		return err
+	}
+	for _, port := range []int{iperfPort, fortioPort} {
+		if err := waitPort(ctx, p.Path(), port, 10*time.Second); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// waitEnrolled waits until the agent logged n pod enrollments.
+func waitEnrolled(ctx context.Context, a *netnstest.Agent, n int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if strings.Count(a.Log(), `msg="pod enrolled"`) >= n {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	return fmt.Errorf("agent on %s enrolled fewer than %d pods within %s:\n%s", a.Node.Name, n, timeout, tail(a.Log(), 3000))
+}
+
+// checkPath makes a few round trips through the variant's path, retrying
+// while the mesh settles.
+func (c *cluster) checkPath(ctx context.Context, v *variant) error {
+	var err error
+	for range 50 {
+		if _, err = runRR(ctx, v, 10); err == nil {
+			return nil
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return fmt.Errorf("variant %s: no echo through the path: %w", v.Name, err)
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return "..." + s[len(s)-n:]
+}

@@ -1,0 +1,120 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"time"
+)
+
+// The load generators: iperf3 and fortio (real tools, as users run them)
+// and meshbench's own Go clients for round trips and new connections. Each
+// runs as its own process in the variant's client pod.
+
+// iperfResult is the part of `iperf3 -J` the suite reads.
+type iperfResult struct {
+	End struct {
+		SumSent struct {
+			Bytes float64 `json:"bytes"`
+		} `json:"sum_sent"`
+		SumReceived struct {
+			Bytes         float64 `json:"bytes"`
+			BitsPerSecond float64 `json:"bits_per_second"`
+		} `json:"sum_received"`
+	} `json:"end"`
+	Error string `json:"error"`
+}
+
+// runIperf runs iperf3 with the given parallel flows and returns the goodput
+// the server received, in Gbps, and the bytes sent.
+func runIperf(ctx context.Context, cfg config, v *variant, flows int) (gbps, bytes float64, err error) {
+	secs := int(cfg.IperfTime / time.Second)
+	out, err := output(ctx, v.client.Path(), cfg.IperfTime+30*time.Second, "iperf3", "-c", v.server.String(),
+		"-p", strconv.Itoa(iperfPort), "-t", strconv.Itoa(secs), "-P", strconv.Itoa(flows), "-J")
+	var res iperfResult
+	if jerr := json.Unmarshal(out, &res); jerr != nil && err == nil {
+		err = fmt.Errorf("iperf3 output: %w", jerr)
+	}
+	if res.Error != "" {
+		return 0, 0, fmt.Errorf("iperf3 to %s: %s", v.server, res.Error)
+	}
+	if err != nil {
+		return 0, 0, err
+	}
+	return res.End.SumReceived.BitsPerSecond / 1e9, res.End.SumSent.Bytes, nil
+}
+
+// fortioResult is the part of fortio's JSON the suite reads.
+type fortioResult struct {
+	ActualQPS         float64 `json:"ActualQPS"`
+	DurationHistogram struct {
+		Count       int64 `json:"Count"`
+		Percentiles []struct {
+			Percentile float64 `json:"Percentile"`
+			Value      float64 `json:"Value"` // seconds
+		} `json:"Percentiles"`
+	} `json:"DurationHistogram"`
+	RetCodes map[string]int64 `json:"RetCodes"`
+}
+
+func (f fortioResult) percentileMs(p float64) float64 {
+	for _, x := range f.DurationHistogram.Percentiles {
+		if x.Percentile == p {
+			return x.Value * 1e3
+		}
+	}
+	return 0
+}
+
+// runFortio runs `fortio load` at qps (0: as fast as it goes) with the
+// configured connections and payload against the fortio server's /echo.
+func runFortio(ctx context.Context, cfg config, v *variant, qps int, d time.Duration) (fortioResult, error) {
+	url := fmt.Sprintf("http://%s/echo", hostPort(v.server, fortioPort))
+	out, err := output(ctx, v.client.Path(), d+30*time.Second, cfg.Fortio, "load", "-qps", strconv.Itoa(qps),
+		"-c", strconv.Itoa(cfg.HTTPConns), "-t", d.String(), "-payload-size", strconv.Itoa(cfg.HTTPPayload),
+		"-p", "50,90,99", "-loglevel", "error", "-json", "-", url)
+	if err != nil {
+		return fortioResult{}, err
+	}
+	var res fortioResult
+	if err := json.Unmarshal(out, &res); err != nil {
+		return res, fmt.Errorf("fortio output: %w", err)
+	}
+	if bad := res.DurationHistogram.Count - res.RetCodes["200"]; bad > 0 {
+		return res, fmt.Errorf("fortio: %d of %d requests did not get 200 (%v)", bad, res.DurationHistogram.Count, res.RetCodes)
+	}
+	return res, nil
+}
+
+// runRR makes n 1-byte round trips on one connection.
+func runRR(ctx context.Context, v *variant, n int) (rrResult, error) {
+	var res rrResult
+	out, err := output(ctx, v.client.Path(), 2*time.Minute, selfPath(), "rr", "-addr", hostPort(v.server, echoPort),
+		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(min(n, 500)))
+	if err != nil {
+		return res, err
+	}
+	if err := json.Unmarshal(out, &res); err != nil {
+		return res, fmt.Errorf("rr output %q: %w", out, err)
+	}
+	return res, nil
+}
+
+// runCPS opens new connections (connect, 1-byte echo, close) for d.
+func runCPS(ctx context.Context, cfg config, v *variant) (cpsResult, error) {
+	var res cpsResult
+	out, err := output(ctx, v.client.Path(), cfg.CPSTime+30*time.Second, selfPath(), "cps", "-addr", hostPort(v.server, echoPort),
+		"-d", cfg.CPSTime.String(), "-c", strconv.Itoa(cfg.CPSConc))
+	if err != nil {
+		return res, err
+	}
+	if err := json.Unmarshal(out, &res); err != nil {
+		return res, fmt.Errorf("cps output %q: %w", out, err)
+	}
+	// A few failures in thousands are the network's; many are a broken path.
+	if res.Errors*100 > res.Conns {
+		return res, fmt.Errorf("cps: %d of %d connections failed: %s", res.Errors, res.Conns+res.Errors, res.FirstErr)
+	}
+	return res, nil
+}

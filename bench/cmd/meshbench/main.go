@@ -1,0 +1,206 @@
+// Command meshbench measures what the mesh costs. It builds its own simulated
+// cluster with the test harness (two nodes in network namespaces, the real
+// `redirector run` agents), runs the same load against five variants of the
+// path between a client pod and a server pod, interleaved round-robin so
+// that the machine's noise hits every variant alike, and writes a table, a
+// JSON file and a PNG plot under -out.
+//
+//	meshbench [--quick] [--runs N] [--bin DIR] [--fortio PATH] [--out DIR] ...
+//
+// The same binary also serves as the small helper programs the suite runs
+// inside pod namespaces (echo server, clients, relay); see helpers.go.
+//
+// It needs root. Everything it creates (namespaces, agents, pins, helper
+// processes) is removed at the end, on failure, and on Ctrl-C.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+func main() {
+	if len(os.Args) > 1 {
+		if h, ok := helpers[os.Args[1]]; ok {
+			if err := h(os.Args[2:]); err != nil {
+				fmt.Fprintf(os.Stderr, "meshbench %s: %v\n", os.Args[1], err)
+				os.Exit(1)
+			}
+			return
+		}
+	}
+	cfg, err := parseConfig(os.Args[1:])
+	if errors.Is(err, flag.ErrHelp) {
+		return
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "meshbench:", err)
+		os.Exit(2)
+	}
+	os.Exit(suiteMain(cfg))
+}
+
+// suiteMain runs the suite with cleanup on every way out: success, failure,
+// and signals (the first cancels and lets the suite unwind; a second, or an
+// unwind that takes too long, cleans up from the signal handler and exits).
+func suiteMain(cfg config) int {
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "meshbench: creates network namespaces, loads BPF programs and runs agents: run it as root")
+		return 1
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	r := newRunner()
+	defer r.close() // also when a bug panics
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-sigs
+		fmt.Fprintln(os.Stderr, "\ninterrupted: stopping and cleaning up (again to force)")
+		cancel()
+		select {
+		case <-sigs:
+		case <-time.After(30 * time.Second):
+		}
+		r.close()
+		os.Exit(130)
+	}()
+
+	err := r.protect(func() error { return runSuite(ctx, r, cfg) })
+	r.close()
+	fmt.Fprintln(os.Stderr, "cleaned up: namespaces, agents, pins and helper processes are gone")
+	switch {
+	case ctx.Err() != nil:
+		return 130
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "meshbench failed:", err)
+		return 1
+	}
+	return 0
+}
+
+// config holds the flags. Durations of zero take the mode's default (quick
+// or full), so `--quick --runs 5` works as expected.
+type config struct {
+	Quick       bool          `json:"quick"`
+	Runs        int           `json:"runs"`
+	IperfTime   time.Duration `json:"iperf_time"`
+	HTTPTime    time.Duration `json:"http_time"`
+	HTTPMaxTime time.Duration `json:"http_max_time"`
+	HTTPQPS     int           `json:"http_qps"`
+	HTTPConns   int           `json:"http_conns"`
+	HTTPPayload int           `json:"http_payload"`
+	RRCount     int           `json:"rr_count"`
+	CPSTime     time.Duration `json:"cps_time"`
+	CPSConc     int           `json:"cps_concurrency"`
+	IdleConns   int           `json:"idle_conns"`
+	ProfileTime time.Duration `json:"profile_time"`
+	BenchTime   string        `json:"benchtime"`
+	Micro       bool          `json:"micro"`
+	// Sockops starts the agents with SOCKOPS_ACCELERATION on.
+	Sockops bool `json:"sockops"`
+	// Strict fails the run unless every variant produced every number.
+	Strict bool `json:"-"`
+
+	Bin    string `json:"-"`
+	Fortio string `json:"-"`
+	Out    string `json:"-"`
+	Repo   string `json:"-"`
+}
+
+// MarshalJSON writes durations as text ("4s"), not nanoseconds.
+func (c config) MarshalJSON() ([]byte, error) {
+	type plain config
+	return json.Marshal(struct {
+		plain
+		IperfTime   string `json:"iperf_time"`
+		HTTPTime    string `json:"http_time"`
+		HTTPMaxTime string `json:"http_max_time"`
+		CPSTime     string `json:"cps_time"`
+		ProfileTime string `json:"profile_time"`
+	}{plain(c), c.IperfTime.String(), c.HTTPTime.String(), c.HTTPMaxTime.String(), c.CPSTime.String(), c.ProfileTime.String()})
+}
+
+func parseConfig(args []string) (config, error) {
+	var c config
+	fs := flag.NewFlagSet("meshbench", flag.ContinueOnError)
+	fs.BoolVar(&c.Quick, "quick", false, "short runs (about 2 minutes in all) for a smoke test of the suite")
+	fs.IntVar(&c.Runs, "runs", 0, "interleaved rounds per variant (default 5, quick 3)")
+	fs.DurationVar(&c.IperfTime, "iperf-time", 0, "iperf3 duration, whole seconds (default 4s, quick 1s)")
+	fs.DurationVar(&c.HTTPTime, "http-time", 0, "fortio fixed-load duration (default 10s, quick 2s)")
+	fs.DurationVar(&c.HTTPMaxTime, "http-max-time", 0, "fortio max-qps duration (default 4s, quick 1s)")
+	fs.IntVar(&c.HTTPQPS, "http-qps", 1000, "fortio fixed load, requests per second")
+	fs.IntVar(&c.HTTPConns, "http-conns", 16, "fortio connections")
+	fs.IntVar(&c.HTTPPayload, "http-payload", 1024, "fortio request payload bytes (echoed back)")
+	fs.IntVar(&c.RRCount, "rr-count", 0, "1-byte round trips per sample (default 20000, quick 3000)")
+	fs.DurationVar(&c.CPSTime, "cps-time", 0, "new-connection test duration (default 2s, quick 1s)")
+	fs.IntVar(&c.CPSConc, "cps-concurrency", 1, "new-connection clients in parallel")
+	fs.IntVar(&c.IdleConns, "idle-conns", 1000, "idle meshed connections for the RSS measurement")
+	fs.DurationVar(&c.ProfileTime, "profile-time", 0, "agent CPU profile length per load (default 8s, quick 2s; negative: none)")
+	fs.StringVar(&c.BenchTime, "benchtime", "", "go test -benchtime for the microbenchmarks (default 500ms, quick 50ms)")
+	fs.BoolVar(&c.Micro, "micro", true, "also run the Go microbenchmarks of ./pkg/...")
+	fs.BoolVar(&c.Strict, "strict", false, "fail unless every variant produced every number (the CI smoke run)")
+	fs.BoolVar(&c.Sockops, "sockops", false, "run the agents with --sockops-acceleration=true (compare with a run without)")
+	fs.StringVar(&c.Bin, "bin", "bin", "directory holding the redirector binary")
+	fs.StringVar(&c.Fortio, "fortio", "", "fortio binary (built by make bench)")
+	fs.StringVar(&c.Out, "out", "bench/results", "where results, plot and profiles go")
+	fs.StringVar(&c.Repo, "repo", ".", "root of the redirector module (for the microbenchmarks)")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if fs.NArg() > 0 {
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	def := func(d *time.Duration, full, quick time.Duration) {
+		if *d == 0 {
+			*d = full
+			if c.Quick {
+				*d = quick
+			}
+		}
+	}
+	def(&c.IperfTime, 4*time.Second, time.Second)
+	def(&c.HTTPTime, 10*time.Second, 2*time.Second)
+	def(&c.HTTPMaxTime, 4*time.Second, time.Second)
+	def(&c.CPSTime, 2*time.Second, time.Second)
+	def(&c.ProfileTime, 8*time.Second, 2*time.Second)
+	if c.Runs == 0 {
+		c.Runs = map[bool]int{false: 5, true: 3}[c.Quick]
+	}
+	if c.RRCount == 0 {
+		c.RRCount = map[bool]int{false: 20000, true: 3000}[c.Quick]
+	}
+	if c.BenchTime == "" {
+		c.BenchTime = map[bool]string{false: "500ms", true: "50ms"}[c.Quick]
+	}
+	if c.IperfTime < time.Second || c.IperfTime%time.Second != 0 {
+		return c, fmt.Errorf("--iperf-time %s: iperf3 takes whole seconds", c.IperfTime)
+	}
+	if c.Runs < 1 || c.RRCount < 10 || c.HTTPConns < 1 || c.CPSConc < 1 || c.IdleConns < 1 {
+		return c, fmt.Errorf("--runs, --rr-count, --http-conns, --cps-concurrency and --idle-conns must be positive")
+	}
+	if c.Fortio == "" {
+		return c, fmt.Errorf("--fortio is required (make bench builds it)")
+	}
+	for _, p := range []*string{&c.Bin, &c.Fortio, &c.Out, &c.Repo} {
+		abs, err := filepath.Abs(*p)
+		if err != nil {
+			return c, err
+		}
+		*p = abs
+	}
+	for _, f := range []string{filepath.Join(c.Bin, "redirector"), c.Fortio} {
+		if _, err := os.Stat(f); err != nil {
+			return c, fmt.Errorf("need %s: %w (run make bench)", f, err)
+		}
+	}
+	return c, nil
+}

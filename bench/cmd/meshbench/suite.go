@@ -1,0 +1,222 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// test is one measurement made on every variant, once per round.
+type test struct {
+	name string
+	run  func(ctx context.Context, cfg config, v *variant) (map[string]float64, error)
+}
+
+var tests = []test{
+	{"iperf3 1 flow", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		var gbps, bytes float64
+		cpu, err := charged(v, func() (err error) { gbps, bytes, err = runIperf(ctx, cfg, v, 1); return err })
+		if err != nil {
+			return nil, err
+		}
+		out := map[string]float64{"tput1": gbps}
+		perGB := func(s float64) float64 { return s / (bytes / 1e9) }
+		addProxies(out, v, "cpu_per_gb", cpu, perGB)
+		return out, nil
+	}},
+	{"iperf3 8 flows", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		gbps, _, err := runIperf(ctx, cfg, v, 8)
+		return map[string]float64{"tput8": gbps}, err
+	}},
+	{"1-byte round trips", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		res, err := runRR(ctx, v, cfg.RRCount)
+		return map[string]float64{"rr_p50": res.P50us, "rr_p99": res.P99us}, err
+	}},
+	{"HTTP fixed load", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		var res fortioResult
+		cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, cfg.HTTPTime); return err })
+		if err != nil {
+			return nil, err
+		}
+		out := map[string]float64{"http_p50": res.percentileMs(50), "http_p90": res.percentileMs(90),
+			"http_p99": res.percentileMs(99), "http_qps": res.ActualQPS}
+		addProxies(out, v, "vcpu_at_qps", cpu, func(s float64) float64 { return s / cfg.HTTPTime.Seconds() })
+		for i, pid := range v.proxies {
+			if mb, err := rssMB(pid); err == nil {
+				out["rss_at_qps@"+proxyName(v, i)] = mb
+			}
+		}
+		return out, nil
+	}},
+	{"HTTP max qps", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		res, err := runFortio(ctx, cfg, v, 0, cfg.HTTPMaxTime)
+		return map[string]float64{"http_maxqps": res.ActualQPS, "http_max_p50": res.percentileMs(50),
+			"http_max_p99": res.percentileMs(99)}, err
+	}},
+	{"new connections", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+		res, err := runCPS(ctx, cfg, v)
+		return map[string]float64{"cps": res.PerSec}, err
+	}},
+}
+
+// charged runs f and returns the CPU seconds each of the variant's proxies
+// spent meanwhile.
+func charged(v *variant, f func() error) ([]float64, error) {
+	before := make([]float64, len(v.proxies))
+	for i, pid := range v.proxies {
+		s, err := cpuSeconds(pid)
+		if err != nil {
+			return nil, err
+		}
+		before[i] = s
+	}
+	if err := f(); err != nil {
+		return nil, err
+	}
+	for i, pid := range v.proxies {
+		s, err := cpuSeconds(pid)
+		if err != nil {
+			return nil, err
+		}
+		before[i] = s - before[i]
+	}
+	return before, nil
+}
+
+// addProxies records key for the whole path (all proxies) and key@proxy
+// for each one.
+func addProxies(out map[string]float64, v *variant, key string, cpu []float64, conv func(float64) float64) {
+	if len(cpu) == 0 {
+		return
+	}
+	var sum float64
+	for i, s := range cpu {
+		sum += s
+		out[key+"@"+proxyName(v, i)] = conv(s)
+	}
+	out[key] = conv(sum)
+}
+
+// proxyName names the variant's i-th proxy: the node of an agent, or relay.
+func proxyName(v *variant, i int) string {
+	if v.meshed {
+		return fmt.Sprintf("node%d", i+1)
+	}
+	return "relay"
+}
+
+// runSuite builds the cluster, runs the rounds, and reports.
+func runSuite(ctx context.Context, r *runner, cfg config) error {
+	res := newResults(cfg, time.Now())
+	if err := os.MkdirAll(cfg.Out, 0o755); err != nil {
+		return err
+	}
+	logf("meshbench: %d rounds; building the cluster (2 nodes, agents, servers, capture setups)", cfg.Runs)
+	t0 := time.Now()
+	cl, err := buildCluster(ctx, r, cfg)
+	if err != nil {
+		return err
+	}
+	for _, v := range cl.variants {
+		res.Variants = append(res.Variants, variantInfo{Name: v.Name, Desc: v.Desc})
+	}
+	logf("cluster ready in %s", time.Since(t0).Round(time.Millisecond))
+
+	// Idle memory first, while the agents are warm but have carried no load
+	// (a Go heap grown by earlier load would absorb the new connections).
+	if base, idle, err := cl.measureIdle(ctx, r, cfg.IdleConns); err != nil {
+		res.errorf("idle connections: %v", err)
+	} else {
+		res.Agent.BaselineRSS, res.Agent.IdleRSSPer1000 = base, idle
+		logf("agent RSS %v MiB, plus %v MiB per 1000 idle connections", roundMap(base), roundMap(idle))
+	}
+
+	for round := range cfg.Runs {
+		for _, t := range tests {
+			for _, v := range rotate(cl.variants, round) {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				vals, err := runTest(ctx, cfg, t, v)
+				if err != nil && ctx.Err() == nil {
+					// One retry, recorded: a shared machine has hiccups, a
+					// broken path fails twice.
+					res.Retries = append(res.Retries, fmt.Sprintf("round %d, %s, %s: %v", round+1, t.name, v.Name, err))
+					logf("retrying round %d, %s, %s after: %v", round+1, t.name, v.Name, err)
+					time.Sleep(time.Second)
+					vals, err = runTest(ctx, cfg, t, v)
+				}
+				if err != nil {
+					res.errorf("round %d, %s, %s: %v", round+1, t.name, v.Name, err)
+					continue
+				}
+				for k, x := range vals {
+					res.put(v.Name, k, round, x)
+				}
+			}
+		}
+		if ms, err := cl.measureEnrollment(ctx, r); err != nil {
+			res.errorf("round %d, enrollment: %v", round+1, err)
+		} else {
+			res.Agent.EnrollToSYNms = append(res.Agent.EnrollToSYNms, ms[0])
+			res.Agent.EnrollToAnswerMs = append(res.Agent.EnrollToAnswerMs, ms[1])
+			res.Agent.EnrollResolutionMs = append(res.Agent.EnrollResolutionMs, ms[2])
+			if ms[3] >= 0 {
+				res.Agent.EnrollToLogMs = append(res.Agent.EnrollToLogMs, ms[3])
+			}
+		}
+		logf("round %d/%d done (%s)", round+1, cfg.Runs, time.Since(t0).Round(time.Second))
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if cfg.ProfileTime > 0 {
+		profs, err := cl.profiles(ctx, cfg, res.Stamp)
+		if err != nil {
+			res.errorf("profiles: %v", err)
+		}
+		res.Profiles = profs
+	}
+	if cfg.Micro {
+		logf("microbenchmarks (go test -bench, benchtime %s)", cfg.BenchTime)
+		micro, err := runMicro(ctx, cfg, filepath.Join(cfg.Out, res.Stamp+"-micro.txt"))
+		if err != nil {
+			res.errorf("microbenchmarks: %v", err)
+		}
+		res.Micro = micro
+	}
+	res.Elapsed = time.Since(t0).Round(time.Second).String()
+	res.summarize()
+	if err := res.report(cfg); err != nil {
+		return err
+	}
+	if cfg.Strict {
+		return res.complete()
+	}
+	return nil
+}
+
+// runTest runs one test on one variant; a failure on a relay variant
+// carries the relay's log.
+func runTest(ctx context.Context, cfg config, t test, v *variant) (map[string]float64, error) {
+	vals, err := t.run(ctx, cfg, v)
+	if err != nil && v.relay != nil {
+		if log := v.relay.stderr.String(); log != "" {
+			err = fmt.Errorf("%w (relay log: %s)", err, tail(log, 500))
+		}
+	}
+	return vals, err
+}
+
+// rotate starts the order at a different variant each round, so no variant
+// always runs first (right after another test) or last.
+func rotate(vs []*variant, round int) []*variant {
+	k := round % len(vs)
+	return append(append([]*variant{}, vs[k:]...), vs[:k]...)
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
