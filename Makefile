@@ -106,4 +106,4 @@ bench-smoke: build
 	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
 	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
 	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out $(BIN)/bench-smoke --quick --runs 1 --strict \
-		--iperf-time 1s --http-time 1s --http-max-time 1s --cps-time 500ms --rr-count 300 --idle-conns 20 --profile-time -1 --micro=false
+		--iperf-time 1s --http-time 1s --http-max-time 1s --cps-time 500ms --rr-count 300 --idle-conns 20 --profile-time=-1s --micro=false
