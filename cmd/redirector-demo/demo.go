@@ -31,7 +31,7 @@ type cluster struct {
 	agents                              []*netnstest.Agent
 }
 
-func (c *cluster) write(r *runner, strict bool) {
+func (c *cluster) write(r *netnstest.Runner, strict bool) {
 	m := (&netnstest.Manifest{}).
 		Namespace("shop", "istio.io/dataplane-mode=ambient").
 		Namespace("plain").
@@ -61,7 +61,7 @@ endpoints: [{addresses: [%q], conditions: {ready: true}}]`, serviceVIP, c.backen
 	}
 }
 
-func run(r *runner, redirector string, verbose bool) {
+func run(r *netnstest.Runner, redirector string, verbose bool) {
 	start := time.Now()
 	if _, err := os.Stat(redirector); err != nil {
 		r.Fatalf("redirector binary: %v (build it with make build, or pass --bin)", err)
@@ -146,7 +146,7 @@ func runFlows(flows []flow) {
 	tw.Flush()
 }
 
-func waitReady(r *runner, from *netnstest.Pod, url string) {
+func waitReady(r *netnstest.Runner, from *netnstest.Pod, url string) {
 	deadline := time.Now().Add(15 * time.Second)
 	for {
 		if _, err := netnstest.Curl(from, url); err == nil {
@@ -161,7 +161,7 @@ func waitReady(r *runner, from *netnstest.Pod, url string) {
 var sample = regexp.MustCompile(`^(istio_tcp_connections_opened_total|redirector_bpf_pod_connections_total|redirector_policy_denials_total|redirector_bpf_fail_closed_drops_total)(\{.*\})? (\S+)$`)
 
 // showMetrics prints the interesting samples of an agent's /metrics.
-func showMetrics(r *runner, a *netnstest.Agent, title string) {
+func showMetrics(r *netnstest.Runner, a *netnstest.Agent, title string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	out, err := netnstest.Exec(ctx, a.Node.Path(), "curl", "-sS", "http://127.0.0.1:15020/metrics")
@@ -191,7 +191,7 @@ func short(labels string) string {
 	return "{" + strings.Join(keep.FindAllString(labels, -1), ",") + "}"
 }
 
-func showInspect(r *runner, redirector string, a *netnstest.Agent) {
+func showInspect(r *netnstest.Runner, redirector string, a *netnstest.Agent) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	out, err := netnstest.Exec(ctx, a.Node.Path(), redirector, "inspect", "pods", "--bpf-root", a.BPFRoot)

@@ -12,8 +12,9 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"sync"
 	"syscall"
+
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
 func main() {
@@ -30,30 +31,21 @@ func main() {
 	if os.Geteuid() != 0 {
 		fatal(fmt.Errorf("the demo creates network namespaces and loads BPF programs: run it as root"))
 	}
-	r := &runner{}
+	r := netnstest.NewRunner("redirector-demo-")
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
 	go func() {
 		<-sigs
 		fmt.Println("\ninterrupted: cleaning up")
-		r.close()
+		r.Close()
 		os.Exit(130)
 	}()
 	code := 0
-	func() {
-		defer func() {
-			if v := recover(); v != nil {
-				f, ok := v.(failure)
-				if !ok {
-					panic(v)
-				}
-				fmt.Fprintln(os.Stderr, "demo failed:", f.msg)
-				code = 1
-			}
-		}()
-		run(r, filepath.Join(*bin, "redirector"), *verbose)
-	}()
-	r.close()
+	if err := r.Protect(func() error { run(r, filepath.Join(*bin, "redirector"), *verbose); return nil }); err != nil {
+		fmt.Fprintln(os.Stderr, "demo failed:", err)
+		code = 1
+	}
+	r.Close()
 	fmt.Println("cleaned up: namespaces, agents, pins and files are gone")
 	os.Exit(code)
 }
@@ -61,61 +53,4 @@ func main() {
 func fatal(err error) {
 	fmt.Fprintln(os.Stderr, "redirector-demo:", err)
 	os.Exit(1)
-}
-
-// failure carries a Fatalf through panic to main, which cleans up.
-type failure struct{ msg string }
-
-// runner gives the test harness what it needs outside `go test`.
-type runner struct {
-	mu       sync.Mutex
-	cleanups []func()
-	failed   bool
-	once     sync.Once
-}
-
-func (r *runner) Helper() {}
-
-func (r *runner) Fatalf(format string, args ...any) {
-	r.mu.Lock()
-	r.failed = true
-	r.mu.Unlock()
-	panic(failure{fmt.Sprintf(format, args...)})
-}
-
-func (r *runner) Logf(format string, args ...any) { fmt.Fprintf(os.Stderr, format+"\n", args...) }
-
-func (r *runner) Skip(args ...any) { r.Fatalf("%s", fmt.Sprint(args...)) }
-
-func (r *runner) Cleanup(f func()) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.cleanups = append(r.cleanups, f)
-}
-
-func (r *runner) TempDir() string {
-	dir, err := os.MkdirTemp("", "redirector-demo-")
-	if err != nil {
-		r.Fatalf("temp dir: %v", err)
-	}
-	r.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
-}
-
-func (r *runner) Failed() bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.failed
-}
-
-// close runs the cleanups, last registered first, once.
-func (r *runner) close() {
-	r.once.Do(func() {
-		r.mu.Lock()
-		c := r.cleanups
-		r.mu.Unlock()
-		for i := len(c) - 1; i >= 0; i-- {
-			c[i]()
-		}
-	})
 }

@@ -40,9 +40,10 @@ func TestCollectorDescribe(t *testing.T) {
 	}
 }
 
-// newTestMaps creates unpinned maps from the compiled object's specs, so the
-// test sees the kernel's real per-CPU behaviour without touching bpffs.
-func newTestMaps(t *testing.T) *Maps {
+// newTestMaps creates unpinned maps from the compiled object's specs, so
+// tests and benchmarks see the kernel's real per-CPU behaviour without
+// touching bpffs.
+func newTestMaps(t testing.TB) *Maps {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("needs root to create BPF maps")

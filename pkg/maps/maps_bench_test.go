@@ -3,45 +3,14 @@ package maps
 import (
 	"fmt"
 	"net/netip"
-	"os"
 	"testing"
 
-	"github.com/cilium/ebpf"
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/redirector-mesh/redirector/bpf"
 )
 
 // The map operations the agent makes per pod (enroll, unenroll, record
 // metadata) and per scrape (read every pod's per-CPU counters), against real
 // kernel maps created from the compiled object's specs, unpinned.
-
-// newBenchMaps is newTestMaps for benchmarks.
-func newBenchMaps(b *testing.B) *Maps {
-	b.Helper()
-	if os.Geteuid() != 0 {
-		b.Skip("needs root to create BPF maps")
-	}
-	spec, err := bpf.LoadCapture()
-	if err != nil {
-		b.Fatal(err)
-	}
-	m := &Maps{}
-	b.Cleanup(func() { m.Close() })
-	for _, x := range []struct {
-		name string
-		dst  **ebpf.Map
-	}{{PodsName, &m.Pods}, {PodStatsName, &m.PodStats}, {ReasonsName, &m.Reasons}, {PodMetaName, &m.PodMeta}} {
-		ms := spec.Maps[x.name].Copy()
-		ms.Pinning = ebpf.PinNone
-		mp, err := ebpf.NewMap(ms)
-		if err != nil {
-			b.Fatalf("create map %s: %v", x.name, err)
-		}
-		*x.dst = mp
-	}
-	return m
-}
 
 // benchAddr is the i-th pod address, alternating IPv4 and IPv6.
 func benchAddr(i int) netip.Addr {
@@ -75,7 +44,7 @@ func fillPods(b *testing.B, m *Maps, n int) {
 
 // BenchmarkSetPod updates one enrollment entry in place.
 func BenchmarkSetPod(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	a := benchAddr(0)
 	s := PodSettings{CaptureOutbound: true, CaptureInbound: true, PodID: 1}
 	b.ReportAllocs()
@@ -88,7 +57,7 @@ func BenchmarkSetPod(b *testing.B) {
 
 // BenchmarkPodLookup reads one enrollment entry.
 func BenchmarkPodLookup(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	a := benchAddr(0)
 	if err := m.SetPod(a, PodSettings{CaptureOutbound: true, PodID: 1}); err != nil {
 		b.Fatal(err)
@@ -104,7 +73,7 @@ func BenchmarkPodLookup(b *testing.B) {
 // BenchmarkEnrollAddress is the map work of enrolling and then unenrolling
 // one address: counters created, entry written, entry and counters deleted.
 func BenchmarkEnrollAddress(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	a := benchAddr(1)
 	s := PodSettings{CaptureOutbound: true, CaptureInbound: true, PodID: 1}
 	b.ReportAllocs()
@@ -126,7 +95,7 @@ func BenchmarkEnrollAddress(b *testing.B) {
 
 // BenchmarkPutMeta records one pod's metadata (strings packed into C chars).
 func BenchmarkPutMeta(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	p := PodMeta{UID: "0d9f4c1e-8a57-4c2b-9e1a-3f6b2d7c5e90", Namespace: "shop", Name: "web-7d4b9c6f5-x2k8p",
 		NetNS: "/var/run/netns/cni-6f1d2c3b-aa55-4e2f-8d9c-0b1a2c3d4e5f", Interface: "eth0",
 		Addrs: []netip.Addr{benchAddr(0), benchAddr(1)}, Settings: PodSettings{CaptureOutbound: true, PodID: 1}}
@@ -140,7 +109,7 @@ func BenchmarkPutMeta(b *testing.B) {
 
 // BenchmarkCounters reads one address's per-CPU counters and sums them.
 func BenchmarkCounters(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	a := benchAddr(0)
 	if err := m.CreateCounters(a); err != nil {
 		b.Fatal(err)
@@ -156,7 +125,7 @@ func BenchmarkCounters(b *testing.B) {
 // BenchmarkAllCounters iterates the counters of 100 pods (200 addresses),
 // as a scrape does.
 func BenchmarkAllCounters(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	fillPods(b, m, 100)
 	b.ReportAllocs()
 	for b.Loop() {
@@ -170,7 +139,7 @@ func BenchmarkAllCounters(b *testing.B) {
 // BenchmarkCollect is a whole scrape of the BPF collector with 100 pods:
 // reasons, metadata, counters, and the Prometheus metrics built from them.
 func BenchmarkCollect(b *testing.B) {
-	m := newBenchMaps(b)
+	m := newTestMaps(b)
 	fillPods(b, m, 100)
 	c := NewCollector(m)
 	b.ReportAllocs()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"io"
 	"net"
 	"net/http"
@@ -24,7 +25,7 @@ import (
 // measureIdle opens n idle connections from the meshed client to the
 // cross-node server and returns each agent's VmRSS before, and its growth
 // per 1000 connections.
-func (c *cluster) measureIdle(ctx context.Context, r *runner, n int) (before, per1000 map[string]float64, err error) {
+func (c *cluster) measureIdle(ctx context.Context, r *netnstest.Runner, n int) (before, per1000 map[string]float64, err error) {
 	v := c.variant("meshed-cross")
 	before = map[string]float64{}
 	for i, pid := range c.agentPID {
@@ -73,7 +74,7 @@ func (c *cluster) measureIdle(ctx context.Context, r *runner, n int) (before, pe
 // It returns, in milliseconds: [to first captured SYN, to its answer,
 // resolution (the gap since the previous, failed, attempt), to the agent's
 // "pod enrolled" log line (millisecond timestamps; -1 if not found)].
-func (c *cluster) measureEnrollment(ctx context.Context, r *runner) ([4]float64, error) {
+func (c *cluster) measureEnrollment(ctx context.Context, r *netnstest.Runner) ([4]float64, error) {
 	var ms [4]float64
 	c.late++
 	p := c.topo.Nodes[0].AddPod(fmt.Sprintf("late%d", c.late))

@@ -18,7 +18,7 @@ import (
 // process as the loader (its own pin root, outbound capture only), in front
 // of the plain relay listening on the outbound port. No agent is involved:
 // the variant measures the capture plus one Go copy, without TLS.
-func setupCaptureOnly(ctx context.Context, r *runner, p *netnstest.Pod) (*child, error) {
+func setupCaptureOnly(ctx context.Context, r *netnstest.Runner, p *netnstest.Pod) (*child, error) {
 	s := loader.DefaultSettings()
 	relay, err := startChild(r, p.Path(), "capture-only relay", selfPath(), "relay",
 		"-listen", fmt.Sprintf("[::]:%d", s.OutboundPort), "-mark", fmt.Sprint(s.TunnelMark))

@@ -65,7 +65,7 @@ func (c *cluster) variant(name string) *variant {
 
 // buildCluster creates the namespaces, the agents, the servers and the
 // capture setups, and checks every variant carries an echo.
-func buildCluster(ctx context.Context, r *runner, cfg config) (*cluster, error) {
+func buildCluster(ctx context.Context, r *netnstest.Runner, cfg config) (*cluster, error) {
 	c := &cluster{cfg: cfg, topo: netnstest.New(r, 2)}
 	n1, n2 := c.topo.Nodes[0], c.topo.Nodes[1]
 	c.client, c.local = n1.AddPod("client"), n1.AddPod("local")
@@ -190,7 +190,7 @@ func clientSysctls(ctx context.Context, nsPath string) error {
 
 // startServers runs the echo server and, if all, iperf3 and fortio servers
 // in the pod.
-func startServers(ctx context.Context, r *runner, cfg config, p *netnstest.Pod, all bool) error {
+func startServers(ctx context.Context, r *netnstest.Runner, cfg config, p *netnstest.Pod, all bool) error {
 	echo, err := startChild(r, p.Path(), "echo server in "+p.Name, selfPath(), "echo", "-listen", fmt.Sprintf("[::]:%d", echoPort))
 	if err != nil {
 		return err

@@ -20,6 +20,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -58,8 +59,8 @@ func suiteMain(cfg config) int {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	r := newRunner()
-	defer r.close() // also when a bug panics
+	r := netnstest.NewRunner("meshbench-")
+	defer r.Close() // also when a bug panics
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
 	go func() {
@@ -70,12 +71,12 @@ func suiteMain(cfg config) int {
 		case <-sigs:
 		case <-time.After(30 * time.Second):
 		}
-		r.close()
+		r.Close()
 		os.Exit(130)
 	}()
 
-	err := r.protect(func() error { return runSuite(ctx, r, cfg) })
-	r.close()
+	err := r.Protect(func() error { return runSuite(ctx, r, cfg) })
+	r.Close()
 	fmt.Fprintln(os.Stderr, "cleaned up: namespaces, agents, pins and helper processes are gone")
 	switch {
 	case ctx.Err() != nil:

@@ -51,7 +51,7 @@ func (l *lockedBuffer) String() string {
 }
 
 // startChild runs name with args inside the namespace at nsPath.
-func startChild(r *runner, nsPath, label, name string, args ...string) (*child, error) {
+func startChild(r *netnstest.Runner, nsPath, label, name string, args ...string) (*child, error) {
 	cmd := netnstest.Command(context.Background(), nsPath, name, args...)
 	// nsenter execs the program, so this process group and this parent-death
 	// signal are the program's own.

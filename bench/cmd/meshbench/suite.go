@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"os"
 	"path/filepath"
 	"time"
@@ -108,7 +109,7 @@ func proxyName(v *variant, i int) string {
 }
 
 // runSuite builds the cluster, runs the rounds, and reports.
-func runSuite(ctx context.Context, r *runner, cfg config) error {
+func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 	res := newResults(cfg, time.Now())
 	if err := os.MkdirAll(cfg.Out, 0o755); err != nil {
 		return err

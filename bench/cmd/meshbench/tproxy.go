@@ -23,7 +23,7 @@ import (
 //
 // Everything lives in the pod's network namespace (nsenter --net), so it
 // goes away with the namespace; nothing touches the machine's own tables.
-func setupTPROXY(ctx context.Context, r *runner, p *netnstest.Pod) (*child, error) {
+func setupTPROXY(ctx context.Context, r *netnstest.Runner, p *netnstest.Pod) (*child, error) {
 	s := loader.DefaultSettings()
 	relay, err := startChild(r, p.Path(), "iptables relay", selfPath(), "relay",
 		"-network", "tcp4", "-listen", fmt.Sprintf("0.0.0.0:%d", s.OutboundPort), "-mark", fmt.Sprint(s.TunnelMark))
