@@ -86,6 +86,10 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		t.cfg.Metrics.denied("foreign_authority")
 		return hbone.Response{Status: http.StatusBadRequest, Reason: fmt.Sprintf("authority %s is not an address of this pod", dst)}
 	}
+	if port := dst.Port(); port == t.cfg.OutboundPort || port == t.cfg.InboundPort || port == t.cfg.HBONEPort {
+		t.cfg.Metrics.denied("tunnel_port")
+		return hbone.Response{Status: http.StatusBadRequest, Reason: fmt.Sprintf("authority port %d is the tunnel's own", port)}
+	}
 	peer, err := identity.PeerID(*req.TLS)
 	if err != nil {
 		t.cfg.Metrics.denied("no_peer_identity")

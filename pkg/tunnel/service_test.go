@@ -1,0 +1,71 @@
+package tunnel
+
+import (
+	"net/netip"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+func TestTargetPort(t *testing.T) {
+	pod := &workload.Workload{ContainerPorts: map[string]int32{"http": 8080}}
+	for _, tc := range []struct {
+		name string
+		port workload.ServicePort
+		ep   workload.Endpoint
+		want uint16
+		ok   bool
+	}{
+		{"slice port of the same name wins", workload.ServicePort{Name: "web", Port: 80, TargetPort: intstr.FromInt32(9999)}, workload.Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
+		{"numeric targetPort", workload.ServicePort{Port: 80, TargetPort: intstr.FromInt32(9090)}, workload.Endpoint{}, 9090, true},
+		{"no targetPort means port", workload.ServicePort{Port: 80}, workload.Endpoint{}, 80, true},
+		{"named targetPort via container ports", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("http")}, workload.Endpoint{Workload: pod}, 8080, true},
+		{"named targetPort the pod lacks", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("grpc")}, workload.Endpoint{Workload: pod}, 0, false},
+		{"named targetPort, unknown pod", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("http")}, workload.Endpoint{}, 0, false},
+	} {
+		got, ok := targetPort(tc.port, tc.ep)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: got %d %v, want %d %v", tc.name, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
+	now := time.Unix(1000, 0)
+	b := newBalancer()
+	b.now = func() time.Time { return now }
+	svc := &workload.Service{Name: "web", Namespace: "shop", Endpoints: []workload.Endpoint{
+		{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true},
+		{Addr: netip.MustParseAddr("10.0.0.2"), Ready: true},
+		{Addr: netip.MustParseAddr("10.0.0.3"), Ready: false},
+	}}
+	port := workload.ServicePort{Port: 80, TargetPort: intstr.FromInt32(8080)}
+	first := map[string]int{}
+	for i := 0; i < 4; i++ {
+		order := b.order(svc, port)
+		if len(order) != 2 {
+			t.Fatalf("order %v: the not-ready endpoint must be left out", order)
+		}
+		first[order[0].addr.String()]++
+	}
+	if first["10.0.0.1:8080"] != 2 || first["10.0.0.2:8080"] != 2 {
+		t.Errorf("round-robin firsts %v, want 2 each", first)
+	}
+	b.fail(netip.MustParseAddrPort("10.0.0.1:8080"))
+	for i := 0; i < 3; i++ {
+		if got := b.order(svc, port)[0].addr.String(); got != "10.0.0.2:8080" {
+			t.Fatalf("a failed endpoint came first: %s", got)
+		}
+	}
+	now = now.Add(failureMemory + time.Second)
+	seen := map[string]bool{}
+	for i := 0; i < 2; i++ {
+		seen[b.order(svc, port)[0].addr.String()] = true
+	}
+	if !seen["10.0.0.1:8080"] {
+		t.Error("the failed endpoint is not tried again after failureMemory")
+	}
+}
