@@ -45,23 +45,28 @@ type target struct {
 // order returns the ready endpoints serving port, starting at the service's
 // round-robin cursor, recently failed ones last.
 func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []target {
-	var fresh, stale []target
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	key := svc.String() + "/" + port.Name
-	start := b.next[key]
-	b.next[key]++
-	n := len(svc.Endpoints)
-	for i := 0; i < n; i++ {
-		ep := svc.Endpoints[(int(start)+i)%n]
+	// Rotate over the endpoints that can serve, so endpoints that cannot
+	// (not ready, port missing) never skew the share of the others.
+	var eligible []target
+	for _, ep := range svc.Endpoints {
 		if !ep.Ready {
 			continue
 		}
-		tp, ok := targetPort(port, ep)
-		if !ok {
-			continue
+		if tp, ok := targetPort(port, ep); ok {
+			eligible = append(eligible, target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)})
 		}
-		t := target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)}
+	}
+	if len(eligible) == 0 {
+		return nil
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	key := svc.String() + "/" + port.Name
+	start := int(b.next[key] % uint64(len(eligible)))
+	b.next[key]++
+	var fresh, stale []target
+	for i := range eligible {
+		t := eligible[(start+i)%len(eligible)]
 		if at, bad := b.failed[t.addr]; bad && b.now().Sub(at) < failureMemory {
 			stale = append(stale, t)
 		} else {
