@@ -1,6 +1,7 @@
 package netnstest
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -211,5 +212,51 @@ metadata: {name: broken
 	HTTPApp(t, server, 8080, "server")
 	if out, err := Curl(good, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
 		t.Errorf("the good pod does not work next to bad input: %q %v", out, err)
+	}
+}
+
+// TestUpgradeFailsNoNewConnection: the agent stops (SIGTERM, as in a
+// rolling update) while a client opens a connection; the pinned programs
+// keep capturing and drop the SYN (fail closed), TCP retransmits it, and
+// the new agent, started on the same pins, serves it. The client sees a
+// delay, never a failure, and never plaintext.
+func TestUpgradeFailsNoNewConnection(t *testing.T) {
+	// STRICT on the server: an answer proves the connection went through the mesh.
+	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	if err := old.Stop(15 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		// Long enough for TCP's SYN retransmissions at 1, 3 and 7 s.
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		b, err := Exec(ctx, client.Path(), "curl", "-sS", "--max-time", "15", URL(server.IPv4, 8080))
+		out := string(b)
+		if err == nil && !strings.Contains(out, "server peer="+client.IPv4.String()) {
+			err = fmt.Errorf("unexpected answer %q", out)
+		}
+		done <- err
+	}()
+	time.Sleep(300 * time.Millisecond) // the SYN is in flight, dropped, awaiting retransmission
+	StartAgent(t, old.Node, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot})
+	if err := <-done; err != nil {
+		t.Fatalf("a connection opened during the upgrade failed: %v", err)
+	}
+	// The gap was real: the first SYN met no listener and was dropped.
+	m, err := maps.OpenPinned(old.BPFRoot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	c, _, err := m.Counters(client.IPv4)
+	if err != nil || c.DroppedPackets == 0 {
+		t.Errorf("client counters %+v (%v): want the SYN sent during the gap dropped", c, err)
 	}
 }
