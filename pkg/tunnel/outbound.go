@@ -41,7 +41,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 	}
 	dstID := t.identityOf(dstW)
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true}
-	stream, err := p.dialHBONE(ctx, srcID, dstID, dstW, src, dst, "")
+	stream, err := p.dialHBONE(ctx, srcID, dstID, src, dst, "")
 	if err != nil {
 		conn.flags = "UF"
 		t.cfg.Metrics.opened(conn)
@@ -58,7 +58,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 // dialHBONE opens a CONNECT stream to dst through the destination pod's
 // HBONE port, from inside the source pod's namespace, on a pooled
 // connection keyed by both identities and the destination pod.
-func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, dstW *workload.Workload, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
+func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
 	t := p.t
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
 	key := hbone.PoolKey{SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}

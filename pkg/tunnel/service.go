@@ -190,7 +190,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 func (p *pod) dialEndpoint(ctx context.Context, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
 	if w != nil && w.Enrolled {
-		s, err := p.dialHBONE(ctx, srcID, p.t.identityOf(w), w, src, cand.addr, svc.Hostname(""))
+		s, err := p.dialHBONE(ctx, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""))
 		if err != nil {
 			return nil, true, err
 		}
