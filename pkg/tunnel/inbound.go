@@ -111,14 +111,12 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
-		conn.flags = "UF"
-		t.cfg.Metrics.opened(conn)
-		t.cfg.Metrics.closed(conn, 0, 0)
+		t.cfg.Metrics.failed(conn)
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: fmt.Sprintf("connect to %s: %v", dst, err)}
 	}
 	t.log.DebugContext(ctx, "HBONE connection accepted", "client", peer.String(), "dst", dst)
-	t.cfg.Metrics.opened(conn)
-	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, _ error) { t.cfg.Metrics.closed(conn, fromClient, toClient) }}
+	closed := t.cfg.Metrics.open(conn)
+	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, _ error) { closed(fromClient, toClient) }}
 }
 
 // handleInboundPlaintext serves a plaintext connection to the pod that the
@@ -154,13 +152,11 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
-		conn.flags = "UF"
-		t.cfg.Metrics.opened(conn)
-		t.cfg.Metrics.closed(conn, 0, 0)
+		t.cfg.Metrics.failed(conn)
 		resetConn(c)
 		return
 	}
-	t.cfg.Metrics.opened(conn)
+	closed := t.cfg.Metrics.open(conn)
 	reqBytes, respBytes, _ := hbone.Relay(c, app)
-	t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+	closed(reqBytes, respBytes)
 }

@@ -121,13 +121,24 @@ func workloadName(w *workload.Workload) string {
 	return w.Name
 }
 
-func (m *Metrics) opened(c connInfo) { m.connsOpened.With(c.labels()).Inc() }
-
-func (m *Metrics) closed(c connInfo, requestBytes, responseBytes int64) {
+// open counts c as opened and returns what counts it closed with its bytes.
+// The labelled counters are resolved once, not again at close.
+func (m *Metrics) open(c connInfo) (closed func(requestBytes, responseBytes int64)) {
 	l := c.labels()
-	m.connsClosed.With(l).Inc()
-	m.receivedBytes.With(l).Add(float64(requestBytes))
-	m.sentBytes.With(l).Add(float64(responseBytes))
+	m.connsOpened.With(l).Inc()
+	done, received, sent := m.connsClosed.With(l), m.receivedBytes.With(l), m.sentBytes.With(l)
+	return func(requestBytes, responseBytes int64) {
+		done.Inc()
+		received.Add(float64(requestBytes))
+		sent.Add(float64(responseBytes))
+	}
+}
+
+// failed counts a connection that could not reach its upstream (Istio's
+// response flag UF): opened and closed with no bytes.
+func (m *Metrics) failed(c connInfo) {
+	c.flags = "UF"
+	m.open(c)(0, 0)
 }
 
 func (m *Metrics) denied(reason string) { m.policyDenials.WithLabelValues(reason).Inc() }

@@ -43,16 +43,14 @@ func (p *pod) handleOutbound(c net.Conn) {
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true}
 	stream, err := p.dialHBONE(ctx, srcID, dstID, src, dst, "")
 	if err != nil {
-		conn.flags = "UF"
-		t.cfg.Metrics.opened(conn)
-		t.cfg.Metrics.closed(conn, 0, 0)
+		t.cfg.Metrics.failed(conn)
 		t.log.WarnContext(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	t.cfg.Metrics.opened(conn)
+	closed := t.cfg.Metrics.open(conn)
 	reqBytes, respBytes, _ := hbone.Relay(c, stream)
-	t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+	closed(reqBytes, respBytes)
 }
 
 // dialHBONE opens a CONNECT stream to dst through the destination pod's
@@ -88,16 +86,14 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 	conn := connInfo{reporter: "source", src: srcW, srcID: t.identityOf(srcW), dst: dstW}
 	up, err := p.dialPlain(ctx, dst)
 	if err != nil {
-		conn.flags = "UF"
-		t.cfg.Metrics.opened(conn)
-		t.cfg.Metrics.closed(conn, 0, 0)
+		t.cfg.Metrics.failed(conn)
 		t.log.DebugContext(ctx, "passthrough connect failed", "src", src, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	t.cfg.Metrics.opened(conn)
+	closed := t.cfg.Metrics.open(conn)
 	reqBytes, respBytes, _ := hbone.Relay(c, up)
-	t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+	closed(reqBytes, respBytes)
 }
 
 // connectTimeout bounds establishing an upstream connection.

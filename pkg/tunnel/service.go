@@ -173,14 +173,12 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		if meshed {
 			conn.dstID = t.identityOf(cand.ep.Workload)
 		}
-		t.cfg.Metrics.opened(conn)
+		closed := t.cfg.Metrics.open(conn)
 		reqBytes, respBytes, _ := hbone.Relay(c, up)
-		t.cfg.Metrics.closed(conn, reqBytes, respBytes)
+		closed(reqBytes, respBytes)
 		return
 	}
-	conn.flags = "UF"
-	t.cfg.Metrics.opened(conn)
-	t.cfg.Metrics.closed(conn, 0, 0)
+	t.cfg.Metrics.failed(conn)
 	t.log.WarnContext(ctx, "service connection failed on every endpoint tried", "service", svc.String(), "error", lastErr)
 	resetConn(c)
 }
