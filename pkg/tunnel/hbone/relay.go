@@ -64,11 +64,21 @@ func Relay(a, b io.ReadWriteCloser) (aToB, bToA int64, err error) {
 func copyHalf(dst io.Writer, src io.Reader) (int64, error) {
 	var n int64
 	var err error
+	// A Stream on either side is called directly rather than through
+	// io.Copy and the socket's own WriteTo: a shallower stack for the
+	// goroutine that waits in it, which is most of an idle tunnel's memory.
+	rf, dstStream := dst.(*Stream)
+	wt, srcStream := src.(*Stream)
 	_, srcFast := src.(io.WriterTo)
 	_, dstFast := dst.(io.ReaderFrom)
-	if srcFast || dstFast {
+	switch {
+	case dstStream:
+		n, err = rf.ReadFrom(src)
+	case srcStream:
+		n, err = wt.WriteTo(dst)
+	case srcFast || dstFast:
 		n, err = io.Copy(dst, src)
-	} else {
+	default:
 		bp := relayBufPool.Get().(*[]byte)
 		n, err = io.CopyBuffer(dst, src, *bp)
 		relayBufPool.Put(bp)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
@@ -303,11 +304,17 @@ func (s *Stream) Write(p []byte) (int, error) {
 // ReadFrom sends everything r yields until io.EOF (returning nil), reading
 // straight into frame buffers. It does not half-close the stream.
 //
-// It waits for r with a small buffer and takes a full frame buffer only
-// while reads fill the small one, so an idle tunnel does not pin 64 KiB.
+// A socket is read only once it is readable, into a pooled buffer taken for
+// that read, so an idle tunnel holds no buffer at all. Other readers get a
+// small buffer to wait with and a full frame buffer during bursts.
 func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
+	if sc, ok := r.(syscall.Conn); ok {
+		if rc, err := sc.SyscallConn(); err == nil {
+			return s.readFromSocket(rc)
+		}
+	}
 	small := smallBufPool.Get().(*[]byte)
 	defer smallBufPool.Put(small)
 	var big *[]byte
@@ -341,6 +348,56 @@ func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 			frameBufPool.Put(big)
 			big = nil
 			buf = *small
+		}
+	}
+}
+
+// readFromSocket is ReadFrom for a socket: each read takes a frame buffer
+// from the pool and gives it back if the socket has nothing (EAGAIN) before
+// waiting, so buffers are held only while bytes are in flight.
+func (s *Stream) readFromSocket(rc syscall.RawConn) (int64, error) {
+	var (
+		total int64
+		bp    *[]byte
+		n     int
+		rerr  error
+	)
+	read := func(fd uintptr) bool {
+		if bp == nil {
+			bp = frameBufPool.Get().(*[]byte)
+		}
+		for {
+			n, rerr = syscall.Read(int(fd), (*bp)[frameHeaderLen:])
+			if rerr != syscall.EINTR {
+				break
+			}
+		}
+		if rerr == syscall.EAGAIN {
+			frameBufPool.Put(bp)
+			bp = nil
+			return false // wait for the socket to become readable
+		}
+		return true
+	}
+	defer func() {
+		if bp != nil {
+			frameBufPool.Put(bp)
+		}
+	}()
+	for {
+		if err := rc.Read(read); err != nil {
+			return total, err
+		}
+		switch {
+		case rerr != nil:
+			return total, os.NewSyscallError("read", rerr)
+		case n == 0:
+			return total, nil // EOF
+		}
+		sent, err := s.sendLocked(*bp, n)
+		total += int64(sent)
+		if err != nil {
+			return total, err
 		}
 	}
 }
