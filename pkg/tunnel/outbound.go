@@ -3,10 +3,15 @@ package tunnel
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"strconv"
+	"sync"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -41,7 +46,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 	}
 	dstID := t.identityOf(dstW)
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true}
-	stream, err := p.dialHBONE(ctx, srcID, dstID, src, dst, "")
+	stream, err := p.dialHBONE(ctx, c, srcID, dstID, src, dst, "")
 	if err != nil {
 		t.cfg.Metrics.failed(conn)
 		t.log.WarnContext(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
@@ -56,7 +61,11 @@ func (p *pod) handleOutbound(c net.Conn) {
 // dialHBONE opens a CONNECT stream to dst through the destination pod's
 // HBONE port, from inside the source pod's namespace, on a pooled
 // connection keyed by both identities and the destination pod.
-func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
+//
+// What the app already sent on app goes with the request as early data: it
+// is only peeked at, and consumed from app once the tunnel is up, so a
+// refused attempt (or a retry on another endpoint) loses nothing.
+func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
 	t := p.t
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
 	key := hbone.PoolKey{SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
@@ -67,7 +76,9 @@ func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, src, dst 
 	if host != "" {
 		fwd += ";host=" + host
 	}
-	req := hbone.Request{Authority: dst, Forwarded: fwd}
+	early := peekPool.Get().(*[]byte)
+	defer peekPool.Put(early)
+	req := hbone.Request{Authority: dst, Forwarded: fwd, EarlyData: peek(app, *early)}
 	tlsConf := identity.ClientConfig(t.cfg.Certs, srcID, dstID)
 	// The timeout bounds dial, handshake and response, not the stream.
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
@@ -76,7 +87,43 @@ func (p *pod) dialHBONE(ctx context.Context, srcID, dstID identity.ID, src, dst 
 	if err != nil {
 		return nil, fmt.Errorf("HBONE to %s via %s: %w", dst, hboneAddr, err)
 	}
+	if n := len(req.EarlyData); n > 0 {
+		// The peeked bytes are still first in app's receive queue.
+		if _, err := io.ReadFull(app, (*early)[:n]); err != nil {
+			stream.Close()
+			return nil, fmt.Errorf("consume %d bytes sent early to %s: %w", n, dst, err)
+		}
+	}
 	return stream, nil
+}
+
+// peekPool holds the buffers early data is peeked into.
+var peekPool = sync.Pool{New: func() any {
+	b := make([]byte, hbone.MaxEarlyData)
+	return &b
+}}
+
+// peek returns what c has received and not yet been read, up to len(buf),
+// without consuming it or waiting; nil when there is nothing or c is not a
+// socket.
+func peek(c net.Conn, buf []byte) []byte {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	n := 0
+	_ = rc.Read(func(fd uintptr) bool {
+		n, _, err = unix.Recvfrom(int(fd), buf, unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		return true // never wait: only what is already there goes early
+	})
+	if err != nil || n <= 0 {
+		return nil
+	}
+	return buf[:n]
 }
 
 // passthrough connects to a destination outside the mesh in plain TCP, from

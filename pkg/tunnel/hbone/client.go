@@ -24,7 +24,17 @@ type Request struct {
 	Forwarded string
 	// Header holds extra request headers (baggage, traceparent, ...).
 	Header http.Header
+	// EarlyData is sent on the stream right behind the request, in the
+	// same TLS record when flow control allows, so the destination has the
+	// first bytes as soon as its tunnel is up instead of one round trip
+	// later. When Connect succeeds all of it was sent (before the response
+	// if it fit the windows, else right after); at most MaxEarlyData.
+	EarlyData []byte
 }
+
+// MaxEarlyData bounds Request.EarlyData: one DATA frame of the smallest
+// frame size a peer may advertise.
+const MaxEarlyData = defaultMaxFrame
 
 // connectionSpecific reports a field HTTP/2 forbids (RFC 9113 §8.2.2); a
 // request carrying one is malformed.
@@ -70,9 +80,10 @@ func (r *Request) fields() ([]hpack.HeaderField, error) {
 }
 
 // openStream sends the CONNECT headers on a stream slot the caller reserved
-// (tryReserve). Stream ids must reach the wire in increasing order, so the
-// id is taken under the write lock.
-func (c *conn) openStream(fields []hpack.HeaderField) (*Stream, error) {
+// (tryReserve), followed by early if both send windows have room for it now;
+// sentEarly says whether they had. Stream ids must reach the wire in
+// increasing order, so the id is taken under the write lock.
+func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, sentEarly bool, err error) {
 	c.wmu.Lock()
 	c.mu.Lock()
 	if c.err != nil || c.goAway || c.nextID > maxStreamID {
@@ -83,26 +94,38 @@ func (c *conn) openStream(fields []hpack.HeaderField) (*Stream, error) {
 		if closeNow {
 			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 		}
-		return nil, fmt.Errorf("%w: connection going away", errRetry)
+		return nil, false, fmt.Errorf("%w: connection going away", errRetry)
 	}
-	s := newStream(c, c.nextID)
+	s = newStream(c, c.nextID)
 	c.nextID += 2
 	s.sendWindow = c.peerInitWindow
 	c.streams[s.id] = s
+	n := int64(len(early))
+	sentEarly = n > 0 && n <= s.sendWindow && n <= c.sendWindow
+	if sentEarly {
+		s.sendWindow -= n
+		c.sendWindow -= n
+	}
 	c.mu.Unlock()
-	err := c.writeHeadersLocked(s.id, fields, false)
+	err = c.writeHeadersLocked(s.id, fields, false)
+	if err == nil && sentEarly {
+		err = c.fr.WriteData(s.id, false, early)
+	}
+	if err == nil {
+		err = c.bw.Flush()
+	}
 	c.wmu.Unlock()
 	if err != nil {
 		c.close(http2.ErrCodeNo, fmt.Errorf("write request: %w", err), false)
-		return nil, fmt.Errorf("%w: %w", ErrConnClosed, err)
+		return nil, false, fmt.Errorf("%w: %w", ErrConnClosed, err)
 	}
-	return s, nil
+	return s, sentEarly, nil
 }
 
-// roundTrip opens a stream and waits for the 200 that establishes the
-// tunnel.
-func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField) (*Stream, error) {
-	s, err := c.openStream(fields)
+// roundTrip opens a stream, sends early data and waits for the 200 that
+// establishes the tunnel.
+func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early []byte) (*Stream, error) {
+	s, sentEarly, err := c.openStream(fields, early)
 	if err != nil {
 		return nil, err
 	}
@@ -128,6 +151,12 @@ func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField) (*Stre
 		}
 		s.Close()
 		return nil, &StatusError{Status: status, Reason: reason}
+	}
+	if len(early) > 0 && !sentEarly {
+		if _, err := s.Write(early); err != nil {
+			s.Close()
+			return nil, fmt.Errorf("send early data: %w", err)
+		}
 	}
 	return s, nil
 }

@@ -693,7 +693,8 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 }
 
 // writeHeadersLocked encodes fields and writes HEADERS (and CONTINUATION
-// when the block exceeds the peer's frame size). The caller holds wmu.
+// when the block exceeds the peer's frame size) into bw; the caller holds
+// wmu and flushes.
 func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end bool) error {
 	if limit := c.peerTableSize.Load(); limit != c.hencLimit {
 		c.henc.SetMaxDynamicTableSizeLimit(limit)
@@ -730,7 +731,7 @@ func (c *conn) writeHeadersLocked(id uint32, fields []hpack.HeaderField, end boo
 		}
 		first = false
 	}
-	return c.bw.Flush()
+	return nil
 }
 
 // addActiveLocked counts a new (or reserved) stream.

@@ -672,6 +672,7 @@ func TestRequestValidation(t *testing.T) {
 		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Forwarded: "for=\"x\"\r\nevil: 1"},
 		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Header: http.Header{"Connection": {"close"}}},
 		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), Header: http.Header{"Bad Name": {"x"}}},
+		{Authority: netip.MustParseAddrPort("10.0.0.1:80"), EarlyData: make([]byte, MaxEarlyData+1)},
 	}
 	for _, r := range bad {
 		if _, err := p.Connect(context.Background(), PoolKey{}, tcpDial, mustClientTLS(), r); err == nil {
@@ -681,4 +682,49 @@ func TestRequestValidation(t *testing.T) {
 	if st := p.Stats(); st.DialsTotal != 0 {
 		t.Errorf("invalid requests dialled: %+v", st)
 	}
+}
+
+// Early data reaches the destination before anything written after
+// Connect, in order, on a fresh connection and on a pooled one.
+func TestEarlyData(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	good, _ := pkis()
+	for i, size := range []int{1, MaxEarlyData} {
+		early := bytes.Repeat([]byte{byte('a' + i)}, size)
+		s, err := e.pool.Connect(context.Background(), e.key, tcpDial, good.clientTLS(), Request{Authority: app, EarlyData: early})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rest := bytes.Repeat([]byte("z"), 100000)
+		if _, err := s.Write(rest); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		got, err := io.ReadAll(s)
+		s.Close()
+		if err != nil || !bytes.Equal(got, append(early, rest...)) {
+			t.Fatalf("stream %d: echoed %d bytes (err %v), want the %d early bytes then the rest", i, len(got), err, size)
+		}
+	}
+	if st := e.pool.Stats(); st.DialsTotal != 1 {
+		t.Errorf("pool stats = %+v, want the second stream on the pooled connection", st)
+	}
+}
+
+// A refused tunnel drops its early data: the application never sees it.
+func TestEarlyDataRefused(t *testing.T) {
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		return Response{Status: http.StatusForbidden, Reason: "denied"}
+	}, ServerOptions{}, PoolOptions{})
+	good, _ := pkis()
+	_, err := e.pool.Connect(context.Background(), e.key, tcpDial, good.clientTLS(),
+		Request{Authority: netip.MustParseAddrPort("10.0.0.2:80"), EarlyData: []byte("secret")})
+	var se *StatusError
+	if !errors.As(err, &se) || se.Status != http.StatusForbidden {
+		t.Fatalf("err = %v, want 403", err)
+	}
+	eventually(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 }

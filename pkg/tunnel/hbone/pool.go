@@ -102,12 +102,15 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 	if err != nil {
 		return nil, err
 	}
+	if len(req.EarlyData) > MaxEarlyData {
+		return nil, fmt.Errorf("hbone early data of %d bytes exceeds %d", len(req.EarlyData), MaxEarlyData)
+	}
 	for attempt := 1; ; attempt++ {
 		c, err := p.reserve(ctx, key, dial, tlsConf)
 		if err != nil {
 			return nil, err
 		}
-		s, err := c.roundTrip(ctx, fields)
+		s, err := c.roundTrip(ctx, fields, req.EarlyData)
 		if err == nil {
 			return s, nil
 		}

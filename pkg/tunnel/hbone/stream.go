@@ -505,6 +505,9 @@ func (s *Stream) writeResponse(status int, reason string, end bool) error {
 	c := s.c
 	c.wmu.Lock()
 	err := c.writeHeadersLocked(s.id, fields, end)
+	if err == nil {
+		err = c.bw.Flush()
+	}
 	c.wmu.Unlock()
 	if err != nil {
 		c.close(http2.ErrCodeNo, fmt.Errorf("write response: %w", err), false)
