@@ -91,33 +91,38 @@ type SocketOptions struct {
 func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {
 	var serr error
 	err := c.Control(func(fd uintptr) {
-		if o.Mark != 0 {
-			if serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.Mark)); serr != nil {
-				serr = fmt.Errorf("set SO_MARK: %w", serr)
-				return
-			}
-		}
-		if !o.Transparent {
-			return
-		}
-		switch network {
-		case "tcp4":
-			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
-		default:
-			// An IPv6 socket may carry IPv4 too; set both where possible.
-			serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
-			if serr == nil {
-				_ = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
-			}
-		}
-		if serr != nil {
-			serr = fmt.Errorf("set transparent: %w", serr)
-		}
+		serr = o.apply(int(fd), network == "tcp4")
 	})
 	if err != nil {
 		return err
 	}
 	return serr
+}
+
+// apply sets the options on socket fd; ipv4Only says it is an AF_INET
+// socket (an IPv6 one may carry IPv4 too).
+func (o SocketOptions) apply(fd int, ipv4Only bool) error {
+	if o.Mark != 0 {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(o.Mark)); err != nil {
+			return fmt.Errorf("set SO_MARK: %w", err)
+		}
+	}
+	if !o.Transparent {
+		return nil
+	}
+	var err error
+	if ipv4Only {
+		err = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+	} else {
+		err = unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+		if err == nil {
+			_ = unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("set transparent: %w", err)
+	}
+	return nil
 }
 
 // Listen opens a TCP listener inside the network namespace at path.
@@ -133,21 +138,4 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, path, err)
 	}
 	return l, nil
-}
-
-// Dial connects from inside the network namespace at path. The socket is
-// created and connected on a thread in that namespace; afterwards it is an
-// ordinary net.Conn.
-func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
-	var c net.Conn
-	err := Do(path, func() error {
-		var err error
-		d := net.Dialer{Control: opts.control, LocalAddr: opts.Local}
-		c, err = d.DialContext(ctx, network, addr)
-		return err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("dial %s from %s: %w", addr, path, err)
-	}
-	return c, nil
 }

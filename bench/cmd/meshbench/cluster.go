@@ -112,7 +112,7 @@ spec:
 	}
 	for _, n := range c.topo.Nodes {
 		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: bin, Manifest: c.manPath, CADir: caDir,
-			BPFRoot: filepath.Join(dir, "bpf-"+n.Name),
+			BPFRoot: filepath.Join(dir, "bpf-"+n.Name), Env: cfg.AgentEnv,
 			// The harness asks for debug logs; per-connection logging
 			// would be part of what we measure. The last flag wins.
 			Args: []string{"--log-level", "info", fmt.Sprintf("--sockops-acceleration=%v", cfg.Sockops)}})

@@ -24,6 +24,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -108,6 +109,8 @@ type config struct {
 	Micro       bool          `json:"micro"`
 	// Sockops starts the agents with SOCKOPS_ACCELERATION on.
 	Sockops bool `json:"sockops"`
+	// AgentEnv is extra environment for the agents (e.g. GOMAXPROCS=1).
+	AgentEnv []string `json:"agent_env,omitempty"`
 	// Strict fails the run unless every variant produced every number.
 	Strict bool `json:"-"`
 
@@ -150,6 +153,13 @@ func parseConfig(args []string) (config, error) {
 	fs.BoolVar(&c.Micro, "micro", true, "also run the Go microbenchmarks of ./pkg/...")
 	fs.BoolVar(&c.Strict, "strict", false, "fail unless every variant produced every number (the CI smoke run)")
 	fs.BoolVar(&c.Sockops, "sockops", false, "run the agents with --sockops-acceleration=true (compare with a run without)")
+	fs.Func("agent-env", "NAME=value added to the agents' environment (repeatable), e.g. GOMAXPROCS=1", func(v string) error {
+		if name, _, ok := strings.Cut(v, "="); !ok || name == "" {
+			return fmt.Errorf("want NAME=value, got %q", v)
+		}
+		c.AgentEnv = append(c.AgentEnv, v)
+		return nil
+	})
 	fs.StringVar(&c.Bin, "bin", "bin", "directory holding the redirector binary")
 	fs.StringVar(&c.Fortio, "fortio", "", "fortio binary (built by make bench)")
 	fs.StringVar(&c.Out, "out", "bench/results", "where results, plot and profiles go")

@@ -1,0 +1,150 @@
+package netns
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Dial connects to addr, a numeric ip:port, from inside the network
+// namespace at path; network is "tcp", "tcp4" or "tcp6".
+//
+// Only the socket is made on a thread in that namespace: a socket keeps
+// the namespace it was created in. Options, bind, connect and the wait for
+// the handshake happen on the caller's goroutine through the runtime poller,
+// so a connect in progress holds no OS thread locked in a namespace.
+func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+	c, err := dial(ctx, path, network, addr, opts)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s from %s: %w", addr, path, err)
+	}
+	return c, nil
+}
+
+func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	dst, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("want a numeric ip:port: %w", err)
+	}
+	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
+	family := unix.AF_INET6
+	switch {
+	case network == "tcp4" && !dst.Addr().Is4(), network == "tcp6" && dst.Addr().Is4():
+		return nil, fmt.Errorf("address %s is not %s", dst, network)
+	case network != "tcp" && network != "tcp4" && network != "tcp6":
+		return nil, fmt.Errorf("network %q: want tcp, tcp4 or tcp6", network)
+	case dst.Addr().Is4() && network != "tcp6":
+		family = unix.AF_INET
+	}
+	local, err := bindAddr(opts.Local, family)
+	if err != nil {
+		return nil, err
+	}
+	var fd int
+	err = Do(path, func() error {
+		var err error
+		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+		return os.NewSyscallError("socket", err)
+	})
+	if err != nil {
+		return nil, err
+	}
+	// From here the socket belongs to f, which registers it with the poller.
+	f := os.NewFile(uintptr(fd), "netns-dial")
+	defer f.Close()
+	if err := opts.apply(fd, family == unix.AF_INET); err != nil {
+		return nil, err
+	}
+	if local != nil {
+		if err := unix.Bind(fd, local); err != nil {
+			return nil, os.NewSyscallError("bind", err)
+		}
+	}
+	if err := connect(ctx, f, fd, sockaddr(dst, family)); err != nil {
+		return nil, err
+	}
+	// FileConn duplicates the connected socket into an ordinary
+	// *net.TCPConn (addresses known, splice and SetLinger available).
+	return net.FileConn(f)
+}
+
+// connect starts a non-blocking connect on fd and waits, through f's
+// poller registration, until the handshake finished or ctx ended.
+func connect(ctx context.Context, f *os.File, fd int, sa unix.Sockaddr) error {
+	err := unix.Connect(fd, sa)
+	switch {
+	case err == nil:
+		return nil
+	case !errors.Is(err, unix.EINPROGRESS) && !errors.Is(err, unix.EINTR):
+		return os.NewSyscallError("connect", err)
+	}
+	if d, ok := ctx.Deadline(); ok {
+		_ = f.SetWriteDeadline(d)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+	defer stop()
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cerr error
+	werr := rc.Write(func(fd uintptr) bool {
+		errno, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR)
+		switch {
+		case err != nil:
+			cerr = os.NewSyscallError("getsockopt", err)
+			return true
+		case errno != 0 && unix.Errno(errno) != unix.EINPROGRESS && unix.Errno(errno) != unix.EALREADY:
+			cerr = os.NewSyscallError("connect", unix.Errno(errno))
+			return true
+		}
+		// Writable with no error can still be spurious: connected only
+		// once the peer's address is there.
+		_, err = unix.Getpeername(int(fd))
+		return err == nil
+	})
+	if werr != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return werr
+	}
+	return cerr
+}
+
+// bindAddr converts the local address a dialer binds to; nil: none.
+func bindAddr(local net.Addr, family int) (unix.Sockaddr, error) {
+	if local == nil {
+		return nil, nil
+	}
+	ta, ok := local.(*net.TCPAddr)
+	if !ok {
+		return nil, fmt.Errorf("local address %v: want *net.TCPAddr", local)
+	}
+	ap := ta.AddrPort()
+	a := ap.Addr().Unmap()
+	if !a.IsValid() {
+		return nil, fmt.Errorf("local address %v is not an IP address", local)
+	}
+	if family == unix.AF_INET && !a.Is4() {
+		return nil, fmt.Errorf("local address %v cannot dial an IPv4 destination", local)
+	}
+	return sockaddr(netip.AddrPortFrom(a, ap.Port()), family), nil
+}
+
+// sockaddr is ap for a socket of family (IPv4 mapped into an AF_INET6 one).
+func sockaddr(ap netip.AddrPort, family int) unix.Sockaddr {
+	if family == unix.AF_INET {
+		return &unix.SockaddrInet4{Port: int(ap.Port()), Addr: ap.Addr().As4()}
+	}
+	return &unix.SockaddrInet6{Port: int(ap.Port()), Addr: ap.Addr().As16()}
+}

@@ -1,0 +1,131 @@
+package netns_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// acceptOne listens in pod on port and reports the peer address of each
+// connection it accepts.
+func acceptOne(t *testing.T, pod *netnstest.Pod, port int) <-chan netip.AddrPort {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), pod.Path(), "tcp", net.JoinHostPort("::", strconv.Itoa(port)), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	peers := make(chan netip.AddrPort, 8)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			ap := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+			peers <- netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
+			c.Close()
+		}
+	}()
+	return peers
+}
+
+// Dial makes its socket in the source pod's namespace: the server sees the
+// pod's address, over IPv4 and IPv6, and the conn knows both ends.
+func TestDialFromNamespace(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	peers := acceptOne(t, b, 8080)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, dst := range []netip.Addr{b.IPv4, b.IPv6} {
+		addr := netip.AddrPortFrom(dst, 8080)
+		c, err := netns.Dial(ctx, a.Path(), "tcp", addr.String(), netns.SocketOptions{Mark: 0x539})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.RemoteAddr().(*net.TCPAddr).AddrPort(); got.Addr().Unmap() != dst || got.Port() != 8080 {
+			t.Errorf("RemoteAddr = %v, want %v", got, addr)
+		}
+		local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+		if _, ok := c.(*net.TCPConn); !ok {
+			t.Errorf("Dial returned %T, want *net.TCPConn", c)
+		}
+		rc, _ := c.(syscall.Conn).SyscallConn()
+		var mark int
+		_ = rc.Control(func(fd uintptr) { mark, _ = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK) })
+		if mark != 0x539 {
+			t.Errorf("SO_MARK = %#x, want 0x539", mark)
+		}
+		select {
+		case p := <-peers:
+			if want := (netip.AddrPortFrom(local.Addr().Unmap(), local.Port())); p != want || !slices.Contains(a.Addrs(), p.Addr()) {
+				t.Errorf("server saw %v, want pod a's %v", p, want)
+			}
+		case <-ctx.Done():
+			t.Fatal("server saw no connection")
+		}
+		c.Close()
+	}
+}
+
+// A local address binds the socket before connect.
+func TestDialBindsLocal(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	peers := acceptOne(t, b, 8081)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	local := &net.TCPAddr{IP: a.IPv4.AsSlice(), Port: 40001}
+	c, err := netns.Dial(ctx, a.Path(), "tcp", netip.AddrPortFrom(b.IPv4, 8081).String(), netns.SocketOptions{Local: local, Transparent: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if p := <-peers; p != netip.AddrPortFrom(a.IPv4, 40001) {
+		t.Errorf("server saw %v, want %v", p, local)
+	}
+}
+
+// Failures name what went wrong and never hang.
+func TestDialErrors(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+
+	_, err := netns.Dial(ctx, a.Path(), "tcp", netip.AddrPortFrom(b.IPv4, 9).String(), netns.SocketOptions{})
+	if !errors.Is(err, unix.ECONNREFUSED) {
+		t.Errorf("dial to a closed port: %v, want connection refused", err)
+	}
+	cancelled, stop := context.WithCancel(ctx)
+	stop()
+	if _, err := netns.Dial(cancelled, a.Path(), "tcp", netip.AddrPortFrom(b.IPv4, 9).String(), netns.SocketOptions{}); !errors.Is(err, context.Canceled) {
+		t.Errorf("dial with a cancelled context: %v", err)
+	}
+	bad := []struct{ network, addr, want string }{
+		{"tcp", "localhost:80", "numeric"},
+		{"udp", netip.AddrPortFrom(b.IPv4, 80).String(), `network "udp"`},
+		{"tcp6", netip.AddrPortFrom(b.IPv4, 80).String(), "is not tcp6"},
+	}
+	for _, c := range bad {
+		if _, err := netns.Dial(ctx, a.Path(), c.network, c.addr, netns.SocketOptions{}); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("Dial(%s, %s) = %v, want an error about %s", c.network, c.addr, err, c.want)
+		}
+	}
+	if _, err := netns.Dial(ctx, "/nonexistent/netns", "tcp", netip.AddrPortFrom(b.IPv4, 80).String(), netns.SocketOptions{}); err == nil || !strings.Contains(err.Error(), "/nonexistent/netns") {
+		t.Errorf("dial from a missing namespace: %v", err)
+	}
+}
