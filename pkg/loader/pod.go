@@ -52,9 +52,17 @@ func (p *Pod) validate() error {
 
 // AttachPod redirects the pod's traffic: it attaches the programs to the pod's
 // interface inside its namespace, adds the fwmark rule and local route, sets
-// the interface sysctls re-injection needs, pins the links, and writes the
-// enrollment entries last. It is idempotent: attaching an attached pod
-// updates it in place. On error nothing of the pod is left behind.
+// the interface sysctls re-injection needs, pins the links, attaches the
+// host-probe SNAT to the host end of its veth, and writes the enrollment
+// entries last. It is idempotent: attaching an attached pod updates it in
+// place. On error nothing of the pod is left behind.
+//
+// A new pod's outbound capture does not wait for the host-probe SNAT: each
+// new tcx link costs the kernel an RCU grace period (milliseconds, one at a
+// time node-wide), so once the pod's own links are in place its addresses
+// that have no entry yet get one with inbound capture off, which changes
+// nothing for connections to the pod; inbound capture is switched on only
+// after the host programs are attached, as before.
 //
 // The tunnel's listeners in the pod should exist before this is called: from
 // the moment the entries are written, captured SYNs without a listener are
@@ -106,8 +114,12 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 			}
 		}
 	}
-	// Probe SNAT on the host end comes before the entries: from the moment
-	// inbound capture is on, kubelet's probes must already bypass it.
+	// Probe SNAT on the host end comes before inbound capture: from the
+	// moment it is on, kubelet's probes must already bypass it. Outbound
+	// capture of a new pod starts before (see above).
+	if err == nil && !existed {
+		err = l.enrollOutbound(p.Addrs, meta.Settings)
+	}
 	if err == nil {
 		err = l.attachHostProbe(ctx, id, meta)
 	}
@@ -123,6 +135,25 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 		return PodState{}, fmt.Errorf("enroll pod %s: %w", p, err)
 	}
 	return PodState{ID: id, Meta: meta}, nil
+}
+
+// enrollOutbound gives each address without an enrollment entry one with
+// the pod's settings but inbound capture off. An existing entry is never
+// touched: that would turn its inbound capture off, if only briefly.
+func (l *Loader) enrollOutbound(addrs []netip.Addr, s maps.PodSettings) error {
+	s.CaptureInbound = false
+	for _, a := range addrs {
+		if _, ok, err := l.maps.Pod(a); err != nil || ok {
+			if err != nil {
+				return err
+			}
+			continue
+		}
+		if err := errors.Join(l.maps.CreateCounters(a), l.maps.SetPod(a, s)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMeta, existed bool) error {

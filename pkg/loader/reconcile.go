@@ -26,7 +26,9 @@ type PodServer interface {
 
 // NetNSFinder maps addresses to network namespace paths (netns.Finder).
 type NetNSFinder interface {
-	Scan() (map[netip.Addr]string, error)
+	// ScanFor maps addresses to the paths of the namespaces that hold them.
+	// It may stop once every address in want is found, and leave others out.
+	ScanFor(want []netip.Addr) (map[netip.Addr]string, error)
 }
 
 // Reconciler keeps what is attached (pinned links, enrollment entries,
@@ -95,20 +97,31 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		served[uid] = true
 	}
 	wanted := map[string]bool{}
+
+	// Pods without a namespace take their attachment's; the others are
+	// looked up by address, all in one scan that ends once they are found.
+	want = slices.Clone(want)
+	var lookup []netip.Addr
+	for i := range want {
+		p := &want[i]
+		if cur, ok := attached[p.UID]; p.NetNS == "" && ok && pathExists(cur.Meta.NetNS) {
+			p.NetNS = cur.Meta.NetNS
+		}
+		if p.NetNS == "" {
+			lookup = append(lookup, p.Addrs...)
+		}
+	}
 	var scan map[netip.Addr]string
+	if len(lookup) > 0 {
+		if scan, err = r.finder.ScanFor(lookup); err != nil {
+			r.log.WarnContext(ctx, "network namespace scan incomplete", "error", err)
+		}
+	}
 
 	for _, p := range want {
 		wanted[p.UID] = true
 		cur, isAttached := attached[p.UID]
-		if p.NetNS == "" && isAttached && pathExists(cur.Meta.NetNS) {
-			p.NetNS = cur.Meta.NetNS
-		}
 		if p.NetNS == "" {
-			if scan == nil {
-				if scan, err = r.finder.Scan(); err != nil {
-					r.log.WarnContext(ctx, "network namespace scan incomplete", "error", err)
-				}
-			}
 			p.NetNS = findNetNS(scan, p.Addrs)
 			if p.NetNS == "" {
 				res.Errors = append(res.Errors, fmt.Errorf("pod %s: no network namespace owns its addresses %v", p, p.Addrs))

@@ -28,12 +28,37 @@ func DefaultFinder() *Finder {
 
 // Scan maps every address found in any candidate namespace (except
 // loopback) to a path of that namespace. The root namespace of the agent is
-// left out: a pod never lives there.
+// left out: a pod never lives there. Namespaces are visited in a fixed
+// order (each directory of NetNSDirs by name, then /proc by pid name), and
+// an address found in several maps to the first.
 func (f *Finder) Scan() (map[netip.Addr]string, error) {
+	return f.scan(nil)
+}
+
+// ScanFor is Scan that stops as soon as every address in want has been
+// found. It visits the namespaces in Scan's order, so for each address of
+// want it gives what Scan would; other addresses may be missing from the
+// result. Usually the pods' namespaces are named ones, and the walk of
+// /proc is skipped.
+func (f *Finder) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
+	if len(want) == 0 {
+		return map[netip.Addr]string{}, nil
+	}
+	return f.scan(want)
+}
+
+// scan visits the candidate namespaces; with want non-nil it stops once all
+// of want is found.
+func (f *Finder) scan(want []netip.Addr) (map[netip.Addr]string, error) {
 	own, err := Inode("/proc/self/ns/net")
 	if err != nil {
 		return nil, err
 	}
+	missing := map[netip.Addr]bool{}
+	for _, a := range want {
+		missing[a.Unmap()] = true
+	}
+	done := func() bool { return want != nil && len(missing) == 0 }
 	seen := map[uint64]bool{own: true}
 	out := map[netip.Addr]string{}
 	var errs []error
@@ -51,6 +76,7 @@ func (f *Finder) Scan() (map[netip.Addr]string, error) {
 		for _, a := range addrs {
 			if _, dup := out[a]; !dup {
 				out[a] = path
+				delete(missing, a)
 			}
 		}
 	}
@@ -60,13 +86,23 @@ func (f *Finder) Scan() (map[netip.Addr]string, error) {
 			errs = append(errs, fmt.Errorf("read %s: %w", dir, err))
 		}
 		for _, e := range entries {
+			if done() {
+				return out, nil
+			}
 			visit(filepath.Join(dir, e.Name()))
 		}
 	}
 	if f.ProcDir != "" {
-		matches, _ := filepath.Glob(filepath.Join(f.ProcDir, "[0-9]*", "ns", "net"))
-		for _, m := range matches {
-			visit(m)
+		// /proc/<pid>/ns/net of every process, pids in name order. One stat
+		// per process (in visit), where a glob would read two directories.
+		entries, _ := os.ReadDir(f.ProcDir)
+		for _, e := range entries {
+			if done() {
+				return out, nil
+			}
+			if name := e.Name(); name[0] >= '0' && name[0] <= '9' {
+				visit(filepath.Join(f.ProcDir, name, "ns", "net"))
+			}
 		}
 	}
 	if len(out) == 0 && len(errs) > 0 {
@@ -75,16 +111,22 @@ func (f *Finder) Scan() (map[netip.Addr]string, error) {
 	return out, nil
 }
 
+// addrsIn lists the addresses in the namespace at path, one address family
+// at a time: a dump of a single family does not take the kernel's RTNL lock
+// (an AF_UNSPEC dump does), so a scan never queues behind tc, route or
+// namespace changes elsewhere on the node.
 func addrsIn(path string) ([]netip.Addr, error) {
 	var out []netip.Addr
 	err := Do(path, func() error {
-		list, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
-		if err != nil {
-			return err
-		}
-		for _, a := range list {
-			if ip, ok := netip.AddrFromSlice(a.IP); ok && !ip.IsLoopback() {
-				out = append(out, ip.Unmap())
+		for _, fam := range []int{netlink.FAMILY_V4, netlink.FAMILY_V6} {
+			list, err := netlink.AddrList(nil, fam)
+			if err != nil {
+				return err
+			}
+			for _, a := range list {
+				if ip, ok := netip.AddrFromSlice(a.IP); ok && !ip.IsLoopback() {
+					out = append(out, ip.Unmap())
+				}
 			}
 		}
 		return nil

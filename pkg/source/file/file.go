@@ -27,12 +27,18 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
-// Timings of the watch loop. Editors write a file in several steps; the
-// debounce makes one reload out of them.
-const (
-	debounce   = 50 * time.Millisecond
-	rewatchGap = time.Second
-)
+// Timings of the watch loop. A write (or an editor's write, fsync and
+// rename) fires several events within a few milliseconds; the debounce makes
+// one reload out of them, 10 ms after the last, so that a new pod is seen
+// quickly. Events that never pause (a busy directory) still reload every
+// half second, and reloads come at most every 50 ms.
+//
+// A file written in place in pieces with pauses of more than the quiet
+// period can be read half-written; replace files atomically (write a new file
+// and rename it over the old one), as ConfigMap volumes and editors do.
+var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 500 * time.Millisecond, MinGap: 50 * time.Millisecond}
+
+const rewatchGap = time.Second
 
 // Source watches PATH and delivers a full snapshot at start and after every
 // change of the bytes it reads.
@@ -91,8 +97,8 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	var last delivered
 	s.reload(update, &last)
 
-	reload := time.NewTimer(debounce)
-	reload.Stop()
+	reload := source.NewDebouncer(debounce)
+	defer reload.Stop()
 	var rewatch <-chan time.Time
 	for {
 		select {
@@ -109,13 +115,13 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 				rewatch = time.After(rewatchGap)
 				continue
 			}
-			reload.Reset(debounce)
+			reload.Changed()
 		case err, ok := <-w.Errors:
 			if !ok {
 				return errors.New("file source: watcher closed")
 			}
 			s.log.Warn("watch error", "err", err)
-			reload.Reset(debounce)
+			reload.Changed()
 		case <-rewatch:
 			if err := w.Add(dir); err != nil {
 				rewatch = time.After(rewatchGap)
@@ -124,8 +130,10 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			rewatch = nil
 			s.log.Info("watched directory is back", "dir", dir)
 			s.reload(update, &last)
-		case <-reload.C:
-			s.reload(update, &last)
+		case <-reload.C():
+			if reload.Due() {
+				s.reload(update, &last)
+			}
 		}
 	}
 }

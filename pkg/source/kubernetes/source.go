@@ -48,9 +48,11 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
-// debounce is how long a change waits for more before a snapshot is built: a rollout or the
-// initial list fires hundreds of events, and consumers diff whole snapshots.
-const debounce = 50 * time.Millisecond
+// debounce says when changes become a snapshot: a rollout fires hundreds of events, and
+// consumers diff whole snapshots, so a burst is one snapshot and there is at most one per
+// 50 ms, at most 50 ms after a change; a lone change (a new pod) waits only 10 ms for
+// company.
+var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 50 * time.Millisecond, MinGap: 50 * time.Millisecond}
 
 // defaultPolicyRecheck is how often to look again for missing Istio CRDs.
 const defaultPolicyRecheck = 30 * time.Second
@@ -215,18 +217,18 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 
 	recheck := time.NewTicker(s.cfg.PolicyRecheck)
 	defer recheck.Stop()
-	var due <-chan time.Time // non-nil while a snapshot waits out the debounce
+	due := source.NewDebouncer(debounce)
+	defer due.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
 		case <-changed:
-			if due == nil {
-				due = time.After(debounce)
+			due.Changed()
+		case <-due.C():
+			if due.Due() {
+				update(l.snapshot())
 			}
-		case <-due:
-			due = nil
-			update(l.snapshot())
 		case <-recheck.C:
 			if !pw.missing() {
 				continue
