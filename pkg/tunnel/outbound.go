@@ -68,7 +68,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
 	t := p.t
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
-	key := hbone.PoolKey{SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
+	key := hbone.PoolKey{Src: src.Addr(), SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
 		return netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})
 	}

@@ -121,6 +121,11 @@ func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
 		ctx, cancel := context.WithTimeout(ctx, time.Second)
 		defer cancel()
 		p.stop(ctx)
+		// Its pooled HBONE connections live in its namespace: close them
+		// rather than leave them to a peer that may never answer again.
+		if n := t.cfg.Pool.Evict(func(k hbone.PoolKey) bool { return p.owns(k.Src) }); n > 0 {
+			t.log.DebugContext(ctx, "closed the pod's HBONE connections", "pod", uid, "connections", n)
+		}
 	}
 	return nil
 }

@@ -13,6 +13,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -378,29 +379,134 @@ func TestPooledConnections(t *testing.T) {
 }
 
 // countEstablished counts established TCP sockets with local port port in
-// the current network namespace, from /proc/net/tcp{,6}.
+// the current network namespace.
 func countEstablished(port int) (int, error) {
-	n := 0
+	peers, err := establishedPeers(port)
+	return len(peers), err
+}
+
+// establishedPeers lists the remote addresses of established TCP sockets
+// with local port port in the current network namespace, from
+// /proc/net/tcp{,6}.
+func establishedPeers(port int) ([]netip.Addr, error) {
+	var peers []netip.Addr
 	for _, f := range []string{"/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"} {
 		b, err := os.ReadFile(f)
 		if err != nil {
 			if errors.Is(err, os.ErrNotExist) {
 				continue
 			}
-			return 0, err
+			return nil, err
 		}
 		for _, line := range strings.Split(string(b), "\n")[1:] {
 			fields := strings.Fields(line)
-			if len(fields) < 4 {
+			if len(fields) < 4 || !strings.HasSuffix(fields[1], fmt.Sprintf(":%04X", port)) || fields[3] != "01" {
 				continue
 			}
-			local := fields[1]
-			if strings.HasSuffix(local, fmt.Sprintf(":%04X", port)) && fields[3] == "01" {
-				n++
+			ip, _, _ := strings.Cut(fields[2], ":")
+			a, err := procAddr(ip)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", f, err)
 			}
+			peers = append(peers, a)
 		}
 	}
-	return n, nil
+	return peers, nil
+}
+
+// procAddr decodes an address as /proc/net/tcp prints it: hex, in 32-bit
+// words of host (little-endian) byte order.
+func procAddr(s string) (netip.Addr, error) {
+	raw, err := hex.DecodeString(s)
+	if err != nil || (len(raw) != 4 && len(raw) != 16) {
+		return netip.Addr{}, fmt.Errorf("bad address %q", s)
+	}
+	for i := 0; i < len(raw); i += 4 {
+		raw[i], raw[i+1], raw[i+2], raw[i+3] = raw[i+3], raw[i+2], raw[i+1], raw[i]
+	}
+	a, _ := netip.AddrFromSlice(raw)
+	return a.Unmap(), nil
+}
+
+// Two pods with the same identity never share a pooled HBONE connection:
+// each pod's leaves from its own namespace and address. When a pod leaves
+// the mesh its connections are closed, and the other pod's go on.
+func TestPodsNeverShareHBONEConnections(t *testing.T) {
+	var one, two, server *Pod
+	doc := func(clients ...*Pod) *Manifest {
+		m := &Manifest{}
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(server, "mesh", "server-sa")
+		for _, p := range clients {
+			m.Pod(p, "mesh", "client-sa") // one identity for both
+		}
+		return m
+	}
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		one, two = tp.Nodes[0].AddPod("one"), tp.Nodes[0].AddPod("two")
+		server = tp.Nodes[1].AddPod("server")
+		*m = *doc(one, two)
+	})
+	ServeTCP(t, server, 9201, func(c net.Conn) { io.Copy(c, c) })
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error {
+		if n := strings.Count(ms.agents[0].log.String(), "pod enrolled"); n < 2 {
+			return fmt.Errorf("%d of 2 client pods enrolled", n)
+		}
+		return nil
+	})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	echoOnce := func(c net.Conn, msg string) error {
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.WriteString(c, msg); err != nil {
+			return err
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil || string(got) != msg {
+			return fmt.Errorf("echoed %q, %v", got, err)
+		}
+		return nil
+	}
+	conns := map[*Pod]net.Conn{}
+	for _, p := range []*Pod{one, two} {
+		c, err := netns.Dial(ctx, p.Path(), "tcp", netip.AddrPortFrom(server.IPv4, 9201).String(), netns.SocketOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if err := echoOnce(c, "hello from "+p.Name); err != nil {
+			t.Fatalf("%s: %v", p.Name, err)
+		}
+		conns[p] = c
+	}
+	hbonePeers := func() []netip.Addr {
+		var peers []netip.Addr
+		if err := netns.Do(server.Path(), func() error {
+			var err error
+			peers, err = establishedPeers(15008)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return peers
+	}
+	if peers := hbonePeers(); !slices.Contains(peers, one.IPv4) || !slices.Contains(peers, two.IPv4) {
+		t.Fatalf("HBONE connections into the server come from %v, want one from each of %v and %v", peers, one.IPv4, two.IPv4)
+	}
+
+	if err := doc(two).Write(ms.manifest); err != nil {
+		t.Fatal(err)
+	}
+	Eventually(t, 10*time.Second, func() error {
+		if peers := hbonePeers(); slices.Contains(peers, one.IPv4) {
+			return fmt.Errorf("pod one left the mesh, but an HBONE connection from it is still open: %v", peers)
+		}
+		return nil
+	})
+	if err := echoOnce(conns[two], "still there"); err != nil {
+		t.Errorf("pod two's connection after pod one left: %v", err)
+	}
 }
 
 func TestSameNodeIsMeshed(t *testing.T) {

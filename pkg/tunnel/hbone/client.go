@@ -133,6 +133,12 @@ func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early 
 	case <-s.respc:
 	case <-ctx.Done():
 		s.Close()
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			// No answer in time: the peer may be gone without a word (a
+			// black hole never resets). New streams go to a new connection;
+			// this one closes once its streams are done.
+			c.drain()
+		}
 		return nil, ctx.Err()
 	}
 	s.mu.Lock()

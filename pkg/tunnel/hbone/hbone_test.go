@@ -728,3 +728,68 @@ func TestEarlyDataRefused(t *testing.T) {
 	}
 	eventually(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 }
+
+// Pods never share a pooled connection, and evicting one pod's connections
+// fails its streams only.
+func TestPoolKeyedBySourceAndEvict(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	good, _ := pkis()
+	open := func(src string) *Stream {
+		key := e.key
+		key.Src = netip.MustParseAddr(src)
+		s, err := e.pool.Connect(context.Background(), key, tcpDial, good.clientTLS(), Request{Authority: app})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return s
+	}
+	a, b := open("10.0.0.1"), open("10.0.0.2")
+	if st := e.pool.Stats(); st.Conns != 2 || st.DialsTotal != 2 {
+		t.Fatalf("two source pods: %+v, want a connection each", st)
+	}
+	evicted := e.pool.Evict(func(k PoolKey) bool { return k.Src == netip.MustParseAddr("10.0.0.1") })
+	if evicted != 1 {
+		t.Errorf("Evict closed %d connections, want 1", evicted)
+	}
+	if _, err := a.Write([]byte("x")); err == nil {
+		if _, err := a.Read(make([]byte, 1)); err == nil {
+			t.Error("a stream of the evicted pod still works")
+		}
+	}
+	if _, err := b.Write([]byte("y")); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 1)
+	if _, err := io.ReadFull(b, got); err != nil || got[0] != 'y' {
+		t.Errorf("the other pod's stream: %q, %v", got, err)
+	}
+}
+
+// A connection whose peer stops answering is not given new streams: after
+// one Connect times out, the next dials afresh.
+func TestUnansweredConnectRetiresConn(t *testing.T) {
+	var calls atomic.Int32
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		if calls.Add(1) == 1 {
+			<-ctx.Done() // never answer the first request
+			return Response{Status: http.StatusServiceUnavailable}
+		}
+		return dialTarget(ctx, req)
+	}, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, err := e.connect(ctx, app); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("unanswered connect: %v, want a timeout", err)
+	}
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if st := e.pool.Stats(); st.DialsTotal != 2 {
+		t.Errorf("after a timed-out connect: %+v, want a second connection dialled", st)
+	}
+}

@@ -24,6 +24,11 @@ type Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
 // PoolKey identifies the connections streams may share: streams between the
 // same identities to the same HBONE endpoint.
 type PoolKey struct {
+	// Src is the source pod's address. Connections are dialled from the
+	// pod's own network namespace, so pods never share one, even with the
+	// same identity: a connection must not outlive, or leave from, a pod
+	// other than the one whose traffic it carries.
+	Src         netip.Addr
 	SrcIdentity string
 	DstIdentity string
 	// DstAddr is the HBONE endpoint, the destination pod's ip:15008.
@@ -316,6 +321,24 @@ func (p *Pool) Stats() PoolStats {
 		}
 	}
 	return st
+}
+
+// Evict closes the pooled connections whose key matches, failing their
+// streams (a pod went away: nothing may leave from it any more), and
+// returns how many it closed.
+func (p *Pool) Evict(match func(PoolKey) bool) int {
+	p.mu.Lock()
+	var conns []*conn
+	for key, e := range p.entries {
+		if match(key) {
+			conns = append(conns, e.conns...)
+		}
+	}
+	p.mu.Unlock()
+	for _, c := range conns {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: source evicted", ErrConnClosed), true)
+	}
+	return len(conns)
 }
 
 // Close closes every pooled connection, failing their streams, and makes
