@@ -53,7 +53,7 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 	}
 	deadline := time.Now().Add(cniWait)
 	for {
-		a.applyLatest(ctx, false)
+		next := a.applyAndWatch(ctx)
 		w, known := a.tun.State().Dir.Pod(ev.PodNamespace, ev.PodName)
 		switch {
 		case known && !w.Enrolled:
@@ -68,8 +68,11 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			}
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but could not be redirected; see the agent's log", key, w.Reason)
 		}
+		// A new snapshot (the source learning of the pod) wakes the wait;
+		// the poll covers what a snapshot does not signal.
 		select {
 		case <-ctx.Done():
+		case <-next:
 		case <-time.After(200 * time.Millisecond):
 		}
 	}

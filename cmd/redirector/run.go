@@ -221,7 +221,7 @@ func runAgent(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}}
+	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}, applied: make(chan struct{})}
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, ag.handleCNI, log)
 		go func() {
@@ -313,6 +313,9 @@ type agent struct {
 	last     *source.Snapshot
 	cniPods  map[string]cniPod // namespace/name -> what the CNI plugin reported
 	lastHint string
+	// applied is closed (and replaced) after each apply, waking CNI ADDs
+	// that wait for their pod to show up.
+	applied chan struct{}
 }
 
 // setSnapshot records the newest snapshot; it reports whether it was the
@@ -329,10 +332,25 @@ func (a *agent) setSnapshot(s source.Snapshot) bool {
 func (a *agent) applyLatest(ctx context.Context, full bool) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	return a.applyLatestLocked(ctx, full)
+}
+
+// applyAndWatch applies the newest snapshot and returns a channel that the
+// next apply closes, so a caller waiting for a change misses none.
+func (a *agent) applyAndWatch(ctx context.Context) <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.applyLatestLocked(ctx, false)
+	return a.applied
+}
+
+func (a *agent) applyLatestLocked(ctx context.Context, full bool) bool {
 	if a.last == nil {
 		return false
 	}
 	a.apply(ctx, *a.last, full)
+	close(a.applied)
+	a.applied = make(chan struct{})
 	return true
 }
 
