@@ -123,7 +123,6 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 // ingress program captured. PeerAuthentication STRICT refuses it with a
 // reset; PERMISSIVE and DISABLE forward it after authorization.
 func (p *pod) handleInboundPlaintext(c net.Conn) {
-	defer c.Close()
 	t := p.t
 	ctx := p.ctx
 	dst, client := addrPortOf(c.LocalAddr()), addrPortOf(c.RemoteAddr())
@@ -156,7 +155,5 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		resetConn(c)
 		return
 	}
-	closed := t.cfg.Metrics.open(conn)
-	reqBytes, respBytes, _ := hbone.Relay(c, app)
-	closed(reqBytes, respBytes)
+	p.relay(c, app, t.cfg.Metrics.open(conn))
 }

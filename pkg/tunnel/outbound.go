@@ -22,7 +22,6 @@ import (
 // handleOutbound serves one connection the pod opened and the BPF programs
 // captured. The accepted socket's local address is the original destination.
 func (p *pod) handleOutbound(c net.Conn) {
-	defer c.Close()
 	t := p.t
 	src, dst := addrPortOf(c.RemoteAddr()), addrPortOf(c.LocalAddr())
 	ctx := p.ctx
@@ -53,9 +52,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 		resetConn(c)
 		return
 	}
-	closed := t.cfg.Metrics.open(conn)
-	reqBytes, respBytes, _ := hbone.Relay(c, stream)
-	closed(reqBytes, respBytes)
+	p.relay(c, stream, t.cfg.Metrics.open(conn))
 }
 
 // dialHBONE opens a CONNECT stream to dst through the destination pod's
@@ -138,9 +135,7 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 		resetConn(c)
 		return
 	}
-	closed := t.cfg.Metrics.open(conn)
-	reqBytes, respBytes, _ := hbone.Relay(c, up)
-	closed(reqBytes, respBytes)
+	p.relay(c, up, t.cfg.Metrics.open(conn))
 }
 
 // connectTimeout bounds establishing an upstream connection.

@@ -12,7 +12,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
-	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -173,9 +172,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		if meshed {
 			conn.dstID = t.identityOf(cand.ep.Workload)
 		}
-		closed := t.cfg.Metrics.open(conn)
-		reqBytes, respBytes, _ := hbone.Relay(c, up)
-		closed(reqBytes, respBytes)
+		p.relay(c, up, t.cfg.Metrics.open(conn))
 		return
 	}
 	t.cfg.Metrics.failed(conn)

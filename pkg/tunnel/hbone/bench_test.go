@@ -371,7 +371,8 @@ func BenchmarkIdleConnMemory(b *testing.B) {
 					c.Close()
 					return
 				}
-				_, _, _ = Relay(c, s)
+				// Relay on a fresh goroutine, as the tunnel does.
+				go Relay(c, s)
 			}()
 		}
 	}()

@@ -314,10 +314,17 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 		return
 	}
 	srv.stats.streamsOK.Add(1)
-	fromClient, toClient, err := Relay(s, resp.Upstream)
-	if resp.Done != nil {
-		resp.Done(fromClient, toClient, err)
-	}
+	// The relay runs on a fresh goroutine and this one ends: its stack grew
+	// deep in the handler (the dial) and the response write, and would
+	// stay that size for the life of the tunnel.
+	srv.wg.Add(1)
+	go func() {
+		defer srv.wg.Done()
+		fromClient, toClient, err := Relay(s, resp.Upstream)
+		if resp.Done != nil {
+			resp.Done(fromClient, toClient, err)
+		}
+	}()
 }
 
 // refuse answers with an error status, the reason in a header and the body,
