@@ -102,9 +102,22 @@ func (c *cluster) measureEnrollment(ctx context.Context, r *netnstest.Runner) ([
 	ms[0] = float64(res.SuccessStart-t0.UnixNano()) / 1e6
 	ms[1] = float64(res.SuccessEnd-t0.UnixNano()) / 1e6
 	ms[2] = float64(res.SuccessStart-res.PrevStart) / 1e6
+	// The agent logs `pod enrolled` once the whole enrollment is done,
+	// which can be after the first captured SYN: wait for the line a bit.
 	ms[3] = -1
-	if at, ok := loggedEnrolled(c.agents[0].Log(), "mesh/"+p.Name); ok {
-		ms[3] = float64(at.Sub(t0)) / 1e6
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if at, ok := loggedEnrolled(c.agents[0].Log(), "mesh/"+p.Name); ok {
+			ms[3] = float64(at.Sub(t0)) / 1e6
+			break
+		}
+	}
+	if ms[0] > 1000 { // far off the usual tens of ms: keep the agents' logs to see why
+		for i, a := range c.agents {
+			f := filepath.Join(c.cfg.Out, fmt.Sprintf("enroll-slow-%s-node%d.log", p.Name, i+1))
+			if err := os.WriteFile(f, []byte(a.Log()), 0o644); err == nil {
+				logf("enrollment of %s took %.0f ms; agent log saved as %s", p.Name, ms[0], f)
+			}
+		}
 	}
 	return ms, nil
 }

@@ -10,10 +10,13 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // helpers are the small programs the suite runs inside pod namespaces as
@@ -27,7 +30,35 @@ var helpers = map[string]func(args []string) error{
 	"idle":  idleMain,
 	"probe": probeMain,
 	"relay": relayMain,
+	"spin":  spinMain,
 }
+
+// spinMain keeps one CPU busy at SCHED_IDLE, the lowest priority: it runs
+// only when nothing else wants the CPU, so the CPU never enters its idle
+// state (on a VM: never halts), and a thread woken there runs at once.
+// --awake uses it to show how much of a latency is the wake-up of idle
+// vCPUs rather than work.
+func spinMain(args []string) error {
+	fs := flag.NewFlagSet("spin", flag.ContinueOnError)
+	cpu := fs.Int("cpu", 0, "CPU to keep awake")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	runtime.LockOSThread()
+	var set unix.CPUSet
+	set.Set(*cpu)
+	if err := unix.SchedSetaffinity(0, &set); err != nil {
+		return fmt.Errorf("pin to CPU %d: %w", *cpu, err)
+	}
+	if err := unix.SchedSetAttr(0, &unix.SchedAttr{Size: unix.SizeofSchedAttr, Policy: schedIdle}, 0); err != nil {
+		return fmt.Errorf("SCHED_IDLE: %w", err)
+	}
+	for {
+	}
+}
+
+// schedIdle is the SCHED_IDLE policy (linux/sched.h).
+const schedIdle = 5
 
 // echoMain serves an echo on -listen: every byte read is written back.
 func echoMain(args []string) error {

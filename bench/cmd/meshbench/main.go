@@ -109,6 +109,8 @@ type config struct {
 	Micro       bool          `json:"micro"`
 	// Sockops starts the agents with SOCKOPS_ACCELERATION on.
 	Sockops bool `json:"sockops"`
+	// Awake keeps every CPU out of its idle state with SCHED_IDLE spinners.
+	Awake bool `json:"awake,omitempty"`
 	// AgentEnv is extra environment for the agents (e.g. GOMAXPROCS=1).
 	AgentEnv []string `json:"agent_env,omitempty"`
 	// Strict fails the run unless every variant produced every number.
@@ -153,6 +155,7 @@ func parseConfig(args []string) (config, error) {
 	fs.BoolVar(&c.Micro, "micro", true, "also run the Go microbenchmarks of ./pkg/...")
 	fs.BoolVar(&c.Strict, "strict", false, "fail unless every variant produced every number (the CI smoke run)")
 	fs.BoolVar(&c.Sockops, "sockops", false, "run the agents with --sockops-acceleration=true (compare with a run without)")
+	fs.BoolVar(&c.Awake, "awake", false, "keep every CPU awake with a SCHED_IDLE busy loop (shows what idle-CPU wake-ups cost the latencies)")
 	fs.Func("agent-env", "NAME=value added to the agents' environment (repeatable), e.g. GOMAXPROCS=1", func(v string) error {
 		if name, _, ok := strings.Cut(v, "="); !ok || name == "" {
 			return fmt.Errorf("want NAME=value, got %q", v)

@@ -108,7 +108,7 @@ func (r *results) printTables(w io.Writer) {
 			"enrollment", num(s.Median), num(s.Min), num(s.Max), num(res), num(ans), s.N)
 		if len(r.Agent.EnrollToLogMs) > 0 {
 			lg, _, _ := stats(r.Agent.EnrollToLogMs)
-			fmt.Fprintf(w, "  %-24s the agent logged \"pod enrolled\" after %s ms (median; its file source waits 50 ms for writes to settle)\n", "", num(lg))
+			fmt.Fprintf(w, "  %-24s the agent logged \"pod enrolled\" after %s ms (median; the line comes once the host-probe links are attached too, after capture is on)\n", "", num(lg))
 		}
 	}
 

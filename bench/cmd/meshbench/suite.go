@@ -3,10 +3,15 @@ package main
 import (
 	"context"
 	"fmt"
-	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"runtime"
+	"strconv"
+	"syscall"
 	"time"
+
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
 // test is one measurement made on every variant, once per round.
@@ -114,6 +119,11 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 	if err := os.MkdirAll(cfg.Out, 0o755); err != nil {
 		return err
 	}
+	if cfg.Awake {
+		if err := keepCPUsAwake(r); err != nil {
+			return err
+		}
+	}
 	logf("meshbench: %d rounds; building the cluster (2 nodes, agents, servers, capture setups)", cfg.Runs)
 	t0 := time.Now()
 	cl, err := buildCluster(ctx, r, cfg)
@@ -220,4 +230,22 @@ func rotate(vs []*variant, round int) []*variant {
 
 func logf(format string, args ...any) {
 	fmt.Fprintf(os.Stderr, "%s "+format+"\n", append([]any{time.Now().Format("15:04:05")}, args...)...)
+}
+
+// keepCPUsAwake starts one `meshbench spin` per CPU, stopped by the
+// runner's cleanup.
+func keepCPUsAwake(r *netnstest.Runner) error {
+	for cpu := range runtime.NumCPU() {
+		cmd := exec.Command(selfPath(), "spin", "-cpu", strconv.Itoa(cpu))
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+		if err := cmd.Start(); err != nil {
+			return fmt.Errorf("start CPU spinner: %w", err)
+		}
+		r.Cleanup(func() {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		})
+	}
+	logf("keeping %d CPUs awake with SCHED_IDLE spinners", runtime.NumCPU())
+	return nil
 }
