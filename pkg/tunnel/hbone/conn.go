@@ -45,6 +45,10 @@ const (
 	// half a chunk, so such chunks are at least half full.
 	directReadMin = chunkSize / 2
 
+	// coalesceSize is the write buffer that frames of concurrent writers
+	// share: one TLS record's worth of plaintext.
+	coalesceSize = 16 << 10
+
 	frameHeaderLen     = 9
 	defaultWindow      = 65535 // RFC 9113 initial window
 	defaultMaxFrame    = 16384 // RFC 9113 initial SETTINGS_MAX_FRAME_SIZE
@@ -126,11 +130,15 @@ type conn struct {
 
 	// wmu serializes writes to bw. It is held only while writing, never
 	// while waiting for flow control.
-	wmu       sync.Mutex
-	bw        *bufio.Writer
-	henc      *hpack.Encoder
-	hbuf      bytes.Buffer
-	hencLimit uint32
+	wmu sync.Mutex
+	// dataWaiters counts writeData calls waiting for wmu. While one waits,
+	// the holder leaves its frame in bw for the waiter to flush: frames of
+	// streams writing at the same moment share TLS records and syscalls.
+	dataWaiters atomic.Int32
+	bw          *bufio.Writer
+	henc        *hpack.Encoder
+	hbuf        bytes.Buffer
+	hencLimit   uint32
 
 	mu             sync.Mutex
 	sendCond       sync.Cond // L is &mu: send windows grew, or a stream/the conn failed
@@ -175,10 +183,10 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	c.sendCond.L = &c.mu
 	c.peerMaxFrame.Store(defaultMaxFrame)
 	c.peerTableSize.Store(4096)
-	// Frames other than DATA are small; bw coalesces them into one TLS
-	// record. DATA frames are larger than bw, so bufio hands them to TLS
-	// without copying (bw is always flushed before wmu is released).
-	c.bw = bufio.NewWriterSize(nc, 4<<10)
+	// bw coalesces small frames into one TLS record (at most one full
+	// record's worth); larger DATA frames go to TLS without a copy when bw
+	// is empty.
+	c.bw = bufio.NewWriterSize(nc, coalesceSize)
 	c.fr = http2.NewFramer(c.bw, nc)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.fr.MaxHeaderListSize = maxHeaderListSize
@@ -679,9 +687,14 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 	frame[3] = byte(http2.FrameData)
 	frame[4] = flags
 	frame[5], frame[6], frame[7], frame[8] = byte(id>>24), byte(id>>16), byte(id>>8), byte(id)
+	c.dataWaiters.Add(1)
 	c.wmu.Lock()
+	c.dataWaiters.Add(-1)
 	_, err := c.bw.Write(frame)
-	if err == nil {
+	if err == nil && c.dataWaiters.Load() == 0 {
+		// Nobody queued behind us: send now. Otherwise the last writer
+		// of the burst sends everything (every wmu holder but a
+		// writeData with a waiter flushes before unlocking).
 		err = c.bw.Flush()
 	}
 	c.wmu.Unlock()
