@@ -69,7 +69,7 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but could not be redirected; see the agent's log", key, w.Reason)
 		}
 		// A new snapshot (the source learning of the pod) wakes the wait;
-		// the poll covers what a snapshot does not signal.
+		// the poll covers what a snapshot does not bring (an attach retried).
 		select {
 		case <-ctx.Done():
 		case <-next:

@@ -221,7 +221,7 @@ func runAgent(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}, applied: make(chan struct{})}
+	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}, newSnapshot: make(chan struct{})}
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, ag.handleCNI, log)
 		go func() {
@@ -313,9 +313,11 @@ type agent struct {
 	last     *source.Snapshot
 	cniPods  map[string]cniPod // namespace/name -> what the CNI plugin reported
 	lastHint string
-	// applied is closed (and replaced) after each apply, waking CNI ADDs
-	// that wait for their pod to show up.
-	applied chan struct{}
+	// newSnapshot is closed (and replaced) when the source hands over a
+	// new snapshot, waking CNI ADDs that wait for their pod to show up.
+	// Only the source signals: waiters applying on their own must not wake
+	// each other.
+	newSnapshot chan struct{}
 }
 
 // setSnapshot records the newest snapshot; it reports whether it was the
@@ -325,6 +327,8 @@ func (a *agent) setSnapshot(s source.Snapshot) bool {
 	defer a.mu.Unlock()
 	first := a.last == nil
 	a.last = &s
+	close(a.newSnapshot)
+	a.newSnapshot = make(chan struct{})
 	return first
 }
 
@@ -335,13 +339,13 @@ func (a *agent) applyLatest(ctx context.Context, full bool) bool {
 	return a.applyLatestLocked(ctx, full)
 }
 
-// applyAndWatch applies the newest snapshot and returns a channel that the
-// next apply closes, so a caller waiting for a change misses none.
+// applyAndWatch applies the newest snapshot and returns a channel closed
+// when the next one arrives, so a caller waiting for a change misses none.
 func (a *agent) applyAndWatch(ctx context.Context) <-chan struct{} {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.applyLatestLocked(ctx, false)
-	return a.applied
+	return a.newSnapshot
 }
 
 func (a *agent) applyLatestLocked(ctx context.Context, full bool) bool {
@@ -349,8 +353,6 @@ func (a *agent) applyLatestLocked(ctx context.Context, full bool) bool {
 		return false
 	}
 	a.apply(ctx, *a.last, full)
-	close(a.applied)
-	a.applied = make(chan struct{})
 	return true
 }
 

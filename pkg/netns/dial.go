@@ -49,13 +49,16 @@ func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (
 	if err != nil {
 		return nil, err
 	}
-	var fd int
+	fd := -1
 	err = Do(path, func() error {
 		var err error
 		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
 		return os.NewSyscallError("socket", err)
 	})
 	if err != nil {
+		if fd >= 0 { // made, but the thread could not leave the namespace
+			unix.Close(fd)
+		}
 		return nil, err
 	}
 	// From here the socket belongs to f, which registers it with the poller.

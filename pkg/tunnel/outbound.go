@@ -59,13 +59,13 @@ func (p *pod) handleOutbound(c net.Conn) {
 // HBONE port, from inside the source pod's namespace, on a pooled
 // connection keyed by both identities and the destination pod.
 //
-// What the app already sent on app goes with the request as early data: it
-// is only peeked at, and consumed from app once the tunnel is up, so a
-// refused attempt (or a retry on another endpoint) loses nothing.
+// What the app already sent on app (if not nil) goes with the request as
+// early data: it is only peeked at, and consumed from app once the tunnel
+// is up, so a refused attempt loses nothing.
 func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
 	t := p.t
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
-	key := hbone.PoolKey{Src: src.Addr(), SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
+	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
 		return netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})
 	}
@@ -84,7 +84,7 @@ func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity
 	if err != nil {
 		return nil, fmt.Errorf("HBONE to %s via %s: %w", dst, hboneAddr, err)
 	}
-	if n := len(req.EarlyData); n > 0 {
+	if n := len(req.EarlyData); n > 0 && stream.EarlyDataSent() {
 		// The peeked bytes are still first in app's receive queue.
 		if _, err := io.ReadFull(app, (*early)[:n]); err != nil {
 			stream.Close()
@@ -104,6 +104,9 @@ var peekPool = sync.Pool{New: func() any {
 // without consuming it or waiting; nil when there is nothing or c is not a
 // socket.
 func peek(c net.Conn, buf []byte) []byte {
+	if c == nil {
+		return nil
+	}
 	sc, ok := c.(syscall.Conn)
 	if !ok {
 		return nil

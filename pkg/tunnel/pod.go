@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
@@ -27,9 +28,17 @@ type pod struct {
 	hbone  *hbone.Server
 	wg     sync.WaitGroup // accept loops and connection handlers
 
+	// id names this instance of the pod for the HBONE pool: a pod served
+	// again from a new namespace, or a new pod on a reused address, never
+	// shares the old one's connections.
+	id string
+
 	mu    sync.Mutex
 	conns map[net.Conn]int // accepted connections and how many goroutines hold each
 }
+
+// podSeq numbers pod instances (pod.id).
+var podSeq atomic.Uint64
 
 // listen opens the pod's listeners on the wildcard address: one dual-stack
 // IPv6 socket when the namespace has IPv6, else IPv4 only.
@@ -47,7 +56,8 @@ func listenWildcard(ctx context.Context, path string, port uint16, opts netns.So
 
 func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.Addr) (*pod, error) {
 	pctx, cancel := context.WithCancel(context.Background())
-	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]int{}}
+	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]int{},
+		id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
 	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark}
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
 	if err != nil {

@@ -160,7 +160,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		if i == maxServiceAttempts {
 			break
 		}
-		up, meshed, err := p.dialEndpoint(ctx, c, srcID, svc, cand, src)
+		up, meshed, err := p.dialEndpoint(ctx, srcID, svc, cand, src)
 		if err != nil {
 			lastErr = err
 			t.lb.fail(cand.addr)
@@ -182,10 +182,13 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 
 // dialEndpoint connects to one service endpoint: HBONE with the service host
 // name when the endpoint pod is meshed, plain TCP from the pod otherwise.
-func (p *pod) dialEndpoint(ctx context.Context, app net.Conn, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort) (io.ReadWriteCloser, bool, error) {
+func (p *pod) dialEndpoint(ctx context.Context, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
 	if w != nil && w.Enrolled {
-		s, err := p.dialHBONE(ctx, app, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""))
+		// No early data here: after a timeout the bytes may already have
+		// reached this endpoint's app, and failing over would send them to
+		// a second one.
+		s, err := p.dialHBONE(ctx, nil, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""))
 		if err != nil {
 			return nil, true, err
 		}

@@ -93,6 +93,7 @@ func (t *Tunnel) ServePod(ctx context.Context, uid, netnsPath string, addrs []ne
 			return nil
 		}
 		p.stop(ctx)
+		t.evict(ctx, p)
 		delete(t.pods, uid)
 		t.retire(p)
 	}
@@ -121,13 +122,18 @@ func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
 		ctx, cancel := context.WithTimeout(ctx, time.Second)
 		defer cancel()
 		p.stop(ctx)
-		// Its pooled HBONE connections live in its namespace: close them
-		// rather than leave them to a peer that may never answer again.
-		if n := t.cfg.Pool.Evict(func(k hbone.PoolKey) bool { return p.owns(k.Src) }); n > 0 {
-			t.log.DebugContext(ctx, "closed the pod's HBONE connections", "pod", uid, "connections", n)
-		}
+		t.evict(ctx, p)
 	}
 	return nil
+}
+
+// evict closes the pod's pooled HBONE connections. They live in its
+// namespace: nothing else may use them, and a peer may never answer them
+// again.
+func (t *Tunnel) evict(ctx context.Context, p *pod) {
+	if n := t.cfg.Pool.Evict(func(k hbone.PoolKey) bool { return k.Src == p.id }); n > 0 {
+		t.log.DebugContext(ctx, "closed the pod's HBONE connections", "pod", p.uid, "connections", n)
+	}
 }
 
 // ServedPods lists the uids of pods with open listeners.

@@ -25,10 +25,11 @@ type Request struct {
 	// Header holds extra request headers (baggage, traceparent, ...).
 	Header http.Header
 	// EarlyData is sent on the stream right behind the request, in the
-	// same TLS record when flow control allows, so the destination has the
-	// first bytes as soon as its tunnel is up instead of one round trip
-	// later. When Connect succeeds all of it was sent (before the response
-	// if it fit the windows, else right after); at most MaxEarlyData.
+	// same TLS record, when both flow-control windows have room for it at
+	// once, so the destination has the first bytes as soon as its tunnel
+	// is up instead of one round trip later. Stream.EarlyDataSent says
+	// whether it went; if not, the caller still owns it. At most
+	// MaxEarlyData.
 	EarlyData []byte
 }
 
@@ -122,8 +123,8 @@ func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, 
 	return s, sentEarly, nil
 }
 
-// roundTrip opens a stream, sends early data and waits for the 200 that
-// establishes the tunnel.
+// roundTrip opens a stream, with early data if the windows have room for
+// it now, and waits for the 200 that establishes the tunnel.
 func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early []byte) (*Stream, error) {
 	s, sentEarly, err := c.openStream(fields, early)
 	if err != nil {
@@ -158,14 +159,12 @@ func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early 
 		s.Close()
 		return nil, &StatusError{Status: status, Reason: reason}
 	}
-	if len(early) > 0 && !sentEarly {
-		if _, err := s.Write(early); err != nil {
-			s.Close()
-			return nil, fmt.Errorf("send early data: %w", err)
-		}
-	}
+	s.earlySent = sentEarly
 	return s, nil
 }
+
+// EarlyDataSent reports whether the request's EarlyData went out with it.
+func (s *Stream) EarlyDataSent() bool { return s.earlySent }
 
 // readReason reads a short error body, bounded in size and time: it is only
 // there to make the StatusError say why.

@@ -696,6 +696,9 @@ func TestEarlyData(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if !s.EarlyDataSent() {
+			t.Fatalf("stream %d: early data not sent with fresh windows", i)
+		}
 		rest := bytes.Repeat([]byte("z"), 100000)
 		if _, err := s.Write(rest); err != nil {
 			t.Fatal(err)
@@ -737,7 +740,7 @@ func TestPoolKeyedBySourceAndEvict(t *testing.T) {
 	good, _ := pkis()
 	open := func(src string) *Stream {
 		key := e.key
-		key.Src = netip.MustParseAddr(src)
+		key.Src = src
 		s, err := e.pool.Connect(context.Background(), key, tcpDial, good.clientTLS(), Request{Authority: app})
 		if err != nil {
 			t.Fatal(err)
@@ -745,11 +748,11 @@ func TestPoolKeyedBySourceAndEvict(t *testing.T) {
 		t.Cleanup(func() { s.Close() })
 		return s
 	}
-	a, b := open("10.0.0.1"), open("10.0.0.2")
+	a, b := open("pod-a"), open("pod-b")
 	if st := e.pool.Stats(); st.Conns != 2 || st.DialsTotal != 2 {
 		t.Fatalf("two source pods: %+v, want a connection each", st)
 	}
-	evicted := e.pool.Evict(func(k PoolKey) bool { return k.Src == netip.MustParseAddr("10.0.0.1") })
+	evicted := e.pool.Evict(func(k PoolKey) bool { return k.Src == "pod-a" })
 	if evicted != 1 {
 		t.Errorf("Evict closed %d connections, want 1", evicted)
 	}
@@ -791,5 +794,32 @@ func TestUnansweredConnectRetiresConn(t *testing.T) {
 	defer s.Close()
 	if st := e.pool.Stats(); st.DialsTotal != 2 {
 		t.Errorf("after a timed-out connect: %+v, want a second connection dialled", st)
+	}
+}
+
+// Early data that does not fit the send windows is not sent (and Connect
+// does not wait for window): the caller keeps it.
+func TestEarlyDataWithoutWindow(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	first, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	c := first.c
+	c.mu.Lock()
+	c.sendWindow = 0 // as if other streams had used the connection's window
+	c.mu.Unlock()
+	good, _ := pkis()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := e.pool.Connect(ctx, e.key, tcpDial, good.clientTLS(), Request{Authority: app, EarlyData: []byte("early")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if s.EarlyDataSent() {
+		t.Error("early data reported sent without window")
 	}
 }

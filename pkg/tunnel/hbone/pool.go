@@ -24,11 +24,12 @@ type Dialer func(ctx context.Context, network, addr string) (net.Conn, error)
 // PoolKey identifies the connections streams may share: streams between the
 // same identities to the same HBONE endpoint.
 type PoolKey struct {
-	// Src is the source pod's address. Connections are dialled from the
-	// pod's own network namespace, so pods never share one, even with the
-	// same identity: a connection must not outlive, or leave from, a pod
-	// other than the one whose traffic it carries.
-	Src         netip.Addr
+	// Src names the source pod instance (not its address: a new pod may
+	// reuse a departed one's). Connections are dialled from the pod's own
+	// network namespace, so pods never share one, even with the same
+	// identity: a connection must not outlive, or leave from, a pod other
+	// than the one whose traffic it carries.
+	Src         string
 	SrcIdentity string
 	DstIdentity string
 	// DstAddr is the HBONE endpoint, the destination pod's ip:15008.

@@ -41,6 +41,7 @@ type Stream struct {
 	draining     bool  // WriteTo holds a slice of buf outside mu
 	readDeadline time.Time
 	readTimer    *time.Timer
+	earlySent    bool // client: Request.EarlyData went out with the request
 	// Client: the response, signalled by closing respc.
 	respc       chan struct{}
 	respDone    bool
