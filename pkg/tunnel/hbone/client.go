@@ -126,6 +126,7 @@ func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, 
 // roundTrip opens a stream, with early data if the windows have room for
 // it now, and waits for the 200 that establishes the tunnel.
 func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early []byte) (*Stream, error) {
+	opened := time.Now().UnixNano()
 	s, sentEarly, err := c.openStream(fields, early)
 	if err != nil {
 		return nil, err
@@ -134,10 +135,12 @@ func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early 
 	case <-s.respc:
 	case <-ctx.Done():
 		s.Close()
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			// No answer in time: the peer may be gone without a word (a
-			// black hole never resets). New streams go to a new connection;
-			// this one closes once its streams are done.
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) && c.lastFrame.Load() < opened {
+			// No answer in time and no stream frame since: the peer may
+			// be gone without a word (a black hole never resets). New streams
+			// go to a new connection; this one closes once its streams are
+			// done. A peer still sending frames is only slow to answer
+			// this stream (its app is), and keeps the connection.
 			c.drain()
 		}
 		return nil, ctx.Err()

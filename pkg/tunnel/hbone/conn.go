@@ -124,6 +124,7 @@ type conn struct {
 	cancel   context.CancelFunc
 	poolKey  PoolKey // client: the pool entry this conn belongs to
 
+	lastFrame     atomic.Int64 // when the last stream frame arrived, UnixNano: a sign of life
 	peerMaxFrame  atomic.Uint32
 	peerTableSize atomic.Uint32
 	readyOnce     sync.Once
@@ -261,6 +262,9 @@ func (c *conn) readFrames() error {
 		// into the stream's buffer; the framer reads everything else.
 		fh, err := c.fr.ReadFrameHeader()
 		if err == nil {
+			if fh.StreamID != 0 {
+				c.lastFrame.Store(time.Now().UnixNano())
+			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
 			} else {

@@ -823,3 +823,61 @@ func TestEarlyDataWithoutWindow(t *testing.T) {
 		t.Error("early data reported sent without window")
 	}
 }
+
+// A connect that times out on a connection whose peer still sends frames
+// (its app is only slow) keeps the connection for new streams.
+func TestSlowAnswerKeepsLiveConn(t *testing.T) {
+	slow := make(chan struct{})
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		if req.Target.Port() == 9 { // the slow app
+			select {
+			case <-slow:
+			case <-ctx.Done():
+			}
+			return Response{Status: http.StatusServiceUnavailable}
+		}
+		return dialTarget(ctx, req)
+	}, ServerOptions{}, PoolOptions{})
+	defer close(slow)
+	app := startUpstream(t, echo)
+	live, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer live.Close()
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() { // keep frames coming back on the connection
+		defer close(done)
+		b := []byte{'x'}
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := live.Write(b); err != nil {
+				return
+			}
+			if _, err := io.ReadFull(live, b); err != nil {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if _, err := e.connect(ctx, netip.AddrPortFrom(app.Addr(), 9)); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("connect to the slow app: %v, want a timeout", err)
+	}
+	close(stop)
+	<-done
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if st := e.pool.Stats(); st.DialsTotal != 1 {
+		t.Errorf("after a slow answer on a live connection: %+v, want it kept (one dial)", st)
+	}
+}
