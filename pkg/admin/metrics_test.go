@@ -8,44 +8,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-)
 
-// scrape registers c alone on a pedantic registry, which also checks that
-// Collect only sends what Describe announced, and returns every series as
-// name{label="value",...} -> value.
-func scrape(t *testing.T, c prometheus.Collector) map[string]float64 {
-	t.Helper()
-	reg := prometheus.NewPedanticRegistry()
-	if err := reg.Register(c); err != nil {
-		t.Fatalf("register: %v", err)
-	}
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	out := map[string]float64{}
-	for _, f := range families {
-		for _, m := range f.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
-			}
-			key := f.GetName()
-			if len(labels) > 0 {
-				key += "{" + strings.Join(labels, ",") + "}"
-			}
-			switch {
-			case m.Counter != nil:
-				out[key] = m.GetCounter().GetValue()
-			case m.Gauge != nil:
-				out[key] = m.GetGauge().GetValue()
-			default:
-				t.Fatalf("%s is neither a counter nor a gauge", key)
-			}
-		}
-	}
-	return out
-}
+	"github.com/redirector-mesh/redirector/internal/promtest"
+)
 
 func expect(t *testing.T, got map[string]float64, want map[string]float64) {
 	t.Helper()
@@ -66,14 +31,14 @@ func expect(t *testing.T, got map[string]float64, want map[string]float64) {
 func TestAgentCollector(t *testing.T) {
 	runs := uint64(3)
 	c := NewAgentCollector(func() (uint64, uint64, uint64, int) { return runs, 2, 1, 4 })
-	expect(t, scrape(t, c), map[string]float64{
+	expect(t, promtest.Scrape(t, c), map[string]float64{
 		"redirector_enrolled_pods":           4,
 		"redirector_reconcile_runs_total":    3,
 		"redirector_reconcile_errors_total":  2,
 		"redirector_reconcile_repairs_total": 1,
 	})
 	runs = 4 // read at scrape time, not at construction
-	if v := scrape(t, c)["redirector_reconcile_runs_total"]; v != 4 {
+	if v := promtest.Scrape(t, c)["redirector_reconcile_runs_total"]; v != 4 {
 		t.Errorf("runs %v after the source changed, want 4", v)
 	}
 }
@@ -87,7 +52,7 @@ func TestCertCollector(t *testing.T) {
 		{Identity: "spiffe://cluster.local/ns/shop/sa/web", NotAfter: now.Add(time.Hour)},
 	}
 	c := newCertCollector(func() []CertRow { return rows }, func() time.Time { return now })
-	expect(t, scrape(t, c), map[string]float64{
+	expect(t, promtest.Scrape(t, c), map[string]float64{
 		`redirector_certificate_expiry_seconds{identity="spiffe://cluster.local/ns/shop/sa/web"}`: 3600,
 		`redirector_certificate_expiry_seconds{identity="spiffe://cluster.local/ns/shop/sa/db"}`:  -60,
 	})
@@ -95,7 +60,7 @@ func TestCertCollector(t *testing.T) {
 
 func TestHBONECollectors(t *testing.T) {
 	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5} })
-	expect(t, scrape(t, pool), map[string]float64{
+	expect(t, promtest.Scrape(t, pool), map[string]float64{
 		"redirector_hbone_pool_connections":    2,
 		"redirector_hbone_pool_active_streams": 7,
 		"redirector_hbone_dials_total":         5,
@@ -103,7 +68,7 @@ func TestHBONECollectors(t *testing.T) {
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4}
 	})
-	expect(t, scrape(t, server), map[string]float64{
+	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":         1,
 		`redirector_hbone_streams_total{outcome="ok"}`:          10,
 		`redirector_hbone_streams_total{outcome="bad_request"}`: 2,

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/internal/promtest"
 )
 
 // TestCollectorDescribe needs no privileges: the collector must describe
@@ -139,7 +140,7 @@ func TestCollectorScrapesMaps(t *testing.T) {
 	}
 
 	cpus := uint64(ebpf.MustPossibleCPU())
-	got := scrape(t, NewCollector(m))
+	got := promtest.Scrape(t, NewCollector(m))
 	want := map[string]uint64{
 		`redirector_bpf_pod_connections_total{direction="outbound",namespace="shop",pod="web"}`: 111 * cpus,
 		`redirector_bpf_pod_connections_total{direction="inbound",namespace="shop",pod="web"}`:  22 * cpus,
@@ -173,44 +174,7 @@ func TestCollectorScrapesMaps(t *testing.T) {
 	// Nothing is cached: the next scrape reads the maps again.
 	setCounters(db, PodCounters{InboundConns: 8})
 	dbIn := `redirector_bpf_pod_connections_total{direction="inbound",namespace="shop",pod="db"}`
-	if v := scrape(t, NewCollector(m))[dbIn]; v != float64(8*cpus) {
+	if v := promtest.Scrape(t, NewCollector(m))[dbIn]; v != float64(8*cpus) {
 		t.Errorf("after an update %s = %v, want %d", dbIn, v, 8*cpus)
 	}
-}
-
-// scrape registers c alone on a pedantic registry, which also checks that
-// Collect only sends what Describe announced, and returns every series as
-// name{label="value",...} -> value.
-func scrape(t *testing.T, c prometheus.Collector) map[string]float64 {
-	t.Helper()
-	reg := prometheus.NewPedanticRegistry()
-	if err := reg.Register(c); err != nil {
-		t.Fatalf("register: %v", err)
-	}
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	out := map[string]float64{}
-	for _, f := range families {
-		for _, m := range f.GetMetric() {
-			var labels []string
-			for _, l := range m.GetLabel() {
-				labels = append(labels, l.GetName()+`="`+l.GetValue()+`"`)
-			}
-			key := f.GetName()
-			if len(labels) > 0 {
-				key += "{" + strings.Join(labels, ",") + "}"
-			}
-			switch {
-			case m.Counter != nil:
-				out[key] = m.GetCounter().GetValue()
-			case m.Gauge != nil:
-				out[key] = m.GetGauge().GetValue()
-			default:
-				t.Fatalf("%s is neither a counter nor a gauge", key)
-			}
-		}
-	}
-	return out
 }
