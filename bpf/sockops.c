@@ -14,7 +14,11 @@
 
 char __license[] SEC("license") = "GPL";
 
-/* Connected local sockets of enrolled pods, by their own key. The kernel
+/* SO_MARK of the tunnel's own sockets, under mark_mask (set by the agent). */
+volatile const __u32 mark_mask = 0xfff;
+volatile const __u32 tunnel_mark = 0x539;
+
+/* Connected local sockets of this node's pods, by their own key. The kernel
  * drops a socket from the map when it closes. */
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
@@ -24,16 +28,29 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } rd_sock_pairs SEC(".maps");
 
-/* The keys of rd_sock_pairs whose socket is still open. sk_msg cannot look
- * a socket up in a sockhash, and redirecting to a missing key drops the
- * data, so it checks here first. Entries leave when the socket closes. */
+/* The sockets of rd_sock_pairs that are still open, with their state.
+ * sk_msg cannot look a socket up in a sockhash, and redirecting to a
+ * missing key drops the data, so it checks here first. Entries leave when
+ * the socket closes. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
 	__type(key, struct sock_key);
-	__type(value, __u8);
+	__type(value, struct sock_state);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} rd_sock_open SEC(".maps");
+} rd_sock_state SEC(".maps");
+
+/* Bytes the tunnel has read from one of its pod-side sockets, by that
+ * socket's key: what gives the app's sends their budget back. Written by
+ * the agent as it reads (every 64 KiB). Entries leave when the socket
+ * closes (here and in the agent). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct sock_key);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_sock_consumed SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -44,6 +61,16 @@ struct {
 } rd_accel_stats SEC(".maps");
 
 const struct accel_counters *unused_accel_counters __attribute__((unused));
+const struct sock_state *unused_sock_state __attribute__((unused));
+
+/* The kernel's tcp_sock, only the fields read here; CO-RE finds their
+ * offsets in the running kernel's BTF. */
+struct tcp_sock {
+	__u32 snd_nxt;
+	__u32 write_seq;
+	__u64 bytes_sent;
+} __attribute__((preserve_access_index));
+
 
 /* Context fields are read one 32-bit word at a time (volatile): the
  * verifier refuses the 64-bit loads the compiler would merge them into. */
@@ -83,19 +110,35 @@ static __always_inline int enrolled(const __u8 *addr)
 	return bpf_map_lookup_elem(&rd_pods, &a) != NULL;
 }
 
+static __always_inline int tunnel_socket(const struct bpf_sock *sk)
+{
+	return (sk->mark & mark_mask) == tunnel_mark;
+}
+
+/* ours says whether a socket belongs to a pod of this node: an app's socket
+ * has the pod's address as its own, a tunnel socket has it as its peer's.
+ * Deciding by one address per socket keeps both ends of a pair with the
+ * same agent even when two agents share a cgroup (simulated nodes). */
+static __always_inline int ours(const struct bpf_sock *sk, const struct sock_key *key)
+{
+	return tunnel_socket(sk) ? enrolled(key->remote) : enrolled(key->local);
+}
+
 /* rd_sockops: cgroup sock_ops, on every TCP socket of the cgroup.
- * Verdict: none (sock_ops only observes). When a connection is established
- * and one of its ends is an enrolled pod address, the socket joins
- * rd_sock_pairs (which makes rd_sk_msg run on its sends) and rd_sock_open;
- * when it closes, it leaves rd_sock_open (the kernel drops it from the
- * sockhash itself). */
+ * Verdict: none (sock_ops only observes). When a connection of one of this
+ * node's pods is established, its socket joins rd_sock_pairs (which makes
+ * rd_sk_msg run on its sends) and rd_sock_state; when it closes, it leaves
+ * rd_sock_state and rd_sock_consumed (the kernel drops it from the sockhash
+ * itself). A socket joins before its owner can send on it: connect() and
+ * accept() return after the callback. */
 SEC("sockops")
 int rd_sockops(struct bpf_sock_ops *skops)
 {
 	struct sock_key key = {};
+	struct sock_state fresh = {};
+	struct bpf_sock *sk;
 	__u32 ip6l[4], ip6r[4];
 	__u32 op = skops->op;
-	__u8 one = 1;
 
 	if (op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB &&
 	    op != BPF_SOCK_OPS_STATE_CB)
@@ -118,33 +161,78 @@ int rd_sockops(struct bpf_sock_ops *skops)
 
 	if (op == BPF_SOCK_OPS_STATE_CB) {
 		/* args[1] is the new state: the socket can no longer take data. */
-		if (skops->args[1] == BPF_TCP_CLOSE)
-			bpf_map_delete_elem(&rd_sock_open, &key);
+		if (skops->args[1] == BPF_TCP_CLOSE) {
+			bpf_map_delete_elem(&rd_sock_state, &key);
+			bpf_map_delete_elem(&rd_sock_consumed, &key);
+		}
 		return 1;
 	}
-	if (!enrolled(key.local) && !enrolled(key.remote))
+	sk = skops->sk;
+	if (!sk || !ours(sk, &key))
 		return 1;
-	if (bpf_sock_hash_update(skops, &rd_sock_pairs, &key, BPF_ANY) == 0) {
-		bpf_map_update_elem(&rd_sock_open, &key, &one, BPF_ANY);
-		bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
-		struct accel_counters *c = stats();
-		if (c)
-			c->sockets++;
+	/* The tunnel's sends to an app always take the TCP path: an app may
+	 * read with splice(2) (Go's io.Copy between sockets does), which never
+	 * sees a redirect queue. The tunnel itself reads only with read(2). */
+	fresh.tcp_only = tunnel_socket(sk);
+	/* Into the sockhash first: a key in rd_sock_state is always a valid
+	 * redirect target. Without a state entry the socket is not paired. */
+	if (bpf_sock_hash_update(skops, &rd_sock_pairs, &key, BPF_ANY) != 0)
+		return 1;
+	if (bpf_map_update_elem(&rd_sock_state, &key, &fresh, BPF_ANY) != 0) {
+		bpf_map_delete_elem(&rd_sock_pairs, &key);
+		return 1;
 	}
+	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
+	struct accel_counters *c = stats();
+	if (c)
+		c->sockets++;
 	return 1;
 }
 
+/* sent_before_pairing says whether the socket sent or queued data before its
+ * first send seen here (TCP Fast Open writes from connect). Such bytes may
+ * still wait in the peer's TCP queue, which the peer reads only after its
+ * redirect queue. */
+static __always_inline int sent_before_pairing(struct sk_msg_md *msg)
+{
+	struct bpf_sock *sk = msg->sk;
+	struct tcp_sock *tp;
+
+	if (!sk)
+		return 1;
+	tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp)
+		return 1;
+	return tp->bytes_sent != 0 || tp->write_seq != tp->snd_nxt;
+}
+
+/* fall_back puts a sender on the TCP path for good: once one send took it,
+ * a redirected one could be read before it. */
+static __always_inline int fall_back(struct sock_state *me, __u64 *counter)
+{
+	me->tcp_only = 1;
+	if (counter)
+		(*counter)++;
+	return SK_PASS;
+}
+
 /* rd_sk_msg: sk_msg verdict on every send of a socket in rd_sock_pairs.
- * Verdicts: the message is redirected into the ingress queue of the
- * connection's other end when that end is a socket of the same namespace in
- * the map (the app and the tunnel of a captured connection); SK_PASS (the
- * normal path) otherwise, for instance before the other end is established. */
+ * Verdicts: an app's message is redirected into the ingress queue of the
+ * connection's other end when that end is a paired socket of the same
+ * namespace (the tunnel of a captured connection), every earlier send of
+ * this socket was redirected too, and the peer's queue stays within
+ * REDIRECT_BUDGET; SK_PASS (the normal TCP path) otherwise, for good, and
+ * always for the tunnel's own sends. Order
+ * holds because the receiver reads its redirect queue before its TCP queue:
+ * everything redirected must be sent before anything that is not. */
 SEC("sk_msg")
 int rd_sk_msg(struct sk_msg_md *msg)
 {
-	struct sock_key peer = {};
+	struct sock_key self = {}, peer = {};
 	struct accel_counters *c = stats();
+	struct sock_state *me;
 	__u32 ip6l[4], ip6r[4];
+	__u64 *consumed, inflight;
 
 	if (msg->family != 2 && msg->family != 10)
 		return SK_PASS;
@@ -156,22 +244,45 @@ int rd_sk_msg(struct sk_msg_md *msg)
 	ip6r[1] = *(volatile __u32 *)&msg->remote_ip6[1];
 	ip6r[2] = *(volatile __u32 *)&msg->remote_ip6[2];
 	ip6r[3] = *(volatile __u32 *)&msg->remote_ip6[3];
+	set_addr(self.local, msg->family, msg->local_ip4, ip6l);
+	set_addr(self.remote, msg->family, msg->remote_ip4, ip6r);
+	self.lport = bpf_htons((__u16)msg->local_port);
+	self.rport = net_port(msg->remote_port);
+	self.netns = bpf_get_netns_cookie(msg);
 	/* The peer's key: our remote end is its local end. */
-	set_addr(peer.local, msg->family, msg->remote_ip4, ip6r);
-	set_addr(peer.remote, msg->family, msg->local_ip4, ip6l);
-	peer.lport = net_port(msg->remote_port);
-	peer.rport = bpf_htons((__u16)msg->local_port);
-	peer.netns = bpf_get_netns_cookie(msg);
+	__builtin_memcpy(peer.local, self.remote, 16);
+	__builtin_memcpy(peer.remote, self.local, 16);
+	peer.lport = self.rport;
+	peer.rport = self.lport;
+	peer.netns = self.netns;
 
-	/* Redirecting to a missing peer would drop the data: look first. */
-	if (!bpf_map_lookup_elem(&rd_sock_open, &peer)) {
-		if (c)
-			c->passed++;
+	if (c)
+		c->passed++; /* undone below when redirected */
+	me = bpf_map_lookup_elem(&rd_sock_state, &self);
+	if (!me || me->tcp_only)
 		return SK_PASS;
+	if (!me->checked) {
+		me->checked = 1;
+		if (sent_before_pairing(msg))
+			return fall_back(me, c ? &c->fallback_early : NULL);
 	}
+	/* Redirecting to a missing peer would drop the data: look first. */
+	if (!bpf_map_lookup_elem(&rd_sock_state, &peer))
+		return fall_back(me, c ? &c->fallback_no_peer : NULL);
+	consumed = bpf_map_lookup_elem(&rd_sock_consumed, &peer);
+	inflight = me->sent;
+	if (consumed) {
+		__u64 read = *(volatile __u64 *)consumed;
+		inflight = read < me->sent ? me->sent - read : 0;
+	}
+	if (inflight + msg->size > REDIRECT_BUDGET)
+		return fall_back(me, c ? &c->fallback_budget : NULL);
+	me->sent += msg->size;
 	if (c) {
+		c->passed--;
 		c->redirected++;
 		c->redirected_bytes += msg->size;
 	}
 	return bpf_msg_redirect_hash(msg, &rd_sock_pairs, &peer, BPF_F_INGRESS);
 }
+

@@ -19,6 +19,9 @@ type SockopsAccelCounters struct {
 	Redirected      uint64
 	RedirectedBytes uint64
 	Passed          uint64
+	FallbackNoPeer  uint64
+	FallbackBudget  uint64
+	FallbackEarly   uint64
 }
 
 type SockopsPodAddr struct {
@@ -67,6 +70,14 @@ type SockopsSockKey struct {
 	Netns  uint64
 }
 
+type SockopsSockState struct {
+	_       structs.HostLayout
+	Sent    uint64
+	Checked uint8
+	TcpOnly uint8
+	Pad     [6]uint8
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
@@ -76,11 +87,15 @@ const (
 	SockopsMapRdPodStats          = "rd_pod_stats"
 	SockopsMapRdPods              = "rd_pods"
 	SockopsMapRdReasons           = "rd_reasons"
-	SockopsMapRdSockOpen          = "rd_sock_open"
+	SockopsMapRdSockConsumed      = "rd_sock_consumed"
 	SockopsMapRdSockPairs         = "rd_sock_pairs"
+	SockopsMapRdSockState         = "rd_sock_state"
 	SockopsProgRdSkMsg            = "rd_sk_msg"
 	SockopsProgRdSockops          = "rd_sockops"
+	SockopsVarMarkMask            = "mark_mask"
+	SockopsVarTunnelMark          = "tunnel_mark"
 	SockopsVarUnusedAccelCounters = "unused_accel_counters"
+	SockopsVarUnusedSockState     = "unused_sock_state"
 )
 
 // LoadSockops returns the embedded CollectionSpec for Sockops.
@@ -133,20 +148,24 @@ type SockopsProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockopsMapSpecs struct {
-	RdAccelStats *ebpf.MapSpec `ebpf:"rd_accel_stats"`
-	RdPodMeta    *ebpf.MapSpec `ebpf:"rd_pod_meta"`
-	RdPodStats   *ebpf.MapSpec `ebpf:"rd_pod_stats"`
-	RdPods       *ebpf.MapSpec `ebpf:"rd_pods"`
-	RdReasons    *ebpf.MapSpec `ebpf:"rd_reasons"`
-	RdSockOpen   *ebpf.MapSpec `ebpf:"rd_sock_open"`
-	RdSockPairs  *ebpf.MapSpec `ebpf:"rd_sock_pairs"`
+	RdAccelStats   *ebpf.MapSpec `ebpf:"rd_accel_stats"`
+	RdPodMeta      *ebpf.MapSpec `ebpf:"rd_pod_meta"`
+	RdPodStats     *ebpf.MapSpec `ebpf:"rd_pod_stats"`
+	RdPods         *ebpf.MapSpec `ebpf:"rd_pods"`
+	RdReasons      *ebpf.MapSpec `ebpf:"rd_reasons"`
+	RdSockConsumed *ebpf.MapSpec `ebpf:"rd_sock_consumed"`
+	RdSockPairs    *ebpf.MapSpec `ebpf:"rd_sock_pairs"`
+	RdSockState    *ebpf.MapSpec `ebpf:"rd_sock_state"`
 }
 
 // SockopsVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockopsVariableSpecs struct {
+	MarkMask            *ebpf.VariableSpec `ebpf:"mark_mask"`
+	TunnelMark          *ebpf.VariableSpec `ebpf:"tunnel_mark"`
 	UnusedAccelCounters *ebpf.VariableSpec `ebpf:"unused_accel_counters"`
+	UnusedSockState     *ebpf.VariableSpec `ebpf:"unused_sock_state"`
 }
 
 // SockopsObjects contains all objects after they have been loaded into the kernel.
@@ -169,13 +188,14 @@ func (o *SockopsObjects) Close() error {
 //
 // It can be passed to LoadSockopsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockopsMaps struct {
-	RdAccelStats *ebpf.Map `ebpf:"rd_accel_stats"`
-	RdPodMeta    *ebpf.Map `ebpf:"rd_pod_meta"`
-	RdPodStats   *ebpf.Map `ebpf:"rd_pod_stats"`
-	RdPods       *ebpf.Map `ebpf:"rd_pods"`
-	RdReasons    *ebpf.Map `ebpf:"rd_reasons"`
-	RdSockOpen   *ebpf.Map `ebpf:"rd_sock_open"`
-	RdSockPairs  *ebpf.Map `ebpf:"rd_sock_pairs"`
+	RdAccelStats   *ebpf.Map `ebpf:"rd_accel_stats"`
+	RdPodMeta      *ebpf.Map `ebpf:"rd_pod_meta"`
+	RdPodStats     *ebpf.Map `ebpf:"rd_pod_stats"`
+	RdPods         *ebpf.Map `ebpf:"rd_pods"`
+	RdReasons      *ebpf.Map `ebpf:"rd_reasons"`
+	RdSockConsumed *ebpf.Map `ebpf:"rd_sock_consumed"`
+	RdSockPairs    *ebpf.Map `ebpf:"rd_sock_pairs"`
+	RdSockState    *ebpf.Map `ebpf:"rd_sock_state"`
 }
 
 func (m *SockopsMaps) Close() error {
@@ -185,8 +205,9 @@ func (m *SockopsMaps) Close() error {
 		m.RdPodStats,
 		m.RdPods,
 		m.RdReasons,
-		m.RdSockOpen,
+		m.RdSockConsumed,
 		m.RdSockPairs,
+		m.RdSockState,
 	)
 }
 
@@ -194,7 +215,10 @@ func (m *SockopsMaps) Close() error {
 //
 // It can be passed to LoadSockopsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockopsVariables struct {
+	MarkMask            *ebpf.Variable `ebpf:"mark_mask"`
+	TunnelMark          *ebpf.Variable `ebpf:"tunnel_mark"`
 	UnusedAccelCounters *ebpf.Variable `ebpf:"unused_accel_counters"`
+	UnusedSockState     *ebpf.Variable `ebpf:"unused_sock_state"`
 }
 
 // SockopsPrograms contains all programs after they have been loaded into the kernel.

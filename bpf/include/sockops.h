@@ -15,10 +15,27 @@ struct sock_key {
 	__u64 netns;
 };
 
+/* One paired socket as a sender. Written only by its own sends (rd_sk_msg),
+ * which the kernel runs one at a time. */
+struct sock_state {
+	__u64 sent;     /* bytes this socket moved into its peer's receive queue */
+	__u8 checked;   /* the first send has been looked at */
+	__u8 tcp_only;  /* took the TCP path once: never redirected again */
+	__u8 _pad[6];
+};
+
 /* Counters of the acceleration, per CPU. */
 struct accel_counters {
-	__u64 sockets;        /* sockets added to the pair map */
-	__u64 redirected;     /* messages moved to the peer socket directly */
+	__u64 sockets;          /* sockets paired (added to the maps) */
+	__u64 redirected;       /* messages moved to the peer socket directly */
 	__u64 redirected_bytes;
-	__u64 passed;         /* messages sent the normal way (no local peer yet) */
+	__u64 passed;           /* messages sent the normal way */
+	__u64 fallback_no_peer; /* connections on TCP for good: no local peer at their first send */
+	__u64 fallback_budget;  /* ... : the peer had not read enough (budget) */
+	__u64 fallback_early;   /* ... : data was queued before the socket was paired */
 };
+
+/* Bytes a sender may have in its peer's receive queue, moved there but not
+ * yet reported read. The queue of a socket-to-socket redirect has no backpressure:
+ * past this, the connection takes the TCP path for good. */
+#define REDIRECT_BUDGET (256 * 1024)

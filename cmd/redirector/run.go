@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -178,12 +179,14 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer ld.Close()
+	var wrapPodSocket func(net.Conn) net.Conn
 	if cfg.accel {
-		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, Logger: log})
+		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}
 		defer acc.Close()
+		wrapPodSocket = acc.Wrap
 	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
 		// A previous run had it on: turn it off, as the setting says.
 		log.Warn("remove sockops acceleration", "error", err)
@@ -196,7 +199,7 @@ func runAgent(ctx context.Context, args []string) error {
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
-		TunnelMark: cfg.data.TunnelMark, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
+		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
 	reg.MustRegister(

@@ -4,6 +4,12 @@
 // when both ends are local sockets of one namespace (an app and the tunnel).
 // Payload then skips the TCP stack, the pod interface and the re-injection.
 // Handshakes, FIN and RST still take the normal path, so half-close works.
+//
+// A redirect queue has no backpressure, so each connection may have at most
+// a budget of bytes in its peer's queue; the tunnel returns budget to the
+// app's sends as it reads (Conn). A connection that once takes the TCP path
+// (over budget, or no peer yet) stays on it, so that no redirected send can
+// overtake bytes still in the peer's TCP queue.
 package accel
 
 import (
@@ -30,7 +36,10 @@ type Config struct {
 	// CgroupPath is the cgroup v2 directory whose sockets are accelerated;
 	// empty means the root of the cgroup v2 hierarchy.
 	CgroupPath string
-	Logger     *slog.Logger
+	// TunnelMark under MarkMask marks the tunnel's own sockets: such a
+	// socket belongs to the pod that is its peer.
+	TunnelMark, MarkMask uint32
+	Logger               *slog.Logger
 }
 
 // Accelerator holds the loaded programs.
@@ -60,8 +69,27 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read embedded sockops object: %w", err)
 	}
+	if cfg.TunnelMark&cfg.MarkMask == 0 {
+		return nil, fmt.Errorf("tunnel mark %#x is zero under mask %#x", cfg.TunnelMark, cfg.MarkMask)
+	}
+	for name, v := range map[string]uint32{bpf.SockopsVarTunnelMark: cfg.TunnelMark & cfg.MarkMask, bpf.SockopsVarMarkMask: cfg.MarkMask} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, fmt.Errorf("set program constant %s: %w", name, err)
+		}
+	}
 	a := &Accelerator{cfg: cfg}
-	if err := spec.LoadAndAssign(&a.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}); err != nil {
+	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}
+	err = spec.LoadAndAssign(&a.objs, opts)
+	if errors.Is(err, ebpf.ErrMapIncompatible) {
+		// Pins of an older version with other map layouts: start afresh.
+		// Sockets paired by the old programs keep them until they close.
+		cfg.Logger.InfoContext(ctx, "replacing sockops maps of an older version", "error", err)
+		if err := removeMapPins(cfg.PinRoot); err != nil {
+			return nil, err
+		}
+		err = spec.LoadAndAssign(&a.objs, opts)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("load sockops programs: %w", err)
 	}
 	// The sk_msg verdict hangs off the map; attaching again replaces it.
@@ -106,6 +134,9 @@ func (a *Accelerator) Close() error { return a.objs.Close() }
 // Counters are the acceleration's totals.
 type Counters struct {
 	Sockets, Redirected, RedirectedBytes, Passed uint64
+	// Connections that took the TCP path for good, by cause: no local peer
+	// at their first send, the peer's budget spent, data sent before pairing.
+	FallbackNoPeer, FallbackBudget, FallbackEarly uint64
 }
 
 // Counters sums the per-CPU counters.
@@ -122,6 +153,9 @@ func readCounters(m *ebpf.Map) (Counters, error) {
 		c.Redirected += p.Redirected
 		c.RedirectedBytes += p.RedirectedBytes
 		c.Passed += p.Passed
+		c.FallbackNoPeer += p.FallbackNoPeer
+		c.FallbackBudget += p.FallbackBudget
+		c.FallbackEarly += p.FallbackEarly
 	}
 	return c, nil
 }
@@ -143,7 +177,18 @@ func Uninstall(root string) error {
 	var errs []error
 	errs = append(errs, pin.DetachLink(linkPin(root)))
 	_ = os.Remove(filepath.Dir(linkPin(root)))
-	for _, name := range []string{bpf.SockopsMapRdSockPairs, bpf.SockopsMapRdSockOpen, bpf.SockopsMapRdAccelStats} {
+	errs = append(errs, removeMapPins(root))
+	return errors.Join(errs...)
+}
+
+// mapPins are the acceleration's own pinned maps (rd_pods belongs to the
+// data path), with the names older versions used.
+var mapPins = []string{bpf.SockopsMapRdSockPairs, bpf.SockopsMapRdSockState, bpf.SockopsMapRdSockConsumed,
+	bpf.SockopsMapRdAccelStats, "rd_sock_open"}
+
+func removeMapPins(root string) error {
+	var errs []error
+	for _, name := range mapPins {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}

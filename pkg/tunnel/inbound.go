@@ -48,7 +48,7 @@ func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) 
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
 	}
-	return netns.Dial(ctx, p.netns, "tcp", r.dst.String(), opts)
+	return p.wrap(netns.Dial(ctx, p.netns, "tcp", r.dst.String(), opts))
 }
 
 // newHBONEServer builds the pod's HBONE server: TLS with the pod's own

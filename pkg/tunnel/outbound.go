@@ -149,7 +149,7 @@ const connectTimeout = 5 * time.Second
 func (p *pod) dialPlain(ctx context.Context, dst netip.AddrPort) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
-	return netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
+	return p.wrap(netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark}))
 }
 
 func forwardedAddr(a netip.Addr) string {
@@ -162,8 +162,8 @@ func forwardedAddr(a netip.Addr) string {
 // resetConn closes c with an RST instead of a FIN, so the app sees the
 // failure at once rather than an orderly, empty answer.
 func resetConn(c net.Conn) {
-	if tc, ok := c.(*net.TCPConn); ok {
-		_ = tc.SetLinger(0)
+	if l, ok := c.(interface{ SetLinger(int) error }); ok {
+		_ = l.SetLinger(0)
 	}
 	c.Close()
 }

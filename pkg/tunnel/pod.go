@@ -96,12 +96,21 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	return p, nil
 }
 
+// wrap passes a pod-side socket, or the error that came instead, through
+// Config.WrapPodSocket.
+func (p *pod) wrap(c net.Conn, err error) (net.Conn, error) {
+	if err != nil || p.t.cfg.WrapPodSocket == nil {
+		return c, err
+	}
+	return p.t.cfg.WrapPodSocket(c), nil
+}
+
 func (p *pod) acceptLoop(l net.Listener, handle func(net.Conn)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
 		for {
-			c, err := l.Accept()
+			c, err := p.wrap(l.Accept())
 			if err != nil {
 				return
 			}

@@ -13,6 +13,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"slices"
 	"sync"
@@ -35,10 +36,14 @@ type Config struct {
 	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
 	// the BPF programs never capture packets that carry it.
 	TunnelMark uint32
-	Certs      *identity.Manager
-	Pool       *hbone.Pool
-	Metrics    *Metrics
-	Logger     *slog.Logger
+	// WrapPodSocket, if set, wraps each plain socket the tunnel accepts or
+	// dials inside a pod before any use (the sockops acceleration's
+	// accel.Accelerator.Wrap).
+	WrapPodSocket func(net.Conn) net.Conn
+	Certs         *identity.Manager
+	Pool          *hbone.Pool
+	Metrics       *Metrics
+	Logger        *slog.Logger
 }
 
 // State is what the tunnel decides with: the workload directory and the

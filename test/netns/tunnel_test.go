@@ -21,7 +21,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/redirector-mesh/redirector/pkg/accel"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
@@ -534,54 +533,3 @@ spec:
 	}
 }
 
-// TestSockopsAcceleration: with the acceleration on, payload between the
-// apps and the tunnels moves socket to socket, and a transfer with
-// half-close arrives exactly. The size stays within what the tunnel buffers:
-// past that, the kernel fails the app's sends with ENOMEM instead of
-// applying backpressure (measured in BENCHMARKS.md), which is why the
-// acceleration is off by default.
-func TestSockopsAcceleration(t *testing.T) {
-	var client, server *Pod
-	ms := newMeshWith(t, []string{"--sockops-acceleration=true"}, func(tp *Topology, m *Manifest) {
-		client, server = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(client, "mesh", "client").Pod(server, "mesh", "server")
-	})
-	sinkServer(t, server, 9000)
-	for _, a := range ms.agents {
-		a.WaitLog(t, "pod enrolled", 10*time.Second)
-	}
-	const size = 4 << 20
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	var c net.Conn
-	Eventually(t, 10*time.Second, func() error {
-		var err error
-		c, err = netns.Dial(ctx, client.Path(), "tcp", netip.AddrPortFrom(server.IPv4, 9000).String(), netns.SocketOptions{})
-		return err
-	})
-	defer c.Close()
-	h := sha256.New()
-	if _, err := io.Copy(c, io.TeeReader(io.LimitReader(newPattern(), size), h)); err != nil {
-		t.Fatal(err)
-	}
-	c.(*net.TCPConn).CloseWrite()
-	reply, err := bufio.NewReader(c).ReadString('\n')
-	if err != nil || strings.TrimSpace(reply) != hex.EncodeToString(h.Sum(nil)) {
-		t.Fatalf("with acceleration, the server read %q (%v), want the client's sha256", reply, err)
-	}
-	// Two hops ran socket to socket: app -> tunnel in the client pod and
-	// tunnel -> app in the server pod. Both simulated nodes share this
-	// machine's cgroup, so either agent's programs may have taken a hop.
-	var moved uint64
-	for _, a := range ms.agents {
-		got, err := accel.PinnedCounters(a.BPFRoot)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Logf("%s: %+v", a.Node.Name, got)
-		moved += got.RedirectedBytes
-	}
-	if moved < 2*size {
-		t.Errorf("%d bytes moved socket to socket, want both hops of the %d sent (%d)", moved, size, 2*size)
-	}
-}

@@ -313,7 +313,8 @@ func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 	defer s.wmu.Unlock()
 	if sc, ok := r.(syscall.Conn); ok {
 		if rc, err := sc.SyscallConn(); err == nil {
-			return s.readFromSocket(rc)
+			obs, _ := r.(readObserver)
+			return s.readFromSocket(rc, obs)
 		}
 	}
 	small := smallBufPool.Get().(*[]byte)
@@ -353,10 +354,15 @@ func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 	}
 }
 
+// readObserver is a socket that wants to know what ReadFrom read from it
+// through its file descriptor (accel.Conn, for the sockops budget).
+type readObserver interface{ ObserveRead(n int) }
+
 // readFromSocket is ReadFrom for a socket: each read takes a frame buffer
 // from the pool and gives it back if the socket has nothing (EAGAIN) before
-// waiting, so buffers are held only while bytes are in flight.
-func (s *Stream) readFromSocket(rc syscall.RawConn) (int64, error) {
+// waiting, so buffers are held only while bytes are in flight. obs, if not
+// nil, is told of every read.
+func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, error) {
 	var (
 		total int64
 		bp    *[]byte
@@ -394,6 +400,9 @@ func (s *Stream) readFromSocket(rc syscall.RawConn) (int64, error) {
 			return total, os.NewSyscallError("read", rerr)
 		case n == 0:
 			return total, nil // EOF
+		}
+		if obs != nil {
+			obs.ObserveRead(n)
 		}
 		sent, err := s.sendLocked(*bp, n)
 		total += int64(sent)

@@ -1,0 +1,133 @@
+package accel
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"sync"
+	"syscall"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/bpf"
+)
+
+// ReportEvery is how many bytes the tunnel reads from a socket between two
+// reports to the kernel: well under the budget, so an app whose sends the
+// tunnel keeps up with never runs out of it.
+const ReportEvery = 64 << 10
+
+// Conn is a pod-side socket of the tunnel while the acceleration is on.
+//
+//   - What the tunnel reads from it is reported to rd_sock_consumed, which
+//     gives the app's sends their budget back.
+//   - It hides the socket's splice paths (ReadFrom, WriteTo): a splice reads
+//     only the TCP queue and would never see what the app's sends put in
+//     the socket's redirect queue.
+type Conn struct {
+	net.Conn // the *net.TCPConn, as an interface: its splice methods stay hidden
+	tcp      *net.TCPConn
+	consumed *ebpf.Map // nil: the socket's key is unknown, nothing is reported
+	key      bpf.SockopsSockKey
+
+	mu             sync.Mutex
+	read, reported uint64
+	closed         bool
+}
+
+// Wrap returns a TCP socket as a Conn, and any other net.Conn as it is. It
+// never fails: without the socket's key the budget is just never returned,
+// and the app's connection falls back to the TCP path.
+func (a *Accelerator) Wrap(c net.Conn) net.Conn {
+	tcp, ok := c.(*net.TCPConn)
+	if !ok {
+		return c
+	}
+	w := &Conn{Conn: tcp, tcp: tcp}
+	key, err := keyOf(tcp)
+	if err != nil {
+		a.cfg.Logger.Debug("sockops acceleration: no key for socket", "local", c.LocalAddr(), "remote", c.RemoteAddr(), "error", err)
+		return w
+	}
+	w.key, w.consumed = key, a.objs.RdSockConsumed
+	return w
+}
+
+// keyOf is the socket's key as rd_sockops computes it.
+func keyOf(c *net.TCPConn) (bpf.SockopsSockKey, error) {
+	var k bpf.SockopsSockKey
+	la, lok := c.LocalAddr().(*net.TCPAddr)
+	ra, rok := c.RemoteAddr().(*net.TCPAddr)
+	if !lok || !rok {
+		return k, fmt.Errorf("not a connected TCP socket: %v -> %v", c.LocalAddr(), c.RemoteAddr())
+	}
+	// IPv4 addresses, plain or mapped, come out IPv4-mapped, as in the key.
+	local, remote := la.AddrPort(), ra.AddrPort()
+	k.Local, k.Remote = local.Addr().As16(), remote.Addr().As16()
+	k.Lport, k.Rport = networkOrder(local.Port()), networkOrder(remote.Port())
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return k, err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		k.Netns, serr = unix.GetsockoptUint64(int(fd), unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
+	}); err != nil {
+		return k, err
+	}
+	if serr != nil {
+		return k, fmt.Errorf("SO_NETNS_COOKIE: %w", serr)
+	}
+	return k, nil
+}
+
+// networkOrder is p as the uint16 whose bytes in memory are big-endian.
+func networkOrder(p uint16) uint16 {
+	var b [2]byte
+	binary.BigEndian.PutUint16(b[:], p)
+	return binary.NativeEndian.Uint16(b[:])
+}
+
+// Read reads from the socket and counts what it took.
+func (c *Conn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	c.ObserveRead(n)
+	return n, err
+}
+
+// ObserveRead counts n bytes read from the socket other than through Read
+// (the tunnel reads through the file descriptor), and reports the total
+// once ReportEvery bytes have gathered since the last report.
+func (c *Conn) ObserveRead(n int) {
+	if n <= 0 || c.consumed == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.read += uint64(n)
+	if c.closed || c.read-c.reported < ReportEvery {
+		return
+	}
+	// A failed update (map full) only keeps the budget back.
+	if c.consumed.Update(&c.key, c.read, ebpf.UpdateAny) == nil {
+		c.reported = c.read
+	}
+}
+
+// Close closes the socket and removes its report.
+func (c *Conn) Close() error {
+	c.mu.Lock()
+	if !c.closed && c.reported > 0 {
+		_ = c.consumed.Delete(&c.key)
+	}
+	c.closed = true
+	c.mu.Unlock()
+	return c.Conn.Close()
+}
+
+// SyscallConn, CloseRead, CloseWrite and SetLinger are the socket's own.
+func (c *Conn) SyscallConn() (syscall.RawConn, error) { return c.tcp.SyscallConn() }
+func (c *Conn) CloseRead() error                      { return c.tcp.CloseRead() }
+func (c *Conn) CloseWrite() error                     { return c.tcp.CloseWrite() }
+func (c *Conn) SetLinger(sec int) error               { return c.tcp.SetLinger(sec) }

@@ -1,0 +1,213 @@
+package netnstest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/accel"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// accelTotals sums the acceleration's counters of every agent: both
+// simulated nodes attach to this machine's one cgroup.
+func accelTotals(t *testing.T, ms *mesh) accel.Counters {
+	t.Helper()
+	var sum accel.Counters
+	for _, a := range ms.agents {
+		c, err := accel.PinnedCounters(a.BPFRoot)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sum.Sockets += c.Sockets
+		sum.Redirected += c.Redirected
+		sum.RedirectedBytes += c.RedirectedBytes
+		sum.Passed += c.Passed
+		sum.FallbackNoPeer += c.FallbackNoPeer
+		sum.FallbackBudget += c.FallbackBudget
+		sum.FallbackEarly += c.FallbackEarly
+	}
+	return sum
+}
+
+func dialPod(t *testing.T, ctx context.Context, from, to *Pod, port uint16) net.Conn {
+	t.Helper()
+	var c net.Conn
+	Eventually(t, 10*time.Second, func() error {
+		var err error
+		c, err = netns.Dial(ctx, from.Path(), "tcp", netip.AddrPortFrom(to.IPv4, port).String(), netns.SocketOptions{})
+		return err
+	})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// exchangeMirror sends size bytes, half-closes, and checks that the size
+// bytes the mirror sends back are the pattern's.
+func exchangeMirror(t *testing.T, c net.Conn, size int64) {
+	t.Helper()
+	errc := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(c, io.LimitReader(newPattern(), size))
+		if err == nil {
+			err = c.(*net.TCPConn).CloseWrite()
+		}
+		errc <- err
+	}()
+	got, want := sha256.New(), sha256.New()
+	n, err := io.Copy(got, c)
+	if err != nil || n != size {
+		t.Fatalf("read back %d of %d bytes: %v", n, size, err)
+	}
+	if err := <-errc; err != nil {
+		t.Fatalf("send: %v", err)
+	}
+	io.Copy(want, io.LimitReader(newPattern(), size))
+	if !bytes.Equal(got.Sum(nil), want.Sum(nil)) {
+		t.Fatal("the bytes that came back differ from those sent")
+	}
+}
+
+// TestSockopsAcceleration runs apps through the mesh with the acceleration
+// on. What a user relies on: every byte arrives, in order, whatever the
+// app's write pattern or copy method; an app never sees an error the TCP
+// path would not give it; a long request/response connection keeps the
+// fast path.
+func TestSockopsAcceleration(t *testing.T) {
+	var client, server, plain *Pod
+	ms := newMeshWith(t, []string{"--sockops-acceleration=true"}, func(tp *Topology, m *Manifest) {
+		client, server, plain = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server"), tp.Nodes[0].AddPod("plain")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(client, "mesh", "client").Pod(server, "mesh", "server").Pod(plain, "plain", "default")
+	})
+	// io.Copy between two TCP sockets is splice(2) in Go, and from a file
+	// sendfile(2): the apps use the kernel's other copy paths.
+	ServeTCP(t, server, 9300, func(c net.Conn) { io.Copy(c, c) })
+	mirrorServer(t, server, 9000)
+	mirrorServer(t, plain, 9000)
+	stalled := make(chan struct{})
+	ServeTCP(t, server, 9100, func(c net.Conn) {
+		<-stalled // reads nothing until the client has written for a while
+		h := sha256.New()
+		if _, err := io.Copy(h, c); err == nil {
+			io.WriteString(c, hex.EncodeToString(h.Sum(nil))+"\n")
+		}
+	})
+	file := filepath.Join(t.TempDir(), "payload")
+	const fileSize = 32 << 20
+	payload, _ := io.ReadAll(io.LimitReader(newPattern(), fileSize))
+	if err := os.WriteFile(file, payload, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ServeTCP(t, server, 9400, func(c net.Conn) {
+		f, err := os.Open(file)
+		if err != nil {
+			return
+		}
+		defer f.Close()
+		io.Copy(c, f)
+	})
+	for _, a := range ms.agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	t.Run("requests and replies stay socket to socket", func(t *testing.T) {
+		c := dialPod(t, ctx, client, server, 9300)
+		before := accelTotals(t, ms)
+		const rounds, size = 1000, 2048 // 2 MiB each way: 8 times the budget
+		msg, buf := make([]byte, size), make([]byte, size)
+		p := newPattern()
+		for i := range rounds {
+			p.Read(msg)
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			if _, err := c.Write(msg); err != nil {
+				t.Fatalf("round %d: write: %v", i, err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil {
+				t.Fatalf("round %d: read: %v", i, err)
+			}
+			if !bytes.Equal(msg, buf) {
+				t.Fatalf("round %d: the echo differs from the request", i)
+			}
+		}
+		d := delta(accelTotals(t, ms), before)
+		t.Logf("counters: %+v", d)
+		// The client app's requests and the server app's replies: two hops
+		// of rounds*size bytes each, all socket to socket, because the
+		// tunnel's reads keep giving the budget back.
+		if d.RedirectedBytes < 2*rounds*size {
+			t.Errorf("%d bytes moved socket to socket, want both app-to-tunnel hops (%d)", d.RedirectedBytes, 2*rounds*size)
+		}
+		if d.FallbackBudget != 0 {
+			t.Errorf("%d connections ran out of budget while the tunnel kept up", d.FallbackBudget)
+		}
+	})
+
+	t.Run("a stalled reader makes the app's sends wait, not fail", func(t *testing.T) {
+		c := dialPod(t, ctx, client, server, 9100)
+		before := accelTotals(t, ms)
+		const size = 64 << 20
+		h := sha256.New()
+		done := make(chan error, 1)
+		go func() {
+			_, err := io.Copy(c, io.TeeReader(io.LimitReader(newPattern(), size), h))
+			done <- err
+		}()
+		time.Sleep(time.Second)
+		close(stalled)
+		if err := <-done; err != nil {
+			t.Fatalf("send while the server stalled: %v", err)
+		}
+		c.(*net.TCPConn).CloseWrite()
+		reply, err := bufio.NewReader(c).ReadString('\n')
+		if err != nil || strings.TrimSpace(reply) != hex.EncodeToString(h.Sum(nil)) {
+			t.Fatalf("the server read sha256 %q (%v), want the client's", reply, err)
+		}
+		d := delta(accelTotals(t, ms), before)
+		t.Logf("counters: %+v", d)
+		if d.FallbackBudget == 0 {
+			t.Error("the client app kept redirecting while nobody read: no budget fallback counted")
+		}
+	})
+
+	t.Run("bulk both ways with half-close", func(t *testing.T) {
+		exchangeMirror(t, dialPod(t, ctx, client, server, 9000), 256<<20)
+	})
+
+	t.Run("sendfile", func(t *testing.T) {
+		c := dialPod(t, ctx, client, server, 9400)
+		got, err := io.ReadAll(c)
+		if err != nil || !bytes.Equal(got, payload) {
+			t.Fatalf("read %d of %d bytes sent with sendfile, equal %v: %v", len(got), fileSize, bytes.Equal(got, payload), err)
+		}
+	})
+
+	t.Run("passthrough to a pod outside the mesh", func(t *testing.T) {
+		before := accelTotals(t, ms)
+		exchangeMirror(t, dialPod(t, ctx, client, plain, 9000), 16<<20)
+		if d := delta(accelTotals(t, ms), before); d.RedirectedBytes == 0 {
+			t.Errorf("nothing moved socket to socket on the way out of the mesh: %+v", d)
+		}
+	})
+}
+
+func delta(after, before accel.Counters) accel.Counters {
+	return accel.Counters{
+		Sockets: after.Sockets - before.Sockets, Redirected: after.Redirected - before.Redirected,
+		RedirectedBytes: after.RedirectedBytes - before.RedirectedBytes, Passed: after.Passed - before.Passed,
+		FallbackNoPeer: after.FallbackNoPeer - before.FallbackNoPeer, FallbackBudget: after.FallbackBudget - before.FallbackBudget,
+		FallbackEarly: after.FallbackEarly - before.FallbackEarly,
+	}
+}
