@@ -179,6 +179,8 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer ld.Close()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
 	if cfg.accel {
 		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, Logger: log})
@@ -187,13 +189,12 @@ func runAgent(ctx context.Context, args []string) error {
 		}
 		defer acc.Close()
 		wrapPodSocket = acc.Wrap
+		reg.MustRegister(acc.Collector())
 	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
 		// A previous run had it on: turn it off, as the setting says.
 		log.Warn("remove sockops acceleration", "error", err)
 	}
 
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, IdleTimeout: cfg.poolIdle, Logger: log})
 	defer pool.Close()
 	tun := tunnel.New(tunnel.Config{

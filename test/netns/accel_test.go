@@ -201,6 +201,23 @@ func TestSockopsAcceleration(t *testing.T) {
 			t.Errorf("nothing moved socket to socket on the way out of the mesh: %+v", d)
 		}
 	})
+
+	t.Run("metrics match the counters", func(t *testing.T) {
+		for _, a := range ms.agents {
+			text := scrape(t, a, "http://127.0.0.1:15020/metrics")
+			want, err := accel.PinnedCounters(a.BPFRoot)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := metricSum(text, "redirector_sockops_redirected_bytes_total")
+			if got != float64(want.RedirectedBytes) {
+				t.Errorf("%s: redirector_sockops_redirected_bytes_total %v, map says %d", a.Node.Name, got, want.RedirectedBytes)
+			}
+			if got := metricSum(text, "redirector_sockops_fallbacks_total", `reason="budget"`); got != float64(want.FallbackBudget) {
+				t.Errorf("%s: budget fallbacks %v in metrics, %d in the map", a.Node.Name, got, want.FallbackBudget)
+			}
+		}
+	})
 }
 
 func delta(after, before accel.Counters) accel.Counters {

@@ -532,4 +532,3 @@ spec:
 		t.Errorf("same-node plaintext reached a STRICT pod: %q", out)
 	}
 }
-
