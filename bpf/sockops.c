@@ -14,21 +14,33 @@
 
 char __license[] SEC("license") = "GPL";
 
-/* SO_MARK of the tunnel's own sockets, under mark_mask (set by the agent). */
+/* SO_MARK of the tunnel's own sockets, under mark_mask, and the HBONE port
+ * (set by the agent). */
 volatile const __u32 mark_mask = 0xfff;
 volatile const __u32 tunnel_mark = 0x539;
+volatile const __u16 hbone_port = 15008;
 
-/* Connected local sockets of this node's pods, by their own key. The kernel
- * drops a socket from the map when it closes. */
+/* Connected sockets of this node's apps, by their own key: rd_sk_msg runs
+ * on their sends. The kernel drops a socket from a sockhash when it closes. */
 struct {
 	__uint(type, BPF_MAP_TYPE_SOCKHASH);
 	__uint(max_entries, 65536);
 	__type(key, struct sock_key);
 	__type(value, __u32);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
-} rd_sock_pairs SEC(".maps");
+} rd_app_socks SEC(".maps");
 
-/* The sockets of rd_sock_pairs that are still open, with their state.
+/* The tunnel's sockets in this node's pods, the redirect targets. No
+ * program hangs off this map, so their own sends take the plain TCP code. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKHASH);
+	__uint(max_entries, 65536);
+	__type(key, struct sock_key);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_tunnel_socks SEC(".maps");
+
+/* The sockets of both sockhashes that are still open, with their state.
  * sk_msg cannot look a socket up in a sockhash, and redirecting to a
  * missing key drops the data, so it checks here first. Entries leave when
  * the socket closes. */
@@ -126,17 +138,20 @@ static __always_inline int ours(const struct bpf_sock *sk, const struct sock_key
 
 /* rd_sockops: cgroup sock_ops, on every TCP socket of the cgroup.
  * Verdict: none (sock_ops only observes). When a connection of one of this
- * node's pods is established, its socket joins rd_sock_pairs (which makes
- * rd_sk_msg run on its sends) and rd_sock_state; when it closes, it leaves
- * rd_sock_state and rd_sock_consumed (the kernel drops it from the sockhash
- * itself). A socket joins before its owner can send on it: connect() and
- * accept() return after the callback. */
+ * node's pods is established, its socket joins rd_app_socks (which makes
+ * rd_sk_msg run on its sends) or, a tunnel socket, rd_tunnel_socks, and
+ * rd_sock_state; when it closes, it leaves rd_sock_state and
+ * rd_sock_consumed (the kernel drops it from the sockhash itself). A socket
+ * joins before its owner can send on it: connect() and accept() return
+ * after the callback. HBONE connections (TLS, to another namespace) never
+ * pair and stay out. */
 SEC("sockops")
 int rd_sockops(struct bpf_sock_ops *skops)
 {
 	struct sock_key key = {};
 	struct sock_state fresh = {};
 	struct bpf_sock *sk;
+	void *socks;
 	__u32 ip6l[4], ip6r[4];
 	__u32 op = skops->op;
 
@@ -170,16 +185,19 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	sk = skops->sk;
 	if (!sk || !ours(sk, &key))
 		return 1;
+	if (skops->local_port == hbone_port || bpf_ntohs(key.rport) == hbone_port)
+		return 1;
 	/* The tunnel's sends to an app always take the TCP path: an app may
 	 * read with splice(2) (Go's io.Copy between sockets does), which never
 	 * sees a redirect queue. The tunnel itself reads only with read(2). */
-	fresh.tcp_only = tunnel_socket(sk);
-	/* Into the sockhash first: a key in rd_sock_state is always a valid
-	 * redirect target. Without a state entry the socket is not paired. */
-	if (bpf_sock_hash_update(skops, &rd_sock_pairs, &key, BPF_ANY) != 0)
+	fresh.tunnel = tunnel_socket(sk);
+	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
+	/* Into the sockhash first: a tunnel key in rd_sock_state is always a
+	 * valid redirect target. Without a state entry the socket is not paired. */
+	if (bpf_sock_hash_update(skops, socks, &key, BPF_ANY) != 0)
 		return 1;
 	if (bpf_map_update_elem(&rd_sock_state, &key, &fresh, BPF_ANY) != 0) {
-		bpf_map_delete_elem(&rd_sock_pairs, &key);
+		bpf_map_delete_elem(socks, &key);
 		return 1;
 	}
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
@@ -216,13 +234,12 @@ static __always_inline int fall_back(struct sock_state *me, __u64 *counter)
 	return SK_PASS;
 }
 
-/* rd_sk_msg: sk_msg verdict on every send of a socket in rd_sock_pairs.
- * Verdicts: an app's message is redirected into the ingress queue of the
- * connection's other end when that end is a paired socket of the same
- * namespace (the tunnel of a captured connection), every earlier send of
- * this socket was redirected too, and the peer's queue stays within
- * REDIRECT_BUDGET; SK_PASS (the normal TCP path) otherwise, for good, and
- * always for the tunnel's own sends. Order
+/* rd_sk_msg: sk_msg verdict on every send of an app socket (rd_app_socks).
+ * Verdicts: the message is redirected into the ingress queue of the
+ * connection's other end when that end is a paired tunnel socket of the
+ * same namespace (the tunnel of a captured connection), every earlier send
+ * of this socket was redirected too, and the peer's queue stays within
+ * REDIRECT_BUDGET; SK_PASS (the normal TCP path) otherwise, for good. Order
  * holds because the receiver reads its redirect queue before its TCP queue:
  * everything redirected must be sent before anything that is not. */
 SEC("sk_msg")
@@ -230,7 +247,7 @@ int rd_sk_msg(struct sk_msg_md *msg)
 {
 	struct sock_key self = {}, peer = {};
 	struct accel_counters *c = stats();
-	struct sock_state *me;
+	struct sock_state *me, *other;
 	__u32 ip6l[4], ip6r[4];
 	__u64 *consumed, inflight;
 
@@ -266,8 +283,10 @@ int rd_sk_msg(struct sk_msg_md *msg)
 		if (sent_before_pairing(msg))
 			return fall_back(me, c ? &c->fallback_early : NULL);
 	}
-	/* Redirecting to a missing peer would drop the data: look first. */
-	if (!bpf_map_lookup_elem(&rd_sock_state, &peer))
+	/* Redirecting to a missing peer would drop the data: look first. The
+	 * peer may also be another app (a pod talking to itself, not captured). */
+	other = bpf_map_lookup_elem(&rd_sock_state, &peer);
+	if (!other || !other->tunnel)
 		return fall_back(me, c ? &c->fallback_no_peer : NULL);
 	consumed = bpf_map_lookup_elem(&rd_sock_consumed, &peer);
 	inflight = me->sent;
@@ -283,6 +302,6 @@ int rd_sk_msg(struct sk_msg_md *msg)
 		c->redirected++;
 		c->redirected_bytes += msg->size;
 	}
-	return bpf_msg_redirect_hash(msg, &rd_sock_pairs, &peer, BPF_F_INGRESS);
+	return bpf_msg_redirect_hash(msg, &rd_tunnel_socks, &peer, BPF_F_INGRESS);
 }
 

@@ -75,7 +75,8 @@ type SockopsSockState struct {
 	Sent    uint64
 	Checked uint8
 	TcpOnly uint8
-	Pad     [6]uint8
+	Tunnel  uint8
+	Pad     [5]uint8
 }
 
 // Names of all BPF objects in the ELF.
@@ -83,15 +84,17 @@ type SockopsSockState struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	SockopsMapRdAccelStats        = "rd_accel_stats"
+	SockopsMapRdAppSocks          = "rd_app_socks"
 	SockopsMapRdPodMeta           = "rd_pod_meta"
 	SockopsMapRdPodStats          = "rd_pod_stats"
 	SockopsMapRdPods              = "rd_pods"
 	SockopsMapRdReasons           = "rd_reasons"
 	SockopsMapRdSockConsumed      = "rd_sock_consumed"
-	SockopsMapRdSockPairs         = "rd_sock_pairs"
 	SockopsMapRdSockState         = "rd_sock_state"
+	SockopsMapRdTunnelSocks       = "rd_tunnel_socks"
 	SockopsProgRdSkMsg            = "rd_sk_msg"
 	SockopsProgRdSockops          = "rd_sockops"
+	SockopsVarHbonePort           = "hbone_port"
 	SockopsVarMarkMask            = "mark_mask"
 	SockopsVarTunnelMark          = "tunnel_mark"
 	SockopsVarUnusedAccelCounters = "unused_accel_counters"
@@ -149,19 +152,21 @@ type SockopsProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockopsMapSpecs struct {
 	RdAccelStats   *ebpf.MapSpec `ebpf:"rd_accel_stats"`
+	RdAppSocks     *ebpf.MapSpec `ebpf:"rd_app_socks"`
 	RdPodMeta      *ebpf.MapSpec `ebpf:"rd_pod_meta"`
 	RdPodStats     *ebpf.MapSpec `ebpf:"rd_pod_stats"`
 	RdPods         *ebpf.MapSpec `ebpf:"rd_pods"`
 	RdReasons      *ebpf.MapSpec `ebpf:"rd_reasons"`
 	RdSockConsumed *ebpf.MapSpec `ebpf:"rd_sock_consumed"`
-	RdSockPairs    *ebpf.MapSpec `ebpf:"rd_sock_pairs"`
 	RdSockState    *ebpf.MapSpec `ebpf:"rd_sock_state"`
+	RdTunnelSocks  *ebpf.MapSpec `ebpf:"rd_tunnel_socks"`
 }
 
 // SockopsVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type SockopsVariableSpecs struct {
+	HbonePort           *ebpf.VariableSpec `ebpf:"hbone_port"`
 	MarkMask            *ebpf.VariableSpec `ebpf:"mark_mask"`
 	TunnelMark          *ebpf.VariableSpec `ebpf:"tunnel_mark"`
 	UnusedAccelCounters *ebpf.VariableSpec `ebpf:"unused_accel_counters"`
@@ -189,25 +194,27 @@ func (o *SockopsObjects) Close() error {
 // It can be passed to LoadSockopsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockopsMaps struct {
 	RdAccelStats   *ebpf.Map `ebpf:"rd_accel_stats"`
+	RdAppSocks     *ebpf.Map `ebpf:"rd_app_socks"`
 	RdPodMeta      *ebpf.Map `ebpf:"rd_pod_meta"`
 	RdPodStats     *ebpf.Map `ebpf:"rd_pod_stats"`
 	RdPods         *ebpf.Map `ebpf:"rd_pods"`
 	RdReasons      *ebpf.Map `ebpf:"rd_reasons"`
 	RdSockConsumed *ebpf.Map `ebpf:"rd_sock_consumed"`
-	RdSockPairs    *ebpf.Map `ebpf:"rd_sock_pairs"`
 	RdSockState    *ebpf.Map `ebpf:"rd_sock_state"`
+	RdTunnelSocks  *ebpf.Map `ebpf:"rd_tunnel_socks"`
 }
 
 func (m *SockopsMaps) Close() error {
 	return _SockopsClose(
 		m.RdAccelStats,
+		m.RdAppSocks,
 		m.RdPodMeta,
 		m.RdPodStats,
 		m.RdPods,
 		m.RdReasons,
 		m.RdSockConsumed,
-		m.RdSockPairs,
 		m.RdSockState,
+		m.RdTunnelSocks,
 	)
 }
 
@@ -215,6 +222,7 @@ func (m *SockopsMaps) Close() error {
 //
 // It can be passed to LoadSockopsObjects or ebpf.CollectionSpec.LoadAndAssign.
 type SockopsVariables struct {
+	HbonePort           *ebpf.Variable `ebpf:"hbone_port"`
 	MarkMask            *ebpf.Variable `ebpf:"mark_mask"`
 	TunnelMark          *ebpf.Variable `ebpf:"tunnel_mark"`
 	UnusedAccelCounters *ebpf.Variable `ebpf:"unused_accel_counters"`

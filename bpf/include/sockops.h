@@ -15,13 +15,14 @@ struct sock_key {
 	__u64 netns;
 };
 
-/* One paired socket as a sender. Written only by its own sends (rd_sk_msg),
- * which the kernel runs one at a time. */
+/* One paired socket. An app socket's sends (rd_sk_msg, which the kernel runs
+ * one at a time) write sent, checked and tcp_only; tunnel is set at pairing. */
 struct sock_state {
 	__u64 sent;     /* bytes this socket moved into its peer's receive queue */
 	__u8 checked;   /* the first send has been looked at */
 	__u8 tcp_only;  /* took the TCP path once: never redirected again */
-	__u8 _pad[6];
+	__u8 tunnel;    /* a tunnel socket: a redirect target, never a sender */
+	__u8 _pad[5];
 };
 
 /* Counters of the acceleration, per CPU. */

@@ -183,7 +183,7 @@ func runAgent(ctx context.Context, args []string) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
 	if cfg.accel {
-		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, Logger: log})
+		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}

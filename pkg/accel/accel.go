@@ -39,7 +39,9 @@ type Config struct {
 	// TunnelMark under MarkMask marks the tunnel's own sockets: such a
 	// socket belongs to the pod that is its peer.
 	TunnelMark, MarkMask uint32
-	Logger               *slog.Logger
+	// HBONEPort is left alone: its connections never pair.
+	HBONEPort uint16
+	Logger    *slog.Logger
 }
 
 // Accelerator holds the loaded programs.
@@ -72,7 +74,10 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 	if cfg.TunnelMark&cfg.MarkMask == 0 {
 		return nil, fmt.Errorf("tunnel mark %#x is zero under mask %#x", cfg.TunnelMark, cfg.MarkMask)
 	}
-	for name, v := range map[string]uint32{bpf.SockopsVarTunnelMark: cfg.TunnelMark & cfg.MarkMask, bpf.SockopsVarMarkMask: cfg.MarkMask} {
+	if cfg.HBONEPort == 0 {
+		return nil, errors.New("HBONE port is zero")
+	}
+	for name, v := range map[string]any{bpf.SockopsVarTunnelMark: cfg.TunnelMark & cfg.MarkMask, bpf.SockopsVarMarkMask: cfg.MarkMask, bpf.SockopsVarHbonePort: cfg.HBONEPort} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("set program constant %s: %w", name, err)
 		}
@@ -93,9 +98,9 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 		return nil, fmt.Errorf("load sockops programs: %w", err)
 	}
 	// The sk_msg verdict hangs off the map; attaching again replaces it.
-	if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: a.objs.RdSockPairs.FD(), Program: a.objs.RdSkMsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
+	if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: a.objs.RdAppSocks.FD(), Program: a.objs.RdSkMsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
 		a.objs.Close()
-		return nil, fmt.Errorf("attach sk_msg to %s: %w", bpf.SockopsMapRdSockPairs, err)
+		return nil, fmt.Errorf("attach sk_msg to %s: %w", bpf.SockopsMapRdAppSocks, err)
 	}
 	if err := a.attachSockops(); err != nil {
 		a.objs.Close()
@@ -183,8 +188,8 @@ func Uninstall(root string) error {
 
 // mapPins are the acceleration's own pinned maps (rd_pods belongs to the
 // data path), with the names older versions used.
-var mapPins = []string{bpf.SockopsMapRdSockPairs, bpf.SockopsMapRdSockState, bpf.SockopsMapRdSockConsumed,
-	bpf.SockopsMapRdAccelStats, "rd_sock_open"}
+var mapPins = []string{bpf.SockopsMapRdAppSocks, bpf.SockopsMapRdTunnelSocks, bpf.SockopsMapRdSockState,
+	bpf.SockopsMapRdSockConsumed, bpf.SockopsMapRdAccelStats, "rd_sock_pairs", "rd_sock_open"}
 
 func removeMapPins(root string) error {
 	var errs []error

@@ -21,19 +21,21 @@ const ReportEvery = 64 << 10
 // Conn is a pod-side socket of the tunnel while the acceleration is on.
 //
 //   - What the tunnel reads from it is reported to rd_sock_consumed, which
-//     gives the app's sends their budget back.
+//     gives the app's sends their budget back. Once the app's socket has
+//     fallen back to TCP for good, it is taken out of rd_app_socks, so its
+//     sends run the kernel's plain TCP code again, and reports stop.
 //   - It hides the socket's splice paths (ReadFrom, WriteTo): a splice reads
 //     only the TCP queue and would never see what the app's sends put in
 //     the socket's redirect queue.
 type Conn struct {
 	net.Conn // the *net.TCPConn, as an interface: its splice methods stay hidden
 	tcp      *net.TCPConn
-	consumed *ebpf.Map // nil: the socket's key is unknown, nothing is reported
-	key      bpf.SockopsSockKey
+	maps     *bpf.SockopsMaps   // nil: the socket's key is unknown, nothing is reported
+	key      bpf.SockopsSockKey // this socket's; the app's is the same, swapped
 
 	mu             sync.Mutex
 	read, reported uint64
-	closed         bool
+	closed, done   bool // done: the app's socket no longer redirects
 }
 
 // Wrap returns a TCP socket as a Conn, and any other net.Conn as it is. It
@@ -50,7 +52,7 @@ func (a *Accelerator) Wrap(c net.Conn) net.Conn {
 		a.cfg.Logger.Debug("sockops acceleration: no key for socket", "local", c.LocalAddr(), "remote", c.RemoteAddr(), "error", err)
 		return w
 	}
-	w.key, w.consumed = key, a.objs.RdSockConsumed
+	w.key, w.maps = key, &a.objs.SockopsMaps
 	return w
 }
 
@@ -100,26 +102,41 @@ func (c *Conn) Read(b []byte) (int, error) {
 // (the tunnel reads through the file descriptor), and reports the total
 // once ReportEvery bytes have gathered since the last report.
 func (c *Conn) ObserveRead(n int) {
-	if n <= 0 || c.consumed == nil {
+	if n <= 0 || c.maps == nil {
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.read += uint64(n)
-	if c.closed || c.read-c.reported < ReportEvery {
+	if c.closed || c.done || c.read-c.reported < ReportEvery {
+		return
+	}
+	app := swapped(c.key)
+	var st bpf.SockopsSockState
+	if err := c.maps.RdSockState.Lookup(&app, &st); err == nil && st.TcpOnly != 0 {
+		// The app's sends take TCP for good: stop running sk_msg on them.
+		_ = c.maps.RdAppSocks.Delete(&app)
+		c.done = true
 		return
 	}
 	// A failed update (map full) only keeps the budget back.
-	if c.consumed.Update(&c.key, c.read, ebpf.UpdateAny) == nil {
+	if c.maps.RdSockConsumed.Update(&c.key, c.read, ebpf.UpdateAny) == nil {
 		c.reported = c.read
 	}
+}
+
+// swapped is the key of the socket at the other end of k's connection.
+func swapped(k bpf.SockopsSockKey) bpf.SockopsSockKey {
+	k.Local, k.Remote = k.Remote, k.Local
+	k.Lport, k.Rport = k.Rport, k.Lport
+	return k
 }
 
 // Close closes the socket and removes its report.
 func (c *Conn) Close() error {
 	c.mu.Lock()
 	if !c.closed && c.reported > 0 {
-		_ = c.consumed.Delete(&c.key)
+		_ = c.maps.RdSockConsumed.Delete(&c.key)
 	}
 	c.closed = true
 	c.mu.Unlock()
