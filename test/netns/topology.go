@@ -133,7 +133,10 @@ func (tp *Topology) addNode(i int) {
 	tp.ip(n.Name, "addr", "add", n.IPv4.String()+"/24", "dev", "uplink")
 	tp.ip(n.Name, "addr", "add", n.IPv6.String()+"/64", "dev", "uplink", "nodad")
 	tp.ip(n.Name, "link", "set", "uplink", "up")
-	tp.ip(n.Name, "link", "add", "rdbr", "type", "bridge")
+	// A fixed address: a bridge without one takes its lowest port's, so a
+	// new pod could change the gateway's MAC under the other pods, whose
+	// off-node packets then go nowhere until their neighbor entry expires.
+	tp.ip(n.Name, "link", "add", "rdbr", "address", fmt.Sprintf("02:72:64:%02x:00:%02x", tp.slot, i), "type", "bridge")
 	tp.ip(n.Name, "addr", "add", n.PodAddr4(1).String()+"/24", "dev", "rdbr")
 	tp.ip(n.Name, "addr", "add", n.PodAddr6(1).String()+"/64", "dev", "rdbr", "nodad")
 	tp.ip(n.Name, "link", "set", "rdbr", "up")
