@@ -91,7 +91,7 @@ func runSettings() (*settings, runFlags) {
 		probe4:     s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
 		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
-		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "move payload between a pod's app and the tunnel socket to socket (sockops + sk_msg) instead of through the TCP stack"),
+		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 	}
 }
