@@ -154,15 +154,29 @@ func readCounters(m *ebpf.Map) (Counters, error) {
 	}
 	var c Counters
 	for _, p := range per {
-		c.Sockets += p.Sockets
-		c.Redirected += p.Redirected
-		c.RedirectedBytes += p.RedirectedBytes
-		c.Passed += p.Passed
-		c.FallbackNoPeer += p.FallbackNoPeer
-		c.FallbackBudget += p.FallbackBudget
-		c.FallbackEarly += p.FallbackEarly
+		c = c.Add(Counters{Sockets: p.Sockets, Redirected: p.Redirected, RedirectedBytes: p.RedirectedBytes,
+			Passed: p.Passed, FallbackNoPeer: p.FallbackNoPeer, FallbackBudget: p.FallbackBudget, FallbackEarly: p.FallbackEarly})
 	}
 	return c, nil
+}
+
+// Add is c plus o, field by field.
+func (c Counters) Add(o Counters) Counters {
+	return c.combine(o, func(a, b uint64) uint64 { return a + b })
+}
+
+// Sub is c minus o, field by field: what happened between two readings.
+func (c Counters) Sub(o Counters) Counters {
+	return c.combine(o, func(a, b uint64) uint64 { return a - b })
+}
+
+func (c Counters) combine(o Counters, op func(a, b uint64) uint64) Counters {
+	return Counters{
+		Sockets: op(c.Sockets, o.Sockets), Redirected: op(c.Redirected, o.Redirected),
+		RedirectedBytes: op(c.RedirectedBytes, o.RedirectedBytes), Passed: op(c.Passed, o.Passed),
+		FallbackNoPeer: op(c.FallbackNoPeer, o.FallbackNoPeer), FallbackBudget: op(c.FallbackBudget, o.FallbackBudget),
+		FallbackEarly: op(c.FallbackEarly, o.FallbackEarly),
+	}
 }
 
 // PinnedCounters reads the counters of the acceleration pinned under root.

@@ -31,13 +31,7 @@ func accelTotals(t *testing.T, ms *mesh) accel.Counters {
 		if err != nil {
 			t.Fatal(err)
 		}
-		sum.Sockets += c.Sockets
-		sum.Redirected += c.Redirected
-		sum.RedirectedBytes += c.RedirectedBytes
-		sum.Passed += c.Passed
-		sum.FallbackNoPeer += c.FallbackNoPeer
-		sum.FallbackBudget += c.FallbackBudget
-		sum.FallbackEarly += c.FallbackEarly
+		sum = sum.Add(c)
 	}
 	return sum
 }
@@ -145,7 +139,7 @@ func TestSockopsAcceleration(t *testing.T) {
 				t.Fatalf("round %d: the echo differs from the request", i)
 			}
 		}
-		d := delta(accelTotals(t, ms), before)
+		d := accelTotals(t, ms).Sub(before)
 		t.Logf("counters: %+v", d)
 		// The client app's requests and the server app's replies: two hops
 		// of rounds*size bytes each, all socket to socket, because the
@@ -178,7 +172,7 @@ func TestSockopsAcceleration(t *testing.T) {
 		if err != nil || strings.TrimSpace(reply) != hex.EncodeToString(h.Sum(nil)) {
 			t.Fatalf("the server read sha256 %q (%v), want the client's", reply, err)
 		}
-		d := delta(accelTotals(t, ms), before)
+		d := accelTotals(t, ms).Sub(before)
 		t.Logf("counters: %+v", d)
 		if d.FallbackBudget == 0 {
 			t.Error("the client app kept redirecting while nobody read: no budget fallback counted")
@@ -205,7 +199,7 @@ func TestSockopsAcceleration(t *testing.T) {
 	t.Run("passthrough to a pod outside the mesh", func(t *testing.T) {
 		before := accelTotals(t, ms)
 		exchangeMirror(t, dialPod(t, ctx, client, plain, 9000), 16<<20)
-		if d := delta(accelTotals(t, ms), before); d.RedirectedBytes == 0 {
+		if d := accelTotals(t, ms).Sub(before); d.RedirectedBytes == 0 {
 			t.Errorf("nothing moved socket to socket on the way out of the mesh: %+v", d)
 		}
 	})
@@ -216,7 +210,7 @@ func TestSockopsAcceleration(t *testing.T) {
 		if reply != sum {
 			t.Fatalf("the server read sha256 %q, want the client's %q", reply, sum)
 		}
-		if d := delta(accelTotals(t, ms), before); d.FallbackEarly == 0 {
+		if d := accelTotals(t, ms).Sub(before); d.FallbackEarly == 0 {
 			t.Errorf("a connection whose first write went out before pairing was not put on TCP: %+v", d)
 		}
 	})
@@ -237,15 +231,6 @@ func TestSockopsAcceleration(t *testing.T) {
 			}
 		}
 	})
-}
-
-func delta(after, before accel.Counters) accel.Counters {
-	return accel.Counters{
-		Sockets: after.Sockets - before.Sockets, Redirected: after.Redirected - before.Redirected,
-		RedirectedBytes: after.RedirectedBytes - before.RedirectedBytes, Passed: after.Passed - before.Passed,
-		FallbackNoPeer: after.FallbackNoPeer - before.FallbackNoPeer, FallbackBudget: after.FallbackBudget - before.FallbackBudget,
-		FallbackEarly: after.FallbackEarly - before.FallbackEarly,
-	}
 }
 
 // fastOpenSend sends from pod p to dst on a blocking socket, the first of
