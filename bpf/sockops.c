@@ -93,6 +93,13 @@ static __always_inline struct accel_counters *stats(void)
 	return bpf_map_lookup_elem(&rd_accel_stats, &zero);
 }
 
+/* count adds n to a counter of c (atomically: a program can be preempted). */
+#define count(c, field, n)                                                                         \
+	do {                                                                                       \
+		if (c)                                                                             \
+			__sync_fetch_and_add(&(c)->field, (n));                                    \
+	} while (0)
+
 static __always_inline void set_addr(__u8 *dst, __u32 family, __u32 ip4, const __u32 *ip6)
 {
 	__u32 *w = (__u32 *)dst;
@@ -141,10 +148,12 @@ static __always_inline int ours(const struct bpf_sock *sk, const struct sock_key
  * node's pods is established, its socket joins rd_app_socks (which makes
  * rd_sk_msg run on its sends) or, a tunnel socket, rd_tunnel_socks, and
  * rd_sock_state; when it closes, it leaves rd_sock_state and
- * rd_sock_consumed (the kernel drops it from the sockhash itself). A socket
- * joins before its owner can send on it: connect() and accept() return
- * after the callback. HBONE connections (TLS, to another namespace) never
- * pair and stay out. */
+ * rd_sock_consumed (the kernel drops it from the sockhash itself, already at
+ * close(2)). connect() and accept() return after the callback, so normally
+ * a socket joins before its owner sends; what was sent before (TCP Fast
+ * Open, a send blocked in connect) is caught at the first send seen
+ * (sent_before_pairing). HBONE connections (TLS, to another namespace)
+ * never pair and stay out. */
 SEC("sockops")
 int rd_sockops(struct bpf_sock_ops *skops)
 {
@@ -192,18 +201,22 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	 * sees a redirect queue. The tunnel itself reads only with read(2). */
 	fresh.tunnel = tunnel_socket(sk);
 	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
-	/* Into the sockhash first: a tunnel key in rd_sock_state is always a
-	 * valid redirect target. Without a state entry the socket is not paired. */
+	/* Into the sockhash first, so a tunnel key in rd_sock_state is a
+	 * redirect target until the tunnel closes the socket. Without a state
+	 * entry the socket is not paired. */
 	if (bpf_sock_hash_update(skops, socks, &key, BPF_ANY) != 0)
 		return 1;
 	if (bpf_map_update_elem(&rd_sock_state, &key, &fresh, BPF_ANY) != 0) {
 		bpf_map_delete_elem(socks, &key);
 		return 1;
 	}
+	/* A report left by an earlier connection with the same key (an agent
+	 * that died before closing) must not hand this one budget. */
+	if (fresh.tunnel)
+		bpf_map_delete_elem(&rd_sock_consumed, &key);
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);
 	struct accel_counters *c = stats();
-	if (c)
-		c->sockets++;
+	count(c, sockets, 1);
 	return 1;
 }
 
@@ -226,11 +239,12 @@ static __always_inline int sent_before_pairing(struct sk_msg_md *msg)
 
 /* fall_back puts a sender on the TCP path for good: once one send took it,
  * a redirected one could be read before it. */
-static __always_inline int fall_back(struct sock_state *me, __u64 *counter)
+static __always_inline int fall_back(struct sock_state *me, struct accel_counters *c, __u64 *reason)
 {
 	me->tcp_only = 1;
-	if (counter)
-		(*counter)++;
+	if (reason)
+		__sync_fetch_and_add(reason, 1);
+	count(c, passed, 1);
 	return SK_PASS;
 }
 
@@ -273,21 +287,21 @@ int rd_sk_msg(struct sk_msg_md *msg)
 	peer.rport = self.lport;
 	peer.netns = self.netns;
 
-	if (c)
-		c->passed++; /* undone below when redirected */
 	me = bpf_map_lookup_elem(&rd_sock_state, &self);
-	if (!me || me->tcp_only)
+	if (!me || me->tcp_only) {
+		count(c, passed, 1);
 		return SK_PASS;
+	}
 	if (!me->checked) {
 		me->checked = 1;
 		if (sent_before_pairing(msg))
-			return fall_back(me, c ? &c->fallback_early : NULL);
+			return fall_back(me, c, c ? &c->fallback_early : NULL);
 	}
 	/* Redirecting to a missing peer would drop the data: look first. The
 	 * peer may also be another app (a pod talking to itself, not captured). */
 	other = bpf_map_lookup_elem(&rd_sock_state, &peer);
 	if (!other || !other->tunnel)
-		return fall_back(me, c ? &c->fallback_no_peer : NULL);
+		return fall_back(me, c, c ? &c->fallback_no_peer : NULL);
 	consumed = bpf_map_lookup_elem(&rd_sock_consumed, &peer);
 	inflight = me->sent;
 	if (consumed) {
@@ -295,13 +309,15 @@ int rd_sk_msg(struct sk_msg_md *msg)
 		inflight = read < me->sent ? me->sent - read : 0;
 	}
 	if (inflight + msg->size > REDIRECT_BUDGET)
-		return fall_back(me, c ? &c->fallback_budget : NULL);
+		return fall_back(me, c, c ? &c->fallback_budget : NULL);
+	/* The tunnel's socket leaves the sockhash at close(2), its state only
+	 * at TCP_CLOSE: a failed redirect means the tunnel is gone, and TCP
+	 * gives the app the error it would have had without us. */
+	if (bpf_msg_redirect_hash(msg, &rd_tunnel_socks, &peer, BPF_F_INGRESS) != SK_PASS)
+		return fall_back(me, c, c ? &c->fallback_no_peer : NULL);
 	me->sent += msg->size;
-	if (c) {
-		c->passed--;
-		c->redirected++;
-		c->redirected_bytes += msg->size;
-	}
-	return bpf_msg_redirect_hash(msg, &rd_tunnel_socks, &peer, BPF_F_INGRESS);
+	count(c, redirected, 1);
+	count(c, redirected_bytes, msg->size);
+	return SK_PASS;
 }
 

@@ -31,7 +31,7 @@ struct accel_counters {
 	__u64 redirected;       /* messages moved to the peer socket directly */
 	__u64 redirected_bytes;
 	__u64 passed;           /* messages sent the normal way */
-	__u64 fallback_no_peer; /* connections on TCP for good: no local peer at their first send */
+	__u64 fallback_no_peer; /* connections on TCP for good: no tunnel socket to send to (not yet, or gone) */
 	__u64 fallback_budget;  /* ... : the peer had not read enough (budget) */
 	__u64 fallback_early;   /* ... : data was queued before the socket was paired */
 };

@@ -1,15 +1,16 @@
 // Package accel is the optional sockops acceleration: a cgroup sock_ops
-// program puts the connected sockets of enrolled pods into a sockhash, and an
-// sk_msg program moves each send straight into the other end's receive queue
-// when both ends are local sockets of one namespace (an app and the tunnel).
-// Payload then skips the TCP stack, the pod interface and the re-injection.
-// Handshakes, FIN and RST still take the normal path, so half-close works.
+// program puts the connected sockets of this node's pods into two
+// sockhashes, apps' and the tunnel's, and an sk_msg program on the apps'
+// moves each send of an app straight into the receive queue of the tunnel's
+// socket of the same connection. That payload skips the pod's TCP stack, its
+// interface and the capture. The other direction, handshakes, FIN and RST
+// take the normal path, so half-close works.
 //
 // A redirect queue has no backpressure, so each connection may have at most
-// a budget of bytes in its peer's queue; the tunnel returns budget to the
-// app's sends as it reads (Conn). A connection that once takes the TCP path
-// (over budget, or no peer yet) stays on it, so that no redirected send can
-// overtake bytes still in the peer's TCP queue.
+// a budget of bytes in the tunnel's queue; the tunnel returns budget as it
+// reads (Conn). A connection that once takes the TCP path (over budget, or
+// no tunnel socket to send to) stays on it, so that no redirected send can
+// overtake bytes still in the tunnel socket's TCP queue.
 package accel
 
 import (
@@ -87,7 +88,8 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 	err = spec.LoadAndAssign(&a.objs, opts)
 	if errors.Is(err, ebpf.ErrMapIncompatible) {
 		// Pins of an older version with other map layouts: start afresh.
-		// Sockets paired by the old programs keep them until they close.
+		// The old maps go once nothing holds them, unpairing their
+		// sockets; the old agent's tunnel sockets are closed by then.
 		cfg.Logger.InfoContext(ctx, "replacing sockops maps of an older version", "error", err)
 		if err := removeMapPins(cfg.PinRoot); err != nil {
 			return nil, err
@@ -190,8 +192,8 @@ func PinnedCounters(root string) (Counters, error) {
 }
 
 // Uninstall detaches the sock_ops program (no new socket joins) and removes
-// the acceleration's pins. Sockets already paired keep their fast path until
-// they close.
+// the acceleration's pins. The maps go with their last reference, which
+// unpairs the sockets still in them: their sends take TCP again.
 func Uninstall(root string) error {
 	var errs []error
 	errs = append(errs, pin.DetachLink(linkPin(root)))

@@ -20,13 +20,17 @@ const ReportEvery = 64 << 10
 
 // Conn is a pod-side socket of the tunnel while the acceleration is on.
 //
-//   - What the tunnel reads from it is reported to rd_sock_consumed, which
-//     gives the app's sends their budget back. Once the app's socket has
-//     fallen back to TCP for good, it is taken out of rd_app_socks, so its
-//     sends run the kernel's plain TCP code again, and reports stop.
+//   - If the sockops program paired it (checked at the first read), what
+//     the tunnel reads from it is reported to rd_sock_consumed, which gives
+//     the app's sends their budget back. Once the app's socket has fallen
+//     back to TCP for good (checked at the first read and at each report),
+//     it is taken out of rd_app_socks, so its sends and reads run the
+//     kernel's plain TCP code again, and reports stop.
 //   - It hides the socket's splice paths (ReadFrom, WriteTo): a splice reads
 //     only the TCP queue and would never see what the app's sends put in
-//     the socket's redirect queue.
+//     the socket's redirect queue. (SyscallConn stays, for the tunnel's own
+//     reads; Go's sendfile would take it too, but the kernel refuses a
+//     socket as sendfile's source.)
 type Conn struct {
 	net.Conn // the *net.TCPConn, as an interface: its splice methods stay hidden
 	tcp      *net.TCPConn
@@ -35,12 +39,15 @@ type Conn struct {
 
 	mu             sync.Mutex
 	read, reported uint64
-	closed, done   bool // done: the app's socket no longer redirects
+	checked        bool // the first read looked the socket up
+	closed, done   bool // done: nothing more to report (not paired, or the app fell back)
 }
 
 // Wrap returns a TCP socket as a Conn, and any other net.Conn as it is. It
 // never fails: without the socket's key the budget is just never returned,
-// and the app's connection falls back to the TCP path.
+// and the app's connection falls back to the TCP path. Whether the socket
+// was paired is looked up at its first read, not here: accept() can return
+// a socket a moment before the kernel has run the pairing callback on it.
 func (a *Accelerator) Wrap(c net.Conn) net.Conn {
 	tcp, ok := c.(*net.TCPConn)
 	if !ok {
@@ -108,12 +115,20 @@ func (c *Conn) ObserveRead(n int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.read += uint64(n)
-	if c.closed || c.done || c.read-c.reported < ReportEvery {
+	if c.closed || c.done {
+		return
+	}
+	if !c.checked {
+		c.checked = true
+		if st, ok := c.state(c.key); !ok || st.Tunnel == 0 {
+			c.done = true // never a redirect target: nothing to return
+			return
+		}
+	} else if c.read-c.reported < ReportEvery {
 		return
 	}
 	app := swapped(c.key)
-	var st bpf.SockopsSockState
-	if err := c.maps.RdSockState.Lookup(&app, &st); err == nil && st.TcpOnly != 0 {
+	if st, ok := c.state(app); ok && st.TcpOnly != 0 {
 		// The app's sends take TCP for good: stop running sk_msg on them.
 		_ = c.maps.RdAppSocks.Delete(&app)
 		c.done = true
@@ -123,6 +138,13 @@ func (c *Conn) ObserveRead(n int) {
 	if c.maps.RdSockConsumed.Update(&c.key, c.read, ebpf.UpdateAny) == nil {
 		c.reported = c.read
 	}
+}
+
+// state is the pairing state of the socket with key k, if it is paired.
+func (c *Conn) state(k bpf.SockopsSockKey) (bpf.SockopsSockState, bool) {
+	var st bpf.SockopsSockState
+	err := c.maps.RdSockState.Lookup(&k, &st)
+	return st, err == nil
 }
 
 // swapped is the key of the socket at the other end of k's connection.

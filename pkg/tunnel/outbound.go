@@ -149,7 +149,7 @@ const connectTimeout = 5 * time.Second
 func (p *pod) dialPlain(ctx context.Context, dst netip.AddrPort) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
-	return p.wrap(netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark}))
+	return netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
 }
 
 func forwardedAddr(a netip.Addr) string {

@@ -6,12 +6,14 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"io"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -106,6 +108,7 @@ func TestSockopsAcceleration(t *testing.T) {
 		t.Fatal(err)
 	}
 	sinkServer(t, server, 9500)
+	ServeTCP(t, server, 9600, func(c net.Conn) {}) // closes at once
 	ServeTCP(t, server, 9400, func(c net.Conn) {
 		f, err := os.Open(file)
 		if err != nil {
@@ -122,6 +125,11 @@ func TestSockopsAcceleration(t *testing.T) {
 
 	t.Run("requests and replies stay socket to socket", func(t *testing.T) {
 		c := dialPod(t, ctx, client, server, 9300)
+		// The kernel pairs the tunnel's socket when it takes the
+		// handshake's last ACK, which can be a moment after connect
+		// returns; a first write before that puts the connection on TCP
+		// (counted as no_peer), which is not what this case is about.
+		time.Sleep(20 * time.Millisecond)
 		before := accelTotals(t, ms)
 		const rounds, size = 1000, 2048 // 2 MiB each way: 8 times the budget
 		msg, buf := make([]byte, size), make([]byte, size)
@@ -141,6 +149,9 @@ func TestSockopsAcceleration(t *testing.T) {
 		}
 		d := accelTotals(t, ms).Sub(before)
 		t.Logf("counters: %+v", d)
+		if d.FallbackNoPeer != 0 {
+			t.Fatalf("the connection went to TCP at its first write (%d no_peer fall-backs): the tunnel's socket was not paired yet", d.FallbackNoPeer)
+		}
 		// The client app's requests and the server app's replies: two hops
 		// of rounds*size bytes each, all socket to socket, because the
 		// tunnel's reads keep giving the budget back.
@@ -215,6 +226,24 @@ func TestSockopsAcceleration(t *testing.T) {
 		}
 	})
 
+	t.Run("the app gets TCP's errors once the tunnel is gone", func(t *testing.T) {
+		c := dialPod(t, ctx, client, server, 9600)
+		time.Sleep(20 * time.Millisecond)
+		msg := make([]byte, 1024)
+		var err error
+		for end := time.Now().Add(10 * time.Second); err == nil && time.Now().Before(end); time.Sleep(time.Millisecond) {
+			_, err = c.Write(msg)
+		}
+		// The server closed at once, so the tunnel closed the app's
+		// connection. Whatever the tunnel's socket is by then (gone, or
+		// closed but not yet TCP_CLOSE, which rd_sk_msg finds out from a
+		// failed redirect), the app must get TCP's error, never the
+		// EACCES of a dropped redirect.
+		if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("writing after the peer closed: %v, want EPIPE or ECONNRESET", err)
+		}
+	})
+
 	t.Run("metrics match the counters", func(t *testing.T) {
 		for _, a := range ms.agents {
 			text := scrape(t, a, "http://127.0.0.1:15020/metrics")
@@ -275,9 +304,10 @@ func fastOpenSend(t *testing.T, p *Pod, dst netip.AddrPort, n, size int) (sum, r
 	}
 	buf := make([]byte, 128)
 	var got []byte
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		k, err := unix.Read(fd, buf)
-		if err == unix.EAGAIN {
+		if err == unix.EAGAIN && time.Now().Before(deadline) {
 			// A known limit of sockmap sockets: the kernel's
 			// tcp_bpf_recvmsg returns EAGAIN to a blocking read woken
 			// by anything but data (here the ACK of our FIN).
