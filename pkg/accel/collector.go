@@ -11,7 +11,7 @@ var (
 	redirectedBytesDesc = prometheus.NewDesc("redirector_sockops_redirected_bytes_total",
 		"Bytes moved socket to socket.", nil, nil)
 	fallbacksDesc = prometheus.NewDesc("redirector_sockops_fallbacks_total",
-		"App connections that took the TCP path for good, by reason: no_peer (the tunnel's socket was not paired yet), "+
+		"App connections that took the TCP path for good, by reason: no_peer (no tunnel socket to send to: not paired yet, or closed), "+
 			"budget (the tunnel had not read enough), early_data (data was sent before pairing).",
 		[]string{"reason"}, nil)
 )
