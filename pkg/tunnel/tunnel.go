@@ -36,9 +36,9 @@ type Config struct {
 	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
 	// the BPF programs never capture packets that carry it.
 	TunnelMark uint32
-	// WrapPodSocket, if set, wraps each socket the tunnel accepts from a
-	// pod's app or dials to it, before any use (the sockops acceleration's
-	// accel.Accelerator.Wrap).
+	// WrapPodSocket, if set, wraps each socket the tunnel accepts on a pod's
+	// capture listeners or dials to the pod's apps, before any use (the
+	// sockops acceleration's accel.Accelerator.Wrap).
 	WrapPodSocket func(net.Conn) net.Conn
 	Certs         *identity.Manager
 	Pool          *hbone.Pool
