@@ -56,7 +56,27 @@ const (
 	maxStreamID        = 1<<31 - 1
 	maxQueuedControl   = 4096 // more pending control frames than this is a flood
 	closeWriteDeadline = time.Second
+
+	// floodPeriod is the period of the flood budgets: a peer gets the
+	// burst of a budget at once and the same again per period.
+	floodPeriod = 10 * time.Second
+	// junkBurst is the budget of frames that cost us work and carry no
+	// stream data (CVE-2019-9512/9515/9518 class: PING and SETTINGS that
+	// must be answered, empty DATA, PRIORITY, unknown frame types, frames
+	// for closed streams): about 100 a second sustained.
+	junkBurst = 1000
+	// pendingPerStream bounds queued handlers, as x/net's scheduleHandler:
+	// up to this many times the stream limit may wait for a running
+	// handler to finish; more means streams are reset faster than their
+	// handlers end (CVE-2023-44487).
+	pendingPerStream = 4
 )
+
+// floodError is a connection error for a peer that abuses the protocol
+// without breaking it: the conn goes with GOAWAY ENHANCE_YOUR_CALM.
+type floodError struct{ reason string }
+
+func (e *floodError) Error() string { return "peer floods: " + e.reason }
 
 // smallBufSize is the frame buffer a Stream.ReadFrom waits with.
 const smallBufSize = 4 << 10
@@ -88,20 +108,38 @@ type connConfig struct {
 	// the conn died before that.
 	onReady func(*conn)
 	// onRequest (server) is called on the reader goroutine for each new
-	// stream; it must not block.
-	onRequest func(*Stream, *http2.MetaHeadersFrame)
+	// stream; it must not block. An error is a connection error.
+	onRequest func(*Stream, *http2.MetaHeadersFrame) error
 	// onRefused (server) counts streams refused for lack of capacity.
 	onRefused func()
 	// prefaceTimeout (server) bounds the wait for the client preface.
 	prefaceTimeout time.Duration
+	// maxEarlyResets (server) is the budget of streams the peer may reset
+	// before they were answered, per floodPeriod.
+	maxEarlyResets int
+	// onEarlyReset (server) counts such resets; onFlood counts conns
+	// closed with ENHANCE_YOUR_CALM.
+	onEarlyReset func()
+	onFlood      func()
+	// pingInterval and pingTimeout (client) enable keepalive: a PING when
+	// nothing arrived for pingInterval, and the conn closes when nothing,
+	// not even the PING's ack, arrived pingTimeout after it.
+	pingInterval, pingTimeout time.Duration
 }
 
 // ctlFrame is a control frame queued for the control writer goroutine.
 type ctlFrame struct {
 	typ  http2.FrameType
 	id   uint32
-	val  uint32 // WINDOW_UPDATE increment or error code
+	val  uint32 // WINDOW_UPDATE increment, error code, or 1 for a PING to send (not an ack)
 	ping [8]byte
+}
+
+// pendingStream is a request whose handler waits for a free handler slot.
+type pendingStream struct {
+	s         *Stream
+	fields    []hpack.HeaderField
+	truncated bool
 }
 
 // conn is one HTTP/2 connection carrying CONNECT streams, client or server.
@@ -125,6 +163,7 @@ type conn struct {
 	poolKey  PoolKey // client: the pool entry this conn belongs to
 
 	lastFrame     atomic.Int64 // when the last stream frame arrived, UnixNano: a sign of life
+	lastRead      atomic.Int64 // when the last frame of any kind arrived, UnixNano
 	peerMaxFrame  atomic.Uint32
 	peerTableSize atomic.Uint32
 	readyOnce     sync.Once
@@ -159,11 +198,22 @@ type conn struct {
 	idleSince      time.Time
 	idleTimer      *time.Timer
 	ctl, ctlSpare  []ctlFrame
+	// Server: handlers running for this conn and requests waiting for one
+	// (x/net's scheduleHandler). A handler holds its slot until it and the
+	// relay it started ended, whatever happened to the stream meanwhile.
+	handlers int
+	pending  []pendingStream
+	// Client keepalive: when the outstanding PING went out (0: none).
+	pingTimer *time.Timer
+	pingSent  int64
 
 	ctlWake chan struct{}
 	done    chan struct{}
 
-	rchunks []chunk // reader-owned, reused by readChunks
+	// Reader-owned.
+	rchunks     []chunk // reused by readChunks
+	earlyResets budget  // server: resets of streams not yet answered
+	junk        budget  // frames that cost work and carry nothing
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -179,7 +229,10 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
+		earlyResets:    newBudget(cfg.maxEarlyResets, floodPeriod),
+		junk:           newBudget(junkBurst, floodPeriod),
 	}
+	c.lastRead.Store(time.Now().UnixNano())
 	c.ctx, c.cancel = context.WithCancel(parent)
 	c.sendCond.L = &c.mu
 	c.peerMaxFrame.Store(defaultMaxFrame)
@@ -226,14 +279,73 @@ func (c *conn) start() error {
 		return fmt.Errorf("write http2 preface: %w", err)
 	}
 	go c.ctlLoop()
+	if c.cfg.pingInterval > 0 {
+		c.mu.Lock()
+		if c.err == nil {
+			c.pingTimer = time.AfterFunc(c.cfg.pingInterval, c.keepalive)
+		}
+		c.mu.Unlock()
+	}
 	return nil
+}
+
+// keepalive runs on a timer (client): it sends a PING when nothing arrived
+// for pingInterval and closes the conn when nothing arrived for pingTimeout
+// after one, so a pooled conn to a peer that vanished without a word
+// (power loss, a dropped route) fails fast instead of holding streams
+// until TCP gives up, minutes later.
+func (c *conn) keepalive() {
+	now := time.Now().UnixNano()
+	interval, timeout := int64(c.cfg.pingInterval), int64(c.cfg.pingTimeout)
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	last := c.lastRead.Load()
+	dead := false
+	switch {
+	case c.pingSent != 0 && last >= c.pingSent:
+		c.pingSent = 0 // the ack or other frames came: alive
+	case c.pingSent != 0 && now-c.pingSent >= timeout:
+		dead = true
+	}
+	wake := false
+	if !dead && c.pingSent == 0 && now-last >= interval {
+		c.pingSent = now
+		c.ctl = append(c.ctl, ctlFrame{typ: http2.FramePing, val: 1})
+		wake = true
+	}
+	next := interval - (now - last)
+	if c.pingSent != 0 {
+		next = min(interval, c.pingSent+timeout-now)
+	}
+	c.pingTimer.Reset(time.Duration(max(next, int64(time.Millisecond))))
+	c.mu.Unlock()
+	if dead {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: keepalive PING unanswered for %v", ErrConnClosed, c.cfg.pingTimeout), false)
+		return
+	}
+	if wake {
+		select {
+		case c.ctlWake <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // readLoop reads frames until the connection fails, then closes it.
 func (c *conn) readLoop() {
 	err := c.readFrames()
 	var ce http2.ConnectionError
+	var fe *floodError
 	switch {
+	case errors.As(err, &fe):
+		if c.cfg.onFlood != nil {
+			c.cfg.onFlood()
+		}
+		c.cfg.log.Warn("hbone peer floods, closing its connection", "remote", c.nc.RemoteAddr(), "reason", fe.reason)
+		c.close(http2.ErrCodeEnhanceYourCalm, err, true)
 	case errors.As(err, &ce):
 		c.close(http2.ErrCode(ce), fmt.Errorf("peer broke http2 protocol: %w", err), true)
 	case errors.Is(err, http2.ErrFrameTooLarge):
@@ -262,8 +374,10 @@ func (c *conn) readFrames() error {
 		// into the stream's buffer; the framer reads everything else.
 		fh, err := c.fr.ReadFrameHeader()
 		if err == nil {
+			now := time.Now().UnixNano()
+			c.lastRead.Store(now)
 			if fh.StreamID != 0 {
-				c.lastFrame.Store(time.Now().UnixNano())
+				c.lastFrame.Store(now)
 			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
@@ -301,18 +415,34 @@ func (c *conn) onFrame(f http2.Frame) error {
 		return c.onWindowUpdate(f)
 	case *http2.PingFrame:
 		if !f.IsAck() {
+			if err := c.spendJunk("PING"); err != nil {
+				return err
+			}
 			c.queue(ctlFrame{typ: http2.FramePing, ping: f.Data})
 		}
 	case *http2.RSTStreamFrame:
-		c.onReset(f)
+		return c.onReset(f)
 	case *http2.GoAwayFrame:
 		c.onGoAway(f)
 	case *http2.PushPromiseFrame:
 		// We never enable push, and a client cannot push.
 		return http2.ConnectionError(http2.ErrCodeProtocol)
+	default:
+		// PRIORITY, unknown and other frames are ignored (RFC 9113 §5.5),
+		// within the junk budget.
+		return c.spendJunk(f.Header().Type.String())
 	}
-	// PRIORITY, unknown and other frames are ignored (RFC 9113 §5.5).
 	return nil
+}
+
+// spendJunk takes a frame that costs work and carries nothing from the
+// peer's budget; a peer that sends them in a flood is a connection error.
+// Only the reader calls it; it takes no lock.
+func (c *conn) spendJunk(what string) error {
+	if c.junk.spend(time.Now().UnixNano()) {
+		return nil
+	}
+	return &floodError{reason: "too many " + what + " frames"}
 }
 
 // idleStreamLocked reports whether id names a stream that was never opened;
@@ -344,6 +474,11 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		payload, pad = payload-1, int(b[0])
 		if pad > payload {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+	}
+	if payload == pad && !fh.Flags.Has(http2.FlagDataEndStream) {
+		if err := c.spendJunk("empty DATA"); err != nil {
+			return err
 		}
 	}
 	c.mu.Lock()
@@ -453,8 +588,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.streams[id] = s
 	c.addActiveLocked()
 	c.mu.Unlock()
-	c.cfg.onRequest(s, f)
-	return nil
+	return c.cfg.onRequest(s, f)
 }
 
 func (c *conn) onSettings(f *http2.SettingsFrame) error {
@@ -501,11 +635,14 @@ func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if f.StreamID == 0 {
+		was := c.sendWindow
 		c.sendWindow += inc
 		if c.sendWindow > maxWindow {
 			return http2.ConnectionError(http2.ErrCodeFlowControl)
 		}
-		c.sendCond.Broadcast()
+		if was <= 0 {
+			c.sendCond.Broadcast()
+		}
 		return nil
 	}
 	s := c.streams[f.StreamID]
@@ -513,28 +650,47 @@ func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 		if c.idleStreamLocked(f.StreamID) {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
-		return nil
+		return c.spendJunk("WINDOW_UPDATE for closed streams")
 	}
+	was := s.sendWindow
 	s.sendWindow += inc
 	if s.sendWindow > maxWindow {
 		return http2.StreamError{StreamID: f.StreamID, Code: http2.ErrCodeFlowControl}
 	}
-	c.sendCond.Broadcast()
+	if was <= 0 {
+		// Only a window that was empty has writers waiting on it: a
+		// stream of small updates wakes nobody.
+		c.sendCond.Broadcast()
+	}
 	return nil
 }
 
-func (c *conn) onReset(f *http2.RSTStreamFrame) {
+// onReset handles RST_STREAM. On a server, a reset of a stream that was not
+// answered yet is an early reset: a client resets a pending CONNECT when
+// its own caller gave up, now and then, but a stream of them is the rapid
+// reset attack (CVE-2023-44487), where each reset stream costs us a handler
+// and the client nothing.
+func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	c.mu.Lock()
 	s := c.streams[f.StreamID]
 	c.mu.Unlock()
 	if s == nil {
-		return
+		return c.spendJunk("RST_STREAM for closed streams")
 	}
 	var err error = &ResetError{Code: f.ErrCode, Remote: true}
 	if f.ErrCode == http2.ErrCodeRefusedStream {
 		err = fmt.Errorf("%w: %w", errRetry, err)
 	}
 	s.abort(err)
+	if !c.cfg.client && !s.answered.Load() {
+		if c.cfg.onEarlyReset != nil {
+			c.cfg.onEarlyReset()
+		}
+		if !c.earlyResets.spend(time.Now().UnixNano()) {
+			return &floodError{reason: "too many streams reset before their response"}
+		}
+	}
+	return nil
 }
 
 func (c *conn) onGoAway(f *http2.GoAwayFrame) {
@@ -668,7 +824,7 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 	case http2.FrameSettings:
 		return c.fr.WriteSettingsAck()
 	case http2.FramePing:
-		return c.fr.WritePing(true, f.ping)
+		return c.fr.WritePing(f.val != 1, f.ping)
 	case http2.FrameWindowUpdate:
 		return c.fr.WriteWindowUpdate(f.id, f.val)
 	case http2.FrameRSTStream:
@@ -844,6 +1000,9 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 	}
 	if c.idleTimer != nil {
 		c.idleTimer.Stop()
+	}
+	if c.pingTimer != nil {
+		c.pingTimer.Stop()
 	}
 	c.sendCond.Broadcast()
 	c.mu.Unlock()

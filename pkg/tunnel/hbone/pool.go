@@ -45,7 +45,15 @@ type PoolOptions struct {
 	// long. Default 30s: long enough to reuse connections across bursts,
 	// short enough not to hold sockets to pods that went quiet.
 	IdleTimeout time.Duration
-	Logger      *slog.Logger
+	// PingInterval and PingTimeout are the keepalive of pooled
+	// connections: a PING goes out when nothing arrived for PingInterval,
+	// and a connection from which nothing arrived for PingTimeout after it
+	// is closed, failing its streams, so a peer that vanished without a
+	// word does not hold them until TCP gives up. Defaults 10s and 20s, as
+	// ztunnel; a negative PingInterval turns keepalive off.
+	PingInterval time.Duration
+	PingTimeout  time.Duration
+	Logger       *slog.Logger
 }
 
 // PoolStats is a snapshot for metrics and tests.
@@ -90,6 +98,12 @@ func NewPool(opts PoolOptions) *Pool {
 	}
 	if opts.IdleTimeout <= 0 {
 		opts.IdleTimeout = 30 * time.Second
+	}
+	if opts.PingInterval == 0 {
+		opts.PingInterval = 10 * time.Second
+	}
+	if opts.PingTimeout <= 0 {
+		opts.PingTimeout = 20 * time.Second
 	}
 	log := opts.Logger
 	if log == nil {
@@ -217,11 +231,13 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 		return nil, fmt.Errorf("hbone %v negotiated ALPN %q, want h2", key.DstAddr, proto)
 	}
 	c := newConn(context.Background(), tc, connConfig{
-		client:      true,
-		idleTimeout: p.opts.IdleTimeout,
-		log:         p.log,
-		onIdle:      p.onIdle,
-		onClose:     p.onClose,
+		client:       true,
+		idleTimeout:  p.opts.IdleTimeout,
+		pingInterval: max(p.opts.PingInterval, 0),
+		pingTimeout:  p.opts.PingTimeout,
+		log:          p.log,
+		onIdle:       p.onIdle,
+		onClose:      p.onClose,
 		onReady: func(*conn) {
 			p.mu.Lock()
 			p.dialDoneLocked(key, d, nil)

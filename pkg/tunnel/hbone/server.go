@@ -52,8 +52,10 @@ type Response struct {
 }
 
 // Handler decides what to do with a CONNECT: check the target, authorize
-// the peer, dial the application. ctx ends when the connection dies or the
-// server is closed.
+// the peer, dial the application. ctx is the stream's: it ends when the
+// client resets the stream, the connection dies or the server is closed, so
+// the dial must use it. A handler's slot (MaxConcurrentStreams of them per
+// connection) is held until it returned and the relay it started ended.
 type Handler func(ctx context.Context, req *ServerRequest) Response
 
 // ServerOptions configure a Server. Zero values pick the defaults.
@@ -63,11 +65,25 @@ type ServerOptions struct {
 	TLSConfig *tls.Config
 	Handler   Handler
 	// MaxConcurrentStreams per connection, advertised in SETTINGS; more
-	// are refused with REFUSED_STREAM. Default 200, as ztunnel.
+	// are refused with REFUSED_STREAM. It also bounds the handlers (and
+	// relays) running for a connection, however quickly their streams were
+	// reset; requests beyond wait, up to 4 times as many, and more close
+	// the connection with GOAWAY ENHANCE_YOUR_CALM. Default 200, as
+	// ztunnel.
 	MaxConcurrentStreams uint32
+	// MaxEarlyResets is how many streams a client may reset before they
+	// were answered, at once and again every 10 s; more close the
+	// connection with GOAWAY ENHANCE_YOUR_CALM (rapid reset,
+	// CVE-2023-44487). Default 100, what one pooled client connection
+	// (100 streams) can reset when all its CONNECTs time out together.
+	MaxEarlyResets int
 	// HandshakeTimeout bounds the TLS handshake and the HTTP/2 preface.
 	// Default 10s.
 	HandshakeTimeout time.Duration
+	// Limiter bounds open connections and handshakes. Share one between
+	// the Servers of a process; nil gives the Server its own, with the
+	// default limits.
+	Limiter *ConnLimiter
 	// IdleTimeout closes connections without streams for this long.
 	// Default 5m, longer than the client pool's, so clients normally close
 	// first and never race a server-side close.
@@ -84,11 +100,24 @@ type ServerStats struct {
 	StreamsBadRequest uint64 // malformed requests: 400, 405, 431
 	StreamsDenied     uint64 // refused by the Handler
 	StreamsRefused    uint64 // REFUSED_STREAM: stream limit or draining
+	// ConnsRefused counts connections closed at accept because a
+	// ConnLimiter limit was reached.
+	ConnsRefused uint64
+	// StreamsEarlyReset counts streams the client reset before they were
+	// answered; ConnsFlood connections closed with GOAWAY
+	// ENHANCE_YOUR_CALM (too many of those, a full handler queue, or a
+	// flood of frames that carry nothing).
+	StreamsEarlyReset uint64
+	ConnsFlood        uint64
+	// AcceptErrors counts failed Accepts (EMFILE, ENFILE, ENOBUFS, ...),
+	// each followed by a backoff.
+	AcceptErrors uint64
 }
 
 type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
+	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
 }
 
 // Server accepts HBONE connections and serves their CONNECT streams.
@@ -99,6 +128,9 @@ type Server struct {
 	ctx     context.Context // parent of every conn's context
 	cancel  context.CancelFunc
 	stats   serverCounters
+	limiter *ConnLimiter
+	// backingOff counts Serve loops waiting after an accept error.
+	backingOff atomic.Int32
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -120,6 +152,13 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if opts.MaxConcurrentStreams == 0 {
 		opts.MaxConcurrentStreams = 200
 	}
+	if opts.MaxEarlyResets <= 0 {
+		opts.MaxEarlyResets = 100
+	}
+	limiter := opts.Limiter
+	if limiter == nil {
+		limiter = NewConnLimiter(ConnLimits{})
+	}
 	if opts.HandshakeTimeout <= 0 {
 		opts.HandshakeTimeout = 10 * time.Second
 	}
@@ -137,6 +176,7 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		log:       log,
 		ctx:       ctx,
 		cancel:    cancel,
+		limiter:   limiter,
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*conn]struct{}),
 	}, nil
@@ -153,11 +193,27 @@ func (srv *Server) Stats() ServerStats {
 		StreamsBadRequest: st.streamsBadRequest.Load(),
 		StreamsDenied:     st.streamsDenied.Load(),
 		StreamsRefused:    st.refused.Load(),
+		ConnsRefused:      st.connsRefused.Load(),
+		StreamsEarlyReset: st.earlyResets.Load(),
+		ConnsFlood:        st.floods.Load(),
+		AcceptErrors:      st.acceptErrors.Load(),
 	}
 }
 
-// Serve accepts connections on l until l fails or the server shuts down,
-// then returns ErrServerClosed. Temporary accept errors (EMFILE) back off.
+// Accepting reports whether the server takes new connections: it is not
+// closed and no Serve loop is backing off after an accept error (EMFILE,
+// ENFILE, ENOBUFS...). Readiness should report it: a listener that does
+// not accept leaves captured connections waiting in its backlog.
+func (srv *Server) Accepting() bool {
+	return srv.backingOff.Load() == 0 && !srv.isClosed()
+}
+
+// Serve accepts connections on l until l is closed or the server shuts
+// down, then returns ErrServerClosed (or the error for a listener closed
+// under it). Any other accept error (EMFILE, ENFILE, ENOBUFS, ENOMEM, a
+// connection aborted in the queue) is counted and retried after a backoff
+// of 5 ms doubling to 1 s, as net/http does: giving up would leave the
+// listener open with nobody accepting, and captured connections would hang.
 func (srv *Server) Serve(l net.Listener) error {
 	srv.mu.Lock()
 	if srv.closed {
@@ -185,14 +241,27 @@ func (srv *Server) Serve(l net.Listener) error {
 				return fmt.Errorf("hbone accept: %w", err)
 			}
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			srv.stats.acceptErrors.Add(1)
 			srv.log.Warn("hbone accept failed, retrying", "err", err, "backoff", backoff)
-			time.Sleep(backoff)
+			srv.backingOff.Add(1)
+			select {
+			case <-time.After(backoff):
+			case <-srv.ctx.Done():
+			}
+			srv.backingOff.Add(-1)
 			continue
 		}
 		backoff = 0
 		srv.stats.connsAccepted.Add(1)
+		src := sourceAddr(nc.RemoteAddr())
+		if !srv.limiter.admit(src) {
+			// Over a limit: closed at once, so a flood holds no fd.
+			srv.stats.connsRefused.Add(1)
+			_ = nc.Close()
+			continue
+		}
 		srv.wg.Add(1)
-		go srv.serveConn(nc)
+		go srv.serveConn(nc, src)
 	}
 }
 
@@ -203,12 +272,14 @@ func (srv *Server) isClosed() bool {
 }
 
 // serveConn handshakes and then runs the conn's reader on this goroutine.
-func (srv *Server) serveConn(nc net.Conn) {
+func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 	defer srv.wg.Done()
+	defer srv.limiter.release(src)
 	tc := tls.Server(nc, srv.tlsConf)
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
+	srv.limiter.handshakeDone(src)
 	if err == nil {
 		if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
 			err = fmt.Errorf("client negotiated ALPN %q, want h2", proto)
@@ -235,8 +306,11 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState) {
 		log:            srv.log,
 		onIdle:         srv.onIdle,
 		onClose:        srv.onClose,
-		onRequest:      func(s *Stream, f *http2.MetaHeadersFrame) { srv.startStream(c, s, f) },
+		onRequest:      func(s *Stream, f *http2.MetaHeadersFrame) error { return srv.startStream(c, s, f) },
 		onRefused:      func() { srv.stats.refused.Add(1) },
+		maxEarlyResets: srv.opts.MaxEarlyResets,
+		onEarlyReset:   func() { srv.stats.earlyResets.Add(1) },
+		onFlood:        func() { srv.stats.floods.Add(1) },
 	})
 	c.tlsState = state
 
@@ -275,14 +349,74 @@ func (srv *Server) onClose(c *conn) {
 	srv.mu.Unlock()
 }
 
-// startStream runs on the conn's reader goroutine: it must not block.
-func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) {
-	srv.wg.Add(1) // the conn goroutine holds a count, so this cannot race Wait at zero
-	go srv.serveStream(c, s, f.Fields, f.Truncated)
+// startStream runs on the conn's reader goroutine: it must not block. It
+// admits the request's handler as x/net's scheduleHandler does: at most
+// MaxConcurrentStreams handlers run per conn, counted until they end
+// whatever their stream did, and a bounded queue waits for them.
+func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) error {
+	p := pendingStream{s: s, fields: f.Fields, truncated: f.Truncated}
+	limit := int(srv.opts.MaxConcurrentStreams)
+	c.mu.Lock()
+	if c.handlers < limit {
+		c.handlers++
+		c.mu.Unlock()
+		srv.runHandler(c, p)
+		return nil
+	}
+	if len(c.pending) >= pendingPerStream*limit {
+		c.mu.Unlock()
+		return &floodError{reason: "handler queue full: streams reset faster than their handlers end"}
+	}
+	c.pending = append(c.pending, p)
+	c.mu.Unlock()
+	return nil
 }
 
+// runHandler starts p's handler on a goroutine holding one of c's handler
+// slots.
+func (srv *Server) runHandler(c *conn, p pendingStream) {
+	srv.wg.Add(1) // the conn goroutine or a handler holds a count, so this cannot race Wait at zero
+	go srv.serveStream(c, p.s, p.fields, p.truncated)
+}
+
+// handlerDone gives back a handler slot and starts the first queued
+// request whose stream is still open; requests reset while they waited
+// are dropped without running.
+func (srv *Server) handlerDone(c *conn) {
+	c.mu.Lock()
+	c.handlers--
+	var next *pendingStream
+	i := 0
+	for ; i < len(c.pending) && next == nil; i++ {
+		if p := c.pending[i]; p.s.ctx.Err() == nil {
+			next = &p
+			c.handlers++
+		}
+		c.pending[i] = pendingStream{}
+	}
+	c.pending = c.pending[i:]
+	if len(c.pending) == 0 {
+		c.pending = nil
+	}
+	c.mu.Unlock()
+	if next != nil {
+		srv.runHandler(c, *next)
+	}
+}
+
+// serveStream runs a request's handler and then its relay, holding its
+// handler slot (and a count in wg) until both ended.
 func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, truncated bool) {
-	defer srv.wg.Done()
+	relaying := false
+	defer func() {
+		if !relaying {
+			srv.handlerDone(c)
+			srv.wg.Done()
+		}
+	}()
+	if s.ctx.Err() != nil {
+		return // reset before its handler ran: nothing to answer, nothing to dial
+	}
 	req, status, reason := parseRequest(fields, truncated)
 	if status != 0 {
 		srv.stats.streamsBadRequest.Add(1)
@@ -294,7 +428,7 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	req.RemoteAddr = c.nc.RemoteAddr()
 	req.LocalAddr = c.nc.LocalAddr()
 
-	resp := srv.callHandler(c.ctx, req)
+	resp := srv.callHandler(s.ctx, req)
 	if resp.Upstream == nil {
 		status := resp.Status
 		if status < 300 || status > 599 {
@@ -316,10 +450,12 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	srv.stats.streamsOK.Add(1)
 	// The relay runs on a fresh goroutine and this one ends: its stack grew
 	// deep in the handler (the dial) and the response write, and would
-	// stay that size for the life of the tunnel.
-	srv.wg.Add(1)
+	// stay that size for the life of the tunnel. It inherits this
+	// goroutine's handler slot and wg count.
+	relaying = true
 	go func() {
 		defer srv.wg.Done()
+		defer srv.handlerDone(c)
 		fromClient, toClient, err := Relay(s, resp.Upstream)
 		if resp.Done != nil {
 			resp.Done(fromClient, toClient, err)
@@ -343,9 +479,22 @@ func (s *Stream) refuse(status int, reason string) {
 	s.closeWithCode(http2.ErrCodeNo)
 }
 
-// sanitizeReason makes reason a valid, short header value.
+// sanitizeReason makes reason safe to send to a remote peer: file system
+// paths (netns paths, pin and socket files) and source file names are
+// replaced, whatever error text a Handler put in it; then it is cut short
+// and made a valid header value.
 func sanitizeReason(reason string) string {
 	const maxReason = 256
+	fields := strings.FieldsFunc(reason, func(r rune) bool { return r == ' ' || r == '\t' || r == '\n' })
+	redacted := false
+	for i, f := range fields {
+		if r := redactPath(f); r != f {
+			fields[i], redacted = r, true
+		}
+	}
+	if redacted {
+		reason = strings.Join(fields, " ")
+	}
 	if len(reason) > maxReason {
 		reason = reason[:maxReason]
 	}
@@ -355,6 +504,29 @@ func sanitizeReason(reason string) string {
 		}
 		return r
 	}, reason)
+}
+
+// redactPath replaces a word of an error text that names a file: an
+// absolute or home-relative path (`/proc/12/ns/net:`, `"/run/x"`), or a Go
+// source position (`dial.go:42`). Punctuation around it stays. Addresses
+// and prefixes (`10.0.0.0/8`, `fd00::/64`) and policy names (`ns/name`) do
+// not start with a slash and stay as they are.
+func redactPath(w string) string {
+	core := strings.TrimLeft(w, "\"'([{<=")
+	lead := w[:len(w)-len(core)]
+	core = strings.TrimRight(core, "\"')]}>,;:.")
+	trail := w[len(lead)+len(core):]
+	switch {
+	case strings.HasPrefix(core, "/"), strings.HasPrefix(core, "~/"), strings.HasPrefix(core, "./"), strings.HasPrefix(core, "../"):
+		return lead + "[path]" + trail
+	case strings.Contains(core, ".go:"), strings.HasSuffix(core, ".go"):
+		return lead + "[file]" + trail
+	}
+	// key=/path
+	if i := strings.Index(core, "=/"); i >= 0 {
+		return lead + core[:i+1] + "[path]" + trail
+	}
+	return w
 }
 
 // parseRequest checks a CONNECT request's header block. It returns the

@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -8,6 +9,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -27,6 +29,12 @@ var errWriteAfterCloseWrite = errors.New("hbone stream write after CloseWrite")
 type Stream struct {
 	c  *conn
 	id uint32
+	// Server: ctx is what the Handler works with; it ends when the stream
+	// is reset, closed or its conn dies, so a reset cancels the handler's
+	// dial. answered: the response went out (a later reset is not early).
+	ctx      context.Context
+	cancel   context.CancelFunc
+	answered atomic.Bool
 
 	// Receive side and state, guarded by mu.
 	mu           sync.Mutex
@@ -64,6 +72,8 @@ func newStream(c *conn, id uint32) *Stream {
 	s.rcond.L = &s.mu
 	if c.cfg.client {
 		s.respc = make(chan struct{})
+	} else {
+		s.ctx, s.cancel = context.WithCancel(c.ctx)
 	}
 	return s
 }
@@ -174,6 +184,9 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 
 // abort fails both directions of the stream with err and forgets it.
 func (s *Stream) abort(err error) {
+	if s.cancel != nil {
+		s.cancel()
+	}
 	s.mu.Lock()
 	if s.err == nil {
 		s.err = err
@@ -507,6 +520,7 @@ func (s *Stream) writeResponse(status int, reason string, end bool) error {
 	if status == 405 {
 		fields = append(fields, hpack.HeaderField{Name: "allow", Value: "CONNECT"})
 	}
+	s.answered.Store(true)
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
 	if err := s.sendErrNow(); err != nil {
@@ -538,6 +552,9 @@ func (s *Stream) Close() error {
 }
 
 func (s *Stream) closeWithCode(code http2.ErrCode) {
+	if s.cancel != nil {
+		s.cancel()
+	}
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
