@@ -9,7 +9,9 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/loader"
 )
 
-// runUninstall removes every pod's programs, rules and routes and every pin.
+// runUninstall removes every pod's programs, rules and routes and every pin
+// the agent made. It removes nothing it did not create: a --bpf-root that
+// is not on a bpffs is refused, and others' entries under it stay.
 func runUninstall(ctx context.Context, args []string) error {
 	s := newSettings("uninstall")
 	root := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "where the agent pinned its maps and links")
@@ -20,6 +22,10 @@ func runUninstall(ctx context.Context, args []string) error {
 	if err := loader.Uninstall(ctx, *root, loader.DefaultSettings(), log); err != nil {
 		return fmt.Errorf("uninstall %s: %w", *root, err)
 	}
-	fmt.Printf("uninstalled: nothing left under %s\n", *root)
+	if _, err := os.Stat(*root); err == nil {
+		fmt.Printf("uninstalled: the agent's pins are gone; %s stays, it holds entries the agent did not create\n", *root)
+		return nil
+	}
+	fmt.Printf("uninstalled: %s removed\n", *root)
 	return nil
 }

@@ -14,9 +14,12 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/bpf"
 	"github.com/redirector-mesh/redirector/pkg/accel"
@@ -152,15 +155,30 @@ func (l *Loader) podDir(id uint32) string {
 	return filepath.Join(l.cfg.PinRoot, "pods", fmt.Sprint(id))
 }
 
-// Uninstall removes everything a loader pinned under root: each pod's links,
-// rules and routes (restoring its interface sysctls), then the maps and the
-// root itself. Pods whose namespace is gone are skipped quietly.
+// ErrNotPinRoot marks a --bpf-root that cannot hold this agent's pins.
+var ErrNotPinRoot = errors.New("not a pin root")
+
+// Uninstall removes what a loader pinned under root, and nothing else: each
+// pod its metadata map records loses its links, rules and routes (its
+// interface sysctls restored); then the maps it pins by name go, each pod
+// pin directory and the pods directory if they end up empty, and the root
+// itself once empty. It never removes a directory recursively: a root that
+// is not on a bpffs holds no pins and is refused, and entries someone else
+// put under root stay (they are logged). Pods whose namespace is gone are
+// skipped quietly.
 func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) error {
 	if log == nil {
 		log = slog.Default()
 	}
-	if _, err := os.Stat(root); errors.Is(err, os.ErrNotExist) {
+	st, err := os.Stat(root)
+	if errors.Is(err, os.ErrNotExist) {
 		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("pin root %s: %w", root, err)
+	}
+	if !st.IsDir() || !pin.OnBPFFS(root) {
+		return fmt.Errorf("%w: %s is not a directory on a bpffs, so it holds no pins of this agent; leaving it untouched", ErrNotPinRoot, root)
 	}
 	// Host links first: they share the pod pin directories.
 	errs := []error{accel.Uninstall(root), probe.Uninstall(root)}
@@ -176,20 +194,68 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	} else {
 		log.WarnContext(ctx, "no pinned maps to read pods from", "root", root, "error", err)
 	}
+	// Pod pins the metadata did not list (a crash between pinning and
+	// recording, or lost maps): only links running this agent's programs.
+	errs = append(errs, removeStrayPodPins(root, log))
 
 	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}
 	}
-	if err := os.RemoveAll(filepath.Join(root, "pods")); err != nil {
-		errs = append(errs, fmt.Errorf("remove pod pins: %w", err))
-	}
+	removeEmptyDir(filepath.Join(root, "pods"))
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	return pin.RemoveRoot(root)
+	left, err := pin.RemoveRootIfEmpty(root)
+	if err != nil {
+		return err
+	}
+	if len(left) > 0 {
+		log.WarnContext(ctx, "pin root kept: it holds entries this agent did not create", "root", root, "entries", left)
+	}
+	return nil
 }
+
+// ownPrograms are the names of the programs a pod link pin of this agent
+// runs.
+var ownPrograms = []string{"rd_pod_ingress", "rd_pod_egress"}
+
+// removeStrayPodPins unpins <root>/pods/<id>/{ingress,egress} where the link
+// runs one of this agent's programs, and removes pod directories left empty.
+func removeStrayPodPins(root string, log *slog.Logger) error {
+	dirs, err := os.ReadDir(filepath.Join(root, "pods"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read pod pins: %w", err)
+	}
+	var errs []error
+	for _, d := range dirs {
+		if _, err := strconv.ParseUint(d.Name(), 10, 32); err != nil || !d.IsDir() {
+			continue
+		}
+		dir := filepath.Join(root, "pods", d.Name())
+		for _, dir2 := range []direction{ingress, egress} {
+			p := filepath.Join(dir, string(dir2))
+			name, err := pin.LinkProgramName(p)
+			if errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			if err != nil || !slices.Contains(ownPrograms, name) {
+				log.Warn("pin left in place: not a link of this agent", "pin", p, "program", name, "error", err)
+				continue
+			}
+			errs = append(errs, pin.DetachLink(p))
+		}
+		removeEmptyDir(dir)
+	}
+	return errors.Join(errs...)
+}
+
+// removeEmptyDir removes dir if nothing is in it.
+func removeEmptyDir(dir string) { _ = unix.Rmdir(dir) }
 
 // Healthy reports whether the pinned maps are still in place under the pin
 // root: if someone removed them underneath, the programs no longer see the

@@ -99,7 +99,7 @@ func unmapped(s string) string {
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()).String()
 }
 
-func tempBPFFS(t *testing.T) string {
+func tempBPFFS(t testing.TB) string {
 	root := filepath.Join(t.TempDir(), "bpf")
 	t.Cleanup(func() {
 		// Uninstall unmounts; this catches tests that failed before it.
@@ -449,5 +449,72 @@ func TestLegacyTC(t *testing.T) {
 	}
 	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
 		t.Errorf("after detach, conn reached %+v (%v), want other-app", r, err)
+	}
+}
+
+// TestUninstallLeavesForeignFiles: uninstall removes what the agent pinned
+// and nothing else. A --bpf-root that is not on a bpffs is refused with its
+// files intact (the old code deleted <root>/pods recursively); on a bpffs,
+// others' pins and directories under the root and under pods/ survive.
+func TestUninstallLeavesForeignFiles(t *testing.T) {
+	ctx := context.Background()
+	plain := t.TempDir()
+	kubeletFile := filepath.Join(plain, "pods", "0d1c-uid", "volumes", "data")
+	if err := os.MkdirAll(filepath.Dir(kubeletFile), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kubeletFile, []byte("precious"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	err := loader.Uninstall(ctx, plain, loader.DefaultSettings(), nil)
+	if !errors.Is(err, loader.ErrNotPinRoot) || !strings.Contains(err.Error(), plain) {
+		t.Errorf("uninstall of a plain directory: %v, want ErrNotPinRoot naming it", err)
+	}
+	if b, err := os.ReadFile(kubeletFile); err != nil || string(b) != "precious" {
+		t.Fatalf("file under a plain --bpf-root after uninstall: %q %v", b, err)
+	}
+
+	topo := netnstest.New(t, 1)
+	client := topo.Nodes[0].AddPod("client")
+	root := tempBPFFS(t)
+	l := load(t, root)
+	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	l.Close()
+	// Others' state on the same bpffs: a pinned map at the root, one in a
+	// numeric pod directory the metadata does not list, one next to this
+	// agent's pod pins, and a plain directory under pods/.
+	foreign := []string{
+		filepath.Join(root, "cilium_policy"),
+		filepath.Join(root, "pods", "999", "ingress"),
+		filepath.Join(root, "pods", "1", "someone-elses"),
+		filepath.Join(root, "pods", "notes", "x"),
+	}
+	for _, p := range foreign {
+		if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m.Pin(p); err != nil {
+			t.Fatal(err)
+		}
+		m.Close()
+	}
+	if err := loader.Uninstall(ctx, root, loader.DefaultSettings(), nil); err != nil {
+		t.Errorf("uninstall: %v", err)
+	}
+	for _, p := range foreign {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("foreign pin %s removed by uninstall: %v", p, err)
+		}
+	}
+	for _, p := range []string{maps.PodsName, maps.PodMetaName, "pods/1/ingress", "pods/1/egress"} {
+		if _, err := os.Stat(filepath.Join(root, p)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("agent pin %s left after uninstall: %v", p, err)
+		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -285,7 +286,11 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 	for _, d := range []direction{ingress, egress} {
 		errs = append(errs, l.detachTCX(id, d))
 	}
-	if err := os.Remove(l.podDir(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+	// Never recursive: what someone else put there stays, and keeps the
+	// directory.
+	if err := os.Remove(l.podDir(id)); errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EEXIST) {
+		l.log.WarnContext(ctx, "pod pin directory kept: it holds entries this agent did not create", "dir", l.podDir(id))
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("remove pod pin dir: %w", err))
 	}
 	for _, a := range meta.Addrs {

@@ -6,8 +6,10 @@ package pin
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/cilium/ebpf"
@@ -18,14 +20,19 @@ import (
 // EnsureBPFFS makes root a directory on a bpffs, mounting one where none is:
 // on /sys/fs/bpf when root lies below it (the usual node layout), else on
 // root itself (tests and simulated nodes use their own roots).
+//
+// A bpffs is only ever mounted on an empty directory: mounting over one that
+// holds files would hide them from everything on the node (think of a
+// mistyped --bpf-root /var/lib/kubelet) until the mount went away. A
+// non-empty directory that is not on a bpffs is an error naming it.
 func EnsureBPFFS(root string) error {
 	if OnBPFFS(root) {
 		return nil
 	}
 	const sysBPF = "/sys/fs/bpf"
 	if strings.HasPrefix(filepath.Clean(root)+"/", sysBPF+"/") && !OnBPFFS(sysBPF) {
-		if err := unix.Mount("bpffs", sysBPF, "bpf", 0, "mode=0700"); err != nil {
-			return fmt.Errorf("mount bpffs on %s: %w", sysBPF, err)
+		if err := mountOnEmpty(sysBPF); err != nil {
+			return err
 		}
 	}
 	if err := os.MkdirAll(root, 0o700); err != nil {
@@ -34,10 +41,41 @@ func EnsureBPFFS(root string) error {
 	if OnBPFFS(root) {
 		return nil
 	}
-	if err := unix.Mount("bpffs", root, "bpf", 0, "mode=0700"); err != nil {
-		return fmt.Errorf("mount bpffs on %s: %w", root, err)
+	return mountOnEmpty(root)
+}
+
+// ErrNotEmpty marks a directory that EnsureBPFFS will not mount over.
+var ErrNotEmpty = errors.New("directory is not empty and not on a bpffs")
+
+// mountOnEmpty mounts a bpffs on dir, which must be an empty directory.
+func mountOnEmpty(dir string) error {
+	entries, err := readDirNames(dir, 3)
+	if err != nil {
+		return fmt.Errorf("pin root %s: %w", dir, err)
+	}
+	if len(entries) > 0 {
+		return fmt.Errorf("pin root %s: %w (it holds %s): refusing to mount a bpffs over it; "+
+			"give an empty directory, one on a bpffs, or a path below /sys/fs/bpf", dir, ErrNotEmpty, strings.Join(entries, ", "))
+	}
+	if err := unix.Mount("bpffs", dir, "bpf", 0, "mode=0700"); err != nil {
+		return fmt.Errorf("mount bpffs on %s: %w", dir, err)
 	}
 	return nil
+}
+
+// readDirNames returns up to n names in dir (n <= 0: all), sorted.
+func readDirNames(dir string, n int) ([]string, error) {
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	names, err := f.Readdirnames(n)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
+	slices.Sort(names)
+	return names, nil
 }
 
 // OnBPFFS reports whether path is on a bpffs.
@@ -46,18 +84,63 @@ func OnBPFFS(path string) bool {
 	return unix.Statfs(path, &st) == nil && st.Type == unix.BPF_FS_MAGIC
 }
 
-// RemoveRoot deletes the (empty) pin root, unmounting it first if it is a
-// bpffs mount of its own.
-func RemoveRoot(root string) error {
-	if isMountPoint(root) {
+// RemoveRootIfEmpty deletes the pin root once nothing is left in it,
+// unmounting it first if it is a bpffs mount of its own (never
+// /sys/fs/bpf itself, which the node shares). Entries that are still there
+// belong to someone else: they and the root stay, and are returned.
+func RemoveRootIfEmpty(root string) (left []string, err error) {
+	left, err = readDirNames(root, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read pin root %s: %w", root, err)
+	}
+	// A new bpffs comes with the kernel's preloaded iterators (bpf_preload):
+	// they go with the mount.
+	if isMountPoint(root) && OnBPFFS(root) {
+		left = slices.DeleteFunc(left, func(n string) bool { return n == "maps.debug" || n == "progs.debug" })
+	}
+	if len(left) > 0 {
+		return left, nil
+	}
+	if filepath.Clean(root) == "/sys/fs/bpf" {
+		return nil, nil
+	}
+	if isMountPoint(root) && OnBPFFS(root) {
 		if err := unix.Unmount(root, 0); err != nil {
-			return fmt.Errorf("unmount %s: %w", root, err)
+			return nil, fmt.Errorf("unmount %s: %w", root, err)
 		}
 	}
+	// Not RemoveAll: a directory someone filled since is theirs.
 	if err := os.Remove(root); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove pin root %s: %w", root, err)
+		return nil, fmt.Errorf("remove pin root %s: %w", root, err)
 	}
-	return nil
+	return nil, nil
+}
+
+// LinkProgramName is the name of the program the link pinned at path runs,
+// so a caller can tell its own pins from others' before removing one.
+func LinkProgramName(path string) (string, error) {
+	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	if err != nil {
+		return "", err
+	}
+	defer lk.Close()
+	info, err := lk.Info()
+	if err != nil {
+		return "", fmt.Errorf("link info of %s: %w", path, err)
+	}
+	prog, err := ebpf.NewProgramFromID(info.Program)
+	if err != nil {
+		return "", fmt.Errorf("program of link %s: %w", path, err)
+	}
+	defer prog.Close()
+	pi, err := prog.Info()
+	if err != nil {
+		return "", fmt.Errorf("program info of link %s: %w", path, err)
+	}
+	return pi.Name, nil
 }
 
 func isMountPoint(path string) bool {
