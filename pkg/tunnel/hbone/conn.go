@@ -595,6 +595,9 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	if f.IsAck() {
 		return nil
 	}
+	if err := c.spendJunk("SETTINGS"); err != nil {
+		return err
+	}
 	c.mu.Lock()
 	err := f.ForeachSetting(func(s http2.Setting) error {
 		if err := s.Valid(); err != nil {

@@ -522,9 +522,10 @@ func redactPath(w string) string {
 	case strings.Contains(core, ".go:"), strings.HasSuffix(core, ".go"):
 		return lead + "[file]" + trail
 	}
-	// key=/path
-	if i := strings.Index(core, "=/"); i >= 0 {
-		return lead + core[:i+1] + "[path]" + trail
+	if i := strings.IndexByte(core, '='); i >= 0 { // key=/path
+		if v := redactPath(core[i+1:]); v != core[i+1:] {
+			return lead + core[:i+1] + v + trail
+		}
 	}
 	return w
 }

@@ -1,0 +1,660 @@
+package hbone
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// rawFrame is what a rawClient saw of one frame from the server.
+type rawFrame struct {
+	typ    http2.FrameType
+	stream uint32
+	code   http2.ErrCode // RST_STREAM, GOAWAY
+	status int           // response HEADERS
+	ack    bool          // PING ack
+	ping   [8]byte       // PING data
+}
+
+// rawClient speaks raw HTTP/2 frames to a server connection over net.Pipe,
+// as an attacker would; a goroutine reads everything the server sends into
+// frames until the connection ends.
+type rawClient struct {
+	t      testing.TB
+	nc     net.Conn
+	fr     *http2.Framer
+	enc    *hpack.Encoder
+	buf    bytes.Buffer
+	frames chan rawFrame
+}
+
+func newRawClient(t testing.TB, srv *Server) *rawClient {
+	t.Helper()
+	cli, srvSide := net.Pipe()
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{})
+	rc := &rawClient{t: t, nc: cli, fr: http2.NewFramer(cli, nil), frames: make(chan rawFrame, 1<<16)}
+	rc.enc = hpack.NewEncoder(&rc.buf)
+	t.Cleanup(func() { cli.Close() })
+	go func() {
+		defer close(rc.frames)
+		fr := http2.NewFramer(nil, cli)
+		fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			rf := rawFrame{typ: f.Header().Type, stream: f.Header().StreamID}
+			switch f := f.(type) {
+			case *http2.MetaHeadersFrame:
+				rf.status, _ = strconv.Atoi(f.PseudoValue("status"))
+			case *http2.RSTStreamFrame:
+				rf.code = f.ErrCode
+			case *http2.GoAwayFrame:
+				rf.code = f.ErrCode
+			case *http2.PingFrame:
+				rf.ack, rf.ping = f.IsAck(), f.Data
+			}
+			select {
+			case rc.frames <- rf:
+			default: // nobody looks at floods of acks
+			}
+		}
+	}()
+	if _, err := cli.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	return rc
+}
+
+// connect sends HEADERS(CONNECT) for stream id.
+func (rc *rawClient) connect(id uint32, authority string) error {
+	return writeHeaderBlock(rc.fr, rc.enc, &rc.buf, id, []hpackField{
+		{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: authority}})
+}
+
+// waitFor reads frames until match returns true, failing the test when the
+// connection ends first or after 5 s.
+func (rc *rawClient) waitFor(what string, match func(rawFrame) bool) rawFrame {
+	rc.t.Helper()
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case f, ok := <-rc.frames:
+			if !ok {
+				rc.t.Fatalf("connection ended waiting for %s", what)
+			}
+			if match(f) {
+				return f
+			}
+		case <-timeout:
+			rc.t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// goAwayCode returns the code of the GOAWAY the server sent before the
+// connection ended, or fails the test after 5 s. A PING after the flood
+// tells a server that kept the connection: its ack comes first.
+func (rc *rawClient) goAwayCode() http2.ErrCode {
+	rc.t.Helper()
+	end := [8]byte{'e', 'n', 'd'}
+	_ = rc.fr.WritePing(false, end)
+	f := rc.waitFor("GOAWAY", func(f rawFrame) bool {
+		return f.typ == http2.FrameGoAway || (f.typ == http2.FramePing && f.ack && f.ping == end)
+	})
+	if f.typ != http2.FrameGoAway {
+		rc.t.Fatal("server answered a PING after the flood: the connection is still open, want GOAWAY")
+	}
+	return f.code
+}
+
+// countingUpstream is an application that counts the connections it
+// accepted.
+func countingUpstream(t *testing.T) (netip.AddrPort, *atomic.Int64) {
+	var n atomic.Int64
+	addr := startUpstream(t, func(c *net.TCPConn) {
+		n.Add(1)
+		_, _ = io.Copy(io.Discard, c)
+	})
+	return addr, &n
+}
+
+// TestRapidReset: HEADERS(CONNECT)+RST_STREAM pairs on one connection
+// (CVE-2023-44487) close it with GOAWAY ENHANCE_YOUR_CALM after the
+// early-reset budget, and dial the application a bounded number of times.
+// Before the fix the connection took all 5000 pairs, and each handler
+// dialled the app on the connection's context, which no reset cancelled.
+func TestRapidReset(t *testing.T) {
+	app, accepted := countingUpstream(t)
+	var handled atomic.Int64
+	srv, err := NewServer(ServerOptions{
+		TLSConfig: mustServerTLS(),
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			handled.Add(1)
+			return dialTarget(ctx, req)
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	const pairs = 5000
+	sent := 0
+	for id := uint32(1); sent < pairs; id += 2 {
+		if rc.connect(id, app.String()) != nil || rc.fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
+			break // the server closed the connection
+		}
+		sent++
+	}
+	if sent == pairs {
+		if code := rc.goAwayCode(); code != http2.ErrCodeEnhanceYourCalm {
+			t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", code)
+		}
+	}
+	st := srv.Stats()
+	t.Logf("sent %d pairs; handlers run %d, app connections %d, stats %+v", sent, handled.Load(), accepted.Load(), st)
+	if st.ConnsFlood != 1 {
+		t.Errorf("ConnsFlood = %d, want 1", st.ConnsFlood)
+	}
+	if st.StreamsEarlyReset < 100 {
+		t.Errorf("StreamsEarlyReset = %d, want at least the budget of 100", st.StreamsEarlyReset)
+	}
+	// The budget of early resets plus the handler queue bound the work.
+	if n := handled.Load(); n > 100+5*200 {
+		t.Errorf("%d handlers ran for %d reset streams", n, sent)
+	}
+	if n := accepted.Load(); n >= 200 {
+		t.Errorf("the application accepted %d connections for reset streams, want < 200", n)
+	}
+}
+
+// TestHandlerSlotHeldUntilExit: a reset frees the stream's HTTP/2 slot, but
+// its handler keeps one of MaxConcurrentStreams handler slots until it
+// returns; a new request waits for it. Before the fix the new request's
+// handler started at once, so resets let a client run any number of
+// handlers.
+func TestHandlerSlotHeldUntilExit(t *testing.T) {
+	release := make(chan struct{})
+	var running, started atomic.Int64
+	srv, err := NewServer(ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 2,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			started.Add(1)
+			running.Add(1)
+			defer running.Add(-1)
+			<-release // a handler that does not watch ctx (a dial in a syscall)
+			return Response{Status: 403, Reason: "done"}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	for _, id := range []uint32{1, 3} {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "two handlers running", func() bool { return running.Load() == 2 })
+	for _, id := range []uint32{1, 3} {
+		if err := rc.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rc.connect(5, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	// Stream 5 is accepted (no REFUSED_STREAM) but its handler waits.
+	_ = rc.fr.WritePing(false, [8]byte{1})
+	rc.waitFor("PING ack", func(f rawFrame) bool {
+		if f.typ == http2.FrameRSTStream && f.stream == 5 {
+			t.Fatalf("stream 5 reset with %v, want it queued", f.code)
+		}
+		return f.typ == http2.FramePing && f.ack
+	})
+	time.Sleep(50 * time.Millisecond)
+	if n := started.Load(); n != 2 {
+		t.Fatalf("%d handlers started while 2 reset streams' handlers still run, want 2", n)
+	}
+	close(release)
+	f := rc.waitFor("response on stream 5", func(f rawFrame) bool { return f.typ == http2.FrameHeaders && f.stream == 5 })
+	if f.status != 403 || started.Load() != 3 {
+		t.Errorf("stream 5: status %d, %d handlers started; want 403 from the third", f.status, started.Load())
+	}
+}
+
+// TestResetCancelsHandlerContext: the Handler's context is the stream's, so
+// a RST_STREAM cancels a dial in progress. Before the fix it was the
+// connection's, which lived on.
+func TestResetCancelsHandlerContext(t *testing.T) {
+	cancelled := make(chan error, 1)
+	srv, err := NewServer(ServerOptions{
+		TLSConfig: mustServerTLS(),
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			select {
+			case <-ctx.Done():
+				cancelled <- ctx.Err()
+			case <-time.After(5 * time.Second):
+				cancelled <- errors.New("handler context not cancelled within 5s of the reset")
+			}
+			return Response{Status: 503}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond) // let the handler start
+	if err := rc.fr.WriteRSTStream(1, http2.ErrCodeCancel); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-cancelled; !errors.Is(err, context.Canceled) {
+		t.Fatal(err)
+	}
+	// The connection lives on: one early reset is within the budget.
+	_ = rc.fr.WritePing(false, [8]byte{2})
+	rc.waitFor("PING ack", func(f rawFrame) bool { return f.typ == http2.FramePing && f.ack })
+}
+
+// TestHandlerQueueFull: requests beyond MaxConcurrentStreams running
+// handlers queue, up to 4 times the limit; more is GOAWAY
+// ENHANCE_YOUR_CALM, even with the early-reset budget out of the way.
+func TestHandlerQueueFull(t *testing.T) {
+	release := make(chan struct{})
+	t.Cleanup(func() { close(release) })
+	srv, err := NewServer(ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 1,
+		MaxEarlyResets:       1 << 20,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			<-release
+			return Response{Status: 403}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	for id := uint32(1); id <= 11; id += 2 { // 1 running, 4 queued, the 6th is too many
+		if rc.connect(id, "10.0.0.1:80") != nil || rc.fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
+			break
+		}
+	}
+	if code := rc.goAwayCode(); code != http2.ErrCodeEnhanceYourCalm {
+		t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", code)
+	}
+}
+
+// TestJunkFrameFloods: each kind of frame that costs the server work and
+// carries nothing, sent in a flood, closes the connection with GOAWAY
+// ENHANCE_YOUR_CALM. Before the fix a client that read the answers could
+// send them forever.
+func TestJunkFrameFloods(t *testing.T) {
+	floods := map[string]func(rc *rawClient) error{
+		"PING": func(rc *rawClient) error { return rc.fr.WritePing(false, [8]byte{}) },
+		"SETTINGS": func(rc *rawClient) error {
+			return rc.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0})
+		},
+		"empty DATA": func(rc *rawClient) error { return rc.fr.WriteData(1, false, nil) },
+		"PRIORITY": func(rc *rawClient) error {
+			return rc.fr.WritePriority(1, http2.PriorityParam{StreamDep: 0, Weight: 1})
+		},
+		"unknown frame": func(rc *rawClient) error { return rc.fr.WriteRawFrame(0x42, 0, 0, []byte("x")) },
+		"WINDOW_UPDATE on a closed stream": func(rc *rawClient) error {
+			return rc.fr.WriteWindowUpdate(1, 1)
+		},
+	}
+	for name, send := range floods {
+		t.Run(name, func(t *testing.T) {
+			srv, err := NewServer(ServerOptions{
+				TLSConfig: mustServerTLS(),
+				Handler: func(ctx context.Context, req *ServerRequest) Response {
+					if name == "WINDOW_UPDATE on a closed stream" {
+						return Response{Status: 403}
+					}
+					<-ctx.Done() // keep stream 1 open for empty DATA
+					return Response{Status: 503}
+				},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = srv.Close() })
+			rc := newRawClient(t, srv)
+			if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+				t.Fatal(err)
+			}
+			if name == "WINDOW_UPDATE on a closed stream" {
+				rc.waitFor("stream 1 refused", func(f rawFrame) bool { return f.typ == http2.FrameRSTStream && f.stream == 1 })
+			}
+			for i := 0; i < 3*junkBurst; i++ {
+				if send(rc) != nil {
+					break
+				}
+			}
+			if code := rc.goAwayCode(); code != http2.ErrCodeEnhanceYourCalm {
+				t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", code)
+			}
+			if st := srv.Stats(); st.ConnsFlood != 1 {
+				t.Errorf("ConnsFlood = %d, want 1", st.ConnsFlood)
+			}
+		})
+	}
+}
+
+// TestOccasionalJunkIsFine: keepalive PINGs and a few SETTINGS over a long
+// connection stay within the budget.
+func TestOccasionalJunkIsFine(t *testing.T) {
+	b := newBudget(junkBurst, floodPeriod)
+	now := time.Now().UnixNano()
+	for i := range 100000 { // one a 20 ms for half an hour, and bursts
+		if !b.spend(now + int64(i)*int64(20*time.Millisecond)) {
+			t.Fatalf("spend %d refused at 50/s, want the budget to hold 100/s", i)
+		}
+	}
+	for i := range junkBurst - 10 {
+		if !b.spend(now + 100000*int64(20*time.Millisecond)) {
+			t.Fatalf("burst spend %d refused", i)
+		}
+	}
+}
+
+// fakeListener returns its errors from Accept before the real listener's
+// connections.
+type fakeListener struct {
+	net.Listener
+	mu   sync.Mutex
+	errs []error
+}
+
+func (l *fakeListener) Accept() (net.Conn, error) {
+	l.mu.Lock()
+	if len(l.errs) > 0 {
+		err := l.errs[0]
+		l.errs = l.errs[1:]
+		l.mu.Unlock()
+		return nil, err
+	}
+	l.mu.Unlock()
+	return l.Listener.Accept()
+}
+
+// TestAcceptBackoff: EMFILE and ENFILE from Accept do not end Serve; while
+// it backs off, Accepting reports false, and it serves again afterwards.
+func TestAcceptBackoff(t *testing.T) {
+	good, _ := pkis()
+	srv, err := NewServer(ServerOptions{TLSConfig: good.serverTLS(), Handler: dialTarget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var errs []error
+	for range 7 { // 5+10+...+320 ms of backoff
+		errs = append(errs, &net.OpError{Op: "accept", Net: "tcp", Err: syscall.EMFILE})
+	}
+	errs = append(errs, &net.OpError{Op: "accept", Net: "tcp", Err: syscall.ENFILE})
+	fl := &fakeListener{Listener: l, errs: errs}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(fl) }()
+	eventually(t, "Accepting false during the backoff", func() bool { return !srv.Accepting() })
+	pool := NewPool(PoolOptions{})
+	defer pool.Close()
+	app := startUpstream(t, echo)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := pool.Connect(ctx, PoolKey{DstAddr: l.Addr().(*net.TCPAddr).AddrPort()}, tcpDial, good.clientTLS(), Request{Authority: app})
+	if err != nil {
+		t.Fatalf("connect after the accept errors: %v", err)
+	}
+	s.Close()
+	if !srv.Accepting() {
+		t.Error("Accepting false after accepting again")
+	}
+	if st := srv.Stats(); st.AcceptErrors != uint64(len(errs)) {
+		t.Errorf("AcceptErrors = %d, want %d", st.AcceptErrors, len(errs))
+	}
+	_ = srv.Close()
+	if err := <-served; !errors.Is(err, ErrServerClosed) {
+		t.Errorf("Serve returned %v, want ErrServerClosed", err)
+	}
+	if srv.Accepting() {
+		t.Error("Accepting true after Close")
+	}
+}
+
+// freezeProxy forwards TCP between a client and target until frozen, then
+// drops everything silently: a peer that vanished without a word.
+type freezeProxy struct {
+	l      net.Listener
+	frozen atomic.Bool
+}
+
+func newFreezeProxy(t *testing.T, target netip.AddrPort) *freezeProxy {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &freezeProxy{l: l}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { l.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			up, err := net.Dial("tcp", target.String())
+			if err != nil {
+				c.Close()
+				continue
+			}
+			pipe := func(dst, src net.Conn) {
+				defer wg.Done()
+				defer dst.Close()
+				defer src.Close()
+				buf := make([]byte, 32<<10)
+				for {
+					n, err := src.Read(buf)
+					if err != nil {
+						return
+					}
+					if p.frozen.Load() {
+						continue
+					}
+					if _, err := dst.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			}
+			wg.Add(2)
+			go pipe(up, c)
+			go pipe(c, up)
+		}
+	}()
+	return p
+}
+
+// TestPingTimeoutClosesDeadConn: a pooled connection whose peer stops
+// answering is closed by the keepalive, failing its streams, instead of
+// lingering until TCP gives up.
+func TestPingTimeoutClosesDeadConn(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{PingInterval: 50 * time.Millisecond, PingTimeout: 200 * time.Millisecond})
+	app := startUpstream(t, echo)
+	proxy := newFreezeProxy(t, e.addr)
+	good, _ := pkis()
+	key := PoolKey{DstAddr: proxy.l.Addr().(*net.TCPAddr).AddrPort()}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := e.pool.Connect(ctx, key, tcpDial, good.clientTLS(), Request{Authority: app})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	// Alive and idle: pings are answered, the connection stays.
+	time.Sleep(400 * time.Millisecond)
+	if st := e.pool.Stats(); st.Conns != 1 {
+		t.Fatalf("pool has %d conns while the peer answers pings, want 1", st.Conns)
+	}
+	proxy.frozen.Store(true)
+	_ = s.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err = s.Read(make([]byte, 1))
+	if !errors.Is(err, ErrConnClosed) || !strings.Contains(err.Error(), "keepalive") {
+		t.Fatalf("read on a dead connection: %v, want the keepalive to close it", err)
+	}
+	eventually(t, "the pool to drop the dead connection", func() bool { return e.pool.Stats().Conns == 0 })
+}
+
+// TestConnLimiter: connections over a handshake or connection limit are
+// closed at accept and counted; one limiter serves several servers, and
+// slots come back when connections end.
+func TestConnLimiter(t *testing.T) {
+	lim := NewConnLimiter(ConnLimits{MaxConns: 3, MaxHandshakesPerSource: 2})
+	var servers []*Server
+	var addrs []string
+	for range 2 {
+		srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: 300 * time.Millisecond})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() { _ = srv.Serve(l) }()
+		t.Cleanup(func() { _ = srv.Close() })
+		servers = append(servers, srv)
+		addrs = append(addrs, l.Addr().String())
+	}
+	dial := func(addr string) net.Conn {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	// closedSoon reports whether the server closed c without a word.
+	closedSoon := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		_, err := c.Read(make([]byte, 1))
+		return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+	}
+	idle := []net.Conn{dial(addrs[0]), dial(addrs[1])} // two handshakes from 127.0.0.1, over two servers
+	eventually(t, "two handshakes counted", func() bool { return lim.Stats().Handshakes == 2 })
+	if c := dial(addrs[0]); !closedSoon(c) {
+		t.Error("a third handshake from one source was not closed at once")
+	}
+	for _, c := range idle {
+		if closedSoon(c) {
+			t.Error("an admitted idle connection was closed before its handshake timeout")
+		}
+	}
+	if st := lim.Stats(); st.RefusedHandshakes != 1 || st.Conns != 2 {
+		t.Errorf("limiter %+v, want 1 refused handshake and 2 connections", st)
+	}
+	if n := servers[0].Stats().ConnsRefused; n != 1 {
+		t.Errorf("server ConnsRefused = %d, want 1", n)
+	}
+	// The handshake timeout frees the slots.
+	eventually(t, "handshake timeouts to free the slots", func() bool {
+		st := lim.Stats()
+		return st.Conns == 0 && st.Handshakes == 0
+	})
+	// Established connections count against MaxConns.
+	good, _ := pkis()
+	pool := NewPool(PoolOptions{})
+	defer pool.Close()
+	app := startUpstream(t, echo)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for i := range 3 {
+		key := PoolKey{Src: strconv.Itoa(i), DstAddr: netip.MustParseAddrPort(addrs[0])}
+		s, err := pool.Connect(ctx, key, tcpDial, good.clientTLS(), Request{Authority: app})
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		defer s.Close()
+	}
+	if c := dial(addrs[1]); !closedSoon(c) {
+		t.Error("a fourth connection with MaxConns 3 was not closed at once")
+	}
+	if st := lim.Stats(); st.RefusedConns != 1 || st.Conns != 3 || st.Handshakes != 0 {
+		t.Errorf("limiter %+v, want 3 connections, none handshaking, 1 refused", st)
+	}
+}
+
+// TestReasonHasNoPaths: whatever error text a Handler puts in a refusal,
+// the peer gets no file system paths or source positions.
+func TestReasonHasNoPaths(t *testing.T) {
+	reason := `connect to 10.0.0.5:8080: dial 10.0.0.5:8080 from /proc/4242/ns/net: open "/var/run/netns/cni-1": no such file (dial.go:42) pin=/sys/fs/bpf/redirector/pods/x`
+	e := newEnv(t, func(context.Context, *ServerRequest) Response {
+		return Response{Status: 503, Reason: reason}
+	}, ServerOptions{}, PoolOptions{})
+	_, err := e.connect(context.Background(), netip.MustParseAddrPort("10.0.0.5:8080"))
+	var se *StatusError
+	if !errors.As(err, &se) {
+		t.Fatalf("connect: %v, want a StatusError", err)
+	}
+	for _, leak := range []string{"/proc", "/var/run", "cni-1", "dial.go", "/sys/fs"} {
+		if strings.Contains(se.Reason, leak) {
+			t.Errorf("reason sent to the peer contains %q: %s", leak, se.Reason)
+		}
+	}
+	for _, keep := range []string{"connect to 10.0.0.5:8080", "no such file", "[path]"} {
+		if !strings.Contains(se.Reason, keep) {
+			t.Errorf("reason lost %q: %s", keep, se.Reason)
+		}
+	}
+}
+
+func TestSanitizeReason(t *testing.T) {
+	for in, want := range map[string]string{
+		"denied by authorization policy: ns/allow-web": "denied by authorization policy: ns/allow-web",
+		"source 10.0.0.0/8 and fd00::/64 not allowed":  "source 10.0.0.0/8 and fd00::/64 not allowed",
+		"open /run/x.sock: permission denied":          "open [path]: permission denied",
+		"enter netns (/proc/1/ns/net), file=./a/b":     "enter netns ([path]), file=[path]",
+		"panic at tunnel/inbound.go:120":               "panic at [file]",
+		"line one\nline two":                           "line one line two",
+		"stat '~/x': no such file":                     "stat '[path]': no such file",
+	} {
+		if got := sanitizeReason(in); got != want {
+			t.Errorf("sanitizeReason(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func mustServerTLS() *tls.Config {
+	good, _ := pkis()
+	return good.serverTLS()
+}
