@@ -363,6 +363,10 @@ func TestAttachBadInput(t *testing.T) {
 		{"missing netns", loader.Pod{UID: "u1", Namespace: "t", Name: "a", NetNS: "/var/run/netns/does-not-exist", Addrs: pod.Addrs()}, "does-not-exist"},
 		{"missing interface", loader.Pod{UID: "u2", Namespace: "t", Name: "b", NetNS: pod.Path(), Interface: "eth9", Addrs: pod.Addrs()}, "eth9"},
 		{"foreign address", loader.Pod{UID: "u3", Namespace: "t", Name: "c", NetNS: pod.Path(), Addrs: []netip.Addr{netip.MustParseAddr("10.9.9.9")}}, "10.9.9.9"},
+		{"unspecified address", loader.Pod{UID: "u4", Namespace: "t", Name: "d", NetNS: pod.Path(), Addrs: []netip.Addr{netip.MustParseAddr("0.0.0.0")}}, "unspecified"},
+		{"mapped loopback", loader.Pod{UID: "u5", Namespace: "t", Name: "e", NetNS: pod.Path(), Addrs: []netip.Addr{netip.MustParseAddr("::ffff:127.0.0.1")}}, "loopback"},
+		{"multicast address", loader.Pod{UID: "u6", Namespace: "t", Name: "f", NetNS: pod.Path(), Addrs: []netip.Addr{pod.IPv4, netip.MustParseAddr("ff02::1")}}, "multicast"},
+		{"link-local address", loader.Pod{UID: "u7", Namespace: "t", Name: "g", NetNS: pod.Path(), Addrs: []netip.Addr{netip.MustParseAddr("169.254.1.1")}}, "link-local"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/probe"
+	"github.com/redirector-mesh/redirector/pkg/selection"
 )
 
 // Pod is what the loader needs to redirect one pod.
@@ -43,8 +44,8 @@ func (p *Pod) validate() error {
 		return fmt.Errorf("pod %s has %d addresses, want 1 to %d", p, len(p.Addrs), maps.MaxMetaAddrs)
 	}
 	for i, a := range p.Addrs {
-		if !a.IsValid() || a.IsUnspecified() || a.IsLoopback() {
-			return fmt.Errorf("pod %s: address %q cannot be a pod address", p, a)
+		if err := selection.CheckPodAddr(a); err != nil {
+			return fmt.Errorf("pod %s: %w", p, err)
 		}
 		p.Addrs[i] = a.Unmap()
 	}

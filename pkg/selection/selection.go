@@ -23,6 +23,11 @@ const (
 	BypassInboundAnnotation = "ambient.istio.io/bypass-inbound-capture"
 )
 
+// ErrBadPodAddr marks a pod address that cannot be a pod's own: enrolling
+// it would capture traffic that is not the pod's (loopback, multicast) or
+// match every packet (unspecified). Such a pod is left out, with the reason.
+var ErrBadPodAddr = errors.New("not a usable pod address")
+
 // ErrUnknownRuntimeClass marks a pod whose RuntimeClass the lookup does not
 // know: the agent cannot tell whether the pod runs in a sandbox it must skip,
 // so it leaves the pod alone and the caller should log the error.
@@ -69,7 +74,8 @@ type Decision struct {
 // A pod the rules enroll is still left out when its phase is Succeeded or
 // Failed, when its RuntimeClass handler is skipped or the class is unknown
 // (checked only when cfg.SkipRuntimeClasses is set; lookup may be nil
-// otherwise), or when it has no IP yet. A Pending pod with an IP is enrolled
+// otherwise), when it has no IP yet, or when one of its addresses cannot be
+// a pod's (see CheckPodAddr; Err is then set). A Pending pod with an IP is enrolled
 // so that its init containers are meshed, and a terminating pod stays
 // enrolled: its netns, and connections in it, live until it is gone.
 func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLookup) Decision {
@@ -85,6 +91,9 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 	}
 	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
 		return Decision{Reason: "pod has no IP yet"}
+	}
+	if out := checkAddrs(pod); out != nil {
+		return *out
 	}
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"
@@ -164,4 +173,49 @@ func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
 		addrs = append(addrs, a.Unmap())
 	}
 	return addrs, nil
+}
+
+// checkAddrs returns a not-enrolled decision, with Err set, when an address
+// of the pod is malformed or cannot be a pod's; nil when all are fine.
+func checkAddrs(pod *corev1.Pod) *Decision {
+	addrs, err := PodAddrs(pod)
+	for i := 0; err == nil && i < len(addrs); i++ {
+		if err = CheckPodAddr(addrs[i]); err != nil {
+			err = fmt.Errorf("pod %s/%s: %w", pod.Namespace, pod.Name, err)
+		}
+	}
+	if err == nil {
+		return nil
+	}
+	return &Decision{Reason: err.Error(), Err: err}
+}
+
+// CheckPodAddr says why a (parsed) address cannot be a pod's own, or nil.
+// IPv4-mapped IPv6 addresses are judged as the IPv4 address they carry, and
+// zones are refused: a pod address is global to the cluster.
+func CheckPodAddr(a netip.Addr) error {
+	why := ""
+	u := a.Unmap()
+	switch {
+	case !a.IsValid():
+		why = "invalid"
+	case a.Zone() != "":
+		why = "has a zone"
+	case u.IsUnspecified():
+		why = "unspecified"
+	case u.IsLoopback():
+		why = "loopback"
+	case u.IsMulticast():
+		why = "multicast"
+	case u.IsLinkLocalUnicast():
+		why = "link-local"
+	case u.Is4() && u.As4()[0] == 0:
+		why = `in 0.0.0.0/8 ("this network")`
+	case u == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		why = "broadcast"
+	}
+	if why == "" {
+		return nil
+	}
+	return fmt.Errorf("address %s is %s: %w", a, why, ErrBadPodAddr)
 }

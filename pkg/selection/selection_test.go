@@ -224,3 +224,51 @@ func TestParseConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestDecideRefusesBadAddrs: a pod whose address cannot be a pod's is left
+// out with the address and why in its reason, and Err set for the log.
+func TestDecideRefusesBadAddrs(t *testing.T) {
+	ambient := namespace("shop", true)
+	for _, tc := range []struct{ ips []string }{
+		{[]string{"0.0.0.0"}},
+		{[]string{"::"}},
+		{[]string{"127.0.0.1"}},
+		{[]string{"127.1.2.3"}},
+		{[]string{"::1"}},
+		{[]string{"::ffff:127.0.0.1"}},
+		{[]string{"::ffff:0.0.0.0"}},
+		{[]string{"224.0.0.1"}},
+		{[]string{"ff02::1"}},
+		{[]string{"ff05::2"}},
+		{[]string{"169.254.7.127"}},
+		{[]string{"fe80::1"}},
+		{[]string{"0.1.2.3"}},
+		{[]string{"255.255.255.255"}},
+		{[]string{"10.0.0.5", "::1"}}, // one bad address of two
+	} {
+		pod := newPod(func(p *corev1.Pod) {
+			p.Status.PodIP = tc.ips[0]
+			p.Status.PodIPs = nil
+			for _, ip := range tc.ips {
+				p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+			}
+		})
+		d := Decide(Config{}, ambient, pod, nil)
+		bad := tc.ips[len(tc.ips)-1]
+		if d.Enrolled || !errors.Is(d.Err, ErrBadPodAddr) || !strings.Contains(d.Reason, "shop/web-1") {
+			t.Errorf("%v: %+v, want not enrolled with ErrBadPodAddr naming the pod", tc.ips, d)
+		}
+		if a := netip.MustParseAddr(bad).Unmap().String(); !strings.Contains(d.Reason, a) {
+			t.Errorf("%v: reason %q does not name %s", tc.ips, d.Reason, a)
+		}
+	}
+	// A zone is refused by CheckPodAddr too (PodAddrs already rejects it).
+	if err := CheckPodAddr(netip.MustParseAddr("fd00::1%eth0")); !errors.Is(err, ErrBadPodAddr) {
+		t.Errorf("zoned address: %v", err)
+	}
+	for _, ok := range []string{"10.0.0.5", "fd00::5", "::ffff:10.0.0.5", "100.64.0.1", "2001:db8::1"} {
+		if err := CheckPodAddr(netip.MustParseAddr(ok)); err != nil {
+			t.Errorf("%s refused: %v", ok, err)
+		}
+	}
+}
