@@ -6,9 +6,41 @@
 // AuthorizationPolicy objects, or `kind: List` documents of them, as
 // `kubectl get -o yaml` prints.
 //
-// Documents are decoded strictly: one with a syntax error, an unknown kind
-// or field, or no name is logged with its file and index and skipped, and
-// the rest still applies.
+// # Never fail open
+//
+// A snapshot is all or nothing: a load with any error is not applied, the
+// last good snapshot stays (and with it every pod's enrollment and every
+// policy), the error is logged with its file, document and line, counted in
+// redirector_source_errors_total{source="file",reason}, and readiness stays
+// as it was. A load that would drop what the file says only because the file
+// is damaged or half-written must never unenroll pods or drop a
+// PeerAuthentication. A load is refused when:
+//
+//   - PATH or a manifest file cannot be read (reason "read");
+//   - a document is not YAML (reason "parse");
+//   - a document is not an object this source takes: an unknown kind (a
+//     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
+//     mistyped field, no name, a duplicate (reason "invalid");
+//   - a file does not end with a newline: it was cut mid-line or is still
+//     being written (reason "truncated"). Every cut that is not at a line
+//     end is caught by this, even when what is left still parses;
+//   - a file that ended with a "..." line (YAML's end-of-document marker)
+//     in the last applied load no longer does (reason "truncated"): a
+//     writer that ends its files with "..." makes a cut at any line, even
+//     between two documents, visible;
+//   - PATH holds no document at all (an empty or comment-only file, a
+//     directory without manifests), or a file that had documents in the
+//     last applied load has none now (reason "empty"). This holds for the
+//     first load too: a restarted agent cannot see what the previous one
+//     enrolled. To apply an empty state on purpose, write an empty list:
+//     `apiVersion: v1`, `kind: List`, `items: []`.
+//
+// What cannot be told from an edit: a file cut exactly at a line end, without
+// the end marker, whose rest still parses (a document cut after a complete
+// field, or whole documents gone). Replace files atomically (write a new file
+// and rename it over the old one, as ConfigMap volumes and editors do), or
+// end them with "...". Removing a file from a watched directory is an edit,
+// not a truncation.
 package file
 
 import (
@@ -19,6 +51,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sort"
 	"sync"
 	"time"
 
@@ -41,10 +74,12 @@ var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 500 * time
 const rewatchGap = time.Second
 
 // Source watches PATH and delivers a full snapshot at start and after every
-// change of the bytes it reads.
+// change of the bytes it reads, unless the load has errors (see the package
+// documentation).
 type Source struct {
-	path string
-	log  *slog.Logger
+	path    string
+	log     *slog.Logger
+	metrics *source.Metrics
 
 	mu   sync.Mutex
 	errs []error
@@ -60,9 +95,16 @@ func New(path string, log *slog.Logger) *Source {
 	return &Source{path: filepath.Clean(path), log: log.With("source", "file:"+path)}
 }
 
-// Errors returns the problems of the last load: skipped documents
-// (*DocError), unreadable files, or a missing PATH (then the previous
-// snapshot is still the current one).
+// WithMetrics makes s count the loads it refuses in m; it returns s.
+func (s *Source) WithMetrics(m *source.Metrics) *Source {
+	s.metrics = m
+	return s
+}
+
+// Errors returns the problems of the last load: malformed documents
+// (*DocError), files that are unreadable, cut short or emptied
+// (*FileError), or a missing PATH. While there are any, the last good
+// snapshot is still the current one.
 func (s *Source) Errors() []error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -94,7 +136,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	}
 
 	// Watch first, then load: a change in between is seen twice, never lost.
-	var last delivered
+	var last state
 	s.reload(update, &last)
 
 	reload := source.NewDebouncer(debounce)
@@ -138,39 +180,99 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	}
 }
 
-// delivered identifies the bytes behind the last snapshot given to update.
-type delivered struct {
-	sum [sha256.Size]byte
-	ok  bool
+// state is what the watch loop remembers between loads.
+type state struct {
+	applied bool                 // a snapshot was delivered
+	sum     [sha256.Size]byte    // the bytes behind it
+	files   map[string]fileState // what its files held
+	// refused identifies the last refused load, so that the same broken
+	// bytes, read again, are logged and counted once.
+	refused [sha256.Size]byte
 }
 
-// reload loads PATH and calls update unless the bytes read are those of the
-// last delivery. A missing PATH keeps the previous snapshot.
-func (s *Source) reload(update func(source.Snapshot), last *delivered) {
+// reload loads PATH and calls update, unless the load has errors or reads
+// the bytes of the last delivery.
+func (s *Source) reload(update func(source.Snapshot), last *state) {
 	r, err := load(s.path)
 	if err != nil {
-		s.setErrors([]error{err})
-		s.log.Error("cannot read manifests; keeping the last snapshot", "err", err)
+		s.refuse(last, sha256.Sum256([]byte(err.Error())),
+			[]error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
 		return
 	}
-	s.setErrors(r.errs)
-	if last.ok && last.sum == r.sum {
+	if errs := append(r.errs, s.lost(r, last)...); len(errs) > 0 {
+		s.refuse(last, r.sum, errs)
 		return
 	}
-	*last = delivered{sum: r.sum, ok: true}
-	for _, err := range r.errs {
-		var de *DocError
-		if errors.As(err, &de) {
-			s.log.Warn("skipping malformed document", "file", de.File, "doc", de.Doc, "line", de.Line, "item", de.Item, "err", de.Err)
-		} else {
-			s.log.Warn("skipping manifest file", "err", err)
-		}
+	s.setErrors(nil)
+	last.refused = [sha256.Size]byte{}
+	if last.applied && last.sum == r.sum {
+		return
 	}
+	last.applied, last.sum, last.files = true, r.sum, r.files
 	s.log.Info("loaded manifests", "namespaces", len(r.snap.Namespaces), "pods", len(r.snap.Pods),
 		"services", len(r.snap.Services), "endpointslices", len(r.snap.EndpointSlices),
 		"peerauthentications", len(r.snap.PeerAuthentications),
-		"authorizationpolicies", len(r.snap.AuthorizationPolicies), "errors", len(r.errs))
+		"authorizationpolicies", len(r.snap.AuthorizationPolicies))
 	update(r.snap)
+}
+
+// lost reports what r lost against the last applied load: all its documents,
+// a file's documents, or a file's end marker.
+func (s *Source) lost(r result, last *state) []error {
+	var errs []error
+	if r.docs() == 0 {
+		err := errors.New("no documents: not applied, since an emptied file is more likely cut short than meant; " +
+			"to apply an empty state write an empty list (apiVersion: v1, kind: List, items: [])")
+		errs = append(errs, &FileError{File: s.path, Reason: source.ReasonEmpty, Err: err})
+	}
+	for _, name := range sortedKeys(r.files) {
+		was, ok := last.files[name]
+		now := r.files[name]
+		switch {
+		case !ok:
+		case was.docs > 0 && now.docs == 0 && len(r.files) > 1:
+			errs = append(errs, &FileError{File: name, Reason: source.ReasonEmpty,
+				Err: fmt.Errorf("has no documents, where the last applied version had %d: cut short?", was.docs)})
+		case was.ended && !now.ended:
+			errs = append(errs, &FileError{File: name, Reason: source.ReasonTruncated,
+				Err: errors.New(`no longer ends with a "..." end marker, as the last applied version did: cut short, or still being written`)})
+		}
+	}
+	return errs
+}
+
+// refuse records, logs and counts the errors of a load that is not applied.
+func (s *Source) refuse(last *state, sum [sha256.Size]byte, errs []error) {
+	s.setErrors(errs)
+	if last.refused == sum {
+		return // the same bytes as the last refusal: reported already
+	}
+	last.refused = sum
+	for _, err := range errs {
+		reason := errorReason(err)
+		s.metrics.Error("file", reason)
+		attrs := []any{"reason", reason}
+		var de *DocError
+		var fe *FileError
+		switch {
+		case errors.As(err, &de):
+			attrs = append(attrs, "file", de.File, "doc", de.Doc, "line", de.Line, "item", de.Item, "err", de.Err)
+		case errors.As(err, &fe):
+			attrs = append(attrs, "file", fe.File, "err", fe.Err)
+		default:
+			attrs = append(attrs, "err", err)
+		}
+		s.log.Error("manifests not applied; keeping the last good snapshot", attrs...)
+	}
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }
 
 func (s *Source) setErrors(errs []error) {

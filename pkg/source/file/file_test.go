@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
@@ -42,8 +43,13 @@ type running struct {
 
 func start(t *testing.T, path string, log *slog.Logger) *running {
 	t.Helper()
+	return startWith(t, New(path, log))
+}
+
+func startWith(t *testing.T, src *Source) *running {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{src: New(path, log), updates: make(chan source.Snapshot, 16), done: make(chan error, 1), cancel: cancel}
+	r := &running{src: src, updates: make(chan source.Snapshot, 16), done: make(chan error, 1), cancel: cancel}
 	go func() { r.done <- r.src.Run(ctx, func(s source.Snapshot) { r.updates <- s }) }()
 	t.Cleanup(func() {
 		cancel()
@@ -177,23 +183,164 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func TestRunReportsMalformedDocuments(t *testing.T) {
+// TestRunRefusesMalformed: a load with a malformed document is not applied,
+// not even its good documents; the error names the file and document, and
+// is counted once however often the same bytes are read.
+func TestRunRefusesMalformed(t *testing.T) {
 	var logs syncBuffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
-	path := writeFile(t, t.TempDir(), "c.yaml", namespaceDoc("a")+"---\nkind: Nope\napiVersion: v1\nmetadata: {name: x}\n"+namespaceDoc("c"))
-	r := start(t, path, log)
-	r.waitFor(t, "a c")
+	path := writeFile(t, t.TempDir(), "c.yaml", namespaceDoc("a"))
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(path, log).WithMetrics(m))
+	r.waitFor(t, "a")
 
+	writeFile(t, filepath.Dir(path), "c.yaml", namespaceDoc("b")+"---\nkind: Nope\napiVersion: v1\nmetadata: {name: x}\n"+namespaceDoc("c"))
+	r.noUpdate(t, 300*time.Millisecond)
 	errs := r.src.Errors()
 	var de *DocError
-	if len(errs) != 1 || !errors.As(errs[0], &de) || de.File != path || de.Doc != 2 {
-		t.Fatalf("Errors() = %v, want document 2 of %s", errs, path)
+	if len(errs) != 1 || !errors.As(errs[0], &de) || de.File != path || de.Doc != 2 || de.Reason != source.ReasonInvalid {
+		t.Fatalf("Errors() = %v, want document 2 of %s, invalid", errs, path)
 	}
 	out := logs.String()
-	for _, want := range []string{`"msg":"skipping malformed document"`, `"file":"` + path + `"`, `"doc":2`, `unsupported kind Nope`} {
+	for _, want := range []string{`"msg":"manifests not applied; keeping the last good snapshot"`, `"file":"` + path + `"`, `"doc":2`, `"reason":"invalid"`, `unsupported kind Nope`} {
 		if !strings.Contains(out, want) {
 			t.Errorf("log lacks %s:\n%s", want, out)
 		}
+	}
+	// The same bytes again (an unrelated event in the directory): one count.
+	writeFile(t, filepath.Dir(path), "other.txt", "x")
+	r.noUpdate(t, 200*time.Millisecond)
+	wantCount(t, m, source.ReasonInvalid, 1)
+
+	writeFile(t, filepath.Dir(path), "c.yaml", namespaceDoc("b", "c"))
+	r.waitFor(t, "b c")
+	if errs := r.src.Errors(); len(errs) != 0 {
+		t.Fatalf("Errors() = %v after the fix", errs)
+	}
+}
+
+func wantCount(t *testing.T, m *source.Metrics, reason string, want float64) {
+	t.Helper()
+	key := `redirector_source_errors_total{reason="` + reason + `",source="file"}`
+	if got := promtest.Scrape(t, m)[key]; got != want {
+		t.Errorf("%s = %v, want %v", key, got, want)
+	}
+}
+
+// block is namespaceDoc in block style: a cut inside a name still parses.
+func block(names ...string) string {
+	var b strings.Builder
+	for _, n := range names {
+		b.WriteString("---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: " + n + "\n")
+	}
+	return b.String()
+}
+
+// TestRunNeverFailsOpen damages a good file in every way a truncation, a
+// half-done write or a bad edit can, and checks each time that nothing is
+// delivered (the last good snapshot stays), that Errors says why, and that
+// the reason is counted; then a good file is picked up again.
+func TestRunNeverFailsOpen(t *testing.T) {
+	const ended = "...\n"
+	good := namespaceDoc("a", "b", "c")
+	policy := "---\napiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: strict, namespace: a}\nspec:\n  mtls: {mode: STRICT}\n"
+	half := good[:len(good)/2]
+	if strings.HasSuffix(half, "\n") {
+		half = half[:len(half)-1]
+	}
+	tests := []struct {
+		name       string
+		good, bad  string
+		reason     string
+		wantErrSub string
+	}{
+		{"zero bytes", good, "", source.ReasonEmpty, "no documents"},
+		{"blanks and comments only", good, "\n# all gone\n---\n\n", source.ReasonEmpty, "no documents"},
+		{"cut in half mid-line", good, half, source.ReasonTruncated, "does not end with a newline"},
+		{"cut before the last newline", good, strings.TrimSuffix(good, "\n"), source.ReasonTruncated, "does not end with a newline"},
+		{"cut mid-line, the rest parses", block("a", "b", "c"), block("a", "b", "c")[:len(block("a", "b", "c"))-2], source.ReasonTruncated, "does not end with a newline"},
+		{"YAML syntax error", good, good + "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: [d\n", source.ReasonParse, "converting YAML to JSON"},
+		{"unknown kind", good, good + "---\napiVersion: security.istio.io/v1\nkind: AuthorisationPolicy\nmetadata: {name: x}\n", source.ReasonInvalid, "unsupported kind"},
+		{"content after an end marker", good, good + ended + "apiVersion: v1\n", source.ReasonParse, `after a "..." end marker`},
+		{"end marker lost at a document boundary", good + policy + ended, good, source.ReasonTruncated, "no longer ends with a \"...\" end marker"},
+		{"end marker lost at a line end mid-document", good + policy + ended, good + policy[:strings.Index(policy, "spec:")], source.ReasonTruncated, "end marker"},
+		{"end marker lost, zero bytes", good + ended, "", source.ReasonEmpty, "no documents"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			path := writeFile(t, dir, "c.yaml", tt.good)
+			m := source.NewMetrics(nil)
+			r := startWith(t, New(path, nil).WithMetrics(m))
+			r.waitFor(t, "a b c")
+
+			writeFile(t, dir, "c.yaml", tt.bad)
+			r.noUpdate(t, 300*time.Millisecond)
+			errs := r.src.Errors()
+			if len(errs) == 0 || !strings.Contains(errors.Join(errs...).Error(), tt.wantErrSub) {
+				t.Fatalf("Errors() = %v, want one with %q", errs, tt.wantErrSub)
+			}
+			if errorReason(errs[0]) != tt.reason {
+				t.Errorf("reason of %v = %s, want %s", errs[0], errorReason(errs[0]), tt.reason)
+			}
+			wantCount(t, m, tt.reason, 1)
+
+			fixed := namespaceDoc("a", "d")
+			if strings.HasSuffix(tt.good, ended) {
+				fixed += ended // the marker stays required
+			}
+			writeFile(t, dir, "c.yaml", fixed)
+			r.waitFor(t, "a d")
+		})
+	}
+}
+
+// TestRunDirectoryNeverFailsOpen: in a directory, an emptied file or a
+// directory left without manifests is refused; removing one file of several
+// is an edit.
+func TestRunDirectoryNeverFailsOpen(t *testing.T) {
+	dir := t.TempDir()
+	writeFile(t, dir, "a.yaml", namespaceDoc("a"))
+	writeFile(t, dir, "b.yaml", namespaceDoc("b"))
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(dir, nil).WithMetrics(m))
+	r.waitFor(t, "a b")
+
+	writeFile(t, dir, "b.yaml", "")
+	r.noUpdate(t, 300*time.Millisecond)
+	wantCount(t, m, source.ReasonEmpty, 1)
+
+	if err := os.Remove(filepath.Join(dir, "b.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	r.waitFor(t, "a")
+	if err := os.Remove(filepath.Join(dir, "a.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	r.noUpdate(t, 300*time.Millisecond)
+	wantCount(t, m, source.ReasonEmpty, 2)
+
+	// An empty state on purpose: an empty list.
+	writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: List\nitems: []\n")
+	r.waitFor(t, "")
+}
+
+// TestRunFirstLoadRefused: a broken or empty file at start delivers nothing
+// (a restarted agent must not unenroll what the last one enrolled); the
+// first good version is delivered.
+func TestRunFirstLoadRefused(t *testing.T) {
+	for name, content := range map[string]string{"empty": "", "cut": "apiVersion: v1\nkind: Namespace\nmetadata: {name: a"} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			writeFile(t, dir, "c.yaml", content)
+			r := start(t, filepath.Join(dir, "c.yaml"), nil)
+			r.noUpdate(t, 300*time.Millisecond)
+			if len(r.src.Errors()) == 0 {
+				t.Fatal("no error for a refused first load")
+			}
+			writeFile(t, dir, "c.yaml", namespaceDoc("a"))
+			r.waitFor(t, "a")
+		})
 	}
 }
 

@@ -18,16 +18,19 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
-// DocError is a malformed document that was skipped. It says where the
-// document is, so the user can find it: the file, its 1-based index among
-// the file's non-empty documents, the line it starts on and, inside a
-// `kind: List` document, the 1-based item.
+// DocError is a malformed document. It says where the document is, so the
+// user can find it: the file, its 1-based index among the file's non-empty
+// documents, the line it starts on and, inside a `kind: List` document, the
+// 1-based item.
 type DocError struct {
 	File string
 	Doc  int // 1-based, blank and comment-only documents not counted
 	Line int // 1-based line of the document's first line
 	Item int // 1-based item of a List document, or 0
-	Err  error
+	// Reason is source.ReasonParse (not YAML) or source.ReasonInvalid (YAML,
+	// but not an object the source accepts).
+	Reason string
+	Err    error
 }
 
 func (e *DocError) Error() string { return e.File + ": " + e.where() + ": " + e.Err.Error() }
@@ -43,9 +46,36 @@ func (e *DocError) where() string {
 
 func (e *DocError) Unwrap() error { return e.Err }
 
+// FileError is a problem with a whole file (or with PATH): it cannot be read,
+// it looks cut short, or it lost all its documents.
+type FileError struct {
+	File   string
+	Reason string // source.ReasonRead, ReasonTruncated or ReasonEmpty
+	Err    error
+}
+
+func (e *FileError) Error() string { return e.File + ": " + e.Err.Error() }
+
+func (e *FileError) Unwrap() error { return e.Err }
+
+// errorReason is the source.Reason* of an error of a load.
+func errorReason(err error) string {
+	var de *DocError
+	var fe *FileError
+	switch {
+	case errors.As(err, &de):
+		return de.Reason
+	case errors.As(err, &fe):
+		return fe.Reason
+	}
+	return source.ReasonRead
+}
+
 // Load reads the manifests at path, a YAML file or a directory of *.yaml and
-// *.yml files, once. Malformed documents and unreadable files are left out
-// and returned as errors; everything else is in the snapshot.
+// *.yml files, once. Malformed documents, unreadable files and files that do
+// not end with a newline are returned as errors; everything that parsed is in
+// the snapshot. Source.Run applies nothing of a load with errors; Load shows
+// what would be left.
 func Load(path string) (source.Snapshot, []error) {
 	r, err := load(path)
 	if err != nil {
@@ -54,13 +84,31 @@ func Load(path string) (source.Snapshot, []error) {
 	return r.snap, r.errs
 }
 
-// result is one load: the snapshot, the per-file and per-document errors, and
-// a digest of everything read, so a reload that reads the same bytes can be
-// recognised and not delivered again.
+// result is one load: the snapshot, the per-file and per-document errors, what
+// each file held, and a digest of everything read, so a reload that reads the
+// same bytes can be recognised and not delivered again.
 type result struct {
-	snap source.Snapshot
-	errs []error
-	sum  [sha256.Size]byte
+	snap  source.Snapshot
+	errs  []error
+	files map[string]fileState
+	sum   [sha256.Size]byte
+}
+
+// fileState is what one load saw of a file, to judge the next load of it.
+type fileState struct {
+	docs int // non-blank documents
+	// ended: the file's last document is closed by a "..." end marker line, so
+	// the writer says where the file ends and a cut at a line boundary shows.
+	ended bool
+}
+
+// docs is the number of documents of every file.
+func (r result) docs() int {
+	n := 0
+	for _, f := range r.files {
+		n += f.docs
+	}
+	return n
 }
 
 // load fails only when path itself cannot be read; problems in single files
@@ -72,17 +120,18 @@ func load(path string) (result, error) {
 	}
 	b := newBuilder()
 	h := sha256.New()
+	r := result{files: map[string]fileState{}}
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {
-			b.errs = append(b.errs, fmt.Errorf("read manifest: %w", err))
+			b.errs = append(b.errs, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)})
+			fmt.Fprintf(h, "%s\x00error\x00%v\x00", f, err)
 			continue
 		}
 		fmt.Fprintf(h, "%s\x00%d\x00", f, len(data))
 		h.Write(data)
-		b.addStream(f, data)
+		r.files[f] = b.addStream(f, data)
 	}
-	var r result
 	r.snap, r.errs = b.snapshot(), b.errs
 	h.Sum(r.sum[:0])
 	return r, nil
@@ -128,36 +177,57 @@ type document struct {
 
 // splitDocuments splits a YAML stream at "---" lines and drops documents
 // that hold only blanks and comments, so document numbers match what a
-// reader of the file counts.
-func splitDocuments(data []byte) []document {
-	var docs []document
+// reader of the file counts. A "..." line ends a document: what follows it
+// up to the next "---" must be blank or comments (the YAML decoder would
+// ignore it silently). ended reports whether the stream's last non-blank,
+// non-comment line is such an end marker.
+func splitDocuments(data []byte) (docs []document, ended bool) {
 	cur := document{line: 1}
+	closed := false // cur follows a "..." line
 	flush := func() {
 		if !blank(cur.data) || cur.err != nil {
 			docs = append(docs, cur)
 		}
 	}
 	for i, line := range bytes.SplitAfter(data, []byte("\n")) {
-		rest, ok := separator(line)
-		if !ok {
+		if rest, ok := marker(line, "---"); ok {
+			flush()
+			cur, closed = document{line: i + 2}, false
+			if len(rest) > 0 && rest[0] != '#' {
+				cur.line = i + 1
+				cur.err = errors.New("content after a \"---\" separator on the same line is not supported")
+			}
+			continue
+		}
+		if rest, ok := marker(line, "..."); ok && !closed {
+			flush()
+			cur, closed, ended = document{line: i + 2}, true, true
+			if len(rest) > 0 && rest[0] != '#' {
+				cur.line = i + 1
+				cur.err = errors.New("content after a \"...\" end marker on the same line is not supported")
+			}
+			continue
+		}
+		if blank(line) {
 			cur.data = append(cur.data, line...)
 			continue
 		}
-		flush()
-		cur = document{line: i + 2}
-		if len(rest) > 0 && rest[0] != '#' {
+		ended = false
+		if closed && cur.err == nil {
 			cur.line = i + 1
-			cur.err = errors.New("content after a \"---\" separator on the same line is not supported")
+			cur.err = errors.New("content after a \"...\" end marker needs a \"---\" separator first")
 		}
+		cur.data = append(cur.data, line...)
 	}
 	flush()
-	return docs
+	return docs, ended
 }
 
-// separator reports whether line is a "---" document separator and returns
-// what follows the dashes on it.
-func separator(line []byte) (rest []byte, ok bool) {
-	after, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("---"))
+// marker reports whether line is a "---" separator or "..." end marker
+// (dashes or dots, then nothing, or a blank and more) and returns what
+// follows it on the line.
+func marker(line []byte, m string) (rest []byte, ok bool) {
+	after, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte(m))
 	if !ok || (len(after) > 0 && after[0] != ' ' && after[0] != '\t') {
 		return nil, false
 	}
@@ -184,22 +254,38 @@ type builder struct {
 
 func newBuilder() *builder { return &builder{seen: map[string]string{}} }
 
-func (b *builder) addStream(file string, data []byte) {
-	for i, doc := range splitDocuments(data) {
-		loc := DocError{File: file, Doc: i + 1, Line: doc.line}
+// addStream adds the documents of one file and returns what it held. A file
+// that does not end with a newline was cut short mid-line, or is being
+// written: an error, whatever its documents parse to.
+func (b *builder) addStream(file string, data []byte) fileState {
+	docs, ended := splitDocuments(data)
+	if len(data) > 0 && data[len(data)-1] != '\n' {
+		// First: the documents' own errors are likely its consequences.
+		b.errs = append(b.errs, &FileError{File: file, Reason: source.ReasonTruncated,
+			Err: errors.New("does not end with a newline: cut short, or still being written")})
+	}
+	for i, doc := range docs {
+		loc := DocError{File: file, Doc: i + 1, Line: doc.line, Reason: source.ReasonParse}
 		if doc.err != nil {
 			b.fail(loc, doc.err)
 			continue
 		}
 		b.addDocument(loc, doc.data)
 	}
+	return fileState{docs: len(docs), ended: ended}
 }
 
 // addDocument decodes one document, reporting failures at loc.
 func (b *builder) addDocument(loc DocError, data []byte) {
+	j, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		b.fail(loc, fmt.Errorf("error converting YAML to JSON: %w", err))
+		return
+	}
+	loc.Reason = source.ReasonInvalid // YAML, whatever follows
 	var tm metav1.TypeMeta
-	if err := yaml.Unmarshal(data, &tm); err != nil {
-		b.fail(loc, err)
+	if err := json.Unmarshal(j, &tm); err != nil {
+		b.fail(loc, fmt.Errorf("error unmarshaling JSON: %w", err))
 		return
 	}
 	if tm.APIVersion == "v1" && tm.Kind == "List" {
