@@ -7,12 +7,12 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/admin"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // podsReady reports whether every pod enrolled on this node has its
-// listeners open and can get a valid certificate. Asking the Manager mints
-// a certificate the pod has none of yet, so its first connection does not
-// wait for one.
+// listeners open and a valid certificate (requested by the Manager when the
+// pod was enrolled).
 func podsReady(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager) (bool, string) {
 	var missing []string
 	for _, w := range tun.State().Dir.LocalPods(cfg.node) {
@@ -24,7 +24,7 @@ func podsReady(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager) (bo
 			continue
 		}
 		id := identity.ID{TrustDomain: cfg.trustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
-		if _, err := certs.Certificate(id); err != nil {
+		if err := certs.Ready(id); err != nil {
 			missing = append(missing, w.String()+": "+err.Error())
 		}
 	}
@@ -69,7 +69,39 @@ func certRows(m *identity.Manager) []admin.CertRow {
 	rows := []admin.CertRow{}
 	for _, c := range m.Snapshot() {
 		rows = append(rows, admin.CertRow{Identity: c.ID.String(), Serial: c.Serial, NotBefore: c.NotBefore,
-			NotAfter: c.NotAfter, Issuer: c.Issuer, State: string(c.State)})
+			NotAfter: c.NotAfter, Issuer: c.Issuer, State: string(c.State), CA: c.CA, RefreshAt: c.RefreshAt,
+			LastError: c.LastError, Failures: c.Failures, Chain: chainRows(c.Chain)})
 	}
 	return rows
+}
+
+func chainRows(chain []identity.ChainCert) []admin.ChainCert {
+	out := make([]admin.ChainCert, 0, len(chain))
+	for _, c := range chain {
+		out = append(out, admin.ChainCert{Subject: c.Subject, Issuer: c.Issuer, Serial: c.Serial, NotAfter: c.NotAfter, PEM: c.PEM})
+	}
+	return out
+}
+
+// certExpiryRows are the certificate rows that hold a certificate: an
+// identity still waiting for its first one has no expiry to report.
+func certExpiryRows(m *identity.Manager) []admin.CertRow {
+	var rows []admin.CertRow
+	for _, r := range certRows(m) {
+		if !r.NotAfter.IsZero() {
+			rows = append(rows, r)
+		}
+	}
+	return rows
+}
+
+// enrolledIdentities are the identities of the enrolled pods among ws.
+func enrolledIdentities(trustDomain string, ws []*workload.Workload) []identity.ID {
+	var ids []identity.ID
+	for _, w := range ws {
+		if w.Enrolled {
+			ids = append(ids, identity.ID{TrustDomain: trustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount})
+		}
+	}
+	return ids
 }

@@ -172,7 +172,8 @@ func runAgent(ctx context.Context, args []string) error {
 	if ca.TrustDomain() != cfg.trustDomain {
 		return fmt.Errorf("--trust-domain (TRUST_DOMAIN) is %s but the CA in %s is for %s", cfg.trustDomain, cfg.caDir, ca.TrustDomain())
 	}
-	certs := identity.NewManager(ca, cfg.certTTL, time.Now)
+	certs := identity.New(identity.ManagerOptions{Signer: ca, Trust: ca, TTL: cfg.certTTL, Logger: log})
+	defer certs.Close()
 
 	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC, Logger: log})
 	if err != nil {
@@ -204,12 +205,13 @@ func runAgent(ctx context.Context, args []string) error {
 	})
 	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
 	reg.MustRegister(
+		certs.Collector(),
 		maps.NewCollector(ld.Maps()),
 		admin.NewAgentCollector(func() (runs, errs, repairs uint64, enrolled int) {
 			st := rec.Stats()
 			return st.Runs, st.Errors, st.Repairs, st.Enrolled
 		}),
-		admin.NewCertCollector(func() []admin.CertRow { return certRows(certs) }),
+		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
@@ -225,7 +227,7 @@ func runAgent(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, ann: ann, cniPods: map[string]cniPod{}, newSnapshot: make(chan struct{})}
+	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, certs: certs, ann: ann, cniPods: map[string]cniPod{}, newSnapshot: make(chan struct{})}
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, ag.handleCNI, log)
 		go func() {
@@ -308,6 +310,8 @@ type agent struct {
 	tun *tunnel.Tunnel
 	ld  *loader.Loader
 	rec *loader.Reconciler
+	// certs keeps a certificate per identity of this node's enrolled pods.
+	certs *identity.Manager
 	// ann writes the redirection annotation; nil for the file source.
 	ann *kubernetes.Annotator
 
@@ -376,6 +380,9 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 		}
 		want = append(want, loader.Pod{UID: podUID(w), Namespace: w.Namespace, Name: w.Name, NetNS: a.cniNetNS(w), Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
 	}
+	// Certificates of new identities are requested now, before the CNI ADD
+	// is answered; those of identities whose last local pod left are dropped.
+	a.certs.Sync(enrolledIdentities(a.cfg.trustDomain, dir.LocalPods(a.cfg.node)))
 	res := a.rec.Reconcile(ctx, want, full)
 	for _, p := range res.Attached {
 		a.log.Info("pod enrolled", "pod", p)

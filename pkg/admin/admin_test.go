@@ -140,7 +140,7 @@ func TestConfigDumpSections(t *testing.T) {
 		keys = append(keys, k)
 	}
 	slices.Sort(keys)
-	if want := []string{"identity", "issuer", "notAfter", "notBefore", "serial", "state"}; !slices.Equal(keys, want) {
+	if want := []string{"ca", "identity", "issuer", "notAfter", "notBefore", "refreshAt", "serial", "state"}; !slices.Equal(keys, want) {
 		t.Errorf("cert row keys %v, want %v", keys, want)
 	}
 	if certs[0]["notAfter"] != notAfter.Format(time.RFC3339) {

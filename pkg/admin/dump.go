@@ -36,10 +36,24 @@ type Policies struct {
 // expiry metric. The JSON names are what `redirector inspect certs` decodes:
 // keep them.
 type CertRow struct {
-	Identity  string    `json:"identity"` // SPIFFE URI
-	Serial    string    `json:"serial"`   // lowercase hex
-	NotBefore time.Time `json:"notBefore"`
-	NotAfter  time.Time `json:"notAfter"`
-	Issuer    string    `json:"issuer"`
-	State     string    `json:"state"` // valid, expiring or expired
+	Identity  string      `json:"identity"` // SPIFFE URI
+	Serial    string      `json:"serial"`   // lowercase hex
+	NotBefore time.Time   `json:"notBefore"`
+	NotAfter  time.Time   `json:"notAfter"`
+	Issuer    string      `json:"issuer"`
+	State     string      `json:"state"` // pending, valid, refreshing, failing or expired
+	CA        string      `json:"ca"`    // where it came from: file:DIR or istiod:ADDR
+	RefreshAt time.Time   `json:"refreshAt"`
+	LastError string      `json:"lastError,omitempty"` // of the last CA request, if it failed
+	Failures  int         `json:"failures,omitempty"`  // CA requests failed in a row
+	Chain     []ChainCert `json:"chain,omitempty"`     // leaf first, as presented to peers
+}
+
+// ChainCert is one certificate of a presented chain.
+type ChainCert struct {
+	Subject  string    `json:"subject"`
+	Issuer   string    `json:"issuer"`
+	Serial   string    `json:"serial"`
+	NotAfter time.Time `json:"notAfter"`
+	PEM      string    `json:"pem"`
 }

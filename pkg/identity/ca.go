@@ -1,9 +1,12 @@
 package identity
 
 import (
+	"context"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
@@ -32,14 +35,19 @@ const (
 	backdate = 2 * time.Minute
 )
 
-// CA is a root key and self-signed certificate that mints workload
-// certificates directly (no intermediate). Every node agent reads the same
-// files, so a certificate minted on one node verifies on every other.
+// CA is a signing key and certificate on disk that mints workload
+// certificates locally: a self-signed root (InitCA's layout), or an
+// intermediate under the mesh roots (Istio's cacerts layout). Whoever can
+// read its key can mint any identity, so it is for standalone use (demo,
+// tests, one-node trials); in a cluster istiod signs (package istioca).
 type CA struct {
-	cert        *x509.Certificate
-	key         *ecdsa.PrivateKey
+	cert        *x509.Certificate // signs workload certificates
+	key         crypto.Signer
+	chain       [][]byte // presented after the leaf, below the roots
 	trustDomain string
 	roots       *x509.CertPool
+	rootCerts   []*x509.Certificate
+	dir         string
 }
 
 // InitCA creates a new CA in dir for trustDomain: an ECDSA P-256 key in
@@ -127,52 +135,231 @@ func writeNew(path string, mode os.FileMode, data []byte) error {
 	return nil
 }
 
-// LoadCA reads the CA that InitCA wrote in dir. The trust domain comes from
-// the root's spiffe:// URI SAN or, for roots made by other tools (Istio's
-// self-signed root has none), from its first Organization. Every error names
-// the file at fault.
-func LoadCA(dir string) (*CA, error) {
+// File names of Istio's plug-in CA layout (the cacerts Secret): an
+// intermediate's certificate and key that sign workload certificates, the
+// chain presented after the leaf, and the mesh roots.
+const (
+	IstioCACertFile    = "ca-cert.pem"
+	IstioCAKeyFile     = "ca-key.pem"
+	IstioCertChainFile = "cert-chain.pem"
+	IstioRootCertFile  = "root-cert.pem"
+)
+
+// LoadCA reads a CA from dir, deducing the trust domain from its
+// certificates. See LoadCAFor.
+func LoadCA(dir string) (*CA, error) { return LoadCAFor(dir, "") }
+
+// LoadCAFor reads a CA from dir in one of two layouts:
+//
+//   - redirector's (InitCA): root-key.pem and root-cert.pem, the root signs
+//     workload certificates directly;
+//   - Istio's plug-in CA (cacerts): ca-cert.pem and ca-key.pem sign,
+//     cert-chain.pem (ca-cert.pem up to the root; ca-cert.pem alone if
+//     absent) follows the leaf, root-cert.pem holds the roots (several
+//     during a root rotation). Keys may be RSA or ECDSA.
+//
+// The Istio layout is chosen when ca-key.pem exists. trustDomain, if not
+// empty, is the mesh's; otherwise it comes from a spiffe:// URI SAN of the
+// signing certificate or a root, or from the root's Organization (Istio's
+// self-signed root names it there). Every error names the file at fault.
+func LoadCAFor(dir, trustDomain string) (*CA, error) {
+	if _, err := os.Stat(filepath.Join(dir, IstioCAKeyFile)); err == nil {
+		ca, err := loadIstioCA(dir, trustDomain)
+		if err != nil {
+			return nil, fmt.Errorf("load istio plug-in ca: %w", err)
+		}
+		return ca, nil
+	}
 	keyPath := filepath.Join(dir, RootKeyFile)
 	certPath := filepath.Join(dir, RootCertFile)
 
 	certDER, err := readPEM(certPath, "CERTIFICATE")
 	if err != nil {
-		return nil, fmt.Errorf("load ca: %w", err)
+		return nil, fmt.Errorf("load ca: %w (neither %s nor Istio's %s found)", err, RootKeyFile, IstioCAKeyFile)
 	}
 	cert, err := x509.ParseCertificate(certDER)
 	if err != nil {
 		return nil, fmt.Errorf("load ca: parse certificate %s: %w", certPath, err)
 	}
-	if !cert.IsCA || !cert.BasicConstraintsValid {
-		return nil, fmt.Errorf("load ca: %s is not a CA certificate (basic constraints CA:TRUE missing)", certPath)
+	if err := checkSigningCert(cert, certPath); err != nil {
+		return nil, fmt.Errorf("load ca: %w", err)
 	}
-	if cert.KeyUsage != 0 && cert.KeyUsage&x509.KeyUsageCertSign == 0 {
-		return nil, fmt.Errorf("load ca: %s may not sign certificates (key usage lacks certSign)", certPath)
-	}
-	if now := time.Now(); now.After(cert.NotAfter) {
-		return nil, fmt.Errorf("load ca: %s expired at %s", certPath, cert.NotAfter.UTC().Format(time.RFC3339))
-	}
-	td, err := caTrustDomain(cert)
+	td, err := pickTrustDomain(trustDomain, cert, []*x509.Certificate{cert})
 	if err != nil {
 		return nil, fmt.Errorf("load ca: %s: %w", certPath, err)
 	}
-
-	keyBlock, err := readPEMBlock(keyPath)
+	key, err := loadKey(keyPath, cert, certPath)
 	if err != nil {
 		return nil, fmt.Errorf("load ca: %w", err)
 	}
-	key, err := parseECKey(keyBlock)
-	if err != nil {
-		return nil, fmt.Errorf("load ca: parse key %s: %w", keyPath, err)
-	}
-	pub, ok := cert.PublicKey.(*ecdsa.PublicKey)
-	if !ok || !pub.Equal(&key.PublicKey) {
-		return nil, fmt.Errorf("load ca: key %s does not match certificate %s", keyPath, certPath)
-	}
-
 	roots := x509.NewCertPool()
 	roots.AddCert(cert)
-	return &CA{cert: cert, key: key, trustDomain: td, roots: roots}, nil
+	return &CA{cert: cert, key: key, trustDomain: td, roots: roots, rootCerts: []*x509.Certificate{cert}, dir: dir}, nil
+}
+
+func loadIstioCA(dir, trustDomain string) (*CA, error) {
+	certPath := filepath.Join(dir, IstioCACertFile)
+	certs, err := readCerts(certPath)
+	if err != nil {
+		return nil, err
+	}
+	cert := certs[0]
+	if err := checkSigningCert(cert, certPath); err != nil {
+		return nil, err
+	}
+	key, err := loadKey(filepath.Join(dir, IstioCAKeyFile), cert, certPath)
+	if err != nil {
+		return nil, err
+	}
+	rootPath := filepath.Join(dir, IstioRootCertFile)
+	rootCerts, err := readCerts(rootPath)
+	if err != nil {
+		return nil, err
+	}
+	roots := x509.NewCertPool()
+	for i, r := range rootCerts {
+		if !r.IsCA || !r.BasicConstraintsValid {
+			return nil, fmt.Errorf("%s: certificate %d (%s) is not a CA certificate", rootPath, i+1, r.Subject)
+		}
+		roots.AddCert(r)
+	}
+	chainPath := filepath.Join(dir, IstioCertChainFile)
+	chain, err := readCerts(chainPath)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		chain = []*x509.Certificate{cert}
+	case err != nil:
+		return nil, err
+	case !chain[0].Equal(cert):
+		return nil, fmt.Errorf("%s: first certificate (%s) is not %s (%s)", chainPath, chain[0].Subject, certPath, cert.Subject)
+	}
+	inter := x509.NewCertPool()
+	for _, c := range chain[1:] {
+		inter.AddCert(c)
+	}
+	if _, err := cert.Verify(x509.VerifyOptions{Roots: roots, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		return nil, fmt.Errorf("%s does not chain to %s through %s: %w", certPath, rootPath, chainPath, err)
+	}
+	td, err := pickTrustDomain(trustDomain, cert, rootCerts)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", certPath, err)
+	}
+	// Peers hold the roots: the chain after the leaf stops below them.
+	var present [][]byte
+	for _, c := range chain {
+		if !isIn(c, rootCerts) {
+			present = append(present, c.Raw)
+		}
+	}
+	return &CA{cert: cert, key: key, chain: present, trustDomain: td, roots: roots, rootCerts: rootCerts, dir: dir}, nil
+}
+
+func isIn(c *x509.Certificate, set []*x509.Certificate) bool {
+	for _, s := range set {
+		if c.Equal(s) {
+			return true
+		}
+	}
+	return false
+}
+
+// checkSigningCert refuses a certificate that cannot sign workload
+// certificates now.
+func checkSigningCert(cert *x509.Certificate, path string) error {
+	if !cert.IsCA || !cert.BasicConstraintsValid {
+		return fmt.Errorf("%s is not a CA certificate (basic constraints CA:TRUE missing)", path)
+	}
+	if cert.KeyUsage != 0 && cert.KeyUsage&x509.KeyUsageCertSign == 0 {
+		return fmt.Errorf("%s may not sign certificates (key usage lacks certSign)", path)
+	}
+	if now := time.Now(); now.After(cert.NotAfter) {
+		return fmt.Errorf("%s expired at %s", path, cert.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// pickTrustDomain checks want against the certificates, or deduces it.
+func pickTrustDomain(want string, signing *x509.Certificate, roots []*x509.Certificate) (string, error) {
+	if want != "" {
+		if err := ValidateTrustDomain(want); err != nil {
+			return "", err
+		}
+		for _, c := range append([]*x509.Certificate{signing}, roots...) {
+			for _, u := range c.URIs {
+				if u.Scheme == "spiffe" && u.Host != want {
+					return "", fmt.Errorf("certificate %s names trust domain %q, not %q", c.Subject, u.Host, want)
+				}
+			}
+		}
+		return want, nil
+	}
+	var firstErr error
+	for _, c := range append([]*x509.Certificate{signing}, roots...) {
+		td, err := caTrustDomain(c)
+		if err == nil {
+			return td, nil
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
+	return "", firstErr
+}
+
+// loadKey reads a PEM private key (PKCS#8, PKCS#1 RSA or SEC 1 EC) that must
+// belong to cert.
+func loadKey(keyPath string, cert *x509.Certificate, certPath string) (crypto.Signer, error) {
+	block, err := readPEMBlock(keyPath)
+	if err != nil {
+		return nil, err
+	}
+	key, err := parseKey(block)
+	if err != nil {
+		return nil, fmt.Errorf("parse key %s: %w", keyPath, err)
+	}
+	pub, ok := key.Public().(interface{ Equal(crypto.PublicKey) bool })
+	if !ok || !pub.Equal(cert.PublicKey) {
+		return nil, fmt.Errorf("key %s does not match certificate %s", keyPath, certPath)
+	}
+	return key, nil
+}
+
+// readCerts reads every CERTIFICATE block of a PEM file; there must be one.
+func readCerts(path string) ([]*x509.Certificate, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	certs, err := ParseCertificates(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return certs, nil
+}
+
+// ParseCertificates parses every PEM CERTIFICATE block in data, refusing
+// other block types and data with none.
+func ParseCertificates(data []byte) ([]*x509.Certificate, error) {
+	var out []*x509.Certificate
+	for i := 1; ; i++ {
+		var block *pem.Block
+		block, data = pem.Decode(data)
+		if block == nil {
+			break
+		}
+		if block.Type != "CERTIFICATE" {
+			return nil, fmt.Errorf("PEM block %d is %q, want \"CERTIFICATE\"", i, block.Type)
+		}
+		c, err := x509.ParseCertificate(block.Bytes)
+		if err != nil {
+			return nil, fmt.Errorf("certificate %d: %w", i, err)
+		}
+		out = append(out, c)
+	}
+	if len(out) == 0 {
+		return nil, errors.New("no PEM certificate found")
+	}
+	return out, nil
 }
 
 func caTrustDomain(cert *x509.Certificate) (string, error) {
@@ -217,22 +404,32 @@ func readPEM(path, wantType string) ([]byte, error) {
 	return block.Bytes, nil
 }
 
-func parseECKey(block *pem.Block) (*ecdsa.PrivateKey, error) {
+func parseKey(block *pem.Block) (crypto.Signer, error) {
+	var k any
+	var err error
 	switch block.Type {
 	case "PRIVATE KEY":
-		k, err := x509.ParsePKCS8PrivateKey(block.Bytes)
-		if err != nil {
-			return nil, err
-		}
-		ec, ok := k.(*ecdsa.PrivateKey)
-		if !ok {
-			return nil, fmt.Errorf("key is %T, want ECDSA", k)
-		}
-		return ec, nil
+		k, err = x509.ParsePKCS8PrivateKey(block.Bytes)
 	case "EC PRIVATE KEY":
-		return x509.ParseECPrivateKey(block.Bytes)
+		k, err = x509.ParseECPrivateKey(block.Bytes)
+	case "RSA PRIVATE KEY":
+		k, err = x509.ParsePKCS1PrivateKey(block.Bytes)
 	default:
-		return nil, fmt.Errorf("PEM block is %q, want \"PRIVATE KEY\" or \"EC PRIVATE KEY\"", block.Type)
+		return nil, fmt.Errorf("PEM block is %q, want \"PRIVATE KEY\", \"EC PRIVATE KEY\" or \"RSA PRIVATE KEY\"", block.Type)
+	}
+	if err != nil {
+		return nil, err
+	}
+	switch k := k.(type) {
+	case *ecdsa.PrivateKey:
+		return k, nil
+	case *rsa.PrivateKey:
+		if k.N.BitLen() < 2048 {
+			return nil, fmt.Errorf("rsa key of %d bits, want at least 2048", k.N.BitLen())
+		}
+		return k, nil
+	default:
+		return nil, fmt.Errorf("key is %T, want ECDSA or RSA", k)
 	}
 }
 
@@ -243,19 +440,34 @@ func (ca *CA) TrustDomain() string { return ca.trustDomain }
 // modify it.
 func (ca *CA) Roots() *x509.CertPool { return ca.roots }
 
-// Certificate is the root certificate, for display and for distributing the
-// trust bundle.
+// Certificate is the signing certificate (the root in InitCA's layout),
+// for display.
 func (ca *CA) Certificate() *x509.Certificate { return ca.cert }
 
-// Sign mints a certificate for id valid for ttl from now. See signAt.
-func (ca *CA) Sign(id ID, ttl time.Duration) (tls.Certificate, error) {
-	return ca.signAt(id, time.Now(), ttl)
+// RootCertificates are the mesh roots, for distributing the trust bundle.
+func (ca *CA) RootCertificates() []*x509.Certificate { return ca.rootCerts }
+
+// Name implements Signer: "file:" and the CA's directory.
+func (ca *CA) Name() string { return "file:" + ca.dir }
+
+// Sign implements Signer: it mints a certificate for id valid for ttl from
+// now. See signAt.
+func (ca *CA) Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	cert, err := ca.signAt(id, time.Now(), ttl)
+	if err != nil {
+		return nil, &CAError{Reason: ReasonLocal, Err: err}
+	}
+	return &cert, nil
 }
 
 // signAt mints an ECDSA P-256 X.509-SVID for id: its only SAN is id's SPIFFE
 // URI, it serves as both client and server certificate (a tunnel is both),
 // NotBefore is backdated a little for clock skew, and NotAfter never passes
-// the root's. The chain is the leaf alone: peers hold the root already.
+// the signing certificate's. The chain is the leaf and, for an intermediate,
+// the certificates up to (not including) the roots peers hold.
 func (ca *CA) signAt(id ID, now time.Time, ttl time.Duration) (tls.Certificate, error) {
 	if err := id.Validate(); err != nil {
 		return tls.Certificate{}, fmt.Errorf("sign: %w", err)
@@ -301,7 +513,8 @@ func (ca *CA) signAt(id ID, now time.Time, ttl time.Duration) (tls.Certificate, 
 	if err != nil {
 		return tls.Certificate{}, fmt.Errorf("sign %s: parse minted certificate: %w", id, err)
 	}
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}, nil
+	chain := append([][]byte{der}, ca.chain...)
+	return tls.Certificate{Certificate: chain, PrivateKey: key, Leaf: leaf}, nil
 }
 
 // randomSerial returns a positive random 128-bit serial number.

@@ -112,7 +112,7 @@ func TestLoadCAErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	leaf, err := ca.Sign(ID{"cluster.local", "a", "b"}, time.Hour)
+	leaf, err := ca.signAt(ID{"cluster.local", "a", "b"}, time.Now(), time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func TestSign(t *testing.T) {
 	ca := newCA(t, "cluster.local")
 	id := ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
 	before := time.Now()
-	cert, err := ca.Sign(id, time.Hour)
+	cert, err := ca.signAt(id, time.Now(), time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,7 +204,7 @@ func TestSign(t *testing.T) {
 		t.Error("leaf verified against a foreign root")
 	}
 
-	again, err := ca.Sign(id, time.Hour)
+	again, err := ca.signAt(id, time.Now(), time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,17 +215,17 @@ func TestSign(t *testing.T) {
 
 func TestSignRefuses(t *testing.T) {
 	ca := newCA(t, "cluster.local")
-	if _, err := ca.Sign(ID{"other.domain", "a", "b"}, time.Hour); err == nil || !strings.Contains(err.Error(), "other.domain") {
+	if _, err := ca.signAt(ID{"other.domain", "a", "b"}, time.Now(), time.Hour); err == nil || !strings.Contains(err.Error(), "other.domain") {
 		t.Errorf("foreign trust domain: err = %v", err)
 	}
-	if _, err := ca.Sign(ID{"cluster.local", "", "b"}, time.Hour); !errors.Is(err, ErrInvalidID) {
+	if _, err := ca.signAt(ID{"cluster.local", "", "b"}, time.Now(), time.Hour); !errors.Is(err, ErrInvalidID) {
 		t.Errorf("empty namespace: err = %v, want ErrInvalidID", err)
 	}
-	if _, err := ca.Sign(ID{"cluster.local", "a", "b"}, 0); err == nil {
+	if _, err := ca.signAt(ID{"cluster.local", "a", "b"}, time.Now(), 0); err == nil {
 		t.Error("zero ttl accepted")
 	}
 	// A lifetime past the root's end is cut to it.
-	cert, err := ca.Sign(ID{"cluster.local", "a", "b"}, 20*365*24*time.Hour)
+	cert, err := ca.signAt(ID{"cluster.local", "a", "b"}, time.Now(), 20*365*24*time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,138 +2,500 @@ package identity
 
 import (
 	"cmp"
+	"context"
 	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
 	"fmt"
+	"log/slog"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"time"
 )
 
-// DefaultTTL is the certificate lifetime NewManager uses when given none:
+// DefaultTTL is the certificate lifetime a Manager asks for when given none:
 // Istio's default workload certificate lifetime.
 const DefaultTTL = 24 * time.Hour
 
-// CertState says where a cached certificate is in its life.
+// Defaults of ManagerOptions.
+const (
+	DefaultRequestTimeout = 10 * time.Second
+	DefaultMaxConcurrent  = 8
+	DefaultBackoffMin     = 500 * time.Millisecond
+	DefaultBackoffMax     = 30 * time.Second
+)
+
+// Signer issues workload certificates: the file CA signs locally, the istiod
+// client (package istioca) asks istiod. The Manager calls Sign only from its
+// background fetches, never from a handshake, so Sign may take as long as
+// ctx allows.
+type Signer interface {
+	// Sign returns a certificate for id valid for about ttl: the chain leaf
+	// first, its private key, and Leaf set. Failures should be *CAError so
+	// metrics can tell their reasons apart.
+	Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error)
+	// Name says which CA this is, for inspect and logs, e.g.
+	// "file:/etc/redirector/ca" or "istiod:istiod.istio-system.svc:15012".
+	Name() string
+}
+
+// Trust is what peers' certificates are verified against: the mesh roots
+// (a bundle may hold several during a root rotation) and the trust domain.
+type Trust interface {
+	TrustDomain() string
+	// Roots is the current pool; it may change between calls (a reloaded
+	// bundle). Callers must not modify it.
+	Roots() *x509.CertPool
+}
+
+// CertState says where an identity's certificate is in its life.
 type CertState string
 
 // Certificate states reported by Snapshot.
 const (
-	// StateValid: before half-life; handshakes use it as is.
+	// StatePending: no certificate yet; the first request is under way.
+	StatePending CertState = "pending"
+	// StateValid: before its refresh time; handshakes use it as is.
 	StateValid CertState = "valid"
-	// StateExpiring: past half-life; the next handshake re-mints it.
-	StateExpiring CertState = "expiring"
-	// StateExpired: past NotAfter; no idle peer will accept it, and the next
-	// handshake re-mints it.
+	// StateRefreshing: past its refresh time (about half-life); a new one is
+	// being requested, handshakes still use this one.
+	StateRefreshing CertState = "refreshing"
+	// StateFailing: the last request failed (see LastError); handshakes use
+	// the certificate while it is unexpired, and fail closed without one.
+	StateFailing CertState = "failing"
+	// StateExpired: past NotAfter and no new one yet; handshakes fail closed.
 	StateExpired CertState = "expired"
 )
 
-// CertInfo describes one cached certificate, for the inspect CLI and the
-// expiry metrics.
+// CertInfo describes one identity the Manager keeps a certificate for, for
+// the inspect CLI, the config dump and the expiry metric.
 type CertInfo struct {
-	ID        ID            `json:"id"`
-	Serial    string        `json:"serial"` // lowercase hex
+	ID    ID        `json:"id"`
+	CA    string    `json:"ca"` // Signer.Name
+	State CertState `json:"state"`
+	// Certificate fields are zero while State is pending or a failure
+	// happened before the first certificate.
+	Serial    string        `json:"serial,omitempty"` // lowercase hex
 	NotBefore time.Time     `json:"notBefore"`
 	NotAfter  time.Time     `json:"notAfter"`
-	Issuer    string        `json:"issuer"`
-	State     CertState     `json:"state"`
-	ExpiresIn time.Duration `json:"expiresIn"` // negative once expired
+	RefreshAt time.Time     `json:"refreshAt"`
+	Issuer    string        `json:"issuer,omitempty"`
+	Chain     []ChainCert   `json:"chain,omitempty"` // leaf first, as presented to peers
+	ExpiresIn time.Duration `json:"expiresIn"`       // negative once expired
+	LastError string        `json:"lastError,omitempty"`
+	// Failures counts requests failed in a row.
+	Failures int `json:"failures,omitempty"`
 }
 
-// Manager holds one certificate per local service account identity, minting
-// it on first use and again once it is past half its lifetime. Rotation
-// never touches an open connection: a handshake takes the *tls.Certificate
-// current at that moment, and replacing the cache entry leaves the old value
-// to the connections already using it. It is safe for concurrent use.
+// ChainCert is one certificate of a presented chain.
+type ChainCert struct {
+	Subject  string    `json:"subject"`
+	Issuer   string    `json:"issuer"`
+	Serial   string    `json:"serial"`
+	NotAfter time.Time `json:"notAfter"`
+	PEM      string    `json:"pem"`
+}
+
+// ManagerOptions configure a Manager; Signer and Trust are required.
+type ManagerOptions struct {
+	Signer Signer
+	Trust  Trust
+	// TTL is the lifetime asked for (DefaultTTL if <= 0). The CA may grant
+	// less; refresh follows what was granted.
+	TTL time.Duration
+	// Clock is the time source for validity and peer verification
+	// (time.Now if nil); waiting uses real timers.
+	Clock func() time.Time
+	// RequestTimeout bounds one CA request (DefaultRequestTimeout).
+	RequestTimeout time.Duration
+	// MaxConcurrent bounds CA requests in flight (DefaultMaxConcurrent).
+	MaxConcurrent int
+	// BackoffMin and BackoffMax bound the jittered exponential backoff
+	// after failed requests (DefaultBackoffMin, DefaultBackoffMax).
+	BackoffMin, BackoffMax time.Duration
+	Logger                 *slog.Logger
+}
+
+// Manager keeps one certificate per identity of this node's enrolled pods.
+// An identity is added when its first local pod is enrolled (Sync or Add):
+// a background worker requests its certificate at once, again at about
+// half-life, and after a failure with jittered exponential backoff. It is
+// dropped when its last local pod leaves, so no key outlives its workloads
+// on this node.
+//
+// Handshakes only read the cache (Certificate): one that finds no valid
+// certificate fails closed, counted by reason, and never waits for the CA.
+// Rotation never touches an open connection: a handshake takes the
+// certificate current at that moment. It is safe for concurrent use.
 type Manager struct {
-	ca    *CA
-	ttl   time.Duration
-	clock func() time.Time
+	opts    ManagerOptions
+	clock   func() time.Time
+	sem     chan struct{}
+	metrics *caMetrics
+	log     *slog.Logger
 
-	mu    sync.Mutex
-	certs map[ID]*cached
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex
+	entries map[ID]*entry
 }
 
-type cached struct {
-	cert     *tls.Certificate
-	rotateAt time.Time
+// entry is one identity's state; fields other than id, cancel and ready
+// are guarded by Manager.mu.
+type entry struct {
+	id        ID
+	cancel    context.CancelFunc
+	ready     chan struct{} // closed on the first certificate
+	cert      *tls.Certificate
+	refreshAt time.Time
+	lastErr   error
+	failures  int
 }
 
-// NewManager returns a Manager minting certificates from ca valid for ttl
-// (DefaultTTL if ttl <= 0). clock is the time source for minting, rotation
-// and peer verification (time.Now if nil); tests inject a fake one.
+// NewManager returns a Manager that mints from the file CA ca, which also
+// provides the roots. See New.
 func NewManager(ca *CA, ttl time.Duration, clock func() time.Time) *Manager {
-	if ttl <= 0 {
-		ttl = DefaultTTL
-	}
-	if clock == nil {
-		clock = time.Now
-	}
-	return &Manager{ca: ca, ttl: ttl, clock: clock, certs: make(map[ID]*cached)}
+	return New(ManagerOptions{Signer: ca, Trust: ca, TTL: ttl, Clock: clock})
 }
 
-// CA is the authority the Manager mints from; its Roots are what peers are
-// verified against.
-func (m *Manager) CA() *CA { return m.ca }
+// New returns a Manager; Close stops its workers.
+func New(o ManagerOptions) *Manager {
+	if o.TTL <= 0 {
+		o.TTL = DefaultTTL
+	}
+	if o.Clock == nil {
+		o.Clock = time.Now
+	}
+	if o.RequestTimeout <= 0 {
+		o.RequestTimeout = DefaultRequestTimeout
+	}
+	if o.MaxConcurrent <= 0 {
+		o.MaxConcurrent = DefaultMaxConcurrent
+	}
+	if o.BackoffMin <= 0 {
+		o.BackoffMin = DefaultBackoffMin
+	}
+	if o.BackoffMax < o.BackoffMin {
+		o.BackoffMax = max(DefaultBackoffMax, o.BackoffMin)
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	return &Manager{
+		opts: o, clock: o.Clock, sem: make(chan struct{}, o.MaxConcurrent), metrics: newCAMetrics(),
+		log: o.Logger, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
+	}
+}
+
+// Close stops every worker and waits for them; cached certificates stay
+// readable.
+func (m *Manager) Close() {
+	m.cancel()
+	m.wg.Wait()
+}
+
+// Trust is what peers are verified against.
+func (m *Manager) Trust() Trust { return m.opts.Trust }
+
+// CAName is the Signer's name.
+func (m *Manager) CAName() string { return m.opts.Signer.Name() }
 
 // Now is the Manager's clock.
 func (m *Manager) Now() time.Time { return m.clock() }
 
-// Certificate returns the current certificate for id, minting one if there
-// is none or the cached one is past half-life. The result is shared and must
-// not be modified.
+// Sync makes the kept identities exactly ids: new ones are added (their
+// first request starts now, in the background) and the others forgotten.
+// Call it with the identities of this node's enrolled pods whenever that
+// set may have changed.
+func (m *Manager) Sync(ids []ID) {
+	want := make(map[ID]bool, len(ids))
+	for _, id := range ids {
+		want[id] = true
+		m.Add(id)
+	}
+	m.mu.Lock()
+	var gone []ID
+	for id := range m.entries {
+		if !want[id] {
+			gone = append(gone, id)
+		}
+	}
+	m.mu.Unlock()
+	for _, id := range gone {
+		m.Forget(id)
+	}
+}
+
+// Add starts keeping a certificate for id, if it is not kept already. It
+// does not wait for the CA: see Wait.
+func (m *Manager) Add(id ID) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if _, ok := m.entries[id]; ok || m.ctx.Err() != nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(m.ctx)
+	e := &entry{id: id, cancel: cancel, ready: make(chan struct{})}
+	m.entries[id] = e
+	m.wg.Add(1)
+	go m.run(ctx, e)
+}
+
+// Forget drops id's certificate and stops refreshing it; a request in
+// flight is cancelled. Open connections keep the certificate they use.
+func (m *Manager) Forget(id ID) {
+	m.mu.Lock()
+	e, ok := m.entries[id]
+	delete(m.entries, id)
+	m.mu.Unlock()
+	if ok {
+		e.cancel()
+	}
+}
+
+// Wait blocks until id has a certificate (or ctx ends); id must have been
+// added. It is for callers that may wait, such as tests and tools, never a
+// handshake.
+func (m *Manager) Wait(ctx context.Context, id ID) error {
+	m.mu.Lock()
+	e, ok := m.entries[id]
+	m.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("wait for %s: %w: identity not added", id, ErrNoCertificate)
+	}
+	select {
+	case <-e.ready:
+		return nil
+	case <-ctx.Done():
+		m.mu.Lock()
+		last := e.lastErr
+		m.mu.Unlock()
+		if last != nil {
+			return fmt.Errorf("wait for %s: %w (last CA error: %w)", id, ctx.Err(), last)
+		}
+		return fmt.Errorf("wait for %s: %w", id, ctx.Err())
+	}
+}
+
+// Certificate returns id's current certificate for a handshake. It never
+// asks the CA: with no unexpired certificate it fails closed (ErrNoCertificate,
+// with the last CA error if any) and counts the reason. The result is shared
+// and must not be modified.
 func (m *Manager) Certificate(id ID) (*tls.Certificate, error) {
+	cert, reason, err := m.lookup(id)
+	if err != nil {
+		m.metrics.unavailable.WithLabelValues(reason).Inc()
+		return nil, err
+	}
+	return cert, nil
+}
+
+// Ready reports whether id has an unexpired certificate, like Certificate
+// but without counting a miss: for readiness checks.
+func (m *Manager) Ready(id ID) error {
+	_, _, err := m.lookup(id)
+	return err
+}
+
+// Reasons a handshake found no certificate, the label of
+// redirector_certificate_unavailable_total.
+const (
+	UnavailableNotKept  = "not_enrolled" // identity of no enrolled local pod
+	UnavailablePending  = "pending"      // first request not answered yet
+	UnavailableFailing  = "ca_failing"   // no certificate and the CA refused or failed
+	UnavailableExpired  = "expired"      // the last certificate expired unrenewed
+	UnavailableNotValid = "not_yet_valid"
+)
+
+func (m *Manager) lookup(id ID) (*tls.Certificate, string, error) {
 	now := m.clock()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if c, ok := m.certs[id]; ok && now.Before(c.rotateAt) {
-		return c.cert, nil
+	e, ok := m.entries[id]
+	switch {
+	case !ok:
+		return nil, UnavailableNotKept, fmt.Errorf("%w for %s: not an identity of an enrolled pod on this node", ErrNoCertificate, id)
+	case e.cert == nil && e.lastErr != nil:
+		return nil, UnavailableFailing, fmt.Errorf("%w for %s: %d CA requests failed, last: %w", ErrNoCertificate, id, e.failures, e.lastErr)
+	case e.cert == nil:
+		return nil, UnavailablePending, fmt.Errorf("%w for %s yet: request to %s pending", ErrNoCertificate, id, m.opts.Signer.Name())
+	case !now.Before(e.cert.Leaf.NotAfter):
+		if e.lastErr != nil {
+			return nil, UnavailableExpired, fmt.Errorf("%w for %s: expired at %s, renewal failing: %w", ErrNoCertificate, id, e.cert.Leaf.NotAfter.UTC().Format(time.RFC3339), e.lastErr)
+		}
+		return nil, UnavailableExpired, fmt.Errorf("%w for %s: expired at %s", ErrNoCertificate, id, e.cert.Leaf.NotAfter.UTC().Format(time.RFC3339))
+	case now.Before(e.cert.Leaf.NotBefore):
+		return nil, UnavailableNotValid, fmt.Errorf("%w for %s: not valid before %s", ErrNoCertificate, id, e.cert.Leaf.NotBefore.UTC().Format(time.RFC3339))
 	}
-	cert, err := m.ca.signAt(id, now, m.ttl)
+	return e.cert, "", nil
+}
+
+// run is id's worker: request, wait until the refresh time (or the backoff
+// after a failure), repeat, until Forget or Close.
+func (m *Manager) run(ctx context.Context, e *entry) {
+	defer m.wg.Done()
+	backoff := m.opts.BackoffMin
+	for {
+		cert, err := m.request(ctx, e.id)
+		if ctx.Err() != nil {
+			return
+		}
+		now := m.clock()
+		var wait time.Duration
+		m.mu.Lock()
+		if err != nil {
+			e.lastErr = err
+			e.failures++
+			failures := e.failures
+			hasCert := e.cert != nil && now.Before(e.cert.Leaf.NotAfter)
+			m.mu.Unlock()
+			// Full jitter in [backoff/2, backoff]: agents restarted together
+			// do not retry in step.
+			wait = backoff/2 + rand.N(backoff/2+1)
+			backoff = min(2*backoff, m.opts.BackoffMax)
+			m.log.Warn("certificate request failed", "identity", e.id, "ca", m.opts.Signer.Name(),
+				"reason", ReasonOf(err), "failures", failures, "have_valid_certificate", hasCert, "retry_in", wait.Round(time.Millisecond), "error", err)
+		} else {
+			first := e.cert == nil
+			e.cert, e.lastErr, e.failures = cert, nil, 0
+			e.refreshAt = refreshTime(now, cert.Leaf.NotAfter)
+			wait = e.refreshAt.Sub(now)
+			m.mu.Unlock()
+			backoff = m.opts.BackoffMin
+			if first {
+				close(e.ready)
+			}
+			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", cert.Leaf.NotAfter, "refresh_at", e.refreshAt)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// refreshTime is about half of the lifetime granted, counted from issue
+// (not the backdated NotBefore), less up to 5% of it at random so that
+// identities issued together do not all renew in the same instant.
+func refreshTime(issued, notAfter time.Time) time.Time {
+	life := notAfter.Sub(issued)
+	if life <= 0 {
+		return issued
+	}
+	return issued.Add(life/2 - rand.N(life/20+1))
+}
+
+// request makes one bounded CA request and checks what came back.
+func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, error) {
+	select {
+	case m.sem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { <-m.sem }()
+	ctx, cancel := context.WithTimeout(ctx, m.opts.RequestTimeout)
+	defer cancel()
+	start := time.Now()
+	cert, err := m.opts.Signer.Sign(ctx, id, m.opts.TTL)
+	if err == nil {
+		err = m.check(id, cert)
+	}
+	m.metrics.observe(time.Since(start), err)
 	if err != nil {
-		return nil, fmt.Errorf("certificate for %s: %w", id, err)
+		return nil, fmt.Errorf("certificate for %s from %s: %w", id, m.opts.Signer.Name(), err)
 	}
-	// Half of the lifetime actually granted (it may be cut short by the
-	// root's expiry), counted from issue time rather than the backdated
-	// NotBefore.
-	rotateAt := now.Add(cert.Leaf.NotAfter.Sub(now) / 2)
-	m.certs[id] = &cached{cert: &cert, rotateAt: rotateAt}
-	return &cert, nil
+	return cert, nil
 }
 
-// Forget drops the cached certificate for id; call it when the last local
-// pod running as id leaves, so no key outlives its workload on this node.
-// Open connections keep working.
-func (m *Manager) Forget(id ID) {
-	m.mu.Lock()
-	delete(m.certs, id)
-	m.mu.Unlock()
+// check refuses a certificate that does not carry exactly id or does not
+// chain to the current roots: whatever a CA returns, this node presents
+// nothing else.
+func (m *Manager) check(id ID, cert *tls.Certificate) error {
+	if cert == nil || cert.Leaf == nil || len(cert.Certificate) == 0 {
+		return &CAError{Reason: ReasonBadResponse, Err: errors.New("signer returned no certificate")}
+	}
+	got, err := idFromLeaf(cert.Leaf)
+	if err != nil {
+		return &CAError{Reason: ReasonWrongIdentity, Err: err}
+	}
+	if got != id {
+		return &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
+	}
+	opts := x509.VerifyOptions{
+		Roots:         m.opts.Trust.Roots(),
+		Intermediates: x509.NewCertPool(),
+		CurrentTime:   m.clock(),
+		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+	}
+	for _, der := range cert.Certificate[1:] {
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("parse chain: %w", err)}
+		}
+		opts.Intermediates.AddCert(c)
+	}
+	if _, err := cert.Leaf.Verify(opts); err != nil {
+		return &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
+	}
+	return nil
 }
 
-// Snapshot describes every cached certificate, sorted by identity.
+// Snapshot describes every kept identity, sorted.
 func (m *Manager) Snapshot() []CertInfo {
 	now := m.clock()
 	m.mu.Lock()
-	out := make([]CertInfo, 0, len(m.certs))
-	for id, c := range m.certs {
-		leaf := c.cert.Leaf
-		state := StateValid
-		switch {
-		case !now.Before(leaf.NotAfter):
-			state = StateExpired
-		case !now.Before(c.rotateAt):
-			state = StateExpiring
+	out := make([]CertInfo, 0, len(m.entries))
+	for id, e := range m.entries {
+		ci := CertInfo{ID: id, CA: m.opts.Signer.Name(), Failures: e.failures}
+		if e.lastErr != nil {
+			ci.LastError = e.lastErr.Error()
 		}
-		out = append(out, CertInfo{
-			ID:        id,
-			Serial:    leaf.SerialNumber.Text(16),
-			NotBefore: leaf.NotBefore,
-			NotAfter:  leaf.NotAfter,
-			Issuer:    leaf.Issuer.String(),
-			State:     state,
-			ExpiresIn: leaf.NotAfter.Sub(now),
-		})
+		switch {
+		case e.cert == nil && e.lastErr != nil:
+			ci.State = StateFailing
+		case e.cert == nil:
+			ci.State = StatePending
+		case !now.Before(e.cert.Leaf.NotAfter):
+			ci.State = StateExpired
+		case e.lastErr != nil:
+			ci.State = StateFailing
+		case !now.Before(e.refreshAt):
+			ci.State = StateRefreshing
+		default:
+			ci.State = StateValid
+		}
+		if e.cert != nil {
+			leaf := e.cert.Leaf
+			ci.Serial = leaf.SerialNumber.Text(16)
+			ci.NotBefore, ci.NotAfter, ci.RefreshAt = leaf.NotBefore, leaf.NotAfter, e.refreshAt
+			ci.Issuer = leaf.Issuer.String()
+			ci.ExpiresIn = leaf.NotAfter.Sub(now)
+			ci.Chain = describeChain(e.cert.Certificate)
+		}
+		out = append(out, ci)
 	}
 	m.mu.Unlock()
 	slices.SortFunc(out, func(a, b CertInfo) int { return cmp.Compare(a.ID.String(), b.ID.String()) })
+	return out
+}
+
+func describeChain(ders [][]byte) []ChainCert {
+	out := make([]ChainCert, 0, len(ders))
+	for _, der := range ders {
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			continue
+		}
+		out = append(out, ChainCert{Subject: c.Subject.String(), Issuer: c.Issuer.String(), Serial: c.SerialNumber.Text(16),
+			NotAfter: c.NotAfter, PEM: string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}))})
+	}
 	return out
 }

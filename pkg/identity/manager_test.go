@@ -1,10 +1,15 @@
 package identity
 
 import (
+	"context"
+	"crypto/tls"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // fakeClock is a settable time source.
@@ -30,138 +35,316 @@ func (c *fakeClock) Advance(d time.Duration) {
 }
 
 var (
-	idWeb  = ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
-	idCart = ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
+	idWeb      = ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
+	idCart     = ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
+	idImpostor = ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "impostor"}
 )
 
-func TestManagerCachesAndRotates(t *testing.T) {
-	clock := newFakeClock()
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, clock.Now)
+// newManager returns a file-CA Manager holding certificates for idWeb,
+// idCart and idImpostor, closed with the test.
+func newManager(t *testing.T, ca *CA, ttl time.Duration) *Manager {
+	t.Helper()
+	m := NewManager(ca, ttl, nil)
+	t.Cleanup(m.Close)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, id := range []ID{idWeb, idCart, idImpostor} {
+		m.Add(id)
+		if err := m.Wait(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return m
+}
 
-	first, err := m.Certificate(idWeb)
+// fakeSigner signs with a CA, or fails with err, or blocks while gate is
+// closed; it counts calls.
+type fakeSigner struct {
+	ca *CA
+
+	mu    sync.Mutex
+	err   error
+	gate  chan struct{} // nil: open
+	calls int
+	as    *ID // sign this identity instead of the one asked for
+}
+
+func (f *fakeSigner) Name() string { return "fake" }
+
+func (f *fakeSigner) Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
+	f.mu.Lock()
+	f.calls++
+	gate, err, as := f.gate, f.err, f.as
+	f.mu.Unlock()
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	clock.Advance(29 * time.Minute)
-	same, err := m.Certificate(idWeb)
-	if err != nil {
-		t.Fatal(err)
+	if as != nil {
+		id = *as
 	}
-	if same != first {
-		t.Error("certificate re-minted before half-life")
-	}
-	clock.Advance(2 * time.Minute) // 31 min: past half of 1h
-	rotated, err := m.Certificate(idWeb)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if rotated.Leaf.SerialNumber.Cmp(first.Leaf.SerialNumber) == 0 {
-		t.Error("certificate not re-minted past half-life")
-	}
-	if !rotated.Leaf.NotAfter.After(first.Leaf.NotAfter) {
-		t.Error("rotated certificate does not live longer")
-	}
-	// The old certificate value is untouched: connections holding it keep it.
-	if first.Leaf.URIs[0].String() != idWeb.String() || len(first.Certificate) != 1 {
-		t.Error("rotation modified the previous certificate")
+	return f.ca.Sign(ctx, id, ttl)
+}
+
+func (f *fakeSigner) set(fn func(*fakeSigner)) {
+	f.mu.Lock()
+	fn(f)
+	f.mu.Unlock()
+}
+
+func (f *fakeSigner) callCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.calls
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }
 
-func TestManagerSnapshotStates(t *testing.T) {
-	clock := newFakeClock()
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, clock.Now)
+func stateOf(m *Manager, id ID) CertInfo {
+	for _, c := range m.Snapshot() {
+		if c.ID == id {
+			return c
+		}
+	}
+	return CertInfo{}
+}
+
+func unavailable(m *Manager, reason string) float64 {
+	return testutil.ToFloat64(m.metrics.unavailable.WithLabelValues(reason))
+}
+
+func TestManagerPrefetchesOnAdd(t *testing.T) {
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	defer m.Close()
+	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) {
+		t.Fatalf("certificate of an identity never added: err = %v", err)
+	}
+	if got := unavailable(m, UnavailableNotKept); got != 1 {
+		t.Errorf("unavailable{not_enrolled} = %v, want 1", got)
+	}
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	c, err := m.Certificate(idWeb)
+	if err != nil || c.Leaf.URIs[0].String() != idWeb.String() {
+		t.Fatalf("certificate after prefetch: %v %v", c, err)
+	}
+	if err := m.Ready(idWeb); err != nil {
+		t.Errorf("Ready: %v", err)
+	}
+	info := stateOf(m, idWeb)
+	if info.State != StateValid || info.CA != m.CAName() || len(info.Chain) != 1 || !strings.Contains(info.Chain[0].PEM, "BEGIN CERTIFICATE") {
+		t.Errorf("snapshot = %+v", info)
+	}
+	if got := testutil.ToFloat64(m.metrics.requests); got != 1 {
+		t.Errorf("ca requests = %v, want 1", got)
+	}
+}
+
+// The handshake path never waits for the CA: with the CA hanging, it fails
+// closed at once and counts the reason; once the CA answers, it works.
+func TestManagerHandshakeNeverWaitsForCA(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	f := &fakeSigner{ca: ca, gate: make(chan struct{})}
+	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour})
+	defer m.Close()
+	m.Add(idWeb)
+	waitFor(t, "the first request", func() bool { return f.callCount() == 1 })
+
+	start := time.Now()
+	_, err := m.Certificate(idWeb)
+	if !errors.Is(err, ErrNoCertificate) || !strings.Contains(err.Error(), "pending") {
+		t.Fatalf("err = %v, want a pending ErrNoCertificate", err)
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("Certificate took %s with the CA hanging", d)
+	}
+	if got := unavailable(m, UnavailablePending); got != 1 {
+		t.Errorf("unavailable{pending} = %v, want 1", got)
+	}
+	if s := stateOf(m, idWeb).State; s != StatePending {
+		t.Errorf("state = %s, want pending", s)
+	}
+	close(f.gate)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := m.Certificate(idWeb); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := m.Certificate(idCart); err != nil {
+}
+
+// A failing CA is retried with backoff, counted by reason, reported as
+// failing with its error, and recovered from without any call from outside.
+func TestManagerRetriesAndRecovers(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	f := &fakeSigner{ca: ca, err: &CAError{Reason: ReasonUnauthenticated, Err: errors.New("request impersonation authentication failure")}}
+	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, BackoffMin: 20 * time.Millisecond, BackoffMax: 50 * time.Millisecond})
+	defer m.Close()
+	m.Add(idWeb)
+	waitFor(t, "three attempts", func() bool { return f.callCount() >= 3 })
+
+	info := stateOf(m, idWeb)
+	if info.State != StateFailing || !strings.Contains(info.LastError, "impersonation") || info.Failures < 3 {
+		t.Errorf("snapshot while failing = %+v", info)
+	}
+	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) || !strings.Contains(err.Error(), "impersonation") {
+		t.Errorf("err = %v, want ErrNoCertificate naming the CA's refusal", err)
+	}
+	if got := unavailable(m, UnavailableFailing); got != 1 {
+		t.Errorf("unavailable{ca_failing} = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(ReasonUnauthenticated)); got < 3 {
+		t.Errorf("failures{unauthenticated} = %v, want >= 3", got)
+	}
+
+	f.set(func(f *fakeSigner) { f.err = nil })
+	waitFor(t, "recovery", func() bool { return m.Ready(idWeb) == nil })
+	if info := stateOf(m, idWeb); info.State != StateValid || info.LastError != "" {
+		t.Errorf("snapshot after recovery = %+v", info)
+	}
+}
+
+// A certificate the CA got wrong is never used.
+func TestManagerRefusesWhatItDidNotAskFor(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	other := newCA(t, "cluster.local")
+	for name, tc := range map[string]struct {
+		f      *fakeSigner
+		reason string
+	}{
+		"other identity": {&fakeSigner{ca: ca, as: &idCart}, ReasonWrongIdentity},
+		"other root":     {&fakeSigner{ca: other}, ReasonUntrustedChain},
+	} {
+		t.Run(name, func(t *testing.T) {
+			m := New(ManagerOptions{Signer: tc.f, Trust: ca, TTL: time.Hour, BackoffMin: time.Hour})
+			defer m.Close()
+			m.Add(idWeb)
+			waitFor(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+			if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) {
+				t.Errorf("err = %v", err)
+			}
+			if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(tc.reason)); got != 1 {
+				t.Errorf("failures{%s} = %v, want 1", tc.reason, got)
+			}
+		})
+	}
+}
+
+// Refreshing failed past expiry: the expired certificate is not presented.
+func TestManagerExpiredFailsClosed(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	f := &fakeSigner{ca: ca}
+	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
 		t.Fatal(err)
 	}
-
-	snap := m.Snapshot()
-	if len(snap) != 2 || snap[0].ID != idCart || snap[1].ID != idWeb {
-		t.Fatalf("snapshot = %+v, want cart then web", snap)
-	}
-	for _, ci := range snap {
-		if ci.State != StateValid {
-			t.Errorf("%s: state %s, want valid", ci.ID, ci.State)
-		}
-		if ci.ExpiresIn != time.Hour {
-			t.Errorf("%s: expires in %s, want 1h", ci.ID, ci.ExpiresIn)
-		}
-		if ci.Serial == "" || ci.Issuer != "O=cluster.local" {
-			t.Errorf("%s: serial %q issuer %q", ci.ID, ci.Serial, ci.Issuer)
-		}
-	}
-
 	clock.Advance(40 * time.Minute)
-	if s := m.Snapshot()[0]; s.State != StateExpiring || s.ExpiresIn != 20*time.Minute {
-		t.Errorf("after 40m: %+v, want expiring in 20m", s)
+	if s := stateOf(m, idWeb).State; s != StateRefreshing {
+		t.Errorf("state past half-life = %s, want refreshing", s)
+	}
+	if _, err := m.Certificate(idWeb); err != nil {
+		t.Errorf("past half-life but unexpired: %v", err)
 	}
 	clock.Advance(30 * time.Minute)
-	if s := m.Snapshot()[0]; s.State != StateExpired || s.ExpiresIn != -10*time.Minute {
-		t.Errorf("after 70m: %+v, want expired 10m ago", s)
+	if s := stateOf(m, idWeb).State; s != StateExpired {
+		t.Errorf("state past expiry = %s, want expired", s)
 	}
-	// The next use replaces the expired certificate.
-	if _, err := m.Certificate(idCart); err != nil {
-		t.Fatal(err)
+	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) || !strings.Contains(err.Error(), "expired") {
+		t.Errorf("err = %v, want expired", err)
 	}
-	if s := m.Snapshot()[0]; s.State != StateValid {
-		t.Errorf("after re-mint: state %s, want valid", s.State)
-	}
-}
-
-func TestManagerForget(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
-	first, err := m.Certificate(idWeb)
-	if err != nil {
-		t.Fatal(err)
-	}
-	m.Forget(idWeb)
-	m.Forget(idCart) // absent: no-op
-	if snap := m.Snapshot(); len(snap) != 0 {
-		t.Errorf("snapshot after Forget = %+v", snap)
-	}
-	again, err := m.Certificate(idWeb)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if again.Leaf.SerialNumber.Cmp(first.Leaf.SerialNumber) == 0 {
-		t.Error("forgotten certificate came back")
+	if got := unavailable(m, UnavailableExpired); got != 1 {
+		t.Errorf("unavailable{expired} = %v, want 1", got)
 	}
 }
 
-func TestManagerRefusesForeignTrustDomain(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), 0, nil)
-	if _, err := m.Certificate(ID{"example.org", "a", "b"}); err == nil {
-		t.Error("minted a certificate for another trust domain")
+// Sync keeps exactly the identities asked for: one whose last pod left is
+// forgotten, its request in flight cancelled, and nothing of it remains.
+func TestManagerSyncForgets(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	m := NewManager(ca, time.Hour, nil)
+	defer m.Close()
+	m.Sync([]ID{idWeb, idCart})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, id := range []ID{idWeb, idCart} {
+		if err := m.Wait(ctx, id); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if _, err := m.Certificate(ID{}); !errors.Is(err, ErrInvalidID) {
-		t.Errorf("zero id: err = %v, want ErrInvalidID", err)
+	m.Sync([]ID{idWeb})
+	if snap := m.Snapshot(); len(snap) != 1 || snap[0].ID != idWeb {
+		t.Errorf("snapshot after the cart pods left = %+v", snap)
 	}
-	if snap := m.Snapshot(); len(snap) != 0 {
-		t.Errorf("failed mints were cached: %+v", snap)
+	if _, err := m.Certificate(idCart); !errors.Is(err, ErrNoCertificate) {
+		t.Errorf("forgotten identity still served: %v", err)
+	}
+	if _, err := m.Certificate(idWeb); err != nil {
+		t.Errorf("kept identity: %v", err)
+	}
+
+	// A request hanging at the CA is cancelled by Forget, and its worker ends.
+	f := &fakeSigner{ca: ca, gate: make(chan struct{})}
+	m2 := New(ManagerOptions{Signer: f, Trust: ca})
+	m2.Add(idCart)
+	waitFor(t, "the request", func() bool { return f.callCount() == 1 })
+	m2.Sync(nil)
+	done := make(chan struct{})
+	go func() { m2.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("worker of a forgotten identity still waits for the CA")
+	}
+	if len(m2.Snapshot()) != 0 {
+		t.Error("forgotten identity in snapshot")
 	}
 }
 
 func TestManagerConcurrent(t *testing.T) {
-	clock := newFakeClock()
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, clock.Now)
+	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	defer m.Close()
 	var wg sync.WaitGroup
-	for i := range 8 {
+	for i := 0; i < 8; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			id := idWeb
-			if i%2 == 0 {
-				id = idCart
-			}
-			for range 20 {
-				if _, err := m.Certificate(id); err != nil {
-					t.Error(err)
-					return
+			for j := 0; j < 200; j++ {
+				switch j % 4 {
+				case 0:
+					m.Sync([]ID{idWeb, idCart})
+				case 1:
+					_, _ = m.Certificate(idWeb)
+				case 2:
+					m.Snapshot()
+				case 3:
+					m.Sync([]ID{idCart})
 				}
-				clock.Advance(time.Minute)
-				m.Snapshot()
 			}
 		}()
 	}

@@ -81,15 +81,15 @@ func checkALPN(cs tls.ConnectionState) error {
 	return nil
 }
 
-// verifyPeer checks a peer's chain against the Manager's CA at the Manager's
-// time and returns the identity in its leaf.
+// verifyPeer checks a peer's chain against the Manager's current roots at
+// the Manager's time and returns the identity in its leaf.
 func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, error) {
 	if len(chain) == 0 {
 		return ID{}, ErrNoPeerCertificate
 	}
 	leaf := chain[0]
 	opts := x509.VerifyOptions{
-		Roots:       m.ca.Roots(),
+		Roots:       m.opts.Trust.Roots(),
 		CurrentTime: m.clock(),
 		KeyUsages:   []x509.ExtKeyUsage{usage},
 	}
@@ -106,8 +106,8 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	if err != nil {
 		return ID{}, err
 	}
-	if id.TrustDomain != m.ca.TrustDomain() {
-		return ID{}, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, m.ca.TrustDomain())
+	if td := m.opts.Trust.TrustDomain(); id.TrustDomain != td {
+		return ID{}, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, td)
 	}
 	return id, nil
 }

@@ -92,7 +92,7 @@ func exchange(t *testing.T, a, b *tls.Conn) {
 }
 
 func TestHandshake(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	r := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart))
 	if r.clientErr != nil || r.serverErr != nil {
 		t.Fatalf("handshake: client %v, server %v", r.clientErr, r.serverErr)
@@ -121,9 +121,9 @@ func TestPeerIDNeedsHandshake(t *testing.T) {
 }
 
 func TestServerRefusesForeignClient(t *testing.T) {
-	mesh := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	mesh := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	// Same trust domain, different root: only the root tells them apart.
-	foreign := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	foreign := newManager(t, newCA(t, "cluster.local"), time.Hour)
 
 	// The intruder does not check the server, so the server's own check is
 	// what is under test.
@@ -142,7 +142,7 @@ func TestServerRefusesForeignClient(t *testing.T) {
 }
 
 func TestServerRequiresClientCertificate(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	anon := ClientConfig(m, idWeb, idCart)
 	anon.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
 		return &tls.Certificate{}, nil
@@ -154,8 +154,8 @@ func TestServerRequiresClientCertificate(t *testing.T) {
 }
 
 func TestClientRefusesForeignServer(t *testing.T) {
-	mesh := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
-	foreign := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	mesh := newManager(t, newCA(t, "cluster.local"), time.Hour)
+	foreign := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	r := handshake(t, ClientConfig(mesh, idWeb, idCart), ServerConfig(foreign, idCart))
 	if !errors.Is(r.clientErr, ErrUntrustedPeer) {
 		t.Fatalf("client err = %v, want ErrUntrustedPeer", r.clientErr)
@@ -166,7 +166,7 @@ func TestClientRefusesForeignServer(t *testing.T) {
 }
 
 func TestClientRefusesWrongServerIdentity(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	impostor := ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "impostor"}
 	r := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, impostor))
 	if !errors.Is(r.clientErr, ErrUnexpectedIdentity) {
@@ -179,7 +179,7 @@ func TestClientRefusesWrongServerIdentity(t *testing.T) {
 }
 
 func TestRefusesNonH2(t *testing.T) {
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, nil)
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
 	plain := ClientConfig(m, idWeb, idCart)
 	plain.NextProtos = nil       // offers no ALPN: not an HBONE client
 	plain.VerifyConnection = nil // so the server's check is the one under test
@@ -197,8 +197,9 @@ func TestRefusesNonH2(t *testing.T) {
 }
 
 func TestRotationKeepsOpenConnections(t *testing.T) {
-	clock := newFakeClock()
-	m := NewManager(newCA(t, "cluster.local"), time.Hour, clock.Now)
+	// A short lifetime, so the background refresh (about half-life) comes
+	// within the test.
+	m := newManager(t, newCA(t, "cluster.local"), 4*time.Second)
 	serial := func(r handshakeResult) (server, client *big.Int) {
 		t.Helper()
 		if r.clientErr != nil || r.serverErr != nil {
@@ -211,23 +212,23 @@ func TestRotationKeepsOpenConnections(t *testing.T) {
 	old := handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart))
 	srv1, cli1 := serial(old)
 
-	clock.Advance(29 * time.Minute)
-	srv2, cli2 := serial(handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart)))
-	if srv2.Cmp(srv1) != 0 || cli2.Cmp(cli1) != 0 {
-		t.Error("certificates changed before half-life")
-	}
-
-	clock.Advance(2 * time.Minute)
-	srv3, cli3 := serial(handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart)))
-	if srv3.Cmp(srv1) == 0 || cli3.Cmp(cli1) == 0 {
-		t.Error("new handshake after half-life still got the old certificates")
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		srv, cli := serial(handshake(t, ClientConfig(m, idWeb, idCart), ServerConfig(m, idCart)))
+		if srv.Cmp(srv1) != 0 && cli.Cmp(cli1) != 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("certificates not refreshed in the background within 15s of a 4s lifetime")
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 	exchange(t, old.client, old.server)
 }
 
 func TestVerifyPeerRejectsBadLeaves(t *testing.T) {
 	ca := newCA(t, "cluster.local")
-	m := NewManager(ca, time.Hour, nil)
+	m := newManager(t, ca, time.Hour)
 	mint := func(mod func(*x509.Certificate)) *x509.Certificate {
 		t.Helper()
 		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)

@@ -1,0 +1,66 @@
+package identity
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// caMetrics count what the Manager asks of its CA and what handshakes found
+// missing; the expiry of kept certificates is exported from Snapshot by the
+// agent's certificate collector.
+type caMetrics struct {
+	requests    prometheus.Counter
+	failures    *prometheus.CounterVec
+	duration    prometheus.Histogram
+	unavailable *prometheus.CounterVec
+}
+
+func newCAMetrics() *caMetrics {
+	return &caMetrics{
+		requests: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "redirector_ca_requests_total",
+			Help: "Certificate requests made to the CA (istiod or the file CA), successful or not.",
+		}),
+		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_ca_request_failures_total",
+			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, refused, local.",
+		}, []string{"reason"}),
+		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "redirector_ca_request_duration_seconds",
+			Help:    "Latency of certificate requests to the CA, including key generation and checking the answer.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}),
+		unavailable: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_certificate_unavailable_total",
+			Help: "Handshakes that failed closed because the local identity had no valid certificate, by reason: not_enrolled, pending, ca_failing, expired, not_yet_valid.",
+		}, []string{"reason"}),
+	}
+}
+
+func (c *caMetrics) observe(d time.Duration, err error) {
+	c.requests.Inc()
+	c.duration.Observe(d.Seconds())
+	if err != nil {
+		c.failures.WithLabelValues(ReasonOf(err)).Inc()
+	}
+}
+
+// Collector exports the Manager's CA request and fail-closed counters.
+func (m *Manager) Collector() prometheus.Collector { return m.metrics }
+
+// Describe implements prometheus.Collector.
+func (c *caMetrics) Describe(ch chan<- *prometheus.Desc) {
+	c.requests.Describe(ch)
+	c.failures.Describe(ch)
+	c.duration.Describe(ch)
+	c.unavailable.Describe(ch)
+}
+
+// Collect implements prometheus.Collector.
+func (c *caMetrics) Collect(ch chan<- prometheus.Metric) {
+	c.requests.Collect(ch)
+	c.failures.Collect(ch)
+	c.duration.Collect(ch)
+	c.unavailable.Collect(ch)
+}
