@@ -41,6 +41,7 @@ type agentConfig struct {
 	source          string // "kubernetes" or a file path
 	kubeconfig      string
 	caDir           string
+	ca              caSettings
 	trustDomain     string
 	bpfRoot         string
 	metricsAddr     string
@@ -63,6 +64,7 @@ type agentConfig struct {
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
 	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel *string
+	ca                                                                                                                                                                                             caFlags
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -72,7 +74,7 @@ func runSettings() (*settings, runFlags) {
 		node:       s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
 		src:        s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes"),
 		kubeconfig: s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
-		caDir:      s.add("ca-dir", "CA_DIR", "", "directory with the mesh CA (root-cert.pem, root-key.pem), as made by redirector ca init"),
+		caDir:      s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
 		td:         s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
 		bpfRoot:    s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
 		metrics:    s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
@@ -92,6 +94,7 @@ func runSettings() (*settings, runFlags) {
 		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
 		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
+		ca:         addCAFlags(s),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 	}
 }
@@ -101,9 +104,10 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := s.parse(args); err != nil {
 		return agentConfig{}, err
 	}
-	if err := s.require(f.node, f.src, f.caDir); err != nil {
+	if err := s.require(f.node, f.src); err != nil {
 		return agentConfig{}, err
 	}
+	var err error
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	switch {
@@ -117,7 +121,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := identity.ValidateTrustDomain(*f.td); err != nil {
 		return c, fmt.Errorf("%s: %w", s.name(f.td), err)
 	}
-	var err error
+	if c.ca, err = parseCAFlags(s, f.ca, f.caDir); err != nil {
+		return c, err
+	}
 	if c.selection, err = selection.ParseConfig(*f.exclude+","+*f.ownNS, *f.skipRC); err != nil {
 		return c, err
 	}
@@ -165,15 +171,11 @@ func runAgent(ctx context.Context, args []string) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("node", cfg.node)
 	slog.SetDefault(log)
 
-	ca, err := identity.LoadCA(cfg.caDir)
+	certs, closeCerts, err := newCertManager(ctx, cfg, log)
 	if err != nil {
-		return fmt.Errorf("--ca-dir (CA_DIR): %w", err)
+		return err
 	}
-	if ca.TrustDomain() != cfg.trustDomain {
-		return fmt.Errorf("--trust-domain (TRUST_DOMAIN) is %s but the CA in %s is for %s", cfg.trustDomain, cfg.caDir, ca.TrustDomain())
-	}
-	certs := identity.New(identity.ManagerOptions{Signer: ca, Trust: ca, TTL: cfg.certTTL, Logger: log})
-	defer certs.Close()
+	defer closeCerts()
 
 	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC, Logger: log})
 	if err != nil {
@@ -223,7 +225,7 @@ func runAgent(ctx context.Context, args []string) error {
 		}),
 	)
 
-	src, ann, err := newSource(cfg, log)
+	src, ann, err := newSource(cfg, log, source.NewMetrics(reg))
 	if err != nil {
 		return err
 	}
@@ -440,12 +442,12 @@ func (a *agent) syncAnnotations(ctx context.Context, s source.Snapshot) {
 
 // newSource returns the configured source, and for Kubernetes the
 // annotator that marks redirected pods.
-func newSource(cfg agentConfig, log *slog.Logger) (source.Source, *kubernetes.Annotator, error) {
+func newSource(cfg agentConfig, log *slog.Logger, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
 	if cfg.source != "kubernetes" {
 		if _, err := os.Stat(cfg.source); err != nil {
 			return nil, nil, fmt.Errorf("--source (SOURCE): %w", err)
 		}
-		return file.New(cfg.source, log), nil, nil
+		return file.New(cfg.source, log).WithMetrics(metrics), nil, nil
 	}
 	var rc *rest.Config
 	var err error
@@ -457,7 +459,7 @@ func newSource(cfg agentConfig, log *slog.Logger) (source.Source, *kubernetes.An
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes client config: %w", err)
 	}
-	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log})
+	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log, Metrics: metrics})
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes source: %w", err)
 	}

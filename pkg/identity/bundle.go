@@ -1,0 +1,116 @@
+package identity
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"crypto/x509"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Bundle is a trust bundle read from a PEM file that may hold several roots
+// (during a root rotation both the old and the new one), such as the
+// root-cert.pem of istiod's istio-ca-root-cert ConfigMap mounted into the
+// agent. Watch re-reads it, so a rotation reaches the agent without a
+// restart; a file that turns unreadable or invalid keeps the last good
+// roots. It implements Trust.
+type Bundle struct {
+	path        string
+	trustDomain string
+
+	mu  sync.Mutex // serialises Reload
+	cur atomic.Pointer[bundleState]
+}
+
+type bundleState struct {
+	pool  *x509.CertPool
+	certs []*x509.Certificate
+	sum   [sha256.Size]byte
+}
+
+// LoadBundle reads the roots in path for trustDomain.
+func LoadBundle(path, trustDomain string) (*Bundle, error) {
+	if err := ValidateTrustDomain(trustDomain); err != nil {
+		return nil, fmt.Errorf("trust bundle: %w", err)
+	}
+	b := &Bundle{path: path, trustDomain: trustDomain}
+	if _, err := b.Reload(); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// TrustDomain implements Trust.
+func (b *Bundle) TrustDomain() string { return b.trustDomain }
+
+// Roots implements Trust: the pool of the last good read.
+func (b *Bundle) Roots() *x509.CertPool { return b.cur.Load().pool }
+
+// Certificates are the roots of the last good read.
+func (b *Bundle) Certificates() []*x509.Certificate { return b.cur.Load().certs }
+
+// Path is the file the bundle is read from.
+func (b *Bundle) Path() string { return b.path }
+
+// Reload re-reads the file; it reports whether the roots changed. On error
+// the previous roots stay in force.
+func (b *Bundle) Reload() (bool, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	data, err := os.ReadFile(b.path)
+	if err != nil {
+		return false, fmt.Errorf("trust bundle: %w", err)
+	}
+	sum := sha256.Sum256(bytes.TrimSpace(data))
+	if old := b.cur.Load(); old != nil && old.sum == sum {
+		return false, nil
+	}
+	certs, err := ParseCertificates(data)
+	if err != nil {
+		return false, fmt.Errorf("trust bundle %s: %w", b.path, err)
+	}
+	pool := x509.NewCertPool()
+	now := time.Now()
+	for i, c := range certs {
+		if !c.IsCA || !c.BasicConstraintsValid {
+			return false, fmt.Errorf("trust bundle %s: certificate %d (%s) is not a CA certificate", b.path, i+1, c.Subject)
+		}
+		if now.After(c.NotAfter) {
+			return false, fmt.Errorf("trust bundle %s: certificate %d (%s) expired at %s", b.path, i+1, c.Subject, c.NotAfter.UTC().Format(time.RFC3339))
+		}
+		pool.AddCert(c)
+	}
+	b.cur.Store(&bundleState{pool: pool, certs: certs, sum: sum})
+	return true, nil
+}
+
+// Watch re-reads the file every interval until ctx ends, logging changes
+// and errors. Polling rather than inotify: a mounted ConfigMap is updated
+// by swapping a symlink, which polling sees without special cases.
+func (b *Bundle) Watch(ctx context.Context, interval time.Duration, log *slog.Logger) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		changed, err := b.Reload()
+		switch {
+		case err != nil:
+			log.Error("trust bundle reload failed; keeping the previous roots", "path", b.path, "error", err)
+		case changed:
+			var subjects []string
+			for _, c := range b.Certificates() {
+				subjects = append(subjects, c.Subject.String())
+			}
+			log.Info("trust bundle reloaded", "path", b.path, "roots", subjects)
+		}
+	}
+}

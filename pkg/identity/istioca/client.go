@@ -1,0 +1,275 @@
+// Package istioca asks istiod for workload certificates the way ztunnel
+// does: a CSR per identity to istio.v1.auth.IstioCertificateService over
+// gRPC with TLS, authenticated by the node agent's projected service account
+// token, naming the workload's identity in the request metadata
+// (ImpersonatedIdentity). istiod signs only identities of pods on the
+// caller's own node, so a compromised node cannot mint others. No signing
+// key is on the node.
+package istioca
+
+import (
+	"context"
+	"crypto"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/structpb"
+	pb "istio.io/api/security/v1alpha1"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+)
+
+// Request metadata and headers istiod reads (as ztunnel sends them).
+const (
+	// ImpersonatedIdentityKey is the request metadata field naming the
+	// identity a node agent asks for on behalf of a local pod.
+	ImpersonatedIdentityKey = "ImpersonatedIdentity"
+	// ClusterIDHeader names the cluster whose API server issued the token.
+	ClusterIDHeader = "ClusterID"
+)
+
+// DefaultServerName is the name in istiod's serving certificate that the
+// client checks when the address is not a DNS name of istiod.
+const DefaultServerName = "istiod.istio-system.svc"
+
+// Config configures a Client.
+type Config struct {
+	// Addr is istiod's CA address, host:port (port 15012).
+	Addr string
+	// ServerName is the DNS name istiod's serving certificate must carry;
+	// empty: the host of Addr, or DefaultServerName when that is an IP.
+	ServerName string
+	// TokenFile holds the agent's service account token (a projected
+	// token, audience istio-ca). It is re-read for every request, since
+	// the kubelet rotates it.
+	TokenFile string
+	// ClusterID is istiod's name for this cluster (its CLUSTER_ID); empty
+	// sends none.
+	ClusterID string
+	// Trust verifies istiod's serving certificate and the chains it
+	// returns; a reloaded bundle takes effect on the next connection.
+	Trust identity.Trust
+}
+
+// Client implements identity.Signer with istiod.
+type Client struct {
+	cfg    Config
+	conn   *grpc.ClientConn
+	client pb.IstioCertificateServiceClient
+}
+
+// New returns a client; it connects lazily, so istiod need not be up yet.
+func New(cfg Config) (*Client, error) {
+	if _, _, err := net.SplitHostPort(cfg.Addr); err != nil {
+		return nil, fmt.Errorf("istiod address %q: want host:port: %w", cfg.Addr, err)
+	}
+	if cfg.Trust == nil {
+		return nil, errors.New("istiod client: no trust bundle to verify istiod with")
+	}
+	if cfg.ServerName == "" {
+		host, _, _ := net.SplitHostPort(cfg.Addr)
+		cfg.ServerName = host
+		if net.ParseIP(host) != nil {
+			cfg.ServerName = DefaultServerName
+		}
+	}
+	tlsConf := &tls.Config{
+		MinVersion: tls.VersionTLS12,
+		ServerName: cfg.ServerName,
+		// Verified below against the current roots, which a reloaded
+		// bundle may change: the pool is read at each handshake.
+		InsecureSkipVerify: true,
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			return verifyServer(cs, cfg.Trust.Roots(), cfg.ServerName)
+		},
+	}
+	conn, err := grpc.NewClient(cfg.Addr,
+		grpc.WithTransportCredentials(credentials.NewTLS(tlsConf)),
+		// Reconnect quickly once istiod is back (gRPC's default backoff
+		// grows to two minutes).
+		grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff:           backoff.Config{BaseDelay: 500 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 10 * time.Second},
+			MinConnectTimeout: 5 * time.Second,
+		}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("istiod client for %s: %w", cfg.Addr, err)
+	}
+	return &Client{cfg: cfg, conn: conn, client: pb.NewIstioCertificateServiceClient(conn)}, nil
+}
+
+// verifyServer checks istiod's serving certificate against the mesh roots
+// and its DNS name.
+func verifyServer(cs tls.ConnectionState, roots *x509.CertPool, name string) error {
+	if len(cs.PeerCertificates) == 0 {
+		return errors.New("istiod presented no certificate")
+	}
+	opts := x509.VerifyOptions{Roots: roots, DNSName: name, Intermediates: x509.NewCertPool()}
+	for _, c := range cs.PeerCertificates[1:] {
+		opts.Intermediates.AddCert(c)
+	}
+	if _, err := cs.PeerCertificates[0].Verify(opts); err != nil {
+		return fmt.Errorf("istiod's serving certificate: %w", err)
+	}
+	return nil
+}
+
+// Close closes the connection to istiod.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Name implements identity.Signer.
+func (c *Client) Name() string { return "istiod:" + c.cfg.Addr }
+
+// Sign implements identity.Signer: it makes a P-256 key and CSR for id,
+// asks istiod for a certificate valid for ttl, and returns it only if the
+// leaf is for exactly id and our key and the chain verifies to the trust
+// bundle.
+func (c *Client) Sign(ctx context.Context, id identity.ID, ttl time.Duration) (*tls.Certificate, error) {
+	token, err := c.token()
+	if err != nil {
+		return nil, &identity.CAError{Reason: identity.ReasonToken, Err: err}
+	}
+	key, csrPEM, err := makeCSR(id)
+	if err != nil {
+		return nil, &identity.CAError{Reason: identity.ReasonLocal, Err: err}
+	}
+	md := metadata.Pairs("authorization", "Bearer "+token)
+	if c.cfg.ClusterID != "" {
+		md.Set(ClusterIDHeader, c.cfg.ClusterID)
+	}
+	req := &pb.IstioCertificateRequest{
+		Csr:              string(csrPEM),
+		ValidityDuration: int64(ttl / time.Second),
+		Metadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+			ImpersonatedIdentityKey: structpb.NewStringValue(id.String()),
+		}},
+	}
+	resp, err := c.client.CreateCertificate(metadata.NewOutgoingContext(ctx, md), req)
+	if err != nil {
+		return nil, &identity.CAError{Reason: reasonOf(err), Err: fmt.Errorf("istiod CreateCertificate: %w", err)}
+	}
+	cert, err := c.parse(id, key, resp.GetCertChain())
+	if err != nil {
+		return nil, err
+	}
+	return cert, nil
+}
+
+func (c *Client) token() (string, error) {
+	if c.cfg.TokenFile == "" {
+		return "", errors.New("no token file configured (--ca-token-file)")
+	}
+	b, err := os.ReadFile(c.cfg.TokenFile)
+	if err != nil {
+		return "", fmt.Errorf("read token: %w", err)
+	}
+	tok := strings.TrimSpace(string(b))
+	if tok == "" {
+		return "", fmt.Errorf("token file %s is empty", c.cfg.TokenFile)
+	}
+	return tok, nil
+}
+
+func makeCSR(id identity.ID) (*ecdsa.PrivateKey, []byte, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, fmt.Errorf("generate key: %w", err)
+	}
+	u, err := url.Parse(id.String())
+	if err != nil {
+		return nil, nil, fmt.Errorf("csr san: %w", err)
+	}
+	der, err := x509.CreateCertificateRequest(rand.Reader, &x509.CertificateRequest{URIs: []*url.URL{u}}, key)
+	if err != nil {
+		return nil, nil, fmt.Errorf("create csr: %w", err)
+	}
+	return key, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}), nil
+}
+
+// parse turns istiod's answer (PEM strings: the leaf, then the chain up to
+// and including the root) into a certificate for id, checked.
+func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*tls.Certificate, error) {
+	bad := func(format string, a ...any) error {
+		return &identity.CAError{Reason: identity.ReasonBadResponse, Err: fmt.Errorf("istiod answer: "+format, a...)}
+	}
+	var certs []*x509.Certificate
+	for i, p := range chainPEM {
+		cs, err := identity.ParseCertificates([]byte(p))
+		if err != nil {
+			return nil, bad("chain entry %d: %w", i, err)
+		}
+		certs = append(certs, cs...)
+	}
+	if len(certs) == 0 {
+		return nil, bad("empty certificate chain")
+	}
+	leaf := certs[0]
+	if pub, ok := key.Public().(*ecdsa.PublicKey); !ok || !pub.Equal(leaf.PublicKey) {
+		return nil, bad("leaf is not for the key of our request")
+	}
+	if len(leaf.URIs) != 1 || leaf.URIs[0].String() != id.String() {
+		var got []string
+		for _, u := range leaf.URIs {
+			got = append(got, u.String())
+		}
+		return nil, &identity.CAError{Reason: identity.ReasonWrongIdentity,
+			Err: fmt.Errorf("%w: asked istiod for %s, leaf carries %v", identity.ErrUnexpectedIdentity, id, got)}
+	}
+	opts := x509.VerifyOptions{
+		Roots:         c.cfg.Trust.Roots(),
+		Intermediates: x509.NewCertPool(),
+		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+	}
+	// Present the leaf and the intermediates; roots (self-signed) stay
+	// out: peers verify against their own bundle, never one we send.
+	out := &tls.Certificate{Certificate: [][]byte{leaf.Raw}, PrivateKey: key, Leaf: leaf}
+	for _, ch := range certs[1:] {
+		if isSelfSigned(ch) {
+			continue
+		}
+		opts.Intermediates.AddCert(ch)
+		out.Certificate = append(out.Certificate, ch.Raw)
+	}
+	if _, err := leaf.Verify(opts); err != nil {
+		return nil, &identity.CAError{Reason: identity.ReasonUntrustedChain,
+			Err: fmt.Errorf("%w: chain from istiod does not verify to the trust bundle: %w", identity.ErrUntrustedPeer, err)}
+	}
+	return out, nil
+}
+
+func isSelfSigned(c *x509.Certificate) bool {
+	return c.IsCA && c.CheckSignatureFrom(c) == nil
+}
+
+// reasonOf maps a gRPC error to a failure reason.
+func reasonOf(err error) string {
+	switch status.Code(err) {
+	case codes.Unauthenticated:
+		return identity.ReasonUnauthenticated
+	case codes.PermissionDenied:
+		return identity.ReasonPermissionDenied
+	case codes.Unavailable:
+		return identity.ReasonUnavailable
+	case codes.DeadlineExceeded, codes.Canceled:
+		return identity.ReasonTimeout
+	default:
+		return identity.ReasonRefused
+	}
+}
