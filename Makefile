@@ -58,6 +58,12 @@ lint:
 test-unit:
 	$(GO) test -count=1 -short $(PKGS)
 
+## test-race: the race detector over the packages with the most concurrency (tunnel, policy, sources, identity)
+RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/...
+.PHONY: test-race
+test-race:
+	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
+
 ## test-deps: build the test kube-apiserver/etcd and the reference CNI plugins (cached by content hash)
 .PHONY: test-deps
 test-deps:
@@ -75,6 +81,7 @@ test: deps lint gen-check build test-deps
 	done
 	@if grep -q -- '--- SKIP' $(BIN)/test.log; then echo "tests were skipped; CI must run every test:"; grep -- '--- SKIP' $(BIN)/test.log; exit 1; fi
 	@echo "tests run: $$(grep -c -- '--- PASS' $(BIN)/test.log) passed, 0 skipped"
+	@echo "== go test -race"; $(MAKE) --no-print-directory test-race
 	cd test/cniplugins && $(GO) vet ./...
 	cd manifests && $(GO) vet ./...
 	cd bench && $(GO) vet ./...
