@@ -99,6 +99,99 @@ static __always_inline int tunnel_owns(struct __sk_buff *skb, struct tcp_pkt *p)
 	return owned;
 }
 
+/* drop_unparsed is the verdict for an IP packet parse_tcp could not
+ * classify (reason is why): dropped when its source or destination is
+ * enrolled, and when not even its addresses could be read; passed otherwise,
+ * as traffic that is not the mesh's. */
+static __always_inline int drop_unparsed(const struct tcp_pkt *p, __u32 reason)
+{
+	static const struct pod_addr none = {};
+
+	if (!p->has_addrs) {
+		count(reason, &none, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (bpf_map_lookup_elem(&rd_pods, &p->src)) {
+		count(reason, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (bpf_map_lookup_elem(&rd_pods, &p->dst)) {
+		count(reason, &p->dst, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	return TC_ACT_UNSPEC;
+}
+
+/* The kernel's TIME_WAIT socket, read through BTF (CO-RE): only the next
+ * sequence number it expects from its peer. */
+struct sock_common {
+	__u32 skc_tw_rcv_nxt;
+} __attribute__((preserve_access_index));
+struct inet_timewait_sock {
+	struct sock_common __tw_common;
+} __attribute__((preserve_access_index));
+struct tcp_timewait_sock {
+	struct inet_timewait_sock tw_sk;
+} __attribute__((preserve_access_index));
+
+/* skb->priority of a SYN that clear_timewait queued again: if its tuple is
+ * still in TIME_WAIT when it comes back, it is dropped rather than looped. A
+ * sender that sets this priority itself only gets its own SYN dropped. */
+#define SYN_REQUEUED_PRIORITY 0x72640001
+
+#define TCP_FLAGS_OFF 12 /* the 16-bit word of data offset and flags */
+#define TCP_SEQ_OFF 4
+#define TCP_CHECK_OFF 16
+
+/* clear_timewait handles a SYN whose own tuple is in TIME_WAIT. Assigning it
+ * to a listener is not enough: the listener's new request socket has the
+ * same tuple, and the kernel refuses to hash it next to the TIME_WAIT entry
+ * (since Linux 6.10 the SYN is then dropped silently), while the kernel's own
+ * TIME_WAIT handling only hands a SYN on to a listener of the original port,
+ * which the tunnel does not have. So, as the TIME_WAIT rules of RFC 1122 and
+ * RFC 6191 allow a new SYN to reopen the tuple:
+ *   - a clone of the SYN is queued to this interface's ingress (it comes back
+ *     to this program after the current packet is done, and is assigned);
+ *   - the packet itself becomes a RST with the sequence number the TIME_WAIT
+ *     socket expects, which the kernel's demux delivers to it, ending it
+ *     (net.ipv4.tcp_rfc1337=0, the default).
+ * Returns 0, or the reason to drop the SYN. */
+static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk)
+{
+	struct tcp_timewait_sock *tw;
+	__u32 prio = skb->priority;
+	__be32 old_seq, new_seq;
+	__be16 old_flags, new_flags;
+	__u8 *fb = (__u8 *)&new_flags;
+
+	if (prio == SYN_REQUEUED_PRIORITY)
+		return REASON_DROP_SYN_TIMEWAIT;
+	tw = bpf_skc_to_tcp_timewait_sock(sk);
+	if (!tw)
+		return REASON_DROP_SYN_TIMEWAIT;
+	new_seq = bpf_htonl(tw->tw_sk.__tw_common.skc_tw_rcv_nxt);
+
+	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_SEQ_OFF, &old_seq, sizeof(old_seq)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &old_flags, sizeof(old_flags)) < 0)
+		return REASON_DROP_SYN_TIMEWAIT;
+	new_flags = old_flags;
+	fb[1] = 0x04; /* RST only: no SYN, no ACK, no ECN bits */
+
+	skb->priority = SYN_REQUEUED_PRIORITY;
+	if (bpf_clone_redirect(skb, skb->ifindex, BPF_F_INGRESS) < 0)
+		return REASON_DROP_SYN_TIMEWAIT;
+	skb->priority = prio;
+
+	/* The checksum field follows the data; the packet's skb->csum, if any,
+	 * stays right because the two changes cancel out. */
+	if (bpf_l4_csum_replace(skb, p->l4_off + TCP_CHECK_OFF, old_seq, new_seq, sizeof(new_seq)) < 0 ||
+	    bpf_l4_csum_replace(skb, p->l4_off + TCP_CHECK_OFF, old_flags, new_flags, sizeof(new_flags)) < 0 ||
+	    bpf_skb_store_bytes(skb, p->l4_off + TCP_SEQ_OFF, &new_seq, sizeof(new_seq), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &new_flags, sizeof(new_flags), 0) < 0)
+		return REASON_DROP_SYN_TIMEWAIT;
+	return 0;
+}
+
 /* steer re-injects an egress packet into the same interface's ingress. The
  * destination MAC becomes the interface's own (else the stack drops it as
  * PACKET_OTHERHOST) and the mark tells ingress and the fwmark rule that the
@@ -143,6 +236,47 @@ static __always_inline int assign_listener(struct __sk_buff *skb, struct tcp_pkt
 	return 0;
 }
 
+/* take_syn hands a new connection's SYN (no ACK) to the tunnel listener on
+ * port, after checking the SYN's own tuple: free, or a listener of the
+ * original port, it is assigned; in TIME_WAIT, clear_timewait reopens it; a
+ * live socket (a request the SYN is a retransmission for, or a connection)
+ * gets the SYN as TCP would without the mesh: pass is the verdict that lets
+ * the kernel deliver it. pod is the address counted. Every SYN not assigned
+ * is counted under its own reason. */
+static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __u16 port, const struct pod_addr *pod,
+				    __u32 assigned, enum counter_field field, int pass)
+{
+	struct bpf_sock *sk = lookup_tcp(skb, p);
+	int reason;
+
+	if (sk) {
+		__u32 state = sk->state;
+
+		if (state == BPF_TCP_TIME_WAIT) {
+			reason = clear_timewait(skb, p, sk);
+			bpf_sk_release(sk);
+			if (reason) {
+				count(reason, pod, CNT_DROPPED);
+				return TC_ACT_SHOT;
+			}
+			count(REASON_IN_SYN_TIMEWAIT, pod, CNT_STEERED);
+			return pass;
+		}
+		bpf_sk_release(sk);
+		if (state != BPF_TCP_LISTEN) {
+			count(REASON_IN_SYN_EXISTING, pod, CNT_BYPASSED);
+			return pass;
+		}
+	}
+	reason = assign_listener(skb, p, port);
+	if (reason) {
+		count(reason, pod, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	count(assigned, pod, field);
+	return TC_ACT_OK;
+}
+
 /* rd_pod_egress: tcx egress of the pod interface (pod -> world).
  *
  * Verdicts:
@@ -153,7 +287,10 @@ static __always_inline int assign_listener(struct __sk_buff *skb, struct tcp_pkt
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
  *                  captured or source-preserved connection);
- *   TC_ACT_SHOT    only if the Ethernet header cannot be rewritten.
+ *   TC_ACT_SHOT    an IP packet from or to an enrolled address that
+ *                  parse_tcp cannot classify (truncated or malformed headers,
+ *                  TCP in fragments, hidden payloads: drop_unparsed), and a
+ *                  packet whose Ethernet header cannot be rewritten.
  *
  * Why egress redirects instead of assigning: bpf_sk_assign only works on
  * ingress, so the packet takes one extra trip through this interface. Only a
@@ -164,9 +301,12 @@ int rd_pod_egress(struct __sk_buff *skb)
 {
 	struct pod_settings *pod;
 	struct tcp_pkt p = {};
+	int ret = parse_tcp(skb, &p);
 
-	if (parse_tcp(skb, &p) < 0)
+	if (ret == PARSE_OTHER)
 		return TC_ACT_UNSPEC;
+	if (ret != PARSE_TCP)
+		return drop_unparsed(&p, ret);
 	pod = bpf_map_lookup_elem(&rd_pods, &p.src);
 	if (!pod)
 		return TC_ACT_UNSPEC;
@@ -195,29 +335,39 @@ int rd_pod_egress(struct __sk_buff *skb)
 /* rd_pod_ingress: tcx ingress of the pod interface (world -> pod, plus the
  * packets rd_pod_egress re-injected).
  *
+ * For every packet: TC_ACT_SHOT for an IP packet from or to an enrolled
+ * address that parse_tcp cannot classify (drop_unparsed).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
  *                  listener; other re-injected packets pass with the mark so
- *                  the fwmark rule delivers them locally to their socket;
- *   TC_ACT_SHOT    when the listener is missing (tunnel down): fail closed.
+ *                  the fwmark rule delivers them locally to their socket, and
+ *                  so do the SYNs take_syn leaves to TCP or turns into the RST
+ *                  that ends a TIME_WAIT socket;
+ *   TC_ACT_SHOT    when the listener is missing (tunnel down), or the SYN's
+ *                  tuple stays in TIME_WAIT: fail closed.
  * Verdicts for packets from the wire to an enrolled pod address:
  *   TC_ACT_SHOT    a source address of this same pod (spoofed: accept_local
  *                  is on for re-injection, so the stack would accept it);
  *   TC_ACT_UNSPEC  to the HBONE port, from the probe SNAT address, inbound
- *                  capture off, or a packet of an existing connection;
+ *                  capture off, a packet of an existing connection, or a SYN
+ *                  take_syn leaves to TCP or turns into a RST;
  *   TC_ACT_OK      after bpf_sk_assign of a new connection (SYN) to the
  *                  inbound plaintext listener;
- *   TC_ACT_SHOT    when that listener is missing: fail closed. */
+ *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
+ *                  tuple is in TIME_WAIT is never passed as is: the kernel
+ *                  would hand it to the app's own listener, in plaintext. */
 SEC("tcx/ingress")
 int rd_pod_ingress(struct __sk_buff *skb)
 {
 	struct pod_settings *pod, *src_pod;
 	struct tcp_pkt p = {};
-	int reason;
+	int ret = parse_tcp(skb, &p);
 
-	if (parse_tcp(skb, &p) < 0)
+	if (ret == PARSE_OTHER)
 		return TC_ACT_UNSPEC;
+	if (ret != PARSE_TCP)
+		return drop_unparsed(&p, ret);
 
 	if ((skb->mark & mark_mask) == reinject_mark) {
 		pod = bpf_map_lookup_elem(&rd_pods, &p.src);
@@ -227,13 +377,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 			count(REASON_IN_PASS_REINJECTED, &p.src, CNT_STEERED);
 			return TC_ACT_OK;
 		}
-		reason = assign_listener(skb, &p, outbound_port);
-		if (reason) {
-			count(reason, &p.src, CNT_DROPPED);
-			return TC_ACT_SHOT;
-		}
-		count(REASON_IN_ASSIGN_OUTBOUND, &p.src, CNT_STEERED);
-		return TC_ACT_OK;
+		return take_syn(skb, &p, outbound_port, &p.src, REASON_IN_ASSIGN_OUTBOUND, CNT_STEERED, TC_ACT_OK);
 	}
 
 	pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
@@ -256,15 +400,9 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		count(REASON_IN_PASS_NO_CAPTURE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
-	if (!(p.syn && !p.ack) || tunnel_owns(skb, &p)) {
+	if (!(p.syn && !p.ack)) {
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}
-	reason = assign_listener(skb, &p, inbound_port);
-	if (reason) {
-		count(reason, &p.dst, CNT_DROPPED);
-		return TC_ACT_SHOT;
-	}
-	count(REASON_IN_ASSIGN_INBOUND, &p.dst, CNT_INBOUND_CONN);
-	return TC_ACT_OK;
+	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC);
 }

@@ -80,7 +80,15 @@ const (
 	CaptureVerdictReasonREASON_DROP_NO_LISTENER     CaptureVerdictReason = 11
 	CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED   CaptureVerdictReason = 12
 	CaptureVerdictReasonREASON_DROP_SPOOFED         CaptureVerdictReason = 13
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 14
+	CaptureVerdictReasonREASON_DROP_TRUNCATED       CaptureVerdictReason = 14
+	CaptureVerdictReasonREASON_DROP_MALFORMED       CaptureVerdictReason = 15
+	CaptureVerdictReasonREASON_DROP_FRAGMENT        CaptureVerdictReason = 16
+	CaptureVerdictReasonREASON_DROP_EXTHDR          CaptureVerdictReason = 17
+	CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT      CaptureVerdictReason = 18
+	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT    CaptureVerdictReason = 19
+	CaptureVerdictReasonREASON_IN_SYN_EXISTING      CaptureVerdictReason = 20
+	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED   CaptureVerdictReason = 21
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 22
 )
 
 // Names of all BPF objects in the ELF.

@@ -84,6 +84,28 @@ static __always_inline int host_socket(struct __sk_buff *skb)
 	return bpf_sk_fullsock(sk) != NULL;
 }
 
+/* spoofed_probe reports (and counts) a packet to an enrolled pod whose
+ * source already is the SNAT address, of any protocol: this program sees
+ * packets before it translates them, so such a packet was not translated
+ * here. It would otherwise pass the pod-side capture as a kubelet probe. */
+static __always_inline int spoofed_probe(struct __sk_buff *skb)
+{
+	struct pod_addr src, dst, snat;
+	__u32 reason = REASON_DROP_PROBE_SPOOFED;
+	__u64 *n;
+	__u8 v6;
+
+	if (read_addrs(skb, &src, &dst, &v6) < 0)
+		return 0;
+	snat_addr(&snat, v6);
+	if (!addr_eq(&src, &snat) || !bpf_map_lookup_elem(&rd_pods, &dst))
+		return 0;
+	n = bpf_map_lookup_elem(&rd_reasons, &reason);
+	if (n)
+		*n += 1;
+	return 1;
+}
+
 /* rd_host_egress: tcx egress of the node-side veth of an enrolled pod
  * (node -> pod: packets the node sends or forwards to the pod).
  *
@@ -99,8 +121,11 @@ static __always_inline int host_socket(struct __sk_buff *skb)
  *       socket: other pods, other nodes), tunnel-marked sockets, connections
  *       the pod opened to the node (the node answers with SYN-ACK, which
  *       never creates an entry), unenrolled pods, IPv6 extension headers;
- *   TC_ACT_SHOT    when the NAT entry cannot be stored (the SYN is retried)
- *                  or a rewrite failed half-way (the packet is corrupt).
+ *   TC_ACT_SHOT    a packet of any protocol to an enrolled pod whose source
+ *                  already is the SNAT address (counted as drop_probe_spoofed:
+ *                  only this program may give a packet that source), a SYN
+ *                  whose NAT entry cannot be stored (the SYN is retried), or
+ *                  a packet whose rewrite failed half-way (it is corrupt).
  *
  * Why only a SYN starts SNAT: it makes the rule apply to connections the node
  * opens, as Istio's nat-table rule does through conntrack, and a connection
@@ -113,6 +138,8 @@ int rd_host_egress(struct __sk_buff *skb)
 	struct nat_entry ent = {};
 	struct pod_addr snat;
 
+	if (spoofed_probe(skb))
+		return TC_ACT_SHOT;
 	if (parse_host_pkt(skb, &p) < 0)
 		return TC_ACT_UNSPEC;
 	key.pod = p.dst;
@@ -133,9 +160,6 @@ int rd_host_egress(struct __sk_buff *skb)
 			count(ent.pod_id, CNT_TUNNEL_MARKED);
 			return TC_ACT_UNSPEC;
 		}
-		/* already from the SNAT address: nothing to translate */
-		if (addr_eq(&p.src, &snat))
-			return TC_ACT_UNSPEC;
 		ent.node = p.src;
 		if (bpf_map_update_elem(&rd_probe_nat, &key, &ent, BPF_ANY) < 0) {
 			count(ent.pod_id, CNT_ERROR);

@@ -53,6 +53,7 @@ const (
 	HostProbeMapRdPods         = "rd_pods"
 	HostProbeMapRdProbeNat     = "rd_probe_nat"
 	HostProbeMapRdProbeStats   = "rd_probe_stats"
+	HostProbeMapRdReasons      = "rd_reasons"
 	HostProbeProgRdHostEgress  = "rd_host_egress"
 	HostProbeProgRdHostIngress = "rd_host_ingress"
 	HostProbeVarMarkMask       = "mark_mask"
@@ -114,6 +115,7 @@ type HostProbeMapSpecs struct {
 	RdPods       *ebpf.MapSpec `ebpf:"rd_pods"`
 	RdProbeNat   *ebpf.MapSpec `ebpf:"rd_probe_nat"`
 	RdProbeStats *ebpf.MapSpec `ebpf:"rd_probe_stats"`
+	RdReasons    *ebpf.MapSpec `ebpf:"rd_reasons"`
 }
 
 // HostProbeVariableSpecs contains global variables before they are loaded into the kernel.
@@ -149,6 +151,7 @@ type HostProbeMaps struct {
 	RdPods       *ebpf.Map `ebpf:"rd_pods"`
 	RdProbeNat   *ebpf.Map `ebpf:"rd_probe_nat"`
 	RdProbeStats *ebpf.Map `ebpf:"rd_probe_stats"`
+	RdReasons    *ebpf.Map `ebpf:"rd_reasons"`
 }
 
 func (m *HostProbeMaps) Close() error {
@@ -156,6 +159,7 @@ func (m *HostProbeMaps) Close() error {
 		m.RdPods,
 		m.RdProbeNat,
 		m.RdProbeStats,
+		m.RdReasons,
 	)
 }
 

@@ -81,6 +81,35 @@ static __always_inline int parse_host_pkt(struct __sk_buff *skb, struct host_pkt
 	return 0;
 }
 
+/* read_addrs reads the source and destination of an IPv4 or IPv6 packet,
+ * whatever it carries (fragments and extension headers included). Returns
+ * -1 for other frames and for packets too short to hold them. */
+static __always_inline int read_addrs(struct __sk_buff *skb, struct pod_addr *src, struct pod_addr *dst, __u8 *v6)
+{
+	__be16 proto;
+
+	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto)) < 0)
+		return -1;
+	if (proto == bpf_htons(ETH_P_IP)) {
+		__be32 a[2];
+
+		if (bpf_skb_load_bytes(skb, IP4_SADDR_OFF, a, sizeof(a)) < 0)
+			return -1;
+		map_v4(src, a[0]);
+		map_v4(dst, a[1]);
+		*v6 = 0;
+		return 0;
+	}
+	if (proto == bpf_htons(ETH_P_IPV6)) {
+		if (bpf_skb_load_bytes(skb, IP6_SADDR_OFF, src->addr, 16) < 0 ||
+		    bpf_skb_load_bytes(skb, IP6_DADDR_OFF, dst->addr, 16) < 0)
+			return -1;
+		*v6 = 1;
+		return 0;
+	}
+	return -1;
+}
+
 /* rewrite_addr replaces the IPv4 or IPv6 address at addr_off (source or
  * destination) with to, fixing the checksums incrementally. Offloads are on
  * for veths, so most packets are CHECKSUM_PARTIAL: the TCP checksum field then

@@ -18,6 +18,16 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } rd_pods SEC(".maps");
 
+/* The reason counters of the pod-side programs (maps.h), shared the same
+ * way: the host programs count their drops there too. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, REASON_SLOTS);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_reasons SEC(".maps");
+
 /* SNATed connections, so replies find the node address back. LRU: bounded,
  * the least recently used connection is forgotten first. The size is set
  * from Go before loading. */

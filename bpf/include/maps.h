@@ -29,7 +29,7 @@ struct {
 /* enum verdict_reason -> per-CPU packet count, over all pods. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, REASON_MAX);
+	__uint(max_entries, REASON_SLOTS);
 	__type(key, __u32);
 	__type(value, __u64);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);

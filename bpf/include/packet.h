@@ -3,9 +3,11 @@
  * the verifier. */
 #pragma once
 
+#include <stddef.h>
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/in.h>
+#include <linux/in6.h>
 #include <linux/ip.h>
 #include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
@@ -14,14 +16,36 @@
 #include <bpf/bpf_helpers.h>
 #include "types.h"
 
-/* A parsed TCP packet: enough to look up pods and sockets. */
+/* How many IPv6 extension headers parse_tcp walks before it gives up. The
+ * kernel itself walks any number, so a longer chain is dropped, not passed.
+ * Eight is far more than any real packet carries (hop-by-hop, destination
+ * options, routing, fragment, AH, destination options: six at most). */
+#define IPV6_MAX_EXTHDRS 8
+
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+#define IP6_MF 0x0001
+#define IP6_OFFSET 0xfff8
+
+/* A parsed packet: the addresses as soon as the IP header is read, and for
+ * TCP enough to look up pods and sockets. */
 struct tcp_pkt {
 	struct pod_addr src;
 	struct pod_addr dst;
 	struct bpf_sock_tuple tuple; /* the packet's own tuple, network order */
+	__u32 l4_off;                /* offset of the TCP header from the frame start */
+	__u8 has_addrs;              /* src and dst are filled in */
 	__u8 syn;
 	__u8 ack;
 	__u8 v6;
+};
+
+/* What parse_tcp found. Anything else it returns is a verdict_reason: the
+ * packet is IP but cannot be classified, and is dropped when it is to or from
+ * an enrolled address. */
+enum parse_result {
+	PARSE_TCP = 0,    /* a whole TCP header, its tuple in p */
+	PARSE_OTHER = -1, /* not IP, or IP whose payload is not TCP: not ours */
 };
 
 static __always_inline void map_v4(struct pod_addr *a, __be32 ip)
@@ -56,59 +80,181 @@ static __always_inline int is_loopback(const struct pod_addr *a)
 	return addr_eq(a, &lo6);
 }
 
-/* parse_tcp fills p from an Ethernet frame carrying IPv4 or IPv6 TCP.
- * Returns 0 on success, -1 for anything else (which the programs pass).
- * IPv6 extension headers are not walked: such packets are passed. */
+/* hides_tcp reports whether an IP protocol number can carry TCP that the
+ * programs cannot see: encryption (ESP) and IP-in-IP or GRE encapsulation,
+ * which a decapsulating device in the pod would deliver past the capture. */
+static __always_inline int hides_tcp(__u8 proto)
+{
+	return proto == IPPROTO_ESP || proto == IPPROTO_IPIP || proto == IPPROTO_IPV6 || proto == IPPROTO_GRE;
+}
+
+/* read_tcp reads the TCP header at off into p. Returns PARSE_TCP or the
+ * reason the header cannot be used. */
+static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __u32 off)
+{
+	struct tcphdr tcp;
+
+	if (bpf_skb_load_bytes(skb, off, &tcp, sizeof(tcp)) < 0)
+		return REASON_DROP_TRUNCATED;
+	if (tcp.doff < 5)
+		return REASON_DROP_MALFORMED;
+	/* the options must be there too, as the kernel requires */
+	if (off + tcp.doff * 4 > skb->len)
+		return REASON_DROP_TRUNCATED;
+	p->l4_off = off;
+	p->syn = tcp.syn;
+	p->ack = tcp.ack;
+	if (p->v6) {
+		p->tuple.ipv6.sport = tcp.source;
+		p->tuple.ipv6.dport = tcp.dest;
+	} else {
+		p->tuple.ipv4.sport = tcp.source;
+		p->tuple.ipv4.dport = tcp.dest;
+	}
+	return PARSE_TCP;
+}
+
+static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p)
+{
+	struct iphdr ip;
+	__u32 off;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+		return REASON_DROP_TRUNCATED;
+	map_v4(&p->src, ip.saddr);
+	map_v4(&p->dst, ip.daddr);
+	p->has_addrs = 1;
+	p->v6 = 0;
+	p->tuple.ipv4.saddr = ip.saddr;
+	p->tuple.ipv4.daddr = ip.daddr;
+	if (ip.version != 4 || ip.ihl < 5)
+		return REASON_DROP_MALFORMED;
+	off = ETH_HLEN + ip.ihl * 4; /* IPv4 options are skipped, not read */
+	if (off > skb->len)
+		return REASON_DROP_TRUNCATED;
+
+	/* Any fragment that may hold TCP: the first holds no complete
+	 * segment and the others no header at all. */
+	if (ip.frag_off & bpf_htons(IP_MF | IP_OFFSET)) {
+		if (ip.protocol == IPPROTO_TCP || ip.protocol == IPPROTO_AH || hides_tcp(ip.protocol))
+			return REASON_DROP_FRAGMENT;
+		return PARSE_OTHER;
+	}
+	if (ip.protocol == IPPROTO_AH) {
+		struct ip_auth_hdr ah;
+
+		if (bpf_skb_load_bytes(skb, off, &ah, sizeof(ah)) < 0)
+			return REASON_DROP_TRUNCATED;
+		if (ah.hdrlen < 1)
+			return REASON_DROP_MALFORMED;
+		off += (ah.hdrlen + 2) * 4;
+		ip.protocol = ah.nexthdr;
+	}
+	if (hides_tcp(ip.protocol))
+		return REASON_DROP_EXTHDR;
+	if (ip.protocol != IPPROTO_TCP)
+		return PARSE_OTHER;
+	return read_tcp(skb, p, off);
+}
+
+/* parse_ipv6 walks the extension header chain the way the kernel's input
+ * path does (hop-by-hop, routing, destination options, fragment, AH) to find
+ * the upper-layer protocol, at most IPV6_MAX_EXTHDRS headers deep. */
+static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p)
+{
+	struct ipv6hdr ip6;
+	__u32 off = ETH_HLEN + sizeof(struct ipv6hdr);
+	__u8 next;
+
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0)
+		return REASON_DROP_TRUNCATED;
+	__builtin_memcpy(p->src.addr, &ip6.saddr, 16);
+	__builtin_memcpy(p->dst.addr, &ip6.daddr, 16);
+	__builtin_memcpy(p->tuple.ipv6.saddr, &ip6.saddr, 16);
+	__builtin_memcpy(p->tuple.ipv6.daddr, &ip6.daddr, 16);
+	p->has_addrs = 1;
+	p->v6 = 1;
+	if (ip6.version != 6)
+		return REASON_DROP_MALFORMED;
+	next = ip6.nexthdr;
+
+	for (int i = 0; i < IPV6_MAX_EXTHDRS; i++) {
+		struct ipv6_opt_hdr h;
+
+		switch (next) {
+		case IPPROTO_TCP:
+			return read_tcp(skb, p, off);
+		case IPPROTO_HOPOPTS:
+		case IPPROTO_ROUTING:
+		case IPPROTO_DSTOPTS:
+			if (bpf_skb_load_bytes(skb, off, &h, sizeof(h)) < 0)
+				return REASON_DROP_TRUNCATED;
+			off += (h.hdrlen + 1) * 8;
+			next = h.nexthdr;
+			break;
+		case IPPROTO_AH:
+			if (bpf_skb_load_bytes(skb, off, &h, sizeof(h)) < 0)
+				return REASON_DROP_TRUNCATED;
+			if (h.hdrlen < 1)
+				return REASON_DROP_MALFORMED;
+			off += (h.hdrlen + 2) * 4;
+			next = h.nexthdr;
+			break;
+		case IPPROTO_FRAGMENT: {
+			struct frag_hdr {
+				__u8 nexthdr;
+				__u8 reserved;
+				__be16 frag_off;
+				__be32 identification;
+			} fh;
+
+			if (bpf_skb_load_bytes(skb, off, &fh, sizeof(fh)) < 0)
+				return REASON_DROP_TRUNCATED;
+			off += sizeof(fh);
+			next = fh.nexthdr;
+			/* An atomic fragment (offset 0, no more) is a whole
+			 * packet: walk on. A real fragment whose payload may
+			 * be TCP cannot be classified. */
+			if (fh.frag_off & bpf_htons(IP6_MF | IP6_OFFSET)) {
+				if (next == IPPROTO_TCP || next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING ||
+				    next == IPPROTO_DSTOPTS || next == IPPROTO_FRAGMENT || next == IPPROTO_AH ||
+				    hides_tcp(next))
+					return REASON_DROP_FRAGMENT;
+				return PARSE_OTHER;
+			}
+			break;
+		}
+		default:
+			if (hides_tcp(next))
+				return REASON_DROP_EXTHDR;
+			/* UDP, ICMPv6, no next header (59), and protocols the
+			 * kernel has no handler for: not TCP. */
+			return PARSE_OTHER;
+		}
+		if (off > skb->len)
+			return REASON_DROP_TRUNCATED;
+	}
+	return REASON_DROP_EXTHDR;
+}
+
+/* parse_tcp fills p from an Ethernet frame. It returns PARSE_TCP for a TCP
+ * packet it can classify, PARSE_OTHER for what is not TCP (non-IP frames,
+ * UDP, ICMP, ...), and otherwise the verdict_reason to drop it with: an IP
+ * packet that may carry TCP but cannot be classified (truncated or malformed
+ * headers, TCP in fragments, a chain too long, a payload it cannot see into).
+ * p->has_addrs says whether the addresses were read. Headers are read with
+ * bpf_skb_load_bytes, so they need not be in the linear part of the skb. */
 static __always_inline int parse_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 {
-	void *data = (void *)(long)skb->data;
-	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
-	struct tcphdr *tcp;
+	__be16 proto;
 
-	if ((void *)(eth + 1) > end)
-		return -1;
-
-	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
-		if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl < 5)
-			return -1;
-		/* fragments other than the first carry no TCP header */
-		if (ip->frag_off & bpf_htons(0x1fff))
-			return -1;
-		tcp = (void *)ip + ip->ihl * 4;
-		if ((void *)(tcp + 1) > end)
-			return -1;
-		map_v4(&p->src, ip->saddr);
-		map_v4(&p->dst, ip->daddr);
-		p->tuple.ipv4.saddr = ip->saddr;
-		p->tuple.ipv4.daddr = ip->daddr;
-		p->tuple.ipv4.sport = tcp->source;
-		p->tuple.ipv4.dport = tcp->dest;
-		p->v6 = 0;
-		/* read flags here, while the verifier still knows tcp's bounds */
-		p->syn = tcp->syn;
-		p->ack = tcp->ack;
-	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
-		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_TCP)
-			return -1;
-		tcp = (void *)(ip6 + 1);
-		if ((void *)(tcp + 1) > end)
-			return -1;
-		__builtin_memcpy(p->src.addr, &ip6->saddr, 16);
-		__builtin_memcpy(p->dst.addr, &ip6->daddr, 16);
-		__builtin_memcpy(p->tuple.ipv6.saddr, &ip6->saddr, 16);
-		__builtin_memcpy(p->tuple.ipv6.daddr, &ip6->daddr, 16);
-		p->tuple.ipv6.sport = tcp->source;
-		p->tuple.ipv6.dport = tcp->dest;
-		p->v6 = 1;
-		p->syn = tcp->syn;
-		p->ack = tcp->ack;
-	} else {
-		return -1;
-	}
-	return 0;
+	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto)) < 0)
+		return PARSE_OTHER;
+	if (proto == bpf_htons(ETH_P_IP))
+		return parse_ipv4(skb, p);
+	if (proto == bpf_htons(ETH_P_IPV6))
+		return parse_ipv6(skb, p);
+	return PARSE_OTHER;
 }
 
 static __always_inline __be16 pkt_dport(const struct tcp_pkt *p)
@@ -125,8 +271,9 @@ static __always_inline void set_dport(struct tcp_pkt *p, __u16 port)
 }
 
 /* lookup_tcp finds the socket the tuple addresses in this namespace, an
- * established one first, else a listener. The size argument must be a
- * constant for the verifier, hence the branch. */
+ * established one first (time-wait and request sockets included), else a
+ * listener. The size argument must be a constant for the verifier, hence the
+ * branch. */
 static __always_inline struct bpf_sock *lookup_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 {
 	if (p->v6)

@@ -48,8 +48,21 @@ enum verdict_reason {
 	REASON_DROP_NO_LISTENER,     /* fail closed: the tunnel listener is missing */
 	REASON_DROP_ASSIGN_FAILED,   /* fail closed: bpf_sk_assign refused */
 	REASON_DROP_SPOOFED,         /* ingress: pod's own source address from the wire */
+	REASON_DROP_TRUNCATED,       /* fail closed: IP packet that ends inside a header it needs */
+	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version) */
+	REASON_DROP_FRAGMENT,        /* fail closed: an IP fragment that may hold TCP */
+	REASON_DROP_EXTHDR,          /* fail closed: IPv6 chain too long, or TCP hidden (ESP, IP-in-IP, GRE) */
+	REASON_IN_SYN_TIMEWAIT,      /* ingress: a SYN's tuple was in TIME_WAIT: reset it, SYN queued again */
+	REASON_DROP_SYN_TIMEWAIT,    /* fail closed: that TIME_WAIT socket could not be cleared */
+	REASON_IN_SYN_EXISTING,      /* ingress: a SYN whose tuple has a live socket, left to TCP (retransmit, challenge ACK) */
+	REASON_DROP_PROBE_SPOOFED,   /* host veth: to a pod from the probe SNAT address, not translated there */
 	REASON_MAX,
 };
+
+/* Slots of the reason array: more than REASON_MAX so that adding a reason
+ * keeps the pinned map compatible across an upgrade. */
+#define REASON_SLOTS 64
+_Static_assert(REASON_MAX <= REASON_SLOTS, "rd_reasons is too small for enum verdict_reason");
 
 #define POD_META_MAX_ADDRS 4
 

@@ -102,6 +102,14 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_NO_LISTENER:     "drop_no_listener",
 	bpf.CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED:   "drop_assign_failed",
 	bpf.CaptureVerdictReasonREASON_DROP_SPOOFED:         "drop_spoofed",
+	bpf.CaptureVerdictReasonREASON_DROP_TRUNCATED:       "drop_truncated",
+	bpf.CaptureVerdictReasonREASON_DROP_MALFORMED:       "drop_malformed",
+	bpf.CaptureVerdictReasonREASON_DROP_FRAGMENT:        "drop_fragment",
+	bpf.CaptureVerdictReasonREASON_DROP_EXTHDR:          "drop_exthdr",
+	bpf.CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT:      "in_syn_timewait",
+	bpf.CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT:    "drop_syn_timewait",
+	bpf.CaptureVerdictReasonREASON_IN_SYN_EXISTING:      "in_syn_existing",
+	bpf.CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED:   "drop_probe_spoofed",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

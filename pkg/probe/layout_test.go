@@ -30,9 +30,10 @@ func TestLayoutMatchesELF(t *testing.T) {
 		typ        ebpf.MapType
 		key, value any
 	}{
-		bpf.HostProbeMapRdPods: {ebpf.Hash, bpf.CapturePodAddr{}, bpf.CapturePodSettings{}},
-		NATMapName:             {ebpf.LRUHash, bpf.HostProbeNatKey{}, bpf.HostProbeNatEntry{}},
-		StatsMapName:           {ebpf.PerCPUHash, uint32(0), bpf.HostProbeSnatCounters{}},
+		bpf.HostProbeMapRdPods:    {ebpf.Hash, bpf.CapturePodAddr{}, bpf.CapturePodSettings{}},
+		NATMapName:                {ebpf.LRUHash, bpf.HostProbeNatKey{}, bpf.HostProbeNatEntry{}},
+		StatsMapName:              {ebpf.PerCPUHash, uint32(0), bpf.HostProbeSnatCounters{}},
+		bpf.HostProbeMapRdReasons: {ebpf.PerCPUArray, uint32(0), uint64(0)},
 	}
 	for name, w := range want {
 		ms, ok := spec.Maps[name]
@@ -58,10 +59,14 @@ func TestLayoutMatchesELF(t *testing.T) {
 			t.Errorf("map %s has no check here", name)
 		}
 	}
-	mine, theirs := spec.Maps[bpf.HostProbeMapRdPods], capture.Maps[bpf.CaptureMapRdPods]
-	if mine.Type != theirs.Type || mine.KeySize != theirs.KeySize || mine.ValueSize != theirs.ValueSize ||
-		mine.MaxEntries != theirs.MaxEntries || mine.Flags != theirs.Flags || mine.Pinning != theirs.Pinning {
-		t.Errorf("rd_pods differs between the objects:\nhost probe %+v\ncapture    %+v", mine, theirs)
+	// The maps both objects declare must agree, or loading the second would
+	// refuse the pinned map of the first.
+	for _, name := range []string{bpf.CaptureMapRdPods, bpf.CaptureMapRdReasons} {
+		mine, theirs := spec.Maps[name], capture.Maps[name]
+		if mine.Type != theirs.Type || mine.KeySize != theirs.KeySize || mine.ValueSize != theirs.ValueSize ||
+			mine.MaxEntries != theirs.MaxEntries || mine.Flags != theirs.Flags || mine.Pinning != theirs.Pinning {
+			t.Errorf("%s differs between the objects:\nhost probe %+v\ncapture    %+v", name, mine, theirs)
+		}
 	}
 	for name := range spec.Programs {
 		if len(name) > 15 || !strings.HasPrefix(name, "rd_") {

@@ -1,0 +1,434 @@
+package bpf
+
+import (
+	"encoding/binary"
+	"net/netip"
+	"os"
+	"runtime"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// The programs' verdicts (linux/pkt_cls.h) as BPF_PROG_TEST_RUN returns them.
+const (
+	actUnspec   = ^uint32(0) // TC_ACT_UNSPEC (-1)
+	actOK       = 0
+	actShot     = 2
+	actRedirect = 7
+	noReason    = CaptureVerdictReasonREASON_MAX // the case counts no reason
+)
+
+var (
+	pod4   = netip.MustParseAddr("10.9.0.2")
+	pod6   = netip.MustParseAddr("fd00:9::2")
+	peer4  = netip.MustParseAddr("10.9.1.2")
+	peer6  = netip.MustParseAddr("fd00:9:1::2")
+	other4 = netip.MustParseAddr("10.9.2.2") // not enrolled
+	other6 = netip.MustParseAddr("fd00:9:2::2")
+	snat4  = netip.MustParseAddr("169.254.7.127")
+	snat6  = netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")
+)
+
+// IP protocol numbers and TCP flags the table uses.
+const (
+	pHop, pTCP, pUDP, pIPIP, pIPv6, pRouting, pFrag, pGRE, pESP, pAH, pICMP6, pNone, pDst = 0, 6, 17, 4, 41, 43, 44, 47, 50, 51, 58, 59, 60
+	fSYN, fRST, fACK                                                                      = 0x02, 0x04, 0x10
+)
+
+// tcpHdr is a TCP header: ports, flags and opts (padded to 4 bytes).
+func tcpHdr(sport, dport uint16, flags byte, opts ...byte) []byte {
+	for len(opts)%4 != 0 {
+		opts = append(opts, 1) // NOP
+	}
+	h := make([]byte, 20, 20+len(opts))
+	binary.BigEndian.PutUint16(h[0:], sport)
+	binary.BigEndian.PutUint16(h[2:], dport)
+	binary.BigEndian.PutUint32(h[4:], 1000)
+	h[12] = byte((20+len(opts))/4) << 4
+	h[13] = flags
+	binary.BigEndian.PutUint16(h[14:], 65535)
+	return append(h, opts...)
+}
+
+func syn(dport uint16) []byte { return tcpHdr(40000, dport, fSYN) }
+
+var synOpts = []byte{2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7} // MSS, SACK_PERM, TS, NOP, WS
+
+func frame(proto uint16, l3 []byte) []byte {
+	f := make([]byte, 14, 14+len(l3))
+	copy(f[0:], []byte{2, 0, 0, 0, 0, 1})
+	copy(f[6:], []byte{2, 0, 0, 0, 0, 2})
+	binary.BigEndian.PutUint16(f[12:], proto)
+	return append(f, l3...)
+}
+
+// ip4 is an IPv4 frame; opts are IPv4 options (padded), fragOff the raw
+// flags+offset field.
+func ip4(src, dst netip.Addr, proto byte, fragOff uint16, payload []byte, opts ...byte) []byte {
+	for len(opts)%4 != 0 {
+		opts = append(opts, 0)
+	}
+	h := make([]byte, 20, 20+len(opts)+len(payload))
+	h[0] = 0x40 | byte((20+len(opts))/4)
+	binary.BigEndian.PutUint16(h[2:], uint16(20+len(opts)+len(payload)))
+	binary.BigEndian.PutUint16(h[6:], fragOff)
+	h[8] = 64
+	h[9] = proto
+	s, d := src.As4(), dst.As4()
+	copy(h[12:], s[:])
+	copy(h[16:], d[:])
+	h = append(h, opts...)
+	return frame(unix.ETH_P_IP, append(h, payload...))
+}
+
+// ext is one IPv6 extension header (or any header in a chain): its own
+// protocol number and its bytes after the next-header byte, which ip6 fills.
+type ext struct {
+	proto byte
+	body  []byte
+}
+
+// opts is a hop-by-hop or destination options header of 8*(n+1) bytes.
+func opts(proto byte, n int) ext {
+	b := make([]byte, 7+8*n)
+	b[0] = byte(n)
+	b[1], b[2] = 1, byte(len(b)-3) // PadN over the rest
+	return ext{proto, b}
+}
+
+func routing() ext { return ext{pRouting, []byte{0, 0, 0, 0, 0, 0, 0}} } // type 0, no segments left
+func frag(off uint16, more bool) ext {
+	v := off << 3
+	if more {
+		v |= 1
+	}
+	return ext{pFrag, []byte{0, byte(v >> 8), byte(v), 0, 0, 0x42, 0x42}}
+}
+
+// ah is an authentication header of 16 bytes (length field 2: 4-byte units
+// minus 2) with a 4-byte ICV.
+func ah() ext { return ext{pAH, []byte{2, 0, 0, 0, 0, 0x10, 0, 0, 0, 0, 1, 0, 0, 0, 0}} }
+
+// ip6 is an IPv6 frame: the chain of headers, then the upper-layer payload
+// of protocol last.
+func ip6(src, dst netip.Addr, chain []ext, last byte, payload []byte) []byte {
+	var body []byte
+	for i, e := range chain {
+		next := last
+		if i+1 < len(chain) {
+			next = chain[i+1].proto
+		}
+		body = append(body, next)
+		body = append(body, e.body...)
+	}
+	body = append(body, payload...)
+	h := make([]byte, 40, 40+len(body))
+	h[0] = 0x60
+	binary.BigEndian.PutUint16(h[4:], uint16(len(body)))
+	h[6] = last
+	if len(chain) > 0 {
+		h[6] = chain[0].proto
+	}
+	h[7] = 64
+	s, d := src.As16(), dst.As16()
+	copy(h[8:], s[:])
+	copy(h[24:], d[:])
+	return frame(unix.ETH_P_IPV6, append(h, body...))
+}
+
+func repeat(e ext, n int) []ext {
+	out := make([]ext, n)
+	for i := range out {
+		out[i] = e
+	}
+	return out
+}
+
+// skbCtx is the start of struct __sk_buff up to priority: the fields
+// BPF_PROG_TEST_RUN lets a caller set before mark and priority are zero.
+type skbCtx struct {
+	Len, PktType, Mark, QueueMapping, Protocol, VlanPresent, VlanTCI, VlanProto, Priority uint32
+}
+
+type progCase struct {
+	name   string
+	mark   uint32
+	pkt    []byte
+	want   uint32
+	reason CaptureVerdictReason
+}
+
+// inNewNetNS runs f on a thread of its own in a fresh network namespace, so
+// the programs' socket lookups see no socket but the test's; the thread is
+// thrown away afterwards.
+func inNewNetNS(t *testing.T, f func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		runtime.LockOSThread() // never unlocked: the thread dies with its namespace
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			t.Errorf("unshare netns: %v", err)
+			return
+		}
+		f()
+	}()
+	<-done
+}
+
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("BPF_PROG_TEST_RUN needs root; CI runs this as root")
+	}
+}
+
+func unpinned(t *testing.T, spec *ebpf.CollectionSpec) {
+	t.Helper()
+	for _, m := range spec.Maps {
+		m.Pinning = ebpf.PinNone
+	}
+}
+
+func enroll(t *testing.T, m *ebpf.Map, id uint32, addrs ...netip.Addr) {
+	t.Helper()
+	for _, a := range addrs {
+		k := CapturePodAddr{Addr: a.As16()} // IPv4-mapped for IPv4
+		v := CapturePodSettings{Flags: uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND | CapturePodFlagPOD_CAPTURE_INBOUND), PodId: id}
+		if err := m.Put(&k, &v); err != nil {
+			t.Fatalf("enroll %s: %v", a, err)
+		}
+	}
+}
+
+func reasonCounts(t *testing.T, m *ebpf.Map) []uint64 {
+	t.Helper()
+	out := make([]uint64, CaptureVerdictReasonREASON_MAX)
+	for r := range out {
+		var per []uint64
+		if err := m.Lookup(uint32(r), &per); err != nil {
+			t.Fatalf("read reason %d: %v", r, err)
+		}
+		for _, v := range per {
+			out[r] += v
+		}
+	}
+	return out
+}
+
+// runTable runs each case once through prog and checks its verdict and that
+// exactly its reason (or none) was counted.
+func runTable(t *testing.T, prog *ebpf.Program, reasons *ebpf.Map, cases []progCase) {
+	t.Helper()
+	inNewNetNS(t, func() {
+		for _, c := range cases {
+			before := reasonCounts(t, reasons)
+			got, err := prog.Run(&ebpf.RunOptions{Data: c.pkt, Context: skbCtx{Mark: c.mark}})
+			if err != nil {
+				t.Errorf("%s: run: %v", c.name, err)
+				continue
+			}
+			if got != c.want {
+				t.Errorf("%s: verdict %d, want %d", c.name, int32(got), int32(c.want))
+			}
+			after := reasonCounts(t, reasons)
+			for r := range after {
+				d := after[r] - before[r]
+				want := uint64(0)
+				if CaptureVerdictReason(r) == c.reason {
+					want = 1
+				}
+				if d != want {
+					t.Errorf("%s: reason %d counted %d times, want %d", c.name, r, d, want)
+				}
+			}
+		}
+	})
+}
+
+func TestCaptureIngressTable(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	const (
+		app, hbone = 8080, 15008
+		reinject   = 0x111
+	)
+	tcpSyn := syn(app)
+	shortTCP := syn(app)[:10]
+	badOff := tcpHdr(40000, app, fSYN)
+	badOff[12] = 4 << 4
+	longOff := tcpHdr(40000, app, fSYN)
+	longOff[12] = 15 << 4
+	ipOpts := []byte{1, 1, 1, 0} // NOP NOP NOP EOL
+	v4ah := append([]byte{pTCP, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1}, tcpSyn...)
+
+	cases := []progCase{
+		// IPv4, classified: a new SYN reaches the listener step (none is
+		// open in the test's namespace, so it fails closed there).
+		{"v4 syn", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 syn with tcp options", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, app, fSYN, synOpts...)), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 syn with ip options", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn, ipOpts...), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 syn with 40 bytes of ip options", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn, make([]byte, 40)...), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 syn with DF", 0, ip4(peer4, pod4, pTCP, 0x4000, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 syn behind AH", 0, ip4(peer4, pod4, pAH, 0, v4ah), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v4 ack", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, app, fACK)), actUnspec, noReason},
+		{"v4 syn-ack", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, app, fSYN|fACK)), actUnspec, noReason},
+		{"v4 syn to hbone", 0, ip4(peer4, pod4, pTCP, 0, syn(hbone)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+		{"v4 syn from probe address", 0, ip4(snat4, pod4, pTCP, 0, tcpSyn), actUnspec, CaptureVerdictReasonREASON_IN_PASS_PROBE},
+		{"v4 syn from own address", 0, ip4(pod4, pod4, pTCP, 0, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_SPOOFED},
+		{"v4 syn between others", 0, ip4(peer4, other4, pTCP, 0, tcpSyn), actUnspec, noReason},
+		// IPv4 that cannot be classified. (A frame too short for the IP
+		// header itself is dropped as drop_truncated too, but
+		// BPF_PROG_TEST_RUN refuses to run such a frame.)
+		{"v4 ihl 4", 0, func() []byte { f := ip4(peer4, pod4, pTCP, 0, tcpSyn); f[14] = 0x44; return f }(), actShot, CaptureVerdictReasonREASON_DROP_MALFORMED},
+		{"v4 version 6 in ipv4 frame", 0, func() []byte { f := ip4(peer4, pod4, pTCP, 0, tcpSyn); f[14] = 0x65; return f }(), actShot, CaptureVerdictReasonREASON_DROP_MALFORMED},
+		{"v4 ihl past the end", 0, func() []byte { f := ip4(peer4, pod4, pTCP, 0, nil); f[14] = 0x4f; return f }(), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v4 truncated tcp", 0, ip4(peer4, pod4, pTCP, 0, shortTCP), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v4 tcp offset 4", 0, ip4(peer4, pod4, pTCP, 0, badOff), actShot, CaptureVerdictReasonREASON_DROP_MALFORMED},
+		{"v4 tcp options past the end", 0, ip4(peer4, pod4, pTCP, 0, longOff), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v4 first fragment, whole tcp header", 0, ip4(peer4, pod4, pTCP, 0x2000, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 first fragment, 8 bytes of tcp", 0, ip4(peer4, pod4, pTCP, 0x2000, tcpSyn[:8]), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 last fragment", 0, ip4(peer4, pod4, pTCP, 1, tcpSyn[8:]), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 middle fragment", 0, ip4(peer4, pod4, pTCP, 0x2000|3, make([]byte, 24)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 AH fragment", 0, ip4(peer4, pod4, pAH, 0x2000, v4ah), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 fragment between others", 0, ip4(peer4, other4, pTCP, 1, tcpSyn), actUnspec, noReason},
+		{"v4 ESP", 0, ip4(peer4, pod4, pESP, 0, make([]byte, 32)), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v4 IP-in-IP", 0, ip4(peer4, pod4, pIPIP, 0, ip4(peer4, pod4, pTCP, 0, tcpSyn)[14:]), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v4 GRE", 0, ip4(peer4, pod4, pGRE, 0, make([]byte, 24)), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v4 udp", 0, ip4(peer4, pod4, pUDP, 0, make([]byte, 8)), actUnspec, noReason},
+		{"v4 udp fragment", 0, ip4(peer4, pod4, pUDP, 1, make([]byte, 8)), actUnspec, noReason},
+		{"v4 icmp", 0, ip4(peer4, pod4, 1, 0, make([]byte, 8)), actUnspec, noReason},
+		// IPv6, classified through every extension header kind.
+		{"v6 syn", 0, ip6(peer6, pod6, nil, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 syn with tcp options", 0, ip6(peer6, pod6, nil, pTCP, tcpHdr(40000, app, fSYN, synOpts...)), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 hop-by-hop syn", 0, ip6(peer6, pod6, []ext{opts(pHop, 0)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 destination options syn", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 long destination options syn", 0, ip6(peer6, pod6, []ext{opts(pDst, 30)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 routing syn", 0, ip6(peer6, pod6, []ext{routing()}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 atomic fragment syn", 0, ip6(peer6, pod6, []ext{frag(0, false)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 AH syn", 0, ip6(peer6, pod6, []ext{ah()}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 chain of five syn", 0, ip6(peer6, pod6, []ext{opts(pHop, 0), opts(pDst, 1), routing(), ah(), opts(pDst, 0)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 chain of seven syn", 0, ip6(peer6, pod6, repeat(opts(pDst, 0), 7), pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"v6 destination options ack", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpHdr(40000, app, fACK)), actUnspec, noReason},
+		{"v6 destination options syn to hbone", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, syn(hbone)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+		{"v6 destination options syn between others", 0, ip6(peer6, other6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actUnspec, noReason},
+		// IPv6 that cannot be classified.
+		{"v6 chain of nine", 0, ip6(peer6, pod6, repeat(opts(pDst, 0), 9), pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v6 first fragment", 0, ip6(peer6, pod6, []ext{frag(0, true)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 last fragment", 0, ip6(peer6, pod6, []ext{frag(8, false)}, pTCP, make([]byte, 16)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 fragment of destination options", 0, ip6(peer6, pod6, []ext{frag(0, true)}, pDst, make([]byte, 16)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 fragment after hop-by-hop", 0, ip6(peer6, pod6, []ext{opts(pHop, 0), frag(16, true)}, pTCP, make([]byte, 16)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 fragment between others", 0, ip6(peer6, other6, []ext{frag(8, false)}, pTCP, make([]byte, 16)), actUnspec, noReason},
+		{"v6 ESP", 0, ip6(peer6, pod6, nil, pESP, make([]byte, 32)), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v6 ESP after destination options", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pESP, make([]byte, 32)), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v6 IPv6-in-IPv6", 0, ip6(peer6, pod6, nil, pIPv6, ip6(peer6, pod6, nil, pTCP, tcpSyn)[14:]), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v6 extension header past the end", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, nil)[:14+40+4], actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v6 extension header length past the end", 0, func() []byte {
+			f := ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, nil)
+			f[14+40+1] = 200
+			return f
+		}(), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v6 truncated tcp after hop-by-hop", 0, ip6(peer6, pod6, []ext{opts(pHop, 0)}, pTCP, shortTCP), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v6 tcp offset 4", 0, ip6(peer6, pod6, nil, pTCP, badOff), actShot, CaptureVerdictReasonREASON_DROP_MALFORMED},
+		{"v6 no next header", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pNone, nil), actUnspec, noReason},
+		{"v6 udp after destination options", 0, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v6 udp fragment", 0, ip6(peer6, pod6, []ext{frag(8, true)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v6 icmp", 0, ip6(peer6, pod6, nil, pICMP6, make([]byte, 8)), actUnspec, noReason},
+		{"arp", 0, frame(unix.ETH_P_ARP, make([]byte, 28)), actUnspec, noReason},
+		{"short frame", 0, []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}, actUnspec, noReason},
+		// Re-injected by the egress program.
+		{"reinjected v4 syn", reinject, ip4(pod4, peer4, pTCP, 0, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"reinjected v6 syn with destination options", reinject, ip6(pod6, peer6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+		{"reinjected v4 ack", reinject, ip4(pod4, peer4, pTCP, 0, tcpHdr(40000, app, fACK)), actOK, CaptureVerdictReasonREASON_IN_PASS_REINJECTED},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, cases)
+}
+
+func TestCaptureEgressTable(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	const (
+		app        = 8080
+		tunnelMark = 0x539
+	)
+	tcpSyn := syn(app)
+	cases := []progCase{
+		{"v4 syn", 0, ip4(pod4, peer4, pTCP, 0, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v4 syn with ip and tcp options", 0, ip4(pod4, peer4, pTCP, 0, tcpHdr(40000, app, fSYN, synOpts...), 1, 1, 1, 0), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 syn", 0, ip6(pod6, peer6, nil, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 destination options syn", 0, ip6(pod6, peer6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 hop-by-hop syn", 0, ip6(pod6, peer6, []ext{opts(pHop, 0)}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 routing and destination options syn", 0, ip6(pod6, peer6, []ext{opts(pDst, 0), routing()}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 AH syn", 0, ip6(pod6, peer6, []ext{ah()}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v4 syn from the tunnel", tunnelMark, ip4(pod4, peer4, pTCP, 0, tcpSyn), actUnspec, CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK},
+		{"v4 syn to the probe address", 0, ip4(pod4, snat4, pTCP, 0, tcpSyn), actUnspec, CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED},
+		{"v4 ack without a tunnel socket", 0, ip4(pod4, peer4, pTCP, 0, tcpHdr(40000, app, fACK)), actUnspec, noReason},
+		{"v4 first fragment", 0, ip4(pod4, peer4, pTCP, 0x2000, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 last fragment", 0, ip4(pod4, peer4, pTCP, 2, make([]byte, 8)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v4 fragment to a pod from elsewhere", 0, ip4(other4, pod4, pTCP, 2, make([]byte, 8)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 first fragment", 0, ip6(pod6, peer6, []ext{frag(0, true)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 last fragment", 0, ip6(pod6, peer6, []ext{frag(8, false)}, pTCP, make([]byte, 8)), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 chain of nine", 0, ip6(pod6, peer6, repeat(opts(pDst, 0), 9), pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v6 ESP", 0, ip6(pod6, peer6, nil, pESP, make([]byte, 16)), actShot, CaptureVerdictReasonREASON_DROP_EXTHDR},
+		{"v4 truncated tcp", 0, ip4(pod4, peer4, pTCP, 0, tcpSyn[:12]), actShot, CaptureVerdictReasonREASON_DROP_TRUNCATED},
+		{"v4 udp", 0, ip4(pod4, peer4, pUDP, 0, make([]byte, 8)), actUnspec, noReason},
+		{"v4 udp fragment", 0, ip4(pod4, peer4, pUDP, 0x2000, make([]byte, 8)), actUnspec, noReason},
+		{"v6 udp fragment", 0, ip6(pod6, peer6, []ext{frag(0, true)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v4 syn from an unenrolled address", 0, ip4(other4, peer4, pTCP, 0, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, cases)
+}
+
+func loadCapture(t *testing.T) *CaptureObjects {
+	t.Helper()
+	spec, err := LoadCapture()
+	if err != nil {
+		t.Fatal(err)
+	}
+	unpinned(t, spec)
+	var objs CaptureObjects
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		t.Fatalf("load capture programs: %v", err)
+	}
+	t.Cleanup(func() { objs.Close() })
+	enroll(t, objs.RdPods, 1, pod4, pod6)
+	return &objs
+}
+
+// TestHostProbeSpoofedSource: the host-veth program drops packets towards a
+// pod whose source already is the probe SNAT address, of any protocol, and
+// leaves everything else to the rest of the path.
+func TestHostProbeSpoofedSource(t *testing.T) {
+	needRoot(t)
+	spec, err := LoadHostProbe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	unpinned(t, spec)
+	var objs HostProbeObjects
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		t.Fatalf("load host-probe programs: %v", err)
+	}
+	t.Cleanup(func() { objs.Close() })
+	enroll(t, objs.RdPods, 1, pod4, pod6)
+	spoofed := CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED
+	tcpSyn := syn(8080)
+	egress := []progCase{
+		{"v4 syn from the probe address", 0, ip4(snat4, pod4, pTCP, 0, tcpSyn), actShot, spoofed},
+		{"v4 ack from the probe address", 0, ip4(snat4, pod4, pTCP, 0, tcpHdr(40000, 8080, fACK)), actShot, spoofed},
+		{"v4 udp from the probe address", 0, ip4(snat4, pod4, pUDP, 0, make([]byte, 8)), actShot, spoofed},
+		{"v4 fragment from the probe address", 0, ip4(snat4, pod4, pTCP, 1, make([]byte, 8)), actShot, spoofed},
+		{"v6 syn from the probe address", 0, ip6(snat6, pod6, nil, pTCP, tcpSyn), actShot, spoofed},
+		{"v6 syn with destination options from the probe address", 0, ip6(snat6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actShot, spoofed},
+		{"v4 syn from the probe address to an unenrolled pod", 0, ip4(snat4, other4, pTCP, 0, tcpSyn), actUnspec, noReason},
+		{"v4 syn from elsewhere, no local socket", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn), actUnspec, noReason},
+		{"v6 syn from elsewhere", 0, ip6(peer6, pod6, nil, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdHostEgress, objs.RdReasons, egress)
+	ingress := []progCase{
+		{"v4 reply to the probe address without a NAT entry", 0, ip4(pod4, snat4, pTCP, 0, tcpHdr(8080, 40000, fSYN|fACK)), actUnspec, noReason},
+	}
+	runTable(t, objs.RdHostIngress, objs.RdReasons, ingress)
+}
