@@ -210,6 +210,13 @@ type conn struct {
 	ctlWake chan struct{}
 	done    chan struct{}
 
+	// peerClosed holds the last streams the peer ended (END_STREAM or
+	// RST_STREAM) that are gone from streams, so DATA on them is known to
+	// break the protocol (STREAM_CLOSED) rather than be in flight when we
+	// closed them. Guarded by mu.
+	peerClosed     [16]uint32
+	peerClosedNext int
+
 	// Reader-owned.
 	rchunks     []chunk // reused by readChunks
 	earlyResets budget  // server: resets of streams not yet answered
@@ -427,12 +434,32 @@ func (c *conn) onFrame(f http2.Frame) error {
 	case *http2.PushPromiseFrame:
 		// We never enable push, and a client cannot push.
 		return http2.ConnectionError(http2.ErrCodeProtocol)
+	case *http2.PriorityFrame:
+		if err := c.spendJunk("PRIORITY"); err != nil {
+			return err
+		}
+		if f.StreamDep == f.StreamID { // depends on itself (§5.3.1)
+			c.queue(ctlFrame{typ: http2.FrameRSTStream, id: f.StreamID, val: uint32(http2.ErrCodeProtocol)})
+		}
 	default:
-		// PRIORITY, unknown and other frames are ignored (RFC 9113 §5.5),
-		// within the junk budget.
+		// Unknown frames are ignored (RFC 9113 §5.5), within the junk
+		// budget.
 		return c.spendJunk(f.Header().Type.String())
 	}
 	return nil
+}
+
+// peerClosedRecently reports whether id is one of the last streams the
+// peer ended that are gone.
+func (c *conn) peerClosedRecently(id uint32) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, pid := range c.peerClosed {
+		if pid == id {
+			return true
+		}
+	}
+	return false
 }
 
 // spendJunk takes a frame that costs work and carries nothing from the
@@ -495,9 +522,19 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 	}
 	if s == nil {
 		// A stream we already closed or reset: drop the data, but give the
-		// connection window back.
+		// connection window back. If the peer had ended the stream itself,
+		// it must not send more (RFC 9113 §5.1): STREAM_CLOSED.
 		c.credit(0, 0, n)
-		return c.skip(payload)
+		if err := c.skip(payload); err != nil {
+			return err
+		}
+		if c.peerClosedRecently(id) {
+			if err := c.spendJunk("DATA on closed streams"); err != nil {
+				return err
+			}
+			return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
+		}
+		return nil
 	}
 	if payload-pad < directReadMin {
 		// Small payloads go through a pooled scratch buffer and are packed
@@ -572,6 +609,10 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if id%2 == 0 || id <= c.lastPeerID {
 		c.mu.Unlock()
 		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
+	if f.HasPriority() && f.Priority.StreamDep == id {
+		c.mu.Unlock()
+		return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol} // depends on itself (§5.3.1)
 	}
 	c.lastPeerID = id
 	if c.goAway || uint32(c.active) >= c.cfg.maxStreams {
@@ -676,10 +717,17 @@ func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	c.mu.Lock()
 	s := c.streams[f.StreamID]
+	idle := s == nil && c.idleStreamLocked(f.StreamID)
 	c.mu.Unlock()
+	if idle {
+		return http2.ConnectionError(http2.ErrCodeProtocol) // RFC 9113 §6.4
+	}
 	if s == nil {
 		return c.spendJunk("RST_STREAM for closed streams")
 	}
+	s.mu.Lock()
+	s.peerReset = true
+	s.mu.Unlock()
 	var err error = &ResetError{Code: f.ErrCode, Remote: true}
 	if f.ErrCode == http2.ErrCodeRefusedStream {
 		err = fmt.Errorf("%w: %w", errRetry, err)
@@ -937,12 +985,19 @@ func (c *conn) releaseLocked() (closeNow bool) {
 
 // forget removes a finished stream from the conn.
 func (c *conn) forget(s *Stream) {
+	s.mu.Lock()
+	peerEnded := s.remoteEnded || s.peerReset
+	s.mu.Unlock()
 	c.mu.Lock()
 	if c.streams[s.id] != s {
 		c.mu.Unlock()
 		return
 	}
 	delete(c.streams, s.id)
+	if peerEnded {
+		c.peerClosed[c.peerClosedNext] = s.id
+		c.peerClosedNext = (c.peerClosedNext + 1) % len(c.peerClosed)
+	}
 	closeNow := c.releaseLocked()
 	c.mu.Unlock()
 	if closeNow {

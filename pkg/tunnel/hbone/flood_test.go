@@ -285,13 +285,14 @@ func TestResetCancelsHandlerContext(t *testing.T) {
 // handlers queue, up to 4 times the limit; more is GOAWAY
 // ENHANCE_YOUR_CALM, even with the early-reset budget out of the way.
 func TestHandlerQueueFull(t *testing.T) {
-	release := make(chan struct{})
+	release, running := make(chan struct{}), make(chan struct{}, 10)
 	t.Cleanup(func() { close(release) })
 	srv, err := NewServer(ServerOptions{
 		TLSConfig:            mustServerTLS(),
 		MaxConcurrentStreams: 1,
 		MaxEarlyResets:       1 << 20,
 		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			running <- struct{}{}
 			<-release
 			return Response{Status: 403}
 		},
@@ -301,7 +302,17 @@ func TestHandlerQueueFull(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = srv.Close() })
 	rc := newRawClient(t, srv)
-	for id := uint32(1); id <= 11; id += 2 { // 1 running, 4 queued, the 6th is too many
+	// Stream 1's handler holds the one handler slot after its reset;
+	// 3..9 queue behind it and are reset too (they stay queued until the
+	// slot frees); 11 is too many.
+	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	<-running
+	if err := rc.fr.WriteRSTStream(1, http2.ErrCodeCancel); err != nil {
+		t.Fatal(err)
+	}
+	for id := uint32(3); id <= 11; id += 2 {
 		if rc.connect(id, "10.0.0.1:80") != nil || rc.fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
 			break
 		}

@@ -386,8 +386,9 @@ func TestParseRequest(t *testing.T) {
 		{"ok", f(":method", "CONNECT", ":authority", "10.1.2.3:8080"), 0, "10.1.2.3:8080"},
 		{"ok ipv6", f(":method", "CONNECT", ":authority", "[fd00::2]:80"), 0, "[fd00::2]:80"},
 		{"v4-mapped is unmapped", f(":method", "CONNECT", ":authority", "[::ffff:10.0.0.1]:80"), 0, "10.0.0.1:80"},
-		{"no method", f(":authority", "10.1.2.3:8080"), 405, ""},
-		{"post", f(":method", "POST", ":authority", "10.1.2.3:8080"), 405, ""},
+		{"no method", f(":authority", "10.1.2.3:8080"), 400, ""},
+		{"post without path", f(":method", "POST", ":authority", "10.1.2.3:8080"), 400, ""},
+		{"post", f(":method", "POST", ":scheme", "https", ":path", "/", ":authority", "10.1.2.3:8080"), 405, ""},
 		{"no authority", f(":method", "CONNECT"), 400, ""},
 		{"hostname", f(":method", "CONNECT", ":authority", "svc:80"), 400, ""},
 		{"zone", f(":method", "CONNECT", ":authority", "[fe80::1%eth0]:80"), 400, ""},
@@ -397,7 +398,7 @@ func TestParseRequest(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			req, status, reason := parseRequest(tc.fields, false)
+			req, status, reason, _ := parseRequest(tc.fields, false)
 			if status != tc.status {
 				t.Fatalf("status = %d (%s), want %d", status, reason, tc.status)
 			}
@@ -409,7 +410,7 @@ func TestParseRequest(t *testing.T) {
 			}
 		})
 	}
-	if _, status, _ := parseRequest(f(":method", "CONNECT", ":authority", "10.0.0.1:80"), true); status != 431 {
+	if _, status, _, _ := parseRequest(f(":method", "CONNECT", ":authority", "10.0.0.1:80"), true); status != 431 {
 		t.Errorf("truncated headers: status %d, want 431", status)
 	}
 }

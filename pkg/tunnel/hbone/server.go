@@ -417,11 +417,15 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	if s.ctx.Err() != nil {
 		return // reset before its handler ran: nothing to answer, nothing to dial
 	}
-	req, status, reason := parseRequest(fields, truncated)
+	req, status, reason, malformed := parseRequest(fields, truncated)
 	if status != 0 {
 		srv.stats.streamsBadRequest.Add(1)
 		srv.log.Debug("hbone request rejected", "remote", c.nc.RemoteAddr(), "status", status, "reason", reason)
-		s.refuse(status, reason)
+		if malformed {
+			s.refuseMalformed(status, reason)
+		} else {
+			s.refuse(status, reason)
+		}
 		return
 	}
 	req.TLS = c.tlsState
@@ -479,6 +483,16 @@ func (s *Stream) refuse(status int, reason string) {
 	s.closeWithCode(http2.ErrCodeNo)
 }
 
+// refuseMalformed answers a malformed request (RFC 9113 §8.1.1): the status
+// and reason, then RST_STREAM(PROTOCOL_ERROR) instead of END_STREAM.
+func (s *Stream) refuseMalformed(status int, reason string) {
+	reason = sanitizeReason(reason)
+	if err := s.writeResponse(status, reason, false); err == nil {
+		_, _ = s.Write([]byte(reason + "\n"))
+	}
+	s.closeWithCode(http2.ErrCodeProtocol)
+}
+
 // sanitizeReason makes reason safe to send to a remote peer: file system
 // paths (netns paths, pin and socket files) and source file names are
 // replaced, whatever error text a Handler put in it; then it is cut short
@@ -531,35 +545,40 @@ func redactPath(w string) string {
 }
 
 // parseRequest checks a CONNECT request's header block. It returns the
-// request, or a status (400, 405, 431) and a reason to refuse it with.
-// The framer has already rejected invalid field names and values and
-// misplaced or duplicate pseudo-headers (with RST_STREAM).
-func parseRequest(fields []hpack.HeaderField, truncated bool) (*ServerRequest, int, string) {
+// request, or a status (400, 405, 431) and a reason to refuse it with;
+// malformed says the block breaks HTTP/2's rules for any request (RFC 9113
+// §8.1.1: a stream error, so the refusal ends with RST_STREAM), not just
+// this server's. The framer has already rejected invalid field names and
+// values and misplaced or duplicate pseudo-headers (with RST_STREAM).
+func parseRequest(fields []hpack.HeaderField, truncated bool) (req *ServerRequest, status int, reason string, malformed bool) {
 	if truncated {
-		return nil, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed %d bytes", maxHeaderListSize)
+		return nil, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed %d bytes", maxHeaderListSize), false
 	}
-	req := &ServerRequest{}
-	var method string
+	req = &ServerRequest{}
+	var method, scheme, path, protocol string
+	var hasMethod, hasScheme, hasPath bool
 	var forwarded []string
-	var malformed string
+	var bad string
 	for _, f := range fields {
 		switch f.Name {
 		case ":method":
-			method = f.Value
+			method, hasMethod = f.Value, true
 		case ":authority":
 			req.Authority = f.Value
-		case ":scheme", ":path":
-			malformed = "CONNECT must not carry :scheme or :path"
+		case ":scheme":
+			scheme, hasScheme = f.Value, true
+		case ":path":
+			path, hasPath = f.Value, true
 		case ":protocol":
-			malformed = "extended CONNECT is not supported"
+			protocol = f.Value
 		case "forwarded":
 			forwarded = append(forwarded, f.Value)
 		default:
 			switch {
 			case strings.HasPrefix(f.Name, ":"):
-				malformed = fmt.Sprintf("unknown pseudo-header %q", f.Name)
+				bad = fmt.Sprintf("unknown pseudo-header %q", f.Name)
 			case connectionSpecific(f.Name, f.Value):
-				malformed = fmt.Sprintf("connection-specific header %q not allowed in HTTP/2", f.Name)
+				bad = fmt.Sprintf("connection-specific header %q not allowed in HTTP/2", f.Name)
 			default:
 				if req.Header == nil {
 					req.Header = make(http.Header)
@@ -569,22 +588,34 @@ func parseRequest(fields []hpack.HeaderField, truncated bool) (*ServerRequest, i
 			}
 		}
 	}
-	if method != http.MethodConnect {
-		return nil, http.StatusMethodNotAllowed, fmt.Sprintf("method %q not allowed, only CONNECT", method)
+	switch {
+	case bad != "":
+	case !hasMethod || method == "":
+		bad = "missing :method"
+	case method != http.MethodConnect && (!hasScheme || scheme == "" || !hasPath || path == ""):
+		bad = "a request other than CONNECT needs :scheme and a non-empty :path"
+	case method == http.MethodConnect && protocol == "" && (hasScheme || hasPath):
+		bad = "CONNECT must not carry :scheme or :path"
 	}
-	if malformed != "" {
-		return nil, http.StatusBadRequest, malformed
+	if bad != "" {
+		return nil, http.StatusBadRequest, bad, true
+	}
+	if method != http.MethodConnect {
+		return nil, http.StatusMethodNotAllowed, fmt.Sprintf("method %q not allowed, only CONNECT", method), false
+	}
+	if protocol != "" {
+		return nil, http.StatusBadRequest, "extended CONNECT is not supported", false
 	}
 	if req.Authority == "" {
-		return nil, http.StatusBadRequest, "missing :authority"
+		return nil, http.StatusBadRequest, "missing :authority", true
 	}
 	target, err := netip.ParseAddrPort(req.Authority)
 	if err != nil || target.Addr().Zone() != "" || target.Port() == 0 {
-		return nil, http.StatusBadRequest, fmt.Sprintf("malformed :authority %q: want ip:port", req.Authority)
+		return nil, http.StatusBadRequest, fmt.Sprintf("malformed :authority %q: want ip:port", req.Authority), false
 	}
 	req.Target = netip.AddrPortFrom(target.Addr().Unmap(), target.Port())
 	req.Forwarded = strings.Join(forwarded, ", ")
-	return req, 0, ""
+	return req, 0, "", false
 }
 
 // Shutdown stops accepting, tells every connection to finish (GOAWAY) and

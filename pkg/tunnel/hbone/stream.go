@@ -43,6 +43,7 @@ type Stream struct {
 	recvWindow   int64 // what the peer may still send on this stream
 	recvUnacked  int64
 	remoteEnded  bool  // END_STREAM received
+	peerReset    bool  // RST_STREAM received
 	localEnded   bool  // END_STREAM sent (also written under wmu)
 	err          error // reset or connection failure
 	closed       bool  // Close called
