@@ -35,7 +35,10 @@ func NewAnnotator(cfg *rest.Config) (*Annotator, error) {
 
 // SetRedirection sets RedirectionAnnotation to "enabled" on the pod, or removes it. It is a
 // JSON merge patch of that one key, so it neither needs the pod's resourceVersion nor
-// conflicts with other writers. Removing the annotation from a pod that no longer exists
+// conflicts with other writers. It goes through the pods/status subresource, as Istio's CNI
+// agent does: the status strategy keeps the pod's spec (and owner references) whatever the
+// patch says, so the agent needs `patch pods/status`, not `patch pods`, which could rewrite
+// any pod's image or command. Removing the annotation from a pod that no longer exists
 // succeeds: the pod is unenrolled either way.
 func (a *Annotator) SetRedirection(ctx context.Context, namespace, name string, enabled bool) error {
 	var value any // nil: JSON null deletes the key
@@ -46,7 +49,7 @@ func (a *Annotator) SetRedirection(ctx context.Context, namespace, name string, 
 		"metadata": map[string]any{"annotations": map[string]any{RedirectionAnnotation: value}},
 	})
 	_, err := a.client.CoreV1().Pods(namespace).Patch(ctx, name, types.MergePatchType, patch,
-		metav1.PatchOptions{FieldManager: fieldManager})
+		metav1.PatchOptions{FieldManager: fieldManager}, "status")
 	switch {
 	case err == nil, apierrors.IsNotFound(err) && !enabled:
 		return nil

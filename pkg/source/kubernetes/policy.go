@@ -62,6 +62,9 @@ func (w *policyWatch) check(ctx context.Context) error {
 			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
 				w.s.log.Warn("add event handler", "resource", k.resource, "err", err)
 			}
+			if err := k.informer.SetWatchErrorHandlerWithContext(w.s.watchError); err != nil {
+				w.s.log.Warn("set watch error handler", "resource", k.resource, "err", err)
+			}
 			w.s.log.Info("watching Istio policies", "resource", k.resource)
 			started = append(started, k.informer.HasSynced)
 		case !k.loggedMissing:

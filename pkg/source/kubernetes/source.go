@@ -10,7 +10,7 @@
 // RBAC the agent's ClusterRole needs for this package:
 //
 //	""                   namespaces, pods, services        get, list, watch
-//	""                   pods                              patch   (Annotator)
+//	""                   pods/status                       patch   (Annotator)
 //	discovery.k8s.io     endpointslices                    get, list, watch
 //	node.k8s.io          runtimeclasses                    get, list, watch
 //	security.istio.io    peerauthentications,
@@ -18,6 +18,18 @@
 //
 // Discovery of security.istio.io/v1 needs no rule: system:discovery allows it to every
 // authenticated user.
+//
+// # Never fail open
+//
+// Snapshots are read from the informers' caches, which only a complete list replaces: a list
+// or watch that fails (API server unreachable, 5xx, 403 after an RBAC change, a CRD deleted)
+// leaves the cache as it was, and the informer retries with backoff. So through an outage
+// every snapshot is the last good state, never a partial or empty one. No snapshot is
+// delivered before every informer has synced once (an API server unreachable at start means
+// no snapshot, and the agent stays unready); policies of a kind enter snapshots only once
+// their informer synced. Every list or watch error is logged and counted in
+// redirector_source_errors_total{source="kubernetes",reason="list_watch"}, discovery
+// failures under reason="discovery".
 package kubernetes
 
 import (
@@ -25,10 +37,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"slices"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -72,6 +86,8 @@ type Config struct {
 	// PolicyRecheck is how often to check whether the PeerAuthentication and
 	// AuthorizationPolicy CRDs got installed while they are missing; 0 means 30 s.
 	PolicyRecheck time.Duration
+	// Metrics counts list, watch and discovery errors; nil counts nothing.
+	Metrics *source.Metrics
 }
 
 // Source is a source.Source backed by the Kubernetes API.
@@ -171,6 +187,9 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		if _, err := inf.AddEventHandler(onChange); err != nil {
 			return fmt.Errorf("add event handler: %w", err)
 		}
+		if err := inf.SetWatchErrorHandlerWithContext(s.watchError); err != nil {
+			return fmt.Errorf("set watch error handler: %w", err)
+		}
 	}
 	start := time.Now()
 	factory.Start(ctx.Done())
@@ -183,7 +202,8 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		if err == nil {
 			break
 		}
-		s.log.Warn("Istio policy discovery failed; retrying", "err", err)
+		s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
+		s.log.Warn("Istio policy discovery failed; no snapshot until it answers", "err", err)
 		select {
 		case <-ctx.Done():
 			return nil
@@ -234,10 +254,24 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 				continue
 			}
 			if err := pw.check(ctx); err != nil {
+				s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
 				s.log.Warn("Istio policy discovery failed", "err", err)
 			}
 		}
 	}
+}
+
+// watchError is every informer's WatchErrorHandler: a list or watch failed, and the informer
+// will retry with backoff, its cache unchanged. A watch that merely ended (EOF) or expired
+// (410, answered with a relist) is not an error.
+func (s *Source) watchError(ctx context.Context, r *cache.Reflector, err error) {
+	cache.DefaultWatchErrorHandler(ctx, r, err)
+	if errors.Is(err, io.EOF) || apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
+		return
+	}
+	s.cfg.Metrics.Error("kubernetes", source.ReasonListWatch)
+	s.log.Warn("list or watch failed; snapshots keep the last listed state until it recovers",
+		"informer", r.TypeDescription(), "err", err)
 }
 
 // listers reads the informer caches.
