@@ -59,12 +59,13 @@ type agentConfig struct {
 	data            loader.Settings
 	cniSocket       string
 	accel           bool
+	procDir         string
 }
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel *string
-	ca                                                                                                                                                                                             caFlags
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir *string
+	ca                                                                                                                                                                                                      caFlags
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -95,6 +96,7 @@ func runSettings() (*settings, runFlags) {
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
 		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		ca:         addCAFlags(s),
+		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net (the Helm chart mounts it at /host/proc instead of using hostPID)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 	}
 }
@@ -108,7 +110,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		return agentConfig{}, err
 	}
 	var err error
-	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
+	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	switch {
 	case *f.src == "kubernetes":
@@ -205,7 +207,7 @@ func runAgent(ctx context.Context, args []string) error {
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
 	})
-	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
+	rec := loader.NewReconciler(ld, tun, &netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}, log)
 	reg.MustRegister(
 		certs.Collector(),
 		maps.NewCollector(ld.Maps()),
