@@ -207,8 +207,10 @@ func runAgent(ctx context.Context, args []string) error {
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
 	})
-	rec := loader.NewReconciler(ld, tun, &netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}, log)
+	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
+	go rec.RepairLinks(ctx, loader.LinkCheckPeriod)
 	reg.MustRegister(
+		loader.NewCollector(ld, rec),
 		certs.Collector(),
 		maps.NewCollector(ld.Maps()),
 		admin.NewAgentCollector(func() (runs, errs, repairs uint64, enrolled int) {

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -37,14 +38,14 @@ func (d direction) attachType() ebpf.AttachType {
 	return ebpf.AttachTCXEgress
 }
 
-func (l *Loader) updatePinnedLink(id uint32, d direction) error {
-	return pin.UpdateTCX(l.linkPin(id, d), l.program(d))
+func (l *Loader) updatePinnedLink(id uint32, d direction) (link.Link, error) {
+	return pin.UpdateTCXHeld(l.linkPin(id, d), l.program(d))
 }
 
 // attachTCX must run inside the pod's network namespace: the kernel
-// resolves ifindex there.
-func (l *Loader) attachTCX(id uint32, ifindex int, d direction) error {
-	return pin.AttachTCX(l.linkPin(id, d), ifindex, l.program(d), d.attachType())
+// resolves ifindex there. The link comes back open, for the loader to hold.
+func (l *Loader) attachTCX(id uint32, ifindex int, d direction) (link.Link, error) {
+	return pin.AttachTCXHeld(l.linkPin(id, d), ifindex, l.program(d), d.attachType())
 }
 
 func (l *Loader) detachTCX(id uint32, d direction) error {

@@ -19,6 +19,7 @@ import (
 	"sync"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/bpf"
@@ -52,7 +53,20 @@ type Loader struct {
 	// end of each pod's veth.
 	probes *probe.Attacher
 
-	mu sync.Mutex // serialises pod attach/detach and id allocation
+	// mu guards the pod index: ids by uid, the metadata last written, and
+	// which uids an attach or detach is working on. Different pods are
+	// attached concurrently; one pod's changes are serialised (lockPod).
+	mu      sync.Mutex
+	indexed bool
+	byUID   map[string]uint32
+	metas   map[uint32]maps.PodMeta
+	busy    map[string]chan struct{}
+	// hostProbe: pods whose host-probe links this process attached.
+	hostProbe map[uint32]bool
+
+	linksMu  sync.Mutex
+	links    map[uint32][2]link.Link // held tcx links by pod id (held.go)
+	linksGen uint64                  // changes whenever links does
 }
 
 // Load loads the programs, creating or reusing the maps pinned under
@@ -123,6 +137,7 @@ func (l *Loader) PinRoot() string { return l.cfg.PinRoot }
 // Close releases file descriptors. Pinned maps and links stay, so the pods
 // stay redirected while no agent runs.
 func (l *Loader) Close() error {
+	l.closeHeld()
 	errs := []error{l.ingress.Close(), l.egress.Close(), l.maps.Close()}
 	if l.probes != nil {
 		errs = append(errs, l.probes.Close())
@@ -141,12 +156,17 @@ func (l *Loader) upgradePinnedLinks(ctx context.Context) error {
 		if m.AttachMode != maps.AttachTCX {
 			continue
 		}
-		for _, dir := range []direction{ingress, egress} {
-			if err := l.updatePinnedLink(id, dir); err != nil {
+		var lks [2]link.Link
+		for i, dir := range []direction{ingress, egress} {
+			lk, err := l.updatePinnedLink(id, dir)
+			if err != nil {
 				// Not fatal: the reconciler re-attaches pods whose links broke.
 				l.log.WarnContext(ctx, "keep old program on pinned link", "pod", m.Namespace+"/"+m.Name, "direction", dir, "error", err)
+				continue
 			}
+			lks[i] = lk
 		}
+		l.holdLinks(id, lks)
 	}
 	return nil
 }

@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -73,18 +75,12 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if err := p.validate(); err != nil {
 		return PodState{}, err
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	unlock := l.lockPod(p.UID)
+	defer unlock()
 
-	metas, err := l.maps.ListMeta()
+	id, old, existed, err := l.reserveID(p.UID)
 	if err != nil {
 		return PodState{}, err
-	}
-	id, old, existed := findPod(metas, p.UID)
-	if !existed {
-		if id, err = freeID(metas); err != nil {
-			return PodState{}, err
-		}
 	}
 	meta := maps.PodMeta{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name,
@@ -99,15 +95,22 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if l.cfg.ForceLegacyTC {
 		meta.AttachMode = maps.AttachTCLegacy
 	}
-
-	// Record first, so that a crash half-way leaves state the reconciler and
-	// uninstall can find and remove.
-	if err := l.attachInNetNS(ctx, id, &meta, existed); err != nil {
+	// failed undoes a new pod entirely; an attached pod keeps what it had.
+	failed := func(err error) error {
 		if !existed {
 			err = errors.Join(err, l.detach(ctx, id, meta))
 		}
-		return PodState{}, fmt.Errorf("attach pod %s: %w", p, err)
+		return err
 	}
+
+	// Record first, so that a crash half-way leaves state the reconciler and
+	// uninstall can find and remove.
+	lks, err := l.attachInNetNS(ctx, id, &meta, existed)
+	if err != nil {
+		return PodState{}, fmt.Errorf("attach pod %s: %w", p, failed(err))
+	}
+	l.holdLinks(id, lks)
+	l.setIndex(id, meta)
 	// Addresses the pod no longer has lose their entries.
 	if existed {
 		for _, a := range old.Addrs {
@@ -123,7 +126,9 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 		err = l.enrollOutbound(p.Addrs, meta.Settings)
 	}
 	if err == nil {
-		err = l.attachHostProbe(ctx, id, meta)
+		var withProbe bool
+		withProbe, err = l.attachHostProbe(ctx, id, meta)
+		l.setHostProbe(id, withProbe && err == nil)
 	}
 	for _, a := range p.Addrs {
 		if err == nil {
@@ -131,12 +136,92 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 		}
 	}
 	if err != nil {
-		if !existed {
-			err = errors.Join(err, l.detach(ctx, id, meta))
-		}
-		return PodState{}, fmt.Errorf("enroll pod %s: %w", p, err)
+		return PodState{}, fmt.Errorf("enroll pod %s: %w", p, failed(err))
 	}
 	return PodState{ID: id, Meta: meta}, nil
+}
+
+// lockPod serialises attach and detach of one pod; other pods proceed.
+func (l *Loader) lockPod(uid string) (unlock func()) {
+	l.mu.Lock()
+	for {
+		ch, busy := l.busy[uid]
+		if !busy {
+			break
+		}
+		l.mu.Unlock()
+		<-ch
+		l.mu.Lock()
+	}
+	if l.busy == nil {
+		l.busy = map[string]chan struct{}{}
+	}
+	ch := make(chan struct{})
+	l.busy[uid] = ch
+	l.mu.Unlock()
+	return func() {
+		l.mu.Lock()
+		delete(l.busy, uid)
+		l.mu.Unlock()
+		close(ch)
+	}
+}
+
+// loadIndexLocked reads the metadata map once; from then on the loader
+// keeps its index in step with what it writes (it is the map's only writer).
+func (l *Loader) loadIndexLocked() error {
+	if l.indexed {
+		return nil
+	}
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return err
+	}
+	l.metas, l.byUID = metas, make(map[string]uint32, len(metas))
+	for id, m := range metas {
+		l.byUID[m.UID] = id
+	}
+	l.indexed = true
+	return nil
+}
+
+// reserveID returns the pod's id and recorded metadata, or a free id
+// reserved for it.
+func (l *Loader) reserveID(uid string) (id uint32, old maps.PodMeta, existed bool, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.loadIndexLocked(); err != nil {
+		return 0, maps.PodMeta{}, false, err
+	}
+	if id, ok := l.byUID[uid]; ok {
+		return id, l.metas[id], true, nil
+	}
+	if id, err = freeID(l.metas); err != nil {
+		return 0, maps.PodMeta{}, false, err
+	}
+	// A placeholder until the attach records the real metadata.
+	l.metas[id] = maps.PodMeta{UID: uid, AcceptLocal: -1, RPFilter: -1}
+	l.byUID[uid] = id
+	return id, maps.PodMeta{}, false, nil
+}
+
+func (l *Loader) setIndex(id uint32, m maps.PodMeta) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.indexed {
+		l.metas[id] = m
+		l.byUID[m.UID] = id
+	}
+}
+
+func (l *Loader) unindex(id uint32, uid string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.indexed && l.byUID[uid] == id {
+		delete(l.byUID, uid)
+		delete(l.metas, id)
+	}
+	delete(l.hostProbe, id)
 }
 
 // enrollOutbound gives each address without an enrollment entry one with
@@ -158,8 +243,8 @@ func (l *Loader) enrollOutbound(addrs []netip.Addr, s maps.PodSettings) error {
 	return nil
 }
 
-func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMeta, existed bool) error {
-	return netns.Do(meta.NetNS, func() error {
+func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMeta, existed bool) (lks [2]link.Link, err error) {
+	err = netns.Do(meta.NetNS, func() error {
 		iface, err := netlink.LinkByName(meta.Interface)
 		if err != nil {
 			return fmt.Errorf("interface %s not found in network namespace %s: %w", meta.Interface, meta.NetNS, err)
@@ -195,9 +280,10 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			return err
 		}
 		if meta.AttachMode == maps.AttachTCX {
-			err := l.attachTCX(id, iface.Attrs().Index, ingress)
+			lks[0], err = l.attachTCX(id, iface.Attrs().Index, ingress)
 			if err == nil {
-				return l.attachTCX(id, iface.Attrs().Index, egress)
+				lks[1], err = l.attachTCX(id, iface.Attrs().Index, egress)
+				return err
 			}
 			if !errors.Is(err, ebpf.ErrNotSupported) {
 				return err
@@ -211,38 +297,91 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		}
 		return l.attachLegacy(iface.Attrs().Index)
 	})
+	if err != nil {
+		for _, lk := range lks {
+			if lk != nil {
+				lk.Close()
+			}
+		}
+		return [2]link.Link{}, err
+	}
+	return lks, nil
 }
 
 // attachHostProbe puts the probe SNAT programs on the host end of the pod's
 // veth, when that end is in this (the node's) network namespace. Pods wired
 // otherwise (no veth, or a peer elsewhere) get no SNAT: their probes are
 // treated like any plaintext client, which the log says.
-func (l *Loader) attachHostProbe(ctx context.Context, id uint32, meta maps.PodMeta) error {
+func (l *Loader) attachHostProbe(ctx context.Context, id uint32, meta maps.PodMeta) (attached bool, err error) {
 	if l.probes == nil {
-		return nil
+		return false, nil
 	}
 	peer, err := probe.HostPeerIndex(meta.NetNS, meta.Interface)
 	if err != nil {
 		l.log.WarnContext(ctx, "no host-probe SNAT for pod: kubelet probes will be treated as plaintext clients", "pod", meta.Namespace+"/"+meta.Name, "reason", err)
-		return nil
+		return false, nil
 	}
 	if err := l.probes.AttachHost(id, peer); err != nil {
-		return fmt.Errorf("host-probe SNAT: %w", err)
+		return false, fmt.Errorf("host-probe SNAT: %w", err)
 	}
-	return nil
+	return true, nil
+}
+
+// hostProbePins are the pins pkg/probe makes in a pod's directory.
+var hostProbePins = []string{"host-ingress", "host-egress"}
+
+func (l *Loader) setHostProbe(id uint32, on bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.hostProbe == nil {
+		l.hostProbe = map[uint32]bool{}
+	}
+	if on {
+		l.hostProbe[id] = true
+	} else {
+		delete(l.hostProbe, id)
+	}
+}
+
+// hostProbeOK reports whether pod id's host-probe links are pinned, if this
+// process attached them.
+func (l *Loader) hostProbeOK(id uint32) bool {
+	l.mu.Lock()
+	on := l.hostProbe[id]
+	l.mu.Unlock()
+	if !on {
+		return true
+	}
+	for _, name := range hostProbePins {
+		if _, err := os.Lstat(filepath.Join(l.podDir(id), name)); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// podMeta is pod id's metadata as last written.
+func (l *Loader) podMeta(id uint32) (maps.PodMeta, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m, ok := l.metas[id]
+	return m, ok && l.indexed && m.NetNS != ""
 }
 
 // DetachPod stops redirecting the pod: enrollment entries go first (the kill
 // switch), then links, rules, routes and sysctls. Detaching a pod that is not
 // attached is not an error.
 func (l *Loader) DetachPod(ctx context.Context, uid string) error {
+	unlock := l.lockPod(uid)
+	defer unlock()
 	l.mu.Lock()
-	defer l.mu.Unlock()
-	metas, err := l.maps.ListMeta()
+	err := l.loadIndexLocked()
+	id, ok := l.byUID[uid]
+	meta := l.metas[id]
+	l.mu.Unlock()
 	if err != nil {
 		return err
 	}
-	id, meta, ok := findPod(metas, uid)
 	if !ok {
 		return nil
 	}
@@ -284,6 +423,8 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 	} else if err != nil {
 		l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
 	}
+	// The held links go with their pins; either alone keeps a link attached.
+	l.dropLinks(id)
 	for _, d := range []direction{ingress, egress} {
 		errs = append(errs, l.detachTCX(id, d))
 	}
@@ -297,7 +438,11 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 	for _, a := range meta.Addrs {
 		errs = append(errs, l.maps.DeleteCounters(a))
 	}
-	errs = append(errs, l.maps.DeleteMeta(id))
+	if err := l.maps.DeleteMeta(id); err != nil {
+		errs = append(errs, err)
+	} else {
+		l.unindex(id, meta.UID)
+	}
 	return errors.Join(errs...)
 }
 

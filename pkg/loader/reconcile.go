@@ -7,10 +7,16 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // PodServer is the tunnel's side of enrollment: it opens and closes a pod's
@@ -39,16 +45,30 @@ type Reconciler struct {
 	finder NetNSFinder
 	log    *slog.Logger
 
-	mu sync.Mutex // one reconcile at a time
+	mu sync.Mutex // one reconcile (or link repair) at a time
+
+	// nsMu guards ns: the namespace each pod was last attached in, by path
+	// and inode, as this process saw it. A pod not in it (first pass after
+	// a start) is attached again in place once; after that a pod whose path
+	// now names another namespace is attached again.
+	nsMu sync.Mutex
+	ns   map[string]nsRecord
 
 	statsMu sync.Mutex // separate, so a scrape never waits for a reconcile
 	stats   ReconcileStats
 }
 
+type nsRecord struct {
+	path string
+	ino  uint64
+}
+
 // ReconcileStats are cumulative counts, exported as metrics.
 type ReconcileStats struct {
 	Runs, Errors, Repairs, Attached, Detached uint64
-	Enrolled                                  int
+	// LinkRepins counts link pins put back by RepairLinks.
+	LinkRepins uint64
+	Enrolled   int
 }
 
 // Result says what one reconcile did.
@@ -62,7 +82,7 @@ func NewReconciler(l *Loader, s PodServer, f NetNSFinder, log *slog.Logger) *Rec
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Reconciler{loader: l, server: s, finder: f, log: log}
+	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}}
 }
 
 // Stats returns the cumulative counts.
@@ -72,15 +92,30 @@ func (r *Reconciler) Stats() ReconcileStats {
 	return r.stats
 }
 
+// Workers bounds how many pods one reconcile attaches or detaches at once:
+// each mostly waits (namespace switches, netlink, the kernel's RCU grace
+// period per new tcx link), so more than the CPUs, but bounded.
+func Workers() int { return min(16, max(4, 4*runtime.GOMAXPROCS(0))) }
+
 // Reconcile converges on want, the pods to enroll on this node. A pod with no
-// NetNS gets it from its current attachment or from the finder. With full
-// set, pods that look right are attached again anyway, which repairs drift
-// (a missing link pin or enrollment entry) and is what start-up and the
-// periodic pass do. Per-pod failures are collected and never stop the others.
+// NetNS gets it from its current attachment (while that path still names the
+// namespace the pod was attached in) or from the finder, in one lookup for
+// all such pods. Every pod is checked cheaply: its recorded metadata, its
+// enrollment entries, its held links (attached and pinned), its namespace's
+// inode, and with full set its host-probe pins; only pods that drifted are
+// attached again (in place), and after a start each pod once. Up to
+// Workers() pods are worked on at a time. Per-pod failures are collected and
+// never stop the others.
 func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Result {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var res Result
+	var resMu sync.Mutex
+	add := func(f func(*Result)) {
+		resMu.Lock()
+		defer resMu.Unlock()
+		f(&res)
+	}
 
 	current, err := r.loader.Pods()
 	if err != nil {
@@ -99,12 +134,12 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 	wanted := map[string]bool{}
 
 	// Pods without a namespace take their attachment's; the others are
-	// looked up by address, all in one scan that ends once they are found.
+	// looked up by address, all in one lookup.
 	want = slices.Clone(want)
 	var lookup []netip.Addr
 	for i := range want {
 		p := &want[i]
-		if cur, ok := attached[p.UID]; p.NetNS == "" && ok && pathExists(cur.Meta.NetNS) {
+		if cur, ok := attached[p.UID]; p.NetNS == "" && ok && r.sameNS(p.UID, cur.Meta.NetNS, true) {
 			p.NetNS = cur.Meta.NetNS
 		}
 		if p.NetNS == "" {
@@ -118,6 +153,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		}
 	}
 
+	var jobs []func()
 	for _, p := range want {
 		wanted[p.UID] = true
 		cur, isAttached := attached[p.UID]
@@ -128,64 +164,277 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 				continue
 			}
 		}
-		// kernelOK: links pinned and entries present as wanted. Listeners
-		// live in this process and are checked separately.
-		kernelOK := isAttached && sameAttachment(cur, p) && r.entriesPresent(cur)
-		if kernelOK && served[p.UID] && !full {
+		// kernelOK: metadata as wanted, entries present, links attached
+		// and pinned. Listeners live in this process and are checked
+		// separately; verified says this process attached the pod in the
+		// namespace the path names now.
+		kernelOK := isAttached && sameAttachment(cur, p) && r.kernelOK(cur, full)
+		verified := r.sameNS(p.UID, p.NetNS, false)
+		if kernelOK && verified && served[p.UID] {
 			continue
 		}
-		if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
-			res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
-			continue
-		}
-		if kernelOK && !full {
-			continue
-		}
-		// Idempotent: for a pod that is right this rewrites the same state
-		// (full passes also catch drift in rules, routes and sysctls).
-		if _, err := r.loader.AttachPod(ctx, p); err != nil {
-			res.Errors = append(res.Errors, err)
-			if !isAttached {
-				_ = r.server.StopPod(ctx, p.UID)
+		jobs = append(jobs, func() {
+			if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
+				add(func(res *Result) {
+					res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
+				})
+				return
 			}
-			continue
-		}
-		switch {
-		case !isAttached:
-			res.Attached = append(res.Attached, p.String())
-		case !kernelOK:
-			res.Repaired = append(res.Repaired, p.String())
-		}
+			if kernelOK && verified {
+				return
+			}
+			// Idempotent: for a pod that is right this rewrites the same
+			// state (rules, routes and sysctls included).
+			if _, err := r.loader.AttachPod(ctx, p); err != nil {
+				add(func(res *Result) { res.Errors = append(res.Errors, err) })
+				if !isAttached {
+					_ = r.server.StopPod(ctx, p.UID)
+				}
+				return
+			}
+			r.recordNS(p.UID, p.NetNS)
+			switch {
+			case !isAttached:
+				add(func(res *Result) { res.Attached = append(res.Attached, p.String()) })
+			case !kernelOK:
+				add(func(res *Result) { res.Repaired = append(res.Repaired, p.String()) })
+			}
+		})
 	}
+	runBounded(Workers(), jobs)
 
+	jobs = jobs[:0]
 	for uid, cur := range attached {
 		if wanted[uid] {
 			continue
 		}
-		name := cur.Meta.Namespace + "/" + cur.Meta.Name
-		if err := r.loader.DetachPod(ctx, uid); err != nil {
-			res.Errors = append(res.Errors, err)
-			continue
-		}
-		res.Detached = append(res.Detached, name)
 		delete(served, uid)
-		if err := r.server.StopPod(ctx, uid); err != nil {
-			res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
-		}
+		jobs = append(jobs, func() {
+			name := cur.Meta.Namespace + "/" + cur.Meta.Name
+			if err := r.loader.DetachPod(ctx, uid); err != nil {
+				add(func(res *Result) { res.Errors = append(res.Errors, err) })
+				return
+			}
+			r.forgetNS(uid)
+			add(func(res *Result) { res.Detached = append(res.Detached, name) })
+			if err := r.server.StopPod(ctx, uid); err != nil {
+				add(func(res *Result) {
+					res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
+				})
+			}
+		})
 	}
 	for uid := range served {
 		if !wanted[uid] {
-			if err := r.server.StopPod(ctx, uid); err != nil {
-				res.Errors = append(res.Errors, err)
-			}
+			jobs = append(jobs, func() {
+				if err := r.server.StopPod(ctx, uid); err != nil {
+					add(func(res *Result) { res.Errors = append(res.Errors, err) })
+				}
+			})
 		}
 	}
+	runBounded(Workers(), jobs)
 	enrolled := 0
 	if now, err := r.loader.Pods(); err == nil {
 		enrolled = len(now)
 	}
 	r.record(res, enrolled)
 	return res
+}
+
+// runBounded runs jobs, at most n at a time, and waits for all of them.
+func runBounded(n int, jobs []func()) {
+	if len(jobs) == 1 {
+		jobs[0]()
+		return
+	}
+	sem := make(chan struct{}, n)
+	var wg sync.WaitGroup
+	for _, job := range jobs {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			job()
+		}()
+	}
+	wg.Wait()
+}
+
+// sameNS reports whether path still names the namespace the pod was last
+// attached in by this process. With unknownOK, a pod this process has not
+// attached yet passes when the path exists (its first pass verifies it).
+func (r *Reconciler) sameNS(uid, path string, unknownOK bool) bool {
+	r.nsMu.Lock()
+	rec, ok := r.ns[uid]
+	r.nsMu.Unlock()
+	if !ok {
+		return unknownOK && pathExists(path)
+	}
+	if rec.path != path {
+		return false
+	}
+	ino, err := netns.Inode(path)
+	return err == nil && ino == rec.ino
+}
+
+func (r *Reconciler) recordNS(uid, path string) {
+	ino, err := netns.Inode(path)
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	if err != nil {
+		delete(r.ns, uid)
+		return
+	}
+	r.ns[uid] = nsRecord{path: path, ino: ino}
+}
+
+func (r *Reconciler) forgetNS(uid string) {
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	delete(r.ns, uid)
+}
+
+// LinkCheckPeriod is how often the agent checks that every pod's links are
+// attached (RepairLinks): one bpf(2) call per link, and a repair well
+// within a second.
+const LinkCheckPeriod = 500 * time.Millisecond
+
+// pinSweepEvery: every so many periods RepairLinks also stats every pin, in
+// case an inotify event was lost.
+const pinSweepEvery = 20
+
+// RepairLinks keeps every pod's links in place until ctx ends. A removed
+// link pin is pinned again as soon as inotify reports it (the loader holds
+// the link, so capture never stopped); a link detached underneath (bpftool
+// link detach) is seen by a check every period, and its pod is attached
+// again from its recorded metadata. Without inotify, every check also stats
+// the pins.
+func (r *Reconciler) RepairLinks(ctx context.Context, period time.Duration) {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		r.log.WarnContext(ctx, "no inotify for link pins; checking them by stat every period", "error", err)
+	}
+	var events <-chan fsnotify.Event
+	var werrs <-chan error
+	if w != nil {
+		defer w.Close()
+		events, werrs = w.Events, w.Errors
+	}
+	watched := map[string]bool{}
+	var gen uint64
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for tick := 1; ; {
+		pins := w == nil
+		select {
+		case <-ctx.Done():
+			return
+		case ev, ok := <-events:
+			if !ok {
+				events = nil
+				continue
+			}
+			if !ev.Has(fsnotify.Remove) && !ev.Has(fsnotify.Rename) {
+				continue
+			}
+			if watched[ev.Name] {
+				// A watched directory went: watch it again once it is back.
+				delete(watched, ev.Name)
+				gen = 0
+			}
+			pins = true
+		case err, ok := <-werrs:
+			if !ok {
+				werrs = nil
+				continue
+			}
+			r.log.WarnContext(ctx, "inotify on link pins", "error", err)
+			pins = true
+		case <-t.C:
+			tick++
+			if w != nil {
+				var complete bool
+				gen, complete = r.syncWatches(w, watched, gen)
+				pins = !complete || tick%pinSweepEvery == 0
+			}
+		}
+		r.repairLinks(ctx, pins)
+	}
+}
+
+// syncWatches watches the pods directory and every held pod's pin
+// directory, and no others. complete is false when one could not be
+// watched (a directory that is gone: the pin check recreates it).
+func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, gen uint64) (newGen uint64, complete bool) {
+	dirs, newGen, changed := r.loader.heldDirs(gen)
+	if !changed {
+		return gen, true
+	}
+	want := map[string]bool{filepath.Join(r.loader.PinRoot(), "pods"): true}
+	for _, d := range dirs {
+		want[d] = true
+	}
+	complete = true
+	for d := range want {
+		if watched[d] {
+			continue
+		}
+		if err := w.Add(d); err != nil {
+			complete = false
+			continue
+		}
+		watched[d] = true
+	}
+	for d := range watched {
+		if !want[d] {
+			_ = w.Remove(d)
+			delete(watched, d)
+		}
+	}
+	if !complete {
+		newGen = 0 // try again next period
+	}
+	return newGen, complete
+}
+
+func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
+	c := r.loader.CheckLinks(pins)
+	for _, err := range c.Errors {
+		r.log.ErrorContext(ctx, "restore link pin", "error", err)
+	}
+	if c.Repinned > 0 {
+		r.log.WarnContext(ctx, "link pins were removed underneath the agent; pinned again", "links", c.Repinned)
+	}
+	var repaired, errs uint64
+	if len(c.Broken) > 0 {
+		// Under the reconcile lock: a pod being detached is not re-attached.
+		r.mu.Lock()
+		for _, id := range c.Broken {
+			meta, ok := r.loader.podMeta(id)
+			if !ok {
+				continue
+			}
+			p := Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
+				Interface: meta.Interface, Addrs: meta.Addrs, CaptureInbound: meta.Settings.CaptureInbound}
+			if _, err := r.loader.AttachPod(ctx, p); err != nil {
+				errs++
+				r.log.ErrorContext(ctx, "re-attach pod whose link was detached", "pod", p.String(), "error", err)
+				continue
+			}
+			repaired++
+			r.log.WarnContext(ctx, "pod repaired: its link had been detached", "pod", p.String())
+		}
+		r.mu.Unlock()
+	}
+	if c.Repinned > 0 || repaired > 0 || errs > 0 {
+		r.statsMu.Lock()
+		r.stats.LinkRepins += uint64(c.Repinned)
+		r.stats.Repairs += repaired
+		r.stats.Errors += errs
+		r.statsMu.Unlock()
+	}
 }
 
 func (r *Reconciler) record(res Result, enrolled int) {
@@ -199,21 +448,20 @@ func (r *Reconciler) record(res Result, enrolled int) {
 	r.stats.Enrolled = enrolled
 }
 
-// entriesPresent reports whether every address of the pod still has its
-// enrollment entry and its links are still pinned.
-func (r *Reconciler) entriesPresent(p PodState) bool {
+// kernelOK reports whether every address of the pod still has its
+// enrollment entry and its links are attached and pinned; with full, also
+// its host-probe link pins.
+func (r *Reconciler) kernelOK(p PodState, full bool) bool {
 	for _, a := range p.Meta.Addrs {
 		if s, ok, err := r.loader.maps.Pod(a); err != nil || !ok || s != p.Meta.Settings {
 			return false
 		}
 	}
-	if p.Meta.AttachMode != maps.AttachTCX {
-		return true
+	if !r.loader.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
+		return false
 	}
-	for _, d := range []direction{ingress, egress} {
-		if !pathExists(r.loader.linkPin(p.ID, d)) {
-			return false
-		}
+	if full && !r.loader.hostProbeOK(p.ID) {
+		return false
 	}
 	return true
 }

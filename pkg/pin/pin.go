@@ -9,8 +9,10 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -156,33 +158,66 @@ func isMountPoint(path string) bool {
 // os.ErrNotExist when nothing is pinned there, and an error when the link
 // is defunct (its interface is gone).
 func UpdateTCX(path string, prog *ebpf.Program) error {
-	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	lk, err := UpdateTCXHeld(path, prog)
 	if err != nil {
 		return err
 	}
-	defer lk.Close()
-	if err := lk.Update(prog); err != nil {
-		return fmt.Errorf("update pinned link %s: %w", path, err)
+	return lk.Close()
+}
+
+// UpdateTCXHeld is UpdateTCX that returns the link, open: the caller holds
+// it (see AttachTCXHeld).
+func UpdateTCXHeld(path string, prog *ebpf.Program) (link.Link, error) {
+	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	if err != nil {
+		return nil, err
 	}
-	return nil
+	if err := lk.Update(prog); err != nil {
+		lk.Close()
+		return nil, fmt.Errorf("update pinned link %s: %w", path, err)
+	}
+	return lk, nil
 }
 
 // AttachTCX updates the link pinned at path, or attaches prog to ifindex
 // and pins the new link there. The kernel resolves ifindex in the calling
 // thread's network namespace. A defunct link or stale pin is replaced.
 func AttachTCX(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachType) error {
-	err := UpdateTCX(path, prog)
+	lk, err := AttachTCXHeld(path, ifindex, prog, attach)
+	if err != nil {
+		return err
+	}
+	return lk.Close()
+}
+
+// AttachTCXHeld is AttachTCX that returns the link, open. A holder keeps
+// the link attached even when someone removes its pin, and can pin it again
+// (Repin) without a moment of the program missing; closing the link
+// leaves it to its pin.
+func AttachTCXHeld(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachType) (link.Link, error) {
+	lk, err := UpdateTCXHeld(path, prog)
 	if err == nil {
-		return nil
+		return lk, nil
 	}
 	if !errors.Is(err, os.ErrNotExist) {
 		_ = os.Remove(path)
 	}
-	lk, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
+	lk, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
 	if err != nil {
-		return fmt.Errorf("attach tcx %s: %w", filepath.Base(path), err)
+		return nil, fmt.Errorf("attach tcx %s: %w", filepath.Base(path), err)
 	}
-	defer lk.Close()
+	if err := Repin(lk, path); err != nil {
+		lk.Close()
+		return nil, err
+	}
+	return lk, nil
+}
+
+// Repin pins lk at path again, creating the directory if it went too.
+func Repin(lk link.Link, path string) error {
+	// The link remembers the path it was pinned at and would skip pinning
+	// there again: forget it first (a missing file is fine).
+	_ = lk.Unpin()
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return fmt.Errorf("create pin dir: %w", err)
 	}
@@ -190,6 +225,39 @@ func AttachTCX(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachT
 		return fmt.Errorf("pin tcx link %s: %w", path, err)
 	}
 	return nil
+}
+
+// TCXAttached reports whether the tcx link is still attached to an
+// interface: a link detached by someone else, or whose interface went away,
+// is defunct (ifindex 0). It is one bpf(2) call on the open link, with no
+// allocation, so that every pod's links can be checked several times a
+// second.
+func TCXAttached(lk link.Link) (bool, error) {
+	fdr, ok := lk.(interface{ FD() int })
+	if !ok {
+		return false, fmt.Errorf("link has no file descriptor")
+	}
+	// The head of struct bpf_link_info, up to the tcx member of its union.
+	// On the heap, which never moves, since the kernel gets its address
+	// as an integer.
+	info := new(struct {
+		Type, ID, ProgID, _ uint32
+		Ifindex, AttachType uint32
+	})
+	attr := &struct {
+		FD, InfoLen uint32
+		Info        uint64
+	}{uint32(fdr.FD()), uint32(unsafe.Sizeof(*info)), uint64(uintptr(unsafe.Pointer(info)))}
+	_, _, errno := unix.Syscall(unix.SYS_BPF, unix.BPF_OBJ_GET_INFO_BY_FD, uintptr(unsafe.Pointer(attr)), unsafe.Sizeof(*attr))
+	runtime.KeepAlive(info)
+	runtime.KeepAlive(lk)
+	if errno != 0 {
+		return false, fmt.Errorf("link info: %w", errno)
+	}
+	if info.Type != uint32(link.TCXType) {
+		return false, fmt.Errorf("link is of type %d, not tcx", info.Type)
+	}
+	return info.Ifindex != 0, nil
 }
 
 // DetachLink removes the pin at path; the kernel detaches the link with its

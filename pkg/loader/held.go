@@ -1,0 +1,174 @@
+package loader
+
+import (
+	"errors"
+	"os"
+
+	"github.com/cilium/ebpf/link"
+
+	"github.com/redirector-mesh/redirector/pkg/pin"
+)
+
+// The loader holds each pod's two tcx links open (two file descriptors per
+// pod, so at most 2 × MAX_PODS). A held link stays attached when someone
+// removes its pin, so capture has no gap, and CheckLinks pins it again; a
+// link detached underneath (bpftool, or its interface gone) shows as
+// defunct on its open descriptor, with no path lookup. Close releases them,
+// and the pins keep the links for the next process.
+
+// holdLinks records the open links of pod id, closing any it replaces.
+func (l *Loader) holdLinks(id uint32, lks [2]link.Link) {
+	l.linksMu.Lock()
+	old, ok := l.links[id]
+	if l.links == nil {
+		l.links = map[uint32][2]link.Link{}
+	}
+	l.links[id] = lks
+	l.linksGen++
+	l.linksMu.Unlock()
+	if ok {
+		for i, lk := range old {
+			if lk != nil && lk != lks[i] {
+				lk.Close()
+			}
+		}
+	}
+}
+
+// dropLinks closes pod id's held links; their pins, if any, keep them.
+func (l *Loader) dropLinks(id uint32) {
+	l.linksMu.Lock()
+	old, ok := l.links[id]
+	delete(l.links, id)
+	l.linksGen++
+	l.linksMu.Unlock()
+	if ok {
+		for _, lk := range old {
+			if lk != nil {
+				lk.Close()
+			}
+		}
+	}
+}
+
+// HeldLinks is how many tcx links the loader holds open (two per pod
+// attached with tcx).
+func (l *Loader) HeldLinks() int {
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	n := 0
+	for _, lks := range l.links {
+		for _, lk := range lks {
+			if lk != nil {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// LinkCheck is what one CheckLinks pass found.
+type LinkCheck struct {
+	// Repinned counts links whose pin was gone and has been put back.
+	Repinned int
+	// Broken are pods with a link that is no longer attached: they need
+	// attaching again (Reconciler.RepairLinks does it).
+	Broken []uint32
+	Errors []error
+}
+
+// CheckLinks looks at every held link: a link that is no longer attached
+// marks its pod broken, and with pins set a missing pin is put back from the
+// open link at once (the link never stopped running). It costs one bpf(2)
+// call per link, and one stat with pins, so it can run several times a
+// second.
+func (l *Loader) CheckLinks(pins bool) LinkCheck {
+	// Under the lock, so that no link is closed while it is looked at; the
+	// pass is a few microseconds per pod.
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	var res LinkCheck
+	for id, lks := range l.links {
+		broken := false
+		for i, d := range []direction{ingress, egress} {
+			lk := lks[i]
+			if lk == nil {
+				continue
+			}
+			if ok, err := pin.TCXAttached(lk); err != nil || !ok {
+				broken = true
+				continue
+			}
+			if !pins {
+				continue
+			}
+			path := l.linkPin(id, d)
+			if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			if err := pin.Repin(lk, path); err != nil {
+				res.Errors = append(res.Errors, err)
+				continue
+			}
+			res.Repinned++
+		}
+		if broken {
+			res.Broken = append(res.Broken, id)
+		}
+	}
+	return res
+}
+
+// linksOK reports whether pod id's held links are attached and pinned.
+// Pods attached with legacy tc have no links and are always OK here.
+func (l *Loader) linksOK(id uint32, tcx bool) bool {
+	if !tcx {
+		return true
+	}
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	lks, ok := l.links[id]
+	if !ok {
+		return false
+	}
+	for i, d := range []direction{ingress, egress} {
+		if lks[i] == nil {
+			return false
+		}
+		if ok, err := pin.TCXAttached(lks[i]); err != nil || !ok {
+			return false
+		}
+		if _, err := os.Lstat(l.linkPin(id, d)); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+func (l *Loader) closeHeld() {
+	l.linksMu.Lock()
+	held := l.links
+	l.links = nil
+	l.linksMu.Unlock()
+	for _, lks := range held {
+		for _, lk := range lks {
+			if lk != nil {
+				lk.Close()
+			}
+		}
+	}
+}
+
+// heldDirs returns the pin directories of the pods whose links are held,
+// unless the set has not changed since generation gen.
+func (l *Loader) heldDirs(gen uint64) (dirs []string, newGen uint64, changed bool) {
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	if gen == l.linksGen && gen != 0 {
+		return nil, gen, false
+	}
+	for id := range l.links {
+		dirs = append(dirs, l.podDir(id))
+	}
+	return dirs, l.linksGen, true
+}

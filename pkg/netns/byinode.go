@@ -1,0 +1,179 @@
+package netns
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+)
+
+// Index finds pods' network namespaces by address as Finder does, but
+// remembers what it saw, by namespace inode: a lookup stats every candidate
+// path and enters only the namespaces it has not listed before, so finding
+// one new pod on a node with hundreds costs one namespace entry instead of
+// hundreds. Processes' namespaces (/proc) are walked only when the named
+// ones do not have every address, and known namespaces are listed again
+// only as a last resort (an address may have been added after a namespace
+// was first listed: the CNI plugin creates the namespace before it
+// configures it). Addresses found are checked against their namespace's
+// inode before they are trusted, so a path reused by another namespace is
+// never returned for the old one. What it keeps is bounded by the
+// namespaces on the node: entries of namespaces that are gone are dropped
+// at the next walk.
+type Index struct {
+	f *Finder
+
+	mu     sync.Mutex
+	known  map[uint64]indexedNS
+	byAddr map[netip.Addr]uint64 // address -> inode of the namespace holding it
+}
+
+type indexedNS struct {
+	path  string
+	addrs []netip.Addr
+	proc  bool // found under /proc (dropped only by a full /proc walk)
+}
+
+// NewIndex returns an Index over f's candidate places.
+func NewIndex(f *Finder) *Index {
+	return &Index{f: f, known: map[uint64]indexedNS{}, byAddr: map[netip.Addr]uint64{}}
+}
+
+// Len is how many namespaces the index remembers.
+func (x *Index) Len() int {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return len(x.known)
+}
+
+// ScanFor maps each address of want to the path of a namespace holding it;
+// addresses no candidate namespace holds are left out.
+func (x *Index) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	out := map[netip.Addr]string{}
+	missing := map[netip.Addr]bool{}
+	for _, a := range want {
+		missing[a.Unmap()] = true
+	}
+	resolve := func() {
+		for a := range missing {
+			ino, ok := x.byAddr[a]
+			if !ok {
+				continue
+			}
+			ns := x.known[ino]
+			if cur, err := Inode(ns.path); err == nil && cur == ino {
+				out[a] = ns.path
+				delete(missing, a)
+			}
+		}
+	}
+	resolve()
+	if len(missing) == 0 {
+		return out, nil
+	}
+	own, err := Inode("/proc/self/ns/net")
+	if err != nil {
+		return out, err
+	}
+	var errs []error
+	// 1. Named namespaces, entering only new ones; this walk also tells
+	// which named namespaces are gone.
+	live := map[uint64]bool{own: true}
+	for _, p := range x.namedPaths(&errs) {
+		x.visit(p, false, own, live, false, &errs)
+	}
+	for ino, ns := range x.known {
+		if !ns.proc && !live[ino] {
+			x.forget(ino)
+		}
+	}
+	resolve()
+	// 2. Processes' namespaces, new ones only.
+	if len(missing) > 0 && x.f.ProcDir != "" {
+		procLive := map[uint64]bool{own: true}
+		for _, p := range x.procPaths() {
+			x.visit(p, true, own, procLive, false, &errs)
+		}
+		for ino, ns := range x.known {
+			if ns.proc && !procLive[ino] {
+				x.forget(ino)
+			}
+		}
+		resolve()
+	}
+	// 3. Last resort: list the known namespaces again.
+	if len(missing) > 0 {
+		for ino, ns := range x.known {
+			x.visit(ns.path, ns.proc, own, map[uint64]bool{}, true, &errs)
+			_ = ino
+		}
+		resolve()
+	}
+	if len(out) == 0 && len(errs) > 0 {
+		return out, errors.Join(errs...)
+	}
+	return out, nil
+}
+
+func (x *Index) namedPaths(errs *[]error) []string {
+	var paths []string
+	for _, dir := range x.f.NetNSDirs {
+		entries, err := os.ReadDir(dir)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			*errs = append(*errs, fmt.Errorf("read %s: %w", dir, err))
+		}
+		for _, e := range entries {
+			paths = append(paths, filepath.Join(dir, e.Name()))
+		}
+	}
+	return paths
+}
+
+func (x *Index) procPaths() []string {
+	entries, _ := os.ReadDir(x.f.ProcDir)
+	var paths []string
+	for _, e := range entries {
+		if name := e.Name(); name[0] >= '0' && name[0] <= '9' {
+			paths = append(paths, filepath.Join(x.f.ProcDir, name, "ns", "net"))
+		}
+	}
+	return paths
+}
+
+// visit lists the namespace at path if it is new (or always, with
+// refresh), and marks its inode live.
+func (x *Index) visit(path string, proc bool, own uint64, live map[uint64]bool, refresh bool, errs *[]error) {
+	ino, err := Inode(path)
+	if err != nil || live[ino] || ino == own {
+		return
+	}
+	live[ino] = true
+	if _, ok := x.known[ino]; ok && !refresh {
+		return
+	}
+	addrs, err := addrsIn(path)
+	if err != nil {
+		*errs = append(*errs, err)
+		return
+	}
+	x.forget(ino)
+	x.known[ino] = indexedNS{path: path, addrs: addrs, proc: proc}
+	for _, a := range addrs {
+		if _, taken := x.byAddr[a]; !taken {
+			x.byAddr[a] = ino
+		}
+	}
+}
+
+func (x *Index) forget(ino uint64) {
+	for _, a := range x.known[ino].addrs {
+		if x.byAddr[a] == ino {
+			delete(x.byAddr, a)
+		}
+	}
+	delete(x.known, ino)
+}
