@@ -12,14 +12,26 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// DefaultConnectTimeout bounds a Dial whose ctx has no deadline (ztunnel's
+// connection timeout). Without one, a destination that drops SYNs (a full
+// accept queue, a blackholed address) holds the caller for the kernel's
+// SYN retries, about 2 min with the default tcp_syn_retries of 6.
+const DefaultConnectTimeout = 10 * time.Second
+
 // Dial connects to addr, a numeric ip:port, from inside the network
-// namespace at path; network is "tcp", "tcp4" or "tcp6".
+// namespace at path; network is "tcp", "tcp4" or "tcp6". The connect ends
+// at ctx's deadline, or after DefaultConnectTimeout if ctx has none.
 //
 // Only the socket is made on a thread in that namespace: a socket keeps
 // the namespace it was created in. Options, bind, connect and the wait for
 // the handshake happen on the caller's goroutine through the runtime poller,
 // so a connect in progress holds no OS thread locked in a namespace.
 func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, DefaultConnectTimeout)
+		defer cancel()
+	}
 	c, err := dial(ctx, path, network, addr, opts)
 	if err != nil {
 		return nil, fmt.Errorf("dial %s from %s: %w", addr, path, err)

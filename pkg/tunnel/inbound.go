@@ -3,14 +3,16 @@ package tunnel
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
+	"syscall"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
-	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
@@ -28,27 +30,42 @@ type inboundRequest struct {
 	service string
 }
 
-// authorize applies AuthorizationPolicy to an inbound connection.
-func (p *pod) authorize(r *inboundRequest) policy.Verdict {
-	st := p.t.State()
-	src := policy.Peer{Addr: r.client, Authenticated: r.secure}
-	if r.secure {
-		src.Principal = r.peer.Principal()
-		src.Namespace = r.peer.Namespace
-	}
-	dst := policy.Target{Namespace: r.podW.Namespace, Labels: r.podW.Labels, Port: r.dst.Port(), Addr: r.dst.Addr()}
-	return policy.Authorize(st.AuthorizationPolicies, p.t.cfg.RootNamespace, dst, src)
-}
-
 // dialApp connects to the app in the pod from the client's own address
 // (IP_TRANSPARENT bind), so the app sees the real peer. The egress program
 // steers the app's replies back to this socket.
+//
+// The dial is bounded by connectTimeout: an app whose accept queue is full
+// drops the SYNs, and without a bound the kernel would retry them for
+// about two minutes while the handler waits.
 func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) {
 	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark}
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
 	}
-	return p.wrap(netns.Dial(ctx, p.netns, "tcp", r.dst.String(), opts))
+	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	defer cancel()
+	c, err := netns.Dial(ctx, p.netns, "tcp", r.dst.String(), opts)
+	if err != nil {
+		return nil, err
+	}
+	tuneSocket(c)
+	return p.wrap(c, nil)
+}
+
+// peerDialError is what a remote peer is told when the app cannot be
+// reached: the errno's meaning, never the error's text, which names the
+// pod's netns path and other local details (those are logged locally).
+func peerDialError(err error) string {
+	var errno syscall.Errno
+	switch {
+	case errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded):
+		return "connection timed out"
+	case errors.Is(err, context.Canceled):
+		return "connection canceled"
+	case errors.As(err, &errno):
+		return errno.Error()
+	}
+	return "connection failed"
 }
 
 // newHBONEServer builds the pod's HBONE server: TLS with the pod's own
@@ -73,7 +90,9 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 
 // handleHBONE decides one CONNECT stream: the authority must be an address
 // of this pod (the tunnel is never an open proxy), the client identity must
-// pass authorization, then the app is dialled.
+// pass authorization, then the app is dialled. The texts sent back to the
+// peer name no local detail (netns paths, errors of local calls): those
+// are only logged.
 func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.Response {
 	t := p.t
 	dst := req.Target
@@ -95,28 +114,44 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		t.cfg.Metrics.denied("no_peer_identity")
 		return hbone.Response{Status: http.StatusForbidden, Reason: "no verified client identity"}
 	}
-	podW, podID, err := t.localWorkload(dst.Addr())
-	if err != nil {
-		t.cfg.Metrics.denied("unknown_destination")
-		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "destination pod not in the workload directory"}
-	}
 	client := addrPortOf(req.RemoteAddr).Addr()
-	srcW, _ := t.State().Dir.ByAddr(client)
+	ic := p.track(dst, client, peer, true)
+	st := t.State()
+	podW, why, detail, pol := t.inboundVerdict(st, dst, client, peer, true)
+	switch why {
+	case "":
+	case "unknown_destination":
+		p.untrack(ic)
+		t.cfg.Metrics.denied(why)
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "destination pod not in the workload directory"}
+	default:
+		p.untrack(ic)
+		t.cfg.Metrics.denied(why)
+		t.refusals.note(ctx, "HBONE connection denied", "client", peer.String(), "dst", dst, "reason", detail, "policy", pol)
+		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy: " + detail}
+	}
+	podID := t.identityOf(podW)
+	srcW, _ := st.Dir.ByAddr(client)
 	r := &inboundRequest{dst: dst, client: client, peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
 	conn := connInfo{reporter: "destination", src: srcW, srcID: peer, dst: podW, dstID: podID, secure: true}
-	if v := p.authorize(r); !v.Allowed {
-		t.cfg.Metrics.denied("authorization")
-		t.log.InfoContext(ctx, "HBONE connection denied", "client", peer.String(), "dst", dst, "reason", v.Reason, "policy", v.Policy)
-		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy: " + v.Reason}
-	}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
+		p.untrack(ic)
 		t.cfg.Metrics.failed(conn)
-		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: fmt.Sprintf("connect to %s: %v", dst, err)}
+		t.refusals.note(ctx, "inbound connect to the app failed", "client", peer.String(), "dst", dst, "error", err)
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: fmt.Sprintf("connect to %s: %s", dst, peerDialError(err))}
+	}
+	if !ic.connected(func() { resetConn(app) }) {
+		p.untrack(ic)
+		t.cfg.Metrics.denied("authorization")
+		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy"}
 	}
 	t.log.DebugContext(ctx, "HBONE connection accepted", "client", peer.String(), "dst", dst)
 	closed := t.cfg.Metrics.open(conn)
-	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, _ error) { closed(fromClient, toClient) }}
+	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, _ error) {
+		p.untrack(ic)
+		closed(fromClient, toClient)
+	}}
 }
 
 // handleInboundPlaintext serves a plaintext connection to the pod that the
@@ -126,34 +161,49 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	t := p.t
 	ctx := p.ctx
 	dst, client := addrPortOf(c.LocalAddr()), addrPortOf(c.RemoteAddr())
-	podW, podID, err := t.localWorkload(dst.Addr())
-	if err != nil {
-		t.cfg.Metrics.failClosed.WithLabelValues("unknown_destination").Inc()
+	ic := p.track(dst, client.Addr(), identity.ID{}, false)
+	st := t.State()
+	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), identity.ID{}, false)
+	switch why {
+	case "":
+	case "unknown_destination":
+		p.untrack(ic)
+		t.cfg.Metrics.failClosed.WithLabelValues(why).Inc()
+		resetConn(c)
+		return
+	case "strict_plaintext":
+		p.untrack(ic)
+		t.cfg.Metrics.denied(why)
+		t.refusals.note(ctx, "plaintext connection refused: mTLS is STRICT", "client", client, "dst", dst, "policy", pol)
+		resetConn(c)
+		return
+	default:
+		p.untrack(ic)
+		t.cfg.Metrics.denied(why)
+		t.refusals.note(ctx, "plaintext connection denied", "client", client, "dst", dst, "reason", detail, "policy", pol)
 		resetConn(c)
 		return
 	}
-	st := t.State()
+	podID := t.identityOf(podW)
 	srcW, _ := st.Dir.ByAddr(client.Addr())
 	conn := connInfo{reporter: "destination", src: srcW, dst: podW, dstID: podID}
-	mode := policy.EffectiveMode(st.PeerAuthentications, t.cfg.RootNamespace, podW.Namespace, podW.Labels, dst.Port())
-	if mode.Strict() {
-		t.cfg.Metrics.denied("strict_plaintext")
-		t.log.InfoContext(ctx, "plaintext connection refused: mTLS is STRICT", "client", client, "dst", dst, "policy", mode.Source)
-		resetConn(c)
-		return
-	}
 	r := &inboundRequest{dst: dst, client: client.Addr(), srcW: srcW, podW: podW, podID: podID}
-	if v := p.authorize(r); !v.Allowed {
-		t.cfg.Metrics.denied("authorization")
-		t.log.InfoContext(ctx, "plaintext connection denied", "client", client, "dst", dst, "reason", v.Reason, "policy", v.Policy)
-		resetConn(c)
-		return
-	}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
+		p.untrack(ic)
 		t.cfg.Metrics.failed(conn)
+		t.refusals.note(ctx, "inbound connect to the app failed", "client", client, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	p.relay(c, app, t.cfg.Metrics.open(conn))
+	if !ic.connected(func() { resetConn(c); resetConn(app) }) {
+		p.untrack(ic)
+		resetConn(c)
+		return
+	}
+	closed := t.cfg.Metrics.open(conn)
+	p.relay(c, app, func(reqBytes, respBytes int64) {
+		p.untrack(ic)
+		closed(reqBytes, respBytes)
+	})
 }

@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -20,6 +21,12 @@ type Metrics struct {
 	policyDenials *prometheus.CounterVec
 	failClosed    *prometheus.CounterVec
 	servedPods    prometheus.Gauge
+	openConns     *prometheus.GaugeVec
+	limitRefused  *prometheus.CounterVec
+	acceptErrors  *prometheus.CounterVec
+	policyClosed  *prometheus.CounterVec
+
+	series *seriesGC
 }
 
 // istioLabels are the labels Istio puts on its TCP metrics.
@@ -49,9 +56,25 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_fail_closed_total", Help: "Connections dropped by the tunnel rather than sent insecurely, by reason."}, []string{"reason"}),
 		servedPods: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_tunnel_pods", Help: "Pods whose tunnel listeners are open."}),
+		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "redirector_tunnel_open_connections",
+			Help: "Connections the capture listeners hold open on this node, by listener (outbound 15001, inbound plaintext 15006)."}, []string{"listener"}),
+		limitRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_tunnel_refused_connections_total",
+			Help: "Connections reset at accept because a connection limit (node, pod or source address) was reached, by listener and limit."}, []string{"listener", "limit"}),
+		acceptErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_tunnel_accept_errors_total",
+			Help: "Failed accepts on the capture listeners (EMFILE, ENFILE, ENOBUFS, ...), each retried after a backoff, by listener."}, []string{"listener"}),
+		policyClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_policy_closed_connections_total",
+			Help: "Open inbound connections closed because a policy or workload change no longer allows them, by reason."}, []string{"reason"}),
 	}
+	for _, l := range []string{"outbound", "inbound"} {
+		m.openConns.WithLabelValues(l)
+	}
+	m.series = newSeriesGC(time.Now, []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes})
 	if reg != nil {
-		reg.MustRegister(m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes, m.policyDenials, m.failClosed, m.servedPods)
+		reg.MustRegister(m.series.collector(), m.policyDenials, m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed)
 	}
 	return m
 }
@@ -123,14 +146,17 @@ func workloadName(w *workload.Workload) string {
 
 // open counts c as opened and returns what counts it closed with its bytes.
 // The labelled counters are resolved once, not again at close.
+// The series stays (see seriesGC) until the connection is closed.
 func (m *Metrics) open(c connInfo) (closed func(requestBytes, responseBytes int64)) {
 	l := c.labels()
+	end := m.series.begin(l)
 	m.connsOpened.With(l).Inc()
 	done, received, sent := m.connsClosed.With(l), m.receivedBytes.With(l), m.sentBytes.With(l)
 	return func(requestBytes, responseBytes int64) {
 		done.Inc()
 		received.Add(float64(requestBytes))
 		sent.Add(float64(responseBytes))
+		end()
 	}
 }
 

@@ -29,7 +29,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 	if err != nil {
 		// Fail closed: without the source identity nothing may leave.
 		t.cfg.Metrics.failClosed.WithLabelValues("unknown_source").Inc()
-		t.log.WarnContext(ctx, "outbound refused", "src", src, "dst", dst, "error", err)
+		t.failures.note(ctx, "outbound refused: no workload at the source address", "src", src, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}
@@ -48,7 +48,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 	stream, err := p.dialHBONE(ctx, c, srcID, dstID, src, dst, "")
 	if err != nil {
 		t.cfg.Metrics.failed(conn)
-		t.log.WarnContext(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
+		t.failures.note(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
 		resetConn(c)
 		return
 	}
@@ -67,7 +67,11 @@ func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
-		return netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})
+		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})
+		if err == nil {
+			tuneSocket(c)
+		}
+		return c, err
 	}
 	fwd := "for=" + strconv.Quote(forwardedAddr(src.Addr()))
 	if host != "" {
@@ -141,7 +145,14 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 	p.relay(c, up, t.cfg.Metrics.open(conn))
 }
 
-// connectTimeout bounds establishing an upstream connection.
+// connectTimeout bounds establishing a connection: every dial the tunnel
+// makes (apps in the pod, plain TCP upstreams, service endpoints, and for
+// HBONE the dial, handshake and CONNECT together). A peer or app that
+// drops SYNs (a full accept queue, a blackholed address) would otherwise
+// hold the handler, its fds and its limit slot for the kernel's SYN
+// retries, about two minutes. ztunnel's is 10 s; pod-to-pod connects on a
+// cluster network take milliseconds, so 5 s still allows the SYN
+// retransmits at 1 s and 3 s.
 const connectTimeout = 5 * time.Second
 
 // dialPlain connects to dst in plain TCP from inside the pod, with the
@@ -149,7 +160,12 @@ const connectTimeout = 5 * time.Second
 func (p *pod) dialPlain(ctx context.Context, dst netip.AddrPort) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
-	return netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
+	c, err := netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
+	if err != nil {
+		return nil, err
+	}
+	tuneSocket(c)
+	return c, nil
 }
 
 func forwardedAddr(a netip.Addr) string {

@@ -33,8 +33,27 @@ type pod struct {
 	// shares the old one's connections.
 	id string
 
+	// health of the outbound, inbound and HBONE listeners, for readiness.
+	health [3]*listenerHealth
+	// stopping is set when stop begins: listeners closing then are no
+	// failure.
+	stopping atomic.Bool
+	// open counts the pod's accepted connections per listener, against
+	// Limits.PerPod (guarded by the tunnel's limiter).
+	open [numListeners]int
+
 	mu    sync.Mutex
-	conns map[net.Conn]int // accepted connections and how many goroutines hold each
+	conns map[net.Conn]*connRef // accepted connections
+	// inbound registers open inbound connections (HBONE and plaintext)
+	// so that a policy change can re-check and close them.
+	inbound map[*inboundConn]struct{}
+}
+
+// connRef counts the goroutines holding an accepted connection; the last
+// to let go closes it and releases its limit slots.
+type connRef struct {
+	holders int
+	release func()
 }
 
 // podSeq numbers pod instances (pod.id).
@@ -56,8 +75,11 @@ func listenWildcard(ctx context.Context, path string, port uint16, opts netns.So
 
 func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.Addr) (*pod, error) {
 	pctx, cancel := context.WithCancel(context.Background())
-	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]int{},
-		id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
+	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
+		inbound: map[*inboundConn]struct{}{}, id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
+	for i, port := range []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort} {
+		p.health[i] = &listenerHealth{port: port}
+	}
 	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark}
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
 	if err != nil {
@@ -85,13 +107,9 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		cancel()
 		return nil, fmt.Errorf("HBONE server: %w", err)
 	}
-	p.acceptLoop(out, p.handleOutbound)
-	p.acceptLoop(in, p.handleInboundPlaintext)
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		_ = p.hbone.Serve(hb)
-	}()
+	p.acceptLoop(out, p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
+	p.acceptLoop(in, p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
+	p.serveHBONE(keepaliveListener{hb}, p.health[2])
 	t.log.InfoContext(ctx, "serving pod", "uid", uid, "netns", path, "addrs", addrs)
 	return p, nil
 }
@@ -105,44 +123,41 @@ func (p *pod) wrap(c net.Conn, err error) (net.Conn, error) {
 	return p.t.cfg.WrapPodSocket(c), nil
 }
 
-func (p *pod) acceptLoop(l net.Listener, handle func(net.Conn)) {
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		for {
-			c, err := p.wrap(l.Accept())
-			if err != nil {
-				return
-			}
-			p.hold(c)
-			p.wg.Add(1)
-			go func() {
-				defer p.wg.Done()
-				defer p.release(c)
-				handle(c)
-			}()
-		}
-	}()
-}
-
 // hold counts a goroutine using c, so stop can close it.
-func (p *pod) hold(c net.Conn) {
+func (p *pod) hold(c net.Conn) { p.holdWith(c, nil) }
+
+// holdWith is hold; release, if not nil, runs once c is closed.
+func (p *pod) holdWith(c net.Conn, release func()) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.conns[c]++
+	r := p.conns[c]
+	if r == nil {
+		r = &connRef{}
+		p.conns[c] = r
+	}
+	r.holders++
+	if release != nil {
+		r.release = release
+	}
 }
 
 // release uncounts a goroutine using c and closes c after the last one.
 func (p *pod) release(c net.Conn) {
 	p.mu.Lock()
-	p.conns[c]--
-	last := p.conns[c] <= 0
-	if last {
-		delete(p.conns, c)
+	r := p.conns[c]
+	var last bool
+	if r != nil {
+		r.holders--
+		if last = r.holders <= 0; last {
+			delete(p.conns, c)
+		}
 	}
 	p.mu.Unlock()
 	if last {
 		c.Close()
+		if r.release != nil {
+			r.release()
+		}
 	}
 }
 
@@ -165,10 +180,13 @@ func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respB
 // stop closes the listeners, lets connections finish until ctx ends, then
 // closes the rest and waits for every goroutine.
 func (p *pod) stop(ctx context.Context) {
+	p.stopping.Store(true)
 	for _, l := range p.lns {
 		l.Close()
 	}
-	_ = p.hbone.Shutdown(ctx)
+	if p.hbone != nil {
+		_ = p.hbone.Shutdown(ctx)
+	}
 	done := make(chan struct{})
 	go func() { p.wg.Wait(); close(done) }()
 	select {

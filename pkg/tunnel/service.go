@@ -144,14 +144,14 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, service: svc}
 	if port == nil {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_service_port").Inc()
-		t.log.WarnContext(ctx, "service connection refused: the service has no such port", "service", svc.String(), "vip", dst)
+		t.failures.note(ctx, "service connection refused: the service has no such port", "service", svc.String(), "vip", dst)
 		resetConn(c)
 		return
 	}
 	candidates := t.lb.order(svc, *port)
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
-		t.log.WarnContext(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", port.TargetPort.String())
+		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", port.TargetPort.String())
 		resetConn(c)
 		return
 	}
@@ -164,7 +164,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		if err != nil {
 			lastErr = err
 			t.lb.fail(cand.addr)
-			t.log.InfoContext(ctx, "service endpoint failed; trying the next", "service", svc.String(), "endpoint", cand.addr, "error", err)
+			t.refusals.note(ctx, "service endpoint failed; trying the next", "service", svc.String(), "endpoint", cand.addr, "error", err)
 			continue
 		}
 		t.lb.ok(cand.addr)
@@ -176,7 +176,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		return
 	}
 	t.cfg.Metrics.failed(conn)
-	t.log.WarnContext(ctx, "service connection failed on every endpoint tried", "service", svc.String(), "error", lastErr)
+	t.failures.note(ctx, "service connection failed on every endpoint tried", "service", svc.String(), "error", lastErr)
 	resetConn(c)
 }
 

@@ -13,6 +13,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"slices"
@@ -40,10 +41,13 @@ type Config struct {
 	// capture listeners or dials to the pod's apps, before any use (the
 	// sockops acceleration's accel.Accelerator.Wrap).
 	WrapPodSocket func(net.Conn) net.Conn
-	Certs         *identity.Manager
-	Pool          *hbone.Pool
-	Metrics       *Metrics
-	Logger        *slog.Logger
+	// Limits bound the capture listeners' open connections; zero fields
+	// take DefaultLimits' values.
+	Limits  Limits
+	Certs   *identity.Manager
+	Pool    *hbone.Pool
+	Metrics *Metrics
+	Logger  *slog.Logger
 }
 
 // State is what the tunnel decides with: the workload directory and the
@@ -60,6 +64,14 @@ type Tunnel struct {
 	log   *slog.Logger
 	state atomic.Pointer[State]
 	lb    *balancer
+	// limits counts the capture listeners' open connections.
+	limits *limiter
+	// refusals (INFO) and failures (WARN) rate-limit the logs of refused
+	// and failed connections.
+	refusals, failures *refusalLog
+	// updateMu orders Updates, so that open connections are re-decided
+	// against each state in the order the states were installed.
+	updateMu sync.Mutex
 
 	mu      sync.Mutex
 	pods    map[string]*pod   // by pod uid
@@ -77,13 +89,33 @@ func New(cfg Config) *Tunnel {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics(nil)
 	}
-	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer()}
+	def := DefaultLimits()
+	if cfg.Limits.PerNode <= 0 {
+		cfg.Limits.PerNode = def.PerNode
+	}
+	if cfg.Limits.PerPod <= 0 {
+		cfg.Limits.PerPod = def.PerPod
+	}
+	if cfg.Limits.PerSource <= 0 {
+		cfg.Limits.PerSource = def.PerSource
+	}
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(),
+		limits: newLimiter(cfg.Limits, cfg.Metrics), refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	return t
 }
 
-// Update replaces the directory and policies used for new connections.
-func (t *Tunnel) Update(s *State) { t.state.Store(s) }
+// Update replaces the directory and policies used for new connections,
+// then closes the open inbound connections the new state no longer
+// admits (see recheck), and starts the grace period of the metric series
+// of workloads that left.
+func (t *Tunnel) Update(s *State) {
+	t.updateMu.Lock()
+	defer t.updateMu.Unlock()
+	prev := t.state.Swap(s)
+	t.cfg.Metrics.setLive(s.Dir)
+	t.recheck(context.Background(), prev, s)
+}
 
 // State returns the current directory and policies.
 func (t *Tunnel) State() *State { return t.state.Load() }
@@ -158,6 +190,33 @@ func (t *Tunnel) PodReady(uid string) bool {
 	defer t.mu.Unlock()
 	_, ok := t.pods[uid]
 	return ok
+}
+
+// ListenerProblems names every served pod's listener that does not accept
+// now (accepts failing, or the listener closed under a served pod), with
+// the pod and port, for readiness. Empty when all accept.
+func (t *Tunnel) ListenerProblems() []string {
+	t.mu.Lock()
+	pods := slices.Collect(maps.Values(t.pods))
+	t.mu.Unlock()
+	dir := t.State().Dir
+	now := time.Now()
+	var out []string
+	for _, p := range pods {
+		name := "pod uid " + p.uid
+		if len(p.addrs) > 0 {
+			if w, ok := dir.ByAddr(p.addrs[0]); ok {
+				name = "pod " + w.String()
+			}
+		}
+		for _, h := range p.health {
+			if why := h.problem(now); why != "" {
+				out = append(out, name+" "+why)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // Shutdown stops accepting in every pod and waits, until ctx ends, for open

@@ -1,0 +1,469 @@
+package tunnel
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// fakeConn is a connection with chosen addresses that records its close.
+type fakeConn struct {
+	net.Conn
+	local, remote net.Addr
+	closed        atomic.Bool
+}
+
+func newFakeConn(local, remote string) *fakeConn {
+	a, b := net.Pipe()
+	b.Close()
+	return &fakeConn{Conn: a, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(local)),
+		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(remote))}
+}
+
+func (c *fakeConn) LocalAddr() net.Addr  { return c.local }
+func (c *fakeConn) RemoteAddr() net.Addr { return c.remote }
+func (c *fakeConn) Close() error         { c.closed.Store(true); return c.Conn.Close() }
+
+// fakeListener hands out what the test feeds it: a connection or an error.
+type fakeListener struct {
+	next   chan any
+	closed chan struct{}
+	once   sync.Once
+}
+
+func newFakeListener() *fakeListener {
+	return &fakeListener{next: make(chan any), closed: make(chan struct{})}
+}
+
+func (l *fakeListener) Accept() (net.Conn, error) {
+	select {
+	case v := <-l.next:
+		if err, ok := v.(error); ok {
+			return nil, err
+		}
+		return v.(net.Conn), nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+// feed hands v to the next Accept, failing the test if nobody accepts.
+func (l *fakeListener) feed(t *testing.T, v any) {
+	t.Helper()
+	select {
+	case l.next <- v:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("nobody accepted %v: the accept loop is gone", v)
+	}
+}
+
+func (l *fakeListener) Close() error   { l.once.Do(func() { close(l.closed) }); return nil }
+func (l *fakeListener) Addr() net.Addr { return &net.TCPAddr{} }
+
+// testPod registers a pod (no sockets) with tun, as startPod would.
+func testPod(tun *Tunnel, uid string, addrs ...netip.Addr) *pod {
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &pod{t: tun, uid: uid, addrs: addrs, ctx: ctx, cancel: cancel, conns: map[net.Conn]*connRef{}, inbound: map[*inboundConn]struct{}{}, id: uid}
+	for i, port := range []uint16{tun.cfg.OutboundPort, tun.cfg.InboundPort, tun.cfg.HBONEPort} {
+		p.health[i] = &listenerHealth{port: port}
+	}
+	tun.mu.Lock()
+	tun.pods[uid] = p
+	tun.mu.Unlock()
+	return p
+}
+
+func newTestTunnel(t *testing.T, log *bytes.Buffer) *Tunnel {
+	cfg := Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008}
+	if log != nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(&syncWriter{w: log}, nil))
+	}
+	return New(cfg)
+}
+
+type syncWriter struct {
+	mu sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// An accept that fails with EMFILE (or ENFILE, ENOBUFS, ENOMEM) must not
+// end the accept loop: before, the loop returned and the listener stayed
+// open with nobody accepting. Readiness names the pod and port meanwhile.
+func TestAcceptLoopSurvivesEMFILE(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	p := testPod(tun, "uid-1", netip.MustParseAddr("10.1.0.2"))
+	l := newFakeListener()
+	handled := make(chan net.Conn, 1)
+	p.acceptLoop(l, p.health[0], p.admitter(listenerOutbound), func(c net.Conn) { handled <- c })
+	defer func() { p.stopping.Store(true); l.Close(); p.cancel(); p.wg.Wait() }()
+
+	for _, errno := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
+		l.feed(t, &net.OpError{Op: "accept", Net: "tcp", Err: errno})
+	}
+	errs := tun.cfg.Metrics.acceptErrors.WithLabelValues("outbound")
+	waitFor(t, "four counted accept errors", func() bool { return testutil.ToFloat64(errs) == 4 })
+	problems := tun.ListenerProblems()
+	if len(problems) != 1 || !strings.Contains(problems[0], "uid-1") || !strings.Contains(problems[0], "port 15001") ||
+		!strings.Contains(problems[0], "cannot allocate memory") {
+		t.Errorf("ListenerProblems() = %q, want the pod, port 15001 and the last error", problems)
+	}
+
+	c := newFakeConn("10.9.9.9:80", "10.1.0.2:40000")
+	l.feed(t, c) // waits until the loop, backing off, accepts again
+	select {
+	case got := <-handled:
+		if got != net.Conn(c) {
+			t.Errorf("handled %v, want the accepted connection", got)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the accept loop did not accept after the errors")
+	}
+	if problems := tun.ListenerProblems(); len(problems) != 0 {
+		t.Errorf("ListenerProblems() after a successful accept = %q, want none", problems)
+	}
+}
+
+// A listener closed while its pod is still served is reported, and the
+// backoff doubles from 5 ms up to 1 s.
+func TestAcceptLoopClosedListenerAndBackoff(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	p := testPod(tun, "uid-2", netip.MustParseAddr("10.1.0.3"))
+	l := newFakeListener()
+	p.acceptLoop(l, p.health[1], p.admitter(listenerInbound), func(net.Conn) {})
+	l.Close()
+	waitFor(t, "the closed listener reported", func() bool { return len(tun.ListenerProblems()) == 1 })
+	if got := tun.ListenerProblems()[0]; !strings.Contains(got, "port 15006") || !strings.Contains(got, "listener closed") {
+		t.Errorf("problem %q, want port 15006 and listener closed", got)
+	}
+	p.cancel()
+	p.wg.Wait()
+
+	var b time.Duration
+	var seen []time.Duration
+	for range 10 {
+		b = min(max(2*b, minAcceptBackoff), maxAcceptBackoff)
+		seen = append(seen, b)
+	}
+	if seen[0] != 5*time.Millisecond || seen[1] != 10*time.Millisecond || seen[9] != time.Second {
+		t.Errorf("backoff sequence %v", seen)
+	}
+}
+
+// Connections over a limit are reset at once and counted; slots come back
+// when connections close.
+func TestConnectionLimits(t *testing.T) {
+	tun := New(Config{OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Limits: Limits{PerNode: 3, PerPod: 2, PerSource: 1}})
+	a := testPod(tun, "a", netip.MustParseAddr("10.1.0.2"))
+	b := testPod(tun, "b", netip.MustParseAddr("10.1.0.3"))
+	src1, src2 := netip.MustParseAddr("10.2.0.1"), netip.MustParseAddr("10.2.0.2")
+	lim := tun.limits
+
+	r1, by := lim.acquire(listenerInbound, a, src1)
+	if by != "" {
+		t.Fatalf("first inbound refused by %s", by)
+	}
+	if _, by := lim.acquire(listenerInbound, b, src1); by != "source" {
+		t.Errorf("second connection from one source: refused by %q, want source", by)
+	}
+	r2, _ := lim.acquire(listenerInbound, a, src2)
+	if _, by := lim.acquire(listenerInbound, a, netip.MustParseAddr("10.2.0.3")); by != "pod" {
+		t.Errorf("third inbound of pod a: refused by %q, want pod", by)
+	}
+	r3, _ := lim.acquire(listenerInbound, b, netip.MustParseAddr("10.2.0.3"))
+	if _, by := lim.acquire(listenerInbound, b, netip.MustParseAddr("10.2.0.4")); by != "node" {
+		t.Errorf("fourth inbound on the node: refused by %q, want node", by)
+	}
+	// Outbound has its own budget.
+	ro, by := lim.acquire(listenerOutbound, a, netip.Addr{})
+	if by != "" {
+		t.Errorf("outbound refused by %q while only inbound is full", by)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.openConns.WithLabelValues("inbound")); got != 3 {
+		t.Errorf("open inbound gauge %v, want 3", got)
+	}
+	r1()
+	r1() // a second release is a no-op
+	if _, by := lim.acquire(listenerInbound, b, netip.MustParseAddr("10.2.0.5")); by != "" {
+		t.Errorf("after a release: refused by %q", by)
+	}
+	r2()
+	r3()
+	ro()
+	if len(lim.bySource) != 1 {
+		t.Errorf("per-source map keeps %d entries, want only the open one", len(lim.bySource))
+	}
+
+	// Through the accept loop: the refused connection is closed at once,
+	// never handled, and counted.
+	l := newFakeListener()
+	handled := make(chan net.Conn, 4)
+	a.acceptLoop(l, a.health[1], a.admitter(listenerInbound), func(c net.Conn) { handled <- c; <-a.ctx.Done() })
+	first := newFakeConn("10.1.0.2:8080", "10.2.0.9:1000")
+	second := newFakeConn("10.1.0.2:8080", "10.2.0.9:1001")
+	l.feed(t, first)
+	<-handled
+	l.feed(t, second)
+	waitFor(t, "the over-limit connection closed", second.closed.Load)
+	if got := testutil.ToFloat64(tun.cfg.Metrics.limitRefused.WithLabelValues("inbound", "source")); got != 1 {
+		t.Errorf("refused{inbound,source} = %v, want 1", got)
+	}
+	select {
+	case c := <-handled:
+		t.Errorf("over-limit connection %v was handled", c.RemoteAddr())
+	default:
+	}
+	a.stopping.Store(true)
+	l.Close()
+	a.cancel()
+	a.stop(context.Background())
+	if got := testutil.ToFloat64(tun.cfg.Metrics.openConns.WithLabelValues("inbound")); got != 1 {
+		t.Errorf("open inbound gauge after the pod stopped = %v, want 1 (pod b's)", got)
+	}
+}
+
+func podObj(ns, name, sa, ip string, labels map[string]string) corev1.Pod {
+	return corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID("uid-" + name), Labels: labels},
+		Spec:       corev1.PodSpec{NodeName: "n1", ServiceAccountName: sa},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
+	}
+}
+
+func testDir(t *testing.T, pods ...corev1.Pod) *workload.Directory {
+	t.Helper()
+	snap := source.Snapshot{Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}}, Pods: pods}
+	dir, errs := workload.Build(snap, selection.Config{}, snap.HandlerLookup())
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	return dir
+}
+
+func denyFrom(principal string) policy.AuthorizationPolicy {
+	return policy.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "deny"},
+		Spec: policy.AuthorizationPolicySpec{Action: policy.ActionDeny, Rules: []policy.Rule{{From: []policy.From{{Source: &policy.Source{Principals: []string{principal}}}}}}}}
+}
+
+// A policy change closes the open inbound connections it no longer allows
+// (HBONE by principal, plaintext by STRICT) and leaves the others open.
+func TestPolicyChangeClosesOpenConnections(t *testing.T) {
+	var logs bytes.Buffer
+	tun := newTestTunnel(t, &logs)
+	server := netip.MustParseAddr("10.1.0.2")
+	dir := testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", map[string]string{"app": "server"}))
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-server", server)
+
+	bad := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bad"}
+	good := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "good"}
+	dst := netip.AddrPortFrom(server, 8080)
+	var closedBad, closedGood, closedPlain atomic.Bool
+	icBad := p.track(dst, netip.MustParseAddr("10.2.0.1"), bad, true)
+	icBad.connected(func() { closedBad.Store(true) })
+	icGood := p.track(dst, netip.MustParseAddr("10.2.0.2"), good, true)
+	icGood.connected(func() { closedGood.Store(true) })
+	icPlain := p.track(dst, netip.MustParseAddr("10.2.0.3"), identity.ID{}, false)
+	icPlain.connected(func() { closedPlain.Store(true) })
+	// Registered but not connected yet: revoked now, closed when it connects.
+	icPending := p.track(dst, netip.MustParseAddr("10.2.0.4"), bad, true)
+
+	tun.Update(&State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom(bad.Principal())}})
+	if !closedBad.Load() || closedGood.Load() || closedPlain.Load() {
+		t.Errorf("after DENY of %s: closed bad=%v good=%v plain=%v, want only bad", bad, closedBad.Load(), closedGood.Load(), closedPlain.Load())
+	}
+	var pendingClosed bool
+	if icPending.connected(func() { pendingClosed = true }) || !pendingClosed {
+		t.Error("a connection revoked before it connected was let through")
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.policyClosed.WithLabelValues("authorization")); got != 2 {
+		t.Errorf("policy_closed{authorization} = %v, want 2", got)
+	}
+
+	strict := policy.PeerAuthentication{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "strict"},
+		Spec: policy.PeerAuthenticationSpec{MTLS: &policy.MTLS{Mode: policy.ModeStrict}}}
+	tun.Update(&State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom(bad.Principal())}, PeerAuthentications: []policy.PeerAuthentication{strict}})
+	if !closedPlain.Load() || closedGood.Load() {
+		t.Errorf("after STRICT: plaintext closed=%v, mTLS good closed=%v; want true, false", closedPlain.Load(), closedGood.Load())
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.policyClosed.WithLabelValues("strict_plaintext")); got != 1 {
+		t.Errorf("policy_closed{strict_plaintext} = %v, want 1", got)
+	}
+	if !strings.Contains(logs.String(), "no longer allows") {
+		t.Errorf("no log of the closed connections:\n%s", logs.String())
+	}
+
+	// The destination pod's labels change so that a selector now matches.
+	denyGood := denyFrom(good.Principal())
+	denyGood.Spec.Selector = &policy.WorkloadSelector{MatchLabels: map[string]string{"locked": "yes"}}
+	st := &State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{denyGood}}
+	tun.Update(st)
+	if closedGood.Load() {
+		t.Error("a DENY selecting other pods closed the connection")
+	}
+	relabelled := testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", map[string]string{"app": "server", "locked": "yes"}))
+	tun.Update(&State{Dir: relabelled, AuthorizationPolicies: st.AuthorizationPolicies})
+	if !closedGood.Load() {
+		t.Error("relabelling the pod under a DENY selector left the connection open")
+	}
+	p.untrack(icGood)
+	if n := len(p.inbound); n != 3 {
+		t.Errorf("registry holds %d connections, want the 3 not untracked", n)
+	}
+}
+
+// Without a policy change nor a change of the pod's workload, an Update
+// decides nothing again.
+func TestRecheckOnlyOnChange(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	server := netip.MustParseAddr("10.1.0.2")
+	deny := denyFrom("cluster.local/ns/mesh/sa/bad")
+	dir := testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", nil))
+	tun.Update(&State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{deny}})
+	p := testPod(tun, "uid-server", server)
+	// A connection the current policy would refuse, registered as if it
+	// were admitted under an older state: only a change re-decides it.
+	var closed atomic.Bool
+	ic := p.track(netip.AddrPortFrom(server, 80), netip.MustParseAddr("10.2.0.1"), identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bad"}, true)
+	ic.connected(func() { closed.Store(true) })
+	same := testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", nil))
+	tun.Update(&State{Dir: same, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom("cluster.local/ns/mesh/sa/bad")}})
+	if closed.Load() {
+		t.Error("an Update with equal policies and workload re-decided the connection")
+	}
+	tun.Update(&State{Dir: same})
+	tun.Update(&State{Dir: same, AuthorizationPolicies: []policy.AuthorizationPolicy{deny}})
+	if !closed.Load() {
+		t.Error("a policy change did not re-decide the connection")
+	}
+}
+
+// Series of a workload that left are deleted once the grace has passed
+// after its last connection closed, not before; live ones stay.
+func TestSeriesOfGoneWorkloadsDeleted(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	m := NewMetrics(nil)
+	m.series.now = func() time.Time { return now }
+	gone := &workload.Workload{Name: "gone", Namespace: "mesh", Labels: map[string]string{"app": "gone"}}
+	stays := &workload.Workload{Name: "stays", Namespace: "mesh", Labels: map[string]string{"app": "stays"}}
+	dirBoth := testDir(t,
+		podObj("mesh", "gone", "sa", "10.1.0.5", map[string]string{"app": "gone"}),
+		podObj("mesh", "stays", "sa", "10.1.0.6", map[string]string{"app": "stays"}))
+	m.setLive(dirBoth)
+	closeGone := m.open(connInfo{reporter: "destination", dst: gone})
+	m.open(connInfo{reporter: "destination", dst: stays})(10, 20)
+	count := func() int { return testutil.CollectAndCount(m.series.collector()) }
+	if n := count(); n != 8 {
+		t.Fatalf("%d series, want 4 per workload", n)
+	}
+
+	dirStays := testDir(t, podObj("mesh", "stays", "sa", "10.1.0.6", map[string]string{"app": "stays"}))
+	m.setLive(dirStays)
+	now = now.Add(2 * seriesGrace)
+	if n := count(); n != 8 {
+		t.Errorf("%d series while the gone workload's connection is open, want 8", n)
+	}
+	closeGone(1, 2)
+	now = now.Add(seriesGrace - time.Second)
+	if n := count(); n != 8 {
+		t.Errorf("%d series before the grace ended, want 8", n)
+	}
+	now = now.Add(time.Second)
+	if n := count(); n != 4 {
+		t.Errorf("%d series after the grace, want the live workload's 4", n)
+	}
+	if len(m.series.series) != 1 {
+		t.Errorf("the collector tracks %d series, want 1", len(m.series.series))
+	}
+	// A workload that comes back before the grace ends keeps its series.
+	m.open(connInfo{reporter: "destination", dst: gone})(0, 0)
+	m.setLive(dirStays)
+	now = now.Add(seriesGrace / 2)
+	m.setLive(dirBoth)
+	now = now.Add(seriesGrace)
+	if n := count(); n != 8 {
+		t.Errorf("%d series after the workload came back, want 8", n)
+	}
+}
+
+// A flood of refusals writes one line and a summary per interval.
+func TestRefusalLogRateLimited(t *testing.T) {
+	var buf bytes.Buffer
+	now := time.Unix(1_000_000, 0)
+	r := newRefusalLog(slog.New(slog.NewTextHandler(&buf, nil)), slog.LevelInfo)
+	r.now = func() time.Time { return now }
+	var scheduled []func()
+	r.after = func(_ time.Duration, f func()) { scheduled = append(scheduled, f) }
+	for i := range 10_000 {
+		r.note(context.Background(), "plaintext connection refused: mTLS is STRICT", "client", fmt.Sprint("10.0.0.1:", i))
+	}
+	if lines := strings.Count(buf.String(), "\n"); lines != 1 {
+		t.Fatalf("%d lines for 10000 refusals, want 1:\n%s", lines, buf.String())
+	}
+	if len(scheduled) != 1 {
+		t.Fatalf("%d summaries scheduled, want 1", len(scheduled))
+	}
+	now = now.Add(refusalLogEvery)
+	scheduled[0]()
+	if !strings.Contains(buf.String(), "count=9999") {
+		t.Errorf("summary does not count the 9999 suppressed lines:\n%s", buf.String())
+	}
+	r.note(context.Background(), "plaintext connection refused: mTLS is STRICT")
+	if lines := strings.Count(buf.String(), "\n"); lines != 2 {
+		t.Errorf("%d lines, want the first and the summary only (the next interval began at the summary)", lines)
+	}
+}
+
+// What a remote peer is told about a failed app dial names no local path.
+func TestPeerDialErrorHidesPaths(t *testing.T) {
+	for _, err := range []error{
+		fmt.Errorf("dial 10.1.0.2:8080 from /var/run/netns/cni-1234: %w", &net.OpError{Op: "connect", Err: syscall.ECONNREFUSED}),
+		fmt.Errorf("dial 10.1.0.2:8080 from /var/run/netns/cni-1234: %w", context.DeadlineExceeded),
+		fmt.Errorf("open /proc/1/ns/net: %w", errors.New("no such file")),
+	} {
+		got := peerDialError(err)
+		if strings.Contains(got, "/") || strings.Contains(got, "netns") {
+			t.Errorf("peerDialError(%v) = %q names a local path", err, got)
+		}
+	}
+	if got := peerDialError(fmt.Errorf("x: %w", syscall.ECONNREFUSED)); got != "connection refused" {
+		t.Errorf("peerDialError(ECONNREFUSED) = %q", got)
+	}
+}

@@ -1,0 +1,163 @@
+package tunnel
+
+import (
+	"context"
+	"maps"
+	"net/netip"
+	"reflect"
+	"slices"
+	"sync"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Policy changes reach open connections, as in ztunnel: every open inbound
+// connection (HBONE and plaintext) is registered with what its admission
+// was decided on, and when Update installs a state whose policies, or the
+// destination pod's labels or namespace, differ, each affected connection
+// is decided again and closed if the new state no longer admits it.
+
+// inboundConn is one open (or opening) inbound connection.
+type inboundConn struct {
+	dst    netip.AddrPort // the pod address and port the client asked for
+	client netip.Addr
+	peer   identity.ID // verified client identity; zero for plaintext
+	secure bool
+
+	mu      sync.Mutex
+	closer  func() // closes the connection's sockets; nil until connected
+	revoked string // why a policy change closed it; "" while admitted
+}
+
+// track registers a connection before its first decision, so that an
+// Update landing between that decision and the registration cannot miss
+// it (ztunnel registers first for the same reason).
+func (p *pod) track(dst netip.AddrPort, client netip.Addr, peer identity.ID, secure bool) *inboundConn {
+	ic := &inboundConn{dst: dst, client: client, peer: peer, secure: secure}
+	p.mu.Lock()
+	p.inbound[ic] = struct{}{}
+	p.mu.Unlock()
+	return ic
+}
+
+func (p *pod) untrack(ic *inboundConn) {
+	p.mu.Lock()
+	delete(p.inbound, ic)
+	p.mu.Unlock()
+}
+
+// connected gives ic what closes it. It reports false, having closed it,
+// when a policy change revoked ic in the meantime.
+func (ic *inboundConn) connected(closer func()) bool {
+	ic.mu.Lock()
+	revoked := ic.revoked != ""
+	if !revoked {
+		ic.closer = closer
+	}
+	ic.mu.Unlock()
+	if revoked {
+		closer()
+	}
+	return !revoked
+}
+
+// revoke closes ic (or marks it, if it is not connected yet) for reason;
+// it reports false if ic was revoked already.
+func (ic *inboundConn) revoke(reason string) bool {
+	ic.mu.Lock()
+	if ic.revoked != "" {
+		ic.mu.Unlock()
+		return false
+	}
+	ic.revoked = reason
+	closer := ic.closer
+	ic.mu.Unlock()
+	if closer != nil {
+		closer()
+	}
+	return true
+}
+
+// inboundVerdict decides an inbound connection against st: it returns the
+// destination pod's workload and "" when admitted, else the reason it is
+// not (a metric label: unknown_destination, strict_plaintext,
+// authorization) with the detail and policy to log.
+func (t *Tunnel) inboundVerdict(st *State, dst netip.AddrPort, client netip.Addr, peer identity.ID, secure bool) (podW *workload.Workload, reason, detail, pol string) {
+	podW, ok := st.Dir.ByAddr(dst.Addr().Unmap())
+	if !ok {
+		return nil, "unknown_destination", "destination pod not in the workload directory", ""
+	}
+	if !secure {
+		mode := policy.EffectiveMode(st.PeerAuthentications, t.cfg.RootNamespace, podW.Namespace, podW.Labels, dst.Port())
+		if mode.Strict() {
+			return podW, "strict_plaintext", "mTLS is STRICT", mode.Source
+		}
+	}
+	src := policy.Peer{Addr: client, Authenticated: secure}
+	if secure {
+		src.Principal = peer.Principal()
+		src.Namespace = peer.Namespace
+	}
+	target := policy.Target{Namespace: podW.Namespace, Labels: podW.Labels, Port: dst.Port(), Addr: dst.Addr()}
+	if v := policy.Authorize(st.AuthorizationPolicies, t.cfg.RootNamespace, target, src); !v.Allowed {
+		return podW, "authorization", v.Reason, v.Policy
+	}
+	return podW, "", "", ""
+}
+
+// recheck closes the open inbound connections that next no longer admits.
+// Its cost is bounded by what changed: nothing is decided when the
+// policies are the same and no served pod's workload changed, and then
+// only the connections of the pods that did.
+func (t *Tunnel) recheck(ctx context.Context, prev, next *State) {
+	samePolicies := reflect.DeepEqual(prev.PeerAuthentications, next.PeerAuthentications) &&
+		reflect.DeepEqual(prev.AuthorizationPolicies, next.AuthorizationPolicies)
+	t.mu.Lock()
+	pods := slices.Collect(maps.Values(t.pods))
+	t.mu.Unlock()
+	closed := map[string]int{}
+	for _, p := range pods {
+		if samePolicies && !p.workloadChanged(prev.Dir, next.Dir) {
+			continue
+		}
+		p.mu.Lock()
+		conns := slices.Collect(maps.Keys(p.inbound))
+		p.mu.Unlock()
+		for _, ic := range conns {
+			_, reason, detail, pol := t.inboundVerdict(next, ic.dst, ic.client, ic.peer, ic.secure)
+			if reason == "" || !ic.revoke(reason) {
+				continue
+			}
+			closed[reason]++
+			t.cfg.Metrics.policyClosed.WithLabelValues(reason).Inc()
+			t.log.DebugContext(ctx, "open connection closed: no longer allowed", "pod", p.uid, "client", ic.client,
+				"peer", ic.peer.String(), "dst", ic.dst, "reason", reason, "detail", detail, "policy", pol)
+		}
+	}
+	if len(closed) > 0 {
+		args := []any{}
+		for _, r := range slices.Sorted(maps.Keys(closed)) {
+			args = append(args, r, closed[r])
+		}
+		t.log.InfoContext(ctx, "closed open inbound connections that the new policy no longer allows", args...)
+	}
+}
+
+// workloadChanged reports whether any of p's addresses maps to a workload
+// with other policy inputs (presence, namespace, labels) in next than in
+// prev.
+func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
+	for _, a := range p.addrs {
+		was, wok := prev.ByAddr(a)
+		is, iok := next.ByAddr(a)
+		if wok != iok {
+			return true
+		}
+		if wok && (was.Namespace != is.Namespace || !maps.Equal(was.Labels, is.Labels)) {
+			return true
+		}
+	}
+	return false
+}
