@@ -14,6 +14,7 @@ import (
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/redirector-mesh/redirector/pkg/admin"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 )
@@ -151,10 +152,35 @@ func renderMaps(w io.Writer, format string, rows []mapRow) error {
 	})
 }
 
+// renderCerts shows each identity's certificate: where it came from, its
+// state and last CA error; -o json|yaml adds the chain in PEM.
 func renderCerts(w io.Writer, format string, rows []certRow) error {
-	return render(w, format, rows, []string{"IDENTITY", "SERIAL", "VALID FROM", "VALID TO", "ISSUER", "STATE"}, func(r certRow) []string {
-		return []string{r.Identity, r.Serial, r.NotBefore.Format(time.RFC3339), r.NotAfter.Format(time.RFC3339), r.Issuer, r.State}
+	return render(w, format, rows, []string{"IDENTITY", "STATE", "CA", "ISSUER", "SERIAL", "VALID TO", "REFRESH AT", "CHAIN", "LAST ERROR"}, func(r certRow) []string {
+		at := func(t time.Time) string {
+			if t.IsZero() {
+				return "-"
+			}
+			return t.Format(time.RFC3339)
+		}
+		// The presented chain, leaf first: "leaf < CN=Intermediate CA".
+		var chain []string
+		for i, c := range r.Chain {
+			if i == 0 || c.Subject == "" {
+				chain = append(chain, "leaf")
+				continue
+			}
+			chain = append(chain, c.Subject)
+		}
+		return []string{r.Identity, r.State, r.CA, orDash(r.Issuer), orDash(r.Serial), at(r.NotAfter), at(r.RefreshAt),
+			orDash(strings.Join(chain, " < ")), orDash(r.LastError)}
 	})
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }
 
 // serviceRow is a service as the config dump shows it (workload.Service).
@@ -260,11 +286,5 @@ func inspectAdmin(ctx context.Context, addr, what, format string) error {
 	}
 }
 
-type certRow struct {
-	Identity  string    `json:"identity"`
-	Serial    string    `json:"serial"`
-	NotBefore time.Time `json:"notBefore"`
-	NotAfter  time.Time `json:"notAfter"`
-	Issuer    string    `json:"issuer"`
-	State     string    `json:"state"`
-}
+// certRow is a certificate as the config dump shows it.
+type certRow = admin.CertRow

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/pkg/admin"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 )
 
@@ -40,7 +41,13 @@ func TestInspectGolden(t *testing.T) {
 	}
 	mapRows := []mapRow{{"rd_pods", "10.1.0.2", "pod_id=1 outbound=true inbound=true"}, {"rd_reasons", "drop_no_listener", "5"}}
 	at := time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)
-	certs := []certRow{{Identity: "spiffe://cluster.local/ns/shop/sa/frontend", Serial: "0a1b2c", NotBefore: at, NotAfter: at.Add(24 * time.Hour), Issuer: "O=cluster.local", State: "valid"}}
+	certs := []certRow{
+		{Identity: "spiffe://cluster.local/ns/shop/sa/frontend", Serial: "0a1b2c", NotBefore: at, NotAfter: at.Add(24 * time.Hour), RefreshAt: at.Add(12 * time.Hour),
+			Issuer: "O=cluster.local", State: "valid", CA: "istiod:istiod.istio-system.svc:15012",
+			Chain: []admin.ChainCert{{Subject: "", Issuer: "O=cluster.local", Serial: "0a1b2c", NotAfter: at.Add(24 * time.Hour), PEM: "-----BEGIN CERTIFICATE-----\n...\n"}}},
+		{Identity: "spiffe://cluster.local/ns/shop/sa/db", State: "failing", CA: "istiod:istiod.istio-system.svc:15012", Failures: 3,
+			LastError: "rpc error: code = Unauthenticated desc = request impersonation authentication failure"},
+	}
 	for _, format := range []string{"table", "json", "yaml"} {
 		var b bytes.Buffer
 		if err := renderPods(&b, format, pods); err != nil {
