@@ -129,3 +129,47 @@ func TestDialErrors(t *testing.T) {
 		t.Errorf("dial from a missing namespace: %v", err)
 	}
 }
+
+// A destination whose accept queue is full drops the SYNs; the kernel
+// would retry them for about 2 min. Without a deadline of its own, Dial
+// gives up after DefaultConnectTimeout (before, it waited out every retry).
+func TestDialFullBacklogTimesOut(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	// A listener with backlog 0 that never accepts: one connection fills
+	// its queue.
+	var lfd int
+	err := netns.Do(b.Path(), func() error {
+		var err error
+		if lfd, err = unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			return err
+		}
+		if err := unix.Bind(lfd, &unix.SockaddrInet4{Port: 8090, Addr: b.IPv4.As4()}); err != nil {
+			return err
+		}
+		return unix.Listen(lfd, 0)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(lfd) })
+	dst := netip.AddrPortFrom(b.IPv4, 8090).String()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	first, err := netns.Dial(ctx, a.Path(), "tcp", dst, netns.SocketOptions{})
+	if err != nil {
+		t.Fatalf("first connection, into the empty queue: %v", err)
+	}
+	defer first.Close()
+
+	start := time.Now()
+	c, err := netns.Dial(context.Background(), a.Path(), "tcp", dst, netns.SocketOptions{})
+	took := time.Since(start)
+	if err == nil {
+		c.Close()
+		t.Fatal("dial to a full accept queue succeeded")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || took > netns.DefaultConnectTimeout+5*time.Second {
+		t.Errorf("dial to a full accept queue: %v after %v, want a deadline error after %v", err, took.Round(time.Millisecond), netns.DefaultConnectTimeout)
+	}
+}
