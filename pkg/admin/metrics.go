@@ -62,7 +62,7 @@ func NewCertCollector(certs func() []CertRow) prometheus.Collector {
 func newCertCollector(certs func() []CertRow, now func() time.Time) prometheus.Collector {
 	expiry := prometheus.NewDesc("redirector_certificate_expiry_seconds",
 		"Seconds until the cached certificate of a workload identity expires, negative once expired. "+
-			"Certificates are renewed by the first handshake past half their lifetime, so an idle identity's value keeps falling.",
+			"Certificates are renewed in the background at about half their lifetime; a value that keeps falling means renewal fails (see redirector_ca_request_failures_total).",
 		[]string{"identity"}, nil)
 	return scrapeCollector{
 		descs: []*prometheus.Desc{expiry},
