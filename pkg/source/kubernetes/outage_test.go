@@ -1,0 +1,233 @@
+package kubernetes_test
+
+import (
+	"context"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+
+	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/test/kubetest"
+)
+
+// outageProxy stands between a source and the test API server. While down it answers
+// requests with 503, and going down cuts the streams it is serving (watches end with an
+// unexpected EOF), as an API server outage or a broken network path does. An outage may
+// spare some paths (a partial outage).
+type outageProxy struct {
+	srv   *httptest.Server
+	proxy *httputil.ReverseProxy
+
+	mu     sync.Mutex
+	down   bool
+	spared string          // while down, paths with this prefix still pass ("": none)
+	gen    context.Context // cancelled when the proxy goes down: cuts open streams
+	cut    context.CancelFunc
+}
+
+func newOutageProxy(t *testing.T, c *kubetest.Cluster) *outageProxy {
+	t.Helper()
+	target, err := url.Parse(c.Config.Host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt, err := rest.TransportFor(c.Config) // TLS to the API server and the bearer token
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &outageProxy{proxy: httputil.NewSingleHostReverseProxy(target)}
+	p.proxy.Transport = rt
+	p.proxy.FlushInterval = -1
+	p.proxy.ErrorLog = nil
+	p.gen, p.cut = context.WithCancel(context.Background())
+	p.srv = httptest.NewServer(http.HandlerFunc(p.serve))
+	t.Cleanup(func() {
+		p.setDown(true)
+		p.srv.Close()
+	})
+	return p
+}
+
+func (p *outageProxy) serve(w http.ResponseWriter, r *http.Request) {
+	p.mu.Lock()
+	down, spared, gen := p.down, p.spared, p.gen
+	p.mu.Unlock()
+	if down && (spared == "" || !strings.HasPrefix(r.URL.Path, spared)) {
+		http.Error(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"ServiceUnavailable","code":503}`, http.StatusServiceUnavailable)
+		return
+	}
+	ctx, cancel := context.WithCancel(r.Context())
+	defer cancel()
+	stop := context.AfterFunc(gen, cancel)
+	defer stop()
+	p.proxy.ServeHTTP(w, r.WithContext(ctx))
+}
+
+func (p *outageProxy) setDown(down bool) { p.setDownSparing(down, "") }
+
+// setDownSparing is setDown letting requests for paths under spared through.
+func (p *outageProxy) setDownSparing(down bool, spared string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.down, p.spared = down, spared
+	if down {
+		p.cut() // streams open now end; spared requests get a fresh context below
+	}
+	p.gen, p.cut = context.WithCancel(context.Background())
+}
+
+// config reaches the API server through the proxy.
+func (p *outageProxy) config() *rest.Config {
+	return &rest.Config{Host: p.srv.URL, QPS: 100, Burst: 200}
+}
+
+// runSourceWith is runSource for a given Config, with its snapshots and metrics.
+func runSourceWith(t *testing.T, cfg kubernetes.Config) *watcher {
+	t.Helper()
+	cfg.NodeName = "node-a"
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+	src, err := kubernetes.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &watcher{change: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- src.Run(ctx, func(s source.Snapshot) {
+			w.mu.Lock()
+			w.snaps = append(w.snaps, s)
+			w.mu.Unlock()
+			select {
+			case w.change <- struct{}{}:
+			default:
+			}
+		})
+	}()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("Run: %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Errorf("Run did not return after its context was cancelled")
+		}
+	})
+	return w
+}
+
+func (w *watcher) count() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.snaps)
+}
+
+func errorCount(t *testing.T, m *source.Metrics, reason string) float64 {
+	t.Helper()
+	return promtest.Scrape(t, m)[`redirector_source_errors_total{reason="`+reason+`",source="kubernetes"}`]
+}
+
+// TestSourceUnreachableAtStart: with no API server to answer, the source delivers nothing (an
+// empty first snapshot would unenroll every pod a previous agent enrolled), counts the
+// failures, and delivers the full state once the API server answers.
+func TestSourceUnreachableAtStart(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	createNamespace(t, c.Client(t), "before", nil)
+	p := newOutageProxy(t, c)
+	p.setDown(true)
+
+	m := source.NewMetrics(nil)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), Metrics: m, PolicyRecheck: 200 * time.Millisecond})
+	time.Sleep(3 * time.Second)
+	if n := w.count(); n != 0 {
+		t.Fatalf("%d snapshots delivered with the API server unreachable", n)
+	}
+	if errorCount(t, m, source.ReasonDiscovery)+errorCount(t, m, source.ReasonListWatch) == 0 {
+		t.Error("no source error counted while the API server was unreachable")
+	}
+
+	p.setDown(false)
+	w.waitFor(t, "namespace created before the start", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "before"))
+	})
+}
+
+// TestSourceOutageKeepsLastState cuts the API server off under a running source, long enough
+// for its watches to fail and its relists to fail too, except for Services: a Service created
+// meanwhile makes a snapshot, which must still hold every object, policies included. The
+// errors are counted; once the API server is back, what changed during the outage arrives,
+// and no snapshot ever lacked an object.
+func TestSourceOutageKeepsLastState(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", nil)
+	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
+	createObject(t, dyn, peerAuthGVR, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+	waitServed(t, c.Config, authzGVR)
+	waitServed(t, c.Config, peerAuthGVR)
+
+	p := newOutageProxy(t, c)
+	m := source.NewMetrics(nil)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), Metrics: m, PolicyRecheck: 200 * time.Millisecond})
+	complete := func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "shop")) &&
+			slices.ContainsFunc(s.Pods, runningWithIP("shop", "web", "10.244.1.5")) &&
+			slices.ContainsFunc(s.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict"))
+	}
+	w.waitFor(t, "namespace, pod and PeerAuthentication", complete)
+
+	p.setDownSparing(true, "/api/v1/services")
+	time.Sleep(4 * time.Second)
+	createNamespace(t, client, "during", nil) // behind the source's back
+	if _, err := client.CoreV1().Services("shop").Create(t.Context(), &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "during"},
+		Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 80}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.waitFor(t, "the Service created during the outage", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Services, named[corev1.Service]("shop", "during"))
+	})
+	if errorCount(t, m, source.ReasonListWatch) == 0 {
+		t.Error("no list/watch error counted during the outage")
+	}
+
+	p.setDown(false)
+	w.waitFor(t, "the namespace created during the outage", func(s source.Snapshot) bool {
+		return complete(s) && slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "during"))
+	})
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for i, s := range w.snaps {
+		if !complete(s) {
+			t.Errorf("snapshot %d of %d lacks an object: %d namespaces, %d pods, %d PeerAuthentications",
+				i+1, len(w.snaps), len(s.Namespaces), len(s.Pods), len(s.PeerAuthentications))
+		}
+	}
+}
