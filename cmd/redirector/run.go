@@ -60,11 +60,13 @@ type agentConfig struct {
 	cniSocket       string
 	accel           bool
 	procDir         string
+	limits          tunnel.Limits
 }
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
 	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir *string
+	limits                                                                                                                                                                                                  func() (tunnel.Limits, error)
 	ca                                                                                                                                                                                                      caFlags
 }
 
@@ -98,6 +100,7 @@ func runSettings() (*settings, runFlags) {
 		ca:         addCAFlags(s),
 		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net (the Helm chart mounts it at /host/proc instead of using hostPID)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
+		limits:     addLimitSettings(s),
 	}
 }
 
@@ -143,6 +146,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	}
 	if c.poolMaxStreams, err = strconv.Atoi(*f.maxStreams); err != nil || c.poolMaxStreams < 1 {
 		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(f.maxStreams), *f.maxStreams)
+	}
+	if c.limits, err = f.limits(); err != nil {
+		return c, err
 	}
 	if *f.accel != "true" && *f.accel != "false" {
 		return c, fmt.Errorf("%s: %q is not true or false", s.name(f.accel), *f.accel)
@@ -206,6 +212,7 @@ func runAgent(ctx context.Context, args []string) error {
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
+		Limits: cfg.limits,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	go rec.RepairLinks(ctx, loader.LinkCheckPeriod)
@@ -259,6 +266,7 @@ func runAgent(ctx context.Context, args []string) error {
 			},
 			func() (bool, string) { return reconciled.Load(), "first full reconcile pending" },
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
+			admin.ProblemsCheck(tun.ListenerProblems),
 		),
 		Sections: configSections(cfg, tun, certs),
 		Level:    level,

@@ -4,7 +4,10 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
+
+	"github.com/redirector-mesh/redirector/pkg/tunnel"
 )
 
 // setting is one command-line flag with its environment twin. The flag wins
@@ -63,4 +66,31 @@ func (s *settings) require(values ...*string) error {
 		}
 	}
 	return nil
+}
+
+// addLimitSettings registers the tunnel's connection limits (see
+// tunnel.Limits for what each bounds and why the defaults); the returned
+// function reads them once the settings are parsed.
+func addLimitSettings(s *settings) func() (tunnel.Limits, error) {
+	def := tunnel.DefaultLimits()
+	node := s.add("max-connections", "MAX_CONNECTIONS", strconv.Itoa(def.PerNode),
+		"open connections per capture listener kind (outbound, inbound plaintext) on this node; more are reset and counted")
+	pod := s.add("max-connections-per-pod", "MAX_CONNECTIONS_PER_POD", strconv.Itoa(def.PerPod),
+		"open connections per capture listener kind of one pod")
+	src := s.add("max-connections-per-source", "MAX_CONNECTIONS_PER_SOURCE", strconv.Itoa(def.PerSource),
+		"open inbound plaintext connections from one client address on this node")
+	return func() (tunnel.Limits, error) {
+		var l tunnel.Limits
+		for _, v := range []struct {
+			dst *int
+			val *string
+		}{{&l.PerNode, node}, {&l.PerPod, pod}, {&l.PerSource, src}} {
+			n, err := strconv.Atoi(*v.val)
+			if err != nil || n < 1 {
+				return l, fmt.Errorf("%s: %q is not a positive integer", s.name(v.val), *v.val)
+			}
+			*v.dst = n
+		}
+		return l, nil
+	}
 }
