@@ -350,3 +350,34 @@ func TestManagerConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+func TestManagerCollector(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	f := &fakeSigner{ca: ca, err: &CAError{Reason: ReasonUnavailable, Err: errors.New("connection refused")}}
+	m := New(ManagerOptions{Signer: f, Trust: ca, BackoffMin: time.Hour})
+	defer m.Close()
+	m.Add(idWeb)
+	waitFor(t, "the failure", func() bool { return stateOf(m, idWeb).State == StateFailing })
+	want := `
+# HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. Bounded by the local pods: an identity is dropped when its last local pod leaves.
+# TYPE redirector_certificates gauge
+redirector_certificates{state="expired"} 0
+redirector_certificates{state="failing"} 1
+redirector_certificates{state="pending"} 0
+redirector_certificates{state="refreshing"} 0
+redirector_certificates{state="valid"} 0
+# HELP redirector_ca_request_failures_total Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, refused, local.
+# TYPE redirector_ca_request_failures_total counter
+redirector_ca_request_failures_total{reason="unavailable"} 1
+`
+	if err := testutil.CollectAndCompare(m.Collector(), strings.NewReader(want), "redirector_certificates", "redirector_ca_request_failures_total"); err != nil {
+		t.Error(err)
+	}
+	m.Sync(nil)
+	if got := testutil.CollectAndCount(m.Collector(), "redirector_certificates"); got != 5 {
+		t.Errorf("%d state series", got)
+	}
+	if n := len(m.Snapshot()); n != 0 {
+		t.Errorf("%d identities kept after the last pod left", n)
+	}
+}

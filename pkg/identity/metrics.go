@@ -46,8 +46,32 @@ func (c *caMetrics) observe(d time.Duration, err error) {
 	}
 }
 
-// Collector exports the Manager's CA request and fail-closed counters.
-func (m *Manager) Collector() prometheus.Collector { return m.metrics }
+var keptDesc = prometheus.NewDesc("redirector_certificates",
+	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. "+
+		"Bounded by the local pods: an identity is dropped when its last local pod leaves.",
+	[]string{"state"}, nil)
+
+// Collector exports the Manager's CA request and fail-closed counters and
+// the kept identities by state.
+func (m *Manager) Collector() prometheus.Collector { return managerCollector{m} }
+
+type managerCollector struct{ m *Manager }
+
+func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
+	c.m.metrics.Describe(ch)
+	ch <- keptDesc
+}
+
+func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
+	c.m.metrics.Collect(ch)
+	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0}
+	for _, ci := range c.m.Snapshot() {
+		counts[ci.State]++
+	}
+	for state, n := range counts {
+		ch <- prometheus.MustNewConstMetric(keptDesc, prometheus.GaugeValue, float64(n), string(state))
+	}
+}
 
 // Describe implements prometheus.Collector.
 func (c *caMetrics) Describe(ch chan<- *prometheus.Desc) {
