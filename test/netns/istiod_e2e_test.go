@@ -33,7 +33,8 @@ import (
 //   - with a 2-minute lifetime certificates rotate without breaking an open connection;
 //   - istiod stopped: open connections and unexpired certificates keep working, a new pod
 //     whose identity has no certificate fails closed, counted; istiod back: it recovers
-//     without an agent restart.
+//     without an agent restart;
+//   - the last pod of an identity leaves: its certificate is forgotten.
 func TestIstiodIdentity(t *testing.T) {
 	cluster := kubetest.Start(t)
 	cs := cluster.Client(t)
@@ -184,6 +185,14 @@ func TestIstiodIdentity(t *testing.T) {
 	if err := echo(conn, "after"); err != nil {
 		t.Errorf("open connection after istiod came back: %v", err)
 	}
+	// The last late-sa pod leaves node 1: its certificate is forgotten there.
+	write(false)
+	Eventually(t, 15*time.Second, func() error {
+		if c := certOf(t, node1, lateID); c.Identity != "" {
+			return fmt.Errorf("%s still kept (%s) after its last pod left", lateID, c.State)
+		}
+		return nil
+	})
 	// The certificate of the pod that is not on node 1 was never issued.
 	if c := certOf(t, node1, dbID); c.Serial != "" {
 		t.Errorf("node-1 agent holds a certificate for %s (serial %s)", dbID, c.Serial)
