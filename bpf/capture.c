@@ -9,6 +9,7 @@
 
 #include "include/maps.h"
 #include "include/packet.h"
+#include <bpf/bpf_core_read.h>
 
 char __license[] SEC("license") = "GPL";
 
@@ -122,17 +123,27 @@ static __always_inline int drop_unparsed(const struct tcp_pkt *p, __u32 reason)
 	return TC_ACT_UNSPEC;
 }
 
-/* The kernel's TIME_WAIT socket, read through BTF (CO-RE): only the next
- * sequence number it expects from its peer. */
+/* The kernel's struct sock_common: only the field clear_timewait reads,
+ * located at load time through BTF (CO-RE). */
 struct sock_common {
 	__u32 skc_tw_rcv_nxt;
 } __attribute__((preserve_access_index));
-struct inet_timewait_sock {
-	struct sock_common __tw_common;
-} __attribute__((preserve_access_index));
-struct tcp_timewait_sock {
-	struct inet_timewait_sock tw_sk;
-} __attribute__((preserve_access_index));
+
+/* tw_rcv_nxt reads the next sequence number a TIME_WAIT socket expects from
+ * its peer. bpf_skc_to_tcp_timewait_sock would be the typed way, but it
+ * returns NULL for TIME_WAIT sockets on the kernels tested (6.18), so the
+ * field is read with bpf_probe_read_kernel (the agent has CAP_SYS_ADMIN).
+ * The socket pointer is turned into a number first: the verifier allows no
+ * arithmetic on socket pointers. */
+static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
+{
+	__u64 base;
+
+	if (bpf_probe_read_kernel(&base, sizeof(base), &sk) < 0)
+		return -1;
+	base += __builtin_preserve_field_info(((struct sock_common *)0)->skc_tw_rcv_nxt, BPF_FIELD_BYTE_OFFSET);
+	return bpf_probe_read_kernel(out, sizeof(*out), (void *)base) < 0 ? -1 : 0;
+}
 
 /* skb->priority of a SYN that clear_timewait queued again: if its tuple is
  * still in TIME_WAIT when it comes back, it is dropped rather than looped. A
@@ -158,18 +169,16 @@ struct tcp_timewait_sock {
  * Returns 0, or the reason to drop the SYN. */
 static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk)
 {
-	struct tcp_timewait_sock *tw;
-	__u32 prio = skb->priority;
+	__u32 prio = skb->priority, rcv_nxt;
 	__be32 old_seq, new_seq;
 	__be16 old_flags, new_flags;
 	__u8 *fb = (__u8 *)&new_flags;
 
 	if (prio == SYN_REQUEUED_PRIORITY)
 		return REASON_DROP_SYN_TIMEWAIT;
-	tw = bpf_skc_to_tcp_timewait_sock(sk);
-	if (!tw)
+	if (tw_rcv_nxt(sk, &rcv_nxt) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
-	new_seq = bpf_htonl(tw->tw_sk.__tw_common.skc_tw_rcv_nxt);
+	new_seq = bpf_htonl(rcv_nxt);
 
 	if (bpf_skb_load_bytes(skb, p->l4_off + TCP_SEQ_OFF, &old_seq, sizeof(old_seq)) < 0 ||
 	    bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &old_flags, sizeof(old_flags)) < 0)

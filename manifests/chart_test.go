@@ -43,6 +43,7 @@ func TestEveryProfileRenders(t *testing.T) {
 			checkProbesAndMetrics(t, r.DaemonSet)
 			checkEnv(t, r.DaemonSet, r.ConfigMap)
 			checkRBAC(t, r)
+			checkUninstallHook(t, r)
 		})
 	}
 }
@@ -71,9 +72,9 @@ func checkPodScheduling(t *testing.T, ds *appsv1.DaemonSet) {
 	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 		t.Errorf("hostNetwork %v, dnsPolicy %q: want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
 	}
-	// hostPID: the agent scans the fixed path /proc for pre-existing pods' namespaces.
-	if !spec.HostPID {
-		t.Error("hostPID is off: the agent cannot see other pods' processes in /proc")
+	// No hostPID: the host's /proc is mounted read-only at /host/proc (PROC_DIR) instead.
+	if spec.HostPID {
+		t.Error("hostPID is on; the agent reads the host's processes from the /host/proc mount")
 	}
 	if spec.HostIPC {
 		t.Error("hostIPC is on; nothing needs it")
@@ -213,8 +214,13 @@ func checkMounts(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 		{"node-setup", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
 		{"node-setup", "cni-bin", "/host/opt/cni/bin", "", "/opt/cni/bin", false},
 		{"node-setup", "cni-conf", "/host/etc/cni/net.d", "", "/etc/cni/net.d", false},
+		{"agent", "host-proc", "/host/proc", "", "/proc", true},
+		{"node-setup", "host-proc", "/host/proc", "", "/proc", true},
 	} {
 		checkMount(t, ds, w)
+	}
+	if cm.Data["PROC_DIR"] != "/host/proc" {
+		t.Errorf("PROC_DIR = %q, want /host/proc, where the host's /proc is mounted", cm.Data["PROC_DIR"])
 	}
 	if ca := volume(t, ds, "ca"); ca.Secret == nil || ca.Secret.SecretName != "redirector-ca" {
 		t.Errorf("ca volume %+v, want the Secret redirector-ca", ca.VolumeSource)
@@ -339,6 +345,50 @@ func flatten(rules []rbacv1.PolicyRule) []rule {
 	return out
 }
 
+// checkUninstallHook: the pre-delete hook deletes this DaemonSet in the foreground, as the
+// chart's ServiceAccount, with no privilege at all.
+func checkUninstallHook(t *testing.T, r *rendered) {
+	t.Helper()
+	j := r.UninstallJob
+	if j == nil {
+		t.Fatal("no pre-delete hook Job: helm uninstall would delete the RBAC before the pods ask whether their DaemonSet is gone")
+	}
+	if j.Annotations["helm.sh/hook"] != "pre-delete" || !strings.Contains(j.Annotations["helm.sh/hook-delete-policy"], "hook-succeeded") {
+		t.Errorf("hook annotations %v, want pre-delete, deleted once it succeeded", j.Annotations)
+	}
+	if j.Namespace != releaseNamespace {
+		t.Errorf("hook Job in %q, want %q", j.Namespace, releaseNamespace)
+	}
+	spec := j.Spec.Template.Spec
+	if spec.ServiceAccountName != r.ServiceAccount.Name || spec.HostNetwork || spec.HostPID || spec.RestartPolicy != corev1.RestartPolicyNever {
+		t.Errorf("hook pod: serviceAccount %q, hostNetwork %v, hostPID %v, restartPolicy %q", spec.ServiceAccountName, spec.HostNetwork, spec.HostPID, spec.RestartPolicy)
+	}
+	if len(spec.Containers) != 1 || !slices.Equal(spec.Containers[0].Command, []string{"redirector-node", "delete-daemonset"}) {
+		t.Fatalf("hook containers %+v, want one running redirector-node delete-daemonset", spec.Containers)
+	}
+	c := spec.Containers[0]
+	env := map[string]string{}
+	for _, e := range c.Env {
+		env[e.Name] = e.Value
+	}
+	if env["DAEMONSET_NAME"] != r.DaemonSet.Name {
+		t.Errorf("hook DAEMONSET_NAME %q, want %q", env["DAEMONSET_NAME"], r.DaemonSet.Name)
+	}
+	sc, psc := c.SecurityContext, spec.SecurityContext
+	if sc == nil || psc == nil || psc.RunAsNonRoot == nil || !*psc.RunAsNonRoot || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||
+		sc.Capabilities == nil || len(sc.Capabilities.Add) > 0 || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Errorf("hook security context %+v (pod %+v): want non-root, no capabilities, no escalation, read-only root", sc, psc)
+	}
+	// Not a pod of the DaemonSet.
+	if sel := r.DaemonSet.Spec.Selector.MatchLabels; maps.Equal(sel, subset(j.Spec.Template.Labels, sel)) {
+		t.Errorf("hook pod labels %v match the DaemonSet's selector %v", j.Spec.Template.Labels, sel)
+	}
+	if d := j.Spec.ActiveDeadlineSeconds; d == nil || *d <= *r.DaemonSet.Spec.Template.Spec.TerminationGracePeriodSeconds {
+		t.Errorf("hook activeDeadlineSeconds %v: must outlast the pods' termination", d)
+	}
+}
+
 func checkRBAC(t *testing.T, r *rendered) {
 	t.Helper()
 	// Exactly the calls of pkg/source/kubernetes (see its package comment).
@@ -348,7 +398,8 @@ func checkRBAC(t *testing.T, r *rendered) {
 			want = append(want, rule{"", res, v, ""})
 		}
 	}
-	want = append(want, rule{"", "pods", "patch", ""})
+	// The annotation goes through pods/status: the status strategy keeps the spec.
+	want = append(want, rule{"", "pods/status", "patch", ""})
 	for _, v := range []string{"get", "list", "watch"} {
 		want = append(want, rule{"discovery.k8s.io", "endpointslices", v, ""})
 		want = append(want, rule{"node.k8s.io", "runtimeclasses", v, ""})
@@ -359,8 +410,8 @@ func checkRBAC(t *testing.T, r *rendered) {
 	if got := flatten(r.ClusterRole.Rules); !slices.Equal(got, want) {
 		t.Errorf("ClusterRole grants\n%v\nwant exactly\n%v", got, want)
 	}
-	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
-		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet, read-only)", got, want)
+	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "delete", r.DaemonSet.Name}, {"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
+		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet: read by node-setup, deleted by the pre-delete hook)", got, want)
 	}
 	for _, rl := range slices.Concat(r.ClusterRole.Rules, r.Role.Rules) {
 		for _, list := range [][]string{rl.APIGroups, rl.Resources, rl.Verbs, rl.ResourceNames} {

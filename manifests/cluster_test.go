@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -115,6 +116,8 @@ func apply(t *testing.T, client kubernetes.Interface, dyn dynamic.Interface, r *
 	check("RoleBinding", err)
 	_, err = client.AppsV1().DaemonSets(releaseNamespace).Create(ctx, r.DaemonSet, opts)
 	check("DaemonSet", err)
+	_, err = client.BatchV1().Jobs(releaseNamespace).Create(ctx, r.UninstallJob, opts)
+	check("pre-delete hook Job", err)
 	if pa := r.PeerAuthentication; pa != nil {
 		obj, err := runtime.DefaultUnstructuredConverter.ToUnstructured(pa)
 		if err != nil {
@@ -215,6 +218,14 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	}
 	for what, call := range map[string]func() error{
 		"delete a pod": func() error { return agentClient.CoreV1().Pods("apps").Delete(ctx, "web", metav1.DeleteOptions{}) },
+		"patch a pod itself (its spec)": func() error {
+			_, err := agentClient.CoreV1().Pods("apps").Patch(ctx, "web", k8stypes.MergePatchType,
+				[]byte(`{"spec":{"containers":[{"name":"web","image":"evil"}]}}`), metav1.PatchOptions{})
+			return err
+		},
+		"delete another DaemonSet": func() error {
+			return agentClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, "kube-proxy", metav1.DeleteOptions{})
+		},
 		"read secrets": func() error {
 			_, err := agentClient.CoreV1().Secrets(releaseNamespace).List(ctx, metav1.ListOptions{})
 			return err
@@ -240,8 +251,12 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 			t.Errorf("%s as the agent: %v, want forbidden", what, err)
 		}
 	}
-	// node-setup's one read: its own DaemonSet.
+	// node-setup's one read: its own DaemonSet; the pre-delete hook's one write: deleting it.
 	if _, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, r.DaemonSet.Name, metav1.GetOptions{}); err != nil {
 		t.Errorf("node-setup cannot read its DaemonSet: %v", err)
+	}
+	if err := agentClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name,
+		metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+		t.Errorf("the pre-delete hook cannot delete its DaemonSet: %v", err)
 	}
 }

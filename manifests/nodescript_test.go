@@ -305,18 +305,53 @@ func TestNodeScriptPicksTheRuntimesConf(t *testing.T) {
 // and body, over TLS, and writes the service-account files the script reads.
 func fakeAPI(t *testing.T, n *nodeEnv, status int, body string) *int {
 	t.Helper()
+	return fakeAPISeq(t, n, apiAnswer{status, body}).gets
+}
+
+// apiAnswer is one answer of the fake API server; status 0 means no answer (the request
+// hangs past the script's 5 s timeout).
+type apiAnswer struct {
+	status int
+	body   string
+}
+
+// fakeCalls counts the requests the fake API server got.
+type fakeCalls struct {
+	gets    *int
+	deletes []string // the bodies of DELETE requests
+}
+
+// fakeAPISeq is fakeAPI answering GETs with answers in turn, the last one from then on. A
+// DELETE is answered 200 and recorded.
+func fakeAPISeq(t *testing.T, n *nodeEnv, answers ...apiAnswer) *fakeCalls {
+	t.Helper()
 	if _, err := exec.LookPath("curl"); err != nil {
 		t.Skip("redirector-node on-exit needs curl, which is not installed here (the image has it)")
 	}
-	calls := new(int)
+	calls := &fakeCalls{gets: new(int)}
 	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		*calls++
 		if r.URL.Path != "/apis/apps/v1/namespaces/istio-system/daemonsets/redirector" || r.Header.Get("Authorization") != "Bearer secret-token" {
 			http.Error(w, "unexpected "+r.URL.Path+" "+r.Header.Get("Authorization"), http.StatusTeapot)
 			return
 		}
-		w.WriteHeader(status)
-		_, _ = w.Write([]byte(body))
+		if r.Method == http.MethodDelete {
+			b := new(bytes.Buffer)
+			_, _ = b.ReadFrom(r.Body)
+			calls.deletes = append(calls.deletes, b.String())
+			_, _ = w.Write([]byte(`{"kind":"DaemonSet"}`))
+			return
+		}
+		a := answers[min(*calls.gets, len(answers)-1)]
+		*calls.gets++
+		if a.status == 0 {
+			select {
+			case <-r.Context().Done():
+			case <-time.After(10 * time.Second):
+			}
+			return
+		}
+		w.WriteHeader(a.status)
+		_, _ = w.Write([]byte(a.body))
 	}))
 	t.Cleanup(srv.Close)
 	sa := n.env["SA_DIR"]
@@ -329,30 +364,44 @@ func fakeAPI(t *testing.T, n *nodeEnv, status int, body string) *int {
 	// The certificate is for 127.0.0.1, as an in-cluster one is for the Service address.
 	n.env["KUBERNETES_SERVICE_HOST"] = u.Hostname()
 	n.env["KUBERNETES_SERVICE_PORT"] = u.Port()
+	n.env["ON_EXIT_RETRY_SECONDS"] = "2" // one retry: tests stay short
 	return calls
 }
 
+// TestNodeScriptOnExit: the node is undone only when the API server confirms the DaemonSet
+// is gone (404) or being deleted; never on an error, a refusal or no answer, which is what an
+// API server hiccup during a restart looks like.
 func TestNodeScriptOnExit(t *testing.T) {
+	const (
+		alive    = `{"metadata":{"name":"redirector"}}`
+		deleting = `{"metadata":{"name":"redirector","deletionTimestamp":"2026-01-01T00:00:00Z"}}`
+	)
 	for _, tc := range []struct {
 		name    string
-		status  int
-		body    string
+		answers []apiAnswer
 		cleanUp bool
+		gets    int
 	}{
-		{"restart or upgrade: the DaemonSet stays", 200, `{"metadata":{"name":"redirector"}}`, false},
-		{"foreground deletion of the DaemonSet", 200, `{"metadata":{"name":"redirector","deletionTimestamp":"2026-01-01T00:00:00Z"}}`, true},
-		{"the DaemonSet is gone", 404, `{"kind":"Status","code":404}`, true},
-		{"helm uninstall removed the RBAC first", 403, `{"kind":"Status","code":403}`, true},
+		{"restart or upgrade: the DaemonSet stays", []apiAnswer{{200, alive}}, false, 1},
+		{"foreground deletion of the DaemonSet", []apiAnswer{{200, deleting}}, true, 1},
+		{"the DaemonSet is gone", []apiAnswer{{404, `{"kind":"Status","code":404}`}}, true, 1},
+		{"forbidden is not gone", []apiAnswer{{403, `{"kind":"Status","code":403}`}}, false, 2},
+		{"unauthorized is not gone", []apiAnswer{{401, `{"kind":"Status","code":401}`}}, false, 2},
+		{"a server error is not gone", []apiAnswer{{503, `{"kind":"Status","code":503}`}}, false, 2},
+		{"200 that is not a DaemonSet", []apiAnswer{{200, `<html>proxy</html>`}}, false, 2},
+		{"a hiccup, then alive", []apiAnswer{{500, `{}`}, {200, alive}}, false, 2},
+		{"a hiccup, then gone", []apiAnswer{{503, `{}`}, {404, `{}`}}, true, 2},
+		{"a timeout is not gone", []apiAnswer{{0, ""}}, false, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			n := newNodeEnv(t)
-			calls := fakeAPI(t, n, tc.status, tc.body)
+			calls := fakeAPISeq(t, n, tc.answers...)
 			n.write(filepath.Join(n.confDir, "10-kindnet.conflist"), primaryConf, 0o644)
 			n.mustRun("install-cni")
 
 			out := n.mustRun("on-exit")
-			if *calls != 1 {
-				t.Errorf("the script asked the API server %d times, want 1:\n%s", *calls, out)
+			if *calls.gets != tc.gets {
+				t.Errorf("the script asked the API server %d times, want %d:\n%s", *calls.gets, tc.gets, out)
 			}
 			uninstalled, _ := os.ReadFile(n.redirectorCalls)
 			plugins, _ := n.plugins("10-kindnet.conflist")
@@ -362,21 +411,46 @@ func TestNodeScriptOnExit(t *testing.T) {
 					t.Errorf("no clean-up: redirector calls %q, still chained %v\n%s", uninstalled, chained, out)
 				}
 			} else if len(uninstalled) > 0 || !chained {
-				t.Errorf("cleaned up on a restart: redirector calls %q, chained %v\n%s", uninstalled, chained, out)
+				t.Errorf("cleaned up without the API server's word: redirector calls %q, chained %v\n%s", uninstalled, chained, out)
 			}
 		})
 	}
 }
 
-// TestNodeScriptUnreachableAPI: without an answer the node is cleaned up, since pinned
-// redirection without an agent would cut the enrolled pods off.
+// TestNodeScriptUnreachableAPI: without an answer the node stays as it is: an API server
+// that does not answer says nothing about the DaemonSet.
 func TestNodeScriptUnreachableAPI(t *testing.T) {
 	n := newNodeEnv(t)
 	n.env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
 	n.env["KUBERNETES_SERVICE_PORT"] = "1" // nothing listens there
-	n.mustRun("on-exit")
-	if got, _ := os.ReadFile(n.redirectorCalls); string(got) != "uninstall\n" {
-		t.Errorf("redirector calls %q, want uninstall", got)
+	n.env["ON_EXIT_RETRY_SECONDS"] = "2"
+	out := n.mustRun("on-exit")
+	if got, _ := os.ReadFile(n.redirectorCalls); len(got) > 0 {
+		t.Errorf("redirector calls %q, want none", got)
+	}
+	if !strings.Contains(out, "leaving the CNI plugin and redirection in place") {
+		t.Errorf("on-exit does not say it left the node as it is:\n%s", out)
+	}
+}
+
+// TestNodeScriptDeleteDaemonSet: the pre-delete hook deletes the DaemonSet in the foreground
+// and returns once the API server says it is gone.
+func TestNodeScriptDeleteDaemonSet(t *testing.T) {
+	n := newNodeEnv(t)
+	calls := fakeAPISeq(t, n, apiAnswer{200, `{"metadata":{"deletionTimestamp":"2026-01-01T00:00:00Z"}}`}, apiAnswer{404, `{}`})
+	out := n.mustRun("delete-daemonset")
+	if len(calls.deletes) != 1 || !strings.Contains(calls.deletes[0], `"propagationPolicy":"Foreground"`) {
+		t.Errorf("DELETE bodies %q, want one with propagationPolicy Foreground\n%s", calls.deletes, out)
+	}
+	if *calls.gets != 2 {
+		t.Errorf("%d GETs, want 2 (deleting, then gone)\n%s", *calls.gets, out)
+	}
+
+	n = newNodeEnv(t)
+	fakeAPISeq(t, n, apiAnswer{200, `{"metadata":{"deletionTimestamp":"2026-01-01T00:00:00Z"}}`})
+	n.env["DELETE_TIMEOUT_SECONDS"] = "2"
+	if out, code := n.run("delete-daemonset"); code == 0 {
+		t.Errorf("delete-daemonset succeeded while the DaemonSet stayed:\n%s", out)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"helm.sh/helm/v3/pkg/releaseutil"
 	"helm.sh/helm/v3/pkg/strvals"
 	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -54,6 +55,7 @@ type rendered struct {
 	Role               *rbacv1.Role
 	RoleBinding        *rbacv1.RoleBinding
 	PeerAuthentication *peerAuthentication
+	UninstallJob       *batchv1.Job // the pre-delete hook
 	Notes              string
 	Manifest           string // the whole rendered manifest, for failure messages
 }
@@ -116,10 +118,13 @@ func render(t *testing.T, o renderOpts) (*rendered, error) {
 	if err != nil {
 		return nil, err
 	}
-	if len(rel.Hooks) > 0 {
-		t.Errorf("the chart has %d hooks; decode and test them", len(rel.Hooks))
-	}
 	r := &rendered{Notes: rel.Info.Notes, Manifest: rel.Manifest}
+	for _, h := range rel.Hooks {
+		if err := r.add(h.Manifest); err != nil {
+			t.Fatalf("hook %s: %v\n---\n%s", h.Name, err, h.Manifest)
+		}
+		r.Manifest += "\n---\n" + h.Manifest
+	}
 	docs := releaseutil.SplitManifests(rel.Manifest)
 	keys := make([]string, 0, len(docs))
 	for k := range docs {
@@ -160,6 +165,7 @@ func (r *rendered) add(doc string) error {
 		"rbac.authorization.k8s.io/v1/Role":               func() error { return strictNew(doc, &r.Role) },
 		"rbac.authorization.k8s.io/v1/RoleBinding":        func() error { return strictNew(doc, &r.RoleBinding) },
 		"security.istio.io/v1/PeerAuthentication":         func() error { return strictNew(doc, &r.PeerAuthentication) },
+		"batch/v1/Job":                                    func() error { return strictNew(doc, &r.UninstallJob) },
 	}[tm.APIVersion+"/"+tm.Kind]
 	if decode == nil {
 		return fmt.Errorf("unexpected object %s %s", tm.APIVersion, tm.Kind)

@@ -1,0 +1,97 @@
+package bpf
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/vishvananda/netlink"
+)
+
+// timeWaitPair leaves a TIME_WAIT socket on the server side of a loopback
+// connection to port (the server closes first, as the tunnel does towards an
+// app) and returns the client's address: the 4-tuple a new SYN from that
+// address would reuse.
+func timeWaitPair(network, laddr, daddr string) (netip.AddrPort, error) {
+	l, err := net.Listen(network, laddr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	defer l.Close()
+	c, err := net.Dial(network, daddr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	s, err := l.Accept()
+	if err != nil {
+		c.Close()
+		return netip.AddrPort{}, err
+	}
+	s.Close() // the server's FIN first: its socket ends in TIME_WAIT
+	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		c.Close()
+		return netip.AddrPort{}, fmt.Errorf("wait for the server's FIN: %w", err)
+	}
+	c.Close()
+	time.Sleep(50 * time.Millisecond) // the last ACK reaches the server socket
+	return netip.MustParseAddrPort(c.LocalAddr().String()), nil
+}
+
+// TestCaptureSYNMeetsTimeWait: a re-injected SYN whose 4-tuple has a
+// TIME_WAIT socket (the tunnel's app-facing socket of the previous
+// connection on that source port) is turned into the RST that ends that
+// socket, a clone of it is queued again, and it is counted as
+// in_syn_timewait. Before the fix such SYNs were assigned to the listener,
+// whose request collided with the TIME_WAIT entry and was dropped silently
+// (issue 15).
+func TestCaptureSYNMeetsTimeWait(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	inNewNetNS(t, func() {
+		lo, err := netlink.LinkByName("lo")
+		if err == nil {
+			err = netlink.LinkSetUp(lo)
+		}
+		if err != nil {
+			t.Errorf("loopback up: %v", err)
+			return
+		}
+		for _, fam := range []struct{ name, network, laddr, daddr string }{
+			{"ipv4 socket", "tcp4", "127.0.0.1:8080", "127.0.0.1:8080"},
+			{"ipv4-mapped on an ipv6 socket", "tcp", "[::]:8081", "127.0.0.1:8081"},
+			{"ipv6", "tcp6", "[::1]:8082", "[::1]:8082"},
+		} {
+			client, err := timeWaitPair(fam.network, fam.laddr, fam.daddr)
+			if err != nil {
+				t.Errorf("%s: %v", fam.name, err)
+				continue
+			}
+			server := netip.MustParseAddrPort(fam.daddr)
+			src, dst := client.Addr().Unmap(), server.Addr()
+			enroll(t, objs.RdPods, 1, src)
+			var pkt []byte
+			seg := tcpHdr(client.Port(), server.Port(), fSYN, synOpts...)
+			if src.Is4() {
+				pkt = ip4(src, dst, pTCP, 0x4000, seg)
+			} else {
+				pkt = ip6(src, dst, nil, pTCP, seg)
+			}
+			before := reasonCounts(t, objs.RdReasons)
+			got, err := objs.RdPodIngress.Run(&ebpf.RunOptions{Data: pkt, Context: skbCtx{Mark: 0x111}})
+			if err != nil {
+				t.Errorf("%s: run: %v", fam.name, err)
+				continue
+			}
+			after := reasonCounts(t, objs.RdReasons)
+			if got != actOK || after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]-before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT] != 1 {
+				t.Errorf("%s: verdict %d, in_syn_timewait counted %d times; want TC_ACT_OK and once", fam.name, int32(got),
+					after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]-before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT])
+			}
+		}
+	})
+}

@@ -1,0 +1,342 @@
+package netnstest
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+const strictMesh = `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`
+
+// hostileAppPort is where the server pod's recording app listens.
+const hostileAppPort = 9000
+
+// TestHostileExtensionHeadersUnderStrict: an unmeshed pod that puts IPv6
+// extension headers on its socket must not reach a STRICT pod's app in
+// plaintext, whatever the header. Before the fix, the pod-side programs
+// passed every packet with an extension header (issue 14).
+func TestHostileExtensionHeadersUnderStrict(t *testing.T) {
+	ms, _, server, plain := meshed(t, strictMesh)
+	app := recordingApp(t, server, hostileAppPort)
+	dst := netip.AddrPortFrom(server.IPv6, hostileAppPort)
+
+	// The programs are in place once a plain connection is refused.
+	WaitRefused(t, plain, URL(server.IPv4, 8080), 10*time.Second)
+
+	for _, opt := range hostileIPv6Options() {
+		t.Run(opt.name, func(t *testing.T) {
+			err := dialWithIPv6Option(plain, dst, opt, "hostile-"+opt.name)
+			if errors.Is(err, errOptionRefused) {
+				t.Logf("the kernel refuses %s on a socket: %v (the BPF table test covers this header)", opt.name, err)
+				return
+			}
+			t.Logf("plaintext dial with %s: %v", opt.name, err)
+		})
+	}
+	time.Sleep(500 * time.Millisecond)
+	if got := app.from(plain.IPv6); len(got) > 0 {
+		t.Errorf("the STRICT pod's app accepted %d plaintext connections from the unmeshed pod with extension headers: %q", len(got), got)
+	}
+	_ = ms
+}
+
+// TestHostileFragmentedSYN: a SYN whose TCP header is split over two IPv4
+// fragments, sent from a raw socket of an unmeshed pod, is dropped before any
+// listener sees it. Before the fix the programs passed both fragments, the
+// stack reassembled them and the STRICT pod's app answered.
+func TestHostileFragmentedSYN(t *testing.T) {
+	ms, _, server, plain := meshed(t, strictMesh)
+	recordingApp(t, server, hostileAppPort)
+	WaitRefused(t, plain, URL(server.IPv4, 8080), 10*time.Second)
+
+	before := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
+	synack, err := fragmentedSYN(plain, server.IPv4, hostileAppPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if synack {
+		t.Error("a listener in the STRICT pod answered a SYN sent in two fragments: the fragments passed the capture")
+	}
+	after := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
+	if after-before < 2 {
+		t.Errorf("drop_fragment grew by %v on the server's node, want >= 2 (both fragments)", after-before)
+	}
+}
+
+// TestHostileMeshedExtensionHeaderNoPlaintext: a meshed pod's connection
+// whose packets carry a destination options header is captured like any
+// other: it reaches the app through the tunnel and never crosses the wire in
+// plaintext. Before the fix it left the node as plaintext.
+func TestHostileMeshedExtensionHeaderNoPlaintext(t *testing.T) {
+	ms, client, server, _ := meshed(t, strictMesh)
+	app := recordingApp(t, server, hostileAppPort)
+	dst := netip.AddrPortFrom(server.IPv6, hostileAppPort)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+
+	stop := capture(t, client.Node.Path(), "uplink")
+	const marker = "meshed-exthdr-marker-41c2"
+	var opt ipv6Option
+	for _, o := range hostileIPv6Options() {
+		if o.name == "IPV6_DSTOPTS" {
+			opt = o
+		}
+	}
+	Eventually(t, 10*time.Second, func() error {
+		if err := dialWithIPv6Option(client, dst, opt, marker); err != nil {
+			return err
+		}
+		if got := app.received(marker); !got {
+			return fmt.Errorf("the app has not received the marker yet")
+		}
+		return nil
+	})
+	wire := stop()
+	if bytes.Contains(wire, []byte(marker)) {
+		t.Error("a meshed pod's connection with a destination options header crossed the wire in plaintext")
+	}
+	if got := app.from(client.IPv6); len(got) == 0 {
+		t.Error("the app saw no connection from the client pod's own address")
+	}
+	_ = ms
+}
+
+// recorder is an app that remembers every connection it accepted and what
+// each sent first.
+type recorder struct {
+	mu    sync.Mutex
+	peers []netip.Addr
+	data  []string
+}
+
+func recordingApp(t *testing.T, p *Pod, port int) *recorder {
+	r := &recorder{}
+	ServeTCP(t, p, port, func(c net.Conn) {
+		ap, _ := netip.ParseAddrPort(c.RemoteAddr().String())
+		c.SetReadDeadline(time.Now().Add(3 * time.Second))
+		buf := make([]byte, 256)
+		n, _ := c.Read(buf)
+		r.mu.Lock()
+		r.peers = append(r.peers, ap.Addr().Unmap())
+		r.data = append(r.data, string(buf[:n]))
+		r.mu.Unlock()
+		c.Write([]byte("app\n"))
+	})
+	return r
+}
+
+// from lists what connections from a sent.
+func (r *recorder) from(a netip.Addr) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []string
+	for i, p := range r.peers {
+		if p == a {
+			out = append(out, r.data[i])
+		}
+	}
+	return out
+}
+
+func (r *recorder) received(s string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, d := range r.data {
+		if strings.Contains(d, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// ipv6Option is a sticky IPv6 socket option that adds an extension header
+// to every packet of the socket.
+type ipv6Option struct {
+	name  string
+	opts  []int    // setsockopt(IPPROTO_IPV6, opt) calls, in order
+	value [][]byte // their values
+}
+
+var errOptionRefused = errors.New("socket option refused")
+
+// padOpts is an options header (hop-by-hop or destination) holding only a
+// PadN option: 8 bytes, the first (next header) filled in by the kernel.
+var padOpts = []byte{0, 0, 1, 4, 0, 0, 0, 0}
+
+// hostileIPv6Options are the extension headers an application can set on a
+// TCP socket. IPV6_RTHDRDSTOPTS is only sent together with a routing header,
+// and Linux accepts only a type 2 routing header on a socket (type 0 is
+// deprecated by RFC 5095), so that case sets both.
+func hostileIPv6Options() []ipv6Option {
+	return []ipv6Option{
+		{name: "IPV6_HOPOPTS", opts: []int{unix.IPV6_HOPOPTS}, value: [][]byte{padOpts}},
+		{name: "IPV6_DSTOPTS", opts: []int{unix.IPV6_DSTOPTS}, value: [][]byte{padOpts}},
+		{name: "IPV6_HOPOPTS+IPV6_DSTOPTS", opts: []int{unix.IPV6_HOPOPTS, unix.IPV6_DSTOPTS}, value: [][]byte{padOpts, padOpts}},
+		{name: "IPV6_RTHDR", opts: []int{unix.IPV6_RTHDR}, value: nil},
+		{name: "IPV6_RTHDRDSTOPTS+IPV6_RTHDR", opts: []int{unix.IPV6_RTHDRDSTOPTS, unix.IPV6_RTHDR}, value: nil},
+	}
+}
+
+// dialWithIPv6Option connects from pod p to dst with opt set on the socket
+// before connect, sends payload and waits briefly for an answer. The routing
+// header cases put dst itself in the type 2 header.
+func dialWithIPv6Option(p *Pod, dst netip.AddrPort, opt ipv6Option, payload string) error {
+	values := opt.value
+	if values == nil {
+		a := dst.Addr().As16()
+		rt := append([]byte{0, 2, 2, 1, 0, 0, 0, 0}, a[:]...)
+		for _, o := range opt.opts {
+			if o == unix.IPV6_RTHDR {
+				values = append(values, rt)
+			} else {
+				values = append(values, padOpts)
+			}
+		}
+	}
+	var setErr error
+	d := net.Dialer{Timeout: 3 * time.Second, Control: func(_, _ string, c syscall.RawConn) error {
+		err := c.Control(func(fd uintptr) {
+			for i, o := range opt.opts {
+				if err := unix.SetsockoptString(int(fd), unix.IPPROTO_IPV6, o, string(values[i])); err != nil {
+					setErr = fmt.Errorf("%w: %s: %v", errOptionRefused, opt.name, err)
+					return
+				}
+			}
+		})
+		if err != nil {
+			return err
+		}
+		return setErr
+	}}
+	var conn net.Conn
+	err := netns.Do(p.Path(), func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		var err error
+		conn, err = d.DialContext(ctx, "tcp6", dst.String())
+		return err
+	})
+	if setErr != nil {
+		return setErr
+	}
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := conn.Write([]byte(payload)); err != nil {
+		return err
+	}
+	buf := make([]byte, 16)
+	_, err = conn.Read(buf)
+	return err
+}
+
+// fragmentedSYN sends, from a raw socket in pod p, a TCP SYN to dst:port
+// split into two IPv4 fragments (8 bytes of TCP header in the first, 12 in
+// the second) and reports whether a SYN-ACK came back within 3 s.
+func fragmentedSYN(p *Pod, dst netip.Addr, port uint16) (synack bool, err error) {
+	err = netns.Do(p.Path(), func() error {
+		src := p.IPv4
+		const sport = 40404
+		tcp := make([]byte, 20)
+		binary.BigEndian.PutUint16(tcp[0:], sport)
+		binary.BigEndian.PutUint16(tcp[2:], port)
+		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
+		tcp[12] = 5 << 4
+		tcp[13] = 0x02 // SYN
+		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		binary.BigEndian.PutUint16(tcp[16:], tcpChecksum4(src, dst, tcp))
+
+		send, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_RAW)
+		if err != nil {
+			return fmt.Errorf("raw socket: %w", err)
+		}
+		defer unix.Close(send)
+		recv, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_TCP)
+		if err != nil {
+			return fmt.Errorf("raw tcp socket: %w", err)
+		}
+		defer unix.Close(recv)
+		sa := &unix.SockaddrInet4{Addr: dst.As4()}
+		for _, frag := range []struct {
+			off     uint16 // in 8-byte units
+			more    bool
+			payload []byte
+		}{{0, true, tcp[:8]}, {1, false, tcp[8:]}} {
+			ip := make([]byte, 20)
+			ip[0] = 0x45
+			binary.BigEndian.PutUint16(ip[2:], uint16(20+len(frag.payload)))
+			binary.BigEndian.PutUint16(ip[4:], 0x4242)
+			fo := frag.off
+			if frag.more {
+				fo |= 0x2000
+			}
+			binary.BigEndian.PutUint16(ip[6:], fo)
+			ip[8] = 64
+			ip[9] = unix.IPPROTO_TCP
+			s4, d4 := src.As4(), dst.As4()
+			copy(ip[12:], s4[:])
+			copy(ip[16:], d4[:])
+			if err := unix.Sendto(send, append(ip, frag.payload...), 0, sa); err != nil {
+				return fmt.Errorf("send fragment: %w", err)
+			}
+		}
+		tv := unix.NsecToTimeval(int64(300 * time.Millisecond))
+		unix.SetsockoptTimeval(recv, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+		deadline := time.Now().Add(3 * time.Second)
+		buf := make([]byte, 1500)
+		for time.Now().Before(deadline) {
+			n, _, err := unix.Recvfrom(recv, buf, 0)
+			if err != nil {
+				continue
+			}
+			pkt := buf[:n]
+			ihl := int(pkt[0]&0xf) * 4
+			if n < ihl+20 || !bytes.Equal(pkt[12:16], dst.AsSlice()) {
+				continue
+			}
+			th := pkt[ihl:]
+			if binary.BigEndian.Uint16(th[0:]) == port && binary.BigEndian.Uint16(th[2:]) == sport && th[13]&0x12 == 0x12 {
+				synack = true
+				return nil
+			}
+		}
+		return nil
+	})
+	return synack, err
+}
+
+func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {
+	var sum uint32
+	s, d := src.As4(), dst.As4()
+	pseudo := append(append(s[:], d[:]...), 0, unix.IPPROTO_TCP, byte(len(seg)>>8), byte(len(seg)))
+	for _, b := range [][]byte{pseudo, seg} {
+		for i := 0; i+1 < len(b); i += 2 {
+			sum += uint32(b[i])<<8 | uint32(b[i+1])
+		}
+		if len(b)%2 == 1 {
+			sum += uint32(b[len(b)-1]) << 8
+		}
+	}
+	for sum > 0xffff {
+		sum = sum>>16 + sum&0xffff
+	}
+	return ^uint16(sum)
+}

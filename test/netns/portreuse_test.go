@@ -1,0 +1,118 @@
+package netnstest
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// TestSourcePortReuse: a meshed client that makes short connections to one
+// destination reuses its source ports within seconds when its ephemeral range
+// is small. The tunnel's app-facing socket of the previous connection with
+// the same 4-tuple is then in TIME_WAIT in the client pod, and before the fix
+// the kernel refused the new connection's request (it collides with the
+// TIME_WAIT entry) and the SYN was lost without a trace until the entry
+// expired (issue 15). Every connection must succeed, and promptly.
+func TestSourcePortReuse(t *testing.T) {
+	const (
+		conns   = 2000
+		port    = 9001
+		slow    = 200 * time.Millisecond
+		maxFail = 20 // stop early: one failure is enough to fail, a few say how
+	)
+	ms, client, server, _ := meshed(t)
+	// The server answers and closes first, as an HTTP/1.0 server does: the
+	// client-side tunnel then closes towards the app first and keeps the
+	// TIME_WAIT entry in the client pod.
+	ServeTCP(t, server, port, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 64)
+		if _, err := c.Read(buf); err == nil {
+			c.Write([]byte("pong\n"))
+		}
+	})
+	ms.topo.sysctl(client.NS, "net.ipv4.ip_local_port_range", "40000 40015")
+	for _, fam := range []struct {
+		name string
+		addr netip.Addr
+	}{{"ipv4", server.IPv4}, {"ipv6", server.IPv6}} {
+		t.Run(fam.name, func(t *testing.T) {
+			dst := netip.AddrPortFrom(fam.addr, port).String()
+			Eventually(t, 10*time.Second, func() error { return reuseOnce(client, dst, time.Second, nil) })
+			before := metricSum(scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="in_syn_timewait"`)
+			var failures, slowConns int
+			var worst time.Duration
+			for i := 0; i < conns && failures < maxFail; i++ {
+				var took time.Duration
+				if err := reuseOnce(client, dst, 3*time.Second, &took); err != nil {
+					failures++
+					t.Logf("connection %d: %v", i, err)
+					continue
+				}
+				if took > worst {
+					worst = took
+				}
+				if took > slow {
+					slowConns++
+					t.Logf("connection %d: connect took %s", i, took)
+				}
+			}
+			t.Logf("slowest connect %s", worst)
+			// The test tests something only if ports were reused onto TIME_WAIT.
+			metrics := scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics")
+			reopened := metricSum(metrics, "redirector_bpf_packets_total", `reason="in_syn_timewait"`) - before
+			t.Logf("SYNs that reopened a TIME_WAIT tuple: %v", reopened)
+			if reopened == 0 && failures == 0 {
+				t.Error("no SYN met a TIME_WAIT socket: the ephemeral range was not narrow enough to reuse ports")
+			}
+			if failures > 0 || slowConns > 0 {
+				// What the client's node counted, and the client pod's sockets.
+				for _, line := range strings.Split(metrics, "\n") {
+					if strings.HasPrefix(line, "redirector_bpf_packets_total") && !strings.HasSuffix(line, " 0") {
+						t.Log(line)
+					}
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				out, _ := Exec(ctx, client.Path(), "ss", "-tan")
+				cancel()
+				t.Logf("client pod sockets:\n%s", out)
+				t.Errorf("%d failed and %d slow (> %s) connections with a 16-port ephemeral range, want none", failures, slowConns, slow)
+			}
+		})
+	}
+}
+
+// reuseOnce opens one connection from p to dst, exchanges a line and reads
+// until the server closes. took, if not nil, gets the connect time.
+func reuseOnce(p *Pod, dst string, timeout time.Duration, took *time.Duration) error {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	start := time.Now()
+	c, err := netns.Dial(ctx, p.Path(), "tcp", dst, netns.SocketOptions{})
+	if err != nil {
+		return fmt.Errorf("connect after %s: %w", time.Since(start).Round(time.Millisecond), err)
+	}
+	defer c.Close()
+	if took != nil {
+		*took = time.Since(start)
+	}
+	c.SetDeadline(time.Now().Add(timeout))
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		return fmt.Errorf("write: %w", err)
+	}
+	b, err := io.ReadAll(c)
+	if err != nil {
+		return fmt.Errorf("read: %w", err)
+	}
+	if string(b) != "pong\n" {
+		return fmt.Errorf("answer %q, want pong", b)
+	}
+	return nil
+}
