@@ -1,0 +1,149 @@
+package netnstest
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// openEcho opens a connection from p to dst (through the mesh when p is
+// enrolled) and checks that it echoes.
+func openEcho(t *testing.T, p *Pod, dst netip.AddrPort) net.Conn {
+	t.Helper()
+	var c net.Conn
+	Eventually(t, 10*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		var err error
+		if c, err = netns.Dial(ctx, p.Path(), "tcp", dst.String(), netns.SocketOptions{}); err != nil {
+			return err
+		}
+		if err := echoes(c, "hello"); err != nil {
+			c.Close()
+			return err
+		}
+		return nil
+	})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// echoes sends one line on c and expects it back within 3 s.
+func echoes(c net.Conn, line string) error {
+	_ = c.SetDeadline(time.Now().Add(3 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	if _, err := io.WriteString(c, line+"\n"); err != nil {
+		return err
+	}
+	got, err := bufio.NewReader(c).ReadString('\n')
+	if err != nil {
+		return err
+	}
+	if got != line+"\n" {
+		return fmt.Errorf("echoed %q, want %q", got, line)
+	}
+	return nil
+}
+
+// waitClosed waits for the peer to close or reset c; a read that times
+// out means the connection is still open.
+func waitClosed(c net.Conn, timeout time.Duration) error {
+	_ = c.SetReadDeadline(time.Now().Add(timeout))
+	buf := make([]byte, 64)
+	for {
+		_, err := c.Read(buf)
+		switch {
+		case err == nil:
+			continue
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return fmt.Errorf("still open after %v", timeout)
+		default:
+			return nil // EOF or reset: closed
+		}
+	}
+}
+
+// TestPolicyChangeClosesOpenConnections: an open connection that a new
+// AuthorizationPolicy or PeerAuthentication no longer allows is closed by
+// the destination's agent; connections still allowed stay open. Before the
+// fix, policies applied to new connections only, and the denied
+// connections stayed open for their life.
+func TestPolicyChangeClosesOpenConnections(t *testing.T) {
+	ms, client, server, plain := meshed(t)
+	ServeTCP(t, server, 9000, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	dst := netip.AddrPortFrom(server.IPv4, 9000)
+	meshedConn := openEcho(t, client, dst) // HBONE, as client-sa
+	plainConn := openEcho(t, plain, dst)   // plaintext, PERMISSIVE by default
+
+	// DENY client-sa: its open HBONE connection is closed, the plaintext
+	// one (no principal) stays.
+	deny := `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: deny-client, namespace: mesh}
+spec:
+  action: DENY
+  rules:
+  - from:
+    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	ms.rewrite(t, client, server, plain, deny)
+	if err := waitClosed(meshedConn, 10*time.Second); err != nil {
+		t.Errorf("meshed connection denied by the new policy: %v", err)
+	}
+	if err := echoes(plainConn, "still here"); err != nil {
+		t.Errorf("plaintext connection still allowed was broken: %v", err)
+	}
+	ms.agents[1].WaitLog(t, "no longer allows", 5*time.Second)
+	if log := ms.agents[1].Log(); !strings.Contains(log, "authorization=1") {
+		t.Errorf("the server's agent did not count one connection closed by authorization:\n%s", tail(log, 20))
+	}
+
+	// STRICT for the namespace: the plaintext connection is closed now,
+	// while a new meshed connection from another identity would pass.
+	strict := `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`
+	ms.rewrite(t, client, server, plain, deny, strict)
+	if err := waitClosed(plainConn, 10*time.Second); err != nil {
+		t.Errorf("plaintext connection under the new STRICT policy: %v", err)
+	}
+	ms.agents[1].WaitLog(t, "strict_plaintext=1", 5*time.Second)
+
+	// Removing the policies lets the client connect again.
+	ms.rewrite(t, client, server, plain)
+	again := openEcho(t, client, dst)
+	// An unrelated change (a new, non-matching DENY) leaves it open.
+	other := strings.ReplaceAll(deny, "client-sa", "someone-else")
+	loads := strings.Count(ms.agents[1].Log(), "loaded manifests")
+	ms.rewrite(t, client, server, plain, other)
+	Eventually(t, 10*time.Second, func() error {
+		if strings.Count(ms.agents[1].Log(), "loaded manifests") == loads {
+			return errors.New("the server's agent has not loaded the change yet")
+		}
+		return nil
+	})
+	time.Sleep(500 * time.Millisecond) // loaded, then applied by the agent's loop
+	if err := echoes(again, "after an unrelated change"); err != nil {
+		t.Errorf("connection still allowed was closed by an unrelated policy change: %v", err)
+	}
+}
+
+// tail returns the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
