@@ -94,6 +94,11 @@ func newCertManager(ctx context.Context, cfg agentConfig, log *slog.Logger) (*id
 		log.Info("certificates from the file CA on this node (standalone mode)", "dir", cfg.ca.dir, "trust_domain", ca.TrustDomain())
 		return m, m.Close, nil
 	}
+	// The token is re-read per request (the kubelet rotates it), but a
+	// missing one at start is a misconfiguration: say so now.
+	if _, err := os.Stat(cfg.ca.tokenFile); err != nil {
+		return nil, nil, fmt.Errorf("--ca-token-file (CA_TOKEN_FILE): %w (mount a projected service account token with audience istio-ca)", err)
+	}
 	bundle, err := identity.LoadBundle(cfg.ca.rootCert, cfg.trustDomain)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)

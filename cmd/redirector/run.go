@@ -67,7 +67,9 @@ type agentConfig struct {
 type runFlags struct {
 	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir *string
 	limits                                                                                                                                                                                                  func() (tunnel.Limits, error)
-	ca                                                                                                                                                                                                      caFlags
+
+	// ca: where certificates come from (ca.go).
+	ca caFlags
 }
 
 // runSettings registers the run settings; tests list them to check the README.

@@ -401,12 +401,16 @@ func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, error) 
 		return nil, ctx.Err()
 	}
 	defer func() { <-m.sem }()
-	ctx, cancel := context.WithTimeout(ctx, m.opts.RequestTimeout)
+	rctx, cancel := context.WithTimeout(ctx, m.opts.RequestTimeout)
 	defer cancel()
 	start := time.Now()
-	cert, err := m.opts.Signer.Sign(ctx, id, m.opts.TTL)
+	cert, err := m.opts.Signer.Sign(rctx, id, m.opts.TTL)
 	if err == nil {
 		err = m.check(id, cert)
+	}
+	if ctx.Err() != nil {
+		// Forgotten or closed meanwhile: not the CA's failure.
+		return nil, ctx.Err()
 	}
 	m.metrics.observe(time.Since(start), err)
 	if err != nil {
