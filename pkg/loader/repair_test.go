@@ -82,7 +82,7 @@ func TestLinkRepair(t *testing.T) {
 	dir := filepath.Join(root, "pods", itoa(pods[0].ID))
 	pins := []string{filepath.Join(dir, "ingress"), filepath.Join(dir, "egress")}
 	repairDone := make(chan struct{})
-	go func() { defer close(repairDone); rec.RepairLinks(ctx, 200*time.Millisecond) }()
+	go func() { defer close(repairDone); rec.RepairLinks(ctx, loader.LinkCheckPeriod) }()
 	defer func() { cancel(); <-repairDone }() // before l.Close
 
 	captured := func(when string) {
