@@ -145,10 +145,10 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
 	return bpf_probe_read_kernel(out, sizeof(*out), (void *)base) < 0 ? -1 : 0;
 }
 
-/* skb->priority of a SYN that clear_timewait queued again: if its tuple is
- * still in TIME_WAIT when it comes back, it is dropped rather than looped. A
- * sender that sets this priority itself only gets its own SYN dropped. */
-#define SYN_REQUEUED_PRIORITY 0x72640001
+/* PRIO_SYN_REQUEUED marks a SYN that clear_timewait queued again: if its
+ * tuple is still in TIME_WAIT when it comes back, it is dropped rather than
+ * looped. A sender that sets this priority itself only gets its own SYN
+ * dropped. */
 
 #define TCP_FLAGS_OFF 12 /* the 16-bit word of data offset and flags */
 #define TCP_SEQ_OFF 4
@@ -174,7 +174,7 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	__be16 old_flags, new_flags;
 	__u8 *fb = (__u8 *)&new_flags;
 
-	if (prio == SYN_REQUEUED_PRIORITY)
+	if (prio == PRIO_SYN_REQUEUED)
 		return REASON_DROP_SYN_TIMEWAIT;
 	if (tw_rcv_nxt(sk, &rcv_nxt) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
@@ -186,7 +186,7 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	new_flags = old_flags;
 	fb[1] = 0x04; /* RST only: no SYN, no ACK, no ECN bits */
 
-	skb->priority = SYN_REQUEUED_PRIORITY;
+	skb->priority = PRIO_SYN_REQUEUED;
 	if (bpf_clone_redirect(skb, skb->ifindex, BPF_F_INGRESS) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
 	skb->priority = prio;
@@ -363,6 +363,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  take_syn leaves to TCP or turns into a RST;
  *   TC_ACT_OK      after bpf_sk_assign of a new connection (SYN) to the
  *                  inbound plaintext listener;
+ *   TC_ACT_SHOT    a TCP packet from the probe SNAT address that the host
+ *                  veth program did not translate (no HASH_PROBE_SNAT);
  *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext. */
@@ -402,6 +404,11 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	}
 	if (is_probe_addr(&p.src)) {
+		/* only the host-veth program's translation makes a probe */
+		if (skb->hash != HASH_PROBE_SNAT) {
+			count(REASON_DROP_PROBE_SPOOFED, &p.dst, CNT_DROPPED);
+			return TC_ACT_SHOT;
+		}
 		count(REASON_IN_PASS_PROBE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}

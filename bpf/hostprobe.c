@@ -179,6 +179,8 @@ int rd_host_egress(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	}
 	count(ent.pod_id, CNT_SNAT);
+	/* tells the pod-side capture this source was given here */
+	bpf_set_hash(skb, HASH_PROBE_SNAT);
 	return TC_ACT_UNSPEC;
 }
 

@@ -64,6 +64,17 @@ enum verdict_reason {
 #define REASON_SLOTS 64
 _Static_assert(REASON_MAX <= REASON_SLOTS, "rd_reasons is too small for enum verdict_reason");
 
+/* skb->priority of a SYN clear_timewait queued again (capture.c). A value
+ * this large needs CAP_NET_ADMIN to set with SO_PRIORITY, and a sender that
+ * forges it only gets its own SYN dropped. */
+#define PRIO_SYN_REQUEUED 0x72640002
+
+/* skb->hash that rd_host_egress gives a packet it translated to the probe
+ * SNAT source, so the pod-side capture can tell it from a spoofed one: the
+ * hash survives the veth's crossing into the pod's namespace, where the mark
+ * and priority are reset, and no sender chooses its own packets' hash. */
+#define HASH_PROBE_SNAT 0x72640001
+
 #define POD_META_MAX_ADDRS 4
 
 /* How the programs were attached to a pod's interface. */
