@@ -10,6 +10,8 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -146,4 +148,122 @@ func tail(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
+}
+
+// TestPlaintextFloodBoundedAndQuiet: plaintext connections from one
+// client address beyond MAX_CONNECTIONS_PER_SOURCE are reset at accept and
+// counted, never reach the app; a flood of refused connections (STRICT)
+// is counted one by one but logged in a line or two, not one per
+// connection. Before the fix, the tunnel held every connection and wrote
+// one INFO line per refusal.
+func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
+	const perSource = 20
+	var client, server, plain *Pod
+	ms := newMeshWith(t, []string{"--max-connections-per-source", fmt.Sprint(perSource)}, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server = tp.Nodes[1].AddPod("server")
+		plain = tp.Nodes[0].AddPod("plain")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(client, "mesh", "client-sa", "app=client").
+			Pod(server, "mesh", "server-sa", "app=server").
+			Pod(plain, "plain", "default")
+	})
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	var appConns atomic.Int64
+	ServeTCP(t, server, 9000, func(c net.Conn) { appConns.Add(1); _, _ = io.Copy(c, c) })
+	dst := netip.AddrPortFrom(server.IPv4, 9000)
+	openEcho(t, plain, dst).Close()
+	Eventually(t, 5*time.Second, func() error {
+		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="inbound"`); n != 0 {
+			return fmt.Errorf("%v inbound connections still open", n)
+		}
+		return nil
+	})
+	appConns.Store(0)
+
+	// Twice the per-source limit, all held open. A refused connection is
+	// reset so soon that its connect may already fail.
+	var conns []net.Conn
+	defer func() {
+		for _, c := range conns {
+			c.Close()
+		}
+	}()
+	for range 2 * perSource {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		c, err := netns.Dial(ctx, plain.Path(), "tcp", dst.String(), netns.SocketOptions{})
+		cancel()
+		switch {
+		case err == nil:
+			conns = append(conns, c)
+		case !errors.Is(err, syscall.ECONNRESET):
+			t.Fatalf("connect: %v", err)
+		}
+	}
+	ok := 0
+	for i, c := range conns {
+		if err := echoes(c, fmt.Sprint("conn ", i)); err == nil {
+			ok++
+		}
+	}
+	if ok != perSource || appConns.Load() != perSource {
+		t.Errorf("%d connections echo and the app saw %d, want %d each (the per-source limit)", ok, appConns.Load(), perSource)
+	}
+	text := scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics")
+	if got := metricSum(text, "redirector_tunnel_refused_connections_total", `listener="inbound"`, `limit="source"`); got != perSource {
+		t.Errorf("refused{inbound,source} = %v, want %d", got, perSource)
+	}
+	if got := metricSum(text, "redirector_tunnel_open_connections", `listener="inbound"`); got != perSource {
+		t.Errorf("open inbound connections = %v, want %d", got, perSource)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	conns = nil
+	Eventually(t, 5*time.Second, func() error {
+		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="inbound"`); n != 0 {
+			return fmt.Errorf("%v inbound connections still open after the client closed them", n)
+		}
+		return nil
+	})
+
+	// STRICT: a flood of refused plaintext connections.
+	strict := `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`
+	ms.rewrite(t, client, server, plain, strict)
+	WaitRefused(t, plain, URL(server.IPv4, 9000), 10*time.Second)
+	denials := func() float64 {
+		return metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_policy_denials_total", `reason="strict_plaintext"`)
+	}
+	before := denials()
+	const flood = 300
+	refused := 0
+	for range flood {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		c, err := netns.Dial(ctx, plain.Path(), "tcp", dst.String(), netns.SocketOptions{})
+		cancel()
+		switch {
+		case err == nil:
+			if waitClosed(c, 3*time.Second) == nil {
+				refused++
+			}
+			c.Close()
+		case errors.Is(err, syscall.ECONNRESET):
+			refused++
+		}
+	}
+	if refused < flood*9/10 {
+		t.Errorf("only %d of %d connections were accepted and then refused", refused, flood)
+	}
+	// A reset connect may also come from elsewhere (a reused source port:
+	// issue 15), so the count is checked against most of the flood.
+	if got := denials() - before; got < flood*9/10 {
+		t.Errorf("strict_plaintext denials grew by %v during a flood of %d refused connections", got, refused)
+	}
+	if lines := strings.Count(ms.agents[1].Log(), `msg="plaintext connection refused: mTLS is STRICT"`); lines > 3 {
+		t.Errorf("%d log lines for %d refused connections, want a few (rate-limited)", lines, refused)
+	}
 }
