@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -465,5 +466,54 @@ func TestPeerDialErrorHidesPaths(t *testing.T) {
 	}
 	if got := peerDialError(fmt.Errorf("x: %w", syscall.ECONNREFUSED)); got != "connection refused" {
 		t.Errorf("peerDialError(ECONNREFUSED) = %q", got)
+	}
+}
+
+// Every socket the tunnel holds gets keepalive and TCP_USER_TIMEOUT.
+func TestTuneSocket(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	kl := keepaliveListener{l}
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := kl.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	d, err := net.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	tuneSocket(d)
+	a := <-accepted
+	defer a.Close()
+	for name, c := range map[string]net.Conn{"dialled": d, "accepted": a} {
+		rc, err := c.(*net.TCPConn).SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]int{}
+		_ = rc.Control(func(fd uintptr) {
+			for opt, v := range map[string][2]int{
+				"SO_KEEPALIVE":     {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+				"TCP_KEEPIDLE":     {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+				"TCP_KEEPINTVL":    {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+				"TCP_KEEPCNT":      {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+				"TCP_USER_TIMEOUT": {unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT},
+			} {
+				got[opt], _ = unix.GetsockoptInt(int(fd), v[0], v[1])
+			}
+		})
+		want := map[string]int{"SO_KEEPALIVE": 1, "TCP_KEEPIDLE": 180, "TCP_KEEPINTVL": 20, "TCP_KEEPCNT": 6, "TCP_USER_TIMEOUT": 300_000}
+		for opt, w := range want {
+			if got[opt] != w {
+				t.Errorf("%s socket: %s = %d, want %d", name, opt, got[opt], w)
+			}
+		}
 	}
 }
