@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -111,6 +112,16 @@ func TestIstiodIdentity(t *testing.T) {
 		t.Errorf("db-sa last error %q, want istiod's Unauthenticated refusal", c.LastError)
 	}
 	node1.WaitLog(t, "reason=unauthenticated", 5*time.Second)
+	// As an operator sees it.
+	inspect, err := Exec(ctx, tp.Nodes[0].Path(), redirectorBin(), "inspect", "certs")
+	if err != nil {
+		t.Fatalf("inspect certs: %v: %s", err, inspect)
+	}
+	for _, want := range []string{regexp.QuoteMeta(clientID) + ` +valid +istiod:`, regexp.QuoteMeta(dbID) + ` +failing .*Unauthenticated`} {
+		if !regexp.MustCompile(want).Match(inspect) {
+			t.Errorf("inspect certs lacks %q:\n%s", want, inspect)
+		}
+	}
 	if v := metric(t, node1, `redirector_ca_request_failures_total{reason="unauthenticated"}`); v < 1 {
 		t.Errorf("unauthenticated failures counted %v, want >= 1", v)
 	}
