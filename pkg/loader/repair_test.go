@@ -21,13 +21,15 @@ import (
 // recordServer is a loader.PodServer that only records which pods it
 // serves; the test opens the listeners itself.
 type recordServer struct {
-	mu   sync.Mutex
-	pods map[string]bool
+	mu    sync.Mutex
+	pods  map[string]bool
+	calls int // ServePod calls: a reconcile makes one per pod it works on
 }
 
 func (s *recordServer) ServePod(_ context.Context, uid, _ string, _ []netip.Addr) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.calls++
 	if s.pods == nil {
 		s.pods = map[string]bool{}
 	}
@@ -153,3 +155,46 @@ func TestLinkRepair(t *testing.T) {
 }
 
 func itoa(id uint32) string { return strconv.FormatUint(uint64(id), 10) }
+
+// TestReconcileRepairsOnlyDrift: a full reconcile with nothing drifted
+// works on no pod (before, every full pass attached every pod again); a
+// missing enrollment entry or a removed link pin is repaired on the next
+// pass, for that pod only.
+func TestReconcileRepairsOnlyDrift(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	ctx := context.Background()
+	l := load(t, tempBPFFS(t))
+	defer l.Close()
+	srv := &recordServer{}
+	rec := loader.NewReconciler(l, srv, netns.DefaultFinder(), nil)
+	want := []loader.Pod{podOf(a, true), podOf(b, true)}
+	want[1].NetNS = "" // found by address
+	if res := rec.Reconcile(ctx, want, true); len(res.Errors) > 0 || len(res.Attached) != 2 {
+		t.Fatalf("first reconcile: %+v", res)
+	}
+	calls := func() int { srv.mu.Lock(); defer srv.mu.Unlock(); n := srv.calls; srv.calls = 0; return n }
+	calls()
+	for _, full := range []bool{true, false} {
+		if res := rec.Reconcile(ctx, want, full); len(res.Errors) > 0 || len(res.Attached)+len(res.Repaired)+len(res.Detached) != 0 {
+			t.Fatalf("reconcile (full %v) with nothing drifted: %+v", full, res)
+		}
+		if n := calls(); n != 0 {
+			t.Errorf("reconcile (full %v) with nothing drifted worked on %d pods", full, n)
+		}
+	}
+	// Drift: a's entry deleted underneath.
+	if err := l.Maps().DeletePod(a.IPv4); err != nil {
+		t.Fatal(err)
+	}
+	res := rec.Reconcile(ctx, want, false)
+	if len(res.Errors) > 0 || len(res.Repaired) != 1 || res.Repaired[0] != "test/a" {
+		t.Fatalf("reconcile after a's entry was deleted: %+v", res)
+	}
+	if n := calls(); n != 1 {
+		t.Errorf("repair worked on %d pods, want 1", n)
+	}
+	if s, ok, err := l.Maps().Pod(a.IPv4); err != nil || !ok || !s.CaptureInbound {
+		t.Errorf("a's entry after the repair: %+v %v %v", s, ok, err)
+	}
+}
