@@ -110,6 +110,11 @@ func New(cfg Config) *Tunnel {
 // admits (see recheck), and starts the grace period of the metric series
 // of workloads that left.
 func (t *Tunnel) Update(s *State) {
+	if s.Dir == nil {
+		c := *s
+		c.Dir = &workload.Directory{}
+		s = &c
+	}
 	t.updateMu.Lock()
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
