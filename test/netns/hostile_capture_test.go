@@ -340,3 +340,48 @@ func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {
 	}
 	return ^uint16(sum)
 }
+
+// TestHostileProbeSourceSpoofed: a pod that gives itself the probe SNAT
+// address, on the STRICT pod's own node and with a route back through the
+// node, does not get through as a kubelet probe would. Before the fix the
+// pod-side capture passed any packet from that address.
+func TestHostileProbeSourceSpoofed(t *testing.T) {
+	var server, spoofer *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		server = tp.Nodes[1].AddPod("server")
+		spoofer = tp.Nodes[1].AddPod("spoofer")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(server, "mesh", "server-sa").
+			Pod(spoofer, "plain", "default").
+			Raw(strictMesh)
+	})
+	HTTPApp(t, server, 8080, "server")
+	app := recordingApp(t, server, hostileAppPort)
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	WaitRefused(t, spoofer, URL(server.IPv4, 8080), 10*time.Second)
+
+	snat := netip.MustParseAddr("169.254.7.127") // HOST_PROBE_SNAT_IP's default
+	ms.topo.ip(spoofer.NS, "addr", "add", snat.String()+"/32", "dev", "eth0")
+	ms.topo.ip(server.Node.Name, "route", "add", snat.String()+"/32", "via", spoofer.IPv4.String())
+	metrics := func() float64 {
+		return metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_probe_spoofed"`)
+	}
+	before := metrics()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, spoofer.Path(), "tcp", netip.AddrPortFrom(server.IPv4, hostileAppPort).String(),
+		netns.SocketOptions{Local: &net.TCPAddr{IP: snat.AsSlice()}})
+	if err == nil {
+		c.Write([]byte("spoofed-probe"))
+		c.Close()
+		t.Error("a connection from the probe SNAT address given by a pod itself was accepted")
+	}
+	time.Sleep(300 * time.Millisecond)
+	if got := app.from(snat); len(got) > 0 {
+		t.Errorf("the STRICT pod's app accepted %d connections from a spoofed probe source: %q", len(got), got)
+	}
+	if got := metrics() - before; got < 1 {
+		t.Errorf("drop_probe_spoofed grew by %v on the server's node, want >= 1", got)
+	}
+}
