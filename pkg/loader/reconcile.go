@@ -414,7 +414,9 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 		r.mu.Lock()
 		for _, id := range c.Broken {
 			meta, ok := r.loader.podMeta(id)
-			if !ok {
+			if !ok || !pathExists(meta.NetNS) {
+				// Detached, or its namespace is gone (the pod is being
+				// deleted): the reconciler lets it go.
 				continue
 			}
 			p := Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
