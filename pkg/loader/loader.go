@@ -94,6 +94,14 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if err := cfg.Settings.apply(spec); err != nil {
 		return nil, err
 	}
+	// An upgrade may have grown a counter map (a new verdict reason).
+	dropped, err := maps.DropIncompatibleCounters(cfg.PinRoot, spec)
+	if err != nil {
+		return nil, err
+	}
+	if len(dropped) > 0 {
+		cfg.Logger.WarnContext(ctx, "counter maps of an older agent replaced, their counts start again", "maps", dropped)
+	}
 	var objs bpf.CaptureObjects
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}
 	if err := spec.LoadAndAssign(&objs, opts); err != nil {
