@@ -9,11 +9,14 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
@@ -265,5 +268,75 @@ spec:
 	}
 	if lines := strings.Count(ms.agents[1].Log(), `msg="plaintext connection refused: mTLS is STRICT"`); lines > 3 {
 		t.Errorf("%d log lines for %d refused connections, want a few (rate-limited)", lines, refused)
+	}
+}
+
+// TestAcceptSurvivesFDExhaustion: with the agent's fd limit lowered so
+// that a burst of plaintext connections exhausts it, the inbound accept
+// loop backs off instead of exiting, and once fds are free again new
+// connections are served. Before the fix, the first EMFILE ended the loop
+// for good: the listener stayed open, the capture kept handing it SYNs,
+// and every later connection hung.
+func TestAcceptSurvivesFDExhaustion(t *testing.T) {
+	ms, _, server, plain := meshed(t)
+	ServeTCP(t, server, 9000, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	dst := netip.AddrPortFrom(server.IPv4, 9000)
+	openEcho(t, plain, dst).Close()
+
+	a := ms.agents[1]
+	pid := a.cmd.Process.Pid
+	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var old unix.Rlimit
+	low := unix.Rlimit{Cur: uint64(len(fds) + 16), Max: 0}
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, nil, &old); err != nil {
+		t.Fatal(err)
+	}
+	low.Max = old.Max
+	if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &low, nil); err != nil {
+		t.Fatal(err)
+	}
+	restored := false
+	restore := func() {
+		if !restored {
+			restored = true
+			if err := unix.Prlimit(pid, unix.RLIMIT_NOFILE, &old, nil); err != nil {
+				t.Errorf("restore the agent's fd limit: %v", err)
+			}
+		}
+	}
+	defer restore()
+
+	// Each served connection takes two of the agent's fds (accepted, and
+	// dialled to the app): 40 are more than the 16 left.
+	var conns []net.Conn
+	for range 40 {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		if c, err := netns.Dial(ctx, plain.Path(), "tcp", dst.String(), netns.SocketOptions{}); err == nil {
+			conns = append(conns, c)
+		}
+		cancel()
+	}
+	a.WaitLog(t, "accept failed; retrying with backoff", 10*time.Second)
+	if !regexp.MustCompile(`accept failed; retrying with backoff.* port=15006 .*too many open files`).MatchString(a.Log()) {
+		t.Errorf("no EMFILE backoff logged for port 15006:\n%s", tail(a.Log(), 20))
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	restore()
+	// New connections are served, and the agent is ready again.
+	openEcho(t, plain, dst).Close()
+	a.WaitLog(t, "accepting again", 5*time.Second)
+	Eventually(t, 10*time.Second, func() error {
+		if out := scrape(t, a, "http://127.0.0.1:15021/healthz/ready"); !strings.Contains(out, "ready") || strings.Contains(out, "not ready") {
+			return fmt.Errorf("readiness: %s", out)
+		}
+		return nil
+	})
+	if got := metricSum(scrape(t, a, "http://127.0.0.1:15020/metrics"), "redirector_tunnel_accept_errors_total", `listener="inbound"`); got == 0 {
+		t.Error("redirector_tunnel_accept_errors_total{listener=inbound} is 0 after EMFILE")
 	}
 }
