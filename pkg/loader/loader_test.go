@@ -184,14 +184,16 @@ func TestCapture(t *testing.T) {
 		})
 	}
 
-	// Probe SNAT source passes to the app directly.
+	// The probe SNAT source passes only when the host-veth program gave it
+	// (pkg/probe tests that path): here no host programs run, so a packet
+	// that merely carries that source is dropped, not passed as a probe.
 	probe := loader.DefaultSettings().ProbeSNATv4
 	if _, err := netnstest.Exec(ctx, node.Path(), "ip", "addr", "add", probe.String()+"/32", "dev", "rdbr"); err != nil {
 		t.Fatal(err)
 	}
 	r, err := call(node.Path(), ap(server.IPv4, 8080), netns.SocketOptions{Local: &net.TCPAddr{IP: probe.AsSlice()}})
-	if err != nil || r.name != "server-app" || !strings.HasPrefix(r.peer, probe.String()+":") {
-		t.Errorf("probe-sourced conn reached %+v (%v), want server-app seeing %s", r, err, probe)
+	if err == nil {
+		t.Errorf("a conn from the probe SNAT address that no host program translated reached %+v, want it dropped", r)
 	}
 
 	// Counters: the outbound connections above were counted for the client.
