@@ -145,11 +145,6 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
 	return bpf_probe_read_kernel(out, sizeof(*out), (void *)base) < 0 ? -1 : 0;
 }
 
-/* PRIO_SYN_REQUEUED marks a SYN that clear_timewait queued again: if its
- * tuple is still in TIME_WAIT when it comes back, it is dropped rather than
- * looped. A sender that sets this priority itself only gets its own SYN
- * dropped. */
-
 #define TCP_FLAGS_OFF 12 /* the 16-bit word of data offset and flags */
 #define TCP_SEQ_OFF 4
 #define TCP_CHECK_OFF 16
@@ -166,6 +161,11 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
  *   - the packet itself becomes a RST with the sequence number the TIME_WAIT
  *     socket expects, which the kernel's demux delivers to it, ending it
  *     (net.ipv4.tcp_rfc1337=0, the default).
+ * The clone carries PRIO_SYN_REQUEUED: if its tuple is still in TIME_WAIT
+ * when it comes back, it is dropped rather than looped. Unlike the kernel's
+ * own TIME_WAIT handling, the SYN is not checked to be newer than the old
+ * connection (sequence number or timestamp): an old duplicate SYN of the same
+ * tuple also ends the TIME_WAIT, as tcp_tw_reuse would allow.
  * Returns 0, or the reason to drop the SYN. */
 static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk)
 {
