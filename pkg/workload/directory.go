@@ -86,6 +86,8 @@ func (d *Directory) addPod(cfg selection.Config, ns *corev1.Namespace, pod *core
 		BypassInbound:  dec.BypassInbound,
 		ContainerPorts: namedPorts(pod),
 	}
+	w.WorkloadName, _, w.WorkloadType = WorkloadMeta(pod)
+	w.CanonicalName, w.CanonicalRevision = CanonicalService(pod.Labels, w.WorkloadName)
 	d.all = append(d.all, w)
 	d.byName[w.String()] = w
 	if w.Node != "" {

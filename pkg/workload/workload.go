@@ -22,6 +22,15 @@ type Workload struct {
 	Node           string
 	Addrs          []netip.Addr
 	Labels         map[string]string
+	// WorkloadName is the owning workload as Istio names it (the
+	// Deployment, StatefulSet, ... ; see WorkloadMeta), WorkloadType
+	// ztunnel's type for it (deployment, cronjob, job or pod), and
+	// CanonicalName and CanonicalRevision the pod's canonical service (see
+	// CanonicalService): the names Istio's telemetry groups by.
+	WorkloadName      string
+	WorkloadType      string
+	CanonicalName     string
+	CanonicalRevision string
 	// Enrolled, Reason and BypassInbound are the selection decision.
 	Enrolled      bool
 	Reason        string
