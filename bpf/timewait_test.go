@@ -16,13 +16,20 @@ import (
 // connection to port (the server closes first, as the tunnel does towards an
 // app) and returns the client's address: the 4-tuple a new SYN from that
 // address would reuse.
-func timeWaitPair(network, laddr, daddr string) (netip.AddrPort, error) {
+func timeWaitPair(network, laddr, daddr, caddr string) (netip.AddrPort, error) {
 	l, err := net.Listen(network, laddr)
 	if err != nil {
 		return netip.AddrPort{}, err
 	}
 	defer l.Close()
-	c, err := net.Dial(network, daddr)
+	d := net.Dialer{}
+	if caddr != "" {
+		d.LocalAddr, err = net.ResolveTCPAddr(network, caddr)
+		if err != nil {
+			return netip.AddrPort{}, err
+		}
+	}
+	c, err := d.Dial(network, daddr)
 	if err != nil {
 		return netip.AddrPort{}, err
 	}
@@ -61,19 +68,31 @@ func TestCaptureSYNMeetsTimeWait(t *testing.T) {
 			t.Errorf("loopback up: %v", err)
 			return
 		}
-		for _, fam := range []struct{ name, network, laddr, daddr string }{
-			{"ipv4 socket", "tcp4", "127.0.0.1:8080", "127.0.0.1:8080"},
-			{"ipv4-mapped on an ipv6 socket", "tcp", "[::]:8081", "127.0.0.1:8081"},
-			{"ipv6", "tcp6", "[::1]:8082", "[::1]:8082"},
+		for _, fam := range []struct {
+			name, network, laddr, daddr, caddr string
+			mark                               uint32 // 0x111: re-injected by the egress program
+			want                               uint32
+		}{
+			{"re-injected, ipv4 socket", "tcp4", "127.0.0.1:8080", "127.0.0.1:8080", "", 0x111, actOK},
+			{"re-injected, ipv4-mapped on an ipv6 socket", "tcp", "[::]:8081", "127.0.0.1:8081", "", 0x111, actOK},
+			{"re-injected, ipv6", "tcp6", "[::1]:8082", "[::1]:8082", "", 0x111, actOK},
+			// From the wire to the pod: before the fix this SYN was left
+			// to the kernel, whose TIME_WAIT handling gives it to a
+			// listener of the original port, the app's.
+			{"from the wire, ipv4", "tcp4", "127.0.0.1:8083", "127.0.0.1:8083", "127.0.0.2:0", 0, actUnspec},
 		} {
-			client, err := timeWaitPair(fam.network, fam.laddr, fam.daddr)
+			client, err := timeWaitPair(fam.network, fam.laddr, fam.daddr, fam.caddr)
 			if err != nil {
 				t.Errorf("%s: %v", fam.name, err)
 				continue
 			}
 			server := netip.MustParseAddrPort(fam.daddr)
 			src, dst := client.Addr().Unmap(), server.Addr()
-			enroll(t, objs.RdPods, 1, src)
+			if fam.mark != 0 {
+				enroll(t, objs.RdPods, 1, src) // the pod's own outbound SYN
+			} else {
+				enroll(t, objs.RdPods, 2, dst) // a SYN to the pod from elsewhere
+			}
 			var pkt []byte
 			seg := tcpHdr(client.Port(), server.Port(), fSYN, synOpts...)
 			if src.Is4() {
@@ -82,15 +101,15 @@ func TestCaptureSYNMeetsTimeWait(t *testing.T) {
 				pkt = ip6(src, dst, nil, pTCP, seg)
 			}
 			before := reasonCounts(t, objs.RdReasons)
-			got, err := objs.RdPodIngress.Run(&ebpf.RunOptions{Data: pkt, Context: skbCtx{Mark: 0x111}})
+			got, err := objs.RdPodIngress.Run(&ebpf.RunOptions{Data: pkt, Context: skbCtx{Mark: fam.mark}})
 			if err != nil {
 				t.Errorf("%s: run: %v", fam.name, err)
 				continue
 			}
 			after := reasonCounts(t, objs.RdReasons)
-			if got != actOK || after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]-before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT] != 1 {
-				t.Errorf("%s: verdict %d, in_syn_timewait counted %d times; want TC_ACT_OK and once", fam.name, int32(got),
-					after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]-before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT])
+			n := after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT] - before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]
+			if got != fam.want || n != 1 {
+				t.Errorf("%s: verdict %d, in_syn_timewait counted %d times; want %d and once", fam.name, int32(got), n, int32(fam.want))
 			}
 		}
 	})
