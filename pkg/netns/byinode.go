@@ -6,14 +6,17 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sort"
 	"sync"
+
+	"golang.org/x/sys/unix"
 )
 
 // Index finds pods' network namespaces by address as Finder does, but
 // remembers what it saw, by namespace inode: a lookup stats every candidate
-// path and enters only the namespaces it has not listed before, so finding
-// one new pod on a node with hundreds costs one namespace entry instead of
-// hundreds. Processes' namespaces (/proc) are walked only when the named
+// path and enters only the namespaces it has not listed before, newest
+// first, until every address is found, so finding one new pod on a node
+// with hundreds costs about one namespace entry instead of hundreds. Processes' namespaces (/proc) are walked only when the named
 // ones do not have every address, and known namespaces are listed again
 // only as a last resort (an address may have been added after a namespace
 // was first listed: the CNI plugin creates the namespace before it
@@ -80,36 +83,30 @@ func (x *Index) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
 		return out, err
 	}
 	var errs []error
-	// 1. Named namespaces, entering only new ones; this walk also tells
-	// which named namespaces are gone.
-	live := map[uint64]bool{own: true}
-	for _, p := range x.namedPaths(&errs) {
-		x.visit(p, false, own, live, false, &errs)
-	}
+	// 1. Named namespaces: every path is stat'ed (which also tells which
+	// namespaces are gone), new ones are entered newest first (a pod being
+	// enrolled has the newest), until every address is found.
+	named := x.candidates(x.namedPaths(&errs), own)
 	for ino, ns := range x.known {
-		if !ns.proc && !live[ino] {
+		if _, live := named.byIno[ino]; !ns.proc && !live {
 			x.forget(ino)
 		}
 	}
-	resolve()
-	// 2. Processes' namespaces, new ones only.
+	x.enterNew(named, false, &errs, func() bool { resolve(); return len(missing) == 0 })
+	// 2. Processes' namespaces, new ones only, the same way.
 	if len(missing) > 0 && x.f.ProcDir != "" {
-		procLive := map[uint64]bool{own: true}
-		for _, p := range x.procPaths() {
-			x.visit(p, true, own, procLive, false, &errs)
-		}
+		procs := x.candidates(x.procPaths(), own)
 		for ino, ns := range x.known {
-			if ns.proc && !procLive[ino] {
+			if _, live := procs.byIno[ino]; ns.proc && !live {
 				x.forget(ino)
 			}
 		}
-		resolve()
+		x.enterNew(procs, true, &errs, func() bool { resolve(); return len(missing) == 0 })
 	}
 	// 3. Last resort: list the known namespaces again.
 	if len(missing) > 0 {
 		for ino, ns := range x.known {
-			x.visit(ns.path, ns.proc, own, map[uint64]bool{}, true, &errs)
-			_ = ino
+			x.list(ino, ns.path, ns.proc, &errs)
 		}
 		resolve()
 	}
@@ -144,17 +141,55 @@ func (x *Index) procPaths() []string {
 	return paths
 }
 
-// visit lists the namespace at path if it is new (or always, with
-// refresh), and marks its inode live.
-func (x *Index) visit(path string, proc bool, own uint64, live map[uint64]bool, refresh bool, errs *[]error) {
-	ino, err := Inode(path)
-	if err != nil || live[ino] || ino == own {
-		return
+// candidateSet is the namespaces at a set of paths, by inode (the first
+// path of each), with their creation times.
+type candidateSet struct {
+	byIno map[uint64]candidate
+}
+
+type candidate struct {
+	path    string
+	created int64 // ctime of the namespace inode, ns
+}
+
+func (x *Index) candidates(paths []string, own uint64) candidateSet {
+	c := candidateSet{byIno: map[uint64]candidate{}}
+	for _, p := range paths {
+		var st unix.Stat_t
+		if unix.Stat(p, &st) != nil || st.Ino == own {
+			continue
+		}
+		if _, dup := c.byIno[st.Ino]; !dup {
+			c.byIno[st.Ino] = candidate{path: p, created: st.Ctim.Nano()}
+		}
 	}
-	live[ino] = true
-	if _, ok := x.known[ino]; ok && !refresh {
-		return
+	return c
+}
+
+// enterNew lists the namespaces of c not known yet, newest first, until
+// done says every address is found.
+func (x *Index) enterNew(c candidateSet, proc bool, errs *[]error, done func() bool) {
+	type entry struct {
+		ino uint64
+		candidate
 	}
+	var fresh []entry
+	for ino, cand := range c.byIno {
+		if _, ok := x.known[ino]; !ok {
+			fresh = append(fresh, entry{ino, cand})
+		}
+	}
+	sort.Slice(fresh, func(i, j int) bool { return fresh[i].created > fresh[j].created })
+	for _, e := range fresh {
+		x.list(e.ino, e.path, proc, errs)
+		if done() {
+			return
+		}
+	}
+}
+
+// list enters the namespace and records its addresses.
+func (x *Index) list(ino uint64, path string, proc bool, errs *[]error) {
 	addrs, err := addrsIn(path)
 	if err != nil {
 		*errs = append(*errs, err)
