@@ -30,8 +30,14 @@ type Snapshot struct {
 
 // Source watches cluster state and calls update with a fresh snapshot after
 // every change (and once at start). Run blocks until ctx is done or the source
-// fails beyond repair. A malformed object is reported through the logger and
-// left out of the snapshot; it never stops the source.
+// fails beyond repair.
+//
+// A source never fails open: what it cannot read in full (an unreachable API
+// server, a failed list, a manifest with a parse error or cut short) it does
+// not deliver, so the consumer keeps the last good snapshot, with every pod's
+// enrollment and every policy. Such errors are logged and counted in Metrics;
+// they never stop the source. What each source can and cannot detect is in
+// its package documentation.
 type Source interface {
 	Run(ctx context.Context, update func(Snapshot)) error
 }

@@ -36,6 +36,7 @@ type outageProxy struct {
 	mu     sync.Mutex
 	down   bool
 	spared string          // while down, paths with this prefix still pass ("": none)
+	hidden string          // this exact path answers 404 ("": none)
 	gen    context.Context // cancelled when the proxy goes down: cuts open streams
 	cut    context.CancelFunc
 }
@@ -65,8 +66,12 @@ func newOutageProxy(t *testing.T, c *kubetest.Cluster) *outageProxy {
 
 func (p *outageProxy) serve(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
-	down, spared, gen := p.down, p.spared, p.gen
+	down, spared, hidden, gen := p.down, p.spared, p.hidden, p.gen
 	p.mu.Unlock()
+	if hidden != "" && r.URL.Path == hidden {
+		http.Error(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}`, http.StatusNotFound)
+		return
+	}
 	if down && (spared == "" || !strings.HasPrefix(r.URL.Path, spared)) {
 		http.Error(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"ServiceUnavailable","code":503}`, http.StatusServiceUnavailable)
 		return
@@ -89,6 +94,13 @@ func (p *outageProxy) setDownSparing(down bool, spared string) {
 		p.cut() // streams open now end; spared requests get a fresh context below
 	}
 	p.gen, p.cut = context.WithCancel(context.Background())
+}
+
+// hide makes path answer 404 ("" to stop).
+func (p *outageProxy) hide(path string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.hidden = path
 }
 
 // config reaches the API server through the proxy.
@@ -229,5 +241,42 @@ spec: {mtls: {mode: STRICT}}
 			t.Errorf("snapshot %d of %d lacks an object: %d namespaces, %d pods, %d PeerAuthentications",
 				i+1, len(w.snaps), len(s.Namespaces), len(s.Pods), len(s.PeerAuthentications))
 		}
+	}
+}
+
+// TestSourceWaitsForInstalledCRDs: discovery does not list security.istio.io/v1 (as right after
+// an API server start) while its CRDs exist. The source must not start without policies (that
+// would drop STRICT until its next check): no snapshot until discovery serves them, then one
+// with the PeerAuthentication.
+func TestSourceWaitsForInstalledCRDs(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", nil)
+	createObject(t, dyn, peerAuthGVR, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+	waitServed(t, c.Config, peerAuthGVR)
+
+	p := newOutageProxy(t, c)
+	p.hide("/apis/security.istio.io/v1")
+	m := source.NewMetrics(nil)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), Metrics: m, PolicyRecheck: 200 * time.Millisecond})
+	time.Sleep(3 * time.Second)
+	if n := w.count(); n != 0 {
+		t.Fatalf("%d snapshots delivered while the installed policy CRDs were not served", n)
+	}
+	if errorCount(t, m, source.ReasonDiscovery) == 0 {
+		t.Error("no discovery error counted")
+	}
+	p.hide("")
+	first := w.first(t)
+	if !slices.ContainsFunc(first.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict")) {
+		t.Fatalf("first snapshot lacks the PeerAuthentication: %+v", first.PeerAuthentications)
 	}
 }

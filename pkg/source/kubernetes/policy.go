@@ -8,6 +8,7 @@ import (
 	"slices"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic/dynamicinformer"
@@ -30,11 +31,21 @@ type policyKind struct {
 // policyWatch starts the policy informers when (and if) their CRDs appear. The agent must run
 // in clusters without Istio's CRDs, so a missing CRD is not an error: it is looked up again
 // every Config.PolicyRecheck. A CRD removed later is not noticed; its informer keeps retrying.
+//
+// Discovery not listing a kind does not prove its CRD is missing: an API server that has just
+// started serves a CRD's discovery a moment after its CRDs are loaded. Starting without the
+// policies then would drop every PeerAuthentication (STRICT) until the next check. So a kind
+// that discovery does not list is looked up as a CustomResourceDefinition: if it exists and
+// serves v1, check fails (no first snapshot yet; a later check retries). Only a 404 (or a CRD
+// without a served v1) counts as "not installed". Without RBAC to read the CRD (an older
+// chart) discovery alone decides, as before.
 type policyWatch struct {
 	s       *Source
 	factory dynamicinformer.DynamicSharedInformerFactory
 	kinds   []*policyKind
 	notify  func()
+
+	loggedNoCRDAccess bool
 }
 
 // check starts the informers of the policy kinds the API server now serves. It fails only
@@ -51,6 +62,17 @@ func (w *policyWatch) check(ctx context.Context) error {
 		}
 	}
 	var started []cache.InformerSynced
+	for _, k := range w.kinds {
+		if k.informer == nil && !served[k.resource] {
+			pending, err := w.crdPending(ctx, k.resource)
+			if err != nil {
+				return err
+			}
+			if pending {
+				return fmt.Errorf("CRD %s.%s is installed but %s is not served yet", k.resource, istioSecurity.Group, istioSecurity)
+			}
+		}
+	}
 	for _, k := range w.kinds {
 		switch {
 		case k.informer != nil:
@@ -86,6 +108,37 @@ func (w *policyWatch) check(ctx context.Context) error {
 		}
 	}()
 	return nil
+}
+
+// crdGVR is where CustomResourceDefinitions are read.
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+// crdPending reports whether the CRD of resource exists with istioSecurity's version served,
+// though discovery does not list it. Not found, or no such version: false. Forbidden (no RBAC
+// for CRDs): false, logged once.
+func (w *policyWatch) crdPending(ctx context.Context, resource string) (bool, error) {
+	name := resource + "." + istioSecurity.Group
+	crd, err := w.s.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case apierrors.IsForbidden(err):
+		if !w.loggedNoCRDAccess {
+			w.s.log.Warn("cannot read CustomResourceDefinitions (RBAC); trusting discovery alone for Istio policy kinds", "crd", name, "err", err)
+			w.loggedNoCRDAccess = true
+		}
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("look up CRD %s: %w", name, err)
+	}
+	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+	for _, v := range versions {
+		m, ok := v.(map[string]any)
+		if ok && m["name"] == istioSecurity.Version && m["served"] == true {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // missing reports whether a policy kind waits for its CRD.

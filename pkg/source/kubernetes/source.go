@@ -15,6 +15,8 @@
 //	node.k8s.io          runtimeclasses                    get, list, watch
 //	security.istio.io    peerauthentications,
 //	                     authorizationpolicies             get, list, watch
+//	apiextensions.k8s.io customresourcedefinitions         get     (those two CRDs, by name;
+//	                                                                optional, see policyWatch)
 //
 // Discovery of security.istio.io/v1 needs no rule: system:discovery allows it to every
 // authenticated user.
