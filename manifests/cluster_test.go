@@ -216,6 +216,14 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	agentDyn, err := dynamic.NewForConfig(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crds := agentDyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	if _, err := crds.Get(ctx, "peerauthentications.security.istio.io", metav1.GetOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Errorf("the source cannot read the PeerAuthentication CRD: %v", err)
+	}
 	for what, call := range map[string]func() error{
 		"delete a pod": func() error { return agentClient.CoreV1().Pods("apps").Delete(ctx, "web", metav1.DeleteOptions{}) },
 		"patch a pod itself (its spec)": func() error {
@@ -240,6 +248,10 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 		},
 		"read another DaemonSet": func() error {
 			_, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, "kube-proxy", metav1.GetOptions{})
+			return err
+		},
+		"list CRDs": func() error {
+			_, err := crds.List(ctx, metav1.ListOptions{})
 			return err
 		},
 		"list DaemonSets": func() error {
