@@ -66,17 +66,23 @@ func TestHostileFragmentedSYN(t *testing.T) {
 	recordingApp(t, server, hostileAppPort)
 	WaitRefused(t, plain, URL(server.IPv4, 8080), 10*time.Second)
 
-	before := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
-	synack, err := fragmentedSYN(plain, server.IPv4, hostileAppPort)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if synack {
-		t.Error("a listener in the STRICT pod answered a SYN sent in two fragments: the fragments passed the capture")
-	}
-	after := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
-	if after-before < 2 {
-		t.Errorf("drop_fragment grew by %v on the server's node, want >= 2 (both fragments)", after-before)
+	for _, dst := range []netip.Addr{server.IPv4, server.IPv6} {
+		before := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
+		send := fragmentedSYN
+		if dst.Is6() {
+			send = fragmentedSYN6
+		}
+		synack, err := send(plain, dst, hostileAppPort)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if synack {
+			t.Errorf("a listener in the STRICT pod answered a SYN to %s sent in two fragments: the fragments passed the capture", dst)
+		}
+		after := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_fragment"`)
+		if after-before < 2 {
+			t.Errorf("drop_fragment grew by %v on the server's node for %s, want >= 2 (both fragments)", after-before, dst)
+		}
 	}
 }
 
@@ -323,11 +329,93 @@ func fragmentedSYN(p *Pod, dst netip.Addr, port uint16) (synack bool, err error)
 	return synack, err
 }
 
+// fragmentedSYN6 is fragmentedSYN over IPv6: a fragment header in each of
+// the two packets. The first holds the whole TCP header and 4 bytes of data
+// (Linux drops a first fragment that cuts the TCP header, RFC 7112), the
+// second the other 8 bytes.
+func fragmentedSYN6(p *Pod, dst netip.Addr, port uint16) (synack bool, err error) {
+	err = netns.Do(p.Path(), func() error {
+		src := p.IPv6
+		const sport = 40406
+		tcp := make([]byte, 32)
+		binary.BigEndian.PutUint16(tcp[0:], sport)
+		binary.BigEndian.PutUint16(tcp[2:], port)
+		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
+		tcp[12] = 5 << 4
+		tcp[13] = 0x02 // SYN
+		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		copy(tcp[20:], "hostile-frag")
+		s16, d16 := src.As16(), dst.As16()
+		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
+		binary.BigEndian.PutUint16(tcp[16:], checksum(pseudo, tcp))
+
+		send, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW, unix.IPPROTO_RAW) // implies IPV6_HDRINCL
+		if err != nil {
+			return fmt.Errorf("raw socket: %w", err)
+		}
+		defer unix.Close(send)
+		recv, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW, unix.IPPROTO_TCP)
+		if err != nil {
+			return fmt.Errorf("raw tcp socket: %w", err)
+		}
+		defer unix.Close(recv)
+		sa := &unix.SockaddrInet6{Addr: d16}
+		for _, frag := range []struct {
+			off     uint16 // in 8-byte units
+			more    bool
+			payload []byte
+		}{{0, true, tcp[:24]}, {3, false, tcp[24:]}} {
+			pkt := make([]byte, 48, 48+len(frag.payload))
+			pkt[0] = 0x60
+			binary.BigEndian.PutUint16(pkt[4:], uint16(8+len(frag.payload)))
+			pkt[6] = unix.IPPROTO_FRAGMENT
+			pkt[7] = 64
+			copy(pkt[8:], s16[:])
+			copy(pkt[24:], d16[:])
+			pkt[40] = unix.IPPROTO_TCP
+			fo := frag.off << 3
+			if frag.more {
+				fo |= 1
+			}
+			binary.BigEndian.PutUint16(pkt[42:], fo)
+			binary.BigEndian.PutUint32(pkt[44:], 0x42424242)
+			if err := unix.Sendto(send, append(pkt, frag.payload...), 0, sa); err != nil {
+				return fmt.Errorf("send fragment: %w", err)
+			}
+		}
+		tv := unix.NsecToTimeval(int64(300 * time.Millisecond))
+		unix.SetsockoptTimeval(recv, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+		deadline := time.Now().Add(3 * time.Second)
+		buf := make([]byte, 1500)
+		for time.Now().Before(deadline) {
+			n, from, err := unix.Recvfrom(recv, buf, 0)
+			if err != nil || n < 20 {
+				continue
+			}
+			if f, ok := from.(*unix.SockaddrInet6); !ok || f.Addr != d16 {
+				continue
+			}
+			th := buf[:n] // IPv6 raw sockets deliver the payload only
+			if binary.BigEndian.Uint16(th[0:]) == port && binary.BigEndian.Uint16(th[2:]) == sport && th[13]&0x12 == 0x12 {
+				synack = true
+				return nil
+			}
+		}
+		return nil
+	})
+	return synack, err
+}
+
 func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {
-	var sum uint32
 	s, d := src.As4(), dst.As4()
 	pseudo := append(append(s[:], d[:]...), 0, unix.IPPROTO_TCP, byte(len(seg)>>8), byte(len(seg)))
-	for _, b := range [][]byte{pseudo, seg} {
+	return checksum(pseudo, seg)
+}
+
+// checksum is the Internet checksum over the concatenated parts.
+func checksum(parts ...[]byte) uint16 {
+	var sum uint32
+	for _, b := range parts {
 		for i := 0; i+1 < len(b); i += 2 {
 			sum += uint32(b[i])<<8 | uint32(b[i+1])
 		}
