@@ -143,3 +143,29 @@ func TestFinderProc(t *testing.T) {
 		time.Sleep(20 * time.Millisecond) // the process may not have entered it yet
 	}
 }
+
+// TestFinderProcDir: the proc root is a setting (PROC_DIR): the host's /proc mounted at
+// /host/proc in a pod without hostPID. A directory laid out as <dir>/<pid>/ns/net is searched
+// like /proc, and non-pid entries are ignored.
+func TestFinderProcDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	ns := testNS(t, fmt.Sprintf("rdfind%04x-d", rand.IntN(0xffff)), "198.18.2.1/32")
+	dir := t.TempDir()
+	for _, p := range []string{"4242/ns", "self/ns"} {
+		if err := os.MkdirAll(filepath.Join(dir, p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(ns, filepath.Join(dir, p, "net")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := (&Finder{ProcDir: dir}).ScanFor([]netip.Addr{netip.MustParseAddr("198.18.2.1")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := filepath.Join(dir, "4242", "ns", "net"); got[netip.MustParseAddr("198.18.2.1")] != want {
+		t.Errorf("ScanFor = %v, want 198.18.2.1 in %s", got, want)
+	}
+}
