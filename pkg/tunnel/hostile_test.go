@@ -388,8 +388,8 @@ func TestSeriesOfGoneWorkloadsDeleted(t *testing.T) {
 		podObj("mesh", "gone", "sa", "10.1.0.5", map[string]string{"app": "gone"}),
 		podObj("mesh", "stays", "sa", "10.1.0.6", map[string]string{"app": "stays"}))
 	m.setLive(dirBoth)
-	closeGone := m.open(connInfo{reporter: "destination", dst: gone})
-	m.open(connInfo{reporter: "destination", dst: stays})(10, 20)
+	closeGone := m.open(connInfo{reporter: "destination", dst: gone}, "")
+	m.open(connInfo{reporter: "destination", dst: stays}, "").close(context.Background(), 10, 20, nil)
 	count := func() int { return testutil.CollectAndCount(m.series.collector()) }
 	if n := count(); n != 8 {
 		t.Fatalf("%d series, want 4 per workload", n)
@@ -401,7 +401,7 @@ func TestSeriesOfGoneWorkloadsDeleted(t *testing.T) {
 	if n := count(); n != 8 {
 		t.Errorf("%d series while the gone workload's connection is open, want 8", n)
 	}
-	closeGone(1, 2)
+	closeGone.close(context.Background(), 1, 2, nil)
 	now = now.Add(seriesGrace - time.Second)
 	if n := count(); n != 8 {
 		t.Errorf("%d series before the grace ended, want 8", n)
@@ -414,7 +414,7 @@ func TestSeriesOfGoneWorkloadsDeleted(t *testing.T) {
 		t.Errorf("the collector tracks %d series, want 1", len(m.series.series))
 	}
 	// A workload that comes back before the grace ends keeps its series.
-	m.open(connInfo{reporter: "destination", dst: gone})(0, 0)
+	m.open(connInfo{reporter: "destination", dst: gone}, "").close(context.Background(), 0, 0, nil)
 	m.setLive(dirStays)
 	now = now.Add(seriesGrace / 2)
 	m.setLive(dirBoth)

@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"strings"
 	"syscall"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -114,10 +116,21 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		t.cfg.Metrics.denied("no_peer_identity")
 		return hbone.Response{Status: http.StatusForbidden, Reason: "no verified client identity"}
 	}
-	client := addrPortOf(req.RemoteAddr).Addr()
-	ic := p.track(dst, client, peer, true)
+	client := addrPortOf(req.RemoteAddr)
+	ic := p.track(dst, client.Addr(), peer, true)
 	st := t.State()
-	podW, why, detail, pol := t.inboundVerdict(st, dst, client, peer, true)
+	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), peer, true)
+	srcW, _ := st.Dir.ByAddr(client.Addr())
+	// The source labels come from the directory; the client's baggage
+	// only names a client the directory does not know.
+	var meta *peerMeta
+	if srcW == nil {
+		meta = parseBaggage(req.Header, peer)
+	}
+	trace := traceID(req.Header)
+	conn := connInfo{reporter: "destination", src: srcW, peer: meta, srcID: peer, dst: podW, secure: true,
+		service: inboundService(st.Dir, podW, forwardedHost(req.Forwarded), dst.Port()),
+		srcAddr: client, dstAddr: addrPortOf(req.LocalAddr), hboneAddr: dst}
 	switch why {
 	case "":
 	case "unknown_destination":
@@ -126,32 +139,81 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "destination pod not in the workload directory"}
 	default:
 		p.untrack(ic)
-		t.cfg.Metrics.denied(why)
-		t.refusals.note(ctx, "HBONE connection denied", "client", peer.String(), "dst", dst, "reason", detail, "policy", pol)
+		conn.dstID = t.identityOf(podW)
+		t.cfg.Metrics.deniedConn(ctx, why, conn, trace, fmt.Errorf("denied by %s: %s", cmp.Or(pol, "policy"), detail))
+		if !t.cfg.Metrics.accessLogged() {
+			t.refusals.note(ctx, "HBONE connection denied", "client", peer.String(), "dst", dst, "reason", detail, "policy", pol)
+		}
 		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy: " + detail}
 	}
 	podID := t.identityOf(podW)
-	srcW, _ := st.Dir.ByAddr(client)
-	r := &inboundRequest{dst: dst, client: client, peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
-	conn := connInfo{reporter: "destination", src: srcW, srcID: peer, dst: podW, dstID: podID, secure: true}
+	conn.dstID = podID
+	r := &inboundRequest{dst: dst, client: client.Addr(), peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
 		p.untrack(ic)
-		t.cfg.Metrics.failed(conn)
+		t.cfg.Metrics.failed(ctx, conn, trace, err)
 		t.refusals.note(ctx, "inbound connect to the app failed", "client", peer.String(), "dst", dst, "error", err)
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: fmt.Sprintf("connect to %s: %s", dst, peerDialError(err))}
 	}
 	if !ic.connected(func() { resetConn(app) }) {
 		p.untrack(ic)
-		t.cfg.Metrics.denied("authorization")
+		t.cfg.Metrics.deniedConn(ctx, "authorization", conn, trace, errors.New("denied by a policy change"))
 		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy"}
 	}
-	t.log.DebugContext(ctx, "HBONE connection accepted", "client", peer.String(), "dst", dst)
-	closed := t.cfg.Metrics.open(conn)
-	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, _ error) {
+	res := t.cfg.Metrics.open(conn, trace)
+	res.opened(ctx)
+	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, err error) {
 		p.untrack(ic)
-		closed(fromClient, toClient)
+		res.close(ctx, fromClient, toClient, err)
 	}}
+}
+
+// forwardedHost returns the host parameter of a Forwarded header: the
+// service host name the client asked for, which the source side sends when
+// it resolved a service.
+func forwardedHost(fwd string) string {
+	for _, elem := range strings.Split(fwd, ",") {
+		for _, pair := range strings.Split(elem, ";") {
+			k, v, ok := strings.Cut(strings.TrimSpace(pair), "=")
+			if ok && strings.EqualFold(k, "host") {
+				return strings.Trim(v, `"`)
+			}
+		}
+	}
+	return ""
+}
+
+// inboundService names the service of an inbound connection to podW's
+// port, as ztunnel's guess_inbound_service does: among the services podW
+// is an endpoint of (so a client cannot name an arbitrary one), the one
+// whose host name the client sent, else the first whose target port is
+// port. Nil when none fits.
+func inboundService(dir *workload.Directory, podW *workload.Workload, host string, port uint16) *workload.Service {
+	if podW == nil {
+		return nil
+	}
+	svcs := dir.ServicesOf(podW)
+	if host != "" {
+		for _, s := range svcs {
+			if s.Hostname("") == host {
+				return s
+			}
+		}
+	}
+	for _, s := range svcs {
+		for _, ep := range s.Endpoints {
+			if ep.Workload != podW {
+				continue
+			}
+			for _, sp := range s.Ports {
+				if tp, ok := targetPort(sp, ep); ok && tp == port {
+					return s
+				}
+			}
+		}
+	}
+	return nil
 }
 
 // handleInboundPlaintext serves a plaintext connection to the pod that the
@@ -173,25 +235,28 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		return
 	case "strict_plaintext":
 		p.untrack(ic)
-		t.cfg.Metrics.denied(why)
-		t.refusals.note(ctx, "plaintext connection refused: mTLS is STRICT", "client", client, "dst", dst, "policy", pol)
+		t.cfg.Metrics.deniedConn(ctx, why, plainConn(st, podW, t.identityOf(podW), client, dst), "", fmt.Errorf("plaintext refused: mTLS is STRICT (%s)", pol))
+		if !t.cfg.Metrics.accessLogged() {
+			t.refusals.note(ctx, "plaintext connection refused: mTLS is STRICT", "client", client, "dst", dst, "policy", pol)
+		}
 		resetConn(c)
 		return
 	default:
 		p.untrack(ic)
-		t.cfg.Metrics.denied(why)
-		t.refusals.note(ctx, "plaintext connection denied", "client", client, "dst", dst, "reason", detail, "policy", pol)
+		t.cfg.Metrics.deniedConn(ctx, why, plainConn(st, podW, t.identityOf(podW), client, dst), "", fmt.Errorf("denied by %s: %s", cmp.Or(pol, "policy"), detail))
+		if !t.cfg.Metrics.accessLogged() {
+			t.refusals.note(ctx, "plaintext connection denied", "client", client, "dst", dst, "reason", detail, "policy", pol)
+		}
 		resetConn(c)
 		return
 	}
 	podID := t.identityOf(podW)
-	srcW, _ := st.Dir.ByAddr(client.Addr())
-	conn := connInfo{reporter: "destination", src: srcW, dst: podW, dstID: podID}
-	r := &inboundRequest{dst: dst, client: client.Addr(), srcW: srcW, podW: podW, podID: podID}
+	conn := plainConn(st, podW, podID, client, dst)
+	r := &inboundRequest{dst: dst, client: client.Addr(), srcW: conn.src, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
 		p.untrack(ic)
-		t.cfg.Metrics.failed(conn)
+		t.cfg.Metrics.failed(ctx, conn, "", err)
 		t.refusals.note(ctx, "inbound connect to the app failed", "client", client, "dst", dst, "error", err)
 		resetConn(c)
 		return
@@ -201,9 +266,17 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		resetConn(c)
 		return
 	}
-	closed := t.cfg.Metrics.open(conn)
-	p.relay(c, app, func(reqBytes, respBytes int64) {
+	res := t.cfg.Metrics.open(conn, "")
+	res.opened(ctx)
+	p.relay(c, app, func(reqBytes, respBytes int64, err error) {
 		p.untrack(ic)
-		closed(reqBytes, respBytes)
+		res.close(ctx, reqBytes, respBytes, err)
 	})
+}
+
+// plainConn describes a plaintext inbound connection for metrics and logs.
+func plainConn(st *State, podW *workload.Workload, podID identity.ID, client, dst netip.AddrPort) connInfo {
+	srcW, _ := st.Dir.ByAddr(client.Addr())
+	return connInfo{reporter: "destination", src: srcW, dst: podW, dstID: podID,
+		service: inboundService(st.Dir, podW, "", dst.Port()), srcAddr: client, dstAddr: dst}
 }

@@ -1,7 +1,10 @@
 package tunnel
 
 import (
-	"strings"
+	"cmp"
+	"context"
+	"log/slog"
+	"net/netip"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -27,16 +30,52 @@ type Metrics struct {
 	policyClosed  *prometheus.CounterVec
 
 	series *seriesGC
+	// cluster is the cluster ID for the agent's own workloads.
+	cluster string
+	access  *accessLog
 }
 
-// istioLabels are the labels Istio puts on its TCP metrics.
+// istioLabels are ztunnel's CommonTrafficLabels (src/proxy/metrics.rs),
+// in its order, with its locality labels: the label set Istio's dashboards
+// and Kiali's graph group istio_tcp_* by. A value the agent does not know
+// is "unknown", as ztunnel writes it.
+//
+// The values are bounded by the cluster's workloads and services, never by
+// connection, address or port: per reporter, at most (source workloads x
+// destination workloads x destination services x 3 response flags x 2
+// security policies) series, of which only pairs that actually talked
+// exist, and those of workloads that left are deleted (see seriesGC).
+// Names a peer announces in baggage count only within maxDerivedSeries.
 var istioLabels = []string{
 	"reporter",
-	"source_workload", "source_workload_namespace", "source_principal", "source_app",
-	"destination_workload", "destination_workload_namespace", "destination_principal", "destination_app",
-	"destination_service", "destination_service_name", "destination_service_namespace",
+	"source_workload", "source_canonical_service", "source_canonical_revision", "source_workload_namespace",
+	"source_principal", "source_app", "source_version", "source_cluster",
+	"destination_service", "destination_service_namespace", "destination_service_name",
+	"destination_workload", "destination_canonical_service", "destination_canonical_revision", "destination_workload_namespace",
+	"destination_principal", "destination_app", "destination_version", "destination_cluster",
 	"request_protocol", "response_flags", "connection_security_policy",
+	"source_region", "source_zone", "destination_region", "destination_zone",
 }
+
+// denialLabels label redirector_policy_denials_total: the reason and the
+// workloads on both sides, so a denial shows which client hit which server.
+var denialLabels = []string{
+	"reason",
+	"source_workload", "source_workload_namespace", "source_principal",
+	"destination_workload", "destination_workload_namespace",
+}
+
+// Response flags, in ztunnel's vocabulary (ResponseFlags in
+// src/proxy/metrics.rs).
+const (
+	flagNone    = "-"
+	flagDeny    = "DENY"    // refused by policy (AuthorizationPolicy or STRICT mTLS)
+	flagConnect = "CONNECT" // the upstream could not be reached (dial, TLS or CONNECT failed)
+)
+
+// DefaultCluster is Istio's default cluster ID, what source_cluster and
+// destination_cluster carry for the agent's own cluster.
+const DefaultCluster = "Kubernetes"
 
 // NewMetrics creates the metrics and registers them with reg (nil: not
 // registered, for tests and tools).
@@ -51,7 +90,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		receivedBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "istio_tcp_received_bytes_total", Help: "Bytes received in requests (client to server)."}, istioLabels),
 		policyDenials: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "redirector_policy_denials_total", Help: "Inbound connections refused, by reason."}, []string{"reason"}),
+			Name: "redirector_policy_denials_total", Help: "Inbound connections refused, by reason and the workloads on both sides."}, denialLabels),
 		failClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_fail_closed_total", Help: "Connections dropped by the tunnel rather than sent insecurely, by reason."}, []string{"reason"}),
 		servedPods: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -72,99 +111,157 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, l := range []string{"outbound", "inbound"} {
 		m.openConns.WithLabelValues(l)
 	}
-	m.series = newSeriesGC(time.Now, []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes})
+	m.cluster, m.access = DefaultCluster, newAccessLog(nil)
+	m.series = newSeriesGC(time.Now,
+		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
+		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.policyDenials, m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed)
 	}
 	return m
 }
 
-// connInfo describes one proxied connection for the metric labels.
+// SetCluster sets the cluster ID the metrics, baggage and access logs give
+// the agent's own workloads (default DefaultCluster).
+func (m *Metrics) SetCluster(id string) {
+	if id != "" {
+		m.cluster = id
+	}
+}
+
+// connInfo describes one proxied connection for the metric labels and the
+// access log.
 type connInfo struct {
-	reporter     string // "source" (outbound side) or "destination"
-	src, dst     *workload.Workload
+	reporter string // "source" (outbound side) or "destination"
+	src, dst *workload.Workload
+	// peer is what the client announced in its baggage, used for the
+	// source labels when src is not known here.
+	peer         *peerMeta
 	srcID, dstID identity.ID
 	service      *workload.Service
 	secure       bool
-	flags        string // Istio response flags: "-" or e.g. "UF" (upstream failure)
+	flags        string // response flag: "" (none), flagDeny or flagConnect
+
+	// For the access log: the client and server addresses the tunnel saw,
+	// and the HBONE target (:authority) when the connection was tunnelled.
+	srcAddr, dstAddr, hboneAddr netip.AddrPort
 }
 
-func (c connInfo) labels() prometheus.Labels {
-	l := prometheus.Labels{"reporter": c.reporter, "request_protocol": "tcp"}
-	workloadLabels(l, "source", c.src, c.srcID)
-	workloadLabels(l, "destination", c.dst, c.dstID)
-	l["destination_service"], l["destination_service_name"], l["destination_service_namespace"] = "unknown", "unknown", "unknown"
+func (m *Metrics) labels(c connInfo) prometheus.Labels {
+	l := make(prometheus.Labels, len(istioLabels))
+	for _, n := range istioLabels {
+		l[n] = "unknown"
+	}
+	l["reporter"], l["request_protocol"] = c.reporter, "tcp"
+	l["response_flags"] = cmp.Or(c.flags, flagNone)
+	if c.secure {
+		l["connection_security_policy"] = "mutual_tls"
+	}
+	switch {
+	case c.src != nil:
+		m.workloadLabels(l, "source", c.src)
+	case c.peer != nil:
+		c.peer.labels(l)
+	}
+	if !c.srcID.IsZero() {
+		l["source_principal"] = c.srcID.String()
+	}
+	if c.dst != nil {
+		m.workloadLabels(l, "destination", c.dst)
+	}
+	if !c.dstID.IsZero() {
+		l["destination_principal"] = c.dstID.String()
+	}
 	if c.service != nil {
 		l["destination_service"] = c.service.Hostname("")
 		l["destination_service_name"] = c.service.Name
 		l["destination_service_namespace"] = c.service.Namespace
 	}
-	l["response_flags"] = "-"
-	if c.flags != "" {
-		l["response_flags"] = c.flags
-	}
-	l["connection_security_policy"] = "none"
-	if c.secure {
-		l["connection_security_policy"] = "mutual_tls"
-	}
 	return l
 }
 
-func workloadLabels(l prometheus.Labels, side string, w *workload.Workload, id identity.ID) {
-	l[side+"_workload"], l[side+"_workload_namespace"], l[side+"_app"] = "unknown", "unknown", "unknown"
-	l[side+"_principal"] = "unknown"
-	if !id.IsZero() {
-		l[side+"_principal"] = id.String()
-	}
-	if w == nil {
-		return
-	}
-	l[side+"_workload"] = workloadName(w)
+// workloadLabels fills side's labels from w, as ztunnel's with_source and
+// with_destination do: app and version repeat the canonical service and
+// revision. Locality stays unknown: the agent does not read Nodes.
+func (m *Metrics) workloadLabels(l prometheus.Labels, side string, w *workload.Workload) {
+	name, canon, rev := workloadMeta(w)
+	l[side+"_workload"] = name
 	l[side+"_workload_namespace"] = w.Namespace
-	if app := w.Labels["app"]; app != "" {
-		l[side+"_app"] = app
-	} else if app := w.Labels["app.kubernetes.io/name"]; app != "" {
-		l[side+"_app"] = app
-	}
+	l[side+"_canonical_service"], l[side+"_app"] = canon, canon
+	l[side+"_canonical_revision"], l[side+"_version"] = rev, rev
+	l[side+"_cluster"] = m.cluster
 }
 
-// workloadName is the pod's workload as Istio names it: the canonical name
-// label, else app, else the pod name without a ReplicaSet's hash suffixes.
-func workloadName(w *workload.Workload) string {
-	for _, k := range []string{"service.istio.io/canonical-name", "app.kubernetes.io/name", "app"} {
-		if v := w.Labels[k]; v != "" {
-			return v
-		}
+// workloadMeta returns w's workload name and canonical service and
+// revision, deriving them for a Workload built without them.
+func workloadMeta(w *workload.Workload) (name, canon, rev string) {
+	name = cmp.Or(w.WorkloadName, w.Name)
+	canon, rev = w.CanonicalName, w.CanonicalRevision
+	if canon == "" {
+		canon, rev = workload.CanonicalService(w.Labels, name)
 	}
-	if h := w.Labels["pod-template-hash"]; h != "" {
-		if i := strings.Index(w.Name, "-"+h+"-"); i > 0 {
-			return w.Name[:i]
-		}
-	}
-	return w.Name
+	return name, canon, rev
 }
 
-// open counts c as opened and returns what counts it closed with its bytes.
-// The labelled counters are resolved once, not again at close.
-// The series stays (see seriesGC) until the connection is closed.
-func (m *Metrics) open(c connInfo) (closed func(requestBytes, responseBytes int64)) {
-	l := c.labels()
-	end := m.series.begin(l)
+// open counts c as opened and returns its result, which counts it closed
+// with its bytes and writes its access log line. The labelled counters are
+// resolved once, not again at close. The series stays (see seriesGC) until
+// the connection is closed.
+func (m *Metrics) open(c connInfo, trace string) *connResult {
+	l := m.labels(c)
+	if c.peer != nil && c.src == nil && !m.series.admitDerived(l) {
+		// Too many series named by peers: count this one without the
+		// names the peer announced.
+		c.peer = nil
+		l = m.labels(c)
+	}
+	end := m.series.begin(0, l)
 	m.connsOpened.With(l).Inc()
 	done, received, sent := m.connsClosed.With(l), m.receivedBytes.With(l), m.sentBytes.With(l)
-	return func(requestBytes, responseBytes int64) {
+	return &connResult{m: m, c: c, l: l, trace: trace, start: time.Now(), counted: func(requestBytes, responseBytes int64) {
 		done.Inc()
 		received.Add(float64(requestBytes))
 		sent.Add(float64(responseBytes))
 		end()
+	}}
+}
+
+// failed counts a connection that could not reach its upstream (ztunnel's
+// CONNECT flag): opened and closed with no bytes.
+func (m *Metrics) failed(ctx context.Context, c connInfo, trace string, err error) {
+	c.flags = flagConnect
+	m.open(c, trace).close(ctx, 0, 0, err)
+}
+
+// accessLogged reports whether access logs are on.
+func (m *Metrics) accessLogged() bool { return m.access.log != nil }
+
+// SetAccessLog makes the tunnel write access logs to log; nil turns them
+// off (the default of a new Metrics).
+func (m *Metrics) SetAccessLog(log *slog.Logger) { m.access = newAccessLog(log) }
+
+// deniedConn counts a connection refused by policy: in the denial counter
+// with its reason, and as ztunnel does in istio_tcp_* as opened and closed
+// with the DENY flag.
+func (m *Metrics) deniedConn(ctx context.Context, reason string, c connInfo, trace string, err error) {
+	m.denial(reason, c)
+	c.flags = flagDeny
+	m.open(c, trace).close(ctx, 0, 0, err)
+}
+
+// denied counts a refusal that names no destination workload (a bad
+// request, a foreign authority).
+func (m *Metrics) denied(reason string) { m.denial(reason, connInfo{}) }
+
+func (m *Metrics) denial(reason string, c connInfo) {
+	if c.src == nil {
+		c.peer = nil // only names of the directory or verified ones here
 	}
+	full := m.labels(c)
+	l := prometheus.Labels{"reason": reason}
+	for _, n := range denialLabels[1:] {
+		l[n] = full[n]
+	}
+	m.series.begin(1, l)()
+	m.policyDenials.With(l).Inc()
 }
-
-// failed counts a connection that could not reach its upstream (Istio's
-// response flag UF): opened and closed with no bytes.
-func (m *Metrics) failed(c connInfo) {
-	c.flags = "UF"
-	m.open(c)(0, 0)
-}
-
-func (m *Metrics) denied(reason string) { m.policyDenials.WithLabelValues(reason).Inc() }

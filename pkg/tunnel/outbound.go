@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
 	"strconv"
 	"sync"
@@ -44,25 +45,36 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	dstID := t.identityOf(dstW)
-	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true}
-	stream, err := p.dialHBONE(ctx, c, srcID, dstID, src, dst, "")
+	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true,
+		srcAddr: src, dstAddr: netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort), hboneAddr: dst}
+	trace := newTraceparent()
+	stream, err := p.dialHBONE(ctx, c, srcW, srcID, dstID, src, dst, "", trace)
 	if err != nil {
-		t.cfg.Metrics.failed(conn)
+		t.cfg.Metrics.failed(ctx, conn, traceIDOf(trace), err)
 		t.failures.note(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	p.relay(c, stream, t.cfg.Metrics.open(conn))
+	p.relayCounted(ctx, c, stream, t.cfg.Metrics.open(conn, traceIDOf(trace)))
+}
+
+// relayCounted relays like relay, with the connection's access log lines
+// and its close counted in res.
+func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteCloser, res *connResult) {
+	res.opened(ctx)
+	p.relay(c, up, func(reqBytes, respBytes int64, err error) { res.close(ctx, reqBytes, respBytes, err) })
 }
 
 // dialHBONE opens a CONNECT stream to dst through the destination pod's
 // HBONE port, from inside the source pod's namespace, on a pooled
-// connection keyed by both identities and the destination pod.
+// connection keyed by both identities and the destination pod. The
+// request carries ztunnel's metadata: the source workload srcW in baggage
+// and trace as traceparent.
 //
 // What the app already sent on app (if not nil) goes with the request as
 // early data: it is only peeked at, and consumed from app once the tunnel
 // is up, so a refused attempt loses nothing.
-func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity.ID, src, dst netip.AddrPort, host string) (*hbone.Stream, error) {
+func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst netip.AddrPort, host, trace string) (*hbone.Stream, error) {
 	t := p.t
 	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
@@ -79,7 +91,10 @@ func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcID, dstID identity
 	}
 	early := peekPool.Get().(*[]byte)
 	defer peekPool.Put(early)
-	req := hbone.Request{Authority: dst, Forwarded: fwd, EarlyData: peek(app, *early)}
+	req := hbone.Request{Authority: dst, Forwarded: fwd, EarlyData: peek(app, *early), Header: http.Header{
+		headerBaggage:     {baggageOf(srcW, t.cfg.Metrics.cluster)},
+		headerTraceparent: {trace},
+	}}
 	tlsConf := identity.ClientConfig(t.cfg.Certs, srcID, dstID)
 	// The timeout bounds dial, handshake and response, not the stream.
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
@@ -134,15 +149,15 @@ func peek(c net.Conn, buf []byte) []byte {
 // the pod's own namespace and address, as if the tunnel were not there.
 func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.Workload, src, dst netip.AddrPort) {
 	t := p.t
-	conn := connInfo{reporter: "source", src: srcW, srcID: t.identityOf(srcW), dst: dstW}
+	conn := connInfo{reporter: "source", src: srcW, srcID: t.identityOf(srcW), dst: dstW, srcAddr: src, dstAddr: dst}
 	up, err := p.dialPlain(ctx, dst)
 	if err != nil {
-		t.cfg.Metrics.failed(conn)
+		t.cfg.Metrics.failed(ctx, conn, "", err)
 		t.log.DebugContext(ctx, "passthrough connect failed", "src", src, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	p.relay(c, up, t.cfg.Metrics.open(conn))
+	p.relayCounted(ctx, c, up, t.cfg.Metrics.open(conn, ""))
 }
 
 // connectTimeout bounds establishing a connection: every dial the tunnel

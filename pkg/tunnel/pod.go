@@ -166,14 +166,14 @@ func (p *pod) release(c net.Conn) {
 // and set up the upstream (its stack grown deep by the dial and the TLS
 // writes) ends instead of idling for the tunnel's life: a fresh goroutine
 // keeps a smaller stack, about a third of an idle tunnel's memory.
-func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64)) {
+func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64, err error)) {
 	p.hold(c)
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
 		defer p.release(c)
-		reqBytes, respBytes, _ := hbone.Relay(c, up)
-		done(reqBytes, respBytes)
+		reqBytes, respBytes, err := hbone.Relay(c, up)
+		done(reqBytes, respBytes, err)
 	}()
 }
 

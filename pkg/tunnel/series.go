@@ -7,7 +7,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -21,50 +20,84 @@ import (
 // and every scrape without bound.
 const seriesGrace = 5 * time.Minute
 
-// seriesGC deletes the per-workload series of workloads that are gone.
-// A series is gone when its source or destination workload (by namespace,
-// workload name and app, the labels it carries) or its service is in no
-// state the tunnel has since installed, and no connection counted in it is
-// open. It is deleted seriesGrace later, at the next scrape or Update.
-type seriesGC struct {
-	now  func() time.Time
-	vecs []*prometheus.CounterVec
+// maxDerivedSeries bounds the series whose source names come from a peer's
+// baggage rather than from the directory: a peer with a valid certificate
+// may announce any names, and each new one would otherwise be a new series.
+// Past the bound such connections are counted with an unknown source.
+const maxDerivedSeries = 1000
 
-	mu     sync.Mutex
-	live   map[string]bool // liveness keys of the current directory; nil: all live
-	series map[string]*seriesEntry
+// seriesGC deletes the per-workload series of workloads that are gone.
+// A series is gone when its source or destination workload (by namespace
+// and workload name, the labels it carries) or its service is in no state
+// the tunnel has since installed, and no connection counted in it is open.
+// It is deleted seriesGrace later, at the next scrape or Update.
+type seriesGC struct {
+	now    func() time.Time
+	groups []seriesGroup
+
+	mu      sync.Mutex
+	live    map[string]bool // liveness keys of the current directory; nil: all live
+	series  map[string]*seriesEntry
+	derived int // entries whose source names a peer announced
+}
+
+// seriesGroup is counter vectors that share one label set.
+type seriesGroup struct {
+	names []string
+	vecs  []*prometheus.CounterVec
 }
 
 type seriesEntry struct {
+	group     int
 	labels    prometheus.Labels
 	open      int       // connections counted in the series and still open
 	goneSince time.Time // zero while live or open
+	derived   bool      // admitted by admitDerived
 }
 
-func newSeriesGC(now func() time.Time, vecs []*prometheus.CounterVec) *seriesGC {
-	return &seriesGC{now: now, vecs: vecs, series: map[string]*seriesEntry{}}
+func newSeriesGC(now func() time.Time, groups ...seriesGroup) *seriesGC {
+	return &seriesGC{now: now, groups: groups, series: map[string]*seriesEntry{}}
 }
 
-func seriesKey(l prometheus.Labels) string {
+func (g *seriesGC) key(group int, l prometheus.Labels) string {
 	var b strings.Builder
-	for _, n := range istioLabels {
-		b.WriteString(l[n])
+	b.WriteByte(byte('0' + group))
+	for _, n := range g.groups[group].names {
 		b.WriteByte(0)
+		b.WriteString(l[n])
 	}
 	return b.String()
 }
 
-func workloadKey(ns, name, app string) string { return "w\x00" + ns + "\x00" + name + "\x00" + app }
-func serviceKey(ns, name string) string       { return "s\x00" + ns + "\x00" + name }
+func workloadKey(ns, name string) string { return "w\x00" + ns + "\x00" + name }
+func serviceKey(ns, name string) string  { return "s\x00" + ns + "\x00" + name }
+
+// admitDerived reports whether the istio_tcp_* series l, whose source
+// names come from a peer, may be counted: it exists already, or fewer than
+// maxDerivedSeries such series do.
+func (g *seriesGC) admitDerived(l prometheus.Labels) bool {
+	k := g.key(0, l)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.series[k]; ok {
+		return true
+	}
+	if g.derived >= maxDerivedSeries {
+		return false
+	}
+	g.derived++
+	g.series[k] = &seriesEntry{group: 0, labels: l, derived: true}
+	return true
+}
 
 // begin records an open connection counted in the series l; end when it
 // closes.
-func (g *seriesGC) begin(l prometheus.Labels) (end func()) {
-	k := seriesKey(l)
+func (g *seriesGC) begin(group int, l prometheus.Labels) (end func()) {
+	k := g.key(group, l)
 	g.mu.Lock()
 	e := g.series[k]
 	if e == nil {
-		e = &seriesEntry{labels: l}
+		e = &seriesEntry{group: group, labels: l}
 		g.series[k] = e
 	}
 	e.open++
@@ -87,9 +120,8 @@ func (g *seriesGC) begin(l prometheus.Labels) (end func()) {
 func (m *Metrics) setLive(dir *workload.Directory) {
 	live := map[string]bool{}
 	for _, w := range dir.All() {
-		l := prometheus.Labels{}
-		workloadLabels(l, "w", w, identity.ID{})
-		live[workloadKey(l["w_workload_namespace"], l["w_workload"], l["w_app"])] = true
+		name, _, _ := workloadMeta(w)
+		live[workloadKey(w.Namespace, name)] = true
 	}
 	for _, s := range dir.Services() {
 		live[serviceKey(s.Namespace, s.Name)] = true
@@ -120,11 +152,11 @@ func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 		if name == "unknown" {
 			continue
 		}
-		if !g.live[workloadKey(e.labels[side+"_workload_namespace"], name, e.labels[side+"_app"])] {
+		if !g.live[workloadKey(e.labels[side+"_workload_namespace"], name)] {
 			return false
 		}
 	}
-	if name := e.labels["destination_service_name"]; name != "unknown" {
+	if name, ok := e.labels["destination_service_name"]; ok && name != "unknown" {
 		if !g.live[serviceKey(e.labels["destination_service_namespace"], name)] {
 			return false
 		}
@@ -141,8 +173,11 @@ func (g *seriesGC) sweep() {
 		if e.goneSince.IsZero() || now.Sub(e.goneSince) < seriesGrace {
 			continue
 		}
-		for _, v := range g.vecs {
+		for _, v := range g.groups[e.group].vecs {
 			v.Delete(e.labels)
+		}
+		if e.derived {
+			g.derived--
 		}
 		delete(g.series, k)
 	}
@@ -155,14 +190,18 @@ func (g *seriesGC) collector() prometheus.Collector { return sweepingCollector{g
 type sweepingCollector struct{ g *seriesGC }
 
 func (c sweepingCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, v := range c.g.vecs {
-		v.Describe(ch)
+	for _, gr := range c.g.groups {
+		for _, v := range gr.vecs {
+			v.Describe(ch)
+		}
 	}
 }
 
 func (c sweepingCollector) Collect(ch chan<- prometheus.Metric) {
 	c.g.sweep()
-	for _, v := range c.g.vecs {
-		v.Collect(ch)
+	for _, gr := range c.g.groups {
+		for _, v := range gr.vecs {
+			v.Collect(ch)
+		}
 	}
 }

@@ -141,7 +141,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 			port = &svc.Ports[i]
 		}
 	}
-	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, service: svc}
+	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, service: svc, srcAddr: src}
 	if port == nil {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_service_port").Inc()
 		t.failures.note(ctx, "service connection refused: the service has no such port", "service", svc.String(), "vip", dst)
@@ -156,11 +156,12 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		return
 	}
 	var lastErr error
+	trace := newTraceparent()
 	for i, cand := range candidates {
 		if i == maxServiceAttempts {
 			break
 		}
-		up, meshed, err := p.dialEndpoint(ctx, srcID, svc, cand, src)
+		up, meshed, err := p.dialEndpoint(ctx, srcW, srcID, svc, cand, src, trace)
 		if err != nil {
 			lastErr = err
 			t.lb.fail(cand.addr)
@@ -168,27 +169,29 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 			continue
 		}
 		t.lb.ok(cand.addr)
-		conn.dst, conn.secure = cand.ep.Workload, meshed
+		conn.dst, conn.secure, conn.dstAddr = cand.ep.Workload, meshed, cand.addr
 		if meshed {
 			conn.dstID = t.identityOf(cand.ep.Workload)
+			conn.dstAddr, conn.hboneAddr = netip.AddrPortFrom(cand.addr.Addr(), t.cfg.HBONEPort), cand.addr
 		}
-		p.relay(c, up, t.cfg.Metrics.open(conn))
+		p.relayCounted(ctx, c, up, t.cfg.Metrics.open(conn, traceIDOf(trace)))
 		return
 	}
-	t.cfg.Metrics.failed(conn)
+	conn.dstAddr = dst
+	t.cfg.Metrics.failed(ctx, conn, traceIDOf(trace), lastErr)
 	t.failures.note(ctx, "service connection failed on every endpoint tried", "service", svc.String(), "error", lastErr)
 	resetConn(c)
 }
 
 // dialEndpoint connects to one service endpoint: HBONE with the service host
 // name when the endpoint pod is meshed, plain TCP from the pod otherwise.
-func (p *pod) dialEndpoint(ctx context.Context, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort) (io.ReadWriteCloser, bool, error) {
+func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort, trace string) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
 	if w != nil && w.Enrolled {
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
 		// a second one.
-		s, err := p.dialHBONE(ctx, nil, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""))
+		s, err := p.dialHBONE(ctx, nil, srcW, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""), trace)
 		if err != nil {
 			return nil, true, err
 		}

@@ -48,6 +48,9 @@ type Config struct {
 	Pool    *hbone.Pool
 	Metrics *Metrics
 	Logger  *slog.Logger
+	// NoAccessLog turns off the per-connection access logs (see
+	// accessLog), which otherwise go to Logger.
+	NoAccessLog bool
 }
 
 // State is what the tunnel decides with: the workload directory and the
@@ -88,6 +91,9 @@ func New(cfg Config) *Tunnel {
 	}
 	if cfg.Metrics == nil {
 		cfg.Metrics = NewMetrics(nil)
+	}
+	if !cfg.NoAccessLog {
+		cfg.Metrics.SetAccessLog(cfg.Logger)
 	}
 	def := DefaultLimits()
 	if cfg.Limits.PerNode <= 0 {

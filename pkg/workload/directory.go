@@ -23,6 +23,10 @@ type Directory struct {
 	byNode   map[string][]*Workload
 	services []*Service // sorted by namespace, name
 	byVIP    map[netip.Addr]*Service
+	// selecting lists, per workload, the services it is an endpoint of, in
+	// service order: the destination side names the service of an inbound
+	// connection among these only.
+	selecting map[*Workload][]*Service
 }
 
 // Build indexes snap, deciding enrollment with cfg and lookup (see
@@ -217,6 +221,14 @@ func (d *Directory) addEndpoints(services map[string]*Service, list []*discovery
 		}
 		slices.SortFunc(svc.Endpoints, func(a, b Endpoint) int { return a.Addr.Compare(b.Addr) })
 	}
+	d.selecting = map[*Workload][]*Service{}
+	for _, svc := range d.services {
+		for _, e := range svc.Endpoints {
+			if e.Workload != nil && !slices.Contains(d.selecting[e.Workload], svc) {
+				d.selecting[e.Workload] = append(d.selecting[e.Workload], svc)
+			}
+		}
+	}
 	return errs
 }
 
@@ -271,6 +283,10 @@ func (d *Directory) All() []*Workload { return slices.Clone(d.all) }
 
 // Services returns every service, sorted by namespace and name.
 func (d *Directory) Services() []*Service { return slices.Clone(d.services) }
+
+// ServicesOf returns the services w is an endpoint of, sorted by namespace
+// and name.
+func (d *Directory) ServicesOf(w *Workload) []*Service { return slices.Clone(d.selecting[w]) }
 
 // ServiceByVIP returns the service whose cluster IP is a.
 func (d *Directory) ServiceByVIP(a netip.Addr) (*Service, bool) {

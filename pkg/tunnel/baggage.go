@@ -1,0 +1,163 @@
+package tunnel
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"net/http"
+	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// HBONE metadata headers, as ztunnel sends them on every CONNECT
+// (src/baggage.rs, src/proxy/outbound.rs): baggage carries the source
+// workload's names, so a destination that does not know the client's
+// address can still label its metrics; traceparent gives each tunnelled
+// connection a W3C trace id that both ends' access logs show.
+const (
+	headerBaggage     = "baggage"
+	headerTraceparent = "traceparent"
+)
+
+// peerMeta is what a client announced about itself in its baggage. Fields
+// are empty when not announced.
+type peerMeta struct {
+	cluster, namespace, workload, service, revision, region, zone string
+}
+
+// baggageOf is the baggage value for the source workload w: ztunnel's
+// keys, with the workload type in k8s.<type>.name.
+func baggageOf(w *workload.Workload, cluster string) string {
+	name, canon, rev := workloadMeta(w)
+	typ := w.WorkloadType
+	if typ == "" {
+		typ = workload.TypePod
+	}
+	return strings.Join([]string{
+		"k8s.cluster.name=" + cluster,
+		"k8s.namespace.name=" + w.Namespace,
+		"k8s." + typ + ".name=" + name,
+		"service.name=" + canon,
+		"service.version=" + rev,
+	}, ",")
+}
+
+// maxBaggageValue bounds each announced value, as Kubernetes bounds label
+// values.
+const maxBaggageValue = 63
+
+// parseBaggage reads ztunnel's keys from the baggage headers of h. The
+// announcement is a claim by the peer, so it is only taken when its
+// namespace is the one of the peer's verified identity and every value is
+// a plain name (at most 63 letters, digits, '-', '_' or '.'); otherwise, or
+// without baggage, it returns nil. Unknown keys are ignored.
+func parseBaggage(h http.Header, peer identity.ID) *peerMeta {
+	vals := h.Values(headerBaggage)
+	if len(vals) == 0 || peer.IsZero() {
+		return nil
+	}
+	var m peerMeta
+	for _, v := range vals {
+		for _, member := range strings.Split(v, ",") {
+			// A member may carry properties after ';'; ztunnel sends none.
+			member, _, _ = strings.Cut(member, ";")
+			k, val, ok := strings.Cut(strings.TrimSpace(member), "=")
+			if !ok {
+				continue
+			}
+			k, val = strings.TrimSpace(k), strings.TrimSpace(val)
+			if val != "" && !plainName(val) {
+				return nil
+			}
+			switch k {
+			case "k8s.cluster.name":
+				m.cluster = val
+			case "k8s.namespace.name":
+				m.namespace = val
+			case "k8s.deployment.name", "k8s.cronjob.name", "k8s.pod.name", "k8s.job.name":
+				m.workload = val
+			case "service.name":
+				m.service = val
+			case "service.version":
+				m.revision = val
+			case "cloud.region":
+				m.region = val
+			case "cloud.availability_zone":
+				m.zone = val
+			}
+		}
+	}
+	if m.namespace != peer.Namespace || m.workload == "" {
+		return nil
+	}
+	return &m
+}
+
+func plainName(s string) bool {
+	if len(s) > maxBaggageValue {
+		return false
+	}
+	for _, c := range []byte(s) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_' || c == '.') {
+			return false
+		}
+	}
+	return true
+}
+
+// labels fills the source labels as ztunnel's with_derived_source does
+// (source_app is the workload name there, not the canonical service).
+func (m *peerMeta) labels(l prometheus.Labels) {
+	set := func(k, v string) {
+		if v != "" {
+			l[k] = v
+		}
+	}
+	set("source_workload", m.workload)
+	set("source_canonical_service", m.service)
+	set("source_canonical_revision", m.revision)
+	set("source_workload_namespace", m.namespace)
+	set("source_app", m.workload)
+	set("source_version", m.revision)
+	set("source_cluster", m.cluster)
+	set("source_region", m.region)
+	set("source_zone", m.zone)
+}
+
+// newTraceparent returns a W3C traceparent with a fresh random trace and
+// span id, version 00 and no flags, as ztunnel starts one per connection.
+func newTraceparent() string {
+	var b [24]byte
+	_, _ = rand.Read(b[:])
+	return "00-" + hex.EncodeToString(b[:16]) + "-" + hex.EncodeToString(b[16:]) + "-00"
+}
+
+// traceID returns the trace id of a well-formed traceparent from h, or "".
+func traceID(h http.Header) string {
+	v := h.Get(headerTraceparent)
+	parts := strings.Split(v, "-")
+	if len(parts) < 4 || len(parts[0]) != 2 || len(parts[1]) != 32 || len(parts[2]) != 16 || len(parts[3]) != 2 {
+		return ""
+	}
+	for _, p := range parts[:4] {
+		if _, err := hex.DecodeString(p); err != nil {
+			return ""
+		}
+	}
+	if parts[1] == strings.Repeat("0", 32) || strings.ToLower(parts[1]) != parts[1] {
+		return ""
+	}
+	return parts[1]
+}
+
+// traceIDOf returns the trace id of a traceparent value made by
+// newTraceparent.
+func traceIDOf(tp string) string {
+	if len(tp) < 35 {
+		return ""
+	}
+	return tp[3:35]
+}
