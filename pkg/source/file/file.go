@@ -27,7 +27,8 @@
 //   - a file that ended with a "..." line (YAML's end-of-document marker)
 //     in the last applied load no longer does (reason "truncated"): a
 //     writer that ends its files with "..." makes a cut at any line, even
-//     between two documents, visible;
+//     between two documents, visible. Once used, the marker stays required
+//     for that file while the agent runs;
 //   - PATH holds no document at all (an empty or comment-only file, a
 //     directory without manifests), or a file that had documents in the
 //     last applied load has none now (reason "empty"). This holds for the
@@ -67,8 +68,10 @@ import (
 // half second, and reloads come at most every 50 ms.
 //
 // A file written in place in pieces with pauses of more than the quiet
-// period can be read half-written; replace files atomically (write a new file
-// and rename it over the old one), as ConfigMap volumes and editors do.
+// period can be read half-written; such a read is refused where it shows (see
+// the package documentation), and the next write event reloads it. Replace
+// files atomically (write a new file and rename it over the old one), as
+// ConfigMap volumes and editors do.
 var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 500 * time.Millisecond, MinGap: 50 * time.Millisecond}
 
 const rewatchGap = time.Second
