@@ -50,11 +50,85 @@ func TestHostileExtensionHeadersUnderStrict(t *testing.T) {
 			t.Logf("plaintext dial with %s: %v", opt.name, err)
 		})
 	}
+	// Headers a socket cannot set (Linux refuses routing headers other
+	// than MIP6's type 2, and sends IPV6_RTHDRDSTOPTS only with one), sent
+	// as a SYN from a raw socket. A routing header with no segments left is
+	// accepted by the receiver whatever its type (RFC 8200), so before the
+	// fix this SYN reached the app's listener; now it is captured and handed
+	// to the inbound listener, which counts it.
+	for i, chain := range [][]rawExt{
+		{{unix.IPPROTO_ROUTING, []byte{0, 0, 0, 0, 0, 0, 0}}},
+		{{unix.IPPROTO_DSTOPTS, padOpts[1:]}, {unix.IPPROTO_ROUTING, []byte{0, 0, 0, 0, 0, 0, 0}}},
+	} {
+		metrics := func() float64 {
+			return metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="in_assign_inbound"`)
+		}
+		before := metrics()
+		if err := rawSYN6(plain, dst, uint16(40500+i), chain); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(200 * time.Millisecond)
+		if got := metrics() - before; got < 1 {
+			t.Errorf("a SYN with extension headers %v from a raw socket was not handed to the inbound listener (in_assign_inbound grew by %v)", chain, got)
+		}
+	}
+
 	time.Sleep(500 * time.Millisecond)
 	if got := app.from(plain.IPv6); len(got) > 0 {
 		t.Errorf("the STRICT pod's app accepted %d plaintext connections from the unmeshed pod with extension headers: %q", len(got), got)
 	}
-	_ = ms
+}
+
+// rawExt is an IPv6 extension header for rawSYN6: its protocol number and
+// its bytes after the next-header byte.
+type rawExt struct {
+	proto byte
+	body  []byte
+}
+
+// rawSYN6 sends one TCP SYN from pod p to dst with the extension headers of
+// chain, from a raw socket.
+func rawSYN6(p *Pod, dst netip.AddrPort, sport uint16, chain []rawExt) error {
+	return netns.Do(p.Path(), func() error {
+		s16, d16 := p.IPv6.As16(), dst.Addr().As16()
+		tcp := make([]byte, 20)
+		binary.BigEndian.PutUint16(tcp[0:], sport)
+		binary.BigEndian.PutUint16(tcp[2:], dst.Port())
+		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
+		tcp[12] = 5 << 4
+		tcp[13] = 0x02 // SYN
+		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
+		binary.BigEndian.PutUint16(tcp[16:], checksum(pseudo, tcp))
+		var body []byte
+		for i, e := range chain {
+			next := byte(unix.IPPROTO_TCP)
+			if i+1 < len(chain) {
+				next = chain[i+1].proto
+			}
+			body = append(append(body, next), e.body...)
+		}
+		body = append(body, tcp...)
+		pkt := make([]byte, 40, 40+len(body))
+		pkt[0] = 0x60
+		binary.BigEndian.PutUint16(pkt[4:], uint16(len(body)))
+		pkt[6] = unix.IPPROTO_TCP
+		if len(chain) > 0 {
+			pkt[6] = chain[0].proto
+		}
+		pkt[7] = 64
+		copy(pkt[8:], s16[:])
+		copy(pkt[24:], d16[:])
+		fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW, unix.IPPROTO_RAW)
+		if err != nil {
+			return fmt.Errorf("raw socket: %w", err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Sendto(fd, append(pkt, body...), 0, &unix.SockaddrInet6{Addr: d16}); err != nil {
+			return fmt.Errorf("send SYN: %w", err)
+		}
+		return nil
+	})
 }
 
 // TestHostileFragmentedSYN: a SYN whose TCP header is split over two IPv4
