@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # istio-binaries.sh [OUTDIR]
 # istio-binaries.sh --dir      print the default cache folder and exit, building nothing
+# istio-binaries.sh istioctl [OUTDIR | --dir]
+#                              the same for istioctl (see below)
 #
 # Builds istiod (pilot-discovery) from the nested tools module test/istiotools, for the istiod
 # integration tests (test/istiotest, test/netns/istiod_*_test.go). The default OUTDIR is a
@@ -13,6 +15,12 @@
 # The build is skipped when both files are already there. Progress goes to stderr; the folder
 # is printed on stdout at the end, so callers can do dir=$(hack/istio-binaries.sh).
 #
+# istioctl, for the check that Istio's tools read the agent's config dump
+# (test/netns/istioctl_test.go), is built from test/istiotools/istioctl: a module of its own, so
+# that its extra dependencies do not change the pilot-discovery cache key, pinned to the same
+# istio.io/istio version and the same versions of every shared module (the script refuses a
+# mismatch). It goes to ${XDG_CACHE_HOME:-$HOME/.cache}/redirector/istio/istioctl-<hash>/istioctl.
+#
 # Measured cold on 2 shared cores: see README.md ("Tests"); a warm one (Go build cache intact)
 # takes seconds.
 set -euo pipefail
@@ -21,6 +29,48 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$root/test/istiotools"
 
 log() { echo "istio-binaries: $*" >&2; }
+
+# One fixed set of flags, so a rebuild hits the Go build cache. The tools modules are built on
+# their own: no go.work, no GOFLAGS from the caller's environment.
+export CGO_ENABLED=0 GOWORK=off GOFLAGS=-mod=readonly
+flags=(-trimpath -buildvcs=false -ldflags "-s -w")
+
+if [[ "${1:-}" == istioctl ]]; then
+	shift
+	mod="$tools/istioctl"
+	hash=$(cat "$mod/go.mod" "$mod/go.sum" | sha256sum | cut -c1-16)
+	out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/istio/istioctl-$hash"
+	if [[ "${1:-}" == --dir ]]; then
+		echo "$out"
+		exit 0
+	fi
+	out=${1:-$out}
+	if [[ -x "$out/istioctl" ]]; then
+		log "istioctl up to date in $out"
+		echo "$out"
+		exit 0
+	fi
+	want=$(cd "$tools" && go list -m -f '{{.Version}}' istio.io/istio)
+	got=$(cd "$mod" && go list -m -f '{{.Version}}' istio.io/istio)
+	if [[ "$want" != "$got" ]]; then
+		log "test/istiotools/istioctl pins istio.io/istio $got, test/istiotools $want: make them equal"
+		exit 1
+	fi
+	mkdir -p "$out"
+	exec 9>"$out/.lock"
+	flock 9
+	if [[ ! -x "$out/istioctl" ]]; then
+		tmp=$(mktemp -d "$out/.build.XXXXXX")
+		trap 'rm -rf "$tmp"' EXIT
+		start=$SECONDS
+		log "building istioctl (istio.io/istio $got) into $out (minutes when cold)"
+		(cd "$mod" && go build "${flags[@]}" -o "$tmp/istioctl" istio.io/istio/istioctl/cmd/istioctl)
+		log "istioctl done after $((SECONDS - start))s"
+		mv "$tmp/istioctl" "$out/istioctl"
+	fi
+	echo "$out"
+	exit 0
+fi
 
 hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
 out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/istio/$hash"
@@ -47,11 +97,6 @@ if have; then
 	echo "$out"
 	exit 0
 fi
-
-# One fixed set of flags, so a rebuild hits the Go build cache. The tools module is built on
-# its own: no go.work, no GOFLAGS from the caller's environment.
-export CGO_ENABLED=0 GOWORK=off GOFLAGS=-mod=readonly
-flags=(-trimpath -buildvcs=false -ldflags "-s -w")
 
 tmp=$(mktemp -d "$out/.build.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
