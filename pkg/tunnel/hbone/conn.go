@@ -188,6 +188,7 @@ type conn struct {
 	lastPeerID     uint32
 	peerMaxStreams uint32
 	peerInitWindow int64
+	acksPending    int   // SETTINGS acks queued, not yet written: DATA waits
 	sendWindow     int64 // connection-level window the peer granted us
 	recvWindow     int64 // what the peer may still send before our next WINDOW_UPDATE
 	recvUnacked    int64 // bytes consumed locally and not yet returned to the peer
@@ -346,17 +347,20 @@ func (c *conn) readLoop() {
 	err := c.readFrames()
 	var ce http2.ConnectionError
 	var fe *floodError
+	var ge *GoAwayError
 	switch {
 	case errors.As(err, &fe):
 		if c.cfg.onFlood != nil {
 			c.cfg.onFlood()
 		}
 		c.cfg.log.Warn("hbone peer floods, closing its connection", "remote", c.nc.RemoteAddr(), "reason", fe.reason)
-		c.close(http2.ErrCodeEnhanceYourCalm, err, true)
+		c.closeConn(http2.ErrCodeEnhanceYourCalm, err, true, true)
 	case errors.As(err, &ce):
-		c.close(http2.ErrCode(ce), fmt.Errorf("peer broke http2 protocol: %w", err), true)
+		c.closeConn(http2.ErrCode(ce), fmt.Errorf("peer broke http2 protocol: %w", err), true, true)
 	case errors.Is(err, http2.ErrFrameTooLarge):
-		c.close(http2.ErrCodeFrameSize, err, true)
+		c.closeConn(http2.ErrCodeFrameSize, err, true, true)
+	case errors.As(err, &ge):
+		c.closeConn(http2.ErrCodeNo, err, false, true)
 	default:
 		c.close(http2.ErrCodeNo, err, false)
 	}
@@ -430,7 +434,7 @@ func (c *conn) onFrame(f http2.Frame) error {
 	case *http2.RSTStreamFrame:
 		return c.onReset(f)
 	case *http2.GoAwayFrame:
-		c.onGoAway(f)
+		return c.onGoAway(f)
 	case *http2.PushPromiseFrame:
 		// We never enable push, and a client cannot push.
 		return http2.ConnectionError(http2.ErrCodeProtocol)
@@ -447,6 +451,12 @@ func (c *conn) onFrame(f http2.Frame) error {
 		return c.spendJunk(f.Header().Type.String())
 	}
 	return nil
+}
+
+// notePeerClosedLocked remembers that the peer ended stream id.
+func (c *conn) notePeerClosedLocked(id uint32) {
+	c.peerClosed[c.peerClosedNext] = id
+	c.peerClosedNext = (c.peerClosedNext + 1) % len(c.peerClosed)
 }
 
 // peerClosedRecently reports whether id is one of the last streams the
@@ -606,9 +616,13 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		}
 		return nil // response to a stream we gave up on
 	}
-	if id%2 == 0 || id <= c.lastPeerID {
+	if id%2 == 0 {
 		c.mu.Unlock()
 		return http2.ConnectionError(http2.ErrCodeProtocol)
+	}
+	if id <= c.lastPeerID {
+		c.mu.Unlock()
+		return http2.ConnectionError(http2.ErrCodeStreamClosed) // a stream that was open once (§5.1)
 	}
 	if f.HasPriority() && f.Priority.StreamDep == id {
 		c.mu.Unlock()
@@ -664,11 +678,15 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		return nil
 	})
 	c.sawSettings = true
-	c.sendCond.Broadcast()
+	if err == nil {
+		c.acksPending++
+	}
 	c.mu.Unlock()
 	if err != nil {
 		return err
 	}
+	// DATA waits until the ack went out (ctlLoop), so what is sent under
+	// the new settings follows their ack on the wire.
 	c.queue(ctlFrame{typ: http2.FrameSettings})
 	c.ready()
 	return nil
@@ -723,6 +741,11 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 		return http2.ConnectionError(http2.ErrCodeProtocol) // RFC 9113 §6.4
 	}
 	if s == nil {
+		// Closed here first (answered and ended): the peer still knows it
+		// closed, so DATA after this breaks the protocol.
+		c.mu.Lock()
+		c.notePeerClosedLocked(f.StreamID)
+		c.mu.Unlock()
 		return c.spendJunk("RST_STREAM for closed streams")
 	}
 	s.mu.Lock()
@@ -744,7 +767,9 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	return nil
 }
 
-func (c *conn) onGoAway(f *http2.GoAwayFrame) {
+// onGoAway handles GOAWAY; one with an error code is returned as a
+// *GoAwayError, which ends the conn.
+func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 	c.mu.Lock()
 	c.goAway = true
 	var unprocessed []*Stream
@@ -760,12 +785,12 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) {
 		s.abort(fmt.Errorf("%w: connection going away", errRetry))
 	}
 	if f.ErrCode != http2.ErrCodeNo {
-		c.close(http2.ErrCodeNo, &GoAwayError{Code: f.ErrCode, Debug: string(f.DebugData())}, false)
-		return
+		return &GoAwayError{Code: f.ErrCode, Debug: string(f.DebugData())}
 	}
 	if idle {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: peer sent GOAWAY", ErrConnClosed), true)
 	}
+	return nil
 }
 
 // resetStream answers a stream error: RST_STREAM to the peer, and the local
@@ -851,10 +876,12 @@ func (c *conn) ctlLoop() {
 		}
 		c.wmu.Lock()
 		var err error
+		settingsAck := false
 		for _, f := range batch {
 			if err = c.writeCtlLocked(f); err != nil {
 				break
 			}
+			settingsAck = settingsAck || f.typ == http2.FrameSettings
 		}
 		if err == nil {
 			err = c.bw.Flush()
@@ -862,6 +889,14 @@ func (c *conn) ctlLoop() {
 		c.wmu.Unlock()
 		c.mu.Lock()
 		c.ctlSpare = batch[:0]
+		if settingsAck && err == nil {
+			for _, f := range batch {
+				if f.typ == http2.FrameSettings {
+					c.acksPending--
+				}
+			}
+			c.sendCond.Broadcast() // the new settings' windows may be used now
+		}
 		c.mu.Unlock()
 		if err != nil {
 			c.close(http2.ErrCodeNo, fmt.Errorf("write control frame: %w", err), false)
@@ -995,8 +1030,7 @@ func (c *conn) forget(s *Stream) {
 	}
 	delete(c.streams, s.id)
 	if peerEnded {
-		c.peerClosed[c.peerClosedNext] = s.id
-		c.peerClosedNext = (c.peerClosedNext + 1) % len(c.peerClosed)
+		c.notePeerClosedLocked(s.id)
 	}
 	closeNow := c.releaseLocked()
 	c.mu.Unlock()
@@ -1040,6 +1074,12 @@ func (c *conn) drain() {
 // close kills the conn once: optionally tells the peer why (GOAWAY), closes
 // the socket, fails every stream and tells the owner.
 func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
+	c.closeConn(code, cause, sendGoAway, false)
+}
+
+// closeConn is close; linger (for the reader, closing because of what the
+// peer sent) ends the socket with lingerClose.
+func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger bool) {
 	c.mu.Lock()
 	if c.err != nil {
 		c.mu.Unlock()
@@ -1076,7 +1116,9 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 		}
 		c.wmu.Unlock()
 	}
-	_ = c.nc.Close()
+	if !linger {
+		_ = c.nc.Close()
+	}
 	for _, s := range streams {
 		s.abort(cause)
 	}
@@ -1087,6 +1129,25 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 	if c.cfg.onClose != nil {
 		c.cfg.onClose(c)
 	}
+	if linger {
+		c.lingerClose()
+	}
+}
+
+// lingerClose ends the socket of a conn closed while the peer may still be
+// sending: it tells the peer (TLS close_notify) and reads what is in
+// flight, for at most a second and 1 MiB, before closing. Closing with
+// unread bytes would make the kernel answer with a TCP reset, which can
+// destroy the GOAWAY that says why before the peer read it.
+func (c *conn) lingerClose() {
+	deadline := time.Now().Add(closeWriteDeadline)
+	if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
+		_ = c.nc.SetWriteDeadline(deadline)
+		_ = cw.CloseWrite()
+	}
+	_ = c.nc.SetReadDeadline(deadline)
+	_, _ = io.CopyN(io.Discard, c.nc, 1<<20)
+	_ = c.nc.Close()
 }
 
 // ready calls onReady once.

@@ -95,7 +95,11 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	var code http2.ErrCode
 	switch {
 	case s.remoteEnded:
-		code = http2.ErrCodeStreamClosed
+		// Frames after the peer's END_STREAM (RFC 9113 §5.1).
+		s.mu.Unlock()
+		recycleChunks(chunks)
+		s.c.credit(0, 0, n)
+		return http2.ConnectionError(http2.ErrCodeStreamClosed)
 	case s.respc != nil && !s.gotResponse:
 		code = http2.ErrCodeProtocol // DATA before the response headers
 	case n > s.recvWindow:
@@ -142,6 +146,10 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 	protoErr := http2.StreamError{StreamID: s.id, Code: http2.ErrCodeProtocol}
 	s.mu.Lock()
+	if s.remoteEnded {
+		s.mu.Unlock()
+		return http2.ConnectionError(http2.ErrCodeStreamClosed) // frames after the peer's END_STREAM (§5.1)
+	}
 	if s.respc != nil && !s.gotResponse {
 		status, err := strconv.Atoi(f.PseudoValue("status"))
 		if err != nil || status < 100 || status > 999 {
@@ -168,10 +176,6 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 		return protoErr // trailers must end the stream
 	}
 	if f.StreamEnded() {
-		if s.remoteEnded {
-			s.mu.Unlock()
-			return http2.StreamError{StreamID: s.id, Code: http2.ErrCodeStreamClosed}
-		}
 		s.remoteEnded = true
 		s.rcond.Broadcast()
 	}
@@ -460,7 +464,7 @@ func (s *Stream) awaitSendWindow(want int) (int, error) {
 			return 0, c.err
 		case !s.writeDeadline.IsZero() && !time.Now().Before(s.writeDeadline):
 			return 0, os.ErrDeadlineExceeded
-		case s.sendWindow > 0 && c.sendWindow > 0:
+		case s.sendWindow > 0 && c.sendWindow > 0 && c.acksPending == 0:
 			k := min(int64(want), s.sendWindow, c.sendWindow, int64(c.peerMaxFrame.Load()))
 			s.sendWindow -= k
 			c.sendWindow -= k
