@@ -54,6 +54,7 @@ type agentConfig struct {
 	drainTimeout    time.Duration
 	poolMaxStreams  int
 	poolIdle        time.Duration
+	seriesGrace     time.Duration
 	legacyTC        bool
 	logLevel        slog.Level
 	data            loader.Settings
@@ -70,6 +71,8 @@ type runFlags struct {
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
+
+	seriesGrace *string
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -103,6 +106,8 @@ func runSettings() (*settings, runFlags) {
 		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net (the Helm chart mounts it at /host/proc instead of using hostPID)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 		limits:     addLimitSettings(s),
+		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
+			"istio_tcp_* series of workloads that left are deleted this long after their last connection closed"),
 	}
 }
 
@@ -137,7 +142,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	durations := []struct {
 		dst *time.Duration
 		val *string
-	}{{&c.certTTL, f.ttl}, {&c.reconcilePeriod, f.period}, {&c.drainTimeout, f.drain}, {&c.poolIdle, f.poolIdle}}
+	}{{&c.certTTL, f.ttl}, {&c.reconcilePeriod, f.period}, {&c.drainTimeout, f.drain}, {&c.poolIdle, f.poolIdle}, {&c.seriesGrace, f.seriesGrace}}
 	for _, d := range durations {
 		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
@@ -210,10 +215,12 @@ func runAgent(ctx context.Context, args []string) error {
 
 	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, IdleTimeout: cfg.poolIdle, Logger: log})
 	defer pool.Close()
+	tunMetrics := tunnel.NewMetrics(reg)
+	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
-		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunnel.NewMetrics(reg), Logger: log,
+		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)

@@ -33,6 +33,7 @@ const maxDerivedSeries = 1000
 // It is deleted seriesGrace later, at the next scrape or Update.
 type seriesGC struct {
 	now    func() time.Time
+	grace  time.Duration // seriesGrace unless SetSeriesGrace changed it
 	groups []seriesGroup
 
 	mu      sync.Mutex
@@ -56,7 +57,16 @@ type seriesEntry struct {
 }
 
 func newSeriesGC(now func() time.Time, groups ...seriesGroup) *seriesGC {
-	return &seriesGC{now: now, groups: groups, series: map[string]*seriesEntry{}}
+	return &seriesGC{now: now, grace: seriesGrace, groups: groups, series: map[string]*seriesEntry{}}
+}
+
+// SetSeriesGrace changes how long the series of gone workloads stay
+// exported (default seriesGrace); tests and soaks shorten it. Call it
+// before the metrics are used.
+func (m *Metrics) SetSeriesGrace(d time.Duration) {
+	if d > 0 {
+		m.series.grace = d
+	}
 }
 
 func (g *seriesGC) key(group int, l prometheus.Labels) string {
@@ -164,13 +174,13 @@ func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 	return true
 }
 
-// sweep deletes the series gone for seriesGrace.
+// sweep deletes the series gone for the grace period.
 func (g *seriesGC) sweep() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	now := g.now()
 	for k, e := range g.series {
-		if e.goneSince.IsZero() || now.Sub(e.goneSince) < seriesGrace {
+		if e.goneSince.IsZero() || now.Sub(e.goneSince) < g.grace {
 			continue
 		}
 		for _, v := range g.groups[e.group].vecs {
