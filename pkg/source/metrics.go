@@ -10,7 +10,8 @@ const (
 	// ReasonParse: a document is not valid YAML.
 	ReasonParse = "parse"
 	// ReasonInvalid: a document parses but is not an object the source accepts
-	// (unknown kind or field, no name, a duplicate).
+	// (unknown kind or field, no name, a duplicate), or a Kubernetes policy
+	// object does not convert to the policy types.
 	ReasonInvalid = "invalid"
 	// ReasonTruncated: a file was cut short or is still being written.
 	ReasonTruncated = "truncated"

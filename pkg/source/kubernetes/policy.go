@@ -11,8 +11,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
 // istioSecurity is the API group version of the policies.
@@ -24,8 +28,15 @@ type policyKind struct {
 	// check reports whether an object converts to the policy types, and what is lost.
 	check func(*unstructured.Unstructured) (leftOut bool, err error)
 
+	// failClosed stands for an object that never converted: a policy that enforces at least
+	// what the author can have meant (see decodeObjects).
+	failClosed func(*unstructured.Unstructured) any
+
 	informer      cache.SharedIndexInformer // nil while the CRD is missing
 	loggedMissing bool
+	// lastGood is the last version of each object (by UID) that converted; only snapshot
+	// (the Run goroutine) reads and writes it.
+	lastGood map[types.UID]any
 }
 
 // policyWatch starts the policy informers when (and if) their CRDs appear. The agent must run
@@ -167,8 +178,9 @@ func (w *policyWatch) handler(k *policyKind) cache.ResourceEventHandlerFuncs {
 		leftOut, err := k.check(u)
 		switch {
 		case leftOut:
-			w.s.log.Warn("Istio policy does not convert; left out", "resource", k.resource,
-				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
+			w.s.cfg.Metrics.Error("kubernetes", source.ReasonInvalid)
+			w.s.log.Error("Istio policy does not convert; its last version that did stays, or, with none, it fails closed",
+				"resource", k.resource, "namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
 		case err != nil:
 			w.s.log.Warn("Istio policy has an unknown field; ignored", "resource", k.resource,
 				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
@@ -181,23 +193,94 @@ func (w *policyWatch) handler(k *policyKind) cache.ResourceEventHandlerFuncs {
 	}
 }
 
-// decodeAll converts the cached objects of k to T. Objects that do not decode are left out
-// (the handler logged them). Nothing is returned before the informer has synced.
+// decodeAll converts the cached objects of k to T (see decodeObjects). Nothing is returned
+// before the informer has synced.
 func decodeAll[T any](k *policyKind) []*T {
 	if k.informer == nil || !k.informer.HasSynced() {
 		return nil
 	}
+	out, next := decodeObjects[T](k.informer.GetStore().List(), k.lastGood, k.failClosed)
+	k.lastGood = next
+	return out
+}
+
+// decodeObjects converts objs to T. Leaving out a policy that does not convert would fail
+// open (a DENY or ALLOW policy gone, a STRICT PeerAuthentication gone), so an object that
+// does not convert is replaced by its last version that did (lastGood, by UID), or, if it
+// never did, by failClosed's stand-in. It returns the policies and the new lastGood.
+func decodeObjects[T any](objs []any, lastGood map[types.UID]any, failClosed func(*unstructured.Unstructured) any) ([]*T, map[types.UID]any) {
+	next := make(map[types.UID]any, len(objs))
 	var out []*T
-	for _, obj := range k.informer.GetStore().List() {
+	for _, obj := range objs {
 		u, ok := obj.(*unstructured.Unstructured)
 		if !ok {
 			continue
 		}
-		if v, err := decode[T](u); err == nil {
-			out = append(out, v)
+		v, err := decode[T](u)
+		if err == nil {
+			next[u.GetUID()] = v
+		} else if last, ok := lastGood[u.GetUID()].(*T); ok {
+			v = last
+			next[u.GetUID()] = v
+		} else if stand, ok := failClosed(u).(*T); ok {
+			v = stand
+		} else {
+			continue // no stand-in of this type: a programming error, caught by the tests
 		}
+		out = append(out, v)
 	}
-	return out
+	return out, next
+}
+
+// unconvertible is the action or mode of a stand-in for a policy that never converted. The
+// policy package reads an unknown AuthorizationPolicy action as "deny everything selected"
+// and an unknown PeerAuthentication mode as STRICT.
+const unconvertible = "UNCONVERTIBLE"
+
+// failClosedAuthz stands for an AuthorizationPolicy that never converted: it denies
+// everything it selects (its selector and target references if those convert, else the
+// whole namespace).
+func failClosedAuthz(u *unstructured.Unstructured) any {
+	ap := &policy.AuthorizationPolicy{ObjectMeta: standInMeta(u)}
+	ap.Spec.Selector = specField[policy.WorkloadSelector](u, "selector")
+	ap.Spec.TargetRef = specField[policy.PolicyTargetReference](u, "targetRef")
+	if refs := specField[[]policy.PolicyTargetReference](u, "targetRefs"); refs != nil {
+		ap.Spec.TargetRefs = *refs
+	}
+	ap.Spec.Action = unconvertible
+	return ap
+}
+
+// failClosedPeerAuthn stands for a PeerAuthentication that never converted: STRICT for what
+// it selects (its selector if that converts, else the whole namespace).
+func failClosedPeerAuthn(u *unstructured.Unstructured) any {
+	pa := &policy.PeerAuthentication{ObjectMeta: standInMeta(u)}
+	pa.Spec.Selector = specField[policy.WorkloadSelector](u, "selector")
+	pa.Spec.MTLS = &policy.MTLS{Mode: unconvertible}
+	return pa
+}
+
+// standInMeta is the metadata a stand-in keeps of u.
+func standInMeta(u *unstructured.Unstructured) metav1.ObjectMeta {
+	return metav1.ObjectMeta{Namespace: u.GetNamespace(), Name: u.GetName(), UID: u.GetUID(),
+		CreationTimestamp: u.GetCreationTimestamp(), ResourceVersion: u.GetResourceVersion(), Labels: u.GetLabels()}
+}
+
+// specField decodes spec.<name> of u into a new T; nil if it is absent or does not decode.
+func specField[T any](u *unstructured.Unstructured, name string) *T {
+	raw, ok, err := unstructured.NestedFieldNoCopy(u.Object, "spec", name)
+	if !ok || err != nil {
+		return nil
+	}
+	b, err := json.Marshal(raw)
+	if err != nil {
+		return nil
+	}
+	v := new(T)
+	if json.Unmarshal(b, v) != nil {
+		return nil
+	}
+	return v
 }
 
 // decode converts an unstructured object to T through JSON, the encoding the policy types

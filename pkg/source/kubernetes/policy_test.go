@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
 	"sigs.k8s.io/yaml"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
@@ -68,5 +69,88 @@ spec:
 	}
 	if _, err := decode[policy.AuthorizationPolicy](u); err == nil {
 		t.Error("decode succeeded, want an error")
+	}
+}
+
+// TestDecodeObjectsNeverFailOpen: a policy that stops converting keeps its last version that
+// did; one that never converted is a stand-in that fails closed (DENY everything it selects,
+// STRICT); the memory of last versions forgets deleted objects.
+func TestDecodeObjectsNeverFailOpen(t *testing.T) {
+	withUID := func(u *unstructured.Unstructured, uid string) *unstructured.Unstructured {
+		u.SetUID(types.UID(uid))
+		return u
+	}
+	goodDeny := withUID(mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-evil}
+spec:
+  selector: {matchLabels: {app: web}}
+  action: DENY
+  rules: [{from: [{source: {principals: [cluster.local/ns/evil/sa/x]}}]}]
+`), "u1")
+	brokenDeny := withUID(mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-evil}
+spec:
+  selector: {matchLabels: {app: web}}
+  action: DENY
+  rules: "not a list"
+`), "u1")
+	neverGood := withUID(mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: allow-some}
+spec:
+  selector: {matchLabels: {app: db}}
+  action: 7
+`), "u2")
+
+	authz, last := decodeObjects[policy.AuthorizationPolicy]([]any{goodDeny}, nil, failClosedAuthz)
+	if len(authz) != 1 || last["u1"] == nil {
+		t.Fatalf("good policy: %d out, lastGood %v", len(authz), last)
+	}
+	authz, last = decodeObjects[policy.AuthorizationPolicy]([]any{brokenDeny, neverGood}, last, failClosedAuthz)
+	if len(authz) != 2 {
+		t.Fatalf("%d policies out of 2 objects: one was left out", len(authz))
+	}
+	if r := authz[0].Spec.Rules; authz[0].Name != "deny-evil" || len(r) != 1 || r[0].From[0].Source.Principals[0] != "cluster.local/ns/evil/sa/x" {
+		t.Errorf("deny-evil = %+v, want its last good version", authz[0])
+	}
+	stand := authz[1]
+	if stand.Name != "allow-some" || stand.Spec.Selector == nil || stand.Spec.Selector.MatchLabels["app"] != "db" {
+		t.Errorf("stand-in %+v lost its name or selector", stand)
+	}
+	values := make([]policy.AuthorizationPolicy, len(authz))
+	for i, ap := range authz {
+		values[i] = *ap
+	}
+	anyone := policy.Peer{Principal: "cluster.local/ns/shop/sa/friend", Authenticated: true}
+	if v := policy.Authorize(values, "", policy.Target{Namespace: "shop", Labels: map[string]string{"app": "db"}, Port: 5432}, anyone); v.Allowed {
+		t.Errorf("the stand-in of a policy that never converted allowed a connection: %+v", v)
+	}
+	if v := policy.Authorize(values, "", policy.Target{Namespace: "shop", Labels: map[string]string{"app": "web"}, Port: 80}, anyone); !v.Allowed {
+		t.Errorf("web (not selected by the stand-in, not denied by deny-evil) refused: %+v", v)
+	}
+
+	// Deleted: forgotten, so a new object that reuses nothing gets no stale version.
+	if _, last = decodeObjects[policy.AuthorizationPolicy]([]any{neverGood}, last, failClosedAuthz); len(last) != 0 {
+		t.Errorf("lastGood keeps %v after deny-evil was deleted", last)
+	}
+
+	brokenPA := withUID(mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: default}
+spec:
+  mtls: "PERMISSIVE"
+`), "u3")
+	pas, _ := decodeObjects[policy.PeerAuthentication]([]any{brokenPA}, nil, failClosedPeerAuthn)
+	if len(pas) != 1 {
+		t.Fatalf("%d PeerAuthentications, want the stand-in", len(pas))
+	}
+	if d := policy.EffectiveMode([]policy.PeerAuthentication{*pas[0]}, "", "shop", nil, 80); d.Mode != policy.ModeStrict {
+		t.Errorf("a PeerAuthentication that never converted gives %+v, want STRICT", d)
 	}
 }

@@ -31,7 +31,9 @@
 // no snapshot, and the agent stays unready); policies of a kind enter snapshots only once
 // their informer synced. Every list or watch error is logged and counted in
 // redirector_source_errors_total{source="kubernetes",reason="list_watch"}, discovery
-// failures under reason="discovery".
+// failures under reason="discovery". A policy that does not convert to the policy types is
+// not left out (that would drop a DENY, an ALLOW or a STRICT): its last version that converted
+// stays, or, if none did, a stand-in fails closed (reason="invalid"; see decodeObjects).
 package kubernetes
 
 import (
@@ -179,8 +181,8 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		services:       factory.Core().V1().Services(),
 		endpointSlices: factory.Discovery().V1().EndpointSlices(),
 		runtimeClasses: factory.Node().V1().RuntimeClasses(),
-		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec]},
-		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec]},
+		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec], failClosed: failClosedPeerAuthn},
+		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec], failClosed: failClosedAuthz},
 	}
 	for _, inf := range []cache.SharedIndexInformer{
 		l.namespaces.Informer(), l.pods.Informer(), l.services.Informer(), l.endpointSlices.Informer(),
