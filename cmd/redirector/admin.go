@@ -53,9 +53,19 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 			}
 			return rows
 		},
-		admin.SectionWorkloads: func() any { return tun.State().Dir.All() },
-		admin.SectionServices:  func() any { return tun.State().Dir.Services() },
+		// workloads, services, policies, certificates and workloadState
+		// are in ztunnel's shape, for istioctl ztunnel-config and Kiali.
+		admin.SectionWorkloads: func() any { return admin.ZtunnelWorkloads(tun.State().Dir, tunnel.DefaultCluster, cfg.trustDomain) },
+		admin.SectionServices:  func() any { return admin.ZtunnelServices(tun.State().Dir, tunnel.DefaultCluster) },
 		admin.SectionPolicies: func() any {
+			return admin.ZtunnelPolicies(tun.State().AuthorizationPolicies, cfg.rootNamespace)
+		},
+		admin.SectionCertificates: func() any { return admin.ZtunnelCertificates(certRows(certs), nil) },
+		admin.SectionWorkloadState: func() any {
+			return admin.ZtunnelWorkloadStates(tun.State().Dir.LocalPods(cfg.node), cfg.trustDomain,
+				func(w *workload.Workload) bool { return tun.PodReady(podUID(w)) })
+		},
+		admin.SectionMeshPolicies: func() any {
 			st := tun.State()
 			return admin.Policies{PeerAuthentications: st.PeerAuthentications, AuthorizationPolicies: st.AuthorizationPolicies}
 		},

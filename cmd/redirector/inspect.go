@@ -183,37 +183,29 @@ func orDash(s string) string {
 	return s
 }
 
-// serviceRow is a service as the config dump shows it (workload.Service).
-type serviceRow struct {
-	Name      string
-	Namespace string
-	VIPs      []string
-	Ports     []struct {
-		Name       string
-		Port       int32
-		TargetPort any
-	}
-	Endpoints []struct {
-		Addr  string
-		Ports map[string]int32
-		Ready bool
-	}
-}
+// serviceRow is a service as the config dump shows it (ztunnel's shape,
+// admin.ZtunnelService).
+type serviceRow = admin.ZtunnelService
 
+// renderServices prints istioctl ztunnel-config services' columns, with
+// the ports and the endpoint addresses spelled out.
 func renderServices(w io.Writer, format string, rows []serviceRow) error {
-	return render(w, format, rows, []string{"NAMESPACE", "NAME", "VIPS", "PORTS", "ENDPOINTS (ready)"}, func(r serviceRow) []string {
-		var ports, eps []string
-		for _, p := range r.Ports {
-			ports = append(ports, fmt.Sprintf("%d->%v", p.Port, p.TargetPort))
+	return render(w, format, rows, []string{"NAMESPACE", "SERVICE NAME", "SERVICE VIP", "PORTS", "ENDPOINTS"}, func(r serviceRow) []string {
+		var vips, ports, eps []string
+		for _, v := range r.VIPs {
+			_, ip, _ := strings.Cut(v, "/")
+			vips = append(vips, ip)
+		}
+		for p, tp := range r.Ports {
+			ports = append(ports, fmt.Sprintf("%s->%d", p, tp))
 		}
 		for _, e := range r.Endpoints {
-			mark := ""
-			if !e.Ready {
-				mark = " (not ready)"
-			}
-			eps = append(eps, e.Addr+mark)
+			_, ip, _ := strings.Cut(e.Address, "/")
+			eps = append(eps, ip)
 		}
-		return []string{r.Namespace, r.Name, strings.Join(r.VIPs, ","), strings.Join(ports, ","), strings.Join(eps, ",")}
+		slices.Sort(ports)
+		slices.Sort(eps)
+		return []string{r.Namespace, r.Name, strings.Join(vips, ","), strings.Join(ports, ","), strings.Join(eps, ",")}
 	})
 }
 

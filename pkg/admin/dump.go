@@ -2,13 +2,15 @@ package admin
 
 import "time"
 
-// Config dump sections. `redirector inspect certs|policies` reads the dump
-// by these names.
+// Config dump sections. `redirector inspect` reads the dump by these
+// names. workloads, services and policies (with certificates and
+// workloadState, see ztunnel.go) are in ztunnel's shape; pods, certs and
+// meshPolicies are the agent's own views.
 const (
 	SectionPods      = "pods"      // this node's pods with their selection decision ([]PodRow)
-	SectionWorkloads = "workloads" // the workload directory
-	SectionServices  = "services"  // services and their endpoints
-	SectionPolicies  = "policies"  // Policies
+	SectionWorkloads = "workloads" // every workload ([]ZtunnelWorkload)
+	SectionServices  = "services"  // services and their endpoints ([]ZtunnelService)
+	SectionPolicies  = "policies"  // AuthorizationPolicies as ztunnel holds them ([]ZtunnelPolicy)
 	SectionCerts     = "certs"     // []CertRow
 )
 
@@ -26,7 +28,7 @@ type PodRow struct {
 	Listening      bool     `json:"listening"` // the tunnel's listeners are open
 }
 
-// Policies is the policies section.
+// Policies is the meshPolicies section.
 type Policies struct {
 	PeerAuthentications   any `json:"peerAuthentications"`
 	AuthorizationPolicies any `json:"authorizationPolicies"`

@@ -45,7 +45,7 @@ func readinessHandler(ready func() (bool, string)) http.Handler {
 
 // adminEndpoints are listed by GET / for whoever lands on the admin port.
 var adminEndpoints = []string{
-	"GET  /config_dump             pods, workloads, services, policies and certs as JSON",
+	"GET  /config_dump             workloads, services, policies, certificates, workloadState (ztunnel's shape); pods, certs, meshPolicies",
 	"GET  /debug/pprof/            Go profiles (net/http/pprof)",
 	"GET  /logging                 the current log level",
 	"POST /logging?level=LEVEL     set the log level: debug, info, warn or error",

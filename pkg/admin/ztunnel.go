@@ -1,0 +1,365 @@
+package admin
+
+import (
+	"cmp"
+	"crypto/x509"
+	"encoding/pem"
+	"math/big"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// The config dump's workloads, services, policies, certificates and
+// workloadState sections have ztunnel's shape and field names (ztunnel's
+// admin /config_dump, as istio.io/istio istioctl/pkg/writer/ztunnel/
+// configdump reads it), so `istioctl ztunnel-config ... --file` and
+// Kiali's ztunnel tab read the agent's dump unchanged.
+const (
+	SectionCertificates  = "certificates"  // []ZtunnelCerts
+	SectionWorkloadState = "workloadState" // map[pod uid]ZtunnelWorkloadState
+	// SectionMeshPolicies is the PeerAuthentications and
+	// AuthorizationPolicies as the agent holds them (Policies), next to
+	// ztunnel's converted view in "policies".
+	SectionMeshPolicies = "meshPolicies"
+)
+
+// ZtunnelWorkload is one workload (pod), as ztunnel dumps it.
+type ZtunnelWorkload struct {
+	UID               string   `json:"uid"`
+	WorkloadIPs       []string `json:"workloadIps"`
+	Protocol          string   `json:"protocol"` // HBONE when enrolled, else TCP
+	Name              string   `json:"name"`
+	Namespace         string   `json:"namespace"`
+	ServiceAccount    string   `json:"serviceAccount"`
+	WorkloadName      string   `json:"workloadName"`
+	WorkloadType      string   `json:"workloadType"`
+	CanonicalName     string   `json:"canonicalName"`
+	CanonicalRevision string   `json:"canonicalRevision"`
+	ClusterID         string   `json:"clusterId"`
+	TrustDomain       string   `json:"trustDomain"`
+	Node              string   `json:"node"`
+	Status            string   `json:"status"`
+	Capacity          uint32   `json:"capacity"`
+}
+
+// ZtunnelService is one service, as ztunnel dumps it.
+type ZtunnelService struct {
+	Name            string                      `json:"name"`
+	Namespace       string                      `json:"namespace"`
+	Hostname        string                      `json:"hostname"`
+	VIPs            []string                    `json:"vips"`  // network/ip; the network is empty here
+	Ports           map[string]uint16           `json:"ports"` // service port -> target port (0: named, per endpoint)
+	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
+	SubjectAltNames []string                    `json:"subjectAltNames"`
+	IPFamilies      string                      `json:"ipFamilies"`
+}
+
+// ZtunnelEndpoint is one endpoint of a ZtunnelService.
+type ZtunnelEndpoint struct {
+	WorkloadUID string            `json:"workloadUid"`
+	Service     string            `json:"service"` // namespace/hostname
+	Address     string            `json:"address"`
+	Port        map[string]uint16 `json:"port"`
+}
+
+// ZtunnelPolicy is an AuthorizationPolicy converted as Istio hands it to
+// ztunnel: rules are ORed, each rule's clauses ANDed, each clause's
+// matches ORed.
+type ZtunnelPolicy struct {
+	Name      string                    `json:"name"`
+	Namespace string                    `json:"namespace"`
+	Scope     string                    `json:"scope"`  // Global, Namespace or WorkloadSelector
+	Action    string                    `json:"action"` // Allow or Deny
+	Rules     [][][]*ZtunnelPolicyMatch `json:"rules"`
+}
+
+// ZtunnelPolicyMatch is one match of a policy clause.
+type ZtunnelPolicyMatch struct {
+	Namespaces          []StringMatch `json:"namespaces,omitempty"`
+	NotNamespaces       []StringMatch `json:"notNamespaces,omitempty"`
+	Principals          []StringMatch `json:"principals,omitempty"`
+	NotPrincipals       []StringMatch `json:"notPrincipals,omitempty"`
+	SourceIps           []string      `json:"sourceIps,omitempty"`
+	NotSourceIps        []string      `json:"notSourceIps,omitempty"`
+	DestinationIps      []string      `json:"destinationIps,omitempty"`
+	NotDestinationIps   []string      `json:"notDestinationIps,omitempty"`
+	DestinationPorts    []uint16      `json:"destinationPorts,omitempty"`
+	NotDestinationPorts []uint16      `json:"notDestinationPorts,omitempty"`
+}
+
+// StringMatch is ztunnel's string matcher; one field is set.
+type StringMatch struct {
+	Exact    string    `json:"Exact,omitempty"`
+	Prefix   string    `json:"Prefix,omitempty"`
+	Suffix   string    `json:"Suffix,omitempty"`
+	Presence *struct{} `json:"Presence,omitempty"`
+}
+
+// ZtunnelCerts is one identity's certificates, as ztunnel dumps them.
+type ZtunnelCerts struct {
+	Identity  string        `json:"identity"`
+	State     string        `json:"state"` // Available, Initializing or "Unavailable: <error>"
+	CertChain []ZtunnelCert `json:"certChain"`
+	RootCerts []ZtunnelCert `json:"rootCerts"`
+}
+
+// ZtunnelCert is one certificate: serial in decimal, times in RFC 3339.
+type ZtunnelCert struct {
+	PEM            string `json:"pem"`
+	SerialNumber   string `json:"serialNumber"`
+	ValidFrom      string `json:"validFrom"`
+	ExpirationTime string `json:"expirationTime"`
+}
+
+// ZtunnelWorkloadState is a local pod's state, as ztunnel's in-pod mode
+// dumps it.
+type ZtunnelWorkloadState struct {
+	State string              `json:"state"` // Up when the tunnel serves the pod, else Pending
+	Info  ZtunnelWorkloadInfo `json:"info"`
+}
+
+// ZtunnelWorkloadInfo names a local pod.
+type ZtunnelWorkloadInfo struct {
+	Name           string `json:"name"`
+	Namespace      string `json:"namespace"`
+	TrustDomain    string `json:"trustDomain"`
+	ServiceAccount string `json:"serviceAccount"`
+}
+
+// ZtunnelUID is a workload's uid as Istio builds it:
+// cluster//Pod/namespace/name.
+func ZtunnelUID(cluster string, w *workload.Workload) string {
+	return cluster + "//Pod/" + w.Namespace + "/" + w.Name
+}
+
+// ZtunnelWorkloads converts every workload of dir.
+func ZtunnelWorkloads(dir *workload.Directory, cluster, trustDomain string) []ZtunnelWorkload {
+	out := []ZtunnelWorkload{}
+	for _, w := range dir.All() {
+		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
+			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
+			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, TrustDomain: trustDomain,
+			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}}
+		if w.Enrolled {
+			z.Protocol = "HBONE"
+		}
+		for _, a := range w.Addrs {
+			z.WorkloadIPs = append(z.WorkloadIPs, a.String())
+		}
+		out = append(out, z)
+	}
+	return out
+}
+
+// ZtunnelServices converts every service of dir.
+func ZtunnelServices(dir *workload.Directory, cluster string) []ZtunnelService {
+	out := []ZtunnelService{}
+	for _, s := range dir.Services() {
+		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname(""), VIPs: []string{},
+			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}}
+		v4, v6 := false, false
+		for _, vip := range s.VIPs {
+			z.VIPs = append(z.VIPs, "/"+vip.String())
+			v4, v6 = v4 || vip.Is4(), v6 || vip.Is6()
+		}
+		z.IPFamilies = map[[2]bool]string{{true, false}: "IPv4", {false, true}: "IPv6", {true, true}: "Dual"}[[2]bool{v4, v6}]
+		for _, p := range s.Ports {
+			if p.Protocol != "" && p.Protocol != "TCP" {
+				continue
+			}
+			z.Ports[strconv.Itoa(int(p.Port))] = uint16(p.TargetPort.IntValue()) // 0 for a named port, as ztunnel
+		}
+		for _, ep := range s.Endpoints {
+			uid := ""
+			if ep.Workload != nil {
+				uid = ZtunnelUID(cluster, ep.Workload)
+			}
+			e := &ZtunnelEndpoint{WorkloadUID: uid, Service: s.Namespace + "/" + z.Hostname, Address: "/" + ep.Addr.String(), Port: map[string]uint16{}}
+			for _, p := range s.Ports {
+				if tp, ok := ep.Ports[p.Name]; ok {
+					e.Port[strconv.Itoa(int(p.Port))] = uint16(tp)
+				}
+			}
+			z.Endpoints[uid+":"+e.Address] = e
+		}
+		out = append(out, z)
+	}
+	return out
+}
+
+// ZtunnelPolicies converts the AuthorizationPolicies the node's tunnel
+// enforces (those with a targetRef belong to waypoints and are left out,
+// as Istio leaves them out of ztunnel's).
+func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
+	out := []ZtunnelPolicy{}
+	for _, ap := range aps {
+		if ap.Spec.TargetRef != nil || len(ap.Spec.TargetRefs) > 0 {
+			continue
+		}
+		action := "Allow"
+		switch ap.Spec.Action {
+		case policy.ActionDeny:
+			action = "Deny"
+		case policy.ActionAllow, "":
+		default:
+			continue // AUDIT and CUSTOM: not enforced at L4
+		}
+		scope := "Namespace"
+		switch {
+		case ap.Spec.Selector != nil:
+			scope = "WorkloadSelector"
+		case ap.Namespace == rootNamespace:
+			scope = "Global"
+		}
+		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}}
+		for _, r := range ap.Spec.Rules {
+			z.Rules = append(z.Rules, ztunnelRule(r))
+		}
+		out = append(out, z)
+	}
+	return out
+}
+
+func ztunnelRule(r policy.Rule) [][]*ZtunnelPolicyMatch {
+	clauses := [][]*ZtunnelPolicyMatch{}
+	var from, to []*ZtunnelPolicyMatch
+	for _, f := range r.From {
+		if s := f.Source; s != nil {
+			from = append(from, &ZtunnelPolicyMatch{Namespaces: stringMatches(s.Namespaces), NotNamespaces: stringMatches(s.NotNamespaces),
+				Principals: stringMatches(s.Principals), NotPrincipals: stringMatches(s.NotPrincipals),
+				SourceIps: s.IPBlocks, NotSourceIps: s.NotIPBlocks})
+		}
+	}
+	for _, t := range r.To {
+		if o := t.Operation; o != nil {
+			to = append(to, &ZtunnelPolicyMatch{DestinationPorts: ports(o.Ports), NotDestinationPorts: ports(o.NotPorts)})
+		}
+	}
+	for _, c := range [][]*ZtunnelPolicyMatch{from, to} {
+		if len(c) > 0 {
+			clauses = append(clauses, c)
+		}
+	}
+	for _, w := range r.When {
+		m := &ZtunnelPolicyMatch{}
+		switch w.Key {
+		case "source.ip":
+			m.SourceIps, m.NotSourceIps = w.Values, w.NotValues
+		case "source.namespace":
+			m.Namespaces, m.NotNamespaces = stringMatches(w.Values), stringMatches(w.NotValues)
+		case "source.principal":
+			m.Principals, m.NotPrincipals = stringMatches(w.Values), stringMatches(w.NotValues)
+		case "destination.ip":
+			m.DestinationIps, m.NotDestinationIps = w.Values, w.NotValues
+		case "destination.port":
+			m.DestinationPorts, m.NotDestinationPorts = ports(w.Values), ports(w.NotValues)
+		default:
+			continue
+		}
+		clauses = append(clauses, []*ZtunnelPolicyMatch{m})
+	}
+	return clauses
+}
+
+// stringMatches converts Istio's string patterns: "*" is presence,
+// "x*" a prefix, "*x" a suffix, anything else exact.
+func stringMatches(vs []string) []StringMatch {
+	var out []StringMatch
+	for _, v := range vs {
+		switch {
+		case v == "*":
+			out = append(out, StringMatch{Presence: &struct{}{}})
+		case strings.HasSuffix(v, "*"):
+			out = append(out, StringMatch{Prefix: strings.TrimSuffix(v, "*")})
+		case strings.HasPrefix(v, "*"):
+			out = append(out, StringMatch{Suffix: strings.TrimPrefix(v, "*")})
+		default:
+			out = append(out, StringMatch{Exact: v})
+		}
+	}
+	return out
+}
+
+func ports(vs []string) []uint16 {
+	var out []uint16
+	for _, v := range vs {
+		if p, err := strconv.ParseUint(v, 10, 16); err == nil {
+			out = append(out, uint16(p))
+		}
+	}
+	return out
+}
+
+// ZtunnelCertificates converts the cached certificates. The chain is the
+// one presented (leaf first); the roots are the trust anchors that signed
+// its last certificate, when known (roots may be nil).
+func ZtunnelCertificates(rows []CertRow, roots []*x509.Certificate) []ZtunnelCerts {
+	out := []ZtunnelCerts{}
+	for _, r := range rows {
+		z := ZtunnelCerts{Identity: r.Identity, CertChain: []ZtunnelCert{}, RootCerts: []ZtunnelCert{}}
+		switch r.State {
+		case "valid", "refreshing":
+			z.State = "Available"
+		case "pending":
+			z.State = "Initializing"
+		default:
+			z.State = "Unavailable: " + cmp.Or(r.LastError, r.State)
+		}
+		var last *x509.Certificate
+		for _, c := range r.Chain {
+			if zc, cert, ok := ztunnelCert(c.PEM); ok {
+				z.CertChain = append(z.CertChain, zc)
+				last = cert
+			}
+		}
+		for _, root := range roots {
+			if last != nil && last.CheckSignatureFrom(root) == nil {
+				z.RootCerts = append(z.RootCerts, certOf(root))
+			}
+		}
+		out = append(out, z)
+	}
+	return out
+}
+
+func ztunnelCert(p string) (ZtunnelCert, *x509.Certificate, bool) {
+	b, _ := pem.Decode([]byte(p))
+	if b == nil {
+		return ZtunnelCert{}, nil, false
+	}
+	c, err := x509.ParseCertificate(b.Bytes)
+	if err != nil {
+		return ZtunnelCert{}, nil, false
+	}
+	return certOf(c), c, true
+}
+
+func certOf(c *x509.Certificate) ZtunnelCert {
+	return ZtunnelCert{
+		PEM:            string(pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})),
+		SerialNumber:   new(big.Int).Set(c.SerialNumber).String(),
+		ValidFrom:      c.NotBefore.UTC().Format(time.RFC3339),
+		ExpirationTime: c.NotAfter.UTC().Format(time.RFC3339),
+	}
+}
+
+// ZtunnelWorkloadStates describes the node's enrolled pods; serving says
+// whether the tunnel serves one.
+func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, serving func(*workload.Workload) bool) map[string]ZtunnelWorkloadState {
+	out := map[string]ZtunnelWorkloadState{}
+	for _, w := range pods {
+		if !w.Enrolled {
+			continue
+		}
+		st := "Pending"
+		if serving(w) {
+			st = "Up"
+		}
+		out[w.UID] = ZtunnelWorkloadState{State: st, Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+	}
+	return out
+}
