@@ -55,8 +55,8 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		},
 		// workloads, services, policies, certificates and workloadState
 		// are in ztunnel's shape, for istioctl ztunnel-config and Kiali.
-		admin.SectionWorkloads: func() any { return admin.ZtunnelWorkloads(tun.State().Dir, tunnel.DefaultCluster, cfg.trustDomain) },
-		admin.SectionServices:  func() any { return admin.ZtunnelServices(tun.State().Dir, tunnel.DefaultCluster) },
+		admin.SectionWorkloads: func() any { return admin.ZtunnelWorkloads(tun.State().Dir, cfg.ca.clusterID, cfg.trustDomain) },
+		admin.SectionServices:  func() any { return admin.ZtunnelServices(tun.State().Dir, cfg.ca.clusterID) },
 		admin.SectionPolicies: func() any {
 			return admin.ZtunnelPolicies(tun.State().AuthorizationPolicies, cfg.rootNamespace)
 		},

@@ -55,6 +55,7 @@ type agentConfig struct {
 	poolMaxStreams  int
 	poolIdle        time.Duration
 	seriesGrace     time.Duration
+	telemetry       telemetrySettings
 	legacyTC        bool
 	logLevel        slog.Level
 	data            loader.Settings
@@ -73,6 +74,7 @@ type runFlags struct {
 	ca caFlags
 
 	seriesGrace *string
+	telemetry   telemetryFlags
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -108,6 +110,7 @@ func runSettings() (*settings, runFlags) {
 		limits:     addLimitSettings(s),
 		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
 			"istio_tcp_* series of workloads that left are deleted this long after their last connection closed"),
+		telemetry: addTelemetrySettings(s),
 	}
 }
 
@@ -167,6 +170,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	default:
 		return c, fmt.Errorf("%s: %q is not auto, tcx or legacy", s.name(f.tcMode), *f.tcMode)
 	}
+	if c.telemetry, err = f.telemetry.parse(s); err != nil {
+		return c, err
+	}
 	if err := c.logLevel.UnmarshalText([]byte(*f.logLevel)); err != nil {
 		return c, fmt.Errorf("%s: %q is not debug, info, warn or error", s.name(f.logLevel), *f.logLevel)
 	}
@@ -183,7 +189,7 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	level := new(slog.LevelVar)
 	level.Set(cfg.logLevel)
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("node", cfg.node)
+	log := slog.New(cfg.telemetry.logHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("node", cfg.node)
 	slog.SetDefault(log)
 
 	certs, closeCerts, err := newCertManager(ctx, cfg, log)
@@ -217,11 +223,12 @@ func runAgent(ctx context.Context, args []string) error {
 	defer pool.Close()
 	tunMetrics := tunnel.NewMetrics(reg)
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
+	tunMetrics.SetCluster(cfg.ca.clusterID)
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
-		Limits: cfg.limits,
+		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	go rec.RepairLinks(ctx, loader.LinkCheckPeriod)
