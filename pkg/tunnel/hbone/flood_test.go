@@ -669,3 +669,34 @@ func mustServerTLS() *tls.Config {
 	good, _ := pkis()
 	return good.serverTLS()
 }
+
+// TestHonestResetsWithinBudget: a pooled client whose 100 pending CONNECTs
+// (its per-connection maximum) all time out at once resets them all before
+// an answer; that stays within the early-reset budget, so the server does
+// not take an honest client for an attacker.
+func TestHonestResetsWithinBudget(t *testing.T) {
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		<-ctx.Done() // an app that never accepts
+		return Response{Status: 503}
+	}, ServerOptions{}, PoolOptions{MaxStreamsPerConn: 100})
+	var wg sync.WaitGroup
+	for range 100 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			if s, err := e.connect(ctx, netip.MustParseAddrPort("10.0.0.1:80")); err == nil {
+				s.Close()
+				t.Error("connect to an app that never accepts succeeded")
+			}
+		}()
+	}
+	wg.Wait()
+	// Every handler ends (the resets, or the client's connection closing
+	// once it gave up on it, cancelled them) and none was taken for a flood.
+	eventually(t, "every handler to end", func() bool { return e.srv.Stats().StreamsDenied == 100 })
+	if st := e.srv.Stats(); st.ConnsFlood != 0 || st.StreamsEarlyReset == 0 {
+		t.Errorf("server stats %+v: want early resets and no connection closed as a flood", st)
+	}
+}
