@@ -70,6 +70,9 @@ const (
 	// handler to finish; more means streams are reset faster than their
 	// handlers end (CVE-2023-44487).
 	pendingPerStream = 4
+	// maxSettingsPerFrame bounds the settings in one SETTINGS frame; there
+	// are 7 kinds, and honest peers send each once.
+	maxSettingsPerFrame = 32
 )
 
 // floodError is a connection error for a peer that abuses the protocol
@@ -652,6 +655,10 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	}
 	if err := c.spendJunk("SETTINGS"); err != nil {
 		return err
+	}
+	if f.NumSettings() > maxSettingsPerFrame {
+		// CVE-2020-11080 (nghttp2): one frame of a million settings.
+		return &floodError{reason: fmt.Sprintf("SETTINGS frame with %d settings", f.NumSettings())}
 	}
 	c.mu.Lock()
 	err := f.ForeachSetting(func(s http2.Setting) error {

@@ -333,6 +333,13 @@ func TestJunkFrameFloods(t *testing.T) {
 			return rc.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0})
 		},
 		"empty DATA": func(rc *rawClient) error { return rc.fr.WriteData(1, false, nil) },
+		"SETTINGS with many entries": func(rc *rawClient) error {
+			many := make([]http2.Setting, 10000)
+			for i := range many {
+				many[i] = http2.Setting{ID: http2.SettingInitialWindowSize, Val: uint32(i)}
+			}
+			return rc.fr.WriteSettings(many...)
+		},
 		"PRIORITY": func(rc *rawClient) error {
 			return rc.fr.WritePriority(1, http2.PriorityParam{StreamDep: 0, Weight: 1})
 		},
