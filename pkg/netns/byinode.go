@@ -87,20 +87,12 @@ func (x *Index) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
 	// namespaces are gone), new ones are entered newest first (a pod being
 	// enrolled has the newest), until every address is found.
 	named := x.candidates(x.namedPaths(&errs), own)
-	for ino, ns := range x.known {
-		if _, live := named.byIno[ino]; !ns.proc && !live {
-			x.forget(ino)
-		}
-	}
+	x.prune(named, false)
 	x.enterNew(named, false, &errs, func() bool { resolve(); return len(missing) == 0 })
 	// 2. Processes' namespaces, new ones only, the same way.
 	if len(missing) > 0 && x.f.ProcDir != "" {
 		procs := x.candidates(x.procPaths(), own)
-		for ino, ns := range x.known {
-			if _, live := procs.byIno[ino]; ns.proc && !live {
-				x.forget(ino)
-			}
-		}
+		x.prune(procs, true)
 		x.enterNew(procs, true, &errs, func() bool { resolve(); return len(missing) == 0 })
 	}
 	// 3. Last resort: list the known namespaces again.
@@ -114,6 +106,28 @@ func (x *Index) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
 		return out, errors.Join(errs...)
 	}
 	return out, nil
+}
+
+// prune forgets the known namespaces of one kind (named, or under /proc)
+// that c no longer has at their path. The kernel reuses a namespace's
+// inode number once the namespace is freed, so a new pod's namespace may
+// come with the number of one that left, at another path: known by number
+// alone, it would never be entered and its addresses never found.
+func (x *Index) prune(c candidateSet, proc bool) {
+	for ino, ns := range x.known {
+		if ns.proc != proc {
+			continue
+		}
+		cand, live := c.byIno[ino]
+		if !live || cand.path != ns.path && !hasInode(ns.path, ino) {
+			x.forget(ino)
+		}
+	}
+}
+
+func hasInode(path string, ino uint64) bool {
+	cur, err := Inode(path)
+	return err == nil && cur == ino
 }
 
 func (x *Index) namedPaths(errs *[]error) []string {

@@ -75,3 +75,43 @@ func TestIndex(t *testing.T) {
 		t.Errorf("lookup of an unknown address: %v %v", got, err)
 	}
 }
+
+// TestIndexInodeReused: the kernel gives a new namespace the inode number
+// of one that was freed, so a pod's namespace may come with the number of
+// a namespace the index knew under another path, now gone. Before the fix
+// the index took it for the old one, never entered it, and the new pod's
+// addresses were never found (seen in the churn soak, test/netns).
+func TestIndexInodeReused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	prefix := fmt.Sprintf("rdidx%04x", rand.IntN(0xffff))
+	ip := netip.MustParseAddr
+	ns := testNS(t, prefix+"-r", "198.18.2.1/32")
+	dir := t.TempDir()
+	old, reused := filepath.Join(dir, "old"), filepath.Join(dir, "new")
+	if err := os.Symlink(ns, old); err != nil {
+		t.Fatal(err)
+	}
+	x := NewIndex(&Finder{NetNSDirs: []string{dir}})
+	if got, err := x.ScanFor([]netip.Addr{ip("198.18.2.1")}); err != nil || got[ip("198.18.2.1")] != old {
+		t.Fatalf("first lookup: %v %v", got, err)
+	}
+	// The old path goes; the same inode number comes back under a new
+	// path, with the new pod's address.
+	if err := os.Remove(old); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(ns, reused); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("ip", "-n", prefix+"-r", "addr", "add", "198.18.2.2/32", "dev", "d0").CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if got, err := x.ScanFor([]netip.Addr{ip("198.18.2.2")}); err != nil || got[ip("198.18.2.2")] != reused {
+		t.Fatalf("lookup of a namespace whose inode number the index knew at a gone path: %v %v", got, err)
+	}
+	if x.Len() != 1 {
+		t.Errorf("index remembers %d namespaces, want 1", x.Len())
+	}
+}
