@@ -75,6 +75,36 @@ const (
 	maxSettingsPerFrame = 32
 )
 
+// maxHeaderBlockBytes bounds the bytes one header block may take on the
+// wire, frame headers included: x/net's framer bounds the decoded size, but
+// not a stream of empty CONTINUATION frames (CVE-2024-28182 class). An
+// honest block is at most maxHeaderListSize plus a few frame headers.
+const maxHeaderBlockBytes = 8 * maxHeaderListSize
+
+var errHeaderBlockTooLong = errors.New("header block too long")
+
+// blockReader is the reader under the framer. While left is not negative
+// (during a header block), it lets at most left more bytes through.
+type blockReader struct {
+	r    io.Reader
+	left int64
+}
+
+func (b *blockReader) Read(p []byte) (int, error) {
+	if b.left < 0 {
+		return b.r.Read(p)
+	}
+	if b.left == 0 {
+		return 0, errHeaderBlockTooLong
+	}
+	if int64(len(p)) > b.left {
+		p = p[:b.left]
+	}
+	n, err := b.r.Read(p)
+	b.left -= int64(n)
+	return n, err
+}
+
 // floodError is a connection error for a peer that abuses the protocol
 // without breaking it: the conn goes with GOAWAY ENHANCE_YOUR_CALM.
 type floodError struct{ reason string }
@@ -222,9 +252,10 @@ type conn struct {
 	peerClosedNext int
 
 	// Reader-owned.
-	rchunks     []chunk // reused by readChunks
-	earlyResets budget  // server: resets of streams not yet answered
-	junk        budget  // frames that cost work and carry nothing
+	blockReader blockReader // what the framer reads from
+	rchunks     []chunk     // reused by readChunks
+	earlyResets budget      // server: resets of streams not yet answered
+	junk        budget      // frames that cost work and carry nothing
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -240,6 +271,7 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
+		blockReader:    blockReader{r: nc, left: -1},
 		earlyResets:    newBudget(cfg.maxEarlyResets, floodPeriod),
 		junk:           newBudget(junkBurst, floodPeriod),
 	}
@@ -252,7 +284,7 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	// record's worth); larger DATA frames go to TLS without a copy when bw
 	// is empty.
 	c.bw = bufio.NewWriterSize(nc, coalesceSize)
-	c.fr = http2.NewFramer(c.bw, nc)
+	c.fr = http2.NewFramer(c.bw, &c.blockReader)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.fr.MaxHeaderListSize = maxHeaderListSize
 	c.fr.SetMaxReadFrameSize(maxReadFrameSize)
@@ -397,7 +429,15 @@ func (c *conn) readFrames() error {
 				err = c.readData(fh)
 			} else {
 				var f http2.Frame
-				if f, err = c.fr.ReadFrameForHeader(fh); err == nil {
+				if fh.Type == http2.FrameHeaders {
+					c.blockReader.left = maxHeaderBlockBytes
+				}
+				f, err = c.fr.ReadFrameForHeader(fh)
+				c.blockReader.left = -1
+				if errors.Is(err, errHeaderBlockTooLong) {
+					err = &floodError{reason: "header block (HEADERS and CONTINUATION frames) too long"}
+				}
+				if err == nil {
 					err = c.onFrame(f)
 				}
 			}

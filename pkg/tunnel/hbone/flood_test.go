@@ -386,6 +386,33 @@ func TestJunkFrameFloods(t *testing.T) {
 	}
 }
 
+// TestContinuationFlood: a header block that never ends, in empty
+// CONTINUATION frames (which x/net's framer reads without limit), closes the
+// connection with GOAWAY ENHANCE_YOUR_CALM. Before the fix the server read
+// them for as long as they came.
+func TestContinuationFlood(t *testing.T) {
+	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	rc.buf.Reset()
+	_ = rc.enc.WriteField(hpackField{Name: ":method", Value: "CONNECT"})
+	if err := rc.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: rc.buf.Bytes()}); err != nil {
+		t.Fatal(err)
+	}
+	for range 100000 {
+		if rc.fr.WriteContinuation(1, false, nil) != nil {
+			break
+		}
+	}
+	f := rc.waitFor("GOAWAY", func(f rawFrame) bool { return f.typ == http2.FrameGoAway })
+	if f.code != http2.ErrCodeEnhanceYourCalm {
+		t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", f.code)
+	}
+}
+
 // TestOccasionalJunkIsFine: keepalive PINGs and a few SETTINGS over a long
 // connection stay within the budget.
 func TestOccasionalJunkIsFine(t *testing.T) {
