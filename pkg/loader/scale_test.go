@@ -188,7 +188,7 @@ func enrollScaleInNode(b *testing.B, file string) {
 		sizes = append(sizes, n)
 	}
 	pods := in.Pods
-	finder := netns.DefaultFinder()
+	finder := netns.NewIndex(netns.DefaultFinder()) // as the agent does
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	ctx := context.Background()
 	var table []string
