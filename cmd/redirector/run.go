@@ -221,6 +221,10 @@ func runAgent(ctx context.Context, args []string) error {
 
 	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, IdleTimeout: cfg.poolIdle, Logger: log})
 	defer pool.Close()
+	// Access logs go to stderr too, batched (see tunnel.AccessLogWriter).
+	accessOut := tunnel.NewAccessLogWriter(os.Stderr)
+	defer accessOut.Close()
+	accessLog := slog.New(cfg.telemetry.logHandler(accessOut, &slog.HandlerOptions{Level: level})).With("node", cfg.node)
 	tunMetrics := tunnel.NewMetrics(reg)
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tunMetrics.SetCluster(cfg.ca.clusterID)
@@ -228,7 +232,7 @@ func runAgent(ctx context.Context, args []string) error {
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
-		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog,
+		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	go rec.RepairLinks(ctx, loader.LinkCheckPeriod)
@@ -246,9 +250,11 @@ func runAgent(ctx context.Context, args []string) error {
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
 		}),
 		admin.NewServerCollector(func() admin.ServerStats {
-			st := tun.HBONEStats()
+			st, lim := tun.HBONEStats(), tun.HBONELimits()
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
-				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused}
+				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
+				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors,
+				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes}
 		}),
 	)
 

@@ -119,6 +119,12 @@ type ServerStats struct {
 	StreamsBadRequest uint64 // malformed requests (400, 405, 431)
 	StreamsDenied     uint64 // refused by policy
 	StreamsRefused    uint64 // REFUSED_STREAM: stream limit or draining
+	EarlyResets       uint64 // streams the client reset before their answer
+	FloodCloses       uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
+	AcceptErrors      uint64 // failed accepts (EMFILE, ...), each followed by a backoff
+	// The node-wide bounds on open connections and TLS handshakes.
+	OpenConns, Handshakes           int
+	RefusedConns, RefusedHandshakes uint64
 }
 
 // NewServerCollector reports the HBONE servers.
@@ -128,10 +134,30 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	streams := prometheus.NewDesc("redirector_hbone_streams_total",
 		"Inbound HBONE CONNECT streams by outcome: ok, bad_request, denied (policy) or refused (stream limit, draining).",
 		[]string{"outcome"}, nil)
+	earlyResets := prometheus.NewDesc("redirector_hbone_early_resets_total",
+		"Inbound HBONE streams the client reset before they were answered (rapid-reset accounting).", nil, nil)
+	floods := prometheus.NewDesc("redirector_hbone_flood_closes_total",
+		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM: too many early resets, a full handler queue, or a flood of frames that carry nothing.", nil, nil)
+	acceptErrors := prometheus.NewDesc("redirector_hbone_accept_errors_total",
+		"Failed accepts on the HBONE listeners (EMFILE, ENFILE, ...), each followed by a backoff.", nil, nil)
+	open := prometheus.NewDesc("redirector_hbone_open_connections",
+		"Inbound HBONE connections open now on this node, handshaking or serving.", nil, nil)
+	inHandshake := prometheus.NewDesc("redirector_hbone_handshakes_in_progress",
+		"Inbound HBONE connections whose TLS handshake and HTTP/2 preface have not finished.", nil, nil)
+	refused := prometheus.NewDesc("redirector_hbone_connections_refused_total",
+		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound.",
+		[]string{"limit"}, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, open, inHandshake, refused},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
+			ch <- counter(earlyResets, s.EarlyResets)
+			ch <- counter(floods, s.FloodCloses)
+			ch <- counter(acceptErrors, s.AcceptErrors)
+			ch <- gauge(open, float64(s.OpenConns))
+			ch <- gauge(inHandshake, float64(s.Handshakes))
+			ch <- counter(refused, s.RefusedConns, "connections")
+			ch <- counter(refused, s.RefusedHandshakes, "handshakes")
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")
 			ch <- counter(streams, s.StreamsBadRequest, "bad_request")

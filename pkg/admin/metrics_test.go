@@ -66,14 +66,22 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_dials_total":         5,
 	})
 	server := NewServerCollector(func() ServerStats {
-		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4}
+		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
+			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
-		"redirector_hbone_tls_handshake_failures_total":         1,
-		`redirector_hbone_streams_total{outcome="ok"}`:          10,
-		`redirector_hbone_streams_total{outcome="bad_request"}`: 2,
-		`redirector_hbone_streams_total{outcome="denied"}`:      3,
-		`redirector_hbone_streams_total{outcome="refused"}`:     4,
+		"redirector_hbone_tls_handshake_failures_total":                   1,
+		`redirector_hbone_streams_total{outcome="ok"}`:                    10,
+		`redirector_hbone_streams_total{outcome="bad_request"}`:           2,
+		`redirector_hbone_streams_total{outcome="denied"}`:                3,
+		`redirector_hbone_streams_total{outcome="refused"}`:               4,
+		"redirector_hbone_early_resets_total":                             5,
+		"redirector_hbone_flood_closes_total":                             6,
+		"redirector_hbone_accept_errors_total":                            7,
+		"redirector_hbone_open_connections":                               8,
+		"redirector_hbone_handshakes_in_progress":                         9,
+		`redirector_hbone_connections_refused_total{limit="connections"}`: 11,
+		`redirector_hbone_connections_refused_total{limit="handshakes"}`:  12,
 	})
 }
 

@@ -85,6 +85,7 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 	}
 	return hbone.NewServer(hbone.ServerOptions{
 		TLSConfig: tlsConf,
+		Limiter:   t.hboneLimits,
 		Handler:   p.handleHBONE,
 		Logger:    t.log,
 	})

@@ -30,4 +30,12 @@ func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.StreamsBadRequest += s.StreamsBadRequest
 	sum.StreamsDenied += s.StreamsDenied
 	sum.StreamsRefused += s.StreamsRefused
+	sum.ConnsRefused += s.ConnsRefused
+	sum.StreamsEarlyReset += s.StreamsEarlyReset
+	sum.ConnsFlood += s.ConnsFlood
+	sum.AcceptErrors += s.AcceptErrors
 }
+
+// HBONELimits reports the node-wide bounds on the HBONE servers' open
+// connections and handshakes.
+func (t *Tunnel) HBONELimits() hbone.ConnLimiterStats { return t.hboneLimits.Stats() }

@@ -10,6 +10,7 @@
 package tunnel
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -49,8 +50,9 @@ type Config struct {
 	Metrics *Metrics
 	Logger  *slog.Logger
 	// NoAccessLog turns off the per-connection access logs (see
-	// accessLog), which otherwise go to Logger.
-	NoAccessLog bool
+	// accessLog), which otherwise go to AccessLogger, or Logger if nil.
+	NoAccessLog  bool
+	AccessLogger *slog.Logger
 }
 
 // State is what the tunnel decides with: the workload directory and the
@@ -76,6 +78,10 @@ type Tunnel struct {
 	// against each state in the order the states were installed.
 	updateMu sync.Mutex
 
+	// hboneLimits bounds the open connections and TLS handshakes of every
+	// pod's HBONE server together, so the bounds hold per node.
+	hboneLimits *hbone.ConnLimiter
+
 	mu      sync.Mutex
 	pods    map[string]*pod   // by pod uid
 	retired hbone.ServerStats // HBONE counts of pods no longer served
@@ -93,7 +99,7 @@ func New(cfg Config) *Tunnel {
 		cfg.Metrics = NewMetrics(nil)
 	}
 	if !cfg.NoAccessLog {
-		cfg.Metrics.SetAccessLog(cfg.Logger)
+		cfg.Metrics.SetAccessLog(cmp.Or(cfg.AccessLogger, cfg.Logger))
 	}
 	def := DefaultLimits()
 	if cfg.Limits.PerNode <= 0 {
@@ -105,7 +111,7 @@ func New(cfg Config) *Tunnel {
 	if cfg.Limits.PerSource <= 0 {
 		cfg.Limits.PerSource = def.PerSource
 	}
-	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(),
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}),
 		limits: newLimiter(cfg.Limits, cfg.Metrics), refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	return t
