@@ -70,6 +70,7 @@ test-deps:
 	@bash hack/k8s-binaries.sh >/dev/null
 	@bash hack/cni-plugins.sh >/dev/null
 	@bash hack/istio-binaries.sh >/dev/null
+	@bash hack/h2spec.sh >/dev/null
 
 ## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
 .PHONY: test
