@@ -64,7 +64,7 @@ RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/.
 test-race:
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 
-## test-deps: build the test kube-apiserver/etcd, istiod and the reference CNI plugins (cached by content hash)
+## test-deps: build the test kube-apiserver/etcd, istiod, h2spec and the reference CNI plugins (cached by content hash)
 .PHONY: test-deps
 test-deps:
 	@bash hack/k8s-binaries.sh >/dev/null
