@@ -1,0 +1,216 @@
+package policy
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Compiled is an authorization policy in the form istiod compiles
+// AuthorizationPolicy and PeerAuthentication into for ztunnel
+// (istio.security.Authorization): what applies where is already decided
+// (Scope, and per workload the policy keys the workload lists), and the
+// rules are plain matches. A source translates the wire form into this
+// type, so nothing here knows protobuf.
+//
+// Groups are OR-ed; the clauses of a group are AND-ed; the matches of a
+// clause are OR-ed; within a match every field present must match, and
+// the values of one field are OR-ed. A group without clauses matches every
+// connection (an empty rule); a policy without groups matches none (an
+// ALLOW policy with no rules admits nothing).
+type Compiled struct {
+	Name      string
+	Namespace string
+	Scope     Scope
+	// Action is ActionAllow or ActionDeny.
+	Action Action
+	// DryRun policies are not enforced.
+	DryRun bool
+	Groups []Group
+}
+
+// Scope says which workloads a Compiled policy applies to.
+type Scope int
+
+// Scopes, as istiod sets them: a policy in the root namespace without a
+// selector is global, one in another namespace without a selector applies
+// to that namespace, and one with a selector applies to the workloads that
+// list its key (namespace/name).
+const (
+	ScopeGlobal Scope = iota
+	ScopeNamespace
+	ScopeWorkloadSelector
+)
+
+// String names the scope as istiod's enum does, for logs.
+func (s Scope) String() string {
+	switch s {
+	case ScopeGlobal:
+		return "GLOBAL"
+	case ScopeNamespace:
+		return "NAMESPACE"
+	case ScopeWorkloadSelector:
+		return "WORKLOAD_SELECTOR"
+	}
+	return "Scope(" + strconv.Itoa(int(s)) + ")"
+}
+
+// Group is one rule of the original policy: all its clauses must match.
+type Group struct {
+	Clauses []Clause
+}
+
+// Clause matches if any of its matches does.
+type Clause struct {
+	Matches []Match
+}
+
+// Match is a conjunction of conditions on the connection. Empty fields
+// are not checked.
+type Match struct {
+	Namespaces, NotNamespaces           []StringMatch
+	ServiceAccounts, NotServiceAccounts []ServiceAccountRef
+	Principals, NotPrincipals           []StringMatch
+	SourceIPs, NotSourceIPs             []netip.Prefix
+	DestinationIPs, NotDestinationIPs   []netip.Prefix
+	DestinationPorts                    []uint16
+	NotDestinationPorts                 []uint16
+}
+
+// StringMatchKind is how a StringMatch compares.
+type StringMatchKind int
+
+// String match kinds. Presence matches any non-empty value: for
+// principals and namespaces, any authenticated peer (so NotPrincipals:
+// [Presence] is istiod's way of saying "plaintext", which is how STRICT
+// arrives).
+const (
+	MatchExact StringMatchKind = iota
+	MatchPrefix
+	MatchSuffix
+	MatchPresence
+)
+
+// StringMatch is one value pattern.
+type StringMatch struct {
+	Kind  StringMatchKind
+	Value string
+}
+
+// ServiceAccountRef names a service account in a namespace.
+type ServiceAccountRef struct {
+	Namespace, Name string
+}
+
+// Key is namespace/name, as workloads list the policies selecting them.
+func (p *Compiled) Key() string { return p.Namespace + "/" + p.Name }
+
+// AuthorizeCompiled decides whether src may connect to dst under compiled
+// policies, as ztunnel does: the policies that apply are the global ones,
+// those of dst's namespace with namespace scope, and those whose keys dst's
+// workload lists (selected); dry-run policies are skipped. Any matching
+// DENY denies; otherwise, if any ALLOW applies, one must match; with no
+// ALLOW policy the connection is allowed.
+func AuthorizeCompiled(ps []*Compiled, dst Target, selected []string, src Peer) Verdict {
+	c := newConn(dst, src)
+	var allows []*Compiled
+	for _, p := range ps {
+		if p.DryRun || !p.appliesTo(dst.Namespace, selected) {
+			continue
+		}
+		if p.Action != ActionDeny {
+			allows = append(allows, p)
+			continue
+		}
+		if g, ok := p.matches(&c); ok {
+			return Verdict{Reason: "denied by DENY policy " + p.Key() + " rule " + strconv.Itoa(g), Policy: p.Key()}
+		}
+	}
+	if len(allows) == 0 {
+		return Verdict{Allowed: true, Reason: "no ALLOW policy applies"}
+	}
+	names := make([]string, 0, len(allows))
+	for _, p := range allows {
+		if g, ok := p.matches(&c); ok {
+			return Verdict{Allowed: true, Reason: "allowed by ALLOW policy " + p.Key() + " rule " + strconv.Itoa(g), Policy: p.Key()}
+		}
+		names = append(names, p.Key())
+	}
+	return Verdict{Reason: "no ALLOW policy matched (applicable: " + strings.Join(names, ", ") + ")"}
+}
+
+func (p *Compiled) appliesTo(namespace string, selected []string) bool {
+	switch p.Scope {
+	case ScopeGlobal:
+		return true
+	case ScopeNamespace:
+		return p.Namespace == namespace
+	default:
+		return slices.Contains(selected, p.Key())
+	}
+}
+
+// matches returns the index of the first group that matches c.
+func (p *Compiled) matches(c *conn) (int, bool) {
+	for i := range p.Groups {
+		if groupMatches(&p.Groups[i], c) {
+			return i, true
+		}
+	}
+	return 0, false
+}
+
+func groupMatches(g *Group, c *conn) bool {
+	for i := range g.Clauses {
+		if !slices.ContainsFunc(g.Clauses[i].Matches, func(m Match) bool { return m.matches(c) }) {
+			return false
+		}
+	}
+	return true
+}
+
+func (m *Match) matches(c *conn) bool {
+	return matchAny(m.Namespaces, m.NotNamespaces, func(s StringMatch) bool { return s.matches(c.namespace) }) &&
+		matchAny(m.Principals, m.NotPrincipals, func(s StringMatch) bool { return s.matches(c.principal) }) &&
+		matchAny(m.ServiceAccounts, m.NotServiceAccounts, func(r ServiceAccountRef) bool {
+			return c.serviceAccount != "" && r.Namespace == c.namespace && r.Name == c.serviceAccount
+		}) &&
+		matchAny(m.SourceIPs, m.NotSourceIPs, func(p netip.Prefix) bool { return c.src.IsValid() && p.Contains(c.src) }) &&
+		matchAny(m.DestinationIPs, m.NotDestinationIPs, func(p netip.Prefix) bool { return c.dst.IsValid() && p.Contains(c.dst) }) &&
+		matchAny(m.DestinationPorts, m.NotDestinationPorts, func(p uint16) bool { return p == c.port })
+}
+
+// matchAny: some of pos (if any) and none of neg.
+func matchAny[T any](pos, neg []T, match func(T) bool) bool {
+	if len(pos) > 0 && !slices.ContainsFunc(pos, match) {
+		return false
+	}
+	return !slices.ContainsFunc(neg, match)
+}
+
+// matches compares v; an empty value (no identity) matches nothing.
+func (s StringMatch) matches(v string) bool {
+	if v == "" {
+		return false
+	}
+	switch s.Kind {
+	case MatchPresence:
+		return true
+	case MatchPrefix:
+		return strings.HasPrefix(v, s.Value)
+	case MatchSuffix:
+		return strings.HasSuffix(v, s.Value)
+	default:
+		return s.Value == v
+	}
+}
+
+// SortCompiled orders policies by key, so evaluation and dumps do not
+// depend on arrival order.
+func SortCompiled(ps []*Compiled) {
+	slices.SortFunc(ps, func(a, b *Compiled) int {
+		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
+	})
+}

@@ -1,0 +1,60 @@
+package policy
+
+import (
+	"net/netip"
+	"testing"
+)
+
+func TestAuthorizeCompiled(t *testing.T) {
+	plaintext := Match{NotPrincipals: []StringMatch{{Kind: MatchPresence}}}
+	strict := &Compiled{Name: "istio_converted_static_strict", Namespace: "istio-system", Scope: ScopeWorkloadSelector, Action: ActionDeny,
+		Groups: []Group{{Clauses: []Clause{{Matches: []Match{plaintext}}}}}}
+	// ALLOW from shop/web, or from 10.9.0.0/16, to port 8080 only.
+	allowWeb := &Compiled{Name: "allow-web", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow,
+		Groups: []Group{{Clauses: []Clause{
+			{Matches: []Match{{DestinationPorts: []uint16{8080}}}},
+			{Matches: []Match{
+				{ServiceAccounts: []ServiceAccountRef{{Namespace: "shop", Name: "web"}}},
+				{SourceIPs: []netip.Prefix{netip.MustParsePrefix("10.9.0.0/16")}},
+			}},
+		}}}}
+	denyDevNS := &Compiled{Name: "deny-dev", Namespace: "istio-system", Scope: ScopeGlobal, Action: ActionDeny,
+		Groups: []Group{{Clauses: []Clause{{Matches: []Match{{Namespaces: []StringMatch{{Kind: MatchPrefix, Value: "dev-"}}}}}}}}}
+	dryDenyAll := &Compiled{Name: "dry", Namespace: "shop", Scope: ScopeNamespace, Action: ActionDeny, DryRun: true, Groups: []Group{{}}}
+	allowNothing := &Compiled{Name: "allow-nothing", Namespace: "other", Scope: ScopeNamespace, Action: ActionAllow}
+
+	web := Peer{Authenticated: true, Principal: "spiffe://cluster.local/ns/shop/sa/web", Addr: netip.MustParseAddr("10.1.0.1")}
+	db := Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/db", Addr: netip.MustParseAddr("10.1.0.2")}
+	dev := Peer{Authenticated: true, Principal: "cluster.local/ns/dev-a/sa/web", Addr: netip.MustParseAddr("10.9.0.3")}
+	plain := Peer{Addr: netip.MustParseAddr("10.9.0.4")}
+	all := []*Compiled{strict, allowWeb, denyDevNS, dryDenyAll, allowNothing}
+
+	for _, tc := range []struct {
+		name     string
+		ps       []*Compiled
+		ns       string
+		port     uint16
+		selected []string
+		src      Peer
+		allowed  bool
+	}{
+		{"no policy", nil, "shop", 8080, nil, plain, true},
+		{"strict selected: plaintext denied", all, "shop", 8080, []string{strict.Key()}, plain, false},
+		{"strict not selected: plaintext from allowed range", all, "shop", 8080, nil, plain, true},
+		{"allow by service account", all, "shop", 8080, []string{strict.Key()}, web, true},
+		{"allow needs both clauses: wrong port", all, "shop", 9090, nil, web, false},
+		{"allow: no source clause matches", all, "shop", 8080, nil, db, false},
+		{"global deny by namespace prefix wins", all, "shop", 8080, nil, dev, false},
+		{"namespace scope only in its namespace", []*Compiled{allowWeb}, "pay", 9090, nil, db, true},
+		{"allow without groups admits nothing", all, "other", 80, nil, web, false},
+		{"dry run not enforced", []*Compiled{dryDenyAll}, "shop", 80, nil, db, true},
+		{"empty group matches all", []*Compiled{{Name: "x", Namespace: "shop", Scope: ScopeNamespace, Action: ActionDeny, Groups: []Group{{}}}}, "shop", 80, nil, web, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v := AuthorizeCompiled(tc.ps, Target{Namespace: tc.ns, Port: tc.port}, tc.selected, tc.src)
+			if v.Allowed != tc.allowed {
+				t.Errorf("allowed = %v (%s), want %v", v.Allowed, v.Reason, tc.allowed)
+			}
+		})
+	}
+}

@@ -1,0 +1,380 @@
+// Package xds receives the mesh from istiod the way ztunnel does: one
+// delta ADS stream (envoy.service.discovery.v3.AggregatedDiscoveryService/
+// DeltaAggregatedResources) subscribed to istio.workload.Address
+// (workloads and services) and istio.security.Authorization (policies
+// compiled by istiod, PeerAuthentication included), translated into the
+// project's own types (model.go) as they arrive. Nothing past this package
+// sees the wire types.
+//
+// Protocol: every response is answered, with an ACK when every resource in
+// it was applied and otherwise with a NACK whose error_detail names each
+// rejected resource and why. The resources of a response that could be
+// translated are applied even when others are rejected (as ztunnel does);
+// a rejected resource keeps its previous version. After a reconnect the
+// client sends the versions it holds (initial_resource_versions), so
+// istiod sends only what changed and what was removed meanwhile; while
+// istiod is away the last state stays in force. Reconnects back off with
+// jitter.
+//
+// Bounds: a response is at most MaxMessageBytes, and a type holds at most
+// MaxResources resources; new names beyond that are rejected and counted.
+package xds
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"sort"
+	"strings"
+	"time"
+
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	statuspb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/proto"
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+)
+
+// The type URLs ztunnel subscribes to.
+const (
+	TypeAddress       = "type.googleapis.com/istio.workload.Address"
+	TypeAuthorization = "type.googleapis.com/istio.security.Authorization"
+)
+
+// Defaults of Config's bounds and backoff.
+const (
+	DefaultMaxResources    = 200_000
+	DefaultMaxMessageBytes = 64 << 20
+	DefaultMinBackoff      = 500 * time.Millisecond
+	DefaultMaxBackoff      = 30 * time.Second
+	// DefaultFirstSyncGrace is how long the first snapshot waits for the
+	// types other than Address once Address arrived (istiod may send
+	// nothing for a type that has no resources).
+	DefaultFirstSyncGrace = 3 * time.Second
+)
+
+// ClusterIDHeader is the request header naming the cluster whose API
+// server issued the token (as for istiod's CA).
+const ClusterIDHeader = "ClusterID"
+
+// Config configures a Client.
+type Config struct {
+	// Conn is the connection to istiod's xDS port (15012), with TLS that
+	// verifies istiod (see Dial).
+	Conn grpc.ClientConnInterface
+	Node Node
+	// Token returns the bearer token for a new stream (the agent's
+	// istio-ca token, re-read since the kubelet rotates it); nil sends
+	// none.
+	Token func() (string, error)
+	// MaxResources bounds each type's resources; 0 means
+	// DefaultMaxResources.
+	MaxResources int
+	// MaxMessageBytes bounds one response; 0 means
+	// DefaultMaxMessageBytes.
+	MaxMessageBytes int
+	// MinBackoff and MaxBackoff bound the reconnect delay; 0 means the
+	// defaults.
+	MinBackoff, MaxBackoff time.Duration
+	// FirstSyncGrace: 0 means DefaultFirstSyncGrace.
+	FirstSyncGrace time.Duration
+	Metrics        *Metrics
+	Logger         *slog.Logger
+}
+
+// Client keeps the state istiod sent. Only Run's goroutine touches it.
+type Client struct {
+	cfg   Config
+	log   *slog.Logger
+	types []*resourceType
+	// synced is true once every type answered at least once, or the
+	// grace after the first Address response ran out.
+	synced bool
+}
+
+// resourceType is the state of one subscribed type.
+type resourceType struct {
+	url   string
+	short string
+	// decode translates one resource's bytes.
+	decode func([]byte) (any, error)
+	held   map[string]entry
+	// received is true once a response of this type arrived on any stream.
+	received bool
+}
+
+type entry struct {
+	version string
+	value   any
+}
+
+// New returns a client; Run connects.
+func New(cfg Config) (*Client, error) {
+	if cfg.Conn == nil {
+		return nil, errors.New("xds client: no connection to istiod")
+	}
+	if err := cfg.Node.validate(); err != nil {
+		return nil, err
+	}
+	cfg.MaxResources = cmp.Or(cfg.MaxResources, DefaultMaxResources)
+	cfg.MaxMessageBytes = cmp.Or(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.MinBackoff = cmp.Or(cfg.MinBackoff, DefaultMinBackoff)
+	cfg.MaxBackoff = max(cmp.Or(cfg.MaxBackoff, DefaultMaxBackoff), cfg.MinBackoff)
+	cfg.FirstSyncGrace = cmp.Or(cfg.FirstSyncGrace, DefaultFirstSyncGrace)
+	log := cmp.Or(cfg.Logger, slog.Default()).With("source", "xds")
+	return &Client{cfg: cfg, log: log, types: []*resourceType{
+		{url: TypeAddress, short: "Address", decode: decodeAddress, held: map[string]entry{}},
+		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, held: map[string]entry{}},
+	}}, nil
+}
+
+func decodeAddress(b []byte) (any, error) {
+	var a workloadapi.Address
+	if err := proto.Unmarshal(b, &a); err != nil {
+		return nil, fmt.Errorf("decode istio.workload.Address: %w", err)
+	}
+	return translateAddress(&a)
+}
+
+func decodeAuthorization(b []byte) (any, error) {
+	var a security.Authorization
+	if err := proto.Unmarshal(b, &a); err != nil {
+		return nil, fmt.Errorf("decode istio.security.Authorization: %w", err)
+	}
+	return translateAuthorization(&a)
+}
+
+// Run keeps a stream to istiod open until ctx is done, calling update
+// with a fresh snapshot after every applied response once the first sync
+// is complete. update runs on Run's goroutine and must not keep it long.
+// Run returns only ctx's error.
+func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
+	delay := c.cfg.MinBackoff
+	for {
+		got, err := c.stream(ctx, update)
+		c.cfg.Metrics.disconnected()
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if got {
+			// The stream worked: the next failure starts the backoff anew.
+			delay = c.cfg.MinBackoff
+		}
+		// Up to 50% less than the delay, so agents restarted together
+		// spread their reconnects.
+		wait := delay - time.Duration(rand.Int64N(int64(delay)/2+1))
+		c.log.Warn("xds stream to istiod ended; keeping the last state", "error", err, "retry_in", wait.Round(time.Millisecond))
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(wait):
+		}
+		delay = min(delay*2, c.cfg.MaxBackoff)
+	}
+}
+
+// stream runs one stream; got reports whether any response arrived.
+func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, err error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if c.cfg.Token != nil {
+		tok, err := c.cfg.Token()
+		if err != nil {
+			c.cfg.Metrics.connect(false)
+			return false, fmt.Errorf("token for istiod: %w", err)
+		}
+		ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tok)
+	}
+	if c.cfg.Node.ClusterID != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, ClusterIDHeader, c.cfg.Node.ClusterID)
+	}
+	ads := discoveryv3.NewAggregatedDiscoveryServiceClient(c.cfg.Conn)
+	st, err := ads.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(c.cfg.MaxMessageBytes))
+	if err != nil {
+		c.cfg.Metrics.connect(false)
+		return false, fmt.Errorf("open delta ADS stream: %w", err)
+	}
+	for i, t := range c.types {
+		req := &discoveryv3.DeltaDiscoveryRequest{TypeUrl: t.url, InitialResourceVersions: t.versions()}
+		if i == 0 {
+			req.Node = c.cfg.Node.proto()
+		}
+		if err := st.Send(req); err != nil {
+			c.cfg.Metrics.connect(false)
+			return false, fmt.Errorf("subscribe %s: %w", t.short, err)
+		}
+	}
+	// Recv blocks; the first-sync grace needs a clock beside it.
+	type recvd struct {
+		resp *discoveryv3.DeltaDiscoveryResponse
+		err  error
+	}
+	ch := make(chan recvd)
+	go func() {
+		for {
+			resp, err := st.Recv()
+			select {
+			case ch <- recvd{resp, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	var grace <-chan time.Time
+	for {
+		var r recvd
+		select {
+		case <-ctx.Done():
+			return got, ctx.Err()
+		case r = <-ch:
+		case <-grace:
+			grace = nil
+			if !c.synced {
+				c.log.Warn("istiod sent no response for some types; starting without them", "missing", c.missing())
+				c.synced = true
+				update(c.snapshot())
+			}
+			continue
+		}
+		if r.err != nil {
+			if !got {
+				c.cfg.Metrics.connect(false)
+			}
+			if errors.Is(r.err, io.EOF) {
+				return got, errors.New("istiod closed the stream")
+			}
+			return got, fmt.Errorf("receive: %w", r.err)
+		}
+		if !got {
+			got = true
+			c.cfg.Metrics.connect(true)
+			c.log.Info("xds stream to istiod open", "node_id", c.cfg.Node.ID())
+		}
+		ack, t := c.apply(r.resp)
+		if err := st.Send(ack); err != nil {
+			return got, fmt.Errorf("send ack: %w", err)
+		}
+		if t == nil {
+			continue
+		}
+		switch {
+		case c.synced:
+			update(c.snapshot())
+		case c.missing() == "":
+			c.synced = true
+			update(c.snapshot())
+		case t.url == TypeAddress && grace == nil:
+			grace = time.After(c.cfg.FirstSyncGrace)
+		}
+	}
+}
+
+// missing names the types that never answered, "" if none.
+func (c *Client) missing() string {
+	var m []string
+	for _, t := range c.types {
+		if !t.received {
+			m = append(m, t.short)
+		}
+	}
+	return strings.Join(m, ",")
+}
+
+// apply applies what of resp can be applied and returns the ACK or NACK,
+// and the type it changed (nil for a response of an unknown type).
+func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.DeltaDiscoveryRequest, *resourceType) {
+	ack := &discoveryv3.DeltaDiscoveryRequest{TypeUrl: resp.GetTypeUrl(), ResponseNonce: resp.GetNonce()}
+	var t *resourceType
+	for _, x := range c.types {
+		if x.url == resp.GetTypeUrl() {
+			t = x
+		}
+	}
+	if t == nil {
+		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: "type " + resp.GetTypeUrl() + " was not subscribed"}
+		c.log.Warn("xds: NACK", "type", resp.GetTypeUrl(), "error", ack.ErrorDetail.Message)
+		return ack, nil
+	}
+	t.received = true
+	var errs []string
+	for _, name := range resp.GetRemovedResources() {
+		delete(t.held, name)
+	}
+	for _, r := range resp.GetResources() {
+		if err := c.applyOne(t, r); err != nil {
+			errs = append(errs, r.GetName()+": "+err.Error())
+		}
+	}
+	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
+	if len(errs) > 0 {
+		sort.Strings(errs)
+		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: strings.Join(errs, "; ")}
+		c.log.Warn("xds: NACK; the rest of the response is applied", "type", t.short, "rejected", len(errs), "error", ack.ErrorDetail.Message)
+	}
+	return ack, t
+}
+
+func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) error {
+	if r.GetName() == "" {
+		c.cfg.Metrics.reject(t.short, rejectInvalid)
+		return errors.New("resource without a name")
+	}
+	if r.GetResource() == nil || r.GetResource().GetTypeUrl() != t.url {
+		c.cfg.Metrics.reject(t.short, rejectInvalid)
+		return fmt.Errorf("want a %s, got %q", t.url, r.GetResource().GetTypeUrl())
+	}
+	if _, ok := t.held[r.GetName()]; !ok && len(t.held) >= c.cfg.MaxResources {
+		c.cfg.Metrics.reject(t.short, rejectLimit)
+		return fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
+	}
+	v, err := t.decode(r.GetResource().GetValue())
+	if err != nil {
+		c.cfg.Metrics.reject(t.short, rejectInvalid)
+		return err
+	}
+	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v}
+	return nil
+}
+
+// versions is what a reconnect tells istiod the client already has.
+func (t *resourceType) versions() map[string]string {
+	if len(t.held) == 0 {
+		return nil
+	}
+	v := make(map[string]string, len(t.held))
+	for name, e := range t.held {
+		v[name] = e.version
+	}
+	return v
+}
+
+func (c *Client) snapshot() *Snapshot {
+	workloads := map[string]*Workload{}
+	services := map[string]*Service{}
+	policies := map[string]*policy.Compiled{}
+	for _, t := range c.types {
+		for name, e := range t.held {
+			switch v := e.value.(type) {
+			case *Workload:
+				workloads[name] = v
+			case *Service:
+				services[name] = v
+			case *policy.Compiled:
+				policies[name] = v
+			}
+		}
+	}
+	return buildSnapshot(workloads, services, policies)
+}

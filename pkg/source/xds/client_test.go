@@ -1,0 +1,333 @@
+package xds
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/test/bufconn"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/emptypb"
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+
+	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+)
+
+// fakeADS is an in-process delta ADS server the test drives stream by
+// stream.
+type fakeADS struct {
+	discoveryv3.UnimplementedAggregatedDiscoveryServiceServer
+	streams chan *fakeStream
+}
+
+type fakeStream struct {
+	discoveryv3.AggregatedDiscoveryService_DeltaAggregatedResourcesServer
+	end chan error
+}
+
+func (f *fakeADS) DeltaAggregatedResources(s discoveryv3.AggregatedDiscoveryService_DeltaAggregatedResourcesServer) error {
+	st := &fakeStream{AggregatedDiscoveryService_DeltaAggregatedResourcesServer: s, end: make(chan error)}
+	select {
+	case f.streams <- st:
+	case <-s.Context().Done():
+		return s.Context().Err()
+	}
+	select {
+	case err := <-st.end:
+		return err
+	case <-s.Context().Done():
+		return s.Context().Err()
+	}
+}
+
+type harness struct {
+	t       *testing.T
+	ads     *fakeADS
+	updates chan *Snapshot
+	metrics *Metrics
+}
+
+func startClient(t *testing.T, mod func(*Config)) *harness {
+	t.Helper()
+	lis := bufconn.Listen(1 << 20)
+	srv := grpc.NewServer()
+	ads := &fakeADS{streams: make(chan *fakeStream)}
+	discoveryv3.RegisterAggregatedDiscoveryServiceServer(srv, ads)
+	go srv.Serve(lis)
+	t.Cleanup(srv.Stop)
+	conn, err := grpc.NewClient("passthrough:///fake", grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	h := &harness{t: t, ads: ads, updates: make(chan *Snapshot, 16), metrics: NewMetrics(nil)}
+	cfg := Config{
+		Conn:       conn,
+		Node:       Node{IP: netip.MustParseAddr("10.0.0.9"), PodName: "redirector-abc", PodNamespace: "istio-system", NodeName: "node-a", ClusterID: "Kubernetes"},
+		Token:      func() (string, error) { return "tok", nil },
+		MinBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond,
+		Metrics: h.metrics,
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Run(ctx, func(s *Snapshot) { h.updates <- s })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return h
+}
+
+// accept waits for the next stream and reads its two subscriptions.
+func (h *harness) accept() (*fakeStream, []*discoveryv3.DeltaDiscoveryRequest) {
+	h.t.Helper()
+	var st *fakeStream
+	select {
+	case st = <-h.ads.streams:
+	case <-time.After(10 * time.Second):
+		h.t.Fatal("the client opened no stream")
+	}
+	var subs []*discoveryv3.DeltaDiscoveryRequest
+	for range 2 {
+		req, err := st.Recv()
+		if err != nil {
+			h.t.Fatal(err)
+		}
+		subs = append(subs, req)
+	}
+	return st, subs
+}
+
+func (h *harness) next() *Snapshot {
+	h.t.Helper()
+	select {
+	case s := <-h.updates:
+		return s
+	case <-time.After(10 * time.Second):
+		h.t.Fatal("no snapshot")
+		return nil
+	}
+}
+
+func send(t *testing.T, st *fakeStream, typ, nonce string, removed []string, res ...*discoveryv3.Resource) *discoveryv3.DeltaDiscoveryRequest {
+	t.Helper()
+	if err := st.Send(&discoveryv3.DeltaDiscoveryResponse{TypeUrl: typ, Nonce: nonce, Resources: res, RemovedResources: removed}); err != nil {
+		t.Fatal(err)
+	}
+	ack, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ack.GetResponseNonce() != nonce || ack.GetTypeUrl() != typ {
+		t.Fatalf("answer to %s: nonce %q type %q", nonce, ack.GetResponseNonce(), ack.GetTypeUrl())
+	}
+	return ack
+}
+
+func resource(t *testing.T, name, version, typ string, m proto.Message) *discoveryv3.Resource {
+	t.Helper()
+	b, err := proto.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &discoveryv3.Resource{Name: name, Version: version, Resource: &anypb.Any{TypeUrl: typ, Value: b}}
+}
+
+func wlAddr(uid, name string, ip string, services map[string]*workloadapi.PortList, policies ...string) *workloadapi.Address {
+	return &workloadapi.Address{Type: &workloadapi.Address_Workload{Workload: &workloadapi.Workload{
+		Uid: uid, Name: name, Namespace: "shop", Addresses: [][]byte{netip.MustParseAddr(ip).AsSlice()},
+		TunnelProtocol: workloadapi.TunnelProtocol_HBONE, TrustDomain: "cluster.local", ServiceAccount: "web",
+		Node: "node-a", CanonicalName: "web", CanonicalRevision: "v1", Services: services, AuthorizationPolicies: policies,
+	}}}
+}
+
+func svcAddr(name, vip string, port, target uint32) *workloadapi.Address {
+	return &workloadapi.Address{Type: &workloadapi.Address_Service{Service: &workloadapi.Service{
+		Name: name, Namespace: "shop", Hostname: name + ".shop.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr(vip).AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: port, TargetPort: target, AppProtocol: workloadapi.AppProtocol_HTTP2}},
+	}}}
+}
+
+func strictAuthz() *security.Authorization {
+	return &security.Authorization{Name: "istio_converted_static_strict", Namespace: "istio-system", Scope: security.Scope_WORKLOAD_SELECTOR, Action: security.Action_DENY,
+		Groups: []*security.Group{{Rules: []*security.Rules{{Matches: []*security.Match{{NotPrincipals: []*security.StringMatch{{MatchType: &security.StringMatch_Presence{Presence: &emptypb.Empty{}}}}}}}}}}}
+}
+
+func TestClientSubscribesAsZtunnelAndTranslates(t *testing.T) {
+	h := startClient(t, nil)
+	st, subs := h.accept()
+	md, _ := metadata.FromIncomingContext(st.Context())
+	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer tok" {
+		t.Errorf("authorization header %q", got)
+	}
+	if got := md.Get("clusterid"); len(got) != 1 || got[0] != "Kubernetes" {
+		t.Errorf("ClusterID header %q", got)
+	}
+	if subs[0].GetTypeUrl() != TypeAddress || subs[1].GetTypeUrl() != TypeAuthorization {
+		t.Fatalf("subscribed to %s, %s", subs[0].GetTypeUrl(), subs[1].GetTypeUrl())
+	}
+	node := subs[0].GetNode()
+	if want := "ztunnel~10.0.0.9~redirector-abc.istio-system~istio-system.svc.cluster.local"; node.GetId() != want {
+		t.Errorf("node id %q, want %q", node.GetId(), want)
+	}
+	meta := node.GetMetadata().GetFields()
+	for k, want := range map[string]string{"NAME": "redirector-abc", "NAMESPACE": "istio-system", "INSTANCE_IPS": "10.0.0.9", "NODE_NAME": "node-a", "CLUSTER_ID": "Kubernetes", "ISTIO_VERSION": DefaultIstioVersion} {
+		if got := meta[k].GetStringValue(); got != want {
+			t.Errorf("metadata %s = %q, want %q", k, got, want)
+		}
+	}
+
+	svcKey := "shop/web.shop.svc.cluster.local"
+	ack := send(t, st, TypeAddress, "n1", nil,
+		resource(t, "Kubernetes//Pod/shop/web-1", "v1", TypeAddress, wlAddr("Kubernetes//Pod/shop/web-1", "web-1", "10.1.0.5",
+			map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}, "istio-system/istio_converted_static_strict")),
+		resource(t, svcKey, "v1", TypeAddress, svcAddr("web", "10.96.0.10", 80, 0)))
+	if ack.GetErrorDetail() != nil {
+		t.Fatalf("NACK: %v", ack.GetErrorDetail())
+	}
+	select {
+	case <-h.updates:
+		t.Fatal("a snapshot before Authorization answered would run without policies")
+	case <-time.After(100 * time.Millisecond):
+	}
+	send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, strictAuthz()))
+	s := h.next()
+
+	if len(s.Workloads) != 1 || len(s.Services) != 1 || len(s.Policies) != 1 {
+		t.Fatalf("snapshot: %d workloads, %d services, %d policies", len(s.Workloads), len(s.Services), len(s.Policies))
+	}
+	w := s.Workloads[0]
+	if w.Identity("other.td") != "spiffe://cluster.local/ns/shop/sa/web" || !w.HBONE || w.Node != "node-a" || w.CanonicalRevision != "v1" || w.Addrs[0] != netip.MustParseAddr("10.1.0.5") {
+		t.Errorf("workload %+v", w)
+	}
+	svc := s.Services[0]
+	if svc.VIPs[0] != netip.MustParseAddr("10.96.0.10") || svc.AppProtocols[80] != "HTTP2" || len(svc.Endpoints) != 1 {
+		t.Fatalf("service %+v", svc)
+	}
+	if ep := svc.Endpoints[0]; ep.Addr != netip.MustParseAddr("10.1.0.5") || ep.Ports["80"] != 8080 || ep.Workload == nil {
+		t.Errorf("endpoint %+v: want 10.1.0.5 serving port 80 on 8080", ep)
+	}
+	p := s.Policies[0]
+	dst := policy.Target{Namespace: "shop", Port: 8080}
+	if v := policy.AuthorizeCompiled(s.Policies, dst, w.Policies, policy.Peer{Addr: netip.MustParseAddr("10.1.0.7")}); v.Allowed {
+		t.Errorf("plaintext under %s allowed: %s", p.Key(), v.Reason)
+	}
+	if v := policy.AuthorizeCompiled(s.Policies, dst, w.Policies, policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/db"}); !v.Allowed {
+		t.Errorf("mTLS under %s denied: %s", p.Key(), v.Reason)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_resources{type="Address"}`, 2)
+}
+
+func TestClientNacksOnlyTheBadResource(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	bad := wlAddr("Kubernetes//Pod/shop/bad", "bad", "10.1.0.6", nil)
+	bad.GetWorkload().Addresses = [][]byte{{10, 1, 0}}
+	ack := send(t, st, TypeAddress, "n1", nil,
+		resource(t, "Kubernetes//Pod/shop/good", "v1", TypeAddress, wlAddr("Kubernetes//Pod/shop/good", "good", "10.1.0.5", nil)),
+		resource(t, "Kubernetes//Pod/shop/bad", "v1", TypeAddress, bad))
+	msg := ack.GetErrorDetail().GetMessage()
+	if !strings.Contains(msg, "Kubernetes//Pod/shop/bad") || !strings.Contains(msg, "3 bytes") || strings.Contains(msg, "good") {
+		t.Fatalf("NACK error_detail %q: want the bad resource and why, not the good one", msg)
+	}
+	badPolicy := strictAuthz()
+	badPolicy.Name = "broken"
+	badPolicy.Groups[0].Rules[0].Matches[0].NotPrincipals[0].MatchType = nil
+	ack = send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/broken", "v1", TypeAuthorization, badPolicy))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "istio-system/broken") || !strings.Contains(msg, "not_principals") {
+		t.Fatalf("NACK error_detail %q", msg)
+	}
+	s := h.next()
+	if len(s.Workloads) != 1 || s.Workloads[0].Name != "good" || len(s.Policies) != 0 {
+		t.Fatalf("want only the good workload applied, got %d workloads, %d policies", len(s.Workloads), len(s.Policies))
+	}
+	expectMetric(t, h.metrics, `redirector_xds_nacks_total{type="Address"}`, 1)
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="invalid",type="Authorization"}`, 1)
+}
+
+func TestClientBoundsResources(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.MaxResources = 1 })
+	st, _ := h.accept()
+	ack := send(t, st, TypeAddress, "n1", nil,
+		resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)),
+		resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil)))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "over the limit of 1") {
+		t.Fatalf("NACK %q", msg)
+	}
+	// An update of a held name is not a new one.
+	if ack := send(t, st, TypeAddress, "n2", nil, resource(t, "a", "v2", TypeAddress, wlAddr("a", "a", "10.1.0.7", nil))); ack.GetErrorDetail() != nil {
+		t.Fatalf("update of a held resource NACKed: %v", ack.GetErrorDetail())
+	}
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="limit",type="Address"}`, 1)
+}
+
+// TestClientResumesWithoutDrop: after the stream breaks the client keeps
+// its state (no empty snapshot), tells istiod what it holds, and applies
+// only what changed.
+func TestClientResumesWithoutDrop(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil,
+		resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)),
+		resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil)))
+	send(t, st, TypeAuthorization, "n2", nil)
+	if s := h.next(); len(s.Workloads) != 2 {
+		t.Fatalf("%d workloads", len(s.Workloads))
+	}
+	st.end <- nil // istiod goes away
+
+	st, subs := h.accept()
+	if got := subs[0].GetInitialResourceVersions(); len(got) != 2 || got["a"] != "v1" || got["b"] != "v1" {
+		t.Fatalf("initial_resource_versions %v, want a and b at v1", got)
+	}
+	if subs[0].GetNode().GetId() == "" {
+		t.Error("the first request of a new stream carries no node")
+	}
+	select {
+	case s := <-h.updates:
+		t.Fatalf("a snapshot (%d workloads) while reconnecting", len(s.Workloads))
+	default:
+	}
+	send(t, st, TypeAddress, "n3", []string{"b"})
+	if s := h.next(); len(s.Workloads) != 1 || s.Workloads[0].Name != "a" {
+		t.Fatalf("after resume: %d workloads", len(s.Workloads))
+	}
+	expectMetric(t, h.metrics, `redirector_xds_connects_total{result="ok"}`, 2)
+}
+
+// TestClientFirstSyncGrace: istiod may never answer a type that has no
+// resources; the first snapshot then comes after the grace.
+func TestClientFirstSyncGrace(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.FirstSyncGrace = 50 * time.Millisecond })
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
+	if s := h.next(); len(s.Workloads) != 1 {
+		t.Fatalf("%d workloads", len(s.Workloads))
+	}
+}
+
+func expectMetric(t *testing.T, m *Metrics, key string, want float64) {
+	t.Helper()
+	if got := promtest.Scrape(t, m)[key]; got != want {
+		t.Errorf("%s = %v, want %v", key, got, want)
+	}
+}

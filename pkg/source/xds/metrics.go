@@ -1,0 +1,107 @@
+package xds
+
+import "github.com/prometheus/client_golang/prometheus"
+
+// Metrics counts the xDS stream. A nil *Metrics counts nothing.
+type Metrics struct {
+	connects  *prometheus.CounterVec
+	connected prometheus.Gauge
+	pushes    *prometheus.CounterVec
+	nacks     *prometheus.CounterVec
+	rejected  *prometheus.CounterVec
+	resources *prometheus.GaugeVec
+}
+
+// Reasons a single resource is rejected (the reason label of
+// redirector_xds_rejected_resources_total).
+const (
+	rejectInvalid = "invalid"
+	rejectLimit   = "limit"
+)
+
+// NewMetrics returns xDS metrics registered with reg (nil: unregistered).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		connects: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_xds_connects_total",
+			Help: "Attempts to open the delta ADS stream to istiod, by result (ok: the first response arrived; error).",
+		}, []string{"result"}),
+		connected: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_xds_connected",
+			Help: "1 while a delta ADS stream to istiod is open and has delivered a response.",
+		}),
+		pushes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_xds_pushes_total",
+			Help: "Delta xDS responses received, by type (Address, Authorization).",
+		}, []string{"type"}),
+		nacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_xds_nacks_total",
+			Help: "Delta xDS responses answered with a NACK (some resource was rejected), by type.",
+		}, []string{"type"}),
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_xds_rejected_resources_total",
+			Help: "Resources not applied, by type and reason (invalid: could not be translated; limit: over --xds-max-resources).",
+		}, []string{"type", "reason"}),
+		resources: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "redirector_xds_resources",
+			Help: "Resources held from istiod, by type.",
+		}, []string{"type"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m)
+	}
+	return m
+}
+
+func (m *Metrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources}
+}
+
+// Describe implements prometheus.Collector.
+func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
+	for _, c := range m.collectors() {
+		c.Describe(ch)
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
+	for _, c := range m.collectors() {
+		c.Collect(ch)
+	}
+}
+
+func (m *Metrics) connect(ok bool) {
+	if m == nil {
+		return
+	}
+	if ok {
+		m.connects.WithLabelValues("ok").Inc()
+		m.connected.Set(1)
+		return
+	}
+	m.connects.WithLabelValues("error").Inc()
+}
+
+func (m *Metrics) disconnected() {
+	if m != nil {
+		m.connected.Set(0)
+	}
+}
+
+func (m *Metrics) push(typ string, nack bool, held int) {
+	if m == nil {
+		return
+	}
+	m.pushes.WithLabelValues(typ).Inc()
+	if nack {
+		m.nacks.WithLabelValues(typ).Inc()
+	}
+	m.resources.WithLabelValues(typ).Set(float64(held))
+}
+
+func (m *Metrics) reject(typ, reason string) {
+	if m != nil {
+		m.rejected.WithLabelValues(typ, reason).Inc()
+	}
+}

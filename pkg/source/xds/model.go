@@ -1,0 +1,142 @@
+package xds
+
+import (
+	"cmp"
+	"net/netip"
+	"slices"
+	"strconv"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Workload is one workload as istiod describes it, in the project's own
+// types: the directory's workload.Workload (name, namespace, uid, service
+// account, node, addresses) plus what only istiod knows.
+type Workload struct {
+	workload.Workload
+	// TrustDomain is the workload's SPIFFE trust domain; empty means the
+	// agent's own.
+	TrustDomain       string
+	CanonicalName     string
+	CanonicalRevision string
+	// WorkloadName is the owning controller's name (the Deployment's).
+	WorkloadName string
+	Network      string
+	// HBONE is true when the workload is in the mesh and takes HBONE on
+	// port 15008; false means a plaintext peer (tunnel_protocol NONE).
+	HBONE bool
+	// Healthy is false for a workload istiod marks UNHEALTHY (a pod not
+	// ready, or deleted but not yet gone).
+	Healthy bool
+	// Waypoint, if set, is where traffic to this workload must go first.
+	Waypoint *Gateway
+	// Services maps a service key (namespace/hostname) to the ports this
+	// workload serves it on.
+	Services map[string][]PortMap
+	// Policies are the keys (namespace/name) of the workload-selector
+	// authorization policies that select this workload.
+	Policies []string
+}
+
+// Identity is the workload's SPIFFE ID; defaultTrustDomain stands in for
+// an empty trust domain.
+func (w *Workload) Identity(defaultTrustDomain string) string {
+	return w.Workload.Identity(cmp.Or(w.TrustDomain, defaultTrustDomain))
+}
+
+// PortMap maps a service port to the port the workload serves it on.
+type PortMap struct {
+	ServicePort uint16
+	// TargetPort is the workload's port; 0 means the service port.
+	TargetPort uint16
+}
+
+// Gateway is a waypoint or network gateway: an address or a service
+// hostname, and its HBONE port.
+type Gateway struct {
+	Addr      netip.Addr
+	Namespace string
+	Hostname  string
+	HBONEPort uint16
+}
+
+// Service is one service as istiod describes it (a Kubernetes Service or
+// a ServiceEntry): the directory's workload.Service, whose ports are named
+// by their number so endpoints map them to target ports, plus its
+// hostname, app protocols and waypoint.
+type Service struct {
+	workload.Service
+	Hostname string
+	// AppProtocols maps a service port to its declared protocol (HTTP11,
+	// HTTP2, GRPC, TCP, TLS), where one is known.
+	AppProtocols map[int32]string
+	Waypoint     *Gateway
+}
+
+// Key is namespace/hostname, how workloads name the services they serve.
+func (s *Service) Key() string { return s.Namespace + "/" + s.Hostname }
+
+// Snapshot is everything istiod sent, translated. It is built anew on each
+// change and never modified afterwards.
+type Snapshot struct {
+	// Workloads are sorted by namespace and name.
+	Workloads []*Workload
+	// Services are sorted by namespace and hostname; their endpoints are
+	// the workloads that serve them, sorted by address.
+	Services []*Service
+	// Policies are sorted by namespace and name.
+	Policies []*policy.Compiled
+}
+
+// portName is the name a service port gets in the directory: its number,
+// since xDS ports have no names.
+func portName(p int32) string { return strconv.Itoa(int(p)) }
+
+// buildSnapshot joins services with the workloads serving them. Services
+// are copied: the client's stored ones never change once decoded.
+func buildSnapshot(workloads map[string]*Workload, services map[string]*Service, policies map[string]*policy.Compiled) *Snapshot {
+	s := &Snapshot{
+		Workloads: make([]*Workload, 0, len(workloads)),
+		Services:  make([]*Service, 0, len(services)),
+		Policies:  make([]*policy.Compiled, 0, len(policies)),
+	}
+	byKey := make(map[string]*Service, len(services))
+	for _, svc := range services {
+		c := *svc
+		c.Endpoints = nil
+		s.Services = append(s.Services, &c)
+		byKey[c.Key()] = &c
+	}
+	for _, w := range workloads {
+		s.Workloads = append(s.Workloads, w)
+		if len(w.Addrs) == 0 {
+			continue
+		}
+		for key, ports := range w.Services {
+			svc := byKey[key]
+			if svc == nil {
+				continue
+			}
+			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy, Ports: make(map[string]int32, len(ports)), Workload: &w.Workload}
+			for _, p := range ports {
+				ep.Ports[portName(int32(p.ServicePort))] = int32(cmp.Or(p.TargetPort, p.ServicePort))
+			}
+			svc.Endpoints = append(svc.Endpoints, ep)
+		}
+	}
+	for _, p := range policies {
+		s.Policies = append(s.Policies, p)
+	}
+	slices.SortFunc(s.Workloads, func(a, b *Workload) int {
+		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name), cmp.Compare(a.UID, b.UID))
+	})
+	slices.SortFunc(s.Services, func(a, b *Service) int {
+		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Hostname, b.Hostname))
+	})
+	for _, svc := range s.Services {
+		slices.SortFunc(svc.Endpoints, func(a, b workload.Endpoint) int { return a.Addr.Compare(b.Addr) })
+	}
+	policy.SortCompiled(s.Policies)
+	return s
+}

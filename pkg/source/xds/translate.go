@@ -1,0 +1,273 @@
+package xds
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// translateAddress turns an istio.workload.Address into a *Workload or a
+// *Service. Anything the agent could not use correctly is an error naming
+// the field, which the client sends back in the NACK.
+func translateAddress(a *workloadapi.Address) (any, error) {
+	switch t := a.GetType().(type) {
+	case *workloadapi.Address_Workload:
+		return translateWorkload(t.Workload)
+	case *workloadapi.Address_Service:
+		return translateService(t.Service)
+	}
+	return nil, errors.New("address is neither a workload nor a service")
+}
+
+func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
+	if x.GetUid() == "" || x.GetName() == "" || x.GetNamespace() == "" {
+		return nil, fmt.Errorf("workload %q (%s/%s): uid, name and namespace are required", x.GetUid(), x.GetNamespace(), x.GetName())
+	}
+	w := &Workload{
+		Workload: workload.Workload{
+			Name:           x.GetName(),
+			Namespace:      x.GetNamespace(),
+			UID:            x.GetUid(),
+			ServiceAccount: cmp.Or(x.GetServiceAccount(), "default"),
+			Node:           x.GetNode(),
+		},
+		TrustDomain:       x.GetTrustDomain(),
+		CanonicalName:     x.GetCanonicalName(),
+		CanonicalRevision: x.GetCanonicalRevision(),
+		WorkloadName:      x.GetWorkloadName(),
+		Network:           x.GetNetwork(),
+		Healthy:           x.GetStatus() == workloadapi.WorkloadStatus_HEALTHY,
+		Policies:          x.GetAuthorizationPolicies(),
+	}
+	switch x.GetTunnelProtocol() {
+	case workloadapi.TunnelProtocol_HBONE:
+		w.HBONE = true
+	case workloadapi.TunnelProtocol_NONE:
+	default:
+		return nil, fmt.Errorf("workload %s: tunnel protocol %s is not supported (HBONE or NONE)", x.GetUid(), x.GetTunnelProtocol())
+	}
+	for i, b := range x.GetAddresses() {
+		a, ok := netip.AddrFromSlice(b)
+		if !ok {
+			return nil, fmt.Errorf("workload %s: address %d has %d bytes, want 4 or 16", x.GetUid(), i, len(b))
+		}
+		w.Addrs = append(w.Addrs, a.Unmap())
+	}
+	var err error
+	if w.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
+		return nil, fmt.Errorf("workload %s: waypoint: %w", x.GetUid(), err)
+	}
+	for key, list := range x.GetServices() {
+		if w.Services == nil {
+			w.Services = make(map[string][]PortMap, len(x.GetServices()))
+		}
+		for _, p := range list.GetPorts() {
+			if p.GetServicePort() == 0 || p.GetServicePort() > 65535 || p.GetTargetPort() > 65535 {
+				return nil, fmt.Errorf("workload %s: service %s: port %d -> %d out of range", x.GetUid(), key, p.GetServicePort(), p.GetTargetPort())
+			}
+			w.Services[key] = append(w.Services[key], PortMap{ServicePort: uint16(p.GetServicePort()), TargetPort: uint16(p.GetTargetPort())})
+		}
+	}
+	return w, nil
+}
+
+func translateService(x *workloadapi.Service) (*Service, error) {
+	if x.GetName() == "" || x.GetNamespace() == "" || x.GetHostname() == "" {
+		return nil, fmt.Errorf("service %s/%s (%q): name, namespace and hostname are required", x.GetNamespace(), x.GetName(), x.GetHostname())
+	}
+	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace()}, Hostname: x.GetHostname()}
+	for i, na := range x.GetAddresses() {
+		a, ok := netip.AddrFromSlice(na.GetAddress())
+		if !ok {
+			return nil, fmt.Errorf("service %s: address %d has %d bytes, want 4 or 16", s.Key(), i, len(na.GetAddress()))
+		}
+		s.VIPs = append(s.VIPs, a.Unmap())
+	}
+	for _, p := range x.GetPorts() {
+		if p.GetServicePort() == 0 || p.GetServicePort() > 65535 || p.GetTargetPort() > 65535 {
+			return nil, fmt.Errorf("service %s: port %d -> %d out of range", s.Key(), p.GetServicePort(), p.GetTargetPort())
+		}
+		sp := int32(p.GetServicePort())
+		// The target port here is the service's default; a workload's
+		// own map (its endpoint ports) wins where it has one.
+		s.Ports = append(s.Ports, workload.ServicePort{
+			Name:       portName(sp),
+			Port:       sp,
+			TargetPort: intstr.FromInt32(int32(cmp.Or(p.GetTargetPort(), p.GetServicePort()))),
+			Protocol:   corev1.ProtocolTCP,
+		})
+		if ap := p.GetAppProtocol(); ap != workloadapi.AppProtocol_UNKNOWN {
+			if s.AppProtocols == nil {
+				s.AppProtocols = map[int32]string{}
+			}
+			s.AppProtocols[sp] = ap.String()
+		}
+	}
+	var err error
+	if s.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
+		return nil, fmt.Errorf("service %s: waypoint: %w", s.Key(), err)
+	}
+	return s, nil
+}
+
+func translateGateway(g *workloadapi.GatewayAddress) (*Gateway, error) {
+	if g == nil {
+		return nil, nil
+	}
+	if g.GetHboneMtlsPort() > 65535 {
+		return nil, fmt.Errorf("hbone port %d out of range", g.GetHboneMtlsPort())
+	}
+	out := &Gateway{HBONEPort: uint16(g.GetHboneMtlsPort())}
+	switch d := g.GetDestination().(type) {
+	case *workloadapi.GatewayAddress_Address:
+		a, ok := netip.AddrFromSlice(d.Address.GetAddress())
+		if !ok {
+			return nil, fmt.Errorf("address has %d bytes, want 4 or 16", len(d.Address.GetAddress()))
+		}
+		out.Addr = a.Unmap()
+	case *workloadapi.GatewayAddress_Hostname:
+		if d.Hostname.GetHostname() == "" {
+			return nil, errors.New("empty hostname")
+		}
+		out.Namespace, out.Hostname = d.Hostname.GetNamespace(), d.Hostname.GetHostname()
+	default:
+		return nil, errors.New("neither an address nor a hostname")
+	}
+	return out, nil
+}
+
+// translateAuthorization compiles an istio.security.Authorization for
+// pkg/policy. Whatever would change what the policy matches if ignored
+// (an unknown scope or action, an empty string match, a malformed address
+// or port) is an error: a policy is applied exactly or not at all.
+func translateAuthorization(x *security.Authorization) (*policy.Compiled, error) {
+	if x.GetName() == "" || x.GetNamespace() == "" {
+		return nil, fmt.Errorf("authorization %s/%s: name and namespace are required", x.GetNamespace(), x.GetName())
+	}
+	key := x.GetNamespace() + "/" + x.GetName()
+	p := &policy.Compiled{Name: x.GetName(), Namespace: x.GetNamespace(), DryRun: x.GetDryRun()}
+	switch x.GetScope() {
+	case security.Scope_GLOBAL:
+		p.Scope = policy.ScopeGlobal
+	case security.Scope_NAMESPACE:
+		p.Scope = policy.ScopeNamespace
+	case security.Scope_WORKLOAD_SELECTOR:
+		p.Scope = policy.ScopeWorkloadSelector
+	default:
+		return nil, fmt.Errorf("authorization %s: unknown scope %d", key, x.GetScope())
+	}
+	switch x.GetAction() {
+	case security.Action_ALLOW:
+		p.Action = policy.ActionAllow
+	case security.Action_DENY:
+		p.Action = policy.ActionDeny
+	default:
+		return nil, fmt.Errorf("authorization %s: unknown action %d", key, x.GetAction())
+	}
+	for gi, g := range x.GetGroups() {
+		var group policy.Group
+		for ri, r := range g.GetRules() {
+			var clause policy.Clause
+			for mi, m := range r.GetMatches() {
+				cm, err := translateMatch(m)
+				if err != nil {
+					return nil, fmt.Errorf("authorization %s: group %d rule %d match %d: %w", key, gi, ri, mi, err)
+				}
+				clause.Matches = append(clause.Matches, cm)
+			}
+			group.Clauses = append(group.Clauses, clause)
+		}
+		p.Groups = append(p.Groups, group)
+	}
+	return p, nil
+}
+
+func translateMatch(m *security.Match) (policy.Match, error) {
+	var out policy.Match
+	var err error
+	strs := []struct {
+		name string
+		in   []*security.StringMatch
+		out  *[]policy.StringMatch
+	}{
+		{"namespaces", m.GetNamespaces(), &out.Namespaces},
+		{"not_namespaces", m.GetNotNamespaces(), &out.NotNamespaces},
+		{"principals", m.GetPrincipals(), &out.Principals},
+		{"not_principals", m.GetNotPrincipals(), &out.NotPrincipals},
+	}
+	for _, s := range strs {
+		if *s.out, err = translateStrings(s.in); err != nil {
+			return out, fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	for _, sa := range m.GetServiceAccounts() {
+		out.ServiceAccounts = append(out.ServiceAccounts, policy.ServiceAccountRef{Namespace: sa.GetNamespace(), Name: sa.GetServiceAccount()})
+	}
+	for _, sa := range m.GetNotServiceAccounts() {
+		out.NotServiceAccounts = append(out.NotServiceAccounts, policy.ServiceAccountRef{Namespace: sa.GetNamespace(), Name: sa.GetServiceAccount()})
+	}
+	ips := []struct {
+		name string
+		in   []*security.Address
+		out  *[]netip.Prefix
+	}{
+		{"source_ips", m.GetSourceIps(), &out.SourceIPs},
+		{"not_source_ips", m.GetNotSourceIps(), &out.NotSourceIPs},
+		{"destination_ips", m.GetDestinationIps(), &out.DestinationIPs},
+		{"not_destination_ips", m.GetNotDestinationIps(), &out.NotDestinationIPs},
+	}
+	for _, s := range ips {
+		for _, a := range s.in {
+			ip, ok := netip.AddrFromSlice(a.GetAddress())
+			if !ok || int(a.GetLength()) > ip.BitLen() {
+				return out, fmt.Errorf("%s: %d address bytes with prefix length %d", s.name, len(a.GetAddress()), a.GetLength())
+			}
+			*s.out = append(*s.out, netip.PrefixFrom(ip, int(a.GetLength())).Masked())
+		}
+	}
+	ports := []struct {
+		name string
+		in   []uint32
+		out  *[]uint16
+	}{
+		{"destination_ports", m.GetDestinationPorts(), &out.DestinationPorts},
+		{"not_destination_ports", m.GetNotDestinationPorts(), &out.NotDestinationPorts},
+	}
+	for _, s := range ports {
+		for _, p := range s.in {
+			if p == 0 || p > 65535 {
+				return out, fmt.Errorf("%s: port %d out of range", s.name, p)
+			}
+			*s.out = append(*s.out, uint16(p))
+		}
+	}
+	return out, nil
+}
+
+func translateStrings(in []*security.StringMatch) ([]policy.StringMatch, error) {
+	var out []policy.StringMatch
+	for _, s := range in {
+		switch t := s.GetMatchType().(type) {
+		case *security.StringMatch_Exact:
+			out = append(out, policy.StringMatch{Kind: policy.MatchExact, Value: t.Exact})
+		case *security.StringMatch_Prefix:
+			out = append(out, policy.StringMatch{Kind: policy.MatchPrefix, Value: t.Prefix})
+		case *security.StringMatch_Suffix:
+			out = append(out, policy.StringMatch{Kind: policy.MatchSuffix, Value: t.Suffix})
+		case *security.StringMatch_Presence:
+			out = append(out, policy.StringMatch{Kind: policy.MatchPresence})
+		default:
+			return nil, errors.New("a string match without a match type")
+		}
+	}
+	return out, nil
+}
