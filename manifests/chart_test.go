@@ -3,6 +3,7 @@ package manifests
 import (
 	"fmt"
 	"maps"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -15,10 +16,11 @@ import (
 )
 
 // wantProfiles are the profiles the chart must ship; profiles() finds any others too.
-var wantProfiles = []string{"debug", "default", "dual-stack", "strict"}
+var wantProfiles = []string{"debug", "default", "dual-stack", "standalone", "strict"}
 
 // agentCaps is the documented capability set of the agent (templates/_helpers.tpl,
-// README.md): adding or dropping one must change the docs and this list together.
+// README.md): adding or dropping one must change the docs and this list together. SYS_ADMIN
+// covers setns() and the perfmon_capable() check of bpf_probe_read_kernel in the data path.
 var agentCaps = []corev1.Capability{"BPF", "DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"}
 
 func TestChartShipsProfiles(t *testing.T) {
@@ -42,6 +44,7 @@ func TestEveryProfileRenders(t *testing.T) {
 			checkMounts(t, r.DaemonSet, r.ConfigMap)
 			checkProbesAndMetrics(t, r.DaemonSet)
 			checkEnv(t, r.DaemonSet, r.ConfigMap)
+			checkCA(t, r, p)
 			checkRBAC(t, r)
 			checkUninstallHook(t, r)
 		})
@@ -209,7 +212,6 @@ func checkMounts(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 		{"agent", "bpffs", "/sys/fs/bpf", hostToContainer, "/sys/fs/bpf", false},
 		{"agent", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
 		{"agent", "socket-dir", "/var/run/redirector", "", "/var/run/redirector", false},
-		{"agent", "ca", cm.Data["CA_DIR"], "", "", true},
 		{"node-setup", "bpffs", "/sys/fs/bpf", hostToContainer, "/sys/fs/bpf", false},
 		{"node-setup", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
 		{"node-setup", "cni-bin", "/host/opt/cni/bin", "", "/opt/cni/bin", false},
@@ -222,12 +224,12 @@ func checkMounts(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 	if cm.Data["PROC_DIR"] != "/host/proc" {
 		t.Errorf("PROC_DIR = %q, want /host/proc, where the host's /proc is mounted", cm.Data["PROC_DIR"])
 	}
-	if ca := volume(t, ds, "ca"); ca.Secret == nil || ca.Secret.SecretName != "redirector-ca" {
-		t.Errorf("ca volume %+v, want the Secret redirector-ca", ca.VolumeSource)
-	}
-	// Each container mounts only what it needs: the CA key stays out of node-setup, the
-	// CNI directories out of the agent.
-	for _, c := range []struct{ container, volume string }{{"node-setup", "ca"}, {"agent", "cni-bin"}, {"agent", "cni-conf"}} {
+	// Each container mounts only what it needs: the CA key, istiod's token and the roots
+	// stay out of node-setup, the CNI directories out of the agent.
+	for _, c := range []struct{ container, volume string }{
+		{"node-setup", "ca"}, {"node-setup", "istio-token"}, {"node-setup", "istio-ca-root-cert"},
+		{"agent", "cni-bin"}, {"agent", "cni-conf"},
+	} {
 		for _, m := range container(t, ds, c.container).VolumeMounts {
 			if m.Name == c.volume {
 				t.Errorf("%s mounts %s", c.container, c.volume)
@@ -258,6 +260,97 @@ func checkMount(t *testing.T, ds *appsv1.DaemonSet, w wantMount) {
 		if v.HostPath == nil || v.HostPath.Path != w.hostPath {
 			t.Errorf("volume %s is %+v, want hostPath %s", w.volume, v.VolumeSource, w.hostPath)
 		}
+	}
+}
+
+// checkCA: only the standalone profile signs on the node (CA_DIR, the CA Secret mounted);
+// every other profile asks istiod with a projected token of audience istio-ca and the
+// istio-ca-root-cert ConfigMap as roots, and has no Secret volume at all.
+func checkCA(t *testing.T, r *rendered, profile string) {
+	t.Helper()
+	ds, cm := r.DaemonSet, r.ConfigMap.Data
+	if cm["CLUSTER_ID"] != "Kubernetes" {
+		t.Errorf("CLUSTER_ID %q, want Kubernetes (Istio's default)", cm["CLUSTER_ID"])
+	}
+	hasVolume := func(name string) bool {
+		return slices.ContainsFunc(ds.Spec.Template.Spec.Volumes, func(v corev1.Volume) bool { return v.Name == name })
+	}
+	if profile == "standalone" {
+		if cm["CA_DIR"] != "/etc/redirector/ca" {
+			t.Errorf("standalone: CA_DIR %q, want /etc/redirector/ca", cm["CA_DIR"])
+		}
+		checkMount(t, ds, wantMount{"agent", "ca", cm["CA_DIR"], "", "", true})
+		if ca := volume(t, ds, "ca"); ca.Secret == nil || ca.Secret.SecretName != "redirector-ca" ||
+			ca.Secret.DefaultMode == nil || *ca.Secret.DefaultMode != 0o400 {
+			t.Errorf("standalone: ca volume %+v, want the Secret redirector-ca, mode 0400", ca.VolumeSource)
+		}
+		for _, k := range []string{"CA_ADDRESS", "CA_TOKEN_FILE", "CA_ROOT_CERT", "CA_ROOT_CERT_RELOAD"} {
+			if v, ok := cm[k]; ok {
+				t.Errorf("standalone: %s=%q set; the agent refuses CA_ADDRESS with CA_DIR, the rest is istiod's", k, v)
+			}
+		}
+		for _, v := range []string{"istio-token", "istio-ca-root-cert"} {
+			if hasVolume(v) {
+				t.Errorf("standalone: volume %s, which only istiod mode uses", v)
+			}
+		}
+		if !strings.Contains(r.Notes, "WARNING: standalone profile") || !strings.Contains(r.Notes, "redirector ca init") {
+			t.Errorf("standalone NOTES neither warn about the key on every node nor say how to make the Secret:\n%s", r.Notes)
+		}
+		return
+	}
+
+	// No signing key on any node: no CA_DIR, no Secret volume, whatever the profile.
+	if v, ok := cm["CA_DIR"]; ok {
+		t.Errorf("CA_DIR=%q: only the standalone profile may sign on the node", v)
+	}
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.Secret != nil {
+			t.Errorf("volume %s mounts the Secret %s: no profile but standalone may put a CA key on the nodes", v.Name, v.Secret.SecretName)
+		}
+	}
+	if cm["CA_ADDRESS"] != "istiod.istio-system.svc:15012" {
+		t.Errorf("CA_ADDRESS %q, want istiod.istio-system.svc:15012", cm["CA_ADDRESS"])
+	}
+	if cm["CA_ROOT_CERT_RELOAD"] != "10s" {
+		t.Errorf("CA_ROOT_CERT_RELOAD %q, want 10s", cm["CA_ROOT_CERT_RELOAD"])
+	}
+
+	// The token: projected for istiod only (audience istio-ca), bound to the pod (istiod's
+	// node authorizer finds the agent's node through it), rotated by the kubelet.
+	tok := volume(t, ds, "istio-token")
+	if tok.Projected == nil || len(tok.Projected.Sources) != 1 || tok.Projected.Sources[0].ServiceAccountToken == nil {
+		t.Fatalf("istio-token volume %+v, want one projected serviceAccountToken", tok.VolumeSource)
+	}
+	sat := tok.Projected.Sources[0].ServiceAccountToken
+	if sat.Audience != "istio-ca" || sat.ExpirationSeconds == nil || *sat.ExpirationSeconds != 43200 {
+		t.Errorf("istio-token: audience %q, expirationSeconds %v; want istio-ca and 43200, as ztunnel's", sat.Audience, sat.ExpirationSeconds)
+	}
+	checkMount(t, ds, wantMount{"agent", "istio-token", filepath.Dir(cm["CA_TOKEN_FILE"]), "", "", true})
+	if filepath.Base(cm["CA_TOKEN_FILE"]) != sat.Path {
+		t.Errorf("CA_TOKEN_FILE %q is not the projected token's file %q", cm["CA_TOKEN_FILE"], sat.Path)
+	}
+
+	// The roots: the ConfigMap istiod writes, a whole-volume mount (a subPath mount never
+	// sees a root rotation), the file CA_ROOT_CERT names.
+	roots := volume(t, ds, "istio-ca-root-cert")
+	if roots.ConfigMap == nil || roots.ConfigMap.Name != "istio-ca-root-cert" || len(roots.ConfigMap.Items) > 0 {
+		t.Errorf("istio-ca-root-cert volume %+v, want the whole ConfigMap istio-ca-root-cert", roots.VolumeSource)
+	}
+	if filepath.Base(cm["CA_ROOT_CERT"]) != "root-cert.pem" {
+		t.Errorf("CA_ROOT_CERT %q: not the ConfigMap's root-cert.pem", cm["CA_ROOT_CERT"])
+	}
+	checkMount(t, ds, wantMount{"agent", "istio-ca-root-cert", filepath.Dir(cm["CA_ROOT_CERT"]), "", "", true})
+	for _, m := range container(t, ds, "agent").VolumeMounts {
+		if m.SubPath != "" || m.SubPathExpr != "" {
+			t.Errorf("agent mounts %s with a subPath: updates of the volume never reach it", m.Name)
+		}
+	}
+	if !strings.Contains(r.Notes, "CA_TRUSTED_NODE_ACCOUNTS") || !strings.Contains(r.Notes, releaseNamespace+"/"+r.ServiceAccount.Name) {
+		t.Errorf("NOTES do not say that istiod must trust %s/%s as a node agent:\n%s", releaseNamespace, r.ServiceAccount.Name, r.Notes)
+	}
+	if strings.Contains(r.Notes, "WARNING: standalone") {
+		t.Errorf("profile %s: NOTES warn about standalone", profile)
 	}
 }
 
@@ -464,6 +557,8 @@ func TestPrecedence(t *testing.T) {
 		{"user value inside a profile's map", renderOpts{set: []string{"profile=dual-stack", "hostProbeSNAT.ipv6=fd00:7127::1"}}, "HOST_PROBE_SNAT_IPV6", "fd00:7127::1"},
 		{"profile map keeps the other key", renderOpts{set: []string{"profile=dual-stack", "hostProbeSNAT.ipv6=fd00:7127::1"}}, "HOST_PROBE_SNAT_IP", "169.254.7.127"},
 		{"numbers from --set", renderOpts{set: []string{"pool.maxStreams=250"}}, "POOL_MAX_STREAMS", "250"},
+		{"large numbers stay plain", renderOpts{set: []string{"limits.maxConnections=1000000"}}, "MAX_CONNECTIONS", "1000000"},
+		{"false from --set", renderOpts{set: []string{"accessLog=false"}}, "ACCESS_LOG", "false"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := mustRender(t, tc.opts)
@@ -503,7 +598,12 @@ func TestRenderErrors(t *testing.T) {
 	}{
 		{"typo in a key", renderOpts{set: []string{"loglevel=debug"}}, `unknown value "loglevel"`},
 		{"typo in a -f file", renderOpts{valuesYAML: "cnii: {enabled: false}\n"}, `unknown value "cnii"`},
-		{"unknown profile", renderOpts{set: []string{"profile=fast"}}, `profile "fast" does not exist: use one of debug, default, dual-stack, strict`},
+		{"unknown profile", renderOpts{set: []string{"profile=fast"}}, `profile "fast" does not exist: use one of debug, default, dual-stack, standalone, strict`},
+		{"file CA without the standalone profile", renderOpts{set: []string{"fileCA.enabled=true"}}, `only the standalone profile uses it (profile is "default")`},
+		{"file CA with another profile", renderOpts{set: []string{"profile=debug", "fileCA.enabled=true"}}, `only the standalone profile uses it (profile is "debug")`},
+		{"file CA with no profile", renderOpts{set: []string{"profile=", "fileCA.enabled=true"}}, `only the standalone profile uses it (profile is "")`},
+		{"file CA and istiod", renderOpts{set: []string{"profile=standalone", "caAddress=istiod.x.svc:15012"}}, `caAddress "istiod.x.svc:15012" and the standalone profile's file CA are exclusive`},
+		{"old ca.secretName value", renderOpts{set: []string{"ca.secretName=x"}}, `unknown value "ca"`},
 		{"strict without Istio's CRDs", renderOpts{set: []string{"profile=strict"}}, "does not serve"},
 		{"bad mTLS mode", renderOpts{set: []string{"meshMTLSMode=strict"}, apiVersions: []string{peerAuthnAPI}}, `meshMTLSMode "strict" is not STRICT`},
 		{"cluster without native sidecars", renderOpts{kubeVersion: "v1.29.4"}, "incompatible with Kubernetes v1.29.4"},
@@ -564,6 +664,43 @@ func TestDebugProfile(t *testing.T) {
 		if p.Name == "admin" {
 			t.Error("default declares an admin port")
 		}
+	}
+}
+
+// TestIstiodSettings: istiod is found as Istio's ztunnel chart finds it (revision and
+// namespace, or caAddress), and the cluster name and trust bundle follow the values.
+func TestIstiodSettings(t *testing.T) {
+	for _, tc := range []struct {
+		set  []string
+		key  string
+		want string
+	}{
+		{[]string{"revision=canary"}, "CA_ADDRESS", "istiod-canary.istio-system.svc:15012"},
+		{[]string{"istioNamespace=mesh"}, "CA_ADDRESS", "istiod.mesh.svc:15012"},
+		{[]string{"istioNamespace=mesh", "revision=1-27"}, "CA_ADDRESS", "istiod-1-27.mesh.svc:15012"},
+		{[]string{"revision=canary", "caAddress=ca.example:15012"}, "CA_ADDRESS", "ca.example:15012"},
+		{[]string{"multiCluster.clusterName=east"}, "CLUSTER_ID", "east"},
+		{[]string{"profile=standalone", "multiCluster.clusterName=east"}, "CLUSTER_ID", "east"},
+		{[]string{"caRootCertReload=1m"}, "CA_ROOT_CERT_RELOAD", "1m"},
+		{[]string{"profile=standalone", "fileCA.mountPath=/ca"}, "CA_DIR", "/ca"},
+	} {
+		r := mustRender(t, renderOpts{set: tc.set})
+		if got := r.ConfigMap.Data[tc.key]; got != tc.want {
+			t.Errorf("--set %v: %s=%q, want %q", tc.set, tc.key, got, tc.want)
+		}
+	}
+	r := mustRender(t, renderOpts{set: []string{"trustBundleName=istio-ca-root-cert-canary"}})
+	if v := volume(t, r.DaemonSet, "istio-ca-root-cert"); v.ConfigMap == nil || v.ConfigMap.Name != "istio-ca-root-cert-canary" {
+		t.Errorf("trustBundleName: roots volume %+v", v.VolumeSource)
+	}
+	r = mustRender(t, renderOpts{set: []string{"profile=standalone", "fileCA.secretName=my-ca"}})
+	if v := volume(t, r.DaemonSet, "ca"); v.Secret == nil || v.Secret.SecretName != "my-ca" {
+		t.Errorf("fileCA.secretName: ca volume %+v", v.VolumeSource)
+	}
+	// The standalone profile can be turned back to istiod, never the other way round.
+	r = mustRender(t, renderOpts{set: []string{"profile=standalone", "fileCA.enabled=false"}})
+	if _, ok := r.ConfigMap.Data["CA_DIR"]; ok || r.ConfigMap.Data["CA_ADDRESS"] == "" {
+		t.Errorf("standalone with fileCA.enabled=false: CA_DIR set or CA_ADDRESS %q empty", r.ConfigMap.Data["CA_ADDRESS"])
 	}
 }
 

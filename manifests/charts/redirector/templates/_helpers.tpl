@@ -106,7 +106,10 @@ redirector.securityContext is the agent's, shared by the node container, which r
   privileged false      everything needed is in the capability list below.
   NET_ADMIN             tcx/tc attach, policy-routing rules and routes and sysctls in pod
                         network namespaces; IP_TRANSPARENT and SO_MARK on tunnel sockets.
-  SYS_ADMIN             setns() into pod network namespaces (no narrower capability allows it).
+  SYS_ADMIN             setns() into pod network namespaces (no narrower capability allows it);
+                        also passes the kernel's perfmon_capable() check, which the data path's
+                        bpf_probe_read_kernel (TIME_WAIT reopen) needs: CAP_PERFMON would do,
+                        and is not added as SYS_ADMIN must stay anyway.
   BPF                   bpf(): load programs, create, pin and update maps (kernel 5.8+).
   SYS_PTRACE            open /proc/<pid>/ns/net of pod processes running as other users, to
                         find the namespaces of pods that existed before the agent.
@@ -134,4 +137,34 @@ seccompProfile:
 seLinuxOptions:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+
+{{/*
+redirector.fileCA: "true" when the agents sign with a file CA (CA_DIR) instead of asking
+istiod. Only the standalone profile may turn it on: a file CA puts a key that signs any
+identity on every node, so it never comes from a stray --set on another profile.
+*/}}
+{{- define "redirector.fileCA" -}}
+{{- if .Values.fileCA.enabled -}}
+{{- if ne (toString .Values.profile) "standalone" -}}
+{{- fail (printf "fileCA.enabled puts a key that can sign any identity on every node; only the standalone profile uses it (profile is %q): use --set profile=standalone if that is what you want, or leave it off and let istiod sign" (toString .Values.profile)) -}}
+{{- end -}}
+{{- if .Values.caAddress -}}
+{{- fail (printf "caAddress %q and the standalone profile's file CA are exclusive: a node either signs itself or asks istiod" .Values.caAddress) -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+redirector.caAddress is istiod's CA address: caAddress, else the istiod Service of the
+revision in istioNamespace, as Istio's ztunnel chart derives it.
+*/}}
+{{- define "redirector.caAddress" -}}
+{{- if .Values.caAddress -}}
+{{ .Values.caAddress }}
+{{- else -}}
+istiod{{ with .Values.revision }}-{{ . }}{{ end }}.{{ .Values.istioNamespace }}.svc:15012
+{{- end -}}
 {{- end -}}
