@@ -216,7 +216,7 @@ func TestClientSubscribesAsZtunnelAndTranslates(t *testing.T) {
 		t.Fatalf("snapshot: %d workloads, %d services, %d policies", len(s.Workloads), len(s.Services), len(s.Policies))
 	}
 	w := s.Workloads[0]
-	if w.Identity("other.td") != "spiffe://cluster.local/ns/shop/sa/web" || !w.HBONE || w.Node != "node-a" || w.CanonicalRevision != "v1" || w.Addrs[0] != netip.MustParseAddr("10.1.0.5") {
+	if w.Identity() != "spiffe://cluster.local/ns/shop/sa/web" || !w.HBONE || w.Node != "node-a" || w.CanonicalRevision != "v1" || w.Addrs[0] != netip.MustParseAddr("10.1.0.5") {
 		t.Errorf("workload %+v", w)
 	}
 	svc := s.Services[0]

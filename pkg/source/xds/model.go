@@ -15,8 +15,8 @@ import (
 // account, node, addresses) plus what only istiod knows.
 type Workload struct {
 	workload.Workload
-	// TrustDomain is the workload's SPIFFE trust domain; empty means the
-	// agent's own.
+	// TrustDomain is the workload's SPIFFE trust domain (istiod sends none
+	// for cluster.local, which this then holds).
 	TrustDomain       string
 	CanonicalName     string
 	CanonicalRevision string
@@ -24,7 +24,10 @@ type Workload struct {
 	WorkloadName string
 	Network      string
 	// HBONE is true when the workload is in the mesh and takes HBONE on
-	// port 15008; false means a plaintext peer (tunnel_protocol NONE).
+	// port 15008 (istiod says so for pods annotated
+	// ambient.istio.io/redirection=enabled, which the agent sets when it
+	// enrolls a pod); false means a plaintext peer (tunnel_protocol NONE,
+	// or LEGACY_ISTIO_MTLS: a sidecar, whose Istio mTLS is not spoken here).
 	HBONE bool
 	// Healthy is false for a workload istiod marks UNHEALTHY (a pod not
 	// ready, or deleted but not yet gone).
@@ -39,11 +42,8 @@ type Workload struct {
 	Policies []string
 }
 
-// Identity is the workload's SPIFFE ID; defaultTrustDomain stands in for
-// an empty trust domain.
-func (w *Workload) Identity(defaultTrustDomain string) string {
-	return w.Workload.Identity(cmp.Or(w.TrustDomain, defaultTrustDomain))
-}
+// Identity is the workload's SPIFFE ID.
+func (w *Workload) Identity() string { return w.Workload.Identity(w.TrustDomain) }
 
 // PortMap maps a service port to the port the workload serves it on.
 type PortMap struct {

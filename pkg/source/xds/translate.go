@@ -40,7 +40,8 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 			ServiceAccount: cmp.Or(x.GetServiceAccount(), "default"),
 			Node:           x.GetNode(),
 		},
-		TrustDomain:       x.GetTrustDomain(),
+		// istiod leaves out the default trust domain.
+		TrustDomain:       cmp.Or(x.GetTrustDomain(), "cluster.local"),
 		CanonicalName:     x.GetCanonicalName(),
 		CanonicalRevision: x.GetCanonicalRevision(),
 		WorkloadName:      x.GetWorkloadName(),
@@ -51,7 +52,8 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	switch x.GetTunnelProtocol() {
 	case workloadapi.TunnelProtocol_HBONE:
 		w.HBONE = true
-	case workloadapi.TunnelProtocol_NONE:
+	case workloadapi.TunnelProtocol_NONE, workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS:
+		// A sidecar's Istio mTLS is not spoken here: not an HBONE peer.
 	default:
 		return nil, fmt.Errorf("workload %s: tunnel protocol %s is not supported (HBONE or NONE)", x.GetUid(), x.GetTunnelProtocol())
 	}

@@ -1,0 +1,247 @@
+package netnstest
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/source/xds"
+	"github.com/redirector-mesh/redirector/test/istiotest"
+	"github.com/redirector-mesh/redirector/test/kubetest"
+)
+
+// TestIstiodXDSClient runs the xDS source's client against a real istiod
+// (built from the istio.io/istio module) and a real kube-apiserver, as a
+// node agent with its istio-ca token:
+//
+//   - istiod serves it as a ztunnel: workloads with identity, node,
+//     canonical name and HBONE, a Service and a ServiceEntry with their VIPs,
+//     port maps and endpoints;
+//   - a STRICT PeerAuthentication and an ALLOW AuthorizationPolicy arrive as
+//     compiled Authorization and decide as they should (plaintext denied,
+//     the allowed identity admitted on its port, others not);
+//   - istiod stopped: no snapshot is delivered, the last state stays;
+//     a pod created meanwhile arrives once istiod is back, on the resumed
+//     stream, with what was already held still there.
+func TestIstiodXDSClient(t *testing.T) {
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	const agentAccount = istiotest.Namespace + "/redirector"
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	ctx := context.Background()
+
+	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
+		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Pods an agent enrolled carry ambient.istio.io/redirection=enabled;
+	// istiod then describes them as HBONE peers.
+	for _, p := range []*corev1.Pod{
+		istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", "10.244.1.5"),
+		istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", "10.244.2.5"),
+	} {
+		p.Annotations = map[string]string{"ambient.istio.io/redirection": "enabled"}
+		if p.Name == "server" {
+			p.Labels = map[string]string{"app": "server", "service.istio.io/canonical-revision": "v7"}
+		}
+		if _, err := cs.CoreV1().Pods("mesh").Update(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := cs.CoreV1().Services("mesh").Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "server"},
+		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "server"}, ClusterIP: "10.96.0.50",
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080), AppProtocol: ptr("http")}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	dyn := dynamicClient(t, cluster)
+	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
+		"hosts": []any{"db.example.com"}, "addresses": []any{"240.1.1.1"}, "resolution": "STATIC",
+		"ports":     []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(15432)}},
+		"endpoints": []any{map[string]any{"address": "10.244.2.5"}},
+	})
+
+	token := istiotest.AgentToken(t, cs, agentAccount, "node1", istiotest.Audience)
+	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := xds.Dial(istiod.Addr, "", bundle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	metrics := xds.NewMetrics(nil)
+	c, err := xds.New(xds.Config{
+		Conn: conn, Token: xds.TokenFile(token), Metrics: metrics,
+		Node: xds.Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: istiotest.Namespace, NodeName: "node1", ClusterID: istiotest.ClusterID},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snaps := make(chan *xds.Snapshot, 64)
+	runCtx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Run(runCtx, func(s *xds.Snapshot) { snaps <- s })
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+
+	var last *xds.Snapshot
+	waitFor := func(what string, ok func(*xds.Snapshot) error) {
+		t.Helper()
+		deadline := time.After(60 * time.Second)
+		var err error = fmt.Errorf("no snapshot")
+		for {
+			if last != nil {
+				if err = ok(last); err == nil {
+					return
+				}
+			}
+			select {
+			case last = <-snaps:
+			case <-deadline:
+				t.Fatalf("%s: %v", what, err)
+			}
+		}
+	}
+
+	waitFor("workloads and services from istiod", func(s *xds.Snapshot) error {
+		srv := findWorkload(s, "server")
+		if srv == nil || findWorkload(s, "client") == nil {
+			return fmt.Errorf("%d workloads, no client and server", len(s.Workloads))
+		}
+		if got := srv.Identity(); got != "spiffe://cluster.local/ns/mesh/sa/server-sa" || !srv.HBONE || srv.Node != "node2" || srv.CanonicalName != "server" || srv.CanonicalRevision != "v7" {
+			return fmt.Errorf("server workload %s HBONE=%v node %q canonical %s/%s", got, srv.HBONE, srv.Node, srv.CanonicalName, srv.CanonicalRevision)
+		}
+		svc := findService(s, "server.mesh.svc.cluster.local")
+		if svc == nil || len(svc.VIPs) != 1 || svc.VIPs[0] != netip.MustParseAddr("10.96.0.50") || len(svc.Endpoints) != 1 || svc.Endpoints[0].Ports["80"] != 8080 {
+			return fmt.Errorf("service server: %+v", svc)
+		}
+		if svc.AppProtocols[80] != "HTTP11" {
+			return fmt.Errorf("service server app protocols %v", svc.AppProtocols)
+		}
+		se := findService(s, "db.example.com")
+		if se == nil || len(se.VIPs) != 1 || se.VIPs[0] != netip.MustParseAddr("240.1.1.1") {
+			return fmt.Errorf("service entry: %+v", se)
+		}
+		return nil
+	})
+	t.Logf("istiod sent %d workloads, %d services, %d policies", len(last.Workloads), len(last.Services), len(last.Policies))
+
+	// STRICT for the namespace, and only client-sa may reach the server's 8080.
+	apply(t, dyn, "security.istio.io", "v1", "peerauthentications", "mesh", "strict", map[string]any{"mtls": map[string]any{"mode": "STRICT"}})
+	apply(t, dyn, "security.istio.io", "v1", "authorizationpolicies", "mesh", "allow-client", map[string]any{
+		"selector": map[string]any{"matchLabels": map[string]any{"app": "server"}},
+		"action":   "ALLOW",
+		"rules": []any{map[string]any{
+			"from": []any{map[string]any{"source": map[string]any{"principals": []any{"cluster.local/ns/mesh/sa/client-sa"}}}},
+			"to":   []any{map[string]any{"operation": map[string]any{"ports": []any{"8080"}}}},
+		}},
+	})
+	clientID := policy.Peer{Authenticated: true, Principal: "cluster.local/ns/mesh/sa/client-sa", Addr: netip.MustParseAddr("10.244.1.5")}
+	otherID := policy.Peer{Authenticated: true, Principal: "cluster.local/ns/mesh/sa/other", Addr: netip.MustParseAddr("10.244.1.6")}
+	plain := policy.Peer{Addr: netip.MustParseAddr("10.244.1.5")}
+	waitFor("policies from istiod enforced", func(s *xds.Snapshot) error {
+		srv := findWorkload(s, "server")
+		dst := policy.Target{Namespace: "mesh", Port: 8080, Addr: netip.MustParseAddr("10.244.2.5")}
+		for _, c := range []struct {
+			name string
+			src  policy.Peer
+			port uint16
+			want bool
+		}{{"client-sa", clientID, 8080, true}, {"other", otherID, 8080, false}, {"plaintext", plain, 8080, false}, {"client-sa on 9090", clientID, 9090, false}} {
+			dst.Port = c.port
+			if v := policy.AuthorizeCompiled(s.Policies, dst, srv.Policies, c.src); v.Allowed != c.want {
+				return fmt.Errorf("%s: allowed=%v (%s), want %v; server selects %v, %d policies", c.name, v.Allowed, v.Reason, c.want, srv.Policies, len(s.Policies))
+			}
+		}
+		return nil
+	})
+	var keys []string
+	for _, p := range last.Policies {
+		keys = append(keys, p.Key()+"("+p.Scope.String()+","+string(p.Action)+")")
+	}
+	t.Logf("compiled policies: %s", strings.Join(keys, " "))
+
+	// istiod away: the last state stays, no snapshot is delivered.
+	held := len(last.Workloads)
+	istiod.Stop()
+	istiotest.CreatePod(t, cs, "mesh", "late", "late-sa", "node1", "10.244.1.9")
+	select {
+	case s := <-snaps:
+		t.Fatalf("a snapshot (%d workloads) while istiod is away", len(s.Workloads))
+	case <-time.After(2 * time.Second):
+	}
+	istiod.Restart(t)
+	waitFor("the pod created while istiod was away", func(s *xds.Snapshot) error {
+		if findWorkload(s, "late") == nil || findWorkload(s, "server") == nil || len(s.Workloads) != held+1 {
+			return fmt.Errorf("%d workloads (had %d)", len(s.Workloads), held)
+		}
+		if len(s.Policies) == 0 {
+			return fmt.Errorf("policies lost on resume")
+		}
+		return nil
+	})
+}
+
+func findWorkload(s *xds.Snapshot, name string) *xds.Workload {
+	for _, w := range s.Workloads {
+		if w.Name == name && w.Namespace == "mesh" {
+			return w
+		}
+	}
+	return nil
+}
+
+func findService(s *xds.Snapshot, hostname string) *xds.Service {
+	for _, svc := range s.Services {
+		if svc.Hostname == hostname {
+			return svc
+		}
+	}
+	return nil
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func dynamicClient(t *testing.T, c *kubetest.Cluster) dynamic.Interface {
+	t.Helper()
+	rc, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// apply creates an Istio object of group/version/resource.
+func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name string, spec map[string]any) {
+	t.Helper()
+	kinds := map[string]string{"serviceentries": "ServiceEntry", "peerauthentications": "PeerAuthentication", "authorizationpolicies": "AuthorizationPolicy"}
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": group + "/" + version, "kind": kinds[resource],
+		"metadata": map[string]any{"name": name, "namespace": ns}, "spec": spec,
+	}}
+	if _, err := d.Resource(schema.GroupVersionResource{Group: group, Version: version, Resource: resource}).Namespace(ns).Create(context.Background(), obj, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create %s %s/%s: %v", kinds[resource], ns, name, err)
+	}
+}
