@@ -13,6 +13,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -23,7 +24,7 @@ import (
 // time the API does not know the addresses yet.
 type cniPod struct {
 	uid   string
-	netns string
+	netns string // as the agent opens it (see netns.HostPath)
 	addrs []netip.Addr
 }
 
@@ -48,7 +49,7 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			addrs = append(addrs, p.Addr().Unmap())
 		}
 		a.mu.Lock()
-		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: ev.NetNS, addrs: addrs}
+		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: netns.HostPath(a.cfg.procDir, ev.NetNS), addrs: addrs}
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)

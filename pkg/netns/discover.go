@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/vishvananda/netlink"
 )
@@ -135,4 +136,17 @@ func addrsIn(path string) ([]netip.Addr, error) {
 		return nil, fmt.Errorf("list addresses in %s: %w", path, err)
 	}
 	return out, nil
+}
+
+// HostPath maps a namespace path the host names, /proc/<pid>/ns/net, into
+// procDir, where the agent sees the host's /proc when it runs without the
+// host's PID namespace (the Helm chart mounts it at /host/proc). Runtimes
+// such as cri-dockerd report such paths in CNI_NETNS. Other paths, and every
+// path when procDir is /proc, are returned unchanged.
+func HostPath(procDir, path string) string {
+	const hostProc = "/proc/"
+	if procDir == "" || filepath.Clean(procDir) == "/proc" || !strings.HasPrefix(path, hostProc) {
+		return path
+	}
+	return filepath.Join(procDir, strings.TrimPrefix(path, hostProc))
 }

@@ -169,3 +169,18 @@ func TestFinderProcDir(t *testing.T) {
 		t.Errorf("ScanFor = %v, want 198.18.2.1 in %s", got, want)
 	}
 }
+
+func TestHostPath(t *testing.T) {
+	for _, tc := range []struct{ procDir, in, want string }{
+		{"/host/proc", "/proc/4242/ns/net", "/host/proc/4242/ns/net"},
+		{"/host/proc/", "/proc/1/ns/net", "/host/proc/1/ns/net"},
+		{"/host/proc", "/var/run/netns/cni-1234", "/var/run/netns/cni-1234"},
+		{"/host/proc", "/procfoo/1/ns/net", "/procfoo/1/ns/net"},
+		{"/proc", "/proc/4242/ns/net", "/proc/4242/ns/net"},
+		{"", "/proc/4242/ns/net", "/proc/4242/ns/net"},
+	} {
+		if got := HostPath(tc.procDir, tc.in); got != tc.want {
+			t.Errorf("HostPath(%q, %q) = %q, want %q", tc.procDir, tc.in, got, tc.want)
+		}
+	}
+}
