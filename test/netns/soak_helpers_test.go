@@ -28,10 +28,14 @@ import (
 type agentResources struct {
 	FDs        int
 	Goroutines int
-	HeapInuse  int64          // bytes in in-use spans, right after a forced GC
-	HeapAlloc  int64          // live heap objects, right after a forced GC
-	Certs      int            // redirector_certificates, all states
-	Series     int            // istio_tcp_* samples exported
+	HeapInuse  int64 // bytes in in-use spans, right after a forced GC
+	HeapAlloc  int64 // live heap objects, right after a forced GC
+	Certs      int   // redirector_certificates, all states
+	Series     int   // istio_tcp_* samples exported
+	// GoneSeries are the istio_tcp_* samples (without value) that name a
+	// workload gone, by gone's test.
+	GoneSeries []string
+	series     []string       // every istio_tcp_* sample, without value
 	Pins       int            // files under the pin root
 	MapEntries map[string]int // entries of every pinned hash map, by name
 }
@@ -72,8 +76,9 @@ func (tol soakTolerance) exceeds(base, end agentResources) []string {
 	if end.Certs != base.Certs {
 		out = append(out, fmt.Sprintf("cached certificates %d -> %d", base.Certs, end.Certs))
 	}
-	if end.Series != base.Series {
-		out = append(out, fmt.Sprintf("istio_tcp_* series %d -> %d", base.Series, end.Series))
+	if len(end.GoneSeries) > 0 {
+		out = append(out, fmt.Sprintf("%d istio_tcp_* series (of %d, %d at the baseline) name workloads that left, e.g. %s",
+			len(end.GoneSeries), end.Series, base.Series, end.GoneSeries[0]))
 	}
 	if end.Pins != base.Pins {
 		out = append(out, fmt.Sprintf("pins %d -> %d", base.Pins, end.Pins))
@@ -91,11 +96,12 @@ var (
 	heapStat       = regexp.MustCompile(`(?m)^# (HeapInuse|HeapAlloc) = (\d+)$`)
 )
 
-// measure reads a's resources. The heap is read from the heap profile
+// measure reads a's resources; gone says whether a workload name is of a
+// workload that left. The heap is read from the heap profile
 // with gc=1: the runtime collects first, then reports its MemStats, so the
 // figures are the live heap, not what the last cycle left. The smallest of
 // three readings is kept, so a scrape in flight does not count.
-func measure(a *Agent) (agentResources, error) {
+func measure(a *Agent, gone func(workload string) bool) (agentResources, error) {
 	r := agentResources{MapEntries: map[string]int{}}
 	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", agentPID(a)))
 	if err != nil {
@@ -136,8 +142,15 @@ func measure(a *Agent) (agentResources, error) {
 	}
 	r.Certs = int(metricSum(metrics, "redirector_certificates"))
 	for _, line := range strings.Split(metrics, "\n") {
-		if strings.HasPrefix(line, "istio_tcp_") {
-			r.Series++
+		if !strings.HasPrefix(line, "istio_tcp_") {
+			continue
+		}
+		r.Series++
+		r.series = append(r.series, line[:strings.LastIndexByte(line, ' ')])
+		for _, l := range series(line, line[:strings.IndexByte(line, '{')]) {
+			if gone(l["source_workload"]) || gone(l["destination_workload"]) {
+				r.GoneSeries = append(r.GoneSeries, line[:strings.LastIndexByte(line, ' ')])
+			}
 		}
 	}
 	err = filepath.WalkDir(a.BPFRoot, func(path string, d fs.DirEntry, err error) error {
@@ -201,7 +214,11 @@ func addChurnPod(n *Node, name string, h int) *Pod {
 	p := &Pod{Node: n, Name: name, NS: fmt.Sprintf("%s-n%d-h%d", tp.prefix, n.Index, h),
 		IPv4: n.PodAddr4(h), IPv6: n.PodAddr6(h), HostVeth: fmt.Sprintf("vsoak%dh%d", n.Index, h)}
 	tp.addNS(p.NS)
-	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
+	// The MAC follows the address, as the CNI bridge plugin sets it: a new
+	// pod at a recycled address must not wait for the node's neighbor
+	// entry of the old pod to fail (~5 s of lost SYNs, mesh or not).
+	mac := fmt.Sprintf("0a:58:%02x:%02x:%02x:%02x", 10, tp.slot, n.Index, h)
+	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "address", mac, "netns", p.NS)
 	tp.ip(n.Name, "link", "set", p.HostVeth, "master", "rdbr", "up")
 	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
 	tp.ip(p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
@@ -409,4 +426,24 @@ func longConn(ctx context.Context, path, dst string, every time.Duration) error 
 		case <-time.After(every):
 		}
 	}
+}
+
+// saveHeap writes a's heap profile, taken after a GC, to path, for
+// `go tool pprof -base baseline end` when the heap did not come back.
+func saveHeap(a *Agent, path string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err := Exec(ctx, a.Node.Path(), "curl", "-sS", "--max-time", "5", "-o", path, "http://127.0.0.1:15000/debug/pprof/heap?gc=1")
+	return err
+}
+
+// newSeries lists the istio_tcp_* samples of end that base did not have.
+func newSeries(base, end agentResources) []string {
+	var out []string
+	for _, s := range end.series {
+		if !slices.Contains(base.series, s) {
+			out = append(out, s)
+		}
+	}
+	return out
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -18,12 +19,18 @@ import (
 // first. When the churn stops and the agents settled, everything they hold
 // is back to what it was before: fds, goroutines, live heap, cached
 // certificates, istio_tcp_* series (past their grace), pins and BPF map
-// entries (issue 15).
+// entries (issue 15). The istio_tcp_* series left must name no workload
+// that left; series of workloads that stay may be new (a flag or an
+// unknown peer first seen during the churn), bounded by those workloads.
 //
 // The churn lasts SOAK (a duration, default 75s, what CI runs); the full
 // soak is several minutes:
 //
 //	SOAK=5m go test -count=1 -timeout 20m -run TestChurnSoak -v ./test/netns/
+//
+// With SOAK_PROFILES=DIR the agents' heap profiles (after a GC) at the
+// baseline and at the end are written there, for
+// `go tool pprof -base DIR/node1-baseline.pprof DIR/node1-end.pprof`.
 func TestChurnSoak(t *testing.T) {
 	duration := 75 * time.Second
 	if s := os.Getenv("SOAK"); s != "" {
@@ -73,6 +80,11 @@ func TestChurnSoak(t *testing.T) {
 	write()
 	initCA(t, caDir)
 	env := []string{"METRICS_SERIES_GRACE=" + grace.String(), "POOL_IDLE_TIMEOUT=" + poolIdle.String(), "LOG_LEVEL=info"}
+	if os.Getenv("SOAK_PROFILES") != "" {
+		// Sample every 4 kB allocated instead of 512 kB: a leak of a few
+		// kB per pod shows in the profiles.
+		env = append(env, "GODEBUG=memprofilerate=4096")
+	}
 	var agents []*Agent
 	for _, n := range tp.Nodes {
 		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: caDir, Env: env, Args: []string{"--log-level", "info"}}))
@@ -232,13 +244,27 @@ func TestChurnSoak(t *testing.T) {
 	stop()
 	settle := grace + poolIdle + 5*time.Second
 	time.Sleep(settle)
+	profiles := os.Getenv("SOAK_PROFILES")
+	saveHeaps := func(stage string) {
+		if profiles == "" {
+			return
+		}
+		for i, a := range agents {
+			if err := saveHeap(a, filepath.Join(profiles, fmt.Sprintf("node%d-%s.pprof", i+1, stage))); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	// Every churned pod is its own workload, churnN.
+	gone := regexp.MustCompile(`^churn\d+$`).MatchString
 	var base [2]agentResources
 	for i, a := range agents {
-		if base[i], err = measure(a); err != nil {
+		if base[i], err = measure(a, gone); err != nil {
 			t.Fatal(err)
 		}
 		t.Logf("baseline %s: %s", a.Node.Name, base[i])
 	}
+	saveHeaps("baseline")
 
 	stop = startStable()
 	start := time.Now()
@@ -262,7 +288,7 @@ func TestChurnSoak(t *testing.T) {
 	churnTook := time.Since(start)
 	var peak [2]agentResources
 	for i, a := range agents {
-		if peak[i], err = measure(a); err != nil {
+		if peak[i], err = measure(a, gone); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -287,7 +313,7 @@ func TestChurnSoak(t *testing.T) {
 	for {
 		done := true
 		for i, a := range agents {
-			if end[i], err = measure(a); err != nil {
+			if end[i], err = measure(a, gone); err != nil {
 				t.Fatal(err)
 			}
 			over[i] = tol.exceeds(base[i], end[i])
@@ -298,12 +324,16 @@ func TestChurnSoak(t *testing.T) {
 		}
 		time.Sleep(2 * time.Second)
 	}
+	saveHeaps("end")
 	for i, a := range agents {
 		t.Logf("end of churn %s: %s", a.Node.Name, peak[i])
 		t.Logf("settled %s: %s", a.Node.Name, end[i])
 		t.Logf("%s: heap after GC %+.0f kB in use, %+.0f kB live; goroutines %+d; fds %+d", a.Node.Name,
 			float64(end[i].HeapInuse-base[i].HeapInuse)/1024, float64(end[i].HeapAlloc-base[i].HeapAlloc)/1024,
 			end[i].Goroutines-base[i].Goroutines, end[i].FDs-base[i].FDs)
+		for _, s := range newSeries(base[i], end[i]) {
+			t.Logf("%s: new series since the baseline: %s", a.Node.Name, s)
+		}
 		if len(over[i]) > 0 {
 			t.Errorf("%s did not return to its baseline after %d pods came and went: %s", a.Node.Name, seq-2, strings.Join(over[i], "; "))
 		}
