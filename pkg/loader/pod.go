@@ -360,6 +360,24 @@ func (l *Loader) hostProbeOK(id uint32) bool {
 	return true
 }
 
+// hostProbeMissing lists the pods whose host-probe links this process
+// attached and whose pins are gone.
+func (l *Loader) hostProbeMissing() []uint32 {
+	l.mu.Lock()
+	ids := make([]uint32, 0, len(l.hostProbe))
+	for id := range l.hostProbe {
+		ids = append(ids, id)
+	}
+	l.mu.Unlock()
+	var out []uint32
+	for _, id := range ids {
+		if !l.hostProbeOK(id) {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
 // podMeta is pod id's metadata as last written.
 func (l *Loader) podMeta(id uint32) (maps.PodMeta, bool) {
 	l.mu.Lock()

@@ -310,8 +310,9 @@ const pinSweep = 10 * time.Second
 // link pin is pinned again as soon as inotify reports it (the loader holds
 // the link, so capture never stopped); a link detached underneath (bpftool
 // link detach) is seen by a check every period, and its pod is attached
-// again from its recorded metadata. Without inotify, every check also stats
-// the pins.
+// again from its recorded metadata, as is a pod whose host-probe pin was
+// removed (those links are not held: kubelet probes fail, closed, until
+// then). Without inotify, every check also stats the pins.
 func (r *Reconciler) RepairLinks(ctx context.Context, period time.Duration) {
 	w, err := fsnotify.NewWatcher()
 	if err != nil {
@@ -402,6 +403,11 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 
 func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 	c := r.loader.CheckLinks(pins)
+	if pins {
+		// The host-probe links are not held: a removed pin detached one,
+		// and its pod is attached again (which attaches them anew).
+		c.Broken = append(c.Broken, r.loader.hostProbeMissing()...)
+	}
 	for _, err := range c.Errors {
 		r.log.ErrorContext(ctx, "restore link pin", "error", err)
 	}
@@ -427,7 +433,7 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 				continue
 			}
 			repaired++
-			r.log.WarnContext(ctx, "pod repaired: its link had been detached", "pod", p.String())
+			r.log.WarnContext(ctx, "pod repaired: one of its links had been detached (or, for host-probe links, unpinned)", "pod", p.String())
 		}
 		r.mu.Unlock()
 	}
