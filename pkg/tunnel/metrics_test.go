@@ -272,3 +272,28 @@ func TestAccessLog(t *testing.T) {
 		t.Errorf("access logs off still wrote %q", buf.String())
 	}
 }
+
+// countingWriter counts the writes that reach it.
+type countingWriter struct {
+	bytes.Buffer
+	writes int
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) { c.writes++; return c.Buffer.Write(p) }
+
+// Access log lines are batched into few writes, and none is lost at Close.
+func TestAccessLogWriterBatches(t *testing.T) {
+	var out countingWriter
+	w := NewAccessLogWriter(&out)
+	log := slog.New(slog.NewTextHandler(w, nil))
+	for i := range 1000 {
+		log.Info("connection complete", "i", i)
+	}
+	w.Close()
+	if n := strings.Count(out.String(), "\n"); n != 1000 {
+		t.Errorf("%d lines out of 1000", n)
+	}
+	if out.writes > 20 {
+		t.Errorf("%d writes for 1000 lines, want them batched", out.writes)
+	}
+}
