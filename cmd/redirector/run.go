@@ -42,6 +42,7 @@ type agentConfig struct {
 	kubeconfig      string
 	caDir           string
 	ca              caSettings
+	xds             xdsSettings
 	trustDomain     string
 	bpfRoot         string
 	metricsAddr     string
@@ -72,6 +73,8 @@ type runFlags struct {
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
+	// xds: --source xds (xds.go).
+	xds xdsFlags
 
 	seriesGrace *string
 	telemetry   telemetryFlags
@@ -82,7 +85,7 @@ func runSettings() (*settings, runFlags) {
 	s := newSettings("run")
 	return s, runFlags{
 		node:       s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
-		src:        s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory) or kubernetes"),
+		src:        s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory), kubernetes, or xds (istiod, as ztunnel; enrollment from this node's pods)"),
 		kubeconfig: s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
 		caDir:      s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
 		td:         s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
@@ -105,6 +108,7 @@ func runSettings() (*settings, runFlags) {
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
 		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		ca:         addCAFlags(s),
+		xds:        addXDSFlags(s),
 		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net (the Helm chart mounts it at /host/proc instead of using hostPID)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 		limits:     addLimitSettings(s),
@@ -126,17 +130,20 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	switch {
-	case *f.src == "kubernetes":
-		c.source = "kubernetes"
+	case *f.src == "kubernetes", *f.src == "xds":
+		c.source = *f.src
 	case strings.HasPrefix(*f.src, "file:") && len(*f.src) > len("file:"):
 		c.source = strings.TrimPrefix(*f.src, "file:")
 	default:
-		return c, fmt.Errorf("%s: %q is neither file:PATH nor kubernetes", s.name(f.src), *f.src)
+		return c, fmt.Errorf("%s: %q is neither file:PATH nor kubernetes (nor xds)", s.name(f.src), *f.src)
 	}
 	if err := identity.ValidateTrustDomain(*f.td); err != nil {
 		return c, fmt.Errorf("%s: %w", s.name(f.td), err)
 	}
 	if c.ca, err = parseCAFlags(s, f.ca, f.caDir); err != nil {
+		return c, err
+	}
+	if c.xds, err = parseXDSFlags(s, f.xds, c, *f.ownNS); err != nil {
 		return c, err
 	}
 	if c.selection, err = selection.ParseConfig(*f.exclude+","+*f.ownNS, *f.skipRC); err != nil {
@@ -258,7 +265,7 @@ func runAgent(ctx context.Context, args []string) error {
 		}),
 	)
 
-	src, ann, err := newSource(cfg, log, source.NewMetrics(reg))
+	src, ann, err := newSource(cfg, log, reg, source.NewMetrics(reg))
 	if err != nil {
 		return err
 	}
@@ -408,7 +415,7 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}
-	a.tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies})
+	a.tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
 	var want []loader.Pod
 	for _, w := range dir.LocalPods(a.cfg.node) {
 		if !w.Enrolled {
@@ -476,7 +483,10 @@ func (a *agent) syncAnnotations(ctx context.Context, s source.Snapshot) {
 
 // newSource returns the configured source, and for Kubernetes the
 // annotator that marks redirected pods.
-func newSource(cfg agentConfig, log *slog.Logger, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
+func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
+	if cfg.source == "xds" {
+		return newXDSSource(cfg, log, reg, metrics)
+	}
 	if cfg.source != "kubernetes" {
 		if _, err := os.Stat(cfg.source); err != nil {
 			return nil, nil, fmt.Errorf("--source (SOURCE): %w", err)

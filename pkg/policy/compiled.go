@@ -214,3 +214,26 @@ func SortCompiled(ps []*Compiled) {
 		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
 	})
 }
+
+// CompiledSet is everything a control plane (istiod) said about
+// authorization: the policies, and per workload (namespace/name) the keys
+// of the workload-selector policies that select it. The tunnel uses it in
+// place of the hand-written policy types when a source delivers one.
+type CompiledSet struct {
+	// Synced is false until the control plane's first answer: then
+	// nothing is known about STRICT or DENY policies, and every inbound
+	// connection is refused rather than admitted on a guess.
+	Synced   bool
+	Policies []*Compiled
+	// Selected maps namespace/name of a workload to its policy keys.
+	Selected map[string][]string
+}
+
+// Authorize decides a connection to the workload namespace/name (see
+// AuthorizeCompiled).
+func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
+	if !s.Synced {
+		return Verdict{Reason: "no policies from the control plane yet (fails closed)"}
+	}
+	return AuthorizeCompiled(s.Policies, dst, s.Selected[workload], src)
+}

@@ -58,3 +58,14 @@ func TestAuthorizeCompiled(t *testing.T) {
 		})
 	}
 }
+
+func TestCompiledSetFailsClosedUntilSynced(t *testing.T) {
+	var s CompiledSet
+	if v := s.Authorize(Target{Namespace: "shop"}, "shop/web", Peer{}); v.Allowed {
+		t.Fatal("allowed before the control plane answered")
+	}
+	s.Synced = true
+	if v := s.Authorize(Target{Namespace: "shop"}, "shop/web", Peer{}); !v.Allowed {
+		t.Fatalf("denied with no policies: %s", v.Reason)
+	}
+}

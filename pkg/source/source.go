@@ -26,6 +26,9 @@ type Snapshot struct {
 	RuntimeClasses        []nodev1.RuntimeClass
 	PeerAuthentications   []policy.PeerAuthentication
 	AuthorizationPolicies []policy.AuthorizationPolicy
+	// Compiled, when set (the xDS source), is istiod's compiled
+	// authorization, used instead of the two policy lists above.
+	Compiled *policy.CompiledSet
 }
 
 // Source watches cluster state and calls update with a fresh snapshot after

@@ -89,7 +89,8 @@ func (t *Tunnel) inboundVerdict(st *State, dst netip.AddrPort, client netip.Addr
 	if !ok {
 		return nil, "unknown_destination", "destination pod not in the workload directory", ""
 	}
-	if !secure {
+	// Compiled policies (istiod's) carry STRICT as a DENY of plaintext.
+	if !secure && st.Compiled == nil {
 		mode := policy.EffectiveMode(st.PeerAuthentications, t.cfg.RootNamespace, podW.Namespace, podW.Labels, dst.Port())
 		if mode.Strict() {
 			return podW, "strict_plaintext", "mTLS is STRICT", mode.Source
@@ -101,7 +102,13 @@ func (t *Tunnel) inboundVerdict(st *State, dst netip.AddrPort, client netip.Addr
 		src.Namespace = peer.Namespace
 	}
 	target := policy.Target{Namespace: podW.Namespace, Labels: podW.Labels, Port: dst.Port(), Addr: dst.Addr()}
-	if v := policy.Authorize(st.AuthorizationPolicies, t.cfg.RootNamespace, target, src); !v.Allowed {
+	var v policy.Verdict
+	if st.Compiled != nil {
+		v = st.Compiled.Authorize(target, podW.Namespace+"/"+podW.Name, src)
+	} else {
+		v = policy.Authorize(st.AuthorizationPolicies, t.cfg.RootNamespace, target, src)
+	}
+	if !v.Allowed {
 		return podW, "authorization", v.Reason, v.Policy
 	}
 	return podW, "", "", ""
@@ -113,7 +120,8 @@ func (t *Tunnel) inboundVerdict(st *State, dst netip.AddrPort, client netip.Addr
 // only the connections of the pods that did.
 func (t *Tunnel) recheck(ctx context.Context, prev, next *State) {
 	samePolicies := reflect.DeepEqual(prev.PeerAuthentications, next.PeerAuthentications) &&
-		reflect.DeepEqual(prev.AuthorizationPolicies, next.AuthorizationPolicies)
+		reflect.DeepEqual(prev.AuthorizationPolicies, next.AuthorizationPolicies) &&
+		reflect.DeepEqual(prev.Compiled, next.Compiled)
 	t.mu.Lock()
 	pods := slices.Collect(maps.Values(t.pods))
 	t.mu.Unlock()

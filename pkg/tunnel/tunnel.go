@@ -61,6 +61,9 @@ type State struct {
 	Dir                   *workload.Directory
 	PeerAuthentications   []policy.PeerAuthentication
 	AuthorizationPolicies []policy.AuthorizationPolicy
+	// Compiled, when set, decides inbound connections instead of the two
+	// lists above (istiod's compiled authorization, STRICT included).
+	Compiled *policy.CompiledSet
 }
 
 // Tunnel serves the enrolled pods of one node.

@@ -40,7 +40,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}, []string{"type"}),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_xds_rejected_resources_total",
-			Help: "Resources not applied, by type and reason (invalid: could not be translated; limit: over --xds-max-resources).",
+			Help: "Resources not applied, by type and reason (invalid: could not be translated; limit: over the per-type bound).",
 		}, []string{"type", "reason"}),
 		resources: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "redirector_xds_resources",

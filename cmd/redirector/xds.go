@@ -1,0 +1,111 @@
+package main
+
+import (
+	"cmp"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/source/xds"
+)
+
+// xdsFlags are the settings of --source xds.
+type xdsFlags struct {
+	addr, podName, podIP *string
+}
+
+// xdsSettings are xdsFlags validated.
+type xdsSettings struct {
+	addr         string
+	podName      string
+	podNamespace string
+	podIP        netip.Addr
+}
+
+func addXDSFlags(s *settings) xdsFlags {
+	return xdsFlags{
+		addr:    s.add("xds-address", "XDS_ADDRESS", "", "--source xds: istiod's xDS address, host:port (empty: --ca-address)"),
+		podName: s.add("pod-name", "POD_NAME", "", "--source xds: the agent's own pod name, part of the node identity istiod sees"),
+		podIP:   s.add("instance-ip", "INSTANCE_IP", "", "--source xds: the agent's own pod address, part of the node identity istiod sees"),
+	}
+}
+
+// parseXDSFlags validates the xDS settings when the source is xds.
+func parseXDSFlags(s *settings, f xdsFlags, c agentConfig, podNamespace string) (xdsSettings, error) {
+	if c.source != "xds" {
+		return xdsSettings{}, nil
+	}
+	x := xdsSettings{addr: cmp.Or(*f.addr, c.ca.addr), podName: *f.podName, podNamespace: cmp.Or(podNamespace, "istio-system")}
+	if x.addr == "" {
+		return x, fmt.Errorf("--source xds needs istiod: set %s or --ca-address (CA_ADDRESS)", s.name(f.addr))
+	}
+	if c.ca.rootCert == "" {
+		return x, fmt.Errorf("--source xds needs --ca-root-cert (CA_ROOT_CERT) to verify istiod")
+	}
+	if x.podName == "" {
+		return x, fmt.Errorf("%s is required with --source xds", s.name(f.podName))
+	}
+	ip, err := netip.ParseAddr(*f.podIP)
+	if err != nil {
+		return x, fmt.Errorf("%s: %q is not an IP address", s.name(f.podIP), *f.podIP)
+	}
+	x.podIP = ip
+	return x, nil
+}
+
+// newXDSSource builds the xDS source: istiod for the mesh, a node-scoped
+// pod watch for enrollment, and the annotator that tells istiod (through
+// ambient.istio.io/redirection) which pods take HBONE.
+func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
+	var rc *rest.Config
+	var err error
+	if cfg.kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	pods, err := nodepods.New(rc, cfg.node, log, metrics)
+	if err != nil {
+		return nil, nil, err
+	}
+	ann, err := kubernetes.NewAnnotator(rc)
+	if err != nil {
+		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
+	}
+	if _, err := os.Stat(cfg.ca.tokenFile); err != nil {
+		return nil, nil, fmt.Errorf("--ca-token-file (CA_TOKEN_FILE): %w (istiod's xDS needs the istio-ca token too)", err)
+	}
+	bundle, err := identity.LoadBundle(cfg.ca.rootCert, cfg.trustDomain)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)
+	}
+	conn, err := xds.Dial(cfg.xds.addr, "", bundle)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--xds-address (XDS_ADDRESS): %w", err)
+	}
+	client, err := xds.New(xds.Config{
+		Conn:  conn,
+		Token: xds.TokenFile(cfg.ca.tokenFile),
+		Node: xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace,
+			NodeName: cfg.node, ClusterID: cfg.ca.clusterID},
+		Metrics: xds.NewMetrics(reg),
+		Logger:  log,
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
+	return xds.NewSource(client, pods, cfg.node, log), ann, nil
+}
