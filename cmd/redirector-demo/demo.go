@@ -117,6 +117,7 @@ func run(r *netnstest.Runner, redirector string, verbose bool) {
 
 	step("what the agents report")
 	showMetrics(r, c.agents[1], "node2 (backend's agent), reporter=destination")
+	showAccessLog(c.agents[1], "node2 (backend's agent)")
 	showInspect(r, redirector, c.agents[0])
 	fmt.Printf("\ndemo finished in %s\n", time.Since(start).Round(100*time.Millisecond))
 	if verbose {
@@ -161,6 +162,30 @@ func waitReady(r *netnstest.Runner, from *netnstest.Pod, url string) {
 var sample = regexp.MustCompile(`^(istio_tcp_connections_opened_total|redirector_bpf_pod_connections_total|redirector_policy_denials_total|redirector_bpf_fail_closed_drops_total)(\{.*\})? (\S+)$`)
 
 // showMetrics prints the interesting samples of an agent's /metrics.
+// showAccessLog prints the agent's access log lines of refused
+// connections (response_flags DENY) and its last completed one.
+func showAccessLog(a *netnstest.Agent, title string) {
+	var denied, done string
+	deadline := time.Now().Add(2 * time.Second) // lines are flushed every 100 ms
+	for denied == "" && time.Now().Before(deadline) {
+		for _, line := range strings.Split(a.Log(), "\n") {
+			switch {
+			case strings.Contains(line, `msg="connection complete"`) && strings.Contains(line, "response_flags=DENY"):
+				denied = line
+			case strings.Contains(line, `msg="connection complete"`):
+				done = line
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	fmt.Printf("\n  access log of %s (ztunnel's fields):\n", title)
+	for _, l := range []string{done, denied} {
+		if l != "" {
+			fmt.Printf("    %s\n", l)
+		}
+	}
+}
+
 func showMetrics(r *netnstest.Runner, a *netnstest.Agent, title string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -181,7 +206,7 @@ func showMetrics(r *netnstest.Runner, a *netnstest.Agent, title string) {
 	fmt.Println(strings.Join(lines, "\n"))
 }
 
-var keep = regexp.MustCompile(`(reporter|source_principal|destination_principal|connection_security_policy|reason|pod|direction)="[^"]*"`)
+var keep = regexp.MustCompile(`(reporter|source_workload|source_principal|destination_workload|destination_principal|connection_security_policy|response_flags|reason|pod|direction)="[^"]*"`)
 
 // short keeps the labels a reader needs out of Istio's long label sets.
 func short(labels string) string {
