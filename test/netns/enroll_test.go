@@ -28,7 +28,17 @@ func enrolledNames(root string) (map[string]uint32, error) {
 	}
 	out := map[string]uint32{}
 	for id, meta := range metas {
-		out[meta.Namespace+"/"+meta.Name] = id
+		// Enrolled once its entries are written as recorded: the last
+		// step of an attach (metadata is the first, and pods attach
+		// concurrently).
+		done := true
+		for _, a := range meta.Addrs {
+			s, ok, err := m.Pod(a)
+			done = done && err == nil && ok && s == meta.Settings
+		}
+		if done {
+			out[meta.Namespace+"/"+meta.Name] = id
+		}
 	}
 	return out, nil
 }
