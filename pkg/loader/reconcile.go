@@ -153,9 +153,46 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		}
 	}
 
-	var jobs []func()
+	// Pods that leave go first: a new pod may have been given a leaving
+	// pod's address, and the leaving pod's detach deletes that address's
+	// entry.
 	for _, p := range want {
 		wanted[p.UID] = true
+	}
+	var jobs []func()
+	for uid, cur := range attached {
+		if wanted[uid] {
+			continue
+		}
+		delete(served, uid)
+		jobs = append(jobs, func() {
+			name := cur.Meta.Namespace + "/" + cur.Meta.Name
+			if err := r.loader.DetachPod(ctx, uid); err != nil {
+				add(func(res *Result) { res.Errors = append(res.Errors, err) })
+				return
+			}
+			r.forgetNS(uid)
+			add(func(res *Result) { res.Detached = append(res.Detached, name) })
+			if err := r.server.StopPod(ctx, uid); err != nil {
+				add(func(res *Result) {
+					res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
+				})
+			}
+		})
+	}
+	for uid := range served {
+		if !wanted[uid] {
+			jobs = append(jobs, func() {
+				if err := r.server.StopPod(ctx, uid); err != nil {
+					add(func(res *Result) { res.Errors = append(res.Errors, err) })
+				}
+			})
+		}
+	}
+	runBounded(Workers(), jobs)
+
+	jobs = jobs[:0]
+	for _, p := range want {
 		cur, isAttached := attached[p.UID]
 		if p.NetNS == "" {
 			p.NetNS = findNetNS(scan, p.Addrs)
@@ -200,38 +237,6 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 				add(func(res *Result) { res.Repaired = append(res.Repaired, p.String()) })
 			}
 		})
-	}
-	runBounded(Workers(), jobs)
-
-	jobs = jobs[:0]
-	for uid, cur := range attached {
-		if wanted[uid] {
-			continue
-		}
-		delete(served, uid)
-		jobs = append(jobs, func() {
-			name := cur.Meta.Namespace + "/" + cur.Meta.Name
-			if err := r.loader.DetachPod(ctx, uid); err != nil {
-				add(func(res *Result) { res.Errors = append(res.Errors, err) })
-				return
-			}
-			r.forgetNS(uid)
-			add(func(res *Result) { res.Detached = append(res.Detached, name) })
-			if err := r.server.StopPod(ctx, uid); err != nil {
-				add(func(res *Result) {
-					res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
-				})
-			}
-		})
-	}
-	for uid := range served {
-		if !wanted[uid] {
-			jobs = append(jobs, func() {
-				if err := r.server.StopPod(ctx, uid); err != nil {
-					add(func(res *Result) { res.Errors = append(res.Errors, err) })
-				}
-			})
-		}
 	}
 	runBounded(Workers(), jobs)
 	enrolled := 0
