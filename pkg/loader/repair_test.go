@@ -198,3 +198,30 @@ func TestReconcileRepairsOnlyDrift(t *testing.T) {
 		t.Errorf("a's entry after the repair: %+v %v %v", s, ok, err)
 	}
 }
+
+// TestReconcileAddressReuse: a pod leaves and a new pod (another uid) has
+// its address in the same pass; the new pod keeps its entry. Attaching
+// before detaching (the old order) let the leaving pod's detach delete it.
+func TestReconcileAddressReuse(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	p := topo.Nodes[0].AddPod("p")
+	ctx := context.Background()
+	l := load(t, tempBPFFS(t))
+	defer l.Close()
+	rec := loader.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
+	old := podOf(p, true)
+	if res := rec.Reconcile(ctx, []loader.Pod{old}, true); len(res.Errors) > 0 || len(res.Attached) != 1 {
+		t.Fatalf("first reconcile: %+v", res)
+	}
+	reused := old
+	reused.UID, reused.Name = "uid-new", "new"
+	res := rec.Reconcile(ctx, []loader.Pod{reused}, false)
+	if len(res.Errors) > 0 || len(res.Attached) != 1 || len(res.Detached) != 1 {
+		t.Fatalf("reconcile with the address moved to a new pod: %+v", res)
+	}
+	for _, a := range p.Addrs() {
+		if s, ok, err := l.Maps().Pod(a); err != nil || !ok || !s.CaptureInbound {
+			t.Errorf("entry of %s after the move: %+v %v %v", a, s, ok, err)
+		}
+	}
+}
