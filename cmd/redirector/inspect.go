@@ -20,11 +20,12 @@ import (
 )
 
 // runInspect prints what the node's data path holds. `pods` and `maps` read
-// the pinned maps directly, so they work while the agent is stopped; `certs`
-// and `policies` ask the running agent's admin endpoint.
+// the pinned maps directly, so they work while the agent is stopped;
+// `workloads`, `services`, `certs` and `policies` ask the running agent's
+// admin endpoint.
 func runInspect(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		return fmt.Errorf("usage: redirector inspect pods|maps|certs|services|policies [-o table|json|yaml]")
+		return fmt.Errorf("usage: redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml]")
 	}
 	what := args[0]
 	s := newSettings("inspect " + what)
@@ -50,10 +51,10 @@ func runInspect(ctx context.Context, args []string) error {
 			return err
 		}
 		return renderMaps(os.Stdout, *out, rows)
-	case "certs", "services", "policies":
+	case "certs", "workloads", "services", "policies":
 		return inspectAdmin(ctx, *admin, what, *out)
 	default:
-		return fmt.Errorf("unknown inspect target %q (want pods, maps, certs, services or policies)", what)
+		return fmt.Errorf("unknown inspect target %q (want pods, maps, workloads, services, certs or policies)", what)
 	}
 }
 
@@ -183,6 +184,15 @@ func orDash(s string) string {
 	return s
 }
 
+// renderWorkloads prints istioctl ztunnel-config workloads' columns (no
+// waypoint: the agent has none), then the workload and its identity.
+func renderWorkloads(w io.Writer, format string, rows []admin.ZtunnelWorkload) error {
+	return render(w, format, rows, []string{"NAMESPACE", "POD NAME", "ADDRESS", "NODE", "PROTOCOL", "WORKLOAD", "CANONICAL", "SERVICE ACCOUNT"}, func(r admin.ZtunnelWorkload) []string {
+		return []string{r.Namespace, r.Name, strings.Join(r.WorkloadIPs, ","), r.Node, r.Protocol,
+			r.WorkloadType + "/" + r.WorkloadName, r.CanonicalName + "@" + r.CanonicalRevision, r.ServiceAccount}
+	})
+}
+
 // serviceRow is a service as the config dump shows it (ztunnel's shape,
 // admin.ZtunnelService).
 type serviceRow = admin.ZtunnelService
@@ -260,6 +270,12 @@ func inspectAdmin(ctx context.Context, addr, what, format string) error {
 			return fmt.Errorf("decode certs: %w", err)
 		}
 		return renderCerts(os.Stdout, format, rows)
+	case "workloads":
+		var rows []admin.ZtunnelWorkload
+		if err := json.Unmarshal(section, &rows); err != nil {
+			return fmt.Errorf("decode workloads: %w", err)
+		}
+		return renderWorkloads(os.Stdout, format, rows)
 	case "services":
 		var rows []serviceRow
 		if err := json.Unmarshal(section, &rows); err != nil {

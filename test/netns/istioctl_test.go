@@ -159,6 +159,11 @@ endpoints:
 	}
 
 	// The friendly local view agrees.
+	w, err := Exec(context.Background(), a.Node.Path(), redirectorBin(), "inspect", "workloads")
+	if err != nil || !row(string(w), "mesh", server.Name, regexp.QuoteMeta(server.IPv4.String()+","+server.IPv6.String()), fmt.Sprint("node", server.Node.Index),
+		"HBONE", "deployment/reviews-v2", "reviews@v2", "bookinfo-reviews") {
+		t.Errorf("inspect workloads: %v\n%s", err, w)
+	}
 	o, err := Exec(context.Background(), a.Node.Path(), redirectorBin(), "inspect", "services")
 	if err != nil || !row(string(o), "mesh", "reviews", regexp.QuoteMeta("10.96.0.20"), regexp.QuoteMeta("9080->8080"), regexp.QuoteMeta(server.IPv4.String())) {
 		t.Errorf("inspect services: %v\n%s", err, o)
