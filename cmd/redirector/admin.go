@@ -58,7 +58,11 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		admin.SectionWorkloads: func() any { return admin.ZtunnelWorkloads(tun.State().Dir, cfg.ca.clusterID, cfg.trustDomain) },
 		admin.SectionServices:  func() any { return admin.ZtunnelServices(tun.State().Dir, cfg.ca.clusterID) },
 		admin.SectionPolicies: func() any {
-			return admin.ZtunnelPolicies(tun.State().AuthorizationPolicies, cfg.rootNamespace)
+			st := tun.State()
+			if st.Compiled != nil {
+				return admin.ZtunnelCompiledPolicies(st.Compiled)
+			}
+			return admin.ZtunnelPolicies(st.AuthorizationPolicies, cfg.rootNamespace)
 		},
 		admin.SectionCertificates: func() any { return admin.ZtunnelCertificates(certRows(certs), nil) },
 		admin.SectionWorkloadState: func() any {

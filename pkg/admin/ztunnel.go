@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"encoding/pem"
 	"math/big"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
@@ -360,6 +361,73 @@ func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, servin
 			st = "Up"
 		}
 		out[w.UID] = ZtunnelWorkloadState{State: st, Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+	}
+	return out
+}
+
+// ZtunnelCompiledPolicies converts istiod's compiled policies (the xDS
+// source's), which already have ztunnel's structure.
+func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
+	out := []ZtunnelPolicy{}
+	if set == nil {
+		return out
+	}
+	for _, p := range set.Policies {
+		z := ZtunnelPolicy{Name: p.Name, Namespace: p.Namespace, Action: "Allow", Rules: [][][]*ZtunnelPolicyMatch{}}
+		if p.Action == policy.ActionDeny {
+			z.Action = "Deny"
+		}
+		switch p.Scope {
+		case policy.ScopeGlobal:
+			z.Scope = "Global"
+		case policy.ScopeNamespace:
+			z.Scope = "Namespace"
+		default:
+			z.Scope = "WorkloadSelector"
+		}
+		for _, g := range p.Groups {
+			rule := [][]*ZtunnelPolicyMatch{}
+			for _, c := range g.Clauses {
+				clause := []*ZtunnelPolicyMatch{}
+				for _, m := range c.Matches {
+					clause = append(clause, &ZtunnelPolicyMatch{
+						Namespaces: compiledMatches(m.Namespaces), NotNamespaces: compiledMatches(m.NotNamespaces),
+						Principals: compiledMatches(m.Principals), NotPrincipals: compiledMatches(m.NotPrincipals),
+						SourceIps: prefixes(m.SourceIPs), NotSourceIps: prefixes(m.NotSourceIPs),
+						DestinationIps: prefixes(m.DestinationIPs), NotDestinationIps: prefixes(m.NotDestinationIPs),
+						DestinationPorts: m.DestinationPorts, NotDestinationPorts: m.NotDestinationPorts,
+					})
+				}
+				rule = append(rule, clause)
+			}
+			z.Rules = append(z.Rules, rule)
+		}
+		out = append(out, z)
+	}
+	return out
+}
+
+func compiledMatches(ms []policy.StringMatch) []StringMatch {
+	var out []StringMatch
+	for _, m := range ms {
+		switch m.Kind {
+		case policy.MatchPrefix:
+			out = append(out, StringMatch{Prefix: m.Value})
+		case policy.MatchSuffix:
+			out = append(out, StringMatch{Suffix: m.Value})
+		case policy.MatchPresence:
+			out = append(out, StringMatch{Presence: &struct{}{}})
+		default:
+			out = append(out, StringMatch{Exact: m.Value})
+		}
+	}
+	return out
+}
+
+func prefixes(ps []netip.Prefix) []string {
+	var out []string
+	for _, p := range ps {
+		out = append(out, p.String())
 	}
 	return out
 }
