@@ -245,3 +245,113 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 		t.Fatalf("create %s %s/%s: %v", kinds[resource], ns, name, err)
 	}
 }
+
+// TestIstiodXDSAgents runs two nodes' agents with --source xds against a
+// real istiod and kube-apiserver: pods are enrolled from each node's own
+// pod watch, identities, peers and policies come from istiod; meshed
+// traffic works; a STRICT PeerAuthentication and an ALLOW
+// AuthorizationPolicy applied to the API server reach the agents through
+// istiod and are enforced; with istiod stopped the last state holds and
+// traffic continues; a policy removed while it was away stops applying
+// once it is back.
+func TestIstiodXDSAgents(t *testing.T) {
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	const agentAccount = istiotest.Namespace + "/redirector"
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	ctx := context.Background()
+
+	tp := New(t, 2)
+	client, other, plain := tp.Nodes[0].AddPod("client"), tp.Nodes[0].AddPod("other"), tp.Nodes[0].AddPod("plain")
+	server := tp.Nodes[1].AddPod("server")
+	for name, labels := range map[string]map[string]string{"mesh": {"istio.io/dataplane-mode": "ambient"}, "outside": nil} {
+		if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
+	istiotest.CreatePod(t, cs, "mesh", "other", "other-sa", "node1", other.IPv4.String(), other.IPv6.String())
+	istiotest.CreatePod(t, cs, "outside", "plain", "plain-sa", "node1", plain.IPv4.String(), plain.IPv6.String())
+	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
+
+	var agents []*Agent
+	for _, n := range tp.Nodes {
+		forwardLoopback(t, n.Path(), cluster.Config.Host)
+		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
+		node := fmt.Sprintf("node%d", n.Index)
+		token := istiotest.AgentToken(t, cs, agentAccount, node, istiotest.Audience)
+		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
+			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
+			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
+			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
+		}}))
+	}
+	node1, node2 := agents[0], agents[1]
+	for _, a := range agents {
+		a.WaitLog(t, "xds stream to istiod open", 30*time.Second)
+	}
+	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
+	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
+
+	HTTPApp(t, server, 8080, "server")
+	url := URL(server.IPv4, 8080)
+	// Meshed: node 2 sees client-sa's identity, which it learns from the
+	// HBONE handshake once istiod told node 1 the server takes HBONE.
+	clientID := "spiffe://cluster.local/ns/mesh/sa/client-sa"
+	Eventually(t, 30*time.Second, func() error {
+		out, err := Curl(client, url)
+		if err == nil && !strings.Contains(out, "server peer="+client.IPv4.String()) {
+			err = fmt.Errorf("answer %q", out)
+		}
+		if err == nil && !strings.Contains(node2.Log(), clientID) {
+			err = fmt.Errorf("node 2 has not seen %s yet (plaintext?)", clientID)
+		}
+		return err
+	})
+	if _, err := Curl(plain, url); err != nil {
+		t.Fatalf("plaintext to the server before any policy: %v", err)
+	}
+
+	dyn := dynamicClient(t, cluster)
+	apply(t, dyn, "security.istio.io", "v1", "peerauthentications", "mesh", "strict", map[string]any{"mtls": map[string]any{"mode": "STRICT"}})
+	apply(t, dyn, "security.istio.io", "v1", "authorizationpolicies", "mesh", "allow-client", map[string]any{
+		"action": "ALLOW",
+		"rules": []any{map[string]any{
+			"from": []any{map[string]any{"source": map[string]any{"principals": []any{"cluster.local/ns/mesh/sa/client-sa"}}}},
+			"to":   []any{map[string]any{"operation": map[string]any{"ports": []any{"8080"}}}},
+		}},
+	})
+	enforced := func(otherAllowed bool) error {
+		if _, err := Curl(client, url); err != nil {
+			return fmt.Errorf("client-sa denied: %v", err)
+		}
+		if out, err := Curl(plain, url); err == nil {
+			return fmt.Errorf("plaintext got through STRICT: %q", out)
+		}
+		if out, err := Curl(other, url); (err == nil) != otherAllowed {
+			return fmt.Errorf("other-sa: answer %q, error %v; want allowed=%v", out, err, otherAllowed)
+		}
+		return nil
+	}
+	Eventually(t, 30*time.Second, func() error { return enforced(false) })
+
+	// istiod away: the last state holds.
+	istiod.Stop()
+	node1.WaitLog(t, "keeping the last state", 15*time.Second)
+	if err := enforced(false); err != nil {
+		t.Fatalf("istiod down: %v", err)
+	}
+	// Removed while istiod is away; applies once it is back.
+	if err := dyn.Resource(schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}).
+		Namespace("mesh").Delete(ctx, "allow-client", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := enforced(false); err != nil {
+		t.Fatalf("istiod down, policy deleted in the API: %v", err)
+	}
+	istiod.Restart(t)
+	Eventually(t, 60*time.Second, func() error { return enforced(true) })
+	if v := metric(t, node2, `redirector_xds_connects_total{result="ok"}`); v < 2 {
+		t.Errorf("xds connects counted %v, want >= 2", v)
+	}
+}
