@@ -42,9 +42,16 @@ type ZtunnelWorkload struct {
 	CanonicalRevision string   `json:"canonicalRevision"`
 	ClusterID         string   `json:"clusterId"`
 	TrustDomain       string   `json:"trustDomain"`
+	Locality          Locality `json:"locality"`
 	Node              string   `json:"node"`
 	Status            string   `json:"status"`
 	Capacity          uint32   `json:"capacity"`
+}
+
+// Locality is a workload's region and zone, empty when unknown.
+type Locality struct {
+	Region string `json:"region,omitempty"`
+	Zone   string `json:"zone,omitempty"`
 }
 
 // ZtunnelService is one service, as ztunnel dumps it.
@@ -144,7 +151,7 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, trustDomain string) []Zt
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
 			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, TrustDomain: trustDomain,
-			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}}
+			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone}}
 		if w.Enrolled {
 			z.Protocol = "HBONE"
 		}

@@ -36,13 +36,20 @@ func baggageOf(w *workload.Workload, cluster string) string {
 	if typ == "" {
 		typ = workload.TypePod
 	}
-	return strings.Join([]string{
+	members := []string{
 		"k8s.cluster.name=" + cluster,
 		"k8s.namespace.name=" + w.Namespace,
 		"k8s." + typ + ".name=" + name,
 		"service.name=" + canon,
 		"service.version=" + rev,
-	}, ",")
+	}
+	if w.Region != "" {
+		members = append(members, "cloud.region="+w.Region)
+	}
+	if w.Zone != "" {
+		members = append(members, "cloud.availability_zone="+w.Zone)
+	}
+	return strings.Join(members, ",")
 }
 
 // maxBaggageValue bounds each announced value, as Kubernetes bounds label

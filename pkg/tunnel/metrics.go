@@ -182,7 +182,7 @@ func (m *Metrics) labels(c connInfo) prometheus.Labels {
 
 // workloadLabels fills side's labels from w, as ztunnel's with_source and
 // with_destination do: app and version repeat the canonical service and
-// revision. Locality stays unknown: the agent does not read Nodes.
+// revision. Locality is unknown unless the source gave it.
 func (m *Metrics) workloadLabels(l prometheus.Labels, side string, w *workload.Workload) {
 	name, canon, rev := workloadMeta(w)
 	l[side+"_workload"] = name
@@ -190,6 +190,12 @@ func (m *Metrics) workloadLabels(l prometheus.Labels, side string, w *workload.W
 	l[side+"_canonical_service"], l[side+"_app"] = canon, canon
 	l[side+"_canonical_revision"], l[side+"_version"] = rev, rev
 	l[side+"_cluster"] = m.cluster
+	if w.Region != "" {
+		l[side+"_region"] = w.Region
+	}
+	if w.Zone != "" {
+		l[side+"_zone"] = w.Zone
+	}
 }
 
 // workloadMeta returns w's workload name and canonical service and

@@ -297,3 +297,18 @@ func TestAccessLogWriterBatches(t *testing.T) {
 		t.Errorf("%d writes for 1000 lines, want them batched", out.writes)
 	}
 }
+
+// Locality a source knows goes into the labels and the baggage, and back.
+func TestLocality(t *testing.T) {
+	w := &workload.Workload{Name: "a-1", Namespace: "mesh", WorkloadName: "a", WorkloadType: workload.TypeDeployment, Region: "eu-west1", Zone: "eu-west1-b"}
+	m := NewMetrics(nil)
+	l := m.labels(connInfo{reporter: "source", src: w, dst: w})
+	if l["source_region"] != "eu-west1" || l["destination_zone"] != "eu-west1-b" {
+		t.Errorf("locality labels %v", l)
+	}
+	peer := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "a"}
+	got := parseBaggage(http.Header{"Baggage": {baggageOf(w, "c1")}}, peer)
+	if got == nil || got.region != "eu-west1" || got.zone != "eu-west1-b" {
+		t.Errorf("baggage locality %+v", got)
+	}
+}

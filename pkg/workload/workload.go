@@ -31,6 +31,9 @@ type Workload struct {
 	WorkloadType      string
 	CanonicalName     string
 	CanonicalRevision string
+	// Region and Zone are the pod's locality, when its source knows it
+	// (istiod's xDS does; the agent's own sources read no Nodes).
+	Region, Zone string
 	// Enrolled, Reason and BypassInbound are the selection decision.
 	Enrolled      bool
 	Reason        string
