@@ -1,0 +1,104 @@
+package xds
+
+import (
+	"net/netip"
+	"testing"
+
+	"istio.io/istio/pkg/workloadapi"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// TestMergeIntoDirectory: local pods come from the node's watch, the rest
+// from istiod; remote workloads are enrolled exactly when istiod says
+// HBONE; a Service and a ServiceEntry get their VIPs and per-workload
+// target ports; policies arrive compiled, with the workloads' selections.
+func TestMergeIntoDirectory(t *testing.T) {
+	local := nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{{
+			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
+		}},
+	}
+	svcKey := "shop/web.shop.svc.cluster.local"
+	workloads := map[string]*Workload{}
+	for _, x := range []*workloadapi.Workload{
+		// web-1 is local: istiod's copy only adds its policy selection.
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{"istio-system/istio_converted_static_strict"},
+			Services: map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}},
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", ServiceAccount: "web", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 9090}}}}},
+		{Uid: "K//Pod/legacy/db", Name: "db", Namespace: "legacy", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.6").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"shop/db.example.com": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
+	} {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		workloads[x.Uid] = w
+	}
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}},
+		{Name: "external", Namespace: "shop", Hostname: "db.example.com", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("240.1.1.1").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 5432}}},
+	} {
+		s, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	strict := &policy.Compiled{Name: "istio_converted_static_strict", Namespace: "istio-system", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionDeny,
+		Groups: []policy.Group{{Clauses: []policy.Clause{{Matches: []policy.Match{{NotPrincipals: []policy.StringMatch{{Kind: policy.MatchPresence}}}}}}}}}
+	mesh := buildSnapshot(workloads, services, map[string]*policy.Compiled{strict.Key(): strict})
+
+	before := merge(local, nil, "node-a")
+	if before.Compiled == nil || before.Compiled.Synced || len(before.Pods) != 1 {
+		t.Fatalf("before istiod: %d pods, compiled %+v; want the local pod and an unsynced policy set", len(before.Pods), before.Compiled)
+	}
+
+	snap := merge(local, mesh, "node-a")
+	dir, errs := workload.Build(snap, selection.Config{}, snap.HandlerLookup())
+	if len(errs) > 0 {
+		t.Fatalf("build: %v", errs)
+	}
+	if w, ok := dir.Pod("shop", "web-1"); !ok || !w.Enrolled || w.UID != "u1" {
+		t.Errorf("local pod: %+v (from the node's watch, enrolled by its namespace)", w)
+	}
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.5")); !ok || !w.Enrolled || w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web" {
+		t.Errorf("remote HBONE workload: %+v", w)
+	}
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.6")); !ok || w.Enrolled {
+		t.Errorf("remote plaintext workload: %+v, want known and not enrolled", w)
+	}
+	svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.10"))
+	if !ok || len(svc.Endpoints) != 2 {
+		t.Fatalf("service web: %+v", svc)
+	}
+	for _, ep := range svc.Endpoints {
+		want := map[string]int32{"10.1.0.5": 8080, "10.2.0.5": 9090}[ep.Addr.String()]
+		if ep.Ports["80"] != want || !ep.Ready || ep.Workload == nil {
+			t.Errorf("endpoint %s: port 80 -> %d ready=%v, want %d", ep.Addr, ep.Ports["80"], ep.Ready, want)
+		}
+	}
+	if se, ok := dir.ServiceByVIP(netip.MustParseAddr("240.1.1.1")); !ok || len(se.Endpoints) != 1 || se.Endpoints[0].Ports["5432"] != 15432 {
+		t.Errorf("service entry: %+v", se)
+	}
+	if got := snap.Compiled.Selected["shop/web-1"]; !snap.Compiled.Synced || len(got) != 1 || got[0] != strict.Key() {
+		t.Errorf("compiled set: synced=%v, web-1 selects %v", snap.Compiled.Synced, got)
+	}
+	if v := snap.Compiled.Authorize(policy.Target{Namespace: "shop", Port: 8080}, "shop/web-1", policy.Peer{}); v.Allowed {
+		t.Errorf("plaintext to web-1 under STRICT allowed")
+	}
+}
