@@ -2,6 +2,8 @@ package netnstest
 
 import (
 	"fmt"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -221,5 +223,57 @@ endpoints:
 	}
 	if !regexp.MustCompile(`msg="connection complete".*dst.workload=reviews-v2-5b8d7c-x2x9q.*response_flags=DENY.*error="denied by`).MatchString(dstLog) {
 		t.Errorf("no access log line for the denied connection:\n%s", dstLog)
+	}
+}
+
+// TestBaggageNamesUnknownClient: the server's agent does not know the
+// client pod (its manifest lacks it, as with a client in another cluster);
+// its istio_tcp_* series name the client from the baggage the client's
+// agent sent, as ztunnel's derived source does.
+func TestBaggageNamesUnknownClient(t *testing.T) {
+	tp := New(t, 2)
+	client := tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
+	server := tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
+	clientDoc := ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")
+	serverDoc := ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")
+	dir := t.TempDir()
+	full, partial, ca := filepath.Join(dir, "full.yaml"), filepath.Join(dir, "partial.yaml"), filepath.Join(dir, "ca")
+	if err := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Raw(clientDoc).Raw(serverDoc).Write(full); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Raw(serverDoc).Write(partial); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(redirectorBin(), "ca", "init", "--dir", ca).CombinedOutput(); err != nil {
+		t.Fatalf("ca init: %v: %s", err, out)
+	}
+	agents := []*Agent{
+		StartAgent(t, tp.Nodes[0], AgentOptions{Binary: redirectorBin(), Manifest: full, CADir: ca}),
+		StartAgent(t, tp.Nodes[1], AgentOptions{Binary: redirectorBin(), Manifest: partial, CADir: ca}),
+	}
+	for _, a := range agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
+	HTTPApp(t, server, 8080, "reviews")
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+
+	var l map[string]string
+	Eventually(t, 10*time.Second, func() error {
+		for _, s := range series(scrape(t, agents[1], "http://127.0.0.1:15020/metrics"), "istio_tcp_connections_closed_total") {
+			if s["reporter"] == "destination" {
+				l = s
+				return nil
+			}
+		}
+		return fmt.Errorf("no destination series yet")
+	})
+	for k, v := range map[string]string{
+		"source_workload": "productpage-v1", "source_canonical_service": "productpage", "source_canonical_revision": "v1",
+		"source_workload_namespace": "mesh", "source_app": "productpage-v1", "source_version": "v1", "source_cluster": "Kubernetes",
+		"source_principal": "spiffe://cluster.local/ns/mesh/sa/bookinfo-productpage", "destination_workload": "reviews-v2",
+	} {
+		if l[k] != v {
+			t.Errorf("%s=%q, want %q (from the client's baggage): %v", k, l[k], v, l)
+		}
 	}
 }
