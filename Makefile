@@ -64,12 +64,13 @@ RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/.
 test-race:
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 
-## test-deps: build the test kube-apiserver/etcd, istiod, h2spec and the reference CNI plugins (cached by content hash)
+## test-deps: build the test kube-apiserver/etcd, istiod, istioctl, h2spec and the reference CNI plugins (cached by content hash)
 .PHONY: test-deps
 test-deps:
 	@bash hack/k8s-binaries.sh >/dev/null
 	@bash hack/cni-plugins.sh >/dev/null
 	@bash hack/istio-binaries.sh >/dev/null
+	@bash hack/istio-binaries.sh istioctl >/dev/null
 	@bash hack/h2spec.sh >/dev/null
 
 ## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
