@@ -249,7 +249,7 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // TestIstiodXDSAgents runs two nodes' agents with --source xds against a
 // real istiod and kube-apiserver: pods are enrolled from each node's own
 // pod watch, identities, peers and policies come from istiod; meshed
-// traffic works; a STRICT PeerAuthentication and an ALLOW
+// traffic works, also to a Service VIP and a ServiceEntry VIP; a STRICT PeerAuthentication and an ALLOW
 // AuthorizationPolicy applied to the API server reach the agents through
 // istiod and are enforced; with istiod stopped the last state holds and
 // traffic continues; a policy removed while it was away stops applying
@@ -312,7 +312,45 @@ func TestIstiodXDSAgents(t *testing.T) {
 		t.Fatalf("plaintext to the server before any policy: %v", err)
 	}
 
+	// A Service VIP and a ServiceEntry VIP, both known only from istiod,
+	// reach the server through the tunnel on its target port.
+	srvPod, err := cs.CoreV1().Pods("mesh").Get(ctx, "server", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srvPod.Labels = map[string]string{"app": "server"}
+	if srvPod, err = cs.CoreV1().Pods("mesh").Update(ctx, srvPod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Ready, as a kubelet would say: istiod marks a pod that is not ready
+	// UNHEALTHY, and services skip it.
+	srvPod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+	if _, err := cs.CoreV1().Pods("mesh").UpdateStatus(ctx, srvPod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cs.CoreV1().Services("mesh").Create(ctx, &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: "server"},
+		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "server"}, ClusterIP: "10.96.0.50",
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	dyn := dynamicClient(t, cluster)
+	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
+		"hosts": []any{"db.example.com"}, "addresses": []any{"10.97.0.1"}, "resolution": "STATIC",
+		"ports":            []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(8080)}},
+		"workloadSelector": map[string]any{"labels": map[string]any{"app": "server"}},
+	})
+	for _, vip := range []string{"http://10.96.0.50:80/", "http://10.97.0.1:5432/"} {
+		Eventually(t, 30*time.Second, func() error {
+			out, err := Curl(client, vip)
+			if err == nil && !strings.Contains(out, "server peer="+client.IPv4.String()) {
+				err = fmt.Errorf("%s answered %q", vip, out)
+			}
+			return err
+		})
+	}
+
 	apply(t, dyn, "security.istio.io", "v1", "peerauthentications", "mesh", "strict", map[string]any{"mtls": map[string]any{"mode": "STRICT"}})
 	apply(t, dyn, "security.istio.io", "v1", "authorizationpolicies", "mesh", "allow-client", map[string]any{
 		"action": "ALLOW",
