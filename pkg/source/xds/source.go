@@ -96,17 +96,38 @@ func merge(local nodepods.State, mesh *Snapshot, node string) source.Snapshot {
 		localNames[local.Pods[i].Namespace+"/"+local.Pods[i].Name] = true
 	}
 	snap.Pods = append([]corev1.Pod(nil), local.Pods...)
-	names := map[string]string{} // workload uid -> the namespace/name it has in the directory
-	for _, w := range mesh.Workloads {
-		key := w.Namespace + "/" + w.Name
-		names[w.UID] = key
-		if len(w.Policies) > 0 {
-			snap.Compiled.Selected[key] = w.Policies
+	// An address belongs to one workload in the directory: this node's
+	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
+	// endpoint at a pod's address is that pod).
+	claimed := map[netip.Addr]bool{}
+	for i := range local.Pods {
+		for _, ip := range local.Pods[i].Status.PodIPs {
+			if a, err := netip.ParseAddr(ip.IP); err == nil {
+				claimed[a] = true
+			}
 		}
-		if localNames[key] || w.Node == node {
-			continue // this node's pods come from the API server
+	}
+	for _, pods := range []bool{true, false} {
+		for _, w := range mesh.Workloads {
+			if isPod(w) != pods {
+				continue
+			}
+			key := w.Namespace + "/" + w.Name
+			if len(w.Policies) > 0 {
+				snap.Compiled.Selected[key] = w.Policies
+			}
+			if localNames[key] || w.Node == node {
+				continue // this node's pods come from the API server
+			}
+			free := false
+			for _, a := range w.Addrs {
+				free = free || !claimed[a]
+				claimed[a] = true
+			}
+			if free {
+				snap.Pods = append(snap.Pods, remotePod(w))
+			}
 		}
-		snap.Pods = append(snap.Pods, remotePod(w))
 	}
 	for _, svc := range mesh.Services {
 		k8sName := serviceName(svc)
@@ -161,6 +182,9 @@ func remotePod(w *Workload) corev1.Pod {
 	}
 	return p
 }
+
+// isPod: istiod names a Pod's workload <cluster>//Pod/<namespace>/<name>.
+func isPod(w *Workload) bool { return strings.Contains(w.UID, "/Pod/") }
 
 // serviceName is a name unique in the namespace: the Kubernetes name for
 // a Service (hostname name.namespace.svc...), else the hostname (a

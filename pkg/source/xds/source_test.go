@@ -37,6 +37,9 @@ func TestMergeIntoDirectory(t *testing.T) {
 		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", ServiceAccount: "web", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
 			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 9090}}}}},
+		// A ServiceEntry endpoint at web-2's address is web-2.
+		{Uid: "K/networking.istio.io/ServiceEntry/shop/external/10.2.0.5", Name: "external", Namespace: "shop", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
 		{Uid: "K//Pod/legacy/db", Name: "db", Namespace: "legacy", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.6").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"shop/db.example.com": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
 	} {
@@ -76,7 +79,7 @@ func TestMergeIntoDirectory(t *testing.T) {
 	if w, ok := dir.Pod("shop", "web-1"); !ok || !w.Enrolled || w.UID != "u1" {
 		t.Errorf("local pod: %+v (from the node's watch, enrolled by its namespace)", w)
 	}
-	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.5")); !ok || !w.Enrolled || w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web" {
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.5")); !ok || w.Name != "web-2" || !w.Enrolled || w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web" {
 		t.Errorf("remote HBONE workload: %+v", w)
 	}
 	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.6")); !ok || w.Enrolled {
