@@ -412,7 +412,8 @@ func checkEnv(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 			downward[e.Name] = e.ValueFrom.FieldRef.FieldPath
 		}
 	}
-	if want := map[string]string{"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace"}; !maps.Equal(downward, want) {
+	if want := map[string]string{"NODE_NAME": "spec.nodeName", "POD_NAMESPACE": "metadata.namespace",
+		"POD_NAME": "metadata.name", "INSTANCE_IP": "status.podIP"}; !maps.Equal(downward, want) {
 		t.Errorf("agent downward-API env %v, want %v", downward, want)
 	}
 }
