@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -49,9 +50,14 @@ func NewSource(client *Client, pods *nodepods.Watcher, node string, log *slog.Lo
 	return &Source{client: client, pods: pods, node: node, log: log.With("source", "xds")}
 }
 
-// Run runs both halves and calls update (one call at a time) with the
-// merged state whenever either changes, once the node's pods are synced.
-// It returns when ctx is done, or with the pod watcher's error.
+// debounce turns a burst of istiod pushes or pod events into one
+// snapshot, as the Kubernetes source does.
+var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 50 * time.Millisecond, MinGap: 50 * time.Millisecond}
+
+// Run runs both halves and calls update (from Run's goroutine, one call at
+// a time) with the merged state after each burst of changes, once the
+// node's pods are synced. It returns nil when ctx is done, or the pod
+// watcher's error.
 func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -60,25 +66,56 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		local *nodepods.State
 		mesh  *Snapshot
 	)
-	deliver := func() {
-		if local != nil {
-			update(merge(*local, mesh, s.node))
+	changed := make(chan struct{}, 1)
+	notify := func() {
+		select {
+		case changed <- struct{}{}:
+		default:
 		}
 	}
+	clientDone := make(chan struct{})
+	defer func() { cancel(); <-clientDone }()
 	go func() {
+		defer close(clientDone)
 		_ = s.client.Run(ctx, func(m *Snapshot) {
 			mu.Lock()
-			defer mu.Unlock()
 			mesh = m
-			deliver()
+			mu.Unlock()
+			notify()
 		})
 	}()
-	return s.pods.Run(ctx, func(st nodepods.State) {
-		mu.Lock()
-		defer mu.Unlock()
-		local = &st
-		deliver()
-	})
+	podsErr := make(chan error, 1)
+	go func() {
+		podsErr <- s.pods.Run(ctx, func(st nodepods.State) {
+			mu.Lock()
+			local = &st
+			mu.Unlock()
+			notify()
+		})
+	}()
+	due := source.NewDebouncer(debounce)
+	defer due.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			<-podsErr
+			return nil
+		case err := <-podsErr:
+			return err
+		case <-changed:
+			due.Changed()
+		case <-due.C():
+			if !due.Due() {
+				continue
+			}
+			mu.Lock()
+			l, m := local, mesh
+			mu.Unlock()
+			if l != nil {
+				update(merge(*l, m, s.node))
+			}
+		}
+	}
 }
 
 // merge builds the agent's snapshot: this node's pods as the API has them,
