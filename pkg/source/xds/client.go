@@ -17,7 +17,8 @@
 // jitter.
 //
 // Bounds: a response is at most MaxMessageBytes, and a type holds at most
-// MaxResources resources; new names beyond that are rejected and counted.
+// MaxResources resources of at most MaxTypeBytes in all; what would go
+// beyond is rejected (NACKed) and counted.
 package xds
 
 import (
@@ -54,6 +55,7 @@ const (
 const (
 	DefaultMaxResources    = 200_000
 	DefaultMaxMessageBytes = 64 << 20
+	DefaultMaxTypeBytes    = 512 << 20
 	DefaultMinBackoff      = 500 * time.Millisecond
 	DefaultMaxBackoff      = 30 * time.Second
 	// DefaultFirstSyncGrace is how long the first snapshot waits for the
@@ -82,6 +84,9 @@ type Config struct {
 	// MaxMessageBytes bounds one response; 0 means
 	// DefaultMaxMessageBytes.
 	MaxMessageBytes int
+	// MaxTypeBytes bounds the encoded size of all resources held of one
+	// type; 0 means DefaultMaxTypeBytes.
+	MaxTypeBytes int
 	// MinBackoff and MaxBackoff bound the reconnect delay; 0 means the
 	// defaults.
 	MinBackoff, MaxBackoff time.Duration
@@ -108,6 +113,8 @@ type resourceType struct {
 	// decode translates one resource's bytes.
 	decode func([]byte) (any, error)
 	held   map[string]entry
+	// bytes is the encoded size of held.
+	bytes int
 	// received is true once a response of this type arrived on any stream.
 	received bool
 }
@@ -115,6 +122,7 @@ type resourceType struct {
 type entry struct {
 	version string
 	value   any
+	size    int
 }
 
 // New returns a client; Run connects.
@@ -127,6 +135,7 @@ func New(cfg Config) (*Client, error) {
 	}
 	cfg.MaxResources = cmp.Or(cfg.MaxResources, DefaultMaxResources)
 	cfg.MaxMessageBytes = cmp.Or(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
+	cfg.MaxTypeBytes = cmp.Or(cfg.MaxTypeBytes, DefaultMaxTypeBytes)
 	cfg.MinBackoff = cmp.Or(cfg.MinBackoff, DefaultMinBackoff)
 	cfg.MaxBackoff = max(cmp.Or(cfg.MaxBackoff, DefaultMaxBackoff), cfg.MinBackoff)
 	cfg.FirstSyncGrace = cmp.Or(cfg.FirstSyncGrace, DefaultFirstSyncGrace)
@@ -310,6 +319,7 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	t.received = true
 	var errs []string
 	for _, name := range resp.GetRemovedResources() {
+		t.bytes -= t.held[name].size
 		delete(t.held, name)
 	}
 	for _, r := range resp.GetResources() {
@@ -335,16 +345,23 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) error {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 		return fmt.Errorf("want a %s, got %q", t.url, r.GetResource().GetTypeUrl())
 	}
-	if _, ok := t.held[r.GetName()]; !ok && len(t.held) >= c.cfg.MaxResources {
+	old, held := t.held[r.GetName()]
+	if !held && len(t.held) >= c.cfg.MaxResources {
 		c.cfg.Metrics.reject(t.short, rejectLimit)
 		return fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
+	}
+	size := len(r.GetResource().GetValue())
+	if t.bytes-old.size+size > c.cfg.MaxTypeBytes {
+		c.cfg.Metrics.reject(t.short, rejectLimit)
+		return fmt.Errorf("over the limit of %d bytes of %s resources", c.cfg.MaxTypeBytes, t.short)
 	}
 	v, err := t.decode(r.GetResource().GetValue())
 	if err != nil {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 		return err
 	}
-	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v}
+	t.bytes += size - old.size
+	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v, size: size}
 	return nil
 }
 

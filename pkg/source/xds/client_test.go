@@ -280,6 +280,20 @@ func TestClientBoundsResources(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="limit",type="Address"}`, 1)
 }
 
+func TestClientBoundsBytes(t *testing.T) {
+	one := resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil))
+	h := startClient(t, func(c *Config) { c.MaxTypeBytes = len(one.GetResource().GetValue()) + 10 })
+	st, _ := h.accept()
+	ack := send(t, st, TypeAddress, "n1", nil, one, resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil)))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "b: over the limit of") || !strings.Contains(msg, "bytes") {
+		t.Fatalf("NACK %q", msg)
+	}
+	// Removing a resource frees its bytes.
+	if ack := send(t, st, TypeAddress, "n2", []string{"a"}, resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil))); ack.GetErrorDetail() != nil {
+		t.Fatalf("NACK after a removal made room: %v", ack.GetErrorDetail())
+	}
+}
+
 // TestClientResumesWithoutDrop: after the stream breaks the client keeps
 // its state (no empty snapshot), tells istiod what it holds, and applies
 // only what changed.

@@ -35,7 +35,7 @@ type Node struct {
 
 // DefaultIstioVersion is the ISTIO_VERSION sent when Node names none: the
 // minor version whose workload API this client speaks.
-const DefaultIstioVersion = "1.28.0"
+const DefaultIstioVersion = "1.31.0"
 
 func (n Node) validate() error {
 	switch {
