@@ -294,6 +294,7 @@ func runAgent(ctx context.Context, args []string) error {
 				return true, ""
 			},
 			func() (bool, string) { return reconciled.Load(), "first full reconcile pending" },
+			sourceSynced(src),
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
 			admin.ProblemsCheck(tun.ListenerProblems),
 		),

@@ -109,3 +109,12 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
 	return xds.NewSource(client, pods, cfg.node, log), ann, nil
 }
+
+// sourceSynced is a readiness check: a source that reports its sync (the
+// xDS source: istiod answered) is ready only once synced; others always.
+func sourceSynced(src source.Source) func() (bool, string) {
+	if s, ok := src.(interface{ Synced() (bool, string) }); ok {
+		return s.Synced
+	}
+	return func() (bool, string) { return true, "" }
+}

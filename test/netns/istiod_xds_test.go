@@ -292,6 +292,19 @@ func TestIstiodXDSAgents(t *testing.T) {
 	}
 	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
 	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
+	// Ready only with istiod's state (policies known).
+	for _, a := range agents {
+		Eventually(t, 30*time.Second, func() error {
+			out, err := Exec(ctx, a.Node.Path(), "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:15021/healthz/ready")
+			if err != nil {
+				return err
+			}
+			if code := strings.TrimSpace(string(out)); code != "200" {
+				return fmt.Errorf("%s readiness %s", a.Node.Name, code)
+			}
+			return nil
+		})
+	}
 
 	HTTPApp(t, server, 8080, "server")
 	url := URL(server.IPv4, 8080)

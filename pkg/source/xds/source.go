@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -38,6 +39,14 @@ type Source struct {
 	pods   *nodepods.Watcher
 	node   string
 	log    *slog.Logger
+	// synced is set once istiod's first snapshot was delivered.
+	synced atomic.Bool
+}
+
+// Synced reports whether istiod's state has been delivered (readiness:
+// until then inbound connections are refused), with the reason if not.
+func (s *Source) Synced() (bool, string) {
+	return s.synced.Load(), "no state from istiod yet (xDS)"
 }
 
 var _ source.Source = (*Source)(nil)
@@ -113,6 +122,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			mu.Unlock()
 			if l != nil {
 				update(merge(*l, m, s.node))
+				s.synced.Store(m != nil)
 			}
 		}
 	}
