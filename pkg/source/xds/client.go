@@ -324,7 +324,11 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	}
 	for _, r := range resp.GetResources() {
 		if err := c.applyOne(t, r); err != nil {
-			errs = append(errs, r.GetName()+": "+err.Error())
+			msg := err.Error()
+			if !strings.Contains(msg, r.GetName()) {
+				msg = r.GetName() + ": " + msg
+			}
+			errs = append(errs, msg)
 		}
 	}
 	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
