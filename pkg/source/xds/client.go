@@ -324,11 +324,7 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	}
 	for _, r := range resp.GetResources() {
 		if err := c.applyOne(t, r); err != nil {
-			msg := err.Error()
-			if !strings.Contains(msg, r.GetName()) {
-				msg = r.GetName() + ": " + msg
-			}
-			errs = append(errs, msg)
+			errs = append(errs, r.GetName()+": "+err.Error())
 		}
 	}
 	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
