@@ -35,7 +35,9 @@ func TestWatchesOnlyItsNode(t *testing.T) {
 	states := make(chan nodepods.State, 16)
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan error, 1)
-	go func() { done <- nodepods.NewForClient(cs, "node-a", nil, nil).Run(runCtx, func(s nodepods.State) { states <- s }) }()
+	go func() {
+		done <- nodepods.NewForClient(cs, "node-a", nil, nil).Run(runCtx, func(s nodepods.State) { states <- s })
+	}()
 	t.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
