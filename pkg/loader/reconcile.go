@@ -362,9 +362,9 @@ func (r *Reconciler) RepairLinks(ctx context.Context, period time.Duration) {
 		case <-t.C:
 			tick++
 			if w != nil {
-				var complete bool
-				gen, complete = r.syncWatches(w, watched, gen)
-				pins = !complete || tick%max(1, int(pinSweep/period)) == 0
+				var settled bool
+				gen, settled = r.syncWatches(w, watched, gen)
+				pins = !settled || tick%max(1, int(pinSweep/period)) == 0
 			}
 		}
 		r.repairLinks(ctx, pins)
@@ -372,9 +372,11 @@ func (r *Reconciler) RepairLinks(ctx context.Context, period time.Duration) {
 }
 
 // syncWatches watches the pods directory and every held pod's pin
-// directory, and no others. complete is false when one could not be
-// watched (a directory that is gone: the pin check recreates it).
-func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, gen uint64) (newGen uint64, complete bool) {
+// directory, and no others. settled is false when a directory could not be
+// watched (it is gone: the pin check recreates it) or has just been: a pin
+// removed before its watch existed sent no event, so the caller checks the
+// pins then.
+func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, gen uint64) (newGen uint64, settled bool) {
 	dirs, newGen, changed := r.loader.heldDirs(gen)
 	if !changed {
 		return gen, true
@@ -383,11 +385,13 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 	for _, d := range dirs {
 		want[d] = true
 	}
-	complete = true
+	settled = true
+	complete := true
 	for d := range want {
 		if watched[d] {
 			continue
 		}
+		settled = false
 		if err := w.Add(d); err != nil {
 			complete = false
 			continue
@@ -403,7 +407,7 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 	if !complete {
 		newGen = 0 // try again next period
 	}
-	return newGen, complete
+	return newGen, settled
 }
 
 func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
