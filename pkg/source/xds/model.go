@@ -12,17 +12,14 @@ import (
 
 // Workload is one workload as istiod describes it, in the project's own
 // types: the directory's workload.Workload (name, namespace, uid, service
-// account, node, addresses) plus what only istiod knows.
+// account, node, addresses, workload name and type, canonical service,
+// locality) plus what only istiod knows.
 type Workload struct {
 	workload.Workload
 	// TrustDomain is the workload's SPIFFE trust domain (istiod sends none
 	// for cluster.local, which this then holds).
-	TrustDomain       string
-	CanonicalName     string
-	CanonicalRevision string
-	// WorkloadName is the owning controller's name (the Deployment's).
-	WorkloadName string
-	Network      string
+	TrustDomain string
+	Network     string
 	// HBONE is true when the workload is in the mesh and takes HBONE on
 	// port 15008 (istiod says so for pods annotated
 	// ambient.istio.io/redirection=enabled, which the agent sets when it

@@ -19,6 +19,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // Source is the agent's source.Source for --source xds: enrollment comes
@@ -215,11 +216,17 @@ func remotePod(w *Workload) corev1.Pod {
 	if w.HBONE {
 		mode = selection.DataplaneModeAmbient
 	}
+	// Labels the directory derives the workload and canonical names from.
+	labels := map[string]string{selection.DataplaneModeLabel: mode}
+	for k, v := range map[string]string{workload.LabelCanonicalName: w.CanonicalName, workload.LabelCanonicalRevision: w.CanonicalRevision, workload.LabelWorkloadName: w.WorkloadName} {
+		if v != "" {
+			labels[k] = v
+		}
+	}
 	p := corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: w.Namespace, UID: types.UID(w.UID),
-			Labels: map[string]string{selection.DataplaneModeLabel: mode}},
-		Spec:   corev1.PodSpec{NodeName: w.Node, ServiceAccountName: w.ServiceAccount},
-		Status: corev1.PodStatus{Phase: corev1.PodRunning},
+		ObjectMeta: metav1.ObjectMeta{Name: w.Name, Namespace: w.Namespace, UID: types.UID(w.UID), Labels: labels},
+		Spec:       corev1.PodSpec{NodeName: w.Node, ServiceAccountName: w.ServiceAccount},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning},
 	}
 	for _, a := range w.Addrs {
 		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: a.String()})

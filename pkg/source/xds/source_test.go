@@ -35,6 +35,7 @@ func TestMergeIntoDirectory(t *testing.T) {
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{"istio-system/istio_converted_static_strict"},
 			Services: map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}},
 		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", ServiceAccount: "web", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			WorkloadName: "web", CanonicalName: "web-svc", CanonicalRevision: "v2",
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
 			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 9090}}}}},
 		// A ServiceEntry endpoint at web-2's address is web-2.
@@ -81,6 +82,8 @@ func TestMergeIntoDirectory(t *testing.T) {
 	}
 	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.5")); !ok || w.Name != "web-2" || !w.Enrolled || w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web" {
 		t.Errorf("remote HBONE workload: %+v", w)
+	} else if w.WorkloadName != "web" || w.CanonicalName != "web-svc" || w.CanonicalRevision != "v2" {
+		t.Errorf("remote workload names: workload %q canonical %q/%q, want istiod's web, web-svc/v2", w.WorkloadName, w.CanonicalName, w.CanonicalRevision)
 	}
 	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.6")); !ok || w.Enrolled {
 		t.Errorf("remote plaintext workload: %+v, want known and not enrolled", w)

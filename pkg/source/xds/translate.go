@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
 
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
@@ -34,20 +35,23 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	}
 	w := &Workload{
 		Workload: workload.Workload{
-			Name:           x.GetName(),
-			Namespace:      x.GetNamespace(),
-			UID:            x.GetUid(),
-			ServiceAccount: cmp.Or(x.GetServiceAccount(), "default"),
-			Node:           x.GetNode(),
+			Name:              x.GetName(),
+			Namespace:         x.GetNamespace(),
+			UID:               x.GetUid(),
+			ServiceAccount:    cmp.Or(x.GetServiceAccount(), "default"),
+			Node:              x.GetNode(),
+			WorkloadName:      x.GetWorkloadName(),
+			WorkloadType:      strings.ToLower(x.GetWorkloadType().String()),
+			CanonicalName:     x.GetCanonicalName(),
+			CanonicalRevision: x.GetCanonicalRevision(),
+			Region:            x.GetLocality().GetRegion(),
+			Zone:              x.GetLocality().GetZone(),
 		},
 		// istiod leaves out the default trust domain.
-		TrustDomain:       cmp.Or(x.GetTrustDomain(), "cluster.local"),
-		CanonicalName:     x.GetCanonicalName(),
-		CanonicalRevision: x.GetCanonicalRevision(),
-		WorkloadName:      x.GetWorkloadName(),
-		Network:           x.GetNetwork(),
-		Healthy:           x.GetStatus() == workloadapi.WorkloadStatus_HEALTHY,
-		Policies:          x.GetAuthorizationPolicies(),
+		TrustDomain: cmp.Or(x.GetTrustDomain(), "cluster.local"),
+		Network:     x.GetNetwork(),
+		Healthy:     x.GetStatus() == workloadapi.WorkloadStatus_HEALTHY,
+		Policies:    x.GetAuthorizationPolicies(),
 	}
 	switch x.GetTunnelProtocol() {
 	case workloadapi.TunnelProtocol_HBONE:
