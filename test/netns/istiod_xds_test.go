@@ -253,7 +253,8 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // AuthorizationPolicy applied to the API server reach the agents through
 // istiod and are enforced; with istiod stopped the last state holds and
 // traffic continues; a policy removed while it was away stops applying
-// once it is back.
+// once it is back; a policy the agent cannot apply is NACKed with the
+// reason, the rest stays applied, and the bad policy fails closed.
 func TestIstiodXDSAgents(t *testing.T) {
 	cluster := kubetest.Start(t)
 	cs := cluster.Client(t)
@@ -405,4 +406,24 @@ func TestIstiodXDSAgents(t *testing.T) {
 	if v := metric(t, node2, `redirector_xds_connects_total{result="ok"}`); v < 2 {
 		t.Errorf("xds connects counted %v, want >= 2", v)
 	}
+
+	// A policy the agent cannot apply as written (port 0, which istiod
+	// passes on): NACKed with the reason, the rest stays applied (STRICT),
+	// and the bad ALLOW is held fail-closed: it admits nothing.
+	apply(t, dyn, "security.istio.io", "v1", "authorizationpolicies", "mesh", "bad-port", map[string]any{
+		"action": "ALLOW",
+		"rules":  []any{map[string]any{"to": []any{map[string]any{"operation": map[string]any{"ports": []any{"0"}}}}}},
+	})
+	node2.WaitLog(t, "mesh/bad-port: authorization mesh/bad-port: group 0 rule 0 match 0: destination_ports: port 0 out of range", 30*time.Second)
+	if v := metric(t, node2, `redirector_xds_nacks_total{type="Authorization"}`); v < 1 {
+		t.Errorf("Authorization NACKs counted %v, want >= 1", v)
+	}
+	Eventually(t, 30*time.Second, func() error {
+		for _, p := range []*Pod{client, other, plain} {
+			if out, err := Curl(p, url); err == nil {
+				return fmt.Errorf("%s got through a fail-closed ALLOW: %q", p.Name, out)
+			}
+		}
+		return nil
+	})
 }

@@ -10,7 +10,10 @@
 // it was applied and otherwise with a NACK whose error_detail names each
 // rejected resource and why. The resources of a response that could be
 // translated are applied even when others are rejected (as ztunnel does);
-// a rejected resource keeps its previous version. After a reconnect the
+// a rejected workload or service keeps its previous version, and a
+// rejected policy is held in a fail-closed form instead (a DENY that
+// denies all it selects, an ALLOW that admits nothing), since leaving a
+// policy out can only admit more. After a reconnect the
 // client sends the versions it holds (initial_resource_versions), so
 // istiod sends only what changed and what was removed meanwhile; while
 // istiod is away the last state stays in force. Reconnects back off with
@@ -159,7 +162,14 @@ func decodeAuthorization(b []byte) (any, error) {
 	if err := proto.Unmarshal(b, &a); err != nil {
 		return nil, fmt.Errorf("decode istio.security.Authorization: %w", err)
 	}
-	return translateAuthorization(&a)
+	p, err := translateAuthorization(&a)
+	if err != nil {
+		if fc := failClosed(&a); fc != nil {
+			return fc, err
+		}
+		return nil, err
+	}
+	return p, nil
 }
 
 // Run keeps a stream to istiod open until ctx is done, calling update
@@ -358,11 +368,15 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) error {
 	v, err := t.decode(r.GetResource().GetValue())
 	if err != nil {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
+	}
+	if v == nil {
 		return err
 	}
+	// Held even when err is set: a policy that cannot be applied as
+	// written is held in its fail-closed form (failClosed).
 	t.bytes += size - old.size
 	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v, size: size}
-	return nil
+	return err
 }
 
 // versions is what a reconnect tells istiod the client already has.

@@ -257,8 +257,15 @@ func TestClientNacksOnlyTheBadResource(t *testing.T) {
 		t.Fatalf("NACK error_detail %q", msg)
 	}
 	s := h.next()
-	if len(s.Workloads) != 1 || s.Workloads[0].Name != "good" || len(s.Policies) != 0 {
-		t.Fatalf("want only the good workload applied, got %d workloads, %d policies", len(s.Workloads), len(s.Policies))
+	if len(s.Workloads) != 1 || s.Workloads[0].Name != "good" {
+		t.Fatalf("want only the good workload applied, got %d workloads", len(s.Workloads))
+	}
+	// The broken DENY is held fail-closed: it denies everything it selects.
+	if len(s.Policies) != 1 || s.Policies[0].Key() != "istio-system/broken" {
+		t.Fatalf("policies %v, want the broken one held fail-closed", s.Policies)
+	}
+	if v := policy.AuthorizeCompiled(s.Policies, policy.Target{Namespace: "shop"}, []string{"istio-system/broken"}, policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web"}); v.Allowed {
+		t.Errorf("a broken DENY policy let mTLS through: %s", v.Reason)
 	}
 	expectMetric(t, h.metrics, `redirector_xds_nacks_total{type="Address"}`, 1)
 	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="invalid",type="Authorization"}`, 1)

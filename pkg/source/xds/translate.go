@@ -22,9 +22,17 @@ import (
 func translateAddress(a *workloadapi.Address) (any, error) {
 	switch t := a.GetType().(type) {
 	case *workloadapi.Address_Workload:
-		return translateWorkload(t.Workload)
+		w, err := translateWorkload(t.Workload)
+		if err != nil {
+			return nil, err // an untyped nil: callers test the value
+		}
+		return w, nil
 	case *workloadapi.Address_Service:
-		return translateService(t.Service)
+		s, err := translateService(t.Service)
+		if err != nil {
+			return nil, err
+		}
+		return s, nil
 	}
 	return nil, errors.New("address is neither a workload nor a service")
 }
@@ -276,4 +284,29 @@ func translateStrings(in []*security.StringMatch) ([]policy.StringMatch, error) 
 		}
 	}
 	return out, nil
+}
+
+// failClosed is what stands in for a policy that cannot be translated but
+// whose name, scope and action are known: a DENY matching every
+// connection, or an ALLOW matching none (it still counts as an applicable
+// ALLOW), so the error can only deny more. nil if even those are unknown.
+func failClosed(x *security.Authorization) *policy.Compiled {
+	if x.GetName() == "" || x.GetNamespace() == "" {
+		return nil
+	}
+	p := &policy.Compiled{Name: x.GetName(), Namespace: x.GetNamespace(), DryRun: x.GetDryRun(), Action: policy.ActionDeny, Groups: []policy.Group{{}}}
+	switch x.GetScope() {
+	case security.Scope_GLOBAL:
+		p.Scope = policy.ScopeGlobal
+	case security.Scope_NAMESPACE:
+		p.Scope = policy.ScopeNamespace
+	case security.Scope_WORKLOAD_SELECTOR:
+		p.Scope = policy.ScopeWorkloadSelector
+	default:
+		return nil
+	}
+	if x.GetAction() == security.Action_ALLOW {
+		p.Action, p.Groups = policy.ActionAllow, nil
+	}
+	return p
 }
