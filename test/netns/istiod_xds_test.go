@@ -427,3 +427,68 @@ func TestIstiodXDSAgents(t *testing.T) {
 		return nil
 	})
 }
+
+// TestIstiodXDSEnrollsWithoutIstiod: with istiod down when the agents
+// start, pods are still enrolled (from each node's own pod watch), but
+// inbound connections are refused and the agents are not ready until
+// istiod's state arrives; then traffic flows.
+func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	const agentAccount = istiotest.Namespace + "/redirector"
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	ctx := context.Background()
+
+	tp := New(t, 2)
+	client, server := tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
+	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
+		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
+	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
+	var tokens []string
+	for _, n := range tp.Nodes {
+		tokens = append(tokens, istiotest.AgentToken(t, cs, agentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
+	}
+	istiod.Stop()
+
+	var agents []*Agent
+	for i, n := range tp.Nodes {
+		forwardLoopback(t, n.Path(), cluster.Config.Host)
+		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
+		node := fmt.Sprintf("node%d", n.Index)
+		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
+			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
+			"--ca-address", istiod.Addr, "--ca-token-file", tokens[i], "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
+			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
+		}}))
+	}
+	waitEnrolled(t, agents[0].BPFRoot, 30*time.Second, "mesh/client")
+	waitEnrolled(t, agents[1].BPFRoot, 30*time.Second, "mesh/server")
+	HTTPApp(t, server, 8080, "server")
+	url := URL(server.IPv4, 8080)
+	readiness := func(a *Agent) string {
+		out, _ := Exec(ctx, a.Node.Path(), "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "http://127.0.0.1:15021/healthz/ready")
+		return strings.TrimSpace(string(out))
+	}
+	if out, err := Curl(client, url); err == nil {
+		t.Errorf("a connection got in before istiod's policies were known: %q", out)
+	}
+	for _, a := range agents {
+		if code := readiness(a); code == "200" {
+			t.Errorf("%s ready without istiod's state", a.Node.Name)
+		}
+	}
+
+	istiod.Restart(t)
+	for _, a := range agents {
+		Eventually(t, 60*time.Second, func() error {
+			if code := readiness(a); code != "200" {
+				return fmt.Errorf("%s readiness %s", a.Node.Name, code)
+			}
+			return nil
+		})
+	}
+	Eventually(t, 30*time.Second, func() error { _, err := Curl(client, url); return err })
+}
