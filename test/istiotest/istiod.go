@@ -36,6 +36,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/redirector-mesh/redirector/test/kubetest"
+	"github.com/redirector-mesh/redirector/test/testbin"
 )
 
 // Namespace is istiod's namespace, where the agents' service account lives too.
@@ -153,7 +154,7 @@ func (i *Istiod) start(t testing.TB) {
 	i.cmd.Env = i.env
 	i.cmd.Dir = i.dir // istiod writes a few files relative to its working directory
 	i.cmd.Stdout, i.cmd.Stderr = logFile, logFile
-	if err := spawn(i.cmd); err != nil {
+	if err := testbin.Spawn(i.cmd); err != nil {
 		t.Fatalf("start istiod: %v", err)
 	}
 	i.done = make(chan struct{})

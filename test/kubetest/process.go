@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"syscall"
 	"time"
+
+	"github.com/redirector-mesh/redirector/test/testbin"
 )
 
 // process is one running etcd or kube-apiserver, its output appended to a log file.
@@ -32,7 +34,7 @@ func startProcess(name, path string, args []string, logPath string) (*process, e
 	cmd := exec.Command(path, args...)
 	cmd.Stdout = logFile
 	cmd.Stderr = logFile
-	if err := spawn(cmd); err != nil {
+	if err := testbin.Spawn(cmd); err != nil {
 		return nil, fmt.Errorf("start %s: %w", name, err)
 	}
 	p := &process{name: name, cmd: cmd, logPath: logPath, done: make(chan struct{})}

@@ -1,4 +1,4 @@
-package kubetest
+package testbin
 
 import (
 	"os/exec"
@@ -7,14 +7,14 @@ import (
 	"syscall"
 )
 
-// spawn starts cmd in its own process group, so cleanup can signal the whole group, and with
-// Pdeathsig=SIGKILL, so that an apiserver does not outlive a test binary that dies without
+// Spawn starts cmd in its own process group, so cleanup can signal the whole group, and with
+// Pdeathsig=SIGKILL, so that a server does not outlive a test binary that dies without
 // running its cleanups (a go test -timeout panic, a SIGKILL).
 //
 // Pdeathsig fires when the OS thread that forked the child exits, not the process. Go may end
 // a thread (a goroutine that exits while locked to it, as netns code does), so every child is
 // forked from one dedicated thread that stays locked, and alive, until the process ends.
-func spawn(cmd *exec.Cmd) error {
+func Spawn(cmd *exec.Cmd) error {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	spawnerOnce.Do(func() { go spawner() })
 	errc := make(chan error)
