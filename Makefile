@@ -101,13 +101,19 @@ test: deps lint gen-check build test-deps
 clean:
 	rm -rf $(BIN)
 
-## bench: mesh benchmark suite as root: direct vs meshed vs capture-only vs iptables TPROXY, plus Go microbenchmarks (BENCH_QUICK=1: ~2 min)
+## bench: mesh benchmark suite as root: direct vs meshed vs capture-only vs iptables TPROXY, plus Go microbenchmarks and the churn soak (BENCH_QUICK=1: ~2 min, no soak)
 .PHONY: bench
 bench: build
 	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables"
 	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
 	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
 	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out bench/results $(if $(BENCH_QUICK),--quick) $(BENCH_FLAGS)
+	$(if $(BENCH_QUICK),,@$(MAKE) --no-print-directory soak)
+
+## soak: as root, pods come and go under meshed traffic for SOAK (default 5m; CI runs 75s); every agent resource back to its baseline
+.PHONY: soak
+soak:
+	SOAK=$(or $(SOAK),5m) $(GO) test -count=1 -timeout 30m -run '^TestChurnSoak$$' -v ./test/netns/
 
 ## bench-smoke: one short round of the benchmark suite (about a minute); fails unless every variant produced numbers
 .PHONY: bench-smoke

@@ -24,9 +24,9 @@ import (
 // unknown peer first seen during the churn), bounded by those workloads.
 //
 // The churn lasts SOAK (a duration, default 75s, what CI runs); the full
-// soak is several minutes:
+// soak is several minutes (`make soak`, also run by `make bench`):
 //
-//	SOAK=5m go test -count=1 -timeout 20m -run TestChurnSoak -v ./test/netns/
+//	SOAK=5m go test -count=1 -timeout 30m -run TestChurnSoak -v ./test/netns/
 //
 // With SOAK_PROFILES=DIR the agents' heap profiles (after a GC) at the
 // baseline and at the end are written there, for
@@ -326,7 +326,7 @@ func TestChurnSoak(t *testing.T) {
 	}
 	saveHeaps("end")
 	for i, a := range agents {
-		t.Logf("end of churn %s: %s", a.Node.Name, peak[i])
+		t.Logf("right after the churn %s: %s", a.Node.Name, peak[i])
 		t.Logf("settled %s: %s", a.Node.Name, end[i])
 		t.Logf("%s: heap after GC %+.0f kB in use, %+.0f kB live; goroutines %+d; fds %+d", a.Node.Name,
 			float64(end[i].HeapInuse-base[i].HeapInuse)/1024, float64(end[i].HeapAlloc-base[i].HeapAlloc)/1024,
