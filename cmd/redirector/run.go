@@ -494,15 +494,9 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 		}
 		return file.New(cfg.source, log).WithMetrics(metrics), nil, nil
 	}
-	var rc *rest.Config
-	var err error
-	if cfg.kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
-	} else {
-		rc, err = rest.InClusterConfig()
-	}
+	rc, err := restConfig(cfg.kubeconfig)
 	if err != nil {
-		return nil, nil, fmt.Errorf("kubernetes client config: %w", err)
+		return nil, nil, err
 	}
 	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log, Metrics: metrics})
 	if err != nil {
@@ -513,4 +507,20 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
 	return ks, ann, nil
+}
+
+// restConfig is the API client configuration: from kubeconfig when given,
+// else the in-cluster service account.
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	var rc *rest.Config
+	var err error
+	if kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	return rc, nil
 }

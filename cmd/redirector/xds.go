@@ -8,8 +8,6 @@ import (
 	"os"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -66,15 +64,9 @@ func parseXDSFlags(s *settings, f xdsFlags, c agentConfig, podNamespace string) 
 // pod watch for enrollment, and the annotator that tells istiod (through
 // ambient.istio.io/redirection) which pods take HBONE.
 func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
-	var rc *rest.Config
-	var err error
-	if cfg.kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", cfg.kubeconfig)
-	} else {
-		rc, err = rest.InClusterConfig()
-	}
+	rc, err := restConfig(cfg.kubeconfig)
 	if err != nil {
-		return nil, nil, fmt.Errorf("kubernetes client config: %w", err)
+		return nil, nil, err
 	}
 	pods, err := nodepods.New(rc, cfg.node, log, metrics)
 	if err != nil {
