@@ -16,6 +16,9 @@ FROM --platform=$BUILDPLATFORM golang:${GO_VERSION}-${DEBIAN_RELEASE} AS build
 ARG TARGETOS
 ARG TARGETARCH
 ARG VERSION=dev
+# COMMIT and BUILD_DATE show in `redirector version` (docker build --build-arg COMMIT=$(git rev-parse HEAD) ...).
+ARG COMMIT=""
+ARG BUILD_DATE=""
 ENV CGO_ENABLED=0
 WORKDIR /src
 COPY go.mod go.sum ./
@@ -23,7 +26,7 @@ RUN --mount=type=cache,target=/go/pkg/mod go mod download
 COPY . .
 RUN --mount=type=cache,target=/go/pkg/mod --mount=type=cache,target=/root/.cache/go-build \
     GOOS=$TARGETOS GOARCH=$TARGETARCH \
-    go build -trimpath -ldflags "-s -w -X main.version=${VERSION}" -o /out/ \
+    go build -trimpath -ldflags "-s -w -X main.version=${VERSION} -X main.commit=${COMMIT} -X main.buildDate=${BUILD_DATE}" -o /out/ \
         ./cmd/redirector ./cmd/redirector-cni
 
 # Final stage: debian-slim rather than distroless/static. The binaries alone would run on

@@ -8,6 +8,9 @@ PKGS    := ./...
 DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-certificates git make
 FUZZTIME ?= 10s
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+COMMIT  ?= $(shell git rev-parse HEAD 2>/dev/null)
+BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
+LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT) -X main.buildDate=$(BUILD_DATE)
 
 .DEFAULT_GOAL := help
 
@@ -40,7 +43,7 @@ gen-check: generate
 ## build: build redirector and redirector-cni into bin/
 .PHONY: build
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-X main.version=$(VERSION)" -o $(BIN)/ ./cmd/...
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "$(LDFLAGS)" -o $(BIN)/ ./cmd/...
 
 ## demo: build, then run the embedded default: two simulated nodes, real agents, real traffic (root)
 .PHONY: demo
@@ -95,6 +98,13 @@ test: deps lint gen-check build test-deps
 			$(GO) test -run='^$$' -fuzz="^$$fn$$" -fuzztime=$(FUZZTIME) ./$$target || exit 1; \
 		done; \
 	done
+
+## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm, pods meshed (root; not part of test)
+.PHONY: e2e-node
+e2e-node:
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) containerd runc containernetworking-plugins buildah busybox-static iptables"
+	@bash hack/node-binaries.sh >/dev/null
+	$(GO) test -tags e2enode -count=1 -v -timeout 20m ./test/e2enode/
 
 ## clean: remove build output
 .PHONY: clean

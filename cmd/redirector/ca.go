@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"log/slog"
 	"os"
@@ -13,12 +14,19 @@ import (
 
 // runCA handles `redirector ca init`: a file CA every node agent can read.
 func runCA(args []string) error {
-	if len(args) == 0 || args[0] != "init" {
-		return fmt.Errorf("usage: redirector ca init --dir DIR [--trust-domain cluster.local]")
-	}
 	s := newSettings("ca init")
+	s.synopsis = "redirector ca init --dir DIR [flags]\n\ncreates a file CA (root-key.pem, root-cert.pem) for standalone agents (--ca-dir)"
 	dir := s.add("dir", "CA_DIR", "", "directory to create the root key and certificate in")
 	td := s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain of the mesh")
+	switch {
+	case len(args) > 0 && isHelp(args[0]):
+		s.help()
+		return flag.ErrHelp
+	case len(args) == 0:
+		return fmt.Errorf("usage: redirector ca init --dir DIR [--trust-domain cluster.local] (see redirector ca -h)")
+	case args[0] != "init":
+		return fmt.Errorf("unknown ca command %q: the only one is init (see redirector ca -h)", args[0])
+	}
 	if err := s.parse(args[1:]); err != nil {
 		return err
 	}

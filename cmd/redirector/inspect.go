@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"net/http"
@@ -24,14 +25,24 @@ import (
 // `workloads`, `services`, `certs` and `policies` ask the running agent's
 // admin endpoint.
 func runInspect(ctx context.Context, args []string) error {
-	if len(args) == 0 {
-		return fmt.Errorf("usage: redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml]")
+	what := ""
+	if len(args) > 0 {
+		what = args[0]
 	}
-	what := args[0]
 	s := newSettings("inspect " + what)
+	s.synopsis = "redirector inspect pods|maps|workloads|services|certs|policies [flags]\n\n" +
+		"pods and maps read the pinned maps (the agent may be stopped); the others ask the running agent's admin endpoint"
 	root := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "where the agent pinned its maps")
 	admin := s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "the agent's admin address")
-	out := s.add("o", "OUTPUT", "table", "output format: table, json or yaml")
+	// -o has no env twin: a generic OUTPUT variable in the shell is not ours.
+	out := s.add("o", "", "table", "output format: table, json or yaml")
+	switch {
+	case what == "":
+		return fmt.Errorf("usage: redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml] (see redirector inspect -h)")
+	case isHelp(what):
+		s.help()
+		return flag.ErrHelp
+	}
 	if err := s.parse(args[1:]); err != nil {
 		return err
 	}

@@ -4,7 +4,7 @@
 //	redirector run --node-name NAME --source file:PATH|kubernetes --ca-dir DIR [...]
 //	redirector ca init --dir DIR [--trust-domain cluster.local]
 //	redirector uninstall [--bpf-root PATH]
-//	redirector inspect pods|maps|certs|policies [-o table|json|yaml]
+//	redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml]
 //	redirector version
 package main
 
@@ -15,17 +15,28 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"syscall"
 )
 
-// version is set at build time with -ldflags "-X main.version=...".
-var version = "dev"
+// Build information, set at build time by the Makefile and the image build:
+//
+//	-ldflags "-X main.version=... -X main.commit=... -X main.buildDate=..."
+//
+// Without them, commit and date come from the Go toolchain's VCS stamp if
+// the build had one.
+var (
+	version   = "dev"
+	commit    = ""
+	buildDate = ""
+)
 
 const usage = `usage:
   redirector run --node-name NAME --source file:PATH|kubernetes --ca-dir DIR [flags]
   redirector ca init --dir DIR [--trust-domain cluster.local]
   redirector uninstall [--bpf-root PATH]
-  redirector inspect pods|maps|certs|policies [-o table|json|yaml]
+  redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml]
   redirector version
 Run "redirector <command> -h" for the flags of a command.`
 
@@ -56,7 +67,11 @@ func dispatch(ctx context.Context, args []string) error {
 	case "inspect":
 		return runInspect(ctx, rest)
 	case "version":
-		fmt.Println("redirector", version)
+		s := newSettings("version")
+		if err := s.parse(rest); err != nil {
+			return err
+		}
+		fmt.Print(versionText())
 		return nil
 	case "-h", "--help", "help":
 		fmt.Println(usage)
@@ -65,4 +80,29 @@ func dispatch(ctx context.Context, args []string) error {
 		fmt.Fprintln(os.Stderr, usage)
 		return fmt.Errorf("unknown command %q", cmd)
 	}
+}
+
+// versionText is what `redirector version` prints: the version, the commit
+// and date it was built from, and the Go toolchain.
+func versionText() string {
+	c, d := commit, buildDate
+	if info, ok := debug.ReadBuildInfo(); ok {
+		for _, kv := range info.Settings {
+			switch {
+			case kv.Key == "vcs.revision" && c == "":
+				c = kv.Value
+			case kv.Key == "vcs.time" && d == "":
+				d = kv.Value
+			}
+		}
+	}
+	return fmt.Sprintf("redirector %s\n  commit:     %s\n  built:      %s\n  go:         %s\n  platform:   %s/%s\n",
+		version, orUnknown(c), orUnknown(d), runtime.Version(), runtime.GOOS, runtime.GOARCH)
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "unknown"
+	}
+	return s
 }

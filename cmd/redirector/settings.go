@@ -1,19 +1,26 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
 )
 
 // setting is one command-line flag with its environment twin. The flag wins
-// over the environment, which wins over the default.
+// over the environment, which wins over the default. A setting without an
+// env twin (env "") is read from the command line only: a generic name such
+// as -o must not pick up an unrelated OUTPUT variable.
 type setting struct {
 	flag, env, def, usage string
+	typ                   string // shown in help: host:port, duration, int, bool or string
 	value                 *string
 }
 
@@ -22,29 +29,125 @@ type setting struct {
 type settings struct {
 	fs   *flag.FlagSet
 	list []*setting
+	// synopsis is the first line of -h, e.g. "redirector uninstall [flags]".
+	synopsis string
+	// out receives -h's help (stdout: help asked for is output, not an error).
+	out io.Writer
 }
 
 func newSettings(name string) *settings {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
-	return &settings{fs: fs}
+	// The flag package's own messages are replaced: help goes to out, and a
+	// parse error is returned, which main prints once.
+	fs.SetOutput(io.Discard)
+	return &settings{fs: fs, synopsis: "redirector " + name + " [flags]", out: os.Stdout}
 }
 
-// add registers --flag with env twin ENV and returns where its value lands.
+// add registers --flag with env twin ENV (none if env is "") and returns
+// where its value lands.
 func (s *settings) add(flagName, env, def, usage string) *string {
-	st := &setting{flag: flagName, env: env, def: def, usage: usage, value: new(string)}
+	st := &setting{flag: flagName, env: env, def: def, usage: usage, typ: settingType(flagName, def), value: new(string)}
 	s.list = append(s.list, st)
-	s.fs.StringVar(st.value, flagName, def, fmt.Sprintf("%s (env %s)", usage, env))
+	s.fs.StringVar(st.value, flagName, def, usage)
 	return st.value
 }
 
-// parse reads env twins first, then the command line over them.
+// settingType is the kind of value a setting takes, for help and for the
+// checks parse makes. Addresses are named *-addr or *-address by
+// convention; the other kinds follow from the default value.
+func settingType(flagName, def string) string {
+	switch {
+	case strings.HasSuffix(flagName, "-addr"), strings.HasSuffix(flagName, "-address"):
+		return "host:port"
+	case def == "true" || def == "false":
+		return "bool"
+	}
+	if _, err := strconv.Atoi(def); err == nil {
+		return "int"
+	}
+	if _, err := time.ParseDuration(def); err == nil && def != "0" {
+		return "duration"
+	}
+	return "string"
+}
+
+// parse reads env twins first, then the command line over them. -h prints
+// help to out and returns flag.ErrHelp; arguments left over after the flags
+// are an error, as is an address setting that is not host:port.
 func (s *settings) parse(args []string) error {
 	for _, st := range s.list {
+		if st.env == "" {
+			continue
+		}
 		if v, ok := os.LookupEnv(st.env); ok {
 			*st.value = v
 		}
 	}
-	return s.fs.Parse(args)
+	if err := s.fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			s.help()
+			return err
+		}
+		return fmt.Errorf("%s: %w (see %s -h)", s.fs.Name(), err, "redirector "+s.fs.Name())
+	}
+	if s.fs.NArg() > 0 {
+		return fmt.Errorf("%s: unexpected argument %q (settings are given as --name value; see redirector %s -h)", s.fs.Name(), s.fs.Arg(0), s.fs.Name())
+	}
+	for _, st := range s.list {
+		if st.typ != "host:port" || *st.value == "" {
+			continue
+		}
+		if err := checkAddr(*st.value); err != nil {
+			return fmt.Errorf("%s: %q is not host:port: %w", s.name(st.value), *st.value, err)
+		}
+	}
+	return nil
+}
+
+// checkAddr accepts host:port with a numeric port; the host may be empty
+// (every address), an IP (IPv6 in brackets) or a DNS name.
+func checkAddr(addr string) error {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return err
+	}
+	if n, err := strconv.ParseUint(port, 10, 16); err != nil || (n == 0 && port != "0") {
+		return fmt.Errorf("port %q is not a number from 0 to 65535", port)
+	}
+	if strings.ContainsAny(host, " /\\") {
+		return fmt.Errorf("host %q is neither an IP address nor a DNS name", host)
+	}
+	return nil
+}
+
+// help prints the synopsis and every setting with its type, env twin and
+// default.
+func (s *settings) help() {
+	fmt.Fprintf(s.out, "usage: %s\n", s.synopsis)
+	if len(s.list) == 0 {
+		return
+	}
+	fmt.Fprintln(s.out, "\nflags (a flag wins over its environment variable, which wins over the default):")
+	for _, st := range s.list {
+		fmt.Fprintf(s.out, "  -%s %s\n", st.flag, st.typ)
+		var notes []string
+		if st.env != "" {
+			notes = append(notes, "env "+st.env)
+		}
+		if st.def != "" {
+			notes = append(notes, fmt.Sprintf("default %q", st.def))
+		}
+		line := st.usage
+		if len(notes) > 0 {
+			line += " (" + strings.Join(notes, ", ") + ")"
+		}
+		fmt.Fprintf(s.out, "\t%s\n", line)
+	}
+}
+
+// isHelp reports whether a command's first argument asks for help.
+func isHelp(arg string) bool {
+	return arg == "-h" || arg == "-help" || arg == "--help" || arg == "help"
 }
 
 // name is how errors refer to a setting: both spellings, so a user finds it
@@ -52,6 +155,9 @@ func (s *settings) parse(args []string) error {
 func (s *settings) name(value *string) string {
 	for _, st := range s.list {
 		if st.value == value {
+			if st.env == "" {
+				return "-" + st.flag
+			}
 			return fmt.Sprintf("--%s (%s)", st.flag, st.env)
 		}
 	}
