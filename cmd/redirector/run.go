@@ -235,6 +235,7 @@ func runAgent(ctx context.Context, args []string) error {
 	tunMetrics := tunnel.NewMetrics(reg)
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tunMetrics.SetCluster(cfg.ca.clusterID)
+	drainMetrics := tunnel.NewDrainMetrics(reg)
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
@@ -327,10 +328,15 @@ func runAgent(ctx context.Context, args []string) error {
 		full := false
 		select {
 		case <-ctx.Done():
+			// Listeners close first (a successor's take the new connections,
+			// with the requests queued on ours), HBONE peers get GOAWAY,
+			// open connections run until the drain timeout.
 			log.Info("shutting down: draining connections, leaving redirection pinned", "timeout", cfg.drainTimeout)
 			dctx, cancel := context.WithTimeout(context.Background(), cfg.drainTimeout)
 			defer cancel()
-			return tun.Shutdown(dctx)
+			res := tun.Drain(dctx, drainMetrics)
+			log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
+			return nil
 		case err := <-srcErr:
 			if err != nil {
 				return fmt.Errorf("source %s: %w", cfg.source, err)

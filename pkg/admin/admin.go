@@ -14,7 +14,10 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -77,7 +80,7 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		if e.addr == "" {
 			continue
 		}
-		l, err := (&net.ListenConfig{}).Listen(ctx, "tcp", e.addr)
+		l, err := (&net.ListenConfig{Control: reusePort}).Listen(ctx, "tcp", e.addr)
 		if err != nil {
 			s.Close()
 			return nil, fmt.Errorf("%s endpoint: %w", e.name, err)
@@ -140,4 +143,21 @@ func (s *Servers) Close() error {
 	}
 	s.wg.Wait()
 	return errors.Join(errs...)
+}
+
+// reusePort sets SO_REUSEPORT: during an upgrade the new agent binds the
+// same ports while the old one still runs (and drains), so the endpoints
+// never clash and never disappear. While both run, a connection reaches
+// either process.
+func reusePort(_, _ string, c syscall.RawConn) error {
+	var serr error
+	if err := c.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return fmt.Errorf("set SO_REUSEPORT: %w", serr)
+	}
+	return nil
 }

@@ -183,11 +183,21 @@ func TestServeSocketLifecycle(t *testing.T) {
 		t.Fatalf("Notify after replacing the stale socket: %v", err)
 	}
 
-	// A second agent must not steal a live socket.
-	err = cni.NewServer(sock, (&cnitest.Agent{}).Handle, quiet).Serve(context.Background())
-	if err == nil || !strings.Contains(err.Error(), "in use") {
-		t.Errorf("second server on a live socket: err = %v, want in use", err)
+	// A second agent (an upgrade) takes the path over atomically: every
+	// Notify from then on reaches it, and the first one's stop leaves it.
+	second := &cnitest.Agent{}
+	stop2 := cnitest.Serve(t, sock, second)
+	if _, err := cni.Notify(context.Background(), sock, addEvent()); err != nil {
+		t.Fatalf("Notify after the hand-over: %v", err)
 	}
+	stop()
+	if _, err := cni.Notify(context.Background(), sock, addEvent()); err != nil {
+		t.Fatalf("Notify after the first agent stopped: %v (it removed its successor's socket)", err)
+	}
+	if n := len(second.Events()); n != 2 {
+		t.Errorf("successor got %d events, want both sent after the hand-over", n)
+	}
+	stop = stop2
 
 	stop()
 	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"time"
 )
 
@@ -65,12 +66,13 @@ func (s *Server) Path() string { return s.path }
 func (s *Server) Ready() <-chan struct{} { return s.ready }
 
 // Serve listens until ctx ends, then closes the listener, waits briefly for
-// answers in flight and removes the socket. It creates the socket's directory
-// (mode 0700) if missing, replaces a stale socket left by a dead agent, and
-// refuses to start if another process still answers on it. The socket is
-// mode 0600: only root (the runtime running the plugin) may talk to it.
+// answers in flight and removes the socket unless a successor replaced it.
+// It creates the socket's directory (mode 0700) if missing and atomically
+// replaces whatever socket is at the path: a stale one left by a dead agent,
+// or the live one of the agent it upgrades. The socket is mode 0600: only
+// root (the runtime running the plugin) may talk to it.
 func (s *Server) Serve(ctx context.Context) error {
-	l, err := s.listen()
+	l, ino, err := s.listen()
 	if err != nil {
 		return err
 	}
@@ -97,41 +99,64 @@ func (s *Server) Serve(ctx context.Context) error {
 		_ = srv.Close()
 	}
 	<-errc
+	// Remove the path only while it is still ours: after a hand-over it is
+	// the successor's socket.
+	if fi, err := os.Lstat(s.path); err == nil && inodeOf(fi) == ino {
+		_ = os.Remove(s.path)
+	}
 	return nil
 }
 
-// listen opens the socket, clearing a stale one first.
-func (s *Server) listen() (net.Listener, error) {
+func inodeOf(fi os.FileInfo) uint64 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Ino
+	}
+	return 0
+}
+
+// listen opens the socket and installs it at the path (see Serve); it
+// returns the inode, by which Serve knows the path is still its own.
+func (s *Server) listen() (net.Listener, uint64, error) {
 	dir := filepath.Dir(s.path)
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		// Only a directory we create gets our mode: chmod on an existing one
 		// (say /tmp) would be a surprise for everyone else using it.
 		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return nil, fmt.Errorf("create CNI socket directory: %w", err)
+			return nil, 0, fmt.Errorf("create CNI socket directory: %w", err)
 		}
 	}
-	if fi, err := os.Lstat(s.path); err == nil {
-		if fi.Mode().Type() != os.ModeSocket {
-			return nil, fmt.Errorf("CNI socket path %s exists and is not a socket; remove it", s.path)
-		}
-		if c, err := net.DialTimeout("unix", s.path, time.Second); err == nil {
-			c.Close()
-			return nil, fmt.Errorf("CNI socket %s is in use by another process (is another agent running?)", s.path)
-		}
-		if err := os.Remove(s.path); err != nil {
-			return nil, fmt.Errorf("remove stale CNI socket: %w", err)
-		}
-		s.log.Info("removed stale CNI socket", "socket", s.path)
+	if fi, err := os.Lstat(s.path); err == nil && fi.Mode().Type() != os.ModeSocket {
+		return nil, 0, fmt.Errorf("CNI socket path %s exists and is not a socket; remove it", s.path)
 	}
-	l, err := net.Listen("unix", s.path)
+	// Hand-over: bind a name of our own, then rename it over the path in
+	// one step. A previous agent still serving (an upgrade overlaps the
+	// two) keeps its accepted connections; every dial from then on reaches
+	// this one, and at no moment is there no socket at the path, so no CNI
+	// ADD fails for the upgrade. A stale socket is replaced the same way.
+	tmp := fmt.Sprintf("%s.%d.tmp", s.path, os.Getpid())
+	_ = os.Remove(tmp)
+	l, err := net.Listen("unix", tmp)
 	if err != nil {
-		return nil, fmt.Errorf("listen for CNI events: %w", err)
+		return nil, 0, fmt.Errorf("listen for CNI events: %w", err)
 	}
-	if err := os.Chmod(s.path, 0o600); err != nil {
+	// The path belongs to whoever renamed last: closing must not unlink it.
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Chmod(tmp, 0o600); err != nil {
 		l.Close()
-		return nil, fmt.Errorf("restrict CNI socket: %w", err)
+		os.Remove(tmp)
+		return nil, 0, fmt.Errorf("restrict CNI socket: %w", err)
 	}
-	return l, nil
+	if err := os.Rename(tmp, s.path); err != nil {
+		l.Close()
+		os.Remove(tmp)
+		return nil, 0, fmt.Errorf("install CNI socket %s: %w", s.path, err)
+	}
+	fi, err := os.Lstat(s.path)
+	if err != nil {
+		l.Close()
+		return nil, 0, fmt.Errorf("install CNI socket %s: %w", s.path, err)
+	}
+	return l, inodeOf(fi), nil
 }
 
 func (s *Server) serveEvent(w http.ResponseWriter, r *http.Request) {

@@ -86,6 +86,12 @@ type SocketOptions struct {
 	Mark uint32
 	// Local is the address a dialer binds to (zero: chosen by the kernel).
 	Local net.Addr
+	// ReusePort sets SO_REUSEPORT on a listener, so that a second agent
+	// process (an upgrade) can open its own on the same port while the first
+	// still runs: both join one reuseport group, and the kernel moves the
+	// requests queued on the one that closes to the other when the
+	// namespace has net.ipv4.tcp_migrate_req=1 (EnableMigrateReq).
+	ReusePort bool
 }
 
 func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {
@@ -105,6 +111,11 @@ func (o SocketOptions) apply(fd int, ipv4Only bool) error {
 	if o.Mark != 0 {
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(o.Mark)); err != nil {
 			return fmt.Errorf("set SO_MARK: %w", err)
+		}
+	}
+	if o.ReusePort {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
+			return fmt.Errorf("set SO_REUSEPORT: %w", err)
 		}
 	}
 	if !o.Transparent {
@@ -138,4 +149,32 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, path, err)
 	}
 	return l, nil
+}
+
+// migrateReqPath is the per-namespace sysctl that moves the requests queued
+// on a closing SO_REUSEPORT listener (SYN_RECV and accept queue) to another
+// listener of its group instead of resetting them.
+const migrateReqPath = "/proc/sys/net/ipv4/tcp_migrate_req"
+
+// EnableMigrateReq sets net.ipv4.tcp_migrate_req=1 in the network namespace
+// at path (the sysctl is per namespace: /proc/sys/net is the opener's
+// namespace). It returns the value it found, so a caller can restore it.
+func EnableMigrateReq(path string) (old int, err error) {
+	err = Do(path, func() error {
+		b, err := os.ReadFile(migrateReqPath)
+		if err != nil {
+			return err
+		}
+		if _, err := fmt.Sscan(string(b), &old); err != nil {
+			return fmt.Errorf("parse %s %q: %w", migrateReqPath, b, err)
+		}
+		if old == 1 {
+			return nil
+		}
+		return os.WriteFile(migrateReqPath, []byte("1"), 0)
+	})
+	if err != nil {
+		return old, fmt.Errorf("enable %s in %s: %w", migrateReqPath, path, err)
+	}
+	return old, nil
 }

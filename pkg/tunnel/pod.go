@@ -80,7 +80,13 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	for i, port := range []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort} {
 		p.health[i] = &listenerHealth{port: port}
 	}
-	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark}
+	// Every listener is in a reuseport group (see handover.go): a
+	// successor agent opens its own next to these and takes over.
+	if err := enableHandover(path); err != nil {
+		cancel()
+		return nil, err
+	}
+	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true}
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
 	if err != nil {
 		cancel()
@@ -92,7 +98,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		cancel()
 		return nil, fmt.Errorf("inbound listener: %w", err)
 	}
-	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark})
+	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true})
 	if err != nil {
 		out.Close()
 		in.Close()
@@ -178,28 +184,40 @@ func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respB
 }
 
 // stop closes the listeners, lets connections finish until ctx ends, then
-// closes the rest and waits for every goroutine.
-func (p *pod) stop(ctx context.Context) {
+// closes the rest and waits for every goroutine. It returns how many
+// relayed connections were open when it began and how many of them it
+// closed at the deadline.
+func (p *pod) stop(ctx context.Context) (open, forced int) {
 	p.stopping.Store(true)
 	for _, l := range p.lns {
 		l.Close()
 	}
-	if p.hbone != nil {
-		_ = p.hbone.Shutdown(ctx)
-	}
+	p.mu.Lock()
+	open = len(p.conns)
+	p.mu.Unlock()
 	done := make(chan struct{})
-	go func() { p.wg.Wait(); close(done) }()
+	go func() {
+		// GOAWAY first: peers open new streams elsewhere (a successor's
+		// listener) while these finish.
+		if p.hbone != nil {
+			_ = p.hbone.Shutdown(ctx)
+		}
+		p.wg.Wait()
+		close(done)
+	}()
 	select {
 	case <-done:
 	case <-ctx.Done():
 	}
 	p.cancel()
 	p.mu.Lock()
+	forced = len(p.conns)
 	for c := range p.conns {
 		c.Close()
 	}
 	p.mu.Unlock()
 	<-done
+	return open, forced
 }
 
 // owns reports whether a is one of the pod's addresses.

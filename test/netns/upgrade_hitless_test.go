@@ -1,0 +1,328 @@
+package netnstest
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+)
+
+// upgradeLoad is the traffic an upgrade test runs from one pod to another:
+// a loop of short connections (each does one HTTP request and closes) and
+// long-lived echo streams that send continuously.
+type upgradeLoad struct {
+	client, server *Pod
+
+	mu      sync.Mutex
+	samples []connSample
+
+	streamErrs  atomic.Int64
+	streamLines atomic.Int64
+	stop        chan struct{}
+	endStreams  chan struct{}
+	wg          sync.WaitGroup
+}
+
+type connSample struct {
+	at      time.Time
+	connect time.Duration // the TCP handshake (with the local agent)
+	total   time.Duration // connect, request and answer through the mesh
+	err     error
+}
+
+const echoPort = 9000
+
+// startUpgradeLoad starts the short-connection loop (about rate per second)
+// and streams long-lived echo connections.
+func startUpgradeLoad(t *testing.T, client, server *Pod, rate, streams int) *upgradeLoad {
+	t.Helper()
+	ServeTCP(t, server, echoPort, func(c net.Conn) { _, _ = io.Copy(c, c) })
+	l := &upgradeLoad{client: client, server: server, stop: make(chan struct{}), endStreams: make(chan struct{})}
+	url := netip.AddrPortFrom(server.IPv4, 8080).String()
+	want := "server peer=" + client.IPv4.String()
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		tick := time.NewTicker(time.Second / time.Duration(rate))
+		defer tick.Stop()
+		var inflight sync.WaitGroup
+		defer inflight.Wait()
+		for {
+			select {
+			case <-l.stop:
+				return
+			case <-tick.C:
+			}
+			inflight.Add(1)
+			go func() {
+				defer inflight.Done()
+				s := l.request(url, want)
+				l.mu.Lock()
+				l.samples = append(l.samples, s)
+				l.mu.Unlock()
+			}()
+		}
+	}()
+	echo := netip.AddrPortFrom(server.IPv4, echoPort).String()
+	for i := range streams {
+		c, err := netns.Dial(context.Background(), client.Path(), "tcp", echo, netns.SocketOptions{})
+		if err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			defer c.Close()
+			r := bufio.NewReader(c)
+			for n := 0; ; n++ {
+				select {
+				case <-l.endStreams:
+					return
+				default:
+				}
+				line := fmt.Sprintf("stream %d line %d\n", i, n)
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				if _, err := io.WriteString(c, line); err != nil {
+					l.streamErrs.Add(1)
+					t.Logf("stream %d write: %v", i, err)
+					return
+				}
+				got, err := r.ReadString('\n')
+				if err != nil || got != line {
+					l.streamErrs.Add(1)
+					t.Logf("stream %d read: %q, %v", i, got, err)
+					return
+				}
+				l.streamLines.Add(1)
+				time.Sleep(20 * time.Millisecond)
+			}
+		}()
+	}
+	return l
+}
+
+func (l *upgradeLoad) request(url, want string) connSample {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s := connSample{at: time.Now()}
+	c, err := netns.Dial(ctx, l.client.Path(), "tcp", url, netns.SocketOptions{})
+	s.connect = time.Since(s.at)
+	if err != nil {
+		s.err = fmt.Errorf("connect: %w", err)
+		return s
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.WriteString(c, "GET / HTTP/1.0\r\nHost: server\r\n\r\n"); err != nil {
+		s.err = fmt.Errorf("request: %w", err)
+		return s
+	}
+	b, err := io.ReadAll(c)
+	s.total = time.Since(s.at)
+	if err != nil {
+		s.err = fmt.Errorf("answer: %w", err)
+	} else if !bytes.Contains(b, []byte(want)) {
+		s.err = fmt.Errorf("unexpected answer %q", b)
+	}
+	return s
+}
+
+// synRetrans reads TcpExt TCPSynRetrans of the namespace at path: SYNs the
+// pods' kernels sent again because the first met no answer.
+func synRetrans(t *testing.T, path string) int64 {
+	t.Helper()
+	var v int64 = -1
+	err := netns.Do(path, func() error {
+		b, err := os.ReadFile("/proc/net/netstat")
+		if err != nil {
+			return err
+		}
+		lines := strings.Split(string(b), "\n")
+		for i := 0; i+1 < len(lines); i += 2 {
+			names, vals := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+			if len(names) == 0 || names[0] != "TcpExt:" {
+				continue
+			}
+			for j, n := range names {
+				if n == "TCPSynRetrans" && j < len(vals) {
+					v, err = strconv.ParseInt(vals[j], 10, 64)
+					return err
+				}
+			}
+		}
+		return fmt.Errorf("no TcpExt TCPSynRetrans")
+	})
+	if err != nil {
+		t.Fatalf("netstat of %s: %v", path, err)
+	}
+	return v
+}
+
+var openedRe = regexp.MustCompile(`(?m)^istio_tcp_connections_opened_total\{[^}]*\} ([0-9.e+]+)$`)
+
+// openedTotal sums istio_tcp_connections_opened_total of the agent whose
+// metrics endpoint is at addr in node n's namespace.
+func openedTotal(t *testing.T, n *Node, addr string) (float64, error) {
+	t.Helper()
+	out, err := CurlFrom(n.Path(), "http://"+addr+"/metrics")
+	if err != nil {
+		return 0, err
+	}
+	var sum float64
+	for _, m := range openedRe.FindAllStringSubmatch(out, -1) {
+		v, _ := strconv.ParseFloat(m[1], 64)
+		sum += v
+	}
+	return sum, nil
+}
+
+func droppedOf(t *testing.T, root string, a netip.Addr) uint64 {
+	t.Helper()
+	m, err := maps.OpenPinned(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	c, _, err := m.Counters(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.DroppedPackets
+}
+
+// TestUpgradeHitlessClientNode and TestUpgradeHitlessServerNode upgrade one
+// node's agent under load the way the chart's surge rollout does: the new
+// agent starts on the same pin root while the old one runs, becomes ready,
+// then the old one gets SIGTERM. No short connection may fail, no SYN may
+// be dropped or sent again, no long-lived stream may break; the streams
+// stay with the old agent until they end, new connections land on the new
+// one.
+func TestUpgradeHitlessClientNode(t *testing.T) { testUpgradeHitless(t, 0) }
+
+func TestUpgradeHitlessServerNode(t *testing.T) { testUpgradeHitless(t, 1) }
+
+func testUpgradeHitless(t *testing.T, node int) {
+	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[node]
+	n := old.Node
+	retrans0 := synRetrans(t, client.Path())
+	dropped0 := droppedOf(t, old.BPFRoot, client.IPv4) + droppedOf(t, old.BPFRoot, server.IPv4)
+
+	load := startUpgradeLoad(t, client, server, 200, 20)
+	time.Sleep(time.Second)
+
+	upgradeStart := time.Now()
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	Eventually(t, 20*time.Second, func() error {
+		_, err := curlOK(n.Path(), "http://127.0.0.1:25021/healthz/ready")
+		return err
+	})
+	readyAt := time.Now()
+	time.Sleep(time.Second) // both agents serve
+	newBefore, err := openedTotal(t, n, "127.0.0.1:25020")
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldBefore, err := openedTotal(t, n, "127.0.0.1:15020")
+	if err != nil {
+		t.Fatal(err)
+	}
+	termAt := time.Now()
+	stopped := make(chan error, 1)
+	go func() { stopped <- old.Stop(30 * time.Second) }()
+	time.Sleep(2 * time.Second) // the streams run on the draining agent
+	linesAtEnd := load.streamLines.Load()
+	close(load.endStreams)
+	if err := <-stopped; err != nil {
+		t.Fatal(err)
+	}
+	exitAt := time.Now()
+	time.Sleep(time.Second) // the new agent alone
+	close(load.stop)
+	load.wg.Wait()
+	samples := load.samples
+	newAfter, err := openedTotal(t, n, "127.0.0.1:25020")
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var failed, afterTerm int
+	var maxConnect, maxTotal time.Duration
+	var firstErr error
+	for _, s := range samples {
+		if s.err != nil {
+			failed++
+			if firstErr == nil {
+				firstErr = s.err
+			}
+			continue
+		}
+		if !s.at.Before(termAt) {
+			afterTerm++
+		}
+		maxConnect, maxTotal = max(maxConnect, s.connect), max(maxTotal, s.total)
+	}
+	retrans := synRetrans(t, client.Path()) - retrans0
+	dropped := droppedOf(t, old.BPFRoot, client.IPv4) + droppedOf(t, old.BPFRoot, server.IPv4) - dropped0
+	elapsed := samples[len(samples)-1].at.Sub(samples[0].at)
+	t.Logf("upgrade of node %d: %d connections in %s (%.0f/s), %d failed (first: %v), connect max %s, request max %s, "+
+		"SYN retransmissions %d, captured packets dropped %d; new agent ready %s after start; old agent exited %s after SIGTERM; "+
+		"stream lines %d (%d by SIGTERM+2s), stream errors %d; connections opened on the new agent after SIGTERM %.0f of %d, on the old before SIGTERM %.0f",
+		node, len(samples), elapsed.Round(time.Millisecond), float64(len(samples))/elapsed.Seconds(), failed, firstErr,
+		maxConnect.Round(time.Microsecond), maxTotal.Round(time.Microsecond), retrans, dropped,
+		readyAt.Sub(upgradeStart).Round(time.Millisecond), exitAt.Sub(termAt).Round(time.Millisecond),
+		load.streamLines.Load(), linesAtEnd, load.streamErrs.Load(), newAfter-newBefore, afterTerm, oldBefore)
+	if failed > 0 {
+		t.Errorf("%d of %d connections failed during the upgrade (first: %v)", failed, len(samples), firstErr)
+	}
+	if retrans != 0 || dropped != 0 {
+		t.Errorf("%d SYN retransmissions, %d captured packets dropped: a SYN met no listener during the upgrade", retrans, dropped)
+	}
+	if e := load.streamErrs.Load(); e != 0 {
+		t.Errorf("%d long-lived streams broke during the upgrade", e)
+	}
+	// Every connection opened after SIGTERM was served by the new agent
+	// (the old one's listeners closed at once, its queue moved over); on
+	// the server node the new agent counts it at the inbound side.
+	if newAfter-newBefore < float64(afterTerm) {
+		t.Errorf("new agent opened %.0f connections after SIGTERM, want all %d made since", newAfter-newBefore, afterTerm)
+	}
+	if !strings.Contains(old.Log(), "closed_at_timeout=0") {
+		t.Errorf("the old agent closed connections at the drain timeout; its log:\n%s", lastLines(old.Log(), 20))
+	}
+	_ = next
+}
+
+// curlOK fetches url from the namespace at path and fails unless the
+// status is 200.
+func curlOK(path, url string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out, err := Exec(ctx, path, "curl", "-sS", "-f", "--max-time", "3", url)
+	return string(out), err
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
