@@ -41,6 +41,11 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d "$out/.work.XXXXXX")
 store=(--storage-driver vfs --root "$work/storage" --runroot "$work/run")
+# buildah initialises its network backend even without `run`, and that writes
+# /etc/cni/net.d/cni.lock: point it at the work folder instead.
+mkdir -p "$work/cni"
+printf '[network]\nnetwork_config_dir = "%s"\n' "$work/cni" >"$work/containers.conf"
+export CONTAINERS_CONF="$work/containers.conf"
 cleanup() {
 	buildah "${store[@]}" rm --all >/dev/null 2>&1 || true
 	rm -rf "$work"
@@ -65,7 +70,7 @@ busybox_root() {
 with_libs() {
 	local dir=$1 f
 	shift
-	for f in "$@" $(ldd "$@" | awk '/=>/ {print $3} /^\s*\/lib/ {print $1}' | sort -u); do
+	for f in "$@" $(ldd "$@" | awk '/=>/ {print $3} /^[ \t]*\/lib/ {print $1}' | sort -u); do
 		mkdir -p "$dir$(dirname "$f")"
 		cp -L "$f" "$dir$f"
 	done

@@ -2,7 +2,8 @@
 # node-binaries.sh [OUTDIR]
 # node-binaries.sh --dir        print the default cache folder and exit, building nothing
 #
-# Builds the node components of the real-node tests (test/e2enode): kubelet,
+# Installs the Debian packages of the node (containerd, runc, containernetworking-plugins,
+# buildah, busybox-static) if missing, and builds the node components of the real-node tests (test/e2enode): kubelet,
 # kube-controller-manager, kube-scheduler and kubectl from the nested tools module
 # test/nodetools, and helm from test/nodetools/helm. kube-apiserver and etcd come from
 # hack/k8s-binaries.sh (its own cache) and are linked into the same folder, so a caller finds
@@ -22,6 +23,17 @@ tools="$root/test/nodetools"
 bins=(kubelet kube-controller-manager kube-scheduler kubectl helm)
 
 log() { echo "node-binaries: $*" >&2; }
+
+# The node's runtime side comes from Debian (idempotent, as `make deps`): containerd 1.6,
+# runc, the CNI reference plugins, and what hack/build-image.sh needs.
+debs=(containerd runc containernetworking-plugins buildah busybox-static iptables jq curl)
+missing=$(for p in "${debs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
+if [[ -n "$missing" && "${1:-}" != --dir ]]; then
+	log "installing" $missing
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	# shellcheck disable=SC2086
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+fi
 
 hash=$(cat "$tools/go.mod" "$tools/go.sum" "$tools/helm/go.mod" "$tools/helm/go.sum" \
 	"$root/test/k8stools/go.mod" "$root/test/k8stools/go.sum" | sha256sum | cut -c1-16)

@@ -1,0 +1,857 @@
+//go:build e2enode && linux
+
+package e2enode
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"crypto/rsa"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+)
+
+const (
+	// nodeIP is the node's address on its uplink, inside its own network namespace.
+	nodeIP = "10.254.0.1"
+	// apiVIP is the first Service address, the "kubernetes" Service. There is no kube-proxy:
+	// the node holds the address itself and kube-apiserver listens on :443, so in-cluster
+	// clients (the agent, redirector-node's curl) reach it as on a real cluster.
+	apiVIP       = "10.96.0.1"
+	serviceCIDR  = "10.96.0.0/16"
+	podCIDR      = "10.244.0.0/24"
+	bridgeName   = "cni0"
+	pauseImage   = "localhost/e2enode/pause:1"
+	AppImage     = "localhost/e2enode/app:1"
+	startTimeout = 3 * time.Minute
+)
+
+// kubeletSysctls are the global (not per network namespace) settings the kubelet changes at
+// start-up (pkg/kubelet/cm's setupKernelTunables); the node restores them when it stops.
+var kubeletSysctls = []string{
+	"vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
+	"kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes",
+}
+
+// hostMountpoints are the host directories the node hides behind tmpfs mounts of its own
+// mount namespace: the runtime's and kubelet's state, the CNI configuration and binaries.
+// Those missing on the host are created (empty, as mount points) and removed again.
+var hostMountpoints = []string{
+	"/run", "/etc/cni", "/opt/cni", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/var/lib/cni",
+}
+
+// Node is one single-node cluster. Stop undoes everything Start did, in reverse order; it is
+// idempotent and also runs on SIGINT/SIGTERM (see TestMain).
+type Node struct {
+	Name       string
+	Dir        string
+	Bins       string
+	Images     string
+	ImageTag   string
+	Kubeconfig string
+	Config     *rest.Config
+	Client     kubernetes.Interface
+
+	token      string
+	holder     *exec.Cmd
+	cgroupRoot string   // the kubelet's cgroupRoot, the same relative path in every hierarchy
+	hierarchy  []string // mount points of the cgroup hierarchies
+	procs      []*process
+
+	mu       sync.Mutex
+	undo     []func() error
+	stopOnce sync.Once // a second Stop (signal handler and t.Cleanup) waits for the first
+	stopErr  error
+}
+
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	log  string
+	done chan struct{}
+}
+
+// Logf is where the node reports progress (a test's t.Logf).
+type Logf func(format string, args ...any)
+
+// StartNode brings the node up. On error, what was already done is undone.
+func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n *Node, err error) {
+	id := strings.ToLower(rand.Text()[:6])
+	n = &Node{Name: "e2enode-" + id, Bins: bins, Images: images, ImageTag: imageTag}
+	register(n)
+	defer func() {
+		if err != nil {
+			if serr := n.Stop(logf); serr != nil {
+				logf("stop after failed start: %v", serr)
+			}
+			n = nil
+		}
+	}()
+	start := time.Now()
+	n.Dir, err = os.MkdirTemp("", n.Name+"-")
+	if err != nil {
+		return n, err
+	}
+	n.push(func() error { return os.RemoveAll(n.Dir) })
+	if err := n.saveSysctls(); err != nil {
+		return n, err
+	}
+	if err := n.hostDirs(); err != nil {
+		return n, err
+	}
+	if err := n.netns(); err != nil {
+		return n, err
+	}
+	if err := n.startHolder(); err != nil {
+		return n, err
+	}
+	if err := n.cgroups(); err != nil {
+		return n, err
+	}
+	if err := n.controlPlane(ctx); err != nil {
+		return n, err
+	}
+	logf("control plane up after %v", time.Since(start).Round(time.Millisecond))
+	if err := n.runtime(ctx); err != nil {
+		return n, err
+	}
+	logf("containerd up, images imported after %v", time.Since(start).Round(time.Millisecond))
+	if err := n.kubelet(ctx); err != nil {
+		return n, err
+	}
+	logf("node %s Ready after %v", n.Name, time.Since(start).Round(time.Millisecond))
+	return n, nil
+}
+
+func (n *Node) push(f func() error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.undo = append(n.undo, f)
+}
+
+// Stop undoes Start in reverse order, going on past errors, and returns them joined. A
+// concurrent or later call waits for the first one and returns its result.
+func (n *Node) Stop(logf Logf) error {
+	n.stopOnce.Do(func() {
+		n.mu.Lock()
+		undo := n.undo
+		n.undo = nil
+		n.mu.Unlock()
+		var errs []error
+		for i := len(undo) - 1; i >= 0; i-- {
+			if err := undo[i](); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		unregister(n)
+		n.stopErr = errors.Join(errs...)
+	})
+	return n.stopErr
+}
+
+func (n *Node) saveSysctls() error {
+	saved := map[string]string{}
+	for _, k := range kubeletSysctls {
+		b, err := os.ReadFile(sysctlPath(k))
+		if err != nil {
+			return fmt.Errorf("read sysctl %s: %w", k, err)
+		}
+		saved[k] = strings.TrimSpace(string(b))
+	}
+	n.push(func() error {
+		var errs []error
+		for _, k := range kubeletSysctls {
+			if err := os.WriteFile(sysctlPath(k), []byte(saved[k]), 0o644); err != nil {
+				errs = append(errs, fmt.Errorf("restore sysctl %s=%s: %w", k, saved[k], err))
+			}
+		}
+		return errors.Join(errs...)
+	})
+	return nil
+}
+
+func sysctlPath(k string) string {
+	return "/proc/sys/" + strings.ReplaceAll(k, ".", "/")
+}
+
+func (n *Node) hostDirs() error {
+	for _, d := range hostMountpoints {
+		if _, err := os.Stat(d); err == nil {
+			continue
+		}
+		// MkdirAll may create parents too: remember the topmost created one.
+		top := d
+		for p := filepath.Dir(d); p != "/"; p = filepath.Dir(p) {
+			if _, err := os.Stat(p); err == nil {
+				break
+			}
+			top = p
+		}
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return fmt.Errorf("create mount point %s: %w", d, err)
+		}
+		n.push(func() error {
+			// Empty directories only: on the host they were only ever mount points.
+			for p := d; ; p = filepath.Dir(p) {
+				if err := os.Remove(p); err != nil {
+					return fmt.Errorf("remove mount point %s: %w", p, err)
+				}
+				if p == top {
+					return nil
+				}
+			}
+		})
+	}
+	return nil
+}
+
+func (n *Node) netns() error {
+	if out, err := exec.Command("ip", "netns", "add", n.Name).CombinedOutput(); err != nil {
+		return fmt.Errorf("ip netns add %s: %w: %s", n.Name, err, out)
+	}
+	n.push(func() error {
+		if out, err := exec.Command("ip", "netns", "del", n.Name).CombinedOutput(); err != nil {
+			return fmt.Errorf("ip netns del %s: %w: %s", n.Name, err, out)
+		}
+		return nil
+	})
+	for _, args := range [][]string{
+		{"link", "set", "lo", "up"},
+		// The node's uplink: a veth pair inside the namespace (no dummy module on every
+		// kernel), its peer the wire to nowhere.
+		{"link", "add", "eth0", "type", "veth", "peer", "name", "uplink"},
+		{"link", "set", "uplink", "up"},
+		{"addr", "add", nodeIP + "/24", "dev", "eth0"},
+		{"addr", "add", apiVIP + "/32", "dev", "eth0"},
+		{"link", "set", "eth0", "up"},
+		// A default route for the components that look for one; nothing is on the other
+		// end.
+		{"route", "add", "default", "dev", "eth0"},
+	} {
+		if out, err := exec.Command("ip", append([]string{"-n", n.Name}, args...)...).CombinedOutput(); err != nil {
+			return fmt.Errorf("ip -n %s %v: %w: %s", n.Name, args, err, out)
+		}
+	}
+	return nil
+}
+
+// holderScript runs in the node's own mount namespace (a slave of the host's: host mounts
+// show up, the node's never leave it) and network namespace. Shared propagation inside it lets
+// the chart's Bidirectional bpffs mount reach the node's other containers. The namespace
+// lives as long as one of its processes does; with it go every mount the node made.
+const holderScript = `set -e
+mount --make-rshared /
+for d in ` + "/run /etc/cni /opt/cni /var/lib/kubelet /var/log/pods /var/log/containers /var/lib/cni" + `; do
+	mount -t tmpfs -o mode=0755 e2enode "$d"
+done
+mkdir -p /etc/cni/net.d /opt/cni/bin /run/netns
+echo ready
+exec sleep infinity
+`
+
+func (n *Node) startHolder() error {
+	cmd := exec.Command("unshare", "--mount", "--propagation", "slave", "--",
+		"nsenter", "--net=/run/netns/"+n.Name, "--", "sh", "-c", holderScript)
+	// No Pdeathsig: it fires when the forking OS thread exits, and DialContext's
+	// namespace-locked threads do exit. Stop and the signal handler end the node instead.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("start the node's namespace holder: %w", err)
+	}
+	n.holder = cmd
+	n.push(func() error {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return nil
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if strings.TrimSpace(line) != "ready" {
+		return fmt.Errorf("node namespace holder: %q %v: %s", line, err, stderr.String())
+	}
+	return nil
+}
+
+// Root is the node's view of path: the host's file system with the node's own mounts.
+func (n *Node) Root(path string) string {
+	return fmt.Sprintf("/proc/%d/root%s", n.holder.Process.Pid, path)
+}
+
+// cgroups makes the node's cgroup root below this process's own cgroup (cgroup v1 needs the
+// same relative path in every hierarchy, the kubelet's cgroupRoot), with a "system" child for
+// the node's daemons. Stop kills whatever still runs in it, then removes it.
+func (n *Node) cgroups() error {
+	self, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return err
+	}
+	// The memory hierarchy's path is the one that matters for accounting.
+	base := "/"
+	for _, line := range strings.Split(strings.TrimSpace(string(self)), "\n") {
+		f := strings.SplitN(line, ":", 3)
+		if len(f) == 3 && slices.Contains(strings.Split(f[1], ","), "memory") {
+			base = f[2]
+		}
+	}
+	n.cgroupRoot = filepath.Join(base, n.Name)
+	entries, err := os.ReadDir("/sys/fs/cgroup")
+	if err != nil {
+		return err
+	}
+	var st unix.Statfs_t
+	if unix.Statfs("/sys/fs/cgroup", &st) == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+		n.hierarchy = []string{"/sys/fs/cgroup"}
+	} else {
+		for _, e := range entries {
+			p := filepath.Join("/sys/fs/cgroup", e.Name())
+			if e.IsDir() && unix.Statfs(p, &st) == nil && (st.Type == unix.CGROUP_SUPER_MAGIC || st.Type == unix.CGROUP2_SUPER_MAGIC) {
+				n.hierarchy = append(n.hierarchy, p)
+			}
+		}
+	}
+	n.push(n.removeCgroups)
+	for _, h := range n.hierarchy {
+		// Parents that do not exist in this hierarchy yet are created too (and removed by
+		// removeCgroups, which walks up to the first one it did not make).
+		dir := filepath.Join(h, n.cgroupRoot, "system")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return fmt.Errorf("create cgroup %s: %w", dir, err)
+		}
+		if filepath.Base(h) == "cpuset" {
+			// A cpuset cgroup takes tasks only once it has cpus and mems.
+			// Each level from the hierarchy's root down inherits its parent's, if empty.
+			rel, _ := filepath.Rel(h, dir)
+			p := h
+			for _, c := range strings.Split(rel, "/") {
+				p = filepath.Join(p, c)
+				for _, f := range []string{"cpuset.cpus", "cpuset.mems"} {
+					if v, _ := os.ReadFile(filepath.Join(p, f)); len(strings.TrimSpace(string(v))) > 0 {
+						continue
+					}
+					v, _ := os.ReadFile(filepath.Join(filepath.Dir(p), f))
+					if err := os.WriteFile(filepath.Join(p, f), v, 0o644); err != nil {
+						return fmt.Errorf("cpuset %s: %w", p, err)
+					}
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// join moves pid into the node's system cgroup in every hierarchy.
+func (n *Node) join(pid int) error {
+	for _, h := range n.hierarchy {
+		f := filepath.Join(h, n.cgroupRoot, "system", "cgroup.procs")
+		if err := os.WriteFile(f, []byte(strconv.Itoa(pid)), 0o644); err != nil {
+			return fmt.Errorf("move %d into %s: %w", pid, f, err)
+		}
+	}
+	return nil
+}
+
+// removeCgroups kills every process left in the node's cgroups (containers, shims, daemons),
+// then removes the cgroups, deepest first.
+func (n *Node) removeCgroups() error {
+	var errs []error
+	for _, h := range n.hierarchy {
+		root := filepath.Join(h, n.cgroupRoot)
+		if _, err := os.Stat(root); err != nil {
+			continue
+		}
+		deadline := time.Now().Add(20 * time.Second)
+		for {
+			pids := cgroupPids(root)
+			if len(pids) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				errs = append(errs, fmt.Errorf("processes %v survive in %s", pids, root))
+				break
+			}
+			for _, p := range pids {
+				_ = unix.Kill(p, unix.SIGKILL)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		var dirs []string
+		_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+			if err == nil && d.IsDir() {
+				dirs = append(dirs, p)
+			}
+			return nil
+		})
+		for i := len(dirs) - 1; i >= 0; i-- {
+			if err := rmdirRetry(dirs[i]); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		// Parents made for this node only (hierarchies other than memory's may not have had
+		// the base path): remove them while they are empty.
+		for p := filepath.Dir(root); p != h; p = filepath.Dir(p) {
+			if os.Remove(p) != nil {
+				break
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func rmdirRetry(p string) error {
+	var err error
+	for range 50 {
+		if err = os.Remove(p); err == nil || errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	return fmt.Errorf("remove cgroup %s: %w", p, err)
+}
+
+func cgroupPids(root string) []int {
+	var pids []int
+	_ = filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+			return nil
+		}
+		b, _ := os.ReadFile(p)
+		for _, f := range strings.Fields(string(b)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		return nil
+	})
+	return pids
+}
+
+// spawn starts a node daemon inside the node's namespaces and system cgroup; Stop ends it
+// (SIGTERM, then SIGKILL after grace).
+func (n *Node) spawn(name, bin string, args ...string) (*process, error) {
+	logPath := filepath.Join(n.Dir, name+".log")
+	f, err := os.Create(logPath)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(n.holder.Process.Pid), "-m", "-n", "--", bin}, args...)...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.Env = append(os.Environ(), "HOME="+n.Dir)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
+	go func() { _ = cmd.Wait(); f.Close(); close(p.done) }()
+	n.procs = append(n.procs, p)
+	n.push(func() error {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-p.done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-p.done
+		}
+		return nil
+	})
+	if err := n.join(cmd.Process.Pid); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// LogTail is the end of a daemon's log, for failures.
+func (n *Node) LogTail(name string, lines int) string {
+	b, err := os.ReadFile(filepath.Join(n.Dir, name+".log"))
+	if err != nil {
+		return err.Error()
+	}
+	l := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	return strings.Join(l[max(0, len(l)-lines):], "\n")
+}
+
+// DialContext connects from inside the node's network namespace: the socket is made on a
+// thread that entered the namespace (and that dies with its goroutine, never going back to
+// the pool in the wrong namespace).
+func (n *Node) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	type result struct {
+		c   net.Conn
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
+		if err := enterNetns("/run/netns/" + n.Name); err != nil {
+			ch <- result{err: err}
+			return
+		}
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		ch <- result{c, err}
+	}()
+	r := <-ch
+	return r.c, r.err
+}
+
+func enterNetns(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open netns %s: %w", path, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+		return fmt.Errorf("enter netns %s: %w", path, err)
+	}
+	return nil
+}
+
+func (n *Node) controlPlane(ctx context.Context) error {
+	n.token = rand.Text()
+	saKey := filepath.Join(n.Dir, "sa.key")
+	key, err := rsa.GenerateKey(rand.Reader, 2048)
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(saKey, pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)}), 0o600); err != nil {
+		return err
+	}
+	tokens := filepath.Join(n.Dir, "tokens.csv")
+	if err := os.WriteFile(tokens, []byte(n.token+`,e2enode-admin,e2enode-admin,"system:masters"`+"\n"), 0o600); err != nil {
+		return err
+	}
+	if _, err := n.spawn("etcd", filepath.Join(n.Bins, "etcd"),
+		"--name=e2enode", "--data-dir="+filepath.Join(n.Dir, "etcd"),
+		"--listen-client-urls=http://127.0.0.1:2379", "--advertise-client-urls=http://127.0.0.1:2379",
+		"--listen-peer-urls=http://127.0.0.1:2380", "--initial-advertise-peer-urls=http://127.0.0.1:2380",
+		"--initial-cluster=e2enode=http://127.0.0.1:2380", "--unsafe-no-fsync", "--log-level=warn"); err != nil {
+		return err
+	}
+	certDir := filepath.Join(n.Dir, "pki")
+	if _, err := n.spawn("kube-apiserver", filepath.Join(n.Bins, "kube-apiserver"),
+		"--etcd-servers=http://127.0.0.1:2379",
+		"--bind-address=0.0.0.0", "--secure-port=443", "--advertise-address="+nodeIP,
+		"--cert-dir="+certDir,
+		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+		"--service-account-key-file="+saKey, "--service-account-signing-key-file="+saKey,
+		"--token-auth-file="+tokens, "--authorization-mode=RBAC",
+		"--service-cluster-ip-range="+serviceCIDR, "--allow-privileged=true", "--profiling=false",
+		// The node's name resolves nowhere: logs and exec go to its address.
+		"--kubelet-preferred-address-types=InternalIP"); err != nil {
+		return err
+	}
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		DialContext:     n.DialContext,
+		TLSClientConfig: &tls.Config{InsecureSkipVerify: true},
+	}}
+	defer hc.CloseIdleConnections()
+	if err := waitFor(ctx, startTimeout, "kube-apiserver /readyz", func() error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+nodeIP+":443/readyz", nil)
+		req.Header.Set("Authorization", "Bearer "+n.token)
+		resp, err := hc.Do(req)
+		if err != nil {
+			return err
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("%s: %s", resp.Status, body)
+		}
+		return nil
+	}); err != nil {
+		return fmt.Errorf("%w\n%s", err, n.LogTail("kube-apiserver", 20))
+	}
+	ca, err := os.ReadFile(filepath.Join(certDir, "apiserver.crt"))
+	if err != nil {
+		return fmt.Errorf("read apiserver serving certificate: %w", err)
+	}
+	caFile := filepath.Join(n.Dir, "ca.crt")
+	if err := os.WriteFile(caFile, ca, 0o644); err != nil {
+		return err
+	}
+	server := "https://" + nodeIP + ":443"
+	n.Config = &rest.Config{Host: server, BearerToken: n.token, TLSClientConfig: rest.TLSClientConfig{CAData: ca},
+		Dial: n.DialContext, QPS: 100, Burst: 200}
+	n.Client, err = kubernetes.NewForConfig(n.Config)
+	if err != nil {
+		return err
+	}
+	n.Kubeconfig = filepath.Join(n.Dir, "kubeconfig")
+	kc := fmt.Sprintf(`apiVersion: v1
+kind: Config
+clusters: [{name: e2enode, cluster: {server: %q, certificate-authority: %q}}]
+users: [{name: admin, user: {token: %q}}]
+contexts: [{name: e2enode, context: {cluster: e2enode, user: admin}}]
+current-context: e2enode
+`, server, caFile, n.token)
+	if err := os.WriteFile(n.Kubeconfig, []byte(kc), 0o600); err != nil {
+		return err
+	}
+	if _, err := n.spawn("kube-controller-manager", filepath.Join(n.Bins, "kube-controller-manager"),
+		"--kubeconfig="+n.Kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1",
+		"--service-account-private-key-file="+saKey, "--root-ca-file="+caFile,
+		"--use-service-account-credentials=false", "--controllers=*,-nodeipam,-cloud-node-lifecycle",
+		"--service-cluster-ip-range="+serviceCIDR); err != nil {
+		return err
+	}
+	if _, err := n.spawn("kube-scheduler", filepath.Join(n.Bins, "kube-scheduler"),
+		"--kubeconfig="+n.Kubeconfig, "--leader-elect=false", "--bind-address=127.0.0.1"); err != nil {
+		return err
+	}
+	return nil
+}
+
+// runtime starts containerd with all its state in the node's directory (the CRI's CNI
+// directories are the node's own tmpfs mounts) and imports the locally built images.
+func (n *Node) runtime(ctx context.Context) error {
+	cd := filepath.Join(n.Dir, "containerd")
+	sock := filepath.Join(cd, "containerd.sock")
+	cfg := fmt.Sprintf(`version = 2
+root = %q
+state = %q
+disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
+[grpc]
+  address = %q
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %q
+  stream_server_address = "127.0.0.1"
+  # Without CAP_SYS_RESOURCE (a sandboxed machine) runc cannot lower a container's
+  # oom_score_adj below its own: keep pods' at or above containerd's.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/opt/cni/bin"
+    conf_dir = "/etc/cni/net.d"
+`, filepath.Join(cd, "root"), filepath.Join(cd, "state"), sock, pauseImage)
+	if err := os.MkdirAll(cd, 0o755); err != nil {
+		return err
+	}
+	cfgPath := filepath.Join(cd, "config.toml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		return err
+	}
+	if _, err := n.spawn("containerd", "containerd", "--config", cfgPath); err != nil {
+		return err
+	}
+	if err := waitFor(ctx, time.Minute, "containerd socket", func() error {
+		_, err := os.Stat(sock)
+		return err
+	}); err != nil {
+		return fmt.Errorf("%w\n%s", err, n.LogTail("containerd", 20))
+	}
+	for _, tar := range []string{"pause.tar", "app.tar", "redirector-" + n.ImageTag + ".tar"} {
+		if err := n.ImportImage(ctx, filepath.Join(n.Images, tar)); err != nil {
+			return err
+		}
+	}
+	// The primary CNI: the reference bridge + host-local plugins, as a simple cluster has.
+	for _, p := range []string{"bridge", "host-local", "loopback", "portmap"} {
+		b, err := os.ReadFile(filepath.Join("/usr/lib/cni", p))
+		if err != nil {
+			return fmt.Errorf("CNI plugin %s (package containernetworking-plugins): %w", p, err)
+		}
+		if err := os.WriteFile(n.Root("/opt/cni/bin/"+p), b, 0o755); err != nil {
+			return err
+		}
+	}
+	return os.WriteFile(n.Root("/etc/cni/net.d/10-bridge.conflist"), []byte(BridgeConflist), 0o644)
+}
+
+// BridgeConflist is the node's primary CNI configuration, before the chart chains into it.
+const BridgeConflist = `{
+  "cniVersion": "1.0.0",
+  "name": "e2enode",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "` + bridgeName + `",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": "` + podCIDR + `"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    },
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+`
+
+// ImportImage loads a docker-archive into the node's containerd (namespace k8s.io, the CRI's).
+func (n *Node) ImportImage(ctx context.Context, tar string) error {
+	sock := filepath.Join(n.Dir, "containerd", "containerd.sock")
+	cmd := exec.CommandContext(ctx, "nsenter", "-t", strconv.Itoa(n.holder.Process.Pid), "-m", "-n", "--",
+		"ctr", "--address", sock, "-n", "k8s.io", "images", "import", "--no-unpack=false", tar)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("ctr images import %s: %w: %s", tar, err, out)
+	}
+	return nil
+}
+
+func (n *Node) kubelet(ctx context.Context) error {
+	kd := filepath.Join(n.Dir, "kubelet")
+	if err := os.MkdirAll(kd, 0o755); err != nil {
+		return err
+	}
+	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: %q
+cgroupsPerQOS: true
+failSwapOn: false
+containerRuntimeEndpoint: %q
+address: %q
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+authentication:
+  anonymous: {enabled: true}
+  webhook: {enabled: false}
+authorization: {mode: AlwaysAllow}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+imageMinimumGCAge: 8760h
+evictionHard: {memory.available: "50Mi", nodefs.available: "1%%", imagefs.available: "1%%"}
+podLogsDir: /var/log/pods
+resolvConf: ""
+clusterDomain: cluster.local
+registerNode: true
+serializeImagePulls: false
+syncFrequency: 10s
+fileCheckFrequency: 5s
+nodeStatusUpdateFrequency: 5s
+podCIDR: %q
+`, n.cgroupRoot, "unix://"+filepath.Join(n.Dir, "containerd", "containerd.sock"), nodeIP, podCIDR)
+	cfgPath := filepath.Join(kd, "config.yaml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		return err
+	}
+	if _, err := n.spawn("kubelet", filepath.Join(n.Bins, "kubelet"),
+		"--config="+cfgPath, "--kubeconfig="+n.Kubeconfig, "--root-dir=/var/lib/kubelet",
+		"--hostname-override="+n.Name, "--node-ip="+nodeIP, "--cert-dir="+filepath.Join(kd, "pki"), "--v=1"); err != nil {
+		return err
+	}
+	if err := waitFor(ctx, startTimeout, "node Ready", func() error {
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for _, c := range node.Status.Conditions {
+			if c.Type == "Ready" {
+				if c.Status == "True" {
+					return nil
+				}
+				return fmt.Errorf("Ready=%s: %s", c.Status, c.Message)
+			}
+		}
+		return errors.New("no Ready condition")
+	}); err != nil {
+		return fmt.Errorf("%w\n%s", err, n.LogTail("kubelet", 30))
+	}
+	return nil
+}
+
+// Run runs a command in the node's network namespace (kubectl, helm: clients of the API).
+func (n *Node) Run(ctx context.Context, name string, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, "nsenter", append([]string{"--net=/run/netns/" + n.Name, "--", name}, args...)...)
+	cmd.Env = append(os.Environ(), "KUBECONFIG="+n.Kubeconfig, "HOME="+n.Dir,
+		"HELM_CACHE_HOME="+filepath.Join(n.Dir, "helm", "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(n.Dir, "helm", "config"),
+		"HELM_DATA_HOME="+filepath.Join(n.Dir, "helm", "data"))
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out), nil
+}
+
+// Kubectl runs the node's kubectl.
+func (n *Node) Kubectl(ctx context.Context, args ...string) (string, error) {
+	return n.Run(ctx, filepath.Join(n.Bins, "kubectl"), args...)
+}
+
+// Helm runs the node's helm.
+func (n *Node) Helm(ctx context.Context, args ...string) (string, error) {
+	return n.Run(ctx, filepath.Join(n.Bins, "helm"), args...)
+}
+
+func waitFor(ctx context.Context, timeout time.Duration, what string, f func() error) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var err error
+	for {
+		if err = f(); err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for %s: %w (last: %v)", what, ctx.Err(), err)
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// Registry of running nodes, so a signal handler can stop them all.
+var (
+	nodesMu sync.Mutex
+	nodes   = map[*Node]bool{}
+)
+
+func register(n *Node) {
+	nodesMu.Lock()
+	defer nodesMu.Unlock()
+	nodes[n] = true
+}
+
+func unregister(n *Node) {
+	nodesMu.Lock()
+	defer nodesMu.Unlock()
+	delete(nodes, n)
+}
+
+// StopAll stops every node still running (on SIGINT/SIGTERM).
+func StopAll(logf Logf) {
+	nodesMu.Lock()
+	all := make([]*Node, 0, len(nodes))
+	for n := range nodes {
+		all = append(all, n)
+	}
+	nodesMu.Unlock()
+	for _, n := range all {
+		if err := n.Stop(logf); err != nil {
+			logf("stop %s: %v", n.Name, err)
+		}
+	}
+}

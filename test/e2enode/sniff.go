@@ -1,0 +1,145 @@
+//go:build e2enode && linux
+
+package e2enode
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"runtime"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Sniffer reads every frame on the node's interfaces but loopback with a packet socket in
+// the node's network namespace: the host side of each pod's veth, so all pod traffic.
+type Sniffer struct {
+	fd     int
+	marker []byte
+	stop   chan struct{}
+	done   chan struct{}
+
+	mu        sync.Mutex
+	markerHit int            // frames whose TCP payload holds the marker
+	byPort    map[uint16]int // TCP frames with a payload, by the lower of the two ports
+}
+
+// Sniff starts capturing; marker is plaintext that must never cross the wire meshed.
+func (n *Node) Sniff(marker string) (*Sniffer, error) {
+	type result struct {
+		fd  int
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread exits with the goroutine
+		if err := enterNetns("/run/netns/" + n.Name); err != nil {
+			ch <- result{err: err}
+			return
+		}
+		proto := int(htons(unix.ETH_P_ALL))
+		fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, proto)
+		if err != nil {
+			ch <- result{err: fmt.Errorf("packet socket: %w", err)}
+			return
+		}
+		if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL)}); err != nil {
+			unix.Close(fd)
+			ch <- result{err: fmt.Errorf("bind packet socket: %w", err)}
+			return
+		}
+		// A receive timeout, so the reading loop sees Stop: closing the descriptor would not
+		// wake a blocked recvfrom.
+		tv := unix.Timeval{Usec: 200_000}
+		if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
+			unix.Close(fd)
+			ch <- result{err: err}
+			return
+		}
+		ch <- result{fd: fd}
+	}()
+	r := <-ch
+	if r.err != nil {
+		return nil, r.err
+	}
+	s := &Sniffer{fd: r.fd, marker: []byte(marker), stop: make(chan struct{}), done: make(chan struct{}), byPort: map[uint16]int{}}
+	go s.loop()
+	return s, nil
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+func (s *Sniffer) loop() {
+	defer close(s.done)
+	buf := make([]byte, 1<<16)
+	for {
+		select {
+		case <-s.stop:
+			return
+		default:
+		}
+		nr, from, err := unix.Recvfrom(s.fd, buf, 0)
+		if err == unix.EAGAIN || err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return
+		}
+		if ll, ok := from.(*unix.SockaddrLinklayer); ok && ll.Hatype == unix.ARPHRD_LOOPBACK {
+			continue
+		}
+		s.frame(buf[:nr])
+	}
+}
+
+// frame parses Ethernet/IPv4/TCP; other frames are not what the mesh carries here.
+func (s *Sniffer) frame(f []byte) {
+	if len(f) < 14+20 || binary.BigEndian.Uint16(f[12:14]) != 0x0800 {
+		return
+	}
+	ip := f[14:]
+	ihl := int(ip[0]&0x0f) * 4
+	total := int(binary.BigEndian.Uint16(ip[2:4]))
+	if ip[9] != unix.IPPROTO_TCP || ihl < 20 || total > len(ip) || total < ihl+20 {
+		return
+	}
+	tcp := ip[ihl:total]
+	off := int(tcp[12]>>4) * 4
+	if off < 20 || off > len(tcp) {
+		return
+	}
+	payload := tcp[off:]
+	if len(payload) == 0 {
+		return
+	}
+	sport, dport := binary.BigEndian.Uint16(tcp[0:2]), binary.BigEndian.Uint16(tcp[2:4])
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.byPort[min(sport, dport)]++
+	if bytes.Contains(payload, s.marker) {
+		s.markerHit++
+	}
+}
+
+// Stop ends the capture and returns the frames that held the marker and the data frames by
+// the lower port of their connection.
+func (s *Sniffer) Stop() (markerHits int, byPort map[uint16]int) {
+	close(s.stop)
+	<-s.done
+	unix.Close(s.fd)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.markerHit, s.byPort
+}
+
+// Snapshot returns the counts so far, capture going on.
+func (s *Sniffer) Snapshot() (markerHits int, byPort map[uint16]int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m := make(map[uint16]int, len(s.byPort))
+	for k, v := range s.byPort {
+		m[k] = v
+	}
+	return s.markerHit, m
+}
