@@ -55,7 +55,9 @@ type rendered struct {
 	Role               *rbacv1.Role
 	RoleBinding        *rbacv1.RoleBinding
 	PeerAuthentication *peerAuthentication
-	UninstallJob       *batchv1.Job // the pre-delete hook
+	UninstallJob       *batchv1.Job      // the pre-delete hook
+	PodMonitor         *podMonitor       // monitoring.podMonitor (monitoring_test.go)
+	Dashboards         *corev1.ConfigMap // monitoring.dashboard: the Grafana sidecar's ConfigMap
 	Notes              string
 	Manifest           string // the whole rendered manifest, for failure messages
 }
@@ -159,7 +161,8 @@ func (r *rendered) add(doc string) error {
 	decode := map[string]func() error{
 		"apps/v1/DaemonSet":                               func() error { return strictNew(doc, &r.DaemonSet) },
 		"v1/ServiceAccount":                               func() error { return strictNew(doc, &r.ServiceAccount) },
-		"v1/ConfigMap":                                    func() error { return strictNew(doc, &r.ConfigMap) },
+		"v1/ConfigMap":                                    func() error { return r.addConfigMap(doc) },
+		"monitoring.coreos.com/v1/PodMonitor":             func() error { return strictNew(doc, &r.PodMonitor) },
 		"rbac.authorization.k8s.io/v1/ClusterRole":        func() error { return strictNew(doc, &r.ClusterRole) },
 		"rbac.authorization.k8s.io/v1/ClusterRoleBinding": func() error { return strictNew(doc, &r.ClusterRoleBinding) },
 		"rbac.authorization.k8s.io/v1/Role":               func() error { return strictNew(doc, &r.Role) },
