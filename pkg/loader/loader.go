@@ -94,6 +94,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if err := cfg.Settings.apply(spec); err != nil {
 		return nil, err
 	}
+	// Refuse maps of another layout before touching anything.
+	if err := maps.CheckLayout(cfg.PinRoot); err != nil {
+		return nil, err
+	}
 	// An upgrade may have grown a counter map (a new verdict reason).
 	dropped, err := maps.DropIncompatibleCounters(cfg.PinRoot, spec)
 	if err != nil {
@@ -110,6 +114,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			return nil, fmt.Errorf("load BPF programs: %+v", ve)
 		}
 		return nil, fmt.Errorf("load BPF programs (pin root %s): %w", cfg.PinRoot, err)
+	}
+	if err := maps.PinLayout(cfg.PinRoot); err != nil {
+		objs.Close()
+		return nil, err
 	}
 	l := &Loader{
 		cfg:     cfg,
@@ -226,7 +234,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	// recording, or lost maps): only links running this agent's programs.
 	errs = append(errs, removeStrayPodPins(root, log))
 
-	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.LayoutName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}

@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -325,4 +327,50 @@ func curlOK(path, url string) (string, error) {
 func lastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// TestUpgradeRefusesOtherLayout runs two builds: an agent built with the
+// next pinned-map layout version, started (as an upgrade would) on a node
+// whose maps the current agent pinned, refuses with the documented message
+// and exits; the running agent keeps serving and no pod loses its
+// redirection.
+func TestUpgradeRefusesOtherLayout(t *testing.T) {
+	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	before := mustEnrolledNames(t, old.BPFRoot)
+
+	next := filepath.Join(t.TempDir(), "redirector-layout2")
+	build := exec.Command("go", "build", "-o", next, "-ldflags",
+		"-X github.com/redirector-mesh/redirector/pkg/maps.layoutVersion=2", "github.com/redirector-mesh/redirector/cmd/redirector")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the layout-2 agent: %v: %s", err, out)
+	}
+	a := StartAgent(t, old.Node, AgentOptions{Binary: next, Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	select {
+	case <-a.done:
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the layout-2 agent did not exit:\n%s", a.Log())
+	}
+	for _, want := range []string{"incompatible pinned map layout", "layout version 1", "this agent reads layout 2", "redirector uninstall --bpf-root " + old.BPFRoot} {
+		if !strings.Contains(a.Log(), want) {
+			t.Errorf("the layout-2 agent's error lacks %q:\n%s", want, lastLines(a.Log(), 10))
+		}
+	}
+	after := mustEnrolledNames(t, old.BPFRoot)
+	if len(after) != len(before) {
+		t.Errorf("enrolled pods %v after the refused upgrade, want %v", after, before)
+	}
+	// The running agent serves on, through the mesh (STRICT).
+	for range 5 {
+		if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer="+client.IPv4.String()) {
+			t.Fatalf("after the refused upgrade: %q, %v", out, err)
+		}
+	}
 }

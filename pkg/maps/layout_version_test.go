@@ -1,0 +1,67 @@
+package maps
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// TestLayoutVersion: a fresh root and a root of this layout pass; maps of
+// an agent from before versioning count as layout 1; another layout is
+// refused with ErrLayout and a message that says what to do.
+func TestLayoutVersion(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a bpffs; CI runs this as root")
+	}
+	root := filepath.Join(t.TempDir(), "bpf")
+	if err := os.Mkdir(root, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("bpf", root, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+
+	if err := CheckLayout(root); err != nil {
+		t.Fatalf("fresh root: %v", err)
+	}
+	// Maps pinned by an agent before versioning: layout 1.
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if err := m.Pin(filepath.Join(root, PodsName)); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckLayout(root); err != nil {
+		t.Fatalf("unversioned maps, this build's layout %d: %v", LayoutVersion(), err)
+	}
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckLayout(root); err != nil {
+		t.Fatalf("same layout: %v", err)
+	}
+
+	// A build of another layout (the next release, or an older one).
+	defer func(v string) { layoutVersion = v }(layoutVersion)
+	layoutVersion = "2"
+	err = CheckLayout(root)
+	if !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), "layout version 1") ||
+		!strings.Contains(err.Error(), "redirector uninstall --bpf-root "+root) {
+		t.Fatalf("layout 2 on layout-1 maps: %v; want ErrLayout naming both versions and what to do", err)
+	}
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	layoutVersion = "1"
+	if err := CheckLayout(root); !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), "layout version 2") {
+		t.Fatalf("downgrade to layout 1 on layout-2 maps: %v; want ErrLayout", err)
+	}
+}
