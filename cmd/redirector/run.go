@@ -210,6 +210,13 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer ld.Close()
+	// An upgrade overlaps two agents on the node: from here on this one
+	// changes the enrollment, and an older one still running stops doing so.
+	claim, err := maps.ClaimNode(cfg.bpfRoot)
+	if err != nil {
+		return err
+	}
+	defer claim.Close()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
@@ -347,6 +354,15 @@ func runAgent(ctx context.Context, args []string) error {
 		case <-ticker.C:
 			full = true
 		}
+		if !claim.Held() {
+			// A successor holds the node: it enrolls and repairs; this agent
+			// serves the pods it has until SIGTERM drains them.
+			if !ag.succeeded {
+				ag.succeeded = true
+				log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
+			}
+			continue
+		}
 		if ag.applyLatest(ctx, full) && full {
 			reconciled.Store(true)
 		}
@@ -356,6 +372,8 @@ func runAgent(ctx context.Context, args []string) error {
 // agent holds what one snapshot is applied to.
 type agent struct {
 	cfg agentConfig
+	// succeeded is set once a newer agent claimed the node.
+	succeeded bool
 	log *slog.Logger
 	tun *tunnel.Tunnel
 	ld  *loader.Loader

@@ -1,6 +1,8 @@
 package maps
 
 import (
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
@@ -10,9 +12,15 @@ import (
 	"github.com/cilium/ebpf"
 )
 
-// LayoutName is the pinned array (one uint32) that records the layout
-// version of the maps pinned beside it.
+// LayoutName is the pinned array of two uint32 beside the maps: the layout
+// version of the maps (slot 0) and the token of the agent that holds the
+// node (slot 1, see ClaimNode).
 const LayoutName = "rd_layout"
+
+const (
+	layoutSlotVersion = uint32(0)
+	layoutSlotOwner   = uint32(1)
+)
 
 // layoutVersion is the layout of the state maps (rd_pods, rd_pod_meta,
 // rd_pod_stats) this build reads and writes. Bump it with any change to
@@ -67,7 +75,7 @@ func PinLayout(root string) error {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if errors.Is(err, os.ErrNotExist) {
-		m, err = ebpf.NewMap(&ebpf.MapSpec{Name: LayoutName, Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		m, err = ebpf.NewMap(&ebpf.MapSpec{Name: LayoutName, Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 2})
 		if err == nil {
 			if err = m.Pin(path); err != nil {
 				m.Close()
@@ -78,7 +86,7 @@ func PinLayout(root string) error {
 		return fmt.Errorf("pin %s: %w", path, err)
 	}
 	defer m.Close()
-	if err := m.Put(uint32(0), LayoutVersion()); err != nil {
+	if err := m.Put(layoutSlotVersion, LayoutVersion()); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil
@@ -96,11 +104,57 @@ func readLayout(root string) (uint32, bool, error) {
 	}
 	defer m.Close()
 	var v uint32
-	if m.KeySize() != 4 || m.ValueSize() != 4 {
-		return 0, false, fmt.Errorf("%w: %s has key/value sizes %d/%d, want 4/4", ErrLayout, path, m.KeySize(), m.ValueSize())
+	if m.KeySize() != 4 || m.ValueSize() != 4 || m.MaxEntries() < 2 {
+		return 0, false, fmt.Errorf("%w: %s has key/value sizes %d/%d and %d entries, want 4/4 and 2", ErrLayout, path, m.KeySize(), m.ValueSize(), m.MaxEntries())
 	}
-	if err := m.Lookup(uint32(0), &v); err != nil {
+	if err := m.Lookup(layoutSlotVersion, &v); err != nil {
 		return 0, false, fmt.Errorf("read %s: %w", path, err)
 	}
 	return v, true, nil
 }
+
+// Claim is an agent's hold on the node's pinned state. Two agents overlap
+// during an upgrade; only the newest may change the enrollment (attach,
+// detach, repair), or the two would race on the same pods. The older one
+// sees Held turn false and only serves the pods it has until it drains.
+type Claim struct {
+	m     *ebpf.Map
+	token uint32
+}
+
+// ClaimNode makes the caller the agent that holds the node under root (the
+// maps must be loaded there, Load pins rd_layout). Close releases the map.
+func ClaimNode(root string) (*Claim, error) {
+	path := filepath.Join(root, LayoutName)
+	m, err := ebpf.LoadPinnedMap(path, nil)
+	if err != nil {
+		return nil, fmt.Errorf("claim the node: open %s: %w", path, err)
+	}
+	var b [4]byte
+	c := &Claim{m: m}
+	for c.token == 0 {
+		if _, err := rand.Read(b[:]); err != nil {
+			m.Close()
+			return nil, fmt.Errorf("claim the node: %w", err)
+		}
+		c.token = binary.LittleEndian.Uint32(b[:])
+	}
+	if err := m.Put(layoutSlotOwner, c.token); err != nil {
+		m.Close()
+		return nil, fmt.Errorf("claim the node: write %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// Held reports whether no other agent claimed the node since. A failed
+// read counts as held: the agent keeps doing its job.
+func (c *Claim) Held() bool {
+	var v uint32
+	if err := c.m.Lookup(layoutSlotOwner, &v); err != nil {
+		return true
+	}
+	return v == c.token
+}
+
+// Close releases the map; the claim stays recorded.
+func (c *Claim) Close() error { return c.m.Close() }

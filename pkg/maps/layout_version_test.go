@@ -49,6 +49,24 @@ func TestLayoutVersion(t *testing.T) {
 		t.Fatalf("same layout: %v", err)
 	}
 
+	// Two agents overlap: the newer claim wins, the older sees it.
+	first, err := ClaimNode(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	if !first.Held() {
+		t.Fatal("first claim not held")
+	}
+	second, err := ClaimNode(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if first.Held() || !second.Held() {
+		t.Fatalf("after a second claim: first held %v, second held %v; want only the second", first.Held(), second.Held())
+	}
+
 	// A build of another layout (the next release, or an older one).
 	defer func(v string) { layoutVersion = v }(layoutVersion)
 	layoutVersion = "2"
