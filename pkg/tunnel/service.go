@@ -26,13 +26,32 @@ const maxServiceAttempts = 3
 // failed recently. It is shared by all pods of the node.
 type balancer struct {
 	mu     sync.Mutex
-	next   map[string]uint64            // per service: round-robin cursor
+	next   map[cursorKey]uint64         // per service port: round-robin cursor
 	failed map[netip.AddrPort]time.Time // endpoint -> when it last failed
 	now    func() time.Time
 }
 
 func newBalancer() *balancer {
-	return &balancer{next: map[string]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now}
+	return &balancer{next: map[cursorKey]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now}
+}
+
+// cursorKey names one port of one service.
+type cursorKey struct{ service, port string }
+
+// prune forgets the cursors of services that are no longer in dir, so the
+// balancer holds state only for services that exist.
+func (b *balancer) prune(dir *workload.Directory) {
+	live := map[string]bool{}
+	for _, s := range dir.Services() {
+		live[s.String()] = true
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for k := range b.next {
+		if !live[k.service] {
+			delete(b.next, k)
+		}
+	}
 }
 
 // target is one endpoint able to serve a service port.
@@ -60,7 +79,7 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	key := svc.String() + "/" + port.Name
+	key := cursorKey{svc.String(), port.Name}
 	start := int(b.next[key] % uint64(len(eligible)))
 	b.next[key]++
 	var fresh, stale []target

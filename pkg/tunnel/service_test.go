@@ -69,3 +69,22 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 		t.Error("the failed endpoint is not tried again after failureMemory")
 	}
 }
+
+// TestBalancerPrunesGoneServices checks that the round-robin cursors of
+// services that left the directory are dropped, so services that come and go
+// leave nothing behind.
+func TestBalancerPrunesGoneServices(t *testing.T) {
+	b := newBalancer()
+	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}
+	for _, name := range []string{"a", "b", "c"} {
+		svc := &workload.Service{Name: name, Namespace: "shop", Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
+		b.order(svc, port)
+	}
+	if len(b.next) != 3 {
+		t.Fatalf("cursors before pruning: %d, want 3", len(b.next))
+	}
+	b.prune(&workload.Directory{}) // no service left
+	if len(b.next) != 0 {
+		t.Errorf("cursors after every service left: %v, want none", b.next)
+	}
+}

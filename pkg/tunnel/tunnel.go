@@ -134,6 +134,7 @@ func (t *Tunnel) Update(s *State) {
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
 	t.cfg.Metrics.setLive(s.Dir)
+	t.lb.prune(s.Dir)
 	t.recheck(context.Background(), prev, s)
 }
 
