@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -32,6 +33,9 @@ type podMonitor struct {
 			Relabelings []struct {
 				SourceLabels []string `json:"sourceLabels"`
 				TargetLabel  string   `json:"targetLabel"`
+				Regex        string   `json:"regex"`
+				Replacement  string   `json:"replacement"`
+				Action       string   `json:"action"`
 			} `json:"relabelings"`
 		} `json:"podMetricsEndpoints"`
 	} `json:"spec"`
@@ -89,18 +93,22 @@ func TestPodMonitor(t *testing.T) {
 	if ep.Path != "/metrics" || ep.Interval != "30s" {
 		t.Errorf("endpoint %+v", ep)
 	}
-	// The named port exists on the agent container and is METRICS_ADDR's.
-	found := false
-	for _, p := range container(t, r.DaemonSet, "agent").Ports {
-		if p.Name == ep.Port {
-			found = true
-			if want := fmt.Sprintf(":%d", p.ContainerPort); !strings.HasSuffix(r.ConfigMap.Data["METRICS_ADDR"], want) {
-				t.Errorf("port %s is %d, METRICS_ADDR is %s", p.Name, p.ContainerPort, r.ConfigMap.Data["METRICS_ADDR"])
-			}
+	// The agent declares no ports (a surge rollout): the target is the agent
+	// container's, its address the pod's with METRICS_ADDR's port.
+	port := strings.TrimPrefix(r.ConfigMap.Data["METRICS_ADDR"], ":")
+	var keepsAgent, v4, v6 bool
+	for _, rl := range ep.Relabelings {
+		switch {
+		case rl.Action == "keep" && rl.Regex == "agent" && slices.Equal(rl.SourceLabels, []string{"__meta_kubernetes_pod_container_name"}):
+			keepsAgent = true
+		case rl.TargetLabel == "__address__" && rl.Replacement == "${1}:"+port:
+			v4 = true
+		case rl.TargetLabel == "__address__" && rl.Replacement == "[${1}]:"+port:
+			v6 = true
 		}
 	}
-	if !found {
-		t.Errorf("the agent container has no port named %q", ep.Port)
+	if ep.Port != "" || !keepsAgent || !v4 || !v6 {
+		t.Errorf("endpoint %+v: want no named port, the agent container kept and the address set to the pod IP with port %s (IPv4 and IPv6)", ep, port)
 	}
 
 	// Without the CRDs the install fails saying so, instead of at apply time.
