@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -242,6 +243,11 @@ spec:
 	readyAt := time.Now()
 	// Both agents serve; the old one stops changing the enrollment.
 	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
+	newAtReady, err := openedTotal(t, n, "127.0.0.1:25020")
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // both serve: sk_assign reselects within the reuseport group
 	newBefore, err := openedTotal(t, n, "127.0.0.1:25020")
 	if err != nil {
 		t.Fatal(err)
@@ -295,6 +301,9 @@ spec:
 		maxConnect.Round(time.Microsecond), maxTotal.Round(time.Microsecond), retrans, dropped,
 		readyAt.Sub(upgradeStart).Round(time.Millisecond), exitAt.Sub(termAt).Round(time.Millisecond),
 		load.streamLines.Load(), linesAtEnd, load.streamErrs.Load(), newAfter-newBefore, afterTerm, oldBefore)
+	t.Logf("while both agents served (1 s), the new one opened %.0f connections", newBefore-newAtReady)
+	t.Logf("over time (250 ms buckets from the first connection; R new agent ready, T SIGTERM, X old agent exited):\n%s",
+		timeline(samples, map[string]time.Time{"R": readyAt, "T": termAt, "X": exitAt}))
 	if failed > 0 {
 		t.Errorf("%d of %d connections failed during the upgrade (first: %v)", failed, len(samples), firstErr)
 	}
@@ -444,5 +453,111 @@ func TestKillUnderLoadFailsClosed(t *testing.T) {
 	}
 	if afterFailed > 0 {
 		t.Errorf("%d of %d connections failed after the agent was back", afterFailed, after)
+	}
+}
+
+// timeline prints one line per 250 ms bucket of samples: connections begun,
+// failed, and the slowest connect and request, with marks at the events.
+func timeline(samples []connSample, marks map[string]time.Time) string {
+	if len(samples) == 0 {
+		return ""
+	}
+	const step = 250 * time.Millisecond
+	t0 := samples[0].at
+	type bucket struct {
+		n, failed        int
+		connect, request time.Duration
+	}
+	var bs []bucket
+	for _, s := range samples {
+		i := int(s.at.Sub(t0) / step)
+		for len(bs) <= i {
+			bs = append(bs, bucket{})
+		}
+		b := &bs[i]
+		b.n++
+		if s.err != nil {
+			b.failed++
+			continue
+		}
+		b.connect, b.request = max(b.connect, s.connect), max(b.request, s.total)
+	}
+	var out strings.Builder
+	for i, b := range bs {
+		var ev []string
+		for k, at := range marks {
+			if j := int(at.Sub(t0) / step); j == i {
+				ev = append(ev, k)
+			}
+		}
+		slices.Sort(ev)
+		fmt.Fprintf(&out, "  %5.2fs %3d conns %d failed connect-max %6.2fms request-max %6.2fms %s %s\n",
+			(time.Duration(i) * step).Seconds(), b.n, b.failed, float64(b.connect.Microseconds())/1000,
+			float64(b.request.Microseconds())/1000, strings.Repeat("#", int(b.request.Milliseconds())), strings.Join(ev, ""))
+	}
+	return out.String()
+}
+
+// TestUpgradeNewAgentKilled: kill -9 of the new agent half-way through an
+// upgrade (both run, the old one yielded the node) under load. The old
+// agent's listeners never closed, so new connections go on through it (the
+// killed agent's queued requests migrate to them); only connections the
+// killed process held can fail. A restarted new agent claims the node again
+// and the upgrade completes with nothing failing.
+func TestUpgradeNewAgentKilled(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	n := old.Node
+	wire := capture(t, n.Path(), "uplink")
+	load := startUpgradeLoad(t, client, server, 200, 0)
+	args := []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot, Args: args})
+	Eventually(t, 20*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:25021/healthz/ready"); return err })
+	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
+	time.Sleep(500 * time.Millisecond)
+	killAt := time.Now()
+	next.Kill()
+	time.Sleep(2 * time.Second) // the old agent alone, not enrolling
+	restartAt := time.Now()
+	StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot, Args: args})
+	Eventually(t, 20*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:25021/healthz/ready"); return err })
+	if err := old.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	termDone := time.Now()
+	time.Sleep(time.Second)
+	close(load.endStreams)
+	close(load.stop)
+	load.wg.Wait()
+	b := wire()
+
+	var aroundKill, killFailed, later, laterFailed int
+	var firstErr error
+	for _, s := range load.samples {
+		switch {
+		case s.at.After(killAt.Add(-500*time.Millisecond)) && s.at.Before(restartAt):
+			aroundKill++
+			if s.err != nil {
+				killFailed++
+				if firstErr == nil {
+					firstErr = s.err
+				}
+			}
+		case s.at.After(restartAt):
+			later++
+			if s.err != nil {
+				laterFailed++
+			}
+		}
+	}
+	t.Logf("kill -9 of the new agent: %d of %d connections begun from 500 ms before the kill until the restart failed (first: %v); "+
+		"%d of %d since the restart failed; upgrade completed %s after the restart",
+		killFailed, aroundKill, firstErr, laterFailed, later, termDone.Sub(restartAt).Round(time.Millisecond))
+	if bytes.Contains(b, []byte("GET / HTTP")) || bytes.Contains(b, []byte("server peer=")) {
+		t.Fatal("plaintext request or answer on the wire between the nodes")
+	}
+	if laterFailed > 0 {
+		t.Errorf("%d of %d connections failed after the new agent was restarted", laterFailed, later)
 	}
 }
