@@ -561,3 +561,53 @@ func TestUpgradeNewAgentKilled(t *testing.T) {
 		t.Errorf("%d of %d connections failed after the new agent was restarted", laterFailed, later)
 	}
 }
+
+// TestDrainTimeoutClosesCounted: connections still open when DRAIN_TIMEOUT
+// runs out are closed, and the agent says how many (log and
+// redirector_drain_closed_connections_total, read while it drains).
+func TestDrainTimeoutClosesCounted(t *testing.T) {
+	var client, server *Pod
+	ms := newMeshWith(t, []string{"--drain-timeout", "2s"}, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server = tp.Nodes[1].AddPod("server")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
+			Pod(client, "mesh", "client-sa", "app=client").
+			Pod(server, "mesh", "server-sa", "app=server")
+	})
+	HTTPApp(t, server, 8080, "server")
+	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	load := startUpgradeLoad(t, client, server, 1, 3)
+	time.Sleep(500 * time.Millisecond)
+	old := ms.agents[0]
+	drainingSeen := make(chan bool, 1)
+	go func() {
+		// While it drains, the gauge shows the three streams.
+		deadline := time.Now().Add(1500 * time.Millisecond)
+		for time.Now().Before(deadline) {
+			out, _ := CurlFrom(old.Node.Path(), "http://127.0.0.1:15020/metrics")
+			if strings.Contains(out, "redirector_drain_open_connections 3") {
+				drainingSeen <- true
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		drainingSeen <- false
+	}()
+	if err := old.Stop(15 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	close(load.endStreams)
+	close(load.stop)
+	load.wg.Wait()
+	if !strings.Contains(old.Log(), "open_connections=3") || !strings.Contains(old.Log(), "closed_at_timeout=3") {
+		t.Errorf("drain log: want 3 open, 3 closed at the timeout:\n%s", lastLines(old.Log(), 5))
+	}
+	if !<-drainingSeen {
+		t.Error("redirector_drain_open_connections never showed the 3 streams while draining")
+	}
+	if e := load.streamErrs.Load(); e != 3 {
+		t.Errorf("%d streams ended with an error, want the 3 closed at the drain timeout", e)
+	}
+}
