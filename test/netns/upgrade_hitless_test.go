@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -231,6 +232,7 @@ spec:
 	dropped0 := droppedOf(t, old.BPFRoot, client.IPv4) + droppedOf(t, old.BPFRoot, server.IPv4)
 
 	load := startUpgradeLoad(t, client, server, 200, 20)
+	iperf := startIperf(t, client, server, 7*time.Second)
 	time.Sleep(time.Second)
 
 	upgradeStart := time.Now()
@@ -267,6 +269,7 @@ spec:
 	}
 	exitAt := time.Now()
 	time.Sleep(time.Second) // the new agent alone
+	iperfOut, iperfErr := iperf()
 	close(load.stop)
 	load.wg.Wait()
 	samples := load.samples
@@ -302,6 +305,10 @@ spec:
 		readyAt.Sub(upgradeStart).Round(time.Millisecond), exitAt.Sub(termAt).Round(time.Millisecond),
 		load.streamLines.Load(), linesAtEnd, load.streamErrs.Load(), newAfter-newBefore, afterTerm, oldBefore)
 	t.Logf("while both agents served (1 s), the new one opened %.0f connections", newBefore-newAtReady)
+	t.Logf("iperf3 flow through the upgrade: %s", iperfOut)
+	if iperfErr != nil {
+		t.Errorf("the iperf3 flow broke during the upgrade: %v", iperfErr)
+	}
 	t.Logf("over time (250 ms buckets from the first connection; R new agent ready, T SIGTERM, X old agent exited):\n%s",
 		timeline(samples, map[string]time.Time{"R": readyAt, "T": termAt, "X": exitAt}))
 	if failed > 0 {
@@ -609,5 +616,54 @@ func TestDrainTimeoutClosesCounted(t *testing.T) {
 	}
 	if e := load.streamErrs.Load(); e != 3 {
 		t.Errorf("%d streams ended with an error, want the 3 closed at the drain timeout", e)
+	}
+}
+
+// startIperf runs one iperf3 flow from client to server for d; wait returns
+// its summary (received rate) or why it failed.
+func startIperf(t *testing.T, client, server *Pod, d time.Duration) (wait func() (string, error)) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d+30*time.Second)
+	t.Cleanup(cancel)
+	srv := Command(ctx, server.Path(), "iperf3", "-s", "-1", "-p", "5201")
+	if err := srv.Start(); err != nil {
+		t.Fatalf("iperf3 server: %v", err)
+	}
+	t.Cleanup(func() { _ = srv.Process.Kill(); _ = srv.Wait() })
+	// The mesh accepts the client's connection before the server's side is
+	// dialled, so a server not yet listening shows as a reset: wait for it.
+	Eventually(t, 5*time.Second, func() error {
+		out, err := Exec(ctx, server.Path(), "ss", "-Hltn", "sport = :5201")
+		if err == nil && len(bytes.TrimSpace(out)) == 0 {
+			err = fmt.Errorf("iperf3 server not listening yet")
+		}
+		return err
+	})
+	type result struct {
+		out string
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		out, err := Exec(ctx, client.Path(), "iperf3", "-c", server.IPv4.String(), "-p", "5201",
+			"-t", strconv.Itoa(int(d.Seconds())), "-J")
+		var rep struct {
+			End struct {
+				SumReceived struct {
+					Bytes         float64 `json:"bytes"`
+					BitsPerSecond float64 `json:"bits_per_second"`
+				} `json:"sum_received"`
+			} `json:"end"`
+			Error string `json:"error"`
+		}
+		if jerr := json.Unmarshal(out, &rep); jerr == nil && rep.Error != "" {
+			err = fmt.Errorf("%v: %s", err, rep.Error)
+		}
+		done <- result{fmt.Sprintf("%.0f MB in %s, %.0f Mbit/s received", rep.End.SumReceived.Bytes/1e6, d,
+			rep.End.SumReceived.BitsPerSecond/1e6), err}
+	}()
+	return func() (string, error) {
+		r := <-done
+		return r.out, r.err
 	}
 }
