@@ -605,6 +605,13 @@ func TestDrainTimeoutClosesCounted(t *testing.T) {
 	if err := old.Stop(15 * time.Second); err != nil {
 		t.Fatal(err)
 	}
+	// Each stream notices on its next line (20 ms apart).
+	Eventually(t, 5*time.Second, func() error {
+		if e := load.streamErrs.Load(); e != 3 {
+			return fmt.Errorf("%d streams ended with an error, want the 3 closed at the drain timeout", e)
+		}
+		return nil
+	})
 	close(load.endStreams)
 	close(load.stop)
 	load.wg.Wait()
@@ -613,9 +620,6 @@ func TestDrainTimeoutClosesCounted(t *testing.T) {
 	}
 	if !<-drainingSeen {
 		t.Error("redirector_drain_open_connections never showed the 3 streams while draining")
-	}
-	if e := load.streamErrs.Load(); e != 3 {
-		t.Errorf("%d streams ended with an error, want the 3 closed at the drain timeout", e)
 	}
 }
 
