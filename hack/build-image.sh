@@ -6,13 +6,14 @@
 #
 #   OUTDIR/redirector-TAG.tar  localhost/redirector:TAG, the product image: the same binaries
 #                              (redirector, redirector-cni: CGO_ENABLED=0, -trimpath,
-#                              -ldflags "-s -w -X main.version=TAG"), the same node script
+#                              -ldflags "-s -w -X main.version=TAG -X main.commit=...
+#                              -X main.buildDate=..."), the same node script
 #                              (manifests/image/redirector-node, 0755), the same entrypoint,
 #                              command and user as the Dockerfile. Its base differs: instead
-#                              of debian-slim + jq + curl (no registry is reachable), the tools
-#                              the node script needs (sh, stat, cmp, mount, ...) come from
-#                              busybox-static, and jq and curl are the host's, with their
-#                              shared libraries.
+#                              of debian-slim + jq + curl (no registry is reachable), the small
+#                              tools come from busybox-static, and sh (dash), jq, curl, stat,
+#                              cmp and mount are the host's Debian ones, with their shared
+#                              libraries.
 #   OUTDIR/app.tar             localhost/e2enode/app:1, busybox-static: httpd with a CGI that
 #                              echoes the client's address, wget, nc.
 #   OUTDIR/pause.tar           localhost/e2enode/pause:1, test/e2enode/pause.
@@ -92,10 +93,19 @@ commit() {
 # The product image.
 rootfs="$work/redirector"
 busybox_root "$rootfs"
-with_libs "$rootfs" /usr/bin/jq /usr/bin/curl
+# jq and curl, and GNU stat, cmp and mount as on Debian (in /usr/bin, before busybox on PATH),
+# busybox stat names no bpffs ("UNKNOWN" for %T), so redirector-node would mount a second
+# bpffs over the first on every agent restart.
+with_libs "$rootfs" /usr/bin/jq /usr/bin/curl /usr/bin/stat /usr/bin/cmp /usr/bin/mount /bin/dash
+# /bin/sh is dash, as on Debian: Debian's static busybox sh runs its own applets before PATH,
+# which would bring busybox stat back.
+ln -sfn dash "$rootfs/bin/sh"
 mkdir -p "$rootfs/etc/ssl/certs" "$rootfs/usr/local/bin"
 cp /etc/ssl/certs/ca-certificates.crt "$rootfs/etc/ssl/certs/" 2>/dev/null || true
-(cd "$root" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w -X main.version=$tag" \
+commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo "")
+build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+(cd "$root" && CGO_ENABLED=0 go build -trimpath \
+	-ldflags "-s -w -X main.version=$tag -X main.commit=$commit -X main.buildDate=$build_date" \
 	-o "$rootfs/usr/local/bin/" ./cmd/redirector ./cmd/redirector-cni)
 install -m 0755 "$root/manifests/image/redirector-node" "$rootfs/usr/local/bin/redirector-node"
 commit "$rootfs" "localhost/redirector:$tag" "$out/redirector-$tag.tar" \

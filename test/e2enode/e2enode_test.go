@@ -142,15 +142,47 @@ func TestRealNode(t *testing.T) {
 	kubectl("label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
 	kubectl("create", "namespace", outsideNS)
 	apply("early", serverPod(meshNS, "early", nil))
+	apply("outsider", clientPod(outsideNS, "outsider", nil))
 	waitReady(t, n, meshNS, "early")
+	waitReady(t, n, outsideNS, "outsider")
+
+	// wget fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
+	// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
+	wget := func(ns, pod, url string) (string, error) {
+		hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
+		host, port, ok := strings.Cut(hostport, ":")
+		if !ok {
+			port = "80"
+		}
+		req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
+		out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
+		if err != nil {
+			return "", err
+		}
+		status, body, ok := strings.Cut(out, "\r\n\r\n")
+		if !ok || !strings.Contains(status, " 200 ") {
+			return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
+		}
+		return body, nil
+	}
+
+	// The node's own pod network, before any mesh: plain HTTP between two pods.
+	if _, err := wget(outsideNS, "outsider", "http://"+podIP(t, n, meshNS, "early")+":8080/"); err != nil {
+		t.Fatalf("pod to pod before the mesh: %v", err)
+	}
 
 	// The chart, as a user installs it.
 	chart := filepath.Join(repoRoot, "manifests", "charts", "redirector")
 	helmStart := time.Now()
-	if out, err := n.Helm(ctx, "install", release, chart, "-n", releaseNS,
+	asIs := os.Getenv("E2ENODE_CHART_AS_IS") != ""
+	install := []string{"install", release, chart, "-n", releaseNS,
 		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
-		"--set", "image.repository=localhost/redirector", "--set", "image.tag="+imageTag,
-		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
+		"--set", "image.repository=localhost/redirector", "--set", "image.tag=" + imageTag,
+		"--set", "image.pullPolicy=Never"}
+	if asIs {
+		install = append(install, "--wait", "--timeout=3m")
+	}
+	if out, err := n.Helm(ctx, install...); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
 	// KNOWN BUG (reported, not fixed here: pkg/loader and the chart belong elsewhere): the
@@ -160,14 +192,13 @@ func TestRealNode(t *testing.T) {
 	// and leaves the pods' traffic broken. Until that is fixed the test runs the agent and
 	// node-setup containers privileged;
 	// E2ENODE_CHART_AS_IS=1 runs the chart unpatched, to see the bug.
-	if os.Getenv("E2ENODE_CHART_AS_IS") == "" {
+	if !asIs {
 		t.Log("patching the agent container to privileged: /proc/sys is read-only otherwise (known bug)")
 		kubectl("-n", releaseNS, "patch", "daemonset", release, "--type=json", "-p",
 			`[{"op":"replace","path":"/spec/template/spec/containers/0/securityContext/privileged","value":true},`+
 				`{"op":"replace","path":"/spec/template/spec/initContainers/1/securityContext/privileged","value":true}]`)
 	}
-	// helm's --wait counts a DaemonSet ready with maxUnavailable pods not ready: on one node,
-	// with none. Wait for the agent itself.
+	// Wait for the agent itself (helm's --wait would wait for the unpatched pod).
 	if err := waitFor(ctx, podTimeout, "agent pod Ready", func() error {
 		if agentPodOrEmpty(n) == "" {
 			return fmt.Errorf("no ready agent pod")
@@ -195,7 +226,6 @@ func TestRealNode(t *testing.T) {
 	apply("server", serverPod(meshNS, "server", nil)+"---\n"+service(meshNS, "server"))
 	apply("client", clientPod(meshNS, "client", nil))
 	apply("optout", clientPod(meshNS, "optout", map[string]string{"istio.io/dataplane-mode": "none"}))
-	apply("outsider", clientPod(outsideNS, "outsider", nil))
 	for _, p := range [][2]string{{meshNS, "server"}, {meshNS, "client"}, {meshNS, "optout"}, {outsideNS, "outsider"}} {
 		waitReady(t, n, p[0], p[1])
 	}
@@ -222,26 +252,6 @@ func TestRealNode(t *testing.T) {
 			}
 		}
 	})
-
-	// wget fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
-	// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
-	wget := func(ns, pod, url string) (string, error) {
-		hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
-		host, port, ok := strings.Cut(hostport, ":")
-		if !ok {
-			port = "80"
-		}
-		req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
-		out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
-		if err != nil {
-			return "", err
-		}
-		status, body, ok := strings.Cut(out, "\r\n\r\n")
-		if !ok || !strings.Contains(status, " 200 ") {
-			return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
-		}
-		return body, nil
-	}
 
 	t.Run("Meshed", func(t *testing.T) {
 		s, err := n.Sniff(marker)
@@ -320,6 +330,11 @@ func TestRealNode(t *testing.T) {
 		}
 		if hits != 0 {
 			t.Errorf("plaintext leaked %d times during the agent's restart", hits)
+		}
+		// The new pod's mount-bpffs found the node's bpffs: one mount, not a second one
+		// stacked over the first (whose pins would then outlive an uninstall).
+		if got := bpffsMounts(t, n); got != 1 {
+			t.Errorf("%d bpffs mounts on the node's /sys/fs/bpf after the restart, want 1", got)
 		}
 		// After the restart, the same checks as Meshed.
 		s, err = n.Sniff(marker)
@@ -569,6 +584,23 @@ func agentPod(t *testing.T, n *Node) string {
 		t.Fatal("no ready agent pod")
 	}
 	return p
+}
+
+// bpffsMounts counts the bpffs mounts on /sys/fs/bpf in the node's mount namespace.
+func bpffsMounts(t *testing.T, n *Node) int {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.holder.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	count := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[4] == "/sys/fs/bpf" && strings.Contains(line, " - bpf ") {
+			count++
+		}
+	}
+	return count
 }
 
 func conflistTypes(t *testing.T, n *Node) []string {
