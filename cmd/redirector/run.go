@@ -250,7 +250,9 @@ func runAgent(ctx context.Context, args []string) error {
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
-	go rec.RepairLinks(ctx, loader.LinkCheckPeriod)
+	repairCtx, stopRepair := context.WithCancel(ctx)
+	defer stopRepair()
+	go rec.RepairLinks(repairCtx, loader.LinkCheckPeriod)
 	reg.MustRegister(
 		loader.NewCollector(ld, rec),
 		certs.Collector(),
@@ -354,14 +356,13 @@ func runAgent(ctx context.Context, args []string) error {
 		case <-ticker.C:
 			full = true
 		}
-		if !claim.Held() {
+		if !claim.Held() && !ag.isYielded() {
 			// A successor holds the node: it enrolls and repairs; this agent
-			// serves the pods it has until SIGTERM drains them.
-			if !ag.succeeded {
-				ag.succeeded = true
-				log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
-			}
-			continue
+			// keeps its policies current and serves the pods it has until
+			// SIGTERM drains them.
+			ag.yield()
+			stopRepair()
+			log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
 		}
 		if ag.applyLatest(ctx, full) && full {
 			reconciled.Store(true)
@@ -372,12 +373,14 @@ func runAgent(ctx context.Context, args []string) error {
 // agent holds what one snapshot is applied to.
 type agent struct {
 	cfg agentConfig
-	// succeeded is set once a newer agent claimed the node.
-	succeeded bool
-	log *slog.Logger
-	tun *tunnel.Tunnel
-	ld  *loader.Loader
-	rec *loader.Reconciler
+	// yielded is set once a newer agent claimed the node: snapshots then
+	// update only the tunnel's state and certificates, never the
+	// enrollment or annotations (guarded by mu).
+	yielded bool
+	log     *slog.Logger
+	tun     *tunnel.Tunnel
+	ld      *loader.Loader
+	rec     *loader.Reconciler
 	// certs keeps a certificate per identity of this node's enrolled pods.
 	certs *identity.Manager
 	// ann writes the redirection annotation; nil for the file source.
@@ -408,6 +411,18 @@ func (a *agent) setSnapshot(s source.Snapshot) bool {
 	return first
 }
 
+func (a *agent) yield() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.yielded = true
+}
+
+func (a *agent) isYielded() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.yielded
+}
+
 // applyLatest applies the newest snapshot, if there is one.
 func (a *agent) applyLatest(ctx context.Context, full bool) bool {
 	a.mu.Lock()
@@ -435,7 +450,9 @@ func (a *agent) applyLatestLocked(ctx context.Context, full bool) bool {
 // apply turns one snapshot into the tunnel's state and this node's
 // enrollment. Callers hold a.mu.
 func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
-	a.writeHint(s)
+	if !a.yielded {
+		a.writeHint(s) // the node's, written by the agent holding it
+	}
 	dir, errs := workload.Build(withCNIAddrs(s, a.cniPods), a.cfg.selection, s.HandlerLookup())
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
@@ -451,6 +468,9 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	// Certificates of new identities are requested now, before the CNI ADD
 	// is answered; those of identities whose last local pod left are dropped.
 	a.certs.Sync(enrolledIdentities(a.cfg.trustDomain, dir.LocalPods(a.cfg.node)))
+	if a.yielded {
+		return
+	}
 	res := a.rec.Reconcile(ctx, want, full)
 	for _, p := range res.Attached {
 		a.log.Info("pod enrolled", "pod", p)
