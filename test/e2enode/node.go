@@ -257,8 +257,8 @@ func (n *Node) netns() error {
 }
 
 // holderScript runs in the node's own mount namespace (a slave of the host's: host mounts
-// show up, the node's never leave it) and network namespace. It mounts the node's bpffs, as
-// systemd does at boot on most nodes (the chart's mount-bpffs then has nothing to do). Shared propagation inside it lets
+// show up, the node's never leave it) and network namespace. It mounts no bpffs: the chart's
+// mount-bpffs does, and its mount reaches the node through the shared propagation. Shared propagation inside it lets
 // the chart's Bidirectional bpffs mount reach the node's other containers. The namespace
 // lives as long as one of its processes does; with it go every mount the node made.
 const holderScript = `set -e
@@ -267,8 +267,6 @@ for d in ` + "/run /etc/cni /opt/cni /var/lib/kubelet /var/log/pods /var/log/con
 	mount -t tmpfs -o mode=0755 e2enode "$d"
 done
 mkdir -p /etc/cni/net.d /opt/cni/bin /run/netns
-# A bpffs of the node's own, as systemd mounts one at boot on most nodes.
-mount -t bpf bpffs /sys/fs/bpf
 echo ready
 exec sleep infinity
 `
