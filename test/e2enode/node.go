@@ -721,6 +721,16 @@ func (n *Node) ImportImage(ctx context.Context, tar string) error {
 	return nil
 }
 
+// TagImage names an image of the node's containerd anew.
+func (n *Node) TagImage(ctx context.Context, from, to string) error {
+	sock := filepath.Join(n.Dir, "containerd", "containerd.sock")
+	cmd := exec.CommandContext(ctx, "ctr", "--address", sock, "-n", "k8s.io", "images", "tag", "--force", from, to)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("ctr images tag %s %s: %w: %s", from, to, err, out)
+	}
+	return nil
+}
+
 func (n *Node) kubelet(ctx context.Context) error {
 	kd := filepath.Join(n.Dir, "kubelet")
 	if err := os.MkdirAll(kd, 0o755); err != nil {
