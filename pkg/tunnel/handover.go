@@ -139,3 +139,57 @@ func (t *Tunnel) drainingConns(pods map[string]*pod) int {
 	}
 	return n
 }
+
+// Taking the ports over from a predecessor without SO_REUSEPORT (a release
+// from before hand-over): its listeners cannot share a group, so binding
+// fails with EADDRINUSE until it closes them on SIGTERM. The pod counts as
+// served meanwhile (readiness must pass, or a surge rollout would wait
+// forever for this agent while the old one keeps the ports), and binding is
+// retried every awaitPortsEvery: the gap after the predecessor closes is at
+// most that, and a SYN in it is dropped and retransmitted (about 1 s).
+// After awaitPortsReport, readiness names the pod: something else than an
+// agent on its way out may hold the port (an app listening on 15001).
+const (
+	awaitPortsEvery  = 20 * time.Millisecond
+	awaitPortsReport = 60 * time.Second
+)
+
+// awaitPorts retries listen until it succeeds or the pod stops.
+func (p *pod) awaitPorts(ctx context.Context, first error) {
+	p.t.log.InfoContext(ctx, "pod ports held by another process (an agent without listener hand-over?); taking them when it lets go",
+		"uid", p.uid, "netns", p.netns, "error", first)
+	start := time.Now()
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		tick := time.NewTicker(awaitPortsEvery)
+		defer tick.Stop()
+		reported := false
+		for {
+			select {
+			case <-p.ctx.Done():
+				return
+			case <-tick.C:
+			}
+			lns, err := p.listen(p.ctx)
+			if err != nil {
+				if !reported && time.Since(start) > awaitPortsReport {
+					reported = true
+					for _, h := range p.health {
+						h.fail(err, time.Now())
+					}
+					p.t.log.Error("pod ports still held by another process", "uid", p.uid, "netns", p.netns, "error", err)
+				}
+				continue
+			}
+			if !p.serve(lns) {
+				return
+			}
+			for _, h := range p.health {
+				h.ok(time.Now())
+			}
+			p.t.log.Info("serving pod (ports taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+			return
+		}
+	}()
+}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
@@ -82,42 +83,71 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	}
 	// Every listener is in a reuseport group (see handover.go): a
 	// successor agent opens its own next to these and takes over.
-	if err := enableHandover(path); err != nil {
+	err := enableHandover(path)
+	if err != nil {
 		cancel()
 		return nil, err
 	}
+	if p.hbone, err = t.newHBONEServer(p); err != nil {
+		cancel()
+		return nil, fmt.Errorf("HBONE server: %w", err)
+	}
+	lns, err := p.listen(ctx)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		// A predecessor without SO_REUSEPORT (a release before hand-over)
+		// holds the ports: take them the moment it lets go (handover.go).
+		p.awaitPorts(ctx, err)
+		return p, nil
+	}
+	if err != nil {
+		_ = p.hbone.Close()
+		cancel()
+		return nil, err
+	}
+	p.serve(lns)
+	t.log.InfoContext(ctx, "serving pod", "uid", uid, "netns", path, "addrs", addrs)
+	return p, nil
+}
+
+// listen opens the pod's three listeners, or none.
+func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
+	t, path := p.t, p.netns
 	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true}
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
 	if err != nil {
-		cancel()
 		return nil, fmt.Errorf("outbound listener: %w", err)
 	}
 	in, err := listenWildcard(ctx, path, t.cfg.InboundPort, transparent)
 	if err != nil {
 		out.Close()
-		cancel()
 		return nil, fmt.Errorf("inbound listener: %w", err)
 	}
 	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true})
 	if err != nil {
 		out.Close()
 		in.Close()
-		cancel()
 		return nil, fmt.Errorf("HBONE listener: %w", err)
 	}
-	p.lns = []net.Listener{out, in, hb}
-	if p.hbone, err = t.newHBONEServer(p); err != nil {
-		for _, l := range p.lns {
+	return []net.Listener{out, in, hb}, nil
+}
+
+// serve runs the accept loops and the HBONE server on lns (from listen);
+// once stop began it closes them instead and returns false.
+func (p *pod) serve(lns []net.Listener) bool {
+	p.mu.Lock()
+	if p.stopping.Load() {
+		p.mu.Unlock()
+		for _, l := range lns {
 			l.Close()
 		}
-		cancel()
-		return nil, fmt.Errorf("HBONE server: %w", err)
+		return false
 	}
-	p.acceptLoop(out, p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
-	p.acceptLoop(in, p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
-	p.serveHBONE(keepaliveListener{hb}, p.health[2])
-	t.log.InfoContext(ctx, "serving pod", "uid", uid, "netns", path, "addrs", addrs)
-	return p, nil
+	p.lns = lns
+	p.mu.Unlock()
+	p.acceptLoop(lns[0], p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
+	p.acceptLoop(lns[1], p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
+	p.serveHBONE(keepaliveListener{lns[2]}, p.health[2])
+	return true
 }
 
 // wrap passes a pod-side socket, or the error that came instead, through
@@ -188,19 +218,20 @@ func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respB
 // relayed connections were open when it began and how many of them it
 // closed at the deadline.
 func (p *pod) stop(ctx context.Context) (open, forced int) {
-	p.stopping.Store(true)
-	for _, l := range p.lns {
-		l.Close()
-	}
 	p.mu.Lock()
+	p.stopping.Store(true) // under mu: awaitPorts serves no listener after this
+	lns, hb := p.lns, p.hbone
 	open = len(p.conns)
 	p.mu.Unlock()
+	for _, l := range lns {
+		l.Close()
+	}
 	done := make(chan struct{})
 	go func() {
 		// GOAWAY first: peers open new streams elsewhere (a successor's
 		// listener) while these finish.
-		if p.hbone != nil {
-			_ = p.hbone.Shutdown(ctx)
+		if hb != nil {
+			_ = hb.Shutdown(ctx)
 		}
 		p.wg.Wait()
 		close(done)

@@ -671,3 +671,48 @@ func startIperf(t *testing.T, client, server *Pod, d time.Duration) (wait func()
 		return r.out, r.err
 	}
 }
+
+// TestTakeoverFromAgentWithoutReusePort: the first upgrade from a release
+// without listener hand-over. Its listeners (here: plain ones the test
+// holds on the pod's tunnel ports, without SO_REUSEPORT) make the new
+// agent's binds fail with EADDRINUSE; the new agent still becomes ready (a
+// surge rollout would otherwise wait forever) and takes the ports the
+// moment they are released, then serves the pod through the mesh.
+func TestTakeoverFromAgentWithoutReusePort(t *testing.T) {
+	var held []net.Listener
+	var client, server *Pod
+	ms := newMeshWith(t, nil, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server = tp.Nodes[1].AddPod("server")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
+			Pod(client, "mesh", "client-sa", "app=client").
+			Pod(server, "mesh", "server-sa", "app=server").
+			Raw(`apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`)
+		for _, port := range []int{15001, 15006, 15008} {
+			l, err := netns.Listen(context.Background(), client.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			held = append(held, l)
+		}
+	})
+	HTTPApp(t, server, 8080, "server")
+	a := ms.agents[0]
+	a.WaitLog(t, "pod ports held by another process", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error { _, err := curlOK(a.Node.Path(), "http://127.0.0.1:15021/healthz/ready"); return err })
+	if _, err := Curl(client, URL(server.IPv4, 8080)); err == nil {
+		t.Fatal("a request went through while the agent did not hold the client's ports (not through the mesh?)")
+	}
+	for _, l := range held {
+		l.Close()
+	}
+	a.WaitLog(t, "serving pod (ports taken over)", 5*time.Second)
+	out, err := Curl(client, URL(server.IPv4, 8080))
+	if err != nil || !strings.Contains(out, "server peer="+client.IPv4.String()) {
+		t.Fatalf("after the take-over: %q, %v", out, err)
+	}
+}
