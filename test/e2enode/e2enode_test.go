@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"sort"
 	"strings"
@@ -104,7 +105,7 @@ func TestRealNode(t *testing.T) {
 	})
 	t.Logf("node up after %v (cold or warm: see docs/e2e-node.md)", time.Since(start).Round(time.Millisecond))
 
-	kubectl := func(args ...string) string {
+	kubectl := func(t *testing.T, args ...string) string {
 		t.Helper()
 		out, err := n.Kubectl(ctx, args...)
 		if err != nil {
@@ -112,23 +113,23 @@ func TestRealNode(t *testing.T) {
 		}
 		return out
 	}
-	apply := func(name, manifest string) {
+	apply := func(t *testing.T, name, manifest string) {
 		t.Helper()
 		f := filepath.Join(n.Dir, name+".yaml")
 		if err := os.WriteFile(f, []byte(manifest), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		kubectl("apply", "-f", f)
+		kubectl(t, "apply", "-f", f)
 	}
 
 	// What a user has before installing: Istio's policy CRDs (for STRICT), the release
 	// namespace with the file CA of the standalone profile, a namespace in the mesh with a pod
 	// already running, and a namespace outside it.
 	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
-		kubectl("apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
+		kubectl(t, "apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
 	}
-	kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
-	kubectl("create", "namespace", releaseNS)
+	kubectl(t, "wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
+	kubectl(t, "create", "namespace", releaseNS)
 	redirector := filepath.Join(n.Dir, "redirector")
 	if out, err := exec.Command("go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
 		t.Fatalf("build redirector: %v: %s", err, out)
@@ -137,12 +138,12 @@ func TestRealNode(t *testing.T) {
 	if out, err := exec.Command(redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
 		t.Fatalf("redirector ca init: %v: %s", err, out)
 	}
-	kubectl("-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
-	kubectl("create", "namespace", meshNS)
-	kubectl("label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
-	kubectl("create", "namespace", outsideNS)
-	apply("early", serverPod(meshNS, "early", nil))
-	apply("outsider", clientPod(outsideNS, "outsider", nil))
+	kubectl(t, "-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
+	kubectl(t, "create", "namespace", meshNS)
+	kubectl(t, "label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
+	kubectl(t, "create", "namespace", outsideNS)
+	apply(t, "early", serverPod(meshNS, "early", nil))
+	apply(t, "outsider", clientPod(outsideNS, "outsider", nil))
 	waitReady(t, n, meshNS, "early")
 	waitReady(t, n, outsideNS, "outsider")
 
@@ -221,9 +222,9 @@ func TestRealNode(t *testing.T) {
 		waitAnnotated(t, n, meshNS, "early", true)
 	})
 
-	apply("server", serverPod(meshNS, "server", nil)+"---\n"+service(meshNS, "server"))
-	apply("client", clientPod(meshNS, "client", nil))
-	apply("optout", clientPod(meshNS, "optout", map[string]string{"istio.io/dataplane-mode": "none"}))
+	apply(t, "server", serverPod(meshNS, "server", nil)+"---\n"+service(meshNS, "server"))
+	apply(t, "client", clientPod(meshNS, "client", nil))
+	apply(t, "optout", clientPod(meshNS, "optout", map[string]string{"istio.io/dataplane-mode": "none"}))
 	for _, p := range [][2]string{{meshNS, "server"}, {meshNS, "client"}, {meshNS, "optout"}, {outsideNS, "outsider"}} {
 		waitReady(t, n, p[0], p[1])
 	}
@@ -239,6 +240,18 @@ func TestRealNode(t *testing.T) {
 		// agent that is at CNI ADD, before its containers start, so it is there by Ready.
 		for _, p := range []string{"server", "client"} {
 			waitAnnotated(t, n, meshNS, p, true)
+		}
+		// The plugin's ADD reached the agent, which enrolled the pod then (before its
+		// containers started), not a later scan.
+		logs, err := n.Kubectl(ctx, "-n", releaseNS, "logs", agentPod(t, n), "-c", "agent")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for p, want := range map[string]string{meshNS + "/server": "true", meshNS + "/client": "true", meshNS + "/optout": "false"} {
+			re := regexp.MustCompile(`msg="CNI event handled".* command=ADD pod=` + regexp.QuoteMeta(p) + ` .*enrolled=` + want)
+			if !re.MatchString(logs) {
+				t.Errorf("no CNI ADD for %s with enrolled=%s in the agent's log", p, want)
+			}
 		}
 		for _, p := range [][2]string{{meshNS, "optout"}, {outsideNS, "outsider"}} {
 			pod, err := n.Client.CoreV1().Pods(p[0]).Get(ctx, p[1], metav1.GetOptions{})
@@ -305,7 +318,7 @@ func TestRealNode(t *testing.T) {
 			t.Fatal(err)
 		}
 		old := agentPod(t, n)
-		kubectl("-n", releaseNS, "delete", "pod", old, "--wait=false")
+		kubectl(t, "-n", releaseNS, "delete", "pod", old, "--wait=false")
 		// Requests go on while the agent is away; each either fails or is meshed.
 		deadline := time.Now().Add(podTimeout)
 		var ok, failed int
@@ -489,14 +502,14 @@ func TestRealNode(t *testing.T) {
 }
 
 // startupTime measures apply -> Ready of a pod in and out of the mesh, median of 10 each.
-func startupTime(t *testing.T, n *Node, apply func(name, manifest string)) {
+func startupTime(t *testing.T, n *Node, apply func(t *testing.T, name, manifest string)) {
 	const runs = 10
 	for _, ns := range []string{meshNS, outsideNS} {
 		var d []time.Duration
 		for i := range runs {
 			name := fmt.Sprintf("startup-%d", i)
 			t0 := time.Now()
-			apply(ns+"-"+name, serverPod(ns, name, nil))
+			apply(t, ns+"-"+name, serverPod(ns, name, nil))
 			waitReady(t, n, ns, name)
 			d = append(d, time.Since(t0))
 			if _, err := n.Kubectl(t.Context(), "-n", ns, "delete", "pod", name, "--wait=false"); err != nil {

@@ -79,6 +79,8 @@ type Node struct {
 	hierarchy  []string // mount points of the cgroup hierarchies
 	procs      []*process
 
+	rec record // what a later run needs to clean up after a crash of this one
+
 	mu       sync.Mutex
 	undo     []func() error
 	stopOnce sync.Once // a second Stop (signal handler and t.Cleanup) waits for the first
@@ -99,6 +101,9 @@ type Logf func(format string, args ...any)
 func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n *Node, err error) {
 	id := strings.ToLower(rand.Text()[:6])
 	n = &Node{Name: "e2enode-" + id, Bins: bins, Images: images, ImageTag: imageTag}
+	if err := SweepStale(logf); err != nil {
+		logf("sweeping stale nodes: %v", err)
+	}
 	register(n)
 	defer func() {
 		if err != nil {
@@ -114,6 +119,12 @@ func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n
 		return n, err
 	}
 	n.push(func() error { return os.RemoveAll(n.Dir) })
+	n.push(func() error {
+		if err := os.Remove(recordPath(n.Name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		return nil
+	})
 	if err := n.saveSysctls(); err != nil {
 		return n, err
 	}
@@ -127,6 +138,16 @@ func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n
 		return n, err
 	}
 	if err := n.cgroups(); err != nil {
+		return n, err
+	}
+	// From here on everything the node runs is in its cgroups, the holder too, and the
+	// record lets a later run clean up if this one dies without Stop.
+	if err := n.join(n.holder.Process.Pid); err != nil {
+		return n, err
+	}
+	n.rec.Name, n.rec.Dir, n.rec.Owner = n.Name, n.Dir, os.Getpid()
+	n.rec.CgroupRoot, n.rec.Hierarchy = n.cgroupRoot, n.hierarchy
+	if err := n.writeRecord(); err != nil {
 		return n, err
 	}
 	if err := n.controlPlane(ctx); err != nil {
@@ -179,6 +200,7 @@ func (n *Node) saveSysctls() error {
 		}
 		saved[k] = strings.TrimSpace(string(b))
 	}
+	n.rec.Sysctls = saved
 	n.push(func() error {
 		var errs []error
 		for _, k := range kubeletSysctls {
@@ -210,6 +232,12 @@ func (n *Node) hostDirs() error {
 		}
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return fmt.Errorf("create mount point %s: %w", d, err)
+		}
+		for p := d; ; p = filepath.Dir(p) {
+			n.rec.HostDirs = append(n.rec.HostDirs, p) // deepest first
+			if p == top {
+				break
+			}
 		}
 		n.push(func() error {
 			// Empty directories only: on the host they were only ever mount points.
