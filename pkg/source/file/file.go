@@ -191,17 +191,20 @@ type state struct {
 	// refused identifies the last refused load, so that the same broken
 	// bytes, read again, are logged and counted once.
 	refused [sha256.Size]byte
+	// decoded is the documents of the last load (applied or not), decoded.
+	decoded docCache
 }
 
 // reload loads PATH and calls update, unless the load has errors or reads
 // the bytes of the last delivery.
 func (s *Source) reload(update func(source.Snapshot), last *state) {
-	r, err := load(s.path)
+	r, err := load(s.path, last.decoded)
 	if err != nil {
 		s.refuse(last, sha256.Sum256([]byte(err.Error())),
 			[]error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
 		return
 	}
+	last.decoded = r.decoded
 	if errs := append(r.errs, s.lost(r, last)...); len(errs) > 0 {
 		s.refuse(last, r.sum, errs)
 		return

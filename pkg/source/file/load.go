@@ -12,9 +12,13 @@ import (
 	"sort"
 	"strings"
 
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	nodev1 "k8s.io/api/node/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
@@ -77,7 +81,7 @@ func errorReason(err error) string {
 // the snapshot. Source.Run applies nothing of a load with errors; Load shows
 // what would be left.
 func Load(path string) (source.Snapshot, []error) {
-	r, err := load(path)
+	r, err := load(path, nil)
 	if err != nil {
 		return source.Snapshot{}, []error{err}
 	}
@@ -92,6 +96,27 @@ type result struct {
 	errs  []error
 	files map[string]fileState
 	sum   [sha256.Size]byte
+	// decoded memoizes the documents of this load, for the next one.
+	decoded docCache
+}
+
+// docCache maps the bytes of a document (their SHA-256) that decoded without
+// any error to what it decoded to, so that a reload decodes only the
+// documents that changed: at a few hundred pods, strictly decoding every
+// document again is most of the time from a manifest write to the agent
+// seeing it. It is a pure memo: the same bytes always decode to the same
+// objects, so a hit gives exactly what decoding would, and every check that
+// depends on more than the document itself (duplicates, end markers, empty
+// files) runs on every load as before. It holds the documents of one load
+// only (the last one), so it is bounded by the manifests' size.
+type docCache map[[sha256.Size]byte][]replay
+
+// replay adds one decoded object of a cached document to b again, as a deep
+// copy: a delivered snapshot is read-only by contract, but the cache must
+// not depend on every consumer keeping it.
+type replay struct {
+	item int // 1-based item of a List document, or 0
+	add  func(b *builder, loc DocError) error
 }
 
 // fileState is what one load saw of a file, to judge the next load of it.
@@ -113,12 +138,15 @@ func (r result) docs() int {
 
 // load fails only when path itself cannot be read; problems in single files
 // or documents end up in result.errs.
-func load(path string) (result, error) {
+//
+// prev, which may be nil, is the decoded documents of the last load.
+func load(path string, prev docCache) (result, error) {
 	files, err := manifestFiles(path)
 	if err != nil {
 		return result{}, err
 	}
 	b := newBuilder()
+	b.prev = prev
 	h := sha256.New()
 	r := result{files: map[string]fileState{}}
 	for _, f := range files {
@@ -132,7 +160,7 @@ func load(path string) (result, error) {
 		h.Write(data)
 		r.files[f] = b.addStream(f, data)
 	}
-	r.snap, r.errs = b.snapshot(), b.errs
+	r.snap, r.errs, r.decoded = b.snapshot(), b.errs, b.next
 	h.Sum(r.sum[:0])
 	return r, nil
 }
@@ -250,9 +278,15 @@ type builder struct {
 	snap source.Snapshot
 	seen map[string]string
 	errs []error
+
+	prev, next docCache
+	// replays collects how to add again the objects of the document being
+	// decoded; cacheable is false once one of them cannot be deep-copied.
+	replays   []replay
+	cacheable bool
 }
 
-func newBuilder() *builder { return &builder{seen: map[string]string{}} }
+func newBuilder() *builder { return &builder{seen: map[string]string{}, next: docCache{}} }
 
 // addStream adds the documents of one file and returns what it held. A file
 // that does not end with a newline was cut short mid-line, or is being
@@ -270,9 +304,32 @@ func (b *builder) addStream(file string, data []byte) fileState {
 			b.fail(loc, doc.err)
 			continue
 		}
-		b.addDocument(loc, doc.data)
+		b.addCached(loc, doc.data)
 	}
 	return fileState{docs: len(docs), ended: ended}
+}
+
+// addCached adds one document: from the cache if the last load decoded the
+// same bytes without error, else by decoding it (and caching the result if
+// it had no error).
+func (b *builder) addCached(loc DocError, data []byte) {
+	sum := sha256.Sum256(data)
+	if replays, ok := b.prev[sum]; ok {
+		for _, r := range replays {
+			loc.Item = r.item
+			loc.Reason = source.ReasonInvalid
+			b.fail(loc, r.add(b, loc))
+		}
+		b.next[sum] = replays
+		return
+	}
+	errs := len(b.errs)
+	b.replays, b.cacheable = nil, true
+	b.addDocument(loc, data)
+	if len(b.errs) == errs && b.cacheable {
+		b.next[sum] = b.replays
+	}
+	b.replays = nil
 }
 
 // addDocument decodes one document, reporting failures at loc.
@@ -328,24 +385,23 @@ func (b *builder) fail(loc DocError, err error) {
 
 // addObject decodes data, strictly, as the type that tm names.
 func (b *builder) addObject(loc DocError, tm metav1.TypeMeta, data []byte) error {
-	s := &b.snap
 	switch {
 	case tm.APIVersion == "" || tm.Kind == "":
 		return errors.New("apiVersion and kind are required")
 	case tm.APIVersion == "v1" && tm.Kind == "Namespace":
-		return add(b, loc, tm.Kind, data, &s.Namespaces, false)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Namespace { return &s.Namespaces }, false)
 	case tm.APIVersion == "v1" && tm.Kind == "Pod":
-		return add(b, loc, tm.Kind, data, &s.Pods, true)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Pod { return &s.Pods }, true)
 	case tm.APIVersion == "v1" && tm.Kind == "Service":
-		return add(b, loc, tm.Kind, data, &s.Services, true)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Service { return &s.Services }, true)
 	case tm.APIVersion == "discovery.k8s.io/v1" && tm.Kind == "EndpointSlice":
-		return add(b, loc, tm.Kind, data, &s.EndpointSlices, true)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]discoveryv1.EndpointSlice { return &s.EndpointSlices }, true)
 	case tm.APIVersion == "node.k8s.io/v1" && tm.Kind == "RuntimeClass":
-		return add(b, loc, tm.Kind, data, &s.RuntimeClasses, false)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]nodev1.RuntimeClass { return &s.RuntimeClasses }, false)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "PeerAuthentication":
-		return add(b, loc, tm.Kind, data, &s.PeerAuthentications, true)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]policy.PeerAuthentication { return &s.PeerAuthentications }, true)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "AuthorizationPolicy":
-		return add(b, loc, tm.Kind, data, &s.AuthorizationPolicies, true)
+		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]policy.AuthorizationPolicy { return &s.AuthorizationPolicies }, true)
 	}
 	return fmt.Errorf("unsupported kind %s in apiVersion %s", tm.Kind, tm.APIVersion)
 }
@@ -354,12 +410,13 @@ func istioSecurity(apiVersion string) bool {
 	return apiVersion == "security.istio.io/v1" || apiVersion == "security.istio.io/v1beta1"
 }
 
-// add decodes data into a new T and appends it to list. Namespaced objects
-// without a namespace land in "default", as with kubectl apply.
+// add decodes data into a new T and appends it to the list that list
+// selects. Namespaced objects without a namespace land in "default", as with
+// kubectl apply. It records how to add the object again from the cache.
 func add[T any, PT interface {
 	*T
 	metav1.Object
-}](b *builder, loc DocError, kind string, data []byte, list *[]T, namespaced bool) error {
+}](b *builder, loc DocError, kind string, data []byte, list func(*source.Snapshot) *[]T, namespaced bool) error {
 	var obj T
 	if err := yaml.UnmarshalStrict(data, &obj); err != nil {
 		return err
@@ -374,12 +431,31 @@ func add[T any, PT interface {
 	case meta.GetNamespace() == "":
 		meta.SetNamespace(metav1.NamespaceDefault)
 	}
+	if dc, ok := any(&obj).(interface{ DeepCopy() *T }); ok {
+		kept := any(dc.DeepCopy()).(interface{ DeepCopy() *T })
+		b.replays = append(b.replays, replay{item: loc.Item, add: func(b *builder, loc DocError) error {
+			return put[T, PT](b, loc, kind, list, *kept.DeepCopy())
+		}})
+	} else {
+		b.cacheable = false
+	}
+	return put[T, PT](b, loc, kind, list, obj)
+}
+
+// put appends obj, decoded at loc, to the list that list selects, unless an
+// object of the same kind and name came before it.
+func put[T any, PT interface {
+	*T
+	metav1.Object
+}](b *builder, loc DocError, kind string, list func(*source.Snapshot) *[]T, obj T) error {
+	meta := PT(&obj)
 	key := kind + " " + meta.GetNamespace() + "/" + meta.GetName()
 	if first, ok := b.seen[key]; ok {
 		return fmt.Errorf("duplicate %s %s, first defined in %s", kind, objectName(meta), first)
 	}
 	b.seen[key] = loc.File + " " + loc.where()
-	*list = append(*list, obj)
+	l := list(&b.snap)
+	*l = append(*l, obj)
 	return nil
 }
 
