@@ -362,6 +362,8 @@ func runAgent(ctx context.Context, args []string) error {
 			// SIGTERM drains them.
 			ag.yield()
 			stopRepair()
+			// Probes of the shared readiness port must reach the successor.
+			_ = servers.CloseReadiness()
 			log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
 		}
 		if ag.applyLatest(ctx, full) && full {

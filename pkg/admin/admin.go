@@ -50,8 +50,9 @@ type Options struct {
 type Servers struct {
 	metricsAddr, readinessAddr, adminAddr string
 
-	servers []*http.Server
-	wg      sync.WaitGroup
+	servers   []*http.Server
+	readiness *http.Server
+	wg        sync.WaitGroup
 }
 
 // Start listens on every address before it returns, so a port already in use
@@ -96,6 +97,9 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		}
 		s.servers = append(s.servers, srv)
+		if e.name == "readiness" {
+			s.readiness = srv
+		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
@@ -143,6 +147,18 @@ func (s *Servers) Close() error {
 	}
 	s.wg.Wait()
 	return errors.Join(errs...)
+}
+
+// CloseReadiness stops the readiness endpoint only. An agent that a newer
+// one succeeded calls it: the two share the port (SO_REUSEPORT), and a
+// probe meant for the successor must not be answered by the old agent, or
+// the successor would pass for ready before it is. The old agent's own
+// probes then reach the successor. Calling it again is harmless.
+func (s *Servers) CloseReadiness() error {
+	if s.readiness == nil {
+		return nil
+	}
+	return s.readiness.Close()
 }
 
 // reusePort sets SO_REUSEPORT: during an upgrade the new agent binds the
