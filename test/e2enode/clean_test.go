@@ -38,7 +38,13 @@ func readHostState(t *testing.T) hostState {
 func checkClean(t *testing.T, n *Node, before hostState) {
 	t.Helper()
 	after := readHostState(t)
-	for k, v := range before.sysctls {
+	// The values the node saved at start, after sweeping a crashed run's node (whose kubelet
+	// may have changed them before this test read them).
+	saved := before.sysctls
+	if len(n.rec.Sysctls) > 0 {
+		saved = n.rec.Sysctls
+	}
+	for k, v := range saved {
 		if after.sysctls[k] != v {
 			t.Errorf("sysctl %s is %s after the node stopped, was %s", k, after.sysctls[k], v)
 		}
