@@ -152,32 +152,40 @@ const accessLogBuffer = 64 << 10
 // per line and connection would cost the data path a system call on every
 // close (and the reader of the log pipe a wake-up), several percent of the
 // new-connection rate. Lines wait at most accessLogFlushEvery; each Write
-// must be whole lines, as slog handlers write one record per call.
+// must be whole lines, as slog handlers write one record per call. The flush
+// timer runs only while lines wait, so an idle agent is not woken ten times
+// a second for nothing.
 type AccessLogWriter struct {
-	mu   sync.Mutex
-	w    io.Writer
-	buf  []byte
-	stop chan struct{}
-	done chan struct{}
+	mu  sync.Mutex
+	w   io.Writer
+	buf []byte
+	// waiting gets a token when the buffer turns non-empty.
+	waiting chan struct{}
+	stop    chan struct{}
+	done    chan struct{}
 }
 
 // NewAccessLogWriter starts a writer that flushes to w; Close flushes and
 // stops it.
 func NewAccessLogWriter(w io.Writer) *AccessLogWriter {
-	a := &AccessLogWriter{w: w, buf: make([]byte, 0, accessLogBuffer), stop: make(chan struct{}), done: make(chan struct{})}
+	a := &AccessLogWriter{w: w, buf: make([]byte, 0, accessLogBuffer), waiting: make(chan struct{}, 1),
+		stop: make(chan struct{}), done: make(chan struct{})}
 	go a.loop()
 	return a
 }
 
 func (a *AccessLogWriter) loop() {
 	defer close(a.done)
-	t := time.NewTicker(accessLogFlushEvery)
-	defer t.Stop()
+	t := time.NewTimer(accessLogFlushEvery)
+	t.Stop()
 	for {
 		select {
+		case <-a.waiting:
+			t.Reset(accessLogFlushEvery)
 		case <-t.C:
 			a.Flush()
 		case <-a.stop:
+			t.Stop()
 			a.Flush()
 			return
 		}
@@ -194,6 +202,12 @@ func (a *AccessLogWriter) Write(p []byte) (int, error) {
 		}
 		if len(p) > cap(a.buf) {
 			return a.w.Write(p)
+		}
+	}
+	if len(a.buf) == 0 && len(p) > 0 {
+		select {
+		case a.waiting <- struct{}{}:
+		default: // a flush is due already
 		}
 	}
 	a.buf = append(a.buf, p...)
