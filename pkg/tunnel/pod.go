@@ -83,11 +83,12 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	}
 	// Every listener is in a reuseport group (see handover.go): a
 	// successor agent opens its own next to these and takes over.
-	err := enableHandover(path)
-	if err != nil {
-		cancel()
-		return nil, err
+	if err := enableHandover(path); err != nil {
+		// Serving matters more: only a hand-over would reset the requests
+		// queued on a closing listener.
+		t.log.WarnContext(ctx, "pod served without request migration", "uid", uid, "error", err)
 	}
+	var err error
 	if p.hbone, err = t.newHBONEServer(p); err != nil {
 		cancel()
 		return nil, fmt.Errorf("HBONE server: %w", err)
