@@ -494,9 +494,22 @@ func TestRealNode(t *testing.T) {
 				t.Errorf("pod %s did not keep running through the uninstall: %v", p, err)
 			}
 		}
-		// Redirection is gone: plain HTTP between the pods again.
+		// Redirection is gone: plain HTTP between the pods again, and the sniffer sees the
+		// marker now (so its silence in the meshed checks means something).
 		if out, err := wget(meshNS, "client", "http://"+serverIP+":8080/cgi-bin/ip"); err != nil || remoteAddr(out) != clientIP {
 			t.Errorf("after uninstall: %q, %v", out, err)
+		}
+		s, err := n.Sniff(marker)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := wget(meshNS, "client", "http://"+serverIP+":8080/")
+		hits, ports := s.Stop()
+		if err != nil || !strings.Contains(out, marker) {
+			t.Errorf("plain request after uninstall: %q, %v", out, err)
+		}
+		if hits == 0 || ports[15008] != 0 {
+			t.Errorf("after uninstall the sniffer saw the plaintext marker %d times and %d HBONE frames; want some and none", hits, ports[15008])
 		}
 	})
 }
