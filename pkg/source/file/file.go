@@ -42,6 +42,9 @@
 // and rename it over the old one, as ConfigMap volumes and editors do), or
 // end them with "...". Removing a file from a watched directory is an edit,
 // not a truncation.
+//
+// A reload decodes only the documents whose bytes changed since the last
+// load (see docCache); every check above still runs on the whole load.
 package file
 
 import (
