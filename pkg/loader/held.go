@@ -21,9 +21,10 @@ func (l *Loader) holdLinks(id uint32, lks [2]link.Link) {
 	l.linksMu.Lock()
 	old, ok := l.links[id]
 	if l.links == nil {
-		l.links = map[uint32][2]link.Link{}
+		l.links, l.linkFDs = map[uint32][2]link.Link{}, map[uint32][2]int{}
 	}
 	l.links[id] = lks
+	l.linkFDs[id] = linkFDs(lks)
 	l.linksGen++
 	l.linksMu.Unlock()
 	if ok {
@@ -40,6 +41,7 @@ func (l *Loader) dropLinks(id uint32) {
 	l.linksMu.Lock()
 	old, ok := l.links[id]
 	delete(l.links, id)
+	delete(l.linkFDs, id)
 	l.linksGen++
 	l.linksMu.Unlock()
 	if ok {
@@ -77,10 +79,32 @@ type LinkCheck struct {
 	Errors []error
 }
 
+// In linkFDs, for a link that is not there, and one without a descriptor.
+const (
+	noLink = -1
+	noFD   = -2
+)
+
+// linkFDs are the file descriptors of lks (or noLink, noFD).
+func linkFDs(lks [2]link.Link) [2]int {
+	fds := [2]int{noLink, noLink}
+	for i, lk := range lks {
+		if lk == nil {
+			continue
+		}
+		fds[i] = noFD
+		if fdr, ok := lk.(interface{ FD() int }); ok {
+			fds[i] = fdr.FD()
+		}
+	}
+	return fds
+}
+
 // CheckLinks looks at every held link: a link that is no longer attached
 // marks its pod broken, and with pins set a missing pin is put back from the
 // open link at once (the link never stopped running). It costs one bpf(2)
-// call per link, and one stat with pins, so it can run several times a
+// call per link, on the descriptor kept in linkFDs (no walk through the
+// link objects), and one stat with pins, so it can run several times a
 // second.
 func (l *Loader) CheckLinks(pins bool) LinkCheck {
 	// Under the lock, so that no link is closed while it is looked at; the
@@ -88,20 +112,24 @@ func (l *Loader) CheckLinks(pins bool) LinkCheck {
 	l.linksMu.Lock()
 	defer l.linksMu.Unlock()
 	var res LinkCheck
-	for id, lks := range l.links {
+	for id, fds := range l.linkFDs {
 		broken := false
-		for i, d := range []direction{ingress, egress} {
-			lk := lks[i]
-			if lk == nil {
+		for i, d := range [2]direction{ingress, egress} {
+			if fds[i] == noLink {
 				continue
 			}
-			if ok, err := pin.TCXAttached(lk); err != nil || !ok {
+			if fds[i] == noFD {
+				broken = true // not a link this check can look at
+				continue
+			}
+			if ok, err := pin.TCXAttachedFD(fds[i]); err != nil || !ok {
 				broken = true
 				continue
 			}
 			if !pins {
 				continue
 			}
+			lk := l.links[id][i]
 			path := l.linkPin(id, d)
 			if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
 				continue
@@ -148,7 +176,7 @@ func (l *Loader) linksOK(id uint32, tcx bool) bool {
 func (l *Loader) closeHeld() {
 	l.linksMu.Lock()
 	held := l.links
-	l.links = nil
+	l.links, l.linkFDs = nil, nil
 	l.linksMu.Unlock()
 	for _, lks := range held {
 		for _, lk := range lks {

@@ -66,6 +66,7 @@ type Loader struct {
 
 	linksMu  sync.Mutex
 	links    map[uint32][2]link.Link // held tcx links by pod id (held.go)
+	linkFDs  map[uint32][2]int       // their file descriptors, for CheckLinks
 	linksGen uint64                  // changes whenever links does
 }
 

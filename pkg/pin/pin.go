@@ -237,6 +237,16 @@ func TCXAttached(lk link.Link) (bool, error) {
 	if !ok {
 		return false, fmt.Errorf("link has no file descriptor")
 	}
+	ok, err := TCXAttachedFD(fdr.FD())
+	runtime.KeepAlive(lk)
+	return ok, err
+}
+
+// TCXAttachedFD is TCXAttached on the link's file descriptor, for a caller
+// that checks many held links often and keeps their descriptors at hand
+// (following each link's pointers costs about as much as the call). The
+// caller keeps the link open meanwhile.
+func TCXAttachedFD(fd int) (bool, error) {
 	// The head of struct bpf_link_info, up to the tcx member of its union.
 	// On the heap, which never moves, since the kernel gets its address
 	// as an integer.
@@ -247,10 +257,9 @@ func TCXAttached(lk link.Link) (bool, error) {
 	attr := &struct {
 		FD, InfoLen uint32
 		Info        uint64
-	}{uint32(fdr.FD()), uint32(unsafe.Sizeof(*info)), uint64(uintptr(unsafe.Pointer(info)))}
+	}{uint32(fd), uint32(unsafe.Sizeof(*info)), uint64(uintptr(unsafe.Pointer(info)))}
 	_, _, errno := unix.Syscall(unix.SYS_BPF, unix.BPF_OBJ_GET_INFO_BY_FD, uintptr(unsafe.Pointer(attr)), unsafe.Sizeof(*attr))
 	runtime.KeepAlive(info)
-	runtime.KeepAlive(lk)
 	if errno != 0 {
 		return false, fmt.Errorf("link info: %w", errno)
 	}
