@@ -75,7 +75,7 @@ func checkPodScheduling(t *testing.T, ds *appsv1.DaemonSet) {
 	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 		t.Errorf("hostNetwork %v, dnsPolicy %q: want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
 	}
-	// No hostPID: the host's /proc is mounted read-only at /host/proc (PROC_DIR) instead.
+	// No hostPID: the host's /proc is mounted at /host/proc (PROC_DIR) instead.
 	if spec.HostPID {
 		t.Error("hostPID is on; the agent reads the host's processes from the /host/proc mount")
 	}
@@ -218,8 +218,9 @@ func checkMounts(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 		{"node-setup", "netns", "/var/run/netns", hostToContainer, "/var/run/netns", false},
 		{"node-setup", "cni-bin", "/host/opt/cni/bin", "", "/opt/cni/bin", false},
 		{"node-setup", "cni-conf", "/host/etc/cni/net.d", "", "/etc/cni/net.d", false},
-		{"agent", "host-proc", "/host/proc", "", "/proc", true},
-		{"node-setup", "host-proc", "/host/proc", "", "/proc", true},
+		// Writable: the pods' per-namespace sysctls are written through it.
+		{"agent", "host-proc", "/host/proc", "", "/proc", false},
+		{"node-setup", "host-proc", "/host/proc", "", "/proc", false},
 	} {
 		checkMount(t, ds, w)
 	}

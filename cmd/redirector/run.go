@@ -109,7 +109,7 @@ func runSettings() (*settings, runFlags) {
 		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		ca:         addCAFlags(s),
 		xds:        addXDSFlags(s),
-		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net (the Helm chart mounts it at /host/proc instead of using hostPID)"),
+		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
 		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
 		limits:     addLimitSettings(s),
 		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
@@ -129,6 +129,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	var err error
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
+	c.data.ProcDir = c.procDir
 	switch {
 	case *f.src == "kubernetes", *f.src == "xds":
 		c.source = *f.src
@@ -246,7 +247,7 @@ func runAgent(ctx context.Context, args []string) error {
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
-		TunnelMark: cfg.data.TunnelMark, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
+		TunnelMark: cfg.data.TunnelMark, ProcDir: cfg.procDir, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog,
 	})
 	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)

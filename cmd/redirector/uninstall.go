@@ -15,11 +15,14 @@ import (
 func runUninstall(ctx context.Context, args []string) error {
 	s := newSettings("uninstall")
 	root := s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "where the agent pinned its maps and links")
+	procDir := s.add("proc-dir", "PROC_DIR", "/proc", "a writable procfs: pods' sysctls are restored under <dir>/sys (the Helm chart mounts the host's /proc at /host/proc)")
 	if err := s.parse(args); err != nil {
 		return err
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	if err := loader.Uninstall(ctx, *root, loader.DefaultSettings(), log); err != nil {
+	data := loader.DefaultSettings()
+	data.ProcDir = *procDir
+	if err := loader.Uninstall(ctx, *root, data, log); err != nil {
 		return fmt.Errorf("uninstall %s: %w", *root, err)
 	}
 	if _, err := os.Stat(*root); err == nil {

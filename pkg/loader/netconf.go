@@ -1,11 +1,13 @@
 package loader
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -15,8 +17,10 @@ import (
 
 // The functions here run inside the pod's network namespace (netns.Do).
 
-func sysctlPath(family, iface, name string) string {
-	return fmt.Sprintf("/proc/sys/net/%s/conf/%s/%s", family, iface, name)
+// sysctlPath names a per-interface sysctl of the calling thread's network
+// namespace under procDir (empty: /proc).
+func sysctlPath(procDir, family, iface, name string) string {
+	return filepath.Join(cmp.Or(procDir, "/proc"), "sys/net", family, "conf", iface, name)
 }
 
 func readSysctl(path string) (int32, error) {

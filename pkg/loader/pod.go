@@ -252,7 +252,7 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if err := checkAddrs(iface, meta.Addrs); err != nil {
 			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
 		}
-		al, rp := sysctlPath("ipv4", meta.Interface, "accept_local"), sysctlPath("ipv4", meta.Interface, "rp_filter")
+		al, rp := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter")
 		if !existed {
 			// Remember what the pod had, to restore it on detach.
 			meta.AcceptLocal, _ = readSysctl(al)
@@ -270,8 +270,8 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			if err := writeSysctl(rp, 0); err != nil {
 				return err
 			}
-			if v, err := readSysctl(sysctlPath("ipv4", "all", "rp_filter")); err == nil && v != 0 {
-				if err := writeSysctl(sysctlPath("ipv4", "all", "rp_filter"), 0); err != nil {
+			if v, err := readSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter")); err == nil && v != 0 {
+				if err := writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter"), 0); err != nil {
 					return err
 				}
 			}
@@ -426,10 +426,10 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 		errs = append(errs, l.delRouting(meta.Addrs))
 		if err == nil && hasV4(meta.Addrs) {
 			if meta.AcceptLocal >= 0 {
-				errs = append(errs, writeSysctl(sysctlPath("ipv4", meta.Interface, "accept_local"), meta.AcceptLocal))
+				errs = append(errs, writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), meta.AcceptLocal))
 			}
 			if meta.RPFilter >= 0 {
-				errs = append(errs, writeSysctl(sysctlPath("ipv4", meta.Interface, "rp_filter"), meta.RPFilter))
+				errs = append(errs, writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter"), meta.RPFilter))
 			}
 		}
 		return errors.Join(errs...)

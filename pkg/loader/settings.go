@@ -27,6 +27,12 @@ type Settings struct {
 	RulePriority int // priority of the fwmark rule
 	ProbeSNATv4  netip.Addr
 	ProbeSNATv6  netip.Addr
+	// ProcDir is the procfs the pods' per-namespace sysctls are written
+	// through (<ProcDir>/sys/net/...; the namespace is the writing thread's).
+	// Not compiled into the programs. Empty means /proc; the Helm chart
+	// mounts the host's /proc read-write at /host/proc, because a container's
+	// own /proc/sys is read-only unless it is privileged.
+	ProcDir string
 }
 
 // DefaultSettings match Istio ambient's ports, marks and probe addresses.

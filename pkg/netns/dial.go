@@ -131,6 +131,11 @@ func connect(ctx context.Context, f *os.File, fd int, sa unix.Sockaddr) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		if errors.Is(werr, os.ErrDeadlineExceeded) {
+			// The socket's deadline is ctx's: it may fire before ctx's own
+			// timer marks ctx done. Report it as ctx would.
+			return context.DeadlineExceeded
+		}
 		return werr
 	}
 	return cerr

@@ -4,11 +4,13 @@
 package netns
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"syscall"
 
@@ -154,12 +156,14 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 // migrateReqPath is the per-namespace sysctl that moves the requests queued
 // on a closing SO_REUSEPORT listener (SYN_RECV and accept queue) to another
 // listener of its group instead of resetting them.
-const migrateReqPath = "/proc/sys/net/ipv4/tcp_migrate_req"
+const migrateReqPath = "sys/net/ipv4/tcp_migrate_req"
 
 // EnableMigrateReq sets net.ipv4.tcp_migrate_req=1 in the network namespace
 // at path (the sysctl is per namespace: /proc/sys/net is the opener's
-// namespace). It returns the value it found, so a caller can restore it.
-func EnableMigrateReq(path string) (old int, err error) {
+// namespace), through the procfs at procDir (empty: /proc). It returns the
+// value it found, so a caller can restore it.
+func EnableMigrateReq(path, procDir string) (old int, err error) {
+	migrateReqPath := filepath.Join(cmp.Or(procDir, "/proc"), migrateReqPath)
 	err = Do(path, func() error {
 		b, err := os.ReadFile(migrateReqPath)
 		if err != nil {

@@ -31,8 +31,8 @@ import (
 // It is left set when the pod leaves: the successor relies on it during a
 // hand-over, and it only changes what happens to requests queued on a
 // closing reuseport listener (moved, not reset), also for the app's own.
-func enableHandover(path string) error {
-	if _, err := netns.EnableMigrateReq(path); err != nil {
+func enableHandover(path, procDir string) error {
+	if _, err := netns.EnableMigrateReq(path, procDir); err != nil {
 		return fmt.Errorf("listener hand-over: %w", err)
 	}
 	return nil

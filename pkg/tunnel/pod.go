@@ -83,7 +83,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	}
 	// Every listener is in a reuseport group (see handover.go): a
 	// successor agent opens its own next to these and takes over.
-	if err := enableHandover(path); err != nil {
+	if err := enableHandover(path, t.cfg.ProcDir); err != nil {
 		// Serving matters more: only a hand-over would reset the requests
 		// queued on a closing listener.
 		t.log.WarnContext(ctx, "pod served without request migration", "uid", uid, "error", err)

@@ -38,6 +38,9 @@ type Config struct {
 	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
 	// the BPF programs never capture packets that carry it.
 	TunnelMark uint32
+	// ProcDir is a writable procfs for per-namespace sysctls (empty: /proc;
+	// see loader.Settings.ProcDir).
+	ProcDir string
 	// WrapPodSocket, if set, wraps each socket the tunnel accepts on a pod's
 	// capture listeners or dials to the pod's apps, before any use (the
 	// sockops acceleration's accel.Accelerator.Wrap).
