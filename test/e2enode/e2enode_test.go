@@ -175,22 +175,10 @@ func TestRealNode(t *testing.T) {
 	// The chart, as a user installs it.
 	chart := filepath.Join(repoRoot, "manifests", "charts", "redirector")
 	helmStart := time.Now()
-	// KNOWN BUG (reported, not fixed here: pkg/loader and the chart belong elsewhere): the
-	// agent writes each pod's accept_local and rp_filter through /proc/sys, which the runtime
-	// mounts read-only in an unprivileged container ("read-only file system"), so no pod
-	// gets enrolled; `redirector uninstall` in node-setup fails the same way on the way out
-	// and leaves the pods' traffic broken. Until that is fixed a helm post-renderer runs the
-	// agent and node-setup containers privileged (the chart's one securityContext helper
-	// renders "privileged: false" for both); E2ENODE_CHART_AS_IS=1 runs the chart as it is.
+	// The chart exactly as it renders: unprivileged agent and node-setup containers. (They
+	// once needed to be privileged here: the agent wrote the pods' sysctls through its own
+	// /proc/sys, which the runtime mounts read-only; it now writes them through PROC_DIR.)
 	var helmFix []string
-	if os.Getenv("E2ENODE_CHART_AS_IS") == "" {
-		fix := filepath.Join(n.Dir, "privileged-post-renderer")
-		if err := os.WriteFile(fix, []byte("#!/bin/sh\nexec sed 's/privileged: false/privileged: true/'\n"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		helmFix = []string{"--post-renderer", fix}
-		t.Log("agent and node-setup run privileged (helm post-renderer): /proc/sys is read-only otherwise (known bug)")
-	}
 	if out, err := n.Helm(ctx, append([]string{"install", release, chart, "-n", releaseNS,
 		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
 		"--set", "image.repository=localhost/redirector", "--set", "image.tag=" + imageTag,
