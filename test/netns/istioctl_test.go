@@ -47,36 +47,7 @@ spec:
   rules:
   - from: [{source: {principals: ["cluster.local/ns/mesh/sa/bad"]}}]
     to: [{operation: {ports: ["9091"]}}]`
-	svc := `apiVersion: v1
-kind: Service
-metadata: {name: reviews, namespace: mesh}
-spec:
-  clusterIP: 10.96.0.20
-  clusterIPs: [10.96.0.20]
-  ports:
-  - {name: http, port: 9080, targetPort: 8080}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: reviews-abc
-  namespace: mesh
-  labels: {kubernetes.io/service-name: reviews}
-addressType: IPv4
-ports:
-- {name: http, port: 8080}
-endpoints:
-- addresses: ["%s"]
-  conditions: {ready: true}`
-	var client, server *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
-		client = tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
-		server = tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
-			Raw(ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
-			Raw(ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
-			Raw(fmt.Sprintf(svc, server.IPv4)).Raw(deny)
-	})
+	ms, client, server := newBookinfoMesh(t, "8080", deny)
 	for _, a := range ms.agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)
 	}

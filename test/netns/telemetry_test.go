@@ -84,36 +84,7 @@ metadata: {name: deny-9091, namespace: mesh}
 spec:
   action: DENY
   rules: [{to: [{operation: {ports: ["9091"]}}]}]`
-	svc := `apiVersion: v1
-kind: Service
-metadata: {name: reviews, namespace: mesh}
-spec:
-  clusterIP: 10.96.0.20
-  clusterIPs: [10.96.0.20]
-  ports:
-  - {name: http, port: 9080, targetPort: http}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: reviews-abc
-  namespace: mesh
-  labels: {kubernetes.io/service-name: reviews}
-addressType: IPv4
-ports:
-- {name: http, port: 8080}
-endpoints:
-- addresses: ["%s"]
-  conditions: {ready: true}`
-	var client, server *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
-		client = tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
-		server = tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
-			Raw(ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
-			Raw(ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
-			Raw(fmt.Sprintf(svc, server.IPv4)).Raw(deny)
-	})
+	ms, client, server := newBookinfoMesh(t, "http", deny)
 	HTTPApp(t, server, 8080, "reviews")
 	for _, a := range ms.agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)
@@ -276,4 +247,45 @@ func TestBaggageNamesUnknownClient(t *testing.T) {
 			t.Errorf("%s=%q, want %q (from the client's baggage): %v", k, l[k], v, l)
 		}
 	}
+}
+
+// newBookinfoMesh starts two nodes with Deployment-owned pods as bookinfo
+// names them, productpage-v1 on node 0 and reviews-v2 on node 1 (both in
+// the ambient namespace mesh), the reviews Service at 10.96.0.20:9080 with
+// targetPort, and the extra documents.
+func newBookinfoMesh(t *testing.T, targetPort string, extra ...string) (ms *mesh, client, server *Pod) {
+	t.Helper()
+	svc := `apiVersion: v1
+kind: Service
+metadata: {name: reviews, namespace: mesh}
+spec:
+  clusterIP: 10.96.0.20
+  clusterIPs: [10.96.0.20]
+  ports:
+  - {name: http, port: 9080, targetPort: %s}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: reviews-abc
+  namespace: mesh
+  labels: {kubernetes.io/service-name: reviews}
+addressType: IPv4
+ports:
+- {name: http, port: 8080}
+endpoints:
+- addresses: ["%s"]
+  conditions: {ready: true}`
+	ms = newMesh(t, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
+		server = tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
+			Raw(ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
+			Raw(ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
+			Raw(fmt.Sprintf(svc, targetPort, server.IPv4))
+		for _, doc := range extra {
+			m.Raw(doc)
+		}
+	})
+	return ms, client, server
 }
