@@ -1,9 +1,7 @@
 package kubernetes_test
 
 import (
-	"context"
 	"fmt"
-	"log/slog"
 	"os"
 	"slices"
 	"strings"
@@ -259,41 +257,7 @@ type watcher struct {
 // runSource runs a Source until the test ends, then checks that Run returned cleanly.
 func runSource(t *testing.T, cfg *rest.Config) *watcher {
 	t.Helper()
-	src, err := kubernetes.New(kubernetes.Config{
-		RestConfig:    cfg,
-		NodeName:      "node-a",
-		Logger:        slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name()),
-		PolicyRecheck: 200 * time.Millisecond,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	w := &watcher{change: make(chan struct{}, 1)}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- src.Run(ctx, func(s source.Snapshot) {
-			w.mu.Lock()
-			w.snaps = append(w.snaps, s)
-			w.mu.Unlock()
-			select {
-			case w.change <- struct{}{}:
-			default:
-			}
-		})
-	}()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("Run: %v", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Errorf("Run did not return after its context was cancelled")
-		}
-	})
-	return w
+	return runSourceWith(t, kubernetes.Config{RestConfig: cfg, PolicyRecheck: 200 * time.Millisecond})
 }
 
 // first returns the first snapshot delivered.
