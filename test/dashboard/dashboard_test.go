@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -335,8 +334,8 @@ func startMesh(t *testing.T) *mesh {
 	dir := t.TempDir()
 	manifest, ca := filepath.Join(dir, "mesh.yaml"), filepath.Join(dir, "ca")
 	m := (&netnstest.Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").
-		Raw(ownedPod(ms.client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "productpage", "v1")).
-		Raw(ownedPod(ms.server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "reviews", "v2")).
+		Raw(netnstest.OwnedPodDoc(ms.client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
+		Raw(netnstest.OwnedPodDoc(ms.server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
 		Raw(fmt.Sprintf(reviewsService, ms.server.IPv4)).Raw(denyPolicy)
 	if err := m.Write(manifest); err != nil {
 		t.Fatal(err)
@@ -371,43 +370,6 @@ func (ms *mesh) traffic(t *testing.T) {
 	if out, err := netnstest.Curl(ms.client, netnstest.URL(ms.server.IPv4, 9091)); err == nil {
 		t.Errorf("port 9091 is denied by policy, yet curl got %q", out)
 	}
-}
-
-var podName = regexp.MustCompile(`^[a-z0-9-]+$`)
-
-// ownedPod is a pod as a Deployment's ReplicaSet creates it (generated
-// name, pod-template-hash, controller owner), so its workload is the
-// Deployment.
-func ownedPod(p *netnstest.Pod, ns, sa, deploy, hash, app, version string) string {
-	if !podName.MatchString(p.Name) {
-		panic("bad pod name " + p.Name)
-	}
-	return fmt.Sprintf(`apiVersion: v1
-kind: Pod
-metadata:
-  name: %s
-  generateName: %s-%s-
-  namespace: %s
-  uid: uid-%s-%s
-  labels: {app: %s, version: %s, pod-template-hash: %s}
-  ownerReferences:
-  - {apiVersion: apps/v1, kind: ReplicaSet, name: %s-%s, uid: rs-%s, controller: true}
-spec:
-  nodeName: node%d
-  serviceAccountName: %s
-  containers:
-  - name: app
-    image: app
-    ports:
-    - name: http
-      containerPort: 8080
-status:
-  phase: Running
-  podIP: %s
-  podIPs:
-  - ip: %s
-  - ip: %s
-`, p.Name, deploy, hash, ns, ns, p.Name, app, version, hash, deploy, hash, deploy, p.Node.Index, sa, p.IPv4, p.IPv4, p.IPv6)
 }
 
 const reviewsService = `apiVersion: v1

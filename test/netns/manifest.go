@@ -3,6 +3,7 @@ package netnstest
 import (
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 )
 
@@ -19,13 +20,30 @@ func (m *Manifest) Namespace(name string, labels ...string) *Manifest {
 
 // Pod adds pod p in namespace ns with service account sa and labels ("k=v").
 func (m *Manifest) Pod(p *Pod, ns, sa string, labels ...string) *Manifest {
-	m.docs = append(m.docs, fmt.Sprintf(`apiVersion: v1
+	m.docs = append(m.docs, podDoc(p, ns, sa, "", labels))
+	return m
+}
+
+// OwnedPodDoc is a pod document as a Deployment's ReplicaSet creates it:
+// generated name, pod-template-hash label, controller owner reference, so
+// Istio's rules name the Deployment deploy as its workload.
+func OwnedPodDoc(p *Pod, ns, sa, deploy, hash string, labels ...string) string {
+	owner := fmt.Sprintf(`  generateName: %s-%s-
+  ownerReferences:
+  - {apiVersion: apps/v1, kind: ReplicaSet, name: %s-%s, uid: rs-%s, controller: true}
+`, deploy, hash, deploy, hash, deploy)
+	return podDoc(p, ns, sa, owner, append(slices.Clone(labels), "pod-template-hash="+hash))
+}
+
+// podDoc is the pod document of p; owner holds extra metadata lines.
+func podDoc(p *Pod, ns, sa, owner string, labels []string) string {
+	return fmt.Sprintf(`apiVersion: v1
 kind: Pod
 metadata:
   name: %s
   namespace: %s
   uid: uid-%s-%s
-%sspec:
+%s%sspec:
   nodeName: node%d
   serviceAccountName: %s
   containers:
@@ -40,8 +58,7 @@ status:
   podIPs:
   - ip: %s
   - ip: %s
-`, p.Name, ns, ns, p.Name, labelBlock("  ", labels), p.Node.Index, sa, p.IPv4, p.IPv4, p.IPv6))
-	return m
+`, p.Name, ns, ns, p.Name, owner, labelBlock("  ", labels), p.Node.Index, sa, p.IPv4, p.IPv4, p.IPv6)
 }
 
 // Raw adds a YAML document as is (policies, services).

@@ -63,13 +63,13 @@ func TestChurnSoak(t *testing.T) {
 	write := func() {
 		t.Helper()
 		m := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").
-			Raw(ownedPod(client, "mesh", "client-sa", "client", "5f6d7c", "app=client")).
-			Raw(ownedPod(server, "mesh", "server-sa", "server", "7d8c9b", "app=server"))
+			Raw(OwnedPodDoc(client, "mesh", "client-sa", "client", "5f6d7c", "app=client")).
+			Raw(OwnedPodDoc(server, "mesh", "server-sa", "server", "7d8c9b", "app=server"))
 		mu.Lock()
 		for _, pods := range live {
 			for _, p := range pods {
 				deploy := fmt.Sprintf("churn%d", p.seq)
-				m.Raw(ownedPod(p.Pod, "mesh", deploy+"-sa", deploy, "6b7c8d", "app="+deploy))
+				m.Raw(OwnedPodDoc(p.Pod, "mesh", deploy+"-sa", deploy, "6b7c8d", "app="+deploy))
 			}
 		}
 		mu.Unlock()

@@ -10,37 +10,6 @@ import (
 	"time"
 )
 
-// ownedPod is a pod document as a Deployment's ReplicaSet creates it:
-// generated name, pod-template-hash label, controller owner reference.
-func ownedPod(p *Pod, ns, sa, deploy, hash string, labels ...string) string {
-	labels = append(labels, "pod-template-hash="+hash)
-	return fmt.Sprintf(`apiVersion: v1
-kind: Pod
-metadata:
-  name: %s
-  generateName: %s-%s-
-  namespace: %s
-  uid: uid-%s-%s
-  ownerReferences:
-  - {apiVersion: apps/v1, kind: ReplicaSet, name: %s-%s, uid: rs-%s, controller: true}
-%sspec:
-  nodeName: node%d
-  serviceAccountName: %s
-  containers:
-  - name: app
-    image: app
-    ports:
-    - name: http
-      containerPort: 8080
-status:
-  phase: Running
-  podIP: %s
-  podIPs:
-  - ip: %s
-  - ip: %s
-`, p.Name, deploy, hash, ns, ns, p.Name, deploy, hash, deploy, labelBlock("  ", labels), p.Node.Index, sa, p.IPv4, p.IPv4, p.IPv6)
-}
-
 var sampleLine = regexp.MustCompile(`^(\w+)\{(.*)\} (\S+)$`)
 var labelPair = regexp.MustCompile(`(\w+)="((?:[^"\\]|\\.)*)"`)
 
@@ -205,8 +174,8 @@ func TestBaggageNamesUnknownClient(t *testing.T) {
 	tp := New(t, 2)
 	client := tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
 	server := tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
-	clientDoc := ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")
-	serverDoc := ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")
+	clientDoc := OwnedPodDoc(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")
+	serverDoc := OwnedPodDoc(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")
 	dir := t.TempDir()
 	full, partial, ca := filepath.Join(dir, "full.yaml"), filepath.Join(dir, "partial.yaml"), filepath.Join(dir, "ca")
 	if err := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Raw(clientDoc).Raw(serverDoc).Write(full); err != nil {
@@ -280,8 +249,8 @@ endpoints:
 		client = tp.Nodes[0].AddPod("productpage-v1-6c7d8e-abcde")
 		server = tp.Nodes[1].AddPod("reviews-v2-5b8d7c-x2x9q")
 		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
-			Raw(ownedPod(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
-			Raw(ownedPod(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
+			Raw(OwnedPodDoc(client, "mesh", "bookinfo-productpage", "productpage-v1", "6c7d8e", "app=productpage", "version=v1")).
+			Raw(OwnedPodDoc(server, "mesh", "bookinfo-reviews", "reviews-v2", "5b8d7c", "app=reviews", "version=v2")).
 			Raw(fmt.Sprintf(svc, targetPort, server.IPv4))
 		for _, doc := range extra {
 			m.Raw(doc)
