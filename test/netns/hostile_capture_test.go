@@ -91,13 +91,7 @@ type rawExt struct {
 func rawSYN6(p *Pod, dst netip.AddrPort, sport uint16, chain []rawExt) error {
 	return netns.Do(p.Path(), func() error {
 		s16, d16 := p.IPv6.As16(), dst.Addr().As16()
-		tcp := make([]byte, 20)
-		binary.BigEndian.PutUint16(tcp[0:], sport)
-		binary.BigEndian.PutUint16(tcp[2:], dst.Port())
-		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
-		tcp[12] = 5 << 4
-		tcp[13] = 0x02 // SYN
-		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		tcp := synSegment(sport, dst.Port(), 20)
 		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
 		binary.BigEndian.PutUint16(tcp[16:], checksum(pseudo, tcp))
 		var body []byte
@@ -335,13 +329,7 @@ func fragmentedSYN(p *Pod, dst netip.Addr, port uint16) (synack bool, err error)
 	err = netns.Do(p.Path(), func() error {
 		src := p.IPv4
 		const sport = 40404
-		tcp := make([]byte, 20)
-		binary.BigEndian.PutUint16(tcp[0:], sport)
-		binary.BigEndian.PutUint16(tcp[2:], port)
-		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
-		tcp[12] = 5 << 4
-		tcp[13] = 0x02 // SYN
-		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		tcp := synSegment(sport, port, 20)
 		binary.BigEndian.PutUint16(tcp[16:], tcpChecksum4(src, dst, tcp))
 
 		send, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW, unix.IPPROTO_RAW)
@@ -411,13 +399,7 @@ func fragmentedSYN6(p *Pod, dst netip.Addr, port uint16) (synack bool, err error
 	err = netns.Do(p.Path(), func() error {
 		src := p.IPv6
 		const sport = 40406
-		tcp := make([]byte, 32)
-		binary.BigEndian.PutUint16(tcp[0:], sport)
-		binary.BigEndian.PutUint16(tcp[2:], port)
-		binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
-		tcp[12] = 5 << 4
-		tcp[13] = 0x02 // SYN
-		binary.BigEndian.PutUint16(tcp[14:], 64240)
+		tcp := synSegment(sport, port, 32)
 		copy(tcp[20:], "hostile-frag")
 		s16, d16 := src.As16(), dst.As16()
 		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
@@ -546,4 +528,18 @@ func TestHostileProbeSourceSpoofed(t *testing.T) {
 	if got := metrics() - before; got < 1 {
 		t.Errorf("drop_probe_spoofed grew by %v on the server's node, want >= 1", got)
 	}
+}
+
+// synSegment is a TCP SYN without options from sport to dport, size bytes
+// long (the header's 20, then zeroed payload room); the checksum is left
+// for the caller, which knows the pseudo-header.
+func synSegment(sport, dport uint16, size int) []byte {
+	tcp := make([]byte, size)
+	binary.BigEndian.PutUint16(tcp[0:], sport)
+	binary.BigEndian.PutUint16(tcp[2:], dport)
+	binary.BigEndian.PutUint32(tcp[4:], 0x01020304)
+	tcp[12] = 5 << 4
+	tcp[13] = 0x02 // SYN
+	binary.BigEndian.PutUint16(tcp[14:], 64240)
+	return tcp
 }
