@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
 // A root rotation: the bundle file gains the new root (both trusted), then
@@ -28,7 +30,7 @@ func TestBundleWatchFollowsRootRotation(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	write(certPEM(oldCA.cert))
+	write(identitytest.CertPEM(oldCA.cert))
 	b, err := LoadBundle(path, "cluster.local")
 	if err != nil {
 		t.Fatal(err)
@@ -41,7 +43,7 @@ func TestBundleWatchFollowsRootRotation(t *testing.T) {
 		_, err := ca.cert.Verify(x509.VerifyOptions{Roots: b.Roots()})
 		return err == nil
 	}
-	write(certPEM(oldCA.cert, newCA.cert))
+	write(identitytest.CertPEM(oldCA.cert, newCA.cert))
 	waitFor(t, "both roots", func() bool { return trusts(oldCA) && trusts(newCA) })
 
 	write([]byte("-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n"))
@@ -50,7 +52,7 @@ func TestBundleWatchFollowsRootRotation(t *testing.T) {
 		t.Error("a broken bundle file replaced the roots")
 	}
 
-	write(certPEM(newCA.cert))
+	write(identitytest.CertPEM(newCA.cert))
 	waitFor(t, "the old root dropped", func() bool { return !trusts(oldCA) && trusts(newCA) })
 }
 

@@ -2,129 +2,26 @@ package identity
 
 import (
 	"context"
-	"crypto"
 	"crypto/ecdsa"
-	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/pem"
-	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
-
-// pki is a root and an intermediate, as Istio's tools/certs make them for
-// the plug-in CA (cacerts).
-type pki struct {
-	root, inter       *x509.Certificate
-	rootKey, interKey crypto.Signer
-}
-
-func newKey(t *testing.T, alg string) crypto.Signer {
-	t.Helper()
-	var k crypto.Signer
-	var err error
-	switch alg {
-	case "rsa":
-		k, err = rsa.GenerateKey(rand.Reader, 2048)
-	case "ecdsa":
-		k, err = ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	return k
-}
-
-func makeCACert(t *testing.T, subject pkix.Name, key crypto.Signer, parent *x509.Certificate, parentKey crypto.Signer) *x509.Certificate {
-	t.Helper()
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(time.Now().UnixNano()),
-		Subject:               subject,
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(365 * 24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	if parent == nil {
-		parent, parentKey = tmpl, key
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), parentKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := x509.ParseCertificate(der)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
-}
-
-func newPKI(t *testing.T, alg string) pki {
-	rootKey := newKey(t, alg)
-	root := makeCACert(t, pkix.Name{Organization: []string{"Istio"}, CommonName: "Root CA"}, rootKey, nil, nil)
-	interKey := newKey(t, alg)
-	inter := makeCACert(t, pkix.Name{Organization: []string{"Istio"}, CommonName: "Intermediate CA"}, interKey, root, rootKey)
-	return pki{root: root, inter: inter, rootKey: rootKey, interKey: interKey}
-}
-
-func certPEM(cs ...*x509.Certificate) []byte {
-	var out []byte
-	for _, c := range cs {
-		out = append(out, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})...)
-	}
-	return out
-}
-
-// keyPEM encodes a key the way openssl writes it for Istio's cacerts:
-// PKCS#1 for RSA, SEC 1 for EC.
-func keyPEM(t *testing.T, k crypto.Signer) []byte {
-	t.Helper()
-	switch k := k.(type) {
-	case *rsa.PrivateKey:
-		return pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(k)})
-	case *ecdsa.PrivateKey:
-		der, err := x509.MarshalECPrivateKey(k)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
-	}
-	t.Fatalf("key %T", k)
-	return nil
-}
-
-// writeCacerts writes Istio's plug-in CA files; extraRoots go into
-// root-cert.pem after the root, as during a root rotation.
-func writeCacerts(t *testing.T, p pki, extraRoots ...*x509.Certificate) string {
-	t.Helper()
-	dir := t.TempDir()
-	files := map[string][]byte{
-		IstioCACertFile:    certPEM(p.inter),
-		IstioCAKeyFile:     keyPEM(t, p.interKey),
-		IstioCertChainFile: certPEM(p.inter, p.root),
-		IstioRootCertFile:  certPEM(append([]*x509.Certificate{p.root}, extraRoots...)...),
-	}
-	for name, data := range files {
-		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return dir
-}
 
 func TestLoadIstioCacerts(t *testing.T) {
 	for _, alg := range []string{"rsa", "ecdsa"} {
 		t.Run(alg, func(t *testing.T) {
-			p := newPKI(t, alg)
-			other := newPKI(t, alg) // a second root, as during a rotation
-			dir := writeCacerts(t, p, other.root)
+			p := identitytest.NewPKI(t, alg)
+			other := identitytest.NewPKI(t, alg) // a second root, as during a rotation
+			dir := identitytest.WriteCacerts(t, p, other.Root)
 
 			// The sample roots say O=Istio: the trust domain must be given.
 			if _, err := LoadCA(dir); err == nil || !strings.Contains(err.Error(), "trust domain") {
@@ -162,7 +59,7 @@ func TestLoadIstioCacerts(t *testing.T) {
 			exchange(t, r.client, r.server)
 
 			// A peer whose certificate chains to the second root is trusted.
-			otherDir := writeCacerts(t, other, p.root)
+			otherDir := identitytest.WriteCacerts(t, other, p.Root)
 			otherCA, err := LoadCAFor(otherDir, "cluster.local")
 			if err != nil {
 				t.Fatal(err)
@@ -177,16 +74,16 @@ func TestLoadIstioCacerts(t *testing.T) {
 }
 
 func TestLoadIstioCacertsErrors(t *testing.T) {
-	p := newPKI(t, "ecdsa")
-	stranger := newPKI(t, "ecdsa")
+	p := identitytest.NewPKI(t, "ecdsa")
+	stranger := identitytest.NewPKI(t, "ecdsa")
 	cases := map[string]struct {
 		file string
 		data []byte
 		want string
 	}{
-		"key of another ca":  {IstioCAKeyFile, keyPEM(t, stranger.interKey), "does not match"},
-		"chain to nowhere":   {IstioRootCertFile, certPEM(stranger.root), "does not chain"},
-		"chain not starting": {IstioCertChainFile, certPEM(p.root), "is not"},
+		"key of another ca":  {IstioCAKeyFile, identitytest.KeyPEM(t, stranger.InterKey), "does not match"},
+		"chain to nowhere":   {IstioRootCertFile, identitytest.CertPEM(stranger.Root), "does not chain"},
+		"chain not starting": {IstioCertChainFile, identitytest.CertPEM(p.Root), "is not"},
 		"leaf as ca":         {IstioCACertFile, []byte("garbage"), "no PEM certificate"},
 		"small rsa key": {IstioCAKeyFile, func() []byte {
 			k, _ := rsa.GenerateKey(rand.Reader, 1024)
@@ -195,7 +92,7 @@ func TestLoadIstioCacertsErrors(t *testing.T) {
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
-			dir := writeCacerts(t, p)
+			dir := identitytest.WriteCacerts(t, p)
 			if err := os.WriteFile(filepath.Join(dir, tc.file), tc.data, 0o600); err != nil {
 				t.Fatal(err)
 			}
@@ -206,7 +103,7 @@ func TestLoadIstioCacertsErrors(t *testing.T) {
 		})
 	}
 	// Without cert-chain.pem the intermediate must chain to a root itself.
-	dir := writeCacerts(t, p)
+	dir := identitytest.WriteCacerts(t, p)
 	os.Remove(filepath.Join(dir, IstioCertChainFile))
 	if _, err := LoadCAFor(dir, "cluster.local"); err != nil {
 		t.Errorf("without cert-chain.pem: %v", err)

@@ -1,20 +1,12 @@
 package netnstest
 
 import (
-	"crypto"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/rsa"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
 // TestFileCAIstioCacerts runs the agents standalone on Istio's plug-in CA layout (cacerts:
@@ -23,7 +15,7 @@ import (
 func TestFileCAIstioCacerts(t *testing.T) {
 	for _, alg := range []string{"rsa", "ecdsa"} {
 		t.Run(alg, func(t *testing.T) {
-			dir := writeIstioCacerts(t, alg)
+			dir := identitytest.WriteCacerts(t, identitytest.NewPKI(t, alg))
 			tp := New(t, 2)
 			client, server := tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
 			manifest := filepath.Join(t.TempDir(), "cluster.yaml")
@@ -49,65 +41,4 @@ func TestFileCAIstioCacerts(t *testing.T) {
 			}
 		})
 	}
-}
-
-// writeIstioCacerts writes ca-cert.pem, ca-key.pem (PKCS#1 or SEC 1, as openssl writes
-// them), cert-chain.pem and root-cert.pem in a fresh directory.
-func writeIstioCacerts(t *testing.T, alg string) string {
-	t.Helper()
-	newKey := func() crypto.Signer {
-		if alg == "rsa" {
-			k, err := rsa.GenerateKey(rand.Reader, 2048)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return k
-		}
-		k, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return k
-	}
-	mk := func(cn string, key crypto.Signer, parent *x509.Certificate, parentKey crypto.Signer) *x509.Certificate {
-		tmpl := &x509.Certificate{SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{Organization: []string{"Istio"}, CommonName: cn},
-			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour), IsCA: true, BasicConstraintsValid: true,
-			KeyUsage: x509.KeyUsageCertSign | x509.KeyUsageCRLSign | x509.KeyUsageDigitalSignature}
-		if parent == nil {
-			parent, parentKey = tmpl, key
-		}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), parentKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, _ := x509.ParseCertificate(der)
-		return c
-	}
-	rootKey, interKey := newKey(), newKey()
-	root := mk("Root CA", rootKey, nil, nil)
-	inter := mk("Intermediate CA", interKey, root, rootKey)
-	certs := func(cs ...*x509.Certificate) []byte {
-		var out []byte
-		for _, c := range cs {
-			out = append(out, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: c.Raw})...)
-		}
-		return out
-	}
-	var keyPEM []byte
-	switch k := interKey.(type) {
-	case *rsa.PrivateKey:
-		keyPEM = pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(k)})
-	case *ecdsa.PrivateKey:
-		der, _ := x509.MarshalECPrivateKey(k)
-		keyPEM = pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: der})
-	}
-	dir := t.TempDir()
-	for name, data := range map[string][]byte{
-		"ca-cert.pem": certs(inter), "ca-key.pem": keyPEM, "cert-chain.pem": certs(inter, root), "root-cert.pem": certs(root),
-	} {
-		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return dir
 }
