@@ -23,7 +23,7 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 
-	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	k8ssource "github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
@@ -181,10 +181,10 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := make(chan source.Snapshot, 1)
+	first := make(chan kubeobj.Objects, 1)
 	runErr := make(chan error, 1)
 	go func() {
-		runErr <- src.Run(ctx, func(s source.Snapshot) {
+		runErr <- src.Run(ctx, func(s kubeobj.Objects) {
 			select {
 			case first <- s:
 			default:

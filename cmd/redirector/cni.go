@@ -9,8 +9,6 @@ import (
 	"strings"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -87,33 +85,32 @@ func (a *agent) attached(uid string) bool {
 	return slices.ContainsFunc(pods, func(p loader.PodState) bool { return p.Meta.UID == uid })
 }
 
-// withCNIAddrs returns the snapshot with the addresses the CNI plugin
-// reported filled into pods whose status has none yet, so a pod is enrolled
-// while its sandbox is being created. The snapshot itself is shared and
-// stays untouched.
-func withCNIAddrs(s source.Snapshot, cniPods map[string]cniPod) source.Snapshot {
+// withCNIAddrs returns the workloads with the addresses the CNI plugin
+// reported given to pods the rules select but whose source knows no
+// address yet (workload.Workload.Pending), so a pod is enrolled while its
+// sandbox is being created. The workloads themselves are shared and stay
+// untouched; an address that cannot be a pod's keeps the pod out.
+func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workload.Workload {
 	if len(cniPods) == 0 {
-		return s
+		return ws
 	}
-	pods := slices.Clone(s.Pods)
-	for i := range pods {
-		p := &pods[i]
-		rec, ok := cniPods[p.Namespace+"/"+p.Name]
-		if !ok || (rec.uid != "" && string(p.UID) != "" && rec.uid != string(p.UID)) {
+	out := slices.Clone(ws)
+	for i, w := range out {
+		rec, ok := cniPods[w.Namespace+"/"+w.Name]
+		if !ok || w.Pending == "" || len(rec.addrs) == 0 || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
 			continue
 		}
-		if p.Status.PodIP != "" || len(p.Status.PodIPs) > 0 || len(rec.addrs) == 0 {
-			continue
-		}
-		status := p.Status.DeepCopy()
+		c := *w
+		c.Addrs, c.Enrolled, c.Reason, c.Pending = rec.addrs, true, w.Pending, ""
 		for _, a := range rec.addrs {
-			status.PodIPs = append(status.PodIPs, corev1.PodIP{IP: a.String()})
+			if err := selection.CheckPodAddr(a); err != nil {
+				c.Addrs, c.Enrolled, c.Reason = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err)
+				break
+			}
 		}
-		status.PodIP = status.PodIPs[0].IP
-		p.Status = *status
+		out[i] = &c
 	}
-	s.Pods = pods
-	return s
+	return out
 }
 
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.
@@ -131,12 +128,7 @@ func (a *agent) writeHint(s source.Snapshot) {
 	if a.cfg.cniSocket == "" {
 		return
 	}
-	var ambient []string
-	for _, ns := range s.Namespaces {
-		if ns.Labels[selection.DataplaneModeLabel] == selection.DataplaneModeAmbient {
-			ambient = append(ambient, ns.Name)
-		}
-	}
+	ambient := s.AmbientNamespaces
 	key := strings.Join(ambient, ",") + "|" + strings.Join(a.cfg.selection.ExcludeNamespaces, ",")
 	if key == a.lastHint {
 		return

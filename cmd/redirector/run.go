@@ -29,6 +29,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/file"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
@@ -456,7 +457,7 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	if !a.yielded {
 		a.writeHint(s) // the node's, written by the agent holding it
 	}
-	dir, errs := workload.Build(withCNIAddrs(s, a.cniPods), a.cfg.selection, s.HandlerLookup())
+	dir, errs := workload.NewDirectory(withCNIAddrs(s.Workloads, a.cniPods), s.Services)
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}
@@ -488,7 +489,7 @@ func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 		a.log.Error("reconcile", "error", err)
 	}
 	if a.ann != nil {
-		a.syncAnnotations(ctx, s)
+		a.syncAnnotations(ctx, dir)
 	}
 }
 
@@ -503,7 +504,7 @@ func podUID(w *workload.Workload) string {
 
 // syncAnnotations makes ambient.istio.io/redirection on this node's pods say
 // what is attached: "enabled" exactly on the pods the loader redirects.
-func (a *agent) syncAnnotations(ctx context.Context, s source.Snapshot) {
+func (a *agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
 	pods, err := a.ld.Pods()
 	if err != nil {
 		a.log.Error("read attached pods", "error", err)
@@ -513,17 +514,12 @@ func (a *agent) syncAnnotations(ctx context.Context, s source.Snapshot) {
 	for _, p := range pods {
 		attached[p.Meta.UID] = true
 	}
-	for i := range s.Pods {
-		p := &s.Pods[i]
-		if p.Spec.NodeName != a.cfg.node {
+	for _, w := range dir.LocalPods(a.cfg.node) {
+		want := attached[w.UID]
+		if want == w.Redirected || (!want && w.Terminating) {
 			continue
 		}
-		want := attached[string(p.UID)]
-		have := p.Annotations[kubernetes.RedirectionAnnotation] == "enabled"
-		if want == have || (!want && p.DeletionTimestamp != nil) {
-			continue
-		}
-		if err := a.ann.SetRedirection(ctx, p.Namespace, p.Name, want); err != nil {
+		if err := a.ann.SetRedirection(ctx, w.Namespace, w.Name, want); err != nil {
 			a.log.Error("annotate pod", "error", err)
 		}
 	}
@@ -539,7 +535,7 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 		if _, err := os.Stat(cfg.source); err != nil {
 			return nil, nil, fmt.Errorf("--source (SOURCE): %w", err)
 		}
-		return file.New(cfg.source, log).WithMetrics(metrics), nil, nil
+		return kubeobj.NewSource(file.New(cfg.source, log).WithMetrics(metrics), cfg.selection, log), nil, nil
 	}
 	rc, err := restConfig(cfg.kubeconfig)
 	if err != nil {
@@ -553,7 +549,7 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
-	return ks, ann, nil
+	return kubeobj.NewSource(ks, cfg.selection, log), ann, nil
 }
 
 // restConfig is the API client configuration: from kubeconfig when given,

@@ -99,7 +99,7 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 		return nil, nil, err
 	}
 	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
-	return xds.NewSource(client, pods, cfg.node, log), ann, nil
+	return xds.NewSource(client, pods, cfg.node, cfg.selection, log), ann, nil
 }
 
 // sourceSynced is a readiness check: a source that reports its sync (the

@@ -167,7 +167,7 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, trustDomain string) []Zt
 func ZtunnelServices(dir *workload.Directory, cluster string) []ZtunnelService {
 	out := []ZtunnelService{}
 	for _, s := range dir.Services() {
-		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname(""), VIPs: []string{},
+		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
 			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
@@ -179,7 +179,7 @@ func ZtunnelServices(dir *workload.Directory, cluster string) []ZtunnelService {
 			if p.Protocol != "" && p.Protocol != "TCP" {
 				continue
 			}
-			z.Ports[strconv.Itoa(int(p.Port))] = uint16(p.TargetPort.IntValue()) // 0 for a named port, as ztunnel
+			z.Ports[strconv.Itoa(int(p.Port))] = uint16(p.TargetPort) // 0 for a named port, as ztunnel
 		}
 		for _, ep := range s.Endpoints {
 			uid := ""

@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/redirector-mesh/redirector/pkg/policy"
 )
 
@@ -42,7 +40,7 @@ func TestZtunnelCertificates(t *testing.T) {
 }
 
 func TestZtunnelPolicies(t *testing.T) {
-	ap := policy.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "p"},
+	ap := policy.AuthorizationPolicy{Meta: policy.Meta{Namespace: "mesh", Name: "p"},
 		Spec: policy.AuthorizationPolicySpec{Action: policy.ActionDeny, Rules: []policy.Rule{{
 			From: []policy.From{{Source: &policy.Source{Principals: []string{"*", "cluster.local/ns/x/*", "*/sa/y", "exact"}}}},
 			To:   []policy.To{{Operation: &policy.Operation{Ports: []string{"9091"}}}},
@@ -50,7 +48,7 @@ func TestZtunnelPolicies(t *testing.T) {
 		}}}}
 	waypoint := ap
 	waypoint.Name, waypoint.Spec.TargetRef = "w", &policy.PolicyTargetReference{Kind: "Gateway", Name: "wp"}
-	global := policy.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "istio-system", Name: "g"}}
+	global := policy.AuthorizationPolicy{Meta: policy.Meta{Namespace: "istio-system", Name: "g"}}
 	got := ZtunnelPolicies([]policy.AuthorizationPolicy{ap, waypoint, global}, "istio-system")
 	if len(got) != 2 || got[0].Action != "Deny" || got[0].Scope != "Namespace" || got[1].Scope != "Global" || got[1].Action != "Allow" {
 		t.Fatalf("%+v", got)

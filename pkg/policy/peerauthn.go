@@ -113,7 +113,7 @@ func older(cur, cand *PeerAuthentication) *PeerAuthentication {
 		return cand
 	}
 	ct, nt := cur.CreationTimestamp, cand.CreationTimestamp
-	if nt.Before(&ct) || (nt.Equal(&ct) && strings.Compare(cand.Name, cur.Name) < 0) {
+	if nt.Before(ct) || (nt.Equal(ct) && strings.Compare(cand.Name, cur.Name) < 0) {
 		return cand
 	}
 	return cur

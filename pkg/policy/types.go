@@ -8,7 +8,33 @@
 // silently reading them as broader rules.
 package policy
 
-import metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+import "time"
+
+// TypeMeta is the apiVersion and kind a policy document names.
+type TypeMeta struct {
+	APIVersion string `json:"apiVersion,omitempty"`
+	Kind       string `json:"kind,omitempty"`
+}
+
+// Meta is the part of a policy's metadata the evaluation reads. It is the
+// project's own: each source fills it from what it reads (a manifest, the
+// API server), so no Kubernetes type reaches this package.
+type Meta struct {
+	Name      string `json:"name,omitempty"`
+	Namespace string `json:"namespace,omitempty"`
+	UID       string `json:"uid,omitempty"`
+	// ResourceVersion and Labels are kept for the config dump and logs.
+	ResourceVersion string            `json:"resourceVersion,omitempty"`
+	Labels          map[string]string `json:"labels,omitempty"`
+	Annotations     map[string]string `json:"annotations,omitempty"`
+	// CreationTimestamp orders competing PeerAuthentications: the oldest
+	// wins, as in Istio.
+	CreationTimestamp time.Time `json:"creationTimestamp,omitzero"`
+}
+
+// GetName and GetNamespace name the policy in errors and sorting.
+func (m *Meta) GetName() string      { return m.Name }
+func (m *Meta) GetNamespace() string { return m.Namespace }
 
 // MTLSMode is a PeerAuthentication mode.
 type MTLSMode string
@@ -40,9 +66,9 @@ type PeerAuthenticationSpec struct {
 
 // PeerAuthentication is security.istio.io/v1 PeerAuthentication.
 type PeerAuthentication struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata,omitempty"`
-	Spec              PeerAuthenticationSpec `json:"spec"`
+	TypeMeta `json:",inline"`
+	Meta     `json:"metadata,omitempty"`
+	Spec     PeerAuthenticationSpec `json:"spec"`
 }
 
 // Action is an AuthorizationPolicy action.
@@ -139,7 +165,7 @@ type AuthorizationPolicySpec struct {
 
 // AuthorizationPolicy is security.istio.io/v1 AuthorizationPolicy.
 type AuthorizationPolicy struct {
-	metav1.TypeMeta   `json:",inline"`
-	metav1.ObjectMeta `json:"metadata,omitempty"`
-	Spec              AuthorizationPolicySpec `json:"spec"`
+	TypeMeta `json:",inline"`
+	Meta     `json:"metadata,omitempty"`
+	Spec     AuthorizationPolicySpec `json:"spec"`
 }

@@ -21,6 +21,9 @@ const (
 	DataplaneModeNone       = "none"
 	SidecarStatusAnnotation = "sidecar.istio.io/status"
 	BypassInboundAnnotation = "ambient.istio.io/bypass-inbound-capture"
+	// RedirectionAnnotation is set to "enabled" on a pod whose traffic the
+	// node's dataplane redirects (istio-cni sets it; istiod reads it).
+	RedirectionAnnotation = "ambient.istio.io/redirection"
 )
 
 // ErrBadPodAddr marks a pod address that cannot be a pod's own: enrolling
@@ -58,6 +61,11 @@ type Decision struct {
 	// Err is set when the pod is left out because of a problem the
 	// operator should fix (wraps ErrUnknownRuntimeClass); Reason repeats it.
 	Err error
+	// Pending is set, with Enrolled false, when the rules select the pod
+	// but it has no IP yet: it is the reason the pod is enrolled under once
+	// its addresses are known (the CNI plugin reports them before the API
+	// server does).
+	Pending string
 }
 
 // Decide applies the rules to pod, whose namespace object is ns (nil if
@@ -89,12 +97,6 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 	if out := checkRuntimeClass(cfg, pod, lookup); out != nil {
 		return *out
 	}
-	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
-		return Decision{Reason: "pod has no IP yet"}
-	}
-	if out := checkAddrs(pod); out != nil {
-		return *out
-	}
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"
 	}
@@ -102,8 +104,18 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 		d.BypassInbound = true
 		d.Reason += "; inbound capture bypassed by annotation " + BypassInboundAnnotation
 	}
+	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
+		return Decision{Reason: NoIPYet, BypassInbound: d.BypassInbound, Pending: d.Reason}
+	}
+	if out := checkAddrs(pod); out != nil {
+		return *out
+	}
 	return d
 }
+
+// NoIPYet is the reason of a selected pod without an address (see
+// Decision.Pending).
+const NoIPYet = "pod has no IP yet"
 
 // optIn is rules 1 to 7.
 func optIn(cfg Config, ns *corev1.Namespace, pod *corev1.Pod) Decision {

@@ -99,7 +99,7 @@ func TestDecide(t *testing.T) {
 
 		// Pod lifecycle.
 		{"pending with IP is enrolled", namespace("shop", true), newPod(phase(corev1.PodPending)), Decision{Enrolled: true, Reason: nsAmbient}, nil},
-		{"pending without IP", namespace("shop", true), newPod(phase(corev1.PodPending), noIP()), Decision{Reason: "pod has no IP yet"}, nil},
+		{"pending without IP", namespace("shop", true), newPod(phase(corev1.PodPending), noIP()), Decision{Reason: NoIPYet, Pending: nsAmbient}, nil},
 		{"podIP only", namespace("shop", true), newPod(func(p *corev1.Pod) { p.Status.PodIPs = nil }), Decision{Enrolled: true, Reason: nsAmbient}, nil},
 		{"succeeded", namespace("shop", true), newPod(phase(corev1.PodSucceeded)), Decision{Reason: "pod phase is Succeeded"}, nil},
 		{"failed", namespace("shop", true), newPod(phase(corev1.PodFailed)), Decision{Reason: "pod phase is Failed"}, nil},

@@ -1,29 +1,32 @@
-// Package source delivers the cluster state the agent acts on: namespaces,
-// pods, services, endpoint slices and mesh policies. Every source (a watched
-// file, the Kubernetes API) hands out complete snapshots, so consumers diff
-// desired against actual state instead of replaying events.
+// Package source delivers the mesh state the agent acts on, in the
+// project's own model: workloads, services with their endpoints, and mesh
+// policies. Every source (a watched manifest file, the Kubernetes API,
+// istiod's workload xDS) translates what it reads into it and hands out
+// complete snapshots, so consumers diff desired against actual state
+// instead of replaying events.
 package source
 
 import (
 	"context"
 
-	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
-	nodev1 "k8s.io/api/node/v1"
-
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // Snapshot is the whole state a source knows at one moment. Consumers must
-// treat it as read-only: it may be shared between them.
+// treat it, and everything it points to, as read-only: it may be shared
+// between them and with the source.
 type Snapshot struct {
-	Namespaces     []corev1.Namespace
-	Pods           []corev1.Pod
-	Services       []corev1.Service
-	EndpointSlices []discoveryv1.EndpointSlice
-	// RuntimeClasses map a pod's runtimeClassName to its handler, which
-	// SKIP_RUNTIME_CLASSES names.
-	RuntimeClasses        []nodev1.RuntimeClass
+	// Workloads are every workload the source knows; this node's pods
+	// among them carry their enrollment decision.
+	Workloads []*workload.Workload
+	// Services carry their endpoints (NewDirectory links them to
+	// workloads by address).
+	Services []*workload.Service
+	// AmbientNamespaces are the namespaces labelled
+	// istio.io/dataplane-mode=ambient, sorted: the CNI plugin's hint for
+	// when the agent is down.
+	AmbientNamespaces     []string
 	PeerAuthentications   []policy.PeerAuthentication
 	AuthorizationPolicies []policy.AuthorizationPolicy
 	// Compiled, when set (the xDS source), is istiod's compiled
@@ -43,17 +46,4 @@ type Snapshot struct {
 // its package documentation.
 type Source interface {
 	Run(ctx context.Context, update func(Snapshot)) error
-}
-
-// HandlerLookup returns the RuntimeClass handler of a class name, from the
-// snapshot's RuntimeClasses.
-func (s Snapshot) HandlerLookup() func(className string) (string, bool) {
-	handlers := make(map[string]string, len(s.RuntimeClasses))
-	for _, rc := range s.RuntimeClasses {
-		handlers[rc.Name] = rc.Handler
-	}
-	return func(className string) (string, bool) {
-		h, ok := handlers[className]
-		return h, ok
-	}
 }

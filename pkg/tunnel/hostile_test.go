@@ -17,14 +17,9 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
-	"github.com/redirector-mesh/redirector/pkg/selection"
-	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -260,18 +255,17 @@ func TestConnectionLimits(t *testing.T) {
 	}
 }
 
-func podObj(ns, name, sa, ip string, labels map[string]string) corev1.Pod {
-	return corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID("uid-" + name), Labels: labels},
-		Spec:       corev1.PodSpec{NodeName: "n1", ServiceAccountName: sa},
-		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
-	}
+// podObj is an enrolled pod of node n1 (as a source translates one in an
+// ambient namespace).
+func podObj(ns, name, sa, ip string, labels map[string]string) *workload.Workload {
+	return &workload.Workload{Namespace: ns, Name: name, UID: "uid-" + name, Node: "n1", ServiceAccount: sa,
+		Addrs: []netip.Addr{netip.MustParseAddr(ip)}, Labels: labels, WorkloadName: name, WorkloadType: workload.TypePod,
+		CanonicalName: name, CanonicalRevision: "latest", Enrolled: true, Reason: "namespace label istio.io/dataplane-mode=ambient"}
 }
 
-func testDir(t *testing.T, pods ...corev1.Pod) *workload.Directory {
+func testDir(t *testing.T, pods ...*workload.Workload) *workload.Directory {
 	t.Helper()
-	snap := source.Snapshot{Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}}, Pods: pods}
-	dir, errs := workload.Build(snap, selection.Config{}, snap.HandlerLookup())
+	dir, errs := workload.NewDirectory(pods, nil)
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}
@@ -279,7 +273,7 @@ func testDir(t *testing.T, pods ...corev1.Pod) *workload.Directory {
 }
 
 func denyFrom(principal string) policy.AuthorizationPolicy {
-	return policy.AuthorizationPolicy{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "deny"},
+	return policy.AuthorizationPolicy{Meta: policy.Meta{Namespace: "mesh", Name: "deny"},
 		Spec: policy.AuthorizationPolicySpec{Action: policy.ActionDeny, Rules: []policy.Rule{{From: []policy.From{{Source: &policy.Source{Principals: []string{principal}}}}}}}}
 }
 
@@ -318,7 +312,7 @@ func TestPolicyChangeClosesOpenConnections(t *testing.T) {
 		t.Errorf("policy_closed{authorization} = %v, want 2", got)
 	}
 
-	strict := policy.PeerAuthentication{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: "strict"},
+	strict := policy.PeerAuthentication{Meta: policy.Meta{Namespace: "mesh", Name: "strict"},
 		Spec: policy.PeerAuthenticationSpec{MTLS: &policy.MTLS{Mode: policy.ModeStrict}}}
 	tun.Update(&State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom(bad.Principal())}, PeerAuthentications: []policy.PeerAuthentication{strict}})
 	if !closedPlain.Load() || closedGood.Load() {

@@ -197,7 +197,7 @@ func inboundService(dir *workload.Directory, podW *workload.Workload, host strin
 	svcs := dir.ServicesOf(podW)
 	if host != "" {
 		for _, s := range svcs {
-			if s.Hostname("") == host {
+			if s.Hostname == host {
 				return s
 			}
 		}

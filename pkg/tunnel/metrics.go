@@ -173,7 +173,7 @@ func (m *Metrics) labels(c connInfo) prometheus.Labels {
 		l["destination_principal"] = c.dstID.String()
 	}
 	if c.service != nil {
-		l["destination_service"] = c.service.Hostname("")
+		l["destination_service"] = c.service.Hostname
 		l["destination_service_name"] = c.service.Name
 		l["destination_service_namespace"] = c.service.Namespace
 	}

@@ -13,13 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-	corev1 "k8s.io/api/core/v1"
-	discoveryv1 "k8s.io/api/discovery/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
-	"github.com/redirector-mesh/redirector/pkg/selection"
-	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -28,38 +23,26 @@ import (
 // reviews and reviews-v2-only over them.
 func bookinfo(t *testing.T) *workload.Directory {
 	t.Helper()
-	yes := true
-	pod := func(name, deploy, hash, ip, version string) corev1.Pod {
-		p := podObj("mesh", name, "bookinfo-"+deploy, ip, map[string]string{"app": strings.Split(deploy, "-")[0], "version": version, "pod-template-hash": hash})
-		p.GenerateName = deploy + "-" + hash + "-"
-		p.OwnerReferences = []metav1.OwnerReference{{Kind: "ReplicaSet", Name: deploy + "-" + hash, Controller: &yes}}
-		return p
+	pod := func(name, deploy, ip, version string) *workload.Workload {
+		w := podObj("mesh", name, "bookinfo-"+deploy, ip, map[string]string{"app": strings.Split(deploy, "-")[0], "version": version})
+		w.WorkloadName, w.WorkloadType = deploy, workload.TypeDeployment
+		w.CanonicalName, w.CanonicalRevision = strings.Split(deploy, "-")[0], version
+		return w
 	}
-	svc := func(name string, port, target int32) corev1.Service {
-		return corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: name},
-			Spec: corev1.ServiceSpec{ClusterIP: "10.96.0." + fmt.Sprint(port%200), ClusterIPs: []string{"10.96.0." + fmt.Sprint(port%200)},
-				Ports: []corev1.ServicePort{{Name: "http", Port: port, Protocol: corev1.ProtocolTCP}}}}
-	}
-	slice := func(svc string, port int32, ips ...string) discoveryv1.EndpointSlice {
-		name := "http"
-		es := discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "mesh", Name: svc + "-x", Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
-			AddressType: discoveryv1.AddressTypeIPv4, Ports: []discoveryv1.EndpointPort{{Name: &name, Port: &port}}}
+	svc := func(name string, port, target int32, ips ...string) *workload.Service {
+		s := &workload.Service{Namespace: "mesh", Name: name, Hostname: workload.ClusterHostname(name, "mesh"),
+			VIPs:  []netip.Addr{netip.MustParseAddr("10.96.0." + fmt.Sprint(port%200))},
+			Ports: []workload.ServicePort{{Name: "http", Port: port, Protocol: "TCP"}}}
 		for _, ip := range ips {
-			es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{Addresses: []string{ip}})
+			s.Endpoints = append(s.Endpoints, workload.Endpoint{Addr: netip.MustParseAddr(ip), Ready: true, Ports: map[string]int32{"http": target}})
 		}
-		return es
+		return s
 	}
-	snap := source.Snapshot{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "mesh", Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}},
-		Pods: []corev1.Pod{
-			pod("reviews-v1-7f9c8d-aaaaa", "reviews-v1", "7f9c8d", "10.1.0.11", "v1"),
-			pod("reviews-v2-5b8d7c-bbbbb", "reviews-v2", "5b8d7c", "10.1.0.12", "v2"),
-			pod("productpage-v1-6c7d8e-ccccc", "productpage-v1", "6c7d8e", "10.1.0.13", "v1"),
-		},
-		Services:       []corev1.Service{svc("reviews", 9080, 9080), svc("reviews-v2-only", 9081, 9080)},
-		EndpointSlices: []discoveryv1.EndpointSlice{slice("reviews", 9080, "10.1.0.11", "10.1.0.12"), slice("reviews-v2-only", 9080, "10.1.0.12")},
-	}
-	dir, errs := workload.Build(snap, selection.Config{}, snap.HandlerLookup())
+	dir, errs := workload.NewDirectory([]*workload.Workload{
+		pod("reviews-v1-7f9c8d-aaaaa", "reviews-v1", "10.1.0.11", "v1"),
+		pod("reviews-v2-5b8d7c-bbbbb", "reviews-v2", "10.1.0.12", "v2"),
+		pod("productpage-v1-6c7d8e-ccccc", "productpage-v1", "10.1.0.13", "v1"),
+	}, []*workload.Service{svc("reviews", 9080, 9080, "10.1.0.11", "10.1.0.12"), svc("reviews-v2-only", 9081, 9080, "10.1.0.12")})
 	if len(errs) > 0 {
 		t.Fatal(errs)
 	}

@@ -1,15 +1,15 @@
 package tunnel
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
 	"net"
 	"net/netip"
+	"strconv"
 	"sync"
 	"time"
-
-	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -112,30 +112,26 @@ func (b *balancer) ok(a netip.AddrPort) {
 }
 
 // targetPort resolves the port an endpoint serves a service port on: the
-// EndpointSlice's port of the same name first (it already holds the
-// resolved targetPort), else a numeric targetPort, else the named port among
-// the endpoint pod's container ports.
+// endpoint's own port of the same name first (an EndpointSlice's already
+// holds the resolved targetPort, istiod's per-workload map likewise), else
+// a named targetPort among the endpoint workload's container ports, else
+// the numeric targetPort (0: the service port).
 func targetPort(port workload.ServicePort, ep workload.Endpoint) (uint16, bool) {
 	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
 		return uint16(p), true
 	}
-	switch port.TargetPort.Type {
-	case intstr.Int:
-		if v := port.TargetPort.IntVal; v > 0 {
-			return uint16(v), true
-		}
-		return uint16(port.Port), true
-	case intstr.String:
-		if port.TargetPort.StrVal == "" {
-			return uint16(port.Port), true
-		}
+	if port.TargetPortName != "" {
 		if ep.Workload != nil {
-			if p, ok := ep.Workload.ContainerPorts[port.TargetPort.StrVal]; ok && p > 0 {
+			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p > 0 {
 				return uint16(p), true
 			}
 		}
+		return 0, false
 	}
-	return 0, false
+	if port.TargetPort > 0 {
+		return uint16(port.TargetPort), true
+	}
+	return uint16(port.Port), true
 }
 
 // errNoEndpoint means a service has nothing to send the connection to.
@@ -170,7 +166,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 	candidates := t.lb.order(svc, *port)
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
-		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", port.TargetPort.String())
+		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))
 		resetConn(c)
 		return
 	}
@@ -210,7 +206,7 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
 		// a second one.
-		s, err := p.dialHBONE(ctx, nil, srcW, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname(""), trace)
+		s, err := p.dialHBONE(ctx, nil, srcW, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname, trace)
 		if err != nil {
 			return nil, true, err
 		}

@@ -5,8 +5,6 @@ import (
 	"testing"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/intstr"
-
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -19,12 +17,12 @@ func TestTargetPort(t *testing.T) {
 		want uint16
 		ok   bool
 	}{
-		{"slice port of the same name wins", workload.ServicePort{Name: "web", Port: 80, TargetPort: intstr.FromInt32(9999)}, workload.Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
-		{"numeric targetPort", workload.ServicePort{Port: 80, TargetPort: intstr.FromInt32(9090)}, workload.Endpoint{}, 9090, true},
+		{"slice port of the same name wins", workload.ServicePort{Name: "web", Port: 80, TargetPort: 9999}, workload.Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
+		{"numeric targetPort", workload.ServicePort{Port: 80, TargetPort: 9090}, workload.Endpoint{}, 9090, true},
 		{"no targetPort means port", workload.ServicePort{Port: 80}, workload.Endpoint{}, 80, true},
-		{"named targetPort via container ports", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("http")}, workload.Endpoint{Workload: pod}, 8080, true},
-		{"named targetPort the pod lacks", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("grpc")}, workload.Endpoint{Workload: pod}, 0, false},
-		{"named targetPort, unknown pod", workload.ServicePort{Port: 80, TargetPort: intstr.FromString("http")}, workload.Endpoint{}, 0, false},
+		{"named targetPort via container ports", workload.ServicePort{Port: 80, TargetPortName: "http"}, workload.Endpoint{Workload: pod}, 8080, true},
+		{"named targetPort the pod lacks", workload.ServicePort{Port: 80, TargetPortName: "grpc"}, workload.Endpoint{Workload: pod}, 0, false},
+		{"named targetPort, unknown pod", workload.ServicePort{Port: 80, TargetPortName: "http"}, workload.Endpoint{}, 0, false},
 	} {
 		got, ok := targetPort(tc.port, tc.ep)
 		if got != tc.want || ok != tc.ok {
@@ -42,7 +40,7 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 		{Addr: netip.MustParseAddr("10.0.0.2"), Ready: true},
 		{Addr: netip.MustParseAddr("10.0.0.3"), Ready: false},
 	}}
-	port := workload.ServicePort{Port: 80, TargetPort: intstr.FromInt32(8080)}
+	port := workload.ServicePort{Port: 80, TargetPort: 8080}
 	first := map[string]int{}
 	for i := 0; i < 4; i++ {
 		order := b.order(svc, port)
@@ -75,7 +73,7 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 // leave nothing behind.
 func TestBalancerPrunesGoneServices(t *testing.T) {
 	b := newBalancer()
-	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}
+	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: 8080}
 	for _, name := range []string{"a", "b", "c"} {
 		svc := &workload.Service{Name: name, Namespace: "shop", Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
 		b.order(svc, port)

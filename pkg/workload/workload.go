@@ -1,17 +1,18 @@
-// Package workload is the directory the tunnel and the reconciler ask "who
-// is at this address?" and "what is behind this service VIP?". A Directory is
-// built from one source.Snapshot and never changes afterwards, so readers
-// share it without locks; a Store swaps in the next one.
+// Package workload is the mesh model the tunnel, the policy engine and the
+// node agent read: workloads, services, their endpoints and waypoints, in
+// the project's own types. Every source (a manifest file, the Kubernetes
+// API, istiod's workload xDS) translates into them, so no Kubernetes or
+// Istio API type reaches the data plane's Go side.
+//
+// A Directory indexes one snapshot of the model ("who is at this
+// address?", "what is behind this VIP?") and never changes afterwards, so
+// readers share it without locks; a Store swaps in the next one.
 package workload
 
-import (
-	"net/netip"
+import "net/netip"
 
-	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/util/intstr"
-)
-
-// Workload is one pod as the mesh sees it. Treat it as read-only.
+// Workload is one pod (or, from istiod, a ServiceEntry or VM workload) as
+// the mesh sees it. Treat it as read-only.
 type Workload struct {
 	Name      string
 	Namespace string
@@ -20,13 +21,15 @@ type Workload struct {
 	// would have it; it is the SPIFFE identity's last part.
 	ServiceAccount string
 	Node           string
-	Addrs          []netip.Addr
-	Labels         map[string]string
+	// Addrs are the workload's own addresses; empty for a hostNetwork pod
+	// (it shares the node's) and a finished one (a new pod may have them).
+	Addrs  []netip.Addr
+	Labels map[string]string
 	// WorkloadName is the owning workload as Istio names it (the
-	// Deployment, StatefulSet, ... ; see WorkloadMeta), WorkloadType
-	// ztunnel's type for it (deployment, cronjob, job or pod), and
-	// CanonicalName and CanonicalRevision the pod's canonical service (see
-	// CanonicalService): the names Istio's telemetry groups by.
+	// Deployment, StatefulSet, ... ), WorkloadType ztunnel's type for it
+	// (deployment, cronjob, job or pod), and CanonicalName and
+	// CanonicalRevision the pod's canonical service (see CanonicalService):
+	// the names Istio's telemetry groups by.
 	WorkloadName      string
 	WorkloadType      string
 	CanonicalName     string
@@ -34,13 +37,28 @@ type Workload struct {
 	// Region and Zone are the pod's locality, when its source knows it
 	// (istiod's xDS does; the agent's own sources read no Nodes).
 	Region, Zone string
-	// Enrolled, Reason and BypassInbound are the selection decision.
+	// Enrolled says the workload is in the mesh and takes HBONE: for this
+	// node's pods, the selection decision (Reason says which rule decided,
+	// BypassInbound turns inbound capture off); for other workloads, what
+	// their source says of them.
 	Enrolled      bool
 	Reason        string
 	BypassInbound bool
+	// Pending is set on a pod the rules select but whose address its
+	// source does not know yet (see selection.Decision.Pending): the
+	// reason it is enrolled under once the CNI plugin reports its
+	// addresses.
+	Pending string
+	// Redirected says the pod carries ambient.istio.io/redirection=enabled
+	// as its source last read it, and Terminating that it is being deleted;
+	// the node agent keeps the annotation true to what is attached.
+	Redirected  bool
+	Terminating bool
 	// ContainerPorts maps named container ports to their numbers, to
 	// resolve a Service's named targetPort.
 	ContainerPorts map[string]int32
+	// Waypoint, if set, is where traffic to this workload goes first.
+	Waypoint *Waypoint
 }
 
 // Identity is the workload's SPIFFE ID in trustDomain.
@@ -51,42 +69,63 @@ func (w *Workload) Identity(trustDomain string) string {
 // String is namespace/name, for logs.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
 
-// Service is a Kubernetes Service with its endpoints. Treat it as read-only.
+// Service is a Kubernetes Service or a ServiceEntry with its endpoints.
+// Treat it as read-only.
 type Service struct {
 	Name      string
 	Namespace string
-	// VIPs are the cluster IPs; empty for a headless service.
+	// Hostname is the name clients use: name.namespace.svc.<domain> for a
+	// Kubernetes Service, the declared host of a ServiceEntry.
+	Hostname string
+	// VIPs are the virtual addresses; empty for a headless service.
 	VIPs      []netip.Addr
 	Ports     []ServicePort
 	Endpoints []Endpoint
+	// Waypoint, if set, is where traffic to this service goes first.
+	Waypoint *Waypoint
 }
 
-// ServicePort is one spec.ports entry.
+// ServicePort is one port of a service.
 type ServicePort struct {
-	Name       string
-	Port       int32
-	TargetPort intstr.IntOrString
-	Protocol   corev1.Protocol
+	Name string
+	Port int32
+	// TargetPort is the endpoints' port for this one, 0 meaning Port;
+	// TargetPortName names a container port instead (Kubernetes' named
+	// targetPort), resolved per endpoint.
+	TargetPort     int32
+	TargetPortName string
+	// Protocol is TCP, UDP or SCTP ("" means TCP); only TCP is meshed.
+	Protocol string
+	// AppProtocol is the declared application protocol, when known.
+	AppProtocol string
 }
 
-// Endpoint is one address behind a service, from its EndpointSlices.
+// Endpoint is one address behind a service.
 type Endpoint struct {
 	Addr netip.Addr
-	// Ports maps the slice's port names ("" for an unnamed port) to the
-	// port numbers on this endpoint.
+	// Ports maps the service's port names to the port numbers on this
+	// endpoint, where the source resolved them (EndpointSlices do; istiod
+	// does per workload).
 	Ports map[string]int32
 	Ready bool
-	// Workload is the pod at Addr, or nil if it is not a pod we know.
+	// Workload is the workload at Addr, or nil if it is not one we know.
+	// NewDirectory fills it in.
 	Workload *Workload
 }
 
-// Hostname is the service's cluster DNS name, name.namespace.svc.<domain>;
-// domain defaults to "cluster.local".
-func (s *Service) Hostname(domain string) string {
-	if domain == "" {
-		domain = "cluster.local"
-	}
-	return s.Name + "." + s.Namespace + ".svc." + domain
+// Waypoint is a waypoint proxy: an address or a service hostname, and the
+// port it takes HBONE on.
+type Waypoint struct {
+	Addr      netip.Addr
+	Namespace string
+	Hostname  string
+	HBONEPort uint16
+}
+
+// ClusterHostname is a Kubernetes Service's DNS name in the cluster,
+// name.namespace.svc.cluster.local.
+func ClusterHostname(name, namespace string) string {
+	return name + "." + namespace + ".svc.cluster.local"
 }
 
 // String is namespace/name, for logs.

@@ -126,15 +126,15 @@ func TestIstiodXDSClient(t *testing.T) {
 		if srv == nil || findWorkload(s, "client") == nil {
 			return fmt.Errorf("%d workloads, no client and server", len(s.Workloads))
 		}
-		if got := srv.Identity(); got != "spiffe://cluster.local/ns/mesh/sa/server-sa" || !srv.HBONE || srv.Node != "node2" || srv.CanonicalName != "server" || srv.CanonicalRevision != "v7" {
-			return fmt.Errorf("server workload %s HBONE=%v node %q canonical %s/%s", got, srv.HBONE, srv.Node, srv.CanonicalName, srv.CanonicalRevision)
+		if got := srv.Identity(); got != "spiffe://cluster.local/ns/mesh/sa/server-sa" || !srv.Enrolled || srv.Node != "node2" || srv.CanonicalName != "server" || srv.CanonicalRevision != "v7" {
+			return fmt.Errorf("server workload %s HBONE=%v node %q canonical %s/%s", got, srv.Enrolled, srv.Node, srv.CanonicalName, srv.CanonicalRevision)
 		}
 		svc := findService(s, "server.mesh.svc.cluster.local")
 		if svc == nil || len(svc.VIPs) != 1 || svc.VIPs[0] != netip.MustParseAddr("10.96.0.50") || len(svc.Endpoints) != 1 || svc.Endpoints[0].Ports["80"] != 8080 {
 			return fmt.Errorf("service server: %+v", svc)
 		}
-		if svc.AppProtocols[80] != "HTTP11" {
-			return fmt.Errorf("service server app protocols %v", svc.AppProtocols)
+		if len(svc.Ports) != 1 || svc.Ports[0].AppProtocol != "HTTP11" {
+			return fmt.Errorf("service server ports %+v, want 80 with app protocol HTTP11", svc.Ports)
 		}
 		se := findService(s, "db.example.com")
 		if se == nil || len(se.VIPs) != 1 || se.VIPs[0] != netip.MustParseAddr("240.1.1.1") {

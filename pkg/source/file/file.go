@@ -62,6 +62,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 // Timings of the watch loop. A write (or an editor's write, fsync and
@@ -91,7 +92,7 @@ type Source struct {
 	errs []error
 }
 
-var _ source.Source = (*Source)(nil)
+var _ kubeobj.ObjectSource = (*Source)(nil)
 
 // New returns a Source for path; log may be nil.
 func New(path string, log *slog.Logger) *Source {
@@ -123,7 +124,7 @@ func (s *Source) Errors() []error {
 // a directory) is watched, not the file, so editors that write a new file
 // and rename it over the old one, and ConfigMap volume updates, are seen. If
 // PATH disappears later the last good snapshot stays and the loss is logged.
-func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
+func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	info, err := os.Stat(s.path)
 	if err != nil {
 		return fmt.Errorf("file source: %w", err)
@@ -200,7 +201,7 @@ type state struct {
 
 // reload loads PATH and calls update, unless the load has errors or reads
 // the bytes of the last delivery.
-func (s *Source) reload(update func(source.Snapshot), last *state) {
+func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 	r, err := load(s.path, last.decoded)
 	if err != nil {
 		s.refuse(last, sha256.Sum256([]byte(err.Error())),

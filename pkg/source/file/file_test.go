@@ -14,6 +14,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 func namespaceDoc(names ...string) string {
@@ -24,7 +25,7 @@ func namespaceDoc(names ...string) string {
 	return b.String()
 }
 
-func nsNames(s source.Snapshot) string {
+func nsNames(s kubeobj.Objects) string {
 	var names []string
 	for _, ns := range s.Namespaces {
 		names = append(names, ns.Name)
@@ -36,7 +37,7 @@ func nsNames(s source.Snapshot) string {
 // done reports Run's result.
 type running struct {
 	src     *Source
-	updates chan source.Snapshot
+	updates chan kubeobj.Objects
 	done    chan error
 	cancel  context.CancelFunc
 }
@@ -49,8 +50,8 @@ func start(t *testing.T, path string, log *slog.Logger) *running {
 func startWith(t *testing.T, src *Source) *running {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{src: src, updates: make(chan source.Snapshot, 16), done: make(chan error, 1), cancel: cancel}
-	go func() { r.done <- r.src.Run(ctx, func(s source.Snapshot) { r.updates <- s }) }()
+	r := &running{src: src, updates: make(chan kubeobj.Objects, 16), done: make(chan error, 1), cancel: cancel}
+	go func() { r.done <- r.src.Run(ctx, func(s kubeobj.Objects) { r.updates <- s }) }()
 	t.Cleanup(func() {
 		cancel()
 		<-r.done
@@ -360,7 +361,7 @@ func TestRunStopsOnCancel(t *testing.T) {
 }
 
 func TestRunMissingPath(t *testing.T) {
-	err := New(filepath.Join(t.TempDir(), "nope.yaml"), nil).Run(context.Background(), func(source.Snapshot) {
+	err := New(filepath.Join(t.TempDir(), "nope.yaml"), nil).Run(context.Background(), func(kubeobj.Objects) {
 		t.Error("update called")
 	})
 	if !errors.Is(err, os.ErrNotExist) {

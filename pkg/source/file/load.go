@@ -20,6 +20,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 // DocError is a malformed document. It says where the document is, so the
@@ -80,10 +81,10 @@ func errorReason(err error) string {
 // not end with a newline are returned as errors; everything that parsed is in
 // the snapshot. Source.Run applies nothing of a load with errors; Load shows
 // what would be left.
-func Load(path string) (source.Snapshot, []error) {
+func Load(path string) (kubeobj.Objects, []error) {
 	r, err := load(path, nil)
 	if err != nil {
-		return source.Snapshot{}, []error{err}
+		return kubeobj.Objects{}, []error{err}
 	}
 	return r.snap, r.errs
 }
@@ -92,7 +93,7 @@ func Load(path string) (source.Snapshot, []error) {
 // each file held, and a digest of everything read, so a reload that reads the
 // same bytes can be recognised and not delivered again.
 type result struct {
-	snap  source.Snapshot
+	snap  kubeobj.Objects
 	errs  []error
 	files map[string]fileState
 	sum   [sha256.Size]byte
@@ -275,9 +276,12 @@ func blank(doc []byte) bool {
 // builder collects the objects of one load and remembers where each was
 // defined, to report duplicates.
 type builder struct {
-	snap source.Snapshot
-	seen map[string]string
-	errs []error
+	snap kubeobj.Objects
+	// The policies, until snapshot translates their metadata.
+	peerAuthn []peerAuthnDoc
+	authz     []authzDoc
+	seen      map[string]string
+	errs      []error
 
 	prev, next docCache
 	// replays collects how to add again the objects of the document being
@@ -389,19 +393,19 @@ func (b *builder) addObject(loc DocError, tm metav1.TypeMeta, data []byte) error
 	case tm.APIVersion == "" || tm.Kind == "":
 		return errors.New("apiVersion and kind are required")
 	case tm.APIVersion == "v1" && tm.Kind == "Namespace":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Namespace { return &s.Namespaces }, false)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Namespace { return &b.snap.Namespaces }, false)
 	case tm.APIVersion == "v1" && tm.Kind == "Pod":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Pod { return &s.Pods }, true)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Pod { return &b.snap.Pods }, true)
 	case tm.APIVersion == "v1" && tm.Kind == "Service":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]corev1.Service { return &s.Services }, true)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Service { return &b.snap.Services }, true)
 	case tm.APIVersion == "discovery.k8s.io/v1" && tm.Kind == "EndpointSlice":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]discoveryv1.EndpointSlice { return &s.EndpointSlices }, true)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]discoveryv1.EndpointSlice { return &b.snap.EndpointSlices }, true)
 	case tm.APIVersion == "node.k8s.io/v1" && tm.Kind == "RuntimeClass":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]nodev1.RuntimeClass { return &s.RuntimeClasses }, false)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]nodev1.RuntimeClass { return &b.snap.RuntimeClasses }, false)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "PeerAuthentication":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]policy.PeerAuthentication { return &s.PeerAuthentications }, true)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]peerAuthnDoc { return &b.peerAuthn }, true)
 	case istioSecurity(tm.APIVersion) && tm.Kind == "AuthorizationPolicy":
-		return add(b, loc, tm.Kind, data, func(s *source.Snapshot) *[]policy.AuthorizationPolicy { return &s.AuthorizationPolicies }, true)
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]authzDoc { return &b.authz }, true)
 	}
 	return fmt.Errorf("unsupported kind %s in apiVersion %s", tm.Kind, tm.APIVersion)
 }
@@ -416,7 +420,7 @@ func istioSecurity(apiVersion string) bool {
 func add[T any, PT interface {
 	*T
 	metav1.Object
-}](b *builder, loc DocError, kind string, data []byte, list func(*source.Snapshot) *[]T, namespaced bool) error {
+}](b *builder, loc DocError, kind string, data []byte, list func(*builder) *[]T, namespaced bool) error {
 	var obj T
 	if err := yaml.UnmarshalStrict(data, &obj); err != nil {
 		return err
@@ -447,14 +451,14 @@ func add[T any, PT interface {
 func put[T any, PT interface {
 	*T
 	metav1.Object
-}](b *builder, loc DocError, kind string, list func(*source.Snapshot) *[]T, obj T) error {
+}](b *builder, loc DocError, kind string, list func(*builder) *[]T, obj T) error {
 	meta := PT(&obj)
 	key := kind + " " + meta.GetNamespace() + "/" + meta.GetName()
 	if first, ok := b.seen[key]; ok {
 		return fmt.Errorf("duplicate %s %s, first defined in %s", kind, objectName(meta), first)
 	}
 	b.seen[key] = loc.File + " " + loc.where()
-	l := list(&b.snap)
+	l := list(b)
 	*l = append(*l, obj)
 	return nil
 }
@@ -468,16 +472,49 @@ func objectName(o metav1.Object) string {
 
 // snapshot sorts every list by namespace and name, so equal inputs give
 // equal snapshots whatever the file order.
-func (b *builder) snapshot() source.Snapshot {
+func (b *builder) snapshot() kubeobj.Objects {
 	s := b.snap
 	sortObjects(s.Namespaces)
 	sortObjects(s.Pods)
 	sortObjects(s.Services)
 	sortObjects(s.EndpointSlices)
 	sortObjects(s.RuntimeClasses)
-	sortObjects(s.PeerAuthentications)
-	sortObjects(s.AuthorizationPolicies)
+	sortObjects(b.peerAuthn)
+	sortObjects(b.authz)
+	s.PeerAuthentications = make([]policy.PeerAuthentication, len(b.peerAuthn))
+	for i, d := range b.peerAuthn {
+		s.PeerAuthentications[i] = policy.PeerAuthentication{TypeMeta: policyType(d.TypeMeta), Meta: policyMeta(d.ObjectMeta), Spec: d.Spec}
+	}
+	s.AuthorizationPolicies = make([]policy.AuthorizationPolicy, len(b.authz))
+	for i, d := range b.authz {
+		s.AuthorizationPolicies[i] = policy.AuthorizationPolicy{TypeMeta: policyType(d.TypeMeta), Meta: policyMeta(d.ObjectMeta), Spec: d.Spec}
+	}
 	return s
+}
+
+// peerAuthnDoc and authzDoc are policies as a manifest holds them: their
+// metadata is Kubernetes', decoded (strictly) as such, and translated into
+// the policy package's own at the end.
+type peerAuthnDoc struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+	Spec              policy.PeerAuthenticationSpec `json:"spec"`
+}
+
+type authzDoc struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+	Spec              policy.AuthorizationPolicySpec `json:"spec"`
+}
+
+func policyType(t metav1.TypeMeta) policy.TypeMeta {
+	return policy.TypeMeta{APIVersion: t.APIVersion, Kind: t.Kind}
+}
+
+// policyMeta is the part of a policy's metadata the policy package keeps.
+func policyMeta(m metav1.ObjectMeta) policy.Meta {
+	return policy.Meta{Name: m.Name, Namespace: m.Namespace, UID: string(m.UID), ResourceVersion: m.ResourceVersion,
+		Labels: m.Labels, Annotations: m.Annotations, CreationTimestamp: m.CreationTimestamp.Time}
 }
 
 func sortObjects[T any, PT interface {

@@ -10,11 +10,13 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
 )
 
 // RedirectionAnnotation marks a pod whose traffic the node's dataplane redirects, the same
 // annotation Istio's CNI agent sets, so istioctl and other tools read it unchanged.
-const RedirectionAnnotation = "ambient.istio.io/redirection"
+const RedirectionAnnotation = selection.RedirectionAnnotation
 
 // fieldManager names this agent in the pods' managedFields.
 const fieldManager = "redirector"

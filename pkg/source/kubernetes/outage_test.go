@@ -21,6 +21,7 @@ import (
 	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
@@ -121,7 +122,7 @@ func runSourceWith(t *testing.T, cfg kubernetes.Config) *watcher {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- src.Run(ctx, func(s source.Snapshot) {
+		done <- src.Run(ctx, func(s kubeobj.Objects) {
 			w.mu.Lock()
 			w.snaps = append(w.snaps, s)
 			w.mu.Unlock()
@@ -177,7 +178,7 @@ func TestSourceUnreachableAtStart(t *testing.T) {
 	}
 
 	p.setDown(false)
-	w.waitFor(t, "namespace created before the start", func(s source.Snapshot) bool {
+	w.waitFor(t, "namespace created before the start", func(s kubeobj.Objects) bool {
 		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "before"))
 	})
 }
@@ -207,7 +208,7 @@ spec: {mtls: {mode: STRICT}}
 	p := newOutageProxy(t, c)
 	m := source.NewMetrics(nil)
 	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), Metrics: m, PolicyRecheck: 200 * time.Millisecond})
-	complete := func(s source.Snapshot) bool {
+	complete := func(s kubeobj.Objects) bool {
 		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "shop")) &&
 			slices.ContainsFunc(s.Pods, runningWithIP("shop", "web", "10.244.1.5")) &&
 			slices.ContainsFunc(s.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict"))
@@ -223,7 +224,7 @@ spec: {mtls: {mode: STRICT}}
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	w.waitFor(t, "the Service created during the outage", func(s source.Snapshot) bool {
+	w.waitFor(t, "the Service created during the outage", func(s kubeobj.Objects) bool {
 		return slices.ContainsFunc(s.Services, named[corev1.Service]("shop", "during"))
 	})
 	if errorCount(t, m, source.ReasonListWatch) == 0 {
@@ -231,7 +232,7 @@ spec: {mtls: {mode: STRICT}}
 	}
 
 	p.setDown(false)
-	w.waitFor(t, "the namespace created during the outage", func(s source.Snapshot) bool {
+	w.waitFor(t, "the namespace created during the outage", func(s kubeobj.Objects) bool {
 		return complete(s) && slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "during"))
 	})
 	w.mu.Lock()

@@ -241,7 +241,7 @@ const unconvertible = "UNCONVERTIBLE"
 // everything it selects (its selector and target references if those convert, else the
 // whole namespace).
 func failClosedAuthz(u *unstructured.Unstructured) any {
-	ap := &policy.AuthorizationPolicy{ObjectMeta: standInMeta(u)}
+	ap := &policy.AuthorizationPolicy{Meta: standInMeta(u)}
 	ap.Spec.Selector = specField[policy.WorkloadSelector](u, "selector")
 	ap.Spec.TargetRef = specField[policy.PolicyTargetReference](u, "targetRef")
 	if refs := specField[[]policy.PolicyTargetReference](u, "targetRefs"); refs != nil {
@@ -254,16 +254,16 @@ func failClosedAuthz(u *unstructured.Unstructured) any {
 // failClosedPeerAuthn stands for a PeerAuthentication that never converted: STRICT for what
 // it selects (its selector if that converts, else the whole namespace).
 func failClosedPeerAuthn(u *unstructured.Unstructured) any {
-	pa := &policy.PeerAuthentication{ObjectMeta: standInMeta(u)}
+	pa := &policy.PeerAuthentication{Meta: standInMeta(u)}
 	pa.Spec.Selector = specField[policy.WorkloadSelector](u, "selector")
 	pa.Spec.MTLS = &policy.MTLS{Mode: unconvertible}
 	return pa
 }
 
 // standInMeta is the metadata a stand-in keeps of u.
-func standInMeta(u *unstructured.Unstructured) metav1.ObjectMeta {
-	return metav1.ObjectMeta{Namespace: u.GetNamespace(), Name: u.GetName(), UID: u.GetUID(),
-		CreationTimestamp: u.GetCreationTimestamp(), ResourceVersion: u.GetResourceVersion(), Labels: u.GetLabels()}
+func standInMeta(u *unstructured.Unstructured) policy.Meta {
+	return policy.Meta{Namespace: u.GetNamespace(), Name: u.GetName(), UID: string(u.GetUID()),
+		CreationTimestamp: u.GetCreationTimestamp().Time, ResourceVersion: u.GetResourceVersion(), Labels: u.GetLabels()}
 }
 
 // specField decodes spec.<name> of u into a new T; nil if it is absent or does not decode.

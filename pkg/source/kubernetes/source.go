@@ -48,7 +48,6 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/discovery"
@@ -64,6 +63,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 // debounce says when changes become a snapshot: a rollout fires hundreds of events, and
@@ -103,7 +103,7 @@ type Source struct {
 	discovery discovery.DiscoveryInterface
 }
 
-var _ source.Source = (*Source)(nil)
+var _ kubeobj.ObjectSource = (*Source)(nil)
 
 // New returns a Source for cfg. It does not contact the API server; Run does.
 func New(cfg Config) (*Source, error) {
@@ -149,7 +149,7 @@ func New(cfg Config) (*Source, error) {
 // has synced (so the first snapshot is complete, not the early part of a list), then after
 // each burst of changes, debounced. update is called from Run's goroutine, one call at a time.
 // Run returns nil when ctx is done, or an error if the informers cannot be set up.
-func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
+func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	ctx, cancel := context.WithCancel(ctx)
 
 	changed := make(chan struct{}, 1)
@@ -291,9 +291,9 @@ type listers struct {
 
 // snapshot copies the caches into a Snapshot, each list sorted by namespace and name so that
 // equal states give equal snapshots. The objects are shallow copies that share maps and
-// slices with the cache: consumers must not modify them (as source.Snapshot requires).
-func (l listers) snapshot() source.Snapshot {
-	return source.Snapshot{
+// slices with the cache: consumers must not modify them (as kubeobj.Objects requires).
+func (l listers) snapshot() kubeobj.Objects {
+	return kubeobj.Objects{
 		Namespaces:            sortedValues(must(l.namespaces.Lister().List(labels.Everything()))),
 		Pods:                  sortedValues(must(l.pods.Lister().List(labels.Everything()))),
 		Services:              sortedValues(must(l.services.Lister().List(labels.Everything()))),
@@ -307,7 +307,8 @@ func (l listers) snapshot() source.Snapshot {
 // sortedValues sorts objs by namespace and name and returns copies of the objects.
 func sortedValues[T any, P interface {
 	*T
-	metav1.Object
+	GetNamespace() string
+	GetName() string
 }](objs []P) []T {
 	slices.SortFunc(objs, func(a, b P) int {
 		return cmp.Or(cmp.Compare(a.GetNamespace(), b.GetNamespace()), cmp.Compare(a.GetName(), b.GetName()))

@@ -22,7 +22,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
-	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
@@ -56,7 +56,7 @@ func TestSource(t *testing.T) {
 		} {
 			createRunningPod(t, client, "apps", p.name, p.node, p.ip, p.ip6)
 		}
-		snap := w.waitFor(t, "running pods web and db with IPs", func(s source.Snapshot) bool {
+		snap := w.waitFor(t, "running pods web and db with IPs", func(s kubeobj.Objects) bool {
 			return slices.ContainsFunc(s.Pods, runningWithIP("apps", "web", "10.244.1.5")) &&
 				slices.ContainsFunc(s.Pods, runningWithIP("apps", "db", "10.244.2.7"))
 		})
@@ -72,7 +72,7 @@ func TestSource(t *testing.T) {
 		if err := client.CoreV1().Pods("apps").Delete(ctx, "db", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 			t.Fatalf("delete pod: %v", err)
 		}
-		w.waitFor(t, "pod db gone", func(s source.Snapshot) bool {
+		w.waitFor(t, "pod db gone", func(s kubeobj.Objects) bool {
 			return !slices.ContainsFunc(s.Pods, named[corev1.Pod]("apps", "db"))
 		})
 	})
@@ -108,7 +108,7 @@ func TestSource(t *testing.T) {
 		if _, err := client.DiscoveryV1().EndpointSlices("apps").Create(ctx, eps, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create endpointslice: %v", err)
 		}
-		snap := w.waitFor(t, "service web and its endpointslice", func(s source.Snapshot) bool {
+		snap := w.waitFor(t, "service web and its endpointslice", func(s kubeobj.Objects) bool {
 			return slices.ContainsFunc(s.Services, named[corev1.Service]("apps", "web")) &&
 				slices.ContainsFunc(s.EndpointSlices, named[discoveryv1.EndpointSlice]("apps", "web-abc12"))
 		})
@@ -120,7 +120,7 @@ func TestSource(t *testing.T) {
 		if err := client.CoreV1().Services("apps").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 			t.Fatalf("delete service: %v", err)
 		}
-		w.waitFor(t, "service web gone", func(s source.Snapshot) bool {
+		w.waitFor(t, "service web gone", func(s kubeobj.Objects) bool {
 			return !slices.ContainsFunc(s.Services, named[corev1.Service]("apps", "web"))
 		})
 	})
@@ -130,7 +130,7 @@ func TestSource(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		annotation := func(s source.Snapshot) (string, bool) {
+		annotation := func(s kubeobj.Objects) (string, bool) {
 			i := slices.IndexFunc(s.Pods, named[corev1.Pod]("apps", "web"))
 			if i < 0 {
 				return "", false
@@ -142,14 +142,14 @@ func TestSource(t *testing.T) {
 		if err := a.SetRedirection(ctx, "apps", "web", true); err != nil {
 			t.Fatal(err)
 		}
-		w.waitFor(t, "annotation enabled on web", func(s source.Snapshot) bool {
+		w.waitFor(t, "annotation enabled on web", func(s kubeobj.Objects) bool {
 			v, _ := annotation(s)
 			return v == "enabled"
 		})
 		if err := a.SetRedirection(ctx, "apps", "web", false); err != nil {
 			t.Fatal(err)
 		}
-		w.waitFor(t, "annotation gone from web", func(s source.Snapshot) bool {
+		w.waitFor(t, "annotation gone from web", func(s kubeobj.Objects) bool {
 			_, ok := annotation(s)
 			return !ok && slices.ContainsFunc(s.Pods, named[corev1.Pod]("apps", "web"))
 		})
@@ -187,7 +187,7 @@ spec:
     to:
     - operation: {ports: ["8080"]}
 `)
-		snap := w.waitFor(t, "both policies", func(s source.Snapshot) bool {
+		snap := w.waitFor(t, "both policies", func(s kubeobj.Objects) bool {
 			return len(s.PeerAuthentications) == 1 && len(s.AuthorizationPolicies) == 1
 		})
 		pa := snap.PeerAuthentications[0]
@@ -240,7 +240,7 @@ kind: AuthorizationPolicy
 metadata: {namespace: after, name: late}
 spec: {action: DENY}
 `)
-	w.waitFor(t, "namespace, pod and policy created after the restart", func(s source.Snapshot) bool {
+	w.waitFor(t, "namespace, pod and policy created after the restart", func(s kubeobj.Objects) bool {
 		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "after")) &&
 			slices.ContainsFunc(s.Pods, runningWithIP("after", "late", "10.244.3.9")) &&
 			slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("after", "late"))
@@ -250,7 +250,7 @@ spec: {action: DENY}
 // watcher runs a Source and keeps the snapshots it delivers.
 type watcher struct {
 	mu     sync.Mutex
-	snaps  []source.Snapshot
+	snaps  []kubeobj.Objects
 	change chan struct{} // signalled on every snapshot
 }
 
@@ -261,21 +261,21 @@ func runSource(t *testing.T, cfg *rest.Config) *watcher {
 }
 
 // first returns the first snapshot delivered.
-func (w *watcher) first(t *testing.T) source.Snapshot {
+func (w *watcher) first(t *testing.T) kubeobj.Objects {
 	t.Helper()
-	w.waitFor(t, "a first snapshot", func(source.Snapshot) bool { return true })
+	w.waitFor(t, "a first snapshot", func(kubeobj.Objects) bool { return true })
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.snaps[0]
 }
 
 // waitFor waits until the latest snapshot satisfies ok and returns it.
-func (w *watcher) waitFor(t *testing.T, what string, ok func(source.Snapshot) bool) source.Snapshot {
+func (w *watcher) waitFor(t *testing.T, what string, ok func(kubeobj.Objects) bool) kubeobj.Objects {
 	t.Helper()
 	deadline := time.After(waitTimeout)
 	for {
 		w.mu.Lock()
-		var last *source.Snapshot
+		var last *kubeobj.Objects
 		if n := len(w.snaps); n > 0 {
 			last = &w.snaps[n-1]
 		}

@@ -216,11 +216,11 @@ func TestClientSubscribesAsZtunnelAndTranslates(t *testing.T) {
 		t.Fatalf("snapshot: %d workloads, %d services, %d policies", len(s.Workloads), len(s.Services), len(s.Policies))
 	}
 	w := s.Workloads[0]
-	if w.Identity() != "spiffe://cluster.local/ns/shop/sa/web" || !w.HBONE || w.Node != "node-a" || w.CanonicalRevision != "v1" || w.Addrs[0] != netip.MustParseAddr("10.1.0.5") {
+	if w.Identity() != "spiffe://cluster.local/ns/shop/sa/web" || !w.Enrolled || w.Node != "node-a" || w.CanonicalRevision != "v1" || w.Addrs[0] != netip.MustParseAddr("10.1.0.5") {
 		t.Errorf("workload %+v", w)
 	}
 	svc := s.Services[0]
-	if svc.VIPs[0] != netip.MustParseAddr("10.96.0.10") || svc.AppProtocols[80] != "HTTP2" || len(svc.Endpoints) != 1 {
+	if svc.VIPs[0] != netip.MustParseAddr("10.96.0.10") || svc.Ports[0].AppProtocol != "HTTP2" || len(svc.Endpoints) != 1 {
 		t.Fatalf("service %+v", svc)
 	}
 	if ep := svc.Endpoints[0]; ep.Addr != netip.MustParseAddr("10.1.0.5") || ep.Ports["80"] != 8080 || ep.Workload == nil {

@@ -2,7 +2,6 @@ package xds
 
 import (
 	"cmp"
-	"net/netip"
 	"slices"
 	"strconv"
 
@@ -10,27 +9,22 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
-// Workload is one workload as istiod describes it, in the project's own
-// types: the directory's workload.Workload (name, namespace, uid, service
-// account, node, addresses, workload name and type, canonical service,
-// locality) plus what only istiod knows.
+// Workload is one workload as istiod describes it: the model's
+// workload.Workload (name, namespace, uid, service account, node,
+// addresses, workload name and type, canonical service, locality, waypoint;
+// Enrolled is true when istiod says it takes HBONE on port 15008: pods the
+// agent annotated ambient.istio.io/redirection=enabled; false is a
+// plaintext peer, tunnel_protocol NONE, or LEGACY_ISTIO_MTLS, a sidecar
+// whose Istio mTLS is not spoken here) plus what only the xDS client uses.
 type Workload struct {
 	workload.Workload
 	// TrustDomain is the workload's SPIFFE trust domain (istiod sends none
 	// for cluster.local, which this then holds).
 	TrustDomain string
 	Network     string
-	// HBONE is true when the workload is in the mesh and takes HBONE on
-	// port 15008 (istiod says so for pods annotated
-	// ambient.istio.io/redirection=enabled, which the agent sets when it
-	// enrolls a pod); false means a plaintext peer (tunnel_protocol NONE,
-	// or LEGACY_ISTIO_MTLS: a sidecar, whose Istio mTLS is not spoken here).
-	HBONE bool
 	// Healthy is false for a workload istiod marks UNHEALTHY (a pod not
-	// ready, or deleted but not yet gone).
+	// ready, or deleted but not yet gone): not a ready endpoint.
 	Healthy bool
-	// Waypoint, if set, is where traffic to this workload must go first.
-	Waypoint *Gateway
 	// Services maps a service key (namespace/hostname) to the ports this
 	// workload serves it on.
 	Services map[string][]PortMap
@@ -49,26 +43,11 @@ type PortMap struct {
 	TargetPort uint16
 }
 
-// Gateway is a waypoint or network gateway: an address or a service
-// hostname, and its HBONE port.
-type Gateway struct {
-	Addr      netip.Addr
-	Namespace string
-	Hostname  string
-	HBONEPort uint16
-}
-
 // Service is one service as istiod describes it (a Kubernetes Service or
-// a ServiceEntry): the directory's workload.Service, whose ports are named
-// by their number so endpoints map them to target ports, plus its
-// hostname, app protocols and waypoint.
+// a ServiceEntry), as the model's workload.Service: its ports are named by
+// their number so endpoints map them to target ports.
 type Service struct {
 	workload.Service
-	Hostname string
-	// AppProtocols maps a service port to its declared protocol (HTTP11,
-	// HTTP2, GRPC, TCP, TLS), where one is known.
-	AppProtocols map[int32]string
-	Waypoint     *Gateway
 }
 
 // Key is namespace/hostname, how workloads name the services they serve.

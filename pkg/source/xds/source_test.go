@@ -67,14 +67,14 @@ func TestMergeIntoDirectory(t *testing.T) {
 		Groups: []policy.Group{{Clauses: []policy.Clause{{Matches: []policy.Match{{NotPrincipals: []policy.StringMatch{{Kind: policy.MatchPresence}}}}}}}}}
 	mesh := buildSnapshot(workloads, services, map[string]*policy.Compiled{strict.Key(): strict})
 
-	before := merge(local, nil, "node-a")
-	if before.Compiled == nil || before.Compiled.Synced || len(before.Pods) != 1 {
-		t.Fatalf("before istiod: %d pods, compiled %+v; want the local pod and an unsynced policy set", len(before.Pods), before.Compiled)
+	before, errs := merge(local, nil, "node-a", selection.Config{})
+	if before.Compiled == nil || before.Compiled.Synced || len(before.Workloads) != 1 || len(errs) > 0 {
+		t.Fatalf("before istiod: %d workloads, compiled %+v, errors %v; want the local pod and an unsynced policy set", len(before.Workloads), before.Compiled, errs)
 	}
 
-	snap := merge(local, mesh, "node-a")
-	dir, errs := workload.Build(snap, selection.Config{}, snap.HandlerLookup())
-	if len(errs) > 0 {
+	snap, errs := merge(local, mesh, "node-a", selection.Config{})
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if errs = append(errs, dirErrs...); len(errs) > 0 {
 		t.Fatalf("build: %v", errs)
 	}
 	if w, ok := dir.Pod("shop", "web-1"); !ok || !w.Enrolled || w.UID != "u1" {

@@ -9,8 +9,6 @@ import (
 
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
-	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -63,9 +61,10 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	}
 	switch x.GetTunnelProtocol() {
 	case workloadapi.TunnelProtocol_HBONE:
-		w.HBONE = true
+		w.Enrolled, w.Reason = true, "istiod: tunnel protocol HBONE"
 	case workloadapi.TunnelProtocol_NONE, workloadapi.TunnelProtocol_LEGACY_ISTIO_MTLS:
 		// A sidecar's Istio mTLS is not spoken here: not an HBONE peer.
+		w.Reason = "istiod: tunnel protocol " + x.GetTunnelProtocol().String()
 	default:
 		return nil, fmt.Errorf("workload %s: tunnel protocol %s is not supported (HBONE or NONE)", x.GetUid(), x.GetTunnelProtocol())
 	}
@@ -98,7 +97,7 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	if x.GetName() == "" || x.GetNamespace() == "" || x.GetHostname() == "" {
 		return nil, fmt.Errorf("service %s/%s (%q): name, namespace and hostname are required", x.GetNamespace(), x.GetName(), x.GetHostname())
 	}
-	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace()}, Hostname: x.GetHostname()}
+	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace(), Hostname: x.GetHostname()}}
 	for i, na := range x.GetAddresses() {
 		a, ok := netip.AddrFromSlice(na.GetAddress())
 		if !ok {
@@ -113,18 +112,11 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		sp := int32(p.GetServicePort())
 		// The target port here is the service's default; a workload's
 		// own map (its endpoint ports) wins where it has one.
-		s.Ports = append(s.Ports, workload.ServicePort{
-			Name:       portName(sp),
-			Port:       sp,
-			TargetPort: intstr.FromInt32(int32(cmp.Or(p.GetTargetPort(), p.GetServicePort()))),
-			Protocol:   corev1.ProtocolTCP,
-		})
+		port := workload.ServicePort{Name: portName(sp), Port: sp, TargetPort: int32(cmp.Or(p.GetTargetPort(), p.GetServicePort())), Protocol: "TCP"}
 		if ap := p.GetAppProtocol(); ap != workloadapi.AppProtocol_UNKNOWN {
-			if s.AppProtocols == nil {
-				s.AppProtocols = map[int32]string{}
-			}
-			s.AppProtocols[sp] = ap.String()
+			port.AppProtocol = ap.String()
 		}
+		s.Ports = append(s.Ports, port)
 	}
 	var err error
 	if s.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
@@ -133,14 +125,14 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	return s, nil
 }
 
-func translateGateway(g *workloadapi.GatewayAddress) (*Gateway, error) {
+func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error) {
 	if g == nil {
 		return nil, nil
 	}
 	if g.GetHboneMtlsPort() > 65535 {
 		return nil, fmt.Errorf("hbone port %d out of range", g.GetHboneMtlsPort())
 	}
-	out := &Gateway{HBONEPort: uint16(g.GetHboneMtlsPort())}
+	out := &workload.Waypoint{HBONEPort: uint16(g.GetHboneMtlsPort())}
 	switch d := g.GetDestination().(type) {
 	case *workloadapi.GatewayAddress_Address:
 		a, ok := netip.AddrFromSlice(d.Address.GetAddress())

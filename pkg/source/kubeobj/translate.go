@@ -1,0 +1,206 @@
+package kubeobj
+
+import (
+	"cmp"
+	"fmt"
+	"net/netip"
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Translate turns objs into the mesh model, deciding each pod's enrollment
+// with cfg (see selection.Decide). Objects it cannot use are left out and
+// reported in the returned errors, each naming the object: pods and
+// services with malformed addresses and unusable endpoint addresses; pods
+// whose RuntimeClass is unknown or whose address cannot be a pod's stay
+// in, not enrolled, with the error.
+func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
+	snap := source.Snapshot{
+		PeerAuthentications:   objs.PeerAuthentications,
+		AuthorizationPolicies: objs.AuthorizationPolicies,
+		Workloads:             make([]*workload.Workload, 0, len(objs.Pods)),
+		Services:              make([]*workload.Service, 0, len(objs.Services)),
+	}
+	var errs []error
+	namespaces := make(map[string]*corev1.Namespace, len(objs.Namespaces))
+	for i := range objs.Namespaces {
+		ns := &objs.Namespaces[i]
+		namespaces[ns.Name] = ns
+		if ns.Labels[selection.DataplaneModeLabel] == selection.DataplaneModeAmbient {
+			snap.AmbientNamespaces = append(snap.AmbientNamespaces, ns.Name)
+		}
+	}
+	slices.Sort(snap.AmbientNamespaces)
+	lookup := objs.HandlerLookup()
+	for i := range objs.Pods {
+		pod := &objs.Pods[i]
+		w, err := Pod(cfg, namespaces[pod.Namespace], pod, lookup)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		if w != nil {
+			snap.Workloads = append(snap.Workloads, w)
+		}
+	}
+	byName := make(map[string]*workload.Service, len(objs.Services))
+	for i := range objs.Services {
+		s, err := Service(&objs.Services[i])
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		snap.Services = append(snap.Services, s)
+		byName[s.String()] = s
+	}
+	errs = append(errs, addEndpoints(byName, objs.EndpointSlices)...)
+	return snap, errs
+}
+
+// Pod translates one pod, deciding its enrollment. The error is a
+// malformed address (the pod is left out: w is nil) or a selection problem
+// (the pod stays, not enrolled).
+func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup selection.HandlerLookup) (*workload.Workload, error) {
+	addrs, err := selection.PodAddrs(pod)
+	if err != nil {
+		return nil, err
+	}
+	// A hostNetwork pod's addresses are the node's, and a finished pod's
+	// may already belong to a new pod: neither is the pod's to index.
+	if pod.Spec.HostNetwork || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
+		addrs = nil
+	}
+	dec := selection.Decide(cfg, ns, pod, lookup)
+	w := &workload.Workload{
+		Name:           pod.Name,
+		Namespace:      pod.Namespace,
+		UID:            string(pod.UID),
+		ServiceAccount: cmp.Or(pod.Spec.ServiceAccountName, "default"),
+		Node:           pod.Spec.NodeName,
+		Addrs:          addrs,
+		Labels:         pod.Labels,
+		Enrolled:       dec.Enrolled,
+		Reason:         dec.Reason,
+		BypassInbound:  dec.BypassInbound,
+		Pending:        dec.Pending,
+		Redirected:     pod.Annotations[selection.RedirectionAnnotation] == "enabled",
+		Terminating:    pod.DeletionTimestamp != nil,
+		ContainerPorts: namedPorts(pod),
+	}
+	w.WorkloadName, _, w.WorkloadType = WorkloadMeta(pod)
+	w.CanonicalName, w.CanonicalRevision = workload.CanonicalService(pod.Labels, w.WorkloadName)
+	return w, dec.Err
+}
+
+func namedPorts(pod *corev1.Pod) map[string]int32 {
+	var ports map[string]int32
+	for _, c := range slices.Concat(pod.Spec.InitContainers, pod.Spec.Containers) {
+		for _, p := range c.Ports {
+			if p.Name == "" {
+				continue
+			}
+			if ports == nil {
+				ports = map[string]int32{}
+			}
+			if _, dup := ports[p.Name]; !dup {
+				ports[p.Name] = p.ContainerPort
+			}
+		}
+	}
+	return ports
+}
+
+// Service translates a Service, without endpoints.
+func Service(svc *corev1.Service) (*workload.Service, error) {
+	ips := svc.Spec.ClusterIPs
+	if len(ips) == 0 && svc.Spec.ClusterIP != "" {
+		ips = []string{svc.Spec.ClusterIP}
+	}
+	s := &workload.Service{Name: svc.Name, Namespace: svc.Namespace, Hostname: workload.ClusterHostname(svc.Name, svc.Namespace)}
+	for _, ip := range ips {
+		if ip == corev1.ClusterIPNone {
+			continue
+		}
+		a, err := netip.ParseAddr(ip)
+		if err != nil || a.Zone() != "" {
+			return nil, fmt.Errorf("service %s: bad cluster IP %q", s, ip)
+		}
+		s.VIPs = append(s.VIPs, a.Unmap())
+	}
+	for _, p := range svc.Spec.Ports {
+		sp := workload.ServicePort{Name: p.Name, Port: p.Port, Protocol: string(cmp.Or(p.Protocol, corev1.ProtocolTCP)), AppProtocol: derefOr(p.AppProtocol, "")}
+		if p.TargetPort.Type == intstr.String {
+			sp.TargetPortName = p.TargetPort.StrVal
+		} else {
+			sp.TargetPort = p.TargetPort.IntVal
+		}
+		s.Ports = append(s.Ports, sp)
+	}
+	return s, nil
+}
+
+// addEndpoints joins slices to services by the kubernetes.io/service-name
+// label, so services without a selector but with hand-made slices work
+// too. An address in several slices (slices are cut by port set, and
+// overlap while they are rebalanced) becomes one endpoint with the union of
+// their ports, ready if any slice says so.
+func addEndpoints(services map[string]*workload.Service, list []discoveryv1.EndpointSlice) []error {
+	var errs []error
+	merged := map[*workload.Service]map[netip.Addr]*workload.Endpoint{}
+	for i := range list {
+		es := &list[i]
+		svc := services[es.Namespace+"/"+es.Labels[discoveryv1.LabelServiceName]]
+		if svc == nil || es.AddressType == discoveryv1.AddressTypeFQDN {
+			continue
+		}
+		if merged[svc] == nil {
+			merged[svc] = map[netip.Addr]*workload.Endpoint{}
+		}
+		for _, ep := range es.Endpoints {
+			if len(ep.Addresses) == 0 {
+				continue
+			}
+			// Addresses of one endpoint are fungible; the API lets
+			// consumers use the first.
+			a, err := netip.ParseAddr(ep.Addresses[0])
+			if err != nil || a.Zone() != "" {
+				errs = append(errs, fmt.Errorf("endpointslice %s/%s: bad address %q", es.Namespace, es.Name, ep.Addresses[0]))
+				continue
+			}
+			a = a.Unmap()
+			e := merged[svc][a]
+			if e == nil {
+				e = &workload.Endpoint{Addr: a, Ports: map[string]int32{}}
+				merged[svc][a] = e
+			}
+			// A nil ready condition means unknown, which the API says
+			// to treat as ready.
+			e.Ready = e.Ready || ep.Conditions.Ready == nil || *ep.Conditions.Ready
+			for _, p := range es.Ports {
+				if p.Port != nil {
+					e.Ports[derefOr(p.Name, "")] = *p.Port
+				}
+			}
+		}
+	}
+	for svc, eps := range merged {
+		for _, e := range eps {
+			svc.Endpoints = append(svc.Endpoints, *e)
+		}
+		slices.SortFunc(svc.Endpoints, func(a, b workload.Endpoint) int { return a.Addr.Compare(b.Addr) })
+	}
+	return errs
+}
+
+func derefOr[T any](p *T, def T) T {
+	if p == nil {
+		return def
+	}
+	return *p
+}

@@ -1,0 +1,335 @@
+package kubeobj
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+func pod(ns, name, node string, ips ...string) corev1.Pod {
+	p := corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID("uid-" + name), Labels: map[string]string{"app": name}},
+		Spec:       corev1.PodSpec{NodeName: node},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning},
+	}
+	for _, ip := range ips {
+		p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+	}
+	if len(ips) > 0 {
+		p.Status.PodIP = ips[0]
+	}
+	return p
+}
+
+func ambientNamespace(name string) corev1.Namespace {
+	return corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}
+}
+
+func addr(s string) netip.Addr { return netip.MustParseAddr(s) }
+
+func names(ws []*workload.Workload) string {
+	var out []string
+	for _, w := range ws {
+		out = append(out, w.String())
+	}
+	return strings.Join(out, " ")
+}
+
+func wantErrors(t *testing.T, errs []error, want ...string) {
+	t.Helper()
+	if len(errs) != len(want) {
+		t.Fatalf("got %d errors %v, want %d: %q", len(errs), errs, len(want), want)
+	}
+	for i, err := range errs {
+		if err.Error() != want[i] {
+			t.Errorf("error %d = %q, want %q", i, err, want[i])
+		}
+	}
+}
+
+func TestBuildWorkloads(t *testing.T) {
+	web := pod("shop", "web", "node-a", "10.0.0.5", "fd00::5")
+	web.Spec.ServiceAccountName = "web-sa"
+	web.Annotations = map[string]string{selection.BypassInboundAnnotation: "true"}
+	web.Spec.InitContainers = []corev1.Container{{Name: "proxy", Ports: []corev1.ContainerPort{{Name: "admin", ContainerPort: 9000}}}}
+	web.Spec.Containers = []corev1.Container{
+		{Name: "app", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}, {ContainerPort: 9090}}},
+		{Name: "other", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8081}}},
+	}
+	db := pod("shop", "db", "node-b", "10.0.1.7")
+	db.Labels[selection.DataplaneModeLabel] = "none"
+	legacy := pod("legacy", "app", "node-a", "10.0.0.9")
+	snap := Objects{
+		Namespaces: []corev1.Namespace{ambientNamespace("shop"), {ObjectMeta: metav1.ObjectMeta{Name: "legacy"}}},
+		Pods:       []corev1.Pod{web, db, legacy},
+	}
+	d, errs := build(snap, selection.Config{})
+	wantErrors(t, errs)
+
+	w, ok := d.ByAddr(addr("10.0.0.5"))
+	if !ok {
+		t.Fatal("ByAddr(10.0.0.5) not found")
+	}
+	if w.Name != "web" || w.Namespace != "shop" || w.UID != "uid-web" || w.ServiceAccount != "web-sa" || w.Node != "node-a" ||
+		w.Labels["app"] != "web" || !w.Enrolled || !w.BypassInbound || !strings.HasPrefix(w.Reason, "namespace label") {
+		t.Errorf("workload = %+v", w)
+	}
+	if !slices.Equal(w.Addrs, []netip.Addr{addr("10.0.0.5"), addr("fd00::5")}) {
+		t.Errorf("Addrs = %v", w.Addrs)
+	}
+	if want := map[string]int32{"admin": 9000, "http": 8080}; !mapsEqual(w.ContainerPorts, want) {
+		t.Errorf("ContainerPorts = %v, want %v (first container wins, unnamed ports left out)", w.ContainerPorts, want)
+	}
+	if w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web-sa" {
+		t.Errorf("Identity = %s", w.Identity("cluster.local"))
+	}
+	for _, a := range []string{"fd00::5", "::ffff:10.0.0.5"} {
+		if got, ok := d.ByAddr(addr(a)); !ok || got != w {
+			t.Errorf("ByAddr(%s) = %v, %v; want shop/web", a, got, ok)
+		}
+	}
+	if _, ok := d.ByAddr(addr("10.9.9.9")); ok {
+		t.Error("ByAddr(unknown) found something")
+	}
+
+	dbw, _ := d.Pod("shop", "db")
+	if dbw == nil || dbw.Enrolled || dbw.Reason != "pod label istio.io/dataplane-mode=none" || dbw.ServiceAccount != "default" ||
+		dbw.Identity("td") != "spiffe://td/ns/shop/sa/default" || dbw.ContainerPorts != nil {
+		t.Errorf("db = %+v", dbw)
+	}
+	if lw, _ := d.Pod("legacy", "app"); lw == nil || lw.Enrolled {
+		t.Errorf("legacy/app = %+v, want not enrolled", lw)
+	}
+	if _, ok := d.Pod("shop", "nope"); ok {
+		t.Error("Pod(shop/nope) found")
+	}
+
+	if got := names(d.All()); got != "legacy/app shop/db shop/web" {
+		t.Errorf("All() = %s", got)
+	}
+	local := d.LocalPods("node-a")
+	if got := names(local); got != "legacy/app shop/web" {
+		t.Errorf("LocalPods(node-a) = %s", got)
+	}
+	local[0] = nil
+	if got := names(d.LocalPods("node-a")); got != "legacy/app shop/web" {
+		t.Errorf("LocalPods changed after the caller wrote to its result: %s", got)
+	}
+	if got := d.LocalPods("node-z"); len(got) != 0 {
+		t.Errorf("LocalPods(node-z) = %v", got)
+	}
+}
+
+func TestBuildAddressProblems(t *testing.T) {
+	bad := pod("shop", "bad", "n", "10.0.0.1", "10.0.0.999")
+	first := pod("shop", "a", "n", "10.0.0.2")
+	second := pod("shop", "b", "n", "10.0.0.2", "fd00::b")
+	done := pod("shop", "done", "n", "10.0.0.3")
+	done.Status.Phase = corev1.PodSucceeded
+	reuser := pod("shop", "new", "n", "10.0.0.3")
+	host1 := pod("shop", "host1", "n", "192.168.1.10")
+	host1.Spec.HostNetwork = true
+	host2 := pod("shop", "host2", "n", "192.168.1.10")
+	host2.Spec.HostNetwork = true
+	noIP := pod("shop", "pending", "n")
+	kata := pod("shop", "kata", "n", "10.0.0.4")
+	kata.Spec.RuntimeClassName = new("kata")
+
+	snap := Objects{
+		Namespaces: []corev1.Namespace{ambientNamespace("shop")},
+		// Out of order on purpose: the first by name keeps a shared address.
+		Pods: []corev1.Pod{second, bad, first, reuser, done, host1, host2, noIP, kata},
+	}
+	d, errs := build(snap, selection.Config{SkipRuntimeClasses: []string{"kata-qemu"}})
+	wantErrors(t, errs,
+		`pod shop/bad: bad IP "10.0.0.999": ParseAddr("10.0.0.999"): IPv4 field has value >255`,
+		`pod shop/kata: unknown runtime class "kata"`,
+		`pod shop/b: address 10.0.0.2 already belongs to pod shop/a`,
+	)
+	if got := names(d.All()); got != "shop/a shop/b shop/done shop/host1 shop/host2 shop/kata shop/new shop/pending" {
+		t.Errorf("All() = %s (a pod with a bad IP is left out)", got)
+	}
+	for a, want := range map[string]string{"10.0.0.2": "a", "fd00::b": "b", "10.0.0.3": "new", "10.0.0.4": "kata"} {
+		if w, ok := d.ByAddr(addr(a)); !ok || w.Name != want {
+			t.Errorf("ByAddr(%s) = %v, want shop/%s", a, w, want)
+		}
+	}
+	for _, a := range []string{"192.168.1.10", "10.0.0.1"} {
+		if w, ok := d.ByAddr(addr(a)); ok {
+			t.Errorf("ByAddr(%s) = %v, want none", a, w)
+		}
+	}
+	if w, _ := d.Pod("shop", "kata"); w.Enrolled {
+		t.Errorf("shop/kata enrolled with an unknown runtime class")
+	}
+	if w, _ := d.Pod("shop", "pending"); w.Enrolled || w.Reason != "pod has no IP yet" {
+		t.Errorf("shop/pending = %+v", w)
+	}
+}
+
+func TestBuildServices(t *testing.T) {
+	web1 := pod("shop", "web-1", "n", "10.0.0.5")
+	web2 := pod("shop", "web-2", "n", "10.0.0.6")
+	web := corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web"},
+		Spec: corev1.ServiceSpec{
+			ClusterIP:  "10.96.0.10",
+			ClusterIPs: []string{"10.96.0.10", "fd00:96::10"},
+			Selector:   map[string]string{"app": "web"},
+			Ports: []corev1.ServicePort{
+				{Name: "http", Port: 80, TargetPort: intstr.FromString("http")},
+				{Name: "dns", Port: 53, TargetPort: intstr.FromInt32(5353), Protocol: corev1.ProtocolUDP},
+			},
+		},
+	}
+	headless := corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "db"},
+		Spec:       corev1.ServiceSpec{ClusterIP: "None", Ports: []corev1.ServicePort{{Port: 5432}}},
+	}
+	external := corev1.Service{ // no selector: endpoints come from a hand-made slice
+		ObjectMeta: metav1.ObjectMeta{Namespace: "ext", Name: "legacy"},
+		Spec:       corev1.ServiceSpec{ClusterIP: "10.96.0.20", Ports: []corev1.ServicePort{{Port: 443}}},
+	}
+	badVIP := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "bad"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.300"}}
+	dupVIP := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "zz"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.10"}}
+
+	slice := func(ns, name, svc string, typ discoveryv1.AddressType, ports []discoveryv1.EndpointPort, eps ...discoveryv1.Endpoint) discoveryv1.EndpointSlice {
+		return discoveryv1.EndpointSlice{
+			ObjectMeta:  metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: svc}},
+			AddressType: typ, Ports: ports, Endpoints: eps,
+		}
+	}
+	ep := func(ready *bool, addrs ...string) discoveryv1.Endpoint {
+		return discoveryv1.Endpoint{Addresses: addrs, Conditions: discoveryv1.EndpointConditions{Ready: ready}}
+	}
+	port := func(name string, n int32) discoveryv1.EndpointPort {
+		return discoveryv1.EndpointPort{Name: &name, Port: &n}
+	}
+	endpointSlices := []discoveryv1.EndpointSlice{
+		slice("shop", "web-a", "web", discoveryv1.AddressTypeIPv4, []discoveryv1.EndpointPort{port("http", 8080), port("dns", 5353)},
+			ep(nil, "10.0.0.5"), ep(new(true), "10.0.0.6"), ep(nil, "10.0.0.bad"), ep(nil)),
+		// 10.0.0.6 also here, with another port set and not ready: merged.
+		slice("shop", "web-b", "web", discoveryv1.AddressTypeIPv4, []discoveryv1.EndpointPort{port("metrics", 9090), {Name: new("nil-port")}},
+			ep(new(false), "10.0.0.6")),
+		slice("shop", "web-fqdn", "web", discoveryv1.AddressTypeFQDN, nil, ep(nil, "example.com")),
+		slice("shop", "orphan", "gone", discoveryv1.AddressTypeIPv4, nil, ep(nil, "10.0.0.99")),
+		slice("ext", "legacy-1", "legacy", discoveryv1.AddressTypeIPv4, []discoveryv1.EndpointPort{{Port: new(int32(443))}},
+			ep(new(true), "192.0.2.10", "192.0.2.11")),
+		slice("other", "web-x", "web", discoveryv1.AddressTypeIPv4, nil, ep(nil, "10.0.0.77")), // same service name, other namespace
+	}
+	snap := Objects{
+		Pods:           []corev1.Pod{web1, web2},
+		Services:       []corev1.Service{web, headless, external, badVIP, dupVIP},
+		EndpointSlices: endpointSlices,
+	}
+	d, errs := build(snap, selection.Config{})
+	wantErrors(t, errs,
+		`service shop/bad: bad cluster IP "10.96.0.300"`,
+		`endpointslice shop/web-a: bad address "10.0.0.bad"`,
+		`service shop/zz: cluster IP 10.96.0.10 already belongs to service shop/web`,
+	)
+
+	var got []string
+	for _, s := range d.Services() {
+		got = append(got, s.String())
+	}
+	if strings.Join(got, " ") != "ext/legacy shop/db shop/web" {
+		t.Errorf("Services() = %v", got)
+	}
+
+	s, ok := d.ServiceByVIP(addr("fd00:96::10"))
+	if !ok || s.Name != "web" {
+		t.Fatalf("ServiceByVIP(fd00:96::10) = %v, %v", s, ok)
+	}
+	if s2, _ := d.ServiceByVIP(addr("::ffff:10.96.0.10")); s2 != s {
+		t.Errorf("ServiceByVIP(v4-mapped) = %v", s2)
+	}
+	if !slices.Equal(s.VIPs, []netip.Addr{addr("10.96.0.10"), addr("fd00:96::10")}) {
+		t.Errorf("VIPs = %v", s.VIPs)
+	}
+	wantPorts := []workload.ServicePort{
+		{Name: "http", Port: 80, TargetPortName: "http", Protocol: "TCP"},
+		{Name: "dns", Port: 53, TargetPort: 5353, Protocol: "UDP"},
+	}
+	if !slices.Equal(s.Ports, wantPorts) {
+		t.Errorf("Ports = %+v", s.Ports)
+	}
+	if s.Hostname != "web.shop.svc.cluster.local" {
+		t.Errorf("Hostname = %s", s.Hostname)
+	}
+
+	if len(s.Endpoints) != 2 {
+		t.Fatalf("Endpoints = %+v, want 2", s.Endpoints)
+	}
+	e5, e6 := s.Endpoints[0], s.Endpoints[1]
+	if e5.Addr != addr("10.0.0.5") || !e5.Ready || e5.Workload == nil || e5.Workload.Name != "web-1" ||
+		!mapsEqual(e5.Ports, map[string]int32{"http": 8080, "dns": 5353}) {
+		t.Errorf("endpoint 10.0.0.5 = %+v", e5)
+	}
+	if e6.Addr != addr("10.0.0.6") || !e6.Ready || e6.Workload == nil || e6.Workload.Name != "web-2" ||
+		!mapsEqual(e6.Ports, map[string]int32{"http": 8080, "dns": 5353, "metrics": 9090}) {
+		t.Errorf("endpoint 10.0.0.6 = %+v (slices merged: ports united, ready if any)", e6)
+	}
+
+	legacy, ok := d.ServiceByVIP(addr("10.96.0.20"))
+	if !ok || len(legacy.Endpoints) != 1 {
+		t.Fatalf("ext/legacy = %+v", legacy)
+	}
+	if e := legacy.Endpoints[0]; e.Addr != addr("192.0.2.10") || e.Workload != nil || !e.Ready || !mapsEqual(e.Ports, map[string]int32{"": 443}) {
+		t.Errorf("ext/legacy endpoint = %+v", e)
+	}
+
+	for _, svc := range d.Services() {
+		if svc.Name == "db" && (len(svc.VIPs) != 0 || len(svc.Endpoints) != 0) {
+			t.Errorf("headless shop/db = %+v", svc)
+		}
+	}
+	if _, ok := d.ServiceByVIP(addr("10.96.0.99")); ok {
+		t.Error("ServiceByVIP(unknown) found")
+	}
+}
+
+func TestEndpointNotReady(t *testing.T) {
+	svc := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "s"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.1"}}
+	es := discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Namespace: "a", Name: "s-1", Labels: map[string]string{discoveryv1.LabelServiceName: "s"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"10.0.0.1"}, Conditions: discoveryv1.EndpointConditions{Ready: new(false)}}},
+	}
+	d, errs := build(Objects{Services: []corev1.Service{svc}, EndpointSlices: []discoveryv1.EndpointSlice{es}}, selection.Config{})
+	wantErrors(t, errs)
+	s, _ := d.ServiceByVIP(addr("10.96.0.1"))
+	if len(s.Endpoints) != 1 || s.Endpoints[0].Ready {
+		t.Errorf("endpoints = %+v, want one not ready", s.Endpoints)
+	}
+}
+
+func mapsEqual(a, b map[string]int32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, v := range a {
+		if w, ok := b[k]; !ok || w != v {
+			return false
+		}
+	}
+	return true
+}
+
+// build translates objs and indexes the result, as the agent does, with
+// the errors of both steps.
+func build(objs Objects, cfg selection.Config) (*workload.Directory, []error) {
+	snap, errs := Translate(objs, cfg)
+	d, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	return d, append(errs, dirErrs...)
+}
