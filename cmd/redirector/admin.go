@@ -19,7 +19,7 @@ func podsReady(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager) (bo
 		if !w.Enrolled {
 			continue
 		}
-		if !tun.PodReady(podUID(w)) {
+		if !tun.PodReady(w.Key()) {
 			missing = append(missing, w.String()+": listeners not open")
 			continue
 		}
@@ -45,7 +45,7 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 			rows := []admin.PodRow{}
 			for _, w := range tun.State().Dir.LocalPods(cfg.node) {
 				r := admin.PodRow{Namespace: w.Namespace, Name: w.Name, UID: w.UID, Enrolled: w.Enrolled, Reason: w.Reason,
-					CaptureInbound: w.Enrolled && !w.BypassInbound, Listening: tun.PodReady(podUID(w))}
+					CaptureInbound: w.Enrolled && !w.BypassInbound, Listening: tun.PodReady(w.Key())}
 				for _, a := range w.Addrs {
 					r.Addresses = append(r.Addresses, a.String())
 				}
@@ -67,7 +67,7 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		admin.SectionCertificates: func() any { return admin.ZtunnelCertificates(certRows(certs), nil) },
 		admin.SectionWorkloadState: func() any {
 			return admin.ZtunnelWorkloadStates(tun.State().Dir.LocalPods(cfg.node), cfg.trustDomain,
-				func(w *workload.Workload) bool { return tun.PodReady(podUID(w)) })
+				func(w *workload.Workload) bool { return tun.PodReady(w.Key()) })
 		},
 		admin.SectionMeshPolicies: func() any {
 			st := tun.State()
@@ -107,15 +107,4 @@ func certExpiryRows(m *identity.Manager) []admin.CertRow {
 		}
 	}
 	return rows
-}
-
-// enrolledIdentities are the identities of the enrolled pods among ws.
-func enrolledIdentities(trustDomain string, ws []*workload.Workload) []identity.ID {
-	var ids []identity.ID
-	for _, w := range ws {
-		if w.Enrolled {
-			ids = append(ids, identity.ID{TrustDomain: trustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount})
-		}
-	}
-	return ids
 }

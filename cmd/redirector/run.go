@@ -8,8 +8,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -24,6 +22,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/nodeagent"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 	"github.com/redirector-mesh/redirector/pkg/selection"
@@ -33,7 +32,6 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
-	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // agentConfig is every setting of `redirector run`, validated.
@@ -281,9 +279,20 @@ func runAgent(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	ag := &agent{cfg: cfg, log: log, tun: tun, ld: ld, rec: rec, certs: certs, ann: ann, cniPods: map[string]cniPod{}, newSnapshot: make(chan struct{})}
+	// The readiness server is closed when a newer agent takes the node over:
+	// probes of the shared readiness port must reach the successor.
+	var servers *admin.Servers
+	agent := nodeagent.New(nodeagent.Config{
+		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
+		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Logger: log,
+		Annotator: annotator(ann),
+		OnYield: func() {
+			stopRepair()
+			_ = servers.CloseReadiness()
+		},
+	})
 	if cfg.cniSocket != "" {
-		srv := cni.NewServer(cfg.cniSocket, ag.handleCNI, log)
+		srv := cni.NewServer(cfg.cniSocket, agent.HandleCNI, log)
 		go func() {
 			if err := srv.Serve(ctx); err != nil {
 				log.Error("CNI event server stopped", "socket", cfg.cniSocket, "error", err)
@@ -293,8 +302,7 @@ func runAgent(ctx context.Context, args []string) error {
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
 	// certificate, and no shutdown has begun.
-	var reconciled atomic.Bool
-	servers, err := admin.Start(ctx, admin.Options{
+	servers, err = admin.Start(ctx, admin.Options{
 		MetricsAddr: cfg.metricsAddr, ReadinessAddr: cfg.readinessAddr, AdminAddr: cfg.adminAddr,
 		Registry: reg,
 		Ready: admin.AllReady(
@@ -305,7 +313,7 @@ func runAgent(ctx context.Context, args []string) error {
 				}
 				return true, ""
 			},
-			func() (bool, string) { return reconciled.Load(), "first full reconcile pending" },
+			agent.Reconciled,
 			sourceSynced(src),
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
 			admin.ProblemsCheck(tun.ListenerProblems),
@@ -319,210 +327,31 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer servers.Close()
 
-	snaps := make(chan source.Snapshot, 1)
-	srcErr := make(chan error, 1)
-	go func() {
-		srcErr <- src.Run(ctx, func(s source.Snapshot) {
-			// Latest wins: a reconcile always starts from the newest state.
-			select {
-			case <-snaps:
-			default:
-			}
-			snaps <- s
-		})
-	}()
-
 	log.Info("agent started", "source", cfg.source, "bpf_root", cfg.bpfRoot, "trust_domain", cfg.trustDomain)
-	ticker := time.NewTicker(cfg.reconcilePeriod)
-	defer ticker.Stop()
-	for {
-		full := false
-		select {
-		case <-ctx.Done():
-			// Listeners close first (a successor's take the new connections,
-			// with the requests queued on ours), HBONE peers get GOAWAY,
-			// open connections run until the drain timeout.
-			log.Info("shutting down: draining connections, leaving redirection pinned", "timeout", cfg.drainTimeout)
-			dctx, cancel := context.WithTimeout(context.Background(), cfg.drainTimeout)
-			defer cancel()
-			res := tun.Drain(dctx, drainMetrics)
-			log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
-			return nil
-		case err := <-srcErr:
-			if err != nil {
-				return fmt.Errorf("source %s: %w", cfg.source, err)
-			}
-			return nil
-		case s := <-snaps:
-			full = ag.setSnapshot(s)
-		case <-ticker.C:
-			full = true
-		}
-		if !claim.Held() && !ag.isYielded() {
-			// A successor holds the node: it enrolls and repairs; this agent
-			// keeps its policies current and serves the pods it has until
-			// SIGTERM drains them.
-			ag.yield()
-			stopRepair()
-			// Probes of the shared readiness port must reach the successor.
-			_ = servers.CloseReadiness()
-			log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
-		}
-		if ag.applyLatest(ctx, full) && full {
-			reconciled.Store(true)
-		}
+	if err := agent.Run(ctx, src); err != nil {
+		return fmt.Errorf("source %s: %w", cfg.source, err)
 	}
+	if ctx.Err() == nil {
+		return nil // the source ended
+	}
+	// Listeners close first (a successor's take the new connections, with
+	// the requests queued on ours), HBONE peers get GOAWAY, open connections
+	// run until the drain timeout.
+	log.Info("shutting down: draining connections, leaving redirection pinned", "timeout", cfg.drainTimeout)
+	dctx, cancel := context.WithTimeout(context.Background(), cfg.drainTimeout)
+	defer cancel()
+	res := tun.Drain(dctx, drainMetrics)
+	log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
+	return nil
 }
 
-// agent holds what one snapshot is applied to.
-type agent struct {
-	cfg agentConfig
-	// yielded is set once a newer agent claimed the node: snapshots then
-	// update only the tunnel's state and certificates, never the
-	// enrollment or annotations (guarded by mu).
-	yielded bool
-	log     *slog.Logger
-	tun     *tunnel.Tunnel
-	ld      *loader.Loader
-	rec     *loader.Reconciler
-	// certs keeps a certificate per identity of this node's enrolled pods.
-	certs *identity.Manager
-	// ann writes the redirection annotation; nil for the file source.
-	ann *kubernetes.Annotator
-
-	// mu serialises applying: the main loop and CNI events both apply the
-	// latest snapshot.
-	mu       sync.Mutex
-	last     *source.Snapshot
-	cniPods  map[string]cniPod // namespace/name -> what the CNI plugin reported
-	lastHint string
-	// newSnapshot is closed (and replaced) when the source hands over a
-	// new snapshot, waking CNI ADDs that wait for their pod to show up.
-	// Only the source signals: waiters applying on their own must not wake
-	// each other.
-	newSnapshot chan struct{}
-}
-
-// setSnapshot records the newest snapshot; it reports whether it was the
-// first.
-func (a *agent) setSnapshot(s source.Snapshot) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	first := a.last == nil
-	a.last = &s
-	close(a.newSnapshot)
-	a.newSnapshot = make(chan struct{})
-	return first
-}
-
-func (a *agent) yield() {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.yielded = true
-}
-
-func (a *agent) isYielded() bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.yielded
-}
-
-// applyLatest applies the newest snapshot, if there is one.
-func (a *agent) applyLatest(ctx context.Context, full bool) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.applyLatestLocked(ctx, full)
-}
-
-// applyAndWatch applies the newest snapshot and returns a channel closed
-// when the next one arrives, so a caller waiting for a change misses none.
-func (a *agent) applyAndWatch(ctx context.Context) <-chan struct{} {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.applyLatestLocked(ctx, false)
-	return a.newSnapshot
-}
-
-func (a *agent) applyLatestLocked(ctx context.Context, full bool) bool {
-	if a.last == nil {
-		return false
+// annotator is ann as the node agent takes it: nil (not a nil pointer in
+// an interface) when the source has no API server to annotate.
+func annotator(ann *kubernetes.Annotator) nodeagent.Annotator {
+	if ann == nil {
+		return nil
 	}
-	a.apply(ctx, *a.last, full)
-	return true
-}
-
-// apply turns one snapshot into the tunnel's state and this node's
-// enrollment. Callers hold a.mu.
-func (a *agent) apply(ctx context.Context, s source.Snapshot, full bool) {
-	if !a.yielded {
-		a.writeHint(s) // the node's, written by the agent holding it
-	}
-	dir, errs := workload.NewDirectory(withCNIAddrs(s.Workloads, a.cniPods), s.Services)
-	for _, err := range errs {
-		a.log.Error("workload skipped", "error", err)
-	}
-	a.tun.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
-	var want []loader.Pod
-	for _, w := range dir.LocalPods(a.cfg.node) {
-		if !w.Enrolled {
-			continue
-		}
-		want = append(want, loader.Pod{UID: podUID(w), Namespace: w.Namespace, Name: w.Name, NetNS: a.cniNetNS(w), Addrs: w.Addrs, CaptureInbound: !w.BypassInbound})
-	}
-	// Certificates of new identities are requested now, before the CNI ADD
-	// is answered; those of identities whose last local pod left are dropped.
-	a.certs.Sync(enrolledIdentities(a.cfg.trustDomain, dir.LocalPods(a.cfg.node)))
-	if a.yielded {
-		return
-	}
-	res := a.rec.Reconcile(ctx, want, full)
-	for _, p := range res.Attached {
-		a.log.Info("pod enrolled", "pod", p)
-	}
-	for _, p := range res.Detached {
-		a.log.Info("pod unenrolled", "pod", p)
-	}
-	for _, p := range res.Repaired {
-		a.log.Warn("pod repaired", "pod", p)
-	}
-	for _, err := range res.Errors {
-		a.log.Error("reconcile", "error", err)
-	}
-	if a.ann != nil {
-		a.syncAnnotations(ctx, dir)
-	}
-}
-
-// podUID identifies a pod to the loader; manifests without a uid fall back
-// to namespace/name.
-func podUID(w *workload.Workload) string {
-	if w.UID != "" {
-		return w.UID
-	}
-	return w.Namespace + "/" + w.Name
-}
-
-// syncAnnotations makes ambient.istio.io/redirection on this node's pods say
-// what is attached: "enabled" exactly on the pods the loader redirects.
-func (a *agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
-	pods, err := a.ld.Pods()
-	if err != nil {
-		a.log.Error("read attached pods", "error", err)
-		return
-	}
-	attached := map[string]bool{}
-	for _, p := range pods {
-		attached[p.Meta.UID] = true
-	}
-	for _, w := range dir.LocalPods(a.cfg.node) {
-		want := attached[w.UID]
-		if want == w.Redirected || (!want && w.Terminating) {
-			continue
-		}
-		if err := a.ann.SetRedirection(ctx, w.Namespace, w.Name, want); err != nil {
-			a.log.Error("annotate pod", "error", err)
-		}
-	}
+	return ann
 }
 
 // newSource returns the configured source, and for Kubernetes the

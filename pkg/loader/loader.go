@@ -64,6 +64,8 @@ type Loader struct {
 	// hostProbe: pods whose host-probe links this process attached.
 	hostProbe map[uint32]bool
 
+	// entries serialises writes and removals of enrollment entries.
+	entries  sync.Mutex
 	linksMu  sync.Mutex
 	links    map[uint32][2]link.Link // held tcx links by pod id (held.go)
 	linkFDs  map[uint32][2]int       // their file descriptors, for CheckLinks

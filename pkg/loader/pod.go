@@ -115,7 +115,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if existed {
 		for _, a := range old.Addrs {
 			if !containsAddr(p.Addrs, a) {
-				err = errors.Join(err, l.maps.DeletePod(a), l.maps.DeleteCounters(a))
+				err = errors.Join(err, l.deleteEntry(a, id), l.maps.DeleteCounters(a))
 			}
 		}
 	}
@@ -132,7 +132,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	}
 	for _, a := range p.Addrs {
 		if err == nil {
-			err = errors.Join(l.maps.CreateCounters(a), l.maps.SetPod(a, meta.Settings))
+			err = errors.Join(l.maps.CreateCounters(a), l.setEntry(a, meta.Settings))
 		}
 	}
 	if err != nil {
@@ -236,7 +236,7 @@ func (l *Loader) enrollOutbound(addrs []netip.Addr, s maps.PodSettings) error {
 			}
 			continue
 		}
-		if err := errors.Join(l.maps.CreateCounters(a), l.maps.SetPod(a, s)); err != nil {
+		if err := errors.Join(l.maps.CreateCounters(a), l.setEntry(a, s)); err != nil {
 			return err
 		}
 	}
@@ -409,10 +409,31 @@ func (l *Loader) DetachPod(ctx context.Context, uid string) error {
 	return nil
 }
 
+// setEntry writes addr's enrollment entry. Entries are written and removed
+// under l.entries, so a pod's detach never removes the entry a new pod with
+// the reused address just wrote (pods are attached and detached
+// concurrently, in any order).
+func (l *Loader) setEntry(a netip.Addr, s maps.PodSettings) error {
+	l.entries.Lock()
+	defer l.entries.Unlock()
+	return l.maps.SetPod(a, s)
+}
+
+// deleteEntry removes addr's enrollment entry if pod id still owns it.
+func (l *Loader) deleteEntry(a netip.Addr, id uint32) error {
+	l.entries.Lock()
+	defer l.entries.Unlock()
+	cur, ok, err := l.maps.Pod(a)
+	if err != nil || !ok || cur.PodID != id {
+		return err
+	}
+	return l.maps.DeletePod(a)
+}
+
 func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
 	var errs []error
 	for _, a := range meta.Addrs {
-		errs = append(errs, l.maps.DeletePod(a))
+		errs = append(errs, l.deleteEntry(a, id))
 	}
 	if l.probes != nil {
 		errs = append(errs, l.probes.DetachHost(id))
@@ -481,6 +502,31 @@ func (l *Loader) Pods() ([]PodState, error) {
 		out = append(out, PodState{ID: id, Meta: m})
 	}
 	return out, nil
+}
+
+// PodState returns the attachment of the pod uid, if it is attached, from
+// the loader's index (no map read).
+func (l *Loader) PodState(uid string) (PodState, bool, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if err := l.loadIndexLocked(); err != nil {
+		return PodState{}, false, err
+	}
+	id, ok := l.byUID[uid]
+	if !ok {
+		return PodState{}, false, nil
+	}
+	return PodState{ID: id, Meta: l.metas[id]}, true, nil
+}
+
+// PodCount is the number of attached pods, from the loader's index.
+func (l *Loader) PodCount() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.loadIndexLocked() != nil {
+		return 0
+	}
+	return len(l.byUID)
 }
 
 func findPod(metas map[uint32]maps.PodMeta, uid string) (uint32, maps.PodMeta, bool) {

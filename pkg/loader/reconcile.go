@@ -45,7 +45,11 @@ type Reconciler struct {
 	finder NetNSFinder
 	log    *slog.Logger
 
-	mu sync.Mutex // one reconcile (or link repair) at a time
+	// mu: a full Reconcile or a link repair holds it alone; ReconcilePod
+	// calls share it, each holding its pod's lock (podLocks).
+	mu       sync.RWMutex
+	podMu    sync.Mutex
+	podLocks map[string]*podLock
 
 	// nsMu guards ns: the namespace each pod was last attached in, by path
 	// and inode, as this process saw it. A pod not in it (first pass after
@@ -82,7 +86,7 @@ func NewReconciler(l *Loader, s PodServer, f NetNSFinder, log *slog.Logger) *Rec
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}}
+	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}, podLocks: map[string]*podLock{}}
 }
 
 // Stats returns the cumulative counts.
@@ -165,20 +169,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 			continue
 		}
 		delete(served, uid)
-		jobs = append(jobs, func() {
-			name := cur.Meta.Namespace + "/" + cur.Meta.Name
-			if err := r.loader.DetachPod(ctx, uid); err != nil {
-				add(func(res *Result) { res.Errors = append(res.Errors, err) })
-				return
-			}
-			r.forgetNS(uid)
-			add(func(res *Result) { res.Detached = append(res.Detached, name) })
-			if err := r.server.StopPod(ctx, uid); err != nil {
-				add(func(res *Result) {
-					res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
-				})
-			}
-		})
+		jobs = append(jobs, func() { r.remove(ctx, uid, cur.Meta.Namespace+"/"+cur.Meta.Name, add) })
 	}
 	for uid := range served {
 		if !wanted[uid] {
@@ -210,33 +201,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		if kernelOK && verified && served[p.UID] {
 			continue
 		}
-		jobs = append(jobs, func() {
-			if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
-				add(func(res *Result) {
-					res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
-				})
-				return
-			}
-			if kernelOK && verified {
-				return
-			}
-			// Idempotent: for a pod that is right this rewrites the same
-			// state (rules, routes and sysctls included).
-			if _, err := r.loader.AttachPod(ctx, p); err != nil {
-				add(func(res *Result) { res.Errors = append(res.Errors, err) })
-				if !isAttached {
-					_ = r.server.StopPod(ctx, p.UID)
-				}
-				return
-			}
-			r.recordNS(p.UID, p.NetNS)
-			switch {
-			case !isAttached:
-				add(func(res *Result) { res.Attached = append(res.Attached, p.String()) })
-			case !kernelOK:
-				add(func(res *Result) { res.Repaired = append(res.Repaired, p.String()) })
-			}
-		})
+		jobs = append(jobs, func() { r.converge(ctx, p, isAttached, kernelOK && verified, add) })
 	}
 	runBounded(Workers(), jobs)
 	enrolled := 0
@@ -245,6 +210,134 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 	}
 	r.record(res, enrolled)
 	return res
+}
+
+// converge serves p's listeners and, unless kernelOK (its kernel state is
+// right and this process attached it in the namespace its path names),
+// attaches it (in place when isAttached), adding what it did to the result.
+func (r *Reconciler) converge(ctx context.Context, p Pod, isAttached, kernelOK bool, add func(func(*Result))) {
+	if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
+		add(func(res *Result) {
+			res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
+		})
+		return
+	}
+	if kernelOK {
+		return
+	}
+	// Idempotent: for a pod that is right this rewrites the same state
+	// (rules, routes and sysctls included).
+	if _, err := r.loader.AttachPod(ctx, p); err != nil {
+		add(func(res *Result) { res.Errors = append(res.Errors, err) })
+		if !isAttached {
+			_ = r.server.StopPod(ctx, p.UID)
+		}
+		return
+	}
+	r.recordNS(p.UID, p.NetNS)
+	if isAttached {
+		add(func(res *Result) { res.Repaired = append(res.Repaired, p.String()) })
+	} else {
+		add(func(res *Result) { res.Attached = append(res.Attached, p.String()) })
+	}
+}
+
+// remove detaches the pod uid (name is namespace/name, for the result) and
+// closes its listeners.
+func (r *Reconciler) remove(ctx context.Context, uid, name string, add func(func(*Result))) {
+	if err := r.loader.DetachPod(ctx, uid); err != nil {
+		add(func(res *Result) { res.Errors = append(res.Errors, err) })
+		return
+	}
+	r.forgetNS(uid)
+	add(func(res *Result) { res.Detached = append(res.Detached, name) })
+	if err := r.server.StopPod(ctx, uid); err != nil {
+		add(func(res *Result) {
+			res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
+		})
+	}
+}
+
+// ReconcilePod converges one pod: want is how it should be attached, or
+// nil when it should not be. It is Reconcile for a single pod, for a work
+// queue that handles each pod on its own (see nodeagent): pods are
+// reconciled concurrently with each other, never with a full Reconcile or
+// a link repair, and one pod never twice at once. It never touches another
+// pod (enrollment entries are removed only by the pod that owns them).
+func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *Pod) Result {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	unlock := r.lockPod(uid)
+	defer unlock()
+	var res Result
+	var resMu sync.Mutex
+	add := func(f func(*Result)) {
+		resMu.Lock()
+		defer resMu.Unlock()
+		f(&res)
+	}
+	cur, isAttached, err := r.loader.PodState(uid)
+	if err != nil {
+		res.Errors = append(res.Errors, fmt.Errorf("read attached pods: %w", err))
+		r.record(res, -1)
+		return res
+	}
+	served := slices.Contains(r.server.ServedPods(), uid)
+	switch {
+	case want == nil && isAttached:
+		r.remove(ctx, uid, cur.Meta.Namespace+"/"+cur.Meta.Name, add)
+	case want == nil && served:
+		if err := r.server.StopPod(ctx, uid); err != nil {
+			res.Errors = append(res.Errors, err)
+		}
+	case want != nil:
+		p := *want
+		if p.NetNS == "" && isAttached && r.sameNS(p.UID, cur.Meta.NetNS, true) {
+			p.NetNS = cur.Meta.NetNS
+		}
+		if p.NetNS == "" {
+			scan, err := r.finder.ScanFor(p.Addrs)
+			if err != nil {
+				r.log.WarnContext(ctx, "network namespace scan incomplete", "error", err)
+			}
+			if p.NetNS = findNetNS(scan, p.Addrs); p.NetNS == "" {
+				res.Errors = append(res.Errors, fmt.Errorf("pod %s: no network namespace owns its addresses %v", p, p.Addrs))
+				break
+			}
+		}
+		kernelOK := isAttached && sameAttachment(cur, p) && r.kernelOK(cur, false) && r.sameNS(p.UID, p.NetNS, false)
+		if !(kernelOK && served) {
+			r.converge(ctx, p, isAttached, kernelOK, add)
+		}
+	}
+	r.record(res, -1)
+	return res
+}
+
+// lockPod serialises work on one pod; it returns the unlock.
+func (r *Reconciler) lockPod(uid string) func() {
+	r.podMu.Lock()
+	m, ok := r.podLocks[uid]
+	if !ok {
+		m = &podLock{}
+		r.podLocks[uid] = m
+	}
+	m.users++
+	r.podMu.Unlock()
+	m.Lock()
+	return func() {
+		m.Unlock()
+		r.podMu.Lock()
+		if m.users--; m.users == 0 {
+			delete(r.podLocks, uid)
+		}
+		r.podMu.Unlock()
+	}
+}
+
+type podLock struct {
+	sync.Mutex
+	users int // guarded by Reconciler.podMu
 }
 
 // runBounded runs jobs, at most n at a time, and waits for all of them.
@@ -455,10 +548,19 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 	}
 }
 
+// record adds res to the counts; enrolled is the number of attached pods
+// after a full pass, or -1 after one pod's reconcile (not counted as a
+// pass).
 func (r *Reconciler) record(res Result, enrolled int) {
+	pass := enrolled >= 0
+	if !pass {
+		enrolled = r.loader.PodCount()
+	}
 	r.statsMu.Lock()
 	defer r.statsMu.Unlock()
-	r.stats.Runs++
+	if pass {
+		r.stats.Runs++
+	}
 	r.stats.Errors += uint64(len(res.Errors))
 	r.stats.Repairs += uint64(len(res.Repaired))
 	r.stats.Attached += uint64(len(res.Attached))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -223,5 +224,45 @@ func TestReconcileAddressReuse(t *testing.T) {
 		if s, ok, err := l.Maps().Pod(a); err != nil || !ok || !s.CaptureInbound {
 			t.Errorf("entry of %s after the move: %+v %v %v", a, s, ok, err)
 		}
+	}
+}
+
+// TestReconcilePodAddressReuse: the same move, pod by pod in the worst
+// order (as a work queue may run them): the new pod (in its own namespace,
+// given the old pod's IPv4 address) is attached first, the leaving pod
+// detached after. The new pod keeps its entry: a detach removes only
+// entries its own pod still owns. Seen failing before the loader checked
+// the owner (the detach deleted the new pod's entry).
+func TestReconcilePodAddressReuse(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	p, q := topo.Nodes[0].AddPod("p"), topo.Nodes[0].AddPod("q")
+	if out, err := exec.Command("ip", "-n", q.NS, "addr", "add", p.IPv4.String()+"/32", "dev", "eth0").CombinedOutput(); err != nil {
+		t.Fatalf("give q p's address: %v %s", err, out)
+	}
+	ctx := context.Background()
+	l := load(t, tempBPFFS(t))
+	defer l.Close()
+	rec := loader.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
+	old := podOf(p, true)
+	if res := rec.ReconcilePod(ctx, old.UID, &old); len(res.Errors) > 0 || len(res.Attached) != 1 {
+		t.Fatalf("attach the old pod: %+v", res)
+	}
+	reused := podOf(q, true)
+	reused.Addrs = []netip.Addr{p.IPv4}
+	if res := rec.ReconcilePod(ctx, reused.UID, &reused); len(res.Errors) > 0 || len(res.Attached) != 1 {
+		t.Fatalf("attach the new pod: %+v", res)
+	}
+	if res := rec.ReconcilePod(ctx, old.UID, nil); len(res.Errors) > 0 || len(res.Detached) != 1 {
+		t.Fatalf("detach the old pod: %+v", res)
+	}
+	news, _, _ := l.PodState(reused.UID)
+	if s, ok, err := l.Maps().Pod(p.IPv4); err != nil || !ok || s.PodID != news.ID {
+		t.Errorf("entry of %s after the old pod left: %+v %v %v, want the new pod's (id %d)", p.IPv4, s, ok, err, news.ID)
+	}
+	if s, ok, _ := l.Maps().Pod(p.IPv6); ok {
+		t.Errorf("entry of the old pod's own %s kept: %+v", p.IPv6, s)
+	}
+	if res := rec.ReconcilePod(ctx, reused.UID, &reused); len(res.Errors) > 0 || len(res.Attached)+len(res.Repaired) != 0 {
+		t.Errorf("a converged pod again: %+v, want nothing to do", res)
 	}
 }

@@ -66,6 +66,15 @@ func (w *Workload) Identity(trustDomain string) string {
 	return "spiffe://" + trustDomain + "/ns/" + w.Namespace + "/sa/" + w.ServiceAccount
 }
 
+// Key identifies the pod to the loader and the tunnel: its uid, or
+// namespace/name for a manifest pod without one.
+func (w *Workload) Key() string {
+	if w.UID != "" {
+		return w.UID
+	}
+	return w.Namespace + "/" + w.Name
+}
+
 // String is namespace/name, for logs.
 func (w *Workload) String() string { return w.Namespace + "/" + w.Name }
 

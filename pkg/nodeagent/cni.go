@@ -1,4 +1,4 @@
-package main
+package nodeagent
 
 import (
 	"context"
@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/cni"
-	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -29,10 +28,10 @@ type cniPod struct {
 // cniWait bounds how long an ADD waits for the source to know the pod.
 const cniWait = 20 * time.Second
 
-// handleCNI answers the chained plugin. ADD returns only once a selected pod
+// HandleCNI answers the chained plugin. ADD returns only once a selected pod
 // is redirected, so its first packet is meshed; a pod the agent cannot
 // decide on fails the ADD (the runtime retries), never starts unmeshed.
-func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, error) {
+func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, error) {
 	key := ev.PodNamespace + "/" + ev.PodName
 	switch ev.Command {
 	case cni.CommandDel:
@@ -47,17 +46,17 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			addrs = append(addrs, p.Addr().Unmap())
 		}
 		a.mu.Lock()
-		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: netns.HostPath(a.cfg.procDir, ev.NetNS), addrs: addrs}
+		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: netns.HostPath(a.cfg.ProcDir, ev.NetNS), addrs: addrs}
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)
 	for {
-		next := a.applyAndWatch(ctx)
-		w, known := a.tun.State().Dir.Pod(ev.PodNamespace, ev.PodName)
+		next, synced := a.applyAndWatch(ctx)
+		w, known := a.cfg.Tunnel.State().Dir.Pod(ev.PodNamespace, ev.PodName)
 		switch {
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
-		case known && a.attached(podUID(w)):
+		case known && a.attached(w.Key()):
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
@@ -67,22 +66,20 @@ func (a *agent) handleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			}
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but could not be redirected; see the agent's log", key, w.Reason)
 		}
-		// A new snapshot (the source learning of the pod) wakes the wait;
-		// the poll covers what a snapshot does not bring (an attach retried).
+		// A new snapshot (the source learning of the pod) or a pod the
+		// workers converged wakes the wait; the poll is a backstop.
 		select {
 		case <-ctx.Done():
 		case <-next:
+		case <-synced:
 		case <-time.After(200 * time.Millisecond):
 		}
 	}
 }
 
-func (a *agent) attached(uid string) bool {
-	pods, err := a.ld.Pods()
-	if err != nil {
-		return false
-	}
-	return slices.ContainsFunc(pods, func(p loader.PodState) bool { return p.Meta.UID == uid })
+func (a *Agent) attached(uid string) bool {
+	_, ok, err := a.cfg.Loader.PodState(uid)
+	return ok && err == nil
 }
 
 // withCNIAddrs returns the workloads with the addresses the CNI plugin
@@ -114,7 +111,7 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 }
 
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.
-func (a *agent) cniNetNS(w *workload.Workload) string {
+func (a *Agent) cniNetNS(w *workload.Workload) string {
 	rec, ok := a.cniPods[w.Namespace+"/"+w.Name]
 	if !ok || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
 		return ""
@@ -124,17 +121,17 @@ func (a *agent) cniNetNS(w *workload.Workload) string {
 
 // writeHint records which namespaces are ambient for the plugin to consult
 // when the agent is down; it is rewritten only when it changes.
-func (a *agent) writeHint(s source.Snapshot) {
-	if a.cfg.cniSocket == "" {
+func (a *Agent) writeHint(s source.Snapshot) {
+	if a.cfg.CNISocket == "" {
 		return
 	}
 	ambient := s.AmbientNamespaces
-	key := strings.Join(ambient, ",") + "|" + strings.Join(a.cfg.selection.ExcludeNamespaces, ",")
+	key := strings.Join(ambient, ",") + "|" + strings.Join(a.cfg.Selection.ExcludeNamespaces, ",")
 	if key == a.lastHint {
 		return
 	}
-	path := filepath.Join(filepath.Dir(a.cfg.cniSocket), filepath.Base(cni.DefaultHintPath))
-	if err := cni.WriteSelectionHint(path, ambient, a.cfg.selection.ExcludeNamespaces); err != nil {
+	path := filepath.Join(filepath.Dir(a.cfg.CNISocket), filepath.Base(cni.DefaultHintPath))
+	if err := cni.WriteSelectionHint(path, ambient, a.cfg.Selection.ExcludeNamespaces); err != nil {
 		a.log.Error("write CNI selection hint", "path", path, "error", err)
 		return
 	}

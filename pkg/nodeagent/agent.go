@@ -1,0 +1,376 @@
+// Package nodeagent owns enrollment on one node. It takes the mesh model a
+// source delivers (source.Snapshot), completes it with what the CNI plugin
+// reports, hands the directory and policies to the tunnel, keeps a
+// certificate per local identity, and converges each of this node's pods
+// on its own through a work queue with retry and backoff (as Istio's node
+// agent does), plus a periodic full pass that repairs drift. The loader
+// does the kernel work; cmd/redirector only wires the pieces.
+package nodeagent
+
+import (
+	"context"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/tunnel"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// Annotator writes the pod annotation that says whether the node's
+// dataplane redirects it (ambient.istio.io/redirection).
+type Annotator interface {
+	SetRedirection(ctx context.Context, namespace, name string, enabled bool) error
+}
+
+// Claim says whether this agent still holds the node (maps.NodeClaim): a
+// newer agent of an upgrade takes it over.
+type Claim interface{ Held() bool }
+
+// Config wires the agent.
+type Config struct {
+	Node        string
+	TrustDomain string
+	// Selection's excluded namespaces go into the CNI plugin's hint.
+	Selection selection.Config
+	// CNISocket is where the CNI plugin reports pods ("" for none); the
+	// selection hint is written next to it.
+	CNISocket string
+	// ProcDir is where the host's /proc is mounted (CNI netns paths).
+	ProcDir         string
+	ReconcilePeriod time.Duration
+	Tunnel          *tunnel.Tunnel
+	Loader          *loader.Loader
+	Reconciler      *loader.Reconciler
+	Certs           *identity.Manager
+	// Annotator is nil for sources without an API server (the file).
+	Annotator Annotator
+	Claim     Claim
+	// OnYield runs once when a newer agent took the node over.
+	OnYield func()
+	Logger  *slog.Logger
+}
+
+// Agent is the node's enrollment owner. Create it with New, feed it with
+// Run, and let the CNI server call HandleCNI.
+type Agent struct {
+	cfg   Config
+	log   *slog.Logger
+	queue workqueue.TypedRateLimitingInterface[string]
+
+	// mu guards everything below. The main loop and CNI events both apply
+	// the latest snapshot; workers read the desired state.
+	mu sync.Mutex
+	// yielded is set once a newer agent claimed the node: snapshots then
+	// update only the tunnel's state and certificates, never the
+	// enrollment or annotations.
+	yielded bool
+	last    *source.Snapshot
+	cniPods map[string]cniPod // namespace/name -> what the CNI plugin reported
+	// desired is, by pod uid, how each pod to enroll should be attached,
+	// with its workload (for its annotation).
+	desired  map[string]desiredPod
+	lastHint string
+	// newSnapshot is closed (and replaced) when the source hands over a
+	// new snapshot, waking CNI ADDs that wait for their pod to show up.
+	// Only the source signals: waiters applying on their own must not wake
+	// each other. podSynced likewise when a worker converged a pod.
+	newSnapshot chan struct{}
+	podSynced   chan struct{}
+	reconciled  bool
+}
+
+type desiredPod struct {
+	pod loader.Pod
+	w   *workload.Workload
+}
+
+// Retry backoff of a pod whose reconcile failed: doubling from the first
+// to the last, per pod; the periodic full pass retries them all as well.
+const (
+	retryFirst = 200 * time.Millisecond
+	retryMax   = 30 * time.Second
+)
+
+// New returns an agent; nothing runs until Run.
+func New(cfg Config) *Agent {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return &Agent{
+		cfg: cfg,
+		log: cfg.Logger,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](retryFirst, retryMax),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods"}),
+		cniPods:     map[string]cniPod{},
+		desired:     map[string]desiredPod{},
+		newSnapshot: make(chan struct{}),
+		podSynced:   make(chan struct{}),
+	}
+}
+
+// Reconciled reports whether the first full pass has finished (readiness).
+func (a *Agent) Reconciled() (bool, string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.reconciled, "first full reconcile pending"
+}
+
+// Run applies every snapshot src delivers, runs the pod workers and the
+// periodic full pass, until ctx is done (nil) or the source fails (its
+// error).
+func (a *Agent) Run(ctx context.Context, src source.Source) error {
+	snaps := make(chan source.Snapshot, 1)
+	srcErr := make(chan error, 1)
+	go func() {
+		srcErr <- src.Run(ctx, func(s source.Snapshot) {
+			// Latest wins: a reconcile always starts from the newest state.
+			select {
+			case <-snaps:
+			default:
+			}
+			snaps <- s
+		})
+	}()
+	var workers sync.WaitGroup
+	defer func() { a.queue.ShutDown(); workers.Wait() }()
+	for range loader.Workers() {
+		workers.Go(func() {
+			for a.processNext(ctx) {
+			}
+		})
+	}
+	ticker := time.NewTicker(a.cfg.ReconcilePeriod)
+	defer ticker.Stop()
+	for {
+		full := false
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-srcErr:
+			return err
+		case s := <-snaps:
+			full = a.setSnapshot(s)
+		case <-ticker.C:
+			full = true
+		}
+		if a.cfg.Claim != nil && !a.cfg.Claim.Held() && !a.isYielded() {
+			// A successor holds the node: it enrolls and repairs; this agent
+			// keeps its policies current and serves the pods it has until
+			// SIGTERM drains them.
+			a.yield()
+			if a.cfg.OnYield != nil {
+				a.cfg.OnYield()
+			}
+			a.log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
+		}
+		if a.applyLatest(ctx, full) && full {
+			a.mu.Lock()
+			a.reconciled = true
+			a.mu.Unlock()
+		}
+	}
+}
+
+// setSnapshot records the newest snapshot; it reports whether it was the
+// first.
+func (a *Agent) setSnapshot(s source.Snapshot) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	first := a.last == nil
+	a.last = &s
+	close(a.newSnapshot)
+	a.newSnapshot = make(chan struct{})
+	return first
+}
+
+func (a *Agent) yield() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.yielded = true
+}
+
+func (a *Agent) isYielded() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.yielded
+}
+
+// applyLatest applies the newest snapshot, if there is one.
+func (a *Agent) applyLatest(ctx context.Context, full bool) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.last == nil {
+		return false
+	}
+	a.apply(ctx, *a.last, full)
+	return true
+}
+
+// applyAndWatch applies the newest snapshot and returns channels closed
+// when the next snapshot arrives and when a worker next converges a pod,
+// so a caller waiting for a change misses none.
+func (a *Agent) applyAndWatch(ctx context.Context) (snapshot, pod <-chan struct{}) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.last != nil {
+		a.apply(ctx, *a.last, false)
+	}
+	return a.newSnapshot, a.podSynced
+}
+
+// apply turns one snapshot into the tunnel's state and this node's desired
+// enrollment. A full pass converges every pod at once (and repairs drift);
+// otherwise the pods whose desired state changed are queued. Callers hold
+// a.mu.
+func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
+	if !a.yielded {
+		a.writeHint(s) // the node's, written by the agent holding it
+	}
+	dir, errs := workload.NewDirectory(withCNIAddrs(s.Workloads, a.cniPods), s.Services)
+	for _, err := range errs {
+		a.log.Error("workload skipped", "error", err)
+	}
+	a.cfg.Tunnel.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
+	local := dir.LocalPods(a.cfg.Node)
+	desired := make(map[string]desiredPod, len(local))
+	for _, w := range local {
+		if w.Enrolled {
+			p := loader.Pod{UID: w.Key(), Namespace: w.Namespace, Name: w.Name, NetNS: a.cniNetNS(w), Addrs: w.Addrs, CaptureInbound: !w.BypassInbound}
+			desired[p.UID] = desiredPod{pod: p, w: w}
+		}
+	}
+	// Certificates of new identities are requested now, before the CNI ADD
+	// is answered; those of identities whose last local pod left are dropped.
+	a.cfg.Certs.Sync(enrolledIdentities(a.cfg.TrustDomain, local))
+	if a.yielded {
+		return
+	}
+	previous := a.desired
+	a.desired = desired
+	if full {
+		want := make([]loader.Pod, 0, len(desired))
+		for _, d := range desired {
+			want = append(want, d.pod)
+		}
+		a.logResult(a.cfg.Reconciler.Reconcile(ctx, want, true))
+		if a.cfg.Annotator != nil {
+			a.syncAnnotations(ctx, dir)
+		}
+		return
+	}
+	for uid, d := range desired {
+		if old, ok := previous[uid]; !ok || !samePod(old.pod, d.pod) || old.w.Redirected != d.w.Redirected {
+			a.queue.Add(uid)
+		}
+	}
+	for uid := range previous {
+		if _, ok := desired[uid]; !ok {
+			a.queue.Add(uid)
+		}
+	}
+	if a.cfg.Annotator != nil {
+		a.syncAnnotations(ctx, dir)
+	}
+}
+
+func samePod(a, b loader.Pod) bool {
+	return a.UID == b.UID && a.Namespace == b.Namespace && a.Name == b.Name && a.NetNS == b.NetNS &&
+		a.CaptureInbound == b.CaptureInbound && slices.Equal(a.Addrs, b.Addrs)
+}
+
+// processNext converges the next queued pod; false once the queue shut
+// down.
+func (a *Agent) processNext(ctx context.Context) bool {
+	uid, quit := a.queue.Get()
+	if quit {
+		return false
+	}
+	defer a.queue.Done(uid)
+	a.mu.Lock()
+	d, want := a.desired[uid]
+	yielded := a.yielded
+	a.mu.Unlock()
+	if yielded {
+		a.queue.Forget(uid)
+		return true
+	}
+	var wp *loader.Pod
+	if want {
+		wp = &d.pod
+	}
+	res := a.cfg.Reconciler.ReconcilePod(ctx, uid, wp)
+	a.logResult(res)
+	if len(res.Errors) > 0 && ctx.Err() == nil {
+		a.queue.AddRateLimited(uid)
+	} else {
+		a.queue.Forget(uid)
+	}
+	if want && len(res.Errors) == 0 && a.cfg.Annotator != nil && !d.w.Redirected {
+		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
+			a.log.Error("annotate pod", "error", err)
+		}
+	}
+	a.mu.Lock()
+	close(a.podSynced)
+	a.podSynced = make(chan struct{})
+	a.mu.Unlock()
+	return true
+}
+
+func (a *Agent) logResult(res loader.Result) {
+	for _, p := range res.Attached {
+		a.log.Info("pod enrolled", "pod", p)
+	}
+	for _, p := range res.Detached {
+		a.log.Info("pod unenrolled", "pod", p)
+	}
+	for _, p := range res.Repaired {
+		a.log.Warn("pod repaired", "pod", p)
+	}
+	for _, err := range res.Errors {
+		a.log.Error("reconcile", "error", err)
+	}
+}
+
+// syncAnnotations makes ambient.istio.io/redirection on this node's pods say
+// what is attached: "enabled" exactly on the pods the loader redirects.
+func (a *Agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
+	pods, err := a.cfg.Loader.Pods()
+	if err != nil {
+		a.log.Error("read attached pods", "error", err)
+		return
+	}
+	attached := map[string]bool{}
+	for _, p := range pods {
+		attached[p.Meta.UID] = true
+	}
+	for _, w := range dir.LocalPods(a.cfg.Node) {
+		want := attached[w.Key()]
+		if want == w.Redirected || (!want && w.Terminating) {
+			continue
+		}
+		if err := a.cfg.Annotator.SetRedirection(ctx, w.Namespace, w.Name, want); err != nil {
+			a.log.Error("annotate pod", "error", err)
+		}
+	}
+}
+
+// enrolledIdentities are the identities of the enrolled pods among ws.
+func enrolledIdentities(trustDomain string, ws []*workload.Workload) []identity.ID {
+	var ids []identity.ID
+	for _, w := range ws {
+		if w.Enrolled {
+			ids = append(ids, identity.ID{TrustDomain: trustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount})
+		}
+	}
+	return ids
+}
