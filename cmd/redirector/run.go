@@ -249,12 +249,13 @@ func runAgent(ctx context.Context, args []string) error {
 		TunnelMark: cfg.data.TunnelMark, ProcDir: cfg.procDir, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog,
 	})
-	rec := loader.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
+	rec := nodeagent.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	repairCtx, stopRepair := context.WithCancel(ctx)
 	defer stopRepair()
-	go rec.RepairLinks(repairCtx, loader.LinkCheckPeriod)
+	go rec.RepairLinks(repairCtx, nodeagent.LinkCheckPeriod)
 	reg.MustRegister(
-		loader.NewCollector(ld, rec),
+		loader.NewCollector(ld),
+		nodeagent.NewCollector(rec),
 		certs.Collector(),
 		maps.NewCollector(ld.Maps()),
 		admin.NewAgentCollector(func() (runs, errs, repairs uint64, enrolled int) {

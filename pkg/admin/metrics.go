@@ -31,7 +31,7 @@ func gauge(d *prometheus.Desc, v float64, labels ...string) prometheus.Metric {
 }
 
 // NewAgentCollector reports enrollment and the reconciler's cumulative
-// counts, from stats (loader.Reconciler.Stats in the agent).
+// counts, from stats (nodeagent.Reconciler.Stats in the agent).
 func NewAgentCollector(stats func() (runs, errors, repairs uint64, enrolled int)) prometheus.Collector {
 	enrolled := prometheus.NewDesc("redirector_enrolled_pods",
 		"Pods on this node whose traffic the data path captures.", nil, nil)

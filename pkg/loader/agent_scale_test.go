@@ -230,3 +230,5 @@ func logTime(log, needle, needle2 string) time.Time {
 	}
 	return at
 }
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

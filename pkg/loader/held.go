@@ -74,7 +74,7 @@ type LinkCheck struct {
 	// Repinned counts links whose pin was gone and has been put back.
 	Repinned int
 	// Broken are pods with a link that is no longer attached: they need
-	// attaching again (Reconciler.RepairLinks does it).
+	// attaching again (nodeagent.Reconciler.RepairLinks does it).
 	Broken []uint32
 	Errors []error
 }
@@ -187,9 +187,9 @@ func (l *Loader) closeHeld() {
 	}
 }
 
-// heldDirs returns the pin directories of the pods whose links are held,
+// HeldDirs returns the pin directories of the pods whose links are held,
 // unless the set has not changed since generation gen.
-func (l *Loader) heldDirs(gen uint64) (dirs []string, newGen uint64, changed bool) {
+func (l *Loader) HeldDirs(gen uint64) (dirs []string, newGen uint64, changed bool) {
 	l.linksMu.Lock()
 	defer l.linksMu.Unlock()
 	if gen == l.linksGen && gen != 0 {

@@ -1,12 +1,9 @@
 package loader_test
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"log/slog"
 	"net"
 	"net/netip"
 	"os"
@@ -14,112 +11,17 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
-
-const tunnelMark = 0x539
-
-// serve answers each connection with "<name> <local addr> <peer addr>\n" and
-// then echoes one line, so the test sees which socket took the connection
-// and that data flows both ways.
-func serve(t *testing.T, l net.Listener, name string) {
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				fmt.Fprintf(c, "%s %s %s\n", name, c.LocalAddr(), c.RemoteAddr())
-				line, err := bufio.NewReader(c).ReadString('\n')
-				if err == nil {
-					io.WriteString(c, "echo "+line)
-				}
-			}()
-		}
-	}()
-}
-
-func listen(t *testing.T, path, addr, name string, opts netns.SocketOptions) {
-	t.Helper()
-	l, err := netns.Listen(context.Background(), path, "tcp", addr, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	serve(t, l, name)
-}
-
-type reply struct{ name, local, peer string }
-
-// call dials dst from inside path and returns who answered.
-func call(path string, dst netip.AddrPort, opts netns.SocketOptions) (reply, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-	defer cancel()
-	c, err := netns.Dial(ctx, path, "tcp", dst.String(), opts)
-	if err != nil {
-		return reply{}, err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(2 * time.Second))
-	r := bufio.NewReader(c)
-	line, err := r.ReadString('\n')
-	if err != nil {
-		return reply{}, fmt.Errorf("read greeting: %w", err)
-	}
-	f := strings.Fields(line)
-	if len(f) != 3 {
-		return reply{}, fmt.Errorf("bad greeting %q", line)
-	}
-	if _, err := io.WriteString(c, "ping\n"); err != nil {
-		return reply{}, err
-	}
-	if echo, err := r.ReadString('\n'); err != nil || echo != "echo ping\n" {
-		return reply{}, fmt.Errorf("echo: %q %v", echo, err)
-	}
-	return reply{f[0], unmapped(f[1]), unmapped(f[2])}, nil
-}
-
-func unmapped(s string) string {
-	ap, err := netip.ParseAddrPort(s)
-	if err != nil {
-		return s
-	}
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()).String()
-}
-
-func tempBPFFS(t testing.TB) string {
-	root := filepath.Join(t.TempDir(), "bpf")
-	t.Cleanup(func() {
-		// Uninstall unmounts; this catches tests that failed before it.
-		_ = unix.Unmount(root, unix.MNT_DETACH)
-	})
-	return root
-}
-
-func load(t *testing.T, root string) *loader.Loader {
-	t.Helper()
-	l, err := loader.Load(context.Background(), loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), Logger: slog.Default()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return l
-}
-
-func podOf(p *netnstest.Pod, inbound bool) loader.Pod {
-	return loader.Pod{UID: "uid-" + p.Name, Namespace: "test", Name: p.Name, NetNS: p.Path(), Addrs: p.Addrs(), CaptureInbound: inbound}
-}
 
 func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
 
@@ -127,23 +29,23 @@ func TestCapture(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	client, server, other := node.AddPod("client"), node.AddPod("server"), node.AddPod("other")
-	root := tempBPFFS(t)
-	l := load(t, root)
+	root := loadertest.TempBPFFS(t)
+	l := loadertest.Load(t, root)
 	defer l.Close()
 
 	// The "tunnel": transparent, marked listeners in the enrolled pods.
-	tun := netns.SocketOptions{Transparent: true, Mark: tunnelMark}
-	listen(t, client.Path(), "[::]:15001", "outbound", tun)
-	listen(t, server.Path(), "[::]:15006", "inbound", tun)
-	listen(t, server.Path(), "[::]:15008", "hbone", tun)
-	listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
-	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	tun := netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark}
+	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", tun)
+	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", tun)
+	loadertest.Listen(t, server.Path(), "[::]:15008", "hbone", tun)
+	loadertest.Listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
 
 	ctx := context.Background()
-	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := l.AttachPod(ctx, podOf(server, true)); err != nil {
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(server, true)); err != nil {
 		t.Fatal(err)
 	}
 
@@ -156,29 +58,29 @@ func TestCapture(t *testing.T) {
 	} {
 		t.Run(fam.name, func(t *testing.T) {
 			// Outbound: captured by 15001, original destination as local address.
-			r, err := call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{})
+			r, err := loadertest.Call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{})
 			if err != nil {
 				t.Fatalf("outbound: %v", err)
 			}
-			if r.name != "outbound" || r.local != ap(fam.other, 8080).String() {
+			if r.Name != "outbound" || r.Local != ap(fam.other, 8080).String() {
 				t.Errorf("outbound conn reached %+v, want the outbound listener with local %s", r, ap(fam.other, 8080))
 			}
 			// Inbound plaintext from an unenrolled pod: 15006 with the pod's own address.
-			r, err = call(other.Path(), ap(fam.server, 8080), netns.SocketOptions{})
+			r, err = loadertest.Call(other.Path(), ap(fam.server, 8080), netns.SocketOptions{})
 			if err != nil {
 				t.Fatalf("inbound: %v", err)
 			}
-			if r.name != "inbound" || r.local != ap(fam.server, 8080).String() || !strings.HasPrefix(r.peer, addrPrefix(fam.other)) {
+			if r.Name != "inbound" || r.Local != ap(fam.server, 8080).String() || !strings.HasPrefix(r.Peer, addrPrefix(fam.other)) {
 				t.Errorf("inbound conn reached %+v, want the inbound listener with local %s and peer %s", r, ap(fam.server, 8080), fam.other)
 			}
 			// HBONE port: the real listener.
-			r, err = call(other.Path(), ap(fam.server, 15008), netns.SocketOptions{})
-			if err != nil || r.name != "hbone" {
+			r, err = loadertest.Call(other.Path(), ap(fam.server, 15008), netns.SocketOptions{})
+			if err != nil || r.Name != "hbone" {
 				t.Errorf("to :15008 reached %+v (%v), want the hbone listener", r, err)
 			}
 			// Tunnel-marked sockets are never captured.
-			r, err = call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{Mark: tunnelMark})
-			if err != nil || r.name != "other-app" {
+			r, err = loadertest.Call(client.Path(), ap(fam.other, 8080), netns.SocketOptions{Mark: loadertest.TunnelMark})
+			if err != nil || r.Name != "other-app" {
 				t.Errorf("marked conn reached %+v (%v), want other-app", r, err)
 			}
 		})
@@ -191,7 +93,7 @@ func TestCapture(t *testing.T) {
 	if _, err := netnstest.Exec(ctx, node.Path(), "ip", "addr", "add", probe.String()+"/32", "dev", "rdbr"); err != nil {
 		t.Fatal(err)
 	}
-	r, err := call(node.Path(), ap(server.IPv4, 8080), netns.SocketOptions{Local: &net.TCPAddr{IP: probe.AsSlice()}})
+	r, err := loadertest.Call(node.Path(), ap(server.IPv4, 8080), netns.SocketOptions{Local: &net.TCPAddr{IP: probe.AsSlice()}})
 	if err == nil {
 		t.Errorf("a conn from the probe SNAT address that no host program translated reached %+v, want it dropped", r)
 	}
@@ -204,7 +106,7 @@ func TestCapture(t *testing.T) {
 	before := c.OutboundConns
 	const n = 5
 	for i := 0; i < n; i++ {
-		if _, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil {
+		if _, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -228,7 +130,7 @@ func TestCapture(t *testing.T) {
 	if err := l.Maps().DeletePod(client.IPv4); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.Name != "other-app" {
 		t.Errorf("after deleting the entry, conn reached %+v (%v), want other-app", r, err)
 	}
 }
@@ -250,14 +152,14 @@ func addrPrefix(a netip.Addr) string {
 func TestFailClosedWithoutListener(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
-	l := load(t, tempBPFFS(t))
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
-	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
-	if _, err := l.AttachPod(context.Background(), podOf(client, true)); err != nil {
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	if _, err := l.AttachPod(context.Background(), loadertest.PodOf(client, true)); err != nil {
 		t.Fatal(err)
 	}
 	// No outbound listener: the connection must not leave in plaintext.
-	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err == nil {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err == nil {
 		t.Fatalf("connection without a tunnel listener reached %+v", r)
 	}
 	reasons, err := l.Maps().ReasonCounts()
@@ -278,27 +180,27 @@ func TestFailClosedWithoutListener(t *testing.T) {
 func TestRestartAndUninstall(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
-	root := tempBPFFS(t)
+	root := loadertest.TempBPFFS(t)
 	ctx := context.Background()
-	listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: tunnelMark})
-	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
 
-	l := load(t, root)
-	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+	l := loadertest.Load(t, root)
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
 		t.Fatal(err)
 	}
 	// The agent goes away without uninstalling: capture goes on.
 	l.Close()
-	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "outbound" {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.Name != "outbound" {
 		t.Fatalf("with no loader running, conn reached %+v (%v), want outbound", r, err)
 	}
 	// A new loader picks the pinned state up without re-attaching.
-	l = load(t, root)
+	l = loadertest.Load(t, root)
 	pods, err := l.Pods()
 	if err != nil || len(pods) != 1 || pods[0].Meta.Name != "client" {
 		t.Fatalf("pinned pods after restart: %+v %v", pods, err)
 	}
-	if r, err := call(client.Path(), ap(other.IPv6, 8080), netns.SocketOptions{}); err != nil || r.name != "outbound" {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv6, 8080), netns.SocketOptions{}); err != nil || r.Name != "outbound" {
 		t.Fatalf("after restart, conn reached %+v (%v), want outbound", r, err)
 	}
 	// bpftool prints field names of the pinned enrollment map (BTF).
@@ -318,7 +220,7 @@ func TestRestartAndUninstall(t *testing.T) {
 	if _, err := os.Stat(root); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pin root %s still exists after uninstall (%v)", root, err)
 	}
-	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.Name != "other-app" {
 		t.Errorf("after uninstall, conn reached %+v (%v), want other-app", r, err)
 	}
 	err = netns.Do(client.Path(), func() error {
@@ -354,7 +256,7 @@ func TestRestartAndUninstall(t *testing.T) {
 func TestAttachBadInput(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	pod := topo.Nodes[0].AddPod("pod")
-	l := load(t, tempBPFFS(t))
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
 	ctx := context.Background()
 	cases := []struct {
@@ -410,16 +312,16 @@ func TestAttachBadInput(t *testing.T) {
 func TestLegacyTC(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
-	root := tempBPFFS(t)
+	root := loadertest.TempBPFFS(t)
 	ctx := context.Background()
 	l, err := loader.Load(ctx, loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), ForceLegacyTC: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: tunnelMark})
-	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
-	st, err := l.AttachPod(ctx, podOf(client, true))
+	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	st, err := l.AttachPod(ctx, loadertest.PodOf(client, true))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -427,7 +329,7 @@ func TestLegacyTC(t *testing.T) {
 		t.Fatalf("attach mode %s, want tc", st.Meta.AttachMode)
 	}
 	for _, dst := range []netip.AddrPort{ap(other.IPv4, 8080), ap(other.IPv6, 8080)} {
-		if r, err := call(client.Path(), dst, netns.SocketOptions{}); err != nil || r.name != "outbound" || r.local != dst.String() {
+		if r, err := loadertest.Call(client.Path(), dst, netns.SocketOptions{}); err != nil || r.Name != "outbound" || r.Local != dst.String() {
 			t.Errorf("legacy tc: conn to %s reached %+v (%v), want outbound", dst, r, err)
 		}
 	}
@@ -453,7 +355,7 @@ func TestLegacyTC(t *testing.T) {
 	if err != nil {
 		t.Error(err)
 	}
-	if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "other-app" {
+	if r, err := loadertest.Call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.Name != "other-app" {
 		t.Errorf("after detach, conn reached %+v (%v), want other-app", r, err)
 	}
 }
@@ -482,9 +384,9 @@ func TestUninstallLeavesForeignFiles(t *testing.T) {
 
 	topo := netnstest.New(t, 1)
 	client := topo.Nodes[0].AddPod("client")
-	root := tempBPFFS(t)
-	l := load(t, root)
-	if _, err := l.AttachPod(ctx, podOf(client, true)); err != nil {
+	root := loadertest.TempBPFFS(t)
+	l := loadertest.Load(t, root)
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
 		t.Fatal(err)
 	}
 	l.Close()

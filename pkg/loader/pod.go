@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -360,9 +361,9 @@ func (l *Loader) hostProbeOK(id uint32) bool {
 	return true
 }
 
-// hostProbeMissing lists the pods whose host-probe links this process
+// HostProbeMissing lists the pods whose host-probe links this process
 // attached and whose pins are gone.
-func (l *Loader) hostProbeMissing() []uint32 {
+func (l *Loader) HostProbeMissing() []uint32 {
 	l.mu.Lock()
 	ids := make([]uint32, 0, len(l.hostProbe))
 	for id := range l.hostProbe {
@@ -378,8 +379,8 @@ func (l *Loader) hostProbeMissing() []uint32 {
 	return out
 }
 
-// podMeta is pod id's metadata as last written.
-func (l *Loader) podMeta(id uint32) (maps.PodMeta, bool) {
+// PodMeta is pod id's metadata as last written.
+func (l *Loader) PodMeta(id uint32) (maps.PodMeta, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	m, ok := l.metas[id]
@@ -566,4 +567,35 @@ func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
 		}
 	}
 	return false
+}
+
+// KernelOK reports whether the attached pod p still has, for every address,
+// its enrollment entry, and its links attached and pinned; with full, also
+// its host-probe link pins. It is the cheap check a reconcile makes before
+// attaching a pod again.
+func (l *Loader) KernelOK(p PodState, full bool) bool {
+	for _, a := range p.Meta.Addrs {
+		if s, ok, err := l.maps.Pod(a); err != nil || !ok || s != p.Meta.Settings {
+			return false
+		}
+	}
+	if !l.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
+		return false
+	}
+	return !full || l.hostProbeOK(p.ID)
+}
+
+// Matches reports whether the pod is attached as want says: namespace,
+// interface, addresses and inbound capture.
+func (p PodState) Matches(want Pod) bool {
+	iface := want.Interface
+	if iface == "" {
+		iface = "eth0"
+	}
+	addrs := slices.Clone(want.Addrs)
+	for i := range addrs {
+		addrs[i] = addrs[i].Unmap()
+	}
+	return p.Meta.NetNS == want.NetNS && p.Meta.Interface == iface &&
+		slices.Equal(p.Meta.Addrs, addrs) && p.Meta.Settings.CaptureInbound == want.CaptureInbound
 }

@@ -48,7 +48,7 @@ type Config struct {
 	ReconcilePeriod time.Duration
 	Tunnel          *tunnel.Tunnel
 	Loader          *loader.Loader
-	Reconciler      *loader.Reconciler
+	Reconciler      *Reconciler
 	Certs           *identity.Manager
 	// Annotator is nil for sources without an API server (the file).
 	Annotator Annotator
@@ -142,7 +142,7 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 	}()
 	var workers sync.WaitGroup
 	defer func() { a.queue.ShutDown(); workers.Wait() }()
-	for range loader.Workers() {
+	for range Workers() {
 		workers.Go(func() {
 			for a.processNext(ctx) {
 			}
@@ -326,7 +326,7 @@ func (a *Agent) processNext(ctx context.Context) bool {
 	return true
 }
 
-func (a *Agent) logResult(res loader.Result) {
+func (a *Agent) logResult(res Result) {
 	for _, p := range res.Attached {
 		a.log.Info("pod enrolled", "pod", p)
 	}

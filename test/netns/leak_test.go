@@ -17,6 +17,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/nodeagent"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
@@ -60,7 +61,7 @@ func TestAddRemoveCyclesLeakNothing(t *testing.T) {
 	s := loader.DefaultSettings()
 	tun := tunnel.New(tunnel.Config{TrustDomain: "cluster.local", OutboundPort: s.OutboundPort, InboundPort: s.InboundPort, HBONEPort: s.HBONEPort,
 		TunnelMark: s.TunnelMark, Certs: identity.NewManager(ca, time.Hour, time.Now), Pool: hbone.NewPool(hbone.PoolOptions{}), Logger: log})
-	rec := loader.NewReconciler(ld, tun, netns.DefaultFinder(), log)
+	rec := nodeagent.NewReconciler(ld, tun, netns.DefaultFinder(), log)
 	want := []loader.Pod{{UID: "uid-churn", Namespace: "shop", Name: "churn", NetNS: pod.Path(), Addrs: pod.Addrs(), CaptureInbound: true}}
 
 	// One warm-up cycle, so lazily opened descriptors are in the baseline.

@@ -1,4 +1,4 @@
-package loader_test
+package nodeagent_test
 
 import (
 	"context"
@@ -19,11 +19,13 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/nodeagent"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
-// listenServer is a loader.PodServer that opens the same three listeners per
+// listenServer is a nodeagent.PodServer that opens the same three listeners per
 // pod as the tunnel does (outbound and inbound transparent, HBONE), so that
 // the scale benchmark pays what the agent pays for a pod's listeners.
 type listenServer struct {
@@ -52,7 +54,7 @@ func (s *listenServer) ServePod(ctx context.Context, uid, path string, _ []netip
 		port        int
 		transparent bool
 	}{{15001, true}, {15006, true}, {15008, false}} {
-		l, err := netns.Listen(ctx, path, "tcp", "[::]:"+strconv.Itoa(port.port), netns.SocketOptions{Transparent: port.transparent, Mark: tunnelMark})
+		l, err := netns.Listen(ctx, path, "tcp", "[::]:"+strconv.Itoa(port.port), netns.SocketOptions{Transparent: port.transparent, Mark: loadertest.TunnelMark})
 		if err != nil {
 			closeAll(lns)
 			return err
@@ -194,7 +196,7 @@ func enrollScaleInNode(b *testing.B, file string) {
 	var table []string
 	for _, n := range sizes {
 		b.Run(fmt.Sprintf("pods=%d", n), func(b *testing.B) {
-			root := tempBPFFS(b)
+			root := loadertest.TempBPFFS(b)
 			want := func(k int, withPath bool) []loader.Pod {
 				out := make([]loader.Pod, 0, k)
 				for _, p := range pods[:k] {
@@ -206,7 +208,7 @@ func enrollScaleInNode(b *testing.B, file string) {
 				}
 				return out
 			}
-			check := func(what string, res loader.Result) {
+			check := func(what string, res nodeagent.Result) {
 				if len(res.Errors) > 0 {
 					b.Fatalf("%s: %d errors, first: %v", what, len(res.Errors), res.Errors[0])
 				}
@@ -216,7 +218,7 @@ func enrollScaleInNode(b *testing.B, file string) {
 				b.Fatal(err)
 			}
 			srv := newListenServer()
-			rec := loader.NewReconciler(l, srv, finder, log)
+			rec := nodeagent.NewReconciler(l, srv, finder, log)
 			start := time.Now()
 			check("first enrollment", rec.Reconcile(ctx, want(n, false), true))
 			first := time.Since(start)
@@ -231,7 +233,7 @@ func enrollScaleInNode(b *testing.B, file string) {
 				b.Fatal(err)
 			}
 			srv = newListenServer()
-			rec = loader.NewReconciler(l, srv, finder, log)
+			rec = nodeagent.NewReconciler(l, srv, finder, log)
 			check("restart", rec.Reconcile(ctx, want(n, false), true))
 			restart := time.Since(start)
 
@@ -279,10 +281,10 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 
 // idleLoad is the process's CPU time over d while the reconciler has
 // nothing to do but check the pods' links, as the agent does.
-func idleLoad(ctx context.Context, rec *loader.Reconciler, d time.Duration) time.Duration {
+func idleLoad(ctx context.Context, rec *nodeagent.Reconciler, d time.Duration) time.Duration {
 	ctx, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
 	cpu0 := cpuTime()
-	rec.RepairLinks(ctx, loader.LinkCheckPeriod)
+	rec.RepairLinks(ctx, nodeagent.LinkCheckPeriod)
 	return cpuTime() - cpu0
 }

@@ -1,4 +1,4 @@
-package loader
+package nodeagent
 
 import (
 	"context"
@@ -15,12 +15,12 @@ import (
 
 	"github.com/fsnotify/fsnotify"
 
-	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // PodServer is the tunnel's side of enrollment: it opens and closes a pod's
-// listeners. The loader never imports the tunnel; the binary wires the two.
+// listeners. The node agent never imports the tunnel; the binary wires the two.
 type PodServer interface {
 	// ServePod opens (or keeps) the pod's tunnel listeners inside netnsPath.
 	ServePod(ctx context.Context, uid, netnsPath string, addrs []netip.Addr) error
@@ -40,7 +40,7 @@ type NetNSFinder interface {
 // Reconciler keeps what is attached (pinned links, enrollment entries,
 // listeners) equal to the pods that should be enrolled on this node.
 type Reconciler struct {
-	loader *Loader
+	loader *loader.Loader
 	server PodServer
 	finder NetNSFinder
 	log    *slog.Logger
@@ -82,7 +82,7 @@ type Result struct {
 }
 
 // NewReconciler wires the loader to a pod server and a namespace finder.
-func NewReconciler(l *Loader, s PodServer, f NetNSFinder, log *slog.Logger) *Reconciler {
+func NewReconciler(l *loader.Loader, s PodServer, f NetNSFinder, log *slog.Logger) *Reconciler {
 	if log == nil {
 		log = slog.Default()
 	}
@@ -110,7 +110,7 @@ func Workers() int { return min(16, max(4, 4*runtime.GOMAXPROCS(0))) }
 // attached again (in place), and after a start each pod once. Up to
 // Workers() pods are worked on at a time. Per-pod failures are collected and
 // never stop the others.
-func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Result {
+func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool) Result {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var res Result
@@ -127,7 +127,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		r.record(res, 0)
 		return res
 	}
-	attached := map[string]PodState{}
+	attached := map[string]loader.PodState{}
 	for _, p := range current {
 		attached[p.Meta.UID] = p
 	}
@@ -196,7 +196,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 		// and pinned. Listeners live in this process and are checked
 		// separately; verified says this process attached the pod in the
 		// namespace the path names now.
-		kernelOK := isAttached && sameAttachment(cur, p) && r.kernelOK(cur, full)
+		kernelOK := isAttached && cur.Matches(p) && r.loader.KernelOK(cur, full)
 		verified := r.sameNS(p.UID, p.NetNS, false)
 		if kernelOK && verified && served[p.UID] {
 			continue
@@ -215,7 +215,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []Pod, full bool) Resul
 // converge serves p's listeners and, unless kernelOK (its kernel state is
 // right and this process attached it in the namespace its path names),
 // attaches it (in place when isAttached), adding what it did to the result.
-func (r *Reconciler) converge(ctx context.Context, p Pod, isAttached, kernelOK bool, add func(func(*Result))) {
+func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, kernelOK bool, add func(func(*Result))) {
 	if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
 		add(func(res *Result) {
 			res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
@@ -264,7 +264,7 @@ func (r *Reconciler) remove(ctx context.Context, uid, name string, add func(func
 // reconciled concurrently with each other, never with a full Reconcile or
 // a link repair, and one pod never twice at once. It never touches another
 // pod (enrollment entries are removed only by the pod that owns them).
-func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *Pod) Result {
+func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.Pod) Result {
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	unlock := r.lockPod(uid)
@@ -305,7 +305,7 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *Pod) Re
 				break
 			}
 		}
-		kernelOK := isAttached && sameAttachment(cur, p) && r.kernelOK(cur, false) && r.sameNS(p.UID, p.NetNS, false)
+		kernelOK := isAttached && cur.Matches(p) && r.loader.KernelOK(cur, false) && r.sameNS(p.UID, p.NetNS, false)
 		if !(kernelOK && served) {
 			r.converge(ctx, p, isAttached, kernelOK, add)
 		}
@@ -470,7 +470,7 @@ func (r *Reconciler) RepairLinks(ctx context.Context, period time.Duration) {
 // removed before its watch existed sent no event, so the caller checks the
 // pins then.
 func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, gen uint64) (newGen uint64, settled bool) {
-	dirs, newGen, changed := r.loader.heldDirs(gen)
+	dirs, newGen, changed := r.loader.HeldDirs(gen)
 	if !changed {
 		return gen, true
 	}
@@ -508,7 +508,7 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 	if pins {
 		// The host-probe links are not held: a removed pin detached one,
 		// and its pod is attached again (which attaches them anew).
-		c.Broken = append(c.Broken, r.loader.hostProbeMissing()...)
+		c.Broken = append(c.Broken, r.loader.HostProbeMissing()...)
 	}
 	for _, err := range c.Errors {
 		r.log.ErrorContext(ctx, "restore link pin", "error", err)
@@ -521,13 +521,13 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 		// Under the reconcile lock: a pod being detached is not re-attached.
 		r.mu.Lock()
 		for _, id := range c.Broken {
-			meta, ok := r.loader.podMeta(id)
+			meta, ok := r.loader.PodMeta(id)
 			if !ok || !pathExists(meta.NetNS) {
 				// Detached, or its namespace is gone (the pod is being
 				// deleted): the reconciler lets it go.
 				continue
 			}
-			p := Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
+			p := loader.Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
 				Interface: meta.Interface, Addrs: meta.Addrs, CaptureInbound: meta.Settings.CaptureInbound}
 			if _, err := r.loader.AttachPod(ctx, p); err != nil {
 				errs++
@@ -566,37 +566,6 @@ func (r *Reconciler) record(res Result, enrolled int) {
 	r.stats.Attached += uint64(len(res.Attached))
 	r.stats.Detached += uint64(len(res.Detached))
 	r.stats.Enrolled = enrolled
-}
-
-// kernelOK reports whether every address of the pod still has its
-// enrollment entry and its links are attached and pinned; with full, also
-// its host-probe link pins.
-func (r *Reconciler) kernelOK(p PodState, full bool) bool {
-	for _, a := range p.Meta.Addrs {
-		if s, ok, err := r.loader.maps.Pod(a); err != nil || !ok || s != p.Meta.Settings {
-			return false
-		}
-	}
-	if !r.loader.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
-		return false
-	}
-	if full && !r.loader.hostProbeOK(p.ID) {
-		return false
-	}
-	return true
-}
-
-func sameAttachment(cur PodState, p Pod) bool {
-	iface := p.Interface
-	if iface == "" {
-		iface = "eth0"
-	}
-	addrs := slices.Clone(p.Addrs)
-	for i := range addrs {
-		addrs[i] = addrs[i].Unmap()
-	}
-	return cur.Meta.NetNS == p.NetNS && cur.Meta.Interface == iface &&
-		slices.Equal(cur.Meta.Addrs, addrs) && cur.Meta.Settings.CaptureInbound == p.CaptureInbound
 }
 
 func findNetNS(scan map[netip.Addr]string, addrs []netip.Addr) string {

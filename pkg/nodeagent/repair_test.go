@@ -1,4 +1,4 @@
-package loader_test
+package nodeagent_test
 
 import (
 	"context"
@@ -15,11 +15,13 @@ import (
 	"github.com/cilium/ebpf/link"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/nodeagent"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
-// recordServer is a loader.PodServer that only records which pods it
+// recordServer is a nodeagent.PodServer that only records which pods it
 // serves; the test opens the listeners itself.
 type recordServer struct {
 	mu    sync.Mutex
@@ -63,16 +65,16 @@ func (s *recordServer) ServedPods() []string {
 func TestLinkRepair(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	client, other := topo.Nodes[0].AddPod("client"), topo.Nodes[0].AddPod("other")
-	root := tempBPFFS(t)
+	root := loadertest.TempBPFFS(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: tunnelMark})
-	listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
 
-	l := load(t, root)
+	l := loadertest.Load(t, root)
 	defer l.Close()
-	rec := loader.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
-	if res := rec.Reconcile(ctx, []loader.Pod{podOf(client, true)}, true); len(res.Errors) > 0 || len(res.Attached) != 1 {
+	rec := nodeagent.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
+	if res := rec.Reconcile(ctx, []loader.Pod{loadertest.PodOf(client, true)}, true); len(res.Errors) > 0 || len(res.Attached) != 1 {
 		t.Fatalf("reconcile: %+v", res)
 	}
 	pods, err := l.Pods()
@@ -85,12 +87,12 @@ func TestLinkRepair(t *testing.T) {
 	dir := filepath.Join(root, "pods", itoa(pods[0].ID))
 	pins := []string{filepath.Join(dir, "ingress"), filepath.Join(dir, "egress")}
 	repairDone := make(chan struct{})
-	go func() { defer close(repairDone); rec.RepairLinks(ctx, loader.LinkCheckPeriod) }()
+	go func() { defer close(repairDone); rec.RepairLinks(ctx, nodeagent.LinkCheckPeriod) }()
 	defer func() { cancel(); <-repairDone }() // before l.Close
 
 	captured := func(when string) {
 		t.Helper()
-		if r, err := call(client.Path(), ap(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.name != "outbound" {
+		if r, err := loadertest.Call(client.Path(), netip.AddrPortFrom(other.IPv4, 8080), netns.SocketOptions{}); err != nil || r.Name != "outbound" {
 			t.Fatalf("%s: conn reached %+v (%v), want outbound", when, r, err)
 		}
 	}
@@ -165,11 +167,11 @@ func TestReconcileRepairsOnlyDrift(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
 	ctx := context.Background()
-	l := load(t, tempBPFFS(t))
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
 	srv := &recordServer{}
-	rec := loader.NewReconciler(l, srv, netns.DefaultFinder(), nil)
-	want := []loader.Pod{podOf(a, true), podOf(b, true)}
+	rec := nodeagent.NewReconciler(l, srv, netns.DefaultFinder(), nil)
+	want := []loader.Pod{loadertest.PodOf(a, true), loadertest.PodOf(b, true)}
 	want[1].NetNS = "" // found by address
 	if res := rec.Reconcile(ctx, want, true); len(res.Errors) > 0 || len(res.Attached) != 2 {
 		t.Fatalf("first reconcile: %+v", res)
@@ -207,10 +209,10 @@ func TestReconcileAddressReuse(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	p := topo.Nodes[0].AddPod("p")
 	ctx := context.Background()
-	l := load(t, tempBPFFS(t))
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
-	rec := loader.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
-	old := podOf(p, true)
+	rec := nodeagent.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
+	old := loadertest.PodOf(p, true)
 	if res := rec.Reconcile(ctx, []loader.Pod{old}, true); len(res.Errors) > 0 || len(res.Attached) != 1 {
 		t.Fatalf("first reconcile: %+v", res)
 	}
@@ -240,14 +242,14 @@ func TestReconcilePodAddressReuse(t *testing.T) {
 		t.Fatalf("give q p's address: %v %s", err, out)
 	}
 	ctx := context.Background()
-	l := load(t, tempBPFFS(t))
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
-	rec := loader.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
-	old := podOf(p, true)
+	rec := nodeagent.NewReconciler(l, &recordServer{}, netns.DefaultFinder(), nil)
+	old := loadertest.PodOf(p, true)
 	if res := rec.ReconcilePod(ctx, old.UID, &old); len(res.Errors) > 0 || len(res.Attached) != 1 {
 		t.Fatalf("attach the old pod: %+v", res)
 	}
-	reused := podOf(q, true)
+	reused := loadertest.PodOf(q, true)
 	reused.Addrs = []netip.Addr{p.IPv4}
 	if res := rec.ReconcilePod(ctx, reused.UID, &reused); len(res.Errors) > 0 || len(res.Attached) != 1 {
 		t.Fatalf("attach the new pod: %+v", res)

@@ -1,0 +1,43 @@
+package nodeagent
+
+import "github.com/prometheus/client_golang/prometheus"
+
+var (
+	linkRepinsDesc = prometheus.NewDesc("redirector_link_pins_restored_total",
+		"Link pins that were removed underneath the agent and pinned again.",
+		nil, nil)
+	netnsKnownDesc = prometheus.NewDesc("redirector_netns_index_namespaces",
+		"Network namespaces the address-to-namespace index remembers (bounded by the namespaces on the node).",
+		nil, nil)
+)
+
+type collector struct {
+	r   *Reconciler
+	idx interface{ Len() int }
+}
+
+// NewCollector exports what the link repair did and, when the reconciler's
+// namespace finder has a Len (netns.Index), how many namespaces it knows.
+func NewCollector(r *Reconciler) prometheus.Collector {
+	c := collector{r: r}
+	if idx, ok := r.finder.(interface{ Len() int }); ok {
+		c.idx = idx
+	}
+	return c
+}
+
+// Describe implements prometheus.Collector.
+func (c collector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- linkRepinsDesc
+	if c.idx != nil {
+		ch <- netnsKnownDesc
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c collector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(linkRepinsDesc, prometheus.CounterValue, float64(c.r.Stats().LinkRepins))
+	if c.idx != nil {
+		ch <- prometheus.MustNewConstMetric(netnsKnownDesc, prometheus.GaugeValue, float64(c.idx.Len()))
+	}
+}
