@@ -75,6 +75,8 @@ type Tunnel struct {
 	log   *slog.Logger
 	state atomic.Pointer[State]
 	lb    *balancer
+	// waypoints finds the services waypoints name by host name.
+	waypoints waypointIndex
 	// limits counts the capture listeners' open connections.
 	limits *limiter
 	// refusals (INFO) and failures (WARN) rate-limit the logs of refused
