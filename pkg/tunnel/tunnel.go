@@ -138,6 +138,7 @@ func (t *Tunnel) Update(s *State) {
 	t.updateMu.Lock()
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
+	t.waypoints.cur.Store(nil) // holds no directory but the current one
 	t.cfg.Metrics.setLive(s.Dir)
 	t.lb.prune(s.Dir)
 	t.recheck(context.Background(), prev, s)
