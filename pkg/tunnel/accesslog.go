@@ -18,8 +18,9 @@ import (
 // the error when it failed or was refused. The fields are ztunnel's:
 // src.addr, src.workload, src.namespace, src.identity, dst.addr,
 // dst.hbone_addr, dst.service, dst.workload, dst.namespace, dst.identity,
-// direction, bytes_sent, bytes_recv, duration; plus response_flags and the
-// connection's trace id.
+// direction, bytes_sent, bytes_recv, duration; plus response_flags, the
+// connection's trace id, and dst.waypoint when dst is the waypoint the
+// connection went through.
 //
 // A completed connection costs one line, written after the relay ended, off
 // its path. Connections that never opened (denied, upstream unreachable)
@@ -81,6 +82,9 @@ func (r *connResult) attrs(extra int) []slog.Attr {
 		slog.String("dst.namespace", l["destination_workload_namespace"]))
 	if mtls {
 		a = append(a, slog.String("dst.identity", l["destination_principal"]))
+	}
+	if c.waypoint {
+		a = append(a, slog.Bool("dst.waypoint", true))
 	}
 	dir := "inbound"
 	if c.reporter == "source" {

@@ -141,6 +141,9 @@ type connInfo struct {
 	service      *workload.Service
 	secure       bool
 	flags        string // response flag: "" (none), flagDeny or flagConnect
+	// waypoint says dst is the waypoint the connection went through, and
+	// service (if any) and hboneAddr what the client addressed.
+	waypoint bool
 
 	// For the access log: the client and server addresses the tunnel saw,
 	// and the HBONE target (:authority) when the connection was tunnelled.

@@ -35,6 +35,10 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	state := t.State()
+	if via := waypointOf(state.Dir, &t.waypoints, srcW, dst.Addr()); via != nil {
+		p.handleWaypoint(ctx, c, state.Dir, via, srcW, srcID, src, dst)
+		return
+	}
 	if svc, ok := state.Dir.ServiceByVIP(dst.Addr()); ok {
 		p.handleService(ctx, c, svc, src, dst)
 		return
@@ -75,8 +79,14 @@ func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteClose
 // early data: it is only peeked at, and consumed from app once the tunnel
 // is up, so a refused attempt loses nothing.
 func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst netip.AddrPort, host, trace string) (*hbone.Stream, error) {
+	return p.dialHBONEVia(ctx, app, srcW, srcID, dstID, src, dst, netip.AddrPortFrom(dst.Addr(), p.t.cfg.HBONEPort), host, trace)
+}
+
+// dialHBONEVia is dialHBONE through the HBONE listener at hboneAddr (a
+// waypoint's), dstID the identity it must present; dst stays the
+// authority.
+func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst, hboneAddr netip.AddrPort, host, trace string) (*hbone.Stream, error) {
 	t := p.t
-	hboneAddr := netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort)
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
 		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})

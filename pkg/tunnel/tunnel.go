@@ -75,6 +75,8 @@ type Tunnel struct {
 	log   *slog.Logger
 	state atomic.Pointer[State]
 	lb    *balancer
+	// waypoints finds the services waypoints name by host name.
+	waypoints waypointIndex
 	// limits counts the capture listeners' open connections.
 	limits *limiter
 	// refusals (INFO) and failures (WARN) rate-limit the logs of refused
@@ -136,6 +138,7 @@ func (t *Tunnel) Update(s *State) {
 	t.updateMu.Lock()
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
+	t.waypoints.cur.Store(nil) // holds no directory but the current one
 	t.cfg.Metrics.setLive(s.Dir)
 	t.lb.prune(s.Dir)
 	t.recheck(context.Background(), prev, s)

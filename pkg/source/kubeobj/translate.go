@@ -60,6 +60,7 @@ func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 		byName[s.String()] = s
 	}
 	errs = append(errs, addEndpoints(byName, objs.EndpointSlices)...)
+	addWaypoints(&snap, objs, namespaces)
 	return snap, errs
 }
 

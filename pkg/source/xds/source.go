@@ -139,7 +139,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		return snap, errs
 	}
 	snap.Compiled = &policy.CompiledSet{Synced: true, Policies: mesh.Policies, Selected: map[string][]string{}}
-	localNames := make(map[string]bool, len(snap.Workloads))
+	localNames, nLocal := make(map[string]bool, len(snap.Workloads)), len(snap.Workloads)
 	// An address belongs to one workload in the directory: this node's
 	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
 	// endpoint at a pod's address is that pod).
@@ -172,6 +172,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			}
 		}
 	}
+	localWaypoints(snap.Workloads[:nLocal], mesh.Workloads, localNames)
 	for _, svc := range mesh.Services {
 		snap.Services = append(snap.Services, &svc.Service)
 	}
