@@ -261,7 +261,17 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 		for _, d := range desired {
 			want = append(want, d.pod)
 		}
-		a.logResult(a.cfg.Reconciler.Reconcile(ctx, want, true))
+		res := a.cfg.Reconciler.Reconcile(ctx, want, true)
+		a.logResult(res)
+		if len(res.Errors) > 0 {
+			// The pods the pass could not attach are retried on their own,
+			// with backoff, rather than at the next pass.
+			for uid := range desired {
+				if _, ok, err := a.cfg.Loader.PodState(uid); !ok || err != nil {
+					a.queue.AddRateLimited(uid)
+				}
+			}
+		}
 		if a.cfg.Annotator != nil {
 			a.syncAnnotations(ctx, dir)
 		}
