@@ -292,6 +292,7 @@ func runAgent(ctx context.Context, args []string) error {
 			_ = servers.CloseReadiness()
 		},
 	})
+	defer agent.Close()
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, agent.HandleCNI, log)
 		go func() {

@@ -11,6 +11,7 @@ import (
 	"context"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -64,6 +65,8 @@ type Agent struct {
 	cfg   Config
 	log   *slog.Logger
 	queue workqueue.TypedRateLimitingInterface[string]
+	// workers are the goroutines converging queued pods.
+	workers sync.WaitGroup
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -117,6 +120,13 @@ func New(cfg Config) *Agent {
 	}
 }
 
+// Close waits for the pod workers to finish what they were doing when Run
+// returned.
+func (a *Agent) Close() {
+	a.queue.ShutDown()
+	a.workers.Wait()
+}
+
 // Reconciled reports whether the first full pass has finished (readiness).
 func (a *Agent) Reconciled() (bool, string) {
 	a.mu.Lock()
@@ -126,7 +136,7 @@ func (a *Agent) Reconciled() (bool, string) {
 
 // Run applies every snapshot src delivers, runs the pod workers and the
 // periodic full pass, until ctx is done (nil) or the source fails (its
-// error).
+// error). Call Close after it returned, before the loader closes.
 func (a *Agent) Run(ctx context.Context, src source.Source) error {
 	snaps := make(chan source.Snapshot, 1)
 	srcErr := make(chan error, 1)
@@ -140,10 +150,12 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 			snaps <- s
 		})
 	}()
-	var workers sync.WaitGroup
-	defer func() { a.queue.ShutDown(); workers.Wait() }()
+	// The queue stops taking work when Run returns, but Run does not wait
+	// for a pod being worked on: a draining agent must close its listeners
+	// at once. Close waits.
+	defer a.queue.ShutDown()
 	for range Workers() {
-		workers.Go(func() {
+		a.workers.Go(func() {
 			for a.processNext(ctx) {
 			}
 		})
@@ -324,16 +336,34 @@ func (a *Agent) processNext(ctx context.Context) bool {
 	} else {
 		a.queue.Forget(uid)
 	}
-	if want && len(res.Errors) == 0 && a.cfg.Annotator != nil && !d.w.Redirected {
-		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
-			a.log.Error("annotate pod", "error", err)
-		}
+	if a.cfg.Annotator != nil {
+		a.annotateConverged(ctx, d, want, res)
 	}
 	a.mu.Lock()
 	close(a.podSynced)
 	a.podSynced = make(chan struct{})
 	a.mu.Unlock()
 	return true
+}
+
+// annotateConverged makes the redirection annotation of the pod a worker
+// just converged say what is attached now: set once it is attached, removed
+// once it is detached (unless the pod is being deleted).
+func (a *Agent) annotateConverged(ctx context.Context, d desiredPod, want bool, res Result) {
+	if want && len(res.Errors) == 0 && !d.w.Redirected {
+		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
+			a.log.Error("annotate pod", "error", err)
+		}
+	}
+	dir := a.cfg.Tunnel.State().Dir
+	for _, name := range res.Detached {
+		ns, n, _ := strings.Cut(name, "/")
+		if w, ok := dir.Pod(ns, n); ok && w.Redirected && !w.Terminating {
+			if err := a.cfg.Annotator.SetRedirection(ctx, ns, n, false); err != nil {
+				a.log.Error("annotate pod", "error", err)
+			}
+		}
+	}
 }
 
 func (a *Agent) logResult(res Result) {

@@ -278,6 +278,9 @@ spec:
 		t.Fatal(err)
 	}
 
+	// The old agent closes its listeners as it starts draining; on a busy
+	// machine that can be some milliseconds after the signal was sent.
+	closedAt := logTimeOf(t, old.Log(), "shutting down: draining connections", termAt)
 	var failed, afterTerm int
 	var maxConnect, maxTotal time.Duration
 	var firstErr error
@@ -289,7 +292,7 @@ spec:
 			}
 			continue
 		}
-		if !s.at.Before(termAt) {
+		if !s.at.Before(closedAt) {
 			afterTerm++
 		}
 		maxConnect, maxTotal = max(maxConnect, s.connect), max(maxTotal, s.total)
@@ -330,6 +333,25 @@ spec:
 		t.Errorf("the old agent closed connections at the drain timeout; its log:\n%s", lastLines(old.Log(), 20))
 	}
 	_ = next
+}
+
+// logTimeOf is the time of the first line of an agent's log that holds
+// msg, or def when there is none.
+func logTimeOf(t *testing.T, log, msg string, def time.Time) time.Time {
+	t.Helper()
+	for line := range strings.Lines(log) {
+		if !strings.Contains(line, msg) {
+			continue
+		}
+		if _, rest, ok := strings.Cut(line, "time="); ok {
+			stamp, _, _ := strings.Cut(rest, " ")
+			if at, err := time.Parse(time.RFC3339Nano, stamp); err == nil {
+				return at
+			}
+		}
+		t.Errorf("no time in the log line %q", line)
+	}
+	return def
 }
 
 // curlOK fetches url from the namespace at path and fails unless the
