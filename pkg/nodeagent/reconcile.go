@@ -113,19 +113,13 @@ func Workers() int { return min(16, max(4, 4*runtime.GOMAXPROCS(0))) }
 func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool) Result {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	var res Result
-	var resMu sync.Mutex
-	add := func(f func(*Result)) {
-		resMu.Lock()
-		defer resMu.Unlock()
-		f(&res)
-	}
+	res, add := newResult()
 
 	current, err := r.loader.Pods()
 	if err != nil {
 		res.Errors = append(res.Errors, fmt.Errorf("read attached pods: %w", err))
-		r.record(res, 0)
-		return res
+		r.record(*res, 0)
+		return *res
 	}
 	attached := map[string]loader.PodState{}
 	for _, p := range current {
@@ -208,8 +202,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 	if now, err := r.loader.Pods(); err == nil {
 		enrolled = len(now)
 	}
-	r.record(res, enrolled)
-	return res
+	r.record(*res, enrolled)
+	return *res
 }
 
 // converge serves p's listeners and, unless kernelOK (its kernel state is
@@ -269,18 +263,12 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 	defer r.mu.RUnlock()
 	unlock := r.lockPod(uid)
 	defer unlock()
-	var res Result
-	var resMu sync.Mutex
-	add := func(f func(*Result)) {
-		resMu.Lock()
-		defer resMu.Unlock()
-		f(&res)
-	}
+	res, add := newResult()
 	cur, isAttached, err := r.loader.PodState(uid)
 	if err != nil {
 		res.Errors = append(res.Errors, fmt.Errorf("read attached pods: %w", err))
-		r.record(res, -1)
-		return res
+		r.record(*res, -1)
+		return *res
 	}
 	served := slices.Contains(r.server.ServedPods(), uid)
 	switch {
@@ -310,8 +298,20 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 			r.converge(ctx, p, isAttached, kernelOK, add)
 		}
 	}
-	r.record(res, -1)
-	return res
+	r.record(*res, -1)
+	return *res
+}
+
+// newResult returns an empty result and a function that adds to it,
+// which concurrent jobs may call.
+func newResult() (*Result, func(func(*Result))) {
+	res := &Result{}
+	var mu sync.Mutex
+	return res, func(f func(*Result)) {
+		mu.Lock()
+		defer mu.Unlock()
+		f(res)
+	}
 }
 
 // lockPod serialises work on one pod; it returns the unlock.

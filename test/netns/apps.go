@@ -57,6 +57,12 @@ func ServeTCP(t TB, p *Pod, port int, handle func(net.Conn)) {
 	if err != nil {
 		t.Fatalf("listen on %s:%d: %v", p.Name, port, err)
 	}
+	ServeConns(t, l, handle)
+}
+
+// ServeConns runs handle for each connection l accepts, closing the
+// connection afterwards, until l is closed (in t.Cleanup).
+func ServeConns(t TB, l net.Listener, handle func(net.Conn)) {
 	t.Cleanup(func() { l.Close() })
 	go func() {
 		for {

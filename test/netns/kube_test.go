@@ -123,23 +123,13 @@ func forwardLoopback(t *testing.T, nsPath, host string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				up, err := net.Dial("tcp", u.Host)
-				if err != nil {
-					return
-				}
-				defer up.Close()
-				go func() { io.Copy(up, c); up.(*net.TCPConn).CloseWrite() }()
-				io.Copy(c, up)
-			}()
+	ServeConns(t, l, func(c net.Conn) {
+		up, err := net.Dial("tcp", u.Host)
+		if err != nil {
+			return
 		}
-	}()
+		defer up.Close()
+		go func() { io.Copy(up, c); up.(*net.TCPConn).CloseWrite() }()
+		io.Copy(c, up)
+	})
 }

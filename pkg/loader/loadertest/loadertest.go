@@ -53,23 +53,13 @@ const TunnelMark = 0x539
 // then echoes one line, so the test sees which socket took the connection
 // and that data flows both ways.
 func Serve(t testing.TB, l net.Listener, name string) {
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				fmt.Fprintf(c, "%s %s %s\n", name, c.LocalAddr(), c.RemoteAddr())
-				line, err := bufio.NewReader(c).ReadString('\n')
-				if err == nil {
-					io.WriteString(c, "echo "+line)
-				}
-			}()
+	netnstest.ServeConns(t, l, func(c net.Conn) {
+		fmt.Fprintf(c, "%s %s %s\n", name, c.LocalAddr(), c.RemoteAddr())
+		line, err := bufio.NewReader(c).ReadString('\n')
+		if err == nil {
+			io.WriteString(c, "echo "+line)
 		}
-	}()
+	})
 }
 
 // Listen listens on addr inside the namespace at path and Serves as name.
