@@ -5,6 +5,7 @@ package e2enode
 import (
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"log"
 	"os"
@@ -39,8 +40,19 @@ var repoRoot = func() string {
 	return filepath.Join(wd, "..", "..")
 }()
 
-// TestMain stops every node on SIGINT/SIGTERM: the testing package runs no t.Cleanup then.
+// Reserves at the end of `go test -timeout`: the test's own context ends cleanupReserve
+// before it, so a stuck step fails and t.Cleanup stops the node; if that does not return
+// either, the watchdog in TestMain stops the nodes and exits watchdogReserve before it. (At
+// the timeout itself the testing package panics and runs no clean-up at all.)
+const (
+	cleanupReserve  = 2 * time.Minute
+	watchdogReserve = 45 * time.Second
+)
+
+// TestMain stops every node on SIGINT/SIGTERM (the testing package runs no t.Cleanup then)
+// and shortly before `go test -timeout` expires.
 func TestMain(m *testing.M) {
+	flag.Parse()
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
@@ -49,13 +61,35 @@ func TestMain(m *testing.M) {
 		StopAll(log.Printf)
 		os.Exit(130)
 	}()
+	if f := flag.Lookup("test.timeout"); f != nil {
+		if d, err := time.ParseDuration(f.Value.String()); err == nil && d > 2*watchdogReserve {
+			time.AfterFunc(d-watchdogReserve, func() {
+				fmt.Printf("e2enode: -timeout %v is %v away: stopping the nodes and failing\n", d, watchdogReserve)
+				StopAll(log.Printf)
+				fmt.Println("FAIL: e2enode watchdog")
+				os.Exit(1)
+			})
+		}
+	}
 	os.Exit(m.Run())
 }
 
+// testContext is t.Context() ending cleanupReserve before the test's deadline (-timeout),
+// so every command and wait given it gives up while the clean-up still has time.
+func testContext(t *testing.T) context.Context {
+	ctx := t.Context()
+	if d, ok := t.Deadline(); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, d.Add(-cleanupReserve))
+		t.Cleanup(cancel)
+	}
+	return ctx
+}
+
 // script runs one of the hack/ scripts and returns the last line of its output (a folder).
-func script(t *testing.T, name string, args ...string) string {
+func script(ctx context.Context, t *testing.T, name string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command("bash", append([]string{filepath.Join(repoRoot, "hack", name)}, args...)...)
+	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(repoRoot, "hack", name)}, args...)...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()
 	if err != nil {
@@ -73,10 +107,10 @@ func TestRealNode(t *testing.T) {
 		t.Fatal("needs root: namespaces, cgroups, containerd, kubelet")
 	}
 	start := time.Now()
-	bins := script(t, "node-binaries.sh")
-	images := script(t, "build-image.sh", filepath.Join(t.TempDir(), "images"), imageTag)
+	ctx := testContext(t)
+	bins := script(ctx, t, "node-binaries.sh")
+	images := script(ctx, t, "build-image.sh", filepath.Join(t.TempDir(), "images"), imageTag)
 	t.Logf("binaries and images ready after %v", time.Since(start).Round(time.Millisecond))
-	ctx := t.Context()
 	host := readHostState(t)
 	n, err := StartNode(ctx, t.Logf, bins, images, imageTag)
 	if err != nil {
@@ -84,13 +118,15 @@ func TestRealNode(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
 			for _, p := range []string{"kubelet", "containerd", "kube-apiserver"} {
 				t.Logf("--- end of %s log:\n%s", p, n.LogTail(p, 40))
 			}
-			if out, err := n.Kubectl(context.Background(), "get", "pods", "-A", "-o", "wide"); err == nil {
+			if out, err := n.Kubectl(ctx, "get", "pods", "-A", "-o", "wide"); err == nil {
 				t.Logf("--- pods:\n%s", out)
 			}
-			if out, err := n.Kubectl(context.Background(), "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--tail=40"); err == nil {
+			if out, err := n.Kubectl(ctx, "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--tail=40"); err == nil {
 				t.Logf("--- agent logs:\n%s", out)
 			}
 		}
@@ -131,11 +167,11 @@ func TestRealNode(t *testing.T) {
 	kubectl(t, "wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
 	kubectl(t, "create", "namespace", releaseNS)
 	redirector := filepath.Join(n.Dir, "redirector")
-	if out, err := exec.Command("go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
 		t.Fatalf("build redirector: %v: %s", err, out)
 	}
 	caDir := filepath.Join(n.Dir, "ca")
-	if out, err := exec.Command(redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
+	if out, err := exec.CommandContext(ctx, redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
 		t.Fatalf("redirector ca init: %v: %s", err, out)
 	}
 	kubectl(t, "-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
@@ -156,6 +192,10 @@ func TestRealNode(t *testing.T) {
 			port = "80"
 		}
 		req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
+		// nc gives up after 5 idle seconds; the exec itself (API server, kubelet, runtime)
+		// gets 30.
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
 		out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
 		if err != nil {
 			return "", err
@@ -195,6 +235,8 @@ func TestRealNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("helm install to agent Ready took %v", time.Since(helmStart).Round(time.Millisecond))
+	// The kubelet, the bridge plugin and the agent have all done their set-up by now.
+	checkRootNet(t, host.rootNet, "with the node and the agent running")
 
 	t.Run("CNIChained", func(t *testing.T) {
 		types := conflistTypes(t, n)

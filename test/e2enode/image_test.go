@@ -64,7 +64,7 @@ func TestImageMatchesDockerfile(t *testing.T) {
 		t.Fatalf("found only %v in the Dockerfile's COPY lines", wantFiles)
 	}
 
-	dir := script(t, "build-image.sh", t.TempDir(), "check")
+	dir := script(testContext(t), t, "build-image.sh", t.TempDir(), "check")
 	config, files := readDockerArchive(t, filepath.Join(dir, "redirector-check.tar"))
 	if !slices.Equal(config.Entrypoint, wantEntrypoint) || !slices.Equal(config.Cmd, wantCmd) || config.User != wantUser {
 		t.Errorf("image entrypoint %q cmd %q user %q; the Dockerfile says %q %q %q",

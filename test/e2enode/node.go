@@ -624,7 +624,7 @@ func (n *Node) controlPlane(ctx context.Context) error {
 	}
 	server := "https://" + nodeIP + ":443"
 	n.Config = &rest.Config{Host: server, BearerToken: n.token, TLSClientConfig: rest.TLSClientConfig{CAData: ca},
-		Dial: n.DialContext, QPS: 100, Burst: 200}
+		Dial: n.DialContext, QPS: 100, Burst: 200, Timeout: 30 * time.Second}
 	n.Client, err = kubernetes.NewForConfig(n.Config)
 	if err != nil {
 		return err
@@ -822,8 +822,13 @@ podCIDR: %q
 	return nil
 }
 
+// runTimeout bounds every kubectl and helm command (helm's own --wait takes up to 3 min).
+const runTimeout = 4 * time.Minute
+
 // Run runs a command in the node's network namespace (kubectl, helm: clients of the API).
 func (n *Node) Run(ctx context.Context, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, runTimeout)
+	defer cancel()
 	cmd := exec.CommandContext(ctx, "nsenter", append([]string{"--net=/run/netns/" + n.Name, "--", name}, args...)...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+n.Kubeconfig, "HOME="+n.Dir,
 		"HELM_CACHE_HOME="+filepath.Join(n.Dir, "helm", "cache"),
