@@ -102,8 +102,9 @@ test: deps lint gen-check build test-deps
 	done
 
 ## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm, pods meshed (root; part of test)
-# The test stops its node and exits a minute before -timeout (a panicking -timeout would run
-# no clean-up); it fails if any test is skipped. Its whole output: $(BIN)/e2e-node.log.
+# The test's steps give up 2 min before -timeout and a watchdog stops the nodes 45 s before
+# it (the testing package's -timeout panic would run no clean-up); it fails if any test is
+# skipped. Its whole output: $(BIN)/e2e-node.log.
 NODE_DEBS := containerd runc containernetworking-plugins buildah busybox-static iptables
 E2ENODE_TIMEOUT ?= 12m
 .PHONY: e2e-node
@@ -111,6 +112,7 @@ e2e-node:
 	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) $(NODE_DEBS)"
 	@bash hack/node-binaries.sh >/dev/null
 	@mkdir -p $(BIN)
+	$(GO) vet -tags e2enode ./test/e2enode/
 	@set -o pipefail; $(GO) test -tags e2enode -count=1 -v -timeout $(E2ENODE_TIMEOUT) ./test/e2enode/ 2>&1 | tee $(BIN)/e2e-node.log \
 		| grep -E '^(=== RUN|\s*--- |ok|FAIL|panic|e2enode:)|_test.go:[0-9]+:' \
 		|| { echo "e2e-node failed; the failures in full (all output: $(BIN)/e2e-node.log):"; grep -B2 -A80 -- '--- FAIL' $(BIN)/e2e-node.log | head -400; exit 1; }
