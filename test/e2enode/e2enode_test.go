@@ -16,6 +16,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -71,7 +72,11 @@ func TestMain(m *testing.M) {
 			})
 		}
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	if inputsDir != "" {
+		_ = os.RemoveAll(inputsDir)
+	}
+	os.Exit(code)
 }
 
 // testContext is t.Context() ending cleanupReserve before the test's deadline (-timeout),
@@ -89,14 +94,22 @@ func testContext(t *testing.T) context.Context {
 // script runs one of the hack/ scripts and returns the last line of its output (a folder).
 func script(ctx context.Context, t *testing.T, name string, args ...string) string {
 	t.Helper()
+	dir, err := scriptErr(ctx, name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func scriptErr(ctx context.Context, name string, args ...string) (string, error) {
 	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(repoRoot, "hack", name)}, args...)...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("%s: %v", name, err)
+		return "", fmt.Errorf("%s: %w", name, err)
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	return lines[len(lines)-1]
+	return lines[len(lines)-1], nil
 }
 
 // TestRealNode installs the chart on a real kubelet + containerd node and checks the mesh
@@ -108,8 +121,7 @@ func TestRealNode(t *testing.T) {
 	}
 	start := time.Now()
 	ctx := testContext(t)
-	bins := script(ctx, t, "node-binaries.sh")
-	images := script(ctx, t, "build-image.sh", filepath.Join(t.TempDir(), "images"), imageTag)
+	bins, images := nodeInputs(ctx, t)
 	t.Logf("binaries and images ready after %v", time.Since(start).Round(time.Millisecond))
 	host := readHostState(t)
 	n, err := StartNode(ctx, t.Logf, bins, images, imageTag)
@@ -118,22 +130,9 @@ func TestRealNode(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			defer cancel()
-			for _, p := range []string{"kubelet", "containerd", "kube-apiserver"} {
-				t.Logf("--- end of %s log:\n%s", p, n.LogTail(p, 40))
-			}
-			if out, err := n.Kubectl(ctx, "get", "pods", "-A", "-o", "wide"); err == nil {
-				t.Logf("--- pods:\n%s", out)
-			}
-			if out, err := n.Kubectl(ctx, "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--tail=40"); err == nil {
-				t.Logf("--- agent logs:\n%s", out)
-			}
+			dumpNode(t, n)
 		}
-		if d, err := time.ParseDuration(os.Getenv("E2ENODE_HOLD")); err == nil && t.Failed() {
-			t.Logf("E2ENODE_HOLD: node %s kept for %v; KUBECONFIG=%s, ip netns exec %s ...", n.Name, d, n.Kubeconfig, n.Name)
-			time.Sleep(d)
-		}
+		holdOnFailure(t, n)
 		if err := n.Stop(t.Logf); err != nil {
 			t.Errorf("stop node: %v", err)
 		}
@@ -143,69 +142,22 @@ func TestRealNode(t *testing.T) {
 
 	kubectl := func(t *testing.T, args ...string) string {
 		t.Helper()
-		out, err := n.Kubectl(ctx, args...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return out
+		return mustKubectl(ctx, t, n, args...)
 	}
 	apply := func(t *testing.T, name, manifest string) {
 		t.Helper()
-		f := filepath.Join(n.Dir, name+".yaml")
-		if err := os.WriteFile(f, []byte(manifest), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		kubectl(t, "apply", "-f", f)
+		mustApply(ctx, t, n, name, manifest)
 	}
 
-	// What a user has before installing: Istio's policy CRDs (for STRICT), the release
-	// namespace with the file CA of the standalone profile, a namespace in the mesh with a pod
-	// already running, and a namespace outside it.
-	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
-		kubectl(t, "apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
-	}
-	kubectl(t, "wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
-	kubectl(t, "create", "namespace", releaseNS)
-	redirector := filepath.Join(n.Dir, "redirector")
-	if out, err := exec.CommandContext(ctx, "go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
-		t.Fatalf("build redirector: %v: %s", err, out)
-	}
-	caDir := filepath.Join(n.Dir, "ca")
-	if out, err := exec.CommandContext(ctx, redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
-		t.Fatalf("redirector ca init: %v: %s", err, out)
-	}
-	kubectl(t, "-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
-	kubectl(t, "create", "namespace", meshNS)
-	kubectl(t, "label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
-	kubectl(t, "create", "namespace", outsideNS)
+	// What a user has before installing, and a pod in the mesh's namespace already running.
+	prepareCluster(ctx, t, n)
 	apply(t, "early", serverPod(meshNS, "early", nil))
 	apply(t, "outsider", clientPod(outsideNS, "outsider", nil))
 	waitReady(t, n, meshNS, "early")
 	waitReady(t, n, outsideNS, "outsider")
 
-	// wget fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
-	// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
-	wget := func(ns, pod, url string) (string, error) {
-		hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
-		host, port, ok := strings.Cut(hostport, ":")
-		if !ok {
-			port = "80"
-		}
-		req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
-		// nc gives up after 5 idle seconds; the exec itself (API server, kubelet, runtime)
-		// gets 30.
-		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		defer cancel()
-		out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
-		if err != nil {
-			return "", err
-		}
-		status, body, ok := strings.Cut(out, "\r\n\r\n")
-		if !ok || !strings.Contains(status, " 200 ") {
-			return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
-		}
-		return body, nil
-	}
+	// wget fetches url from inside a pod (podGet).
+	wget := func(ns, pod, url string) (string, error) { return podGet(ctx, n, ns, pod, url) }
 
 	// The node's own pod network, before any mesh: plain HTTP between two pods.
 	if _, err := wget(outsideNS, "outsider", "http://"+podIP(t, n, meshNS, "early")+":8080/"); err != nil {
@@ -218,13 +170,7 @@ func TestRealNode(t *testing.T) {
 	// The chart exactly as it renders: unprivileged agent and node-setup containers. (They
 	// once needed to be privileged here: the agent wrote the pods' sysctls through its own
 	// /proc/sys, which the runtime mounts read-only; it now writes them through PROC_DIR.)
-	var helmFix []string
-	if out, err := n.Helm(ctx, append([]string{"install", release, chart, "-n", releaseNS,
-		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
-		"--set", "image.repository=localhost/redirector", "--set", "image.tag=" + imageTag,
-		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"}, helmFix...)...); err != nil {
-		t.Fatalf("helm install: %v\n%s", err, out)
-	}
+	helmInstall(ctx, t, n)
 	// helm --wait and the agent pod's readiness agree (surge rollout, maxUnavailable 0).
 	if err := waitFor(ctx, podTimeout, "agent pod Ready", func() error {
 		if agentPodOrEmpty(n) == "" {
@@ -426,8 +372,8 @@ func TestRealNode(t *testing.T) {
 				}
 			}
 		}()
-		out, err := n.Helm(ctx, append([]string{"upgrade", release, chart, "-n", releaseNS, "--reuse-values",
-			"--set", "image.tag=" + imageTag + "-next", "--wait", "--timeout=3m"}, helmFix...)...)
+		out, err := n.Helm(ctx, "upgrade", release, chart, "-n", releaseNS, "--reuse-values",
+			"--set", "image.tag="+imageTag+"-next", "--wait", "--timeout=3m")
 		if err == nil {
 			err = waitFor(ctx, podTimeout, "the upgraded agent alone", func() error {
 				pods, err := n.Client.CoreV1().Pods(releaseNS).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=redirector,app.kubernetes.io/instance=" + release})
@@ -542,6 +488,145 @@ func TestRealNode(t *testing.T) {
 			t.Errorf("after uninstall the sniffer saw the plaintext marker %d times and %d HBONE frames; want some and none", hits, ports[15008])
 		}
 	})
+}
+
+// nodeInputs builds (once per test binary) the node's binaries and the images.
+func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
+	t.Helper()
+	inputsOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "e2enode-images-")
+		if err != nil {
+			inputsErr = err
+			return
+		}
+		inputsDir = dir
+		if inputs.bins, inputsErr = scriptErr(ctx, "node-binaries.sh"); inputsErr != nil {
+			return
+		}
+		inputs.images, inputsErr = scriptErr(ctx, "build-image.sh", filepath.Join(dir, "images"), imageTag)
+	})
+	if inputsErr != nil {
+		t.Fatal(inputsErr)
+	}
+	return inputs.bins, inputs.images
+}
+
+var (
+	inputsOnce sync.Once
+	inputs     struct{ bins, images string }
+	inputsDir  string // removed by TestMain
+	inputsErr  error
+)
+
+// dumpNode logs what shows why a test on n failed: the daemons' logs, the pods, the agents'.
+func dumpNode(t *testing.T, n *Node) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	procs := []string{"kubelet", "containerd"}
+	if n.control == nil {
+		procs = append(procs, "kube-apiserver")
+		if out, err := n.Kubectl(ctx, "get", "pods", "-A", "-o", "wide"); err == nil {
+			t.Logf("--- pods:\n%s", out)
+		}
+		if out, err := n.Kubectl(ctx, "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--prefix", "--tail=40"); err == nil {
+			t.Logf("--- agent logs:\n%s", out)
+		}
+	}
+	for _, p := range procs {
+		t.Logf("--- end of %s's %s log:\n%s", n.Name, p, n.LogTail(p, 40))
+	}
+}
+
+// holdOnFailure keeps a failed test's node for a look, as E2ENODE_HOLD says.
+func holdOnFailure(t *testing.T, n *Node) {
+	if d, err := time.ParseDuration(os.Getenv("E2ENODE_HOLD")); err == nil && t.Failed() {
+		t.Logf("E2ENODE_HOLD: node %s kept for %v; KUBECONFIG=%s, ip netns exec %s ...", n.Name, d, n.Kubeconfig, n.Name)
+		time.Sleep(d)
+	}
+}
+
+func mustKubectl(ctx context.Context, t *testing.T, n *Node, args ...string) string {
+	t.Helper()
+	out, err := n.Kubectl(ctx, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func mustApply(ctx context.Context, t *testing.T, n *Node, name, manifest string) {
+	t.Helper()
+	f := filepath.Join(n.Dir, name+".yaml")
+	if err := os.WriteFile(f, []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mustKubectl(ctx, t, n, "apply", "-f", f)
+}
+
+// prepareCluster makes what a user has before installing: Istio's policy CRDs (for STRICT),
+// the release namespace with the file CA of the standalone profile, a namespace in the mesh
+// and a namespace outside it.
+func prepareCluster(ctx context.Context, t *testing.T, n *Node) {
+	t.Helper()
+	kubectl := func(args ...string) { mustKubectl(ctx, t, n, args...) }
+	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
+		kubectl("apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
+	}
+	kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
+	kubectl("create", "namespace", releaseNS)
+	redirector := filepath.Join(n.Dir, "redirector")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
+		t.Fatalf("build redirector: %v: %s", err, out)
+	}
+	caDir := filepath.Join(n.Dir, "ca")
+	if out, err := exec.CommandContext(ctx, redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
+		t.Fatalf("redirector ca init: %v: %s", err, out)
+	}
+	kubectl("-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
+	kubectl("create", "namespace", meshNS)
+	kubectl("label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
+	kubectl("create", "namespace", outsideNS)
+}
+
+// helmInstall installs the chart as a user does: the standalone profile, STRICT mTLS, the
+// locally built image, and waits for it.
+func helmInstall(ctx context.Context, t *testing.T, n *Node) {
+	t.Helper()
+	chart := filepath.Join(repoRoot, "manifests", "charts", "redirector")
+	if out, err := n.Helm(ctx, "install", release, chart, "-n", releaseNS,
+		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
+		"--set", "image.repository=localhost/redirector", "--set", "image.tag="+imageTag,
+		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
+		t.Fatalf("helm install: %v\n%s", err, out)
+	}
+}
+
+// podGet fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
+// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
+func podGet(ctx context.Context, n *Node, ns, pod, url string) (string, error) {
+	hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
+	host, port, ok := strings.Cut(hostport, ":")
+	if !ok {
+		port = "80"
+	}
+	req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
+	// nc gives up after 5 idle seconds; the exec itself (API server, kubelet, runtime) gets 30.
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
+	if err != nil {
+		return "", err
+	}
+	status, body, ok := strings.Cut(out, "\r\n\r\n")
+	if !ok || !strings.Contains(status, " 200 ") {
+		return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
+	}
+	return body, nil
+}
+
+// onNode puts a pod on a given node (no scheduling).
+func onNode(pod, node string) string {
+	return strings.Replace(pod, "\nspec:\n", "\nspec:\n  nodeName: "+node+"\n", 1)
 }
 
 // startupTime measures apply -> Ready of a pod in and out of the mesh, median of 10 each.
