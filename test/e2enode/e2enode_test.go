@@ -60,6 +60,7 @@ func TestMain(m *testing.M) {
 		s := <-sig
 		log.Printf("e2enode: %v: stopping the nodes", s)
 		StopAll(log.Printf)
+		removeInputs()
 		os.Exit(130)
 	}()
 	if f := flag.Lookup("test.timeout"); f != nil {
@@ -67,15 +68,14 @@ func TestMain(m *testing.M) {
 			time.AfterFunc(d-watchdogReserve, func() {
 				fmt.Printf("e2enode: -timeout %v is %v away: stopping the nodes and failing\n", d, watchdogReserve)
 				StopAll(log.Printf)
+				removeInputs()
 				fmt.Println("FAIL: e2enode watchdog")
 				os.Exit(1)
 			})
 		}
 	}
 	code := m.Run()
-	if inputsDir != "" {
-		_ = os.RemoveAll(inputsDir)
-	}
+	removeInputs()
 	os.Exit(code)
 }
 
@@ -499,7 +499,9 @@ func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
 			inputsErr = err
 			return
 		}
+		inputsMu.Lock()
 		inputsDir = dir
+		inputsMu.Unlock()
 		if inputs.bins, inputsErr = scriptErr(ctx, "node-binaries.sh"); inputsErr != nil {
 			return
 		}
@@ -514,9 +516,20 @@ func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
 var (
 	inputsOnce sync.Once
 	inputs     struct{ bins, images string }
+	inputsMu   sync.Mutex
 	inputsDir  string // removed by TestMain
 	inputsErr  error
 )
+
+// removeInputs removes the images' folder (at the end, on a signal, from the watchdog).
+func removeInputs() {
+	inputsMu.Lock()
+	defer inputsMu.Unlock()
+	if inputsDir != "" {
+		_ = os.RemoveAll(inputsDir)
+		inputsDir = ""
+	}
+}
 
 // dumpNode logs what shows why a test on n failed: the daemons' logs, the pods, the agents'.
 func dumpNode(t *testing.T, n *Node) {
