@@ -67,16 +67,17 @@ RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/.
 test-race:
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)
 
-## test-deps: build the test kube-apiserver/etcd, istiod, istioctl, h2spec and the reference CNI plugins (cached by content hash)
+## test-deps: build the test kube-apiserver/etcd, istiod, istioctl, h2spec, the reference CNI plugins and the real node's kubelet, controller-manager, scheduler, kubectl and helm (cached by content hash; installs the node's Debian packages)
 .PHONY: test-deps
 test-deps:
 	@bash hack/k8s-binaries.sh >/dev/null
+	@bash hack/node-binaries.sh >/dev/null
 	@bash hack/cni-plugins.sh >/dev/null
 	@bash hack/istio-binaries.sh >/dev/null
 	@bash hack/istio-binaries.sh istioctl >/dev/null
 	@bash hack/h2spec.sh >/dev/null
 
-## test: everything CI runs, as root: lint, gen-check, all tests (privileged and e2e), short fuzzing
+## test: everything CI runs, as root: lint, gen-check, all tests (privileged, e2e and the real node), short fuzzing
 .PHONY: test
 test: deps lint gen-check build test-deps
 	@mkdir -p $(BIN); : > $(BIN)/test.log
@@ -88,6 +89,7 @@ test: deps lint gen-check build test-deps
 	@if grep -q -- '--- SKIP' $(BIN)/test.log; then echo "tests were skipped; CI must run every test:"; grep -- '--- SKIP' $(BIN)/test.log; exit 1; fi
 	@echo "tests run: $$(grep -c -- '--- PASS' $(BIN)/test.log) passed, 0 skipped"
 	@echo "== go test -race"; $(MAKE) --no-print-directory test-race
+	@echo "== make e2e-node"; $(MAKE) --no-print-directory e2e-node
 	cd test/cniplugins && $(GO) vet ./...
 	cd manifests && $(GO) vet ./...
 	cd bench && $(GO) vet ./...
@@ -99,12 +101,23 @@ test: deps lint gen-check build test-deps
 		done; \
 	done
 
-## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm, pods meshed (root; not part of test)
+## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm, pods meshed (root; part of test)
+# The test's steps give up 2 min before -timeout and a watchdog stops the nodes 45 s before
+# it (the testing package's -timeout panic would run no clean-up); it fails if any test is
+# skipped. Its whole output: $(BIN)/e2e-node.log.
+NODE_DEBS := containerd runc containernetworking-plugins buildah busybox-static iptables
+E2ENODE_TIMEOUT ?= 12m
 .PHONY: e2e-node
 e2e-node:
-	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) containerd runc containernetworking-plugins buildah busybox-static iptables"
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) $(NODE_DEBS)"
 	@bash hack/node-binaries.sh >/dev/null
-	$(GO) test -tags e2enode -count=1 -v -timeout 20m ./test/e2enode/
+	@mkdir -p $(BIN)
+	$(GO) vet -tags e2enode ./test/e2enode/
+	@set -o pipefail; $(GO) test -tags e2enode -count=1 -v -timeout $(E2ENODE_TIMEOUT) ./test/e2enode/ 2>&1 | tee $(BIN)/e2e-node.log \
+		| grep -E '^(=== RUN|\s*--- |ok|FAIL|panic|e2enode:)|_test.go:[0-9]+:' \
+		|| { echo "e2e-node failed; the failures in full (all output: $(BIN)/e2e-node.log):"; grep -B2 -A80 -- '--- FAIL' $(BIN)/e2e-node.log | head -400; exit 1; }
+	@if grep -q -- '--- SKIP' $(BIN)/e2e-node.log; then echo "e2e-node tests were skipped; CI must run every test:"; grep -- '--- SKIP' $(BIN)/e2e-node.log; exit 1; fi
+	@echo "e2e-node: $$(grep -c -- '--- PASS' $(BIN)/e2e-node.log) passed, 0 skipped"
 
 ## clean: remove build output
 .PHONY: clean

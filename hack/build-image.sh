@@ -94,8 +94,8 @@ commit() {
 rootfs="$work/redirector"
 busybox_root "$rootfs"
 # jq and curl, and GNU stat, cmp and mount as on Debian (in /usr/bin, before busybox on PATH),
-# busybox stat names no bpffs ("UNKNOWN" for %T), so redirector-node would mount a second
-# bpffs over the first on every agent restart.
+# so the image's tools are the Dockerfile's. (busybox stat names no bpffs, "UNKNOWN" for %T:
+# redirector-node compares the magic number for that reason.)
 with_libs "$rootfs" /usr/bin/jq /usr/bin/curl /usr/bin/stat /usr/bin/cmp /usr/bin/mount /bin/dash
 # /bin/sh is dash, as on Debian: Debian's static busybox sh runs its own applets before PATH,
 # which would bring busybox stat back.

@@ -533,6 +533,70 @@ func TestNodeScriptMountBPFFS(t *testing.T) {
 	}
 }
 
+// TestNodeScriptMountBPFFSBusyboxStat is TestNodeScriptMountBPFFS with busybox's stat, as an
+// image with a busybox base has: it names no bpffs (%T prints UNKNOWN), so a script that
+// compared the name mounted a second bpffs over the first on every agent restart, and
+// `redirector uninstall` then cleaned only one of them (found by test/e2enode). The script
+// compares the magic number, which every stat prints alike.
+func TestNodeScriptMountBPFFSBusyboxStat(t *testing.T) {
+	busybox, err := exec.LookPath("busybox")
+	if err != nil {
+		t.Skipf("needs busybox (Debian busybox-static; make test installs it): %v", err)
+	}
+	n := newNodeEnv(t)
+	bin := t.TempDir()
+	if err := os.Symlink(busybox, filepath.Join(bin, "stat")); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	n.env["BPF_MOUNT"] = dir
+	mountBPFFS := func() *exec.Cmd {
+		cmd := n.command("mount-bpffs")
+		for i, e := range cmd.Env {
+			if strings.HasPrefix(e, "PATH=") {
+				cmd.Env[i] = "PATH=" + bin + ":" + strings.TrimPrefix(e, "PATH=")
+			}
+		}
+		return cmd
+	}
+	if out, err := exec.Command(filepath.Join(bin, "stat"), "--help").CombinedOutput(); !strings.Contains(string(out), "BusyBox") {
+		t.Fatalf("%s is not busybox's stat (%v): %s", filepath.Join(bin, "stat"), err, out)
+	}
+	mounts := func() int {
+		b, err := os.ReadFile("/proc/self/mountinfo")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := 0
+		for _, line := range strings.Split(string(b), "\n") {
+			if f := strings.Fields(line); len(f) > 4 && f[4] == dir {
+				c++
+			}
+		}
+		return c
+	}
+	t.Cleanup(func() {
+		for range mounts() {
+			_ = unix.Unmount(dir, 0)
+		}
+	})
+	for i := range 2 {
+		out, err := mountBPFFS().CombinedOutput()
+		if err != nil {
+			if os.Geteuid() != 0 {
+				t.Skipf("mounting needs root:\n%s", out)
+			}
+			t.Fatalf("mount-bpffs run %d: %v\n%s", i+1, err, out)
+		}
+		if i == 1 && !strings.Contains(string(out), "already mounted") {
+			t.Errorf("second run with busybox stat did not find the bpffs:\n%s", out)
+		}
+	}
+	if got := mounts(); got != 1 {
+		t.Errorf("%d mounts on %s after two runs with busybox stat, want 1", got, dir)
+	}
+}
+
 func TestNodeScriptUsage(t *testing.T) {
 	n := newNodeEnv(t)
 	out, code := n.run("frobnicate")

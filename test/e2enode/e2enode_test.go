@@ -5,6 +5,7 @@ package e2enode
 import (
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"log"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -39,30 +41,75 @@ var repoRoot = func() string {
 	return filepath.Join(wd, "..", "..")
 }()
 
-// TestMain stops every node on SIGINT/SIGTERM: the testing package runs no t.Cleanup then.
+// Reserves at the end of `go test -timeout`: the test's own context ends cleanupReserve
+// before it, so a stuck step fails and t.Cleanup stops the node; if that does not return
+// either, the watchdog in TestMain stops the nodes and exits watchdogReserve before it. (At
+// the timeout itself the testing package panics and runs no clean-up at all.)
+const (
+	cleanupReserve  = 2 * time.Minute
+	watchdogReserve = 45 * time.Second
+)
+
+// TestMain stops every node on SIGINT/SIGTERM (the testing package runs no t.Cleanup then)
+// and shortly before `go test -timeout` expires.
 func TestMain(m *testing.M) {
+	flag.Parse()
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
 		s := <-sig
 		log.Printf("e2enode: %v: stopping the nodes", s)
 		StopAll(log.Printf)
+		removeInputs()
 		os.Exit(130)
 	}()
-	os.Exit(m.Run())
+	if f := flag.Lookup("test.timeout"); f != nil {
+		if d, err := time.ParseDuration(f.Value.String()); err == nil && d > 2*watchdogReserve {
+			time.AfterFunc(d-watchdogReserve, func() {
+				fmt.Printf("e2enode: -timeout %v is %v away: stopping the nodes and failing\n", d, watchdogReserve)
+				StopAll(log.Printf)
+				removeInputs()
+				fmt.Println("FAIL: e2enode watchdog")
+				os.Exit(1)
+			})
+		}
+	}
+	code := m.Run()
+	removeInputs()
+	os.Exit(code)
+}
+
+// testContext is t.Context() ending cleanupReserve before the test's deadline (-timeout),
+// so every command and wait given it gives up while the clean-up still has time.
+func testContext(t *testing.T) context.Context {
+	ctx := t.Context()
+	if d, ok := t.Deadline(); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, d.Add(-cleanupReserve))
+		t.Cleanup(cancel)
+	}
+	return ctx
 }
 
 // script runs one of the hack/ scripts and returns the last line of its output (a folder).
-func script(t *testing.T, name string, args ...string) string {
+func script(ctx context.Context, t *testing.T, name string, args ...string) string {
 	t.Helper()
-	cmd := exec.Command("bash", append([]string{filepath.Join(repoRoot, "hack", name)}, args...)...)
+	dir, err := scriptErr(ctx, name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func scriptErr(ctx context.Context, name string, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(repoRoot, "hack", name)}, args...)...)
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("%s: %v", name, err)
+		return "", fmt.Errorf("%s: %w", name, err)
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
-	return lines[len(lines)-1]
+	return lines[len(lines)-1], nil
 }
 
 // TestRealNode installs the chart on a real kubelet + containerd node and checks the mesh
@@ -73,10 +120,9 @@ func TestRealNode(t *testing.T) {
 		t.Fatal("needs root: namespaces, cgroups, containerd, kubelet")
 	}
 	start := time.Now()
-	bins := script(t, "node-binaries.sh")
-	images := script(t, "build-image.sh", filepath.Join(t.TempDir(), "images"), imageTag)
+	ctx := testContext(t)
+	bins, images := nodeInputs(ctx, t)
 	t.Logf("binaries and images ready after %v", time.Since(start).Round(time.Millisecond))
-	ctx := t.Context()
 	host := readHostState(t)
 	n, err := StartNode(ctx, t.Logf, bins, images, imageTag)
 	if err != nil {
@@ -84,20 +130,9 @@ func TestRealNode(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if t.Failed() {
-			for _, p := range []string{"kubelet", "containerd", "kube-apiserver"} {
-				t.Logf("--- end of %s log:\n%s", p, n.LogTail(p, 40))
-			}
-			if out, err := n.Kubectl(context.Background(), "get", "pods", "-A", "-o", "wide"); err == nil {
-				t.Logf("--- pods:\n%s", out)
-			}
-			if out, err := n.Kubectl(context.Background(), "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--tail=40"); err == nil {
-				t.Logf("--- agent logs:\n%s", out)
-			}
+			dumpNode(t, n)
 		}
-		if d, err := time.ParseDuration(os.Getenv("E2ENODE_HOLD")); err == nil && t.Failed() {
-			t.Logf("E2ENODE_HOLD: node %s kept for %v; KUBECONFIG=%s, ip netns exec %s ...", n.Name, d, n.Kubeconfig, n.Name)
-			time.Sleep(d)
-		}
+		holdOnFailure(t, n)
 		if err := n.Stop(t.Logf); err != nil {
 			t.Errorf("stop node: %v", err)
 		}
@@ -107,65 +142,22 @@ func TestRealNode(t *testing.T) {
 
 	kubectl := func(t *testing.T, args ...string) string {
 		t.Helper()
-		out, err := n.Kubectl(ctx, args...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return out
+		return mustKubectl(ctx, t, n, args...)
 	}
 	apply := func(t *testing.T, name, manifest string) {
 		t.Helper()
-		f := filepath.Join(n.Dir, name+".yaml")
-		if err := os.WriteFile(f, []byte(manifest), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		kubectl(t, "apply", "-f", f)
+		mustApply(ctx, t, n, name, manifest)
 	}
 
-	// What a user has before installing: Istio's policy CRDs (for STRICT), the release
-	// namespace with the file CA of the standalone profile, a namespace in the mesh with a pod
-	// already running, and a namespace outside it.
-	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
-		kubectl(t, "apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
-	}
-	kubectl(t, "wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
-	kubectl(t, "create", "namespace", releaseNS)
-	redirector := filepath.Join(n.Dir, "redirector")
-	if out, err := exec.Command("go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
-		t.Fatalf("build redirector: %v: %s", err, out)
-	}
-	caDir := filepath.Join(n.Dir, "ca")
-	if out, err := exec.Command(redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
-		t.Fatalf("redirector ca init: %v: %s", err, out)
-	}
-	kubectl(t, "-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
-	kubectl(t, "create", "namespace", meshNS)
-	kubectl(t, "label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
-	kubectl(t, "create", "namespace", outsideNS)
+	// What a user has before installing, and a pod in the mesh's namespace already running.
+	prepareCluster(ctx, t, n)
 	apply(t, "early", serverPod(meshNS, "early", nil))
 	apply(t, "outsider", clientPod(outsideNS, "outsider", nil))
 	waitReady(t, n, meshNS, "early")
 	waitReady(t, n, outsideNS, "outsider")
 
-	// wget fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
-	// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
-	wget := func(ns, pod, url string) (string, error) {
-		hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
-		host, port, ok := strings.Cut(hostport, ":")
-		if !ok {
-			port = "80"
-		}
-		req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
-		out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
-		if err != nil {
-			return "", err
-		}
-		status, body, ok := strings.Cut(out, "\r\n\r\n")
-		if !ok || !strings.Contains(status, " 200 ") {
-			return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
-		}
-		return body, nil
-	}
+	// wget fetches url from inside a pod (podGet).
+	wget := func(ns, pod, url string) (string, error) { return podGet(ctx, n, ns, pod, url) }
 
 	// The node's own pod network, before any mesh: plain HTTP between two pods.
 	if _, err := wget(outsideNS, "outsider", "http://"+podIP(t, n, meshNS, "early")+":8080/"); err != nil {
@@ -178,13 +170,7 @@ func TestRealNode(t *testing.T) {
 	// The chart exactly as it renders: unprivileged agent and node-setup containers. (They
 	// once needed to be privileged here: the agent wrote the pods' sysctls through its own
 	// /proc/sys, which the runtime mounts read-only; it now writes them through PROC_DIR.)
-	var helmFix []string
-	if out, err := n.Helm(ctx, append([]string{"install", release, chart, "-n", releaseNS,
-		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
-		"--set", "image.repository=localhost/redirector", "--set", "image.tag=" + imageTag,
-		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"}, helmFix...)...); err != nil {
-		t.Fatalf("helm install: %v\n%s", err, out)
-	}
+	helmInstall(ctx, t, n)
 	// helm --wait and the agent pod's readiness agree (surge rollout, maxUnavailable 0).
 	if err := waitFor(ctx, podTimeout, "agent pod Ready", func() error {
 		if agentPodOrEmpty(n) == "" {
@@ -195,6 +181,8 @@ func TestRealNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("helm install to agent Ready took %v", time.Since(helmStart).Round(time.Millisecond))
+	// The kubelet, the bridge plugin and the agent have all done their set-up by now.
+	checkRootNet(t, host.rootNet, "with the node and the agent running")
 
 	t.Run("CNIChained", func(t *testing.T) {
 		types := conflistTypes(t, n)
@@ -384,8 +372,8 @@ func TestRealNode(t *testing.T) {
 				}
 			}
 		}()
-		out, err := n.Helm(ctx, append([]string{"upgrade", release, chart, "-n", releaseNS, "--reuse-values",
-			"--set", "image.tag=" + imageTag + "-next", "--wait", "--timeout=3m"}, helmFix...)...)
+		out, err := n.Helm(ctx, "upgrade", release, chart, "-n", releaseNS, "--reuse-values",
+			"--set", "image.tag="+imageTag+"-next", "--wait", "--timeout=3m")
 		if err == nil {
 			err = waitFor(ctx, podTimeout, "the upgraded agent alone", func() error {
 				pods, err := n.Client.CoreV1().Pods(releaseNS).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=redirector,app.kubernetes.io/instance=" + release})
@@ -500,6 +488,158 @@ func TestRealNode(t *testing.T) {
 			t.Errorf("after uninstall the sniffer saw the plaintext marker %d times and %d HBONE frames; want some and none", hits, ports[15008])
 		}
 	})
+}
+
+// nodeInputs builds (once per test binary) the node's binaries and the images.
+func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
+	t.Helper()
+	inputsOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "e2enode-images-")
+		if err != nil {
+			inputsErr = err
+			return
+		}
+		inputsMu.Lock()
+		inputsDir = dir
+		inputsMu.Unlock()
+		if inputs.bins, inputsErr = scriptErr(ctx, "node-binaries.sh"); inputsErr != nil {
+			return
+		}
+		inputs.images, inputsErr = scriptErr(ctx, "build-image.sh", filepath.Join(dir, "images"), imageTag)
+	})
+	if inputsErr != nil {
+		t.Fatal(inputsErr)
+	}
+	return inputs.bins, inputs.images
+}
+
+var (
+	inputsOnce sync.Once
+	inputs     struct{ bins, images string }
+	inputsMu   sync.Mutex
+	inputsDir  string // removed by TestMain
+	inputsErr  error
+)
+
+// removeInputs removes the images' folder (at the end, on a signal, from the watchdog).
+func removeInputs() {
+	inputsMu.Lock()
+	defer inputsMu.Unlock()
+	if inputsDir != "" {
+		_ = os.RemoveAll(inputsDir)
+		inputsDir = ""
+	}
+}
+
+// dumpNode logs what shows why a test on n failed: the daemons' logs, the pods, the agents'.
+func dumpNode(t *testing.T, n *Node) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	procs := []string{"kubelet", "containerd"}
+	if n.control == nil {
+		procs = append(procs, "kube-apiserver")
+		if out, err := n.Kubectl(ctx, "get", "pods", "-A", "-o", "wide"); err == nil {
+			t.Logf("--- pods:\n%s", out)
+		}
+		if out, err := n.Kubectl(ctx, "-n", releaseNS, "logs", "-l", "app.kubernetes.io/name=redirector", "--all-containers", "--prefix", "--tail=40"); err == nil {
+			t.Logf("--- agent logs:\n%s", out)
+		}
+	}
+	for _, p := range procs {
+		t.Logf("--- end of %s's %s log:\n%s", n.Name, p, n.LogTail(p, 40))
+	}
+}
+
+// holdOnFailure keeps a failed test's node for a look, as E2ENODE_HOLD says.
+func holdOnFailure(t *testing.T, n *Node) {
+	if d, err := time.ParseDuration(os.Getenv("E2ENODE_HOLD")); err == nil && t.Failed() {
+		t.Logf("E2ENODE_HOLD: node %s kept for %v; KUBECONFIG=%s, ip netns exec %s ...", n.Name, d, n.Kubeconfig, n.Name)
+		time.Sleep(d)
+	}
+}
+
+func mustKubectl(ctx context.Context, t *testing.T, n *Node, args ...string) string {
+	t.Helper()
+	out, err := n.Kubectl(ctx, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func mustApply(ctx context.Context, t *testing.T, n *Node, name, manifest string) {
+	t.Helper()
+	f := filepath.Join(n.Dir, name+".yaml")
+	if err := os.WriteFile(f, []byte(manifest), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mustKubectl(ctx, t, n, "apply", "-f", f)
+}
+
+// prepareCluster makes what a user has before installing: Istio's policy CRDs (for STRICT),
+// the release namespace with the file CA of the standalone profile, a namespace in the mesh
+// and a namespace outside it.
+func prepareCluster(ctx context.Context, t *testing.T, n *Node) {
+	t.Helper()
+	kubectl := func(args ...string) { mustKubectl(ctx, t, n, args...) }
+	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
+		kubectl("apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
+	}
+	kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
+	kubectl("create", "namespace", releaseNS)
+	redirector := filepath.Join(n.Dir, "redirector")
+	if out, err := exec.CommandContext(ctx, "go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {
+		t.Fatalf("build redirector: %v: %s", err, out)
+	}
+	caDir := filepath.Join(n.Dir, "ca")
+	if out, err := exec.CommandContext(ctx, redirector, "ca", "init", "--dir", caDir, "--trust-domain", "cluster.local").CombinedOutput(); err != nil {
+		t.Fatalf("redirector ca init: %v: %s", err, out)
+	}
+	kubectl("-n", releaseNS, "create", "secret", "generic", "redirector-ca", "--from-file="+caDir)
+	kubectl("create", "namespace", meshNS)
+	kubectl("label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
+	kubectl("create", "namespace", outsideNS)
+}
+
+// helmInstall installs the chart as a user does: the standalone profile, STRICT mTLS, the
+// locally built image, and waits for it.
+func helmInstall(ctx context.Context, t *testing.T, n *Node) {
+	t.Helper()
+	chart := filepath.Join(repoRoot, "manifests", "charts", "redirector")
+	if out, err := n.Helm(ctx, "install", release, chart, "-n", releaseNS,
+		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
+		"--set", "image.repository=localhost/redirector", "--set", "image.tag="+imageTag,
+		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
+		t.Fatalf("helm install: %v\n%s", err, out)
+	}
+}
+
+// podGet fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through
+// busybox nc: Debian's static busybox wget crashes in glibc's static getaddrinfo.
+func podGet(ctx context.Context, n *Node, ns, pod, url string) (string, error) {
+	hostport, path, _ := strings.Cut(strings.TrimPrefix(url, "http://"), "/")
+	host, port, ok := strings.Cut(hostport, ":")
+	if !ok {
+		port = "80"
+	}
+	req := fmt.Sprintf(`printf 'GET /%s HTTP/1.0\r\nHost: %s\r\n\r\n' | nc -w 5 %s %s`, path, host, host, port)
+	// nc gives up after 5 idle seconds; the exec itself (API server, kubelet, runtime) gets 30.
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out, err := n.Kubectl(ctx, "-n", ns, "exec", pod, "--", "sh", "-c", req)
+	if err != nil {
+		return "", err
+	}
+	status, body, ok := strings.Cut(out, "\r\n\r\n")
+	if !ok || !strings.Contains(status, " 200 ") {
+		return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
+	}
+	return body, nil
+}
+
+// onNode puts a pod on a given node (no scheduling).
+func onNode(pod, node string) string {
+	return strings.Replace(pod, "\nspec:\n", "\nspec:\n  nodeName: "+node+"\n", 1)
 }
 
 // startupTime measures apply -> Ready of a pod in and out of the mesh, median of 10 each.

@@ -64,8 +64,9 @@ func TestImageMatchesDockerfile(t *testing.T) {
 		t.Fatalf("found only %v in the Dockerfile's COPY lines", wantFiles)
 	}
 
-	dir := script(t, "build-image.sh", t.TempDir(), "check")
-	config, files := readDockerArchive(t, filepath.Join(dir, "redirector-check.tar"))
+	// The image the node tests run (built once per test binary).
+	_, dir := nodeInputs(testContext(t), t)
+	config, files := readDockerArchive(t, filepath.Join(dir, "redirector-"+imageTag+".tar"))
 	if !slices.Equal(config.Entrypoint, wantEntrypoint) || !slices.Equal(config.Cmd, wantCmd) || config.User != wantUser {
 		t.Errorf("image entrypoint %q cmd %q user %q; the Dockerfile says %q %q %q",
 			config.Entrypoint, config.Cmd, config.User, wantEntrypoint, wantCmd, wantUser)

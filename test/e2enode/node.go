@@ -33,7 +33,8 @@ import (
 )
 
 const (
-	// nodeIP is the node's address on its uplink, inside its own network namespace.
+	// nodeIP is the first node's address on its uplink, inside its own network namespace;
+	// node i (from 0) has 10.254.0.(i+1) and pod CIDR 10.244.i.0/24.
 	nodeIP = "10.254.0.1"
 	// apiVIP is the first Service address, the "kubernetes" Service. There is no kube-proxy:
 	// the node holds the address itself and kube-apiserver listens on :443, so in-cluster
@@ -41,6 +42,7 @@ const (
 	apiVIP       = "10.96.0.1"
 	serviceCIDR  = "10.96.0.0/16"
 	podCIDR      = "10.244.0.0/24"
+	maxNodes     = 8
 	bridgeName   = "cni0"
 	pauseImage   = "localhost/e2enode/pause:1"
 	AppImage     = "localhost/e2enode/app:1"
@@ -66,6 +68,10 @@ var hostMountpoints = []string{
 type Node struct {
 	Name       string
 	Dir        string
+	IP         string // the node's address (InternalIP)
+	PodCIDR    string
+	Index      int   // 0 for the node that runs the control plane
+	control    *Node // that node, for a worker (Index > 0)
 	Bins       string
 	Images     string
 	ImageTag   string
@@ -99,8 +105,33 @@ type Logf func(format string, args ...any)
 
 // StartNode brings the node up. On error, what was already done is undone.
 func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n *Node, err error) {
+	return startNode(ctx, logf, &Node{Bins: bins, Images: images, ImageTag: imageTag, IP: nodeIP, PodCIDR: podCIDR})
+}
+
+// AddNode brings up one more node, a worker of c's control plane: its own network namespace
+// (linked to c's by a veth pair, with routes to each other's pods), mount namespace, cgroups,
+// containerd and kubelet (own root-dir and runtime state on its own tmpfs mounts), and the
+// same images. Stop it before c: c restores the global sysctls both kubelets changed.
+func (c *Node) AddNode(ctx context.Context, logf Logf) (*Node, error) {
+	nodesMu.Lock()
+	index := 0
+	for _, m := range nodes {
+		if m.control == c {
+			index = max(index, m.Index)
+		}
+	}
+	nodesMu.Unlock()
+	index++
+	if index >= maxNodes {
+		return nil, fmt.Errorf("at most %d nodes", maxNodes)
+	}
+	return startNode(ctx, logf, &Node{Bins: c.Bins, Images: c.Images, ImageTag: c.ImageTag, Index: index, control: c,
+		IP: fmt.Sprintf("10.254.0.%d", index+1), PodCIDR: fmt.Sprintf("10.244.%d.0/24", index)})
+}
+
+func startNode(ctx context.Context, logf Logf, n *Node) (_ *Node, err error) {
 	id := strings.ToLower(rand.Text()[:6])
-	n = &Node{Name: "e2enode-" + id, Bins: bins, Images: images, ImageTag: imageTag}
+	n.Name = "e2enode-" + id
 	if err := SweepStale(logf); err != nil {
 		logf("sweeping stale nodes: %v", err)
 	}
@@ -125,8 +156,12 @@ func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n
 		}
 		return nil
 	})
-	if err := n.saveSysctls(); err != nil {
-		return n, err
+	// A worker's kubelet changes the same global sysctls as its control node's, which saved
+	// them before either changed them and restores them after both stopped.
+	if n.control == nil {
+		if err := n.saveSysctls(); err != nil {
+			return n, err
+		}
 	}
 	if err := n.hostDirs(); err != nil {
 		return n, err
@@ -150,10 +185,14 @@ func StartNode(ctx context.Context, logf Logf, bins, images, imageTag string) (n
 	if err := n.writeRecord(); err != nil {
 		return n, err
 	}
-	if err := n.controlPlane(ctx); err != nil {
-		return n, err
+	if c := n.control; c != nil {
+		n.token, n.Config, n.Client, n.Kubeconfig = c.token, c.Config, c.Client, c.Kubeconfig
+	} else {
+		if err := n.controlPlane(ctx); err != nil {
+			return n, err
+		}
+		logf("control plane up after %v", time.Since(start).Round(time.Millisecond))
 	}
-	logf("control plane up after %v", time.Since(start).Round(time.Millisecond))
 	if err := n.runtime(ctx); err != nil {
 		return n, err
 	}
@@ -264,21 +303,49 @@ func (n *Node) netns() error {
 		}
 		return nil
 	})
-	for _, args := range [][]string{
+	steps := [][]string{
 		{"link", "set", "lo", "up"},
 		// The node's uplink: a veth pair inside the namespace (no dummy module on every
 		// kernel), its peer the wire to nowhere.
 		{"link", "add", "eth0", "type", "veth", "peer", "name", "uplink"},
 		{"link", "set", "uplink", "up"},
-		{"addr", "add", nodeIP + "/24", "dev", "eth0"},
+		{"addr", "add", n.IP + "/24", "dev", "eth0"},
 		{"addr", "add", apiVIP + "/32", "dev", "eth0"},
 		{"link", "set", "eth0", "up"},
 		// A default route for the components that look for one; nothing is on the other
 		// end.
 		{"route", "add", "default", "dev", "eth0"},
-	} {
+	}
+	var peer string
+	if c := n.control; c != nil {
+		// A worker's uplink is a veth pair to the control node's namespace, where its end
+		// has no address of its own (the control node answers ARP with its eth0 address)
+		// and routes to the worker and its pods. The worker's default route (the API
+		// server, the kubernetes Service address, the control node's pods) is the control
+		// node. Deleting the worker's namespace deletes the pair, and the routes with it.
+		peer = "to-" + strings.TrimPrefix(n.Name, "e2enode-")
+		steps = [][]string{
+			{"link", "set", "lo", "up"},
+			{"link", "add", "eth0", "type", "veth", "peer", "name", peer, "netns", c.Name},
+			{"addr", "add", n.IP + "/24", "dev", "eth0"},
+			{"link", "set", "eth0", "up"},
+			{"route", "add", "default", "via", c.IP, "dev", "eth0"},
+		}
+	}
+	for _, args := range steps {
 		if out, err := exec.Command("ip", append([]string{"-n", n.Name}, args...)...).CombinedOutput(); err != nil {
 			return fmt.Errorf("ip -n %s %v: %w: %s", n.Name, args, err, out)
+		}
+	}
+	if c := n.control; c != nil {
+		for _, args := range [][]string{
+			{"link", "set", peer, "up"},
+			{"route", "add", n.IP + "/32", "dev", peer, "src", c.IP},
+			{"route", "add", n.PodCIDR, "via", n.IP, "dev", peer},
+		} {
+			if out, err := exec.Command("ip", append([]string{"-n", c.Name}, args...)...).CombinedOutput(); err != nil {
+				return fmt.Errorf("ip -n %s %v: %w: %s", c.Name, args, err, out)
+			}
 		}
 	}
 	return nil
@@ -624,7 +691,7 @@ func (n *Node) controlPlane(ctx context.Context) error {
 	}
 	server := "https://" + nodeIP + ":443"
 	n.Config = &rest.Config{Host: server, BearerToken: n.token, TLSClientConfig: rest.TLSClientConfig{CAData: ca},
-		Dial: n.DialContext, QPS: 100, Burst: 200}
+		Dial: n.DialContext, QPS: 100, Burst: 200, Timeout: 30 * time.Second}
 	n.Client, err = kubernetes.NewForConfig(n.Config)
 	if err != nil {
 		return err
@@ -713,10 +780,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 			return err
 		}
 	}
-	return os.WriteFile(n.Root("/etc/cni/net.d/10-bridge.conflist"), []byte(BridgeConflist), 0o644)
+	return os.WriteFile(n.Root("/etc/cni/net.d/10-bridge.conflist"), []byte(strings.ReplaceAll(BridgeConflist, podCIDR, n.PodCIDR)), 0o644)
 }
 
-// BridgeConflist is the node's primary CNI configuration, before the chart chains into it.
+// BridgeConflist is the first node's primary CNI configuration, before the chart chains into
+// it; the other nodes' differ in the subnet only.
 const BridgeConflist = `{
   "cniVersion": "1.0.0",
   "name": "e2enode",
@@ -792,14 +860,14 @@ syncFrequency: 10s
 fileCheckFrequency: 5s
 nodeStatusUpdateFrequency: 5s
 podCIDR: %q
-`, n.cgroupRoot, "unix://"+filepath.Join(n.Dir, "containerd", "containerd.sock"), nodeIP, podCIDR)
+`, n.cgroupRoot, "unix://"+filepath.Join(n.Dir, "containerd", "containerd.sock"), n.IP, n.PodCIDR)
 	cfgPath := filepath.Join(kd, "config.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
 	}
 	if _, err := n.spawn("kubelet", filepath.Join(n.Bins, "kubelet"),
 		"--config="+cfgPath, "--kubeconfig="+n.Kubeconfig, "--root-dir=/var/lib/kubelet",
-		"--hostname-override="+n.Name, "--node-ip="+nodeIP, "--cert-dir="+filepath.Join(kd, "pki"), "--v=1"); err != nil {
+		"--hostname-override="+n.Name, "--node-ip="+n.IP, "--cert-dir="+filepath.Join(kd, "pki"), "--v=1"); err != nil {
 		return err
 	}
 	if err := waitFor(ctx, startTimeout, "node Ready", func() error {
@@ -822,8 +890,13 @@ podCIDR: %q
 	return nil
 }
 
+// runTimeout bounds every kubectl and helm command (helm's own --wait takes up to 3 min).
+const runTimeout = 4 * time.Minute
+
 // Run runs a command in the node's network namespace (kubectl, helm: clients of the API).
 func (n *Node) Run(ctx context.Context, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, runTimeout)
+	defer cancel()
 	cmd := exec.CommandContext(ctx, "nsenter", append([]string{"--net=/run/netns/" + n.Name, "--", name}, args...)...)
 	cmd.Env = append(os.Environ(), "KUBECONFIG="+n.Kubeconfig, "HOME="+n.Dir,
 		"HELM_CACHE_HOME="+filepath.Join(n.Dir, "helm", "cache"),
@@ -863,31 +936,31 @@ func waitFor(ctx context.Context, timeout time.Duration, what string, f func() e
 }
 
 // Registry of running nodes, so a signal handler can stop them all.
+// in start order.
 var (
 	nodesMu sync.Mutex
-	nodes   = map[*Node]bool{}
+	nodes   []*Node
 )
 
 func register(n *Node) {
 	nodesMu.Lock()
 	defer nodesMu.Unlock()
-	nodes[n] = true
+	nodes = append(nodes, n)
 }
 
 func unregister(n *Node) {
 	nodesMu.Lock()
 	defer nodesMu.Unlock()
-	delete(nodes, n)
+	nodes = slices.DeleteFunc(nodes, func(m *Node) bool { return m == n })
 }
 
-// StopAll stops every node still running (on SIGINT/SIGTERM).
+// StopAll stops every node still running (on SIGINT/SIGTERM), the last started first: a
+// worker before its control node, which restores the global sysctls.
 func StopAll(logf Logf) {
 	nodesMu.Lock()
-	all := make([]*Node, 0, len(nodes))
-	for n := range nodes {
-		all = append(all, n)
-	}
+	all := slices.Clone(nodes)
 	nodesMu.Unlock()
+	slices.Reverse(all)
 	for _, n := range all {
 		if err := n.Stop(logf); err != nil {
 			logf("stop %s: %v", n.Name, err)
