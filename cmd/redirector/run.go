@@ -285,7 +285,7 @@ func runAgent(ctx context.Context, args []string) error {
 	var servers *admin.Servers
 	agent := nodeagent.New(nodeagent.Config{
 		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
-		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Logger: log,
+		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Registry: reg, Logger: log,
 		Annotator: annotator(ann),
 		OnYield: func() {
 			stopRepair()

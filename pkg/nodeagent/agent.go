@@ -17,6 +17,7 @@ import (
 
 	"k8s.io/client-go/util/workqueue"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/selection"
@@ -56,7 +57,9 @@ type Config struct {
 	Claim     Claim
 	// OnYield runs once when a newer agent took the node over.
 	OnYield func()
-	Logger  *slog.Logger
+	// Registry, if set, gets the work queue's metrics.
+	Registry prometheus.Registerer
+	Logger   *slog.Logger
 }
 
 // Agent is the node's enrollment owner. Create it with New, feed it with
@@ -112,7 +115,7 @@ func New(cfg Config) *Agent {
 		log: cfg.Logger,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[string](retryFirst, retryMax),
-			workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods"}),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods", MetricsProvider: newQueueMetrics(cfg.Registry)}),
 		cniPods:     map[string]cniPod{},
 		desired:     map[string]desiredPod{},
 		newSnapshot: make(chan struct{}),

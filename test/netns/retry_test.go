@@ -13,7 +13,8 @@ import (
 // its network is configured) is retried by the node agent's work queue
 // with backoff, and enrolled seconds after its address appears, with no
 // new snapshot and the full reconcile an hour away. Before the per-pod
-// queue it waited for the next snapshot or full pass.
+// queue it waited for the next snapshot or full pass. The retries are
+// counted in redirector_pod_queue_retries_total.
 func TestPodRetriedWithoutFullPass(t *testing.T) {
 	tp := New(t, 1)
 	pod := tp.Nodes[0].AddPod("late")
@@ -41,6 +42,12 @@ func TestPodRetriedWithoutFullPass(t *testing.T) {
 		}
 	}
 	waitEnrolled(t, ag.BPFRoot, 20*time.Second, "shop/late")
+	if v := metric(t, ag, "redirector_pod_queue_retries_total"); v < 1 {
+		t.Errorf("redirector_pod_queue_retries_total = %v, want the failed attempts counted", v)
+	}
+	if v := metric(t, ag, "redirector_pod_queue_depth"); v != 0 {
+		t.Errorf("redirector_pod_queue_depth = %v once the pod is enrolled, want 0", v)
+	}
 }
 
 // addrPrefixOf is a pod address with the prefix length the topology gives
