@@ -431,6 +431,17 @@ func (l *Loader) deleteEntry(a netip.Addr, id uint32) error {
 	return l.maps.DeletePod(a)
 }
 
+// deleteCounters removes addr's counters unless another pod now owns the
+// address (its counters are its own).
+func (l *Loader) deleteCounters(a netip.Addr, id uint32) error {
+	l.entries.Lock()
+	defer l.entries.Unlock()
+	if cur, ok, err := l.maps.Pod(a); err != nil || (ok && cur.PodID != id) {
+		return err
+	}
+	return l.maps.DeleteCounters(a)
+}
+
 func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
 	var errs []error
 	for _, a := range meta.Addrs {
@@ -476,7 +487,7 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 		errs = append(errs, fmt.Errorf("remove pod pin dir: %w", err))
 	}
 	for _, a := range meta.Addrs {
-		errs = append(errs, l.maps.DeleteCounters(a))
+		errs = append(errs, l.deleteCounters(a, id))
 	}
 	if err := l.maps.DeleteMeta(id); err != nil {
 		errs = append(errs, err)

@@ -230,6 +230,14 @@ func (a *Agent) applyLatest(ctx context.Context, full bool) bool {
 	return true
 }
 
+// watch returns channels closed when the next snapshot arrives and when a
+// worker next converges a pod.
+func (a *Agent) watch() (snapshot, pod <-chan struct{}) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.newSnapshot, a.podSynced
+}
+
 // applyAndWatch applies the newest snapshot and returns channels closed
 // when the next snapshot arrives and when a worker next converges a pod,
 // so a caller waiting for a change misses none.
@@ -271,27 +279,8 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 	previous := a.desired
 	a.desired = desired
-	if full {
-		want := make([]loader.Pod, 0, len(desired))
-		for _, d := range desired {
-			want = append(want, d.pod)
-		}
-		res := a.cfg.Reconciler.Reconcile(ctx, want, true)
-		a.logResult(res)
-		if len(res.Errors) > 0 {
-			// The pods the pass could not attach are retried on their own,
-			// with backoff, rather than at the next pass.
-			for uid := range desired {
-				if _, ok, err := a.cfg.Loader.PodState(uid); !ok || err != nil {
-					a.queue.AddRateLimited(uid)
-				}
-			}
-		}
-		if a.cfg.Annotator != nil {
-			a.syncAnnotations(ctx, dir)
-		}
-		return
-	}
+	// Pods whose wanted state changed are queued, on a full pass too: a
+	// worker that read the previous state before the pass converges again.
 	for uid, d := range desired {
 		if old, ok := previous[uid]; !ok || !samePod(old.pod, d.pod) || old.w.Redirected != d.w.Redirected {
 			a.queue.Add(uid)
@@ -302,9 +291,51 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 			a.queue.Add(uid)
 		}
 	}
+	if full {
+		want := make([]loader.Pod, 0, len(desired))
+		for _, d := range desired {
+			want = append(want, d.pod)
+		}
+		res := a.cfg.Reconciler.Reconcile(ctx, want, true)
+		a.logResult(res)
+		if len(res.Errors) > 0 {
+			a.requeueUnconverged(desired)
+		}
+	}
 	if a.cfg.Annotator != nil {
 		a.syncAnnotations(ctx, dir)
 	}
+}
+
+// requeueUnconverged queues, with backoff, the pods a full pass left
+// unlike their wanted state: wanted ones not attached as wanted, attached
+// ones not wanted. They are retried on their own rather than at the next
+// pass.
+func (a *Agent) requeueUnconverged(desired map[string]desiredPod) {
+	for uid, d := range desired {
+		cur, ok, err := a.cfg.Loader.PodState(uid)
+		if err != nil || !ok || !matches(cur, d.pod) {
+			a.queue.AddRateLimited(uid)
+		}
+	}
+	pods, err := a.cfg.Loader.Pods()
+	if err != nil {
+		return
+	}
+	for _, p := range pods {
+		if _, ok := desired[p.Meta.UID]; !ok {
+			a.queue.AddRateLimited(p.Meta.UID)
+		}
+	}
+}
+
+// matches reports whether cur is attached as want says; a want without a
+// namespace path (no CNI report) takes the current one.
+func matches(cur loader.PodState, want loader.Pod) bool {
+	if want.NetNS == "" {
+		want.NetNS = cur.Meta.NetNS
+	}
+	return cur.Matches(want)
 }
 
 func samePod(a, b loader.Pod) bool {
@@ -320,6 +351,11 @@ func (a *Agent) processNext(ctx context.Context) bool {
 		return false
 	}
 	defer a.queue.Done(uid)
+	if ctx.Err() != nil {
+		// Shutting down: a draining agent changes no enrollment.
+		a.queue.Forget(uid)
+		return true
+	}
 	a.mu.Lock()
 	d, want := a.desired[uid]
 	yielded := a.yielded
@@ -340,7 +376,7 @@ func (a *Agent) processNext(ctx context.Context) bool {
 		a.queue.Forget(uid)
 	}
 	if a.cfg.Annotator != nil {
-		a.annotateConverged(ctx, d, want, res)
+		a.annotateConverged(ctx, uid, d, want, res)
 	}
 	a.mu.Lock()
 	close(a.podSynced)
@@ -349,10 +385,23 @@ func (a *Agent) processNext(ctx context.Context) bool {
 	return true
 }
 
+// converged reports whether the pod uid is attached as it is wanted now
+// (the namespace the CNI plugin reported included).
+func (a *Agent) converged(uid string) bool {
+	a.mu.Lock()
+	d, ok := a.desired[uid]
+	a.mu.Unlock()
+	if !ok {
+		return false
+	}
+	cur, attached, err := a.cfg.Loader.PodState(uid)
+	return err == nil && attached && matches(cur, d.pod)
+}
+
 // annotateConverged makes the redirection annotation of the pod a worker
 // just converged say what is attached now: set once it is attached, removed
 // once it is detached (unless the pod is being deleted).
-func (a *Agent) annotateConverged(ctx context.Context, d desiredPod, want bool, res Result) {
+func (a *Agent) annotateConverged(ctx context.Context, uid string, d desiredPod, want bool, res Result) {
 	if want && len(res.Errors) == 0 && !d.w.Redirected {
 		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
 			a.log.Error("annotate pod", "error", err)
@@ -361,7 +410,9 @@ func (a *Agent) annotateConverged(ctx context.Context, d desiredPod, want bool, 
 	dir := a.cfg.Tunnel.State().Dir
 	for _, name := range res.Detached {
 		ns, n, _ := strings.Cut(name, "/")
-		if w, ok := dir.Pod(ns, n); ok && w.Redirected && !w.Terminating {
+		// Only the pod that left: a new pod of the same name (a
+		// StatefulSet's) keeps its annotation.
+		if w, ok := dir.Pod(ns, n); ok && w.Key() == uid && w.Redirected && !w.Terminating {
 			if err := a.cfg.Annotator.SetRedirection(ctx, ns, n, false); err != nil {
 				a.log.Error("annotate pod", "error", err)
 			}

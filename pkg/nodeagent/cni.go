@@ -50,13 +50,21 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)
+	// One apply puts the reported namespace and addresses into the wanted
+	// state (the workers converge the pod); after that the ADD only waits
+	// for the state to say so: the main loop applies new snapshots.
+	next, synced := a.applyAndWatch(ctx)
 	for {
-		next, synced := a.applyAndWatch(ctx)
 		w, known := a.cfg.Tunnel.State().Dir.Pod(ev.PodNamespace, ev.PodName)
+		if known && ev.PodUID != "" && w.UID != "" && ev.PodUID != w.UID {
+			// The source still has an earlier pod of this name (a
+			// StatefulSet's): not this sandbox's until it learns the new one.
+			known = false
+		}
 		switch {
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
-		case known && a.attached(w.Key()):
+		case known && a.converged(w.Key()):
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
@@ -74,12 +82,8 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		case <-synced:
 		case <-time.After(200 * time.Millisecond):
 		}
+		next, synced = a.watch()
 	}
-}
-
-func (a *Agent) attached(uid string) bool {
-	_, ok, err := a.cfg.Loader.PodState(uid)
-	return ok && err == nil
 }
 
 // withCNIAddrs returns the workloads with the addresses the CNI plugin

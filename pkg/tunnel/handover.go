@@ -79,6 +79,7 @@ type DrainResult struct {
 // what is left. m may be nil.
 func (t *Tunnel) Drain(ctx context.Context, m *DrainMetrics) DrainResult {
 	t.mu.Lock()
+	t.draining = true
 	pods := t.pods
 	t.pods = map[string]*pod{}
 	for _, p := range pods {

@@ -12,6 +12,7 @@ package tunnel
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -90,9 +91,11 @@ type Tunnel struct {
 	// pod's HBONE server together, so the bounds hold per node.
 	hboneLimits *hbone.ConnLimiter
 
-	mu      sync.Mutex
-	pods    map[string]*pod   // by pod uid
-	retired hbone.ServerStats // HBONE counts of pods no longer served
+	mu   sync.Mutex
+	pods map[string]*pod // by pod uid
+	// draining is set once Drain began: no pod is served any more.
+	draining bool
+	retired  hbone.ServerStats // HBONE counts of pods no longer served
 }
 
 // New returns a tunnel serving no pod yet.
@@ -149,26 +152,56 @@ func (t *Tunnel) State() *State { return t.state.Load() }
 
 // ServePod opens the pod's listeners inside netnsPath. Serving a pod that is
 // already served from the same namespace is a no-op.
+//
+// Once Drain has begun it refuses: a draining agent opens no listeners.
+// A pod served from another namespace or with other addresses (its sandbox
+// was recreated) has its old listeners stopped first, its connections given
+// a second, as StopPod does, and outside t.mu, so other pods' calls never
+// wait for one pod's connections.
 func (t *Tunnel) ServePod(ctx context.Context, uid, netnsPath string, addrs []netip.Addr) error {
 	t.mu.Lock()
-	defer t.mu.Unlock()
-	if p, ok := t.pods[uid]; ok {
-		if p.netns == netnsPath && slices.Equal(p.addrs, addrs) {
-			return nil
-		}
-		p.stop(ctx)
-		t.evict(ctx, p)
+	if t.draining {
+		t.mu.Unlock()
+		return errDraining
+	}
+	old, ok := t.pods[uid]
+	if ok && old.netns == netnsPath && slices.Equal(old.addrs, addrs) {
+		t.mu.Unlock()
+		return nil
+	}
+	if ok {
 		delete(t.pods, uid)
-		t.retire(p)
+		t.retire(old)
+	}
+	t.mu.Unlock()
+	if ok {
+		sctx, cancel := context.WithTimeout(ctx, time.Second)
+		old.stop(sctx)
+		t.evict(sctx, old)
+		cancel()
 	}
 	p, err := t.startPod(ctx, uid, netnsPath, addrs)
 	if err != nil {
 		return err
 	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if _, raced := t.pods[uid]; raced || t.draining {
+		// Drain began, or another call served the pod meanwhile: this
+		// one's listeners are not needed.
+		go p.stop(context.Background())
+		if t.draining {
+			return errDraining
+		}
+		return nil
+	}
 	t.pods[uid] = p
 	t.cfg.Metrics.servedPods.Set(float64(len(t.pods)))
 	return nil
 }
+
+// errDraining refuses to serve a pod once Drain began.
+var errDraining = errors.New("the agent is draining: no new listeners")
 
 // StopPod closes the pod's listeners and ends its connections.
 func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
