@@ -61,8 +61,8 @@ lint:
 test-unit:
 	$(GO) test -count=1 -short $(PKGS)
 
-## test-race: the race detector over the packages with the most concurrency (tunnel, policy, sources, identity)
-RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/...
+## test-race: the race detector over the packages with the most concurrency (tunnel, policy, sources, identity, node agent)
+RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/... ./pkg/nodeagent/...
 .PHONY: test-race
 test-race:
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)

@@ -46,12 +46,15 @@ func (p *Pod) validate() error {
 	if len(p.Addrs) == 0 || len(p.Addrs) > maps.MaxMetaAddrs {
 		return fmt.Errorf("pod %s has %d addresses, want 1 to %d", p, len(p.Addrs), maps.MaxMetaAddrs)
 	}
+	// A copy: the caller's slice may be read by others meanwhile.
+	addrs := make([]netip.Addr, len(p.Addrs))
 	for i, a := range p.Addrs {
 		if err := selection.CheckPodAddr(a); err != nil {
 			return fmt.Errorf("pod %s: %w", p, err)
 		}
-		p.Addrs[i] = a.Unmap()
+		addrs[i] = a.Unmap()
 	}
+	p.Addrs = addrs
 	return nil
 }
 
