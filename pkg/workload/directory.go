@@ -12,7 +12,7 @@ import (
 // immutable: build a new one for the next snapshot.
 type Directory struct {
 	all      []*Workload // sorted by namespace, name
-	byName   map[string]*Workload
+	byName   map[nameKey]*Workload
 	byAddr   map[netip.Addr]*Workload
 	byNode   map[string][]*Workload
 	services []*Service // sorted by namespace, name
@@ -30,23 +30,20 @@ type Directory struct {
 // indexed.
 func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []error) {
 	d := &Directory{
-		byName:    make(map[string]*Workload, len(workloads)),
+		byName:    make(map[nameKey]*Workload, len(workloads)),
 		byAddr:    make(map[netip.Addr]*Workload, len(workloads)),
 		byNode:    map[string][]*Workload{},
 		byVIP:     make(map[netip.Addr]*Service, len(services)),
 		selecting: map[*Workload][]*Service{},
 	}
 	var errs []error
-	workloads = slices.Clone(workloads)
-	slices.SortStableFunc(workloads, func(a, b *Workload) int {
-		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
-	})
+	workloads = sortedByName(workloads, func(w *Workload) (string, string) { return w.Namespace, w.Name })
 	for _, w := range workloads {
 		d.all = append(d.all, w)
 		// istiod names every endpoint of a ServiceEntry after it: Pod
 		// (by name) finds the first, this node's pods are unique.
-		if _, dup := d.byName[w.String()]; !dup {
-			d.byName[w.String()] = w
+		if k := (nameKey{w.Namespace, w.Name}); d.byName[k] == nil {
+			d.byName[k] = w
 		}
 		if w.Node != "" {
 			d.byNode[w.Node] = append(d.byNode[w.Node], w)
@@ -59,16 +56,33 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 			d.byAddr[a] = w
 		}
 	}
-	services = slices.Clone(services)
-	slices.SortStableFunc(services, func(a, b *Service) int {
-		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
-	})
+	services = sortedByName(services, func(s *Service) (string, string) { return s.Namespace, s.Name })
 	for _, s := range services {
 		if err := d.addService(s); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return d, errs
+}
+
+// nameKey is namespace and name.
+type nameKey struct{ namespace, name string }
+
+// sortedByName returns list ordered by namespace and name, stable, so the
+// first of two conflicting objects is always the same one. Sources
+// usually hand out ordered lists: those are used as they are.
+func sortedByName[T any](list []T, key func(T) (string, string)) []T {
+	compare := func(a, b T) int {
+		an, aa := key(a)
+		bn, bb := key(b)
+		return cmp.Or(cmp.Compare(an, bn), cmp.Compare(aa, bb))
+	}
+	if slices.IsSortedFunc(list, compare) {
+		return list
+	}
+	list = slices.Clone(list)
+	slices.SortStableFunc(list, compare)
+	return list
 }
 
 func (d *Directory) addService(s *Service) error {
@@ -105,7 +119,7 @@ func (d *Directory) ByAddr(a netip.Addr) (*Workload, bool) {
 
 // Pod returns the workload namespace/name, as a CNI event names it.
 func (d *Directory) Pod(namespace, name string) (*Workload, bool) {
-	w, ok := d.byName[namespace+"/"+name]
+	w, ok := d.byName[nameKey{namespace, name}]
 	return w, ok
 }
 
