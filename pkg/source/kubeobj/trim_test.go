@@ -53,7 +53,7 @@ func fullPod() *corev1.Pod {
 }
 
 // TestTrimmedTranslatesAlike: whatever the selection rules and the
-// translation read survives TrimPod, TrimNamespace, TrimService and
+// translation read survives NewCompactPod, TrimNamespace, TrimService and
 // TrimEndpointSlice, so the Kubernetes source, which caches only trimmed
 // objects, translates every object as it would the full one.
 func TestTrimmedTranslatesAlike(t *testing.T) {
@@ -91,25 +91,27 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 				if ns != nil {
 					trimmedNS = TrimNamespace(ns)
 				}
-				trimmed := TrimPod(full)
+				compact := NewCompactPod(full)
 				want, wantErr := Pod(cfg, ns, full, lookup)
-				got, gotErr := Pod(cfg, trimmedNS, trimmed, lookup)
+				got, gotErr := Pod(cfg, trimmedNS, compact.Pod(), lookup)
 				if !reflect.DeepEqual(got, want) || !reflect.DeepEqual(gotErr, wantErr) {
 					t.Errorf("%s, %+v, namespace labels %v: trimmed pod gives\n%+v, %v\nfull pod gives\n%+v, %v",
 						name, cfg, ns != nil && ns.Labels != nil, got, gotErr, want, wantErr)
 				}
-				if again := TrimPod(trimmed); !reflect.DeepEqual(again, trimmed) {
-					t.Errorf("%s: TrimPod of a trimmed pod changed it:\n%+v\n%+v", name, again, trimmed)
+				if again := NewCompactPod(compact.Pod()); !reflect.DeepEqual(again, compact) {
+					t.Errorf("%s: compacting a compacted pod changed it:\n%+v\n%+v", name, again, compact)
+				}
+				if cp := compact.DeepCopyObject(); !reflect.DeepEqual(cp, compact) {
+					t.Errorf("%s: DeepCopyObject = %+v, want %+v", name, cp, compact)
 				}
 			}
 		}
 	}
 
-	trimmed := TrimPod(fullPod())
-	if trimmed.Spec.Volumes != nil || trimmed.ManagedFields != nil || trimmed.Status.Conditions != nil ||
-		trimmed.Spec.Containers[0].Image != "" || len(trimmed.Spec.Containers) != 2 || len(trimmed.Annotations) != 2 ||
-		len(trimmed.OwnerReferences) != 1 {
-		t.Errorf("TrimPod kept what translation does not read: %+v", trimmed)
+	compact := NewCompactPod(fullPod())
+	if compact.ManagedFields != nil || compact.Finalizers != nil || len(compact.NamedPorts) != 2 || len(compact.Annotations) != 2 ||
+		len(compact.OwnerReferences) != 1 || compact.OwnerReferences[0].UID != "" {
+		t.Errorf("NewCompactPod kept what translation does not read: %+v", compact)
 	}
 
 	svc := &corev1.Service{

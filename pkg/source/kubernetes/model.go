@@ -122,8 +122,8 @@ func sliceServiceKey(obj any) string {
 // indexPodsByRuntimeClass indexes pods by their runtimeClassName, so a
 // RuntimeClass change re-translates only its pods.
 func indexPodsByRuntimeClass(obj any) ([]string, error) {
-	if p, ok := obj.(*corev1.Pod); ok && p.Spec.RuntimeClassName != nil {
-		return []string{*p.Spec.RuntimeClassName}, nil
+	if p, ok := obj.(*kubeobj.CompactPod); ok && p.RuntimeClassName != nil {
+		return []string{*p.RuntimeClassName}, nil
 	}
 	return nil, nil
 }
@@ -267,12 +267,12 @@ func (m *model) lookup(class string) (string, bool) {
 func (m *model) applyPod(key string) {
 	k := splitKey(key)
 	obj, ok, _ := m.inf.pods.GetStore().GetByKey(key)
-	pod, isPod := obj.(*corev1.Pod)
+	pod, isPod := obj.(*kubeobj.CompactPod)
 	if !ok || !isPod {
 		m.workloads.delete(k)
 		return
 	}
-	w, err := kubeobj.Pod(m.cfg, m.namespaces[pod.Namespace], pod, m.lookup)
+	w, err := kubeobj.Pod(m.cfg, m.namespaces[pod.Namespace], pod.Pod(), m.lookup)
 	if err != nil {
 		m.log.Error("pod left out or not enrolled", "error", err)
 	}

@@ -11,8 +11,8 @@
 // # Scale
 //
 // Every node caches every pod, service and slice of the cluster, so the caches hold trimmed
-// objects (kubeobj.TrimPod and friends, applied by an informer transform before an object is
-// stored): only the fields translation reads. Events only mark keys changed; at each
+// objects (kubeobj.CompactPod, kubeobj.TrimService and friends, applied by an informer
+// transform before an object is stored): only the fields translation reads. Events only mark keys changed; at each
 // debounced snapshot the source translates just those objects again (a pod; a service from its
 // slices; the pods of a namespace whose dataplane-mode label changed, or of a RuntimeClass
 // whose handler changed) into a model it keeps, and hands out the model as it stands, without
@@ -323,11 +323,11 @@ func sortedValues[T any, P interface {
 }
 
 // trim is the informers' transform: objects enter the caches trimmed to what translation
-// reads (see kubeobj.TrimPod), everything else without its managedFields.
+// reads (pods as kubeobj.CompactPod), everything else without its managedFields.
 func trim(obj any) (any, error) {
 	switch o := obj.(type) {
 	case *corev1.Pod:
-		return kubeobj.TrimPod(o), nil
+		return kubeobj.NewCompactPod(o), nil
 	case *corev1.Service:
 		return kubeobj.TrimService(o), nil
 	case *discoveryv1.EndpointSlice:
