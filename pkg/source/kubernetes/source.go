@@ -201,6 +201,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	if err := inf.endpointSlices.AddIndexers(cache.Indexers{slicesByService: indexSlicesByService}); err != nil {
 		return fmt.Errorf("add endpointslice index: %w", err)
 	}
+	var delivered []cache.InformerSynced // the initial lists' events reached the handlers
 	for _, h := range []struct {
 		inf     cache.SharedIndexInformer
 		handler cache.ResourceEventHandler
@@ -211,9 +212,11 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		{inf.services, todo.handler(kindService, objectKey)},
 		{inf.endpointSlices, todo.handler(kindService, sliceServiceKey)},
 	} {
-		if _, err := h.inf.AddEventHandler(h.handler); err != nil {
+		reg, err := h.inf.AddEventHandler(h.handler)
+		if err != nil {
 			return fmt.Errorf("add event handler: %w", err)
 		}
+		delivered = append(delivered, reg.HasSynced)
 		if err := h.inf.SetWatchErrorHandlerWithContext(s.watchError); err != nil {
 			return fmt.Errorf("set watch error handler: %w", err)
 		}
@@ -249,9 +252,12 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	if !cache.WaitForCacheSync(ctx.Done(), pw.synced) {
 		return nil // ctx done
 	}
-
-	// The first snapshot translates every cached object; the keys events marked so far are
-	// in it already (later events may repeat some, which only translates them again).
+	// The handlers have seen the initial lists' events too, so the keys they marked so far are
+	// all in the caches the first snapshot translates whole: drop them, not to translate every
+	// object twice. (Keys marked later only translate their object again.)
+	if !cache.WaitForCacheSync(ctx.Done(), delivered...) {
+		return nil
+	}
 	select {
 	case <-changed:
 	default:
