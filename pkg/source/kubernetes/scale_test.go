@@ -110,17 +110,19 @@ func TestScale(t *testing.T) {
 	var report strings.Builder
 	fmt.Fprintf(&report, "%d pods (%d on %s), %d services, %d endpoints; GOMAXPROCS %d\n",
 		pods, pods/scaleNodes, scaleNode, services, services*scalePerService, runtime.GOMAXPROCS(0))
-	fmt.Fprintf(&report, "%-4s %8s %9s %8s %8s %9s | %-28s | %-28s | %-28s | %8s %8s\n", "run", "sync s", "heap MiB", "RSS MiB", "peak MiB", "idle RSS",
-		"label change p50/p99/max ms", "new pod p50/p99/max ms", "pod IP p50/p99/max ms", "CPU/chg", "dir ms")
+	var mem, lat strings.Builder
+	fmt.Fprintf(&mem, "%-4s %7s %9s %8s %9s %9s %8s %7s\n", "run", "sync s", "heap MiB", "RSS MiB", "peak RSS", "idle RSS", "CPU/chg", "dir ms")
+	fmt.Fprintf(&lat, "%-4s %-10s %-20s %-20s\n", "run", "change", "to snapshot p50/p99", "to directory p50/p99/max ms")
 	for _, r := range runs {
 		res := scaleRunAgent(t, r.bin, r.name, c.Kubeconfig, pods)
-		l := func(k string) string {
-			x := res.Latencies[k]
-			return fmt.Sprintf("%.0f / %.0f / %.0f (n=%d)", x.P50, x.P99, x.Max, x.N)
+		fmt.Fprintf(&mem, "%-4s %7.1f %9.1f %8.1f %9.1f %9.1f %8.1f %7.1f\n", r.name, res.SyncSeconds, res.HeapInuseMiB,
+			res.RSSMiB, res.PeakRSSMiB, res.BaselineRSSMiB, res.CPUPerChangeMs, res.DirectoryBuildMsP50)
+		for _, k := range []string{"label", "newPod", "podIP"} {
+			x, y := res.Latencies[k], res.Latencies[k+"Snapshot"]
+			fmt.Fprintf(&lat, "%-4s %-10s %-20s %.0f / %.0f / %.0f (n=%d)\n", r.name, k, fmt.Sprintf("%.0f / %.0f", y.P50, y.P99), x.P50, x.P99, x.Max, x.N)
 		}
-		fmt.Fprintf(&report, "%-4s %8.1f %9.1f %8.1f %8.1f %9.1f | %-28s | %-28s | %-28s | %8.1f %8.1f\n", r.name, res.SyncSeconds, res.HeapInuseMiB,
-			res.RSSMiB, res.PeakRSSMiB, res.BaselineRSSMiB, l("label"), l("newPod"), l("podIP"), res.CPUPerChangeMs, res.DirectoryBuildMsP50)
 	}
+	report.WriteString(mem.String() + "\n" + lat.String())
 	t.Log("\n" + report.String())
 	fmt.Println(report.String())
 }
@@ -180,9 +182,9 @@ func TestScaleAgent(t *testing.T) {
 	res.BaselineHeapMiB, res.BaselineRSSMiB, _ = scaleMemory()
 
 	type dirAt struct {
-		dir *workload.Directory
-		at  time.Time
-		seq int
+		dir      *workload.Directory
+		snap, at time.Time // when the snapshot arrived, when its directory was built
+		seq      int
 	}
 	var (
 		latest    atomic.Pointer[dirAt]
@@ -206,9 +208,9 @@ func TestScaleAgent(t *testing.T) {
 			d, _ := workload.NewDirectory(s.Workloads, s.Services)
 			now := time.Now()
 			buildMu.Lock()
-			buildTook = append(buildTook, float64(now.Sub(t0).Microseconds())/1000)
+			buildTook = append(buildTook, ms(now.Sub(t0)))
 			buildMu.Unlock()
-			latest.Store(&dirAt{dir: d, at: now, seq: int(seq.Add(1))})
+			latest.Store(&dirAt{dir: d, snap: t0, at: now, seq: int(seq.Add(1))})
 			select {
 			case updated <- struct{}{}:
 			default:
@@ -222,15 +224,15 @@ func TestScaleAgent(t *testing.T) {
 		}
 	}()
 
-	// waitDir waits for a directory satisfying ok and returns when it was built. Then it
-	// waits out the debounce's minimum gap between snapshots (50 ms), so that each change
-	// measured is a lone change, not one queued behind the previous snapshot.
-	waitDir := func(what string, ok func(*workload.Directory) bool) (time.Time, int) {
+	// waitDir waits for a directory satisfying ok and returns it. Then it waits out the
+	// debounce's minimum gap between snapshots (50 ms), so that each change measured is a
+	// lone change, not one queued behind the previous snapshot.
+	waitDir := func(what string, ok func(*workload.Directory) bool) *dirAt {
 		defer time.Sleep(100 * time.Millisecond)
 		deadline := time.After(2 * time.Minute)
 		for {
 			if d := latest.Load(); d != nil && ok(d.dir) {
-				return d.at, d.seq
+				return d
 			}
 			select {
 			case <-updated:
@@ -251,7 +253,7 @@ func TestScaleAgent(t *testing.T) {
 	res.Latencies = map[string]latency{}
 	cpu0 := scaleCPU()
 	// A label change of a local pod.
-	var lat []float64
+	var lat, latSnap []float64
 	first := latest.Load().seq
 	for i := range changes {
 		w := local[i%len(local)]
@@ -261,17 +263,18 @@ func TestScaleAgent(t *testing.T) {
 		if _, err := client.CoreV1().Pods(w.Namespace).Patch(ctx, w.Name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		at, _ := waitDir("label "+value, func(d *workload.Directory) bool {
+		d := waitDir("label "+value, func(d *workload.Directory) bool {
 			p, ok := d.Pod(w.Namespace, w.Name)
 			return ok && p.Labels["scale-rev"] == value
 		})
-		lat = append(lat, float64(at.Sub(t0).Microseconds())/1000)
+		lat, latSnap = append(lat, ms(d.at.Sub(t0))), append(latSnap, ms(d.snap.Sub(t0)))
 	}
 	res.Latencies["label"] = summarise(lat, latest.Load().seq-first)
+	res.Latencies["labelSnapshot"] = summarise(latSnap, 0)
 
 	// A new pod on this node: from its creation to its workload, then from its IP (the
 	// kubelet's status update) to the directory finding it by address, enrolled.
-	var newLat, ipLat []float64
+	var newLat, ipLat, newSnap, ipSnap []float64
 	first = latest.Load().seq
 	var created []*corev1.Pod
 	for i := range changes {
@@ -284,8 +287,8 @@ func TestScaleAgent(t *testing.T) {
 			t.Fatal(err)
 		}
 		created = append(created, p)
-		at, _ := waitDir("new pod "+p.Name, func(d *workload.Directory) bool { _, ok := d.Pod(p.Namespace, p.Name); return ok })
-		newLat = append(newLat, float64(at.Sub(t0).Microseconds())/1000)
+		d := waitDir("new pod "+p.Name, func(d *workload.Directory) bool { _, ok := d.Pod(p.Namespace, p.Name); return ok })
+		newLat, newSnap = append(newLat, ms(d.at.Sub(t0))), append(newSnap, ms(d.snap.Sub(t0)))
 
 		ip := scaleIP(idx)
 		scaleStatus(p, ip)
@@ -293,15 +296,17 @@ func TestScaleAgent(t *testing.T) {
 		if _, err := client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		at, _ = waitDir("IP of "+p.Name, func(d *workload.Directory) bool {
+		d = waitDir("IP of "+p.Name, func(d *workload.Directory) bool {
 			w, ok := d.ByAddr(ip)
 			return ok && w.Name == p.Name && w.Enrolled
 		})
-		ipLat = append(ipLat, float64(at.Sub(t0).Microseconds())/1000)
+		ipLat, ipSnap = append(ipLat, ms(d.at.Sub(t0))), append(ipSnap, ms(d.snap.Sub(t0)))
 	}
 	snaps := latest.Load().seq - first
 	res.Latencies["newPod"] = summarise(newLat, snaps)
 	res.Latencies["podIP"] = summarise(ipLat, snaps)
+	res.Latencies["newPodSnapshot"] = summarise(newSnap, 0)
+	res.Latencies["podIPSnapshot"] = summarise(ipSnap, 0)
 	res.CPUPerChangeMs = (scaleCPU() - cpu0).Seconds() * 1000 / float64(3*changes)
 	buildMu.Lock()
 	res.DirectoryBuildMsP50 = summarise(buildTook, 0).P50
@@ -314,11 +319,13 @@ func TestScaleAgent(t *testing.T) {
 	fmt.Println("SCALE_RESULT " + string(b))
 }
 
-func summarise(ms []float64, snapshots int) latency {
-	if len(ms) == 0 {
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func summarise(samples []float64, snapshots int) latency {
+	if len(samples) == 0 {
 		return latency{}
 	}
-	s := slices.Clone(ms)
+	s := slices.Clone(samples)
 	slices.Sort(s)
 	at := func(q float64) float64 { return s[min(len(s)-1, int(q*float64(len(s))))] }
 	return latency{N: len(s), P50: at(0.5), P99: at(0.99), Max: s[len(s)-1], Snapshots: snapshots}
