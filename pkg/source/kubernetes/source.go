@@ -12,14 +12,14 @@
 //
 // Every node caches every pod, service and slice of the cluster, so the caches hold trimmed
 // objects (kubeobj.CompactPod, kubeobj.TrimService and friends, applied by an informer
-// transform before an object is stored): only the fields translation reads. Events only mark keys changed; at each
-// debounced snapshot the source translates just those objects again (a pod; a service from its
-// slices; the pods of a namespace whose dataplane-mode label changed, or of a RuntimeClass
-// whose handler changed) into a model it keeps, and hands out the model as it stands, without
-// translating, copying or sorting the rest (see model). A second, node-scoped pod watch would
-// save nothing: a remote pod needs the same fields as a local one (its enrollment decides
-// HBONE or plaintext towards it, its named ports resolve service target ports), and a
-// trimmed pod holds no more than those. BENCHMARKS.md has the numbers.
+// transform before an object is stored): only the fields translation reads. Events only mark
+// keys changed; at each debounced snapshot the source translates just those objects again (a
+// pod; a service with its slices; the pods of a namespace whose dataplane-mode label changed,
+// or of a RuntimeClass whose handler changed) into a model it keeps, and hands out the model
+// as it stands, without translating, copying or sorting the rest (see model). A second,
+// node-scoped pod watch would save nothing: a remote pod needs the same fields as a local one
+// (its enrollment decides HBONE or plaintext towards it, its named ports resolve service
+// target ports), and a cached pod holds no more than those. BENCHMARKS.md has the numbers.
 //
 // RBAC the agent's ClusterRole needs for this package:
 //
