@@ -316,6 +316,32 @@ spec: {action: DENY}
 	})
 }
 
+// TestSourceResync: with Config.Resync the informers deliver their cached objects again,
+// which are compact pods and trimmed objects by then: they must translate as before, every
+// resync a fresh snapshot with everything in it.
+func TestSourceResync(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	createNamespace(t, client, "shop", ambient)
+	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
+	w := runSourceWith(t, kubernetes.Config{RestConfig: c.Config, Resync: 300 * time.Millisecond, PolicyRecheck: 200 * time.Millisecond})
+	enrolled := func(s source.Snapshot) bool {
+		i := slices.IndexFunc(s.Workloads, withIP("shop", "web", "10.244.1.5"))
+		return i >= 0 && s.Workloads[i].Enrolled && s.Workloads[i].Labels["app"] == "web"
+	}
+	w.waitFor(t, "shop/web enrolled", enrolled)
+	n := w.count()
+	w.waitFor(t, "three resyncs", func(source.Snapshot) bool { return w.count() >= n+3 })
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for i, s := range w.snaps[n-1:] {
+		if !enrolled(s) {
+			t.Errorf("snapshot %d after a resync lacks shop/web: %d workloads", n+i, len(s.Workloads))
+		}
+	}
+}
+
 // watcher runs a Source and keeps the snapshots it delivers.
 type watcher struct {
 	mu     sync.Mutex
