@@ -23,8 +23,9 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 
-	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
+	"github.com/redirector-mesh/redirector/pkg/source"
 	k8ssource "github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
@@ -181,10 +182,10 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := make(chan kubeobj.Objects, 1)
+	first := make(chan source.Snapshot, 1)
 	runErr := make(chan error, 1)
 	go func() {
-		runErr <- src.Run(ctx, func(s kubeobj.Objects) {
+		runErr <- src.Run(ctx, func(s source.Snapshot) {
 			select {
 			case first <- s:
 			default:
@@ -193,9 +194,9 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	}()
 	select {
 	case s := <-first:
-		if !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) ||
+		if !slices.ContainsFunc(s.Workloads, func(w *workload.Workload) bool { return w.Name == "web" }) ||
 			len(s.PeerAuthentications) != 1 || s.PeerAuthentications[0].Name != "default" {
-			t.Errorf("first snapshot as the agent: pods %d, PeerAuthentications %v", len(s.Pods), s.PeerAuthentications)
+			t.Errorf("first snapshot as the agent: workloads %d, PeerAuthentications %v", len(s.Workloads), s.PeerAuthentications)
 		}
 	case err := <-runErr:
 		t.Fatalf("the source stopped as the agent: %v", err)

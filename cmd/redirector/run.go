@@ -372,7 +372,7 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 	if err != nil {
 		return nil, nil, err
 	}
-	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log, Metrics: metrics})
+	ks, err := kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: cfg.node, Logger: log, Metrics: metrics, Selection: cfg.selection})
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes source: %w", err)
 	}
@@ -380,7 +380,7 @@ func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, met
 	if err != nil {
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
-	return kubeobj.NewSource(ks, cfg.selection, log), ann, nil
+	return ks, ann, nil
 }
 
 // restConfig is the API client configuration: from kubeconfig when given,

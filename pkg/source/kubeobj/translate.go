@@ -3,6 +3,7 @@ package kubeobj
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 
@@ -147,21 +148,59 @@ func Service(svc *corev1.Service) (*workload.Service, error) {
 }
 
 // addEndpoints joins slices to services by the kubernetes.io/service-name
-// label, so services without a selector but with hand-made slices work
-// too. An address in several slices (slices are cut by port set, and
-// overlap while they are rebalanced) becomes one endpoint with the union of
-// their ports, ready if any slice says so.
+// label (SliceService), so services without a selector but with hand-made
+// slices work too, and sets each service's endpoints (see Endpoints).
 func addEndpoints(services map[string]*workload.Service, list []discoveryv1.EndpointSlice) []error {
-	var errs []error
-	merged := map[*workload.Service]map[netip.Addr]*workload.Endpoint{}
+	bySvc := map[*workload.Service][]*discoveryv1.EndpointSlice{}
+	var order []*workload.Service // first seen first, so errors come in list order
 	for i := range list {
-		es := &list[i]
-		svc := services[es.Namespace+"/"+es.Labels[discoveryv1.LabelServiceName]]
-		if svc == nil || es.AddressType == discoveryv1.AddressTypeFQDN {
+		svc := services[SliceService(&list[i])]
+		if svc == nil {
 			continue
 		}
-		if merged[svc] == nil {
-			merged[svc] = map[netip.Addr]*workload.Endpoint{}
+		if bySvc[svc] == nil {
+			order = append(order, svc)
+		}
+		bySvc[svc] = append(bySvc[svc], &list[i])
+	}
+	var errs []error
+	for _, svc := range order {
+		var sliceErrs []error
+		svc.Endpoints, sliceErrs = Endpoints(bySvc[svc])
+		errs = append(errs, sliceErrs...)
+	}
+	return errs
+}
+
+// SliceService is the namespace/name of the service an EndpointSlice
+// belongs to, from its kubernetes.io/service-name label.
+func SliceService(es *discoveryv1.EndpointSlice) string {
+	return es.Namespace + "/" + es.Labels[discoveryv1.LabelServiceName]
+}
+
+// Endpoints translates the EndpointSlices of one service into its
+// endpoints, sorted by address. An address in several slices (slices are
+// cut by port set, and overlap while they are rebalanced) becomes one
+// endpoint with the union of their ports, ready if any slice says so. FQDN
+// slices are left out; an unusable address is left out and reported. The
+// endpoints of one slice share one Ports map (copied on a merge): 20k
+// endpoints cost the ports of their slices, not 20k maps.
+func Endpoints(list []*discoveryv1.EndpointSlice) ([]workload.Endpoint, []error) {
+	var errs []error
+	type merging struct {
+		e   *workload.Endpoint
+		own bool // e.Ports is e's own, not its first slice's shared map
+	}
+	merged := map[netip.Addr]*merging{}
+	for _, es := range list {
+		if es.AddressType == discoveryv1.AddressTypeFQDN {
+			continue
+		}
+		ports := make(map[string]int32, len(es.Ports))
+		for _, p := range es.Ports {
+			if p.Port != nil {
+				ports[derefOr(p.Name, "")] = *p.Port
+			}
 		}
 		for _, ep := range es.Endpoints {
 			if len(ep.Addresses) == 0 {
@@ -175,28 +214,30 @@ func addEndpoints(services map[string]*workload.Service, list []discoveryv1.Endp
 				continue
 			}
 			a = a.Unmap()
-			e := merged[svc][a]
-			if e == nil {
-				e = &workload.Endpoint{Addr: a, Ports: map[string]int32{}}
-				merged[svc][a] = e
+			m := merged[a]
+			if m == nil {
+				m = &merging{e: &workload.Endpoint{Addr: a, Ports: ports}}
+				merged[a] = m
+			} else {
+				if !m.own {
+					m.e.Ports, m.own = maps.Clone(m.e.Ports), true
+				}
+				maps.Copy(m.e.Ports, ports)
 			}
 			// A nil ready condition means unknown, which the API says
 			// to treat as ready.
-			e.Ready = e.Ready || ep.Conditions.Ready == nil || *ep.Conditions.Ready
-			for _, p := range es.Ports {
-				if p.Port != nil {
-					e.Ports[derefOr(p.Name, "")] = *p.Port
-				}
-			}
+			m.e.Ready = m.e.Ready || ep.Conditions.Ready == nil || *ep.Conditions.Ready
 		}
 	}
-	for svc, eps := range merged {
-		for _, e := range eps {
-			svc.Endpoints = append(svc.Endpoints, *e)
-		}
-		slices.SortFunc(svc.Endpoints, func(a, b workload.Endpoint) int { return a.Addr.Compare(b.Addr) })
+	if len(merged) == 0 {
+		return nil, errs
 	}
-	return errs
+	out := make([]workload.Endpoint, 0, len(merged))
+	for _, m := range merged {
+		out = append(out, *m.e)
+	}
+	slices.SortFunc(out, func(a, b workload.Endpoint) int { return a.Addr.Compare(b.Addr) })
+	return out, errs
 }
 
 func derefOr[T any](p *T, def T) T {

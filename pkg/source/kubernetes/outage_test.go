@@ -21,7 +21,6 @@ import (
 	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
-	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
@@ -122,7 +121,7 @@ func runSourceWith(t *testing.T, cfg kubernetes.Config) *watcher {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- src.Run(ctx, func(s kubeobj.Objects) {
+		done <- src.Run(ctx, func(s source.Snapshot) {
 			w.mu.Lock()
 			w.snaps = append(w.snaps, s)
 			w.mu.Unlock()
@@ -163,7 +162,7 @@ func errorCount(t *testing.T, m *source.Metrics, reason string) float64 {
 func TestSourceUnreachableAtStart(t *testing.T) {
 	t.Parallel()
 	c := kubetest.Start(t)
-	createNamespace(t, c.Client(t), "before", nil)
+	createNamespace(t, c.Client(t), "before", ambient)
 	p := newOutageProxy(t, c)
 	p.setDown(true)
 
@@ -178,8 +177,8 @@ func TestSourceUnreachableAtStart(t *testing.T) {
 	}
 
 	p.setDown(false)
-	w.waitFor(t, "namespace created before the start", func(s kubeobj.Objects) bool {
-		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "before"))
+	w.waitFor(t, "namespace created before the start", func(s source.Snapshot) bool {
+		return slices.Contains(s.AmbientNamespaces, "before")
 	})
 }
 
@@ -194,7 +193,7 @@ func TestSourceOutageKeepsLastState(t *testing.T) {
 	client := c.Client(t)
 	dyn := dynamicClient(t, c.Config)
 	installCRDs(t, dyn)
-	createNamespace(t, client, "shop", nil)
+	createNamespace(t, client, "shop", ambient)
 	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
 	createObject(t, dyn, peerAuthGVR, `
 apiVersion: security.istio.io/v1
@@ -208,39 +207,39 @@ spec: {mtls: {mode: STRICT}}
 	p := newOutageProxy(t, c)
 	m := source.NewMetrics(nil)
 	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), Metrics: m, PolicyRecheck: 200 * time.Millisecond})
-	complete := func(s kubeobj.Objects) bool {
-		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "shop")) &&
-			slices.ContainsFunc(s.Pods, runningWithIP("shop", "web", "10.244.1.5")) &&
+	complete := func(s source.Snapshot) bool {
+		return slices.Contains(s.AmbientNamespaces, "shop") &&
+			slices.ContainsFunc(s.Workloads, withIP("shop", "web", "10.244.1.5")) &&
 			slices.ContainsFunc(s.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict"))
 	}
 	w.waitFor(t, "namespace, pod and PeerAuthentication", complete)
 
 	p.setDownSparing(true, "/api/v1/services")
 	time.Sleep(4 * time.Second)
-	createNamespace(t, client, "during", nil) // behind the source's back
+	createNamespace(t, client, "during", ambient) // behind the source's back
 	if _, err := client.CoreV1().Services("shop").Create(t.Context(), &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "during"},
 		Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Port: 80}}},
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	w.waitFor(t, "the Service created during the outage", func(s kubeobj.Objects) bool {
-		return slices.ContainsFunc(s.Services, named[corev1.Service]("shop", "during"))
+	w.waitFor(t, "the Service created during the outage", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Services, isService("shop", "during"))
 	})
 	if errorCount(t, m, source.ReasonListWatch) == 0 {
 		t.Error("no list/watch error counted during the outage")
 	}
 
 	p.setDown(false)
-	w.waitFor(t, "the namespace created during the outage", func(s kubeobj.Objects) bool {
-		return complete(s) && slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "during"))
+	w.waitFor(t, "the namespace created during the outage", func(s source.Snapshot) bool {
+		return complete(s) && slices.Contains(s.AmbientNamespaces, "during")
 	})
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for i, s := range w.snaps {
 		if !complete(s) {
-			t.Errorf("snapshot %d of %d lacks an object: %d namespaces, %d pods, %d PeerAuthentications",
-				i+1, len(w.snaps), len(s.Namespaces), len(s.Pods), len(s.PeerAuthentications))
+			t.Errorf("snapshot %d of %d lacks an object: ambient namespaces %v, %d workloads, %d PeerAuthentications",
+				i+1, len(w.snaps), s.AmbientNamespaces, len(s.Workloads), len(s.PeerAuthentications))
 		}
 	}
 }

@@ -34,7 +34,7 @@ type policyKind struct {
 
 	informer      cache.SharedIndexInformer // nil while the CRD is missing
 	loggedMissing bool
-	// lastGood is the last version of each object (by UID) that converted; only snapshot
+	// lastGood is the last version of each object (by UID) that converted; only the model
 	// (the Run goroutine) reads and writes it.
 	lastGood map[types.UID]any
 }

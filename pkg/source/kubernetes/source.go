@@ -1,11 +1,25 @@
 // Package kubernetes is the production source.Source: cluster state from the Kubernetes API
-// through client-go informers, delivered as complete snapshots.
+// through client-go informers, translated into the mesh model (kubeobj) and delivered as
+// complete snapshots.
 //
 // It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
 // so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices,
 // node.k8s.io/v1 RuntimeClasses and,
 // when their CRDs are installed, security.istio.io/v1 PeerAuthentications and
 // AuthorizationPolicies. The Annotator patches pods.
+//
+// # Scale
+//
+// Every node caches every pod, service and slice of the cluster, so the caches hold trimmed
+// objects (kubeobj.CompactPod, kubeobj.TrimService and friends, applied by an informer
+// transform before an object is stored): only the fields translation reads. Events only mark
+// keys changed; at each debounced snapshot the source translates just those objects again (a
+// pod; a service with its slices; the pods of a namespace whose dataplane-mode label changed,
+// or of a RuntimeClass whose handler changed) into a model it keeps, and hands out the model
+// as it stands, without translating, copying or sorting the rest (see model). A second,
+// node-scoped pod watch would save nothing: a remote pod needs the same fields as a local one
+// (its enrollment decides HBONE or plaintext towards it, its named ports resolve service
+// target ports), and a cached pod holds no more than those. BENCHMARKS.md has the numbers.
 //
 // RBAC the agent's ClusterRole needs for this package:
 //
@@ -46,22 +60,21 @@ import (
 	"slices"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
-	coreinformers "k8s.io/client-go/informers/core/v1"
-	discoveryinformers "k8s.io/client-go/informers/discovery/v1"
-	nodeinformers "k8s.io/client-go/informers/node/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
@@ -92,6 +105,8 @@ type Config struct {
 	PolicyRecheck time.Duration
 	// Metrics counts list, watch and discovery errors; nil counts nothing.
 	Metrics *source.Metrics
+	// Selection is the operator's part of the enrollment rules, applied to every pod.
+	Selection selection.Config
 }
 
 // Source is a source.Source backed by the Kubernetes API.
@@ -103,7 +118,7 @@ type Source struct {
 	discovery discovery.DiscoveryInterface
 }
 
-var _ kubeobj.ObjectSource = (*Source)(nil)
+var _ source.Source = (*Source)(nil)
 
 // New returns a Source for cfg. It does not contact the API server; Run does.
 func New(cfg Config) (*Source, error) {
@@ -149,7 +164,7 @@ func New(cfg Config) (*Source, error) {
 // has synced (so the first snapshot is complete, not the early part of a list), then after
 // each burst of changes, debounced. update is called from Run's goroutine, one call at a time.
 // Run returns nil when ctx is done, or an error if the informers cannot be set up.
-func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
+func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	ctx, cancel := context.WithCancel(ctx)
 
 	changed := make(chan struct{}, 1)
@@ -159,14 +174,10 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 		default: // a snapshot is already due
 		}
 	}
-	onChange := cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(any) { notify() },
-		UpdateFunc: func(any, any) { notify() },
-		DeleteFunc: func(any) { notify() },
-	}
+	todo := &pending{notify: notify}
 
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync,
-		informers.WithTransform(dropManagedFields))
+		informers.WithTransform(trim))
 	dynFactory := dynamicinformer.NewDynamicSharedInformerFactory(s.dynamic, s.cfg.Resync)
 	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
 	defer func() {
@@ -175,23 +186,38 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 		dynFactory.Shutdown()
 	}()
 
-	l := listers{
-		namespaces:     factory.Core().V1().Namespaces(),
-		pods:           factory.Core().V1().Pods(),
-		services:       factory.Core().V1().Services(),
-		endpointSlices: factory.Discovery().V1().EndpointSlices(),
-		runtimeClasses: factory.Node().V1().RuntimeClasses(),
+	inf := informerSet{
+		namespaces:     factory.Core().V1().Namespaces().Informer(),
+		runtimeClasses: factory.Node().V1().RuntimeClasses().Informer(),
+		pods:           factory.Core().V1().Pods().Informer(),
+		services:       factory.Core().V1().Services().Informer(),
+		endpointSlices: factory.Discovery().V1().EndpointSlices().Informer(),
 		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec], failClosed: failClosedPeerAuthn},
 		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec], failClosed: failClosedAuthz},
 	}
-	for _, inf := range []cache.SharedIndexInformer{
-		l.namespaces.Informer(), l.pods.Informer(), l.services.Informer(), l.endpointSlices.Informer(),
-		l.runtimeClasses.Informer(),
+	if err := inf.pods.AddIndexers(cache.Indexers{podsByRuntimeClass: indexPodsByRuntimeClass}); err != nil {
+		return fmt.Errorf("add pod index: %w", err)
+	}
+	if err := inf.endpointSlices.AddIndexers(cache.Indexers{slicesByService: indexSlicesByService}); err != nil {
+		return fmt.Errorf("add endpointslice index: %w", err)
+	}
+	var delivered []cache.InformerSynced // the initial lists' events reached the handlers
+	for _, h := range []struct {
+		inf     cache.SharedIndexInformer
+		handler cache.ResourceEventHandler
+	}{
+		{inf.namespaces, todo.handler(kindNamespace, objectKey)},
+		{inf.runtimeClasses, todo.handler(kindRuntimeClass, objectKey)},
+		{inf.pods, todo.handler(kindPod, objectKey)},
+		{inf.services, todo.handler(kindService, objectKey)},
+		{inf.endpointSlices, todo.handler(kindService, sliceServiceKey)},
 	} {
-		if _, err := inf.AddEventHandler(onChange); err != nil {
+		reg, err := h.inf.AddEventHandler(h.handler)
+		if err != nil {
 			return fmt.Errorf("add event handler: %w", err)
 		}
-		if err := inf.SetWatchErrorHandlerWithContext(s.watchError); err != nil {
+		delivered = append(delivered, reg.HasSynced)
+		if err := h.inf.SetWatchErrorHandlerWithContext(s.watchError); err != nil {
 			return fmt.Errorf("set watch error handler: %w", err)
 		}
 	}
@@ -200,7 +226,7 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 
 	// The first snapshot must not lack policies only because the API server did not answer
 	// discovery yet (that would drop DENY policies until the next check): retry until it does.
-	pw := &policyWatch{s: s, factory: dynFactory, kinds: []*policyKind{l.peerAuthn, l.authz}, notify: notify}
+	pw := &policyWatch{s: s, factory: dynFactory, kinds: []*policyKind{inf.peerAuthn, inf.authz}, notify: todo.markPolicies}
 	for {
 		err := pw.check(ctx)
 		if err == nil {
@@ -226,16 +252,23 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	if !cache.WaitForCacheSync(ctx.Done(), pw.synced) {
 		return nil // ctx done
 	}
-
-	// Whatever the initial lists notified is in the first snapshot already.
+	// The handlers have seen the initial lists' events too, so the keys they marked so far are
+	// all in the caches the first snapshot translates whole: drop them, not to translate every
+	// object twice. (Keys marked later only translate their object again.)
+	if !cache.WaitForCacheSync(ctx.Done(), delivered...) {
+		return nil
+	}
 	select {
 	case <-changed:
 	default:
 	}
-	snap := l.snapshot()
+	todo.take()
+	m := newModel(s.cfg.Selection, s.log, inf)
+	m.apply(m.everything())
+	snap := m.snapshot()
 	s.log.Info("kubernetes source synced", "took", time.Since(start).Round(time.Millisecond),
-		"namespaces", len(snap.Namespaces), "pods", len(snap.Pods), "services", len(snap.Services),
-		"endpointSlices", len(snap.EndpointSlices), "peerAuthentications", len(snap.PeerAuthentications),
+		"namespaces", len(m.namespaces), "workloads", len(snap.Workloads), "services", len(snap.Services),
+		"endpointSlices", len(inf.endpointSlices.GetStore().ListKeys()), "peerAuthentications", len(snap.PeerAuthentications),
 		"authorizationPolicies", len(snap.AuthorizationPolicies))
 	update(snap)
 
@@ -251,7 +284,8 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 			due.Changed()
 		case <-due.C():
 			if due.Due() {
-				update(l.snapshot())
+				m.apply(todo.take())
+				update(m.snapshot())
 			}
 		case <-recheck.C:
 			if !pw.missing() {
@@ -278,32 +312,6 @@ func (s *Source) watchError(ctx context.Context, r *cache.Reflector, err error) 
 		"informer", r.TypeDescription(), "err", err)
 }
 
-// listers reads the informer caches.
-type listers struct {
-	namespaces     coreinformers.NamespaceInformer
-	pods           coreinformers.PodInformer
-	services       coreinformers.ServiceInformer
-	endpointSlices discoveryinformers.EndpointSliceInformer
-	runtimeClasses nodeinformers.RuntimeClassInformer
-	peerAuthn      *policyKind
-	authz          *policyKind
-}
-
-// snapshot copies the caches into a Snapshot, each list sorted by namespace and name so that
-// equal states give equal snapshots. The objects are shallow copies that share maps and
-// slices with the cache: consumers must not modify them (as kubeobj.Objects requires).
-func (l listers) snapshot() kubeobj.Objects {
-	return kubeobj.Objects{
-		Namespaces:            sortedValues(must(l.namespaces.Lister().List(labels.Everything()))),
-		Pods:                  sortedValues(must(l.pods.Lister().List(labels.Everything()))),
-		Services:              sortedValues(must(l.services.Lister().List(labels.Everything()))),
-		EndpointSlices:        sortedValues(must(l.endpointSlices.Lister().List(labels.Everything()))),
-		RuntimeClasses:        sortedValues(must(l.runtimeClasses.Lister().List(labels.Everything()))),
-		PeerAuthentications:   sortedValues(decodeAll[policy.PeerAuthentication](l.peerAuthn)),
-		AuthorizationPolicies: sortedValues(decodeAll[policy.AuthorizationPolicy](l.authz)),
-	}
-}
-
 // sortedValues sorts objs by namespace and name and returns copies of the objects.
 func sortedValues[T any, P interface {
 	*T
@@ -320,9 +328,21 @@ func sortedValues[T any, P interface {
 	return out
 }
 
-// must drops the error of a lister List with labels.Everything(), which cannot fail: the
-// error only reports a selector that does not parse.
-func must[T any](v []T, _ error) []T { return v }
+// trim is the informers' transform: objects enter the caches trimmed to what translation
+// reads (pods as kubeobj.CompactPod), everything else without its managedFields.
+func trim(obj any) (any, error) {
+	switch o := obj.(type) {
+	case *corev1.Pod:
+		return kubeobj.NewCompactPod(o), nil
+	case *corev1.Service:
+		return kubeobj.TrimService(o), nil
+	case *discoveryv1.EndpointSlice:
+		return kubeobj.TrimEndpointSlice(o), nil
+	case *corev1.Namespace:
+		return kubeobj.TrimNamespace(o), nil
+	}
+	return dropManagedFields(obj)
+}
 
 // dropManagedFields strips metadata.managedFields before objects enter the caches: nothing
 // here reads them, and they are a large part of every object's memory.

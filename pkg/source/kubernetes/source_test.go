@@ -1,8 +1,11 @@
 package kubernetes_test
 
 import (
-	"fmt"
+	"encoding/json"
+	"errors"
+	"net/netip"
 	"os"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -11,10 +14,13 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	nodev1 "k8s.io/api/node/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	k8s "k8s.io/client-go/kubernetes"
@@ -22,8 +28,11 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
@@ -42,8 +51,8 @@ func TestSource(t *testing.T) {
 
 	w := runSource(t, c.Config)
 	first := w.first(t)
-	if !slices.ContainsFunc(first.Namespaces, named[corev1.Namespace]("", "apps")) {
-		t.Fatalf("first snapshot lacks namespace apps: %v", names(first.Namespaces))
+	if !slices.Equal(first.AmbientNamespaces, []string{"apps"}) {
+		t.Fatalf("first snapshot's ambient namespaces = %v, want apps", first.AmbientNamespaces)
 	}
 	if got := first.AuthorizationPolicies; len(got) != 0 {
 		t.Errorf("policies without their CRDs: %v", got)
@@ -56,24 +65,74 @@ func TestSource(t *testing.T) {
 		} {
 			createRunningPod(t, client, "apps", p.name, p.node, p.ip, p.ip6)
 		}
-		snap := w.waitFor(t, "running pods web and db with IPs", func(s kubeobj.Objects) bool {
-			return slices.ContainsFunc(s.Pods, runningWithIP("apps", "web", "10.244.1.5")) &&
-				slices.ContainsFunc(s.Pods, runningWithIP("apps", "db", "10.244.2.7"))
+		snap := w.waitFor(t, "running pods web and db with IPs", func(s source.Snapshot) bool {
+			return slices.ContainsFunc(s.Workloads, withIP("apps", "web", "10.244.1.5")) &&
+				slices.ContainsFunc(s.Workloads, withIP("apps", "db", "10.244.2.7"))
 		})
-		if got := names(snap.Pods); !slices.IsSorted(got) {
-			t.Errorf("pods not sorted: %v", got)
+		if got := workloadNames(snap.Workloads); !slices.IsSorted(got) {
+			t.Errorf("workloads not sorted: %v", got)
 		}
-		i := slices.IndexFunc(snap.Pods, named[corev1.Pod]("apps", "db"))
-		if db := snap.Pods[i]; db.Spec.NodeName != "node-b" || len(db.Status.PodIPs) != 2 || len(db.ManagedFields) != 0 {
-			t.Errorf("pod db: node %q, IPs %v, %d managedFields; want node-b, both IPs, none",
-				db.Spec.NodeName, db.Status.PodIPs, len(db.ManagedFields))
+		db := snap.Workloads[slices.IndexFunc(snap.Workloads, isWorkload("apps", "db"))]
+		if db.Node != "node-b" || len(db.Addrs) != 2 || !db.Enrolled || db.Labels["app"] != "db" || db.UID == "" {
+			t.Errorf("pod db = %+v; want node-b, both IPs, enrolled (ambient namespace), its labels and uid", db)
 		}
+
+		setPodLabel(t, client, "apps", "db", "version", "v2")
+		w.waitFor(t, "pod db's new label", func(s source.Snapshot) bool {
+			i := slices.IndexFunc(s.Workloads, isWorkload("apps", "db"))
+			return i >= 0 && s.Workloads[i].Labels["version"] == "v2"
+		})
 
 		if err := client.CoreV1().Pods("apps").Delete(ctx, "db", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}); err != nil {
 			t.Fatalf("delete pod: %v", err)
 		}
-		w.waitFor(t, "pod db gone", func(s kubeobj.Objects) bool {
-			return !slices.ContainsFunc(s.Pods, named[corev1.Pod]("apps", "db"))
+		w.waitFor(t, "pod db gone", func(s source.Snapshot) bool {
+			return !slices.ContainsFunc(s.Workloads, isWorkload("apps", "db"))
+		})
+	})
+
+	t.Run("namespace label re-translates its pods", func(t *testing.T) {
+		createNamespace(t, client, "late", nil)
+		createRunningPod(t, client, "late", "app", "node-a", "10.244.1.9", "")
+		enrolled := func(want bool) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i := slices.IndexFunc(s.Workloads, withIP("late", "app", "10.244.1.9"))
+				return i >= 0 && s.Workloads[i].Enrolled == want && slices.Contains(s.AmbientNamespaces, "late") == want
+			}
+		}
+		w.waitFor(t, "late/app, not enrolled", enrolled(false))
+		setNamespaceLabel(t, client, "late", "istio.io/dataplane-mode", "ambient")
+		w.waitFor(t, "late/app enrolled once its namespace is ambient", enrolled(true))
+		setNamespaceLabel(t, client, "late", "istio.io/dataplane-mode", "")
+		w.waitFor(t, "late/app unenrolled again", enrolled(false))
+	})
+
+	t.Run("runtime class re-translates its pods", func(t *testing.T) {
+		// runSource skips the handler "kata". (The API server refuses pods of a class that
+		// does not exist, so the class comes first.)
+		ctx := t.Context()
+		createRuntimeClass(t, client, "sandbox", "kata")
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: "sandboxed"},
+			Spec: corev1.PodSpec{NodeName: "node-a", RuntimeClassName: new("sandbox"),
+				Containers: []corev1.Container{{Name: "app", Image: "registry.invalid/app:1"}}},
+		}
+		markRunning(t, client, mustCreatePod(t, client, pod), "10.244.1.20", "")
+		reason := func(want string) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i := slices.IndexFunc(s.Workloads, withIP("apps", "sandboxed", "10.244.1.20"))
+				return i >= 0 && strings.Contains(s.Workloads[i].Reason, want)
+			}
+		}
+		w.waitFor(t, "sandboxed pod skipped for its handler", reason("handler kata) is skipped"))
+		if err := client.NodeV1().RuntimeClasses().Delete(ctx, "sandbox", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "sandboxed pod's class gone", reason("unknown runtime class"))
+		createRuntimeClass(t, client, "sandbox", "runc")
+		w.waitFor(t, "sandboxed pod enrolled under runc", func(s source.Snapshot) bool {
+			i := slices.IndexFunc(s.Workloads, withIP("apps", "sandboxed", "10.244.1.20"))
+			return i >= 0 && s.Workloads[i].Enrolled
 		})
 	})
 
@@ -84,44 +143,54 @@ func TestSource(t *testing.T) {
 			Spec: corev1.ServiceSpec{
 				IPFamilyPolicy: &family,
 				Selector:       map[string]string{"app": "web"},
-				Ports:          []corev1.ServicePort{{Name: "http", Port: 80}},
+				Ports:          []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromString("http")}},
 			},
 		}
 		if _, err := client.CoreV1().Services("apps").Create(ctx, svc, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create service: %v", err)
 		}
 		// No controller-manager runs, so the slice is written by hand as its controller would.
-		ready := true
-		eps := &discoveryv1.EndpointSlice{
-			ObjectMeta: metav1.ObjectMeta{
-				Namespace: "apps", Name: "web-abc12",
-				Labels: map[string]string{discoveryv1.LabelServiceName: "web"},
-			},
-			AddressType: discoveryv1.AddressTypeIPv4,
-			Endpoints: []discoveryv1.Endpoint{{
-				Addresses:  []string{"10.244.1.5"},
-				Conditions: discoveryv1.EndpointConditions{Ready: &ready},
-				NodeName:   new("node-a"),
-			}},
-			Ports: []discoveryv1.EndpointPort{{Name: new("http"), Port: new(int32(8080))}},
-		}
+		eps := endpointSlice("web", "web-abc12", 8080, "10.244.1.5")
 		if _, err := client.DiscoveryV1().EndpointSlices("apps").Create(ctx, eps, metav1.CreateOptions{}); err != nil {
 			t.Fatalf("create endpointslice: %v", err)
 		}
-		snap := w.waitFor(t, "service web and its endpointslice", func(s kubeobj.Objects) bool {
-			return slices.ContainsFunc(s.Services, named[corev1.Service]("apps", "web")) &&
-				slices.ContainsFunc(s.EndpointSlices, named[discoveryv1.EndpointSlice]("apps", "web-abc12"))
+		snap := w.waitFor(t, "service web and its endpoint", func(s source.Snapshot) bool {
+			return slices.Equal(endpointsOf(s, "apps", "web"), []string{"10.244.1.5"})
 		})
-		i := slices.IndexFunc(snap.Services, named[corev1.Service]("apps", "web"))
-		if ips := snap.Services[i].Spec.ClusterIPs; len(ips) != 2 {
-			t.Errorf("service web ClusterIPs = %v, want IPv4 and IPv6", ips)
+		web := snap.Services[slices.IndexFunc(snap.Services, isService("apps", "web"))]
+		if len(web.VIPs) != 2 || len(web.Ports) != 1 || web.Ports[0].TargetPortName != "http" || web.Endpoints[0].Ports["http"] != 8080 {
+			t.Errorf("service web = %+v, want IPv4 and IPv6 VIPs, port http, endpoint port 8080", web)
 		}
+
+		// A second slice of the same service merges in; deleting the first leaves the second's.
+		if _, err := client.DiscoveryV1().EndpointSlices("apps").Create(ctx, endpointSlice("web", "web-def34", 8080, "10.244.1.6"), metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create endpointslice: %v", err)
+		}
+		w.waitFor(t, "both slices' endpoints", func(s source.Snapshot) bool {
+			return slices.Equal(endpointsOf(s, "apps", "web"), []string{"10.244.1.5", "10.244.1.6"})
+		})
+		if err := client.DiscoveryV1().EndpointSlices("apps").Delete(ctx, "web-abc12", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "the first slice's endpoint gone", func(s source.Snapshot) bool {
+			return slices.Equal(endpointsOf(s, "apps", "web"), []string{"10.244.1.6"})
+		})
 
 		if err := client.CoreV1().Services("apps").Delete(ctx, "web", metav1.DeleteOptions{}); err != nil {
 			t.Fatalf("delete service: %v", err)
 		}
-		w.waitFor(t, "service web gone", func(s kubeobj.Objects) bool {
-			return !slices.ContainsFunc(s.Services, named[corev1.Service]("apps", "web"))
+		w.waitFor(t, "service web gone", func(s source.Snapshot) bool {
+			return !slices.ContainsFunc(s.Services, isService("apps", "web"))
+		})
+		// A slice whose service comes later: the service gets its endpoints.
+		if _, err := client.CoreV1().Services("apps").Create(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "apps", Name: "web"},
+			Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create service: %v", err)
+		}
+		w.waitFor(t, "the service back with the remaining slice's endpoint", func(s source.Snapshot) bool {
+			return slices.Equal(endpointsOf(s, "apps", "web"), []string{"10.244.1.6"})
 		})
 	})
 
@@ -130,29 +199,21 @@ func TestSource(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		annotation := func(s kubeobj.Objects) (string, bool) {
-			i := slices.IndexFunc(s.Pods, named[corev1.Pod]("apps", "web"))
-			if i < 0 {
-				return "", false
+		redirected := func(want bool) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i := slices.IndexFunc(s.Workloads, isWorkload("apps", "web"))
+				return i >= 0 && s.Workloads[i].Redirected == want
 			}
-			v, ok := s.Pods[i].Annotations[kubernetes.RedirectionAnnotation]
-			return v, ok
 		}
 
 		if err := a.SetRedirection(ctx, "apps", "web", true); err != nil {
 			t.Fatal(err)
 		}
-		w.waitFor(t, "annotation enabled on web", func(s kubeobj.Objects) bool {
-			v, _ := annotation(s)
-			return v == "enabled"
-		})
+		w.waitFor(t, "annotation enabled on web", redirected(true))
 		if err := a.SetRedirection(ctx, "apps", "web", false); err != nil {
 			t.Fatal(err)
 		}
-		w.waitFor(t, "annotation gone from web", func(s kubeobj.Objects) bool {
-			_, ok := annotation(s)
-			return !ok && slices.ContainsFunc(s.Pods, named[corev1.Pod]("apps", "web"))
-		})
+		w.waitFor(t, "annotation gone from web", redirected(false))
 
 		if err := a.SetRedirection(ctx, "apps", "gone", false); err != nil {
 			t.Errorf("unannotate a missing pod: %v, want success", err)
@@ -187,7 +248,7 @@ spec:
     to:
     - operation: {ports: ["8080"]}
 `)
-		snap := w.waitFor(t, "both policies", func(s kubeobj.Objects) bool {
+		snap := w.waitFor(t, "both policies", func(s source.Snapshot) bool {
 			return len(s.PeerAuthentications) == 1 && len(s.AuthorizationPolicies) == 1
 		})
 		pa := snap.PeerAuthentications[0]
@@ -201,6 +262,46 @@ spec:
 			!slices.Equal(ap.Spec.Rules[0].To[0].Operation.Ports, []string{"8080"}) {
 			t.Errorf("AuthorizationPolicy = %+v", ap)
 		}
+	})
+
+	t.Run("waypoint labels", func(t *testing.T) {
+		// The waypoint is named by its Service; the labels may come before it.
+		createNamespace(t, client, "wp", map[string]string{"istio.io/dataplane-mode": "ambient"})
+		createRunningPod(t, client, "wp", "app", "node-b", "10.244.2.40", "")
+		setPodLabel(t, client, "wp", "app", "istio.io/use-waypoint", "waypoint")
+		svc := func(name string, labels map[string]string) *corev1.Service {
+			return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "wp", Name: name, Labels: labels},
+				Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80}}}}
+		}
+		if _, err := client.CoreV1().Services("wp").Create(ctx, svc("app-svc", nil), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		want := &workload.Waypoint{Namespace: "wp", Hostname: "waypoint.wp.svc.cluster.local", HBONEPort: 15008}
+		waypoints := func(pod, service *workload.Waypoint) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i, j := slices.IndexFunc(s.Workloads, isWorkload("wp", "app")), slices.IndexFunc(s.Services, isService("wp", "app-svc"))
+				return i >= 0 && j >= 0 && reflect.DeepEqual(s.Workloads[i].Waypoint, pod) && reflect.DeepEqual(s.Services[j].Waypoint, service)
+			}
+		}
+		w.waitFor(t, "no waypoint while its Service is missing", waypoints(nil, nil))
+		if _, err := client.CoreV1().Services("wp").Create(ctx, svc("waypoint", map[string]string{"istio.io/waypoint-for": "all"}), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "the pod's waypoint once its Service exists", waypoints(want, nil))
+		setNamespaceLabel(t, client, "wp", "istio.io/use-waypoint", "waypoint")
+		w.waitFor(t, "the service's waypoint from its namespace's label", waypoints(want, want))
+		if err := client.CoreV1().Services("wp").Delete(ctx, "waypoint", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "no waypoint once its Service is gone", waypoints(nil, nil))
+	})
+
+	// Whatever the order of events, the incremental model ends where a whole translation of
+	// the API's objects does.
+	t.Run("incremental equals whole translation", func(t *testing.T) {
+		w.waitFor(t, "the same model as kubeobj.Translate of everything listed", func(s source.Snapshot) bool {
+			return sameModel(s, translateAll(t, client))
+		})
 	})
 }
 
@@ -232,7 +333,7 @@ spec: {action: ALLOW}
 
 	c.Restart(t)
 
-	createNamespace(t, client, "after", nil)
+	createNamespace(t, client, "after", ambient)
 	createRunningPod(t, client, "after", "late", "node-a", "10.244.3.9", "")
 	createObject(t, dyn, authzGVR, `
 apiVersion: security.istio.io/v1
@@ -240,42 +341,70 @@ kind: AuthorizationPolicy
 metadata: {namespace: after, name: late}
 spec: {action: DENY}
 `)
-	w.waitFor(t, "namespace, pod and policy created after the restart", func(s kubeobj.Objects) bool {
-		return slices.ContainsFunc(s.Namespaces, named[corev1.Namespace]("", "after")) &&
-			slices.ContainsFunc(s.Pods, runningWithIP("after", "late", "10.244.3.9")) &&
+	w.waitFor(t, "namespace, pod and policy created after the restart", func(s source.Snapshot) bool {
+		return slices.Contains(s.AmbientNamespaces, "after") &&
+			slices.ContainsFunc(s.Workloads, withIP("after", "late", "10.244.3.9")) &&
 			slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("after", "late"))
 	})
+}
+
+// TestSourceResync: with Config.Resync the informers deliver their cached objects again,
+// which are compact pods and trimmed objects by then: they must translate as before, every
+// resync a fresh snapshot with everything in it.
+func TestSourceResync(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	createNamespace(t, client, "shop", ambient)
+	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
+	w := runSourceWith(t, kubernetes.Config{RestConfig: c.Config, Resync: 300 * time.Millisecond, PolicyRecheck: 200 * time.Millisecond})
+	enrolled := func(s source.Snapshot) bool {
+		i := slices.IndexFunc(s.Workloads, withIP("shop", "web", "10.244.1.5"))
+		return i >= 0 && s.Workloads[i].Enrolled && s.Workloads[i].Labels["app"] == "web"
+	}
+	w.waitFor(t, "shop/web enrolled", enrolled)
+	n := w.count()
+	w.waitFor(t, "three resyncs", func(source.Snapshot) bool { return w.count() >= n+3 })
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for i, s := range w.snaps[n-1:] {
+		if !enrolled(s) {
+			t.Errorf("snapshot %d after a resync lacks shop/web: %d workloads", n+i, len(s.Workloads))
+		}
+	}
 }
 
 // watcher runs a Source and keeps the snapshots it delivers.
 type watcher struct {
 	mu     sync.Mutex
-	snaps  []kubeobj.Objects
+	snaps  []source.Snapshot
 	change chan struct{} // signalled on every snapshot
 }
 
-// runSource runs a Source until the test ends, then checks that Run returned cleanly.
+// runSource runs a Source until the test ends, then checks that Run returned cleanly. Pods
+// whose RuntimeClass handler is "kata" are not enrolled.
 func runSource(t *testing.T, cfg *rest.Config) *watcher {
 	t.Helper()
-	return runSourceWith(t, kubernetes.Config{RestConfig: cfg, PolicyRecheck: 200 * time.Millisecond})
+	return runSourceWith(t, kubernetes.Config{RestConfig: cfg, PolicyRecheck: 200 * time.Millisecond,
+		Selection: selection.Config{SkipRuntimeClasses: []string{"kata"}}})
 }
 
 // first returns the first snapshot delivered.
-func (w *watcher) first(t *testing.T) kubeobj.Objects {
+func (w *watcher) first(t *testing.T) source.Snapshot {
 	t.Helper()
-	w.waitFor(t, "a first snapshot", func(kubeobj.Objects) bool { return true })
+	w.waitFor(t, "a first snapshot", func(source.Snapshot) bool { return true })
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.snaps[0]
 }
 
 // waitFor waits until the latest snapshot satisfies ok and returns it.
-func (w *watcher) waitFor(t *testing.T, what string, ok func(kubeobj.Objects) bool) kubeobj.Objects {
+func (w *watcher) waitFor(t *testing.T, what string, ok func(source.Snapshot) bool) source.Snapshot {
 	t.Helper()
 	deadline := time.After(waitTimeout)
 	for {
 		w.mu.Lock()
-		var last *kubeobj.Objects
+		var last *source.Snapshot
 		if n := len(w.snaps); n > 0 {
 			last = &w.snaps[n-1]
 		}
@@ -291,6 +420,9 @@ func (w *watcher) waitFor(t *testing.T, what string, ok func(kubeobj.Objects) bo
 	}
 }
 
+// ambient is the namespace label that enrolls its pods.
+var ambient = map[string]string{selection.DataplaneModeLabel: selection.DataplaneModeAmbient}
+
 func createNamespace(t *testing.T, client k8s.Interface, name string, labels map[string]string) {
 	t.Helper()
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}
@@ -303,7 +435,6 @@ func createNamespace(t *testing.T, client k8s.Interface, name string, labels map
 // it Running with its IPs (ip6 may be empty).
 func createRunningPod(t *testing.T, client k8s.Interface, ns, name, node, ip, ip6 string) {
 	t.Helper()
-	ctx := t.Context()
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, Labels: map[string]string{"app": name}},
 		Spec: corev1.PodSpec{
@@ -311,19 +442,113 @@ func createRunningPod(t *testing.T, client k8s.Interface, ns, name, node, ip, ip
 			Containers: []corev1.Container{{Name: "app", Image: "registry.invalid/app:1"}},
 		},
 	}
-	pod, err := client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
+	markRunning(t, client, mustCreatePod(t, client, pod), ip, ip6)
+}
+
+func mustCreatePod(t *testing.T, client k8s.Interface, pod *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	pod, err := client.CoreV1().Pods(pod.Namespace).Create(t.Context(), pod, metav1.CreateOptions{})
 	if err != nil {
-		t.Fatalf("create pod %s/%s: %v", ns, name, err)
+		t.Fatalf("create pod: %v", err)
 	}
+	return pod
+}
+
+// markRunning does what the pod's kubelet would: phase Running, its IPs (ip6 may be empty).
+func markRunning(t *testing.T, client k8s.Interface, pod *corev1.Pod, ip, ip6 string) {
+	t.Helper()
 	pod.Status.Phase = corev1.PodRunning
 	pod.Status.PodIP = ip
 	pod.Status.PodIPs = []corev1.PodIP{{IP: ip}}
 	if ip6 != "" {
 		pod.Status.PodIPs = append(pod.Status.PodIPs, corev1.PodIP{IP: ip6})
 	}
-	if _, err := client.CoreV1().Pods(ns).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
-		t.Fatalf("update status of pod %s/%s: %v", ns, name, err)
+	if _, err := client.CoreV1().Pods(pod.Namespace).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("update status of pod %s/%s: %v", pod.Namespace, pod.Name, err)
 	}
+}
+
+// setPodLabel sets (or, with an empty value, removes) a label of a pod.
+func setPodLabel(t *testing.T, client k8s.Interface, ns, name, key, value string) {
+	t.Helper()
+	if _, err := client.CoreV1().Pods(ns).Patch(t.Context(), name, types.MergePatchType, labelPatch(key, value), metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label pod %s/%s: %v", ns, name, err)
+	}
+}
+
+// setNamespaceLabel sets (or, with an empty value, removes) a label of a namespace.
+func setNamespaceLabel(t *testing.T, client k8s.Interface, name, key, value string) {
+	t.Helper()
+	if _, err := client.CoreV1().Namespaces().Patch(t.Context(), name, types.MergePatchType, labelPatch(key, value), metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label namespace %s: %v", name, err)
+	}
+}
+
+func labelPatch(key, value string) []byte {
+	var v any = value
+	if value == "" {
+		v = nil
+	}
+	b, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{key: v}}})
+	return b
+}
+
+func createRuntimeClass(t *testing.T, client k8s.Interface, name, handler string) {
+	t.Helper()
+	rc := &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Handler: handler}
+	if _, err := client.NodeV1().RuntimeClasses().Create(t.Context(), rc, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create runtime class %s: %v", name, err)
+	}
+}
+
+// endpointSlice is a slice of service with one ready endpoint per address, on port http.
+func endpointSlice(service, name string, port int32, addrs ...string) *discoveryv1.EndpointSlice {
+	es := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+		Ports:       []discoveryv1.EndpointPort{{Name: new("http"), Port: new(port)}},
+	}
+	for _, a := range addrs {
+		es.Endpoints = append(es.Endpoints, discoveryv1.Endpoint{Addresses: []string{a}, Conditions: discoveryv1.EndpointConditions{Ready: new(true)}})
+	}
+	return es
+}
+
+// translateAll lists every object the source watches (but policies) and translates them
+// whole, as the source did before it translated incrementally.
+func translateAll(t *testing.T, client k8s.Interface) source.Snapshot {
+	t.Helper()
+	ctx := t.Context()
+	var objs kubeobj.Objects
+	nss, err1 := client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{})
+	pods, err2 := client.CoreV1().Pods("").List(ctx, metav1.ListOptions{})
+	svcs, err3 := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+	eps, err4 := client.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{})
+	rcs, err5 := client.NodeV1().RuntimeClasses().List(ctx, metav1.ListOptions{})
+	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
+		t.Fatalf("list: %v", err)
+	}
+	objs.Namespaces, objs.Pods, objs.Services, objs.EndpointSlices, objs.RuntimeClasses = nss.Items, pods.Items, svcs.Items, eps.Items, rcs.Items
+	snap, _ := kubeobj.Translate(objs, selection.Config{SkipRuntimeClasses: []string{"kata"}})
+	return snap
+}
+
+// sameModel reports whether two snapshots hold equal workloads, services and ambient
+// namespaces, in whatever order.
+func sameModel(a, b source.Snapshot) bool {
+	byName := func(x, y interface{ String() string }) int { return strings.Compare(x.String(), y.String()) }
+	ws := func(s []*workload.Workload) []*workload.Workload {
+		s = slices.Clone(s)
+		slices.SortFunc(s, func(x, y *workload.Workload) int { return byName(x, y) })
+		return s
+	}
+	ss := func(s []*workload.Service) []*workload.Service {
+		s = slices.Clone(s)
+		slices.SortFunc(s, func(x, y *workload.Service) int { return byName(x, y) })
+		return s
+	}
+	return reflect.DeepEqual(ws(a.Workloads), ws(b.Workloads)) && reflect.DeepEqual(ss(a.Services), ss(b.Services)) &&
+		slices.Equal(a.AmbientNamespaces, b.AmbientNamespaces)
 }
 
 var (
@@ -390,6 +615,43 @@ func waitServed(t *testing.T, cfg *rest.Config, gvr schema.GroupVersionResource)
 	t.Fatalf("%s not served after %v", gvr, waitTimeout)
 }
 
+func isWorkload(ns, name string) func(*workload.Workload) bool {
+	return func(w *workload.Workload) bool { return w.Namespace == ns && w.Name == name }
+}
+
+func isService(ns, name string) func(*workload.Service) bool {
+	return func(s *workload.Service) bool { return s.Namespace == ns && s.Name == name }
+}
+
+// withIP matches the workload ns/name when ip is among its addresses.
+func withIP(ns, name, ip string) func(*workload.Workload) bool {
+	a := netip.MustParseAddr(ip)
+	return func(w *workload.Workload) bool {
+		return w.Namespace == ns && w.Name == name && slices.Contains(w.Addrs, a)
+	}
+}
+
+func workloadNames(ws []*workload.Workload) []string {
+	out := make([]string, len(ws))
+	for i, w := range ws {
+		out[i] = w.Namespace + "\x00" + w.Name // sorts as namespace, then name
+	}
+	return out
+}
+
+// endpointsOf lists the endpoint addresses of the service ns/name in s.
+func endpointsOf(s source.Snapshot, ns, name string) []string {
+	i := slices.IndexFunc(s.Services, isService(ns, name))
+	if i < 0 {
+		return nil
+	}
+	var out []string
+	for _, e := range s.Services[i].Endpoints {
+		out = append(out, e.Addr.String())
+	}
+	return out
+}
+
 func named[T any, P interface {
 	*T
 	GetNamespace() string
@@ -399,23 +661,4 @@ func named[T any, P interface {
 		p := P(&o)
 		return p.GetNamespace() == ns && p.GetName() == name
 	}
-}
-
-func runningWithIP(ns, name, ip string) func(corev1.Pod) bool {
-	return func(p corev1.Pod) bool {
-		return p.Namespace == ns && p.Name == name && p.Status.Phase == corev1.PodRunning && p.Status.PodIP == ip
-	}
-}
-
-func names[T any, P interface {
-	*T
-	GetNamespace() string
-	GetName() string
-}](objs []T) []string {
-	out := make([]string, len(objs))
-	for i := range objs {
-		p := P(&objs[i])
-		out[i] = fmt.Sprintf("%s/%s", p.GetNamespace(), p.GetName())
-	}
-	return out
 }

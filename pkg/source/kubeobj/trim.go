@@ -1,0 +1,173 @@
+package kubeobj
+
+import (
+	"slices"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
+)
+
+// NewCompactPod and the Trim functions keep of an object only the fields
+// translation (Pod, Service, Endpoints, Translate) and the selection rules
+// read, and the resourceVersion an informer's cache compares. A cluster-wide
+// cache of 20k pods then holds names, labels, addresses and port names, not
+// container specs, statuses, volumes and managed fields. They live here,
+// next to the code that reads the fields, so the two change together
+// (TestTrimmedTranslatesAlike checks they agree). Trimming a trimmed object
+// changes nothing.
+
+// podAnnotations are the only annotations translation reads.
+var podAnnotations = []string{
+	selection.SidecarStatusAnnotation,
+	selection.BypassInboundAnnotation,
+	selection.RedirectionAnnotation,
+}
+
+// CompactPod is what the Kubernetes source caches of a pod: the fields
+// Pod reads (identity, labels, the annotations the selection rules and the
+// redirection mark use, the controller reference WorkloadMeta follows,
+// node, service account, hostNetwork, runtime class, named container
+// ports, phase and addresses), in about a quarter of a corev1.Pod's memory
+// (a corev1.Pod struct alone is 1.2 kB, each container 400 bytes more).
+// It is a metav1.Object, so informer stores and indexes key it as the pod.
+type CompactPod struct {
+	metav1.ObjectMeta
+	NodeName           string
+	ServiceAccountName string
+	HostNetwork        bool
+	RuntimeClassName   *string
+	// NamedPorts are the named container ports, init containers first,
+	// the first of each name only (as namedPorts reads them).
+	NamedPorts []corev1.ContainerPort
+	Phase      corev1.PodPhase
+	PodIP      string
+	PodIPs     []corev1.PodIP
+}
+
+// NewCompactPod keeps of pod what Pod reads.
+func NewCompactPod(pod *corev1.Pod) *CompactPod {
+	c := &CompactPod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: pod.Name, Namespace: pod.Namespace, UID: pod.UID, ResourceVersion: pod.ResourceVersion,
+			GenerateName: pod.GenerateName, Labels: pod.Labels, DeletionTimestamp: pod.DeletionTimestamp,
+			Annotations: keep(pod.Annotations, podAnnotations...),
+		},
+		NodeName: pod.Spec.NodeName, ServiceAccountName: pod.Spec.ServiceAccountName,
+		HostNetwork: pod.Spec.HostNetwork, RuntimeClassName: pod.Spec.RuntimeClassName,
+		Phase: pod.Status.Phase, PodIP: pod.Status.PodIP, PodIPs: pod.Status.PodIPs,
+	}
+	for _, ct := range slices.Concat(pod.Spec.InitContainers, pod.Spec.Containers) {
+		for _, p := range ct.Ports {
+			if p.Name != "" && !slices.ContainsFunc(c.NamedPorts, func(q corev1.ContainerPort) bool { return q.Name == p.Name }) {
+				c.NamedPorts = append(c.NamedPorts, corev1.ContainerPort{Name: p.Name, ContainerPort: p.ContainerPort})
+			}
+		}
+	}
+	// WorkloadMeta follows the first controller reference only.
+	for _, ref := range pod.OwnerReferences {
+		if ref.Controller != nil && *ref.Controller {
+			c.OwnerReferences = []metav1.OwnerReference{{Kind: ref.Kind, Name: ref.Name, Controller: ref.Controller}}
+			break
+		}
+	}
+	return c
+}
+
+// Pod returns the pod as Pod reads it: a new corev1.Pod holding the kept
+// fields (sharing their maps and slices: treat it as read-only).
+func (c *CompactPod) Pod() *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: c.ObjectMeta,
+		Spec: corev1.PodSpec{NodeName: c.NodeName, ServiceAccountName: c.ServiceAccountName,
+			HostNetwork: c.HostNetwork, RuntimeClassName: c.RuntimeClassName},
+		Status: corev1.PodStatus{Phase: c.Phase, PodIP: c.PodIP, PodIPs: c.PodIPs},
+	}
+	if c.NamedPorts != nil {
+		p.Spec.Containers = []corev1.Container{{Ports: c.NamedPorts}}
+	}
+	return p
+}
+
+// GetObjectKind implements runtime.Object (a CompactPod carries no kind).
+func (c *CompactPod) GetObjectKind() schema.ObjectKind { return schema.EmptyObjectKind }
+
+// DeepCopyObject implements runtime.Object.
+func (c *CompactPod) DeepCopyObject() runtime.Object {
+	out := *c
+	c.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	if c.RuntimeClassName != nil {
+		out.RuntimeClassName = new(*c.RuntimeClassName)
+	}
+	out.NamedPorts = slices.Clone(c.NamedPorts)
+	out.PodIPs = slices.Clone(c.PodIPs)
+	return &out
+}
+
+// TrimService keeps of svc what Service and the waypoint rules read: its
+// cluster IPs, ports and waypoint labels.
+func TrimService(svc *corev1.Service) *corev1.Service {
+	out := &corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Name: svc.Name, Namespace: svc.Namespace, UID: svc.UID, ResourceVersion: svc.ResourceVersion,
+			Labels: keep(svc.Labels, WaypointLabels...)},
+		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs},
+	}
+	if svc.Spec.Ports != nil {
+		out.Spec.Ports = make([]corev1.ServicePort, len(svc.Spec.Ports))
+		for i, p := range svc.Spec.Ports {
+			out.Spec.Ports[i] = corev1.ServicePort{Name: p.Name, Port: p.Port, Protocol: p.Protocol, AppProtocol: p.AppProtocol, TargetPort: p.TargetPort}
+		}
+	}
+	return out
+}
+
+// TrimEndpointSlice keeps of es what Endpoints reads: its service label,
+// address type, each endpoint's first address (the one used) and ready
+// condition, and the ports.
+func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice {
+	out := &discoveryv1.EndpointSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: es.Name, Namespace: es.Namespace, UID: es.UID, ResourceVersion: es.ResourceVersion,
+			Labels: keep(es.Labels, discoveryv1.LabelServiceName)},
+		AddressType: es.AddressType,
+		Ports:       es.Ports,
+	}
+	if es.Endpoints != nil {
+		out.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
+		for i, ep := range es.Endpoints {
+			out.Endpoints[i] = discoveryv1.Endpoint{Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}}
+			if len(ep.Addresses) > 0 {
+				out.Endpoints[i].Addresses = ep.Addresses[:1:1]
+			}
+		}
+	}
+	return out
+}
+
+// TrimNamespace keeps of ns its name, the dataplane-mode label and the
+// waypoint labels, all the selection and waypoint rules read.
+func TrimNamespace(ns *corev1.Namespace) *corev1.Namespace {
+	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion,
+		Labels: keep(ns.Labels, append([]string{selection.DataplaneModeLabel}, WaypointLabels...)...)}}
+}
+
+// keep returns the entries of m under keys (nil if none; m itself if it
+// has nothing else).
+func keep(m map[string]string, keys ...string) map[string]string {
+	var out map[string]string
+	for _, k := range keys {
+		if v, ok := m[k]; ok {
+			if out == nil {
+				out = make(map[string]string, len(keys))
+			}
+			out[k] = v
+		}
+	}
+	if len(out) == len(m) {
+		return m
+	}
+	return out
+}
