@@ -582,6 +582,60 @@ func (n *Node) spawn(name, bin string, args ...string) (*process, error) {
 	return p, nil
 }
 
+// SaveArtifacts copies what shows why a test failed into dir, before Stop removes it: the
+// node's daemon logs, its pods' and containers' logs (/var/log/pods, also of pods since
+// deleted while the kubelet kept them), and, from the control node, the cluster's events
+// and objects.
+func (n *Node) SaveArtifacts(ctx context.Context, dir string) (string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	var errs []error
+	logs, _ := filepath.Glob(filepath.Join(n.Dir, "*.log"))
+	for _, f := range logs {
+		if b, err := os.ReadFile(f); err != nil {
+			errs = append(errs, err)
+		} else if err := os.WriteFile(filepath.Join(dir, filepath.Base(f)), b, 0o644); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if out, err := exec.CommandContext(ctx, "cp", "-rL", n.Root("/var/log/pods"), filepath.Join(dir, "pods")).CombinedOutput(); err != nil {
+		errs = append(errs, fmt.Errorf("copy /var/log/pods: %w: %s", err, out))
+	}
+	if n.control == nil {
+		for name, args := range map[string][]string{
+			"events.txt":  {"get", "events", "-A", "--sort-by=.lastTimestamp", "-o", "wide"},
+			"objects.txt": {"get", "all,daemonsets,configmaps", "-A", "-o", "wide"},
+			"pods.yaml":   {"get", "pods", "-A", "-o", "yaml"},
+		} {
+			out, err := n.Kubectl(ctx, args...)
+			if err != nil {
+				errs = append(errs, err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, name), []byte(out), 0o644); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	var cni strings.Builder
+	for _, d := range []string{"/etc/cni/net.d", "/opt/cni/bin"} {
+		entries, err := os.ReadDir(n.Root(d))
+		fmt.Fprintf(&cni, "%s (%v):\n", d, err)
+		for _, e := range entries {
+			fmt.Fprintf(&cni, "  %s\n", e.Name())
+			if d == "/etc/cni/net.d" && !e.IsDir() {
+				b, _ := os.ReadFile(n.Root(filepath.Join(d, e.Name())))
+				fmt.Fprintf(&cni, "%s\n", b)
+			}
+		}
+	}
+	_ = os.WriteFile(filepath.Join(dir, "cni.txt"), []byte(cni.String()), 0o644)
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.holder.Process.Pid)); err == nil {
+		_ = os.WriteFile(filepath.Join(dir, "mountinfo"), b, 0o644)
+	}
+	return dir, errors.Join(errs...)
+}
+
 // LogTail is the end of a daemon's log, for failures.
 func (n *Node) LogTail(name string, lines int) string {
 	b, err := os.ReadFile(filepath.Join(n.Dir, name+".log"))
