@@ -58,7 +58,8 @@ var kubeletSysctls = []string{
 
 // hostMountpoints are the host directories the node hides behind tmpfs mounts of its own
 // mount namespace: the runtime's and kubelet's state, the CNI configuration and binaries.
-// Those missing on the host are created (empty, as mount points) and removed again.
+// Those missing on the host are created (empty, as mount points) and removed again by the
+// last node out (hostshare.go).
 var hostMountpoints = []string{
 	"/run", "/etc/cni", "/opt/cni", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/var/lib/cni",
 }
@@ -156,14 +157,9 @@ func startNode(ctx context.Context, logf Logf, n *Node) (_ *Node, err error) {
 		}
 		return nil
 	})
-	// A worker's kubelet changes the same global sysctls as its control node's, which saved
-	// them before either changed them and restores them after both stopped.
-	if n.control == nil {
-		if err := n.saveSysctls(); err != nil {
-			return n, err
-		}
-	}
-	if err := n.hostDirs(); err != nil {
+	// The host's mount points and global sysctls are shared by every node of every test
+	// process: the first in saves, the last out restores (hostshare.go).
+	if err := n.acquireHost(logf); err != nil {
 		return n, err
 	}
 	if err := n.netns(); err != nil {
@@ -230,67 +226,8 @@ func (n *Node) Stop(logf Logf) error {
 	return n.stopErr
 }
 
-func (n *Node) saveSysctls() error {
-	saved := map[string]string{}
-	for _, k := range kubeletSysctls {
-		b, err := os.ReadFile(sysctlPath(k))
-		if err != nil {
-			return fmt.Errorf("read sysctl %s: %w", k, err)
-		}
-		saved[k] = strings.TrimSpace(string(b))
-	}
-	n.rec.Sysctls = saved
-	n.push(func() error {
-		var errs []error
-		for _, k := range kubeletSysctls {
-			if err := os.WriteFile(sysctlPath(k), []byte(saved[k]), 0o644); err != nil {
-				errs = append(errs, fmt.Errorf("restore sysctl %s=%s: %w", k, saved[k], err))
-			}
-		}
-		return errors.Join(errs...)
-	})
-	return nil
-}
-
 func sysctlPath(k string) string {
 	return "/proc/sys/" + strings.ReplaceAll(k, ".", "/")
-}
-
-func (n *Node) hostDirs() error {
-	for _, d := range hostMountpoints {
-		if _, err := os.Stat(d); err == nil {
-			continue
-		}
-		// MkdirAll may create parents too: remember the topmost created one.
-		top := d
-		for p := filepath.Dir(d); p != "/"; p = filepath.Dir(p) {
-			if _, err := os.Stat(p); err == nil {
-				break
-			}
-			top = p
-		}
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return fmt.Errorf("create mount point %s: %w", d, err)
-		}
-		for p := d; ; p = filepath.Dir(p) {
-			n.rec.HostDirs = append(n.rec.HostDirs, p) // deepest first
-			if p == top {
-				break
-			}
-		}
-		n.push(func() error {
-			// Empty directories only: on the host they were only ever mount points.
-			for p := d; ; p = filepath.Dir(p) {
-				if err := os.Remove(p); err != nil {
-					return fmt.Errorf("remove mount point %s: %w", p, err)
-				}
-				if p == top {
-					return nil
-				}
-			}
-		})
-	}
-	return nil
 }
 
 func (n *Node) netns() error {
