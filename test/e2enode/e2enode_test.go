@@ -494,7 +494,8 @@ func TestRealNode(t *testing.T) {
 func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
 	t.Helper()
 	inputsOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "e2enode-images-")
+		// The pid in the name lets SweepStale remove it if this process dies unstopped.
+		dir, err := os.MkdirTemp("", fmt.Sprintf("e2enode-images-%d-", os.Getpid()))
 		if err != nil {
 			inputsErr = err
 			return

@@ -83,5 +83,16 @@ func SweepStale(logf Logf) error {
 		}
 		_ = os.Remove(f)
 	}
+	// The images' folders of test processes that died (nodeInputs).
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "e2enode-images-*-*"))
+	for _, d := range dirs {
+		f := strings.Split(filepath.Base(d), "-")
+		if pid, err := strconv.Atoi(f[2]); err == nil && !alive(pid) {
+			logf("removing %s of a run that died (pid %d)", d, pid)
+			if err := os.RemoveAll(d); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
 	return errors.Join(errs...)
 }
