@@ -494,7 +494,8 @@ func TestRealNode(t *testing.T) {
 func nodeInputs(ctx context.Context, t *testing.T) (bins, images string) {
 	t.Helper()
 	inputsOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "e2enode-images-")
+		// The pid in the name lets SweepStale remove it if this process dies unstopped.
+		dir, err := os.MkdirTemp("", fmt.Sprintf("e2enode-images-%d-", os.Getpid()))
 		if err != nil {
 			inputsErr = err
 			return
@@ -548,6 +549,20 @@ func dumpNode(t *testing.T, n *Node) {
 	for _, p := range procs {
 		t.Logf("--- end of %s's %s log:\n%s", n.Name, p, n.LogTail(p, 40))
 	}
+	if dir, err := n.SaveArtifacts(ctx, filepath.Join(artifactsDir(), n.Name)); err != nil {
+		t.Logf("saving %s's logs: %v", n.Name, err)
+	} else {
+		t.Logf("--- %s's daemon, pod and container logs and the cluster's events: %s", n.Name, dir)
+	}
+}
+
+// artifactsDir is where a failed test leaves its nodes' logs: $E2ENODE_ARTIFACTS, or
+// bin/e2e-node-artifacts.
+func artifactsDir() string {
+	if d := os.Getenv("E2ENODE_ARTIFACTS"); d != "" {
+		return d
+	}
+	return filepath.Join(repoRoot, "bin", "e2e-node-artifacts")
 }
 
 // holdOnFailure keeps a failed test's node for a look, as E2ENODE_HOLD says.
@@ -660,6 +675,19 @@ func startupTime(t *testing.T, n *Node, apply func(t *testing.T, name, manifest 
 		sort.Slice(d, func(i, j int) bool { return d[i] < d[j] })
 		t.Logf("STARTUP %s: apply -> Ready median %v (min %v, max %v, n=%d)", ns, ((d[runs/2-1] + d[runs/2]) / 2).Round(time.Millisecond),
 			d[0].Round(time.Millisecond), d[runs-1].Round(time.Millisecond), runs)
+		// Each failed probe costs a probe period before Ready: say how many there were.
+		events, err := n.Client.CoreV1().Events(ns).List(t.Context(), metav1.ListOptions{FieldSelector: "reason=Unhealthy"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		failed, example := 0, ""
+		for _, e := range events.Items {
+			if strings.HasPrefix(e.InvolvedObject.Name, "startup-") {
+				failed += int(max(e.Count, 1))
+				example = e.Message
+			}
+		}
+		t.Logf("STARTUP %s: %d failed probes during start-up (last: %q)", ns, failed, example)
 	}
 }
 

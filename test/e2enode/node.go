@@ -58,7 +58,8 @@ var kubeletSysctls = []string{
 
 // hostMountpoints are the host directories the node hides behind tmpfs mounts of its own
 // mount namespace: the runtime's and kubelet's state, the CNI configuration and binaries.
-// Those missing on the host are created (empty, as mount points) and removed again.
+// Those missing on the host are created (empty, as mount points) and removed again by the
+// last node out (hostshare.go).
 var hostMountpoints = []string{
 	"/run", "/etc/cni", "/opt/cni", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers", "/var/lib/cni",
 }
@@ -156,14 +157,9 @@ func startNode(ctx context.Context, logf Logf, n *Node) (_ *Node, err error) {
 		}
 		return nil
 	})
-	// A worker's kubelet changes the same global sysctls as its control node's, which saved
-	// them before either changed them and restores them after both stopped.
-	if n.control == nil {
-		if err := n.saveSysctls(); err != nil {
-			return n, err
-		}
-	}
-	if err := n.hostDirs(); err != nil {
+	// The host's mount points and global sysctls are shared by every node of every test
+	// process: the first in saves, the last out restores (hostshare.go).
+	if err := n.acquireHost(logf); err != nil {
 		return n, err
 	}
 	if err := n.netns(); err != nil {
@@ -230,67 +226,8 @@ func (n *Node) Stop(logf Logf) error {
 	return n.stopErr
 }
 
-func (n *Node) saveSysctls() error {
-	saved := map[string]string{}
-	for _, k := range kubeletSysctls {
-		b, err := os.ReadFile(sysctlPath(k))
-		if err != nil {
-			return fmt.Errorf("read sysctl %s: %w", k, err)
-		}
-		saved[k] = strings.TrimSpace(string(b))
-	}
-	n.rec.Sysctls = saved
-	n.push(func() error {
-		var errs []error
-		for _, k := range kubeletSysctls {
-			if err := os.WriteFile(sysctlPath(k), []byte(saved[k]), 0o644); err != nil {
-				errs = append(errs, fmt.Errorf("restore sysctl %s=%s: %w", k, saved[k], err))
-			}
-		}
-		return errors.Join(errs...)
-	})
-	return nil
-}
-
 func sysctlPath(k string) string {
 	return "/proc/sys/" + strings.ReplaceAll(k, ".", "/")
-}
-
-func (n *Node) hostDirs() error {
-	for _, d := range hostMountpoints {
-		if _, err := os.Stat(d); err == nil {
-			continue
-		}
-		// MkdirAll may create parents too: remember the topmost created one.
-		top := d
-		for p := filepath.Dir(d); p != "/"; p = filepath.Dir(p) {
-			if _, err := os.Stat(p); err == nil {
-				break
-			}
-			top = p
-		}
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return fmt.Errorf("create mount point %s: %w", d, err)
-		}
-		for p := d; ; p = filepath.Dir(p) {
-			n.rec.HostDirs = append(n.rec.HostDirs, p) // deepest first
-			if p == top {
-				break
-			}
-		}
-		n.push(func() error {
-			// Empty directories only: on the host they were only ever mount points.
-			for p := d; ; p = filepath.Dir(p) {
-				if err := os.Remove(p); err != nil {
-					return fmt.Errorf("remove mount point %s: %w", p, err)
-				}
-				if p == top {
-					return nil
-				}
-			}
-		})
-	}
-	return nil
 }
 
 func (n *Node) netns() error {
@@ -580,6 +517,60 @@ func (n *Node) spawn(name, bin string, args ...string) (*process, error) {
 		return nil, err
 	}
 	return p, nil
+}
+
+// SaveArtifacts copies what shows why a test failed into dir, before Stop removes it: the
+// node's daemon logs, its pods' and containers' logs (/var/log/pods, also of pods since
+// deleted while the kubelet kept them), and, from the control node, the cluster's events
+// and objects.
+func (n *Node) SaveArtifacts(ctx context.Context, dir string) (string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", err
+	}
+	var errs []error
+	logs, _ := filepath.Glob(filepath.Join(n.Dir, "*.log"))
+	for _, f := range logs {
+		if b, err := os.ReadFile(f); err != nil {
+			errs = append(errs, err)
+		} else if err := os.WriteFile(filepath.Join(dir, filepath.Base(f)), b, 0o644); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if out, err := exec.CommandContext(ctx, "cp", "-rL", n.Root("/var/log/pods"), filepath.Join(dir, "pods")).CombinedOutput(); err != nil {
+		errs = append(errs, fmt.Errorf("copy /var/log/pods: %w: %s", err, out))
+	}
+	if n.control == nil {
+		for name, args := range map[string][]string{
+			"events.txt":  {"get", "events", "-A", "--sort-by=.lastTimestamp", "-o", "wide"},
+			"objects.txt": {"get", "all,daemonsets,configmaps", "-A", "-o", "wide"},
+			"pods.yaml":   {"get", "pods", "-A", "-o", "yaml"},
+		} {
+			out, err := n.Kubectl(ctx, args...)
+			if err != nil {
+				errs = append(errs, err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, name), []byte(out), 0o644); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	var cni strings.Builder
+	for _, d := range []string{"/etc/cni/net.d", "/opt/cni/bin"} {
+		entries, err := os.ReadDir(n.Root(d))
+		fmt.Fprintf(&cni, "%s (%v):\n", d, err)
+		for _, e := range entries {
+			fmt.Fprintf(&cni, "  %s\n", e.Name())
+			if d == "/etc/cni/net.d" && !e.IsDir() {
+				b, _ := os.ReadFile(n.Root(filepath.Join(d, e.Name())))
+				fmt.Fprintf(&cni, "%s\n", b)
+			}
+		}
+	}
+	_ = os.WriteFile(filepath.Join(dir, "cni.txt"), []byte(cni.String()), 0o644)
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", n.holder.Process.Pid)); err == nil {
+		_ = os.WriteFile(filepath.Join(dir, "mountinfo"), b, 0o644)
+	}
+	return dir, errors.Join(errs...)
 }
 
 // LogTail is the end of a daemon's log, for failures.

@@ -22,8 +22,7 @@ type record struct {
 	Owner      int // pid of the test process
 	CgroupRoot string
 	Hierarchy  []string
-	Sysctls    map[string]string
-	HostDirs   []string // mount points the node created on the host
+	Sysctls    map[string]string // the host's values before any kubelet (see hostShare)
 }
 
 func recordPath(name string) string {
@@ -75,20 +74,25 @@ func SweepStale(logf Logf) error {
 				errs = append(errs, fmt.Errorf("ip netns del %s: %w: %s", r.Name, err, out))
 			}
 		}
-		for k, v := range r.Sysctls {
-			if err := os.WriteFile(sysctlPath(k), []byte(v), 0o644); err != nil {
-				errs = append(errs, fmt.Errorf("restore sysctl %s: %w", k, err))
-			}
-		}
-		for _, d := range r.HostDirs {
-			_ = os.Remove(d) // empty mount points only
-		}
+		// The sysctls and the host's mount points are the shared host state's: it drops
+		// this node as a user, and restores them if no live node is left.
 		if r.Dir != "" && strings.Contains(r.Dir, r.Name) {
 			if err := os.RemoveAll(r.Dir); err != nil {
 				errs = append(errs, err)
 			}
 		}
 		_ = os.Remove(f)
+	}
+	// The images' folders of test processes that died (nodeInputs).
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "e2enode-images-*-*"))
+	for _, d := range dirs {
+		f := strings.Split(filepath.Base(d), "-")
+		if pid, err := strconv.Atoi(f[2]); err == nil && !alive(pid) {
+			logf("removing %s of a run that died (pid %d)", d, pid)
+			if err := os.RemoveAll(d); err != nil {
+				errs = append(errs, err)
+			}
+		}
 	}
 	return errors.Join(errs...)
 }
