@@ -29,7 +29,12 @@ type variant struct {
 	// relay); their CPU time is charged to the variant.
 	proxies []int
 	meshed  bool
-	relay   *child // the relay of capture-only and iptables-tproxy
+	// names name the proxies in per-proxy figures (default: node<N> for
+	// the agents, relay otherwise).
+	names []string
+	// logs are the variant's relay processes, whose standard error a
+	// failed test quotes.
+	logs []*child
 }
 
 // cluster is the simulated cluster every variant lives in:
@@ -40,7 +45,8 @@ type variant struct {
 // direct: dclient -> plain; meshed cross-node: client -> server; meshed
 // same-node: client -> local; capture-only: cclient (eBPF capture by this
 // process's own loader) -> relay -> plain; iptables TPROXY: tclient
-// (iptables in its namespace) -> relay -> plain.
+// (iptables in its namespace) -> relay -> plain; peer-stunnel: dclient ->
+// stunnel in dclient -> mutual TLS -> stunnel in plain -> plain (peer.go).
 type cluster struct {
 	cfg      config
 	topo     *netnstest.Topology
@@ -138,6 +144,11 @@ spec:
 		return nil, fmt.Errorf("iptables TPROXY: %w", err)
 	}
 
+	pc, peer, err := setupPeer(ctx, r, dclient, c.plain)
+	if err != nil {
+		return nil, fmt.Errorf("peer-stunnel: %w", err)
+	}
+
 	c.variants = []*variant{
 		{Name: "direct", Desc: "no mesh: client and server pods not enrolled, cross-node", client: dclient, server: c.plain.IPv4},
 		{Name: "meshed-cross", Desc: "HBONE between the two nodes' agents", client: c.client, server: c.server.IPv4,
@@ -145,9 +156,12 @@ spec:
 		{Name: "meshed-same", Desc: "HBONE, client and server pods on one node (one agent)", client: c.client, server: c.local.IPv4,
 			proxies: c.agentPID[:1], meshed: true},
 		{Name: "capture-only", Desc: "the eBPF capture (pkg/loader) into a plain Go TCP relay in the client pod, no TLS", client: cclient,
-			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, relay: capRelay},
+			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, logs: []*child{capRelay}},
 		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
-			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, relay: tpRelay},
+			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, logs: []*child{tpRelay}},
+		{Name: "peer-stunnel", Desc: "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel",
+			client: dclient, server: netip.MustParseAddr("127.0.0.1"), proxies: []int{peer[0].Pid(), peer[1].Pid()},
+			names: []string{"client", "server"}, logs: peer},
 	}
 	for _, v := range c.variants {
 		if err := c.checkPath(ctx, v); err != nil {
@@ -171,6 +185,9 @@ spec:
 			return nil, fmt.Errorf("variant %s: the relay carried no connection (%d before, %d after; %v): the capture does not work",
 				x.v.Name, before, after, err)
 		}
+	}
+	if err := checkPeerTLS(ctx, pc, dclient, c.plain.IPv4); err != nil {
+		return nil, err
 	}
 	strict := &variant{Name: "meshed client to STRICT server", client: c.client, server: c.sserver.IPv4}
 	if err := c.checkPath(ctx, strict); err != nil {

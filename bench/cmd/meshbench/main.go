@@ -1,7 +1,8 @@
 // Command meshbench measures what the mesh costs. It builds its own simulated
 // cluster with the test harness (two nodes in network namespaces, the real
-// `redirector run` agents), runs the same load against five variants of the
-// path between a client pod and a server pod, interleaved round-robin so
+// `redirector run` agents), runs the same load against six variants of the
+// path between a client pod and a server pod (one of them a pair of stunnel
+// relays, the mature peer the mesh is compared with), interleaved round-robin so
 // that the machine's noise hits every variant alike, and writes a table, a
 // JSON file and a PNG plot under -out.
 //

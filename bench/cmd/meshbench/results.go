@@ -84,12 +84,15 @@ type results struct {
 	Variants []variantInfo `json:"variants"`
 	Metrics  []metricDef   `json:"metrics"`
 	// Samples[variant][metric][round]; null where a round failed.
-	Samples  map[string]map[string][]*float64 `json:"samples"`
-	Summary  map[string]map[string]summary    `json:"summary"`
-	Agent    agentResults                     `json:"agent"`
-	Profiles []profileResult                  `json:"profiles"`
-	Micro    []microResult                    `json:"microbenchmarks"`
-	Errors   []string                         `json:"errors"`
+	Samples map[string]map[string][]*float64 `json:"samples"`
+	Summary map[string]map[string]summary    `json:"summary"`
+	// MeshToPeer[meshed variant][metric] is the per-round ratio to the
+	// peer relay (see peerRatios), in round order.
+	MeshToPeer map[string]map[string][]float64 `json:"mesh_to_peer,omitempty"`
+	Agent      agentResults                    `json:"agent"`
+	Profiles   []profileResult                 `json:"profiles"`
+	Micro      []microResult                   `json:"microbenchmarks"`
+	Errors     []string                        `json:"errors"`
 	// Retries are measurements that failed once and were repeated.
 	Retries []string `json:"retries"`
 
@@ -151,6 +154,14 @@ func (r *results) summarize() {
 				s.Ratio, s.RatioMin, s.RatioMax = stats(ratios)
 			}
 			r.Summary[v][k] = s
+		}
+	}
+	for _, mesh := range []string{"meshed-cross", "meshed-same"} {
+		if p := r.peerRatios(mesh); len(p) > 0 {
+			if r.MeshToPeer == nil {
+				r.MeshToPeer = map[string]map[string][]float64{}
+			}
+			r.MeshToPeer[mesh] = p
 		}
 	}
 	if len(r.Agent.EnrollToSYNms) > 0 {
