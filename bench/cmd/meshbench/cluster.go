@@ -72,19 +72,29 @@ func (c *cluster) variant(name string) *variant {
 // buildCluster creates the namespaces, the agents, the servers and the
 // capture setups, and checks every variant carries an echo.
 func buildCluster(ctx context.Context, r *netnstest.Runner, cfg config) (*cluster, error) {
-	c := &cluster{cfg: cfg, topo: netnstest.New(r, 2)}
+	nodes := 2
+	if cfg.alt() {
+		nodes = 4 // nodes 3 and 4 run the alternative agents
+	}
+	c := &cluster{cfg: cfg, topo: netnstest.New(r, nodes)}
 	n1, n2 := c.topo.Nodes[0], c.topo.Nodes[1]
 	c.client, c.local = n1.AddPod("client"), n1.AddPod("local")
 	dclient, cclient, tclient := n1.AddPod("dclient"), n1.AddPod("cclient"), n1.AddPod("tclient")
 	c.server, c.sserver, c.plain = n2.AddPod("server"), n2.AddPod("sserver"), n2.AddPod("plain")
-	for _, p := range []*netnstest.Pod{c.client, dclient, cclient, tclient} {
+	var aclient, aserver *netnstest.Pod
+	clients, servers := []*netnstest.Pod{c.client, dclient, cclient, tclient}, []*netnstest.Pod{c.server, c.local, c.plain}
+	if cfg.alt() {
+		aclient, aserver = c.topo.Nodes[2].AddPod("aclient"), c.topo.Nodes[3].AddPod("aserver")
+		clients, servers = append(clients, aclient), append(servers, aserver)
+	}
+	for _, p := range clients {
 		if err := clientSysctls(ctx, p.Path()); err != nil {
 			return nil, err
 		}
 	}
 
 	// Servers first, so nothing races their start.
-	for _, p := range []*netnstest.Pod{c.server, c.local, c.plain} {
+	for _, p := range servers {
 		if err := startServers(ctx, r, cfg, p, true); err != nil {
 			return nil, err
 		}
@@ -108,6 +118,9 @@ kind: PeerAuthentication
 metadata: {name: strict, namespace: strict}
 spec:
   mtls: {mode: STRICT}`)
+	if cfg.alt() {
+		c.manifest.Pod(aclient, "mesh", "client-sa", "app=aclient").Pod(aserver, "mesh", "server-sa", "app=aserver")
+	}
 	if err := c.manifest.Write(c.manPath); err != nil {
 		return nil, fmt.Errorf("write manifest: %w", err)
 	}
@@ -116,22 +129,33 @@ spec:
 	if out, err := exec.Command(bin, "ca", "init", "--dir", caDir).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("redirector ca init: %w: %s", err, out)
 	}
-	for _, n := range c.topo.Nodes {
-		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: bin, Manifest: c.manPath, CADir: caDir,
-			BPFRoot: filepath.Join(dir, "bpf-"+n.Name), Env: cfg.AgentEnv,
+	var altPID []int
+	for i, n := range c.topo.Nodes {
+		b, env := bin, cfg.AgentEnv
+		if i >= 2 {
+			b, env = cfg.altBinary(), append(append([]string{}, cfg.AgentEnv...), cfg.AltAgentEnv...)
+		}
+		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: b, Manifest: c.manPath, CADir: caDir,
+			BPFRoot: filepath.Join(dir, "bpf-"+n.Name), Env: env,
 			// The harness asks for debug logs; per-connection logging
 			// would be part of what we measure. The last flag wins.
 			Args: []string{"--log-level", "info", fmt.Sprintf("--sockops-acceleration=%v", cfg.Sockops)}})
-		c.agents = append(c.agents, a)
-	}
-	for i, want := range []int{2, 2} { // pods per node
-		if err := waitEnrolled(ctx, c.agents[i], want, 20*time.Second); err != nil {
+		want := 2 // pods per node
+		if i >= 2 {
+			want = 1
+		}
+		if err := waitEnrolled(ctx, a, want, 20*time.Second); err != nil {
 			return nil, err
 		}
-		pid, err := agentPID(c.agents[i].BPFRoot)
+		pid, err := agentPID(a.BPFRoot)
 		if err != nil {
 			return nil, err
 		}
+		if i >= 2 {
+			altPID = append(altPID, pid)
+			continue
+		}
+		c.agents = append(c.agents, a)
 		c.agentPID = append(c.agentPID, pid)
 	}
 
@@ -162,6 +186,10 @@ spec:
 		{Name: "peer-stunnel", Desc: "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel",
 			client: dclient, server: netip.MustParseAddr("127.0.0.1"), proxies: []int{peer[0].Pid(), peer[1].Pid()},
 			names: []string{"client", "server"}, logs: peer},
+	}
+	if cfg.alt() {
+		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
+			client: aclient, server: aserver.IPv4, proxies: altPID, meshed: true, names: []string{"node3", "node4"}})
 	}
 	for _, v := range c.variants {
 		if err := c.checkPath(ctx, v); err != nil {

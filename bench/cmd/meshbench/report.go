@@ -75,6 +75,14 @@ func (r *results) printTables(w io.Writer) {
 	}
 
 	r.peerSection(w)
+	if _, ok := r.Samples[altVariant]; ok {
+		fmt.Fprintf(w, "\nOn/off: %s (%s) / meshed-cross, paired by round, median [min-max]\n", altVariant, r.cfg.altDesc())
+		for _, md := range r.Metrics {
+			if s, ok := r.pairedRatio(altVariant, "meshed-cross", md.Key); ok {
+				fmt.Fprintf(w, "  %-28s %s× [%s-%s]\n", md.Title, num(s.Median), num(s.Min), num(s.Max))
+			}
+		}
+	}
 	r.anchors(w)
 
 	fmt.Fprintf(w, "\nAgents (node1 runs the client side, node2 the server side; in meshed-same node1 does both)\n")
@@ -83,9 +91,9 @@ func (r *results) printTables(w io.Writer) {
 		{fmt.Sprintf("CPU at %d qps", r.cfg.HTTPQPS), "vcpu_at_qps", "vCPU"},
 		{fmt.Sprintf("RSS at %d qps", r.cfg.HTTPQPS), "rss_at_qps", "MiB"},
 	} {
-		for _, v := range []string{"meshed-cross", "meshed-same", peerVariant} {
+		for _, v := range []string{"meshed-cross", "meshed-same", altVariant, peerVariant} {
 			var cells []string
-			for _, node := range []string{"node1", "node2", "client", "server"} {
+			for _, node := range []string{"node1", "node2", "node3", "node4", "client", "server"} {
 				if s, ok := r.get(v, row.key+"@"+node); ok {
 					cells = append(cells, fmt.Sprintf("%s %s [%s-%s]", node, num(s.Median), num(s.Min), num(s.Max)))
 				}
