@@ -402,7 +402,7 @@ func (r *results) peerSection(w io.Writer) {
 		for _, t := range peerTargets {
 			v, ok := ratios[t.Key]
 			if !ok {
-				fmt.Fprintf(w, "  %-58s not measured\n", t.What)
+				fmt.Fprintf(w, "  %-58s no round to compare (for the added p99: the peer added nothing to direct's in every round)\n", t.What)
 				continue
 			}
 			med, lo, hi := stats(v)
