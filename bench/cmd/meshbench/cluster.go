@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -168,9 +169,24 @@ spec:
 		return nil, fmt.Errorf("iptables TPROXY: %w", err)
 	}
 
-	pc, peer, err := setupPeer(ctx, r, dclient, c.plain)
+	peerDir := filepath.Join(dir, "peer")
+	if err := os.MkdirAll(peerDir, 0o700); err != nil {
+		return nil, err
+	}
+	pc, err := makePeerCerts(peerDir, c.plain.IPv4)
 	if err != nil {
-		return nil, fmt.Errorf("peer-stunnel: %w", err)
+		return nil, err
+	}
+	peers := map[string][]*child{}
+	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+		if peers[kind.variant], err = setupPeer(ctx, r, kind, pc, peerDir, dclient, c.plain); err != nil {
+			return nil, err
+		}
+	}
+	peerVariant := func(kind peerRelay, desc string) *variant {
+		ch := peers[kind.variant]
+		return &variant{Name: kind.variant, Desc: desc, client: dclient, server: kind.local,
+			proxies: []int{ch[0].Pid(), ch[1].Pid()}, names: []string{"client", "server"}, logs: ch}
 	}
 
 	c.variants = []*variant{
@@ -183,9 +199,8 @@ spec:
 			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, logs: []*child{capRelay}},
 		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
 			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, logs: []*child{tpRelay}},
-		{Name: "peer-stunnel", Desc: "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel",
-			client: dclient, server: netip.MustParseAddr("127.0.0.1"), proxies: []int{peer[0].Pid(), peer[1].Pid()},
-			names: []string{"client", "server"}, logs: peer},
+		peerVariant(stunnelPeer, "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel"),
+		peerVariant(haproxyPeer, "the same with a pair of HAProxy 2.6 (event loop, OpenSSL) in TCP mode"),
 	}
 	if cfg.alt() {
 		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
@@ -214,8 +229,10 @@ spec:
 				x.v.Name, before, after, err)
 		}
 	}
-	if err := checkPeerTLS(ctx, pc, dclient, c.plain.IPv4); err != nil {
-		return nil, err
+	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+		if err := checkPeerTLS(ctx, kind, pc, dclient, c.plain.IPv4); err != nil {
+			return nil, err
+		}
 	}
 	strict := &variant{Name: "meshed client to STRICT server", client: c.client, server: c.sserver.IPv4}
 	if err := c.checkPath(ctx, strict); err != nil {

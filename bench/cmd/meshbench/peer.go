@@ -25,25 +25,42 @@ import (
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
-// The peer variant: a mature TLS relay pair doing the mesh's job between
+// The peer variants: a mature TLS relay pair doing the mesh's job between
 // the direct variant's two pods, so the mesh can be compared with what users
-// would otherwise deploy. Debian's stunnel4 (OpenSSL), mutual TLS 1.3 with
-// AES-128-GCM, certificates made here:
+// would otherwise deploy. Debian's stunnel4 and HAProxy (both OpenSSL),
+// mutual TLS 1.3 with AES-128-GCM, certificates made here:
 //
-//	dclient: app -> 127.0.0.1:<port> stunnel (client mode) ==TLS==>
-//	plain:   stunnel (server mode) <plain>:1<port> -> 127.0.0.1:<port> app
+//	dclient: app -> 127.0.0.<k>:<port> relay (client side) ==TLS==>
+//	plain:   relay (server side) <plain>:<base+port> -> 127.0.0.1:<port> app
 //
-// The app connects to the stunnel in its own pod (stunnel cannot serve a
+// The app connects to the relay in its own pod (stunnel cannot serve a
 // transparent capture: its `transparent = destination` needs a conntrack
 // entry, which neither the eBPF capture nor TPROXY makes), so each side has
 // the mesh's hops: app to proxy inside the client pod, proxy to proxy
 // across the nodes with TLS, proxy to app inside the server pod.
 
-// peerPorts are the application ports the peer carries; the server-side
-// stunnel listens on peerTLSPort(port) for each.
+// peerPorts are the application ports the peers carry.
 var peerPorts = []int{iperfPort, fortioPort, echoPort}
 
-func peerTLSPort(port int) int { return 10000 + port }
+// peerRelay is one kind of peer: where its client side listens in the
+// client pod, the TLS port its server side uses for each application port,
+// its two configurations and how to run it in the foreground.
+type peerRelay struct {
+	variant string
+	local   netip.Addr
+	tlsBase int
+	configs func(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string)
+	argv    func(conf string) (string, []string)
+}
+
+func (p peerRelay) tlsPort(port int) int { return p.tlsBase + port }
+
+var (
+	stunnelPeer = peerRelay{variant: "peer-stunnel", local: netip.MustParseAddr("127.0.0.1"), tlsBase: 10000,
+		configs: stunnelConfigs, argv: func(conf string) (string, []string) { return "stunnel", []string{conf} }}
+	haproxyPeer = peerRelay{variant: "peer-haproxy", local: netip.MustParseAddr("127.0.0.2"), tlsBase: 20000,
+		configs: haproxyConfigs, argv: func(conf string) (string, []string) { return "haproxy", []string{"-db", "-f", conf} }}
+)
 
 // The names in the peer's certificates.
 const (
@@ -56,6 +73,9 @@ const (
 // certificates).
 type peerCerts struct {
 	CA, ServerCert, ServerKey, ClientCert, ClientKey string
+	// ServerPEM and ClientPEM hold certificate and key in one file, as
+	// HAProxy reads them.
+	ServerPEM, ClientPEM string
 }
 
 // makePeerCerts writes a CA and two leaf certificates into dir.
@@ -64,6 +84,7 @@ func makePeerCerts(dir string, serverIP netip.Addr) (peerCerts, error) {
 		CA:         filepath.Join(dir, "ca.pem"),
 		ServerCert: filepath.Join(dir, "server.pem"), ServerKey: filepath.Join(dir, "server-key.pem"),
 		ClientCert: filepath.Join(dir, "client.pem"), ClientKey: filepath.Join(dir, "client-key.pem"),
+		ServerPEM: filepath.Join(dir, "server-both.pem"), ClientPEM: filepath.Join(dir, "client-both.pem"),
 	}
 	now := time.Now()
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
@@ -118,6 +139,19 @@ func makePeerCerts(dir string, serverIP netip.Addr) (peerCerts, error) {
 	if err := leaf(3, peerClientName, x509.ExtKeyUsageClientAuth, nil, pc.ClientCert, pc.ClientKey); err != nil {
 		return pc, err
 	}
+	for _, both := range [][3]string{{pc.ServerCert, pc.ServerKey, pc.ServerPEM}, {pc.ClientCert, pc.ClientKey, pc.ClientPEM}} {
+		c, err := os.ReadFile(both[0])
+		if err != nil {
+			return pc, err
+		}
+		k, err := os.ReadFile(both[1])
+		if err != nil {
+			return pc, err
+		}
+		if err := os.WriteFile(both[2], append(c, k...), 0o600); err != nil {
+			return pc, err
+		}
+	}
 	return pc, nil
 }
 
@@ -152,7 +186,7 @@ debug = warning
 `
 
 // stunnelConfigs returns the client-side and server-side configuration.
-func stunnelConfigs(pc peerCerts, server netip.Addr) (clientConf, serverConf string) {
+func stunnelConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
 	var c, s strings.Builder
 	c.WriteString(stunnelGlobal)
 	c.WriteString("client = yes\n")
@@ -162,72 +196,88 @@ func stunnelConfigs(pc peerCerts, server netip.Addr) (clientConf, serverConf str
 	s.WriteString(stunnelTLS(pc, pc.ServerCert, pc.ServerKey))
 	s.WriteString("checkHost = " + peerClientName + "\n")
 	for _, p := range peerPorts {
-		fmt.Fprintf(&c, "\n[app%d]\naccept = 127.0.0.1:%d\nconnect = %s\n", p, p, hostPort(server, peerTLSPort(p)))
-		fmt.Fprintf(&s, "\n[app%d]\naccept = %s\nconnect = 127.0.0.1:%d\n", p, hostPort(server, peerTLSPort(p)), p)
+		fmt.Fprintf(&c, "\n[app%d]\naccept = %s\nconnect = %s\n", p, hostPort(local, p), hostPort(server, tlsPort(p)))
+		fmt.Fprintf(&s, "\n[app%d]\naccept = %s\nconnect = 127.0.0.1:%d\n", p, hostPort(server, tlsPort(p)), p)
 	}
 	return c.String(), s.String()
 }
 
-// setupPeer starts the stunnel pair: the server side in pod server, the
-// client side in pod client. It returns both processes, client first.
-func setupPeer(ctx context.Context, r *netnstest.Runner, client, server *netnstest.Pod) (peerCerts, []*child, error) {
-	if _, err := exec.LookPath("stunnel"); err != nil {
-		return peerCerts{}, nil, fmt.Errorf("the peer variant needs stunnel (Debian stunnel4; make bench installs it): %w", err)
+// haproxyConfigs returns HAProxy's client-side and server-side
+// configuration: TCP mode, TLS 1.3 only with AES-128-GCM on both ends,
+// each side verifying the other's chain and name, no logging.
+func haproxyConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
+	const head = `global
+    maxconn 4096
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 5m
+    timeout server 5m
+`
+	tlsOpts := "ssl-min-ver TLSv1.3 ssl-max-ver TLSv1.3 ciphersuites TLS_AES_128_GCM_SHA256"
+	var c, s strings.Builder
+	c.WriteString(head)
+	s.WriteString(head)
+	for _, p := range peerPorts {
+		fmt.Fprintf(&c, "listen app%d\n    bind %s\n    server peer %s ssl crt %s ca-file %s verify required verifyhost %s %s\n",
+			p, hostPort(local, p), hostPort(server, tlsPort(p)), pc.ClientPEM, pc.CA, peerServerName, tlsOpts)
+		fmt.Fprintf(&s, "listen tls%d\n    bind %s ssl crt %s ca-file %s verify required %s\n"+
+			"    tcp-request session reject unless { ssl_c_s_dn(CN) -m str %s }\n    server app 127.0.0.1:%d\n",
+			p, hostPort(server, tlsPort(p)), pc.ServerPEM, pc.CA, tlsOpts, peerClientName, p)
 	}
-	dir := filepath.Join(r.TempDir(), "peer")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return peerCerts{}, nil, err
-	}
-	pc, err := makePeerCerts(dir, server.IPv4)
-	if err != nil {
-		return pc, nil, err
-	}
-	cconf, sconf := stunnelConfigs(pc, server.IPv4)
+	return c.String(), s.String()
+}
+
+// setupPeer starts a peer pair: the server side in pod server, the client
+// side in pod client. It returns both processes, client first.
+func setupPeer(ctx context.Context, r *netnstest.Runner, kind peerRelay, pc peerCerts, dir string, client, server *netnstest.Pod) ([]*child, error) {
+	cconf, sconf := kind.configs(pc, server.IPv4, kind.tlsPort, kind.local)
 	var children []*child
 	for _, side := range []struct {
 		name, conf string
 		pod        *netnstest.Pod
+		addr       netip.Addr
 		port       func(int) int
 	}{
-		{"server", sconf, server, peerTLSPort},
-		{"client", cconf, client, func(p int) int { return p }},
+		{"server", sconf, server, server.IPv4, kind.tlsPort},
+		{"client", cconf, client, kind.local, func(p int) int { return p }},
 	} {
-		file := filepath.Join(dir, side.name+".conf")
+		file := filepath.Join(dir, kind.variant+"-"+side.name+".conf")
 		if err := os.WriteFile(file, []byte(side.conf), 0o600); err != nil {
-			return pc, nil, err
+			return nil, err
 		}
-		ch, err := startChild(r, side.pod.Path(), "stunnel "+side.name+" side", "stunnel", file)
+		prog, args := kind.argv(file)
+		if _, err := exec.LookPath(prog); err != nil {
+			return nil, fmt.Errorf("%s needs %s (make bench installs it): %w", kind.variant, prog, err)
+		}
+		ch, err := startChild(r, side.pod.Path(), kind.variant+" "+side.name+" side", prog, args...)
 		if err != nil {
-			return pc, nil, err
+			return nil, err
 		}
 		for _, p := range peerPorts {
-			if err := waitPortAt(ctx, side.pod.Path(), side.name, side.pod, side.port(p), 10*time.Second); err != nil {
-				return pc, nil, fmt.Errorf("stunnel %s side: %w (log: %s)", side.name, err, ch.stderr.String())
+			if err := waitAddr(ctx, side.pod.Path(), hostPort(side.addr, side.port(p)), 10*time.Second); err != nil {
+				return nil, fmt.Errorf("%s %s side: %w (log: %s)", kind.variant, side.name, err, ch.stderr.String())
 			}
 		}
 		children = append(children, ch)
 	}
 	slices.Reverse(children)
-	return pc, children, nil
+	return children, nil
 }
 
-// waitPortAt waits for the server side on its pod address, the client side
-// on loopback.
-func waitPortAt(ctx context.Context, nsPath, side string, pod *netnstest.Pod, port int, timeout time.Duration) error {
-	if side == "client" {
-		return waitPort(ctx, nsPath, port, timeout)
-	}
+// waitAddr waits until something accepts on addr inside the namespace.
+func waitAddr(ctx context.Context, nsPath, addr string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		dctx, cancel := context.WithTimeout(ctx, time.Second)
-		c, err := netns.Dial(dctx, nsPath, "tcp", hostPort(pod.IPv4, port), netns.SocketOptions{})
+		c, err := netns.Dial(dctx, nsPath, "tcp", addr, netns.SocketOptions{})
 		cancel()
 		if err == nil {
 			c.Close()
 			return nil
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
-			return fmt.Errorf("nothing listens on %s: %w", hostPort(pod.IPv4, port), err)
+			return fmt.Errorf("nothing listens on %s: %w", addr, err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
@@ -237,7 +287,7 @@ func waitPortAt(ctx context.Context, nsPath, side string, pod *netnstest.Pod, po
 // TLS 1.3 with AES-128-GCM, presents the certificate the client side
 // verifies, and refuses a client without a certificate: the variant really
 // is mutual TLS with the cipher the comparison claims.
-func checkPeerTLS(ctx context.Context, pc peerCerts, client *netnstest.Pod, server netip.Addr) error {
+func checkPeerTLS(ctx context.Context, kind peerRelay, pc peerCerts, client *netnstest.Pod, server netip.Addr) error {
 	caPEM, err := os.ReadFile(pc.CA)
 	if err != nil {
 		return err
@@ -250,7 +300,7 @@ func checkPeerTLS(ctx context.Context, pc peerCerts, client *netnstest.Pod, serv
 	if err != nil {
 		return err
 	}
-	addr := hostPort(server, peerTLSPort(echoPort))
+	addr := hostPort(server, kind.tlsPort(echoPort))
 	echo := func(withCert bool) (tls.ConnectionState, error) {
 		cfg := &tls.Config{RootCAs: roots, ServerName: peerServerName, MinVersion: tls.VersionTLS13}
 		if withCert {
@@ -279,14 +329,14 @@ func checkPeerTLS(ctx context.Context, pc peerCerts, client *netnstest.Pod, serv
 	}
 	st, err := echo(true)
 	if err != nil {
-		return fmt.Errorf("peer: echo over TLS with the client certificate: %w", err)
+		return fmt.Errorf(kind.variant+": echo over TLS with the client certificate: %w", err)
 	}
 	if st.Version != tls.VersionTLS13 || st.CipherSuite != tls.TLS_AES_128_GCM_SHA256 {
-		return fmt.Errorf("peer: negotiated %s %s, want TLS 1.3 TLS_AES_128_GCM_SHA256",
+		return fmt.Errorf(kind.variant+": negotiated %s %s, want TLS 1.3 TLS_AES_128_GCM_SHA256",
 			tls.VersionName(st.Version), tls.CipherSuiteName(st.CipherSuite))
 	}
 	if _, err := echo(false); err == nil {
-		return errors.New("peer: the server side echoed for a client without a certificate: it does not verify its peer")
+		return errors.New(kind.variant + ": the server side echoed for a client without a certificate: it does not verify its peer")
 	}
 	return nil
 }

@@ -91,7 +91,7 @@ func (r *results) printTables(w io.Writer) {
 		{fmt.Sprintf("CPU at %d qps", r.cfg.HTTPQPS), "vcpu_at_qps", "vCPU"},
 		{fmt.Sprintf("RSS at %d qps", r.cfg.HTTPQPS), "rss_at_qps", "MiB"},
 	} {
-		for _, v := range []string{"meshed-cross", "meshed-same", altVariant, peerVariant} {
+		for _, v := range append([]string{"meshed-cross", "meshed-same", altVariant}, peerVariants...) {
 			var cells []string
 			for _, node := range []string{"node1", "node2", "node3", "node4", "client", "server"} {
 				if s, ok := r.get(v, row.key+"@"+node); ok {
@@ -297,8 +297,8 @@ func num(v float64) string {
 	}
 }
 
-// peerVariant is the mature relay the mesh is compared with (issue 21).
-const peerVariant = "peer-stunnel"
+// peerVariants are the mature relays the mesh is compared with (issue 21).
+var peerVariants = []string{"peer-stunnel", "peer-haproxy"}
 
 // perRound is a/b (or op) for one metric, one value per round where both
 // measured, in round order.
@@ -319,8 +319,8 @@ func (r *results) perRound(a, b, key string, op func(x, y float64) (float64, boo
 // addedP99Ratio is, per round, the HTTP p99 the mesh adds to direct's
 // divided by what the peer adds (rounds where the peer adds nothing are
 // left out: the ratio has no meaning there).
-func (r *results) addedP99Ratio(mesh string) []float64 {
-	d, m, p := r.Samples["direct"]["http_p99"], r.Samples[mesh]["http_p99"], r.Samples[peerVariant]["http_p99"]
+func (r *results) addedP99Ratio(mesh, peer string) []float64 {
+	d, m, p := r.Samples["direct"]["http_p99"], r.Samples[mesh]["http_p99"], r.Samples[peer]["http_p99"]
 	var vals []float64
 	for i := range min(len(d), len(m), len(p)) {
 		if d[i] == nil || m[i] == nil || p[i] == nil || *p[i]-*d[i] <= 0 {
@@ -351,14 +351,14 @@ var peerTargets = []peerTarget{
 
 // peerRatios is, for a meshed variant, every metric's per-round ratio to
 // the peer, plus http_p99_added (see addedP99Ratio).
-func (r *results) peerRatios(mesh string) map[string][]float64 {
+func (r *results) peerRatios(mesh, peer string) map[string][]float64 {
 	out := map[string][]float64{}
 	for _, md := range r.Metrics {
-		if v := r.perRound(mesh, peerVariant, md.Key, func(x, y float64) (float64, bool) { return x / y, y != 0 }); len(v) > 0 {
+		if v := r.perRound(mesh, peer, md.Key, func(x, y float64) (float64, bool) { return x / y, y != 0 }); len(v) > 0 {
 			out[md.Key] = v
 		}
 	}
-	if v := r.addedP99Ratio(mesh); len(v) > 0 {
+	if v := r.addedP99Ratio(mesh, peer); len(v) > 0 {
 		out["http_p99_added"] = v
 	}
 	return out
@@ -367,9 +367,14 @@ func (r *results) peerRatios(mesh string) map[string][]float64 {
 // peerSection prints the mesh against the peer: every metric's ratio per
 // round, and the targets.
 func (r *results) peerSection(w io.Writer) {
-	if _, ok := r.Samples[peerVariant]; !ok {
-		return
+	for _, peer := range peerVariants {
+		if _, ok := r.Samples[peer]; ok {
+			r.peerSectionFor(w, peer)
+		}
 	}
+}
+
+func (r *results) peerSectionFor(w io.Writer, peer string) {
 	rounds := func(v []float64) string {
 		var cells []string
 		for _, x := range v {
@@ -378,11 +383,11 @@ func (r *results) peerSection(w io.Writer) {
 		return strings.Join(cells, " ")
 	}
 	for _, mesh := range []string{"meshed-cross", "meshed-same"} {
-		ratios := r.peerRatios(mesh)
+		ratios := r.peerRatios(mesh, peer)
 		if len(ratios) == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "\nAgainst the peer: %s / %s, per round (in round order), median\n", mesh, peerVariant)
+		fmt.Fprintf(w, "\nAgainst the peer: %s / %s, per round (in round order), median\n", mesh, peer)
 		titles := map[string]string{"http_p99_added": "HTTP p99 added to direct's"}
 		keys := []string{}
 		for _, md := range r.Metrics {
@@ -398,7 +403,7 @@ func (r *results) peerSection(w io.Writer) {
 		if mesh != "meshed-cross" {
 			continue
 		}
-		fmt.Fprintf(w, "\nTargets against the peer (issue 21), meshed-cross, median of the per-round ratios\n")
+		fmt.Fprintf(w, "\nTargets against %s (issue 21), meshed-cross, median of the per-round ratios\n", peer)
 		for _, t := range peerTargets {
 			v, ok := ratios[t.Key]
 			if !ok {
@@ -422,12 +427,13 @@ func (r *results) peerSection(w io.Writer) {
 // peerMarkdown is the mesh / peer table for BENCHMARKS.md: per metric, the
 // median of the per-round ratios and the rounds themselves.
 func (r *results) peerMarkdown(w io.Writer) {
-	for _, mesh := range []string{"meshed-cross", "meshed-same"} {
-		ratios := r.peerRatios(mesh)
+	for _, pair := range r.peerPairs() {
+		mesh, peer := pair[0], pair[1]
+		ratios := r.peerRatios(mesh, peer)
 		if len(ratios) == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "\n%s / %s, per round:\n\n| metric | median | rounds |\n| --- | ---: | --- |\n", mesh, peerVariant)
+		fmt.Fprintf(w, "\n%s / %s, per round:\n\n| metric | median | rounds |\n| --- | ---: | --- |\n", mesh, peer)
 		rows := append([]metricDef{}, r.Metrics...)
 		rows = append(rows, metricDef{Key: "http_p99_added", Title: "HTTP p99 added to direct's"})
 		for _, md := range rows {
@@ -443,4 +449,18 @@ func (r *results) peerMarkdown(w io.Writer) {
 			fmt.Fprintf(w, "| %s | %s× | %s |\n", md.Title, num(med), strings.Join(cells, ", "))
 		}
 	}
+}
+
+// peerPairs lists (meshed variant, peer) for every peer that ran.
+func (r *results) peerPairs() [][2]string {
+	var out [][2]string
+	for _, peer := range peerVariants {
+		if _, ok := r.Samples[peer]; !ok {
+			continue
+		}
+		for _, mesh := range []string{"meshed-cross", "meshed-same"} {
+			out = append(out, [2]string{mesh, peer})
+		}
+	}
+	return out
 }

@@ -86,8 +86,9 @@ type results struct {
 	// Samples[variant][metric][round]; null where a round failed.
 	Samples map[string]map[string][]*float64 `json:"samples"`
 	Summary map[string]map[string]summary    `json:"summary"`
-	// MeshToPeer[meshed variant][metric] is the per-round ratio to the
-	// peer relay (see peerRatios), in round order.
+	// MeshToPeer["<meshed variant>/<peer>"][metric] is the per-round
+	// ratio of a meshed variant to a peer relay (see peerRatios), in round
+	// order.
 	MeshToPeer map[string]map[string][]float64 `json:"mesh_to_peer,omitempty"`
 	Agent      agentResults                    `json:"agent"`
 	Profiles   []profileResult                 `json:"profiles"`
@@ -156,12 +157,12 @@ func (r *results) summarize() {
 			r.Summary[v][k] = s
 		}
 	}
-	for _, mesh := range []string{"meshed-cross", "meshed-same"} {
-		if p := r.peerRatios(mesh); len(p) > 0 {
+	for _, pair := range r.peerPairs() {
+		if p := r.peerRatios(pair[0], pair[1]); len(p) > 0 {
 			if r.MeshToPeer == nil {
 				r.MeshToPeer = map[string]map[string][]float64{}
 			}
-			r.MeshToPeer[mesh] = p
+			r.MeshToPeer[pair[0]+"/"+pair[1]] = p
 		}
 	}
 	if len(r.Agent.EnrollToSYNms) > 0 {
