@@ -68,7 +68,7 @@ const (
 	peerClientName = "peer-client.bench"
 )
 
-// peerCerts are PEM files for the stunnel pair: one CA, a server and a
+// peerCerts are PEM files for the peer pairs: one CA, a server and a
 // client certificate it signed (ECDSA P-256, as the mesh's workload
 // certificates).
 type peerCerts struct {
