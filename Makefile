@@ -124,10 +124,10 @@ e2e-node:
 clean:
 	rm -rf $(BIN)
 
-## bench: mesh benchmark suite as root: direct vs meshed vs capture-only vs iptables TPROXY, plus Go microbenchmarks and the churn soak (BENCH_QUICK=1: ~2 min, no soak)
+## bench: mesh benchmark suite as root: direct vs meshed vs capture-only vs iptables TPROXY vs stunnel and HAProxy mTLS peers, plus Go microbenchmarks and the churn soak (BENCH_QUICK=1: ~2 min, no soak)
 .PHONY: bench
 bench: build
-	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables"
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables stunnel4 haproxy"
 	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
 	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
 	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out bench/results $(if $(BENCH_QUICK),--quick) $(BENCH_FLAGS)
@@ -141,7 +141,7 @@ soak:
 ## bench-smoke: one short round of the benchmark suite (about a minute); fails unless every variant produced numbers
 .PHONY: bench-smoke
 bench-smoke: build
-	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables"
+	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) iptables stunnel4 haproxy"
 	@cache=$${XDG_CACHE_HOME:-$$HOME/.cache}/redirector-bench; mkdir -p $$cache && \
 	cd bench && $(GO) build -o ../$(BIN)/meshbench ./cmd/meshbench && $(GO) build -o $$cache/fortio fortio.org/fortio && cd .. && \
 	./$(BIN)/meshbench --bin $(BIN) --fortio $$cache/fortio --out $(BIN)/bench-smoke --quick --runs 1 --strict \

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -29,7 +30,12 @@ type variant struct {
 	// relay); their CPU time is charged to the variant.
 	proxies []int
 	meshed  bool
-	relay   *child // the relay of capture-only and iptables-tproxy
+	// names name the proxies in per-proxy figures (default: node<N> for
+	// the agents, relay otherwise).
+	names []string
+	// logs are the variant's relay processes, whose standard error a
+	// failed test quotes.
+	logs []*child
 }
 
 // cluster is the simulated cluster every variant lives in:
@@ -40,7 +46,8 @@ type variant struct {
 // direct: dclient -> plain; meshed cross-node: client -> server; meshed
 // same-node: client -> local; capture-only: cclient (eBPF capture by this
 // process's own loader) -> relay -> plain; iptables TPROXY: tclient
-// (iptables in its namespace) -> relay -> plain.
+// (iptables in its namespace) -> relay -> plain; peer-stunnel: dclient ->
+// stunnel in dclient -> mutual TLS -> stunnel in plain -> plain (peer.go).
 type cluster struct {
 	cfg      config
 	topo     *netnstest.Topology
@@ -66,19 +73,29 @@ func (c *cluster) variant(name string) *variant {
 // buildCluster creates the namespaces, the agents, the servers and the
 // capture setups, and checks every variant carries an echo.
 func buildCluster(ctx context.Context, r *netnstest.Runner, cfg config) (*cluster, error) {
-	c := &cluster{cfg: cfg, topo: netnstest.New(r, 2)}
+	nodes := 2
+	if cfg.alt() {
+		nodes = 4 // nodes 3 and 4 run the alternative agents
+	}
+	c := &cluster{cfg: cfg, topo: netnstest.New(r, nodes)}
 	n1, n2 := c.topo.Nodes[0], c.topo.Nodes[1]
 	c.client, c.local = n1.AddPod("client"), n1.AddPod("local")
 	dclient, cclient, tclient := n1.AddPod("dclient"), n1.AddPod("cclient"), n1.AddPod("tclient")
 	c.server, c.sserver, c.plain = n2.AddPod("server"), n2.AddPod("sserver"), n2.AddPod("plain")
-	for _, p := range []*netnstest.Pod{c.client, dclient, cclient, tclient} {
+	var aclient, aserver *netnstest.Pod
+	clients, servers := []*netnstest.Pod{c.client, dclient, cclient, tclient}, []*netnstest.Pod{c.server, c.local, c.plain}
+	if cfg.alt() {
+		aclient, aserver = c.topo.Nodes[2].AddPod("aclient"), c.topo.Nodes[3].AddPod("aserver")
+		clients, servers = append(clients, aclient), append(servers, aserver)
+	}
+	for _, p := range clients {
 		if err := clientSysctls(ctx, p.Path()); err != nil {
 			return nil, err
 		}
 	}
 
 	// Servers first, so nothing races their start.
-	for _, p := range []*netnstest.Pod{c.server, c.local, c.plain} {
+	for _, p := range servers {
 		if err := startServers(ctx, r, cfg, p, true); err != nil {
 			return nil, err
 		}
@@ -102,6 +119,9 @@ kind: PeerAuthentication
 metadata: {name: strict, namespace: strict}
 spec:
   mtls: {mode: STRICT}`)
+	if cfg.alt() {
+		c.manifest.Pod(aclient, "mesh", "client-sa", "app=aclient").Pod(aserver, "mesh", "server-sa", "app=aserver")
+	}
 	if err := c.manifest.Write(c.manPath); err != nil {
 		return nil, fmt.Errorf("write manifest: %w", err)
 	}
@@ -110,22 +130,33 @@ spec:
 	if out, err := exec.Command(bin, "ca", "init", "--dir", caDir).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("redirector ca init: %w: %s", err, out)
 	}
-	for _, n := range c.topo.Nodes {
-		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: bin, Manifest: c.manPath, CADir: caDir,
-			BPFRoot: filepath.Join(dir, "bpf-"+n.Name), Env: cfg.AgentEnv,
+	var altPID []int
+	for i, n := range c.topo.Nodes {
+		b, env := bin, cfg.AgentEnv
+		if i >= 2 {
+			b, env = cfg.altBinary(), append(append([]string{}, cfg.AgentEnv...), cfg.AltAgentEnv...)
+		}
+		a := netnstest.StartAgent(r, n, netnstest.AgentOptions{Binary: b, Manifest: c.manPath, CADir: caDir,
+			BPFRoot: filepath.Join(dir, "bpf-"+n.Name), Env: env,
 			// The harness asks for debug logs; per-connection logging
 			// would be part of what we measure. The last flag wins.
 			Args: []string{"--log-level", "info", fmt.Sprintf("--sockops-acceleration=%v", cfg.Sockops)}})
-		c.agents = append(c.agents, a)
-	}
-	for i, want := range []int{2, 2} { // pods per node
-		if err := waitEnrolled(ctx, c.agents[i], want, 20*time.Second); err != nil {
+		want := 2 // pods per node
+		if i >= 2 {
+			want = 1
+		}
+		if err := waitEnrolled(ctx, a, want, 20*time.Second); err != nil {
 			return nil, err
 		}
-		pid, err := agentPID(c.agents[i].BPFRoot)
+		pid, err := agentPID(a.BPFRoot)
 		if err != nil {
 			return nil, err
 		}
+		if i >= 2 {
+			altPID = append(altPID, pid)
+			continue
+		}
+		c.agents = append(c.agents, a)
 		c.agentPID = append(c.agentPID, pid)
 	}
 
@@ -138,6 +169,26 @@ spec:
 		return nil, fmt.Errorf("iptables TPROXY: %w", err)
 	}
 
+	peerDir := filepath.Join(dir, "peer")
+	if err := os.MkdirAll(peerDir, 0o700); err != nil {
+		return nil, err
+	}
+	pc, err := makePeerCerts(peerDir, c.plain.IPv4)
+	if err != nil {
+		return nil, err
+	}
+	peers := map[string][]*child{}
+	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+		if peers[kind.variant], err = setupPeer(ctx, r, kind, pc, peerDir, dclient, c.plain); err != nil {
+			return nil, err
+		}
+	}
+	peerVariant := func(kind peerRelay, desc string) *variant {
+		ch := peers[kind.variant]
+		return &variant{Name: kind.variant, Desc: desc, client: dclient, server: kind.local,
+			proxies: []int{ch[0].Pid(), ch[1].Pid()}, names: []string{"client", "server"}, logs: ch}
+	}
+
 	c.variants = []*variant{
 		{Name: "direct", Desc: "no mesh: client and server pods not enrolled, cross-node", client: dclient, server: c.plain.IPv4},
 		{Name: "meshed-cross", Desc: "HBONE between the two nodes' agents", client: c.client, server: c.server.IPv4,
@@ -145,9 +196,15 @@ spec:
 		{Name: "meshed-same", Desc: "HBONE, client and server pods on one node (one agent)", client: c.client, server: c.local.IPv4,
 			proxies: c.agentPID[:1], meshed: true},
 		{Name: "capture-only", Desc: "the eBPF capture (pkg/loader) into a plain Go TCP relay in the client pod, no TLS", client: cclient,
-			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, relay: capRelay},
+			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, logs: []*child{capRelay}},
 		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
-			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, relay: tpRelay},
+			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, logs: []*child{tpRelay}},
+		peerVariant(stunnelPeer, "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel"),
+		peerVariant(haproxyPeer, "the same with a pair of HAProxy 2.6 (event loop, OpenSSL) in TCP mode"),
+	}
+	if cfg.alt() {
+		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
+			client: aclient, server: aserver.IPv4, proxies: altPID, meshed: true, names: []string{"node3", "node4"}})
 	}
 	for _, v := range c.variants {
 		if err := c.checkPath(ctx, v); err != nil {
@@ -170,6 +227,11 @@ spec:
 		if after, err := relayedCount(ctx, x.relay); err != nil || after <= before {
 			return nil, fmt.Errorf("variant %s: the relay carried no connection (%d before, %d after; %v): the capture does not work",
 				x.v.Name, before, after, err)
+		}
+	}
+	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+		if err := checkPeerTLS(ctx, kind, pc, dclient, c.plain.IPv4); err != nil {
+			return nil, err
 		}
 	}
 	strict := &variant{Name: "meshed client to STRICT server", client: c.client, server: c.sserver.IPv4}

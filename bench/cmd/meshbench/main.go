@@ -1,7 +1,8 @@
 // Command meshbench measures what the mesh costs. It builds its own simulated
 // cluster with the test harness (two nodes in network namespaces, the real
-// `redirector run` agents), runs the same load against five variants of the
-// path between a client pod and a server pod, interleaved round-robin so
+// `redirector run` agents), runs the same load against six variants of the
+// path between a client pod and a server pod (one of them a pair of stunnel
+// relays, the mature peer the mesh is compared with), interleaved round-robin so
 // that the machine's noise hits every variant alike, and writes a table, a
 // JSON file and a PNG plot under -out.
 //
@@ -113,6 +114,11 @@ type config struct {
 	Awake bool `json:"awake,omitempty"`
 	// AgentEnv is extra environment for the agents (e.g. GOMAXPROCS=1).
 	AgentEnv []string `json:"agent_env,omitempty"`
+	// AltAgentEnv and AltBin start a second pair of agents (nodes 3 and 4)
+	// with extra environment or another binary, for the variant
+	// meshed-alt: an on/off comparison in one run.
+	AltAgentEnv []string `json:"alt_agent_env,omitempty"`
+	AltBin      string   `json:"alt_bin,omitempty"`
 	// Strict fails the run unless every variant produced every number.
 	Strict bool `json:"-"`
 
@@ -163,6 +169,14 @@ func parseConfig(args []string) (config, error) {
 		c.AgentEnv = append(c.AgentEnv, v)
 		return nil
 	})
+	fs.Func("alt-agent-env", "NAME=value for a second pair of agents (nodes 3 and 4, variant meshed-alt), repeatable: an on/off comparison in one run", func(v string) error {
+		if name, _, ok := strings.Cut(v, "="); !ok || name == "" {
+			return fmt.Errorf("want NAME=value, got %q", v)
+		}
+		c.AltAgentEnv = append(c.AltAgentEnv, v)
+		return nil
+	})
+	fs.StringVar(&c.AltBin, "alt-bin", "", "directory holding another redirector binary for the second pair of agents (variant meshed-alt)")
 	fs.StringVar(&c.Bin, "bin", "bin", "directory holding the redirector binary")
 	fs.StringVar(&c.Fortio, "fortio", "", "fortio binary (built by make bench)")
 	fs.StringVar(&c.Out, "out", "bench/results", "where results, plot and profiles go")
@@ -204,6 +218,16 @@ func parseConfig(args []string) (config, error) {
 	if c.Fortio == "" {
 		return c, fmt.Errorf("--fortio is required (make bench builds it)")
 	}
+	if c.AltBin != "" {
+		abs, err := filepath.Abs(c.AltBin)
+		if err != nil {
+			return c, err
+		}
+		c.AltBin = abs
+		if _, err := os.Stat(c.altBinary()); err != nil {
+			return c, fmt.Errorf("--alt-bin: %w", err)
+		}
+	}
 	for _, p := range []*string{&c.Bin, &c.Fortio, &c.Out, &c.Repo} {
 		abs, err := filepath.Abs(*p)
 		if err != nil {
@@ -217,4 +241,30 @@ func parseConfig(args []string) (config, error) {
 		}
 	}
 	return c, nil
+}
+
+// altVariant is the variant of the second pair of agents.
+const altVariant = "meshed-alt"
+
+// alt tells whether a second pair of agents runs.
+func (c config) alt() bool { return len(c.AltAgentEnv) > 0 || c.AltBin != "" }
+
+// altBinary is the second pair's agent binary.
+func (c config) altBinary() string {
+	if c.AltBin != "" {
+		return filepath.Join(c.AltBin, "redirector")
+	}
+	return filepath.Join(c.Bin, "redirector")
+}
+
+// altDesc says how the second pair differs.
+func (c config) altDesc() string {
+	var parts []string
+	if c.AltBin != "" {
+		parts = append(parts, "binary "+c.altBinary())
+	}
+	if len(c.AltAgentEnv) > 0 {
+		parts = append(parts, strings.Join(c.AltAgentEnv, " "))
+	}
+	return strings.Join(parts, ", ")
 }

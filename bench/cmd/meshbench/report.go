@@ -74,6 +74,15 @@ func (r *results) printTables(w io.Writer) {
 		}
 	}
 
+	r.peerSection(w)
+	if _, ok := r.Samples[altVariant]; ok {
+		fmt.Fprintf(w, "\nOn/off: %s (%s) / meshed-cross, paired by round, median [min-max]\n", altVariant, r.cfg.altDesc())
+		for _, md := range r.Metrics {
+			if s, ok := r.pairedRatio(altVariant, "meshed-cross", md.Key); ok {
+				fmt.Fprintf(w, "  %-28s %s× [%s-%s]\n", md.Title, num(s.Median), num(s.Min), num(s.Max))
+			}
+		}
+	}
 	r.anchors(w)
 
 	fmt.Fprintf(w, "\nAgents (node1 runs the client side, node2 the server side; in meshed-same node1 does both)\n")
@@ -82,9 +91,9 @@ func (r *results) printTables(w io.Writer) {
 		{fmt.Sprintf("CPU at %d qps", r.cfg.HTTPQPS), "vcpu_at_qps", "vCPU"},
 		{fmt.Sprintf("RSS at %d qps", r.cfg.HTTPQPS), "rss_at_qps", "MiB"},
 	} {
-		for _, v := range []string{"meshed-cross", "meshed-same"} {
+		for _, v := range append([]string{"meshed-cross", "meshed-same", altVariant}, peerVariants...) {
 			var cells []string
-			for _, node := range []string{"node1", "node2"} {
+			for _, node := range []string{"node1", "node2", "node3", "node4", "client", "server"} {
 				if s, ok := r.get(v, row.key+"@"+node); ok {
 					cells = append(cells, fmt.Sprintf("%s %s [%s-%s]", node, num(s.Median), num(s.Min), num(s.Max)))
 				}
@@ -165,6 +174,7 @@ func (r *results) markdown(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+	defer r.peerMarkdown(w)
 	fmt.Fprintf(w, "\nmin-max over %d rounds:\n\n| variant |", r.cfg.Runs)
 	for _, md := range r.Metrics {
 		fmt.Fprintf(w, " %s |", md.Title)
@@ -285,4 +295,172 @@ func num(v float64) string {
 	default:
 		return fmt.Sprintf("%.3f", v)
 	}
+}
+
+// peerVariants are the mature relays the mesh is compared with (issue 21).
+var peerVariants = []string{"peer-stunnel", "peer-haproxy"}
+
+// perRound is a/b (or op) for one metric, one value per round where both
+// measured, in round order.
+func (r *results) perRound(a, b, key string, op func(x, y float64) (float64, bool)) []float64 {
+	xa, xb := r.Samples[a][key], r.Samples[b][key]
+	var vals []float64
+	for i := range min(len(xa), len(xb)) {
+		if xa[i] == nil || xb[i] == nil {
+			continue
+		}
+		if v, ok := op(*xa[i], *xb[i]); ok {
+			vals = append(vals, v)
+		}
+	}
+	return vals
+}
+
+// addedP99Ratio is, per round, the HTTP p99 the mesh adds to direct's
+// divided by what the peer adds (rounds where the peer adds nothing are
+// left out: the ratio has no meaning there).
+func (r *results) addedP99Ratio(mesh, peer string) []float64 {
+	d, m, p := r.Samples["direct"]["http_p99"], r.Samples[mesh]["http_p99"], r.Samples[peer]["http_p99"]
+	var vals []float64
+	for i := range min(len(d), len(m), len(p)) {
+		if d[i] == nil || m[i] == nil || p[i] == nil || *p[i]-*d[i] <= 0 {
+			continue
+		}
+		vals = append(vals, (*m[i]-*d[i])/(*p[i]-*d[i]))
+	}
+	return vals
+}
+
+// peerTarget is one of issue 21's targets: the median of the per-round
+// values must be at least (or at most) want.
+type peerTarget struct {
+	What    string  `json:"what"`
+	Key     string  `json:"metric"`
+	Want    float64 `json:"want"`
+	AtLeast bool    `json:"at_least"`
+}
+
+var peerTargets = []peerTarget{
+	{"1 flow throughput, mesh / peer", "tput1", 1.0, true},
+	{"8 flows throughput, mesh / peer", "tput8", 1.0, true},
+	{"1-byte RR p50, mesh / peer", "rr_p50", 1.0, false},
+	{"HTTP p99 added to direct's at the fixed load, mesh / peer", "http_p99_added", 0.9, false},
+	{"new connections/s, mesh / peer", "cps", 2.0, true},
+	{"proxy CPU per GB (1 flow), mesh / peer", "cpu_per_gb", 1.0, false},
+}
+
+// peerRatios is, for a meshed variant, every metric's per-round ratio to
+// the peer, plus http_p99_added (see addedP99Ratio).
+func (r *results) peerRatios(mesh, peer string) map[string][]float64 {
+	out := map[string][]float64{}
+	for _, md := range r.Metrics {
+		if v := r.perRound(mesh, peer, md.Key, func(x, y float64) (float64, bool) { return x / y, y != 0 }); len(v) > 0 {
+			out[md.Key] = v
+		}
+	}
+	if v := r.addedP99Ratio(mesh, peer); len(v) > 0 {
+		out["http_p99_added"] = v
+	}
+	return out
+}
+
+// peerSection prints the mesh against the peer: every metric's ratio per
+// round, and the targets.
+func (r *results) peerSection(w io.Writer) {
+	for _, peer := range peerVariants {
+		if _, ok := r.Samples[peer]; ok {
+			r.peerSectionFor(w, peer)
+		}
+	}
+}
+
+func (r *results) peerSectionFor(w io.Writer, peer string) {
+	rounds := func(v []float64) string {
+		var cells []string
+		for _, x := range v {
+			cells = append(cells, num(x))
+		}
+		return strings.Join(cells, " ")
+	}
+	for _, mesh := range []string{"meshed-cross", "meshed-same"} {
+		ratios := r.peerRatios(mesh, peer)
+		if len(ratios) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "\nAgainst the peer: %s / %s, per round (in round order), median\n", mesh, peer)
+		titles := map[string]string{"http_p99_added": "HTTP p99 added to direct's"}
+		keys := []string{}
+		for _, md := range r.Metrics {
+			titles[md.Key] = md.Title
+			keys = append(keys, md.Key)
+		}
+		for _, k := range append(keys, "http_p99_added") {
+			if v, ok := ratios[k]; ok {
+				med, _, _ := stats(v)
+				fmt.Fprintf(w, "  %-28s %s×   [%s]\n", titles[k], num(med), rounds(v))
+			}
+		}
+		if mesh != "meshed-cross" {
+			continue
+		}
+		fmt.Fprintf(w, "\nTargets against %s (issue 21), meshed-cross, median of the per-round ratios\n", peer)
+		for _, t := range peerTargets {
+			v, ok := ratios[t.Key]
+			if !ok {
+				fmt.Fprintf(w, "  %-58s no round to compare (for the added p99: the peer added nothing to direct's in every round)\n", t.What)
+				continue
+			}
+			med, lo, hi := stats(v)
+			held, op := med <= t.Want, "≤"
+			if t.AtLeast {
+				held, op = med >= t.Want, "≥"
+			}
+			verdict := "missed"
+			if held {
+				verdict = "held"
+			}
+			fmt.Fprintf(w, "  %-58s %s× [%s-%s] (want %s %s×): %s\n", t.What, num(med), num(lo), num(hi), op, num(t.Want), verdict)
+		}
+	}
+}
+
+// peerMarkdown is the mesh / peer table for BENCHMARKS.md: per metric, the
+// median of the per-round ratios and the rounds themselves.
+func (r *results) peerMarkdown(w io.Writer) {
+	for _, pair := range r.peerPairs() {
+		mesh, peer := pair[0], pair[1]
+		ratios := r.peerRatios(mesh, peer)
+		if len(ratios) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "\n%s / %s, per round:\n\n| metric | median | rounds |\n| --- | ---: | --- |\n", mesh, peer)
+		rows := append([]metricDef{}, r.Metrics...)
+		rows = append(rows, metricDef{Key: "http_p99_added", Title: "HTTP p99 added to direct's"})
+		for _, md := range rows {
+			v, ok := ratios[md.Key]
+			if !ok {
+				continue
+			}
+			med, _, _ := stats(v)
+			var cells []string
+			for _, x := range v {
+				cells = append(cells, num(x))
+			}
+			fmt.Fprintf(w, "| %s | %s× | %s |\n", md.Title, num(med), strings.Join(cells, ", "))
+		}
+	}
+}
+
+// peerPairs lists (meshed variant, peer) for every peer that ran.
+func (r *results) peerPairs() [][2]string {
+	var out [][2]string
+	for _, peer := range peerVariants {
+		if _, ok := r.Samples[peer]; !ok {
+			continue
+		}
+		for _, mesh := range []string{"meshed-cross", "meshed-same"} {
+			out = append(out, [2]string{mesh, peer})
+		}
+	}
+	return out
 }

@@ -84,12 +84,16 @@ type results struct {
 	Variants []variantInfo `json:"variants"`
 	Metrics  []metricDef   `json:"metrics"`
 	// Samples[variant][metric][round]; null where a round failed.
-	Samples  map[string]map[string][]*float64 `json:"samples"`
-	Summary  map[string]map[string]summary    `json:"summary"`
-	Agent    agentResults                     `json:"agent"`
-	Profiles []profileResult                  `json:"profiles"`
-	Micro    []microResult                    `json:"microbenchmarks"`
-	Errors   []string                         `json:"errors"`
+	Samples map[string]map[string][]*float64 `json:"samples"`
+	Summary map[string]map[string]summary    `json:"summary"`
+	// MeshToPeer["<meshed variant>/<peer>"][metric] is the per-round
+	// ratio of a meshed variant to a peer relay (see peerRatios), in round
+	// order.
+	MeshToPeer map[string]map[string][]float64 `json:"mesh_to_peer,omitempty"`
+	Agent      agentResults                    `json:"agent"`
+	Profiles   []profileResult                 `json:"profiles"`
+	Micro      []microResult                   `json:"microbenchmarks"`
+	Errors     []string                        `json:"errors"`
 	// Retries are measurements that failed once and were repeated.
 	Retries []string `json:"retries"`
 
@@ -151,6 +155,14 @@ func (r *results) summarize() {
 				s.Ratio, s.RatioMin, s.RatioMax = stats(ratios)
 			}
 			r.Summary[v][k] = s
+		}
+	}
+	for _, pair := range r.peerPairs() {
+		if p := r.peerRatios(pair[0], pair[1]); len(p) > 0 {
+			if r.MeshToPeer == nil {
+				r.MeshToPeer = map[string]map[string][]float64{}
+			}
+			r.MeshToPeer[pair[0]+"/"+pair[1]] = p
 		}
 	}
 	if len(r.Agent.EnrollToSYNms) > 0 {

@@ -107,6 +107,9 @@ func addProxies(out map[string]float64, v *variant, key string, cpu []float64, c
 
 // proxyName names the variant's i-th proxy: the node of an agent, or relay.
 func proxyName(v *variant, i int) string {
+	if i < len(v.names) {
+		return v.names[i]
+	}
 	if v.meshed {
 		return fmt.Sprintf("node%d", i+1)
 	}
@@ -213,9 +216,12 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 // carries the relay's log.
 func runTest(ctx context.Context, cfg config, t test, v *variant) (map[string]float64, error) {
 	vals, err := t.run(ctx, cfg, v)
-	if err != nil && v.relay != nil {
-		if log := v.relay.stderr.String(); log != "" {
-			err = fmt.Errorf("%w (relay log: %s)", err, tail(log, 500))
+	if err == nil {
+		return vals, nil
+	}
+	for _, l := range v.logs {
+		if log := l.stderr.String(); log != "" {
+			err = fmt.Errorf("%w (%s log: %s)", err, l.name, tail(log, 500))
 		}
 	}
 	return vals, err
