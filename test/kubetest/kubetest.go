@@ -27,6 +27,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/test/testbin"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -221,7 +222,7 @@ func writeFile(t testing.TB, path string, data []byte) {
 }
 
 func mustFreePort(t testing.TB) int {
-	port, err := freePort()
+	port, err := testbin.FreePort()
 	if err != nil {
 		t.Fatal(err)
 	}

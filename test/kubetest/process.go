@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -112,15 +111,4 @@ func (p *process) waitHealthy(client *http.Client, url string, header http.Heade
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-}
-
-// freePort returns a loopback TCP port nobody listens on right now. Another process may take
-// it before ours binds it; with the kernel's rotating ephemeral ports that is rare enough.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
