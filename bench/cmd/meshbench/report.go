@@ -204,16 +204,7 @@ func (r *results) pairedDiff(a, b, key string) (summary, bool) {
 }
 
 func (r *results) paired(a, b, key string, op func(x, y float64) (float64, bool)) (summary, bool) {
-	xa, xb := r.Samples[a][key], r.Samples[b][key]
-	var vals []float64
-	for i := range min(len(xa), len(xb)) {
-		if xa[i] == nil || xb[i] == nil {
-			continue
-		}
-		if v, ok := op(*xa[i], *xb[i]); ok {
-			vals = append(vals, v)
-		}
-	}
+	vals := r.perRound(a, b, key, op)
 	if len(vals) == 0 {
 		return summary{}, false
 	}
