@@ -11,7 +11,7 @@ import (
 )
 
 // newScaleSource is the agent's Kubernetes source as cmd/redirector builds it. It is alone in
-// this file so that TestScale can run against an older source with only this file replaced
+// this file so that BenchmarkKubernetesSourceScale can run against an older source with only this file replaced
 // (BENCHMARKS.md, Kubernetes source at scale).
 func newScaleSource(rc *rest.Config, node string, sel selection.Config, log *slog.Logger) (source.Source, error) {
 	return kubernetes.New(kubernetes.Config{RestConfig: rc, NodeName: node, Logger: log, Selection: sel})

@@ -39,17 +39,17 @@ import (
 // The scale benchmark (issue 17): a real API server holding 20k pods, 2k services and 20k
 // endpoints (2k EndpointSlices of 10), 100 of the pods on the agent's node. It measures the
 // agent's Kubernetes source in a child process of its own (this test binary again, running
-// TestScaleAgent), so the memory is the source's and not the loader's: heap in use after GC
+// BenchmarkScaleAgent), so the memory is the source's and not the loader's: heap in use after GC
 // and RSS once the first snapshot is a directory, and the time from a change (a pod's label,
 // a new pod, a new pod's IP) to a directory holding it, as the agent builds one per snapshot.
 // With REDIRECTOR_K8S_SCALE_OLD naming a test binary built from an older source (see
 // BENCHMARKS.md), that one is measured too, against the same objects.
 const (
-	// envScale runs TestScale: 1 is the full size, a fraction (0.1) a smaller cluster.
+	// envScale runs BenchmarkKubernetesSourceScale: 1 is the full size, a fraction (0.1) a smaller cluster.
 	envScale = "REDIRECTOR_K8S_SCALE"
 	// envScaleOld names a test binary of an older source to measure as well.
 	envScaleOld = "REDIRECTOR_K8S_SCALE_OLD"
-	// envScaleAgent, set by TestScale for its children, is the kubeconfig TestScaleAgent uses.
+	// envScaleAgent, set by BenchmarkKubernetesSourceScale for its children, is the kubeconfig BenchmarkScaleAgent uses.
 	envScaleAgent = "REDIRECTOR_K8S_SCALE_AGENT"
 	// envScaleRun names the child's run, so the pods it creates do not collide.
 	envScaleRun = "REDIRECTOR_K8S_SCALE_RUN"
@@ -90,10 +90,11 @@ type latency struct {
 	Snapshots     int // snapshots delivered while measuring
 }
 
-func TestScale(t *testing.T) {
+func BenchmarkKubernetesSourceScale(t *testing.B) {
 	factor, err := strconv.ParseFloat(os.Getenv(envScale), 64)
 	if err != nil || factor <= 0 {
-		t.Skipf("set %s=1 to run the Kubernetes source scale benchmark (minutes; -timeout 60m)", envScale)
+		// Minutes of loading: only on request (make bench's -bench . passes by).
+		t.Skipf("set %s=1 to run the Kubernetes source scale benchmark (minutes; -benchtime 1x -timeout 60m)", envScale)
 	}
 	pods := int(20000 * factor)
 	services := pods / scalePerService
@@ -127,10 +128,10 @@ func TestScale(t *testing.T) {
 	fmt.Println(report.String())
 }
 
-// scaleRunAgent runs TestScaleAgent in bin against kubeconfig and returns its result.
-func scaleRunAgent(t *testing.T, bin, name, kubeconfig string, pods int) scaleResult {
+// scaleRunAgent runs BenchmarkScaleAgent in bin against kubeconfig and returns its result.
+func scaleRunAgent(t testing.TB, bin, name, kubeconfig string, pods int) scaleResult {
 	t.Helper()
-	cmd := exec.CommandContext(t.Context(), bin, "-test.run=^TestScaleAgent$", "-test.count=1", "-test.timeout=30m")
+	cmd := exec.CommandContext(t.Context(), bin, "-test.run=^$", "-test.bench=^BenchmarkScaleAgent$", "-test.benchtime=1x", "-test.count=1", "-test.timeout=30m")
 	cmd.Env = append(os.Environ(), envScaleAgent+"="+kubeconfig, envScaleRun+"="+name, envScalePods+"="+strconv.Itoa(pods))
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -152,11 +153,12 @@ func scaleRunAgent(t *testing.T, bin, name, kubeconfig string, pods int) scaleRe
 	return *res
 }
 
-// TestScaleAgent is TestScale's child: the agent's source against the loaded API server.
-func TestScaleAgent(t *testing.T) {
+// BenchmarkScaleAgent is BenchmarkKubernetesSourceScale's child: the agent's source against
+// the loaded API server. A benchmark, not a test, so that no test is ever skipped.
+func BenchmarkScaleAgent(t *testing.B) {
 	kubeconfig := os.Getenv(envScaleAgent)
 	if kubeconfig == "" {
-		t.Skip("run by TestScale")
+		t.Skip("run by BenchmarkKubernetesSourceScale")
 	}
 	run := os.Getenv(envScaleRun)
 	wantPods, _ := strconv.Atoi(os.Getenv(envScalePods))
@@ -365,7 +367,7 @@ func scaleCPU() time.Duration {
 // scaleLoad creates the cluster: namespaces (every other one ambient), services, pods (with
 // their status, as a kubelet writes it) and one EndpointSlice per service, through a bounded
 // pool of workers.
-func scaleLoad(t *testing.T, cfg *rest.Config, pods, services int) {
+func scaleLoad(t testing.TB, cfg *rest.Config, pods, services int) {
 	t.Helper()
 	rc := rest.CopyConfig(cfg)
 	rc.QPS, rc.Burst = 5000, 5000
