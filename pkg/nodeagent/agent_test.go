@@ -4,19 +4,15 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
-	"path/filepath"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/redirector-mesh/redirector/pkg/cni"
-	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
-	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
@@ -24,26 +20,10 @@ import (
 // testAgent is a node agent over a real loader (temp pin root) and tunnel,
 // with a file CA; no workers run unless the test runs them.
 func testAgent(t *testing.T) (*Agent, *loader.Loader, *tunnel.Tunnel, *Reconciler) {
-	root := filepath.Join(t.TempDir(), "bpf")
-	t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
 	log := slog.New(slog.DiscardHandler)
-	ld, err := loader.Load(context.Background(), loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), Logger: log})
-	if err != nil {
-		t.Fatal(err)
-	}
+	ld := loadertest.Load(t, loadertest.TempBPFFS(t))
 	t.Cleanup(func() { ld.Close() })
-	caDir := filepath.Join(t.TempDir(), "ca")
-	if err := identity.InitCA(caDir, "cluster.local"); err != nil {
-		t.Fatal(err)
-	}
-	ca, err := identity.LoadCA(caDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := loader.DefaultSettings()
-	certs := identity.NewManager(ca, time.Hour, time.Now)
-	tun := tunnel.New(tunnel.Config{TrustDomain: "cluster.local", OutboundPort: s.OutboundPort, InboundPort: s.InboundPort, HBONEPort: s.HBONEPort,
-		TunnelMark: s.TunnelMark, Certs: certs, Pool: hbone.NewPool(hbone.PoolOptions{}), Logger: log})
+	tun, certs := netnstest.FileCATunnel(t, log)
 	rec := NewReconciler(ld, tun, netns.DefaultFinder(), log)
 	a := New(Config{Node: "node1", TrustDomain: "cluster.local", ReconcilePeriod: time.Hour, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Logger: log})
 	return a, ld, tun, rec

@@ -813,19 +813,8 @@ func podIP(t *testing.T, n *Node, ns, name string) string {
 	return p.Status.PodIP
 }
 
-func agentPodOrEmpty(n *Node) string {
-	pods, err := n.Client.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{
-		LabelSelector: "app.kubernetes.io/name=redirector,app.kubernetes.io/instance=" + release})
-	if err != nil {
-		return ""
-	}
-	for _, p := range pods.Items {
-		if p.DeletionTimestamp == nil && podReady(&p) {
-			return p.Name
-		}
-	}
-	return ""
-}
+// agentPodOrEmpty is the name of a ready agent pod of the release, or "".
+func agentPodOrEmpty(n *Node) string { return agentPodOn(n, "") }
 
 func agentPod(t *testing.T, n *Node) string {
 	t.Helper()

@@ -183,11 +183,14 @@ func TestTwoNodes(t *testing.T) {
 	})
 }
 
-// agentPodOn is the name of the ready agent pod on node, or "".
+// agentPodOn is the name of the ready agent pod on node (any node if
+// ""), or "".
 func agentPodOn(n *Node, node string) string {
-	pods, err := n.Client.CoreV1().Pods(releaseNS).List(context.Background(), metav1.ListOptions{
-		LabelSelector: "app.kubernetes.io/name=redirector,app.kubernetes.io/instance=" + release,
-		FieldSelector: "spec.nodeName=" + node})
+	opts := metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=redirector,app.kubernetes.io/instance=" + release}
+	if node != "" {
+		opts.FieldSelector = "spec.nodeName=" + node
+	}
+	pods, err := n.Client.CoreV1().Pods(releaseNS).List(context.Background(), opts)
 	if err != nil {
 		return ""
 	}

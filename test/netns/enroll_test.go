@@ -230,11 +230,7 @@ status: {phase: Running, podIP: ` + vmPod.String() + `}`)
 // delay, never a failure, and never plaintext.
 func TestUpgradeFailsNoNewConnection(t *testing.T) {
 	// STRICT on the server: an answer proves the connection went through the mesh.
-	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`)
+	ms, client, server, _ := meshed(t, strictMesh)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[0]
 	if err := old.Stop(15 * time.Second); err != nil {

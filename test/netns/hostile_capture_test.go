@@ -19,12 +19,6 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
-const strictMesh = `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
-
 // hostileAppPort is where the server pod's recording app listens.
 const hostileAppPort = 9000
 

@@ -14,12 +14,9 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
-	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/nodeagent"
-	"github.com/redirector-mesh/redirector/pkg/tunnel"
-	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
 func openFDs(t *testing.T) int {
@@ -50,17 +47,7 @@ func TestAddRemoveCyclesLeakNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ld.Close()
-	caDir := filepath.Join(t.TempDir(), "ca")
-	if err := identity.InitCA(caDir, "cluster.local"); err != nil {
-		t.Fatal(err)
-	}
-	ca, err := identity.LoadCA(caDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := loader.DefaultSettings()
-	tun := tunnel.New(tunnel.Config{TrustDomain: "cluster.local", OutboundPort: s.OutboundPort, InboundPort: s.InboundPort, HBONEPort: s.HBONEPort,
-		TunnelMark: s.TunnelMark, Certs: identity.NewManager(ca, time.Hour, time.Now), Pool: hbone.NewPool(hbone.PoolOptions{}), Logger: log})
+	tun, _ := FileCATunnel(t, log)
 	rec := nodeagent.NewReconciler(ld, tun, netns.DefaultFinder(), log)
 	want := []loader.Pod{{UID: "uid-churn", Namespace: "shop", Name: "churn", NetNS: pod.Path(), Addrs: pod.Addrs(), CaptureInbound: true}}
 
@@ -127,7 +114,7 @@ func TestAddRemoveCyclesLeakNothing(t *testing.T) {
 			return err
 		}
 		for _, r := range rules {
-			if r.Table == s.RouteTable {
+			if r.Table == loader.DefaultSettings().RouteTable {
 				t.Errorf("rule left: %v", r)
 			}
 		}

@@ -92,3 +92,10 @@ func labelBlock(indent string, labels []string) string {
 	}
 	return b.String()
 }
+
+// strictMesh is a STRICT PeerAuthentication for the namespace mesh.
+const strictMesh = `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: strict, namespace: mesh}
+spec:
+  mtls: {mode: STRICT}`

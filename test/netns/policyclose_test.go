@@ -114,11 +114,7 @@ spec:
 
 	// STRICT for the namespace: the plaintext connection is closed now,
 	// while a new meshed connection from another identity would pass.
-	strict := `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	strict := strictMesh
 	ms.rewrite(t, client, server, plain, deny, strict)
 	if err := waitClosed(plainConn, 10*time.Second); err != nil {
 		t.Errorf("plaintext connection under the new STRICT policy: %v", err)
@@ -231,11 +227,7 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 	})
 
 	// STRICT: a flood of refused plaintext connections.
-	strict := `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	strict := strictMesh
 	ms.rewrite(t, client, server, plain, strict)
 	WaitRefused(t, plain, URL(server.IPv4, 9000), 10*time.Second)
 	denials := func() float64 {

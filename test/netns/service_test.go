@@ -64,11 +64,7 @@ endpoints:
 // TestServiceVIP: a client calls a service VIP backed by three meshed pods
 // on two nodes, with STRICT on the servers.
 func TestServiceVIP(t *testing.T) {
-	strict := `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	strict := strictMesh
 	var client, plain, s1, s2, s3 *Pod
 	ms := newMesh(t, func(top *Topology, m *Manifest) {
 		client, plain = top.Nodes[0].AddPod("client"), top.Nodes[0].AddPod("plain")

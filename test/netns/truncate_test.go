@@ -15,11 +15,7 @@ import (
 // in place. None of it may be applied: STRICT still refuses a plaintext client, meshed
 // traffic still flows, and the agents say why. A good manifest afterwards is picked up.
 func TestManifestDamageChangesNothing(t *testing.T) {
-	const strict = `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	const strict = strictMesh
 	ms, client, server, plain := meshed(t, strict)
 	holds := func(t *testing.T, when string) {
 		t.Helper()

@@ -185,11 +185,7 @@ func TestForeignCARefused(t *testing.T) {
 }
 
 func TestPeerAuthenticationAndAuthorization(t *testing.T) {
-	strict := `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	strict := strictMesh
 	ms, client, server, plain := meshed(t, strict)
 	HTTPApp(t, server, 8081, "server-8081")
 	// Meshed client passes under STRICT.
@@ -509,11 +505,7 @@ func TestPodsNeverShareHBONEConnections(t *testing.T) {
 }
 
 func TestSameNodeIsMeshed(t *testing.T) {
-	strict := `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`
+	strict := strictMesh
 	var a, b, plain *Pod
 	ms := newMesh(t, func(tp *Topology, m *Manifest) {
 		a, b, plain = tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b"), tp.Nodes[0].AddPod("plain")

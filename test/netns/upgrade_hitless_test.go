@@ -220,11 +220,7 @@ func TestUpgradeHitlessClientNode(t *testing.T) { testUpgradeHitless(t, 0) }
 func TestUpgradeHitlessServerNode(t *testing.T) { testUpgradeHitless(t, 1) }
 
 func testUpgradeHitless(t *testing.T, node int) {
-	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`)
+	ms, client, server, _ := meshed(t, strictMesh)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[node]
 	n := old.Node
@@ -374,11 +370,7 @@ func lastLines(s string, n int) string {
 // and exits; the running agent keeps serving and no pod loses its
 // redirection.
 func TestUpgradeRefusesOtherLayout(t *testing.T) {
-	ms, client, server, _ := meshed(t, `apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`)
+	ms, client, server, _ := meshed(t, strictMesh)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[0]
 	before := mustEnrolledNames(t, old.BPFRoot)
@@ -709,11 +701,7 @@ func TestTakeoverFromAgentWithoutReusePort(t *testing.T) {
 		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
 			Pod(client, "mesh", "client-sa", "app=client").
 			Pod(server, "mesh", "server-sa", "app=server").
-			Raw(`apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {name: strict, namespace: mesh}
-spec:
-  mtls: {mode: STRICT}`)
+			Raw(strictMesh)
 		for _, port := range []int{15001, 15006, 15008} {
 			l, err := netns.Listen(context.Background(), client.Path(), "tcp", fmt.Sprintf("[::]:%d", port), netns.SocketOptions{})
 			if err != nil {
