@@ -94,11 +94,18 @@ type Node struct {
 	stopErr  error
 }
 
+// process is a daemon of the node. A supervised one is started again when it exits without
+// being asked to, as systemd does for a real node's kubelet (which counts on a babysitter to
+// restart it after a failed start).
 type process struct {
 	name string
-	cmd  *exec.Cmd
 	log  string
-	done chan struct{}
+	done chan struct{} // closed once it has ended for good
+
+	mu       sync.Mutex
+	cmd      *exec.Cmd // the current run
+	stopping bool
+	restarts int
 }
 
 // Logf is where the node reports progress (a test's t.Logf).
@@ -193,7 +200,7 @@ func startNode(ctx context.Context, logf Logf, n *Node) (_ *Node, err error) {
 		return n, err
 	}
 	logf("containerd up, images imported after %v", time.Since(start).Round(time.Millisecond))
-	if err := n.kubelet(ctx); err != nil {
+	if err := n.kubelet(ctx, logf); err != nil {
 		return n, err
 	}
 	logf("node %s Ready after %v", n.Name, time.Since(start).Round(time.Millisecond))
@@ -487,35 +494,85 @@ func cgroupPids(root string) []int {
 // spawn starts a node daemon inside the node's namespaces and system cgroup; Stop ends it
 // (SIGTERM, then SIGKILL after grace).
 func (n *Node) spawn(name, bin string, args ...string) (*process, error) {
+	return n.spawnSupervised(0, name, bin, args...)
+}
+
+// spawnSupervised starts a daemon in the node's namespaces and cgroups, and starts it again
+// up to restarts times when it exits unasked; each run appends to its log.
+func (n *Node) spawnSupervised(restarts int, name, bin string, args ...string) (*process, error) {
 	logPath := filepath.Join(n.Dir, name+".log")
 	f, err := os.Create(logPath)
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(n.holder.Process.Pid), "-m", "-n", "--", bin}, args...)...)
-	cmd.Stdout, cmd.Stderr = f, f
-	cmd.Env = append(os.Environ(), "HOME="+n.Dir)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := cmd.Start(); err != nil {
+	start := func() (*exec.Cmd, error) {
+		cmd := exec.Command("nsenter", append([]string{"-t", strconv.Itoa(n.holder.Process.Pid), "-m", "-n", "--", bin}, args...)...)
+		cmd.Stdout, cmd.Stderr = f, f
+		cmd.Env = append(os.Environ(), "HOME="+n.Dir)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		if err := cmd.Start(); err != nil {
+			return nil, fmt.Errorf("start %s: %w", name, err)
+		}
+		if err := n.join(cmd.Process.Pid); err != nil {
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+			return nil, err
+		}
+		return cmd, nil
+	}
+	cmd, err := start()
+	if err != nil {
 		f.Close()
-		return nil, fmt.Errorf("start %s: %w", name, err)
+		return nil, err
 	}
 	p := &process{name: name, cmd: cmd, log: logPath, done: make(chan struct{})}
-	go func() { _ = cmd.Wait(); f.Close(); close(p.done) }()
+	go func() {
+		defer close(p.done)
+		defer f.Close()
+		for {
+			_ = cmd.Wait()
+			p.mu.Lock()
+			again := !p.stopping && p.restarts < restarts
+			if again {
+				p.restarts++
+			}
+			p.mu.Unlock()
+			if !again {
+				return
+			}
+			fmt.Fprintf(f, "e2enode: %s exited unasked (%v); starting it again (restart %d of %d)\n", name, cmd.ProcessState, p.restarts, restarts)
+			time.Sleep(time.Second)
+			p.mu.Lock()
+			if p.stopping {
+				p.mu.Unlock()
+				return
+			}
+			next, err := start()
+			if err != nil {
+				p.mu.Unlock()
+				fmt.Fprintf(f, "e2enode: %v\n", err)
+				return
+			}
+			cmd, p.cmd = next, next
+			p.mu.Unlock()
+		}
+	}()
 	n.procs = append(n.procs, p)
 	n.push(func() error {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
+		p.mu.Lock()
+		p.stopping = true
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
+		p.mu.Unlock()
 		select {
 		case <-p.done:
 		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
+			p.mu.Lock()
+			_ = p.cmd.Process.Kill()
+			p.mu.Unlock()
 			<-p.done
 		}
 		return nil
 	})
-	if err := n.join(cmd.Process.Pid); err != nil {
-		return nil, err
-	}
 	return p, nil
 }
 
@@ -573,14 +630,68 @@ func (n *Node) SaveArtifacts(ctx context.Context, dir string) (string, error) {
 	return dir, errors.Join(errs...)
 }
 
-// LogTail is the end of a daemon's log, for failures.
+// LogTail is the end of a daemon's log, for failures: its fatal lines first, then the tail
+// without goroutine dumps (a panic's or a fatal error's would fill any tail).
 func (n *Node) LogTail(name string, lines int) string {
 	b, err := os.ReadFile(filepath.Join(n.Dir, name+".log"))
 	if err != nil {
 		return err.Error()
 	}
-	l := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	return strings.Join(l[max(0, len(l)-lines):], "\n")
+	return logExcerpt(string(b), lines)
+}
+
+// logExcerpt is the log's fatal and panic lines, then its last lines with goroutine dumps
+// left out.
+func logExcerpt(log string, lines int) string {
+	var fatal, kept []string
+	inDump := false
+	for _, line := range strings.Split(strings.TrimRight(log, "\n"), "\n") {
+		switch {
+		case strings.HasPrefix(line, "goroutine ") && strings.HasSuffix(line, ":"):
+			inDump = true
+		case inDump && !isLogLine(line):
+		default:
+			inDump = false
+			if isFatalLine(line) && len(fatal) < 8 {
+				fatal = append(fatal, line)
+			}
+			kept = append(kept, line)
+		}
+	}
+	tail := kept[max(0, len(kept)-lines):]
+	if len(fatal) == 0 {
+		return strings.Join(tail, "\n")
+	}
+	return "fatal: " + strings.Join(fatal, "\nfatal: ") + "\n...\n" + strings.Join(tail, "\n")
+}
+
+// isLogLine: a klog line begins with its level and "mmdd ".
+func isLogLine(line string) bool {
+	return len(line) > 5 && strings.ContainsRune("IWEF", rune(line[0])) &&
+		strings.Trim(line[1:5], "0123456789") == "" && line[5] == ' ' || strings.HasPrefix(line, "e2enode:")
+}
+
+// isFatalLine: klog's fatal lines, Go's panics and fatal errors, and the supervisor's notes.
+func isFatalLine(line string) bool {
+	return strings.HasPrefix(line, "panic:") || strings.HasPrefix(line, "fatal error:") ||
+		strings.HasPrefix(line, "e2enode:") || isLogLine(line) && line[0] == 'F'
+}
+
+// exited reports, once a daemon has ended, how, for a wait to give up early.
+func (n *Node) exited(name string) error {
+	for _, p := range n.procs {
+		if p.name != name {
+			continue
+		}
+		select {
+		case <-p.done:
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			return fmt.Errorf("%s exited: %v (after %d restarts)", name, p.cmd.ProcessState, p.restarts)
+		default:
+		}
+	}
+	return nil
 }
 
 // DialContext connects from inside the node's network namespace: the socket is made on a
@@ -657,6 +768,9 @@ func (n *Node) controlPlane(ctx context.Context) error {
 	}}
 	defer hc.CloseIdleConnections()
 	if err := waitFor(ctx, startTimeout, "kube-apiserver /readyz", func() error {
+		if err := n.exited("kube-apiserver"); err != nil {
+			return giveUp{err}
+		}
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "https://"+nodeIP+":443/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+n.token)
 		resp, err := hc.Do(req)
@@ -751,6 +865,9 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
 		return err
 	}
 	if err := waitFor(ctx, time.Minute, "containerd socket", func() error {
+		if err := n.exited("containerd"); err != nil {
+			return giveUp{err}
+		}
 		_, err := os.Stat(sock)
 		return err
 	}); err != nil {
@@ -818,7 +935,7 @@ func (n *Node) TagImage(ctx context.Context, from, to string) error {
 	return nil
 }
 
-func (n *Node) kubelet(ctx context.Context) error {
+func (n *Node) kubelet(ctx context.Context, logf Logf) error {
 	kd := filepath.Join(n.Dir, "kubelet")
 	if err := os.MkdirAll(kd, 0o755); err != nil {
 		return err
@@ -856,12 +973,18 @@ podCIDR: %q
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err
 	}
-	if _, err := n.spawn("kubelet", filepath.Join(n.Bins, "kubelet"),
+	// Restarted like a real node's systemd unit does: the kubelet exits on some start-up
+	// races (a failed ContainerManager start) and relies on its babysitter.
+	kubelet, err := n.spawnSupervised(kubeletRestarts, "kubelet", filepath.Join(n.Bins, "kubelet"),
 		"--config="+cfgPath, "--kubeconfig="+n.Kubeconfig, "--root-dir=/var/lib/kubelet",
-		"--hostname-override="+n.Name, "--node-ip="+n.IP, "--cert-dir="+filepath.Join(kd, "pki"), "--v=1"); err != nil {
+		"--hostname-override="+n.Name, "--node-ip="+n.IP, "--cert-dir="+filepath.Join(kd, "pki"), "--v=1")
+	if err != nil {
 		return err
 	}
 	if err := waitFor(ctx, startTimeout, "node Ready", func() error {
+		if err := n.exited("kubelet"); err != nil {
+			return giveUp{err}
+		}
 		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -878,8 +1001,18 @@ podCIDR: %q
 	}); err != nil {
 		return fmt.Errorf("%w\n%s", err, n.LogTail("kubelet", 30))
 	}
+	kubelet.mu.Lock()
+	restarted := kubelet.restarts
+	kubelet.mu.Unlock()
+	if restarted > 0 {
+		logf("the kubelet of %s exited %d times before it was Ready and was started again; the log's fatal lines:\n%s",
+			n.Name, restarted, n.LogTail("kubelet", 0))
+	}
 	return nil
 }
+
+// kubeletRestarts is how often a node's kubelet may exit unasked and be started again.
+const kubeletRestarts = 3
 
 // runTimeout bounds every kubectl and helm command (helm's own --wait takes up to 3 min).
 const runTimeout = 4 * time.Minute
@@ -910,6 +1043,11 @@ func (n *Node) Helm(ctx context.Context, args ...string) (string, error) {
 	return n.Run(ctx, filepath.Join(n.Bins, "helm"), args...)
 }
 
+// giveUp, returned by a waitFor condition, ends the wait: nothing will change by waiting.
+type giveUp struct{ err error }
+
+func (g giveUp) Error() string { return g.err.Error() }
+
 func waitFor(ctx context.Context, timeout time.Duration, what string, f func() error) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -917,6 +1055,9 @@ func waitFor(ctx context.Context, timeout time.Duration, what string, f func() e
 	for {
 		if err = f(); err == nil {
 			return nil
+		}
+		if g, ok := err.(giveUp); ok {
+			return fmt.Errorf("waiting for %s: %w", what, g.err)
 		}
 		select {
 		case <-ctx.Done():
