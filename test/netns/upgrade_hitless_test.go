@@ -277,7 +277,13 @@ func testUpgradeHitless(t *testing.T, node int) {
 	// The old agent closes its listeners as it starts draining; on a busy
 	// machine that can be some milliseconds after the signal was sent.
 	closedAt := logTimeOf(t, old.Log(), "shutting down: draining connections", termAt)
-	var failed, afterTerm int
+	// Connections begun within handoffGrace of it may still be the old agent's, and rightly:
+	// the log line comes just before the listeners close (and its time is cut to the
+	// millisecond), and on the server node a stream the client's agent opened on its pooled
+	// HBONE connection before the old agent's GOAWAY reached it is served there, as HTTP/2's
+	// graceful shutdown intends. Every connection begun after that must be the new agent's.
+	const handoffGrace = 250 * time.Millisecond
+	var failed, afterTerm, inGrace int
 	var maxConnect, maxTotal time.Duration
 	var firstErr error
 	for _, s := range samples {
@@ -288,8 +294,11 @@ func testUpgradeHitless(t *testing.T, node int) {
 			}
 			continue
 		}
-		if !s.at.Before(closedAt) {
+		switch {
+		case !s.at.Before(closedAt.Add(handoffGrace)):
 			afterTerm++
+		case !s.at.Before(closedAt):
+			inGrace++
 		}
 		maxConnect, maxTotal = max(maxConnect, s.connect), max(maxTotal, s.total)
 	}
@@ -298,11 +307,11 @@ func testUpgradeHitless(t *testing.T, node int) {
 	elapsed := samples[len(samples)-1].at.Sub(samples[0].at)
 	t.Logf("upgrade of node %d: %d connections in %s (%.0f/s), %d failed (first: %v), connect max %s, request max %s, "+
 		"SYN retransmissions %d, captured packets dropped %d; new agent ready %s after start; old agent exited %s after SIGTERM; "+
-		"stream lines %d (%d by SIGTERM+2s), stream errors %d; connections opened on the new agent after SIGTERM %.0f of %d, on the old before SIGTERM %.0f",
+		"stream lines %d (%d by SIGTERM+2s), stream errors %d; connections opened on the new agent after SIGTERM %.0f, of them %d begun after the hand-off's grace (%d within it), on the old before SIGTERM %.0f",
 		node, len(samples), elapsed.Round(time.Millisecond), float64(len(samples))/elapsed.Seconds(), failed, firstErr,
 		maxConnect.Round(time.Microsecond), maxTotal.Round(time.Microsecond), retrans, dropped,
 		readyAt.Sub(upgradeStart).Round(time.Millisecond), exitAt.Sub(termAt).Round(time.Millisecond),
-		load.streamLines.Load(), linesAtEnd, load.streamErrs.Load(), newAfter-newBefore, afterTerm, oldBefore)
+		load.streamLines.Load(), linesAtEnd, load.streamErrs.Load(), newAfter-newBefore, afterTerm, inGrace, oldBefore)
 	t.Logf("while both agents served (1 s), the new one opened %.0f connections", newBefore-newAtReady)
 	t.Logf("iperf3 flow through the upgrade: %s", iperfOut)
 	if iperfErr != nil {
@@ -319,11 +328,11 @@ func testUpgradeHitless(t *testing.T, node int) {
 	if e := load.streamErrs.Load(); e != 0 {
 		t.Errorf("%d long-lived streams broke during the upgrade", e)
 	}
-	// Every connection opened after SIGTERM was served by the new agent
-	// (the old one's listeners closed at once, its queue moved over); on
-	// the server node the new agent counts it at the inbound side.
+	// Every connection begun after the hand-off's grace was served by the new agent (the old
+	// one's listeners closed at once, its queue moved over); on the server node the new agent
+	// counts it at the inbound side.
 	if newAfter-newBefore < float64(afterTerm) {
-		t.Errorf("new agent opened %.0f connections after SIGTERM, want all %d made since", newAfter-newBefore, afterTerm)
+		t.Errorf("new agent opened %.0f connections after SIGTERM, want at least the %d begun after the hand-off's grace", newAfter-newBefore, afterTerm)
 	}
 	if !strings.Contains(old.Log(), "closed_at_timeout=0") {
 		t.Errorf("the old agent closed connections at the drain timeout; its log:\n%s", lastLines(old.Log(), 20))
