@@ -267,6 +267,11 @@ func runAgent(ctx context.Context, args []string) error {
 			st := pool.Stats()
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
 		}),
+		admin.NewBufferCollector(func() admin.BufferStats {
+			b := hbone.Buffers()
+			return admin.BufferStats{Limit: b.Limit, FramesInUse: b.FramesInUse, BatchesInUse: b.BatchesInUse,
+				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied}
+		}),
 		admin.NewServerCollector(func() admin.ServerStats {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,

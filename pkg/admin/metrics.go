@@ -110,6 +110,37 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 	}
 }
 
+// BufferStats is the state of the HBONE layer's budgets of large buffers (hbone.Buffers in
+// the agent): bulk frame buffers of streams in a burst, and batch buffers of connections
+// writing a large frame.
+type BufferStats struct {
+	Limit                       int
+	FramesInUse, BatchesInUse   int
+	FramesDenied, BatchesDenied uint64
+}
+
+// NewBufferCollector reports the HBONE layer's large-buffer budgets.
+func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
+	inUse := prometheus.NewDesc("redirector_hbone_bulk_buffers",
+		"Large HBONE buffers in use, by kind: frame (a stream in a burst reads 1 MiB at once) or batch (a connection writes a large frame's TLS records at once).",
+		[]string{"kind"}, nil)
+	limit := prometheus.NewDesc("redirector_hbone_bulk_buffers_limit",
+		"The most large HBONE buffers of each kind in use at once; past it streams and connections use ordinary ones.", nil, nil)
+	denied := prometheus.NewDesc("redirector_hbone_bulk_buffers_denied_total",
+		"Times a large HBONE buffer was wanted while all were in use, by kind.", []string{"kind"}, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{inUse, limit, denied},
+		collect: func(ch chan<- prometheus.Metric) {
+			s := stats()
+			ch <- gauge(inUse, float64(s.FramesInUse), "frame")
+			ch <- gauge(inUse, float64(s.BatchesInUse), "batch")
+			ch <- gauge(limit, float64(s.Limit))
+			ch <- counter(denied, s.FramesDenied, "frame")
+			ch <- counter(denied, s.BatchesDenied, "batch")
+		},
+	}
+}
+
 // ServerStats is the HBONE servers' cumulative counts, summed over the
 // node's pods (from hbone.ServerStats in the agent). The sums must never go
 // down, so counts of servers already stopped have to stay in them.

@@ -65,6 +65,16 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_pool_active_streams": 7,
 		"redirector_hbone_dials_total":         5,
 	})
+	buffers := NewBufferCollector(func() BufferStats {
+		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2}
+	})
+	expect(t, promtest.Scrape(t, buffers), map[string]float64{
+		`redirector_hbone_bulk_buffers{kind="frame"}`:              3,
+		`redirector_hbone_bulk_buffers{kind="batch"}`:              1,
+		"redirector_hbone_bulk_buffers_limit":                      32,
+		`redirector_hbone_bulk_buffers_denied_total{kind="frame"}`: 4,
+		`redirector_hbone_bulk_buffers_denied_total{kind="batch"}`: 2,
+	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
 			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12}

@@ -50,6 +50,7 @@ const (
 	coalesceSize = 16 << 10
 
 	frameHeaderLen     = 9
+	maxTLSRecord       = 16384 // plaintext bytes in one TLS record
 	defaultWindow      = 65535 // RFC 9113 initial window
 	defaultMaxFrame    = 16384 // RFC 9113 initial SETTINGS_MAX_FRAME_SIZE
 	maxWindow          = 1<<31 - 1
@@ -129,6 +130,7 @@ var (
 // connConfig is what the owner (Pool or Server) tells a conn.
 type connConfig struct {
 	client      bool
+	batch       *batchConn    // under TLS: gathers a DATA frame's records into one write; nil: none
 	maxStreams  uint32        // server: SETTINGS_MAX_CONCURRENT_STREAMS we enforce
 	idleTimeout time.Duration // 0: never idle-close
 	log         *slog.Logger
@@ -983,12 +985,22 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 	c.dataWaiters.Add(1)
 	c.wmu.Lock()
 	c.dataWaiters.Add(-1)
+	// A frame of more than one TLS record leaves in one write.
+	batch := c.cfg.batch != nil && len(frame) > maxTLSRecord
+	if batch {
+		c.cfg.batch.begin()
+	}
 	_, err := c.bw.Write(frame)
 	if err == nil && c.dataWaiters.Load() == 0 {
 		// Nobody queued behind us: send now. Otherwise the last writer
 		// of the burst sends everything (every wmu holder but a
 		// writeData with a waiter flushes before unlocking).
 		err = c.bw.Flush()
+	}
+	if batch {
+		if berr := c.cfg.batch.end(); err == nil {
+			err = berr
+		}
 	}
 	c.wmu.Unlock()
 	if err != nil {

@@ -35,7 +35,7 @@ func rawExchange(t testing.TB, srv *Server, send func(fr *http2.Framer, enc *hpa
 	t.Helper()
 	cli, srvSide := net.Pipe()
 	defer cli.Close()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{})
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
 	_ = cli.SetDeadline(time.Now().Add(5 * time.Second))
 
 	sent := make(chan error, 1)
@@ -264,7 +264,7 @@ func TestPaddedAndLargeDataFrames(t *testing.T) {
 
 	cli, srvSide := net.Pipe()
 	defer cli.Close()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{})
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
 	_ = cli.SetDeadline(time.Now().Add(5 * time.Second))
 	settings := make(chan struct{})
 	go func() { // drain the server's frames; note its SETTINGS

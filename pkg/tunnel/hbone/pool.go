@@ -221,7 +221,8 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 	if err != nil {
 		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
 	}
-	tc := tls.Client(raw, withH2(tlsConf))
+	batch := &batchConn{Conn: raw}
+	tc := tls.Client(batch, withH2(tlsConf))
 	if err := tc.HandshakeContext(ctx); err != nil {
 		_ = raw.Close()
 		return nil, fmt.Errorf("tls handshake with hbone %v: %w", key.DstAddr, err)
@@ -232,6 +233,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 	}
 	c := newConn(context.Background(), tc, connConfig{
 		client:       true,
+		batch:        batch,
 		idleTimeout:  p.opts.IdleTimeout,
 		pingInterval: max(p.opts.PingInterval, 0),
 		pingTimeout:  p.opts.PingTimeout,

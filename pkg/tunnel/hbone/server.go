@@ -275,7 +275,8 @@ func (srv *Server) isClosed() bool {
 func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 	defer srv.wg.Done()
 	defer srv.limiter.release(src)
-	tc := tls.Server(nc, srv.tlsConf)
+	batch := &batchConn{Conn: nc}
+	tc := tls.Server(batch, srv.tlsConf)
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
@@ -292,14 +293,15 @@ func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 		return
 	}
 	state := tc.ConnectionState()
-	srv.serveHTTP2(tc, &state)
+	srv.serveHTTP2(tc, &state, batch)
 }
 
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
 // dies.
-func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState) {
+func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn) {
 	var c *conn
 	c = newConn(srv.ctx, nc, connConfig{
+		batch:          batch,
 		maxStreams:     srv.opts.MaxConcurrentStreams,
 		idleTimeout:    srv.opts.IdleTimeout,
 		prefaceTimeout: srv.opts.HandshakeTimeout,

@@ -378,16 +378,31 @@ type readObserver interface{ ObserveRead(n int) }
 
 // readFromSocket is ReadFrom for a socket: each read takes a frame buffer
 // from the pool and gives it back if the socket has nothing (EAGAIN) before
-// waiting, so buffers are held only while bytes are in flight. obs, if not
-// nil, is told of every read.
+// waiting, so buffers are held only while bytes are in flight. A read that
+// fills its buffer means a burst: the next read takes a bulk frame buffer if
+// the budget has one (bulkbuf.go). obs, if not nil, is told of every read.
 func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, error) {
 	var (
 		total int64
 		bp    *[]byte
+		bulk  bool // bp is from bulkFrames
+		burst bool // the last read filled its buffer
 		n     int
 		rerr  error
 	)
+	release := func() {
+		if bulk {
+			bulkFrames.put(bp)
+		} else {
+			frameBufPool.Put(bp)
+		}
+		bp, bulk = nil, false
+	}
 	read := func(fd uintptr) bool {
+		if bp == nil && burst {
+			bp = bulkFrames.get()
+			bulk = bp != nil
+		}
 		if bp == nil {
 			bp = frameBufPool.Get().(*[]byte)
 		}
@@ -398,15 +413,15 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 			}
 		}
 		if rerr == syscall.EAGAIN {
-			frameBufPool.Put(bp)
-			bp = nil
+			release()
+			burst = false
 			return false // wait for the socket to become readable
 		}
 		return true
 	}
 	defer func() {
 		if bp != nil {
-			frameBufPool.Put(bp)
+			release()
 		}
 	}()
 	for {
@@ -426,6 +441,10 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 		total += int64(sent)
 		if err != nil {
 			return total, err
+		}
+		if !bulk && n == len(*bp)-frameHeaderLen {
+			burst = true
+			release() // the next read takes a bulk buffer
 		}
 	}
 }
