@@ -122,7 +122,7 @@ type BufferStats struct {
 // NewBufferCollector reports the HBONE layer's large-buffer budgets.
 func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 	inUse := prometheus.NewDesc("redirector_hbone_bulk_buffers",
-		"Large HBONE buffers in use, by kind: frame (a stream in a burst reads 1 MiB at once) or batch (a connection writes a large frame's TLS records at once).",
+		"Large HBONE buffers in use, by kind: frame (a stream in a burst reads 256 KiB at once) or batch (a connection writes a large frame's TLS records at once).",
 		[]string{"kind"}, nil)
 	limit := prometheus.NewDesc("redirector_hbone_bulk_buffers_limit",
 		"The most large HBONE buffers of each kind in use at once; past it streams and connections use ordinary ones.", nil, nil)

@@ -3,6 +3,7 @@ package hbone
 import (
 	"net"
 	"sync"
+	"sync/atomic"
 )
 
 // batchConn sits between crypto/tls and the TCP socket. crypto/tls writes every TLS record
@@ -13,6 +14,21 @@ type batchConn struct {
 	net.Conn
 	mu  sync.Mutex
 	buf *[]byte // gathered records while batching; nil otherwise
+
+	// A batch's write(2) runs after crypto/tls's Write returned, where tls.Conn.Close cannot
+	// see it: Close would wait (up to its 5 s close_notify deadline) instead of closing the
+	// socket under a blocked write as it does for its own. abort does that for a batch.
+	flushing, aborted atomic.Bool
+}
+
+// abort makes a connection's close immediate: a batch's write blocked on a peer that stopped
+// reading is ended by closing the socket, and no batch writes after it. Both flags are
+// sequentially consistent, so either abort sees the flush or the flush sees abort.
+func (b *batchConn) abort() {
+	b.aborted.Store(true)
+	if b.flushing.Load() {
+		_ = b.Conn.Close()
+	}
 }
 
 // begin starts gathering, if the budget has a batch buffer left; otherwise the records go
@@ -45,6 +61,11 @@ func (b *batchConn) flushLocked() error {
 	*b.buf = p[:0]
 	if len(p) == 0 {
 		return nil
+	}
+	b.flushing.Store(true)
+	defer b.flushing.Store(false)
+	if b.aborted.Load() {
+		return net.ErrClosed
 	}
 	_, err := b.Conn.Write(p)
 	return err

@@ -2,8 +2,11 @@ package hbone
 
 import (
 	"bytes"
+	"errors"
 	"net"
+	"sync"
 	"testing"
+	"time"
 )
 
 // writeRecorder is a net.Conn that records each Write it is given.
@@ -68,5 +71,47 @@ func TestBatchConn(t *testing.T) {
 	_, _ = b.Write(small)
 	if len(rec.writes) != 1 {
 		t.Fatalf("after an empty batch: %d writes, want 1", len(rec.writes))
+	}
+}
+
+// stuckConn's writes block until it is closed, as a socket's do when the peer stops reading.
+type stuckConn struct {
+	net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+func (s *stuckConn) Write(p []byte) (int, error) { <-s.closed; return 0, net.ErrClosed }
+func (s *stuckConn) Close() error                { s.once.Do(func() { close(s.closed) }); return nil }
+
+// TestBatchAbort: a batch's write blocked on a peer that stopped reading ends at once when the
+// connection is aborted, and no batch is written after (crypto/tls's Close cannot see the
+// blocked write, so without abort it would wait for its close_notify deadline).
+func TestBatchAbort(t *testing.T) {
+	raw := &stuckConn{closed: make(chan struct{})}
+	b := &batchConn{Conn: raw}
+	b.begin()
+	_, _ = b.Write(bytes.Repeat([]byte{'x'}, 100))
+	ended := make(chan error, 1)
+	go func() { ended <- b.end() }()
+	for !b.flushing.Load() {
+		time.Sleep(time.Millisecond)
+	}
+	b.abort()
+	select {
+	case err := <-ended:
+		if err == nil {
+			t.Error("a write ended by abort reported no error")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("abort did not end a blocked batch write")
+	}
+	b.begin()
+	_, _ = b.Write([]byte("y"))
+	if err := b.end(); !errors.Is(err, net.ErrClosed) {
+		t.Errorf("a batch after abort: %v, want net.ErrClosed", err)
+	}
+	if got := Buffers().BatchesInUse; got != 0 {
+		t.Errorf("%d batch buffers still out", got)
 	}
 }

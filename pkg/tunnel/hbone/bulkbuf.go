@@ -8,20 +8,22 @@ import (
 // Bulk transfers go in large units: a stream whose socket fills a frame buffer reads up to
 // bulkFrameSize at once and sends it as one DATA frame, and the connection's writer hands the
 // TLS records of a frame to the socket in one write (batchConn). Per byte that is fewer
-// reads, writes, frame hand-offs and goroutine wake-ups on both agents: measured on/off in one
-// run, CPU per GB 0.79x and one flow 1.17x (BENCHMARKS.md). The buffers are large, so a
-// process-wide budget bounds how many exist: past it a stream falls back to frameBufSize
-// frames and a connection writes its records one by one, as a peer that stops reading could
-// otherwise make every stalled stream hold a megabyte.
+// reads, writes, frame hand-offs and goroutine wake-ups on both agents (on/off in one run in
+// BENCHMARKS.md). The size is a trade: a frame holds the connection's writer while it is
+// written, so another stream's frame on the same connection may wait for one bulk frame
+// (about 0.35 ms at 6 Gbps; 1 MiB frames measured a little cheaper, at four times the wait).
+// The buffers are large, so a process-wide budget bounds how many exist: past it a stream
+// falls back to frameBufSize frames and a connection writes its records one by one.
 const (
 	// bulkFrameSize is a bulk DATA frame with its header; peers that allow smaller frames
 	// (SETTINGS_MAX_FRAME_SIZE) get it split.
-	bulkFrameSize = 1 << 20
-	// batchSize holds the TLS records of one bulk frame (64 records of 16 KiB, each with
+	bulkFrameSize = 256 << 10
+	// batchSize holds the TLS records of one bulk frame (16 records of 16 KiB, each with
 	// 22 bytes of header and tag) plus what bw had coalesced before it.
 	batchSize = bulkFrameSize + 32<<10
 	// maxBulkBuffers bounds each kind of large buffer in use at once, process-wide:
-	// 32 MiB of frames and 33 MiB of batches at most.
+	// 8 MiB of frames and 9 MiB of batches at most (sync.Pool may keep returned ones
+	// until the next collections).
 	maxBulkBuffers = 32
 )
 
@@ -45,10 +47,15 @@ func newBufBudget(size int, limit int64) *bufBudget {
 
 // get returns a buffer, or nil when limit are out.
 func (b *bufBudget) get() *[]byte {
-	if b.inUse.Add(1) > b.limit {
-		b.inUse.Add(-1)
-		b.denied.Add(1)
-		return nil
+	for {
+		n := b.inUse.Load()
+		if n >= b.limit {
+			b.denied.Add(1)
+			return nil
+		}
+		if b.inUse.CompareAndSwap(n, n+1) {
+			break
+		}
 	}
 	b.taken.Add(1)
 	return b.pool.Get().(*[]byte)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"testing"
+	"time"
 )
 
 func TestBufBudget(t *testing.T) {
@@ -97,5 +98,42 @@ func waitBuffersBack(t *testing.T) {
 	eventually(t, "bulk buffers back in the budget", func() bool {
 		b := Buffers()
 		return b.FramesInUse == 0 && b.BatchesInUse == 0
+	})
+}
+
+// TestStalledStreamsHoldNoBulkBuffer: streams whose peer stops reading (no WINDOW_UPDATE) wait
+// for window with ordinary buffers: a peer cannot pin the bulk budget by not reading.
+func TestStalledStreamsHoldNoBulkBuffer(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	stop := make(chan struct{})
+	defer close(stop)
+	// The app behind the server writes until the test ends; the client never reads.
+	app := startUpstream(t, func(c *net.TCPConn) {
+		buf := make([]byte, 1<<20)
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_ = c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+			_, _ = c.Write(buf)
+		}
+	})
+	before := Buffers()
+	for range 4 {
+		s, err := e.connect(context.Background(), app)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+	}
+	eventually(t, "the stalled streams to have used bulk frames", func() bool {
+		return Buffers().FramesTaken > before.FramesTaken
+	})
+	// Each stream's window (4 MiB) fills and is never given back: they all wait now.
+	time.Sleep(500 * time.Millisecond)
+	eventually(t, "stalled streams to hold no bulk frame buffer", func() bool {
+		return Buffers().FramesInUse == 0
 	})
 }

@@ -985,8 +985,9 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 	c.dataWaiters.Add(1)
 	c.wmu.Lock()
 	c.dataWaiters.Add(-1)
-	// A frame of more than one TLS record leaves in one write.
-	batch := c.cfg.batch != nil && len(frame) > maxTLSRecord
+	// A frame of more than two TLS records leaves in one write (a frame of one full
+	// record and the few bytes past it is not worth a batch buffer and a copy).
+	batch := c.cfg.batch != nil && len(frame) > 2*maxTLSRecord
 	if batch {
 		c.cfg.batch.begin()
 	}
@@ -1176,6 +1177,9 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		c.wmu.Unlock()
 	}
 	if !linger {
+		if c.cfg.batch != nil {
+			c.cfg.batch.abort()
+		}
 		_ = c.nc.Close()
 	}
 	for _, s := range streams {

@@ -379,16 +379,20 @@ type readObserver interface{ ObserveRead(n int) }
 // readFromSocket is ReadFrom for a socket: each read takes a frame buffer
 // from the pool and gives it back if the socket has nothing (EAGAIN) before
 // waiting, so buffers are held only while bytes are in flight. A read that
-// fills its buffer means a burst: the next read takes a bulk frame buffer if
-// the budget has one (bulkbuf.go). obs, if not nil, is told of every read.
+// fills its buffer means a burst: the next reads take a bulk frame buffer if
+// the budget has one and the send window has room for more than an ordinary
+// frame, and read no more than that room, so a stream waits for window with
+// an ordinary buffer, never a bulk one (bulkbuf.go). obs, if not nil, is
+// told of every read.
 func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, error) {
 	var (
-		total int64
-		bp    *[]byte
-		bulk  bool // bp is from bulkFrames
-		burst bool // the last read filled its buffer
-		n     int
-		rerr  error
+		total  int64
+		bp     *[]byte
+		bulk   bool // bp is from bulkFrames
+		burst  bool // the last read filled its buffer
+		denied bool // this burst asked the budget in vain: do not ask again before the next
+		n      int
+		rerr   error
 	)
 	release := func() {
 		if bulk {
@@ -399,22 +403,33 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 		bp, bulk = nil, false
 	}
 	read := func(fd uintptr) bool {
-		if bp == nil && burst {
-			bp = bulkFrames.get()
-			bulk = bp != nil
+		room := 0
+		if burst {
+			room = s.sendRoom()
+			if bulk && room < frameBufSize {
+				release() // the window is nearly spent: wait for it with an ordinary buffer
+			}
+			if bp == nil && !denied && room >= frameBufSize {
+				bp = bulkFrames.get()
+				bulk, denied = bp != nil, bp == nil
+			}
 		}
 		if bp == nil {
 			bp = frameBufPool.Get().(*[]byte)
 		}
+		buf := (*bp)[frameHeaderLen:]
+		if bulk {
+			buf = buf[:min(len(buf), room)]
+		}
 		for {
-			n, rerr = syscall.Read(int(fd), (*bp)[frameHeaderLen:])
+			n, rerr = syscall.Read(int(fd), buf)
 			if rerr != syscall.EINTR {
 				break
 			}
 		}
 		if rerr == syscall.EAGAIN {
 			release()
-			burst = false
+			burst, denied = false, false
 			return false // wait for the socket to become readable
 		}
 		return true
@@ -444,9 +459,18 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 		}
 		if !bulk && n == len(*bp)-frameHeaderLen {
 			burst = true
-			release() // the next read takes a bulk buffer
+			release() // the next read may take a bulk buffer
 		}
 	}
+}
+
+// sendRoom is the send window open to s now: its own and its connection's,
+// whichever is smaller.
+func (s *Stream) sendRoom() int {
+	c := s.c
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return int(max(min(s.sendWindow, c.sendWindow), 0))
 }
 
 // sendLocked sends buf[9:9+n] as one or more DATA frames, writing each
