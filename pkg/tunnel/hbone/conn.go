@@ -804,8 +804,12 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	if f.ErrCode == http2.ErrCodeRefusedStream {
 		err = fmt.Errorf("%w: %w", errRetry, err)
 	}
+	// Whether the reset came before the answer is read before abort: abort cancels the
+	// handler's context, and a handler that answers at once could otherwise mark the stream
+	// answered first and take the reset out of the rapid-reset budget.
+	early := !c.cfg.client && !s.answered.Load()
 	s.abort(err)
-	if !c.cfg.client && !s.answered.Load() {
+	if early {
 		if c.cfg.onEarlyReset != nil {
 			c.cfg.onEarlyReset()
 		}
