@@ -8,8 +8,8 @@ import (
 
 // batchConn sits between crypto/tls and the TCP socket. crypto/tls writes every TLS record
 // with a write(2) of its own; while a large DATA frame is written, batchConn gathers its
-// records and sends them in one write, so a bulk frame is one syscall instead of 64 and the
-// peer's reader wakes once for it. Outside a batch it writes through.
+// records and sends them in one write, so a bulk frame is one syscall instead of one per
+// 16 KiB record, and the peer's reader wakes once for it. Outside a batch it writes through.
 type batchConn struct {
 	net.Conn
 	mu  sync.Mutex
