@@ -167,6 +167,11 @@ func (c *Conn) Close() error {
 
 // SyscallConn, CloseRead, CloseWrite and SetLinger are the socket's own.
 func (c *Conn) SyscallConn() (syscall.RawConn, error) { return c.tcp.SyscallConn() }
-func (c *Conn) CloseRead() error                      { return c.tcp.CloseRead() }
-func (c *Conn) CloseWrite() error                     { return c.tcp.CloseWrite() }
-func (c *Conn) SetLinger(sec int) error               { return c.tcp.SetLinger(sec) }
+
+// RawWriteConn lets the tunnel write to the socket through its file
+// descriptor (hbone.RawWriter): Conn adds nothing to writes.
+func (c *Conn) RawWriteConn() (syscall.RawConn, error) { return c.tcp.SyscallConn() }
+
+func (c *Conn) CloseRead() error        { return c.tcp.CloseRead() }
+func (c *Conn) CloseWrite() error       { return c.tcp.CloseWrite() }
+func (c *Conn) SetLinger(sec int) error { return c.tcp.SetLinger(sec) }

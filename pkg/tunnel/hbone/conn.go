@@ -256,6 +256,7 @@ type conn struct {
 	// Reader-owned.
 	blockReader blockReader // what the framer reads from
 	rchunks     []chunk     // reused by readChunks
+	iov         [][]byte    // reused by deliverLocked (reader only)
 	earlyResets budget      // server: resets of streams not yet answered
 	junk        budget      // frames that cost work and carry nothing
 }

@@ -37,17 +37,22 @@ type Stream struct {
 	answered atomic.Bool
 
 	// Receive side and state, guarded by mu.
-	mu           sync.Mutex
-	rcond        sync.Cond
-	buf          recvBuf
-	recvWindow   int64 // what the peer may still send on this stream
-	recvUnacked  int64
-	remoteEnded  bool  // END_STREAM received
-	peerReset    bool  // RST_STREAM received
-	localEnded   bool  // END_STREAM sent (also written under wmu)
-	err          error // reset or connection failure
-	closed       bool  // Close called
-	draining     bool  // WriteTo holds a slice of buf outside mu
+	mu          sync.Mutex
+	rcond       sync.Cond
+	buf         recvBuf
+	recvWindow  int64 // what the peer may still send on this stream
+	recvUnacked int64
+	remoteEnded bool  // END_STREAM received
+	peerReset   bool  // RST_STREAM received
+	localEnded  bool  // END_STREAM sent (also written under wmu)
+	err         error // reset or connection failure
+	closed      bool  // Close called
+	draining    bool  // WriteTo, or the reader delivering, holds the sink or a slice of buf outside mu
+	// sink is the socket WriteTo writes to, when the connection's reader
+	// may write into it directly; delivered counts what it wrote there
+	// (deliver.go).
+	sink         syscall.RawConn
+	delivered    int64
 	readDeadline time.Time
 	readTimer    *time.Timer
 	earlySent    bool // client: Request.EarlyData went out with the request
@@ -117,7 +122,12 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		stored += int64(c.w)
 	}
 	consumed := n - stored // padding is consumed on arrival
-	if s.closed {
+	if len(chunks) > 0 && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
+		var wrote int
+		small, chunks, wrote = s.deliverLocked(small, chunks)
+		consumed += int64(wrote)
+	}
+	if s.closed { // before, or while the reader delivered
 		consumed = n
 		recycleChunks(chunks)
 	} else {
@@ -129,7 +139,9 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	if end {
 		s.remoteEnded = true
 	}
-	s.rcond.Broadcast()
+	if s.buf.n > 0 || s.remoteEnded {
+		s.rcond.Broadcast() // else everything was delivered: WriteTo sleeps on
+	}
 	inc := s.consumedLocked(consumed)
 	done := s.remoteEnded && s.localEnded
 	s.mu.Unlock()
@@ -263,8 +275,23 @@ func (s *Stream) Read(p []byte) (int, error) {
 
 // WriteTo writes the stream's bytes to w straight from the receive buffer
 // until the peer half-closes (returning nil) or an error.
-func (s *Stream) WriteTo(w io.Writer) (int64, error) {
-	var total int64
+//
+// While it waits with nothing buffered, the connection's reader may write
+// arriving bytes into w itself (deliver.go); they count in the total.
+func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
+	s.mu.Lock()
+	s.sink, s.delivered = rawSink(w), 0
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.sink = nil
+		for s.draining { // the reader is delivering: count what it wrote
+			s.rcond.Wait()
+		}
+		total += s.delivered
+		s.delivered = 0
+		s.mu.Unlock()
+	}()
 	for {
 		s.mu.Lock()
 		if err := s.waitLocked(); err != nil {

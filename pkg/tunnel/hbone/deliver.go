@@ -1,0 +1,138 @@
+package hbone
+
+import (
+	"io"
+	"net"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Direct delivery. A stream's bytes normally go from the connection's
+// reader to the stream's buffer and from there, on the goroutine running
+// WriteTo, to the destination socket: a hand-off per DATA frame (a futex
+// wake and a thread switch, often to the other CPU, where the decrypted
+// bytes are no longer in cache). While WriteTo waits with nothing queued,
+// the reader instead writes the frame's bytes into the socket itself with
+// one non-blocking writev(2), and queues for WriteTo only what the socket
+// did not take. WriteTo still does every blocking write, so the reader never
+// waits on one stream's socket and the other streams of the connection never
+// wait behind it.
+//
+// Only bulk frames (read into chunks, 32 KiB and up) are delivered so. Small
+// frames keep the hand-off: a burst of requests for many streams is written
+// by their goroutines on both CPUs at once, where the reader alone would
+// write them one after another (measured: delivering every frame directly
+// made HTTP p99 at 1000 qps 1.4x worse; bulk only: one flow 1.08x, CPU per
+// GB 0.93x, round trips and HTTP unchanged).
+
+// directBytes counts the bytes readers wrote to sockets themselves.
+var directBytes atomic.Int64
+
+// RawWriter is a socket wrapper whose Write is a plain write(2) on the
+// file descriptor RawWriteConn returns, so the reader may write to it
+// directly (accel.Conn). *net.TCPConn and *net.UnixConn qualify as they are;
+// a wrapper that transforms or counts writes must not implement it.
+type RawWriter interface {
+	RawWriteConn() (syscall.RawConn, error)
+}
+
+// rawSink returns the file descriptor w's bytes may be written through
+// directly, or nil.
+func rawSink(w io.Writer) syscall.RawConn {
+	var (
+		rc  syscall.RawConn
+		err error
+	)
+	switch c := w.(type) {
+	case *net.TCPConn:
+		rc, err = c.SyscallConn()
+	case *net.UnixConn:
+		rc, err = c.SyscallConn()
+	case RawWriter:
+		rc, err = c.RawWriteConn()
+	default:
+		return nil
+	}
+	if err != nil {
+		return nil
+	}
+	return rc
+}
+
+// writeNow writes bufs to rc with one write(2) or writev(2) that does not
+// wait, and returns how many bytes the socket took: 0 when it is full or the
+// write failed (WriteTo's own write then meets the error and reports it).
+func writeNow(rc syscall.RawConn, bufs [][]byte) int {
+	var n int
+	_ = rc.Write(func(fd uintptr) bool {
+		for {
+			var (
+				k   int
+				err error
+			)
+			if len(bufs) == 1 {
+				k, err = unix.Write(int(fd), bufs[0])
+			} else {
+				k, err = unix.Writev(int(fd), bufs)
+			}
+			if err == unix.EINTR {
+				continue
+			}
+			if err == nil {
+				n = k
+			}
+			return true // never wait here: what is left is WriteTo's
+		}
+	})
+	return n
+}
+
+// deliverLocked writes a frame's bytes (small, then chunks) to the stream's
+// sink and returns what the socket did not take, with the count it took.
+// Chunks written in full go back to the pool. It is called by the
+// connection's reader with s.mu held, when WriteTo is waiting with nothing
+// buffered (so nothing may be written before these bytes); it holds the
+// socket with draining, as WriteTo does, while mu is released for the
+// write.
+func (s *Stream) deliverLocked(small []byte, chunks []chunk) ([]byte, []chunk, int) {
+	s.draining = true
+	sink := s.sink
+	s.mu.Unlock()
+
+	bufs := s.c.iov[:0]
+	if len(small) > 0 {
+		bufs = append(bufs, small)
+	}
+	for _, c := range chunks {
+		bufs = append(bufs, (*c.b)[c.r:c.w])
+	}
+	wrote := writeNow(sink, bufs)
+	directBytes.Add(int64(wrote))
+	clear(bufs) // no pointers to the chunks stay behind in the scratch slice
+	s.c.iov = bufs[:0]
+
+	left := wrote
+	k := min(left, len(small))
+	small, left = small[k:], left-k
+	for left > 0 && len(chunks) > 0 {
+		c := &chunks[0]
+		k := min(left, c.w-c.r)
+		c.r += k
+		left -= k
+		if c.r < c.w {
+			break
+		}
+		chunkPool.Put(c.b)
+		chunks = chunks[1:]
+	}
+
+	s.mu.Lock()
+	s.draining = false
+	s.delivered += int64(wrote)
+	if s.sink == nil {
+		s.rcond.Broadcast() // WriteTo is returning and waits for this count
+	}
+	return small, chunks, wrote
+}
