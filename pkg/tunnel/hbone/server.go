@@ -275,8 +275,9 @@ func (srv *Server) isClosed() bool {
 func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 	defer srv.wg.Done()
 	defer srv.limiter.release(src)
-	batch := &batchConn{Conn: nc}
-	tc := tls.Server(batch, srv.tlsConf)
+	hc := &handshakeConn{batchConn: &batchConn{Conn: nc}}
+	secrets := &secretLog{}
+	tc := tls.Server(hc, withSecretLog(srv.tlsConf, secrets))
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
@@ -293,7 +294,11 @@ func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 		return
 	}
 	state := tc.ConnectionState()
-	srv.serveHTTP2(tc, &state, batch)
+	if rc := takeOver(tc, hc, secrets, false); rc != nil {
+		srv.serveHTTP2(rc, &state, nil)
+		return
+	}
+	srv.serveHTTP2(tc, &state, hc.batchConn)
 }
 
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
