@@ -631,17 +631,10 @@ func (c *conn) skip(n int) error {
 // chunks, which then become part of the stream's buffer as they are.
 func (c *conn) readChunks(n int) ([]chunk, error) {
 	chunks := c.rchunks[:0]
-	rc, spare := c.nc.(*recordConn)
 	for n > 0 {
 		k := min(n, chunkSize)
 		bp := chunkPool.Get().(*[]byte)
-		var err error
-		if spare {
-			err = rc.readFullSpare((*bp)[:k])
-		} else {
-			_, err = io.ReadFull(c.nc, (*bp)[:k])
-		}
-		if err != nil {
+		if _, err := io.ReadFull(c.nc, (*bp)[:k]); err != nil {
 			chunkPool.Put(bp)
 			recycleChunks(chunks)
 			return nil, err

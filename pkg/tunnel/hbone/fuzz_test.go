@@ -231,23 +231,23 @@ func TestFlowControlViolation(t *testing.T) {
 	}
 }
 
-// keepingConn is an upstream that keeps what it is sent and reports it at
+// recordConn is an upstream that keeps what it is sent and reports it at
 // the stream's end.
-type keepingConn struct {
+type recordConn struct {
 	sinkConn
 	mu   sync.Mutex
 	data []byte
 	got  chan []byte
 }
 
-func (c *keepingConn) Write(p []byte) (int, error) {
+func (c *recordConn) Write(p []byte) (int, error) {
 	c.mu.Lock()
 	c.data = append(c.data, p...)
 	c.mu.Unlock()
 	return len(p), nil
 }
 
-func (c *keepingConn) CloseWrite() error {
+func (c *recordConn) CloseWrite() error {
 	c.mu.Lock()
 	c.got <- c.data
 	c.mu.Unlock()
@@ -258,7 +258,7 @@ func (c *keepingConn) CloseWrite() error {
 // (padded, and larger than a receive chunk) and checks the bytes arrive.
 func TestPaddedAndLargeDataFrames(t *testing.T) {
 	checkGoroutines(t)
-	up := &keepingConn{sinkConn: *newSinkConn(), got: make(chan []byte, 1)}
+	up := &recordConn{sinkConn: *newSinkConn(), got: make(chan []byte, 1)}
 	srv := newFuzzServer(t)
 	srv.opts.Handler = func(ctx context.Context, req *ServerRequest) Response { return Response{Upstream: up} }
 

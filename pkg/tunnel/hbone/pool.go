@@ -221,9 +221,8 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 	if err != nil {
 		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
 	}
-	hc := &handshakeConn{batchConn: &batchConn{Conn: raw}}
-	secrets := &secretLog{}
-	tc := tls.Client(hc, withSecretLog(withH2(tlsConf), secrets))
+	batch := &batchConn{Conn: raw}
+	tc := tls.Client(batch, withH2(tlsConf))
 	if err := tc.HandshakeContext(ctx); err != nil {
 		_ = raw.Close()
 		return nil, fmt.Errorf("tls handshake with hbone %v: %w", key.DstAddr, err)
@@ -232,14 +231,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 		_ = tc.Close()
 		return nil, fmt.Errorf("hbone %v negotiated ALPN %q, want h2", key.DstAddr, proto)
 	}
-	var (
-		nc    net.Conn = tc
-		batch          = hc.batchConn
-	)
-	if rc := takeOver(tc, hc, secrets, true); rc != nil {
-		nc, batch = rc, nil
-	}
-	c := newConn(context.Background(), nc, connConfig{
+	c := newConn(context.Background(), tc, connConfig{
 		client:       true,
 		batch:        batch,
 		idleTimeout:  p.opts.IdleTimeout,
@@ -256,7 +248,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 	})
 	c.poolKey = key
 	if err := c.start(); err != nil {
-		_ = nc.Close()
+		_ = tc.Close()
 		return nil, err
 	}
 	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)

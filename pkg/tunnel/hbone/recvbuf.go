@@ -6,10 +6,8 @@ import "sync"
 // Relay hands to a socket in one write.
 const chunkSize = 64 << 10
 
-// A chunk has one byte of capacity past chunkSize: the record layer decrypts a record that
-// fills a chunk's end in place, its content type byte landing there (readFullSpare).
 var chunkPool = sync.Pool{New: func() any {
-	b := make([]byte, chunkSize, chunkSize+1)
+	b := make([]byte, chunkSize)
 	return &b
 }}
 

@@ -275,9 +275,8 @@ func (srv *Server) isClosed() bool {
 func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 	defer srv.wg.Done()
 	defer srv.limiter.release(src)
-	hc := &handshakeConn{batchConn: &batchConn{Conn: nc}}
-	secrets := &secretLog{}
-	tc := tls.Server(hc, withSecretLog(srv.tlsConf, secrets))
+	batch := &batchConn{Conn: nc}
+	tc := tls.Server(batch, srv.tlsConf)
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
@@ -294,11 +293,7 @@ func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 		return
 	}
 	state := tc.ConnectionState()
-	if rc := takeOver(tc, hc, secrets, false); rc != nil {
-		srv.serveHTTP2(rc, &state, nil)
-		return
-	}
-	srv.serveHTTP2(tc, &state, hc.batchConn)
+	srv.serveHTTP2(tc, &state, batch)
 }
 
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
