@@ -51,6 +51,7 @@ func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) 
 		return nil, err
 	}
 	tuneSocket(c)
+	tuneInPodSocket(c)
 	return p.wrap(c, nil)
 }
 

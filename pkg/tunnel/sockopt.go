@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"net"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -62,4 +63,27 @@ func (l keepaliveListener) Accept() (net.Conn, error) {
 		tuneSocket(c)
 	}
 	return c, err
+}
+
+// inPodCongestion is the congestion control of the tunnel's sockets to the pod's own apps
+// (captured outbound connections, dials to the app). These legs never leave the pod: there is
+// no congestion to control, and a pacing algorithm (BBR, the default on some nodes) only adds
+// pacing timers and deferred sends to every write the tunnel makes to the app. cubic paces
+// nothing without the fq qdisc.
+const inPodCongestion = "cubic"
+
+// tuneInPodSocket sets inPodCongestion on a socket to a pod's app. A kernel without cubic
+// keeps its default: only speed is at stake.
+func tuneInPodSocket(c net.Conn) {
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return
+	}
+	_ = rc.Control(func(fd uintptr) {
+		_ = unix.SetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION, inPodCongestion)
+	})
 }
