@@ -94,6 +94,11 @@ type SocketOptions struct {
 	// requests queued on the one that closes to the other when the
 	// namespace has net.ipv4.tcp_migrate_req=1 (EnableMigrateReq).
 	ReusePort bool
+	// Congestion is the TCP congestion control, set before the socket
+	// connects or listens, so the node's default is never initialised on it
+	// (a listener's accepted sockets inherit it). Failing to set it is not an
+	// error: only speed is at stake.
+	Congestion string
 }
 
 func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {
@@ -119,6 +124,9 @@ func (o SocketOptions) apply(fd int, ipv4Only bool) error {
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
 			return fmt.Errorf("set SO_REUSEPORT: %w", err)
 		}
+	}
+	if o.Congestion != "" {
+		_ = unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_CONGESTION, o.Congestion)
 	}
 	if !o.Transparent {
 		return nil

@@ -40,7 +40,7 @@ type inboundRequest struct {
 // drops the SYNs, and without a bound the kernel would retry them for
 // about two minutes while the handler waits.
 func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) {
-	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark}
+	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, Congestion: inPodCongestionName()}
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
 	}
@@ -51,7 +51,6 @@ func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) 
 		return nil, err
 	}
 	tuneSocket(c)
-	tuneInPodSocket(c)
 	return p.wrap(c, nil)
 }
 

@@ -24,7 +24,6 @@ import (
 // captured. The accepted socket's local address is the original destination.
 func (p *pod) handleOutbound(c net.Conn) {
 	t := p.t
-	tuneInPodSocket(c)
 	src, dst := addrPortOf(c.RemoteAddr()), addrPortOf(c.LocalAddr())
 	ctx := p.ctx
 	srcW, srcID, err := t.localWorkload(src.Addr())

@@ -114,7 +114,9 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 	t, path := p.t, p.netns
 	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true}
-	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, transparent)
+	fromApps := transparent
+	fromApps.Congestion = inPodCongestionName() // its connections come from the pod's own apps
+	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, fromApps)
 	if err != nil {
 		return nil, fmt.Errorf("outbound listener: %w", err)
 	}

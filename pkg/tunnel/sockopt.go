@@ -2,7 +2,10 @@ package tunnel
 
 import (
 	"net"
-	"syscall"
+	"os"
+	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -66,24 +69,20 @@ func (l keepaliveListener) Accept() (net.Conn, error) {
 }
 
 // inPodCongestion is the congestion control of the tunnel's sockets to the pod's own apps
-// (captured outbound connections, dials to the app). These legs never leave the pod: there is
-// no congestion to control, and a pacing algorithm (BBR, the default on some nodes) only adds
-// pacing timers and deferred sends to every write the tunnel makes to the app. cubic paces
-// nothing without the fq qdisc.
+// (the outbound capture listener's, so its accepted sockets inherit it, and dials to the
+// app). These legs never leave the pod: there is no congestion to control, and a pacing
+// algorithm (BBR, the default on some nodes) paces every write the tunnel makes to the app
+// with the kernel's timers. It is set before the socket connects or listens: switching an
+// established socket away from BBR would leave its pacing on.
 const inPodCongestion = "cubic"
 
-// tuneInPodSocket sets inPodCongestion on a socket to a pod's app. A kernel without cubic
-// keeps its default: only speed is at stake.
-func tuneInPodSocket(c net.Conn) {
-	sc, ok := c.(syscall.Conn)
-	if !ok {
-		return
+// inPodCongestionName is inPodCongestion when this kernel has it, else "" (the node's default
+// stays). Checked once: asking for an algorithm the kernel lacks makes it try to load the module
+// on every socket.
+var inPodCongestionName = sync.OnceValue(func() string {
+	avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+	if err != nil || !slices.Contains(strings.Fields(string(avail)), inPodCongestion) {
+		return ""
 	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
-		return
-	}
-	_ = rc.Control(func(fd uintptr) {
-		_ = unix.SetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION, inPodCongestion)
-	})
-}
+	return inPodCongestion
+})

@@ -1,37 +1,61 @@
 package tunnel
 
 import (
+	"context"
 	"net"
 	"os"
 	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
-// TestInPodSocketCongestion: a socket to a pod's app gets inPodCongestion whatever the node's
-// default (this machine's is BBR, which paces every write), and a socket left alone keeps it.
+// TestInPodSocketCongestion: the sockets to a pod's apps (a dial to the app, and what a
+// listener for the apps accepts) get inPodCongestion from their creation whatever the node's
+// default (this machine's is BBR, which paces every write); other sockets keep the default.
 func TestInPodSocketCongestion(t *testing.T) {
-	avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+	def, err := os.ReadFile("/proc/sys/net/ipv4/tcp_congestion_control")
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	want := inPodCongestionName()
+	if want == "" {
+		want = strings.TrimSpace(string(def))
+	}
+	const self = "/proc/self/ns/net"
+	ctx := context.Background()
+	l, err := netns.Listen(ctx, self, "tcp", "127.0.0.1:0", netns.SocketOptions{Congestion: inPodCongestionName()})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	tuned, err := net.Dial("tcp", l.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tuned.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			close(accepted)
+			return
+		}
+		accepted <- c
+	}()
 	plain, err := net.Dial("tcp", l.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer plain.Close()
-	tuneInPodSocket(tuned)
+	a, ok := <-accepted
+	if !ok {
+		t.Fatal("accept failed")
+	}
+	defer a.Close()
+	dialled, err := netns.Dial(ctx, self, "tcp", l.Addr().String(), netns.SocketOptions{Congestion: inPodCongestionName()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dialled.Close()
+
 	congestion := func(c net.Conn) string {
 		rc, err := c.(*net.TCPConn).SyscallConn()
 		if err != nil {
@@ -46,18 +70,13 @@ func TestInPodSocketCongestion(t *testing.T) {
 		}
 		return strings.TrimRight(name, "\x00")
 	}
-	def, err := os.ReadFile("/proc/sys/net/ipv4/tcp_congestion_control")
-	if err != nil {
-		t.Fatal(err)
+	if got, d := congestion(plain), strings.TrimSpace(string(def)); got != d {
+		t.Errorf("a socket without the option has %q, want the default %q", got, d)
 	}
-	if got, want := congestion(plain), strings.TrimSpace(string(def)); got != want {
-		t.Errorf("an untuned socket has %q, want the default %q", got, want)
+	if got := congestion(a); got != want {
+		t.Errorf("a socket accepted from an app has %q, want %q", got, want)
 	}
-	want := strings.TrimSpace(string(def))
-	if strings.Contains(" "+strings.TrimSpace(string(avail))+" ", " "+inPodCongestion+" ") {
-		want = inPodCongestion
-	}
-	if got := congestion(tuned); got != want {
-		t.Errorf("a socket to an app has congestion control %q, want %q", got, want)
+	if got := congestion(dialled); got != want {
+		t.Errorf("a dial to an app has %q, want %q", got, want)
 	}
 }
