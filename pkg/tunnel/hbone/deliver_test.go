@@ -4,10 +4,15 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
 	"io"
 	"net"
+	"sync"
 	"testing"
 	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 )
 
 // TestDirectDelivery: the server's reader writes arriving bytes into the app's socket itself,
@@ -150,5 +155,94 @@ func TestWriteNowDoesNotWait(t *testing.T) {
 		case <-time.After(5 * time.Second):
 			t.Fatal("writeNow waited for a full socket")
 		}
+	}
+}
+
+// TestLargeFramesHandedOff: a peer may send DATA frames up to our 1 MiB SETTINGS_MAX_FRAME_SIZE;
+// the reader delivers one of our own bulk size itself, but hands a larger one to the stream's
+// writer, so no frame makes the other streams wait for more than one 256 KiB write.
+func TestLargeFramesHandedOff(t *testing.T) {
+	checkGoroutines(t)
+	got := make(chan int64, 1)
+	app := startUpstream(t, func(c *net.TCPConn) {
+		n, _ := io.Copy(io.Discard, c)
+		got <- n
+	})
+	srv := newFuzzServer(t)
+	srv.opts.Handler = dialTarget
+
+	cli, srvSide := net.Pipe()
+	defer cli.Close()
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
+	_ = cli.SetDeadline(time.Now().Add(10 * time.Second))
+	settings, answered := make(chan struct{}), make(chan struct{})
+	go func() { // drain the server's frames; note its SETTINGS and its answer
+		fr := http2.NewFramer(nil, cli)
+		var s, a sync.Once
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					s.Do(func() { close(settings) })
+				}
+			case *http2.HeadersFrame:
+				a.Do(func() { close(answered) })
+			}
+		}
+	}()
+	fr := http2.NewFramer(cli, nil)
+	var buf bytes.Buffer
+	_, _ = cli.Write([]byte(http2.ClientPreface))
+	_ = fr.WriteSettings()
+	<-settings
+	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app.String()}}); err != nil {
+		t.Fatal(err)
+	}
+	<-answered
+
+	var sent int64
+	send := func(size int, end bool) (direct int64) {
+		t.Helper()
+		before := directBytes.Load()
+		if err := fr.WriteData(1, end, make([]byte, size)); err != nil {
+			t.Fatal(err)
+		}
+		sent += int64(size)
+		// The reader handled the frame once the next frame gets through the synchronous pipe.
+		if err := fr.WritePing(false, [8]byte{}); err != nil {
+			t.Fatal(err)
+		}
+		return directBytes.Load() - before
+	}
+	// Frames of our own bulk size until the relay's writer waits and one is delivered.
+	delivered := false
+	for range 50 {
+		if send(bulkFrameSize, false) > 0 {
+			delivered = true
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !delivered {
+		t.Fatal("no frame of our own bulk size was delivered by the reader: the test would prove nothing")
+	}
+	time.Sleep(20 * time.Millisecond) // the writer is waiting again
+	if d := send(bulkFrameSize+1, false); d != 0 {
+		t.Fatalf("the reader wrote %d bytes of a frame over the bulk size itself", d)
+	}
+	if d := send(maxReadFrameSize, true); d != 0 {
+		t.Fatalf("the reader wrote %d bytes of a 1 MiB frame itself", d)
+	}
+	select {
+	case n := <-got:
+		if want := sent; n != want {
+			t.Fatalf("the app got %d bytes, want %d", n, want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the app never saw the end of the stream")
 	}
 }
