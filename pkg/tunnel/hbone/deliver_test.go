@@ -4,15 +4,10 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"crypto/tls"
 	"io"
 	"net"
-	"sync"
 	"testing"
 	"time"
-
-	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
 // TestDirectDelivery: the server's reader writes arriving bytes into the app's socket itself,
@@ -171,37 +166,7 @@ func TestLargeFramesHandedOff(t *testing.T) {
 	srv := newFuzzServer(t)
 	srv.opts.Handler = dialTarget
 
-	cli, srvSide := net.Pipe()
-	defer cli.Close()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
-	_ = cli.SetDeadline(time.Now().Add(10 * time.Second))
-	settings, answered := make(chan struct{}), make(chan struct{})
-	go func() { // drain the server's frames; note its SETTINGS and its answer
-		fr := http2.NewFramer(nil, cli)
-		var s, a sync.Once
-		for {
-			f, err := fr.ReadFrame()
-			if err != nil {
-				return
-			}
-			switch f := f.(type) {
-			case *http2.SettingsFrame:
-				if !f.IsAck() {
-					s.Do(func() { close(settings) })
-				}
-			case *http2.HeadersFrame:
-				a.Do(func() { close(answered) })
-			}
-		}
-	}()
-	fr := http2.NewFramer(cli, nil)
-	var buf bytes.Buffer
-	_, _ = cli.Write([]byte(http2.ClientPreface))
-	_ = fr.WriteSettings()
-	<-settings
-	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app.String()}}); err != nil {
-		t.Fatal(err)
-	}
+	fr, answered := rawStream(t, srv, app.String(), 10*time.Second)
 	<-answered
 
 	var sent int64

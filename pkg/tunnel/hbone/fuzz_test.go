@@ -262,37 +262,11 @@ func TestPaddedAndLargeDataFrames(t *testing.T) {
 	srv := newFuzzServer(t)
 	srv.opts.Handler = func(ctx context.Context, req *ServerRequest) Response { return Response{Upstream: up} }
 
-	cli, srvSide := net.Pipe()
-	defer cli.Close()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
-	_ = cli.SetDeadline(time.Now().Add(5 * time.Second))
-	settings := make(chan struct{})
-	go func() { // drain the server's frames; note its SETTINGS
-		fr := http2.NewFramer(nil, cli)
-		once := sync.Once{}
-		for {
-			f, err := fr.ReadFrame()
-			if err != nil {
-				return
-			}
-			if sf, ok := f.(*http2.SettingsFrame); ok && !sf.IsAck() {
-				once.Do(func() { close(settings) })
-			}
-		}
-	}()
-
 	large := make([]byte, 3*chunkSize+123)
 	_, _ = newPRNGReader(7).Read(large)
 	want := append(append([]byte("hello"), large...), "end"...)
 
-	fr := http2.NewFramer(cli, nil)
-	var buf bytes.Buffer
-	_, _ = cli.Write([]byte(http2.ClientPreface))
-	_ = fr.WriteSettings()
-	<-settings
-	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: "10.0.0.1:80"}}); err != nil {
-		t.Fatal(err)
-	}
+	fr, _ := rawStream(t, srv, "10.0.0.1:80", 5*time.Second)
 	if err := fr.WriteDataPadded(1, false, []byte("hello"), make([]byte, 10)); err != nil {
 		t.Fatal(err)
 	}
@@ -310,4 +284,43 @@ func TestPaddedAndLargeDataFrames(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("upstream never saw the end of the stream")
 	}
+}
+
+// rawStream opens stream 1 on srv from a raw HTTP/2 client over a pipe, with a CONNECT to
+// authority sent once the server's SETTINGS arrived. It returns the client's framer and a
+// channel closed when the server answers; the server's frames are otherwise dropped.
+func rawStream(t *testing.T, srv *Server, authority string, timeout time.Duration) (*http2.Framer, <-chan struct{}) {
+	t.Helper()
+	cli, srvSide := net.Pipe()
+	t.Cleanup(func() { cli.Close() })
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
+	_ = cli.SetDeadline(time.Now().Add(timeout))
+	settings, answered := make(chan struct{}), make(chan struct{})
+	go func() {
+		fr := http2.NewFramer(nil, cli)
+		var s, a sync.Once
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if !f.IsAck() {
+					s.Do(func() { close(settings) })
+				}
+			case *http2.HeadersFrame:
+				a.Do(func() { close(answered) })
+			}
+		}
+	}()
+	fr := http2.NewFramer(cli, nil)
+	var buf bytes.Buffer
+	_, _ = cli.Write([]byte(http2.ClientPreface))
+	_ = fr.WriteSettings()
+	<-settings
+	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: authority}}); err != nil {
+		t.Fatal(err)
+	}
+	return fr, answered
 }
