@@ -62,13 +62,14 @@ type agentConfig struct {
 	cniSocket       string
 	accel           bool
 	procDir         string
+	hboneCongestion string
 	limits          tunnel.Limits
 }
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir *string
-	limits                                                                                                                                                                                                  func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir, hboneCC *string
+	limits                                                                                                                                                                                                           func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -100,6 +101,7 @@ func runSettings() (*settings, runFlags) {
 		period:     s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
 		drain:      s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
 		maxStreams: s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
+		hboneCC:    s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
 		poolIdle:   s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
 		tcMode:     s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
 		probe4:     s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
@@ -166,6 +168,11 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	}
 	if c.limits, err = f.limits(); err != nil {
 		return c, err
+	}
+	if c.hboneCongestion = *f.hboneCC; c.hboneCongestion != "" {
+		if err := netns.CheckCongestion(c.hboneCongestion); err != nil {
+			return c, fmt.Errorf("%s: %w", s.name(f.hboneCC), err)
+		}
 	}
 	if *f.accel != "true" && *f.accel != "false" {
 		return c, fmt.Errorf("%s: %q is not true or false", s.name(f.accel), *f.accel)
@@ -247,7 +254,7 @@ func runAgent(ctx context.Context, args []string) error {
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, ProcDir: cfg.procDir, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
-		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog,
+		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog, HBONECongestion: cfg.hboneCongestion,
 	})
 	rec := nodeagent.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	repairCtx, stopRepair := context.WithCancel(ctx)

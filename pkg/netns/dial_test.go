@@ -173,3 +173,20 @@ func TestDialFullBacklogTimesOut(t *testing.T) {
 		t.Errorf("dial to a full accept queue: %v after %v, want a deadline error after %v", err, took.Round(time.Millisecond), netns.DefaultConnectTimeout)
 	}
 }
+
+// TestCheckCongestion: an algorithm the kernel has passes (reno is always
+// built in); an unknown name fails, naming it and what the kernel offers.
+func TestCheckCongestion(t *testing.T) {
+	if err := netns.CheckCongestion("reno"); err != nil {
+		t.Fatalf("reno: %v", err)
+	}
+	err := netns.CheckCongestion("no-such-algo")
+	if err == nil {
+		t.Fatal("no-such-algo: no error")
+	}
+	for _, want := range []string{`"no-such-algo"`, "this kernel offers:", "reno"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+}

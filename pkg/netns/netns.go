@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -99,6 +100,22 @@ type SocketOptions struct {
 	// (a listener's accepted sockets inherit it). Failing to set it is not an
 	// error: only speed is at stake.
 	Congestion string
+}
+
+// CheckCongestion tells whether TCP sockets can use the congestion control
+// algo, by setting it on a throwaway socket: the kernel's own answer, which
+// also loads its module if one exists and this process may load it.
+func CheckCongestion(algo string) error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("congestion control %q: socket: %w", algo, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_CONGESTION, algo); err != nil {
+		avail, _ := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+		return fmt.Errorf("congestion control %q: %w (this kernel offers: %s)", algo, err, strings.TrimSpace(string(avail)))
+	}
+	return nil
 }
 
 func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {

@@ -89,7 +89,7 @@ func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Wor
 	t := p.t
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark})
+		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion})
 		if err == nil {
 			tuneSocket(c)
 		}

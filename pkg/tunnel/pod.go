@@ -125,7 +125,7 @@ func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 		out.Close()
 		return nil, fmt.Errorf("inbound listener: %w", err)
 	}
-	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true})
+	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true, Congestion: t.cfg.HBONECongestion})
 	if err != nil {
 		out.Close()
 		in.Close()

@@ -39,6 +39,10 @@ type Config struct {
 	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
 	// the BPF programs never capture packets that carry it.
 	TunnelMark uint32
+	// HBONECongestion is the TCP congestion control of the HBONE sockets
+	// (dialled and accepted); empty keeps the pod namespace's default.
+	// netns.CheckCongestion validates it.
+	HBONECongestion string
 	// ProcDir is a writable procfs for per-namespace sysctls (empty: /proc;
 	// see loader.Settings.ProcDir).
 	ProcDir string

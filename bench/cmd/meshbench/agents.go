@@ -78,6 +78,9 @@ func (c *cluster) measureEnrollment(ctx context.Context, r *netnstest.Runner) ([
 	var ms [4]float64
 	c.late++
 	p := c.topo.Nodes[0].AddPod(fmt.Sprintf("late%d", c.late))
+	if err := setCongestion(ctx, p.Path(), c.cfg.Congestion); err != nil {
+		return ms, err
+	}
 	probe, err := startChild(r, p.Path(), "enrollment probe", selfPath(), "probe", "-addr", hostPort(c.sserver.IPv4, echoPort))
 	if err != nil {
 		return ms, err

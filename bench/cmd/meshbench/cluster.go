@@ -93,6 +93,18 @@ func buildCluster(ctx context.Context, r *netnstest.Runner, cfg config) (*cluste
 			return nil, err
 		}
 	}
+	// Before any socket exists: a socket takes its namespace's algorithm when it is made.
+	for _, n := range c.topo.Nodes {
+		paths := []string{n.Path()}
+		for _, p := range n.Pods {
+			paths = append(paths, p.Path())
+		}
+		for _, path := range paths {
+			if err := setCongestion(ctx, path, cfg.Congestion); err != nil {
+				return nil, err
+			}
+		}
+	}
 
 	// Servers first, so nothing races their start.
 	for _, p := range servers {
@@ -247,6 +259,16 @@ spec:
 func clientSysctls(ctx context.Context, nsPath string) error {
 	_, err := output(ctx, nsPath, 10*time.Second, "sh", "-c",
 		"echo 1 > /proc/sys/net/ipv4/tcp_tw_reuse && echo '1024 65000' > /proc/sys/net/ipv4/ip_local_port_range")
+	return err
+}
+
+// setCongestion sets the namespace's TCP congestion control to algo (its
+// own sysctl: the machine's namespace keeps its setting); empty leaves it.
+func setCongestion(ctx context.Context, nsPath, algo string) error {
+	if algo == "" {
+		return nil
+	}
+	_, err := output(ctx, nsPath, 10*time.Second, "sh", "-c", "echo "+algo+" > /proc/sys/net/ipv4/tcp_congestion_control")
 	return err
 }
 

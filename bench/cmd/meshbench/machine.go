@@ -17,6 +17,9 @@ type machine struct {
 	Go     string `json:"go"`
 	Iperf3 string `json:"iperf3"`
 	Fortio string `json:"fortio"`
+	// Congestion is the machine's default TCP congestion control, which the
+	// suite's namespaces inherit unless --congestion says otherwise.
+	Congestion string `json:"congestion"`
 }
 
 func machineInfo(cfg config) machine {
@@ -37,6 +40,9 @@ func machineInfo(cfg config) machine {
 		out, _ := exec.Command(name, args...).CombinedOutput()
 		l, _, _ := strings.Cut(strings.TrimSpace(string(out)), "\n")
 		return l
+	}
+	if raw, err := os.ReadFile("/proc/sys/net/ipv4/tcp_congestion_control"); err == nil {
+		m.Congestion = strings.TrimSpace(string(raw))
 	}
 	m.Iperf3 = firstLine("iperf3", "--version")
 	m.Fortio = firstLine(cfg.Fortio, "version")

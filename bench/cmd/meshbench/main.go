@@ -25,6 +25,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -112,6 +113,11 @@ type config struct {
 	Sockops bool `json:"sockops"`
 	// Awake keeps every CPU out of its idle state with SCHED_IDLE spinners.
 	Awake bool `json:"awake,omitempty"`
+	// Congestion is the TCP congestion control of every namespace the suite
+	// creates (nodes and pods: apps, proxies and agents alike), set with the
+	// per-namespace sysctl; empty keeps what a new namespace inherits from
+	// the machine. The machine's own namespace is never touched.
+	Congestion string `json:"congestion,omitempty"`
 	// AgentEnv is extra environment for the agents (e.g. GOMAXPROCS=1).
 	AgentEnv []string `json:"agent_env,omitempty"`
 	// AltAgentEnv and AltBin start a second pair of agents (nodes 3 and 4)
@@ -162,6 +168,7 @@ func parseConfig(args []string) (config, error) {
 	fs.BoolVar(&c.Strict, "strict", false, "fail unless every variant produced every number (the CI smoke run)")
 	fs.BoolVar(&c.Sockops, "sockops", false, "run the agents with --sockops-acceleration=true (compare with a run without)")
 	fs.BoolVar(&c.Awake, "awake", false, "keep every CPU awake with a SCHED_IDLE busy loop (shows what idle-CPU wake-ups cost the latencies)")
+	fs.StringVar(&c.Congestion, "congestion", "", "TCP congestion control for every namespace of the suite (e.g. cubic, bbr; default: the machine's, inherited)")
 	fs.Func("agent-env", "NAME=value added to the agents' environment (repeatable), e.g. GOMAXPROCS=1", func(v string) error {
 		if name, _, ok := strings.Cut(v, "="); !ok || name == "" {
 			return fmt.Errorf("want NAME=value, got %q", v)
@@ -217,6 +224,15 @@ func parseConfig(args []string) (config, error) {
 	}
 	if c.Fortio == "" {
 		return c, fmt.Errorf("--fortio is required (make bench builds it)")
+	}
+	if c.Congestion != "" {
+		avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+		if err != nil {
+			return c, fmt.Errorf("--congestion: %w", err)
+		}
+		if !slices.Contains(strings.Fields(string(avail)), c.Congestion) {
+			return c, fmt.Errorf("--congestion %q: this kernel offers %s", c.Congestion, strings.TrimSpace(string(avail)))
+		}
 	}
 	if c.AltBin != "" {
 		abs, err := filepath.Abs(c.AltBin)

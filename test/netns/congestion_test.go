@@ -1,0 +1,80 @@
+package netnstest
+
+import (
+	"context"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestHBONECongestionControl: with --hbone-congestion-control, both ends of a
+// pooled HBONE connection (the client pod's dial and what the server pod's
+// listener accepted) use that algorithm from their start, while the pods'
+// own sockets keep the namespace's default.
+func TestHBONECongestionControl(t *testing.T) {
+	def, err := os.ReadFile("/proc/sys/net/ipv4/tcp_congestion_control")
+	if err != nil {
+		t.Fatal(err)
+	}
+	avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// reno is always built in; cubic when reno is the default.
+	algo := "reno"
+	if strings.TrimSpace(string(def)) == algo {
+		algo = "cubic"
+	}
+	if !slices.Contains(strings.Fields(string(avail)), algo) {
+		t.Fatalf("kernel offers %q, want %s among them", avail, algo)
+	}
+	var client, server *Pod
+	ms := newMeshWith(t, []string{"--hbone-congestion-control", algo}, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server = tp.Nodes[1].AddPod("server")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
+			Pod(client, "mesh", "client-sa").
+			Pod(server, "mesh", "server-sa")
+	})
+	HTTPApp(t, server, 8080, "server")
+	for _, a := range ms.agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
+	Eventually(t, 10*time.Second, func() error {
+		_, err := Curl(client, URL(server.IPv4, 8080))
+		return err
+	})
+	// The pooled connection stays open (idle timeout 30 s) for ss to see.
+	algoOf := func(p *Pod, filter string) []string {
+		t.Helper()
+		out, err := Exec(context.Background(), p.Path(), "ss", "-Htin", "state", "established", filter)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var algos []string
+		for _, f := range strings.Fields(string(out)) {
+			if f == "reno" || f == "cubic" || f == "bbr" || f == "dctcp" || f == "htcp" || f == "vegas" {
+				algos = append(algos, f)
+			}
+		}
+		return algos
+	}
+	for _, c := range []struct {
+		side   string
+		pod    *Pod
+		filter string
+	}{{"dialled (client pod)", client, "( dport = :15008 )"}, {"accepted (server pod)", server, "( sport = :15008 )"}} {
+		got := algoOf(c.pod, c.filter)
+		if len(got) == 0 {
+			t.Errorf("%s: no HBONE connection in ss", c.side)
+			continue
+		}
+		for _, a := range got {
+			if a != algo {
+				t.Errorf("%s HBONE socket uses %s, want %s (the setting)", c.side, a, algo)
+			}
+		}
+	}
+}
