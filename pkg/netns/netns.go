@@ -112,6 +112,11 @@ func CheckCongestion(algo string) error {
 	}
 	defer unix.Close(fd)
 	if err := unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_CONGESTION, algo); err != nil {
+		if errors.Is(err, unix.EPERM) {
+			allowed, _ := os.ReadFile("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+			return fmt.Errorf("congestion control %q: %w (without CAP_NET_ADMIN a socket may use only net.ipv4.tcp_allowed_congestion_control: %s)",
+				algo, err, strings.TrimSpace(string(allowed)))
+		}
 		avail, _ := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
 		return fmt.Errorf("congestion control %q: %w (this kernel offers: %s)", algo, err, strings.TrimSpace(string(avail)))
 	}

@@ -92,6 +92,7 @@ func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Wor
 		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion})
 		if err == nil {
 			tuneSocket(c)
+			t.checkCongestion(c, "HBONE dial")
 		}
 		return c, err
 	}

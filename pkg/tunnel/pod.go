@@ -131,6 +131,7 @@ func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 		in.Close()
 		return nil, fmt.Errorf("HBONE listener: %w", err)
 	}
+	t.checkCongestion(hb, "HBONE listener")
 	return []net.Listener{out, in, hb}, nil
 }
 

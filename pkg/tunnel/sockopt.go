@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -86,3 +87,33 @@ var inPodCongestionName = sync.OnceValue(func() string {
 	}
 	return inPodCongestion
 })
+
+// checkCongestion warns, once per process, when an HBONE socket does not use
+// the congestion control the operator named (HBONE_CONGESTION_CONTROL): the
+// start-up check asked the kernel in the agent's namespace, not the pod's,
+// and setting it on a socket is best effort (netns.SocketOptions).
+func (t *Tunnel) checkCongestion(s any, what string) {
+	want := t.cfg.HBONECongestion
+	sc, ok := s.(syscall.Conn)
+	if want == "" || !ok {
+		return
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return
+	}
+	var got string
+	cerr := rc.Control(func(fd uintptr) {
+		got, err = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
+	})
+	if cerr != nil || (err == nil && got == want) {
+		return
+	}
+	if err != nil {
+		got = "" // unknown
+	}
+	t.congestionWarned.Do(func() {
+		t.log.Warn("an HBONE socket does not use the congestion control HBONE_CONGESTION_CONTROL names (logged once)",
+			"socket", what, "want", want, "got", got, "error", err)
+	})
+}

@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"bytes"
 	"context"
 	"net"
 	"os"
@@ -78,5 +79,38 @@ func TestInPodSocketCongestion(t *testing.T) {
 	}
 	if got := congestion(dialled); got != want {
 		t.Errorf("a dial to an app has %q, want %q", got, want)
+	}
+}
+
+// TestCheckCongestionWarnsOnce: an HBONE socket without the algorithm the
+// setting names is logged, once; one with it is not.
+func TestCheckCongestionWarnsOnce(t *testing.T) {
+	var log bytes.Buffer
+	tun := newTestTunnel(t, &log)
+	tun.cfg.HBONECongestion = "reno"
+	listen := func(algo string) net.Listener {
+		t.Helper()
+		l, err := netns.Listen(context.Background(), "/proc/self/ns/net", "tcp", "127.0.0.1:0", netns.SocketOptions{Congestion: algo})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		return l
+	}
+	tun.checkCongestion(listen("reno"), "with the setting")
+	if log.Len() != 0 {
+		t.Fatalf("a socket using the named algorithm was logged: %s", log.String())
+	}
+	other := "cubic"
+	if def, _ := os.ReadFile("/proc/sys/net/ipv4/tcp_congestion_control"); strings.TrimSpace(string(def)) != "reno" {
+		other = "" // the namespace's default, not reno
+	}
+	tun.checkCongestion(listen(other), "first")
+	tun.checkCongestion(listen(other), "second")
+	if got := strings.Count(log.String(), "does not use the congestion control"); got != 1 {
+		t.Fatalf("warned %d times, want once: %s", got, log.String())
+	}
+	if !strings.Contains(log.String(), "want=reno") || !strings.Contains(log.String(), "socket=first") {
+		t.Errorf("warning does not name what was asked for and where: %s", log.String())
 	}
 }

@@ -87,6 +87,8 @@ type Tunnel struct {
 	// refusals (INFO) and failures (WARN) rate-limit the logs of refused
 	// and failed connections.
 	refusals, failures *refusalLog
+	// congestionWarned makes checkCongestion's warning once per process.
+	congestionWarned sync.Once
 	// updateMu orders Updates, so that open connections are re-decided
 	// against each state in the order the states were installed.
 	updateMu sync.Mutex

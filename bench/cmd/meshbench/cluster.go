@@ -268,8 +268,10 @@ func setCongestion(ctx context.Context, nsPath, algo string) error {
 	if algo == "" {
 		return nil
 	}
-	_, err := output(ctx, nsPath, 10*time.Second, "sh", "-c", "echo "+algo+" > /proc/sys/net/ipv4/tcp_congestion_control")
-	return err
+	if _, err := output(ctx, nsPath, 10*time.Second, "sysctl", "-qw", "net.ipv4.tcp_congestion_control="+algo); err != nil {
+		return fmt.Errorf("congestion control %s in %s: %w", algo, nsPath, err)
+	}
+	return nil
 }
 
 // startServers runs the echo server and, if all, iperf3 and fortio servers

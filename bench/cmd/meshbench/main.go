@@ -21,11 +21,11 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"os"
 	"os/signal"
 	"path/filepath"
-	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -226,12 +226,8 @@ func parseConfig(args []string) (config, error) {
 		return c, fmt.Errorf("--fortio is required (make bench builds it)")
 	}
 	if c.Congestion != "" {
-		avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
-		if err != nil {
+		if err := netns.CheckCongestion(c.Congestion); err != nil {
 			return c, fmt.Errorf("--congestion: %w", err)
-		}
-		if !slices.Contains(strings.Fields(string(avail)), c.Congestion) {
-			return c, fmt.Errorf("--congestion %q: this kernel offers %s", c.Congestion, strings.TrimSpace(string(avail)))
 		}
 	}
 	if c.AltBin != "" {

@@ -44,11 +44,7 @@ func (r *results) report(cfg config) error {
 func (r *results) printTables(w io.Writer) {
 	m := r.Machine
 	fmt.Fprintf(w, "\n== meshbench %s: %s, %d CPUs, kernel %s, %s, %s\n", r.Date, m.CPU, m.CPUs, m.Kernel, m.Go, r.Elapsed)
-	tcp := "TCP congestion control " + m.Congestion + " (the machine's, inherited by every namespace)"
-	if r.cfg.Congestion != "" {
-		tcp = "TCP congestion control " + r.cfg.Congestion + " in every namespace of the suite (--congestion; the machine's is " + m.Congestion + ")"
-	}
-	fmt.Fprintf(w, "   %s\n", tcp)
+	fmt.Fprintf(w, "   %s\n", r.congestion())
 	fmt.Fprintf(w, "   median of %d interleaved rounds [min-max]; ×: value / direct's in the same round, median [min-max]\n\n", r.cfg.Runs)
 	for _, v := range r.Variants {
 		fmt.Fprintf(w, "   %-16s %s\n", v.Name, v.Desc)
@@ -156,9 +152,18 @@ func (r *results) printTables(w io.Writer) {
 	}
 }
 
+// congestion says which TCP congestion control the run's namespaces used.
+func (r *results) congestion() string {
+	if r.cfg.Congestion != "" {
+		return "TCP congestion control " + r.cfg.Congestion + " in every namespace of the suite (--congestion; the machine's is " + r.Machine.Congestion + ")"
+	}
+	return "TCP congestion control " + r.Machine.Congestion + " (the machine's, inherited by every namespace)"
+}
+
 // markdown is the table for BENCHMARKS.md: rows are variants, cells are
 // "median (× direct)".
 func (r *results) markdown(w io.Writer) {
+	fmt.Fprintf(w, "%s.\n\n", r.congestion())
 	fmt.Fprintf(w, "| variant |")
 	for _, md := range r.Metrics {
 		fmt.Fprintf(w, " %s (%s) |", md.Title, md.Unit)
