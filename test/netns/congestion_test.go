@@ -30,18 +30,7 @@ func TestHBONECongestionControl(t *testing.T) {
 	if !slices.Contains(known, algo) {
 		t.Fatalf("kernel offers %q, want %s among them", avail, algo)
 	}
-	var client, server *Pod
-	ms := newMeshWith(t, []string{"--hbone-congestion-control", algo}, func(tp *Topology, m *Manifest) {
-		client = tp.Nodes[0].AddPod("client")
-		server = tp.Nodes[1].AddPod("server")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
-			Pod(client, "mesh", "client-sa").
-			Pod(server, "mesh", "server-sa")
-	})
-	HTTPApp(t, server, 8080, "server")
-	for _, a := range ms.agents {
-		a.WaitLog(t, "pod enrolled", 10*time.Second)
-	}
+	_, client, server := newMeshPair(t, []string{"--hbone-congestion-control", algo})
 	Eventually(t, 10*time.Second, func() error {
 		_, err := Curl(client, URL(server.IPv4, 8080))
 		return err

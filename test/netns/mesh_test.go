@@ -43,9 +43,12 @@ func newMeshWith(t *testing.T, args []string, build func(tp *Topology, m *Manife
 	return ms
 }
 
-func TestMeshCurlAcrossNodes(t *testing.T) {
-	var client, server *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+// newMeshPair is newMeshWith's common case: an ambient client pod on node 1
+// and an ambient server pod on node 2 (namespace mesh) serving HTTPApp on
+// 8080, both enrolled when it returns.
+func newMeshPair(t *testing.T, args []string) (ms *mesh, client, server *Pod) {
+	t.Helper()
+	ms = newMeshWith(t, args, func(tp *Topology, m *Manifest) {
 		client = tp.Nodes[0].AddPod("client")
 		server = tp.Nodes[1].AddPod("server")
 		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
@@ -56,6 +59,11 @@ func TestMeshCurlAcrossNodes(t *testing.T) {
 	for _, a := range ms.agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)
 	}
+	return ms, client, server
+}
+
+func TestMeshCurlAcrossNodes(t *testing.T) {
+	ms, client, server := newMeshPair(t, nil)
 	for _, fam := range []struct {
 		name           string
 		client, server netip.Addr
