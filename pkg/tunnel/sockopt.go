@@ -98,22 +98,27 @@ func (t *Tunnel) checkCongestion(s any, what string) {
 	if want == "" || !ok {
 		return
 	}
-	rc, err := sc.SyscallConn()
-	if err != nil {
+	got, err := socketCongestion(sc)
+	if err == nil && got == want {
 		return
-	}
-	var got string
-	cerr := rc.Control(func(fd uintptr) {
-		got, err = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
-	})
-	if cerr != nil || (err == nil && got == want) {
-		return
-	}
-	if err != nil {
-		got = "" // unknown
 	}
 	t.congestionWarned.Do(func() {
 		t.log.Warn("an HBONE socket does not use the congestion control HBONE_CONGESTION_CONTROL names (logged once)",
 			"socket", what, "want", want, "got", got, "error", err)
 	})
+}
+
+// socketCongestion is the congestion control a TCP socket uses.
+func socketCongestion(sc syscall.Conn) (string, error) {
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return "", err
+	}
+	var name string
+	if cerr := rc.Control(func(fd uintptr) {
+		name, err = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
+	}); cerr != nil {
+		return "", cerr
+	}
+	return name, err
 }

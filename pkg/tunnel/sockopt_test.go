@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
@@ -58,18 +56,11 @@ func TestInPodSocketCongestion(t *testing.T) {
 	defer dialled.Close()
 
 	congestion := func(c net.Conn) string {
-		rc, err := c.(*net.TCPConn).SyscallConn()
+		name, err := socketCongestion(c.(*net.TCPConn))
 		if err != nil {
 			t.Fatal(err)
 		}
-		var name string
-		_ = rc.Control(func(fd uintptr) {
-			name, err = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return strings.TrimRight(name, "\x00")
+		return name
 	}
 	if got, d := congestion(plain), strings.TrimSpace(string(def)); got != d {
 		t.Errorf("a socket without the option has %q, want the default %q", got, d)
