@@ -2,14 +2,13 @@ package tunnel
 
 import (
 	"net"
-	"os"
-	"slices"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // TCP keepalive and TCP_USER_TIMEOUT on every socket the tunnel holds: the
@@ -77,12 +76,11 @@ func (l keepaliveListener) Accept() (net.Conn, error) {
 // established socket away from BBR would leave its pacing on.
 const inPodCongestion = "cubic"
 
-// inPodCongestionName is inPodCongestion when this kernel has it, else "" (the node's default
-// stays). Checked once: asking for an algorithm the kernel lacks makes it try to load the module
-// on every socket.
+// inPodCongestionName is inPodCongestion when this kernel can use it, else "" (the node's
+// default stays). Checked once, as HBONE_CONGESTION_CONTROL is: asking for an algorithm the
+// kernel lacks makes it try to load the module on every socket.
 var inPodCongestionName = sync.OnceValue(func() string {
-	avail, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
-	if err != nil || !slices.Contains(strings.Fields(string(avail)), inPodCongestion) {
+	if netns.CheckCongestion(inPodCongestion) != nil {
 		return ""
 	}
 	return inPodCongestion
