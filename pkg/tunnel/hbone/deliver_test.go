@@ -220,3 +220,60 @@ func TestLargeFramesHandedOff(t *testing.T) {
 		t.Fatal("the app never saw the end of the stream")
 	}
 }
+
+// TestSmallFramesDelivered: small DATA frames (a request, a 1-byte message) are written into
+// the app's socket by the reader too, while the relay's writer waits, and arrive intact.
+func TestSmallFramesDelivered(t *testing.T) {
+	checkGoroutines(t)
+	got := make(chan []byte, 1)
+	app := startUpstream(t, func(c *net.TCPConn) {
+		b, _ := io.ReadAll(c)
+		got <- b
+	})
+	srv := newFuzzServer(t)
+	srv.opts.Handler = dialTarget
+
+	fr, answered := rawStream(t, srv, app.String(), 10*time.Second)
+	<-answered
+
+	var sent []byte
+	send := func(p []byte, end bool) (direct int64) {
+		t.Helper()
+		before := directBytes.Load()
+		if err := fr.WriteData(1, end, p); err != nil {
+			t.Fatal(err)
+		}
+		sent = append(sent, p...)
+		// The reader handled the frame once the next frame gets through the synchronous pipe.
+		if err := fr.WritePing(false, [8]byte{}); err != nil {
+			t.Fatal(err)
+		}
+		return directBytes.Load() - before
+	}
+	delivered := false
+	for i := range 50 {
+		if send([]byte{byte(i)}, false) > 0 {
+			delivered = true
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !delivered {
+		t.Fatal("no 1-byte frame was written by the reader itself")
+	}
+	for i, size := range []int{1, 1024, 1, 16 << 10, 100} {
+		p := bytes.Repeat([]byte{byte('a' + i)}, size)
+		if d := send(p, false); d != int64(size) {
+			t.Fatalf("frame %d: the reader wrote %d of its %d bytes itself, want all of them", i, d, size)
+		}
+	}
+	send([]byte("end"), true)
+	select {
+	case b := <-got:
+		if !bytes.Equal(b, sent) {
+			t.Fatalf("the app got %d bytes that differ from the %d sent", len(b), len(sent))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the app never saw the end of the stream")
+	}
+}

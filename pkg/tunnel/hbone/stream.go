@@ -122,7 +122,7 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		stored += int64(c.w)
 	}
 	consumed := n - stored // padding is consumed on arrival
-	if len(chunks) > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
+	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
 		var wrote int
 		small, chunks, wrote = s.deliverLocked(small, chunks)
 		consumed += int64(wrote)
