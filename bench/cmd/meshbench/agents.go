@@ -152,6 +152,9 @@ type profileResult struct {
 // profiles takes CPU profiles of both agents (admin endpoint, inside each
 // node's namespace) while meshed-cross carries a bulk flow, then requests
 // at full speed, then new connections; it saves them and their `pprof -top`.
+// Last it takes an execution trace of both agents under the fixed HTTP load,
+// whose latency a CPU profile cannot explain: the trace's scheduler-latency
+// profile shows where goroutines waited for a CPU.
 func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]profileResult, error) {
 	v := c.variant("meshed-cross")
 	secs := int(cfg.ProfileTime.Round(time.Second) / time.Second)
@@ -174,7 +177,7 @@ func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]pro
 		profs := make([][]byte, len(c.agents))
 		errs := make([]error, len(c.agents))
 		for i, a := range c.agents {
-			wg.Go(func() { profs[i], errs[i] = fetchProfile(ctx, a.Node.Path(), secs) })
+			wg.Go(func() { profs[i], errs[i] = fetchAdmin(ctx, a.Node.Path(), "profile", secs) })
 		}
 		time.Sleep(200 * time.Millisecond) // the profiles start before the load
 		lerr := l.run()
@@ -202,6 +205,50 @@ func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]pro
 			out = append(out, profileResult{Load: l.name, Node: node, File: file, Top: top, Cum: cum})
 		}
 	}
+	traces, err := c.traceFixedHTTP(ctx, cfg, v, secs, stamp)
+	return append(out, traces...), err
+}
+
+// traceFixedHTTP takes execution traces of both agents while v carries the
+// fixed HTTP load, and summarizes each by its scheduler-latency profile.
+func (c *cluster) traceFixedHTTP(ctx context.Context, cfg config, v *variant, secs int, stamp string) ([]profileResult, error) {
+	logf("tracing both agents for %ds under HTTP at %d qps", secs, cfg.HTTPQPS)
+	var wg sync.WaitGroup
+	traces := make([][]byte, len(c.agents))
+	errs := make([]error, len(c.agents))
+	for i, a := range c.agents {
+		wg.Go(func() { traces[i], errs[i] = fetchAdmin(ctx, a.Node.Path(), "trace", secs) })
+	}
+	time.Sleep(200 * time.Millisecond)
+	_, lerr := runFortio(ctx, cfg, v, cfg.HTTPQPS, time.Duration(secs+1)*time.Second)
+	wg.Wait()
+	if lerr != nil {
+		return nil, fmt.Errorf("fixed HTTP load: %w", lerr)
+	}
+	var out []profileResult
+	for i := range c.agents {
+		if errs[i] != nil {
+			return out, errs[i]
+		}
+		node := fmt.Sprintf("node%d", i+1)
+		file := filepath.Join(cfg.Out, fmt.Sprintf("%s-trace-http-%s.out", stamp, node))
+		if err := os.WriteFile(file, traces[i], 0o644); err != nil {
+			return out, err
+		}
+		sched, err := exec.CommandContext(ctx, "go", "tool", "trace", "-pprof=sched", file).Output()
+		if err != nil {
+			return out, fmt.Errorf("go tool trace -pprof=sched %s: %w", file, err)
+		}
+		schedFile := strings.TrimSuffix(file, ".out") + "-sched.pprof"
+		if err := os.WriteFile(schedFile, sched, 0o644); err != nil {
+			return out, err
+		}
+		top, err := pprofTop(ctx, schedFile, "-cum", "-nodecount=30")
+		if err != nil {
+			return out, err
+		}
+		out = append(out, profileResult{Load: "HTTP fixed (execution trace, scheduler latency)", Node: node, File: file, Cum: top})
+	}
 	return out, nil
 }
 
@@ -214,30 +261,31 @@ func pprofTop(ctx context.Context, file string, args ...string) (string, error) 
 	return string(out), nil
 }
 
-// fetchProfile GETs /debug/pprof/profile from the agent's admin endpoint,
-// which listens on 127.0.0.1:15000 inside the node's namespace.
-func fetchProfile(ctx context.Context, nodeNS string, secs int) ([]byte, error) {
+// fetchAdmin GETs /debug/pprof/<what> (a CPU profile or an execution trace)
+// from the agent's admin endpoint, which listens on 127.0.0.1:15000 inside
+// the node's namespace.
+func fetchAdmin(ctx context.Context, nodeNS, what string, secs int) ([]byte, error) {
 	client := http.Client{Transport: &http.Transport{
 		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
 			return netns.Dial(ctx, nodeNS, network, addr, netns.SocketOptions{})
 		},
 	}}
-	url := fmt.Sprintf("http://127.0.0.1:15000/debug/pprof/profile?seconds=%d", secs)
+	url := fmt.Sprintf("http://127.0.0.1:15000/debug/pprof/%s?seconds=%d", what, secs)
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, fmt.Errorf("fetch profile in %s: %w", nodeNS, err)
+		return nil, fmt.Errorf("fetch %s in %s: %w", what, nodeNS, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return nil, fmt.Errorf("read profile in %s: %w", nodeNS, err)
+		return nil, fmt.Errorf("read %s in %s: %w", what, nodeNS, err)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("profile in %s: %s: %s", nodeNS, resp.Status, strings.TrimSpace(string(body)))
+		return nil, fmt.Errorf("%s in %s: %s: %s", what, nodeNS, resp.Status, strings.TrimSpace(string(body)))
 	}
 	return body, nil
 }

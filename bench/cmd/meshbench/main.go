@@ -21,14 +21,16 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"github.com/redirector-mesh/redirector/pkg/netns"
-	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
 func main() {
@@ -125,6 +127,9 @@ type config struct {
 	// meshed-alt: an on/off comparison in one run.
 	AltAgentEnv []string `json:"alt_agent_env,omitempty"`
 	AltBin      string   `json:"alt_bin,omitempty"`
+	// Tests, when not empty, are the only tests run (keys of tests), for a
+	// quick look at one number; a full run leaves it empty.
+	Tests []string `json:"tests,omitempty"`
 	// Strict fails the run unless every variant produced every number.
 	Strict bool `json:"-"`
 
@@ -181,6 +186,15 @@ func parseConfig(args []string) (config, error) {
 			return fmt.Errorf("want NAME=value, got %q", v)
 		}
 		c.AltAgentEnv = append(c.AltAgentEnv, v)
+		return nil
+	})
+	fs.Func("tests", "run only these tests, comma-separated ("+strings.Join(testKeys(), ",")+"; default all)", func(v string) error {
+		for _, k := range strings.Split(v, ",") {
+			if !slices.Contains(testKeys(), k) {
+				return fmt.Errorf("unknown test %q (have %s)", k, strings.Join(testKeys(), ","))
+			}
+			c.Tests = append(c.Tests, k)
+		}
 		return nil
 	})
 	fs.StringVar(&c.AltBin, "alt-bin", "", "directory holding another redirector binary for the second pair of agents (variant meshed-alt)")
@@ -254,6 +268,9 @@ func parseConfig(args []string) (config, error) {
 	}
 	return c, nil
 }
+
+// runs tells whether the test with this key is selected.
+func (c config) runs(key string) bool { return len(c.Tests) == 0 || slices.Contains(c.Tests, key) }
 
 // altVariant is the variant of the second pair of agents.
 const altVariant = "meshed-alt"

@@ -123,10 +123,14 @@ func (r *results) printTables(w io.Writer) {
 	}
 
 	if len(r.Profiles) > 0 {
-		fmt.Fprintf(w, "\nCPU profiles of the agents under meshed-cross load (go tool pprof -top)\n")
+		fmt.Fprintf(w, "\nProfiles of the agents under meshed-cross load (go tool pprof -top)\n")
 		for _, p := range r.Profiles {
 			fmt.Fprintf(w, "\n-- %s load, %s agent (%s)\n", p.Load, p.Node, p.File)
-			lines := strings.Split(strings.TrimSpace(p.Top), "\n")
+			text := p.Top
+			if text == "" { // an execution trace's profile, by cumulative time
+				text = p.Cum
+			}
+			lines := strings.Split(strings.TrimSpace(text), "\n")
 			fmt.Fprintln(w, strings.Join(lines[:min(len(lines), 18)], "\n"))
 		}
 	}

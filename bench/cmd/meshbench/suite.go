@@ -16,12 +16,13 @@ import (
 
 // test is one measurement made on every variant, once per round.
 type test struct {
+	key  string // what --tests selects it by
 	name string
 	run  func(ctx context.Context, cfg config, v *variant) (map[string]float64, error)
 }
 
 var tests = []test{
-	{"iperf3 1 flow", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"tput1", "iperf3 1 flow", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		var gbps, bytes float64
 		cpu, err := charged(v, func() (err error) { gbps, bytes, err = runIperf(ctx, cfg, v, 1); return err })
 		if err != nil {
@@ -32,15 +33,15 @@ var tests = []test{
 		addProxies(out, v, "cpu_per_gb", cpu, perGB)
 		return out, nil
 	}},
-	{"iperf3 8 flows", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"tput8", "iperf3 8 flows", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		gbps, _, err := runIperf(ctx, cfg, v, 8)
 		return map[string]float64{"tput8": gbps}, err
 	}},
-	{"1-byte round trips", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"rr", "1-byte round trips", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runRR(ctx, v, cfg.RRCount)
 		return map[string]float64{"rr_p50": res.P50us, "rr_p99": res.P99us}, err
 	}},
-	{"HTTP fixed load", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"http", "HTTP fixed load", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		var res fortioResult
 		cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, cfg.HTTPTime); return err })
 		if err != nil {
@@ -56,15 +57,24 @@ var tests = []test{
 		}
 		return out, nil
 	}},
-	{"HTTP max qps", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"httpmax", "HTTP max qps", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runFortio(ctx, cfg, v, 0, cfg.HTTPMaxTime)
 		return map[string]float64{"http_maxqps": res.ActualQPS, "http_max_p50": res.percentileMs(50),
 			"http_max_p99": res.percentileMs(99)}, err
 	}},
-	{"new connections", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{"cps", "new connections", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runCPS(ctx, cfg, v)
 		return map[string]float64{"cps": res.PerSec}, err
 	}},
+}
+
+// testKeys lists the keys --tests accepts, in the order the tests run.
+func testKeys() []string {
+	keys := make([]string, len(tests))
+	for i, t := range tests {
+		keys[i] = t.key
+	}
+	return keys
 }
 
 // charged runs f and returns the CPU seconds each of the variant's proxies
@@ -149,6 +159,9 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 
 	for round := range cfg.Runs {
 		for _, t := range tests {
+			if !cfg.runs(t.key) {
+				continue
+			}
 			for _, v := range rotate(cl.variants, round) {
 				if ctx.Err() != nil {
 					return ctx.Err()
