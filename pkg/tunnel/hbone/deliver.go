@@ -24,14 +24,15 @@ import (
 // one connection, and each hand-off left a goroutine waiting for a CPU: an
 // execution trace of the agents at 1000 qps put 30 % of their scheduler
 // latency on the reader's wake-ups of WriteTo. Delivering small frames
-// directly made HTTP p50 at 1000 qps about 0.82x and p99 about 0.66x, with
-// round trips unchanged (both placements, 2 December). It had made p99 1.4x
-// worse when measured before the tunnel's in-pod sockets left BBR, whose
-// pacing then slowed the reader's writes, most likely. The cost is head-of-line: a frame of another stream on the
-// connection waits for the reader's write as well as for the frame's
-// decryption, of the same order. Frames over our own bulk size (a peer may
-// send up to 1 MiB) are handed off, so that wait is bounded by one 256 KiB
-// write.
+// directly made HTTP p50 at 1000 qps 0.77-0.89x and p99 0.58-0.76x; round
+// trips moved 0.95-1.07x in the longer runs (both placements, 2 December).
+// Measured before the tunnel's in-pod sockets left BBR, it had made p99 1.4x
+// worse, most likely because BBR paced the reader's writes then.
+//
+// The cost is head-of-line: a frame of another stream on the connection
+// waits for the reader's write as well as for the frame's decryption, of the
+// same order. Frames over our own bulk size (a peer may send up to 1 MiB) are
+// handed off, so that wait is bounded by one 256 KiB write.
 
 // directBytes counts the bytes readers wrote to sockets themselves.
 var directBytes atomic.Int64
