@@ -19,6 +19,15 @@ type batchConn struct {
 	// see it: Close would wait (up to its 5 s close_notify deadline) instead of closing the
 	// socket under a blocked write as it does for its own. abort does that for a batch.
 	flushing, aborted atomic.Bool
+
+	// rawReads counts crypto/tls's reads from the socket (conn.buffered).
+	rawReads atomic.Uint64
+}
+
+// Read counts the socket reads under crypto/tls.
+func (b *batchConn) Read(p []byte) (int, error) {
+	b.rawReads.Add(1)
+	return b.Conn.Read(p)
 }
 
 // abort makes a connection's close immediate: a batch's write blocked on a peer that stopped

@@ -221,59 +221,113 @@ func TestLargeFramesHandedOff(t *testing.T) {
 	}
 }
 
-// TestSmallFramesDelivered: small DATA frames (a request, a 1-byte message) are written into
-// the app's socket by the reader too, while the relay's writer waits, and arrive intact.
+// TestSmallFramesDelivered: small DATA frames that arrive in a burst (one TLS record holding
+// frames of several streams, as a sender coalesces concurrent requests) are written into the
+// apps' sockets by the reader itself, all but the first, which the reader had to wait for (its
+// stream's later frames then queue behind it); a lone small frame is handed to the relay's
+// writer. Every byte arrives, in order.
 func TestSmallFramesDelivered(t *testing.T) {
-	checkGoroutines(t)
-	got := make(chan []byte, 1)
-	app := startUpstream(t, func(c *net.TCPConn) {
-		b, _ := io.ReadAll(c)
-		got <- b
-	})
-	srv := newFuzzServer(t)
-	srv.opts.Handler = dialTarget
-
-	fr, answered := rawStream(t, srv, app.String(), 10*time.Second)
-	<-answered
-
-	var sent []byte
-	send := func(p []byte, end bool) (direct int64) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	const n = 3
+	var (
+		streams [n]*Stream
+		got     [n]chan []byte
+		sent    [n][]byte
+	)
+	for i := range n {
+		got[i] = make(chan []byte, 1)
+		app := startUpstream(t, func(c *net.TCPConn) {
+			b, _ := io.ReadAll(c)
+			got[i] <- b
+		})
+		s, err := e.connect(context.Background(), app)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		streams[i] = s
+	}
+	c := streams[0].c
+	if streams[1].c != c || streams[2].c != c {
+		t.Fatal("the streams are not on one connection: the test would prove nothing")
+	}
+	type frame struct {
+		stream int
+		p      []byte
+	}
+	// send writes frames into one TLS record, bypassing the streams' flow control (they are
+	// far inside the windows).
+	send := func(frames ...frame) {
 		t.Helper()
-		before := directBytes.Load()
-		if err := fr.WriteData(1, end, p); err != nil {
+		c.wmu.Lock()
+		defer c.wmu.Unlock()
+		for _, f := range frames {
+			if err := c.fr.WriteData(streams[f.stream].id, false, f.p); err != nil {
+				t.Fatal(err)
+			}
+			sent[f.stream] = append(sent[f.stream], f.p...)
+		}
+		if err := c.bw.Flush(); err != nil {
 			t.Fatal(err)
 		}
-		sent = append(sent, p...)
-		// The reader handled the frame once the next frame gets through the synchronous pipe.
-		if err := fr.WritePing(false, [8]byte{}); err != nil {
-			t.Fatal(err)
+	}
+	// waitDirect waits until the readers wrote want more bytes themselves, and a little longer
+	// to catch any beyond.
+	waitDirect := func(before, want int64) int64 {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for directBytes.Load()-before < want && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
 		}
+		time.Sleep(50 * time.Millisecond)
 		return directBytes.Load() - before
 	}
-	delivered := false
-	for i := range 50 {
-		if send([]byte{byte(i)}, false) > 0 {
-			delivered = true
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
+
+	// Warm the connection up as traffic would: past crypto/tls's small first records
+	// (dynamic record sizing, the first 128 KiB), and with full records read, so the
+	// server's TLS reads a whole record of frames at once.
+	for range 10 {
+		send(frame{0, bytes.Repeat([]byte("w"), 16<<10)})
 	}
-	if !delivered {
-		t.Fatal("no 1-byte frame was written by the reader itself")
+	send(frame{1, []byte("hello")}, frame{2, []byte("hello")})
+	time.Sleep(100 * time.Millisecond) // the server's relays have started their writers
+
+	before := directBytes.Load()
+	send(frame{1, []byte("lone")})
+	if d := waitDirect(before, 0); d != 0 {
+		t.Fatalf("the reader wrote %d bytes of a lone small frame itself, want a hand-off", d)
 	}
-	for i, size := range []int{1, 1024, 1, 16 << 10, 100} {
-		p := bytes.Repeat([]byte{byte('a' + i)}, size)
-		if d := send(p, false); d != int64(size) {
-			t.Fatalf("frame %d: the reader wrote %d of its %d bytes itself, want all of them", i, d, size)
+	time.Sleep(50 * time.Millisecond) // the writer waits again
+	burst := []frame{
+		{0, []byte("first")}, // waited for: handed off
+		{1, bytes.Repeat([]byte("b"), 1024)},
+		{2, []byte("c")},
+		{0, []byte("queued behind first")}, // same stream as a queued frame: queued too
+		{1, []byte("b again")},
+		{2, bytes.Repeat([]byte("c"), 4096)},
+	}
+	var want int64
+	for _, f := range burst {
+		if f.stream != 0 {
+			want += int64(len(f.p))
 		}
 	}
-	send([]byte("end"), true)
-	select {
-	case b := <-got:
-		if !bytes.Equal(b, sent) {
-			t.Fatalf("the app got %d bytes that differ from the %d sent", len(b), len(sent))
+	before = directBytes.Load()
+	send(burst...)
+	if d := waitDirect(before, want); d != want {
+		t.Fatalf("the reader wrote %d bytes of a burst itself, want %d (the frames of streams with nothing queued)", d, want)
+	}
+	for i, s := range streams {
+		if err := s.CloseWrite(); err != nil {
+			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the app never saw the end of the stream")
+		select {
+		case b := <-got[i]:
+			if !bytes.Equal(b, sent[i]) {
+				t.Fatalf("app %d got %d bytes that differ from the %d sent", i, len(b), len(sent[i]))
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("app %d never saw the end of its stream", i)
+		}
 	}
 }

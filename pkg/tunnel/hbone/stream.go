@@ -94,8 +94,9 @@ func (s *Stream) closeRespLocked() {
 
 // onData stores a DATA frame's payload, given as small (copied into the
 // buffer) and/or chunks (filled by readPayload, linked in without a copy);
-// n is the frame's flow-controlled length.
-func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
+// n is the frame's flow-controlled length. direct allows the reader to write
+// the payload into the sink itself (deliver.go).
+func (s *Stream) onData(small []byte, chunks []chunk, n int64, end, direct bool) error {
 	s.mu.Lock()
 	var code http2.ErrCode
 	switch {
@@ -122,7 +123,7 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		stored += int64(c.w)
 	}
 	consumed := n - stored // padding is consumed on arrival
-	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
+	if direct && stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
 		var wrote int
 		small, chunks, wrote = s.deliverLocked(small, chunks)
 		consumed += int64(wrote)
