@@ -3,8 +3,8 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
-	netnstest "github.com/redirector-mesh/redirector/test/netns"
 	"io"
 	"net"
 	"net/http"
@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
 // Measurements of the agents themselves: memory per idle connection, the
@@ -173,22 +174,11 @@ func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]pro
 	var out []profileResult
 	for _, l := range loads {
 		logf("profiling both agents for %ds under %s load", secs, l.name)
-		var wg sync.WaitGroup
-		profs := make([][]byte, len(c.agents))
-		errs := make([]error, len(c.agents))
-		for i, a := range c.agents {
-			wg.Go(func() { profs[i], errs[i] = fetchAdmin(ctx, a.Node.Path(), "profile", secs) })
-		}
-		time.Sleep(200 * time.Millisecond) // the profiles start before the load
-		lerr := l.run()
-		wg.Wait()
-		if lerr != nil {
-			return out, fmt.Errorf("%s load: %w", l.name, lerr)
+		profs, err := c.recordDuring(ctx, "profile", secs, l.run)
+		if err != nil {
+			return out, fmt.Errorf("%s load: %w", l.name, err)
 		}
 		for i := range c.agents {
-			if errs[i] != nil {
-				return out, errs[i]
-			}
 			node := fmt.Sprintf("node%d", i+1)
 			file := filepath.Join(cfg.Out, fmt.Sprintf("%s-%s-%s.pprof", stamp, l.name, node))
 			if err := os.WriteFile(file, profs[i], 0o644); err != nil {
@@ -213,23 +203,15 @@ func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]pro
 // fixed HTTP load, and summarizes each by its scheduler-latency profile.
 func (c *cluster) traceFixedHTTP(ctx context.Context, cfg config, v *variant, secs int, stamp string) ([]profileResult, error) {
 	logf("tracing both agents for %ds under HTTP at %d qps", secs, cfg.HTTPQPS)
-	var wg sync.WaitGroup
-	traces := make([][]byte, len(c.agents))
-	errs := make([]error, len(c.agents))
-	for i, a := range c.agents {
-		wg.Go(func() { traces[i], errs[i] = fetchAdmin(ctx, a.Node.Path(), "trace", secs) })
-	}
-	time.Sleep(200 * time.Millisecond)
-	_, lerr := runFortio(ctx, cfg, v, cfg.HTTPQPS, time.Duration(secs+1)*time.Second)
-	wg.Wait()
-	if lerr != nil {
-		return nil, fmt.Errorf("fixed HTTP load: %w", lerr)
+	traces, err := c.recordDuring(ctx, "trace", secs, func() error {
+		_, err := runFortio(ctx, cfg, v, cfg.HTTPQPS, time.Duration(secs+1)*time.Second)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("fixed HTTP load: %w", err)
 	}
 	var out []profileResult
 	for i := range c.agents {
-		if errs[i] != nil {
-			return out, errs[i]
-		}
 		node := fmt.Sprintf("node%d", i+1)
 		file := filepath.Join(cfg.Out, fmt.Sprintf("%s-trace-http-%s.out", stamp, node))
 		if err := os.WriteFile(file, traces[i], 0o644); err != nil {
@@ -250,6 +232,21 @@ func (c *cluster) traceFixedHTTP(ctx context.Context, cfg config, v *variant, se
 		out = append(out, profileResult{Load: "HTTP fixed (execution trace, scheduler latency)", Node: node, File: file, Cum: top})
 	}
 	return out, nil
+}
+
+// recordDuring fetches /debug/pprof/<what> for secs from every agent while
+// load runs, and returns the recordings in agent order.
+func (c *cluster) recordDuring(ctx context.Context, what string, secs int, load func() error) ([][]byte, error) {
+	var wg sync.WaitGroup
+	recs := make([][]byte, len(c.agents))
+	errs := make([]error, len(c.agents))
+	for i, a := range c.agents {
+		wg.Go(func() { recs[i], errs[i] = fetchAdmin(ctx, a.Node.Path(), what, secs) })
+	}
+	time.Sleep(200 * time.Millisecond) // the recordings start before the load
+	lerr := load()
+	wg.Wait()
+	return recs, errors.Join(append([]error{lerr}, errs...)...)
 }
 
 func pprofTop(ctx context.Context, file string, args ...string) (string, error) {
