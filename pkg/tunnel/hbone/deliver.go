@@ -31,9 +31,9 @@ import (
 // brought round trips to 0.83-0.87x of that with HTTP unchanged (both
 // placements, 2 December). Why a lone frame is better handed off was not
 // traced; the wake of a second runtime thread, which keeps the other vCPU
-// from idling when the app's reply comes, is a guess. Measured
-// before the tunnel's in-pod sockets left BBR, direct delivery of every frame
-// had made p99 1.4x worse, most likely because BBR paced the reader's writes.
+// from idling when the app's reply comes, is a guess. Measured before the
+// tunnel's in-pod sockets left BBR, direct delivery of every frame had made
+// p99 1.4x worse, most likely because BBR paced the reader's writes.
 //
 // The cost is head-of-line: a frame of another stream on the connection
 // waits for the reader's write as well as for the frame's decryption, of the
