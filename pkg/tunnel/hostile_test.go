@@ -237,9 +237,14 @@ func TestConnectionLimits(t *testing.T) {
 	l.feed(t, first)
 	<-handled
 	l.feed(t, second)
-	waitFor(t, "the over-limit connection closed", second.closed.Load)
-	if got := testutil.ToFloat64(tun.cfg.Metrics.limitRefused.WithLabelValues("inbound", "source")); got != 1 {
+	// The refusal is counted after the close: wait for the count, then look at the close.
+	refused := tun.cfg.Metrics.limitRefused.WithLabelValues("inbound", "source")
+	waitFor(t, "the over-limit connection refused", func() bool { return testutil.ToFloat64(refused) >= 1 })
+	if got := testutil.ToFloat64(refused); got != 1 {
 		t.Errorf("refused{inbound,source} = %v, want 1", got)
+	}
+	if !second.closed.Load() {
+		t.Error("the over-limit connection was not closed")
 	}
 	select {
 	case c := <-handled:
