@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -1019,6 +1020,17 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 		c.cfg.batch.begin()
 	}
 	_, err := c.bw.Write(frame)
+	if err == nil && c.dataWaiters.Load() == 0 && c.bw.Buffered() > 0 && !batch {
+		// Nobody queued behind us, but the goroutines the network poller
+		// woke with ours (the other requests of a client's burst) may be
+		// runnable and not yet here: let them add their frames first, so
+		// that the burst leaves in one TLS record and one write(2) and the
+		// peer's reader wakes once for it. With nothing runnable, Gosched
+		// returns at once.
+		c.wmu.Unlock()
+		runtime.Gosched()
+		c.wmu.Lock()
+	}
 	if err == nil && c.dataWaiters.Load() == 0 {
 		// Nobody queued behind us: send now. Otherwise the last writer
 		// of the burst sends everything (every wmu holder but a

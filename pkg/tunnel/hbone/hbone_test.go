@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -880,5 +881,77 @@ func TestSlowAnswerKeepsLiveConn(t *testing.T) {
 	defer s.Close()
 	if st := e.pool.Stats(); st.DialsTotal != 1 {
 		t.Errorf("after a slow answer on a live connection: %+v, want it kept (one dial)", st)
+	}
+}
+
+// writeCounter counts the writes to a connection's socket.
+type writeCounter struct {
+	net.Conn
+	writes *atomic.Int64
+}
+
+func (w *writeCounter) Write(p []byte) (int, error) {
+	w.writes.Add(1)
+	return w.Conn.Write(p)
+}
+
+// TestBurstSharesWrites: small frames that the streams of one connection write at the same
+// moment (a client's burst of requests, whose relays the network poller wakes together) leave
+// in a few TLS records and write(2)s, not one each. One CPU makes "the same moment"
+// deterministic: every writer is runnable before the first one runs.
+func TestBurstSharesWrites(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(1))
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, func(c *net.TCPConn) { _, _ = io.Copy(io.Discard, c) })
+	var writes atomic.Int64
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := tcpDial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &writeCounter{Conn: c, writes: &writes}, nil
+	}
+	good, _ := pkis()
+	const n = 16
+	streams := make([]*Stream, n)
+	for i := range streams {
+		s, err := e.pool.Connect(context.Background(), e.key, dial, good.clientTLS(), Request{Authority: app})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		if i > 0 && s.c != streams[0].c {
+			t.Fatal("the streams are not on one connection: the test would prove nothing")
+		}
+		streams[i] = s
+	}
+	// Past crypto/tls's small first records (dynamic record sizing, the first 128 KiB).
+	for range 10 {
+		if _, err := streams[0].Write(make([]byte, 16<<10)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(50 * time.Millisecond) // window updates and their flushes are done
+
+	before := writes.Load()
+	start := make(chan struct{})
+	errs := make(chan error, n)
+	for _, s := range streams {
+		go func() {
+			<-start
+			_, err := s.Write(make([]byte, 1024))
+			errs <- err
+		}()
+	}
+	close(start)
+	for range n {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 16 frames of 1033 bytes: one full record and the rest, two writes; one per frame
+	// without sharing.
+	if got := writes.Load() - before; got > 4 {
+		t.Fatalf("a burst of %d small frames took %d socket writes, want at most 4", n, got)
 	}
 }
