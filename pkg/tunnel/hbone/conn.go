@@ -1034,7 +1034,8 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 	if err == nil && c.dataWaiters.Load() == 0 {
 		// Nobody queued behind us: send now. Otherwise the last writer
 		// of the burst sends everything (every wmu holder but a
-		// writeData with a waiter flushes before unlocking).
+		// writeData with a waiter flushes before it is done; one that
+		// yielded above took wmu again to do so).
 		err = c.bw.Flush()
 	}
 	if batch {
