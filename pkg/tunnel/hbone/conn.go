@@ -1190,6 +1190,14 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	c.err = cause
 	c.goAway = true
+	// A close in order (no error, the peer told) first sends the control
+	// frames still queued: the resets of streams given up on just before a
+	// drain's close must reach the peer as resets, not as a vanished
+	// connection. The control writer stops at done and would drop them.
+	var pending []ctlFrame
+	if sendGoAway && code == http2.ErrCodeNo {
+		pending, c.ctl = c.ctl, nil
+	}
 	sendGoAway = sendGoAway && !c.goAwaySent
 	last := c.lastPeerID
 	streams := make([]*Stream, 0, len(c.streams))
@@ -1207,11 +1215,20 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 
 	close(c.done)
 	c.cancel()
-	if sendGoAway {
+	if sendGoAway || len(pending) > 0 {
 		// Bound the write: a peer that stopped reading must not hold us.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(closeWriteDeadline))
 		c.wmu.Lock()
-		if c.fr.WriteGoAway(last, code, nil) == nil {
+		var err error
+		for _, f := range pending {
+			if err = c.writeCtlLocked(f); err != nil {
+				break
+			}
+		}
+		if err == nil && sendGoAway {
+			err = c.fr.WriteGoAway(last, code, nil)
+		}
+		if err == nil {
 			_ = c.bw.Flush()
 		}
 		c.wmu.Unlock()
