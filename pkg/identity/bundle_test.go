@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
@@ -44,7 +45,7 @@ func TestBundleWatchFollowsRootRotation(t *testing.T) {
 		return err == nil
 	}
 	write(identitytest.CertPEM(oldCA.cert, newCA.cert))
-	waitFor(t, "both roots", func() bool { return trusts(oldCA) && trusts(newCA) })
+	waitfor.Until(t, "both roots", func() bool { return trusts(oldCA) && trusts(newCA) })
 
 	write([]byte("-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n"))
 	time.Sleep(50 * time.Millisecond)
@@ -53,7 +54,7 @@ func TestBundleWatchFollowsRootRotation(t *testing.T) {
 	}
 
 	write(identitytest.CertPEM(newCA.cert))
-	waitFor(t, "the old root dropped", func() bool { return !trusts(oldCA) && trusts(newCA) })
+	waitfor.Until(t, "the old root dropped", func() bool { return !trusts(oldCA) && trusts(newCA) })
 }
 
 func TestLoadBundleErrors(t *testing.T) {

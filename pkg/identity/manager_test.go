@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // fakeClock is a settable time source.
@@ -104,17 +105,6 @@ func (f *fakeSigner) callCount() int {
 	return f.calls
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func stateOf(m *Manager, id ID) CertInfo {
 	for _, c := range m.Snapshot() {
 		if c.ID == id {
@@ -167,7 +157,7 @@ func TestManagerHandshakeNeverWaitsForCA(t *testing.T) {
 	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour})
 	defer m.Close()
 	m.Add(idWeb)
-	waitFor(t, "the first request", func() bool { return f.callCount() == 1 })
+	waitfor.Until(t, "the first request", func() bool { return f.callCount() == 1 })
 
 	start := time.Now()
 	_, err := m.Certificate(idWeb)
@@ -204,7 +194,7 @@ func TestManagerRetriesAndRecovers(t *testing.T) {
 	m.Add(idWeb)
 	// The signer's call count runs ahead of the manager's bookkeeping (the
 	// third call may still be in flight): wait for three recorded failures.
-	waitFor(t, "three recorded failures", func() bool { return stateOf(m, idWeb).Failures >= 3 })
+	waitfor.Until(t, "three recorded failures", func() bool { return stateOf(m, idWeb).Failures >= 3 })
 
 	info := stateOf(m, idWeb)
 	if info.State != StateFailing || !strings.Contains(info.LastError, "impersonation") || info.Failures < 3 {
@@ -221,7 +211,7 @@ func TestManagerRetriesAndRecovers(t *testing.T) {
 	}
 
 	f.set(func(f *fakeSigner) { f.err = nil })
-	waitFor(t, "recovery", func() bool { return m.Ready(idWeb) == nil })
+	waitfor.Until(t, "recovery", func() bool { return m.Ready(idWeb) == nil })
 	if info := stateOf(m, idWeb); info.State != StateValid || info.LastError != "" {
 		t.Errorf("snapshot after recovery = %+v", info)
 	}
@@ -242,7 +232,7 @@ func TestManagerRefusesWhatItDidNotAskFor(t *testing.T) {
 			m := New(ManagerOptions{Signer: tc.f, Trust: ca, TTL: time.Hour, BackoffMin: time.Hour})
 			defer m.Close()
 			m.Add(idWeb)
-			waitFor(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+			waitfor.Until(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
 			if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) {
 				t.Errorf("err = %v", err)
 			}
@@ -314,7 +304,7 @@ func TestManagerSyncForgets(t *testing.T) {
 	f := &fakeSigner{ca: ca, gate: make(chan struct{})}
 	m2 := New(ManagerOptions{Signer: f, Trust: ca})
 	m2.Add(idCart)
-	waitFor(t, "the request", func() bool { return f.callCount() == 1 })
+	waitfor.Until(t, "the request", func() bool { return f.callCount() == 1 })
 	m2.Sync(nil)
 	done := make(chan struct{})
 	go func() { m2.Close(); close(done) }()
@@ -359,7 +349,7 @@ func TestManagerCollector(t *testing.T) {
 	m := New(ManagerOptions{Signer: f, Trust: ca, BackoffMin: time.Hour})
 	defer m.Close()
 	m.Add(idWeb)
-	waitFor(t, "the failure", func() bool { return stateOf(m, idWeb).State == StateFailing })
+	waitfor.Until(t, "the failure", func() bool { return stateOf(m, idWeb).State == StateFailing })
 	want := `
 # HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. Bounded by the local pods: an identity is dropped when its last local pod leaves.
 # TYPE redirector_certificates gauge

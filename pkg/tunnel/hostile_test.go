@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -109,17 +110,6 @@ func (s *syncWriter) Write(p []byte) (int, error) {
 	return s.w.Write(p)
 }
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 // An accept that fails with EMFILE (or ENFILE, ENOBUFS, ENOMEM) must not
 // end the accept loop: before, the loop returned and the listener stayed
 // open with nobody accepting. Readiness names the pod and port meanwhile.
@@ -135,7 +125,7 @@ func TestAcceptLoopSurvivesEMFILE(t *testing.T) {
 		l.feed(t, &net.OpError{Op: "accept", Net: "tcp", Err: errno})
 	}
 	errs := tun.cfg.Metrics.acceptErrors.WithLabelValues("outbound")
-	waitFor(t, "four counted accept errors", func() bool { return testutil.ToFloat64(errs) == 4 })
+	waitfor.Until(t, "four counted accept errors", func() bool { return testutil.ToFloat64(errs) == 4 })
 	problems := tun.ListenerProblems()
 	if len(problems) != 1 || !strings.Contains(problems[0], "uid-1") || !strings.Contains(problems[0], "port 15001") ||
 		!strings.Contains(problems[0], "cannot allocate memory") {
@@ -165,7 +155,7 @@ func TestAcceptLoopClosedListenerAndBackoff(t *testing.T) {
 	l := newFakeListener()
 	p.acceptLoop(l, p.health[1], p.admitter(listenerInbound), func(net.Conn) {})
 	l.Close()
-	waitFor(t, "the closed listener reported", func() bool { return len(tun.ListenerProblems()) == 1 })
+	waitfor.Until(t, "the closed listener reported", func() bool { return len(tun.ListenerProblems()) == 1 })
 	if got := tun.ListenerProblems()[0]; !strings.Contains(got, "port 15006") || !strings.Contains(got, "listener closed") {
 		t.Errorf("problem %q, want port 15006 and listener closed", got)
 	}
@@ -239,7 +229,7 @@ func TestConnectionLimits(t *testing.T) {
 	l.feed(t, second)
 	// The refusal is counted after the close: wait for the count, then look at the close.
 	refused := tun.cfg.Metrics.limitRefused.WithLabelValues("inbound", "source")
-	waitFor(t, "the over-limit connection refused", func() bool { return testutil.ToFloat64(refused) >= 1 })
+	waitfor.Until(t, "the over-limit connection refused", func() bool { return testutil.ToFloat64(refused) >= 1 })
 	if got := testutil.ToFloat64(refused); got != 1 {
 		t.Errorf("refused{inbound,source} = %v, want 1", got)
 	}

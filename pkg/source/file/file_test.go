@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
@@ -93,24 +94,10 @@ func (r *running) noUpdate(t *testing.T, d time.Duration) {
 	}
 }
 
-// settle waits up to five seconds for cond: a refusal is recorded on Run's
-// goroutine after noUpdate's quiet period may already have passed on a busy
-// machine, in the order errors, metric, log.
-func settle(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // refused waits until the source reports an error and returns them.
 func (r *running) refused(t *testing.T) []error {
 	t.Helper()
-	settle(t, "the source to report an error", func() bool { return len(r.src.Errors()) > 0 })
+	waitfor.Until(t, "the source to report an error", func() bool { return len(r.src.Errors()) > 0 })
 	return r.src.Errors()
 }
 
@@ -223,7 +210,7 @@ func TestRunRefusesMalformed(t *testing.T) {
 	if len(errs) != 1 || !errors.As(errs[0], &de) || de.File != path || de.Doc != 2 || de.Reason != source.ReasonInvalid {
 		t.Fatalf("Errors() = %v, want document 2 of %s, invalid", errs, path)
 	}
-	settle(t, "the refusal's log line", func() bool { return strings.Contains(logs.String(), "manifests not applied") })
+	waitfor.Until(t, "the refusal's log line", func() bool { return strings.Contains(logs.String(), "manifests not applied") })
 	out := logs.String()
 	for _, want := range []string{`"msg":"manifests not applied; keeping the last good snapshot"`, `"file":"` + path + `"`, `"doc":2`, `"reason":"invalid"`, `unsupported kind Nope`} {
 		if !strings.Contains(out, want) {
@@ -245,7 +232,7 @@ func TestRunRefusesMalformed(t *testing.T) {
 func wantCount(t *testing.T, m *source.Metrics, reason string, want float64) {
 	t.Helper()
 	key := `redirector_source_errors_total{reason="` + reason + `",source="file"}`
-	settle(t, key, func() bool { return promtest.Scrape(t, m)[key] >= want })
+	waitfor.Until(t, key, func() bool { return promtest.Scrape(t, m)[key] >= want })
 	if got := promtest.Scrape(t, m)[key]; got != want {
 		t.Errorf("%s = %v, want %v", key, got, want)
 	}

@@ -8,6 +8,8 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 func TestBufBudget(t *testing.T) {
@@ -95,7 +97,7 @@ func TestBulkTransfer(t *testing.T) {
 
 func waitBuffersBack(t *testing.T) {
 	t.Helper()
-	eventually(t, "bulk buffers back in the budget", func() bool {
+	waitfor.Until(t, "bulk buffers back in the budget", func() bool {
 		b := Buffers()
 		return b.FramesInUse == 0 && b.BatchesInUse == 0
 	})
@@ -128,12 +130,12 @@ func TestStalledStreamsHoldNoBulkBuffer(t *testing.T) {
 		}
 		defer s.Close()
 	}
-	eventually(t, "the stalled streams to have used bulk frames", func() bool {
+	waitfor.Until(t, "the stalled streams to have used bulk frames", func() bool {
 		return Buffers().FramesTaken > before.FramesTaken
 	})
 	// Each stream's window (4 MiB) fills and is never given back: they all wait now.
 	time.Sleep(500 * time.Millisecond)
-	eventually(t, "stalled streams to hold no bulk frame buffer", func() bool {
+	waitfor.Until(t, "stalled streams to hold no bulk frame buffer", func() bool {
 		return Buffers().FramesInUse == 0
 	})
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )
@@ -216,7 +217,7 @@ func TestHandlerSlotHeldUntilExit(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	eventually(t, "two handlers running", func() bool { return running.Load() == 2 })
+	waitfor.Until(t, "two handlers running", func() bool { return running.Load() == 2 })
 	for _, id := range []uint32{1, 3} {
 		if err := rc.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
 			t.Fatal(err)
@@ -470,7 +471,7 @@ func TestAcceptBackoff(t *testing.T) {
 	fl := &fakeListener{Listener: l, errs: errs}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(fl) }()
-	eventually(t, "Accepting false during the backoff", func() bool { return !srv.Accepting() })
+	waitfor.Until(t, "Accepting false during the backoff", func() bool { return !srv.Accepting() })
 	pool := NewPool(PoolOptions{})
 	defer pool.Close()
 	app := startUpstream(t, echo)
@@ -577,7 +578,7 @@ func TestPingTimeoutClosesDeadConn(t *testing.T) {
 	if !errors.Is(err, ErrConnClosed) || !strings.Contains(err.Error(), "keepalive") {
 		t.Fatalf("read on a dead connection: %v, want the keepalive to close it", err)
 	}
-	eventually(t, "the pool to drop the dead connection", func() bool { return e.pool.Stats().Conns == 0 })
+	waitfor.Until(t, "the pool to drop the dead connection", func() bool { return e.pool.Stats().Conns == 0 })
 }
 
 // TestConnLimiter: connections over a handshake or connection limit are
@@ -616,7 +617,7 @@ func TestConnLimiter(t *testing.T) {
 		return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
 	}
 	idle := []net.Conn{dial(addrs[0]), dial(addrs[1])} // two handshakes from 127.0.0.1, over two servers
-	eventually(t, "two handshakes counted", func() bool { return lim.Stats().Handshakes == 2 })
+	waitfor.Until(t, "two handshakes counted", func() bool { return lim.Stats().Handshakes == 2 })
 	if c := dial(addrs[0]); !closedSoon(c) {
 		t.Error("a third handshake from one source was not closed at once")
 	}
@@ -632,7 +633,7 @@ func TestConnLimiter(t *testing.T) {
 		t.Errorf("server ConnsRefused = %d, want 1", n)
 	}
 	// The handshake timeout frees the slots.
-	eventually(t, "handshake timeouts to free the slots", func() bool {
+	waitfor.Until(t, "handshake timeouts to free the slots", func() bool {
 		st := lim.Stats()
 		return st.Conns == 0 && st.Handshakes == 0
 	})
@@ -729,7 +730,7 @@ func TestHonestResetsWithinBudget(t *testing.T) {
 	wg.Wait()
 	// Every handler ends (the resets, or the client's connection closing
 	// once it gave up on it, cancelled them) and none was taken for a flood.
-	eventually(t, "every handler to end", func() bool { return e.srv.Stats().StreamsDenied == 100 })
+	waitfor.Until(t, "every handler to end", func() bool { return e.srv.Stats().StreamsDenied == 100 })
 	if st := e.srv.Stats(); st.ConnsFlood != 0 || st.StreamsEarlyReset == 0 {
 		t.Errorf("server stats %+v: want early resets and no connection closed as a flood", st)
 	}

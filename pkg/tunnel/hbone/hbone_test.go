@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
 )
 
@@ -166,7 +167,7 @@ func TestConcurrentStreams(t *testing.T) {
 	if st.ActiveStreams != streams || st.Conns > maxConns || st.DialsTotal > uint64(maxConns) {
 		t.Errorf("with %d streams open: %+v, want %d active on at most %d conns", streams, st, streams, maxConns)
 	}
-	eventually(t, "streams to finish", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	waitfor.Until(t, "streams to finish", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 }
 
 // TestServerStreamLimit: the pool allows more streams than the server does;
@@ -312,7 +313,7 @@ func TestDeniedCarriesReason(t *testing.T) {
 	if !errors.As(err, &se) || se.Status != 403 || se.Reason != "denied by policy ns1/deny-all" {
 		t.Fatalf("err = %v, want 403 with the reason", err)
 	}
-	eventually(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	waitfor.Until(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 	if st := e.srv.Stats(); st.StreamsDenied != 1 {
 		t.Errorf("server stats = %+v", st)
 	}
@@ -423,7 +424,7 @@ func TestWrongCAFailsHandshake(t *testing.T) {
 	if err == nil || !contains(err.Error(), "tls handshake") {
 		t.Fatalf("err = %v, want a handshake failure", err)
 	}
-	eventually(t, "handshake failure counted", func() bool { return e.srv.Stats().HandshakeFailures == 1 })
+	waitfor.Until(t, "handshake failure counted", func() bool { return e.srv.Stats().HandshakeFailures == 1 })
 	if st := e.pool.Stats(); st.Conns != 0 {
 		t.Errorf("failed dial left %d conns in the pool", st.Conns)
 	}
@@ -441,8 +442,8 @@ func TestIdleConnClosed(t *testing.T) {
 		t.Fatalf("conn with an open stream closed: %+v", st)
 	}
 	s.Close()
-	eventually(t, "idle conn closed", func() bool { return e.pool.Stats().Conns == 0 })
-	eventually(t, "server saw the close", func() bool { return e.srv.Stats().ConnsActive == 0 })
+	waitfor.Until(t, "idle conn closed", func() bool { return e.pool.Stats().Conns == 0 })
+	waitfor.Until(t, "server saw the close", func() bool { return e.srv.Stats().ConnsActive == 0 })
 
 	// The next Connect dials again.
 	s, err = e.connect(context.Background(), app)
@@ -462,8 +463,8 @@ func TestServerIdleTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.Close()
-	eventually(t, "server closes idle conn", func() bool { return e.srv.Stats().ConnsActive == 0 })
-	eventually(t, "pool drops the conn", func() bool { return e.pool.Stats().Conns == 0 })
+	waitfor.Until(t, "server closes idle conn", func() bool { return e.srv.Stats().ConnsActive == 0 })
+	waitfor.Until(t, "pool drops the conn", func() bool { return e.pool.Stats().Conns == 0 })
 }
 
 // TestShutdownDrains: Shutdown lets an open stream finish, refuses new
@@ -477,7 +478,7 @@ func TestShutdownDrains(t *testing.T) {
 	}
 	shut := make(chan error, 1)
 	go func() { shut <- e.srv.Shutdown(context.Background()) }()
-	eventually(t, "pool sees GOAWAY", func() bool {
+	waitfor.Until(t, "pool sees GOAWAY", func() bool {
 		s2, err := e.connect(context.Background(), app)
 		if err != nil {
 			return true
@@ -523,7 +524,7 @@ func TestShutdownTimeoutClosesStreams(t *testing.T) {
 	if _, err := io.ReadAll(s); err == nil {
 		t.Fatal("stream survived a forced shutdown")
 	}
-	eventually(t, "broken conn removed from the pool", func() bool { return e.pool.Stats().Conns == 0 })
+	waitfor.Until(t, "broken conn removed from the pool", func() bool { return e.pool.Stats().Conns == 0 })
 }
 
 func TestReadDeadline(t *testing.T) {
@@ -613,7 +614,7 @@ func TestConnectContextCancelled(t *testing.T) {
 	if _, err := e.connect(ctx, netip.MustParseAddrPort("10.0.0.1:80")); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("err = %v, want deadline exceeded", err)
 	}
-	eventually(t, "cancelled stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	waitfor.Until(t, "cancelled stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 }
 
 func TestRelayHalfCloseTCP(t *testing.T) {
@@ -731,7 +732,7 @@ func TestEarlyDataRefused(t *testing.T) {
 	if !errors.As(err, &se) || se.Status != http.StatusForbidden {
 		t.Fatalf("err = %v, want 403", err)
 	}
-	eventually(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	waitfor.Until(t, "stream released", func() bool { return e.pool.Stats().ActiveStreams == 0 })
 }
 
 // Pods never share a pooled connection, and evicting one pod's connections
