@@ -200,6 +200,9 @@ type conn struct {
 	// frameReads is the socket's read count when the reader began the
 	// current frame (reader only; see buffered).
 	frameReads uint64
+	// closeByReader: a close in order left the socket to the reader, which
+	// closes it once the peer closed its side (closeConn).
+	closeByReader atomic.Bool
 
 	lastFrame     atomic.Int64 // when the last stream frame arrived, UnixNano: a sign of life
 	lastRead      atomic.Int64 // when the last frame of any kind arrived, UnixNano
@@ -405,6 +408,9 @@ func (c *conn) readLoop() {
 		c.closeConn(http2.ErrCodeNo, err, false, true)
 	default:
 		c.close(http2.ErrCodeNo, err, false)
+	}
+	if c.closeByReader.Load() {
+		_ = c.nc.Close()
 	}
 }
 
@@ -1195,7 +1201,8 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	// drain's close must reach the peer as resets, not as a vanished
 	// connection. The control writer stops at done and would drop them.
 	var pending []ctlFrame
-	if sendGoAway && code == http2.ErrCodeNo {
+	inOrder := sendGoAway && code == http2.ErrCodeNo
+	if inOrder {
 		pending, c.ctl = c.ctl, nil
 	}
 	sendGoAway = sendGoAway && !c.goAwaySent
@@ -1233,7 +1240,19 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		}
 		c.wmu.Unlock()
 	}
-	if !linger {
+	switch {
+	case inOrder && !linger:
+		// As lingerClose, by the reader: the peer gets close_notify after our
+		// last frames, and the reader reads until the peer closes (or a
+		// second passes) and then closes the socket. Closing now, with bytes
+		// of the peer's unread, would make the kernel answer with a TCP reset,
+		// which can destroy those frames before the peer read them.
+		c.closeByReader.Store(true)
+		if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
+			_ = cw.CloseWrite()
+		}
+		_ = c.nc.SetReadDeadline(time.Now().Add(closeWriteDeadline))
+	case !linger:
 		if c.cfg.batch != nil {
 			c.cfg.batch.abort()
 		}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -733,5 +734,51 @@ func TestHonestResetsWithinBudget(t *testing.T) {
 	waitfor.Until(t, "every handler to end", func() bool { return e.srv.Stats().StreamsDenied == 100 })
 	if st := e.srv.Stats(); st.ConnsFlood != 0 || st.StreamsEarlyReset == 0 {
 		t.Errorf("server stats %+v: want early resets and no connection closed as a flood", st)
+	}
+}
+
+// TestCloseInOrderSendsQueuedResets: a connection closed in order (a drain's close) sends the
+// resets still queued for its control writer before GOAWAY, and its socket stays open until the
+// peer closed its side, so the server reads the reset rather than losing it to a TCP reset. The
+// reset is queued without waking the writer, as when the close comes before the writer ran.
+func TestCloseInOrderSendsQueuedResets(t *testing.T) {
+	running := make(chan struct{}, 1)
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		running <- struct{}{}
+		<-ctx.Done() // an app that never accepts
+		return Response{Status: 503}
+	}, ServerOptions{}, PoolOptions{})
+	connected := make(chan error, 1)
+	go func() {
+		s, err := e.connect(context.Background(), netip.MustParseAddrPort("10.0.0.1:80"))
+		if err == nil {
+			s.Close()
+		}
+		connected <- err
+	}()
+	<-running
+	e.pool.mu.Lock()
+	c := e.pool.entries[e.key].conns[0]
+	e.pool.mu.Unlock()
+	c.mu.Lock()
+	var id uint32
+	for sid := range c.streams {
+		id = sid
+	}
+	c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(http2.ErrCodeCancel)})
+	c.mu.Unlock()
+
+	c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+	if err := <-connected; err == nil {
+		t.Fatal("connect succeeded on a closed connection")
+	}
+	// The server's reader counts a reset after it cancels the handler, and reads the end of
+	// the connection only after that: wait for the connection to end.
+	waitfor.Until(t, "the handler and the connection to end", func() bool {
+		st := e.srv.Stats()
+		return st.StreamsDenied == 1 && st.ConnsActive == 0
+	})
+	if st := e.srv.Stats(); st.StreamsEarlyReset != 1 {
+		t.Errorf("server stats %+v: want the queued reset read as an early reset", st)
 	}
 }
