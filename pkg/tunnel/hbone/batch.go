@@ -12,6 +12,7 @@ import (
 // 16 KiB record, and the peer's reader wakes once for it. Outside a batch it writes through.
 type batchConn struct {
 	net.Conn
+	raw *rawSock // Conn's reads and writes without the runtime's syscall bookkeeping, or nil
 	mu  sync.Mutex
 	buf *[]byte // gathered records while batching; nil otherwise
 
@@ -24,10 +25,26 @@ type batchConn struct {
 	rawReads atomic.Uint64
 }
 
+// newBatchConn returns the batchConn for an HBONE socket.
+func newBatchConn(c net.Conn) *batchConn {
+	return &batchConn{Conn: c, raw: newRawSock(c)}
+}
+
 // Read counts the socket reads under crypto/tls.
 func (b *batchConn) Read(p []byte) (int, error) {
 	b.rawReads.Add(1)
+	if b.raw != nil {
+		return b.raw.Read(p)
+	}
 	return b.Conn.Read(p)
+}
+
+// write writes p to the socket.
+func (b *batchConn) write(p []byte) (int, error) {
+	if b.raw != nil {
+		return b.raw.Write(p)
+	}
+	return b.Conn.Write(p)
 }
 
 // abort makes a connection's close immediate: a batch's write blocked on a peer that stopped
@@ -76,7 +93,7 @@ func (b *batchConn) flushLocked() error {
 	if b.aborted.Load() {
 		return net.ErrClosed
 	}
-	_, err := b.Conn.Write(p)
+	_, err := b.write(p)
 	return err
 }
 
@@ -84,14 +101,14 @@ func (b *batchConn) Write(p []byte) (int, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.buf == nil {
-		return b.Conn.Write(p)
+		return b.write(p)
 	}
 	if len(*b.buf)+len(p) > cap(*b.buf) {
 		if err := b.flushLocked(); err != nil {
 			return 0, err
 		}
 		if len(p) > cap(*b.buf) {
-			return b.Conn.Write(p)
+			return b.write(p)
 		}
 	}
 	*b.buf = append(*b.buf, p...)

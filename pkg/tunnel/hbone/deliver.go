@@ -86,9 +86,9 @@ func writeNow(rc syscall.RawConn, bufs [][]byte) int {
 				err error
 			)
 			if len(bufs) == 1 {
-				k, err = unix.Write(int(fd), bufs[0])
+				k, err = sockWrite(fd, bufs[0])
 			} else {
-				k, err = unix.Writev(int(fd), bufs)
+				k, err = sockWritev(fd, bufs)
 			}
 			if err == unix.EINTR {
 				continue

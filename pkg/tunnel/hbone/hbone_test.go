@@ -934,6 +934,21 @@ func TestBurstSharesWrites(t *testing.T) {
 	}
 	time.Sleep(50 * time.Millisecond) // window updates and their flushes are done
 
+	// A lone frame, after a quiet spell, is flushed without a yield: nothing is coming with it.
+	time.Sleep(10 * burstGap)
+	yields := burstYields.Load()
+	if _, err := streams[0].Write(make([]byte, 1024)); err != nil {
+		t.Fatal(err)
+	}
+	if burstYields.Load() != yields {
+		t.Fatal("a lone frame yielded before its flush")
+	}
+	time.Sleep(50 * time.Millisecond)
+
+	// A burst. The frames of one come tens of microseconds apart in the agents; here one P
+	// runs both ends of the connection and spaces them out more.
+	defer func(gap time.Duration) { burstGap = gap }(burstGap)
+	burstGap = time.Second
 	before := writes.Load()
 	start := make(chan struct{})
 	errs := make(chan error, n)

@@ -221,7 +221,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 	if err != nil {
 		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
 	}
-	batch := &batchConn{Conn: raw}
+	batch := newBatchConn(raw)
 	tc := tls.Client(batch, withH2(tlsConf))
 	if err := tc.HandshakeContext(ctx); err != nil {
 		_ = raw.Close()

@@ -275,7 +275,7 @@ func (srv *Server) isClosed() bool {
 func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 	defer srv.wg.Done()
 	defer srv.limiter.release(src)
-	batch := &batchConn{Conn: nc}
+	batch := newBatchConn(nc)
 	tc := tls.Server(batch, srv.tlsConf)
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)

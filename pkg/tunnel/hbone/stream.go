@@ -282,6 +282,14 @@ func (s *Stream) Read(p []byte) (int, error) {
 func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
 	s.mu.Lock()
 	s.sink, s.delivered = rawSink(w), 0
+	write := w.Write
+	if s.sink != nil { // the same write(2)s, without the runtime's bookkeeping (rawio.go)
+		var laddr, raddr net.Addr
+		if nc, ok := w.(net.Conn); ok {
+			laddr, raddr = nc.LocalAddr(), nc.RemoteAddr()
+		}
+		write = rawSockOf(s.sink, laddr, raddr).Write
+	}
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
@@ -306,7 +314,7 @@ func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
 		s.draining = true
 		s.mu.Unlock()
 
-		n, werr := w.Write(p)
+		n, werr := write(p)
 
 		s.mu.Lock()
 		s.draining = false
@@ -450,7 +458,7 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 			buf = buf[:min(len(buf), room)]
 		}
 		for {
-			n, rerr = syscall.Read(int(fd), buf)
+			n, rerr = sockRead(fd, buf)
 			if rerr != syscall.EINTR {
 				break
 			}

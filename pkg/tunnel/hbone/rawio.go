@@ -1,0 +1,234 @@
+package hbone
+
+import (
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Socket reads and writes without the runtime's system-call bookkeeping.
+//
+// Every socket this package reads or writes is non-blocking: a read or a
+// write returns at once, with EAGAIN when it would wait, and the goroutine
+// then parks in the network poller. The runtime still treats each one as a
+// call that may block (entersyscall, exitsyscall), and when every P was
+// idle, entering one wakes the runtime's monitor thread (sysmon), which then
+// polls every 20 µs until the process is idle again. At one request at a
+// time (fortio, 1000 qps, one connection) that was a quarter of the server
+// agent's CPU samples (perf, 2 December): a wake-up of sysmon and a run of
+// short sleeps per request, in each agent. sockRead and sockWrite make the
+// call with syscall.RawSyscall instead, which the runtime does not see.
+//
+// sysmon is also what preempts a goroutine that runs for more than 10 ms and
+// polls the network when every P has been busy that long, so it must not
+// sleep through a long busy stretch: one call in ordinaryEvery is made the
+// ordinary way, which wakes it if it sleeps. Race builds make every call the
+// ordinary way: the race detector learns of the kernel's reads and writes of
+// the buffers, and of the ordering between a write and a read, only through
+// the syscall package's own functions.
+
+// ordinaryEvery is how long the data path goes at most without one ordinary
+// system call while it is busy: sysmon's own period for preemption.
+const ordinaryEvery = 10 * time.Millisecond
+
+var (
+	clockStart = time.Now()
+	// lastOrdinary is when (since clockStart) the last ordinary call was made.
+	lastOrdinary atomic.Int64
+	// rawCalls and ordinaryCalls count the two kinds (tests).
+	rawCalls, ordinaryCalls atomic.Uint64
+)
+
+// monotonic is the time in nanoseconds since clockStart.
+func monotonic() int64 { return int64(time.Since(clockStart)) }
+
+// ordinary says whether this call should be an ordinary one.
+func ordinary() bool {
+	if raceEnabled {
+		return true
+	}
+	now := monotonic()
+	last := lastOrdinary.Load()
+	if now-last < int64(ordinaryEvery) || !lastOrdinary.CompareAndSwap(last, now) {
+		rawCalls.Add(1)
+		return false
+	}
+	ordinaryCalls.Add(1)
+	return true
+}
+
+// sockRead is read(2) on a non-blocking socket.
+func sockRead(fd uintptr, p []byte) (int, error) {
+	if len(p) == 0 || ordinary() {
+		return syscall.Read(int(fd), p)
+	}
+	n, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	if e != 0 {
+		return 0, e
+	}
+	return int(n), nil
+}
+
+// sockWrite is write(2) on a non-blocking socket.
+func sockWrite(fd uintptr, p []byte) (int, error) {
+	if len(p) == 0 || ordinary() {
+		return syscall.Write(int(fd), p)
+	}
+	n, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	if e != 0 {
+		return 0, e
+	}
+	return int(n), nil
+}
+
+// maxRawIovecs is the most buffers sockWritev passes without the runtime's
+// bookkeeping; more go through an ordinary writev.
+const maxRawIovecs = 16
+
+// sockWritev is writev(2) of bufs on a non-blocking socket.
+func sockWritev(fd uintptr, bufs [][]byte) (int, error) {
+	if len(bufs) > maxRawIovecs || ordinary() {
+		return unix.Writev(int(fd), bufs)
+	}
+	var iov [maxRawIovecs]syscall.Iovec
+	k := 0
+	for _, b := range bufs {
+		if len(b) > 0 {
+			iov[k].Base = &b[0]
+			iov[k].SetLen(len(b))
+			k++
+		}
+	}
+	if k == 0 {
+		return 0, nil
+	}
+	n, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, fd, uintptr(unsafe.Pointer(&iov[0])), uintptr(k))
+	if e != 0 {
+		return 0, e
+	}
+	return int(n), nil
+}
+
+// rawSock reads and writes a TCP socket through its RawConn with sockRead
+// and sockWrite, as net.TCPConn's Read and Write would: waiting in the
+// network poller, under the socket's deadlines.
+type rawSock struct {
+	rc           syscall.RawConn
+	laddr, raddr net.Addr
+
+	rmu    sync.Mutex // one read at a time owns rp, rn, rerr
+	rp     []byte
+	rn     int
+	rerr   error
+	readFn func(fd uintptr) bool
+
+	wmu     sync.Mutex // one write at a time owns wp, wn, werr
+	wp      []byte
+	wn      int
+	werr    error
+	writeFn func(fd uintptr) bool
+}
+
+// newRawSock returns c's rawSock, or nil when c is not a plain TCP socket
+// (a wrapper may count or transform what passes through it).
+func newRawSock(c net.Conn) *rawSock {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return nil
+	}
+	rc, err := tc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	return rawSockOf(rc, tc.LocalAddr(), tc.RemoteAddr())
+}
+
+// rawSockOf returns a rawSock for rc; the addresses name the socket in errors.
+func rawSockOf(rc syscall.RawConn, laddr, raddr net.Addr) *rawSock {
+	r := &rawSock{rc: rc, laddr: laddr, raddr: raddr}
+	r.readFn = r.readOnce
+	r.writeFn = r.writeSome
+	return r
+}
+
+func (r *rawSock) readOnce(fd uintptr) bool {
+	for {
+		r.rn, r.rerr = sockRead(fd, r.rp)
+		switch r.rerr {
+		case syscall.EINTR:
+			continue
+		case syscall.EAGAIN:
+			return false
+		}
+		return true
+	}
+}
+
+// Read is net.Conn's Read: n > 0, or an error (io.EOF when the peer closed).
+func (r *rawSock) Read(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	r.rmu.Lock()
+	defer r.rmu.Unlock()
+	r.rp, r.rn, r.rerr = p, 0, nil
+	err := r.rc.Read(r.readFn)
+	n, rerr := r.rn, r.rerr
+	r.rp, r.rerr = nil, nil
+	switch {
+	case err != nil: // closed, or the deadline passed
+		return 0, err
+	case rerr != nil:
+		return 0, r.opError("read", rerr)
+	case n == 0:
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+func (r *rawSock) writeSome(fd uintptr) bool {
+	for len(r.wp) > 0 {
+		n, err := sockWrite(fd, r.wp)
+		switch err {
+		case nil:
+			r.wn += n
+			r.wp = r.wp[n:]
+		case syscall.EINTR:
+		case syscall.EAGAIN:
+			return false
+		default:
+			r.werr = err
+			return true
+		}
+	}
+	return true
+}
+
+// Write is net.Conn's Write: all of p, or an error.
+func (r *rawSock) Write(p []byte) (int, error) {
+	r.wmu.Lock()
+	defer r.wmu.Unlock()
+	r.wp, r.wn, r.werr = p, 0, nil
+	err := r.rc.Write(r.writeFn)
+	n, werr := r.wn, r.werr
+	r.wp, r.werr = nil, nil
+	switch {
+	case werr != nil:
+		return n, r.opError("write", werr)
+	case err != nil:
+		return n, err
+	}
+	return n, nil
+}
+
+// opError wraps a system call's error as net.TCPConn does.
+func (r *rawSock) opError(op string, err error) error {
+	return &net.OpError{Op: op, Net: "tcp", Source: r.laddr, Addr: r.raddr, Err: os.NewSyscallError(op, err)}
+}

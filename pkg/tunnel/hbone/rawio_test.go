@@ -1,0 +1,159 @@
+package hbone
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// tcpPair returns the two ends of a loopback TCP connection.
+func tcpPair(t *testing.T) (client, server *net.TCPConn) {
+	t.Helper()
+	ln, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan *net.TCPConn, 1)
+	go func() {
+		c, _ := ln.AcceptTCP()
+		accepted <- c
+	}()
+	c, err := net.DialTCP("tcp", nil, ln.Addr().(*net.TCPAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := <-accepted
+	if s == nil {
+		t.Fatal("accept failed")
+	}
+	t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+	return c, s
+}
+
+// TestRawSockIsATCPConn: reads and writes through rawSock behave as net.TCPConn's do: bytes in
+// order across waits for the poller, io.EOF at the peer's close, the deadline's error, the closed
+// socket's error, and a reset peer's error as a *net.OpError wrapping the errno.
+func TestRawSockIsATCPConn(t *testing.T) {
+	c, s := tcpPair(t)
+	rc, rs := newRawSock(c), newRawSock(s)
+	if rc == nil || rs == nil {
+		t.Fatal("no rawSock for a *net.TCPConn")
+	}
+	if newRawSock(&writeRecorder{}) != nil {
+		t.Fatal("a wrapper got a rawSock: its own Read and Write would be bypassed")
+	}
+
+	// 8 MiB: more than the socket buffers hold, so both sides wait in the poller.
+	want := bytes.Repeat([]byte("0123456789abcdef"), 512<<10)
+	rawBefore := rawCalls.Load()
+	werr := make(chan error, 1)
+	go func() {
+		n, err := rc.Write(want)
+		if err == nil && n != len(want) {
+			err = io.ErrShortWrite
+		}
+		werr <- err
+	}()
+	got := make([]byte, 0, len(want))
+	buf := make([]byte, 100_000)
+	for len(got) < len(want) {
+		n, err := rs.Read(buf)
+		if err != nil {
+			t.Fatalf("read after %d bytes: %v", len(got), err)
+		}
+		got = append(got, buf[:n]...)
+	}
+	if err := <-werr; err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the bytes read differ from the bytes written")
+	}
+	if !raceEnabled && rawCalls.Load() == rawBefore {
+		t.Fatal("no call went around the runtime's syscall bookkeeping")
+	}
+
+	// A deadline ends a waiting read with the deadline's error.
+	_ = s.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
+	if _, err := rs.Read(buf); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("read past the deadline: %v, want os.ErrDeadlineExceeded", err)
+	}
+	_ = s.SetReadDeadline(time.Time{})
+
+	// The peer's close is io.EOF.
+	_ = c.CloseWrite()
+	if n, err := rs.Read(buf); n != 0 || err != io.EOF {
+		t.Fatalf("read after the peer's close: %d, %v, want 0, io.EOF", n, err)
+	}
+
+	// A reset peer: the write fails with the errno, wrapped as net.TCPConn wraps it.
+	_ = c.SetLinger(0)
+	_ = c.Close()
+	time.Sleep(10 * time.Millisecond)
+	var err error
+	for range 100 { // the first write may be taken before the reset is seen
+		if _, err = rs.Write([]byte("x")); err != nil {
+			break
+		}
+	}
+	var op *net.OpError
+	if !errors.As(err, &op) || !(errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)) {
+		t.Fatalf("write to a reset peer: %v, want a *net.OpError of ECONNRESET or EPIPE", err)
+	}
+
+	// A closed socket's read is net.ErrClosed, as net.TCPConn's is.
+	_ = s.Close()
+	if _, err := rs.Read(buf); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("read of a closed socket: %v, want net.ErrClosed", err)
+	}
+}
+
+// TestOrdinaryCallsKeepSysmonAwake: while the data path is busy, one call in ordinaryEvery is an
+// ordinary one (which wakes the runtime's monitor), the rest are raw.
+func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
+	if raceEnabled {
+		t.Skip("race builds make every call an ordinary one (rawio.go); this checks the mix")
+	}
+	c, s := tcpPair(t)
+	rc, rs := newRawSock(c), newRawSock(s)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	go func() {
+		buf := make([]byte, 1)
+		for {
+			if _, err := rs.Read(buf); err != nil {
+				return
+			}
+			if _, err := rs.Write(buf); err != nil {
+				return
+			}
+		}
+	}()
+	raw0, ord0 := rawCalls.Load(), ordinaryCalls.Load()
+	start := time.Now()
+	buf := []byte{1}
+	for ctx.Err() == nil {
+		if _, err := rc.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := rc.Read(buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	elapsed := time.Since(start)
+	raw, ord := rawCalls.Load()-raw0, ordinaryCalls.Load()-ord0
+	maxOrd := uint64(elapsed/ordinaryEvery) + 2
+	if ord == 0 || ord > maxOrd {
+		t.Fatalf("%d ordinary calls in %v of round trips, want 1 to %d (one per %v)", ord, elapsed, maxOrd, ordinaryEvery)
+	}
+	if raw < 100*ord {
+		t.Fatalf("%d raw calls against %d ordinary ones: the raw path is not the common one", raw, ord)
+	}
+}
