@@ -219,11 +219,11 @@ type conn struct {
 	dataWaiters atomic.Int32
 	// lastData is when (rawio.go's clock) writeData last finished: a frame
 	// that follows another within burstGap yields before flushing.
-	lastData atomic.Int64
-	bw       *bufio.Writer
-	henc        *hpack.Encoder
-	hbuf        bytes.Buffer
-	hencLimit   uint32
+	lastData  atomic.Int64
+	bw        *bufio.Writer
+	henc      *hpack.Encoder
+	hbuf      bytes.Buffer
+	hencLimit uint32
 
 	mu             sync.Mutex
 	sendCond       sync.Cond // L is &mu: send windows grew, or a stream/the conn failed
