@@ -20,9 +20,6 @@ type batchConn struct {
 	// see it: Close would wait (up to its 5 s close_notify deadline) instead of closing the
 	// socket under a blocked write as it does for its own. abort does that for a batch.
 	flushing, aborted atomic.Bool
-
-	// rawReads counts crypto/tls's reads from the socket (conn.buffered).
-	rawReads atomic.Uint64
 }
 
 // newBatchConn returns the batchConn for an HBONE socket.
@@ -30,9 +27,8 @@ func newBatchConn(c net.Conn) *batchConn {
 	return &batchConn{Conn: c, raw: newRawSock(c)}
 }
 
-// Read counts the socket reads under crypto/tls.
+// Read reads from the socket.
 func (b *batchConn) Read(p []byte) (int, error) {
-	b.rawReads.Add(1)
 	if b.raw != nil {
 		return b.raw.Read(p)
 	}

@@ -197,9 +197,6 @@ type conn struct {
 	ctx      context.Context // cancelled when the conn dies
 	cancel   context.CancelFunc
 	poolKey  PoolKey // client: the pool entry this conn belongs to
-	// frameReads is the socket's read count when the reader began the
-	// current frame (reader only; see buffered).
-	frameReads uint64
 	// closeByReader: a close in order left the socket to the reader, which
 	// closes it once the peer closed its side (closeConn).
 	closeByReader atomic.Bool
@@ -434,7 +431,6 @@ func (c *conn) readFrames() error {
 	for {
 		// DATA payloads are read here rather than by the framer, straight
 		// into the stream's buffer; the framer reads everything else.
-		c.frameReads = c.socketReads()
 		fh, err := c.fr.ReadFrameHeader()
 		if err == nil {
 			now := time.Now().UnixNano()
@@ -619,7 +615,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		if err := c.skip(pad); err != nil {
 			return err
 		}
-		return s.onData(small, nil, n, fh.Flags.Has(http2.FlagDataEndStream), c.buffered())
+		return s.onData(small, nil, n, fh.Flags.Has(http2.FlagDataEndStream))
 	}
 	chunks, err := c.readChunks(payload - pad)
 	if err != nil {
@@ -629,25 +625,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		recycleChunks(chunks)
 		return err
 	}
-	return s.onData(nil, chunks, n, fh.Flags.Has(http2.FlagDataEndStream), true)
-}
-
-// socketReads counts crypto/tls's reads from the socket so far.
-func (c *conn) socketReads() uint64 {
-	if c.cfg.batch == nil {
-		return 0
-	}
-	return c.cfg.batch.rawReads.Load()
-}
-
-// buffered reports whether the frame just read was already waiting in
-// crypto/tls's buffer, its reading needing no read from the socket: the
-// frame came in a burst with the one before. Small frames of a burst are
-// delivered by the reader itself (deliver.go); a lone frame, which the reader
-// waited for, is handed off. A conn without a socket wrapper (tests on a
-// pipe) reports false.
-func (c *conn) buffered() bool {
-	return c.cfg.batch != nil && c.socketReads() == c.frameReads
+	return s.onData(nil, chunks, n, fh.Flags.Has(http2.FlagDataEndStream))
 }
 
 // skip discards n payload bytes (padding, data of a closed stream).

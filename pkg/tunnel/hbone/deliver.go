@@ -20,20 +20,15 @@ import (
 // waits on one stream's socket and the other streams of the connection never
 // wait behind it.
 //
-// Small frames are delivered so when they come in a burst: when the frame
-// was already in crypto/tls's buffer (conn.buffered), behind one the reader
-// had to wait for. The 16 streams of a fortio burst share one connection, and
-// each hand-off left a goroutine waiting for a CPU: an execution trace of the
-// agents at 1000 qps put 30 % of their scheduler latency on the reader's
-// wake-ups of WriteTo. Delivering every small frame directly made HTTP p50 at
-// 1000 qps 0.77-0.89x and p99 0.58-0.76x, but round trips (a lone frame at a
-// time) about 1.07x slower; handing off the frames the reader waited for
-// brought round trips to 0.83-0.87x of that with HTTP unchanged (both
-// placements, 2 December). Why a lone frame is better handed off was not
-// traced; the wake of a second runtime thread, which keeps the other vCPU
-// from idling when the app's reply comes, is a guess. Measured before the
-// tunnel's in-pod sockets left BBR, direct delivery of every frame had made
-// p99 1.4x worse, most likely because BBR paced the reader's writes.
+// Every frame is delivered so, small ones too. The 16 streams of a fortio
+// burst share one connection, and each hand-off left a goroutine waiting for
+// a CPU: an execution trace of the agents at 1000 qps put 30 % of their
+// scheduler latency on the reader's wake-ups of WriteTo. For a while a lone
+// frame (a round trip's) was still handed off, as it measured faster so; once
+// the tunnel's socket calls stopped waking the runtime's monitor thread
+// (rawio.go), delivering it too made round trips 0.84-0.87x, HTTP p50 at 1000
+// qps 0.93-0.94x and the agents' CPU 0.72x at one request at a time and
+// 0.89-0.91x at 16 (both placements, 2 December).
 //
 // The cost is head-of-line: a frame of another stream on the connection
 // waits for the reader's write as well as for the frame's decryption, of the

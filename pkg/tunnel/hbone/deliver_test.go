@@ -221,10 +221,10 @@ func TestLargeFramesHandedOff(t *testing.T) {
 	}
 }
 
-// TestSmallFramesDelivered: small DATA frames that arrive in a burst (one TLS record holding
-// frames of several streams, as a sender coalesces concurrent requests) are written into the
-// apps' sockets by the reader itself, all but the first, which the reader had to wait for; a
-// lone small frame is handed to the relay's writer. Every byte arrives, in order.
+// TestSmallFramesDelivered: small DATA frames, alone or in a burst (one TLS record holding
+// frames of several streams, as a sender coalesces concurrent requests), are written into the
+// apps' sockets by the reader itself, not handed to the relays' writers. Every byte arrives, in
+// order.
 func TestSmallFramesDelivered(t *testing.T) {
 	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
 	const n = 3
@@ -293,12 +293,12 @@ func TestSmallFramesDelivered(t *testing.T) {
 
 	before := directBytes.Load()
 	send(frame{1, []byte("lone")})
-	if d := waitDirect(before, 0); d != 0 {
-		t.Fatalf("the reader wrote %d bytes of a lone small frame itself, want a hand-off", d)
+	if d := waitDirect(before, 4); d != 4 {
+		t.Fatalf("the reader wrote %d bytes of a lone 4-byte frame itself, want 4", d)
 	}
 	time.Sleep(50 * time.Millisecond) // the writer waits again
 	burst := []frame{
-		{0, []byte("first")}, // waited for: handed off
+		{0, []byte("first")},
 		{1, bytes.Repeat([]byte("b"), 1024)},
 		{2, []byte("c")},
 		{1, []byte("b again")},
@@ -306,9 +306,7 @@ func TestSmallFramesDelivered(t *testing.T) {
 	}
 	var want int64
 	for _, f := range burst {
-		if f.stream != 0 {
-			want += int64(len(f.p))
-		}
+		want += int64(len(f.p))
 	}
 	before = directBytes.Load()
 	send(burst...)

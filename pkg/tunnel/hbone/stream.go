@@ -94,9 +94,9 @@ func (s *Stream) closeRespLocked() {
 
 // onData stores a DATA frame's payload, given as small (copied into the
 // buffer) and/or chunks (filled by readPayload, linked in without a copy);
-// n is the frame's flow-controlled length. direct allows the reader to write
-// the payload into the sink itself (deliver.go).
-func (s *Stream) onData(small []byte, chunks []chunk, n int64, end, direct bool) error {
+// n is the frame's flow-controlled length. While WriteTo waits with nothing
+// queued, the reader writes the payload into the sink itself (deliver.go).
+func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	s.mu.Lock()
 	var code http2.ErrCode
 	switch {
@@ -123,7 +123,7 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end, direct bool)
 		stored += int64(c.w)
 	}
 	consumed := n - stored // padding is consumed on arrival
-	if direct && stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
+	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
 		var wrote int
 		small, chunks, wrote = s.deliverLocked(small, chunks)
 		consumed += int64(wrote)
