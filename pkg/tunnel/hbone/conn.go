@@ -217,6 +217,7 @@ type conn struct {
 	// lastData is when (rawio.go's clock) writeData last finished: a frame
 	// that follows another within burstGap yields before flushing.
 	lastData  atomic.Int64
+	yields    uint64 // writeData's yields (under wmu; tests)
 	bw        *bufio.Writer
 	henc      *hpack.Encoder
 	hbuf      bytes.Buffer
@@ -993,9 +994,6 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 // single P runs both ends and spaces a burst's frames wider.)
 var burstGap = 100 * time.Microsecond
 
-// burstYields counts writeData's yields (tests).
-var burstYields atomic.Uint64
-
 // writeData writes one DATA frame. frame holds the 9-byte header space
 // followed by the payload, so frame and payload go to TLS in one write.
 func (c *conn) writeData(frame []byte, id uint32, end bool) error {
@@ -1028,8 +1026,8 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 		// returns soon, but not for free: it wakes another thread to look
 		// for work. So only a frame that follows another closely yields;
 		// a lone request (the first of a burst too) is flushed at once.
+		c.yields++
 		c.wmu.Unlock()
-		burstYields.Add(1)
 		runtime.Gosched()
 		c.wmu.Lock()
 	}

@@ -936,11 +936,17 @@ func TestBurstSharesWrites(t *testing.T) {
 
 	// A lone frame, after a quiet spell, is flushed without a yield: nothing is coming with it.
 	time.Sleep(10 * burstGap)
-	yields := burstYields.Load()
+	yieldsOf := func() uint64 {
+		c := streams[0].c
+		c.wmu.Lock()
+		defer c.wmu.Unlock()
+		return c.yields
+	}
+	yields := yieldsOf()
 	if _, err := streams[0].Write(make([]byte, 1024)); err != nil {
 		t.Fatal(err)
 	}
-	if burstYields.Load() != yields {
+	if yieldsOf() != yields {
 		t.Fatal("a lone frame yielded before its flush")
 	}
 	time.Sleep(50 * time.Millisecond)
