@@ -66,22 +66,21 @@ func ordinary() bool {
 
 // sockRead is read(2) on a non-blocking socket.
 func sockRead(fd uintptr, p []byte) (int, error) {
-	if len(p) == 0 || ordinary() {
-		return syscall.Read(int(fd), p)
-	}
-	n, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
-	if e != 0 {
-		return 0, e
-	}
-	return int(n), nil
+	return sockCall(syscall.SYS_READ, syscall.Read, fd, p)
 }
 
 // sockWrite is write(2) on a non-blocking socket.
 func sockWrite(fd uintptr, p []byte) (int, error) {
+	return sockCall(syscall.SYS_WRITE, syscall.Write, fd, p)
+}
+
+// sockCall makes the system call trap (read or write) on fd and p: raw,
+// unless ordinary asks for ordinaryCall, the syscall package's own.
+func sockCall(trap uintptr, ordinaryCall func(int, []byte) (int, error), fd uintptr, p []byte) (int, error) {
 	if len(p) == 0 || ordinary() {
-		return syscall.Write(int(fd), p)
+		return ordinaryCall(int(fd), p)
 	}
-	n, _, e := syscall.RawSyscall(syscall.SYS_WRITE, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	n, _, e := syscall.RawSyscall(trap, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
 	if e != 0 {
 		return 0, e
 	}
@@ -120,20 +119,35 @@ func sockWritev(fd uintptr, bufs [][]byte) (int, error) {
 // and sockWrite, as net.TCPConn's Read and Write would: waiting in the
 // network poller, under the socket's deadlines.
 type rawSock struct {
-	rc           syscall.RawConn
-	laddr, raddr net.Addr
+	rc            syscall.RawConn
+	laddr, raddr  net.Addr
+	reads, writes rawCall
+}
 
-	rmu    sync.Mutex // one read at a time owns rp, rn, rerr
-	rp     []byte
-	rn     int
-	rerr   error
-	readFn func(fd uintptr) bool
+// rawCall is one direction's call in progress: one at a time owns p, n and
+// err, which fn (bound once, so a call allocates nothing) works on.
+type rawCall struct {
+	mu  sync.Mutex
+	p   []byte
+	n   int
+	err error // the system call's
+	fn  func(fd uintptr) bool
+}
 
-	wmu     sync.Mutex // one write at a time owns wp, wn, werr
-	wp      []byte
-	wn      int
-	werr    error
-	writeFn func(fd uintptr) bool
+// run makes the call for p through rc (a write when write is set) and
+// returns what fn did and RawConn's own error (closed, deadline passed).
+func (c *rawCall) run(rc syscall.RawConn, write bool, p []byte) (n int, sysErr, err error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.p, c.n, c.err = p, 0, nil
+	if write {
+		err = rc.Write(c.fn)
+	} else {
+		err = rc.Read(c.fn)
+	}
+	n, sysErr = c.n, c.err
+	c.p, c.err = nil, nil
+	return n, sysErr, err
 }
 
 // newRawSock returns c's rawSock, or nil when c is not a plain TCP socket
@@ -153,15 +167,17 @@ func newRawSock(c net.Conn) *rawSock {
 // rawSockOf returns a rawSock for rc; the addresses name the socket in errors.
 func rawSockOf(rc syscall.RawConn, laddr, raddr net.Addr) *rawSock {
 	r := &rawSock{rc: rc, laddr: laddr, raddr: raddr}
-	r.readFn = r.readOnce
-	r.writeFn = r.writeSome
+	r.reads.fn = r.readOnce
+	r.writes.fn = r.writeSome
 	return r
 }
 
+// readOnce reads once into reads.p, or asks to wait for the socket.
 func (r *rawSock) readOnce(fd uintptr) bool {
+	c := &r.reads
 	for {
-		r.rn, r.rerr = sockRead(fd, r.rp)
-		switch r.rerr {
+		c.n, c.err = sockRead(fd, c.p)
+		switch c.err {
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
@@ -176,35 +192,32 @@ func (r *rawSock) Read(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
 	}
-	r.rmu.Lock()
-	defer r.rmu.Unlock()
-	r.rp, r.rn, r.rerr = p, 0, nil
-	err := r.rc.Read(r.readFn)
-	n, rerr := r.rn, r.rerr
-	r.rp, r.rerr = nil, nil
+	n, sysErr, err := r.reads.run(r.rc, false, p)
 	switch {
 	case err != nil: // closed, or the deadline passed
 		return 0, err
-	case rerr != nil:
-		return 0, r.opError("read", rerr)
+	case sysErr != nil:
+		return 0, r.opError("read", sysErr)
 	case n == 0:
 		return 0, io.EOF
 	}
 	return n, nil
 }
 
+// writeSome writes what is left of writes.p until the socket is full.
 func (r *rawSock) writeSome(fd uintptr) bool {
-	for len(r.wp) > 0 {
-		n, err := sockWrite(fd, r.wp)
+	c := &r.writes
+	for len(c.p) > 0 {
+		n, err := sockWrite(fd, c.p)
 		switch err {
 		case nil:
-			r.wn += n
-			r.wp = r.wp[n:]
+			c.n += n
+			c.p = c.p[n:]
 		case syscall.EINTR:
 		case syscall.EAGAIN:
 			return false
 		default:
-			r.werr = err
+			c.err = err
 			return true
 		}
 	}
@@ -213,15 +226,10 @@ func (r *rawSock) writeSome(fd uintptr) bool {
 
 // Write is net.Conn's Write: all of p, or an error.
 func (r *rawSock) Write(p []byte) (int, error) {
-	r.wmu.Lock()
-	defer r.wmu.Unlock()
-	r.wp, r.wn, r.werr = p, 0, nil
-	err := r.rc.Write(r.writeFn)
-	n, werr := r.wn, r.werr
-	r.wp, r.werr = nil, nil
+	n, sysErr, err := r.writes.run(r.rc, true, p)
 	switch {
-	case werr != nil:
-		return n, r.opError("write", werr)
+	case sysErr != nil:
+		return n, r.opError("write", sysErr)
 	case err != nil:
 		return n, err
 	}
