@@ -115,7 +115,7 @@ func sockWritev(fd uintptr, bufs [][]byte) (int, error) {
 	return int(n), nil
 }
 
-// rawSock reads and writes a TCP socket through its RawConn with sockRead
+// rawSock reads and writes a socket through its RawConn with sockRead
 // and sockWrite, as net.TCPConn's Read and Write would: waiting in the
 // network poller, under the socket's deadlines.
 type rawSock struct {
@@ -236,7 +236,11 @@ func (r *rawSock) Write(p []byte) (int, error) {
 	return n, nil
 }
 
-// opError wraps a system call's error as net.TCPConn does.
+// opError wraps a system call's error as net.TCPConn (or UnixConn) does.
 func (r *rawSock) opError(op string, err error) error {
-	return &net.OpError{Op: op, Net: "tcp", Source: r.laddr, Addr: r.raddr, Err: os.NewSyscallError(op, err)}
+	network := "tcp"
+	if r.laddr != nil {
+		network = r.laddr.Network()
+	}
+	return &net.OpError{Op: op, Net: network, Source: r.laddr, Addr: r.raddr, Err: os.NewSyscallError(op, err)}
 }
