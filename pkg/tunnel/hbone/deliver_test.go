@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -13,10 +14,12 @@ import (
 // TestDirectDelivery: the server's reader writes arriving bytes into the app's socket itself,
 // and queues what the socket does not take for WriteTo. The bytes arrive intact and in order,
 // and the relay's count, which metrics report, includes what the reader wrote. Run against an
-// app that reads at once and one that slows down after its first slowAfter bytes, so that its
-// socket fills and delivery mixes direct writes, partial writes and queued bytes. (An app slow
-// from the start may see no direct write at all: if the first frames arrive before the relay's
-// WriteTo runs, they queue, and a full socket keeps the queue from ever emptying.)
+// app that reads at once and one that stops reading after its first slowAfter bytes until the
+// sender stalls (so its socket filled, the stream's window is spent and the rest is queued), then
+// reads on: delivery mixes direct writes, partial writes and queued bytes. A pause of fixed length
+// proved nothing in race builds, whose sender is slower than such an app. (An app slow from the
+// start may see no direct write at all: if the first frames arrive before the relay's WriteTo
+// runs, they queue, and a full socket keeps the queue from ever emptying.)
 func TestDirectDelivery(t *testing.T) {
 	const size = 24 << 20
 	want := sha256.New()
@@ -24,22 +27,27 @@ func TestDirectDelivery(t *testing.T) {
 	const slowAfter = 8 << 20
 	for _, tc := range []struct {
 		name  string
-		pause time.Duration // between the app's reads, after slowAfter bytes
-	}{{"fast app", 0}, {"slow app", 2 * time.Millisecond}} {
+		stall bool // stop reading after slowAfter bytes until the sender stalls
+	}{{"fast app", false}, {"slow app", true}} {
 		t.Run(tc.name, func(t *testing.T) {
+			var sent atomic.Int64 // what the sender read from its source so far
 			got := make(chan []byte, 1)
 			app := startUpstream(t, func(c *net.TCPConn) {
 				h := sha256.New()
 				buf := make([]byte, 32<<10)
-				read := 0
+				read, stalled := 0, !tc.stall
 				for {
 					n, err := c.Read(buf)
 					h.Write(buf[:n])
 					if err != nil {
 						break
 					}
-					if read += n; read > slowAfter {
-						time.Sleep(tc.pause)
+					if read += n; read > slowAfter && !stalled {
+						stalled = true
+						for last := int64(-1); sent.Load() != last && sent.Load() < size; {
+							last = sent.Load()
+							time.Sleep(100 * time.Millisecond)
+						}
 					}
 				}
 				got <- h.Sum(nil)
@@ -56,7 +64,8 @@ func TestDirectDelivery(t *testing.T) {
 			}
 			defer s.Close()
 			before := directBytes.Load()
-			if _, err := s.ReadFrom(io.LimitReader(newPRNGReader(3), size)); err != nil {
+			src := &countingReader{r: io.LimitReader(newPRNGReader(3), size), n: &sent}
+			if _, err := s.ReadFrom(src); err != nil {
 				t.Fatal(err)
 			}
 			_ = s.CloseWrite()
@@ -70,12 +79,24 @@ func TestDirectDelivery(t *testing.T) {
 			if direct == 0 {
 				t.Error("the reader wrote nothing to the app's socket itself")
 			}
-			if tc.pause > 0 && direct == size {
+			if tc.stall && direct == size {
 				t.Error("the reader wrote everything itself to an app that stopped keeping up: nothing was queued")
 			}
 			t.Logf("%d of %d bytes written by the reader", direct, size)
 		})
 	}
+}
+
+// countingReader counts what is read through it.
+type countingReader struct {
+	r io.Reader
+	n *atomic.Int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.n.Add(int64(n))
+	return n, err
 }
 
 // TestDeliveryNeverBlocksReader: the reader's writes never wait for a socket. One stream's app
