@@ -5,8 +5,6 @@ import (
 	"net"
 	"sync/atomic"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
 
 // Direct delivery. A stream's bytes normally go from the connection's
@@ -46,9 +44,9 @@ type RawWriter interface {
 	RawWriteConn() (syscall.RawConn, error)
 }
 
-// rawSink returns the file descriptor w's bytes may be written through
-// directly, or nil.
-func rawSink(w io.Writer) syscall.RawConn {
+// rawSink returns the socket w's bytes may be written to directly, through
+// its file descriptor, or nil.
+func rawSink(w io.Writer) *rawSock {
 	var (
 		rc  syscall.RawConn
 		err error
@@ -66,35 +64,11 @@ func rawSink(w io.Writer) syscall.RawConn {
 	if err != nil {
 		return nil
 	}
-	return rc
-}
-
-// writeNow writes bufs to rc with one write(2) or writev(2) that does not
-// wait, and returns how many bytes the socket took: 0 when it is full or the
-// write failed (WriteTo's own write then meets the error and reports it).
-func writeNow(rc syscall.RawConn, bufs [][]byte) int {
-	var n int
-	_ = rc.Write(func(fd uintptr) bool {
-		for {
-			var (
-				k   int
-				err error
-			)
-			if len(bufs) == 1 {
-				k, err = sockWrite(fd, bufs[0])
-			} else {
-				k, err = sockWritev(fd, bufs)
-			}
-			if err == unix.EINTR {
-				continue
-			}
-			if err == nil {
-				n = k
-			}
-			return true // never wait here: what is left is WriteTo's
-		}
-	})
-	return n
+	var laddr, raddr net.Addr
+	if nc, ok := w.(net.Conn); ok {
+		laddr, raddr = nc.LocalAddr(), nc.RemoteAddr()
+	}
+	return rawSockOf(rc, laddr, raddr)
 }
 
 // deliverLocked writes a frame's bytes (small, then chunks) to the stream's
@@ -116,7 +90,7 @@ func (s *Stream) deliverLocked(small []byte, chunks []chunk) ([]byte, []chunk, i
 	for _, c := range chunks {
 		bufs = append(bufs, (*c.b)[c.r:c.w])
 	}
-	wrote := writeNow(sink, bufs)
+	wrote := sink.writeNow(bufs)
 	directBytes.Add(int64(wrote))
 	clear(bufs) // no pointers to the chunks stay behind in the scratch slice
 	s.c.iov = bufs[:0]

@@ -166,7 +166,7 @@ func TestWriteNowDoesNotWait(t *testing.T) {
 	buf := make([]byte, 1<<20)
 	for total := 0; ; {
 		done := make(chan int, 1)
-		go func() { done <- writeNow(sink, [][]byte{buf[:512<<10], buf[512<<10:]}) }()
+		go func() { done <- sink.writeNow([][]byte{buf[:512<<10], buf[512<<10:]}) }()
 		select {
 		case n := <-done:
 			total += n

@@ -122,16 +122,18 @@ type rawSock struct {
 	rc            syscall.RawConn
 	laddr, raddr  net.Addr
 	reads, writes rawCall
+	now           rawCall // writeNow's: bufs instead of p
 }
 
 // rawCall is one direction's call in progress: one at a time owns p, n and
 // err, which fn (bound once, so a call allocates nothing) works on.
 type rawCall struct {
-	mu  sync.Mutex
-	p   []byte
-	n   int
-	err error // the system call's
-	fn  func(fd uintptr) bool
+	mu   sync.Mutex
+	p    []byte
+	bufs [][]byte
+	n    int
+	err  error // the system call's
+	fn   func(fd uintptr) bool
 }
 
 // run makes the call for p through rc (a write when write is set) and
@@ -169,6 +171,7 @@ func rawSockOf(rc syscall.RawConn, laddr, raddr net.Addr) *rawSock {
 	r := &rawSock{rc: rc, laddr: laddr, raddr: raddr}
 	r.reads.fn = r.readOnce
 	r.writes.fn = r.writeSome
+	r.now.fn = r.writevOnce
 	return r
 }
 
@@ -234,6 +237,34 @@ func (r *rawSock) Write(p []byte) (int, error) {
 		return n, err
 	}
 	return n, nil
+}
+
+// writevOnce writes now.bufs with one writev(2); it never asks to wait.
+func (r *rawSock) writevOnce(fd uintptr) bool {
+	c := &r.now
+	for {
+		n, err := sockWritev(fd, c.bufs)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err == nil {
+			c.n = n
+		}
+		return true
+	}
+}
+
+// writeNow writes bufs with one writev(2) that does not wait, and returns
+// how many bytes the socket took: 0 when it is full or the write failed
+// (WriteTo's own write then meets the error and reports it).
+func (r *rawSock) writeNow(bufs [][]byte) int {
+	c := &r.now
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.bufs, c.n = bufs, 0
+	_ = r.rc.Write(c.fn)
+	c.bufs = nil
+	return c.n
 }
 
 // opError wraps a system call's error as net.TCPConn (or UnixConn) does.

@@ -51,7 +51,7 @@ type Stream struct {
 	// sink is the socket WriteTo writes to, when the connection's reader
 	// may write into it directly; delivered counts what it wrote there
 	// (deliver.go).
-	sink         syscall.RawConn
+	sink         *rawSock
 	delivered    int64
 	readDeadline time.Time
 	readTimer    *time.Timer
@@ -284,11 +284,7 @@ func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
 	s.sink, s.delivered = rawSink(w), 0
 	write := w.Write
 	if s.sink != nil { // the same write(2)s, without the runtime's bookkeeping (rawio.go)
-		var laddr, raddr net.Addr
-		if nc, ok := w.(net.Conn); ok {
-			laddr, raddr = nc.LocalAddr(), nc.RemoteAddr()
-		}
-		write = rawSockOf(s.sink, laddr, raddr).Write
+		write = s.sink.Write
 	}
 	s.mu.Unlock()
 	defer func() {
