@@ -1243,10 +1243,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		// of the peer's unread, would make the kernel answer with a TCP reset,
 		// which can destroy those frames before the peer read them.
 		c.closeByReader.Store(true)
-		if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
-			_ = cw.CloseWrite()
-		}
-		_ = c.nc.SetReadDeadline(time.Now().Add(closeWriteDeadline))
+		c.closeWrite(time.Now().Add(closeWriteDeadline))
 	case !linger:
 		if c.cfg.batch != nil {
 			c.cfg.batch.abort()
@@ -1274,14 +1271,20 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 // unread bytes would make the kernel answer with a TCP reset, which can
 // destroy the GOAWAY that says why before the peer read it.
 func (c *conn) lingerClose() {
-	deadline := time.Now().Add(closeWriteDeadline)
+	c.closeWrite(time.Now().Add(closeWriteDeadline))
+	_, _ = io.CopyN(io.Discard, c.nc, 1<<20)
+	_ = c.nc.Close()
+}
+
+// closeWrite sends close_notify, its write bounded by deadline (a peer that
+// stopped reading must not hold us), and gives the peer until deadline to
+// close its side.
+func (c *conn) closeWrite(deadline time.Time) {
 	if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
 		_ = c.nc.SetWriteDeadline(deadline)
 		_ = cw.CloseWrite()
 	}
 	_ = c.nc.SetReadDeadline(deadline)
-	_, _ = io.CopyN(io.Discard, c.nc, 1<<20)
-	_ = c.nc.Close()
 }
 
 // ready calls onReady once.
