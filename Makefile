@@ -84,7 +84,7 @@ test-deps:
 .PHONY: test
 test: deps lint gen-check build test-deps
 	@mkdir -p $(BIN); : > $(BIN)/test.log
-	@for mod in . manifests test/dashboard; do \
+	@for mod in . manifests test/dashboard bench; do \
 		echo "== go test in $$mod"; \
 		set -o pipefail; (cd $$mod && $(GO) test -v -count=1 -timeout 25m ./... 2>&1) | tee -a $(BIN)/test.log | grep -E '^(=== RUN|--- |ok|FAIL|panic)|_test.go:[0-9]+:' \
 			|| { echo "tests failed; the failures in full (all output: $(BIN)/test.log):"; grep -A80 -- '--- FAIL' $(BIN)/test.log | head -600; exit 1; }; \

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 )
@@ -48,14 +49,63 @@ func runIperf(ctx context.Context, cfg config, v *variant, flows int) (gbps, byt
 // fortioResult is the part of fortio's JSON the suite reads.
 type fortioResult struct {
 	ActualQPS         float64 `json:"ActualQPS"`
+	ActualDuration    int64   `json:"ActualDuration"` // nanoseconds
 	DurationHistogram struct {
 		Count       int64 `json:"Count"`
 		Percentiles []struct {
 			Percentile float64 `json:"Percentile"`
 			Value      float64 `json:"Value"` // seconds
 		} `json:"Percentiles"`
+		Data []histBucket `json:"Data"`
 	} `json:"DurationHistogram"`
 	RetCodes map[string]int64 `json:"RetCodes"`
+}
+
+// histBucket is one bucket of fortio's latency histogram, in seconds.
+type histBucket struct {
+	Start float64 `json:"Start"`
+	End   float64 `json:"End"`
+	Count int64   `json:"Count"`
+}
+
+// histPercentileMs is the p-th percentile, in ms, of the requests in
+// buckets, which may come from several fortio runs (their buckets overlap).
+// Like fortio, it takes a bucket's requests as spread evenly from its Start
+// to its End, so for one run's buckets it gives fortio's own percentiles.
+func histPercentileMs(buckets []histBucket, p float64) float64 {
+	var total int64
+	lo, hi := math.Inf(1), math.Inf(-1)
+	for _, b := range buckets {
+		total += b.Count
+		lo, hi = min(lo, b.Start), max(hi, b.End)
+	}
+	if total == 0 {
+		return 0
+	}
+	// below is how many requests took less than x: monotonic in x, so the
+	// percentile is found by bisection.
+	below := func(x float64) float64 {
+		var n float64
+		for _, b := range buckets {
+			switch {
+			case x >= b.End:
+				n += float64(b.Count)
+			case x > b.Start:
+				n += float64(b.Count) * (x - b.Start) / (b.End - b.Start)
+			}
+		}
+		return n
+	}
+	want := p / 100 * float64(total)
+	for range 100 {
+		mid := (lo + hi) / 2
+		if below(mid) < want {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return (lo + hi) / 2 * 1e3
 }
 
 func (f fortioResult) percentileMs(p float64) float64 {

@@ -96,10 +96,13 @@ func suiteMain(cfg config) int {
 // config holds the flags. Durations of zero take the mode's default (quick
 // or full), so `--quick --runs 5` works as expected.
 type config struct {
-	Quick       bool          `json:"quick"`
-	Runs        int           `json:"runs"`
-	IperfTime   time.Duration `json:"iperf_time"`
-	HTTPTime    time.Duration `json:"http_time"`
+	Quick     bool          `json:"quick"`
+	Runs      int           `json:"runs"`
+	IperfTime time.Duration `json:"iperf_time"`
+	HTTPTime  time.Duration `json:"http_time"`
+	// HTTPSlices cuts the fixed HTTP load into slices that alternate
+	// between the variants (slices.go).
+	HTTPSlices  int           `json:"http_slices"`
 	HTTPMaxTime time.Duration `json:"http_max_time"`
 	HTTPQPS     int           `json:"http_qps"`
 	HTTPConns   int           `json:"http_conns"`
@@ -159,6 +162,7 @@ func parseConfig(args []string) (config, error) {
 	fs.IntVar(&c.Runs, "runs", 0, "interleaved rounds per variant (default 5, quick 3)")
 	fs.DurationVar(&c.IperfTime, "iperf-time", 0, "iperf3 duration, whole seconds (default 4s, quick 1s)")
 	fs.DurationVar(&c.HTTPTime, "http-time", 0, "fortio fixed-load duration (default 10s, quick 2s)")
+	fs.IntVar(&c.HTTPSlices, "http-slices", 0, "slices of the fixed HTTP load, alternating between the variants, of at least 1s each (default 5, or one per second of --http-time if fewer)")
 	fs.DurationVar(&c.HTTPMaxTime, "http-max-time", 0, "fortio max-qps duration (default 4s, quick 1s)")
 	fs.IntVar(&c.HTTPQPS, "http-qps", 1000, "fortio fixed load, requests per second")
 	fs.IntVar(&c.HTTPConns, "http-conns", 16, "fortio connections")
@@ -229,6 +233,12 @@ func parseConfig(args []string) (config, error) {
 	}
 	if c.BenchTime == "" {
 		c.BenchTime = map[bool]string{false: "500ms", true: "50ms"}[c.Quick]
+	}
+	if c.HTTPSlices == 0 {
+		c.HTTPSlices = max(1, min(5, int(c.HTTPTime/time.Second)))
+	}
+	if c.HTTPSlices < 1 || c.HTTPTime/time.Duration(c.HTTPSlices) < time.Second {
+		return c, fmt.Errorf("--http-slices %d: each slice of --http-time %s must be 1s or more", c.HTTPSlices, c.HTTPTime)
 	}
 	if c.IperfTime < time.Second || c.IperfTime%time.Second != 0 {
 		return c, fmt.Errorf("--iperf-time %s: iperf3 takes whole seconds", c.IperfTime)

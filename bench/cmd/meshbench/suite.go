@@ -19,10 +19,13 @@ type test struct {
 	key  string // what --tests selects it by
 	name string
 	run  func(ctx context.Context, cfg config, v *variant) (map[string]float64, error)
+	// slice, set instead of run, makes one slice of d of a test that runs in
+	// slices alternating between the variants (runSliced).
+	slice func(ctx context.Context, cfg config, v *variant, d time.Duration) (*httpSample, error)
 }
 
 var tests = []test{
-	{"tput1", "iperf3 1 flow", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{key: "tput1", name: "iperf3 1 flow", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		var gbps, bytes float64
 		cpu, err := charged(v, func() (err error) { gbps, bytes, err = runIperf(ctx, cfg, v, 1); return err })
 		if err != nil {
@@ -33,36 +36,21 @@ var tests = []test{
 		addProxies(out, v, "cpu_per_gb", cpu, perGB)
 		return out, nil
 	}},
-	{"tput8", "iperf3 8 flows", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{key: "tput8", name: "iperf3 8 flows", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		gbps, _, err := runIperf(ctx, cfg, v, 8)
 		return map[string]float64{"tput8": gbps}, err
 	}},
-	{"rr", "1-byte round trips", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{key: "rr", name: "1-byte round trips", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runRR(ctx, v, cfg.RRCount)
 		return map[string]float64{"rr_p50": res.P50us, "rr_p99": res.P99us}, err
 	}},
-	{"http", "HTTP fixed load", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
-		var res fortioResult
-		cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, cfg.HTTPTime); return err })
-		if err != nil {
-			return nil, err
-		}
-		out := map[string]float64{"http_p50": res.percentileMs(50), "http_p90": res.percentileMs(90),
-			"http_p99": res.percentileMs(99), "http_qps": res.ActualQPS}
-		addProxies(out, v, "vcpu_at_qps", cpu, func(s float64) float64 { return s / cfg.HTTPTime.Seconds() })
-		for i, pid := range v.proxies {
-			if mb, err := rssMB(pid); err == nil {
-				out["rss_at_qps@"+proxyName(v, i)] = mb
-			}
-		}
-		return out, nil
-	}},
-	{"httpmax", "HTTP max qps", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{key: "http", name: "HTTP fixed load", slice: runHTTPSlice},
+	{key: "httpmax", name: "HTTP max qps", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runFortio(ctx, cfg, v, 0, cfg.HTTPMaxTime)
 		return map[string]float64{"http_maxqps": res.ActualQPS, "http_max_p50": res.percentileMs(50),
 			"http_max_p99": res.percentileMs(99)}, err
 	}},
-	{"cps", "new connections", func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	{key: "cps", name: "new connections", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runCPS(ctx, cfg, v)
 		return map[string]float64{"cps": res.PerSec}, err
 	}},
@@ -162,19 +150,19 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 			if !cfg.runs(t.key) {
 				continue
 			}
+			if t.slice != nil {
+				runSliced(ctx, cfg, t, cl.variants, round, res)
+				continue
+			}
 			for _, v := range rotate(cl.variants, round) {
 				if ctx.Err() != nil {
 					return ctx.Err()
 				}
-				vals, err := runTest(ctx, cfg, t, v)
-				if err != nil && ctx.Err() == nil {
-					// One retry, recorded: a shared machine has hiccups, a
-					// broken path fails twice.
-					res.Retries = append(res.Retries, fmt.Sprintf("round %d, %s, %s: %v", round+1, t.name, v.Name, err))
-					logf("retrying round %d, %s, %s after: %v", round+1, t.name, v.Name, err)
-					time.Sleep(time.Second)
-					vals, err = runTest(ctx, cfg, t, v)
-				}
+				var vals map[string]float64
+				err := res.attempt(ctx, round, t.name, v, func() (err error) {
+					vals, err = t.run(ctx, cfg, v)
+					return err
+				})
 				if err != nil {
 					res.errorf("round %d, %s, %s: %v", round+1, t.name, v.Name, err)
 					continue
@@ -225,19 +213,26 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 	return nil
 }
 
-// runTest runs one test on one variant; a failure on a relay variant
-// carries the relay's log.
-func runTest(ctx context.Context, cfg config, t test, v *variant) (map[string]float64, error) {
-	vals, err := t.run(ctx, cfg, v)
+// attempt runs f, and once more after a failure, recording the retry: a
+// shared machine has hiccups, a broken path fails twice. A failure on a relay
+// variant carries the relay's log.
+func (r *results) attempt(ctx context.Context, round int, what string, v *variant, f func() error) error {
+	err := f()
+	if err != nil && ctx.Err() == nil {
+		r.Retries = append(r.Retries, fmt.Sprintf("round %d, %s, %s: %v", round+1, what, v.Name, err))
+		logf("retrying round %d, %s, %s after: %v", round+1, what, v.Name, err)
+		time.Sleep(time.Second)
+		err = f()
+	}
 	if err == nil {
-		return vals, nil
+		return nil
 	}
 	for _, l := range v.logs {
 		if log := l.stderr.String(); log != "" {
 			err = fmt.Errorf("%w (%s log: %s)", err, l.name, tail(log, 500))
 		}
 	}
-	return vals, err
+	return err
 }
 
 // rotate starts the order at a different variant each round, so no variant

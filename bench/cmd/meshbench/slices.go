@@ -1,0 +1,126 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+)
+
+// The fixed HTTP load runs in slices. Its tail (p99 of 10 s at 1000 qps, the
+// 100 slowest requests) is made by the machine's stalls, and on a shared
+// machine their rate changes from one minute to the next: at 13:27 on 2
+// December, direct's p99 ranged 4–14 ms between rounds and the mesh's ratio to
+// a peer 0.3–1.9×, according to which variant's 10 s a bad stretch fell on.
+// Cut into slices that alternate between the variants, each variant's time is
+// spread over the whole round, so a bad stretch falls on all of them alike;
+// each variant's slices are merged into one sample (histograms added, CPU
+// summed) before anything is compared.
+
+// httpSample is a variant's fixed HTTP load in one round, merged over slices.
+type httpSample struct {
+	buckets  []histBucket
+	requests int64
+	measured float64   // fortio's own measured seconds
+	loaded   float64   // seconds of load asked for: CPU per second is per these
+	cpu      []float64 // seconds, per proxy of the variant
+	rss      map[string]float64
+}
+
+// runHTTPSlice runs fortio at the fixed rate for d and charges the proxies'
+// CPU to it.
+func runHTTPSlice(ctx context.Context, cfg config, v *variant, d time.Duration) (*httpSample, error) {
+	var res fortioResult
+	cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, d); return err })
+	if err != nil {
+		return nil, err
+	}
+	s := &httpSample{
+		buckets:  res.DurationHistogram.Data,
+		requests: res.DurationHistogram.Count,
+		measured: float64(res.ActualDuration) / 1e9,
+		loaded:   d.Seconds(),
+		cpu:      cpu,
+		rss:      map[string]float64{},
+	}
+	for i, pid := range v.proxies {
+		if mb, err := rssMB(pid); err == nil {
+			s.rss["rss_at_qps@"+proxyName(v, i)] = mb
+		}
+	}
+	return s, nil
+}
+
+// add merges another slice into s; RSS is the latest slice's.
+func (s *httpSample) add(o *httpSample) {
+	s.buckets = append(s.buckets, o.buckets...)
+	s.requests += o.requests
+	s.measured += o.measured
+	s.loaded += o.loaded
+	if s.cpu == nil {
+		s.cpu = make([]float64, len(o.cpu))
+	}
+	for i, c := range o.cpu {
+		s.cpu[i] += c
+	}
+	s.rss = o.rss
+}
+
+// values are the metrics the merged slices give.
+func (s *httpSample) values(v *variant) map[string]float64 {
+	out := map[string]float64{
+		"http_p50": histPercentileMs(s.buckets, 50),
+		"http_p90": histPercentileMs(s.buckets, 90),
+		"http_p99": histPercentileMs(s.buckets, 99),
+	}
+	if s.measured > 0 {
+		out["http_qps"] = float64(s.requests) / s.measured
+	}
+	addProxies(out, v, "vcpu_at_qps", s.cpu, func(c float64) float64 { return c / s.loaded })
+	for k, mb := range s.rss {
+		out[k] = mb
+	}
+	return out
+}
+
+// runSliced runs a sliced test for one round: cfg.HTTPSlices slices per
+// variant, each slice going round the variants in an order that starts one
+// further on than the last. A variant whose slice fails twice gets no sample
+// this round; the others go on.
+func runSliced(ctx context.Context, cfg config, t test, vs []*variant, round int, res *results) {
+	d := cfg.HTTPTime / time.Duration(cfg.HTTPSlices)
+	merged := map[*variant]*httpSample{}
+	failed := map[*variant]bool{}
+	for slice := range cfg.HTTPSlices {
+		for _, v := range rotate(vs, round+slice) {
+			if ctx.Err() != nil || failed[v] {
+				continue
+			}
+			var part *httpSample
+			what := fmt.Sprintf("%s (slice %d/%d)", t.name, slice+1, cfg.HTTPSlices)
+			err := res.attempt(ctx, round, what, v, func() (err error) {
+				part, err = t.slice(ctx, cfg, v, d)
+				return err
+			})
+			if err != nil {
+				res.errorf("round %d, %s, %s: %v", round+1, what, v.Name, err)
+				failed[v] = true
+				continue
+			}
+			if merged[v] == nil {
+				merged[v] = &httpSample{}
+			}
+			merged[v].add(part)
+		}
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	for v, s := range merged {
+		if failed[v] {
+			continue
+		}
+		for k, x := range s.values(v) {
+			res.put(v.Name, k, round, x)
+		}
+	}
+}
