@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -270,6 +271,25 @@ func setCongestion(ctx context.Context, nsPath, algo string) error {
 	}
 	if _, err := output(ctx, nsPath, 10*time.Second, "sysctl", "-qw", "net.ipv4.tcp_congestion_control="+algo); err != nil {
 		return fmt.Errorf("congestion control %s in %s: %w", algo, nsPath, err)
+	}
+	return nil
+}
+
+// checkNamespaceDefault tells whether a namespace other than the machine's
+// may default to algo: the kernel lets it default only to an algorithm in
+// net.ipv4.tcp_allowed_congestion_control (a machine that boots with BBR as
+// its default may leave cubic out of that list), and refuses the sysctl with
+// a bare EPERM otherwise. The list is the machine's; the suite leaves it be.
+func checkNamespaceDefault(algo string) error {
+	raw, err := os.ReadFile("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+	if err != nil {
+		return err
+	}
+	allowed := strings.Fields(string(raw))
+	if !slices.Contains(allowed, algo) {
+		return fmt.Errorf("a network namespace may default only to net.ipv4.tcp_allowed_congestion_control (%s), which lacks %q; "+
+			"add it there first (sysctl -w net.ipv4.tcp_allowed_congestion_control=\"%s %s\") and put the list back afterwards",
+			strings.Join(allowed, " "), algo, strings.Join(allowed, " "), algo)
 	}
 	return nil
 }

@@ -253,6 +253,9 @@ func parseConfig(args []string) (config, error) {
 		if err := netns.CheckCongestion(c.Congestion); err != nil {
 			return c, fmt.Errorf("--congestion: %w", err)
 		}
+		if err := checkNamespaceDefault(c.Congestion); err != nil {
+			return c, fmt.Errorf("--congestion: %w", err)
+		}
 	}
 	if c.AltBin != "" {
 		abs, err := filepath.Abs(c.AltBin)
