@@ -237,8 +237,10 @@ func parseConfig(args []string) (config, error) {
 	if c.HTTPSlices == 0 {
 		c.HTTPSlices = max(1, min(5, int(c.HTTPTime/time.Second)))
 	}
-	if c.HTTPSlices < 1 || c.HTTPTime/time.Duration(c.HTTPSlices) < time.Second {
-		return c, fmt.Errorf("--http-slices %d: each slice of --http-time %s must be 1s or more", c.HTTPSlices, c.HTTPTime)
+	// One slice may be as short as --http-time; more than one must each be
+	// a second at least, or fortio's warm-up weighs on every slice.
+	if c.HTTPSlices < 1 || (c.HTTPSlices > 1 && c.HTTPTime/time.Duration(c.HTTPSlices) < time.Second) {
+		return c, fmt.Errorf("--http-slices %d: must be 1, or leave each slice of --http-time %s 1s or more", c.HTTPSlices, c.HTTPTime)
 	}
 	if c.IperfTime < time.Second || c.IperfTime%time.Second != 0 {
 		return c, fmt.Errorf("--iperf-time %s: iperf3 takes whole seconds", c.IperfTime)
