@@ -159,15 +159,13 @@ type profileResult struct {
 func (c *cluster) profiles(ctx context.Context, cfg config, stamp string) ([]profileResult, error) {
 	v := c.variant("meshed-cross")
 	secs := int(cfg.ProfileTime.Round(time.Second) / time.Second)
-	loadCfg := cfg
-	loadCfg.IperfTime = time.Duration(secs+1) * time.Second
 	loadCPS := cfg
 	loadCPS.CPSTime = time.Duration(secs+1) * time.Second
 	loads := []struct {
 		name string
 		run  func() error
 	}{
-		{"bulk", func() error { _, _, err := runIperf(ctx, loadCfg, v, 1); return err }},
+		{"bulk", func() error { _, err := runIperf(ctx, cfg, v, 1, time.Duration(secs+1)*time.Second); return err }},
 		{"requests", func() error { _, err := runFortio(ctx, cfg, v, 0, time.Duration(secs+1)*time.Second); return err }},
 		{"connections", func() error { _, err := runCPS(ctx, loadCPS, v); return err }},
 	}

@@ -20,30 +20,37 @@ type iperfResult struct {
 			Bytes float64 `json:"bytes"`
 		} `json:"sum_sent"`
 		SumReceived struct {
-			Bytes         float64 `json:"bytes"`
-			BitsPerSecond float64 `json:"bits_per_second"`
+			Bytes   float64 `json:"bytes"`
+			Seconds float64 `json:"seconds"`
 		} `json:"sum_received"`
 	} `json:"end"`
 	Error string `json:"error"`
 }
 
-// runIperf runs iperf3 with the given parallel flows and returns the goodput
-// the server received, in Gbps, and the bytes sent.
-func runIperf(ctx context.Context, cfg config, v *variant, flows int) (gbps, bytes float64, err error) {
-	secs := int(cfg.IperfTime / time.Second)
-	out, err := output(ctx, v.client.Path(), cfg.IperfTime+30*time.Second, "iperf3", "-c", v.server.String(),
+// iperfTotals is what one iperf3 run moved.
+type iperfTotals struct {
+	received, seconds, sent float64 // bytes the server received in seconds; bytes sent
+}
+
+// runIperf runs iperf3 for d with the given parallel flows.
+func runIperf(ctx context.Context, cfg config, v *variant, flows int, d time.Duration) (iperfTotals, error) {
+	secs := int(d / time.Second)
+	out, err := output(ctx, v.client.Path(), d+30*time.Second, "iperf3", "-c", v.server.String(),
 		"-p", strconv.Itoa(iperfPort), "-t", strconv.Itoa(secs), "-P", strconv.Itoa(flows), "-J")
 	var res iperfResult
 	if jerr := json.Unmarshal(out, &res); jerr != nil && err == nil {
 		err = fmt.Errorf("iperf3 output: %w", jerr)
 	}
 	if res.Error != "" {
-		return 0, 0, fmt.Errorf("iperf3 to %s: %s", v.server, res.Error)
+		return iperfTotals{}, fmt.Errorf("iperf3 to %s: %s", v.server, res.Error)
 	}
 	if err != nil {
-		return 0, 0, err
+		return iperfTotals{}, err
 	}
-	return res.End.SumReceived.BitsPerSecond / 1e9, res.End.SumSent.Bytes, nil
+	if res.End.SumReceived.Seconds <= 0 {
+		return iperfTotals{}, fmt.Errorf("iperf3 to %s: no receive time in its report", v.server)
+	}
+	return iperfTotals{received: res.End.SumReceived.Bytes, seconds: res.End.SumReceived.Seconds, sent: res.End.SumSent.Bytes}, nil
 }
 
 // fortioResult is the part of fortio's JSON the suite reads.

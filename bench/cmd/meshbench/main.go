@@ -99,7 +99,10 @@ type config struct {
 	Quick     bool          `json:"quick"`
 	Runs      int           `json:"runs"`
 	IperfTime time.Duration `json:"iperf_time"`
-	HTTPTime  time.Duration `json:"http_time"`
+	// IperfSlices cuts each bulk test into slices that alternate between
+	// the variants (slices.go).
+	IperfSlices int           `json:"iperf_slices"`
+	HTTPTime    time.Duration `json:"http_time"`
 	// HTTPSlices cuts the fixed HTTP load into slices that alternate
 	// between the variants (slices.go).
 	HTTPSlices  int           `json:"http_slices"`
@@ -162,6 +165,7 @@ func parseConfig(args []string) (config, error) {
 	fs.IntVar(&c.Runs, "runs", 0, "interleaved rounds per variant (default 5, quick 3)")
 	fs.DurationVar(&c.IperfTime, "iperf-time", 0, "iperf3 duration, whole seconds (default 4s, quick 1s)")
 	fs.DurationVar(&c.HTTPTime, "http-time", 0, "fortio fixed-load duration (default 10s, quick 2s)")
+	fs.IntVar(&c.IperfSlices, "iperf-slices", 0, "slices of each bulk test, alternating between the variants, of whole seconds each (default 2 slices if --iperf-time is an even number of seconds, else 1)")
 	fs.IntVar(&c.HTTPSlices, "http-slices", 0, "slices of the fixed HTTP load, alternating between the variants, of at least 1s each (default 5, or one per second of --http-time if fewer)")
 	fs.DurationVar(&c.HTTPMaxTime, "http-max-time", 0, "fortio max-qps duration (default 4s, quick 1s)")
 	fs.IntVar(&c.HTTPQPS, "http-qps", 1000, "fortio fixed load, requests per second")
@@ -244,6 +248,12 @@ func parseConfig(args []string) (config, error) {
 	}
 	if c.IperfTime < time.Second || c.IperfTime%time.Second != 0 {
 		return c, fmt.Errorf("--iperf-time %s: iperf3 takes whole seconds", c.IperfTime)
+	}
+	if c.IperfSlices == 0 {
+		c.IperfSlices = map[bool]int{false: 1, true: 2}[c.IperfTime%(2*time.Second) == 0]
+	}
+	if c.IperfSlices < 1 || int(c.IperfTime/time.Second)%c.IperfSlices != 0 {
+		return c, fmt.Errorf("--iperf-slices %d: must cut --iperf-time %s into slices of whole seconds", c.IperfSlices, c.IperfTime)
 	}
 	if c.Runs < 1 || c.RRCount < 10 || c.HTTPConns < 1 || c.CPSConc < 1 || c.IdleConns < 1 {
 		return c, fmt.Errorf("--runs, --rr-count, --http-conns, --cps-concurrency and --idle-conns must be positive")

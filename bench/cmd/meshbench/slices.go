@@ -6,15 +6,25 @@ import (
 	"time"
 )
 
-// The fixed HTTP load runs in slices. Its tail (p99 of 10 s at 1000 qps, the
-// 100 slowest requests) is made by the machine's stalls, and on a shared
-// machine their rate changes from one minute to the next: at 13:27 on 2
-// December, direct's p99 ranged 4–14 ms between rounds and the mesh's ratio to
-// a peer 0.3–1.9×, according to which variant's 10 s a bad stretch fell on.
-// Cut into slices that alternate between the variants, each variant's time is
-// spread over the whole round, so a bad stretch falls on all of them alike;
-// each variant's slices are merged into one sample (histograms added, CPU
-// summed) before anything is compared.
+// The fixed HTTP load and bulk run in slices. Their results are made by the
+// machine as much as by the variant: the HTTP tail (p99 of 10 s at 1000 qps,
+// the 100 slowest requests) by its stalls, bulk by how much of the two vCPUs
+// the host leaves the run, and on a shared machine both change from one
+// minute to the next. At 13:27 on 2 December direct's p99 ranged 4–14 ms
+// between rounds and the mesh's ratio to a peer 0.3–1.9×; at 13:54 direct's 8
+// flows ran 9.2 Gbps in round 1 and 18.8 in round 2, according to which
+// variant's turn a bad stretch fell on. Cut into slices that alternate
+// between the variants, each variant's time is spread over the whole round,
+// so a bad stretch falls on all of them alike; each variant's slices are
+// merged into one sample (requests or bytes added, CPU summed) before
+// anything is compared.
+
+// sample is one variant's sliced test in one round, merged over its slices.
+type sample interface {
+	// merge adds a later slice of the same test.
+	merge(later sample)
+	values(v *variant) map[string]float64
+}
 
 // httpSample is a variant's fixed HTTP load in one round, merged over slices.
 type httpSample struct {
@@ -28,7 +38,7 @@ type httpSample struct {
 
 // runHTTPSlice runs fortio at the fixed rate for d and charges the proxies'
 // CPU to it.
-func runHTTPSlice(ctx context.Context, cfg config, v *variant, d time.Duration) (*httpSample, error) {
+func runHTTPSlice(ctx context.Context, cfg config, v *variant, d time.Duration) (sample, error) {
 	var res fortioResult
 	cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, d); return err })
 	if err != nil {
@@ -50,8 +60,9 @@ func runHTTPSlice(ctx context.Context, cfg config, v *variant, d time.Duration) 
 	return s, nil
 }
 
-// add merges another slice into s; RSS is the latest slice's.
-func (s *httpSample) add(o *httpSample) {
+// merge adds a later slice into s; RSS is the latest slice's.
+func (s *httpSample) merge(later sample) {
+	o := later.(*httpSample)
 	s.buckets = append(s.buckets, o.buckets...)
 	s.requests += o.requests
 	s.measured += o.measured
@@ -82,21 +93,67 @@ func (s *httpSample) values(v *variant) map[string]float64 {
 	return out
 }
 
-// runSliced runs a sliced test for one round: cfg.HTTPSlices slices per
-// variant, each slice going round the variants in an order that starts one
-// further on than the last. A variant whose slice fails twice gets no sample
-// this round; the others go on.
+// bulkSample is a variant's iperf3 test in one round, merged over slices.
+type bulkSample struct {
+	key      string  // the throughput's name: tput1 or tput8
+	perGB    bool    // also report the proxies' CPU per GB sent
+	received float64 // bytes the server received
+	seconds  float64 // over which it received them
+	sent     float64 // bytes the client sent
+	cpu      []float64
+}
+
+// runBulkSlice runs iperf3 with flows for d and charges the proxies' CPU to it.
+func runBulkSlice(key string, flows int, perGB bool) func(context.Context, config, *variant, time.Duration) (sample, error) {
+	return func(ctx context.Context, cfg config, v *variant, d time.Duration) (sample, error) {
+		var res iperfTotals
+		cpu, err := charged(v, func() (err error) { res, err = runIperf(ctx, cfg, v, flows, d); return err })
+		if err != nil {
+			return nil, err
+		}
+		return &bulkSample{key: key, perGB: perGB, received: res.received, seconds: res.seconds, sent: res.sent, cpu: cpu}, nil
+	}
+}
+
+func (s *bulkSample) merge(later sample) {
+	o := later.(*bulkSample)
+	s.received += o.received
+	s.seconds += o.seconds
+	s.sent += o.sent
+	if s.cpu == nil {
+		s.cpu = make([]float64, len(o.cpu))
+	}
+	for i, c := range o.cpu {
+		s.cpu[i] += c
+	}
+}
+
+func (s *bulkSample) values(v *variant) map[string]float64 {
+	out := map[string]float64{}
+	if s.seconds > 0 {
+		out[s.key] = s.received * 8 / s.seconds / 1e9
+	}
+	if s.perGB && s.sent > 0 {
+		addProxies(out, v, "cpu_per_gb", s.cpu, func(c float64) float64 { return c / (s.sent / 1e9) })
+	}
+	return out
+}
+
+// runSliced runs a sliced test for one round: n slices of d per variant,
+// each slice going round the variants in an order that starts one further
+// on than the last. A variant whose slice fails twice gets no sample this
+// round; the others go on.
 func runSliced(ctx context.Context, cfg config, t test, vs []*variant, round int, res *results) {
-	d := cfg.HTTPTime / time.Duration(cfg.HTTPSlices)
-	merged := map[*variant]*httpSample{}
+	n, d := t.sliced(cfg)
+	merged := map[*variant]sample{}
 	failed := map[*variant]bool{}
-	for slice := range cfg.HTTPSlices {
+	for slice := range n {
 		for _, v := range rotate(vs, round+slice) {
 			if ctx.Err() != nil || failed[v] {
 				continue
 			}
-			var part *httpSample
-			what := fmt.Sprintf("%s (slice %d/%d)", t.name, slice+1, cfg.HTTPSlices)
+			var part sample
+			what := fmt.Sprintf("%s (slice %d/%d)", t.name, slice+1, n)
 			err := res.attempt(ctx, round, what, v, func() (err error) {
 				part, err = t.slice(ctx, cfg, v, d)
 				return err
@@ -107,9 +164,10 @@ func runSliced(ctx context.Context, cfg config, t test, vs []*variant, round int
 				continue
 			}
 			if merged[v] == nil {
-				merged[v] = &httpSample{}
+				merged[v] = part
+			} else {
+				merged[v].merge(part)
 			}
-			merged[v].add(part)
 		}
 	}
 	if ctx.Err() != nil {

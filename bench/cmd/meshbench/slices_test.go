@@ -46,8 +46,8 @@ func TestSlicesMergeRequests(t *testing.T) {
 	fast := &httpSample{buckets: []histBucket{{Start: 1 * ms, End: 2 * ms, Count: 100}}, requests: 100, measured: 0.1, loaded: 0.1, cpu: []float64{0.01}}
 	slow := &httpSample{buckets: []histBucket{{Start: 3 * ms, End: 4 * ms, Count: 100}}, requests: 100, measured: 0.1, loaded: 0.1, cpu: []float64{0.03}}
 	var all httpSample
-	all.add(fast)
-	all.add(slow)
+	all.merge(fast)
+	all.merge(slow)
 	got := all.values(&variant{Name: "v", proxies: []int{1}, names: []string{"relay"}})
 	for k, want := range map[string]float64{
 		"http_p50":          2,    // the 100th of 200 requests ends the fast slice
@@ -69,5 +69,27 @@ func TestSlicesMergeRequests(t *testing.T) {
 		if a, b := histPercentileMs(twice, p), res.percentileMs(p); !near(a, b) {
 			t.Errorf("run merged with itself: p%v = %.6f, alone %.6f", p, a, b)
 		}
+	}
+}
+
+// Bulk slices are merged by their bytes and seconds, not by averaging rates.
+func TestBulkSlicesMergeBytes(t *testing.T) {
+	v := &variant{Name: "v", proxies: []int{1}, names: []string{"relay"}}
+	fast := &bulkSample{key: "tput1", perGB: true, received: 1e9, seconds: 1, sent: 1e9, cpu: []float64{1}}
+	slow := &bulkSample{key: "tput1", perGB: true, received: 1e9, seconds: 2, sent: 1e9, cpu: []float64{3}}
+	fast.merge(slow)
+	got := fast.values(v)
+	for k, want := range map[string]float64{
+		"tput1":            16.0 / 3, // 2 GB in 3 s, not the mean of 8 and 4 Gbps
+		"cpu_per_gb":       2,        // 4 s of CPU for 2 GB
+		"cpu_per_gb@relay": 2,
+	} {
+		if !near(got[k], want) {
+			t.Errorf("%s = %v, want %v", k, got[k], want)
+		}
+	}
+	eight := &bulkSample{key: "tput8", received: 1e9, seconds: 1, sent: 1e9, cpu: []float64{1}}
+	if got := eight.values(v); len(got) != 1 || !near(got["tput8"], 8) {
+		t.Errorf("8 flows: %v, want only tput8 = 8", got)
 	}
 }

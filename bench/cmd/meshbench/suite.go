@@ -20,31 +20,28 @@ type test struct {
 	name string
 	run  func(ctx context.Context, cfg config, v *variant) (map[string]float64, error)
 	// slice, set instead of run, makes one slice of d of a test that runs in
-	// slices alternating between the variants (runSliced).
-	slice func(ctx context.Context, cfg config, v *variant, d time.Duration) (*httpSample, error)
+	// slices alternating between the variants (runSliced); sliced says how
+	// many slices a variant gets per round, and how long each is.
+	slice  func(ctx context.Context, cfg config, v *variant, d time.Duration) (sample, error)
+	sliced func(cfg config) (n int, d time.Duration)
+}
+
+func bulkSlices(cfg config) (int, time.Duration) {
+	return cfg.IperfSlices, cfg.IperfTime / time.Duration(cfg.IperfSlices)
+}
+
+func httpSlices(cfg config) (int, time.Duration) {
+	return cfg.HTTPSlices, cfg.HTTPTime / time.Duration(cfg.HTTPSlices)
 }
 
 var tests = []test{
-	{key: "tput1", name: "iperf3 1 flow", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
-		var gbps, bytes float64
-		cpu, err := charged(v, func() (err error) { gbps, bytes, err = runIperf(ctx, cfg, v, 1); return err })
-		if err != nil {
-			return nil, err
-		}
-		out := map[string]float64{"tput1": gbps}
-		perGB := func(s float64) float64 { return s / (bytes / 1e9) }
-		addProxies(out, v, "cpu_per_gb", cpu, perGB)
-		return out, nil
-	}},
-	{key: "tput8", name: "iperf3 8 flows", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
-		gbps, _, err := runIperf(ctx, cfg, v, 8)
-		return map[string]float64{"tput8": gbps}, err
-	}},
+	{key: "tput1", name: "iperf3 1 flow", slice: runBulkSlice("tput1", 1, true), sliced: bulkSlices},
+	{key: "tput8", name: "iperf3 8 flows", slice: runBulkSlice("tput8", 8, false), sliced: bulkSlices},
 	{key: "rr", name: "1-byte round trips", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runRR(ctx, v, cfg.RRCount)
 		return map[string]float64{"rr_p50": res.P50us, "rr_p99": res.P99us}, err
 	}},
-	{key: "http", name: "HTTP fixed load", slice: runHTTPSlice},
+	{key: "http", name: "HTTP fixed load", slice: runHTTPSlice, sliced: httpSlices},
 	{key: "httpmax", name: "HTTP max qps", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runFortio(ctx, cfg, v, 0, cfg.HTTPMaxTime)
 		return map[string]float64{"http_maxqps": res.ActualQPS, "http_max_p50": res.percentileMs(50),
