@@ -34,6 +34,10 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
+// maxPoolConnsPerKey bounds POOL_CONNS_PER_KEY: the connections one pod may
+// hold to another are a resource a setting makes the agent hold.
+const maxPoolConnsPerKey = 16
+
 // agentConfig is every setting of `redirector run`, validated.
 type agentConfig struct {
 	node            string
@@ -53,6 +57,7 @@ type agentConfig struct {
 	reconcilePeriod time.Duration
 	drainTimeout    time.Duration
 	poolMaxStreams  int
+	poolConns       int
 	poolIdle        time.Duration
 	seriesGrace     time.Duration
 	telemetry       telemetrySettings
@@ -68,8 +73,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir, hboneCC *string
-	limits                                                                                                                                                                                                           func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                      func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -101,6 +106,7 @@ func runSettings() (*settings, runFlags) {
 		period:     s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
 		drain:      s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
 		maxStreams: s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
+		poolConns:  s.add("pool-conns-per-key", "POOL_CONNS_PER_KEY", "2", "pooled HBONE connections a pod's streams to one destination pod are spread over (at most 16)"),
 		hboneCC:    s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
 		poolIdle:   s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
 		tcMode:     s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
@@ -165,6 +171,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	}
 	if c.poolMaxStreams, err = strconv.Atoi(*f.maxStreams); err != nil || c.poolMaxStreams < 1 {
 		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(f.maxStreams), *f.maxStreams)
+	}
+	if c.poolConns, err = strconv.Atoi(*f.poolConns); err != nil || c.poolConns < 1 || c.poolConns > maxPoolConnsPerKey {
+		return c, fmt.Errorf("%s: %q is not an integer from 1 to %d", s.name(f.poolConns), *f.poolConns, maxPoolConnsPerKey)
 	}
 	if c.limits, err = f.limits(); err != nil {
 		return c, err
@@ -240,7 +249,7 @@ func runAgent(ctx context.Context, args []string) error {
 		log.Warn("remove sockops acceleration", "error", err)
 	}
 
-	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, IdleTimeout: cfg.poolIdle, Logger: log})
+	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, ConnsPerKey: cfg.poolConns, IdleTimeout: cfg.poolIdle, Logger: log})
 	defer pool.Close()
 	// Access logs go to stderr too, batched (see tunnel.AccessLogWriter).
 	accessOut := tunnel.NewAccessLogWriter(os.Stderr)

@@ -22,6 +22,8 @@ func TestRunSettingsErrorsNameTheSetting(t *testing.T) {
 		{args: append(base, "--cert-ttl", "30s"), want: "--cert-ttl (CERT_TTL): 30s is shorter than the 2m minimum"},
 		{args: append(base, "--reconcile-period", "-1s"), want: "--reconcile-period (RECONCILE_PERIOD)"},
 		{args: append(base, "--pool-max-streams", "0"), want: "--pool-max-streams (POOL_MAX_STREAMS)"},
+		{args: append(base, "--pool-conns-per-key", "17"), want: `--pool-conns-per-key (POOL_CONNS_PER_KEY): "17" is not an integer from 1 to 16`},
+		{args: base, env: map[string]string{"POOL_CONNS_PER_KEY": "two"}, want: `--pool-conns-per-key (POOL_CONNS_PER_KEY): "two" is not an integer from 1 to 16`},
 		{args: append(base, "--hbone-congestion-control", "nosuch"), want: `--hbone-congestion-control (HBONE_CONGESTION_CONTROL): congestion control "nosuch"`},
 		{args: append(base, "--tc-attach", "xdp"), want: "--tc-attach (TC_ATTACH)"},
 		{args: append(base, "--log-level", "loud"), want: "--log-level (LOG_LEVEL)"},

@@ -14,6 +14,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -168,6 +169,60 @@ func TestConcurrentStreams(t *testing.T) {
 		t.Errorf("with %d streams open: %+v, want %d active on at most %d conns", streams, st, streams, maxConns)
 	}
 	waitfor.Until(t, "streams to finish", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+}
+
+// TestConnsPerKeySpreads: with ConnsPerKey 2 a key's streams go to a second
+// connection once the first carries one, then to the least loaded, and never
+// to a third; with the default they share one.
+func TestConnsPerKeySpreads(t *testing.T) {
+	for _, tc := range []struct {
+		connsPerKey int
+		wantLoads   []int
+	}{{0, []int{8}}, {2, []int{4, 4}}} {
+		t.Run(fmt.Sprintf("ConnsPerKey=%d", tc.connsPerKey), func(t *testing.T) {
+			e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{ConnsPerKey: tc.connsPerKey})
+			app := startUpstream(t, echo)
+			var streams []*Stream
+			open := func() {
+				s, err := e.connect(context.Background(), app)
+				if err != nil {
+					t.Fatal(err)
+				}
+				streams = append(streams, s)
+			}
+			open()
+			open()
+			// The second stream found the first conn busy; the spare is
+			// dialled in the background.
+			waitfor.Until(t, "conns dialled", func() bool { return e.pool.Stats().Conns == len(tc.wantLoads) })
+			for range 6 {
+				open()
+			}
+			var loads []int
+			e.pool.mu.Lock()
+			for _, c := range e.pool.entries[e.key].conns {
+				c.mu.Lock()
+				loads = append(loads, c.active)
+				c.mu.Unlock()
+			}
+			e.pool.mu.Unlock()
+			slices.Sort(loads)
+			if !slices.Equal(loads, tc.wantLoads) || e.pool.Stats().DialsTotal != uint64(len(tc.wantLoads)) {
+				t.Errorf("8 streams on conns carrying %v (%d dials), want %v", loads, e.pool.Stats().DialsTotal, tc.wantLoads)
+			}
+			for i, s := range streams {
+				msg := fmt.Appendf(nil, "stream %d", i)
+				if _, err := s.Write(msg); err != nil {
+					t.Fatal(err)
+				}
+				_ = s.CloseWrite()
+				if got, err := io.ReadAll(s); err != nil || !bytes.Equal(got, msg) {
+					t.Errorf("stream %d: got %q, %v", i, got, err)
+				}
+				s.Close()
+			}
+		})
+	}
 }
 
 // TestServerStreamLimit: the pool allows more streams than the server does;

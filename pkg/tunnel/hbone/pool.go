@@ -41,6 +41,13 @@ type PoolOptions struct {
 	// MaxStreamsPerConn caps concurrent streams on one connection; more
 	// open another connection for the same key. Default 100, as ztunnel.
 	MaxStreamsPerConn int
+	// ConnsPerKey spreads a key's streams over up to this many connections:
+	// once every connection of the key carries a stream, one more is dialled
+	// in the background, and each new stream goes to the least loaded. Each
+	// connection has its own reader, writer and TCP congestion state, so a
+	// key's bulk flows are not all carried by one core and one paced socket.
+	// Default 1: a key's streams share one connection until it is full.
+	ConnsPerKey int
 	// IdleTimeout closes a connection that carried no stream for this
 	// long. Default 30s: long enough to reuse connections across bursts,
 	// short enough not to hold sockets to pods that went quiet.
@@ -95,6 +102,9 @@ const maxConnectAttempts = 3
 func NewPool(opts PoolOptions) *Pool {
 	if opts.MaxStreamsPerConn <= 0 {
 		opts.MaxStreamsPerConn = 100
+	}
+	if opts.ConnsPerKey <= 0 {
+		opts.ConnsPerKey = 1
 	}
 	if opts.IdleTimeout <= 0 {
 		opts.IdleTimeout = 30 * time.Second
@@ -153,11 +163,12 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 			e = &poolEntry{}
 			p.entries[key] = e
 		}
-		for _, c := range e.conns {
-			if c.tryReserve(p.opts.MaxStreamsPerConn) {
-				p.mu.Unlock()
-				return c, nil
+		if c, others := p.reserveLeastLoaded(e.conns); c != nil {
+			if others && len(e.conns) < p.opts.ConnsPerKey && e.dialing == nil {
+				p.spreadLocked(key, e, dial, tlsConf)
 			}
+			p.mu.Unlock()
+			return c, nil
 		}
 		if d := e.dialing; d != nil {
 			p.mu.Unlock()
@@ -200,6 +211,61 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		go c.readLoop()
 		return c, nil
 	}
+}
+
+// reserveLeastLoaded reserves a stream slot on the conn of conns with the
+// fewest streams that has room, and reports whether that conn already carried
+// others (then every conn of the key does).
+func (p *Pool) reserveLeastLoaded(conns []*conn) (c *conn, others bool) {
+	type loaded struct {
+		c      *conn
+		active int
+	}
+	byLoad := make([]loaded, len(conns))
+	for i, c := range conns {
+		c.mu.Lock()
+		byLoad[i] = loaded{c, c.active}
+		c.mu.Unlock()
+	}
+	slices.SortStableFunc(byLoad, func(a, b loaded) int { return a.active - b.active })
+	for _, l := range byLoad {
+		if l.c.tryReserve(p.opts.MaxStreamsPerConn) {
+			return l.c, l.active > 0
+		}
+	}
+	return nil, false
+}
+
+// spreadDialTimeout bounds a dial made in the background to spread a key's
+// streams; no caller waits on it unless every conn of the key is full.
+const spreadDialTimeout = 10 * time.Second
+
+// spreadLocked dials one more connection for key in the background
+// (ConnsPerKey). Streams that find every conn full meanwhile wait for it, as
+// for any dial, and share its error.
+func (p *Pool) spreadLocked(key PoolKey, e *poolEntry, dial Dialer, tlsConf *tls.Config) {
+	d := &dialCall{done: make(chan struct{})}
+	e.dialing = d
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), spreadDialTimeout)
+		defer cancel()
+		c, err := p.dial(ctx, key, dial, tlsConf, d)
+		p.mu.Lock()
+		switch {
+		case err != nil:
+			p.dialDoneLocked(key, d, err)
+			p.mu.Unlock()
+			p.log.Debug("hbone connection to spread streams over not made", "dst", key.DstAddr, "err", err)
+		case p.closed:
+			p.dialDoneLocked(key, d, ErrPoolClosed)
+			p.mu.Unlock()
+			c.close(http2.ErrCodeNo, ErrPoolClosed, true)
+		default:
+			e.conns = append(e.conns, c)
+			p.mu.Unlock()
+			c.readLoop()
+		}
+	}()
 }
 
 // dialDoneLocked ends a dial and wakes the Connects waiting for it.
