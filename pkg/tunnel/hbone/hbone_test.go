@@ -225,6 +225,56 @@ func TestConnsPerKeySpreads(t *testing.T) {
 	}
 }
 
+// TestEvictDuringSpreadDial: a connection still being dialled when its
+// source is evicted is closed when made, not pooled: nothing may leave from a
+// pod that went away.
+func TestEvictDuringSpreadDial(t *testing.T) {
+	// The idle timeout is far beyond waitfor's: a spare kept in the pool
+	// would stay open past the wait.
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{ConnsPerKey: 2, IdleTimeout: time.Minute})
+	app := startUpstream(t, echo)
+	good, _ := pkis()
+	dialing, release := make(chan struct{}, 1), make(chan struct{})
+	var dials atomic.Int32
+	spare := &closeSpy{}
+	held := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := tcpDial(ctx, network, addr)
+		if dials.Add(1) == 2 && err == nil {
+			dialing <- struct{}{}
+			<-release
+			spare.Conn = c
+			return spare, nil
+		}
+		return c, err
+	}
+	req := Request{Authority: app, Forwarded: `for="10.0.0.1"`}
+	for range 2 {
+		s, err := e.pool.Connect(context.Background(), e.key, held, good.clientTLS(), req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+	}
+	<-dialing
+	if n := e.pool.Evict(func(PoolKey) bool { return true }); n != 1 {
+		t.Errorf("Evict closed %d connections, want 1", n)
+	}
+	close(release)
+	waitfor.Until(t, "the spare, dialled for an evicted source, to be closed", spare.closed.Load)
+	waitfor.Until(t, "the server to see no connection", func() bool { return e.srv.Stats().ConnsActive == 0 })
+}
+
+// closeSpy is a net.Conn that records its Close.
+type closeSpy struct {
+	net.Conn
+	closed atomic.Bool
+}
+
+func (c *closeSpy) Close() error {
+	c.closed.Store(true)
+	return c.Conn.Close()
+}
+
 // TestServerStreamLimit: the pool allows more streams than the server does;
 // it must follow the server's SETTINGS and retry refused streams.
 func TestServerStreamLimit(t *testing.T) {

@@ -85,7 +85,13 @@ type Pool struct {
 type poolEntry struct {
 	conns   []*conn
 	dialing *dialCall // non-nil while a connection for the key is being made
+	// evicted: Evict removed the key while a dial was under way; the dial's
+	// connection is closed when it is made, not pooled.
+	evicted bool
 }
+
+// errEvicted fails the dials and streams of a source that Evict removed.
+var errEvicted = fmt.Errorf("%w: source evicted", ErrConnClosed)
 
 // dialCall lets concurrent Connects for a new key wait for one dial instead
 // of each dialling.
@@ -188,18 +194,19 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		d := &dialCall{done: make(chan struct{})}
 		e.dialing = d
 		p.mu.Unlock()
-		c, err := p.dial(ctx, key, dial, tlsConf, d)
+		c, err := p.dial(ctx, key, e, dial, tlsConf, d)
 		p.mu.Lock()
 		switch {
 		case err != nil:
-			p.dialDoneLocked(key, d, err)
+			p.dialDoneLocked(key, e, d, err)
 			p.mu.Unlock()
 			return nil, err
-		case p.closed:
-			p.dialDoneLocked(key, d, ErrPoolClosed)
+		case p.goneLocked(e) != nil:
+			cause := p.goneLocked(e)
+			p.dialDoneLocked(key, e, d, cause)
 			p.mu.Unlock()
-			c.close(http2.ErrCodeNo, ErrPoolClosed, true)
-			return nil, ErrPoolClosed
+			c.closeUnused(cause)
+			return nil, cause
 		}
 		// The dialler's stream goes out at once, pipelined with the peer's
 		// SETTINGS. Others keep waiting on d until the SETTINGS tell the
@@ -249,17 +256,18 @@ func (p *Pool) spreadLocked(key PoolKey, e *poolEntry, dial Dialer, tlsConf *tls
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), spreadDialTimeout)
 		defer cancel()
-		c, err := p.dial(ctx, key, dial, tlsConf, d)
+		c, err := p.dial(ctx, key, e, dial, tlsConf, d)
 		p.mu.Lock()
 		switch {
 		case err != nil:
-			p.dialDoneLocked(key, d, err)
+			p.dialDoneLocked(key, e, d, err)
 			p.mu.Unlock()
 			p.log.Debug("hbone connection to spread streams over not made", "dst", key.DstAddr, "err", err)
-		case p.closed:
-			p.dialDoneLocked(key, d, ErrPoolClosed)
+		case p.goneLocked(e) != nil:
+			cause := p.goneLocked(e)
+			p.dialDoneLocked(key, e, d, cause)
 			p.mu.Unlock()
-			c.close(http2.ErrCodeNo, ErrPoolClosed, true)
+			c.closeUnused(cause)
 		default:
 			e.conns = append(e.conns, c)
 			p.mu.Unlock()
@@ -268,10 +276,29 @@ func (p *Pool) spreadLocked(key PoolKey, e *poolEntry, dial Dialer, tlsConf *tls
 	}()
 }
 
-// dialDoneLocked ends a dial and wakes the Connects waiting for it.
-func (p *Pool) dialDoneLocked(key PoolKey, d *dialCall, err error) {
-	e := p.entries[key]
-	if e == nil || e.dialing != d {
+// goneLocked says why a connection just dialled for e may not be pooled:
+// the pool closed, or Evict removed the key meanwhile.
+func (p *Pool) goneLocked(e *poolEntry) error {
+	switch {
+	case p.closed:
+		return ErrPoolClosed
+	case e.evicted:
+		return errEvicted
+	}
+	return nil
+}
+
+// closeUnused closes a conn dialled but never served (its reader not
+// started): in order, with a reader that ends the socket once the peer
+// closes or the close's deadline passes.
+func (c *conn) closeUnused(cause error) {
+	c.close(http2.ErrCodeNo, cause, true)
+	go c.readLoop()
+}
+
+// dialDoneLocked ends e's dial d and wakes the Connects waiting for it.
+func (p *Pool) dialDoneLocked(key PoolKey, e *poolEntry, d *dialCall, err error) {
+	if e.dialing != d {
 		return
 	}
 	e.dialing = nil
@@ -281,7 +308,7 @@ func (p *Pool) dialDoneLocked(key PoolKey, d *dialCall, err error) {
 }
 
 // dial makes and handshakes a new connection for key.
-func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, d *dialCall) (*conn, error) {
+func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer, tlsConf *tls.Config, d *dialCall) (*conn, error) {
 	p.dials.Add(1)
 	raw, err := dial(ctx, "tcp", key.DstAddr.String())
 	if err != nil {
@@ -308,7 +335,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.
 		onClose:      p.onClose,
 		onReady: func(*conn) {
 			p.mu.Lock()
-			p.dialDoneLocked(key, d, nil)
+			p.dialDoneLocked(key, e, d, nil)
 			p.mu.Unlock()
 		},
 	})
@@ -410,18 +437,21 @@ func (p *Pool) Stats() PoolStats {
 
 // Evict closes the pooled connections whose key matches, failing their
 // streams (a pod went away: nothing may leave from it any more), and
-// returns how many it closed.
+// returns how many it closed. A dial under way for such a key is not pooled
+// when it completes.
 func (p *Pool) Evict(match func(PoolKey) bool) int {
 	p.mu.Lock()
 	var conns []*conn
 	for key, e := range p.entries {
 		if match(key) {
 			conns = append(conns, e.conns...)
+			e.evicted = true
+			delete(p.entries, key)
 		}
 	}
 	p.mu.Unlock()
 	for _, c := range conns {
-		c.close(http2.ErrCodeNo, fmt.Errorf("%w: source evicted", ErrConnClosed), true)
+		c.close(http2.ErrCodeNo, errEvicted, true)
 	}
 	return len(conns)
 }
