@@ -67,12 +67,7 @@ func (s *httpSample) merge(later sample) {
 	s.requests += o.requests
 	s.measured += o.measured
 	s.loaded += o.loaded
-	if s.cpu == nil {
-		s.cpu = make([]float64, len(o.cpu))
-	}
-	for i, c := range o.cpu {
-		s.cpu[i] += c
-	}
+	s.cpu = addCPU(s.cpu, o.cpu)
 	s.rss = o.rss
 }
 
@@ -120,12 +115,18 @@ func (s *bulkSample) merge(later sample) {
 	s.received += o.received
 	s.seconds += o.seconds
 	s.sent += o.sent
-	if s.cpu == nil {
-		s.cpu = make([]float64, len(o.cpu))
+	s.cpu = addCPU(s.cpu, o.cpu)
+}
+
+// addCPU adds a later slice's CPU seconds per proxy to the sum so far.
+func addCPU(sum, later []float64) []float64 {
+	if sum == nil {
+		sum = make([]float64, len(later))
 	}
-	for i, c := range o.cpu {
-		s.cpu[i] += c
+	for i, c := range later {
+		sum[i] += c
 	}
+	return sum
 }
 
 func (s *bulkSample) values(v *variant) map[string]float64 {

@@ -194,30 +194,42 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		d := &dialCall{done: make(chan struct{})}
 		e.dialing = d
 		p.mu.Unlock()
-		c, err := p.dial(ctx, key, e, dial, tlsConf, d)
-		p.mu.Lock()
-		switch {
-		case err != nil:
-			p.dialDoneLocked(key, e, d, err)
-			p.mu.Unlock()
-			return nil, err
-		case p.goneLocked(e) != nil:
-			cause := p.goneLocked(e)
-			p.dialDoneLocked(key, e, d, cause)
-			p.mu.Unlock()
-			c.closeUnused(cause)
-			return nil, cause
-		}
 		// The dialler's stream goes out at once, pipelined with the peer's
 		// SETTINGS. Others keep waiting on d until the SETTINGS tell the
 		// real stream limit (onReady), so a burst neither overfills the
 		// conn nor dials more conns than it needs.
-		c.tryReserve(p.opts.MaxStreamsPerConn)
-		e.conns = append(e.conns, c)
-		p.mu.Unlock()
+		c, err := p.dialInto(ctx, key, e, d, dial, tlsConf, true)
+		if err != nil {
+			return nil, err
+		}
 		go c.readLoop()
 		return c, nil
 	}
+}
+
+// dialInto makes e's connection for its dial d and adds it to e.conns,
+// with a stream slot taken on it first if reserve is set. A connection made
+// after the pool closed or Evict removed the key is closed, not added.
+// Called, and returns, without p.mu.
+func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialCall, dial Dialer, tlsConf *tls.Config, reserve bool) (*conn, error) {
+	c, err := p.dial(ctx, key, e, dial, tlsConf, d)
+	p.mu.Lock()
+	if err == nil {
+		if err = p.goneLocked(e); err != nil {
+			defer c.closeUnused(err)
+		}
+	}
+	if err != nil {
+		p.dialDoneLocked(key, e, d, err)
+		p.mu.Unlock()
+		return nil, err
+	}
+	if reserve {
+		c.tryReserve(p.opts.MaxStreamsPerConn)
+	}
+	e.conns = append(e.conns, c)
+	p.mu.Unlock()
+	return c, nil
 }
 
 // reserveLeastLoaded reserves a stream slot on the conn of conns with the
@@ -256,23 +268,12 @@ func (p *Pool) spreadLocked(key PoolKey, e *poolEntry, dial Dialer, tlsConf *tls
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), spreadDialTimeout)
 		defer cancel()
-		c, err := p.dial(ctx, key, e, dial, tlsConf, d)
-		p.mu.Lock()
-		switch {
-		case err != nil:
-			p.dialDoneLocked(key, e, d, err)
-			p.mu.Unlock()
+		c, err := p.dialInto(ctx, key, e, d, dial, tlsConf, false)
+		if err != nil {
 			p.log.Debug("hbone connection to spread streams over not made", "dst", key.DstAddr, "err", err)
-		case p.goneLocked(e) != nil:
-			cause := p.goneLocked(e)
-			p.dialDoneLocked(key, e, d, cause)
-			p.mu.Unlock()
-			c.closeUnused(cause)
-		default:
-			e.conns = append(e.conns, c)
-			p.mu.Unlock()
-			c.readLoop()
+			return
 		}
+		c.readLoop()
 	}()
 }
 
