@@ -343,7 +343,7 @@ func waitEnrolled(ctx context.Context, a *netnstest.Agent, n int, timeout time.D
 func (c *cluster) checkPath(ctx context.Context, v *variant) error {
 	var err error
 	for range 50 {
-		if _, err = runRR(ctx, v, 10); err == nil {
+		if _, err = runRR(ctx, v, 10, false); err == nil {
 			return nil
 		}
 		time.Sleep(200 * time.Millisecond)

@@ -102,6 +102,9 @@ type rrResult struct {
 	P90us  float64 `json:"p90_us"`
 	P99us  float64 `json:"p99_us"`
 	MeanUs float64 `json:"mean_us"`
+	// LatUs is every round trip's latency, with -samples: a slice of the
+	// sliced test is merged with the others by its round trips.
+	LatUs []float64 `json:"lat_us,omitempty"`
 }
 
 // rrMain makes -n 1-byte round trips on one connection, after a warm-up,
@@ -111,6 +114,7 @@ func rrMain(args []string) error {
 	addr := fs.String("addr", "", "echo server address")
 	n := fs.Int("n", 10000, "round trips measured")
 	warm := fs.Int("warmup", 500, "round trips before measuring")
+	samples := fs.Bool("samples", false, "also print every round trip's latency")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -135,20 +139,30 @@ func rrMain(args []string) error {
 			return err
 		}
 	}
-	lat := make([]time.Duration, *n)
-	var sum time.Duration
+	lat := make([]float64, *n)
 	for i := range lat {
 		t0 := time.Now()
 		if err := rt(); err != nil {
 			return err
 		}
-		lat[i] = time.Since(t0)
-		sum += lat[i]
+		lat[i] = float64(time.Since(t0)) / 1e3
 	}
+	res := rrStats(lat)
+	if *samples {
+		res.LatUs = lat
+	}
+	return json.NewEncoder(os.Stdout).Encode(res)
+}
+
+// rrStats sorts lat (µs) and gives its percentiles and mean.
+func rrStats(lat []float64) rrResult {
 	slices.Sort(lat)
-	us := func(q float64) float64 { return float64(lat[int(q*float64(len(lat)-1))]) / 1e3 }
-	return json.NewEncoder(os.Stdout).Encode(rrResult{N: *n, P50us: us(0.50), P90us: us(0.90), P99us: us(0.99),
-		MeanUs: float64(sum) / float64(len(lat)) / 1e3})
+	var sum float64
+	for _, l := range lat {
+		sum += l
+	}
+	at := func(q float64) float64 { return lat[int(q*float64(len(lat)-1))] }
+	return rrResult{N: len(lat), P50us: at(0.50), P90us: at(0.90), P99us: at(0.99), MeanUs: sum / float64(len(lat))}
 }
 
 // cpsResult is what `meshbench cps` prints.

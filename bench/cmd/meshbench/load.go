@@ -152,16 +152,20 @@ func runFortio(ctx context.Context, cfg config, v *variant, qps int, d time.Dura
 	return res, nil
 }
 
-// runRR makes n 1-byte round trips on one connection.
-func runRR(ctx context.Context, v *variant, n int) (rrResult, error) {
+// runRR makes n 1-byte round trips on one connection; with samples, the
+// result carries every round trip's latency.
+func runRR(ctx context.Context, v *variant, n int, samples bool) (rrResult, error) {
 	var res rrResult
 	out, err := output(ctx, v.client.Path(), 2*time.Minute, selfPath(), "rr", "-addr", hostPort(v.server, echoPort),
-		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(min(n, 500)))
+		"-n", strconv.Itoa(n), "-warmup", strconv.Itoa(min(n, 500)), "-samples="+strconv.FormatBool(samples))
 	if err != nil {
 		return res, err
 	}
 	if err := json.Unmarshal(out, &res); err != nil {
 		return res, fmt.Errorf("rr output %q: %w", out, err)
+	}
+	if samples && len(res.LatUs) != n {
+		return res, fmt.Errorf("rr printed %d latencies, want %d", len(res.LatUs), n)
 	}
 	return res, nil
 }

@@ -111,6 +111,9 @@ type config struct {
 	HTTPConns   int           `json:"http_conns"`
 	HTTPPayload int           `json:"http_payload"`
 	RRCount     int           `json:"rr_count"`
+	// RRSlices cuts the round trips into slices that alternate between the
+	// variants (slices.go).
+	RRSlices    int           `json:"rr_slices"`
 	CPSTime     time.Duration `json:"cps_time"`
 	CPSConc     int           `json:"cps_concurrency"`
 	IdleConns   int           `json:"idle_conns"`
@@ -172,6 +175,7 @@ func parseConfig(args []string) (config, error) {
 	fs.IntVar(&c.HTTPConns, "http-conns", 16, "fortio connections")
 	fs.IntVar(&c.HTTPPayload, "http-payload", 1024, "fortio request payload bytes (echoed back)")
 	fs.IntVar(&c.RRCount, "rr-count", 0, "1-byte round trips per sample (default 20000, quick 3000)")
+	fs.IntVar(&c.RRSlices, "rr-slices", 0, "slices of the round trips, alternating between the variants, each on a new connection of at least 1000 round trips (default 4, or one per 1000 of --rr-count if fewer)")
 	fs.DurationVar(&c.CPSTime, "cps-time", 0, "new-connection test duration (default 2s, quick 1s)")
 	fs.IntVar(&c.CPSConc, "cps-concurrency", 1, "new-connection clients in parallel")
 	fs.IntVar(&c.IdleConns, "idle-conns", 1000, "idle meshed connections for the RSS measurement")
@@ -234,6 +238,14 @@ func parseConfig(args []string) (config, error) {
 	}
 	if c.RRCount == 0 {
 		c.RRCount = map[bool]int{false: 20000, true: 3000}[c.Quick]
+	}
+	if c.RRSlices == 0 {
+		c.RRSlices = max(1, min(4, c.RRCount/1000))
+	}
+	// One slice may be any --rr-count; more than one must each make 1000
+	// round trips at least, so that a slice's p99 is not its worst one or two.
+	if c.RRSlices < 1 || (c.RRSlices > 1 && c.RRCount/c.RRSlices < 1000) {
+		return c, fmt.Errorf("--rr-slices %d: must be 1, or leave each slice of --rr-count %d 1000 round trips or more", c.RRSlices, c.RRCount)
 	}
 	if c.BenchTime == "" {
 		c.BenchTime = map[bool]string{false: "500ms", true: "50ms"}[c.Quick]

@@ -6,18 +6,21 @@ import (
 	"time"
 )
 
-// The fixed HTTP load and bulk run in slices. Their results are made by the
-// machine as much as by the variant: the HTTP tail (p99 of 10 s at 1000 qps,
-// the 100 slowest requests) by its stalls, bulk by how much of the two vCPUs
-// the host leaves the run, and on a shared machine both change from one
-// minute to the next. At 13:27 on 2 December direct's p99 ranged 4–14 ms
-// between rounds and the mesh's ratio to a peer 0.3–1.9×; at 13:54 direct's 8
-// flows ran 9.2 Gbps in round 1 and 18.8 in round 2, according to which
-// variant's turn a bad stretch fell on. Cut into slices that alternate
-// between the variants, each variant's time is spread over the whole round,
-// so a bad stretch falls on all of them alike; each variant's slices are
-// merged into one sample (requests or bytes added, CPU summed) before
-// anything is compared.
+// The fixed HTTP load, bulk and round trips run in slices. Their results are
+// made by the machine as much as by the variant: the HTTP tail (p99 of 10 s
+// at 1000 qps, the 100 slowest requests) by its stalls, bulk by how much of
+// the two vCPUs the host leaves the run, round trips by where the scheduler
+// happens to put the processes of a path, and on a shared machine all three
+// change from one minute to the next. At 13:27 on 2 December direct's p99
+// ranged 4–14 ms between rounds and the mesh's ratio to a peer 0.3–1.9×; at
+// 13:54 direct's 8 flows ran 9.2 Gbps in round 1 and 18.8 in round 2,
+// according to which variant's turn a bad stretch fell on; at 17:42 stunnel's
+// round-trip p50 was 190 µs in one round and 329 in another while the mesh's
+// stayed at 252–271. Cut into slices that alternate between the variants,
+// each variant's time is spread over the whole round, so a bad stretch falls
+// on all of them alike; each variant's slices are merged into one sample
+// (requests, bytes or round trips added, CPU summed) before anything is
+// compared.
 
 // sample is one variant's sliced test in one round, merged over its slices.
 type sample interface {
@@ -138,6 +141,28 @@ func (s *bulkSample) values(v *variant) map[string]float64 {
 		addProxies(out, v, "cpu_per_gb", s.cpu, func(c float64) float64 { return c / (s.sent / 1e9) })
 	}
 	return out
+}
+
+// rrSample is a variant's round trips in one round, merged over slices.
+type rrSample struct {
+	lat []float64 // µs, one per round trip
+}
+
+// runRRSlice makes the slice's share of --rr-count round trips on a new
+// connection (after the usual warm-up); d is unused, a slice being a count.
+func runRRSlice(ctx context.Context, cfg config, v *variant, _ time.Duration) (sample, error) {
+	res, err := runRR(ctx, v, cfg.RRCount/cfg.RRSlices, true)
+	if err != nil {
+		return nil, err
+	}
+	return &rrSample{lat: res.LatUs}, nil
+}
+
+func (s *rrSample) merge(later sample) { s.lat = append(s.lat, later.(*rrSample).lat...) }
+
+func (s *rrSample) values(*variant) map[string]float64 {
+	st := rrStats(s.lat)
+	return map[string]float64{"rr_p50": st.P50us, "rr_p99": st.P99us}
 }
 
 // runSliced runs a sliced test for one round: n slices of d per variant,

@@ -4,6 +4,8 @@ import (
 	"encoding/json"
 	"math"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 )
 
@@ -91,5 +93,57 @@ func TestBulkSlicesMergeBytes(t *testing.T) {
 	eight := &bulkSample{key: "tput8", received: 1e9, seconds: 1, sent: 1e9, cpu: []float64{1}}
 	if got := eight.values(v); len(got) != 1 || !near(got["tput8"], 8) {
 		t.Errorf("8 flows: %v, want only tput8 = 8", got)
+	}
+}
+
+// Round-trip slices are merged by their round trips: the percentiles of the
+// whole, not the mean of the slices' percentiles.
+func TestRRSlicesMergeRoundTrips(t *testing.T) {
+	fast := &rrSample{lat: make([]float64, 0, 100)}
+	slow := &rrSample{lat: make([]float64, 0, 100)}
+	for i := range 100 {
+		fast.lat = append(fast.lat, 100+float64(i)) // 100–199 µs
+		slow.lat = append(slow.lat, 300+float64(i)) // 300–399 µs
+	}
+	var all sample = slow
+	all.merge(fast)
+	got := all.values(&variant{Name: "v"})
+	// 200 round trips sorted: the p50 is the 100th (index 99, fast's last),
+	// the p99 the 198th (index 197, slow's 98th).
+	for k, want := range map[string]float64{"rr_p50": 199, "rr_p99": 397} {
+		if got[k] != want {
+			t.Errorf("%s = %v µs, want %v", k, got[k], want)
+		}
+	}
+}
+
+// A slice count that leaves a slice under 1000 round trips is refused, and
+// the default never does.
+func TestRRSlicesConfig(t *testing.T) {
+	for _, tc := range []struct {
+		args   []string
+		slices int
+		bad    bool
+	}{
+		{args: nil, slices: 4},
+		{args: []string{"--quick"}, slices: 3},
+		{args: []string{"--rr-count", "500"}, slices: 1},
+		{args: []string{"--rr-count", "3000", "--rr-slices", "4"}, bad: true},
+		{args: []string{"--rr-count", "300", "--rr-slices", "1"}, slices: 1},
+	} {
+		bin := t.TempDir()
+		if err := os.WriteFile(filepath.Join(bin, "redirector"), nil, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		c, err := parseConfig(append([]string{"--fortio", "/bin/true", "--bin", bin}, tc.args...))
+		if tc.bad {
+			if err == nil || !strings.Contains(err.Error(), "--rr-slices") {
+				t.Errorf("%v: err = %v, want one naming --rr-slices", tc.args, err)
+			}
+			continue
+		}
+		if err != nil || c.RRSlices != tc.slices {
+			t.Errorf("%v: slices %d, err %v; want %d", tc.args, c.RRSlices, err, tc.slices)
+		}
 	}
 }

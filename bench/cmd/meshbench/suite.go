@@ -30,6 +30,12 @@ func bulkSlices(cfg config) (int, time.Duration) {
 	return cfg.IperfSlices, cfg.IperfTime / time.Duration(cfg.IperfSlices)
 }
 
+// rrSlices cuts --rr-count, not a duration: each slice makes
+// RRCount/RRSlices round trips however long they take (runRRSlice).
+func rrSlices(cfg config) (int, time.Duration) {
+	return cfg.RRSlices, 0
+}
+
 func httpSlices(cfg config) (int, time.Duration) {
 	return cfg.HTTPSlices, cfg.HTTPTime / time.Duration(cfg.HTTPSlices)
 }
@@ -37,10 +43,7 @@ func httpSlices(cfg config) (int, time.Duration) {
 var tests = []test{
 	{key: "tput1", name: "iperf3 1 flow", slice: runBulkSlice("tput1", 1, true), sliced: bulkSlices},
 	{key: "tput8", name: "iperf3 8 flows", slice: runBulkSlice("tput8", 8, false), sliced: bulkSlices},
-	{key: "rr", name: "1-byte round trips", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
-		res, err := runRR(ctx, v, cfg.RRCount)
-		return map[string]float64{"rr_p50": res.P50us, "rr_p99": res.P99us}, err
-	}},
+	{key: "rr", name: "1-byte round trips", slice: runRRSlice, sliced: rrSlices},
 	{key: "http", name: "HTTP fixed load", slice: runHTTPSlice, sliced: httpSlices},
 	{key: "httpmax", name: "HTTP max qps", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runFortio(ctx, cfg, v, 0, cfg.HTTPMaxTime)
