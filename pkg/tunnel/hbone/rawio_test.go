@@ -2,7 +2,6 @@ package hbone
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"io"
 	"net"
@@ -111,16 +110,10 @@ func TestRawSockIsATCPConn(t *testing.T) {
 	}
 }
 
-// TestOrdinaryCallsKeepSysmonAwake: while the data path is busy, one call in ordinaryEvery is an
-// ordinary one (which wakes the runtime's monitor), the rest are raw.
-func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
-	if raceEnabled {
-		t.Skip("race builds make every call an ordinary one (rawio.go); this checks the mix")
-	}
+// echoPair is a raw client socket whose peer echoes every byte back until the test ends.
+func echoPair(t *testing.T) *rawSock {
 	c, s := tcpPair(t)
 	rc, rs := newRawSock(c), newRawSock(s)
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer cancel()
 	go func() {
 		buf := make([]byte, 1)
 		for {
@@ -132,11 +125,15 @@ func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
 			}
 		}
 	}()
-	ord0 := ordinaryCalls.Load()
-	start := time.Now()
+	return rc
+}
+
+// rawRoundTrips makes 1-byte round trips on rc for d and says how many.
+func rawRoundTrips(t *testing.T, rc *rawSock, d time.Duration) uint64 {
+	t.Helper()
 	buf := []byte{1}
 	var trips uint64
-	for ; ctx.Err() == nil; trips++ {
+	for end := time.Now().Add(d); time.Now().Before(end); trips++ {
 		if _, err := rc.Write(buf); err != nil {
 			t.Fatal(err)
 		}
@@ -144,6 +141,19 @@ func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	return trips
+}
+
+// TestOrdinaryCallsKeepSysmonAwake: while the data path is busy, one call in ordinaryEvery is an
+// ordinary one (which wakes the runtime's monitor), the rest are raw.
+func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
+	if raceEnabled {
+		t.Skip("race builds make every call an ordinary one (rawio.go); this checks the mix")
+	}
+	rc := echoPair(t)
+	ord0 := ordinaryCalls.Load()
+	start := time.Now()
+	trips := rawRoundTrips(t, rc, 300*time.Millisecond)
 	elapsed := time.Since(start)
 	// Each round trip made at least four calls (a write and a read on each side); every call
 	// that was not an ordinary one was a raw one.
@@ -154,5 +164,26 @@ func TestOrdinaryCallsKeepSysmonAwake(t *testing.T) {
 	}
 	if 4*trips < 100*ord {
 		t.Fatalf("%d ordinary calls in %d round trips: the raw path is not the common one", ord, trips)
+	}
+}
+
+// TestBurstsLeaveSysmonAsleep: a load in bursts, each shorter than ordinaryEvery and followed by
+// a pause (fortio's 16 connections at 1000 qps), makes no ordinary call: every call is raw, so
+// the bursts do not wake the runtime's monitor. The same calls without the pauses do make them
+// (TestOrdinaryCallsKeepSysmonAwake).
+func TestBurstsLeaveSysmonAsleep(t *testing.T) {
+	if raceEnabled {
+		t.Skip("race builds make every call an ordinary one (rawio.go); this checks the mix")
+	}
+	rc := echoPair(t)
+	time.Sleep(2 * idleGap)
+	ord0 := ordinaryCalls.Load()
+	var trips uint64
+	for range 40 {
+		trips += rawRoundTrips(t, rc, 2*time.Millisecond)
+		time.Sleep(3 * idleGap)
+	}
+	if ord := ordinaryCalls.Load() - ord0; ord != 0 {
+		t.Fatalf("%d ordinary calls in 40 bursts of 2ms (%d round trips), want none", ord, trips)
 	}
 }
