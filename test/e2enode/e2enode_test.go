@@ -15,6 +15,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -348,30 +349,12 @@ func TestRealNode(t *testing.T) {
 			t.Fatal(err)
 		}
 		old := agentPod(t, n)
-		stop := make(chan struct{})
-		type tally struct {
-			ok, failed int
-			errs       []string
+		// Requests back to back from inside the client pod (hundreds a second, where one
+		// kubectl exec per request made a few): a connection lost in the hand-over shows.
+		load, err := startPodLoad(ctx, n, meshNS, "client", serverIP+":8080", marker)
+		if err != nil {
+			t.Fatal(err)
 		}
-		res := make(chan tally, 1)
-		go func() {
-			var r tally
-			for {
-				select {
-				case <-stop:
-					res <- r
-					return
-				default:
-				}
-				out, err := wget(meshNS, "client", "http://"+serverIP+":8080/")
-				if err == nil && strings.Contains(out, marker) {
-					r.ok++
-				} else {
-					r.failed++
-					r.errs = append(r.errs, fmt.Sprint(err))
-				}
-			}
-		}()
 		out, err := n.Helm(ctx, "upgrade", release, chart, "-n", releaseNS, "--reuse-values",
 			"--set", "image.tag="+imageTag+"-next", "--wait", "--timeout=3m")
 		if err == nil {
@@ -388,15 +371,17 @@ func TestRealNode(t *testing.T) {
 			})
 		}
 		time.Sleep(2 * time.Second) // a few requests through the new agent alone
-		close(stop)
-		r := <-res
+		r, loadErr := load.stop(ctx)
 		hits, ports := s.Stop()
 		if err != nil {
 			t.Fatalf("helm upgrade: %v\n%s", err, out)
 		}
-		t.Logf("during the upgrade: %d requests answered, %d failed; frames by port %v", r.ok, r.failed, ports)
-		if r.failed > 0 {
-			t.Errorf("%d requests failed during the upgrade, want none: %v", r.failed, r.errs)
+		if loadErr != nil {
+			t.Fatalf("requests during the upgrade: %v", loadErr)
+		}
+		t.Logf("during the upgrade: %d requests answered, %d failed; frames by port %v", r.ok, len(r.failed), ports)
+		if len(r.failed) > 0 || r.ok < 100 {
+			t.Errorf("%d requests failed during the upgrade (%d answered), want none failed and 100 answered: %v", len(r.failed), r.ok, r.failed)
 		}
 		if hits != 0 {
 			t.Errorf("plaintext leaked %d times during the upgrade", hits)
@@ -627,6 +612,90 @@ func helmInstall(ctx context.Context, t *testing.T, n *Node) {
 		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
+}
+
+// podLoad is a loop of HTTP requests running inside a pod (startPodLoad).
+type podLoad struct {
+	stopFile string
+	exec     func(ctx context.Context, args ...string) (string, error)
+	done     chan loadResult
+}
+
+type loadResult struct {
+	out string
+	err error
+}
+
+// loadTally is what a podLoad saw: requests answered with the marker, and
+// each failure with its time and what came back instead.
+type loadTally struct {
+	ok     int
+	failed []string
+}
+
+// startPodLoad sends HTTP/1.0 requests to hostport from inside pod, one
+// after another, until stop: each is a new connection (busybox nc), so a
+// connection lost at any moment of the run is one failed request.
+func startPodLoad(ctx context.Context, n *Node, ns, pod, hostport, marker string) (*podLoad, error) {
+	host, port, ok := strings.Cut(hostport, ":")
+	if !ok {
+		return nil, fmt.Errorf("load target %q: want host:port", hostport)
+	}
+	l := &podLoad{stopFile: "/tmp/load-stop", done: make(chan loadResult, 1)}
+	l.exec = func(ctx context.Context, args ...string) (string, error) {
+		return n.Kubectl(ctx, append([]string{"-n", ns, "exec", pod, "--"}, args...)...)
+	}
+	if _, err := l.exec(ctx, "sh", "-c", "mkdir -p /tmp && rm -f "+l.stopFile); err != nil {
+		return nil, fmt.Errorf("prepare the load in %s/%s: %w", ns, pod, err)
+	}
+	script := fmt.Sprintf(`ok=0
+while [ ! -e %[1]s ]; do
+	out=$(printf 'GET / HTTP/1.0\r\nHost: %[2]s\r\n\r\n' | nc -w 5 %[2]s %[3]s 2>&1)
+	case "$out" in
+	*%[4]s*) ok=$((ok+1)) ;;
+	*) echo "failed at $(date +%%T): $(printf '%%s' "$out" | head -c 160 | tr '\r\n' '  ')" ;;
+	esac
+done
+echo "answered $ok"`, l.stopFile, host, port, marker)
+	go func() {
+		out, err := l.exec(ctx, "sh", "-c", script)
+		l.done <- loadResult{out, err}
+	}()
+	return l, nil
+}
+
+// stop ends the loop and returns its tally.
+func (l *podLoad) stop(ctx context.Context) (loadTally, error) {
+	var t loadTally
+	if _, err := l.exec(ctx, "touch", l.stopFile); err != nil {
+		return t, fmt.Errorf("stop the load: %w", err)
+	}
+	var r loadResult
+	select {
+	case r = <-l.done:
+	case <-time.After(30 * time.Second):
+		return t, fmt.Errorf("the load did not stop within 30 s of its stop file")
+	}
+	if r.err != nil {
+		return t, fmt.Errorf("the load: %w (output %q)", r.err, r.out)
+	}
+	answered := false
+	for _, line := range strings.Split(strings.TrimSpace(r.out), "\n") {
+		switch {
+		case strings.HasPrefix(line, "answered "):
+			var err error
+			if t.ok, err = strconv.Atoi(strings.TrimPrefix(line, "answered ")); err != nil {
+				return t, fmt.Errorf("the load's tally %q: %w", line, err)
+			}
+			answered = true
+		case line != "":
+			t.failed = append(t.failed, line)
+		}
+	}
+	if !answered {
+		return t, fmt.Errorf("the load printed no tally: %q", r.out)
+	}
+	return t, nil
 }
 
 // podGet fetches url from inside a pod and returns the body. It speaks HTTP/1.0 through

@@ -614,6 +614,75 @@ func TestShutdownDrains(t *testing.T) {
 	}
 }
 
+// TestShutdownDuringHandshakeRetried: a conn accepted before Shutdown
+// closed the listener and handshaken after it began (an upgrade's drain)
+// must not fail the request its client sent right after the handshake:
+// the server answers with GOAWAY, and the pool retries on a new conn,
+// here to a second server standing in for the successor agent. It once
+// closed such a conn without a word, and the request failed.
+func TestShutdownDuringHandshakeRetried(t *testing.T) {
+	inHandshake, release := make(chan struct{}), make(chan struct{})
+	var verified atomic.Int32
+	good, _ := pkis()
+	blocking := good.serverTLS()
+	blocking.VerifyConnection = func(tls.ConnectionState) error {
+		if verified.Add(1) == 1 {
+			close(inHandshake)
+			<-release
+		}
+		return nil
+	}
+	old := newEnv(t, dialTarget, ServerOptions{TLSConfig: blocking}, PoolOptions{})
+	successor := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+
+	var dials atomic.Int32
+	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		if dials.Add(1) == 1 {
+			return tcpDial(ctx, network, old.addr.String())
+		}
+		return tcpDial(ctx, network, successor.addr.String())
+	}
+	type result struct {
+		s   *Stream
+		err error
+	}
+	connected := make(chan result, 1)
+	go func() {
+		s, err := old.pool.Connect(context.Background(), old.key, dial, good.clientTLS(), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+		connected <- result{s, err}
+	}()
+	<-inHandshake
+	shut := make(chan error, 1)
+	go func() { shut <- old.srv.Shutdown(context.Background()) }()
+	waitfor.Until(t, "shutdown began", old.srv.isClosed)
+	close(release)
+
+	r := <-connected
+	if r.err != nil {
+		t.Fatalf("connect across the shutdown: %v (dials %d)", r.err, dials.Load())
+	}
+	defer r.s.Close()
+	if n := dials.Load(); n != 2 {
+		t.Errorf("%d dials, want 2 (the shut down server, then the successor)", n)
+	}
+	if _, err := r.s.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4)
+	if _, err := io.ReadFull(r.s, buf); err != nil || string(buf) != "ping" {
+		t.Fatalf("echo through the successor: %q, %v", buf, err)
+	}
+	select {
+	case err := <-shut:
+		if err != nil {
+			t.Fatalf("shutdown: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("shutdown did not return")
+	}
+}
+
 func TestShutdownTimeoutClosesStreams(t *testing.T) {
 	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
 	s, err := e.connect(context.Background(), startUpstream(t, echo))

@@ -316,19 +316,25 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 	})
 	c.tlsState = state
 
-	srv.mu.Lock()
-	if srv.closed {
-		srv.mu.Unlock()
-		c.close(http2.ErrCodeNo, ErrServerClosed, false)
-		return
-	}
-	srv.conns[c] = struct{}{}
-	srv.mu.Unlock()
-	srv.stats.connsActive.Add(1)
-
+	// The preface (SETTINGS) goes first, and only then is the conn
+	// registered where Shutdown finds and drains it: a GOAWAY must never
+	// precede the SETTINGS a client expects first.
 	if err := c.start(); err != nil {
 		c.close(http2.ErrCodeNo, err, false)
 		return
+	}
+	srv.mu.Lock()
+	closing := srv.closed
+	srv.conns[c] = struct{}{}
+	srv.mu.Unlock()
+	srv.stats.connsActive.Add(1)
+	if closing {
+		// Accepted before Shutdown closed the listener, handshaken after:
+		// the client has most likely sent its first request already.
+		// Closing without a word would fail it (the client cannot tell
+		// it was never processed); GOAWAY says so, and the client retries
+		// it elsewhere (in an upgrade, on the successor's listener).
+		c.drain()
 	}
 	c.readLoop()
 }
