@@ -355,6 +355,12 @@ func TestRealNode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The old agent's log goes with its pod; kept here for a failure's report.
+		oldLog := make(chan string, 1)
+		go func() {
+			out, _ := n.Kubectl(ctx, "-n", releaseNS, "logs", "-f", old)
+			oldLog <- out
+		}()
 		out, err := n.Helm(ctx, "upgrade", release, chart, "-n", releaseNS, "--reuse-values",
 			"--set", "image.tag="+imageTag+"-next", "--wait", "--timeout=3m")
 		if err == nil {
@@ -382,6 +388,12 @@ func TestRealNode(t *testing.T) {
 		t.Logf("during the upgrade: %d requests answered, %d failed; frames by port %v", r.ok, len(r.failed), ports)
 		if len(r.failed) > 0 || r.ok < 100 {
 			t.Errorf("%d requests failed during the upgrade (%d answered), want none failed and 100 answered: %v", len(r.failed), r.ok, r.failed)
+			select {
+			case l := <-oldLog:
+				t.Logf("--- the old agent's log (%s) without access lines, its last 80:\n%s", old, logExcerpt(withoutAccessLines(l), 80))
+			case <-time.After(5 * time.Second):
+				t.Logf("--- the old agent's log (%s): not ended 5 s after the upgrade", old)
+			}
 		}
 		if hits != 0 {
 			t.Errorf("plaintext leaked %d times during the upgrade", hits)
@@ -612,6 +624,18 @@ func helmInstall(ctx context.Context, t *testing.T, n *Node) {
 		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
+}
+
+// withoutAccessLines drops an agent log's access lines (one per connection), which
+// would bury its warnings and errors under a load.
+func withoutAccessLines(log string) string {
+	var kept []string
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, " scope=access ") {
+			kept = append(kept, line)
+		}
+	}
+	return strings.Join(kept, "\n")
 }
 
 // podLoad is a loop of HTTP requests running inside a pod (startPodLoad).
