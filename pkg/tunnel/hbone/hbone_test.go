@@ -225,6 +225,52 @@ func TestConnsPerKeySpreads(t *testing.T) {
 	}
 }
 
+// TestOverflowConnsEmptyAfterBurst: conns dialled because a burst filled
+// the key's own conns carry no streams once the burst is over, while the own
+// ones have room, and so close at IdleTimeout. Least loaded over every conn
+// spread a later load one stream per conn, and kept them all.
+func TestOverflowConnsEmptyAfterBurst(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{ConnsPerKey: 1, MaxStreamsPerConn: 2, IdleTimeout: 300 * time.Millisecond})
+	app := startUpstream(t, echo)
+	openN := func(n int) []*Stream {
+		var streams []*Stream
+		for range n {
+			s, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Fatal(err)
+			}
+			streams = append(streams, s)
+		}
+		return streams
+	}
+	closeAll := func(streams []*Stream) {
+		for _, s := range streams {
+			s.Close()
+		}
+	}
+	burst := openN(6)
+	if n := e.pool.Stats().Conns; n != 3 {
+		t.Fatalf("a burst of 6 streams, 2 per conn: %d conns, want 3", n)
+	}
+	closeAll(burst)
+	waitfor.Until(t, "the burst's streams to end", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+
+	// An ordinary load after it, two streams at a time for a while: always
+	// on the key's own conn, and the two others close.
+	deadline := time.Now().Add(time.Second)
+	for time.Now().Before(deadline) {
+		pair := openN(2)
+		if pair[0].c != pair[1].c {
+			t.Fatalf("two streams on two conns while the first had room for both")
+		}
+		closeAll(pair)
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := e.pool.Stats().Conns; n != 1 {
+		t.Errorf("%d conns a second after the burst under a load of two streams, want 1 (the overflow ones closed idle)", n)
+	}
+}
+
 // TestEvictDuringSpreadDial: a connection still being dialled when its
 // source is evicted is closed when made, not pooled: nothing may leave from a
 // pod that went away.
