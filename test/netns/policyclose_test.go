@@ -263,8 +263,8 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 	}
 }
 
-// TestAcceptSurvivesFDExhaustion: with the agent's fd limit lowered so
-// that a burst of plaintext connections exhausts it, the inbound accept
+// TestAcceptSurvivesFDExhaustion: with the agent's fd limit lowered and
+// then exhausted by connections it is holding, the inbound accept
 // loop backs off instead of exiting, and once fds are free again new
 // connections are served. Before the fix, the first EMFILE ended the loop
 // for good: the listener stayed open, the capture kept handing it SYNs,
@@ -301,20 +301,34 @@ func TestAcceptSurvivesFDExhaustion(t *testing.T) {
 	}
 	defer restore()
 
-	// Each served connection takes two of the agent's fds (accepted, and
-	// dialled to the app): 40 are more than the 16 left.
+	// Fill the agent's spare fds with connections to the pod's HBONE port
+	// that never start their TLS handshake: the agent holds each for its
+	// handshake timeout (10 s) without opening anything else. Plaintext
+	// connections would not do: each served one also needs an fd for the
+	// dial to the app, and when that dial fails first the accepted fd is
+	// freed again, so the accept itself might never see EMFILE.
 	var conns []net.Conn
-	for range 40 {
+	dial := func(to netip.AddrPort) {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		if c, err := netns.Dial(ctx, plain.Path(), "tcp", dst.String(), netns.SocketOptions{}); err == nil {
+		defer cancel()
+		if c, err := netns.Dial(ctx, plain.Path(), "tcp", to.String(), netns.SocketOptions{}); err == nil {
 			conns = append(conns, c)
 		}
-		cancel()
 	}
-	a.WaitLog(t, "accept failed; retrying with backoff", 10*time.Second)
-	if !regexp.MustCompile(`accept failed; retrying with backoff.* port=15006 .*too many open files`).MatchString(a.Log()) {
-		t.Errorf("no EMFILE backoff logged for port 15006:\n%s", tail(a.Log(), 20))
+	for range 40 {
+		dial(netip.AddrPortFrom(server.IPv4, 15008))
 	}
+	// Now the inbound plaintext listener's accept has no fd to take.
+	for range 3 {
+		dial(dst)
+	}
+	backoff := regexp.MustCompile(`accept failed; retrying with backoff.* port=15006 .*too many open files`)
+	Eventually(t, 5*time.Second, func() error {
+		if !backoff.MatchString(a.Log()) {
+			return fmt.Errorf("no EMFILE backoff logged for port 15006:\n%s", tail(a.Log(), 20))
+		}
+		return nil
+	})
 	for _, c := range conns {
 		c.Close()
 	}
