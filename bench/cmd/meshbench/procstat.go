@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // clockTicks is USER_HZ, the unit of utime and stime in /proc/<pid>/stat:
@@ -95,4 +96,26 @@ func rssMB(pid int) (float64, error) {
 		}
 	}
 	return 0, fmt.Errorf("/proc/%d/status: no VmRSS", pid)
+}
+
+// runqWait is how long the threads of pids have waited on a run queue so
+// far (the second field of each /proc/<pid>/task/<tid>/schedstat); threads
+// that are gone or unreadable count nothing.
+func runqWait(pids []int) time.Duration {
+	var sum time.Duration
+	for _, pid := range pids {
+		tasks, _ := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+		for _, t := range tasks {
+			raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, t.Name()))
+			if err != nil {
+				continue
+			}
+			if f := strings.Fields(string(raw)); len(f) >= 2 {
+				if ns, err := strconv.ParseInt(f[1], 10, 64); err == nil {
+					sum += time.Duration(ns)
+				}
+			}
+		}
+	}
+	return sum
 }

@@ -90,10 +90,14 @@ type results struct {
 	// ratio of a meshed variant to a peer relay (see peerRatios), in round
 	// order.
 	MeshToPeer map[string]map[string][]float64 `json:"mesh_to_peer,omitempty"`
-	Agent      agentResults                    `json:"agent"`
-	Profiles   []profileResult                 `json:"profiles"`
-	Micro      []microResult                   `json:"microbenchmarks"`
-	Errors     []string                        `json:"errors"`
+	// Slices[variant][metric][round] are a sliced test's numbers per slice,
+	// in slice order, where a test keeps them (the fixed HTTP load): is a
+	// round's tail one bad stretch or every slice?
+	Slices   map[string]map[string][][]float64 `json:"slices,omitempty"`
+	Agent    agentResults                      `json:"agent"`
+	Profiles []profileResult                   `json:"profiles"`
+	Micro    []microResult                     `json:"microbenchmarks"`
+	Errors   []string                          `json:"errors"`
 	// Retries are measurements that failed once and were repeated.
 	Retries []string `json:"retries"`
 
@@ -122,6 +126,21 @@ func (r *results) put(variant, metric string, round int, v float64) {
 		m[metric] = make([]*float64, r.cfg.Runs)
 	}
 	m[metric][round] = &v
+}
+
+func (r *results) putSlices(variant, metric string, round int, xs []float64) {
+	if r.Slices == nil {
+		r.Slices = map[string]map[string][][]float64{}
+	}
+	m := r.Slices[variant]
+	if m == nil {
+		m = map[string][][]float64{}
+		r.Slices[variant] = m
+	}
+	if m[metric] == nil {
+		m[metric] = make([][]float64, r.cfg.Runs)
+	}
+	m[metric][round] = xs
 }
 
 func (r *results) errorf(format string, args ...any) {

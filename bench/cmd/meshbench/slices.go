@@ -37,23 +37,30 @@ type httpSample struct {
 	loaded   float64   // seconds of load asked for: CPU per second is per these
 	cpu      []float64 // seconds, per proxy of the variant
 	rss      map[string]float64
+	// Per slice, in order: fortio's p99 and how long the proxies' threads
+	// waited for a CPU, to tell a round's bad stretch from a bad round.
+	sliceP99, sliceRunqMs []float64
 }
 
 // runHTTPSlice runs fortio at the fixed rate for d and charges the proxies'
 // CPU to it.
 func runHTTPSlice(ctx context.Context, cfg config, v *variant, d time.Duration) (sample, error) {
 	var res fortioResult
+	waited := runqWait(v.proxies)
 	cpu, err := charged(v, func() (err error) { res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, d); return err })
 	if err != nil {
 		return nil, err
 	}
+	waited = runqWait(v.proxies) - waited
 	s := &httpSample{
-		buckets:  res.DurationHistogram.Data,
-		requests: res.DurationHistogram.Count,
-		measured: float64(res.ActualDuration) / 1e9,
-		loaded:   d.Seconds(),
-		cpu:      cpu,
-		rss:      map[string]float64{},
+		buckets:     res.DurationHistogram.Data,
+		requests:    res.DurationHistogram.Count,
+		measured:    float64(res.ActualDuration) / 1e9,
+		loaded:      d.Seconds(),
+		cpu:         cpu,
+		rss:         map[string]float64{},
+		sliceP99:    []float64{res.percentileMs(99)},
+		sliceRunqMs: []float64{waited.Seconds() * 1e3},
 	}
 	for i, pid := range v.proxies {
 		if mb, err := rssMB(pid); err == nil {
@@ -72,6 +79,13 @@ func (s *httpSample) merge(later sample) {
 	s.loaded += o.loaded
 	s.cpu = addCPU(s.cpu, o.cpu)
 	s.rss = o.rss
+	s.sliceP99 = append(s.sliceP99, o.sliceP99...)
+	s.sliceRunqMs = append(s.sliceRunqMs, o.sliceRunqMs...)
+}
+
+// perSlice are the slices' own numbers, in slice order.
+func (s *httpSample) perSlice() map[string][]float64 {
+	return map[string][]float64{"http_p99": s.sliceP99, "proxies_runq_ms": s.sliceRunqMs}
 }
 
 // values are the metrics the merged slices give.
@@ -89,6 +103,11 @@ func (s *httpSample) values(v *variant) map[string]float64 {
 		out[k] = mb
 	}
 	return out
+}
+
+// sliceDetailed is a sample that also keeps each slice's own numbers.
+type sliceDetailed interface {
+	perSlice() map[string][]float64
 }
 
 // bulkSample is a variant's iperf3 test in one round, merged over slices.
@@ -205,6 +224,11 @@ func runSliced(ctx context.Context, cfg config, t test, vs []*variant, round int
 		}
 		for k, x := range s.values(v) {
 			res.put(v.Name, k, round, x)
+		}
+		if d, ok := s.(sliceDetailed); ok {
+			for k, xs := range d.perSlice() {
+				res.putSlices(v.Name, k, round, xs)
+			}
 		}
 	}
 }
