@@ -5,8 +5,11 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func readFortio(t *testing.T, path string) fortioResult {
@@ -71,6 +74,47 @@ func TestSlicesMergeRequests(t *testing.T) {
 		if a, b := histPercentileMs(twice, p), res.percentileMs(p); !near(a, b) {
 			t.Errorf("run merged with itself: p%v = %.6f, alone %.6f", p, a, b)
 		}
+	}
+}
+
+// Each slice's own p99 and run-queue wait stay apart, in slice order,
+// however the slices' requests are merged.
+func TestSlicesKeepEachSlice(t *testing.T) {
+	var all httpSample
+	for i, p99 := range []float64{2.5, 7.0, 3.1} {
+		all.merge(&httpSample{sliceP99: []float64{p99}, sliceRunqMs: []float64{float64(100 * (i + 1))}})
+	}
+	got := all.perSlice()
+	if !slices.Equal(got["http_p99"], []float64{2.5, 7.0, 3.1}) || !slices.Equal(got["proxies_runq_ms"], []float64{100, 200, 300}) {
+		t.Errorf("per slice: %v", got)
+	}
+}
+
+// This process's threads have waited for a CPU at some point, and the
+// count only grows; a process that is gone counts nothing.
+func TestRunqWait(t *testing.T) {
+	self := []int{os.Getpid()}
+	before := runqWait(self)
+	done := make(chan struct{})
+	for range 2 * runtime.NumCPU() { // more busy threads than CPUs must queue
+		go func() {
+			runtime.LockOSThread() // a thread of its own, past GOMAXPROCS
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+			}
+		}()
+	}
+	time.Sleep(100 * time.Millisecond)
+	close(done)
+	if after := runqWait(self); after <= before {
+		t.Errorf("run-queue wait went from %v to %v with more busy threads than CPUs", before, after)
+	}
+	if got := runqWait([]int{-1}); got != 0 {
+		t.Errorf("a missing process waited %v", got)
 	}
 }
 
