@@ -98,7 +98,10 @@ func TestRunqWait(t *testing.T) {
 	done := make(chan struct{})
 	for range 2 * runtime.NumCPU() { // more busy threads than CPUs must queue
 		go func() {
-			runtime.LockOSThread() // a thread of its own, past GOMAXPROCS
+			// A thread of its own, past GOMAXPROCS; unlocked again so that
+			// the thread stays (and keeps its count) when this returns.
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
 			for {
 				select {
 				case <-done:
@@ -109,8 +112,9 @@ func TestRunqWait(t *testing.T) {
 		}()
 	}
 	time.Sleep(100 * time.Millisecond)
+	after := runqWait(self)
 	close(done)
-	if after := runqWait(self); after <= before {
+	if after <= before {
 		t.Errorf("run-queue wait went from %v to %v with more busy threads than CPUs", before, after)
 	}
 	if got := runqWait([]int{-1}); got != 0 {
