@@ -48,7 +48,8 @@ type variant struct {
 // same-node: client -> local; capture-only: cclient (eBPF capture by this
 // process's own loader) -> relay -> plain; iptables TPROXY: tclient
 // (iptables in its namespace) -> relay -> plain; peer-stunnel: dclient ->
-// stunnel in dclient -> mutual TLS -> stunnel in plain -> plain (peer.go).
+// stunnel in dclient -> mutual TLS -> stunnel in plain -> plain (peer.go);
+// peer-haproxy the same with HAProxy, plain-pair with HAProxy and no TLS.
 type cluster struct {
 	cfg      config
 	topo     *netnstest.Topology
@@ -191,7 +192,7 @@ spec:
 		return nil, err
 	}
 	peers := map[string][]*child{}
-	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+	for _, kind := range relayPairs {
 		if peers[kind.variant], err = setupPeer(ctx, r, kind, pc, peerDir, dclient, c.plain); err != nil {
 			return nil, err
 		}
@@ -214,6 +215,7 @@ spec:
 			server: c.plain.IPv4, proxies: []int{tpRelay.Pid()}, logs: []*child{tpRelay}},
 		peerVariant(stunnelPeer, "a pair of stunnel4 relays (OpenSSL, mutual TLS 1.3, AES-128-GCM) in the direct variant's pods; the client dials its pod's stunnel"),
 		peerVariant(haproxyPeer, "the same with a pair of HAProxy 2.6 (event loop, OpenSSL) in TCP mode"),
+		peerVariant(plainPair, "peer-haproxy without TLS: two user-space hops and nothing else, the floor under any relay pair"),
 	}
 	if cfg.alt() {
 		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
@@ -242,7 +244,10 @@ spec:
 				x.v.Name, before, after, err)
 		}
 	}
-	for _, kind := range []peerRelay{stunnelPeer, haproxyPeer} {
+	for _, kind := range relayPairs {
+		if !kind.tls {
+			continue
+		}
 		if err := checkPeerTLS(ctx, kind, pc, dclient, c.plain.IPv4); err != nil {
 			return nil, err
 		}

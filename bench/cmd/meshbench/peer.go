@@ -43,24 +43,35 @@ import (
 var peerPorts = []int{iperfPort, fortioPort, echoPort}
 
 // peerRelay is one kind of peer: where its client side listens in the
-// client pod, the TLS port its server side uses for each application port,
-// its two configurations and how to run it in the foreground.
+// client pod, the port its server side listens on for each application port
+// (TLS, but for the plain pair), its two configurations and how to run it in
+// the foreground.
 type peerRelay struct {
 	variant string
 	local   netip.Addr
-	tlsBase int
-	configs func(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string)
+	tls     bool
+	hopBase int
+	configs func(pc peerCerts, server netip.Addr, hopPort func(int) int, local netip.Addr) (clientConf, serverConf string)
 	argv    func(conf string) (string, []string)
 }
 
-func (p peerRelay) tlsPort(port int) int { return p.tlsBase + port }
+func (p peerRelay) hopPort(port int) int { return p.hopBase + port }
 
 var (
-	stunnelPeer = peerRelay{variant: "peer-stunnel", local: netip.MustParseAddr("127.0.0.1"), tlsBase: 10000,
+	stunnelPeer = peerRelay{variant: "peer-stunnel", local: netip.MustParseAddr("127.0.0.1"), tls: true, hopBase: 10000,
 		configs: stunnelConfigs, argv: func(conf string) (string, []string) { return "stunnel", []string{conf} }}
-	haproxyPeer = peerRelay{variant: "peer-haproxy", local: netip.MustParseAddr("127.0.0.2"), tlsBase: 20000,
-		configs: haproxyConfigs, argv: func(conf string) (string, []string) { return "haproxy", []string{"-db", "-f", conf} }}
+	haproxyPeer = peerRelay{variant: "peer-haproxy", local: netip.MustParseAddr("127.0.0.2"), tls: true, hopBase: 20000,
+		configs: haproxyConfigs, argv: haproxyArgv}
+	// plainPair is HAProxy's pair without TLS: not a peer the mesh competes
+	// with but the floor under every relay pair's latency here, the cost of
+	// two user-space processes on the path with no cryptography.
+	plainPair = peerRelay{variant: "plain-pair", local: netip.MustParseAddr("127.0.0.3"), hopBase: 30000,
+		configs: haproxyPlainConfigs, argv: haproxyArgv}
+	// relayPairs are the pairs the suite runs, TLS peers first.
+	relayPairs = []peerRelay{stunnelPeer, haproxyPeer, plainPair}
 )
+
+func haproxyArgv(conf string) (string, []string) { return "haproxy", []string{"-db", "-f", conf} }
 
 // The names in the peer's certificates.
 const (
@@ -186,7 +197,7 @@ debug = warning
 `
 
 // stunnelConfigs returns the client-side and server-side configuration.
-func stunnelConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
+func stunnelConfigs(pc peerCerts, server netip.Addr, hopPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
 	var c, s strings.Builder
 	c.WriteString(stunnelGlobal)
 	c.WriteString("client = yes\n")
@@ -196,8 +207,8 @@ func stunnelConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, loca
 	s.WriteString(stunnelTLS(pc, pc.ServerCert, pc.ServerKey))
 	s.WriteString("checkHost = " + peerClientName + "\n")
 	for _, p := range peerPorts {
-		fmt.Fprintf(&c, "\n[app%d]\naccept = %s\nconnect = %s\n", p, hostPort(local, p), hostPort(server, tlsPort(p)))
-		fmt.Fprintf(&s, "\n[app%d]\naccept = %s\nconnect = 127.0.0.1:%d\n", p, hostPort(server, tlsPort(p)), p)
+		fmt.Fprintf(&c, "\n[app%d]\naccept = %s\nconnect = %s\n", p, hostPort(local, p), hostPort(server, hopPort(p)))
+		fmt.Fprintf(&s, "\n[app%d]\naccept = %s\nconnect = 127.0.0.1:%d\n", p, hostPort(server, hopPort(p)), p)
 	}
 	return c.String(), s.String()
 }
@@ -205,7 +216,24 @@ func stunnelConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, loca
 // haproxyConfigs returns HAProxy's client-side and server-side
 // configuration: TCP mode, TLS 1.3 only with AES-128-GCM on both ends,
 // each side verifying the other's chain and name, no logging.
-func haproxyConfigs(pc peerCerts, server netip.Addr, tlsPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
+func haproxyConfigs(pc peerCerts, server netip.Addr, hopPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
+	tlsOpts := "ssl-min-ver TLSv1.3 ssl-max-ver TLSv1.3 ciphersuites TLS_AES_128_GCM_SHA256"
+	clientTLS := fmt.Sprintf(" ssl crt %s ca-file %s verify required verifyhost %s %s", pc.ClientPEM, pc.CA, peerServerName, tlsOpts)
+	serverTLS := fmt.Sprintf(" ssl crt %s ca-file %s verify required %s", pc.ServerPEM, pc.CA, tlsOpts)
+	serverCheck := fmt.Sprintf("    tcp-request session reject unless { ssl_c_s_dn(CN) -m str %s }\n", peerClientName)
+	return haproxyPairConfigs(server, hopPort, local, clientTLS, serverTLS, serverCheck)
+}
+
+// haproxyPlainConfigs is haproxyConfigs without TLS: the same processes,
+// hops and settings, carrying plaintext.
+func haproxyPlainConfigs(_ peerCerts, server netip.Addr, hopPort func(int) int, local netip.Addr) (clientConf, serverConf string) {
+	return haproxyPairConfigs(server, hopPort, local, "", "", "")
+}
+
+// haproxyPairConfigs writes the pair's two configurations in TCP mode, the
+// client side's server line ending in clientTLS, the server side's bind line
+// in serverTLS followed by serverCheck.
+func haproxyPairConfigs(server netip.Addr, hopPort func(int) int, local netip.Addr, clientTLS, serverTLS, serverCheck string) (clientConf, serverConf string) {
 	const head = `global
     maxconn 4096
 defaults
@@ -214,16 +242,12 @@ defaults
     timeout client 5m
     timeout server 5m
 `
-	tlsOpts := "ssl-min-ver TLSv1.3 ssl-max-ver TLSv1.3 ciphersuites TLS_AES_128_GCM_SHA256"
 	var c, s strings.Builder
 	c.WriteString(head)
 	s.WriteString(head)
 	for _, p := range peerPorts {
-		fmt.Fprintf(&c, "listen app%d\n    bind %s\n    server peer %s ssl crt %s ca-file %s verify required verifyhost %s %s\n",
-			p, hostPort(local, p), hostPort(server, tlsPort(p)), pc.ClientPEM, pc.CA, peerServerName, tlsOpts)
-		fmt.Fprintf(&s, "listen tls%d\n    bind %s ssl crt %s ca-file %s verify required %s\n"+
-			"    tcp-request session reject unless { ssl_c_s_dn(CN) -m str %s }\n    server app 127.0.0.1:%d\n",
-			p, hostPort(server, tlsPort(p)), pc.ServerPEM, pc.CA, tlsOpts, peerClientName, p)
+		fmt.Fprintf(&c, "listen app%d\n    bind %s\n    server peer %s%s\n", p, hostPort(local, p), hostPort(server, hopPort(p)), clientTLS)
+		fmt.Fprintf(&s, "listen hop%d\n    bind %s%s\n%s    server app 127.0.0.1:%d\n", p, hostPort(server, hopPort(p)), serverTLS, serverCheck, p)
 	}
 	return c.String(), s.String()
 }
@@ -231,7 +255,7 @@ defaults
 // setupPeer starts a peer pair: the server side in pod server, the client
 // side in pod client. It returns both processes, client first.
 func setupPeer(ctx context.Context, r *netnstest.Runner, kind peerRelay, pc peerCerts, dir string, client, server *netnstest.Pod) ([]*child, error) {
-	cconf, sconf := kind.configs(pc, server.IPv4, kind.tlsPort, kind.local)
+	cconf, sconf := kind.configs(pc, server.IPv4, kind.hopPort, kind.local)
 	var children []*child
 	for _, side := range []struct {
 		name, conf string
@@ -239,7 +263,7 @@ func setupPeer(ctx context.Context, r *netnstest.Runner, kind peerRelay, pc peer
 		addr       netip.Addr
 		port       func(int) int
 	}{
-		{"server", sconf, server, server.IPv4, kind.tlsPort},
+		{"server", sconf, server, server.IPv4, kind.hopPort},
 		{"client", cconf, client, kind.local, func(p int) int { return p }},
 	} {
 		file := filepath.Join(dir, kind.variant+"-"+side.name+".conf")
@@ -300,7 +324,7 @@ func checkPeerTLS(ctx context.Context, kind peerRelay, pc peerCerts, client *net
 	if err != nil {
 		return err
 	}
-	addr := hostPort(server, kind.tlsPort(echoPort))
+	addr := hostPort(server, kind.hopPort(echoPort))
 	echo := func(withCert bool) (tls.ConnectionState, error) {
 		cfg := &tls.Config{RootCAs: roots, ServerName: peerServerName, MinVersion: tls.VersionTLS13}
 		if withCert {

@@ -76,6 +76,12 @@ func (r *results) printTables(w io.Writer) {
 	}
 
 	r.peerSection(w)
+	if rows := r.addedP99Rows(); len(rows) > 0 {
+		fmt.Fprintf(w, "\nHTTP p99 added to direct's at the fixed load (ms), paired by round, median [rounds]\n")
+		for _, row := range rows {
+			fmt.Fprintf(w, "  %-16s %s   [%s]\n", row.variant, num(row.median), strings.Join(row.rounds, " "))
+		}
+	}
 	if _, ok := r.Samples[altVariant]; ok {
 		fmt.Fprintf(w, "\nOn/off: %s (%s) / meshed-cross, paired by round, median [min-max]\n", altVariant, r.cfg.altDesc())
 		for _, md := range r.Metrics {
@@ -92,7 +98,7 @@ func (r *results) printTables(w io.Writer) {
 		{fmt.Sprintf("CPU at %d qps", r.cfg.HTTPQPS), "vcpu_at_qps", "vCPU"},
 		{fmt.Sprintf("RSS at %d qps", r.cfg.HTTPQPS), "rss_at_qps", "MiB"},
 	} {
-		for _, v := range append([]string{"meshed-cross", "meshed-same", altVariant}, peerVariants...) {
+		for _, v := range append([]string{"meshed-cross", "meshed-same", altVariant, plainPair.variant}, peerVariants...) {
 			var cells []string
 			for _, node := range []string{"node1", "node2", "node3", "node4", "client", "server"} {
 				if s, ok := r.get(v, row.key+"@"+node); ok {
@@ -188,6 +194,7 @@ func (r *results) markdown(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+	defer r.addedP99Markdown(w)
 	defer r.peerMarkdown(w)
 	fmt.Fprintf(w, "\nmin-max over %d rounds:\n\n| variant |", r.cfg.Runs)
 	for _, md := range r.Metrics {
@@ -426,6 +433,50 @@ func (r *results) peerSectionFor(w io.Writer, peer string) {
 			}
 			fmt.Fprintf(w, "  %-58s %s× [%s-%s] (want %s %s×): %s\n", t.What, num(med), num(lo), num(hi), op, num(t.Want), verdict)
 		}
+	}
+}
+
+// addedP99Row is one variant's HTTP p99 minus direct's, per round.
+type addedP99Row struct {
+	variant string
+	median  float64
+	rounds  []string
+}
+
+// addedP99Rows lists, for every variant that ran the fixed HTTP load, the p99
+// it adds to direct's in the same round. Side by side they show what a
+// user-space hop costs the tail on this machine whatever it does: the
+// one-process paths (capture-only, iptables-tproxy, meshed-same) against the
+// pairs (meshed-cross, the peers, plain-pair).
+func (r *results) addedP99Rows() []addedP99Row {
+	var rows []addedP99Row
+	for _, v := range r.Variants {
+		if v.Name == "direct" {
+			continue
+		}
+		vals := r.perRound(v.Name, "direct", "http_p99", func(x, y float64) (float64, bool) { return x - y, true })
+		if len(vals) == 0 {
+			continue
+		}
+		row := addedP99Row{variant: v.Name}
+		row.median, _, _ = stats(vals)
+		for _, x := range vals {
+			row.rounds = append(row.rounds, num(x))
+		}
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+// addedP99Markdown is addedP99Rows as a table.
+func (r *results) addedP99Markdown(w io.Writer) {
+	rows := r.addedP99Rows()
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\nHTTP p99 added to direct's at the fixed load, per round:\n\n| variant | median (ms) | rounds |\n| --- | ---: | --- |\n")
+	for _, row := range rows {
+		fmt.Fprintf(w, "| %s | %s | %s |\n", row.variant, num(row.median), strings.Join(row.rounds, ", "))
 	}
 }
 
