@@ -221,8 +221,11 @@ func (r *results) pairedRatio(a, b, key string) (summary, bool) {
 
 // pairedDiff is a-b per round for one metric.
 func (r *results) pairedDiff(a, b, key string) (summary, bool) {
-	return r.paired(a, b, key, func(x, y float64) (float64, bool) { return x - y, true })
+	return r.paired(a, b, key, minus)
 }
+
+// minus is x-y as a per-round operation.
+func minus(x, y float64) (float64, bool) { return x - y, true }
 
 func (r *results) paired(a, b, key string, op func(x, y float64) (float64, bool)) (summary, bool) {
 	vals := r.perRound(a, b, key, op)
@@ -454,7 +457,7 @@ func (r *results) addedP99Rows() []addedP99Row {
 		if v.Name == "direct" {
 			continue
 		}
-		vals := r.perRound(v.Name, "direct", "http_p99", func(x, y float64) (float64, bool) { return x - y, true })
+		vals := r.perRound(v.Name, "direct", "http_p99", minus)
 		if len(vals) == 0 {
 			continue
 		}
