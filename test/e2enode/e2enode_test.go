@@ -23,6 +23,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -211,6 +212,7 @@ func TestRealNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	waitServiceEndpoint(ctx, t, n, meshNS, "server", serverIP)
 
 	t.Run("NewPodsEnrolledAtCNIAdd", func(t *testing.T) {
 		// The annotation is written when the pod is enrolled; for a pod created after the
@@ -743,6 +745,32 @@ func podGet(ctx context.Context, n *Node, ns, pod, url string) (string, error) {
 		return "", fmt.Errorf("GET %s from %s/%s: %q", url, ns, pod, out)
 	}
 	return body, nil
+}
+
+// waitServiceEndpoint waits until the cluster lists ip as a ready endpoint of Service ns/name.
+// The EndpointSlice controller can trail a pod's Ready condition by seconds (it retries with
+// backoff when its own cache is behind), and no agent can route a Service VIP to an endpoint the
+// cluster has not published yet: a request to the VIP before then is refused, as it should be.
+func waitServiceEndpoint(ctx context.Context, t *testing.T, n *Node, ns, name, ip string) {
+	t.Helper()
+	err := waitFor(ctx, podTimeout, fmt.Sprintf("%s as a ready endpoint of Service %s/%s", ip, ns, name), func() error {
+		list, err := n.Client.DiscoveryV1().EndpointSlices(ns).List(ctx, metav1.ListOptions{LabelSelector: discoveryv1.LabelServiceName + "=" + name})
+		if err != nil {
+			return err
+		}
+		for _, s := range list.Items {
+			for _, e := range s.Endpoints {
+				// A nil Ready is an unknown state, which consumers are to read as ready.
+				if (e.Conditions.Ready == nil || *e.Conditions.Ready) && slices.Contains(e.Addresses, ip) {
+					return nil
+				}
+			}
+		}
+		return fmt.Errorf("%d EndpointSlices, none with %s ready", len(list.Items), ip)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // onNode puts a pod on a given node (no scheduling).

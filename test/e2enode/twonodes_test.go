@@ -91,6 +91,7 @@ func TestTwoNodes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	waitServiceEndpoint(ctx, t, a, meshNS, "server", serverIP)
 	get := func(ns, pod, url string) (string, error) { return podGet(ctx, a, ns, pod, url) }
 
 	t.Run("MeshedAcrossNodes", func(t *testing.T) {
