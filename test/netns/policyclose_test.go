@@ -318,12 +318,16 @@ func TestAcceptSurvivesFDExhaustion(t *testing.T) {
 	for range 40 {
 		dial(netip.AddrPortFrom(server.IPv4, 15008))
 	}
-	// Now the inbound plaintext listener's accept has no fd to take.
-	for range 3 {
-		dial(dst)
-	}
+	// Now the inbound plaintext listener's accept has no fd to take, once the
+	// HBONE listener has taken the last one: more HBONE connections wait in its
+	// backlog than the limit left room for, and its accept loop, backing off
+	// for at most a second, takes any fd the agent frees (a transient file,
+	// or a plaintext connection whose dial to the app failed for want of an
+	// fd). So plaintext connections keep coming until one meets EMFILE at
+	// accept, which none can do while a transient fd happens to be free.
 	backoff := regexp.MustCompile(`accept failed; retrying with backoff.* port=15006 .*too many open files`)
 	Eventually(t, 5*time.Second, func() error {
+		dial(dst)
 		if !backoff.MatchString(a.Log()) {
 			return fmt.Errorf("no EMFILE backoff logged for port 15006:\n%s", tail(a.Log(), 20))
 		}
