@@ -180,11 +180,11 @@ func (s *settings) require(values ...*string) error {
 func addLimitSettings(s *settings) func() (tunnel.Limits, error) {
 	def := tunnel.DefaultLimits()
 	node := s.add("max-connections", "MAX_CONNECTIONS", strconv.Itoa(def.PerNode),
-		"open connections per capture listener kind (outbound, inbound plaintext) on this node; more are reset and counted")
+		"open connections per kind (outbound, inbound plaintext, inbound HBONE tunnels) on this node; more are refused and counted")
 	pod := s.add("max-connections-per-pod", "MAX_CONNECTIONS_PER_POD", strconv.Itoa(def.PerPod),
-		"open connections per capture listener kind of one pod")
+		"open connections per kind of one pod")
 	src := s.add("max-connections-per-source", "MAX_CONNECTIONS_PER_SOURCE", strconv.Itoa(def.PerSource),
-		"open inbound plaintext connections from one client address on this node")
+		"open inbound connections from one client address on this node, plaintext and HBONE tunnels each")
 	return func() (tunnel.Limits, error) {
 		var l tunnel.Limits
 		for _, v := range []struct {

@@ -213,8 +213,8 @@ func TestConnectionLimits(t *testing.T) {
 	r2()
 	r3()
 	ro()
-	if len(lim.bySource) != 1 {
-		t.Errorf("per-source map keeps %d entries, want only the open one", len(lim.bySource))
+	if n := len(lim.bySource[listenerInbound]); n != 1 {
+		t.Errorf("per-source map keeps %d entries, want only the open one", n)
 	}
 
 	// Through the accept loop: the refused connection is closed at once,

@@ -93,7 +93,8 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 
 // handleHBONE decides one CONNECT stream: the authority must be an address
 // of this pod (the tunnel is never an open proxy), the client identity must
-// pass authorization, then the app is dialled. The texts sent back to the
+// pass authorization, the tunnel must fit the node's, the pod's and the
+// source's budgets (Limits), then the app is dialled. The texts sent back to the
 // peer name no local detail (netns paths, errors of local calls): those
 // are only logged.
 func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.Response {
@@ -149,15 +150,25 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	}
 	podID := t.identityOf(podW)
 	conn.dstID = podID
+	release, refusedBy := t.limits.acquire(listenerHBONE, p, client.Addr())
+	if refusedBy != "" {
+		p.untrack(ic)
+		t.cfg.Metrics.limitRefused.WithLabelValues(listenerHBONE.String(), refusedBy).Inc()
+		t.refusals.note(ctx, "HBONE tunnel refused: over the "+refusedBy+" connection limit",
+			"pod", p.uid, "client", peer.String(), "source", client, "dst", dst)
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "over the " + refusedBy + " connection limit"}
+	}
 	r := &inboundRequest{dst: dst, client: client.Addr(), peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
+		release()
 		p.untrack(ic)
 		t.cfg.Metrics.failed(ctx, conn, trace, err)
 		t.refusals.note(ctx, "inbound connect to the app failed", "client", peer.String(), "dst", dst, "error", err)
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: fmt.Sprintf("connect to %s: %s", dst, peerDialError(err))}
 	}
 	if !ic.connected(func() { resetConn(app) }) {
+		release()
 		p.untrack(ic)
 		t.cfg.Metrics.deniedConn(ctx, "authorization", conn, trace, errors.New("denied by a policy change"))
 		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy"}
@@ -165,6 +176,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	res := t.cfg.Metrics.open(conn, trace)
 	res.opened(ctx)
 	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, err error) {
+		release()
 		p.untrack(ic)
 		res.close(ctx, fromClient, toClient, err)
 	}}

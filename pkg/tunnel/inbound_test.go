@@ -3,11 +3,15 @@ package tunnel
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"net"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"strings"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
@@ -35,5 +39,76 @@ func TestHBONERequestChecks(t *testing.T) {
 		if resp.Upstream != nil || resp.Status != tc.status || !strings.Contains(resp.Reason, tc.reason) {
 			t.Errorf("target %v: status %d %q, want %d with %q", tc.target, resp.Status, resp.Reason, tc.status, tc.reason)
 		}
+	}
+}
+
+// HBONE tunnels to a pod's apps count against the node's, the pod's and
+// the source's budgets, apart from plaintext inbound: a mesh peer that
+// opens stream after stream (each an app socket) is refused with 503 and
+// counted once over its limit, and a slot comes back when a tunnel ends.
+// Loopback only: the "pod" is 127.0.0.1 in this namespace, its clients
+// 127.0.0.3 and 127.0.0.4.
+func TestHBONETunnelLimits(t *testing.T) {
+	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		Limits: Limits{PerNode: 10, PerPod: 10, PerSource: 2}})
+	app, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Close()
+	go func() {
+		for {
+			c, err := app.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	podAddr := netip.MustParseAddr("127.0.0.1")
+	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
+	p := testPod(tun, "uid-server", podAddr)
+	p.netns = "/proc/self/ns/net"
+	target := netip.AddrPortFrom(podAddr, uint16(app.Addr().(*net.TCPAddr).Port))
+	peerCert := &x509.Certificate{URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/mesh/sa/client"}}}
+	connect := func(src string) hbone.Response {
+		return p.handleHBONE(context.Background(), &hbone.ServerRequest{Target: target, Authority: target.String(),
+			TLS:        &tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{peerCert}},
+			RemoteAddr: &net.TCPAddr{IP: net.ParseIP(src), Port: 40000}, LocalAddr: &net.TCPAddr{IP: podAddr.AsSlice(), Port: 15008}})
+	}
+	accepted := func(r hbone.Response) bool {
+		if r.Upstream == nil {
+			return false
+		}
+		t.Cleanup(func() { r.Upstream.Close() })
+		return true
+	}
+	first, second := connect("127.0.0.3"), connect("127.0.0.3")
+	if !accepted(first) || !accepted(second) {
+		t.Fatalf("tunnels within the limits refused: %d %q, %d %q", first.Status, first.Reason, second.Status, second.Reason)
+	}
+	over := connect("127.0.0.3")
+	if accepted(over) || over.Status != http.StatusServiceUnavailable || !strings.Contains(over.Reason, "source connection limit") {
+		t.Fatalf("third tunnel from one source: status %d %q, want 503 over the source limit", over.Status, over.Reason)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.limitRefused.WithLabelValues("hbone", "source")); got != 1 {
+		t.Errorf("refused{hbone,source} = %v, want 1", got)
+	}
+	if other := connect("127.0.0.4"); !accepted(other) {
+		t.Errorf("another source refused: %d %q", other.Status, other.Reason)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.openConns.WithLabelValues("hbone")); got != 3 {
+		t.Errorf("open hbone gauge %v, want 3", got)
+	}
+	// Plaintext inbound has its own budget: the source's HBONE tunnels
+	// leave it whole.
+	if release, by := tun.limits.acquire(listenerInbound, p, netip.MustParseAddr("127.0.0.3")); by != "" {
+		t.Errorf("plaintext inbound from the same source refused by %q", by)
+	} else {
+		release()
+	}
+	first.Done(0, 0, nil)
+	if again := connect("127.0.0.3"); !accepted(again) {
+		t.Errorf("after a tunnel ended: %d %q, want accepted", again.Status, again.Reason)
 	}
 }

@@ -7,22 +7,27 @@ import (
 	"sync"
 )
 
-// Limits bound the connections the capture listeners (outbound 15001,
-// inbound plaintext 15006) hold open, so that a flood from one pod, or
-// from one plaintext client, cannot take every fd and byte of memory the
-// agent has. The outbound and inbound budgets are apart: a flood towards a
-// pod never stops pods' own outbound connections, nor the reverse.
-// A connection over a limit is reset at once, before any dial, and
-// counted in redirector_tunnel_refused_connections_total{listener,limit}.
-// HBONE (15008) has its own bounds in package hbone.
+// Limits bound the connections the agent holds open for pods: those of the
+// capture listeners (outbound 15001, inbound plaintext 15006) and the
+// tunnels HBONE (15008) clients open to a pod's apps, so that a flood from
+// one pod, from one plaintext client or from one mesh peer cannot take
+// every fd and byte of memory the agent has. Each kind has its own budget:
+// a flood towards a pod never stops pods' own outbound connections, and
+// plaintext clients never starve meshed ones, nor the reverse. A
+// connection over a limit is reset at once (an HBONE tunnel is refused
+// with 503), before any dial, and counted in
+// redirector_tunnel_refused_connections_total{listener,limit}. The HBONE
+// transport's own connections, handshakes and streams per connection are
+// bounded apart, in package hbone.
 type Limits struct {
-	// PerNode bounds the open connections of each listener kind over all
-	// pods of the node.
+	// PerNode bounds the open connections of each kind over all pods of
+	// the node.
 	PerNode int
-	// PerPod bounds the open connections of each listener kind of one pod.
+	// PerPod bounds the open connections of each kind of one pod.
 	PerPod int
-	// PerSource bounds the open inbound plaintext connections from one
-	// client address, over all pods of the node.
+	// PerSource bounds the open inbound connections from one client
+	// address over all pods of the node, plaintext and HBONE tunnels each
+	// on their own.
 	PerSource int
 }
 
@@ -34,8 +39,8 @@ type Limits struct {
 // commonly grant (the Go runtime raises the soft limit to the hard one),
 // and about 1.5 GB of idle relays: more than a node's pods normally open,
 // less than what would take the node down. 10,000 per pod leaves room for
-// the busiest proxies and gateways; 2,000 per plaintext client covers an
-// unmeshed ingress's connection pools to every pod of a node.
+// the busiest proxies and gateways; 2,000 per client covers an ingress's
+// connection pools to every pod of a node.
 func DefaultLimits() Limits { return Limits{PerNode: 30000, PerPod: 10000, PerSource: 2000} }
 
 // Validate reports a limit that is not positive.
@@ -51,23 +56,25 @@ func (l Limits) Validate() error {
 	return nil
 }
 
-// listenerKind is a capture listener whose connections are limited.
+// listenerKind is a kind of connection whose count is limited.
 type listenerKind int
 
 const (
-	listenerOutbound listenerKind = iota
-	listenerInbound
+	listenerOutbound listenerKind = iota // captured at 15001
+	listenerInbound                      // plaintext, captured at 15006
+	listenerHBONE                        // a tunnel (CONNECT stream) to a pod's app
 	numListeners
 )
 
-func (k listenerKind) String() string {
-	if k == listenerOutbound {
-		return "outbound"
-	}
-	return "inbound"
-}
+var listenerNames = [numListeners]string{"outbound", "inbound", "hbone"}
 
-// limiter counts the open connections of the node's capture listeners. One
+func (k listenerKind) String() string { return listenerNames[k] }
+
+// bySource reports whether k is limited per client address: inbound
+// kinds are, a pod's own outbound connections are not.
+func (k listenerKind) bySource() bool { return k != listenerOutbound }
+
+// limiter counts the open connections of the node's pods by kind. One
 // mutex guards the node, pod and source counts: it is taken twice per
 // connection, never while doing I/O.
 type limiter struct {
@@ -76,16 +83,21 @@ type limiter struct {
 
 	mu       sync.Mutex
 	node     [numListeners]int
-	bySource map[netip.Addr]int // inbound plaintext only; no zero entries
+	bySource [numListeners]map[netip.Addr]int // inbound kinds only; no zero entries
 }
 
 func newLimiter(lim Limits, m *Metrics) *limiter {
-	return &limiter{lim: lim, m: m, bySource: map[netip.Addr]int{}}
+	l := &limiter{lim: lim, m: m}
+	for k := range l.bySource {
+		l.bySource[k] = map[netip.Addr]int{}
+	}
+	return l
 }
 
-// acquire takes a slot for a new connection of pod p from src (used for
-// inbound only). It returns the limit that refused it ("node", "pod",
-// "source"), or a release to call exactly once when the connection closes.
+// acquire takes a slot for a new connection of pod p from src (src counts
+// for inbound kinds only). It returns the limit that refused it ("node",
+// "pod", "source"), or a release that may be called more than once (only
+// the first counts) when the connection closes.
 func (l *limiter) acquire(kind listenerKind, p *pod, src netip.Addr) (release func(), refusedBy string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -94,13 +106,13 @@ func (l *limiter) acquire(kind listenerKind, p *pod, src netip.Addr) (release fu
 		return nil, "node"
 	case p.open[kind] >= l.lim.PerPod:
 		return nil, "pod"
-	case kind == listenerInbound && l.bySource[src] >= l.lim.PerSource:
+	case kind.bySource() && l.bySource[kind][src] >= l.lim.PerSource:
 		return nil, "source"
 	}
 	l.node[kind]++
 	p.open[kind]++
-	if kind == listenerInbound {
-		l.bySource[src]++
+	if kind.bySource() {
+		l.bySource[kind][src]++
 	}
 	l.m.openConns.WithLabelValues(kind.String()).Inc()
 	var once sync.Once
@@ -112,9 +124,9 @@ func (l *limiter) release(kind listenerKind, p *pod, src netip.Addr) {
 	defer l.mu.Unlock()
 	l.node[kind]--
 	p.open[kind]--
-	if kind == listenerInbound {
-		if l.bySource[src]--; l.bySource[src] <= 0 {
-			delete(l.bySource, src)
+	if kind.bySource() {
+		if l.bySource[kind][src]--; l.bySource[kind][src] <= 0 {
+			delete(l.bySource[kind], src)
 		}
 	}
 	l.m.openConns.WithLabelValues(kind.String()).Dec()

@@ -97,10 +97,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_tunnel_pods", Help: "Pods whose tunnel listeners are open."}),
 		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "redirector_tunnel_open_connections",
-			Help: "Connections the capture listeners hold open on this node, by listener (outbound 15001, inbound plaintext 15006)."}, []string{"listener"}),
+			Help: "Connections the agent holds open for this node's pods, by listener (outbound 15001, inbound plaintext 15006, hbone: tunnels to pods' apps)."}, []string{"listener"}),
 		limitRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_tunnel_refused_connections_total",
-			Help: "Connections reset at accept because a connection limit (node, pod or source address) was reached, by listener and limit."}, []string{"listener", "limit"}),
+			Help: "Connections refused (reset at accept; HBONE tunnels answered 503) because a connection limit (node, pod or source address) was reached, by listener and limit."}, []string{"listener", "limit"}),
 		acceptErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_tunnel_accept_errors_total",
 			Help: "Failed accepts on the capture listeners (EMFILE, ENFILE, ENOBUFS, ...), each retried after a backoff, by listener."}, []string{"listener"}),
@@ -108,7 +108,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_policy_closed_connections_total",
 			Help: "Open inbound connections closed because a policy or workload change no longer allows them, by reason."}, []string{"reason"}),
 	}
-	for _, l := range []string{"outbound", "inbound"} {
+	for _, l := range listenerNames {
 		m.openConns.WithLabelValues(l)
 	}
 	m.cluster, m.access = DefaultCluster, newAccessLog(nil)
