@@ -151,7 +151,8 @@ func tail(s string, n int) string {
 
 // TestPlaintextFloodBoundedAndQuiet: plaintext connections from one
 // client address beyond MAX_CONNECTIONS_PER_SOURCE are reset at accept and
-// counted, never reach the app; a flood of refused connections (STRICT)
+// counted, never reach the app; so are a meshed client's HBONE tunnels
+// beyond their own per-source budget (refused with 503); a flood of refused connections (STRICT)
 // is counted one by one but logged in a line or two, not one per
 // connection. Before the fix, the tunnel held every connection and wrote
 // one INFO line per refusal.
@@ -222,6 +223,47 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 	Eventually(t, 5*time.Second, func() error {
 		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="inbound"`); n != 0 {
 			return fmt.Errorf("%v inbound connections still open after the client closed them", n)
+		}
+		return nil
+	})
+
+	// Meshed: HBONE tunnels from one client pod have a per-source budget of
+	// their own (each holds an app socket on the server's node). Over it, the
+	// CONNECT is refused with 503 before any dial, so the client's
+	// connection ends without reaching the app.
+	appConns.Store(0)
+	for range 2 * perSource {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		c, err := netns.Dial(ctx, client.Path(), "tcp", dst.String(), netns.SocketOptions{})
+		cancel()
+		if err != nil {
+			t.Fatalf("meshed connect: %v", err)
+		}
+		conns = append(conns, c)
+	}
+	ok = 0
+	for i, c := range conns {
+		if err := echoes(c, fmt.Sprint("meshed ", i)); err == nil {
+			ok++
+		}
+	}
+	text = scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics")
+	if ok != perSource || appConns.Load() != perSource {
+		t.Errorf("meshed: %d connections echo and the app saw %d, want %d each (the per-source limit)", ok, appConns.Load(), perSource)
+	}
+	if got := metricSum(text, "redirector_tunnel_refused_connections_total", `listener="hbone"`, `limit="source"`); got != perSource {
+		t.Errorf("refused{hbone,source} = %v, want %d", got, perSource)
+	}
+	if got := metricSum(text, "redirector_tunnel_open_connections", `listener="hbone"`); got != perSource {
+		t.Errorf("open hbone tunnels = %v, want %d", got, perSource)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	conns = nil
+	Eventually(t, 5*time.Second, func() error {
+		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="hbone"`); n != 0 {
+			return fmt.Errorf("%v HBONE tunnels still open after the client closed them", n)
 		}
 		return nil
 	})
