@@ -463,7 +463,9 @@ func (c *conn) readFrames() error {
 		if !errors.As(err, &se) {
 			return err
 		}
-		c.resetStream(se.StreamID, se.Code)
+		if err := c.resetStream(se.StreamID, se.Code); err != nil {
+			return err
+		}
 	}
 }
 
@@ -596,9 +598,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 			return err
 		}
 		if c.peerClosedRecently(id) {
-			if err := c.spendJunk("DATA on closed streams"); err != nil {
-				return err
-			}
+			// resetStream charges the junk budget for it.
 			return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
 		}
 		return nil
@@ -822,12 +822,20 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	early := !c.cfg.client && !s.answered.Load()
 	s.abort(err)
 	if early {
-		if c.cfg.onEarlyReset != nil {
-			c.cfg.onEarlyReset()
-		}
-		if !c.earlyResets.spend(time.Now().UnixNano()) {
-			return &floodError{reason: "too many streams reset before their response"}
-		}
+		return c.spendEarlyReset("too many streams reset before their response")
+	}
+	return nil
+}
+
+// spendEarlyReset counts a reset of a stream not yet answered (server) and
+// takes it from the peer's early-reset budget; a peer that spent the budget
+// floods. Only the reader calls it.
+func (c *conn) spendEarlyReset(reason string) error {
+	if c.cfg.onEarlyReset != nil {
+		c.cfg.onEarlyReset()
+	}
+	if !c.earlyResets.spend(time.Now().UnixNano()) {
+		return &floodError{reason: reason}
 	}
 	return nil
 }
@@ -858,9 +866,17 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 	return nil
 }
 
-// resetStream answers a stream error: RST_STREAM to the peer, and the local
-// stream (if any) fails.
-func (c *conn) resetStream(id uint32, code http2.ErrCode) {
+// resetStream answers a stream error the peer caused: RST_STREAM to the
+// peer, and the local stream (if any) fails. Only the reader calls it, for
+// every stream it resets because of what the peer sent, and it charges the
+// peer for the reset: a stream error costs the peer one frame and us a
+// handler cancelled mid-dial, as cheap for it as a reset it sends itself
+// (MadeYouReset, CVE-2025-8671). So the reset of a stream that was not yet
+// answered (server) spends the early-reset budget, as RST_STREAM from the
+// peer does (onReset), and any other (a stream already answered or gone,
+// a request refused) spends the junk budget. A returned error is a
+// flood: the connection goes with GOAWAY ENHANCE_YOUR_CALM.
+func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 	c.mu.Lock()
 	s := c.streams[id]
 	if !c.cfg.client && s == nil && id%2 == 1 && id > c.lastPeerID {
@@ -868,9 +884,16 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) {
 	}
 	c.mu.Unlock()
 	c.queue(ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)})
-	if s != nil {
-		s.abort(&ResetError{Code: code})
+	if s == nil {
+		return c.spendJunk("frames that make us reset streams")
 	}
+	// As in onReset, answered is read before abort cancels the handler.
+	early := !c.cfg.client && !s.answered.Load()
+	s.abort(&ResetError{Code: code})
+	if early {
+		return c.spendEarlyReset("too many streams we reset, for stream errors, before their response")
+	}
+	return c.spendJunk("frames that make us reset streams")
 }
 
 // queue hands a control frame to the control writer without blocking.

@@ -349,6 +349,13 @@ func TestJunkFrameFloods(t *testing.T) {
 		"WINDOW_UPDATE on a closed stream": func(rc *rawClient) error {
 			return rc.fr.WriteWindowUpdate(1, 1)
 		},
+		// The first resets stream 1 (an early reset), the others are
+		// stream errors on a stream already closed: each makes the server
+		// send RST_STREAM (MadeYouReset).
+		"WINDOW_UPDATE increment 0": func(rc *rawClient) error {
+			rc.fr.AllowIllegalWrites = true
+			return rc.fr.WriteWindowUpdate(1, 0)
+		},
 	}
 	for name, send := range floods {
 		t.Run(name, func(t *testing.T) {

@@ -74,8 +74,10 @@ type ServerOptions struct {
 	// MaxEarlyResets is how many streams a client may reset before they
 	// were answered, at once and again every 10 s; more close the
 	// connection with GOAWAY ENHANCE_YOUR_CALM (rapid reset,
-	// CVE-2023-44487). Default 100, what one pooled client connection
-	// (100 streams) can reset when all its CONNECTs time out together.
+	// CVE-2023-44487). Resets the server sends for stream errors the
+	// client caused count too (MadeYouReset, CVE-2025-8671). Default 100,
+	// what one pooled client connection (100 streams) can reset when all
+	// its CONNECTs time out together.
 	MaxEarlyResets int
 	// HandshakeTimeout bounds the TLS handshake and the HTTP/2 preface.
 	// Default 10s.
@@ -103,8 +105,10 @@ type ServerStats struct {
 	// ConnsRefused counts connections closed at accept because a
 	// ConnLimiter limit was reached.
 	ConnsRefused uint64
-	// StreamsEarlyReset counts streams the client reset before they were
-	// answered; ConnsFlood connections closed with GOAWAY
+	// StreamsEarlyReset counts streams reset before they were answered,
+	// by the client or by the server for a stream error the client caused
+	// (a bad WINDOW_UPDATE, a second HEADERS, DATA beyond the window...);
+	// ConnsFlood connections closed with GOAWAY
 	// ENHANCE_YOUR_CALM (too many of those, a full handler queue, or a
 	// flood of frames that carry nothing).
 	StreamsEarlyReset uint64
