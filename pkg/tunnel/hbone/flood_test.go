@@ -30,6 +30,7 @@ type rawFrame struct {
 	status int           // response HEADERS
 	ack    bool          // PING ack
 	ping   [8]byte       // PING data
+	inc    uint32        // WINDOW_UPDATE increment
 }
 
 // rawClient speaks raw HTTP/2 frames to a server connection over net.Pipe,
@@ -70,6 +71,8 @@ func newRawClient(t testing.TB, srv *Server) *rawClient {
 				rf.code = f.ErrCode
 			case *http2.PingFrame:
 				rf.ack, rf.ping = f.IsAck(), f.Data
+			case *http2.WindowUpdateFrame:
+				rf.inc = f.Increment
 			}
 			select {
 			case rc.frames <- rf:

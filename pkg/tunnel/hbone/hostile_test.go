@@ -71,3 +71,64 @@ func TestMadeYouReset(t *testing.T) {
 		})
 	}
 }
+
+// TestQueuedResetReturnsWindow: DATA buffered for a stream that waits in
+// the handler queue, and is reset there, goes back to the connection's
+// receive window at once: the server sends the connection-level
+// WINDOW_UPDATE while the running handler still blocks. Before the fix
+// only Close returned buffered bytes, and a queued stream that was reset
+// was never closed: 16 MB of such streams stalled every tunnel of the
+// connection for good.
+func TestQueuedResetReturnsWindow(t *testing.T) {
+	release, running := make(chan struct{}), make(chan struct{}, 1)
+	t.Cleanup(func() { close(release) })
+	srv, err := NewServer(ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 1,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			running <- struct{}{}
+			<-release // a handler that does not watch ctx
+			return Response{Status: 403}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	// Stream 1's handler holds the one handler slot after its reset;
+	// streams 3 and 5 queue behind it, 3 MB of DATA each, and are reset.
+	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	<-running
+	if err := rc.fr.WriteRSTStream(1, http2.ErrCodeCancel); err != nil {
+		t.Fatal(err)
+	}
+	payload := make([]byte, maxReadFrameSize)
+	for _, id := range []uint32{3, 5} {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+		for range 3 {
+			if err := rc.fr.WriteData(id, false, payload); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := rc.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const initial = connWindow - defaultWindow // the preface's WINDOW_UPDATE
+	f := rc.waitFor("connection-level WINDOW_UPDATE", func(f rawFrame) bool {
+		return f.typ == http2.FrameWindowUpdate && f.stream == 0 && f.inc != initial
+	})
+	if f.inc != 6*maxReadFrameSize {
+		t.Errorf("connection WINDOW_UPDATE of %d bytes, want the %d buffered", f.inc, 6*maxReadFrameSize)
+	}
+	select {
+	case <-running:
+		t.Error("a handler ran for a stream reset while queued")
+	default:
+	}
+}

@@ -392,17 +392,21 @@ func (srv *Server) runHandler(c *conn, p pendingStream) {
 }
 
 // handlerDone gives back a handler slot and starts the first queued
-// request whose stream is still open; requests reset while they waited
-// are dropped without running.
+// request whose stream is still open; requests whose stream ended while
+// they waited are dropped without running, and closed, which gives their
+// buffered bytes back to the connection window.
 func (srv *Server) handlerDone(c *conn) {
 	c.mu.Lock()
 	c.handlers--
 	var next *pendingStream
+	var dropped []*Stream
 	i := 0
 	for ; i < len(c.pending) && next == nil; i++ {
 		if p := c.pending[i]; p.s.ctx.Err() == nil {
 			next = &p
 			c.handlers++
+		} else {
+			dropped = append(dropped, p.s)
 		}
 		c.pending[i] = pendingStream{}
 	}
@@ -411,8 +415,27 @@ func (srv *Server) handlerDone(c *conn) {
 		c.pending = nil
 	}
 	c.mu.Unlock()
+	for _, s := range dropped {
+		s.Close()
+	}
 	if next != nil {
 		srv.runHandler(c, *next)
+	}
+}
+
+// releaseQueued closes s, just reset, if it waits in c's handler queue:
+// its handler will never run, and nothing else would read or release the
+// DATA it buffered, which would hold the connection's receive window
+// (shared by every stream of the conn) until a handler slot frees, however
+// long the running handlers take. The entry stays queued, as in x/net, so
+// streams reset faster than handlers end still fill the queue (handlerDone
+// drops it).
+func (c *conn) releaseQueued(s *Stream) {
+	c.mu.Lock()
+	queued := c.err == nil && slices.ContainsFunc(c.pending, func(p pendingStream) bool { return p.s == s })
+	c.mu.Unlock()
+	if queued {
+		s.Close() // reset already: no RST_STREAM, only the window back
 	}
 }
 
@@ -427,7 +450,10 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 		}
 	}()
 	if s.ctx.Err() != nil {
-		return // reset before its handler ran: nothing to answer, nothing to dial
+		// Reset before its handler ran: nothing to answer, nothing to
+		// dial, but the DATA it buffered goes back to the connection window.
+		s.Close()
+		return
 	}
 	req, status, reason, malformed := parseRequest(fields, truncated)
 	if status != 0 {

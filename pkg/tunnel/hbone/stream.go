@@ -200,7 +200,9 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 	return nil
 }
 
-// abort fails both directions of the stream with err and forgets it.
+// abort fails both directions of the stream with err and forgets it. A
+// server stream still waiting in the handler queue is closed too (releaseQueued):
+// nobody else would give its buffered bytes back to the connection window.
 func (s *Stream) abort(err error) {
 	if s.cancel != nil {
 		s.cancel()
@@ -220,6 +222,9 @@ func (s *Stream) abort(err error) {
 	c.sendCond.Broadcast()
 	c.mu.Unlock()
 	c.forget(s)
+	if !c.cfg.client {
+		c.releaseQueued(s)
+	}
 }
 
 // consumedLocked accounts n bytes taken by the application and returns the
