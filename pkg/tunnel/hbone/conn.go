@@ -247,9 +247,11 @@ type conn struct {
 	// relay it started ended, whatever happened to the stream meanwhile.
 	handlers int
 	pending  []pendingStream
-	// Client keepalive: when the outstanding PING went out (0: none).
-	pingTimer *time.Timer
-	pingSent  int64
+	// Client keepalive: when the outstanding PING went out (0: none), and
+	// the PINGs sent whose ack has not come (an ack beyond them is junk).
+	pingTimer    *time.Timer
+	pingSent     int64
+	pingsUnacked int
 
 	ctlWake chan struct{}
 	done    chan struct{}
@@ -267,6 +269,10 @@ type conn struct {
 	iov         [][]byte    // reused by deliverLocked (reader only)
 	earlyResets budget      // server: resets of streams not yet answered
 	junk        budget      // frames that cost work and carry nothing
+	// settingsUnacked counts our SETTINGS frames the peer has not acked
+	// (start sends one); an ack beyond them is a protocol error.
+	settingsUnacked int
+	goAwayRead      bool // a GOAWAY arrived: another one is junk
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -285,6 +291,8 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		blockReader:    blockReader{r: nc, left: -1},
 		earlyResets:    newBudget(cfg.maxEarlyResets, floodPeriod),
 		junk:           newBudget(junkBurst, floodPeriod),
+		// start sends our SETTINGS before the reader reads anything.
+		settingsUnacked: 1,
 	}
 	c.lastRead.Store(time.Now().UnixNano())
 	c.ctx, c.cancel = context.WithCancel(parent)
@@ -367,6 +375,7 @@ func (c *conn) keepalive() {
 	wake := false
 	if !dead && c.pingSent == 0 && now-last >= interval {
 		c.pingSent = now
+		c.pingsUnacked++
 		c.ctl = append(c.ctl, ctlFrame{typ: http2.FramePing, val: 1})
 		wake = true
 	}
@@ -484,12 +493,13 @@ func (c *conn) onFrame(f http2.Frame) error {
 	case *http2.WindowUpdateFrame:
 		return c.onWindowUpdate(f)
 	case *http2.PingFrame:
-		if !f.IsAck() {
-			if err := c.spendJunk("PING"); err != nil {
-				return err
-			}
-			c.queue(ctlFrame{typ: http2.FramePing, ping: f.Data})
+		if f.IsAck() {
+			return c.onPingAck()
 		}
+		if err := c.spendJunk("PING"); err != nil {
+			return err
+		}
+		c.queue(ctlFrame{typ: http2.FramePing, ping: f.Data})
 	case *http2.RSTStreamFrame:
 		return c.onReset(f)
 	case *http2.GoAwayFrame:
@@ -498,18 +508,35 @@ func (c *conn) onFrame(f http2.Frame) error {
 		// We never enable push, and a client cannot push.
 		return http2.ConnectionError(http2.ErrCodeProtocol)
 	case *http2.PriorityFrame:
-		if err := c.spendJunk("PRIORITY"); err != nil {
-			return err
+		if f.StreamDep == f.StreamID {
+			// Depends on itself (§5.3.1): a stream error like any other,
+			// which closes the stream (and the id, if idle) and is
+			// charged to the peer there.
+			return c.resetStream(f.StreamID, http2.ErrCodeProtocol)
 		}
-		if f.StreamDep == f.StreamID { // depends on itself (§5.3.1)
-			c.queue(ctlFrame{typ: http2.FrameRSTStream, id: f.StreamID, val: uint32(http2.ErrCodeProtocol)})
-		}
+		return c.spendJunk("PRIORITY")
 	default:
 		// Unknown frames are ignored (RFC 9113 §5.5), within the junk
 		// budget.
 		return c.spendJunk(f.Header().Type.String())
 	}
 	return nil
+}
+
+// onPingAck handles a PING ack: the answer to our keepalive PING, or, when
+// none is outstanding (a server never sends PINGs), a frame that carries
+// nothing and costs a read, like any other junk.
+func (c *conn) onPingAck() error {
+	c.mu.Lock()
+	solicited := c.pingsUnacked > 0
+	if solicited {
+		c.pingsUnacked--
+	}
+	c.mu.Unlock()
+	if solicited {
+		return nil
+	}
+	return c.spendJunk("unsolicited PING ack")
 }
 
 // notePeerClosedLocked remembers that the peer ended stream id.
@@ -572,11 +599,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
 	}
-	if payload == pad && !fh.Flags.Has(http2.FlagDataEndStream) {
-		if err := c.spendJunk("empty DATA"); err != nil {
-			return err
-		}
-	}
+	empty, end := payload == pad, fh.Flags.Has(http2.FlagDataEndStream)
 	c.mu.Lock()
 	if n > c.recvWindow {
 		c.mu.Unlock()
@@ -601,7 +624,18 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 			// resetStream charges the junk budget for it.
 			return http2.StreamError{StreamID: id, Code: http2.ErrCodeStreamClosed}
 		}
+		if empty {
+			// Even with END_STREAM, which ends nothing here: the ring of
+			// streams the peer closed is short, and older ids must not
+			// make free frames.
+			return c.spendJunk("empty DATA on closed streams")
+		}
 		return nil
+	}
+	if empty && !end {
+		if err := c.spendJunk("empty DATA"); err != nil {
+			return err
+		}
 	}
 	if payload-pad < directReadMin {
 		// Small payloads go through a pooled scratch buffer and are packed
@@ -616,7 +650,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		if err := c.skip(pad); err != nil {
 			return err
 		}
-		return s.onData(small, nil, n, fh.Flags.Has(http2.FlagDataEndStream))
+		return s.onData(small, nil, n, end)
 	}
 	chunks, err := c.readChunks(payload - pad)
 	if err != nil {
@@ -626,7 +660,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		recycleChunks(chunks)
 		return err
 	}
-	return s.onData(nil, chunks, n, fh.Flags.Has(http2.FlagDataEndStream))
+	return s.onData(nil, chunks, n, end)
 }
 
 // skip discards n payload bytes (padding, data of a closed stream).
@@ -688,11 +722,12 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	c.lastPeerID = id
 	if c.goAway || uint32(c.active) >= c.cfg.maxStreams {
 		c.mu.Unlock()
-		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(http2.ErrCodeRefusedStream)})
 		if c.cfg.onRefused != nil {
 			c.cfg.onRefused()
 		}
-		return nil
+		// Honest clients keep to the limit, and send few requests after
+		// our GOAWAY: a refused stream is junk.
+		return c.resetStream(id, http2.ErrCodeRefusedStream)
 	}
 	s = newStream(c, id)
 	s.sendWindow = c.peerInitWindow
@@ -705,6 +740,11 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 
 func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	if f.IsAck() {
+		if c.settingsUnacked == 0 {
+			// An ack of settings we never sent: x/net hangs up too.
+			return http2.ConnectionError(http2.ErrCodeProtocol)
+		}
+		c.settingsUnacked--
 		return nil
 	}
 	if err := c.spendJunk("SETTINGS"); err != nil {
@@ -843,6 +883,14 @@ func (c *conn) spendEarlyReset(reason string) error {
 // onGoAway handles GOAWAY; one with an error code is returned as a
 // *GoAwayError, which ends the conn.
 func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
+	if c.goAwayRead {
+		// A peer may send a second GOAWAY (a graceful shutdown's final
+		// one), but each walks every stream: more are junk.
+		if err := c.spendJunk("GOAWAY"); err != nil {
+			return err
+		}
+	}
+	c.goAwayRead = true
 	c.mu.Lock()
 	c.goAway = true
 	var unprocessed []*Stream

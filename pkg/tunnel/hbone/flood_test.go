@@ -332,40 +332,61 @@ func TestHandlerQueueFull(t *testing.T) {
 // ENHANCE_YOUR_CALM. Before the fix a client that read the answers could
 // send them forever.
 func TestJunkFrameFloods(t *testing.T) {
-	floods := map[string]func(rc *rawClient) error{
-		"PING": func(rc *rawClient) error { return rc.fr.WritePing(false, [8]byte{}) },
-		"SETTINGS": func(rc *rawClient) error {
+	type flood struct {
+		send func(rc *rawClient, i int) error // the i-th frame of the flood
+		// closed: stream 1 is refused (closed) before the flood, rather
+		// than kept open; maxStreams: the server's MaxConcurrentStreams.
+		closed     bool
+		maxStreams uint32
+	}
+	floods := map[string]flood{
+		"PING": {send: func(rc *rawClient, _ int) error { return rc.fr.WritePing(false, [8]byte{}) }},
+		"SETTINGS": {send: func(rc *rawClient, _ int) error {
 			return rc.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 0})
-		},
-		"empty DATA": func(rc *rawClient) error { return rc.fr.WriteData(1, false, nil) },
-		"SETTINGS with many entries": func(rc *rawClient) error {
+		}},
+		"empty DATA": {send: func(rc *rawClient, _ int) error { return rc.fr.WriteData(1, false, nil) }},
+		"SETTINGS with many entries": {send: func(rc *rawClient, _ int) error {
 			many := make([]http2.Setting, 10000)
 			for i := range many {
 				many[i] = http2.Setting{ID: http2.SettingInitialWindowSize, Val: uint32(i)}
 			}
 			return rc.fr.WriteSettings(many...)
-		},
-		"PRIORITY": func(rc *rawClient) error {
+		}},
+		"PRIORITY": {send: func(rc *rawClient, _ int) error {
 			return rc.fr.WritePriority(1, http2.PriorityParam{StreamDep: 0, Weight: 1})
-		},
-		"unknown frame": func(rc *rawClient) error { return rc.fr.WriteRawFrame(0x42, 0, 0, []byte("x")) },
-		"WINDOW_UPDATE on a closed stream": func(rc *rawClient) error {
+		}},
+		"unknown frame": {send: func(rc *rawClient, _ int) error { return rc.fr.WriteRawFrame(0x42, 0, 0, []byte("x")) }},
+		"WINDOW_UPDATE on a closed stream": {closed: true, send: func(rc *rawClient, _ int) error {
 			return rc.fr.WriteWindowUpdate(1, 1)
-		},
+		}},
 		// The first resets stream 1 (an early reset), the others are
 		// stream errors on a stream already closed: each makes the server
 		// send RST_STREAM (MadeYouReset).
-		"WINDOW_UPDATE increment 0": func(rc *rawClient) error {
+		"WINDOW_UPDATE increment 0": {send: func(rc *rawClient, _ int) error {
 			rc.fr.AllowIllegalWrites = true
 			return rc.fr.WriteWindowUpdate(1, 0)
-		},
+		}},
+		// Stream 1 was ended by the server, not by the client, so it is
+		// not in the ring of streams the client closed: DATA on it may be
+		// in flight, and is dropped, but an empty one carries nothing.
+		"empty DATA with END_STREAM on a closed stream": {closed: true, send: func(rc *rawClient, _ int) error {
+			return rc.fr.WriteData(1, true, nil)
+		}},
+		"HEADERS beyond MAX_CONCURRENT_STREAMS": {maxStreams: 1, send: func(rc *rawClient, i int) error {
+			return rc.connect(uint32(3+2*i), "10.0.0.1:80")
+		}},
+		"unsolicited PING ack": {send: func(rc *rawClient, _ int) error { return rc.fr.WritePing(true, [8]byte{}) }},
+		// The first says the client goes away; every one after it makes
+		// the server walk its streams again.
+		"GOAWAY": {send: func(rc *rawClient, _ int) error { return rc.fr.WriteGoAway(0, http2.ErrCodeNo, nil) }},
 	}
-	for name, send := range floods {
+	for name, fl := range floods {
 		t.Run(name, func(t *testing.T) {
 			srv, err := NewServer(ServerOptions{
-				TLSConfig: mustServerTLS(),
+				TLSConfig:            mustServerTLS(),
+				MaxConcurrentStreams: fl.maxStreams,
 				Handler: func(ctx context.Context, req *ServerRequest) Response {
-					if name == "WINDOW_UPDATE on a closed stream" {
+					if fl.closed {
 						return Response{Status: 403}
 					}
 					<-ctx.Done() // keep stream 1 open for empty DATA
@@ -380,11 +401,11 @@ func TestJunkFrameFloods(t *testing.T) {
 			if err := rc.connect(1, "10.0.0.1:80"); err != nil {
 				t.Fatal(err)
 			}
-			if name == "WINDOW_UPDATE on a closed stream" {
+			if fl.closed {
 				rc.waitFor("stream 1 refused", func(f rawFrame) bool { return f.typ == http2.FrameRSTStream && f.stream == 1 })
 			}
 			for i := 0; i < 3*junkBurst; i++ {
-				if send(rc) != nil {
+				if fl.send(rc, i) != nil {
 					break
 				}
 			}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"golang.org/x/net/http2"
 )
@@ -130,5 +131,84 @@ func TestQueuedResetReturnsWindow(t *testing.T) {
 	case <-running:
 		t.Error("a handler ran for a stream reset while queued")
 	default:
+	}
+}
+
+// TestUnsolicitedSettingsAck: a SETTINGS ack beyond the SETTINGS the server
+// sent is a connection error PROTOCOL_ERROR, as in x/net. Before the fix
+// the server ignored any number of them.
+func TestUnsolicitedSettingsAck(t *testing.T) {
+	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	for range 2 { // the first acks the server's SETTINGS
+		if err := rc.fr.WriteSettingsAck(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if code := rc.goAwayCode(); code != http2.ErrCodeProtocol {
+		t.Fatalf("GOAWAY %v, want PROTOCOL_ERROR", code)
+	}
+}
+
+// TestSelfDependentPriorityResets: a PRIORITY frame by which a stream
+// depends on itself (RFC 9113 §5.3.1) resets the stream the normal way: an
+// open stream is closed and its handler cancelled, and an idle one counts
+// as used, so HEADERS cannot open it afterwards. Before the fix the server
+// only sent RST_STREAM: the stream lived on, its handler ran, and the id
+// stayed open for a new request.
+func TestSelfDependentPriorityResets(t *testing.T) {
+	var handled atomic.Int64
+	started, cancelled := make(chan struct{}, 1), make(chan struct{}, 1)
+	srv, err := NewServer(ServerOptions{
+		TLSConfig: mustServerTLS(),
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			handled.Add(1)
+			started <- struct{}{}
+			select {
+			case <-ctx.Done():
+				cancelled <- struct{}{}
+			case <-time.After(5 * time.Second):
+			}
+			return Response{Status: 503}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	rc := newRawClient(t, srv)
+	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	<-started
+	if err := rc.fr.WritePriority(1, http2.PriorityParam{StreamDep: 1, Weight: 1}); err != nil {
+		t.Fatal(err)
+	}
+	f := rc.waitFor("RST_STREAM on stream 1", func(f rawFrame) bool { return f.typ == http2.FrameRSTStream && f.stream == 1 })
+	if f.code != http2.ErrCodeProtocol {
+		t.Errorf("stream 1 reset with %v, want PROTOCOL_ERROR", f.code)
+	}
+	select {
+	case <-cancelled:
+	case <-time.After(2 * time.Second):
+		t.Fatal("the handler of stream 1 was not cancelled by its reset")
+	}
+	// Idle stream 7: reset, so it is closed; HEADERS on it is a
+	// connection error (§5.1), not a new request.
+	if err := rc.fr.WritePriority(7, http2.PriorityParam{StreamDep: 7, Weight: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.connect(7, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	if code := rc.goAwayCode(); code != http2.ErrCodeStreamClosed {
+		t.Errorf("GOAWAY %v, want STREAM_CLOSED for HEADERS on a stream reset before", code)
+	}
+	if n := handled.Load(); n != 1 {
+		t.Errorf("%d handlers ran, want 1 (stream 1 only)", n)
 	}
 }
