@@ -506,3 +506,43 @@ func TestTuneSocket(t *testing.T) {
 		}
 	}
 }
+
+// A connection leaves with the identity of the pod whose namespace
+// captured it, never that of whichever pod its source address names: a
+// pod that spoofs another local pod's address (a raw socket,
+// IP_TRANSPARENT, the address added to its lo) is reset and counted before
+// any dial, on the direct and the service path, and so is a pod whose own
+// address the directory still gives to another pod (an address reused
+// before the old pod left the directory). Before, both left as the other pod.
+func TestOutboundSourceMustBeTheCapturingPod(t *testing.T) {
+	var logs bytes.Buffer
+	tun := newTestTunnel(t, &logs)
+	tun.Update(&State{Dir: waypointDir(t, nil)})
+	client := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	reused := testPod(tun, "uid-newcomer", netip.MustParseAddr("10.1.0.3"))
+	for _, tc := range []struct {
+		p        *pod
+		src, dst string
+	}{
+		{client, "10.1.0.2:40000", "10.1.0.3:8080"}, // the server's address, to a meshed pod
+		{client, "10.1.0.2:40001", "10.96.0.2:80"},  // the same, to a service VIP
+		{reused, "10.1.0.3:40002", "10.1.0.2:8080"}, // its own address, still "other" in the directory
+		{reused, "10.1.0.3:40003", "10.96.0.2:80"},
+	} {
+		c := newFakeConn(tc.dst, tc.src)
+		tc.p.handleOutbound(c)
+		if !c.closed.Load() {
+			t.Errorf("pod %s, %s -> %s: connection left open", tc.p.uid, tc.src, tc.dst)
+		}
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("foreign_source")); got != 4 {
+		t.Errorf("fail_closed{foreign_source} = %v, want 4", got)
+	}
+	// The log is rate-limited: the first refusal names its reason.
+	if !strings.Contains(logs.String(), "not an address of pod uid-client") {
+		t.Errorf("refusal not logged with the reason:\n%s", logs.String())
+	}
+	if _, _, err := reused.self(netip.MustParseAddr("10.1.0.3")); err == nil || !strings.Contains(err.Error(), "belongs to mesh/other") {
+		t.Errorf("self of a reused address: %v, want it to name the directory's pod", err)
+	}
+}

@@ -76,7 +76,7 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 	tlsConf := &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
-			_, id, err := t.localWorkload(p.addrs[0])
+			_, id, err := p.self(p.addrs[0])
 			if err != nil {
 				return nil, fmt.Errorf("pod %s has no identity: %w", p.uid, err)
 			}

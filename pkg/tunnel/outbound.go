@@ -26,11 +26,11 @@ func (p *pod) handleOutbound(c net.Conn) {
 	t := p.t
 	src, dst := addrPortOf(c.RemoteAddr()), addrPortOf(c.LocalAddr())
 	ctx := p.ctx
-	srcW, srcID, err := t.localWorkload(src.Addr())
+	srcW, srcID, err := p.self(src.Addr())
 	if err != nil {
 		// Fail closed: without the source identity nothing may leave.
-		t.cfg.Metrics.failClosed.WithLabelValues("unknown_source").Inc()
-		t.failures.note(ctx, "outbound refused: no workload at the source address", "src", src, "dst", dst, "error", err)
+		t.cfg.Metrics.failClosed.WithLabelValues(sourceFailure(err)).Inc()
+		t.failures.note(ctx, "outbound refused: no identity for the source address", "pod", p.uid, "src", src, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}

@@ -144,9 +144,10 @@ var errNoEndpoint = errors.New("no ready endpoint")
 // connection is refused; it is never sent to the VIP in plaintext.
 func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Service, src, dst netip.AddrPort) {
 	t := p.t
-	srcW, srcID, err := t.localWorkload(src.Addr())
+	srcW, srcID, err := p.self(src.Addr())
 	if err != nil {
-		t.cfg.Metrics.failClosed.WithLabelValues("unknown_source").Inc()
+		t.cfg.Metrics.failClosed.WithLabelValues(sourceFailure(err)).Inc()
+		t.failures.note(ctx, "outbound refused: no identity for the source address", "pod", p.uid, "src", src, "dst", dst, "error", err)
 		resetConn(c)
 		return
 	}

@@ -307,14 +307,37 @@ func (t *Tunnel) Shutdown(ctx context.Context) error {
 	return nil
 }
 
-// localWorkload returns the enrolled pod at addr, which must be one this
-// tunnel serves.
-func (t *Tunnel) localWorkload(addr netip.Addr) (*workload.Workload, identity.ID, error) {
-	w, ok := t.State().Dir.ByAddr(addr.Unmap())
-	if !ok {
-		return nil, identity.ID{}, fmt.Errorf("no workload known at %s", addr)
+// errForeignSource means a connection captured in one pod's namespace
+// carries an address that is not that pod's: another local pod's address
+// spoofed (a raw socket, IP_TRANSPARENT, an address added to lo), to leave
+// with that pod's identity.
+var errForeignSource = errors.New("source address is not the capturing pod's")
+
+// self returns p's own workload and identity for a connection from src,
+// which must be one of p's addresses in a directory entry that is p itself.
+// Identity follows the namespace a connection was captured in (the
+// listener's pod), as ztunnel's in-pod mode does, never the address alone.
+func (p *pod) self(src netip.Addr) (*workload.Workload, identity.ID, error) {
+	src = src.Unmap()
+	if !p.owns(src) {
+		return nil, identity.ID{}, fmt.Errorf("%w: %s is not an address of pod %s", errForeignSource, src, p.uid)
 	}
-	return w, t.identityOf(w), nil
+	w, ok := p.t.State().Dir.ByAddr(src)
+	switch {
+	case !ok:
+		return nil, identity.ID{}, fmt.Errorf("no workload known at %s", src)
+	case w.Key() != p.uid:
+		return nil, identity.ID{}, fmt.Errorf("%w: %s belongs to %s/%s in the directory, not to pod %s", errForeignSource, src, w.Namespace, w.Name, p.uid)
+	}
+	return w, p.t.identityOf(w), nil
+}
+
+// sourceFailure is the fail-closed reason for an error of self.
+func sourceFailure(err error) string {
+	if errors.Is(err, errForeignSource) {
+		return "foreign_source"
+	}
+	return "unknown_source"
 }
 
 func (t *Tunnel) identityOf(w *workload.Workload) identity.ID {

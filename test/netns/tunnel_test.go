@@ -504,6 +504,39 @@ func TestPodsNeverShareHBONEConnections(t *testing.T) {
 	}
 }
 
+// TestSpoofedLocalSourceFailsClosed: a pod that sends from another local
+// pod's address (here added to its own lo, as a pod with NET_ADMIN could;
+// raw sockets or IP_TRANSPARENT need only NET_RAW) is captured in its own
+// namespace, and the agent refuses the connection there rather than tunnel
+// it with the other pod's identity. Before, it left as the other pod.
+func TestSpoofedLocalSourceFailsClosed(t *testing.T) {
+	var a, b, c *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		a, b, c = tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b"), tp.Nodes[1].AddPod("c")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").
+			Pod(a, "mesh", "a-sa").Pod(b, "mesh", "b-sa").Pod(c, "mesh", "c-sa").Raw(strictMesh)
+	})
+	HTTPApp(t, c, 8080, "c")
+	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(a, URL(c.IPv4, 8080)); return err })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if out, err := Exec(ctx, a.Path(), "ip", "addr", "add", b.IPv4.String()+"/32", "dev", "lo"); err != nil {
+		t.Fatalf("add b's address to a's lo: %v: %s", err, out)
+	}
+	out, err := Exec(ctx, a.Path(), "curl", "-sS", "-g", "--max-time", "5", "--interface", b.IPv4.String(), URL(c.IPv4, 8080))
+	if err == nil {
+		t.Fatalf("a reached c from b's address: %q", out)
+	}
+	text := scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics")
+	if got := metricSum(text, "redirector_fail_closed_total", `reason="foreign_source"`); got < 1 {
+		t.Errorf("fail_closed{foreign_source} = %v, want at least 1", got)
+	}
+	if strings.Contains(ms.agents[1].Log(), "spiffe://cluster.local/ns/mesh/sa/b-sa") {
+		t.Errorf("c's agent saw a connection as b:\n%s", ms.agents[1].Log())
+	}
+}
+
 func TestSameNodeIsMeshed(t *testing.T) {
 	strict := strictMesh
 	var a, b, plain *Pod
