@@ -163,29 +163,51 @@ func checkRuntimeClass(cfg Config, pod *corev1.Pod, lookup HandlerLookup) *Decis
 }
 
 // PodAddrs returns the pod's addresses from status.podIPs, or status.podIP
-// when podIPs is empty. The error names the pod and the bad string, so one
-// malformed pod can be reported and skipped.
+// when podIPs is empty. An address that does not parse (or has a zone) is a
+// *PodAddrError naming the pod, the field and the bad string: the pod
+// object is malformed, so callers keep what they had of the pod rather
+// than drop it (see PodAddrError).
 func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
-	raw := make([]string, 0, len(pod.Status.PodIPs))
-	for _, ip := range pod.Status.PodIPs {
-		raw = append(raw, ip.IP)
+	type field struct{ name, value string }
+	raw := make([]field, 0, len(pod.Status.PodIPs))
+	for i, ip := range pod.Status.PodIPs {
+		raw = append(raw, field{fmt.Sprintf("status.podIPs[%d].ip", i), ip.IP})
 	}
 	if len(raw) == 0 && pod.Status.PodIP != "" {
-		raw = append(raw, pod.Status.PodIP)
+		raw = append(raw, field{"status.podIP", pod.Status.PodIP})
 	}
 	addrs := make([]netip.Addr, 0, len(raw))
-	for _, s := range raw {
-		a, err := netip.ParseAddr(s)
+	for _, f := range raw {
+		a, err := netip.ParseAddr(f.value)
 		if err == nil && a.Zone() != "" {
 			err = errors.New("zone not allowed")
 		}
 		if err != nil {
-			return nil, fmt.Errorf("pod %s/%s: bad IP %q: %w", pod.Namespace, pod.Name, s, err)
+			return nil, &PodAddrError{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), Field: f.name, Value: f.value, Err: err}
 		}
 		addrs = append(addrs, a.Unmap())
 	}
 	return addrs, nil
 }
+
+// PodAddrError is a pod address that does not parse: the pod object is
+// malformed (an edited manifest, a half-written status), not a pod that
+// left. A source must not take it for the pod's removal: enrollment would
+// be dropped and the pod's traffic leave the mesh. The file source refuses
+// the load; the others keep the pod's last good version.
+type PodAddrError struct {
+	Namespace, Name, UID string
+	// Field is where the address is: status.podIPs[i].ip or status.podIP.
+	Field string
+	Value string
+	Err   error
+}
+
+func (e *PodAddrError) Error() string {
+	return fmt.Sprintf("pod %s/%s: %s: bad IP %q: %v", e.Namespace, e.Name, e.Field, e.Value, e.Err)
+}
+
+func (e *PodAddrError) Unwrap() error { return e.Err }
 
 // checkAddrs returns a not-enrolled decision, with Err set, when an address
 // of the pod is malformed or cannot be a pod's; nil when all are fine.

@@ -163,9 +163,11 @@ func TestPodAddrs(t *testing.T) {
 		{name: "dual stack", podIP: "10.0.0.5", podIPs: []string{"10.0.0.5", "fd00::5"}, want: []string{"10.0.0.5", "fd00::5"}},
 		{name: "podIPs wins over podIP", podIP: "10.0.0.9", podIPs: []string{"10.0.0.5"}, want: []string{"10.0.0.5"}},
 		{name: "v4-mapped is unmapped", podIPs: []string{"::ffff:10.0.0.5"}, want: []string{"10.0.0.5"}},
-		{name: "malformed", podIPs: []string{"10.0.0.5", "10.0.0.300"}, wantErr: `pod shop/web-1: bad IP "10.0.0.300"`},
-		{name: "malformed podIP", podIP: "not-an-ip", wantErr: `pod shop/web-1: bad IP "not-an-ip"`},
-		{name: "zone", podIPs: []string{"fe80::1%eth0"}, wantErr: `pod shop/web-1: bad IP "fe80::1%eth0"`},
+		{name: "malformed", podIPs: []string{"10.0.0.5", "10.0.0.300"}, wantErr: `pod shop/web-1: status.podIPs[1].ip: bad IP "10.0.0.300"`},
+		{name: "leading zero", podIPs: []string{"10.0.0.05"}, wantErr: `pod shop/web-1: status.podIPs[0].ip: bad IP "10.0.0.05"`},
+		{name: "empty entry", podIPs: []string{"10.0.0.5", ""}, wantErr: `pod shop/web-1: status.podIPs[1].ip: bad IP ""`},
+		{name: "malformed podIP", podIP: "not-an-ip", wantErr: `pod shop/web-1: status.podIP: bad IP "not-an-ip"`},
+		{name: "zone", podIPs: []string{"fe80::1%eth0"}, wantErr: `pod shop/web-1: status.podIPs[0].ip: bad IP "fe80::1%eth0"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -178,6 +180,10 @@ func TestPodAddrs(t *testing.T) {
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Fatalf("err = %v, want it to contain %q", err, tt.wantErr)
+				}
+				var ae *PodAddrError
+				if !errors.As(err, &ae) || ae.Namespace != "shop" || ae.Name != "web-1" {
+					t.Errorf("err = %#v, want a *PodAddrError naming the pod", err)
 				}
 				return
 			}

@@ -10,8 +10,10 @@ const (
 	// ReasonParse: a document is not valid YAML.
 	ReasonParse = "parse"
 	// ReasonInvalid: a document parses but is not an object the source accepts
-	// (unknown kind or field, no name, a duplicate), or a Kubernetes policy
-	// object does not convert to the policy types.
+	// (unknown kind or field, no name, a duplicate, a pod address that does
+	// not parse), a Kubernetes policy object does not convert to the policy
+	// types, or a watched pod's address does not parse (its last good
+	// version is kept).
 	ReasonInvalid = "invalid"
 	// ReasonTruncated: a file was cut short or is still being written.
 	ReasonTruncated = "truncated"

@@ -21,6 +21,12 @@
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
 //     mistyped field, no name, a duplicate (reason "invalid");
+//   - a pod of the last applied load has an address that no longer parses
+//     (status.podIP or a status.podIPs entry such as "10.0.0.300",
+//     "10.0.0.05", "fe80::1%eth0" or ""): translation would leave the pod
+//     out and so unenroll it (reason "invalid"; the error names the pod
+//     and the field). A pod malformed from its first load on is only left
+//     out, with the error logged: it has no enrollment to lose;
 //   - a file does not end with a newline: it was cut mid-line or is still
 //     being written (reason "truncated"). Every cut that is not at a line
 //     end is caught by this, even when what is left still parses;
@@ -35,6 +41,9 @@
 //     first load too: a restarted agent cannot see what the previous one
 //     enrolled. To apply an empty state on purpose, write an empty list:
 //     `apiVersion: v1`, `kind: List`, `items: []`.
+//
+// A pod whose address turns malformed while the agent is down is first
+// seen malformed by the next agent, and left out.
 //
 // What cannot be told from an edit: a file cut exactly at a line end, without
 // the end marker, whose rest still parses (a document cut after a complete
@@ -192,6 +201,8 @@ type state struct {
 	applied bool                 // a snapshot was delivered
 	sum     [sha256.Size]byte    // the bytes behind it
 	files   map[string]fileState // what its files held
+	// pods are the pods (namespace/name) behind it whose addresses parse.
+	pods map[string]bool
 	// refused identifies the last refused load, so that the same broken
 	// bytes, read again, are logged and counted once.
 	refused [sha256.Size]byte
@@ -219,6 +230,13 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 		return
 	}
 	last.applied, last.sum, last.files = true, r.sum, r.files
+	last.pods = make(map[string]bool, len(r.snap.Pods))
+	for i := range r.snap.Pods {
+		last.pods[objectName(&r.snap.Pods[i])] = true
+	}
+	for _, p := range r.badPods {
+		delete(last.pods, p.name)
+	}
 	s.log.Info("loaded manifests", "namespaces", len(r.snap.Namespaces), "pods", len(r.snap.Pods),
 		"services", len(r.snap.Services), "endpointslices", len(r.snap.EndpointSlices),
 		"peerauthentications", len(r.snap.PeerAuthentications),
@@ -227,9 +245,17 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 }
 
 // lost reports what r lost against the last applied load: all its documents,
-// a file's documents, or a file's end marker.
+// a file's documents, a file's end marker, or a pod's address.
 func (s *Source) lost(r result, last *state) []error {
 	var errs []error
+	for _, p := range r.badPods {
+		if last.pods[p.name] {
+			e := p.loc
+			e.Reason = source.ReasonInvalid
+			e.Err = fmt.Errorf("%w: not applied, since the pod would be left out and so unenrolled", p.loc.Err)
+			errs = append(errs, &e)
+		}
+	}
 	if r.docs() == 0 {
 		err := errors.New("no documents: not applied, since an emptied file is more likely cut short than meant; " +
 			"to apply an empty state write an empty list (apiVersion: v1, kind: List, items: [])")

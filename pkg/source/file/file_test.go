@@ -376,3 +376,68 @@ func TestRunMissingPath(t *testing.T) {
 		t.Fatalf("Run() = %v, want not-exist", err)
 	}
 }
+
+// TestRunRefusesMalformedPodAddress: an enrolled pod whose address is edited
+// into one that does not parse is not delivered without it (translation
+// would leave the pod out, and the agent unenroll it): the load is refused,
+// also when another document changes meanwhile (the pod's document then
+// comes from the decode cache), the error names the file, document, pod and
+// field, and the last good snapshot, with the pod at its old address,
+// stays. A pod malformed from its first load on has no enrollment to lose:
+// it is delivered, for translation to leave out with the error.
+func TestRunRefusesMalformedPodAddress(t *testing.T) {
+	pod := func(status string) string {
+		return "---\napiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: a, uid: uid-web}\n" +
+			"spec: {nodeName: node1, containers: [{name: c, image: c}]}\nstatus: " + status + "\n"
+	}
+	ns := "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: a, labels: {istio.io/dataplane-mode: ambient}}\n"
+	good := ns + pod(`{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}]}`)
+	for _, tt := range []struct{ name, status, field, value string }{
+		{"out of range", `{phase: Running, podIP: 10.0.0.300}`, "status.podIP", "10.0.0.300"},
+		{"leading zero", `{phase: Running, podIP: 10.0.0.05, podIPs: [{ip: 10.0.0.05}]}`, "status.podIPs[0].ip", "10.0.0.05"},
+		{"zone", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: "fe80::1%eth0"}]}`, "status.podIPs[1].ip", "fe80::1%eth0"},
+		{"empty entry", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: ""}]}`, "status.podIPs[0].ip", ""},
+		{"garbage entry", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: garbage}]}`, "status.podIPs[1].ip", "garbage"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			path := writeFile(t, dir, "c.yaml", good)
+			m := source.NewMetrics(nil)
+			r := startWith(t, New(path, nil).WithMetrics(m))
+			r.waitFor(t, "a")
+
+			writeFile(t, dir, "c.yaml", ns+pod(tt.status))
+			r.noUpdate(t, 300*time.Millisecond)
+			errs := r.refused(t)
+			var de *DocError
+			if len(errs) != 1 || !errors.As(errs[0], &de) || de.Doc != 2 || de.Reason != source.ReasonInvalid {
+				t.Fatalf("Errors() = %v, want document 2 invalid", errs)
+			}
+			want := `pod a/web: ` + tt.field + `: bad IP "` + tt.value + `"`
+			if !strings.Contains(errs[0].Error(), want) {
+				t.Errorf("error %q does not name the pod and field: want %q", errs[0], want)
+			}
+			wantCount(t, m, source.ReasonInvalid, 1)
+			writeFile(t, dir, "c.yaml", strings.Replace(ns, "ambient}", "ambient, team: x}", 1)+pod(tt.status))
+			r.noUpdate(t, 300*time.Millisecond)
+			wantCount(t, m, source.ReasonInvalid, 2)
+
+			writeFile(t, dir, "c.yaml", ns+pod(`{phase: Running, podIP: 10.0.0.6}`))
+			r.waitFor(t, "a")
+			if errs := r.src.Errors(); len(errs) != 0 {
+				t.Fatalf("Errors() = %v after the fix", errs)
+			}
+			newPod := strings.ReplaceAll(pod(tt.status), "web", "new")
+			writeFile(t, dir, "c.yaml", ns+pod(`{phase: Running, podIP: 10.0.0.6}`)+newPod)
+			r.waitFor(t, "a")
+			if errs := r.src.Errors(); len(errs) != 0 {
+				t.Fatalf("Errors() = %v for a pod malformed from the start", errs)
+			}
+		})
+	}
+	// The same at start.
+	dir := t.TempDir()
+	path := writeFile(t, dir, "c.yaml", ns+pod(`{phase: Running, podIP: 10.0.0.300}`))
+	r := start(t, path, nil)
+	r.waitFor(t, "a")
+}

@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
@@ -99,6 +100,8 @@ type result struct {
 	sum   [sha256.Size]byte
 	// decoded memoizes the documents of this load, for the next one.
 	decoded docCache
+	// badPods are the pods whose address does not parse.
+	badPods []badPod
 }
 
 // docCache maps the bytes of a document (their SHA-256) that decoded without
@@ -161,7 +164,7 @@ func load(path string, prev docCache) (result, error) {
 		h.Write(data)
 		r.files[f] = b.addStream(f, data)
 	}
-	r.snap, r.errs, r.decoded = b.snapshot(), b.errs, b.next
+	r.snap, r.errs, r.decoded, r.badPods = b.snapshot(), b.errs, b.next, b.badPods
 	h.Sum(r.sum[:0])
 	return r, nil
 }
@@ -282,6 +285,8 @@ type builder struct {
 	authz     []authzDoc
 	seen      map[string]string
 	errs      []error
+	// badPods are the pods whose address does not parse (see badPod).
+	badPods []badPod
 
 	prev, next docCache
 	// replays collects how to add again the objects of the document being
@@ -458,6 +463,12 @@ func put[T any, PT interface {
 		return fmt.Errorf("duplicate %s %s, first defined in %s", kind, objectName(meta), first)
 	}
 	b.seen[key] = loc.File + " " + loc.where()
+	if pod, ok := any(&obj).(*corev1.Pod); ok {
+		if _, err := selection.PodAddrs(pod); err != nil {
+			loc.Err = err
+			b.badPods = append(b.badPods, badPod{name: objectName(meta), loc: loc})
+		}
+	}
 	l := list(b)
 	*l = append(*l, obj)
 	return nil
@@ -490,6 +501,14 @@ func (b *builder) snapshot() kubeobj.Objects {
 		s.AuthorizationPolicies[i] = policy.AuthorizationPolicy{TypeMeta: policyType(d.TypeMeta), Meta: policyMeta(d.ObjectMeta), Spec: d.Spec}
 	}
 	return s
+}
+
+// badPod is a pod whose address does not parse (a *selection.PodAddrError
+// in loc.Err), where it is defined. Translation leaves such a pod out; the
+// load is refused if the pod was in the last applied one (Source.lost).
+type badPod struct {
+	name string // namespace/name
+	loc  DocError
 }
 
 // peerAuthnDoc and authzDoc are policies as a manifest holds them: their

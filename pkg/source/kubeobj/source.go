@@ -10,11 +10,13 @@ import (
 
 // Source is a source.Source over an ObjectSource: each set of objects it
 // reads is translated (Translate) into one snapshot. What the translation
-// leaves out is logged, naming the object.
+// leaves out is logged, naming the object; a pod whose address stopped
+// parsing keeps its last good version (LastGood).
 type Source struct {
 	objects ObjectSource
 	cfg     selection.Config
 	log     *slog.Logger
+	last    LastGood
 }
 
 // NewSource translates what objects reads with the selection rules cfg.
@@ -32,8 +34,8 @@ func (s *Source) Objects() ObjectSource { return s.objects }
 func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	return s.objects.Run(ctx, func(objs Objects) {
 		snap, errs := Translate(objs, s.cfg)
-		for _, err := range errs {
-			s.log.Error("workload skipped", "error", err)
+		for _, err := range s.last.Keep(&snap, errs) {
+			s.log.Error(SkipMessage(err), "error", err)
 		}
 		update(snap)
 	})

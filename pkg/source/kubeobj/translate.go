@@ -21,7 +21,9 @@ import (
 // reported in the returned errors, each naming the object: pods and
 // services with malformed addresses and unusable endpoint addresses; pods
 // whose RuntimeClass is unknown or whose address cannot be a pod's stay
-// in, not enrolled, with the error.
+// in, not enrolled, with the error. A pod left out for a malformed address
+// (*selection.PodAddrError) is a malformed object, not a pod that left:
+// a source keeps its last good version (LastGood) or refuses the objects.
 func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 	snap := source.Snapshot{
 		PeerAuthentications:   objs.PeerAuthentications,
@@ -66,8 +68,9 @@ func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 }
 
 // Pod translates one pod, deciding its enrollment. The error is a
-// malformed address (the pod is left out: w is nil) or a selection problem
-// (the pod stays, not enrolled).
+// malformed address (a *selection.PodAddrError: the pod is left out, w is
+// nil, and the caller should keep what it had of the pod) or a selection
+// problem (the pod stays, not enrolled).
 func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup selection.HandlerLookup) (*workload.Workload, error) {
 	addrs, err := selection.PodAddrs(pod)
 	if err != nil {

@@ -152,7 +152,7 @@ func TestBuildAddressProblems(t *testing.T) {
 	}
 	d, errs := build(snap, selection.Config{SkipRuntimeClasses: []string{"kata-qemu"}})
 	wantErrors(t, errs,
-		`pod shop/bad: bad IP "10.0.0.999": ParseAddr("10.0.0.999"): IPv4 field has value >255`,
+		`pod shop/bad: status.podIPs[1].ip: bad IP "10.0.0.999": ParseAddr("10.0.0.999"): IPv4 field has value >255`,
 		`pod shop/kata: unknown runtime class "kata"`,
 		`pod shop/b: address 10.0.0.2 already belongs to pod shop/a`,
 	)

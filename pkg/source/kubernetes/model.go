@@ -2,6 +2,7 @@ package kubernetes
 
 import (
 	"cmp"
+	"errors"
 	"iter"
 	"log/slog"
 	"maps"
@@ -155,6 +156,8 @@ type model struct {
 	cfg selection.Config
 	log *slog.Logger
 	inf informerSet
+	// metrics counts pods whose object is malformed (may be nil).
+	metrics *source.Metrics
 
 	namespaces map[string]*corev1.Namespace // trimmed: name and dataplane-mode label
 	handlers   map[string]string            // RuntimeClass name -> handler
@@ -290,6 +293,18 @@ func (m *model) applyPod(key string) {
 		return
 	}
 	w, err := kubeobj.Pod(m.cfg, m.namespaces[pod.Namespace], pod.Pod(), m.lookup)
+	if w == nil && errors.As(err, new(*selection.PodAddrError)) {
+		// The pod is still there, its object malformed: it did not leave,
+		// so it keeps its last good version (its enrollment with it).
+		m.metrics.Error("kubernetes", source.ReasonInvalid)
+		if old, had := m.workloads.m[k]; had && old.UID == string(pod.UID) {
+			m.log.Error("pod object malformed; its last good version is kept", "error", err)
+			return
+		}
+		m.log.Error("pod left out", "error", err)
+		m.workloads.delete(k)
+		return
+	}
 	if err != nil {
 		m.log.Error("pod left out or not enrolled", "error", err)
 	}

@@ -1,8 +1,27 @@
 package kubernetes
 
 import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"net/netip"
 	"slices"
+	"strings"
 	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	nodev1 "k8s.io/api/node/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 func TestSortedMap(t *testing.T) {
@@ -37,5 +56,92 @@ func TestSortedMap(t *testing.T) {
 	}
 	if !slices.Equal(first, []string{"a/1", "a/2", "a-x/1", "b/1"}) {
 		t.Errorf("an earlier values result changed: %v", first)
+	}
+}
+
+// TestModelKeepsPodWithMalformedAddress: a pod whose address stops parsing
+// (status.podIP(s) edited to "10.0.0.05", say) keeps its last good
+// workload, enrolled at its old address, with the error logged naming the
+// pod and field and counted; a fix is taken; a pod of the same name but
+// another uid, malformed from the start, is left out; a deleted pod goes.
+// Before, the model deleted the workload and so unenrolled the pod.
+func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
+	newInf := func(obj runtime.Object, idx cache.Indexers) cache.SharedIndexInformer {
+		return cache.NewSharedIndexInformer(&cache.ListWatch{}, obj, 0, idx)
+	}
+	inf := informerSet{
+		namespaces:     newInf(&corev1.Namespace{}, cache.Indexers{}),
+		runtimeClasses: newInf(&nodev1.RuntimeClass{}, cache.Indexers{}),
+		pods: newInf(&kubeobj.CompactPod{}, cache.Indexers{
+			cache.NamespaceIndex: cache.MetaNamespaceIndexFunc, podsByRuntimeClass: indexPodsByRuntimeClass}),
+		services:       newInf(&corev1.Service{}, cache.Indexers{}),
+		endpointSlices: newInf(&discoveryv1.EndpointSlice{}, cache.Indexers{slicesByService: indexSlicesByService}),
+	}
+	var logs bytes.Buffer
+	m := newModel(selection.Config{}, slog.New(slog.NewTextHandler(&logs, nil)), inf)
+	metrics := source.NewMetrics(nil)
+	m.metrics = metrics
+	if err := inf.namespaces.GetStore().Add(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}); err != nil {
+		t.Fatal(err)
+	}
+	setPod := func(uid string, ips ...string) {
+		t.Helper()
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", UID: types.UID(uid)},
+			Spec: corev1.PodSpec{NodeName: "node-a"}, Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ips[0]}}
+		for _, ip := range ips {
+			p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+		}
+		if err := inf.pods.GetStore().Update(kubeobj.NewCompactPod(p)); err != nil {
+			t.Fatal(err)
+		}
+		var c changes
+		c.add(kindNamespace, "shop")
+		c.add(kindPod, "shop/web")
+		m.apply(c)
+	}
+	web := func() *workload.Workload {
+		for _, w := range m.snapshot().Workloads {
+			if w.Name == "web" {
+				return w
+			}
+		}
+		return nil
+	}
+	setPod("u1", "10.0.0.5")
+	if w := web(); w == nil || !w.Enrolled {
+		t.Fatalf("web = %+v, want enrolled", w)
+	}
+	for i, bad := range [][]string{{"10.0.0.300"}, {"10.0.0.05"}, {"10.0.0.5", "fe80::1%eth0"}, {""}, {"garbage"}} {
+		logs.Reset()
+		setPod("u1", bad...)
+		if w := web(); w == nil || !w.Enrolled || len(w.Addrs) != 1 || w.Addrs[0] != netip.MustParseAddr("10.0.0.5") {
+			t.Errorf("podIPs %q: web = %+v, want its last good version, enrolled at 10.0.0.5", bad, w)
+		}
+		field := fmt.Sprintf("status.podIPs[%d].ip", len(bad)-1)
+		if out := logs.String(); !strings.Contains(out, "pod shop/web: "+field) || !strings.Contains(out, "last good version is kept") {
+			t.Errorf("podIPs %q: log %q does not name the pod and field, or say the pod is kept", bad, out)
+		}
+		key := `redirector_source_errors_total{reason="invalid",source="kubernetes"}`
+		if got := promtest.Scrape(t, metrics)[key]; got != float64(i+1) {
+			t.Errorf("%s = %v, want %d", key, got, i+1)
+		}
+	}
+	setPod("u1", "10.0.0.6")
+	if w := web(); w == nil || w.Addrs[0] != netip.MustParseAddr("10.0.0.6") {
+		t.Errorf("after the fix: web = %+v, want 10.0.0.6", w)
+	}
+	setPod("u2", "10.0.0.05")
+	if w := web(); w != nil {
+		t.Errorf("a new pod of the same name, malformed from the start: %+v, want left out", w)
+	}
+	setPod("u2", "10.0.0.7")
+	if err := inf.pods.GetStore().Delete(&kubeobj.CompactPod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web"}}); err != nil {
+		t.Fatal(err)
+	}
+	var c changes
+	c.add(kindPod, "shop/web")
+	m.apply(c)
+	if w := web(); w != nil {
+		t.Errorf("deleted pod: %+v", w)
 	}
 }

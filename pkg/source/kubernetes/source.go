@@ -47,7 +47,10 @@
 // redirector_source_errors_total{source="kubernetes",reason="list_watch"}, discovery
 // failures under reason="discovery". A policy that does not convert to the policy types is
 // not left out (that would drop a DENY, an ALLOW or a STRICT): its last version that converted
-// stays, or, if none did, a stand-in fails closed (reason="invalid"; see decodeObjects).
+// stays, or, if none did, a stand-in fails closed (reason="invalid"; see decodeObjects). Nor is
+// a pod whose address stops parsing (status.podIP(s) "10.0.0.05", say): it is still there, so
+// it keeps its last good version, enrollment included, with the error logged naming the pod
+// and field and counted (reason="invalid"); one malformed from the start is left out.
 package kubernetes
 
 import (
@@ -264,6 +267,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	}
 	todo.take()
 	m := newModel(s.cfg.Selection, s.log, inf)
+	m.metrics = s.cfg.Metrics
 	m.apply(m.everything())
 	snap := m.snapshot()
 	s.log.Info("kubernetes source synced", "took", time.Since(start).Round(time.Millisecond),

@@ -100,6 +100,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	}()
 	due := source.NewDebouncer(debounce)
 	defer due.Stop()
+	var last kubeobj.LastGood // this node's pods, for a pod whose object turns malformed
 	for {
 		select {
 		case <-ctx.Done():
@@ -117,9 +118,9 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			l, m := local, mesh
 			mu.Unlock()
 			if l != nil {
-				snap, errs := merge(*l, m, s.node, s.selection)
+				snap, errs := merge(*l, m, s.node, s.selection, &last)
 				for _, err := range errs {
-					s.log.Error("workload skipped", "error", err)
+					s.log.Error(kubeobj.SkipMessage(err), "error", err)
 				}
 				update(snap)
 				s.synced.Store(m != nil)
@@ -131,9 +132,15 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 // merge builds the agent's snapshot: this node's pods as the API has them
 // (their enrollment decided here, with cfg), the rest of istiod's
 // workloads, the services with their endpoints, and the compiled policies.
-// mesh is nil before istiod's first answer.
-func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Config) (source.Snapshot, []error) {
+// mesh is nil before istiod's first answer. A local pod whose address no
+// longer parses keeps its version in last (as istiod's workloads keep
+// theirs: the client NACKs a malformed one and holds the previous); last
+// may be nil in tests.
+func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Config, last *kubeobj.LastGood) (source.Snapshot, []error) {
 	snap, errs := kubeobj.Translate(kubeobj.Objects{Namespaces: local.Namespaces, Pods: local.Pods, RuntimeClasses: local.RuntimeClasses}, cfg)
+	if last != nil {
+		errs = last.Keep(&snap, errs)
+	}
 	snap.Compiled = &policy.CompiledSet{}
 	if mesh == nil {
 		return snap, errs

@@ -2,6 +2,7 @@ package xds
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 
 	"istio.io/istio/pkg/workloadapi"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
@@ -67,12 +69,12 @@ func TestMergeIntoDirectory(t *testing.T) {
 		Groups: []policy.Group{{Clauses: []policy.Clause{{Matches: []policy.Match{{NotPrincipals: []policy.StringMatch{{Kind: policy.MatchPresence}}}}}}}}}
 	mesh := buildSnapshot(workloads, services, map[string]*policy.Compiled{strict.Key(): strict})
 
-	before, errs := merge(local, nil, "node-a", selection.Config{})
+	before, errs := merge(local, nil, "node-a", selection.Config{}, nil)
 	if before.Compiled == nil || before.Compiled.Synced || len(before.Workloads) != 1 || len(errs) > 0 {
 		t.Fatalf("before istiod: %d workloads, compiled %+v, errors %v; want the local pod and an unsynced policy set", len(before.Workloads), before.Compiled, errs)
 	}
 
-	snap, errs := merge(local, mesh, "node-a", selection.Config{})
+	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
 	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
 	if errs = append(errs, dirErrs...); len(errs) > 0 {
 		t.Fatalf("build: %v", errs)
@@ -106,5 +108,42 @@ func TestMergeIntoDirectory(t *testing.T) {
 	}
 	if v := snap.Compiled.Authorize(policy.Target{Namespace: "shop", Port: 8080}, "shop/web-1", policy.Peer{}); v.Allowed {
 		t.Errorf("plaintext to web-1 under STRICT allowed")
+	}
+}
+
+// TestMergeKeepsLocalPodWithMalformedAddress: this node's pod whose
+// address stops parsing in the node's watch keeps its last good version
+// (enrolled, at its old address), as a malformed Workload from istiod keeps
+// its previous version (the client NACKs it); istiod's copy of the pod
+// does not stand in. Before, the pod left the snapshot and was unenrolled.
+func TestMergeKeepsLocalPodWithMalformedAddress(t *testing.T) {
+	state := func(ip string) nodepods.State {
+		return nodepods.State{
+			Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+			Pods: []corev1.Pod{{
+				ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+				Spec:       corev1.PodSpec{NodeName: "node-a"},
+				Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
+			}},
+		}
+	}
+	x, err := translateWorkload(&workloadapi.Workload{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a",
+		Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()}, TunnelProtocol: workloadapi.TunnelProtocol_HBONE})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(map[string]*Workload{x.UID: x}, nil, nil)
+	var last kubeobj.LastGood
+	if _, errs := merge(state("10.1.0.5"), mesh, "node-a", selection.Config{}, &last); len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	for _, bad := range []string{"10.1.0.300", "10.1.0.05", "fe80::1%eth0", ""} {
+		snap, errs := merge(state(bad), mesh, "node-a", selection.Config{}, &last)
+		if len(errs) != 1 || !strings.Contains(errs[0].Error(), `pod shop/web-1: status.podIPs[0].ip: bad IP "`+bad+`"`) {
+			t.Errorf("%q: errors %v, want one naming the pod and field", bad, errs)
+		}
+		if len(snap.Workloads) != 1 || snap.Workloads[0].UID != "u1" || !snap.Workloads[0].Enrolled || snap.Workloads[0].Addrs[0] != netip.MustParseAddr("10.1.0.5") {
+			t.Errorf("%q: workloads %+v, want the local pod's last good version", bad, snap.Workloads)
+		}
 	}
 }

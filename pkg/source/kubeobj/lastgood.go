@@ -1,0 +1,75 @@
+package kubeobj
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// LastGood keeps, across the snapshots of one source, each pod's last
+// translation from a well-formed object, so that a pod whose object turns
+// malformed (an address that does not parse: a *selection.PodAddrError) is
+// not taken for a pod that left. Translate leaves such a pod out; dropping
+// it would unenroll it and let its traffic leave the mesh, failing open. A
+// pod first seen malformed has no last good version and stays out. The
+// zero value is ready; one LastGood serves one sequence of snapshots.
+type LastGood struct {
+	pods map[string]*workload.Workload // by workload.Workload.Key
+}
+
+// Keep puts back into snap the last good version of every pod errs reports
+// malformed, and remembers snap's workloads for the next call. It returns
+// errs with each kept pod's error saying so. Only the translated pods may
+// be in snap.Workloads (call it right after Translate).
+func (l *LastGood) Keep(snap *source.Snapshot, errs []error) []error {
+	var kept bool
+	out := make([]error, 0, len(errs))
+	for _, err := range errs {
+		var ae *selection.PodAddrError
+		if errors.As(err, &ae) {
+			key := cmp.Or(ae.UID, ae.Namespace+"/"+ae.Name)
+			if w := l.pods[key]; w != nil && w.Namespace == ae.Namespace && w.Name == ae.Name {
+				// A copy: the snapshot's workloads are its own, as
+				// Translate's are (a caller may complete them).
+				c := *w
+				snap.Workloads = append(snap.Workloads, &c)
+				kept = true
+				err = KeptError{Err: err}
+			}
+		}
+		out = append(out, err)
+	}
+	if kept {
+		slices.SortStableFunc(snap.Workloads, func(a, b *workload.Workload) int {
+			return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))
+		})
+	}
+	l.pods = make(map[string]*workload.Workload, len(snap.Workloads))
+	for _, w := range snap.Workloads {
+		l.pods[w.Key()] = w
+	}
+	return out
+}
+
+// KeptError is the error of a malformed pod whose last good version was
+// kept in its place.
+type KeptError struct{ Err error }
+
+func (e KeptError) Error() string {
+	return fmt.Sprintf("%v; keeping the pod's last good version", e.Err)
+}
+
+func (e KeptError) Unwrap() error { return e.Err }
+
+// SkipMessage is the log message for an error of Translate after Keep.
+func SkipMessage(err error) string {
+	if errors.As(err, new(KeptError)) {
+		return "pod object malformed; its last good version is kept"
+	}
+	return "workload skipped"
+}
