@@ -115,11 +115,12 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	}
 	l.holdLinks(id, lks)
 	l.setIndex(id, meta)
-	// Addresses the pod no longer has lose their entries.
+	// Addresses the pod no longer has lose their entries, and their
+	// counters unless another pod owns the address now.
 	if existed {
 		for _, a := range old.Addrs {
 			if !containsAddr(p.Addrs, a) {
-				err = errors.Join(err, l.deleteEntry(a, id), l.maps.DeleteCounters(a))
+				err = errors.Join(err, l.deleteEntry(a, id), l.deleteCounters(a, id))
 			}
 		}
 	}

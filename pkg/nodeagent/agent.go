@@ -82,7 +82,10 @@ type Agent struct {
 	cniPods map[string]cniPod // namespace/name -> what the CNI plugin reported
 	// desired is, by pod uid, how each pod to enroll should be attached,
 	// with its workload (for its annotation).
-	desired  map[string]desiredPod
+	desired map[string]desiredPod
+	// refused are, by pod uid, the local pods the rules select but that
+	// cannot be enrolled: their address is another local pod's (claimAddrs).
+	refused  map[string]error
 	lastHint string
 	// newSnapshot is closed (and replaced) when the source hands over a
 	// new snapshot, waking CNI ADDs that wait for their pod to show up.
@@ -258,7 +261,14 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	if !a.yielded {
 		a.writeHint(s) // the node's, written by the agent holding it
 	}
-	dir, errs := workload.NewDirectory(withCNIAddrs(s.Workloads, a.cniPods), s.Services)
+	ws, refused := a.claimAddrs(withCNIAddrs(s.Workloads, a.cniPods))
+	a.refused = refused
+	for _, w := range ws {
+		if err := refused[w.Key()]; err != nil {
+			a.log.Error("pod refused", "error", err)
+		}
+	}
+	dir, errs := workload.NewDirectory(ws, s.Services)
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}

@@ -61,7 +61,12 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// StatefulSet's): not this sandbox's until it learns the new one.
 			known = false
 		}
+		refused := a.refusedErr(w)
 		switch {
+		case known && refused != nil:
+			// Selected, but its address is another pod's: it must not
+			// start unmeshed, so the runtime retries.
+			return cni.Response{}, refused
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
@@ -84,6 +89,17 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// refusedErr is why the local pod w, selected, is refused (claimAddrs), or
+// nil.
+func (a *Agent) refusedErr(w *workload.Workload) error {
+	if w == nil {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.refused[w.Key()]
 }
 
 // withCNIAddrs returns the workloads with the addresses the CNI plugin

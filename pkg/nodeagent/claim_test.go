@@ -1,0 +1,121 @@
+package nodeagent
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// lockedBuffer is a log sink for a test.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) take() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	s := l.b.String()
+	l.b.Reset()
+	return s
+}
+
+// TestOneLocalPodPerAddress: two enrolled pods of this node with one
+// address are never both attached. The pod attached first keeps the
+// address, though the newcomer sorts first by name; the newcomer is
+// refused with an error naming both pods and the address, shown as not
+// enrolled in the directory, which names the owner at the address, and its
+// CNI ADD fails rather than start it unmeshed. The entry does not flap
+// over full passes. Once the owner is terminating, the other pod takes the
+// address, once. Before, both were attached and each pass took the entry
+// from one to give it to the other.
+func TestOneLocalPodPerAddress(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	p, q := tp.Nodes[0].AddPod("p"), tp.Nodes[0].AddPod("q")
+	if out, err := exec.Command("ip", "-n", p.NS, "addr", "add", q.IPv4.String()+"/32", "dev", "eth0").CombinedOutput(); err != nil {
+		t.Fatalf("give p q's address: %v %s", err, out)
+	}
+	a, ld, tun, _ := testAgent(t)
+	var logs lockedBuffer
+	a.log = slog.New(slog.NewTextHandler(&logs, nil))
+	ctx := context.Background()
+	// b (in q) is enrolled and attached first; then a (in p) appears
+	// with b's IPv4 address as well as its own, and inbound capture off
+	// (so that the flags of the entry tell the two apart).
+	b := &workload.Workload{Name: "b", Namespace: "shop", UID: "uid-b", ServiceAccount: "default", Node: "node1", Addrs: q.Addrs(), Enrolled: true, Reason: "test"}
+	aw := &workload.Workload{Name: "a", Namespace: "shop", UID: "uid-a", ServiceAccount: "default", Node: "node1",
+		Addrs: []netip.Addr{p.IPv4, q.IPv4}, Enrolled: true, Reason: "test", BypassInbound: true}
+	a.mu.Lock()
+	a.cniPods["shop/a"] = cniPod{uid: "uid-a", netns: p.Path()}
+	a.cniPods["shop/b"] = cniPod{uid: "uid-b", netns: q.Path()}
+	a.mu.Unlock()
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{b}})
+	a.applyLatest(ctx, true)
+	bState, ok, err := ld.PodState("uid-b")
+	if err != nil || !ok {
+		t.Fatalf("b not attached: %v", err)
+	}
+
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{aw, b}})
+	for pass := range 3 {
+		logs.take()
+		a.applyLatest(ctx, true)
+		if _, ok, _ := ld.PodState("uid-a"); ok {
+			t.Fatalf("pass %d: a attached at b's address too", pass)
+		}
+		if s, ok, err := ld.Maps().Pod(q.IPv4); err != nil || !ok || s.PodID != bState.ID || !s.CaptureInbound {
+			t.Fatalf("pass %d: entry of %s = %+v %v %v, want b's (id %d, inbound capture on)", pass, q.IPv4, s, ok, err, bState.ID)
+		}
+		if out := logs.take(); !strings.Contains(out, "pod shop/a not enrolled: address "+q.IPv4.String()+" belongs to pod shop/b (already attached)") {
+			t.Errorf("pass %d: log does not name both pods and the address:\n%s", pass, out)
+		}
+	}
+	dir := tun.State().Dir
+	if w, ok := dir.ByAddr(q.IPv4); !ok || w.Name != "b" {
+		t.Errorf("directory at %s: %v, want shop/b", q.IPv4, w)
+	}
+	if w, ok := dir.Pod("shop", "a"); !ok || w.Enrolled || !strings.Contains(w.Reason, "belongs to pod shop/b") {
+		t.Errorf("shop/a in the directory: %+v, want not enrolled with the reason", w)
+	}
+	var ips []netip.Prefix
+	for _, ad := range aw.Addrs {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", NetNS: p.Path(), IPs: ips}); err == nil || !strings.Contains(err.Error(), "belongs to pod shop/b") {
+		t.Errorf("CNI ADD of the refused pod: %+v, %v; want an error naming the owner", resp, err)
+	}
+
+	// b is being deleted: its address now is a's.
+	bt := *b
+	bt.Terminating = true
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{aw, &bt}})
+	for pass := range 3 {
+		a.applyLatest(ctx, true)
+		aState, ok, _ := ld.PodState("uid-a")
+		if !ok {
+			t.Fatalf("pass %d: a not attached once b is terminating", pass)
+		}
+		if _, ok, _ := ld.PodState("uid-b"); ok {
+			t.Fatalf("pass %d: b still attached", pass)
+		}
+		if s, ok, err := ld.Maps().Pod(q.IPv4); err != nil || !ok || s.PodID != aState.ID || s.CaptureInbound {
+			t.Fatalf("pass %d: entry of %s = %+v %v %v, want a's (id %d, inbound capture off)", pass, q.IPv4, s, ok, err, aState.ID)
+		}
+	}
+}
