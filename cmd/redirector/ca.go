@@ -111,6 +111,9 @@ func newCertManager(ctx context.Context, cfg agentConfig, log *slog.Logger) (*id
 	if err != nil {
 		return nil, nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)
 	}
+	if exp := bundle.Expired(); len(exp) > 0 {
+		log.Warn("trust bundle holds expired roots; they are not trusted", "path", cfg.ca.rootCert, "expired", exp)
+	}
 	client, err := istioca.New(istioca.Config{Addr: cfg.ca.addr, TokenFile: cfg.ca.tokenFile, ClusterID: cfg.ca.clusterID, Trust: bundle})
 	if err != nil {
 		return nil, nil, fmt.Errorf("--ca-address (CA_ADDRESS): %w", err)

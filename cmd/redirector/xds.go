@@ -83,6 +83,9 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 	if err != nil {
 		return nil, nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)
 	}
+	if exp := bundle.Expired(); len(exp) > 0 {
+		log.Warn("trust bundle holds expired roots; they are not trusted", "path", cfg.ca.rootCert, "expired", exp)
+	}
 	conn, err := xds.Dial(cfg.xds.addr, "", bundle)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--xds-address (XDS_ADDRESS): %w", err)

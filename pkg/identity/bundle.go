@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -18,7 +19,10 @@ import (
 // root-cert.pem of istiod's istio-ca-root-cert ConfigMap mounted into the
 // agent. Watch re-reads it, so a rotation reaches the agent without a
 // restart; a file that turns unreadable or invalid keeps the last good
-// roots. It implements Trust.
+// roots. A root that has expired is left out (and reported by Expired)
+// rather than failing the whole file: a rotation that adds a new root next
+// to an old one that has run out must still deliver the new one. It
+// implements Trust.
 type Bundle struct {
 	path        string
 	trustDomain string
@@ -28,9 +32,10 @@ type Bundle struct {
 }
 
 type bundleState struct {
-	pool  *x509.CertPool
-	certs []*x509.Certificate
-	sum   [sha256.Size]byte
+	pool    *x509.CertPool
+	certs   []*x509.Certificate
+	expired []string // the roots left out, described
+	sum     [sha256.Size]byte
 }
 
 // LoadBundle reads the roots in path for trustDomain.
@@ -54,6 +59,10 @@ func (b *Bundle) Roots() *x509.CertPool { return b.cur.Load().pool }
 // Certificates are the roots of the last good read.
 func (b *Bundle) Certificates() []*x509.Certificate { return b.cur.Load().certs }
 
+// Expired describes the roots of the last good read that were left out
+// because they had expired.
+func (b *Bundle) Expired() []string { return b.cur.Load().expired }
+
 // Path is the file the bundle is read from.
 func (b *Bundle) Path() string { return b.path }
 
@@ -74,18 +83,23 @@ func (b *Bundle) Reload() (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("trust bundle %s: %w", b.path, err)
 	}
-	pool := x509.NewCertPool()
+	next := &bundleState{pool: x509.NewCertPool(), sum: sum}
 	now := time.Now()
 	for i, c := range certs {
 		if !c.IsCA || !c.BasicConstraintsValid {
 			return false, fmt.Errorf("trust bundle %s: certificate %d (%s) is not a CA certificate", b.path, i+1, c.Subject)
 		}
 		if now.After(c.NotAfter) {
-			return false, fmt.Errorf("trust bundle %s: certificate %d (%s) expired at %s", b.path, i+1, c.Subject, c.NotAfter.UTC().Format(time.RFC3339))
+			next.expired = append(next.expired, fmt.Sprintf("certificate %d (%s) expired at %s", i+1, c.Subject, c.NotAfter.UTC().Format(time.RFC3339)))
+			continue
 		}
-		pool.AddCert(c)
+		next.pool.AddCert(c)
+		next.certs = append(next.certs, c)
 	}
-	b.cur.Store(&bundleState{pool: pool, certs: certs, sum: sum})
+	if len(next.certs) == 0 {
+		return false, fmt.Errorf("trust bundle %s: no root is valid: %s", b.path, strings.Join(next.expired, "; "))
+	}
+	b.cur.Store(next)
 	return true, nil
 }
 
@@ -111,6 +125,9 @@ func (b *Bundle) Watch(ctx context.Context, interval time.Duration, log *slog.Lo
 				subjects = append(subjects, c.Subject.String())
 			}
 			log.Info("trust bundle reloaded", "path", b.path, "roots", subjects)
+			if exp := b.Expired(); len(exp) > 0 {
+				log.Warn("trust bundle holds expired roots; they are not trusted", "path", b.path, "expired", exp)
+			}
 		}
 	}
 }

@@ -2,8 +2,13 @@ package identity
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/x509"
+	"crypto/x509/pkix"
 	"log/slog"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -80,5 +85,50 @@ func TestLoadBundleErrors(t *testing.T) {
 	}
 	if _, err := LoadBundle(filepath.Join(dir, "missing"), "cluster.local"); err == nil {
 		t.Error("missing file accepted")
+	}
+}
+
+// An expired root in the bundle is left out and reported, not a reason to
+// refuse the file: the valid roots next to it are trusted. Before, one
+// expired root made the agent refuse to start, or (while running) kept it
+// on the previous roots, so a root added by a rotation was never trusted.
+// A bundle with no valid root at all is still refused.
+func TestBundleLeavesOutExpiredRoots(t *testing.T) {
+	dir := t.TempDir()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(7), Subject: pkix.Name{CommonName: "old root"},
+		NotBefore: time.Now().Add(-48 * time.Hour), NotAfter: time.Now().Add(-time.Hour),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	valid := newCA(t, "cluster.local")
+	both := filepath.Join(dir, "both.pem")
+	os.WriteFile(both, append(pemCert(der), identitytest.CertPEM(valid.cert)...), 0o644)
+	b, err := LoadBundle(both, "cluster.local")
+	if err != nil {
+		t.Fatalf("bundle with one expired and one valid root: %v", err)
+	}
+	if got := b.Certificates(); len(got) != 1 || !got[0].Equal(valid.cert) {
+		t.Errorf("trusted roots %d, want only the valid one", len(got))
+	}
+	if exp := b.Expired(); len(exp) != 1 || !strings.Contains(exp[0], "old root") || !strings.Contains(exp[0], "expired at") {
+		t.Errorf("Expired() = %q, want the old root named", exp)
+	}
+	leaf, err := valid.signAt(idWeb, time.Now(), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := leaf.Leaf.Verify(x509.VerifyOptions{Roots: b.Roots(), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		t.Errorf("leaf of the valid root: %v", err)
+	}
+	only := filepath.Join(dir, "expired.pem")
+	os.WriteFile(only, pemCert(der), 0o644)
+	if _, err := LoadBundle(only, "cluster.local"); err == nil || !strings.Contains(err.Error(), "no root is valid") || !strings.Contains(err.Error(), "old root") {
+		t.Errorf("bundle of expired roots only: err = %v, want it refused naming the root", err)
 	}
 }
