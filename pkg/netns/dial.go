@@ -61,8 +61,38 @@ func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (
 	if err != nil {
 		return nil, err
 	}
+	f, fd, err := boundSocket(path, family, opts, local)
+	if err != nil {
+		return nil, err
+	}
+	if avoid := opts.AvoidLocalPort; avoid != 0 && localPort(fd) == avoid {
+		// Holding the socket on that port while binding another makes the
+		// kernel pick a different one; then it can go.
+		g, gfd, err := boundSocket(path, family, opts, local)
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("avoiding local port %d: %w", avoid, err)
+		}
+		if f, fd = g, gfd; localPort(fd) == avoid {
+			f.Close()
+			return nil, fmt.Errorf("avoiding local port %d: bound to it again", avoid)
+		}
+	}
+	defer f.Close()
+	if err := connect(ctx, f, fd, sockaddr(dst, family)); err != nil {
+		return nil, err
+	}
+	// FileConn duplicates the connected socket into an ordinary
+	// *net.TCPConn (addresses known, splice and SetLinger available).
+	return net.FileConn(f)
+}
+
+// boundSocket makes a TCP socket in the namespace at path, with opts, bound
+// to local when set. The socket belongs to the returned file, which
+// registers it with the poller.
+func boundSocket(path string, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
 	fd := -1
-	err = Do(path, func() error {
+	err := Do(path, func() error {
 		var err error
 		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
 		return os.NewSyscallError("socket", err)
@@ -71,25 +101,31 @@ func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (
 		if fd >= 0 { // made, but the thread could not leave the namespace
 			unix.Close(fd)
 		}
-		return nil, err
+		return nil, -1, err
 	}
-	// From here the socket belongs to f, which registers it with the poller.
 	f := os.NewFile(uintptr(fd), "netns-dial")
-	defer f.Close()
 	if err := opts.apply(fd, family == unix.AF_INET); err != nil {
-		return nil, err
+		f.Close()
+		return nil, -1, err
 	}
 	if local != nil {
 		if err := unix.Bind(fd, local); err != nil {
-			return nil, os.NewSyscallError("bind", err)
+			f.Close()
+			return nil, -1, os.NewSyscallError("bind", err)
 		}
 	}
-	if err := connect(ctx, f, fd, sockaddr(dst, family)); err != nil {
-		return nil, err
+	return f, fd, nil
+}
+
+// localPort is the port fd is bound to (0 when unknown).
+func localPort(fd int) uint16 {
+	switch sa, _ := unix.Getsockname(fd); sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return uint16(sa.Port)
+	case *unix.SockaddrInet6:
+		return uint16(sa.Port)
 	}
-	// FileConn duplicates the connected socket into an ordinary
-	// *net.TCPConn (addresses known, splice and SetLinger available).
-	return net.FileConn(f)
+	return 0
 }
 
 // connect starts a non-blocking connect on fd and waits, through f's

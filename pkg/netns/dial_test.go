@@ -190,3 +190,41 @@ func TestCheckCongestion(t *testing.T) {
 		}
 	}
 }
+
+// A dialer told to avoid a local port never gets it, even where the
+// kernel would pick it: the inbound tunnel dials the app from its
+// client's address, and the client's own port would give the dial the
+// tuple of the connection it relays. The pod's port range is cut to two
+// ports, so whichever the kernel prefers, one case moves it to the other;
+// with one port left, the dial fails and says why.
+func TestDialAvoidsLocalPort(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	b := topo.Nodes[0].AddPod("b")
+	acceptOne(t, b, 8080)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	portRange := func(r string) {
+		t.Helper()
+		if out, err := netnstest.Exec(ctx, b.Path(), "sysctl", "-w", "net.ipv4.ip_local_port_range="+r); err != nil {
+			t.Fatalf("sysctl: %v: %s", err, out)
+		}
+	}
+	portRange("40000 40001")
+	dst := netip.AddrPortFrom(b.IPv4, 8080).String()
+	local := &net.TCPAddr{IP: b.IPv4.AsSlice()}
+	for _, avoid := range []uint16{40000, 40001, 40000, 40001} {
+		c, err := netns.Dial(ctx, b.Path(), "tcp", dst, netns.SocketOptions{Local: local, AvoidLocalPort: avoid})
+		if err != nil {
+			t.Fatalf("avoid %d: %v", avoid, err)
+		}
+		if got := c.LocalAddr().(*net.TCPAddr).Port; got == int(avoid) {
+			t.Errorf("avoid %d: bound to it", avoid)
+		}
+		c.(*net.TCPConn).SetLinger(0) // a reset: no TIME_WAIT left on the port
+		c.Close()
+	}
+	portRange("40000 40000")
+	if _, err := netns.Dial(ctx, b.Path(), "tcp", dst, netns.SocketOptions{Local: local, AvoidLocalPort: 40000}); err == nil || !strings.Contains(err.Error(), "avoiding local port 40000") {
+		t.Errorf("one port in range, avoided: err = %v", err)
+	}
+}

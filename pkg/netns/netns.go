@@ -89,6 +89,11 @@ type SocketOptions struct {
 	Mark uint32
 	// Local is the address a dialer binds to (zero: chosen by the kernel).
 	Local net.Addr
+	// AvoidLocalPort is a port a dialer bound to Local with port 0 must not
+	// get (0: any). The inbound tunnel dials the app from its client's
+	// address; the client's own port there would give the dial the tuple of
+	// the connection it relays, whose socket would answer the dial's SYN.
+	AvoidLocalPort uint16
 	// ReusePort sets SO_REUSEPORT on a listener, so that a second agent
 	// process (an upgrade) can open its own on the same port while the first
 	// still runs: both join one reuseport group, and the kernel moves the

@@ -22,14 +22,18 @@ import (
 // inboundRequest is one connection arriving for the pod, over HBONE or in
 // plaintext, after the transport-specific checks.
 type inboundRequest struct {
-	dst     netip.AddrPort // the pod address and port the client asked for
-	client  netip.Addr     // the client's address, preserved towards the app
-	peer    identity.ID    // verified client identity (zero for plaintext)
-	secure  bool           // arrived over mTLS
-	srcW    *workload.Workload
-	podW    *workload.Workload
-	podID   identity.ID
-	service string
+	dst    netip.AddrPort // the pod address and port the client asked for
+	client netip.Addr     // the client's address, preserved towards the app
+	// clientPort is the client's port when the client's connection ends in
+	// this pod's namespace (plaintext inbound): the dial to the app must not
+	// take it (SocketOptions.AvoidLocalPort). Zero for HBONE.
+	clientPort uint16
+	peer       identity.ID // verified client identity (zero for plaintext)
+	secure     bool        // arrived over mTLS
+	srcW       *workload.Workload
+	podW       *workload.Workload
+	podID      identity.ID
+	service    string
 }
 
 // dialApp connects to the app in the pod from the client's own address
@@ -43,6 +47,7 @@ func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) 
 	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, Congestion: inPodCongestionName()}
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
+		opts.AvoidLocalPort = r.clientPort
 	}
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
@@ -265,7 +270,7 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	}
 	podID := t.identityOf(podW)
 	conn := plainConn(st, podW, podID, client, dst)
-	r := &inboundRequest{dst: dst, client: client.Addr(), srcW: conn.src, podW: podW, podID: podID}
+	r := &inboundRequest{dst: dst, client: client.Addr(), clientPort: client.Port(), srcW: conn.src, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {
 		p.untrack(ic)
