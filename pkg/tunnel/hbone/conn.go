@@ -148,8 +148,11 @@ type connConfig struct {
 	onRequest func(*Stream, *http2.MetaHeadersFrame) error
 	// onRefused (server) counts streams refused for lack of capacity.
 	onRefused func()
-	// prefaceTimeout (server) bounds the wait for the client preface.
+	// prefaceTimeout (server) bounds the wait for the client preface and
+	// the SETTINGS frame that must follow it; onPreface (server) runs on
+	// the reader once that SETTINGS frame was read.
 	prefaceTimeout time.Duration
+	onPreface      func()
 	// maxEarlyResets (server) is the budget of streams the peer may reset
 	// before they were answered, per floodPeriod.
 	maxEarlyResets int
@@ -425,7 +428,12 @@ func (c *conn) readLoop() {
 }
 
 func (c *conn) readFrames() error {
-	if !c.cfg.client {
+	// inPreface (server): the client's preface is not complete until its
+	// first SETTINGS frame (RFC 9113 §3.4), so the preface deadline stays
+	// until that frame was read: a client must not hold a connection
+	// silent, between the 24 bytes and SETTINGS, until the idle timeout.
+	inPreface := !c.cfg.client
+	if inPreface {
 		var preface [len(http2.ClientPreface)]byte
 		if c.cfg.prefaceTimeout > 0 {
 			_ = c.nc.SetReadDeadline(time.Now().Add(c.cfg.prefaceTimeout))
@@ -436,7 +444,6 @@ func (c *conn) readFrames() error {
 		if string(preface[:]) != http2.ClientPreface {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
-		_ = c.nc.SetReadDeadline(time.Time{})
 	}
 	for {
 		// DATA payloads are read here rather than by the framer, straight
@@ -465,11 +472,21 @@ func (c *conn) readFrames() error {
 				}
 			}
 		}
+		if inPreface && c.sawSettings {
+			inPreface = false
+			_ = c.nc.SetReadDeadline(time.Time{})
+			if c.cfg.onPreface != nil {
+				c.cfg.onPreface()
+			}
+		}
 		if err == nil {
 			continue
 		}
 		var se http2.StreamError
 		if !errors.As(err, &se) {
+			if inPreface {
+				return fmt.Errorf("read client preface SETTINGS: %w", err)
+			}
 			return err
 		}
 		if err := c.resetStream(se.StreamID, se.Code); err != nil {

@@ -48,7 +48,7 @@ type rawClient struct {
 func newRawClient(t testing.TB, srv *Server) *rawClient {
 	t.Helper()
 	cli, srvSide := net.Pipe()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil)
 	rc := &rawClient{t: t, nc: cli, fr: http2.NewFramer(cli, nil), frames: make(chan rawFrame, 1<<16)}
 	rc.enc = hpack.NewEncoder(&rc.buf)
 	t.Cleanup(func() { cli.Close() })

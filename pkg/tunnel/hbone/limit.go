@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"container/list"
 	"net"
 	"net/netip"
 	"sync"
@@ -45,11 +46,17 @@ type ConnLimits struct {
 	// streams.
 	MaxConnsPerSource int
 	// MaxHandshakes bounds connections whose TLS handshake and HTTP/2
-	// preface have not finished. Default 1024.
+	// preface (up to the client's first SETTINGS frame) have not finished.
+	// When they are all taken, a new connection evicts (closes) the oldest
+	// of them rather than being refused: an honest handshake takes
+	// milliseconds, so the oldest are the silent ones, and a few source
+	// addresses (each within MaxHandshakesPerSource) cannot lock every
+	// client out. Default 1024.
 	MaxHandshakes int
-	// MaxHandshakesPerSource bounds them per client address. Default 128:
-	// a pod starting up may dial every pod of this node at once, but an
-	// idle-connection flood from one address holds at most this many.
+	// MaxHandshakesPerSource bounds them per client address: more are
+	// refused. Default 128: a pod starting up may dial every pod of this
+	// node at once, but an idle-connection flood from one address holds at
+	// most this many.
 	MaxHandshakesPerSource int
 }
 
@@ -59,16 +66,27 @@ type ConnLimits struct {
 type ConnLimiter struct {
 	limits ConnLimits
 
-	mu         sync.Mutex
-	conns      int
-	handshakes int
-	bySource   map[netip.Addr]*sourceCount
+	mu       sync.Mutex
+	conns    int
+	bySource map[netip.Addr]*sourceCount
+	// pending holds the handshakes in progress (*handshakeSlot), oldest
+	// first; its length is the number of handshakes counted.
+	pending list.List
 
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
+	evictedHandshakes atomic.Uint64
 }
 
 type sourceCount struct{ conns, handshakes int }
+
+// handshakeSlot is an admitted connection's place among the handshakes in
+// progress, until handshakeDone or an eviction.
+type handshakeSlot struct {
+	src  netip.Addr
+	nc   net.Conn      // closed to evict the handshake
+	elem *list.Element // in ConnLimiter.pending; nil once the slot is given back
+}
 
 // ConnLimiterStats is a snapshot of a ConnLimiter, for metrics.
 type ConnLimiterStats struct {
@@ -76,9 +94,12 @@ type ConnLimiterStats struct {
 	Handshakes int // of which still handshaking
 	// RefusedConns counts connections closed at accept because an open
 	// connection limit (total or per source) was reached;
-	// RefusedHandshakes because a handshake limit was.
+	// RefusedHandshakes because the per-source handshake limit was.
 	RefusedConns      uint64
 	RefusedHandshakes uint64
+	// EvictedHandshakes counts handshakes closed, the oldest first, to
+	// admit a new connection when MaxHandshakes were in progress.
+	EvictedHandshakes uint64
 }
 
 // NewConnLimiter returns a limiter; zero fields of limits pick defaults.
@@ -104,45 +125,74 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 	defer l.mu.Unlock()
 	return ConnLimiterStats{
 		Conns:             l.conns,
-		Handshakes:        l.handshakes,
+		Handshakes:        l.pending.Len(),
 		RefusedConns:      l.refusedConns.Load(),
 		RefusedHandshakes: l.refusedHandshakes.Load(),
+		EvictedHandshakes: l.evictedHandshakes.Load(),
 	}
 }
 
-// admit takes a connection slot and a handshake slot for a connection
-// just accepted from src, or reports that a limit is reached (counted).
-func (l *ConnLimiter) admit(src netip.Addr) bool {
+// admit takes a connection slot and a handshake slot for nc, just
+// accepted from src, or returns nil when a connection limit or the
+// per-source handshake limit is reached (counted). When MaxHandshakes are
+// in progress, the oldest is evicted: its connection is closed (its
+// goroutine then fails and gives back its connection slot) and the new
+// one takes its handshake slot. An attacker would have to open
+// MaxHandshakes connections within an honest handshake's few milliseconds
+// to evict it; the refusal this replaces needed only MaxHandshakes silent
+// connections, renewed every HandshakeTimeout.
+func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	sc := l.bySource[src]
 	if sc == nil {
 		sc = &sourceCount{}
 	}
 	switch {
 	case l.conns >= l.limits.MaxConns || sc.conns >= l.limits.MaxConnsPerSource:
+		l.mu.Unlock()
 		l.refusedConns.Add(1)
-		return false
-	case l.handshakes >= l.limits.MaxHandshakes || sc.handshakes >= l.limits.MaxHandshakesPerSource:
+		return nil
+	case sc.handshakes >= l.limits.MaxHandshakesPerSource:
+		l.mu.Unlock()
 		l.refusedHandshakes.Add(1)
-		return false
+		return nil
+	}
+	var evicted *handshakeSlot
+	if l.pending.Len() >= l.limits.MaxHandshakes {
+		evicted = l.pending.Front().Value.(*handshakeSlot)
+		l.handshakeDoneLocked(evicted)
+		l.evictedHandshakes.Add(1)
 	}
 	if sc.conns == 0 {
 		l.bySource[src] = sc
 	}
 	l.conns++
-	l.handshakes++
 	sc.conns++
 	sc.handshakes++
-	return true
+	h := &handshakeSlot{src: src, nc: nc}
+	h.elem = l.pending.PushBack(h)
+	l.mu.Unlock()
+	if evicted != nil {
+		_ = evicted.nc.Close()
+	}
+	return h
 }
 
-// handshakeDone gives back the handshake slot of an admitted connection.
-func (l *ConnLimiter) handshakeDone(src netip.Addr) {
+// handshakeDone gives back h's handshake slot, unless it was given back
+// already (done before, or evicted).
+func (l *ConnLimiter) handshakeDone(h *handshakeSlot) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.handshakes--
-	if sc := l.bySource[src]; sc != nil {
+	l.handshakeDoneLocked(h)
+}
+
+func (l *ConnLimiter) handshakeDoneLocked(h *handshakeSlot) {
+	if h.elem == nil {
+		return
+	}
+	l.pending.Remove(h.elem)
+	h.elem = nil
+	if sc := l.bySource[h.src]; sc != nil {
 		sc.handshakes--
 	}
 }

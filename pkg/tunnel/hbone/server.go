@@ -79,8 +79,8 @@ type ServerOptions struct {
 	// what one pooled client connection (100 streams) can reset when all
 	// its CONNECTs time out together.
 	MaxEarlyResets int
-	// HandshakeTimeout bounds the TLS handshake and the HTTP/2 preface.
-	// Default 10s.
+	// HandshakeTimeout bounds the TLS handshake, and then the HTTP/2
+	// preface up to the client's first SETTINGS frame. Default 10s.
 	HandshakeTimeout time.Duration
 	// Limiter bounds open connections and handshakes. Share one between
 	// the Servers of a process; nil gives the Server its own, with the
@@ -258,14 +258,15 @@ func (srv *Server) Serve(l net.Listener) error {
 		backoff = 0
 		srv.stats.connsAccepted.Add(1)
 		src := sourceAddr(nc.RemoteAddr())
-		if !srv.limiter.admit(src) {
+		hs := srv.limiter.admit(src, nc)
+		if hs == nil {
 			// Over a limit: closed at once, so a flood holds no fd.
 			srv.stats.connsRefused.Add(1)
 			_ = nc.Close()
 			continue
 		}
 		srv.wg.Add(1)
-		go srv.serveConn(nc, src)
+		go srv.serveConn(nc, src, hs)
 	}
 }
 
@@ -276,15 +277,17 @@ func (srv *Server) isClosed() bool {
 }
 
 // serveConn handshakes and then runs the conn's reader on this goroutine.
-func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
+// The connection holds its handshake slot hs until the client's first
+// SETTINGS frame, or its end.
+func (srv *Server) serveConn(nc net.Conn, src netip.Addr, hs *handshakeSlot) {
 	defer srv.wg.Done()
 	defer srv.limiter.release(src)
+	defer srv.limiter.handshakeDone(hs)
 	batch := newBatchConn(nc)
 	tc := tls.Server(batch, srv.tlsConf)
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
-	srv.limiter.handshakeDone(src)
 	if err == nil {
 		if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
 			err = fmt.Errorf("client negotiated ALPN %q, want h2", proto)
@@ -297,18 +300,20 @@ func (srv *Server) serveConn(nc net.Conn, src netip.Addr) {
 		return
 	}
 	state := tc.ConnectionState()
-	srv.serveHTTP2(tc, &state, batch)
+	srv.serveHTTP2(tc, &state, batch, func() { srv.limiter.handshakeDone(hs) })
 }
 
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
-// dies.
-func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn) {
+// dies; onPreface, if not nil, runs once the client's first SETTINGS frame
+// arrived.
+func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn, onPreface func()) {
 	var c *conn
 	c = newConn(srv.ctx, nc, connConfig{
 		batch:          batch,
 		maxStreams:     srv.opts.MaxConcurrentStreams,
 		idleTimeout:    srv.opts.IdleTimeout,
 		prefaceTimeout: srv.opts.HandshakeTimeout,
+		onPreface:      onPreface,
 		log:            srv.log,
 		onIdle:         srv.onIdle,
 		onClose:        srv.onClose,
