@@ -156,6 +156,7 @@ type ServerStats struct {
 	// The node-wide bounds on open connections and TLS handshakes.
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
+	EvictedHandshakes               uint64 // the oldest closed to admit a new one
 }
 
 // NewServerCollector reports the HBONE servers.
@@ -178,8 +179,10 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	refused := prometheus.NewDesc("redirector_hbone_connections_refused_total",
 		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound.",
 		[]string{"limit"}, nil)
+	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
+		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, open, inHandshake, refused},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, open, inHandshake, refused, evicted},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
@@ -189,6 +192,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- gauge(inHandshake, float64(s.Handshakes))
 			ch <- counter(refused, s.RefusedConns, "connections")
 			ch <- counter(refused, s.RefusedHandshakes, "handshakes")
+			ch <- counter(evicted, s.EvictedHandshakes)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")
 			ch <- counter(streams, s.StreamsBadRequest, "bad_request")
