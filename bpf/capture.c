@@ -100,13 +100,81 @@ static __always_inline int tunnel_owns(struct __sk_buff *skb, struct tcp_pkt *p)
 	return owned;
 }
 
+/* The kernel's sk_buff, net_device, net and ns_common: only the fields
+ * netns_ino reads, located at load time through BTF (CO-RE). */
+struct ns_common___rd {
+	unsigned int inum;
+} __attribute__((preserve_access_index));
+
+struct net___rd {
+	struct ns_common___rd ns;
+} __attribute__((preserve_access_index));
+
+struct net_device___rd {
+	struct {
+		struct net___rd *net;
+	} nd_net;
+} __attribute__((preserve_access_index));
+
+struct sk_buff___rd {
+	struct net_device___rd *dev;
+} __attribute__((preserve_access_index));
+
+/* netns_ino is the inode number of the network namespace of the packet's
+ * device (what stat(2) of /proc/<pid>/ns/net shows), 0 if it cannot be read.
+ * The context is the kernel's sk_buff; as in tw_rcv_nxt, its address is
+ * read as a number first, and the fields with bpf_probe_read_kernel. */
+static __always_inline __u32 netns_ino(struct __sk_buff *skb)
+{
+	struct sk_buff___rd *k;
+
+	if (bpf_probe_read_kernel(&k, sizeof(k), &skb) < 0)
+		return 0;
+	return BPF_CORE_READ(k, dev, nd_net.net, ns.inum);
+}
+
+/* netns_pod returns the settings of the enrolled pod the packet's interface
+ * belongs to (the programs run only on pods' interfaces, inside their
+ * namespaces), and in *owner the address its counters go to; NULL when the
+ * namespace has no rd_pod_netns entry, or the address it names has no
+ * rd_pods entry of that pod (the kill switch). Only packets that are not
+ * to or from an enrolled address pay for it. */
+static __always_inline struct pod_settings *netns_pod(struct __sk_buff *skb, struct pod_addr *owner)
+{
+	__u32 ino = netns_ino(skb);
+	struct pod_settings *pod;
+	struct pod_netns *ns;
+
+	if (!ino)
+		return NULL;
+	ns = bpf_map_lookup_elem(&rd_pod_netns, &ino);
+	if (!ns)
+		return NULL;
+	pod = bpf_map_lookup_elem(&rd_pods, &ns->addr);
+	if (!pod || pod->pod_id != ns->pod_id)
+		return NULL;
+	*owner = ns->addr;
+	return pod;
+}
+
+/* not_for_host reports whether an ingress frame is one the stack will not
+ * take as its own (a frame the bridge flooded, multicast, broadcast): TCP
+ * and IP reassembly accept only PACKET_HOST. */
+static __always_inline int not_for_host(struct __sk_buff *skb, int ingress)
+{
+	return ingress && skb->pkt_type != PACKET_HOST;
+}
+
 /* drop_unparsed is the verdict for an IP packet parse_tcp could not
  * classify (reason is why): dropped when its source or destination is
- * enrolled, and when not even its addresses could be read; passed otherwise,
- * as traffic that is not the mesh's. */
-static __always_inline int drop_unparsed(const struct tcp_pkt *p, __u32 reason)
+ * enrolled, on an enrolled pod's interface whatever its addresses (a
+ * fragment to the pod's link-local address is the pod's too; on ingress,
+ * if the frame is for this host), and when not even its addresses could be
+ * read; passed otherwise, as traffic that is not the mesh's. */
+static __always_inline int drop_unparsed(struct __sk_buff *skb, const struct tcp_pkt *p, __u32 reason, int ingress)
 {
 	static const struct pod_addr none = {};
+	struct pod_addr owner;
 
 	if (!p->has_addrs) {
 		count(reason, &none, CNT_DROPPED);
@@ -120,7 +188,34 @@ static __always_inline int drop_unparsed(const struct tcp_pkt *p, __u32 reason)
 		count(reason, &p->dst, CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
+	if (!not_for_host(skb, ingress) && netns_pod(skb, &owner)) {
+		count(reason, &owner, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
 	return TC_ACT_UNSPEC;
+}
+
+/* unenrolled_local is the verdict for a TCP packet whose own end (local:
+ * the destination on ingress, the source on egress) is not an enrolled
+ * address. On an enrolled pod's interface that address is the pod's all the
+ * same: its IPv6 link-local address, which is never enrolled, or one the
+ * loader was not given (SLAAC, secondary). The programs never capture such a
+ * connection, so it is dropped while the pod's capture in that direction
+ * is on: the pod's TCP never passes the capture in plaintext. Elsewhere,
+ * and for ingress frames the host would not take, it is not the mesh's. */
+static __always_inline int unenrolled_local(struct __sk_buff *skb, const struct pod_addr *local, int ingress)
+{
+	__u32 flag = ingress ? POD_CAPTURE_INBOUND : POD_CAPTURE_OUTBOUND;
+	struct pod_settings *pod;
+	struct pod_addr owner;
+
+	if (not_for_host(skb, ingress))
+		return TC_ACT_UNSPEC;
+	pod = netns_pod(skb, &owner);
+	if (!pod || !(pod->flags & flag))
+		return TC_ACT_UNSPEC;
+	count(is_link_local(local) ? REASON_DROP_LINK_LOCAL : REASON_DROP_UNENROLLED_ADDR, &owner, CNT_DROPPED);
+	return TC_ACT_SHOT;
 }
 
 /* The kernel's struct sock_common: only the field clear_timewait reads,
@@ -289,17 +384,22 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
 /* rd_pod_egress: tcx egress of the pod interface (pod -> world).
  *
  * Verdicts:
- *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP, unenrolled
- *                  source, tunnel-marked sockets, excluded destinations, and
+ *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP, an
+ *                  unenrolled source on an interface that is no enrolled
+ *                  pod's, tunnel-marked sockets, excluded destinations, and
  *                  packets of connections the tunnel does not own;
  *   bpf_redirect   to this interface's ingress for a new outbound connection
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
  *                  captured or source-preserved connection);
- *   TC_ACT_SHOT    an IP packet from or to an enrolled address that
- *                  parse_tcp cannot classify (truncated or malformed headers,
- *                  TCP in fragments, hidden payloads: drop_unparsed), and a
- *                  packet whose Ethernet header cannot be rewritten.
+ *   TC_ACT_SHOT    an IP packet from or to an enrolled address, or on an
+ *                  enrolled pod's interface, that parse_tcp cannot classify
+ *                  (truncated or malformed headers, TCP in fragments, hidden
+ *                  payloads, stacked VLAN tags: drop_unparsed), TCP from an
+ *                  address of an enrolled pod's interface that is not
+ *                  enrolled (its link-local address above all:
+ *                  unenrolled_local), and a packet whose Ethernet header
+ *                  cannot be rewritten.
  *
  * Why egress redirects instead of assigning: bpf_sk_assign only works on
  * ingress, so the packet takes one extra trip through this interface. Only a
@@ -315,10 +415,13 @@ int rd_pod_egress(struct __sk_buff *skb)
 	if (ret == PARSE_OTHER)
 		return TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)
-		return drop_unparsed(&p, ret);
+		return drop_unparsed(skb, &p, ret, 0);
 	pod = bpf_map_lookup_elem(&rd_pods, &p.src);
-	if (!pod)
-		return TC_ACT_UNSPEC;
+	if (!pod) {
+		if ((skb->mark & mark_mask) == tunnel_mark)
+			return TC_ACT_UNSPEC;
+		return unenrolled_local(skb, &p.src, 0);
+	}
 
 	if ((skb->mark & mark_mask) == tunnel_mark) {
 		count(REASON_OUT_PASS_TUNNEL_MARK, &p.src, CNT_BYPASSED);
@@ -345,7 +448,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  * packets rd_pod_egress re-injected).
  *
  * For every packet: TC_ACT_SHOT for an IP packet from or to an enrolled
- * address that parse_tcp cannot classify (drop_unparsed).
+ * address, or for this host on an enrolled pod's interface, that parse_tcp
+ * cannot classify (drop_unparsed).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
@@ -367,7 +471,14 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  veth program did not translate (no HASH_PROBE_SNAT);
  *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
- *                  would hand it to the app's own listener, in plaintext. */
+ *                  would hand it to the app's own listener, in plaintext.
+ * Verdicts for TCP from the wire to an address that is not enrolled:
+ *   TC_ACT_SHOT    on an enrolled pod's interface, when the frame is for this
+ *                  host and the pod's inbound capture is on: the pod's
+ *                  link-local address (drop_link_local) or another address
+ *                  the loader was not given (drop_unenrolled_addr), which
+ *                  the programs never capture (unenrolled_local);
+ *   TC_ACT_UNSPEC  otherwise. */
 SEC("tcx/ingress")
 int rd_pod_ingress(struct __sk_buff *skb)
 {
@@ -378,7 +489,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	if (ret == PARSE_OTHER)
 		return TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)
-		return drop_unparsed(&p, ret);
+		return drop_unparsed(skb, &p, ret, 1);
 
 	if ((skb->mark & mark_mask) == reinject_mark) {
 		pod = bpf_map_lookup_elem(&rd_pods, &p.src);
@@ -393,7 +504,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 
 	pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
 	if (!pod)
-		return TC_ACT_UNSPEC;
+		return unenrolled_local(skb, &p.dst, 1);
 	src_pod = bpf_map_lookup_elem(&rd_pods, &p.src);
 	if (src_pod && src_pod->pod_id == pod->pod_id) {
 		count(REASON_DROP_SPOOFED, &p.dst, CNT_DROPPED);

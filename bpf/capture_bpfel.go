@@ -57,6 +57,13 @@ type CapturePodMeta struct {
 	Pad         uint32
 }
 
+type CapturePodNetns struct {
+	_     structs.HostLayout
+	Addr  CapturePodAddr
+	PodId uint32
+	Pad   uint32
+}
+
 type CapturePodSettings struct {
 	_     structs.HostLayout
 	Flags uint32
@@ -88,7 +95,10 @@ const (
 	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT    CaptureVerdictReason = 19
 	CaptureVerdictReasonREASON_IN_SYN_EXISTING      CaptureVerdictReason = 20
 	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED   CaptureVerdictReason = 21
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 22
+	CaptureVerdictReasonREASON_DROP_LINK_LOCAL      CaptureVerdictReason = 22
+	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR CaptureVerdictReason = 23
+	CaptureVerdictReasonREASON_DROP_VLAN            CaptureVerdictReason = 24
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 25
 )
 
 // Names of all BPF objects in the ELF.
@@ -96,6 +106,7 @@ const (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	CaptureMapRdPodMeta           = "rd_pod_meta"
+	CaptureMapRdPodNetns          = "rd_pod_netns"
 	CaptureMapRdPodStats          = "rd_pod_stats"
 	CaptureMapRdPods              = "rd_pods"
 	CaptureMapRdReasons           = "rd_reasons"
@@ -165,6 +176,7 @@ type CaptureProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type CaptureMapSpecs struct {
 	RdPodMeta  *ebpf.MapSpec `ebpf:"rd_pod_meta"`
+	RdPodNetns *ebpf.MapSpec `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.MapSpec `ebpf:"rd_pod_stats"`
 	RdPods     *ebpf.MapSpec `ebpf:"rd_pods"`
 	RdReasons  *ebpf.MapSpec `ebpf:"rd_reasons"`
@@ -208,6 +220,7 @@ func (o *CaptureObjects) Close() error {
 // It can be passed to LoadCaptureObjects or ebpf.CollectionSpec.LoadAndAssign.
 type CaptureMaps struct {
 	RdPodMeta  *ebpf.Map `ebpf:"rd_pod_meta"`
+	RdPodNetns *ebpf.Map `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.Map `ebpf:"rd_pod_stats"`
 	RdPods     *ebpf.Map `ebpf:"rd_pods"`
 	RdReasons  *ebpf.Map `ebpf:"rd_reasons"`
@@ -216,6 +229,7 @@ type CaptureMaps struct {
 func (m *CaptureMaps) Close() error {
 	return _CaptureClose(
 		m.RdPodMeta,
+		m.RdPodNetns,
 		m.RdPodStats,
 		m.RdPods,
 		m.RdReasons,

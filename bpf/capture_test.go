@@ -222,7 +222,23 @@ func reasonCounts(t *testing.T, m *ebpf.Map) []uint64 {
 // exactly its reason (or none) was counted.
 func runTable(t *testing.T, prog *ebpf.Program, reasons *ebpf.Map, cases []progCase) {
 	t.Helper()
+	runTableIn(t, prog, reasons, nil, cases)
+}
+
+// runTableIn is runTable with setup run first in the test's namespace, given
+// that namespace's inode number (what the programs read as netns_ino: the
+// packets of BPF_PROG_TEST_RUN are on its loopback device).
+func runTableIn(t *testing.T, prog *ebpf.Program, reasons *ebpf.Map, setup func(ino uint32), cases []progCase) {
+	t.Helper()
 	inNewNetNS(t, func() {
+		if setup != nil {
+			var st unix.Stat_t
+			if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+				t.Errorf("stat own netns: %v", err)
+				return
+			}
+			setup(uint32(st.Ino))
+		}
 		for _, c := range cases {
 			before := reasonCounts(t, reasons)
 			got, err := prog.Run(&ebpf.RunOptions{Data: c.pkt, Context: skbCtx{Mark: c.mark}})
@@ -434,4 +450,162 @@ func TestHostProbeSpoofedSource(t *testing.T) {
 		{"v4 reply to the probe address without a NAT entry", 0, ip4(pod4, snat4, pTCP, 0, tcpHdr(8080, 40000, fSYN|fACK)), actUnspec, noReason},
 	}
 	runTable(t, objs.RdHostIngress, objs.RdReasons, ingress)
+}
+
+// vlan puts a VLAN tag of type tpid (VID 0: a priority tag) in front of the
+// frame's ethertype, as the outermost tag.
+func vlan(tpid uint16, f []byte) []byte {
+	out := make([]byte, 0, len(f)+4)
+	out = append(out, f[:12]...)
+	out = binary.BigEndian.AppendUint16(out, tpid)
+	out = append(out, 0, 0) // PCP 0, DEI 0, VID 0
+	return append(out, f[12:]...)
+}
+
+// forHost gives the frame the destination MAC of the loopback device the
+// test runs on, so BPF_PROG_TEST_RUN classifies it PACKET_HOST as the
+// stack does a frame to the pod's own MAC (the others are PACKET_OTHERHOST).
+func forHost(f []byte) []byte {
+	f = append([]byte(nil), f...)
+	copy(f[0:6], make([]byte, 6))
+	return f
+}
+
+// TestCaptureVLANStacked: a frame that still has a VLAN tag at tc (the
+// kernel took one off before) carrying TCP to or from an enrolled pod is
+// dropped: the kernel may take that tag off after tc and deliver the TCP,
+// which the programs never classified. Before, any ethertype but IPv4 and
+// IPv6 passed.
+func TestCaptureVLANStacked(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	vlanDrop := CaptureVerdictReasonREASON_DROP_VLAN
+	ingress := []progCase{
+		{"802.1Q v4 syn", 0, vlan(0x8100, ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, vlanDrop},
+		{"802.1Q v4 ack", 0, vlan(0x8100, ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, 8080, fACK))), actShot, vlanDrop},
+		{"802.1Q v4 syn from a pod", 0, vlan(0x8100, ip4(pod4, peer4, pTCP, 0, tcpSyn)), actShot, vlanDrop},
+		{"802.1ad 802.1Q v6 syn", 0, vlan(0x88a8, vlan(0x8100, ip6(peer6, pod6, nil, pTCP, tcpSyn))), actShot, vlanDrop},
+		{"QinQ 0x9100 v4 syn", 0, vlan(0x9100, ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, vlanDrop},
+		{"802.1Q v4 fragment", 0, vlan(0x8100, ip4(peer4, pod4, pTCP, 0x2000, tcpSyn)), actShot, vlanDrop},
+		{"802.1Q v6 syn with destination options", 0, vlan(0x8100, ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpSyn)), actShot, vlanDrop},
+		{"five tags, addresses unread", 0, vlan(0x8100, vlan(0x8100, vlan(0x8100, vlan(0x8100, vlan(0x8100, ip4(peer4, pod4, pTCP, 0, tcpSyn)))))), actShot, vlanDrop},
+		{"802.1Q v4 syn between others", 0, vlan(0x8100, ip4(peer4, other4, pTCP, 0, tcpSyn)), actUnspec, noReason},
+		{"802.1Q v4 udp", 0, vlan(0x8100, ip4(peer4, pod4, pUDP, 0, make([]byte, 8))), actUnspec, noReason},
+		{"802.1Q v6 icmp", 0, vlan(0x8100, ip6(peer6, pod6, nil, pICMP6, make([]byte, 8))), actUnspec, noReason},
+		{"802.1Q arp", 0, vlan(0x8100, frame(unix.ETH_P_ARP, make([]byte, 28))), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
+	egress := []progCase{
+		{"802.1Q v4 syn", 0, vlan(0x8100, ip4(pod4, peer4, pTCP, 0, tcpSyn)), actShot, vlanDrop},
+		{"802.1ad v6 syn", 0, vlan(0x88a8, ip6(pod6, peer6, nil, pTCP, tcpSyn)), actShot, vlanDrop},
+		{"802.1Q v4 syn to a pod", 0, vlan(0x8100, ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, vlanDrop},
+		{"802.1Q v4 syn between others", 0, vlan(0x8100, ip4(other4, peer4, pTCP, 0, tcpSyn)), actUnspec, noReason},
+		{"802.1Q v4 udp", 0, vlan(0x8100, ip4(pod4, peer4, pUDP, 0, make([]byte, 8))), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, egress)
+}
+
+var (
+	llPod  = netip.MustParseAddr("fe80::200:ff:fe00:2")
+	llPeer = netip.MustParseAddr("fe80::200:ff:fe00:1")
+	ll4Pod = netip.MustParseAddr("169.254.9.2")
+)
+
+// ownNetNS returns a table setup that records the test's namespace in
+// rd_pod_netns as pod nsID's, named by addr, and (re)enrolls addr for pod 1
+// with flags.
+func ownNetNS(t *testing.T, objs *CaptureObjects, addr netip.Addr, nsID, flags uint32) func(uint32) {
+	return func(ino uint32) {
+		v := CapturePodNetns{Addr: CapturePodAddr{Addr: addr.As16()}, PodId: nsID}
+		if err := objs.RdPodNetns.Put(ino, &v); err != nil {
+			t.Errorf("record netns: %v", err)
+		}
+		k := CapturePodAddr{Addr: addr.As16()}
+		if err := objs.RdPods.Put(&k, &CapturePodSettings{Flags: flags, PodId: 1}); err != nil {
+			t.Errorf("enroll %s: %v", addr, err)
+		}
+	}
+}
+
+const bothWays = uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND | CapturePodFlagPOD_CAPTURE_INBOUND)
+
+// TestCaptureUnenrolledAddrOnPodInterface: on an enrolled pod's interface
+// (its namespace in rd_pod_netns), TCP to or from one of its addresses that
+// is not enrolled, the IPv6 link-local address above all, is dropped: a
+// neighbour on the link could reach the app on fe80::<pod>%eth0 in
+// plaintext, and the pod a neighbour's. Before, a destination (ingress) or
+// source (egress) without an rd_pods entry passed.
+func TestCaptureUnenrolledAddrOnPodInterface(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	ll, un := CaptureVerdictReasonREASON_DROP_LINK_LOCAL, CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR
+	own := ownNetNS(t, objs, pod4, 1, bothWays)
+	ingress := []progCase{
+		{"v6 syn to the link-local address", 0, forHost(ip6(llPeer, llPod, nil, pTCP, tcpSyn)), actShot, ll},
+		{"v6 ack to the link-local address", 0, forHost(ip6(llPeer, llPod, nil, pTCP, tcpHdr(40000, 8080, fACK))), actShot, ll},
+		{"v6 syn from a global address to the link-local one", 0, forHost(ip6(peer6, llPod, nil, pTCP, tcpSyn)), actShot, ll},
+		{"v6 syn to the link-local address with destination options", 0, forHost(ip6(llPeer, llPod, []ext{opts(pDst, 0)}, pTCP, tcpSyn)), actShot, ll},
+		{"v4 syn to an IPv4 link-local address", 0, forHost(ip4(peer4, ll4Pod, pTCP, 0, tcpSyn)), actShot, ll},
+		{"v6 syn to a SLAAC address", 0, forHost(ip6(peer6, other6, nil, pTCP, tcpSyn)), actShot, un},
+		{"v4 syn to a secondary address", 0, forHost(ip4(peer4, other4, pTCP, 0, tcpSyn)), actShot, un},
+		{"v6 fragment to the link-local address", 0, forHost(ip6(llPeer, llPod, []ext{frag(8, false)}, pTCP, make([]byte, 16))), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"802.1Q v6 syn to the link-local address", 0, forHost(vlan(0x8100, ip6(llPeer, llPod, nil, pTCP, tcpSyn))), actShot, CaptureVerdictReasonREASON_DROP_VLAN},
+		{"v6 udp to the link-local address", 0, forHost(ip6(llPeer, llPod, nil, pUDP, make([]byte, 8))), actUnspec, noReason},
+		{"icmpv6 to the link-local address", 0, forHost(ip6(llPeer, llPod, nil, pICMP6, make([]byte, 8))), actUnspec, noReason},
+		{"v6 syn to a link-local address, frame for another host", 0, ip6(llPeer, llPod, nil, pTCP, tcpSyn), actUnspec, noReason},
+		{"v6 fragment to a link-local address, frame for another host", 0, ip6(llPeer, llPod, []ext{frag(8, false)}, pTCP, make([]byte, 16)), actUnspec, noReason},
+		{"v4 syn to the pod address", 0, forHost(ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, own, ingress)
+	egress := []progCase{
+		{"v6 syn from the link-local address to a neighbour's", 0, ip6(llPod, llPeer, nil, pTCP, tcpSyn), actShot, ll},
+		{"v6 ack from the link-local address", 0, ip6(llPod, llPeer, nil, pTCP, tcpHdr(40000, 8080, fACK)), actShot, ll},
+		{"v6 syn from the link-local address to a global one", 0, ip6(llPod, peer6, nil, pTCP, tcpSyn), actShot, ll},
+		{"v6 syn from the link-local address, to the MAC of another host", 0, forHost(ip6(llPod, llPeer, nil, pTCP, tcpSyn)), actShot, ll},
+		{"v6 syn from a SLAAC address", 0, ip6(other6, peer6, nil, pTCP, tcpSyn), actShot, un},
+		{"v4 syn from a secondary address", 0, ip4(other4, peer4, pTCP, 0, tcpSyn), actShot, un},
+		{"v6 first fragment from the link-local address", 0, ip6(llPod, llPeer, []ext{frag(0, true)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_FRAGMENT},
+		{"v6 syn from the link-local address, tunnel-marked", 0x539, ip6(llPod, llPeer, nil, pTCP, tcpSyn), actUnspec, noReason},
+		{"v6 udp from the link-local address", 0, ip6(llPod, llPeer, nil, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v4 syn from the pod address", 0, ip4(pod4, peer4, pTCP, 0, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+	}
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, own, egress)
+}
+
+// TestCaptureUnenrolledAddrFollowsEnrollment: the rule holds only for an
+// enrolled pod's interface and its capture in that direction. Without an
+// rd_pod_netns entry, with the entry's address no longer enrolled (the kill
+// switch) or enrolled for another pod, the link-local address passes as
+// before; with inbound capture off it passes in, not out.
+func TestCaptureUnenrolledAddrFollowsEnrollment(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	in := forHost(ip6(llPeer, llPod, nil, pTCP, tcpSyn))
+	out := ip6(llPod, llPeer, nil, pTCP, tcpSyn)
+	table := func(pkt []byte, want uint32, reason CaptureVerdictReason) []progCase {
+		return []progCase{{"link-local syn", 0, pkt, want, reason}}
+	}
+	// No entry: an interface that is no enrolled pod's.
+	runTable(t, objs.RdPodIngress, objs.RdReasons, table(in, actUnspec, noReason))
+	runTable(t, objs.RdPodEgress, objs.RdReasons, table(out, actUnspec, noReason))
+	// The address the entry names has no enrollment entry (pod 1 detached).
+	killed := func(ino uint32) {
+		v := CapturePodNetns{Addr: CapturePodAddr{Addr: other6.As16()}, PodId: 1}
+		if err := objs.RdPodNetns.Put(ino, &v); err != nil {
+			t.Errorf("record netns: %v", err)
+		}
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, killed, table(in, actUnspec, noReason))
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, killed, table(out, actUnspec, noReason))
+	// The address is another pod's now.
+	other := ownNetNS(t, objs, pod6, 2, bothWays)
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, other, table(in, actUnspec, noReason))
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, other, table(out, actUnspec, noReason))
+	// Inbound capture off (ambient.istio.io/bypass-inbound-capture).
+	outOnly := ownNetNS(t, objs, pod6, 1, uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND))
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, outOnly, table(in, actUnspec, noReason))
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, outOnly, table(out, actShot, CaptureVerdictReasonREASON_DROP_LINK_LOCAL))
 }

@@ -54,6 +54,13 @@ type SockopsPodMeta struct {
 	Pad         uint32
 }
 
+type SockopsPodNetns struct {
+	_     structs.HostLayout
+	Addr  SockopsPodAddr
+	PodId uint32
+	Pad   uint32
+}
+
 type SockopsPodSettings struct {
 	_     structs.HostLayout
 	Flags uint32
@@ -86,6 +93,7 @@ const (
 	SockopsMapRdAccelStats        = "rd_accel_stats"
 	SockopsMapRdAppSocks          = "rd_app_socks"
 	SockopsMapRdPodMeta           = "rd_pod_meta"
+	SockopsMapRdPodNetns          = "rd_pod_netns"
 	SockopsMapRdPodStats          = "rd_pod_stats"
 	SockopsMapRdPods              = "rd_pods"
 	SockopsMapRdReasons           = "rd_reasons"
@@ -154,6 +162,7 @@ type SockopsMapSpecs struct {
 	RdAccelStats   *ebpf.MapSpec `ebpf:"rd_accel_stats"`
 	RdAppSocks     *ebpf.MapSpec `ebpf:"rd_app_socks"`
 	RdPodMeta      *ebpf.MapSpec `ebpf:"rd_pod_meta"`
+	RdPodNetns     *ebpf.MapSpec `ebpf:"rd_pod_netns"`
 	RdPodStats     *ebpf.MapSpec `ebpf:"rd_pod_stats"`
 	RdPods         *ebpf.MapSpec `ebpf:"rd_pods"`
 	RdReasons      *ebpf.MapSpec `ebpf:"rd_reasons"`
@@ -196,6 +205,7 @@ type SockopsMaps struct {
 	RdAccelStats   *ebpf.Map `ebpf:"rd_accel_stats"`
 	RdAppSocks     *ebpf.Map `ebpf:"rd_app_socks"`
 	RdPodMeta      *ebpf.Map `ebpf:"rd_pod_meta"`
+	RdPodNetns     *ebpf.Map `ebpf:"rd_pod_netns"`
 	RdPodStats     *ebpf.Map `ebpf:"rd_pod_stats"`
 	RdPods         *ebpf.Map `ebpf:"rd_pods"`
 	RdReasons      *ebpf.Map `ebpf:"rd_reasons"`
@@ -209,6 +219,7 @@ func (m *SockopsMaps) Close() error {
 		m.RdAccelStats,
 		m.RdAppSocks,
 		m.RdPodMeta,
+		m.RdPodNetns,
 		m.RdPodStats,
 		m.RdPods,
 		m.RdReasons,

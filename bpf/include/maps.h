@@ -35,6 +35,17 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } rd_reasons SEC(".maps");
 
+/* Inode number of a pod's network namespace -> the enrolled pod whose
+ * interface there the programs are attached to. Written by the loader with
+ * the enrollment entries, removed with them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, MAX_PODS);
+	__type(key, __u32);
+	__type(value, struct pod_netns);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_pod_netns SEC(".maps");
+
 /* Pod id -> what was attached (struct pod_meta). Bookkeeping for the loader
  * and the inspect CLI; no program reads it. */
 struct {

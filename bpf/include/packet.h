@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
+#include <linux/if_packet.h>
 #include <linux/in.h>
 #include <linux/in6.h>
 #include <linux/ip.h>
@@ -21,6 +22,11 @@
  * Eight is far more than any real packet carries (hop-by-hop, destination
  * options, routing, fragment, AH, destination options: six at most). */
 #define IPV6_MAX_EXTHDRS 8
+
+/* How many VLAN tags parse_tcp looks through to find the IP header of a
+ * tagged frame (after the one the kernel strips before tc). Deeper stacks
+ * are dropped without their addresses. */
+#define VLAN_MAX_TAGS 4
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
@@ -72,6 +78,16 @@ static __always_inline int is_v4(const struct pod_addr *a)
 	return w[0] == 0 && a->addr[8] == 0 && a->addr[9] == 0 && a->addr[10] == 0xff && a->addr[11] == 0xff;
 }
 
+/* is_link_local reports whether a is link-local: fe80::/10, or
+ * 169.254.0.0/16 IPv4-mapped. Such an address is never enrolled
+ * (selection.CheckPodAddr refuses it). */
+static __always_inline int is_link_local(const struct pod_addr *a)
+{
+	if (is_v4(a))
+		return a->addr[12] == 169 && a->addr[13] == 254;
+	return a->addr[0] == 0xfe && (a->addr[1] & 0xc0) == 0x80;
+}
+
 static __always_inline int is_loopback(const struct pod_addr *a)
 {
 	static const struct pod_addr lo6 = {.addr = {[15] = 1}};
@@ -114,12 +130,14 @@ static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __
 	return PARSE_TCP;
 }
 
-static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p)
+/* parse_ipv4 reads the IPv4 header at l3 (the end of the Ethernet header
+ * and of any VLAN tags). */
+static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p, __u32 l3)
 {
 	struct iphdr ip;
 	__u32 off;
 
-	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip, sizeof(ip)) < 0)
+	if (bpf_skb_load_bytes(skb, l3, &ip, sizeof(ip)) < 0)
 		return REASON_DROP_TRUNCATED;
 	map_v4(&p->src, ip.saddr);
 	map_v4(&p->dst, ip.daddr);
@@ -129,7 +147,7 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p)
 	p->tuple.ipv4.daddr = ip.daddr;
 	if (ip.version != 4 || ip.ihl < 5)
 		return REASON_DROP_MALFORMED;
-	off = ETH_HLEN + ip.ihl * 4; /* IPv4 options are skipped, not read */
+	off = l3 + ip.ihl * 4; /* IPv4 options are skipped, not read */
 	if (off > skb->len)
 		return REASON_DROP_TRUNCATED;
 
@@ -159,14 +177,15 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p)
 
 /* parse_ipv6 walks the extension header chain the way the kernel's input
  * path does (hop-by-hop, routing, destination options, fragment, AH) to find
- * the upper-layer protocol, at most IPV6_MAX_EXTHDRS headers deep. */
-static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p)
+ * the upper-layer protocol, at most IPV6_MAX_EXTHDRS headers deep. The IPv6
+ * header is at l3. */
+static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, __u32 l3)
 {
 	struct ipv6hdr ip6;
-	__u32 off = ETH_HLEN + sizeof(struct ipv6hdr);
+	__u32 off = l3 + sizeof(struct ipv6hdr);
 	__u8 next;
 
-	if (bpf_skb_load_bytes(skb, ETH_HLEN, &ip6, sizeof(ip6)) < 0)
+	if (bpf_skb_load_bytes(skb, l3, &ip6, sizeof(ip6)) < 0)
 		return REASON_DROP_TRUNCATED;
 	__builtin_memcpy(p->src.addr, &ip6.saddr, 16);
 	__builtin_memcpy(p->dst.addr, &ip6.daddr, 16);
@@ -237,24 +256,55 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p)
 	return REASON_DROP_EXTHDR;
 }
 
+/* is_vlan reports whether an ethertype is a VLAN tag: 802.1Q, 802.1ad, or
+ * one of the pre-standard QinQ types. */
+static __always_inline int is_vlan(__be16 proto)
+{
+	return proto == bpf_htons(ETH_P_8021Q) || proto == bpf_htons(ETH_P_8021AD) || proto == bpf_htons(ETH_P_QINQ1) ||
+	       proto == bpf_htons(ETH_P_QINQ2) || proto == bpf_htons(ETH_P_QINQ3);
+}
+
 /* parse_tcp fills p from an Ethernet frame. It returns PARSE_TCP for a TCP
  * packet it can classify, PARSE_OTHER for what is not TCP (non-IP frames,
  * UDP, ICMP, ...), and otherwise the verdict_reason to drop it with: an IP
  * packet that may carry TCP but cannot be classified (truncated or malformed
  * headers, TCP in fragments, a chain too long, a payload it cannot see into).
  * p->has_addrs says whether the addresses were read. Headers are read with
- * bpf_skb_load_bytes, so they need not be in the linear part of the skb. */
+ * bpf_skb_load_bytes, so they need not be in the linear part of the skb.
+ *
+ * The kernel takes one VLAN tag off before tc runs (into skb metadata), so a
+ * tag still in the frame is a second one: the kernel may take that off too
+ * after tc (a priority tag, VID 0, is) and deliver what it carries, which tc
+ * never classified. Such a frame is REASON_DROP_VLAN when it carries IP that
+ * is or may be TCP, with the inner addresses read (up to VLAN_MAX_TAGS
+ * tags; deeper, without them); tagged UDP, ICMP and non-IP frames are
+ * PARSE_OTHER as untagged ones are. */
 static __always_inline int parse_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 {
+	__u32 l3 = ETH_HLEN;
 	__be16 proto;
+	int tagged = 0, ret;
 
 	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto)) < 0)
 		return PARSE_OTHER;
+	for (int i = 0; i < VLAN_MAX_TAGS && is_vlan(proto); i++) {
+		/* A tag: TCI, then the ethertype of what follows. */
+		if (bpf_skb_load_bytes(skb, l3 + 2, &proto, sizeof(proto)) < 0)
+			return REASON_DROP_VLAN;
+		l3 += 4;
+		tagged = 1;
+	}
+	if (is_vlan(proto))
+		return REASON_DROP_VLAN;
 	if (proto == bpf_htons(ETH_P_IP))
-		return parse_ipv4(skb, p);
-	if (proto == bpf_htons(ETH_P_IPV6))
-		return parse_ipv6(skb, p);
-	return PARSE_OTHER;
+		ret = parse_ipv4(skb, p, l3);
+	else if (proto == bpf_htons(ETH_P_IPV6))
+		ret = parse_ipv6(skb, p, l3);
+	else
+		return PARSE_OTHER;
+	if (tagged && ret != PARSE_OTHER)
+		return REASON_DROP_VLAN;
+	return ret;
 }
 
 static __always_inline __be16 pkt_dport(const struct tcp_pkt *p)

@@ -56,6 +56,9 @@ enum verdict_reason {
 	REASON_DROP_SYN_TIMEWAIT,    /* fail closed: that TIME_WAIT socket could not be cleared */
 	REASON_IN_SYN_EXISTING,      /* ingress: a SYN whose tuple has a live socket, left to TCP (retransmit, challenge ACK) */
 	REASON_DROP_PROBE_SPOOFED,   /* host veth: to a pod from the probe SNAT address, not translated there */
+	REASON_DROP_LINK_LOCAL,      /* fail closed: TCP to (ingress) or from (egress) a link-local address of an enrolled pod's interface */
+	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
+	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
 	REASON_MAX,
 };
 
@@ -74,6 +77,19 @@ _Static_assert(REASON_MAX <= REASON_SLOTS, "rd_reasons is too small for enum ver
  * hash survives the veth's crossing into the pod's namespace, where the mark
  * and priority are reset, and no sender chooses its own packets' hash. */
 #define HASH_PROBE_SNAT 0x72640001
+
+/* Value of rd_pod_netns (key: the inode number of a pod's network
+ * namespace): the pod whose interface there the programs are attached to,
+ * named by one of its enrolled addresses. It lets the programs tell, for a
+ * packet whose own addresses are not enrolled (a link-local or SLAAC address
+ * of the pod, a stacked VLAN tag), that it is still an enrolled pod's. It
+ * counts only while rd_pods holds addr with this pod_id: the enrollment
+ * entry stays the kill switch. */
+struct pod_netns {
+	struct pod_addr addr;
+	__u32 pod_id;
+	__u32 _pad;
+};
 
 #define POD_META_MAX_ADDRS 4
 

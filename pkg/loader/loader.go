@@ -61,6 +61,9 @@ type Loader struct {
 	byUID   map[string]uint32
 	metas   map[uint32]maps.PodMeta
 	busy    map[string]chan struct{}
+	// podNetNS: the namespace inode each pod's rd_pod_netns entry has
+	// (podnetns.go), by pod id.
+	podNetNS map[uint32]uint32
 	// hostProbe: pods whose host-probe links this process attached.
 	hostProbe map[uint32]bool
 
@@ -132,6 +135,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			PodStats: objs.RdPodStats,
 			Reasons:  objs.RdReasons,
 			PodMeta:  objs.RdPodMeta,
+			PodNetNS: objs.RdPodNetns,
 		},
 	}
 	l.probes, err = probe.Load(ctx, probe.Config{PinRoot: cfg.PinRoot, SNATv4: cfg.Settings.ProbeSNATv4, SNATv6: cfg.Settings.ProbeSNATv6,
@@ -141,6 +145,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		return nil, fmt.Errorf("load host-probe SNAT: %w", err)
 	}
 	if err := l.upgradePinnedLinks(ctx); err != nil {
+		l.Close()
+		return nil, err
+	}
+	if err := l.syncPodNetNS(ctx); err != nil {
 		l.Close()
 		return nil, err
 	}
@@ -237,7 +245,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	// recording, or lost maps): only links running this agent's programs.
 	errs = append(errs, removeStrayPodPins(root, log))
 
-	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.LayoutName} {
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.PodNetNSName, maps.LayoutName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}
@@ -300,7 +308,7 @@ func removeEmptyDir(dir string) { _ = unix.Rmdir(dir) }
 // root: if someone removed them underneath, the programs no longer see the
 // loader's updates and the node must not claim to be ready.
 func (l *Loader) Healthy() error {
-	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName} {
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.PodNetNSName} {
 		if _, err := os.Stat(filepath.Join(l.cfg.PinRoot, name)); err != nil {
 			return fmt.Errorf("pinned map %s is gone from %s", name, l.cfg.PinRoot)
 		}

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -133,11 +134,15 @@ func (l *Loader) delRouting(addrs []netip.Addr) error {
 }
 
 // checkAddrs fails unless every address is configured on iface: enrolling an
-// address the pod does not own would capture someone else's traffic.
-func checkAddrs(iface netlink.Link, addrs []netip.Addr) error {
+// address the pod does not own would capture someone else's traffic. It
+// returns the other addresses of iface that are not link-local (a SLAAC or
+// secondary address): the programs drop TCP to and from those, as from the
+// link-local ones, since they never capture it (see netns_pod in
+// capture.c), so they are worth a word in the log.
+func checkAddrs(iface netlink.Link, addrs []netip.Addr) (others []netip.Addr, err error) {
 	have, err := netlink.AddrList(iface, netlink.FAMILY_ALL)
 	if err != nil {
-		return fmt.Errorf("list addresses of %s: %w", iface.Attrs().Name, err)
+		return nil, fmt.Errorf("list addresses of %s: %w", iface.Attrs().Name, err)
 	}
 	for _, want := range addrs {
 		found := false
@@ -148,8 +153,18 @@ func checkAddrs(iface netlink.Link, addrs []netip.Addr) error {
 			}
 		}
 		if !found {
-			return fmt.Errorf("address %s is not configured on %s", want, iface.Attrs().Name)
+			return nil, fmt.Errorf("address %s is not configured on %s", want, iface.Attrs().Name)
 		}
 	}
-	return nil
+	for _, a := range have {
+		got, ok := netip.AddrFromSlice(a.IP)
+		if !ok {
+			continue
+		}
+		got = got.Unmap()
+		if !got.IsLinkLocalUnicast() && !slices.Contains(addrs, got) {
+			others = append(others, got)
+		}
+	}
+	return others, nil
 }

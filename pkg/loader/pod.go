@@ -115,6 +115,11 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	}
 	l.holdLinks(id, lks)
 	l.setIndex(id, meta)
+	// From its first enrollment entry on, the programs know the pod by its
+	// namespace too: its addresses that are not enrolled are dropped.
+	if err := l.setPodNetNS(id, meta); err != nil {
+		return PodState{}, fmt.Errorf("attach pod %s: %w", p, failed(err))
+	}
 	// Addresses the pod no longer has lose their entries, and their
 	// counters unless another pod owns the address now.
 	if existed {
@@ -254,8 +259,13 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if err != nil {
 			return fmt.Errorf("interface %s not found in network namespace %s: %w", meta.Interface, meta.NetNS, err)
 		}
-		if err := checkAddrs(iface, meta.Addrs); err != nil {
+		others, err := checkAddrs(iface, meta.Addrs)
+		if err != nil {
 			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		}
+		if len(others) > 0 {
+			l.log.WarnContext(ctx, "pod interface has addresses that are not enrolled: TCP to and from them is dropped",
+				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "addresses", others)
 		}
 		al, rp := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter")
 		if !existed {
@@ -447,7 +457,7 @@ func (l *Loader) deleteCounters(a netip.Addr, id uint32) error {
 }
 
 func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
-	var errs []error
+	errs := []error{l.deletePodNetNS(id, meta)}
 	for _, a := range meta.Addrs {
 		errs = append(errs, l.deleteEntry(a, id))
 	}

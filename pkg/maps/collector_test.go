@@ -58,7 +58,7 @@ func newTestMaps(t testing.TB) *Maps {
 	for _, x := range []struct {
 		name string
 		dst  **ebpf.Map
-	}{{PodsName, &m.Pods}, {PodStatsName, &m.PodStats}, {ReasonsName, &m.Reasons}, {PodMetaName, &m.PodMeta}} {
+	}{{PodsName, &m.Pods}, {PodStatsName, &m.PodStats}, {ReasonsName, &m.Reasons}, {PodMetaName, &m.PodMeta}, {PodNetNSName, &m.PodNetNS}} {
 		ms := spec.Maps[x.name].Copy()
 		ms.Pinning = ebpf.PinNone
 		mp, err := ebpf.NewMap(ms)

@@ -110,6 +110,9 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT:    "drop_syn_timewait",
 	bpf.CaptureVerdictReasonREASON_IN_SYN_EXISTING:      "in_syn_existing",
 	bpf.CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED:   "drop_probe_spoofed",
+	bpf.CaptureVerdictReasonREASON_DROP_LINK_LOCAL:      "drop_link_local",
+	bpf.CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR: "drop_unenrolled_addr",
+	bpf.CaptureVerdictReasonREASON_DROP_VLAN:            "drop_vlan",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

@@ -23,6 +23,7 @@ func TestLayoutMatchesELF(t *testing.T) {
 		PodStatsName: {bpf.CapturePodAddr{}, bpf.CapturePodCounters{}},
 		ReasonsName:  {uint32(0), uint64(0)},
 		PodMetaName:  {uint32(0), bpf.CapturePodMeta{}},
+		PodNetNSName: {uint32(0), bpf.CapturePodNetns{}},
 	}
 	for name, w := range want {
 		ms, ok := spec.Maps[name]

@@ -20,6 +20,7 @@ const (
 	PodStatsName = bpf.CaptureMapRdPodStats
 	ReasonsName  = bpf.CaptureMapRdReasons
 	PodMetaName  = bpf.CaptureMapRdPodMeta
+	PodNetNSName = bpf.CaptureMapRdPodNetns
 )
 
 // Maps holds the data path's maps. It owns the file descriptors.
@@ -28,6 +29,7 @@ type Maps struct {
 	PodStats *ebpf.Map // pod address -> per-CPU PodCounters
 	Reasons  *ebpf.Map // Reason -> per-CPU packet count
 	PodMeta  *ebpf.Map // pod id -> PodMeta
+	PodNetNS *ebpf.Map // pod netns inode -> PodNetNS (nil under a pin root of an older agent)
 }
 
 // OpenPinned opens the maps pinned under root, for readers such as
@@ -45,13 +47,17 @@ func OpenPinned(root string) (*Maps, error) {
 		}
 		*x.dst = mp
 	}
+	// Optional: a pin root an older agent left has none.
+	if mp, err := ebpf.LoadPinnedMap(filepath.Join(root, PodNetNSName), &ebpf.LoadPinOptions{}); err == nil {
+		m.PodNetNS = mp
+	}
 	return m, nil
 }
 
 // Close releases the file descriptors; pinned maps stay.
 func (m *Maps) Close() error {
 	var errs []error
-	for _, mp := range []*ebpf.Map{m.Pods, m.PodStats, m.Reasons, m.PodMeta} {
+	for _, mp := range []*ebpf.Map{m.Pods, m.PodStats, m.Reasons, m.PodMeta, m.PodNetNS} {
 		if mp != nil {
 			errs = append(errs, mp.Close())
 		}
