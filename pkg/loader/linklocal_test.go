@@ -136,12 +136,7 @@ func TestLinkLocalNotPlaintext(t *testing.T) {
 	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()
 
-	tun := netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark}
-	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", tun)
-	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", tun)
-	loadertest.Listen(t, server.Path(), "[::]:15008", "hbone", tun)
-	loadertest.Listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
-	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	listenLikeTunnel(t, client, server, other)
 	for _, p := range []*netnstest.Pod{client, server} {
 		if _, err := l.AttachPod(ctx, loadertest.PodOf(p, true)); err != nil {
 			t.Fatal(err)

@@ -25,6 +25,19 @@ import (
 
 func ap(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
 
+// listenLikeTunnel opens what the tunnel would in client and server
+// (transparent, marked listeners: outbound in the client, inbound and HBONE
+// in the server) and an app on 8080 in server and other; a connection
+// reports which listener took it.
+func listenLikeTunnel(t *testing.T, client, server, other *netnstest.Pod) {
+	tun := netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark}
+	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", tun)
+	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", tun)
+	loadertest.Listen(t, server.Path(), "[::]:15008", "hbone", tun)
+	loadertest.Listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+}
+
 func TestCapture(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
@@ -33,13 +46,7 @@ func TestCapture(t *testing.T) {
 	l := loadertest.Load(t, root)
 	defer l.Close()
 
-	// The "tunnel": transparent, marked listeners in the enrolled pods.
-	tun := netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark}
-	loadertest.Listen(t, client.Path(), "[::]:15001", "outbound", tun)
-	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", tun)
-	loadertest.Listen(t, server.Path(), "[::]:15008", "hbone", tun)
-	loadertest.Listen(t, server.Path(), "[::]:8080", "server-app", netns.SocketOptions{})
-	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+	listenLikeTunnel(t, client, server, other)
 
 	ctx := context.Background()
 	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {

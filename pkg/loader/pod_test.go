@@ -3,7 +3,6 @@ package loader_test
 import (
 	"context"
 	"net/netip"
-	"os/exec"
 	"testing"
 
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
@@ -17,9 +16,7 @@ import (
 func TestReattachKeepsNewOwnersCounters(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	p, q := topo.Nodes[0].AddPod("p"), topo.Nodes[0].AddPod("q")
-	if out, err := exec.Command("ip", "-n", q.NS, "addr", "add", p.IPv4.String()+"/32", "dev", "eth0").CombinedOutput(); err != nil {
-		t.Fatalf("give q p's address: %v %s", err, out)
-	}
+	topo.AddAddr(q, p.IPv4.String()+"/32", "eth0") // q takes p's address
 	ctx := context.Background()
 	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()

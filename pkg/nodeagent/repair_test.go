@@ -4,7 +4,6 @@ import (
 	"context"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"sync"
@@ -238,9 +237,7 @@ func TestReconcileAddressReuse(t *testing.T) {
 func TestReconcilePodAddressReuse(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	p, q := topo.Nodes[0].AddPod("p"), topo.Nodes[0].AddPod("q")
-	if out, err := exec.Command("ip", "-n", q.NS, "addr", "add", p.IPv4.String()+"/32", "dev", "eth0").CombinedOutput(); err != nil {
-		t.Fatalf("give q p's address: %v %s", err, out)
-	}
+	topo.AddAddr(q, p.IPv4.String()+"/32", "eth0") // q takes p's address
 	ctx := context.Background()
 	l := loadertest.Load(t, loadertest.TempBPFFS(t))
 	defer l.Close()

@@ -241,6 +241,13 @@ func (tp *Topology) addNS(name string) {
 	tp.ip(name, "link", "set", "lo", "up")
 }
 
+// AddAddr adds the address prefix (such as 10.0.0.2/32) to the device dev
+// of p, as a pod holding another's address would.
+func (tp *Topology) AddAddr(p *Pod, prefix, dev string) {
+	tp.t.Helper()
+	tp.ip(p.NS, "addr", "add", prefix, "dev", dev)
+}
+
 func (tp *Topology) ip(ns string, args ...string) {
 	tp.t.Helper()
 	full := append([]string{"-n", ns}, args...)

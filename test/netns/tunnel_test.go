@@ -521,9 +521,7 @@ func TestSpoofedLocalSourceFailsClosed(t *testing.T) {
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(a, URL(c.IPv4, 8080)); return err })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if out, err := Exec(ctx, a.Path(), "ip", "addr", "add", b.IPv4.String()+"/32", "dev", "lo"); err != nil {
-		t.Fatalf("add b's address to a's lo: %v: %s", err, out)
-	}
+	ms.topo.AddAddr(a, b.IPv4.String()+"/32", "lo")
 	out, err := Exec(ctx, a.Path(), "curl", "-sS", "-g", "--max-time", "5", "--interface", b.IPv4.String(), URL(c.IPv4, 8080))
 	if err == nil {
 		t.Fatalf("a reached c from b's address: %q", out)

@@ -142,53 +142,100 @@ func countingUpstream(t *testing.T) (netip.AddrPort, *atomic.Int64) {
 	return addr, &n
 }
 
-// TestRapidReset: HEADERS(CONNECT)+RST_STREAM pairs on one connection
-// (CVE-2023-44487) close it with GOAWAY ENHANCE_YOUR_CALM after the
-// early-reset budget, and dial the application a bounded number of times.
-// Before the fix the connection took all 5000 pairs, and each handler
-// dialled the app on the connection's context, which no reset cancelled.
-func TestRapidReset(t *testing.T) {
-	app, accepted := countingUpstream(t)
-	var handled atomic.Int64
-	srv, err := NewServer(ServerOptions{
-		TLSConfig: mustServerTLS(),
-		Handler: func(ctx context.Context, req *ServerRequest) Response {
-			handled.Add(1)
-			return dialTarget(ctx, req)
-		},
-	})
+// rawServer builds a server with opts, closed when the test ends, and a
+// raw client connected to it.
+func rawServer(t testing.TB, opts ServerOptions) (*Server, *rawClient) {
+	t.Helper()
+	srv, err := NewServer(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = srv.Close() })
-	rc := newRawClient(t, srv)
-	const pairs = 5000
-	sent := 0
-	for id := uint32(1); sent < pairs; id += 2 {
-		if rc.connect(id, app.String()) != nil || rc.fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
-			break // the server closed the connection
-		}
-		sent++
+	return srv, newRawClient(t, srv)
+}
+
+// serveLoopback builds a server with opts, serves it on a loopback port
+// until the test ends, and returns the server and its address.
+func serveLoopback(t testing.TB, opts ServerOptions) (*Server, string) {
+	t.Helper()
+	srv, err := NewServer(opts)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if sent == pairs {
-		if code := rc.goAwayCode(); code != http2.ErrCodeEnhanceYourCalm {
-			t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", code)
-		}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
 	}
-	st := srv.Stats()
-	t.Logf("sent %d pairs; handlers run %d, app connections %d, stats %+v", sent, handled.Load(), accepted.Load(), st)
-	if st.ConnsFlood != 1 {
-		t.Errorf("ConnsFlood = %d, want 1", st.ConnsFlood)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return srv, l.Addr().String()
+}
+
+// TestRapidReset: HEADERS(CONNECT) followed by a stream reset, thousands of
+// times on one connection, closes it with GOAWAY ENHANCE_YOUR_CALM after
+// the early-reset budget and dials the application a bounded number of
+// times, whether the client sends the RST_STREAM (CVE-2023-44487) or sends
+// a frame that makes the server reset the stream itself (the MadeYouReset
+// class, CVE-2025-8671). Before the fixes the connection took all 5000
+// pairs: first each handler dialled the app on the connection's context,
+// which no reset cancelled; then only RST_STREAMs the client sent were
+// charged, and each provoked reset cancelled a handler mid-dial for free.
+func TestRapidReset(t *testing.T) {
+	resetters := map[string]func(rc *rawClient, id uint32, app string) error{
+		"client RST_STREAM": func(rc *rawClient, id uint32, _ string) error {
+			return rc.fr.WriteRSTStream(id, http2.ErrCodeCancel)
+		},
+		"WINDOW_UPDATE increment 0": func(rc *rawClient, id uint32, _ string) error {
+			return rc.fr.WriteWindowUpdate(id, 0)
+		},
+		"stream window overflow": func(rc *rawClient, id uint32, _ string) error {
+			return rc.fr.WriteWindowUpdate(id, maxWindow)
+		},
+		"second HEADERS without END_STREAM": func(rc *rawClient, id uint32, app string) error {
+			return rc.connect(id, app)
+		},
 	}
-	if st.StreamsEarlyReset < 100 {
-		t.Errorf("StreamsEarlyReset = %d, want at least the budget of 100", st.StreamsEarlyReset)
-	}
-	// The budget of early resets plus the handler queue bound the work.
-	if n := handled.Load(); n > 100+5*200 {
-		t.Errorf("%d handlers ran for %d reset streams", n, sent)
-	}
-	if n := accepted.Load(); n >= 200 {
-		t.Errorf("the application accepted %d connections for reset streams, want < 200", n)
+	for name, reset := range resetters {
+		t.Run(name, func(t *testing.T) {
+			app, accepted := countingUpstream(t)
+			var handled atomic.Int64
+			srv, rc := rawServer(t, ServerOptions{
+				TLSConfig: mustServerTLS(),
+				Handler: func(ctx context.Context, req *ServerRequest) Response {
+					handled.Add(1)
+					return dialTarget(ctx, req)
+				},
+			})
+			rc.fr.AllowIllegalWrites = true // WINDOW_UPDATE 0
+			const pairs = 5000
+			sent := 0
+			for id := uint32(1); sent < pairs; id += 2 {
+				if rc.connect(id, app.String()) != nil || reset(rc, id, app.String()) != nil {
+					break // the server closed the connection
+				}
+				sent++
+			}
+			if sent == pairs {
+				if code := rc.goAwayCode(); code != http2.ErrCodeEnhanceYourCalm {
+					t.Fatalf("GOAWAY %v, want ENHANCE_YOUR_CALM", code)
+				}
+			}
+			st := srv.Stats()
+			t.Logf("sent %d pairs; handlers run %d, app connections %d, stats %+v", sent, handled.Load(), accepted.Load(), st)
+			if st.ConnsFlood != 1 {
+				t.Errorf("ConnsFlood = %d, want 1", st.ConnsFlood)
+			}
+			if st.StreamsEarlyReset < 100 {
+				t.Errorf("StreamsEarlyReset = %d, want at least the budget of 100", st.StreamsEarlyReset)
+			}
+			// The budget of early resets plus the handler queue bound the work.
+			if n := handled.Load(); n > 100+5*200 {
+				t.Errorf("%d handlers ran for %d reset streams", n, sent)
+			}
+			if n := accepted.Load(); n >= 200 {
+				t.Errorf("the application accepted %d connections for reset streams, want < 200", n)
+			}
+		})
 	}
 }
 
@@ -200,7 +247,7 @@ func TestRapidReset(t *testing.T) {
 func TestHandlerSlotHeldUntilExit(t *testing.T) {
 	release := make(chan struct{})
 	var running, started atomic.Int64
-	srv, err := NewServer(ServerOptions{
+	_, rc := rawServer(t, ServerOptions{
 		TLSConfig:            mustServerTLS(),
 		MaxConcurrentStreams: 2,
 		Handler: func(ctx context.Context, req *ServerRequest) Response {
@@ -211,11 +258,6 @@ func TestHandlerSlotHeldUntilExit(t *testing.T) {
 			return Response{Status: 403, Reason: "done"}
 		},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = srv.Close() })
-	rc := newRawClient(t, srv)
 	for _, id := range []uint32{1, 3} {
 		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
 			t.Fatal(err)
@@ -254,7 +296,7 @@ func TestHandlerSlotHeldUntilExit(t *testing.T) {
 // connection's, which lived on.
 func TestResetCancelsHandlerContext(t *testing.T) {
 	cancelled := make(chan error, 1)
-	srv, err := NewServer(ServerOptions{
+	_, rc := rawServer(t, ServerOptions{
 		TLSConfig: mustServerTLS(),
 		Handler: func(ctx context.Context, req *ServerRequest) Response {
 			select {
@@ -266,11 +308,6 @@ func TestResetCancelsHandlerContext(t *testing.T) {
 			return Response{Status: 503}
 		},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = srv.Close() })
-	rc := newRawClient(t, srv)
 	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
 		t.Fatal(err)
 	}
@@ -292,7 +329,7 @@ func TestResetCancelsHandlerContext(t *testing.T) {
 func TestHandlerQueueFull(t *testing.T) {
 	release, running := make(chan struct{}), make(chan struct{}, 10)
 	t.Cleanup(func() { close(release) })
-	srv, err := NewServer(ServerOptions{
+	_, rc := rawServer(t, ServerOptions{
 		TLSConfig:            mustServerTLS(),
 		MaxConcurrentStreams: 1,
 		MaxEarlyResets:       1 << 20,
@@ -302,11 +339,6 @@ func TestHandlerQueueFull(t *testing.T) {
 			return Response{Status: 403}
 		},
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = srv.Close() })
-	rc := newRawClient(t, srv)
 	// Stream 1's handler holds the one handler slot after its reset;
 	// 3..9 queue behind it and are reset too (they stay queued until the
 	// slot frees); 11 is too many.
@@ -382,7 +414,7 @@ func TestJunkFrameFloods(t *testing.T) {
 	}
 	for name, fl := range floods {
 		t.Run(name, func(t *testing.T) {
-			srv, err := NewServer(ServerOptions{
+			srv, rc := rawServer(t, ServerOptions{
 				TLSConfig:            mustServerTLS(),
 				MaxConcurrentStreams: fl.maxStreams,
 				Handler: func(ctx context.Context, req *ServerRequest) Response {
@@ -393,11 +425,6 @@ func TestJunkFrameFloods(t *testing.T) {
 					return Response{Status: 503}
 				},
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = srv.Close() })
-			rc := newRawClient(t, srv)
 			if err := rc.connect(1, "10.0.0.1:80"); err != nil {
 				t.Fatal(err)
 			}
@@ -424,12 +451,7 @@ func TestJunkFrameFloods(t *testing.T) {
 // connection with GOAWAY ENHANCE_YOUR_CALM. Before the fix the server read
 // them for as long as they came.
 func TestContinuationFlood(t *testing.T) {
-	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = srv.Close() })
-	rc := newRawClient(t, srv)
+	_, rc := rawServer(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
 	rc.buf.Reset()
 	_ = rc.enc.WriteField(hpackField{Name: ":method", Value: "CONNECT"})
 	if err := rc.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: rc.buf.Bytes()}); err != nil {
@@ -621,18 +643,9 @@ func TestConnLimiter(t *testing.T) {
 	var servers []*Server
 	var addrs []string
 	for range 2 {
-		srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: 300 * time.Millisecond})
-		if err != nil {
-			t.Fatal(err)
-		}
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		go func() { _ = srv.Serve(l) }()
-		t.Cleanup(func() { _ = srv.Close() })
+		srv, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: 300 * time.Millisecond})
 		servers = append(servers, srv)
-		addrs = append(addrs, l.Addr().String())
+		addrs = append(addrs, addr)
 	}
 	dial := func(addr string) net.Conn {
 		c, err := net.Dial("tcp", addr)

@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -64,21 +63,12 @@ func TestH2Spec(t *testing.T) {
 	good, _ := pkis()
 	conf := good.serverTLS().Clone()
 	conf.ClientAuth = tls.NoClientCert
-	srv, err := NewServer(ServerOptions{TLSConfig: conf, Handler: dialTarget})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(l) }()
-	defer srv.Close()
+	_, addr := serveLoopback(t, ServerOptions{TLSConfig: conf, Handler: dialTarget})
 
 	report := filepath.Join(t.TempDir(), "h2spec.xml")
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	port := strconv.Itoa(l.Addr().(*net.TCPAddr).Port)
+	_, port, _ := net.SplitHostPort(addr)
 	out, err := exec.CommandContext(ctx, bin, "--tls", "--insecure", "--host", "127.0.0.1", "--port", port,
 		"--timeout", "2", "--junit-report", report).CombinedOutput()
 	var exit *exec.ExitError

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -49,19 +50,10 @@ func TestPrefaceWithoutSettingsTimesOut(t *testing.T) {
 // connections in the preface outside the handshake limit.
 func TestHandshakeSlotHeldUntilSettings(t *testing.T) {
 	lim := NewConnLimiter(ConnLimits{})
-	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { _ = srv.Close() })
+	_, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim})
 	conf := mustClientTLS()
 	conf.NextProtos = []string{"h2"}
-	tc, err := tls.Dial("tcp", l.Addr().String(), conf)
+	tc, err := tls.Dial("tcp", addr, conf)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,19 +93,10 @@ func dialFrom(src string) Dialer {
 // attackers could renew them forever without a certificate.
 func TestHandshakeEviction(t *testing.T) {
 	lim := NewConnLimiter(ConnLimits{MaxHandshakes: 4, MaxHandshakesPerSource: 2})
-	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: time.Minute})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(l) }()
-	t.Cleanup(func() { _ = srv.Close() })
+	_, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: time.Minute})
 	var silent []net.Conn
 	for i, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
-		c, err := dialFrom(src)(context.Background(), "tcp", l.Addr().String())
+		c, err := dialFrom(src)(context.Background(), "tcp", addr)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -123,7 +106,7 @@ func TestHandshakeEviction(t *testing.T) {
 	}
 	// The per-source cap stays: a third from 127.0.0.2 is refused, and
 	// evicts nothing.
-	extra, err := dialFrom("127.0.0.2")(context.Background(), "tcp", l.Addr().String())
+	extra, err := dialFrom("127.0.0.2")(context.Background(), "tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +119,7 @@ func TestHandshakeEviction(t *testing.T) {
 	good, _ := pkis()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	key := PoolKey{DstAddr: l.Addr().(*net.TCPAddr).AddrPort()}
+	key := PoolKey{DstAddr: netip.MustParseAddrPort(addr)}
 	s, err := pool.Connect(ctx, key, dialFrom("127.0.0.4"), good.clientTLS(), Request{Authority: app})
 	if err != nil {
 		t.Fatalf("a real client with the handshake budget full of silent connections: %v", err)
