@@ -1,40 +1,19 @@
 package nodeagent
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"net/netip"
 	"os/exec"
 	"strings"
-	"sync"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
-
-// lockedBuffer is a log sink for a test.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) take() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	s := l.b.String()
-	l.b.Reset()
-	return s
-}
 
 // TestOneLocalPodPerAddress: two enrolled pods of this node with one
 // address are never both attached. The pod attached first keeps the
@@ -52,7 +31,7 @@ func TestOneLocalPodPerAddress(t *testing.T) {
 		t.Fatalf("give p q's address: %v %s", err, out)
 	}
 	a, ld, tun, _ := testAgent(t)
-	var logs lockedBuffer
+	var logs syncbuf.Buffer
 	a.log = slog.New(slog.NewTextHandler(&logs, nil))
 	ctx := context.Background()
 	// b (in q) is enrolled and attached first; then a (in p) appears
@@ -74,7 +53,7 @@ func TestOneLocalPodPerAddress(t *testing.T) {
 
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{aw, b}})
 	for pass := range 3 {
-		logs.take()
+		logs.Take()
 		a.applyLatest(ctx, true)
 		if _, ok, _ := ld.PodState("uid-a"); ok {
 			t.Fatalf("pass %d: a attached at b's address too", pass)
@@ -82,7 +61,7 @@ func TestOneLocalPodPerAddress(t *testing.T) {
 		if s, ok, err := ld.Maps().Pod(q.IPv4); err != nil || !ok || s.PodID != bState.ID || !s.CaptureInbound {
 			t.Fatalf("pass %d: entry of %s = %+v %v %v, want b's (id %d, inbound capture on)", pass, q.IPv4, s, ok, err, bState.ID)
 		}
-		if out := logs.take(); !strings.Contains(out, "pod shop/a not enrolled: address "+q.IPv4.String()+" belongs to pod shop/b (already attached)") {
+		if out := logs.Take(); !strings.Contains(out, "pod shop/a not enrolled: address "+q.IPv4.String()+" belongs to pod shop/b (already attached)") {
 			t.Errorf("pass %d: log does not name both pods and the address:\n%s", pass, out)
 		}
 	}

@@ -2,32 +2,16 @@ package tunnel
 
 import (
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 )
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	strings.Builder
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.Builder.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.Builder.String()
-}
 
 // A line is written out without Close, also after the writer sat idle (its
 // flush timer runs only while lines wait).
 func TestAccessLogWriterFlushesAfterIdle(t *testing.T) {
-	var out lockedBuffer
+	var out syncbuf.Buffer
 	w := NewAccessLogWriter(&out)
 	defer w.Close()
 	for i, line := range []string{"first\n", "second\n"} {

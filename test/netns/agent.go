@@ -1,18 +1,18 @@
 package netnstest
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 )
 
 // BuildBinaries builds the repository's commands into dir and returns dir.
@@ -31,25 +31,8 @@ type Agent struct {
 	Node    *Node
 	BPFRoot string
 	cmd     *exec.Cmd
-	log     *syncBuffer
+	log     *syncbuf.Buffer
 	done    chan struct{}
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // AgentOptions configure StartAgent.
@@ -70,7 +53,7 @@ func StartAgent(t TB, n *Node, o AgentOptions) *Agent {
 	if o.BPFRoot == "" {
 		o.BPFRoot = filepath.Join(t.TempDir(), "bpf-"+n.Name)
 	}
-	a := &Agent{Node: n, BPFRoot: o.BPFRoot, log: &syncBuffer{}, done: make(chan struct{})}
+	a := &Agent{Node: n, BPFRoot: o.BPFRoot, log: &syncbuf.Buffer{}, done: make(chan struct{})}
 	args := []string{"run", "--node-name", fmt.Sprintf("node%d", n.Index)}
 	if o.Manifest != "" {
 		args = append(args, "--source", "file:"+o.Manifest)

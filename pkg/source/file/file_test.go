@@ -1,18 +1,17 @@
 package file
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
@@ -174,29 +173,11 @@ func TestRunDirectoryRecreated(t *testing.T) {
 	r.waitWithin(t, rewatchGap+time.Second, "b")
 }
 
-// syncBuffer is a log sink the Run goroutine writes while the test reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestRunRefusesMalformed: a load with a malformed document is not applied,
 // not even its good documents; the error names the file and document, and
 // is counted once however often the same bytes are read.
 func TestRunRefusesMalformed(t *testing.T) {
-	var logs syncBuffer
+	var logs syncbuf.Buffer
 	log := slog.New(slog.NewJSONHandler(&logs, nil))
 	path := writeFile(t, t.TempDir(), "c.yaml", namespaceDoc("a"))
 	m := source.NewMetrics(nil)
