@@ -1079,8 +1079,11 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 // time (fortio, 1000 qps, one connection: 1 ms apart) yielding for every
 // frame was a tenth of an agent's CPU samples; in a fortio burst of 16 the
 // frames come tens of microseconds apart. (A variable for the tests, whose
-// single P runs both ends and spaces a burst's frames wider.)
-var burstGap = 100 * time.Microsecond
+// single P runs both ends and spaces a burst's frames wider; atomic, as
+// relays of a test's server may still write while the test restores it.)
+var burstGap atomic.Int64 // nanoseconds
+
+func init() { burstGap.Store(int64(100 * time.Microsecond)) }
 
 // writeData writes one DATA frame. frame holds the 9-byte header space
 // followed by the payload, so frame and payload go to TLS in one write.
@@ -1104,7 +1107,7 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 		c.cfg.batch.begin()
 	}
 	_, err := c.bw.Write(frame)
-	inBurst := monotonic()-c.lastData.Load() < int64(burstGap)
+	inBurst := monotonic()-c.lastData.Load() < burstGap.Load()
 	if err == nil && c.dataWaiters.Load() == 0 && c.bw.Buffered() > 0 && !batch && inBurst {
 		// Nobody queued behind us, but the goroutines the network poller
 		// woke with ours (the other requests of a client's burst) may be

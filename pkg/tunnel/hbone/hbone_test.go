@@ -1155,7 +1155,7 @@ func TestBurstSharesWrites(t *testing.T) {
 	time.Sleep(50 * time.Millisecond) // window updates and their flushes are done
 
 	// A lone frame, after a quiet spell, is flushed without a yield: nothing is coming with it.
-	time.Sleep(10 * burstGap)
+	time.Sleep(10 * time.Duration(burstGap.Load()))
 	yieldsOf := func() uint64 {
 		c := streams[0].c
 		c.wmu.Lock()
@@ -1173,8 +1173,8 @@ func TestBurstSharesWrites(t *testing.T) {
 
 	// A burst. The frames of one come tens of microseconds apart in the agents; here one P
 	// runs both ends of the connection and spaces them out more.
-	defer func(gap time.Duration) { burstGap = gap }(burstGap)
-	burstGap = time.Second
+	defer burstGap.Store(burstGap.Load())
+	burstGap.Store(int64(time.Second))
 	before := writes.Load()
 	start := make(chan struct{})
 	errs := make(chan error, n)
