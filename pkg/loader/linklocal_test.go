@@ -209,7 +209,8 @@ func TestLinkLocalNotPlaintext(t *testing.T) {
 // TestPodNetNSEntries: AttachPod records the pod's namespace in
 // rd_pod_netns, and a new loader's Load puts back an entry a pod lacks (as
 // for a pod an agent from before the map attached) and removes entries of
-// pods that are not attached.
+// pods that are not attached; a running loader's full kernel check finds
+// an entry missing.
 func TestPodNetNSEntries(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	client := topo.Nodes[0].AddPod("client")
@@ -247,6 +248,25 @@ func TestPodNetNSEntries(t *testing.T) {
 	l = loadertest.Load(t, root)
 	if got, err := l.Maps().ListPodNetNS(); err != nil || len(got) != 1 || got[ino] != want {
 		t.Errorf("after Load: %v %v, want {%d: %+v}", got, err, ino, want)
+	}
+	// While running (a pod an older agent attached during an overlapping
+	// upgrade): the full reconcile's check sees the entry missing, and the
+	// re-attach it leads to writes it.
+	if err := l.Maps().DeletePodNetNS(ino, ps.ID); err != nil {
+		t.Fatal(err)
+	}
+	cur, _, err := l.PodState("uid-client")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !l.KernelOK(cur, false) || l.KernelOK(cur, true) {
+		t.Errorf("entry missing: KernelOK quick %v, full %v; want true, false", l.KernelOK(cur, false), l.KernelOK(cur, true))
+	}
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	if cur, _, _ = l.PodState("uid-client"); !l.KernelOK(cur, true) {
+		t.Error("after the re-attach: the full check still fails")
 	}
 	if err := l.DetachPod(ctx, "uid-client"); err != nil {
 		t.Fatal(err)

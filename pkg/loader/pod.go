@@ -596,8 +596,9 @@ func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
 
 // KernelOK reports whether the attached pod p still has, for every address,
 // its enrollment entry, and its links attached and pinned; with full, also
-// its host-probe link pins. It is the cheap check a reconcile makes before
-// attaching a pod again.
+// its host-probe link pins and its rd_pod_netns entry (one an older agent,
+// overlapping an upgrade, attached the pod without). It is the cheap check
+// a reconcile makes before attaching a pod again.
 func (l *Loader) KernelOK(p PodState, full bool) bool {
 	for _, a := range p.Meta.Addrs {
 		if s, ok, err := l.maps.Pod(a); err != nil || !ok || s != p.Meta.Settings {
@@ -607,7 +608,21 @@ func (l *Loader) KernelOK(p PodState, full bool) bool {
 	if !l.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
 		return false
 	}
-	return !full || l.hostProbeOK(p.ID)
+	return !full || (l.hostProbeOK(p.ID) && l.podNetNSOK(p))
+}
+
+// podNetNSOK reports whether p's namespace has its rd_pod_netns entry,
+// naming p.
+func (l *Loader) podNetNSOK(p PodState) bool {
+	if l.maps.PodNetNS == nil {
+		return true // maps of an older layout: nothing to check
+	}
+	ino, err := netnsIno(p.Meta.NetNS)
+	if err != nil {
+		return false
+	}
+	e, ok, err := l.maps.PodNetNSOf(ino)
+	return err == nil && ok && e.PodID == p.ID
 }
 
 // Matches reports whether the pod is attached as want says: namespace,

@@ -51,6 +51,21 @@ func (m *Maps) DeletePodNetNS(ino, id uint32) error {
 	return nil
 }
 
+// PodNetNSOf returns the entry of namespace ino, if there is one.
+func (m *Maps) PodNetNSOf(ino uint32) (PodNetNS, bool, error) {
+	if m.PodNetNS == nil {
+		return PodNetNS{}, false, fmt.Errorf("map %s not loaded", PodNetNSName)
+	}
+	var v bpf.CapturePodNetns
+	if err := m.PodNetNS.Lookup(&ino, &v); err != nil {
+		if ignoreMissing(err) == nil {
+			return PodNetNS{}, false, nil
+		}
+		return PodNetNS{}, false, fmt.Errorf("look up network namespace %d: %w", ino, err)
+	}
+	return PodNetNS{Addr: AddrOf(v.Addr), PodID: v.PodId}, true, nil
+}
+
 // ListPodNetNS returns every entry by namespace inode number.
 func (m *Maps) ListPodNetNS() (map[uint32]PodNetNS, error) {
 	out := map[uint32]PodNetNS{}
