@@ -140,6 +140,13 @@ func inspectMaps(root string) ([]mapRow, error) {
 		rows = append(rows, mapRow{maps.PodStatsName, a.String(), fmt.Sprintf("outbound_conns=%d inbound_conns=%d steered=%d dropped=%d bypassed=%d",
 			c.OutboundConns, c.InboundConns, c.SteeredPackets, c.DroppedPackets, c.BypassedPackets)})
 	}
+	netnss, err := m.ListPodNetNS()
+	if err != nil {
+		return nil, err
+	}
+	for ino, e := range netnss {
+		rows = append(rows, mapRow{maps.PodNetNSName, fmt.Sprintf("netns:[%d]", ino), fmt.Sprintf("pod_id=%d addr=%s", e.PodID, e.Addr)})
+	}
 	reasons, err := m.ReasonCounts()
 	if err != nil {
 		return nil, err

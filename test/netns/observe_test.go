@@ -147,7 +147,7 @@ func TestObservability(t *testing.T) {
 		t.Errorf("inspect pods with the agent stopped: %v\n%s", err, out)
 	}
 	out, err = Exec(ctx, ms.agents[0].Node.Path(), redirectorBin(), "inspect", "maps", "-o", "json", "--bpf-root", ms.agents[0].BPFRoot)
-	if err != nil || !strings.Contains(string(out), "out_syn_steered") {
+	if err != nil || !strings.Contains(string(out), "out_syn_steered") || !strings.Contains(string(out), `"rd_pod_netns"`) {
 		t.Errorf("inspect maps: %v\n%s", err, out)
 	}
 }
