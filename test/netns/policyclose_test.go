@@ -149,6 +149,40 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
+// holdsPerSource checks the connections one client opened to an app,
+// twice perSource of them: perSource echo through the app (appConns counts
+// what it accepted), the others were refused at agent's listener kind
+// listener over the source limit and counted, the open gauge says
+// perSource; once they are closed, it returns to 0.
+func holdsPerSource(t *testing.T, agent *Agent, listener string, conns []net.Conn, perSource int64, appConns *atomic.Int64) {
+	t.Helper()
+	ok := int64(0)
+	for i, c := range conns {
+		if err := echoes(c, fmt.Sprint(listener, " ", i)); err == nil {
+			ok++
+		}
+	}
+	if ok != perSource || appConns.Load() != perSource {
+		t.Errorf("%s: %d connections echo and the app saw %d, want %d each (the per-source limit)", listener, ok, appConns.Load(), perSource)
+	}
+	text := scrape(t, agent, "http://127.0.0.1:15020/metrics")
+	if got := metricSum(text, "redirector_tunnel_refused_connections_total", `listener="`+listener+`"`, `limit="source"`); got != float64(perSource) {
+		t.Errorf("refused{%s,source} = %v, want %d", listener, got, perSource)
+	}
+	if got := metricSum(text, "redirector_tunnel_open_connections", `listener="`+listener+`"`); got != float64(perSource) {
+		t.Errorf("open %s connections = %v, want %d", listener, got, perSource)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	Eventually(t, 5*time.Second, func() error {
+		if n := metricSum(scrape(t, agent, "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="`+listener+`"`); n != 0 {
+			return fmt.Errorf("%v %s connections still open after the client closed them", n, listener)
+		}
+		return nil
+	})
+}
+
 // TestPlaintextFloodBoundedAndQuiet: plaintext connections from one
 // client address beyond MAX_CONNECTIONS_PER_SOURCE are reset at accept and
 // counted, never reach the app; so are a meshed client's HBONE tunnels
@@ -200,32 +234,8 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 			t.Fatalf("connect: %v", err)
 		}
 	}
-	ok := 0
-	for i, c := range conns {
-		if err := echoes(c, fmt.Sprint("conn ", i)); err == nil {
-			ok++
-		}
-	}
-	if ok != perSource || appConns.Load() != perSource {
-		t.Errorf("%d connections echo and the app saw %d, want %d each (the per-source limit)", ok, appConns.Load(), perSource)
-	}
-	text := scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics")
-	if got := metricSum(text, "redirector_tunnel_refused_connections_total", `listener="inbound"`, `limit="source"`); got != perSource {
-		t.Errorf("refused{inbound,source} = %v, want %d", got, perSource)
-	}
-	if got := metricSum(text, "redirector_tunnel_open_connections", `listener="inbound"`); got != perSource {
-		t.Errorf("open inbound connections = %v, want %d", got, perSource)
-	}
-	for _, c := range conns {
-		c.Close()
-	}
+	holdsPerSource(t, ms.agents[1], "inbound", conns, perSource, &appConns)
 	conns = nil
-	Eventually(t, 5*time.Second, func() error {
-		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="inbound"`); n != 0 {
-			return fmt.Errorf("%v inbound connections still open after the client closed them", n)
-		}
-		return nil
-	})
 
 	// Meshed: HBONE tunnels from one client pod have a per-source budget of
 	// their own (each holds an app socket on the server's node). Over it, the
@@ -241,32 +251,8 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 		}
 		conns = append(conns, c)
 	}
-	ok = 0
-	for i, c := range conns {
-		if err := echoes(c, fmt.Sprint("meshed ", i)); err == nil {
-			ok++
-		}
-	}
-	text = scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics")
-	if ok != perSource || appConns.Load() != perSource {
-		t.Errorf("meshed: %d connections echo and the app saw %d, want %d each (the per-source limit)", ok, appConns.Load(), perSource)
-	}
-	if got := metricSum(text, "redirector_tunnel_refused_connections_total", `listener="hbone"`, `limit="source"`); got != perSource {
-		t.Errorf("refused{hbone,source} = %v, want %d", got, perSource)
-	}
-	if got := metricSum(text, "redirector_tunnel_open_connections", `listener="hbone"`); got != perSource {
-		t.Errorf("open hbone tunnels = %v, want %d", got, perSource)
-	}
-	for _, c := range conns {
-		c.Close()
-	}
+	holdsPerSource(t, ms.agents[1], "hbone", conns, perSource, &appConns)
 	conns = nil
-	Eventually(t, 5*time.Second, func() error {
-		if n := metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="hbone"`); n != 0 {
-			return fmt.Errorf("%v HBONE tunnels still open after the client closed them", n)
-		}
-		return nil
-	})
 
 	// STRICT: a flood of refused plaintext connections.
 	strict := strictMesh
