@@ -20,6 +20,11 @@ import (
 // the values of one field are OR-ed. A group without clauses matches every
 // connection (an empty rule); a policy without groups matches none (an
 // ALLOW policy with no rules admits nothing).
+//
+// Two shapes are ambiguous: a match with no condition (istiod sends one
+// when every value of a from, to or when entry was dropped, and ztunnel
+// skips it) and a clause with no match. Both are read the way that can
+// only deny more: in an ALLOW they match nothing, in a DENY everything.
 type Compiled struct {
 	Name      string
 	Namespace string
@@ -154,21 +159,42 @@ func (p *Compiled) appliesTo(namespace string, selected []string) bool {
 
 // matches returns the index of the first group that matches c.
 func (p *Compiled) matches(c *conn) (int, bool) {
+	deny := p.Action == ActionDeny
 	for i := range p.Groups {
-		if groupMatches(&p.Groups[i], c) {
+		if groupMatches(&p.Groups[i], deny, c) {
 			return i, true
 		}
 	}
 	return 0, false
 }
 
-func groupMatches(g *Group, c *conn) bool {
+// groupMatches: deny says how to read the ambiguous shapes (see Compiled).
+func groupMatches(g *Group, deny bool, c *conn) bool {
 	for i := range g.Clauses {
-		if !slices.ContainsFunc(g.Clauses[i].Matches, func(m Match) bool { return m.matches(c) }) {
+		ms := g.Clauses[i].Matches
+		if len(ms) == 0 {
+			if deny {
+				continue
+			}
+			return false
+		}
+		if !slices.ContainsFunc(ms, func(m Match) bool {
+			if m.empty() {
+				return deny
+			}
+			return m.matches(c)
+		}) {
 			return false
 		}
 	}
 	return true
+}
+
+// empty reports a match without any condition.
+func (m *Match) empty() bool {
+	return len(m.Namespaces)+len(m.NotNamespaces)+len(m.ServiceAccounts)+len(m.NotServiceAccounts)+
+		len(m.Principals)+len(m.NotPrincipals)+len(m.SourceIPs)+len(m.NotSourceIPs)+
+		len(m.DestinationIPs)+len(m.NotDestinationIPs)+len(m.DestinationPorts)+len(m.NotDestinationPorts) == 0
 }
 
 func (m *Match) matches(c *conn) bool {
@@ -227,13 +253,38 @@ type CompiledSet struct {
 	Policies []*Compiled
 	// Selected maps namespace/name of a workload to its policy keys.
 	Selected map[string][]string
+	// Unknown maps namespace/name of a workload whose selection is not
+	// known (the control plane has not described it, or described it
+	// ambiguously) to why: its workload-selector policies, a DENY among
+	// them maybe, cannot be applied, so connections to it are refused.
+	Unknown map[string]string
+	// Unresolved names policies the control plane sent that could not be
+	// held in any form (not decodable, an unknown scope, over a limit):
+	// whom they apply to is unknown, so every connection is refused while
+	// there are any.
+	Unresolved []string
 }
 
 // Authorize decides a connection to the workload namespace/name (see
-// AuthorizeCompiled).
+// AuthorizeCompiled). Whatever the set cannot decide exactly fails closed:
+// an unresolved policy, a workload whose selection is unknown, or a
+// selected policy the set does not hold.
 func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
 	if !s.Synced {
 		return Verdict{Reason: "no policies from the control plane yet (fails closed)"}
 	}
-	return AuthorizeCompiled(s.Policies, dst, s.Selected[workload], src)
+	if len(s.Unresolved) > 0 {
+		return Verdict{Reason: "policies from the control plane could not be applied, scope unknown (fails closed): " + strings.Join(s.Unresolved, ", "), Policy: s.Unresolved[0]}
+	}
+	if why, ok := s.Unknown[workload]; ok {
+		return Verdict{Reason: "policies selecting " + workload + " are unknown (fails closed): " + why}
+	}
+	selected := s.Selected[workload]
+	for _, k := range selected {
+		ns, name, _ := strings.Cut(k, "/")
+		if !slices.ContainsFunc(s.Policies, func(p *Compiled) bool { return p.Namespace == ns && p.Name == name }) {
+			return Verdict{Reason: "policy " + k + " selects " + workload + " but was not received or not applied (fails closed)", Policy: k}
+		}
+	}
+	return AuthorizeCompiled(s.Policies, dst, selected, src)
 }

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"net/netip"
+	"strings"
 	"testing"
 )
 
@@ -67,5 +68,64 @@ func TestCompiledSetFailsClosedUntilSynced(t *testing.T) {
 	s.Synced = true
 	if v := s.Authorize(Target{Namespace: "shop"}, "shop/web", Peer{}); !v.Allowed {
 		t.Fatalf("denied with no policies: %s", v.Reason)
+	}
+}
+
+// TestCompiledAmbiguousShapesFailClosed: where the compiled form is
+// ambiguous (a match with no condition, a rule part with no match), an
+// ALLOW reads it as matching nothing and a DENY as matching everything.
+// ztunnel skips an empty match; an ALLOW that read it as "everything"
+// would admit every peer.
+func TestCompiledAmbiguousShapesFailClosed(t *testing.T) {
+	peer := Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web", Addr: netip.MustParseAddr("10.1.0.1")}
+	dst := Target{Namespace: "shop", Port: 8080}
+	for _, tc := range []struct {
+		name    string
+		p       *Compiled
+		allowed bool
+	}{
+		{"ALLOW with an empty match admits nothing", &Compiled{Name: "a", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow,
+			Groups: []Group{{Clauses: []Clause{{Matches: []Match{{}}}}}}}, false},
+		{"ALLOW: an empty match beside a real one", &Compiled{Name: "a", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow,
+			Groups: []Group{{Clauses: []Clause{{Matches: []Match{{}, {DestinationPorts: []uint16{9090}}}}}}}}, false},
+		{"ALLOW with an empty clause admits nothing", &Compiled{Name: "a", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow,
+			Groups: []Group{{Clauses: []Clause{{}}}}}, false},
+		{"DENY with an empty match denies", &Compiled{Name: "d", Namespace: "shop", Scope: ScopeNamespace, Action: ActionDeny,
+			Groups: []Group{{Clauses: []Clause{{Matches: []Match{{}}}}}}}, false},
+		{"DENY with an empty clause denies", &Compiled{Name: "d", Namespace: "shop", Scope: ScopeNamespace, Action: ActionDeny,
+			Groups: []Group{{Clauses: []Clause{{}, {Matches: []Match{{DestinationPorts: []uint16{8080}}}}}}}}, false},
+		{"ALLOW of an empty rule still admits all", &Compiled{Name: "a", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow,
+			Groups: []Group{{}}}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if v := AuthorizeCompiled([]*Compiled{tc.p}, dst, nil, peer); v.Allowed != tc.allowed {
+				t.Errorf("allowed = %v (%s), want %v", v.Allowed, v.Reason, tc.allowed)
+			}
+		})
+	}
+}
+
+// TestCompiledSetFailsClosedOnMissingPolicies: a workload that lists a
+// policy the set does not hold (not received, rejected, over a limit),
+// a workload whose selection is unknown, and a policy that could not be
+// held in any form all deny instead of being skipped.
+func TestCompiledSetFailsClosedOnMissingPolicies(t *testing.T) {
+	allowAll := &Compiled{Name: "allow", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow, Groups: []Group{{}}}
+	s := CompiledSet{Synced: true, Policies: []*Compiled{allowAll}, Selected: map[string][]string{"shop/web": {"shop/deny-db"}}}
+	dst := Target{Namespace: "shop", Port: 80}
+	if v := s.Authorize(dst, "shop/web", Peer{}); v.Allowed || !strings.Contains(v.Reason, "shop/deny-db") {
+		t.Errorf("a selected policy that is missing: allowed=%v (%s), want denied naming it", v.Allowed, v.Reason)
+	}
+	if v := s.Authorize(dst, "shop/other", Peer{}); !v.Allowed {
+		t.Errorf("a workload selecting nothing missing: %s", v.Reason)
+	}
+	s.Unknown = map[string]string{"shop/other": "istiod has not described this pod"}
+	if v := s.Authorize(dst, "shop/other", Peer{}); v.Allowed || !strings.Contains(v.Reason, "istiod has not described") {
+		t.Errorf("a workload with unknown selection: allowed=%v (%s)", v.Allowed, v.Reason)
+	}
+	s.Unknown = nil
+	s.Unresolved = []string{"pay/broken"}
+	if v := s.Authorize(dst, "shop/other", Peer{}); v.Allowed || !strings.Contains(v.Reason, "pay/broken") {
+		t.Errorf("an unresolved policy of unknown scope: allowed=%v (%s)", v.Allowed, v.Reason)
 	}
 }
