@@ -63,6 +63,11 @@ type Snapshot struct {
 	Services []*Service
 	// Policies are sorted by namespace and name.
 	Policies []*policy.Compiled
+	// Unresolved names, sorted, the Authorization resources that could
+	// not be held in any form, not even fail-closed (undecodable, an
+	// unknown scope, over a limit): policy.CompiledSet refuses everything
+	// while there are any.
+	Unresolved []string
 }
 
 // portName is the name a service port gets in the directory: its number,

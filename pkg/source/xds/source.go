@@ -2,6 +2,7 @@ package xds
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"strings"
@@ -136,6 +137,15 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 // longer parses keeps its version in last (as istiod's workloads keep
 // theirs: the client NACKs a malformed one and holds the previous); last
 // may be nil in tests.
+//
+// This node's pods own their addresses and their policy selection: an
+// istiod workload keeps only the addresses no one before it claimed (an
+// istiod pod claiming a local pod's address is reported), and a local
+// pod's selection is that of istiod's copy of it (the pod of that name on
+// this node), never of another workload of the same name. A local pod
+// istiod has no single copy of is listed as unknown, so the tunnel
+// refuses its inbound connections instead of serving them without its
+// workload-selector policies.
 func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Config, last *kubeobj.LastGood) (source.Snapshot, []error) {
 	snap, errs := kubeobj.Translate(kubeobj.Objects{Namespaces: local.Namespaces, Pods: local.Pods, RuntimeClasses: local.RuntimeClasses}, cfg)
 	if last != nil {
@@ -145,16 +155,36 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	if mesh == nil {
 		return snap, errs
 	}
-	snap.Compiled = &policy.CompiledSet{Synced: true, Policies: mesh.Policies, Selected: map[string][]string{}}
+	snap.Compiled = &policy.CompiledSet{Synced: true, Policies: mesh.Policies, Selected: map[string][]string{}, Unresolved: mesh.Unresolved}
 	localNames, nLocal := make(map[string]bool, len(snap.Workloads)), len(snap.Workloads)
 	// An address belongs to one workload in the directory: this node's
 	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
 	// endpoint at a pod's address is that pod).
-	claimed := map[netip.Addr]bool{}
+	claimed := map[netip.Addr]string{}
 	for _, w := range snap.Workloads {
 		localNames[w.String()] = true
 		for _, a := range w.Addrs {
-			claimed[a] = true
+			claimed[a] = w.String()
+		}
+	}
+	copies := localCopies(mesh.Workloads, localNames, node)
+	for _, w := range snap.Workloads[:nLocal] {
+		key := w.String()
+		switch c := copies[key]; {
+		case len(c) == 1:
+			if len(c[0].Policies) > 0 {
+				snap.Compiled.Selected[key] = c[0].Policies
+			}
+		case len(c) == 0:
+			if snap.Compiled.Unknown == nil {
+				snap.Compiled.Unknown = map[string]string{}
+			}
+			snap.Compiled.Unknown[key] = "istiod describes no pod " + key + " on node " + node
+		default:
+			if snap.Compiled.Unknown == nil {
+				snap.Compiled.Unknown = map[string]string{}
+			}
+			snap.Compiled.Unknown[key] = fmt.Sprintf("istiod describes %d pods %s on node %s (%s, %s)", len(c), key, node, c[0].UID, c[1].UID)
 		}
 	}
 	for _, pods := range []bool{true, false} {
@@ -163,27 +193,56 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				continue
 			}
 			key := w.Namespace + "/" + w.Name
-			if len(w.Policies) > 0 {
-				snap.Compiled.Selected[key] = w.Policies
-			}
-			if localNames[key] || w.Node == node {
+			if localNames[key] {
 				continue // this node's pods come from the API server
 			}
-			free := false
-			for _, a := range w.Addrs {
-				free = free || !claimed[a]
-				claimed[a] = true
+			if _, ok := snap.Compiled.Selected[key]; !ok && len(w.Policies) > 0 {
+				snap.Compiled.Selected[key] = w.Policies
 			}
-			if free {
+			if w.Node == node {
+				continue
+			}
+			free := make([]netip.Addr, 0, len(w.Addrs))
+			for _, a := range w.Addrs {
+				owner, taken := claimed[a]
+				if !taken {
+					free = append(free, a)
+					claimed[a] = key
+					continue
+				}
+				if pods && localNames[owner] {
+					errs = append(errs, fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner))
+				}
+			}
+			switch {
+			case len(free) == 0:
+			case len(free) == len(w.Addrs):
 				snap.Workloads = append(snap.Workloads, &w.Workload)
+			default:
+				c := w.Workload
+				c.Addrs = free
+				snap.Workloads = append(snap.Workloads, &c)
 			}
 		}
 	}
-	localWaypoints(snap.Workloads[:nLocal], mesh.Workloads, localNames)
+	localWaypoints(snap.Workloads[:nLocal], copies)
 	for _, svc := range mesh.Services {
 		snap.Services = append(snap.Services, &svc.Service)
 	}
 	return snap, errs
+}
+
+// localCopies returns, per local pod name (namespace/name), istiod's pods
+// of that name on this node: normally one; none while istiod has not
+// seen the pod (or sees it on another node), two only if istiod is wrong.
+func localCopies(mesh []*Workload, localNames map[string]bool, node string) map[string][]*Workload {
+	copies := map[string][]*Workload{}
+	for _, w := range mesh {
+		if key := w.Namespace + "/" + w.Name; isPod(w) && w.Node == node && localNames[key] {
+			copies[key] = append(copies[key], w)
+		}
+	}
+	return copies
 }
 
 // isPod: istiod names a Pod's workload <cluster>//Pod/<namespace>/<name>.

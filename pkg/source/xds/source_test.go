@@ -147,3 +147,75 @@ func TestMergeKeepsLocalPodWithMalformedAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestMergeLocalPodsOwnTheirAddressesAndSelection: an istiod workload
+// listing a local pod's address besides one of its own does not take the
+// local pod's address (before, the directory gave it to whichever sorted
+// first by name, so inbound to the local pod was decided with the other
+// workload's namespace and policies); a same-named workload elsewhere
+// (a ServiceEntry, a pod of another node) does not replace the local
+// pod's policy selection; and a local pod istiod has not described is
+// refused, not served without its workload-selector policies.
+func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
+	local := nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{
+			{
+				ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+				Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+				Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
+			},
+			{
+				ObjectMeta: metav1.ObjectMeta{Name: "new", Namespace: "shop", UID: "u2"},
+				Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+				Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.6", PodIPs: []corev1.PodIP{{IP: "10.1.0.6"}}},
+			},
+		},
+	}
+	deny := &policy.Compiled{Name: "deny-all", Namespace: "shop", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionDeny, Groups: []policy.Group{{}}}
+	allow := &policy.Compiled{Name: "allow-all", Namespace: "shop", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionAllow, Groups: []policy.Group{{}}}
+	workloads := map[string]*Workload{}
+	for _, x := range []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{deny.Key()}},
+		// Same name: a ServiceEntry's endpoint and a pod of another cluster.
+		{Uid: "K/networking.istio.io/ServiceEntry/shop/web-1/240.0.0.1", Name: "web-1", Namespace: "shop", Addresses: [][]byte{netip.MustParseAddr("240.0.0.1").AsSlice()},
+			AuthorizationPolicies: []string{allow.Key()}},
+		{Uid: "K2//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-z", Addresses: [][]byte{netip.MustParseAddr("10.9.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{allow.Key()}},
+		// A remote pod claiming web-1's address besides its own, sorting
+		// before it by namespace.
+		{Uid: "K//Pod/aaa/evil", Name: "evil", Namespace: "aaa", Node: "node-b", ServiceAccount: "evil",
+			Addresses:      [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice(), netip.MustParseAddr("10.2.0.9").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+	} {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		workloads[x.Uid] = w
+	}
+	mesh := buildSnapshot(workloads, nil, map[string]*policy.Compiled{deny.Key(): deny, allow.Key(): allow})
+	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "aaa/evil") || !strings.Contains(errs[0].Error(), "10.1.0.5") || !strings.Contains(errs[0].Error(), "shop/web-1") {
+		t.Errorf("errors %v, want one naming aaa/evil, the address and shop/web-1", errs)
+	}
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.1.0.5")); !ok || w.UID != "u1" {
+		t.Errorf("10.1.0.5 belongs to %v (errors %v), want the local pod", w, dirErrs)
+	}
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.9")); !ok || w.Name != "evil" {
+		t.Errorf("10.2.0.9 belongs to %v, want evil (its own address)", w)
+	}
+	if got := snap.Compiled.Selected["shop/web-1"]; len(got) != 1 || got[0] != deny.Key() {
+		t.Errorf("web-1 selects %v, want istiod's copy of this node's pod: %s", got, deny.Key())
+	}
+	dst := policy.Target{Namespace: "shop", Port: 80}
+	peer := policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web"}
+	if v := snap.Compiled.Authorize(dst, "shop/web-1", peer); v.Allowed {
+		t.Errorf("web-1 under its DENY allowed: %s", v.Reason)
+	}
+	if v := snap.Compiled.Authorize(dst, "shop/new", peer); v.Allowed || !strings.Contains(v.Reason, "shop/new") {
+		t.Errorf("a local pod istiod has not described: allowed=%v (%s)", v.Allowed, v.Reason)
+	}
+}
