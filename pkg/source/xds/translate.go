@@ -7,8 +7,11 @@ import (
 	"net/netip"
 	"strings"
 
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -38,6 +41,12 @@ func translateAddress(a *workloadapi.Address) (any, error) {
 func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	if x.GetUid() == "" || x.GetName() == "" || x.GetNamespace() == "" {
 		return nil, fmt.Errorf("workload %q (%s/%s): uid, name and namespace are required", x.GetUid(), x.GetNamespace(), x.GetName())
+	}
+	if err := validateIdentity(x); err != nil {
+		return nil, fmt.Errorf("workload %s: %w", x.GetUid(), err)
+	}
+	if n := len(x.GetAddresses()); n > MaxWorkloadAddresses {
+		return nil, fmt.Errorf("workload %s: %d addresses, at most %d", x.GetUid(), n, MaxWorkloadAddresses)
 	}
 	w := &Workload{
 		Workload: workload.Workload{
@@ -91,6 +100,47 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 		}
 	}
 	return w, nil
+}
+
+// MaxWorkloadAddresses bounds a workload's addresses: a pod has one per
+// address family, a WorkloadEntry one. Without a bound one resource could
+// claim any number of addresses in the directory.
+const MaxWorkloadAddresses = 16
+
+// validateIdentity checks what the workload's SPIFFE ID
+// (spiffe://<trust domain>/ns/<namespace>/sa/<service account>) and its
+// policy key (namespace/name) are built from: with a separator or an
+// empty segment in them, the ID or key would name something else.
+func validateIdentity(x *workloadapi.Workload) error {
+	if errs := validation.IsDNS1123Label(x.GetNamespace()); len(errs) > 0 {
+		return fmt.Errorf("namespace %q: %s", x.GetNamespace(), errs[0])
+	}
+	if strings.Contains(x.GetName(), "/") {
+		return fmt.Errorf("name %q: contains '/'", x.GetName())
+	}
+	if sa := x.GetServiceAccount(); sa != "" {
+		if errs := validation.IsDNS1123Subdomain(sa); len(errs) > 0 {
+			return fmt.Errorf("service_account %q: %s", sa, errs[0])
+		}
+	}
+	if td := x.GetTrustDomain(); td != "" && !validTrustDomain(td) {
+		return fmt.Errorf("trust_domain %q: want lowercase letters, digits, '.', '-' and '_' (SPIFFE)", td)
+	}
+	return nil
+}
+
+// validTrustDomain: the characters the SPIFFE specification allows in a
+// trust domain name.
+func validTrustDomain(td string) bool {
+	if len(td) > 255 {
+		return false
+	}
+	for _, r := range td {
+		if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '.' || r == '-' || r == '_') {
+			return false
+		}
+	}
+	return true
 }
 
 func translateService(x *workloadapi.Service) (*Service, error) {
@@ -160,6 +210,12 @@ func translateAuthorization(x *security.Authorization) (*policy.Compiled, error)
 		return nil, fmt.Errorf("authorization %s/%s: name and namespace are required", x.GetNamespace(), x.GetName())
 	}
 	key := x.GetNamespace() + "/" + x.GetName()
+	if path := unknownField(x.ProtoReflect(), ""); path != "" {
+		return nil, fmt.Errorf("authorization %s: %s: this agent does not know what it means", key, path)
+	}
+	if len(x.GetExtensions()) > 0 {
+		return nil, fmt.Errorf("authorization %s: extensions (%s) are not supported", key, x.GetExtensions()[0].GetName())
+	}
 	p := &policy.Compiled{Name: x.GetName(), Namespace: x.GetNamespace(), DryRun: x.GetDryRun()}
 	switch x.GetScope() {
 	case security.Scope_GLOBAL:
@@ -200,6 +256,9 @@ func translateAuthorization(x *security.Authorization) (*policy.Compiled, error)
 func translateMatch(m *security.Match) (policy.Match, error) {
 	var out policy.Match
 	var err error
+	if len(m.GetExtensions()) > 0 {
+		return out, fmt.Errorf("extensions (%s) are not supported", m.GetExtensions()[0].GetName())
+	}
 	strs := []struct {
 		name string
 		in   []*security.StringMatch
@@ -237,7 +296,13 @@ func translateMatch(m *security.Match) (policy.Match, error) {
 			if !ok || int(a.GetLength()) > ip.BitLen() {
 				return out, fmt.Errorf("%s: %d address bytes with prefix length %d", s.name, len(a.GetAddress()), a.GetLength())
 			}
-			*s.out = append(*s.out, netip.PrefixFrom(ip, int(a.GetLength())).Masked())
+			bits := int(a.GetLength())
+			if ip.Is4In6() && bits >= 96 {
+				// Peers are matched by their unmapped address: the
+				// mapped prefix is the IPv4 prefix it carries.
+				ip, bits = ip.Unmap(), bits-96
+			}
+			*s.out = append(*s.out, netip.PrefixFrom(ip, bits).Masked())
 		}
 	}
 	ports := []struct {
@@ -301,4 +366,48 @@ func failClosed(x *security.Authorization) *policy.Compiled {
 		p.Action, p.Groups = policy.ActionAllow, nil
 	}
 	return p
+}
+
+// unknownField returns the path of the first field in m (or in a message
+// below it) that the compiled-in schema does not know, "" if none. A
+// newer istiod may add a condition to a policy; ignored, it would make an
+// ALLOW admit more (or change what a DENY matches), so such a policy is
+// not applied as written.
+func unknownField(m protoreflect.Message, path string) string {
+	if raw := m.GetUnknown(); len(raw) > 0 {
+		return strings.TrimPrefix(path+".", ".") + fmt.Sprintf("unknown field %d", unknownNumber(raw))
+	}
+	var found string
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		if fd.Kind() != protoreflect.MessageKind && fd.Kind() != protoreflect.GroupKind {
+			return true
+		}
+		name := path + "." + string(fd.Name())
+		switch {
+		case fd.IsList():
+			l := v.List()
+			for i := range l.Len() {
+				if found = unknownField(l.Get(i).Message(), fmt.Sprintf("%s[%d]", name, i)); found != "" {
+					return false
+				}
+			}
+		case fd.IsMap():
+			v.Map().Range(func(k protoreflect.MapKey, mv protoreflect.Value) bool {
+				if fd.MapValue().Kind() == protoreflect.MessageKind {
+					found = unknownField(mv.Message(), fmt.Sprintf("%s[%v]", name, k))
+				}
+				return found == ""
+			})
+		default:
+			found = unknownField(v.Message(), name)
+		}
+		return found == ""
+	})
+	return found
+}
+
+// unknownNumber is the field number of the first field in raw.
+func unknownNumber(raw protoreflect.RawFields) protowire.Number {
+	n, _, _ := protowire.ConsumeTag(raw)
+	return n
 }
