@@ -120,6 +120,15 @@ type resourceType struct {
 	bytes int
 	// received is true once a response of this type arrived on any stream.
 	received bool
+	// unresolved (policies only; nil for other types) names the resources
+	// rejected without anything held in their place, so their reach is
+	// unknown and the snapshot fails closed while there are any; more
+	// counts those beyond the bound. istiod resends what the client does
+	// not hold on a new stream, so the first response there (fresh)
+	// rebuilds the list.
+	unresolved map[string]bool
+	more       int
+	fresh      bool
 }
 
 type entry struct {
@@ -145,7 +154,7 @@ func New(cfg Config) (*Client, error) {
 	log := cmp.Or(cfg.Logger, slog.Default()).With("source", "xds")
 	return &Client{cfg: cfg, log: log, types: []*resourceType{
 		{url: TypeAddress, short: "Address", decode: decodeAddress, held: map[string]entry{}},
-		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, held: map[string]entry{}},
+		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, held: map[string]entry{}, unresolved: map[string]bool{}},
 	}}, nil
 }
 
@@ -223,6 +232,7 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		return false, fmt.Errorf("open delta ADS stream: %w", err)
 	}
 	for i, t := range c.types {
+		t.fresh = true
 		req := &discoveryv3.DeltaDiscoveryRequest{TypeUrl: t.url, InitialResourceVersions: t.versions()}
 		if i == 0 {
 			req.Node = c.cfg.Node.proto()
@@ -327,17 +337,28 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		return ack, nil
 	}
 	t.received = true
+	if t.fresh {
+		t.fresh = false
+		clear(t.unresolved)
+		t.more = 0
+	}
 	var errs []string
 	for _, name := range resp.GetRemovedResources() {
 		t.bytes -= t.held[name].size
 		delete(t.held, name)
+		delete(t.unresolved, name)
 	}
 	for _, r := range resp.GetResources() {
-		if err := c.applyOne(t, r); err != nil {
+		held, err := c.applyOne(t, r)
+		if err != nil {
 			errs = append(errs, r.GetName()+": "+err.Error())
 		}
+		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, c.cfg.MaxResources)
 	}
 	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
+	if t.unresolved != nil {
+		c.cfg.Metrics.setUnresolved(len(t.unresolved) + t.more)
+	}
 	if len(errs) > 0 {
 		sort.Strings(errs)
 		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: strings.Join(errs, "; ")}
@@ -346,37 +367,56 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	return ack, t
 }
 
-func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) error {
+// applyOne applies one resource; held reports whether it (or, for a
+// policy, its fail-closed form) is now what the client holds under its
+// name.
+func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, err error) {
 	if r.GetName() == "" {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
-		return errors.New("resource without a name")
+		return false, errors.New("resource without a name")
 	}
 	if r.GetResource() == nil || r.GetResource().GetTypeUrl() != t.url {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
-		return fmt.Errorf("want a %s, got %q", t.url, r.GetResource().GetTypeUrl())
+		return false, fmt.Errorf("want a %s, got %q", t.url, r.GetResource().GetTypeUrl())
 	}
-	old, held := t.held[r.GetName()]
-	if !held && len(t.held) >= c.cfg.MaxResources {
+	old, had := t.held[r.GetName()]
+	if !had && len(t.held) >= c.cfg.MaxResources {
 		c.cfg.Metrics.reject(t.short, rejectLimit)
-		return fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
+		return false, fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
 	}
 	size := len(r.GetResource().GetValue())
 	if t.bytes-old.size+size > c.cfg.MaxTypeBytes {
 		c.cfg.Metrics.reject(t.short, rejectLimit)
-		return fmt.Errorf("over the limit of %d bytes of %s resources", c.cfg.MaxTypeBytes, t.short)
+		return false, fmt.Errorf("over the limit of %d bytes of %s resources", c.cfg.MaxTypeBytes, t.short)
 	}
 	v, err := t.decode(r.GetResource().GetValue())
 	if err != nil {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 	}
 	if v == nil {
-		return err
+		return false, err
 	}
 	// Held even when err is set: a policy that cannot be applied as
 	// written is held in its fail-closed form (failClosed).
 	t.bytes += size - old.size
 	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v, size: size}
-	return err
+	return true, err
+}
+
+// resolve records whether the latest version of name was held (see
+// resourceType.unresolved); at most limit names are kept, the rest
+// counted.
+func (t *resourceType) resolve(name string, held bool, limit int) {
+	switch {
+	case t.unresolved == nil:
+	case held:
+		delete(t.unresolved, name)
+	case t.unresolved[name]:
+	case len(t.unresolved) < limit:
+		t.unresolved[name] = true
+	default:
+		t.more++
+	}
 }
 
 // versions is what a reconnect tells istiod the client already has.
@@ -407,5 +447,15 @@ func (c *Client) snapshot() *Snapshot {
 			}
 		}
 	}
-	return buildSnapshot(workloads, services, policies)
+	s := buildSnapshot(workloads, services, policies)
+	for _, t := range c.types {
+		for name := range t.unresolved {
+			s.Unresolved = append(s.Unresolved, name)
+		}
+		sort.Strings(s.Unresolved)
+		if t.more > 0 {
+			s.Unresolved = append(s.Unresolved, fmt.Sprintf("(%d more)", t.more))
+		}
+	}
+	return s
 }

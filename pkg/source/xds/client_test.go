@@ -352,3 +352,51 @@ func expectMetric(t *testing.T, m *Metrics, key string, want float64) {
 		t.Errorf("%s = %v, want %v", key, got, want)
 	}
 }
+
+// TestClientHoldsUnresolvedPolicies: an Authorization that cannot be held
+// even fail-closed (an unknown scope, undecodable, over the limit) was
+// dropped, and with it a DENY of unknown reach. It is now listed in the
+// snapshot, which makes the policy set refuse everything, until istiod
+// removes it or sends a version that applies.
+func TestClientHoldsUnresolvedPolicies(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.MaxResources = 2 })
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil)
+	future := strictAuthz()
+	future.Name, future.Scope = "future", security.Scope(7)
+	ack := send(t, st, TypeAuthorization, "n2", nil,
+		resource(t, "istio-system/future", "v1", TypeAuthorization, future),
+		&discoveryv3.Resource{Name: "istio-system/garbage", Version: "v1", Resource: &anypb.Any{TypeUrl: TypeAuthorization, Value: []byte{0xff, 0xff}}})
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "istio-system/future") || !strings.Contains(msg, "istio-system/garbage") {
+		t.Fatalf("NACK %q", msg)
+	}
+	s := h.next()
+	if strings.Join(s.Unresolved, ",") != "istio-system/future,istio-system/garbage" {
+		t.Fatalf("unresolved %v", s.Unresolved)
+	}
+	set := policy.CompiledSet{Synced: true, Policies: s.Policies, Unresolved: s.Unresolved}
+	if v := set.Authorize(policy.Target{Namespace: "shop"}, "shop/web", policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web"}); v.Allowed {
+		t.Errorf("allowed beside a policy of unknown scope: %s", v.Reason)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 2)
+
+	// Fixed by istiod, removed, and one over the limit of 2 held.
+	send(t, st, TypeAuthorization, "n3", []string{"istio-system/garbage"}, resource(t, "istio-system/future", "v2", TypeAuthorization, strictAuthz()))
+	if s := h.next(); len(s.Unresolved) != 0 || len(s.Policies) != 1 {
+		t.Fatalf("unresolved %v, %d policies", s.Unresolved, len(s.Policies))
+	}
+	extra := strictAuthz()
+	send(t, st, TypeAuthorization, "n4", nil, resource(t, "a/b", "v1", TypeAuthorization, extra), resource(t, "a/c", "v1", TypeAuthorization, extra))
+	if s := h.next(); strings.Join(s.Unresolved, ",") != "a/c" {
+		t.Fatalf("unresolved %v, want the policy over the limit", s.Unresolved)
+	}
+
+	// A new stream: istiod sends again what the client does not hold, so
+	// the list is rebuilt from its first answer.
+	st.end <- nil
+	st, _ = h.accept()
+	send(t, st, TypeAuthorization, "n5", nil)
+	if s := h.next(); len(s.Unresolved) != 0 {
+		t.Fatalf("unresolved %v after istiod no longer sends it", s.Unresolved)
+	}
+}

@@ -10,6 +10,8 @@ type Metrics struct {
 	nacks     *prometheus.CounterVec
 	rejected  *prometheus.CounterVec
 	resources *prometheus.GaugeVec
+	// unresolved counts policies held in no form (see Snapshot.Unresolved).
+	unresolved prometheus.Gauge
 }
 
 // Reasons a single resource is rejected (the reason label of
@@ -46,6 +48,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_xds_resources",
 			Help: "Resources held from istiod, by type.",
 		}, []string{"type"}),
+		unresolved: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_xds_unresolved_policies",
+			Help: "Authorization resources rejected with nothing held in their place (undecodable, unknown scope, over a limit); while above 0 every inbound connection is refused.",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m)
@@ -54,7 +60,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources}
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved}
 }
 
 // Describe implements prometheus.Collector.
@@ -103,5 +109,11 @@ func (m *Metrics) push(typ string, nack bool, held int) {
 func (m *Metrics) reject(typ, reason string) {
 	if m != nil {
 		m.rejected.WithLabelValues(typ, reason).Inc()
+	}
+}
+
+func (m *Metrics) setUnresolved(n int) {
+	if m != nil {
+		m.unresolved.Set(float64(n))
 	}
 }
