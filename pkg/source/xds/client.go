@@ -19,9 +19,11 @@
 // istiod is away the last state stays in force. Reconnects back off with
 // jitter.
 //
-// Bounds: a response is at most MaxMessageBytes, and a type holds at most
-// MaxResources resources of at most MaxTypeBytes in all; what would go
-// beyond is rejected (NACKed) and counted.
+// Bounds: a response is at most MaxMessageBytes, a resource holds at most
+// MaxResourceMessages nested messages (checked before decoding), and a
+// type holds at most MaxResources resources charged at most MaxTypeBytes
+// in all (encoded size plus a per-message overhead, see charge); what
+// would go beyond is rejected (NACKed) and counted.
 package xds
 
 import (
@@ -42,6 +44,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
 
@@ -59,8 +62,11 @@ const (
 	DefaultMaxResources    = 200_000
 	DefaultMaxMessageBytes = 64 << 20
 	DefaultMaxTypeBytes    = 512 << 20
-	DefaultMinBackoff      = 500 * time.Millisecond
-	DefaultMaxBackoff      = 30 * time.Second
+	// DefaultMaxResourceMessages bounds the messages nested in one
+	// resource: a policy of 100k conditions, far beyond any real one.
+	DefaultMaxResourceMessages = 100_000
+	DefaultMinBackoff          = 500 * time.Millisecond
+	DefaultMaxBackoff          = 30 * time.Second
 	// DefaultFirstSyncGrace is how long the first snapshot waits for the
 	// types other than Address once Address arrived (istiod may send
 	// nothing for a type that has no resources).
@@ -87,9 +93,13 @@ type Config struct {
 	// MaxMessageBytes bounds one response; 0 means
 	// DefaultMaxMessageBytes.
 	MaxMessageBytes int
-	// MaxTypeBytes bounds the encoded size of all resources held of one
-	// type; 0 means DefaultMaxTypeBytes.
+	// MaxTypeBytes bounds the size of all resources held of one type,
+	// each charged its encoded size plus an overhead per resource and per
+	// nested message (see resourceOverhead); 0 means DefaultMaxTypeBytes.
 	MaxTypeBytes int
+	// MaxResourceMessages bounds the messages nested in one resource,
+	// checked before it is decoded; 0 means DefaultMaxResourceMessages.
+	MaxResourceMessages int
 	// MinBackoff and MaxBackoff bound the reconnect delay; 0 means the
 	// defaults.
 	MinBackoff, MaxBackoff time.Duration
@@ -115,8 +125,10 @@ type resourceType struct {
 	short string
 	// decode translates one resource's bytes.
 	decode func([]byte) (any, error)
-	held   map[string]entry
-	// bytes is the encoded size of held.
+	// desc is the resource's message type, for charge.
+	desc protoreflect.MessageDescriptor
+	held map[string]entry
+	// bytes is what held is charged (see charge).
 	bytes int
 	// received is true once a response of this type arrived on any stream.
 	received bool
@@ -148,13 +160,14 @@ func New(cfg Config) (*Client, error) {
 	cfg.MaxResources = cmp.Or(cfg.MaxResources, DefaultMaxResources)
 	cfg.MaxMessageBytes = cmp.Or(cfg.MaxMessageBytes, DefaultMaxMessageBytes)
 	cfg.MaxTypeBytes = cmp.Or(cfg.MaxTypeBytes, DefaultMaxTypeBytes)
+	cfg.MaxResourceMessages = cmp.Or(cfg.MaxResourceMessages, DefaultMaxResourceMessages)
 	cfg.MinBackoff = cmp.Or(cfg.MinBackoff, DefaultMinBackoff)
 	cfg.MaxBackoff = max(cmp.Or(cfg.MaxBackoff, DefaultMaxBackoff), cfg.MinBackoff)
 	cfg.FirstSyncGrace = cmp.Or(cfg.FirstSyncGrace, DefaultFirstSyncGrace)
 	log := cmp.Or(cfg.Logger, slog.Default()).With("source", "xds")
 	return &Client{cfg: cfg, log: log, types: []*resourceType{
-		{url: TypeAddress, short: "Address", decode: decodeAddress, held: map[string]entry{}},
-		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, held: map[string]entry{}, unresolved: map[string]bool{}},
+		{url: TypeAddress, short: "Address", decode: decodeAddress, desc: addressDesc, held: map[string]entry{}},
+		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, desc: authorizationDesc, held: map[string]entry{}, unresolved: map[string]bool{}},
 	}}, nil
 }
 
@@ -384,10 +397,19 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 		c.cfg.Metrics.reject(t.short, rejectLimit)
 		return false, fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
 	}
-	size := len(r.GetResource().GetValue())
+	size, err := charge(r.GetResource().GetValue(), t.desc, c.cfg.MaxResourceMessages)
+	if err != nil {
+		var tooMany errTooManyMessages
+		if errors.As(err, &tooMany) {
+			c.cfg.Metrics.reject(t.short, rejectLimit)
+		} else {
+			c.cfg.Metrics.reject(t.short, rejectInvalid)
+		}
+		return false, err
+	}
 	if t.bytes-old.size+size > c.cfg.MaxTypeBytes {
 		c.cfg.Metrics.reject(t.short, rejectLimit)
-		return false, fmt.Errorf("over the limit of %d bytes of %s resources", c.cfg.MaxTypeBytes, t.short)
+		return false, fmt.Errorf("over the limit of %d bytes of %s resources (this one is charged %d)", c.cfg.MaxTypeBytes, t.short, size)
 	}
 	v, err := t.decode(r.GetResource().GetValue())
 	if err != nil {

@@ -289,7 +289,11 @@ func TestClientBoundsResources(t *testing.T) {
 
 func TestClientBoundsBytes(t *testing.T) {
 	one := resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil))
-	h := startClient(t, func(c *Config) { c.MaxTypeBytes = len(one.GetResource().GetValue()) + 10 })
+	size, err := charge(one.GetResource().GetValue(), addressDesc, DefaultMaxResourceMessages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := startClient(t, func(c *Config) { c.MaxTypeBytes = size + 10 })
 	st, _ := h.accept()
 	ack := send(t, st, TypeAddress, "n1", nil, one, resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil)))
 	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "b: over the limit of") || !strings.Contains(msg, "bytes") {
@@ -398,5 +402,39 @@ func TestClientHoldsUnresolvedPolicies(t *testing.T) {
 	send(t, st, TypeAuthorization, "n5", nil)
 	if s := h.next(); len(s.Unresolved) != 0 {
 		t.Fatalf("unresolved %v after istiod no longer sends it", s.Unresolved)
+	}
+}
+
+// TestClientBoundsDecodedSize: an empty nested message is 2 bytes on the
+// wire and hundreds once decoded and translated, so the encoded size
+// alone bounded nothing (64 MiB of empty matches decode to gigabytes). A
+// resource with more than MaxResourceMessages messages is rejected before
+// it is decoded, and what is held is charged per message too.
+func TestClientBoundsDecodedSize(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.MaxResourceMessages = 50 })
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil)
+	wide := strictAuthz()
+	wide.Name = "wide"
+	for range 100 {
+		wide.Groups[0].Rules[0].Matches = append(wide.Groups[0].Rules[0].Matches, &security.Match{})
+	}
+	ack := send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/wide", "v1", TypeAuthorization, wide))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "istio-system/wide") || !strings.Contains(msg, "more than 50 messages") {
+		t.Fatalf("NACK %q", msg)
+	}
+	if s := h.next(); len(s.Policies) != 0 || len(s.Unresolved) != 1 {
+		t.Fatalf("%d policies, unresolved %v: want the policy rejected and unresolved", len(s.Policies), s.Unresolved)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="limit",type="Authorization"}`, 1)
+
+	r := resource(t, "istio-system/strict", "v1", TypeAuthorization, strictAuthz())
+	want, err := charge(r.GetResource().GetValue(), authorizationDesc, 50)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 5 messages: group, rules, match, string match, empty.
+	if n := len(r.GetResource().GetValue()); want != n+resourceOverhead+5*messageOverhead {
+		t.Errorf("charged %d for %d bytes", want, n)
 	}
 }

@@ -1,0 +1,80 @@
+package xds
+
+import (
+	"fmt"
+
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"istio.io/istio/pkg/workloadapi"
+	"istio.io/istio/pkg/workloadapi/security"
+)
+
+// What a held resource is charged against MaxTypeBytes beyond its encoded
+// size. An empty nested message is 2 bytes on the wire but a struct of
+// hundreds once decoded and translated (a policy.Match is 288), so the
+// encoded size alone bounds memory by nothing: each resource is charged
+// resourceOverhead and each message in it messageOverhead. A typical
+// workload (about 500 bytes, 8 messages) is charged under 2 KiB, so the
+// default bounds still hold 200k of them.
+const (
+	resourceOverhead = 256
+	messageOverhead  = 128
+)
+
+var (
+	addressDesc       = (&workloadapi.Address{}).ProtoReflect().Descriptor()
+	authorizationDesc = (&security.Authorization{}).ProtoReflect().Descriptor()
+)
+
+// charge returns what the encoded message b of type md is charged (see
+// resourceOverhead), without decoding it, or an error when it holds more
+// than limit messages or is malformed. It only walks the wire format, so
+// a hostile resource costs no allocation before it is refused.
+func charge(b []byte, md protoreflect.MessageDescriptor, limit int) (int, error) {
+	n := 0
+	if err := countMessages(b, md, &n, limit); err != nil {
+		return 0, err
+	}
+	return len(b) + resourceOverhead + n*messageOverhead, nil
+}
+
+// errTooManyMessages is countMessages' error past the limit.
+type errTooManyMessages int
+
+func (e errTooManyMessages) Error() string {
+	return fmt.Sprintf("more than %d messages in one resource", int(e))
+}
+
+// countMessages adds to n the messages nested in b (md's fields of
+// message kind, map entries included; unknown fields are not walked).
+func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
+	fields := md.Fields()
+	for len(b) > 0 {
+		num, typ, l := protowire.ConsumeTag(b)
+		if l < 0 {
+			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		b = b[l:]
+		fd := fields.ByNumber(num)
+		if typ == protowire.BytesType && fd != nil && (fd.Kind() == protoreflect.MessageKind || fd.Kind() == protoreflect.GroupKind) {
+			v, l := protowire.ConsumeBytes(b)
+			if l < 0 {
+				return fmt.Errorf("malformed %s.%s: %w", md.FullName(), fd.Name(), protowire.ParseError(l))
+			}
+			if *n++; *n > limit {
+				return errTooManyMessages(limit)
+			}
+			if err := countMessages(v, fd.Message(), n, limit); err != nil {
+				return err
+			}
+			b = b[l:]
+			continue
+		}
+		l = protowire.ConsumeFieldValue(num, typ, b)
+		if l < 0 {
+			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		b = b[l:]
+	}
+	return nil
+}
