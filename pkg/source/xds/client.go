@@ -201,13 +201,17 @@ func decodeAuthorization(b []byte) (any, error) {
 func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
 	delay := c.cfg.MinBackoff
 	for {
+		began := time.Now()
 		got, err := c.stream(ctx, update)
 		c.cfg.Metrics.disconnected()
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if got {
-			// The stream worked: the next failure starts the backoff anew.
+		if got && time.Since(began) >= c.cfg.MaxBackoff {
+			// The stream worked for a while: the next failure starts the
+			// backoff anew. A stream that breaks right after its first
+			// response does not, or a flapping istiod would draw a
+			// reconnect every MinBackoff from every node.
 			delay = c.cfg.MinBackoff
 		}
 		// Up to 50% less than the delay, so agents restarted together

@@ -438,3 +438,23 @@ func TestClientBoundsDecodedSize(t *testing.T) {
 		t.Errorf("charged %d for %d bytes", want, n)
 	}
 }
+
+// TestClientBacksOffFromFlappingStreams: a stream that delivers a
+// response and then breaks at once did reset the backoff, so an istiod
+// (or a proxy in front of it) failing every stream right after its first
+// push drew a reconnect every MinBackoff from every node. Only a stream
+// that stayed up for MaxBackoff resets it now.
+func TestClientBacksOffFromFlappingStreams(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.MinBackoff, c.MaxBackoff = 50*time.Millisecond, 10*time.Second })
+	st, _ := h.accept()
+	start := time.Now()
+	for range 4 {
+		send(t, st, TypeAddress, "n", nil)
+		st.end <- nil
+		st, _ = h.accept()
+	}
+	// Waits of at least 25, 50, 100 and 200 ms (the delay less up to half).
+	if d := time.Since(start); d < 375*time.Millisecond {
+		t.Errorf("4 reconnects after flapping streams took %v, want the backoff to grow", d)
+	}
+}
