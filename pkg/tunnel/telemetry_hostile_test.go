@@ -1,9 +1,13 @@
 package tunnel
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -75,5 +79,30 @@ func TestDerivedSeriesBudgetNotPinned(t *testing.T) {
 	}
 	if n := testutil.CollectAndCount(m.connsOpened); n > 10 {
 		t.Errorf("%d series of peers' names left after their grace", n)
+	}
+}
+
+// Errors can carry a peer's text: the GOAWAY debug data (up to a frame,
+// 1 MiB) of a destination that closes a pooled connection ends every
+// stream on it, and each stream's access log line carried it whole, so one
+// frame became megabytes of log. Logged errors are bounded, in the access
+// log and the rate-limited refusal logs alike.
+func TestLoggedErrorsBounded(t *testing.T) {
+	huge := errors.New("hbone connection closed by peer: GOAWAY PROTOCOL_ERROR: " + strings.Repeat("\xffA\n", 1<<18))
+	dir := bookinfo(t)
+	var buf bytes.Buffer
+	m := NewMetrics(nil)
+	m.SetAccessLog(slog.New(slog.NewJSONHandler(&buf, nil)))
+	c := connInfo{reporter: "source", src: mustPod(t, dir, "10.1.0.13"), dst: mustPod(t, dir, "10.1.0.12"), secure: true}
+	m.open(c, "").close(context.Background(), 1, 1, huge)
+	if buf.Len() > 2<<10 || !strings.Contains(buf.String(), "GOAWAY PROTOCOL_ERROR") {
+		t.Errorf("access log line of %d bytes for a peer's error, want it bounded with its start kept", buf.Len())
+	}
+
+	buf.Reset()
+	r := newRefusalLog(slog.New(slog.NewTextHandler(&buf, nil)), slog.LevelWarn)
+	r.note(context.Background(), "HBONE connect failed", "error", huge)
+	if buf.Len() > 2<<10 || !strings.Contains(buf.String(), "GOAWAY PROTOCOL_ERROR") {
+		t.Errorf("refusal log line of %d bytes for a peer's error, want it bounded with its start kept", buf.Len())
 	}
 }
