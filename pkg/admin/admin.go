@@ -46,6 +46,15 @@ type Options struct {
 	Logger *slog.Logger
 }
 
+// Bounds of every request, whoever sends it: the endpoints take no body
+// but pprof's symbol lookups, and no header set of an honest caller comes
+// near 16 KiB (net/http's default is 1 MiB).
+const (
+	maxHeaderBytes = 16 << 10
+	readTimeout    = 10 * time.Second
+	writeTimeout   = 30 * time.Second
+)
+
 // Servers are the running endpoints.
 type Servers struct {
 	metricsAddr, readinessAddr, adminAddr string
@@ -90,11 +99,24 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		if e.name == "admin" && !isLoopback(l.Addr()) {
 			log.Warn("admin endpoint is not on a loopback address: anyone who reaches it can read the config and profile the agent", "addr", *e.bound)
 		}
+		total := maxConnsPerEndpoint
+		if e.name == "admin" {
+			total = maxConnsPerSource // one local caller's worth: it is on loopback
+		}
+		l = newLimitListener(l, e.name, total, maxConnsPerSource, log)
 		srv := &http.Server{
 			Handler:           e.handler(),
 			ReadHeaderTimeout: 5 * time.Second,
+			ReadTimeout:       readTimeout,
 			IdleTimeout:       time.Minute,
+			MaxHeaderBytes:    maxHeaderBytes,
 			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+		}
+		if e.name != "admin" {
+			// pprof's profile and trace run as long as asked (and refuse a
+			// duration past the write timeout), so only the other endpoints,
+			// whose answers are small, bound how long a reader may take.
+			srv.WriteTimeout = writeTimeout
 		}
 		s.servers = append(s.servers, srv)
 		if e.name == "readiness" {

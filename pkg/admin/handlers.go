@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"strings"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -16,15 +17,25 @@ import (
 // be read) is logged and counted in promhttp_metric_handler_errors_total
 // while the other metrics are still served, so one broken source does not
 // blind every dashboard.
+//
+// A scrape reads every BPF map and series, so scrapes beyond
+// maxScrapesInFlight at once are answered 503 rather than queued: anyone
+// who reaches the port (every pod can) could otherwise make the agent spend
+// its CPU gathering metrics.
 func metricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
-		ErrorLog:      slog.NewLogLogger(log.Handler(), slog.LevelError),
-		ErrorHandling: promhttp.ContinueOnError,
-		Registry:      reg,
+		ErrorLog:            slog.NewLogLogger(log.Handler(), slog.LevelError),
+		ErrorHandling:       promhttp.ContinueOnError,
+		Registry:            reg,
+		MaxRequestsInFlight: maxScrapesInFlight,
 	}))
 	return mux
 }
+
+// maxScrapesInFlight is how many scrapes are gathered at once: an HA pair
+// of Prometheus servers and a person with curl.
+const maxScrapesInFlight = 4
 
 // readinessHandler answers 200 only while ready says so, and 503 with the
 // reason otherwise.
@@ -72,24 +83,52 @@ func adminHandler(sections map[string]func() any, level *slog.LevelVar, log *slo
 	return mux
 }
 
+// configDumpWrite bounds how long a reader may take to read a dump: each
+// one holds its copy until it is written.
+const configDumpWrite = time.Minute
+
 // configDump writes every section as one JSON object. Each section is
 // marshalled on its own so that a failure names the section at fault.
+//
+// A dump of a large directory takes memory and CPU in proportion, so one
+// is built at a time (other callers wait their turn or give up), and a
+// caller that reads it slowly is cut off after configDumpWrite rather than
+// holding its copy for ever.
 func configDump(sections map[string]func() any) http.HandlerFunc {
+	building := make(chan struct{}, 1)
 	return func(w http.ResponseWriter, r *http.Request) {
-		dump := make(map[string]json.RawMessage, len(sections))
-		for name, section := range sections {
-			b, err := json.Marshal(section())
-			if err != nil {
-				http.Error(w, fmt.Sprintf("config dump section %s: %v", name, err), http.StatusInternalServerError)
-				return
-			}
-			dump[name] = b
+		select {
+		case building <- struct{}{}:
+		case <-r.Context().Done():
+			return
 		}
+		out, name, err := buildDump(sections)
+		<-building
+		if err != nil {
+			http.Error(w, fmt.Sprintf("config dump section %s: %v", name, err), http.StatusInternalServerError)
+			return
+		}
+		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(configDumpWrite))
 		w.Header().Set("Content-Type", "application/json")
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		enc.Encode(dump) // the client is gone if this fails
+		w.Write(out) // the client is gone if this fails
 	}
+}
+
+// buildDump marshals every section, indented, or names the one that fails.
+func buildDump(sections map[string]func() any) (out []byte, failed string, err error) {
+	dump := make(map[string]json.RawMessage, len(sections))
+	for name, section := range sections {
+		b, err := json.Marshal(section())
+		if err != nil {
+			return nil, name, err
+		}
+		dump[name] = b
+	}
+	out, err = json.MarshalIndent(dump, "", "  ")
+	if err != nil {
+		return nil, "", err
+	}
+	return append(out, '\n'), "", nil
 }
 
 // levels are the names /logging accepts, as the --log-level flag does.

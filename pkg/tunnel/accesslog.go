@@ -6,8 +6,10 @@ import (
 	"log/slog"
 	"net/netip"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -97,6 +99,27 @@ func (r *connResult) attrs(extra int) []slog.Attr {
 	return a
 }
 
+// maxLoggedError bounds the text of an error in a log line. Errors can
+// carry what a peer sent (a GOAWAY's debug data, up to a frame; a refusal
+// reason), and one peer frame can end many connections, each logged: the
+// start of the text says what happened, the rest would only let a peer
+// write megabytes into the node's logs.
+const maxLoggedError = 512
+
+// errText is err's text, cut to maxLoggedError bytes on a character
+// boundary, with invalid UTF-8 replaced, saying how much was cut.
+func errText(err error) string {
+	s := err.Error()
+	if len(s) <= maxLoggedError {
+		return strings.ToValidUTF8(s, "\uFFFD")
+	}
+	cut := maxLoggedError
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return strings.ToValidUTF8(s[:cut], "\uFFFD") + " [" + strconv.Itoa(len(s)-cut) + " bytes cut]"
+}
+
 func addrOrEmpty(a netip.AddrPort) string {
 	if !a.IsValid() {
 		return ""
@@ -129,7 +152,7 @@ func (r *connResult) close(ctx context.Context, requestBytes, responseBytes int6
 		a = append(a, slog.String("response_flags", f))
 	}
 	if err != nil {
-		a = append(a, slog.String("error", err.Error()))
+		a = append(a, slog.String("error", errText(err)))
 	}
 	switch {
 	case r.c.flags != "" && r.m.access.refused[r.c.flags] != nil:

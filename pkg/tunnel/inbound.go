@@ -100,8 +100,8 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 // of this pod (the tunnel is never an open proxy), the client identity must
 // pass authorization, the tunnel must fit the node's, the pod's and the
 // source's budgets (Limits), then the app is dialled. The texts sent back to the
-// peer name no local detail (netns paths, errors of local calls): those
-// are only logged.
+// peer name no local detail (netns paths, errors of local calls, policy
+// names): those are only logged.
 func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.Response {
 	t := p.t
 	dst := req.Target
@@ -151,7 +151,11 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		if !t.cfg.Metrics.accessLogged() {
 			t.refusals.note(ctx, "HBONE connection denied", "client", peer.String(), "dst", dst, "reason", detail, "policy", pol)
 		}
-		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy: " + detail}
+		// The peer learns that policy refused it, not which policies or
+		// rule: those are this side's configuration, and a hostile peer
+		// could map them by trying identities and ports. The access log
+		// (or the refusal log) has the detail.
+		return hbone.Response{Status: http.StatusForbidden, Reason: "denied by authorization policy"}
 	}
 	podID := t.identityOf(podW)
 	conn.dstID = podID

@@ -217,6 +217,10 @@ func workloadMeta(w *workload.Workload) (name, canon, rev string) {
 // resolved once, not again at close. The series stays (see seriesGC) until
 // the connection is closed.
 func (m *Metrics) open(c connInfo, trace string) *connResult {
+	if c.peer != nil && c.src == nil && !m.series.claimable(c.peer, c.srcID) {
+		// The peer named a workload that runs as another identity.
+		c.peer = nil
+	}
 	l := m.labels(c)
 	if c.peer != nil && c.src == nil && !m.series.admitDerived(l) {
 		// Too many series named by peers: count this one without the

@@ -41,7 +41,8 @@ func newRefusalLog(log *slog.Logger, level slog.Level) *refusalLog {
 }
 
 // note logs msg with attrs unless msg was logged less than an interval
-// ago; then it only counts it for the summary.
+// ago; then it only counts it for the summary. Errors among attrs are
+// logged bounded (errText): they may carry a peer's text.
 func (r *refusalLog) note(ctx context.Context, msg string, attrs ...any) {
 	r.mu.Lock()
 	k := r.kinds[msg]
@@ -56,6 +57,11 @@ func (r *refusalLog) note(ctx context.Context, msg string, attrs ...any) {
 		}
 		k.logged, k.suppressed = now, 0
 		r.mu.Unlock()
+		for i, a := range attrs {
+			if err, ok := a.(error); ok {
+				attrs[i] = errText(err)
+			}
+		}
 		r.log.Log(ctx, r.level, msg, attrs...)
 		return
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -36,8 +37,12 @@ type seriesGC struct {
 	grace  time.Duration // seriesGrace unless SetSeriesGrace changed it
 	groups []seriesGroup
 
-	mu      sync.Mutex
-	live    map[string]bool // liveness keys of the current directory; nil: all live
+	mu   sync.Mutex
+	live map[string]bool // liveness keys of the current directory; nil: all live
+	// owners are the service accounts the current directory's workloads
+	// run as, by workload and by canonical service (workloadKey,
+	// canonicalKey); nil before the first directory.
+	owners  map[string]map[string]bool
 	series  map[string]*seriesEntry
 	derived int // entries whose source names a peer announced
 }
@@ -79,8 +84,27 @@ func (g *seriesGC) key(group int, l prometheus.Labels) string {
 	return b.String()
 }
 
-func workloadKey(ns, name string) string { return "w\x00" + ns + "\x00" + name }
-func serviceKey(ns, name string) string  { return "s\x00" + ns + "\x00" + name }
+func workloadKey(ns, name string) string  { return "w\x00" + ns + "\x00" + name }
+func serviceKey(ns, name string) string   { return "s\x00" + ns + "\x00" + name }
+func canonicalKey(ns, name string) string { return "c\x00" + ns + "\x00" + name }
+
+// claimable reports whether a peer whose verified identity is id may be
+// counted under the names it announced in m. Baggage is the peer's claim,
+// checked only for its namespace when parsed; a workload or canonical
+// service the directory knows must also run as the peer's service account
+// somewhere, or any workload of a namespace could have its traffic counted
+// (and logged) as another one's of that namespace. Names the directory
+// does not know stay claimable: that is what baggage is for.
+func (g *seriesGC) claimable(m *peerMeta, id identity.ID) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, k := range []string{workloadKey(m.namespace, m.workload), canonicalKey(m.namespace, m.service)} {
+		if sas, known := g.owners[k]; known && !sas[id.ServiceAccount] {
+			return false
+		}
+	}
+	return true
+}
 
 // admitDerived reports whether the istio_tcp_* series l, whose source
 // names come from a peer, may be counted: it exists already, or fewer than
@@ -128,17 +152,25 @@ func (g *seriesGC) begin(group int, l prometheus.Labels) (end func()) {
 // setLive installs the directory that says which workloads exist, starts
 // the grace of series that just went, and deletes those past it.
 func (m *Metrics) setLive(dir *workload.Directory) {
-	live := map[string]bool{}
+	live, owners := map[string]bool{}, map[string]map[string]bool{}
+	own := func(k, sa string) {
+		if owners[k] == nil {
+			owners[k] = map[string]bool{}
+		}
+		owners[k][sa] = true
+	}
 	for _, w := range dir.All() {
-		name, _, _ := workloadMeta(w)
+		name, canon, _ := workloadMeta(w)
 		live[workloadKey(w.Namespace, name)] = true
+		own(workloadKey(w.Namespace, name), w.ServiceAccount)
+		own(canonicalKey(w.Namespace, canon), w.ServiceAccount)
 	}
 	for _, s := range dir.Services() {
 		live[serviceKey(s.Namespace, s.Name)] = true
 	}
 	g := m.series
 	g.mu.Lock()
-	g.live = live
+	g.live, g.owners = live, owners
 	now := g.now()
 	for _, e := range g.series {
 		switch {
@@ -153,7 +185,16 @@ func (m *Metrics) setLive(dir *workload.Directory) {
 }
 
 // liveLocked reports whether every workload and service e names exists.
+//
+// A series whose source names a peer announced is never live: its names
+// are the peer's, not the directory's, even when they match a workload
+// there, and its slot in the maxDerivedSeries budget must come back a
+// grace after its last connection, or a peer could hold the budget for
+// ever by naming an existing workload with ever new versions.
 func (g *seriesGC) liveLocked(e *seriesEntry) bool {
+	if e.derived {
+		return false
+	}
 	if g.live == nil {
 		return true
 	}

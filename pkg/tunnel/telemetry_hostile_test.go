@@ -1,0 +1,108 @@
+package tunnel
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+)
+
+// derivedLabels opens and closes one connection from a client the
+// directory does not know, announcing baggage as peer, and returns the
+// source labels it was counted with.
+func derivedLabels(t *testing.T, m *Metrics, peer identity.ID, baggage string) (workloadName, canonical string) {
+	t.Helper()
+	meta := parseBaggage(http.Header{"Baggage": {baggage}}, peer)
+	if meta == nil {
+		t.Fatalf("baggage %q not parsed", baggage)
+	}
+	dir := bookinfo(t)
+	r := m.open(connInfo{reporter: "destination", peer: meta, srcID: peer, dst: mustPod(t, dir, "10.1.0.13"), secure: true}, "")
+	r.close(context.Background(), 0, 0, nil)
+	return r.l["source_workload"], r.l["source_canonical_service"]
+}
+
+// Baggage is a claim. A peer may name itself only as a workload (or
+// canonical service) that the directory does not know, or knows to run
+// under the peer's own verified identity: a peer in the right namespace
+// with another service account must not have its connections counted, in
+// the metrics and the access log, as another team's workload.
+func TestBaggageCannotClaimAnotherIdentitysWorkload(t *testing.T) {
+	m := NewMetrics(nil)
+	m.setLive(bookinfo(t))
+	intruder := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "intruder"}
+	owner := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bookinfo-reviews-v1"}
+
+	if w, c := derivedLabels(t, m, intruder, "k8s.namespace.name=mesh,k8s.deployment.name=reviews-v1,service.name=reviews"); w != "unknown" || c != "unknown" {
+		t.Errorf("a peer running as %s counted as workload %q, service %q; want unknown", intruder, w, c)
+	}
+	if w, c := derivedLabels(t, m, intruder, "k8s.namespace.name=mesh,k8s.deployment.name=batch,service.name=reviews"); w != "unknown" || c != "unknown" {
+		t.Errorf("a peer running as %s claimed the canonical service of another identity: workload %q, service %q", intruder, w, c)
+	}
+	if w, c := derivedLabels(t, m, owner, "k8s.namespace.name=mesh,k8s.deployment.name=reviews-v1,service.name=reviews"); w != "reviews-v1" || c != "reviews" {
+		t.Errorf("the workload's own identity counted as %q, %q; want reviews-v1, reviews", w, c)
+	}
+	if w, c := derivedLabels(t, m, intruder, "k8s.namespace.name=mesh,k8s.deployment.name=batch,service.name=batch"); w != "batch" || c != "batch" {
+		t.Errorf("names the directory does not know counted as %q, %q; want batch, batch", w, c)
+	}
+}
+
+// The budget of series named by peers must come back: a peer that names a
+// workload the directory knows, with ever new versions, must not hold it
+// for ever (those series were live, so never deleted, so never freed).
+func TestDerivedSeriesBudgetNotPinned(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	m := NewMetrics(nil)
+	m.series.now = func() time.Time { return now }
+	dir := bookinfo(t)
+	m.setLive(dir)
+	owner := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bookinfo-reviews-v1"}
+	for i := range maxDerivedSeries {
+		derivedLabels(t, m, owner, fmt.Sprintf("k8s.namespace.name=mesh,k8s.deployment.name=reviews-v1,service.version=x%d", i))
+	}
+	if w, _ := derivedLabels(t, m, owner, "k8s.namespace.name=mesh,k8s.deployment.name=fresh"); w != "unknown" {
+		t.Fatalf("over the budget, a new name counted as %q", w)
+	}
+	now = now.Add(seriesGrace + time.Second)
+	m.setLive(dir)
+	if w, _ := derivedLabels(t, m, owner, "k8s.namespace.name=mesh,k8s.deployment.name=fresh"); w != "fresh" {
+		t.Errorf("a grace after the peer's connections closed, a new name counted as %q, want fresh", w)
+	}
+	if n := testutil.CollectAndCount(m.connsOpened); n > 10 {
+		t.Errorf("%d series of peers' names left after their grace", n)
+	}
+}
+
+// Errors can carry a peer's text: the GOAWAY debug data (up to a frame,
+// 1 MiB) of a destination that closes a pooled connection ends every
+// stream on it, and each stream's access log line carried it whole, so one
+// frame became megabytes of log. Logged errors are bounded, in the access
+// log and the rate-limited refusal logs alike.
+func TestLoggedErrorsBounded(t *testing.T) {
+	huge := errors.New("hbone connection closed by peer: GOAWAY PROTOCOL_ERROR: " + strings.Repeat("\xffA\n", 1<<18))
+	dir := bookinfo(t)
+	var buf bytes.Buffer
+	m := NewMetrics(nil)
+	m.SetAccessLog(slog.New(slog.NewJSONHandler(&buf, nil)))
+	c := connInfo{reporter: "source", src: mustPod(t, dir, "10.1.0.13"), dst: mustPod(t, dir, "10.1.0.12"), secure: true}
+	m.open(c, "").close(context.Background(), 1, 1, huge)
+	if buf.Len() > 2<<10 || !strings.Contains(buf.String(), "GOAWAY PROTOCOL_ERROR") {
+		t.Errorf("access log line of %d bytes for a peer's error, want it bounded with its start kept", buf.Len())
+	}
+
+	buf.Reset()
+	r := newRefusalLog(slog.New(slog.NewTextHandler(&buf, nil)), slog.LevelWarn)
+	r.note(context.Background(), "HBONE connect failed", "error", huge)
+	if buf.Len() > 2<<10 || !strings.Contains(buf.String(), "GOAWAY PROTOCOL_ERROR") {
+		t.Errorf("refusal log line of %d bytes for a peer's error, want it bounded with its start kept", buf.Len())
+	}
+}
