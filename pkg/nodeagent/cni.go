@@ -22,6 +22,7 @@ import (
 type cniPod struct {
 	uid   string
 	netns string // as the agent opens it (see netns.HostPath)
+	ino   uint64 // the namespace's inode when the ADD came
 	addrs []netip.Addr
 }
 
@@ -40,13 +41,21 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		a.mu.Unlock()
 		a.applyLatest(ctx, false)
 		return cni.Response{}, nil
-	case cni.CommandAdd:
+	case cni.CommandAdd, cni.CommandCheck:
+		path := netns.HostPath(a.cfg.ProcDir, ev.NetNS)
+		ino, err := a.checkCNINetNS(ev, path)
+		if err != nil {
+			return cni.Response{}, err
+		}
+		if ev.Command == cni.CommandCheck {
+			break
+		}
 		var addrs []netip.Addr
 		for _, p := range ev.IPs {
 			addrs = append(addrs, p.Addr().Unmap())
 		}
 		a.mu.Lock()
-		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: netns.HostPath(a.cfg.ProcDir, ev.NetNS), addrs: addrs}
+		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: path, ino: ino, addrs: addrs}
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)
@@ -89,6 +98,56 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// checkCNINetNS says whether path, the namespace ev names (as the agent
+// opens it), can be the pod's, and returns its inode. The plugin's word is
+// not enough: a path that leads to the host's namespace, or to one another
+// pod is attached in or was reported in, would mesh the node or give this
+// pod's identity to the other pod's traffic. Such an event is refused with
+// an error naming the path, before anything is recorded or entered.
+func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
+	key := ev.PodNamespace + "/" + ev.PodName
+	ino, err := netns.CheckPodPath(path, a.cfg.ProcDir)
+	if err != nil {
+		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: %w", key, ev.NetNS, err)
+	}
+	other := func(namespace, name, uid string) bool {
+		return namespace+"/"+name != key || (uid != "" && ev.PodUID != "" && uid != ev.PodUID)
+	}
+	owner := ""
+	if a.cfg.Loader != nil {
+		if pods, err := a.cfg.Loader.Pods(); err == nil {
+			for _, p := range pods {
+				if !other(p.Meta.Namespace, p.Meta.Name, p.Meta.UID) {
+					continue
+				}
+				// Only while the other pod's path still names this
+				// namespace: a freed namespace's inode number is reused.
+				if cur, err := netns.Inode(p.Meta.NetNS); err == nil && cur == ino {
+					owner = p.Meta.Namespace + "/" + p.Meta.Name
+					break
+				}
+			}
+		}
+	}
+	if owner == "" {
+		a.mu.Lock()
+		for k, rec := range a.cniPods {
+			ns, name, _ := strings.Cut(k, "/")
+			if rec.ino == ino && other(ns, name, rec.uid) {
+				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
+					owner = k
+					break
+				}
+			}
+		}
+		a.mu.Unlock()
+	}
+	if owner != "" {
+		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: it is the network namespace of pod %s: %w", key, ev.NetNS, owner, netns.ErrNotPodNetNS)
+	}
+	return ino, nil
 }
 
 // refusedErr is why the local pod w, selected, is refused (claimAddrs), or

@@ -1,0 +1,152 @@
+package nodeagent
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// inOwnNetNS re-runs the calling test in a network namespace of its own
+// (unshare --net) and reports whether this is that run. Tests that hand the
+// agent its own namespace use it, so that nothing an unfixed agent does
+// there (listeners, sysctls, programs) reaches the machine's.
+func inOwnNetNS(t *testing.T) bool {
+	t.Helper()
+	const env = "REDIRECTOR_TEST_OWN_NETNS"
+	if os.Getenv(env) == t.Name() {
+		return true
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	cmd := exec.Command("unshare", "--net", os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"="+t.Name())
+	out, err := cmd.CombinedOutput()
+	t.Logf("in a network namespace of its own:\n%s", out)
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
+		t.Fatalf("the run in its own network namespace failed: %v", err)
+	}
+	return false
+}
+
+func pendingPod(name, uid string) *workload.Workload {
+	return &workload.Workload{Name: name, Namespace: "shop", UID: uid, ServiceAccount: "default", Node: "node1",
+		Pending: "namespace label istio.io/dataplane-mode=ambient", Reason: "pod has no IP yet"}
+}
+
+// TestCNIRefusesAgentNamespace: an ADD naming the agent's own network
+// namespace (the host's: /proc/self/ns/net, or a symlink to it), with an
+// address that is on the host's eth0, is refused at once with an error that
+// names the path, and nothing is attached or served there (seen failing:
+// the agent attached its programs to the host's eth0, turned rp_filter off
+// and opened its listeners in the host namespace, and answered "enrolled").
+func TestCNIRefusesAgentNamespace(t *testing.T) {
+	if !inOwnNetNS(t) {
+		return
+	}
+	// This namespace stands in for the host's: an eth0 with an address.
+	for _, args := range [][]string{
+		{"link", "set", "lo", "up"},
+		{"link", "add", "eth0", "type", "veth", "peer", "name", "eth1"},
+		{"link", "set", "eth1", "up"},
+		{"addr", "add", "10.199.0.5/24", "dev", "eth0"},
+		{"link", "set", "eth0", "up"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	link := filepath.Join(t.TempDir(), "netns-link")
+	if err := os.Symlink("/proc/self/ns/net", link); err != nil {
+		t.Fatal(err)
+	}
+	a, ld, tun, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	for _, path := range []string{"/proc/self/ns/net", "/proc/thread-self/ns/net", link} {
+		start := time.Now()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p",
+			ContainerID: "c1", NetNS: path, IPs: []netip.Prefix{netip.MustParsePrefix("10.199.0.5/24")}})
+		t.Logf("ADD %s: %+v, %v (%s)", path, resp, err, time.Since(start))
+		if err == nil || resp.Enrolled {
+			t.Errorf("ADD naming the agent's own namespace %s: %+v, %v; want refused", path, resp, err)
+		} else if !strings.Contains(err.Error(), path) {
+			t.Errorf("ADD naming %s: error %q does not name the path", path, err)
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Errorf("ADD naming %s took %s to be refused", path, time.Since(start))
+		}
+		if _, attached, _ := ld.PodState("uid-p"); attached {
+			t.Errorf("after ADD naming %s the pod is attached in the agent's namespace", path)
+		}
+		if served := tun.ServedPods(); len(served) > 0 {
+			t.Errorf("after ADD naming %s the tunnel serves %v in the agent's namespace", path, served)
+		}
+	}
+}
+
+// TestCNIRefusesAnotherPodsNamespace: an ADD for pod a naming the network
+// namespace (and addresses) of pod b, which the plugin reported before and
+// which is not in the mesh, is refused with an error naming b: a would be
+// attached there and b's traffic would leave with a's identity (seen
+// failing: a was enrolled in b's namespace). The same holds when b is
+// attached, whatever the addresses.
+func TestCNIRefusesAnotherPodsNamespace(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsB, nsC := tp.Nodes[0].AddPod("b"), tp.Nodes[0].AddPod("c")
+	a, ld, _, _ := testAgent(t)
+	b := &workload.Workload{Name: "b", Namespace: "other", UID: "uid-b", ServiceAccount: "default", Node: "node1", Addrs: nsB.Addrs(), Reason: "namespace not ambient"}
+	c := &workload.Workload{Name: "c", Namespace: "shop", UID: "uid-c", ServiceAccount: "default", Node: "node1", Addrs: nsC.Addrs(), Enrolled: true, Reason: "ambient"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("a", "uid-a"), b, c}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	prefixes := func(addrs []netip.Addr) (out []netip.Prefix) {
+		for _, ad := range addrs {
+			out = append(out, netip.PrefixFrom(ad, ad.BitLen()))
+		}
+		return out
+	}
+	// b's sandbox is reported (not in the mesh), c's is enrolled.
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "b", PodNamespace: "other", PodUID: "uid-b", ContainerID: "cb", NetNS: nsB.Path(), IPs: prefixes(nsB.Addrs())}); err != nil || resp.Enrolled {
+		t.Fatalf("ADD b: %+v, %v", resp, err)
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "c", PodNamespace: "shop", PodUID: "uid-c", ContainerID: "cc", NetNS: nsC.Path(), IPs: prefixes(nsC.Addrs())}); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD c: %+v, %v", resp, err)
+	}
+	for _, tc := range []struct {
+		owner string
+		ns    *netnstest.Pod
+	}{{"other/b", nsB}, {"shop/c", nsC}} {
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", ContainerID: "ca", NetNS: tc.ns.Path(), IPs: prefixes(tc.ns.Addrs())})
+		t.Logf("ADD a in %s's namespace: %+v, %v", tc.owner, resp, err)
+		if err == nil || resp.Enrolled {
+			t.Errorf("ADD a naming %s's namespace: %+v, %v; want refused", tc.owner, resp, err)
+		} else if !strings.Contains(err.Error(), tc.owner) || !strings.Contains(err.Error(), tc.ns.Path()) {
+			t.Errorf("ADD a naming %s's namespace: error %q does not name the pod and the path", tc.owner, err)
+		}
+		if _, attached, _ := ld.PodState("uid-a"); attached {
+			t.Errorf("pod a is attached in %s's namespace", tc.owner)
+		}
+	}
+}
