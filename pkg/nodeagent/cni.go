@@ -20,7 +20,10 @@ import (
 // namespace it lives in and the addresses the primary CNI gave it. At ADD
 // time the API does not know the addresses yet.
 type cniPod struct {
-	uid   string
+	uid string
+	// container is the sandbox's id (CNI_CONTAINERID): only its own DEL
+	// drops the report.
+	container string
 	netns string // as the agent opens it (see netns.HostPath)
 	ino   uint64 // the namespace's inode when the ADD came
 	addrs []netip.Addr
@@ -36,9 +39,23 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 	key := ev.PodNamespace + "/" + ev.PodName
 	switch ev.Command {
 	case cni.CommandDel:
+		// Only the reported sandbox's own DEL drops its report. Runtimes
+		// repeat DEL for a sandbox they tear down or collect late, after
+		// the pod's next sandbox (or the next pod of the name) was added:
+		// dropping the newer report would send a pod whose source knows no
+		// address yet back to pending, and detach it.
 		a.mu.Lock()
-		delete(a.cniPods, key)
+		rec, ok := a.cniPods[key]
+		stale := ok && (rec.container != ev.ContainerID || (rec.uid != "" && ev.PodUID != "" && rec.uid != ev.PodUID))
+		if ok && !stale {
+			delete(a.cniPods, key)
+		}
 		a.mu.Unlock()
+		if stale {
+			a.log.InfoContext(ctx, "CNI DEL of an earlier sandbox ignored: the pod's current sandbox stays",
+				"pod", key, "container", ev.ContainerID, "uid", ev.PodUID, "current_container", rec.container, "current_uid", rec.uid)
+			return cni.Response{Reason: "an earlier sandbox of the pod; the current one (container " + rec.container + ") stays"}, nil
+		}
 		a.applyLatest(ctx, false)
 		return cni.Response{}, nil
 	case cni.CommandAdd, cni.CommandCheck:
@@ -55,7 +72,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			addrs = append(addrs, p.Addr().Unmap())
 		}
 		a.mu.Lock()
-		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: path, ino: ino, addrs: addrs}
+		a.cniPods[key] = cniPod{uid: ev.PodUID, container: ev.ContainerID, netns: path, ino: ino, addrs: addrs}
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)

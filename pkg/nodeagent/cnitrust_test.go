@@ -150,3 +150,65 @@ func TestCNIRefusesAnotherPodsNamespace(t *testing.T) {
 		}
 	}
 }
+
+// TestCNIStaleDelKeepsSandbox: a DEL for an earlier sandbox of the pod
+// (another container id: the runtime repeats DEL for a sandbox it tears
+// down or garbage-collects late), or for an earlier pod of the same name
+// (another uid), arriving after the ADD of the current sandbox, does not
+// unenroll the current one while its source knows no address yet (seen
+// failing: the DEL dropped the current sandbox's report, the pod went back
+// to pending and was detached, so a pod answered "enrolled" ran in
+// plaintext). The current sandbox's own DEL still lets it go.
+func TestCNIStaleDelKeepsSandbox(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	ev := cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: sandbox.Path(), IPs: ips}
+	if resp, err := a.HandleCNI(ctx, ev); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	attached := func() bool {
+		// Let the workers act on what the DEL changed.
+		deadline := time.Now().Add(2 * time.Second)
+		for time.Now().Before(deadline) {
+			if a.queue.Len() == 0 {
+				time.Sleep(100 * time.Millisecond)
+				if a.queue.Len() == 0 {
+					break
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		_, ok, _ := ld.PodState("uid-p")
+		return ok
+	}
+	for _, stale := range []cni.PodEvent{
+		{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1"},
+		{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-old", ContainerID: "c2"},
+	} {
+		if _, err := a.HandleCNI(ctx, stale); err != nil {
+			t.Fatalf("DEL %+v: %v", stale, err)
+		}
+		if !attached() {
+			t.Fatalf("a DEL of container %s, uid %s unenrolled the current sandbox (container c2, uid uid-p)", stale.ContainerID, stale.PodUID)
+		}
+	}
+	if _, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: sandbox.Path()}); err != nil {
+		t.Fatal(err)
+	}
+	if attached() {
+		t.Errorf("the current sandbox's own DEL left the pending pod attached")
+	}
+}
