@@ -93,6 +93,14 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// Selected, but its address is another pod's: it must not
 			// start unmeshed, so the runtime retries.
 			return cni.Response{}, refused
+		case known && !w.Enrolled && w.Pending != "":
+			// Selected, but the plugin gave no address it can be enrolled
+			// with: it must not start unmeshed, so the runtime retries.
+			why := "the CNI result (prevResult) carries no address for the pod's interface"
+			if len(ev.IPs) > 0 {
+				why = w.Reason
+			}
+			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but cannot be enrolled: %s; refusing to start it unmeshed", key, w.Pending, why)
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
@@ -197,7 +205,8 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 		c.Addrs, c.Enrolled, c.Reason, c.Pending = rec.addrs, true, w.Pending, ""
 		for _, a := range rec.addrs {
 			if err := selection.CheckPodAddr(a); err != nil {
-				c.Addrs, c.Enrolled, c.Reason = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err)
+				// Still pending: selected, and refused at its ADD.
+				c.Addrs, c.Enrolled, c.Reason, c.Pending = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err), w.Pending
 				break
 			}
 		}

@@ -212,3 +212,39 @@ func TestCNIStaleDelKeepsSandbox(t *testing.T) {
 		t.Errorf("the current sandbox's own DEL left the pending pod attached")
 	}
 }
+
+// TestCNIAddWithoutUsableAddressFails: a pod the rules select, whose source
+// knows no address yet, fails its ADD when the CNI result carries no
+// address for it, or none that can be a pod's (link-local, loopback): it
+// cannot be enrolled, and it must not start unmeshed (seen failing: the ADD
+// was answered "not enrolled" and the runtime started the pod in
+// plaintext). The error says what was wrong.
+func TestCNIAddWithoutUsableAddressFails(t *testing.T) {
+	a, _, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// Any existing namespace passes the path check; nothing is attached.
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	for _, tc := range []struct {
+		ips  []netip.Prefix
+		want string
+	}{
+		{nil, "no address"},
+		{[]netip.Prefix{netip.MustParsePrefix("fe80::1/64")}, "link-local"},
+		{[]netip.Prefix{netip.MustParsePrefix("127.0.0.5/8")}, "loopback"},
+	} {
+		start := time.Now()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IPs: tc.ips})
+		t.Logf("ADD with %v: %+v, %v", tc.ips, resp, err)
+		if err == nil {
+			t.Errorf("ADD of a selected pod with addresses %v succeeded (%+v): it would start unmeshed", tc.ips, resp)
+		} else if !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ADD with %v: error %q does not say %q", tc.ips, err, tc.want)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("ADD with %v took %s to fail", tc.ips, d)
+		}
+	}
+}
