@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -27,6 +28,11 @@ type cniPod struct {
 	netns string // as the agent opens it (see netns.HostPath)
 	ino   uint64 // the namespace's inode when the ADD came
 	addrs []netip.Addr
+	// deleted marks the sandbox's own DEL: its report no longer counts,
+	// and what the loader recorded for the pod must not stand in for it
+	// (withAttachedPending) while the namespace still exists. It goes
+	// with the namespace (pruneCNIPods).
+	deleted bool
 }
 
 // cniWait bounds how long an ADD waits for the source to know the pod.
@@ -48,7 +54,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		rec, ok := a.cniPods[key]
 		stale := ok && (rec.container != ev.ContainerID || (rec.uid != "" && ev.PodUID != "" && rec.uid != ev.PodUID))
 		if ok && !stale {
-			delete(a.cniPods, key)
+			a.cniPods[key] = cniPod{uid: rec.uid, container: rec.container, netns: rec.netns, ino: rec.ino, deleted: true}
 		}
 		a.mu.Unlock()
 		if stale {
@@ -160,7 +166,7 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 		a.mu.Lock()
 		for k, rec := range a.cniPods {
 			ns, name, _ := strings.Cut(k, "/")
-			if rec.ino == ino && other(ns, name, rec.uid) {
+			if rec.ino == ino && !rec.deleted && other(ns, name, rec.uid) {
 				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
 					owner = k
 					break
@@ -215,10 +221,60 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 	return out
 }
 
+// withAttachedPending returns the CNI reports, completed with what the
+// loader recorded for this node's pods that are attached while their
+// source knows no address yet and that no report covers. Reports live in
+// this process only: after a restart, a pod enrolled at its ADD by the
+// previous process would otherwise go back to pending and be detached,
+// sending a pod answered "enrolled" in plaintext until its source learns
+// the address. Callers hold a.mu.
+func (a *Agent) withAttachedPending(ws []*workload.Workload) map[string]cniPod {
+	if a.cfg.Loader == nil {
+		return a.cniPods
+	}
+	out, cloned := a.cniPods, false
+	for _, w := range ws {
+		if w.Node != a.cfg.Node || w.Pending == "" {
+			continue
+		}
+		key := w.Namespace + "/" + w.Name
+		if rec, ok := a.cniPods[key]; ok && (rec.uid == "" || w.UID == "" || rec.uid == w.UID) {
+			continue
+		}
+		st, attached, err := a.cfg.Loader.PodState(w.Key())
+		if err != nil || !attached || len(st.Meta.Addrs) == 0 {
+			continue
+		}
+		if _, err := netns.CheckPodPath(st.Meta.NetNS, a.cfg.ProcDir); err != nil {
+			continue // the sandbox is gone: the pod is detached
+		}
+		if !cloned {
+			out, cloned = maps.Clone(a.cniPods), true
+			if out == nil {
+				out = map[string]cniPod{}
+			}
+		}
+		out[key] = cniPod{uid: w.UID, netns: st.Meta.NetNS, addrs: slices.Clone(st.Meta.Addrs)}
+	}
+	return out
+}
+
+// pruneCNIPods drops the reports (and DEL marks) whose namespace is gone:
+// the sandbox was destroyed, so they say nothing any more. Reports of pods
+// the source never delivered would otherwise stay for ever. Callers hold
+// a.mu.
+func (a *Agent) pruneCNIPods() {
+	for k, rec := range a.cniPods {
+		if cur, err := netns.Inode(rec.netns); err != nil || (rec.ino != 0 && cur != rec.ino) {
+			delete(a.cniPods, k)
+		}
+	}
+}
+
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.
 func (a *Agent) cniNetNS(w *workload.Workload) string {
 	rec, ok := a.cniPods[w.Namespace+"/"+w.Name]
-	if !ok || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
+	if !ok || rec.deleted || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
 		return ""
 	}
 	return rec.netns

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -246,5 +247,41 @@ func TestCNIAddWithoutUsableAddressFails(t *testing.T) {
 		if d := time.Since(start); d > 5*time.Second {
 			t.Errorf("ADD with %v took %s to fail", tc.ips, d)
 		}
+	}
+}
+
+// TestRestartKeepsPendingAttachedPod: an agent that starts while a pod it
+// enrolled at its ADD is still unaddressed in its source (the API learns
+// a pod's address only after the sandbox is up) keeps the pod attached:
+// the plugin's report died with the previous process, but what the loader
+// recorded at attach says the same (seen failing: the first full pass
+// detached the pod, which had been answered enrolled, and it ran in
+// plaintext until its source learnt the address).
+func TestRestartKeepsPendingAttachedPod(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, rec := testAgent(t)
+	ctx := context.Background()
+	// The previous process attached it at the pod's ADD.
+	if res := rec.Reconcile(ctx, []loader.Pod{{UID: "uid-p", Namespace: "shop", Name: "p", NetNS: sandbox.Path(), Addrs: sandbox.Addrs(), CaptureInbound: true}}, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	// This process starts: its source still has the pod pending.
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	a.applyLatest(ctx, true)
+	for a.queue.Len() > 0 {
+		a.processNext(ctx)
+	}
+	if _, attached, _ := ld.PodState("uid-p"); !attached {
+		t.Fatalf("the restarted agent detached a pod it had enrolled whose source knows no address yet")
+	}
+	if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled {
+		t.Errorf("the directory has the pod as %+v, want enrolled with its attached addresses", w)
+	}
+	// A pod that left is still detached: its workload is gone.
+	a.setSnapshot(source.Snapshot{})
+	a.applyLatest(ctx, true)
+	if _, attached, _ := ld.PodState("uid-p"); attached {
+		t.Errorf("a pod that left stayed attached")
 	}
 }
