@@ -224,7 +224,7 @@ func podEvent(cmd cni.Command, args *skel.CmdArgs, prev types.Result) (ev cni.Po
 		return ev, false, nil
 	}
 	if prev != nil {
-		if ev.IPs, err = podIPs(prev); err != nil {
+		if ev.IPs, err = podIPs(prev, args.IfName); err != nil {
 			return ev, false, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("read pod %s addresses from prevResult: %v", ev, err), "")
 		}
 	}
@@ -245,18 +245,22 @@ func parseCNIArgs(s string) map[string]string {
 	return out
 }
 
-// podIPs returns the addresses the previous plugins gave the pod: those on an
-// interface inside the sandbox, or with no interface named. Addresses on
-// host-side interfaces (a bridge gateway, a ptp host end) are not the pod's.
-func podIPs(prev types.Result) ([]netip.Prefix, error) {
+// podIPs returns the addresses the previous plugins gave the pod: those on
+// its interface ifName (CNI_IFNAME) inside the sandbox, or with no interface
+// named. Addresses on host-side interfaces (a bridge gateway, a ptp host
+// end) are not the pod's, and those of another interface in the sandbox (a
+// second network) are not on the interface the agent enrolls.
+func podIPs(prev types.Result, ifName string) ([]netip.Prefix, error) {
 	res, err := types100.NewResultFromResult(prev)
 	if err != nil {
 		return nil, err
 	}
 	var out []netip.Prefix
 	for _, ipc := range res.IPs {
-		if i := ipc.Interface; i != nil && *i >= 0 && *i < len(res.Interfaces) && res.Interfaces[*i].Sandbox == "" {
-			continue
+		if i := ipc.Interface; i != nil && *i >= 0 && *i < len(res.Interfaces) {
+			if iface := res.Interfaces[*i]; iface.Sandbox == "" || (ifName != "" && iface.Name != ifName) {
+				continue
+			}
 		}
 		addr, ok := netip.AddrFromSlice(ipc.Address.IP)
 		if !ok {

@@ -326,3 +326,29 @@ func TestParseCNIArgs(t *testing.T) {
 		t.Errorf("parseCNIArgs = %v, want %v", got, want)
 	}
 }
+
+// TestPodIPsOnlyOfItsInterface: with several interfaces in the sandbox (a
+// chain that adds a second network), only the addresses of the interface
+// the runtime named (CNI_IFNAME) are the pod's: the agent enrolls them on
+// that interface, where another interface's address is not (seen failing:
+// net1's address was reported, and every ADD of the pod failed). Addresses
+// without an interface, and of the named one, are kept.
+func TestPodIPsOnlyOfItsInterface(t *testing.T) {
+	prev := `{"cniVersion":"1.0.0",
+		"interfaces":[{"name":"cni0"},{"name":"eth0","sandbox":"` + podNetNS + `"},{"name":"net1","sandbox":"` + podNetNS + `"}],
+		"ips":[{"interface":0,"address":"10.244.1.1/24"},{"interface":1,"address":"10.244.1.5/24"},{"interface":2,"address":"192.168.50.5/24"},{"address":"fd00::5/64"}]}`
+	e := newEnv(t)
+	agent := &cnitest.Agent{}
+	cnitest.Serve(t, e.sock, agent)
+	if err := e.p.add(e.args(t, "1.0.0", prev, k8sArgs)); err != nil {
+		t.Fatal(err)
+	}
+	evs := agent.Events()
+	if len(evs) != 1 {
+		t.Fatalf("agent got %d events", len(evs))
+	}
+	want := []netip.Prefix{netip.MustParsePrefix("10.244.1.5/24"), netip.MustParsePrefix("fd00::5/64")}
+	if !reflect.DeepEqual(evs[0].IPs, want) {
+		t.Errorf("addresses sent: %v, want %v (eth0's and the unattributed one)", evs[0].IPs, want)
+	}
+}

@@ -317,6 +317,14 @@ func runAgent(ctx context.Context, args []string) error {
 	defer agent.Close()
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, agent.HandleCNI, log)
+		reg.MustRegister(
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_open_connections", Help: "Connections open on the CNI event socket."},
+				func() float64 { return float64(srv.Stats().Open) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "redirector_cni_refused_peers_total", Help: "Connections to the CNI event socket closed unread: the peer was neither root nor the agent's user."},
+				func() float64 { return float64(srv.Stats().RefusedPeers) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "redirector_cni_waited_connections_total", Help: "Connections to the CNI event socket that waited for a slot (at most 512 open)."},
+				func() float64 { return float64(srv.Stats().Waited) }),
+		)
 		go func() {
 			if err := srv.Serve(ctx); err != nil {
 				log.Error("CNI event server stopped", "socket", cfg.cniSocket, "error", err)

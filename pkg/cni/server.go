@@ -13,6 +13,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // maxEventBytes bounds a request body; a real event is a few hundred bytes.
@@ -44,6 +46,49 @@ type Server struct {
 	log    *slog.Logger
 	ready  chan struct{}
 	once   sync.Once
+
+	// readTimeout bounds reading one request, body included; maxConns
+	// the connections open at once (see the defaults).
+	readTimeout time.Duration
+	maxConns    int
+
+	statsMu sync.Mutex
+	stats   ServerStats
+}
+
+// Bounds of the server. A real event is a few hundred bytes sent at once;
+// the plugin waits for the answer up to DefaultNotifyTimeout, which bounds
+// how long an honest connection stays open. The connection bound is above
+// any node's pod count (each ADD of a starting pod holds one); connections
+// past it wait in the socket's backlog, and their plugins time out and are
+// retried by the runtime if none frees.
+const (
+	DefaultReadTimeout = 10 * time.Second
+	DefaultMaxConns    = 512
+)
+
+// ServerStats are counts of what the server refused or held back.
+type ServerStats struct {
+	// Open is the number of connections open now.
+	Open uint64
+	// RefusedPeers counts connections closed unread because the peer was
+	// neither root nor the agent's own user (SO_PEERCRED).
+	RefusedPeers uint64
+	// Waited counts connections that waited for a slot (DefaultMaxConns).
+	Waited uint64
+}
+
+// Stats returns the server's counts.
+func (s *Server) Stats() ServerStats {
+	s.statsMu.Lock()
+	defer s.statsMu.Unlock()
+	return s.stats
+}
+
+func (s *Server) count(f func(*ServerStats)) {
+	s.statsMu.Lock()
+	defer s.statsMu.Unlock()
+	f(&s.stats)
 }
 
 // NewServer prepares a server on socketPath (DefaultSocketPath if empty);
@@ -55,7 +100,8 @@ func NewServer(socketPath string, handle Handler, log *slog.Logger) *Server {
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Server{path: socketPath, handle: handle, log: log, ready: make(chan struct{})}
+	return &Server{path: socketPath, handle: handle, log: log, ready: make(chan struct{}),
+		readTimeout: DefaultReadTimeout, maxConns: DefaultMaxConns}
 }
 
 // Path is the socket the server listens on.
@@ -76,12 +122,17 @@ func (s *Server) Serve(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	l = &guardedListener{Listener: l, s: s, slots: make(chan struct{}, s.maxConns), closed: make(chan struct{})}
 	srv := &http.Server{
-		Handler:           http.HandlerFunc(s.serveEvent),
-		ReadHeaderTimeout: 10 * time.Second,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
-		ErrorLog:          slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		Handler: http.HandlerFunc(s.serveEvent),
+		// The whole request, not only its headers: a client that stalls
+		// in the body must not hold its connection for ever.
+		ReadTimeout: s.readTimeout,
+		BaseContext: func(net.Listener) context.Context { return ctx },
+		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
 	}
+	// One event per connection, as the plugin sends: no idle connections.
+	srv.SetKeepAlivesEnabled(false)
 	s.once.Do(func() { close(s.ready) })
 	s.log.InfoContext(ctx, "CNI event server listening", "socket", s.path)
 
@@ -105,6 +156,93 @@ func (s *Server) Serve(ctx context.Context) error {
 		_ = os.Remove(s.path)
 	}
 	return nil
+}
+
+// guardedListener admits only connections from root or the agent's own
+// user, at most cap(slots) at once. The socket's mode says the same, but is
+// set after bind (a connection made in between stays open) and cannot
+// speak for a directory mounted with other modes: enrolling a pod means
+// entering a namespace the event names.
+type guardedListener struct {
+	net.Listener
+	s         *Server
+	slots     chan struct{}
+	closed    chan struct{}
+	closeOnce sync.Once
+}
+
+func (l *guardedListener) Accept() (net.Conn, error) {
+	for {
+		select {
+		case l.slots <- struct{}{}:
+		default:
+			l.s.count(func(st *ServerStats) { st.Waited++ })
+			select {
+			case l.slots <- struct{}{}:
+			case <-l.closed:
+				return nil, net.ErrClosed
+			}
+		}
+		c, err := l.Listener.Accept()
+		if err != nil {
+			<-l.slots
+			return nil, err
+		}
+		uid, err := peerUID(c)
+		if err != nil || (uid != 0 && uid != uint32(os.Geteuid())) {
+			c.Close()
+			<-l.slots
+			l.s.count(func(st *ServerStats) { st.RefusedPeers++ })
+			l.s.log.Warn("CNI socket: connection refused: only root or the agent's user may send pod events", "peer_uid", uid, "error", err)
+			continue
+		}
+		l.s.count(func(st *ServerStats) { st.Open++ })
+		return &slotConn{Conn: c, release: func() {
+			<-l.slots
+			l.s.count(func(st *ServerStats) { st.Open-- })
+		}}, nil
+	}
+}
+
+func (l *guardedListener) Close() error {
+	l.closeOnce.Do(func() { close(l.closed) })
+	return l.Listener.Close()
+}
+
+// peerUID is the user of the process at the other end of c (SO_PEERCRED).
+func peerUID(c net.Conn) (uint32, error) {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return 0, fmt.Errorf("not a unix socket connection: %T", c)
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if cerr != nil {
+		return 0, fmt.Errorf("SO_PEERCRED: %w", cerr)
+	}
+	return cred.Uid, nil
+}
+
+// slotConn gives its slot back once, when closed.
+type slotConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *slotConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
 }
 
 func inodeOf(fi os.FileInfo) uint64 {

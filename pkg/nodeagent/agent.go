@@ -261,7 +261,8 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	if !a.yielded {
 		a.writeHint(s) // the node's, written by the agent holding it
 	}
-	ws, refused := a.claimAddrs(withCNIAddrs(s.Workloads, a.cniPods))
+	a.pruneCNIPods()
+	ws, refused := a.claimAddrs(withCNIAddrs(s.Workloads, a.withAttachedPending(s.Workloads)))
 	a.refused = refused
 	for _, w := range ws {
 		if err := refused[w.Key()]; err != nil {

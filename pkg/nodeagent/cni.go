@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net/netip"
 	"path/filepath"
 	"slices"
@@ -20,9 +21,18 @@ import (
 // namespace it lives in and the addresses the primary CNI gave it. At ADD
 // time the API does not know the addresses yet.
 type cniPod struct {
-	uid   string
+	uid string
+	// container is the sandbox's id (CNI_CONTAINERID): only its own DEL
+	// drops the report.
+	container string
 	netns string // as the agent opens it (see netns.HostPath)
+	ino   uint64 // the namespace's inode when the ADD came
 	addrs []netip.Addr
+	// deleted marks the sandbox's own DEL: its report no longer counts,
+	// and what the loader recorded for the pod must not stand in for it
+	// (withAttachedPending) while the namespace still exists. It goes
+	// with the namespace (pruneCNIPods).
+	deleted bool
 }
 
 // cniWait bounds how long an ADD waits for the source to know the pod.
@@ -35,18 +45,40 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 	key := ev.PodNamespace + "/" + ev.PodName
 	switch ev.Command {
 	case cni.CommandDel:
+		// Only the reported sandbox's own DEL drops its report. Runtimes
+		// repeat DEL for a sandbox they tear down or collect late, after
+		// the pod's next sandbox (or the next pod of the name) was added:
+		// dropping the newer report would send a pod whose source knows no
+		// address yet back to pending, and detach it.
 		a.mu.Lock()
-		delete(a.cniPods, key)
+		rec, ok := a.cniPods[key]
+		stale := ok && (rec.container != ev.ContainerID || (rec.uid != "" && ev.PodUID != "" && rec.uid != ev.PodUID))
+		if ok && !stale {
+			a.cniPods[key] = cniPod{uid: rec.uid, container: rec.container, netns: rec.netns, ino: rec.ino, deleted: true}
+		}
 		a.mu.Unlock()
+		if stale {
+			a.log.InfoContext(ctx, "CNI DEL of an earlier sandbox ignored: the pod's current sandbox stays",
+				"pod", key, "container", ev.ContainerID, "uid", ev.PodUID, "current_container", rec.container, "current_uid", rec.uid)
+			return cni.Response{Reason: "an earlier sandbox of the pod; the current one (container " + rec.container + ") stays"}, nil
+		}
 		a.applyLatest(ctx, false)
 		return cni.Response{}, nil
-	case cni.CommandAdd:
+	case cni.CommandAdd, cni.CommandCheck:
+		path := netns.HostPath(a.cfg.ProcDir, ev.NetNS)
+		ino, err := a.checkCNINetNS(ev, path)
+		if err != nil {
+			return cni.Response{}, err
+		}
+		if ev.Command == cni.CommandCheck {
+			break
+		}
 		var addrs []netip.Addr
 		for _, p := range ev.IPs {
 			addrs = append(addrs, p.Addr().Unmap())
 		}
 		a.mu.Lock()
-		a.cniPods[key] = cniPod{uid: ev.PodUID, netns: netns.HostPath(a.cfg.ProcDir, ev.NetNS), addrs: addrs}
+		a.cniPods[key] = cniPod{uid: ev.PodUID, container: ev.ContainerID, netns: path, ino: ino, addrs: addrs}
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)
@@ -67,6 +99,14 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// Selected, but its address is another pod's: it must not
 			// start unmeshed, so the runtime retries.
 			return cni.Response{}, refused
+		case known && !w.Enrolled && w.Pending != "":
+			// Selected, but the plugin gave no address it can be enrolled
+			// with: it must not start unmeshed, so the runtime retries.
+			why := "the CNI result (prevResult) carries no address for the pod's interface"
+			if len(ev.IPs) > 0 {
+				why = w.Reason
+			}
+			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but cannot be enrolled: %s; refusing to start it unmeshed", key, w.Pending, why)
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
@@ -89,6 +129,56 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// checkCNINetNS says whether path, the namespace ev names (as the agent
+// opens it), can be the pod's, and returns its inode. The plugin's word is
+// not enough: a path that leads to the host's namespace, or to one another
+// pod is attached in or was reported in, would mesh the node or give this
+// pod's identity to the other pod's traffic. Such an event is refused with
+// an error naming the path, before anything is recorded or entered.
+func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
+	key := ev.PodNamespace + "/" + ev.PodName
+	ino, err := netns.CheckPodPath(path, a.cfg.ProcDir)
+	if err != nil {
+		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: %w", key, ev.NetNS, err)
+	}
+	other := func(namespace, name, uid string) bool {
+		return namespace+"/"+name != key || (uid != "" && ev.PodUID != "" && uid != ev.PodUID)
+	}
+	owner := ""
+	if a.cfg.Loader != nil {
+		if pods, err := a.cfg.Loader.Pods(); err == nil {
+			for _, p := range pods {
+				if !other(p.Meta.Namespace, p.Meta.Name, p.Meta.UID) {
+					continue
+				}
+				// Only while the other pod's path still names this
+				// namespace: a freed namespace's inode number is reused.
+				if cur, err := netns.Inode(p.Meta.NetNS); err == nil && cur == ino {
+					owner = p.Meta.Namespace + "/" + p.Meta.Name
+					break
+				}
+			}
+		}
+	}
+	if owner == "" {
+		a.mu.Lock()
+		for k, rec := range a.cniPods {
+			ns, name, _ := strings.Cut(k, "/")
+			if rec.ino == ino && !rec.deleted && other(ns, name, rec.uid) {
+				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
+					owner = k
+					break
+				}
+			}
+		}
+		a.mu.Unlock()
+	}
+	if owner != "" {
+		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: it is the network namespace of pod %s: %w", key, ev.NetNS, owner, netns.ErrNotPodNetNS)
+	}
+	return ino, nil
 }
 
 // refusedErr is why the local pod w, selected, is refused (claimAddrs), or
@@ -121,7 +211,8 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 		c.Addrs, c.Enrolled, c.Reason, c.Pending = rec.addrs, true, w.Pending, ""
 		for _, a := range rec.addrs {
 			if err := selection.CheckPodAddr(a); err != nil {
-				c.Addrs, c.Enrolled, c.Reason = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err)
+				// Still pending: selected, and refused at its ADD.
+				c.Addrs, c.Enrolled, c.Reason, c.Pending = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err), w.Pending
 				break
 			}
 		}
@@ -130,10 +221,60 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 	return out
 }
 
+// withAttachedPending returns the CNI reports, completed with what the
+// loader recorded for this node's pods that are attached while their
+// source knows no address yet and that no report covers. Reports live in
+// this process only: after a restart, a pod enrolled at its ADD by the
+// previous process would otherwise go back to pending and be detached,
+// sending a pod answered "enrolled" in plaintext until its source learns
+// the address. Callers hold a.mu.
+func (a *Agent) withAttachedPending(ws []*workload.Workload) map[string]cniPod {
+	if a.cfg.Loader == nil {
+		return a.cniPods
+	}
+	out, cloned := a.cniPods, false
+	for _, w := range ws {
+		if w.Node != a.cfg.Node || w.Pending == "" {
+			continue
+		}
+		key := w.Namespace + "/" + w.Name
+		if rec, ok := a.cniPods[key]; ok && (rec.uid == "" || w.UID == "" || rec.uid == w.UID) {
+			continue
+		}
+		st, attached, err := a.cfg.Loader.PodState(w.Key())
+		if err != nil || !attached || len(st.Meta.Addrs) == 0 {
+			continue
+		}
+		if _, err := netns.CheckPodPath(st.Meta.NetNS, a.cfg.ProcDir); err != nil {
+			continue // the sandbox is gone: the pod is detached
+		}
+		if !cloned {
+			out, cloned = maps.Clone(a.cniPods), true
+			if out == nil {
+				out = map[string]cniPod{}
+			}
+		}
+		out[key] = cniPod{uid: w.UID, netns: st.Meta.NetNS, addrs: slices.Clone(st.Meta.Addrs)}
+	}
+	return out
+}
+
+// pruneCNIPods drops the reports (and DEL marks) whose namespace is gone:
+// the sandbox was destroyed, so they say nothing any more. Reports of pods
+// the source never delivered would otherwise stay for ever. Callers hold
+// a.mu.
+func (a *Agent) pruneCNIPods() {
+	for k, rec := range a.cniPods {
+		if cur, err := netns.Inode(rec.netns); err != nil || (rec.ino != 0 && cur != rec.ino) {
+			delete(a.cniPods, k)
+		}
+	}
+}
+
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.
 func (a *Agent) cniNetNS(w *workload.Workload) string {
 	rec, ok := a.cniPods[w.Namespace+"/"+w.Name]
-	if !ok || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
+	if !ok || rec.deleted || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
 		return ""
 	}
 	return rec.netns

@@ -210,6 +210,10 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 // right and this process attached it in the namespace its path names),
 // attaches it (in place when isAttached), adding what it did to the result.
 func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, kernelOK bool, add func(func(*Result))) {
+	if err := notPodNetNS(p.NetNS); err != nil {
+		add(func(res *Result) { res.Errors = append(res.Errors, fmt.Errorf("pod %s: %w", p, err)) })
+		return
+	}
 	if err := r.server.ServePod(ctx, p.UID, p.NetNS, p.Addrs); err != nil {
 		add(func(res *Result) {
 			res.Errors = append(res.Errors, fmt.Errorf("pod %s: open tunnel listeners: %w", p, err))
@@ -527,6 +531,11 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 				// deleted): the reconciler lets it go.
 				continue
 			}
+			if err := notPodNetNS(meta.NetNS); err != nil {
+				errs++
+				r.log.ErrorContext(ctx, "not re-attaching pod", "pod", meta.Namespace+"/"+meta.Name, "error", err)
+				continue
+			}
 			p := loader.Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
 				Interface: meta.Interface, Addrs: meta.Addrs, CaptureInbound: meta.Settings.CaptureInbound}
 			if _, err := r.loader.AttachPod(ctx, p); err != nil {
@@ -575,6 +584,17 @@ func findNetNS(scan map[netip.Addr]string, addrs []netip.Addr) string {
 		}
 	}
 	return ""
+}
+
+// notPodNetNS is the reason path cannot be a pod's namespace (the agent's
+// own, say: a path that was a pod's may have been replaced), or nil. Other
+// errors (a namespace that is gone) are left to the attach, which reports
+// them as before.
+func notPodNetNS(path string) error {
+	if _, err := netns.CheckPodPath(path, ""); errors.Is(err, netns.ErrNotPodNetNS) {
+		return err
+	}
+	return nil
 }
 
 func pathExists(p string) bool {

@@ -1,0 +1,59 @@
+package netns
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrNotPodNetNS marks a path that cannot be a pod's network namespace.
+var ErrNotPodNetNS = errors.New("not a pod's network namespace")
+
+// CheckPodPath says whether path can name a pod's network namespace, and
+// returns the namespace's inode. Whoever reports a path (the CNI plugin, a
+// runtime) is not trusted to name a pod's: the agent enters the namespace,
+// attaches programs, changes sysctls and opens listeners there, so a path
+// that leads to the agent's own namespace (the host's: /proc/self/ns/net,
+// /proc/thread-self/..., a symlink or bind mount of either) or to pid 1's
+// under procDir (the host's /proc, default /proc) would mesh the node
+// itself. The path must be absolute and clean, and name an nsfs file.
+// Errors wrap ErrNotPodNetNS and name the path.
+func CheckPodPath(path, procDir string) (uint64, error) {
+	if path == "" || !filepath.IsAbs(path) || filepath.Clean(path) != path {
+		return 0, fmt.Errorf("network namespace path %q: must be absolute and clean: %w", path, ErrNotPodNetNS)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, fmt.Errorf("network namespace %s: %w", path, err)
+	}
+	defer f.Close()
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &fs); err != nil {
+		return 0, fmt.Errorf("network namespace %s: %w", path, err)
+	}
+	if fs.Type != unix.NSFS_MAGIC {
+		return 0, fmt.Errorf("network namespace %s: not a namespace file (filesystem %#x): %w", path, fs.Type, ErrNotPodNetNS)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, fmt.Errorf("network namespace %s: %w", path, err)
+	}
+	// A mount or user namespace file is nsfs too; setns(CLONE_NEWNET)
+	// would refuse it, but say so now.
+	if t, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_NSTYPE); err == nil && t != unix.CLONE_NEWNET {
+		return 0, fmt.Errorf("network namespace %s: a namespace of another kind: %w", path, ErrNotPodNetNS)
+	}
+	for _, host := range []struct{ path, what string }{
+		{"/proc/self/ns/net", "the agent's own network namespace"},
+		{filepath.Join(cmp.Or(procDir, "/proc"), "1", "ns", "net"), "the host's network namespace (pid 1's)"},
+	} {
+		if ino, err := Inode(host.path); err == nil && ino == st.Ino {
+			return 0, fmt.Errorf("network namespace %s is %s: %w", path, host.what, ErrNotPodNetNS)
+		}
+	}
+	return st.Ino, nil
+}

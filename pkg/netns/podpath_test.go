@@ -1,0 +1,56 @@
+package netns
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestCheckPodPath: only an absolute, clean path to a network namespace
+// other than the agent's and pid 1's passes, and its inode is returned;
+// every refusal names the path.
+func TestCheckPodPath(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	pod := testNS(t, fmt.Sprintf("rdpp%04x", rand.IntN(0xffff)), "10.213.0.2/24")
+	ino, err := CheckPodPath(pod, "")
+	if want, _ := Inode(pod); err != nil || ino != want {
+		t.Fatalf("CheckPodPath(%s) = %d, %v; want %d", pod, ino, err, want)
+	}
+	dir := t.TempDir()
+	plain := filepath.Join(dir, "plain")
+	if err := os.WriteFile(plain, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	self := filepath.Join(dir, "self")
+	if err := os.Symlink("/proc/self/ns/net", self); err != nil {
+		t.Fatal(err)
+	}
+	paths := []string{
+		"/proc/self/ns/net", "/proc/thread-self/ns/net", self,
+		"/proc/self/ns/mnt", // a namespace, not a network one
+		plain,               // not a namespace
+		"var/run/netns/x",   // relative
+		"/var/run/netns/../netns/" + filepath.Base(pod), // not clean
+	}
+	if _, err := Inode("/proc/1/ns/net"); err == nil {
+		paths = append(paths, "/proc/1/ns/net") // not readable in some containers
+	}
+	for _, path := range paths {
+		if _, err := CheckPodPath(path, ""); !errors.Is(err, ErrNotPodNetNS) {
+			t.Errorf("CheckPodPath(%q) = %v; want ErrNotPodNetNS", path, err)
+		} else if !containsStr(err.Error(), path) {
+			t.Errorf("CheckPodPath(%q): error %q does not name the path", path, err)
+		}
+	}
+	if _, err := CheckPodPath(filepath.Join(dir, "missing"), ""); err == nil {
+		t.Errorf("a missing path passed")
+	}
+}
+
+func containsStr(s, sub string) bool { return strings.Contains(s, sub) }

@@ -1,0 +1,287 @@
+package nodeagent
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// inOwnNetNS re-runs the calling test in a network namespace of its own
+// (unshare --net) and reports whether this is that run. Tests that hand the
+// agent its own namespace use it, so that nothing an unfixed agent does
+// there (listeners, sysctls, programs) reaches the machine's.
+func inOwnNetNS(t *testing.T) bool {
+	t.Helper()
+	const env = "REDIRECTOR_TEST_OWN_NETNS"
+	if os.Getenv(env) == t.Name() {
+		return true
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	cmd := exec.Command("unshare", "--net", os.Args[0], "-test.run=^"+t.Name()+"$", "-test.v", "-test.count=1")
+	cmd.Env = append(os.Environ(), env+"="+t.Name())
+	out, err := cmd.CombinedOutput()
+	t.Logf("in a network namespace of its own:\n%s", out)
+	if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
+		t.Fatalf("the run in its own network namespace failed: %v", err)
+	}
+	return false
+}
+
+func pendingPod(name, uid string) *workload.Workload {
+	return &workload.Workload{Name: name, Namespace: "shop", UID: uid, ServiceAccount: "default", Node: "node1",
+		Pending: "namespace label istio.io/dataplane-mode=ambient", Reason: "pod has no IP yet"}
+}
+
+// TestCNIRefusesAgentNamespace: an ADD naming the agent's own network
+// namespace (the host's: /proc/self/ns/net, or a symlink to it), with an
+// address that is on the host's eth0, is refused at once with an error that
+// names the path, and nothing is attached or served there (seen failing:
+// the agent attached its programs to the host's eth0, turned rp_filter off
+// and opened its listeners in the host namespace, and answered "enrolled").
+func TestCNIRefusesAgentNamespace(t *testing.T) {
+	if !inOwnNetNS(t) {
+		return
+	}
+	// This namespace stands in for the host's: an eth0 with an address.
+	for _, args := range [][]string{
+		{"link", "set", "lo", "up"},
+		{"link", "add", "eth0", "type", "veth", "peer", "name", "eth1"},
+		{"link", "set", "eth1", "up"},
+		{"addr", "add", "10.199.0.5/24", "dev", "eth0"},
+		{"link", "set", "eth0", "up"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	link := filepath.Join(t.TempDir(), "netns-link")
+	if err := os.Symlink("/proc/self/ns/net", link); err != nil {
+		t.Fatal(err)
+	}
+	a, ld, tun, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	for _, path := range []string{"/proc/self/ns/net", "/proc/thread-self/ns/net", link} {
+		start := time.Now()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p",
+			ContainerID: "c1", NetNS: path, IPs: []netip.Prefix{netip.MustParsePrefix("10.199.0.5/24")}})
+		t.Logf("ADD %s: %+v, %v (%s)", path, resp, err, time.Since(start))
+		if err == nil || resp.Enrolled {
+			t.Errorf("ADD naming the agent's own namespace %s: %+v, %v; want refused", path, resp, err)
+		} else if !strings.Contains(err.Error(), path) {
+			t.Errorf("ADD naming %s: error %q does not name the path", path, err)
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Errorf("ADD naming %s took %s to be refused", path, time.Since(start))
+		}
+		if _, attached, _ := ld.PodState("uid-p"); attached {
+			t.Errorf("after ADD naming %s the pod is attached in the agent's namespace", path)
+		}
+		if served := tun.ServedPods(); len(served) > 0 {
+			t.Errorf("after ADD naming %s the tunnel serves %v in the agent's namespace", path, served)
+		}
+	}
+}
+
+// TestCNIRefusesAnotherPodsNamespace: an ADD for pod a naming the network
+// namespace (and addresses) of pod b, which the plugin reported before and
+// which is not in the mesh, is refused with an error naming b: a would be
+// attached there and b's traffic would leave with a's identity (seen
+// failing: a was enrolled in b's namespace). The same holds when b is
+// attached, whatever the addresses.
+func TestCNIRefusesAnotherPodsNamespace(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsB, nsC := tp.Nodes[0].AddPod("b"), tp.Nodes[0].AddPod("c")
+	a, ld, _, _ := testAgent(t)
+	b := &workload.Workload{Name: "b", Namespace: "other", UID: "uid-b", ServiceAccount: "default", Node: "node1", Addrs: nsB.Addrs(), Reason: "namespace not ambient"}
+	c := &workload.Workload{Name: "c", Namespace: "shop", UID: "uid-c", ServiceAccount: "default", Node: "node1", Addrs: nsC.Addrs(), Enrolled: true, Reason: "ambient"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("a", "uid-a"), b, c}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	prefixes := func(addrs []netip.Addr) (out []netip.Prefix) {
+		for _, ad := range addrs {
+			out = append(out, netip.PrefixFrom(ad, ad.BitLen()))
+		}
+		return out
+	}
+	// b's sandbox is reported (not in the mesh), c's is enrolled.
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "b", PodNamespace: "other", PodUID: "uid-b", ContainerID: "cb", NetNS: nsB.Path(), IPs: prefixes(nsB.Addrs())}); err != nil || resp.Enrolled {
+		t.Fatalf("ADD b: %+v, %v", resp, err)
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "c", PodNamespace: "shop", PodUID: "uid-c", ContainerID: "cc", NetNS: nsC.Path(), IPs: prefixes(nsC.Addrs())}); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD c: %+v, %v", resp, err)
+	}
+	for _, tc := range []struct {
+		owner string
+		ns    *netnstest.Pod
+	}{{"other/b", nsB}, {"shop/c", nsC}} {
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", ContainerID: "ca", NetNS: tc.ns.Path(), IPs: prefixes(tc.ns.Addrs())})
+		t.Logf("ADD a in %s's namespace: %+v, %v", tc.owner, resp, err)
+		if err == nil || resp.Enrolled {
+			t.Errorf("ADD a naming %s's namespace: %+v, %v; want refused", tc.owner, resp, err)
+		} else if !strings.Contains(err.Error(), tc.owner) || !strings.Contains(err.Error(), tc.ns.Path()) {
+			t.Errorf("ADD a naming %s's namespace: error %q does not name the pod and the path", tc.owner, err)
+		}
+		if _, attached, _ := ld.PodState("uid-a"); attached {
+			t.Errorf("pod a is attached in %s's namespace", tc.owner)
+		}
+	}
+}
+
+// TestCNIStaleDelKeepsSandbox: a DEL for an earlier sandbox of the pod
+// (another container id: the runtime repeats DEL for a sandbox it tears
+// down or garbage-collects late), or for an earlier pod of the same name
+// (another uid), arriving after the ADD of the current sandbox, does not
+// unenroll the current one while its source knows no address yet (seen
+// failing: the DEL dropped the current sandbox's report, the pod went back
+// to pending and was detached, so a pod answered "enrolled" ran in
+// plaintext). The current sandbox's own DEL still lets it go.
+func TestCNIStaleDelKeepsSandbox(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	ev := cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: sandbox.Path(), IPs: ips}
+	if resp, err := a.HandleCNI(ctx, ev); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	attached := func() bool {
+		// Let the workers act on what the DEL changed.
+		deadline := time.Now().Add(2 * time.Second)
+		for time.Now().Before(deadline) {
+			if a.queue.Len() == 0 {
+				time.Sleep(100 * time.Millisecond)
+				if a.queue.Len() == 0 {
+					break
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		_, ok, _ := ld.PodState("uid-p")
+		return ok
+	}
+	for _, stale := range []cni.PodEvent{
+		{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1"},
+		{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-old", ContainerID: "c2"},
+	} {
+		if _, err := a.HandleCNI(ctx, stale); err != nil {
+			t.Fatalf("DEL %+v: %v", stale, err)
+		}
+		if !attached() {
+			t.Fatalf("a DEL of container %s, uid %s unenrolled the current sandbox (container c2, uid uid-p)", stale.ContainerID, stale.PodUID)
+		}
+	}
+	if _, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: sandbox.Path()}); err != nil {
+		t.Fatal(err)
+	}
+	if attached() {
+		t.Errorf("the current sandbox's own DEL left the pending pod attached")
+	}
+}
+
+// TestCNIAddWithoutUsableAddressFails: a pod the rules select, whose source
+// knows no address yet, fails its ADD when the CNI result carries no
+// address for it, or none that can be a pod's (link-local, loopback): it
+// cannot be enrolled, and it must not start unmeshed (seen failing: the ADD
+// was answered "not enrolled" and the runtime started the pod in
+// plaintext). The error says what was wrong.
+func TestCNIAddWithoutUsableAddressFails(t *testing.T) {
+	a, _, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// Any existing namespace passes the path check; nothing is attached.
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	for _, tc := range []struct {
+		ips  []netip.Prefix
+		want string
+	}{
+		{nil, "no address"},
+		{[]netip.Prefix{netip.MustParsePrefix("fe80::1/64")}, "link-local"},
+		{[]netip.Prefix{netip.MustParsePrefix("127.0.0.5/8")}, "loopback"},
+	} {
+		start := time.Now()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IPs: tc.ips})
+		t.Logf("ADD with %v: %+v, %v", tc.ips, resp, err)
+		if err == nil {
+			t.Errorf("ADD of a selected pod with addresses %v succeeded (%+v): it would start unmeshed", tc.ips, resp)
+		} else if !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ADD with %v: error %q does not say %q", tc.ips, err, tc.want)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("ADD with %v took %s to fail", tc.ips, d)
+		}
+	}
+}
+
+// TestRestartKeepsPendingAttachedPod: an agent that starts while a pod it
+// enrolled at its ADD is still unaddressed in its source (the API learns
+// a pod's address only after the sandbox is up) keeps the pod attached:
+// the plugin's report died with the previous process, but what the loader
+// recorded at attach says the same (seen failing: the first full pass
+// detached the pod, which had been answered enrolled, and it ran in
+// plaintext until its source learnt the address).
+func TestRestartKeepsPendingAttachedPod(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, rec := testAgent(t)
+	ctx := context.Background()
+	// The previous process attached it at the pod's ADD.
+	if res := rec.Reconcile(ctx, []loader.Pod{{UID: "uid-p", Namespace: "shop", Name: "p", NetNS: sandbox.Path(), Addrs: sandbox.Addrs(), CaptureInbound: true}}, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	// This process starts: its source still has the pod pending.
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	a.applyLatest(ctx, true)
+	for a.queue.Len() > 0 {
+		a.processNext(ctx)
+	}
+	if _, attached, _ := ld.PodState("uid-p"); !attached {
+		t.Fatalf("the restarted agent detached a pod it had enrolled whose source knows no address yet")
+	}
+	if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled {
+		t.Errorf("the directory has the pod as %+v, want enrolled with its attached addresses", w)
+	}
+	// A pod that left is still detached: its workload is gone.
+	a.setSnapshot(source.Snapshot{})
+	a.applyLatest(ctx, true)
+	if _, attached, _ := ld.PodState("uid-p"); attached {
+		t.Errorf("a pod that left stayed attached")
+	}
+}
