@@ -111,10 +111,16 @@ func TestManagerChecksEveryAnswer(t *testing.T) {
 			return mint(t, ca, ID{TrustDomain: "other.local", Namespace: "shop", ServiceAccount: "web"}, nil)
 		}, ReasonWrongIdentity},
 		"not yet valid": {func(t *testing.T) *tls.Certificate {
-			return mint(t, ca, idWeb, func(c *x509.Certificate) { c.NotBefore = time.Now().Add(time.Hour); c.NotAfter = time.Now().Add(2 * time.Hour) })
+			return mint(t, ca, idWeb, func(c *x509.Certificate) {
+				c.NotBefore = time.Now().Add(time.Hour)
+				c.NotAfter = time.Now().Add(2 * time.Hour)
+			})
 		}, ReasonUntrustedChain},
 		"expired": {func(t *testing.T) *tls.Certificate {
-			return mint(t, ca, idWeb, func(c *x509.Certificate) { c.NotBefore = time.Now().Add(-2 * time.Hour); c.NotAfter = time.Now().Add(-time.Hour) })
+			return mint(t, ca, idWeb, func(c *x509.Certificate) {
+				c.NotBefore = time.Now().Add(-2 * time.Hour)
+				c.NotAfter = time.Now().Add(-time.Hour)
+			})
 		}, ReasonUntrustedChain},
 	} {
 		t.Run(name, func(t *testing.T) {
