@@ -233,6 +233,7 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer claim.Close()
+	ld.SetClaim(claim)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn

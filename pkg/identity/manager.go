@@ -1,8 +1,10 @@
 package identity
 
 import (
+	"bytes"
 	"cmp"
 	"context"
+	"crypto"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
@@ -26,6 +28,11 @@ const (
 	DefaultBackoffMin     = 500 * time.Millisecond
 	DefaultBackoffMax     = 30 * time.Second
 )
+
+// MaxChainLen bounds the certificates a signer's answer may hold (the leaf
+// and what follows it). A real chain is two to four long; every one is
+// sent in each handshake, so a CA answering with hundreds is refused.
+const MaxChainLen = 8
 
 // Signer issues workload certificates: the file CA signs locally, the istiod
 // client (package istioca) asks istiod. The Manager calls Sign only from its
@@ -363,12 +370,32 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		} else {
 			first := e.cert == nil
 			e.cert, e.lastErr, e.failures = cert, nil, 0
-			e.refreshAt = refreshTime(now, cert.Leaf.NotAfter)
+			// Renewal follows what was granted, but never later than if
+			// the TTL asked for had been granted: a CA granting years does
+			// not keep one key in use for years.
+			until := cert.Leaf.NotAfter
+			if asked := now.Add(m.opts.TTL); asked.Before(until) {
+				until = asked
+			}
+			e.refreshAt = refreshTime(now, until)
 			wait = e.refreshAt.Sub(now)
+			// Granted far less than asked: asking again at half of a few
+			// seconds would hammer the CA in a loop. Not sooner than a
+			// quarter of the TTL asked for, at most BackoffMax, jittered.
+			floor := min(m.opts.BackoffMax, m.opts.TTL/4)
+			short := wait < floor
+			if short {
+				wait = floor/2 + rand.N(floor/2+1)
+				e.refreshAt = now.Add(wait)
+			}
 			m.mu.Unlock()
 			backoff = m.opts.BackoffMin
 			if first {
 				close(e.ready)
+			}
+			if granted := cert.Leaf.NotAfter.Sub(now); short || granted > m.opts.TTL+time.Minute {
+				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
+					"asked", m.opts.TTL, "granted", granted.Round(time.Second), "refresh_in", wait.Round(time.Millisecond))
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", cert.Leaf.NotAfter, "refresh_at", e.refreshAt)
 		}
@@ -419,12 +446,28 @@ func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, error) 
 	return cert, nil
 }
 
-// check refuses a certificate that does not carry exactly id or does not
-// chain to the current roots: whatever a CA returns, this node presents
-// nothing else.
+// check refuses a certificate that does not carry exactly id, is not for
+// the private key returned with it, is not usable both as a client and as
+// a server certificate (a tunnel is both), has an outsized chain, or does
+// not chain to the current roots: whatever a CA returns, this node presents
+// nothing else. The signers check some of this themselves; checking here
+// holds for every signer.
 func (m *Manager) check(id ID, cert *tls.Certificate) error {
 	if cert == nil || cert.Leaf == nil || len(cert.Certificate) == 0 {
 		return &CAError{Reason: ReasonBadResponse, Err: errors.New("signer returned no certificate")}
+	}
+	if n := len(cert.Certificate); n > MaxChainLen {
+		return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("chain of %d certificates, at most %d accepted", n, MaxChainLen)}
+	}
+	if !bytes.Equal(cert.Certificate[0], cert.Leaf.Raw) {
+		return &CAError{Reason: ReasonBadResponse, Err: errors.New("the parsed leaf is not the first certificate of the chain")}
+	}
+	pub, ok := cert.PrivateKey.(interface{ Public() crypto.PublicKey })
+	if !ok {
+		return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("private key of type %T", cert.PrivateKey)}
+	}
+	if eq, ok := pub.Public().(interface{ Equal(crypto.PublicKey) bool }); !ok || !eq.Equal(cert.Leaf.PublicKey) {
+		return &CAError{Reason: ReasonBadResponse, Err: errors.New("leaf is not for the private key it came with")}
 	}
 	got, err := idFromLeaf(cert.Leaf)
 	if err != nil {
@@ -437,7 +480,6 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 		Roots:         m.opts.Trust.Roots(),
 		Intermediates: x509.NewCertPool(),
 		CurrentTime:   m.clock(),
-		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
 	}
 	for _, der := range cert.Certificate[1:] {
 		c, err := x509.ParseCertificate(der)
@@ -446,8 +488,13 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 		}
 		opts.Intermediates.AddCert(c)
 	}
-	if _, err := cert.Leaf.Verify(opts); err != nil {
-		return &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
+	// Each usage on its own: Verify accepts a chain allowing any one of
+	// those listed, and peers check the one their side needs.
+	for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
+		opts.KeyUsages = []x509.ExtKeyUsage{usage}
+		if _, err := cert.Leaf.Verify(opts); err != nil {
+			return &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
+		}
 	}
 	return nil
 }

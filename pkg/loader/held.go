@@ -107,11 +107,22 @@ func linkFDs(lks [2]link.Link) [2]int {
 // link objects), and one stat with pins, so it can run several times a
 // second.
 func (l *Loader) CheckLinks(pins bool) LinkCheck {
+	var res LinkCheck
+	if pins {
+		// Putting a pin back changes the pinned state: not once another
+		// agent holds the node (it may have unpinned the pod on purpose).
+		release, err := l.guard()
+		if err != nil {
+			res.Errors = append(res.Errors, err)
+			pins = false
+		} else {
+			defer release()
+		}
+	}
 	// Under the lock, so that no link is closed while it is looked at; the
 	// pass is a few microseconds per pod.
 	l.linksMu.Lock()
 	defer l.linksMu.Unlock()
-	var res LinkCheck
 	for id, fds := range l.linkFDs {
 		broken := false
 		for i, d := range [2]direction{ingress, egress} {

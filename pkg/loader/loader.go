@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -73,6 +74,9 @@ type Loader struct {
 	links    map[uint32][2]link.Link // held tcx links by pod id (held.go)
 	linkFDs  map[uint32][2]int       // their file descriptors, for CheckLinks
 	linksGen uint64                  // changes whenever links does
+
+	// claim, once set, guards every enrollment change (SetClaim).
+	claim atomic.Pointer[maps.Claim]
 }
 
 // Load loads the programs, creating or reusing the maps pinned under
@@ -112,6 +116,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if len(dropped) > 0 {
 		cfg.Logger.WarnContext(ctx, "counter maps of an older agent replaced, their counts start again", "maps", dropped)
 	}
+	// Whether rd_pods was pinned before this load: if not, loading creates
+	// it empty (see restoreEntries).
+	_, err = os.Lstat(filepath.Join(cfg.PinRoot, maps.PodsName))
+	podsPinned := err == nil
 	var objs bpf.CaptureObjects
 	opts := &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: cfg.PinRoot}}
 	if err := spec.LoadAndAssign(&objs, opts); err != nil {
@@ -144,6 +152,12 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		l.Close()
 		return nil, fmt.Errorf("load host-probe SNAT: %w", err)
 	}
+	if !podsPinned {
+		if err := l.restoreEntries(ctx); err != nil {
+			l.Close()
+			return nil, err
+		}
+	}
 	if err := l.upgradePinnedLinks(ctx); err != nil {
 		l.Close()
 		return nil, err
@@ -170,6 +184,57 @@ func (l *Loader) Close() error {
 		errs = append(errs, l.probes.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// restoreEntries writes the enrollment entries of every pod the metadata
+// map records into an rd_pods that this load had to create (its pin was
+// gone while the pods' links and metadata stayed). It runs before the new
+// programs are swapped into the pinned links: they read the new map, and
+// with it empty they would pass the pods' traffic uncaptured, in plaintext,
+// until the first reconcile wrote the entries again.
+func (l *Loader) restoreEntries(ctx context.Context) error {
+	metas, err := l.maps.ListMeta()
+	if err != nil {
+		return err
+	}
+	n := 0
+	// A pod whose attach never finished is recorded too: enrolled here, it
+	// fails closed until the first reconcile converges it.
+	for _, m := range metas {
+		for _, a := range m.Addrs {
+			if err := l.maps.SetPod(a, m.Settings); err != nil {
+				return fmt.Errorf("restore enrollment entry of pod %s/%s: %w", m.Namespace, m.Name, err)
+			}
+			n++
+		}
+	}
+	if n > 0 {
+		l.log.WarnContext(ctx, "pinned enrollment map was missing: recreated and refilled from the pod metadata", "map", maps.PodsName, "entries", n)
+	}
+	return nil
+}
+
+// SetClaim makes every later enrollment change (AttachPod, DetachPod, a
+// link pin put back) run under c's guard, so that an agent a newer one took
+// the node from changes nothing more (maps.ErrNotHeld). Call it right after
+// claiming, before any change: the pod index is read again from the map,
+// since an older agent may have attached or detached pods between Load and
+// the claim.
+func (l *Loader) SetClaim(c *maps.Claim) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.indexed = false
+	l.claim.Store(c)
+}
+
+// guard holds off a claim by another agent while one enrollment change is
+// made; it fails with maps.ErrNotHeld once another agent holds the node.
+func (l *Loader) guard() (release func(), err error) {
+	c := l.claim.Load()
+	if c == nil {
+		return func() {}, nil
+	}
+	return c.Guard()
 }
 
 // upgradePinnedLinks points every pinned pod link at the programs just

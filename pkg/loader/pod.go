@@ -81,6 +81,11 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	}
 	unlock := l.lockPod(p.UID)
 	defer unlock()
+	release, err := l.guard()
+	if err != nil {
+		return PodState{}, fmt.Errorf("attach pod %s: %w", p, err)
+	}
+	defer release()
 
 	id, old, existed, err := l.reserveID(p.UID)
 	if err != nil {
@@ -407,8 +412,13 @@ func (l *Loader) PodMeta(id uint32) (maps.PodMeta, bool) {
 func (l *Loader) DetachPod(ctx context.Context, uid string) error {
 	unlock := l.lockPod(uid)
 	defer unlock()
+	release, err := l.guard()
+	if err != nil {
+		return fmt.Errorf("detach pod %s: %w", uid, err)
+	}
+	defer release()
 	l.mu.Lock()
-	err := l.loadIndexLocked()
+	err = l.loadIndexLocked()
 	id, ok := l.byUID[uid]
 	meta := l.metas[id]
 	l.mu.Unlock()

@@ -10,6 +10,7 @@ import (
 	"strconv"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 )
 
 // LayoutName is the pinned array of two uint32 beside the maps: the layout
@@ -47,6 +48,11 @@ var ErrLayout = errors.New("incompatible pinned map layout")
 // neither misread the old state nor replace maps the running programs (and
 // the agent still serving, during an overlapping upgrade) use. Maps pinned
 // by an agent from before versioning have layout 1. An empty root passes.
+//
+// It also refuses a partial pin set it cannot take over: pods pinned (an
+// rd_pods map or pod link pins) without the metadata map that says which
+// pod id is whose. Loading would create an empty metadata map and hand out
+// ids the pinned pods still use.
 func CheckLayout(root string) error {
 	want := LayoutVersion()
 	got, pinned, err := readLayout(root)
@@ -54,30 +60,66 @@ func CheckLayout(root string) error {
 		return err
 	}
 	if !pinned {
-		if _, err := os.Stat(filepath.Join(root, PodsName)); err != nil {
+		if !hasState(root) {
 			return nil // a fresh root
 		}
 		got = 1
 	}
-	if got == want {
-		return nil
+	if got != want {
+		return fmt.Errorf("%w: the maps pinned under %s have layout version %d, this agent reads layout %d and does not "+
+			"migrate them. The pods stay redirected by the programs pinned there (fail closed while no agent of layout %d "+
+			"serves them). Either run a release with layout %d on this node, or drain the node, run `redirector uninstall "+
+			"--bpf-root %s` (its pods are not redirected until this agent enrolls them again) and start this agent",
+			ErrLayout, root, got, want, got, got, root)
 	}
-	return fmt.Errorf("%w: the maps pinned under %s have layout version %d, this agent reads layout %d and does not "+
-		"migrate them. The pods stay redirected by the programs pinned there (fail closed while no agent of layout %d "+
-		"serves them). Either run a release with layout %d on this node, or drain the node, run `redirector uninstall "+
-		"--bpf-root %s` (its pods are not redirected until this agent enrolls them again) and start this agent",
-		ErrLayout, root, got, want, got, got, root)
+	if !pinExists(filepath.Join(root, PodMetaName)) && (pinExists(filepath.Join(root, PodsName)) || hasPodPins(root)) {
+		return fmt.Errorf("%w: %s holds pinned pods but no %s, so which pod id is whose is lost. The pods stay redirected "+
+			"by the programs pinned there. Drain the node, run `redirector uninstall --bpf-root %s` and start this agent",
+			ErrLayout, root, PodMetaName, root)
+	}
+	return nil
+}
+
+// stateMaps are the pinned maps that hold enrollment state.
+var stateMaps = []string{PodsName, PodMetaName, PodNetNSName, PodStatsName}
+
+// hasState reports whether any state of an agent is pinned under root: one
+// of its state maps or a pod's pins. A root missing some of them is not
+// fresh.
+func hasState(root string) bool {
+	for _, name := range stateMaps {
+		if pinExists(filepath.Join(root, name)) {
+			return true
+		}
+	}
+	return hasPodPins(root)
+}
+
+// hasPodPins reports whether root/pods holds any pod directory.
+func hasPodPins(root string) bool {
+	ents, err := os.ReadDir(filepath.Join(root, "pods"))
+	return err == nil && len(ents) > 0
+}
+
+func pinExists(path string) bool {
+	_, err := os.Lstat(path)
+	return err == nil
 }
 
 // PinLayout records this build's layout version under root (after the
-// maps were loaded or created there).
+// maps were loaded or created there). A new rd_layout is pinned only once
+// its version is written: an agent that dies in between leaves no pin,
+// rather than one whose zeroed version every later agent would refuse.
 func PinLayout(root string) error {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if errors.Is(err, os.ErrNotExist) {
 		m, err = ebpf.NewMap(&ebpf.MapSpec{Name: LayoutName, Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 2})
 		if err == nil {
-			if err = m.Pin(path); err != nil {
+			if err = m.Put(layoutSlotVersion, LayoutVersion()); err == nil {
+				err = m.Pin(path)
+			}
+			if err != nil {
 				m.Close()
 			}
 		}
@@ -110,20 +152,37 @@ func readLayout(root string) (uint32, bool, error) {
 	if err := m.Lookup(layoutSlotVersion, &v); err != nil {
 		return 0, false, fmt.Errorf("read %s: %w", path, err)
 	}
-	return v, true, nil
+	// Version 0 was never written (an agent died between pinning and
+	// writing it, before PinLayout wrote first): judge the maps as if
+	// unversioned.
+	return v, v != 0, nil
 }
 
 // Claim is an agent's hold on the node's pinned state. Two agents overlap
 // during an upgrade; only the newest may change the enrollment (attach,
-// detach, repair), or the two would race on the same pods. The older one
-// sees Held turn false and only serves the pods it has until it drains.
+// detach, repair), or the two would race on the same pods: each keeps its
+// own index of pod ids, so both could give one id to two pods. The older
+// one sees Held turn false and only serves the pods it has until it drains.
+//
+// Held alone is a check, not a hold: an older agent could read it, lose the
+// node, and still write. So every enrollment change runs under Guard, a
+// shared flock(2) of the pin root, and a claim takes it exclusively: a
+// claim waits for changes under way, and no change starts unclaimed after
+// it. The lock is per open file, so it holds across the agents' mount and
+// PID namespaces (both see the same bpffs directory), and a dead agent's
+// lock goes with its descriptors.
 type Claim struct {
+	root  string
 	m     *ebpf.Map
 	token uint32
 }
 
+// ErrNotHeld is returned by Guard once a newer agent claimed the node.
+var ErrNotHeld = errors.New("a newer agent holds the node")
+
 // ClaimNode makes the caller the agent that holds the node under root (the
-// maps must be loaded there, Load pins rd_layout). Close releases the map.
+// maps must be loaded there, Load pins rd_layout). It waits for changes
+// another agent has under way (see Claim). Close releases the map.
 func ClaimNode(root string) (*Claim, error) {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
@@ -131,7 +190,7 @@ func ClaimNode(root string) (*Claim, error) {
 		return nil, fmt.Errorf("claim the node: open %s: %w", path, err)
 	}
 	var b [4]byte
-	c := &Claim{m: m}
+	c := &Claim{root: root, m: m}
 	for c.token == 0 {
 		if _, err := rand.Read(b[:]); err != nil {
 			m.Close()
@@ -139,6 +198,12 @@ func ClaimNode(root string) (*Claim, error) {
 		}
 		c.token = binary.LittleEndian.Uint32(b[:])
 	}
+	unlock, err := lockRoot(root, unix.LOCK_EX)
+	if err != nil {
+		m.Close()
+		return nil, fmt.Errorf("claim the node: %w", err)
+	}
+	defer unlock()
 	if err := m.Put(layoutSlotOwner, c.token); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("claim the node: write %s: %w", path, err)
@@ -156,5 +221,41 @@ func (c *Claim) Held() bool {
 	return v == c.token
 }
 
+// Guard is taken for one change of the enrollment (an attach, a detach, a
+// link pin put back): it returns ErrNotHeld if a newer agent holds the
+// node, else a release that must be called once the change is done. Guards
+// of one agent do not exclude each other; a claim waits for all of them.
+func (c *Claim) Guard() (release func(), err error) {
+	unlock, err := lockRoot(c.root, unix.LOCK_SH)
+	if err != nil {
+		return nil, err
+	}
+	if !c.Held() {
+		unlock()
+		return nil, fmt.Errorf("%w under %s: it attaches, detaches and repairs the pods now", ErrNotHeld, c.root)
+	}
+	return unlock, nil
+}
+
 // Close releases the map; the claim stays recorded.
 func (c *Claim) Close() error { return c.m.Close() }
+
+// lockRoot takes flock(2) how on the pin root directory; the release closes
+// the descriptor, which drops the lock.
+func lockRoot(root string, how int) (release func(), err error) {
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open pin root %s for locking: %w", root, err)
+	}
+	for {
+		err = unix.Flock(fd, how)
+		if !errors.Is(err, unix.EINTR) {
+			break
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("lock pin root %s: %w", root, err)
+	}
+	return func() { unix.Close(fd) }, nil
+}

@@ -39,6 +39,16 @@ func TestLayoutVersion(t *testing.T) {
 	if err := m.Pin(filepath.Join(root, PodsName)); err != nil {
 		t.Fatal(err)
 	}
+	// Such an agent pinned the metadata map too (a root with pods and no
+	// metadata is refused: TestLayoutPartialPinSet).
+	meta, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer meta.Close()
+	if err := meta.Pin(filepath.Join(root, PodMetaName)); err != nil {
+		t.Fatal(err)
+	}
 	if err := CheckLayout(root); err != nil {
 		t.Fatalf("unversioned maps, this build's layout %d: %v", LayoutVersion(), err)
 	}

@@ -180,16 +180,7 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 		case <-ticker.C:
 			full = true
 		}
-		if a.cfg.Claim != nil && !a.cfg.Claim.Held() && !a.isYielded() {
-			// A successor holds the node: it enrolls and repairs; this agent
-			// keeps its policies current and serves the pods it has until
-			// SIGTERM drains them.
-			a.yield()
-			if a.cfg.OnYield != nil {
-				a.cfg.OnYield()
-			}
-			a.log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
-		}
+		a.checkClaim()
 		if a.applyLatest(ctx, full) && full {
 			a.mu.Lock()
 			a.reconciled = true
@@ -210,16 +201,30 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 	return first
 }
 
-func (a *Agent) yield() {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.yielded = true
+// checkClaim yields once a successor holds the node: it enrolls and
+// repairs; this agent keeps its policies current and serves the pods it has
+// until SIGTERM drains them. It is called before each pass and before each
+// queued pod is worked on, so that a pod queued (or backing off) before the
+// successor claimed is not attached or detached by both; the loader's claim
+// guard refuses any change that starts later still.
+func (a *Agent) checkClaim() {
+	if a.cfg.Claim == nil || a.cfg.Claim.Held() || !a.yield() {
+		return
+	}
+	if a.cfg.OnYield != nil {
+		a.cfg.OnYield()
+	}
+	a.log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
 }
 
-func (a *Agent) isYielded() bool {
+// yield records that a newer agent holds the node; it reports whether this
+// call was the first to.
+func (a *Agent) yield() bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.yielded
+	first := !a.yielded
+	a.yielded = true
+	return first
 }
 
 // applyLatest applies the newest snapshot, if there is one.
@@ -367,6 +372,7 @@ func (a *Agent) processNext(ctx context.Context) bool {
 		a.queue.Forget(uid)
 		return true
 	}
+	a.checkClaim()
 	a.mu.Lock()
 	d, want := a.desired[uid]
 	yielded := a.yielded

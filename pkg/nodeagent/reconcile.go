@@ -16,6 +16,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
@@ -515,6 +516,10 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 		c.Broken = append(c.Broken, r.loader.HostProbeMissing()...)
 	}
 	for _, err := range c.Errors {
+		if errors.Is(err, maps.ErrNotHeld) {
+			// A newer agent holds the node and repairs its pods.
+			return
+		}
 		r.log.ErrorContext(ctx, "restore link pin", "error", err)
 	}
 	if c.Repinned > 0 {

@@ -220,6 +220,10 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	if len(certs) == 0 {
 		return nil, bad("empty certificate chain")
 	}
+	// Before any signature is checked: a real answer holds a few.
+	if len(certs) > identity.MaxChainLen {
+		return nil, bad("chain of %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+	}
 	leaf := certs[0]
 	if pub, ok := key.Public().(*ecdsa.PublicKey); !ok || !pub.Equal(leaf.PublicKey) {
 		return nil, bad("leaf is not for the key of our request")

@@ -228,6 +228,15 @@ func TestSignRefuses(t *testing.T) {
 				return f.issue(idWeb.String())(csr)
 			}
 		}, reason: identity.ReasonBadResponse, want: "key"},
+		"outsized chain": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				for range 500 {
+					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
+				}
+				return resp, err
+			}
+		}, reason: identity.ReasonBadResponse, want: "at most"},
 		"node authorizer": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				return nil, status.Error(codes.Unauthenticated, "request impersonation authentication failure")

@@ -1,0 +1,176 @@
+package identity
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"net/url"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/redirector-mesh/redirector/internal/waitfor"
+)
+
+// answerSigner answers every request with what answer makes of it; it
+// counts calls.
+type answerSigner struct {
+	answer func(id ID, ttl time.Duration) (*tls.Certificate, error)
+	calls  atomic.Int32
+}
+
+func (a *answerSigner) Name() string { return "answer" }
+
+func (a *answerSigner) Sign(_ context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
+	a.calls.Add(1)
+	return a.answer(id, ttl)
+}
+
+// mint signs a leaf for id with ca's key as a CA might answer: edit
+// changes the template first. The private key returned is the leaf's.
+func mint(t *testing.T, ca *CA, id ID, edit func(*x509.Certificate)) *tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	serial, err := randomSerial()
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		NotBefore:             now.Add(-time.Minute),
+		NotAfter:              now.Add(time.Hour),
+		KeyUsage:              x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		BasicConstraintsValid: true,
+		URIs:                  []*url.URL{{Scheme: "spiffe", Host: id.TrustDomain, Path: "/ns/" + id.Namespace + "/sa/" + id.ServiceAccount}},
+	}
+	if edit != nil {
+		edit(tmpl)
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+}
+
+// TestManagerChecksEveryAnswer: whatever the signer, a certificate this
+// node would present wrongly (not for its key, usable on one side of a
+// tunnel only, an outsized chain, a CA certificate, another identity or
+// trust domain) is refused, counted by reason, and never served.
+func TestManagerChecksEveryAnswer(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	for name, tc := range map[string]struct {
+		answer func(t *testing.T) *tls.Certificate
+		reason string
+	}{
+		"not the key it came with": {func(t *testing.T) *tls.Certificate {
+			c := mint(t, ca, idWeb, nil)
+			c.PrivateKey = mint(t, ca, idWeb, nil).PrivateKey
+			return c
+		}, ReasonBadResponse},
+		"client usage only": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) { c.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth} })
+		}, ReasonUntrustedChain},
+		"server usage only": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) { c.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth} })
+		}, ReasonUntrustedChain},
+		"outsized chain": {func(t *testing.T) *tls.Certificate {
+			c := mint(t, ca, idWeb, nil)
+			for range 64 {
+				c.Certificate = append(c.Certificate, ca.cert.Raw)
+			}
+			return c
+		}, ReasonBadResponse},
+		"leaf not first": {func(t *testing.T) *tls.Certificate {
+			c := mint(t, ca, idWeb, nil)
+			c.Certificate = [][]byte{ca.cert.Raw, c.Certificate[0]}
+			return c
+		}, ReasonBadResponse},
+		"a CA certificate": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) { c.IsCA = true })
+		}, ReasonWrongIdentity},
+		"an extra URI SAN": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) {
+				c.URIs = append(c.URIs, &url.URL{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/shop/sa/cart"})
+			})
+		}, ReasonWrongIdentity},
+		"another trust domain": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, ID{TrustDomain: "other.local", Namespace: "shop", ServiceAccount: "web"}, nil)
+		}, ReasonWrongIdentity},
+		"not yet valid": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) {
+				c.NotBefore = time.Now().Add(time.Hour)
+				c.NotAfter = time.Now().Add(2 * time.Hour)
+			})
+		}, ReasonUntrustedChain},
+		"expired": {func(t *testing.T) *tls.Certificate {
+			return mint(t, ca, idWeb, func(c *x509.Certificate) {
+				c.NotBefore = time.Now().Add(-2 * time.Hour)
+				c.NotAfter = time.Now().Add(-time.Hour)
+			})
+		}, ReasonUntrustedChain},
+	} {
+		t.Run(name, func(t *testing.T) {
+			cert := tc.answer(t)
+			s := &answerSigner{answer: func(ID, time.Duration) (*tls.Certificate, error) { return cert, nil }}
+			m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour, BackoffMin: time.Hour})
+			defer m.Close()
+			m.Add(idWeb)
+			waitfor.Until(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+			if c, err := m.Certificate(idWeb); err == nil {
+				t.Fatalf("served a refused certificate (serial %s)", c.Leaf.SerialNumber)
+			}
+			if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(tc.reason)); got != 1 {
+				t.Errorf("failures{%s} = %v, want 1 (last error: %s)", tc.reason, got, stateOf(m, idWeb).LastError)
+			}
+		})
+	}
+}
+
+// TestManagerRenewalFollowsTheAskedLifetime: a CA that grants years does
+// not keep one key in use for years (renewal at about half of the TTL asked
+// for), and one that grants seconds is not asked again every second.
+func TestManagerRenewalFollowsTheAskedLifetime(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	t.Run("too long", func(t *testing.T) {
+		s := &answerSigner{answer: func(id ID, _ time.Duration) (*tls.Certificate, error) {
+			return mint(t, ca, id, func(c *x509.Certificate) { c.NotAfter = time.Now().Add(5 * 365 * 24 * time.Hour) }), nil
+		}}
+		m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour})
+		defer m.Close()
+		m.Add(idWeb)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := m.Wait(ctx, idWeb); err != nil {
+			t.Fatal(err)
+		}
+		if at := stateOf(m, idWeb).RefreshAt; at.After(time.Now().Add(31 * time.Minute)) {
+			t.Fatalf("refresh at %s, over half of the 1h asked for from now", at)
+		}
+	})
+	t.Run("too short", func(t *testing.T) {
+		s := &answerSigner{answer: func(id ID, _ time.Duration) (*tls.Certificate, error) {
+			return mint(t, ca, id, func(c *x509.Certificate) { c.NotAfter = time.Now().Add(2 * time.Second) }), nil
+		}}
+		m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour})
+		defer m.Close()
+		m.Add(idWeb)
+		time.Sleep(3 * time.Second)
+		if n := s.calls.Load(); n != 1 {
+			t.Fatalf("%d CA requests in 3s for certificates granted 2s of the 1h asked, want 1 (then at most one per %s)", n, DefaultBackoffMax)
+		}
+	})
+}

@@ -1,0 +1,166 @@
+package maps
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+)
+
+// tempBPFFS mounts a bpffs on a directory of the test's own and unmounts it
+// at the end.
+func tempBPFFS(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a bpffs; CI runs this as root")
+	}
+	root := filepath.Join(t.TempDir(), "bpf")
+	if err := os.Mkdir(root, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("bpf", root, "bpf", 0, ""); err != nil {
+		t.Fatalf("mount bpffs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	return root
+}
+
+func pinMap(t *testing.T, path string, spec *ebpf.MapSpec) *ebpf.Map {
+	t.Helper()
+	m, err := ebpf.NewMap(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	if err := m.Pin(path); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// TestClaimWaitsForChangesUnderWay: an agent that read Held and then lost
+// the node must not still change the enrollment. A claim waits for the
+// older agent's change under way, and after it every guard of the older
+// agent fails with ErrNotHeld.
+func TestClaimWaitsForChangesUnderWay(t *testing.T) {
+	root := tempBPFFS(t)
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ClaimNode(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	release, err := old.Guard()
+	if err != nil {
+		t.Fatalf("guard of the agent holding the node: %v", err)
+	}
+	claimed := make(chan *Claim, 1)
+	go func() {
+		c, err := ClaimNode(root)
+		if err != nil {
+			t.Error(err)
+		}
+		claimed <- c
+	}()
+	select {
+	case <-claimed:
+		t.Fatal("the new agent claimed the node while the old one was attaching a pod")
+	case <-time.After(200 * time.Millisecond):
+	}
+	release()
+	var next *Claim
+	select {
+	case next = <-claimed:
+	case <-time.After(5 * time.Second):
+		t.Fatal("claim still waiting after the old agent's change finished")
+	}
+	if next == nil {
+		t.FailNow()
+	}
+	defer next.Close()
+	if _, err := old.Guard(); !errors.Is(err, ErrNotHeld) {
+		t.Fatalf("old agent's guard after the claim: %v, want ErrNotHeld", err)
+	}
+	rel, err := next.Guard()
+	if err != nil {
+		t.Fatalf("new agent's guard: %v", err)
+	}
+	// Guards of one agent do not exclude each other.
+	rel2, err := next.Guard()
+	if err != nil {
+		t.Fatalf("second guard of the new agent: %v", err)
+	}
+	rel()
+	rel2()
+}
+
+// TestLayoutZeroVersion: an rd_layout whose version was never written (an
+// agent died between pinning it and writing it) is judged by the maps
+// beside it, not refused as "layout 0" by every later agent.
+func TestLayoutZeroVersion(t *testing.T) {
+	root := tempBPFFS(t)
+	pinMap(t, filepath.Join(root, LayoutName), &ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 2})
+	if err := CheckLayout(root); err != nil {
+		t.Fatalf("zeroed rd_layout on a fresh root: %v", err)
+	}
+	pinMap(t, filepath.Join(root, PodsName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	pinMap(t, filepath.Join(root, PodMetaName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+	if err := CheckLayout(root); err != nil {
+		t.Fatalf("zeroed rd_layout beside unversioned maps (layout 1): %v", err)
+	}
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	if v, ok, err := readLayout(root); err != nil || !ok || v != LayoutVersion() {
+		t.Fatalf("after PinLayout: version %d recorded %v (%v), want %d", v, ok, err, LayoutVersion())
+	}
+}
+
+// TestLayoutPartialPinSet: a root missing some of the maps is not fresh,
+// and one with pods pinned but no metadata map is refused rather than
+// loaded with an empty one (whose pod ids would collide with the pinned
+// pods').
+func TestLayoutPartialPinSet(t *testing.T) {
+	defer func(v string) { layoutVersion = v }(layoutVersion)
+
+	t.Run("metadata only, unversioned", func(t *testing.T) {
+		root := tempBPFFS(t)
+		pinMap(t, filepath.Join(root, PodMetaName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		layoutVersion = "2"
+		if err := CheckLayout(root); !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), "layout version 1") {
+			t.Fatalf("layout-2 agent on an unversioned root holding %s: %v, want ErrLayout (layout 1)", PodMetaName, err)
+		}
+		layoutVersion = "1"
+		if err := CheckLayout(root); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("pods without metadata", func(t *testing.T) {
+		layoutVersion = "1"
+		root := tempBPFFS(t)
+		if err := PinLayout(root); err != nil {
+			t.Fatal(err)
+		}
+		pinMap(t, filepath.Join(root, PodsName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		if err := CheckLayout(root); !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), PodMetaName) {
+			t.Fatalf("rd_pods without %s: %v, want ErrLayout naming it", PodMetaName, err)
+		}
+	})
+	t.Run("pod pins without metadata", func(t *testing.T) {
+		layoutVersion = "1"
+		root := tempBPFFS(t)
+		if err := os.MkdirAll(filepath.Join(root, "pods", "7"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := CheckLayout(root); !errors.Is(err, ErrLayout) {
+			t.Fatalf("pod pin directories without %s: %v, want ErrLayout", PodMetaName, err)
+		}
+	})
+}
