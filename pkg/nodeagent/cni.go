@@ -25,9 +25,9 @@ type cniPod struct {
 	// container is the sandbox's id (CNI_CONTAINERID): only its own DEL
 	// drops the report.
 	container string
-	netns string // as the agent opens it (see netns.HostPath)
-	ino   uint64 // the namespace's inode when the ADD came
-	addrs []netip.Addr
+	netns     string // as the agent opens it (see netns.HostPath)
+	ino       uint64 // the namespace's inode when the ADD came
+	addrs     []netip.Addr
 	// deleted marks the sandbox's own DEL: its report no longer counts,
 	// and what the loader recorded for the pod must not stand in for it
 	// (withAttachedPending) while the namespace still exists. It goes
