@@ -2,30 +2,18 @@ package maps
 
 import (
 	"errors"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 )
 
 // TestLayoutVersion: a fresh root and a root of this layout pass; maps of
 // an agent from before versioning count as layout 1; another layout is
 // refused with ErrLayout and a message that says what to do.
 func TestLayoutVersion(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a bpffs; CI runs this as root")
-	}
-	root := filepath.Join(t.TempDir(), "bpf")
-	if err := os.Mkdir(root, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("bpf", root, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	root := tempBPFFS(t)
 
 	if err := CheckLayout(root); err != nil {
 		t.Fatalf("fresh root: %v", err)

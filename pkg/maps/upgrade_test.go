@@ -6,7 +6,6 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/bpf"
 )
@@ -15,17 +14,7 @@ import (
 // fewer slots is unpinned so the new objects load; one that matches stays,
 // with its counts.
 func TestDropIncompatibleCounters(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for a bpffs; CI runs this as root")
-	}
-	root := filepath.Join(t.TempDir(), "bpf")
-	if err := os.Mkdir(root, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("bpf", root, "bpf", 0, ""); err != nil {
-		t.Fatalf("mount bpffs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(root, unix.MNT_DETACH) })
+	root := tempBPFFS(t)
 	spec, err := bpf.LoadCapture()
 	if err != nil {
 		t.Fatal(err)

@@ -73,13 +73,7 @@ func TestCNIRefusesAgentNamespace(t *testing.T) {
 	}
 	a, ld, tun, _ := testAgent(t)
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go func() {
-		for a.processNext(ctx) {
-		}
-	}()
-	defer a.queue.ShutDown()
+	ctx := runWorker(t, a)
 	for _, path := range []string{"/proc/self/ns/net", "/proc/thread-self/ns/net", link} {
 		start := time.Now()
 		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p",
@@ -115,13 +109,7 @@ func TestCNIRefusesAnotherPodsNamespace(t *testing.T) {
 	b := &workload.Workload{Name: "b", Namespace: "other", UID: "uid-b", ServiceAccount: "default", Node: "node1", Addrs: nsB.Addrs(), Reason: "namespace not ambient"}
 	c := &workload.Workload{Name: "c", Namespace: "shop", UID: "uid-c", ServiceAccount: "default", Node: "node1", Addrs: nsC.Addrs(), Enrolled: true, Reason: "ambient"}
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("a", "uid-a"), b, c}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go func() {
-		for a.processNext(ctx) {
-		}
-	}()
-	defer a.queue.ShutDown()
+	ctx := runWorker(t, a)
 	prefixes := func(addrs []netip.Addr) (out []netip.Prefix) {
 		for _, ad := range addrs {
 			out = append(out, netip.PrefixFrom(ad, ad.BitLen()))
@@ -165,13 +153,7 @@ func TestCNIStaleDelKeepsSandbox(t *testing.T) {
 	sandbox := tp.Nodes[0].AddPod("p")
 	a, ld, _, _ := testAgent(t)
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	go func() {
-		for a.processNext(ctx) {
-		}
-	}()
-	defer a.queue.ShutDown()
+	ctx := runWorker(t, a)
 	var ips []netip.Prefix
 	for _, ad := range sandbox.Addrs() {
 		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
@@ -284,4 +266,17 @@ func TestRestartKeepsPendingAttachedPod(t *testing.T) {
 	if _, attached, _ := ld.PodState("uid-p"); attached {
 		t.Errorf("a pod that left stayed attached")
 	}
+}
+
+// runWorker runs one queue worker, as the agent does, until the test ends,
+// and returns the context the test's calls use (30 s at most).
+func runWorker(t *testing.T, a *Agent) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	t.Cleanup(func() { a.queue.ShutDown(); cancel() })
+	return ctx
 }
