@@ -148,7 +148,14 @@ func TestLayoutPartialPinSet(t *testing.T) {
 		if err := PinLayout(root); err != nil {
 			t.Fatal(err)
 		}
-		pinMap(t, filepath.Join(root, PodsName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		pods := pinMap(t, filepath.Join(root, PodsName), &ebpf.MapSpec{Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 1})
+		// Empty, as the host-probe object creates it when it loads first.
+		if err := CheckLayout(root); err != nil {
+			t.Fatalf("an empty rd_pods without %s: %v, want it accepted", PodMetaName, err)
+		}
+		if err := pods.Put(uint32(1), uint32(7)); err != nil {
+			t.Fatal(err)
+		}
 		if err := CheckLayout(root); !errors.Is(err, ErrLayout) || !strings.Contains(err.Error(), PodMetaName) {
 			t.Fatalf("rd_pods without %s: %v, want ErrLayout naming it", PodMetaName, err)
 		}

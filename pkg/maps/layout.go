@@ -72,7 +72,7 @@ func CheckLayout(root string) error {
 			"--bpf-root %s` (its pods are not redirected until this agent enrolls them again) and start this agent",
 			ErrLayout, root, got, want, got, got, root)
 	}
-	if !pinExists(filepath.Join(root, PodMetaName)) && (pinExists(filepath.Join(root, PodsName)) || hasPodPins(root)) {
+	if !pinExists(filepath.Join(root, PodMetaName)) && (hasEntries(filepath.Join(root, PodsName)) || hasPodPins(root)) {
 		return fmt.Errorf("%w: %s holds pinned pods but no %s, so which pod id is whose is lost. The pods stay redirected "+
 			"by the programs pinned there. Drain the node, run `redirector uninstall --bpf-root %s` and start this agent",
 			ErrLayout, root, PodMetaName, root)
@@ -99,6 +99,19 @@ func hasState(root string) bool {
 func hasPodPins(root string) bool {
 	ents, err := os.ReadDir(filepath.Join(root, "pods"))
 	return err == nil && len(ents) > 0
+}
+
+// hasEntries reports whether the pinned map at path holds any entry. An
+// empty rd_pods is not a pod: the host-probe object creates it when it
+// loads first, before the loader pins the metadata beside it.
+func hasEntries(path string) bool {
+	m, err := ebpf.LoadPinnedMap(path, &ebpf.LoadPinOptions{ReadOnly: true})
+	if err != nil {
+		return pinExists(path) // unreadable: judge it held, fail closed
+	}
+	defer m.Close()
+	key := make([]byte, m.KeySize())
+	return m.NextKey(nil, &key) == nil
 }
 
 func pinExists(path string) bool {
