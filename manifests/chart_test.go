@@ -674,6 +674,8 @@ func TestIstiodSettings(t *testing.T) {
 		{[]string{"multiCluster.clusterName=east"}, "CLUSTER_ID", "east"},
 		{[]string{"profile=standalone", "multiCluster.clusterName=east"}, "CLUSTER_ID", "east"},
 		{[]string{"caRootCertReload=1m"}, "CA_ROOT_CERT_RELOAD", "1m"},
+		{[]string{"network=east"}, "NETWORK", "east"},
+		{nil, "NETWORK", ""},
 		{[]string{"profile=standalone", "fileCA.mountPath=/ca"}, "CA_DIR", "/ca"},
 	} {
 		r := mustRender(t, renderOpts{set: tc.set})

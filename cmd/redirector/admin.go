@@ -55,8 +55,10 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		},
 		// workloads, services, policies, certificates and workloadState
 		// are in ztunnel's shape, for istioctl ztunnel-config and Kiali.
-		admin.SectionWorkloads: func() any { return admin.ZtunnelWorkloads(tun.State().Dir, cfg.ca.clusterID, cfg.trustDomain) },
-		admin.SectionServices:  func() any { return admin.ZtunnelServices(tun.State().Dir, cfg.ca.clusterID) },
+		admin.SectionWorkloads: func() any {
+			return admin.ZtunnelWorkloads(tun.State().Dir, cfg.ca.clusterID, cfg.xds.network, cfg.trustDomain)
+		},
+		admin.SectionServices: func() any { return admin.ZtunnelServices(tun.State().Dir, cfg.ca.clusterID, cfg.xds.network) },
 		admin.SectionPolicies: func() any {
 			st := tun.State()
 			if st.Compiled != nil {

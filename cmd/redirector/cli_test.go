@@ -78,6 +78,7 @@ func TestHelpExitsZero(t *testing.T) {
 // (named by flag and env variable), an unknown ca command.
 func TestCLIErrors(t *testing.T) {
 	run := []string{"run", "--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	xds := []string{"run", "--node-name", "n1", "--source", "xds", "--ca-address", "istiod:15012", "--ca-root-cert", "/tmp/root.pem", "--pod-name", "p", "--instance-ip", "10.0.0.1"}
 	for _, tc := range []struct {
 		env  []string
 		args []string
@@ -98,6 +99,7 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"ADMIN_ADDR=127.0.0.1:99999"}, run, `--admin-addr (ADMIN_ADDR): "127.0.0.1:99999" is not host:port`},
 		{nil, append(run, "--ca-address", "istiod.istio-system.svc"), `--ca-address (CA_ADDRESS): "istiod.istio-system.svc" is not host:port`},
 		{[]string{"XDS_ADDRESS=::1:15010"}, run, `--xds-address (XDS_ADDRESS): "::1:15010" is not host:port`},
+		{[]string{"NETWORK=east west"}, xds, `--network (NETWORK): "east west" is not a network name`},
 		{nil, []string{"inspect", "certs", "--admin-addr", "localhost"}, `--admin-addr (ADMIN_ADDR): "localhost" is not host:port`},
 	} {
 		_, stderr, code := cli(t, tc.env, tc.args...)

@@ -8,6 +8,7 @@ import (
 	"os"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -18,7 +19,7 @@ import (
 
 // xdsFlags are the settings of --source xds.
 type xdsFlags struct {
-	addr, podName, podIP *string
+	addr, podName, podIP, network *string
 }
 
 // xdsSettings are xdsFlags validated.
@@ -27,6 +28,7 @@ type xdsSettings struct {
 	podName      string
 	podNamespace string
 	podIP        netip.Addr
+	network      string
 }
 
 func addXDSFlags(s *settings) xdsFlags {
@@ -34,6 +36,7 @@ func addXDSFlags(s *settings) xdsFlags {
 		addr:    s.add("xds-address", "XDS_ADDRESS", "", "--source xds: istiod's xDS address, host:port (empty: --ca-address)"),
 		podName: s.add("pod-name", "POD_NAME", "", "--source xds: the agent's own pod name, part of the node identity istiod sees"),
 		podIP:   s.add("instance-ip", "INSTANCE_IP", "", "--source xds: the agent's own pod address, part of the node identity istiod sees"),
+		network: s.add("network", "NETWORK", "", "--source xds: the network this node is on, as istiod names it (topology.istio.io/network; empty: the default network); workloads on other networks are left out"),
 	}
 }
 
@@ -57,6 +60,10 @@ func parseXDSFlags(s *settings, f xdsFlags, c agentConfig, podNamespace string) 
 		return x, fmt.Errorf("%s: %q is not an IP address", s.name(f.podIP), *f.podIP)
 	}
 	x.podIP = ip
+	if errs := validation.IsValidLabelValue(*f.network); len(errs) > 0 {
+		return x, fmt.Errorf("%s: %q is not a network name (a label value): %s", s.name(f.network), *f.network, errs[0])
+	}
+	x.network = *f.network
 	return x, nil
 }
 
@@ -91,8 +98,9 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 		return nil, nil, fmt.Errorf("--xds-address (XDS_ADDRESS): %w", err)
 	}
 	client, err := xds.New(xds.Config{
-		Conn:  conn,
-		Token: xds.TokenFile(cfg.ca.tokenFile),
+		Conn:    conn,
+		Network: cfg.xds.network,
+		Token:   xds.TokenFile(cfg.ca.tokenFile),
 		Node: xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace,
 			NodeName: cfg.node, ClusterID: cfg.ca.clusterID},
 		Metrics: xds.NewMetrics(reg),
@@ -101,7 +109,7 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 	if err != nil {
 		return nil, nil, err
 	}
-	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
+	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "network", cfg.xds.network, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
 	return xds.NewSource(client, pods, cfg.node, cfg.selection, log), ann, nil
 }
 

@@ -41,6 +41,7 @@ type ZtunnelWorkload struct {
 	CanonicalName     string   `json:"canonicalName"`
 	CanonicalRevision string   `json:"canonicalRevision"`
 	ClusterID         string   `json:"clusterId"`
+	Network           string   `json:"network"`
 	TrustDomain       string   `json:"trustDomain"`
 	Locality          Locality `json:"locality"`
 	Node              string   `json:"node"`
@@ -59,7 +60,7 @@ type ZtunnelService struct {
 	Name            string                      `json:"name"`
 	Namespace       string                      `json:"namespace"`
 	Hostname        string                      `json:"hostname"`
-	VIPs            []string                    `json:"vips"`  // network/ip; the network is empty here
+	VIPs            []string                    `json:"vips"`  // network/ip
 	Ports           map[string]uint16           `json:"ports"` // service port -> target port (0: named, per endpoint)
 	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
 	SubjectAltNames []string                    `json:"subjectAltNames"`
@@ -144,13 +145,14 @@ func ZtunnelUID(cluster string, w *workload.Workload) string {
 	return cluster + "//Pod/" + w.Namespace + "/" + w.Name
 }
 
-// ZtunnelWorkloads converts every workload of dir.
-func ZtunnelWorkloads(dir *workload.Directory, cluster, trustDomain string) []ZtunnelWorkload {
+// ZtunnelWorkloads converts every workload of dir; all are on network,
+// the agent's (the directory holds no other).
+func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain string) []ZtunnelWorkload {
 	out := []ZtunnelWorkload{}
 	for _, w := range dir.All() {
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
-			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, TrustDomain: trustDomain,
+			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
 			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone}}
 		if w.Enrolled {
 			z.Protocol = "HBONE"
@@ -163,15 +165,15 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, trustDomain string) []Zt
 	return out
 }
 
-// ZtunnelServices converts every service of dir.
-func ZtunnelServices(dir *workload.Directory, cluster string) []ZtunnelService {
+// ZtunnelServices converts every service of dir; its VIPs are on network.
+func ZtunnelServices(dir *workload.Directory, cluster, network string) []ZtunnelService {
 	out := []ZtunnelService{}
 	for _, s := range dir.Services() {
 		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
 			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
-			z.VIPs = append(z.VIPs, "/"+vip.String())
+			z.VIPs = append(z.VIPs, network+"/"+vip.String())
 			v4, v6 = v4 || vip.Is4(), v6 || vip.Is6()
 		}
 		z.IPFamilies = map[[2]bool]string{{true, false}: "IPv4", {false, true}: "IPv6", {true, true}: "Dual"}[[2]bool{v4, v6}]

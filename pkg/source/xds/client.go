@@ -83,6 +83,11 @@ type Config struct {
 	// verifies istiod (see Dial).
 	Conn grpc.ClientConnInterface
 	Node Node
+	// Network is the network this node is on, as istiod names it (its
+	// topology.istio.io/network; "" is the default network). Workloads
+	// and service addresses istiod puts on other networks are not
+	// reachable directly and are left out (see Snapshot.Network).
+	Network string
 	// Token returns the bearer token for a new stream (the agent's
 	// istio-ca token, re-read since the kubelet rotates it); nil sends
 	// none.
@@ -473,7 +478,8 @@ func (c *Client) snapshot() *Snapshot {
 			}
 		}
 	}
-	s := buildSnapshot(workloads, services, policies)
+	s := buildSnapshot(workloads, services, policies, c.cfg.Network)
+	c.cfg.Metrics.setOtherNetwork(s.OtherNetwork)
 	for _, t := range c.types {
 		for name := range t.unresolved {
 			s.Unresolved = append(s.Unresolved, name)

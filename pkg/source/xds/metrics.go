@@ -12,6 +12,8 @@ type Metrics struct {
 	resources *prometheus.GaugeVec
 	// unresolved counts policies held in no form (see Snapshot.Unresolved).
 	unresolved prometheus.Gauge
+	// otherNetwork counts workloads on networks other than the agent's.
+	otherNetwork prometheus.Gauge
 }
 
 // Reasons a single resource is rejected (the reason label of
@@ -52,6 +54,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_xds_unresolved_policies",
 			Help: "Authorization resources rejected with nothing held in their place (undecodable, unknown scope, over a limit); while above 0 every inbound connection is refused.",
 		}),
+		otherNetwork: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_xds_other_network_workloads",
+			Help: "Workloads istiod puts on a network other than this agent's (NETWORK): not reachable at their addresses, so left out of the directory and of service endpoints.",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m)
@@ -60,7 +66,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved}
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved, m.otherNetwork}
 }
 
 // Describe implements prometheus.Collector.
@@ -115,5 +121,11 @@ func (m *Metrics) reject(typ, reason string) {
 func (m *Metrics) setUnresolved(n int) {
 	if m != nil {
 		m.unresolved.Set(float64(n))
+	}
+}
+
+func (m *Metrics) setOtherNetwork(n int) {
+	if m != nil {
+		m.otherNetwork.Set(float64(n))
 	}
 }

@@ -21,7 +21,10 @@ type Workload struct {
 	// TrustDomain is the workload's SPIFFE trust domain (istiod sends none
 	// for cluster.local, which this then holds).
 	TrustDomain string
-	Network     string
+	// Network is the network istiod puts the workload on ("" is the
+	// default network). Only workloads on the agent's own network are
+	// reachable at their addresses.
+	Network string
 	// Healthy is false for a workload istiod marks UNHEALTHY (a pod not
 	// ready, or deleted but not yet gone): not a ready endpoint.
 	Healthy bool
@@ -48,6 +51,9 @@ type PortMap struct {
 // their number so endpoints map them to target ports.
 type Service struct {
 	workload.Service
+	// vipNetworks holds, per VIP, the network the address is on; the
+	// snapshot keeps only the VIPs on the agent's network.
+	vipNetworks []string
 }
 
 // Key is namespace/hostname, how workloads name the services they serve.
@@ -68,29 +74,53 @@ type Snapshot struct {
 	// unknown scope, over a limit): policy.CompiledSet refuses everything
 	// while there are any.
 	Unresolved []string
+	// Network is the agent's network. Workloads on other networks stay in
+	// Workloads (so a local pod's copy can be checked), but they are not
+	// any service's endpoints, and VIPs on other networks are left out:
+	// such an address means another host there, and reaching it would
+	// take an east-west gateway, which the agent does not drive.
+	Network string
+	// OtherNetwork counts the workloads on other networks.
+	OtherNetwork int
 }
 
 // portName is the name a service port gets in the directory: its number,
 // since xDS ports have no names.
 func portName(p int32) string { return strconv.Itoa(int(p)) }
 
-// buildSnapshot joins services with the workloads serving them. Services
-// are copied: the client's stored ones never change once decoded.
-func buildSnapshot(workloads map[string]*Workload, services map[string]*Service, policies map[string]*policy.Compiled) *Snapshot {
+// buildSnapshot joins services with the workloads serving them on
+// network, the agent's. Services are copied: the client's stored ones
+// never change once decoded.
+func buildSnapshot(workloads map[string]*Workload, services map[string]*Service, policies map[string]*policy.Compiled, network string) *Snapshot {
 	s := &Snapshot{
 		Workloads: make([]*Workload, 0, len(workloads)),
 		Services:  make([]*Service, 0, len(services)),
 		Policies:  make([]*policy.Compiled, 0, len(policies)),
+		Network:   network,
 	}
 	byKey := make(map[string]*Service, len(services))
 	for _, svc := range services {
 		c := *svc
 		c.Endpoints = nil
+		c.VIPs, c.vipNetworks = nil, nil
+		for i, vip := range svc.VIPs {
+			vipNetwork := ""
+			if i < len(svc.vipNetworks) {
+				vipNetwork = svc.vipNetworks[i]
+			}
+			if vipNetwork == network {
+				c.VIPs = append(c.VIPs, vip)
+			}
+		}
 		s.Services = append(s.Services, &c)
 		byKey[c.Key()] = &c
 	}
 	for _, w := range workloads {
 		s.Workloads = append(s.Workloads, w)
+		if w.Network != network {
+			s.OtherNetwork++
+			continue
+		}
 		if len(w.Addrs) == 0 {
 			continue
 		}

@@ -168,29 +168,34 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		}
 	}
 	copies := localCopies(mesh.Workloads, localNames, node)
+	unknown := func(key, reason string) {
+		if snap.Compiled.Unknown == nil {
+			snap.Compiled.Unknown = map[string]string{}
+		}
+		snap.Compiled.Unknown[key] = reason
+	}
 	for _, w := range snap.Workloads[:nLocal] {
 		key := w.String()
 		switch c := copies[key]; {
+		case len(c) == 1 && c[0].Network != mesh.Network:
+			// The agent's NETWORK disagrees with istiod's: every workload
+			// of this network would be left out, so refuse loudly.
+			unknown(key, fmt.Sprintf("istiod puts pod %s on network %q, this agent is on network %q (NETWORK)", key, c[0].Network, mesh.Network))
+			errs = append(errs, fmt.Errorf("istiod puts this node's pod %s on network %q, but this agent is on network %q (NETWORK): its inbound connections are refused until they agree", key, c[0].Network, mesh.Network))
 		case len(c) == 1:
 			if len(c[0].Policies) > 0 {
 				snap.Compiled.Selected[key] = c[0].Policies
 			}
 		case len(c) == 0:
-			if snap.Compiled.Unknown == nil {
-				snap.Compiled.Unknown = map[string]string{}
-			}
-			snap.Compiled.Unknown[key] = "istiod describes no pod " + key + " on node " + node
+			unknown(key, "istiod describes no pod "+key+" on node "+node)
 		default:
-			if snap.Compiled.Unknown == nil {
-				snap.Compiled.Unknown = map[string]string{}
-			}
-			snap.Compiled.Unknown[key] = fmt.Sprintf("istiod describes %d pods %s on node %s (%s, %s)", len(c), key, node, c[0].UID, c[1].UID)
+			unknown(key, fmt.Sprintf("istiod describes %d pods %s on node %s (%s, %s)", len(c), key, node, c[0].UID, c[1].UID))
 		}
 	}
 	for _, pods := range []bool{true, false} {
 		for _, w := range mesh.Workloads {
-			if isPod(w) != pods {
-				continue
+			if isPod(w) != pods || w.Network != mesh.Network {
+				continue // a workload elsewhere is not at its address here
 			}
 			key := w.Namespace + "/" + w.Name
 			if localNames[key] {

@@ -67,7 +67,7 @@ func TestMergeIntoDirectory(t *testing.T) {
 	}
 	strict := &policy.Compiled{Name: "istio_converted_static_strict", Namespace: "istio-system", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionDeny,
 		Groups: []policy.Group{{Clauses: []policy.Clause{{Matches: []policy.Match{{NotPrincipals: []policy.StringMatch{{Kind: policy.MatchPresence}}}}}}}}}
-	mesh := buildSnapshot(workloads, services, map[string]*policy.Compiled{strict.Key(): strict})
+	mesh := buildSnapshot(workloads, services, map[string]*policy.Compiled{strict.Key(): strict}, "")
 
 	before, errs := merge(local, nil, "node-a", selection.Config{}, nil)
 	if before.Compiled == nil || before.Compiled.Synced || len(before.Workloads) != 1 || len(errs) > 0 {
@@ -132,7 +132,7 @@ func TestMergeKeepsLocalPodWithMalformedAddress(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mesh := buildSnapshot(map[string]*Workload{x.UID: x}, nil, nil)
+	mesh := buildSnapshot(map[string]*Workload{x.UID: x}, nil, nil, "")
 	var last kubeobj.LastGood
 	if _, errs := merge(state("10.1.0.5"), mesh, "node-a", selection.Config{}, &last); len(errs) > 0 {
 		t.Fatal(errs)
@@ -195,7 +195,7 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 		}
 		workloads[x.Uid] = w
 	}
-	mesh := buildSnapshot(workloads, nil, map[string]*policy.Compiled{deny.Key(): deny, allow.Key(): allow})
+	mesh := buildSnapshot(workloads, nil, map[string]*policy.Compiled{deny.Key(): deny, allow.Key(): allow}, "")
 	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
 	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "aaa/evil") || !strings.Contains(errs[0].Error(), "10.1.0.5") || !strings.Contains(errs[0].Error(), "shop/web-1") {
 		t.Errorf("errors %v, want one naming aaa/evil, the address and shop/web-1", errs)
@@ -217,5 +217,108 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 	}
 	if v := snap.Compiled.Authorize(dst, "shop/new", peer); v.Allowed || !strings.Contains(v.Reason, "shop/new") {
 		t.Errorf("a local pod istiod has not described: allowed=%v (%s)", v.Allowed, v.Reason)
+	}
+}
+
+// TestMergeOtherNetworks: in a multi-network mesh the same address can
+// be a different host on each network. Workloads istiod puts on another
+// network than the agent's do not enter the directory (a west pod at an
+// east plaintext workload's address does not make traffic to it HBONE
+// with the west pod's identity), are no service's endpoints, and VIPs on
+// other networks are left out. A local pod that istiod puts on another
+// network means the agent's NETWORK disagrees with istiod: that pod is
+// refused inbound with both networks named, not served as if all were
+// well.
+func TestMergeOtherNetworks(t *testing.T) {
+	local := nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{{
+			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
+		}},
+	}
+	svcKey := "shop/web.shop.svc.cluster.local"
+	ports := map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}
+	build := func(localNetwork string) *Snapshot {
+		workloads := map[string]*Workload{}
+		for _, x := range []*workloadapi.Workload{
+			{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Network: localNetwork, Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+				TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: ports},
+			{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Network: "east", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+				TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: ports},
+			// A plaintext VM on the east network at 10.2.0.9, and a pod of
+			// the west network's cluster at the same address.
+			{Uid: "K/networking.istio.io/WorkloadEntry/shop/vm", Name: "vm", Namespace: "shop", Network: "east", Addresses: [][]byte{netip.MustParseAddr("10.2.0.9").AsSlice()},
+				TunnelProtocol: workloadapi.TunnelProtocol_NONE},
+			{Uid: "W//Pod/aaa/web-west", Name: "web-west", Namespace: "aaa", Node: "west-1", Network: "west", ServiceAccount: "web",
+				Addresses:      [][]byte{netip.MustParseAddr("10.2.0.9").AsSlice(), netip.MustParseAddr("10.3.0.1").AsSlice()},
+				TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: ports},
+		} {
+			w, err := translateWorkload(x)
+			if err != nil {
+				t.Fatal(err)
+			}
+			workloads[x.Uid] = w
+		}
+		svc, err := translateService(&workloadapi.Service{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local",
+			Addresses: []*workloadapi.NetworkAddress{
+				{Network: "east", Address: netip.MustParseAddr("10.96.0.10").AsSlice()},
+				{Network: "west", Address: netip.MustParseAddr("10.97.0.10").AsSlice()},
+			},
+			Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return buildSnapshot(workloads, map[string]*Service{svc.Key(): svc}, nil, "east")
+	}
+
+	mesh := build("east")
+	if mesh.OtherNetwork != 1 {
+		t.Errorf("OtherNetwork = %d, want 1 (web-west)", mesh.OtherNetwork)
+	}
+	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
+	if len(errs) > 0 {
+		t.Fatalf("merge: %v", errs)
+	}
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if len(dirErrs) > 0 {
+		t.Fatalf("directory: %v", dirErrs)
+	}
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.2.0.9")); !ok || w.Name != "vm" || w.Enrolled {
+		t.Errorf("10.2.0.9 is %+v, want the east VM, plaintext", w)
+	}
+	if w, ok := dir.ByAddr(netip.MustParseAddr("10.3.0.1")); ok {
+		t.Errorf("10.3.0.1 is %s on network west, want unknown here", w)
+	}
+	if _, ok := dir.Pod("aaa", "web-west"); ok {
+		t.Error("web-west (network west) is in the directory")
+	}
+	if _, ok := dir.ServiceByVIP(netip.MustParseAddr("10.97.0.10")); ok {
+		t.Error("the west VIP 10.97.0.10 is in the directory")
+	}
+	svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.10"))
+	if !ok {
+		t.Fatal("the east VIP 10.96.0.10 is not in the directory")
+	}
+	var eps []string
+	for _, ep := range svc.Endpoints {
+		eps = append(eps, ep.Addr.String())
+	}
+	if strings.Join(eps, ",") != "10.1.0.5,10.2.0.5" {
+		t.Errorf("endpoints %v, want the two east pods", eps)
+	}
+	if _, unknown := snap.Compiled.Unknown["shop/web-1"]; unknown {
+		t.Errorf("web-1 unknown: %s", snap.Compiled.Unknown["shop/web-1"])
+	}
+
+	// istiod puts this node's pod on west: the agent's NETWORK is wrong.
+	snap, errs = merge(local, build("west"), "node-a", selection.Config{}, nil)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), `network "west"`) || !strings.Contains(errs[0].Error(), `network "east"`) {
+		t.Errorf("errors %v, want one naming both networks", errs)
+	}
+	peer := policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web"}
+	if v := snap.Compiled.Authorize(policy.Target{Namespace: "shop", Port: 8080}, "shop/web-1", peer); v.Allowed || !strings.Contains(v.Reason, "network") {
+		t.Errorf("inbound to web-1 with NETWORK disagreeing: allowed=%v (%s), want refused naming the network", v.Allowed, v.Reason)
 	}
 }

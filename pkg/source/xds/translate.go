@@ -154,6 +154,7 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 			return nil, fmt.Errorf("service %s: address %d has %d bytes, want 4 or 16", s.Key(), i, len(na.GetAddress()))
 		}
 		s.VIPs = append(s.VIPs, a.Unmap())
+		s.vipNetworks = append(s.vipNetworks, na.GetNetwork())
 	}
 	for _, p := range x.GetPorts() {
 		if p.GetServicePort() == 0 || p.GetServicePort() > 65535 || p.GetTargetPort() > 65535 {

@@ -40,7 +40,7 @@ func TestMergeKeepsLocalWaypoints(t *testing.T) {
 		}
 		workloads[x.Uid] = w
 	}
-	mesh := buildSnapshot(workloads, map[string]*Service{}, map[string]*policy.Compiled{})
+	mesh := buildSnapshot(workloads, map[string]*Service{}, map[string]*policy.Compiled{}, "")
 	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
 	if len(errs) > 0 {
 		t.Fatal(errs)
