@@ -77,6 +77,11 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		log = slog.Default()
 	}
 	s := &Servers{}
+	var reg prometheus.Registerer
+	if o.Registry != nil {
+		reg = o.Registry
+	}
+	conns := newConnMetrics(reg)
 	endpoints := []struct {
 		name, addr string
 		handler    func() http.Handler
@@ -103,7 +108,7 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		if e.name == "admin" {
 			total = maxConnsPerSource // one local caller's worth: it is on loopback
 		}
-		l = newLimitListener(l, e.name, total, maxConnsPerSource, log)
+		l = newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
 		srv := &http.Server{
 			Handler:           e.handler(),
 			ReadHeaderTimeout: 5 * time.Second,

@@ -1,11 +1,14 @@
 package admin
 
 import (
+	"errors"
 	"log/slog"
 	"net"
 	"net/netip"
 	"sync"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // The metrics and readiness ports listen on every node address, so any pod
@@ -31,6 +34,49 @@ const (
 // over its bounds: a flood must not become a flood of log lines.
 const limitLogEvery = time.Minute
 
+// connMetrics counts the endpoints' connections, by endpoint: those open,
+// and those closed at accept over a bound (limit "endpoint" or
+// "per_source"), which the log reports only once a minute.
+type connMetrics struct {
+	open    *prometheus.GaugeVec
+	refused *prometheus.CounterVec
+}
+
+// newConnMetrics returns the connection metrics, registered with reg if it
+// is not nil (the ones already there if another Start registered them).
+func newConnMetrics(reg prometheus.Registerer) *connMetrics {
+	m := &connMetrics{
+		open: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "redirector_endpoint_open_connections",
+			Help: "Open connections of the agent's HTTP endpoints (metrics, readiness, admin), by endpoint.",
+		}, []string{"endpoint"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_endpoint_refused_connections_total",
+			Help: "Connections the agent's HTTP endpoints closed at accept, by endpoint and the bound they were over (endpoint: all its connections; per_source: one client address's).",
+		}, []string{"endpoint", "limit"}),
+	}
+	if reg == nil {
+		return m
+	}
+	m.open = registered(reg, m.open)
+	m.refused = registered(reg, m.refused)
+	return m
+}
+
+// registered registers c with reg, or returns the equal collector already
+// registered.
+func registered[C prometheus.Collector](reg prometheus.Registerer, c C) C {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing
+			}
+		}
+	}
+	return c
+}
+
 // limitListener accepts connections within the bounds above and closes
 // the others at once.
 type limitListener struct {
@@ -38,6 +84,9 @@ type limitListener struct {
 	name             string
 	total, perSource int
 	log              *slog.Logger
+	openGauge        prometheus.Gauge
+	refusedTotal     prometheus.Counter // over total
+	refusedPerSource prometheus.Counter // over perSource
 
 	mu     sync.Mutex
 	open   int
@@ -46,8 +95,12 @@ type limitListener struct {
 	logged time.Time // when that was last logged
 }
 
-func newLimitListener(l net.Listener, name string, total, perSource int, log *slog.Logger) *limitListener {
-	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log, bySrc: map[netip.Addr]int{}}
+func newLimitListener(l net.Listener, name string, total, perSource int, m *connMetrics, log *slog.Logger) *limitListener {
+	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log, bySrc: map[netip.Addr]int{},
+		openGauge:        m.open.WithLabelValues(name),
+		refusedTotal:     m.refused.WithLabelValues(name, "endpoint"),
+		refusedPerSource: m.refused.WithLabelValues(name, "per_source"),
+	}
 }
 
 // Accept returns the next connection within the bounds.
@@ -59,7 +112,12 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		}
 		src := sourceOf(c)
 		l.mu.Lock()
-		if l.open >= l.total || l.bySrc[src] >= l.perSource {
+		if overTotal := l.open >= l.total; overTotal || l.bySrc[src] >= l.perSource {
+			if overTotal {
+				l.refusedTotal.Inc()
+			} else {
+				l.refusedPerSource.Inc()
+			}
 			l.closed++
 			var n uint64
 			if now := time.Now(); now.Sub(l.logged) >= limitLogEvery {
@@ -76,11 +134,13 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		l.open++
 		l.bySrc[src]++
 		l.mu.Unlock()
+		l.openGauge.Inc()
 		return &limitedConn{Conn: c, l: l, src: src}, nil
 	}
 }
 
 func (l *limitListener) release(src netip.Addr) {
+	l.openGauge.Dec()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.open--

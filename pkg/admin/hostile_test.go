@@ -93,6 +93,66 @@ func TestEndpointsBoundConnections(t *testing.T) {
 	}
 }
 
+// TestEndpointsCountRefusedConnections: what the bounds close is counted
+// per endpoint and bound, not only in a once-a-minute log line, and the
+// open connections are a gauge that falls back when they close.
+func TestEndpointsCountRefusedConnections(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s := start(t, Options{Registry: reg})
+	conns := openStalled(t, s.ReadinessAddr(), maxConnsPerSource+5)
+	refused := func() float64 {
+		return metricValue(t, reg, "redirector_endpoint_refused_connections_total", "readiness", "per_source")
+	}
+	open := func() float64 { return metricValue(t, reg, "redirector_endpoint_open_connections", "readiness") }
+	deadline := time.Now().Add(5 * time.Second)
+	for refused() < 5 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := refused(); got != 5 {
+		t.Errorf("readiness refused per source: %v, want 5", got)
+	}
+	if got := open(); got != maxConnsPerSource {
+		t.Errorf("readiness open connections: %v, want %d", got, maxConnsPerSource)
+	}
+	for _, c := range conns {
+		c.Close()
+	}
+	for open() > 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := open(); got != 0 {
+		t.Errorf("readiness open connections after closing them: %v, want 0", got)
+	}
+}
+
+// metricValue is the value of the counter or gauge name with these label
+// values (in label name order) in reg, or -1 if there is none.
+func metricValue(t *testing.T, reg *prometheus.Registry, name string, values ...string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	metrics:
+		for _, m := range f.GetMetric() {
+			if len(m.GetLabel()) != len(values) {
+				continue
+			}
+			for i, l := range m.GetLabel() {
+				if l.GetValue() != values[i] {
+					continue metrics
+				}
+			}
+			return m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return -1
+}
+
 func TestEndpointsRejectLargeHeaders(t *testing.T) {
 	s := start(t, Options{})
 	for _, addr := range []string{s.MetricsAddr(), s.ReadinessAddr(), s.AdminAddr()} {
