@@ -2,6 +2,7 @@ package nodeagent
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"testing"
@@ -91,6 +92,46 @@ func TestCNIAddWaitsForItsSandbox(t *testing.T) {
 	}
 	if st.Meta.NetNS != newSandbox.Path() {
 		t.Errorf("CNI ADD answered enrolled while the pod is attached only in its old sandbox")
+	}
+}
+
+// TestCNIAddNewSandboxWhileAPIHasOldAddress: a pod whose sandbox is
+// recreated (a runtime restart, a crashed pause container) gets a new
+// address while the API still has the old one: the kubelet reports the new
+// address only after the ADD succeeded. The new sandbox is attached at the
+// address the CNI plugin reported (before: at the API's old address, so the
+// pod's traffic from its real address was dropped as unenrolled until the
+// API caught up).
+func TestCNIAddNewSandboxWhileAPIHasOldAddress(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	oldSandbox, newSandbox := tp.Nodes[0].AddPod("old"), tp.Nodes[0].AddPod("new")
+	a, ld, _, rec := testAgent(t)
+	ctx := context.Background()
+	if res := rec.Reconcile(ctx, []loader.Pod{{UID: "uid-p", Namespace: "shop", Name: "p", NetNS: oldSandbox.Path(), Addrs: oldSandbox.Addrs(), CaptureInbound: true}}, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	// The source (the API) still has the old sandbox's address.
+	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: oldSandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	var ips []netip.Prefix
+	for _, ad := range newSandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	go func() {
+		for a.processNext(ctx) {
+		}
+	}()
+	defer a.queue.ShutDown()
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", NetNS: newSandbox.Path(), IPs: ips})
+	if err != nil || !resp.Enrolled {
+		t.Fatalf("CNI ADD: %+v, %v; want enrolled", resp, err)
+	}
+	st, _, err := ld.PodState("uid-p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Meta.NetNS != newSandbox.Path() || fmt.Sprint(st.Meta.Addrs) != fmt.Sprint(newSandbox.Addrs()) {
+		t.Errorf("attached in %s at %v; want the new sandbox %s at the CNI's %v", st.Meta.NetNS, st.Meta.Addrs, newSandbox.Path(), newSandbox.Addrs())
 	}
 }
 

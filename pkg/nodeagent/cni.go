@@ -1,6 +1,7 @@
 package nodeagent
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"maps"
@@ -193,10 +194,15 @@ func (a *Agent) refusedErr(w *workload.Workload) error {
 }
 
 // withCNIAddrs returns the workloads with the addresses the CNI plugin
-// reported given to pods the rules select but whose source knows no
-// address yet (workload.Workload.Pending), so a pod is enrolled while its
-// sandbox is being created. The workloads themselves are shared and stay
-// untouched; an address that cannot be a pod's keeps the pod out.
+// reported given to selected pods of the reported uid whose source knows
+// no address yet (workload.Workload.Pending), so a pod is enrolled while
+// its sandbox is being created, or whose source still has other
+// addresses: those of an earlier sandbox of the pod, which the API keeps
+// until the kubelet reports the new one, and the kubelet reports it only
+// once the ADD succeeded. A live report is the current sandbox's own
+// (its DEL or the end of its namespace drops it). The workloads
+// themselves are shared and stay untouched; an address that cannot be a
+// pod's keeps the pod out.
 func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workload.Workload {
 	if len(cniPods) == 0 {
 		return ws
@@ -204,21 +210,42 @@ func withCNIAddrs(ws []*workload.Workload, cniPods map[string]cniPod) []*workloa
 	out := slices.Clone(ws)
 	for i, w := range out {
 		rec, ok := cniPods[w.Namespace+"/"+w.Name]
-		if !ok || w.Pending == "" || len(rec.addrs) == 0 || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
+		if !ok || len(rec.addrs) == 0 || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
 			continue
 		}
 		c := *w
-		c.Addrs, c.Enrolled, c.Reason, c.Pending = rec.addrs, true, w.Pending, ""
+		switch {
+		case w.Pending != "":
+			c.Addrs, c.Enrolled, c.Reason, c.Pending = rec.addrs, true, w.Pending, ""
+		case w.Enrolled && !sameAddrs(w.Addrs, rec.addrs):
+			c.Addrs = rec.addrs
+			c.Reason = fmt.Sprintf("%s; addresses %v from the CNI plugin (the API still has %v, of an earlier sandbox)", w.Reason, rec.addrs, w.Addrs)
+		default:
+			continue
+		}
 		for _, a := range rec.addrs {
 			if err := selection.CheckPodAddr(a); err != nil {
 				// Still pending: selected, and refused at its ADD.
-				c.Addrs, c.Enrolled, c.Reason, c.Pending = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err), w.Pending
+				c.Addrs, c.Enrolled, c.Reason, c.Pending = nil, false, fmt.Sprintf("pod %s: address from the CNI plugin: %v", w, err), cmp.Or(w.Pending, w.Reason)
 				break
 			}
 		}
 		out[i] = &c
 	}
 	return out
+}
+
+// sameAddrs says whether a and b hold the same addresses, in any order.
+func sameAddrs(a, b []netip.Addr) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for _, x := range a {
+		if !slices.Contains(b, x) {
+			return false
+		}
+	}
+	return true
 }
 
 // withAttachedPending returns the CNI reports, completed with what the
