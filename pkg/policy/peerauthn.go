@@ -41,6 +41,13 @@ func (d Decision) Strict() bool { return d.Mode == ModeStrict }
 // Istio, portLevelMtls is honoured only on a workload policy; on a namespace
 // or mesh policy it is invalid and ignored.
 //
+// One exception copies what istiod sends ztunnel, which is stricter than
+// the rule above: a port-level DISABLE on a workload policy that sets no
+// mode of its own, under a STRICT namespace or mesh policy, stays STRICT
+// unless that workload policy also has a PERMISSIVE port
+// (convertedSelectorPeerAuthentications looks only for PERMISSIVE ports
+// there, and keeps the static STRICT policy otherwise).
+//
 // A mode that is not one of Istio's (ValidatePA reports it) is read as
 // STRICT: a typo must not quietly weaken what the author meant to enforce.
 func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string, podLabels map[string]string, port uint16) Decision {
@@ -79,10 +86,28 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 	apply(workload, workload.mtlsOrNil(), "workload")
 	if workload != nil {
 		if pm, ok := workload.Spec.PortLevelMTLS[uint32(port)]; ok {
+			if d.Mode == ModeStrict && pm.Mode == ModeDisable && unsetMode(workload.Spec.MTLS) && !hasPortMode(workload, ModePermissive) {
+				d.Source += fmt.Sprintf("; port %d DISABLE of %s/%s not applied: that policy sets no mode of its own and no PERMISSIVE port, as istiod",
+					port, workload.Namespace, workload.Name)
+				return d
+			}
 			apply(workload, &pm, fmt.Sprintf("workload, port %d", port))
 		}
 	}
 	return d
+}
+
+// unsetMode reports whether m leaves the mode to the next level.
+func unsetMode(m *MTLS) bool { return m == nil || m.Mode == "" || m.Mode == ModeUnset }
+
+// hasPortMode reports whether pa sets mode on any port.
+func hasPortMode(pa *PeerAuthentication, mode MTLSMode) bool {
+	for _, m := range pa.Spec.PortLevelMTLS {
+		if m.Mode == mode {
+			return true
+		}
+	}
+	return false
 }
 
 func (pa *PeerAuthentication) mtlsOrNil() *MTLS {

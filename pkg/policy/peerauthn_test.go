@@ -90,6 +90,23 @@ spec: {selector: {matchLabels: {app: db}}, mtls: {mode: DISABLE}}`, ns: "istio-s
 			want: ModeStrict, wantSource: "shop/db-unset (workload, port 5432)"},
 		{name: "workload unset inherits namespace", pas: nsPermissive + "\n---\n" + dbUnsetPorts, ns: "shop", labels: db, port: 80,
 			want: ModePermissive, wantSource: "shop/default (namespace)"},
+		// istiod keeps its static STRICT policy for such a workload: the
+		// DISABLE port is not exempted, unless a PERMISSIVE port is there.
+		{name: "port disable under a workload policy without a mode stays strict, as istiod", pas: nsStrict + `
+---
+metadata: {name: db-disable, namespace: shop}
+spec: {selector: {matchLabels: {app: db}}, portLevelMtls: {9100: {mode: DISABLE}}}`, ns: "shop", labels: db, port: 9100,
+			want: ModeStrict, wantSource: "shop/default (namespace); port 9100 DISABLE of shop/db-disable not applied: that policy sets no mode of its own and no PERMISSIVE port, as istiod"},
+		{name: "port disable beside a permissive port is applied, as istiod", pas: meshStrict + `
+---
+metadata: {name: db-both, namespace: shop}
+spec: {selector: {matchLabels: {app: db}}, mtls: {mode: UNSET}, portLevelMtls: {9100: {mode: DISABLE}, 9200: {mode: PERMISSIVE}}}`, ns: "shop", labels: db, port: 9100,
+			want: ModeDisable, wantSource: "shop/db-both (workload, port 9100)"},
+		{name: "port disable under a permissive namespace", pas: nsPermissive + `
+---
+metadata: {name: db-disable, namespace: shop}
+spec: {selector: {matchLabels: {app: db}}, portLevelMtls: {9100: {mode: DISABLE}}}`, ns: "shop", labels: db, port: 9100,
+			want: ModeDisable, wantSource: "shop/db-disable (workload, port 9100)"},
 		{name: "port level on namespace policy ignored", pas: `
 metadata: {name: default, namespace: shop}
 spec: {mtls: {mode: STRICT}, portLevelMtls: {8080: {mode: DISABLE}}}`, ns: "shop", labels: db, port: 8080,
