@@ -58,7 +58,15 @@ var l4WhenKeys = []string{"source.ip", "source.namespace", "source.principal", "
 // whose selector matches dst's labels in any namespace, and those in
 // dst.Namespace whose selector matches (no selector: every pod there).
 // Policies with targetRef(s) belong to waypoints and gateways, and AUDIT
-// and CUSTOM are not enforced at L4; all three are skipped.
+// and CUSTOM are not enforced at L4; all three are skipped. So are
+// dry-run policies (annotation istio.io/dry-run true, see DryRun), which
+// istiod does not hand ztunnel to enforce. An ALLOW policy whose selector
+// is present but has no labels (`selector: {}`) is skipped too: istiod
+// gives it workload-selector scope and no workload lists it, so ztunnel
+// never applies it; applying it here could admit what the other ALLOW
+// policies of a pod do not. A DENY policy with such a selector denies
+// in the whole scope instead, as the author can have meant: denying more
+// than ztunnel is safe, less is not.
 //
 // Order: if any applicable DENY rule matches, deny. Otherwise, if any ALLOW
 // policy applies, allow only if one of its rules matches. Otherwise allow.
@@ -87,7 +95,7 @@ func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src 
 	var allows []*AuthorizationPolicy
 	for i := range aps {
 		ap := &aps[i]
-		if !appliesTo(ap, rootNamespace, dst) {
+		if notEnforced(ap) || !appliesTo(ap, rootNamespace, dst) {
 			continue
 		}
 		switch ap.Spec.Action {
@@ -128,6 +136,28 @@ func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src 
 }
 
 func key(ap *AuthorizationPolicy) string { return ap.Namespace + "/" + ap.Name }
+
+// notEnforced reports the policies istiod never has ztunnel enforce,
+// wherever they are: dry-run ones, and ALLOW policies whose selector has
+// no labels (workload-selector scope that no workload lists).
+func notEnforced(ap *AuthorizationPolicy) bool {
+	if ap.DryRun() {
+		return true
+	}
+	allow := ap.Spec.Action == "" || ap.Spec.Action == ActionAllow
+	return allow && ap.Spec.Selector != nil && !hasSelector(ap.Spec.Selector)
+}
+
+// DryRunAnnotation marks a policy that is only to be logged, not enforced.
+const DryRunAnnotation = "istio.io/dry-run"
+
+// DryRun reports whether ap is a dry-run policy, read as istiod reads it:
+// the annotation parsed by strconv.ParseBool; a value that does not parse
+// leaves the policy enforced.
+func (ap *AuthorizationPolicy) DryRun() bool {
+	v, err := strconv.ParseBool(ap.Annotations[DryRunAnnotation])
+	return err == nil && v
+}
 
 func appliesTo(ap *AuthorizationPolicy, rootNamespace string, dst Target) bool {
 	if ap.Spec.TargetRef != nil || len(ap.Spec.TargetRefs) > 0 {

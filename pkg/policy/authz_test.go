@@ -458,6 +458,62 @@ spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]
 			dst:     dbTarget,
 			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
 		},
+		{
+			// istiod does not give ztunnel a dry-run policy to enforce; an
+			// enforced dry-run ALLOW would admit what the real one does not.
+			name: "dry-run policies are not enforced",
+			policies: `
+metadata: {name: allow-web, namespace: shop}
+spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}
+---
+metadata: {name: try-allow-all, namespace: shop, annotations: {istio.io/dry-run: "true"}}
+spec: {rules: [{}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false, &plainPeer: false},
+		},
+		{
+			name: "dry-run deny is not enforced",
+			policies: `
+metadata: {name: try-deny-all, namespace: shop, annotations: {istio.io/dry-run: "True"}}
+spec: {action: DENY, rules: [{}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &plainPeer: true},
+		},
+		{
+			name: "a dry-run annotation that does not parse leaves the policy enforced, as istiod",
+			policies: `
+metadata: {name: deny-cart, namespace: shop, annotations: {istio.io/dry-run: "yes"}}
+spec: {action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/cart"]}}]}]}
+---
+metadata: {name: not-dry, namespace: shop, annotations: {istio.io/dry-run: "false"}}
+spec: {action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/prod-blog/sa/writer"]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false, &blogPeer: false},
+		},
+		{
+			// istiod gives it workload-selector scope and no workload
+			// lists it; applying it would admit cart here.
+			name: "allow with an empty selector applies to no workload, as istiod",
+			policies: `
+metadata: {name: allow-web, namespace: shop}
+spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}
+---
+metadata: {name: empty-selector, namespace: shop}
+spec: {selector: {}, rules: [{}]}
+---
+metadata: {name: empty-labels, namespace: istio-system}
+spec: {selector: {matchLabels: {}}, rules: [{}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
+		},
+		{
+			name: "deny with an empty selector denies in its whole scope",
+			policies: `
+metadata: {name: empty-selector, namespace: shop}
+spec: {selector: {}, action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/cart"]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			aps := decodeAll[AuthorizationPolicy](t, tc.policies)

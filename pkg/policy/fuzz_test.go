@@ -86,7 +86,7 @@ func FuzzParsePolicyYAML(f *testing.F) {
 			if ap.Spec.Selector != nil {
 				dst.Labels = maps.Clone(ap.Spec.Selector.MatchLabels)
 			}
-			applies := appliesTo(&ap, DefaultRootNamespace, dst)
+			applies := !notEnforced(&ap) && appliesTo(&ap, DefaultRootNamespace, dst)
 			for _, src := range []Peer{
 				{Principal: "cluster.local/ns/shop/sa/web", Namespace: "shop", Addr: netip.MustParseAddr("10.0.0.5"), Authenticated: true},
 				{Addr: netip.MustParseAddr("fd00::5")},
