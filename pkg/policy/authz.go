@@ -75,8 +75,10 @@ var l4WhenKeys = []string{"source.ip", "source.namespace", "source.principal", "
 //
 // Fields only an L7 proxy can decide (hosts, methods, paths, their not-
 // forms, requestPrincipals, remoteIpBlocks, when keys other than
-// source.ip/namespace/principal and destination.ip/port) are handled so
-// that not enforcing them can only deny more, never allow more: an ALLOW
+// source.ip/namespace/principal and destination.ip/port), and
+// trustDomains/notTrustDomains, which istiod leaves out of ztunnel's
+// policies, are handled so that not enforcing them can only deny more,
+// never allow more: an ALLOW
 // rule using any of them never matches; a DENY rule is applied as if they
 // were absent (a DENY whose only conditions are L7 then denies everything it
 // selects). ztunnel states the same intent; note that ztunnel 1.30 in fact
@@ -217,7 +219,8 @@ func ruleMatches(r *Rule, action Action, policyNS string, c *conn) bool {
 
 func usesL7(r *Rule) bool {
 	for _, f := range r.From {
-		if s := f.Source; s != nil && len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks) > 0 {
+		if s := f.Source; s != nil && len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks)+
+			len(s.TrustDomains)+len(s.NotTrustDomains) > 0 {
 			return true
 		}
 	}

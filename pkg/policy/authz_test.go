@@ -514,6 +514,50 @@ spec: {selector: {}, action: DENY, rules: [{from: [{source: {principals: ["clust
 			dst:     dbTarget,
 			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
 		},
+		{
+			// istiod leaves trustDomains out of ztunnel's policies: they
+			// count as L7 fields, so an ALLOW rule with them admits
+			// nothing and a DENY rule applies without them.
+			name: "trustDomains are not L4: allow rule never matches",
+			policies: `
+metadata: {name: td, namespace: shop}
+spec:
+  rules:
+  - from: [{source: {principals: ["*"], trustDomains: [cluster.local]}}]
+  - from: [{source: {notTrustDomains: [evil.example]}}]
+  - from: [{source: {principals: ["cluster.local/ns/shop/sa/cart"]}}]`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &blogPeer: false, &plainPeer: false, &cartPeer: true},
+		},
+		{
+			name: "trustDomains are not L4: deny rule applies without them",
+			policies: `
+metadata: {name: td, namespace: shop}
+spec:
+  action: DENY
+  rules:
+  - from: [{source: {namespaces: [prod-blog], notTrustDomains: [cluster.local]}}]
+  - from: [{source: {trustDomains: [evil.example]}}]
+    to: [{operation: {ports: ["9090"]}}]`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &blogPeer: false, &plainPeer: true},
+		},
+		{
+			name: "CUSTOM with its provider decodes and is not enforced at L4",
+			policies: `
+metadata: {name: ext-authz, namespace: shop}
+spec: {action: CUSTOM, provider: {name: my-authz}, rules: [{to: [{operation: {paths: ["/admin"]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &plainPeer: true},
+		},
+		{
+			name: "provider on an ALLOW policy is invalid: it admits nothing",
+			policies: `
+metadata: {name: odd, namespace: shop}
+spec: {provider: {name: my-authz}, rules: [{}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false},
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			aps := decodeAll[AuthorizationPolicy](t, tc.policies)

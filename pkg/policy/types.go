@@ -100,6 +100,12 @@ type Source struct {
 	NotRequestPrincipals []string `json:"notRequestPrincipals,omitempty"`
 	RemoteIPBlocks       []string `json:"remoteIpBlocks,omitempty"`
 	NotRemoteIPBlocks    []string `json:"notRemoteIpBlocks,omitempty"`
+
+	// TrustDomains and NotTrustDomains are not enforced at L4 either:
+	// istiod does not send them to ztunnel. They are treated as the L7
+	// fields are (see Authorize), so a rule using them can only deny more.
+	TrustDomains    []string `json:"trustDomains,omitempty"`
+	NotTrustDomains []string `json:"notTrustDomains,omitempty"`
 }
 
 // From is one entry of rule.from.
@@ -160,7 +166,15 @@ type AuthorizationPolicySpec struct {
 	TargetRef  *PolicyTargetReference  `json:"targetRef,omitempty"`
 	TargetRefs []PolicyTargetReference `json:"targetRefs,omitempty"`
 	Action     Action                  `json:"action,omitempty"`
-	Rules      []Rule                  `json:"rules,omitempty"`
+	// Provider names the external authorizer of a CUSTOM policy; it is
+	// decoded so that such a manifest loads, and never enforced at L4.
+	Provider *ExtensionProvider `json:"provider,omitempty"`
+	Rules    []Rule             `json:"rules,omitempty"`
+}
+
+// ExtensionProvider is spec.provider of a CUSTOM AuthorizationPolicy.
+type ExtensionProvider struct {
+	Name string `json:"name,omitempty"`
 }
 
 // AuthorizationPolicy is security.istio.io/v1 AuthorizationPolicy.

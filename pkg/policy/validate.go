@@ -34,6 +34,9 @@ func validate(ap *AuthorizationPolicy) error {
 	default:
 		v.add("spec.action", "unknown action %q (want ALLOW, DENY, AUDIT or CUSTOM)", spec.Action)
 	}
+	if spec.Provider != nil && spec.Action != ActionCustom {
+		v.add("spec.provider", "is only for action CUSTOM, not %q", spec.Action)
+	}
 	targeted := spec.TargetRef != nil || len(spec.TargetRefs) > 0
 	if targeted && spec.Selector != nil {
 		v.add("spec", "only one of selector, targetRef and targetRefs may be set")
@@ -60,7 +63,8 @@ func (v *validator) rule(path string, r *Rule) {
 		}
 		if len(s.Principals)+len(s.NotPrincipals)+len(s.Namespaces)+len(s.NotNamespaces)+
 			len(s.ServiceAccounts)+len(s.NotServiceAccounts)+len(s.IPBlocks)+len(s.NotIPBlocks)+
-			len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks) == 0 {
+			len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks)+
+			len(s.TrustDomains)+len(s.NotTrustDomains) == 0 {
 			v.add(p, "must not be empty")
 		}
 		if len(s.ServiceAccounts)+len(s.NotServiceAccounts) > 0 &&
@@ -79,6 +83,8 @@ func (v *validator) rule(path string, r *Rule) {
 		v.values(p+".notRequestPrincipals", s.NotRequestPrincipals)
 		v.ipBlocks(p+".remoteIpBlocks", s.RemoteIPBlocks)
 		v.ipBlocks(p+".notRemoteIpBlocks", s.NotRemoteIPBlocks)
+		v.trustDomains(p+".trustDomains", s.TrustDomains)
+		v.trustDomains(p+".notTrustDomains", s.NotTrustDomains)
 	}
 	if r.To != nil && len(r.To) == 0 {
 		v.add(path+".to", "must not be empty when present")
@@ -179,6 +185,22 @@ func (v *validator) values(path string, vals []string) {
 	for i, s := range vals {
 		if s == "" {
 			v.add(fmt.Sprintf("%s[%d]", path, i), "empty value")
+		}
+	}
+}
+
+// trustDomains checks as Istio's webhook does: not empty, at most one
+// "*" and only at an end, no "/".
+func (v *validator) trustDomains(path string, tds []string) {
+	for i, s := range tds {
+		n := strings.Count(s, "*")
+		switch {
+		case s == "":
+			v.add(fmt.Sprintf("%s[%d]", path, i), "empty value")
+		case n > 1 || (n == 1 && s != "*" && !strings.HasPrefix(s, "*") && !strings.HasSuffix(s, "*")):
+			v.add(fmt.Sprintf("%s[%d]", path, i), "%q: one wildcard at most, at the start or end", s)
+		case strings.Contains(s, "/"):
+			v.add(fmt.Sprintf("%s[%d]", path, i), "%q: a trust domain has no '/'", s)
 		}
 	}
 }

@@ -44,6 +44,29 @@ spec:
 				`spec.rules[0].from[1].source.notIpBlocks[0]: malformed ip block "10.0.0.256"`,
 				`spec.rules[0].from[1].source.remoteIpBlocks[0]: malformed ip block "fe80::1%eth0"`,
 			}},
+		{name: "trust domains", policy: `
+metadata: {name: td, namespace: shop}
+spec:
+  rules:
+  - from:
+    - source: {trustDomains: ["*.example", "ok", ""]}
+    - source: {notTrustDomains: ["a*b", "td/ns", "**"]}`,
+			want: []string{
+				`spec.rules[0].from[0].source.trustDomains[2]: empty value`,
+				`spec.rules[0].from[1].source.notTrustDomains[0]: "a*b"`,
+				`spec.rules[0].from[1].source.notTrustDomains[1]: "td/ns"`,
+				`spec.rules[0].from[1].source.notTrustDomains[2]: "**"`,
+			}},
+		{name: "trust domains alone make a source", policy: `
+metadata: {name: td, namespace: shop}
+spec: {rules: [{from: [{source: {notTrustDomains: ["*.example"]}}]}]}`},
+		{name: "custom with a provider is valid", policy: `
+metadata: {name: ext, namespace: shop}
+spec: {action: CUSTOM, provider: {name: ext-authz}, rules: [{}]}`},
+		{name: "provider without custom", policy: `
+metadata: {name: ext, namespace: shop}
+spec: {action: DENY, provider: {name: ext-authz}, rules: [{}]}`,
+			want: []string{`spec.provider: is only for action CUSTOM, not "DENY"`}},
 		{name: "bad ports", policy: `
 metadata: {name: ports, namespace: shop}
 spec:

@@ -138,6 +138,39 @@ func TestLoadEveryKind(t *testing.T) {
 	}
 }
 
+// TestLoadIstioFieldsL4DoesNotEnforce: fields of a valid Istio manifest
+// that the node does not enforce (a CUSTOM policy's provider, trustDomains)
+// still load; refusing them would refuse the whole load.
+func TestLoadIstioFieldsL4DoesNotEnforce(t *testing.T) {
+	path := writeFile(t, t.TempDir(), "policies.yaml", `apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: ext-authz, namespace: shop}
+spec:
+  action: CUSTOM
+  provider: {name: my-authz}
+  rules: [{to: [{operation: {paths: [/admin]}}]}]
+---
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: td, namespace: shop}
+spec:
+  rules: [{from: [{source: {trustDomains: [cluster.local], notTrustDomains: [old.example]}}]}]
+`)
+	snap, errs := Load(path)
+	if len(errs) > 0 {
+		t.Fatalf("errors: %v", errs)
+	}
+	if len(snap.AuthorizationPolicies) != 2 {
+		t.Fatalf("authorizationpolicies = %d, want 2", len(snap.AuthorizationPolicies))
+	}
+	if p := snap.AuthorizationPolicies[0].Spec.Provider; p == nil || p.Name != "my-authz" {
+		t.Errorf("provider = %+v", p)
+	}
+	if s := snap.AuthorizationPolicies[1].Spec.Rules[0].From[0].Source; s.TrustDomains[0] != "cluster.local" || s.NotTrustDomains[0] != "old.example" {
+		t.Errorf("source = %+v", s)
+	}
+}
+
 func TestLoadListSortAndDefaults(t *testing.T) {
 	const list = `apiVersion: v1
 kind: List
