@@ -614,3 +614,27 @@ spec: {action: DENY, rules: [{from: [{source: {ipBlocks: ["300.0.0.1"]}}]}]}`)
 		t.Errorf("invalid deny: %+v", v)
 	}
 }
+
+// TestAuthorizeUnrecognizedFailsClosed: a policy a source marked as
+// having fields these types do not know (dropped in decoding, so its rules
+// may be wider than written) admits nothing as an ALLOW and denies all it
+// selects as a DENY.
+func TestAuthorizeUnrecognizedFailsClosed(t *testing.T) {
+	aps := decodeAll[AuthorizationPolicy](t, `
+metadata: {name: allow-web, namespace: shop}
+spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}`)
+	aps[0].Unrecognized = `decode spec: json: unknown field "sourceLabels"`
+	v := Authorize(aps, "", dbTarget, webPeer)
+	if v.Allowed || !strings.Contains(v.Reason, "shop/allow-web (invalid)") {
+		t.Errorf("allow with an unknown field: %+v", v)
+	}
+	if err := Validate(aps[0]); err == nil || !strings.Contains(err.Error(), "sourceLabels") {
+		t.Errorf("Validate = %v, want an error naming the unknown field", err)
+	}
+
+	aps[0].Spec.Action = ActionDeny
+	v = Authorize(aps, "", dbTarget, cartPeer)
+	if v.Allowed || v.Policy != "shop/allow-web" || !strings.Contains(v.Reason, "sourceLabels") {
+		t.Errorf("deny with an unknown field: %+v", v)
+	}
+}

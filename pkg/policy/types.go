@@ -182,4 +182,9 @@ type AuthorizationPolicy struct {
 	TypeMeta `json:",inline"`
 	Meta     `json:"metadata,omitempty"`
 	Spec     AuthorizationPolicySpec `json:"spec"`
+	// Unrecognized names what a source found in the object that these
+	// types do not know (a newer Istio field, a typo); Spec then lacks it.
+	// Dropping a field can widen an ALLOW rule, so such a policy is
+	// invalid (see Validate) and fails closed.
+	Unrecognized string `json:"-"`
 }

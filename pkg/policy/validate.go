@@ -34,6 +34,9 @@ func validate(ap *AuthorizationPolicy) error {
 	default:
 		v.add("spec.action", "unknown action %q (want ALLOW, DENY, AUDIT or CUSTOM)", spec.Action)
 	}
+	if ap.Unrecognized != "" {
+		v.add("spec", "has what this agent does not know, so it cannot be enforced as written: %s", ap.Unrecognized)
+	}
 	if spec.Provider != nil && spec.Action != ActionCustom {
 		v.add("spec.provider", "is only for action CUSTOM, not %q", spec.Action)
 	}

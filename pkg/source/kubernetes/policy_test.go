@@ -59,6 +59,45 @@ spec:
 	}
 }
 
+// TestDecodeUnknownFieldFailsClosed: a field the policy types do not know (a newer Istio's)
+// is dropped by decoding, which would widen an ALLOW rule; the decoded policy is marked and
+// fails closed instead of admitting more than written.
+func TestDecodeUnknownFieldFailsClosed(t *testing.T) {
+	u := mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: web-from-blue}
+spec:
+  rules:
+  - from: [{source: {principals: ["*"], sourceLabels: {tier: blue}}}]
+`)
+	ap, err := decode[policy.AuthorizationPolicy](u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(ap.Unrecognized, "sourceLabels") {
+		t.Errorf("Unrecognized = %q, want it to name sourceLabels", ap.Unrecognized)
+	}
+	peer := policy.Peer{Principal: "cluster.local/ns/other/sa/x", Namespace: "other", Authenticated: true}
+	if v := policy.Authorize([]policy.AuthorizationPolicy{*ap}, "", policy.Target{Namespace: "shop", Port: 80}, peer); v.Allowed {
+		t.Errorf("allowed by a policy with an unknown field: %+v", v)
+	}
+
+	known := mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: ext, annotations: {istio.io/dry-run: "true"}}
+spec:
+  action: CUSTOM
+  provider: {name: ext-authz}
+  rules: [{from: [{source: {trustDomains: [cluster.local]}}]}]
+`)
+	ap, err = decode[policy.AuthorizationPolicy](known)
+	if err != nil || ap.Unrecognized != "" || ap.Spec.Provider == nil || !ap.DryRun() {
+		t.Errorf("decode = %+v, %v; want the provider and dry-run read, nothing unrecognized", ap, err)
+	}
+}
+
 func TestCheckSpecLeavesOutUndecodable(t *testing.T) {
 	u := mustUnstructured(t, `
 spec:
