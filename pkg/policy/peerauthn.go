@@ -34,7 +34,10 @@ func (d Decision) Strict() bool { return d.Mode == ModeStrict }
 //     ignored, as Istio does);
 //  3. the namespace policy: no selector, in the pod's namespace;
 //  4. the mesh policy: no selector, in rootNamespace ("" means
-//     istio-system);
+//     istio-system); one there with a selector without labels (`selector:
+//     {}`) counts only for pods in rootNamespace, as istiod
+//     (fetchPeerAuthentications) does, so it never outranks the mesh
+//     policy elsewhere;
 //  5. PERMISSIVE.
 //
 // A level whose mode is UNSET (or absent) inherits from the next one. As in
@@ -60,6 +63,9 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 		switch {
 		case !hasSelector(pa.Spec.Selector):
 			if pa.Namespace == rootNamespace {
+				if pa.Spec.Selector != nil && podNamespace != rootNamespace {
+					continue // `selector: {}` in the root namespace: not mesh-wide in istiod
+				}
 				mesh = older(mesh, pa)
 			} else if pa.Namespace == podNamespace {
 				namespace = older(namespace, pa)

@@ -41,6 +41,14 @@ spec:
   portLevelMtls:
     5432: {mode: STRICT}`
 	)
+	const (
+		meshYoungStrict = `
+metadata: {name: young, namespace: istio-system, creationTimestamp: "2024-06-01T00:00:00Z"}
+spec: {mtls: {mode: STRICT}}`
+		meshOldEmptySelector = `
+metadata: {name: old-empty, namespace: istio-system, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec: {selector: {}, mtls: {mode: PERMISSIVE}}`
+	)
 	db := map[string]string{"app": "db", "tier": "data"}
 	web := map[string]string{"app": "web"}
 
@@ -115,6 +123,13 @@ spec: {mtls: {mode: STRICT}, portLevelMtls: {8080: {mode: DISABLE}}}`, ns: "shop
 metadata: {name: all, namespace: shop}
 spec: {selector: {matchLabels: {}}, mtls: {mode: STRICT}}`, ns: "shop", labels: web, port: 80,
 			want: ModeStrict, wantSource: "shop/all (namespace)"},
+		// istiod takes the mesh policy of other namespaces' pods only from
+		// root-namespace policies without a selector: an older
+		// `selector: {}` PERMISSIVE one there must not undo STRICT.
+		{name: "empty selector in root namespace is not mesh-wide", pas: meshYoungStrict + "\n---\n" + meshOldEmptySelector, ns: "shop", labels: db, port: 80,
+			want: ModeStrict, wantSource: "istio-system/young (mesh)"},
+		{name: "empty selector in root namespace for its own pods", pas: meshYoungStrict + "\n---\n" + meshOldEmptySelector, ns: "istio-system", labels: db, port: 80,
+			want: ModePermissive, wantSource: "istio-system/old-empty (mesh)"},
 		{name: "custom root namespace", root: "mesh-root", pas: meshStrict + `
 ---
 metadata: {name: default, namespace: mesh-root}
