@@ -9,7 +9,7 @@
 
 #include "include/maps.h"
 #include "include/packet.h"
-#include <bpf/bpf_core_read.h>
+#include "include/netns.h"
 
 char __license[] SEC("license") = "GPL";
 
@@ -98,39 +98,6 @@ static __always_inline int tunnel_owns(struct __sk_buff *skb, struct tcp_pkt *p)
 	owned = sk->state != BPF_TCP_LISTEN;
 	bpf_sk_release(sk);
 	return owned;
-}
-
-/* The kernel's sk_buff, net_device, net and ns_common: only the fields
- * netns_ino reads, located at load time through BTF (CO-RE). */
-struct ns_common___rd {
-	unsigned int inum;
-} __attribute__((preserve_access_index));
-
-struct net___rd {
-	struct ns_common___rd ns;
-} __attribute__((preserve_access_index));
-
-struct net_device___rd {
-	struct {
-		struct net___rd *net;
-	} nd_net;
-} __attribute__((preserve_access_index));
-
-struct sk_buff___rd {
-	struct net_device___rd *dev;
-} __attribute__((preserve_access_index));
-
-/* netns_ino is the inode number of the network namespace of the packet's
- * device (what stat(2) of /proc/<pid>/ns/net shows), 0 if it cannot be read.
- * The context is the kernel's sk_buff; as in tw_rcv_nxt, its address is
- * read as a number first, and the fields with bpf_probe_read_kernel. */
-static __always_inline __u32 netns_ino(struct __sk_buff *skb)
-{
-	struct sk_buff___rd *k;
-
-	if (bpf_probe_read_kernel(&k, sizeof(k), &skb) < 0)
-		return 0;
-	return BPF_CORE_READ(k, dev, nd_net.net, ns.inum);
 }
 
 /* netns_pod returns the settings of the enrolled pod the packet's interface
