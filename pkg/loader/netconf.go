@@ -133,6 +133,21 @@ func (l *Loader) delRouting(addrs []netip.Addr) error {
 	return errors.Join(errs...)
 }
 
+// checkEthernet fails unless iface is an Ethernet device. The programs read
+// an Ethernet header at the start of every frame (and steer by rewriting its
+// destination MAC); on a device without one (a tun or WireGuard device, an
+// IP tunnel, netkit in L3 mode) frames start at the IP header, the programs
+// would take bytes of the addresses for the EtherType and pass nearly every
+// packet unclassified: the pod would look enrolled while its TCP crossed the
+// interface in plaintext.
+func checkEthernet(iface netlink.Link) error {
+	a := iface.Attrs()
+	if a.EncapType != "ether" || len(a.HardwareAddr) != 6 {
+		return fmt.Errorf("interface %s is not an Ethernet device (link type %q): the capture programs need an Ethernet header", a.Name, a.EncapType)
+	}
+	return nil
+}
+
 // checkAddrs fails unless every address is configured on iface: enrolling an
 // address the pod does not own would capture someone else's traffic. It
 // returns the other addresses of iface that are not link-local (a SLAAC or

@@ -264,6 +264,9 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if err != nil {
 			return fmt.Errorf("interface %s not found in network namespace %s: %w", meta.Interface, meta.NetNS, err)
 		}
+		if err := checkEthernet(iface); err != nil {
+			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		}
 		others, err := checkAddrs(iface, meta.Addrs)
 		if err != nil {
 			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
