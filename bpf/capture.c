@@ -324,9 +324,10 @@ static __always_inline int tunnel_socket(struct bpf_sock *sk)
  * the kernel deliver it. pod is the address counted. Every SYN not assigned
  * is counted under its own reason.
  *
- * Except, for a SYN from the wire (wire set), a socket of the app in
- * SYN_SENT: the app's own SYN for that tuple was captured and never left
- * the pod, so nobody on the wire can be opening the same connection; the
+ * Except, for a SYN from the wire to a pod whose outbound capture is on
+ * (wire set), a socket of the app in SYN_SENT: the app's own SYN for that
+ * tuple was captured and never left the pod, so nobody on the wire can be
+ * opening the same connection; the
  * kernel would take the SYN as a simultaneous open and connect the app to
  * its sender in plaintext. It is dropped (drop_syn_sent). The tunnel's own
  * sockets (tunnel mark) are left to TCP. */
@@ -522,5 +523,6 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}
-	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC, 1);
+	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC,
+			pod->flags & POD_CAPTURE_OUTBOUND);
 }

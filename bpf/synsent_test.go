@@ -108,4 +108,18 @@ func TestCaptureSYNMeetsSynSent(t *testing.T) {
 		{"v4 syn from another port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app+1, 41001, fSYN)), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
 	}
 	runTableIn(t, objs.RdPodIngress, objs.RdReasons, setup, cases)
+
+	// With the pod's outbound capture off, the app's SYN did go out: a
+	// simultaneous open is TCP's business, as before.
+	inboundOnly := func(ino uint32) {
+		setup(ino)
+		k := CapturePodAddr{Addr: pod4.As16()}
+		v := CapturePodSettings{Flags: uint32(CapturePodFlagPOD_CAPTURE_INBOUND), PodId: 1}
+		if err := objs.RdPods.Put(&k, &v); err != nil {
+			t.Errorf("enroll %s inbound only: %v", pod4, err)
+		}
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, inboundOnly, []progCase{
+		{"v4 syn to an app socket in SYN_SENT, outbound capture off", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41001, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_SYN_EXISTING},
+	})
 }
