@@ -1,9 +1,12 @@
 package loader_test
 
 import (
+	"bytes"
 	"context"
+	"log/slog"
 	"net/netip"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
@@ -52,6 +55,68 @@ func TestAttachRefusesNonEthernet(t *testing.T) {
 		t.Fatalf("attach to eth0: %v", err)
 	}
 	if err := l.DetachPod(ctx, loadertest.PodOf(pod, true).UID); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for the loader's goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *lockedBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *lockedBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// TestAttachWarnsOtherInterfaces: a pod with another interface up (a second
+// network, as Multus adds) is attached, with a warning that names it: the
+// programs are only on the pod interface, so TCP that arrives on the other
+// reaches the pod's sockets uncaptured. Interfaces that are down (the
+// fallback tunnel devices every namespace gets) are not named. Before, the
+// loader said nothing.
+func TestAttachWarnsOtherInterfaces(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	pod := topo.Nodes[0].AddPod("multi")
+	ctx := context.Background()
+	t.Cleanup(func() { netnstest.Exec(ctx, pod.Path(), "ip", "link", "del", "rdnet1") })
+	for _, args := range [][]string{
+		{"ip", "link", "add", "rdnet1", "type", "veth", "peer", "name", "rdnet1p"},
+		{"ip", "link", "set", "rdnet1", "up"},
+	} {
+		if out, err := netnstest.Exec(ctx, pod.Path(), args[0], args[1:]...); err != nil {
+			t.Fatalf("%s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	var logs lockedBuffer
+	l, err := loader.Load(ctx, loader.Config{PinRoot: loadertest.TempBPFFS(t), Settings: loader.DefaultSettings(),
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	p := loadertest.PodOf(pod, true)
+	if _, err := l.AttachPod(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	var warning string
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, "other interfaces up") {
+			warning = line
+		}
+	}
+	if !strings.Contains(warning, "rdnet1") || strings.Contains(warning, "rdnet1p") || strings.Contains(warning, "eth0]") {
+		t.Errorf("warning %q, want one naming rdnet1 only (rdnet1p is down)", warning)
+	}
+	if err := l.DetachPod(ctx, p.UID); err != nil {
 		t.Fatal(err)
 	}
 }

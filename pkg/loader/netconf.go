@@ -148,6 +148,27 @@ func checkEthernet(iface netlink.Link) error {
 	return nil
 }
 
+// otherInterfaces lists the interfaces of the current namespace that are up,
+// other than loopback and iface. The programs are only on iface, so TCP that
+// arrives on another (a second network, such as Multus adds) reaches the
+// pod's sockets uncaptured, in plaintext, to any of the pod's addresses:
+// the kernel accepts a packet for a local address on any interface.
+func otherInterfaces(iface netlink.Link) ([]string, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list interfaces: %w", err)
+	}
+	var out []string
+	for _, lk := range links {
+		a := lk.Attrs()
+		if a.Index == iface.Attrs().Index || a.Flags&net.FlagLoopback != 0 || a.Flags&net.FlagUp == 0 {
+			continue
+		}
+		out = append(out, a.Name)
+	}
+	return out, nil
+}
+
 // checkAddrs fails unless every address is configured on iface: enrolling an
 // address the pod does not own would capture someone else's traffic. It
 // returns the other addresses of iface that are not link-local (a SLAAC or

@@ -275,6 +275,12 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			l.log.WarnContext(ctx, "pod interface has addresses that are not enrolled: TCP to and from them is dropped",
 				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "addresses", others)
 		}
+		if ifaces, err := otherInterfaces(iface); err != nil {
+			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		} else if len(ifaces) > 0 {
+			l.log.WarnContext(ctx, "pod has other interfaces up: TCP that arrives on them is not captured (the programs are only on the pod interface)",
+				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "others", ifaces)
+		}
 		al, rp := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter")
 		if !existed {
 			// Remember what the pod had, to restore it on detach.
