@@ -9,7 +9,7 @@
 
 #include "include/maps.h"
 #include "include/packet.h"
-#include <bpf/bpf_core_read.h>
+#include "include/netns.h"
 
 char __license[] SEC("license") = "GPL";
 
@@ -98,39 +98,6 @@ static __always_inline int tunnel_owns(struct __sk_buff *skb, struct tcp_pkt *p)
 	owned = sk->state != BPF_TCP_LISTEN;
 	bpf_sk_release(sk);
 	return owned;
-}
-
-/* The kernel's sk_buff, net_device, net and ns_common: only the fields
- * netns_ino reads, located at load time through BTF (CO-RE). */
-struct ns_common___rd {
-	unsigned int inum;
-} __attribute__((preserve_access_index));
-
-struct net___rd {
-	struct ns_common___rd ns;
-} __attribute__((preserve_access_index));
-
-struct net_device___rd {
-	struct {
-		struct net___rd *net;
-	} nd_net;
-} __attribute__((preserve_access_index));
-
-struct sk_buff___rd {
-	struct net_device___rd *dev;
-} __attribute__((preserve_access_index));
-
-/* netns_ino is the inode number of the network namespace of the packet's
- * device (what stat(2) of /proc/<pid>/ns/net shows), 0 if it cannot be read.
- * The context is the kernel's sk_buff; as in tw_rcv_nxt, its address is
- * read as a number first, and the fields with bpf_probe_read_kernel. */
-static __always_inline __u32 netns_ino(struct __sk_buff *skb)
-{
-	struct sk_buff___rd *k;
-
-	if (bpf_probe_read_kernel(&k, sizeof(k), &skb) < 0)
-		return 0;
-	return BPF_CORE_READ(k, dev, nd_net.net, ns.inum);
 }
 
 /* netns_pod returns the settings of the enrolled pod the packet's interface
@@ -340,15 +307,32 @@ static __always_inline int assign_listener(struct __sk_buff *skb, struct tcp_pkt
 	return 0;
 }
 
+/* tunnel_socket reports whether a socket the lookup found is one of the
+ * tunnel's own (it carries the tunnel mark). */
+static __always_inline int tunnel_socket(struct bpf_sock *sk)
+{
+	struct bpf_sock *full = bpf_sk_fullsock(sk);
+
+	return full && (full->mark & mark_mask) == tunnel_mark;
+}
+
 /* take_syn hands a new connection's SYN (no ACK) to the tunnel listener on
  * port, after checking the SYN's own tuple: free, or a listener of the
  * original port, it is assigned; in TIME_WAIT, clear_timewait reopens it; a
  * live socket (a request the SYN is a retransmission for, or a connection)
  * gets the SYN as TCP would without the mesh: pass is the verdict that lets
  * the kernel deliver it. pod is the address counted. Every SYN not assigned
- * is counted under its own reason. */
+ * is counted under its own reason.
+ *
+ * Except, for a SYN from the wire to a pod whose outbound capture is on
+ * (wire set), a socket of the app in SYN_SENT: the app's own SYN for that
+ * tuple was captured and never left the pod, so nobody on the wire can be
+ * opening the same connection; the
+ * kernel would take the SYN as a simultaneous open and connect the app to
+ * its sender in plaintext. It is dropped (drop_syn_sent). The tunnel's own
+ * sockets (tunnel mark) are left to TCP. */
 static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __u16 port, const struct pod_addr *pod,
-				    __u32 assigned, enum counter_field field, int pass)
+				    __u32 assigned, enum counter_field field, int pass, int wire)
 {
 	struct bpf_sock *sk = lookup_tcp(skb, p);
 	int reason;
@@ -356,6 +340,11 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
 	if (sk) {
 		__u32 state = sk->state;
 
+		if (wire && state == BPF_TCP_SYN_SENT && !tunnel_socket(sk)) {
+			bpf_sk_release(sk);
+			count(REASON_DROP_SYN_SENT, pod, CNT_DROPPED);
+			return TC_ACT_SHOT;
+		}
 		if (state == BPF_TCP_TIME_WAIT) {
 			reason = clear_timewait(skb, p, sk);
 			bpf_sk_release(sk);
@@ -469,6 +458,9 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  inbound plaintext listener;
  *   TC_ACT_SHOT    a TCP packet from the probe SNAT address that the host
  *                  veth program did not translate (no HASH_PROBE_SNAT);
+ *   TC_ACT_SHOT    a SYN whose tuple is an app socket in SYN_SENT: its own
+ *                  SYN was captured, so only a simultaneous open by a
+ *                  sender on the wire could connect it, in plaintext;
  *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext.
@@ -499,7 +491,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 			count(REASON_IN_PASS_REINJECTED, &p.src, CNT_STEERED);
 			return TC_ACT_OK;
 		}
-		return take_syn(skb, &p, outbound_port, &p.src, REASON_IN_ASSIGN_OUTBOUND, CNT_STEERED, TC_ACT_OK);
+		return take_syn(skb, &p, outbound_port, &p.src, REASON_IN_ASSIGN_OUTBOUND, CNT_STEERED, TC_ACT_OK, 0);
 	}
 
 	pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
@@ -531,5 +523,6 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}
-	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC);
+	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC,
+			pod->flags & POD_CAPTURE_OUTBOUND);
 }

@@ -98,7 +98,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_LINK_LOCAL      CaptureVerdictReason = 22
 	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR CaptureVerdictReason = 23
 	CaptureVerdictReasonREASON_DROP_VLAN            CaptureVerdictReason = 24
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 25
+	CaptureVerdictReasonREASON_DROP_SYN_SENT        CaptureVerdictReason = 25
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 26
 )
 
 // Names of all BPF objects in the ELF.

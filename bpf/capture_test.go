@@ -609,3 +609,63 @@ func TestCaptureUnenrolledAddrFollowsEnrollment(t *testing.T) {
 	runTableIn(t, objs.RdPodIngress, objs.RdReasons, outOnly, table(in, actUnspec, noReason))
 	runTableIn(t, objs.RdPodEgress, objs.RdReasons, outOnly, table(out, actShot, CaptureVerdictReasonREASON_DROP_LINK_LOCAL))
 }
+
+// TestCaptureHiddenPayloads: IP protocols that can carry TCP out of the
+// programs' sight (IPComp, MPLS-in-IP, L2TPv3, Ethernet-in-IP, an IPv4 AH
+// inside another: only one is walked) and the IPv6
+// extension headers parse_ipv6 does not walk (mobility, HIP, Shim6, the
+// experimental 253 and 254), to or from an enrolled pod, are dropped as
+// drop_exthdr, and fragments of them as drop_fragment. Before, only ESP,
+// IP-in-IP and GRE were: the others passed as not TCP, so a raw-socket SYN
+// behind a Shim6 header, or TCP in an IPComp or L2TPv3 packet, crossed the
+// capture in plaintext for any receiver that walks or decapsulates it.
+func TestCaptureHiddenPayloads(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	const (
+		pMPLS, pL2TP, pComp, pEthernet, pEtherIP = 137, 115, 108, 143, 97
+		pMH, pHIP, pShim6                        = 135, 139, 140
+	)
+	exthdr, fragment := CaptureVerdictReasonREASON_DROP_EXTHDR, CaptureVerdictReasonREASON_DROP_FRAGMENT
+	// hdr is an extension header of the uniform format (RFC 6564), 8 bytes.
+	hdr := func(proto byte) ext { return ext{proto, []byte{0, 0, 0, 0, 0, 0, 0}} }
+	inner4 := ip4(peer4, pod4, pTCP, 0, tcpSyn)[14:]
+	table := func(src4, dst4, src6, dst6 netip.Addr) []progCase {
+		return []progCase{
+			{"v4 IPComp", 0, ip4(src4, dst4, pComp, 0, append([]byte{pTCP, 0, 0, 1}, tcpSyn...)), actShot, exthdr},
+			{"v4 MPLS-in-IP", 0, ip4(src4, dst4, pMPLS, 0, append([]byte{0, 0x10, 0x01, 0x40}, inner4...)), actShot, exthdr},
+			{"v4 L2TPv3", 0, ip4(src4, dst4, pL2TP, 0, append(make([]byte, 8), frame(unix.ETH_P_IP, inner4)...)), actShot, exthdr},
+			{"v4 Ethernet-in-IP", 0, ip4(src4, dst4, pEtherIP, 0, append([]byte{0x30, 0}, frame(unix.ETH_P_IP, inner4)...)), actShot, exthdr},
+			{"v4 syn behind two AH headers", 0, ip4(src4, dst4, pAH, 0, append([]byte{pAH, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1}, append([]byte{pTCP, 1, 0, 0, 0, 0, 0, 2, 0, 0, 0, 1}, tcpSyn...)...)), actShot, exthdr},
+			{"v4 IPComp fragment", 0, ip4(src4, dst4, pComp, 0x2000, make([]byte, 24)), actShot, fragment},
+			{"v4 L2TPv3 last fragment", 0, ip4(src4, dst4, pL2TP, 3, make([]byte, 24)), actShot, fragment},
+			{"v6 IPComp", 0, ip6(src6, dst6, nil, pComp, append([]byte{pTCP, 0, 0, 1}, tcpSyn...)), actShot, exthdr},
+			{"v6 IPComp after destination options", 0, ip6(src6, dst6, []ext{opts(pDst, 0)}, pComp, append([]byte{pTCP, 0, 0, 1}, tcpSyn...)), actShot, exthdr},
+			{"v6 MPLS-in-IP", 0, ip6(src6, dst6, nil, pMPLS, append([]byte{0, 0x10, 0x01, 0x40}, inner4...)), actShot, exthdr},
+			{"v6 Ethernet", 0, ip6(src6, dst6, nil, pEthernet, frame(unix.ETH_P_IP, inner4)), actShot, exthdr},
+			{"v6 syn behind a mobility header", 0, ip6(src6, dst6, []ext{hdr(pMH)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 syn behind HIP", 0, ip6(src6, dst6, []ext{hdr(pHIP)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 syn behind Shim6", 0, ip6(src6, dst6, []ext{hdr(pShim6)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 syn behind Shim6 after hop-by-hop", 0, ip6(src6, dst6, []ext{opts(pHop, 0), hdr(pShim6)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 syn behind experimental 253", 0, ip6(src6, dst6, []ext{hdr(253)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 syn behind experimental 254", 0, ip6(src6, dst6, []ext{hdr(254)}, pTCP, tcpSyn), actShot, exthdr},
+			{"v6 mobility header alone", 0, ip6(src6, dst6, []ext{hdr(pMH)}, pNone, nil), actShot, exthdr},
+			{"v6 first fragment of Shim6", 0, ip6(src6, dst6, []ext{frag(0, true)}, pShim6, make([]byte, 16)), actShot, fragment},
+			{"v6 last fragment of IPComp", 0, ip6(src6, dst6, []ext{frag(8, false)}, pComp, make([]byte, 16)), actShot, fragment},
+			// Still not TCP: no receiver walks past these.
+			{"v6 unassigned next header 200", 0, ip6(src6, dst6, nil, 200, make([]byte, 16)), actUnspec, noReason},
+			{"v6 no next header", 0, ip6(src6, dst6, nil, pNone, nil), actUnspec, noReason},
+			{"v6 udp fragment", 0, ip6(src6, dst6, []ext{frag(8, true)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		}
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, table(peer4, pod4, peer6, pod6))
+	runTable(t, objs.RdPodEgress, objs.RdReasons, table(pod4, peer4, pod6, peer6))
+	// Between addresses that are not enrolled, off an enrolled pod's
+	// interface: not the mesh's.
+	others := []progCase{
+		{"v4 IPComp between others", 0, ip4(peer4, other4, pComp, 0, make([]byte, 24)), actUnspec, noReason},
+		{"v6 syn behind Shim6 between others", 0, ip6(peer6, other6, []ext{hdr(pShim6)}, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, others)
+}

@@ -10,6 +10,7 @@
 
 #include "include/hostprobe_maps.h"
 #include "include/hostprobe.h"
+#include "include/netns.h"
 
 char __license[] SEC("license") = "GPL";
 
@@ -73,15 +74,25 @@ static __always_inline void snat_addr(struct pod_addr *a, int v6)
 }
 
 /* host_socket reports whether this node's stack sent the packet from a full
- * socket: what "has a local socket" means for a probe's SYN. Packets bridged
- * or routed through the node have none. */
+ * socket: what "has a local socket" means for a probe's SYN. Packets routed
+ * through the node have none (IP input orphans them). Packets a pod sent
+ * that reach this veth without IP input still carry the pod's socket:
+ * bridged from another pod's veth on the node's bridge, or redirected by a
+ * tc program, since a veth keeps skb->sk when a packet crosses into another
+ * namespace. So the socket must also be in this device's namespace (the
+ * node's): a pod's socket is in the pod's. */
 static __always_inline int host_socket(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
+	__u32 ino;
 
 	if (!sk)
 		return 0;
-	return bpf_sk_fullsock(sk) != NULL;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return 0;
+	ino = sk_netns_ino(sk);
+	return ino && ino == netns_ino(skb);
 }
 
 /* spoofed_probe reports (and counts) a packet to an enrolled pod whose
@@ -118,7 +129,8 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *     - a later packet of such a connection (the entry exists and its node
  *       address is the packet's source) is rewritten the same way;
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
- *       socket: other pods, other nodes), tunnel-marked sockets, connections
+ *       socket of the node's namespace: other pods, whether routed or
+ *       bridged, other nodes), tunnel-marked sockets, connections
  *       the pod opened to the node (the node answers with SYN-ACK, which
  *       never creates an entry), unenrolled pods, IPv6 extension headers;
  *   TC_ACT_SHOT    a packet of any protocol to an enrolled pod whose source

@@ -96,12 +96,49 @@ static __always_inline int is_loopback(const struct pod_addr *a)
 	return addr_eq(a, &lo6);
 }
 
+/* IP protocol numbers linux/in.h does not name. */
+#define IPPROTO_ETHERIP_RD 97 /* Ethernet-within-IP (RFC 3378) */
+#define IPPROTO_HIP_RD 139    /* Host Identity Protocol (RFC 7401) */
+#define IPPROTO_SHIM6_RD 140  /* Shim6 (RFC 5533) */
+
 /* hides_tcp reports whether an IP protocol number can carry TCP that the
- * programs cannot see: encryption (ESP) and IP-in-IP or GRE encapsulation,
- * which a decapsulating device in the pod would deliver past the capture. */
+ * programs cannot see: encryption or compression (ESP, IPComp) and IP-in-IP,
+ * GRE, MPLS-in-IP, L2TPv3 or Ethernet-in-IP encapsulation, which a
+ * decapsulating device or SA in the pod (or any receiver off the node) would
+ * deliver past the capture. */
 static __always_inline int hides_tcp(__u8 proto)
 {
-	return proto == IPPROTO_ESP || proto == IPPROTO_IPIP || proto == IPPROTO_IPV6 || proto == IPPROTO_GRE;
+	switch (proto) {
+	case IPPROTO_ESP:
+	case IPPROTO_COMP:
+	case IPPROTO_IPIP:
+	case IPPROTO_IPV6:
+	case IPPROTO_GRE:
+	case IPPROTO_MPLS:
+	case IPPROTO_L2TP:
+	case IPPROTO_ETHERNET:
+	case IPPROTO_ETHERIP_RD:
+		return 1;
+	}
+	return 0;
+}
+
+/* opaque_exthdr6 reports whether an IPv6 next header is an extension header
+ * parse_ipv6 does not walk: the kernel has no input handler that walks past
+ * it, but its format (RFC 6564) lets an upper-layer header follow, which
+ * a receiver that implements it (off the node) would deliver: mobility,
+ * HIP, Shim6, and the two experimental numbers (RFC 3692). */
+static __always_inline int opaque_exthdr6(__u8 next)
+{
+	return next == IPPROTO_MH || next == IPPROTO_HIP_RD || next == IPPROTO_SHIM6_RD || next == 253 || next == 254;
+}
+
+/* may_hold_tcp6 reports whether what follows an IPv6 header with next
+ * header next may be TCP, or hide it. */
+static __always_inline int may_hold_tcp6(__u8 next)
+{
+	return next == IPPROTO_TCP || next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING || next == IPPROTO_DSTOPTS ||
+	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH || hides_tcp(next) || opaque_exthdr6(next);
 }
 
 /* read_tcp reads the TCP header at off into p. Returns PARSE_TCP or the
@@ -167,6 +204,10 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p, 
 			return REASON_DROP_MALFORMED;
 		off += (ah.hdrlen + 2) * 4;
 		ip.protocol = ah.nexthdr;
+		/* Only one AH is walked: a second (nested SAs) may cover TCP
+		 * too, which a receiver with both SAs would deliver. */
+		if (ip.protocol == IPPROTO_AH)
+			return REASON_DROP_EXTHDR;
 	}
 	if (hides_tcp(ip.protocol))
 		return REASON_DROP_EXTHDR;
@@ -235,16 +276,14 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 			 * packet: walk on. A real fragment whose payload may
 			 * be TCP cannot be classified. */
 			if (fh.frag_off & bpf_htons(IP6_MF | IP6_OFFSET)) {
-				if (next == IPPROTO_TCP || next == IPPROTO_HOPOPTS || next == IPPROTO_ROUTING ||
-				    next == IPPROTO_DSTOPTS || next == IPPROTO_FRAGMENT || next == IPPROTO_AH ||
-				    hides_tcp(next))
+				if (may_hold_tcp6(next))
 					return REASON_DROP_FRAGMENT;
 				return PARSE_OTHER;
 			}
 			break;
 		}
 		default:
-			if (hides_tcp(next))
+			if (hides_tcp(next) || opaque_exthdr6(next))
 				return REASON_DROP_EXTHDR;
 			/* UDP, ICMPv6, no next header (59), and protocols the
 			 * kernel has no handler for: not TCP. */

@@ -59,6 +59,7 @@ enum verdict_reason {
 	REASON_DROP_LINK_LOCAL,      /* fail closed: TCP to (ingress) or from (egress) a link-local address of an enrolled pod's interface */
 	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
 	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
+	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
 	REASON_MAX,
 };
 

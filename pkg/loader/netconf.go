@@ -133,6 +133,42 @@ func (l *Loader) delRouting(addrs []netip.Addr) error {
 	return errors.Join(errs...)
 }
 
+// checkEthernet fails unless iface is an Ethernet device. The programs read
+// an Ethernet header at the start of every frame (and steer by rewriting its
+// destination MAC); on a device without one (a tun or WireGuard device, an
+// IP tunnel, netkit in L3 mode) frames start at the IP header, the programs
+// would take bytes of the addresses for the EtherType and pass nearly every
+// packet unclassified: the pod would look enrolled while its TCP crossed the
+// interface in plaintext.
+func checkEthernet(iface netlink.Link) error {
+	a := iface.Attrs()
+	if a.EncapType != "ether" || len(a.HardwareAddr) != 6 {
+		return fmt.Errorf("interface %s is not an Ethernet device (link type %q): the capture programs need an Ethernet header", a.Name, a.EncapType)
+	}
+	return nil
+}
+
+// otherInterfaces lists the interfaces of the current namespace that are up,
+// other than loopback and iface. The programs are only on iface, so TCP that
+// arrives on another (a second network, such as Multus adds) reaches the
+// pod's sockets uncaptured, in plaintext, to any of the pod's addresses:
+// the kernel accepts a packet for a local address on any interface.
+func otherInterfaces(iface netlink.Link) ([]string, error) {
+	links, err := netlink.LinkList()
+	if err != nil {
+		return nil, fmt.Errorf("list interfaces: %w", err)
+	}
+	var out []string
+	for _, lk := range links {
+		a := lk.Attrs()
+		if a.Index == iface.Attrs().Index || a.Flags&net.FlagLoopback != 0 || a.Flags&net.FlagUp == 0 {
+			continue
+		}
+		out = append(out, a.Name)
+	}
+	return out, nil
+}
+
 // checkAddrs fails unless every address is configured on iface: enrolling an
 // address the pod does not own would capture someone else's traffic. It
 // returns the other addresses of iface that are not link-local (a SLAAC or

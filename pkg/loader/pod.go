@@ -264,6 +264,9 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if err != nil {
 			return fmt.Errorf("interface %s not found in network namespace %s: %w", meta.Interface, meta.NetNS, err)
 		}
+		if err := checkEthernet(iface); err != nil {
+			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		}
 		others, err := checkAddrs(iface, meta.Addrs)
 		if err != nil {
 			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
@@ -271,6 +274,12 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 		if len(others) > 0 {
 			l.log.WarnContext(ctx, "pod interface has addresses that are not enrolled: TCP to and from them is dropped",
 				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "addresses", others)
+		}
+		if ifaces, err := otherInterfaces(iface); err != nil {
+			return fmt.Errorf("network namespace %s: %w", meta.NetNS, err)
+		} else if len(ifaces) > 0 {
+			l.log.WarnContext(ctx, "pod has other interfaces up: TCP that arrives on them is not captured (the programs are only on the pod interface)",
+				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "others", ifaces)
 		}
 		al, rp := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter")
 		if !existed {

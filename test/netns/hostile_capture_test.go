@@ -537,3 +537,58 @@ func synSegment(sport, dport uint16, size int) []byte {
 	binary.BigEndian.PutUint16(tcp[14:], 64240)
 	return tcp
 }
+
+// TestHostileSameNodePodNotAProbe: an unmeshed pod on the STRICT pod's own
+// node, which reaches it across the node's bridge, is refused like any
+// plaintext client, not taken for the node. A bridged packet never passes
+// IP input (which orphans it), so whether the host-veth program sees the
+// neighbour's socket on its SYN depends on the kernel (a veth has not
+// always dropped it when a packet crosses into another namespace, and a
+// tc redirect keeps it); rd_host_egress would have taken any full socket
+// for the node's, translated the SYN to the probe SNAT address and marked
+// it, and the pod-side capture passed the whole connection to the app in
+// plaintext as a kubelet probe. It now also requires the socket to be in
+// the node's namespace. On the 6.18 kernel this was written on the
+// neighbour's SYN arrived without a socket: the test passed before that
+// check too, and guards the property.
+func TestHostileSameNodePodNotAProbe(t *testing.T) {
+	var server, neighbour *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		server = tp.Nodes[1].AddPod("server")
+		neighbour = tp.Nodes[1].AddPod("neighbour")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(server, "mesh", "server-sa").
+			Pod(neighbour, "plain", "default").
+			Raw(strictMesh)
+	})
+	HTTPApp(t, server, 8080, "server")
+	app := recordingApp(t, server, hostileAppPort)
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	// The host-probe programs are in place once the node itself gets
+	// through (as a probe) under STRICT.
+	Eventually(t, 10*time.Second, func() error { _, err := CurlFrom(server.Node.Path(), URL(server.IPv4, 8080)); return err })
+
+	for _, dst := range []netip.Addr{server.IPv4, server.IPv6} {
+		if out, err := Curl(neighbour, URL(dst, 8080)); err == nil {
+			t.Errorf("the STRICT pod's app answered a plaintext request from a pod on its node at %s: %q", dst, out)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		c, err := netns.Dial(ctx, neighbour.Path(), "tcp", netip.AddrPortFrom(dst, hostileAppPort).String(), netns.SocketOptions{})
+		cancel()
+		if err == nil {
+			c.Write([]byte("same-node-plaintext"))
+			buf := make([]byte, 16)
+			c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			if n, _ := c.Read(buf); n > 0 {
+				t.Errorf("a plaintext connection from a pod on the node to %s was answered by the app: %q", dst, buf[:n])
+			}
+			c.Close()
+		}
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, src := range []netip.Addr{netip.MustParseAddr("169.254.7.127"), netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), neighbour.IPv4, neighbour.IPv6} {
+		if got := app.from(src); len(got) > 0 {
+			t.Errorf("the STRICT pod's app accepted %d plaintext connections from %s: %q", len(got), src, got)
+		}
+	}
+}
