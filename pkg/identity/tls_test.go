@@ -5,8 +5,11 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/asn1"
 	"encoding/pem"
 	"errors"
 	"io"
@@ -271,5 +274,94 @@ func TestVerifyPeerRejectsBadLeaves(t *testing.T) {
 	}
 	if _, err := verifyPeer(m, nil, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrNoPeerCertificate) {
 		t.Errorf("no chain: err = %v", err)
+	}
+}
+
+// sanURIs is a subjectAltName extension holding exactly these URI names,
+// as a CA could encode them, net/url never touching them.
+func sanURIs(t *testing.T, uris ...string) pkix.Extension {
+	t.Helper()
+	var names []asn1.RawValue
+	for _, u := range uris {
+		names = append(names, asn1.RawValue{Class: asn1.ClassContextSpecific, Tag: 6, Bytes: []byte(u)})
+	}
+	der, err := asn1.Marshal(names)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pkix.Extension{Id: oidSubjectAltName, Critical: true, Value: der}
+}
+
+// TestVerifyPeerRejectsHostileLeaves: leaves a trusted but careless or
+// hostile CA could issue that crypto/x509 and crypto/tls accept. The
+// identity is read from the URI exactly as encoded (net/url would
+// lowercase "SPIFFE" and drop an empty fragment); the key usage must allow
+// signing the TLS 1.3 handshake and must not allow signing certificates;
+// an RSA key has 2048 bits at least; a chain is at most MaxChainLen long.
+// What istiod issues still passes.
+func TestVerifyPeerRejectsHostileLeaves(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	m := newManager(t, ca, time.Hour)
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	leaf := func(edit func(*x509.Certificate)) *x509.Certificate { return mint(t, ca, want, edit).Leaf }
+
+	for name, l := range map[string]*x509.Certificate{
+		"istiod's key usage": leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment
+		}),
+		"no key usage extension": leaf(func(c *x509.Certificate) { c.KeyUsage = 0 }),
+		"uri encoded by hand":    leaf(func(c *x509.Certificate) { c.ExtraExtensions = []pkix.Extension{sanURIs(t, want.String())} }),
+	} {
+		if id, err := verifyPeer(m, []*x509.Certificate{l}, x509.ExtKeyUsageClientAuth); err != nil || id != want {
+			t.Errorf("%s: %v %v, want %v", name, id, err, want)
+		}
+	}
+
+	rsaKey, err := rsa.GenerateKey(rand.Reader, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	weak := mint(t, ca, want, nil).Leaf
+	weakDER, err := x509.CreateCertificate(rand.Reader, weak, ca.cert, &rsaKey.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if weak, err = x509.ParseCertificate(weakDER); err != nil {
+		t.Fatal(err)
+	}
+	long := []*x509.Certificate{leaf(nil)}
+	for len(long) <= MaxChainLen {
+		long = append(long, ca.cert)
+	}
+	for name, chain := range map[string][]*x509.Certificate{
+		"uppercase scheme": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "SPIFFE://cluster.local/ns/a/sa/b")}
+		})},
+		"mixed-case scheme": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "Spiffe://cluster.local/ns/a/sa/b")}
+		})},
+		"empty fragment": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "spiffe://cluster.local/ns/a/sa/b#")}
+		})},
+		"key usage without digitalSignature": {leaf(func(c *x509.Certificate) { c.KeyUsage = x509.KeyUsageKeyEncipherment })},
+		"leaf may sign certificates": {leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign
+		})},
+		"leaf may sign CRLs": {leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageCRLSign
+		})},
+		"rsa key of 1024 bits":   {weak},
+		"chain over MaxChainLen": long,
+	} {
+		for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
+			if id, err := verifyPeer(m, chain, usage); !errors.Is(err, ErrUntrustedPeer) {
+				t.Errorf("%s (usage %v): got %v, err = %v, want ErrUntrustedPeer", name, usage, id, err)
+			}
+		}
+		// The tunnel reads the identity it authorizes with PeerID: it
+		// must not read one out of what the handshake refused.
+		if id, err := PeerID(tls.ConnectionState{HandshakeComplete: true, PeerCertificates: chain}); err == nil && name != "chain over MaxChainLen" {
+			t.Errorf("%s: PeerID = %v, want an error", name, id)
+		}
 	}
 }
