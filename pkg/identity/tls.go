@@ -95,9 +95,13 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	if len(chain) > MaxChainLen {
 		return ID{}, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
 	}
+	roots, err := m.roots()
+	if err != nil {
+		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+	}
 	leaf := chain[0]
 	opts := x509.VerifyOptions{
-		Roots:       m.opts.Trust.Roots(),
+		Roots:       roots,
 		CurrentTime: m.clock(),
 		KeyUsages:   []x509.ExtKeyUsage{usage},
 	}

@@ -16,6 +16,8 @@ import (
 	"math/big"
 	"net"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -363,5 +365,42 @@ func TestVerifyPeerRejectsHostileLeaves(t *testing.T) {
 		if id, err := PeerID(tls.ConnectionState{HandshakeComplete: true, PeerCertificates: chain}); err == nil && name != "chain over MaxChainLen" {
 			t.Errorf("%s: PeerID = %v, want an error", name, id)
 		}
+	}
+}
+
+// nilRootsTrust is a Trust whose pool is nil, as a broken or not yet
+// loaded Trust implementation might return.
+type nilRootsTrust struct{}
+
+func (nilRootsTrust) TrustDomain() string   { return "cluster.local" }
+func (nilRootsTrust) Roots() *x509.CertPool { return nil }
+
+// TestNilRootsTrustNothing: crypto/x509 verifies against the host's system
+// roots when VerifyOptions.Roots is nil. A Trust without roots must trust
+// no one, not every CA the host trusts; here the "system" store holds the
+// CA that signed the peer.
+func TestNilRootsTrustNothing(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	system := filepath.Join(t.TempDir(), "system-roots.pem")
+	if err := os.WriteFile(system, pemCert(ca.cert.Raw), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("SSL_CERT_FILE", system)
+	t.Setenv("SSL_CERT_DIR", t.TempDir())
+	peer := mint(t, ca, idWeb, nil)
+	if _, err := peer.Leaf.Verify(x509.VerifyOptions{KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
+		// The system roots were loaded earlier in this process; the
+		// premise (nil means the host's roots) cannot be shown here.
+		t.Logf("leaf does not verify against the system roots: %v", err)
+	}
+
+	m := New(ManagerOptions{Signer: ca, Trust: nilRootsTrust{}})
+	t.Cleanup(m.Close)
+	if id, err := verifyPeer(m, []*x509.Certificate{peer.Leaf}, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "no trust roots") {
+		t.Errorf("peer verified against a nil pool: got %v, err = %v, want ErrUntrustedPeer (no trust roots)", id, err)
+	}
+	var ce *CAError
+	if err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+		t.Errorf("own certificate checked against a nil pool: err = %v, want %s", err, ReasonUntrustedChain)
 	}
 }
