@@ -404,3 +404,25 @@ func TestNilRootsTrustNothing(t *testing.T) {
 		t.Errorf("own certificate checked against a nil pool: err = %v, want %s", err, ReasonUntrustedChain)
 	}
 }
+
+// TestNoSessionResumption: a resumed session would skip the certificate
+// exchange and carry the identity, and the roots, of an earlier handshake.
+// The server issues no tickets, so even a client that keeps a session
+// cache does a full handshake every time.
+func TestNoSessionResumption(t *testing.T) {
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
+	cache := tls.NewLRUClientSessionCache(4)
+	for i := range 3 {
+		client := ClientConfig(m, idWeb, idCart)
+		client.ClientSessionCache = cache
+		r := handshake(t, client, ServerConfig(m, idCart))
+		if r.clientErr != nil || r.serverErr != nil {
+			t.Fatalf("handshake %d: client %v, server %v", i+1, r.clientErr, r.serverErr)
+		}
+		// Reading after the handshake is what stores a ticket, if any.
+		exchange(t, r.client, r.server)
+		if r.client.ConnectionState().DidResume || r.server.ConnectionState().DidResume {
+			t.Fatalf("handshake %d resumed a session", i+1)
+		}
+	}
+}
