@@ -361,6 +361,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		_ = tc.Close()
 		return nil, err
 	}
+	c.drainAtPeerExpiry(tc.ConnectionState())
 	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)
 	return c, nil
 }

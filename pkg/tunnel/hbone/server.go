@@ -332,6 +332,9 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		c.close(http2.ErrCodeNo, err, false)
 		return
 	}
+	if state != nil {
+		c.drainAtPeerExpiry(*state)
+	}
 	srv.mu.Lock()
 	closing := srv.closed
 	srv.conns[c] = struct{}{}
