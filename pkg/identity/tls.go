@@ -124,6 +124,26 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	return id, nil
 }
 
+// Reverify checks again, against the current roots at the Manager's time,
+// the chain presented by the peer of a connection made with ServerConfig
+// (usage x509.ExtKeyUsageClientAuth: the peer is a client) or ClientConfig
+// (x509.ExtKeyUsageServerAuth). A handshake checks the roots of its moment
+// only; when they change (OnTrustChange), a connection whose peer no
+// longer verifies, its root removed, must carry no new streams.
+func (m *Manager) Reverify(cs tls.ConnectionState, usage x509.ExtKeyUsage) error {
+	_, err := verifyPeer(m, cs.PeerCertificates, usage)
+	return err
+}
+
+// OnTrustChange registers f to run after the roots of the Manager's Trust
+// changed, if the Trust tells (a Bundle does; a file CA's roots are fixed
+// for its life).
+func (m *Manager) OnTrustChange(f func()) {
+	if t, ok := m.opts.Trust.(interface{ OnChange(func()) }); ok {
+		t.OnChange(f)
+	}
+}
+
 // idFromLeaf reads the SPIFFE ID of an X.509-SVID: a leaf with exactly one
 // URI SAN. A certificate naming two identities names none.
 //

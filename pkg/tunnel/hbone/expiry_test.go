@@ -123,3 +123,55 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 		})
 	}
 }
+
+// DrainPeers (on a trust bundle change) drains exactly the connections
+// whose peer keep refuses: their open streams run on, the next stream
+// needs a new handshake. Connections keep accepts are left alone.
+func TestDrainPeers(t *testing.T) {
+	for _, side := range []string{"server", "pool"} {
+		t.Run(side, func(t *testing.T) {
+			e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+			app := startUpstream(t, echo)
+			drain := func(keep func(tls.ConnectionState) bool) int {
+				if side == "server" {
+					return e.srv.DrainPeers(keep)
+				}
+				return e.pool.DrainPeers(keep)
+			}
+			open, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer open.Close()
+			var seen []string
+			if n := drain(func(cs tls.ConnectionState) bool {
+				seen = append(seen, cs.PeerCertificates[0].URIs[0].String())
+				return true
+			}); n != 0 || len(seen) != 1 || seen[0] != "spiffe://cluster.local/ns/default/sa/test" {
+				t.Fatalf("keep all: drained %d, keep saw %v", n, seen)
+			}
+			if n := drain(func(tls.ConnectionState) bool { return false }); n != 1 {
+				t.Fatalf("keep none: drained %d, want 1", n)
+			}
+			msg := []byte("still here")
+			if _, err := open.Write(msg); err != nil {
+				t.Fatalf("stream open at the drain: write: %v", err)
+			}
+			buf := make([]byte, len(msg))
+			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+				t.Fatalf("stream open at the drain: read %q, %v", buf, err)
+			}
+			// The drained side's GOAWAY reaches the other before the next
+			// stream, which then dials.
+			time.Sleep(100 * time.Millisecond)
+			s, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.Close()
+			if st := e.pool.Stats(); st.DialsTotal != 2 {
+				t.Errorf("dials = %d, want 2: the stream after the drain must need a new handshake", st.DialsTotal)
+			}
+		})
+	}
+}
