@@ -16,8 +16,11 @@ const ALPN = "h2"
 // workload identity local. It requires TLS 1.3 and ALPN h2, asks every client
 // for a certificate, and accepts only certificates that chain to the mesh
 // root, allow client authentication, and carry exactly one SPIFFE ID in the
-// trust domain. Which clients may then open which streams is policy's
-// business, not this config's: read the identity with PeerID.
+// trust domain (see verifyPeer and idFromLeaf for the rest). Which clients
+// may then open which streams is policy's business, not this config's:
+// read the identity with PeerID. The check holds at the handshake; a
+// connection outliving the client's certificate or root is drained by the
+// HBONE server (see Reverify).
 //
 // The certificate is fetched per handshake (GetCertificate), so rotation
 // reaches new connections and never disturbs open ones.
