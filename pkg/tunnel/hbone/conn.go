@@ -244,7 +244,7 @@ type conn struct {
 	err            error // set once, when the conn dies
 	idleSince      time.Time
 	idleTimer      *time.Timer
-	expiryTimer    *time.Timer // drainAt
+	expiryTimer    *time.Timer // drainAtPeerExpiry
 	ctl, ctlSpare  []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the

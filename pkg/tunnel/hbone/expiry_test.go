@@ -13,6 +13,8 @@ import (
 	"net/url"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // expiringPKI is a CA with two leaves for the same identity: one valid for
@@ -174,4 +176,21 @@ func TestDrainPeers(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A peer whose certificate has expired by the wall clock but passed the
+// handshake (its verifier's clock runs behind) is drained at once; the
+// pooled connection must still leave the pool when its last stream ends,
+// not stay listed, closed, for good.
+func TestPeerExpiredAtHandshakeLeavesPool(t *testing.T) {
+	pki := newExpiringPKI(t, -time.Minute)
+	e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(pki.expiring, true)}, PoolOptions{})
+	app := startUpstream(t, echo)
+	client := pki.config(pki.lasting, false)
+	client.Time = func() time.Time { return time.Now().Add(-2 * time.Minute) }
+	s, err := e.pool.Connect(context.Background(), e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+	if err == nil {
+		s.Close()
+	}
+	waitfor.Until(t, "the drained conn leaves the pool", func() bool { return e.pool.Stats().Conns == 0 })
 }

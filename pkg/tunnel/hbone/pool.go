@@ -228,6 +228,9 @@ func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialC
 		c.tryReserve(p.opts.MaxStreamsPerConn)
 	}
 	e.conns = append(e.conns, c)
+	// Once pooled (and reserved): a drain that closes the conn at once
+	// must find it in e.conns, or onClose would leave it there.
+	c.drainAtPeerExpiry(*c.tlsState)
 	p.mu.Unlock()
 	return c, nil
 }
@@ -363,7 +366,6 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 	}
 	state := tc.ConnectionState()
 	c.tlsState = &state
-	c.drainAtPeerExpiry(state)
 	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)
 	return c, nil
 }

@@ -332,9 +332,6 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		c.close(http2.ErrCodeNo, err, false)
 		return
 	}
-	if state != nil {
-		c.drainAtPeerExpiry(*state)
-	}
 	srv.mu.Lock()
 	closing := srv.closed
 	srv.conns[c] = struct{}{}
@@ -347,6 +344,11 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		// it was never processed); GOAWAY says so, and the client retries
 		// it elsewhere (in an upgrade, on the successor's listener).
 		c.drain()
+	}
+	// After the registration: a drain that closes the conn at once must
+	// find it registered, or onClose would leave it counted.
+	if state != nil {
+		c.drainAtPeerExpiry(*state)
 	}
 	c.readLoop()
 }
