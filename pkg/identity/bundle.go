@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -27,8 +28,9 @@ type Bundle struct {
 	path        string
 	trustDomain string
 
-	mu  sync.Mutex // serialises Reload
-	cur atomic.Pointer[bundleState]
+	mu       sync.Mutex // serialises Reload
+	cur      atomic.Pointer[bundleState]
+	onChange []func() // guarded by mu
 }
 
 type bundleState struct {
@@ -66,28 +68,49 @@ func (b *Bundle) Expired() []string { return b.cur.Load().expired }
 // Path is the file the bundle is read from.
 func (b *Bundle) Path() string { return b.path }
 
+// OnChange registers f to run after every Reload that changed the roots,
+// on the reloading goroutine, without the bundle's lock. A handshake
+// checks the roots of its moment only: connections made before a root was
+// removed must be checked again (Manager.OnTrustChange).
+func (b *Bundle) OnChange(f func()) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.onChange = append(b.onChange, f)
+}
+
 // Reload re-reads the file; it reports whether the roots changed. On error
 // the previous roots stay in force.
 func (b *Bundle) Reload() (bool, error) {
+	changed, notify, err := b.reload()
+	if changed {
+		for _, f := range notify {
+			f()
+		}
+	}
+	return changed, err
+}
+
+// reload is Reload under the lock; it returns the OnChange functions to run.
+func (b *Bundle) reload() (bool, []func(), error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	data, err := os.ReadFile(b.path)
 	if err != nil {
-		return false, fmt.Errorf("trust bundle: %w", err)
+		return false, nil, fmt.Errorf("trust bundle: %w", err)
 	}
 	sum := sha256.Sum256(bytes.TrimSpace(data))
 	if old := b.cur.Load(); old != nil && old.sum == sum {
-		return false, nil
+		return false, nil, nil
 	}
 	certs, err := ParseCertificates(data)
 	if err != nil {
-		return false, fmt.Errorf("trust bundle %s: %w", b.path, err)
+		return false, nil, fmt.Errorf("trust bundle %s: %w", b.path, err)
 	}
 	next := &bundleState{pool: x509.NewCertPool(), sum: sum}
 	now := time.Now()
 	for i, c := range certs {
 		if !c.IsCA || !c.BasicConstraintsValid {
-			return false, fmt.Errorf("trust bundle %s: certificate %d (%s) is not a CA certificate", b.path, i+1, c.Subject)
+			return false, nil, fmt.Errorf("trust bundle %s: certificate %d (%s) is not a CA certificate", b.path, i+1, c.Subject)
 		}
 		if now.After(c.NotAfter) {
 			next.expired = append(next.expired, fmt.Sprintf("certificate %d (%s) expired at %s", i+1, c.Subject, c.NotAfter.UTC().Format(time.RFC3339)))
@@ -97,10 +120,10 @@ func (b *Bundle) Reload() (bool, error) {
 		next.certs = append(next.certs, c)
 	}
 	if len(next.certs) == 0 {
-		return false, fmt.Errorf("trust bundle %s: no root is valid: %s", b.path, strings.Join(next.expired, "; "))
+		return false, nil, fmt.Errorf("trust bundle %s: no root is valid: %s", b.path, strings.Join(next.expired, "; "))
 	}
 	b.cur.Store(next)
-	return true, nil
+	return true, slices.Clone(b.onChange), nil
 }
 
 // Watch re-reads the file every interval until ctx ends, logging changes

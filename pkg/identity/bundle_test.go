@@ -5,8 +5,10 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"errors"
 	"log/slog"
 	"math/big"
 	"os"
@@ -130,5 +132,56 @@ func TestBundleLeavesOutExpiredRoots(t *testing.T) {
 	os.WriteFile(only, pemCert(der), 0o644)
 	if _, err := LoadBundle(only, "cluster.local"); err == nil || !strings.Contains(err.Error(), "no root is valid") || !strings.Contains(err.Error(), "old root") {
 		t.Errorf("bundle of expired roots only: err = %v, want it refused naming the root", err)
+	}
+}
+
+// A handshake verified its peer against the roots of its moment. When the
+// bundle drops a root, the Manager says so (OnTrustChange) and Reverify
+// refuses, on a connection made before, the peer that chained to it, so
+// the tunnel can drain that connection; a peer under a root still in the
+// bundle verifies as before, and a reload that changes nothing notifies
+// no one.
+func TestTrustChangeReverifies(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	path := filepath.Join(t.TempDir(), "root-cert.pem")
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert, newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	b, err := LoadBundle(path, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := New(ManagerOptions{Signer: newCA, Trust: b})
+	t.Cleanup(m.Close)
+	var changes int
+	m.OnTrustChange(func() { changes++ })
+
+	state := func(ca *CA) tls.ConnectionState {
+		return tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{mint(t, ca, idWeb, nil).Leaf}}
+	}
+	underOld, underNew := state(oldCA), state(newCA)
+	for _, cs := range []tls.ConnectionState{underOld, underNew} {
+		if err := m.Reverify(cs, x509.ExtKeyUsageClientAuth); err != nil {
+			t.Fatalf("before the change: %v", err)
+		}
+	}
+	if changed, err := b.Reload(); changed || err != nil || changes != 0 {
+		t.Fatalf("reload of the same file: changed %v, err %v, %d notified", changed, err, changes)
+	}
+
+	if err := os.WriteFile(path, identitytest.CertPEM(newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := b.Reload(); !changed || err != nil {
+		t.Fatalf("reload without the old root: changed %v, err %v", changed, err)
+	}
+	if changes != 1 {
+		t.Errorf("%d notified of the change, want 1", changes)
+	}
+	if err := m.Reverify(underOld, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrUntrustedPeer) {
+		t.Errorf("peer under the dropped root: err = %v, want ErrUntrustedPeer", err)
+	}
+	if err := m.Reverify(underNew, x509.ExtKeyUsageServerAuth); err != nil {
+		t.Errorf("peer under the root kept: %v", err)
 	}
 }

@@ -424,8 +424,8 @@ func parseKey(block *pem.Block) (crypto.Signer, error) {
 	case *ecdsa.PrivateKey:
 		return k, nil
 	case *rsa.PrivateKey:
-		if k.N.BitLen() < 2048 {
-			return nil, fmt.Errorf("rsa key of %d bits, want at least 2048", k.N.BitLen())
+		if k.N.BitLen() < minRSABits {
+			return nil, fmt.Errorf("rsa key of %d bits, want at least %d", k.N.BitLen(), minRSABits)
 		}
 		return k, nil
 	default:

@@ -17,7 +17,8 @@ var (
 	ErrNoPeerCertificate = errors.New("peer presented no certificate")
 	// ErrUntrustedPeer means the peer's certificate does not chain to the
 	// mesh CA root or is not a usable SPIFFE certificate (wrong key usage,
-	// expired, not exactly one SPIFFE URI SAN in the trust domain).
+	// expired, a CA, a weak key, a chain over MaxChainLen, not exactly one
+	// SPIFFE URI SAN in the trust domain), or no roots are loaded.
 	ErrUntrustedPeer = errors.New("untrusted peer certificate")
 	// ErrUnexpectedIdentity means the peer is trusted but is not the
 	// workload identity the caller expected to reach.

@@ -11,6 +11,11 @@ import (
 
 const spiffeScheme = "spiffe://"
 
+// MaxIDLen is the longest SPIFFE ID accepted, in bytes: the SPIFFE
+// specification's limit for the URI. An ID is a policy key, a metric label
+// and a log field, so a CA or peer cannot make one arbitrarily large.
+const MaxIDLen = 2048
+
 // ID is a Kubernetes workload identity: the service account a pod runs as,
 // within a trust domain. Its URI form is
 // spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>, the form Istio
@@ -41,6 +46,9 @@ func (id ID) IsZero() bool {
 // Validate reports whether id can be written as a SPIFFE ID that ParseID
 // would read back unchanged.
 func (id ID) Validate() error {
+	if n := len(spiffeScheme) + len(id.TrustDomain) + len("/ns/") + len(id.Namespace) + len("/sa/") + len(id.ServiceAccount); n > MaxIDLen {
+		return fmt.Errorf("%w: %d bytes, longer than %d", ErrInvalidID, n, MaxIDLen)
+	}
 	if err := ValidateTrustDomain(id.TrustDomain); err != nil {
 		return fmt.Errorf("%w %q: %w", ErrInvalidID, id.String(), err)
 	}
@@ -77,12 +85,16 @@ func (id *ID) UnmarshalText(b []byte) error {
 }
 
 // ParseID parses spiffe://<trust-domain>/ns/<namespace>/sa/<service-account>.
-// It is strict: the scheme and trust domain must be lowercase and there may
-// be no port, user info, query, fragment, percent-encoding, empty or dot
-// segments, or trailing slash. Being strict here matters because the result
-// is compared for equality in authorization decisions: two spellings of one
-// identity must not exist.
+// It is strict: the scheme and trust domain must be lowercase, there may be
+// no port, user info, query, fragment, percent-encoding, empty or dot
+// segments, or trailing slash, and it is at most MaxIDLen bytes. Being
+// strict here matters because the result is compared for equality in
+// authorization decisions: two spellings of one identity must not exist.
 func ParseID(s string) (ID, error) {
+	if len(s) > MaxIDLen {
+		// Not quoted in full: the point is that it is too long to repeat.
+		return ID{}, fmt.Errorf("%w %.64q...: %d bytes, longer than %d", ErrInvalidID, s, len(s), MaxIDLen)
+	}
 	rest, ok := strings.CutPrefix(s, spiffeScheme)
 	if !ok {
 		return ID{}, fmt.Errorf("%w %q: must start with %q", ErrInvalidID, s, spiffeScheme)

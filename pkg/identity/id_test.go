@@ -108,3 +108,25 @@ func TestIDJSON(t *testing.T) {
 		t.Errorf("unmarshal of a bad id: err = %v, want ErrInvalidID", err)
 	}
 }
+
+// TestIDLengthLimit: an ID longer than the SPIFFE limit is refused both
+// when read and when built, and the error does not repeat all of it.
+func TestIDLengthLimit(t *testing.T) {
+	prefix := "spiffe://cluster.local/ns/a/sa/"
+	fits := prefix + strings.Repeat("b", MaxIDLen-len(prefix))
+	if _, err := ParseID(fits); err != nil {
+		t.Errorf("ParseID of %d bytes: %v", len(fits), err)
+	}
+	long := fits + "b"
+	_, err := ParseID(long)
+	if !errors.Is(err, ErrInvalidID) || !strings.Contains(err.Error(), "longer than") {
+		t.Fatalf("ParseID of %d bytes: err = %v, want ErrInvalidID naming the limit", len(long), err)
+	}
+	if len(err.Error()) > 256 {
+		t.Errorf("error of %d bytes repeats the ID", len(err.Error()))
+	}
+	id := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: strings.Repeat("b", MaxIDLen)}
+	if err := id.Validate(); !errors.Is(err, ErrInvalidID) {
+		t.Errorf("Validate of a %d-byte ID: err = %v, want ErrInvalidID", len(id.String()), err)
+	}
+}

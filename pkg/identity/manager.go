@@ -476,8 +476,12 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 	if got != id {
 		return &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
 	}
+	roots, err := m.roots()
+	if err != nil {
+		return &CAError{Reason: ReasonUntrustedChain, Err: err}
+	}
 	opts := x509.VerifyOptions{
-		Roots:         m.opts.Trust.Roots(),
+		Roots:         roots,
 		Intermediates: x509.NewCertPool(),
 		CurrentTime:   m.clock(),
 	}
@@ -498,6 +502,20 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 	}
 	return nil
 }
+
+// TrustRoots is t's current pool, for VerifyOptions.Roots. A nil pool is
+// an error rather than passed on: crypto/x509 verifies against the host's
+// system roots when Roots is nil, so a Trust that holds none would trust
+// every public or enterprise CA instead of none.
+func TrustRoots(t Trust) (*x509.CertPool, error) {
+	roots := t.Roots()
+	if roots == nil {
+		return nil, errors.New("no trust roots loaded")
+	}
+	return roots, nil
+}
+
+func (m *Manager) roots() (*x509.CertPool, error) { return TrustRoots(m.opts.Trust) }
 
 // Snapshot describes every kept identity, sorted.
 func (m *Manager) Snapshot() []CertInfo {

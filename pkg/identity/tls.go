@@ -1,8 +1,10 @@
 package identity
 
 import (
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/asn1"
 	"errors"
 	"fmt"
 )
@@ -14,8 +16,11 @@ const ALPN = "h2"
 // workload identity local. It requires TLS 1.3 and ALPN h2, asks every client
 // for a certificate, and accepts only certificates that chain to the mesh
 // root, allow client authentication, and carry exactly one SPIFFE ID in the
-// trust domain. Which clients may then open which streams is policy's
-// business, not this config's: read the identity with PeerID.
+// trust domain (see verifyPeer and idFromLeaf for the rest). Which clients
+// may then open which streams is policy's business, not this config's:
+// read the identity with PeerID. The check holds at the handshake; a
+// connection outliving the client's certificate or root is drained by the
+// HBONE server (see Reverify).
 //
 // The certificate is fetched per handshake (GetCertificate), so rotation
 // reaches new connections and never disturbs open ones.
@@ -82,14 +87,24 @@ func checkALPN(cs tls.ConnectionState) error {
 }
 
 // verifyPeer checks a peer's chain against the Manager's current roots at
-// the Manager's time and returns the identity in its leaf.
+// the Manager's time and returns the identity in its leaf. A chain longer
+// than MaxChainLen is refused before any work on it: this node accepts no
+// longer one from its own CA either, and each certificate costs a
+// handshake time and memory.
 func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, error) {
 	if len(chain) == 0 {
 		return ID{}, ErrNoPeerCertificate
 	}
+	if len(chain) > MaxChainLen {
+		return ID{}, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
+	}
+	roots, err := m.roots()
+	if err != nil {
+		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+	}
 	leaf := chain[0]
 	opts := x509.VerifyOptions{
-		Roots:       m.opts.Trust.Roots(),
+		Roots:       roots,
 		CurrentTime: m.clock(),
 		KeyUsages:   []x509.ExtKeyUsage{usage},
 	}
@@ -112,20 +127,104 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	return id, nil
 }
 
+// Reverify checks again, against the current roots at the Manager's time,
+// the chain presented by the peer of a connection made with ServerConfig
+// (usage x509.ExtKeyUsageClientAuth: the peer is a client) or ClientConfig
+// (x509.ExtKeyUsageServerAuth). A handshake checks the roots of its moment
+// only; when they change (OnTrustChange), a connection whose peer no
+// longer verifies, its root removed, must carry no new streams.
+func (m *Manager) Reverify(cs tls.ConnectionState, usage x509.ExtKeyUsage) error {
+	_, err := verifyPeer(m, cs.PeerCertificates, usage)
+	return err
+}
+
+// OnTrustChange registers f to run after the roots of the Manager's Trust
+// changed, if the Trust tells (a Bundle does; a file CA's roots are fixed
+// for its life).
+func (m *Manager) OnTrustChange(f func()) {
+	if t, ok := m.opts.Trust.(interface{ OnChange(func()) }); ok {
+		t.OnChange(f)
+	}
+}
+
 // idFromLeaf reads the SPIFFE ID of an X.509-SVID: a leaf with exactly one
 // URI SAN. A certificate naming two identities names none.
+//
+// The URI is read as the issuer encoded it (uriSANs), not from leaf.URIs:
+// crypto/x509 hands those over parsed by net/url, which lowercases the
+// scheme and drops an empty fragment, so "SPIFFE://td/ns/a/sa/b#" would
+// read as an ID that ParseID refuses in that spelling and ztunnel does not
+// accept.
+//
+// The leaf's key usage, when present, must allow digitalSignature (TLS 1.3
+// signs the handshake with it, RFC 8446 4.4.2.2; crypto/tls does not check)
+// and must not allow signing certificates or CRLs (the X.509-SVID
+// specification; crypto/x509 does not check either). Istio's workload
+// certificates carry digitalSignature and keyEncipherment. An RSA key must
+// have minRSABits, as the file CA's own key must: crypto/tls takes 1024.
 func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 	if leaf.IsCA {
 		return ID{}, fmt.Errorf("%w: leaf certificate is a CA", ErrUntrustedPeer)
 	}
-	if len(leaf.URIs) != 1 {
-		return ID{}, fmt.Errorf("%w: certificate has %d URI SANs, want exactly one SPIFFE ID", ErrUntrustedPeer, len(leaf.URIs))
+	if leaf.KeyUsage != 0 && leaf.KeyUsage&x509.KeyUsageDigitalSignature == 0 {
+		return ID{}, fmt.Errorf("%w: leaf key usage lacks digitalSignature, which TLS 1.3 needs to sign the handshake", ErrUntrustedPeer)
 	}
-	id, err := ParseID(leaf.URIs[0].String())
+	if leaf.KeyUsage&(x509.KeyUsageCertSign|x509.KeyUsageCRLSign) != 0 {
+		return ID{}, fmt.Errorf("%w: leaf key usage allows signing certificates or CRLs, which an X.509-SVID must not", ErrUntrustedPeer)
+	}
+	if k, ok := leaf.PublicKey.(*rsa.PublicKey); ok && k.N.BitLen() < minRSABits {
+		return ID{}, fmt.Errorf("%w: leaf rsa key of %d bits, want at least %d", ErrUntrustedPeer, k.N.BitLen(), minRSABits)
+	}
+	uris, err := uriSANs(leaf)
+	if err != nil {
+		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+	}
+	if len(uris) != 1 {
+		return ID{}, fmt.Errorf("%w: certificate has %d URI SANs, want exactly one SPIFFE ID", ErrUntrustedPeer, len(uris))
+	}
+	id, err := ParseID(uris[0])
 	if err != nil {
 		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	return id, nil
+}
+
+// minRSABits is the smallest RSA key accepted in a peer's leaf, as for a
+// CA key (parseKey); rustls, which ztunnel verifies peers with, takes RSA
+// signatures only from keys of 2048 bits or more.
+const minRSABits = 2048
+
+// oidSubjectAltName is the X.509 subjectAltName extension.
+var oidSubjectAltName = asn1.ObjectIdentifier{2, 5, 29, 17}
+
+// uriSANs returns the uniformResourceIdentifier names of c's
+// subjectAltName extension, byte for byte as the issuer encoded them.
+// crypto/x509 has parsed the extension already (and refuses a certificate
+// holding it twice), so an error here means a certificate that was not
+// parsed by it.
+func uriSANs(c *x509.Certificate) ([]string, error) {
+	var uris []string
+	for _, ext := range c.Extensions {
+		if !ext.Id.Equal(oidSubjectAltName) {
+			continue
+		}
+		var seq asn1.RawValue
+		rest, err := asn1.Unmarshal(ext.Value, &seq)
+		if err != nil || len(rest) > 0 || seq.Class != asn1.ClassUniversal || seq.Tag != asn1.TagSequence || !seq.IsCompound {
+			return nil, errors.New("subjectAltName extension is not a SEQUENCE")
+		}
+		for names := seq.Bytes; len(names) > 0; {
+			var name asn1.RawValue
+			if names, err = asn1.Unmarshal(names, &name); err != nil {
+				return nil, fmt.Errorf("subjectAltName extension: %w", err)
+			}
+			const uriTag = 6 // GeneralName [6] uniformResourceIdentifier
+			if name.Class == asn1.ClassContextSpecific && name.Tag == uriTag {
+				uris = append(uris, string(name.Bytes))
+			}
+		}
+	}
+	return uris, nil
 }
 
 // PeerID returns the identity of the peer of a connection whose handshake

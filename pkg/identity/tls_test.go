@@ -5,14 +5,19 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/asn1"
 	"encoding/pem"
 	"errors"
 	"io"
 	"math/big"
 	"net"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -271,5 +276,153 @@ func TestVerifyPeerRejectsBadLeaves(t *testing.T) {
 	}
 	if _, err := verifyPeer(m, nil, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrNoPeerCertificate) {
 		t.Errorf("no chain: err = %v", err)
+	}
+}
+
+// sanURIs is a subjectAltName extension holding exactly these URI names,
+// as a CA could encode them, net/url never touching them.
+func sanURIs(t *testing.T, uris ...string) pkix.Extension {
+	t.Helper()
+	var names []asn1.RawValue
+	for _, u := range uris {
+		names = append(names, asn1.RawValue{Class: asn1.ClassContextSpecific, Tag: 6, Bytes: []byte(u)})
+	}
+	der, err := asn1.Marshal(names)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pkix.Extension{Id: oidSubjectAltName, Critical: true, Value: der}
+}
+
+// TestVerifyPeerRejectsHostileLeaves: leaves a trusted but careless or
+// hostile CA could issue that crypto/x509 and crypto/tls accept. The
+// identity is read from the URI exactly as encoded (net/url would
+// lowercase "SPIFFE" and drop an empty fragment); the key usage must allow
+// signing the TLS 1.3 handshake and must not allow signing certificates;
+// an RSA key has 2048 bits at least; a chain is at most MaxChainLen long.
+// What istiod issues still passes.
+func TestVerifyPeerRejectsHostileLeaves(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	m := newManager(t, ca, time.Hour)
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	leaf := func(edit func(*x509.Certificate)) *x509.Certificate { return mint(t, ca, want, edit).Leaf }
+
+	for name, l := range map[string]*x509.Certificate{
+		"istiod's key usage": leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment
+		}),
+		"no key usage extension": leaf(func(c *x509.Certificate) { c.KeyUsage = 0 }),
+		"uri encoded by hand":    leaf(func(c *x509.Certificate) { c.ExtraExtensions = []pkix.Extension{sanURIs(t, want.String())} }),
+	} {
+		if id, err := verifyPeer(m, []*x509.Certificate{l}, x509.ExtKeyUsageClientAuth); err != nil || id != want {
+			t.Errorf("%s: %v %v, want %v", name, id, err, want)
+		}
+	}
+
+	rsaKey, err := rsa.GenerateKey(rand.Reader, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	weak := mint(t, ca, want, nil).Leaf
+	weakDER, err := x509.CreateCertificate(rand.Reader, weak, ca.cert, &rsaKey.PublicKey, ca.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if weak, err = x509.ParseCertificate(weakDER); err != nil {
+		t.Fatal(err)
+	}
+	long := []*x509.Certificate{leaf(nil)}
+	for len(long) <= MaxChainLen {
+		long = append(long, ca.cert)
+	}
+	for name, chain := range map[string][]*x509.Certificate{
+		"uppercase scheme": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "SPIFFE://cluster.local/ns/a/sa/b")}
+		})},
+		"mixed-case scheme": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "Spiffe://cluster.local/ns/a/sa/b")}
+		})},
+		"empty fragment": {leaf(func(c *x509.Certificate) {
+			c.ExtraExtensions = []pkix.Extension{sanURIs(t, "spiffe://cluster.local/ns/a/sa/b#")}
+		})},
+		"key usage without digitalSignature": {leaf(func(c *x509.Certificate) { c.KeyUsage = x509.KeyUsageKeyEncipherment })},
+		"leaf may sign certificates": {leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign
+		})},
+		"leaf may sign CRLs": {leaf(func(c *x509.Certificate) {
+			c.KeyUsage = x509.KeyUsageDigitalSignature | x509.KeyUsageCRLSign
+		})},
+		"rsa key of 1024 bits":   {weak},
+		"chain over MaxChainLen": long,
+	} {
+		for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
+			if id, err := verifyPeer(m, chain, usage); !errors.Is(err, ErrUntrustedPeer) {
+				t.Errorf("%s (usage %v): got %v, err = %v, want ErrUntrustedPeer", name, usage, id, err)
+			}
+		}
+		// The tunnel reads the identity it authorizes with PeerID: it
+		// must not read one out of what the handshake refused.
+		if id, err := PeerID(tls.ConnectionState{HandshakeComplete: true, PeerCertificates: chain}); err == nil && name != "chain over MaxChainLen" {
+			t.Errorf("%s: PeerID = %v, want an error", name, id)
+		}
+	}
+}
+
+// nilRootsTrust is a Trust whose pool is nil, as a broken or not yet
+// loaded Trust implementation might return.
+type nilRootsTrust struct{}
+
+func (nilRootsTrust) TrustDomain() string   { return "cluster.local" }
+func (nilRootsTrust) Roots() *x509.CertPool { return nil }
+
+// TestNilRootsTrustNothing: crypto/x509 verifies against the host's system
+// roots when VerifyOptions.Roots is nil. A Trust without roots must trust
+// no one, not every CA the host trusts; here the "system" store holds the
+// CA that signed the peer.
+func TestNilRootsTrustNothing(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	system := filepath.Join(t.TempDir(), "system-roots.pem")
+	if err := os.WriteFile(system, pemCert(ca.cert.Raw), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("SSL_CERT_FILE", system)
+	t.Setenv("SSL_CERT_DIR", t.TempDir())
+	peer := mint(t, ca, idWeb, nil)
+	if _, err := peer.Leaf.Verify(x509.VerifyOptions{KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err != nil {
+		// The system roots were loaded earlier in this process; the
+		// premise (nil means the host's roots) cannot be shown here.
+		t.Logf("leaf does not verify against the system roots: %v", err)
+	}
+
+	m := New(ManagerOptions{Signer: ca, Trust: nilRootsTrust{}})
+	t.Cleanup(m.Close)
+	if id, err := verifyPeer(m, []*x509.Certificate{peer.Leaf}, x509.ExtKeyUsageClientAuth); !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "no trust roots") {
+		t.Errorf("peer verified against a nil pool: got %v, err = %v, want ErrUntrustedPeer (no trust roots)", id, err)
+	}
+	var ce *CAError
+	if err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+		t.Errorf("own certificate checked against a nil pool: err = %v, want %s", err, ReasonUntrustedChain)
+	}
+}
+
+// TestNoSessionResumption: a resumed session would skip the certificate
+// exchange and carry the identity, and the roots, of an earlier handshake.
+// The server issues no tickets, so even a client that keeps a session
+// cache does a full handshake every time.
+func TestNoSessionResumption(t *testing.T) {
+	m := newManager(t, newCA(t, "cluster.local"), time.Hour)
+	cache := tls.NewLRUClientSessionCache(4)
+	for i := range 3 {
+		client := ClientConfig(m, idWeb, idCart)
+		client.ClientSessionCache = cache
+		r := handshake(t, client, ServerConfig(m, idCart))
+		if r.clientErr != nil || r.serverErr != nil {
+			t.Fatalf("handshake %d: client %v, server %v", i+1, r.clientErr, r.serverErr)
+		}
+		// Reading after the handshake is what stores a ticket, if any.
+		exchange(t, r.client, r.server)
+		if r.client.ConnectionState().DidResume || r.server.ConnectionState().DidResume {
+			t.Fatalf("handshake %d resumed a session", i+1)
+		}
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
-	"net/url"
 	"strings"
 	"testing"
 
@@ -28,7 +27,7 @@ func TestHBONEDenialHidesPolicy(t *testing.T) {
 	p := testPod(tun, "uid-server", podAddr)
 	target := netip.AddrPortFrom(podAddr, 8080)
 	connect := func(sa string) hbone.Response {
-		cert := &x509.Certificate{URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/mesh/sa/" + sa}}}
+		cert := spiffeCert(t, "spiffe://cluster.local/ns/mesh/sa/"+sa)
 		return p.handleHBONE(context.Background(), &hbone.ServerRequest{Target: target, Authority: target.String(),
 			TLS:        &tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{cert}},
 			RemoteAddr: &net.TCPAddr{IP: net.ParseIP("10.2.0.9"), Port: 40000}, LocalAddr: &net.TCPAddr{IP: podAddr.AsSlice(), Port: 15008}})

@@ -2,19 +2,49 @@ package tunnel
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"math/big"
 	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
+
+// spiffeCert is a parsed certificate whose one URI SAN is uri: a peer's
+// leaf as handleHBONE gets it, the handshake having verified its chain.
+func spiffeCert(t *testing.T, uri string) *x509.Certificate {
+	t.Helper()
+	u, err := url.Parse(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, URIs: []*url.URL{u}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
 
 // TestHBONERequestChecks covers the checks made before any dial: the
 // tunnel is never an open proxy, never a path to its own listeners, and
@@ -70,7 +100,7 @@ func TestHBONETunnelLimits(t *testing.T) {
 	p := testPod(tun, "uid-server", podAddr)
 	p.netns = "/proc/self/ns/net"
 	target := netip.AddrPortFrom(podAddr, uint16(app.Addr().(*net.TCPAddr).Port))
-	peerCert := &x509.Certificate{URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/mesh/sa/client"}}}
+	peerCert := spiffeCert(t, "spiffe://cluster.local/ns/mesh/sa/client")
 	connect := func(src string) hbone.Response {
 		return p.handleHBONE(context.Background(), &hbone.ServerRequest{Target: target, Authority: target.String(),
 			TLS:        &tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{peerCert}},

@@ -2,6 +2,8 @@ package tunnel
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"maps"
 	"net/netip"
 	"reflect"
@@ -168,4 +170,30 @@ func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
 		}
 	}
 	return false
+}
+
+// recheckPeers runs when the trust bundle changed. A handshake verified
+// its peer against the roots of that moment; it drains the HBONE
+// connections, inbound and pooled outbound, whose peer no longer verifies
+// (its root removed), so the identity of that handshake authorizes no new
+// stream. Their open streams run to their end. Connections whose peer
+// still verifies are left alone: a rotation that adds a root reconnects
+// nothing.
+func (t *Tunnel) recheckPeers() {
+	m := t.cfg.Certs
+	t.mu.Lock()
+	pods := slices.Collect(maps.Values(t.pods))
+	t.mu.Unlock()
+	inbound, outbound := 0, 0
+	for _, p := range pods {
+		if p.hbone != nil {
+			inbound += p.hbone.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageClientAuth) == nil })
+		}
+	}
+	if t.cfg.Pool != nil {
+		outbound = t.cfg.Pool.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageServerAuth) == nil })
+	}
+	if inbound+outbound > 0 {
+		t.log.Info("trust bundle changed: HBONE connections whose peer no longer verifies drained", "inbound", inbound, "outbound", outbound)
+	}
 }

@@ -131,6 +131,9 @@ func New(cfg Config) *Tunnel {
 	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}),
 		limits: newLimiter(cfg.Limits, cfg.Metrics), refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.state.Store(&State{Dir: &workload.Directory{}})
+	if cfg.Certs != nil {
+		cfg.Certs.OnTrustChange(t.recheckPeers)
+	}
 	return t
 }
 

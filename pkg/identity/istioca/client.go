@@ -97,7 +97,11 @@ func New(cfg Config) (*Client, error) {
 		// bundle may change: the pool is read at each handshake.
 		InsecureSkipVerify: true,
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			return verifyServer(cs, cfg.Trust.Roots(), cfg.ServerName)
+			roots, err := identity.TrustRoots(cfg.Trust)
+			if err != nil {
+				return fmt.Errorf("istiod's serving certificate: %w", err)
+			}
+			return verifyServer(cs, roots, cfg.ServerName)
 		},
 	}
 	conn, err := grpc.NewClient(cfg.Addr,
@@ -236,8 +240,12 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 		return nil, &identity.CAError{Reason: identity.ReasonWrongIdentity,
 			Err: fmt.Errorf("%w: asked istiod for %s, leaf carries %v", identity.ErrUnexpectedIdentity, id, got)}
 	}
+	roots, err := identity.TrustRoots(c.cfg.Trust)
+	if err != nil {
+		return nil, &identity.CAError{Reason: identity.ReasonUntrustedChain, Err: err}
+	}
 	opts := x509.VerifyOptions{
-		Roots:         c.cfg.Trust.Roots(),
+		Roots:         roots,
 		Intermediates: x509.NewCertPool(),
 		KeyUsages:     []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
 	}

@@ -244,6 +244,7 @@ type conn struct {
 	err            error // set once, when the conn dies
 	idleSince      time.Time
 	idleTimer      *time.Timer
+	expiryTimer    *time.Timer // drainAtPeerExpiry
 	ctl, ctlSpare  []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the
@@ -1237,6 +1238,26 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
 }
 
+// drainAtPeerExpiry drains c when the certificate the peer presented in
+// state expires. The handshake verified the peer's identity at that moment
+// only; a connection can carry new streams for days, so without this a
+// peer whose certificate ran out (a node that lost its CA, an identity
+// that should be gone) would keep being served, and served as that
+// identity. New streams go on a new connection instead, whose handshake
+// checks a current certificate against the roots of that moment; streams
+// open at expiry run to their end.
+func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
+	if len(state.PeerCertificates) == 0 {
+		return
+	}
+	notAfter := state.PeerCertificates[0].NotAfter
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		c.expiryTimer = time.AfterFunc(time.Until(notAfter), c.drain)
+	}
+}
+
 // drain stops new streams (GOAWAY) and closes the conn once the last
 // stream finishes.
 func (c *conn) drain() {
@@ -1299,6 +1320,9 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	if c.idleTimer != nil {
 		c.idleTimer.Stop()
+	}
+	if c.expiryTimer != nil {
+		c.expiryTimer.Stop()
 	}
 	if c.pingTimer != nil {
 		c.pingTimer.Stop()

@@ -228,6 +228,9 @@ func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialC
 		c.tryReserve(p.opts.MaxStreamsPerConn)
 	}
 	e.conns = append(e.conns, c)
+	// Once pooled (and reserved): a drain that closes the conn at once
+	// must find it in e.conns, or onClose would leave it there.
+	c.drainAtPeerExpiry(*c.tlsState)
 	p.mu.Unlock()
 	return c, nil
 }
@@ -361,6 +364,8 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		_ = tc.Close()
 		return nil, err
 	}
+	state := tc.ConnectionState()
+	c.tlsState = &state
 	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)
 	return c, nil
 }
@@ -471,6 +476,33 @@ func (p *Pool) Evict(match func(PoolKey) bool) int {
 		c.close(http2.ErrCodeNo, errEvicted, true)
 	}
 	return len(conns)
+}
+
+// DrainPeers drains the pooled connections whose server, as its handshake
+// presented it, keep refuses now (the trust bundle changed: a root it
+// chained to may be gone), and returns how many. Their open streams run to
+// their end; new streams go on a new connection, verified anew. keep runs
+// without the pool's lock.
+func (p *Pool) DrainPeers(keep func(tls.ConnectionState) bool) int {
+	p.mu.Lock()
+	var conns []*conn
+	for _, e := range p.entries {
+		conns = append(conns, e.conns...)
+	}
+	p.mu.Unlock()
+	return drainPeers(conns, keep)
+}
+
+// drainPeers drains the conns whose handshake state keep refuses.
+func drainPeers(conns []*conn, keep func(tls.ConnectionState) bool) int {
+	n := 0
+	for _, c := range conns {
+		if c.tlsState != nil && !keep(*c.tlsState) {
+			c.drain()
+			n++
+		}
+	}
+	return n
 }
 
 // Close closes every pooled connection, failing their streams, and makes

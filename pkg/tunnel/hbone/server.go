@@ -345,6 +345,11 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		// it elsewhere (in an upgrade, on the successor's listener).
 		c.drain()
 	}
+	// After the registration: a drain that closes the conn at once must
+	// find it registered, or onClose would leave it counted.
+	if state != nil {
+		c.drainAtPeerExpiry(*state)
+	}
 	c.readLoop()
 }
 
@@ -682,6 +687,21 @@ func (srv *Server) Shutdown(ctx context.Context) error {
 		<-done
 		return ctx.Err()
 	}
+}
+
+// DrainPeers drains the connections whose client, as its handshake
+// presented it, keep refuses now (the trust bundle changed: a root it
+// chained to may be gone), and returns how many. Their open streams run to
+// their end; the client's next streams need a new handshake. keep runs
+// without the server's lock.
+func (srv *Server) DrainPeers(keep func(tls.ConnectionState) bool) int {
+	srv.mu.Lock()
+	conns := make([]*conn, 0, len(srv.conns))
+	for c := range srv.conns {
+		conns = append(conns, c)
+	}
+	srv.mu.Unlock()
+	return drainPeers(conns, keep)
 }
 
 // Close stops accepting and closes every connection now, failing their

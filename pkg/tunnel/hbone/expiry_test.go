@@ -1,0 +1,196 @@
+package hbone
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"io"
+	"math/big"
+	"net/url"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
+)
+
+// expiringPKI is a CA with two leaves for the same identity: one valid for
+// an hour, one that expires within seconds.
+type expiringPKI struct {
+	pool              *x509.CertPool
+	lasting, expiring tls.Certificate
+}
+
+func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
+	t.Helper()
+	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	caTmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "expiry-ca"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := x509.ParseCertificate(caDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := url.Parse("spiffe://cluster.local/ns/default/sa/test")
+	leaf := func(serial int64, notAfter time.Time) tls.Certificate {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tmpl := &x509.Certificate{SerialNumber: big.NewInt(serial), NotBefore: now.Add(-time.Hour), NotAfter: notAfter,
+			KeyUsage:    x509.KeyUsageDigitalSignature,
+			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+			DNSNames:    []string{"hbone.test"}, URIs: []*url.URL{id}}
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parsed, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: parsed}
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(ca)
+	return &expiringPKI{pool: pool, lasting: leaf(2, now.Add(time.Hour)), expiring: leaf(3, now.Add(life))}
+}
+
+func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
+	c := &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}}
+	if server {
+		c.ClientCAs, c.ClientAuth = p.pool, tls.RequireAndVerifyClientCert
+	} else {
+		c.RootCAs, c.ServerName = p.pool, "hbone.test"
+	}
+	return c
+}
+
+// A connection is verified once, at its handshake, and may carry streams
+// for days. Once the peer's certificate has expired, a new stream must not
+// travel on it as if the peer still held that identity: both ends drain the
+// connection at the peer's expiry, so the next stream needs a new
+// handshake, which an expired certificate cannot pass.
+func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
+	for _, expiring := range []string{"client", "server"} {
+		t.Run(expiring, func(t *testing.T) {
+			pki := newExpiringPKI(t, 2*time.Second)
+			clientCert, serverCert := pki.lasting, pki.expiring
+			if expiring == "client" {
+				clientCert, serverCert = pki.expiring, pki.lasting
+			}
+			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
+			app := startUpstream(t, echo)
+			connect := func() (*Stream, error) {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+			}
+			// One stream stays open across the expiry: it runs to its end.
+			open, err := connect()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer open.Close()
+			time.Sleep(time.Until(pki.expiring.Leaf.NotAfter) + 500*time.Millisecond)
+
+			s, err := connect()
+			if err == nil {
+				s.Close()
+				t.Fatalf("a stream opened %s after the %s certificate expired", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
+			}
+			t.Logf("after the expiry: %v", err)
+			if st := e.pool.Stats(); st.DialsTotal != 2 {
+				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			}
+			msg := []byte("still here")
+			if _, err := open.Write(msg); err != nil {
+				t.Fatalf("stream open at the expiry: write: %v", err)
+			}
+			buf := make([]byte, len(msg))
+			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+				t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
+			}
+		})
+	}
+}
+
+// DrainPeers (on a trust bundle change) drains exactly the connections
+// whose peer keep refuses: their open streams run on, the next stream
+// needs a new handshake. Connections keep accepts are left alone.
+func TestDrainPeers(t *testing.T) {
+	for _, side := range []string{"server", "pool"} {
+		t.Run(side, func(t *testing.T) {
+			e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+			app := startUpstream(t, echo)
+			drain := func(keep func(tls.ConnectionState) bool) int {
+				if side == "server" {
+					return e.srv.DrainPeers(keep)
+				}
+				return e.pool.DrainPeers(keep)
+			}
+			open, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer open.Close()
+			var seen []string
+			if n := drain(func(cs tls.ConnectionState) bool {
+				seen = append(seen, cs.PeerCertificates[0].URIs[0].String())
+				return true
+			}); n != 0 || len(seen) != 1 || seen[0] != "spiffe://cluster.local/ns/default/sa/test" {
+				t.Fatalf("keep all: drained %d, keep saw %v", n, seen)
+			}
+			if n := drain(func(tls.ConnectionState) bool { return false }); n != 1 {
+				t.Fatalf("keep none: drained %d, want 1", n)
+			}
+			msg := []byte("still here")
+			if _, err := open.Write(msg); err != nil {
+				t.Fatalf("stream open at the drain: write: %v", err)
+			}
+			buf := make([]byte, len(msg))
+			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+				t.Fatalf("stream open at the drain: read %q, %v", buf, err)
+			}
+			// The drained side's GOAWAY reaches the other before the next
+			// stream, which then dials.
+			time.Sleep(100 * time.Millisecond)
+			s, err := e.connect(context.Background(), app)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.Close()
+			if st := e.pool.Stats(); st.DialsTotal != 2 {
+				t.Errorf("dials = %d, want 2: the stream after the drain must need a new handshake", st.DialsTotal)
+			}
+		})
+	}
+}
+
+// A peer whose certificate has expired by the wall clock but passed the
+// handshake (its verifier's clock runs behind) is drained at once; the
+// pooled connection must still leave the pool when its last stream ends,
+// not stay listed, closed, for good.
+func TestPeerExpiredAtHandshakeLeavesPool(t *testing.T) {
+	pki := newExpiringPKI(t, -time.Minute)
+	e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(pki.expiring, true)}, PoolOptions{})
+	app := startUpstream(t, echo)
+	client := pki.config(pki.lasting, false)
+	client.Time = func() time.Time { return time.Now().Add(-2 * time.Minute) }
+	s, err := e.pool.Connect(context.Background(), e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+	if err == nil {
+		s.Close()
+	}
+	waitfor.Until(t, "the drained conn leaves the pool", func() bool { return e.pool.Stats().Conns == 0 })
+}
