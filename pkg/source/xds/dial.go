@@ -46,7 +46,13 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 			if len(cs.PeerCertificates) == 0 {
 				return errors.New("istiod presented no certificate")
 			}
-			opts := x509.VerifyOptions{Roots: trust.Roots(), DNSName: serverName, Intermediates: x509.NewCertPool()}
+			// TrustRoots refuses an empty bundle: a nil pool would make
+			// crypto/x509 fall back to the host's system roots.
+			roots, err := identity.TrustRoots(trust)
+			if err != nil {
+				return fmt.Errorf("istiod's serving certificate: %w", err)
+			}
+			opts := x509.VerifyOptions{Roots: roots, DNSName: serverName, Intermediates: x509.NewCertPool()}
 			for _, c := range cs.PeerCertificates[1:] {
 				opts.Intermediates.AddCert(c)
 			}
