@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -27,19 +28,29 @@ const DefaultConnectTimeout = 10 * time.Second
 // the handshake happen on the caller's goroutine through the runtime poller,
 // so a connect in progress holds no OS thread locked in a namespace.
 func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+	h, err := Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", addr, err)
+	}
+	defer h.Close()
+	return h.Dial(ctx, network, addr, opts)
+}
+
+// Dial is the package's Dial from inside h's namespace.
+func (h *Handle) Dial(ctx context.Context, network, addr string, opts SocketOptions) (net.Conn, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, DefaultConnectTimeout)
 		defer cancel()
 	}
-	c, err := dial(ctx, path, network, addr, opts)
+	c, err := dial(ctx, h, network, addr, opts)
 	if err != nil {
-		return nil, fmt.Errorf("dial %s from %s: %w", addr, path, err)
+		return nil, fmt.Errorf("dial %s from %s: %w", addr, h.Path(), err)
 	}
 	return c, nil
 }
 
-func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
+func dial(ctx context.Context, h *Handle, network, addr string, opts SocketOptions) (net.Conn, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -61,14 +72,14 @@ func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (
 	if err != nil {
 		return nil, err
 	}
-	f, fd, err := boundSocket(path, family, opts, local)
+	f, fd, err := boundSocket(h, family, opts, local)
 	if err != nil {
 		return nil, err
 	}
 	if avoid := opts.AvoidLocalPort; avoid != 0 && localPort(fd) == avoid {
 		// Holding the socket on that port while binding another makes the
 		// kernel pick a different one; then it can go.
-		g, gfd, err := boundSocket(path, family, opts, local)
+		g, gfd, err := boundSocket(h, family, opts, local)
 		f.Close()
 		if err != nil {
 			return nil, fmt.Errorf("avoiding local port %d: %w", avoid, err)
@@ -83,16 +94,29 @@ func dial(ctx context.Context, path, network, addr string, opts SocketOptions) (
 		return nil, err
 	}
 	// FileConn duplicates the connected socket into an ordinary
-	// *net.TCPConn (addresses known, splice and SetLinger available).
-	return net.FileConn(f)
+	// *net.TCPConn (addresses known, splice and SetLinger available). It
+	// also sets the runtime's default keepalive, so opts' comes after.
+	c, err := net.FileConn(f)
+	if err != nil || opts.KeepAlive == nil {
+		return c, err
+	}
+	rc, err := c.(syscall.Conn).SyscallConn()
+	if err == nil {
+		err = controlErr(rc, opts.KeepAlive.apply)
+	}
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
 }
 
-// boundSocket makes a TCP socket in the namespace at path, with opts, bound
+// boundSocket makes a TCP socket in h's namespace, with opts, bound
 // to local when set. The socket belongs to the returned file, which
 // registers it with the poller.
-func boundSocket(path string, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
+func boundSocket(h *Handle, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
 	fd := -1
-	err := Do(path, func() error {
+	err := h.Do(func() error {
 		var err error
 		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
 		return os.NewSyscallError("socket", err)

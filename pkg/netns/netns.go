@@ -13,7 +13,9 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -23,40 +25,105 @@ import (
 // it stays locked and dies with the goroutine, so no other goroutine ever
 // runs in a namespace it did not ask for.
 func Do(path string, fn func() error) error {
-	target, err := os.Open(path)
+	h, err := Open(path)
 	if err != nil {
-		return fmt.Errorf("open network namespace %s: %w", path, err)
+		return err
 	}
-	defer target.Close()
-	if err := checkNetNS(target); err != nil {
-		return fmt.Errorf("network namespace %s: %w", path, err)
-	}
+	defer h.Close()
+	return h.Do(fn)
+}
 
+// Handle is an open network namespace. It names the namespace it was opened
+// on even if its path is later bound to another, and saves a caller that
+// enters it often (a pod's every inbound connection) opening the path each
+// time. An open Handle keeps its namespace alive: close it when the pod goes.
+type Handle struct {
+	f    *os.File
+	path string
+}
+
+// Open opens the network namespace at path.
+func Open(path string) (*Handle, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("open network namespace %s: %w", path, err)
+	}
+	if err := checkNetNS(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("network namespace %s: %w", path, err)
+	}
+	return &Handle{f: f, path: path}, nil
+}
+
+// Path is the path h was opened on.
+func (h *Handle) Path() string {
+	if h == nil {
+		return ""
+	}
+	return h.path
+}
+
+// errNoHandle is what a nil Handle answers.
+var errNoHandle = errors.New("no network namespace")
+
+// Close releases the namespace. Calls already in Do keep it until they end.
+func (h *Handle) Close() error {
+	if h == nil {
+		return errNoHandle
+	}
+	return h.f.Close()
+}
+
+// hostNS is the namespace every unlocked thread of the process is in, opened
+// once: the runtime starts new threads from a clean template thread, and a
+// thread that could not return from a namespace dies locked (Do), so it
+// stays the namespace Do returns threads to.
+var hostNS = sync.OnceValues(func() (*os.File, error) {
+	return os.Open("/proc/thread-self/ns/net")
+})
+
+// Do runs fn on an OS thread that has entered h's namespace, as the
+// package's Do. The namespace file is held (its descriptor cannot be closed
+// and reused) for the whole call, so the thread never enters another.
+func (h *Handle) Do(fn func() error) error {
+	if h == nil {
+		return errNoHandle
+	}
+	rc, err := h.f.SyscallConn()
+	if err != nil {
+		return fmt.Errorf("network namespace %s: %w", h.path, err)
+	}
 	errc := make(chan error, 1)
 	go func() {
-		runtime.LockOSThread()
-		own, err := os.Open(fmt.Sprintf("/proc/self/task/%d/ns/net", unix.Gettid()))
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("open own network namespace: %w", err)
-			return
-		}
-		defer own.Close()
-		if err := unix.Setns(int(target.Fd()), unix.CLONE_NEWNET); err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("enter network namespace %s: %w", path, err)
-			return
-		}
-		ferr := fn()
-		if err := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); err != nil {
-			// Leave the thread locked: it exits with this goroutine.
-			errc <- errors.Join(ferr, fmt.Errorf("return from network namespace %s: %w", path, err))
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- ferr
+		var ferr error
+		cerr := rc.Control(func(target uintptr) { ferr = enterAndRun(int(target), h.path, fn) })
+		errc <- cmp.Or(cerr, ferr)
 	}()
-	return <-errc
+	if err := <-errc; err != nil {
+		return err
+	}
+	return nil
+}
+
+// enterAndRun runs fn with the calling goroutine's thread in the namespace
+// target, and returns the thread to hostNS.
+func enterAndRun(target int, path string, fn func() error) error {
+	own, err := hostNS()
+	if err != nil {
+		return fmt.Errorf("open own network namespace: %w", err)
+	}
+	runtime.LockOSThread()
+	if err := unix.Setns(target, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("enter network namespace %s: %w", path, err)
+	}
+	ferr := fn()
+	if err := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); err != nil {
+		// Leave the thread locked: it exits with this goroutine.
+		return errors.Join(ferr, fmt.Errorf("return from network namespace %s: %w", path, err))
+	}
+	runtime.UnlockOSThread()
+	return ferr
 }
 
 func checkNetNS(f *os.File) error {
@@ -105,6 +172,48 @@ type SocketOptions struct {
 	// (a listener's accepted sockets inherit it). Failing to set it is not an
 	// error: only speed is at stake.
 	Congestion string
+	// KeepAlive, when set, turns TCP keepalive on with its timings and sets
+	// TCP_USER_TIMEOUT: on a listener before it listens, and its accepted
+	// sockets inherit both from it, so nothing is set per accepted
+	// connection (nor the runtime's own 15 s keepalive default); on a dialled
+	// socket once it is connected, after the runtime set its default.
+	KeepAlive *KeepAlive
+}
+
+// KeepAlive holds TCP keepalive timings and the TCP_USER_TIMEOUT.
+type KeepAlive struct {
+	Idle, Interval time.Duration
+	Count          int
+	// UserTimeout bounds how long sent data may go unacknowledged.
+	UserTimeout time.Duration
+}
+
+// controlErr runs fn on c's descriptor.
+func controlErr(c syscall.RawConn, fn func(fd int) error) error {
+	var ferr error
+	if err := c.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil {
+		return err
+	}
+	return ferr
+}
+
+// apply sets k on socket fd.
+func (k *KeepAlive) apply(fd int) error {
+	for _, o := range []struct {
+		level, opt, val int
+		name            string
+	}{
+		{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1, "SO_KEEPALIVE"},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, int(k.Idle / time.Second), "TCP_KEEPIDLE"},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, int(k.Interval / time.Second), "TCP_KEEPINTVL"},
+		{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, k.Count, "TCP_KEEPCNT"},
+		{unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(k.UserTimeout / time.Millisecond), "TCP_USER_TIMEOUT"},
+	} {
+		if err := unix.SetsockoptInt(fd, o.level, o.opt, o.val); err != nil {
+			return fmt.Errorf("set %s: %w", o.name, err)
+		}
+	}
+	return nil
 }
 
 // CheckCongestion tells whether TCP sockets can use the congestion control
@@ -179,6 +288,15 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 	err := Do(path, func() error {
 		var err error
 		lc := net.ListenConfig{Control: opts.control}
+		if opts.KeepAlive != nil {
+			lc.KeepAlive = -1 // the accepted sockets inherit the listener's
+			lc.Control = func(network, address string, c syscall.RawConn) error {
+				if err := opts.control(network, address, c); err != nil {
+					return err
+				}
+				return controlErr(c, opts.KeepAlive.apply)
+			}
+		}
 		l, err = lc.Listen(ctx, network, addr)
 		return err
 	})

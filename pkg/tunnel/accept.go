@@ -120,7 +120,6 @@ func (p *pod) acceptLoop(l net.Listener, h *listenerHealth, admit func(net.Conn)
 			if !ok {
 				continue
 			}
-			tuneSocket(raw)
 			c, _ := p.wrap(raw, nil)
 			p.holdWith(c, release)
 			p.wg.Add(1)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
@@ -77,6 +78,17 @@ func (l *fakeListener) feed(t *testing.T, v any) {
 
 func (l *fakeListener) Close() error   { l.once.Do(func() { close(l.closed) }); return nil }
 func (l *fakeListener) Addr() net.Addr { return &net.TCPAddr{} }
+
+// inOwnNamespace makes p dial from the test's own network namespace.
+func inOwnNamespace(t *testing.T, p *pod) {
+	t.Helper()
+	ns, err := netns.Open("/proc/self/ns/net")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ns.Close() })
+	p.netns, p.ns = ns.Path(), ns
+}
 
 // testPod registers a pod (no sockets) with tun, as startPod would.
 func testPod(tun *Tunnel, uid string, addrs ...netip.Addr) *pod {
@@ -458,27 +470,30 @@ func TestPeerDialErrorHidesPaths(t *testing.T) {
 	}
 }
 
-// Every socket the tunnel holds gets keepalive and TCP_USER_TIMEOUT.
-func TestTuneSocket(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+// Every socket the tunnel holds gets keepalive and TCP_USER_TIMEOUT: set on
+// dialled sockets before they connect, and inherited by accepted ones from
+// their listener, with nothing set per accepted connection (the runtime's
+// 15 s default included).
+func TestTunnelSocketsKeepAlive(t *testing.T) {
+	const self = "/proc/self/ns/net"
+	ctx := context.Background()
+	l, err := netns.Listen(ctx, self, "tcp", "127.0.0.1:0", netns.SocketOptions{KeepAlive: tunnelKeepAlive})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	kl := keepaliveListener{l}
 	accepted := make(chan net.Conn, 1)
 	go func() {
-		c, err := kl.Accept()
+		c, err := l.Accept()
 		if err == nil {
 			accepted <- c
 		}
 	}()
-	d, err := net.Dial("tcp", l.Addr().String())
+	d, err := netns.Dial(ctx, self, "tcp", l.Addr().String(), netns.SocketOptions{KeepAlive: tunnelKeepAlive})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	tuneSocket(d)
 	a := <-accepted
 	defer a.Close()
 	for name, c := range map[string]net.Conn{"dialled": d, "accepted": a} {

@@ -44,18 +44,17 @@ type inboundRequest struct {
 // drops the SYNs, and without a bound the kernel would retry them for
 // about two minutes while the handler waits.
 func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) {
-	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, Congestion: inPodCongestionName()}
+	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, Congestion: inPodCongestionName(), KeepAlive: tunnelKeepAlive}
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
 		opts.AvoidLocalPort = r.clientPort
 	}
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
-	c, err := netns.Dial(ctx, p.netns, "tcp", r.dst.String(), opts)
+	c, err := p.ns.Dial(ctx, "tcp", r.dst.String(), opts)
 	if err != nil {
 		return nil, err
 	}
-	tuneSocket(c)
 	return p.wrap(c, nil)
 }
 

@@ -98,7 +98,7 @@ func TestHBONETunnelLimits(t *testing.T) {
 	podAddr := netip.MustParseAddr("127.0.0.1")
 	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
 	p := testPod(tun, "uid-server", podAddr)
-	p.netns = "/proc/self/ns/net"
+	inOwnNamespace(t, p)
 	target := netip.AddrPortFrom(podAddr, uint16(app.Addr().(*net.TCPAddr).Port))
 	peerCert := spiffeCert(t, "spiffe://cluster.local/ns/mesh/sa/client")
 	connect := func(src string) hbone.Response {

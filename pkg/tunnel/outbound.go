@@ -89,9 +89,8 @@ func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Wor
 	t := p.t
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := netns.Dial(ctx, p.netns, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion})
+		c, err := p.ns.Dial(ctx, network, addr, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive})
 		if err == nil {
-			tuneSocket(c)
 			t.checkCongestion(c, "HBONE dial")
 		}
 		return c, err
@@ -186,11 +185,10 @@ const connectTimeout = 5 * time.Second
 func (p *pod) dialPlain(ctx context.Context, dst netip.AddrPort) (net.Conn, error) {
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()
-	c, err := netns.Dial(ctx, p.netns, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark})
+	c, err := p.ns.Dial(ctx, "tcp", dst.String(), netns.SocketOptions{Mark: p.t.cfg.TunnelMark, KeepAlive: tunnelKeepAlive})
 	if err != nil {
 		return nil, err
 	}
-	tuneSocket(c)
 	return c, nil
 }
 

@@ -22,6 +22,10 @@ type pod struct {
 	uid   string
 	netns string
 	addrs []netip.Addr
+	// ns is the namespace at netns, held open from start to the end of
+	// stop: every dial from the pod (to its apps, to HBONE peers, to
+	// passthrough destinations) enters it without opening the path.
+	ns *netns.Handle
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -75,8 +79,12 @@ func listenWildcard(ctx context.Context, path string, port uint16, opts netns.So
 }
 
 func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.Addr) (*pod, error) {
+	ns, err := netns.Open(path)
+	if err != nil {
+		return nil, err
+	}
 	pctx, cancel := context.WithCancel(context.Background())
-	p := &pod{t: t, uid: uid, netns: path, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
+	p := &pod{t: t, uid: uid, netns: path, ns: ns, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
 		inbound: map[*inboundConn]struct{}{}, id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
 	for i, port := range []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort} {
 		p.health[i] = &listenerHealth{port: port}
@@ -88,9 +96,9 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		// queued on a closing listener.
 		t.log.WarnContext(ctx, "pod served without request migration", "uid", uid, "error", err)
 	}
-	var err error
 	if p.hbone, err = t.newHBONEServer(p); err != nil {
 		cancel()
+		ns.Close()
 		return nil, fmt.Errorf("HBONE server: %w", err)
 	}
 	lns, err := p.listen(ctx)
@@ -103,6 +111,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	if err != nil {
 		_ = p.hbone.Close()
 		cancel()
+		ns.Close()
 		return nil, err
 	}
 	p.serve(lns)
@@ -113,7 +122,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 // listen opens the pod's three listeners, or none.
 func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 	t, path := p.t, p.netns
-	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true}
+	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true, KeepAlive: tunnelKeepAlive}
 	fromApps := transparent
 	fromApps.Congestion = inPodCongestionName() // its connections come from the pod's own apps
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, fromApps)
@@ -125,7 +134,7 @@ func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 		out.Close()
 		return nil, fmt.Errorf("inbound listener: %w", err)
 	}
-	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true, Congestion: t.cfg.HBONECongestion})
+	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive})
 	if err != nil {
 		out.Close()
 		in.Close()
@@ -150,7 +159,7 @@ func (p *pod) serve(lns []net.Listener) bool {
 	p.mu.Unlock()
 	p.acceptLoop(lns[0], p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
 	p.acceptLoop(lns[1], p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
-	p.serveHBONE(keepaliveListener{lns[2]}, p.health[2])
+	p.serveHBONE(lns[2], p.health[2])
 	return true
 }
 
@@ -252,6 +261,9 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	}
 	p.mu.Unlock()
 	<-done
+	// Dials still under way (a pooled connection spread in the background)
+	// fail from here; the pod's pool entries are evicted next.
+	_ = p.ns.Close()
 	return open, forced
 }
 

@@ -1,7 +1,6 @@
 package tunnel
 
 import (
-	"net"
 	"sync"
 	"syscall"
 	"time"
@@ -39,34 +38,10 @@ const (
 	userTimeout       = keepaliveIdle + keepaliveCount*keepaliveInterval
 )
 
-// tuneSocket sets keepalive and TCP_USER_TIMEOUT on c when it is a TCP
-// socket; anything else (a test pipe) is left alone. A failure only means
-// a slower release of a dead peer, so it is not an error.
-func tuneSocket(c net.Conn) {
-	tc, ok := c.(*net.TCPConn)
-	if !ok {
-		return
-	}
-	_ = tc.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: keepaliveIdle, Interval: keepaliveInterval, Count: keepaliveCount})
-	rc, err := tc.SyscallConn()
-	if err != nil {
-		return
-	}
-	_ = rc.Control(func(fd uintptr) {
-		_ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(userTimeout/time.Millisecond))
-	})
-}
-
-// keepaliveListener tunes every connection it accepts.
-type keepaliveListener struct{ net.Listener }
-
-func (l keepaliveListener) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err == nil {
-		tuneSocket(c)
-	}
-	return c, err
-}
+// tunnelKeepAlive is set on every socket the tunnel makes (netns.SocketOptions):
+// before a dial connects, and on the listeners, whose accepted sockets
+// inherit it from the kernel.
+var tunnelKeepAlive = &netns.KeepAlive{Idle: keepaliveIdle, Interval: keepaliveInterval, Count: keepaliveCount, UserTimeout: userTimeout}
 
 // inPodCongestion is the congestion control of the tunnel's sockets to the pod's own apps
 // (the outbound capture listener's, so its accepted sockets inherit it, and dials to the

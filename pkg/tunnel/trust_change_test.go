@@ -69,7 +69,7 @@ func TestTrustBundleChangeDrainsUntrustedPeers(t *testing.T) {
 	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Certs: serverCerts})
 	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
 	p := testPod(tun, "uid-server", netip.MustParseAddr("127.0.0.1"))
-	p.netns = "/proc/self/ns/net"
+	inOwnNamespace(t, p)
 	if p.hbone, err = tun.newHBONEServer(p); err != nil {
 		t.Fatal(err)
 	}
