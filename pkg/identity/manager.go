@@ -496,7 +496,11 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 	// those listed, and peers check the one their side needs.
 	for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
 		opts.KeyUsages = []x509.ExtKeyUsage{usage}
-		if _, err := cert.Leaf.Verify(opts); err != nil {
+		chains, err := cert.Leaf.Verify(opts)
+		if err == nil {
+			err = strongChain(chains)
+		}
+		if err != nil {
 			return &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
 		}
 	}

@@ -114,7 +114,11 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 			opts.Intermediates.AddCert(c)
 		}
 	}
-	if _, err := leaf.Verify(opts); err != nil {
+	chains, err := leaf.Verify(opts)
+	if err != nil {
+		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+	}
+	if err := strongChain(chains); err != nil {
 		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	id, err := idFromLeaf(leaf)
@@ -187,6 +191,38 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	return id, nil
+}
+
+// strongChain accepts verified chains when one of them has no RSA key under
+// minRSABits: every key in a chain, the root's included, signs something
+// the verifier relies on, and crypto/x509 takes RSA keys of 1024 bits
+// anywhere in it. rustls (ztunnel) refuses such signatures, so a chain
+// through a weak intermediate would work only between agents like this one.
+func strongChain(chains [][]*x509.Certificate) error {
+	var weak *x509.Certificate
+	for _, chain := range chains {
+		w := weakRSA(chain)
+		if w == nil {
+			return nil
+		}
+		weak = w
+	}
+	if weak == nil {
+		return errors.New("no verified chain")
+	}
+	return fmt.Errorf("rsa key of %d bits in the chain (%q), want at least %d",
+		weak.PublicKey.(*rsa.PublicKey).N.BitLen(), weak.Subject.String(), minRSABits)
+}
+
+// weakRSA returns the first certificate of chain whose RSA key is shorter
+// than minRSABits, or nil.
+func weakRSA(chain []*x509.Certificate) *x509.Certificate {
+	for _, c := range chain {
+		if k, ok := c.PublicKey.(*rsa.PublicKey); ok && k.N.BitLen() < minRSABits {
+			return c
+		}
+	}
+	return nil
 }
 
 // minRSABits is the smallest RSA key accepted in a peer's leaf, as for a

@@ -12,6 +12,7 @@ import (
 	"encoding/asn1"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"io"
 	"math/big"
 	"net"
@@ -424,5 +425,94 @@ func TestNoSessionResumption(t *testing.T) {
 		if r.client.ConnectionState().DidResume || r.server.ConnectionState().DidResume {
 			t.Fatalf("handshake %d resumed a session", i+1)
 		}
+	}
+}
+
+// poolTrust trusts the roots of one pool, in trust domain cluster.local.
+type poolTrust struct{ pool *x509.CertPool }
+
+func (poolTrust) TrustDomain() string     { return "cluster.local" }
+func (p poolTrust) Roots() *x509.CertPool { return p.pool }
+
+// TestVerifyPeerRejectsWeakIntermediate: crypto/x509 verifies a chain
+// through an intermediate whose RSA key has 1024 bits; rustls (ztunnel)
+// does not, and neither may this agent, for a peer's chain or for what
+// its own CA answered. The same chain through a 2048-bit intermediate
+// passes, so the key size is what is refused.
+func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
+	rootKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caTmpl := func(serial int64, name string) *x509.Certificate {
+		return &x509.Certificate{
+			SerialNumber:          big.NewInt(serial),
+			Subject:               pkix.Name{CommonName: name},
+			NotBefore:             time.Now().Add(-time.Minute),
+			NotAfter:              time.Now().Add(time.Hour),
+			KeyUsage:              x509.KeyUsageCertSign,
+			BasicConstraintsValid: true,
+			IsCA:                  true,
+		}
+	}
+	issue := func(tmpl, parent *x509.Certificate, pub, priv any) *x509.Certificate {
+		t.Helper()
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, pub, priv)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	root := issue(caTmpl(1, "root"), caTmpl(1, "root"), &rootKey.PublicKey, rootKey)
+	pool := x509.NewCertPool()
+	pool.AddCert(root)
+	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
+	t.Cleanup(m.Close)
+
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	chainVia := func(bits int) (*tls.Certificate, []*x509.Certificate) {
+		t.Helper()
+		interKey, err := rsa.GenerateKey(rand.Reader, bits)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inter := issue(caTmpl(int64(bits), fmt.Sprintf("intermediate-%d", bits)), root, &interKey.PublicKey, rootKey)
+		leafKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaf := issue(&x509.Certificate{
+			SerialNumber: big.NewInt(7),
+			NotBefore:    time.Now().Add(-time.Minute),
+			NotAfter:     time.Now().Add(time.Hour),
+			KeyUsage:     x509.KeyUsageDigitalSignature,
+			ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+			URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+		}, inter, &leafKey.PublicKey, interKey)
+		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
+		return own, []*x509.Certificate{leaf, inter}
+	}
+
+	strongOwn, strong := chainVia(2048)
+	if id, err := verifyPeer(m, strong, x509.ExtKeyUsageClientAuth); err != nil || id != want {
+		t.Fatalf("peer chain through a 2048-bit intermediate: %v %v, want %v", id, err, want)
+	}
+	if err := m.check(want, strongOwn); err != nil {
+		t.Fatalf("own chain through a 2048-bit intermediate: %v", err)
+	}
+	weakOwn, weak := chainVia(1024)
+	for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
+		_, err := verifyPeer(m, weak, usage)
+		if !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "1024 bits") {
+			t.Errorf("peer chain through a 1024-bit intermediate (usage %v): err = %v, want ErrUntrustedPeer naming the key size", usage, err)
+		}
+	}
+	var ce *CAError
+	if err := m.check(want, weakOwn); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "1024 bits") {
+		t.Errorf("own chain through a 1024-bit intermediate: err = %v, want %s naming the key size", err, ReasonUntrustedChain)
 	}
 }
