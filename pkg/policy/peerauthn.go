@@ -53,6 +53,8 @@ func (d Decision) Strict() bool { return d.Mode == ModeStrict }
 //
 // A mode that is not one of Istio's (ValidatePA reports it) is read as
 // STRICT: a typo must not quietly weaken what the author meant to enforce.
+// So is a policy with a field this agent does not know (Unrecognized), at
+// its level and on every port, whatever mode it sets.
 func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string, podLabels map[string]string, port uint16) Decision {
 	if rootNamespace == "" {
 		rootNamespace = DefaultRootNamespace
@@ -82,6 +84,9 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 			return
 		}
 		mode, note := readMode(mtls.Mode)
+		if pa.Unrecognized != "" {
+			mode, note = ModeStrict, ", has a field this agent does not know, read as STRICT"
+		}
 		if mode == ModeUnset {
 			return
 		}
@@ -90,7 +95,7 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 	apply(mesh, mesh.mtlsOrNil(), "mesh")
 	apply(namespace, namespace.mtlsOrNil(), "namespace")
 	apply(workload, workload.mtlsOrNil(), "workload")
-	if workload != nil {
+	if workload != nil && workload.Unrecognized == "" {
 		if pm, ok := workload.Spec.PortLevelMTLS[uint32(port)]; ok {
 			if d.Mode == ModeStrict && pm.Mode == ModeDisable && unsetMode(workload.Spec.MTLS) && !hasPortMode(workload, ModePermissive) {
 				d.Source += fmt.Sprintf("; port %d DISABLE of %s/%s not applied: that policy sets no mode of its own and no PERMISSIVE port, as istiod",
@@ -116,9 +121,15 @@ func hasPortMode(pa *PeerAuthentication, mode MTLSMode) bool {
 	return false
 }
 
+// mtlsOrNil is pa's mode, nil if pa is. A policy with a field this agent
+// does not know decides its level even without a mode (apply reads it as
+// STRICT), so its empty mode is not left to the next level.
 func (pa *PeerAuthentication) mtlsOrNil() *MTLS {
 	if pa == nil {
 		return nil
+	}
+	if pa.Spec.MTLS == nil && pa.Unrecognized != "" {
+		return &MTLS{}
 	}
 	return pa.Spec.MTLS
 }

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -188,5 +189,52 @@ func TestDecisionStrict(t *testing.T) {
 		if got := (Decision{Mode: mode}).Strict(); got != want {
 			t.Errorf("%s: Strict() = %v", mode, got)
 		}
+	}
+}
+
+// TestEffectiveModeUnrecognizedIsStrict: a PeerAuthentication a source
+// marked as having a field these types do not know decides its level as
+// STRICT, whatever mode it sets (or none) and on every port, and
+// ValidatePA names the field; the same policy unmarked keeps its modes.
+func TestEffectiveModeUnrecognizedIsStrict(t *testing.T) {
+	pas := decodeAll[PeerAuthentication](t, `
+metadata: {name: default, namespace: istio-system, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec: {mtls: {mode: PERMISSIVE}}
+---
+metadata: {name: db, namespace: shop, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec:
+  selector: {matchLabels: {app: db}}
+  mtls: {mode: PERMISSIVE}
+  portLevelMtls: {9100: {mode: DISABLE}}
+---
+metadata: {name: default, namespace: blog, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec: {}
+`)
+	db := map[string]string{"app": "db"}
+	for _, port := range []uint16{80, 9100} {
+		if d := EffectiveMode(pas, "", "shop", db, port); d.Strict() {
+			t.Fatalf("control, port %d: %+v, want PERMISSIVE or DISABLE", port, d)
+		}
+	}
+	if d := EffectiveMode(pas, "", "blog", nil, 80); d.Strict() {
+		t.Fatalf("control, blog: %+v, want PERMISSIVE from the mesh", d)
+	}
+
+	for i := range pas {
+		pas[i].Unrecognized = `decode spec: json: unknown field "targetRef"`
+	}
+	for _, port := range []uint16{80, 9100} {
+		if d := EffectiveMode(pas, "", "shop", db, port); !d.Strict() || d.Source != "shop/db (workload, has a field this agent does not know, read as STRICT)" {
+			t.Errorf("workload, port %d: %+v, want STRICT from shop/db", port, d)
+		}
+	}
+	if d := EffectiveMode(pas, "", "blog", nil, 80); !d.Strict() || d.Source != "blog/default (namespace, has a field this agent does not know, read as STRICT)" {
+		t.Errorf("namespace policy without a mode: %+v, want STRICT from blog/default", d)
+	}
+	if d := EffectiveMode(pas, "", "news", nil, 80); !d.Strict() || d.Source != "istio-system/default (mesh, has a field this agent does not know, read as STRICT)" {
+		t.Errorf("mesh: %+v, want STRICT from istio-system/default", d)
+	}
+	if err := ValidatePA(pas[1]); err == nil || !strings.Contains(err.Error(), "targetRef") {
+		t.Errorf("ValidatePA = %v, want an error naming the unknown field", err)
 	}
 }

@@ -69,6 +69,11 @@ type PeerAuthentication struct {
 	TypeMeta `json:",inline"`
 	Meta     `json:"metadata,omitempty"`
 	Spec     PeerAuthenticationSpec `json:"spec"`
+	// Unrecognized names what a source found in the object that these
+	// types do not know (a newer Istio field, a typo); Spec then lacks it.
+	// Without the field the policy may select more or relax more than
+	// written, so its level is read as STRICT (see EffectiveMode).
+	Unrecognized string `json:"-"`
 }
 
 // Action is an AuthorizationPolicy action.

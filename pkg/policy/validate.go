@@ -137,10 +137,13 @@ func (v *validator) rule(path string, r *Rule) {
 
 // ValidatePA checks a PeerAuthentication as Istio's admission webhook does.
 // The error names the policy (namespace/name) and each offending field.
-// EffectiveMode reads an unknown mode as STRICT and ignores portLevelMtls
-// on a policy without a selector.
+// EffectiveMode reads an unknown mode, or a policy with an unknown field,
+// as STRICT and ignores portLevelMtls on a policy without a selector.
 func ValidatePA(pa PeerAuthentication) error {
 	var v validator
+	if pa.Unrecognized != "" {
+		v.add("spec", "has what this agent does not know, so it is enforced as STRICT: %s", pa.Unrecognized)
+	}
 	if pa.Spec.MTLS != nil {
 		v.mode("spec.mtls.mode", pa.Spec.MTLS.Mode)
 	}

@@ -181,13 +181,10 @@ func (w *policyWatch) handler(k *policyKind) cache.ResourceEventHandlerFuncs {
 			w.s.cfg.Metrics.Error("kubernetes", source.ReasonInvalid)
 			w.s.log.Error("Istio policy does not convert; its last version that did stays, or, with none, it fails closed",
 				"resource", k.resource, "namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
-		case err != nil && k.resource == "authorizationpolicies":
-			w.s.cfg.Metrics.Error("kubernetes", source.ReasonInvalid)
-			w.s.log.Error("AuthorizationPolicy has a field this agent does not know; it fails closed (an ALLOW admits nothing, a DENY denies all it selects)",
-				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
 		case err != nil:
-			w.s.log.Warn("Istio policy has an unknown field; ignored", "resource", k.resource,
-				"namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
+			w.s.cfg.Metrics.Error("kubernetes", source.ReasonInvalid)
+			w.s.log.Error("Istio policy has a field this agent does not know; it fails closed (an AuthorizationPolicy ALLOW admits nothing and a DENY denies all it selects; a PeerAuthentication is STRICT for what it selects)",
+				"resource", k.resource, "namespace", u.GetNamespace(), "name", u.GetName(), "err", err)
 		}
 	}
 	return cache.ResourceEventHandlerFuncs{
@@ -302,9 +299,16 @@ func decode[T any](u *unstructured.Unstructured) (*T, error) {
 	// A field the types do not know is dropped by decoding, and a rule
 	// without it may match more: an ALLOW would admit more than written.
 	// The policy is kept, marked, and fails closed (see policy.Validate).
-	if ap, ok := any(v).(*policy.AuthorizationPolicy); ok {
+	// A PeerAuthentication without it may select or relax more: it is
+	// read as STRICT (see policy.EffectiveMode).
+	switch p := any(v).(type) {
+	case *policy.AuthorizationPolicy:
 		if _, err := checkSpec[policy.AuthorizationPolicySpec](u); err != nil {
-			ap.Unrecognized = err.Error()
+			p.Unrecognized = err.Error()
+		}
+	case *policy.PeerAuthentication:
+		if _, err := checkSpec[policy.PeerAuthenticationSpec](u); err != nil {
+			p.Unrecognized = err.Error()
 		}
 	}
 	return v, nil

@@ -98,6 +98,44 @@ spec:
 	}
 }
 
+// TestDecodeUnknownFieldPeerAuthnIsStrict: a PeerAuthentication with a field the types do not
+// know (here a selector-narrowing one a newer Istio could add) would, with the field dropped,
+// relax more workloads than written; the decoded policy is marked and read as STRICT.
+func TestDecodeUnknownFieldPeerAuthnIsStrict(t *testing.T) {
+	u := mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: legacy-only}
+spec:
+  mtls: {mode: PERMISSIVE}
+  targetRef: {kind: Service, name: legacy}
+`)
+	pa, err := decode[policy.PeerAuthentication](u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(pa.Unrecognized, "targetRef") {
+		t.Errorf("Unrecognized = %q, want it to name targetRef", pa.Unrecognized)
+	}
+	if d := policy.EffectiveMode([]policy.PeerAuthentication{*pa}, "", "shop", map[string]string{"app": "web"}, 80); !d.Strict() {
+		t.Errorf("mode under a policy with an unknown field: %+v, want STRICT", d)
+	}
+
+	known := mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: db}
+spec:
+  selector: {matchLabels: {app: db}}
+  mtls: {mode: PERMISSIVE}
+  portLevelMtls: {"5432": {mode: STRICT}}
+`)
+	pa, err = decode[policy.PeerAuthentication](known)
+	if err != nil || pa.Unrecognized != "" || len(pa.Spec.PortLevelMTLS) != 1 {
+		t.Errorf("decode = %+v, %v; want the port-level mode read, nothing unrecognized", pa, err)
+	}
+}
+
 func TestCheckSpecLeavesOutUndecodable(t *testing.T) {
 	u := mustUnstructured(t, `
 spec:
