@@ -84,6 +84,9 @@ type ZtunnelPolicy struct {
 	Scope     string                    `json:"scope"`  // Global, Namespace or WorkloadSelector
 	Action    string                    `json:"action"` // Allow or Deny
 	Rules     [][][]*ZtunnelPolicyMatch `json:"rules"`
+	// DryRun marks a policy that is only logged, not enforced (Istio's
+	// istio.io/dry-run annotation, which istiod sends ztunnel as dry_run).
+	DryRun bool `json:"dryRun,omitempty"`
 }
 
 // ZtunnelPolicyMatch is one match of a policy clause.
@@ -202,12 +205,13 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 }
 
 // ZtunnelPolicies converts the AuthorizationPolicies the node's tunnel
-// enforces (those with a targetRef belong to waypoints and are left out,
-// as Istio leaves them out of ztunnel's).
+// holds as istiod would send them to ztunnel: those with a targetRef belong
+// to waypoints and an ALLOW whose selector has no labels selects no
+// workload, so both are left out; dry-run ones are listed, marked.
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	for _, ap := range aps {
-		if ap.Spec.TargetRef != nil || len(ap.Spec.TargetRefs) > 0 {
+		if ap.Spec.TargetRef != nil || len(ap.Spec.TargetRefs) > 0 || ap.SelectsNoWorkload() {
 			continue
 		}
 		action := "Allow"
@@ -225,7 +229,7 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 		case ap.Namespace == rootNamespace:
 			scope = "Global"
 		}
-		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}}
+		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: ap.DryRun()}
 		for _, r := range ap.Spec.Rules {
 			z.Rules = append(z.Rules, ztunnelRule(r))
 		}
@@ -382,7 +386,7 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 		return out
 	}
 	for _, p := range set.Policies {
-		z := ZtunnelPolicy{Name: p.Name, Namespace: p.Namespace, Action: "Allow", Rules: [][][]*ZtunnelPolicyMatch{}}
+		z := ZtunnelPolicy{Name: p.Name, Namespace: p.Namespace, Action: "Allow", Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: p.DryRun}
 		if p.Action == policy.ActionDeny {
 			z.Action = "Deny"
 		}

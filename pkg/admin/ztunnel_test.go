@@ -49,9 +49,14 @@ func TestZtunnelPolicies(t *testing.T) {
 	waypoint := ap
 	waypoint.Name, waypoint.Spec.TargetRef = "w", &policy.PolicyTargetReference{Kind: "Gateway", Name: "wp"}
 	global := policy.AuthorizationPolicy{Meta: policy.Meta{Namespace: "istio-system", Name: "g"}}
-	got := ZtunnelPolicies([]policy.AuthorizationPolicy{ap, waypoint, global}, "istio-system")
-	if len(got) != 2 || got[0].Action != "Deny" || got[0].Scope != "Namespace" || got[1].Scope != "Global" || got[1].Action != "Allow" {
-		t.Fatalf("%+v", got)
+	dryRun := global
+	dryRun.Name, dryRun.Annotations = "dry", map[string]string{policy.DryRunAnnotation: "true"}
+	noLabels := global
+	noLabels.Name, noLabels.Namespace, noLabels.Spec.Selector = "empty-selector", "mesh", &policy.WorkloadSelector{}
+	got := ZtunnelPolicies([]policy.AuthorizationPolicy{ap, waypoint, global, dryRun, noLabels}, "istio-system")
+	if len(got) != 3 || got[0].Action != "Deny" || got[0].Scope != "Namespace" || got[1].Scope != "Global" || got[1].Action != "Allow" ||
+		got[0].DryRun || got[1].DryRun || got[2].Name != "dry" || !got[2].DryRun {
+		t.Fatalf("want mesh/p, istio-system/g and the dry run marked; waypoint and label-less ALLOW left out: %+v", got)
 	}
 	b, _ := json.Marshal(got[0].Rules)
 	want := `[[[{"principals":[{"Presence":{}},{"Prefix":"cluster.local/ns/x/"},{"Suffix":"/sa/y"},{"Exact":"exact"}]}],[{"destinationPorts":[9091]}],[{"sourceIps":["10.0.0.0/8"]}]]]`
@@ -65,5 +70,9 @@ func TestZtunnelPolicies(t *testing.T) {
 	b, _ = json.Marshal(cg)
 	if !strings.Contains(string(b), `"scope":"WorkloadSelector","action":"Allow","rules":[[[{"notPrincipals":[{"Presence":{}}]}]]]`) {
 		t.Errorf("compiled: %s", b)
+	}
+	set.Policies[0].DryRun = true
+	if b, _ = json.Marshal(ZtunnelCompiledPolicies(set)); !strings.Contains(string(b), `"dryRun":true`) {
+		t.Errorf("compiled dry run not marked: %s", b)
 	}
 }

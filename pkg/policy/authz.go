@@ -143,9 +143,13 @@ func key(ap *AuthorizationPolicy) string { return ap.Namespace + "/" + ap.Name }
 // wherever they are: dry-run ones, and ALLOW policies whose selector has
 // no labels (workload-selector scope that no workload lists).
 func notEnforced(ap *AuthorizationPolicy) bool {
-	if ap.DryRun() {
-		return true
-	}
+	return ap.DryRun() || ap.SelectsNoWorkload()
+}
+
+// SelectsNoWorkload reports an ALLOW policy whose selector has no labels:
+// istiod gives it workload-selector scope and no workload lists it, so
+// ztunnel never applies it.
+func (ap *AuthorizationPolicy) SelectsNoWorkload() bool {
 	allow := ap.Spec.Action == "" || ap.Spec.Action == ActionAllow
 	return allow && ap.Spec.Selector != nil && !hasSelector(ap.Spec.Selector)
 }
