@@ -22,6 +22,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
 func pemCert(der []byte) []byte {
@@ -440,34 +442,8 @@ func (p poolTrust) Roots() *x509.CertPool { return p.pool }
 // its own CA answered. The same chain through a 2048-bit intermediate
 // passes, so the key size is what is refused.
 func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
-	rootKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	caTmpl := func(serial int64, name string) *x509.Certificate {
-		return &x509.Certificate{
-			SerialNumber:          big.NewInt(serial),
-			Subject:               pkix.Name{CommonName: name},
-			NotBefore:             time.Now().Add(-time.Minute),
-			NotAfter:              time.Now().Add(time.Hour),
-			KeyUsage:              x509.KeyUsageCertSign,
-			BasicConstraintsValid: true,
-			IsCA:                  true,
-		}
-	}
-	issue := func(tmpl, parent *x509.Certificate, pub, priv any) *x509.Certificate {
-		t.Helper()
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, pub, priv)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := x509.ParseCertificate(der)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
-	root := issue(caTmpl(1, "root"), caTmpl(1, "root"), &rootKey.PublicKey, rootKey)
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
 	pool := x509.NewCertPool()
 	pool.AddCert(root)
 	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
@@ -480,12 +456,12 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		inter := issue(caTmpl(int64(bits), fmt.Sprintf("intermediate-%d", bits)), root, &interKey.PublicKey, rootKey)
+		inter := identitytest.MakeCACert(t, pkix.Name{CommonName: fmt.Sprintf("intermediate-%d", bits)}, interKey, root, rootKey)
 		leafKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		if err != nil {
 			t.Fatal(err)
 		}
-		leaf := issue(&x509.Certificate{
+		der, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{
 			SerialNumber: big.NewInt(7),
 			NotBefore:    time.Now().Add(-time.Minute),
 			NotAfter:     time.Now().Add(time.Hour),
@@ -493,6 +469,13 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 			ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
 			URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
 		}, inter, &leafKey.PublicKey, interKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaf, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
 		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
 		return own, []*x509.Certificate{leaf, inter}
 	}
