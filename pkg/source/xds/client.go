@@ -22,8 +22,10 @@
 // Bounds: a response is at most MaxMessageBytes, a resource holds at most
 // MaxResourceMessages nested messages (checked before decoding), and a
 // type holds at most MaxResources resources charged at most MaxTypeBytes
-// in all (encoded size plus a per-message overhead, see charge); what
-// would go beyond is rejected (NACKed) and counted.
+// in all (encoded size plus a per-message overhead, see charge, plus its
+// name and version, themselves bounded); what would go beyond is rejected
+// (NACKed) and counted. A resource must bear istiod's name for its content
+// (resourceName).
 package xds
 
 import (
@@ -37,6 +39,7 @@ import (
 	"sort"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	statuspb "google.golang.org/genproto/googleapis/rpc/status"
@@ -71,6 +74,24 @@ const (
 	// types other than Address once Address arrived (istiod may send
 	// nothing for a type that has no resources).
 	DefaultFirstSyncGrace = 3 * time.Second
+)
+
+// Bounds on what a resource or a NACK carries besides its value. istiod
+// names a resource by a workload's uid (cluster, kind, namespace, name and
+// maybe an address or host), namespace/hostname or namespace/name: a few
+// hundred bytes at most; its versions are hashes or timestamps. Both are
+// held and sent back on a reconnect, so they are bounded and charged.
+const (
+	MaxNameBytes    = 1024
+	MaxVersionBytes = 256
+	// maxNackErrors and maxErrorBytes (a quarter of it for the name)
+	// bound a NACK's error_detail and its log line: one response may
+	// reject thousands of resources.
+	maxNackErrors = 20
+	maxErrorBytes = 512
+	// maxListedUnresolved bounds the names Snapshot.Unresolved lists (the
+	// rest as a count): the list is quoted in every refusal.
+	maxListedUnresolved = 20
 )
 
 // ClusterIDHeader is the request header naming the cluster whose API
@@ -370,23 +391,41 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		delete(t.held, name)
 		delete(t.unresolved, name)
 	}
+	rejected := 0
 	for _, r := range resp.GetResources() {
 		held, err := c.applyOne(t, r)
 		if err != nil {
-			errs = append(errs, r.GetName()+": "+err.Error())
+			if rejected++; len(errs) < maxNackErrors {
+				errs = append(errs, clip(r.GetName(), maxErrorBytes/4)+": "+clip(err.Error(), maxErrorBytes))
+			}
 		}
 		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, c.cfg.MaxResources)
 	}
-	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
+	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held))
 	if t.unresolved != nil {
 		c.cfg.Metrics.setUnresolved(len(t.unresolved) + t.more)
 	}
-	if len(errs) > 0 {
+	if rejected > 0 {
 		sort.Strings(errs)
+		if rejected > len(errs) {
+			errs = append(errs, fmt.Sprintf("and %d more rejected", rejected-len(errs)))
+		}
 		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: strings.Join(errs, "; ")}
-		c.log.Warn("xds: NACK; the rest of the response is applied", "type", t.short, "rejected", len(errs), "error", ack.ErrorDetail.Message)
+		c.log.Warn("xds: NACK; the rest of the response is applied", "type", t.short, "rejected", rejected, "error", ack.ErrorDetail.Message)
 	}
 	return ack, t
+}
+
+// clip cuts s to at most n bytes (on a rune boundary), marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	s = s[:n]
+	for len(s) > 0 && !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s + "...(clipped)"
 }
 
 // applyOne applies one resource; held reports whether it (or, for a
@@ -396,6 +435,10 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	if r.GetName() == "" {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 		return false, errors.New("resource without a name")
+	}
+	if len(r.GetName()) > MaxNameBytes || len(r.GetVersion()) > MaxVersionBytes {
+		c.cfg.Metrics.reject(t.short, rejectLimit)
+		return false, fmt.Errorf("name of %d bytes or version of %d bytes: at most %d and %d", len(r.GetName()), len(r.GetVersion()), MaxNameBytes, MaxVersionBytes)
 	}
 	if r.GetResource() == nil || r.GetResource().GetTypeUrl() != t.url {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
@@ -407,6 +450,8 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 		return false, fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
 	}
 	size, err := charge(r.GetResource().GetValue(), t.desc, c.cfg.MaxResourceMessages)
+	// The name and version are held too (and sent back on a reconnect).
+	size += len(r.GetName()) + len(r.GetVersion())
 	if err != nil {
 		var tooMany errTooManyMessages
 		if errors.As(err, &tooMany) {
@@ -427,6 +472,13 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	if v == nil {
 		return false, err
 	}
+	if want := resourceName(v); want != r.GetName() {
+		// Held under a name that is not its own, it would outlive its
+		// removal (istiod removes by its own name) and stand beside the
+		// resource of that name: two versions of one workload or policy.
+		c.cfg.Metrics.reject(t.short, rejectInvalid)
+		return false, fmt.Errorf("resource name is not that of its content, %q (istiod names a workload by its uid, a service namespace/hostname, a policy namespace/name)", want)
+	}
 	// Held even when err is set: a policy that cannot be applied as
 	// written is held in its fail-closed form (failClosed).
 	t.bytes += size - old.size
@@ -434,16 +486,30 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	return true, err
 }
 
+// resourceName is the name istiod gives the resource v was translated
+// from (its ResourceName).
+func resourceName(v any) string {
+	switch v := v.(type) {
+	case *Workload:
+		return v.UID
+	case *Service:
+		return v.Key()
+	case *policy.Compiled:
+		return v.Key()
+	}
+	return ""
+}
+
 // resolve records whether the latest version of name was held (see
-// resourceType.unresolved); at most limit names are kept, the rest
-// counted.
+// resourceType.unresolved); at most limit names are kept, the rest (and
+// names over MaxNameBytes) counted.
 func (t *resourceType) resolve(name string, held bool, limit int) {
 	switch {
 	case t.unresolved == nil:
 	case held:
 		delete(t.unresolved, name)
 	case t.unresolved[name]:
-	case len(t.unresolved) < limit:
+	case len(t.unresolved) < limit && len(name) <= MaxNameBytes:
 		t.unresolved[name] = true
 	default:
 		t.more++
@@ -481,12 +547,19 @@ func (c *Client) snapshot() *Snapshot {
 	s := buildSnapshot(workloads, services, policies, c.cfg.Network)
 	c.cfg.Metrics.setOtherNetwork(s.OtherNetwork)
 	for _, t := range c.types {
+		names := make([]string, 0, len(t.unresolved))
 		for name := range t.unresolved {
-			s.Unresolved = append(s.Unresolved, name)
+			names = append(names, name)
 		}
-		sort.Strings(s.Unresolved)
-		if t.more > 0 {
-			s.Unresolved = append(s.Unresolved, fmt.Sprintf("(%d more)", t.more))
+		sort.Strings(names)
+		more := t.more
+		if len(names) > maxListedUnresolved {
+			more += len(names) - maxListedUnresolved
+			names = names[:maxListedUnresolved]
+		}
+		s.Unresolved = append(s.Unresolved, names...)
+		if more > 0 {
+			s.Unresolved = append(s.Unresolved, fmt.Sprintf("(%d more)", more))
 		}
 	}
 	return s

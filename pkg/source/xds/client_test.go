@@ -2,6 +2,7 @@ package xds
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"net/netip"
 	"strings"
@@ -385,12 +386,15 @@ func TestClientHoldsUnresolvedPolicies(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 2)
 
 	// Fixed by istiod, removed, and one over the limit of 2 held.
-	send(t, st, TypeAuthorization, "n3", []string{"istio-system/garbage"}, resource(t, "istio-system/future", "v2", TypeAuthorization, strictAuthz()))
+	fixed := strictAuthz()
+	fixed.Name = "future"
+	send(t, st, TypeAuthorization, "n3", []string{"istio-system/garbage"}, resource(t, "istio-system/future", "v2", TypeAuthorization, fixed))
 	if s := h.next(); len(s.Unresolved) != 0 || len(s.Policies) != 1 {
 		t.Fatalf("unresolved %v, %d policies", s.Unresolved, len(s.Policies))
 	}
-	extra := strictAuthz()
-	send(t, st, TypeAuthorization, "n4", nil, resource(t, "a/b", "v1", TypeAuthorization, extra), resource(t, "a/c", "v1", TypeAuthorization, extra))
+	b, c := strictAuthz(), strictAuthz()
+	b.Namespace, b.Name, c.Namespace, c.Name = "a", "b", "a", "c"
+	send(t, st, TypeAuthorization, "n4", nil, resource(t, "a/b", "v1", TypeAuthorization, b), resource(t, "a/c", "v1", TypeAuthorization, c))
 	if s := h.next(); strings.Join(s.Unresolved, ",") != "a/c" {
 		t.Fatalf("unresolved %v, want the policy over the limit", s.Unresolved)
 	}
@@ -456,5 +460,102 @@ func TestClientBacksOffFromFlappingStreams(t *testing.T) {
 	// Waits of at least 25, 50, 100 and 200 ms (the delay less up to half).
 	if d := time.Since(start); d < 375*time.Millisecond {
 		t.Errorf("4 reconnects after flapping streams took %v, want the backoff to grow", d)
+	}
+}
+
+// TestClientRefusesMisnamedResources: istiod names a workload by its uid,
+// a service namespace/hostname and a policy namespace/name. A resource
+// held under another name stood beside the one of its own name (two
+// versions of one policy, both evaluated) and outlived istiod's removal
+// of it. It is now rejected, naming both; a misnamed policy is unresolved
+// (its reach is unknown), so inbound connections fail closed.
+func TestClientRefusesMisnamedResources(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	ack := send(t, st, TypeAddress, "n1", nil,
+		resource(t, "Kubernetes//Pod/shop/web-1", "v1", TypeAddress, wlAddr("Kubernetes//Pod/shop/web-2", "web-2", "10.1.0.5", nil)),
+		resource(t, "shop/other.shop.svc.cluster.local", "v1", TypeAddress, svcAddr("web", "10.96.0.10", 80, 0)))
+	msg := ack.GetErrorDetail().GetMessage()
+	for _, want := range []string{`Kubernetes//Pod/shop/web-1: resource name is not that of its content, "Kubernetes//Pod/shop/web-2"`, `shop/other.shop.svc.cluster.local: resource name is not that of its content, "shop/web.shop.svc.cluster.local"`} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("NACK %q, want %q", msg, want)
+		}
+	}
+	allow := &security.Authorization{Name: "allow-all", Namespace: "shop", Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
+		Groups: []*security.Group{{Rules: []*security.Rules{{}}}}}
+	ack = send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, allow))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, `resource name is not that of its content, "shop/allow-all"`) {
+		t.Fatalf("NACK %q", msg)
+	}
+	s := h.next()
+	if len(s.Workloads) != 0 || len(s.Services) != 0 || len(s.Policies) != 0 {
+		t.Fatalf("held %d workloads, %d services, %d policies; want none", len(s.Workloads), len(s.Services), len(s.Policies))
+	}
+	if strings.Join(s.Unresolved, ",") != "istio-system/istio_converted_static_strict" {
+		t.Fatalf("unresolved %v, want the misnamed policy", s.Unresolved)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="invalid",type="Address"}`, 2)
+}
+
+// TestClientBoundsNamesAndNacks: resource names and versions were held
+// (and sent back on a reconnect) without a bound or a charge, an
+// unresolved policy's name was kept whatever its length and quoted in
+// every refused connection, and a NACK listed every rejected resource in
+// full, in one message and one log line. Names and versions are now
+// bounded and charged, the unresolved names listed are bounded, and a
+// NACK lists at most maxNackErrors errors of at most maxErrorBytes.
+func TestClientBoundsNamesAndNacks(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil)
+	long := "istio-system/" + strings.Repeat("x", MaxNameBytes)
+	p := strictAuthz()
+	p.Name = long[len("istio-system/"):]
+	ack := send(t, st, TypeAuthorization, "n2", nil, resource(t, long, "v1", TypeAuthorization, p))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, fmt.Sprintf("name of %d bytes", len(long))) || len(msg) > maxErrorBytes*5/4+40 {
+		t.Fatalf("NACK of %d bytes %.200q", len(msg), msg)
+	}
+	if s := h.next(); strings.Join(s.Unresolved, ",") != "(1 more)" {
+		t.Fatalf("unresolved %.200q, want the over-long name counted, not kept", s.Unresolved)
+	}
+	ack = send(t, st, TypeAuthorization, "n3", []string{long}, resource(t, "istio-system/istio_converted_static_strict", strings.Repeat("v", MaxVersionBytes+1), TypeAuthorization, strictAuthz()))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, fmt.Sprintf("version of %d bytes", MaxVersionBytes+1)) {
+		t.Fatalf("NACK %.200q", msg)
+	}
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="limit",type="Authorization"}`, 2)
+
+	// Many rejected policies: the NACK and the snapshot list a few.
+	var bad []*discoveryv3.Resource
+	for i := range 100 {
+		bad = append(bad, &discoveryv3.Resource{Name: fmt.Sprintf("istio-system/bad-%03d", i), Resource: &anypb.Any{TypeUrl: TypeAuthorization, Value: []byte{0xff}}})
+	}
+	ack = send(t, st, TypeAuthorization, "n4", nil, bad...)
+	msg := ack.GetErrorDetail().GetMessage()
+	if n := strings.Count(msg, "istio-system/bad-"); n != maxNackErrors || !strings.HasSuffix(msg, fmt.Sprintf("and %d more rejected", 100-maxNackErrors)) {
+		t.Fatalf("NACK lists %d resources: %.300q", n, msg)
+	}
+	s := h.next()
+	if len(s.Unresolved) != maxListedUnresolved+1 || s.Unresolved[maxListedUnresolved] != fmt.Sprintf("(%d more)", 100-maxListedUnresolved+2) {
+		t.Fatalf("unresolved lists %d: %v", len(s.Unresolved), s.Unresolved)
+	}
+	// The 100, the policy whose version was too long and the over-long
+	// name (counted, so not matched by its removal).
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 102)
+}
+
+// TestClientChargesNames: a name is held, so it is charged against
+// MaxTypeBytes with the value.
+func TestClientChargesNames(t *testing.T) {
+	name := "Kubernetes//Pod/shop/" + strings.Repeat("w", 900)
+	r := resource(t, name, "v1", TypeAddress, wlAddr(name, "w", "10.1.0.5", nil))
+	size, err := charge(r.GetResource().GetValue(), addressDesc, DefaultMaxResourceMessages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := startClient(t, func(c *Config) { c.MaxTypeBytes = size + 100 })
+	st, _ := h.accept()
+	if msg := send(t, st, TypeAddress, "n1", nil, r).GetErrorDetail().GetMessage(); !strings.Contains(msg, "over the limit of") {
+		t.Fatalf("NACK %.200q: want the name charged", msg)
 	}
 }
