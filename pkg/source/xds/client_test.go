@@ -559,3 +559,42 @@ func TestClientChargesNames(t *testing.T) {
 		t.Fatalf("NACK %.200q: want the name charged", msg)
 	}
 }
+
+// TestClientPacesSnapshots: every response, however small, made a
+// snapshot of everything held (O(state): a quarter of a second at 100k
+// workloads), so a stream of tiny updates kept a core busy. A burst of
+// responses now makes one snapshot, and the last state is in it.
+func TestClientPacesSnapshots(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.SnapshotGap = 300 * time.Millisecond })
+	st, _ := h.accept()
+	send(t, st, TypeAuthorization, "a", nil)
+	for i := range 10 {
+		name := fmt.Sprintf("w%d", i)
+		send(t, st, TypeAddress, name, nil, resource(t, name, "v1", TypeAddress, wlAddr(name, name, fmt.Sprintf("10.1.0.%d", i+1), nil)))
+	}
+	time.Sleep(500 * time.Millisecond)
+	var last *Snapshot
+	n := len(h.updates)
+	for range n {
+		last = <-h.updates
+	}
+	if n > 2 || last == nil || len(last.Workloads) != 10 {
+		t.Fatalf("%d snapshots for 11 responses, the last with %v; want one or two, the last with all 10 workloads", n, last)
+	}
+}
+
+// TestPublisherBacksOffFromCostlySnapshots: after a snapshot that took d
+// to build, the next comes no sooner than 3d later, so building takes at
+// most a quarter of the time whatever the gap.
+func TestPublisherBacksOffFromCostlySnapshots(t *testing.T) {
+	p := newPublisher(time.Millisecond)
+	p.changed()
+	<-p.C()
+	start := time.Now()
+	p.publish(func() *Snapshot { time.Sleep(20 * time.Millisecond); return &Snapshot{} }, func(*Snapshot) {})
+	p.changed()
+	<-p.C()
+	if d := time.Since(start); d < 80*time.Millisecond {
+		t.Errorf("next snapshot due %v after one that took 20ms to build, want 80ms at least", d)
+	}
+}
