@@ -27,6 +27,7 @@ import (
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/redirector-mesh/redirector/internal/stallproxy"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 )
 
@@ -339,5 +340,29 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	c := newClient(t, Config{Addr: "127.0.0.1:1", Trust: trustOf()})
 	if _, err := sign(c); !errors.As(err, &ce) || ce.Reason != identity.ReasonToken {
 		t.Errorf("no token file: %v", err)
+	}
+}
+
+// TestSignRedialsAfterTimeout: behind a proxy that keeps the TCP side open
+// while nothing reaches istiod any more, every request timed out on the
+// same dead connection for ever (TCP keepalive is answered by the proxy,
+// and istiod refuses the HTTP/2 PINGs that could tell). A request that
+// times out now replaces the connection, so the next one reaches istiod.
+func TestSignRedialsAfterTimeout(t *testing.T) {
+	pki := newPKI(t)
+	_, addr := startIstiod(t, pki, DefaultServerName)
+	proxy := stallproxy.New(t, addr)
+	c := newClient(t, Config{Addr: proxy.Addr, TokenFile: writeToken(t, "tok"), Trust: trustOf(pki.root)})
+	if _, err := sign(c); err != nil {
+		t.Fatal(err)
+	}
+	proxy.Stall()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if _, err := c.Sign(ctx, idWeb, 2*time.Hour); identity.ReasonOf(err) != identity.ReasonTimeout {
+		t.Fatalf("signed through a silent connection, or failed otherwise: %v", err)
+	}
+	if _, err := sign(c); err != nil {
+		t.Fatalf("after a timeout, the next request: %v", err)
 	}
 }
