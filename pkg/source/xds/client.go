@@ -70,9 +70,9 @@ const (
 	DefaultMaxResourceMessages = 100_000
 	DefaultMinBackoff          = 500 * time.Millisecond
 	DefaultMaxBackoff          = 30 * time.Second
-	// DefaultFirstSyncGrace is how long the first snapshot waits for the
-	// types other than Address once Address arrived (istiod may send
-	// nothing for a type that has no resources).
+	// DefaultFirstSyncGrace is how long after the first response of one
+	// type the client waits for the others before it warns that they are
+	// missing (istiod answers every subscription, even with nothing).
 	DefaultFirstSyncGrace = 3 * time.Second
 	DefaultSnapshotGap    = 50 * time.Millisecond
 )
@@ -144,8 +144,9 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger
 	types []*resourceType
-	// synced is true once every type answered at least once, or the
-	// grace after the first Address response ran out.
+	// synced is true once every type answered at least once. Never
+	// before: a snapshot without the policies would admit what they
+	// deny (STRICT arrives as a DENY of plaintext).
 	synced bool
 	pub    *publisher
 }
@@ -298,7 +299,7 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 			return false, fmt.Errorf("subscribe %s: %w", t.short, err)
 		}
 	}
-	// Recv blocks; the first-sync grace needs a clock beside it.
+	// Recv blocks; the first-sync warning needs a clock beside it.
 	type recvd struct {
 		resp *discoveryv3.DeltaDiscoveryResponse
 		err  error
@@ -328,11 +329,8 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 			c.pub.publish(c.snapshot, update)
 			continue
 		case <-grace:
-			grace = nil
 			if !c.synced {
-				c.log.Warn("istiod sent no response for some types; starting without them", "missing", c.missing())
-				c.synced = true
-				c.pub.changed()
+				c.log.Warn("istiod sent no response for some types; inbound connections stay refused until it does", "missing", c.missing())
 			}
 			continue
 		}
@@ -363,7 +361,7 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		case c.missing() == "":
 			c.synced = true
 			c.pub.changed()
-		case t.url == TypeAddress && grace == nil:
+		case grace == nil:
 			grace = time.After(c.cfg.FirstSyncGrace)
 		}
 	}

@@ -340,14 +340,24 @@ func TestClientResumesWithoutDrop(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_connects_total{result="ok"}`, 2)
 }
 
-// TestClientFirstSyncGrace: istiod may never answer a type that has no
-// resources; the first snapshot then comes after the grace.
-func TestClientFirstSyncGrace(t *testing.T) {
+// TestClientWaitsForPolicies: the first snapshot came FirstSyncGrace
+// after Address even if Authorization had not answered, with no policies:
+// the policy set then admitted everything, plaintext under STRICT
+// included, until istiod's policies arrived (or for ever, were they never
+// to). istiod answers every subscription, even with nothing, so the first
+// snapshot now waits for every type; until then inbound stays refused.
+func TestClientWaitsForPolicies(t *testing.T) {
 	h := startClient(t, func(c *Config) { c.FirstSyncGrace = 50 * time.Millisecond })
 	st, _ := h.accept()
 	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
-	if s := h.next(); len(s.Workloads) != 1 {
-		t.Fatalf("%d workloads", len(s.Workloads))
+	select {
+	case s := <-h.updates:
+		t.Fatalf("a snapshot (%d policies) before istiod's policies arrived", len(s.Policies))
+	case <-time.After(300 * time.Millisecond):
+	}
+	send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, strictAuthz()))
+	if s := h.next(); len(s.Workloads) != 1 || len(s.Policies) != 1 {
+		t.Fatalf("%d workloads, %d policies", len(s.Workloads), len(s.Policies))
 	}
 }
 
