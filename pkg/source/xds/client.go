@@ -389,8 +389,10 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		}
 	}
 	if t == nil {
-		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: "type " + resp.GetTypeUrl() + " was not subscribed"}
-		c.log.Warn("xds: NACK", "type", resp.GetTypeUrl(), "error", ack.ErrorDetail.Message)
+		// The type is istiod's text, echoed: clipped like a resource name.
+		ack.TypeUrl = clip(resp.GetTypeUrl(), maxErrorBytes/4)
+		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: "type " + ack.TypeUrl + " was not subscribed"}
+		c.log.Warn("xds: NACK", "type", ack.TypeUrl, "error", ack.ErrorDetail.Message)
 		return ack, nil
 	}
 	t.received = true

@@ -554,6 +554,25 @@ func TestClientBoundsNamesAndNacks(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 102)
 }
 
+// TestClientClipsUnknownTypes: a response of a type never subscribed is
+// NACKed; its type URL, istiod's text, was echoed whole in the NACK and
+// the log line.
+func TestClientClipsUnknownTypes(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	typ := "type.googleapis.com/" + strings.Repeat("x", 100_000)
+	if err := st.Send(&discoveryv3.DeltaDiscoveryResponse{TypeUrl: typ, Nonce: "n1"}); err != nil {
+		t.Fatal(err)
+	}
+	nack, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msg := nack.GetErrorDetail().GetMessage(); !strings.HasSuffix(msg, "was not subscribed") || len(msg)+len(nack.GetTypeUrl()) > maxErrorBytes {
+		t.Fatalf("NACK of type %d bytes, message %d bytes: %.100q", len(nack.GetTypeUrl()), len(msg), msg)
+	}
+}
+
 // TestClientChargesNames: a name is held, so it is charged against
 // MaxTypeBytes with the value.
 func TestClientChargesNames(t *testing.T) {
