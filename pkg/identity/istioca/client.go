@@ -267,6 +267,11 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	}
 	var certs []*x509.Certificate
 	for i, p := range chainPEM {
+		// Before the rest is parsed or any signature checked: a real
+		// answer holds a few, a hostile one thousands (4 MiB of them).
+		if len(certs) > identity.MaxChainLen {
+			return nil, bad("chain of more than %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+		}
 		cs, err := identity.ParseCertificates([]byte(p))
 		if err != nil {
 			return nil, bad("chain entry %d: %w", i, err)
@@ -276,7 +281,6 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	if len(certs) == 0 {
 		return nil, bad("empty certificate chain")
 	}
-	// Before any signature is checked: a real answer holds a few.
 	if len(certs) > identity.MaxChainLen {
 		return nil, bad("chain of %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
 	}

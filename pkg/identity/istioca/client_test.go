@@ -238,6 +238,18 @@ func TestSignRefuses(t *testing.T) {
 				return resp, err
 			}
 		}, reason: identity.ReasonBadResponse, want: "at most"},
+		// Refused once the bound is passed, before the rest is parsed
+		// (the garbage entry after it is never read).
+		"outsized chain, refused before the rest is parsed": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				for range identity.MaxChainLen {
+					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
+				}
+				resp.CertChain = append(resp.CertChain, "garbage")
+				return resp, err
+			}
+		}, reason: identity.ReasonBadResponse, want: "at most"},
 		"node authorizer": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				return nil, status.Error(codes.Unauthenticated, "request impersonation authentication failure")
