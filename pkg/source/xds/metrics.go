@@ -14,6 +14,8 @@ type Metrics struct {
 	unresolved prometheus.Gauge
 	// otherNetwork counts workloads on networks other than the agent's.
 	otherNetwork prometheus.Gauge
+	// addressConflicts counts addresses istiod gives a second owner.
+	addressConflicts prometheus.Gauge
 }
 
 // Reasons a single resource is rejected (the reason label of
@@ -58,6 +60,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_xds_other_network_workloads",
 			Help: "Workloads istiod puts on a network other than this agent's (NETWORK): not reachable at their addresses, so left out of the directory and of service endpoints.",
 		}),
+		addressConflicts: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_xds_address_conflicts",
+			Help: "Addresses istiod gives a second owner, left with the first: a workload's address that is this node's pod's, or a service VIP that is a workload's address (the log names both).",
+		}),
 	}
 	if reg != nil {
 		reg.MustRegister(m)
@@ -66,7 +72,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved, m.otherNetwork}
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved, m.otherNetwork, m.addressConflicts}
 }
 
 // Describe implements prometheus.Collector.
@@ -121,6 +127,12 @@ func (m *Metrics) reject(typ, reason string) {
 func (m *Metrics) setUnresolved(n int) {
 	if m != nil {
 		m.unresolved.Set(float64(n))
+	}
+}
+
+func (m *Metrics) setAddressConflicts(n int) {
+	if m != nil {
+		m.addressConflicts.Set(float64(n))
 	}
 }
 

@@ -2,6 +2,7 @@ package xds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -15,6 +16,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // Source is the agent's source.Source for --source xds: enrollment comes
@@ -120,6 +122,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			mu.Unlock()
 			if l != nil {
 				snap, errs := merge(*l, m, s.node, s.selection, &last)
+				s.client.cfg.Metrics.setAddressConflicts(countConflicts(errs))
 				for _, err := range errs {
 					s.log.Error(kubeobj.SkipMessage(err), "error", err)
 				}
@@ -216,7 +219,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 					continue
 				}
 				if pods && localNames[owner] {
-					errs = append(errs, fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner))
+					errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
 				}
 			}
 			switch {
@@ -232,9 +235,54 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	for _, svc := range mesh.Services {
-		snap.Services = append(snap.Services, &svc.Service)
+		s, taken := workloadsFirst(&svc.Service, claimed)
+		for _, a := range taken {
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
+		}
+		snap.Services = append(snap.Services, s)
 	}
 	return snap, errs
+}
+
+// addressConflict is merge's error for an address istiod gives a second
+// owner, counted in redirector_xds_address_conflicts.
+type addressConflict struct{ error }
+
+// countConflicts counts the addressConflicts in errs.
+func countConflicts(errs []error) int {
+	n := 0
+	for _, err := range errs {
+		var c addressConflict
+		if errors.As(err, &c) {
+			n++
+		}
+	}
+	return n
+}
+
+// workloadsFirst returns svc without the VIPs that are a workload's address
+// (a copy if any is left out), and those. The tunnel looks a VIP up before
+// a workload's address; ztunnel finds the workload first. A ServiceEntry's
+// addresses are anyone's to write in their namespace: at a pod's address
+// it would take that pod's traffic to its own endpoints, plaintext maybe.
+func workloadsFirst(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+	var taken []netip.Addr
+	for _, a := range svc.VIPs {
+		if _, ok := claimed[a]; ok {
+			taken = append(taken, a)
+		}
+	}
+	if len(taken) == 0 {
+		return svc, nil
+	}
+	c := *svc
+	c.VIPs = make([]netip.Addr, 0, len(svc.VIPs)-len(taken))
+	for _, a := range svc.VIPs {
+		if _, ok := claimed[a]; !ok {
+			c.VIPs = append(c.VIPs, a)
+		}
+	}
+	return &c, taken
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods
