@@ -119,6 +119,7 @@ func New(cfg Config) (*Client, error) {
 func (c *Client) dial() (*grpc.ClientConn, error) {
 	conn, err := grpc.NewClient(c.cfg.Addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(c.tls)),
+		grpc.WithMaxHeaderListSize(maxHeaderBytes),
 		// Reconnect quickly once istiod is back (gRPC's default backoff
 		// grows to two minutes).
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -131,6 +132,12 @@ func (c *Client) dial() (*grpc.ClientConn, error) {
 	}
 	return conn, nil
 }
+
+// maxHeaderBytes bounds the headers and trailers istiod's answers may
+// carry (gRPC's default is 16 MiB): an error message there is kept as an
+// identity's last error, logged at each retry and shown in the config
+// dump. istiod's are a few hundred bytes.
+const maxHeaderBytes = 64 << 10
 
 // current is the connection requests use now.
 func (c *Client) current() *grpc.ClientConn {

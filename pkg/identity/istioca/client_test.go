@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"math/big"
 	"net"
 	"net/url"
@@ -377,4 +378,22 @@ func TestSignRedialsAfterTimeout(t *testing.T) {
 	if _, err := sign(c); err != nil {
 		t.Fatalf("after a timeout, the next request: %v", err)
 	}
+}
+
+// TestSignBoundsErrorText: istiod's error message (a gRPC trailer) was
+// taken whole, up to gRPC's default of 16 MiB, and kept as the
+// identity's last error, logged at every retry and shown in the config
+// dump. The connection now accepts 64 KiB of headers at most.
+func TestSignBoundsErrorText(t *testing.T) {
+	pki := newPKI(t)
+	f, addr := startIstiod(t, pki, DefaultServerName)
+	f.answer = func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+		return nil, status.Error(codes.Internal, strings.Repeat("x", 1<<20))
+	}
+	c := newClient(t, Config{Addr: addr, TokenFile: writeToken(t, "tok"), Trust: trustOf(pki.root)})
+	_, err := sign(c)
+	if err == nil || len(err.Error()) > maxHeaderBytes {
+		t.Fatalf("error of %d bytes: %.200v", len(fmt.Sprint(err)), err)
+	}
+	t.Logf("error: %.300v", err)
 }

@@ -66,6 +66,7 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(tlsConf)),
 		grpc.WithKeepaliveParams(keepaliveParams),
+		grpc.WithMaxHeaderListSize(maxHeaderBytes),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 500 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 10 * time.Second},
 			MinConnectTimeout: 5 * time.Second,
@@ -86,6 +87,11 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 // refuses PINGs more often than every 15 s, and any while no stream is
 // open, hence no PermitWithoutStream).
 var keepaliveParams = keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
+
+// maxHeaderBytes bounds the headers and trailers istiod may send (gRPC's
+// default is 16 MiB): the error a stream ends with is logged at every
+// reconnect. istiod's are a few hundred bytes.
+const maxHeaderBytes = 64 << 10
 
 // TokenFile returns a Token function that re-reads path, since the kubelet
 // rotates projected tokens.
