@@ -417,7 +417,7 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		}
 		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, c.cfg.MaxResources)
 	}
-	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held))
+	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held), t.bytes)
 	if t.unresolved != nil {
 		c.cfg.Metrics.setUnresolved(len(t.unresolved) + t.more)
 	}

@@ -300,6 +300,8 @@ func TestClientBoundsBytes(t *testing.T) {
 	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "b: over the limit of") || !strings.Contains(msg, "bytes") {
 		t.Fatalf("NACK %q", msg)
 	}
+	// What is held is counted, name and version included.
+	expectMetric(t, h.metrics, `redirector_xds_resource_bytes{type="Address"}`, float64(size+len("a")+len("v1")))
 	// Removing a resource frees its bytes.
 	if ack := send(t, st, TypeAddress, "n2", []string{"a"}, resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil))); ack.GetErrorDetail() != nil {
 		t.Fatalf("NACK after a removal made room: %v", ack.GetErrorDetail())
