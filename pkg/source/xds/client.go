@@ -585,10 +585,11 @@ func (c *Client) snapshot() *Snapshot {
 // (about 0.25 s for 100k workloads) while istiod may send a response per
 // change, a few bytes each: built per response, an endless stream of tiny
 // updates would keep a core busy rebuilding. Changes are marked instead,
-// and a snapshot is built when the responses already received are
-// applied, at most once per gap and, after the last, not sooner than three
-// times what building it took: at most a quarter of a core, however fast
-// responses come. Only Run's goroutine uses it.
+// and a snapshot is built on a timer: at once after a quiet spell, else no
+// sooner after the last than the gap and three times what building the
+// last took, so a burst makes one snapshot and rebuilding takes at most a
+// quarter of a core, however fast responses come. Only Run's goroutine
+// uses it.
 type publisher struct {
 	gap     time.Duration
 	timer   *time.Timer
