@@ -72,6 +72,12 @@ func startClient(t *testing.T, mod func(*Config)) *harness {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
+	return runClient(t, ads, conn, mod)
+}
+
+// runClient runs a client on conn to ads until the test ends.
+func runClient(t *testing.T, ads *fakeADS, conn grpc.ClientConnInterface, mod func(*Config)) *harness {
+	t.Helper()
 	h := &harness{t: t, ads: ads, updates: make(chan *Snapshot, 16), metrics: NewMetrics(nil)}
 	cfg := Config{
 		Conn:       conn,

@@ -1,7 +1,6 @@
 package xds
 
 import (
-	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -10,7 +9,6 @@ import (
 	"log/slog"
 	"math/big"
 	"net"
-	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -53,19 +51,7 @@ func TestDialDetectsSilentIstiod(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	h := &harness{t: t, ads: ads, updates: make(chan *Snapshot, 16)}
-	c, err := New(Config{Conn: conn, Node: Node{IP: netip.MustParseAddr("10.0.0.9"), PodName: "redirector-abc", PodNamespace: "istio-system", NodeName: "node-a"},
-		MinBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		c.Run(ctx, func(s *Snapshot) { h.updates <- s })
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	h := runClient(t, ads, conn, nil)
 
 	st, _ := h.accept()
 	send(t, st, TypeAuthorization, "n1", nil)
@@ -116,19 +102,7 @@ func TestDialBoundsErrorText(t *testing.T) {
 	}
 	t.Cleanup(func() { conn.Close() })
 	var logs syncbuf.Buffer
-	h := &harness{t: t, ads: ads, updates: make(chan *Snapshot, 16)}
-	c, err := New(Config{Conn: conn, Node: Node{IP: netip.MustParseAddr("10.0.0.9"), PodName: "redirector-abc", PodNamespace: "istio-system", NodeName: "node-a"},
-		MinBackoff: 10 * time.Millisecond, MaxBackoff: 20 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		c.Run(ctx, func(s *Snapshot) { h.updates <- s })
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	h := runClient(t, ads, conn, func(c *Config) { c.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
 
 	st, _ := h.accept()
 	st.end <- status.Error(codes.Internal, strings.Repeat("x", 1<<20))

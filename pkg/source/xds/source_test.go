@@ -22,14 +22,7 @@ import (
 // HBONE; a Service and a ServiceEntry get their VIPs and per-workload
 // target ports; policies arrive compiled, with the workloads' selections.
 func TestMergeIntoDirectory(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	svcKey := "shop/web.shop.svc.cluster.local"
 	workloads := map[string]*Workload{}
 	for _, x := range []*workloadapi.Workload{
@@ -231,14 +224,7 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 // refused inbound with both networks named, not served as if all were
 // well.
 func TestMergeOtherNetworks(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	svcKey := "shop/web.shop.svc.cluster.local"
 	ports := map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}
 	build := func(localNetwork string) *Snapshot {
@@ -332,14 +318,7 @@ func TestMergeOtherNetworks(t *testing.T) {
 // As in ztunnel the workload comes first: such a VIP is left out, named in
 // an error; the service keeps its other VIPs.
 func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	workloads := map[string]*Workload{}
 	for _, x := range []*workloadapi.Workload{
 		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
@@ -385,4 +364,17 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	m := NewMetrics(nil)
 	m.setAddressConflicts(countConflicts(append(errs, errors.New("another error"))))
 	expectMetric(t, m, "redirector_xds_address_conflicts", 2)
+}
+
+// webOnNodeA is node-a's pods: shop/web-1 (uid u1, service account web)
+// at 10.1.0.5 in an ambient namespace.
+func webOnNodeA() nodepods.State {
+	return nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{{
+			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
+		}},
+	}
 }
