@@ -19,7 +19,8 @@
 // istiod is away the last state stays in force. Reconnects back off with
 // jitter.
 //
-// Bounds: a response is at most MaxMessageBytes, a resource holds at most
+// Bounds: a response is at most MaxMessageBytes and 8 fields per resource
+// of MaxResources (counted before gRPC decodes it), a resource holds at most
 // MaxResourceMessages nested messages (checked before decoding), and a
 // type holds at most MaxResources resources charged at most MaxTypeBytes
 // in all (encoded size plus a per-message overhead, see charge, plus its
@@ -45,6 +46,8 @@ import (
 	statuspb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -283,7 +286,8 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		ctx = metadata.AppendToOutgoingContext(ctx, ClusterIDHeader, c.cfg.Node.ClusterID)
 	}
 	ads := discoveryv3.NewAggregatedDiscoveryServiceClient(c.cfg.Conn)
-	st, err := ads.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(c.cfg.MaxMessageBytes))
+	st, err := ads.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(c.cfg.MaxMessageBytes),
+		grpc.ForceCodecV2(responseCodec{CodecV2: encoding.GetCodecV2(grpcproto.Name), max: maxResponseFields(c.cfg.MaxResources)}))
 	if err != nil {
 		c.cfg.Metrics.connect(false)
 		return false, fmt.Errorf("open delta ADS stream: %w", err)

@@ -3,6 +3,7 @@ package xds
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 )
 
@@ -633,5 +635,34 @@ func TestPublisherBacksOffFromCostlySnapshots(t *testing.T) {
 	<-p.C()
 	if d := time.Since(start); d < 80*time.Millisecond {
 		t.Errorf("next snapshot due %v after one that took 20ms to build, want 80ms at least", d)
+	}
+}
+
+// TestClientBoundsResponseFields: gRPC decoded a whole response before
+// the client counted anything in it, and a removal of one byte on the wire
+// is a string of 16 and more in memory (16 MiB of removals decoded to half
+// a GiB). A response with more fields than MaxResources allows is now
+// refused before it is decoded: the stream ends, the state held stays.
+func TestClientBoundsResponseFields(t *testing.T) {
+	var logs syncbuf.Buffer
+	h := startClient(t, func(c *Config) {
+		c.MaxResources = 10
+		c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	})
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
+	removed := make([]string, maxResponseFields(10)+1)
+	for i := range removed {
+		removed[i] = "x"
+	}
+	if err := st.Send(&discoveryv3.DeltaDiscoveryResponse{TypeUrl: TypeAddress, Nonce: "n2", RemovedResources: removed}); err != nil {
+		t.Fatal(err)
+	}
+	_, subs := h.accept()
+	if got := subs[0].GetInitialResourceVersions(); got["a"] != "v1" {
+		t.Fatalf("after the refused response the client holds %v, want a at v1", got)
+	}
+	if want := fmt.Sprintf("more than %d fields in one response", maxResponseFields(10)); !strings.Contains(logs.String(), want) {
+		t.Errorf("log %q, want %q", logs.String(), want)
 	}
 }
