@@ -120,6 +120,7 @@ func (c *Client) dial() (*grpc.ClientConn, error) {
 	conn, err := grpc.NewClient(c.cfg.Addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(c.tls)),
 		grpc.WithMaxHeaderListSize(maxHeaderBytes),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxAnswerBytes)),
 		// Reconnect quickly once istiod is back (gRPC's default backoff
 		// grows to two minutes).
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -138,6 +139,12 @@ func (c *Client) dial() (*grpc.ClientConn, error) {
 // identity's last error, logged at each retry and shown in the config
 // dump. istiod's are a few hundred bytes.
 const maxHeaderBytes = 64 << 10
+
+// maxAnswerBytes bounds an answer (gRPC's default is 4 MiB): a real one
+// is a chain of at most identity.MaxChainLen PEM certificates, a few KiB
+// each, while 4 MiB of one-byte chain entries decode to some 50 MiB, for
+// each of the requests in flight.
+const maxAnswerBytes = 64 << 10
 
 // current is the connection requests use now.
 func (c *Client) current() *grpc.ClientConn {

@@ -233,7 +233,7 @@ func TestSignRefuses(t *testing.T) {
 		"outsized chain": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				resp, err := f.issue(idWeb.String())(csr)
-				for range 500 {
+				for range 20 {
 					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
 				}
 				return resp, err
@@ -251,6 +251,15 @@ func TestSignRefuses(t *testing.T) {
 				return resp, err
 			}
 		}, reason: identity.ReasonBadResponse, want: "at most"},
+		"oversized answer, refused before it is decoded": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				for range maxAnswerBytes {
+					resp.CertChain = append(resp.CertChain, "x")
+				}
+				return resp, err
+			}
+		}, reason: identity.ReasonRefused, want: "larger than max"},
 		"node authorizer": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				return nil, status.Error(codes.Unauthenticated, "request impersonation authentication failure")
