@@ -68,7 +68,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		}),
 		addressConflicts: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_xds_address_conflicts",
-			Help: "Addresses istiod gives a second owner, left with the first: a workload's address that is this node's pod's, or a service VIP that is a workload's address (the log names both).",
+			Help: "Addresses istiod gives a second owner, left with the first: a workload's address that is this node's pod's, or a service VIP at the address of a workload that does not serve it (the log names both).",
 		}),
 	}
 	if reg != nil {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -235,9 +236,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	for _, svc := range mesh.Services {
-		s, taken := workloadsFirst(&svc.Service, claimed)
+		s, taken := foreignVIPs(&svc.Service, claimed)
 		for _, a := range taken {
-			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
 		snap.Services = append(snap.Services, s)
 	}
@@ -260,15 +261,24 @@ func countConflicts(errs []error) int {
 	return n
 }
 
-// workloadsFirst returns svc without the VIPs that are a workload's address
-// (a copy if any is left out), and those. The tunnel looks a VIP up before
-// a workload's address; ztunnel finds the workload first. A ServiceEntry's
-// addresses are anyone's to write in their namespace: at a pod's address
-// it would take that pod's traffic to its own endpoints, plaintext maybe.
-func workloadsFirst(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+// foreignVIPs returns svc without the VIPs at the address of a workload
+// that does not serve it (a copy if any is left out), and those. The
+// tunnel, as ztunnel, looks a destination up as a VIP before as a
+// workload's address, and a ServiceEntry's addresses are anyone's to write
+// in their namespace: at another pod's address it would take that pod's
+// traffic (this node's pods included) to its own endpoints, plaintext
+// maybe. A VIP at one of its own endpoints (a ServiceEntry naming its VM's
+// address) stays.
+func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+	foreign := func(a netip.Addr) bool {
+		owner, ok := claimed[a]
+		return ok && !slices.ContainsFunc(svc.Endpoints, func(ep workload.Endpoint) bool {
+			return ep.Addr == a && ep.Workload != nil && ep.Workload.Namespace+"/"+ep.Workload.Name == owner
+		})
+	}
 	var taken []netip.Addr
 	for _, a := range svc.VIPs {
-		if _, ok := claimed[a]; ok {
+		if foreign(a) {
 			taken = append(taken, a)
 		}
 	}
@@ -278,7 +288,7 @@ func workloadsFirst(svc *workload.Service, claimed map[netip.Addr]string) (*work
 	c := *svc
 	c.VIPs = make([]netip.Addr, 0, len(svc.VIPs)-len(taken))
 	for _, a := range svc.VIPs {
-		if _, ok := claimed[a]; !ok {
+		if !foreign(a) {
 			c.VIPs = append(c.VIPs, a)
 		}
 	}

@@ -315,8 +315,8 @@ func TestMergeOtherNetworks(t *testing.T) {
 // a VIP at a pod's address (a ServiceEntry's addresses are anyone's to
 // write in their namespace) took the traffic meant for that pod, this
 // node's pods included, to the service's endpoints: a plaintext one here.
-// As in ztunnel the workload comes first: such a VIP is left out, named in
-// an error; the service keeps its other VIPs.
+// Such a VIP is now left out, named in an error; the service keeps its
+// other VIPs, and a VIP at one of its own endpoints (a VM's) stays.
 func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	local := webOnNodeA()
 	workloads := map[string]*Workload{}
@@ -327,6 +327,12 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
 		{Uid: "K/networking.istio.io/ServiceEntry/evil/grab/10.9.9.9", Name: "grab", Namespace: "evil", Addresses: [][]byte{netip.MustParseAddr("10.9.9.9").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"evil/grab.example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}},
+		// Also an endpoint of grab, at web-2's address: not web-2.
+		{Uid: "K/networking.istio.io/ServiceEntry/evil/grab/10.2.0.5", Name: "grab", Namespace: "evil", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"evil/grab.example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}},
+		// A VM whose ServiceEntry names its address as the VIP.
+		{Uid: "K/networking.istio.io/ServiceEntry/vm/db/10.5.0.1", Name: "db", Namespace: "vm", Addresses: [][]byte{netip.MustParseAddr("10.5.0.1").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"vm/db.example": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
 	} {
 		w, err := translateWorkload(x)
 		if err != nil {
@@ -340,10 +346,15 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mesh := buildSnapshot(workloads, map[string]*Service{grab.Key(): grab}, nil, "")
+	db, err := translateService(&workloadapi.Service{Name: "db", Namespace: "vm", Hostname: "db.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.5.0.1").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 5432}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{grab.Key(): grab, db.Key(): db}, nil, "")
 	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
-	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.1.0.5, an address of workload shop/web-1") ||
-		!strings.Contains(errs[1].Error(), "VIP 10.2.0.5, an address of workload shop/web-2") {
+	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.1.0.5, an address of workload shop/web-1, which does not serve it") ||
+		!strings.Contains(errs[1].Error(), "VIP 10.2.0.5, an address of workload shop/web-2, which does not serve it") {
 		t.Errorf("errors %v, want the two VIPs at workloads' addresses named", errs)
 	}
 	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
@@ -355,11 +366,16 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 			t.Errorf("%s: workload %v (errors %v), want the enrolled pod", a, w, dirErrs)
 		}
 	}
-	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("240.9.9.9")); !ok || len(svc.Endpoints) != 1 {
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("240.9.9.9")); !ok || len(svc.Endpoints) != 2 {
 		t.Errorf("the service's own VIP: %v", svc)
 	}
-	if len(mesh.Services[0].VIPs) != 3 {
-		t.Errorf("istiod's snapshot was modified: %v", mesh.Services[0].VIPs)
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.5.0.1")); !ok || svc.Name != "db" {
+		t.Errorf("a VIP at the service's own endpoint: %v, want it kept", svc)
+	}
+	for _, svc := range mesh.Services {
+		if svc.Name == "grab" && len(svc.VIPs) != 3 {
+			t.Errorf("istiod's snapshot was modified: %v", svc.VIPs)
+		}
 	}
 	m := NewMetrics(nil)
 	m.setAddressConflicts(countConflicts(append(errs, errors.New("another error"))))
