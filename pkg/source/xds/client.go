@@ -96,6 +96,11 @@ const (
 	// maxListedUnresolved bounds the names Snapshot.Unresolved lists (the
 	// rest as a count): the list is quoted in every refusal.
 	maxListedUnresolved = 20
+	// maxUnresolved bounds the names of unresolved policies kept (1 MiB at
+	// most); past it they are counted, and a removal cannot clear them
+	// before the next stream. Any one of them refuses every inbound
+	// connection already, so nothing is lost by not telling them apart.
+	maxUnresolved = 1024
 )
 
 // ClusterIDHeader is the request header naming the cluster whose API
@@ -419,7 +424,7 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 				errs = append(errs, clip(r.GetName(), maxErrorBytes/4)+": "+clip(err.Error(), maxErrorBytes))
 			}
 		}
-		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, c.cfg.MaxResources)
+		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, min(c.cfg.MaxResources, maxUnresolved))
 	}
 	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held), t.bytes)
 	if t.unresolved != nil {

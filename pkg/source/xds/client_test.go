@@ -562,6 +562,28 @@ func TestClientBoundsNamesAndNacks(t *testing.T) {
 	// The 100, the policy whose version was too long and the over-long
 	// name (counted, so not matched by its removal).
 	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 102)
+
+	// The names kept are bounded too (they were by MaxResources, 200k of
+	// up to 1 KiB each); the rest are counted.
+	bad = bad[:0]
+	for i := range maxUnresolved {
+		bad = append(bad, &discoveryv3.Resource{Name: fmt.Sprintf("istio-system/more-%04d", i), Resource: &anypb.Any{TypeUrl: TypeAuthorization, Value: []byte{0xff}}})
+	}
+	send(t, st, TypeAuthorization, "n5", nil, bad...)
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, float64(102+maxUnresolved))
+	// Removing every name clears only those kept: 101 were kept before,
+	// so as many of the new ones were only counted, besides the long name.
+	var all []string
+	for i := range 100 {
+		all = append(all, fmt.Sprintf("istio-system/bad-%03d", i))
+	}
+	for i := range maxUnresolved {
+		all = append(all, fmt.Sprintf("istio-system/more-%04d", i))
+	}
+	send(t, st, TypeAuthorization, "n6", append(all, "istio-system/istio_converted_static_strict"))
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 1+101)
 }
 
 // TestClientClipsUnknownTypes: a response of a type never subscribed is
