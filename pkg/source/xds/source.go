@@ -105,6 +105,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	due := source.NewDebouncer(debounce)
 	defer due.Stop()
 	var last kubeobj.LastGood // this node's pods, for a pod whose object turns malformed
+	var reported map[string]bool
 	for {
 		select {
 		case <-ctx.Done():
@@ -124,9 +125,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			if l != nil {
 				snap, errs := merge(*l, m, s.node, s.selection, &last)
 				s.client.cfg.Metrics.setAddressConflicts(countConflicts(errs))
-				for _, err := range errs {
-					s.log.Error(kubeobj.SkipMessage(err), "error", err)
-				}
+				reported = reportNew(s.log, reported, errs)
 				update(snap)
 				s.synced.Store(m != nil)
 			}
@@ -243,6 +242,21 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		snap.Services = append(snap.Services, s)
 	}
 	return snap, errs
+}
+
+// reportNew logs the errors that were not in the last merge's (reported)
+// and returns this merge's: an error that persists is logged once, not at
+// every snapshot (a tenant's ServiceEntries can make thousands).
+func reportNew(log *slog.Logger, reported map[string]bool, errs []error) map[string]bool {
+	next := make(map[string]bool, len(errs))
+	for _, err := range errs {
+		msg := err.Error()
+		if !reported[msg] {
+			log.Error(kubeobj.SkipMessage(err), "error", err)
+		}
+		next[msg] = true
+	}
+	return next
 }
 
 // addressConflict is merge's error for an address istiod gives a second

@@ -2,6 +2,7 @@ package xds
 
 import (
 	"errors"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
@@ -392,5 +394,22 @@ func webOnNodeA() nodepods.State {
 			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
 			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
 		}},
+	}
+}
+
+// TestReportNewLogsPersistingErrorsOnce: merge's errors were logged at
+// every snapshot, so conflicts that persist (a tenant's ServiceEntries
+// with VIPs at others' addresses: thousands, maybe) were logged again
+// several times a second. Each is now logged when it appears.
+func TestReportNewLogsPersistingErrorsOnce(t *testing.T) {
+	var logs syncbuf.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	a, b := errors.New("conflict a"), errors.New("conflict b")
+	seen := reportNew(log, nil, []error{a})
+	seen = reportNew(log, seen, []error{a, b})
+	seen = reportNew(log, seen, []error{a, b})
+	reportNew(log, seen, []error{b})
+	if na, nb := strings.Count(logs.String(), "conflict a"), strings.Count(logs.String(), "conflict b"); na != 1 || nb != 1 {
+		t.Errorf("logged a %d times, b %d times, want once each:\n%s", na, nb, logs.String())
 	}
 }
