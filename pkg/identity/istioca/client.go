@@ -22,6 +22,7 @@ import (
 	"net/url"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -71,8 +72,10 @@ type Config struct {
 // Client implements identity.Signer with istiod.
 type Client struct {
 	cfg    Config
+	tls    *tls.Config
+	mu     sync.Mutex
 	conn   *grpc.ClientConn
-	client pb.IstioCertificateServiceClient
+	closed bool
 }
 
 // New returns a client; it connects lazily, so istiod need not be up yet.
@@ -104,8 +107,20 @@ func New(cfg Config) (*Client, error) {
 			return verifyServer(cs, roots, cfg.ServerName)
 		},
 	}
-	conn, err := grpc.NewClient(cfg.Addr,
-		grpc.WithTransportCredentials(credentials.NewTLS(tlsConf)),
+	c := &Client{cfg: cfg, tls: tlsConf}
+	conn, err := c.dial()
+	if err != nil {
+		return nil, err
+	}
+	c.conn = conn
+	return c, nil
+}
+
+func (c *Client) dial() (*grpc.ClientConn, error) {
+	conn, err := grpc.NewClient(c.cfg.Addr,
+		grpc.WithTransportCredentials(credentials.NewTLS(c.tls)),
+		grpc.WithMaxHeaderListSize(maxHeaderBytes),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxAnswerBytes)),
 		// Reconnect quickly once istiod is back (gRPC's default backoff
 		// grows to two minutes).
 		grpc.WithConnectParams(grpc.ConnectParams{
@@ -114,9 +129,51 @@ func New(cfg Config) (*Client, error) {
 		}),
 	)
 	if err != nil {
-		return nil, fmt.Errorf("istiod client for %s: %w", cfg.Addr, err)
+		return nil, fmt.Errorf("istiod client for %s: %w", c.cfg.Addr, err)
 	}
-	return &Client{cfg: cfg, conn: conn, client: pb.NewIstioCertificateServiceClient(conn)}, nil
+	return conn, nil
+}
+
+// maxHeaderBytes bounds the headers and trailers istiod's answers may
+// carry (gRPC's default is 16 MiB): an error message there is kept as an
+// identity's last error, logged at each retry and shown in the config
+// dump. istiod's are a few hundred bytes.
+const maxHeaderBytes = 64 << 10
+
+// maxAnswerBytes bounds an answer (gRPC's default is 4 MiB): a real one
+// is a chain of at most identity.MaxChainLen PEM certificates, a few KiB
+// each, while 4 MiB of one-byte chain entries decode to some 50 MiB, for
+// each of the requests in flight.
+const maxAnswerBytes = 64 << 10
+
+// current is the connection requests use now.
+func (c *Client) current() *grpc.ClientConn {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.conn
+}
+
+// redial replaces stale, on which a request timed out, with a new
+// connection. A connection whose far end is gone while something between
+// keeps the TCP side open (a proxy or load balancer in front of istiod)
+// would otherwise time out every request for ever: HTTP/2 keepalive cannot
+// find it out here, since istiod refuses PINGs while no request is open
+// and more often than every 15 s, longer than a request may take. A slow
+// istiod costs one new connection per timeout, which may reach another
+// replica.
+func (c *Client) redial(stale *grpc.ClientConn) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn != stale || c.closed {
+		return // another request did already, or Close
+	}
+	fresh, err := c.dial()
+	if err != nil {
+		return
+	}
+	c.conn = fresh
+	// Requests still waiting on it fail and are retried by the manager.
+	go stale.Close()
 }
 
 // verifyServer checks istiod's serving certificate against the mesh roots
@@ -136,7 +193,12 @@ func verifyServer(cs tls.ConnectionState, roots *x509.CertPool, name string) err
 }
 
 // Close closes the connection to istiod.
-func (c *Client) Close() error { return c.conn.Close() }
+func (c *Client) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.closed = true
+	return c.conn.Close()
+}
 
 // Name implements identity.Signer.
 func (c *Client) Name() string { return "istiod:" + c.cfg.Addr }
@@ -165,8 +227,12 @@ func (c *Client) Sign(ctx context.Context, id identity.ID, ttl time.Duration) (*
 			ImpersonatedIdentityKey: structpb.NewStringValue(id.String()),
 		}},
 	}
-	resp, err := c.client.CreateCertificate(metadata.NewOutgoingContext(ctx, md), req)
+	conn := c.current()
+	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(metadata.NewOutgoingContext(ctx, md), req)
 	if err != nil {
+		if status.Code(err) == codes.DeadlineExceeded {
+			c.redial(conn)
+		}
 		return nil, &identity.CAError{Reason: reasonOf(err), Err: fmt.Errorf("istiod CreateCertificate: %w", err)}
 	}
 	cert, err := c.parse(id, key, resp.GetCertChain())
@@ -215,6 +281,11 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	}
 	var certs []*x509.Certificate
 	for i, p := range chainPEM {
+		// Before the rest is parsed or any signature checked: a real
+		// answer holds a few, a hostile one thousands (4 MiB of them).
+		if len(certs) > identity.MaxChainLen {
+			return nil, bad("chain of more than %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+		}
 		cs, err := identity.ParseCertificates([]byte(p))
 		if err != nil {
 			return nil, bad("chain entry %d: %w", i, err)
@@ -224,7 +295,6 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	if len(certs) == 0 {
 		return nil, bad("empty certificate chain")
 	}
-	// Before any signature is checked: a real answer holds a few.
 	if len(certs) > identity.MaxChainLen {
 		return nil, bad("chain of %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
 	}

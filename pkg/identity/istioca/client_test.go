@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"errors"
+	"fmt"
 	"math/big"
 	"net"
 	"net/url"
@@ -27,6 +28,7 @@ import (
 	"google.golang.org/grpc/status"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/redirector-mesh/redirector/internal/stallproxy"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 )
 
@@ -231,12 +233,33 @@ func TestSignRefuses(t *testing.T) {
 		"outsized chain": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				resp, err := f.issue(idWeb.String())(csr)
-				for range 500 {
+				for range 20 {
 					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
 				}
 				return resp, err
 			}
 		}, reason: identity.ReasonBadResponse, want: "at most"},
+		// Refused once the bound is passed, before the rest is parsed
+		// (the garbage entry after it is never read).
+		"outsized chain, refused before the rest is parsed": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				for range identity.MaxChainLen {
+					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
+				}
+				resp.CertChain = append(resp.CertChain, "garbage")
+				return resp, err
+			}
+		}, reason: identity.ReasonBadResponse, want: "at most"},
+		"oversized answer, refused before it is decoded": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				for range maxAnswerBytes {
+					resp.CertChain = append(resp.CertChain, "x")
+				}
+				return resp, err
+			}
+		}, reason: identity.ReasonRefused, want: "larger than max"},
 		"node authorizer": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				return nil, status.Error(codes.Unauthenticated, "request impersonation authentication failure")
@@ -340,4 +363,46 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	if _, err := sign(c); !errors.As(err, &ce) || ce.Reason != identity.ReasonToken {
 		t.Errorf("no token file: %v", err)
 	}
+}
+
+// TestSignRedialsAfterTimeout: behind a proxy that keeps the TCP side open
+// while nothing reaches istiod any more, every request timed out on the
+// same dead connection for ever (TCP keepalive is answered by the proxy,
+// and istiod refuses the HTTP/2 PINGs that could tell). A request that
+// times out now replaces the connection, so the next one reaches istiod.
+func TestSignRedialsAfterTimeout(t *testing.T) {
+	pki := newPKI(t)
+	_, addr := startIstiod(t, pki, DefaultServerName)
+	proxy := stallproxy.New(t, addr)
+	c := newClient(t, Config{Addr: proxy.Addr, TokenFile: writeToken(t, "tok"), Trust: trustOf(pki.root)})
+	if _, err := sign(c); err != nil {
+		t.Fatal(err)
+	}
+	proxy.Stall()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	if _, err := c.Sign(ctx, idWeb, 2*time.Hour); identity.ReasonOf(err) != identity.ReasonTimeout {
+		t.Fatalf("signed through a silent connection, or failed otherwise: %v", err)
+	}
+	if _, err := sign(c); err != nil {
+		t.Fatalf("after a timeout, the next request: %v", err)
+	}
+}
+
+// TestSignBoundsErrorText: istiod's error message (a gRPC trailer) was
+// taken whole, up to gRPC's default of 16 MiB, and kept as the
+// identity's last error, logged at every retry and shown in the config
+// dump. The connection now accepts 64 KiB of headers at most.
+func TestSignBoundsErrorText(t *testing.T) {
+	pki := newPKI(t)
+	f, addr := startIstiod(t, pki, DefaultServerName)
+	f.answer = func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+		return nil, status.Error(codes.Internal, strings.Repeat("x", 1<<20))
+	}
+	c := newClient(t, Config{Addr: addr, TokenFile: writeToken(t, "tok"), Trust: trustOf(pki.root)})
+	_, err := sign(c)
+	if err == nil || len(err.Error()) > maxHeaderBytes {
+		t.Fatalf("error of %d bytes: %.200v", len(fmt.Sprint(err)), err)
+	}
+	t.Logf("error: %.300v", err)
 }

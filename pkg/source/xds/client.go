@@ -19,11 +19,14 @@
 // istiod is away the last state stays in force. Reconnects back off with
 // jitter.
 //
-// Bounds: a response is at most MaxMessageBytes, a resource holds at most
+// Bounds: a response is at most MaxMessageBytes and 8 fields per resource
+// of MaxResources (counted before gRPC decodes it), a resource holds at most
 // MaxResourceMessages nested messages (checked before decoding), and a
 // type holds at most MaxResources resources charged at most MaxTypeBytes
-// in all (encoded size plus a per-message overhead, see charge); what
-// would go beyond is rejected (NACKed) and counted.
+// in all (encoded size plus a per-message overhead, see charge, plus its
+// name and version, themselves bounded); what would go beyond is rejected
+// (NACKed) and counted. A resource must bear istiod's name for its content
+// (resourceName).
 package xds
 
 import (
@@ -37,11 +40,14 @@ import (
 	"sort"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	statuspb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -67,10 +73,34 @@ const (
 	DefaultMaxResourceMessages = 100_000
 	DefaultMinBackoff          = 500 * time.Millisecond
 	DefaultMaxBackoff          = 30 * time.Second
-	// DefaultFirstSyncGrace is how long the first snapshot waits for the
-	// types other than Address once Address arrived (istiod may send
-	// nothing for a type that has no resources).
+	// DefaultFirstSyncGrace is how long after the first response of one
+	// type the client waits for the others before it warns that they are
+	// missing (istiod answers every subscription, even with nothing).
 	DefaultFirstSyncGrace = 3 * time.Second
+	DefaultSnapshotGap    = 50 * time.Millisecond
+)
+
+// Bounds on what a resource or a NACK carries besides its value. istiod
+// names a resource by a workload's uid (cluster, kind, namespace, name and
+// maybe an address or host), namespace/hostname or namespace/name: a few
+// hundred bytes at most; its versions are hashes or timestamps. Both are
+// held and sent back on a reconnect, so they are bounded and charged.
+const (
+	MaxNameBytes    = 1024
+	MaxVersionBytes = 256
+	// maxNackErrors and maxErrorBytes (a quarter of it for the name)
+	// bound a NACK's error_detail and its log line: one response may
+	// reject thousands of resources.
+	maxNackErrors = 20
+	maxErrorBytes = 512
+	// maxListedUnresolved bounds the names Snapshot.Unresolved lists (the
+	// rest as a count): the list is quoted in every refusal.
+	maxListedUnresolved = 20
+	// maxUnresolved bounds the names of unresolved policies kept (1 MiB at
+	// most); past it they are counted, and a removal cannot clear them
+	// before the next stream. Any one of them refuses every inbound
+	// connection already, so nothing is lost by not telling them apart.
+	maxUnresolved = 1024
 )
 
 // ClusterIDHeader is the request header naming the cluster whose API
@@ -110,8 +140,11 @@ type Config struct {
 	MinBackoff, MaxBackoff time.Duration
 	// FirstSyncGrace: 0 means DefaultFirstSyncGrace.
 	FirstSyncGrace time.Duration
-	Metrics        *Metrics
-	Logger         *slog.Logger
+	// SnapshotGap is the least time between two snapshots (see
+	// publisher); 0 means DefaultSnapshotGap.
+	SnapshotGap time.Duration
+	Metrics     *Metrics
+	Logger      *slog.Logger
 }
 
 // Client keeps the state istiod sent. Only Run's goroutine touches it.
@@ -119,9 +152,11 @@ type Client struct {
 	cfg   Config
 	log   *slog.Logger
 	types []*resourceType
-	// synced is true once every type answered at least once, or the
-	// grace after the first Address response ran out.
+	// synced is true once every type answered at least once. Never
+	// before: a snapshot without the policies would admit what they
+	// deny (STRICT arrives as a DENY of plaintext).
 	synced bool
+	pub    *publisher
 }
 
 // resourceType is the state of one subscribed type.
@@ -169,8 +204,9 @@ func New(cfg Config) (*Client, error) {
 	cfg.MinBackoff = cmp.Or(cfg.MinBackoff, DefaultMinBackoff)
 	cfg.MaxBackoff = max(cmp.Or(cfg.MaxBackoff, DefaultMaxBackoff), cfg.MinBackoff)
 	cfg.FirstSyncGrace = cmp.Or(cfg.FirstSyncGrace, DefaultFirstSyncGrace)
+	cfg.SnapshotGap = cmp.Or(cfg.SnapshotGap, DefaultSnapshotGap)
 	log := cmp.Or(cfg.Logger, slog.Default()).With("source", "xds")
-	return &Client{cfg: cfg, log: log, types: []*resourceType{
+	return &Client{cfg: cfg, log: log, pub: newPublisher(cfg.SnapshotGap), types: []*resourceType{
 		{url: TypeAddress, short: "Address", decode: decodeAddress, desc: addressDesc, held: map[string]entry{}},
 		{url: TypeAuthorization, short: "Authorization", decode: decodeAuthorization, desc: authorizationDesc, held: map[string]entry{}, unresolved: map[string]bool{}},
 	}}, nil
@@ -200,8 +236,9 @@ func decodeAuthorization(b []byte) (any, error) {
 }
 
 // Run keeps a stream to istiod open until ctx is done, calling update
-// with a fresh snapshot after every applied response once the first sync
-// is complete. update runs on Run's goroutine and must not keep it long.
+// with a fresh snapshot after applied responses once the first sync is
+// complete, paced (see publisher): a burst of responses makes one
+// snapshot. update runs on Run's goroutine and must not keep it long.
 // Run returns only ctx's error.
 func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
 	delay := c.cfg.MinBackoff
@@ -236,6 +273,12 @@ func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
 func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// What was applied is delivered before the stream ends.
+	defer func() {
+		if ctx.Err() == nil {
+			c.pub.publish(c.snapshot, update)
+		}
+	}()
 	if c.cfg.Token != nil {
 		tok, err := c.cfg.Token()
 		if err != nil {
@@ -248,7 +291,8 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		ctx = metadata.AppendToOutgoingContext(ctx, ClusterIDHeader, c.cfg.Node.ClusterID)
 	}
 	ads := discoveryv3.NewAggregatedDiscoveryServiceClient(c.cfg.Conn)
-	st, err := ads.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(c.cfg.MaxMessageBytes))
+	st, err := ads.DeltaAggregatedResources(ctx, grpc.MaxCallRecvMsgSize(c.cfg.MaxMessageBytes),
+		grpc.ForceCodecV2(responseCodec{CodecV2: encoding.GetCodecV2(grpcproto.Name), max: maxResponseFields(c.cfg.MaxResources)}))
 	if err != nil {
 		c.cfg.Metrics.connect(false)
 		return false, fmt.Errorf("open delta ADS stream: %w", err)
@@ -264,7 +308,7 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 			return false, fmt.Errorf("subscribe %s: %w", t.short, err)
 		}
 	}
-	// Recv blocks; the first-sync grace needs a clock beside it.
+	// Recv blocks; the first-sync warning needs a clock beside it.
 	type recvd struct {
 		resp *discoveryv3.DeltaDiscoveryResponse
 		err  error
@@ -290,12 +334,12 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		case <-ctx.Done():
 			return got, ctx.Err()
 		case r = <-ch:
+		case <-c.pub.C():
+			c.pub.publish(c.snapshot, update)
+			continue
 		case <-grace:
-			grace = nil
 			if !c.synced {
-				c.log.Warn("istiod sent no response for some types; starting without them", "missing", c.missing())
-				c.synced = true
-				update(c.snapshot())
+				c.log.Warn("istiod sent no response for some types; inbound connections stay refused until it does", "missing", c.missing())
 			}
 			continue
 		}
@@ -322,11 +366,11 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		}
 		switch {
 		case c.synced:
-			update(c.snapshot())
+			c.pub.changed()
 		case c.missing() == "":
 			c.synced = true
-			update(c.snapshot())
-		case t.url == TypeAddress && grace == nil:
+			c.pub.changed()
+		case grace == nil:
 			grace = time.After(c.cfg.FirstSyncGrace)
 		}
 	}
@@ -354,8 +398,10 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		}
 	}
 	if t == nil {
-		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: "type " + resp.GetTypeUrl() + " was not subscribed"}
-		c.log.Warn("xds: NACK", "type", resp.GetTypeUrl(), "error", ack.ErrorDetail.Message)
+		// The type is istiod's text, echoed: clipped like a resource name.
+		ack.TypeUrl = clip(resp.GetTypeUrl(), maxErrorBytes/4)
+		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: "type " + ack.TypeUrl + " was not subscribed"}
+		c.log.Warn("xds: NACK", "type", ack.TypeUrl, "error", ack.ErrorDetail.Message)
 		return ack, nil
 	}
 	t.received = true
@@ -370,23 +416,41 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		delete(t.held, name)
 		delete(t.unresolved, name)
 	}
+	rejected := 0
 	for _, r := range resp.GetResources() {
 		held, err := c.applyOne(t, r)
 		if err != nil {
-			errs = append(errs, r.GetName()+": "+err.Error())
+			if rejected++; len(errs) < maxNackErrors {
+				errs = append(errs, clip(r.GetName(), maxErrorBytes/4)+": "+clip(err.Error(), maxErrorBytes))
+			}
 		}
-		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, c.cfg.MaxResources)
+		t.resolve(cmp.Or(r.GetName(), "(unnamed)"), held || err == nil, min(c.cfg.MaxResources, maxUnresolved))
 	}
-	c.cfg.Metrics.push(t.short, len(errs) > 0, len(t.held))
+	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held), t.bytes)
 	if t.unresolved != nil {
 		c.cfg.Metrics.setUnresolved(len(t.unresolved) + t.more)
 	}
-	if len(errs) > 0 {
+	if rejected > 0 {
 		sort.Strings(errs)
+		if rejected > len(errs) {
+			errs = append(errs, fmt.Sprintf("and %d more rejected", rejected-len(errs)))
+		}
 		ack.ErrorDetail = &statuspb.Status{Code: int32(codes.InvalidArgument), Message: strings.Join(errs, "; ")}
-		c.log.Warn("xds: NACK; the rest of the response is applied", "type", t.short, "rejected", len(errs), "error", ack.ErrorDetail.Message)
+		c.log.Warn("xds: NACK; the rest of the response is applied", "type", t.short, "rejected", rejected, "error", ack.ErrorDetail.Message)
 	}
 	return ack, t
+}
+
+// clip cuts s to at most n bytes (on a rune boundary), marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	s = s[:n]
+	for len(s) > 0 && !utf8.ValidString(s) {
+		s = s[:len(s)-1]
+	}
+	return s + "...(clipped)"
 }
 
 // applyOne applies one resource; held reports whether it (or, for a
@@ -396,6 +460,10 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	if r.GetName() == "" {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 		return false, errors.New("resource without a name")
+	}
+	if len(r.GetName()) > MaxNameBytes || len(r.GetVersion()) > MaxVersionBytes {
+		c.cfg.Metrics.reject(t.short, rejectLimit)
+		return false, fmt.Errorf("name of %d bytes or version of %d bytes: at most %d and %d", len(r.GetName()), len(r.GetVersion()), MaxNameBytes, MaxVersionBytes)
 	}
 	if r.GetResource() == nil || r.GetResource().GetTypeUrl() != t.url {
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
@@ -407,6 +475,8 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 		return false, fmt.Errorf("over the limit of %d %s resources", c.cfg.MaxResources, t.short)
 	}
 	size, err := charge(r.GetResource().GetValue(), t.desc, c.cfg.MaxResourceMessages)
+	// The name and version are held too (and sent back on a reconnect).
+	size += len(r.GetName()) + len(r.GetVersion())
 	if err != nil {
 		var tooMany errTooManyMessages
 		if errors.As(err, &tooMany) {
@@ -427,6 +497,13 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	if v == nil {
 		return false, err
 	}
+	if want := resourceName(v); want != r.GetName() {
+		// Held under a name that is not its own, it would outlive its
+		// removal (istiod removes by its own name) and stand beside the
+		// resource of that name: two versions of one workload or policy.
+		c.cfg.Metrics.reject(t.short, rejectInvalid)
+		return false, fmt.Errorf("resource name is not that of its content, %q (istiod names a workload by its uid, a service namespace/hostname, a policy namespace/name)", want)
+	}
 	// Held even when err is set: a policy that cannot be applied as
 	// written is held in its fail-closed form (failClosed).
 	t.bytes += size - old.size
@@ -434,16 +511,30 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	return true, err
 }
 
+// resourceName is the name istiod gives the resource v was translated
+// from (its ResourceName).
+func resourceName(v any) string {
+	switch v := v.(type) {
+	case *Workload:
+		return v.UID
+	case *Service:
+		return v.Key()
+	case *policy.Compiled:
+		return v.Key()
+	}
+	return ""
+}
+
 // resolve records whether the latest version of name was held (see
-// resourceType.unresolved); at most limit names are kept, the rest
-// counted.
+// resourceType.unresolved); at most limit names are kept, the rest (and
+// names over MaxNameBytes) counted.
 func (t *resourceType) resolve(name string, held bool, limit int) {
 	switch {
 	case t.unresolved == nil:
 	case held:
 		delete(t.unresolved, name)
 	case t.unresolved[name]:
-	case len(t.unresolved) < limit:
+	case len(t.unresolved) < limit && len(name) <= MaxNameBytes:
 		t.unresolved[name] = true
 	default:
 		t.more++
@@ -481,13 +572,68 @@ func (c *Client) snapshot() *Snapshot {
 	s := buildSnapshot(workloads, services, policies, c.cfg.Network)
 	c.cfg.Metrics.setOtherNetwork(s.OtherNetwork)
 	for _, t := range c.types {
+		names := make([]string, 0, len(t.unresolved))
 		for name := range t.unresolved {
-			s.Unresolved = append(s.Unresolved, name)
+			names = append(names, name)
 		}
-		sort.Strings(s.Unresolved)
-		if t.more > 0 {
-			s.Unresolved = append(s.Unresolved, fmt.Sprintf("(%d more)", t.more))
+		sort.Strings(names)
+		more := t.more
+		if len(names) > maxListedUnresolved {
+			more += len(names) - maxListedUnresolved
+			names = names[:maxListedUnresolved]
+		}
+		s.Unresolved = append(s.Unresolved, names...)
+		if more > 0 {
+			s.Unresolved = append(s.Unresolved, fmt.Sprintf("(%d more)", more))
 		}
 	}
 	return s
+}
+
+// publisher paces snapshots. Building one costs O(all state held)
+// (about 0.25 s for 100k workloads) while istiod may send a response per
+// change, a few bytes each: built per response, an endless stream of tiny
+// updates would keep a core busy rebuilding. Changes are marked instead,
+// and a snapshot is built on a timer: at once after a quiet spell, else no
+// sooner after the last than the gap and three times what building the
+// last took, so a burst makes one snapshot and rebuilding takes at most a
+// quarter of a core, however fast responses come. Only Run's goroutine
+// uses it.
+type publisher struct {
+	gap     time.Duration
+	timer   *time.Timer
+	pending bool
+	// next is the earliest time the next snapshot may be built.
+	next time.Time
+}
+
+func newPublisher(gap time.Duration) *publisher {
+	t := time.NewTimer(time.Hour)
+	t.Stop()
+	return &publisher{gap: gap, timer: t}
+}
+
+// changed records that the state changed since the last snapshot.
+func (p *publisher) changed() {
+	if !p.pending {
+		p.pending = true
+		p.timer.Reset(max(time.Until(p.next), 0))
+	}
+}
+
+// C fires when a snapshot is due.
+func (p *publisher) C() <-chan time.Time { return p.timer.C }
+
+// publish builds a snapshot and hands it to update if a change is pending.
+func (p *publisher) publish(build func() *Snapshot, update func(*Snapshot)) {
+	if !p.pending {
+		return
+	}
+	p.pending = false
+	p.timer.Stop()
+	start := time.Now()
+	s := build()
+	cost := time.Since(start)
+	update(s)
+	p.next = time.Now().Add(max(p.gap, 3*cost))
 }

@@ -2,6 +2,8 @@ package xds
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"strings"
@@ -20,6 +22,7 @@ import (
 	"istio.io/istio/pkg/workloadapi/security"
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 )
 
@@ -71,6 +74,12 @@ func startClient(t *testing.T, mod func(*Config)) *harness {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
+	return runClient(t, ads, conn, mod)
+}
+
+// runClient runs a client on conn to ads until the test ends.
+func runClient(t *testing.T, ads *fakeADS, conn grpc.ClientConnInterface, mod func(*Config)) *harness {
+	t.Helper()
 	h := &harness{t: t, ads: ads, updates: make(chan *Snapshot, 16), metrics: NewMetrics(nil)}
 	cfg := Config{
 		Conn:       conn,
@@ -299,6 +308,8 @@ func TestClientBoundsBytes(t *testing.T) {
 	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, "b: over the limit of") || !strings.Contains(msg, "bytes") {
 		t.Fatalf("NACK %q", msg)
 	}
+	// What is held is counted, name and version included.
+	expectMetric(t, h.metrics, `redirector_xds_resource_bytes{type="Address"}`, float64(size+len("a")+len("v1")))
 	// Removing a resource frees its bytes.
 	if ack := send(t, st, TypeAddress, "n2", []string{"a"}, resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil))); ack.GetErrorDetail() != nil {
 		t.Fatalf("NACK after a removal made room: %v", ack.GetErrorDetail())
@@ -339,14 +350,24 @@ func TestClientResumesWithoutDrop(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_connects_total{result="ok"}`, 2)
 }
 
-// TestClientFirstSyncGrace: istiod may never answer a type that has no
-// resources; the first snapshot then comes after the grace.
-func TestClientFirstSyncGrace(t *testing.T) {
+// TestClientWaitsForPolicies: the first snapshot came FirstSyncGrace
+// after Address even if Authorization had not answered, with no policies:
+// the policy set then admitted everything, plaintext under STRICT
+// included, until istiod's policies arrived (or for ever, were they never
+// to). istiod answers every subscription, even with nothing, so the first
+// snapshot now waits for every type; until then inbound stays refused.
+func TestClientWaitsForPolicies(t *testing.T) {
 	h := startClient(t, func(c *Config) { c.FirstSyncGrace = 50 * time.Millisecond })
 	st, _ := h.accept()
 	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
-	if s := h.next(); len(s.Workloads) != 1 {
-		t.Fatalf("%d workloads", len(s.Workloads))
+	select {
+	case s := <-h.updates:
+		t.Fatalf("a snapshot (%d policies) before istiod's policies arrived", len(s.Policies))
+	case <-time.After(300 * time.Millisecond):
+	}
+	send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, strictAuthz()))
+	if s := h.next(); len(s.Workloads) != 1 || len(s.Policies) != 1 {
+		t.Fatalf("%d workloads, %d policies", len(s.Workloads), len(s.Policies))
 	}
 }
 
@@ -385,12 +406,15 @@ func TestClientHoldsUnresolvedPolicies(t *testing.T) {
 	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 2)
 
 	// Fixed by istiod, removed, and one over the limit of 2 held.
-	send(t, st, TypeAuthorization, "n3", []string{"istio-system/garbage"}, resource(t, "istio-system/future", "v2", TypeAuthorization, strictAuthz()))
+	fixed := strictAuthz()
+	fixed.Name = "future"
+	send(t, st, TypeAuthorization, "n3", []string{"istio-system/garbage"}, resource(t, "istio-system/future", "v2", TypeAuthorization, fixed))
 	if s := h.next(); len(s.Unresolved) != 0 || len(s.Policies) != 1 {
 		t.Fatalf("unresolved %v, %d policies", s.Unresolved, len(s.Policies))
 	}
-	extra := strictAuthz()
-	send(t, st, TypeAuthorization, "n4", nil, resource(t, "a/b", "v1", TypeAuthorization, extra), resource(t, "a/c", "v1", TypeAuthorization, extra))
+	b, c := strictAuthz(), strictAuthz()
+	b.Namespace, b.Name, c.Namespace, c.Name = "a", "b", "a", "c"
+	send(t, st, TypeAuthorization, "n4", nil, resource(t, "a/b", "v1", TypeAuthorization, b), resource(t, "a/c", "v1", TypeAuthorization, c))
 	if s := h.next(); strings.Join(s.Unresolved, ",") != "a/c" {
 		t.Fatalf("unresolved %v, want the policy over the limit", s.Unresolved)
 	}
@@ -456,5 +480,211 @@ func TestClientBacksOffFromFlappingStreams(t *testing.T) {
 	// Waits of at least 25, 50, 100 and 200 ms (the delay less up to half).
 	if d := time.Since(start); d < 375*time.Millisecond {
 		t.Errorf("4 reconnects after flapping streams took %v, want the backoff to grow", d)
+	}
+}
+
+// TestClientRefusesMisnamedResources: istiod names a workload by its uid,
+// a service namespace/hostname and a policy namespace/name. A resource
+// held under another name stood beside the one of its own name (two
+// versions of one policy, both evaluated) and outlived istiod's removal
+// of it. It is now rejected, naming both; a misnamed policy is unresolved
+// (its reach is unknown), so inbound connections fail closed.
+func TestClientRefusesMisnamedResources(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	ack := send(t, st, TypeAddress, "n1", nil,
+		resource(t, "Kubernetes//Pod/shop/web-1", "v1", TypeAddress, wlAddr("Kubernetes//Pod/shop/web-2", "web-2", "10.1.0.5", nil)),
+		resource(t, "shop/other.shop.svc.cluster.local", "v1", TypeAddress, svcAddr("web", "10.96.0.10", 80, 0)))
+	msg := ack.GetErrorDetail().GetMessage()
+	for _, want := range []string{`Kubernetes//Pod/shop/web-1: resource name is not that of its content, "Kubernetes//Pod/shop/web-2"`, `shop/other.shop.svc.cluster.local: resource name is not that of its content, "shop/web.shop.svc.cluster.local"`} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("NACK %q, want %q", msg, want)
+		}
+	}
+	allow := &security.Authorization{Name: "allow-all", Namespace: "shop", Scope: security.Scope_NAMESPACE, Action: security.Action_ALLOW,
+		Groups: []*security.Group{{Rules: []*security.Rules{{}}}}}
+	ack = send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, allow))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, `resource name is not that of its content, "shop/allow-all"`) {
+		t.Fatalf("NACK %q", msg)
+	}
+	s := h.next()
+	if len(s.Workloads) != 0 || len(s.Services) != 0 || len(s.Policies) != 0 {
+		t.Fatalf("held %d workloads, %d services, %d policies; want none", len(s.Workloads), len(s.Services), len(s.Policies))
+	}
+	if strings.Join(s.Unresolved, ",") != "istio-system/istio_converted_static_strict" {
+		t.Fatalf("unresolved %v, want the misnamed policy", s.Unresolved)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="invalid",type="Address"}`, 2)
+}
+
+// TestClientBoundsNamesAndNacks: resource names and versions were held
+// (and sent back on a reconnect) without a bound or a charge, an
+// unresolved policy's name was kept whatever its length and quoted in
+// every refused connection, and a NACK listed every rejected resource in
+// full, in one message and one log line. Names and versions are now
+// bounded and charged, the unresolved names listed are bounded, and a
+// NACK lists at most maxNackErrors errors of at most maxErrorBytes.
+func TestClientBoundsNamesAndNacks(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil)
+	long := "istio-system/" + strings.Repeat("x", MaxNameBytes)
+	p := strictAuthz()
+	p.Name = long[len("istio-system/"):]
+	ack := send(t, st, TypeAuthorization, "n2", nil, resource(t, long, "v1", TypeAuthorization, p))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, fmt.Sprintf("name of %d bytes", len(long))) || len(msg) > maxErrorBytes*5/4+40 {
+		t.Fatalf("NACK of %d bytes %.200q", len(msg), msg)
+	}
+	if s := h.next(); strings.Join(s.Unresolved, ",") != "(1 more)" {
+		t.Fatalf("unresolved %.200q, want the over-long name counted, not kept", s.Unresolved)
+	}
+	ack = send(t, st, TypeAuthorization, "n3", []string{long}, resource(t, "istio-system/istio_converted_static_strict", strings.Repeat("v", MaxVersionBytes+1), TypeAuthorization, strictAuthz()))
+	if msg := ack.GetErrorDetail().GetMessage(); !strings.Contains(msg, fmt.Sprintf("version of %d bytes", MaxVersionBytes+1)) {
+		t.Fatalf("NACK %.200q", msg)
+	}
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_rejected_resources_total{reason="limit",type="Authorization"}`, 2)
+
+	// Many rejected policies: the NACK and the snapshot list a few.
+	var bad []*discoveryv3.Resource
+	for i := range 100 {
+		bad = append(bad, &discoveryv3.Resource{Name: fmt.Sprintf("istio-system/bad-%03d", i), Resource: &anypb.Any{TypeUrl: TypeAuthorization, Value: []byte{0xff}}})
+	}
+	ack = send(t, st, TypeAuthorization, "n4", nil, bad...)
+	msg := ack.GetErrorDetail().GetMessage()
+	if n := strings.Count(msg, "istio-system/bad-"); n != maxNackErrors || !strings.HasSuffix(msg, fmt.Sprintf("and %d more rejected", 100-maxNackErrors)) {
+		t.Fatalf("NACK lists %d resources: %.300q", n, msg)
+	}
+	s := h.next()
+	if len(s.Unresolved) != maxListedUnresolved+1 || s.Unresolved[maxListedUnresolved] != fmt.Sprintf("(%d more)", 100-maxListedUnresolved+2) {
+		t.Fatalf("unresolved lists %d: %v", len(s.Unresolved), s.Unresolved)
+	}
+	// The 100, the policy whose version was too long and the over-long
+	// name (counted, so not matched by its removal).
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 102)
+
+	// The names kept are bounded too (they were by MaxResources, 200k of
+	// up to 1 KiB each); the rest are counted.
+	bad = bad[:0]
+	for i := range maxUnresolved {
+		bad = append(bad, &discoveryv3.Resource{Name: fmt.Sprintf("istio-system/more-%04d", i), Resource: &anypb.Any{TypeUrl: TypeAuthorization, Value: []byte{0xff}}})
+	}
+	send(t, st, TypeAuthorization, "n5", nil, bad...)
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, float64(102+maxUnresolved))
+	// Removing every name clears only those kept: 101 were kept before,
+	// so as many of the new ones were only counted, besides the long name.
+	var all []string
+	for i := range 100 {
+		all = append(all, fmt.Sprintf("istio-system/bad-%03d", i))
+	}
+	for i := range maxUnresolved {
+		all = append(all, fmt.Sprintf("istio-system/more-%04d", i))
+	}
+	send(t, st, TypeAuthorization, "n6", append(all, "istio-system/istio_converted_static_strict"))
+	h.next()
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 1+101)
+}
+
+// TestClientClipsUnknownTypes: a response of a type never subscribed is
+// NACKed; its type URL, istiod's text, was echoed whole in the NACK and
+// the log line.
+func TestClientClipsUnknownTypes(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	typ := "type.googleapis.com/" + strings.Repeat("x", 100_000)
+	if err := st.Send(&discoveryv3.DeltaDiscoveryResponse{TypeUrl: typ, Nonce: "n1"}); err != nil {
+		t.Fatal(err)
+	}
+	nack, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msg := nack.GetErrorDetail().GetMessage(); !strings.HasSuffix(msg, "was not subscribed") || len(msg)+len(nack.GetTypeUrl()) > maxErrorBytes {
+		t.Fatalf("NACK of type %d bytes, message %d bytes: %.100q", len(nack.GetTypeUrl()), len(msg), msg)
+	}
+}
+
+// TestClientChargesNames: a name is held, so it is charged against
+// MaxTypeBytes with the value.
+func TestClientChargesNames(t *testing.T) {
+	name := "Kubernetes//Pod/shop/" + strings.Repeat("w", 900)
+	r := resource(t, name, "v1", TypeAddress, wlAddr(name, "w", "10.1.0.5", nil))
+	size, err := charge(r.GetResource().GetValue(), addressDesc, DefaultMaxResourceMessages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := startClient(t, func(c *Config) { c.MaxTypeBytes = size + 100 })
+	st, _ := h.accept()
+	if msg := send(t, st, TypeAddress, "n1", nil, r).GetErrorDetail().GetMessage(); !strings.Contains(msg, "over the limit of") {
+		t.Fatalf("NACK %.200q: want the name charged", msg)
+	}
+}
+
+// TestClientPacesSnapshots: every response, however small, made a
+// snapshot of everything held (O(state): a quarter of a second at 100k
+// workloads), so a stream of tiny updates kept a core busy. A burst of
+// responses now makes one snapshot, and the last state is in it.
+func TestClientPacesSnapshots(t *testing.T) {
+	h := startClient(t, func(c *Config) { c.SnapshotGap = 300 * time.Millisecond })
+	st, _ := h.accept()
+	send(t, st, TypeAuthorization, "a", nil)
+	for i := range 10 {
+		name := fmt.Sprintf("w%d", i)
+		send(t, st, TypeAddress, name, nil, resource(t, name, "v1", TypeAddress, wlAddr(name, name, fmt.Sprintf("10.1.0.%d", i+1), nil)))
+	}
+	time.Sleep(500 * time.Millisecond)
+	var last *Snapshot
+	n := len(h.updates)
+	for range n {
+		last = <-h.updates
+	}
+	if n > 2 || last == nil || len(last.Workloads) != 10 {
+		t.Fatalf("%d snapshots for 11 responses, the last with %v; want one or two, the last with all 10 workloads", n, last)
+	}
+}
+
+// TestPublisherBacksOffFromCostlySnapshots: after a snapshot that took d
+// to build, the next comes no sooner than 3d later, so building takes at
+// most a quarter of the time whatever the gap.
+func TestPublisherBacksOffFromCostlySnapshots(t *testing.T) {
+	p := newPublisher(time.Millisecond)
+	p.changed()
+	<-p.C()
+	start := time.Now()
+	p.publish(func() *Snapshot { time.Sleep(20 * time.Millisecond); return &Snapshot{} }, func(*Snapshot) {})
+	p.changed()
+	<-p.C()
+	if d := time.Since(start); d < 80*time.Millisecond {
+		t.Errorf("next snapshot due %v after one that took 20ms to build, want 80ms at least", d)
+	}
+}
+
+// TestClientBoundsResponseFields: gRPC decoded a whole response before
+// the client counted anything in it, and a removal of one byte on the wire
+// is a string of 16 and more in memory (16 MiB of removals decoded to half
+// a GiB). A response with more fields than MaxResources allows is now
+// refused before it is decoded: the stream ends, the state held stays.
+func TestClientBoundsResponseFields(t *testing.T) {
+	var logs syncbuf.Buffer
+	h := startClient(t, func(c *Config) {
+		c.MaxResources = 10
+		c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	})
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
+	removed := make([]string, maxResponseFields(10)+1)
+	for i := range removed {
+		removed[i] = "x"
+	}
+	if err := st.Send(&discoveryv3.DeltaDiscoveryResponse{TypeUrl: TypeAddress, Nonce: "n2", RemovedResources: removed}); err != nil {
+		t.Fatal(err)
+	}
+	_, subs := h.accept()
+	if got := subs[0].GetInitialResourceVersions(); got["a"] != "v1" {
+		t.Fatalf("after the refused response the client holds %v, want a at v1", got)
+	}
+	if want := fmt.Sprintf("more than %d fields in one response", maxResponseFields(10)); !strings.Contains(logs.String(), want) {
+		t.Errorf("log %q, want %q", logs.String(), want)
 	}
 }

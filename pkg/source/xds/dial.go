@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/identity/istioca"
@@ -64,6 +65,8 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 	}
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(tlsConf)),
+		grpc.WithKeepaliveParams(keepaliveParams),
+		grpc.WithMaxHeaderListSize(maxHeaderBytes),
 		grpc.WithConnectParams(grpc.ConnectParams{
 			Backoff:           backoff.Config{BaseDelay: 500 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 10 * time.Second},
 			MinConnectTimeout: 5 * time.Second,
@@ -74,6 +77,21 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 	}
 	return conn, nil
 }
+
+// keepaliveParams: istiod sends nothing while nothing changes, so a
+// connection whose far end is gone while something between keeps the TCP
+// side open (a proxy or load balancer in front of istiod) looked like a
+// quiet istiod for ever: the last state never updated, the stream counted
+// as connected, no reconnect. An HTTP/2 PING after 30 s without traffic,
+// unanswered for 10 s, closes the connection, and Run reconnects (istiod
+// refuses PINGs more often than every 15 s, and any while no stream is
+// open, hence no PermitWithoutStream).
+var keepaliveParams = keepalive.ClientParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
+
+// maxHeaderBytes bounds the headers and trailers istiod may send (gRPC's
+// default is 16 MiB): the error a stream ends with is logged at every
+// reconnect. istiod's are a few hundred bytes.
+const maxHeaderBytes = 64 << 10
 
 // TokenFile returns a Token function that re-reads path, since the kubelet
 // rotates projected tokens.

@@ -10,10 +10,14 @@ type Metrics struct {
 	nacks     *prometheus.CounterVec
 	rejected  *prometheus.CounterVec
 	resources *prometheus.GaugeVec
+	// bytes is what the held resources are charged against MaxTypeBytes.
+	bytes *prometheus.GaugeVec
 	// unresolved counts policies held in no form (see Snapshot.Unresolved).
 	unresolved prometheus.Gauge
 	// otherNetwork counts workloads on networks other than the agent's.
 	otherNetwork prometheus.Gauge
+	// addressConflicts counts addresses istiod gives a second owner.
+	addressConflicts prometheus.Gauge
 }
 
 // Reasons a single resource is rejected (the reason label of
@@ -50,6 +54,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_xds_resources",
 			Help: "Resources held from istiod, by type.",
 		}, []string{"type"}),
+		bytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "redirector_xds_resource_bytes",
+			Help: "What the resources held from istiod are charged against the per-type bound (512 MiB by default): encoded size plus an overhead per resource and per nested message, name and version, by type.",
+		}, []string{"type"}),
 		unresolved: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_xds_unresolved_policies",
 			Help: "Authorization resources rejected with nothing held in their place (undecodable, unknown scope, over a limit); while above 0 every inbound connection is refused.",
@@ -57,6 +65,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		otherNetwork: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_xds_other_network_workloads",
 			Help: "Workloads istiod puts on a network other than this agent's (NETWORK): not reachable at their addresses, so left out of the directory and of service endpoints.",
+		}),
+		addressConflicts: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "redirector_xds_address_conflicts",
+			Help: "Addresses istiod gives a second owner, left with the first: a workload's address that is this node's pod's, or a service VIP at the address of a workload that does not serve it (the log names both).",
 		}),
 	}
 	if reg != nil {
@@ -66,7 +78,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.unresolved, m.otherNetwork}
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.bytes, m.unresolved, m.otherNetwork, m.addressConflicts}
 }
 
 // Describe implements prometheus.Collector.
@@ -101,7 +113,7 @@ func (m *Metrics) disconnected() {
 	}
 }
 
-func (m *Metrics) push(typ string, nack bool, held int) {
+func (m *Metrics) push(typ string, nack bool, held, bytes int) {
 	if m == nil {
 		return
 	}
@@ -110,6 +122,7 @@ func (m *Metrics) push(typ string, nack bool, held int) {
 		m.nacks.WithLabelValues(typ).Inc()
 	}
 	m.resources.WithLabelValues(typ).Set(float64(held))
+	m.bytes.WithLabelValues(typ).Set(float64(bytes))
 }
 
 func (m *Metrics) reject(typ, reason string) {
@@ -121,6 +134,12 @@ func (m *Metrics) reject(typ, reason string) {
 func (m *Metrics) setUnresolved(n int) {
 	if m != nil {
 		m.unresolved.Set(float64(n))
+	}
+}
+
+func (m *Metrics) setAddressConflicts(n int) {
+	if m != nil {
+		m.addressConflicts.Set(float64(n))
 	}
 }
 

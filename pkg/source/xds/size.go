@@ -3,7 +3,11 @@ package xds
 import (
 	"fmt"
 
+	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"istio.io/istio/pkg/workloadapi"
 	"istio.io/istio/pkg/workloadapi/security"
@@ -73,6 +77,67 @@ func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit in
 		l = protowire.ConsumeFieldValue(num, typ, b)
 		if l < 0 {
 			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		b = b[l:]
+	}
+	return nil
+}
+
+// responseCodec is gRPC's proto codec with one check before a delta
+// response is decoded: its fields, counted on the wire, are at most max.
+// What gRPC decodes is past any bound of the client's: a removal of one
+// byte on the wire is a string of 16 and more in memory, an empty resource
+// a struct of a hundred, so a response of MaxMessageBytes of them decoded
+// to some 30 times that (16 MiB of removals, 0.5 GiB) before a resource
+// was counted.
+type responseCodec struct {
+	encoding.CodecV2
+	max int
+}
+
+func (c responseCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	resp, ok := v.(*discoveryv3.DeltaDiscoveryResponse)
+	if !ok {
+		return c.CodecV2.Unmarshal(data, v)
+	}
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	b := buf.ReadOnlyData()
+	n := 0
+	if err := countFields(b, resp.ProtoReflect().Descriptor(), &n, c.max); err != nil {
+		return fmt.Errorf("delta response: %w", err)
+	}
+	return proto.Unmarshal(b, resp)
+}
+
+// maxResponseFields bounds the fields of one response for a client
+// holding at most maxResources of a type: a resource is about six on the
+// wire (itself, name, version, the Any and its type and value), a removal
+// one.
+func maxResponseFields(maxResources int) int { return 8*maxResources + 1024 }
+
+// countFields adds to n every field in b (md's message), and those of the
+// messages in it; unknown fields and bytes are not walked.
+func countFields(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
+	fields := md.Fields()
+	for len(b) > 0 {
+		num, typ, l := protowire.ConsumeTag(b)
+		if l < 0 {
+			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		b = b[l:]
+		if *n++; *n > limit {
+			return fmt.Errorf("more than %d fields in one response", limit)
+		}
+		l = protowire.ConsumeFieldValue(num, typ, b)
+		if l < 0 {
+			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		if fd := fields.ByNumber(num); typ == protowire.BytesType && fd != nil && fd.Kind() == protoreflect.MessageKind {
+			v, _ := protowire.ConsumeBytes(b)
+			if err := countFields(v, fd.Message(), n, limit); err != nil {
+				return err
+			}
 		}
 		b = b[l:]
 	}

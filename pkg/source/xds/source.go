@@ -2,9 +2,11 @@ package xds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +17,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // Source is the agent's source.Source for --source xds: enrollment comes
@@ -102,6 +105,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	due := source.NewDebouncer(debounce)
 	defer due.Stop()
 	var last kubeobj.LastGood // this node's pods, for a pod whose object turns malformed
+	var reported map[string]bool
 	for {
 		select {
 		case <-ctx.Done():
@@ -120,9 +124,8 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 			mu.Unlock()
 			if l != nil {
 				snap, errs := merge(*l, m, s.node, s.selection, &last)
-				for _, err := range errs {
-					s.log.Error(kubeobj.SkipMessage(err), "error", err)
-				}
+				s.client.cfg.Metrics.setAddressConflicts(countConflicts(errs))
+				reported = reportNew(s.log, reported, errs)
 				update(snap)
 				s.synced.Store(m != nil)
 			}
@@ -216,7 +219,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 					continue
 				}
 				if pods && localNames[owner] {
-					errs = append(errs, fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner))
+					errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
 				}
 			}
 			switch {
@@ -232,9 +235,78 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	for _, svc := range mesh.Services {
-		snap.Services = append(snap.Services, &svc.Service)
+		s, taken := foreignVIPs(&svc.Service, claimed)
+		for _, a := range taken {
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
+		}
+		snap.Services = append(snap.Services, s)
 	}
 	return snap, errs
+}
+
+// reportNew logs the errors that were not in the last merge's (reported)
+// and returns this merge's: an error that persists is logged once, not at
+// every snapshot (a tenant's ServiceEntries can make thousands).
+func reportNew(log *slog.Logger, reported map[string]bool, errs []error) map[string]bool {
+	next := make(map[string]bool, len(errs))
+	for _, err := range errs {
+		msg := err.Error()
+		if !reported[msg] {
+			log.Error(kubeobj.SkipMessage(err), "error", err)
+		}
+		next[msg] = true
+	}
+	return next
+}
+
+// addressConflict is merge's error for an address istiod gives a second
+// owner, counted in redirector_xds_address_conflicts.
+type addressConflict struct{ error }
+
+// countConflicts counts the addressConflicts in errs.
+func countConflicts(errs []error) int {
+	n := 0
+	for _, err := range errs {
+		var c addressConflict
+		if errors.As(err, &c) {
+			n++
+		}
+	}
+	return n
+}
+
+// foreignVIPs returns svc without the VIPs at the address of a workload
+// that does not serve it (a copy if any is left out), and those. The
+// tunnel, as ztunnel, looks a destination up as a VIP before as a
+// workload's address, and a ServiceEntry's addresses are anyone's to write
+// in their namespace: at another pod's address it would take that pod's
+// traffic (this node's pods included) to its own endpoints, plaintext
+// maybe. A VIP at one of its own endpoints (a ServiceEntry naming its VM's
+// address) stays.
+func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+	foreign := func(a netip.Addr) bool {
+		owner, ok := claimed[a]
+		return ok && !slices.ContainsFunc(svc.Endpoints, func(ep workload.Endpoint) bool {
+			return ep.Addr == a && ep.Workload != nil && ep.Workload.Namespace+"/"+ep.Workload.Name == owner
+		})
+	}
+	var taken []netip.Addr
+	for _, a := range svc.VIPs {
+		if foreign(a) {
+			taken = append(taken, a)
+		}
+	}
+	if len(taken) == 0 {
+		return svc, nil
+	}
+	c := *svc
+	c.VIPs = make([]netip.Addr, 0, len(svc.VIPs)-len(taken))
+	for _, a := range svc.VIPs {
+		if !foreign(a) {
+			c.VIPs = append(c.VIPs, a)
+		}
+	}
+	return &c, taken
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods

@@ -1,6 +1,8 @@
 package xds
 
 import (
+	"errors"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"testing"
@@ -9,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/redirector-mesh/redirector/internal/syncbuf"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
@@ -21,14 +24,7 @@ import (
 // HBONE; a Service and a ServiceEntry get their VIPs and per-workload
 // target ports; policies arrive compiled, with the workloads' selections.
 func TestMergeIntoDirectory(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	svcKey := "shop/web.shop.svc.cluster.local"
 	workloads := map[string]*Workload{}
 	for _, x := range []*workloadapi.Workload{
@@ -230,14 +226,7 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 // refused inbound with both networks named, not served as if all were
 // well.
 func TestMergeOtherNetworks(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	svcKey := "shop/web.shop.svc.cluster.local"
 	ports := map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}
 	build := func(localNetwork string) *Snapshot {
@@ -320,5 +309,107 @@ func TestMergeOtherNetworks(t *testing.T) {
 	peer := policy.Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/web"}
 	if v := snap.Compiled.Authorize(policy.Target{Namespace: "shop", Port: 8080}, "shop/web-1", peer); v.Allowed || !strings.Contains(v.Reason, "network") {
 		t.Errorf("inbound to web-1 with NETWORK disagreeing: allowed=%v (%s), want refused naming the network", v.Allowed, v.Reason)
+	}
+}
+
+// TestMergeWorkloadAddressesBeforeVIPs: the tunnel looks a destination up
+// as a VIP before as a workload's address, so a service istiod sent with
+// a VIP at a pod's address (a ServiceEntry's addresses are anyone's to
+// write in their namespace) took the traffic meant for that pod, this
+// node's pods included, to the service's endpoints: a plaintext one here.
+// Such a VIP is now left out, named in an error; the service keeps its
+// other VIPs, and a VIP at one of its own endpoints (a VM's) stays.
+func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
+	local := webOnNodeA()
+	workloads := map[string]*Workload{}
+	for _, x := range []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+		{Uid: "K/networking.istio.io/ServiceEntry/evil/grab/10.9.9.9", Name: "grab", Namespace: "evil", Addresses: [][]byte{netip.MustParseAddr("10.9.9.9").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"evil/grab.example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}},
+		// Also an endpoint of grab, at web-2's address: not web-2.
+		{Uid: "K/networking.istio.io/ServiceEntry/evil/grab/10.2.0.5", Name: "grab", Namespace: "evil", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"evil/grab.example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}},
+		// A VM whose ServiceEntry names its address as the VIP.
+		{Uid: "K/networking.istio.io/ServiceEntry/vm/db/10.5.0.1", Name: "db", Namespace: "vm", Addresses: [][]byte{netip.MustParseAddr("10.5.0.1").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"vm/db.example": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
+	} {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		workloads[x.Uid] = w
+	}
+	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.1.0.5").AsSlice()}, {Address: netip.MustParseAddr("10.2.0.5").AsSlice()}, {Address: netip.MustParseAddr("240.9.9.9").AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: 80}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	db, err := translateService(&workloadapi.Service{Name: "db", Namespace: "vm", Hostname: "db.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.5.0.1").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 5432}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{grab.Key(): grab, db.Key(): db}, nil, "")
+	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
+	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.1.0.5, an address of workload shop/web-1, which does not serve it") ||
+		!strings.Contains(errs[1].Error(), "VIP 10.2.0.5, an address of workload shop/web-2, which does not serve it") {
+		t.Errorf("errors %v, want the two VIPs at workloads' addresses named", errs)
+	}
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	for _, a := range []string{"10.1.0.5", "10.2.0.5"} {
+		if svc, ok := dir.ServiceByVIP(netip.MustParseAddr(a)); ok {
+			t.Errorf("%s is a VIP of %s, want the workload's address", a, svc)
+		}
+		if w, ok := dir.ByAddr(netip.MustParseAddr(a)); !ok || !w.Enrolled {
+			t.Errorf("%s: workload %v (errors %v), want the enrolled pod", a, w, dirErrs)
+		}
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("240.9.9.9")); !ok || len(svc.Endpoints) != 2 {
+		t.Errorf("the service's own VIP: %v", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.5.0.1")); !ok || svc.Name != "db" {
+		t.Errorf("a VIP at the service's own endpoint: %v, want it kept", svc)
+	}
+	for _, svc := range mesh.Services {
+		if svc.Name == "grab" && len(svc.VIPs) != 3 {
+			t.Errorf("istiod's snapshot was modified: %v", svc.VIPs)
+		}
+	}
+	m := NewMetrics(nil)
+	m.setAddressConflicts(countConflicts(append(errs, errors.New("another error"))))
+	expectMetric(t, m, "redirector_xds_address_conflicts", 2)
+}
+
+// webOnNodeA is node-a's pods: shop/web-1 (uid u1, service account web)
+// at 10.1.0.5 in an ambient namespace.
+func webOnNodeA() nodepods.State {
+	return nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{{
+			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
+			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
+			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
+		}},
+	}
+}
+
+// TestReportNewLogsPersistingErrorsOnce: merge's errors were logged at
+// every snapshot, so conflicts that persist (a tenant's ServiceEntries
+// with VIPs at others' addresses: thousands, maybe) were logged again
+// several times a second. Each is now logged when it appears.
+func TestReportNewLogsPersistingErrorsOnce(t *testing.T) {
+	var logs syncbuf.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	a, b := errors.New("conflict a"), errors.New("conflict b")
+	seen := reportNew(log, nil, []error{a})
+	seen = reportNew(log, seen, []error{a, b})
+	seen = reportNew(log, seen, []error{a, b})
+	reportNew(log, seen, []error{b})
+	if na, nb := strings.Count(logs.String(), "conflict a"), strings.Count(logs.String(), "conflict b"); na != 1 || nb != 1 {
+		t.Errorf("logged a %d times, b %d times, want once each:\n%s", na, nb, logs.String())
 	}
 }

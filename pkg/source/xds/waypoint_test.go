@@ -5,26 +5,16 @@ import (
 	"testing"
 
 	"istio.io/istio/pkg/workloadapi"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/selection"
-	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 )
 
 // This node's pods come from the API server, but their waypoints from
 // istiod: before, a local pod's waypoint was lost, and traffic to its
 // address from this node skipped the waypoint.
 func TestMergeKeepsLocalWaypoints(t *testing.T) {
-	local := nodepods.State{
-		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
-		Pods: []corev1.Pod{{
-			ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"},
-			Spec:       corev1.PodSpec{NodeName: "node-a", ServiceAccountName: "web"},
-			Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}},
-		}},
-	}
+	local := webOnNodeA()
 	gw := &workloadapi.GatewayAddress{HboneMtlsPort: 15008, Destination: &workloadapi.GatewayAddress_Hostname{
 		Hostname: &workloadapi.NamespacedHostname{Namespace: "shop", Hostname: "waypoint.shop.svc.cluster.local"}}}
 	workloads := map[string]*Workload{}
