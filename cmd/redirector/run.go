@@ -293,7 +293,7 @@ func runAgent(ctx context.Context, args []string) error {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
 				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
-				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors,
+				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				EvictedHandshakes: lim.EvictedHandshakes}
 		}),

@@ -153,6 +153,7 @@ type ServerStats struct {
 	EarlyResets       uint64 // streams the client reset before their answer
 	FloodCloses       uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
 	AcceptErrors      uint64 // failed accepts (EMFILE, ...), each followed by a backoff
+	RefusalsCut       uint64 // refusals reset before their body: the client granted no window
 	// The node-wide bounds on open connections and TLS handshakes.
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
@@ -172,6 +173,8 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM: too many early resets, a full handler queue, or a flood of frames that carry nothing.", nil, nil)
 	acceptErrors := prometheus.NewDesc("redirector_hbone_accept_errors_total",
 		"Failed accepts on the HBONE listeners (EMFILE, ENFILE, ...), each followed by a backoff.", nil, nil)
+	refusalsCut := prometheus.NewDesc("redirector_hbone_refusals_cut_total",
+		"Inbound HBONE refusals (4xx, 5xx) whose stream was reset before its body went out, because the client granted no flow-control window for it in time.", nil, nil)
 	open := prometheus.NewDesc("redirector_hbone_open_connections",
 		"Inbound HBONE connections open now on this node, handshaking or serving.", nil, nil)
 	inHandshake := prometheus.NewDesc("redirector_hbone_handshakes_in_progress",
@@ -182,12 +185,13 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, open, inHandshake, refused, evicted},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, open, inHandshake, refused, evicted},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
 			ch <- counter(floods, s.FloodCloses)
 			ch <- counter(acceptErrors, s.AcceptErrors)
+			ch <- counter(refusalsCut, s.RefusalsCut)
 			ch <- gauge(open, float64(s.OpenConns))
 			ch <- gauge(inHandshake, float64(s.Handshakes))
 			ch <- counter(refused, s.RefusedConns, "connections")

@@ -34,6 +34,7 @@ func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.StreamsEarlyReset += s.StreamsEarlyReset
 	sum.ConnsFlood += s.ConnsFlood
 	sum.AcceptErrors += s.AcceptErrors
+	sum.RefusalsCut += s.RefusalsCut
 }
 
 // HBONELimits reports the node-wide bounds on the HBONE servers' open

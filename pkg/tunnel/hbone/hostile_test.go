@@ -2,6 +2,7 @@ package hbone
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -131,5 +132,59 @@ func TestSelfDependentPriorityResets(t *testing.T) {
 	}
 	if n := handled.Load(); n != 1 {
 		t.Errorf("%d handlers ran, want 1 (stream 1 only)", n)
+	}
+}
+
+// TestRefusalWithoutWindowFreesStream: a client that grants no send window
+// (SETTINGS_INITIAL_WINDOW_SIZE 0, never a WINDOW_UPDATE) and sends
+// requests that are refused cannot keep their streams: the refusal's body
+// waits for window only for refuseWriteTimeout, then the stream is reset,
+// its stream and handler slots freed for the next requests, and the cut
+// counted. Before the fix each refusal's body write waited for window for
+// as long as the connection lived, so MaxConcurrentStreams refused requests
+// (denied by policy, or malformed: no app socket, outside every tunnel
+// limit) held every stream and handler slot of the connection, and a
+// goroutine each, for good: later requests got REFUSED_STREAM.
+func TestRefusalWithoutWindowFreesStream(t *testing.T) {
+	defer func(d time.Duration) { refuseWriteTimeout = d }(refuseWriteTimeout)
+	refuseWriteTimeout = 50 * time.Millisecond
+	var handled atomic.Int64
+	srv, rc := rawServer(t, ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 2,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			handled.Add(1)
+			return Response{Status: 403, Reason: "denied by authorization policy"}
+		},
+	})
+	if err := rc.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0}); err != nil {
+		t.Fatal(err)
+	}
+	// Two rounds of two refused requests, each round filling the stream
+	// limit; the second is served only once the first's streams are gone.
+	for round, ids := range [][]uint32{{1, 3}, {5, 7}} {
+		for _, id := range ids {
+			if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		seen := map[uint32]http2.ErrCode{}
+		for len(seen) < len(ids) {
+			f := rc.waitFor(fmt.Sprintf("round %d: both streams reset (have %d)", round, len(seen)), func(f rawFrame) bool {
+				return f.typ == http2.FrameRSTStream
+			})
+			seen[f.stream] = f.code
+		}
+		for _, id := range ids {
+			if code, ok := seen[id]; !ok || code != http2.ErrCodeNo {
+				t.Fatalf("round %d: stream %d reset with %v (seen %v), want NO_ERROR after its 403", round, id, code, ok)
+			}
+		}
+	}
+	if n := handled.Load(); n != 4 {
+		t.Errorf("%d handlers ran, want 4", n)
+	}
+	if st := srv.Stats(); st.RefusalsCut != 4 || st.StreamsRefused != 0 {
+		t.Errorf("RefusalsCut = %d, StreamsRefused = %d, want 4 and 0", st.RefusalsCut, st.StreamsRefused)
 	}
 }
