@@ -282,7 +282,7 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
-			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
+			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b := hbone.Buffers()

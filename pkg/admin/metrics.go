@@ -89,6 +89,7 @@ type PoolStats struct {
 	Conns         int    // open pooled connections
 	ActiveStreams int    // streams open or being opened
 	Dials         uint64 // connections dialled since start
+	FloodCloses   uint64 // connections closed because the server flooded them
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -99,13 +100,16 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"HBONE streams open or being opened over pooled connections.", nil, nil)
 	dials := prometheus.NewDesc("redirector_hbone_dials_total",
 		"HBONE connections dialled; far fewer than streams while pooling works.", nil, nil)
+	floods := prometheus.NewDesc("redirector_hbone_pool_flood_closes_total",
+		"Pooled HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because the server flooded them with frames that carry nothing.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials},
+		descs: []*prometheus.Desc{conns, streams, dials, floods},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
 			ch <- gauge(streams, float64(s.ActiveStreams))
 			ch <- counter(dials, s.Dials)
+			ch <- counter(floods, s.FloodCloses)
 		},
 	}
 }

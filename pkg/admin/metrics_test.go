@@ -59,11 +59,12 @@ func TestCertCollector(t *testing.T) {
 }
 
 func TestHBONECollectors(t *testing.T) {
-	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5} })
+	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3} })
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
-		"redirector_hbone_pool_connections":    2,
-		"redirector_hbone_pool_active_streams": 7,
-		"redirector_hbone_dials_total":         5,
+		"redirector_hbone_pool_connections":        2,
+		"redirector_hbone_pool_active_streams":     7,
+		"redirector_hbone_dials_total":             5,
+		"redirector_hbone_pool_flood_closes_total": 3,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2}
