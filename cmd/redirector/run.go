@@ -294,6 +294,7 @@ func runAgent(ctx context.Context, args []string) error {
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
 				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
 				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
+				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				EvictedHandshakes: lim.EvictedHandshakes}
 		}),

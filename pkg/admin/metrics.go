@@ -158,6 +158,8 @@ type ServerStats struct {
 	FloodCloses       uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
 	AcceptErrors      uint64 // failed accepts (EMFILE, ...), each followed by a backoff
 	RefusalsCut       uint64 // refusals reset before their body: the client granted no window
+	// Streams holding a handler slot (to their relay's end) and waiting for one.
+	HandlersHeld, HandlersQueued uint64
 	// The node-wide bounds on open connections and TLS handshakes.
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
@@ -179,6 +181,9 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Failed accepts on the HBONE listeners (EMFILE, ENFILE, ...), each followed by a backoff.", nil, nil)
 	refusalsCut := prometheus.NewDesc("redirector_hbone_refusals_cut_total",
 		"Inbound HBONE refusals (4xx, 5xx) whose stream was reset before its body went out, because the client granted no flow-control window for it in time.", nil, nil)
+	handlers := prometheus.NewDesc("redirector_hbone_server_handlers",
+		"Inbound HBONE streams holding a handler slot (deciding, dialling, refusing or relaying; at most MaxConcurrentStreams per connection) or queued for one (at most 4 times as many), by state: held or queued.",
+		[]string{"state"}, nil)
 	open := prometheus.NewDesc("redirector_hbone_open_connections",
 		"Inbound HBONE connections open now on this node, handshaking or serving.", nil, nil)
 	inHandshake := prometheus.NewDesc("redirector_hbone_handshakes_in_progress",
@@ -189,13 +194,15 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, open, inHandshake, refused, evicted},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
 			ch <- counter(floods, s.FloodCloses)
 			ch <- counter(acceptErrors, s.AcceptErrors)
 			ch <- counter(refusalsCut, s.RefusalsCut)
+			ch <- gauge(handlers, float64(s.HandlersHeld), "held")
+			ch <- gauge(handlers, float64(s.HandlersQueued), "queued")
 			ch <- gauge(open, float64(s.OpenConns))
 			ch <- gauge(inHandshake, float64(s.Handshakes))
 			ch <- counter(refused, s.RefusedConns, "connections")

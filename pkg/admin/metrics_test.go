@@ -78,7 +78,8 @@ func TestHBONECollectors(t *testing.T) {
 	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
-			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14}
+			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
+			HandlersHeld: 15, HandlersQueued: 16}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":                   1,
@@ -95,6 +96,8 @@ func TestHBONECollectors(t *testing.T) {
 		`redirector_hbone_connections_refused_total{limit="handshakes"}`:  12,
 		"redirector_hbone_handshakes_evicted_total":                       13,
 		"redirector_hbone_refusals_cut_total":                             14,
+		`redirector_hbone_server_handlers{state="held"}`:                  15,
+		`redirector_hbone_server_handlers{state="queued"}`:                16,
 	})
 }
 

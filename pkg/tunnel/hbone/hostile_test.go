@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
 )
 
@@ -187,4 +188,45 @@ func TestRefusalWithoutWindowFreesStream(t *testing.T) {
 	if st := srv.Stats(); st.RefusalsCut != 4 || st.StreamsRefused != 0 {
 		t.Errorf("RefusalsCut = %d, StreamsRefused = %d, want 4 and 0", st.RefusalsCut, st.StreamsRefused)
 	}
+}
+
+// TestHandlerGauges: the streams holding a handler slot and those queued
+// for one are counted while a client keeps them (here: handlers that do
+// not watch their context, and streams reset behind them), and both
+// gauges return to zero once the handlers end. Before, ServerStats had
+// neither: what a client held in handlers and the queue was bounded but
+// not visible.
+func TestHandlerGauges(t *testing.T) {
+	release, running := make(chan struct{}), make(chan struct{}, 10)
+	srv, rc := rawServer(t, ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 1,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			running <- struct{}{}
+			<-release
+			return Response{Status: 403}
+		},
+	})
+	for id := uint32(1); id <= 5; id += 2 {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+		if id == 1 {
+			<-running
+		}
+		if err := rc.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A PING's ack says the server read everything before it.
+	_ = rc.fr.WritePing(false, [8]byte{1})
+	rc.waitFor("PING ack", func(f rawFrame) bool { return f.typ == http2.FramePing && f.ack })
+	if st := srv.Stats(); st.HandlersHeld != 1 || st.HandlersQueued != 2 {
+		t.Errorf("HandlersHeld %d, HandlersQueued %d; want 1 and 2", st.HandlersHeld, st.HandlersQueued)
+	}
+	close(release)
+	waitfor.Until(t, "no handler held or queued", func() bool {
+		st := srv.Stats()
+		return st.HandlersHeld == 0 && st.HandlersQueued == 0
+	})
 }

@@ -121,6 +121,11 @@ type ServerStats struct {
 	// body went out, because the client granted no send window for it
 	// within refuseWriteTimeout.
 	RefusalsCut uint64
+	// HandlersHeld and HandlersQueued are the streams holding a handler
+	// slot now (deciding, dialling, refusing or relaying; at most
+	// MaxConcurrentStreams per connection) and those waiting for one (at
+	// most 4 times as many).
+	HandlersHeld, HandlersQueued uint64
 }
 
 type serverCounters struct {
@@ -128,6 +133,7 @@ type serverCounters struct {
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
 	refusalsCut                                          atomic.Uint64
+	handlersHeld, handlersQueued                         atomic.Int64
 }
 
 // Server accepts HBONE connections and serves their CONNECT streams.
@@ -208,6 +214,8 @@ func (srv *Server) Stats() ServerStats {
 		ConnsFlood:        st.floods.Load(),
 		AcceptErrors:      st.acceptErrors.Load(),
 		RefusalsCut:       st.refusalsCut.Load(),
+		HandlersHeld:      uint64(max(st.handlersHeld.Load(), 0)),
+		HandlersQueued:    uint64(max(st.handlersQueued.Load(), 0)),
 	}
 }
 
@@ -398,6 +406,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 	}
 	c.pending = append(c.pending, p)
 	c.mu.Unlock()
+	srv.stats.handlersQueued.Add(1)
 	return nil
 }
 
@@ -405,6 +414,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 // slots.
 func (srv *Server) runHandler(c *conn, p pendingStream) {
 	srv.wg.Add(1) // the conn goroutine or a handler holds a count, so this cannot race Wait at zero
+	srv.stats.handlersHeld.Add(1)
 	go srv.serveStream(c, p.s, p.fields, p.truncated)
 }
 
@@ -432,6 +442,8 @@ func (srv *Server) handlerDone(c *conn) {
 		c.pending = nil
 	}
 	c.mu.Unlock()
+	srv.stats.handlersHeld.Add(-1)
+	srv.stats.handlersQueued.Add(-int64(i))
 	for _, s := range dropped {
 		s.Close()
 	}
