@@ -164,6 +164,7 @@ type ServerStats struct {
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
+	EvictedConns                    uint64 // closed to admit one from a source holding fewer
 }
 
 // NewServerCollector reports the HBONE servers.
@@ -193,8 +194,10 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		[]string{"limit"}, nil)
 	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
+	evictedConns := prometheus.NewDesc("redirector_hbone_connections_evicted_total",
+		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
@@ -208,6 +211,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- counter(refused, s.RefusedConns, "connections")
 			ch <- counter(refused, s.RefusedHandshakes, "handshakes")
 			ch <- counter(evicted, s.EvictedHandshakes)
+			ch <- counter(evictedConns, s.EvictedConns)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")
 			ch <- counter(streams, s.StreamsBadRequest, "bad_request")

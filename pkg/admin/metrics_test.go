@@ -79,7 +79,7 @@ func TestHBONECollectors(t *testing.T) {
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
 			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
-			HandlersHeld: 15, HandlersQueued: 16}
+			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":                   1,
@@ -98,6 +98,7 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_refusals_cut_total":                             14,
 		`redirector_hbone_server_handlers{state="held"}`:                  15,
 		`redirector_hbone_server_handlers{state="queued"}`:                16,
+		"redirector_hbone_connections_evicted_total":                      17,
 	})
 }
 

@@ -2,7 +2,11 @@ package hbone
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/netip"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -229,4 +233,61 @@ func TestHandlerGauges(t *testing.T) {
 		st := srv.Stats()
 		return st.HandlersHeld == 0 && st.HandlersQueued == 0
 	})
+}
+
+// TestConnLimiterFairShare: connections from a few addresses that fill the
+// node's MaxConns, each within MaxConnsPerSource, do not lock out another
+// client: its connection evicts (closes) the oldest of the source holding
+// the most, until the sources hold equal shares, and each eviction is
+// counted. Before the fix every new connection was refused while they
+// stayed open, and a peer with a valid certificate keeps a connection
+// open as long as it likes (one stream each, or new ones after the idle
+// timeout): MaxConns/MaxConnsPerSource addresses locked the node's inbound
+// HBONE for everyone else.
+func TestConnLimiterFairShare(t *testing.T) {
+	lim := NewConnLimiter(ConnLimits{MaxConns: 4, MaxConnsPerSource: 4})
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	// admit admits a connection from src, handshaken, and returns the
+	// client's side of it (nil when refused).
+	admit := func(src netip.Addr) net.Conn {
+		cli, srvSide := net.Pipe()
+		t.Cleanup(func() { cli.Close() })
+		h := lim.admit(src, srvSide)
+		if h == nil {
+			return nil
+		}
+		lim.handshakeDone(h)
+		return cli
+	}
+	closed := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(time.Millisecond))
+		_, err := c.Read(make([]byte, 1))
+		return errors.Is(err, io.EOF) || errors.Is(err, io.ErrClosedPipe)
+	}
+	var fromA []net.Conn
+	for range 4 {
+		c := admit(a)
+		if c == nil {
+			t.Fatal("a connection from a within the limits was refused")
+		}
+		fromA = append(fromA, c)
+	}
+	// b takes a's oldest, then its next; a third would leave b the larger.
+	for i := range 2 {
+		if admit(b) == nil {
+			t.Fatalf("connection %d from b refused while a holds more", i+1)
+		}
+		if !closed(fromA[i]) {
+			t.Errorf("a's connection %d was not evicted", i)
+		}
+	}
+	if admit(b) != nil {
+		t.Error("a third connection from b admitted: the shares are equal")
+	}
+	if st := lim.Stats(); st.Conns != 4 || st.EvictedConns != 2 || st.RefusedConns != 1 {
+		t.Errorf("limiter %+v, want 4 connections, 2 evicted, 1 refused", st)
+	}
+	if closed(fromA[2]) || closed(fromA[3]) {
+		t.Error("a's newer connections were closed")
+	}
 }

@@ -39,7 +39,12 @@ func (b *budget) spend(now int64) bool {
 // pick the defaults.
 type ConnLimits struct {
 	// MaxConns bounds open inbound connections (handshaking or serving).
-	// Default 16384: each costs a file descriptor and some 20-40 KB.
+	// Default 16384: each costs a file descriptor and some 20-40 KB. When
+	// they are all taken, a connection from a source holding fewer than
+	// the source holding the most (by two or more) evicts (closes) that
+	// source's oldest connection rather than being refused: a few
+	// addresses, each within MaxConnsPerSource, cannot lock every other
+	// client out of the node.
 	MaxConns int
 	// MaxConnsPerSource bounds them per client address. Default 1024:
 	// pooled clients open one connection per destination pod and 100
@@ -76,16 +81,24 @@ type ConnLimiter struct {
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
 	evictedHandshakes atomic.Uint64
+	evictedConns      atomic.Uint64
 }
 
-type sourceCount struct{ conns, handshakes int }
+// sourceCount is what one client address holds: its connections (open
+// holds their slots, oldest first) and how many of them are handshaking.
+type sourceCount struct {
+	conns, handshakes int
+	open              list.List
+}
 
-// handshakeSlot is an admitted connection's place among the handshakes in
-// progress, until handshakeDone or an eviction.
+// handshakeSlot is an admitted connection's slot: its place among the
+// connections of its source until release or an eviction, and among the
+// handshakes in progress until handshakeDone or an eviction.
 type handshakeSlot struct {
-	src  netip.Addr
-	nc   net.Conn      // closed to evict the handshake
-	elem *list.Element // in ConnLimiter.pending; nil once the slot is given back
+	src      netip.Addr
+	nc       net.Conn      // closed to evict the connection or its handshake
+	elem     *list.Element // in ConnLimiter.pending; nil once the slot is given back
+	connElem *list.Element // in its sourceCount.open; nil once the slot is given back
 }
 
 // ConnLimiterStats is a snapshot of a ConnLimiter, for metrics.
@@ -100,6 +113,10 @@ type ConnLimiterStats struct {
 	// EvictedHandshakes counts handshakes closed, the oldest first, to
 	// admit a new connection when MaxHandshakes were in progress.
 	EvictedHandshakes uint64
+	// EvictedConns counts connections closed, the oldest of the source
+	// holding the most, to admit one from a source holding fewer when
+	// MaxConns were open.
+	EvictedConns uint64
 }
 
 // NewConnLimiter returns a limiter; zero fields of limits pick defaults.
@@ -129,6 +146,7 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 		RefusedConns:      l.refusedConns.Load(),
 		RefusedHandshakes: l.refusedHandshakes.Load(),
 		EvictedHandshakes: l.evictedHandshakes.Load(),
+		EvictedConns:      l.evictedConns.Load(),
 	}
 }
 
@@ -147,8 +165,9 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	if sc == nil {
 		sc = &sourceCount{}
 	}
+	var victim *handshakeSlot
 	switch {
-	case l.conns >= l.limits.MaxConns || sc.conns >= l.limits.MaxConnsPerSource:
+	case sc.conns >= l.limits.MaxConnsPerSource:
 		l.mu.Unlock()
 		l.refusedConns.Add(1)
 		return nil
@@ -156,6 +175,14 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 		l.mu.Unlock()
 		l.refusedHandshakes.Add(1)
 		return nil
+	case l.conns >= l.limits.MaxConns:
+		if victim = l.fairShareVictimLocked(sc); victim == nil {
+			l.mu.Unlock()
+			l.refusedConns.Add(1)
+			return nil
+		}
+		l.releaseLocked(victim)
+		l.evictedConns.Add(1)
 	}
 	var evicted *handshakeSlot
 	if l.pending.Len() >= l.limits.MaxHandshakes {
@@ -171,11 +198,33 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	sc.handshakes++
 	h := &handshakeSlot{src: src, nc: nc}
 	h.elem = l.pending.PushBack(h)
+	h.connElem = sc.open.PushBack(h)
 	l.mu.Unlock()
-	if evicted != nil {
-		_ = evicted.nc.Close()
+	for _, e := range []*handshakeSlot{victim, evicted} {
+		if e != nil {
+			_ = e.nc.Close()
+		}
 	}
 	return h
+}
+
+// fairShareVictimLocked returns the oldest connection of the source
+// holding the most connections, if that source holds at least two more
+// than sc: closing it for sc's new one leaves that source still the larger,
+// so sources converge on equal shares of MaxConns and never take turns
+// evicting each other. Nil when sc already holds its share. It scans every
+// source, but only when every connection slot is taken.
+func (l *ConnLimiter) fairShareVictimLocked(sc *sourceCount) *handshakeSlot {
+	var most *sourceCount
+	for _, other := range l.bySource {
+		if most == nil || other.conns > most.conns {
+			most = other
+		}
+	}
+	if most == nil || most.conns < sc.conns+2 || most.open.Len() == 0 {
+		return nil
+	}
+	return most.open.Front().Value.(*handshakeSlot)
 }
 
 // handshakeDone gives back h's handshake slot, unless it was given back
@@ -198,16 +247,26 @@ func (l *ConnLimiter) handshakeDoneLocked(h *handshakeSlot) {
 }
 
 // release gives back the connection slot of an admitted connection (after
-// handshakeDone).
-func (l *ConnLimiter) release(src netip.Addr) {
+// handshakeDone), unless an eviction gave it back already.
+func (l *ConnLimiter) release(h *handshakeSlot) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.releaseLocked(h)
+}
+
+func (l *ConnLimiter) releaseLocked(h *handshakeSlot) {
+	if h.connElem == nil {
+		return
+	}
+	l.handshakeDoneLocked(h)
 	l.conns--
-	if sc := l.bySource[src]; sc != nil {
+	if sc := l.bySource[h.src]; sc != nil {
+		sc.open.Remove(h.connElem)
 		if sc.conns--; sc.conns == 0 {
-			delete(l.bySource, src)
+			delete(l.bySource, h.src)
 		}
 	}
+	h.connElem = nil
 }
 
 // sourceAddr is the address a connection counts against: the client's IP,

@@ -281,7 +281,7 @@ func (srv *Server) Serve(l net.Listener) error {
 			continue
 		}
 		srv.wg.Add(1)
-		go srv.serveConn(nc, src, hs)
+		go srv.serveConn(nc, hs)
 	}
 }
 
@@ -294,9 +294,9 @@ func (srv *Server) isClosed() bool {
 // serveConn handshakes and then runs the conn's reader on this goroutine.
 // The connection holds its handshake slot hs until the client's first
 // SETTINGS frame, or its end.
-func (srv *Server) serveConn(nc net.Conn, src netip.Addr, hs *handshakeSlot) {
+func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	defer srv.wg.Done()
-	defer srv.limiter.release(src)
+	defer srv.limiter.release(hs)
 	defer srv.limiter.handshakeDone(hs)
 	batch := newBatchConn(nc)
 	tc := tls.Server(batch, srv.tlsConf)
