@@ -296,7 +296,8 @@ func runAgent(ctx context.Context, args []string) error {
 				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
 				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
-				EvictedHandshakes: lim.EvictedHandshakes, EvictedConns: lim.EvictedConns}
+				RefusedHandshakeRate: lim.RefusedHandshakeRate,
+				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns}
 		}),
 	)
 

@@ -163,6 +163,7 @@ type ServerStats struct {
 	// The node-wide bounds on open connections and TLS handshakes.
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
+	RefusedHandshakeRate            uint64 // a source opened connections too fast
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
 	EvictedConns                    uint64 // closed to admit one from a source holding fewer
 }
@@ -190,7 +191,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	inHandshake := prometheus.NewDesc("redirector_hbone_handshakes_in_progress",
 		"Inbound HBONE connections whose TLS handshake and HTTP/2 preface have not finished.", nil, nil)
 	refused := prometheus.NewDesc("redirector_hbone_connections_refused_total",
-		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound.",
+		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound: connections, handshakes (in progress from one source) or handshake_rate (opened by one source per second).",
 		[]string{"limit"}, nil)
 	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
@@ -210,6 +211,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- gauge(inHandshake, float64(s.Handshakes))
 			ch <- counter(refused, s.RefusedConns, "connections")
 			ch <- counter(refused, s.RefusedHandshakes, "handshakes")
+			ch <- counter(refused, s.RefusedHandshakeRate, "handshake_rate")
 			ch <- counter(evicted, s.EvictedHandshakes)
 			ch <- counter(evictedConns, s.EvictedConns)
 			ch <- counter(handshakes, s.HandshakeFailures)

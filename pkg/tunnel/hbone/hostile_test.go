@@ -291,3 +291,51 @@ func TestConnLimiterFairShare(t *testing.T) {
 		t.Error("a's newer connections were closed")
 	}
 }
+
+// TestHandshakeRatePerSource: a client address that opens connections and
+// drops them as soon as the server's handshake flight is out (each costing
+// the server a key exchange and a signature, the client nothing it must
+// prove) gets HandshakeRatePerSource of them a second, ten seconds' worth
+// at once, and the rest are closed at accept and counted; other addresses
+// are not affected, and the budget refills with time. Before the fix only
+// the handshakes in progress were bounded, so an unauthenticated client
+// that never kept one could make the node do handshakes as fast as it
+// could open connections.
+func TestHandshakeRatePerSource(t *testing.T) {
+	lim := NewConnLimiter(ConnLimits{HandshakeRatePerSource: 1})
+	now := time.Unix(1000, 0).UnixNano()
+	lim.now = func() int64 { return now }
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	// openAndDrop admits a connection from src and drops it at once, as
+	// the flood does; it reports whether it was admitted.
+	openAndDrop := func(src netip.Addr) bool {
+		_, srvSide := net.Pipe()
+		h := lim.admit(src, srvSide)
+		if h == nil {
+			return false
+		}
+		lim.handshakeDone(h)
+		lim.release(h)
+		return true
+	}
+	for i := range 10 {
+		if !openAndDrop(a) {
+			t.Fatalf("handshake %d of the burst refused", i+1)
+		}
+	}
+	for range 100 {
+		if openAndDrop(a) {
+			t.Fatal("a handshake beyond the burst admitted")
+		}
+	}
+	if !openAndDrop(b) {
+		t.Error("another address was refused")
+	}
+	now += int64(time.Second)
+	if !openAndDrop(a) || openAndDrop(a) {
+		t.Error("a second later, want one more handshake admitted, and only one")
+	}
+	if st := lim.Stats(); st.RefusedHandshakeRate != 101 || st.Conns != 0 || st.Handshakes != 0 {
+		t.Errorf("limiter %+v, want 101 refused for the rate and nothing held", st)
+	}
+}

@@ -33,6 +33,25 @@ func (b *budget) spend(now int64) bool {
 	return b.debt <= b.period
 }
 
+// take is spend for a budget that must not go into debt: it takes one event
+// at time now only if the budget holds it, so a source refused for a while
+// is not refused for longer the more it tries.
+func (b *budget) take(now int64) bool {
+	debt := max(b.debt-(now-b.at), 0) + b.cost
+	if debt > b.period {
+		return false
+	}
+	b.debt, b.at = debt, now
+	return true
+}
+
+// drained reports whether the budget holds its whole burst again at now.
+func (b *budget) drained(now int64) bool { return b.debt <= now-b.at }
+
+// handshakeRatePeriod is the period of the per-source handshake budget: a
+// source gets that many seconds' worth of handshakes at once.
+const handshakeRatePeriod = 10 * time.Second
+
 // ConnLimits bound what inbound peers can make a node's HBONE servers hold
 // before any of them has proven an identity: open connections and TLS
 // handshakes in progress, in total and per source address. Zero values
@@ -63,6 +82,14 @@ type ConnLimits struct {
 	// node at once, but an idle-connection flood from one address holds at
 	// most this many.
 	MaxHandshakesPerSource int
+	// HandshakeRatePerSource bounds the connections (each a TLS
+	// handshake: a key exchange and a signature, before the client proved
+	// anything) one client address may open per second, with ten seconds'
+	// worth at once; more are closed at accept. Default 100: pooled
+	// clients open one connection per destination pod and keep it, while
+	// a client that opens and drops connections as fast as it can would
+	// spend this node's CPU on handshakes without ever holding one.
+	HandshakeRatePerSource int
 }
 
 // ConnLimiter admits inbound connections against ConnLimits. One limiter is
@@ -78,8 +105,15 @@ type ConnLimiter struct {
 	// first; its length is the number of handshakes counted.
 	pending list.List
 
+	// rates holds the per-source handshake budgets; sources whose budget
+	// drained are swept once the map doubled since the last sweep.
+	rates      map[netip.Addr]*budget
+	ratesSwept int
+	now        func() int64 // UnixNano; a variable for the tests
+
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
+	refusedRate       atomic.Uint64
 	evictedHandshakes atomic.Uint64
 	evictedConns      atomic.Uint64
 }
@@ -107,9 +141,12 @@ type ConnLimiterStats struct {
 	Handshakes int // of which still handshaking
 	// RefusedConns counts connections closed at accept because an open
 	// connection limit (total or per source) was reached;
-	// RefusedHandshakes because the per-source handshake limit was.
-	RefusedConns      uint64
-	RefusedHandshakes uint64
+	// RefusedHandshakes because the per-source handshake limit was;
+	// RefusedHandshakeRate because the source opened connections faster
+	// than HandshakeRatePerSource.
+	RefusedConns         uint64
+	RefusedHandshakes    uint64
+	RefusedHandshakeRate uint64
 	// EvictedHandshakes counts handshakes closed, the oldest first, to
 	// admit a new connection when MaxHandshakes were in progress.
 	EvictedHandshakes uint64
@@ -133,7 +170,15 @@ func NewConnLimiter(limits ConnLimits) *ConnLimiter {
 	if limits.MaxHandshakesPerSource <= 0 {
 		limits.MaxHandshakesPerSource = 128
 	}
-	return &ConnLimiter{limits: limits, bySource: make(map[netip.Addr]*sourceCount)}
+	if limits.HandshakeRatePerSource <= 0 {
+		limits.HandshakeRatePerSource = 100
+	}
+	return &ConnLimiter{
+		limits:   limits,
+		bySource: make(map[netip.Addr]*sourceCount),
+		rates:    make(map[netip.Addr]*budget),
+		now:      func() int64 { return time.Now().UnixNano() },
+	}
 }
 
 // Stats returns a snapshot of the limiter.
@@ -141,12 +186,13 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return ConnLimiterStats{
-		Conns:             l.conns,
-		Handshakes:        l.pending.Len(),
-		RefusedConns:      l.refusedConns.Load(),
-		RefusedHandshakes: l.refusedHandshakes.Load(),
-		EvictedHandshakes: l.evictedHandshakes.Load(),
-		EvictedConns:      l.evictedConns.Load(),
+		Conns:                l.conns,
+		Handshakes:           l.pending.Len(),
+		RefusedConns:         l.refusedConns.Load(),
+		RefusedHandshakes:    l.refusedHandshakes.Load(),
+		RefusedHandshakeRate: l.refusedRate.Load(),
+		EvictedHandshakes:    l.evictedHandshakes.Load(),
+		EvictedConns:         l.evictedConns.Load(),
 	}
 }
 
@@ -174,6 +220,10 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	case sc.handshakes >= l.limits.MaxHandshakesPerSource:
 		l.mu.Unlock()
 		l.refusedHandshakes.Add(1)
+		return nil
+	case !l.takeHandshakeLocked(src):
+		l.mu.Unlock()
+		l.refusedRate.Add(1)
 		return nil
 	case l.conns >= l.limits.MaxConns:
 		if victim = l.fairShareVictimLocked(sc); victim == nil {
@@ -206,6 +256,29 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 		}
 	}
 	return h
+}
+
+// takeHandshakeLocked takes a handshake from src's rate budget, if it holds
+// one. A source's budget is kept after its connections closed, until it
+// drained: one that opens and drops connections holds none.
+func (l *ConnLimiter) takeHandshakeLocked(src netip.Addr) bool {
+	now := l.now()
+	b := l.rates[src]
+	if b == nil {
+		if len(l.rates) >= 2*l.ratesSwept+1024 {
+			for a, rb := range l.rates {
+				if rb.drained(now) {
+					delete(l.rates, a)
+				}
+			}
+			l.ratesSwept = len(l.rates)
+		}
+		nb := newBudget(l.limits.HandshakeRatePerSource*int(handshakeRatePeriod/time.Second), handshakeRatePeriod)
+		nb.at = now
+		b = &nb
+		l.rates[src] = b
+	}
+	return b.take(now)
 }
 
 // fairShareVictimLocked returns the oldest connection of the source
