@@ -252,7 +252,7 @@ func TestConnLimiterFairShare(t *testing.T) {
 	admit := func(src netip.Addr) net.Conn {
 		cli, srvSide := net.Pipe()
 		t.Cleanup(func() { cli.Close() })
-		h := lim.admit(src, srvSide)
+		h, _ := lim.admit(src, srvSide)
 		if h == nil {
 			return nil
 		}
@@ -310,7 +310,7 @@ func TestHandshakeRatePerSource(t *testing.T) {
 	// the flood does; it reports whether it was admitted.
 	openAndDrop := func(src netip.Addr) bool {
 		_, srvSide := net.Pipe()
-		h := lim.admit(src, srvSide)
+		h, _ := lim.admit(src, srvSide)
 		if h == nil {
 			return false
 		}

@@ -197,15 +197,16 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 }
 
 // admit takes a connection slot and a handshake slot for nc, just
-// accepted from src, or returns nil when a connection limit or the
-// per-source handshake limit is reached (counted). When MaxHandshakes are
-// in progress, the oldest is evicted: its connection is closed (its
-// goroutine then fails and gives back its connection slot) and the new
-// one takes its handshake slot. An attacker would have to open
-// MaxHandshakes connections within an honest handshake's few milliseconds
-// to evict it; the refusal this replaces needed only MaxHandshakes silent
-// connections, renewed every HandshakeTimeout.
-func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
+// accepted from src, or returns nil and the limit that refused it
+// (counted). When MaxHandshakes are in progress, the oldest is evicted:
+// its connection is closed (its goroutine then fails) and the new one
+// takes its handshake slot. An attacker would have to open MaxHandshakes
+// connections within an honest handshake's few milliseconds to evict it;
+// the refusal this replaces needed only MaxHandshakes silent connections,
+// renewed every HandshakeTimeout. When MaxConns are open, the oldest
+// connection of the source holding the most may be evicted the same way
+// (fairShareVictimLocked), its slot given back at once.
+func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) (h *handshakeSlot, refusedBy string) {
 	l.mu.Lock()
 	sc := l.bySource[src]
 	if sc == nil {
@@ -216,20 +217,20 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	case sc.conns >= l.limits.MaxConnsPerSource:
 		l.mu.Unlock()
 		l.refusedConns.Add(1)
-		return nil
+		return nil, "connections per source"
 	case sc.handshakes >= l.limits.MaxHandshakesPerSource:
 		l.mu.Unlock()
 		l.refusedHandshakes.Add(1)
-		return nil
+		return nil, "handshakes in progress per source"
 	case !l.takeHandshakeLocked(src):
 		l.mu.Unlock()
 		l.refusedRate.Add(1)
-		return nil
+		return nil, "handshakes per second per source"
 	case l.conns >= l.limits.MaxConns:
 		if victim = l.fairShareVictimLocked(sc); victim == nil {
 			l.mu.Unlock()
 			l.refusedConns.Add(1)
-			return nil
+			return nil, "connections per node"
 		}
 		l.releaseLocked(victim)
 		l.evictedConns.Add(1)
@@ -246,7 +247,7 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	l.conns++
 	sc.conns++
 	sc.handshakes++
-	h := &handshakeSlot{src: src, nc: nc}
+	h = &handshakeSlot{src: src, nc: nc}
 	h.elem = l.pending.PushBack(h)
 	h.connElem = sc.open.PushBack(h)
 	l.mu.Unlock()
@@ -255,7 +256,7 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 			_ = e.nc.Close()
 		}
 	}
-	return h
+	return h, ""
 }
 
 // takeHandshakeLocked takes a handshake from src's rate budget, if it holds

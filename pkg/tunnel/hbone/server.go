@@ -273,8 +273,9 @@ func (srv *Server) Serve(l net.Listener) error {
 		backoff = 0
 		srv.stats.connsAccepted.Add(1)
 		src := sourceAddr(nc.RemoteAddr())
-		hs := srv.limiter.admit(src, nc)
+		hs, refusedBy := srv.limiter.admit(src, nc)
 		if hs == nil {
+			srv.log.Debug("hbone connection refused at accept", "remote", nc.RemoteAddr(), "limit", refusedBy)
 			// Over a limit: closed at once, so a flood holds no fd.
 			srv.stats.connsRefused.Add(1)
 			_ = nc.Close()
