@@ -282,7 +282,7 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
-			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal}
+			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b := hbone.Buffers()
@@ -293,9 +293,11 @@ func runAgent(ctx context.Context, args []string) error {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
 				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
-				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors,
+				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
+				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
-				EvictedHandshakes: lim.EvictedHandshakes}
+				RefusedHandshakeRate: lim.RefusedHandshakeRate,
+				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns}
 		}),
 	)
 

@@ -89,6 +89,7 @@ type PoolStats struct {
 	Conns         int    // open pooled connections
 	ActiveStreams int    // streams open or being opened
 	Dials         uint64 // connections dialled since start
+	FloodCloses   uint64 // connections closed because the server flooded them
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -99,13 +100,16 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"HBONE streams open or being opened over pooled connections.", nil, nil)
 	dials := prometheus.NewDesc("redirector_hbone_dials_total",
 		"HBONE connections dialled; far fewer than streams while pooling works.", nil, nil)
+	floods := prometheus.NewDesc("redirector_hbone_pool_flood_closes_total",
+		"Pooled HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because the server flooded them with frames that carry nothing.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials},
+		descs: []*prometheus.Desc{conns, streams, dials, floods},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
 			ch <- gauge(streams, float64(s.ActiveStreams))
 			ch <- counter(dials, s.Dials)
+			ch <- counter(floods, s.FloodCloses)
 		},
 	}
 }
@@ -153,10 +157,15 @@ type ServerStats struct {
 	EarlyResets       uint64 // streams the client reset before their answer
 	FloodCloses       uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
 	AcceptErrors      uint64 // failed accepts (EMFILE, ...), each followed by a backoff
+	RefusalsCut       uint64 // refusals reset before their body: the client granted no window
+	// Streams holding a handler slot (to their relay's end) and waiting for one.
+	HandlersHeld, HandlersQueued uint64
 	// The node-wide bounds on open connections and TLS handshakes.
 	OpenConns, Handshakes           int
 	RefusedConns, RefusedHandshakes uint64
+	RefusedHandshakeRate            uint64 // a source opened connections too fast
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
+	EvictedConns                    uint64 // closed to admit one from a source holding fewer
 }
 
 // NewServerCollector reports the HBONE servers.
@@ -172,27 +181,39 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM: too many early resets, a full handler queue, or a flood of frames that carry nothing.", nil, nil)
 	acceptErrors := prometheus.NewDesc("redirector_hbone_accept_errors_total",
 		"Failed accepts on the HBONE listeners (EMFILE, ENFILE, ...), each followed by a backoff.", nil, nil)
+	refusalsCut := prometheus.NewDesc("redirector_hbone_refusals_cut_total",
+		"Inbound HBONE refusals (4xx, 5xx) whose stream was reset before its body went out, because the client granted no flow-control window for it in time.", nil, nil)
+	handlers := prometheus.NewDesc("redirector_hbone_server_handlers",
+		"Inbound HBONE streams holding a handler slot (deciding, dialling, refusing or relaying; at most MaxConcurrentStreams per connection) or queued for one (at most 4 times as many), by state: held or queued.",
+		[]string{"state"}, nil)
 	open := prometheus.NewDesc("redirector_hbone_open_connections",
 		"Inbound HBONE connections open now on this node, handshaking or serving.", nil, nil)
 	inHandshake := prometheus.NewDesc("redirector_hbone_handshakes_in_progress",
 		"Inbound HBONE connections whose TLS handshake and HTTP/2 preface have not finished.", nil, nil)
 	refused := prometheus.NewDesc("redirector_hbone_connections_refused_total",
-		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound.",
+		"Inbound HBONE connections closed at accept because a node-wide or per-source bound was reached, by bound: connections, handshakes (in progress from one source) or handshake_rate (opened by one source per second).",
 		[]string{"limit"}, nil)
 	evicted := prometheus.NewDesc("redirector_hbone_handshakes_evicted_total",
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
+	evictedConns := prometheus.NewDesc("redirector_hbone_connections_evicted_total",
+		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, open, inHandshake, refused, evicted},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
 			ch <- counter(floods, s.FloodCloses)
 			ch <- counter(acceptErrors, s.AcceptErrors)
+			ch <- counter(refusalsCut, s.RefusalsCut)
+			ch <- gauge(handlers, float64(s.HandlersHeld), "held")
+			ch <- gauge(handlers, float64(s.HandlersQueued), "queued")
 			ch <- gauge(open, float64(s.OpenConns))
 			ch <- gauge(inHandshake, float64(s.Handshakes))
 			ch <- counter(refused, s.RefusedConns, "connections")
 			ch <- counter(refused, s.RefusedHandshakes, "handshakes")
+			ch <- counter(refused, s.RefusedHandshakeRate, "handshake_rate")
 			ch <- counter(evicted, s.EvictedHandshakes)
+			ch <- counter(evictedConns, s.EvictedConns)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")
 			ch <- counter(streams, s.StreamsBadRequest, "bad_request")

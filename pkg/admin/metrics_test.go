@@ -59,11 +59,12 @@ func TestCertCollector(t *testing.T) {
 }
 
 func TestHBONECollectors(t *testing.T) {
-	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5} })
+	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3} })
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
-		"redirector_hbone_pool_connections":    2,
-		"redirector_hbone_pool_active_streams": 7,
-		"redirector_hbone_dials_total":         5,
+		"redirector_hbone_pool_connections":        2,
+		"redirector_hbone_pool_active_streams":     7,
+		"redirector_hbone_dials_total":             5,
+		"redirector_hbone_pool_flood_closes_total": 3,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2}
@@ -77,22 +78,28 @@ func TestHBONECollectors(t *testing.T) {
 	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
-			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13}
+			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
+			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
-		"redirector_hbone_tls_handshake_failures_total":                   1,
-		`redirector_hbone_streams_total{outcome="ok"}`:                    10,
-		`redirector_hbone_streams_total{outcome="bad_request"}`:           2,
-		`redirector_hbone_streams_total{outcome="denied"}`:                3,
-		`redirector_hbone_streams_total{outcome="refused"}`:               4,
-		"redirector_hbone_early_resets_total":                             5,
-		"redirector_hbone_flood_closes_total":                             6,
-		"redirector_hbone_accept_errors_total":                            7,
-		"redirector_hbone_open_connections":                               8,
-		"redirector_hbone_handshakes_in_progress":                         9,
-		`redirector_hbone_connections_refused_total{limit="connections"}`: 11,
-		`redirector_hbone_connections_refused_total{limit="handshakes"}`:  12,
-		"redirector_hbone_handshakes_evicted_total":                       13,
+		"redirector_hbone_tls_handshake_failures_total":                      1,
+		`redirector_hbone_streams_total{outcome="ok"}`:                       10,
+		`redirector_hbone_streams_total{outcome="bad_request"}`:              2,
+		`redirector_hbone_streams_total{outcome="denied"}`:                   3,
+		`redirector_hbone_streams_total{outcome="refused"}`:                  4,
+		"redirector_hbone_early_resets_total":                                5,
+		"redirector_hbone_flood_closes_total":                                6,
+		"redirector_hbone_accept_errors_total":                               7,
+		"redirector_hbone_open_connections":                                  8,
+		"redirector_hbone_handshakes_in_progress":                            9,
+		`redirector_hbone_connections_refused_total{limit="connections"}`:    11,
+		`redirector_hbone_connections_refused_total{limit="handshakes"}`:     12,
+		"redirector_hbone_handshakes_evicted_total":                          13,
+		"redirector_hbone_refusals_cut_total":                                14,
+		`redirector_hbone_server_handlers{state="held"}`:                     15,
+		`redirector_hbone_server_handlers{state="queued"}`:                   16,
+		"redirector_hbone_connections_evicted_total":                         17,
+		`redirector_hbone_connections_refused_total{limit="handshake_rate"}`: 18,
 	})
 }
 

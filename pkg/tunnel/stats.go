@@ -4,7 +4,8 @@ import "github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 
 // HBONEStats sums the HBONE servers' counts over every pod served since the
 // tunnel started, so the sums only grow: a pod that stops adds its final
-// counts to t.retired. ConnsActive counts the pods served now only.
+// counts to t.retired. ConnsActive and the Handlers gauges count the pods
+// served now only.
 func (t *Tunnel) HBONEStats() hbone.ServerStats {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -18,13 +19,15 @@ func (t *Tunnel) HBONEStats() hbone.ServerStats {
 // retire keeps p's counts once it leaves t.pods. Call with t.mu held.
 func (t *Tunnel) retire(p *pod) {
 	s := p.hbone.Stats()
-	s.ConnsActive = 0
+	s.ConnsActive, s.HandlersHeld, s.HandlersQueued = 0, 0, 0
 	addServerStats(&t.retired, s)
 }
 
 func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.ConnsAccepted += s.ConnsAccepted
 	sum.ConnsActive += s.ConnsActive
+	sum.HandlersHeld += s.HandlersHeld
+	sum.HandlersQueued += s.HandlersQueued
 	sum.HandshakeFailures += s.HandshakeFailures
 	sum.StreamsOK += s.StreamsOK
 	sum.StreamsBadRequest += s.StreamsBadRequest
@@ -34,6 +37,7 @@ func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.StreamsEarlyReset += s.StreamsEarlyReset
 	sum.ConnsFlood += s.ConnsFlood
 	sum.AcceptErrors += s.AcceptErrors
+	sum.RefusalsCut += s.RefusalsCut
 }
 
 // HBONELimits reports the node-wide bounds on the HBONE servers' open

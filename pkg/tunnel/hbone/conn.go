@@ -723,7 +723,9 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		if idle {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
-		return nil // response to a stream we gave up on
+		// A response to a stream we gave up on: in flight when we reset
+		// it now and then, but free work for the peer in a flood.
+		return c.spendJunk("HEADERS for closed streams")
 	}
 	if id%2 == 0 {
 		c.mu.Unlock()
@@ -778,6 +780,11 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 			return err
 		}
 		switch s.ID {
+		case http2.SettingEnablePush:
+			if c.cfg.client && s.Val != 0 {
+				// RFC 9113 §6.5.2: a server must not set it to 1.
+				return http2.ConnectionError(http2.ErrCodeProtocol)
+			}
 		case http2.SettingMaxFrameSize:
 			c.peerMaxFrame.Store(s.Val)
 		case http2.SettingMaxConcurrentStreams:

@@ -208,7 +208,9 @@ func TestFlowControlViolation(t *testing.T) {
 	checkGoroutines(t)
 	srv := newFuzzServer(t)
 	srv.opts.Handler = func(ctx context.Context, req *ServerRequest) Response {
-		time.Sleep(100 * time.Millisecond) // hold the stream open, reading nothing
+		// Hold the stream open, reading nothing, until its reset (a
+		// sleep here lost the race against a slow writer under -race).
+		<-ctx.Done()
 		return Response{Status: 403}
 	}
 	out := rawExchange(t, srv, func(fr *http2.Framer, enc *hpack.Encoder, buf *bytes.Buffer) error {

@@ -2,10 +2,16 @@ package hbone
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
 )
 
@@ -131,5 +137,205 @@ func TestSelfDependentPriorityResets(t *testing.T) {
 	}
 	if n := handled.Load(); n != 1 {
 		t.Errorf("%d handlers ran, want 1 (stream 1 only)", n)
+	}
+}
+
+// TestRefusalWithoutWindowFreesStream: a client that grants no send window
+// (SETTINGS_INITIAL_WINDOW_SIZE 0, never a WINDOW_UPDATE) and sends
+// requests that are refused cannot keep their streams: the refusal's body
+// waits for window only for refuseWriteTimeout, then the stream is reset,
+// its stream and handler slots freed for the next requests, and the cut
+// counted. Before the fix each refusal's body write waited for window for
+// as long as the connection lived, so MaxConcurrentStreams refused requests
+// (denied by policy, or malformed: no app socket, outside every tunnel
+// limit) held every stream and handler slot of the connection, and a
+// goroutine each, for good: later requests got REFUSED_STREAM.
+func TestRefusalWithoutWindowFreesStream(t *testing.T) {
+	defer func(d time.Duration) { refuseWriteTimeout = d }(refuseWriteTimeout)
+	refuseWriteTimeout = 50 * time.Millisecond
+	var handled atomic.Int64
+	srv, rc := rawServer(t, ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 2,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			handled.Add(1)
+			return Response{Status: 403, Reason: "denied by authorization policy"}
+		},
+	})
+	if err := rc.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0}); err != nil {
+		t.Fatal(err)
+	}
+	// Two rounds of two refused requests, each round filling the stream
+	// limit; the second is served only once the first's streams are gone.
+	for round, ids := range [][]uint32{{1, 3}, {5, 7}} {
+		for _, id := range ids {
+			if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		seen := map[uint32]http2.ErrCode{}
+		for len(seen) < len(ids) {
+			f := rc.waitFor(fmt.Sprintf("round %d: both streams reset (have %d)", round, len(seen)), func(f rawFrame) bool {
+				return f.typ == http2.FrameRSTStream
+			})
+			seen[f.stream] = f.code
+		}
+		for _, id := range ids {
+			if code, ok := seen[id]; !ok || code != http2.ErrCodeNo {
+				t.Fatalf("round %d: stream %d reset with %v (seen %v), want NO_ERROR after its 403", round, id, code, ok)
+			}
+		}
+	}
+	if n := handled.Load(); n != 4 {
+		t.Errorf("%d handlers ran, want 4", n)
+	}
+	if st := srv.Stats(); st.RefusalsCut != 4 || st.StreamsRefused != 0 {
+		t.Errorf("RefusalsCut = %d, StreamsRefused = %d, want 4 and 0", st.RefusalsCut, st.StreamsRefused)
+	}
+}
+
+// TestHandlerGauges: the streams holding a handler slot and those queued
+// for one are counted while a client keeps them (here: handlers that do
+// not watch their context, and streams reset behind them), and both
+// gauges return to zero once the handlers end. Before, ServerStats had
+// neither: what a client held in handlers and the queue was bounded but
+// not visible.
+func TestHandlerGauges(t *testing.T) {
+	release, running := make(chan struct{}), make(chan struct{}, 10)
+	srv, rc := rawServer(t, ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 1,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			running <- struct{}{}
+			<-release
+			return Response{Status: 403}
+		},
+	})
+	for id := uint32(1); id <= 5; id += 2 {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+		if id == 1 {
+			<-running
+		}
+		if err := rc.fr.WriteRSTStream(id, http2.ErrCodeCancel); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A PING's ack says the server read everything before it.
+	_ = rc.fr.WritePing(false, [8]byte{1})
+	rc.waitFor("PING ack", func(f rawFrame) bool { return f.typ == http2.FramePing && f.ack })
+	if st := srv.Stats(); st.HandlersHeld != 1 || st.HandlersQueued != 2 {
+		t.Errorf("HandlersHeld %d, HandlersQueued %d; want 1 and 2", st.HandlersHeld, st.HandlersQueued)
+	}
+	close(release)
+	waitfor.Until(t, "no handler held or queued", func() bool {
+		st := srv.Stats()
+		return st.HandlersHeld == 0 && st.HandlersQueued == 0
+	})
+}
+
+// TestConnLimiterFairShare: connections from a few addresses that fill the
+// node's MaxConns, each within MaxConnsPerSource, do not lock out another
+// client: its connection evicts (closes) the oldest of the source holding
+// the most, until the sources hold equal shares, and each eviction is
+// counted. Before the fix every new connection was refused while they
+// stayed open, and a peer with a valid certificate keeps a connection
+// open as long as it likes (one stream each, or new ones after the idle
+// timeout): MaxConns/MaxConnsPerSource addresses locked the node's inbound
+// HBONE for everyone else.
+func TestConnLimiterFairShare(t *testing.T) {
+	lim := NewConnLimiter(ConnLimits{MaxConns: 4, MaxConnsPerSource: 4})
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	// admit admits a connection from src, handshaken, and returns the
+	// client's side of it (nil when refused).
+	admit := func(src netip.Addr) net.Conn {
+		cli, srvSide := net.Pipe()
+		t.Cleanup(func() { cli.Close() })
+		h, _ := lim.admit(src, srvSide)
+		if h == nil {
+			return nil
+		}
+		lim.handshakeDone(h)
+		return cli
+	}
+	closed := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(time.Millisecond))
+		_, err := c.Read(make([]byte, 1))
+		return errors.Is(err, io.EOF) || errors.Is(err, io.ErrClosedPipe)
+	}
+	var fromA []net.Conn
+	for range 4 {
+		c := admit(a)
+		if c == nil {
+			t.Fatal("a connection from a within the limits was refused")
+		}
+		fromA = append(fromA, c)
+	}
+	// b takes a's oldest, then its next; a third would leave b the larger.
+	for i := range 2 {
+		if admit(b) == nil {
+			t.Fatalf("connection %d from b refused while a holds more", i+1)
+		}
+		if !closed(fromA[i]) {
+			t.Errorf("a's connection %d was not evicted", i)
+		}
+	}
+	if admit(b) != nil {
+		t.Error("a third connection from b admitted: the shares are equal")
+	}
+	if st := lim.Stats(); st.Conns != 4 || st.EvictedConns != 2 || st.RefusedConns != 1 {
+		t.Errorf("limiter %+v, want 4 connections, 2 evicted, 1 refused", st)
+	}
+	if closed(fromA[2]) || closed(fromA[3]) {
+		t.Error("a's newer connections were closed")
+	}
+}
+
+// TestHandshakeRatePerSource: a client address that opens connections and
+// drops them as soon as the server's handshake flight is out (each costing
+// the server a key exchange and a signature, the client nothing it must
+// prove) gets HandshakeRatePerSource of them a second, ten seconds' worth
+// at once, and the rest are closed at accept and counted; other addresses
+// are not affected, and the budget refills with time. Before the fix only
+// the handshakes in progress were bounded, so an unauthenticated client
+// that never kept one could make the node do handshakes as fast as it
+// could open connections.
+func TestHandshakeRatePerSource(t *testing.T) {
+	lim := NewConnLimiter(ConnLimits{HandshakeRatePerSource: 1})
+	now := time.Unix(1000, 0).UnixNano()
+	lim.now = func() int64 { return now }
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	// openAndDrop admits a connection from src and drops it at once, as
+	// the flood does; it reports whether it was admitted.
+	openAndDrop := func(src netip.Addr) bool {
+		_, srvSide := net.Pipe()
+		h, _ := lim.admit(src, srvSide)
+		if h == nil {
+			return false
+		}
+		lim.handshakeDone(h)
+		lim.release(h)
+		return true
+	}
+	for i := range 10 {
+		if !openAndDrop(a) {
+			t.Fatalf("handshake %d of the burst refused", i+1)
+		}
+	}
+	for range 100 {
+		if openAndDrop(a) {
+			t.Fatal("a handshake beyond the burst admitted")
+		}
+	}
+	if !openAndDrop(b) {
+		t.Error("another address was refused")
+	}
+	now += int64(time.Second)
+	if !openAndDrop(a) || openAndDrop(a) {
+		t.Error("a second later, want one more handshake admitted, and only one")
+	}
+	if st := lim.Stats(); st.RefusedHandshakeRate != 101 || st.Conns != 0 || st.Handshakes != 0 {
+		t.Errorf("limiter %+v, want 101 refused for the rate and nothing held", st)
 	}
 }

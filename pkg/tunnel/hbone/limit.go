@@ -33,13 +33,37 @@ func (b *budget) spend(now int64) bool {
 	return b.debt <= b.period
 }
 
+// take is spend for a budget that must not go into debt: it takes one event
+// at time now only if the budget holds it, so a source refused for a while
+// is not refused for longer the more it tries.
+func (b *budget) take(now int64) bool {
+	debt := max(b.debt-(now-b.at), 0) + b.cost
+	if debt > b.period {
+		return false
+	}
+	b.debt, b.at = debt, now
+	return true
+}
+
+// drained reports whether the budget holds its whole burst again at now.
+func (b *budget) drained(now int64) bool { return b.debt <= now-b.at }
+
+// handshakeRatePeriod is the period of the per-source handshake budget: a
+// source gets that many seconds' worth of handshakes at once.
+const handshakeRatePeriod = 10 * time.Second
+
 // ConnLimits bound what inbound peers can make a node's HBONE servers hold
 // before any of them has proven an identity: open connections and TLS
 // handshakes in progress, in total and per source address. Zero values
 // pick the defaults.
 type ConnLimits struct {
 	// MaxConns bounds open inbound connections (handshaking or serving).
-	// Default 16384: each costs a file descriptor and some 20-40 KB.
+	// Default 16384: each costs a file descriptor and some 20-40 KB. When
+	// they are all taken, a connection from a source holding fewer than
+	// the source holding the most (by two or more) evicts (closes) that
+	// source's oldest connection rather than being refused: a few
+	// addresses, each within MaxConnsPerSource, cannot lock every other
+	// client out of the node.
 	MaxConns int
 	// MaxConnsPerSource bounds them per client address. Default 1024:
 	// pooled clients open one connection per destination pod and 100
@@ -58,6 +82,14 @@ type ConnLimits struct {
 	// node at once, but an idle-connection flood from one address holds at
 	// most this many.
 	MaxHandshakesPerSource int
+	// HandshakeRatePerSource bounds the connections (each a TLS
+	// handshake: a key exchange and a signature, before the client proved
+	// anything) one client address may open per second, with ten seconds'
+	// worth at once; more are closed at accept. Default 100: pooled
+	// clients open one connection per destination pod and keep it, while
+	// a client that opens and drops connections as fast as it can would
+	// spend this node's CPU on handshakes without ever holding one.
+	HandshakeRatePerSource int
 }
 
 // ConnLimiter admits inbound connections against ConnLimits. One limiter is
@@ -73,19 +105,34 @@ type ConnLimiter struct {
 	// first; its length is the number of handshakes counted.
 	pending list.List
 
+	// rates holds the per-source handshake budgets; sources whose budget
+	// drained are swept once the map doubled since the last sweep.
+	rates      map[netip.Addr]*budget
+	ratesSwept int
+	now        func() int64 // UnixNano; a variable for the tests
+
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
+	refusedRate       atomic.Uint64
 	evictedHandshakes atomic.Uint64
+	evictedConns      atomic.Uint64
 }
 
-type sourceCount struct{ conns, handshakes int }
+// sourceCount is what one client address holds: its connections (open
+// holds their slots, oldest first) and how many of them are handshaking.
+type sourceCount struct {
+	conns, handshakes int
+	open              list.List
+}
 
-// handshakeSlot is an admitted connection's place among the handshakes in
-// progress, until handshakeDone or an eviction.
+// handshakeSlot is an admitted connection's slot: its place among the
+// connections of its source until release or an eviction, and among the
+// handshakes in progress until handshakeDone or an eviction.
 type handshakeSlot struct {
-	src  netip.Addr
-	nc   net.Conn      // closed to evict the handshake
-	elem *list.Element // in ConnLimiter.pending; nil once the slot is given back
+	src      netip.Addr
+	nc       net.Conn      // closed to evict the connection or its handshake
+	elem     *list.Element // in ConnLimiter.pending; nil once the slot is given back
+	connElem *list.Element // in its sourceCount.open; nil once the slot is given back
 }
 
 // ConnLimiterStats is a snapshot of a ConnLimiter, for metrics.
@@ -94,12 +141,19 @@ type ConnLimiterStats struct {
 	Handshakes int // of which still handshaking
 	// RefusedConns counts connections closed at accept because an open
 	// connection limit (total or per source) was reached;
-	// RefusedHandshakes because the per-source handshake limit was.
-	RefusedConns      uint64
-	RefusedHandshakes uint64
+	// RefusedHandshakes because the per-source handshake limit was;
+	// RefusedHandshakeRate because the source opened connections faster
+	// than HandshakeRatePerSource.
+	RefusedConns         uint64
+	RefusedHandshakes    uint64
+	RefusedHandshakeRate uint64
 	// EvictedHandshakes counts handshakes closed, the oldest first, to
 	// admit a new connection when MaxHandshakes were in progress.
 	EvictedHandshakes uint64
+	// EvictedConns counts connections closed, the oldest of the source
+	// holding the most, to admit one from a source holding fewer when
+	// MaxConns were open.
+	EvictedConns uint64
 }
 
 // NewConnLimiter returns a limiter; zero fields of limits pick defaults.
@@ -116,7 +170,15 @@ func NewConnLimiter(limits ConnLimits) *ConnLimiter {
 	if limits.MaxHandshakesPerSource <= 0 {
 		limits.MaxHandshakesPerSource = 128
 	}
-	return &ConnLimiter{limits: limits, bySource: make(map[netip.Addr]*sourceCount)}
+	if limits.HandshakeRatePerSource <= 0 {
+		limits.HandshakeRatePerSource = 100
+	}
+	return &ConnLimiter{
+		limits:   limits,
+		bySource: make(map[netip.Addr]*sourceCount),
+		rates:    make(map[netip.Addr]*budget),
+		now:      func() int64 { return time.Now().UnixNano() },
+	}
 }
 
 // Stats returns a snapshot of the limiter.
@@ -124,38 +186,54 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return ConnLimiterStats{
-		Conns:             l.conns,
-		Handshakes:        l.pending.Len(),
-		RefusedConns:      l.refusedConns.Load(),
-		RefusedHandshakes: l.refusedHandshakes.Load(),
-		EvictedHandshakes: l.evictedHandshakes.Load(),
+		Conns:                l.conns,
+		Handshakes:           l.pending.Len(),
+		RefusedConns:         l.refusedConns.Load(),
+		RefusedHandshakes:    l.refusedHandshakes.Load(),
+		RefusedHandshakeRate: l.refusedRate.Load(),
+		EvictedHandshakes:    l.evictedHandshakes.Load(),
+		EvictedConns:         l.evictedConns.Load(),
 	}
 }
 
 // admit takes a connection slot and a handshake slot for nc, just
-// accepted from src, or returns nil when a connection limit or the
-// per-source handshake limit is reached (counted). When MaxHandshakes are
-// in progress, the oldest is evicted: its connection is closed (its
-// goroutine then fails and gives back its connection slot) and the new
-// one takes its handshake slot. An attacker would have to open
-// MaxHandshakes connections within an honest handshake's few milliseconds
-// to evict it; the refusal this replaces needed only MaxHandshakes silent
-// connections, renewed every HandshakeTimeout.
-func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
+// accepted from src, or returns nil and the limit that refused it
+// (counted). When MaxHandshakes are in progress, the oldest is evicted:
+// its connection is closed (its goroutine then fails) and the new one
+// takes its handshake slot. An attacker would have to open MaxHandshakes
+// connections within an honest handshake's few milliseconds to evict it;
+// the refusal this replaces needed only MaxHandshakes silent connections,
+// renewed every HandshakeTimeout. When MaxConns are open, the oldest
+// connection of the source holding the most may be evicted the same way
+// (fairShareVictimLocked), its slot given back at once.
+func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) (h *handshakeSlot, refusedBy string) {
 	l.mu.Lock()
 	sc := l.bySource[src]
 	if sc == nil {
 		sc = &sourceCount{}
 	}
+	var victim *handshakeSlot
 	switch {
-	case l.conns >= l.limits.MaxConns || sc.conns >= l.limits.MaxConnsPerSource:
+	case sc.conns >= l.limits.MaxConnsPerSource:
 		l.mu.Unlock()
 		l.refusedConns.Add(1)
-		return nil
+		return nil, "connections per source"
 	case sc.handshakes >= l.limits.MaxHandshakesPerSource:
 		l.mu.Unlock()
 		l.refusedHandshakes.Add(1)
-		return nil
+		return nil, "handshakes in progress per source"
+	case !l.takeHandshakeLocked(src):
+		l.mu.Unlock()
+		l.refusedRate.Add(1)
+		return nil, "handshakes per second per source"
+	case l.conns >= l.limits.MaxConns:
+		if victim = l.fairShareVictimLocked(sc); victim == nil {
+			l.mu.Unlock()
+			l.refusedConns.Add(1)
+			return nil, "connections per node"
+		}
+		l.releaseLocked(victim)
+		l.evictedConns.Add(1)
 	}
 	var evicted *handshakeSlot
 	if l.pending.Len() >= l.limits.MaxHandshakes {
@@ -169,13 +247,58 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) *handshakeSlot {
 	l.conns++
 	sc.conns++
 	sc.handshakes++
-	h := &handshakeSlot{src: src, nc: nc}
+	h = &handshakeSlot{src: src, nc: nc}
 	h.elem = l.pending.PushBack(h)
+	h.connElem = sc.open.PushBack(h)
 	l.mu.Unlock()
-	if evicted != nil {
-		_ = evicted.nc.Close()
+	for _, e := range []*handshakeSlot{victim, evicted} {
+		if e != nil {
+			_ = e.nc.Close()
+		}
 	}
-	return h
+	return h, ""
+}
+
+// takeHandshakeLocked takes a handshake from src's rate budget, if it holds
+// one. A source's budget is kept after its connections closed, until it
+// drained: one that opens and drops connections holds none.
+func (l *ConnLimiter) takeHandshakeLocked(src netip.Addr) bool {
+	now := l.now()
+	b := l.rates[src]
+	if b == nil {
+		if len(l.rates) >= 2*l.ratesSwept+1024 {
+			for a, rb := range l.rates {
+				if rb.drained(now) {
+					delete(l.rates, a)
+				}
+			}
+			l.ratesSwept = len(l.rates)
+		}
+		nb := newBudget(l.limits.HandshakeRatePerSource*int(handshakeRatePeriod/time.Second), handshakeRatePeriod)
+		nb.at = now
+		b = &nb
+		l.rates[src] = b
+	}
+	return b.take(now)
+}
+
+// fairShareVictimLocked returns the oldest connection of the source
+// holding the most connections, if that source holds at least two more
+// than sc: closing it for sc's new one leaves that source still the larger,
+// so sources converge on equal shares of MaxConns and never take turns
+// evicting each other. Nil when sc already holds its share. It scans every
+// source, but only when every connection slot is taken.
+func (l *ConnLimiter) fairShareVictimLocked(sc *sourceCount) *handshakeSlot {
+	var most *sourceCount
+	for _, other := range l.bySource {
+		if most == nil || other.conns > most.conns {
+			most = other
+		}
+	}
+	if most == nil || most.conns < sc.conns+2 || most.open.Len() == 0 {
+		return nil
+	}
+	return most.open.Front().Value.(*handshakeSlot)
 }
 
 // handshakeDone gives back h's handshake slot, unless it was given back
@@ -198,16 +321,26 @@ func (l *ConnLimiter) handshakeDoneLocked(h *handshakeSlot) {
 }
 
 // release gives back the connection slot of an admitted connection (after
-// handshakeDone).
-func (l *ConnLimiter) release(src netip.Addr) {
+// handshakeDone), unless an eviction gave it back already.
+func (l *ConnLimiter) release(h *handshakeSlot) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.releaseLocked(h)
+}
+
+func (l *ConnLimiter) releaseLocked(h *handshakeSlot) {
+	if h.connElem == nil {
+		return
+	}
+	l.handshakeDoneLocked(h)
 	l.conns--
-	if sc := l.bySource[src]; sc != nil {
+	if sc := l.bySource[h.src]; sc != nil {
+		sc.open.Remove(h.connElem)
 		if sc.conns--; sc.conns == 0 {
-			delete(l.bySource, src)
+			delete(l.bySource, h.src)
 		}
 	}
+	h.connElem = nil
 }
 
 // sourceAddr is the address a connection counts against: the client's IP,

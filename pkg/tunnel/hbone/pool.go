@@ -68,6 +68,9 @@ type PoolStats struct {
 	Conns         int    // open connections
 	ActiveStreams int    // streams open or being opened
 	DialsTotal    uint64 // connections dialled since the pool was made
+	// FloodCloses counts connections closed with GOAWAY ENHANCE_YOUR_CALM
+	// because the server flooded them with frames that carry nothing.
+	FloodCloses uint64
 }
 
 // Pool is the HBONE client: it multiplexes streams over pooled TLS
@@ -76,6 +79,8 @@ type Pool struct {
 	opts  PoolOptions
 	log   *slog.Logger
 	dials atomic.Uint64
+	// floods counts conns closed because the server flooded.
+	floods atomic.Uint64
 
 	mu      sync.Mutex
 	entries map[PoolKey]*poolEntry
@@ -353,6 +358,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		log:          p.log,
 		onIdle:       p.onIdle,
 		onClose:      p.onClose,
+		onFlood:      func() { p.floods.Add(1) },
 		onReady: func(*conn) {
 			p.mu.Lock()
 			p.dialDoneLocked(key, e, d, nil)
@@ -445,7 +451,7 @@ func (p *Pool) dropEntryLocked(key PoolKey, e *poolEntry) {
 func (p *Pool) Stats() PoolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	st := PoolStats{DialsTotal: p.dials.Load()}
+	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load()}
 	for _, e := range p.entries {
 		for _, c := range e.conns {
 			st.Conns++

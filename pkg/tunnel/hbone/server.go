@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -116,12 +117,23 @@ type ServerStats struct {
 	// AcceptErrors counts failed Accepts (EMFILE, ENFILE, ENOBUFS, ...),
 	// each followed by a backoff.
 	AcceptErrors uint64
+	// RefusalsCut counts refused streams (4xx, 5xx) reset before their
+	// body went out, because the client granted no send window for it
+	// within refuseWriteTimeout.
+	RefusalsCut uint64
+	// HandlersHeld and HandlersQueued are the streams holding a handler
+	// slot now (deciding, dialling, refusing or relaying; at most
+	// MaxConcurrentStreams per connection) and those waiting for one (at
+	// most 4 times as many).
+	HandlersHeld, HandlersQueued uint64
 }
 
 type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
+	refusalsCut                                          atomic.Uint64
+	handlersHeld, handlersQueued                         atomic.Int64
 }
 
 // Server accepts HBONE connections and serves their CONNECT streams.
@@ -201,6 +213,9 @@ func (srv *Server) Stats() ServerStats {
 		StreamsEarlyReset: st.earlyResets.Load(),
 		ConnsFlood:        st.floods.Load(),
 		AcceptErrors:      st.acceptErrors.Load(),
+		RefusalsCut:       st.refusalsCut.Load(),
+		HandlersHeld:      uint64(max(st.handlersHeld.Load(), 0)),
+		HandlersQueued:    uint64(max(st.handlersQueued.Load(), 0)),
 	}
 }
 
@@ -258,15 +273,16 @@ func (srv *Server) Serve(l net.Listener) error {
 		backoff = 0
 		srv.stats.connsAccepted.Add(1)
 		src := sourceAddr(nc.RemoteAddr())
-		hs := srv.limiter.admit(src, nc)
+		hs, refusedBy := srv.limiter.admit(src, nc)
 		if hs == nil {
+			srv.log.Debug("hbone connection refused at accept", "remote", nc.RemoteAddr(), "limit", refusedBy)
 			// Over a limit: closed at once, so a flood holds no fd.
 			srv.stats.connsRefused.Add(1)
 			_ = nc.Close()
 			continue
 		}
 		srv.wg.Add(1)
-		go srv.serveConn(nc, src, hs)
+		go srv.serveConn(nc, hs)
 	}
 }
 
@@ -279,9 +295,9 @@ func (srv *Server) isClosed() bool {
 // serveConn handshakes and then runs the conn's reader on this goroutine.
 // The connection holds its handshake slot hs until the client's first
 // SETTINGS frame, or its end.
-func (srv *Server) serveConn(nc net.Conn, src netip.Addr, hs *handshakeSlot) {
+func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	defer srv.wg.Done()
-	defer srv.limiter.release(src)
+	defer srv.limiter.release(hs)
 	defer srv.limiter.handshakeDone(hs)
 	batch := newBatchConn(nc)
 	tc := tls.Server(batch, srv.tlsConf)
@@ -391,6 +407,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 	}
 	c.pending = append(c.pending, p)
 	c.mu.Unlock()
+	srv.stats.handlersQueued.Add(1)
 	return nil
 }
 
@@ -398,6 +415,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 // slots.
 func (srv *Server) runHandler(c *conn, p pendingStream) {
 	srv.wg.Add(1) // the conn goroutine or a handler holds a count, so this cannot race Wait at zero
+	srv.stats.handlersHeld.Add(1)
 	go srv.serveStream(c, p.s, p.fields, p.truncated)
 }
 
@@ -425,6 +443,8 @@ func (srv *Server) handlerDone(c *conn) {
 		c.pending = nil
 	}
 	c.mu.Unlock()
+	srv.stats.handlersHeld.Add(-1)
+	srv.stats.handlersQueued.Add(-int64(i))
 	for _, s := range dropped {
 		s.Close()
 	}
@@ -469,11 +489,13 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	if status != 0 {
 		srv.stats.streamsBadRequest.Add(1)
 		srv.log.Debug("hbone request rejected", "remote", c.nc.RemoteAddr(), "status", status, "reason", reason)
+		cut := false
 		if malformed {
-			s.refuseMalformed(status, reason)
+			cut = s.refuseMalformed(status, reason)
 		} else {
-			s.refuse(status, reason)
+			cut = s.refuse(status, reason)
 		}
+		srv.noteRefusalCut(c, cut)
 		return
 	}
 	req.TLS = c.tlsState
@@ -488,7 +510,7 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 		}
 		srv.stats.streamsDenied.Add(1)
 		srv.log.Debug("hbone request denied", "remote", c.nc.RemoteAddr(), "target", req.Target, "status", status, "reason", resp.Reason)
-		s.refuse(status, resp.Reason)
+		srv.noteRefusalCut(c, s.refuse(status, resp.Reason))
 		return
 	}
 	if err := s.writeResponse(http.StatusOK, "", false); err != nil {
@@ -515,30 +537,62 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	}()
 }
 
+// noteRefusalCut counts and logs a refusal whose body the client granted no
+// window for (writeRefusalBody).
+func (srv *Server) noteRefusalCut(c *conn, cut bool) {
+	if !cut {
+		return
+	}
+	srv.stats.refusalsCut.Add(1)
+	srv.log.Debug("hbone refusal body cut: the client granted no flow-control window for it", "remote", c.nc.RemoteAddr(), "timeout", refuseWriteTimeout)
+}
+
+// refuseWriteTimeout bounds how long a refusal's body waits for the
+// client's flow-control window. The body only repeats the reason header, and
+// a client that grants no window (SETTINGS_INITIAL_WINDOW_SIZE 0, no
+// connection WINDOW_UPDATE) would otherwise hold the refused stream's
+// handler slot, which no tunnel limit counts (there is no app socket), for
+// as long as the connection lives. A variable for the tests.
+var refuseWriteTimeout = 5 * time.Second
+
 // refuse answers with an error status, the reason in a header and the body,
 // then closes the stream; RST_STREAM(NO_ERROR) tells a client still sending
-// that it can stop (RFC 9113 §8.1).
-func (s *Stream) refuse(status int, reason string) {
+// that it can stop (RFC 9113 §8.1). It reports whether the body was cut
+// because the client granted no window for it in time.
+func (s *Stream) refuse(status int, reason string) (cut bool) {
 	reason = sanitizeReason(reason)
 	if reason == "" {
 		reason = http.StatusText(status)
 	}
 	if err := s.writeResponse(status, reason, false); err == nil {
-		if _, err := s.Write([]byte(reason + "\n")); err == nil {
+		cut = s.writeRefusalBody(reason)
+		if !cut {
 			_ = s.CloseWrite()
 		}
 	}
 	s.closeWithCode(http2.ErrCodeNo)
+	return cut
 }
 
 // refuseMalformed answers a malformed request (RFC 9113 §8.1.1): the status
-// and reason, then RST_STREAM(PROTOCOL_ERROR) instead of END_STREAM.
-func (s *Stream) refuseMalformed(status int, reason string) {
+// and reason, then RST_STREAM(PROTOCOL_ERROR) instead of END_STREAM. It
+// reports whether the body was cut, as refuse.
+func (s *Stream) refuseMalformed(status int, reason string) (cut bool) {
 	reason = sanitizeReason(reason)
 	if err := s.writeResponse(status, reason, false); err == nil {
-		_, _ = s.Write([]byte(reason + "\n"))
+		cut = s.writeRefusalBody(reason)
 	}
 	s.closeWithCode(http2.ErrCodeProtocol)
+	return cut
+}
+
+// writeRefusalBody writes a refusal's body, waiting for send window no
+// longer than refuseWriteTimeout, and reports whether that ran out.
+func (s *Stream) writeRefusalBody(reason string) (timedOut bool) {
+	_ = s.SetWriteDeadline(time.Now().Add(refuseWriteTimeout))
+	_, err := s.Write([]byte(reason + "\n"))
+	_ = s.SetWriteDeadline(time.Time{})
+	return errors.Is(err, os.ErrDeadlineExceeded)
 }
 
 // sanitizeReason makes reason safe to send to a remote peer: file system

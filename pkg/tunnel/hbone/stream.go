@@ -19,6 +19,10 @@ import (
 
 var errWriteAfterCloseWrite = errors.New("hbone stream write after CloseWrite")
 
+// maxInterimResponses bounds the informational (1xx) responses a client
+// reads before the final one, as net/http's client does.
+const maxInterimResponses = 5
+
 // Stream is one CONNECT tunnel: a bidirectional byte stream multiplexed with
 // others on a shared TLS connection. It implements net.Conn, CloseWrite for
 // half-close, and io.WriterTo / io.ReaderFrom so that io.Copy and Relay move
@@ -60,6 +64,7 @@ type Stream struct {
 	respc       chan struct{}
 	respDone    bool
 	gotResponse bool
+	interim     int // informational (1xx) responses read
 	status      int
 	reason      string
 
@@ -170,8 +175,12 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 			return protoErr
 		}
 		if status < 200 { // interim response: wait for the final one
+			s.interim++
+			n := s.interim
 			s.mu.Unlock()
-			if f.StreamEnded() {
+			if f.StreamEnded() || n > maxInterimResponses {
+				// A server that sends them without end would keep us
+				// decoding headers, for nothing, until the connect timeout.
 				return protoErr
 			}
 			return nil

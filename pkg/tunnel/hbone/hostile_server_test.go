@@ -1,0 +1,228 @@
+package hbone
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"io"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
+)
+
+// hostileServer is a mesh peer with a valid certificate that answers a
+// Pool's connection with raw HTTP/2 frames, as a compromised node or
+// waypoint could.
+type hostileServer struct {
+	t      testing.TB
+	fr     *http2.Framer
+	enc    *hpack.Encoder
+	buf    bytes.Buffer
+	frames chan http2.Frame // what the pool sent after its preface, copied
+}
+
+// dialHostile returns a Dialer whose connection ends in a hostileServer,
+// handed to serve once the TLS handshake and the prefaces are done (the
+// server's SETTINGS sent).
+func dialHostile(t testing.TB, serve func(hs *hostileServer)) Dialer {
+	good, _ := pkis()
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		cli, srvSide := net.Pipe()
+		t.Cleanup(func() { srvSide.Close() })
+		go func() {
+			tc := tls.Server(srvSide, good.serverTLS())
+			if tc.Handshake() != nil {
+				return
+			}
+			var preface [len(http2.ClientPreface)]byte
+			if _, err := io.ReadFull(tc, preface[:]); err != nil {
+				return
+			}
+			hs := &hostileServer{t: t, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
+			hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+			hs.enc = hpack.NewEncoder(&hs.buf)
+			_ = hs.fr.WriteSettings()
+			go func() {
+				defer close(hs.frames)
+				for {
+					f, err := hs.fr.ReadFrame()
+					if err != nil {
+						return
+					}
+					select {
+					case hs.frames <- copyFrame(f):
+					default:
+					}
+				}
+			}()
+			serve(hs)
+		}()
+		return cli, nil
+	}
+}
+
+// copyFrame keeps what the tests look at of a frame the framer will reuse.
+func copyFrame(f http2.Frame) http2.Frame {
+	switch f := f.(type) {
+	case *http2.RSTStreamFrame:
+		c := *f
+		return &c
+	case *http2.GoAwayFrame:
+		return &http2.GoAwayFrame{FrameHeader: f.FrameHeader, LastStreamID: f.LastStreamID, ErrCode: f.ErrCode}
+	case *http2.PingFrame:
+		c := *f
+		return &c
+	}
+	return &http2.UnknownFrame{FrameHeader: f.Header()}
+}
+
+// headers writes a header block with fields on stream id.
+func (hs *hostileServer) headers(id uint32, end bool, fields ...hpackField) error {
+	hs.buf.Reset()
+	for _, f := range fields {
+		_ = hs.enc.WriteField(f)
+	}
+	return hs.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hs.buf.Bytes(), EndHeaders: true, EndStream: end})
+}
+
+// answerAfter reports the first frame the pool sent that match accepts,
+// or nil when the pool acked a PING sent now first (it kept going) or the
+// connection ended.
+func (hs *hostileServer) answerAfter(match func(http2.Frame) bool) http2.Frame {
+	end := [8]byte{'e', 'n', 'd'}
+	_ = hs.fr.WritePing(false, end)
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case f, ok := <-hs.frames:
+			if !ok {
+				return nil
+			}
+			if p, isPing := f.(*http2.PingFrame); isPing && p.IsAck() && p.Data == end {
+				return nil
+			}
+			if match(f) {
+				return f
+			}
+		case <-timeout:
+			hs.t.Error("timed out waiting for the pool's answer")
+			return nil
+		}
+	}
+}
+
+func hostileKey() PoolKey {
+	return PoolKey{Src: "pod", SrcIdentity: "a", DstIdentity: "b", DstAddr: netip.MustParseAddrPort("10.0.0.2:15008")}
+}
+
+// TestClientInterimResponseFlood: a server that answers a CONNECT with
+// informational (1xx) responses, one after another, gets the stream reset
+// with PROTOCOL_ERROR after a few, as net/http's client does (5), and the
+// Connect fails at once. Before the fix the client read any number of them
+// (each an HPACK decode, answered by nothing) until its connect timeout.
+func TestClientInterimResponseFlood(t *testing.T) {
+	good, _ := pkis()
+	result := make(chan http2.Frame, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		for range 1000 {
+			if hs.headers(1, false, hpackField{Name: ":status", Value: "100"}) != nil {
+				break
+			}
+		}
+		result <- hs.answerAfter(func(f http2.Frame) bool {
+			_, rst := f.(*http2.RSTStreamFrame)
+			_, ga := f.(*http2.GoAwayFrame)
+			return (rst && f.Header().StreamID == 1) || ga
+		})
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	connected := make(chan error, 1)
+	go func() {
+		s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		if s != nil {
+			s.Close()
+		}
+		connected <- err
+	}()
+	f := <-result
+	rst, ok := f.(*http2.RSTStreamFrame)
+	if !ok || rst.ErrCode != http2.ErrCodeProtocol {
+		t.Fatalf("the pool answered 1000 interim responses with %#v, want RST_STREAM PROTOCOL_ERROR on stream 1", f)
+	}
+	if err := <-connected; err == nil {
+		t.Error("Connect succeeded")
+	}
+}
+
+// TestClientHeadersOnClosedStreamsFlood: HEADERS for a stream the client
+// gave up on (here: reset after a 403) are dropped within the junk
+// budget, and a flood of them closes the connection with GOAWAY
+// ENHANCE_YOUR_CALM, counted in PoolStats.FloodCloses. Before the fix they
+// were dropped for free, any number of them, as was a flood of PINGs'
+// cost, unseen: the client counted no flood.
+func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
+	good, _ := pkis()
+	result := make(chan http2.Frame, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		_ = hs.headers(1, true, hpackField{Name: ":status", Value: "403"})
+		// The client resets the stream it is done with: from then on it
+		// has forgotten it.
+		for f := range hs.frames {
+			if _, rst := f.(*http2.RSTStreamFrame); rst && f.Header().StreamID == 1 {
+				break
+			}
+		}
+		for range 3 * junkBurst {
+			if hs.headers(1, true, hpackField{Name: ":status", Value: "200"}) != nil {
+				break
+			}
+		}
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	_, err := pool.Connect(context.Background(), hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+	if err == nil {
+		t.Fatal("Connect succeeded on a 403")
+	}
+	f := <-result
+	ga, ok := f.(*http2.GoAwayFrame)
+	if !ok || ga.ErrCode != http2.ErrCodeEnhanceYourCalm {
+		t.Fatalf("the pool answered %d HEADERS on a closed stream with %#v, want GOAWAY ENHANCE_YOUR_CALM", 3*junkBurst, f)
+	}
+	if st := pool.Stats(); st.FloodCloses != 1 {
+		t.Errorf("FloodCloses = %d, want 1", st.FloodCloses)
+	}
+}
+
+// TestClientRefusesServerPush: a server that sets SETTINGS_ENABLE_PUSH to
+// 1 breaks the protocol (RFC 9113 §6.5.2: a connection error
+// PROTOCOL_ERROR). Before the fix the client ignored it.
+func TestClientRefusesServerPush(t *testing.T) {
+	good, _ := pkis()
+	result := make(chan http2.Frame, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() {
+		if s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")}); err == nil {
+			s.Close()
+		}
+	}()
+	f := <-result
+	if ga, ok := f.(*http2.GoAwayFrame); !ok || ga.ErrCode != http2.ErrCodeProtocol {
+		t.Fatalf("the pool answered ENABLE_PUSH 1 with %#v, want GOAWAY PROTOCOL_ERROR", f)
+	}
+}
