@@ -112,6 +112,10 @@ func (f *Finder) scan(want []netip.Addr) (map[netip.Addr]string, error) {
 	return out, nil
 }
 
+// Addrs lists the addresses, loopback excepted, configured in the network
+// namespace at path.
+func Addrs(path string) ([]netip.Addr, error) { return addrsIn(path) }
+
 // addrsIn lists the addresses in the namespace at path, one address family
 // at a time: a dump of a single family does not take the kernel's RTNL lock
 // (an AF_UNSPEC dump does), so a scan never queues behind tc, route or

@@ -44,6 +44,7 @@ const cniWait = 20 * time.Second
 // decide on fails the ADD (the runtime retries), never starts unmeshed.
 func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, error) {
 	key := ev.PodNamespace + "/" + ev.PodName
+	var addrErr error // the ADD's addresses were refused
 	switch ev.Command {
 	case cni.CommandDel:
 		// Only the reported sandbox's own DEL drops its report. Runtimes
@@ -74,9 +75,13 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		if ev.Command == cni.CommandCheck {
 			break
 		}
-		var addrs []netip.Addr
-		for _, p := range ev.IPs {
-			addrs = append(addrs, p.Addr().Unmap())
+		addrs, err := checkCNIAddrs(ev, path)
+		if err != nil {
+			// The report is not recorded: the pod's previous one (or its
+			// source's addresses) stays, so an enrolled pod is not
+			// detached by a broken result. A selected pod fails the ADD.
+			addrErr = err
+			break
 		}
 		a.mu.Lock()
 		a.cniPods[key] = cniPod{uid: ev.PodUID, container: ev.ContainerID, netns: path, ino: ino, addrs: addrs}
@@ -96,6 +101,10 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		refused := a.refusedErr(w)
 		switch {
+		case known && addrErr != nil && (w.Enrolled || w.Pending != ""):
+			return cni.Response{}, fmt.Errorf("pod %s is selected but its ADD is refused: %w; refusing to start it with these addresses", key, addrErr)
+		case known && addrErr != nil:
+			return cni.Response{Reason: w.Reason}, nil
 		case known && refused != nil:
 			// Selected, but its address is another pod's: it must not
 			// start unmeshed, so the runtime retries.
@@ -130,6 +139,46 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// maxCNIAddrs bounds the addresses one ADD may report; a pod has one per
+// family, a few more with secondary ranges.
+const maxCNIAddrs = 16
+
+// checkCNIAddrs returns the addresses the ADD reports (prevResult), unmapped
+// and without duplicates, once each is one a pod can have and is configured
+// in the namespace at path, the one the ADD names. The plugin's word is not
+// enough here either: the report replaces the pod's addresses (withCNIAddrs),
+// so an address that is not the pod's would enroll it with another pod's
+// address, and one that cannot be a pod's would detach a pod that is
+// enrolled. Errors name the field and the address.
+func checkCNIAddrs(ev cni.PodEvent, path string) ([]netip.Addr, error) {
+	if len(ev.IPs) > maxCNIAddrs {
+		return nil, fmt.Errorf("prevResult has %d addresses for the pod, at most %d are taken", len(ev.IPs), maxCNIAddrs)
+	}
+	var addrs []netip.Addr
+	for i, p := range ev.IPs {
+		ad := p.Addr().Unmap()
+		if err := selection.CheckPodAddr(ad); err != nil {
+			return nil, fmt.Errorf("prevResult ips[%d] %s: %w", i, p, err)
+		}
+		if !slices.Contains(addrs, ad) {
+			addrs = append(addrs, ad)
+		}
+	}
+	if len(addrs) == 0 {
+		return nil, nil
+	}
+	have, err := netns.Addrs(path)
+	if err != nil {
+		return nil, fmt.Errorf("prevResult addresses: %w", err)
+	}
+	for i, p := range ev.IPs {
+		if !slices.Contains(have, p.Addr().Unmap()) {
+			return nil, fmt.Errorf("prevResult ips[%d] %s: not configured in network namespace %s, so not the pod's", i, p, ev.NetNS)
+		}
+	}
+	return addrs, nil
 }
 
 // checkCNINetNS says whether path, the namespace ev names (as the agent

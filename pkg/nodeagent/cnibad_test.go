@@ -1,0 +1,65 @@
+package nodeagent
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// TestCNIBadAddKeepsEnrolledPod: an ADD for a pod that is enrolled and
+// attached, naming its own namespace but with addresses that are not the
+// pod's (loopback, link-local, or not configured there), is refused at once
+// with an error naming the prevResult entry, and the pod stays attached and
+// enrolled with its addresses (seen failing: the report replaced the pod's
+// addresses, a loopback one sent it back to pending and it was detached, so
+// a running meshed pod went on in plaintext; a foreign one made the ADD wait
+// 20 s and the directory name the pod by that address).
+func TestCNIBadAddKeepsEnrolledPod(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, _ := testAgent(t)
+	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ambient"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IPs: ips}); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	for _, bad := range [][]netip.Prefix{
+		{netip.MustParsePrefix("10.254.254.254/32")},
+		{netip.MustParsePrefix("127.0.0.5/8")},
+		append(ips, netip.MustParsePrefix("fe80::1/64")),
+	} {
+		start := time.Now()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IPs: bad})
+		t.Logf("ADD with %v: %+v, %v", bad, resp, err)
+		if err == nil {
+			t.Errorf("ADD with %v succeeded", bad)
+		} else if !strings.Contains(err.Error(), "prevResult ips[") {
+			t.Errorf("ADD with %v: error %q does not name the prevResult entry", bad, err)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("ADD with %v took %s to be refused", bad, d)
+		}
+		// Let the workers act on what the ADD changed.
+		time.Sleep(300 * time.Millisecond)
+		for a.queue.Len() > 0 {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if _, attached, _ := ld.PodState("uid-p"); !attached {
+			t.Fatalf("after an ADD with %v the enrolled pod is detached", bad)
+		}
+		if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled || !sameAddrs(w.Addrs, sandbox.Addrs()) {
+			t.Errorf("after an ADD with %v the directory has the pod as %+v, want enrolled with %v", bad, w, sandbox.Addrs())
+		}
+	}
+}
