@@ -63,3 +63,33 @@ func TestCNIBadAddKeepsEnrolledPod(t *testing.T) {
 		}
 	}
 }
+
+// TestCNIRefusesUncleanMappedNetNS: with the host's /proc mounted elsewhere
+// (the chart's /host/proc), a CNI_NETNS under /proc/ that is not clean is
+// refused with an error naming it, as it is without the mount (seen
+// failing: "/proc/../../var/run/netns/x" was mapped out of the mount,
+// cleaned on the way, and the pod enrolled there).
+func TestCNIRefusesUncleanMappedNetNS(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	a, ld, _, _ := testAgent(t)
+	a.cfg.ProcDir = "/host/proc"
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	path := "/proc/../.." + sandbox.Path()
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: path, IPs: ips})
+	t.Logf("ADD naming %s: %+v, %v", path, resp, err)
+	if err == nil || resp.Enrolled {
+		t.Fatalf("ADD naming %s: %+v, %v; want refused", path, resp, err)
+	}
+	if !strings.Contains(err.Error(), path) || !strings.Contains(err.Error(), "clean") {
+		t.Errorf("error %q does not name the path and what is wrong with it", err)
+	}
+	if _, attached, _ := ld.PodState("uid-p"); attached {
+		t.Errorf("the pod is attached")
+	}
+}
