@@ -159,3 +159,74 @@ func TestServerBoundsSlowClients(t *testing.T) {
 		t.Logf("stats after: %+v", srv.Stats())
 	}
 }
+
+// TestValidateNamesTheField: an event with a value no runtime sends (a pod
+// name with a slash or a megabyte long, a UID or container id with path
+// characters, a NUL in the namespace path, an interface name the kernel
+// would not take) is refused before the handler sees it, with an error
+// naming the CNI variable (seen failing: each was handed to the agent,
+// which keyed its records by the name and kept them for the sandbox's
+// life).
+func TestValidateNamesTheField(t *testing.T) {
+	for _, tc := range []struct {
+		field string
+		edit  func(*cni.PodEvent)
+	}{
+		{"K8S_POD_NAME", func(e *cni.PodEvent) { e.PodName = "a/b" }},
+		{"K8S_POD_NAME", func(e *cni.PodEvent) { e.PodName = strings.Repeat("a", 1<<20) }},
+		{"K8S_POD_NAMESPACE", func(e *cni.PodEvent) { e.PodNamespace = "shop/web-1" }},
+		{"K8S_POD_NAMESPACE", func(e *cni.PodEvent) { e.PodNamespace = "Shop" }},
+		{"K8S_POD_UID", func(e *cni.PodEvent) { e.PodUID = "../uid" }},
+		{"K8S_POD_UID", func(e *cni.PodEvent) { e.PodUID = strings.Repeat("u", 129) }},
+		{"CNI_CONTAINERID", func(e *cni.PodEvent) { e.ContainerID = "c0ffee/x" }},
+		{"CNI_NETNS", func(e *cni.PodEvent) { e.NetNS = "/var/run/netns/x\x00y" }},
+		{"CNI_IFNAME", func(e *cni.PodEvent) { e.IfName = "eth0123456789abc" }},
+		{"CNI_IFNAME", func(e *cni.PodEvent) { e.IfName = "../eth0" }},
+		{"CNI_IFNAME", func(e *cni.PodEvent) { e.IfName = "eth%d" }},
+	} {
+		ev := addEvent()
+		tc.edit(&ev)
+		err := ev.Validate()
+		if err == nil {
+			t.Errorf("%s: event %.100v passed", tc.field, ev)
+			continue
+		}
+		if !strings.Contains(err.Error(), tc.field) {
+			t.Errorf("%s: error %q does not name the field", tc.field, err)
+		}
+		if len(err.Error()) > 1000 {
+			t.Errorf("%s: error of %d bytes", tc.field, len(err.Error()))
+		}
+	}
+	// A DEL needs neither namespace nor interface, and must not be refused
+	// for them.
+	del := addEvent()
+	del.Command, del.NetNS, del.IfName = cni.CommandDel, "", "eth%d"
+	if err := del.Validate(); err != nil {
+		t.Errorf("DEL: %v", err)
+	}
+	if err := addEvent().Validate(); err != nil {
+		t.Errorf("a good event: %v", err)
+	}
+	// The server refuses such an event without calling the handler.
+	sock := cnitest.SocketPath(t)
+	var calls int
+	var mu sync.Mutex
+	serve(t, sock, func(context.Context, cni.PodEvent) (cni.Response, error) {
+		mu.Lock()
+		calls++
+		mu.Unlock()
+		return cni.Response{}, nil
+	}, 10*time.Second, 16)
+	bad := addEvent()
+	bad.PodName = "a/b"
+	resp, err := cni.Notify(context.Background(), sock, bad)
+	if err != nil || !strings.Contains(resp.Error, "K8S_POD_NAME") {
+		t.Errorf("Notify with a bad name: %+v, %v; want an error naming K8S_POD_NAME", resp, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if calls != 0 {
+		t.Errorf("the handler was called %d times", calls)
+	}
+}
