@@ -76,6 +76,9 @@ type ServerStats struct {
 	RefusedPeers uint64
 	// Waited counts connections that waited for a slot (DefaultMaxConns).
 	Waited uint64
+	// Invalid counts events refused unhandled: undecodable, or with a
+	// field no runtime sends (PodEvent.Validate).
+	Invalid uint64
 }
 
 // Stats returns the server's counts.
@@ -311,10 +314,13 @@ func (s *Server) serveEvent(w http.ResponseWriter, r *http.Request) {
 	var ev PodEvent
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxEventBytes))
 	if err := dec.Decode(&ev); err != nil {
+		s.count(func(st *ServerStats) { st.Invalid++ })
 		writeResponse(w, http.StatusBadRequest, Response{Error: fmt.Sprintf("decode CNI event: %v", err)})
 		return
 	}
 	if err := ev.Validate(); err != nil {
+		s.count(func(st *ServerStats) { st.Invalid++ })
+		s.log.WarnContext(r.Context(), "CNI event refused", "error", err)
 		writeResponse(w, http.StatusBadRequest, Response{Error: "invalid CNI event: " + err.Error()})
 		return
 	}

@@ -212,7 +212,7 @@ func TestValidateNamesTheField(t *testing.T) {
 	sock := cnitest.SocketPath(t)
 	var calls int
 	var mu sync.Mutex
-	serve(t, sock, func(context.Context, cni.PodEvent) (cni.Response, error) {
+	srv := serve(t, sock, func(context.Context, cni.PodEvent) (cni.Response, error) {
 		mu.Lock()
 		calls++
 		mu.Unlock()
@@ -228,5 +228,8 @@ func TestValidateNamesTheField(t *testing.T) {
 	defer mu.Unlock()
 	if calls != 0 {
 		t.Errorf("the handler was called %d times", calls)
+	}
+	if n := srv.Stats().Invalid; n != 1 {
+		t.Errorf("invalid events counted: %d, want 1", n)
 	}
 }

@@ -216,7 +216,11 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 		a.mu.Lock()
 		for k, rec := range a.cniPods {
 			ns, name, _ := strings.Cut(k, "/")
-			if rec.ino == ino && !rec.deleted && other(ns, name, rec.uid) {
+			// A DELeted report counts while its namespace lives: a DEL
+			// does not free a namespace for another pod (the runtime
+			// destroys it next), and each live namespace stays one pod's
+			// report, which bounds the reports by the node's namespaces.
+			if rec.ino == ino && other(ns, name, rec.uid) {
 				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
 					owner = k
 					break
@@ -345,6 +349,15 @@ func (a *Agent) pruneCNIPods() {
 			delete(a.cniPods, k)
 		}
 	}
+}
+
+// CNIReports is how many pod sandboxes the CNI plugin reported whose
+// namespace still exists (DELeted ones included): at most one a namespace
+// (checkCNINetNS), for the metric.
+func (a *Agent) CNIReports() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.cniPods)
 }
 
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.

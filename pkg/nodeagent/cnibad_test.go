@@ -93,3 +93,40 @@ func TestCNIRefusesUncleanMappedNetNS(t *testing.T) {
 		t.Errorf("the pod is attached")
 	}
 }
+
+// TestCNIRefusesDeletedPodsLiveNamespace: after pod b's DEL, while b's
+// namespace still exists, an ADD for pod a naming it is refused with an
+// error naming b, as it is before the DEL (seen failing: a was enrolled in
+// b's namespace, and a loop of ADD and DEL under new names piled up one
+// report each for as long as the namespace lived).
+func TestCNIRefusesDeletedPodsLiveNamespace(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsB := tp.Nodes[0].AddPod("b")
+	a, ld, _, _ := testAgent(t)
+	b := &workload.Workload{Name: "b", Namespace: "other", UID: "uid-b", ServiceAccount: "default", Node: "node1", Addrs: nsB.Addrs(), Reason: "namespace not ambient"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("a", "uid-a"), b}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range nsB.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "b", PodNamespace: "other", PodUID: "uid-b", ContainerID: "cb", NetNS: nsB.Path(), IPs: ips}); err != nil || resp.Enrolled {
+		t.Fatalf("ADD b: %+v, %v", resp, err)
+	}
+	if _, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandDel, PodName: "b", PodNamespace: "other", PodUID: "uid-b", ContainerID: "cb", NetNS: nsB.Path()}); err != nil {
+		t.Fatalf("DEL b: %v", err)
+	}
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", ContainerID: "ca", NetNS: nsB.Path(), IPs: ips})
+	t.Logf("ADD a in b's namespace after b's DEL: %+v, %v", resp, err)
+	if err == nil || resp.Enrolled {
+		t.Errorf("ADD a naming b's live namespace after b's DEL: %+v, %v; want refused", resp, err)
+	} else if !strings.Contains(err.Error(), "other/b") {
+		t.Errorf("error %q does not name pod other/b", err)
+	}
+	if _, attached, _ := ld.PodState("uid-a"); attached {
+		t.Errorf("pod a is attached in b's namespace")
+	}
+	if n := a.CNIReports(); n != 1 {
+		t.Errorf("%d CNI reports for one namespace", n)
+	}
+}
