@@ -3,12 +3,14 @@ package cni_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -231,5 +233,111 @@ func TestValidateNamesTheField(t *testing.T) {
 	}
 	if n := srv.Stats().Invalid; n != 1 {
 		t.Errorf("invalid events counted: %d, want 1", n)
+	}
+}
+
+// listenAs opens a unix listener at sock as if a process of uid had: the
+// listener's SO_PEERCRED is the euid of the thread that called listen, so
+// only this locked thread takes uid on for the call.
+func listenAs(t *testing.T, sock string, uid int) net.Listener {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(sock), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{filepath.Dir(sock), filepath.Dir(filepath.Dir(sock))} {
+		if err := os.Chmod(d, 0o777); err != nil {
+			t.Fatal(err)
+		}
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if _, _, e := syscall.RawSyscall(syscall.SYS_SETRESUID, ^uintptr(0), uintptr(uid), ^uintptr(0)); e != 0 {
+		t.Fatalf("setresuid: %v", e)
+	}
+	l, err := net.Listen("unix", sock)
+	if _, _, e := syscall.RawSyscall(syscall.SYS_SETRESUID, ^uintptr(0), 0, ^uintptr(0)); e != 0 {
+		panic("cannot return to uid 0: " + e.Error())
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// TestNotifyRefusesSocketOfOtherUser: a socket at the agent's path served by
+// a process that is neither root nor the plugin's user (one that could
+// write to the socket's directory) is not taken for the agent: its
+// "enrolled" is refused with an error naming the uid, and not as
+// ErrAgentUnreachable, so the plugin does not fall back to the hint either
+// (seen failing: the impostor's answer was returned, and a pod would have
+// started unmeshed).
+func TestNotifyRefusesSocketOfOtherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to listen as another user")
+	}
+	sock := cnitest.SocketPath(t)
+	l := listenAs(t, sock, 65534)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+				buf := make([]byte, 4096)
+				_, _ = c.Read(buf)
+				body := `{"enrolled":true,"reason":"impostor"}`
+				fmt.Fprintf(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s", len(body), body)
+			}()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cni.Notify(ctx, sock, addEvent())
+	t.Logf("Notify to a socket of uid 65534: %+v, %v", resp, err)
+	if err == nil {
+		t.Fatalf("the answer of a socket served by uid 65534 was taken: %+v", resp)
+	}
+	if errors.Is(err, cni.ErrAgentUnreachable) {
+		t.Errorf("error %v is ErrAgentUnreachable: the plugin would fall back to the hint", err)
+	}
+	if !strings.Contains(err.Error(), "65534") {
+		t.Errorf("error %q does not name the uid", err)
+	}
+}
+
+// TestReadSelectionHintRefusesForeignFile: a hint owned by another user, or
+// that group or others may write, is not read (seen failing: both were
+// taken, so whoever could write there could say no namespace is ambient and
+// have pods start unmeshed while the agent is down); the agent's own still
+// is.
+func TestReadSelectionHintRefusesForeignFile(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to chown")
+	}
+	path := filepath.Join(t.TempDir(), "hint.json")
+	if err := cni.WriteSelectionHint(path, []string{"shop"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err != nil || !h.WouldEnroll("shop") {
+		t.Fatalf("the agent's own hint: %+v, %v", h, err)
+	}
+	if err := os.Chmod(path, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), "writable") {
+		t.Errorf("a world-writable hint: %+v, %v; want refused", h, err)
+	}
+	if err := os.Chmod(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(path, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), "65534") {
+		t.Errorf("a hint owned by uid 65534: %+v, %v; want refused naming the owner", h, err)
 	}
 }
