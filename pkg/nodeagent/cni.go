@@ -45,6 +45,7 @@ const cniWait = 20 * time.Second
 func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, error) {
 	key := ev.PodNamespace + "/" + ev.PodName
 	var addrErr error // the ADD's addresses were refused
+	var ino uint64    // the inode of the namespace the ADD or CHECK names
 	switch ev.Command {
 	case cni.CommandDel:
 		// Only the reported sandbox's own DEL drops its report. Runtimes
@@ -68,8 +69,8 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		return cni.Response{}, nil
 	case cni.CommandAdd, cni.CommandCheck:
 		path := netns.HostPath(a.cfg.ProcDir, ev.NetNS)
-		ino, err := a.checkCNINetNS(ev, path)
-		if err != nil {
+		var err error
+		if ino, err = a.checkCNINetNS(ev, path); err != nil {
 			return cni.Response{}, err
 		}
 		if ev.Command == cni.CommandCheck {
@@ -120,6 +121,11 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
+			if ev.Command == cni.CommandAdd {
+				if err := a.supersededErr(key, ev, ino); err != nil {
+					return cni.Response{}, err
+				}
+			}
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
@@ -139,6 +145,25 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// supersededErr is why the ADD ev no longer speaks for the pod once it is
+// converged: another sandbox's ADD replaced its report while it waited (the
+// pod is attached there, not in this sandbox, which would start unmeshed),
+// its own DEL came, or its namespace ended. Callers do not hold a.mu.
+func (a *Agent) supersededErr(key string, ev cni.PodEvent, ino uint64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	rec, ok := a.cniPods[key]
+	switch {
+	case !ok:
+		return fmt.Errorf("pod %s: the report of container %s is gone (its namespace %s ended) while its ADD waited", key, ev.ContainerID, ev.NetNS)
+	case rec.container != ev.ContainerID || rec.ino != ino:
+		return fmt.Errorf("pod %s: the ADD of container %s (namespace %s) was superseded by container %s's (namespace %s) while it waited; the pod is attached there, not in this sandbox", key, ev.ContainerID, ev.NetNS, rec.container, rec.netns)
+	case rec.deleted:
+		return fmt.Errorf("pod %s: container %s was DELeted while its ADD waited", key, ev.ContainerID)
+	}
+	return nil
 }
 
 // maxCNIAddrs bounds the addresses one ADD may report; a pod has one per

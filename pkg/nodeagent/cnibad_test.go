@@ -130,3 +130,54 @@ func TestCNIRefusesDeletedPodsLiveNamespace(t *testing.T) {
 		t.Errorf("%d CNI reports for one namespace", n)
 	}
 }
+
+// TestCNIConcurrentAddsForOnePod: two ADDs for one pod from two sandboxes
+// (a runtime that retried a sandbox while the first ADD still waited) both
+// wait for the source; once the pod is attached in the second sandbox, the
+// first ADD fails naming the second container instead of answering
+// "enrolled" (seen failing: both answered enrolled, so the first sandbox
+// would start its containers unmeshed).
+func TestCNIConcurrentAddsForOnePod(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsA, nsB := tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b")
+	a, ld, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{})
+	ctx := runWorker(t, a)
+	prefixes := func(addrs []netip.Addr) (out []netip.Prefix) {
+		for _, ad := range addrs {
+			out = append(out, netip.PrefixFrom(ad, ad.BitLen()))
+		}
+		return out
+	}
+	type result struct {
+		resp cni.Response
+		err  error
+	}
+	add := func(container string, ns *netnstest.Pod) <-chan result {
+		ch := make(chan result, 1)
+		go func() {
+			resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: container, NetNS: ns.Path(), IPs: prefixes(ns.Addrs())})
+			ch <- result{resp, err}
+		}()
+		return ch
+	}
+	first := add("c1", nsA)
+	time.Sleep(300 * time.Millisecond) // c1's report is in; the source does not know the pod
+	second := add("c2", nsB)
+	time.Sleep(300 * time.Millisecond)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	a.applyLatest(ctx, false)
+	r1, r2 := <-first, <-second
+	t.Logf("ADD c1: %+v, %v; ADD c2: %+v, %v", r1.resp, r1.err, r2.resp, r2.err)
+	if r2.err != nil || !r2.resp.Enrolled {
+		t.Errorf("ADD of the current sandbox c2: %+v, %v; want enrolled", r2.resp, r2.err)
+	}
+	if r1.err == nil || r1.resp.Enrolled {
+		t.Errorf("ADD of the superseded sandbox c1: %+v, %v; want refused", r1.resp, r1.err)
+	} else if !strings.Contains(r1.err.Error(), "c2") {
+		t.Errorf("error %q does not name the container that superseded it", r1.err)
+	}
+	if st, _, _ := ld.PodState("uid-p"); st.Meta.NetNS != nsB.Path() {
+		t.Errorf("attached in %q, want the current sandbox %s", st.Meta.NetNS, nsB.Path())
+	}
+}
