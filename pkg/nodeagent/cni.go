@@ -126,6 +126,11 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 					return cni.Response{}, err
 				}
 			}
+			if ev.Command == cni.CommandCheck {
+				if err := a.attachedElsewhereErr(w.Key(), key, ev, ino); err != nil {
+					return cni.Response{}, err
+				}
+			}
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
@@ -162,6 +167,20 @@ func (a *Agent) supersededErr(key string, ev cni.PodEvent, ino uint64) error {
 		return fmt.Errorf("pod %s: the ADD of container %s (namespace %s) was superseded by container %s's (namespace %s) while it waited; the pod is attached there, not in this sandbox", key, ev.ContainerID, ev.NetNS, rec.container, rec.netns)
 	case rec.deleted:
 		return fmt.Errorf("pod %s: container %s was DELeted while its ADD waited", key, ev.ContainerID)
+	}
+	return nil
+}
+
+// attachedElsewhereErr is why a CHECK of the sandbox in namespace ino
+// fails although the pod is converged: it is attached in another namespace
+// (another sandbox's), so this one is not meshed.
+func (a *Agent) attachedElsewhereErr(uid, key string, ev cni.PodEvent, ino uint64) error {
+	st, attached, err := a.cfg.Loader.PodState(uid)
+	if err != nil || !attached {
+		return fmt.Errorf("pod %s: not attached: %v", key, err)
+	}
+	if cur, err := netns.Inode(st.Meta.NetNS); err != nil || cur != ino {
+		return fmt.Errorf("pod %s is attached in network namespace %s, not in %s (CNI_NETNS of container %s): this sandbox is not redirected", key, st.Meta.NetNS, ev.NetNS, ev.ContainerID)
 	}
 	return nil
 }

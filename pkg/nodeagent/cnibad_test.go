@@ -181,3 +181,32 @@ func TestCNIConcurrentAddsForOnePod(t *testing.T) {
 		t.Errorf("attached in %q, want the current sandbox %s", st.Meta.NetNS, nsB.Path())
 	}
 }
+
+// TestCNICheckOfOtherSandboxFails: a CHECK naming a namespace the pod is
+// not attached in (an earlier or stray sandbox of the pod) fails naming
+// both namespaces, and a CHECK of the attached one passes (seen failing:
+// the CHECK passed because the pod was attached somewhere).
+func TestCNICheckOfOtherSandboxFails(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsA, nsB := tp.Nodes[0].AddPod("a"), tp.Nodes[0].AddPod("b")
+	a, _, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range nsB.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: nsB.Path(), IPs: ips}); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandCheck, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: nsA.Path()})
+	t.Logf("CHECK of %s: %+v, %v", nsA.Path(), resp, err)
+	if err == nil {
+		t.Errorf("CHECK of a sandbox the pod is not attached in passed: %+v", resp)
+	} else if !strings.Contains(err.Error(), nsA.Path()) || !strings.Contains(err.Error(), nsB.Path()) {
+		t.Errorf("error %q does not name both namespaces", err)
+	}
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandCheck, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: nsB.Path()}); err != nil || !resp.Enrolled {
+		t.Errorf("CHECK of the attached sandbox: %+v, %v", resp, err)
+	}
+}
