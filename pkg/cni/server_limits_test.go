@@ -341,3 +341,38 @@ func TestReadSelectionHintRefusesForeignFile(t *testing.T) {
 		t.Errorf("a hint owned by uid 65534: %+v, %v; want refused naming the owner", h, err)
 	}
 }
+
+// TestServeRefusesLooseSocketDir: the server does not listen in a directory
+// that group or others may write, or that another user owns, and says which
+// and why (seen failing: it served there, where anyone could rename a socket
+// of their own over the agent's).
+func TestServeRefusesLooseSocketDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to chown")
+	}
+	for _, tc := range []struct {
+		name string
+		prep func(dir string) error
+		want string
+	}{
+		{"world-writable", func(dir string) error { return os.Chmod(dir, 0o777) }, "writable by group or others"},
+		{"group-writable", func(dir string) error { return os.Chmod(dir, 0o770) }, "writable by group or others"},
+		{"another user's", func(dir string) error { return os.Chown(dir, 65534, 65534) }, "owned by uid 65534"},
+	} {
+		sock := cnitest.SocketPath(t)
+		dir := filepath.Dir(sock)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := tc.prep(dir); err != nil {
+			t.Fatal(err)
+		}
+		srv := cni.NewServer(sock, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, quiet)
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		err := srv.Serve(ctx)
+		cancel()
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), dir) {
+			t.Errorf("%s directory: Serve = %v; want an error naming %s and saying %q", tc.name, err, dir, tc.want)
+		}
+	}
+}
