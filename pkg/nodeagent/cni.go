@@ -135,6 +135,9 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
 		case time.Now().After(deadline) || ctx.Err() != nil:
+			if !known && addrErr != nil {
+				return cni.Response{}, fmt.Errorf("pod %s is unknown to the agent's source after %s, and its ADD is refused: %w", key, cniWait, addrErr)
+			}
 			if !known {
 				return cni.Response{}, fmt.Errorf("pod %s is unknown to the agent's source after %s; refusing to start it unmeshed", key, cniWait)
 			}
@@ -176,8 +179,11 @@ func (a *Agent) supersededErr(key string, ev cni.PodEvent, ino uint64) error {
 // (another sandbox's), so this one is not meshed.
 func (a *Agent) attachedElsewhereErr(uid, key string, ev cni.PodEvent, ino uint64) error {
 	st, attached, err := a.cfg.Loader.PodState(uid)
-	if err != nil || !attached {
-		return fmt.Errorf("pod %s: not attached: %v", key, err)
+	if err != nil {
+		return fmt.Errorf("pod %s: read its attachment: %w", key, err)
+	}
+	if !attached {
+		return fmt.Errorf("pod %s is selected but not attached", key)
 	}
 	if cur, err := netns.Inode(st.Meta.NetNS); err != nil || cur != ino {
 		return fmt.Errorf("pod %s is attached in network namespace %s, not in %s (CNI_NETNS of container %s): this sandbox is not redirected", key, st.Meta.NetNS, ev.NetNS, ev.ContainerID)
