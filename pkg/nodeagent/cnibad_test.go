@@ -25,7 +25,9 @@ func TestCNIBadAddKeepsEnrolledPod(t *testing.T) {
 	sandbox := tp.Nodes[0].AddPod("p")
 	a, ld, _, _ := testAgent(t)
 	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ambient"}
-	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	other := tp.Nodes[0].AddPod("q")
+	q := &workload.Workload{Name: "q", Namespace: "other", UID: "uid-q", ServiceAccount: "default", Node: "node1", Reason: "namespace not ambient"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w, q}})
 	ctx := runWorker(t, a)
 	var ips []netip.Prefix
 	for _, ad := range sandbox.Addrs() {
@@ -33,6 +35,10 @@ func TestCNIBadAddKeepsEnrolledPod(t *testing.T) {
 	}
 	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IPs: ips}); err != nil || !resp.Enrolled {
 		t.Fatalf("ADD: %+v, %v", resp, err)
+	}
+	// A pod outside the mesh still starts: its addresses are not used.
+	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "q", PodNamespace: "other", PodUID: "uid-q", ContainerID: "cq", NetNS: other.Path(), IPs: []netip.Prefix{netip.MustParsePrefix("127.0.0.5/8")}}); err != nil || resp.Enrolled {
+		t.Errorf("ADD of an unselected pod with a loopback address: %+v, %v; want not enrolled, no error", resp, err)
 	}
 	for _, bad := range [][]netip.Prefix{
 		{netip.MustParsePrefix("10.254.254.254/32")},
