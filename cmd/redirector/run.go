@@ -327,6 +327,10 @@ func runAgent(ctx context.Context, args []string) error {
 				func() float64 { return float64(srv.Stats().RefusedPeers) }),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "redirector_cni_waited_connections_total", Help: "Connections to the CNI event socket that waited for a slot (at most 512 open)."},
 				func() float64 { return float64(srv.Stats().Waited) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "redirector_cni_invalid_events_total", Help: "CNI events refused unhandled: undecodable, or with a field no runtime sends (the error names it)."},
+				func() float64 { return float64(srv.Stats().Invalid) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
+				func() float64 { return float64(agent.CNIReports()) }),
 		)
 		go func() {
 			if err := srv.Serve(ctx); err != nil {

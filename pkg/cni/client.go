@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
 	"time"
 )
 
@@ -42,6 +43,10 @@ func Notify(ctx context.Context, socketPath string, ev PodEvent) (Response, erro
 			c, err := d.DialContext(ctx, "unix", socketPath)
 			if err != nil {
 				return nil, fmt.Errorf("%w: %w", ErrAgentUnreachable, err)
+			}
+			if err := checkAgentPeer(c, socketPath); err != nil {
+				c.Close()
+				return nil, err
 			}
 			return c, nil
 		},
@@ -81,4 +86,21 @@ func truncate(b []byte, n int) string {
 		return string(b[:n]) + "..."
 	}
 	return string(b)
+}
+
+// checkAgentPeer refuses a socket served by anyone but root or the plugin's
+// own user (SO_PEERCRED of the listener). The agent runs as root; whoever
+// else put a socket at the path (a directory with looser modes) would
+// answer "enrolled" or "not selected" and have pods start unmeshed. The
+// error is not ErrAgentUnreachable: the plugin must not fall back to the
+// hint either, since the socket is not the agent's.
+func checkAgentPeer(c net.Conn, socketPath string) error {
+	uid, err := peerUID(c)
+	if err != nil {
+		return fmt.Errorf("agent socket %s: %w", socketPath, err)
+	}
+	if uid != 0 && uid != uint32(os.Geteuid()) {
+		return fmt.Errorf("agent socket %s is served by uid %d, neither root nor this plugin's user: not the agent's, refusing its answer", socketPath, uid)
+	}
+	return nil
 }

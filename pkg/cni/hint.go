@@ -3,9 +3,11 @@ package cni
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"time"
 )
 
@@ -79,14 +81,20 @@ func WriteSelectionHint(path string, ambientNamespaces, excluded []string) error
 	return nil
 }
 
+// maxHintBytes bounds the hint read; a node's namespaces take a few KiB.
+const maxHintBytes = 4 << 20
+
 // ReadSelectionHint reads the hint at path (DefaultHintPath if empty). A
 // missing file is an error wrapping os.ErrNotExist: the caller must not take
-// it as "no namespace is ambient".
+// it as "no namespace is ambient". So is a file that someone other than
+// root or this process's user owns or may write: the agent writes it as
+// root, mode 0644, and a planted hint saying "not ambient" would let pods
+// start unmeshed while the agent is down.
 func ReadSelectionHint(path string) (SelectionHint, error) {
 	if path == "" {
 		path = DefaultHintPath
 	}
-	data, err := os.ReadFile(path)
+	data, err := readOwnedFile(path, maxHintBytes)
 	if err != nil {
 		return SelectionHint{}, fmt.Errorf("read selection hint: %w", err)
 	}
@@ -105,4 +113,30 @@ func sortedUnique(in []string) []string {
 		out = []string{}
 	}
 	return out
+}
+
+// readOwnedFile reads path, at most limit bytes, if it is a regular file
+// owned by root or this process's user and writable by no one else.
+func readOwnedFile(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.Mode().IsRegular():
+		return nil, fmt.Errorf("%s is not a regular file (%s)", path, fi.Mode().Type())
+	case !ok || (st.Uid != 0 && st.Uid != uint32(os.Geteuid())):
+		return nil, fmt.Errorf("%s is owned by uid %d, neither root nor this process's user: not the agent's", path, st.Uid)
+	case fi.Mode().Perm()&0o022 != 0:
+		return nil, fmt.Errorf("%s is writable by group or others (mode %v): not trusted", path, fi.Mode().Perm())
+	case fi.Size() > limit:
+		return nil, fmt.Errorf("%s has %d bytes, more than %d", path, fi.Size(), limit)
+	}
+	return io.ReadAll(io.LimitReader(f, limit))
 }

@@ -17,6 +17,10 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"strings"
+	"unicode"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 )
 
 // Default locations, shared by the agent and the plugin's configuration.
@@ -79,7 +83,69 @@ func (e PodEvent) Validate() error {
 	if e.ContainerID == "" {
 		return fmt.Errorf("%s event for pod %s has no container id", e.Command, e)
 	}
+	return e.validateFields()
+}
+
+// Bounds of the fields that are not Kubernetes names. A pod UID is a UUID
+// (or a static pod's hash); a container id is a runtime's hash.
+const (
+	maxUIDLen         = 128
+	maxContainerIDLen = 256
+	maxNetNSLen       = 4096 // PATH_MAX
+)
+
+// validateFields refuses values no runtime sends: the agent keys its
+// records by namespace/name, keeps them for the sandbox's life and writes
+// them into logs and errors, so a name with a slash or a megabyte of it
+// must not get that far. Each error names the CNI variable it came from.
+func (e PodEvent) validateFields() error {
+	field := func(name, value string, errs []string) error {
+		if len(errs) == 0 {
+			return nil
+		}
+		return fmt.Errorf("%s event: %s %q: %s", e.Command, name, truncateStr(value, 80), strings.Join(errs, "; "))
+	}
+	if err := field("K8S_POD_NAMESPACE", e.PodNamespace, validation.IsDNS1123Label(e.PodNamespace)); err != nil {
+		return err
+	}
+	if err := field("K8S_POD_NAME", e.PodName, validation.IsDNS1123Subdomain(e.PodName)); err != nil {
+		return err
+	}
+	if e.PodUID != "" && (len(e.PodUID) > maxUIDLen || !isToken(e.PodUID, "-")) {
+		return field("K8S_POD_UID", e.PodUID, []string{fmt.Sprintf("must be at most %d letters, digits and '-'", maxUIDLen)})
+	}
+	if len(e.ContainerID) > maxContainerIDLen || !isToken(e.ContainerID, "_.-") {
+		return field("CNI_CONTAINERID", e.ContainerID, []string{fmt.Sprintf("must be at most %d letters, digits, '_', '.' and '-'", maxContainerIDLen)})
+	}
+	if e.Command == CommandDel {
+		return nil // the namespace and interface may be gone; DEL needs neither
+	}
+	if len(e.NetNS) > maxNetNSLen || strings.ContainsRune(e.NetNS, 0) {
+		return field("CNI_NETNS", e.NetNS, []string{fmt.Sprintf("must be a path of at most %d bytes without NUL", maxNetNSLen)})
+	}
+	if e.IfName != "" && (len(e.IfName) > 15 || e.IfName == "." || e.IfName == ".." || strings.ContainsFunc(e.IfName, func(r rune) bool {
+		return r == '/' || r == ':' || r == '%' || unicode.IsSpace(r) || !unicode.IsPrint(r)
+	})) {
+		return field("CNI_IFNAME", e.IfName, []string{"must be an interface name: at most 15 bytes, not . or .., no '/', ':', '%' or space"})
+	}
 	return nil
+}
+
+// isToken says whether s is letters and digits (ASCII) and the extra bytes.
+func isToken(s, extra string) bool {
+	for _, r := range s {
+		if !('a' <= r && r <= 'z' || 'A' <= r && r <= 'Z' || '0' <= r && r <= '9' || strings.ContainsRune(extra, r)) {
+			return false
+		}
+	}
+	return true
+}
+
+func truncateStr(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
 }
 
 // Response is the agent's answer.

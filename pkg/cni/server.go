@@ -76,6 +76,9 @@ type ServerStats struct {
 	RefusedPeers uint64
 	// Waited counts connections that waited for a slot (DefaultMaxConns).
 	Waited uint64
+	// Invalid counts events refused unhandled: undecodable, or with a
+	// field no runtime sends (PodEvent.Validate).
+	Invalid uint64
 }
 
 // Stats returns the server's counts.
@@ -263,6 +266,9 @@ func (s *Server) listen() (net.Listener, uint64, error) {
 			return nil, 0, fmt.Errorf("create CNI socket directory: %w", err)
 		}
 	}
+	if err := checkSocketDir(dir); err != nil {
+		return nil, 0, err
+	}
 	if fi, err := os.Lstat(s.path); err == nil && fi.Mode().Type() != os.ModeSocket {
 		return nil, 0, fmt.Errorf("CNI socket path %s exists and is not a socket; remove it", s.path)
 	}
@@ -297,6 +303,28 @@ func (s *Server) listen() (net.Listener, uint64, error) {
 	return l, inodeOf(fi), nil
 }
 
+// checkSocketDir refuses a socket directory that someone other than root
+// or the agent's user owns or may write: whoever can write there can
+// rename a socket of their own over the agent's, delete it, or take the
+// temporary name first, and answer the plugin in the agent's place (the
+// plugin refuses a socket not served by root, so that fails every ADD).
+func checkSocketDir(dir string) error {
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return fmt.Errorf("CNI socket directory: %w", err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.IsDir():
+		return fmt.Errorf("CNI socket directory %s is not a directory", dir)
+	case !ok || (st.Uid != 0 && st.Uid != uint32(os.Geteuid())):
+		return fmt.Errorf("CNI socket directory %s is owned by uid %d, neither root nor the agent's user: its owner could replace the socket; give it to root", dir, st.Uid)
+	case fi.Mode().Perm()&0o022 != 0:
+		return fmt.Errorf("CNI socket directory %s is writable by group or others (mode %v): they could replace the socket; make it 0755 or tighter", dir, fi.Mode().Perm())
+	}
+	return nil
+}
+
 func (s *Server) serveEvent(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != EventPath {
 		writeResponse(w, http.StatusNotFound, Response{Error: fmt.Sprintf("unknown path %s (this agent serves %s)", r.URL.Path, EventPath)})
@@ -311,10 +339,13 @@ func (s *Server) serveEvent(w http.ResponseWriter, r *http.Request) {
 	var ev PodEvent
 	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxEventBytes))
 	if err := dec.Decode(&ev); err != nil {
+		s.count(func(st *ServerStats) { st.Invalid++ })
 		writeResponse(w, http.StatusBadRequest, Response{Error: fmt.Sprintf("decode CNI event: %v", err)})
 		return
 	}
 	if err := ev.Validate(); err != nil {
+		s.count(func(st *ServerStats) { st.Invalid++ })
+		s.log.WarnContext(r.Context(), "CNI event refused", "error", err)
 		writeResponse(w, http.StatusBadRequest, Response{Error: "invalid CNI event: " + err.Error()})
 		return
 	}

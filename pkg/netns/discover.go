@@ -112,6 +112,10 @@ func (f *Finder) scan(want []netip.Addr) (map[netip.Addr]string, error) {
 	return out, nil
 }
 
+// Addrs lists the addresses, loopback excepted, configured in the network
+// namespace at path.
+func Addrs(path string) ([]netip.Addr, error) { return addrsIn(path) }
+
 // addrsIn lists the addresses in the namespace at path, one address family
 // at a time: a dump of a single family does not take the kernel's RTNL lock
 // (an AF_UNSPEC dump does), so a scan never queues behind tc, route or
@@ -142,10 +146,12 @@ func addrsIn(path string) ([]netip.Addr, error) {
 // procDir, where the agent sees the host's /proc when it runs without the
 // host's PID namespace (the Helm chart mounts it at /host/proc). Runtimes
 // such as cri-dockerd report such paths in CNI_NETNS. Other paths, and every
-// path when procDir is /proc, are returned unchanged.
+// path when procDir is /proc, are returned unchanged; so is a path that is
+// not clean ("/proc/../../x" would be mapped out of procDir and cleaned on
+// the way, past CheckPodPath's rule), for CheckPodPath to refuse.
 func HostPath(procDir, path string) string {
 	const hostProc = "/proc/"
-	if procDir == "" || filepath.Clean(procDir) == "/proc" || !strings.HasPrefix(path, hostProc) {
+	if procDir == "" || filepath.Clean(procDir) == "/proc" || !strings.HasPrefix(path, hostProc) || filepath.Clean(path) != path {
 		return path
 	}
 	return filepath.Join(procDir, strings.TrimPrefix(path, hostProc))

@@ -178,6 +178,9 @@ func TestHostPath(t *testing.T) {
 		{"/host/proc", "/procfoo/1/ns/net", "/procfoo/1/ns/net"},
 		{"/proc", "/proc/4242/ns/net", "/proc/4242/ns/net"},
 		{"", "/proc/4242/ns/net", "/proc/4242/ns/net"},
+		// Not clean: left as it is, for CheckPodPath to refuse.
+		{"/host/proc", "/proc/../../var/run/netns/x", "/proc/../../var/run/netns/x"},
+		{"/host/proc", "/proc/1//ns/net", "/proc/1//ns/net"},
 	} {
 		if got := HostPath(tc.procDir, tc.in); got != tc.want {
 			t.Errorf("HostPath(%q, %q) = %q, want %q", tc.procDir, tc.in, got, tc.want)

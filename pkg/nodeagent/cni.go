@@ -44,6 +44,8 @@ const cniWait = 20 * time.Second
 // decide on fails the ADD (the runtime retries), never starts unmeshed.
 func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, error) {
 	key := ev.PodNamespace + "/" + ev.PodName
+	var addrErr error // the ADD's addresses were refused
+	var ino uint64    // the inode of the namespace the ADD or CHECK names
 	switch ev.Command {
 	case cni.CommandDel:
 		// Only the reported sandbox's own DEL drops its report. Runtimes
@@ -67,16 +69,20 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		return cni.Response{}, nil
 	case cni.CommandAdd, cni.CommandCheck:
 		path := netns.HostPath(a.cfg.ProcDir, ev.NetNS)
-		ino, err := a.checkCNINetNS(ev, path)
-		if err != nil {
+		var err error
+		if ino, err = a.checkCNINetNS(ev, path); err != nil {
 			return cni.Response{}, err
 		}
 		if ev.Command == cni.CommandCheck {
 			break
 		}
-		var addrs []netip.Addr
-		for _, p := range ev.IPs {
-			addrs = append(addrs, p.Addr().Unmap())
+		addrs, err := checkCNIAddrs(ev, path)
+		if err != nil {
+			// The report is not recorded: the pod's previous one (or its
+			// source's addresses) stays, so an enrolled pod is not
+			// detached by a broken result. A selected pod fails the ADD.
+			addrErr = err
+			break
 		}
 		a.mu.Lock()
 		a.cniPods[key] = cniPod{uid: ev.PodUID, container: ev.ContainerID, netns: path, ino: ino, addrs: addrs}
@@ -96,6 +102,10 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		refused := a.refusedErr(w)
 		switch {
+		case known && addrErr != nil && (w.Enrolled || w.Pending != ""):
+			return cni.Response{}, fmt.Errorf("pod %s is selected but its ADD is refused: %w; refusing to start it with these addresses", key, addrErr)
+		case known && addrErr != nil:
+			return cni.Response{Reason: w.Reason}, nil
 		case known && refused != nil:
 			// Selected, but its address is another pod's: it must not
 			// start unmeshed, so the runtime retries.
@@ -111,10 +121,23 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
+			if ev.Command == cni.CommandAdd {
+				if err := a.supersededErr(key, ev, ino); err != nil {
+					return cni.Response{}, err
+				}
+			}
+			if ev.Command == cni.CommandCheck {
+				if err := a.attachedElsewhereErr(w.Key(), key, ev, ino); err != nil {
+					return cni.Response{}, err
+				}
+			}
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
 		case time.Now().After(deadline) || ctx.Err() != nil:
+			if !known && addrErr != nil {
+				return cni.Response{}, fmt.Errorf("pod %s is unknown to the agent's source after %s, and its ADD is refused: %w", key, cniWait, addrErr)
+			}
 			if !known {
 				return cni.Response{}, fmt.Errorf("pod %s is unknown to the agent's source after %s; refusing to start it unmeshed", key, cniWait)
 			}
@@ -130,6 +153,82 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// supersededErr is why the ADD ev no longer speaks for the pod once it is
+// converged: another sandbox's ADD replaced its report while it waited (the
+// pod is attached there, not in this sandbox, which would start unmeshed),
+// its own DEL came, or its namespace ended. Callers do not hold a.mu.
+func (a *Agent) supersededErr(key string, ev cni.PodEvent, ino uint64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	rec, ok := a.cniPods[key]
+	switch {
+	case !ok:
+		return fmt.Errorf("pod %s: the report of container %s is gone (its namespace %s ended) while its ADD waited", key, ev.ContainerID, ev.NetNS)
+	case rec.container != ev.ContainerID || rec.ino != ino:
+		return fmt.Errorf("pod %s: the ADD of container %s (namespace %s) was superseded by container %s's (namespace %s) while it waited; the pod is attached there, not in this sandbox", key, ev.ContainerID, ev.NetNS, rec.container, rec.netns)
+	case rec.deleted:
+		return fmt.Errorf("pod %s: container %s was DELeted while its ADD waited", key, ev.ContainerID)
+	}
+	return nil
+}
+
+// attachedElsewhereErr is why a CHECK of the sandbox in namespace ino
+// fails although the pod is converged: it is attached in another namespace
+// (another sandbox's), so this one is not meshed.
+func (a *Agent) attachedElsewhereErr(uid, key string, ev cni.PodEvent, ino uint64) error {
+	st, attached, err := a.cfg.Loader.PodState(uid)
+	if err != nil {
+		return fmt.Errorf("pod %s: read its attachment: %w", key, err)
+	}
+	if !attached {
+		return fmt.Errorf("pod %s is selected but not attached", key)
+	}
+	if cur, err := netns.Inode(st.Meta.NetNS); err != nil || cur != ino {
+		return fmt.Errorf("pod %s is attached in network namespace %s, not in %s (CNI_NETNS of container %s): this sandbox is not redirected", key, st.Meta.NetNS, ev.NetNS, ev.ContainerID)
+	}
+	return nil
+}
+
+// maxCNIAddrs bounds the addresses one ADD may report; a pod has one per
+// family, a few more with secondary ranges.
+const maxCNIAddrs = 16
+
+// checkCNIAddrs returns the addresses the ADD reports (prevResult), unmapped
+// and without duplicates, once each is one a pod can have and is configured
+// in the namespace at path, the one the ADD names. The plugin's word is not
+// enough here either: the report replaces the pod's addresses (withCNIAddrs),
+// so an address that is not the pod's would enroll it with another pod's
+// address, and one that cannot be a pod's would detach a pod that is
+// enrolled. Errors name the field and the address.
+func checkCNIAddrs(ev cni.PodEvent, path string) ([]netip.Addr, error) {
+	if len(ev.IPs) > maxCNIAddrs {
+		return nil, fmt.Errorf("prevResult has %d addresses for the pod, at most %d are taken", len(ev.IPs), maxCNIAddrs)
+	}
+	var addrs []netip.Addr
+	for i, p := range ev.IPs {
+		ad := p.Addr().Unmap()
+		if err := selection.CheckPodAddr(ad); err != nil {
+			return nil, fmt.Errorf("prevResult ips[%d] %s: %w", i, p, err)
+		}
+		if !slices.Contains(addrs, ad) {
+			addrs = append(addrs, ad)
+		}
+	}
+	if len(addrs) == 0 {
+		return nil, nil
+	}
+	have, err := netns.Addrs(path)
+	if err != nil {
+		return nil, fmt.Errorf("prevResult addresses: %w", err)
+	}
+	for i, p := range ev.IPs {
+		if !slices.Contains(have, p.Addr().Unmap()) {
+			return nil, fmt.Errorf("prevResult ips[%d] %s: not configured in network namespace %s, so not the pod's", i, p, ev.NetNS)
+		}
+	}
+	return addrs, nil
 }
 
 // checkCNINetNS says whether path, the namespace ev names (as the agent
@@ -167,7 +266,11 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 		a.mu.Lock()
 		for k, rec := range a.cniPods {
 			ns, name, _ := strings.Cut(k, "/")
-			if rec.ino == ino && !rec.deleted && other(ns, name, rec.uid) {
+			// A DELeted report counts while its namespace lives: a DEL
+			// does not free a namespace for another pod (the runtime
+			// destroys it next), and each live namespace stays one pod's
+			// report, which bounds the reports by the node's namespaces.
+			if rec.ino == ino && other(ns, name, rec.uid) {
 				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
 					owner = k
 					break
@@ -296,6 +399,15 @@ func (a *Agent) pruneCNIPods() {
 			delete(a.cniPods, k)
 		}
 	}
+}
+
+// CNIReports is how many pod sandboxes the CNI plugin reported whose
+// namespace still exists (DELeted ones included): at most one a namespace
+// (checkCNINetNS), for the metric.
+func (a *Agent) CNIReports() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.cniPods)
 }
 
 // cniNetNS returns the namespace path the CNI plugin reported for w, if any.
