@@ -52,6 +52,22 @@ func (e errTooManyMessages) Error() string {
 // countMessages adds to n the messages nested in b (md's fields of
 // message kind, map entries included; unknown fields are not walked).
 func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
+	return walkWire(b, md, func(message bool) error {
+		if !message {
+			return nil
+		}
+		if *n++; *n > limit {
+			return errTooManyMessages(limit)
+		}
+		return nil
+	})
+}
+
+// walkWire calls count for every field of b (md's message) and, depth
+// first, of the messages in it (message: the field is one), without
+// decoding anything; unknown fields and bytes are not walked. It stops at
+// the first error count or the wire format gives.
+func walkWire(b []byte, md protoreflect.MessageDescriptor, count func(message bool) error) error {
 	fields := md.Fields()
 	for len(b) > 0 {
 		num, typ, l := protowire.ConsumeTag(b)
@@ -65,14 +81,17 @@ func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit in
 			if l < 0 {
 				return fmt.Errorf("malformed %s.%s: %w", md.FullName(), fd.Name(), protowire.ParseError(l))
 			}
-			if *n++; *n > limit {
-				return errTooManyMessages(limit)
+			if err := count(true); err != nil {
+				return err
 			}
-			if err := countMessages(v, fd.Message(), n, limit); err != nil {
+			if err := walkWire(v, fd.Message(), count); err != nil {
 				return err
 			}
 			b = b[l:]
 			continue
+		}
+		if err := count(false); err != nil {
+			return err
 		}
 		l = protowire.ConsumeFieldValue(num, typ, b)
 		if l < 0 {
@@ -119,27 +138,10 @@ func maxResponseFields(maxResources int) int { return 8*maxResources + 1024 }
 // countFields adds to n every field in b (md's message), and those of the
 // messages in it; unknown fields and bytes are not walked.
 func countFields(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
-	fields := md.Fields()
-	for len(b) > 0 {
-		num, typ, l := protowire.ConsumeTag(b)
-		if l < 0 {
-			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
-		}
-		b = b[l:]
+	return walkWire(b, md, func(bool) error {
 		if *n++; *n > limit {
 			return fmt.Errorf("more than %d fields in one response", limit)
 		}
-		l = protowire.ConsumeFieldValue(num, typ, b)
-		if l < 0 {
-			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
-		}
-		if fd := fields.ByNumber(num); typ == protowire.BytesType && fd != nil && fd.Kind() == protoreflect.MessageKind {
-			v, _ := protowire.ConsumeBytes(b)
-			if err := countFields(v, fd.Message(), n, limit); err != nil {
-				return err
-			}
-		}
-		b = b[l:]
-	}
-	return nil
+		return nil
+	})
 }
