@@ -17,6 +17,8 @@ const (
 	ReasonInvalid = "invalid"
 	// ReasonTruncated: a file was cut short or is still being written.
 	ReasonTruncated = "truncated"
+	// ReasonTooLarge: the manifests are larger than a load reads.
+	ReasonTooLarge = "too_large"
 	// ReasonEmpty: no objects where the last good state had some.
 	ReasonEmpty = "empty"
 	// ReasonListWatch: a list or watch of the Kubernetes API failed.

@@ -16,7 +16,13 @@
 // is damaged or half-written must never unenroll pods or drop a
 // PeerAuthentication. A load is refused when:
 //
-//   - PATH or a manifest file cannot be read (reason "read");
+//   - PATH or a manifest file cannot be read, or a manifest name (PATH, or
+//     a *.yaml / *.yml name in the directory) holds no regular file: a
+//     directory, fifo, device or a symlink to one or to nothing (reason
+//     "read"). Such a name is never skipped: a manifest replaced by one
+//     must not read as removed;
+//   - the manifests are over 64 MiB in all (reason "too_large"): what a
+//     load holds is bounded;
 //   - a document is not YAML (reason "parse");
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or

@@ -7,10 +7,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
 	"strings"
+	"syscall"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
@@ -56,7 +59,7 @@ func (e *DocError) Unwrap() error { return e.Err }
 // it looks cut short, or it lost all its documents.
 type FileError struct {
 	File   string
-	Reason string // source.ReasonRead, ReasonTruncated or ReasonEmpty
+	Reason string // source.ReasonRead, ReasonTooLarge, ReasonTruncated or ReasonEmpty
 	Err    error
 }
 
@@ -153,13 +156,21 @@ func load(path string, prev docCache) (result, error) {
 	b.prev = prev
 	h := sha256.New()
 	r := result{files: map[string]fileState{}}
+	budget := maxLoadBytes
 	for _, f := range files {
-		data, err := os.ReadFile(f)
+		data, err := readManifest(f, budget)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue // removed since the directory was listed: an edit
+		}
 		if err != nil {
-			b.errs = append(b.errs, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)})
+			b.errs = append(b.errs, err)
 			fmt.Fprintf(h, "%s\x00error\x00%v\x00", f, err)
+			if errorReason(err) == source.ReasonTooLarge {
+				break
+			}
 			continue
 		}
+		budget -= int64(len(data))
 		fmt.Fprintf(h, "%s\x00%d\x00", f, len(data))
 		h.Write(data)
 		r.files[f] = b.addStream(f, data)
@@ -169,9 +180,68 @@ func load(path string, prev docCache) (result, error) {
 	return r, nil
 }
 
-// manifestFiles is path itself, or the *.yaml and *.yml regular files in the
+// maxLoadBytes bounds what one load reads of all its files together (a
+// variable for tests). Decoded, manifests take some ten times their size;
+// 64 MiB is some 20k pods as `kubectl get -o yaml` prints them.
+var maxLoadBytes int64 = 64 << 20
+
+// readManifest reads the manifest file f, at most budget bytes of it. A
+// name that holds no regular file (a directory, a fifo, a device, a
+// symlink to one of those or to nothing) is an error, never skipped: a
+// manifest replaced by one would otherwise read as removed, and its pods
+// be unenrolled. The file is opened without blocking and checked after
+// opening, so a fifo swapped in cannot stall the load. A name gone since
+// the directory was listed is fs.ErrNotExist (a removal is an edit).
+func readManifest(f string, budget int64) ([]byte, error) {
+	fd, err := os.OpenFile(f, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		if fi, lerr := os.Lstat(f); lerr == nil && fi.Mode()&fs.ModeSymlink != 0 {
+			return nil, &FileError{File: f, Reason: source.ReasonRead, Err: errors.New("not a regular file: a symlink to nothing")}
+		}
+		return nil, err
+	}
+	if err != nil {
+		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)}
+	}
+	defer fd.Close()
+	fi, err := fd.Stat()
+	if err != nil {
+		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)}
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("not a regular file: %s", fileType(fi.Mode()))}
+	}
+	data, err := io.ReadAll(io.LimitReader(fd, budget+1))
+	if err != nil {
+		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)}
+	}
+	if int64(len(data)) > budget {
+		return nil, &FileError{File: f, Reason: source.ReasonTooLarge,
+			Err: fmt.Errorf("manifests over %d bytes in all (this file and those before it): not read", maxLoadBytes)}
+	}
+	return data, nil
+}
+
+// fileType names the type of a file that is not a regular one.
+func fileType(m fs.FileMode) string {
+	switch {
+	case m.IsDir():
+		return "a directory"
+	case m&fs.ModeNamedPipe != 0:
+		return "a fifo"
+	case m&fs.ModeSocket != 0:
+		return "a socket"
+	case m&fs.ModeDevice != 0:
+		return "a device"
+	}
+	return "mode " + m.String()
+}
+
+// manifestFiles is path itself, or the *.yaml and *.yml names in the
 // directory path, sorted. Hidden files are skipped: editors' lock and swap
-// files and the "..data" links of a mounted ConfigMap start with a dot.
+// files and the "..data" links of a mounted ConfigMap start with a dot. A
+// name that is not a regular file is listed too: reading it fails (see
+// readManifest).
 func manifestFiles(path string) ([]string, error) {
 	info, err := os.Stat(path)
 	if err != nil {
@@ -191,11 +261,7 @@ func manifestFiles(path string) ([]string, error) {
 		if strings.HasPrefix(name, ".") || (ext != ".yaml" && ext != ".yml") {
 			continue
 		}
-		full := filepath.Join(path, name)
-		if fi, err := os.Stat(full); err != nil || !fi.Mode().IsRegular() {
-			continue // a dangling link or a directory named *.yaml
-		}
-		files = append(files, full)
+		files = append(files, filepath.Join(path, name))
 	}
 	return files, nil
 }

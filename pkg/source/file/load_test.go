@@ -325,7 +325,11 @@ func TestLoadDirectory(t *testing.T) {
 	if len(snap.Namespaces) != 2 || snap.Namespaces[0].Name != "a" || snap.Namespaces[1].Name != "b" {
 		t.Errorf("namespaces = %+v", snap.Namespaces)
 	}
-	wantErrs(t, errs, a+": document 2 (line 5): unsupported kind Oops in apiVersion v9")
+	// A manifest name that holds no file is an error, not skipped (a file
+	// replaced by one must not read as removed).
+	wantErrs(t, errs, a+": document 2 (line 5): unsupported kind Oops in apiVersion v9",
+		filepath.Join(dir, "dangling.yaml")+": not a regular file: a symlink to nothing",
+		filepath.Join(dir, "sub.yaml")+": not a regular file: a directory")
 }
 
 func TestLoadDuplicateAcrossFiles(t *testing.T) {

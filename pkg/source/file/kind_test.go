@@ -1,0 +1,115 @@
+package file
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/source"
+)
+
+// TestRunManifestReplacedByNonFile: a manifest file replaced (atomically,
+// by a rename) with something that is not a regular file must not read as
+// the file's removal: its objects would vanish and its pods be unenrolled.
+// The load is refused, naming the file; the last good snapshot stays.
+func TestRunManifestReplacedByNonFile(t *testing.T) {
+	kinds := map[string]func(t *testing.T, path string){
+		"dangling symlink": func(t *testing.T, path string) {
+			if err := os.Symlink(filepath.Join(filepath.Dir(path), "gone"), path); err != nil {
+				t.Fatal(err)
+			}
+		},
+		"symlink to a directory": func(t *testing.T, path string) {
+			if err := os.Symlink(t.TempDir(), path); err != nil {
+				t.Fatal(err)
+			}
+		},
+		"symlink to a fifo": func(t *testing.T, path string) {
+			fifo := filepath.Join(t.TempDir(), "fifo")
+			if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Symlink(fifo, path); err != nil {
+				t.Fatal(err)
+			}
+		},
+		"directory": func(t *testing.T, path string) {
+			if err := os.Mkdir(path, 0o755); err != nil {
+				t.Fatal(err)
+			}
+		},
+	}
+	for name, replace := range kinds {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			writeFile(t, dir, "a.yaml", namespaceDoc("a"))
+			writeFile(t, dir, "b.yaml", namespaceDoc("b"))
+			m := source.NewMetrics(nil)
+			r := startWith(t, New(dir, nil).WithMetrics(m))
+			r.waitFor(t, "a b")
+
+			// Made beside the directory, swapped with a.yaml in one step
+			// (a directory cannot be renamed over a file).
+			tmp := filepath.Join(t.TempDir(), "next")
+			replace(t, tmp)
+			if err := unix.Renameat2(unix.AT_FDCWD, tmp, unix.AT_FDCWD, filepath.Join(dir, "a.yaml"), unix.RENAME_EXCHANGE); err != nil {
+				t.Fatal(err)
+			}
+			r.noUpdate(t, 300*time.Millisecond)
+			errs := r.refused(t)
+			if !strings.Contains(errors.Join(errs...).Error(), filepath.Join(dir, "a.yaml")+": not a regular file") {
+				t.Fatalf("Errors() = %v, want a.yaml named as not a regular file", errs)
+			}
+			wantCount(t, m, source.ReasonRead, 1)
+		})
+	}
+}
+
+// TestLoadSinglePathNotRegular: PATH naming a fifo (or a device) is refused
+// at once, not read: a fifo would block the watch loop for ever, a device
+// such as /dev/zero would be read without end.
+func TestLoadSinglePathNotRegular(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "c.yaml")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{fifo, "/dev/zero"} {
+		done := make(chan []error, 1)
+		go func() {
+			_, errs := Load(path)
+			done <- errs
+		}()
+		select {
+		case errs := <-done:
+			if len(errs) != 1 || !strings.Contains(errs[0].Error(), "not a regular file") {
+				t.Errorf("Load(%s) errors = %v, want one: not a regular file", path, errs)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Load(%s) did not return", path)
+		}
+	}
+}
+
+// TestLoadTooLarge: a load reads at most maxLoadBytes of manifests, in all
+// its files together; past that it is refused (reason too_large), naming the
+// file where the bound was crossed.
+func TestLoadTooLarge(t *testing.T) {
+	defer func(n int64) { maxLoadBytes = n }(maxLoadBytes)
+	maxLoadBytes = 1 << 10
+	dir := t.TempDir()
+	writeFile(t, dir, "a.yaml", namespaceDoc("a")+"# "+strings.Repeat("x", 600)+"\n")
+	b := writeFile(t, dir, "b.yaml", namespaceDoc("b")+"# "+strings.Repeat("x", 600)+"\n")
+	_, errs := Load(dir)
+	if len(errs) != 1 || errorReason(errs[0]) != source.ReasonTooLarge || !strings.Contains(errs[0].Error(), b+": ") {
+		t.Fatalf("errors = %v, want one too_large naming %s", errs, b)
+	}
+	if _, errs := Load(filepath.Join(dir, "a.yaml")); len(errs) != 0 {
+		t.Errorf("a.yaml alone, under the bound: errors %v", errs)
+	}
+}
