@@ -32,7 +32,10 @@
 //     "10.0.0.05", "fe80::1%eth0" or ""): translation would leave the pod
 //     out and so unenroll it (reason "invalid"; the error names the pod
 //     and the field). A pod malformed from its first load on is only left
-//     out, with the error logged: it has no enrollment to lose;
+//     out, with the error logged: it has no enrollment to lose. The same
+//     for a service whose spec.clusterIP or spec.clusterIPs entry stops
+//     parsing: left out, connections to its cluster IP would pass through
+//     in plaintext;
 //   - a file does not end with a newline: it was cut mid-line or is still
 //     being written (reason "truncated"). Every cut that is not at a line
 //     end is caught by this, even when what is left still parses;
@@ -71,6 +74,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -207,8 +211,9 @@ type state struct {
 	applied bool                 // a snapshot was delivered
 	sum     [sha256.Size]byte    // the bytes behind it
 	files   map[string]fileState // what its files held
-	// pods are the pods (namespace/name) behind it whose addresses parse.
-	pods map[string]bool
+	// objects are the pods and services behind it (by kind namespace/name)
+	// that translation took in.
+	objects map[string]bool
 	// refused identifies the last refused load, so that the same broken
 	// bytes, read again, are logged and counted once.
 	refused [sha256.Size]byte
@@ -236,12 +241,15 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 		return
 	}
 	last.applied, last.sum, last.files = true, r.sum, r.files
-	last.pods = make(map[string]bool, len(r.snap.Pods))
+	last.objects = make(map[string]bool, len(r.snap.Pods)+len(r.snap.Services))
 	for i := range r.snap.Pods {
-		last.pods[objectName(&r.snap.Pods[i])] = true
+		last.objects[objectKey("Pod", &r.snap.Pods[i])] = true
 	}
-	for _, p := range r.badPods {
-		delete(last.pods, p.name)
+	for i := range r.snap.Services {
+		last.objects[objectKey("Service", &r.snap.Services[i])] = true
+	}
+	for _, o := range r.badObjects {
+		delete(last.objects, o.key)
 	}
 	s.log.Info("loaded manifests", "namespaces", len(r.snap.Namespaces), "pods", len(r.snap.Pods),
 		"services", len(r.snap.Services), "endpointslices", len(r.snap.EndpointSlices),
@@ -251,14 +259,15 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 }
 
 // lost reports what r lost against the last applied load: all its documents,
-// a file's documents, a file's end marker, or a pod's address.
+// a file's documents, a file's end marker, a pod's address or a service's
+// cluster IP.
 func (s *Source) lost(r result, last *state) []error {
 	var errs []error
-	for _, p := range r.badPods {
-		if last.pods[p.name] {
-			e := p.loc
+	for _, o := range r.badObjects {
+		if last.objects[o.key] {
+			e := o.loc
 			e.Reason = source.ReasonInvalid
-			e.Err = fmt.Errorf("%w: not applied, since the pod would be left out and so unenrolled", p.loc.Err)
+			e.Err = fmt.Errorf("%w: not applied, since %s", o.loc.Err, leftOut(o.key))
 			errs = append(errs, &e)
 		}
 	}
@@ -306,6 +315,14 @@ func (s *Source) refuse(last *state, sum [sha256.Size]byte, errs []error) {
 		}
 		s.log.Error("manifests not applied; keeping the last good snapshot", attrs...)
 	}
+}
+
+// leftOut says what leaving the object of key out of the model would do.
+func leftOut(key string) string {
+	if strings.HasPrefix(key, "Service ") {
+		return "the service would be left out and connections to its cluster IP pass through in plaintext"
+	}
+	return "the pod would be left out and so unenrolled"
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -422,3 +422,46 @@ func TestRunRefusesMalformedPodAddress(t *testing.T) {
 	r := start(t, path, nil)
 	r.waitFor(t, "a")
 }
+
+// TestRunRefusesMalformedServiceIP: a Service of the last applied load whose
+// cluster IP stops parsing would be left out of the model, and connections
+// to its VIP would leave meshed pods in plaintext (an unknown address is
+// passed through): the load is refused, naming the service and the field.
+func TestRunRefusesMalformedServiceIP(t *testing.T) {
+	ns := "---\napiVersion: v1\nkind: Namespace\nmetadata: {name: a, labels: {istio.io/dataplane-mode: ambient}}\n"
+	svc := func(spec string) string {
+		return "---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: a}\nspec: " + spec + "\n"
+	}
+	good := ns + svc(`{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10], ports: [{port: 80}]}`)
+	for _, tt := range []struct{ name, spec, field, value string }{
+		{"out of range", `{clusterIP: 10.96.0.300, ports: [{port: 80}]}`, "spec.clusterIP", "10.96.0.300"},
+		{"a CIDR", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10/32], ports: [{port: 80}]}`, "spec.clusterIPs[0]", "10.96.0.10/32"},
+		{"zone", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "fe80::1%eth0"], ports: [{port: 80}]}`, "spec.clusterIPs[1]", "fe80::1%eth0"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			path := writeFile(t, dir, "c.yaml", good)
+			m := source.NewMetrics(nil)
+			r := startWith(t, New(path, nil).WithMetrics(m))
+			r.waitFor(t, "a")
+
+			writeFile(t, dir, "c.yaml", ns+svc(tt.spec))
+			r.noUpdate(t, 300*time.Millisecond)
+			errs := r.refused(t)
+			var de *DocError
+			if len(errs) != 1 || !errors.As(errs[0], &de) || de.Doc != 2 || de.Reason != source.ReasonInvalid {
+				t.Fatalf("Errors() = %v, want document 2 invalid", errs)
+			}
+			want := `service a/web: ` + tt.field + `: bad IP "` + tt.value + `"`
+			if !strings.Contains(errs[0].Error(), want) {
+				t.Errorf("error %q does not name the service and field: want %q", errs[0], want)
+			}
+			wantCount(t, m, source.ReasonInvalid, 1)
+
+			// Removing the service is an edit; a new malformed one has
+			// nothing to lose and is only left out by translation.
+			writeFile(t, dir, "c.yaml", ns+strings.ReplaceAll(svc(tt.spec), "web", "new"))
+			r.waitFor(t, "a")
+		})
+	}
+}

@@ -103,8 +103,8 @@ type result struct {
 	sum   [sha256.Size]byte
 	// decoded memoizes the documents of this load, for the next one.
 	decoded docCache
-	// badPods are the pods whose address does not parse.
-	badPods []badPod
+	// badObjects are the pods and services translation would leave out.
+	badObjects []badObject
 }
 
 // docCache maps the bytes of a document (their SHA-256) that decoded without
@@ -175,7 +175,7 @@ func load(path string, prev docCache) (result, error) {
 		h.Write(data)
 		r.files[f] = b.addStream(f, data)
 	}
-	r.snap, r.errs, r.decoded, r.badPods = b.snapshot(), b.errs, b.next, b.badPods
+	r.snap, r.errs, r.decoded, r.badObjects = b.snapshot(), b.errs, b.next, b.badObjects
 	h.Sum(r.sum[:0])
 	return r, nil
 }
@@ -351,8 +351,9 @@ type builder struct {
 	authz     []authzDoc
 	seen      map[string]string
 	errs      []error
-	// badPods are the pods whose address does not parse (see badPod).
-	badPods []badPod
+	// badObjects are the pods and services translation would leave out
+	// (see badObject).
+	badObjects []badObject
 
 	prev, next docCache
 	// replays collects how to add again the objects of the document being
@@ -524,20 +525,30 @@ func put[T any, PT interface {
 	metav1.Object
 }](b *builder, loc DocError, kind string, list func(*builder) *[]T, obj T) error {
 	meta := PT(&obj)
-	key := kind + " " + meta.GetNamespace() + "/" + meta.GetName()
+	key := objectKey(kind, meta)
 	if first, ok := b.seen[key]; ok {
 		return fmt.Errorf("duplicate %s %s, first defined in %s", kind, objectName(meta), first)
 	}
 	b.seen[key] = loc.File + " " + loc.where()
-	if pod, ok := any(&obj).(*corev1.Pod); ok {
-		if _, err := selection.PodAddrs(pod); err != nil {
-			loc.Err = err
-			b.badPods = append(b.badPods, badPod{name: objectName(meta), loc: loc})
-		}
+	var err error
+	switch o := any(&obj).(type) {
+	case *corev1.Pod:
+		_, err = selection.PodAddrs(o)
+	case *corev1.Service:
+		_, err = kubeobj.Service(o)
+	}
+	if err != nil {
+		loc.Err = err
+		b.badObjects = append(b.badObjects, badObject{key: key, loc: loc})
 	}
 	l := list(b)
 	*l = append(*l, obj)
 	return nil
+}
+
+// objectKey names an object of kind: "Pod shop/web".
+func objectKey(kind string, o metav1.Object) string {
+	return kind + " " + o.GetNamespace() + "/" + o.GetName()
 }
 
 func objectName(o metav1.Object) string {
@@ -569,12 +580,15 @@ func (b *builder) snapshot() kubeobj.Objects {
 	return s
 }
 
-// badPod is a pod whose address does not parse (a *selection.PodAddrError
-// in loc.Err), where it is defined. Translation leaves such a pod out; the
-// load is refused if the pod was in the last applied one (Source.lost).
-type badPod struct {
-	name string // namespace/name
-	loc  DocError
+// badObject is a pod whose address does not parse (a
+// *selection.PodAddrError in loc.Err) or a service whose cluster IP does
+// not, where it is defined. Translation leaves such an object out: a pod
+// would be unenrolled, and connections to a service's VIP would pass
+// through in plaintext. The load is refused if the object was in the last
+// applied one (Source.lost).
+type badObject struct {
+	key string // kind namespace/name
+	loc DocError
 }
 
 // peerAuthnDoc and authzDoc are policies as a manifest holds them: their

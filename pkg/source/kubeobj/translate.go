@@ -123,18 +123,14 @@ func namedPorts(pod *corev1.Pod) map[string]int32 {
 
 // Service translates a Service, without endpoints.
 func Service(svc *corev1.Service) (*workload.Service, error) {
-	ips := svc.Spec.ClusterIPs
-	if len(ips) == 0 && svc.Spec.ClusterIP != "" {
-		ips = []string{svc.Spec.ClusterIP}
-	}
 	s := &workload.Service{Name: svc.Name, Namespace: svc.Namespace, Hostname: workload.ClusterHostname(svc.Name, svc.Namespace)}
-	for _, ip := range ips {
-		if ip == corev1.ClusterIPNone {
+	for _, f := range clusterIPs(svc) {
+		if f.value == corev1.ClusterIPNone {
 			continue
 		}
-		a, err := netip.ParseAddr(ip)
+		a, err := netip.ParseAddr(f.value)
 		if err != nil || a.Zone() != "" {
-			return nil, fmt.Errorf("service %s: bad cluster IP %q", s, ip)
+			return nil, fmt.Errorf("service %s: %s: bad IP %q", s, f.name, f.value)
 		}
 		s.VIPs = append(s.VIPs, a.Unmap())
 	}
@@ -148,6 +144,19 @@ func Service(svc *corev1.Service) (*workload.Service, error) {
 		s.Ports = append(s.Ports, sp)
 	}
 	return s, nil
+}
+
+// clusterIPs are the service's spec.clusterIPs, or spec.clusterIP when
+// that list is empty, each with the field it is in.
+func clusterIPs(svc *corev1.Service) []struct{ name, value string } {
+	var out []struct{ name, value string }
+	for i, ip := range svc.Spec.ClusterIPs {
+		out = append(out, struct{ name, value string }{fmt.Sprintf("spec.clusterIPs[%d]", i), ip})
+	}
+	if len(out) == 0 && svc.Spec.ClusterIP != "" {
+		out = append(out, struct{ name, value string }{"spec.clusterIP", svc.Spec.ClusterIP})
+	}
+	return out
 }
 
 // addEndpoints joins slices to services by the kubernetes.io/service-name

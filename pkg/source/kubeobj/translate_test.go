@@ -234,7 +234,7 @@ func TestBuildServices(t *testing.T) {
 	}
 	d, errs := build(snap, selection.Config{})
 	wantErrors(t, errs,
-		`service shop/bad: bad cluster IP "10.96.0.300"`,
+		`service shop/bad: spec.clusterIP: bad IP "10.96.0.300"`,
 		`endpointslice shop/web-a: bad address "10.0.0.bad"`,
 		`service shop/zz: cluster IP 10.96.0.10 already belongs to service shop/web`,
 	)
