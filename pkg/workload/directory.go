@@ -25,9 +25,10 @@ type Directory struct {
 
 // NewDirectory indexes workloads and services (the services are copied, so
 // their endpoints can be linked to this directory's workloads). Where two
-// claim one address or VIP, the first by namespace/name keeps it and the
-// other is reported in the returned errors, each naming both; the rest is
-// indexed.
+// claim one address, the one that is not terminating keeps it, then the
+// enrolled one, then the first by namespace/name (see claimsOver); where
+// two claim one VIP, the first by namespace/name. The other is reported in
+// the returned errors, each naming both; the rest is indexed.
 func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []error) {
 	d := &Directory{
 		byName:    make(map[nameKey]*Workload, len(workloads)),
@@ -49,11 +50,16 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 			d.byNode[w.Node] = append(d.byNode[w.Node], w)
 		}
 		for _, a := range w.Addrs {
-			if other, ok := d.byAddr[a]; ok {
+			other, ok := d.byAddr[a]
+			switch {
+			case !ok:
+				d.byAddr[a] = w
+			case claimsOver(w, other):
+				errs = append(errs, fmt.Errorf("pod %s: address %s already belongs to pod %s", other, a, w))
+				d.byAddr[a] = w
+			default:
 				errs = append(errs, fmt.Errorf("pod %s: address %s already belongs to pod %s", w, a, other))
-				continue
 			}
-			d.byAddr[a] = w
 		}
 	}
 	services = sortedByName(services, func(s *Service) (string, string) { return s.Namespace, s.Name })
@@ -63,6 +69,19 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 		}
 	}
 	return d, errs
+}
+
+// claimsOver says whether w takes an address from other, which came
+// before it by name. A pod that is not terminating wins (a terminating
+// pod's address may be a new pod's already), then an enrolled one: an
+// object outside the mesh at a meshed pod's address (stale, or lying)
+// would make connections to it plaintext passthrough, where the enrolled
+// one, if wrong, fails closed (its HBONE is not answered).
+func claimsOver(w, other *Workload) bool {
+	if w.Terminating != other.Terminating {
+		return !w.Terminating
+	}
+	return w.Enrolled && !other.Enrolled
 }
 
 // nameKey is namespace and name.

@@ -43,3 +43,42 @@ func TestStore(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// TestDirectoryAddressConflict: where two workloads claim one address, the
+// one that is not terminating keeps it (a terminating pod's address may be
+// a new pod's already), then the enrolled one: a stale or lying object
+// that is not in the mesh, first by name, must not turn connections to a
+// meshed pod into plaintext passthrough (an enrolled one fails closed if
+// wrong: HBONE to a pod that does not answer it).
+func TestDirectoryAddressConflict(t *testing.T) {
+	a := []netip.Addr{addr("10.0.0.5")}
+	for _, tt := range []struct {
+		name       string
+		ws         []*Workload
+		want, lost string
+	}{
+		{"enrolled over not, whatever the names", []*Workload{
+			{Namespace: "a", Name: "stale", Addrs: a},
+			{Namespace: "b", Name: "web", Addrs: a, Enrolled: true},
+		}, "b/web", "a/stale"},
+		{"not terminating over terminating", []*Workload{
+			{Namespace: "a", Name: "old", Addrs: a, Enrolled: true, Terminating: true},
+			{Namespace: "b", Name: "new", Addrs: a},
+		}, "b/new", "a/old"},
+		{"else the first by name", []*Workload{
+			{Namespace: "b", Name: "two", Addrs: a, Enrolled: true},
+			{Namespace: "a", Name: "one", Addrs: a, Enrolled: true},
+		}, "a/one", "b/two"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d, errs := NewDirectory(tt.ws, nil)
+			if w, ok := d.ByAddr(a[0]); !ok || w.String() != tt.want {
+				t.Errorf("ByAddr = %v, want %s", w, tt.want)
+			}
+			want := "pod " + tt.lost + ": address 10.0.0.5 already belongs to pod " + tt.want
+			if len(errs) != 1 || errs[0].Error() != want {
+				t.Errorf("errors = %v, want %q", errs, want)
+			}
+		})
+	}
+}
