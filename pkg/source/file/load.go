@@ -436,7 +436,7 @@ func (b *builder) addList(loc DocError, data []byte) {
 		metav1.ListMeta `json:"metadata,omitempty"`
 		Items           []json.RawMessage `json:"items"`
 	}
-	if err := yaml.UnmarshalStrict(data, &list); err != nil {
+	if err := decodeYAML(data, &list); err != nil {
 		b.fail(loc, err)
 		return
 	}
@@ -449,6 +449,17 @@ func (b *builder) addList(loc DocError, data []byte) {
 		}
 		b.fail(loc, err)
 	}
+}
+
+// decodeYAML decodes a YAML (or JSON) object into v strictly, as the API
+// server takes a manifest kubectl sends: a key given twice is an error, and
+// field names match case-sensitively (kubeobj.DecodeStrict).
+func decodeYAML(data []byte, v any) error {
+	j, err := yaml.YAMLToJSONStrict(data)
+	if err != nil {
+		return fmt.Errorf("error converting YAML to JSON: %w", err)
+	}
+	return kubeobj.DecodeStrict(j, v)
 }
 
 // fail records err, if any, as a skipped document at loc.
@@ -494,7 +505,7 @@ func add[T any, PT interface {
 	metav1.Object
 }](b *builder, loc DocError, kind string, data []byte, list func(*builder) *[]T, namespaced bool) error {
 	var obj T
-	if err := yaml.UnmarshalStrict(data, &obj); err != nil {
+	if err := decodeYAML(data, &obj); err != nil {
 		return err
 	}
 	meta := PT(&obj)

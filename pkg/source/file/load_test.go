@@ -239,12 +239,12 @@ func TestLoadMalformed(t *testing.T) {
 			name:     "unknown field",
 			stream:   pod("a") + "---\n" + pod("b") + "spec:\n  unknownField: 1\n---\n" + pod("c"),
 			wantPods: "a c",
-			wantErrs: []string{`document 2 (line 5): error unmarshaling JSON: while decoding JSON: json: unknown field "unknownField"`},
+			wantErrs: []string{`document 2 (line 5): strict decoding: unknown field "spec.unknownField"`},
 		},
 		{
 			name:     "bad field type",
 			stream:   pod("a") + "spec:\n  hostNetwork: maybe\n",
-			wantErrs: []string{"document 1 (line 1): error unmarshaling JSON"},
+			wantErrs: []string{"document 1 (line 1): decode: json: cannot unmarshal string into Go struct field PodSpec.spec.hostNetwork of type bool"},
 		},
 		{
 			name:     "missing name",
@@ -371,5 +371,30 @@ func wantErrs(t *testing.T, errs []error, prefixes ...string) {
 		if !strings.HasPrefix(err.Error(), prefixes[i]) {
 			t.Errorf("error %d = %q\nwant prefix  %q", i, err, prefixes[i])
 		}
+	}
+}
+
+// TestLoadFieldNamesCaseSensitive: field names match as the API server
+// matches them, case-sensitively, and a field given twice is an error.
+// encoding/json (behind sigs.k8s.io/yaml) matches any case and keeps the
+// last: a pod with "hostNetwork: false" then "hostnetwork: true" was read
+// as hostNetwork (so left out of the mesh), where Kubernetes refuses the
+// field; a reader of the manifest sees one thing, the agent did another.
+func TestLoadFieldNamesCaseSensitive(t *testing.T) {
+	ns := "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: {istio.io/dataplane-mode: ambient}}\n---\n"
+	for _, tt := range []struct{ name, doc, field string }{
+		{"pod field in another case", "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: shop}\nspec: {hostNetwork: false, hostnetwork: true}\n", "hostnetwork"},
+		{"metadata field in another case", "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: shop, Labels: {istio.io/dataplane-mode: none}}\n", "Labels"},
+		{"policy field in another case", "apiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: p, namespace: shop}\nspec: {action: DENY, Action: ALLOW}\n", "Action"},
+		{"list item field in another case", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Pod, metadata: {name: web, namespace: shop}, Spec: {hostNetwork: true}}\n", "Spec"},
+		{"duplicate in a list item", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Pod, metadata: {name: web, namespace: shop}, spec: {hostNetwork: false}, spec: {hostNetwork: true}}\n", "spec"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			path := writeFile(t, t.TempDir(), "c.yaml", ns+tt.doc)
+			_, errs := Load(path)
+			if len(errs) != 1 || errorReason(errs[0]) != "invalid" || !strings.Contains(errs[0].Error(), tt.field+`"`) {
+				t.Fatalf("errors = %v, want one invalid naming %s", errs, tt.field)
+			}
+		})
 	}
 }

@@ -1,7 +1,6 @@
 package kubernetes
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -14,9 +13,11 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
+	kjson "sigs.k8s.io/json"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 // istioSecurity is the API group version of the policies.
@@ -278,7 +279,7 @@ func specField[T any](u *unstructured.Unstructured, name string) *T {
 		return nil
 	}
 	v := new(T)
-	if json.Unmarshal(b, v) != nil {
+	if kjson.UnmarshalCaseSensitivePreserveInts(b, v) != nil {
 		return nil
 	}
 	return v
@@ -286,14 +287,15 @@ func specField[T any](u *unstructured.Unstructured, name string) *T {
 
 // decode converts an unstructured object to T through JSON, the encoding the policy types
 // are written for (their port maps have integer keys, which the unstructured converter does
-// not handle).
+// not handle). Field names match case-sensitively, as for the API server and Istio: a
+// "Rules" is a field the types do not know, not "rules".
 func decode[T any](u *unstructured.Unstructured) (*T, error) {
 	b, err := u.MarshalJSON()
 	if err != nil {
 		return nil, fmt.Errorf("encode %s/%s: %w", u.GetNamespace(), u.GetName(), err)
 	}
 	v := new(T)
-	if err := json.Unmarshal(b, v); err != nil {
+	if err := kjson.UnmarshalCaseSensitivePreserveInts(b, v); err != nil {
 		return nil, fmt.Errorf("decode %s/%s: %w", u.GetNamespace(), u.GetName(), err)
 	}
 	// A field the types do not know is dropped by decoding, and a rule
@@ -322,12 +324,10 @@ func checkSpec[S any](u *unstructured.Unstructured) (leftOut bool, err error) {
 	if err != nil {
 		return true, fmt.Errorf("encode spec: %w", err)
 	}
-	if err := json.Unmarshal(b, new(S)); err != nil {
+	if err := kjson.UnmarshalCaseSensitivePreserveInts(b, new(S)); err != nil {
 		return true, fmt.Errorf("decode spec: %w", err)
 	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(new(S)); err != nil {
+	if err := kubeobj.DecodeStrict(b, new(S)); err != nil {
 		return false, fmt.Errorf("decode spec: %w", err)
 	}
 	return false, nil

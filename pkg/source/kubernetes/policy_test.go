@@ -219,3 +219,23 @@ spec:
 		t.Errorf("a PeerAuthentication that never converted gives %+v, want STRICT", d)
 	}
 }
+
+// TestDecodeFieldNamesCaseSensitive: a policy field in another case than
+// the API's ("Rules") is a field the types do not know, as for Istio and the
+// API server, and fails closed; encoding/json took it for "rules".
+func TestDecodeFieldNamesCaseSensitive(t *testing.T) {
+	u := mustUnstructured(t, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: web}
+spec:
+  Rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/front"]}}]}]
+`)
+	ap, err := decode[policy.AuthorizationPolicy](u)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(ap.Unrecognized, `"Rules"`) || len(ap.Spec.Rules) != 0 {
+		t.Errorf("Unrecognized = %q, rules %+v; want Rules named, not read as rules", ap.Unrecognized, ap.Spec.Rules)
+	}
+}
