@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
 )
@@ -100,9 +101,17 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"
 	}
-	if pod.Annotations[BypassInboundAnnotation] == "true" {
-		d.BypassInbound = true
-		d.Reason += "; inbound capture bypassed by annotation " + BypassInboundAnnotation
+	// Istio reads the annotation with strconv.ParseBool ("1", "t", "True"
+	// are true) and ignores a value that is not a boolean; so do the rules.
+	if v, ok := pod.Annotations[BypassInboundAnnotation]; ok {
+		bypass, err := strconv.ParseBool(v)
+		switch {
+		case err != nil:
+			d.Reason += fmt.Sprintf("; annotation %s=%q ignored: not a boolean", BypassInboundAnnotation, v)
+		case bypass:
+			d.BypassInbound = true
+			d.Reason += "; inbound capture bypassed by annotation " + BypassInboundAnnotation
+		}
 	}
 	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
 		return Decision{Reason: NoIPYet, BypassInbound: d.BypassInbound, Pending: d.Reason}

@@ -116,6 +116,10 @@ func TestDecide(t *testing.T) {
 		// Bypass annotation.
 		{"bypass inbound", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Enrolled: true, BypassInbound: true, Reason: nsAmbient + "; inbound capture bypassed by annotation " + BypassInboundAnnotation}, nil},
 		{"bypass inbound false", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "false")), Decision{Enrolled: true, Reason: nsAmbient}, nil},
+		// Istio reads the annotation with strconv.ParseBool.
+		{"bypass inbound True", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "True")), Decision{Enrolled: true, BypassInbound: true, Reason: nsAmbient + "; inbound capture bypassed by annotation " + BypassInboundAnnotation}, nil},
+		{"bypass inbound 1", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "1")), Decision{Enrolled: true, BypassInbound: true, Reason: nsAmbient + "; inbound capture bypassed by annotation " + BypassInboundAnnotation}, nil},
+		{"bypass inbound not a boolean", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, " true")), Decision{Enrolled: true, Reason: nsAmbient + `; annotation ` + BypassInboundAnnotation + `=" true" ignored: not a boolean`}, nil},
 		{"bypass on a pod not enrolled", namespace("shop", false), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Reason: noLabel}, nil},
 	}
 	for _, tt := range tests {
