@@ -172,10 +172,12 @@ func checkRuntimeClass(cfg Config, pod *corev1.Pod, lookup HandlerLookup) *Decis
 }
 
 // PodAddrs returns the pod's addresses from status.podIPs, or status.podIP
-// when podIPs is empty. An address that does not parse (or has a zone) is a
-// *PodAddrError naming the pod, the field and the bad string: the pod
-// object is malformed, so callers keep what they had of the pod rather
-// than drop it (see PodAddrError).
+// when podIPs is empty. An address that does not parse (or has a zone), or
+// a second one of a family (the API server allows one of each, so a
+// manifest cannot give a pod any number of addresses: each is an
+// enrollment entry), is a *PodAddrError naming the pod, the field and the
+// bad string: the pod object is malformed, so callers keep what they had of
+// the pod rather than drop it (see PodAddrError).
 func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
 	type field struct{ name, value string }
 	raw := make([]field, 0, len(pod.Status.PodIPs))
@@ -188,15 +190,27 @@ func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
 	addrs := make([]netip.Addr, 0, len(raw))
 	for _, f := range raw {
 		a, err := netip.ParseAddr(f.value)
-		if err == nil && a.Zone() != "" {
+		a = a.Unmap()
+		switch {
+		case err != nil:
+		case a.Zone() != "":
 			err = errors.New("zone not allowed")
+		case slices.ContainsFunc(addrs, func(b netip.Addr) bool { return b.Is4() == a.Is4() }):
+			err = fmt.Errorf("a second %s address", family(a))
 		}
 		if err != nil {
 			return nil, &PodAddrError{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), Field: f.name, Value: f.value, Err: err}
 		}
-		addrs = append(addrs, a.Unmap())
+		addrs = append(addrs, a)
 	}
 	return addrs, nil
+}
+
+func family(a netip.Addr) string {
+	if a.Is4() {
+		return "IPv4"
+	}
+	return "IPv6"
 }
 
 // PodAddrError is a pod address that does not parse: the pod object is

@@ -172,6 +172,13 @@ func TestPodAddrs(t *testing.T) {
 		{name: "empty entry", podIPs: []string{"10.0.0.5", ""}, wantErr: `pod shop/web-1: status.podIPs[1].ip: bad IP ""`},
 		{name: "malformed podIP", podIP: "not-an-ip", wantErr: `pod shop/web-1: status.podIP: bad IP "not-an-ip"`},
 		{name: "zone", podIPs: []string{"fe80::1%eth0"}, wantErr: `pod shop/web-1: status.podIPs[0].ip: bad IP "fe80::1%eth0"`},
+		// As the API server validates: at most one address of each family,
+		// so a manifest cannot give a pod any number of addresses (each an
+		// enrollment entry, and another pod's maybe).
+		{name: "two of a family", podIPs: []string{"10.0.0.5", "10.0.0.6"}, wantErr: `pod shop/web-1: status.podIPs[1].ip: bad IP "10.0.0.6": a second IPv4 address`},
+		{name: "duplicate", podIPs: []string{"10.0.0.5", "10.0.0.5"}, wantErr: `pod shop/web-1: status.podIPs[1].ip: bad IP "10.0.0.5": a second IPv4 address`},
+		{name: "duplicate mapped", podIPs: []string{"10.0.0.5", "::ffff:10.0.0.5"}, wantErr: `status.podIPs[1].ip: bad IP "::ffff:10.0.0.5": a second IPv4 address`},
+		{name: "three", podIPs: []string{"10.0.0.5", "fd00::5", "fd00::6"}, wantErr: `status.podIPs[2].ip: bad IP "fd00::6": a second IPv6 address`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
