@@ -38,6 +38,10 @@
 //     for a service whose spec.clusterIP or spec.clusterIPs entry stops
 //     parsing: left out, connections to its cluster IP would pass through
 //     in plaintext;
+//   - a namespace of the last applied load is gone while pods in it remain
+//     (reason "invalid"): Kubernetes never removes a namespace before its
+//     pods, and the pods its label enrolled would be unenrolled (its
+//     manifest removed from a directory, say). Remove the pods with it;
 //   - a file does not end with a newline: it was cut mid-line or is still
 //     being written (reason "truncated"). Every cut that is not at a line
 //     end is caught by this, even when what is left still parses;
@@ -216,6 +220,8 @@ type state struct {
 	// objects are the pods and services behind it (by kind namespace/name)
 	// that translation took in.
 	objects map[string]bool
+	// namespaces are the namespaces behind it.
+	namespaces map[string]bool
 	// refused identifies the last refused load, so that the same broken
 	// bytes, read again, are logged and counted once.
 	refused [sha256.Size]byte
@@ -253,6 +259,10 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 	for _, o := range r.badObjects {
 		delete(last.objects, o.key)
 	}
+	last.namespaces = make(map[string]bool, len(r.snap.Namespaces))
+	for i := range r.snap.Namespaces {
+		last.namespaces[r.snap.Namespaces[i].Name] = true
+	}
 	s.log.Info("loaded manifests", "namespaces", len(r.snap.Namespaces), "pods", len(r.snap.Pods),
 		"services", len(r.snap.Services), "endpointslices", len(r.snap.EndpointSlices),
 		"peerauthentications", len(r.snap.PeerAuthentications),
@@ -273,6 +283,7 @@ func (s *Source) lost(r result, last *state) []error {
 			errs = append(errs, &e)
 		}
 	}
+	errs = append(errs, s.namespacesLost(r, last)...)
 	if r.docs() == 0 {
 		err := errors.New("no documents: not applied, since an emptied file is more likely cut short than meant; " +
 			"to apply an empty state write an empty list (apiVersion: v1, kind: List, items: [])")
@@ -290,6 +301,41 @@ func (s *Source) lost(r result, last *state) []error {
 			errs = append(errs, &FileError{File: name, Reason: source.ReasonTruncated,
 				Err: errors.New(`no longer ends with a "..." end marker, as the last applied version did: cut short, or still being written`)})
 		}
+	}
+	return errs
+}
+
+// namespacesLost reports each namespace of the last applied load that r
+// no longer has while it still has pods in it. Kubernetes never removes a
+// namespace before its pods, and the pods its label enrolled would be
+// unenrolled: a manifest of namespaces removed from a directory, or cut
+// short, more likely than meant.
+func (s *Source) namespacesLost(r result, last *state) []error {
+	now := make(map[string]bool, len(r.snap.Namespaces))
+	for i := range r.snap.Namespaces {
+		now[r.snap.Namespaces[i].Name] = true
+	}
+	pods := map[string][]string{} // by lost namespace
+	var lost []string
+	for i := range r.snap.Pods {
+		p := &r.snap.Pods[i]
+		if !last.namespaces[p.Namespace] || now[p.Namespace] {
+			continue
+		}
+		if pods[p.Namespace] == nil {
+			lost = append(lost, p.Namespace)
+		}
+		pods[p.Namespace] = append(pods[p.Namespace], objectName(p))
+	}
+	var errs []error
+	for _, ns := range lost {
+		which := pods[ns][0]
+		if n := len(pods[ns]); n > 1 {
+			which += fmt.Sprintf(" and %d more", n-1)
+		}
+		errs = append(errs, &FileError{File: s.path, Reason: source.ReasonInvalid,
+			Err: fmt.Errorf("namespace %s is gone while its pods remain (%s): not applied, since Kubernetes never removes a namespace before its pods "+
+				"and the pods its label enrolled would be unenrolled; remove the pods with it", ns, which)})
 	}
 	return errs
 }

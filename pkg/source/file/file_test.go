@@ -465,3 +465,37 @@ func TestRunRefusesMalformedServiceIP(t *testing.T) {
 		})
 	}
 }
+
+// TestRunRefusesNamespaceGoneUnderItsPods: Kubernetes never removes a
+// namespace before its pods; a load that lost a namespace (its file
+// removed, say, in a directory) but still has pods in it would unenroll
+// every pod the namespace's label enrolled. It is refused, naming the
+// namespace and a pod; removing the pods with it, or relabelling it, is
+// an edit.
+func TestRunRefusesNamespaceGoneUnderItsPods(t *testing.T) {
+	dir := t.TempDir()
+	ns := "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: {istio.io/dataplane-mode: ambient}}\n"
+	pod := "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: shop}\nspec: {containers: [{name: c, image: c}]}\nstatus: {phase: Running, podIP: 10.0.0.5}\n"
+	writeFile(t, dir, "ns.yaml", ns)
+	writeFile(t, dir, "pods.yaml", pod)
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(dir, nil).WithMetrics(m))
+	r.waitFor(t, "shop")
+
+	if err := os.Remove(filepath.Join(dir, "ns.yaml")); err != nil {
+		t.Fatal(err)
+	}
+	r.noUpdate(t, 300*time.Millisecond)
+	errs := r.refused(t)
+	if len(errs) != 1 || errorReason(errs[0]) != source.ReasonInvalid ||
+		!strings.Contains(errs[0].Error(), "namespace shop is gone while its pods remain (shop/web)") {
+		t.Fatalf("Errors() = %v, want namespace shop named, invalid", errs)
+	}
+	wantCount(t, m, source.ReasonInvalid, 1)
+
+	// Gone with its pods: an edit.
+	if err := os.WriteFile(filepath.Join(dir, "pods.yaml"), []byte(namespaceDoc("other")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r.waitFor(t, "other")
+}

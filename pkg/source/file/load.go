@@ -59,7 +59,7 @@ func (e *DocError) Unwrap() error { return e.Err }
 // it looks cut short, or it lost all its documents.
 type FileError struct {
 	File   string
-	Reason string // source.ReasonRead, ReasonTooLarge, ReasonTruncated or ReasonEmpty
+	Reason string // source.ReasonRead, ReasonTooLarge, ReasonTruncated, ReasonEmpty or ReasonInvalid
 	Err    error
 }
 
