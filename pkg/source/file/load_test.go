@@ -2,10 +2,12 @@ package file
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -396,5 +398,28 @@ func TestLoadFieldNamesCaseSensitive(t *testing.T) {
 				t.Fatalf("errors = %v, want one invalid naming %s", errs, tt.field)
 			}
 		})
+	}
+}
+
+// TestLoadYAMLBombs: an alias bomb ("billion laughs") and deep nesting are
+// refused by the decoder, quickly, as invalid documents; the rest loads. A
+// guard (not a change): the YAML decoder bounds aliasing and depth.
+func TestLoadYAMLBombs(t *testing.T) {
+	bomb := "apiVersion: v1\nkind: Namespace\nmetadata: {name: bomb}\nx0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+	for i := 1; i < 10; i++ {
+		bomb += fmt.Sprintf("x%d: &x%d [%s]\n", i, i, strings.TrimSuffix(strings.Repeat(fmt.Sprintf("*x%d, ", i-1), 9), ", "))
+	}
+	deep := "apiVersion: v1\nkind: Namespace\nmetadata: {name: deep}\nx: " + strings.Repeat("[", 100000) + strings.Repeat("]", 100000) + "\n"
+	path := writeFile(t, t.TempDir(), "c.yaml", namespaceDoc("a")+"---\n"+bomb+"---\n"+deep)
+	start := time.Now()
+	snap, errs := Load(path)
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("Load took %v", d)
+	}
+	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "excessive aliasing") || !strings.Contains(errs[1].Error(), "exceeded max depth") {
+		t.Errorf("errors = %v, want the bomb and the nesting refused", errs)
+	}
+	if got := nsNames(snap); got != "a" {
+		t.Errorf("namespaces = %q, want a", got)
 	}
 }
