@@ -21,8 +21,8 @@
 //     directory, fifo, device or a symlink to one or to nothing (reason
 //     "read"). Such a name is never skipped: a manifest replaced by one
 //     must not read as removed;
-//   - the manifests are over 64 MiB in all (reason "too_large"): what a
-//     load holds is bounded;
+//   - the manifests are over 64 MiB or 100k objects (documents and list
+//     items) in all (reason "too_large"): what a load holds is bounded;
 //   - a document is not YAML (reason "parse");
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or

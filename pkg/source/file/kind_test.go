@@ -113,3 +113,29 @@ func TestLoadTooLarge(t *testing.T) {
 		t.Errorf("a.yaml alone, under the bound: errors %v", errs)
 	}
 }
+
+// TestLoadTooManyObjects: a load decodes at most maxLoadObjects documents
+// and list items in all; past that it is refused (reason too_large), as
+// small documents would otherwise cost twenty times their bytes each.
+func TestLoadTooManyObjects(t *testing.T) {
+	defer func(n int) { maxLoadObjects = n }(maxLoadObjects)
+	maxLoadObjects = 3
+	dir := t.TempDir()
+	a := writeFile(t, dir, "a.yaml", namespaceDoc("a", "b", "c"))
+	if _, errs := Load(a); len(errs) != 0 {
+		t.Fatalf("3 documents: errors %v", errs)
+	}
+	b := writeFile(t, dir, "b.yaml", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: d}}\n")
+	_, errs := Load(dir)
+	if len(errs) != 1 || errorReason(errs[0]) != source.ReasonTooLarge || !strings.Contains(errs[0].Error(), b+": more than 3 objects") {
+		t.Fatalf("errors = %v, want one too_large naming %s", errs, b)
+	}
+	// A cached reload counts the same.
+	r, _ := load(a, nil)
+	writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: d}}\n- {apiVersion: v1, kind: Namespace, metadata: {name: e}}\n")
+	r, _ = load(a, r.decoded)
+	writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: d}}\n- {apiVersion: v1, kind: Namespace, metadata: {name: e}}\n"+namespaceDoc("f", "g"))
+	if r, _ = load(a, r.decoded); len(r.errs) != 1 || errorReason(r.errs[0]) != source.ReasonTooLarge {
+		t.Fatalf("cached list and 2 more: errors %v, want too_large", r.errs)
+	}
+}

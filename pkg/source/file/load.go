@@ -180,10 +180,16 @@ func load(path string, prev docCache) (result, error) {
 	return r, nil
 }
 
-// maxLoadBytes bounds what one load reads of all its files together (a
-// variable for tests). Decoded, manifests take some ten times their size;
-// 64 MiB is some 20k pods as `kubectl get -o yaml` prints them.
-var maxLoadBytes int64 = 64 << 20
+// maxLoadBytes and maxLoadObjects bound what one load reads of all its
+// files together (variables for tests). Decoded, and kept for the next
+// load (docCache), manifests take some twenty times their size: 16 MiB of
+// minimal Namespace documents held 300 MiB. 64 MiB is some 20k pods as
+// `kubectl get -o yaml` prints them; 100k objects (documents and list
+// items) keep small documents from costing more.
+var (
+	maxLoadBytes   int64 = 64 << 20
+	maxLoadObjects       = 100_000
+)
 
 // readManifest reads the manifest file f, at most budget bytes of it. A
 // name that holds no regular file (a directory, a fifo, a device, a
@@ -355,6 +361,11 @@ type builder struct {
 	// (see badObject).
 	badObjects []badObject
 
+	// objects counts the documents and list items of the load, full says
+	// they went over maxLoadObjects.
+	objects int
+	full    bool
+
 	prev, next docCache
 	// replays collects how to add again the objects of the document being
 	// decoded; cacheable is false once one of them cannot be deep-copied.
@@ -375,6 +386,9 @@ func (b *builder) addStream(file string, data []byte) fileState {
 			Err: errors.New("does not end with a newline: cut short, or still being written")})
 	}
 	for i, doc := range docs {
+		if !b.room(file, 1) {
+			break
+		}
 		loc := DocError{File: file, Doc: i + 1, Line: doc.line, Reason: source.ReasonParse}
 		if doc.err != nil {
 			b.fail(loc, doc.err)
@@ -391,6 +405,9 @@ func (b *builder) addStream(file string, data []byte) fileState {
 func (b *builder) addCached(loc DocError, data []byte) {
 	sum := sha256.Sum256(data)
 	if replays, ok := b.prev[sum]; ok {
+		if len(replays) > 1 && !b.room(loc.File, len(replays)-1) {
+			return
+		}
 		for _, r := range replays {
 			loc.Item = r.item
 			loc.Reason = source.ReasonInvalid
@@ -440,6 +457,9 @@ func (b *builder) addList(loc DocError, data []byte) {
 		b.fail(loc, err)
 		return
 	}
+	if len(list.Items) > 1 && !b.room(loc.File, len(list.Items)-1) {
+		return
+	}
 	for i, item := range list.Items {
 		loc.Item = i + 1
 		var tm metav1.TypeMeta
@@ -460,6 +480,24 @@ func decodeYAML(data []byte, v any) error {
 		return fmt.Errorf("error converting YAML to JSON: %w", err)
 	}
 	return kubeobj.DecodeStrict(j, v)
+}
+
+// room counts n more objects (documents or list items) of the load and
+// reports whether they fit under maxLoadObjects. The first time they do
+// not, it records the error (reason too_large, at file) and the load
+// decodes nothing more.
+func (b *builder) room(file string, n int) bool {
+	if b.full {
+		return false
+	}
+	b.objects += n
+	if b.objects <= maxLoadObjects {
+		return true
+	}
+	b.full = true
+	b.errs = append(b.errs, &FileError{File: file, Reason: source.ReasonTooLarge,
+		Err: fmt.Errorf("more than %d objects in all (this file and those before it): not decoded", maxLoadObjects)})
+	return false
 }
 
 // fail records err, if any, as a skipped document at loc.
