@@ -27,8 +27,10 @@
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
 //     mistyped field (names match case-sensitively, as the API server
-//     matches them: "hostnetwork" is not hostNetwork), a key given twice,
-//     no name, a duplicate object (reason "invalid");
+//     matches them: "hostnetwork" is not hostNetwork; values are typed as
+//     kubectl sends them, so an unquoted number or yes/no/on/off where a
+//     string belongs is an error, not "1" or "true"), a key given twice,
+//     no name, a duplicate object or pod uid (reason "invalid");
 //   - a pod of the last applied load has an address that no longer parses
 //     (status.podIP or a status.podIPs entry such as "10.0.0.300",
 //     "10.0.0.05", "fe80::1%eth0" or ""): translation would leave the pod

@@ -139,3 +139,20 @@ func TestLoadTooManyObjects(t *testing.T) {
 		t.Fatalf("cached list and 2 more: errors %v, want too_large", r.errs)
 	}
 }
+
+// TestLoadDuplicatePodUID: the agent keys pods by uid (the loader, the
+// tunnel, the node agent's queue), which Kubernetes makes unique; two pods
+// of a manifest with one uid (a copied pod renamed) would be taken for one,
+// each replacing the other's enrollment. The second is an error naming
+// the first.
+func TestLoadDuplicatePodUID(t *testing.T) {
+	pod := func(name string) string {
+		return "---\napiVersion: v1\nkind: Pod\nmetadata: {name: " + name + ", namespace: shop, uid: \"1234\"}\n"
+	}
+	path := writeFile(t, t.TempDir(), "c.yaml", pod("web-1")+pod("web-2"))
+	_, errs := Load(path)
+	if len(errs) != 1 || errorReason(errs[0]) != source.ReasonInvalid ||
+		!strings.Contains(errs[0].Error(), `document 2 (line 6): pod shop/web-2: uid "1234" is already pod shop/web-1's, defined in `+path+" document 1 (line 2)") {
+		t.Fatalf("errors = %v, want document 2 refused for pod web-1's uid", errs)
+	}
+}

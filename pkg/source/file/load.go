@@ -578,6 +578,15 @@ func put[T any, PT interface {
 	if first, ok := b.seen[key]; ok {
 		return fmt.Errorf("duplicate %s %s, first defined in %s", kind, objectName(meta), first)
 	}
+	// Pods are keyed by uid past the source (Workload.Key), which
+	// Kubernetes makes unique: two pods with one would be taken for one.
+	if uid := meta.GetUID(); kind == "Pod" && uid != "" {
+		uidKey := "Pod uid " + string(uid)
+		if first, ok := b.seen[uidKey]; ok {
+			return fmt.Errorf("pod %s: uid %q is already %s", objectName(meta), uid, first)
+		}
+		b.seen[uidKey] = "pod " + objectName(meta) + "'s, defined in " + loc.File + " " + loc.where()
+	}
 	b.seen[key] = loc.File + " " + loc.where()
 	var err error
 	switch o := any(&obj).(type) {
