@@ -249,6 +249,12 @@ func TestLoadMalformed(t *testing.T) {
 			wantErrs: []string{"document 1 (line 1): decode: json: cannot unmarshal string into Go struct field PodSpec.spec.hostNetwork of type bool"},
 		},
 		{
+			// As kubectl sends it: the API server refuses it too.
+			name:     "unquoted number where a string belongs",
+			stream:   "apiVersion: v1\nkind: Pod\nmetadata: {name: a, namespace: shop, labels: {version: 1}}\n",
+			wantErrs: []string{"document 1 (line 1): decode: json: cannot unmarshal number into Go struct field ObjectMeta.metadata.labels of type string"},
+		},
+		{
 			name:     "missing name",
 			stream:   "apiVersion: v1\nkind: Pod\nmetadata: {namespace: shop}\n---\n" + pod("b"),
 			wantPods: "b",
