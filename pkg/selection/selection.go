@@ -162,7 +162,7 @@ func checkRuntimeClass(cfg Config, pod *corev1.Pod, lookup HandlerLookup) *Decis
 		handler, ok = lookup(class)
 	}
 	if !ok {
-		err := fmt.Errorf("pod %s/%s: %w %q", pod.Namespace, pod.Name, ErrUnknownRuntimeClass, class)
+		err := &RuntimeClassError{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), Class: class}
 		return &Decision{Reason: err.Error(), Err: err}
 	}
 	if slices.Contains(cfg.SkipRuntimeClasses, handler) {
@@ -170,6 +170,21 @@ func checkRuntimeClass(cfg Config, pod *corev1.Pod, lookup HandlerLookup) *Decis
 	}
 	return nil
 }
+
+// RuntimeClassError is a pod whose RuntimeClass the lookup does not know
+// (it wraps ErrUnknownRuntimeClass). The API server lets a class be deleted
+// while its pods run, and their sandboxes keep the handler they started
+// with: a source keeps the last decision of a pod it had decided (see
+// kubeobj.KeepDecision).
+type RuntimeClassError struct {
+	Namespace, Name, UID, Class string
+}
+
+func (e *RuntimeClassError) Error() string {
+	return fmt.Sprintf("pod %s/%s: %v %q", e.Namespace, e.Name, ErrUnknownRuntimeClass, e.Class)
+}
+
+func (e *RuntimeClassError) Unwrap() error { return ErrUnknownRuntimeClass }
 
 // PodAddrs returns the pod's addresses from status.podIPs, or status.podIP
 // when podIPs is empty. An address that does not parse (or has a zone), or

@@ -31,6 +31,14 @@ func (l *LastGood) Keep(snap *source.Snapshot, errs []error) []error {
 	out := make([]error, 0, len(errs))
 	for _, err := range errs {
 		var ae *selection.PodAddrError
+		var rc *selection.RuntimeClassError
+		if errors.As(err, &rc) {
+			key := cmp.Or(rc.UID, rc.Namespace+"/"+rc.Name)
+			i := slices.IndexFunc(snap.Workloads, func(w *workload.Workload) bool { return w.Key() == key })
+			if old := l.pods[key]; old != nil && i >= 0 && KeepDecision(snap.Workloads[i], old) {
+				err = KeptError{Err: err}
+			}
+		}
 		if errors.As(err, &ae) {
 			key := cmp.Or(ae.UID, ae.Namespace+"/"+ae.Name)
 			if w := l.pods[key]; w != nil && w.Namespace == ae.Namespace && w.Name == ae.Name {
@@ -56,8 +64,24 @@ func (l *LastGood) Keep(snap *source.Snapshot, errs []error) []error {
 	return out
 }
 
+// KeepDecision gives w, a pod whose RuntimeClass is unknown (a
+// *selection.RuntimeClassError), the enrollment of old, its version of the
+// last snapshot, if old was enrolled, and reports whether it did. The API
+// server lets a RuntimeClass be deleted while its pods run; their sandboxes
+// keep the handler they started with, which was not a skipped one, so the
+// pod stays enrolled (dropping it would let its traffic leave the mesh).
+// A pod never enrolled stays out: the agent cannot tell its handler.
+func KeepDecision(w, old *workload.Workload) bool {
+	if !old.Enrolled || old.Key() != w.Key() || old.Namespace != w.Namespace || old.Name != w.Name {
+		return false
+	}
+	w.Enrolled, w.Reason, w.BypassInbound, w.Pending = true, old.Reason, old.BypassInbound, ""
+	return true
+}
+
 // KeptError is the error of a malformed pod whose last good version was
-// kept in its place.
+// kept in its place, or of a pod whose RuntimeClass is gone and whose last
+// decision was kept (KeepDecision).
 type KeptError struct{ Err error }
 
 func (e KeptError) Error() string {

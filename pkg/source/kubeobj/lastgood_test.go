@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	nodev1 "k8s.io/api/node/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/redirector-mesh/redirector/pkg/selection"
@@ -122,3 +124,52 @@ func (l *errorLog) Handle(_ context.Context, r slog.Record) error {
 }
 func (l *errorLog) WithAttrs([]slog.Attr) slog.Handler { return l }
 func (l *errorLog) WithGroup(string) slog.Handler      { return l }
+
+// TestSourceKeepsEnrolledPodWhoseRuntimeClassIsDeleted: the API server
+// lets a RuntimeClass be deleted while pods of it run; their sandboxes keep
+// the handler they started with, which was not a skipped one if the pod was
+// enrolled. Such a pod keeps its last good version, enrolled, with the
+// error saying so; before, it was unenrolled (SKIP_RUNTIME_CLASSES set),
+// and its traffic left the mesh. A pod of the class first seen without it
+// is still left out.
+func TestSourceKeepsEnrolledPodWhoseRuntimeClassIsDeleted(t *testing.T) {
+	ns := []corev1.Namespace{ambientNamespace("shop")}
+	web := pod("shop", "web", "node-a", "10.0.0.5")
+	web.Spec.RuntimeClassName = new("fast")
+	late := pod("shop", "late", "node-a", "10.0.0.6")
+	late.Spec.RuntimeClassName = new("fast")
+	classes := []nodev1.RuntimeClass{{ObjectMeta: metav1.ObjectMeta{Name: "fast"}, Handler: "runc"}}
+	steps := []Objects{
+		{Namespaces: ns, Pods: []corev1.Pod{web}, RuntimeClasses: classes},
+		{Namespaces: ns, Pods: []corev1.Pod{late, web}},
+	}
+	var snaps []source.Snapshot
+	var logs errorLog
+	src := NewSource(objectList(steps), selection.Config{SkipRuntimeClasses: []string{"kata"}}, slog.New(&logs))
+	if err := src.Run(context.Background(), func(s source.Snapshot) { snaps = append(snaps, s) }); err != nil {
+		t.Fatal(err)
+	}
+	find := func(s source.Snapshot, name string) *workload.Workload {
+		for _, w := range s.Workloads {
+			if w.Name == name {
+				return w
+			}
+		}
+		return nil
+	}
+	if w := find(snaps[0], "web"); w == nil || !w.Enrolled {
+		t.Fatalf("first snapshot: web = %+v, want enrolled", w)
+	}
+	if w := find(snaps[1], "web"); w == nil || !w.Enrolled {
+		t.Errorf("class deleted: web = %+v, want its last good version, enrolled", w)
+	}
+	if w := find(snaps[1], "late"); w == nil || w.Enrolled {
+		t.Errorf("class deleted: late = %+v, want present, not enrolled", w)
+	}
+	if n := len(snaps[1].Workloads); n != 2 {
+		t.Errorf("class deleted: %d workloads, want 2", n)
+	}
+	if out := strings.Join(logs.msgs, "\n"); !strings.Contains(out, `pod shop/web: unknown runtime class "fast"`) || !strings.Contains(out, "last good version is kept") {
+		t.Errorf("log %q does not name the pod and class, or say the pod is kept", out)
+	}
+}

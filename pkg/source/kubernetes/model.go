@@ -305,6 +305,12 @@ func (m *model) applyPod(key string) {
 		m.workloads.delete(k)
 		return
 	}
+	if old, had := m.workloads.m[k]; had && w != nil && errors.As(err, new(*selection.RuntimeClassError)) && kubeobj.KeepDecision(w, old) {
+		// Its RuntimeClass was deleted under it: the sandbox keeps its
+		// handler, so the pod keeps its enrollment.
+		m.log.Error("pod's runtime class is gone; its last decision (enrolled) is kept", "error", err)
+		err = nil
+	}
 	if err != nil {
 		m.log.Error("pod left out or not enrolled", "error", err)
 	}

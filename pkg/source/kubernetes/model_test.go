@@ -145,3 +145,70 @@ func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
 		t.Errorf("deleted pod: %+v", w)
 	}
 }
+
+// TestModelKeepsEnrolledPodWhoseRuntimeClassIsDeleted: the API server lets
+// a RuntimeClass be deleted while its pods run (their sandboxes keep their
+// handler); an enrolled pod of it stays enrolled, with the error logged.
+// Before, it was unenrolled and its traffic left the mesh.
+func TestModelKeepsEnrolledPodWhoseRuntimeClassIsDeleted(t *testing.T) {
+	newInf := func(obj runtime.Object, idx cache.Indexers) cache.SharedIndexInformer {
+		return cache.NewSharedIndexInformer(&cache.ListWatch{}, obj, 0, idx)
+	}
+	inf := informerSet{
+		namespaces:     newInf(&corev1.Namespace{}, cache.Indexers{}),
+		runtimeClasses: newInf(&nodev1.RuntimeClass{}, cache.Indexers{}),
+		pods: newInf(&kubeobj.CompactPod{}, cache.Indexers{
+			cache.NamespaceIndex: cache.MetaNamespaceIndexFunc, podsByRuntimeClass: indexPodsByRuntimeClass}),
+		services:       newInf(&corev1.Service{}, cache.Indexers{}),
+		endpointSlices: newInf(&discoveryv1.EndpointSlice{}, cache.Indexers{slicesByService: indexSlicesByService}),
+	}
+	var logs bytes.Buffer
+	m := newModel(selection.Config{SkipRuntimeClasses: []string{"kata"}}, slog.New(slog.NewTextHandler(&logs, nil)), inf)
+	class := &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: "fast"}, Handler: "runc"}
+	for _, obj := range []any{
+		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}},
+		class,
+		kubeobj.NewCompactPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", UID: "u1"},
+			Spec:   corev1.PodSpec{NodeName: "node-a", RuntimeClassName: new("fast")},
+			Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.0.0.5"}}),
+	} {
+		var err error
+		switch o := obj.(type) {
+		case *corev1.Namespace:
+			err = inf.namespaces.GetStore().Add(o)
+		case *nodev1.RuntimeClass:
+			err = inf.runtimeClasses.GetStore().Add(o)
+		default:
+			err = inf.pods.GetStore().Add(o)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	var first changes
+	first.add(kindNamespace, "shop")
+	first.add(kindRuntimeClass, "fast")
+	first.add(kindPod, "shop/web")
+	m.apply(first)
+	web := func() *workload.Workload {
+		if ws := m.snapshot().Workloads; len(ws) == 1 {
+			return ws[0]
+		}
+		return nil
+	}
+	if w := web(); w == nil || !w.Enrolled {
+		t.Fatalf("web = %+v, want enrolled", w)
+	}
+	if err := inf.runtimeClasses.GetStore().Delete(class); err != nil {
+		t.Fatal(err)
+	}
+	var c changes
+	c.add(kindRuntimeClass, "fast")
+	m.apply(c)
+	if w := web(); w == nil || !w.Enrolled {
+		t.Errorf("class deleted: web = %+v, want still enrolled", w)
+	}
+	if out := logs.String(); !strings.Contains(out, `pod shop/web: unknown runtime class \"fast\"`) || !strings.Contains(out, "last decision (enrolled) is kept") {
+		t.Errorf("log %q does not name the pod and class, or say the pod is kept", out)
+	}
+}
