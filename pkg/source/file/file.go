@@ -21,6 +21,8 @@
 //     directory, fifo, device or a symlink to one or to nothing (reason
 //     "read"). Such a name is never skipped: a manifest replaced by one
 //     must not read as removed;
+//   - PATH was a file when the agent started and is a directory now, or
+//     the other way round (reason "read");
 //   - the manifests are over 64 MiB or 100k objects (documents and list
 //     items) in all (reason "too_large"): what a load holds is bounded;
 //   - a document is not YAML (reason "parse");
@@ -170,7 +172,7 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	}
 
 	// Watch first, then load: a change in between is seen twice, never lost.
-	var last state
+	last := state{dir: info.IsDir()}
 	s.reload(update, &last)
 
 	reload := source.NewDebouncer(debounce)
@@ -216,6 +218,9 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 
 // state is what the watch loop remembers between loads.
 type state struct {
+	// dir: PATH was a directory at start. A PATH of the other kind later is
+	// refused: its manifests are not the ones configured.
+	dir     bool
 	applied bool                 // a snapshot was delivered
 	sum     [sha256.Size]byte    // the bytes behind it
 	files   map[string]fileState // what its files held
@@ -234,6 +239,15 @@ type state struct {
 // reload loads PATH and calls update, unless the load has errors or reads
 // the bytes of the last delivery.
 func (s *Source) reload(update func(kubeobj.Objects), last *state) {
+	if fi, err := os.Stat(s.path); err == nil && fi.IsDir() != last.dir {
+		was, is := "a file", "a directory"
+		if last.dir {
+			was, is = is, was
+		}
+		err := fmt.Errorf("is %s now, and was %s when the agent started", is, was)
+		s.refuse(last, sha256.Sum256([]byte(err.Error())), []error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
+		return
+	}
 	r, err := load(s.path, last.decoded)
 	if err != nil {
 		s.refuse(last, sha256.Sum256([]byte(err.Error())),

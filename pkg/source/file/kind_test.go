@@ -156,3 +156,26 @@ func TestLoadDuplicatePodUID(t *testing.T) {
 		t.Fatalf("errors = %v, want document 2 refused for pod web-1's uid", errs)
 	}
 }
+
+// TestRunPathChangesKind: PATH named a file at start and is now a
+// directory (or the other way round): the load is refused, not read as the
+// other kind: the manifests it would apply are not the ones configured.
+func TestRunPathChangesKind(t *testing.T) {
+	dir := t.TempDir()
+	path := writeFile(t, dir, "c.yaml", namespaceDoc("a"))
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(path, nil).WithMetrics(m))
+	r.waitFor(t, "a")
+
+	other := t.TempDir()
+	writeFile(t, other, "x.yaml", namespaceDoc("x"))
+	if err := unix.Renameat2(unix.AT_FDCWD, other, unix.AT_FDCWD, path, unix.RENAME_EXCHANGE); err != nil {
+		t.Fatal(err)
+	}
+	r.noUpdate(t, 300*time.Millisecond)
+	errs := r.refused(t)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), path+": is a directory now, and was a file when the agent started") {
+		t.Fatalf("Errors() = %v, want PATH named as changed kind", errs)
+	}
+	wantCount(t, m, source.ReasonRead, 1)
+}
