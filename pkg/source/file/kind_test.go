@@ -179,3 +179,23 @@ func TestRunPathChangesKind(t *testing.T) {
 	}
 	wantCount(t, m, source.ReasonRead, 1)
 }
+
+// TestLoadConfigMapLayout: a mounted ConfigMap's manifests are symlinks
+// (a.yaml -> ..data/a.yaml, ..data -> ..<timestamp>): they load as the
+// regular files they point to.
+func TestLoadConfigMapLayout(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(dir, "..2026_12_04"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, filepath.Join(dir, "..2026_12_04"), "a.yaml", namespaceDoc("a"))
+	for link, target := range map[string]string{"..data": "..2026_12_04", "a.yaml": "..data/a.yaml"} {
+		if err := os.Symlink(target, filepath.Join(dir, link)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	snap, errs := Load(dir)
+	if len(errs) != 0 || nsNames(snap) != "a" {
+		t.Fatalf("Load = %q, %v; want namespace a, no errors", nsNames(snap), errs)
+	}
+}
