@@ -223,20 +223,23 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
  *   - the packet itself becomes a RST with the sequence number the TIME_WAIT
  *     socket expects, which the kernel's demux delivers to it, ending it
  *     (net.ipv4.tcp_rfc1337=0, the default).
- * The clone carries PRIO_SYN_REQUEUED: if its tuple is still in TIME_WAIT
- * when it comes back, it is dropped rather than looped. Unlike the kernel's
+ * The clone carries HASH_SYN_REQUEUED (requeued, for the SYN that comes back
+ * with it): if its tuple is still in TIME_WAIT then, because the RST did not
+ * end the socket (PAWS discarded it for an old timestamp, or
+ * net.ipv4.tcp_rfc1337=1), it is dropped rather than looped. Unlike the kernel's
  * own TIME_WAIT handling, the SYN is not checked to be newer than the old
  * connection (sequence number or timestamp): an old duplicate SYN of the same
  * tuple also ends the TIME_WAIT, as tcp_tw_reuse would allow.
  * Returns 0, or the reason to drop the SYN. */
-static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk)
+static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk,
+					  int requeued)
 {
-	__u32 prio = skb->priority, rcv_nxt;
+	__u32 hash = skb->hash, rcv_nxt;
 	__be32 old_seq, new_seq;
 	__be16 old_flags, new_flags;
 	__u8 *fb = (__u8 *)&new_flags;
 
-	if (prio == PRIO_SYN_REQUEUED)
+	if (requeued)
 		return REASON_DROP_SYN_TIMEWAIT;
 	if (tw_rcv_nxt(sk, &rcv_nxt) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
@@ -248,10 +251,13 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	new_flags = old_flags;
 	fb[1] = 0x04; /* RST only: no SYN, no ACK, no ECN bits */
 
-	skb->priority = PRIO_SYN_REQUEUED;
+	bpf_set_hash(skb, HASH_SYN_REQUEUED);
 	if (bpf_clone_redirect(skb, skb->ifindex, BPF_F_INGRESS) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
-	skb->priority = prio;
+	if (hash)
+		bpf_set_hash(skb, hash);
+	else
+		bpf_set_hash_invalid(skb);
 
 	/* The checksum field follows the data; the packet's skb->csum, if any,
 	 * stays right because the two changes cancel out. */
@@ -334,9 +340,14 @@ static __always_inline int tunnel_socket(struct bpf_sock *sk)
 static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __u16 port, const struct pod_addr *pod,
 				    __u32 assigned, enum counter_field field, int pass, int wire)
 {
-	struct bpf_sock *sk = lookup_tcp(skb, p);
+	int requeued = skb->hash == HASH_SYN_REQUEUED;
+	struct bpf_sock *sk;
 	int reason;
 
+	/* the marker has done its work: the SYN goes on without it */
+	if (requeued)
+		bpf_set_hash_invalid(skb);
+	sk = lookup_tcp(skb, p);
 	if (sk) {
 		__u32 state = sk->state;
 
@@ -346,7 +357,7 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
 			return TC_ACT_SHOT;
 		}
 		if (state == BPF_TCP_TIME_WAIT) {
-			reason = clear_timewait(skb, p, sk);
+			reason = clear_timewait(skb, p, sk, requeued);
 			bpf_sk_release(sk);
 			if (reason) {
 				count(reason, pod, CNT_DROPPED);

@@ -68,10 +68,13 @@ enum verdict_reason {
 #define REASON_SLOTS 64
 _Static_assert(REASON_MAX <= REASON_SLOTS, "rd_reasons is too small for enum verdict_reason");
 
-/* skb->priority of a SYN clear_timewait queued again (capture.c). A value
- * this large needs CAP_NET_ADMIN to set with SO_PRIORITY, and a sender that
- * forges it only gets its own SYN dropped. */
-#define PRIO_SYN_REQUEUED 0x72640002
+/* skb->hash of a SYN clear_timewait queued again (capture.c), so that it is
+ * queued once, never looped. Not the priority or the mark: a redirect to
+ * ingress zeroes skb->priority (____dev_forward_skb), and the mark is a
+ * setting the pod's rules match on; the hash survives the redirect, as it
+ * does a veth's crossing. A sender whose SYN carries it by chance only gets
+ * that SYN dropped, and only when its tuple is in TIME_WAIT. */
+#define HASH_SYN_REQUEUED 0x72640002
 
 /* skb->hash that rd_host_egress gives a packet it translated to the probe
  * SNAT source, so the pod-side capture can tell it from a spoofed one: the
