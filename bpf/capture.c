@@ -162,6 +162,32 @@ static __always_inline int drop_unparsed(struct __sk_buff *skb, const struct tcp
 	return TC_ACT_UNSPEC;
 }
 
+/* own_source reports (and counts as drop_spoofed) an IPv4 packet that is
+ * not TCP, from the wire, whose source is an enrolled address of the pod
+ * whose interface it arrives on. The loader turns accept_local on for
+ * re-injection, and with it the kernel takes such a packet, which it
+ * refuses as a martian otherwise: a sender on the wire could pose as the
+ * pod to its own sockets. TCP gets the same check in rd_pod_ingress.
+ * IPv6 has no such check to restore. The pod's own multicast and
+ * broadcast, looped back to its interface, are PACKET_LOOPBACK. Only a
+ * packet from an enrolled address pays for the netns lookup. */
+static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pkt *p)
+{
+	struct pod_settings *src_pod, *pod;
+	struct pod_addr owner;
+
+	if (!p->has_addrs || p->v6 || skb->pkt_type == PACKET_LOOPBACK)
+		return 0;
+	src_pod = bpf_map_lookup_elem(&rd_pods, &p->src);
+	if (!src_pod)
+		return 0;
+	pod = netns_pod(skb, &owner);
+	if (!pod || pod->pod_id != src_pod->pod_id)
+		return 0;
+	count(REASON_DROP_SPOOFED, &owner, CNT_DROPPED);
+	return 1;
+}
+
 /* unenrolled_local is the verdict for a TCP packet whose own end (local:
  * the destination on ingress, the source on egress) is not an enrolled
  * address. On an enrolled pod's interface that address is the pod's all the
@@ -449,7 +475,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *
  * For every packet: TC_ACT_SHOT for an IP packet from or to an enrolled
  * address, or for this host on an enrolled pod's interface, that parse_tcp
- * cannot classify (drop_unparsed).
+ * cannot classify (drop_unparsed), and for IPv4 that is not TCP from an
+ * enrolled address of this same pod (own_source: accept_local is on).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
@@ -490,7 +517,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	int ret = parse_tcp(skb, &p);
 
 	if (ret == PARSE_OTHER)
-		return TC_ACT_UNSPEC;
+		return own_source(skb, &p) ? TC_ACT_SHOT : TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)
 		return drop_unparsed(skb, &p, ret, 1);
 

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -668,4 +670,133 @@ func TestCaptureHiddenPayloads(t *testing.T) {
 		{"v6 syn behind Shim6 between others", 0, ip6(peer6, other6, []ext{hdr(pShim6)}, pTCP, tcpSyn), actUnspec, noReason},
 	}
 	runTable(t, objs.RdPodIngress, objs.RdReasons, others)
+}
+
+// TestCaptureOwnSourceNotTCP: an IPv4 packet from the wire whose source is
+// an enrolled address of the pod it arrives at is dropped as drop_spoofed
+// whatever its protocol, not only TCP. The loader sets accept_local=1 on
+// the pod's interface (re-injected packets carry the pod's own source), and
+// with it the kernel no longer refuses a packet from the wire that poses as
+// the pod itself: before, a UDP or ICMP packet "from" the pod's own address
+// reached the pod's sockets, which it did not before enrollment (a local
+// source is a martian). IPv6 has no such check to restore and is left as
+// the kernel has it; the pod's own multicast and broadcast, looped back to
+// its interface (PACKET_LOOPBACK), are not from the wire.
+func TestCaptureOwnSourceNotTCP(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	spoofed := CaptureVerdictReasonREASON_DROP_SPOOFED
+	own := ownNetNS(t, objs, pod4, 1, bothWays)
+	udp := make([]byte, 8)
+	cases := []progCase{
+		{"v4 udp from the pod's own address", 0, forHost(ip4(pod4, pod4, pUDP, 0, udp)), actShot, spoofed},
+		{"v4 icmp from the pod's own address", 0, forHost(ip4(pod4, pod4, 1, 0, udp)), actShot, spoofed},
+		{"v4 udp from the pod's own address to the broadcast address", 0, forHost(ip4(pod4, netip.MustParseAddr("255.255.255.255"), pUDP, 0, udp)), actShot, spoofed},
+		{"v4 udp from the pod's own address to an address not enrolled", 0, forHost(ip4(pod4, other4, pUDP, 0, udp)), actShot, spoofed},
+		{"v4 udp from another pod", 0, forHost(ip4(peer4, pod4, pUDP, 0, udp)), actUnspec, noReason},
+		{"v6 udp from the pod's own address", 0, forHost(ip6(pod6, pod6, nil, pUDP, udp)), actUnspec, noReason},
+		{"v4 tcp from the pod's own address", 0, forHost(ip4(pod4, pod4, pTCP, 0, syn(8080))), actShot, spoofed},
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, own, cases)
+	// Another pod's interface: a packet from pod4 (pod 1) is that pod's,
+	// not a spoof.
+	otherPod := func(ino uint32) {
+		k := CapturePodAddr{Addr: peer4.As16()}
+		if err := objs.RdPods.Put(&k, &CapturePodSettings{Flags: bothWays, PodId: 2}); err != nil {
+			t.Errorf("enroll %s: %v", peer4, err)
+		}
+		if err := objs.RdPodNetns.Put(ino, &CapturePodNetns{Addr: k, PodId: 2}); err != nil {
+			t.Errorf("record netns: %v", err)
+		}
+	}
+	elsewhere := []progCase{
+		{"v4 udp from an enrolled address of another pod", 0, forHost(ip4(pod4, peer4, pUDP, 0, udp)), actUnspec, noReason},
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, otherPod, elsewhere)
+}
+
+// TestCaptureOwnBroadcastLoopedBack: the pod's own broadcast, which the
+// kernel loops back to the pod's sockets with the pod's source address
+// (PACKET_LOOPBACK, no Ethernet header), still arrives with the ingress
+// program attached and is not counted as a spoof.
+func TestCaptureOwnBroadcastLoopedBack(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	var got []byte
+	inNewNetNS(t, func() {
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "rd0"}, PeerName: "rd1"}
+		if err := netlink.LinkAdd(veth); err != nil {
+			t.Errorf("add veth: %v", err)
+			return
+		}
+		peer, err := netlink.LinkByName("rd1")
+		if err == nil {
+			err = netlink.LinkSetUp(peer)
+		}
+		if err != nil {
+			t.Errorf("veth peer up: %v", err)
+			return
+		}
+		ipn, _ := netlink.ParseIPNet(pod4.String() + "/16")
+		if err := netlink.AddrAdd(veth, &netlink.Addr{IPNet: ipn}); err != nil {
+			t.Errorf("address: %v", err)
+			return
+		}
+		if err := netlink.LinkSetUp(veth); err != nil {
+			t.Errorf("veth up: %v", err)
+			return
+		}
+		var st unix.Stat_t
+		if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+			t.Errorf("stat own netns: %v", err)
+			return
+		}
+		ownNetNS(t, objs, pod4, 1, bothWays)(uint32(st.Ino))
+		lk, err := link.AttachTCX(link.TCXOptions{Interface: veth.Attrs().Index, Program: objs.RdPodIngress, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			t.Errorf("attach: %v", err)
+			return
+		}
+		defer lk.Close()
+
+		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Errorf("socket: %v", err)
+			return
+		}
+		defer unix.Close(rx)
+		unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 2})
+		if err := unix.Bind(rx, &unix.SockaddrInet4{Port: 9999}); err != nil {
+			t.Errorf("bind: %v", err)
+			return
+		}
+		tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Errorf("socket: %v", err)
+			return
+		}
+		defer unix.Close(tx)
+		unix.SetsockoptInt(tx, unix.SOL_SOCKET, unix.SO_BROADCAST, 1)
+		if err := unix.Bind(tx, &unix.SockaddrInet4{Addr: pod4.As4()}); err != nil {
+			t.Errorf("bind sender: %v", err)
+			return
+		}
+		if err := unix.Sendto(tx, []byte("hello"), 0, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 255, 255}, Port: 9999}); err != nil {
+			t.Errorf("send broadcast: %v", err)
+			return
+		}
+		buf := make([]byte, 16)
+		n, _, err := unix.Recvfrom(rx, buf, 0)
+		if err != nil {
+			t.Errorf("own broadcast not received: %v", err)
+			return
+		}
+		got = buf[:n]
+	})
+	if string(got) != "hello" {
+		t.Errorf("received %q, want hello", got)
+	}
+	if n := reasonCounts(t, objs.RdReasons)[CaptureVerdictReasonREASON_DROP_SPOOFED]; n != 0 {
+		t.Errorf("drop_spoofed counted %d times, want 0", n)
+	}
 }
