@@ -800,3 +800,50 @@ func TestCaptureOwnBroadcastLoopedBack(t *testing.T) {
 		t.Errorf("drop_spoofed counted %d times, want 0", n)
 	}
 }
+
+// srh is an IPv6 segment routing header (routing type 4) listing segs, the
+// final destination first, with left segments still to visit.
+func srh(left byte, segs ...netip.Addr) ext {
+	b := []byte{byte(2 * len(segs)), 4, left, byte(len(segs) - 1), 0, 0, 0}
+	for _, s := range segs {
+		a := s.As16()
+		b = append(b, a[:]...)
+	}
+	return ext{pRouting, b}
+}
+
+// TestCaptureSourceRoute: IPv6 TCP with a routing header whose segments
+// are not all visited is not at its destination: the address the programs
+// classify is a hop, and the one the packet is for sits in the header. Any
+// user can make one: IPV6_RTHDR with a segment routing header needs no
+// capability, and a connect() then sends its SYN to the first segment
+// (verified on this kernel as user nobody). With that segment the probe
+// SNAT address, the egress program passed the SYN as excluded, in
+// plaintext, towards whatever the segments named; with another, it steered
+// a SYN to a destination it was not for. Such packets are dropped, to or
+// from an enrolled pod, as drop_source_route. A routing header with no
+// segments left (the kernel walks past it) is classified as before.
+func TestCaptureSourceRoute(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	srcRoute := CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE
+	final := netip.MustParseAddr("fd00:200::5")
+	egress := []progCase{
+		{"v6 syn to the probe address, one segment left", 0, ip6(pod6, snat6, []ext{srh(1, final, snat6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 ack, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpHdr(40000, 8080, fACK)), actShot, srcRoute},
+		{"v6 syn, segment left after destination options", 0, ip6(pod6, peer6, []ext{opts(pDst, 0), srh(1, final, peer6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn, type 0 with a segment left", 0, ip6(pod6, peer6, []ext{{pRouting, []byte{2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}}}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 udp, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v6 syn, no segment left", 0, ip6(pod6, final, []ext{srh(0, final, peer6)}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 syn between others, one segment left", 0, ip6(other6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, egress)
+	ingress := []progCase{
+		{"v6 syn, one segment left", 0, ip6(peer6, pod6, []ext{srh(1, final, pod6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn to hbone, one segment left", 0, ip6(peer6, pod6, []ext{srh(1, final, pod6)}, pTCP, syn(15008)), actShot, srcRoute},
+		{"v6 syn, no segment left", 0, ip6(peer6, pod6, []ext{srh(0, pod6, peer6)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
+}

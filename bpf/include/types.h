@@ -60,6 +60,7 @@ enum verdict_reason {
 	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
 	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
+	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
 	REASON_MAX,
 };
 
