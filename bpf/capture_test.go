@@ -847,3 +847,34 @@ func TestCaptureSourceRoute(t *testing.T) {
 	}
 	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
 }
+
+// TestCaptureIPv4MappedInIPv6: an IPv6 packet whose source or destination
+// is IPv4-mapped (::ffff:a.b.c.d) is dropped as drop_malformed when that
+// address, read as the map key it is, is enrolled. The maps key IPv4 by
+// its mapped form, so before, an IPv6 SYN to ::ffff:<pod's IPv4> was taken
+// for the IPv4 pod's and went on to be assigned to the inbound listener,
+// whose fwmark route (local ::/0) would deliver to an address no interface
+// has (the kernel alone does not route it, and it drops IPv6 from a mapped
+// source outright), and the pod's own raw IPv6 from its mapped address was
+// steered as the IPv4 pod's.
+func TestCaptureIPv4MappedInIPv6(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	malformed := CaptureVerdictReasonREASON_DROP_MALFORMED
+	mapped := func(a netip.Addr) netip.Addr { return netip.AddrFrom16(a.As16()) }
+	ingress := []progCase{
+		{"v6 syn to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 ack to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, tcpHdr(40000, 8080, fACK)), actShot, malformed},
+		{"v6 syn to hbone at the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, syn(15008)), actShot, malformed},
+		{"v6 udp to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pUDP, make([]byte, 8)), actShot, malformed},
+		{"v6 syn from a mapped address to the pod", 0, ip6(mapped(peer4), pod6, nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 syn between mapped addresses not enrolled", 0, ip6(peer6, mapped(other4), nil, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
+	egress := []progCase{
+		{"v6 syn from the mapped pod address", 0, ip6(mapped(pod4), peer6, nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 syn to a mapped address", 0, ip6(pod6, mapped(peer4), nil, pTCP, tcpSyn), actShot, malformed},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, egress)
+}

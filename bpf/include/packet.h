@@ -236,6 +236,12 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 	p->v6 = 1;
 	if (ip6.version != 6)
 		return REASON_DROP_MALFORMED;
+	/* An IPv4-mapped address is IPv4's map key: in an IPv6 header it would
+	 * be taken for an IPv4 pod's. No host has one (the kernel drops IPv6
+	 * from a mapped source, and the pod's fwmark route is what would
+	 * deliver to a mapped destination). */
+	if (is_v4(&p->src) || is_v4(&p->dst))
+		return REASON_DROP_MALFORMED;
 	next = ip6.nexthdr;
 
 	for (int i = 0; i < IPV6_MAX_EXTHDRS; i++) {

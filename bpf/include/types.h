@@ -49,7 +49,7 @@ enum verdict_reason {
 	REASON_DROP_ASSIGN_FAILED,   /* fail closed: bpf_sk_assign refused */
 	REASON_DROP_SPOOFED,         /* ingress: pod's own source address from the wire */
 	REASON_DROP_TRUNCATED,       /* fail closed: IP packet that ends inside a header it needs */
-	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version) */
+	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version), IPv4-mapped address in IPv6 */
 	REASON_DROP_FRAGMENT,        /* fail closed: an IP fragment that may hold TCP */
 	REASON_DROP_EXTHDR,          /* fail closed: IPv6 chain too long, or TCP hidden (ESP, IP-in-IP, GRE) */
 	REASON_IN_SYN_TIMEWAIT,      /* ingress: a SYN's tuple was in TIME_WAIT: reset it, SYN queued again */
