@@ -348,6 +348,14 @@ static __always_inline int tunnel_socket(struct bpf_sock *sk)
 	return full && (full->mark & mark_mask) == tunnel_mark;
 }
 
+/* app_syn_sent reports whether a socket the lookup found is an app's (no
+ * tunnel mark) in SYN_SENT: a SYN from the wire for its tuple would be taken
+ * by the kernel as a simultaneous open. */
+static __always_inline int app_syn_sent(struct bpf_sock *sk)
+{
+	return sk->state == BPF_TCP_SYN_SENT && !tunnel_socket(sk);
+}
+
 /* take_syn hands a new connection's SYN (no ACK) to the tunnel listener on
  * port, after checking the SYN's own tuple: free, or a listener of the
  * original port, it is assigned; in TIME_WAIT, clear_timewait reopens it; a
@@ -377,7 +385,7 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
 	if (sk) {
 		__u32 state = sk->state;
 
-		if (wire && state == BPF_TCP_SYN_SENT && !tunnel_socket(sk)) {
+		if (wire && app_syn_sent(sk)) {
 			bpf_sk_release(sk);
 			count(REASON_DROP_SYN_SENT, pod, CNT_DROPPED);
 			return TC_ACT_SHOT;
@@ -496,9 +504,11 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  inbound plaintext listener;
  *   TC_ACT_SHOT    a TCP packet from the probe SNAT address that the host
  *                  veth program did not translate (no HASH_PROBE_SNAT);
- *   TC_ACT_SHOT    a SYN whose tuple is an app socket in SYN_SENT: its own
- *                  SYN was captured, so only a simultaneous open by a
- *                  sender on the wire could connect it, in plaintext;
+ *   TC_ACT_SHOT    a SYN whose tuple is an app socket in SYN_SENT, while
+ *                  the pod's outbound capture is on (its inbound capture on
+ *                  or off): its own SYN was captured, so only a
+ *                  simultaneous open by a sender on the wire could connect
+ *                  it, in plaintext;
  *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext.
@@ -554,6 +564,20 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	}
 	if (!(pod->flags & POD_CAPTURE_INBOUND)) {
+		/* The pod's outbound is still captured: see take_syn. */
+		if (p.syn && !p.ack && (pod->flags & POD_CAPTURE_OUTBOUND)) {
+			struct bpf_sock *sk = lookup_tcp(skb, &p);
+
+			if (sk) {
+				int sent = app_syn_sent(sk);
+
+				bpf_sk_release(sk);
+				if (sent) {
+					count(REASON_DROP_SYN_SENT, &p.dst, CNT_DROPPED);
+					return TC_ACT_SHOT;
+				}
+			}
+		}
 		count(REASON_IN_PASS_NO_CAPTURE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
