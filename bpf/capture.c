@@ -356,6 +356,29 @@ static __always_inline int app_syn_sent(struct bpf_sock *sk)
 	return sk->state == BPF_TCP_SYN_SENT && !tunnel_socket(sk);
 }
 
+/* simultaneous_open reports (and counts as drop_syn_sent) a SYN from the
+ * wire whose tuple is an app socket in SYN_SENT of a pod whose outbound
+ * capture is on, for the verdicts that pass a SYN without take_syn: the
+ * pod's inbound capture off, and the HBONE port (an app bound to the pod
+ * address and that port, next to the tunnel's reuseport listener). Its
+ * outbound is meshed all the same: see take_syn. */
+static __always_inline int simultaneous_open(struct __sk_buff *skb, struct tcp_pkt *p, const struct pod_settings *pod)
+{
+	struct bpf_sock *sk;
+	int sent;
+
+	if (!p->syn || p->ack || !(pod->flags & POD_CAPTURE_OUTBOUND))
+		return 0;
+	sk = lookup_tcp(skb, p);
+	if (!sk)
+		return 0;
+	sent = app_syn_sent(sk);
+	bpf_sk_release(sk);
+	if (sent)
+		count(REASON_DROP_SYN_SENT, &p->dst, CNT_DROPPED);
+	return sent;
+}
+
 /* take_syn hands a new connection's SYN (no ACK) to the tunnel listener on
  * port, after checking the SYN's own tuple: free, or a listener of the
  * original port, it is assigned; in TIME_WAIT, clear_timewait reopens it; a
@@ -551,6 +574,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	}
 	if (bpf_ntohs(pkt_dport(&p)) == hbone_port) {
+		if (simultaneous_open(skb, &p, pod))
+			return TC_ACT_SHOT;
 		count(REASON_IN_PASS_HBONE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
@@ -564,20 +589,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	}
 	if (!(pod->flags & POD_CAPTURE_INBOUND)) {
-		/* The pod's outbound is still captured: see take_syn. */
-		if (p.syn && !p.ack && (pod->flags & POD_CAPTURE_OUTBOUND)) {
-			struct bpf_sock *sk = lookup_tcp(skb, &p);
-
-			if (sk) {
-				int sent = app_syn_sent(sk);
-
-				bpf_sk_release(sk);
-				if (sent) {
-					count(REASON_DROP_SYN_SENT, &p.dst, CNT_DROPPED);
-					return TC_ACT_SHOT;
-				}
-			}
-		}
+		if (simultaneous_open(skb, &p, pod))
+			return TC_ACT_SHOT;
 		count(REASON_IN_PASS_NO_CAPTURE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}

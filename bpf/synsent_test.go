@@ -115,10 +115,26 @@ func TestCaptureSYNMeetsSynSentInboundOff(t *testing.T) {
 	})
 }
 
+// TestCaptureSYNMeetsSynSentHBONEPort: the same for a SYN to the HBONE
+// port, which passes without take_syn: an app that bound the pod's address
+// and port 15008 (a root app can, next to the tunnel's reuseport listener)
+// and connects from it has its SYN captured all the same. Before, such a
+// SYN passed as in_pass_hbone.
+func TestCaptureSYNMeetsSynSentHBONEPort(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	setup := func(uint32) { synSentSetup(t) }
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, setup, []progCase{
+		{"v4 syn to an app socket in SYN_SENT on the HBONE port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(8080, 15008, fSYN)), actShot, CaptureVerdictReasonREASON_DROP_SYN_SENT},
+		{"v4 syn to the HBONE port from another port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(8081, 15008, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+		{"v6 syn to the HBONE port", 0, ip6(peer6, pod6, nil, pTCP, tcpHdr(8080, 15008, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+	})
+}
+
 // synSentSetup gives the test's namespace the pod's addresses on a veth
 // pair whose other end owns nothing, and leaves app sockets in SYN_SENT
-// from pod4 and pod6 port 41001 and a tunnel socket (tunnel mark) from pod4
-// port 41002, all towards port 8080 of the peers.
+// from pod4 and pod6 port 41001 and pod4 port 15008, and a tunnel socket
+// (tunnel mark) from pod4 port 41002, all towards port 8080 of the peers.
 func synSentSetup(t *testing.T) {
 	// A veth pair whose other end owns nothing: the SYN waits for a
 	// neighbour that never answers.
@@ -155,6 +171,7 @@ func synSentSetup(t *testing.T) {
 		{pod4, 41001, peer4, 0},
 		{pod6, 41001, peer6, 0},
 		{pod4, 41002, peer4, 0x539},
+		{pod4, 15008, peer4, 0}, // an app bound to the HBONE port
 	} {
 		if err := synSentSocket(t, s.src, s.sport, netip.AddrPortFrom(s.dst, 8080), s.mark); err != nil {
 			t.Errorf("socket %s:%d in SYN_SENT: %v", s.src, s.sport, err)
