@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -631,5 +632,49 @@ func TestHostileMeshedSegmentRoutingNoPlaintext(t *testing.T) {
 	}
 	if got := drops() - before; got < 1 {
 		t.Errorf("drop_source_route grew by %v, want at least 1", got)
+	}
+}
+
+// TestHostileTunnelPortLoop: a plaintext connection to a pod's own inbound
+// port (15006) is refused by the tunnel, not dialled. It reaches that
+// listener without being captured from the pod itself (over lo) and from
+// the node as a probe, and the tunnel then dialled pod:15006, which is the
+// same listener, which dialled again: before the fix one connect() from an
+// unprivileged app made the node's agent open about 12000 file descriptors
+// in a second and a half, and keep most of them.
+func TestHostileTunnelPortLoop(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	fds := func() int {
+		f, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", ms.agents[0].cmd.Process.Pid))
+		return len(f)
+	}
+	for _, c := range []struct {
+		name, from string
+		dst        netip.AddrPort
+	}{
+		{"from the pod, ipv4", client.Path(), netip.AddrPortFrom(client.IPv4, 15006)},
+		{"from the pod, ipv6", client.Path(), netip.AddrPortFrom(client.IPv6, 15006)},
+		{"from the node, as a probe", client.Node.Path(), netip.AddrPortFrom(client.IPv4, 15006)},
+	} {
+		before := fds()
+		var most int
+		err := netns.Do(c.from, func() error {
+			conn, err := net.DialTimeout("tcp", c.dst.String(), 2*time.Second)
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			conn.Write([]byte("x"))
+			for i := 0; i < 10; i++ {
+				time.Sleep(100 * time.Millisecond)
+				most = max(most, fds())
+			}
+			return nil
+		})
+		t.Logf("%s: dial %s: %v; agent fds %d before, at most %d after", c.name, c.dst, err, before, most)
+		if most > before+50 {
+			t.Errorf("%s: one connection to %s made the agent open %d file descriptors", c.name, c.dst, most-before)
+		}
 	}
 }
