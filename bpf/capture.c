@@ -162,6 +162,32 @@ static __always_inline int drop_unparsed(struct __sk_buff *skb, const struct tcp
 	return TC_ACT_UNSPEC;
 }
 
+/* own_source reports (and counts as drop_spoofed) an IPv4 packet that is
+ * not TCP, from the wire, whose source is an enrolled address of the pod
+ * whose interface it arrives on. The loader turns accept_local on for
+ * re-injection, and with it the kernel takes such a packet, which it
+ * refuses as a martian otherwise: a sender on the wire could pose as the
+ * pod to its own sockets. TCP gets the same check in rd_pod_ingress.
+ * IPv6 has no such check to restore. The pod's own multicast and
+ * broadcast, looped back to its interface, are PACKET_LOOPBACK. Only a
+ * packet from an enrolled address pays for the netns lookup. */
+static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pkt *p)
+{
+	struct pod_settings *src_pod, *pod;
+	struct pod_addr owner;
+
+	if (!p->has_addrs || p->v6 || skb->pkt_type == PACKET_LOOPBACK)
+		return 0;
+	src_pod = bpf_map_lookup_elem(&rd_pods, &p->src);
+	if (!src_pod)
+		return 0;
+	pod = netns_pod(skb, &owner);
+	if (!pod || pod->pod_id != src_pod->pod_id)
+		return 0;
+	count(REASON_DROP_SPOOFED, &owner, CNT_DROPPED);
+	return 1;
+}
+
 /* unenrolled_local is the verdict for a TCP packet whose own end (local:
  * the destination on ingress, the source on egress) is not an enrolled
  * address. On an enrolled pod's interface that address is the pod's all the
@@ -223,20 +249,23 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
  *   - the packet itself becomes a RST with the sequence number the TIME_WAIT
  *     socket expects, which the kernel's demux delivers to it, ending it
  *     (net.ipv4.tcp_rfc1337=0, the default).
- * The clone carries PRIO_SYN_REQUEUED: if its tuple is still in TIME_WAIT
- * when it comes back, it is dropped rather than looped. Unlike the kernel's
+ * The clone carries HASH_SYN_REQUEUED (requeued, for the SYN that comes back
+ * with it): if its tuple is still in TIME_WAIT then, because the RST did not
+ * end the socket (PAWS discarded it for an old timestamp, or
+ * net.ipv4.tcp_rfc1337=1), it is dropped rather than looped. Unlike the kernel's
  * own TIME_WAIT handling, the SYN is not checked to be newer than the old
  * connection (sequence number or timestamp): an old duplicate SYN of the same
  * tuple also ends the TIME_WAIT, as tcp_tw_reuse would allow.
  * Returns 0, or the reason to drop the SYN. */
-static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk)
+static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tcp_pkt *p, struct bpf_sock *sk,
+					  int requeued)
 {
-	__u32 prio = skb->priority, rcv_nxt;
+	__u32 hash = skb->hash, rcv_nxt;
 	__be32 old_seq, new_seq;
 	__be16 old_flags, new_flags;
 	__u8 *fb = (__u8 *)&new_flags;
 
-	if (prio == PRIO_SYN_REQUEUED)
+	if (requeued)
 		return REASON_DROP_SYN_TIMEWAIT;
 	if (tw_rcv_nxt(sk, &rcv_nxt) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
@@ -248,10 +277,13 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	new_flags = old_flags;
 	fb[1] = 0x04; /* RST only: no SYN, no ACK, no ECN bits */
 
-	skb->priority = PRIO_SYN_REQUEUED;
+	bpf_set_hash(skb, HASH_SYN_REQUEUED);
 	if (bpf_clone_redirect(skb, skb->ifindex, BPF_F_INGRESS) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
-	skb->priority = prio;
+	if (hash)
+		bpf_set_hash(skb, hash);
+	else
+		bpf_set_hash_invalid(skb);
 
 	/* The checksum field follows the data; the packet's skb->csum, if any,
 	 * stays right because the two changes cancel out. */
@@ -316,6 +348,37 @@ static __always_inline int tunnel_socket(struct bpf_sock *sk)
 	return full && (full->mark & mark_mask) == tunnel_mark;
 }
 
+/* app_syn_sent reports whether a socket the lookup found is an app's (no
+ * tunnel mark) in SYN_SENT: a SYN from the wire for its tuple would be taken
+ * by the kernel as a simultaneous open. */
+static __always_inline int app_syn_sent(struct bpf_sock *sk)
+{
+	return sk->state == BPF_TCP_SYN_SENT && !tunnel_socket(sk);
+}
+
+/* simultaneous_open reports (and counts as drop_syn_sent) a SYN from the
+ * wire whose tuple is an app socket in SYN_SENT of a pod whose outbound
+ * capture is on, for the verdicts that pass a SYN without take_syn: the
+ * pod's inbound capture off, and the HBONE port (an app bound to the pod
+ * address and that port, next to the tunnel's reuseport listener). Its
+ * outbound is meshed all the same: see take_syn. */
+static __always_inline int simultaneous_open(struct __sk_buff *skb, struct tcp_pkt *p, const struct pod_settings *pod)
+{
+	struct bpf_sock *sk;
+	int sent;
+
+	if (!p->syn || p->ack || !(pod->flags & POD_CAPTURE_OUTBOUND))
+		return 0;
+	sk = lookup_tcp(skb, p);
+	if (!sk)
+		return 0;
+	sent = app_syn_sent(sk);
+	bpf_sk_release(sk);
+	if (sent)
+		count(REASON_DROP_SYN_SENT, &p->dst, CNT_DROPPED);
+	return sent;
+}
+
 /* take_syn hands a new connection's SYN (no ACK) to the tunnel listener on
  * port, after checking the SYN's own tuple: free, or a listener of the
  * original port, it is assigned; in TIME_WAIT, clear_timewait reopens it; a
@@ -334,19 +397,24 @@ static __always_inline int tunnel_socket(struct bpf_sock *sk)
 static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __u16 port, const struct pod_addr *pod,
 				    __u32 assigned, enum counter_field field, int pass, int wire)
 {
-	struct bpf_sock *sk = lookup_tcp(skb, p);
+	int requeued = skb->hash == HASH_SYN_REQUEUED;
+	struct bpf_sock *sk;
 	int reason;
 
+	/* the marker has done its work: the SYN goes on without it */
+	if (requeued)
+		bpf_set_hash_invalid(skb);
+	sk = lookup_tcp(skb, p);
 	if (sk) {
 		__u32 state = sk->state;
 
-		if (wire && state == BPF_TCP_SYN_SENT && !tunnel_socket(sk)) {
+		if (wire && app_syn_sent(sk)) {
 			bpf_sk_release(sk);
 			count(REASON_DROP_SYN_SENT, pod, CNT_DROPPED);
 			return TC_ACT_SHOT;
 		}
 		if (state == BPF_TCP_TIME_WAIT) {
-			reason = clear_timewait(skb, p, sk);
+			reason = clear_timewait(skb, p, sk, requeued);
 			bpf_sk_release(sk);
 			if (reason) {
 				count(reason, pod, CNT_DROPPED);
@@ -438,7 +506,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *
  * For every packet: TC_ACT_SHOT for an IP packet from or to an enrolled
  * address, or for this host on an enrolled pod's interface, that parse_tcp
- * cannot classify (drop_unparsed).
+ * cannot classify (drop_unparsed), and for IPv4 that is not TCP from an
+ * enrolled address of this same pod (own_source: accept_local is on).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
@@ -458,9 +527,11 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  inbound plaintext listener;
  *   TC_ACT_SHOT    a TCP packet from the probe SNAT address that the host
  *                  veth program did not translate (no HASH_PROBE_SNAT);
- *   TC_ACT_SHOT    a SYN whose tuple is an app socket in SYN_SENT: its own
- *                  SYN was captured, so only a simultaneous open by a
- *                  sender on the wire could connect it, in plaintext;
+ *   TC_ACT_SHOT    a SYN whose tuple is an app socket in SYN_SENT, while
+ *                  the pod's outbound capture is on (its inbound capture on
+ *                  or off): its own SYN was captured, so only a
+ *                  simultaneous open by a sender on the wire could connect
+ *                  it, in plaintext;
  *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext.
@@ -479,7 +550,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	int ret = parse_tcp(skb, &p);
 
 	if (ret == PARSE_OTHER)
-		return TC_ACT_UNSPEC;
+		return own_source(skb, &p) ? TC_ACT_SHOT : TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)
 		return drop_unparsed(skb, &p, ret, 1);
 
@@ -503,6 +574,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_SHOT;
 	}
 	if (bpf_ntohs(pkt_dport(&p)) == hbone_port) {
+		if (simultaneous_open(skb, &p, pod))
+			return TC_ACT_SHOT;
 		count(REASON_IN_PASS_HBONE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
@@ -516,6 +589,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	}
 	if (!(pod->flags & POD_CAPTURE_INBOUND)) {
+		if (simultaneous_open(skb, &p, pod))
+			return TC_ACT_SHOT;
 		count(REASON_IN_PASS_NO_CAPTURE, &p.dst, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}

@@ -99,7 +99,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR CaptureVerdictReason = 23
 	CaptureVerdictReasonREASON_DROP_VLAN            CaptureVerdictReason = 24
 	CaptureVerdictReasonREASON_DROP_SYN_SENT        CaptureVerdictReason = 25
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 26
+	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE    CaptureVerdictReason = 26
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 27
 )
 
 // Names of all BPF objects in the ELF.

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -668,4 +670,211 @@ func TestCaptureHiddenPayloads(t *testing.T) {
 		{"v6 syn behind Shim6 between others", 0, ip6(peer6, other6, []ext{hdr(pShim6)}, pTCP, tcpSyn), actUnspec, noReason},
 	}
 	runTable(t, objs.RdPodIngress, objs.RdReasons, others)
+}
+
+// TestCaptureOwnSourceNotTCP: an IPv4 packet from the wire whose source is
+// an enrolled address of the pod it arrives at is dropped as drop_spoofed
+// whatever its protocol, not only TCP. The loader sets accept_local=1 on
+// the pod's interface (re-injected packets carry the pod's own source), and
+// with it the kernel no longer refuses a packet from the wire that poses as
+// the pod itself: before, a UDP or ICMP packet "from" the pod's own address
+// reached the pod's sockets, which it did not before enrollment (a local
+// source is a martian). IPv6 has no such check to restore and is left as
+// the kernel has it; the pod's own multicast and broadcast, looped back to
+// its interface (PACKET_LOOPBACK), are not from the wire.
+func TestCaptureOwnSourceNotTCP(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	spoofed := CaptureVerdictReasonREASON_DROP_SPOOFED
+	own := ownNetNS(t, objs, pod4, 1, bothWays)
+	udp := make([]byte, 8)
+	cases := []progCase{
+		{"v4 udp from the pod's own address", 0, forHost(ip4(pod4, pod4, pUDP, 0, udp)), actShot, spoofed},
+		{"v4 icmp from the pod's own address", 0, forHost(ip4(pod4, pod4, 1, 0, udp)), actShot, spoofed},
+		{"v4 udp from the pod's own address to the broadcast address", 0, forHost(ip4(pod4, netip.MustParseAddr("255.255.255.255"), pUDP, 0, udp)), actShot, spoofed},
+		{"v4 udp from the pod's own address to an address not enrolled", 0, forHost(ip4(pod4, other4, pUDP, 0, udp)), actShot, spoofed},
+		{"v4 udp from another pod", 0, forHost(ip4(peer4, pod4, pUDP, 0, udp)), actUnspec, noReason},
+		{"v6 udp from the pod's own address", 0, forHost(ip6(pod6, pod6, nil, pUDP, udp)), actUnspec, noReason},
+		{"v4 tcp from the pod's own address", 0, forHost(ip4(pod4, pod4, pTCP, 0, syn(8080))), actShot, spoofed},
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, own, cases)
+	// Another pod's interface: a packet from pod4 (pod 1) is that pod's,
+	// not a spoof.
+	otherPod := func(ino uint32) {
+		k := CapturePodAddr{Addr: peer4.As16()}
+		if err := objs.RdPods.Put(&k, &CapturePodSettings{Flags: bothWays, PodId: 2}); err != nil {
+			t.Errorf("enroll %s: %v", peer4, err)
+		}
+		if err := objs.RdPodNetns.Put(ino, &CapturePodNetns{Addr: k, PodId: 2}); err != nil {
+			t.Errorf("record netns: %v", err)
+		}
+	}
+	elsewhere := []progCase{
+		{"v4 udp from an enrolled address of another pod", 0, forHost(ip4(pod4, peer4, pUDP, 0, udp)), actUnspec, noReason},
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, otherPod, elsewhere)
+}
+
+// TestCaptureOwnBroadcastLoopedBack: the pod's own broadcast, which the
+// kernel loops back to the pod's sockets with the pod's source address
+// (PACKET_LOOPBACK, no Ethernet header), still arrives with the ingress
+// program attached and is not counted as a spoof.
+func TestCaptureOwnBroadcastLoopedBack(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	var got []byte
+	inNewNetNS(t, func() {
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "rd0"}, PeerName: "rd1"}
+		if err := netlink.LinkAdd(veth); err != nil {
+			t.Errorf("add veth: %v", err)
+			return
+		}
+		peer, err := netlink.LinkByName("rd1")
+		if err == nil {
+			err = netlink.LinkSetUp(peer)
+		}
+		if err != nil {
+			t.Errorf("veth peer up: %v", err)
+			return
+		}
+		ipn, _ := netlink.ParseIPNet(pod4.String() + "/16")
+		if err := netlink.AddrAdd(veth, &netlink.Addr{IPNet: ipn}); err != nil {
+			t.Errorf("address: %v", err)
+			return
+		}
+		if err := netlink.LinkSetUp(veth); err != nil {
+			t.Errorf("veth up: %v", err)
+			return
+		}
+		var st unix.Stat_t
+		if err := unix.Stat("/proc/thread-self/ns/net", &st); err != nil {
+			t.Errorf("stat own netns: %v", err)
+			return
+		}
+		ownNetNS(t, objs, pod4, 1, bothWays)(uint32(st.Ino))
+		lk, err := link.AttachTCX(link.TCXOptions{Interface: veth.Attrs().Index, Program: objs.RdPodIngress, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			t.Errorf("attach: %v", err)
+			return
+		}
+		defer lk.Close()
+
+		rx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Errorf("socket: %v", err)
+			return
+		}
+		defer unix.Close(rx)
+		unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 2})
+		if err := unix.Bind(rx, &unix.SockaddrInet4{Port: 9999}); err != nil {
+			t.Errorf("bind: %v", err)
+			return
+		}
+		tx, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			t.Errorf("socket: %v", err)
+			return
+		}
+		defer unix.Close(tx)
+		unix.SetsockoptInt(tx, unix.SOL_SOCKET, unix.SO_BROADCAST, 1)
+		if err := unix.Bind(tx, &unix.SockaddrInet4{Addr: pod4.As4()}); err != nil {
+			t.Errorf("bind sender: %v", err)
+			return
+		}
+		if err := unix.Sendto(tx, []byte("hello"), 0, &unix.SockaddrInet4{Addr: [4]byte{10, 9, 255, 255}, Port: 9999}); err != nil {
+			t.Errorf("send broadcast: %v", err)
+			return
+		}
+		buf := make([]byte, 16)
+		n, _, err := unix.Recvfrom(rx, buf, 0)
+		if err != nil {
+			t.Errorf("own broadcast not received: %v", err)
+			return
+		}
+		got = buf[:n]
+	})
+	if string(got) != "hello" {
+		t.Errorf("received %q, want hello", got)
+	}
+	if n := reasonCounts(t, objs.RdReasons)[CaptureVerdictReasonREASON_DROP_SPOOFED]; n != 0 {
+		t.Errorf("drop_spoofed counted %d times, want 0", n)
+	}
+}
+
+// srh is an IPv6 segment routing header (routing type 4) listing segs, the
+// final destination first, with left segments still to visit.
+func srh(left byte, segs ...netip.Addr) ext {
+	b := []byte{byte(2 * len(segs)), 4, left, byte(len(segs) - 1), 0, 0, 0}
+	for _, s := range segs {
+		a := s.As16()
+		b = append(b, a[:]...)
+	}
+	return ext{pRouting, b}
+}
+
+// TestCaptureSourceRoute: IPv6 TCP with a routing header whose segments
+// are not all visited is not at its destination: the address the programs
+// classify is a hop, and the one the packet is for sits in the header. Any
+// user can make one: IPV6_RTHDR with a segment routing header needs no
+// capability, and a connect() then sends its SYN to the first segment
+// (verified on this kernel as user nobody). With that segment the probe
+// SNAT address, the egress program passed the SYN as excluded, in
+// plaintext, towards whatever the segments named; with another, it steered
+// a SYN to a destination it was not for. Such packets are dropped, to or
+// from an enrolled pod, as drop_source_route. A routing header with no
+// segments left (the kernel walks past it) is classified as before.
+func TestCaptureSourceRoute(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	srcRoute := CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE
+	final := netip.MustParseAddr("fd00:200::5")
+	egress := []progCase{
+		{"v6 syn to the probe address, one segment left", 0, ip6(pod6, snat6, []ext{srh(1, final, snat6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 ack, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpHdr(40000, 8080, fACK)), actShot, srcRoute},
+		{"v6 syn, segment left after destination options", 0, ip6(pod6, peer6, []ext{opts(pDst, 0), srh(1, final, peer6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn, type 0 with a segment left", 0, ip6(pod6, peer6, []ext{{pRouting, []byte{2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}}}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 udp, one segment left", 0, ip6(pod6, peer6, []ext{srh(1, final, peer6)}, pUDP, make([]byte, 8)), actUnspec, noReason},
+		{"v6 syn, no segment left", 0, ip6(pod6, final, []ext{srh(0, final, peer6)}, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 syn between others, one segment left", 0, ip6(other6, peer6, []ext{srh(1, final, peer6)}, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, egress)
+	ingress := []progCase{
+		{"v6 syn, one segment left", 0, ip6(peer6, pod6, []ext{srh(1, final, pod6)}, pTCP, tcpSyn), actShot, srcRoute},
+		{"v6 syn to hbone, one segment left", 0, ip6(peer6, pod6, []ext{srh(1, final, pod6)}, pTCP, syn(15008)), actShot, srcRoute},
+		{"v6 syn, no segment left", 0, ip6(peer6, pod6, []ext{srh(0, pod6, peer6)}, pTCP, tcpSyn), actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
+}
+
+// TestCaptureIPv4MappedInIPv6: an IPv6 packet whose source or destination
+// is IPv4-mapped (::ffff:a.b.c.d) is dropped as drop_malformed when that
+// address, read as the map key it is, is enrolled. The maps key IPv4 by
+// its mapped form, so before, an IPv6 SYN to ::ffff:<pod's IPv4> was taken
+// for the IPv4 pod's and went on to be assigned to the inbound listener,
+// whose fwmark route (local ::/0) would deliver to an address no interface
+// has (the kernel alone does not route it, and it drops IPv6 from a mapped
+// source outright), and the pod's own raw IPv6 from its mapped address was
+// steered as the IPv4 pod's.
+func TestCaptureIPv4MappedInIPv6(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	malformed := CaptureVerdictReasonREASON_DROP_MALFORMED
+	mapped := func(a netip.Addr) netip.Addr { return netip.AddrFrom16(a.As16()) }
+	ingress := []progCase{
+		{"v6 syn to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 ack to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, tcpHdr(40000, 8080, fACK)), actShot, malformed},
+		{"v6 syn to hbone at the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pTCP, syn(15008)), actShot, malformed},
+		{"v6 udp to the mapped pod address", 0, ip6(peer6, mapped(pod4), nil, pUDP, make([]byte, 8)), actShot, malformed},
+		{"v6 syn from a mapped address to the pod", 0, ip6(mapped(peer4), pod6, nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 syn between mapped addresses not enrolled", 0, ip6(peer6, mapped(other4), nil, pTCP, tcpSyn), actUnspec, noReason},
+	}
+	runTable(t, objs.RdPodIngress, objs.RdReasons, ingress)
+	egress := []progCase{
+		{"v6 syn from the mapped pod address", 0, ip6(mapped(pod4), peer6, nil, pTCP, tcpSyn), actShot, malformed},
+		{"v6 syn to a mapped address", 0, ip6(pod6, mapped(peer4), nil, pTCP, tcpSyn), actShot, malformed},
+	}
+	runTable(t, objs.RdPodEgress, objs.RdReasons, egress)
 }

@@ -53,48 +53,7 @@ func TestCaptureSYNMeetsSynSent(t *testing.T) {
 	needRoot(t)
 	objs := loadCapture(t)
 	const app = 8080
-	setup := func(uint32) {
-		// A veth pair whose other end owns nothing: the SYN waits for a
-		// neighbour that never answers.
-		dummy := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "rd0"}, PeerName: "rd1"}
-		if err := netlink.LinkAdd(dummy); err != nil {
-			t.Errorf("add veth: %v", err)
-			return
-		}
-		if peer, err := netlink.LinkByName("rd1"); err != nil || netlink.LinkSetUp(peer) != nil {
-			t.Errorf("veth peer up: %v", err)
-			return
-		}
-		for _, a := range []string{pod4.String() + "/16", pod6.String() + "/32"} {
-			ipn, err := netlink.ParseIPNet(a)
-			if err != nil {
-				t.Errorf("parse %s: %v", a, err)
-				return
-			}
-			if err := netlink.AddrAdd(dummy, &netlink.Addr{IPNet: ipn, Flags: unix.IFA_F_NODAD}); err != nil {
-				t.Errorf("address %s: %v", a, err)
-				return
-			}
-		}
-		if err := netlink.LinkSetUp(dummy); err != nil {
-			t.Errorf("veth up: %v", err)
-			return
-		}
-		for _, s := range []struct {
-			src   netip.Addr
-			sport uint16
-			dst   netip.Addr
-			mark  int
-		}{
-			{pod4, 41001, peer4, 0},
-			{pod6, 41001, peer6, 0},
-			{pod4, 41002, peer4, 0x539},
-		} {
-			if err := synSentSocket(t, s.src, s.sport, netip.AddrPortFrom(s.dst, app), s.mark); err != nil {
-				t.Errorf("socket %s:%d in SYN_SENT: %v", s.src, s.sport, err)
-			}
-		}
-	}
+	setup := func(uint32) { synSentSetup(t) }
 	synSent := CaptureVerdictReasonREASON_DROP_SYN_SENT
 	cases := []progCase{
 		{"v4 syn to an app socket in SYN_SENT", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41001, fSYN)), actShot, synSent},
@@ -122,4 +81,100 @@ func TestCaptureSYNMeetsSynSent(t *testing.T) {
 	runTableIn(t, objs.RdPodIngress, objs.RdReasons, inboundOnly, []progCase{
 		{"v4 syn to an app socket in SYN_SENT, outbound capture off", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41001, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_SYN_EXISTING},
 	})
+}
+
+// TestCaptureSYNMeetsSynSentInboundOff: the same simultaneous open against
+// a pod whose inbound capture is off (ambient.istio.io/bypass-inbound-
+// capture) while its outbound capture is on. Its outbound connections are
+// meshed all the same, and the app's own SYN was captured, so a SYN from
+// the wire for that tuple is dropped as drop_syn_sent. Before, the
+// inbound-off branch passed every packet (in_pass_no_capture) before the
+// SYN_SENT check, and the kernel connected the app with the sender in
+// plaintext. Other SYNs still pass.
+func TestCaptureSYNMeetsSynSentInboundOff(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	const app = 8080
+	outboundOnly := func(ino uint32) {
+		synSentSetup(t)
+		for _, a := range []netip.Addr{pod4, pod6} {
+			k := CapturePodAddr{Addr: a.As16()}
+			v := CapturePodSettings{Flags: uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND), PodId: 1}
+			if err := objs.RdPods.Put(&k, &v); err != nil {
+				t.Errorf("enroll %s outbound only: %v", a, err)
+			}
+		}
+	}
+	noCapture := CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, outboundOnly, []progCase{
+		{"v4 syn to an app socket in SYN_SENT", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41001, fSYN)), actShot, CaptureVerdictReasonREASON_DROP_SYN_SENT},
+		{"v6 syn to an app socket in SYN_SENT", 0, ip6(peer6, pod6, nil, pTCP, tcpHdr(app, 41001, fSYN)), actShot, CaptureVerdictReasonREASON_DROP_SYN_SENT},
+		{"v4 syn to a tunnel socket in SYN_SENT", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41002, fSYN)), actUnspec, noCapture},
+		{"v4 syn-ack to an app socket in SYN_SENT", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app, 41001, fSYN|fACK)), actUnspec, noCapture},
+		{"v4 syn from another port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(app+1, 41001, fSYN)), actUnspec, noCapture},
+	})
+}
+
+// TestCaptureSYNMeetsSynSentHBONEPort: the same for a SYN to the HBONE
+// port, which passes without take_syn: an app that bound the pod's address
+// and port 15008 (a root app can, next to the tunnel's reuseport listener)
+// and connects from it has its SYN captured all the same. Before, such a
+// SYN passed as in_pass_hbone.
+func TestCaptureSYNMeetsSynSentHBONEPort(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	setup := func(uint32) { synSentSetup(t) }
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, setup, []progCase{
+		{"v4 syn to an app socket in SYN_SENT on the HBONE port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(8080, 15008, fSYN)), actShot, CaptureVerdictReasonREASON_DROP_SYN_SENT},
+		{"v4 syn to the HBONE port from another port", 0, ip4(peer4, pod4, pTCP, 0, tcpHdr(8081, 15008, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+		{"v6 syn to the HBONE port", 0, ip6(peer6, pod6, nil, pTCP, tcpHdr(8080, 15008, fSYN)), actUnspec, CaptureVerdictReasonREASON_IN_PASS_HBONE},
+	})
+}
+
+// synSentSetup gives the test's namespace the pod's addresses on a veth
+// pair whose other end owns nothing, and leaves app sockets in SYN_SENT
+// from pod4 and pod6 port 41001 and pod4 port 15008, and a tunnel socket
+// (tunnel mark) from pod4 port 41002, all towards port 8080 of the peers.
+func synSentSetup(t *testing.T) {
+	// A veth pair whose other end owns nothing: the SYN waits for a
+	// neighbour that never answers.
+	dummy := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "rd0"}, PeerName: "rd1"}
+	if err := netlink.LinkAdd(dummy); err != nil {
+		t.Errorf("add veth: %v", err)
+		return
+	}
+	if peer, err := netlink.LinkByName("rd1"); err != nil || netlink.LinkSetUp(peer) != nil {
+		t.Errorf("veth peer up: %v", err)
+		return
+	}
+	for _, a := range []string{pod4.String() + "/16", pod6.String() + "/32"} {
+		ipn, err := netlink.ParseIPNet(a)
+		if err != nil {
+			t.Errorf("parse %s: %v", a, err)
+			return
+		}
+		if err := netlink.AddrAdd(dummy, &netlink.Addr{IPNet: ipn, Flags: unix.IFA_F_NODAD}); err != nil {
+			t.Errorf("address %s: %v", a, err)
+			return
+		}
+	}
+	if err := netlink.LinkSetUp(dummy); err != nil {
+		t.Errorf("veth up: %v", err)
+		return
+	}
+	for _, s := range []struct {
+		src   netip.Addr
+		sport uint16
+		dst   netip.Addr
+		mark  int
+	}{
+		{pod4, 41001, peer4, 0},
+		{pod6, 41001, peer6, 0},
+		{pod4, 41002, peer4, 0x539},
+		{pod4, 15008, peer4, 0}, // an app bound to the HBONE port
+	} {
+		if err := synSentSocket(t, s.src, s.sport, netip.AddrPortFrom(s.dst, 8080), s.mark); err != nil {
+			t.Errorf("socket %s:%d in SYN_SENT: %v", s.src, s.sport, err)
+		}
+	}
 }

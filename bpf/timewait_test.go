@@ -1,6 +1,7 @@
 package bpf
 
 import (
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
@@ -9,7 +10,9 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // timeWaitPair leaves a TIME_WAIT socket on the server side of a loopback
@@ -113,4 +116,108 @@ func TestCaptureSYNMeetsTimeWait(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestCaptureSYNTimeWaitRequeuedOnce: a SYN whose RST does not end the
+// TIME_WAIT socket (here its timestamp is older than the last one the socket
+// saw, so PAWS discards the RST; net.ipv4.tcp_rfc1337=1 does the same) is
+// queued again once and then dropped as drop_syn_timewait. Before, the loop
+// guard was skb->priority, which the kernel zeroes on every redirect to
+// ingress (____dev_forward_skb): the clone came back unmarked, made another
+// clone and another RST, and so on until the TIME_WAIT expired, 60 s of a
+// CPU busy in softirq for one SYN that any client could send to a pod whose
+// tunnel socket had closed first (the tunnel closes first under STRICT).
+func TestCaptureSYNTimeWaitRequeuedOnce(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	inNewNetNS(t, func() {
+		lo, err := netlink.LinkByName("lo")
+		if err == nil {
+			err = netlink.LinkSetUp(lo)
+		}
+		if err != nil {
+			t.Errorf("loopback up: %v", err)
+			return
+		}
+		// The program on the interface the clone is queued to, as on a
+		// pod's eth0.
+		lk, err := link.AttachTCX(link.TCXOptions{Interface: lo.Attrs().Index, Program: objs.RdPodIngress, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			t.Errorf("attach to lo: %v", err)
+			return
+		}
+		defer lk.Close()
+
+		var tsval uint32
+		client, err := timeWaitPairTS("tcp4", "127.0.0.1:8090", "127.0.0.1:8090", "127.0.0.2:0", &tsval)
+		if err != nil {
+			t.Errorf("time-wait pair: %v", err)
+			return
+		}
+		server := netip.MustParseAddrPort("127.0.0.1:8090")
+		enroll(t, objs.RdPods, 2, server.Addr())
+		opts := append([]byte(nil), synOpts...)
+		binary.BigEndian.PutUint32(opts[8:], tsval-1_000_000) // older than the socket's ts_recent
+		pkt := ip4(client.Addr().Unmap(), server.Addr(), pTCP, 0x4000, tcpHdr(client.Port(), server.Port(), fSYN, opts...))
+
+		before := reasonCounts(t, objs.RdReasons)
+		if _, err := objs.RdPodIngress.Run(&ebpf.RunOptions{Data: pkt, Context: skbCtx{}}); err != nil {
+			t.Errorf("run: %v", err)
+			return
+		}
+		time.Sleep(300 * time.Millisecond) // the clone's trip through the backlog, and any loop
+		after := reasonCounts(t, objs.RdReasons)
+		requeued := after[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT] - before[CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT]
+		dropped := after[CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT] - before[CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT]
+		if requeued != 1 || dropped != 1 {
+			t.Errorf("in_syn_timewait counted %d times, drop_syn_timewait %d; want once each", requeued, dropped)
+		}
+	})
+}
+
+// timeWaitPairTS is timeWaitPair that also gives the client's TCP
+// timestamp clock (TCP_TIMESTAMP) just before it closes: about the last
+// TSval the TIME_WAIT socket saw.
+func timeWaitPairTS(network, laddr, daddr, caddr string, tsval *uint32) (netip.AddrPort, error) {
+	l, err := net.Listen(network, laddr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	defer l.Close()
+	d := net.Dialer{}
+	if d.LocalAddr, err = net.ResolveTCPAddr(network, caddr); err != nil {
+		return netip.AddrPort{}, err
+	}
+	c, err := d.Dial(network, daddr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	defer c.Close()
+	s, err := l.Accept()
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	s.Close()
+	c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		return netip.AddrPort{}, fmt.Errorf("wait for the server's FIN: %w", err)
+	}
+	rc, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		var v int
+		v, serr = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_TIMESTAMP)
+		*tsval = uint32(v)
+	}); err != nil {
+		return netip.AddrPort{}, err
+	}
+	if serr != nil {
+		return netip.AddrPort{}, fmt.Errorf("read TCP_TIMESTAMP: %w", serr)
+	}
+	c.Close()
+	time.Sleep(50 * time.Millisecond)
+	return netip.MustParseAddrPort(c.LocalAddr().String()), nil
 }

@@ -236,6 +236,12 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 	p->v6 = 1;
 	if (ip6.version != 6)
 		return REASON_DROP_MALFORMED;
+	/* An IPv4-mapped address is IPv4's map key: in an IPv6 header it would
+	 * be taken for an IPv4 pod's. No host has one (the kernel drops IPv6
+	 * from a mapped source, and the pod's fwmark route is what would
+	 * deliver to a mapped destination). */
+	if (is_v4(&p->src) || is_v4(&p->dst))
+		return REASON_DROP_MALFORMED;
 	next = ip6.nexthdr;
 
 	for (int i = 0; i < IPV6_MAX_EXTHDRS; i++) {
@@ -244,8 +250,22 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 		switch (next) {
 		case IPPROTO_TCP:
 			return read_tcp(skb, p, off);
+		case IPPROTO_ROUTING: {
+			struct ipv6_rt_hdr rt;
+
+			/* With segments left, the destination address is
+			 * the next hop, not where the packet is going (any
+			 * user can send such TCP: IPV6_RTHDR with a segment
+			 * routing header needs no capability). */
+			if (bpf_skb_load_bytes(skb, off, &rt, sizeof(rt)) < 0)
+				return REASON_DROP_TRUNCATED;
+			if (rt.segments_left)
+				return may_hold_tcp6(rt.nexthdr) ? REASON_DROP_SOURCE_ROUTE : PARSE_OTHER;
+			off += (rt.hdrlen + 1) * 8;
+			next = rt.nexthdr;
+			break;
+		}
 		case IPPROTO_HOPOPTS:
-		case IPPROTO_ROUTING:
 		case IPPROTO_DSTOPTS:
 			if (bpf_skb_load_bytes(skb, off, &h, sizeof(h)) < 0)
 				return REASON_DROP_TRUNCATED;

@@ -49,7 +49,7 @@ enum verdict_reason {
 	REASON_DROP_ASSIGN_FAILED,   /* fail closed: bpf_sk_assign refused */
 	REASON_DROP_SPOOFED,         /* ingress: pod's own source address from the wire */
 	REASON_DROP_TRUNCATED,       /* fail closed: IP packet that ends inside a header it needs */
-	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version) */
+	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version), IPv4-mapped address in IPv6 */
 	REASON_DROP_FRAGMENT,        /* fail closed: an IP fragment that may hold TCP */
 	REASON_DROP_EXTHDR,          /* fail closed: IPv6 chain too long, or TCP hidden (ESP, IP-in-IP, GRE) */
 	REASON_IN_SYN_TIMEWAIT,      /* ingress: a SYN's tuple was in TIME_WAIT: reset it, SYN queued again */
@@ -60,6 +60,7 @@ enum verdict_reason {
 	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
 	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
+	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
 	REASON_MAX,
 };
 
@@ -68,10 +69,13 @@ enum verdict_reason {
 #define REASON_SLOTS 64
 _Static_assert(REASON_MAX <= REASON_SLOTS, "rd_reasons is too small for enum verdict_reason");
 
-/* skb->priority of a SYN clear_timewait queued again (capture.c). A value
- * this large needs CAP_NET_ADMIN to set with SO_PRIORITY, and a sender that
- * forges it only gets its own SYN dropped. */
-#define PRIO_SYN_REQUEUED 0x72640002
+/* skb->hash of a SYN clear_timewait queued again (capture.c), so that it is
+ * queued once, never looped. Not the priority or the mark: a redirect to
+ * ingress zeroes skb->priority (____dev_forward_skb), and the mark is a
+ * setting the pod's rules match on; the hash survives the redirect, as it
+ * does a veth's crossing. A sender whose SYN carries it by chance only gets
+ * that SYN dropped, and only when its tuple is in TIME_WAIT. */
+#define HASH_SYN_REQUEUED 0x72640002
 
 /* skb->hash that rd_host_egress gives a packet it translated to the probe
  * SNAT source, so the pod-side capture can tell it from a spoofed one: the

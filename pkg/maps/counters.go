@@ -114,6 +114,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR: "drop_unenrolled_addr",
 	bpf.CaptureVerdictReasonREASON_DROP_VLAN:            "drop_vlan",
 	bpf.CaptureVerdictReasonREASON_DROP_SYN_SENT:        "drop_syn_sent",
+	bpf.CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE:    "drop_source_route",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

@@ -113,7 +113,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		t.cfg.Metrics.denied("foreign_authority")
 		return hbone.Response{Status: http.StatusBadRequest, Reason: fmt.Sprintf("authority %s is not an address of this pod", dst)}
 	}
-	if port := dst.Port(); port == t.cfg.OutboundPort || port == t.cfg.InboundPort || port == t.cfg.HBONEPort {
+	if port := dst.Port(); t.cfg.tunnelPort(port) {
 		t.cfg.Metrics.denied("tunnel_port")
 		return hbone.Response{Status: http.StatusBadRequest, Reason: fmt.Sprintf("authority port %d is the tunnel's own", port)}
 	}
@@ -244,6 +244,15 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	t := p.t
 	ctx := p.ctx
 	dst, client := addrPortOf(c.LocalAddr()), addrPortOf(c.RemoteAddr())
+	// Dialled, a tunnel port of the pod's own address is this listener
+	// again: a connection to it (the pod's own app over lo, a probe, a SYN
+	// from the wire) would open another, and so on without end.
+	if t.cfg.tunnelPort(dst.Port()) {
+		t.cfg.Metrics.denied("tunnel_port")
+		t.refusals.note(ctx, "plaintext connection to a tunnel port refused", "client", client, "dst", dst)
+		resetConn(c)
+		return
+	}
 	ic := p.track(dst, client.Addr(), identity.ID{}, false)
 	st := t.State()
 	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), identity.ID{}, false)
@@ -293,6 +302,12 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		p.untrack(ic)
 		res.close(ctx, reqBytes, respBytes, err)
 	})
+}
+
+// tunnelPort reports whether port is one of the tunnel's own listeners in
+// the pod: never a destination the tunnel dials.
+func (c Config) tunnelPort(port uint16) bool {
+	return port == c.OutboundPort || port == c.InboundPort || port == c.HBONEPort
 }
 
 // plainConn describes a plaintext inbound connection for metrics and logs.

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"strings"
 	"sync"
 	"syscall"
@@ -249,8 +250,10 @@ var padOpts = []byte{0, 0, 1, 4, 0, 0, 0, 0}
 
 // hostileIPv6Options are the extension headers an application can set on a
 // TCP socket. IPV6_RTHDRDSTOPTS is only sent together with a routing header,
-// and Linux accepts only a type 2 routing header on a socket (type 0 is
-// deprecated by RFC 5095), so that case sets both.
+// and Linux accepts only a type 2 or type 4 (segment routing) routing header
+// on a socket (type 0 is deprecated by RFC 5095), so that case sets both;
+// TestHostileMeshedSegmentRoutingNoPlaintext has a type 4 with a segment
+// left.
 func hostileIPv6Options() []ipv6Option {
 	return []ipv6Option{
 		{name: "IPV6_HOPOPTS", opts: []int{unix.IPV6_HOPOPTS}, value: [][]byte{padOpts}},
@@ -589,6 +592,89 @@ func TestHostileSameNodePodNotAProbe(t *testing.T) {
 	for _, src := range []netip.Addr{netip.MustParseAddr("169.254.7.127"), netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff"), neighbour.IPv4, neighbour.IPv6} {
 		if got := app.from(src); len(got) > 0 {
 			t.Errorf("the STRICT pod's app accepted %d plaintext connections from %s: %q", len(got), src, got)
+		}
+	}
+}
+
+// TestHostileMeshedSegmentRoutingNoPlaintext: a meshed app that puts a
+// segment routing header on its socket (IPV6_RTHDR, routing type 4: any
+// user may) whose first segment is the probe SNAT address sends its SYN to
+// that address, with the destination it dialled in the header. Before the
+// fix the egress program took the SYN for one to the probe address,
+// excluded from capture, and it left the pod in plaintext towards the
+// segments; now it is dropped (drop_source_route) in the pod.
+func TestHostileMeshedSegmentRoutingNoPlaintext(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	snat6 := netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff") // HOST_PROBE_SNAT_IPV6's default
+	final, first := server.IPv6.As16(), snat6.As16()
+	// Segments last to first: the final destination, then the first hop;
+	// one segment left to visit.
+	srh := append([]byte{0, 4, 4, 1, 1, 0, 0, 0}, append(final[:], first[:]...)...)
+	opt := ipv6Option{name: "IPV6_RTHDR type 4", opts: []int{unix.IPV6_RTHDR}, value: [][]byte{srh}}
+	drops := func() float64 {
+		return metricSum(scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_source_route"`)
+	}
+	before := drops()
+
+	stop := capture(t, client.Node.Path(), client.HostVeth)
+	err := dialWithIPv6Option(client, netip.AddrPortFrom(server.IPv6, hostileAppPort), opt, "srh-marker")
+	wire := stop()
+	if errors.Is(err, errOptionRefused) {
+		t.Fatalf("this kernel refuses a segment routing header on a socket: %v", err)
+	}
+	t.Logf("dial with a segment routing header: %v", err)
+	// The SYN as it would cross the veth: destination the probe address,
+	// then the routing header (next TCP, 4 units, type 4, 1 segment left).
+	leak := append(first[:], unix.IPPROTO_TCP, 4, 4, 1)
+	if bytes.Contains(wire, leak) {
+		t.Error("a meshed pod's SYN with a segment routing header via the probe SNAT address left the pod in plaintext")
+	}
+	if got := drops() - before; got < 1 {
+		t.Errorf("drop_source_route grew by %v, want at least 1", got)
+	}
+}
+
+// TestHostileTunnelPortLoop: a plaintext connection to a pod's own inbound
+// port (15006) is refused by the tunnel, not dialled. It reaches that
+// listener without being captured from the pod itself (over lo) and from
+// the node as a probe, and the tunnel then dialled pod:15006, which is the
+// same listener, which dialled again: before the fix one connect() from an
+// unprivileged app made the node's agent open about 12000 file descriptors
+// in a second and a half, and keep most of them.
+func TestHostileTunnelPortLoop(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	fds := func() int {
+		f, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", ms.agents[0].cmd.Process.Pid))
+		return len(f)
+	}
+	for _, c := range []struct {
+		name, from string
+		dst        netip.AddrPort
+	}{
+		{"from the pod, ipv4", client.Path(), netip.AddrPortFrom(client.IPv4, 15006)},
+		{"from the pod, ipv6", client.Path(), netip.AddrPortFrom(client.IPv6, 15006)},
+		{"from the node, as a probe", client.Node.Path(), netip.AddrPortFrom(client.IPv4, 15006)},
+	} {
+		before := fds()
+		var most int
+		err := netns.Do(c.from, func() error {
+			conn, err := net.DialTimeout("tcp", c.dst.String(), 2*time.Second)
+			if err != nil {
+				return err
+			}
+			defer conn.Close()
+			conn.Write([]byte("x"))
+			for i := 0; i < 10; i++ {
+				time.Sleep(100 * time.Millisecond)
+				most = max(most, fds())
+			}
+			return nil
+		})
+		t.Logf("%s: dial %s: %v; agent fds %d before, at most %d after", c.name, c.dst, err, before, most)
+		if most > before+50 {
+			t.Errorf("%s: one connection to %s made the agent open %d file descriptors", c.name, c.dst, most-before)
 		}
 	}
 }
