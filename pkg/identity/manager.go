@@ -34,6 +34,10 @@ const (
 // sent in each handshake, so a CA answering with hundreds is refused.
 const MaxChainLen = 8
 
+// defaultClockCheck is how often a waiting worker compares the time with
+// its refresh time; see Manager.sleep.
+const defaultClockCheck = 10 * time.Second
+
 // Signer issues workload certificates: the file CA signs locally, the istiod
 // client (package istioca) asks istiod. The Manager calls Sign only from its
 // background fetches, never from a handshake, so Sign may take as long as
@@ -142,6 +146,9 @@ type Manager struct {
 	sem     chan struct{}
 	metrics *caMetrics
 	log     *slog.Logger
+	// clockCheck is the longest a worker waits without looking at the
+	// clock again (see sleep).
+	clockCheck time.Duration
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -195,7 +202,7 @@ func New(o ManagerOptions) *Manager {
 	ctx, cancel := context.WithCancel(context.Background())
 	return &Manager{
 		opts: o, clock: o.Clock, sem: make(chan struct{}, o.MaxConcurrent), metrics: newCAMetrics(),
-		log: o.Logger, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
+		log: o.Logger, clockCheck: defaultClockCheck, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
 	}
 }
 
@@ -399,11 +406,33 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", cert.Leaf.NotAfter, "refresh_at", e.refreshAt)
 		}
-		t := time.NewTimer(wait)
+		if !m.sleep(ctx, wait) {
+			return
+		}
+	}
+}
+
+// sleep waits for d to pass, on the monotonic clock or on the Manager's
+// clock, whichever gets there first; false if ctx ended. Certificates
+// expire by the wall clock, but a timer runs on the monotonic one, which
+// stops while the machine is suspended (a paused VM) and does not follow
+// a step of the wall clock: a worker woken past its refresh time, or past
+// the certificate's expiry, would otherwise wait out the rest of its timer
+// (up to half a lifetime) serving nothing. So it looks at the clock again
+// every clockCheck.
+func (m *Manager) sleep(ctx context.Context, d time.Duration) bool {
+	start := time.Now()
+	at := m.clock().Round(0).Add(d) // Round(0): compared on the wall clock
+	for {
+		left := min(d-time.Since(start), at.Sub(m.clock()))
+		if left <= 0 {
+			return true
+		}
+		t := time.NewTimer(min(left, m.clockCheck))
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return
+			return false
 		case <-t.C:
 		}
 	}
