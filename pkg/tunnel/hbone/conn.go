@@ -245,6 +245,7 @@ type conn struct {
 	idleSince      time.Time
 	idleTimer      *time.Timer
 	expiryTimer    *time.Timer // drainAtPeerExpiry
+	peerNotAfter   time.Time   // the peer's certificate's end; zero: none
 	ctl, ctlSpare  []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the
@@ -738,6 +739,15 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if f.HasPriority() && f.Priority.StreamDep == id {
 		c.mu.Unlock()
 		return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol} // depends on itself (§5.3.1)
+	}
+	if !c.goAway && c.peerExpiredLocked() {
+		// The drain timer is late (see peerExpiredLocked): drain now,
+		// before this stream counts as seen, so the GOAWAY tells the
+		// client to retry it on a new connection, whose handshake needs
+		// a current certificate.
+		c.mu.Unlock()
+		c.drain()
+		c.mu.Lock()
 	}
 	c.lastPeerID = id
 	if c.goAway || uint32(c.active) >= c.cfg.maxStreams {
@@ -1261,8 +1271,23 @@ func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
-		c.expiryTimer = time.AfterFunc(time.Until(notAfter), c.drain)
+		c.peerNotAfter = notAfter
+		c.expiryTimer = expiryAfterFunc(time.Until(notAfter), c.drain)
 	}
+}
+
+// expiryAfterFunc is time.AfterFunc; tests replace it to stand for a timer
+// that runs late.
+var expiryAfterFunc = time.AfterFunc
+
+// peerExpiredLocked reports whether the peer's certificate has expired by
+// the wall clock. The drain timer of drainAtPeerExpiry alone is not
+// enough: it runs on the monotonic clock, which stops while the machine is
+// suspended (a paused VM) and ignores a step of the wall clock, so it can
+// fire hours after the certificate ran out. Every new stream asks this
+// too, on both sides.
+func (c *conn) peerExpiredLocked() bool {
+	return !c.peerNotAfter.IsZero() && !time.Now().Before(c.peerNotAfter)
 }
 
 // drain stops new streams (GOAWAY) and closes the conn once the last

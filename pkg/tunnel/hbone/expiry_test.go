@@ -126,6 +126,58 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 	}
 }
 
+// The drain timer runs on the monotonic clock, which stops while the
+// machine is suspended and ignores a step of the wall clock: it may fire
+// long after the peer's certificate expired. Here it never fires, and
+// still no new stream travels on a connection whose peer's certificate
+// has expired by the wall clock: the server refuses it (REFUSED_STREAM
+// and GOAWAY, so the client retries on a new connection), the pool picks
+// another connection. The retry's handshake fails on the expired
+// certificate.
+func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
+	late := func(time.Duration, func()) *time.Timer { return time.AfterFunc(24*time.Hour, func() {}) }
+	defer func(f func(time.Duration, func()) *time.Timer) { expiryAfterFunc = f }(expiryAfterFunc)
+	expiryAfterFunc = late
+	for _, expiring := range []string{"client", "server"} {
+		t.Run(expiring, func(t *testing.T) {
+			pki := newExpiringPKI(t, 2*time.Second)
+			clientCert, serverCert := pki.lasting, pki.expiring
+			if expiring == "client" {
+				clientCert, serverCert = pki.expiring, pki.lasting
+			}
+			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
+			app := startUpstream(t, echo)
+			connect := func() (*Stream, error) {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+			}
+			open, err := connect()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer open.Close()
+			time.Sleep(time.Until(pki.expiring.Leaf.NotAfter) + 500*time.Millisecond)
+
+			if s, err := connect(); err == nil {
+				s.Close()
+				t.Fatalf("a stream opened on the old connection %s after the %s certificate expired (drain timer late)", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
+			}
+			if st := e.pool.Stats(); st.DialsTotal != 2 {
+				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			}
+			msg := []byte("still here")
+			if _, err := open.Write(msg); err != nil {
+				t.Fatalf("stream open at the expiry: write: %v", err)
+			}
+			buf := make([]byte, len(msg))
+			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+				t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
+			}
+		})
+	}
+}
+
 // DrainPeers (on a trust bundle change) drains exactly the connections
 // whose peer keep refuses: their open streams run on, the next stream
 // needs a new handshake. Connections keep accepts are left alone.
