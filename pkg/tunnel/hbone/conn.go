@@ -245,7 +245,7 @@ type conn struct {
 	idleSince      time.Time
 	idleTimer      *time.Timer
 	expiryTimer    *time.Timer // drainAtPeerExpiry
-	peerNotAfter   time.Time   // the peer's certificate's end; zero: none
+	peerNotAfter   time.Time   // the end of the peer's chain; zero: none
 	ctl, ctlSpare  []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the
@@ -1255,19 +1255,27 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
 }
 
-// drainAtPeerExpiry drains c when the certificate the peer presented in
-// state expires. The handshake verified the peer's identity at that moment
-// only; a connection can carry new streams for days, so without this a
-// peer whose certificate ran out (a node that lost its CA, an identity
-// that should be gone) would keep being served, and served as that
-// identity. New streams go on a new connection instead, whose handshake
-// checks a current certificate against the roots of that moment; streams
-// open at expiry run to their end.
+// drainAtPeerExpiry drains c when the chain the peer presented in state
+// expires: the first end of its certificates, since past an
+// intermediate's end the leaf verifies no more (a CA need not clamp a
+// leaf to its issuer's end). The handshake verified the peer's identity
+// at that moment only; a connection can carry new streams for days, so
+// without this a peer whose certificate ran out (a node that lost its CA,
+// an identity that should be gone) would keep being served, and served as
+// that identity. New streams go on a new connection instead, whose
+// handshake checks a current certificate against the roots of that
+// moment; streams open at expiry run to their end. A certificate the peer
+// sent but the chain did not need can only end its own connection sooner.
 func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 	if len(state.PeerCertificates) == 0 {
 		return
 	}
 	notAfter := state.PeerCertificates[0].NotAfter
+	for _, cert := range state.PeerCertificates[1:] {
+		if cert.NotAfter.Before(notAfter) {
+			notAfter = cert.NotAfter
+		}
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
@@ -1280,8 +1288,8 @@ func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 // that runs late.
 var expiryAfterFunc = time.AfterFunc
 
-// peerExpiredLocked reports whether the peer's certificate has expired by
-// the wall clock. The drain timer of drainAtPeerExpiry alone is not
+// peerExpiredLocked reports whether the peer's chain has expired by the
+// wall clock. The drain timer of drainAtPeerExpiry alone is not
 // enough: it runs on the monotonic clock, which stops while the machine is
 // suspended (a paused VM) and ignores a step of the wall clock, so it can
 // fire hours after the certificate ran out. Every new stream asks this

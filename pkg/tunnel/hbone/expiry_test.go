@@ -11,17 +11,20 @@ import (
 	"io"
 	"math/big"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
-// expiringPKI is a CA with two leaves for the same identity: one valid for
-// an hour, one that expires within seconds.
+// expiringPKI is a CA with three certificates for the same identity: a
+// leaf valid for an hour, one that expires within seconds, and one valid
+// for an hour under an intermediate that expires within seconds (a CA
+// that does not clamp a leaf to its issuer's end).
 type expiringPKI struct {
-	pool              *x509.CertPool
-	lasting, expiring tls.Certificate
+	pool                   *x509.CertPool
+	lasting, expiring, via tls.Certificate
 }
 
 func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
@@ -43,7 +46,22 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 		t.Fatal(err)
 	}
 	id, _ := url.Parse("spiffe://cluster.local/ns/default/sa/test")
-	leaf := func(serial int64, notAfter time.Time) tls.Certificate {
+	interKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	interTmpl := &x509.Certificate{SerialNumber: big.NewInt(4), Subject: pkix.Name{CommonName: "expiring-intermediate"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(life),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	interDER, err := x509.CreateCertificate(rand.Reader, interTmpl, ca, &interKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inter, err := x509.ParseCertificate(interDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := func(serial int64, notAfter time.Time, issuer *x509.Certificate, issuerKey *ecdsa.PrivateKey) tls.Certificate {
 		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		if err != nil {
 			t.Fatal(err)
@@ -52,7 +70,7 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 			KeyUsage:    x509.KeyUsageDigitalSignature,
 			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 			DNSNames:    []string{"hbone.test"}, URIs: []*url.URL{id}}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, issuer, &key.PublicKey, issuerKey)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -60,11 +78,16 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: parsed}
+		chain := [][]byte{der}
+		if issuer != ca {
+			chain = append(chain, issuer.Raw)
+		}
+		return tls.Certificate{Certificate: chain, PrivateKey: key, Leaf: parsed}
 	}
 	pool := x509.NewCertPool()
 	pool.AddCert(ca)
-	return &expiringPKI{pool: pool, lasting: leaf(2, now.Add(time.Hour)), expiring: leaf(3, now.Add(life))}
+	return &expiringPKI{pool: pool, lasting: leaf(2, now.Add(time.Hour), ca, caKey), expiring: leaf(3, now.Add(life), ca, caKey),
+		via: leaf(5, now.Add(time.Hour), inter, interKey)}
 }
 
 func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
@@ -82,13 +105,20 @@ func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
 // travel on it as if the peer still held that identity: both ends drain the
 // connection at the peer's expiry, so the next stream needs a new
 // handshake, which an expired certificate cannot pass.
+//
+// The end is that of the chain the peer presented, not only of its leaf:
+// past its intermediate's end the leaf verifies no more.
 func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
-	for _, expiring := range []string{"client", "server"} {
+	for _, expiring := range []string{"client", "server", "client intermediate", "server intermediate"} {
 		t.Run(expiring, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
-			clientCert, serverCert := pki.lasting, pki.expiring
-			if expiring == "client" {
-				clientCert, serverCert = pki.expiring, pki.lasting
+			short := pki.expiring
+			if strings.HasSuffix(expiring, "intermediate") {
+				short = pki.via
+			}
+			clientCert, serverCert := pki.lasting, short
+			if strings.HasPrefix(expiring, "client") {
+				clientCert, serverCert = short, pki.lasting
 			}
 			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
 			app := startUpstream(t, echo)
