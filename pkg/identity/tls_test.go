@@ -403,7 +403,7 @@ func TestNilRootsTrustNothing(t *testing.T) {
 		t.Errorf("peer verified against a nil pool: got %v, err = %v, want ErrUntrustedPeer (no trust roots)", id, err)
 	}
 	var ce *CAError
-	if err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+	if _, err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
 		t.Errorf("own certificate checked against a nil pool: err = %v, want %s", err, ReasonUntrustedChain)
 	}
 }
@@ -484,7 +484,7 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 	if id, err := verifyPeer(m, strong, x509.ExtKeyUsageClientAuth); err != nil || id != want {
 		t.Fatalf("peer chain through a 2048-bit intermediate: %v %v, want %v", id, err, want)
 	}
-	if err := m.check(want, strongOwn); err != nil {
+	if _, err := m.check(want, strongOwn); err != nil {
 		t.Fatalf("own chain through a 2048-bit intermediate: %v", err)
 	}
 	weakOwn, weak := chainVia(1024)
@@ -495,7 +495,7 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 		}
 	}
 	var ce *CAError
-	if err := m.check(want, weakOwn); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "1024 bits") {
+	if _, err := m.check(want, weakOwn); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "1024 bits") {
 		t.Errorf("own chain through a 1024-bit intermediate: err = %v, want %s naming the key size", err, ReasonUntrustedChain)
 	}
 }
