@@ -158,12 +158,13 @@ type Manager struct {
 	entries map[ID]*entry
 }
 
-// entry is one identity's state; fields other than id, cancel and ready
-// are guarded by Manager.mu.
+// entry is one identity's state; fields other than id, cancel, ready and
+// wake are guarded by Manager.mu.
 type entry struct {
 	id     ID
 	cancel context.CancelFunc
 	ready  chan struct{} // closed on the first certificate
+	wake   chan struct{} // a send makes the worker request now (renewUntrusted)
 	cert   *tls.Certificate
 	// end is when peers stop verifying cert: the leaf's NotAfter or,
 	// earlier, that of a certificate its chain goes through.
@@ -203,10 +204,12 @@ func New(o ManagerOptions) *Manager {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Manager{
+	m := &Manager{
 		opts: o, clock: o.Clock, sem: make(chan struct{}, o.MaxConcurrent), metrics: newCAMetrics(),
 		log: o.Logger, clockCheck: defaultClockCheck, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
 	}
+	m.OnTrustChange(m.renewUntrusted)
+	return m
 }
 
 // Close stops every worker and waits for them; cached certificates stay
@@ -257,7 +260,7 @@ func (m *Manager) Add(id ID) {
 		return
 	}
 	ctx, cancel := context.WithCancel(m.ctx)
-	e := &entry{id: id, cancel: cancel, ready: make(chan struct{})}
+	e := &entry{id: id, cancel: cancel, ready: make(chan struct{}), wake: make(chan struct{}, 1)}
 	m.entries[id] = e
 	m.wg.Add(1)
 	go m.run(ctx, e)
@@ -410,21 +413,52 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		if !m.sleep(ctx, wait) {
+		if !m.sleep(ctx, wait, e.wake) {
 			return
 		}
 	}
 }
 
+// renewUntrusted wakes the worker of every identity whose certificate no
+// longer chains to the current roots, so it is renewed now, not at its
+// refresh time: a root rotation removed the root it was issued under, and
+// peers holding the new bundle refuse it. It stays in use meanwhile (a
+// peer whose bundle is not yet updated still takes it).
+func (m *Manager) renewUntrusted() {
+	type kept struct {
+		e    *entry
+		cert *tls.Certificate
+	}
+	var all []kept
+	m.mu.Lock()
+	for _, e := range m.entries {
+		if e.cert != nil {
+			all = append(all, kept{e, e.cert})
+		}
+	}
+	m.mu.Unlock()
+	for _, k := range all {
+		if _, err := m.check(k.e.id, k.cert); err == nil {
+			continue
+		}
+		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
+		select {
+		case k.e.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
 // sleep waits for d to pass, on the monotonic clock or on the Manager's
-// clock, whichever gets there first; false if ctx ended. Certificates
+// clock, whichever gets there first, or for a send on wake; false if ctx
+// ended. Certificates
 // expire by the wall clock, but a timer runs on the monotonic one, which
 // stops while the machine is suspended (a paused VM) and does not follow
 // a step of the wall clock: a worker woken past its refresh time, or past
 // the certificate's expiry, would otherwise wait out the rest of its timer
 // (up to half a lifetime) serving nothing. So it looks at the clock again
 // every clockCheck.
-func (m *Manager) sleep(ctx context.Context, d time.Duration) bool {
+func (m *Manager) sleep(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 	start := time.Now()
 	at := m.clock().Round(0).Add(d) // Round(0): compared on the wall clock
 	for {
@@ -437,6 +471,9 @@ func (m *Manager) sleep(ctx context.Context, d time.Duration) bool {
 		case <-ctx.Done():
 			t.Stop()
 			return false
+		case <-wake:
+			t.Stop()
+			return true
 		case <-t.C:
 		}
 	}
