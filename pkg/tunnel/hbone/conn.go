@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -1256,7 +1257,7 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 }
 
 // drainAtPeerExpiry drains c when the chain the peer presented in state
-// expires: the first end of its certificates, since past an
+// expires: the first end along it (peerChainEnd), since past an
 // intermediate's end the leaf verifies no more (a CA need not clamp a
 // leaf to its issuer's end). The handshake verified the peer's identity
 // at that moment only; a connection can carry new streams for days, so
@@ -1264,24 +1265,56 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 // an identity that should be gone) would keep being served, and served as
 // that identity. New streams go on a new connection instead, whose
 // handshake checks a current certificate against the roots of that
-// moment; streams open at expiry run to their end. A certificate the peer
-// sent but the chain did not need can only end its own connection sooner.
+// moment; streams open at expiry run to their end.
 func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 	if len(state.PeerCertificates) == 0 {
 		return
 	}
-	notAfter := state.PeerCertificates[0].NotAfter
-	for _, cert := range state.PeerCertificates[1:] {
-		if cert.NotAfter.Before(notAfter) {
-			notAfter = cert.NotAfter
-		}
-	}
+	notAfter := peerChainEnd(state.PeerCertificates)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
 		c.peerNotAfter = notAfter
 		c.expiryTimer = expiryAfterFunc(time.Until(notAfter), c.drain)
 	}
+}
+
+// peerChainEnd is the first end along the chain a peer presented, leaf
+// first: each step goes to the presented certificate named as the
+// current one's issuer (the latest-ending, if several carry that name, as
+// cross-signed intermediates do), until none is or the chain reaches a
+// self-issued one. Certificates the peer sent that the chain does not go
+// through do not count: an expired one left in a CA's answer would
+// otherwise make every connection to that peer expired at its handshake.
+// Names, not signatures, are followed: the handshake verified a chain,
+// and a peer that sends a false issuer only ends its own connection.
+func peerChainEnd(certs []*x509.Certificate) time.Time {
+	cur := certs[0]
+	end := cur.NotAfter
+	for range certs[1:] {
+		if bytes.Equal(cur.RawIssuer, cur.RawSubject) {
+			break
+		}
+		var next *x509.Certificate
+		for _, c := range certs[1:] {
+			if bytes.Equal(c.RawSubject, cur.RawIssuer) && (next == nil || c.NotAfter.After(next.NotAfter)) {
+				next = c
+			}
+		}
+		if next == nil {
+			break
+		}
+		end = minTime(end, next.NotAfter)
+		cur = next
+	}
+	return end
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }
 
 // expiryAfterFunc is time.AfterFunc; tests replace it to stand for a timer

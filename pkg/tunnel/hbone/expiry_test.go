@@ -8,6 +8,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/asn1"
 	"io"
 	"math/big"
 	"net/url"
@@ -275,4 +276,39 @@ func TestPeerExpiredAtHandshakeLeavesPool(t *testing.T) {
 		s.Close()
 	}
 	waitfor.Until(t, "the drained conn leaves the pool", func() bool { return e.pool.Stats().Conns == 0 })
+}
+
+// TestPeerChainEnd: the end of a peer's chain is that of the certificates
+// the leaf verifies through, followed by issuer from the leaf. A
+// certificate the peer sent that the chain does not go through (an old,
+// expired cross-signed intermediate left in its CA's answer) must not end
+// the connection: with it counted, every new connection would count as
+// expired at once, and every stream be refused and retried in vain.
+func TestPeerChainEnd(t *testing.T) {
+	now := time.Now().Truncate(time.Second)
+	cert := func(subject, issuer string, notAfter time.Time) *x509.Certificate {
+		c := &x509.Certificate{NotAfter: notAfter}
+		c.RawSubject, _ = asn1.Marshal(pkix.Name{CommonName: subject}.ToRDNSequence())
+		c.RawIssuer, _ = asn1.Marshal(pkix.Name{CommonName: issuer}.ToRDNSequence())
+		return c
+	}
+	leaf := cert("leaf", "inter", now.Add(time.Hour))
+	inter := cert("inter", "root", now.Add(30*time.Minute))
+	oldInter := cert("inter", "old-root", now.Add(-time.Hour)) // same name, expired, cross-signed
+	unrelated := cert("other", "root", now.Add(-time.Hour))
+	for name, tc := range map[string]struct {
+		chain []*x509.Certificate
+		want  time.Time
+	}{
+		"leaf alone":                   {[]*x509.Certificate{leaf}, leaf.NotAfter},
+		"through its intermediate":     {[]*x509.Certificate{leaf, inter}, inter.NotAfter},
+		"an unrelated expired extra":   {[]*x509.Certificate{leaf, unrelated, inter}, inter.NotAfter},
+		"an expired cross-signed twin": {[]*x509.Certificate{leaf, oldInter, inter}, inter.NotAfter},
+		"only the expired twin":        {[]*x509.Certificate{leaf, oldInter}, oldInter.NotAfter},
+		"a root it goes through":       {[]*x509.Certificate{leaf, cert("root", "root", now.Add(10*time.Minute)), inter}, now.Add(10 * time.Minute)},
+	} {
+		if got := peerChainEnd(tc.chain); !got.Equal(tc.want) {
+			t.Errorf("%s: end %s, want %s", name, got.Sub(now), tc.want.Sub(now))
+		}
+	}
 }
