@@ -451,13 +451,12 @@ func (m *Manager) renewUntrusted() {
 
 // sleep waits for d to pass, on the monotonic clock or on the Manager's
 // clock, whichever gets there first, or for a send on wake; false if ctx
-// ended. Certificates
-// expire by the wall clock, but a timer runs on the monotonic one, which
-// stops while the machine is suspended (a paused VM) and does not follow
-// a step of the wall clock: a worker woken past its refresh time, or past
-// the certificate's expiry, would otherwise wait out the rest of its timer
-// (up to half a lifetime) serving nothing. So it looks at the clock again
-// every clockCheck.
+// ended. Certificates expire by the wall clock, but a timer runs on the
+// monotonic one, which stops while the machine is suspended (a paused VM)
+// and does not follow a step of the wall clock: a worker woken past its
+// refresh time, or past the certificate's expiry, would otherwise wait out
+// the rest of its timer (up to half a lifetime) serving nothing. So it
+// looks at the clock again every clockCheck.
 func (m *Manager) sleep(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
 	start := time.Now()
 	at := m.clock().Round(0).Add(d) // Round(0): compared on the wall clock

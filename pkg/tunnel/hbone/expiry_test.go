@@ -169,11 +169,13 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 	late := func(time.Duration, func()) *time.Timer { return time.AfterFunc(24*time.Hour, func() {}) }
 	defer func(f func(time.Duration, func()) *time.Timer) { expiryAfterFunc = f }(expiryAfterFunc)
 	expiryAfterFunc = late
-	for _, expiring := range []string{"client", "server"} {
+	// "idle": no stream is open at the expiry, so the server's drain
+	// closes the connection at once.
+	for _, expiring := range []string{"client", "server", "client idle"} {
 		t.Run(expiring, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
 			clientCert, serverCert := pki.lasting, pki.expiring
-			if expiring == "client" {
+			if strings.HasPrefix(expiring, "client") {
 				clientCert, serverCert = pki.expiring, pki.lasting
 			}
 			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
@@ -188,6 +190,10 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer open.Close()
+			if strings.HasSuffix(expiring, "idle") {
+				open.Close()
+				waitfor.Until(t, "the stream's end", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+			}
 			time.Sleep(time.Until(pki.expiring.Leaf.NotAfter) + 500*time.Millisecond)
 
 			if s, err := connect(); err == nil {
@@ -196,6 +202,9 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 			}
 			if st := e.pool.Stats(); st.DialsTotal != 2 {
 				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			}
+			if strings.HasSuffix(expiring, "idle") {
+				return
 			}
 			msg := []byte("still here")
 			if _, err := open.Write(msg); err != nil {
