@@ -142,8 +142,12 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 				t.Fatalf("a stream opened %s after the %s certificate expired", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
 			}
 			t.Logf("after the expiry: %v", err)
-			if st := e.pool.Stats(); st.DialsTotal != 2 {
-				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			// Two or more: a TLS 1.3 client ends its handshake before the
+			// server refuses its certificate, so the refusal may close the
+			// new connection before the stream is opened on it, which
+			// retries on one more.
+			if st := e.pool.Stats(); st.DialsTotal < 2 {
+				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
 			}
 			msg := []byte("still here")
 			if _, err := open.Write(msg); err != nil {
@@ -200,8 +204,12 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 				s.Close()
 				t.Fatalf("a stream opened on the old connection %s after the %s certificate expired (drain timer late)", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
 			}
-			if st := e.pool.Stats(); st.DialsTotal != 2 {
-				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			// Two or more: a TLS 1.3 client ends its handshake before the
+			// server refuses its certificate, so the refusal may close the
+			// new connection before the stream is opened on it, which
+			// retries on one more.
+			if st := e.pool.Stats(); st.DialsTotal < 2 {
+				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
 			}
 			if strings.HasSuffix(expiring, "idle") {
 				return
