@@ -1,8 +1,19 @@
 package main
 
 import (
+	"context"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"log/slog"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
 func TestCASettings(t *testing.T) {
@@ -28,4 +39,46 @@ func TestCASettings(t *testing.T) {
 			t.Errorf("istiod defaults: %+v", c.ca)
 		}
 	}
+}
+
+// istiod's xDS connection is verified against the same roots as its CA
+// and the peers, and follows the file as they do: a root rotation that
+// removes a root removes it for xDS too, and a root added reaches it
+// without a restart. With istiod signing, xDS shares the certificate
+// manager's watched bundle; otherwise (the file CA) it watches its own.
+func TestXDSTrustFollowsTheBundle(t *testing.T) {
+	dir := t.TempDir()
+	oldRoot, newRoot := testRoot(t, "old"), testRoot(t, "new")
+	path := filepath.Join(dir, "root-cert.pem")
+	if err := os.WriteFile(path, identitytest.CertPEM(oldRoot), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg := agentConfig{trustDomain: "cluster.local", ca: caSettings{rootCert: path, rootReload: 10 * time.Millisecond}}
+	log := slog.New(slog.DiscardHandler)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+
+	shared, err := identity.LoadBundle(path, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := xdsTrust(ctx, cfg, log, shared); err != nil || got != shared {
+		t.Errorf("with the certificate manager's bundle of the same file: %p, %v; want it shared (%p)", got, err, shared)
+	}
+
+	own, err := xdsTrust(ctx, cfg, log, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, identitytest.CertPEM(newRoot), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Until(t, "the xDS roots to follow the file", func() bool {
+		certs := own.Certificates()
+		return len(certs) == 1 && certs[0].Equal(newRoot)
+	})
+}
+
+func testRoot(t *testing.T, name string) *x509.Certificate {
+	return identitytest.MakeCACert(t, pkix.Name{CommonName: name, Organization: []string{"cluster.local"}}, identitytest.NewKey(t, "ecdsa"), nil, nil)
 }

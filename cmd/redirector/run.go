@@ -301,7 +301,7 @@ func runAgent(ctx context.Context, args []string) error {
 		}),
 	)
 
-	src, ann, err := newSource(cfg, log, reg, source.NewMetrics(reg))
+	src, ann, err := newSource(ctx, cfg, log, reg, source.NewMetrics(reg), certs.Trust())
 	if err != nil {
 		return err
 	}
@@ -395,9 +395,9 @@ func annotator(ann *kubernetes.Annotator) nodeagent.Annotator {
 
 // newSource returns the configured source, and for Kubernetes the
 // annotator that marks redirected pods.
-func newSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
+func newSource(ctx context.Context, cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics, trust identity.Trust) (source.Source, *kubernetes.Annotator, error) {
 	if cfg.source == "xds" {
-		return newXDSSource(cfg, log, reg, metrics)
+		return newXDSSource(ctx, cfg, log, reg, metrics, trust)
 	}
 	if cfg.source != "kubernetes" {
 		if _, err := os.Stat(cfg.source); err != nil {

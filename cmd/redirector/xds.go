@@ -2,6 +2,7 @@ package main
 
 import (
 	"cmp"
+	"context"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -70,7 +71,10 @@ func parseXDSFlags(s *settings, f xdsFlags, c agentConfig, podNamespace string) 
 // newXDSSource builds the xDS source: istiod for the mesh, a node-scoped
 // pod watch for enrollment, and the annotator that tells istiod (through
 // ambient.istio.io/redirection) which pods take HBONE.
-func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics) (source.Source, *kubernetes.Annotator, error) {
+//
+// trust is the certificate manager's: istiod is verified against the same
+// roots as the certificates it signs (see xdsTrust).
+func newXDSSource(ctx context.Context, cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, metrics *source.Metrics, trust identity.Trust) (source.Source, *kubernetes.Annotator, error) {
 	rc, err := restConfig(cfg.kubeconfig)
 	if err != nil {
 		return nil, nil, err
@@ -86,12 +90,9 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 	if _, err := os.Stat(cfg.ca.tokenFile); err != nil {
 		return nil, nil, fmt.Errorf("--ca-token-file (CA_TOKEN_FILE): %w (istiod's xDS needs the istio-ca token too)", err)
 	}
-	bundle, err := identity.LoadBundle(cfg.ca.rootCert, cfg.trustDomain)
+	bundle, err := xdsTrust(ctx, cfg, log, trust)
 	if err != nil {
-		return nil, nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)
-	}
-	if exp := bundle.Expired(); len(exp) > 0 {
-		log.Warn("trust bundle holds expired roots; they are not trusted", "path", cfg.ca.rootCert, "expired", exp)
+		return nil, nil, err
 	}
 	conn, err := xds.Dial(cfg.xds.addr, "", bundle)
 	if err != nil {
@@ -111,6 +112,29 @@ func newXDSSource(cfg agentConfig, log *slog.Logger, reg prometheus.Registerer, 
 	}
 	log.Info("mesh from istiod (xDS), enrollment from this node's pods", "xds_address", cfg.xds.addr, "network", cfg.xds.network, "node_id", xds.Node{IP: cfg.xds.podIP, PodName: cfg.xds.podName, PodNamespace: cfg.xds.podNamespace, NodeName: cfg.node}.ID())
 	return xds.NewSource(client, pods, cfg.node, cfg.selection, log), ann, nil
+}
+
+// xdsTrust is the bundle istiod's xDS serving certificate is verified
+// against: --ca-root-cert, followed while running like the one peers and
+// istiod's CA are verified against, so a root rotation reaches xDS too (a
+// root removed stops being trusted for the channel that delivers the
+// mesh's workloads and policies; a root added lets istiod's new serving
+// certificate in without a restart). It is the certificate manager's
+// bundle when that is the same file (istiod signs), else a bundle of its
+// own, watched until ctx ends.
+func xdsTrust(ctx context.Context, cfg agentConfig, log *slog.Logger, certs identity.Trust) (*identity.Bundle, error) {
+	if b, ok := certs.(*identity.Bundle); ok && b.Path() == cfg.ca.rootCert {
+		return b, nil
+	}
+	bundle, err := identity.LoadBundle(cfg.ca.rootCert, cfg.trustDomain)
+	if err != nil {
+		return nil, fmt.Errorf("--ca-root-cert (CA_ROOT_CERT): %w", err)
+	}
+	if exp := bundle.Expired(); len(exp) > 0 {
+		log.Warn("trust bundle holds expired roots; they are not trusted", "path", cfg.ca.rootCert, "expired", exp)
+	}
+	go bundle.Watch(ctx, cfg.ca.rootReload, log)
+	return bundle, nil
 }
 
 // sourceSynced is a readiness check: a source that reports its sync (the

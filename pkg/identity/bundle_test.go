@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -183,5 +184,79 @@ func TestTrustChangeReverifies(t *testing.T) {
 	}
 	if err := m.Reverify(underNew, x509.ExtKeyUsageServerAuth); err != nil {
 		t.Errorf("peer under the root kept: %v", err)
+	}
+}
+
+// switchSigner signs with whichever CA it holds now.
+type switchSigner struct {
+	mu    sync.Mutex
+	ca    *CA
+	calls int
+}
+
+func (s *switchSigner) Name() string { return "switch" }
+
+func (s *switchSigner) Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
+	s.mu.Lock()
+	ca := s.ca
+	s.calls++
+	s.mu.Unlock()
+	return ca.Sign(ctx, id, ttl)
+}
+
+// TestTrustChangeRenewsOwnCertificates: a root rotation that removes the
+// root this node's certificates were issued under leaves them refused by
+// every peer holding the new bundle. They are renewed at once, not at
+// their refresh time (half a lifetime away); those still under a kept
+// root are left alone.
+func TestTrustChangeRenewsOwnCertificates(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	path := filepath.Join(t.TempDir(), "root-cert.pem")
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert, newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	b, err := LoadBundle(path, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &switchSigner{ca: oldCA}
+	m := New(ManagerOptions{Signer: s, Trust: b, TTL: time.Hour})
+	t.Cleanup(m.Close)
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	calls := func() int { s.mu.Lock(); defer s.mu.Unlock(); return s.calls }
+
+	// istiod signs under the new root; the bundle still holds both: the
+	// certificate issued under the old root stays until its refresh.
+	s.mu.Lock()
+	s.ca = newCA
+	s.mu.Unlock()
+	if err := os.WriteFile(path, identitytest.CertPEM(newCA.cert, oldCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := b.Reload(); !changed || err != nil {
+		t.Fatalf("reload with both roots: changed %v, err %v", changed, err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n := calls(); n != 1 {
+		t.Fatalf("%d requests after a change that kept this node's root, want 1", n)
+	}
+
+	if err := os.WriteFile(path, identitytest.CertPEM(newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := b.Reload(); !changed || err != nil {
+		t.Fatalf("reload without the old root: changed %v, err %v", changed, err)
+	}
+	waitfor.Until(t, "a certificate under the new root", func() bool {
+		c, err := m.Certificate(idWeb)
+		return err == nil && c.Leaf.CheckSignatureFrom(newCA.cert) == nil
+	})
+	if n := calls(); n != 2 {
+		t.Errorf("%d requests, want 2", n)
 	}
 }

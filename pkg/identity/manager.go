@@ -34,6 +34,10 @@ const (
 // sent in each handshake, so a CA answering with hundreds is refused.
 const MaxChainLen = 8
 
+// defaultClockCheck is how often a waiting worker compares the time with
+// its refresh time; see Manager.sleep.
+const defaultClockCheck = 10 * time.Second
+
 // Signer issues workload certificates: the file CA signs locally, the istiod
 // client (package istioca) asks istiod. The Manager calls Sign only from its
 // background fetches, never from a handshake, so Sign may take as long as
@@ -86,7 +90,7 @@ type CertInfo struct {
 	// happened before the first certificate.
 	Serial    string        `json:"serial,omitempty"` // lowercase hex
 	NotBefore time.Time     `json:"notBefore"`
-	NotAfter  time.Time     `json:"notAfter"`
+	NotAfter  time.Time     `json:"notAfter"` // the chain's end: the leaf's, or an issuer's if earlier
 	RefreshAt time.Time     `json:"refreshAt"`
 	Issuer    string        `json:"issuer,omitempty"`
 	Chain     []ChainCert   `json:"chain,omitempty"` // leaf first, as presented to peers
@@ -142,6 +146,9 @@ type Manager struct {
 	sem     chan struct{}
 	metrics *caMetrics
 	log     *slog.Logger
+	// clockCheck is the longest a worker waits without looking at the
+	// clock again (see sleep).
+	clockCheck time.Duration
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -151,13 +158,17 @@ type Manager struct {
 	entries map[ID]*entry
 }
 
-// entry is one identity's state; fields other than id, cancel and ready
-// are guarded by Manager.mu.
+// entry is one identity's state; fields other than id, cancel, ready and
+// wake are guarded by Manager.mu.
 type entry struct {
-	id        ID
-	cancel    context.CancelFunc
-	ready     chan struct{} // closed on the first certificate
-	cert      *tls.Certificate
+	id     ID
+	cancel context.CancelFunc
+	ready  chan struct{} // closed on the first certificate
+	wake   chan struct{} // a send makes the worker request now (renewUntrusted)
+	cert   *tls.Certificate
+	// end is when peers stop verifying cert: the leaf's NotAfter or,
+	// earlier, that of a certificate its chain goes through.
+	end       time.Time
 	refreshAt time.Time
 	lastErr   error
 	failures  int
@@ -193,10 +204,12 @@ func New(o ManagerOptions) *Manager {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	return &Manager{
+	m := &Manager{
 		opts: o, clock: o.Clock, sem: make(chan struct{}, o.MaxConcurrent), metrics: newCAMetrics(),
-		log: o.Logger, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
+		log: o.Logger, clockCheck: defaultClockCheck, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
 	}
+	m.OnTrustChange(m.renewUntrusted)
+	return m
 }
 
 // Close stops every worker and waits for them; cached certificates stay
@@ -247,7 +260,7 @@ func (m *Manager) Add(id ID) {
 		return
 	}
 	ctx, cancel := context.WithCancel(m.ctx)
-	e := &entry{id: id, cancel: cancel, ready: make(chan struct{})}
+	e := &entry{id: id, cancel: cancel, ready: make(chan struct{}), wake: make(chan struct{}, 1)}
 	m.entries[id] = e
 	m.wg.Add(1)
 	go m.run(ctx, e)
@@ -331,11 +344,11 @@ func (m *Manager) lookup(id ID) (*tls.Certificate, string, error) {
 		return nil, UnavailableFailing, fmt.Errorf("%w for %s: %d CA requests failed, last: %w", ErrNoCertificate, id, e.failures, e.lastErr)
 	case e.cert == nil:
 		return nil, UnavailablePending, fmt.Errorf("%w for %s yet: request to %s pending", ErrNoCertificate, id, m.opts.Signer.Name())
-	case !now.Before(e.cert.Leaf.NotAfter):
+	case !now.Before(e.end):
 		if e.lastErr != nil {
-			return nil, UnavailableExpired, fmt.Errorf("%w for %s: expired at %s, renewal failing: %w", ErrNoCertificate, id, e.cert.Leaf.NotAfter.UTC().Format(time.RFC3339), e.lastErr)
+			return nil, UnavailableExpired, fmt.Errorf("%w for %s: its chain expired at %s, renewal failing: %w", ErrNoCertificate, id, e.end.UTC().Format(time.RFC3339), e.lastErr)
 		}
-		return nil, UnavailableExpired, fmt.Errorf("%w for %s: expired at %s", ErrNoCertificate, id, e.cert.Leaf.NotAfter.UTC().Format(time.RFC3339))
+		return nil, UnavailableExpired, fmt.Errorf("%w for %s: its chain expired at %s", ErrNoCertificate, id, e.end.UTC().Format(time.RFC3339))
 	case now.Before(e.cert.Leaf.NotBefore):
 		return nil, UnavailableNotValid, fmt.Errorf("%w for %s: not valid before %s", ErrNoCertificate, id, e.cert.Leaf.NotBefore.UTC().Format(time.RFC3339))
 	}
@@ -348,7 +361,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 	defer m.wg.Done()
 	backoff := m.opts.BackoffMin
 	for {
-		cert, err := m.request(ctx, e.id)
+		cert, end, err := m.request(ctx, e.id)
 		if ctx.Err() != nil {
 			return
 		}
@@ -359,7 +372,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			e.lastErr = err
 			e.failures++
 			failures := e.failures
-			hasCert := e.cert != nil && now.Before(e.cert.Leaf.NotAfter)
+			hasCert := e.cert != nil && now.Before(e.end)
 			m.mu.Unlock()
 			// Full jitter in [backoff/2, backoff]: agents restarted together
 			// do not retry in step.
@@ -369,11 +382,12 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 				"reason", ReasonOf(err), "failures", failures, "have_valid_certificate", hasCert, "retry_in", wait.Round(time.Millisecond), "error", err)
 		} else {
 			first := e.cert == nil
-			e.cert, e.lastErr, e.failures = cert, nil, 0
+			e.cert, e.end, e.lastErr, e.failures = cert, end, nil, 0
 			// Renewal follows what was granted, but never later than if
 			// the TTL asked for had been granted: a CA granting years does
-			// not keep one key in use for years.
-			until := cert.Leaf.NotAfter
+			// not keep one key in use for years. The end is the chain's:
+			// past an issuer's end the leaf verifies no more.
+			until := end
 			if asked := now.Add(m.opts.TTL); asked.Before(until) {
 				until = asked
 			}
@@ -393,17 +407,72 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			if first {
 				close(e.ready)
 			}
-			if granted := cert.Leaf.NotAfter.Sub(now); short || granted > m.opts.TTL+time.Minute {
+			if granted := end.Sub(now); short || granted > m.opts.TTL+time.Minute {
 				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
 					"asked", m.opts.TTL, "granted", granted.Round(time.Second), "refresh_in", wait.Round(time.Millisecond))
 			}
-			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", cert.Leaf.NotAfter, "refresh_at", e.refreshAt)
+			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		t := time.NewTimer(wait)
+		if !m.sleep(ctx, wait, e.wake) {
+			return
+		}
+	}
+}
+
+// renewUntrusted wakes the worker of every identity whose certificate no
+// longer chains to the current roots, so it is renewed now, not at its
+// refresh time: a root rotation removed the root it was issued under, and
+// peers holding the new bundle refuse it. It stays in use meanwhile (a
+// peer whose bundle is not yet updated still takes it).
+func (m *Manager) renewUntrusted() {
+	type kept struct {
+		e    *entry
+		cert *tls.Certificate
+	}
+	var all []kept
+	m.mu.Lock()
+	for _, e := range m.entries {
+		if e.cert != nil {
+			all = append(all, kept{e, e.cert})
+		}
+	}
+	m.mu.Unlock()
+	for _, k := range all {
+		if _, err := m.check(k.e.id, k.cert); err == nil {
+			continue
+		}
+		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
+		select {
+		case k.e.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// sleep waits for d to pass, on the monotonic clock or on the Manager's
+// clock, whichever gets there first, or for a send on wake; false if ctx
+// ended. Certificates expire by the wall clock, but a timer runs on the
+// monotonic one, which stops while the machine is suspended (a paused VM)
+// and does not follow a step of the wall clock: a worker woken past its
+// refresh time, or past the certificate's expiry, would otherwise wait out
+// the rest of its timer (up to half a lifetime) serving nothing. So it
+// looks at the clock again every clockCheck.
+func (m *Manager) sleep(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+	start := time.Now()
+	at := m.clock().Round(0).Add(d) // Round(0): compared on the wall clock
+	for {
+		left := min(d-time.Since(start), at.Sub(m.clock()))
+		if left <= 0 {
+			return true
+		}
+		t := time.NewTimer(min(left, m.clockCheck))
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return
+			return false
+		case <-wake:
+			t.Stop()
+			return true
 		case <-t.C:
 		}
 	}
@@ -420,30 +489,32 @@ func refreshTime(issued, notAfter time.Time) time.Time {
 	return issued.Add(life/2 - rand.N(life/20+1))
 }
 
-// request makes one bounded CA request and checks what came back.
-func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, error) {
+// request makes one bounded CA request and checks what came back; it
+// returns the certificate and the end of its chain (see check).
+func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, time.Time, error) {
 	select {
 	case m.sem <- struct{}{}:
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, time.Time{}, ctx.Err()
 	}
 	defer func() { <-m.sem }()
 	rctx, cancel := context.WithTimeout(ctx, m.opts.RequestTimeout)
 	defer cancel()
 	start := time.Now()
 	cert, err := m.opts.Signer.Sign(rctx, id, m.opts.TTL)
+	var end time.Time
 	if err == nil {
-		err = m.check(id, cert)
+		end, err = m.check(id, cert)
 	}
 	if ctx.Err() != nil {
 		// Forgotten or closed meanwhile: not the CA's failure.
-		return nil, ctx.Err()
+		return nil, time.Time{}, ctx.Err()
 	}
 	m.metrics.observe(time.Since(start), err)
 	if err != nil {
-		return nil, fmt.Errorf("certificate for %s from %s: %w", id, m.opts.Signer.Name(), err)
+		return nil, time.Time{}, fmt.Errorf("certificate for %s from %s: %w", id, m.opts.Signer.Name(), err)
 	}
-	return cert, nil
+	return cert, end, nil
 }
 
 // check refuses a certificate that does not carry exactly id, is not for
@@ -451,34 +522,37 @@ func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, error) 
 // a server certificate (a tunnel is both), has an outsized chain, or does
 // not chain to the current roots: whatever a CA returns, this node presents
 // nothing else. The signers check some of this themselves; checking here
-// holds for every signer.
-func (m *Manager) check(id ID, cert *tls.Certificate) error {
+// holds for every signer. It returns when the chain stops verifying: the
+// first end among the certificates of the verified chain (the latest such
+// end if several chains verify), which an issuer or the root may set
+// before the leaf's own end when the CA does not clamp the leaf to it.
+func (m *Manager) check(id ID, cert *tls.Certificate) (time.Time, error) {
 	if cert == nil || cert.Leaf == nil || len(cert.Certificate) == 0 {
-		return &CAError{Reason: ReasonBadResponse, Err: errors.New("signer returned no certificate")}
+		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: errors.New("signer returned no certificate")}
 	}
 	if n := len(cert.Certificate); n > MaxChainLen {
-		return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("chain of %d certificates, at most %d accepted", n, MaxChainLen)}
+		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("chain of %d certificates, at most %d accepted", n, MaxChainLen)}
 	}
 	if !bytes.Equal(cert.Certificate[0], cert.Leaf.Raw) {
-		return &CAError{Reason: ReasonBadResponse, Err: errors.New("the parsed leaf is not the first certificate of the chain")}
+		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: errors.New("the parsed leaf is not the first certificate of the chain")}
 	}
 	pub, ok := cert.PrivateKey.(interface{ Public() crypto.PublicKey })
 	if !ok {
-		return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("private key of type %T", cert.PrivateKey)}
+		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("private key of type %T", cert.PrivateKey)}
 	}
 	if eq, ok := pub.Public().(interface{ Equal(crypto.PublicKey) bool }); !ok || !eq.Equal(cert.Leaf.PublicKey) {
-		return &CAError{Reason: ReasonBadResponse, Err: errors.New("leaf is not for the private key it came with")}
+		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: errors.New("leaf is not for the private key it came with")}
 	}
 	got, err := idFromLeaf(cert.Leaf)
 	if err != nil {
-		return &CAError{Reason: ReasonWrongIdentity, Err: err}
+		return time.Time{}, &CAError{Reason: ReasonWrongIdentity, Err: err}
 	}
 	if got != id {
-		return &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
+		return time.Time{}, &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
 	}
 	roots, err := m.roots()
 	if err != nil {
-		return &CAError{Reason: ReasonUntrustedChain, Err: err}
+		return time.Time{}, &CAError{Reason: ReasonUntrustedChain, Err: err}
 	}
 	opts := x509.VerifyOptions{
 		Roots:         roots,
@@ -488,12 +562,13 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 	for _, der := range cert.Certificate[1:] {
 		c, err := x509.ParseCertificate(der)
 		if err != nil {
-			return &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("parse chain: %w", err)}
+			return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: fmt.Errorf("parse chain: %w", err)}
 		}
 		opts.Intermediates.AddCert(c)
 	}
 	// Each usage on its own: Verify accepts a chain allowing any one of
 	// those listed, and peers check the one their side needs.
+	var end time.Time
 	for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
 		opts.KeyUsages = []x509.ExtKeyUsage{usage}
 		chains, err := cert.Leaf.Verify(opts)
@@ -501,10 +576,34 @@ func (m *Manager) check(id ID, cert *tls.Certificate) error {
 			err = strongChain(chains)
 		}
 		if err != nil {
-			return &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
+			return time.Time{}, &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
+		}
+		if e := chainsEnd(chains); end.IsZero() || e.Before(end) {
+			end = e
 		}
 	}
-	return nil
+	return end, nil
+}
+
+// chainsEnd is the latest of the ends of the verified chains that
+// strongChain accepts, each the first NotAfter among its certificates.
+func chainsEnd(chains [][]*x509.Certificate) time.Time {
+	var latest time.Time
+	for _, chain := range chains {
+		if weakRSA(chain) != nil {
+			continue
+		}
+		end := chain[0].NotAfter
+		for _, c := range chain[1:] {
+			if c.NotAfter.Before(end) {
+				end = c.NotAfter
+			}
+		}
+		if end.After(latest) {
+			latest = end
+		}
+	}
+	return latest
 }
 
 // TrustRoots is t's current pool, for VerifyOptions.Roots. A nil pool is
@@ -536,7 +635,7 @@ func (m *Manager) Snapshot() []CertInfo {
 			ci.State = StateFailing
 		case e.cert == nil:
 			ci.State = StatePending
-		case !now.Before(e.cert.Leaf.NotAfter):
+		case !now.Before(e.end):
 			ci.State = StateExpired
 		case e.lastErr != nil:
 			ci.State = StateFailing
@@ -548,9 +647,9 @@ func (m *Manager) Snapshot() []CertInfo {
 		if e.cert != nil {
 			leaf := e.cert.Leaf
 			ci.Serial = leaf.SerialNumber.Text(16)
-			ci.NotBefore, ci.NotAfter, ci.RefreshAt = leaf.NotBefore, leaf.NotAfter, e.refreshAt
+			ci.NotBefore, ci.NotAfter, ci.RefreshAt = leaf.NotBefore, e.end, e.refreshAt
 			ci.Issuer = leaf.Issuer.String()
-			ci.ExpiresIn = leaf.NotAfter.Sub(now)
+			ci.ExpiresIn = e.end.Sub(now)
 			ci.Chain = describeChain(e.cert.Certificate)
 		}
 		out = append(out, ci)

@@ -7,6 +7,8 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"crypto/x509/pkix"
+	"math/big"
 	"net/url"
 	"sync/atomic"
 	"testing"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 )
 
 // answerSigner answers every request with what answer makes of it; it
@@ -173,4 +176,76 @@ func TestManagerRenewalFollowsTheAskedLifetime(t *testing.T) {
 			t.Fatalf("%d CA requests in 3s for certificates granted 2s of the 1h asked, want 1 (then at most one per %s)", n, DefaultBackoffMax)
 		}
 	})
+}
+
+// TestManagerChainEnd: a certificate lives as long as its chain. A CA
+// that does not clamp a leaf to its intermediate's end answers a leaf of
+// an hour under an intermediate of ten minutes: past those ten minutes no
+// peer verifies it, so it is not presented (fail closed, counted as
+// expired), and it is renewed at about half of the chain's life, not of
+// the leaf's.
+func TestManagerChainEnd(t *testing.T) {
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
+	pool := x509.NewCertPool()
+	pool.AddCert(root)
+	interKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	clock := newFakeClock()
+	interDER, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "short intermediate"},
+		NotBefore: clock.Now().Add(-time.Hour), NotAfter: clock.Now().Add(10 * time.Minute),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true,
+	}, root, interKey.Public(), rootKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inter, err := x509.ParseCertificate(interDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &answerSigner{answer: func(id ID, _ time.Duration) (*tls.Certificate, error) {
+		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			return nil, err
+		}
+		der, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{
+			SerialNumber: big.NewInt(3), NotBefore: clock.Now().Add(-time.Minute), NotAfter: clock.Now().Add(time.Hour),
+			KeyUsage:    x509.KeyUsageDigitalSignature,
+			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+			URIs:        []*url.URL{{Scheme: "spiffe", Host: id.TrustDomain, Path: "/ns/" + id.Namespace + "/sa/" + id.ServiceAccount}},
+		}, inter, &key.PublicKey, interKey)
+		if err != nil {
+			return nil, err
+		}
+		leaf, err := x509.ParseCertificate(der)
+		if err != nil {
+			return nil, err
+		}
+		return &tls.Certificate{Certificate: [][]byte{der, inter.Raw}, PrivateKey: key, Leaf: leaf}, nil
+	}}
+	m := New(ManagerOptions{Signer: s, Trust: poolTrust{pool}, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.clockCheck = time.Hour // the renewal must not run in this test
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	if at := stateOf(m, idWeb).RefreshAt; at.After(clock.Now().Add(5 * time.Minute)) {
+		t.Errorf("refresh at %s from now, past half of the chain's 10 minutes", at.Sub(clock.Now()))
+	}
+	clock.Advance(11 * time.Minute)
+	if c, err := m.Certificate(idWeb); err == nil {
+		t.Fatalf("presented a certificate (serial %s) whose intermediate expired", c.Leaf.SerialNumber)
+	}
+	if got := unavailable(m, UnavailableExpired); got != 1 {
+		t.Errorf("unavailable{expired} = %v, want 1", got)
+	}
+	if st := stateOf(m, idWeb).State; st != StateExpired {
+		t.Errorf("state = %s, want expired", st)
+	}
 }

@@ -243,7 +243,7 @@ func TestManagerRefusesWhatItDidNotAskFor(t *testing.T) {
 	}
 }
 
-// Refreshing failed past expiry: the expired certificate is not presented.
+// Renewal failing past expiry: the expired certificate is not presented.
 func TestManagerExpiredFailsClosed(t *testing.T) {
 	ca := newCA(t, "cluster.local")
 	clock := newFakeClock()
@@ -256,9 +256,10 @@ func TestManagerExpiredFailsClosed(t *testing.T) {
 	if err := m.Wait(ctx, idWeb); err != nil {
 		t.Fatal(err)
 	}
+	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
 	clock.Advance(40 * time.Minute)
-	if s := stateOf(m, idWeb).State; s != StateRefreshing {
-		t.Errorf("state past half-life = %s, want refreshing", s)
+	if s := stateOf(m, idWeb).State; s != StateRefreshing && s != StateFailing {
+		t.Errorf("state past half-life = %s, want refreshing (or failing, once the renewal was tried)", s)
 	}
 	if _, err := m.Certificate(idWeb); err != nil {
 		t.Errorf("past half-life but unexpired: %v", err)
@@ -371,5 +372,34 @@ redirector_ca_request_failures_total{reason="unavailable"} 1
 	}
 	if n := len(m.Snapshot()); n != 0 {
 		t.Errorf("%d identities kept after the last pod left", n)
+	}
+}
+
+// TestManagerRenewsOnTheWallClock: certificates expire by the wall clock,
+// but a timer runs on the monotonic clock, which stops while the machine
+// is suspended (a paused VM, a laptop running kind) and does not follow a
+// step of the wall clock. Waking after half the lifetime passed on the
+// wall clock, the worker must renew at once, not when its timer fires
+// (here half an hour later, past the certificate's expiry).
+func TestManagerRenewsOnTheWallClock(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	f := &fakeSigner{ca: ca}
+	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.clockCheck = 20 * time.Millisecond
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	first := stateOf(m, idWeb).Serial
+	clock.Advance(40 * time.Minute) // the machine slept; the timer did not run
+	waitfor.Until(t, "a renewal after the wall clock passed the refresh time", func() bool {
+		return f.callCount() == 2 && stateOf(m, idWeb).Serial != first
+	})
+	if s := stateOf(m, idWeb).State; s != StateValid {
+		t.Errorf("state after renewal = %s, want valid", s)
 	}
 }

@@ -403,7 +403,7 @@ func TestNilRootsTrustNothing(t *testing.T) {
 		t.Errorf("peer verified against a nil pool: got %v, err = %v, want ErrUntrustedPeer (no trust roots)", id, err)
 	}
 	var ce *CAError
-	if err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+	if _, err := m.check(idWeb, peer); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
 		t.Errorf("own certificate checked against a nil pool: err = %v, want %s", err, ReasonUntrustedChain)
 	}
 }
@@ -484,7 +484,7 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 	if id, err := verifyPeer(m, strong, x509.ExtKeyUsageClientAuth); err != nil || id != want {
 		t.Fatalf("peer chain through a 2048-bit intermediate: %v %v, want %v", id, err, want)
 	}
-	if err := m.check(want, strongOwn); err != nil {
+	if _, err := m.check(want, strongOwn); err != nil {
 		t.Fatalf("own chain through a 2048-bit intermediate: %v", err)
 	}
 	weakOwn, weak := chainVia(1024)
@@ -495,7 +495,83 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 		}
 	}
 	var ce *CAError
-	if err := m.check(want, weakOwn); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "1024 bits") {
+	if _, err := m.check(want, weakOwn); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "1024 bits") {
 		t.Errorf("own chain through a 1024-bit intermediate: err = %v, want %s naming the key size", err, ReasonUntrustedChain)
+	}
+}
+
+// TestVerifyPeerKeepsX509Refusals pins what verifyPeer relies on
+// crypto/x509 for, so a change of verifier cannot drop it silently: an
+// unknown critical extension (in the leaf or an intermediate), an
+// intermediate whose name constraints exclude the trust domain, a leaf
+// not yet valid, a leaf presented as an intermediate. A leaf with DNS
+// SANs beside its one SPIFFE URI is accepted (an X.509-SVID may carry
+// them; ztunnel accepts them too).
+func TestVerifyPeerKeepsX509Refusals(t *testing.T) {
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
+	pool := x509.NewCertPool()
+	pool.AddCert(root)
+	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
+	t.Cleanup(m.Close)
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	critical := pkix.Extension{Id: asn1.ObjectIdentifier{1, 3, 6, 1, 4, 1, 99999, 1}, Critical: true, Value: []byte{5, 0}}
+
+	issue := func(tmpl, parent *x509.Certificate, pub any, parentKey any) *x509.Certificate {
+		t.Helper()
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, pub, parentKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	inter := func(edit func(*x509.Certificate)) (*x509.Certificate, *ecdsa.PrivateKey) {
+		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		tmpl := &x509.Certificate{SerialNumber: big.NewInt(10), Subject: pkix.Name{CommonName: "intermediate"},
+			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+			KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true}
+		if edit != nil {
+			edit(tmpl)
+		}
+		return issue(tmpl, root, &key.PublicKey, rootKey), key
+	}
+	leaf := func(parent *x509.Certificate, parentKey *ecdsa.PrivateKey, edit func(*x509.Certificate)) *x509.Certificate {
+		key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		tmpl := &x509.Certificate{SerialNumber: big.NewInt(11), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+			BasicConstraintsValid: true, URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}}}
+		if edit != nil {
+			edit(tmpl)
+		}
+		return issue(tmpl, parent, &key.PublicKey, parentKey)
+	}
+
+	good, goodKey := inter(nil)
+	withDNS := leaf(good, goodKey, func(c *x509.Certificate) { c.DNSNames = []string{"b.a.svc"} })
+	if id, err := verifyPeer(m, []*x509.Certificate{withDNS, good}, x509.ExtKeyUsageClientAuth); err != nil || id != want {
+		t.Fatalf("leaf with a DNS SAN beside its SPIFFE ID: %v %v, want %v", id, err, want)
+	}
+	critInter, critKey := inter(func(c *x509.Certificate) { c.ExtraExtensions = []pkix.Extension{critical} })
+	constrained, constrainedKey := inter(func(c *x509.Certificate) { c.ExcludedURIDomains = []string{"cluster.local"} })
+	// An end-entity certificate (CA:FALSE) used as an issuer.
+	notCA, notCAKey := inter(func(c *x509.Certificate) { c.IsCA = false })
+	for name, chain := range map[string][]*x509.Certificate{
+		"unknown critical extension in the leaf":         {leaf(good, goodKey, func(c *x509.Certificate) { c.ExtraExtensions = []pkix.Extension{critical} }), good},
+		"unknown critical extension in the intermediate": {leaf(critInter, critKey, nil), critInter},
+		"name constraints exclude the trust domain":      {leaf(constrained, constrainedKey, nil), constrained},
+		"not yet valid": {leaf(good, goodKey, func(c *x509.Certificate) {
+			c.NotBefore, c.NotAfter = time.Now().Add(time.Hour), time.Now().Add(2*time.Hour)
+		}), good},
+		"issued by a certificate that is no CA": {leaf(notCA, notCAKey, nil), notCA},
+	} {
+		id, err := verifyPeer(m, chain, x509.ExtKeyUsageClientAuth)
+		t.Logf("%s: %v", name, err)
+		if !errors.Is(err, ErrUntrustedPeer) {
+			t.Errorf("%s: got %v, err = %v, want ErrUntrustedPeer", name, id, err)
+		}
 	}
 }

@@ -126,7 +126,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	ic := p.track(dst, client.Addr(), peer, true)
 	st := t.State()
 	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), peer, true)
-	srcW, _ := st.Dir.ByAddr(client.Addr())
+	srcW := t.sourceWorkload(st.Dir, client.Addr(), peer)
 	// The source labels come from the directory; the client's baggage
 	// only names a client the directory does not know.
 	var meta *peerMeta
@@ -188,6 +188,26 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		p.untrack(ic)
 		res.close(ctx, fromClient, toClient, err)
 	}}
+}
+
+// sourceWorkload is the workload the directory has at a tunnel client's
+// address, if it runs as the identity the client proved. Another identity
+// at that address (a gateway or NAT between, an address reused before the
+// directory caught up, a forged address) means the address does not say
+// who the client is: its connections are counted and logged under its
+// own identity (and what its baggage may claim for it), never as that
+// workload; the mismatch is counted. Policy never looked at this: it
+// matches the proved identity and the address.
+func (t *Tunnel) sourceWorkload(dir *workload.Directory, addr netip.Addr, peer identity.ID) *workload.Workload {
+	w, ok := dir.ByAddr(addr)
+	if !ok {
+		return nil
+	}
+	if t.identityOf(w) != peer {
+		t.cfg.Metrics.sourceMismatch.Inc()
+		return nil
+	}
+	return w
 }
 
 // forwardedHost returns the host parameter of a Forwarded header: the

@@ -28,6 +28,9 @@ type Metrics struct {
 	limitRefused  *prometheus.CounterVec
 	acceptErrors  *prometheus.CounterVec
 	policyClosed  *prometheus.CounterVec
+	// sourceMismatch counts HBONE clients whose identity is not the
+	// one of the workload at their address (sourceWorkload).
+	sourceMismatch prometheus.Counter
 
 	series *seriesGC
 	// cluster is the cluster ID for the agent's own workloads.
@@ -107,6 +110,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		policyClosed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_policy_closed_connections_total",
 			Help: "Open inbound connections closed because a policy or workload change no longer allows them, by reason."}, []string{"reason"}),
+		sourceMismatch: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "redirector_hbone_source_identity_mismatch_total",
+			Help: "HBONE tunnels whose client proved another identity than the workload the directory has at the client's address (a gateway or NAT between, a reused address, a forged one); counted without that workload's labels."}),
 	}
 	for _, l := range listenerNames {
 		m.openConns.WithLabelValues(l)
@@ -116,7 +122,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch)
 	}
 	return m
 }

@@ -3,17 +3,24 @@ package tunnel
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
 // derivedLabels opens and closes one connection from a client the
@@ -104,5 +111,54 @@ func TestLoggedErrorsBounded(t *testing.T) {
 	r.note(context.Background(), "HBONE connect failed", "error", huge)
 	if buf.Len() > 2<<10 || !strings.Contains(buf.String(), "GOAWAY PROTOCOL_ERROR") {
 		t.Errorf("refusal log line of %d bytes for a peer's error, want it bounded with its start kept", buf.Len())
+	}
+}
+
+// The address a connection comes from names a workload only when that
+// workload runs as the identity the client proved. A client with another
+// identity (behind a gateway or NAT, on an address reused before the
+// directory caught up, or sending from a forged address) is counted under
+// its own identity, not as the workload the directory has at the address,
+// and the mismatch is counted.
+func TestHBONESourceWorkloadMustMatchPeerIdentity(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	podAddr := netip.MustParseAddr("10.1.0.2")
+	p := testPod(tun, "uid-server", podAddr)
+	tun.Update(&State{
+		Dir: testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", nil), podObj("mesh", "frontend", "frontend-sa", "10.1.0.3", nil)),
+		// Every client is refused, so the request ends at the denial,
+		// counted with the source labels, before any dial.
+		AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom("*")},
+	})
+	target := netip.AddrPortFrom(podAddr, 8080)
+	connect := func(sa string) {
+		t.Helper()
+		cert := spiffeCert(t, "spiffe://cluster.local/ns/mesh/sa/"+sa)
+		r := p.handleHBONE(context.Background(), &hbone.ServerRequest{Target: target, Authority: target.String(),
+			TLS:        &tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{cert}},
+			RemoteAddr: &net.TCPAddr{IP: net.ParseIP("10.1.0.3"), Port: 40000}, LocalAddr: &net.TCPAddr{IP: podAddr.AsSlice(), Port: 15008}})
+		if r.Status != http.StatusForbidden {
+			t.Fatalf("%s: status %d %q, want 403", sa, r.Status, r.Reason)
+		}
+	}
+	denials := func(sa, srcWorkload string) float64 {
+		return testutil.ToFloat64(tun.cfg.Metrics.policyDenials.With(prometheus.Labels{"reason": "authorization",
+			"source_workload": srcWorkload, "source_workload_namespace": map[bool]string{true: "mesh", false: "unknown"}[srcWorkload != "unknown"],
+			"source_principal": "spiffe://cluster.local/ns/mesh/sa/" + sa, "destination_workload": "server", "destination_workload_namespace": "mesh"}))
+	}
+
+	connect("frontend-sa")
+	if got := denials("frontend-sa", "frontend"); got != 1 {
+		t.Errorf("the workload at the address, with its own identity: denials labelled frontend = %v, want 1", got)
+	}
+	connect("intruder")
+	if got := denials("intruder", "frontend"); got != 0 {
+		t.Errorf("a client running as intruder was counted as workload frontend (%v)", got)
+	}
+	if got := denials("intruder", "unknown"); got != 1 {
+		t.Errorf("a client running as intruder: denials with an unknown source workload = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.sourceMismatch); got != 1 {
+		t.Errorf("redirector_hbone_source_identity_mismatch_total = %v, want 1", got)
 	}
 }

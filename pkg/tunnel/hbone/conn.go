@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -245,6 +246,7 @@ type conn struct {
 	idleSince      time.Time
 	idleTimer      *time.Timer
 	expiryTimer    *time.Timer // drainAtPeerExpiry
+	peerNotAfter   time.Time   // the end of the peer's chain; zero: none
 	ctl, ctlSpare  []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the
@@ -738,6 +740,15 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	if f.HasPriority() && f.Priority.StreamDep == id {
 		c.mu.Unlock()
 		return http2.StreamError{StreamID: id, Code: http2.ErrCodeProtocol} // depends on itself (§5.3.1)
+	}
+	if !c.goAway && c.peerExpiredLocked() {
+		// The drain timer is late (see peerExpiredLocked): drain now,
+		// before this stream counts as seen, so the GOAWAY tells the
+		// client to retry it on a new connection, whose handshake needs
+		// a current certificate.
+		c.mu.Unlock()
+		c.drain()
+		c.mu.Lock()
 	}
 	c.lastPeerID = id
 	if c.goAway || uint32(c.active) >= c.cfg.maxStreams {
@@ -1245,24 +1256,79 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
 }
 
-// drainAtPeerExpiry drains c when the certificate the peer presented in
-// state expires. The handshake verified the peer's identity at that moment
-// only; a connection can carry new streams for days, so without this a
-// peer whose certificate ran out (a node that lost its CA, an identity
-// that should be gone) would keep being served, and served as that
-// identity. New streams go on a new connection instead, whose handshake
-// checks a current certificate against the roots of that moment; streams
-// open at expiry run to their end.
+// drainAtPeerExpiry drains c when the chain the peer presented in state
+// expires: the first end along it (peerChainEnd), since past an
+// intermediate's end the leaf verifies no more (a CA need not clamp a
+// leaf to its issuer's end). The handshake verified the peer's identity
+// at that moment only; a connection can carry new streams for days, so
+// without this a peer whose certificate ran out (a node that lost its CA,
+// an identity that should be gone) would keep being served, and served as
+// that identity. New streams go on a new connection instead, whose
+// handshake checks a current certificate against the roots of that
+// moment; streams open at expiry run to their end.
 func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 	if len(state.PeerCertificates) == 0 {
 		return
 	}
-	notAfter := state.PeerCertificates[0].NotAfter
+	notAfter := peerChainEnd(state.PeerCertificates)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
-		c.expiryTimer = time.AfterFunc(time.Until(notAfter), c.drain)
+		c.peerNotAfter = notAfter
+		c.expiryTimer = expiryAfterFunc(time.Until(notAfter), c.drain)
 	}
+}
+
+// peerChainEnd is the first end along the chain a peer presented, leaf
+// first: each step goes to the presented certificate named as the
+// current one's issuer (the latest-ending, if several carry that name, as
+// cross-signed intermediates do), until none is or the chain reaches a
+// self-issued one. Certificates the peer sent that the chain does not go
+// through do not count: an expired one left in a CA's answer would
+// otherwise make every connection to that peer expired at its handshake.
+// Names, not signatures, are followed: the handshake verified a chain,
+// and a peer that sends a false issuer only ends its own connection.
+func peerChainEnd(certs []*x509.Certificate) time.Time {
+	cur := certs[0]
+	end := cur.NotAfter
+	for range certs[1:] {
+		if bytes.Equal(cur.RawIssuer, cur.RawSubject) {
+			break
+		}
+		var next *x509.Certificate
+		for _, c := range certs[1:] {
+			if bytes.Equal(c.RawSubject, cur.RawIssuer) && (next == nil || c.NotAfter.After(next.NotAfter)) {
+				next = c
+			}
+		}
+		if next == nil {
+			break
+		}
+		end = minTime(end, next.NotAfter)
+		cur = next
+	}
+	return end
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
+}
+
+// expiryAfterFunc is time.AfterFunc; tests replace it to stand for a timer
+// that runs late.
+var expiryAfterFunc = time.AfterFunc
+
+// peerExpiredLocked reports whether the peer's chain has expired by the
+// wall clock. The drain timer of drainAtPeerExpiry alone is not
+// enough: it runs on the monotonic clock, which stops while the machine is
+// suspended (a paused VM) and ignores a step of the wall clock, so it can
+// fire hours after the certificate ran out. Every new stream asks this
+// too, on both sides.
+func (c *conn) peerExpiredLocked() bool {
+	return !c.peerNotAfter.IsZero() && !time.Now().Before(c.peerNotAfter)
 }
 
 // drain stops new streams (GOAWAY) and closes the conn once the last

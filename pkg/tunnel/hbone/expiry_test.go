@@ -8,20 +8,24 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/asn1"
 	"io"
 	"math/big"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
-// expiringPKI is a CA with two leaves for the same identity: one valid for
-// an hour, one that expires within seconds.
+// expiringPKI is a CA with three certificates for the same identity: a
+// leaf valid for an hour, one that expires within seconds, and one valid
+// for an hour under an intermediate that expires within seconds (a CA
+// that does not clamp a leaf to its issuer's end).
 type expiringPKI struct {
-	pool              *x509.CertPool
-	lasting, expiring tls.Certificate
+	pool                   *x509.CertPool
+	lasting, expiring, via tls.Certificate
 }
 
 func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
@@ -43,7 +47,22 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 		t.Fatal(err)
 	}
 	id, _ := url.Parse("spiffe://cluster.local/ns/default/sa/test")
-	leaf := func(serial int64, notAfter time.Time) tls.Certificate {
+	interKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	interTmpl := &x509.Certificate{SerialNumber: big.NewInt(4), Subject: pkix.Name{CommonName: "expiring-intermediate"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(life),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
+	interDER, err := x509.CreateCertificate(rand.Reader, interTmpl, ca, &interKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inter, err := x509.ParseCertificate(interDER)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := func(serial int64, notAfter time.Time, issuer *x509.Certificate, issuerKey *ecdsa.PrivateKey) tls.Certificate {
 		key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 		if err != nil {
 			t.Fatal(err)
@@ -52,7 +71,7 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 			KeyUsage:    x509.KeyUsageDigitalSignature,
 			ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 			DNSNames:    []string{"hbone.test"}, URIs: []*url.URL{id}}
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, ca, &key.PublicKey, caKey)
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, issuer, &key.PublicKey, issuerKey)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -60,11 +79,16 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: parsed}
+		chain := [][]byte{der}
+		if issuer != ca {
+			chain = append(chain, issuer.Raw)
+		}
+		return tls.Certificate{Certificate: chain, PrivateKey: key, Leaf: parsed}
 	}
 	pool := x509.NewCertPool()
 	pool.AddCert(ca)
-	return &expiringPKI{pool: pool, lasting: leaf(2, now.Add(time.Hour)), expiring: leaf(3, now.Add(life))}
+	return &expiringPKI{pool: pool, lasting: leaf(2, now.Add(time.Hour), ca, caKey), expiring: leaf(3, now.Add(life), ca, caKey),
+		via: leaf(5, now.Add(time.Hour), inter, interKey)}
 }
 
 func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
@@ -82,13 +106,20 @@ func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
 // travel on it as if the peer still held that identity: both ends drain the
 // connection at the peer's expiry, so the next stream needs a new
 // handshake, which an expired certificate cannot pass.
+//
+// The end is that of the chain the peer presented, not only of its leaf:
+// past its intermediate's end the leaf verifies no more.
 func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
-	for _, expiring := range []string{"client", "server"} {
+	for _, expiring := range []string{"client", "server", "client intermediate", "server intermediate"} {
 		t.Run(expiring, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
-			clientCert, serverCert := pki.lasting, pki.expiring
-			if expiring == "client" {
-				clientCert, serverCert = pki.expiring, pki.lasting
+			short := pki.expiring
+			if strings.HasSuffix(expiring, "intermediate") {
+				short = pki.via
+			}
+			clientCert, serverCert := pki.lasting, short
+			if strings.HasPrefix(expiring, "client") {
+				clientCert, serverCert = short, pki.lasting
 			}
 			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
 			app := startUpstream(t, echo)
@@ -111,8 +142,77 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 				t.Fatalf("a stream opened %s after the %s certificate expired", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
 			}
 			t.Logf("after the expiry: %v", err)
-			if st := e.pool.Stats(); st.DialsTotal != 2 {
-				t.Errorf("dials = %d, want 2: the stream after the expiry must need a new handshake", st.DialsTotal)
+			// Two or more: a TLS 1.3 client ends its handshake before the
+			// server refuses its certificate, so the refusal may close the
+			// new connection before the stream is opened on it, which
+			// retries on one more.
+			if st := e.pool.Stats(); st.DialsTotal < 2 {
+				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
+			}
+			msg := []byte("still here")
+			if _, err := open.Write(msg); err != nil {
+				t.Fatalf("stream open at the expiry: write: %v", err)
+			}
+			buf := make([]byte, len(msg))
+			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+				t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
+			}
+		})
+	}
+}
+
+// The drain timer runs on the monotonic clock, which stops while the
+// machine is suspended and ignores a step of the wall clock: it may fire
+// long after the peer's certificate expired. Here it never fires, and
+// still no new stream travels on a connection whose peer's certificate
+// has expired by the wall clock: the server refuses it (REFUSED_STREAM
+// and GOAWAY, so the client retries on a new connection), the pool picks
+// another connection. The retry's handshake fails on the expired
+// certificate.
+func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
+	late := func(time.Duration, func()) *time.Timer { return time.AfterFunc(24*time.Hour, func() {}) }
+	defer func(f func(time.Duration, func()) *time.Timer) { expiryAfterFunc = f }(expiryAfterFunc)
+	expiryAfterFunc = late
+	// "idle": no stream is open at the expiry, so the server's drain
+	// closes the connection at once.
+	for _, expiring := range []string{"client", "server", "client idle"} {
+		t.Run(expiring, func(t *testing.T) {
+			pki := newExpiringPKI(t, 2*time.Second)
+			clientCert, serverCert := pki.lasting, pki.expiring
+			if strings.HasPrefix(expiring, "client") {
+				clientCert, serverCert = pki.expiring, pki.lasting
+			}
+			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
+			app := startUpstream(t, echo)
+			connect := func() (*Stream, error) {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				defer cancel()
+				return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+			}
+			open, err := connect()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer open.Close()
+			if strings.HasSuffix(expiring, "idle") {
+				open.Close()
+				waitfor.Until(t, "the stream's end", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+			}
+			time.Sleep(time.Until(pki.expiring.Leaf.NotAfter) + 500*time.Millisecond)
+
+			if s, err := connect(); err == nil {
+				s.Close()
+				t.Fatalf("a stream opened on the old connection %s after the %s certificate expired (drain timer late)", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
+			}
+			// Two or more: a TLS 1.3 client ends its handshake before the
+			// server refuses its certificate, so the refusal may close the
+			// new connection before the stream is opened on it, which
+			// retries on one more.
+			if st := e.pool.Stats(); st.DialsTotal < 2 {
+				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
+			}
+			if strings.HasSuffix(expiring, "idle") {
+				return
 			}
 			msg := []byte("still here")
 			if _, err := open.Write(msg); err != nil {
@@ -193,4 +293,39 @@ func TestPeerExpiredAtHandshakeLeavesPool(t *testing.T) {
 		s.Close()
 	}
 	waitfor.Until(t, "the drained conn leaves the pool", func() bool { return e.pool.Stats().Conns == 0 })
+}
+
+// TestPeerChainEnd: the end of a peer's chain is that of the certificates
+// the leaf verifies through, followed by issuer from the leaf. A
+// certificate the peer sent that the chain does not go through (an old,
+// expired cross-signed intermediate left in its CA's answer) must not end
+// the connection: with it counted, every new connection would count as
+// expired at once, and every stream be refused and retried in vain.
+func TestPeerChainEnd(t *testing.T) {
+	now := time.Now().Truncate(time.Second)
+	cert := func(subject, issuer string, notAfter time.Time) *x509.Certificate {
+		c := &x509.Certificate{NotAfter: notAfter}
+		c.RawSubject, _ = asn1.Marshal(pkix.Name{CommonName: subject}.ToRDNSequence())
+		c.RawIssuer, _ = asn1.Marshal(pkix.Name{CommonName: issuer}.ToRDNSequence())
+		return c
+	}
+	leaf := cert("leaf", "inter", now.Add(time.Hour))
+	inter := cert("inter", "root", now.Add(30*time.Minute))
+	oldInter := cert("inter", "old-root", now.Add(-time.Hour)) // same name, expired, cross-signed
+	unrelated := cert("other", "root", now.Add(-time.Hour))
+	for name, tc := range map[string]struct {
+		chain []*x509.Certificate
+		want  time.Time
+	}{
+		"leaf alone":                   {[]*x509.Certificate{leaf}, leaf.NotAfter},
+		"through its intermediate":     {[]*x509.Certificate{leaf, inter}, inter.NotAfter},
+		"an unrelated expired extra":   {[]*x509.Certificate{leaf, unrelated, inter}, inter.NotAfter},
+		"an expired cross-signed twin": {[]*x509.Certificate{leaf, oldInter, inter}, inter.NotAfter},
+		"only the expired twin":        {[]*x509.Certificate{leaf, oldInter}, oldInter.NotAfter},
+		"a root it goes through":       {[]*x509.Certificate{leaf, cert("root", "root", now.Add(10*time.Minute)), inter}, now.Add(10 * time.Minute)},
+	} {
+		if got := peerChainEnd(tc.chain); !got.Equal(tc.want) {
+			t.Errorf("%s: end %s, want %s", name, got.Sub(now), tc.want.Sub(now))
+		}
+	}
 }

@@ -395,6 +395,11 @@ func (c *conn) tryReserve(maxStreams int) bool {
 	if c.err != nil || c.goAway || (!c.sawSettings && c.active > 0) {
 		return false
 	}
+	if c.peerExpiredLocked() {
+		// The server's certificate ran out and the drain timer is late:
+		// no new stream; the conn closes when idle.
+		return false
+	}
 	if c.active >= maxStreams || uint64(c.active) >= uint64(c.peerMaxStreams) {
 		return false
 	}
