@@ -381,24 +381,7 @@ func TestRunRefusesMalformedPodAddress(t *testing.T) {
 		{"garbage entry", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: garbage}]}`, "status.podIPs[1].ip", "garbage"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			dir := t.TempDir()
-			path := writeFile(t, dir, "c.yaml", good)
-			m := source.NewMetrics(nil)
-			r := startWith(t, New(path, nil).WithMetrics(m))
-			r.waitFor(t, "a")
-
-			writeFile(t, dir, "c.yaml", ns+pod(tt.status))
-			r.noUpdate(t, 300*time.Millisecond)
-			errs := r.refused(t)
-			var de *DocError
-			if len(errs) != 1 || !errors.As(errs[0], &de) || de.Doc != 2 || de.Reason != source.ReasonInvalid {
-				t.Fatalf("Errors() = %v, want document 2 invalid", errs)
-			}
-			want := `pod a/web: ` + tt.field + `: bad IP "` + tt.value + `"`
-			if !strings.Contains(errs[0].Error(), want) {
-				t.Errorf("error %q does not name the pod and field: want %q", errs[0], want)
-			}
-			wantCount(t, m, source.ReasonInvalid, 1)
+			r, m, dir := refuseEdit(t, good, ns+pod(tt.status), `pod a/web: `+tt.field+`: bad IP "`+tt.value+`"`)
 			writeFile(t, dir, "c.yaml", strings.Replace(ns, "ambient}", "ambient, team: x}", 1)+pod(tt.status))
 			r.noUpdate(t, 300*time.Millisecond)
 			wantCount(t, m, source.ReasonInvalid, 2)
@@ -423,6 +406,32 @@ func TestRunRefusesMalformedPodAddress(t *testing.T) {
 	r.waitFor(t, "a")
 }
 
+// refuseEdit starts a source on the manifest good (namespace "a" first),
+// rewrites it to bad and checks that the load is refused with its second
+// document invalid, the error containing want, and counted once. It
+// returns the running source, its metrics and the manifest's directory.
+func refuseEdit(t *testing.T, good, bad, want string) (*running, *source.Metrics, string) {
+	t.Helper()
+	dir := t.TempDir()
+	path := writeFile(t, dir, "c.yaml", good)
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(path, nil).WithMetrics(m))
+	r.waitFor(t, "a")
+
+	writeFile(t, dir, "c.yaml", bad)
+	r.noUpdate(t, 300*time.Millisecond)
+	errs := r.refused(t)
+	var de *DocError
+	if len(errs) != 1 || !errors.As(errs[0], &de) || de.Doc != 2 || de.Reason != source.ReasonInvalid {
+		t.Fatalf("Errors() = %v, want document 2 invalid", errs)
+	}
+	if !strings.Contains(errs[0].Error(), want) {
+		t.Errorf("error %q does not name the object and field: want %q", errs[0], want)
+	}
+	wantCount(t, m, source.ReasonInvalid, 1)
+	return r, m, dir
+}
+
 // TestRunRefusesMalformedServiceIP: a Service of the last applied load whose
 // cluster IP stops parsing would be left out of the model, and connections
 // to its VIP would leave meshed pods in plaintext (an unknown address is
@@ -439,24 +448,7 @@ func TestRunRefusesMalformedServiceIP(t *testing.T) {
 		{"zone", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "fe80::1%eth0"], ports: [{port: 80}]}`, "spec.clusterIPs[1]", "fe80::1%eth0"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			dir := t.TempDir()
-			path := writeFile(t, dir, "c.yaml", good)
-			m := source.NewMetrics(nil)
-			r := startWith(t, New(path, nil).WithMetrics(m))
-			r.waitFor(t, "a")
-
-			writeFile(t, dir, "c.yaml", ns+svc(tt.spec))
-			r.noUpdate(t, 300*time.Millisecond)
-			errs := r.refused(t)
-			var de *DocError
-			if len(errs) != 1 || !errors.As(errs[0], &de) || de.Doc != 2 || de.Reason != source.ReasonInvalid {
-				t.Fatalf("Errors() = %v, want document 2 invalid", errs)
-			}
-			want := `service a/web: ` + tt.field + `: bad IP "` + tt.value + `"`
-			if !strings.Contains(errs[0].Error(), want) {
-				t.Errorf("error %q does not name the service and field: want %q", errs[0], want)
-			}
-			wantCount(t, m, source.ReasonInvalid, 1)
+			r, _, dir := refuseEdit(t, good, ns+svc(tt.spec), `service a/web: `+tt.field+`: bad IP "`+tt.value+`"`)
 
 			// Removing the service is an edit; a new malformed one has
 			// nothing to lose and is only left out by translation.

@@ -142,21 +142,8 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 				t.Fatalf("a stream opened %s after the %s certificate expired", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
 			}
 			t.Logf("after the expiry: %v", err)
-			// Two or more: a TLS 1.3 client ends its handshake before the
-			// server refuses its certificate, so the refusal may close the
-			// new connection before the stream is opened on it, which
-			// retries on one more.
-			if st := e.pool.Stats(); st.DialsTotal < 2 {
-				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
-			}
-			msg := []byte("still here")
-			if _, err := open.Write(msg); err != nil {
-				t.Fatalf("stream open at the expiry: write: %v", err)
-			}
-			buf := make([]byte, len(msg))
-			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
-				t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
-			}
+			wantRedialed(t, e)
+			wantEcho(t, open)
 		})
 	}
 }
@@ -204,24 +191,11 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 				s.Close()
 				t.Fatalf("a stream opened on the old connection %s after the %s certificate expired (drain timer late)", time.Since(pki.expiring.Leaf.NotAfter).Round(time.Millisecond), expiring)
 			}
-			// Two or more: a TLS 1.3 client ends its handshake before the
-			// server refuses its certificate, so the refusal may close the
-			// new connection before the stream is opened on it, which
-			// retries on one more.
-			if st := e.pool.Stats(); st.DialsTotal < 2 {
-				t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
-			}
+			wantRedialed(t, e)
 			if strings.HasSuffix(expiring, "idle") {
 				return
 			}
-			msg := []byte("still here")
-			if _, err := open.Write(msg); err != nil {
-				t.Fatalf("stream open at the expiry: write: %v", err)
-			}
-			buf := make([]byte, len(msg))
-			if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
-				t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
-			}
+			wantEcho(t, open)
 		})
 	}
 }
@@ -327,5 +301,30 @@ func TestPeerChainEnd(t *testing.T) {
 		if got := peerChainEnd(tc.chain); !got.Equal(tc.want) {
 			t.Errorf("%s: end %s, want %s", name, got.Sub(now), tc.want.Sub(now))
 		}
+	}
+}
+
+// wantRedialed checks that the stream after an expiry needed a new
+// handshake. Two dials or more: a TLS 1.3 client ends its handshake before
+// the server refuses its certificate, so the refusal may close the new
+// connection before the stream is opened on it, which retries on one more.
+func wantRedialed(t *testing.T, e *testEnv) {
+	t.Helper()
+	if st := e.pool.Stats(); st.DialsTotal < 2 {
+		t.Errorf("dials = %d, want 2 or more: the stream after the expiry must need a new handshake", st.DialsTotal)
+	}
+}
+
+// wantEcho checks that a stream open across the expiry still carries data
+// to its echo upstream and back.
+func wantEcho(t *testing.T, open *Stream) {
+	t.Helper()
+	msg := []byte("still here")
+	if _, err := open.Write(msg); err != nil {
+		t.Fatalf("stream open at the expiry: write: %v", err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
+		t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
 	}
 }
