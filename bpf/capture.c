@@ -85,6 +85,53 @@ static __always_inline int is_probe_addr(const struct pod_addr *a)
 	return addr_eq(a, &probe);
 }
 
+/* rd_captured marks the app sockets whose outbound connection egress
+ * steered to the tunnel: it lives and dies with the socket. A packet of
+ * such a socket that no tunnel socket owns any more (the tunnel reset the
+ * connection, and the app sent before the RST reached its socket) would
+ * otherwise leave the pod in plaintext as if it were a connection from
+ * before enrollment. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_captured SEC(".maps");
+
+/* app_socket returns the full socket that sent an egress packet, or NULL
+ * (a packet the kernel sends on a socket's behalf, a reset or a time-wait
+ * ACK, comes from a socket of its own). */
+static __always_inline struct bpf_sock *app_socket(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+
+	if (!sk)
+		return NULL;
+	return bpf_sk_fullsock(sk);
+}
+
+/* mark_captured marks the sender of a steered SYN as captured; 0 when it
+ * could not (no memory), and the SYN must not go on. A SYN with no socket
+ * of its own (none is sent so) has nothing to mark. */
+static __always_inline int mark_captured(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = app_socket(skb);
+
+	if (!sk)
+		return 1;
+	return bpf_sk_storage_get(&rd_captured, sk, 0, BPF_SK_STORAGE_GET_F_CREATE) != NULL;
+}
+
+/* was_captured reports whether the sender of an egress packet is an app
+ * socket whose connection was captured. */
+static __always_inline int was_captured(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = app_socket(skb);
+
+	return sk && bpf_sk_storage_get(&rd_captured, sk, 0, 0) != NULL;
+}
+
 /* tunnel_owns reports whether a tunnel socket (not a listener) has the
  * packet's destination as its local end: the packet belongs to a connection
  * the tunnel terminates inside this pod. */
@@ -449,6 +496,9 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
  *                  captured or source-preserved connection);
+ *   TC_ACT_SHOT    a packet of an app socket whose connection was captured
+ *                  (rd_captured) that no tunnel socket owns any more, and a
+ *                  new connection whose app socket cannot be marked so;
  *   TC_ACT_SHOT    an IP packet from or to an enrolled address, or on an
  *                  enrolled pod's interface, that parse_tcp cannot classify
  *                  (truncated or malformed headers, TCP in fragments, hidden
@@ -491,12 +541,20 @@ int rd_pod_egress(struct __sk_buff *skb)
 	if (p.syn && !p.ack) {
 		if (!(pod->flags & POD_CAPTURE_OUTBOUND))
 			return TC_ACT_UNSPEC;
+		if (!mark_captured(skb)) {
+			count(REASON_DROP_CAPTURE_MARK, &p.src, CNT_DROPPED);
+			return TC_ACT_SHOT;
+		}
 		count(REASON_OUT_SYN_STEERED, &p.src, CNT_OUTBOUND_CONN);
 		return steer(skb);
 	}
 	if (tunnel_owns(skb, &p)) {
 		count(REASON_OUT_TUNNEL_SOCKET, &p.src, CNT_STEERED);
 		return steer(skb);
+	}
+	if (was_captured(skb)) {
+		count(REASON_DROP_TUNNEL_GONE, &p.src, CNT_DROPPED);
+		return TC_ACT_SHOT;
 	}
 	return TC_ACT_UNSPEC;
 }

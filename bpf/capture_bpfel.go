@@ -100,13 +100,16 @@ const (
 	CaptureVerdictReasonREASON_DROP_VLAN            CaptureVerdictReason = 24
 	CaptureVerdictReasonREASON_DROP_SYN_SENT        CaptureVerdictReason = 25
 	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE    CaptureVerdictReason = 26
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 27
+	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE     CaptureVerdictReason = 27
+	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK    CaptureVerdictReason = 28
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 29
 )
 
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	CaptureMapRdCaptured          = "rd_captured"
 	CaptureMapRdPodMeta           = "rd_pod_meta"
 	CaptureMapRdPodNetns          = "rd_pod_netns"
 	CaptureMapRdPodStats          = "rd_pod_stats"
@@ -177,6 +180,7 @@ type CaptureProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type CaptureMapSpecs struct {
+	RdCaptured *ebpf.MapSpec `ebpf:"rd_captured"`
 	RdPodMeta  *ebpf.MapSpec `ebpf:"rd_pod_meta"`
 	RdPodNetns *ebpf.MapSpec `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.MapSpec `ebpf:"rd_pod_stats"`
@@ -221,6 +225,7 @@ func (o *CaptureObjects) Close() error {
 //
 // It can be passed to LoadCaptureObjects or ebpf.CollectionSpec.LoadAndAssign.
 type CaptureMaps struct {
+	RdCaptured *ebpf.Map `ebpf:"rd_captured"`
 	RdPodMeta  *ebpf.Map `ebpf:"rd_pod_meta"`
 	RdPodNetns *ebpf.Map `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.Map `ebpf:"rd_pod_stats"`
@@ -230,6 +235,7 @@ type CaptureMaps struct {
 
 func (m *CaptureMaps) Close() error {
 	return _CaptureClose(
+		m.RdCaptured,
 		m.RdPodMeta,
 		m.RdPodNetns,
 		m.RdPodStats,

@@ -61,6 +61,8 @@ enum verdict_reason {
 	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
 	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
+	REASON_DROP_TUNNEL_GONE,     /* fail closed: egress packet of an app socket whose connection was captured, with no tunnel socket left for its tuple */
+	REASON_DROP_CAPTURE_MARK,    /* fail closed: a new outbound connection's app socket could not be marked as captured (no memory) */
 	REASON_MAX,
 };
 

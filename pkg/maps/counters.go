@@ -115,6 +115,8 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_VLAN:            "drop_vlan",
 	bpf.CaptureVerdictReasonREASON_DROP_SYN_SENT:        "drop_syn_sent",
 	bpf.CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE:    "drop_source_route",
+	bpf.CaptureVerdictReasonREASON_DROP_TUNNEL_GONE:     "drop_tunnel_gone",
+	bpf.CaptureVerdictReasonREASON_DROP_CAPTURE_MARK:    "drop_capture_mark",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

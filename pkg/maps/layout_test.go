@@ -24,6 +24,7 @@ func TestLayoutMatchesELF(t *testing.T) {
 		ReasonsName:  {uint32(0), uint64(0)},
 		PodMetaName:  {uint32(0), bpf.CapturePodMeta{}},
 		PodNetNSName: {uint32(0), bpf.CapturePodNetns{}},
+		CapturedName: {int32(0), uint8(0)}, // socket storage: a socket's fd as key, a flag as value
 	}
 	for name, w := range want {
 		ms, ok := spec.Maps[name]

@@ -21,6 +21,9 @@ const (
 	ReasonsName  = bpf.CaptureMapRdReasons
 	PodMetaName  = bpf.CaptureMapRdPodMeta
 	PodNetNSName = bpf.CaptureMapRdPodNetns
+	// CapturedName is the socket storage marking captured app sockets; no
+	// Go code reads it, the uninstaller removes its pin.
+	CapturedName = bpf.CaptureMapRdCaptured
 )
 
 // Maps holds the data path's maps. It owns the file descriptors.

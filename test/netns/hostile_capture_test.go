@@ -159,7 +159,7 @@ func TestHostileMeshedExtensionHeaderNoPlaintext(t *testing.T) {
 	dst := netip.AddrPortFrom(server.IPv6, hostileAppPort)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 
-	stop := capture(t, client.Node.Path(), "uplink")
+	stop := Capture(t, client.Node.Path(), "uplink")
 	const marker = "meshed-exthdr-marker-41c2"
 	var opt ipv6Option
 	for _, o := range hostileIPv6Options() {
@@ -617,7 +617,7 @@ func TestHostileMeshedSegmentRoutingNoPlaintext(t *testing.T) {
 	}
 	before := drops()
 
-	stop := capture(t, client.Node.Path(), client.HostVeth)
+	stop := Capture(t, client.Node.Path(), client.HostVeth)
 	err := dialWithIPv6Option(client, netip.AddrPortFrom(server.IPv6, hostileAppPort), opt, "srh-marker")
 	wire := stop()
 	if errors.Is(err, errOptionRefused) {

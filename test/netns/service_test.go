@@ -92,7 +92,7 @@ func TestServiceVIP(t *testing.T) {
 		}
 		return got
 	}
-	stop := capture(t, client.Node.Path(), "uplink")
+	stop := Capture(t, client.Node.Path(), "uplink")
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, "http://"+vip4+"/"); return err })
 	got := hits(30, "http://"+vip4+"/service-marker-55e1")
 	for _, s := range []string{"s1", "s2", "s3"} {

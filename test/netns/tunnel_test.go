@@ -19,7 +19,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
@@ -64,58 +63,10 @@ func (ms *mesh) rewrite(t *testing.T, client, server, plain *Pod, extra ...strin
 	}
 }
 
-// capture records every frame on iface inside the namespace at path until
-// stop is called.
-func capture(t *testing.T, path, iface string) (stop func() []byte) {
-	t.Helper()
-	var fd int
-	err := netns.Do(path, func() error {
-		ifi, err := net.InterfaceByName(iface)
-		if err != nil {
-			return err
-		}
-		proto := int(htons(unix.ETH_P_ALL))
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW, proto)
-		if err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index})
-	})
-	if err != nil {
-		t.Fatalf("capture on %s: %v", iface, err)
-	}
-	var mu sync.Mutex
-	var buf bytes.Buffer
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		b := make([]byte, 65536)
-		for {
-			n, _, err := unix.Recvfrom(fd, b, 0)
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			buf.Write(b[:n])
-			mu.Unlock()
-		}
-	}()
-	return func() []byte {
-		unix.Shutdown(fd, unix.SHUT_RDWR)
-		unix.Close(fd)
-		<-done
-		mu.Lock()
-		defer mu.Unlock()
-		return buf.Bytes()
-	}
-}
-
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
-
 func TestOnlyTLSBetweenNodes(t *testing.T) {
 	ms, client, server, _ := meshed(t)
 	_ = ms
-	stop := capture(t, client.Node.Path(), "uplink")
+	stop := Capture(t, client.Node.Path(), "uplink")
 	const marker = "plaintext-marker-7f3a9c"
 	Eventually(t, 10*time.Second, func() error {
 		out, err := Curl(client, URL(server.IPv4, 8080)+marker)

@@ -424,7 +424,7 @@ func TestKillUnderLoadFailsClosed(t *testing.T) {
 	ms, client, server, _ := meshed(t)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[0]
-	wire := capture(t, client.Node.Path(), "uplink")
+	wire := Capture(t, client.Node.Path(), "uplink")
 	load := startUpgradeLoad(t, client, server, 200, 0)
 	time.Sleep(time.Second)
 	killAt := time.Now()
@@ -539,7 +539,7 @@ func TestUpgradeNewAgentKilled(t *testing.T) {
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[0]
 	n := old.Node
-	wire := capture(t, n.Path(), "uplink")
+	wire := Capture(t, n.Path(), "uplink")
 	load := startUpgradeLoad(t, client, server, 200, 0)
 	args := []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}
 	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot, Args: args})

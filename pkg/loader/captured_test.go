@@ -1,0 +1,134 @@
+package loader_test
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/maps"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// TestCapturedConnectionNeverLeavesAfterTunnelReset: the tunnel resets a
+// captured connection (a refused destination, a failed dial) while the app
+// is sending. Between the tunnel socket's end and the RST reaching the app
+// socket (its lock held by a send in progress, which queues the RST in the
+// backlog), the app's segments find no tunnel socket for their tuple. The
+// egress program used to pass such a packet as one of a connection from
+// before enrollment: out of the pod towards the original destination, in
+// plaintext. Here the RST is held back for good (a tc program on the pod's
+// loopback drops the tunnel-marked packets), which opens that window as wide
+// as it gets: the app's data must still never leave the pod, and is counted
+// as drop_tunnel_gone.
+func TestCapturedConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	client, other := node.AddPod("client"), node.AddPod("other")
+	root := loadertest.TempBPFFS(t)
+	l := loadertest.Load(t, root)
+	defer l.Close()
+	ctx := context.Background()
+	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
+		t.Fatal(err)
+	}
+	tunnel, err := netns.Listen(ctx, client.Path(), "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tunnel.Close()
+	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
+
+	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {
+		t.Run(dst, func(t *testing.T) {
+			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			defer cancel()
+			app, err := netns.Dial(dctx, client.Path(), "tcp", dst, netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer app.Close()
+			tun, err := tunnel.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tun.LocalAddr().String() != dst {
+				t.Fatalf("the app's connection reached the tunnel as %s, want %s", tun.LocalAddr(), dst)
+			}
+
+			dropper := dropTunnelMarkedOnLoopback(t, client.Path())
+			if err := tun.(*net.TCPConn).SetLinger(0); err != nil {
+				t.Fatal(err)
+			}
+			tun.Close() // the RST towards the app goes nowhere
+
+			wire := netnstest.Capture(t, node.Path(), "")
+			before := reasonCount(t, l.Maps(), "drop_tunnel_gone")
+			secret := []byte("plaintext-after-reset-5be1")
+			if _, err := app.Write(secret); err != nil {
+				t.Fatalf("app write: %v", err)
+			}
+			waitForCount(t, l.Maps(), "drop_tunnel_gone", before+1)
+			time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
+			if bytes.Contains(wire(), secret) {
+				t.Fatal("the app's data left the pod in plaintext after its tunnel socket was reset")
+			}
+			dropper.Close()
+		})
+	}
+}
+
+// dropTunnelMarkedOnLoopback attaches, in the namespace at path, a tcx
+// egress program on lo that drops every packet carrying the test's tunnel
+// mark: what the tunnel sends to the app (its replies, its RST) goes
+// through the pod's loopback, the app's own packets do not.
+func dropTunnelMarkedOnLoopback(t *testing.T, path string) link.Link {
+	t.Helper()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:    ebpf.SchedCLS,
+		License: "GPL",
+		Instructions: asm.Instructions{
+			asm.LoadMem(asm.R2, asm.R1, 8, asm.Word), // __sk_buff.mark
+			asm.JNE.Imm(asm.R2, loadertest.TunnelMark, "next"),
+			asm.Mov.Imm(asm.R0, 2), // TC_ACT_SHOT
+			asm.Return(),
+			asm.Mov.Imm(asm.R0, -1).WithSymbol("next"), // TCX_NEXT
+			asm.Return(),
+		},
+	})
+	if err != nil {
+		t.Fatalf("load the dropper: %v", err)
+	}
+	t.Cleanup(func() { prog.Close() })
+	var lk link.Link
+	if err := netns.Do(path, func() error {
+		lo, err := net.InterfaceByName("lo")
+		if err != nil {
+			return err
+		}
+		lk, err = link.AttachTCX(link.TCXOptions{Interface: lo.Index, Program: prog, Attach: ebpf.AttachTCXEgress})
+		return err
+	}); err != nil {
+		t.Fatalf("attach the dropper to lo: %v", err)
+	}
+	t.Cleanup(func() { lk.Close() })
+	return lk
+}
+
+func waitForCount(t *testing.T, m *maps.Maps, name string, want uint64) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for reasonCount(t, m, name) < want {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s stayed at %d, want at least %d", name, reasonCount(t, m, name), want)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
