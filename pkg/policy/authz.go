@@ -331,18 +331,31 @@ func matchIP(block string, a netip.Addr) bool {
 	return err == nil && a.IsValid() && p.Contains(a)
 }
 
+// parseIPBlock parses a CIDR or a single address. A block written
+// IPv4-mapped (::ffff:a.b.c.d, a prefix of 96 bits or more) is the IPv4
+// block it carries: peers are matched by their unmapped address, and the
+// xDS source reads istiod's bytes for such a block the same way.
 func parseIPBlock(block string) (netip.Prefix, error) {
+	var p netip.Prefix
 	if strings.Contains(block, "/") {
-		return netip.ParsePrefix(block)
+		var err error
+		if p, err = netip.ParsePrefix(block); err != nil {
+			return netip.Prefix{}, err
+		}
+	} else {
+		a, err := netip.ParseAddr(block)
+		if err != nil {
+			return netip.Prefix{}, err
+		}
+		if a.Zone() != "" {
+			return netip.Prefix{}, errZone
+		}
+		p = netip.PrefixFrom(a, a.BitLen())
 	}
-	a, err := netip.ParseAddr(block)
-	if err != nil {
-		return netip.Prefix{}, err
+	if a := p.Addr(); a.Is4In6() && p.Bits() >= 96 {
+		p = netip.PrefixFrom(a.Unmap(), p.Bits()-96)
 	}
-	if a.Zone() != "" {
-		return netip.Prefix{}, errZone
-	}
-	return netip.PrefixFrom(a, a.BitLen()), nil
+	return p, nil
 }
 
 func matchPort(s string, port uint16) bool {

@@ -242,6 +242,18 @@ spec: {rules: [{from: [{source: {ipBlocks: ["10.0.0.4/30"]}}]}]}`,
 			allowed: map[*Peer]bool{&webPeer: true, &mappedPeer: true, &v6Peer: false, &plainPeer: false},
 		},
 		{
+			// istiod sends such a block as the 16 bytes it parses to,
+			// and the xDS source unmaps them: the same here, so a DENY
+			// of ::ffff:10.0.0.5 denies 10.0.0.5 whichever source the
+			// policy came from.
+			name: "ipBlocks written IPv4-mapped match the IPv4 peer",
+			policies: `
+metadata: {name: mapped-deny, namespace: shop}
+spec: {action: DENY, rules: [{from: [{source: {ipBlocks: ["::ffff:10.0.0.4/126"]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &mappedPeer: false, &v6Peer: true, &plainPeer: true},
+		},
+		{
 			name: "ipBlocks v6",
 			policies: `
 metadata: {name: ips6, namespace: shop}
