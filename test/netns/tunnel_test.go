@@ -19,7 +19,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
