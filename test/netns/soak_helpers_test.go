@@ -166,6 +166,8 @@ func measure(a *Agent, gone func(workload string) bool) (agentResources, error) 
 		switch mp.Type() {
 		case ebpf.Array, ebpf.PerCPUArray, ebpf.ProgramArray:
 			return nil // every slot always exists
+		case ebpf.SkStorage:
+			return nil // entries live and die with their sockets; not iterable
 		}
 		n, err := countKeys(mp)
 		if err != nil {
