@@ -117,17 +117,7 @@ func TestNoStreamsAfterPeerCertificateExpired(t *testing.T) {
 			if strings.HasSuffix(expiring, "intermediate") {
 				short = pki.via
 			}
-			clientCert, serverCert := pki.lasting, short
-			if strings.HasPrefix(expiring, "client") {
-				clientCert, serverCert = short, pki.lasting
-			}
-			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
-			app := startUpstream(t, echo)
-			connect := func() (*Stream, error) {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
-			}
+			e, connect := expiryEnv(t, pki, short, strings.HasPrefix(expiring, "client"))
 			// One stream stays open across the expiry: it runs to its end.
 			open, err := connect()
 			if err != nil {
@@ -165,17 +155,7 @@ func TestNoStreamsAfterPeerCertificateExpiredTimerLate(t *testing.T) {
 	for _, expiring := range []string{"client", "server", "client idle"} {
 		t.Run(expiring, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
-			clientCert, serverCert := pki.lasting, pki.expiring
-			if strings.HasPrefix(expiring, "client") {
-				clientCert, serverCert = pki.expiring, pki.lasting
-			}
-			e := newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
-			app := startUpstream(t, echo)
-			connect := func() (*Stream, error) {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
-			}
+			e, connect := expiryEnv(t, pki, pki.expiring, strings.HasPrefix(expiring, "client"))
 			open, err := connect()
 			if err != nil {
 				t.Fatal(err)
@@ -326,5 +306,23 @@ func wantEcho(t *testing.T, open *Stream) {
 	buf := make([]byte, len(msg))
 	if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
 		t.Fatalf("stream open at the expiry: read %q, %v", buf, err)
+	}
+}
+
+// expiryEnv starts a server and pool whose one side (the client's when
+// clientExpires, else the server's) presents short and the other pki's
+// lasting certificate, and an echo upstream; connect opens a stream to it.
+func expiryEnv(t *testing.T, pki *expiringPKI, short tls.Certificate, clientExpires bool) (e *testEnv, connect func() (*Stream, error)) {
+	t.Helper()
+	clientCert, serverCert := pki.lasting, short
+	if clientExpires {
+		clientCert, serverCert = short, pki.lasting
+	}
+	e = newEnv(t, dialTarget, ServerOptions{TLSConfig: pki.config(serverCert, true)}, PoolOptions{})
+	app := startUpstream(t, echo)
+	return e, func() (*Stream, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return e.pool.Connect(ctx, e.key, tcpDial, pki.config(clientCert, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
 	}
 }
