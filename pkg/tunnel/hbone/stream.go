@@ -675,13 +675,16 @@ func (s *Stream) closeWithCode(code http2.ErrCode) {
 	}
 	c.sendCond.Broadcast()
 	c.mu.Unlock()
+	// Forgotten before the reset is sent: a peer that answers the reset
+	// at once must find the stream closed by us (frames then are junk it
+	// pays for), not still half-closed by its own END_STREAM.
+	c.forget(s)
 	if reset {
 		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
 	}
 	if unread > 0 {
 		c.credit(0, 0, unread)
 	}
-	c.forget(s)
 }
 
 // LocalAddr is the local address of the underlying TLS connection.
