@@ -78,12 +78,7 @@ func TestCNIAddWaitsForItsSandbox(t *testing.T) {
 	for _, ad := range newSandbox.Addrs() {
 		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
 	}
-	// A worker converges the pod meanwhile, as in the agent.
-	go func() {
-		for a.processNext(ctx) {
-		}
-	}()
-	defer a.queue.ShutDown()
+	runWorker(t, a) // converges the pod meanwhile, as in the agent
 	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", NetNS: newSandbox.Path(), IPs: ips})
 	st, _, _ := ld.PodState("uid-p")
 	t.Logf("resp=%+v err=%v attached netns=%s (new sandbox %s)", resp, err, st.Meta.NetNS, newSandbox.Path())
@@ -117,11 +112,7 @@ func TestCNIAddNewSandboxWhileAPIHasOldAddress(t *testing.T) {
 	for _, ad := range newSandbox.Addrs() {
 		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
 	}
-	go func() {
-		for a.processNext(ctx) {
-		}
-	}()
-	defer a.queue.ShutDown()
+	runWorker(t, a)
 	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", NetNS: newSandbox.Path(), IPs: ips})
 	if err != nil || !resp.Enrolled {
 		t.Fatalf("CNI ADD: %+v, %v; want enrolled", resp, err)

@@ -269,14 +269,18 @@ func TestRestartKeepsPendingAttachedPod(t *testing.T) {
 }
 
 // runWorker runs one queue worker, as the agent does, until the test ends,
-// and returns the context the test's calls use (30 s at most).
+// and returns the context the test's calls use (30 s at most). The cleanup
+// waits for the worker to return, so the loader closed by an earlier
+// cleanup is not in use (CI's race run caught a worker still reconciling).
 func runWorker(t *testing.T, a *Agent) context.Context {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	done := make(chan struct{})
 	go func() {
+		defer close(done)
 		for a.processNext(ctx) {
 		}
 	}()
-	t.Cleanup(func() { a.queue.ShutDown(); cancel() })
+	t.Cleanup(func() { a.queue.ShutDown(); cancel(); <-done })
 	return ctx
 }

@@ -59,17 +59,13 @@ func TestSortedMap(t *testing.T) {
 	}
 }
 
-// TestModelKeepsPodWithMalformedAddress: a pod whose address stops parsing
-// (status.podIP(s) edited to "10.0.0.05", say) keeps its last good
-// workload, enrolled at its old address, with the error logged naming the
-// pod and field and counted; a fix is taken; a pod of the same name but
-// another uid, malformed from the start, is left out; a deleted pod goes.
-// Before, the model deleted the workload and so unenrolled the pod.
-func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
+// storeOnlyInformers is the informer set with the agent's indexers but no
+// list or watch: a test fills the stores itself and applies changes.
+func storeOnlyInformers() informerSet {
 	newInf := func(obj runtime.Object, idx cache.Indexers) cache.SharedIndexInformer {
 		return cache.NewSharedIndexInformer(&cache.ListWatch{}, obj, 0, idx)
 	}
-	inf := informerSet{
+	return informerSet{
 		namespaces:     newInf(&corev1.Namespace{}, cache.Indexers{}),
 		runtimeClasses: newInf(&nodev1.RuntimeClass{}, cache.Indexers{}),
 		pods: newInf(&kubeobj.CompactPod{}, cache.Indexers{
@@ -77,6 +73,16 @@ func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
 		services:       newInf(&corev1.Service{}, cache.Indexers{}),
 		endpointSlices: newInf(&discoveryv1.EndpointSlice{}, cache.Indexers{slicesByService: indexSlicesByService}),
 	}
+}
+
+// TestModelKeepsPodWithMalformedAddress: a pod whose address stops parsing
+// (status.podIP(s) edited to "10.0.0.05", say) keeps its last good
+// workload, enrolled at its old address, with the error logged naming the
+// pod and field and counted; a fix is taken; a pod of the same name but
+// another uid, malformed from the start, is left out; a deleted pod goes.
+// Before, the model deleted the workload and so unenrolled the pod.
+func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
+	inf := storeOnlyInformers()
 	var logs bytes.Buffer
 	m := newModel(selection.Config{}, slog.New(slog.NewTextHandler(&logs, nil)), inf)
 	metrics := source.NewMetrics(nil)
@@ -151,17 +157,7 @@ func TestModelKeepsPodWithMalformedAddress(t *testing.T) {
 // handler); an enrolled pod of it stays enrolled, with the error logged.
 // Before, it was unenrolled and its traffic left the mesh.
 func TestModelKeepsEnrolledPodWhoseRuntimeClassIsDeleted(t *testing.T) {
-	newInf := func(obj runtime.Object, idx cache.Indexers) cache.SharedIndexInformer {
-		return cache.NewSharedIndexInformer(&cache.ListWatch{}, obj, 0, idx)
-	}
-	inf := informerSet{
-		namespaces:     newInf(&corev1.Namespace{}, cache.Indexers{}),
-		runtimeClasses: newInf(&nodev1.RuntimeClass{}, cache.Indexers{}),
-		pods: newInf(&kubeobj.CompactPod{}, cache.Indexers{
-			cache.NamespaceIndex: cache.MetaNamespaceIndexFunc, podsByRuntimeClass: indexPodsByRuntimeClass}),
-		services:       newInf(&corev1.Service{}, cache.Indexers{}),
-		endpointSlices: newInf(&discoveryv1.EndpointSlice{}, cache.Indexers{slicesByService: indexSlicesByService}),
-	}
+	inf := storeOnlyInformers()
 	var logs bytes.Buffer
 	m := newModel(selection.Config{SkipRuntimeClasses: []string{"kata"}}, slog.New(slog.NewTextHandler(&logs, nil)), inf)
 	class := &nodev1.RuntimeClass{ObjectMeta: metav1.ObjectMeta{Name: "fast"}, Handler: "runc"}
