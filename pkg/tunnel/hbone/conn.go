@@ -228,7 +228,6 @@ type conn struct {
 	hencLimit uint32
 
 	mu             sync.Mutex
-	sendCond       sync.Cond // L is &mu: send windows grew, or a stream/the conn failed
 	streams        map[uint32]*Stream
 	active         int // streams open or reserved (client) on this conn
 	nextID         uint32
@@ -237,17 +236,23 @@ type conn struct {
 	peerInitWindow int64
 	acksPending    int   // SETTINGS acks queued, not yet written: DATA waits
 	sendWindow     int64 // connection-level window the peer granted us
-	recvWindow     int64 // what the peer may still send before our next WINDOW_UPDATE
-	recvUnacked    int64 // bytes consumed locally and not yet returned to the peer
-	sawSettings    bool
-	goAway         bool // no new streams: GOAWAY sent or received, or closing
-	goAwaySent     bool
-	err            error // set once, when the conn dies
-	idleSince      time.Time
-	idleTimer      *time.Timer
-	expiryTimer    *time.Timer // drainAtPeerExpiry
-	peerNotAfter   time.Time   // the end of the peer's chain; zero: none
-	ctl, ctlSpare  []ctlFrame
+	// connWaiters are the streams whose writers wait for the connection's
+	// send window (their own has room), longest waiting first; see
+	// passConnWindowLocked.
+	connWaiters   []*Stream
+	sendWaiting   int    // writers waiting for send window now
+	sendWakes     uint64 // times a waiting writer was woken (tests read it)
+	recvWindow    int64  // what the peer may still send before our next WINDOW_UPDATE
+	recvUnacked   int64  // bytes consumed locally and not yet returned to the peer
+	sawSettings   bool
+	goAway        bool // no new streams: GOAWAY sent or received, or closing
+	goAwaySent    bool
+	err           error // set once, when the conn dies
+	idleSince     time.Time
+	idleTimer     *time.Timer
+	expiryTimer   *time.Timer // drainAtPeerExpiry
+	peerNotAfter  time.Time   // the end of the peer's chain; zero: none
+	ctl, ctlSpare []ctlFrame
 	// Server: handlers running for this conn and requests waiting for one
 	// (x/net's scheduleHandler). A handler holds its slot until it and the
 	// relay it started ended, whatever happened to the stream meanwhile.
@@ -302,7 +307,6 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	}
 	c.lastRead.Store(time.Now().UnixNano())
 	c.ctx, c.cancel = context.WithCancel(parent)
-	c.sendCond.L = &c.mu
 	c.peerMaxFrame.Store(defaultMaxFrame)
 	c.peerTableSize.Store(4096)
 	// bw coalesces small frames into one TLS record (at most one full
@@ -806,9 +810,13 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 			delta := int64(s.Val) - c.peerInitWindow
 			c.peerInitWindow = int64(s.Val)
 			for _, st := range c.streams {
+				was := st.sendWindow
 				st.sendWindow += delta
 				if st.sendWindow > maxWindow {
 					return http2.ConnectionError(http2.ErrCodeFlowControl)
+				}
+				if was <= 0 && st.sendWindow > 0 {
+					st.sendCond.Broadcast() // it sends once the ack is out
 				}
 			}
 		}
@@ -834,14 +842,11 @@ func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if f.StreamID == 0 {
-		was := c.sendWindow
 		c.sendWindow += inc
 		if c.sendWindow > maxWindow {
 			return http2.ConnectionError(http2.ErrCodeFlowControl)
 		}
-		if was <= 0 {
-			c.sendCond.Broadcast()
-		}
+		c.passConnWindowLocked()
 		return nil
 	}
 	s := c.streams[f.StreamID]
@@ -857,9 +862,9 @@ func (c *conn) onWindowUpdate(f *http2.WindowUpdateFrame) error {
 		return http2.StreamError{StreamID: f.StreamID, Code: http2.ErrCodeFlowControl}
 	}
 	if was <= 0 {
-		// Only a window that was empty has writers waiting on it: a
+		// Only a window that was empty has a writer waiting on it: a
 		// stream of small updates wakes nobody.
-		c.sendCond.Broadcast()
+		s.sendCond.Broadcast()
 	}
 	return nil
 }
@@ -1067,7 +1072,7 @@ func (c *conn) ctlLoop() {
 					c.acksPending--
 				}
 			}
-			c.sendCond.Broadcast() // the new settings' windows may be used now
+			c.passConnWindowLocked() // the new settings' windows may be used now
 		}
 		c.mu.Unlock()
 		if err != nil {
@@ -1390,6 +1395,10 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	streams := make([]*Stream, 0, len(c.streams))
 	for _, s := range c.streams {
 		streams = append(streams, s)
+		s.sendCond.Broadcast()
+	}
+	for _, s := range c.connWaiters {
+		s.sendCond.Broadcast()
 	}
 	if c.idleTimer != nil {
 		c.idleTimer.Stop()
@@ -1400,7 +1409,6 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	if c.pingTimer != nil {
 		c.pingTimer.Stop()
 	}
-	c.sendCond.Broadcast()
 	c.mu.Unlock()
 
 	close(c.done)

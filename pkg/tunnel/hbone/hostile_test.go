@@ -339,3 +339,89 @@ func TestHandshakeRatePerSource(t *testing.T) {
 		t.Errorf("limiter %+v, want 101 refused for the rate and nothing held", st)
 	}
 }
+
+// TestSmallWindowUpdatesWakeOneWriter: a client downloads on many streams
+// of one connection, lets a window run dry (the connection's, or one
+// stream's with the others' empty too), then grants it one byte at a time,
+// each after the byte before arrived. A grant lets one writer send one
+// byte, so it wakes that writer, not every stream's. Before the fix every
+// grant woke all of them: a 13-byte frame bought the peer a goroutine
+// wake-up and a turn on the connection lock per stream writing (up to 200
+// by default).
+func TestSmallWindowUpdatesWakeOneWriter(t *testing.T) {
+	const streams, grants = 50, 200
+	target := startUpstream(t, func(c *net.TCPConn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+	for _, tc := range []struct {
+		name  string
+		setup func(*rawClient) error // before the streams open
+		grant uint32                 // the stream the grants are for
+	}{
+		{"connection window", nil, 0},
+		{"stream window", func(rc *rawClient) error {
+			if err := rc.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0}); err != nil {
+				return err
+			}
+			return rc.fr.WriteWindowUpdate(0, 1<<20)
+		}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, rc := rawServer(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
+			if tc.setup != nil {
+				if err := tc.setup(rc); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := range streams {
+				if err := rc.connect(uint32(2*i+1), target.String()); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var c *conn
+			waitfor.Until(t, "the server's connection", func() bool {
+				srv.mu.Lock()
+				defer srv.mu.Unlock()
+				for sc := range srv.conns {
+					c = sc
+				}
+				return c != nil
+			})
+			// settled: every stream's writer waits for window.
+			settled := func() bool {
+				c.mu.Lock()
+				defer c.mu.Unlock()
+				return c.sendWaiting == streams
+			}
+			wakes := func() uint64 {
+				c.mu.Lock()
+				defer c.mu.Unlock()
+				return c.sendWakes
+			}
+			waitfor.Until(t, "every stream's writer waiting for window", settled)
+			mark := [8]byte{'s', 'e', 't', 't', 'l', 'e', 'd'}
+			if err := rc.fr.WritePing(false, mark); err != nil {
+				t.Fatal(err)
+			}
+			rc.waitFor("PING ack", func(f rawFrame) bool { return f.typ == http2.FramePing && f.ack && f.ping == mark })
+			before := wakes()
+			for range grants {
+				if err := rc.fr.WriteWindowUpdate(tc.grant, 1); err != nil {
+					t.Fatal(err)
+				}
+				rc.waitFor("the granted byte", func(f rawFrame) bool { return f.typ == http2.FrameData })
+			}
+			waitfor.Until(t, "the writers waiting again", settled)
+			woke := wakes() - before
+			t.Logf("%d one-byte grants with %d writers waiting woke writers %d times", grants, streams, woke)
+			if woke > 3*grants {
+				t.Errorf("%d wake-ups for %d one-byte grants: want at most %d (a grant wakes the writer it lets send)", woke, grants, 3*grants)
+			}
+		})
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -71,7 +72,11 @@ type Stream struct {
 	// wmu makes one writer at a time frame its bytes, so a Write's frames
 	// stay in order and END_STREAM comes last.
 	wmu sync.Mutex
-	// Guarded by c.mu, next to the connection's own send window.
+	// Guarded by c.mu, next to the connection's own send window. The
+	// writer waits on sendCond (L is &c.mu): for this stream's window, or,
+	// queued in c.connWaiters (connQueued), for the connection's.
+	sendCond      sync.Cond
+	connQueued    bool
 	sendWindow    int64
 	sendErr       error
 	writeDeadline time.Time
@@ -81,6 +86,7 @@ type Stream struct {
 func newStream(c *conn, id uint32) *Stream {
 	s := &Stream{c: c, id: id, recvWindow: streamWindow}
 	s.rcond.L = &s.mu
+	s.sendCond.L = &c.mu
 	if c.cfg.client {
 		s.respc = make(chan struct{})
 	} else {
@@ -228,7 +234,7 @@ func (s *Stream) abort(err error) {
 	if s.sendErr == nil {
 		s.sendErr = err
 	}
-	c.sendCond.Broadcast()
+	s.sendCond.Broadcast()
 	c.mu.Unlock()
 	c.forget(s)
 	if !c.cfg.client {
@@ -540,11 +546,15 @@ func (s *Stream) sendLocked(buf []byte, n int) (int, error) {
 }
 
 // awaitSendWindow reserves up to want bytes of stream and connection send
-// window, at most one frame's worth.
+// window, at most one frame's worth. A writer whose stream has window but
+// whose connection has none queues for the connection's; whatever it
+// leaves with, it hands what is left of that window to the next in line.
 func (s *Stream) awaitSendWindow(want int) (int, error) {
 	c := s.c
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	defer c.passConnWindowLocked()
+	defer c.leaveConnQueueLocked(s)
 	for {
 		switch {
 		case s.sendErr != nil:
@@ -553,13 +563,50 @@ func (s *Stream) awaitSendWindow(want int) (int, error) {
 			return 0, c.err
 		case !s.writeDeadline.IsZero() && !time.Now().Before(s.writeDeadline):
 			return 0, os.ErrDeadlineExceeded
-		case s.sendWindow > 0 && c.sendWindow > 0 && c.acksPending == 0:
+		case s.sendWindow <= 0:
+			// Woken by this stream's WINDOW_UPDATE; no place in the
+			// connection's queue meanwhile.
+			c.leaveConnQueueLocked(s)
+			c.passConnWindowLocked()
+		case c.sendWindow <= 0 || c.acksPending > 0:
+			if !s.connQueued {
+				s.connQueued = true
+				c.connWaiters = append(c.connWaiters, s)
+			}
+		default:
 			k := min(int64(want), s.sendWindow, c.sendWindow, int64(c.peerMaxFrame.Load()))
 			s.sendWindow -= k
 			c.sendWindow -= k
 			return int(k), nil
 		}
-		c.sendCond.Wait()
+		c.sendWaiting++
+		s.sendCond.Wait()
+		c.sendWaiting--
+		c.sendWakes++
+	}
+}
+
+// passConnWindowLocked wakes the writer that has waited longest for the
+// connection's send window, if there is window and DATA may go out. The
+// woken writer passes on what it leaves, so a grant wakes the writers it
+// can feed, one after another, not every stream's (a peer granting a byte
+// at a time would otherwise buy a wake-up per open stream for each).
+func (c *conn) passConnWindowLocked() {
+	if c.sendWindow <= 0 || c.acksPending > 0 || len(c.connWaiters) == 0 {
+		return
+	}
+	s := c.connWaiters[0]
+	c.connWaiters[0] = nil
+	c.connWaiters = c.connWaiters[1:]
+	s.connQueued = false
+	s.sendCond.Broadcast()
+}
+
+// leaveConnQueueLocked takes s out of the connection's queue for window.
+func (c *conn) leaveConnQueueLocked(s *Stream) {
+	if s.connQueued {
+		s.connQueued = false
+		c.connWaiters = slices.DeleteFunc(c.connWaiters, func(w *Stream) bool { return w == s })
 	}
 }
 
@@ -673,7 +720,7 @@ func (s *Stream) closeWithCode(code http2.ErrCode) {
 	if s.writeTimer != nil {
 		s.writeTimer.Stop()
 	}
-	c.sendCond.Broadcast()
+	s.sendCond.Broadcast()
 	c.mu.Unlock()
 	// Forgotten before the reset is sent: a peer that answers the reset
 	// at once must find the stream closed by us (frames then are junk it
@@ -722,10 +769,10 @@ func (s *Stream) SetWriteDeadline(t time.Time) error {
 	s.writeDeadline = t
 	s.writeTimer = armTimer(s.writeTimer, t, func() {
 		c.mu.Lock()
-		c.sendCond.Broadcast()
+		s.sendCond.Broadcast()
 		c.mu.Unlock()
 	})
-	c.sendCond.Broadcast()
+	s.sendCond.Broadcast()
 	return nil
 }
 
