@@ -285,9 +285,10 @@ func runAgent(ctx context.Context, args []string) error {
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
-			b := hbone.Buffers()
+			b, w := hbone.Buffers(), hbone.Windows()
 			return admin.BufferStats{Limit: b.Limit, FramesInUse: b.FramesInUse, BatchesInUse: b.BatchesInUse,
-				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied}
+				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied,
+				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short}
 		}),
 		admin.NewServerCollector(func() admin.ServerStats {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()

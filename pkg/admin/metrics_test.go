@@ -67,7 +67,8 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_pool_flood_closes_total": 3,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
-		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2}
+		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2,
+			WindowReserved: 5 << 20, WindowLimit: 1 << 30, WindowsShort: 6}
 	})
 	expect(t, promtest.Scrape(t, buffers), map[string]float64{
 		`redirector_hbone_bulk_buffers{kind="frame"}`:              3,
@@ -75,6 +76,9 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_bulk_buffers_limit":                      32,
 		`redirector_hbone_bulk_buffers_denied_total{kind="frame"}`: 4,
 		`redirector_hbone_bulk_buffers_denied_total{kind="batch"}`: 2,
+		"redirector_hbone_receive_window_reserved_bytes":           5 << 20,
+		"redirector_hbone_receive_window_limit_bytes":              1 << 30,
+		"redirector_hbone_receive_windows_short_total":             6,
 	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,

@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"net/netip"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -29,7 +30,8 @@ const (
 	// application has not read yet.
 	streamWindow = 4 << 20
 	// connWindow bounds what all streams of a connection may have buffered
-	// but unread together.
+	// but unread together, when the process-wide budget holds it
+	// (windowbudget.go).
 	connWindow = 16 << 20
 	// maxReadFrameSize lets peers send large DATA frames: fewer frame
 	// headers and reads per byte.
@@ -243,7 +245,10 @@ type conn struct {
 	sendWaiting   int    // writers waiting for send window now
 	sendWakes     uint64 // times a waiting writer was woken (tests read it)
 	recvWindow    int64  // what the peer may still send before our next WINDOW_UPDATE
-	recvUnacked   int64  // bytes consumed locally and not yet returned to the peer
+	recvTarget    int64  // our connection window: defaultWindow plus recvReserved
+	recvReserved  int64  // taken from the process-wide window budget (start) until close
+	peer          netip.Addr
+	recvUnacked   int64 // bytes consumed locally and not yet returned to the peer
 	sawSettings   bool
 	goAway        bool // no new streams: GOAWAY sent or received, or closing
 	goAwaySent    bool
@@ -295,7 +300,9 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		peerMaxStreams: math.MaxUint32,
 		peerInitWindow: defaultWindow,
 		sendWindow:     defaultWindow,
-		recvWindow:     connWindow,
+		recvWindow:     defaultWindow,
+		recvTarget:     defaultWindow,
+		peer:           peerAddr(nc),
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
@@ -339,15 +346,26 @@ func (c *conn) start() error {
 	} else {
 		settings = append(settings, http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: c.cfg.maxStreams})
 	}
+	extra := windows.reserve(c.peer, connWindow-defaultWindow)
+	c.mu.Lock()
+	c.recvReserved = extra
+	c.recvTarget += extra
+	c.recvWindow += extra
+	c.mu.Unlock()
 	c.wmu.Lock()
 	if c.cfg.client {
 		_, _ = c.bw.WriteString(http2.ClientPreface)
 	}
 	_ = c.fr.WriteSettings(settings...)
-	_ = c.fr.WriteWindowUpdate(0, connWindow-defaultWindow)
+	if extra > 0 {
+		_ = c.fr.WriteWindowUpdate(0, uint32(extra))
+	}
 	err := c.bw.Flush()
 	c.wmu.Unlock()
 	if err != nil {
+		c.mu.Lock()
+		c.releaseWindowLocked()
+		c.mu.Unlock()
 		return fmt.Errorf("write http2 preface: %w", err)
 	}
 	go c.ctlLoop()
@@ -1021,7 +1039,7 @@ func (c *conn) credit(id uint32, streamInc uint32, n int64) {
 	c.recvUnacked += n
 	// Returning credit in quarters of the window keeps WINDOW_UPDATE frames
 	// rare while the sender never runs dry on a fast link.
-	if c.recvUnacked >= connWindow/4 {
+	if c.recvUnacked >= c.recvTarget/4 {
 		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameWindowUpdate, val: uint32(c.recvUnacked)})
 		c.recvWindow += c.recvUnacked
 		c.recvUnacked = 0
@@ -1368,6 +1386,13 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 	c.closeConn(code, cause, sendGoAway, false)
 }
 
+// releaseWindowLocked gives the connection's reserved receive window back
+// to the process-wide budget, once.
+func (c *conn) releaseWindowLocked() {
+	windows.release(c.peer, c.recvReserved)
+	c.recvReserved = 0
+}
+
 // closeConn is close; linger (for the reader, closing because of what the
 // peer sent) ends the socket with lingerClose.
 func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger bool) {
@@ -1381,6 +1406,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	c.err = cause
 	c.goAway = true
+	c.releaseWindowLocked()
 	// A close in order (no error, the peer told) first sends the control
 	// frames still queued: the resets of streams given up on just before a
 	// drain's close must reach the peer as resets, not as a vanished

@@ -47,7 +47,17 @@ type rawClient struct {
 
 func newRawClient(t testing.TB, srv *Server) *rawClient {
 	t.Helper()
+	return newRawClientFrom(t, srv, netip.Addr{})
+}
+
+// newRawClientFrom is newRawClient for a client the server sees at src
+// (over the pipe, which has no address of its own, when src is zero).
+func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
+	t.Helper()
 	cli, srvSide := net.Pipe()
+	if src.IsValid() {
+		srvSide = addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40000))}
+	}
 	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil)
 	rc := &rawClient{t: t, nc: cli, fr: http2.NewFramer(cli, nil), frames: make(chan rawFrame, 1<<16)}
 	rc.enc = hpack.NewEncoder(&rc.buf)
@@ -88,6 +98,14 @@ func newRawClient(t testing.TB, srv *Server) *rawClient {
 	}
 	return rc
 }
+
+// addrConn is a connection that reports remote as its peer's address.
+type addrConn struct {
+	net.Conn
+	remote net.Addr
+}
+
+func (c addrConn) RemoteAddr() net.Addr { return c.remote }
 
 // connect sends HEADERS(CONNECT) for stream id.
 func (rc *rawClient) connect(id uint32, authority string) error {

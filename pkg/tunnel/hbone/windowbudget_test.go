@@ -1,0 +1,108 @@
+package hbone
+
+import (
+	"net/netip"
+	"testing"
+
+	"golang.org/x/net/http2"
+)
+
+func TestWindowBudget(t *testing.T) {
+	a, b := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	w := newWindowBudget(100, 60)
+	for _, step := range []struct {
+		peer       netip.Addr
+		want, got  int64
+		reserved   int64
+		short      uint64
+		releaseNow int64 // given back by peer after the step
+	}{
+		{a, 40, 40, 40, 0, 0},
+		{a, 40, 20, 60, 1, 0},  // a's share
+		{b, 50, 40, 100, 2, 0}, // the budget
+		{b, 10, 0, 100, 3, 40},
+		{b, 30, 30, 90, 3, 0},
+	} {
+		if got := w.reserve(step.peer, step.want); got != step.got {
+			t.Fatalf("reserve(%v, %d) = %d, want %d", step.peer, step.want, got, step.got)
+		}
+		if w.reserved != step.reserved || w.short != step.short {
+			t.Fatalf("after reserve(%v, %d): reserved %d short %d, want %d %d", step.peer, step.want, w.reserved, w.short, step.reserved, step.short)
+		}
+		w.release(step.peer, step.releaseNow)
+	}
+	w.release(a, 60)
+	w.release(b, 30)
+	if w.reserved != 0 || len(w.byPeer) != 0 {
+		t.Errorf("all released: reserved %d, peers %v", w.reserved, w.byPeer)
+	}
+}
+
+// TestReceiveWindowBoundedPerPeer: connections from one client address
+// together get at most maxPeerWindow of receive window beyond HTTP/2's
+// initial 64 KiB (the preface's connection-level WINDOW_UPDATE), and the
+// window is enforced: DATA beyond it is a connection error. Another address
+// still gets a full window, and a closed connection's window goes back.
+// Before, every connection got 16 MiB, so one client with 1024 connections
+// could make the agent hold 16 GiB for applications that do not read.
+func TestReceiveWindowBoundedPerPeer(t *testing.T) {
+	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	// granted is the connection window a new client at src was given.
+	granted := func(src netip.Addr) (*rawClient, int64) {
+		rc := newRawClientFrom(t, srv, src)
+		mark := [8]byte{'w', 'i', 'n', 'd', 'o', 'w'}
+		if err := rc.fr.WritePing(false, mark); err != nil {
+			t.Fatal(err)
+		}
+		window := int64(defaultWindow)
+		rc.waitFor("PING ack", func(f rawFrame) bool {
+			if f.typ == http2.FrameWindowUpdate && f.stream == 0 {
+				window += int64(f.inc)
+			}
+			return f.typ == http2.FramePing && f.ack && f.ping == mark
+		})
+		return rc, window
+	}
+	attacker := netip.MustParseAddr("10.9.0.1")
+	const full = connWindow
+	var total int64
+	var conns []*rawClient
+	for range 12 {
+		rc, w := granted(attacker)
+		total += w - defaultWindow
+		conns = append(conns, rc)
+	}
+	t.Logf("12 connections from one address: %d bytes of window beyond the initial ones (%d per peer allowed)", total, int64(maxPeerWindow))
+	if total > maxPeerWindow {
+		t.Errorf("one address got %d bytes of window, want at most %d", total, int64(maxPeerWindow))
+	}
+	if _, w := granted(netip.MustParseAddr("10.9.0.2")); w != full {
+		t.Errorf("another address got a %d-byte window, want %d", w, full)
+	}
+	// The last connection got the initial window only: more is refused.
+	last := conns[len(conns)-1]
+	if err := last.connect(1, "127.0.0.1:9"); err != nil {
+		t.Fatal(err)
+	}
+	if err := last.fr.WriteData(1, false, make([]byte, defaultWindow+1)); err != nil {
+		t.Fatal(err)
+	}
+	if code := last.goAwayCode(); code != http2.ErrCodeFlowControl {
+		t.Errorf("DATA beyond a 64 KiB connection window: GOAWAY %v, want FLOW_CONTROL_ERROR", code)
+	}
+	// A closed connection gives its window back.
+	_ = conns[0].nc.Close()
+	var w int64
+	for range 100 {
+		if _, w = granted(attacker); w == full {
+			break
+		}
+	}
+	if w != full {
+		t.Errorf("after a connection closed, a new one from its address got %d bytes of window, want %d", w, full)
+	}
+}
