@@ -54,7 +54,7 @@ type CapturePodMeta struct {
 	AttachMode  uint32
 	AcceptLocal int32
 	RpFilter    int32
-	Pad         uint32
+	RpFilterAll int32
 }
 
 type CapturePodNetns struct {

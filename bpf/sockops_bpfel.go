@@ -51,7 +51,7 @@ type SockopsPodMeta struct {
 	AttachMode  uint32
 	AcceptLocal int32
 	RpFilter    int32
-	Pad         uint32
+	RpFilterAll int32
 }
 
 type SockopsPodNetns struct {

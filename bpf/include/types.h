@@ -121,5 +121,5 @@ struct pod_meta {
 	__u32 attach_mode;    /* enum attach_mode */
 	__s32 accept_local;   /* interface sysctl values before attach, restored on detach */
 	__s32 rp_filter;
-	__u32 _pad;
+	__s32 rp_filter_all;  /* the namespace's "all" before attach; was padding, so 0 in entries of older agents */
 };

@@ -96,10 +96,10 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 		NetNS: p.NetNS, Interface: p.Interface, Addrs: p.Addrs,
 		Settings:    maps.PodSettings{CaptureOutbound: true, CaptureInbound: p.CaptureInbound, PodID: id},
 		AttachMode:  maps.AttachTCX,
-		AcceptLocal: -1, RPFilter: -1,
+		AcceptLocal: -1, RPFilter: -1, RPFilterAll: -1,
 	}
 	if existed {
-		meta.AcceptLocal, meta.RPFilter = old.AcceptLocal, old.RPFilter
+		meta.AcceptLocal, meta.RPFilter, meta.RPFilterAll = old.AcceptLocal, old.RPFilter, old.RPFilterAll
 	}
 	if l.cfg.ForceLegacyTC {
 		meta.AttachMode = maps.AttachTCLegacy
@@ -215,7 +215,7 @@ func (l *Loader) reserveID(uid string) (id uint32, old maps.PodMeta, existed boo
 		return 0, maps.PodMeta{}, false, err
 	}
 	// A placeholder until the attach records the real metadata.
-	l.metas[id] = maps.PodMeta{UID: uid, AcceptLocal: -1, RPFilter: -1}
+	l.metas[id] = maps.PodMeta{UID: uid, AcceptLocal: -1, RPFilter: -1, RPFilterAll: -1}
 	l.byUID[uid] = id
 	return id, maps.PodMeta{}, false, nil
 }
@@ -282,10 +282,12 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 				"pod", meta.Namespace+"/"+meta.Name, "interface", meta.Interface, "others", ifaces)
 		}
 		al, rp := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "accept_local"), sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter")
+		rpAll := sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter")
 		if !existed {
 			// Remember what the pod had, to restore it on detach.
 			meta.AcceptLocal, _ = readSysctl(al)
 			meta.RPFilter, _ = readSysctl(rp)
+			meta.RPFilterAll, _ = readSysctl(rpAll)
 		}
 		if err := l.maps.PutMeta(id, *meta); err != nil {
 			return err
@@ -299,8 +301,8 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			if err := writeSysctl(rp, 0); err != nil {
 				return err
 			}
-			if v, err := readSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter")); err == nil && v != 0 {
-				if err := writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter"), 0); err != nil {
+			if v, err := readSysctl(rpAll); err == nil && v != 0 {
+				if err := writeSysctl(rpAll, 0); err != nil {
 					return err
 				}
 			}
@@ -496,6 +498,9 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 			}
 			if meta.RPFilter >= 0 {
 				errs = append(errs, writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", meta.Interface, "rp_filter"), meta.RPFilter))
+			}
+			if meta.RPFilterAll > 0 { // 0: nothing was changed, or an older agent's entry
+				errs = append(errs, writeSysctl(sysctlPath(l.cfg.Settings.ProcDir, "ipv4", "all", "rp_filter"), meta.RPFilterAll))
 			}
 		}
 		return errors.Join(errs...)

@@ -3,6 +3,7 @@ package loader_test
 import (
 	"context"
 	"net/netip"
+	"strings"
 	"testing"
 
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
@@ -39,5 +40,42 @@ func TestReattachKeepsNewOwnersCounters(t *testing.T) {
 	}
 	if _, ok, err := l.Maps().Counters(p.IPv4); err != nil || !ok {
 		t.Errorf("counters of %s, q's address, after p was attached again without it: %v %v", p.IPv4, ok, err)
+	}
+}
+
+// TestDetachRestoresRPFilter: attaching a pod turns reverse-path filtering
+// off (re-injected packets carry the pod's own source), on its interface
+// and in the namespace's "all", whose value is the floor of every
+// interface's; detaching gives both their old values back. Before, "all"
+// stayed 0 after the pod left the mesh.
+func TestDetachRestoresRPFilter(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	p := topo.Nodes[0].AddPod("p")
+	ctx := context.Background()
+	sysctl := func(args ...string) string {
+		t.Helper()
+		out, err := netnstest.Exec(ctx, p.Path(), "sysctl", append([]string{"-n"}, args...)...)
+		if err != nil {
+			t.Fatalf("sysctl %v: %v: %s", args, err, out)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	const all, iface = "net.ipv4.conf.all.rp_filter", "net.ipv4.conf.eth0.rp_filter"
+	sysctl("-w", all+"=2")
+	sysctl("-w", iface+"=1")
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
+	defer l.Close()
+	pod := loadertest.PodOf(p, true)
+	if _, err := l.AttachPod(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	if a, i := sysctl(all), sysctl(iface); a != "0" || i != "0" {
+		t.Fatalf("attached: all.rp_filter=%s eth0.rp_filter=%s, want 0 and 0", a, i)
+	}
+	if err := l.DetachPod(ctx, pod.UID); err != nil {
+		t.Fatal(err)
+	}
+	if a, i := sysctl(all), sysctl(iface); a != "2" || i != "1" {
+		t.Errorf("detached: all.rp_filter=%s eth0.rp_filter=%s, want the old 2 and 1", a, i)
 	}
 }

@@ -37,6 +37,10 @@ type PodMeta struct {
 	AttachMode           AttachMode
 	// Interface sysctls before attach, restored on detach (-1: unknown).
 	AcceptLocal, RPFilter int32
+	// RPFilterAll is the namespace's net.ipv4.conf.all.rp_filter before
+	// attach, restored on detach (-1: unknown; 0 in the entries of agents
+	// before it was recorded, which then leave it at 0 as they did).
+	RPFilterAll int32
 }
 
 // MaxMetaAddrs is how many addresses one pod can have.
@@ -91,6 +95,7 @@ func (p PodMeta) raw() (bpf.CapturePodMeta, error) {
 	r.AttachMode = uint32(p.AttachMode)
 	r.AcceptLocal = p.AcceptLocal
 	r.RpFilter = p.RPFilter
+	r.RpFilterAll = p.RPFilterAll
 	return r, nil
 }
 
@@ -105,6 +110,7 @@ func metaOf(id uint32, r bpf.CapturePodMeta) PodMeta {
 		AttachMode:  AttachMode(r.AttachMode),
 		AcceptLocal: r.AcceptLocal,
 		RPFilter:    r.RpFilter,
+		RPFilterAll: r.RpFilterAll,
 	}
 	for i := 0; i < int(min(r.Naddrs, uint32(MaxMetaAddrs))); i++ {
 		p.Addrs = append(p.Addrs, AddrOf(r.Addrs[i]))
