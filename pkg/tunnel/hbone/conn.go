@@ -348,6 +348,12 @@ func (c *conn) start() error {
 	}
 	extra := windows.reserve(c.peer, connWindow-defaultWindow)
 	c.mu.Lock()
+	if c.err != nil {
+		// Closed already (the idle timer runs from newConn): closeConn gave
+		// back nothing, and nothing later would give this back.
+		windows.release(c.peer, extra)
+		extra = 0
+	}
 	c.recvReserved = extra
 	c.recvTarget += extra
 	c.recvWindow += extra

@@ -1,6 +1,11 @@
 package hbone
 
 import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
 	"net/netip"
 	"testing"
 
@@ -104,5 +109,56 @@ func TestReceiveWindowBoundedPerPeer(t *testing.T) {
 	}
 	if w != full {
 		t.Errorf("after a connection closed, a new one from its address got %d bytes of window, want %d", w, full)
+	}
+}
+
+// TestWindowReservedOnlyByLiveConns: a connection closed before it started
+// (its idle timer runs from newConn: a preface write that takes longer
+// than the idle timeout), or whose preface write fails, holds no receive
+// window afterwards. Before the fix start reserved the window after the
+// close had given back nothing, and nothing gave it back later.
+func TestWindowReservedOnlyByLiveConns(t *testing.T) {
+	peer := netip.MustParseAddr("10.77.0.1")
+	held := func() int64 {
+		windows.mu.Lock()
+		defer windows.mu.Unlock()
+		return windows.byPeer[peer]
+	}
+	newPipeConn := func() (*conn, net.Conn) {
+		local, remote := net.Pipe()
+		go func() { _, _ = io.Copy(io.Discard, remote) }()
+		t.Cleanup(func() { local.Close(); remote.Close() })
+		nc := addrConn{local, net.TCPAddrFromAddrPort(netip.AddrPortFrom(peer, 15008))}
+		return newConn(context.Background(), nc, connConfig{client: true, log: slog.New(slog.DiscardHandler)}), remote
+	}
+
+	c, _ := newPipeConn()
+	c.close(http2.ErrCodeNo, errors.New("idle before it started"), true)
+	_ = c.start() // the pipe is still open: the preface goes out
+	if n := held(); n != 0 {
+		t.Errorf("a connection closed before it started holds %d bytes of window", n)
+	}
+
+	c, remote := newPipeConn()
+	remote.Close()
+	if err := c.start(); err == nil {
+		t.Fatal("start wrote its preface to a closed pipe")
+	}
+	c.close(http2.ErrCodeNo, errors.New("start failed"), false)
+	if n := held(); n != 0 {
+		t.Errorf("a connection whose start failed holds %d bytes of window", n)
+	}
+
+	c, _ = newPipeConn()
+	if err := c.start(); err != nil {
+		t.Fatal(err)
+	}
+	if n := held(); n != connWindow-defaultWindow {
+		t.Errorf("a started connection holds %d bytes of window, want %d", n, connWindow-defaultWindow)
+	}
+	c.close(http2.ErrCodeNo, errors.New("done"), false)
+	c.close(http2.ErrCodeNo, errors.New("closed twice"), false)
+	if n := held(); n != 0 {
+		t.Errorf("a closed connection holds %d bytes of window", n)
 	}
 }
