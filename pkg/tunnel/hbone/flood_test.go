@@ -31,6 +31,7 @@ type rawFrame struct {
 	ack    bool          // PING ack
 	ping   [8]byte       // PING data
 	inc    uint32        // WINDOW_UPDATE increment
+	length uint32        // the frame's payload length (DATA: flow-controlled bytes)
 }
 
 // rawClient speaks raw HTTP/2 frames to a server connection over net.Pipe,
@@ -71,7 +72,7 @@ func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
 			if err != nil {
 				return
 			}
-			rf := rawFrame{typ: f.Header().Type, stream: f.Header().StreamID}
+			rf := rawFrame{typ: f.Header().Type, stream: f.Header().StreamID, length: f.Header().Length}
 			switch f := f.(type) {
 			case *http2.MetaHeadersFrame:
 				rf.status, _ = strconv.Atoi(f.PseudoValue("status"))
