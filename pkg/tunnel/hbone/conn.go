@@ -242,13 +242,14 @@ type conn struct {
 	// send window (their own has room), longest waiting first; see
 	// passConnWindowLocked.
 	connWaiters   []*Stream
-	sendWaiting   int    // writers waiting for send window now
-	sendWakes     uint64 // times a waiting writer was woken (tests read it)
-	recvWindow    int64  // what the peer may still send before our next WINDOW_UPDATE
-	recvTarget    int64  // our connection window: defaultWindow plus recvReserved
-	recvReserved  int64  // taken from the process-wide window budget (start) until close
-	peer          netip.Addr
-	recvUnacked   int64 // bytes consumed locally and not yet returned to the peer
+	sendWaiting   int        // writers waiting for send window now
+	sendWakes     uint64     // times a waiting writer was woken (tests read it)
+	recvWindow    int64      // what the peer may still send before our next WINDOW_UPDATE
+	recvTarget    int64      // our connection window: defaultWindow plus recvReserved
+	streamTarget  int64      // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
+	recvReserved  int64      // taken from the process-wide window budget (start) until close
+	windowOwner   netip.Addr // whose share of the window budget recvReserved is
+	recvUnacked   int64      // bytes consumed locally and not yet returned to the peer
 	sawSettings   bool
 	goAway        bool // no new streams: GOAWAY sent or received, or closing
 	goAwaySent    bool
@@ -302,7 +303,7 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		sendWindow:     defaultWindow,
 		recvWindow:     defaultWindow,
 		recvTarget:     defaultWindow,
-		peer:           peerAddr(nc),
+		windowOwner:    windowOwnerOf(nc, cfg.client),
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
@@ -336,8 +337,26 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 // start writes our connection preface and launches the control writer. The
 // caller then runs readLoop (server) or starts it on a goroutine (client).
 func (c *conn) start() error {
+	extra := windows.reserve(c.windowOwner, connWindow-defaultWindow)
+	c.mu.Lock()
+	if c.err != nil {
+		// Closed already (the idle timer runs from newConn): closeConn gave
+		// back nothing, and nothing later would give this back.
+		windows.release(c.windowOwner, extra)
+		extra = 0
+	}
+	c.recvReserved = extra
+	c.recvTarget += extra
+	c.recvWindow += extra
+	// A stream gets a quarter of the connection's window, as with a full
+	// one: it takes four streams whose applications do not read to stop
+	// the others, also on a connection the budget gave less. Never below
+	// HTTP/2's initial 64 KiB, which a peer may use before our SETTINGS
+	// reach it (our own client sends early data so).
+	c.streamTarget = min(streamWindow, max(c.recvTarget/4, defaultWindow))
+	c.mu.Unlock()
 	settings := []http2.Setting{
-		{ID: http2.SettingInitialWindowSize, Val: streamWindow},
+		{ID: http2.SettingInitialWindowSize, Val: uint32(c.streamTarget)},
 		{ID: http2.SettingMaxFrameSize, Val: maxReadFrameSize},
 		{ID: http2.SettingMaxHeaderListSize, Val: maxHeaderListSize},
 	}
@@ -346,18 +365,6 @@ func (c *conn) start() error {
 	} else {
 		settings = append(settings, http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: c.cfg.maxStreams})
 	}
-	extra := windows.reserve(c.peer, connWindow-defaultWindow)
-	c.mu.Lock()
-	if c.err != nil {
-		// Closed already (the idle timer runs from newConn): closeConn gave
-		// back nothing, and nothing later would give this back.
-		windows.release(c.peer, extra)
-		extra = 0
-	}
-	c.recvReserved = extra
-	c.recvTarget += extra
-	c.recvWindow += extra
-	c.mu.Unlock()
 	c.wmu.Lock()
 	if c.cfg.client {
 		_, _ = c.bw.WriteString(http2.ClientPreface)
@@ -1395,7 +1402,7 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 // releaseWindowLocked gives the connection's reserved receive window back
 // to the process-wide budget, once.
 func (c *conn) releaseWindowLocked() {
-	windows.release(c.peer, c.recvReserved)
+	windows.release(c.windowOwner, c.recvReserved)
 	c.recvReserved = 0
 }
 

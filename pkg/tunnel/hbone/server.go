@@ -351,8 +351,17 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 	srv.mu.Lock()
 	closing := srv.closed
 	srv.conns[c] = struct{}{}
-	srv.mu.Unlock()
 	srv.stats.connsActive.Add(1)
+	srv.mu.Unlock()
+	select {
+	case <-c.done:
+		// Closed before it was registered (its idle timer runs from
+		// newConn): its onClose found nothing to remove, so it would
+		// stay registered and counted for good.
+		srv.onClose(c)
+		return
+	default:
+	}
 	if closing {
 		// Accepted before Shutdown closed the listener, handshaken after:
 		// the client has most likely sent its first request already.

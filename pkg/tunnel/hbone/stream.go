@@ -84,7 +84,7 @@ type Stream struct {
 }
 
 func newStream(c *conn, id uint32) *Stream {
-	s := &Stream{c: c, id: id, recvWindow: streamWindow}
+	s := &Stream{c: c, id: id, recvWindow: c.streamTarget}
 	s.rcond.L = &s.mu
 	s.sendCond.L = &c.mu
 	if c.cfg.client {
@@ -249,7 +249,7 @@ func (s *Stream) consumedLocked(n int64) uint32 {
 		return 0
 	}
 	s.recvUnacked += n
-	if s.recvUnacked < streamWindow/4 {
+	if s.recvUnacked < s.c.streamTarget/4 {
 		return 0
 	}
 	inc := s.recvUnacked

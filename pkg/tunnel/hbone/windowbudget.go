@@ -10,13 +10,14 @@ import (
 // holds for a stream whose application does not read. A large window lets one connection fill
 // a fast link, but granted to every connection it would let one client (1024 connections per
 // source address) make the agent hold 16 GiB. So the window beyond HTTP/2's initial 64 KiB is
-// reserved from a process-wide budget when the connection starts, with a share per peer
-// address, and given back when it closes. A connection that finds the budget spent gets what
-// is left (at least the initial window): slower on a long path, never refused.
+// reserved from a process-wide budget when the connection starts, with a share per address
+// that opens connections (windowOwnerOf), and given back when it closes. A connection that
+// finds the budget spent gets what is left (at least the initial window): slower on a long
+// path, never refused.
 const (
 	// maxReservedWindow bounds the receive window reserved by all connections together.
 	maxReservedWindow = 1 << 30
-	// maxPeerWindow bounds what the connections with one peer address reserve: eight
+	// maxPeerWindow bounds what the connections one address opened reserve: eight
 	// connections' full windows, so one client cannot take the budget from the others.
 	maxPeerWindow = 8 * (connWindow - defaultWindow)
 )
@@ -68,10 +69,18 @@ func (b *windowBudget) release(peer netip.Addr, n int64) {
 	}
 }
 
-// peerAddr is the address a connection's window is reserved under: the
-// remote IP, or the zero address for a connection without one (a pipe).
-func peerAddr(nc net.Conn) netip.Addr {
-	if a, ok := nc.RemoteAddr().(*net.TCPAddr); ok {
+// windowOwnerOf is the address a connection's window is reserved under:
+// whoever opened the connection, so whoever decides how many there are. On a
+// server that is the client's address; on a client, the local pod's address
+// it dials from (a destination many pods on this node talk to does not
+// make them share one share). The zero address for a connection without
+// one (a pipe).
+func windowOwnerOf(nc net.Conn, client bool) netip.Addr {
+	addr := nc.RemoteAddr()
+	if client {
+		addr = nc.LocalAddr()
+	}
+	if a, ok := addr.(*net.TCPAddr); ok {
 		return a.AddrPort().Addr().Unmap()
 	}
 	return netip.Addr{}

@@ -129,7 +129,7 @@ func TestWindowReservedOnlyByLiveConns(t *testing.T) {
 		go func() { _, _ = io.Copy(io.Discard, remote) }()
 		t.Cleanup(func() { local.Close(); remote.Close() })
 		nc := addrConn{local, net.TCPAddrFromAddrPort(netip.AddrPortFrom(peer, 15008))}
-		return newConn(context.Background(), nc, connConfig{client: true, log: slog.New(slog.DiscardHandler)}), remote
+		return newConn(context.Background(), nc, connConfig{log: slog.New(slog.DiscardHandler)}), remote
 	}
 
 	c, _ := newPipeConn()
@@ -160,5 +160,81 @@ func TestWindowReservedOnlyByLiveConns(t *testing.T) {
 	c.close(http2.ErrCodeNo, errors.New("closed twice"), false)
 	if n := held(); n != 0 {
 		t.Errorf("a closed connection holds %d bytes of window", n)
+	}
+}
+
+// TestStreamWindowFollowsConnWindow: a connection the budget gave less than
+// a full window advertises a quarter of what it got as each stream's
+// window (never below HTTP/2's initial 64 KiB), so one stream whose
+// application does not read cannot hold the whole connection window and
+// stop its other streams.
+func TestStreamWindowFollowsConnWindow(t *testing.T) {
+	peer := netip.MustParseAddr("10.77.0.2")
+	for _, tc := range []struct {
+		name   string
+		left   int64 // of the peer's share when the connection starts
+		stream uint32
+	}{
+		{"full window", maxPeerWindow, streamWindow},
+		{"1 MiB left", 1 << 20, (defaultWindow + 1<<20) / 4},
+		{"nothing left", 0, defaultWindow},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			taken := windows.reserve(peer, maxPeerWindow-tc.left)
+			defer windows.release(peer, taken)
+			local, remote := net.Pipe()
+			t.Cleanup(func() { local.Close(); remote.Close() })
+			c := newConn(context.Background(), addrConn{local, net.TCPAddrFromAddrPort(netip.AddrPortFrom(peer, 15008))},
+				connConfig{log: slog.New(slog.DiscardHandler)})
+			defer c.close(http2.ErrCodeNo, errors.New("done"), false)
+			errc := make(chan error, 1)
+			go func() { errc <- c.start() }()
+			f, err := http2.NewFramer(nil, remote).ReadFrame()
+			if err != nil {
+				t.Fatal(err)
+			}
+			go func() { _, _ = io.Copy(io.Discard, remote) }()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			sf, ok := f.(*http2.SettingsFrame)
+			if !ok {
+				t.Fatalf("first frame %v, want SETTINGS", f)
+			}
+			got, _ := sf.Value(http2.SettingInitialWindowSize)
+			if got != tc.stream {
+				t.Errorf("stream window %d on a connection window of %d, want %d", got, c.recvTarget, tc.stream)
+			}
+		})
+	}
+}
+
+// TestWindowOwnerIsWhoOpened: a connection's window is charged to the
+// address that opened it: the client's on both ends (on the client, its own
+// local address), so pods of a node that all talk to one destination do not
+// share one share.
+func TestWindowOwnerIsWhoOpened(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 2)}}
+	cli, err := d.Dial("tcp", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	srv, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	want := netip.MustParseAddr("127.0.0.2")
+	if got := windowOwnerOf(cli, true); got != want {
+		t.Errorf("client side: owner %v, want its local %v", got, want)
+	}
+	if got := windowOwnerOf(srv, false); got != want {
+		t.Errorf("server side: owner %v, want the client's %v", got, want)
 	}
 }
