@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -80,6 +81,19 @@ func copyFrame(f http2.Frame) http2.Frame {
 	return &http2.UnknownFrame{FrameHeader: f.Header()}
 }
 
+// awaitRequest waits for the pool's HEADERS opening stream id: an answer
+// before it is for an idle stream, a connection error (PROTOCOL_ERROR) that
+// tests of other misbehaviour must not provoke (a race seen in CI's race
+// runs, where the pool had not sent its request yet).
+func (hs *hostileServer) awaitRequest(id uint32) error {
+	for f := range hs.frames {
+		if f.Header().Type == http2.FrameHeaders && f.Header().StreamID == id {
+			return nil
+		}
+	}
+	return fmt.Errorf("connection ended before the request on stream %d", id)
+}
+
 // headers writes a header block with fields on stream id.
 func (hs *hostileServer) headers(id uint32, end bool, fields ...hpackField) error {
 	hs.buf.Reset()
@@ -128,6 +142,10 @@ func TestClientInterimResponseFlood(t *testing.T) {
 	good, _ := pkis()
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
+		if err := hs.awaitRequest(1); err != nil {
+			result <- nil
+			return
+		}
 		for range 1000 {
 			if hs.headers(1, false, hpackField{Name: ":status", Value: "100"}) != nil {
 				break
@@ -171,6 +189,10 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 	good, _ := pkis()
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
+		if err := hs.awaitRequest(1); err != nil {
+			result <- nil
+			return
+		}
 		_ = hs.headers(1, true, hpackField{Name: ":status", Value: "403"})
 		// The client resets the stream it is done with: from then on it
 		// has forgotten it.
