@@ -350,14 +350,7 @@ func TestHandshakeRatePerSource(t *testing.T) {
 // by default).
 func TestSmallWindowUpdatesWakeOneWriter(t *testing.T) {
 	const streams, grants = 50, 200
-	target := startUpstream(t, func(c *net.TCPConn) {
-		buf := make([]byte, 64<<10)
-		for {
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	target := endlessUpstream(t)
 	for _, tc := range []struct {
 		name  string
 		setup func(*rawClient) error // before the streams open
@@ -383,15 +376,7 @@ func TestSmallWindowUpdatesWakeOneWriter(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			var c *conn
-			waitfor.Until(t, "the server's connection", func() bool {
-				srv.mu.Lock()
-				defer srv.mu.Unlock()
-				for sc := range srv.conns {
-					c = sc
-				}
-				return c != nil
-			})
+			c := serverConnOf(t, srv)
 			// settled: every stream's writer waits for window.
 			settled := func() bool {
 				c.mu.Lock()

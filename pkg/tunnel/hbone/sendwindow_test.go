@@ -29,6 +29,19 @@ func serverConnOf(t *testing.T, srv *Server) *conn {
 	return c
 }
 
+// endlessUpstream is an application that writes to every connection as
+// fast as it is read, until the peer closes.
+func endlessUpstream(t *testing.T) netip.AddrPort {
+	return startUpstream(t, func(c *net.TCPConn) {
+		buf := make([]byte, 64<<10)
+		for {
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+}
+
 // TestSendWindowChurnLosesNoWriter: server writers of many streams wait for
 // send window while the client churns it: SETTINGS_INITIAL_WINDOW_SIZE up
 // and down (stream windows negative and back, with acks pending), grants of
@@ -39,14 +52,7 @@ func serverConnOf(t *testing.T, srv *Server) *conn {
 // would sleep for good.
 func TestSendWindowChurnLosesNoWriter(t *testing.T) {
 	const streams = 40
-	target := startUpstream(t, func(c *net.TCPConn) {
-		buf := make([]byte, 64<<10)
-		for {
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	target := endlessUpstream(t)
 	for seed := range uint64(4) {
 		t.Run("seed "+string(rune('0'+seed)), func(t *testing.T) {
 			rng := rand.New(rand.NewPCG(seed, 7))
@@ -156,14 +162,7 @@ func TestSendWindowChurnLosesNoWriter(t *testing.T) {
 // it waited). It must hand the grant to the next writer in line: the peer
 // sends nothing more, so a writer not woken now sleeps for good.
 func TestPoppedWriterWithoutStreamWindowPassesOn(t *testing.T) {
-	target := startUpstream(t, func(c *net.TCPConn) {
-		buf := make([]byte, 64<<10)
-		for {
-			if _, err := c.Write(buf); err != nil {
-				return
-			}
-		}
-	})
+	target := endlessUpstream(t)
 	srv, rc := rawServer(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
 	must := func(err error) {
 		t.Helper()
