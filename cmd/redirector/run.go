@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -133,6 +134,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := s.require(f.node, f.src); err != nil {
 		return agentConfig{}, err
 	}
+	if err := checkNames(s, f); err != nil {
+		return agentConfig{}, err
+	}
 	var err error
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
@@ -165,6 +169,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
+	}
+	if c.reconcilePeriod < time.Second {
+		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
 	}
 	if c.certTTL < 2*time.Minute {
 		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(f.ttl), c.certTTL)
@@ -203,6 +210,41 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		return c, err
 	}
 	return c, nil
+}
+
+// checkNames refuses a setting that names something (this node, a
+// namespace, the agent's pod, the cluster) and cannot be such a name. Taken
+// as given it matched nothing, silently: a ROOT_NAMESPACE with a stray
+// space or newline made the mesh-wide policies apply nowhere (a STRICT mesh
+// took plaintext), a NODE_NAME enrolled none of the node's pods, a POD_NAME
+// with a "~" broke the node id istiod parses.
+func checkNames(s *settings, f runFlags) error {
+	for _, n := range []struct {
+		val  *string
+		kind string
+		// optional: empty means the default.
+		optional bool
+		check    func(string) []string
+	}{
+		{f.node, "node name", false, validation.IsDNS1123Subdomain},
+		{f.rootNS, "namespace name", false, validation.IsDNS1123Label},
+		{f.ownNS, "namespace name", true, validation.IsDNS1123Label},
+		{f.xds.podName, "pod name", true, validation.IsDNS1123Subdomain},
+		// The cluster goes to istiod in a gRPC header of every certificate
+		// request (a control or non-ASCII character failed each one at run
+		// time) and to peers in the baggage of every CONNECT, which a peer
+		// drops whole for a value that is not a plain name of at most 63
+		// characters (with it the source labels of its metrics).
+		{f.ca.clusterID, "cluster name (a label value)", true, validation.IsValidLabelValue},
+	} {
+		if n.optional && *n.val == "" {
+			continue
+		}
+		if errs := n.check(*n.val); len(errs) > 0 {
+			return fmt.Errorf("%s: %q is not a %s: %s", s.name(n.val), *n.val, n.kind, errs[0])
+		}
+	}
+	return nil
 }
 
 func runAgent(ctx context.Context, args []string) error {
