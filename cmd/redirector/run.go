@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -361,6 +362,7 @@ func runAgent(ctx context.Context, args []string) error {
 		},
 	})
 	defer agent.Close()
+	cniReady := admin.Check(func() (bool, string) { return true, "" })
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, agent.HandleCNI, log)
 		reg.MustRegister(
@@ -375,11 +377,9 @@ func runAgent(ctx context.Context, args []string) error {
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
 				func() float64 { return float64(agent.CNIReports()) }),
 		)
-		go func() {
-			if err := srv.Serve(ctx); err != nil {
-				log.Error("CNI event server stopped", "socket", cfg.cniSocket, "error", err)
-			}
-		}()
+		if cniReady, err = serveCNI(ctx, srv, log); err != nil {
+			return err
+		}
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -399,6 +399,7 @@ func runAgent(ctx context.Context, args []string) error {
 			sourceSynced(src),
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
 			admin.ProblemsCheck(tun.ListenerProblems),
+			cniReady,
 		),
 		Sections: configSections(cfg, tun, certs),
 		Level:    level,
@@ -425,6 +426,38 @@ func runAgent(ctx context.Context, args []string) error {
 	res := tun.Drain(dctx, drainMetrics)
 	log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
 	return nil
+}
+
+// serveCNI opens the CNI event socket and serves it until ctx ends. The
+// socket is open when it returns, so that a path the agent cannot serve (a
+// directory others may write, something else at the path, a name too long
+// for a unix socket) stops the agent at start, naming CNI_SOCKET: before,
+// the error was logged once and the agent went on, ready, while every ADD
+// of an ambient pod failed as if the agent were down (and a surge upgrade
+// retired the old agent, which still served). The check it returns is
+// false, with the error, once serving stopped.
+func serveCNI(ctx context.Context, srv *cni.Server, log *slog.Logger) (admin.Check, error) {
+	if err := srv.Listen(); err != nil {
+		return nil, fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err)
+	}
+	var mu sync.Mutex
+	var stopped error
+	go func() {
+		if err := srv.Serve(ctx); err != nil {
+			log.Error("CNI event server stopped", "socket", srv.Path(), "error", err)
+			mu.Lock()
+			stopped = err
+			mu.Unlock()
+		}
+	}()
+	return func() (bool, string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if stopped != nil {
+			return false, "CNI event socket: " + stopped.Error()
+		}
+		return true, ""
+	}, nil
 }
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
