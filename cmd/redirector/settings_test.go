@@ -100,6 +100,9 @@ func TestRunSettingsNamesAreValidated(t *testing.T) {
 		{args: append(base, "--cluster-id", "clüster"), want: `--cluster-id (CLUSTER_ID): "clüster" is not a cluster name`},
 		{args: append(base, "--cluster-id", "c\x01"), want: `--cluster-id (CLUSTER_ID): "c\x01" is not a cluster name`},
 		{args: append(base, "--cluster-id", strings.Repeat("c", 64)), want: `is not a cluster name`},
+		{args: append(xds, "--instance-ip", "::ffff:10.0.0.9"), want: `--instance-ip (INSTANCE_IP): "::ffff:10.0.0.9" is not a pod address`},
+		{args: append(xds, "--instance-ip", "fe80::1%eth0"), want: `--instance-ip (INSTANCE_IP): "fe80::1%eth0" is not a pod address`},
+		{args: append(xds, "--instance-ip", "0.0.0.0"), want: `--instance-ip (INSTANCE_IP): "0.0.0.0" is not a pod address`},
 		{args: append(base, "--reconcile-period", "1ms"), want: `--reconcile-period (RECONCILE_PERIOD): 1ms is shorter than the 1s minimum`},
 		{args: append(base, "--ca-root-cert-reload", "1ns"), want: `--ca-root-cert-reload (CA_ROOT_CERT_RELOAD): 1ns is shorter than the 1s minimum`},
 	} {
