@@ -7,21 +7,25 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 )
 
-// TestServeCNIRefusesUnservableSocket: a CNI_SOCKET the agent cannot serve
-// stops it at start, naming the setting. Before, the server's error was
-// logged once and the agent went on, ready, while every ADD of an ambient
-// pod failed as if the agent were down (and a surge upgrade retired the
-// old agent, which still served the socket).
-func TestServeCNIRefusesUnservableSocket(t *testing.T) {
+// TestServeCNIUnservableSocketIsNotReady: a CNI socket the agent cannot
+// serve makes it not ready, naming CNI_SOCKET and why, and is served once
+// put right. Before, the error was logged once and the agent went on
+// ready while every ADD of an ambient pod failed as if it were down (and a
+// surge upgrade retired the old agent, which still served the socket).
+func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
+	defer func(p time.Duration) { cniRetryPeriod = p }(cniRetryPeriod)
+	cniRetryPeriod = 10 * time.Millisecond
 	noAnswer := func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }
 	log := slog.New(slog.DiscardHandler)
 
 	open := filepath.Join(t.TempDir(), "open")
-	if err := os.Mkdir(open, 0o777); err != nil {
+	if err := os.Mkdir(open, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Chmod(open, 0o777); err != nil {
@@ -31,25 +35,31 @@ func TestServeCNIRefusesUnservableSocket(t *testing.T) {
 	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, path := range []string{filepath.Join(open, "cni.sock"), notSocket} {
+	for _, tc := range []struct {
+		path, want string
+		fix        func() error
+	}{
+		{filepath.Join(open, "cni.sock"), "--cni-socket (CNI_SOCKET): CNI socket directory " + open + " is writable by group or others",
+			func() error { return os.Chmod(open, 0o755) }},
+		{notSocket, "--cni-socket (CNI_SOCKET): CNI socket path " + notSocket + " exists and is not a socket",
+			func() error { return os.Remove(notSocket) }},
+	} {
 		ctx, cancel := context.WithCancel(context.Background())
-		_, err := serveCNI(ctx, cni.NewServer(path, noAnswer, log), log)
-		cancel()
-		if err == nil || !strings.Contains(err.Error(), "--cni-socket (CNI_SOCKET): ") || !strings.Contains(err.Error(), path[:len(path)-len("/cni.sock")]) {
-			t.Errorf("serveCNI(%s) = %v, want an error naming --cni-socket (CNI_SOCKET) and the path", path, err)
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), log)
+		waitfor.Until(t, "not ready naming the socket", func() bool {
+			ok, reason := ready()
+			return !ok && strings.Contains(reason, tc.want)
+		})
+		if err := tc.fix(); err != nil {
+			t.Fatal(err)
 		}
-	}
-
-	// A socket it can serve: ready while it serves.
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	srv := cni.NewServer(filepath.Join(t.TempDir(), "cni.sock"), noAnswer, log)
-	ready, err := serveCNI(ctx, srv, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	<-srv.Ready()
-	if ok, reason := ready(); !ok {
-		t.Errorf("ready() = false, %q while serving", reason)
+		waitfor.Until(t, "ready once the socket can be served", func() bool {
+			ok, _ := ready()
+			return ok
+		})
+		if _, err := os.Stat(tc.path); err != nil {
+			t.Errorf("socket %s: %v", tc.path, err)
+		}
+		cancel()
 	}
 }

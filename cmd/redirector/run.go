@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -170,6 +172,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
+	}
+	if err := checkCNISocket(c.cniSocket); err != nil {
+		return c, fmt.Errorf("%s: %w", s.name(f.cniSocket), err)
 	}
 	if c.reconcilePeriod < time.Second {
 		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
@@ -377,9 +382,7 @@ func runAgent(ctx context.Context, args []string) error {
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
 				func() float64 { return float64(agent.CNIReports()) }),
 		)
-		if cniReady, err = serveCNI(ctx, srv, log); err != nil {
-			return err
-		}
+		cniReady = serveCNI(ctx, srv, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -428,37 +431,74 @@ func runAgent(ctx context.Context, args []string) error {
 	return nil
 }
 
-// serveCNI opens the CNI event socket and serves it until ctx ends. The
-// socket is open when it returns, so that a path the agent cannot serve (a
-// directory others may write, something else at the path, a name too long
-// for a unix socket) stops the agent at start, naming CNI_SOCKET: before,
-// the error was logged once and the agent went on, ready, while every ADD
-// of an ambient pod failed as if the agent were down (and a surge upgrade
-// retired the old agent, which still served). The check it returns is
-// false, with the error, once serving stopped.
-func serveCNI(ctx context.Context, srv *cni.Server, log *slog.Logger) (admin.Check, error) {
-	if err := srv.Listen(); err != nil {
-		return nil, fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err)
-	}
+// serveCNI serves the CNI event socket until ctx ends, and returns a
+// readiness check that fails, with the error, while it does not: a socket
+// the agent cannot serve (a directory others may write, something else at
+// the path) was logged once, and the agent went on ready while every ADD
+// of an ambient pod failed as if it were down (a surge upgrade retired
+// the old agent, which still served). The agent does not exit for it: its
+// enrolled pods keep their tunnel. Serving is tried again every
+// cniRetryPeriod, so a directory put right is taken without a restart.
+func serveCNI(ctx context.Context, srv *cni.Server, log *slog.Logger) admin.Check {
 	var mu sync.Mutex
-	var stopped error
+	failed := errors.New("not served yet")
+	set := func(err error) {
+		mu.Lock()
+		failed = err
+		mu.Unlock()
+	}
 	go func() {
-		if err := srv.Serve(ctx); err != nil {
-			log.Error("CNI event server stopped", "socket", srv.Path(), "error", err)
-			mu.Lock()
-			stopped = err
-			mu.Unlock()
+		for {
+			err := srv.Listen()
+			if err == nil {
+				set(nil)
+				err = srv.Serve(ctx)
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			log.Error("CNI event socket not served; retrying", "socket", srv.Path(), "error", err, "retry_in", cniRetryPeriod)
+			set(fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err))
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(cniRetryPeriod):
+			}
 		}
 	}()
 	return func() (bool, string) {
 		mu.Lock()
 		defer mu.Unlock()
-		if stopped != nil {
-			return false, "CNI event socket: " + stopped.Error()
+		if failed != nil {
+			return false, "CNI event socket: " + failed.Error()
 		}
 		return true, ""
-	}, nil
+	}
 }
+
+// maxCNISocketPath bounds CNI_SOCKET: a unix socket's name has at most 107
+// bytes, and the server binds "<path>.<pid>.tmp" first (a pid has at most
+// 7 digits) before renaming it over the path.
+const maxCNISocketPath = 107 - len(".4194304.tmp")
+
+// checkCNISocket refuses a CNI_SOCKET the agent could never serve, or the
+// plugin, run by the runtime in a directory of its own, find: a relative
+// or unclean path, or one too long for a unix socket.
+func checkCNISocket(path string) error {
+	switch {
+	case path == "":
+		return nil
+	case !filepath.IsAbs(path) || filepath.Clean(path) != path:
+		return fmt.Errorf("%q is not an absolute, clean path", path)
+	case len(path) > maxCNISocketPath:
+		return fmt.Errorf("%q has %d bytes, more than the %d a unix socket's name leaves it", path, len(path), maxCNISocketPath)
+	}
+	return nil
+}
+
+// cniRetryPeriod is how long serveCNI waits before serving again (a
+// variable for tests).
+var cniRetryPeriod = 5 * time.Second
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
 // an interface) when the source has no API server to annotate.

@@ -103,6 +103,9 @@ func TestRunSettingsNamesAreValidated(t *testing.T) {
 		{args: append(xds, "--instance-ip", "::ffff:10.0.0.9"), want: `--instance-ip (INSTANCE_IP): "::ffff:10.0.0.9" is not a pod address`},
 		{args: append(xds, "--instance-ip", "fe80::1%eth0"), want: `--instance-ip (INSTANCE_IP): "fe80::1%eth0" is not a pod address`},
 		{args: append(xds, "--instance-ip", "0.0.0.0"), want: `--instance-ip (INSTANCE_IP): "0.0.0.0" is not a pod address`},
+		{args: append(base, "--cni-socket", "run/cni.sock"), want: `--cni-socket (CNI_SOCKET): "run/cni.sock" is not an absolute, clean path`},
+		{args: append(base, "--cni-socket", "/var/run//redirector/cni.sock"), want: `is not an absolute, clean path`},
+		{args: append(base, "--cni-socket", "/var/run/"+strings.Repeat("r", 90)+"/cni.sock"), want: `more than the 95 a unix socket's name leaves it`},
 		{args: append(base, "--reconcile-period", "1ms"), want: `--reconcile-period (RECONCILE_PERIOD): 1ms is shorter than the 1s minimum`},
 		{args: append(base, "--ca-root-cert-reload", "1ns"), want: `--ca-root-cert-reload (CA_ROOT_CERT_RELOAD): 1ns is shorter than the 1s minimum`},
 	} {
@@ -113,7 +116,7 @@ func TestRunSettingsNamesAreValidated(t *testing.T) {
 	}
 	for _, args := range [][]string{
 		append(base, "--node-name", "ip-10-0-0-1.eu-west-1.compute.internal", "--root-namespace", "mesh-root", "--pod-namespace", "istio-system", "--cluster-id", "Kubernetes"),
-		append(base, "--cluster-id", ""),
+		append(base, "--cluster-id", "", "--cni-socket", "/var/run/redirector/cni.sock"),
 		append(xds, "--pod-name", "ztunnel-abc12", "--cluster-id", "east_1.prod"),
 	} {
 		if _, err := parseRunFlags(args); err != nil {

@@ -129,6 +129,7 @@ func (s *Server) Serve(ctx context.Context) error {
 		return err
 	}
 	l, ino := s.l, s.ino
+	s.l = nil // a Serve after this one listens anew
 	l = &guardedListener{Listener: l, s: s, slots: make(chan struct{}, s.maxConns), closed: make(chan struct{})}
 	srv := &http.Server{
 		Handler: http.HandlerFunc(s.serveEvent),
@@ -166,9 +167,9 @@ func (s *Server) Serve(ctx context.Context) error {
 }
 
 // Listen opens the socket and installs it at the path (see Serve) without
-// serving it yet, so that a caller can fail at start on a path it cannot
-// serve; Serve, called next from the same goroutine, serves it. Connections
-// made in between wait in the socket's backlog.
+// serving it yet, so that a caller knows whether it can serve the path;
+// Serve, called next from the same goroutine, serves it. Connections made
+// in between wait in the socket's backlog.
 func (s *Server) Listen() error {
 	if s.l != nil {
 		return nil
