@@ -19,6 +19,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // File names inside a CA directory.
@@ -352,9 +354,15 @@ func loadKey(keyPath string, cert *x509.Certificate, certPath string) (crypto.Si
 	return key, nil
 }
 
+// maxPEMFileBytes bounds a trust bundle or CA file read: a fifo, a device
+// or an outsized file at the path is an error, not a read that blocks or
+// fills the memory (the bundle is re-read every 10 s). Istio's root
+// ConfigMap, where the bundle comes from, holds at most 1 MiB.
+const maxPEMFileBytes = 4 << 20
+
 // readCerts reads every CERTIFICATE block of a PEM file; there must be one.
 func readCerts(path string) ([]*x509.Certificate, error) {
-	data, err := os.ReadFile(path)
+	data, err := smallfile.Read(path, maxPEMFileBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -410,7 +418,7 @@ func caTrustDomain(cert *x509.Certificate) (string, error) {
 }
 
 func readPEMBlock(path string) (*pem.Block, error) {
-	data, err := os.ReadFile(path)
+	data, err := smallfile.Read(path, maxPEMFileBytes)
 	if err != nil {
 		return nil, err
 	}
