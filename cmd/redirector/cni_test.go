@@ -19,8 +19,6 @@ import (
 // ready while every ADD of an ambient pod failed as if it were down (and a
 // surge upgrade retired the old agent, which still served the socket).
 func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
-	defer func(p time.Duration) { cniRetryPeriod = p }(cniRetryPeriod)
-	cniRetryPeriod = 10 * time.Millisecond
 	noAnswer := func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }
 	log := slog.New(slog.DiscardHandler)
 
@@ -45,7 +43,7 @@ func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
 			func() error { return os.Remove(notSocket) }},
 	} {
 		ctx, cancel := context.WithCancel(context.Background())
-		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), log)
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, log)
 		waitfor.Until(t, "not ready naming the socket", func() bool {
 			ok, reason := ready()
 			return !ok && strings.Contains(reason, tc.want)

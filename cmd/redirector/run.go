@@ -382,7 +382,7 @@ func runAgent(ctx context.Context, args []string) error {
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
 				func() float64 { return float64(agent.CNIReports()) }),
 		)
-		cniReady = serveCNI(ctx, srv, log)
+		cniReady = serveCNI(ctx, srv, cniRetryPeriod, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -437,9 +437,9 @@ func runAgent(ctx context.Context, args []string) error {
 // the path) was logged once, and the agent went on ready while every ADD
 // of an ambient pod failed as if it were down (a surge upgrade retired
 // the old agent, which still served). The agent does not exit for it: its
-// enrolled pods keep their tunnel. Serving is tried again every
-// cniRetryPeriod, so a directory put right is taken without a restart.
-func serveCNI(ctx context.Context, srv *cni.Server, log *slog.Logger) admin.Check {
+// enrolled pods keep their tunnel. Serving is tried again every retry, so
+// a directory put right is taken without a restart.
+func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *slog.Logger) admin.Check {
 	var mu sync.Mutex
 	failed := errors.New("not served yet")
 	set := func(err error) {
@@ -457,12 +457,12 @@ func serveCNI(ctx context.Context, srv *cni.Server, log *slog.Logger) admin.Chec
 			if ctx.Err() != nil {
 				return
 			}
-			log.Error("CNI event socket not served; retrying", "socket", srv.Path(), "error", err, "retry_in", cniRetryPeriod)
+			log.Error("CNI event socket not served; retrying", "socket", srv.Path(), "error", err, "retry_in", retry)
 			set(fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err))
 			select {
 			case <-ctx.Done():
 				return
-			case <-time.After(cniRetryPeriod):
+			case <-time.After(retry):
 			}
 		}
 	}()
@@ -496,9 +496,8 @@ func checkCNISocket(path string) error {
 	return nil
 }
 
-// cniRetryPeriod is how long serveCNI waits before serving again (a
-// variable for tests).
-var cniRetryPeriod = 5 * time.Second
+// cniRetryPeriod is how long serveCNI waits before serving again.
+const cniRetryPeriod = 5 * time.Second
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
 // an interface) when the source has no API server to annotate.
