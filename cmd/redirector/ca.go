@@ -83,6 +83,9 @@ func parseCAFlags(s *settings, f caFlags, dir *string) (caSettings, error) {
 	if err != nil || d <= 0 {
 		return c, fmt.Errorf("%s: %q is not a positive duration such as 10s", s.name(f.rootReload), *f.rootReload)
 	}
+	if d < time.Second {
+		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (each reload reads and parses the bundle)", s.name(f.rootReload), d)
+	}
 	c.rootReload = d
 	return c, nil
 }

@@ -2,16 +2,20 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -133,6 +137,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := s.require(f.node, f.src); err != nil {
 		return agentConfig{}, err
 	}
+	if err := checkNames(s, f); err != nil {
+		return agentConfig{}, err
+	}
 	var err error
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
@@ -165,6 +172,12 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		if *d.dst, err = time.ParseDuration(*d.val); err != nil || *d.dst <= 0 {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
+	}
+	if err := checkCNISocket(c.cniSocket); err != nil {
+		return c, fmt.Errorf("%s: %w", s.name(f.cniSocket), err)
+	}
+	if c.reconcilePeriod < time.Second {
+		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
 	}
 	if c.certTTL < 2*time.Minute {
 		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(f.ttl), c.certTTL)
@@ -203,6 +216,41 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		return c, err
 	}
 	return c, nil
+}
+
+// checkNames refuses a setting that names something (this node, a
+// namespace, the agent's pod, the cluster) and cannot be such a name. Taken
+// as given it matched nothing, silently: a ROOT_NAMESPACE with a stray
+// space or newline made the mesh-wide policies apply nowhere (a STRICT mesh
+// took plaintext), a NODE_NAME enrolled none of the node's pods, a POD_NAME
+// with a "~" broke the node id istiod parses.
+func checkNames(s *settings, f runFlags) error {
+	for _, n := range []struct {
+		val  *string
+		kind string
+		// optional: empty means the default.
+		optional bool
+		check    func(string) []string
+	}{
+		{f.node, "node name", false, validation.IsDNS1123Subdomain},
+		{f.rootNS, "namespace name", false, validation.IsDNS1123Label},
+		{f.ownNS, "namespace name", true, validation.IsDNS1123Label},
+		{f.xds.podName, "pod name", true, validation.IsDNS1123Subdomain},
+		// The cluster goes to istiod in a gRPC header of every certificate
+		// request (a control or non-ASCII character failed each one at run
+		// time) and to peers in the baggage of every CONNECT, which a peer
+		// drops whole for a value that is not a plain name of at most 63
+		// characters (with it the source labels of its metrics).
+		{f.ca.clusterID, "cluster name (a label value)", true, validation.IsValidLabelValue},
+	} {
+		if n.optional && *n.val == "" {
+			continue
+		}
+		if errs := n.check(*n.val); len(errs) > 0 {
+			return fmt.Errorf("%s: %q is not a %s: %s", s.name(n.val), *n.val, n.kind, errs[0])
+		}
+	}
+	return nil
 }
 
 func runAgent(ctx context.Context, args []string) error {
@@ -319,6 +367,7 @@ func runAgent(ctx context.Context, args []string) error {
 		},
 	})
 	defer agent.Close()
+	cniReady := admin.Check(func() (bool, string) { return true, "" })
 	if cfg.cniSocket != "" {
 		srv := cni.NewServer(cfg.cniSocket, agent.HandleCNI, log)
 		reg.MustRegister(
@@ -333,11 +382,7 @@ func runAgent(ctx context.Context, args []string) error {
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
 				func() float64 { return float64(agent.CNIReports()) }),
 		)
-		go func() {
-			if err := srv.Serve(ctx); err != nil {
-				log.Error("CNI event server stopped", "socket", cfg.cniSocket, "error", err)
-			}
-		}()
+		cniReady = serveCNI(ctx, srv, cniRetryPeriod, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -357,6 +402,7 @@ func runAgent(ctx context.Context, args []string) error {
 			sourceSynced(src),
 			func() (bool, string) { return podsReady(cfg, tun, certs) },
 			admin.ProblemsCheck(tun.ListenerProblems),
+			cniReady,
 		),
 		Sections: configSections(cfg, tun, certs),
 		Level:    level,
@@ -384,6 +430,74 @@ func runAgent(ctx context.Context, args []string) error {
 	log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
 	return nil
 }
+
+// serveCNI serves the CNI event socket until ctx ends, and returns a
+// readiness check that fails, with the error, while it does not: a socket
+// the agent cannot serve (a directory others may write, something else at
+// the path) was logged once, and the agent went on ready while every ADD
+// of an ambient pod failed as if it were down (a surge upgrade retired
+// the old agent, which still served). The agent does not exit for it: its
+// enrolled pods keep their tunnel. Serving is tried again every retry, so
+// a directory put right is taken without a restart.
+func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *slog.Logger) admin.Check {
+	var mu sync.Mutex
+	failed := errors.New("not served yet")
+	set := func(err error) {
+		mu.Lock()
+		failed = err
+		mu.Unlock()
+	}
+	go func() {
+		for {
+			err := srv.Listen()
+			if err == nil {
+				set(nil)
+				err = srv.Serve(ctx)
+			}
+			if ctx.Err() != nil {
+				return
+			}
+			log.Error("CNI event socket not served; retrying", "socket", srv.Path(), "error", err, "retry_in", retry)
+			set(fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err))
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(retry):
+			}
+		}
+	}()
+	return func() (bool, string) {
+		mu.Lock()
+		defer mu.Unlock()
+		if failed != nil {
+			return false, "CNI event socket: " + failed.Error()
+		}
+		return true, ""
+	}
+}
+
+// maxCNISocketPath bounds CNI_SOCKET: a unix socket's name has at most 107
+// bytes, and the server binds "<path>.<pid>.tmp" first (a pid has at most
+// 7 digits) before renaming it over the path.
+const maxCNISocketPath = 107 - len(".4194304.tmp")
+
+// checkCNISocket refuses a CNI_SOCKET the agent could never serve, or the
+// plugin, run by the runtime in a directory of its own, find: a relative
+// or unclean path, or one too long for a unix socket.
+func checkCNISocket(path string) error {
+	switch {
+	case path == "":
+		return nil
+	case !filepath.IsAbs(path) || filepath.Clean(path) != path:
+		return fmt.Errorf("%q is not an absolute, clean path", path)
+	case len(path) > maxCNISocketPath:
+		return fmt.Errorf("%q has %d bytes, more than the %d a unix socket's name leaves it", path, len(path), maxCNISocketPath)
+	}
+	return nil
+}
+
+// cniRetryPeriod is how long serveCNI waits before serving again.
+const cniRetryPeriod = 5 * time.Second
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
 // an interface) when the source has no API server to annotate.

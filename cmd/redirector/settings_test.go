@@ -73,3 +73,54 @@ func TestREADMEListsEverySetting(t *testing.T) {
 		}
 	}
 }
+
+// TestRunSettingsNamesAreValidated: a setting that names something (the
+// node, a namespace, a pod, the cluster) and cannot be such a name fails
+// at start, naming the setting. Before, they were taken as given: a
+// ROOT_NAMESPACE of "istio-system " (a stray space, or a newline from a
+// file) matched no namespace, so the mesh-wide PeerAuthentication and
+// AuthorizationPolicies of istio-system applied nowhere and a STRICT mesh
+// took plaintext; a NODE_NAME with a space enrolled nothing; an invalid
+// POD_NAMESPACE was reported as EXCLUDE_NAMESPACES.
+func TestRunSettingsNamesAreValidated(t *testing.T) {
+	base := []string{"--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	xds := []string{"--node-name", "n1", "--source", "xds", "--ca-address", "istiod:15012", "--ca-root-cert", "/x", "--pod-name", "ztunnel-1", "--instance-ip", "10.0.0.9"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{args: append(base, "--root-namespace", "istio-system "), want: `--root-namespace (ROOT_NAMESPACE): "istio-system " is not a namespace name`},
+		{args: append(base, "--root-namespace", "Istio-System"), want: `--root-namespace (ROOT_NAMESPACE): "Istio-System" is not a namespace name`},
+		{args: append(base, "--root-namespace", ""), want: `--root-namespace (ROOT_NAMESPACE): "" is not a namespace name`},
+		{args: append(base, "--node-name", "node-a\n"), want: `--node-name (NODE_NAME): "node-a\n" is not a node name`},
+		{args: append(base, "--node-name", "Node_A"), want: `--node-name (NODE_NAME): "Node_A" is not a node name`},
+		{args: append(base, "--pod-namespace", "Istio_System"), want: `--pod-namespace (POD_NAMESPACE): "Istio_System" is not a namespace name`},
+		{args: append(xds, "--pod-name", "ztunnel~1"), want: `--pod-name (POD_NAME): "ztunnel~1" is not a pod name`},
+		{args: append(base, "--cluster-id", "cluster1 "), want: `--cluster-id (CLUSTER_ID): "cluster1 " is not a cluster name (a label value)`},
+		{args: append(base, "--cluster-id", "clüster"), want: `--cluster-id (CLUSTER_ID): "clüster" is not a cluster name`},
+		{args: append(base, "--cluster-id", "c\x01"), want: `--cluster-id (CLUSTER_ID): "c\x01" is not a cluster name`},
+		{args: append(base, "--cluster-id", strings.Repeat("c", 64)), want: `is not a cluster name`},
+		{args: append(xds, "--instance-ip", "::ffff:10.0.0.9"), want: `--instance-ip (INSTANCE_IP): "::ffff:10.0.0.9" is not a pod address`},
+		{args: append(xds, "--instance-ip", "fe80::1%eth0"), want: `--instance-ip (INSTANCE_IP): "fe80::1%eth0" is not a pod address`},
+		{args: append(xds, "--instance-ip", "0.0.0.0"), want: `--instance-ip (INSTANCE_IP): "0.0.0.0" is not a pod address`},
+		{args: append(base, "--cni-socket", "run/cni.sock"), want: `--cni-socket (CNI_SOCKET): "run/cni.sock" is not an absolute, clean path`},
+		{args: append(base, "--cni-socket", "/var/run//redirector/cni.sock"), want: `is not an absolute, clean path`},
+		{args: append(base, "--cni-socket", "/var/run/"+strings.Repeat("r", 90)+"/cni.sock"), want: `more than the 95 a unix socket's name leaves it`},
+		{args: append(base, "--reconcile-period", "1ms"), want: `--reconcile-period (RECONCILE_PERIOD): 1ms is shorter than the 1s minimum`},
+		{args: append(base, "--ca-root-cert-reload", "1ns"), want: `--ca-root-cert-reload (CA_ROOT_CERT_RELOAD): 1ns is shorter than the 1s minimum`},
+	} {
+		_, err := parseRunFlags(tc.args)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("parseRunFlags(%q) = %v, want an error containing %q", tc.args[len(tc.args)-2:], err, tc.want)
+		}
+	}
+	for _, args := range [][]string{
+		append(base, "--node-name", "ip-10-0-0-1.eu-west-1.compute.internal", "--root-namespace", "mesh-root", "--pod-namespace", "istio-system", "--cluster-id", "Kubernetes"),
+		append(base, "--cluster-id", "", "--cni-socket", "/var/run/redirector/cni.sock"),
+		append(xds, "--pod-name", "ztunnel-abc12", "--cluster-id", "east_1.prod"),
+	} {
+		if _, err := parseRunFlags(args); err != nil {
+			t.Errorf("parseRunFlags(%q) = %v, want no error", args, err)
+		}
+	}
+}

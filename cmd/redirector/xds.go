@@ -60,6 +60,12 @@ func parseXDSFlags(s *settings, f xdsFlags, c agentConfig, podNamespace string) 
 	if err != nil {
 		return x, fmt.Errorf("%s: %q is not an IP address", s.name(f.podIP), *f.podIP)
 	}
+	// Sent as written in the node id and INSTANCE_IPS, where istiod looks
+	// the agent's pod up by its address: a zone, an IPv4-mapped spelling
+	// or an address no pod has would name no pod.
+	if ip.Zone() != "" || ip.Is4In6() || ip.IsUnspecified() || ip.IsMulticast() {
+		return x, fmt.Errorf("%s: %q is not a pod address (no zone, no IPv4-mapped form, not unspecified or multicast)", s.name(f.podIP), *f.podIP)
+	}
 	x.podIP = ip
 	if errs := validation.IsValidLabelValue(*f.network); len(errs) > 0 {
 		return x, fmt.Errorf("%s: %q is not a network name (a label value): %s", s.name(f.network), *f.network, errs[0])

@@ -54,6 +54,10 @@ type Server struct {
 
 	statsMu sync.Mutex
 	stats   ServerStats
+
+	// l and ino are the socket Listen opened, for Serve.
+	l   net.Listener
+	ino uint64
 }
 
 // Bounds of the server. A real event is a few hundred bytes sent at once;
@@ -121,10 +125,11 @@ func (s *Server) Ready() <-chan struct{} { return s.ready }
 // or the live one of the agent it upgrades. The socket is mode 0600: only
 // root (the runtime running the plugin) may talk to it.
 func (s *Server) Serve(ctx context.Context) error {
-	l, ino, err := s.listen()
-	if err != nil {
+	if err := s.Listen(); err != nil {
 		return err
 	}
+	l, ino := s.l, s.ino
+	s.l = nil // a Serve after this one listens anew
 	l = &guardedListener{Listener: l, s: s, slots: make(chan struct{}, s.maxConns), closed: make(chan struct{})}
 	srv := &http.Server{
 		Handler: http.HandlerFunc(s.serveEvent),
@@ -158,6 +163,22 @@ func (s *Server) Serve(ctx context.Context) error {
 	if fi, err := os.Lstat(s.path); err == nil && inodeOf(fi) == ino {
 		_ = os.Remove(s.path)
 	}
+	return nil
+}
+
+// Listen opens the socket and installs it at the path (see Serve) without
+// serving it yet, so that a caller knows whether it can serve the path;
+// Serve, called next from the same goroutine, serves it. Connections made
+// in between wait in the socket's backlog.
+func (s *Server) Listen() error {
+	if s.l != nil {
+		return nil
+	}
+	l, ino, err := s.listen()
+	if err != nil {
+		return err
+	}
+	s.l, s.ino = l, ino
 	return nil
 }
 

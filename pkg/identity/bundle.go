@@ -7,12 +7,13 @@ import (
 	"crypto/x509"
 	"fmt"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // Bundle is a trust bundle read from a PEM file that may hold several roots
@@ -94,7 +95,7 @@ func (b *Bundle) Reload() (bool, error) {
 func (b *Bundle) reload() (bool, []func(), error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	data, err := os.ReadFile(b.path)
+	data, err := smallfile.Read(b.path, maxPEMFileBytes)
 	if err != nil {
 		return false, nil, fmt.Errorf("trust bundle: %w", err)
 	}

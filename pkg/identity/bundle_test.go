@@ -9,12 +9,14 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -258,5 +260,51 @@ func TestTrustChangeRenewsOwnCertificates(t *testing.T) {
 	})
 	if n := calls(); n != 2 {
 		t.Errorf("%d requests, want 2", n)
+	}
+}
+
+// within fails t if f does not return within 5 s (a read blocked on a fifo).
+func within(t *testing.T, what string, f func() error) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(5 * time.Second):
+		t.Fatalf("%s did not return in 5s", what)
+		return nil
+	}
+}
+
+// TestSettingFilesNotRegular: a trust bundle or CA file path that holds a
+// fifo, a device or an outsized file is an error naming it. Before, a fifo
+// blocked the read for ever (the agent hung at start, or its bundle
+// watcher for good, with the bundle's lock held), and /dev/zero or a huge
+// file filled the memory, re-read every 10 s.
+func TestSettingFilesNotRegular(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big.pem")
+	if err := os.WriteFile(big, make([]byte, maxPEMFileBytes+1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]string{fifo: "is not a regular file (a fifo)", "/dev/zero": "is not a regular file (a device)", big: fmt.Sprintf("has %d bytes, more than the %d read", maxPEMFileBytes+1, maxPEMFileBytes)} {
+		err := within(t, "LoadBundle("+path+")", func() error { _, err := LoadBundle(path, "cluster.local"); return err })
+		if err == nil || !strings.Contains(err.Error(), path+" "+want) {
+			t.Errorf("LoadBundle(%s) = %v, want %q", path, err, want)
+		}
+	}
+	// A CA directory whose root certificate is a fifo.
+	caDir := t.TempDir()
+	if err := syscall.Mkfifo(filepath.Join(caDir, RootCertFile), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	err := within(t, "LoadCAFor", func() error { _, err := LoadCAFor(caDir, "cluster.local"); return err })
+	if err == nil || !strings.Contains(err.Error(), "is not a regular file (a fifo)") {
+		t.Errorf("LoadCAFor(root-cert.pem a fifo) = %v, want it named as a fifo", err)
 	}
 }

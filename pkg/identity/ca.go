@@ -19,6 +19,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // File names inside a CA directory.
@@ -194,7 +196,31 @@ func LoadCAFor(dir, trustDomain string) (*CA, error) {
 	}
 	roots := x509.NewCertPool()
 	roots.AddCert(cert)
-	return &CA{cert: cert, key: key, trustDomain: td, roots: roots, rootCerts: []*x509.Certificate{cert}, dir: dir}, nil
+	ca := &CA{cert: cert, key: key, trustDomain: td, roots: roots, rootCerts: []*x509.Certificate{cert}, dir: dir}
+	if err := ca.selfCheck(); err != nil {
+		return nil, fmt.Errorf("load ca: %w", err)
+	}
+	return ca, nil
+}
+
+// selfCheck signs a certificate for a stand-in identity and checks it as
+// the manager checks every certificate a CA returns (checkIssued). The
+// load's own checks verify the CA's chain for any usage; a CA whose every
+// certificate the manager, and peers, would refuse (an intermediate
+// allowing server authentication only, a chain longer than peers take, an
+// RSA key rustls refuses) is refused here, naming why, rather than loaded
+// to fail every pod's certificate at run time.
+func (ca *CA) selfCheck() error {
+	id := ID{TrustDomain: ca.trustDomain, Namespace: "redirector-ca-check", ServiceAccount: "check"}
+	now := time.Now()
+	cert, err := ca.signAt(id, now, time.Hour)
+	if err == nil {
+		_, err = checkIssued(id, &cert, ca.roots, now)
+	}
+	if err != nil {
+		return fmt.Errorf("%s cannot issue a certificate this agent and its peers accept: %w", ca.dir, err)
+	}
+	return nil
 }
 
 func loadIstioCA(dir, trustDomain string) (*CA, error) {
@@ -251,7 +277,11 @@ func loadIstioCA(dir, trustDomain string) (*CA, error) {
 			present = append(present, c.Raw)
 		}
 	}
-	return &CA{cert: cert, key: key, chain: present, trustDomain: td, roots: roots, rootCerts: rootCerts, dir: dir}, nil
+	ca := &CA{cert: cert, key: key, chain: present, trustDomain: td, roots: roots, rootCerts: rootCerts, dir: dir}
+	if err := ca.selfCheck(); err != nil {
+		return nil, err
+	}
+	return ca, nil
 }
 
 func isIn(c *x509.Certificate, set []*x509.Certificate) bool {
@@ -324,9 +354,15 @@ func loadKey(keyPath string, cert *x509.Certificate, certPath string) (crypto.Si
 	return key, nil
 }
 
+// maxPEMFileBytes bounds a trust bundle or CA file read: a fifo, a device
+// or an outsized file at the path is an error, not a read that blocks or
+// fills the memory (the bundle is re-read every 10 s). Istio's root
+// ConfigMap, where the bundle comes from, holds at most 1 MiB.
+const maxPEMFileBytes = 4 << 20
+
 // readCerts reads every CERTIFICATE block of a PEM file; there must be one.
 func readCerts(path string) ([]*x509.Certificate, error) {
-	data, err := os.ReadFile(path)
+	data, err := smallfile.Read(path, maxPEMFileBytes)
 	if err != nil {
 		return nil, err
 	}
@@ -382,7 +418,7 @@ func caTrustDomain(cert *x509.Certificate) (string, error) {
 }
 
 func readPEMBlock(path string) (*pem.Block, error) {
-	data, err := os.ReadFile(path)
+	data, err := smallfile.Read(path, maxPEMFileBytes)
 	if err != nil {
 		return nil, err
 	}

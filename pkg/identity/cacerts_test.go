@@ -2,11 +2,15 @@ package identity
 
 import (
 	"context"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/rand"
 	"crypto/rsa"
 	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
@@ -107,5 +111,90 @@ func TestLoadIstioCacertsErrors(t *testing.T) {
 	os.Remove(filepath.Join(dir, IstioCertChainFile))
 	if _, err := LoadCAFor(dir, "cluster.local"); err != nil {
 		t.Errorf("without cert-chain.pem: %v", err)
+	}
+}
+
+// TestLoadIstioCacertsThatIssueNothingAccepted: a plug-in CA whose every
+// certificate the manager (and peers) would refuse is refused at load,
+// naming why. Before, it loaded and the agent started; then every
+// identity's certificate failed at each request, and every meshed pod's
+// handshakes with it: an intermediate whose extended key usage allows
+// server authentication only (common for an enterprise PKI's issuing CA;
+// the load checked the chain for any usage), a chain longer than peers
+// take, a root with an RSA key rustls refuses.
+func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "Root CA"}, rootKey, nil, nil)
+	signed := func(tmpl *x509.Certificate, key crypto.Signer, parent *x509.Certificate, parentKey crypto.Signer) *x509.Certificate {
+		t.Helper()
+		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), parentKey)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+	caTmpl := func(cn string) *x509.Certificate {
+		return &x509.Certificate{
+			SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+			KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature,
+			BasicConstraintsValid: true, IsCA: true,
+		}
+	}
+
+	// Server authentication only.
+	serverOnly := caTmpl("Server-only issuing CA")
+	serverOnly.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
+	serverOnlyKey := identitytest.NewKey(t, "ecdsa")
+	serverOnlyCA := identitytest.PKI{Root: root, RootKey: rootKey, Inter: signed(serverOnly, serverOnlyKey, root, rootKey), InterKey: serverOnlyKey}
+
+	// Nine intermediates: with the leaf, ten certificates presented.
+	longChain := []*x509.Certificate{}
+	parent, parentKey := root, crypto.Signer(rootKey)
+	for i := range 9 {
+		k := identitytest.NewKey(t, "ecdsa")
+		c := signed(caTmpl(fmt.Sprintf("Intermediate %d", i)), k, parent, parentKey)
+		longChain = append([]*x509.Certificate{c}, longChain...)
+		parent, parentKey = c, k
+	}
+
+	// A root with a 1024-bit RSA key.
+	weakKey, err := rsa.GenerateKey(rand.Reader, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	weakRoot := identitytest.MakeCACert(t, pkix.Name{CommonName: "Weak root"}, weakKey, nil, nil)
+	interKey := identitytest.NewKey(t, "ecdsa")
+	weakRootCA := identitytest.PKI{Root: weakRoot, RootKey: weakKey, Inter: signed(caTmpl("Intermediate"), interKey, weakRoot, weakKey), InterKey: interKey}
+
+	for name, tc := range map[string]struct {
+		dir  func() string
+		want string
+	}{
+		"server-only intermediate": {func() string { return identitytest.WriteCacerts(t, serverOnlyCA) }, "incompatible key usage"},
+		"chain too long": {func() string {
+			dir := identitytest.WriteCacerts(t, identitytest.PKI{Root: root, RootKey: rootKey, Inter: longChain[0], InterKey: parentKey})
+			if err := os.WriteFile(filepath.Join(dir, IstioCertChainFile), identitytest.CertPEM(append(longChain, root)...), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			return dir
+		}, "chain of 10 certificates, at most 8"},
+		"weak rsa root": {func() string { return identitytest.WriteCacerts(t, weakRootCA) }, "rsa key of 1024 bits"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			dir := tc.dir()
+			_, err := LoadCAFor(dir, "cluster.local")
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "cannot issue a certificate") {
+				t.Fatalf("LoadCAFor = %v, want an error saying it cannot issue a certificate: %q", err, tc.want)
+			}
+		})
+	}
+	// The usual layout still loads.
+	if _, err := LoadCAFor(identitytest.WriteCacerts(t, identitytest.NewPKI(t, "rsa")), "cluster.local"); err != nil {
+		t.Errorf("LoadCAFor(NewPKI) = %v", err)
 	}
 }

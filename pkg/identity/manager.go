@@ -527,6 +527,16 @@ func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, time.Ti
 // end if several chains verify), which an issuer or the root may set
 // before the leaf's own end when the CA does not clamp the leaf to it.
 func (m *Manager) check(id ID, cert *tls.Certificate) (time.Time, error) {
+	roots, err := m.roots()
+	if err != nil {
+		return time.Time{}, &CAError{Reason: ReasonUntrustedChain, Err: err}
+	}
+	return checkIssued(id, cert, roots, m.clock())
+}
+
+// checkIssued is Manager.check against roots at now; the file CA checks
+// itself with it at load.
+func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Time) (time.Time, error) {
 	if cert == nil || cert.Leaf == nil || len(cert.Certificate) == 0 {
 		return time.Time{}, &CAError{Reason: ReasonBadResponse, Err: errors.New("signer returned no certificate")}
 	}
@@ -550,14 +560,10 @@ func (m *Manager) check(id ID, cert *tls.Certificate) (time.Time, error) {
 	if got != id {
 		return time.Time{}, &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
 	}
-	roots, err := m.roots()
-	if err != nil {
-		return time.Time{}, &CAError{Reason: ReasonUntrustedChain, Err: err}
-	}
 	opts := x509.VerifyOptions{
 		Roots:         roots,
 		Intermediates: x509.NewCertPool(),
-		CurrentTime:   m.clock(),
+		CurrentTime:   now,
 	}
 	for _, der := range cert.Certificate[1:] {
 		c, err := x509.ParseCertificate(der)

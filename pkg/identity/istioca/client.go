@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"net"
 	"net/url"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -34,6 +33,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 	pb "istio.io/api/security/v1alpha1"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 )
 
@@ -45,6 +45,11 @@ const (
 	// ClusterIDHeader names the cluster whose API server issued the token.
 	ClusterIDHeader = "ClusterID"
 )
+
+// MaxTokenBytes bounds a token file read (a projected service account
+// token is a few KiB): a fifo, a device or an outsized file at the path is
+// an error, not a read that blocks every request or fills the memory.
+const MaxTokenBytes = 64 << 10
 
 // DefaultServerName is the name in istiod's serving certificate that the
 // client checks when the address is not a DNS name of istiod.
@@ -246,7 +251,7 @@ func (c *Client) token() (string, error) {
 	if c.cfg.TokenFile == "" {
 		return "", errors.New("no token file configured (--ca-token-file)")
 	}
-	b, err := os.ReadFile(c.cfg.TokenFile)
+	b, err := smallfile.Read(c.cfg.TokenFile, MaxTokenBytes)
 	if err != nil {
 		return "", fmt.Errorf("read token: %w", err)
 	}

@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -405,4 +406,27 @@ func TestSignBoundsErrorText(t *testing.T) {
 		t.Fatalf("error of %d bytes: %.200v", len(fmt.Sprint(err)), err)
 	}
 	t.Logf("error: %.300v", err)
+}
+
+// TestTokenNotRegular: a token path holding a fifo or a device is an error
+// naming it. Before, a fifo blocked each certificate request in its read,
+// past the request timeout, holding one of the 8 request slots for ever.
+func TestTokenNotRegular(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "token")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]string{fifo: "is not a regular file (a fifo)", "/dev/zero": "is not a regular file (a device)"} {
+		c := &Client{cfg: Config{TokenFile: path}}
+		done := make(chan error, 1)
+		go func() { _, err := c.token(); done <- err }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), path+" "+want) {
+				t.Errorf("token() from %s = %v, want %q", path, err, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("token() from %s did not return in 5s", path)
+		}
+	}
 }

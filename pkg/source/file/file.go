@@ -23,6 +23,12 @@
 //     must not read as removed;
 //   - PATH was a file when the agent started and is a directory now, or
 //     the other way round (reason "read");
+//   - PATH is a mounted ConfigMap (its files link through "..data", which
+//     the kubelet swaps to a new version in one rename) whose version
+//     changed while read, three reads in a row (reason "read"). A load
+//     that saw it change once is read again: files of two versions are
+//     never mixed (a pod moved from one key to another would be in
+//     neither, and unenrolled);
 //   - the manifests are over 64 MiB or 100k objects (documents and list
 //     items) in all (reason "too_large"): what a load holds is bounded;
 //   - a document is not YAML (reason "parse");

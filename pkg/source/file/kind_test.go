@@ -199,3 +199,99 @@ func TestLoadConfigMapLayout(t *testing.T) {
 		t.Fatalf("Load = %q, %v; want namespace a, no errors", nsNames(snap), errs)
 	}
 }
+
+// configMapPod is a pod document for the ConfigMap swap tests.
+const configMapPod = `apiVersion: v1
+kind: Pod
+metadata: {name: web-1, namespace: shop, uid: u-web-1}
+spec: {nodeName: node-a, containers: [{name: web, image: nginx}]}
+status: {podIP: 10.0.0.5}
+`
+
+// TestLoadConfigMapSwappedMidRead: a ConfigMap update swaps its "..data"
+// link between two of the files a load reads. The pod moved from b.yaml
+// to a.yaml: read as old a.yaml plus new b.yaml, it was in neither, and
+// the load unenrolled it until the next reload. A load reads one version.
+func TestLoadConfigMapSwappedMidRead(t *testing.T) {
+	dir := t.TempDir()
+	ns := "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop}\n"
+	version := func(name, a, b string) {
+		ts := filepath.Join(dir, name)
+		if err := os.Mkdir(ts, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, ts, "a.yaml", a)
+		writeFile(t, ts, "b.yaml", b)
+	}
+	version("..2026_12_04_old", ns, configMapPod)
+	version("..2026_12_04_new", ns+"---\n"+configMapPod, "apiVersion: v1\nkind: List\nitems: []\n")
+	for link, target := range map[string]string{"..data": "..2026_12_04_old", "a.yaml": "..data/a.yaml", "b.yaml": "..data/b.yaml"} {
+		if err := os.Symlink(target, filepath.Join(dir, link)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The kubelet's swap: a new link renamed over "..data", done once,
+	// right after the load read a.yaml.
+	swapped := false
+	afterRead = func(f string) {
+		if swapped || filepath.Base(f) != "a.yaml" {
+			return
+		}
+		swapped = true
+		if err := os.Symlink("..2026_12_04_new", filepath.Join(dir, "..data_tmp")); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { afterRead = nil })
+	snap, errs := Load(dir)
+	if !swapped {
+		t.Fatal("the swap did not happen")
+	}
+	if len(errs) != 0 || podNames(snap.Pods) != "web-1" {
+		t.Fatalf("Load = pods %q, errors %v; want web-1 (the new version), no errors", podNames(snap.Pods), errs)
+	}
+}
+
+// TestLoadConfigMapKeepsChanging: a version that changes during every read
+// is not applied; the error names the "..data" link.
+func TestLoadConfigMapKeepsChanging(t *testing.T) {
+	dir := t.TempDir()
+	for _, v := range []string{"..v1", "..v2"} {
+		if err := os.Mkdir(filepath.Join(dir, v), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, filepath.Join(dir, v), "a.yaml", namespaceDoc("a"))
+	}
+	for link, target := range map[string]string{"..data": "..v1", "a.yaml": "..data/a.yaml"} {
+		if err := os.Symlink(target, filepath.Join(dir, link)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reads := 0
+	afterRead = func(string) {
+		reads++
+		next := "..v1"
+		if reads%2 == 1 {
+			next = "..v2"
+		}
+		tmp := filepath.Join(dir, "..data_tmp")
+		if err := os.Symlink(next, tmp); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() { afterRead = nil })
+	_, errs := Load(dir)
+	want := filepath.Join(dir, "..data") + " changed while read, 3 times in a row"
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), want) {
+		t.Fatalf("Load errors = %v, want one containing %q", errs, want)
+	}
+	if reads != maxVersionReads {
+		t.Errorf("read %d times, want %d", reads, maxVersionReads)
+	}
+}

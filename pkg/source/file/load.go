@@ -143,11 +143,57 @@ func (r result) docs() int {
 	return n
 }
 
-// load fails only when path itself cannot be read; problems in single files
-// or documents end up in result.errs.
+// load fails only when path itself cannot be read, or keeps changing while
+// read; problems in single files or documents end up in result.errs.
+//
+// A directory mounted from a ConfigMap (or Secret, or projected volume)
+// holds its manifests as links through "..data", which the kubelet swaps to
+// a new version in one rename. A load that read some files before the swap
+// and some after mixed two versions: a pod moved from one key to another
+// was in neither, and would be unenrolled until the next reload. So the
+// link is read before and after, and a load that saw it change is read
+// again.
 //
 // prev, which may be nil, is the decoded documents of the last load.
 func load(path string, prev docCache) (result, error) {
+	for attempt := 1; ; attempt++ {
+		before := dataVersion(path)
+		r, err := loadOnce(path, prev)
+		after := dataVersion(path)
+		if before == after {
+			return r, err
+		}
+		if attempt == maxVersionReads {
+			return result{}, fmt.Errorf("read manifests: %s changed while read, %d times in a row (a ConfigMap updated that often?): not applied",
+				filepath.Join(path, dataLink), attempt)
+		}
+		prev = r.decoded
+	}
+}
+
+// dataLink is the link through which a mounted ConfigMap's files point to
+// its current version; maxVersionReads bounds how often a load whose
+// version changed while read is read again.
+const (
+	dataLink        = "..data"
+	maxVersionReads = 3
+)
+
+// dataVersion is the version a ConfigMap volume at path shows (the target
+// of its "..data" link), or "" for a path that is no such directory.
+func dataVersion(path string) string {
+	v, err := os.Readlink(filepath.Join(path, dataLink))
+	if err != nil {
+		return ""
+	}
+	return v
+}
+
+// afterRead, when set (by tests), is called after each manifest file is read.
+var afterRead func(file string)
+
+// loadOnce reads path once (see load).
+func loadOnce(path string, prev docCache) (result, error) {
 	files, err := manifestFiles(path)
 	if err != nil {
 		return result{}, err
@@ -159,6 +205,9 @@ func load(path string, prev docCache) (result, error) {
 	budget := maxLoadBytes
 	for _, f := range files {
 		data, err := readManifest(f, budget)
+		if afterRead != nil {
+			afterRead(f)
+		}
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // removed since the directory was listed: an edit
 		}

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
 	"strings"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/identity/istioca"
 )
@@ -97,7 +97,7 @@ const maxHeaderBytes = 64 << 10
 // rotates projected tokens.
 func TokenFile(path string) func() (string, error) {
 	return func() (string, error) {
-		b, err := os.ReadFile(path)
+		b, err := smallfile.Read(path, istioca.MaxTokenBytes)
 		if err != nil {
 			return "", fmt.Errorf("read token: %w", err)
 		}

@@ -9,7 +9,9 @@ import (
 	"log/slog"
 	"math/big"
 	"net"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -109,5 +111,27 @@ func TestDialBoundsErrorText(t *testing.T) {
 	h.accept()
 	if n := len(logs.String()); n > maxHeaderBytes || !strings.Contains(logs.String(), "xds stream to istiod ended") {
 		t.Fatalf("%d bytes logged: %.300s", n, logs.String())
+	}
+}
+
+// TestTokenFileNotRegular: a token path holding a fifo or a device is an
+// error naming it; before, a fifo blocked every stream's dial for ever and
+// /dev/zero filled the memory.
+func TestTokenFileNotRegular(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "token")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for path, want := range map[string]string{fifo: "is not a regular file (a fifo)", "/dev/zero": "is not a regular file (a device)"} {
+		done := make(chan error, 1)
+		go func() { _, err := TokenFile(path)(); done <- err }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), path+" "+want) {
+				t.Errorf("TokenFile(%s)() = %v, want %q", path, err, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("TokenFile(%s)() did not return in 5s", path)
+		}
 	}
 }

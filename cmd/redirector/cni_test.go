@@ -1,0 +1,63 @@
+package main
+
+import (
+	"context"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
+	"github.com/redirector-mesh/redirector/pkg/cni"
+)
+
+// TestServeCNIUnservableSocketIsNotReady: a CNI socket the agent cannot
+// serve makes it not ready, naming CNI_SOCKET and why, and is served once
+// put right. Before, the error was logged once and the agent went on
+// ready while every ADD of an ambient pod failed as if it were down (and a
+// surge upgrade retired the old agent, which still served the socket).
+func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
+	noAnswer := func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }
+	log := slog.New(slog.DiscardHandler)
+
+	open := filepath.Join(t.TempDir(), "open")
+	if err := os.Mkdir(open, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	notSocket := filepath.Join(t.TempDir(), "cni.sock")
+	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		path, want string
+		fix        func() error
+	}{
+		{filepath.Join(open, "cni.sock"), "--cni-socket (CNI_SOCKET): CNI socket directory " + open + " is writable by group or others",
+			func() error { return os.Chmod(open, 0o755) }},
+		{notSocket, "--cni-socket (CNI_SOCKET): CNI socket path " + notSocket + " exists and is not a socket",
+			func() error { return os.Remove(notSocket) }},
+	} {
+		ctx, cancel := context.WithCancel(context.Background())
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, log)
+		waitfor.Until(t, "not ready naming the socket", func() bool {
+			ok, reason := ready()
+			return !ok && strings.Contains(reason, tc.want)
+		})
+		if err := tc.fix(); err != nil {
+			t.Fatal(err)
+		}
+		waitfor.Until(t, "ready once the socket can be served", func() bool {
+			ok, _ := ready()
+			return ok
+		})
+		if _, err := os.Stat(tc.path); err != nil {
+			t.Errorf("socket %s: %v", tc.path, err)
+		}
+		cancel()
+	}
+}
