@@ -62,7 +62,7 @@ enum verdict_reason {
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
 	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
 	REASON_DROP_TUNNEL_GONE,     /* fail closed: egress packet of an app socket whose connection was captured, with no tunnel socket left for its tuple */
-	REASON_DROP_CAPTURE_MARK,    /* fail closed: a new outbound connection's app socket could not be marked as captured (no memory) */
+	REASON_DROP_CAPTURE_MARK,    /* fail closed: the app socket of a new outbound connection, or of a tunnel-owned packet, could not be marked as captured (no memory) */
 	REASON_MAX,
 };
 
@@ -96,6 +96,15 @@ struct pod_netns {
 	struct pod_addr addr;
 	__u32 pod_id;
 	__u32 _pad;
+};
+
+/* Key of rd_dialled (capture.c): an egress packet's own tuple, the
+ * addresses IPv4-mapped as in rd_pods. */
+struct dialled_key {
+	struct pod_addr src;
+	struct pod_addr dst;
+	__be16 sport;
+	__be16 dport;
 };
 
 #define POD_META_MAX_ADDRS 4
