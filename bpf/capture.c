@@ -555,7 +555,7 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  * Verdicts:
  *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP, an
  *                  unenrolled source on an interface that is no enrolled
- *                  pod's, tunnel-marked sockets, excluded destinations, and
+ *                  pod's, tunnel-marked sockets, the probe SNAT address, and
  *                  packets of connections the tunnel does not own;
  *   bpf_redirect   to this interface's ingress for a new outbound connection
  *                  (SYN without ACK) of an enrolled pod, and for any packet
@@ -572,7 +572,8 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  *                  payloads, stacked VLAN tags: drop_unparsed), TCP from an
  *                  address of an enrolled pod's interface that is not
  *                  enrolled (its link-local address above all:
- *                  unenrolled_local), and a packet whose Ethernet header
+ *                  unenrolled_local), TCP to a loopback address
+ *                  (drop_loopback), and a packet whose Ethernet header
  *                  cannot be rewritten.
  *
  * Why egress redirects instead of assigning: bpf_sk_assign only works on
@@ -601,7 +602,15 @@ int rd_pod_egress(struct __sk_buff *skb)
 		count(REASON_OUT_PASS_TUNNEL_MARK, &p.src, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
-	if (is_loopback(&p.dst) || is_probe_addr(&p.dst)) {
+	/* Loopback traffic never reaches the pod's interface, except from a
+	 * socket bound to it (SO_BINDTODEVICE, no capability needed): it
+	 * would leave uncaptured towards a node that may take it
+	 * (route_localnet). */
+	if (is_loopback(&p.dst)) {
+		count(REASON_DROP_LOOPBACK, &p.src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (is_probe_addr(&p.dst)) {
 		count(REASON_OUT_PASS_EXCLUDED, &p.src, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}

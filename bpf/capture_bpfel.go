@@ -110,7 +110,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE    CaptureVerdictReason = 26
 	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE     CaptureVerdictReason = 27
 	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK    CaptureVerdictReason = 28
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_DROP_LOOPBACK        CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 30
 )
 
 // Names of all BPF objects in the ELF.
