@@ -99,6 +99,36 @@ struct {
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } rd_captured SEC(".maps");
 
+/* rd_dialled bridges the gap rd_captured leaves for the app sockets the
+ * tunnel dials (inbound, from the client's own address): such a socket is
+ * accepted, so no steered SYN marks it, and its first full-socket packet may
+ * come after the tunnel socket is gone (a connection revoked as soon as it
+ * was dialled, a server that speaks first). Its SYN-ACK, sent by a request
+ * socket that cannot carry storage, leaves the tuple here; the socket's
+ * first packet moves the mark to rd_captured and removes the entry. LRU:
+ * entries of handshakes whose socket never sent (reset before it was
+ * accepted) age out. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct dialled_key);
+	__type(value, __u8);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_dialled SEC(".maps");
+
+static __always_inline void dialled_key_of(const struct tcp_pkt *p, struct dialled_key *k)
+{
+	k->src = p->src;
+	k->dst = p->dst;
+	if (p->v6) {
+		k->sport = p->tuple.ipv6.sport;
+		k->dport = p->tuple.ipv6.dport;
+	} else {
+		k->sport = p->tuple.ipv4.sport;
+		k->dport = p->tuple.ipv4.dport;
+	}
+}
+
 /* app_socket returns the full socket that sent an egress packet, or NULL
  * (a packet the kernel sends on a socket's behalf, a reset or a time-wait
  * ACK, comes from a socket of its own). */
@@ -123,13 +153,48 @@ static __always_inline int mark_captured(struct __sk_buff *skb)
 	return bpf_sk_storage_get(&rd_captured, sk, 0, BPF_SK_STORAGE_GET_F_CREATE) != NULL;
 }
 
-/* was_captured reports whether the sender of an egress packet is an app
- * socket whose connection was captured. */
-static __always_inline int was_captured(struct __sk_buff *skb)
+/* keep_captured marks the sender of an egress packet that a tunnel socket
+ * owns as captured, whichever way its connection reached the tunnel (an
+ * accepted app socket the tunnel dialled has no steered SYN); a SYN-ACK,
+ * whose request socket cannot be marked, leaves its tuple in rd_dialled
+ * for the socket the handshake makes. 0 when it could not (no memory): the
+ * packet must not go on, TCP sends it again. */
+static __always_inline int keep_captured(struct __sk_buff *skb, const struct tcp_pkt *p)
 {
 	struct bpf_sock *sk = app_socket(skb);
+	struct dialled_key k = {};
+	__u8 one = 1;
 
-	return sk && bpf_sk_storage_get(&rd_captured, sk, 0, 0) != NULL;
+	dialled_key_of(p, &k);
+	if (p->syn && p->ack && bpf_map_update_elem(&rd_dialled, &k, &one, BPF_ANY) < 0)
+		return 0;
+	if (!sk || bpf_sk_storage_get(&rd_captured, sk, 0, 0))
+		return 1;
+	if (!bpf_sk_storage_get(&rd_captured, sk, 0, BPF_SK_STORAGE_GET_F_CREATE))
+		return 0;
+	bpf_map_delete_elem(&rd_dialled, &k); /* the socket carries the mark now */
+	return 1;
+}
+
+/* was_captured reports whether the sender of an egress packet is an app
+ * socket whose connection was captured: marked, or the socket of a
+ * handshake the tunnel dialled (rd_dialled), which gets the mark now so
+ * that its retransmissions are judged alike whatever the LRU keeps. */
+static __always_inline int was_captured(struct __sk_buff *skb, const struct tcp_pkt *p)
+{
+	struct bpf_sock *sk = app_socket(skb);
+	struct dialled_key k = {};
+
+	if (!sk)
+		return 0;
+	if (bpf_sk_storage_get(&rd_captured, sk, 0, 0))
+		return 1;
+	dialled_key_of(p, &k);
+	if (!bpf_map_lookup_elem(&rd_dialled, &k))
+		return 0;
+	if (bpf_sk_storage_get(&rd_captured, sk, 0, BPF_SK_STORAGE_GET_F_CREATE))
+		bpf_map_delete_elem(&rd_dialled, &k);
+	return 1;
 }
 
 /* tunnel_owns reports whether a tunnel socket (not a listener) has the
@@ -490,22 +555,25 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  * Verdicts:
  *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP, an
  *                  unenrolled source on an interface that is no enrolled
- *                  pod's, tunnel-marked sockets, excluded destinations, and
+ *                  pod's, tunnel-marked sockets, the probe SNAT address, and
  *                  packets of connections the tunnel does not own;
  *   bpf_redirect   to this interface's ingress for a new outbound connection
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
  *                  captured or source-preserved connection);
  *   TC_ACT_SHOT    a packet of an app socket whose connection was captured
- *                  (rd_captured) that no tunnel socket owns any more, and a
- *                  new connection whose app socket cannot be marked so;
+ *                  (rd_captured: its SYN was steered, or a tunnel socket
+ *                  owned its packets; rd_dialled: the tunnel dialled it)
+ *                  that no tunnel socket owns any more, and a SYN or a
+ *                  tunnel-owned packet whose app socket cannot be marked so;
  *   TC_ACT_SHOT    an IP packet from or to an enrolled address, or on an
  *                  enrolled pod's interface, that parse_tcp cannot classify
  *                  (truncated or malformed headers, TCP in fragments, hidden
  *                  payloads, stacked VLAN tags: drop_unparsed), TCP from an
  *                  address of an enrolled pod's interface that is not
  *                  enrolled (its link-local address above all:
- *                  unenrolled_local), and a packet whose Ethernet header
+ *                  unenrolled_local), TCP to a loopback address
+ *                  (drop_loopback), and a packet whose Ethernet header
  *                  cannot be rewritten.
  *
  * Why egress redirects instead of assigning: bpf_sk_assign only works on
@@ -534,7 +602,15 @@ int rd_pod_egress(struct __sk_buff *skb)
 		count(REASON_OUT_PASS_TUNNEL_MARK, &p.src, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
-	if (is_loopback(&p.dst) || is_probe_addr(&p.dst)) {
+	/* Loopback traffic never reaches the pod's interface, except from a
+	 * socket bound to it (SO_BINDTODEVICE, no capability needed): it
+	 * would leave uncaptured towards a node that may take it
+	 * (route_localnet). */
+	if (is_loopback(&p.dst)) {
+		count(REASON_DROP_LOOPBACK, &p.src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (is_probe_addr(&p.dst)) {
 		count(REASON_OUT_PASS_EXCLUDED, &p.src, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;
 	}
@@ -549,10 +625,14 @@ int rd_pod_egress(struct __sk_buff *skb)
 		return steer(skb);
 	}
 	if (tunnel_owns(skb, &p)) {
+		if (!keep_captured(skb, &p)) {
+			count(REASON_DROP_CAPTURE_MARK, &p.src, CNT_DROPPED);
+			return TC_ACT_SHOT;
+		}
 		count(REASON_OUT_TUNNEL_SOCKET, &p.src, CNT_STEERED);
 		return steer(skb);
 	}
-	if (was_captured(skb)) {
+	if (was_captured(skb, &p)) {
 		count(REASON_DROP_TUNNEL_GONE, &p.src, CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}

@@ -20,6 +20,14 @@ const (
 	CaptureAttachModeATTACH_TC_LEGACY CaptureAttachMode = 2
 )
 
+type CaptureDialledKey struct {
+	_     structs.HostLayout
+	Src   CapturePodAddr
+	Dst   CapturePodAddr
+	Sport uint16
+	Dport uint16
+}
+
 type CapturePodAddr struct {
 	_    structs.HostLayout
 	Addr [16]uint8
@@ -102,7 +110,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE    CaptureVerdictReason = 26
 	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE     CaptureVerdictReason = 27
 	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK    CaptureVerdictReason = 28
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_DROP_LOOPBACK        CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 30
 )
 
 // Names of all BPF objects in the ELF.
@@ -110,6 +119,7 @@ const (
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	CaptureMapRdCaptured          = "rd_captured"
+	CaptureMapRdDialled           = "rd_dialled"
 	CaptureMapRdPodMeta           = "rd_pod_meta"
 	CaptureMapRdPodNetns          = "rd_pod_netns"
 	CaptureMapRdPodStats          = "rd_pod_stats"
@@ -181,6 +191,7 @@ type CaptureProgramSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type CaptureMapSpecs struct {
 	RdCaptured *ebpf.MapSpec `ebpf:"rd_captured"`
+	RdDialled  *ebpf.MapSpec `ebpf:"rd_dialled"`
 	RdPodMeta  *ebpf.MapSpec `ebpf:"rd_pod_meta"`
 	RdPodNetns *ebpf.MapSpec `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.MapSpec `ebpf:"rd_pod_stats"`
@@ -226,6 +237,7 @@ func (o *CaptureObjects) Close() error {
 // It can be passed to LoadCaptureObjects or ebpf.CollectionSpec.LoadAndAssign.
 type CaptureMaps struct {
 	RdCaptured *ebpf.Map `ebpf:"rd_captured"`
+	RdDialled  *ebpf.Map `ebpf:"rd_dialled"`
 	RdPodMeta  *ebpf.Map `ebpf:"rd_pod_meta"`
 	RdPodNetns *ebpf.Map `ebpf:"rd_pod_netns"`
 	RdPodStats *ebpf.Map `ebpf:"rd_pod_stats"`
@@ -236,6 +248,7 @@ type CaptureMaps struct {
 func (m *CaptureMaps) Close() error {
 	return _CaptureClose(
 		m.RdCaptured,
+		m.RdDialled,
 		m.RdPodMeta,
 		m.RdPodNetns,
 		m.RdPodStats,

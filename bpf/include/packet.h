@@ -312,6 +312,12 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 		if (off > skb->len)
 			return REASON_DROP_TRUNCATED;
 	}
+	/* IPV6_MAX_EXTHDRS headers walked: what follows the last is still
+	 * read (the loop looks at a header only before walking it). */
+	if (next == IPPROTO_TCP)
+		return read_tcp(skb, p, off);
+	if (!may_hold_tcp6(next))
+		return PARSE_OTHER;
 	return REASON_DROP_EXTHDR;
 }
 

@@ -37,7 +37,7 @@ enum verdict_reason {
 	REASON_OUT_SYN_STEERED = 0,  /* egress: new outbound connection re-injected */
 	REASON_OUT_TUNNEL_SOCKET,    /* egress: packet of a tunnel-owned connection re-injected */
 	REASON_OUT_PASS_TUNNEL_MARK, /* egress: sent by the tunnel itself */
-	REASON_OUT_PASS_EXCLUDED,    /* egress: destination never captured (probe address, loopback) */
+	REASON_OUT_PASS_EXCLUDED,    /* egress: destination never captured (the probe address) */
 	REASON_IN_ASSIGN_OUTBOUND,   /* ingress: re-injected SYN assigned to 15001 */
 	REASON_IN_ASSIGN_INBOUND,    /* ingress: plaintext SYN assigned to 15006 */
 	REASON_IN_PASS_HBONE,        /* ingress: to the HBONE port 15008 */
@@ -62,7 +62,8 @@ enum verdict_reason {
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
 	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
 	REASON_DROP_TUNNEL_GONE,     /* fail closed: egress packet of an app socket whose connection was captured, with no tunnel socket left for its tuple */
-	REASON_DROP_CAPTURE_MARK,    /* fail closed: a new outbound connection's app socket could not be marked as captured (no memory) */
+	REASON_DROP_CAPTURE_MARK,    /* fail closed: the app socket of a new outbound connection, or of a tunnel-owned packet, could not be marked as captured (no memory) */
+	REASON_DROP_LOOPBACK,        /* fail closed: egress TCP to a loopback address on the pod's interface (a socket bound to the device) */
 	REASON_MAX,
 };
 
@@ -96,6 +97,15 @@ struct pod_netns {
 	struct pod_addr addr;
 	__u32 pod_id;
 	__u32 _pad;
+};
+
+/* Key of rd_dialled (capture.c): an egress packet's own tuple, the
+ * addresses IPv4-mapped as in rd_pods. */
+struct dialled_key {
+	struct pod_addr src;
+	struct pod_addr dst;
+	__be16 sport;
+	__be16 dport;
 };
 
 #define POD_META_MAX_ADDRS 4

@@ -310,7 +310,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	// recording, or lost maps): only links running this agent's programs.
 	errs = append(errs, removeStrayPodPins(root, log))
 
-	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.PodNetNSName, maps.CapturedName, maps.LayoutName} {
+	for _, name := range []string{maps.PodsName, maps.PodStatsName, maps.ReasonsName, maps.PodMetaName, maps.PodNetNSName, maps.CapturedName, maps.DialledName, maps.LayoutName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}

@@ -117,6 +117,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE:    "drop_source_route",
 	bpf.CaptureVerdictReasonREASON_DROP_TUNNEL_GONE:     "drop_tunnel_gone",
 	bpf.CaptureVerdictReasonREASON_DROP_CAPTURE_MARK:    "drop_capture_mark",
+	bpf.CaptureVerdictReasonREASON_DROP_LOOPBACK:        "drop_loopback",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

@@ -25,6 +25,7 @@ func TestLayoutMatchesELF(t *testing.T) {
 		PodMetaName:  {uint32(0), bpf.CapturePodMeta{}},
 		PodNetNSName: {uint32(0), bpf.CapturePodNetns{}},
 		CapturedName: {int32(0), uint8(0)}, // socket storage: a socket's fd as key, a flag as value
+		DialledName:  {bpf.CaptureDialledKey{}, uint8(0)},
 	}
 	for name, w := range want {
 		ms, ok := spec.Maps[name]

@@ -24,6 +24,10 @@ const (
 	// CapturedName is the socket storage marking captured app sockets; no
 	// Go code reads it, the uninstaller removes its pin.
 	CapturedName = bpf.CaptureMapRdCaptured
+	// DialledName is the LRU of handshakes the tunnel dialled to an app,
+	// until the app's socket is marked in CapturedName; no Go code reads
+	// it, the uninstaller removes its pin.
+	DialledName = bpf.CaptureMapRdDialled
 )
 
 // Maps holds the data path's maps. It owns the file descriptors.

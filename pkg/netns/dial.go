@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -72,7 +73,7 @@ func dial(ctx context.Context, h *Handle, network, addr string, opts SocketOptio
 	if err != nil {
 		return nil, err
 	}
-	f, fd, err := boundSocket(h, family, opts, local)
+	f, fd, err := boundInRange(h, family, opts, local)
 	if err != nil {
 		return nil, err
 	}
@@ -139,6 +140,46 @@ func boundSocket(h *Handle, family int, opts SocketOptions, local unix.Sockaddr)
 		}
 	}
 	return f, fd, nil
+}
+
+// localPortTries bounds how many ports of opts.LocalPorts boundInRange
+// tries before it leaves the choice to the kernel.
+const localPortTries = 32
+
+// boundInRange is boundSocket with local's port taken from opts.LocalPorts
+// when local has none: consecutive ports from a random one, skipping
+// AvoidLocalPort and those in use, then the kernel's choice.
+func boundInRange(h *Handle, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
+	lo, hi := opts.LocalPorts[0], opts.LocalPorts[1]
+	ap, ok := sockaddrPort(local)
+	if lo == 0 || hi < lo || !ok || ap.Port() != 0 {
+		return boundSocket(h, family, opts, local)
+	}
+	n := int(hi-lo) + 1
+	start := rand.IntN(n)
+	for i := 0; i < min(n, localPortTries); i++ {
+		port := lo + uint16((start+i)%n)
+		if port == opts.AvoidLocalPort {
+			continue
+		}
+		f, fd, err := boundSocket(h, family, opts, sockaddr(netip.AddrPortFrom(ap.Addr(), port), family))
+		if errors.Is(err, unix.EADDRINUSE) {
+			continue
+		}
+		return f, fd, err
+	}
+	return boundSocket(h, family, opts, local)
+}
+
+// sockaddrPort is the address and port of an inet sockaddr.
+func sockaddrPort(sa unix.Sockaddr) (netip.AddrPort, bool) {
+	switch sa := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(sa.Port)), true
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(sa.Port)), true
+	}
+	return netip.AddrPort{}, false
 }
 
 // localPort is the port fd is bound to (0 when unknown).

@@ -228,3 +228,40 @@ func TestDialAvoidsLocalPort(t *testing.T) {
 		t.Errorf("one port in range, avoided: err = %v", err)
 	}
 }
+
+// A dialer given LocalPorts binds in that range, never to AvoidLocalPort,
+// skips a port in use, and leaves the choice to the kernel when the range
+// has none free.
+func TestDialLocalPorts(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	b := topo.Nodes[0].AddPod("b")
+	acceptOne(t, b, 8080)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	dst := netip.AddrPortFrom(b.IPv4, 8080).String()
+	local := &net.TCPAddr{IP: b.IPv4.AsSlice()}
+	held, err := netns.Dial(ctx, b.Path(), "tcp", dst, netns.SocketOptions{Local: &net.TCPAddr{IP: b.IPv4.AsSlice(), Port: 20002}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	for i := 0; i < 6; i++ {
+		c, err := netns.Dial(ctx, b.Path(), "tcp", dst, netns.SocketOptions{Local: local, LocalPorts: [2]uint16{20000, 20002}, AvoidLocalPort: 20000})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.LocalAddr().(*net.TCPAddr).Port; got != 20001 {
+			t.Errorf("dial %d: bound to %d, want 20001 (20000 avoided, 20002 in use)", i, got)
+		}
+		c.(*net.TCPConn).SetLinger(0)
+		c.Close()
+	}
+	c, err := netns.Dial(ctx, b.Path(), "tcp", dst, netns.SocketOptions{Local: local, LocalPorts: [2]uint16{20002, 20002}})
+	if err != nil {
+		t.Fatalf("range all in use: %v", err)
+	}
+	if got := c.LocalAddr().(*net.TCPAddr).Port; got < 32768 {
+		t.Errorf("range all in use: bound to %d, want the kernel's ephemeral choice", got)
+	}
+	c.Close()
+}

@@ -161,6 +161,14 @@ type SocketOptions struct {
 	// address; the client's own port there would give the dial the tuple of
 	// the connection it relays, whose socket would answer the dial's SYN.
 	AvoidLocalPort uint16
+	// LocalPorts, when set (inclusive), is where a dialer bound to Local
+	// with port 0 takes its port, at random, instead of the namespace's
+	// ephemeral range (the kernel's choice when none there is free). The
+	// inbound tunnel dials the app from its client's address: a port in the
+	// range the client's own kernel picks from would be taken by the
+	// client's next connection to the same app, whose SYN then meets the
+	// app's socket of the relayed connection and is lost.
+	LocalPorts [2]uint16
 	// ReusePort sets SO_REUSEPORT on a listener, so that a second agent
 	// process (an upgrade) can open its own on the same port while the first
 	// still runs: both join one reuseport group, and the kernel moves the

@@ -36,6 +36,14 @@ type inboundRequest struct {
 	service    string
 }
 
+// AppDialPorts is where dialApp takes its port on the client's address:
+// below every common ephemeral range (Linux 32768-60999, Windows and macOS
+// 49152-65535), from which the client picks the ports of its own next
+// connections. A dial on a port the client then picks holds that
+// connection's 4-tuple in the pod (the app's socket of the relayed
+// connection), and the client's SYN is lost for as long as it lives.
+var AppDialPorts = [2]uint16{1024, 32767}
+
 // dialApp connects to the app in the pod from the client's own address
 // (IP_TRANSPARENT bind), so the app sees the real peer. The egress program
 // steers the app's replies back to this socket.
@@ -48,6 +56,7 @@ func (p *pod) dialApp(ctx context.Context, r *inboundRequest) (net.Conn, error) 
 	if r.client.IsValid() && !p.owns(r.client) {
 		opts.Local = &net.TCPAddr{IP: r.client.AsSlice()}
 		opts.AvoidLocalPort = r.clientPort
+		opts.LocalPorts = AppDialPorts
 	}
 	ctx, cancel := context.WithTimeout(ctx, connectTimeout)
 	defer cancel()

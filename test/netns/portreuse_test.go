@@ -116,3 +116,70 @@ func reuseOnce(p *Pod, dst string, timeout time.Duration, took *time.Duration) e
 	}
 	return nil
 }
+
+// TestPlaintextClientPortsNotTakenByDials: the tunnel serves a plaintext
+// client's connection by dialling the app from the client's address, and
+// that dial needs a port on it. Taken from the pod's ephemeral range, it was
+// one the client's own kernel picks from too: the client's next connection
+// to the same app on that port met the app's socket of the relayed
+// connection (same 4-tuple), was answered with a challenge ACK that went to
+// the tunnel, and its SYN was lost for as long as the first connection
+// lived. Both pods get a two-port ephemeral range here, so on the old code
+// the dial took exactly the port the client's second connection then used.
+func TestPlaintextClientPortsNotTakenByDials(t *testing.T) {
+	const port = 9002
+	ms, _, server, plain := meshed(t)
+	ServeTCP(t, server, port, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		io.Copy(c, c) // echo until the client closes
+	})
+	ms.topo.sysctl(server.NS, "net.ipv4.ip_local_port_range", "40000 40001")
+	ms.topo.sysctl(plain.NS, "net.ipv4.ip_local_port_range", "40000 40001")
+	for _, a := range []netip.Addr{server.IPv4, server.IPv6} {
+		t.Run(a.String(), func(t *testing.T) {
+			dst := netip.AddrPortFrom(a, port).String()
+			var first net.Conn
+			Eventually(t, 10*time.Second, func() error {
+				c, err := echoConn(plain, dst, "first")
+				first = c
+				return err
+			})
+			defer closeNow(first)
+			second, err := echoConn(plain, dst, "second")
+			if err != nil {
+				t.Fatalf("second connection from the client, while the first lives: %v", err)
+			}
+			closeNow(second)
+		})
+	}
+}
+
+// echoConn connects from p to dst and checks that a line comes back.
+func echoConn(p *Pod, dst, line string) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, p.Path(), "tcp", dst, netns.SocketOptions{})
+	if err != nil {
+		return nil, err
+	}
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	got := make([]byte, len(line)+1)
+	if _, err := io.WriteString(c, line+"\n"); err != nil {
+		closeNow(c)
+		return nil, fmt.Errorf("from %s: write: %w", c.LocalAddr(), err)
+	}
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != line+"\n" {
+		closeNow(c)
+		return nil, fmt.Errorf("from %s: echo %q, %v", c.LocalAddr(), got, err)
+	}
+	c.SetDeadline(time.Time{})
+	return c, nil
+}
+
+// closeNow closes c with a reset, so that its port is free again at once.
+func closeNow(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetLinger(0)
+	}
+	c.Close()
+}
