@@ -282,7 +282,8 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
-			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses}
+			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses,
+				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b, w := hbone.Buffers(), hbone.Windows()

@@ -90,6 +90,9 @@ type PoolStats struct {
 	ActiveStreams int    // streams open or being opened
 	Dials         uint64 // connections dialled since start
 	FloodCloses   uint64 // connections closed because the server flooded them
+	// ZeroStreamLimitDrains counts connections drained because the server
+	// took no streams (SETTINGS_MAX_CONCURRENT_STREAMS 0).
+	ZeroStreamLimitDrains uint64
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -102,14 +105,17 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"HBONE connections dialled; far fewer than streams while pooling works.", nil, nil)
 	floods := prometheus.NewDesc("redirector_hbone_pool_flood_closes_total",
 		"Pooled HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because the server flooded them with frames that carry nothing.", nil, nil)
+	zeroLimits := prometheus.NewDesc("redirector_hbone_pool_zero_stream_limit_drains_total",
+		"Pooled HBONE connections drained because the server set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new stream.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials, floods},
+		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
 			ch <- gauge(streams, float64(s.ActiveStreams))
 			ch <- counter(dials, s.Dials)
 			ch <- counter(floods, s.FloodCloses)
+			ch <- counter(zeroLimits, s.ZeroStreamLimitDrains)
 		},
 	}
 }

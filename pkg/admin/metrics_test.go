@@ -59,12 +59,15 @@ func TestCertCollector(t *testing.T) {
 }
 
 func TestHBONECollectors(t *testing.T) {
-	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3} })
+	pool := NewPoolCollector(func() PoolStats {
+		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4}
+	})
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
-		"redirector_hbone_pool_connections":        2,
-		"redirector_hbone_pool_active_streams":     7,
-		"redirector_hbone_dials_total":             5,
-		"redirector_hbone_pool_flood_closes_total": 3,
+		"redirector_hbone_pool_connections":                    2,
+		"redirector_hbone_pool_active_streams":                 7,
+		"redirector_hbone_dials_total":                         5,
+		"redirector_hbone_pool_flood_closes_total":             3,
+		"redirector_hbone_pool_zero_stream_limit_drains_total": 4,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2,

@@ -163,6 +163,9 @@ type connConfig struct {
 	// closed with ENHANCE_YOUR_CALM.
 	onEarlyReset func()
 	onFlood      func()
+	// onZeroStreamLimit (client) counts conns drained because the server
+	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0.
+	onZeroStreamLimit func()
 	// pingInterval and pingTimeout (client) enable keepalive: a PING when
 	// nothing arrived for pingInterval, and the conn closes when nothing,
 	// not even the PING's ack, arrived pingTimeout after it.
@@ -857,6 +860,11 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	if err == nil {
 		c.acksPending++
 	}
+	// A server that takes no stream (SETTINGS_MAX_CONCURRENT_STREAMS 0)
+	// makes the connection useless to the pool: drained, it closes once
+	// its streams end, instead of staying pooled, idle, until the idle
+	// timeout, while every new stream dials another.
+	zeroLimit := err == nil && c.cfg.client && c.peerMaxStreams == 0 && !c.goAway
 	c.mu.Unlock()
 	if err != nil {
 		return err
@@ -865,6 +873,12 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	// the new settings follows their ack on the wire.
 	c.queue(ctlFrame{typ: http2.FrameSettings})
 	c.ready()
+	if zeroLimit {
+		if c.cfg.onZeroStreamLimit != nil {
+			c.cfg.onZeroStreamLimit()
+		}
+		c.drain()
+	}
 	return nil
 }
 
