@@ -293,6 +293,56 @@ type conn struct {
 	// (start sends one); an ack beyond them is a protocol error.
 	settingsUnacked int
 	goAwayRead      bool // a GOAWAY arrived: another one is junk
+	// rd is what the reader reads the TLS connection through
+	// (tlsReader); tlsAnswered counts the plaintext bytes crypto/tls
+	// wrote of its own accord that were charged (spendTLSAnswers), from
+	// tlsBase on: what it had written, less what it was handed, before.
+	rd          io.Reader
+	tlsAnswered int64
+	tlsBase     int64
+}
+
+// keyUpdateLen is the plaintext of the KeyUpdate message crypto/tls writes to
+// answer a peer's request for one: a 4-byte handshake header and 1 byte.
+const keyUpdateLen = 5
+
+// tlsReader is the reader's view of the TLS connection: after each read it
+// charges the peer for what crypto/tls wrote meanwhile of its own accord.
+type tlsReader struct{ c *conn }
+
+func (r tlsReader) Read(p []byte) (int, error) {
+	n, err := r.c.nc.Read(p)
+	if ferr := r.c.spendTLSAnswers(); ferr != nil {
+		// Not n: io.ReadFull drops the error of a read that filled its
+		// buffer. The connection ends, and what was read with it.
+		return 0, ferr
+	}
+	return n, err
+}
+
+// spendTLSAnswers charges the junk budget for each record crypto/tls wrote
+// of its own accord, which is the answer to a TLS 1.3 KeyUpdate that asks
+// for one in return: the peer's record costs it a few bytes, and us a key
+// derivation each way and a write(2), and carries nothing. crypto/tls
+// answers any number of them, only checking that no more than 16 come
+// without application data between, so a flood of them was a flood of
+// PINGs without the budget. Only the reader calls it (tlsReader), after a
+// read: crypto/tls answers KeyUpdates within the reader's read, and no
+// more than 16 in one. The written count is loaded before the handed
+// one, which grows first, so the difference never counts our own writes.
+func (c *conn) spendTLSAnswers() error {
+	b := c.cfg.batch
+	if b == nil {
+		return nil
+	}
+	written := b.written.Load()
+	own := written - b.handed.Load() - c.tlsBase
+	for ; own-c.tlsAnswered >= keyUpdateLen; c.tlsAnswered += keyUpdateLen {
+		if err := c.spendJunk("TLS KeyUpdate requests"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -310,7 +360,7 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
-		blockReader:    blockReader{r: nc, left: -1},
+		blockReader:    blockReader{left: -1},
 		earlyResets:    newBudget(cfg.maxEarlyResets, floodPeriod),
 		junk:           newBudget(junkBurst, floodPeriod),
 		// start sends our SETTINGS before the reader reads anything.
@@ -323,7 +373,17 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	// bw coalesces small frames into one TLS record (at most one full
 	// record's worth); larger DATA frames go to TLS without a copy when bw
 	// is empty.
-	c.bw = bufio.NewWriterSize(nc, coalesceSize)
+	c.rd = tlsReader{c}
+	c.blockReader.r = c.rd
+	var w io.Writer = nc
+	if cfg.batch != nil {
+		// The handshake is over and nothing of ours written yet: what
+		// crypto/tls wrote so far (the handshake, session tickets) is the
+		// base of spendTLSAnswers's count.
+		c.tlsBase = cfg.batch.written.Load() - cfg.batch.handed.Load()
+		w = handedWriter{w: nc, b: cfg.batch}
+	}
+	c.bw = bufio.NewWriterSize(w, coalesceSize)
 	c.fr = http2.NewFramer(c.bw, &c.blockReader)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.fr.MaxHeaderListSize = maxHeaderListSize
@@ -479,7 +539,7 @@ func (c *conn) readFrames() error {
 		if c.cfg.prefaceTimeout > 0 {
 			_ = c.nc.SetReadDeadline(time.Now().Add(c.cfg.prefaceTimeout))
 		}
-		if _, err := io.ReadFull(c.nc, preface[:]); err != nil {
+		if _, err := io.ReadFull(c.rd, preface[:]); err != nil {
 			return fmt.Errorf("read client preface: %w", err)
 		}
 		if string(preface[:]) != http2.ClientPreface {
@@ -649,7 +709,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		if payload == 0 {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
-		if _, err := io.ReadFull(c.nc, b[:]); err != nil {
+		if _, err := io.ReadFull(c.rd, b[:]); err != nil {
 			return err
 		}
 		payload, pad = payload-1, int(b[0])
@@ -702,7 +762,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		bp := frameBufPool.Get().(*[]byte)
 		defer frameBufPool.Put(bp)
 		small := (*bp)[:payload-pad]
-		if _, err := io.ReadFull(c.nc, small); err != nil {
+		if _, err := io.ReadFull(c.rd, small); err != nil {
 			return err
 		}
 		if err := c.skip(pad); err != nil {
@@ -726,7 +786,7 @@ func (c *conn) skip(n int) error {
 	if n == 0 {
 		return nil
 	}
-	_, err := io.CopyN(io.Discard, c.nc, int64(n))
+	_, err := io.CopyN(io.Discard, c.rd, int64(n))
 	return err
 }
 
@@ -737,7 +797,7 @@ func (c *conn) readChunks(n int) ([]chunk, error) {
 	for n > 0 {
 		k := min(n, chunkSize)
 		bp := chunkPool.Get().(*[]byte)
-		if _, err := io.ReadFull(c.nc, (*bp)[:k]); err != nil {
+		if _, err := io.ReadFull(c.rd, (*bp)[:k]); err != nil {
 			chunkPool.Put(bp)
 			recycleChunks(chunks)
 			return nil, err
