@@ -289,6 +289,7 @@ func runAgent(ctx context.Context, args []string) error {
 			b, w := hbone.Buffers(), hbone.Windows()
 			return admin.BufferStats{Limit: b.Limit, FramesInUse: b.FramesInUse, BatchesInUse: b.BatchesInUse,
 				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied,
+				FramesDeniedShare: b.FramesDeniedShare, BatchesDeniedShare: b.BatchesDeniedShare,
 				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short}
 		}),
 		admin.NewServerCollector(func() admin.ServerStats {

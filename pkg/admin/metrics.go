@@ -127,6 +127,8 @@ type BufferStats struct {
 	Limit                       int
 	FramesInUse, BatchesInUse   int
 	FramesDenied, BatchesDenied uint64
+	// Buffers refused to a peer address that held its share of the budget.
+	FramesDeniedShare, BatchesDeniedShare uint64
 	// The receive-window budget (hbone.Windows): bytes of window reserved by
 	// connections beyond HTTP/2's initial 64 KiB, its limit, and the
 	// connections that got less than a full window.
@@ -143,6 +145,8 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 		"The most large HBONE buffers of each kind in use at once; past it streams and connections use ordinary ones.", nil, nil)
 	denied := prometheus.NewDesc("redirector_hbone_bulk_buffers_denied_total",
 		"Times a large HBONE buffer was wanted while all were in use, by kind.", []string{"kind"}, nil)
+	deniedShare := prometheus.NewDesc("redirector_hbone_bulk_buffers_share_denied_total",
+		"Times a large HBONE buffer was refused, by kind, because the connection's peer address held its share (a quarter) of them.", []string{"kind"}, nil)
 	window := prometheus.NewDesc("redirector_hbone_receive_window_reserved_bytes",
 		"Receive window HBONE connections reserved beyond HTTP/2's initial 64 KiB: what peers may make the agent hold for applications that do not read.", nil, nil)
 	windowLimit := prometheus.NewDesc("redirector_hbone_receive_window_limit_bytes",
@@ -150,7 +154,7 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 	short := prometheus.NewDesc("redirector_hbone_receive_windows_short_total",
 		"HBONE connections that got less than a full receive window because the budget or their peer's share was spent.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{inUse, limit, denied, window, windowLimit, short},
+		descs: []*prometheus.Desc{inUse, limit, denied, deniedShare, window, windowLimit, short},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(inUse, float64(s.FramesInUse), "frame")
@@ -158,6 +162,8 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 			ch <- gauge(limit, float64(s.Limit))
 			ch <- counter(denied, s.FramesDenied, "frame")
 			ch <- counter(denied, s.BatchesDenied, "batch")
+			ch <- counter(deniedShare, s.FramesDeniedShare, "frame")
+			ch <- counter(deniedShare, s.BatchesDeniedShare, "batch")
 			ch <- gauge(window, float64(s.WindowReserved))
 			ch <- gauge(windowLimit, float64(s.WindowLimit))
 			ch <- counter(short, s.WindowsShort)

@@ -3,6 +3,7 @@ package hbone
 import (
 	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 )
@@ -28,6 +29,9 @@ type batchConn struct {
 	// over, crypto/tls wrote of its own accord: mostly answers to the peer's KeyUpdate
 	// requests, a key derivation and a record write each (conn.spendTLSAnswers).
 	written, handed atomic.Int64
+
+	// peer is the remote address, whose share of the batch buffer budget a batch takes.
+	peer netip.Addr
 }
 
 // tls13RecordOverhead is what a TLS 1.3 record adds to its plaintext: the 5-byte header,
@@ -48,7 +52,7 @@ func (h handedWriter) Write(p []byte) (int, error) {
 
 // newBatchConn returns the batchConn for an HBONE socket.
 func newBatchConn(c net.Conn) *batchConn {
-	return &batchConn{Conn: c, raw: newRawSock(c)}
+	return &batchConn{Conn: c, raw: newRawSock(c), peer: sourceAddr(c.RemoteAddr())}
 }
 
 // Read reads from the socket.
@@ -82,7 +86,7 @@ func (b *batchConn) abort() {
 func (b *batchConn) begin() {
 	b.mu.Lock()
 	if b.buf == nil {
-		if b.buf = batchBuffer.get(); b.buf != nil {
+		if b.buf = batchBuffer.get(b.peer); b.buf != nil {
 			*b.buf = (*b.buf)[:0]
 		}
 	}
@@ -97,7 +101,7 @@ func (b *batchConn) end() error {
 		return nil
 	}
 	err := b.flushLocked()
-	batchBuffer.put(b.buf)
+	batchBuffer.put(b.peer, b.buf)
 	b.buf = nil
 	return err
 }

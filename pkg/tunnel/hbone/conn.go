@@ -206,6 +206,9 @@ type conn struct {
 	ctx      context.Context // cancelled when the conn dies
 	cancel   context.CancelFunc
 	poolKey  PoolKey // client: the pool entry this conn belongs to
+	// peer is the remote address, whose share of the bulk frame budget
+	// the conn's streams take (bulkbuf.go).
+	peer netip.Addr
 	// closeByReader: a close in order left the socket to the reader, which
 	// closes it once the peer closed its side (closeConn).
 	closeByReader atomic.Bool
@@ -357,6 +360,7 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		recvWindow:     defaultWindow,
 		recvTarget:     defaultWindow,
 		windowOwner:    windowOwnerOf(nc, cfg.client),
+		peer:           sourceAddr(nc.RemoteAddr()),
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
