@@ -1560,6 +1560,13 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	case !linger:
 		if c.cfg.batch != nil {
 			c.cfg.batch.abort()
+			// The socket first: no close_notify is owed to a peer closed
+			// on an error, and tls.Conn.Close, with no Write of ours in
+			// flight, waits for crypto/tls's write lock to send one; the
+			// reader may hold that lock in a write that never ends (the
+			// answer to a KeyUpdate, to a peer that stopped reading), and
+			// the streams would fail only when TCP gave up.
+			_ = c.cfg.batch.Conn.Close()
 		}
 		_ = c.nc.Close()
 	}

@@ -365,3 +365,90 @@ func TestClientKeyUpdateFlood(t *testing.T) {
 	}
 	waitfor.Until(t, "the pool to close the flooding connection", func() bool { return pool.Stats().FloodCloses == 1 && pool.Stats().Conns == 0 })
 }
+
+// TestKeepaliveCloseWithReaderStuckInTLSWrite: a pooled connection whose
+// server went silent is closed by the keepalive and its streams fail at
+// once, even when the reader is stuck inside crypto/tls answering a
+// KeyUpdate the server sent before it stopped reading: that answer holds
+// crypto/tls's write lock, and tls.Conn.Close, with no Write of ours in
+// flight, waited for that lock to send close_notify. Before the fix the
+// streams of such a connection hung until TCP gave up on the socket (here,
+// a pipe, for good).
+func TestKeepaliveCloseWithReaderStuckInTLSWrite(t *testing.T) {
+	good, _ := pkis()
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		cli, srvSide := net.Pipe()
+		t.Cleanup(func() { srvSide.Close() })
+		go func() {
+			conf := good.serverTLS()
+			conf.SessionTicketsDisabled = true
+			kl := serverKeyLog{make(chan []byte, 1)}
+			conf.KeyLogWriter = kl
+			tc := tls.Server(srvSide, conf)
+			if tc.Handshake() != nil {
+				return
+			}
+			tw, err := newTLS13Writer(srvSide, tc.ConnectionState().CipherSuite, <-kl.secret)
+			if err != nil {
+				return
+			}
+			var preface [len(http2.ClientPreface)]byte
+			if _, err := io.ReadFull(tc, preface[:]); err != nil {
+				return
+			}
+			var h2, rec bytes.Buffer
+			fr := http2.NewFramer(&h2, tc)
+			fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+			_ = fr.WriteSettings()
+			tw.record(&rec, 23, h2.Bytes())
+			_, _ = srvSide.Write(rec.Bytes())
+			for { // the request, then the pool's keepalive PING
+				f, err := fr.ReadFrame()
+				if err != nil {
+					return
+				}
+				if f.Header().Type == http2.FrameHeaders && f.Header().StreamID == 1 {
+					h2.Reset()
+					var hb bytes.Buffer
+					enc := hpack.NewEncoder(&hb)
+					_ = enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+					_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+					rec.Reset()
+					tw.record(&rec, 23, h2.Bytes())
+					_, _ = srvSide.Write(rec.Bytes())
+				}
+				if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+					break
+				}
+			}
+			// A KeyUpdate asking for one in return, and then nothing:
+			// the pool's answer waits for a reader that never comes.
+			rec.Reset()
+			tw.keyUpdate(&rec)
+			_, _ = srvSide.Write(rec.Bytes())
+		}()
+		return cli, nil
+	}
+	pool := NewPool(PoolOptions{PingInterval: 100 * time.Millisecond, PingTimeout: 300 * time.Millisecond})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	failed := make(chan error, 1)
+	go func() {
+		_, err := s.Read(make([]byte, 1))
+		failed <- err
+	}()
+	select {
+	case err := <-failed:
+		if err == nil {
+			t.Fatal("Read succeeded")
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stream of a connection the keepalive closed still waits 5 s later")
+	}
+}
