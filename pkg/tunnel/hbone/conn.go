@@ -303,6 +303,7 @@ type conn struct {
 	rd          io.Reader
 	tlsAnswered int64
 	tlsBase     int64
+	tlsCounted  bool // a TLS 1.3 conn over a batchConn: spendTLSAnswers counts
 }
 
 // keyUpdateLen is the plaintext of the KeyUpdate message crypto/tls writes to
@@ -334,14 +335,14 @@ func (r tlsReader) Read(p []byte) (int, error) {
 // more than 16 in one. The written count is loaded before the handed
 // one, which grows first, so the difference never counts our own writes.
 func (c *conn) spendTLSAnswers() error {
-	b := c.cfg.batch
-	if b == nil {
+	if !c.tlsCounted {
 		return nil
 	}
+	b := c.cfg.batch
 	written := b.written.Load()
 	own := written - b.handed.Load() - c.tlsBase
 	for ; own-c.tlsAnswered >= keyUpdateLen; c.tlsAnswered += keyUpdateLen {
-		if err := c.spendJunk("TLS KeyUpdate requests"); err != nil {
+		if err := c.spendJunk("TLS KeyUpdate"); err != nil {
 			return err
 		}
 	}
@@ -380,11 +381,13 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	c.rd = tlsReader{c}
 	c.blockReader.r = c.rd
 	var w io.Writer = nc
-	if cfg.batch != nil {
+	if tc, ok := nc.(*tls.Conn); ok && cfg.batch != nil && tc.ConnectionState().Version == tls.VersionTLS13 {
 		// The handshake is over and nothing of ours written yet: what
 		// crypto/tls wrote so far (the handshake, session tickets) is the
-		// base of spendTLSAnswers's count.
+		// base of spendTLSAnswers's count. Only TLS 1.3 has KeyUpdates,
+		// and the record overhead the count assumes.
 		c.tlsBase = cfg.batch.written.Load() - cfg.batch.handed.Load()
+		c.tlsCounted = true
 		w = handedWriter{w: nc, b: cfg.batch}
 	}
 	c.bw = bufio.NewWriterSize(w, coalesceSize)

@@ -207,36 +207,7 @@ func TestKeyUpdateFlood(t *testing.T) {
 // records it writes are exactly what the conn handed it.
 func TestTLSAnswersHonestTraffic(t *testing.T) {
 	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
-	target := startUpstream(t, echo)
-	sizes := []int{1, 5, 9, 16380, 16384 - 9 - 5, 65536, 1 << 20, 3<<20 + 7}
-	var wg sync.WaitGroup
-	for i := range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			s, err := e.connect(context.Background(), target)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			defer s.Close()
-			var want int
-			go func() {
-				for _, n := range sizes {
-					_, _ = s.Write(bytes.Repeat([]byte{byte(i)}, n))
-				}
-				_ = s.CloseWrite()
-			}()
-			for _, n := range sizes {
-				want += n
-			}
-			got, err := io.Copy(io.Discard, s)
-			if err != nil || got != int64(want) {
-				t.Errorf("echoed %d bytes (%v), want %d", got, err, want)
-			}
-		}()
-	}
-	wg.Wait()
+	honestTraffic(t, e, e.connect)
 	var conns []*conn
 	e.srv.mu.Lock()
 	for c := range e.srv.conns {
@@ -260,6 +231,60 @@ func TestTLSAnswersHonestTraffic(t *testing.T) {
 		waitfor.Until(t, fmt.Sprintf("client=%v: crypto/tls to have written nothing the conn did not hand it (now %d bytes)", c.cfg.client, own()),
 			func() bool { return own() == 0 })
 	}
+}
+
+// TestTLSAnswersNotCountedOnTLS12: a TLS 1.2 connection (the package takes
+// any config it is given) has no KeyUpdates, and records of another size:
+// nothing is counted, and bulk traffic is not taken for a flood.
+func TestTLSAnswersNotCountedOnTLS12(t *testing.T) {
+	good, _ := pkis()
+	sconf := good.serverTLS()
+	sconf.MinVersion = tls.VersionTLS12
+	e := newEnv(t, dialTarget, ServerOptions{TLSConfig: sconf}, PoolOptions{})
+	cconf := good.clientTLS()
+	cconf.MinVersion, cconf.MaxVersion = tls.VersionTLS12, tls.VersionTLS12
+	honestTraffic(t, e, func(ctx context.Context, target netip.AddrPort) (*Stream, error) {
+		return e.pool.Connect(ctx, e.key, tcpDial, cconf, Request{Authority: target})
+	})
+	if st, ps := e.srv.Stats(), e.pool.Stats(); st.ConnsFlood != 0 || ps.FloodCloses != 0 {
+		t.Errorf("flood closes: server %d, pool %d; want none", st.ConnsFlood, ps.FloodCloses)
+	}
+}
+
+// honestTraffic echoes writes of every size, bulk and small, both ways
+// over four streams made by connect.
+func honestTraffic(t *testing.T, e *testEnv, connect func(context.Context, netip.AddrPort) (*Stream, error)) {
+	t.Helper()
+	target := startUpstream(t, echo)
+	sizes := []int{1, 5, 9, 16380, 16384 - 9 - 5, 65536, 1 << 20, 3<<20 + 7}
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := connect(context.Background(), target)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer s.Close()
+			var want int
+			go func() {
+				for _, n := range sizes {
+					_, _ = s.Write(bytes.Repeat([]byte{byte(i)}, n))
+				}
+				_ = s.CloseWrite()
+			}()
+			for _, n := range sizes {
+				want += n
+			}
+			got, err := io.Copy(io.Discard, s)
+			if err != nil || got != int64(want) {
+				t.Errorf("echoed %d bytes (%v), want %d", got, err, want)
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // serverKeyLog captures the server's application traffic secret.
