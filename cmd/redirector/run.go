@@ -330,12 +330,14 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
-			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses}
+			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses,
+				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b, w := hbone.Buffers(), hbone.Windows()
 			return admin.BufferStats{Limit: b.Limit, FramesInUse: b.FramesInUse, BatchesInUse: b.BatchesInUse,
 				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied,
+				FramesDeniedShare: b.FramesDeniedShare, BatchesDeniedShare: b.BatchesDeniedShare,
 				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short}
 		}),
 		admin.NewServerCollector(func() admin.ServerStats {

@@ -90,6 +90,9 @@ type PoolStats struct {
 	ActiveStreams int    // streams open or being opened
 	Dials         uint64 // connections dialled since start
 	FloodCloses   uint64 // connections closed because the server flooded them
+	// ZeroStreamLimitDrains counts connections drained because the server
+	// took no streams (SETTINGS_MAX_CONCURRENT_STREAMS 0).
+	ZeroStreamLimitDrains uint64
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -102,14 +105,17 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"HBONE connections dialled; far fewer than streams while pooling works.", nil, nil)
 	floods := prometheus.NewDesc("redirector_hbone_pool_flood_closes_total",
 		"Pooled HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because the server flooded them with frames that carry nothing.", nil, nil)
+	zeroLimits := prometheus.NewDesc("redirector_hbone_pool_zero_stream_limit_drains_total",
+		"Pooled HBONE connections drained because the server set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new stream.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials, floods},
+		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
 			ch <- gauge(streams, float64(s.ActiveStreams))
 			ch <- counter(dials, s.Dials)
 			ch <- counter(floods, s.FloodCloses)
+			ch <- counter(zeroLimits, s.ZeroStreamLimitDrains)
 		},
 	}
 }
@@ -121,6 +127,8 @@ type BufferStats struct {
 	Limit                       int
 	FramesInUse, BatchesInUse   int
 	FramesDenied, BatchesDenied uint64
+	// Buffers refused to a peer address that held its share of the budget.
+	FramesDeniedShare, BatchesDeniedShare uint64
 	// The receive-window budget (hbone.Windows): bytes of window reserved by
 	// connections beyond HTTP/2's initial 64 KiB, its limit, and the
 	// connections that got less than a full window.
@@ -137,6 +145,8 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 		"The most large HBONE buffers of each kind in use at once; past it streams and connections use ordinary ones.", nil, nil)
 	denied := prometheus.NewDesc("redirector_hbone_bulk_buffers_denied_total",
 		"Times a large HBONE buffer was wanted while all were in use, by kind.", []string{"kind"}, nil)
+	deniedShare := prometheus.NewDesc("redirector_hbone_bulk_buffers_share_denied_total",
+		"Times a large HBONE buffer was refused, by kind, because the connection's peer address held its share (a quarter) of them.", []string{"kind"}, nil)
 	window := prometheus.NewDesc("redirector_hbone_receive_window_reserved_bytes",
 		"Receive window HBONE connections reserved beyond HTTP/2's initial 64 KiB: what peers may make the agent hold for applications that do not read.", nil, nil)
 	windowLimit := prometheus.NewDesc("redirector_hbone_receive_window_limit_bytes",
@@ -144,7 +154,7 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 	short := prometheus.NewDesc("redirector_hbone_receive_windows_short_total",
 		"HBONE connections that got less than a full receive window because the budget or their peer's share was spent.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{inUse, limit, denied, window, windowLimit, short},
+		descs: []*prometheus.Desc{inUse, limit, denied, deniedShare, window, windowLimit, short},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(inUse, float64(s.FramesInUse), "frame")
@@ -152,6 +162,8 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 			ch <- gauge(limit, float64(s.Limit))
 			ch <- counter(denied, s.FramesDenied, "frame")
 			ch <- counter(denied, s.BatchesDenied, "batch")
+			ch <- counter(deniedShare, s.FramesDeniedShare, "frame")
+			ch <- counter(deniedShare, s.BatchesDeniedShare, "batch")
 			ch <- gauge(window, float64(s.WindowReserved))
 			ch <- gauge(windowLimit, float64(s.WindowLimit))
 			ch <- counter(short, s.WindowsShort)

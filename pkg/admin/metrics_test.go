@@ -59,26 +59,31 @@ func TestCertCollector(t *testing.T) {
 }
 
 func TestHBONECollectors(t *testing.T) {
-	pool := NewPoolCollector(func() PoolStats { return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3} })
+	pool := NewPoolCollector(func() PoolStats {
+		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4}
+	})
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
-		"redirector_hbone_pool_connections":        2,
-		"redirector_hbone_pool_active_streams":     7,
-		"redirector_hbone_dials_total":             5,
-		"redirector_hbone_pool_flood_closes_total": 3,
+		"redirector_hbone_pool_connections":                    2,
+		"redirector_hbone_pool_active_streams":                 7,
+		"redirector_hbone_dials_total":                         5,
+		"redirector_hbone_pool_flood_closes_total":             3,
+		"redirector_hbone_pool_zero_stream_limit_drains_total": 4,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
-		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2,
+		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2, FramesDeniedShare: 7, BatchesDeniedShare: 8,
 			WindowReserved: 5 << 20, WindowLimit: 1 << 30, WindowsShort: 6}
 	})
 	expect(t, promtest.Scrape(t, buffers), map[string]float64{
-		`redirector_hbone_bulk_buffers{kind="frame"}`:              3,
-		`redirector_hbone_bulk_buffers{kind="batch"}`:              1,
-		"redirector_hbone_bulk_buffers_limit":                      32,
-		`redirector_hbone_bulk_buffers_denied_total{kind="frame"}`: 4,
-		`redirector_hbone_bulk_buffers_denied_total{kind="batch"}`: 2,
-		"redirector_hbone_receive_window_reserved_bytes":           5 << 20,
-		"redirector_hbone_receive_window_limit_bytes":              1 << 30,
-		"redirector_hbone_receive_windows_short_total":             6,
+		`redirector_hbone_bulk_buffers{kind="frame"}`:                    3,
+		`redirector_hbone_bulk_buffers{kind="batch"}`:                    1,
+		"redirector_hbone_bulk_buffers_limit":                            32,
+		`redirector_hbone_bulk_buffers_denied_total{kind="frame"}`:       4,
+		`redirector_hbone_bulk_buffers_denied_total{kind="batch"}`:       2,
+		`redirector_hbone_bulk_buffers_share_denied_total{kind="frame"}`: 7,
+		`redirector_hbone_bulk_buffers_share_denied_total{kind="batch"}`: 8,
+		"redirector_hbone_receive_window_reserved_bytes":                 5 << 20,
+		"redirector_hbone_receive_window_limit_bytes":                    1 << 30,
+		"redirector_hbone_receive_windows_short_total":                   6,
 	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,

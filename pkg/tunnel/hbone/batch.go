@@ -1,7 +1,9 @@
 package hbone
 
 import (
+	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 )
@@ -20,11 +22,37 @@ type batchConn struct {
 	// see it: Close would wait (up to its 5 s close_notify deadline) instead of closing the
 	// socket under a blocked write as it does for its own. abort does that for a batch.
 	flushing, aborted atomic.Bool
+
+	// written counts the plaintext bytes of the records crypto/tls wrote (a TLS 1.3 record
+	// carries its length less tls13RecordOverhead), handed those the conn gave crypto/tls to
+	// write (handedWriter). What was written beyond what was handed, once the handshake is
+	// over, crypto/tls wrote of its own accord: mostly answers to the peer's KeyUpdate
+	// requests, a key derivation and a record write each (conn.spendTLSAnswers).
+	written, handed atomic.Int64
+
+	// peer is the remote address, whose share of the batch buffer budget a batch takes.
+	peer netip.Addr
+}
+
+// tls13RecordOverhead is what a TLS 1.3 record adds to its plaintext: the 5-byte header,
+// the inner content type and the 16-byte AEAD tag of every TLS 1.3 cipher suite.
+const tls13RecordOverhead = 5 + 1 + 16
+
+// handedWriter is what a conn's bufio.Writer writes to: the TLS connection, counting the
+// bytes handed to it in its batchConn.
+type handedWriter struct {
+	w io.Writer // the *tls.Conn
+	b *batchConn
+}
+
+func (h handedWriter) Write(p []byte) (int, error) {
+	h.b.handed.Add(int64(len(p)))
+	return h.w.Write(p)
 }
 
 // newBatchConn returns the batchConn for an HBONE socket.
 func newBatchConn(c net.Conn) *batchConn {
-	return &batchConn{Conn: c, raw: newRawSock(c)}
+	return &batchConn{Conn: c, raw: newRawSock(c), peer: sourceAddr(c.RemoteAddr())}
 }
 
 // Read reads from the socket.
@@ -58,7 +86,7 @@ func (b *batchConn) abort() {
 func (b *batchConn) begin() {
 	b.mu.Lock()
 	if b.buf == nil {
-		if b.buf = batchBuffer.get(); b.buf != nil {
+		if b.buf = batchBuffer.get(b.peer); b.buf != nil {
 			*b.buf = (*b.buf)[:0]
 		}
 	}
@@ -73,7 +101,7 @@ func (b *batchConn) end() error {
 		return nil
 	}
 	err := b.flushLocked()
-	batchBuffer.put(b.buf)
+	batchBuffer.put(b.peer, b.buf)
 	b.buf = nil
 	return err
 }
@@ -94,6 +122,7 @@ func (b *batchConn) flushLocked() error {
 }
 
 func (b *batchConn) Write(p []byte) (int, error) {
+	b.written.Add(int64(len(p)) - tls13RecordOverhead) // one record per call after the handshake
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.buf == nil {

@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"net/netip"
 	"sync"
 	"sync/atomic"
 )
@@ -27,17 +28,34 @@ const (
 	maxBulkBuffers = 32
 )
 
-// bufBudget is a pool of equal buffers of which at most limit are out at once.
+// bufBudget is a pool of equal buffers of which at most limit are out at once, and at most
+// limit/bulkShareDivisor to one owner (the peer address of the connection that uses them).
+// A buffer is held while its frame is written, or waits to be, so a peer that reads slower
+// than its streams' applications send (granting large flow-control windows all the same)
+// keeps every buffer its streams took for as long as it keeps reading so: without a share,
+// forty such streams from one address held all the budget, and every other tenant of the
+// node sent in 64 KiB frames for as long as that peer liked.
 type bufBudget struct {
 	pool   sync.Pool
-	inUse  atomic.Int64
+	inUse  atomic.Int64 // changed under mu; read without it for metrics
 	taken  atomic.Uint64
 	denied atomic.Uint64
-	limit  int64
+	// deniedShare counts buffers refused because their owner held its share.
+	deniedShare atomic.Uint64
+	limit       int64
+	share       int64
+
+	mu     sync.Mutex
+	owners map[netip.Addr]int64 // buffers out per owner
 }
 
+// bulkShareDivisor sets an owner's share of a budget: a quarter, so an honest peer with a
+// few bulk streams on one connection (whose frames are written one at a time anyway) keeps
+// what it can use, and it takes four peers to spend the budget.
+const bulkShareDivisor = 4
+
 func newBufBudget(size int, limit int64) *bufBudget {
-	b := &bufBudget{limit: limit}
+	b := &bufBudget{limit: limit, share: max(limit/bulkShareDivisor, 1), owners: make(map[netip.Addr]int64)}
 	b.pool.New = func() any {
 		buf := make([]byte, size)
 		return &buf
@@ -45,25 +63,35 @@ func newBufBudget(size int, limit int64) *bufBudget {
 	return b
 }
 
-// get returns a buffer, or nil when limit are out.
-func (b *bufBudget) get() *[]byte {
-	for {
-		n := b.inUse.Load()
-		if n >= b.limit {
-			b.denied.Add(1)
-			return nil
-		}
-		if b.inUse.CompareAndSwap(n, n+1) {
-			break
-		}
+// get returns a buffer for owner, or nil when limit are out or owner holds its share.
+func (b *bufBudget) get(owner netip.Addr) *[]byte {
+	b.mu.Lock()
+	switch {
+	case b.inUse.Load() >= b.limit:
+		b.mu.Unlock()
+		b.denied.Add(1)
+		return nil
+	case b.owners[owner] >= b.share:
+		b.mu.Unlock()
+		b.deniedShare.Add(1)
+		return nil
 	}
+	b.inUse.Add(1)
+	b.owners[owner]++
+	b.mu.Unlock()
 	b.taken.Add(1)
 	return b.pool.Get().(*[]byte)
 }
 
-func (b *bufBudget) put(p *[]byte) {
+// put gives back a buffer get returned for owner.
+func (b *bufBudget) put(owner netip.Addr, p *[]byte) {
 	b.pool.Put(p)
+	b.mu.Lock()
 	b.inUse.Add(-1)
+	if b.owners[owner]--; b.owners[owner] <= 0 {
+		delete(b.owners, owner)
+	}
+	b.mu.Unlock()
 }
 
 var (
@@ -77,6 +105,9 @@ type BufferStats struct {
 	FramesInUse, BatchesInUse   int    // out now
 	FramesTaken, BatchesTaken   uint64 // handed out since start
 	FramesDenied, BatchesDenied uint64 // wanted while all were out
+	// FramesDeniedShare and BatchesDeniedShare count buffers wanted by a peer that held
+	// its share of the budget.
+	FramesDeniedShare, BatchesDeniedShare uint64
 }
 
 // Buffers reports the large-buffer budgets, for metrics.
@@ -89,5 +120,8 @@ func Buffers() BufferStats {
 		BatchesTaken:  batchBuffer.taken.Load(),
 		FramesDenied:  bulkFrames.denied.Load(),
 		BatchesDenied: batchBuffer.denied.Load(),
+
+		FramesDeniedShare:  bulkFrames.deniedShare.Load(),
+		BatchesDeniedShare: batchBuffer.deniedShare.Load(),
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"io"
 	"net"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -13,20 +14,49 @@ import (
 )
 
 func TestBufBudget(t *testing.T) {
+	a, c := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
 	b := newBufBudget(8, 2)
-	x, y := b.get(), b.get()
+	x, y := b.get(a), b.get(c)
 	if x == nil || y == nil {
 		t.Fatal("the budget refused a buffer below its limit")
 	}
-	if z := b.get(); z != nil {
+	if z := b.get(c); z != nil {
 		t.Fatal("the budget handed out a buffer past its limit")
 	}
 	if b.denied.Load() != 1 || b.inUse.Load() != 2 {
 		t.Fatalf("denied %d, in use %d; want 1, 2", b.denied.Load(), b.inUse.Load())
 	}
-	b.put(x)
-	if z := b.get(); z == nil || len(*z) != 8 {
+	b.put(a, x)
+	if z := b.get(a); z == nil || len(*z) != 8 {
 		t.Fatal("a returned buffer was not handed out again")
+	}
+}
+
+// TestBufBudgetShare: an owner gets no more than its share of a budget, counted apart from
+// a spent budget, and gets more once it gave some back.
+func TestBufBudgetShare(t *testing.T) {
+	a, c := netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("10.0.0.2")
+	b := newBufBudget(8, 8)
+	var held []*[]byte
+	for range 8 / bulkShareDivisor {
+		p := b.get(a)
+		if p == nil {
+			t.Fatal("the budget refused an owner a buffer within its share")
+		}
+		held = append(held, p)
+	}
+	if p := b.get(a); p != nil {
+		t.Fatal("the budget handed an owner a buffer past its share")
+	}
+	if b.deniedShare.Load() != 1 || b.denied.Load() != 0 {
+		t.Fatalf("denied for the share %d, for the limit %d; want 1, 0", b.deniedShare.Load(), b.denied.Load())
+	}
+	if p := b.get(c); p == nil {
+		t.Fatal("another owner was refused a buffer: the first one's share is the limit")
+	}
+	b.put(a, held[0])
+	if p := b.get(a); p == nil {
+		t.Fatal("an owner that gave a buffer back got none")
 	}
 }
 
@@ -70,11 +100,18 @@ func TestBulkTransfer(t *testing.T) {
 	waitBuffersBack(t)
 
 	// Spend the budgets: the transfer falls back to ordinary frames, one record per write.
-	var held [][]*[]byte
+	type heldBuf struct {
+		owner netip.Addr
+		p     *[]byte
+	}
+	var held [][]heldBuf
 	for _, b := range []*bufBudget{bulkFrames, batchBuffer} {
-		var hs []*[]byte
-		for p := b.get(); p != nil; p = b.get() {
-			hs = append(hs, p)
+		var hs []heldBuf
+		for i := byte(1); b.inUse.Load() < b.limit; i++ { // each owner its share
+			owner := netip.AddrFrom4([4]byte{10, 9, 0, i})
+			for p := b.get(owner); p != nil; p = b.get(owner) {
+				hs = append(hs, heldBuf{owner, p})
+			}
 		}
 		held = append(held, hs)
 	}
@@ -82,8 +119,8 @@ func TestBulkTransfer(t *testing.T) {
 	transfer()
 	after = Buffers()
 	for i, b := range []*bufBudget{bulkFrames, batchBuffer} {
-		for _, p := range held[i] {
-			b.put(p)
+		for _, h := range held[i] {
+			b.put(h.owner, h.p)
 		}
 	}
 	if after.FramesTaken != before.FramesTaken || after.BatchesTaken != before.BatchesTaken {

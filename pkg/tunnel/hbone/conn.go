@@ -163,6 +163,9 @@ type connConfig struct {
 	// closed with ENHANCE_YOUR_CALM.
 	onEarlyReset func()
 	onFlood      func()
+	// onZeroStreamLimit (client) counts conns drained because the server
+	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0.
+	onZeroStreamLimit func()
 	// pingInterval and pingTimeout (client) enable keepalive: a PING when
 	// nothing arrived for pingInterval, and the conn closes when nothing,
 	// not even the PING's ack, arrived pingTimeout after it.
@@ -203,6 +206,9 @@ type conn struct {
 	ctx      context.Context // cancelled when the conn dies
 	cancel   context.CancelFunc
 	poolKey  PoolKey // client: the pool entry this conn belongs to
+	// peer is the remote address, whose share of the bulk frame budget
+	// the conn's streams take (bulkbuf.go).
+	peer netip.Addr
 	// closeByReader: a close in order left the socket to the reader, which
 	// closes it once the peer closed its side (closeConn).
 	closeByReader atomic.Bool
@@ -290,6 +296,57 @@ type conn struct {
 	// (start sends one); an ack beyond them is a protocol error.
 	settingsUnacked int
 	goAwayRead      bool // a GOAWAY arrived: another one is junk
+	// rd is what the reader reads the TLS connection through
+	// (tlsReader); tlsAnswered counts the plaintext bytes crypto/tls
+	// wrote of its own accord that were charged (spendTLSAnswers), from
+	// tlsBase on: what it had written, less what it was handed, before.
+	rd          io.Reader
+	tlsAnswered int64
+	tlsBase     int64
+	tlsCounted  bool // a TLS 1.3 conn over a batchConn: spendTLSAnswers counts
+}
+
+// keyUpdateLen is the plaintext of the KeyUpdate message crypto/tls writes to
+// answer a peer's request for one: a 4-byte handshake header and 1 byte.
+const keyUpdateLen = 5
+
+// tlsReader is the reader's view of the TLS connection: after each read it
+// charges the peer for what crypto/tls wrote meanwhile of its own accord.
+type tlsReader struct{ c *conn }
+
+func (r tlsReader) Read(p []byte) (int, error) {
+	n, err := r.c.nc.Read(p)
+	if ferr := r.c.spendTLSAnswers(); ferr != nil {
+		// Not n: io.ReadFull drops the error of a read that filled its
+		// buffer. The connection ends, and what was read with it.
+		return 0, ferr
+	}
+	return n, err
+}
+
+// spendTLSAnswers charges the junk budget for each record crypto/tls wrote
+// of its own accord, which is the answer to a TLS 1.3 KeyUpdate that asks
+// for one in return: the peer's record costs it a few bytes, and us a key
+// derivation each way and a write(2), and carries nothing. crypto/tls
+// answers any number of them, only checking that no more than 16 come
+// without application data between, so a flood of them was a flood of
+// PINGs without the budget. Only the reader calls it (tlsReader), after a
+// read: crypto/tls answers KeyUpdates within the reader's read, and no
+// more than 16 in one. The written count is loaded before the handed
+// one, which grows first, so the difference never counts our own writes.
+func (c *conn) spendTLSAnswers() error {
+	if !c.tlsCounted {
+		return nil
+	}
+	b := c.cfg.batch
+	written := b.written.Load()
+	own := written - b.handed.Load() - c.tlsBase
+	for ; own-c.tlsAnswered >= keyUpdateLen; c.tlsAnswered += keyUpdateLen {
+		if err := c.spendJunk("TLS KeyUpdate"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
@@ -304,10 +361,11 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		recvWindow:     defaultWindow,
 		recvTarget:     defaultWindow,
 		windowOwner:    windowOwnerOf(nc, cfg.client),
+		peer:           sourceAddr(nc.RemoteAddr()),
 		ctlWake:        make(chan struct{}, 1),
 		done:           make(chan struct{}),
 		hencLimit:      4096,
-		blockReader:    blockReader{r: nc, left: -1},
+		blockReader:    blockReader{left: -1},
 		earlyResets:    newBudget(cfg.maxEarlyResets, floodPeriod),
 		junk:           newBudget(junkBurst, floodPeriod),
 		// start sends our SETTINGS before the reader reads anything.
@@ -320,7 +378,19 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	// bw coalesces small frames into one TLS record (at most one full
 	// record's worth); larger DATA frames go to TLS without a copy when bw
 	// is empty.
-	c.bw = bufio.NewWriterSize(nc, coalesceSize)
+	c.rd = tlsReader{c}
+	c.blockReader.r = c.rd
+	var w io.Writer = nc
+	if tc, ok := nc.(*tls.Conn); ok && cfg.batch != nil && tc.ConnectionState().Version == tls.VersionTLS13 {
+		// The handshake is over and nothing of ours written yet: what
+		// crypto/tls wrote so far (the handshake, session tickets) is the
+		// base of spendTLSAnswers's count. Only TLS 1.3 has KeyUpdates,
+		// and the record overhead the count assumes.
+		c.tlsBase = cfg.batch.written.Load() - cfg.batch.handed.Load()
+		c.tlsCounted = true
+		w = handedWriter{w: nc, b: cfg.batch}
+	}
+	c.bw = bufio.NewWriterSize(w, coalesceSize)
 	c.fr = http2.NewFramer(c.bw, &c.blockReader)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.fr.MaxHeaderListSize = maxHeaderListSize
@@ -476,7 +546,7 @@ func (c *conn) readFrames() error {
 		if c.cfg.prefaceTimeout > 0 {
 			_ = c.nc.SetReadDeadline(time.Now().Add(c.cfg.prefaceTimeout))
 		}
-		if _, err := io.ReadFull(c.nc, preface[:]); err != nil {
+		if _, err := io.ReadFull(c.rd, preface[:]); err != nil {
 			return fmt.Errorf("read client preface: %w", err)
 		}
 		if string(preface[:]) != http2.ClientPreface {
@@ -646,7 +716,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		if payload == 0 {
 			return http2.ConnectionError(http2.ErrCodeProtocol)
 		}
-		if _, err := io.ReadFull(c.nc, b[:]); err != nil {
+		if _, err := io.ReadFull(c.rd, b[:]); err != nil {
 			return err
 		}
 		payload, pad = payload-1, int(b[0])
@@ -699,7 +769,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		bp := frameBufPool.Get().(*[]byte)
 		defer frameBufPool.Put(bp)
 		small := (*bp)[:payload-pad]
-		if _, err := io.ReadFull(c.nc, small); err != nil {
+		if _, err := io.ReadFull(c.rd, small); err != nil {
 			return err
 		}
 		if err := c.skip(pad); err != nil {
@@ -723,7 +793,7 @@ func (c *conn) skip(n int) error {
 	if n == 0 {
 		return nil
 	}
-	_, err := io.CopyN(io.Discard, c.nc, int64(n))
+	_, err := io.CopyN(io.Discard, c.rd, int64(n))
 	return err
 }
 
@@ -734,7 +804,7 @@ func (c *conn) readChunks(n int) ([]chunk, error) {
 	for n > 0 {
 		k := min(n, chunkSize)
 		bp := chunkPool.Get().(*[]byte)
-		if _, err := io.ReadFull(c.nc, (*bp)[:k]); err != nil {
+		if _, err := io.ReadFull(c.rd, (*bp)[:k]); err != nil {
 			chunkPool.Put(bp)
 			recycleChunks(chunks)
 			return nil, err
@@ -857,6 +927,11 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	if err == nil {
 		c.acksPending++
 	}
+	// A server that takes no stream (SETTINGS_MAX_CONCURRENT_STREAMS 0)
+	// makes the connection useless to the pool: drained, it closes once
+	// its streams end, instead of staying pooled, idle, until the idle
+	// timeout, while every new stream dials another.
+	zeroLimit := err == nil && c.cfg.client && c.peerMaxStreams == 0 && !c.goAway
 	c.mu.Unlock()
 	if err != nil {
 		return err
@@ -865,6 +940,12 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 	// the new settings follows their ack on the wire.
 	c.queue(ctlFrame{typ: http2.FrameSettings})
 	c.ready()
+	if zeroLimit {
+		if c.cfg.onZeroStreamLimit != nil {
+			c.cfg.onZeroStreamLimit()
+		}
+		c.drain()
+	}
 	return nil
 }
 
@@ -1482,6 +1563,13 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	case !linger:
 		if c.cfg.batch != nil {
 			c.cfg.batch.abort()
+			// The socket first: no close_notify is owed to a peer closed
+			// on an error, and tls.Conn.Close, with no Write of ours in
+			// flight, waits for crypto/tls's write lock to send one; the
+			// reader may hold that lock in a write that never ends (the
+			// answer to a KeyUpdate, to a peer that stopped reading), and
+			// the streams would fail only when TCP gave up.
+			_ = c.cfg.batch.Conn.Close()
 		}
 		_ = c.nc.Close()
 	}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 )
@@ -246,5 +247,44 @@ func TestClientRefusesServerPush(t *testing.T) {
 	f := <-result
 	if ga, ok := f.(*http2.GoAwayFrame); !ok || ga.ErrCode != http2.ErrCodeProtocol {
 		t.Fatalf("the pool answered ENABLE_PUSH 1 with %#v, want GOAWAY PROTOCOL_ERROR", f)
+	}
+}
+
+// TestClientZeroStreamLimitConnsDrain: a server that sets
+// SETTINGS_MAX_CONCURRENT_STREAMS to 0 can never be given another stream
+// on that connection, so the pool drains it: it closes once its streams
+// ended, counted in PoolStats.ZeroStreamLimitDrains. Before the fix such a
+// connection stayed pooled, idle and useless, until the idle timeout (30 s),
+// and every Connect to that server dialled one more: a server (a
+// compromised node or waypoint) answering each stream so made the pool
+// hold a connection, two goroutines and a share of the source pod's
+// receive-window budget per request of the last 30 s.
+func TestClientZeroStreamLimitConnsDrain(t *testing.T) {
+	good, _ := pkis()
+	dial := dialHostile(t, func(hs *hostileServer) {
+		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 0})
+		if hs.awaitRequest(1) != nil {
+			return
+		}
+		_ = hs.headers(1, true, hpackField{Name: ":status", Value: "403"})
+		for range hs.frames { // hold the connection until the pool closes it
+		}
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	const n = 20
+	for range n {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		cancel()
+		// The 403, or, when the SETTINGS came before the request went
+		// out, a connection going away each of the three tries.
+		if err == nil {
+			t.Fatal("Connect succeeded")
+		}
+	}
+	waitfor.Until(t, "no connection to a server that takes no stream left in the pool", func() bool { return pool.Stats().Conns == 0 })
+	if st := pool.Stats(); st.ZeroStreamLimitDrains != st.DialsTotal || st.DialsTotal < n {
+		t.Errorf("ZeroStreamLimitDrains = %d, DialsTotal = %d, want both the same and at least %d", st.ZeroStreamLimitDrains, st.DialsTotal, n)
 	}
 }

@@ -71,6 +71,10 @@ type PoolStats struct {
 	// FloodCloses counts connections closed with GOAWAY ENHANCE_YOUR_CALM
 	// because the server flooded them with frames that carry nothing.
 	FloodCloses uint64
+	// ZeroStreamLimitDrains counts connections drained because the server
+	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new
+	// stream, and would otherwise stay pooled until the idle timeout.
+	ZeroStreamLimitDrains uint64
 }
 
 // Pool is the HBONE client: it multiplexes streams over pooled TLS
@@ -81,6 +85,8 @@ type Pool struct {
 	dials atomic.Uint64
 	// floods counts conns closed because the server flooded.
 	floods atomic.Uint64
+	// zeroLimits counts conns drained for a stream limit of 0.
+	zeroLimits atomic.Uint64
 
 	mu      sync.Mutex
 	entries map[PoolKey]*poolEntry
@@ -359,6 +365,10 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		onIdle:       p.onIdle,
 		onClose:      p.onClose,
 		onFlood:      func() { p.floods.Add(1) },
+		onZeroStreamLimit: func() {
+			p.zeroLimits.Add(1)
+			p.log.Debug("hbone server takes no streams (SETTINGS_MAX_CONCURRENT_STREAMS 0), draining its connection", "dst", key.DstAddr)
+		},
 		onReady: func(*conn) {
 			p.mu.Lock()
 			p.dialDoneLocked(key, e, d, nil)
@@ -456,7 +466,7 @@ func (p *Pool) dropEntryLocked(key PoolKey, e *poolEntry) {
 func (p *Pool) Stats() PoolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load()}
+	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load(), ZeroStreamLimitDrains: p.zeroLimits.Load()}
 	for _, e := range p.entries {
 		for _, c := range e.conns {
 			st.Conns++

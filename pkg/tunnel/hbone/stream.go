@@ -448,7 +448,7 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 	)
 	release := func() {
 		if bulk {
-			bulkFrames.put(bp)
+			bulkFrames.put(s.c.peer, bp)
 		} else {
 			frameBufPool.Put(bp)
 		}
@@ -462,7 +462,7 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 				release() // the window is nearly spent: wait for it with an ordinary buffer
 			}
 			if bp == nil && !denied && room >= frameBufSize {
-				bp = bulkFrames.get()
+				bp = bulkFrames.get(s.c.peer)
 				bulk, denied = bp != nil, bp == nil
 			}
 		}
