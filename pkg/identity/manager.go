@@ -413,7 +413,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		if !m.sleep(ctx, wait, e.wake) {
+		if !m.sleep(ctx, now, wait, e.wake) {
 			return
 		}
 	}
@@ -449,17 +449,20 @@ func (m *Manager) renewUntrusted() {
 	}
 }
 
-// sleep waits for d to pass, on the monotonic clock or on the Manager's
-// clock, whichever gets there first, or for a send on wake; false if ctx
-// ended. Certificates expire by the wall clock, but a timer runs on the
-// monotonic one, which stops while the machine is suspended (a paused VM)
-// and does not follow a step of the wall clock: a worker woken past its
+// sleep waits for d to pass from from, on the monotonic clock or on the
+// Manager's clock, whichever gets there first, or for a send on wake; false
+// if ctx ended. Certificates expire by the wall clock, but a timer runs on
+// the monotonic one, which stops while the machine is suspended (a paused
+// VM) and does not follow a step of the wall clock: a worker woken past its
 // refresh time, or past the certificate's expiry, would otherwise wait out
 // the rest of its timer (up to half a lifetime) serving nothing. So it
-// looks at the clock again every clockCheck.
-func (m *Manager) sleep(ctx context.Context, d time.Duration, wake <-chan struct{}) bool {
+// looks at the clock again every clockCheck. from is the Manager's time d
+// was computed at, not read again here: a step of the wall clock in
+// between (Wait has already returned) would have moved the refresh time
+// by the step.
+func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}) bool {
 	start := time.Now()
-	at := m.clock().Round(0).Add(d) // Round(0): compared on the wall clock
+	at := from.Round(0).Add(d) // Round(0): compared on the wall clock
 	for {
 		left := min(d-time.Since(start), at.Sub(m.clock()))
 		if left <= 0 {
