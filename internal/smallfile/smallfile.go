@@ -28,7 +28,7 @@ func Read(path string, limit int64) ([]byte, error) {
 		return nil, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is not a regular file (%s)", path, kind(fi.Mode()))
+		return nil, fmt.Errorf("%s is not a regular file (%s)", path, Kind(fi.Mode()))
 	}
 	if fi.Size() > limit {
 		return nil, fmt.Errorf("%s has %d bytes, more than the %d read", path, fi.Size(), limit)
@@ -43,7 +43,8 @@ func Read(path string, limit int64) ([]byte, error) {
 	return data, nil
 }
 
-func kind(m fs.FileMode) string {
+// Kind names the type of a file that is not a regular one.
+func Kind(m fs.FileMode) string {
 	switch {
 	case m.IsDir():
 		return "a directory"

@@ -125,18 +125,6 @@ func TestLoadIstioCacertsErrors(t *testing.T) {
 func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 	rootKey := identitytest.NewKey(t, "ecdsa")
 	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "Root CA"}, rootKey, nil, nil)
-	signed := func(tmpl *x509.Certificate, key crypto.Signer, parent *x509.Certificate, parentKey crypto.Signer) *x509.Certificate {
-		t.Helper()
-		der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), parentKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := x509.ParseCertificate(der)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c
-	}
 	caTmpl := func(cn string) *x509.Certificate {
 		return &x509.Certificate{
 			SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
@@ -150,14 +138,14 @@ func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 	serverOnly := caTmpl("Server-only issuing CA")
 	serverOnly.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
 	serverOnlyKey := identitytest.NewKey(t, "ecdsa")
-	serverOnlyCA := identitytest.PKI{Root: root, RootKey: rootKey, Inter: signed(serverOnly, serverOnlyKey, root, rootKey), InterKey: serverOnlyKey}
+	serverOnlyCA := identitytest.PKI{Root: root, RootKey: rootKey, Inter: identitytest.Sign(t, serverOnly, serverOnlyKey, root, rootKey), InterKey: serverOnlyKey}
 
 	// Nine intermediates: with the leaf, ten certificates presented.
 	longChain := []*x509.Certificate{}
 	parent, parentKey := root, crypto.Signer(rootKey)
 	for i := range 9 {
 		k := identitytest.NewKey(t, "ecdsa")
-		c := signed(caTmpl(fmt.Sprintf("Intermediate %d", i)), k, parent, parentKey)
+		c := identitytest.Sign(t, caTmpl(fmt.Sprintf("Intermediate %d", i)), k, parent, parentKey)
 		longChain = append([]*x509.Certificate{c}, longChain...)
 		parent, parentKey = c, k
 	}
@@ -169,7 +157,7 @@ func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 	}
 	weakRoot := identitytest.MakeCACert(t, pkix.Name{CommonName: "Weak root"}, weakKey, nil, nil)
 	interKey := identitytest.NewKey(t, "ecdsa")
-	weakRootCA := identitytest.PKI{Root: weakRoot, RootKey: weakKey, Inter: signed(caTmpl("Intermediate"), interKey, weakRoot, weakKey), InterKey: interKey}
+	weakRootCA := identitytest.PKI{Root: weakRoot, RootKey: weakKey, Inter: identitytest.Sign(t, caTmpl("Intermediate"), interKey, weakRoot, weakKey), InterKey: interKey}
 
 	for name, tc := range map[string]struct {
 		dir  func() string

@@ -57,6 +57,12 @@ func MakeCACert(t testing.TB, subject pkix.Name, key crypto.Signer, parent *x509
 	if parent == nil {
 		parent, parentKey = tmpl, key
 	}
+	return Sign(t, tmpl, key, parent, parentKey)
+}
+
+// Sign makes the certificate tmpl describes for key, signed by parent's key.
+func Sign(t testing.TB, tmpl *x509.Certificate, key crypto.Signer, parent *x509.Certificate, parentKey crypto.Signer) *x509.Certificate {
+	t.Helper()
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, parent, key.Public(), parentKey)
 	if err != nil {
 		t.Fatal(err)

@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -264,7 +265,7 @@ func readManifest(f string, budget int64) ([]byte, error) {
 		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("read manifest: %w", err)}
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("not a regular file: %s", fileType(fi.Mode()))}
+		return nil, &FileError{File: f, Reason: source.ReasonRead, Err: fmt.Errorf("not a regular file: %s", smallfile.Kind(fi.Mode()))}
 	}
 	data, err := io.ReadAll(io.LimitReader(fd, budget+1))
 	if err != nil {
@@ -275,21 +276,6 @@ func readManifest(f string, budget int64) ([]byte, error) {
 			Err: fmt.Errorf("manifests over %d bytes in all (this file and those before it): not read", maxLoadBytes)}
 	}
 	return data, nil
-}
-
-// fileType names the type of a file that is not a regular one.
-func fileType(m fs.FileMode) string {
-	switch {
-	case m.IsDir():
-		return "a directory"
-	case m&fs.ModeNamedPipe != 0:
-		return "a fifo"
-	case m&fs.ModeSocket != 0:
-		return "a socket"
-	case m&fs.ModeDevice != 0:
-		return "a device"
-	}
-	return "mode " + m.String()
 }
 
 // manifestFiles is path itself, or the *.yaml and *.yml names in the

@@ -140,14 +140,10 @@ func waitBuffersBack(t *testing.T) {
 	})
 }
 
-// TestStalledStreamsHoldNoBulkBuffer: streams whose peer stops reading (no WINDOW_UPDATE) wait
-// for window with ordinary buffers: a peer cannot pin the bulk budget by not reading.
-func TestStalledStreamsHoldNoBulkBuffer(t *testing.T) {
-	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
-	stop := make(chan struct{})
-	defer close(stop)
-	// The app behind the server writes until the test ends; the client never reads.
-	app := startUpstream(t, func(c *net.TCPConn) {
+// writingUpstream is an app that writes to every connection until stop is
+// closed, whether its peer reads or not (each write gives up after 100 ms).
+func writingUpstream(t *testing.T, stop <-chan struct{}) netip.AddrPort {
+	return startUpstream(t, func(c *net.TCPConn) {
 		buf := make([]byte, 1<<20)
 		for {
 			select {
@@ -159,6 +155,16 @@ func TestStalledStreamsHoldNoBulkBuffer(t *testing.T) {
 			_, _ = c.Write(buf)
 		}
 	})
+}
+
+// TestStalledStreamsHoldNoBulkBuffer: streams whose peer stops reading (no WINDOW_UPDATE) wait
+// for window with ordinary buffers: a peer cannot pin the bulk budget by not reading.
+func TestStalledStreamsHoldNoBulkBuffer(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	stop := make(chan struct{})
+	defer close(stop)
+	// The app behind the server writes until the test ends; the client never reads.
+	app := writingUpstream(t, stop)
 	before := Buffers()
 	for range 4 {
 		s, err := e.connect(context.Background(), app)

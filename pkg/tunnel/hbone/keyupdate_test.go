@@ -103,6 +103,27 @@ func (tw *tls13Writer) keyUpdate(buf *bytes.Buffer) {
 	tw.setSecret(expandLabel(tw.hash, tw.secret, "traffic upd", tw.hash.Size()))
 }
 
+// keyUpdateFlood writes at least n KeyUpdates that ask for one in return to
+// w, 15 at a time with a byte of application data between (crypto/tls wants
+// some after every 16), until n are sent or a write fails; it returns how
+// many were sent.
+func (tw *tls13Writer) keyUpdateFlood(w io.Writer, n int) int {
+	var rec bytes.Buffer
+	sent := 0
+	for sent < n {
+		rec.Reset()
+		for range 15 {
+			tw.keyUpdate(&rec)
+			sent++
+		}
+		tw.record(&rec, 23, []byte{0})
+		if _, err := w.Write(rec.Bytes()); err != nil {
+			break
+		}
+	}
+	return sent
+}
+
 // keyLog captures the client's application traffic secret from a
 // KeyLogWriter.
 type keyLog struct{ secret []byte }
@@ -176,20 +197,8 @@ func TestKeyUpdateFlood(t *testing.T) {
 	tw.record(&rec, 23, hdr[:])
 	_, _ = raw.Write(rec.Bytes())
 
-	const updates = 10 * junkBurst
 	bw := bufio.NewWriterSize(raw, 64<<10)
-	sent := 0
-	for sent < updates {
-		rec.Reset()
-		for range 15 {
-			tw.keyUpdate(&rec)
-			sent++
-		}
-		tw.record(&rec, 23, []byte{0})
-		if _, err := bw.Write(rec.Bytes()); err != nil {
-			break
-		}
-	}
+	sent := tw.keyUpdateFlood(bw, 10*junkBurst)
 	_ = bw.Flush()
 	select {
 	case <-closed:
@@ -359,19 +368,7 @@ func TestClientKeyUpdateFlood(t *testing.T) {
 			rec.Reset()
 			tw.record(&rec, 23, h2.Bytes())
 			_, _ = srvSide.Write(rec.Bytes())
-			sent := 0
-			for sent < 10*junkBurst {
-				rec.Reset()
-				for range 15 {
-					tw.keyUpdate(&rec)
-					sent++
-				}
-				tw.record(&rec, 23, []byte{0})
-				if _, err := srvSide.Write(rec.Bytes()); err != nil {
-					break
-				}
-			}
-			done <- sent
+			done <- tw.keyUpdateFlood(srvSide, 10*junkBurst)
 		}()
 		return cli, nil
 	}
