@@ -307,6 +307,58 @@ func (k serverKeyLog) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
+// rawH2Server is the server end of a pool's connection: crypto/tls up to the
+// handshake, then frames sealed in records of its own (tw), so that it can
+// send what crypto/tls would not (a flood of KeyUpdates).
+type rawH2Server struct {
+	raw net.Conn
+	tw  *tls13Writer
+	fr  *http2.Framer // reads through crypto/tls, writes into out
+	out bytes.Buffer
+}
+
+// startRawH2Server makes the handshake on raw with pki's server
+// certificate, reads the client preface and sends SETTINGS.
+func startRawH2Server(raw net.Conn, pki *testPKI) (*rawH2Server, error) {
+	conf := pki.serverTLS()
+	conf.SessionTicketsDisabled = true // no ticket ahead of our records
+	kl := serverKeyLog{make(chan []byte, 1)}
+	conf.KeyLogWriter = kl
+	tc := tls.Server(raw, conf)
+	if err := tc.Handshake(); err != nil {
+		return nil, err
+	}
+	tw, err := newTLS13Writer(raw, tc.ConnectionState().CipherSuite, <-kl.secret)
+	if err != nil {
+		return nil, err
+	}
+	var preface [len(http2.ClientPreface)]byte
+	if _, err := io.ReadFull(tc, preface[:]); err != nil {
+		return nil, err
+	}
+	s := &rawH2Server{raw: raw, tw: tw}
+	s.fr = http2.NewFramer(&s.out, tc)
+	s.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	_ = s.fr.WriteSettings()
+	s.flush()
+	return s, nil
+}
+
+// writeStatus200 frames a 200 response on stream 1 into out.
+func (s *rawH2Server) writeStatus200() {
+	var hb bytes.Buffer
+	_ = hpack.NewEncoder(&hb).WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
+	_ = s.fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+}
+
+// flush sends what out holds in one record.
+func (s *rawH2Server) flush() {
+	var rec bytes.Buffer
+	s.tw.record(&rec, 23, s.out.Bytes())
+	s.out.Reset()
+	_, _ = s.raw.Write(rec.Bytes())
+}
+
 // TestClientKeyUpdateFlood: the pool charges a server's KeyUpdate requests
 // to the same budget as a server's PINGs: a hostile server (a compromised
 // node) that sends them in a flood gets GOAWAY ENHANCE_YOUR_CALM, counted
@@ -318,31 +370,12 @@ func TestClientKeyUpdateFlood(t *testing.T) {
 		cli, srvSide := net.Pipe()
 		t.Cleanup(func() { srvSide.Close() })
 		go func() {
-			conf := good.serverTLS()
-			conf.SessionTicketsDisabled = true // no ticket ahead of our records
-			kl := serverKeyLog{make(chan []byte, 1)}
-			conf.KeyLogWriter = kl
-			tc := tls.Server(srvSide, conf)
-			if tc.Handshake() != nil {
-				done <- -1
-				return
-			}
-			tw, err := newTLS13Writer(srvSide, tc.ConnectionState().CipherSuite, <-kl.secret)
+			hs, err := startRawH2Server(srvSide, good)
 			if err != nil {
 				done <- -1
 				return
 			}
-			var preface [len(http2.ClientPreface)]byte
-			if _, err := io.ReadFull(tc, preface[:]); err != nil {
-				done <- -1
-				return
-			}
-			var h2, rec bytes.Buffer
-			fr := http2.NewFramer(&h2, tc)
-			fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-			_ = fr.WriteSettings()
-			tw.record(&rec, 23, h2.Bytes())
-			_, _ = srvSide.Write(rec.Bytes())
+			fr := hs.fr
 			for {
 				f, err := fr.ReadFrame()
 				if err != nil {
@@ -358,17 +391,11 @@ func TestClientKeyUpdateFlood(t *testing.T) {
 			go func() { _, _ = io.Copy(io.Discard, srvSide) }()
 			// A 200, then a DATA frame on the tunnel a byte at a time,
 			// with KeyUpdates between.
-			h2.Reset()
-			var hb bytes.Buffer
-			enc := hpack.NewEncoder(&hb)
-			_ = enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
-			_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
+			hs.writeStatus200()
 			dataLen := 1 << 16
-			h2.Write([]byte{byte(dataLen >> 16), byte(dataLen >> 8), byte(dataLen), byte(http2.FrameData), 0, 0, 0, 0, 1})
-			rec.Reset()
-			tw.record(&rec, 23, h2.Bytes())
-			_, _ = srvSide.Write(rec.Bytes())
-			done <- tw.keyUpdateFlood(srvSide, 10*junkBurst)
+			hs.out.Write([]byte{byte(dataLen >> 16), byte(dataLen >> 8), byte(dataLen), byte(http2.FrameData), 0, 0, 0, 0, 1})
+			hs.flush()
+			done <- hs.tw.keyUpdateFlood(srvSide, 10*junkBurst)
 		}()
 		return cli, nil
 	}
@@ -402,42 +429,18 @@ func TestKeepaliveCloseWithReaderStuckInTLSWrite(t *testing.T) {
 		cli, srvSide := net.Pipe()
 		t.Cleanup(func() { srvSide.Close() })
 		go func() {
-			conf := good.serverTLS()
-			conf.SessionTicketsDisabled = true
-			kl := serverKeyLog{make(chan []byte, 1)}
-			conf.KeyLogWriter = kl
-			tc := tls.Server(srvSide, conf)
-			if tc.Handshake() != nil {
-				return
-			}
-			tw, err := newTLS13Writer(srvSide, tc.ConnectionState().CipherSuite, <-kl.secret)
+			hs, err := startRawH2Server(srvSide, good)
 			if err != nil {
 				return
 			}
-			var preface [len(http2.ClientPreface)]byte
-			if _, err := io.ReadFull(tc, preface[:]); err != nil {
-				return
-			}
-			var h2, rec bytes.Buffer
-			fr := http2.NewFramer(&h2, tc)
-			fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-			_ = fr.WriteSettings()
-			tw.record(&rec, 23, h2.Bytes())
-			_, _ = srvSide.Write(rec.Bytes())
 			for { // the request, then the pool's keepalive PING
-				f, err := fr.ReadFrame()
+				f, err := hs.fr.ReadFrame()
 				if err != nil {
 					return
 				}
 				if f.Header().Type == http2.FrameHeaders && f.Header().StreamID == 1 {
-					h2.Reset()
-					var hb bytes.Buffer
-					enc := hpack.NewEncoder(&hb)
-					_ = enc.WriteField(hpack.HeaderField{Name: ":status", Value: "200"})
-					_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
-					rec.Reset()
-					tw.record(&rec, 23, h2.Bytes())
-					_, _ = srvSide.Write(rec.Bytes())
+					hs.writeStatus200()
+					hs.flush()
 				}
 				if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
 					break
@@ -445,8 +448,8 @@ func TestKeepaliveCloseWithReaderStuckInTLSWrite(t *testing.T) {
 			}
 			// A KeyUpdate asking for one in return, and then nothing:
 			// the pool's answer waits for a reader that never comes.
-			rec.Reset()
-			tw.keyUpdate(&rec)
+			var rec bytes.Buffer
+			hs.tw.keyUpdate(&rec)
 			_, _ = srvSide.Write(rec.Bytes())
 		}()
 		return cli, nil
