@@ -134,13 +134,19 @@ func hostileKey() PoolKey {
 	return PoolKey{Src: "pod", SrcIdentity: "a", DstIdentity: "b", DstAddr: netip.MustParseAddrPort("10.0.0.2:15008")}
 }
 
+// connectHostile opens a stream through pool to the hostile server dial
+// reaches, under hostileKey.
+func connectHostile(ctx context.Context, pool *Pool, dial Dialer) (*Stream, error) {
+	good, _ := pkis()
+	return pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+}
+
 // TestClientInterimResponseFlood: a server that answers a CONNECT with
 // informational (1xx) responses, one after another, gets the stream reset
 // with PROTOCOL_ERROR after a few, as net/http's client does (5), and the
 // Connect fails at once. Before the fix the client read any number of them
 // (each an HPACK decode, answered by nothing) until its connect timeout.
 func TestClientInterimResponseFlood(t *testing.T) {
-	good, _ := pkis()
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		if err := hs.awaitRequest(1); err != nil {
@@ -164,7 +170,7 @@ func TestClientInterimResponseFlood(t *testing.T) {
 	defer cancel()
 	connected := make(chan error, 1)
 	go func() {
-		s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		s, err := connectHostile(ctx, pool, dial)
 		if s != nil {
 			s.Close()
 		}
@@ -229,7 +235,6 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 // 1 breaks the protocol (RFC 9113 §6.5.2: a connection error
 // PROTOCOL_ERROR). Before the fix the client ignored it.
 func TestClientRefusesServerPush(t *testing.T) {
-	good, _ := pkis()
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
@@ -240,7 +245,7 @@ func TestClientRefusesServerPush(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	go func() {
-		if s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")}); err == nil {
+		if s, err := connectHostile(ctx, pool, dial); err == nil {
 			s.Close()
 		}
 	}()
@@ -260,7 +265,6 @@ func TestClientRefusesServerPush(t *testing.T) {
 // hold a connection, two goroutines and a share of the source pod's
 // receive-window budget per request of the last 30 s.
 func TestClientZeroStreamLimitConnsDrain(t *testing.T) {
-	good, _ := pkis()
 	dial := dialHostile(t, func(hs *hostileServer) {
 		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 0})
 		if hs.awaitRequest(1) != nil {
@@ -275,7 +279,7 @@ func TestClientZeroStreamLimitConnsDrain(t *testing.T) {
 	const n = 20
 	for range n {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		_, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		_, err := connectHostile(ctx, pool, dial)
 		cancel()
 		// The 403, or, when the SETTINGS came before the request went
 		// out, a connection going away each of the three tries.

@@ -403,7 +403,7 @@ func TestClientKeyUpdateFlood(t *testing.T) {
 	t.Cleanup(func() { _ = pool.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+	s, err := connectHostile(ctx, pool, dial)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -458,7 +458,7 @@ func TestKeepaliveCloseWithReaderStuckInTLSWrite(t *testing.T) {
 	t.Cleanup(func() { _ = pool.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+	s, err := connectHostile(ctx, pool, dial)
 	if err != nil {
 		t.Fatal(err)
 	}

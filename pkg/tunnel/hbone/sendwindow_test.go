@@ -221,7 +221,6 @@ func TestPoppedWriterWithoutStreamWindowPassesOn(t *testing.T) {
 // without handing on, or stayed in the queue, would make the last one
 // sleep for good.
 func TestClientWritersLeaveWindowQueue(t *testing.T) {
-	good, _ := pkis()
 	grants := make(chan uint32)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		// Stream windows larger than the connection's: writers run out
@@ -256,7 +255,7 @@ func TestClientWritersLeaveWindowQueue(t *testing.T) {
 	defer cancel()
 	var ss []*Stream
 	for range 3 {
-		s, err := pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		s, err := connectHostile(ctx, pool, dial)
 		if err != nil {
 			t.Fatal(err)
 		}
