@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"runtime"
 	"syscall"
 	"time"
 
@@ -25,9 +27,10 @@ const DefaultConnectTimeout = 10 * time.Second
 // at ctx's deadline, or after DefaultConnectTimeout if ctx has none.
 //
 // Only the socket is made on a thread in that namespace: a socket keeps
-// the namespace it was created in. Options, bind, connect and the wait for
-// the handshake happen on the caller's goroutine through the runtime poller,
-// so a connect in progress holds no OS thread locked in a namespace.
+// the namespace it was created in. The thread leaves the namespace as soon
+// as the socket exists; options, bind, connect and the wait for the
+// handshake happen through the runtime poller, so a connect in progress
+// holds no OS thread locked in a namespace.
 func Dial(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Conn, error) {
 	h, err := Open(path)
 	if err != nil {
@@ -55,6 +58,9 @@ func dial(ctx context.Context, h *Handle, network, addr string, opts SocketOptio
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if h == nil {
+		return nil, errNoHandle
+	}
 	dst, err := netip.ParseAddrPort(addr)
 	if err != nil {
 		return nil, fmt.Errorf("want a numeric ip:port: %w", err)
@@ -66,109 +72,178 @@ func dial(ctx context.Context, h *Handle, network, addr string, opts SocketOptio
 		return nil, fmt.Errorf("address %s is not %s", dst, network)
 	case network != "tcp" && network != "tcp4" && network != "tcp6":
 		return nil, fmt.Errorf("network %q: want tcp, tcp4 or tcp6", network)
-	case dst.Addr().Is4() && network != "tcp6":
+	case dst.Addr().Is4():
 		family = unix.AF_INET
 	}
 	local, err := bindAddr(opts.Local, family)
 	if err != nil {
 		return nil, err
 	}
-	f, fd, err := boundInRange(h, family, opts, local)
+	rc, err := h.f.SyscallConn()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("network namespace %s: %w", h.path, err)
 	}
-	if avoid := opts.AvoidLocalPort; avoid != 0 && localPort(fd) == avoid {
-		// Holding the socket on that port while binding another makes the
-		// kernel pick a different one; then it can go.
-		g, gfd, err := boundSocket(h, family, opts, local)
-		f.Close()
-		if err != nil {
-			return nil, fmt.Errorf("avoiding local port %d: %w", avoid, err)
-		}
-		if f, fd = g, gfd; localPort(fd) == avoid {
-			f.Close()
-			return nil, fmt.Errorf("avoiding local port %d: bound to it again", avoid)
-		}
+	// A goroutine of its own: should its thread fail to leave the
+	// namespace, it stays locked and exits with this goroutine.
+	type result struct {
+		c   net.Conn
+		err error
 	}
-	defer f.Close()
-	if err := connect(ctx, f, fd, sockaddr(dst, family)); err != nil {
-		return nil, err
-	}
-	// FileConn duplicates the connected socket into an ordinary
-	// *net.TCPConn (addresses known, splice and SetLinger available). It
-	// also sets the runtime's default keepalive, so opts' comes after.
-	c, err := net.FileConn(f)
-	if err != nil || opts.KeepAlive == nil {
-		return c, err
-	}
-	rc, err := c.(syscall.Conn).SyscallConn()
-	if err == nil {
-		err = controlErr(rc, opts.KeepAlive.apply)
-	}
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	return c, nil
+	done := make(chan result, 1)
+	go func() {
+		var r result
+		cerr := rc.Control(func(target uintptr) {
+			r.c, r.err = dialFrom(ctx, int(target), h.path, family, dst, local, opts)
+		})
+		done <- result{r.c, cmp.Or(r.err, cerr)}
+	}()
+	r := <-done
+	return r.c, r.err
 }
 
-// boundSocket makes a TCP socket in h's namespace, with opts, bound
-// to local when set. The socket belongs to the returned file, which
-// registers it with the poller.
-func boundSocket(h *Handle, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
-	fd := -1
-	err := h.Do(func() error {
-		var err error
-		fd, err = unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
-		return os.NewSyscallError("socket", err)
-	})
+// dialFrom dials dst with a socket made in the namespace target. The
+// calling goroutine's thread enters it for the socket call; the dialer's
+// control function, which runs right after it, sets the options, binds
+// (a second socket, to hold an avoided port, is made there too) and
+// returns the thread to the process's namespace and unlocks it before the
+// connect starts. If the thread cannot return, it stays locked and the
+// error says so: the caller's goroutine must end.
+//
+// net.Dialer makes the *net.TCPConn itself, so nothing is duplicated:
+// wrapping a socket made by hand (net.FileConn) took a dup, two address
+// lookups, a second poller registration and the runtime's keepalive, about
+// a dozen system calls more per dial.
+func dialFrom(ctx context.Context, target int, path string, family int, dst netip.AddrPort, local unix.Sockaddr, opts SocketOptions) (net.Conn, error) {
+	own, err := hostNS()
 	if err != nil {
-		if fd >= 0 { // made, but the thread could not leave the namespace
-			unix.Close(fd)
-		}
-		return nil, -1, err
+		return nil, fmt.Errorf("open own network namespace: %w", err)
 	}
-	f := os.NewFile(uintptr(fd), "netns-dial")
+	runtime.LockOSThread()
+	if err := unix.Setns(target, unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("enter network namespace %s: %w", path, err)
+	}
+	inside := true
+	var stuck error
+	leave := func() {
+		if !inside {
+			return
+		}
+		inside = false
+		if err := unix.Setns(int(own.Fd()), unix.CLONE_NEWNET); err != nil {
+			stuck = fmt.Errorf("return from network namespace %s: %w", path, err)
+			return
+		}
+		runtime.UnlockOSThread()
+	}
+	d := net.Dialer{
+		ControlContext: func(_ context.Context, _, _ string, c syscall.RawConn) error {
+			err := controlErr(c, func(fd int) error { return prepare(fd, family, opts, local) })
+			leave()
+			return cmp.Or(stuck, err)
+		},
+	}
+	if ka := opts.KeepAlive; ka != nil {
+		d.KeepAliveConfig = net.KeepAliveConfig{Enable: true, Idle: ka.Idle, Interval: ka.Interval, Count: ka.Count}
+	}
+	network := "tcp4"
+	if family == unix.AF_INET6 {
+		network = "tcp6"
+	}
+	c, err := d.DialContext(ctx, network, dst.String())
+	leave() // when the dial failed before its socket was made
+	if stuck != nil {
+		if c != nil {
+			c.Close()
+		}
+		return nil, errors.Join(err, stuck)
+	}
+	var oe *net.OpError
+	switch {
+	case err == nil:
+		return c, nil
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		// The socket's deadline is ctx's: it may fire before ctx's own
+		// timer marks ctx done. Report it as ctx would.
+		return nil, context.DeadlineExceeded
+	case errors.As(err, &oe):
+		return nil, oe.Err // the caller names the address and namespace
+	}
+	return nil, err
+}
+
+// prepare sets opts on a new socket and binds it to local when set: in
+// opts.LocalPorts when local has no port, never to opts.AvoidLocalPort. It
+// runs on the thread that made the socket, still in its namespace.
+func prepare(fd, family int, opts SocketOptions, local unix.Sockaddr) error {
 	if err := opts.apply(fd, family == unix.AF_INET); err != nil {
-		f.Close()
-		return nil, -1, err
+		return err
 	}
-	if local != nil {
-		if err := unix.Bind(fd, local); err != nil {
-			f.Close()
-			return nil, -1, os.NewSyscallError("bind", err)
+	if ka := opts.KeepAlive; ka != nil {
+		// The rest of the keepalive settings follow the connect (net.Dialer);
+		// this one the runtime does not know.
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ka.UserTimeout/time.Millisecond)); err != nil {
+			return fmt.Errorf("set TCP_USER_TIMEOUT: %w", err)
 		}
 	}
-	return f, fd, nil
+	if local == nil {
+		return nil
+	}
+	ap, _ := sockaddrPort(local)
+	if lo, hi := opts.LocalPorts[0], opts.LocalPorts[1]; lo != 0 && hi >= lo && ap.Port() == 0 {
+		if done, err := bindInRange(fd, family, ap.Addr(), lo, hi, opts.AvoidLocalPort); done {
+			return err
+		}
+	}
+	avoid := opts.AvoidLocalPort
+	if avoid == 0 || ap.Port() != 0 {
+		return os.NewSyscallError("bind", unix.Bind(fd, local))
+	}
+	// The kernel picks the port. Holding the avoided one on a socket of
+	// its own while binding makes it pick another; then that one can go.
+	hold, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, unix.IPPROTO_TCP)
+	if err != nil {
+		return fmt.Errorf("avoiding local port %d: %w", avoid, os.NewSyscallError("socket", err))
+	}
+	defer unix.Close(hold)
+	if err := opts.apply(hold, family == unix.AF_INET); err != nil {
+		return fmt.Errorf("avoiding local port %d: %w", avoid, err)
+	}
+	if err := unix.Bind(hold, sockaddr(netip.AddrPortFrom(ap.Addr(), avoid), family)); err != nil && !errors.Is(err, unix.EADDRINUSE) {
+		return fmt.Errorf("avoiding local port %d: %w", avoid, os.NewSyscallError("bind", err))
+	}
+	if err := unix.Bind(fd, local); err != nil {
+		return fmt.Errorf("avoiding local port %d: %w", avoid, os.NewSyscallError("bind", err))
+	}
+	if localPort(fd) == avoid {
+		return fmt.Errorf("avoiding local port %d: bound to it", avoid)
+	}
+	return nil
 }
 
-// localPortTries bounds how many ports of opts.LocalPorts boundInRange
-// tries before it leaves the choice to the kernel.
+// localPortTries bounds how many ports of SocketOptions.LocalPorts
+// bindInRange tries before it leaves the choice to the kernel.
 const localPortTries = 32
 
-// boundInRange is boundSocket with local's port taken from opts.LocalPorts
-// when local has none: consecutive ports from a random one, skipping
-// AvoidLocalPort and those in use, then the kernel's choice.
-func boundInRange(h *Handle, family int, opts SocketOptions, local unix.Sockaddr) (*os.File, int, error) {
-	lo, hi := opts.LocalPorts[0], opts.LocalPorts[1]
-	ap, ok := sockaddrPort(local)
-	if lo == 0 || hi < lo || !ok || ap.Port() != 0 {
-		return boundSocket(h, family, opts, local)
-	}
+// bindInRange binds fd to addr with a port in [lo, hi]: consecutive ports
+// from a random one, skipping avoid and those in use. done is false when
+// none of the ports tried was free (fd is still unbound): the kernel
+// chooses then.
+func bindInRange(fd, family int, addr netip.Addr, lo, hi, avoid uint16) (done bool, err error) {
 	n := int(hi-lo) + 1
 	start := rand.IntN(n)
 	for i := 0; i < min(n, localPortTries); i++ {
 		port := lo + uint16((start+i)%n)
-		if port == opts.AvoidLocalPort {
+		if port == avoid {
 			continue
 		}
-		f, fd, err := boundSocket(h, family, opts, sockaddr(netip.AddrPortFrom(ap.Addr(), port), family))
+		err := unix.Bind(fd, sockaddr(netip.AddrPortFrom(addr, port), family))
 		if errors.Is(err, unix.EADDRINUSE) {
 			continue
 		}
-		return f, fd, err
+		return true, os.NewSyscallError("bind", err)
 	}
-	return boundSocket(h, family, opts, local)
+	return false, nil
 }
 
 // sockaddrPort is the address and port of an inet sockaddr.
@@ -191,55 +266,6 @@ func localPort(fd int) uint16 {
 		return uint16(sa.Port)
 	}
 	return 0
-}
-
-// connect starts a non-blocking connect on fd and waits, through f's
-// poller registration, until the handshake finished or ctx ended.
-func connect(ctx context.Context, f *os.File, fd int, sa unix.Sockaddr) error {
-	err := unix.Connect(fd, sa)
-	switch {
-	case err == nil:
-		return nil
-	case !errors.Is(err, unix.EINPROGRESS) && !errors.Is(err, unix.EINTR):
-		return os.NewSyscallError("connect", err)
-	}
-	if d, ok := ctx.Deadline(); ok {
-		_ = f.SetWriteDeadline(d)
-	}
-	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
-	defer stop()
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return err
-	}
-	var cerr error
-	werr := rc.Write(func(fd uintptr) bool {
-		errno, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR)
-		switch {
-		case err != nil:
-			cerr = os.NewSyscallError("getsockopt", err)
-			return true
-		case errno != 0 && unix.Errno(errno) != unix.EINPROGRESS && unix.Errno(errno) != unix.EALREADY:
-			cerr = os.NewSyscallError("connect", unix.Errno(errno))
-			return true
-		}
-		// Writable with no error can still be spurious: connected only
-		// once the peer's address is there.
-		_, err = unix.Getpeername(int(fd))
-		return err == nil
-	})
-	if werr != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if errors.Is(werr, os.ErrDeadlineExceeded) {
-			// The socket's deadline is ctx's: it may fire before ctx's own
-			// timer marks ctx done. Report it as ctx would.
-			return context.DeadlineExceeded
-		}
-		return werr
-	}
-	return cerr
 }
 
 // bindAddr converts the local address a dialer binds to; nil: none.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -136,8 +137,26 @@ func TestDialErrors(t *testing.T) {
 func TestDialFullBacklogTimesOut(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
-	// A listener with backlog 0 that never accepts: one connection fills
-	// its queue.
+	dst, first := fillBacklog(t, a, b)
+	defer first.Close()
+
+	start := time.Now()
+	c, err := netns.Dial(context.Background(), a.Path(), "tcp", dst, netns.SocketOptions{})
+	took := time.Since(start)
+	if err == nil {
+		c.Close()
+		t.Fatal("dial to a full accept queue succeeded")
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || took > netns.DefaultConnectTimeout+5*time.Second {
+		t.Errorf("dial to a full accept queue: %v after %v, want a deadline error after %v", err, took.Round(time.Millisecond), netns.DefaultConnectTimeout)
+	}
+}
+
+// fillBacklog opens a listener in b with backlog 0 that never accepts, and
+// fills its queue with one connection from a: the next SYN to dst is
+// dropped, so a dial stays in progress.
+func fillBacklog(t *testing.T, a, b *netnstest.Pod) (dst string, first net.Conn) {
+	t.Helper()
 	var lfd int
 	err := netns.Do(b.Path(), func() error {
 		var err error
@@ -153,25 +172,65 @@ func TestDialFullBacklogTimesOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Close(lfd) })
-	dst := netip.AddrPortFrom(b.IPv4, 8090).String()
+	dst = netip.AddrPortFrom(b.IPv4, 8090).String()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	first, err := netns.Dial(ctx, a.Path(), "tcp", dst, netns.SocketOptions{})
+	first, err = netns.Dial(ctx, a.Path(), "tcp", dst, netns.SocketOptions{})
 	if err != nil {
 		t.Fatalf("first connection, into the empty queue: %v", err)
 	}
-	defer first.Close()
+	return dst, first
+}
 
-	start := time.Now()
-	c, err := netns.Dial(context.Background(), a.Path(), "tcp", dst, netns.SocketOptions{})
-	took := time.Since(start)
-	if err == nil {
-		c.Close()
-		t.Fatal("dial to a full accept queue succeeded")
+// While a dial waits for its handshake, no thread of the process is in the
+// namespace it dials from: the thread that made the socket left at once,
+// so dials to destinations that drop SYNs pin no threads there.
+func TestDialHoldsNoThreadInNamespace(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	dst, first := fillBacklog(t, a, b)
+	defer first.Close()
+	podNS, err := os.Readlink(a.Path())
+	if err != nil {
+		podNS, err = nsLink(a.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
-	if !errors.Is(err, context.DeadlineExceeded) || took > netns.DefaultConnectTimeout+5*time.Second {
-		t.Errorf("dial to a full accept queue: %v after %v, want a deadline error after %v", err, took.Round(time.Millisecond), netns.DefaultConnectTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	const dials = 8
+	errs := make(chan error, dials)
+	for range dials {
+		go func() {
+			_, err := netns.Dial(ctx, a.Path(), "tcp", dst, netns.SocketOptions{Mark: 0x539})
+			errs <- err
+		}()
 	}
+	time.Sleep(500 * time.Millisecond) // every dial is waiting for its SYN-ACK
+	tasks, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		if ns, err := os.Readlink("/proc/self/task/" + task.Name() + "/ns/net"); err == nil && ns == podNS {
+			t.Errorf("thread %s is in the dialling pod's namespace (%s) while its dials wait", task.Name(), ns)
+		}
+	}
+	for range dials {
+		if err := <-errs; !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("dial to a full accept queue: %v, want a deadline error", err)
+		}
+	}
+}
+
+// nsLink names the namespace at path as /proc's ns links do (net:[inode]).
+func nsLink(path string) (string, error) {
+	ino, err := netns.Inode(path)
+	if err != nil {
+		return "", err
+	}
+	return "net:[" + strconv.FormatUint(ino, 10) + "]", nil
 }
 
 // TestCheckCongestion: an algorithm the kernel has passes (reno is always

@@ -234,9 +234,9 @@ func (m *Metrics) open(c connInfo, trace string) *connResult {
 		c.peer = nil
 		l = m.labels(c)
 	}
-	end := m.series.begin(0, l)
-	m.connsOpened.With(l).Inc()
-	done, received, sent := m.connsClosed.With(l), m.receivedBytes.With(l), m.sentBytes.With(l)
+	counters, end := m.series.begin(0, l)
+	opened, done, sent, received := counters[0], counters[1], counters[2], counters[3]
+	opened.Inc()
 	return &connResult{m: m, c: c, l: l, trace: trace, start: time.Now(), counted: func(requestBytes, responseBytes int64) {
 		done.Inc()
 		received.Add(float64(requestBytes))
@@ -281,6 +281,7 @@ func (m *Metrics) denial(reason string, c connInfo) {
 	for _, n := range denialLabels[1:] {
 		l[n] = full[n]
 	}
-	m.series.begin(1, l)()
-	m.policyDenials.With(l).Inc()
+	counters, end := m.series.begin(1, l)
+	counters[0].Inc()
+	end()
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/netip"
@@ -21,7 +22,7 @@ import (
 // bookinfo builds a directory with reviews-v1 and reviews-v2 (Deployment
 // pods of the canonical service reviews), productpage, and the services
 // reviews and reviews-v2-only over them.
-func bookinfo(t *testing.T) *workload.Directory {
+func bookinfo(t testing.TB) *workload.Directory {
 	t.Helper()
 	pod := func(name, deploy, ip, version string) *workload.Workload {
 		w := podObj("mesh", name, "bookinfo-"+deploy, ip, map[string]string{"app": strings.Split(deploy, "-")[0], "version": version})
@@ -293,5 +294,27 @@ func TestLocality(t *testing.T) {
 	got := parseBaggage(http.Header{"Baggage": {baggageOf(w, "c1")}}, peer)
 	if got == nil || got.region != "eu-west1" || got.zone != "eu-west1-b" {
 		t.Errorf("baggage locality %+v", got)
+	}
+}
+
+// BenchmarkConnCounted is what the metrics and the access log cost one
+// connection: counted opened, then closed with its bytes and its line
+// written (to io.Discard, through the agent's batching writer).
+func BenchmarkConnCounted(b *testing.B) {
+	dir := bookinfo(b)
+	m := NewMetrics(prometheus.NewRegistry())
+	w := NewAccessLogWriter(io.Discard)
+	defer w.Close()
+	m.SetAccessLog(slog.New(slog.NewTextHandler(w, nil)))
+	m.setLive(dir)
+	src, dst := dir.All()[0], dir.All()[1]
+	srcID := identity.ID{TrustDomain: "cluster.local", Namespace: src.Namespace, ServiceAccount: src.ServiceAccount}
+	dstID := identity.ID{TrustDomain: "cluster.local", Namespace: dst.Namespace, ServiceAccount: dst.ServiceAccount}
+	c := connInfo{reporter: "destination", src: src, dst: dst, srcID: srcID, dstID: dstID, secure: true,
+		srcAddr: netip.MustParseAddrPort("10.0.0.1:40000"), dstAddr: netip.MustParseAddrPort("10.0.0.2:9080")}
+	ctx := context.Background()
+	b.ReportAllocs()
+	for b.Loop() {
+		m.open(c, "").close(ctx, 1, 1, nil)
 	}
 }

@@ -54,8 +54,12 @@ type seriesGroup struct {
 }
 
 type seriesEntry struct {
-	group     int
-	labels    prometheus.Labels
+	group  int
+	labels prometheus.Labels
+	// counters are the group's vectors' counters of labels, in the
+	// group's order, resolved once (with the entry) rather than hashed
+	// from the labels again on every connection.
+	counters  []prometheus.Counter
 	open      int       // connections counted in the series and still open
 	goneSince time.Time // zero while live or open
 	derived   bool      // admitted by admitDerived
@@ -75,9 +79,15 @@ func (m *Metrics) SetSeriesGrace(d time.Duration) {
 }
 
 func (g *seriesGC) key(group int, l prometheus.Labels) string {
+	names := g.groups[group].names
+	size := 1 + len(names)
+	for _, n := range names {
+		size += len(l[n])
+	}
 	var b strings.Builder
+	b.Grow(size)
 	b.WriteByte(byte('0' + group))
-	for _, n := range g.groups[group].names {
+	for _, n := range names {
 		b.WriteByte(0)
 		b.WriteString(l[n])
 	}
@@ -124,9 +134,11 @@ func (g *seriesGC) admitDerived(l prometheus.Labels) bool {
 	return true
 }
 
-// begin records an open connection counted in the series l; end when it
-// closes.
-func (g *seriesGC) begin(group int, l prometheus.Labels) (end func()) {
+// begin records an open connection counted in the series l and returns
+// the series' counters, one per vector of the group in its order; end when
+// the connection closes. The counters stay the series' until then: a
+// series with open connections is never deleted.
+func (g *seriesGC) begin(group int, l prometheus.Labels) (counters []prometheus.Counter, end func()) {
 	k := g.key(group, l)
 	g.mu.Lock()
 	e := g.series[k]
@@ -134,11 +146,18 @@ func (g *seriesGC) begin(group int, l prometheus.Labels) (end func()) {
 		e = &seriesEntry{group: group, labels: l}
 		g.series[k] = e
 	}
+	if e.counters == nil {
+		vecs := g.groups[group].vecs
+		e.counters = make([]prometheus.Counter, len(vecs))
+		for i, v := range vecs {
+			e.counters[i] = v.With(e.labels)
+		}
+	}
 	e.open++
 	e.goneSince = time.Time{}
 	g.mu.Unlock()
 	var once sync.Once
-	return func() {
+	return e.counters, func() {
 		once.Do(func() {
 			g.mu.Lock()
 			defer g.mu.Unlock()
