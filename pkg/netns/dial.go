@@ -136,13 +136,23 @@ func dialFrom(ctx context.Context, target int, path string, family int, dst neti
 		}
 		runtime.UnlockOSThread()
 	}
+	var perr error
 	d := net.Dialer{
 		ControlContext: func(_ context.Context, _, _ string, c syscall.RawConn) error {
-			err := controlErr(c, func(fd int) error { return prepare(fd, family, opts, local) })
+			if !inside {
+				// net.Dialer makes a new socket after EADDRNOTAVAIL (bind or
+				// connect) or a connection to itself: the thread has left,
+				// so it would be in the process's own namespace.
+				return cmp.Or(perr, errRedial)
+			}
+			perr = controlErr(c, func(fd int) error { return prepare(fd, family, opts, local) })
 			leave()
-			return cmp.Or(stuck, err)
+			return cmp.Or(stuck, perr)
 		},
 	}
+	// One socket per dial: a failed MPTCP dial (GODEBUG=multipathtcp=1)
+	// falls back to a second.
+	d.SetMultipathTCP(false)
 	if ka := opts.KeepAlive; ka != nil {
 		d.KeepAliveConfig = net.KeepAliveConfig{Enable: true, Idle: ka.Idle, Interval: ka.Interval, Count: ka.Count}
 	}
@@ -171,6 +181,9 @@ func dialFrom(ctx context.Context, target int, path string, family int, dst neti
 	}
 	return nil, err
 }
+
+// errRedial is what a dial answers when net.Dialer wants a second socket.
+var errRedial = errors.New("net.Dialer wants a new socket (after EADDRNOTAVAIL or a connection to itself), which would not be in the namespace")
 
 // prepare sets opts on a new socket and binds it to local when set: in
 // opts.LocalPorts when local has no port, never to opts.AvoidLocalPort. It

@@ -324,3 +324,63 @@ func TestDialLocalPorts(t *testing.T) {
 	}
 	c.Close()
 }
+
+// net.Dialer makes a new socket when its first one's bind or connect
+// fails with EADDRNOTAVAIL. The thread has left the pod's namespace by
+// then: that socket must not be made (it would be in the agent's own).
+// Local here is an address of the agent's namespace, listened on there,
+// which the pod does not have: a socket made outside the pod connects.
+func TestDialRetryStaysInNamespace(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a := topo.Nodes[0].AddPod("a")
+	var host netip.Addr
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ia := range addrs {
+		if ipn, ok := ia.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(ipn.IP); ok && ip.Unmap().Is4() && !ip.IsLoopback() && !slices.Contains(a.Addrs(), ip.Unmap()) {
+				host = ip.Unmap()
+				break
+			}
+		}
+	}
+	if !host.IsValid() {
+		t.Skip("the test's own namespace has no IPv4 address but loopback")
+	}
+	l, err := net.Listen("tcp4", netip.AddrPortFrom(host, 0).String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, a.Path(), "tcp", l.Addr().String(), netns.SocketOptions{Local: &net.TCPAddr{IP: host.AsSlice()}})
+	if err == nil {
+		defer c.Close()
+		t.Fatalf("dial from %s bound to %s, which it does not have, connected %v -> %v: the socket is not in the pod's namespace", a.Name, host, c.LocalAddr(), c.RemoteAddr())
+	}
+	if !errors.Is(err, unix.EADDRNOTAVAIL) {
+		t.Errorf("dial bound to an address the pod does not have: %v, want EADDRNOTAVAIL", err)
+	}
+}
+
+// With MPTCP asked for (GODEBUG=multipathtcp=1), a failed MPTCP dial
+// falls back to a new TCP socket: it too must be in the pod's namespace,
+// so a refused dial is refused.
+func TestDialMultipathTCPRefused(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	t.Setenv("GODEBUG", "multipathtcp=1")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, a.Path(), "tcp", netip.AddrPortFrom(b.IPv4, 9).String(), netns.SocketOptions{})
+	if err == nil {
+		c.Close()
+		t.Fatalf("dial to a closed port with GODEBUG=multipathtcp=1 connected %v -> %v: the socket is not in the pod's namespace", c.LocalAddr(), c.RemoteAddr())
+	}
+	if !errors.Is(err, unix.ECONNREFUSED) {
+		t.Errorf("dial to a closed port with GODEBUG=multipathtcp=1: %v, want connection refused", err)
+	}
+}
