@@ -183,8 +183,11 @@ type SocketOptions struct {
 	// KeepAlive, when set, turns TCP keepalive on with its timings and sets
 	// TCP_USER_TIMEOUT: on a listener before it listens, and its accepted
 	// sockets inherit both from it, so nothing is set per accepted
-	// connection (nor the runtime's own 15 s keepalive default); on a dialled
-	// socket once it is connected, after the runtime set its default.
+	// connection (nor the runtime's own 15 s keepalive default). On a dialled
+	// socket the timings are the dialer's (set once it is connected, instead
+	// of the runtime's default) and TCP_USER_TIMEOUT is set before the
+	// connect, where it also bounds the handshake: keep it above the connect
+	// timeout.
 	KeepAlive *KeepAlive
 }
 
