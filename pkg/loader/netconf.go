@@ -14,6 +14,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // The functions here run inside the pod's network namespace (netns.Do).
@@ -24,10 +26,16 @@ func sysctlPath(procDir, family, iface, name string) string {
 	return filepath.Join(cmp.Or(procDir, "/proc"), "sys/net", family, "conf", iface, name)
 }
 
+// maxSysctlBytes bounds the read of a sysctl under ProcDir (a setting): an
+// integer's few bytes in a procfs, but a fifo, a device or a huge file at the
+// path, where ProcDir is not one, is an error instead of a read that blocks a
+// thread in the pod's namespace for ever or fills the memory.
+const maxSysctlBytes = 4 << 10
+
 func readSysctl(path string) (int32, error) {
-	b, err := os.ReadFile(path)
+	b, err := smallfile.Read(path, maxSysctlBytes)
 	if err != nil {
-		return -1, fmt.Errorf("read %s: %w", path, err)
+		return -1, fmt.Errorf("read sysctl: %w", err)
 	}
 	v, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil {
