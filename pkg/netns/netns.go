@@ -44,9 +44,11 @@ type Handle struct {
 	path string
 }
 
-// Open opens the network namespace at path.
+// Open opens the network namespace at path. It opens without blocking, as
+// CheckPodPath: a fifo put at the path after the check is refused, not
+// waited on.
 func Open(path string) (*Handle, error) {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open network namespace %s: %w", path, err)
 	}
