@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -44,8 +45,19 @@ func readSysctl(path string) (int32, error) {
 	return int32(v), nil
 }
 
+// writeSysctl writes v to the sysctl at path as os.WriteFile did, but opens
+// without blocking: the attach ignores a failed read of the old value, and
+// a fifo at the path (ProcDir not a procfs) waited for a reader for ever.
 func writeSysctl(path string, v int32) error {
-	if err := os.WriteFile(path, []byte(strconv.Itoa(int(v))), 0o644); err != nil {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NONBLOCK, 0o644)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	_, err = f.Write([]byte(strconv.Itoa(int(v))))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil

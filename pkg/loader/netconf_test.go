@@ -46,3 +46,30 @@ func TestReadSysctlBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestWriteSysctlFifo: the attach writes accept_local and rp_filter even when
+// reading their old values failed, so the write must not block on a fifo
+// either (os.WriteFile waited for a reader for ever).
+func TestWriteSysctlFifo(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- writeSysctl(fifo, 1) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "write "+fifo) {
+			t.Errorf("writeSysctl(fifo) = %v, want an error naming it", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("writeSysctl(fifo) blocked")
+	}
+	ok := filepath.Join(t.TempDir(), "ok")
+	if err := writeSysctl(ok, 7); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := readSysctl(ok); err != nil || v != 7 {
+		t.Errorf("read back %d, %v; want 7", v, err)
+	}
+}
