@@ -16,8 +16,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/accel"
 	"github.com/redirector-mesh/redirector/pkg/admin"
@@ -535,20 +533,4 @@ func newSource(ctx context.Context, cfg agentConfig, log *slog.Logger, reg prome
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
 	return ks, ann, nil
-}
-
-// restConfig is the API client configuration: from kubeconfig when given,
-// else the in-cluster service account.
-func restConfig(kubeconfig string) (*rest.Config, error) {
-	var rc *rest.Config
-	var err error
-	if kubeconfig != "" {
-		rc, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	} else {
-		rc, err = rest.InClusterConfig()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("kubernetes client config: %w", err)
-	}
-	return rc, nil
 }

@@ -1,7 +1,7 @@
 // Package smallfile reads the small files a setting names (trust bundles,
-// CA files, tokens) without trusting what is at the path: a fifo there
-// would block the read for ever, a device such as /dev/zero or a huge file
-// would fill the memory.
+// CA files, tokens, the kubeconfig, sysctls under PROC_DIR) without
+// trusting what is at the path: a fifo there would block the read for ever,
+// a device such as /dev/zero or a huge file would fill the memory.
 package smallfile
 
 import (

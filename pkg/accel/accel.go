@@ -18,6 +18,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -217,15 +218,28 @@ func removeMapPins(root string) error {
 	return errors.Join(errs...)
 }
 
+// mountinfo is the kernel's list of this process's mounts.
+const mountinfo = "/proc/self/mountinfo"
+
 // CgroupV2Root finds the cgroup v2 mount from /proc/self/mountinfo (it is
 // /sys/fs/cgroup on unified hosts and /sys/fs/cgroup/unified on hybrid ones).
 func CgroupV2Root() (string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	f, err := os.Open(mountinfo)
 	if err != nil {
 		return "", err
 	}
 	defer f.Close()
-	sc := bufio.NewScanner(f)
+	return cgroupV2Root(f, mountinfo)
+}
+
+// cgroupV2Root scans mountinfo lines from r (named name) for the first
+// cgroup2 mount. Its read is bounded without a size limit on the file: the
+// scanner holds one line (at most bufio.MaxScanTokenSize), stops at the
+// first cgroup2 line, and the kernel writes one line per mount of the
+// agent's mount namespace. A line over that size is an error naming the
+// file, not a scan that ends early and reports no cgroup v2 mount.
+func cgroupV2Root(r io.Reader, name string) (string, error) {
+	sc := bufio.NewScanner(r)
 	for sc.Scan() {
 		// "... mountpoint options ... - fstype source superoptions"
 		pre, post, ok := strings.Cut(sc.Text(), " - ")
@@ -236,5 +250,8 @@ func CgroupV2Root() (string, error) {
 			return fields[4], nil
 		}
 	}
-	return "", errors.New("no cgroup v2 mount in /proc/self/mountinfo: sockops acceleration needs cgroup v2")
+	if err := sc.Err(); err != nil {
+		return "", fmt.Errorf("read %s: %w", name, err)
+	}
+	return "", fmt.Errorf("no cgroup v2 mount in %s: sockops acceleration needs cgroup v2", name)
 }

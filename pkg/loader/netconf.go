@@ -11,9 +11,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // The functions here run inside the pod's network namespace (netns.Do).
@@ -24,10 +27,16 @@ func sysctlPath(procDir, family, iface, name string) string {
 	return filepath.Join(cmp.Or(procDir, "/proc"), "sys/net", family, "conf", iface, name)
 }
 
+// maxSysctlBytes bounds the read of a sysctl under ProcDir (a setting): an
+// integer's few bytes in a procfs, but a fifo, a device or a huge file at the
+// path, where ProcDir is not one, is an error instead of a read that blocks a
+// thread in the pod's namespace for ever or fills the memory.
+const maxSysctlBytes = 4 << 10
+
 func readSysctl(path string) (int32, error) {
-	b, err := os.ReadFile(path)
+	b, err := smallfile.Read(path, maxSysctlBytes)
 	if err != nil {
-		return -1, fmt.Errorf("read %s: %w", path, err)
+		return -1, fmt.Errorf("read sysctl: %w", err)
 	}
 	v, err := strconv.Atoi(strings.TrimSpace(string(b)))
 	if err != nil {
@@ -36,8 +45,19 @@ func readSysctl(path string) (int32, error) {
 	return int32(v), nil
 }
 
+// writeSysctl writes v to the sysctl at path as os.WriteFile did, but opens
+// without blocking: the attach ignores a failed read of the old value, and
+// a fifo at the path (ProcDir not a procfs) waited for a reader for ever.
 func writeSysctl(path string, v int32) error {
-	if err := os.WriteFile(path, []byte(strconv.Itoa(int(v))), 0o644); err != nil {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|syscall.O_NONBLOCK, 0o644)
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	_, err = f.Write([]byte(strconv.Itoa(int(v))))
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	return nil

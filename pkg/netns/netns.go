@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // Do runs fn on an OS thread that has entered the network namespace at path,
@@ -42,9 +44,11 @@ type Handle struct {
 	path string
 }
 
-// Open opens the network namespace at path.
+// Open opens the network namespace at path. It opens without blocking, as
+// CheckPodPath: a fifo put at the path after the check is refused, not
+// waited on.
 func Open(path string) (*Handle, error) {
-	f, err := os.Open(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open network namespace %s: %w", path, err)
 	}
@@ -322,6 +326,12 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 // listener of its group instead of resetting them.
 const migrateReqPath = "sys/net/ipv4/tcp_migrate_req"
 
+// maxSysctlBytes bounds the read of a sysctl under procDir (a setting): an
+// integer's few bytes in a procfs, but a fifo, a device or a huge file at the
+// path, where procDir is not one, is an error instead of a read that blocks a
+// thread in the namespace for ever or fills the memory.
+const maxSysctlBytes = 4 << 10
+
 // EnableMigrateReq sets net.ipv4.tcp_migrate_req=1 in the network namespace
 // at path (the sysctl is per namespace: /proc/sys/net is the opener's
 // namespace), through the procfs at procDir (empty: /proc). It returns the
@@ -329,7 +339,7 @@ const migrateReqPath = "sys/net/ipv4/tcp_migrate_req"
 func EnableMigrateReq(path, procDir string) (old int, err error) {
 	migrateReqPath := filepath.Join(cmp.Or(procDir, "/proc"), migrateReqPath)
 	err = Do(path, func() error {
-		b, err := os.ReadFile(migrateReqPath)
+		b, err := smallfile.Read(migrateReqPath, maxSysctlBytes)
 		if err != nil {
 			return err
 		}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -26,7 +27,9 @@ func CheckPodPath(path, procDir string) (uint64, error) {
 	if path == "" || !filepath.IsAbs(path) || filepath.Clean(path) != path {
 		return 0, fmt.Errorf("network namespace path %q: must be absolute and clean: %w", path, ErrNotPodNetNS)
 	}
-	f, err := os.Open(path)
+	// Without blocking: a fifo at the path would wait for a writer for ever;
+	// opened so, it is refused below as not a namespace file.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return 0, fmt.Errorf("network namespace %s: %w", path, err)
 	}

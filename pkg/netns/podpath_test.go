@@ -7,7 +7,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // TestCheckPodPath: only an absolute, clean path to a network namespace
@@ -54,3 +56,25 @@ func TestCheckPodPath(t *testing.T) {
 }
 
 func containsStr(s, sub string) bool { return strings.Contains(s, sub) }
+
+// TestCheckPodPathFifo: a fifo at a reported path is refused at once, naming
+// it, by CheckPodPath and Open (os.Open waited for a writer for ever).
+func TestCheckPodPathFifo(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 2)
+	go func() { _, err := CheckPodPath(fifo, ""); done <- err }()
+	go func() { _, err := Open(fifo); done <- err }()
+	for range 2 {
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), fifo+": not a namespace file") {
+				t.Errorf("got %v, want an error naming %s as not a namespace file", err, fifo)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("opening a fifo as a network namespace blocked")
+		}
+	}
+}

@@ -1,0 +1,79 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestKubeconfigBounded: the file KUBECONFIG names is read through
+// smallfile. A fifo there fails at once naming the path (BuildConfigFromFlags
+// blocked on it for ever); an outsized file is refused naming the limit; a
+// kubeconfig's relative file references are still taken from its directory.
+func TestKubeconfigBounded(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { _, err := restConfig(fifo); done <- err }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "--kubeconfig (KUBECONFIG): "+fifo+" is not a regular file (a fifo)") {
+			t.Errorf("restConfig(fifo) = %v, want an error naming the fifo", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("restConfig(fifo) blocked")
+	}
+
+	big := filepath.Join(dir, "big")
+	if err := os.WriteFile(big, make([]byte, maxKubeconfigBytes+1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := restConfig(big); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxKubeconfigBytes+1, maxKubeconfigBytes)) {
+		t.Errorf("restConfig(big) = %v, want an error naming the limit", err)
+	}
+
+	empty := filepath.Join(dir, "empty")
+	if err := os.WriteFile(empty, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := restConfig(empty); err == nil || !strings.Contains(err.Error(), empty) {
+		t.Errorf("restConfig(empty) = %v, want an error naming the file", err)
+	}
+
+	if err := os.WriteFile(filepath.Join(dir, "ca.crt"), []byte("not checked here"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ok := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(ok, []byte(`apiVersion: v1
+kind: Config
+clusters:
+- name: c
+  cluster:
+    server: https://127.0.0.1:6443
+    certificate-authority: ca.crt
+users:
+- name: u
+  user:
+    token: t0ken
+contexts:
+- name: x
+  context: {cluster: c, user: u}
+current-context: x
+`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := restConfig(ok)
+	if err != nil {
+		t.Fatalf("restConfig(ok): %v", err)
+	}
+	if rc.Host != "https://127.0.0.1:6443" || rc.BearerToken != "t0ken" || rc.TLSClientConfig.CAFile != filepath.Join(dir, "ca.crt") {
+		t.Errorf("restConfig(ok) = host %q, token %q, CA file %q; want the kubeconfig's, CA file in its directory", rc.Host, rc.BearerToken, rc.TLSClientConfig.CAFile)
+	}
+}

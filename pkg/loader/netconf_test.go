@@ -1,0 +1,75 @@
+package loader
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestReadSysctlBounded: a sysctl under ProcDir (a setting) is read through
+// smallfile. A fifo there fails at once naming it (os.ReadFile blocked for
+// ever); an outsized file is refused naming the limit.
+func TestReadSysctlBounded(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big")
+	if err := os.WriteFile(big, []byte(strings.Repeat("0", maxSysctlBytes+1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ok := filepath.Join(dir, "ok")
+	if err := os.WriteFile(ok, []byte("2\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := readSysctl(ok); err != nil || v != 2 {
+		t.Errorf("readSysctl(ok) = %d, %v; want 2", v, err)
+	}
+	for path, want := range map[string]string{
+		fifo: fifo + " is not a regular file (a fifo)",
+		big:  fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxSysctlBytes+1, maxSysctlBytes),
+	} {
+		done := make(chan error, 1)
+		go func() { _, err := readSysctl(path); done <- err }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("readSysctl(%s) = %v, want %q", path, err, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("readSysctl(%s) blocked", path)
+		}
+	}
+}
+
+// TestWriteSysctlFifo: the attach writes accept_local and rp_filter even when
+// reading their old values failed, so the write must not block on a fifo
+// either (os.WriteFile waited for a reader for ever).
+func TestWriteSysctlFifo(t *testing.T) {
+	fifo := filepath.Join(t.TempDir(), "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- writeSysctl(fifo, 1) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "write "+fifo) {
+			t.Errorf("writeSysctl(fifo) = %v, want an error naming it", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("writeSysctl(fifo) blocked")
+	}
+	ok := filepath.Join(t.TempDir(), "ok")
+	if err := writeSysctl(ok, 7); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := readSysctl(ok); err != nil || v != 7 {
+		t.Errorf("read back %d, %v; want 7", v, err)
+	}
+}

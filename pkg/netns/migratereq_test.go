@@ -1,0 +1,52 @@
+package netns
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestEnableMigrateReqBounded: the sysctl under procDir (a setting) is read
+// through smallfile. A fifo there fails at once naming it (os.ReadFile
+// blocked a thread in the namespace for ever); an outsized file is refused
+// naming the limit.
+func TestEnableMigrateReqBounded(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	pod := testNS(t, fmt.Sprintf("rdmr%04x", rand.IntN(0xffff)))
+	fifoDir, bigDir := t.TempDir(), t.TempDir()
+	for _, d := range []string{fifoDir, bigDir} {
+		if err := os.MkdirAll(filepath.Join(d, "sys/net/ipv4"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fifo := filepath.Join(fifoDir, migrateReqPath)
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(bigDir, migrateReqPath)
+	if err := os.WriteFile(big, []byte(strings.Repeat("0", maxSysctlBytes+1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for procDir, want := range map[string]string{
+		fifoDir: fifo + " is not a regular file (a fifo)",
+		bigDir:  fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxSysctlBytes+1, maxSysctlBytes),
+	} {
+		done := make(chan error, 1)
+		go func() { _, err := EnableMigrateReq(pod, procDir); done <- err }()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), want) {
+				t.Errorf("EnableMigrateReq(%s) = %v, want %q", procDir, err, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("EnableMigrateReq(%s) blocked", procDir)
+		}
+	}
+}
