@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -270,5 +271,20 @@ func TestSelectionHint(t *testing.T) {
 	}
 	if _, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), path) {
 		t.Errorf("corrupt hint: err = %v, want a decode error naming the file", err)
+	}
+	// A fifo at the path is refused at once, not waited on for a writer.
+	fifo := filepath.Join(t.TempDir(), "fifo.json")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	read := make(chan error, 1)
+	go func() { _, err := cni.ReadSelectionHint(fifo); read <- err }()
+	select {
+	case err := <-read:
+		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("fifo hint: err = %v, want not a regular file", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("reading a fifo hint blocked")
 	}
 }

@@ -118,7 +118,9 @@ func sortedUnique(in []string) []string {
 // readOwnedFile reads path, at most limit bytes, if it is a regular file
 // owned by root or this process's user and writable by no one else.
 func readOwnedFile(path string, limit int64) ([]byte, error) {
-	f, err := os.Open(path)
+	// Without blocking: a fifo at the path would wait for a writer for
+	// ever; opened so, it is refused below as not a regular file.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/pin"
@@ -163,7 +164,7 @@ func HostPeerIndex(podNetNSPath, podIface string) (int, error) {
 	// this pod's interface in this pod's namespace.
 	ok := host.Type() == "veth" && host.Attrs().ParentIndex == podIndex
 	if ok {
-		f, err := os.Open(podNetNSPath)
+		f, err := os.OpenFile(podNetNSPath, os.O_RDONLY|unix.O_NONBLOCK, 0) // a fifo swapped in must not block
 		if err != nil {
 			return 0, fmt.Errorf("open %s: %w", podNetNSPath, err)
 		}
