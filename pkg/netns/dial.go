@@ -65,6 +65,11 @@ func dial(ctx context.Context, h *Handle, network, addr string, opts SocketOptio
 	if err != nil {
 		return nil, fmt.Errorf("want a numeric ip:port: %w", err)
 	}
+	if dst.Addr().Zone() != "" {
+		// A zone names an interface, which the runtime would look up in a
+		// cache shared by every namespace the process enters.
+		return nil, fmt.Errorf("address %s has a zone: want one without", dst)
+	}
 	dst = netip.AddrPortFrom(dst.Addr().Unmap(), dst.Port())
 	family := unix.AF_INET6
 	switch {

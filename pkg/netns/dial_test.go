@@ -120,6 +120,7 @@ func TestDialErrors(t *testing.T) {
 		{"tcp", "localhost:80", "numeric"},
 		{"udp", netip.AddrPortFrom(b.IPv4, 80).String(), `network "udp"`},
 		{"tcp6", netip.AddrPortFrom(b.IPv4, 80).String(), "is not tcp6"},
+		{"tcp", "[fe80::1%eth0]:80", "has a zone"},
 	}
 	for _, c := range bad {
 		if _, err := netns.Dial(ctx, a.Path(), c.network, c.addr, netns.SocketOptions{}); err == nil || !strings.Contains(err.Error(), c.want) {
