@@ -7,7 +7,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // TestKubeconfigBounded: the file KUBECONFIG names is read through
@@ -20,15 +21,9 @@ func TestKubeconfigBounded(t *testing.T) {
 	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { _, err := restConfig(fifo); done <- err }()
-	select {
-	case err := <-done:
-		if err == nil || !strings.Contains(err.Error(), "--kubeconfig (KUBECONFIG): "+fifo+" is not a regular file (a fifo)") {
-			t.Errorf("restConfig(fifo) = %v, want an error naming the fifo", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("restConfig(fifo) blocked")
+	err := waitfor.Returns(t, "restConfig(fifo)", func() error { _, err := restConfig(fifo); return err })
+	if err == nil || !strings.Contains(err.Error(), "--kubeconfig (KUBECONFIG): "+fifo+" is not a regular file (a fifo)") {
+		t.Errorf("restConfig(fifo) = %v, want an error naming the fifo", err)
 	}
 
 	big := filepath.Join(dir, "big")

@@ -23,3 +23,20 @@ func Until(t testing.TB, what string, cond func() bool) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// Returns runs fn on a goroutine of its own and returns its error. It fails
+// t, naming what, if fn has not returned within Timeout: a call that would
+// block for ever (an open or a read of a fifo) fails the test instead of
+// hanging it. The goroutine is left blocked then.
+func Returns(t testing.TB, what string, fn func() error) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- fn() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(Timeout):
+		t.Fatalf("%s did not return within %s", what, Timeout)
+		return nil
+	}
+}

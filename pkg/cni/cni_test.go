@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/cni/cnitest"
 )
@@ -277,14 +278,8 @@ func TestSelectionHint(t *testing.T) {
 	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	read := make(chan error, 1)
-	go func() { _, err := cni.ReadSelectionHint(fifo); read <- err }()
-	select {
-	case err := <-read:
-		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
-			t.Errorf("fifo hint: err = %v, want not a regular file", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("reading a fifo hint blocked")
+	err = waitfor.Returns(t, "ReadSelectionHint(fifo)", func() error { _, err := cni.ReadSelectionHint(fifo); return err })
+	if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+		t.Errorf("fifo hint: err = %v, want not a regular file", err)
 	}
 }

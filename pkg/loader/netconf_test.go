@@ -7,7 +7,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // TestReadSysctlBounded: a sysctl under ProcDir (a setting) is read through
@@ -34,15 +35,9 @@ func TestReadSysctlBounded(t *testing.T) {
 		fifo: fifo + " is not a regular file (a fifo)",
 		big:  fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxSysctlBytes+1, maxSysctlBytes),
 	} {
-		done := make(chan error, 1)
-		go func() { _, err := readSysctl(path); done <- err }()
-		select {
-		case err := <-done:
-			if err == nil || !strings.Contains(err.Error(), want) {
-				t.Errorf("readSysctl(%s) = %v, want %q", path, err, want)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatalf("readSysctl(%s) blocked", path)
+		err := waitfor.Returns(t, "readSysctl("+path+")", func() error { _, err := readSysctl(path); return err })
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("readSysctl(%s) = %v, want %q", path, err, want)
 		}
 	}
 }
@@ -55,15 +50,8 @@ func TestWriteSysctlFifo(t *testing.T) {
 	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- writeSysctl(fifo, 1) }()
-	select {
-	case err := <-done:
-		if err == nil || !strings.Contains(err.Error(), "write "+fifo) {
-			t.Errorf("writeSysctl(fifo) = %v, want an error naming it", err)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("writeSysctl(fifo) blocked")
+	if err := waitfor.Returns(t, "writeSysctl(fifo)", func() error { return writeSysctl(fifo, 1) }); err == nil || !strings.Contains(err.Error(), "write "+fifo) {
+		t.Errorf("writeSysctl(fifo) = %v, want an error naming it", err)
 	}
 	ok := filepath.Join(t.TempDir(), "ok")
 	if err := writeSysctl(ok, 7); err != nil {

@@ -8,7 +8,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // TestEnableMigrateReqBounded: the sysctl under procDir (a setting) is read
@@ -38,15 +39,9 @@ func TestEnableMigrateReqBounded(t *testing.T) {
 		fifoDir: fifo + " is not a regular file (a fifo)",
 		bigDir:  fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxSysctlBytes+1, maxSysctlBytes),
 	} {
-		done := make(chan error, 1)
-		go func() { _, err := EnableMigrateReq(pod, procDir); done <- err }()
-		select {
-		case err := <-done:
-			if err == nil || !strings.Contains(err.Error(), want) {
-				t.Errorf("EnableMigrateReq(%s) = %v, want %q", procDir, err, want)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatalf("EnableMigrateReq(%s) blocked", procDir)
+		err := waitfor.Returns(t, "EnableMigrateReq("+procDir+")", func() error { _, err := EnableMigrateReq(pod, procDir); return err })
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("EnableMigrateReq(%s) = %v, want %q", procDir, err, want)
 		}
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
 
@@ -80,18 +81,10 @@ func TestLoadSinglePathNotRegular(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, path := range []string{fifo, "/dev/zero"} {
-		done := make(chan []error, 1)
-		go func() {
-			_, errs := Load(path)
-			done <- errs
-		}()
-		select {
-		case errs := <-done:
-			if len(errs) != 1 || !strings.Contains(errs[0].Error(), "not a regular file") {
-				t.Errorf("Load(%s) errors = %v, want one: not a regular file", path, errs)
-			}
-		case <-time.After(5 * time.Second):
-			t.Fatalf("Load(%s) did not return", path)
+		var errs []error
+		waitfor.Returns(t, "Load("+path+")", func() error { _, errs = Load(path); return nil })
+		if len(errs) != 1 || !strings.Contains(errs[0].Error(), "not a regular file") {
+			t.Errorf("Load(%s) errors = %v, want one: not a regular file", path, errs)
 		}
 	}
 }
