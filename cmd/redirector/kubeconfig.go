@@ -5,6 +5,7 @@ import (
 
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
@@ -60,9 +61,47 @@ func kubeconfigRESTConfig(path string) (*rest.Config, error) {
 	if err := clientcmd.ResolveLocalPaths(cfg); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
+	if err := checkNamedFiles(cfg); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
 	rc, err := clientcmd.NewNonInteractiveClientConfig(*cfg, "", &clientcmd.ConfigOverrides{}, nil).ClientConfig()
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return rc, nil
+}
+
+// checkNamedFiles reads the files the current context names, as smallfile
+// does, before client-go opens them with no bound (its validation, its
+// transport, and the token file again every minute): a fifo or an outsized
+// file there is an error at start, naming it, not an open or a read that
+// blocks. The paths stay in the configuration, so client-go still reloads
+// a rotated token. Other contexts are not used, and not checked.
+func checkNamedFiles(cfg *clientcmdapi.Config) error {
+	cur := cfg.Contexts[cfg.CurrentContext]
+	if cur == nil {
+		return nil // clientcmd says what is wrong
+	}
+	var cluster clientcmdapi.Cluster
+	var user clientcmdapi.AuthInfo
+	if c := cfg.Clusters[cur.Cluster]; c != nil {
+		cluster = *c
+	}
+	if u := cfg.AuthInfos[cur.AuthInfo]; u != nil {
+		user = *u
+	}
+	for _, f := range []struct{ field, path string }{
+		{"certificate-authority", cluster.CertificateAuthority},
+		{"client-certificate", user.ClientCertificate},
+		{"client-key", user.ClientKey},
+		{"tokenFile", user.TokenFile},
+	} {
+		if f.path == "" {
+			continue
+		}
+		if _, err := smallfile.Read(f.path, maxKubeconfigBytes); err != nil {
+			return fmt.Errorf("%s: %w", f.field, err)
+		}
+	}
+	return nil
 }

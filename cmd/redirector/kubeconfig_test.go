@@ -72,3 +72,38 @@ current-context: x
 		t.Errorf("restConfig(ok) = host %q, token %q, CA file %q; want the kubeconfig's, CA file in its directory", rc.Host, rc.BearerToken, rc.TLSClientConfig.CAFile)
 	}
 }
+
+// TestKubeconfigNamedFilesBounded: the files a kubeconfig names (CA, client
+// certificate and key, token file) are checked as the kubeconfig is: a fifo
+// or an outsized file among them is an error at start naming the field and
+// the file, where client-go's own read would block or fill the memory.
+func TestKubeconfigNamedFilesBounded(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big")
+	if err := os.WriteFile(big, make([]byte, maxKubeconfigBytes+1), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ cluster, user, want string }{
+		{"certificate-authority: fifo", "token: t0ken", "certificate-authority: " + fifo + " is not a regular file (a fifo)"},
+		{"insecure-skip-tls-verify: true", "tokenFile: fifo", "tokenFile: " + fifo + " is not a regular file (a fifo)"},
+		{"insecure-skip-tls-verify: true", "{client-certificate: big, client-key: big}", "client-certificate: " + big + " has"},
+	} {
+		path := filepath.Join(dir, "kubeconfig")
+		config := "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://127.0.0.1:6443\n    " + c.cluster +
+			"\nusers:\n- name: u\n  user: " + c.user + "\ncontexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n"
+		if c.user == "token: t0ken" || c.user == "tokenFile: fifo" {
+			config = strings.Replace(config, "  user: "+c.user, "  user:\n    "+c.user, 1)
+		}
+		if err := os.WriteFile(path, []byte(config), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		err := waitfor.Returns(t, "restConfig naming "+c.want, func() error { _, err := restConfig(path); return err })
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("restConfig = %v, want an error with %q", err, c.want)
+		}
+	}
+}
