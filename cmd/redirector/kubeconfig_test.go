@@ -5,9 +5,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
@@ -17,19 +17,13 @@ import (
 // kubeconfig's relative file references are still taken from its directory.
 func TestKubeconfigBounded(t *testing.T) {
 	dir := t.TempDir()
-	fifo := filepath.Join(dir, "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(dir, "fifo"))
 	err := waitfor.Returns(t, "restConfig(fifo)", func() error { _, err := restConfig(fifo); return err })
 	if err == nil || !strings.Contains(err.Error(), "--kubeconfig (KUBECONFIG): "+fifo+" is not a regular file (a fifo)") {
 		t.Errorf("restConfig(fifo) = %v, want an error naming the fifo", err)
 	}
 
-	big := filepath.Join(dir, "big")
-	if err := os.WriteFile(big, make([]byte, maxKubeconfigBytes+1), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	big := smallfiletest.Oversized(t, filepath.Join(dir, "big"), maxKubeconfigBytes+1)
 	if _, err := restConfig(big); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxKubeconfigBytes+1, maxKubeconfigBytes)) {
 		t.Errorf("restConfig(big) = %v, want an error naming the limit", err)
 	}
@@ -79,14 +73,8 @@ current-context: x
 // the file, where client-go's own read would block or fill the memory.
 func TestKubeconfigNamedFilesBounded(t *testing.T) {
 	dir := t.TempDir()
-	fifo := filepath.Join(dir, "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	big := filepath.Join(dir, "big")
-	if err := os.WriteFile(big, make([]byte, maxKubeconfigBytes+1), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(dir, "fifo"))
+	big := smallfiletest.Oversized(t, filepath.Join(dir, "big"), maxKubeconfigBytes+1)
 	for _, c := range []struct{ cluster, user, want string }{
 		{"certificate-authority: fifo", "token: t0ken", "certificate-authority: " + fifo + " is not a regular file (a fifo)"},
 		{"insecure-skip-tls-verify: true", "tokenFile: fifo", "tokenFile: " + fifo + " is not a regular file (a fifo)"},

@@ -4,8 +4,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 )
 
 func TestRead(t *testing.T) {
@@ -17,10 +18,7 @@ func TestRead(t *testing.T) {
 	if b, err := Read(ok, 3); err != nil || string(b) != "abc" {
 		t.Fatalf("Read(ok) = %q, %v", b, err)
 	}
-	fifo := filepath.Join(dir, "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(dir, "fifo"))
 	for path, want := range map[string]string{
 		ok:          "has 3 bytes, more than the 2 read",
 		fifo:        "is not a regular file (a fifo)",

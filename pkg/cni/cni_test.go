@@ -10,10 +10,10 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/cni/cnitest"
@@ -274,10 +274,7 @@ func TestSelectionHint(t *testing.T) {
 		t.Errorf("corrupt hint: err = %v, want a decode error naming the file", err)
 	}
 	// A fifo at the path is refused at once, not waited on for a writer.
-	fifo := filepath.Join(t.TempDir(), "fifo.json")
-	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(t.TempDir(), "fifo.json"))
 	err = waitfor.Returns(t, "ReadSelectionHint(fifo)", func() error { _, err := cni.ReadSelectionHint(fifo); return err })
 	if err == nil || !strings.Contains(err.Error(), "not a regular file") {
 		t.Errorf("fifo hint: err = %v, want not a regular file", err)

@@ -5,9 +5,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
@@ -16,14 +16,8 @@ import (
 // ever); an outsized file is refused naming the limit.
 func TestReadSysctlBounded(t *testing.T) {
 	dir := t.TempDir()
-	fifo := filepath.Join(dir, "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	big := filepath.Join(dir, "big")
-	if err := os.WriteFile(big, []byte(strings.Repeat("0", maxSysctlBytes+1)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(dir, "fifo"))
+	big := smallfiletest.Oversized(t, filepath.Join(dir, "big"), maxSysctlBytes+1)
 	ok := filepath.Join(dir, "ok")
 	if err := os.WriteFile(ok, []byte("2\n"), 0o600); err != nil {
 		t.Fatal(err)
@@ -46,10 +40,7 @@ func TestReadSysctlBounded(t *testing.T) {
 // reading their old values failed, so the write must not block on a fifo
 // either (os.WriteFile waited for a reader for ever).
 func TestWriteSysctlFifo(t *testing.T) {
-	fifo := filepath.Join(t.TempDir(), "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(t.TempDir(), "fifo"))
 	if err := waitfor.Returns(t, "writeSysctl(fifo)", func() error { return writeSysctl(fifo, 1) }); err == nil || !strings.Contains(err.Error(), "write "+fifo) {
 		t.Errorf("writeSysctl(fifo) = %v, want an error naming it", err)
 	}

@@ -6,9 +6,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
@@ -27,14 +27,8 @@ func TestEnableMigrateReqBounded(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	fifo := filepath.Join(fifoDir, migrateReqPath)
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	big := filepath.Join(bigDir, migrateReqPath)
-	if err := os.WriteFile(big, []byte(strings.Repeat("0", maxSysctlBytes+1)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(fifoDir, migrateReqPath))
+	big := smallfiletest.Oversized(t, filepath.Join(bigDir, migrateReqPath), maxSysctlBytes+1)
 	for procDir, want := range map[string]string{
 		fifoDir: fifo + " is not a regular file (a fifo)",
 		bigDir:  fmt.Sprintf("%s has %d bytes, more than the %d read", big, maxSysctlBytes+1, maxSysctlBytes),

@@ -7,9 +7,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
@@ -61,10 +61,7 @@ func containsStr(s, sub string) bool { return strings.Contains(s, sub) }
 // TestCheckPodPathFifo: a fifo at a reported path is refused at once, naming
 // it, by CheckPodPath and Open (os.Open waited for a writer for ever).
 func TestCheckPodPathFifo(t *testing.T) {
-	fifo := filepath.Join(t.TempDir(), "fifo")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(t.TempDir(), "fifo"))
 	for what, open := range map[string]func() error{
 		"CheckPodPath(fifo)": func() error { _, err := CheckPodPath(fifo, ""); return err },
 		"Open(fifo)":         func() error { _, err := Open(fifo); return err },

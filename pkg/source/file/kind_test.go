@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/internal/smallfile/smallfiletest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/source"
 )
@@ -76,10 +77,7 @@ func TestRunManifestReplacedByNonFile(t *testing.T) {
 // at once, not read: a fifo would block the watch loop for ever, a device
 // such as /dev/zero would be read without end.
 func TestLoadSinglePathNotRegular(t *testing.T) {
-	fifo := filepath.Join(t.TempDir(), "c.yaml")
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	fifo := smallfiletest.Fifo(t, filepath.Join(t.TempDir(), "c.yaml"))
 	for _, path := range []string{fifo, "/dev/zero"} {
 		var errs []error
 		waitfor.Returns(t, "Load("+path+")", func() error { _, errs = Load(path); return nil })
