@@ -19,6 +19,7 @@ const (
 	iperfPort  = 5201
 	fortioPort = 8080
 	echoPort   = 7000
+	hbonePort  = 15008 // the agents' tunnel port
 )
 
 // variant is one path from a client pod to a server pod.
@@ -37,6 +38,11 @@ type variant struct {
 	// logs are the variant's relay processes, whose standard error a
 	// failed test quotes.
 	logs []*child
+	// serverPod and tunnelPort are where the relay pair's server side runs
+	// and the port of its relay-to-relay connection, for the hop breakdown
+	// (hops.go); nil and 0 where the path has no relay pair.
+	serverPod  *netnstest.Pod
+	tunnelPort int
 }
 
 // cluster is the simulated cluster every variant lives in:
@@ -200,15 +206,16 @@ spec:
 	peerVariant := func(kind peerRelay, desc string) *variant {
 		ch := peers[kind.variant]
 		return &variant{Name: kind.variant, Desc: desc, client: dclient, server: kind.local,
-			proxies: []int{ch[0].Pid(), ch[1].Pid()}, names: []string{"client", "server"}, logs: ch}
+			proxies: []int{ch[0].Pid(), ch[1].Pid()}, names: []string{"client", "server"}, logs: ch,
+			serverPod: c.plain, tunnelPort: kind.hopPort(echoPort)}
 	}
 
 	c.variants = []*variant{
 		{Name: "direct", Desc: "no mesh: client and server pods not enrolled, cross-node", client: dclient, server: c.plain.IPv4},
 		{Name: "meshed-cross", Desc: "HBONE between the two nodes' agents", client: c.client, server: c.server.IPv4,
-			proxies: c.agentPID, meshed: true},
+			proxies: c.agentPID, meshed: true, serverPod: c.server, tunnelPort: hbonePort},
 		{Name: "meshed-same", Desc: "HBONE, client and server pods on one node (one agent)", client: c.client, server: c.local.IPv4,
-			proxies: c.agentPID[:1], meshed: true},
+			proxies: c.agentPID[:1], meshed: true, serverPod: c.local, tunnelPort: hbonePort},
 		{Name: "capture-only", Desc: "the eBPF capture (pkg/loader) into a plain Go TCP relay in the client pod, no TLS", client: cclient,
 			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, logs: []*child{capRelay}},
 		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
@@ -219,7 +226,8 @@ spec:
 	}
 	if cfg.alt() {
 		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
-			client: aclient, server: aserver.IPv4, proxies: altPID, meshed: true, names: []string{"node3", "node4"}})
+			client: aclient, server: aserver.IPv4, proxies: altPID, meshed: true, names: []string{"node3", "node4"},
+			serverPod: aserver, tunnelPort: hbonePort})
 	}
 	for _, v := range c.variants {
 		if err := c.checkPath(ctx, v); err != nil {

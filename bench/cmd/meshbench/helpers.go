@@ -31,6 +31,7 @@ var helpers = map[string]func(args []string) error{
 	"probe": probeMain,
 	"relay": relayMain,
 	"spin":  spinMain,
+	"tap":   tapMain,
 }
 
 // spinMain keeps one CPU busy at SCHED_IDLE, the lowest priority: it runs

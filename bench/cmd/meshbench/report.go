@@ -117,6 +117,8 @@ func (r *results) printTables(w io.Writer) {
 		fmt.Fprintf(w, "  %-24s %-13s node1 %s   node2 %s (MiB per 1000 idle connections)\n", "RSS, idle connections",
 			"meshed-cross", num(idle["node1"]), num(idle["node2"]))
 	}
+	r.hopsMarkdown(w)
+
 	if s := r.Agent.EnrollSummary; s != nil {
 		ans, _, _ := stats(r.Agent.EnrollToAnswerMs)
 		res, _, _ := stats(r.Agent.EnrollResolutionMs)
@@ -194,6 +196,7 @@ func (r *results) markdown(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+	defer r.hopsMarkdown(w)
 	defer r.addedP99Markdown(w)
 	defer r.peerMarkdown(w)
 	fmt.Fprintf(w, "\nmin-max over %d rounds:\n\n| variant |", r.cfg.Runs)

@@ -50,6 +50,7 @@ var tests = []test{
 		return map[string]float64{"http_maxqps": res.ActualQPS, "http_max_p50": res.percentileMs(50),
 			"http_max_p99": res.percentileMs(99)}, err
 	}},
+	{key: "hops", name: "round-trip hops", run: runHops},
 	{key: "cps", name: "new connections", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runCPS(ctx, cfg, v)
 		return map[string]float64{"cps": res.PerSec}, err

@@ -1,0 +1,293 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// The hop breakdown of the 1-byte round trip: where, between the client
+// app's request and its reply, each relay pair spends its time. A tap
+// (tap.go) in the client pod and one in the server pod stamp every data
+// segment of the round trips as it passes an interface, and each round trip
+// is cut into its legs:
+//
+//	client pod: app request (A) -> tunnel request out (B)
+//	wire:       B -> tunnel request in at the server pod (E)
+//	server pod: E -> request to the app (F); app's reply (G) -> tunnel reply out (H)
+//	wire:       H -> tunnel reply in at the client pod (C)
+//	client pod: C -> reply to the app (D)
+//
+// The relays' legs include their kernel paths on both sockets (the capture
+// too, for the mesh's client side) and their wake-ups; the app's turn (F to G)
+// is the echo server's. What the taps cannot see is the client app's own
+// write before A and its wake-up after D.
+
+// hopLegs are the legs, in the order a round trip runs them, with the
+// events (pod, leg, direction) each runs from and to.
+var hopLegs = []struct {
+	key, title string
+	from, to   int // indexes into hopEvents
+}{
+	{"hop_client_out", "client relay, app to tunnel", 0, 1},
+	{"hop_wire_out", "wire, client to server", 1, 2},
+	{"hop_server_in", "server relay, tunnel to app", 2, 3},
+	{"hop_app", "echo server", 3, 4},
+	{"hop_server_out", "server relay, app to tunnel", 4, 5},
+	{"hop_wire_back", "wire, server to client", 5, 6},
+	{"hop_client_in", "client relay, tunnel to app", 6, 7},
+	{"hop_total", "first tap to last", 0, 7},
+}
+
+// hopEvents are a round trip's eight sightings, in order.
+var hopEvents = []hopEvent{
+	{client: true, leg: "app", dir: "req"},
+	{client: true, leg: "tun", dir: "req"},
+	{client: false, leg: "tun", dir: "req"},
+	{client: false, leg: "app", dir: "req"},
+	{client: false, leg: "app", dir: "rep"},
+	{client: false, leg: "tun", dir: "rep"},
+	{client: true, leg: "tun", dir: "rep"},
+	{client: true, leg: "app", dir: "rep"},
+}
+
+type hopEvent struct {
+	client   bool
+	leg, dir string
+}
+
+type stamped struct {
+	ns int64
+	hopEvent
+}
+
+// roundTrips cuts the two pods' sightings into round trips: for each, the
+// time of each of its eight events. A sighting that is not the next event
+// expected (a WINDOW_UPDATE or a ticket on the tunnel, a retransmission) is
+// skipped; a client request while a round trip is still open starts over.
+func roundTrips(client, server []tapEvent) [][8]int64 {
+	var all []stamped
+	for _, e := range client {
+		all = append(all, stamped{e.ns, hopEvent{true, e.leg, e.dir}})
+	}
+	for _, e := range server {
+		all = append(all, stamped{e.ns, hopEvent{false, e.leg, e.dir}})
+	}
+	slices.SortStableFunc(all, func(a, b stamped) int { return int(a.ns - b.ns) })
+	var out [][8]int64
+	var cur [8]int64
+	next := 0
+	for _, s := range all {
+		switch {
+		case s.hopEvent == hopEvents[next]:
+			cur[next] = s.ns
+			next++
+			if next == len(hopEvents) {
+				out = append(out, cur)
+				next = 0
+			}
+		case s.hopEvent == hopEvents[0]:
+			cur[0] = s.ns
+			next = 1
+		}
+	}
+	return out
+}
+
+// hopMedians gives each leg's median over the round trips, in µs.
+func hopMedians(rts [][8]int64) map[string]float64 {
+	out := map[string]float64{}
+	if len(rts) == 0 {
+		return out
+	}
+	for _, l := range hopLegs {
+		d := make([]float64, len(rts))
+		for i, rt := range rts {
+			d[i] = float64(rt[l.to]-rt[l.from]) / 1e3
+		}
+		out[l.key], _, _ = stats(d)
+	}
+	return out
+}
+
+// runHops makes the round trips of one rr sample with both pods tapped and
+// returns the legs' medians, the rr tool's own p50 and how many round trips
+// the taps resolved. Variants with no relay pair have nothing to break down.
+func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	if v.tunnelPort == 0 || v.serverPod == nil {
+		return nil, nil
+	}
+	dir, err := os.MkdirTemp("", "meshbench-hops-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(dir)
+	var taps []*tapProc
+	defer func() {
+		for _, t := range taps {
+			t.stop()
+		}
+	}()
+	for _, p := range []*netnstest.Pod{v.client, v.serverPod} {
+		t, err := startTap(ctx, p, filepath.Join(dir, p.Name+".tap"), v.tunnelPort)
+		if err != nil {
+			return nil, err
+		}
+		taps = append(taps, t)
+	}
+	n := cfg.RRCount / cfg.RRSlices
+	rr, err := runRR(ctx, v, n, false)
+	if err != nil {
+		return nil, err
+	}
+	var seen [2][]tapEvent
+	for i, t := range taps {
+		if seen[i], err = t.finish(); err != nil {
+			return nil, err
+		}
+	}
+	rts := roundTrips(seen[0], seen[1])
+	// The warm-up's round trips are tapped too; fewer than n resolved means
+	// the taps missed segments, and the medians would not be of this sample.
+	if len(rts) < n {
+		return nil, fmt.Errorf("hops: the taps resolved %d round trips of %d (client pod %d segments, server pod %d)",
+			len(rts), n, len(seen[0]), len(seen[1]))
+	}
+	out := hopMedians(rts[len(rts)-n:])
+	out["hop_rr_p50"] = rr.P50us
+	return out, nil
+}
+
+// tapProc is a running `meshbench tap` in one pod.
+type tapProc struct {
+	name, file string
+	stdin      io.WriteCloser
+	done       chan error
+	stderr     *lockedBuffer
+}
+
+func startTap(ctx context.Context, p *netnstest.Pod, file string, tunnelPort int) (*tapProc, error) {
+	cmd := netnstest.Command(ctx, p.Path(), selfPath(), "tap", "-out", file,
+		"-app-port", strconv.Itoa(echoPort), "-tunnel-port", strconv.Itoa(tunnelPort))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	t := &tapProc{name: "tap in " + p.Name, file: file, done: make(chan error, 1), stderr: &lockedBuffer{}}
+	cmd.Stderr = t.stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if t.stdin, err = cmd.StdinPipe(); err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", t.name, err)
+	}
+	go func() { t.done <- cmd.Wait() }()
+	ready := make(chan bool, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		ok := sc.Scan() && sc.Text() == "tap ready"
+		ready <- ok
+		_, _ = io.Copy(io.Discard, out)
+	}()
+	select {
+	case ok := <-ready:
+		if !ok {
+			t.stop()
+			return nil, fmt.Errorf("%s did not start: %s", t.name, t.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		t.stop()
+		return nil, fmt.Errorf("%s not ready after 10s: %s", t.name, t.stderr.String())
+	}
+	return t, nil
+}
+
+// finish ends the tap's recording and reads what it wrote.
+func (t *tapProc) finish() ([]tapEvent, error) {
+	_ = t.stdin.Close()
+	select {
+	case err := <-t.done:
+		t.done <- err
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w: %s", t.name, err, t.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		return nil, fmt.Errorf("%s did not finish within 10s", t.name)
+	}
+	return readTapFile(t.file)
+}
+
+// stop ends the tap whatever it is doing (the stdin close ends it; the
+// context's cancel or the parent's death kill it otherwise).
+func (t *tapProc) stop() {
+	_ = t.stdin.Close()
+	select {
+	case err := <-t.done:
+		t.done <- err
+	case <-time.After(5 * time.Second):
+	}
+}
+
+func readTapFile(path string) ([]tapEvent, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []tapEvent
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) != 4 {
+			return nil, fmt.Errorf("%s: line %q: want 4 fields", path, sc.Text())
+		}
+		ns, err1 := strconv.ParseInt(fields[0], 10, 64)
+		n, err2 := strconv.Atoi(fields[3])
+		if err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("%s: line %q: bad number", path, sc.Text())
+		}
+		out = append(out, tapEvent{ns: ns, leg: fields[1], dir: fields[2], payload: n})
+	}
+	return out, sc.Err()
+}
+
+// hopsMarkdown is the breakdown as a table: per variant, each leg's median
+// over the rounds (of the per-round medians), µs.
+func (r *results) hopsMarkdown(w io.Writer) {
+	var rows []string
+	for _, v := range r.Variants {
+		cells := []string{v.Name}
+		for _, l := range hopLegs {
+			s, ok := r.get(v.Name, l.key)
+			if !ok {
+				break
+			}
+			cells = append(cells, num(s.Median))
+		}
+		if len(cells) != len(hopLegs)+1 {
+			continue
+		}
+		rr, _ := r.get(v.Name, "hop_rr_p50")
+		rows = append(rows, "| "+strings.Join(append(cells, num(rr.Median)), " | ")+" |")
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(w, "\n1-byte round trip by hop (µs; median over the round trips of one tapped sample, median of the rounds):\n\n| variant |")
+	for _, l := range hopLegs {
+		fmt.Fprintf(w, " %s |", l.title)
+	}
+	fmt.Fprintf(w, " rr p50 of the tapped sample |\n| --- |%s\n", strings.Repeat(" ---: |", len(hopLegs)+1))
+	fmt.Fprintln(w, strings.Join(rows, "\n"))
+}
