@@ -104,24 +104,31 @@ func roundTrips(client, server []tapEvent) [][8]int64 {
 	return out
 }
 
-// hopMedians gives each leg's median over the round trips, in µs.
-func hopMedians(rts [][8]int64) map[string]float64 {
+// hopMeans gives each leg's mean over the round trips, in µs, leaving out
+// the slowest 1 % by total (a stall of the machine's would outweigh the
+// rest). Means, not medians: a leg's time is bimodal (the woken process
+// found its CPU awake, or had to wake it), so the legs' medians do not add
+// up to anything, while their means add up to the total's.
+func hopMeans(rts [][8]int64) map[string]float64 {
 	out := map[string]float64{}
 	if len(rts) == 0 {
 		return out
 	}
+	kept := slices.Clone(rts)
+	slices.SortFunc(kept, func(a, b [8]int64) int { return int((a[7] - a[0]) - (b[7] - b[0])) })
+	kept = kept[:max(1, len(kept)*99/100)]
 	for _, l := range hopLegs {
-		d := make([]float64, len(rts))
-		for i, rt := range rts {
-			d[i] = float64(rt[l.to]-rt[l.from]) / 1e3
+		var sum float64
+		for _, rt := range kept {
+			sum += float64(rt[l.to] - rt[l.from])
 		}
-		out[l.key], _, _ = stats(d)
+		out[l.key] = sum / float64(len(kept)) / 1e3
 	}
 	return out
 }
 
 // runHops makes the round trips of one rr sample with both pods tapped and
-// returns the legs' medians, the rr tool's own p50 and how many round trips
+// returns the legs' means, the rr tool's own p50 and how many round trips
 // the taps resolved. Variants with no relay pair have nothing to break down.
 func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 	if v.tunnelPort == 0 || v.serverPod == nil {
@@ -163,7 +170,7 @@ func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, e
 		return nil, fmt.Errorf("hops: the taps resolved %d round trips of %d (client pod %d segments, server pod %d)",
 			len(rts), n, len(seen[0]), len(seen[1]))
 	}
-	out := hopMedians(rts[len(rts)-n:])
+	out := hopMeans(rts[len(rts)-n:])
 	out["hop_rr_p50"] = rr.P50us
 	return out, nil
 }
@@ -263,7 +270,7 @@ func readTapFile(path string) ([]tapEvent, error) {
 }
 
 // hopsMarkdown is the breakdown as a table: per variant, each leg's median
-// over the rounds (of the per-round medians), µs.
+// over the rounds of the per-round means, µs.
 func (r *results) hopsMarkdown(w io.Writer) {
 	var rows []string
 	for _, v := range r.Variants {
@@ -284,7 +291,7 @@ func (r *results) hopsMarkdown(w io.Writer) {
 	if len(rows) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\n1-byte round trip by hop (µs; median over the round trips of one tapped sample, median of the rounds):\n\n| variant |")
+	fmt.Fprintf(w, "\n1-byte round trip by hop (µs; mean over the round trips of one tapped sample but its slowest 1 %%, median of the rounds):\n\n| variant |")
 	for _, l := range hopLegs {
 		fmt.Fprintf(w, " %s |", l.title)
 	}

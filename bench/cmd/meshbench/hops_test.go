@@ -35,12 +35,37 @@ func TestRoundTripsSkipsStraySegments(t *testing.T) {
 			t.Errorf("round trip %d: %v, want %v", i, rts[i], want[i])
 		}
 	}
-	m := hopMedians(rts)
-	// client out: 10 and 12 ns; the median of two is their mean.
-	if got := m["hop_client_out"]; got != 0.011 {
-		t.Errorf("client out median %v µs, want 0.011", got)
+}
+
+// TestHopMeansAddUp: the legs' means add up to the total's, and the slowest
+// 1 % of round trips by total is left out.
+func TestHopMeansAddUp(t *testing.T) {
+	var rts [][8]int64
+	for i := range 200 {
+		rt := [8]int64{0, 10, 15, 25, 40, 50, 55, 65}
+		if i%2 == 1 { // a bimodal leg: the app's turn 15 or 35 ns
+			for j := 4; j < 8; j++ {
+				rt[j] += 20
+			}
+		}
+		if i < 2 { // two stalls, 1 % of 200: left out
+			rt[7] += 1e6
+		}
+		rts = append(rts, rt)
 	}
-	if got := m["hop_total"]; got != (0.085+0.090)/2 {
-		t.Errorf("total median %v µs, want 0.0875", got)
+	m := hopMeans(rts)
+	var sum float64
+	for _, l := range hopLegs[:len(hopLegs)-1] {
+		sum += m[l.key]
+	}
+	if d := sum - m["hop_total"]; d > 1e-9 || d < -1e-9 {
+		t.Errorf("legs add up to %v µs, total %v", sum, m["hop_total"])
+	}
+	// 198 kept: 99 at 65 ns and 99 at 85 ns (the stalls were one of each)
+	if got, want := m["hop_total"], 0.075; got < want-1e-9 || got > want+1e-9 {
+		t.Errorf("total %v µs, want %v", got, want)
+	}
+	if got, want := m["hop_app"], 0.025; got < want-1e-9 || got > want+1e-9 {
+		t.Errorf("echo server %v µs, want %v", got, want)
 	}
 }
