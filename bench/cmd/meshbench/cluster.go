@@ -19,8 +19,10 @@ const (
 	iperfPort  = 5201
 	fortioPort = 8080
 	echoPort   = 7000
-	hbonePort  = 15008 // the agents' tunnel port
 )
+
+// hbone is the agents' tunnel port, whatever the application's.
+func hbone(int) int { return 15008 }
 
 // variant is one path from a client pod to a server pod.
 type variant struct {
@@ -39,10 +41,11 @@ type variant struct {
 	// failed test quotes.
 	logs []*child
 	// serverPod and tunnelPort are where the relay pair's server side runs
-	// and the port of its relay-to-relay connection, for the hop breakdown
-	// (hops.go); nil and 0 where the path has no relay pair.
+	// and the port of its relay-to-relay connection for an application
+	// port, for the hop breakdown (hops.go); nil where the path has no relay
+	// pair.
 	serverPod  *netnstest.Pod
-	tunnelPort int
+	tunnelPort func(appPort int) int
 }
 
 // cluster is the simulated cluster every variant lives in:
@@ -207,15 +210,15 @@ spec:
 		ch := peers[kind.variant]
 		return &variant{Name: kind.variant, Desc: desc, client: dclient, server: kind.local,
 			proxies: []int{ch[0].Pid(), ch[1].Pid()}, names: []string{"client", "server"}, logs: ch,
-			serverPod: c.plain, tunnelPort: kind.hopPort(echoPort)}
+			serverPod: c.plain, tunnelPort: kind.hopPort}
 	}
 
 	c.variants = []*variant{
 		{Name: "direct", Desc: "no mesh: client and server pods not enrolled, cross-node", client: dclient, server: c.plain.IPv4},
 		{Name: "meshed-cross", Desc: "HBONE between the two nodes' agents", client: c.client, server: c.server.IPv4,
-			proxies: c.agentPID, meshed: true, serverPod: c.server, tunnelPort: hbonePort},
+			proxies: c.agentPID, meshed: true, serverPod: c.server, tunnelPort: hbone},
 		{Name: "meshed-same", Desc: "HBONE, client and server pods on one node (one agent)", client: c.client, server: c.local.IPv4,
-			proxies: c.agentPID[:1], meshed: true, serverPod: c.local, tunnelPort: hbonePort},
+			proxies: c.agentPID[:1], meshed: true, serverPod: c.local, tunnelPort: hbone},
 		{Name: "capture-only", Desc: "the eBPF capture (pkg/loader) into a plain Go TCP relay in the client pod, no TLS", client: cclient,
 			server: c.plain.IPv4, proxies: []int{capRelay.Pid()}, logs: []*child{capRelay}},
 		{Name: "iptables-tproxy", Desc: "iptables mangle TPROXY capture into the same relay", client: tclient,
@@ -227,7 +230,7 @@ spec:
 	if cfg.alt() {
 		c.variants = append(c.variants, &variant{Name: altVariant, Desc: "meshed-cross with other agents (" + cfg.altDesc() + ") on nodes 3 and 4",
 			client: aclient, server: aserver.IPv4, proxies: altPID, meshed: true, names: []string{"node3", "node4"},
-			serverPod: aserver, tunnelPort: hbonePort})
+			serverPod: aserver, tunnelPort: hbone})
 	}
 	for _, v := range c.variants {
 		if err := c.checkPath(ctx, v); err != nil {

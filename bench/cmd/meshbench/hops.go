@@ -131,12 +131,36 @@ func hopMeans(rts [][8]int64) map[string]float64 {
 // returns the legs' means, the rr tool's own p50 and how many round trips
 // the taps resolved. Variants with no relay pair have nothing to break down.
 func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
-	if v.tunnelPort == 0 || v.serverPod == nil {
+	if v.tunnelPort == nil || v.serverPod == nil {
 		return nil, nil
 	}
-	dir, err := os.MkdirTemp("", "meshbench-hops-")
+	n := cfg.RRCount / cfg.RRSlices
+	var rr rrResult
+	client, server, err := withTaps(ctx, v, echoPort, func() (err error) {
+		rr, err = runRR(ctx, v, n, false)
+		return err
+	})
 	if err != nil {
 		return nil, err
+	}
+	rts := roundTrips(client, server)
+	// The warm-up's round trips are tapped too; fewer than n resolved means
+	// the taps missed segments, and the means would not be of this sample.
+	if len(rts) < n {
+		return nil, fmt.Errorf("hops: the taps resolved %d round trips of %d (client pod %d segments, server pod %d)",
+			len(rts), n, len(client), len(server))
+	}
+	out := hopMeans(rts[len(rts)-n:])
+	out["hop_rr_p50"] = rr.P50us
+	return out, nil
+}
+
+// withTaps runs load with a tap in the variant's client and server pods
+// and returns what each saw on appPort and the tunnel port.
+func withTaps(ctx context.Context, v *variant, appPort int, load func() error) (client, server []tapEvent, err error) {
+	dir, err := os.MkdirTemp("", "meshbench-hops-")
+	if err != nil {
+		return nil, nil, err
 	}
 	defer os.RemoveAll(dir)
 	var taps []*tapProc
@@ -146,34 +170,121 @@ func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, e
 		}
 	}()
 	for _, p := range []*netnstest.Pod{v.client, v.serverPod} {
-		t, err := startTap(ctx, p, filepath.Join(dir, p.Name+".tap"), v.tunnelPort)
+		t, err := startTap(ctx, p, filepath.Join(dir, p.Name+".tap"), appPort, v.tunnelPort(appPort))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		taps = append(taps, t)
 	}
-	n := cfg.RRCount / cfg.RRSlices
-	rr, err := runRR(ctx, v, n, false)
-	if err != nil {
-		return nil, err
+	if err := load(); err != nil {
+		return nil, nil, err
 	}
 	var seen [2][]tapEvent
 	for i, t := range taps {
 		if seen[i], err = t.finish(); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
-	rts := roundTrips(seen[0], seen[1])
-	// The warm-up's round trips are tapped too; fewer than n resolved means
-	// the taps missed segments, and the medians would not be of this sample.
-	if len(rts) < n {
-		return nil, fmt.Errorf("hops: the taps resolved %d round trips of %d (client pod %d segments, server pod %d)",
-			len(rts), n, len(seen[0]), len(seen[1]))
+	return seen[0], seen[1], nil
+}
+
+// The fixed HTTP load by stage (test httphops, run only when asked for):
+// fortio's 16 connections send their requests in bursts, and a burst's
+// slowest request is what the p99 is made of. Each burst (the sightings
+// between two quiet gaps) is cut at the same eight events as a round trip,
+// taken at the burst's first client request and then at the last sighting
+// of each kind: when the client relay has sent the whole burst, when it has
+// all arrived, when the server relay has delivered all of it, and so on, to
+// the last reply delivered to fortio.
+
+// burstGapNs separates bursts: fortio's 16 ms between bursts at 1000 qps
+// over 16 connections, against a burst that drains in a millisecond or two.
+const burstGapNs = 3_000_000
+
+// minDataSegment leaves out the tunnel's control records (window updates,
+// pings, session tickets): requests and replies carry a payload of 1 KiB.
+const minDataSegment = 200
+
+// bursts cuts the two pods' sightings into bursts and gives each its eight
+// stage times (the order of hopEvents). A burst missing a kind is dropped.
+func bursts(client, server []tapEvent) [][8]int64 {
+	var all []stamped
+	add := func(evs []tapEvent, isClient bool) {
+		for _, e := range evs {
+			if e.leg == "tun" && e.payload < minDataSegment {
+				continue
+			}
+			all = append(all, stamped{e.ns, hopEvent{isClient, e.leg, e.dir}})
+		}
 	}
-	out := hopMeans(rts[len(rts)-n:])
-	out["hop_rr_p50"] = rr.P50us
+	add(client, true)
+	add(server, false)
+	slices.SortStableFunc(all, func(a, b stamped) int { return int(a.ns - b.ns) })
+	var out [][8]int64
+	flush := func(b []stamped) {
+		var st [8]int64
+		var seen [8]bool
+		for _, s := range b {
+			i := slices.Index(hopEvents, s.hopEvent)
+			if i == 0 && seen[0] {
+				continue // the stage starts at the first request
+			}
+			st[i], seen[i] = s.ns, true
+		}
+		for _, ok := range seen {
+			if !ok {
+				return
+			}
+		}
+		out = append(out, st)
+	}
+	start := 0
+	for i := 1; i <= len(all); i++ {
+		if i == len(all) || all[i].ns-all[i-1].ns > burstGapNs {
+			flush(all[start:i])
+			start = i
+		}
+	}
+	return out
+}
+
+// runHTTPHops runs the fixed HTTP load for --http-time with both pods
+// tapped and returns the stages' means over the bursts, fortio's p99 and
+// the number of bursts.
+func runHTTPHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
+	if v.tunnelPort == nil || v.serverPod == nil {
+		return nil, nil
+	}
+	var res fortioResult
+	client, server, err := withTaps(ctx, v, fortioPort, func() (err error) {
+		res, err = runFortio(ctx, cfg, v, cfg.HTTPQPS, cfg.HTTPTime)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	bs := bursts(client, server)
+	if len(bs) == 0 {
+		return nil, fmt.Errorf("httphops: no complete burst in %d + %d segments", len(client), len(server))
+	}
+	out := map[string]float64{}
+	for k, x := range hopMeans(bs) {
+		out[burstKey(k)] = x
+	}
+	totals := make([]float64, len(bs))
+	for i, b := range bs {
+		totals[i] = float64(b[7]-b[0]) / 1e3
+	}
+	slices.Sort(totals)
+	out["burst_total_p90"] = totals[len(totals)*90/100]
+	out["burst_total_p99"] = totals[len(totals)*99/100]
+	out["burst_http_p99"] = res.percentileMs(99) * 1e3
+	out["burst_count"] = float64(len(bs))
 	return out, nil
 }
+
+// burstKey is the name a leg's figure has in the HTTP breakdown.
+func burstKey(hopKey string) string { return "burst_" + strings.TrimPrefix(hopKey, "hop_") }
 
 // tapProc is a running `meshbench tap` in one pod.
 type tapProc struct {
@@ -183,9 +294,9 @@ type tapProc struct {
 	stderr     *lockedBuffer
 }
 
-func startTap(ctx context.Context, p *netnstest.Pod, file string, tunnelPort int) (*tapProc, error) {
+func startTap(ctx context.Context, p *netnstest.Pod, file string, appPort, tunnelPort int) (*tapProc, error) {
 	cmd := netnstest.Command(ctx, p.Path(), selfPath(), "tap", "-out", file,
-		"-app-port", strconv.Itoa(echoPort), "-tunnel-port", strconv.Itoa(tunnelPort))
+		"-app-port", strconv.Itoa(appPort), "-tunnel-port", strconv.Itoa(tunnelPort))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	t := &tapProc{name: "tap in " + p.Name, file: file, done: make(chan error, 1), stderr: &lockedBuffer{}}
 	cmd.Stderr = t.stderr
@@ -269,14 +380,23 @@ func readTapFile(path string) ([]tapEvent, error) {
 	return out, sc.Err()
 }
 
-// hopsMarkdown is the breakdown as a table: per variant, each leg's median
-// over the rounds of the per-round means, µs.
+// hopsMarkdown prints both breakdowns that ran.
 func (r *results) hopsMarkdown(w io.Writer) {
+	r.stagesMarkdown(w, func(k string) string { return k }, []string{"hop_rr_p50"}, []string{"rr p50 of the tapped sample"},
+		"1-byte round trip by hop (µs; mean over the round trips of one tapped sample but its slowest 1 %, median of the rounds)")
+	r.stagesMarkdown(w, burstKey, []string{"burst_total_p90", "burst_total_p99", "burst_http_p99"},
+		[]string{"bursts' p90, first tap to last", "bursts' p99", "fortio's p99 (µs)"},
+		"HTTP at the fixed load by stage, per burst (µs from the burst's first request to the last sighting of each stage; mean over the bursts but the slowest 1 %, median of the rounds)")
+}
+
+// stagesMarkdown is one breakdown as a table: per variant, each leg's
+// median over the rounds of the per-round means.
+func (r *results) stagesMarkdown(w io.Writer, key func(string) string, extraKeys, extraTitles []string, title string) {
 	var rows []string
 	for _, v := range r.Variants {
 		cells := []string{v.Name}
 		for _, l := range hopLegs {
-			s, ok := r.get(v.Name, l.key)
+			s, ok := r.get(v.Name, key(l.key))
 			if !ok {
 				break
 			}
@@ -285,16 +405,19 @@ func (r *results) hopsMarkdown(w io.Writer) {
 		if len(cells) != len(hopLegs)+1 {
 			continue
 		}
-		rr, _ := r.get(v.Name, "hop_rr_p50")
-		rows = append(rows, "| "+strings.Join(append(cells, num(rr.Median)), " | ")+" |")
+		for _, k := range extraKeys {
+			extra, _ := r.get(v.Name, k)
+			cells = append(cells, num(extra.Median))
+		}
+		rows = append(rows, "| "+strings.Join(cells, " | ")+" |")
 	}
 	if len(rows) == 0 {
 		return
 	}
-	fmt.Fprintf(w, "\n1-byte round trip by hop (µs; mean over the round trips of one tapped sample but its slowest 1 %%, median of the rounds):\n\n| variant |")
+	fmt.Fprintf(w, "\n%s:\n\n| variant |", title)
 	for _, l := range hopLegs {
 		fmt.Fprintf(w, " %s |", l.title)
 	}
-	fmt.Fprintf(w, " rr p50 of the tapped sample |\n| --- |%s\n", strings.Repeat(" ---: |", len(hopLegs)+1))
+	fmt.Fprintf(w, " %s |\n| --- |%s\n", strings.Join(extraTitles, " | "), strings.Repeat(" ---: |", len(hopLegs)+len(extraTitles)))
 	fmt.Fprintln(w, strings.Join(rows, "\n"))
 }

@@ -69,3 +69,45 @@ func TestHopMeansAddUp(t *testing.T) {
 		t.Errorf("echo server %v µs, want %v", got, want)
 	}
 }
+
+// TestBurstsCutAtGaps: sightings between quiet gaps make one burst, timed
+// from its first request to the last sighting of each kind; the tunnel's
+// small control records do not count, and a burst missing a kind is dropped.
+func TestBurstsCutAtGaps(t *testing.T) {
+	ev := func(ns int64, leg, dir string, n int) tapEvent {
+		return tapEvent{ns: ns, leg: leg, dir: dir, payload: n}
+	}
+	const ms = 1_000_000
+	client := []tapEvent{
+		// burst 1: two requests
+		ev(0, "app", "req", 1100), ev(10, "app", "req", 1100), ev(20, "tun", "req", 2300),
+		ev(200, "tun", "rep", 2300), ev(210, "app", "rep", 1100), ev(230, "app", "rep", 1100),
+		ev(400, "tun", "req", 35), // a window update after the burst: not a stage
+		// burst 2, 16 ms later: the server side never answers (dropped)
+		ev(16*ms, "app", "req", 1100), ev(16*ms+10, "tun", "req", 1150),
+		// burst 3
+		ev(32*ms, "app", "req", 1100), ev(32*ms+12, "tun", "req", 1150),
+		ev(32*ms+150, "tun", "rep", 1150), ev(32*ms+160, "app", "rep", 1100),
+	}
+	server := []tapEvent{
+		ev(30, "tun", "req", 2300), ev(40, "app", "req", 1100), ev(60, "app", "req", 1100),
+		ev(100, "app", "rep", 1100), ev(120, "app", "rep", 1100), ev(150, "tun", "rep", 2300),
+		ev(410, "tun", "req", 35),
+		ev(16*ms+20, "tun", "req", 1150),
+		ev(32*ms+20, "tun", "req", 1150), ev(32*ms+30, "app", "req", 1100), ev(32*ms+90, "app", "rep", 1100),
+		ev(32*ms+110, "tun", "rep", 1150),
+	}
+	got := bursts(client, server)
+	want := [][8]int64{
+		{0, 20, 30, 60, 120, 150, 200, 230},
+		{32 * ms, 32*ms + 12, 32*ms + 20, 32*ms + 30, 32*ms + 90, 32*ms + 110, 32*ms + 150, 32*ms + 160},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("got %d bursts %v, want %v", len(got), got, want)
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			t.Errorf("burst %d: %v, want %v", i, got[i], want[i])
+		}
+	}
+}

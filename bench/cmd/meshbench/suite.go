@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"syscall"
 	"time"
@@ -24,6 +25,8 @@ type test struct {
 	// many slices a variant gets per round, and how long each is.
 	slice  func(ctx context.Context, cfg config, v *variant, d time.Duration) (sample, error)
 	sliced func(cfg config) (n int, d time.Duration)
+	// optIn tests run only when --tests names them.
+	optIn bool
 }
 
 func bulkSlices(cfg config) (int, time.Duration) {
@@ -51,6 +54,7 @@ var tests = []test{
 			"http_max_p99": res.percentileMs(99)}, err
 	}},
 	{key: "hops", name: "round-trip hops", run: runHops},
+	{key: "httphops", name: "HTTP by stage", run: runHTTPHops, optIn: true},
 	{key: "cps", name: "new connections", run: func(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 		res, err := runCPS(ctx, cfg, v)
 		return map[string]float64{"cps": res.PerSec}, err
@@ -148,7 +152,7 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 
 	for round := range cfg.Runs {
 		for _, t := range tests {
-			if !cfg.runs(t.key) {
+			if !cfg.runs(t.key) || (t.optIn && !slices.Contains(cfg.Tests, t.key)) {
 				continue
 			}
 			if t.slice != nil {
