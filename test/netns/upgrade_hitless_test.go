@@ -653,19 +653,34 @@ func startIperf(t *testing.T, client, server *Pod, d time.Duration) (wait func()
 	ctx, cancel := context.WithTimeout(context.Background(), d+30*time.Second)
 	t.Cleanup(cancel)
 	srv := Command(ctx, server.Path(), "iperf3", "-s", "-1", "-p", "5201")
+	var srvOut bytes.Buffer // read only once the server has exited
+	srv.Stdout, srv.Stderr = &srvOut, &srvOut
 	if err := srv.Start(); err != nil {
 		t.Fatalf("iperf3 server: %v", err)
 	}
-	t.Cleanup(func() { _ = srv.Process.Kill(); _ = srv.Wait() })
+	exited := make(chan error, 1)
+	go func() { exited <- srv.Wait() }()
+	t.Cleanup(func() { _ = srv.Process.Kill(); <-exited })
 	// The mesh accepts the client's connection before the server's side is
-	// dialled, so a server not yet listening shows as a reset: wait for it.
-	Eventually(t, 5*time.Second, func() error {
+	// dialled, so a server not yet listening shows as a reset: wait for it,
+	// under the test's load, and say why if it gave up.
+	start := time.Now()
+	Eventually(t, 15*time.Second, func() error {
+		select {
+		case err := <-exited:
+			exited <- err
+			t.Fatalf("iperf3 server exited before listening (%v): %s", err, srvOut.String())
+		default:
+		}
 		out, err := Exec(ctx, server.Path(), "ss", "-Hltn", "sport = :5201")
 		if err == nil && len(bytes.TrimSpace(out)) == 0 {
 			err = fmt.Errorf("iperf3 server not listening yet")
 		}
 		return err
 	})
+	if wait := time.Since(start); wait > 2*time.Second {
+		t.Logf("the iperf3 server took %s to listen", wait.Round(time.Millisecond))
+	}
 	type result struct {
 		out string
 		err error

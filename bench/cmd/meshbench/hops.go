@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -163,29 +162,50 @@ func withTaps(ctx context.Context, v *variant, appPort int, load func() error) (
 		return nil, nil, err
 	}
 	defer os.RemoveAll(dir)
-	var taps []*tapProc
+	var taps []*child
 	defer func() {
 		for _, t := range taps {
-			t.stop()
+			t.kill()
 		}
 	}()
-	for _, p := range []*netnstest.Pod{v.client, v.serverPod} {
-		t, err := startTap(ctx, p, filepath.Join(dir, p.Name+".tap"), appPort, v.tunnelPort(appPort))
+	pods := []*netnstest.Pod{v.client, v.serverPod}
+	file := func(i int) string { return filepath.Join(dir, pods[i].Name+".tap") }
+	for i, p := range pods {
+		t, err := startChild(nil, p.Path(), "tap in "+p.Name, selfPath(), "tap", "-out", file(i),
+			"-app-port", strconv.Itoa(appPort), "-tunnel-port", strconv.Itoa(v.tunnelPort(appPort)))
 		if err != nil {
 			return nil, nil, err
 		}
 		taps = append(taps, t)
+		if _, err := t.waitLine(ctx, "tap ready", 10*time.Second); err != nil {
+			return nil, nil, err
+		}
 	}
 	if err := load(); err != nil {
 		return nil, nil, err
 	}
 	var seen [2][]tapEvent
 	for i, t := range taps {
-		if seen[i], err = t.finish(); err != nil {
+		if seen[i], err = finishTap(t, file(i)); err != nil {
 			return nil, nil, err
 		}
 	}
 	return seen[0], seen[1], nil
+}
+
+// finishTap ends a tap's recording (its standard input closes) and reads
+// what it wrote.
+func finishTap(t *child, file string) ([]tapEvent, error) {
+	_ = t.stdin.Close()
+	select {
+	case <-t.done:
+		if t.err != nil {
+			return nil, fmt.Errorf("%s: %w: %s", t.name, t.err, t.stderr.String())
+		}
+	case <-time.After(10 * time.Second):
+		return nil, fmt.Errorf("%s did not finish within 10s", t.name)
+	}
+	return readTapFile(file)
 }
 
 // The fixed HTTP load by stage (test httphops, run only when asked for):
@@ -285,77 +305,6 @@ func runHTTPHops(ctx context.Context, cfg config, v *variant) (map[string]float6
 
 // burstKey is the name a leg's figure has in the HTTP breakdown.
 func burstKey(hopKey string) string { return "burst_" + strings.TrimPrefix(hopKey, "hop_") }
-
-// tapProc is a running `meshbench tap` in one pod.
-type tapProc struct {
-	name, file string
-	stdin      io.WriteCloser
-	done       chan error
-	stderr     *lockedBuffer
-}
-
-func startTap(ctx context.Context, p *netnstest.Pod, file string, appPort, tunnelPort int) (*tapProc, error) {
-	cmd := netnstest.Command(ctx, p.Path(), selfPath(), "tap", "-out", file,
-		"-app-port", strconv.Itoa(appPort), "-tunnel-port", strconv.Itoa(tunnelPort))
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	t := &tapProc{name: "tap in " + p.Name, file: file, done: make(chan error, 1), stderr: &lockedBuffer{}}
-	cmd.Stderr = t.stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if t.stdin, err = cmd.StdinPipe(); err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s: %w", t.name, err)
-	}
-	go func() { t.done <- cmd.Wait() }()
-	ready := make(chan bool, 1)
-	go func() {
-		sc := bufio.NewScanner(out)
-		ok := sc.Scan() && sc.Text() == "tap ready"
-		ready <- ok
-		_, _ = io.Copy(io.Discard, out)
-	}()
-	select {
-	case ok := <-ready:
-		if !ok {
-			t.stop()
-			return nil, fmt.Errorf("%s did not start: %s", t.name, t.stderr.String())
-		}
-	case <-time.After(10 * time.Second):
-		t.stop()
-		return nil, fmt.Errorf("%s not ready after 10s: %s", t.name, t.stderr.String())
-	}
-	return t, nil
-}
-
-// finish ends the tap's recording and reads what it wrote.
-func (t *tapProc) finish() ([]tapEvent, error) {
-	_ = t.stdin.Close()
-	select {
-	case err := <-t.done:
-		t.done <- err
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w: %s", t.name, err, t.stderr.String())
-		}
-	case <-time.After(10 * time.Second):
-		return nil, fmt.Errorf("%s did not finish within 10s", t.name)
-	}
-	return readTapFile(t.file)
-}
-
-// stop ends the tap whatever it is doing (the stdin close ends it; the
-// context's cancel or the parent's death kill it otherwise).
-func (t *tapProc) stop() {
-	_ = t.stdin.Close()
-	select {
-	case err := <-t.done:
-		t.done <- err
-	case <-time.After(5 * time.Second):
-	}
-}
 
 func readTapFile(path string) ([]tapEvent, error) {
 	f, err := os.Open(path)

@@ -28,6 +28,7 @@ type child struct {
 	lines  chan string // stdout, line by line
 	stderr *lockedBuffer
 	done   chan struct{}
+	err    error // how the program ended, once done is closed
 }
 
 type lockedBuffer struct {
@@ -50,7 +51,8 @@ func (l *lockedBuffer) String() string {
 	return strings.TrimSpace(l.b.String())
 }
 
-// startChild runs name with args inside the namespace at nsPath.
+// startChild runs name with args inside the namespace at nsPath. The
+// runner kills it at cleanup; with a nil runner the caller must.
 func startChild(r *netnstest.Runner, nsPath, label, name string, args ...string) (*child, error) {
 	cmd := netnstest.Command(context.Background(), nsPath, name, args...)
 	// nsenter execs the program, so this process group and this parent-death
@@ -68,7 +70,9 @@ func startChild(r *netnstest.Runner, nsPath, label, name string, args ...string)
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s (%s): %w", label, name, err)
 	}
-	r.Cleanup(c.kill)
+	if r != nil {
+		r.Cleanup(c.kill)
+	}
 	go func() {
 		sc := bufio.NewScanner(out)
 		for sc.Scan() {
@@ -77,7 +81,7 @@ func startChild(r *netnstest.Runner, nsPath, label, name string, args ...string)
 			default: // nobody listens: drop
 			}
 		}
-		_ = cmd.Wait()
+		c.err = cmd.Wait()
 		close(c.done)
 	}()
 	return c, nil
