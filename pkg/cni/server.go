@@ -214,9 +214,10 @@ func (l *guardedListener) Accept() (net.Conn, error) {
 		}
 		uid, err := peerUID(c)
 		if err != nil || (uid != 0 && uid != uint32(os.Geteuid())) {
+			// Counted before the close: whoever sees the close sees the count.
+			l.s.count(func(st *ServerStats) { st.RefusedPeers++ })
 			c.Close()
 			<-l.slots
-			l.s.count(func(st *ServerStats) { st.RefusedPeers++ })
 			l.s.log.Warn("CNI socket: connection refused: only root or the agent's user may send pod events", "peer_uid", uid, "error", err)
 			continue
 		}
