@@ -75,14 +75,7 @@ type stamped struct {
 // expected (a WINDOW_UPDATE or a ticket on the tunnel, a retransmission) is
 // skipped; a client request while a round trip is still open starts over.
 func roundTrips(client, server []tapEvent) [][8]int64 {
-	var all []stamped
-	for _, e := range client {
-		all = append(all, stamped{e.ns, hopEvent{true, e.leg, e.dir}})
-	}
-	for _, e := range server {
-		all = append(all, stamped{e.ns, hopEvent{false, e.leg, e.dir}})
-	}
-	slices.SortStableFunc(all, func(a, b stamped) int { return int(a.ns - b.ns) })
+	all := merged(client, server, func(tapEvent) bool { return true })
 	var out [][8]int64
 	var cur [8]int64
 	next := 0
@@ -101,6 +94,21 @@ func roundTrips(client, server []tapEvent) [][8]int64 {
 		}
 	}
 	return out
+}
+
+// merged is both pods' sightings that keep accepts, each marked with its
+// pod, in time order.
+func merged(client, server []tapEvent, keep func(tapEvent) bool) []stamped {
+	var all []stamped
+	for i, evs := range [][]tapEvent{client, server} {
+		for _, e := range evs {
+			if keep(e) {
+				all = append(all, stamped{e.ns, hopEvent{i == 0, e.leg, e.dir}})
+			}
+		}
+	}
+	slices.SortStableFunc(all, func(a, b stamped) int { return int(a.ns - b.ns) })
+	return all
 }
 
 // hopMeans gives each leg's mean over the round trips, in µs, leaving out
@@ -127,8 +135,7 @@ func hopMeans(rts [][8]int64) map[string]float64 {
 }
 
 // runHops makes the round trips of one rr sample with both pods tapped and
-// returns the legs' means, the rr tool's own p50 and how many round trips
-// the taps resolved. Variants with no relay pair have nothing to break down.
+// returns the legs' means and the rr tool's own p50. Variants with no relay pair have nothing to break down.
 func runHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 	if v.tunnelPort == nil || v.serverPod == nil {
 		return nil, nil
@@ -228,18 +235,7 @@ const minDataSegment = 200
 // bursts cuts the two pods' sightings into bursts and gives each its eight
 // stage times (the order of hopEvents). A burst missing a kind is dropped.
 func bursts(client, server []tapEvent) [][8]int64 {
-	var all []stamped
-	add := func(evs []tapEvent, isClient bool) {
-		for _, e := range evs {
-			if e.leg == "tun" && e.payload < minDataSegment {
-				continue
-			}
-			all = append(all, stamped{e.ns, hopEvent{isClient, e.leg, e.dir}})
-		}
-	}
-	add(client, true)
-	add(server, false)
-	slices.SortStableFunc(all, func(a, b stamped) int { return int(a.ns - b.ns) })
+	all := merged(client, server, func(e tapEvent) bool { return e.leg != "tun" || e.payload >= minDataSegment })
 	var out [][8]int64
 	flush := func(b []stamped) {
 		var st [8]int64
@@ -269,8 +265,8 @@ func bursts(client, server []tapEvent) [][8]int64 {
 }
 
 // runHTTPHops runs the fixed HTTP load for --http-time with both pods
-// tapped and returns the stages' means over the bursts, fortio's p99 and
-// the number of bursts.
+// tapped and returns the stages' means over the bursts, the p90 and p99 of
+// the bursts' first-to-last times, fortio's p99 and the number of bursts.
 func runHTTPHops(ctx context.Context, cfg config, v *variant) (map[string]float64, error) {
 	if v.tunnelPort == nil || v.serverPod == nil {
 		return nil, nil
@@ -295,9 +291,8 @@ func runHTTPHops(ctx context.Context, cfg config, v *variant) (map[string]float6
 	for i, b := range bs {
 		totals[i] = float64(b[7]-b[0]) / 1e3
 	}
-	slices.Sort(totals)
-	out["burst_total_p90"] = totals[len(totals)*90/100]
-	out["burst_total_p99"] = totals[len(totals)*99/100]
+	st := rrStats(totals)
+	out["burst_total_p90"], out["burst_total_p99"] = st.P90us, st.P99us
 	out["burst_http_p99"] = res.percentileMs(99) * 1e3
 	out["burst_count"] = float64(len(bs))
 	return out, nil

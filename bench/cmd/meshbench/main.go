@@ -306,8 +306,11 @@ func parseConfig(args []string) (config, error) {
 	return c, nil
 }
 
-// runs tells whether the test with this key is selected.
-func (c config) runs(key string) bool { return len(c.Tests) == 0 || slices.Contains(c.Tests, key) }
+// runs tells whether test t is selected: named by --tests, or every test
+// but the opt-in ones when --tests is not given.
+func (c config) runs(t test) bool {
+	return slices.Contains(c.Tests, t.key) || (len(c.Tests) == 0 && !t.optIn)
+}
 
 // altVariant is the variant of the second pair of agents.
 const altVariant = "meshed-alt"

@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strconv"
 	"syscall"
 	"time"
@@ -152,7 +151,7 @@ func runSuite(ctx context.Context, r *netnstest.Runner, cfg config) error {
 
 	for round := range cfg.Runs {
 		for _, t := range tests {
-			if !cfg.runs(t.key) || (t.optIn && !slices.Contains(cfg.Tests, t.key)) {
+			if !cfg.runs(t) {
 				continue
 			}
 			if t.slice != nil {
