@@ -10,6 +10,7 @@
 #include "include/maps.h"
 #include "include/packet.h"
 #include "include/netns.h"
+#include "include/skaddr.h"
 
 char __license[] SEC("license") = "GPL";
 
@@ -738,4 +739,83 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	}
 	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC,
 			pod->flags & POD_CAPTURE_OUTBOUND);
+}
+
+#define RD_SOL_SOCKET 1
+#define RD_SO_MARK 36
+
+/* route_locally gives an app socket the reinject mark, keeping its other
+ * mark bits: the pod's fwmark rule then routes every later packet of it
+ * through the local table, over lo, straight to the tunnel socket that
+ * terminates its connection, instead of out of the pod's interface, through
+ * rd_pod_egress and back in. The route is local for every destination, so a
+ * marked socket cannot reach the wire whatever happens to the tunnel's end:
+ * with no tunnel socket left, its segments meet the pod's own TCP, which
+ * resets them. */
+static __always_inline void route_locally(struct bpf_sock_ops *skops, struct bpf_sock *sk, const struct pod_addr *pod)
+{
+	int mark = (sk->mark & ~mark_mask) | (reinject_mark & mark_mask);
+
+	if (bpf_setsockopt(skops, RD_SOL_SOCKET, RD_SO_MARK, &mark, sizeof(mark)) == 0)
+		count(REASON_SOCK_ROUTED_LOCAL, pod, CNT_STEERED);
+}
+
+/* rd_pod_sockops: cgroup sock_ops, on the sockets of the node's pods. It
+ * takes the capture off the packet path of a connection once it is
+ * established: an app socket whose connection the tunnel terminates in the
+ * same pod is routed over lo (route_locally), the way an app reaches a relay
+ * it dials explicitly. Which sockets qualify is decided by the capture
+ * programs, never by the app:
+ *   - an app's outbound connection whose SYN rd_pod_egress steered (it
+ *     carries rd_captured): its SYN never left the pod, so the peer that
+ *     completed its handshake is the tunnel's outbound listener;
+ *   - an app's accepted connection that the tunnel dialled from the
+ *     client's address (rd_pod_egress left its tuple in rd_dialled when the
+ *     app's SYN-ACK went to a tunnel socket); it gets rd_captured here.
+ * Every other socket is left alone, and a socket this misses (one from
+ * before this program, a sock_ops program detached) still takes the packet
+ * path, which captures it as before. Other agents' sockets sharing the
+ * cgroup (simulated nodes) find no entry in this agent's maps. */
+SEC("sockops")
+int rd_pod_sockops(struct bpf_sock_ops *skops)
+{
+	struct dialled_key k = {};
+	struct bpf_sock *sk;
+	__u32 ip6[4];
+
+	if (skops->op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB && skops->op != BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB)
+		return 1;
+	if (skops->family != 2 && skops->family != 10)
+		return 1;
+	sk = skops->sk;
+	if (!sk || (sk->mark & mark_mask) == tunnel_mark)
+		return 1;
+	ip6[0] = *(volatile __u32 *)&skops->local_ip6[0];
+	ip6[1] = *(volatile __u32 *)&skops->local_ip6[1];
+	ip6[2] = *(volatile __u32 *)&skops->local_ip6[2];
+	ip6[3] = *(volatile __u32 *)&skops->local_ip6[3];
+	set_addr(k.src.addr, skops->family, skops->local_ip4, ip6);
+
+	if (skops->op == BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB) {
+		if (bpf_sk_storage_get(&rd_captured, sk, 0, 0))
+			route_locally(skops, sk, &k.src);
+		return 1;
+	}
+
+	ip6[0] = *(volatile __u32 *)&skops->remote_ip6[0];
+	ip6[1] = *(volatile __u32 *)&skops->remote_ip6[1];
+	ip6[2] = *(volatile __u32 *)&skops->remote_ip6[2];
+	ip6[3] = *(volatile __u32 *)&skops->remote_ip6[3];
+	set_addr(k.dst.addr, skops->family, skops->remote_ip4, ip6);
+	k.sport = bpf_htons((__u16)skops->local_port);
+	k.dport = net_port(skops->remote_port);
+	if (!bpf_map_lookup_elem(&rd_dialled, &k))
+		return 1;
+	/* the socket carries the capture mark from now on, as keep_captured
+	 * would give it on its first packet */
+	if (!bpf_sk_storage_get(&rd_captured, sk, 0, BPF_SK_STORAGE_GET_F_CREATE))
+		return 1;
+	bpf_map_delete_elem(&rd_dialled, &k);
+	route_locally(skops, sk, &k.src);
+	return 1;
 }

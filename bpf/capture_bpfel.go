@@ -111,7 +111,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE     CaptureVerdictReason = 27
 	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK    CaptureVerdictReason = 28
 	CaptureVerdictReasonREASON_DROP_LOOPBACK        CaptureVerdictReason = 29
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 30
+	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL    CaptureVerdictReason = 30
+	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 31
 )
 
 // Names of all BPF objects in the ELF.
@@ -127,6 +128,7 @@ const (
 	CaptureMapRdReasons           = "rd_reasons"
 	CaptureProgRdPodEgress        = "rd_pod_egress"
 	CaptureProgRdPodIngress       = "rd_pod_ingress"
+	CaptureProgRdPodSockops       = "rd_pod_sockops"
 	CaptureVarHbonePort           = "hbone_port"
 	CaptureVarInboundPort         = "inbound_port"
 	CaptureVarMarkMask            = "mark_mask"
@@ -184,6 +186,7 @@ type CaptureSpecs struct {
 type CaptureProgramSpecs struct {
 	RdPodEgress  *ebpf.ProgramSpec `ebpf:"rd_pod_egress"`
 	RdPodIngress *ebpf.ProgramSpec `ebpf:"rd_pod_ingress"`
+	RdPodSockops *ebpf.ProgramSpec `ebpf:"rd_pod_sockops"`
 }
 
 // CaptureMapSpecs contains maps before they are loaded into the kernel.
@@ -280,12 +283,14 @@ type CaptureVariables struct {
 type CapturePrograms struct {
 	RdPodEgress  *ebpf.Program `ebpf:"rd_pod_egress"`
 	RdPodIngress *ebpf.Program `ebpf:"rd_pod_ingress"`
+	RdPodSockops *ebpf.Program `ebpf:"rd_pod_sockops"`
 }
 
 func (p *CapturePrograms) Close() error {
 	return _CaptureClose(
 		p.RdPodEgress,
 		p.RdPodIngress,
+		p.RdPodSockops,
 	)
 }
 

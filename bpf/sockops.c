@@ -11,6 +11,7 @@
 #include <bpf/bpf_helpers.h>
 #include "include/maps.h"
 #include "include/sockops.h"
+#include "include/skaddr.h"
 
 char __license[] SEC("license") = "GPL";
 
@@ -99,28 +100,6 @@ static __always_inline struct accel_counters *stats(void)
 		if (c)                                                                             \
 			__sync_fetch_and_add(&(c)->field, (n));                                    \
 	} while (0)
-
-static __always_inline void set_addr(__u8 *dst, __u32 family, __u32 ip4, const __u32 *ip6)
-{
-	__u32 *w = (__u32 *)dst;
-	if (family == 2 /* AF_INET */) {
-		w[0] = 0;
-		w[1] = 0;
-		w[2] = bpf_htonl(0xffff);
-		w[3] = ip4;
-	} else {
-		w[0] = ip6[0];
-		w[1] = ip6[1];
-		w[2] = ip6[2];
-		w[3] = ip6[3];
-	}
-}
-
-/* remote_port is in network order; some kernels hand it in the upper half. */
-static __always_inline __u16 net_port(__u32 remote_port)
-{
-	return (remote_port & 0xffff) ? (__u16)remote_port : (__u16)(remote_port >> 16);
-}
 
 static __always_inline int enrolled(const __u8 *addr)
 {

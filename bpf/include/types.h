@@ -64,6 +64,7 @@ enum verdict_reason {
 	REASON_DROP_TUNNEL_GONE,     /* fail closed: egress packet of an app socket whose connection was captured, with no tunnel socket left for its tuple */
 	REASON_DROP_CAPTURE_MARK,    /* fail closed: the app socket of a new outbound connection, or of a tunnel-owned packet, could not be marked as captured (no memory) */
 	REASON_DROP_LOOPBACK,        /* fail closed: egress TCP to a loopback address on the pod's interface (a socket bound to the device) */
+	REASON_SOCK_ROUTED_LOCAL,    /* sock_ops: an app socket of a connection the tunnel terminates got the reinject mark, so its packets take lo to the tunnel */
 	REASON_MAX,
 };
 

@@ -68,6 +68,8 @@ type agentConfig struct {
 	data            loader.Settings
 	cniSocket       string
 	accel           bool
+	cgroupRoot      string
+	localRoute      bool
 	procDir         string
 	hboneCongestion string
 	limits          tunnel.Limits
@@ -75,8 +77,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, procDir, hboneCC *string
-	limits                                                                                                                                                                                                                      func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, cgroupRoot, localRoute, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                                              func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -116,6 +118,8 @@ func runSettings() (*settings, runFlags) {
 		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
 		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
 		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
+		cgroupRoot: s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
+		localRoute: s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
 		ca:         addCAFlags(s),
 		xds:        addXDSFlags(s),
 		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
@@ -194,8 +198,14 @@ func parseRunFlags(args []string) (agentConfig, error) {
 			return c, fmt.Errorf("%s: %w", s.name(f.hboneCC), err)
 		}
 	}
-	if *f.accel != "true" && *f.accel != "false" {
-		return c, fmt.Errorf("%s: %q is not true or false", s.name(f.accel), *f.accel)
+	for _, b := range []*string{f.accel, f.localRoute} {
+		if *b != "true" && *b != "false" {
+			return c, fmt.Errorf("%s: %q is not true or false", s.name(b), *b)
+		}
+	}
+	c.localRoute = *f.localRoute == "true"
+	if c.cgroupRoot = *f.cgroupRoot; c.cgroupRoot != "" && !filepath.IsAbs(c.cgroupRoot) {
+		return c, fmt.Errorf("%s: %q is not an absolute path", s.name(f.cgroupRoot), c.cgroupRoot)
 	}
 	switch *f.tcMode {
 	case "auto", "tcx":
@@ -267,7 +277,8 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer closeCerts()
 
-	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC, Logger: log})
+	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC,
+		CgroupPath: cfg.cgroupRoot, PacketPathOnly: !cfg.localRoute, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -284,7 +295,7 @@ func runAgent(ctx context.Context, args []string) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
 	if cfg.accel {
-		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
+		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}

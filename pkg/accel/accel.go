@@ -14,15 +14,12 @@
 package accel
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -60,7 +57,7 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.CgroupPath == "" {
-		p, err := CgroupV2Root()
+		p, err := pin.CgroupV2Root()
 		if err != nil {
 			return nil, err
 		}
@@ -114,24 +111,8 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 }
 
 func (a *Accelerator) attachSockops() error {
-	path := linkPin(a.cfg.PinRoot)
-	if l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{}); err == nil {
-		defer l.Close()
-		if err := l.Update(a.objs.RdSockops); err != nil {
-			return fmt.Errorf("update pinned sockops link: %w", err)
-		}
-		return nil
-	}
-	l, err := link.AttachCgroup(link.CgroupOptions{Path: a.cfg.CgroupPath, Attach: ebpf.AttachCGroupSockOps, Program: a.objs.RdSockops})
-	if err != nil {
-		return fmt.Errorf("attach sock_ops to cgroup %s: %w", a.cfg.CgroupPath, err)
-	}
-	defer l.Close()
-	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return err
-	}
-	if err := l.Pin(path); err != nil {
-		return fmt.Errorf("pin sockops link: %w", err)
+	if err := pin.AttachCgroup(linkPin(a.cfg.PinRoot), a.cfg.CgroupPath, a.objs.RdSockops, ebpf.AttachCGroupSockOps); err != nil {
+		return fmt.Errorf("sockops acceleration: %w", err)
 	}
 	return nil
 }
@@ -216,42 +197,4 @@ func removeMapPins(root string) error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// mountinfo is the kernel's list of this process's mounts.
-const mountinfo = "/proc/self/mountinfo"
-
-// CgroupV2Root finds the cgroup v2 mount from /proc/self/mountinfo (it is
-// /sys/fs/cgroup on unified hosts and /sys/fs/cgroup/unified on hybrid ones).
-func CgroupV2Root() (string, error) {
-	f, err := os.Open(mountinfo)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	return cgroupV2Root(f, mountinfo)
-}
-
-// cgroupV2Root scans mountinfo lines from r (named name) for the first
-// cgroup2 mount. Its read is bounded without a size limit on the file: the
-// scanner holds one line (at most bufio.MaxScanTokenSize), stops at the
-// first cgroup2 line, and the kernel writes one line per mount of the
-// agent's mount namespace. A line over that size is an error naming the
-// file, not a scan that ends early and reports no cgroup v2 mount.
-func cgroupV2Root(r io.Reader, name string) (string, error) {
-	sc := bufio.NewScanner(r)
-	for sc.Scan() {
-		// "... mountpoint options ... - fstype source superoptions"
-		pre, post, ok := strings.Cut(sc.Text(), " - ")
-		if !ok || !strings.HasPrefix(post, "cgroup2 ") {
-			continue
-		}
-		if fields := strings.Fields(pre); len(fields) >= 5 {
-			return fields[4], nil
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("read %s: %w", name, err)
-	}
-	return "", fmt.Errorf("no cgroup v2 mount in %s: sockops acceleration needs cgroup v2", name)
 }

@@ -27,13 +27,35 @@ import (
 // plaintext. Here the RST is held back for good (a tc program on the pod's
 // loopback drops the tunnel-marked packets), which opens that window as wide
 // as it gets: the app's data must still never leave the pod, and is counted
-// as drop_tunnel_gone.
+// as drop_tunnel_gone. With local routing (the default), the app's socket
+// was routed over lo when its connection was established: its data meets the
+// pod's own TCP, which resets it, and nothing reaches the pod's interface.
 func TestCapturedConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
+	for _, path := range capturePaths {
+		t.Run(path.name, func(t *testing.T) { testCapturedNeverLeaves(t, path) })
+	}
+}
+
+// capturePaths are the two ways the packets of an established captured
+// connection reach the tunnel's socket: over lo, the app's socket routed
+// there by rd_pod_sockops (local routing, the default), and through the pod
+// interface's programs (local routing off, or a socket from before it).
+var capturePaths = []capturePath{
+	{"local route", true},
+	{"packet path", false},
+}
+
+type capturePath struct {
+	name  string
+	local bool // routed over lo
+}
+
+func testCapturedNeverLeaves(t *testing.T, path capturePath) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	client, other := node.AddPod("client"), node.AddPod("other")
 	root := loadertest.TempBPFFS(t)
-	l := loadertest.Load(t, root)
+	l := loadertest.LoadPacketPath(t, root, !path.local)
 	defer l.Close()
 	ctx := context.Background()
 	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
@@ -50,6 +72,7 @@ func TestCapturedConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
 		t.Run(dst, func(t *testing.T) {
 			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			defer cancel()
+			routed := reasonCount(t, l.Maps(), "sock_routed_local")
 			app, err := netns.Dial(dctx, client.Path(), "tcp", dst, netns.SocketOptions{})
 			if err != nil {
 				t.Fatal(err)
@@ -75,7 +98,7 @@ func TestCapturedConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
 			if _, err := app.Write(secret); err != nil {
 				t.Fatalf("app write: %v", err)
 			}
-			waitForCount(t, l.Maps(), "drop_tunnel_gone", before+1)
+			checkTunnelGone(t, l.Maps(), path.local, routed, before)
 			time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
 			if bytes.Contains(wire(), secret) {
 				t.Fatal("the app's data left the pod in plaintext after its tunnel socket was reset")
@@ -120,6 +143,29 @@ func dropTunnelMarkedOnLoopback(t *testing.T, path string) link.Link {
 	}
 	t.Cleanup(func() { lk.Close() })
 	return lk
+}
+
+// checkTunnelGone checks what became of an app's write after the tunnel's
+// socket of its connection was gone: on the packet path, egress dropped it
+// (drop_tunnel_gone above before); routed locally (sock_routed_local above
+// routed when the connection was made), it never reached the pod's
+// interface: it went over lo to the pod's own TCP, which has no socket for
+// it (it resets IPv6 segments; an IPv4 reset from the tunnel's non-local
+// address has no route out, so the app retransmits until the tunnel's own
+// RST, held back here, arrives).
+func checkTunnelGone(t *testing.T, m *maps.Maps, local bool, routed, before uint64) {
+	t.Helper()
+	if !local {
+		waitForCount(t, m, "drop_tunnel_gone", before+1)
+		return
+	}
+	if n := reasonCount(t, m, "sock_routed_local"); n <= routed {
+		t.Fatalf("sock_routed_local stayed at %d: the app's socket was not routed over lo", n)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := reasonCount(t, m, "drop_tunnel_gone"); n != before {
+		t.Errorf("drop_tunnel_gone went from %d to %d: the routed app socket's data reached the pod's interface", before, n)
+	}
 }
 
 func waitForCount(t *testing.T, m *maps.Maps, name string, want uint64) {

@@ -26,11 +26,17 @@ import (
 // after the reset (a server that speaks first: its greeting) are checked.
 // As in the outbound test, the RST is held back for good.
 func TestDialledAppConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
+	for _, path := range capturePaths {
+		t.Run(path.name, func(t *testing.T) { testDialledNeverLeaves(t, path) })
+	}
+}
+
+func testDialledNeverLeaves(t *testing.T, path capturePath) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	server, client := node.AddPod("server"), node.AddPod("client")
 	root := loadertest.TempBPFFS(t)
-	l := loadertest.Load(t, root)
+	l := loadertest.LoadPacketPath(t, root, !path.local)
 	defer l.Close()
 	ctx := context.Background()
 	if _, err := l.AttachPod(ctx, loadertest.PodOf(server, true)); err != nil {
@@ -57,6 +63,7 @@ func TestDialledAppConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
 			dctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			defer cancel()
 			dst := (&net.TCPAddr{IP: c.dst, Port: 8080}).String()
+			routed := reasonCount(t, l.Maps(), "sock_routed_local")
 			tun, err := netns.Dial(dctx, server.Path(), "tcp", dst, netns.SocketOptions{
 				Transparent: true, Mark: loadertest.TunnelMark, Local: &net.TCPAddr{IP: c.from},
 			})
@@ -96,9 +103,7 @@ func TestDialledAppConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
 			if bytes.Contains(wire(), secret) {
 				t.Fatal("the app's data left the pod in plaintext after the tunnel's socket to it was reset")
 			}
-			if n := reasonCount(t, l.Maps(), "drop_tunnel_gone"); n <= before {
-				t.Fatalf("drop_tunnel_gone stayed at %d, want more", n)
-			}
+			checkTunnelGone(t, l.Maps(), path.local, routed, before)
 			dropper.Close()
 		})
 	}

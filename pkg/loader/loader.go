@@ -40,7 +40,15 @@ type Config struct {
 	// ForceLegacyTC attaches with clsact + cls_bpf even where tcx exists
 	// (tcx is used otherwise, with the legacy path as the fallback).
 	ForceLegacyTC bool
-	Logger        *slog.Logger
+	// CgroupPath is the cgroup v2 directory holding the pods' cgroups, where
+	// the sock_ops program that routes established captured connections over
+	// lo is attached (localroute.go). Empty: this process's cgroup v2 mount.
+	CgroupPath string
+	// PacketPathOnly leaves that program off (and detaches one an earlier
+	// agent attached): every packet of a captured connection takes the pod
+	// interface's programs.
+	PacketPathOnly bool
+	Logger         *slog.Logger
 }
 
 // Loader holds the loaded programs and pinned maps of one node.
@@ -50,6 +58,7 @@ type Loader struct {
 	maps    *maps.Maps
 	ingress *ebpf.Program
 	egress  *ebpf.Program
+	sockops *ebpf.Program // rd_pod_sockops, on the pods' cgroup (localroute.go)
 	// probes SNATs host-originated connections (kubelet probes) on the host
 	// end of each pod's veth.
 	probes *probe.Attacher
@@ -138,6 +147,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		log:     cfg.Logger,
 		ingress: objs.RdPodIngress,
 		egress:  objs.RdPodEgress,
+		sockops: objs.RdPodSockops,
 		maps: &maps.Maps{
 			Pods:     objs.RdPods,
 			PodStats: objs.RdPodStats,
@@ -162,6 +172,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		l.Close()
 		return nil, err
 	}
+	if err := l.attachLocalRoute(ctx); err != nil {
+		l.Close()
+		return nil, err
+	}
 	if err := l.syncPodNetNS(ctx); err != nil {
 		l.Close()
 		return nil, err
@@ -179,7 +193,7 @@ func (l *Loader) PinRoot() string { return l.cfg.PinRoot }
 // stay redirected while no agent runs.
 func (l *Loader) Close() error {
 	l.closeHeld()
-	errs := []error{l.ingress.Close(), l.egress.Close(), l.maps.Close()}
+	errs := []error{l.ingress.Close(), l.egress.Close(), l.sockops.Close(), l.maps.Close()}
 	if l.probes != nil {
 		errs = append(errs, l.probes.Close())
 	}
@@ -293,7 +307,7 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 		return fmt.Errorf("%w: %s is not a directory on a bpffs, so it holds no pins of this agent; leaving it untouched", ErrNotPinRoot, root)
 	}
 	// Host links first: they share the pod pin directories.
-	errs := []error{accel.Uninstall(root), probe.Uninstall(root)}
+	errs := []error{accel.Uninstall(root), probe.Uninstall(root), detachLocalRoute(root)}
 	m, err := maps.OpenPinned(root)
 	if err == nil {
 		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m}

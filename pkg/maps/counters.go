@@ -118,6 +118,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_TUNNEL_GONE:     "drop_tunnel_gone",
 	bpf.CaptureVerdictReasonREASON_DROP_CAPTURE_MARK:    "drop_capture_mark",
 	bpf.CaptureVerdictReasonREASON_DROP_LOOPBACK:        "drop_loopback",
+	bpf.CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL:    "sock_routed_local",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

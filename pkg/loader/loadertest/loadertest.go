@@ -34,7 +34,15 @@ func TempBPFFS(t testing.TB) string {
 // Load loads the programs with the default settings under root.
 func Load(t testing.TB, root string) *loader.Loader {
 	t.Helper()
-	l, err := loader.Load(context.Background(), loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), Logger: slog.Default()})
+	return LoadPacketPath(t, root, false)
+}
+
+// LoadPacketPath is Load with local routing off (loader.Config.PacketPathOnly)
+// when packetPath is set: every packet of a captured connection then takes
+// the pod interface's programs.
+func LoadPacketPath(t testing.TB, root string, packetPath bool) *loader.Loader {
+	t.Helper()
+	l, err := loader.Load(context.Background(), loader.Config{PinRoot: root, Settings: loader.DefaultSettings(), PacketPathOnly: packetPath, Logger: slog.Default()})
 	if err != nil {
 		t.Fatal(err)
 	}
