@@ -36,15 +36,19 @@ enum counter_field {
 	CNT_STEERED,
 	CNT_DROPPED,
 	CNT_BYPASSED,
+	CNT_REASON_ONLY, /* a socket, not a packet: the pod's packet counters stay */
 };
 
 static __always_inline void count(__u32 reason, const struct pod_addr *pod, enum counter_field f)
 {
 	__u64 *r = bpf_map_lookup_elem(&rd_reasons, &reason);
+	struct pod_counters *c;
+
 	if (r)
 		*r += 1;
-
-	struct pod_counters *c = bpf_map_lookup_elem(&rd_pod_stats, pod);
+	if (f == CNT_REASON_ONLY)
+		return;
+	c = bpf_map_lookup_elem(&rd_pod_stats, pod);
 	if (!c)
 		return;
 	switch (f) {
@@ -63,6 +67,8 @@ static __always_inline void count(__u32 reason, const struct pod_addr *pod, enum
 		break;
 	case CNT_BYPASSED:
 		c->bypassed_packets++;
+		break;
+	default:
 		break;
 	}
 }
@@ -751,13 +757,13 @@ int rd_pod_ingress(struct __sk_buff *skb)
  * rd_pod_egress and back in. The route is local for every destination, so a
  * marked socket cannot reach the wire whatever happens to the tunnel's end:
  * with no tunnel socket left, its segments meet the pod's own TCP, which
- * resets them. */
+ * has no socket for them. */
 static __always_inline void route_locally(struct bpf_sock_ops *skops, struct bpf_sock *sk, const struct pod_addr *pod)
 {
 	int mark = (sk->mark & ~mark_mask) | (reinject_mark & mark_mask);
 
 	if (bpf_setsockopt(skops, RD_SOL_SOCKET, RD_SO_MARK, &mark, sizeof(mark)) == 0)
-		count(REASON_SOCK_ROUTED_LOCAL, pod, CNT_STEERED);
+		count(REASON_SOCK_ROUTED_LOCAL, pod, CNT_REASON_ONLY);
 }
 
 /* rd_pod_sockops: cgroup sock_ops, on the sockets of the node's pods. It

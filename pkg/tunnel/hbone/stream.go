@@ -218,10 +218,10 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 // abort fails both directions of the stream with err and forgets it. A
 // server stream still waiting in the handler queue is closed too (releaseQueued):
 // nobody else would give its buffered bytes back to the connection window.
+// The handler's context is cancelled only once both directions carry err: a
+// handler that wakes on it and answers must find the stream failed, or its
+// response HEADERS would go out ahead of the RST_STREAM queued for it.
 func (s *Stream) abort(err error) {
-	if s.cancel != nil {
-		s.cancel()
-	}
 	s.mu.Lock()
 	if s.err == nil {
 		s.err = err
@@ -236,6 +236,9 @@ func (s *Stream) abort(err error) {
 	}
 	s.sendCond.Broadcast()
 	c.mu.Unlock()
+	if s.cancel != nil {
+		s.cancel()
+	}
 	c.forget(s)
 	if !c.cfg.client {
 		c.releaseQueued(s)
