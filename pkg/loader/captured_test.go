@@ -10,7 +10,9 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -85,6 +87,7 @@ func testCapturedNeverLeaves(t *testing.T, path capturePath) {
 			if tun.LocalAddr().String() != dst {
 				t.Fatalf("the app's connection reached the tunnel as %s, want %s", tun.LocalAddr(), dst)
 			}
+			checkAppMark(t, app, path.local)
 
 			dropper := dropTunnelMarkedOnLoopback(t, client.Path())
 			if err := tun.(*net.TCPConn).SetLinger(0); err != nil {
@@ -165,6 +168,28 @@ func checkTunnelGone(t *testing.T, m *maps.Maps, local bool, routed, before uint
 	time.Sleep(300 * time.Millisecond)
 	if n := reasonCount(t, m, "drop_tunnel_gone"); n != before {
 		t.Errorf("drop_tunnel_gone went from %d to %d: the routed app socket's data reached the pod's interface", before, n)
+	}
+}
+
+// checkAppMark checks the SO_MARK of an app's captured socket: the reinject
+// mark when local routing gave it one, none on the packet path.
+func checkAppMark(t *testing.T, app net.Conn, local bool) {
+	t.Helper()
+	raw, err := app.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mark int
+	var gerr error
+	if err := raw.Control(func(fd uintptr) { mark, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK) }); err != nil || gerr != nil {
+		t.Fatalf("read SO_MARK: %v %v", err, gerr)
+	}
+	want := 0
+	if local {
+		want = int(loader.DefaultSettings().ReinjectMark)
+	}
+	if mark != want {
+		t.Fatalf("the app socket's SO_MARK is %#x, want %#x", mark, want)
 	}
 }
 

@@ -76,6 +76,7 @@ func testDialledNeverLeaves(t *testing.T, path capturePath) {
 				t.Fatal(err)
 			}
 			defer app.Close()
+			checkAppMark(t, app, path.local)
 			if c.sentBefore {
 				if _, err := app.Write([]byte("hello\n")); err != nil {
 					t.Fatal(err)

@@ -2,12 +2,11 @@ package loader
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/pin"
 )
@@ -37,28 +36,30 @@ func (l *Loader) attachLocalRoute(ctx context.Context) error {
 			return nil
 		}
 	}
-	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
-		if named {
-			return fmt.Errorf("cgroup %s for local routing: not a directory (%v)", dir, err)
-		}
-		l.log.WarnContext(ctx, "established captured connections keep the capture's packet path: cgroup v2 root is not a directory", "cgroup", dir, "error", err)
-		return nil
+	err := checkCgroup2(dir)
+	if err == nil {
+		err = pin.AttachCgroup(path, dir, l.sockops, ebpf.AttachCGroupSockOps)
 	}
-	if err := pin.AttachCgroup(path, dir, l.sockops, ebpf.AttachCGroupSockOps); err != nil {
-		if named {
-			return fmt.Errorf("local routing: %w", err)
-		}
+	if err != nil && named {
+		return fmt.Errorf("local routing: %w", err)
+	}
+	if err != nil {
 		l.log.WarnContext(ctx, "established captured connections keep the capture's packet path", "error", err)
-		return nil
+	}
+	return nil
+}
+
+// checkCgroup2 reports why dir is not a cgroup v2 directory, if it is not.
+func checkCgroup2(dir string) error {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return fmt.Errorf("cgroup %s: %w", dir, err)
+	}
+	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
+		return fmt.Errorf("cgroup %s: not on a cgroup v2 file system", dir)
 	}
 	return nil
 }
 
 // detachLocalRoute removes the local-routing link pinned under root.
-func detachLocalRoute(root string) error {
-	err := pin.DetachLink(localRoutePin(root))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return err
-}
+func detachLocalRoute(root string) error { return pin.DetachLink(localRoutePin(root)) }

@@ -10,19 +10,29 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 )
 
-// AttachCgroup makes the cgroup link pinned at path run prog: a link pinned
-// there by an earlier process is updated in place (the hook never goes
-// without a program), else prog is attached to the cgroup v2 directory dir
-// and the new link pinned.
+// AttachCgroup makes the cgroup link pinned at path run prog on the cgroup
+// v2 directory dir. A link pinned there by an earlier process on the same
+// cgroup is updated in place, so the hook never goes without a program. On
+// another cgroup (the setting changed), the new link is attached and pinned
+// first and the old one detached after.
 func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) error {
-	if l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{}); err == nil {
-		defer l.Close()
-		if err := l.Update(prog); err != nil {
-			return fmt.Errorf("update pinned cgroup link %s: %w", path, err)
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return fmt.Errorf("cgroup %s: %w", dir, err)
+	}
+	old, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	if err == nil {
+		defer old.Close()
+		info, err := old.Info()
+		if err == nil && info.Cgroup() != nil && info.Cgroup().CgroupId == st.Ino {
+			if err := old.Update(prog); err != nil {
+				return fmt.Errorf("update pinned cgroup link %s: %w", path, err)
+			}
+			return nil
 		}
-		return nil
 	}
 	l, err := link.AttachCgroup(link.CgroupOptions{Path: dir, Attach: attach, Program: prog})
 	if err != nil {
@@ -31,6 +41,14 @@ func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) 
 	defer l.Close()
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
 		return err
+	}
+	if old != nil {
+		// Pin over the old link's path: renameat over an existing pin is
+		// not allowed on a bpffs, so the old pin goes first; its link stays
+		// attached until old is closed, after the new one is pinned.
+		if err := old.Unpin(); err != nil {
+			return fmt.Errorf("unpin cgroup link %s: %w", path, err)
+		}
 	}
 	if err := l.Pin(path); err != nil {
 		return fmt.Errorf("pin cgroup link %s: %w", path, err)

@@ -1,8 +1,16 @@
 package pin
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 )
 
 func TestCgroupV2Root(t *testing.T) {
@@ -26,5 +34,77 @@ func TestCgroupV2RootLongLine(t *testing.T) {
 	}
 	if p, err := cgroupV2Root(strings.NewReader("1 2 0:1 / /tmp rw - tmpfs tmpfs rw\n"+cg), "mountinfo"); err != nil || p != "/sys/fs/cgroup" {
 		t.Errorf("cgroupV2Root = %q, %v; want /sys/fs/cgroup", p, err)
+	}
+}
+
+// TestAttachCgroupFollowsTheSetting: a second attach on the same cgroup
+// updates the pinned link in place; on another cgroup the program moves
+// there and leaves the first; DetachLink takes it off.
+func TestAttachCgroupFollowsTheSetting(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "bpf")
+	t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
+	if err := EnsureBPFFS(root); err != nil {
+		t.Fatal(err)
+	}
+	top, err := CgroupV2Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child := filepath.Join(top, fmt.Sprintf("rd-pin-test-%d", os.Getpid()))
+	if err := os.Mkdir(child, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Remove(child) })
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SockOps, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prog.Close()
+	info, err := prog.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	path := filepath.Join(root, "sockops")
+	t.Cleanup(func() { _ = DetachLink(path) })
+
+	attached := func(dir string) bool {
+		t.Helper()
+		f, err := os.Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		res, err := link.QueryPrograms(link.QueryOptions{Target: int(f.Fd()), Attach: ebpf.AttachCGroupSockOps})
+		if err != nil {
+			t.Fatalf("query %s: %v", dir, err)
+		}
+		for _, p := range res.Programs {
+			if p.ID == id {
+				return true
+			}
+		}
+		return false
+	}
+	for i, step := range []struct {
+		dir       string
+		onTop, on bool
+	}{{top, true, false}, {top, true, false}, {child, false, true}} {
+		if err := AttachCgroup(path, step.dir, prog, ebpf.AttachCGroupSockOps); err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if got := attached(top); got != step.onTop {
+			t.Errorf("step %d (attach to %s): on %s = %v, want %v", i, step.dir, top, got, step.onTop)
+		}
+		if got := attached(child); got != step.on {
+			t.Errorf("step %d (attach to %s): on %s = %v, want %v", i, step.dir, child, got, step.on)
+		}
+	}
+	if err := DetachLink(path); err != nil {
+		t.Fatal(err)
+	}
+	if attached(child) {
+		t.Error("still attached after DetachLink")
 	}
 }
