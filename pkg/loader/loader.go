@@ -172,10 +172,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		l.Close()
 		return nil, err
 	}
-	if err := l.attachLocalRoute(ctx); err != nil {
-		l.Close()
-		return nil, err
-	}
+	l.attachLocalRoute(ctx)
 	if err := l.syncPodNetNS(ctx); err != nil {
 		l.Close()
 		return nil, err

@@ -14,51 +14,59 @@ import (
 // localRoutePin is where the sock_ops link of local routing is pinned.
 func localRoutePin(root string) string { return filepath.Join(root, "sockops") }
 
-// attachLocalRoute attaches rd_pod_sockops to the cgroup v2 directory that
+// attachLocalRoute attaches rd_pod_sockops to the cgroup v2 hierarchy that
 // holds the pods' cgroups, or points the link an earlier agent pinned at it.
 // It takes an established captured connection off the capture's packet path:
 // the app's socket is routed over lo to the tunnel's (see capture.c). The
 // capture does not depend on it: where it cannot attach, every packet takes
-// the pod interface's programs as before, so a missing cgroup v2 mount is a
-// warning. A path the operator named that cannot be used is an error.
-func (l *Loader) attachLocalRoute(ctx context.Context) error {
+// the pod interface's programs as before. So nothing here fails the load: a
+// directory the operator named that cannot be used is logged as an error
+// naming it, no cgroup v2 found by default as a warning.
+func (l *Loader) attachLocalRoute(ctx context.Context) {
 	path := localRoutePin(l.cfg.PinRoot)
-	dir := l.cfg.CgroupPath
 	if l.cfg.PacketPathOnly {
 		// Off, as the setting says, also for a link an earlier agent left.
-		return detachLocalRoute(l.cfg.PinRoot)
-	}
-	named := dir != ""
-	if !named {
-		var err error
-		if dir, err = pin.CgroupV2Root(); err != nil {
-			l.log.WarnContext(ctx, "established captured connections keep the capture's packet path: no cgroup v2 to attach local routing to", "error", err)
-			return nil
+		if err := detachLocalRoute(l.cfg.PinRoot); err != nil {
+			l.log.WarnContext(ctx, "remove the local-routing link of an earlier agent", "error", err)
 		}
+		return
 	}
-	err := checkCgroup2(dir)
+	var dir string
+	var err error
+	if l.cfg.CgroupPath == "" {
+		dir, err = pin.CgroupV2Root()
+	} else {
+		dir, err = cgroup2Under(l.cfg.CgroupPath)
+	}
 	if err == nil {
 		err = pin.AttachCgroup(path, dir, l.sockops, ebpf.AttachCGroupSockOps)
 	}
-	if err != nil && named {
-		return fmt.Errorf("local routing: %w", err)
+	switch {
+	case err == nil:
+		l.log.DebugContext(ctx, "local routing on", "cgroup", dir)
+	case l.cfg.CgroupPath != "":
+		l.log.ErrorContext(ctx, "local routing off: the cgroup directory cannot be used; established captured connections keep the capture's packet path", "cgroup", l.cfg.CgroupPath, "error", err)
+	default:
+		l.log.WarnContext(ctx, "local routing off: established captured connections keep the capture's packet path", "error", err)
 	}
-	if err != nil {
-		l.log.WarnContext(ctx, "established captured connections keep the capture's packet path", "error", err)
-	}
-	return nil
 }
 
-// checkCgroup2 reports why dir is not a cgroup v2 directory, if it is not.
-func checkCgroup2(dir string) error {
-	var fs unix.Statfs_t
-	if err := unix.Statfs(dir, &fs); err != nil {
-		return fmt.Errorf("cgroup %s: %w", dir, err)
+// cgroup2Under returns the cgroup v2 hierarchy at dir, or at dir/unified
+// (where hybrid hosts mount it below their cgroup v1 controllers).
+func cgroup2Under(dir string) (string, error) {
+	for _, d := range []string{dir, filepath.Join(dir, "unified")} {
+		var fs unix.Statfs_t
+		if err := unix.Statfs(d, &fs); err != nil {
+			if d == dir {
+				return "", fmt.Errorf("cgroup %s: %w", dir, err)
+			}
+			continue
+		}
+		if fs.Type == unix.CGROUP2_SUPER_MAGIC {
+			return d, nil
+		}
 	}
-	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
-		return fmt.Errorf("cgroup %s: not on a cgroup v2 file system", dir)
-	}
-	return nil
+	return "", fmt.Errorf("cgroup %s: neither it nor %s/unified is on a cgroup v2 file system", dir, dir)
 }
 
 // detachLocalRoute removes the local-routing link pinned under root.

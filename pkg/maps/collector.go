@@ -9,7 +9,7 @@ import (
 // enrolled on this node.
 var (
 	packetsDesc = prometheus.NewDesc("redirector_bpf_packets_total",
-		"Packets the BPF programs decided on, by verdict reason, summed over CPUs.",
+		"Packets the BPF programs decided on, by verdict reason, summed over CPUs (sock_routed_local counts sockets, not packets).",
 		[]string{"reason"}, nil)
 	failClosedDesc = prometheus.NewDesc("redirector_bpf_fail_closed_drops_total",
 		"Packets the BPF programs dropped rather than let through unprotected (the sum of the drop_* reasons).",

@@ -7,7 +7,9 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"log"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -273,6 +275,12 @@ func TestRealNode(t *testing.T) {
 		}
 		if ports[15008] == 0 {
 			t.Errorf("no HBONE (15008) traffic on the pod bridge: %v", ports)
+		}
+		// Local routing reaches the pods' sockets under the kubelet's cgroups: the
+		// chart mounts the host's cgroup hierarchy, and the app sockets of the
+		// connections above were routed over lo to the agent.
+		if routed, err := agentCounter(ctx, n, `redirector_bpf_packets_total{reason="sock_routed_local"}`); err != nil || routed == 0 {
+			t.Errorf("sock_routed_local = %d, %v: no app socket was routed over lo", routed, err)
 		}
 	})
 
@@ -982,4 +990,31 @@ func conflistTypes(t *testing.T, n *Node) []string {
 		types = append(types, p.Type)
 	}
 	return types
+}
+
+// agentCounter reads one series of the node agent's metrics (hostNetwork, METRICS_ADDR
+// :15020) from inside the node's network namespace.
+func agentCounter(ctx context.Context, n *Node, series string) (uint64, error) {
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: n.DialContext}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1:15020/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(body), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			return uint64(f), err
+		}
+	}
+	return 0, fmt.Errorf("no %s in the agent's metrics", series)
 }
