@@ -1,6 +1,7 @@
 // Package pin keeps BPF objects on a bpffs so they outlive the agent:
-// it mounts a bpffs where none is, and attaches tcx links that are pinned,
-// updated in place by a new process, and detached by removing the pin.
+// it mounts a bpffs where none is, and attaches tcx and cgroup links that
+// are pinned, updated in place by a new process, and detached by removing
+// the pin.
 package pin
 
 import (
