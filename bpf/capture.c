@@ -434,9 +434,23 @@ static __always_inline int steer(struct __sk_buff *skb)
 	return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
 }
 
+/* tunnel_socket reports whether a socket the lookup found is one of the
+ * tunnel's own (it carries the tunnel mark). */
+static __always_inline int tunnel_socket(struct bpf_sock *sk)
+{
+	struct bpf_sock *full = bpf_sk_fullsock(sk);
+
+	return full && (full->mark & mark_mask) == tunnel_mark;
+}
+
 /* assign_listener hands the packet to the tunnel listener on port, looked up
  * with the packet's tuple and the destination port replaced. Returns 0 when
- * assigned, or the reason to drop (fail closed: never pass it in plaintext). */
+ * assigned, or the reason to drop (fail closed: never pass it in plaintext).
+ * The listener found must carry the tunnel mark: a process in the pod that
+ * binds the port to the pod's own address (with SO_REUSEPORT, which the
+ * tunnel's listeners have, as the same user) is the more specific match, and
+ * would be handed every captured connection of that address in plaintext,
+ * past the agent's policy. */
 static __always_inline int assign_listener(struct __sk_buff *skb, struct tcp_pkt *p, __u16 port)
 {
 	struct bpf_sock *sk;
@@ -450,21 +464,16 @@ static __always_inline int assign_listener(struct __sk_buff *skb, struct tcp_pkt
 		bpf_sk_release(sk);
 		return REASON_DROP_NO_LISTENER;
 	}
+	if (!tunnel_socket(sk)) {
+		bpf_sk_release(sk);
+		return REASON_DROP_FOREIGN_LISTENER;
+	}
 	err = bpf_sk_assign(skb, sk, 0);
 	bpf_sk_release(sk);
 	if (err)
 		return REASON_DROP_ASSIGN_FAILED;
 	skb->mark = reinject_mark;
 	return 0;
-}
-
-/* tunnel_socket reports whether a socket the lookup found is one of the
- * tunnel's own (it carries the tunnel mark). */
-static __always_inline int tunnel_socket(struct bpf_sock *sk)
-{
-	struct bpf_sock *full = bpf_sk_fullsock(sk);
-
-	return full && (full->mark & mark_mask) == tunnel_mark;
 }
 
 /* app_syn_sent reports whether a socket the lookup found is an app's (no
@@ -660,8 +669,9 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  the fwmark rule delivers them locally to their socket, and
  *                  so do the SYNs take_syn leaves to TCP or turns into the RST
  *                  that ends a TIME_WAIT socket;
- *   TC_ACT_SHOT    when the listener is missing (tunnel down), or the SYN's
- *                  tuple stays in TIME_WAIT: fail closed.
+ *   TC_ACT_SHOT    when the listener is missing (tunnel down) or is not the
+ *                  tunnel's (no tunnel mark), or the SYN's tuple stays in
+ *                  TIME_WAIT: fail closed.
  * Verdicts for packets from the wire to an enrolled pod address:
  *   TC_ACT_SHOT    a source address of this same pod (spoofed: accept_local
  *                  is on for re-injection, so the stack would accept it);
@@ -677,7 +687,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  or off): its own SYN was captured, so only a
  *                  simultaneous open by a sender on the wire could connect
  *                  it, in plaintext;
- *   TC_ACT_SHOT    when that listener is missing: fail closed. A SYN whose
+ *   TC_ACT_SHOT    when that listener is missing or is not the tunnel's:
+ *                  fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext.
  * Verdicts for TCP from the wire to an address that is not enrolled:

@@ -81,38 +81,39 @@ type CapturePodSettings struct {
 type CaptureVerdictReason uint32
 
 const (
-	CaptureVerdictReasonREASON_OUT_SYN_STEERED      CaptureVerdictReason = 0
-	CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET    CaptureVerdictReason = 1
-	CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK CaptureVerdictReason = 2
-	CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED    CaptureVerdictReason = 3
-	CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND   CaptureVerdictReason = 4
-	CaptureVerdictReasonREASON_IN_ASSIGN_INBOUND    CaptureVerdictReason = 5
-	CaptureVerdictReasonREASON_IN_PASS_HBONE        CaptureVerdictReason = 6
-	CaptureVerdictReasonREASON_IN_PASS_PROBE        CaptureVerdictReason = 7
-	CaptureVerdictReasonREASON_IN_PASS_REINJECTED   CaptureVerdictReason = 8
-	CaptureVerdictReasonREASON_IN_PASS_EXISTING     CaptureVerdictReason = 9
-	CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE   CaptureVerdictReason = 10
-	CaptureVerdictReasonREASON_DROP_NO_LISTENER     CaptureVerdictReason = 11
-	CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED   CaptureVerdictReason = 12
-	CaptureVerdictReasonREASON_DROP_SPOOFED         CaptureVerdictReason = 13
-	CaptureVerdictReasonREASON_DROP_TRUNCATED       CaptureVerdictReason = 14
-	CaptureVerdictReasonREASON_DROP_MALFORMED       CaptureVerdictReason = 15
-	CaptureVerdictReasonREASON_DROP_FRAGMENT        CaptureVerdictReason = 16
-	CaptureVerdictReasonREASON_DROP_EXTHDR          CaptureVerdictReason = 17
-	CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT      CaptureVerdictReason = 18
-	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT    CaptureVerdictReason = 19
-	CaptureVerdictReasonREASON_IN_SYN_EXISTING      CaptureVerdictReason = 20
-	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED   CaptureVerdictReason = 21
-	CaptureVerdictReasonREASON_DROP_LINK_LOCAL      CaptureVerdictReason = 22
-	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR CaptureVerdictReason = 23
-	CaptureVerdictReasonREASON_DROP_VLAN            CaptureVerdictReason = 24
-	CaptureVerdictReasonREASON_DROP_SYN_SENT        CaptureVerdictReason = 25
-	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE    CaptureVerdictReason = 26
-	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE     CaptureVerdictReason = 27
-	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK    CaptureVerdictReason = 28
-	CaptureVerdictReasonREASON_DROP_LOOPBACK        CaptureVerdictReason = 29
-	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL    CaptureVerdictReason = 30
-	CaptureVerdictReasonREASON_MAX                  CaptureVerdictReason = 31
+	CaptureVerdictReasonREASON_OUT_SYN_STEERED       CaptureVerdictReason = 0
+	CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET     CaptureVerdictReason = 1
+	CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK  CaptureVerdictReason = 2
+	CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED     CaptureVerdictReason = 3
+	CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND    CaptureVerdictReason = 4
+	CaptureVerdictReasonREASON_IN_ASSIGN_INBOUND     CaptureVerdictReason = 5
+	CaptureVerdictReasonREASON_IN_PASS_HBONE         CaptureVerdictReason = 6
+	CaptureVerdictReasonREASON_IN_PASS_PROBE         CaptureVerdictReason = 7
+	CaptureVerdictReasonREASON_IN_PASS_REINJECTED    CaptureVerdictReason = 8
+	CaptureVerdictReasonREASON_IN_PASS_EXISTING      CaptureVerdictReason = 9
+	CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE    CaptureVerdictReason = 10
+	CaptureVerdictReasonREASON_DROP_NO_LISTENER      CaptureVerdictReason = 11
+	CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED    CaptureVerdictReason = 12
+	CaptureVerdictReasonREASON_DROP_SPOOFED          CaptureVerdictReason = 13
+	CaptureVerdictReasonREASON_DROP_TRUNCATED        CaptureVerdictReason = 14
+	CaptureVerdictReasonREASON_DROP_MALFORMED        CaptureVerdictReason = 15
+	CaptureVerdictReasonREASON_DROP_FRAGMENT         CaptureVerdictReason = 16
+	CaptureVerdictReasonREASON_DROP_EXTHDR           CaptureVerdictReason = 17
+	CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT       CaptureVerdictReason = 18
+	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT     CaptureVerdictReason = 19
+	CaptureVerdictReasonREASON_IN_SYN_EXISTING       CaptureVerdictReason = 20
+	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED    CaptureVerdictReason = 21
+	CaptureVerdictReasonREASON_DROP_LINK_LOCAL       CaptureVerdictReason = 22
+	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR  CaptureVerdictReason = 23
+	CaptureVerdictReasonREASON_DROP_VLAN             CaptureVerdictReason = 24
+	CaptureVerdictReasonREASON_DROP_SYN_SENT         CaptureVerdictReason = 25
+	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE     CaptureVerdictReason = 26
+	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE      CaptureVerdictReason = 27
+	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK     CaptureVerdictReason = 28
+	CaptureVerdictReasonREASON_DROP_LOOPBACK         CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL     CaptureVerdictReason = 30
+	CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER CaptureVerdictReason = 31
+	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 32
 )
 
 // Names of all BPF objects in the ELF.
