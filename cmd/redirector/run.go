@@ -70,6 +70,7 @@ type agentConfig struct {
 	accel           bool
 	cgroupRoot      string
 	localRoute      bool
+	replyPoll       hbone.ReplyPollConfig
 	procDir         string
 	hboneCongestion string
 	limits          tunnel.Limits
@@ -77,8 +78,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, cgroupRoot, localRoute, procDir, hboneCC *string
-	limits                                                                                                                                                                                                                                              func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                                                                       func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -93,38 +94,40 @@ type runFlags struct {
 func runSettings() (*settings, runFlags) {
 	s := newSettings("run")
 	return s, runFlags{
-		node:       s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
-		src:        s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory), kubernetes, or xds (istiod, as ztunnel; enrollment from this node's pods)"),
-		kubeconfig: s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
-		caDir:      s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
-		td:         s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
-		bpfRoot:    s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
-		metrics:    s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
-		ready:      s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
-		admin:      s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
-		exclude:    s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
-		ownNS:      s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
-		skipRC:     s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
-		rootNS:     s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
-		ttl:        s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
-		period:     s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
-		drain:      s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
-		maxStreams: s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
-		poolConns:  s.add("pool-conns-per-key", "POOL_CONNS_PER_KEY", "2", "pooled HBONE connections a pod's streams to one destination pod are spread over (at most 16)"),
-		hboneCC:    s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
-		poolIdle:   s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
-		tcMode:     s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
-		probe4:     s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
-		probe6:     s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
-		logLevel:   s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
-		accel:      s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
-		cgroupRoot: s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
-		localRoute: s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
-		ca:         addCAFlags(s),
-		xds:        addXDSFlags(s),
-		procDir:    s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
-		cniSocket:  s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
-		limits:     addLimitSettings(s),
+		node:         s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
+		src:          s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory), kubernetes, or xds (istiod, as ztunnel; enrollment from this node's pods)"),
+		kubeconfig:   s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
+		caDir:        s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
+		td:           s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
+		bpfRoot:      s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
+		metrics:      s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
+		ready:        s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
+		admin:        s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
+		exclude:      s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
+		ownNS:        s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
+		skipRC:       s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
+		rootNS:       s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
+		ttl:          s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
+		period:       s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
+		drain:        s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
+		maxStreams:   s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
+		poolConns:    s.add("pool-conns-per-key", "POOL_CONNS_PER_KEY", "2", "pooled HBONE connections a pod's streams to one destination pod are spread over (at most 16)"),
+		hboneCC:      s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
+		poolIdle:     s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
+		tcMode:       s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
+		probe4:       s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
+		probe6:       s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
+		logLevel:     s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
+		accel:        s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
+		cgroupRoot:   s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
+		localRoute:   s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
+		replyPoll:    s.add("reply-poll", "REPLY_POLL", "50us", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answers within twice that, polling for the answer instead of waiting to be woken (0: never; at most 1ms; see BENCHMARKS.md)"),
+		replyPollCPU: s.add("reply-poll-cpu", "REPLY_POLL_CPU", "0.25", "the share of one CPU the agent may spend on --reply-poll, from 0 (exclusive) to 1"),
+		ca:           addCAFlags(s),
+		xds:          addXDSFlags(s),
+		procDir:      s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
+		cniSocket:    s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
+		limits:       addLimitSettings(s),
 		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
 			"istio_tcp_* series of workloads that left are deleted this long after their last connection closed"),
 		telemetry: addTelemetrySettings(s),
@@ -204,6 +207,15 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		}
 	}
 	c.localRoute = *f.localRoute == "true"
+	if c.replyPoll.Window, err = time.ParseDuration(*f.replyPoll); err != nil {
+		return c, fmt.Errorf("%s: %q is not a duration", s.name(f.replyPoll), *f.replyPoll)
+	}
+	if c.replyPoll.CPU, err = strconv.ParseFloat(*f.replyPollCPU, 64); err != nil {
+		return c, fmt.Errorf("%s: %q is not a number", s.name(f.replyPollCPU), *f.replyPollCPU)
+	}
+	if err := hbone.CheckReplyPoll(c.replyPoll); err != nil {
+		return c, fmt.Errorf("%s, %s: %w", s.name(f.replyPoll), s.name(f.replyPollCPU), err)
+	}
 	if c.cgroupRoot = *f.cgroupRoot; c.cgroupRoot != "" && !filepath.IsAbs(c.cgroupRoot) {
 		return c, fmt.Errorf("%s: %q is not an absolute path", s.name(f.cgroupRoot), c.cgroupRoot)
 	}
@@ -307,6 +319,9 @@ func runAgent(ctx context.Context, args []string) error {
 		log.Warn("remove sockops acceleration", "error", err)
 	}
 
+	if err := hbone.SetReplyPoll(cfg.replyPoll); err != nil {
+		return err
+	}
 	pool := hbone.NewPool(hbone.PoolOptions{MaxStreamsPerConn: cfg.poolMaxStreams, ConnsPerKey: cfg.poolConns, IdleTimeout: cfg.poolIdle, Logger: log})
 	defer pool.Close()
 	// Access logs go to stderr too, batched (see tunnel.AccessLogWriter).
@@ -348,6 +363,11 @@ func runAgent(ctx context.Context, args []string) error {
 				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied,
 				FramesDeniedShare: b.FramesDeniedShare, BatchesDeniedShare: b.BatchesDeniedShare,
 				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short}
+		}),
+		admin.NewReplyPollCollector(func() admin.ReplyPollStats {
+			p := hbone.ReplyPolls()
+			return admin.ReplyPollStats{Caught: p.Caught, Tunnel: p.Tunnel, Expired: p.Expired,
+				Budget: p.Budget, Busy: p.Busy, Seconds: p.Spent.Seconds()}
 		}),
 		admin.NewServerCollector(func() admin.ServerStats {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()

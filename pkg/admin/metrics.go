@@ -171,6 +171,37 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 	}
 }
 
+// ReplyPollStats counts the HBONE readers' polls for an app's answer (hbone.ReplyPolls).
+type ReplyPollStats struct {
+	Caught, Tunnel, Expired uint64
+	Budget, Busy            uint64
+	Seconds                 float64
+}
+
+// NewReplyPollCollector reports reply polling.
+func NewReplyPollCollector(stats func() ReplyPollStats) prometheus.Collector {
+	polls := prometheus.NewDesc("redirector_hbone_reply_polls_total",
+		"Times an HBONE reader kept its thread awake after delivering a small frame, polling for the app's answer, by how the poll ended: caught (the app answered), tunnel (the HBONE socket had data first) or expired (the window passed).",
+		[]string{"result"}, nil)
+	skipped := prometheus.NewDesc("redirector_hbone_reply_polls_skipped_total",
+		"Reply polls not made, by reason: budget (the REPLY_POLL_CPU share was spent) or busy (another reader was polling).",
+		[]string{"reason"}, nil)
+	spent := prometheus.NewDesc("redirector_hbone_reply_poll_seconds_total",
+		"CPU time HBONE readers spent polling for apps' answers.", nil, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{polls, skipped, spent},
+		collect: func(ch chan<- prometheus.Metric) {
+			s := stats()
+			ch <- counter(polls, s.Caught, "caught")
+			ch <- counter(polls, s.Tunnel, "tunnel")
+			ch <- counter(polls, s.Expired, "expired")
+			ch <- counter(skipped, s.Budget, "budget")
+			ch <- counter(skipped, s.Busy, "busy")
+			ch <- prometheus.MustNewConstMetric(spent, prometheus.CounterValue, s.Seconds)
+		},
+	}
+}
+
 // ServerStats is the HBONE servers' cumulative counts, summed over the
 // node's pods (from hbone.ServerStats in the agent). The sums must never go
 // down, so counts of servers already stopped have to stay in them.

@@ -290,8 +290,12 @@ type conn struct {
 	blockReader blockReader // what the framer reads from
 	rchunks     []chunk     // reused by readChunks
 	iov         [][]byte    // reused by deliverLocked (reader only)
-	earlyResets budget      // server: resets of streams not yet answered
-	junk        budget      // frames that cost work and carry nothing
+	// replyFd is the app socket whose answer a reply poll waits for (-1:
+	// none), after a delivery at replyAt (replypoll.go).
+	replyFd     int32
+	replyAt     int64
+	earlyResets budget // server: resets of streams not yet answered
+	junk        budget // frames that cost work and carry nothing
 	// settingsUnacked counts our SETTINGS frames the peer has not acked
 	// (start sends one); an ack beyond them is a protocol error.
 	settingsUnacked int
@@ -391,6 +395,10 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 		w = handedWriter{w: nc, b: cfg.batch}
 	}
 	c.bw = bufio.NewWriterSize(w, coalesceSize)
+	c.replyFd = -1
+	if cfg.batch != nil && cfg.batch.raw != nil {
+		cfg.batch.raw.idle = c.replyPoll // reader only: reply polling
+	}
 	c.fr = http2.NewFramer(c.bw, &c.blockReader)
 	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 	c.fr.MaxHeaderListSize = maxHeaderListSize

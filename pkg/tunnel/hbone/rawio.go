@@ -151,6 +151,9 @@ type rawSock struct {
 	laddr, raddr  net.Addr
 	reads, writes rawCall
 	now           rawCall // writeNow's: bufs instead of p
+	fd            int     // the socket's descriptor (reply poll)
+	// idle, if set, is called when a read finds nothing; true: read again.
+	idle func(fd uintptr) bool
 }
 
 // rawCall is one direction's call in progress: one at a time owns p, n and
@@ -196,7 +199,8 @@ func newRawSock(c net.Conn) *rawSock {
 
 // rawSockOf returns a rawSock for rc; the addresses name the socket in errors.
 func rawSockOf(rc syscall.RawConn, laddr, raddr net.Addr) *rawSock {
-	r := &rawSock{rc: rc, laddr: laddr, raddr: raddr}
+	r := &rawSock{rc: rc, laddr: laddr, raddr: raddr, fd: -1}
+	_ = rc.Control(func(fd uintptr) { r.fd = int(fd) })
 	r.reads.fn = r.readOnce
 	r.writes.fn = r.writeSome
 	r.now.fn = r.writevOnce
@@ -212,6 +216,9 @@ func (r *rawSock) readOnce(fd uintptr) bool {
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
+			if r.idle != nil && r.idle(fd) {
+				continue
+			}
 			return false
 		}
 		return true

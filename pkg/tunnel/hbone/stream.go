@@ -56,7 +56,12 @@ type Stream struct {
 	// sink is the socket WriteTo writes to, when the connection's reader
 	// may write into it directly; delivered counts what it wrote there
 	// (deliver.go).
-	sink         *rawSock
+	sink *rawSock
+	// deliveredAt is when the reader last delivered a whole small frame to
+	// the app (0: answered since), answersFast whether the app answered the
+	// delivery before it soon enough for reply polling (replypoll.go).
+	deliveredAt  atomic.Int64
+	answersFast  atomic.Bool
 	delivered    int64
 	readDeadline time.Time
 	readTimer    *time.Timer
@@ -136,8 +141,12 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	consumed := n - stored // padding is consumed on arrival
 	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
 		var wrote int
+		sink := s.sink
 		small, chunks, wrote = s.deliverLocked(small, chunks)
 		consumed += int64(wrote)
+		if len(small) == 0 && len(chunks) == 0 && stored <= 16384 {
+			s.c.armReplyPoll(s, sink.fd)
+		}
 	}
 	if s.closed { // before, or while the reader delivered
 		consumed = n
@@ -507,6 +516,7 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 		if obs != nil {
 			obs.ObserveRead(n)
 		}
+		s.noteAnswer()
 		sent, err := s.sendLocked(*bp, n)
 		total += int64(sent)
 		if err != nil {
