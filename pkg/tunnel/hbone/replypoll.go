@@ -42,6 +42,10 @@ type ReplyPollConfig struct {
 // maxReplyPollWindow bounds the window: beyond it a wake-up is cheaper.
 const maxReplyPollWindow = time.Millisecond
 
+// replyPollMaxFrame is the largest delivered frame a poll may follow: a
+// request or an answer, one TLS record's worth, not a stream's bulk.
+const replyPollMaxFrame = 16 << 10
+
 // replyPollQuiet is how long the process must have delivered to no other
 // stream for the reader to poll: several streams served at once (a client's
 // burst of requests) keep the CPUs busy with their apps, where a poll would

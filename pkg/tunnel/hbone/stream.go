@@ -144,7 +144,7 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		sink := s.sink
 		small, chunks, wrote = s.deliverLocked(small, chunks)
 		consumed += int64(wrote)
-		if len(small) == 0 && len(chunks) == 0 && stored <= 16384 {
+		if len(small) == 0 && len(chunks) == 0 && stored <= replyPollMaxFrame {
 			s.c.armReplyPoll(s, sink.fd)
 		}
 	}
