@@ -24,6 +24,7 @@ func metricDefs(cfg config) []metricDef {
 		{"tput8", "iperf3 8 flows", "Gbps", true},
 		{"rr_p50", "1-byte RR p50", "µs", false},
 		{"rr_p99", "1-byte RR p99", "µs", false},
+		{"cpu_per_rr", "proxy CPU per round trip", "µs", false},
 		{"http_p50", "HTTP p50 " + at, "ms", false},
 		{"http_p90", "HTTP p90 " + at, "ms", false},
 		{"http_p99", "HTTP p99 " + at, "ms", false},

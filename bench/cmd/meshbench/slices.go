@@ -165,23 +165,35 @@ func (s *bulkSample) values(v *variant) map[string]float64 {
 // rrSample is a variant's round trips in one round, merged over slices.
 type rrSample struct {
 	lat []float64 // µs, one per round trip
+	cpu []float64 // the proxies' CPU seconds over the slices
 }
 
 // runRRSlice makes the slice's share of --rr-count round trips on a new
 // connection (after the usual warm-up); d is unused, a slice being a count.
 func runRRSlice(ctx context.Context, cfg config, v *variant, _ time.Duration) (sample, error) {
-	res, err := runRR(ctx, v, cfg.RRCount/cfg.RRSlices, true)
+	var res rrResult
+	cpu, err := charged(v, func() (err error) { res, err = runRR(ctx, v, cfg.RRCount/cfg.RRSlices, true); return err })
 	if err != nil {
 		return nil, err
 	}
-	return &rrSample{lat: res.LatUs}, nil
+	return &rrSample{lat: res.LatUs, cpu: cpu}, nil
 }
 
-func (s *rrSample) merge(later sample) { s.lat = append(s.lat, later.(*rrSample).lat...) }
+func (s *rrSample) merge(later sample) {
+	o := later.(*rrSample)
+	s.lat = append(s.lat, o.lat...)
+	s.cpu = addCPU(s.cpu, o.cpu)
+}
 
-func (s *rrSample) values(*variant) map[string]float64 {
+// values are the round trip's percentiles and the proxies' CPU per round
+// trip (the warm-up's share included, alike for every variant).
+func (s *rrSample) values(v *variant) map[string]float64 {
 	st := rrStats(s.lat)
-	return map[string]float64{"rr_p50": st.P50us, "rr_p99": st.P99us}
+	out := map[string]float64{"rr_p50": st.P50us, "rr_p99": st.P99us}
+	if len(s.lat) > 0 {
+		addProxies(out, v, "cpu_per_rr", s.cpu, func(c float64) float64 { return c / float64(len(s.lat)) * 1e6 })
+	}
+	return out
 }
 
 // runSliced runs a sliced test for one round: n slices of d per variant,
