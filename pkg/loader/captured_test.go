@@ -102,7 +102,6 @@ func testCapturedNeverLeaves(t *testing.T, path capturePath) {
 				t.Fatalf("app write: %v", err)
 			}
 			checkTunnelGone(t, l.Maps(), path.local, routed, before)
-			time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
 			if bytes.Contains(wire(), secret) {
 				t.Fatal("the app's data left the pod in plaintext after its tunnel socket was reset")
 			}
@@ -155,17 +154,19 @@ func dropTunnelMarkedOnLoopback(t *testing.T, path string) link.Link {
 // interface: it went over lo to the pod's own TCP, which has no socket for
 // it (it resets IPv6 segments; an IPv4 reset from the tunnel's non-local
 // address has no route out, so the app retransmits until the tunnel's own
-// RST, held back here, arrives).
+// RST, held back here, arrives). It returns once a retransmission would have
+// left too, so the caller may look at the wire then.
 func checkTunnelGone(t *testing.T, m *maps.Maps, local bool, routed, before uint64) {
 	t.Helper()
 	if !local {
 		waitForCount(t, m, "drop_tunnel_gone", before+1)
+		time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
 		return
 	}
 	if n := reasonCount(t, m, "sock_routed_local"); n <= routed {
 		t.Fatalf("sock_routed_local stayed at %d: the app's socket was not routed over lo", n)
 	}
-	time.Sleep(300 * time.Millisecond)
+	time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
 	if n := reasonCount(t, m, "drop_tunnel_gone"); n != before {
 		t.Errorf("drop_tunnel_gone went from %d to %d: the routed app socket's data reached the pod's interface", before, n)
 	}

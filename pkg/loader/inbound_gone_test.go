@@ -100,11 +100,10 @@ func testDialledNeverLeaves(t *testing.T, path capturePath) {
 			if _, err := app.Write(secret); err != nil {
 				t.Fatalf("app write: %v", err)
 			}
-			time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
+			checkTunnelGone(t, l.Maps(), path.local, routed, before)
 			if bytes.Contains(wire(), secret) {
 				t.Fatal("the app's data left the pod in plaintext after the tunnel's socket to it was reset")
 			}
-			checkTunnelGone(t, l.Maps(), path.local, routed, before)
 			dropper.Close()
 		})
 	}
