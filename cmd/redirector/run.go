@@ -121,7 +121,7 @@ func runSettings() (*settings, runFlags) {
 		accel:        s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		cgroupRoot:   s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
 		localRoute:   s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
-		replyPoll:    s.add("reply-poll", "REPLY_POLL", "0", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answers within twice that, polling for the answer instead of waiting to be woken (0: never, the default; e.g. 50us; at most 1ms; see BENCHMARKS.md)"),
+		replyPoll:    s.add("reply-poll", "REPLY_POLL", "0", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answered the one before within five times that, polling for the answer instead of waiting to be woken (0: never, the default; e.g. 50us; at most 1ms; see BENCHMARKS.md)"),
 		replyPollCPU: s.add("reply-poll-cpu", "REPLY_POLL_CPU", "0.25", "the share of one CPU the agent may spend on --reply-poll, from 0 (exclusive) to 1"),
 		ca:           addCAFlags(s),
 		xds:          addXDSFlags(s),

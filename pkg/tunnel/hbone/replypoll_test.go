@@ -81,7 +81,7 @@ func TestReplyPollCatchesAnswers(t *testing.T) {
 	}
 }
 
-// An app that takes longer than twice the window to answer is never polled
+// An app that takes longer than answerFactor times the window to answer is never polled
 // for, nor is any app with reply polling off.
 func TestReplyPollSkipsSlowAnswers(t *testing.T) {
 	for _, tc := range []struct {
