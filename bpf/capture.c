@@ -582,6 +582,9 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  *                  owned its packets; rd_dialled: the tunnel dialled it)
  *                  that no tunnel socket owns any more, and a SYN or a
  *                  tunnel-owned packet whose app socket cannot be marked so;
+ *   TC_ACT_SHOT    a SYN-ACK from a pod whose inbound is captured that no
+ *                  tunnel socket sent or owns: another member of the
+ *                  tunnel's reuseport group answering (drop_foreign_listener);
  *   TC_ACT_SHOT    an IP packet from or to an enrolled address, or on an
  *                  enrolled pod's interface, that parse_tcp cannot classify
  *                  (truncated or malformed headers, TCP in fragments, hidden
@@ -650,6 +653,19 @@ int rd_pod_egress(struct __sk_buff *skb)
 	}
 	if (was_captured(skb, &p)) {
 		count(REASON_DROP_TUNNEL_GONE, &p.src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	/* A SYN-ACK no tunnel socket sent or owns, from a pod whose inbound is
+	 * captured: every SYN from the wire to such a pod goes to the tunnel's
+	 * inbound listener (the HBONE port's and the probes' are the tunnel's
+	 * or passed above), so this one answers a SYN the kernel handed to
+	 * another member of that listener's reuseport group. Since Linux 6.5
+	 * it selects again within the group after bpf_sk_assign, by hash and
+	 * with no mark to check, and a process in the pod running as the
+	 * tunnel's user can join the group. Its SYN-ACK never leaves: it
+	 * cannot open a plaintext connection past the agent's policy. */
+	if (p.syn && p.ack && (pod->flags & POD_CAPTURE_INBOUND)) {
+		count(REASON_DROP_FOREIGN_LISTENER, &p.src, CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
 	return TC_ACT_UNSPEC;

@@ -2,6 +2,7 @@ package loader_test
 
 import (
 	"context"
+	"sync"
 	"testing"
 
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
@@ -41,4 +42,70 @@ func TestForeignListenerNeverTakesCapturedConnections(t *testing.T) {
 	if err != nil || r.Name != "inbound" {
 		t.Fatalf("a captured connection to %s: %+v, %v; want the tunnel's inbound listener", server.IPv6, r, err)
 	}
+}
+
+// TestReusePortMemberNeverAnswersCapturedConnections: a process in the pod
+// (as root, the tunnel's user, with no capability) joins the tunnel's own
+// inbound reuseport group, on the same wildcard address. Since Linux 6.5 the
+// kernel selects again within the group after the capture assigned the
+// tunnel's listener, by the tuple's hash and with no mark to check, so the
+// process was handed a share of the captured connections into the pod in
+// plaintext, past the agent's policy. Now its SYN-ACKs never leave the pod
+// (drop_foreign_listener): those calls fail, the others reach the tunnel,
+// and the member serves none.
+func TestReusePortMemberNeverAnswersCapturedConnections(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	server, client := node.AddPod("server"), node.AddPod("client")
+	root := loadertest.TempBPFFS(t)
+	l := loadertest.Load(t, root)
+	defer l.Close()
+	if _, err := l.AttachPod(context.Background(), loadertest.PodOf(server, true)); err != nil {
+		t.Fatal(err)
+	}
+	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark, ReusePort: true})
+	loadertest.Listen(t, server.Path(), "[::]:15006", "member", netns.SocketOptions{ReusePort: true})
+
+	before := reasonCount(t, l.Maps(), "drop_foreign_listener")
+	byName := spreadCalls(client, server)
+	if byName["member"] > 0 {
+		t.Fatalf("%d captured connections reached the pod's own reuseport member in plaintext: %v", byName["member"], byName)
+	}
+	if byName["inbound"] == 0 || byName["failed"] == 0 {
+		t.Fatalf("calls %v: want some on the tunnel's listener and some refused (the group spreads them)", byName)
+	}
+	if n := reasonCount(t, l.Maps(), "drop_foreign_listener"); n <= before {
+		t.Fatalf("drop_foreign_listener stayed at %d", n)
+	}
+}
+
+// spreadCalls makes concurrent calls from one pod to the other's port 8080,
+// over IPv4 and IPv6, from as many source ports (which spreads them over a
+// reuseport group), and counts them by who answered ("failed" for none: a
+// call nobody answers runs into Call's timeout).
+func spreadCalls(from, to *netnstest.Pod) map[string]int {
+	const calls = 32
+	names := make([]string, calls)
+	var wg sync.WaitGroup
+	for i := range calls {
+		dst := to.IPv4
+		if i%2 == 1 {
+			dst = to.IPv6
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := loadertest.Call(from.Path(), ap(dst, 8080), netns.SocketOptions{})
+			names[i] = r.Name
+			if err != nil {
+				names[i] = "failed"
+			}
+		}()
+	}
+	wg.Wait()
+	byName := map[string]int{}
+	for _, n := range names {
+		byName[n]++
+	}
+	return byName
 }
