@@ -5,6 +5,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -19,15 +20,7 @@ import (
 // (drop_foreign_listener), the other address of the pod still reaches the
 // tunnel, and the foreign listener accepts nothing.
 func TestForeignListenerNeverTakesCapturedConnections(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	server, client := node.AddPod("server"), node.AddPod("client")
-	root := loadertest.TempBPFFS(t)
-	l := loadertest.Load(t, root)
-	defer l.Close()
-	if _, err := l.AttachPod(context.Background(), loadertest.PodOf(server, true)); err != nil {
-		t.Fatal(err)
-	}
+	l, server, client := enrolledServer(t)
 	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark, ReusePort: true})
 	loadertest.Listen(t, server.Path(), ap(server.IPv4, 15006).String(), "foreign", netns.SocketOptions{ReusePort: true})
 
@@ -54,15 +47,7 @@ func TestForeignListenerNeverTakesCapturedConnections(t *testing.T) {
 // (drop_foreign_listener): those calls fail, the others reach the tunnel,
 // and the member serves none.
 func TestReusePortMemberNeverAnswersCapturedConnections(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	server, client := node.AddPod("server"), node.AddPod("client")
-	root := loadertest.TempBPFFS(t)
-	l := loadertest.Load(t, root)
-	defer l.Close()
-	if _, err := l.AttachPod(context.Background(), loadertest.PodOf(server, true)); err != nil {
-		t.Fatal(err)
-	}
+	l, server, client := enrolledServer(t)
 	loadertest.Listen(t, server.Path(), "[::]:15006", "inbound", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark, ReusePort: true})
 	loadertest.Listen(t, server.Path(), "[::]:15006", "member", netns.SocketOptions{ReusePort: true})
 
@@ -77,6 +62,20 @@ func TestReusePortMemberNeverAnswersCapturedConnections(t *testing.T) {
 	if n := reasonCount(t, l.Maps(), "drop_foreign_listener"); n <= before {
 		t.Fatalf("drop_foreign_listener stayed at %d", n)
 	}
+}
+
+// enrolledServer loads the programs and attaches a pod, "server", with its
+// inbound captured; "client" is an unenrolled pod of the same node.
+func enrolledServer(t *testing.T) (l *loader.Loader, server, client *netnstest.Pod) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	server, client = node.AddPod("server"), node.AddPod("client")
+	l = loadertest.Load(t, loadertest.TempBPFFS(t))
+	t.Cleanup(func() { l.Close() })
+	if _, err := l.AttachPod(context.Background(), loadertest.PodOf(server, true)); err != nil {
+		t.Fatal(err)
+	}
+	return l, server, client
 }
 
 // spreadCalls makes concurrent calls from one pod to the other's port 8080,
