@@ -582,6 +582,34 @@ func TestCaptureUnenrolledAddrOnPodInterface(t *testing.T) {
 	runTableIn(t, objs.RdPodEgress, objs.RdReasons, own, egress)
 }
 
+// TestCaptureEgressForeignSynAck: every SYN from the wire to a pod whose
+// inbound is captured goes to the tunnel's inbound listener, so a SYN-ACK
+// leaving such a pod that no tunnel socket sent (no tunnel mark) or owns
+// answers a SYN the kernel handed to another member of that listener's
+// reuseport group: dropped. The tunnel's own, one to the probe address and
+// one from a pod whose inbound is not captured pass.
+func TestCaptureEgressForeignSynAck(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	const tunnelMark = 0x539
+	outOnly := netip.MustParseAddr("10.0.9.9")
+	k := CapturePodAddr{Addr: outOnly.As16()}
+	v := CapturePodSettings{Flags: uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND), PodId: 2}
+	if err := objs.RdPods.Put(&k, &v); err != nil {
+		t.Fatal(err)
+	}
+	synAck := tcpHdr(8080, 40000, fSYN|fACK)
+	runTable(t, objs.RdPodEgress, objs.RdReasons, []progCase{
+		{"v4 syn-ack of a foreign member", 0, ip4(pod4, peer4, pTCP, 0, synAck), actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER},
+		{"v6 syn-ack of a foreign member", 0, ip6(pod6, peer6, nil, pTCP, synAck), actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER},
+		{"v6 syn-ack of a foreign member behind destination options", 0, ip6(pod6, peer6, []ext{opts(pDst, 0)}, pTCP, synAck), actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER},
+		{"v4 syn-ack of the tunnel", tunnelMark, ip4(pod4, peer4, pTCP, 0, synAck), actUnspec, CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK},
+		{"v4 syn-ack to the probe address", 0, ip4(pod4, snat4, pTCP, 0, synAck), actUnspec, CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED},
+		{"v4 syn-ack, inbound not captured", 0, ip4(outOnly, peer4, pTCP, 0, synAck), actUnspec, noReason},
+		{"v4 ack of a foreign member", 0, ip4(pod4, peer4, pTCP, 0, tcpHdr(8080, 40000, fACK)), actUnspec, noReason},
+	})
+}
+
 // TestCaptureUnenrolledAddrFollowsEnrollment: the rule holds only for an
 // enrolled pod's interface and its capture in that direction. Without an
 // rd_pod_netns entry, with the entry's address no longer enrolled (the kill
