@@ -96,8 +96,6 @@ func SetReplyPoll(cfg ReplyPollConfig) error {
 
 // ReplyPollStats counts the reader's polls for an app's answer.
 type ReplyPollStats struct {
-	Window time.Duration
-	CPU    float64
 	// Polls by how they ended: the app answered (Caught), the tunnel's
 	// socket had something first (Tunnel), or the window passed (Expired).
 	Caught, Tunnel, Expired uint64
@@ -110,8 +108,6 @@ type ReplyPollStats struct {
 // ReplyPolls returns the process's reply poll counts.
 func ReplyPolls() ReplyPollStats {
 	return ReplyPollStats{
-		Window:  time.Duration(replyPollWindow.Load()),
-		CPU:     float64(replyPollRate.Load()) / float64(time.Second),
 		Caught:  pollCaught.Load(),
 		Tunnel:  pollTunnel.Load(),
 		Expired: pollExpired.Load(),
