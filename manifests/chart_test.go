@@ -401,6 +401,14 @@ func checkEnv(t *testing.T, ds *appsv1.DaemonSet, cm *corev1.ConfigMap) {
 	if agentMount < 0 || hostSock != volume(t, ds, "socket-dir").HostPath.Path+"/cni.sock" {
 		t.Errorf("agent CNI_SOCKET %q and plugin agentSocket %q are not the same file of socket-dir", sock, hostSock)
 	}
+	// An upgrade's two agent pods meet at the hand-over socket: a file of the host's
+	// socket-dir, which both mount, never of a container's own file system.
+	handover := cm.Data["HANDOVER_SOCKET"]
+	if !slices.ContainsFunc(container(t, ds, "agent").VolumeMounts, func(m corev1.VolumeMount) bool {
+		return m.Name == "socket-dir" && m.MountPath+"/handover.sock" == handover
+	}) {
+		t.Errorf("agent HANDOVER_SOCKET %q is not a file of the socket-dir volume", handover)
+	}
 	for _, name := range []string{"agent", "node-setup"} {
 		c := container(t, ds, name)
 		if len(c.EnvFrom) != 1 || c.EnvFrom[0].ConfigMapRef == nil || c.EnvFrom[0].ConfigMapRef.Name != cm.Name {

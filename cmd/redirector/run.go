@@ -67,6 +67,7 @@ type agentConfig struct {
 	logLevel        slog.Level
 	data            loader.Settings
 	cniSocket       string
+	handoverSocket  string
 	accel           bool
 	cgroupRoot      string
 	localRoute      bool
@@ -78,8 +79,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
-	limits                                                                                                                                                                                                                                                                       func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, handoverSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                                                                                       func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -94,40 +95,41 @@ type runFlags struct {
 func runSettings() (*settings, runFlags) {
 	s := newSettings("run")
 	return s, runFlags{
-		node:         s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
-		src:          s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory), kubernetes, or xds (istiod, as ztunnel; enrollment from this node's pods)"),
-		kubeconfig:   s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
-		caDir:        s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
-		td:           s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
-		bpfRoot:      s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
-		metrics:      s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
-		ready:        s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
-		admin:        s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
-		exclude:      s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
-		ownNS:        s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
-		skipRC:       s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
-		rootNS:       s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
-		ttl:          s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
-		period:       s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
-		drain:        s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
-		maxStreams:   s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
-		poolConns:    s.add("pool-conns-per-key", "POOL_CONNS_PER_KEY", "2", "pooled HBONE connections a pod's streams to one destination pod are spread over (at most 16)"),
-		hboneCC:      s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
-		poolIdle:     s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
-		tcMode:       s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
-		probe4:       s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
-		probe6:       s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
-		logLevel:     s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
-		accel:        s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
-		cgroupRoot:   s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
-		localRoute:   s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
-		replyPoll:    s.add("reply-poll", "REPLY_POLL", "0", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answered the one before within five times that, polling for the answer instead of waiting to be woken (0: never, the default; e.g. 50us; at most 1ms; see BENCHMARKS.md)"),
-		replyPollCPU: s.add("reply-poll-cpu", "REPLY_POLL_CPU", "0.25", "the share of one CPU the agent may spend on --reply-poll, from 0 (exclusive) to 1"),
-		ca:           addCAFlags(s),
-		xds:          addXDSFlags(s),
-		procDir:      s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
-		cniSocket:    s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
-		limits:       addLimitSettings(s),
+		node:           s.add("node-name", "NODE_NAME", "", "name of this node; pods with this spec.nodeName are enrolled here"),
+		src:            s.add("source", "SOURCE", "", "where pods and policies come from: file:PATH (a YAML file or directory), kubernetes, or xds (istiod, as ztunnel; enrollment from this node's pods)"),
+		kubeconfig:     s.add("kubeconfig", "KUBECONFIG", "", "kubeconfig for --source kubernetes (empty: in-cluster)"),
+		caDir:          s.add("ca-dir", "CA_DIR", "", "standalone only: directory with a file CA that signs on this node (redirector ca init's root-key.pem + root-cert.pem, or Istio's cacerts); exclusive with --ca-address"),
+		td:             s.add("trust-domain", "TRUST_DOMAIN", "cluster.local", "SPIFFE trust domain; must match the CA's"),
+		bpfRoot:        s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
+		metrics:        s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
+		ready:          s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
+		admin:          s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
+		exclude:        s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
+		ownNS:          s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
+		skipRC:         s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
+		rootNS:         s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
+		ttl:            s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
+		period:         s.add("reconcile-period", "RECONCILE_PERIOD", "30s", "interval of the full drift-repairing reconcile"),
+		drain:          s.add("drain-timeout", "DRAIN_TIMEOUT", "10s", "how long SIGTERM waits for open connections"),
+		maxStreams:     s.add("pool-max-streams", "POOL_MAX_STREAMS", "100", "HBONE streams per pooled connection"),
+		poolConns:      s.add("pool-conns-per-key", "POOL_CONNS_PER_KEY", "2", "pooled HBONE connections a pod's streams to one destination pod are spread over (at most 16)"),
+		hboneCC:        s.add("hbone-congestion-control", "HBONE_CONGESTION_CONTROL", "", "TCP congestion control of HBONE connections, node to node (empty: the pod's, which it inherits from the node); e.g. cubic on nodes whose default BBR paces the tunnel (see BENCHMARKS.md)"),
+		poolIdle:       s.add("pool-idle-timeout", "POOL_IDLE_TIMEOUT", "30s", "idle pooled HBONE connections are closed after this"),
+		tcMode:         s.add("tc-attach", "TC_ATTACH", "auto", "program attachment: auto (tcx), or legacy (clsact + cls_bpf)"),
+		probe4:         s.add("host-probe-snat-ip", probe.EnvSNATv4, probe.DefaultSNATv4.String(), "source address kubelet probes are SNATed to (inside 169.254.0.0/16)"),
+		probe6:         s.add("host-probe-snat-ipv6", probe.EnvSNATv6, probe.DefaultSNATv6.String(), "IPv6 source address kubelet probes are SNATed to"),
+		logLevel:       s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
+		accel:          s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
+		cgroupRoot:     s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
+		localRoute:     s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
+		replyPoll:      s.add("reply-poll", "REPLY_POLL", "0", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answered the one before within five times that, polling for the answer instead of waiting to be woken (0: never, the default; e.g. 50us; at most 1ms; see BENCHMARKS.md)"),
+		replyPollCPU:   s.add("reply-poll-cpu", "REPLY_POLL_CPU", "0.25", "the share of one CPU the agent may spend on --reply-poll, from 0 (exclusive) to 1"),
+		ca:             addCAFlags(s),
+		xds:            addXDSFlags(s),
+		procDir:        s.add("proc-dir", "PROC_DIR", "/proc", "where the host's /proc is mounted: pods that existed before the agent are found in <dir>/<pid>/ns/net, and pods' per-namespace sysctls are written under <dir>/sys (the Helm chart mounts it read-write at /host/proc instead of using hostPID or a privileged container)"),
+		cniSocket:      s.add("cni-socket", "CNI_SOCKET", "", "unix socket where redirector-cni reports new pods (empty: no CNI events; the Helm chart sets "+cni.DefaultSocketPath+")"),
+		handoverSocket: s.add("handover-socket", "HANDOVER_SOCKET", "", "unix socket over which an agent passes its pods' listeners to the agent replacing it on the node, for upgrades that lose no connection (empty: none, and a successor waits for the ports until this agent exits; the Helm chart sets "+defaultHandoverSocket+")"),
+		limits:         addLimitSettings(s),
 		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
 			"istio_tcp_* series of workloads that left are deleted this long after their last connection closed"),
 		telemetry: addTelemetrySettings(s),
@@ -146,7 +148,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		return agentConfig{}, err
 	}
 	var err error
-	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
+	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, handoverSocket: *f.handoverSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
 		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	c.data.ProcDir = c.procDir
 	switch {
@@ -178,8 +180,10 @@ func parseRunFlags(args []string) (agentConfig, error) {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
 	}
-	if err := checkCNISocket(c.cniSocket); err != nil {
-		return c, fmt.Errorf("%s: %w", s.name(f.cniSocket), err)
+	for _, sock := range []*string{f.cniSocket, f.handoverSocket} {
+		if err := checkSocketPath(*sock); err != nil {
+			return c, fmt.Errorf("%s: %w", s.name(sock), err)
+		}
 	}
 	if c.reconcilePeriod < time.Second {
 		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
@@ -332,12 +336,38 @@ func runAgent(ctx context.Context, args []string) error {
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tunMetrics.SetCluster(cfg.ca.clusterID)
 	drainMetrics := tunnel.NewDrainMetrics(reg)
+	// The agent this one replaces, if it still runs, gives each pod's
+	// listeners over (tunnel/handover.go): connect before serving any pod,
+	// and before this agent puts its own socket at the path.
+	var pred *tunnel.Predecessor
+	if cfg.handoverSocket != "" {
+		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
+			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
+		} else if pred != nil {
+			defer pred.Close()
+			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
+		}
+	}
 	tun := tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
-		TunnelMark: cfg.data.TunnelMark, ProcDir: cfg.procDir, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
+		TunnelMark: cfg.data.TunnelMark, Predecessor: pred, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog, HBONECongestion: cfg.hboneCongestion,
 	})
+	if cfg.handoverSocket != "" {
+		go func() {
+			if pred != nil {
+				pred.WaitGone(ctx)
+				if ctx.Err() != nil {
+					return
+				}
+				log.Info("the predecessor agent is gone; serving the hand-over socket")
+			}
+			if err := tun.ServeHandover(ctx, cfg.handoverSocket); err != nil {
+				log.Error("listener hand-over socket not served: an agent replacing this one will wait for the pods' ports until this one exits", "error", err)
+			}
+		}()
+	}
 	rec := nodeagent.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
 	repairCtx, stopRepair := context.WithCancel(ctx)
 	defer stopRepair()
@@ -451,9 +481,9 @@ func runAgent(ctx context.Context, args []string) error {
 	if ctx.Err() == nil {
 		return nil // the source ended
 	}
-	// Listeners close first (a successor's take the new connections, with
-	// the requests queued on ours), HBONE peers get GOAWAY, open connections
-	// run until the drain timeout.
+	// Listeners close first (a successor holding the same sockets takes the
+	// new connections and the requests queued on them), HBONE peers get
+	// GOAWAY, open connections run until the drain timeout.
 	log.Info("shutting down: draining connections, leaving redirection pinned", "timeout", cfg.drainTimeout)
 	dctx, cancel := context.WithTimeout(context.Background(), cfg.drainTimeout)
 	defer cancel()
@@ -507,22 +537,27 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *sl
 	}
 }
 
-// maxCNISocketPath bounds CNI_SOCKET: a unix socket's name has at most 107
-// bytes, and the server binds "<path>.<pid>.tmp" first (a pid has at most
-// 7 digits) before renaming it over the path.
-const maxCNISocketPath = 107 - len(".4194304.tmp")
+// maxSocketPath bounds CNI_SOCKET and HANDOVER_SOCKET: a unix socket's
+// name has at most 107 bytes, and the server binds "<path>.<pid>.tmp" first
+// (a pid has at most 7 digits) before renaming it over the path.
+const maxSocketPath = 107 - len(".4194304.tmp")
 
-// checkCNISocket refuses a CNI_SOCKET the agent could never serve, or the
-// plugin, run by the runtime in a directory of its own, find: a relative
-// or unclean path, or one too long for a unix socket.
-func checkCNISocket(path string) error {
+// defaultHandoverSocket is the chart's HANDOVER_SOCKET, next to the CNI
+// socket in the directory both agents of an upgrade mount.
+const defaultHandoverSocket = "/var/run/redirector/handover.sock"
+
+// checkSocketPath refuses a socket path the agent could never serve, or
+// another process (the CNI plugin, run by the runtime in a directory of its
+// own; a successor agent) find: a relative or unclean path, or one too long
+// for a unix socket.
+func checkSocketPath(path string) error {
 	switch {
 	case path == "":
 		return nil
 	case !filepath.IsAbs(path) || filepath.Clean(path) != path:
 		return fmt.Errorf("%q is not an absolute, clean path", path)
-	case len(path) > maxCNISocketPath:
-		return fmt.Errorf("%q has %d bytes, more than the %d a unix socket's name leaves it", path, len(path), maxCNISocketPath)
+	case len(path) > maxSocketPath:
+		return fmt.Errorf("%q has %d bytes, more than the %d a unix socket's name leaves it", path, len(path), maxSocketPath)
 	}
 	return nil
 }

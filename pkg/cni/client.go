@@ -10,8 +10,9 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"os"
 	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // DefaultNotifyTimeout bounds Notify when ctx has no deadline. Enrolling a pod
@@ -95,12 +96,12 @@ func truncate(b []byte, n int) string {
 // error is not ErrAgentUnreachable: the plugin must not fall back to the
 // hint either, since the socket is not the agent's.
 func checkAgentPeer(c net.Conn, socketPath string) error {
-	uid, err := peerUID(c)
+	cred, err := unixsock.PeerCred(c)
 	if err != nil {
 		return fmt.Errorf("agent socket %s: %w", socketPath, err)
 	}
-	if uid != 0 && uid != uint32(os.Geteuid()) {
-		return fmt.Errorf("agent socket %s is served by uid %d, neither root nor this plugin's user: not the agent's, refusing its answer", socketPath, uid)
+	if !unixsock.Trusted(cred) {
+		return fmt.Errorf("agent socket %s is served by uid %d, neither root nor this plugin's user: not the agent's, refusing its answer", socketPath, cred.Uid)
 	}
 	return nil
 }

@@ -3,18 +3,14 @@ package cni
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"sync"
-	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // maxEventBytes bounds a request body; a real event is a few hundred bytes.
@@ -160,9 +156,7 @@ func (s *Server) Serve(ctx context.Context) error {
 	<-errc
 	// Remove the path only while it is still ours: after a hand-over it is
 	// the successor's socket.
-	if fi, err := os.Lstat(s.path); err == nil && inodeOf(fi) == ino {
-		_ = os.Remove(s.path)
-	}
+	unixsock.RemoveIfOwn(s.path, ino)
 	return nil
 }
 
@@ -212,8 +206,12 @@ func (l *guardedListener) Accept() (net.Conn, error) {
 			<-l.slots
 			return nil, err
 		}
-		uid, err := peerUID(c)
-		if err != nil || (uid != 0 && uid != uint32(os.Geteuid())) {
+		cred, err := unixsock.PeerCred(c)
+		if err != nil || !unixsock.Trusted(cred) {
+			uid := -1
+			if cred != nil {
+				uid = int(cred.Uid)
+			}
 			// Counted before the close: whoever sees the close sees the count.
 			l.s.count(func(st *ServerStats) { st.RefusedPeers++ })
 			c.Close()
@@ -234,29 +232,6 @@ func (l *guardedListener) Close() error {
 	return l.Listener.Close()
 }
 
-// peerUID is the user of the process at the other end of c (SO_PEERCRED).
-func peerUID(c net.Conn) (uint32, error) {
-	uc, ok := c.(*net.UnixConn)
-	if !ok {
-		return 0, fmt.Errorf("not a unix socket connection: %T", c)
-	}
-	raw, err := uc.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return 0, err
-	}
-	if cerr != nil {
-		return 0, fmt.Errorf("SO_PEERCRED: %w", cerr)
-	}
-	return cred.Uid, nil
-}
-
 // slotConn gives its slot back once, when closed.
 type slotConn struct {
 	net.Conn
@@ -270,81 +245,10 @@ func (c *slotConn) Close() error {
 	return err
 }
 
-func inodeOf(fi os.FileInfo) uint64 {
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		return st.Ino
-	}
-	return 0
-}
-
 // listen opens the socket and installs it at the path (see Serve); it
 // returns the inode, by which Serve knows the path is still its own.
 func (s *Server) listen() (net.Listener, uint64, error) {
-	dir := filepath.Dir(s.path)
-	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
-		// Only a directory we create gets our mode: chmod on an existing one
-		// (say /tmp) would be a surprise for everyone else using it.
-		if err := os.MkdirAll(dir, 0o700); err != nil {
-			return nil, 0, fmt.Errorf("create CNI socket directory: %w", err)
-		}
-	}
-	if err := checkSocketDir(dir); err != nil {
-		return nil, 0, err
-	}
-	if fi, err := os.Lstat(s.path); err == nil && fi.Mode().Type() != os.ModeSocket {
-		return nil, 0, fmt.Errorf("CNI socket path %s exists and is not a socket; remove it", s.path)
-	}
-	// Hand-over: bind a name of our own, then rename it over the path in
-	// one step. A previous agent still serving (an upgrade overlaps the
-	// two) keeps its accepted connections; every dial from then on reaches
-	// this one, and at no moment is there no socket at the path, so no CNI
-	// ADD fails for the upgrade. A stale socket is replaced the same way.
-	tmp := fmt.Sprintf("%s.%d.tmp", s.path, os.Getpid())
-	_ = os.Remove(tmp)
-	l, err := net.Listen("unix", tmp)
-	if err != nil {
-		return nil, 0, fmt.Errorf("listen for CNI events: %w", err)
-	}
-	// The path belongs to whoever renamed last: closing must not unlink it.
-	l.(*net.UnixListener).SetUnlinkOnClose(false)
-	if err := os.Chmod(tmp, 0o600); err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return nil, 0, fmt.Errorf("restrict CNI socket: %w", err)
-	}
-	if err := os.Rename(tmp, s.path); err != nil {
-		l.Close()
-		os.Remove(tmp)
-		return nil, 0, fmt.Errorf("install CNI socket %s: %w", s.path, err)
-	}
-	fi, err := os.Lstat(s.path)
-	if err != nil {
-		l.Close()
-		return nil, 0, fmt.Errorf("install CNI socket %s: %w", s.path, err)
-	}
-	return l, inodeOf(fi), nil
-}
-
-// checkSocketDir refuses a socket directory that someone other than root
-// or the agent's user owns or may write: whoever can write there can
-// rename a socket of their own over the agent's, delete it, or take the
-// temporary name first, and answer the plugin in the agent's place (the
-// plugin refuses a socket not served by root, so that fails every ADD).
-func checkSocketDir(dir string) error {
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return fmt.Errorf("CNI socket directory: %w", err)
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	switch {
-	case !fi.IsDir():
-		return fmt.Errorf("CNI socket directory %s is not a directory", dir)
-	case !ok || (st.Uid != 0 && st.Uid != uint32(os.Geteuid())):
-		return fmt.Errorf("CNI socket directory %s is owned by uid %d, neither root nor the agent's user: its owner could replace the socket; give it to root", dir, st.Uid)
-	case fi.Mode().Perm()&0o022 != 0:
-		return fmt.Errorf("CNI socket directory %s is writable by group or others (mode %v): they could replace the socket; make it 0755 or tighter", dir, fi.Mode().Perm())
-	}
-	return nil
+	return unixsock.Install("CNI socket", s.path, "unix")
 }
 
 func (s *Server) serveEvent(w http.ResponseWriter, r *http.Request) {

@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"strings"
 	"sync"
@@ -18,8 +17,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // Do runs fn on an OS thread that has entered the network namespace at path,
@@ -65,6 +62,22 @@ func (h *Handle) Path() string {
 		return ""
 	}
 	return h.path
+}
+
+// Inode is the namespace's inode number (Inode).
+func (h *Handle) Inode() (uint64, error) {
+	if h == nil {
+		return 0, errNoHandle
+	}
+	rc, err := h.f.SyscallConn()
+	if err != nil {
+		return 0, fmt.Errorf("network namespace %s: %w", h.path, err)
+	}
+	var st unix.Stat_t
+	if err := controlErr(rc, func(fd int) error { return unix.Fstat(fd, &st) }); err != nil {
+		return 0, fmt.Errorf("stat network namespace %s: %w", h.path, err)
+	}
+	return st.Ino, nil
 }
 
 // errNoHandle is what a nil Handle answers.
@@ -173,11 +186,10 @@ type SocketOptions struct {
 	// client's next connection to the same app, whose SYN then meets the
 	// app's socket of the relayed connection and is lost.
 	LocalPorts [2]uint16
-	// ReusePort sets SO_REUSEPORT on a listener, so that a second agent
-	// process (an upgrade) can open its own on the same port while the first
-	// still runs: both join one reuseport group, and the kernel moves the
-	// requests queued on the one that closes to the other when the
-	// namespace has net.ipv4.tcp_migrate_req=1 (EnableMigrateReq).
+	// ReusePort sets SO_REUSEPORT on a listener. The tunnel's pod
+	// listeners never set it (any socket of the same user could join their
+	// group; see tunnel/handover.go); tests use it to stand for such a
+	// process.
 	ReusePort bool
 	// Congestion is the TCP congestion control, set before the socket
 	// connects or listens, so the node's default is never initialised on it
@@ -319,40 +331,4 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, path, err)
 	}
 	return l, nil
-}
-
-// migrateReqPath is the per-namespace sysctl that moves the requests queued
-// on a closing SO_REUSEPORT listener (SYN_RECV and accept queue) to another
-// listener of its group instead of resetting them.
-const migrateReqPath = "sys/net/ipv4/tcp_migrate_req"
-
-// maxSysctlBytes bounds the read of a sysctl under procDir (a setting): an
-// integer's few bytes in a procfs, but a fifo, a device or a huge file at the
-// path, where procDir is not one, is an error instead of a read that blocks a
-// thread in the namespace for ever or fills the memory.
-const maxSysctlBytes = 4 << 10
-
-// EnableMigrateReq sets net.ipv4.tcp_migrate_req=1 in the network namespace
-// at path (the sysctl is per namespace: /proc/sys/net is the opener's
-// namespace), through the procfs at procDir (empty: /proc). It returns the
-// value it found, so a caller can restore it.
-func EnableMigrateReq(path, procDir string) (old int, err error) {
-	migrateReqPath := filepath.Join(cmp.Or(procDir, "/proc"), migrateReqPath)
-	err = Do(path, func() error {
-		b, err := smallfile.Read(migrateReqPath, maxSysctlBytes)
-		if err != nil {
-			return err
-		}
-		if _, err := fmt.Sscan(string(b), &old); err != nil {
-			return fmt.Errorf("parse %s %q: %w", migrateReqPath, b, err)
-		}
-		if old == 1 {
-			return nil
-		}
-		return os.WriteFile(migrateReqPath, []byte("1"), 0)
-	})
-	if err != nil {
-		return old, fmt.Errorf("enable %s in %s: %w", migrateReqPath, path, err)
-	}
-	return old, nil
 }

@@ -1,39 +1,501 @@
 package tunnel
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sys/unix"
 
-	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // Listener hand-over between two agent processes (an upgrade).
 //
-// Every pod listener (outbound, inbound, HBONE) is opened with SO_REUSEPORT,
-// so a new agent opens its own on the same ports while the old one still
-// runs; both sockets form one reuseport group. The capture programs find the
-// listener with bpf_skc_lookup_tcp and bpf_sk_assign it; since Linux 6.5 the
-// kernel selects again within the reuseport group of an assigned listener,
-// so while both run, new connections spread over both (both serve them
-// fully). On SIGTERM the old agent closes its listeners first: from then on
-// the group holds only the new agent's, and with net.ipv4.tcp_migrate_req=1
-// in the pod's namespace the requests still queued on the closed ones
-// (SYN_RECV and completed but not yet accepted) move to the new listener
-// instead of being reset. No SYN meets an empty port, so none is dropped or
-// retransmitted. Established connections stay with the process that
-// accepted them and drain (pod.stop).
+// A pod's listeners (outbound, inbound, HBONE) are in no reuseport group. A
+// group admits any socket of the same user, and since Linux 6.5 the kernel
+// selects again within the group of a listener the capture assigned, with
+// no mark to check: a process in the pod running as root could bind the
+// tunnel's port with SO_REUSEPORT and be handed a share of the pod's
+// captured connections. Without SO_REUSEPORT, nothing else in the pod can
+// bind the tunnel's ports at all (EADDRINUSE, on any address).
+//
+// A successor agent takes the very same listening sockets from the running
+// one instead, over a unix socket (SCM_RIGHTS): it connects to the running
+// agent's hand-over socket before it serves any pod (Predecessor), and asks
+// for each pod's listeners as it starts serving the pod. From then both
+// processes accept from one queue, each serving what it accepts in full.
+// On SIGTERM the old agent closes its descriptors: the sockets stay open in
+// the successor with every request queued on them, so no SYN meets an
+// empty port and nothing moves or is reset. Established connections stay
+// with the process that accepted them and drain (pod.stop). Every socket
+// received is checked before use: a listening TCP socket in the pod's own
+// namespace, on the port asked for, carrying the tunnel mark.
+//
+// The exchange is one request and one answer per pod over a SOCK_SEQPACKET
+// connection, each a JSON message of at most maxHandoverMessage bytes; the
+// answer carries the descriptors in the order of its ports.
 
-// enableHandover sets net.ipv4.tcp_migrate_req=1 in the pod's namespace.
-// It is left set when the pod leaves: the successor relies on it during a
-// hand-over, and it only changes what happens to requests queued on a
-// closing reuseport listener (moved, not reset), also for the app's own.
-func enableHandover(path, procDir string) error {
-	if _, err := netns.EnableMigrateReq(path, procDir); err != nil {
-		return fmt.Errorf("listener hand-over: %w", err)
+// handoverRequest asks for the listeners of the pod in one network
+// namespace.
+type handoverRequest struct {
+	// Netns is the inode of the pod's network namespace (nsfs), the same
+	// in every process that opened it.
+	Netns uint64 `json:"netns"`
+}
+
+// handoverReply carries the pod's listeners, one descriptor per port in
+// order, or why there are none.
+type handoverReply struct {
+	Ports []uint16 `json:"ports,omitempty"`
+	Error string   `json:"error,omitempty"`
+}
+
+// Bounds of the hand-over socket: a request or answer is a few dozen
+// bytes; a successor holds one connection, a second is room for an
+// operator's check. A request must be answered within handoverTimeout.
+const (
+	maxHandoverMessage = 512
+	maxHandoverConns   = 4
+	handoverTimeout    = 5 * time.Second
+)
+
+// Results of a hand-over, the label of redirector_listener_handovers_total.
+const (
+	handoverGiven     = "given"
+	handoverTaken     = "taken"
+	handoverNotServed = "not_served"
+	handoverFailed    = "failed"
+	handoverRefused   = "refused"
+)
+
+var handoverResults = []string{handoverGiven, handoverTaken, handoverNotServed, handoverFailed, handoverRefused}
+
+// ServeHandover serves the hand-over socket at path until ctx ends, giving
+// a successor agent the listeners of the pods this one serves. The socket
+// replaces whatever socket is at path (a stale one, or a predecessor's once
+// it is gone: see Predecessor.WaitGone) and is removed at the end unless a
+// successor replaced it.
+func (t *Tunnel) ServeHandover(ctx context.Context, path string) error {
+	l, ino, err := unixsock.Install("hand-over socket", path, "unixpacket")
+	if err != nil {
+		return err
+	}
+	defer unixsock.RemoveIfOwn(path, ino)
+	stop := context.AfterFunc(ctx, func() { l.Close() })
+	defer stop()
+	t.log.InfoContext(ctx, "listener hand-over socket listening", "socket", path)
+	slots := make(chan struct{}, maxHandoverConns)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			l.Close()
+			return fmt.Errorf("serve hand-over socket %s: %w", path, err)
+		}
+		cred, err := unixsock.PeerCred(c)
+		if err != nil || !unixsock.Trusted(cred) {
+			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
+			t.log.WarnContext(ctx, "hand-over socket: connection refused: only root or the agent's user may take listeners", "peer", credString(cred), "error", err)
+			c.Close()
+			continue
+		}
+		select {
+		case slots <- struct{}{}:
+		default:
+			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
+			t.log.WarnContext(ctx, "hand-over socket: connection refused: all slots taken", "peer", credString(cred), "slots", maxHandoverConns)
+			c.Close()
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-slots }()
+			defer context.AfterFunc(ctx, func() { c.Close() })()
+			defer c.Close()
+			t.serveHandoverConn(ctx, c.(*net.UnixConn), cred)
+		}()
+	}
+}
+
+func credString(cred *unix.Ucred) string {
+	if cred == nil {
+		return "unknown"
+	}
+	return fmt.Sprintf("pid %d uid %d", cred.Pid, cred.Uid)
+}
+
+// serveHandoverConn answers requests on c until it closes or sends one
+// that cannot be decoded.
+func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *unix.Ucred) {
+	buf := make([]byte, maxHandoverMessage)
+	for {
+		// A successor holds the connection idle between its pods; only
+		// the answer is bounded in time.
+		_ = c.SetReadDeadline(time.Time{})
+		n, _, flags, _, err := c.ReadMsgUnix(buf, nil)
+		if err != nil || n == 0 {
+			return // closed (the successor is serving, or gone)
+		}
+		var req handoverRequest
+		dec := json.NewDecoder(bytes.NewReader(buf[:n]))
+		dec.DisallowUnknownFields()
+		if flags&unix.MSG_TRUNC != 0 {
+			err = fmt.Errorf("request longer than %d bytes", maxHandoverMessage)
+		} else if err = dec.Decode(&req); err == nil && req.Netns == 0 {
+			err = errors.New("request names no network namespace")
+		}
+		if err != nil {
+			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
+			t.log.WarnContext(ctx, "hand-over socket: bad request; closing the connection", "peer", credString(cred), "error", err)
+			return
+		}
+		files, uid, ports, err := t.podListenerFiles(req.Netns)
+		reply := handoverReply{Ports: ports}
+		if err != nil {
+			reply = handoverReply{Error: err.Error()}
+		}
+		msg, _ := json.Marshal(reply)
+		var rights []byte
+		if len(files) > 0 {
+			fds := make([]int, len(files))
+			for i, f := range files {
+				fds[i] = int(f.Fd())
+			}
+			rights = unix.UnixRights(fds...)
+		}
+		_ = c.SetWriteDeadline(time.Now().Add(handoverTimeout))
+		_, _, werr := c.WriteMsgUnix(msg, rights, nil)
+		for _, f := range files {
+			f.Close()
+		}
+		switch {
+		case werr != nil:
+			t.log.WarnContext(ctx, "hand-over socket: answer not sent", "peer", credString(cred), "error", werr)
+			return
+		case err != nil:
+			t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
+			t.log.DebugContext(ctx, "hand-over: no listeners to give", "netns_inode", req.Netns, "reason", err)
+		default:
+			t.cfg.Metrics.handover.WithLabelValues(handoverGiven).Inc()
+			t.log.InfoContext(ctx, "listeners handed over to a successor", "uid", uid, "ports", ports, "peer", credString(cred))
+		}
+	}
+}
+
+// podListenerFiles duplicates the listeners of the pod served in the
+// namespace with inode ino, with their ports.
+func (t *Tunnel) podListenerFiles(ino uint64) ([]*os.File, string, []uint16, error) {
+	t.mu.Lock()
+	var p *pod
+	for _, q := range t.pods {
+		if q.nsInode == ino {
+			p = q
+			break
+		}
+	}
+	t.mu.Unlock()
+	if p == nil {
+		return nil, "", nil, fmt.Errorf("no pod served in network namespace %d", ino)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopping.Load() || len(p.lns) == 0 {
+		return nil, p.uid, nil, fmt.Errorf("pod %s has no open listeners", p.uid)
+	}
+	var files []*os.File
+	var ports []uint16
+	for _, l := range p.lns {
+		tl, ok := l.(*net.TCPListener)
+		var f *os.File
+		err := fmt.Errorf("listener %s is a %T", l.Addr(), l)
+		if ok {
+			f, err = tl.File()
+		}
+		if err != nil {
+			for _, f := range files {
+				f.Close()
+			}
+			return nil, p.uid, nil, fmt.Errorf("pod %s: %w", p.uid, err)
+		}
+		files = append(files, f)
+		ports = append(ports, addrPortOf(l.Addr()).Port())
+	}
+	return files, p.uid, ports, nil
+}
+
+// Predecessor is this agent's connection to the hand-over socket of the
+// agent that served the node before it, made before this one served any
+// pod (and so before it put its own socket at the path).
+type Predecessor struct {
+	path string
+	mu   sync.Mutex
+	c    *net.UnixConn // nil once an exchange failed: the predecessor is gone
+}
+
+// DialPredecessor connects to the hand-over socket at path. With no agent
+// serving it (no socket, or a stale one) it returns nil and no error. A
+// socket served by a user other than root or this process's is an error:
+// its listeners would not be the agent's.
+func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
+	d := net.Dialer{Timeout: handoverTimeout}
+	c, err := d.DialContext(ctx, "unixpacket", path)
+	if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("hand-over socket %s: %w", path, err)
+	}
+	cred, err := unixsock.PeerCred(c)
+	if err == nil && !unixsock.Trusted(cred) {
+		err = fmt.Errorf("served by uid %d, neither root nor the agent's user: refusing its listeners", cred.Uid)
+	}
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("hand-over socket %s: %w", path, err)
+	}
+	return &Predecessor{path: path, c: c.(*net.UnixConn)}, nil
+}
+
+// predecessorPoll is how often WaitGone checks the predecessor's end.
+const predecessorPoll = 250 * time.Millisecond
+
+// WaitGone returns once the predecessor closed its end of the connection
+// (it exited, or began to drain) or ctx ended. Until then this agent leaves
+// the hand-over socket's path to the predecessor: an agent started next
+// (this one restarted after a crash, say) must reach the agent that still
+// holds the pods' listeners, not this one.
+func (pr *Predecessor) WaitGone(ctx context.Context) {
+	tick := time.NewTicker(predecessorPoll)
+	defer tick.Stop()
+	for {
+		if pr.gone() {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// gone peeks at the connection without blocking: an end of file or an
+// error means the predecessor is gone, and the connection is closed.
+func (pr *Predecessor) gone() bool {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if pr.c == nil {
+		return true
+	}
+	rc, err := pr.c.SyscallConn()
+	if err != nil {
+		return true
+	}
+	alive := false
+	_ = rc.Control(func(fd uintptr) {
+		var b [1]byte
+		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		// EAGAIN: nothing to read, still open. Data unasked for (n > 0)
+		// is no answer either; the next take reads it as a bad answer.
+		alive = errors.Is(err, unix.EAGAIN) || n > 0
+	})
+	if !alive {
+		pr.c.Close()
+		pr.c = nil
+	}
+	return !alive
+}
+
+// Close ends the connection: the predecessor is not asked again.
+func (pr *Predecessor) Close() error {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if pr.c == nil {
+		return nil
+	}
+	err := pr.c.Close()
+	pr.c = nil
+	return err
+}
+
+// take asks the predecessor for the listeners of the pod in the namespace
+// with inode ino, on ports in order, and checks each socket it receives
+// (checkHandedListener). It returns nil and no error when the predecessor
+// does not serve that pod, and an error when the exchange or a check
+// failed; then every received descriptor is closed, and after an I/O error
+// the predecessor is not asked again.
+func (pr *Predecessor) take(ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	if pr.c == nil {
+		return nil, nil
+	}
+	msg, _ := json.Marshal(handoverRequest{Netns: ino})
+	buf := make([]byte, maxHandoverMessage)
+	oob := make([]byte, unix.CmsgSpace(4*len(ports)))
+	_ = pr.c.SetDeadline(time.Now().Add(handoverTimeout))
+	n, oobn, flags, err := 0, 0, 0, error(nil)
+	if _, err = pr.c.Write(msg); err == nil {
+		n, oobn, flags, _, err = pr.c.ReadMsgUnix(buf, oob)
+	}
+	if err == nil && n == 0 {
+		err = io.ErrUnexpectedEOF
+	}
+	if err != nil {
+		pr.c.Close()
+		pr.c = nil
+		return nil, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
+	}
+	fds, ferr := receivedFDs(oob[:oobn])
+	closeAll := func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}
+	var reply handoverReply
+	switch {
+	case ferr != nil:
+		err = ferr
+	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
+		err = fmt.Errorf("answer longer than %d bytes or with more than %d descriptors", maxHandoverMessage, len(ports))
+	default:
+		err = json.Unmarshal(buf[:n], &reply)
+	}
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("hand-over socket %s: bad answer: %w", pr.path, err)
+	}
+	if reply.Error != "" {
+		closeAll()
+		if len(fds) > 0 {
+			return nil, fmt.Errorf("hand-over socket %s: an answer with %d descriptors and an error: %s", pr.path, len(fds), reply.Error)
+		}
+		return nil, nil
+	}
+	if !slices.Equal(reply.Ports, ports) || len(fds) != len(ports) {
+		closeAll()
+		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for %v", pr.path, reply.Ports, len(fds), ports)
+	}
+	lns := make([]net.Listener, 0, len(fds))
+	for i, fd := range fds {
+		l, err := handedListener(fd, ino, ports[i], mark)
+		if err != nil {
+			for _, l := range lns {
+				l.Close()
+			}
+			for _, fd := range fds[i+1:] {
+				unix.Close(fd)
+			}
+			return nil, fmt.Errorf("hand-over socket %s: port %d: %w", pr.path, ports[i], err)
+		}
+		lns = append(lns, l)
+	}
+	return lns, nil
+}
+
+// receivedFDs are the descriptors of SCM_RIGHTS messages in oob.
+func receivedFDs(oob []byte) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("control message: %w", err)
+	}
+	var fds []int
+	for _, m := range msgs {
+		if m.Header.Level != unix.SOL_SOCKET || m.Header.Type != unix.SCM_RIGHTS {
+			continue
+		}
+		got, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			return nil, fmt.Errorf("SCM_RIGHTS: %w", err)
+		}
+		fds = append(fds, got...)
+	}
+	return fds, nil
+}
+
+// handedListener checks that fd is a listening TCP socket in the network
+// namespace with inode ino, bound to port and carrying the tunnel mark,
+// and returns it as a listener; fd is closed either way.
+func handedListener(fd int, ino uint64, port uint16, mark uint32) (net.Listener, error) {
+	f := os.NewFile(uintptr(fd), "handed-over listener")
+	defer f.Close()
+	if err := checkHandedListener(fd, ino, port, mark); err != nil {
+		return nil, err
+	}
+	return net.FileListener(f)
+}
+
+func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
+	for _, o := range []struct {
+		opt  int
+		want int
+		name string
+	}{
+		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
+		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
+		{unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"},
+	} {
+		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
+		if err != nil {
+			return fmt.Errorf("%s: %w", o.name, err)
+		}
+		if got != o.want {
+			return fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
+		}
+	}
+	// The runtime opens listeners as MPTCP where the kernel has it (plain
+	// TCP clients are served as TCP).
+	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
+		return fmt.Errorf("SO_PROTOCOL: %w", err)
+	} else if proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP {
+		return fmt.Errorf("SO_PROTOCOL is %d, neither TCP nor MPTCP", proto)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return fmt.Errorf("getsockname: %w", err)
+	}
+	var got int
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		got = a.Port
+	case *unix.SockaddrInet6:
+		got = a.Port
+	default:
+		return fmt.Errorf("bound to a %T, not an IP address", sa)
+	}
+	if got != int(port) {
+		return fmt.Errorf("bound to port %d", got)
+	}
+	nsfd, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	if err != nil {
+		return fmt.Errorf("its network namespace (SIOCGSKNS): %w", err)
+	}
+	defer unix.Close(nsfd)
+	var st unix.Stat_t
+	if err := unix.Fstat(nsfd, &st); err != nil {
+		return fmt.Errorf("its network namespace: %w", err)
+	}
+	if st.Ino != ino {
+		return fmt.Errorf("in network namespace %d, not the pod's (%d)", st.Ino, ino)
 	}
 	return nil
 }

@@ -31,6 +31,9 @@ type Metrics struct {
 	// sourceMismatch counts HBONE clients whose identity is not the
 	// one of the workload at their address (sourceWorkload).
 	sourceMismatch prometheus.Counter
+	// handover counts pods whose listeners passed between agents
+	// (handover.go), by result.
+	handover *prometheus.CounterVec
 
 	series *seriesGC
 	// cluster is the cluster ID for the agent's own workloads.
@@ -113,6 +116,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		sourceMismatch: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "redirector_hbone_source_identity_mismatch_total",
 			Help: "HBONE tunnels whose client proved another identity than the workload the directory has at the client's address (a gateway or NAT between, a reused address, a forged one); counted without that workload's labels."}),
+		handover: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_listener_handovers_total",
+			Help: "Pods whose listeners passed between this agent and another over the hand-over socket, by result: given (to a successor), taken (from the predecessor), not_served (asked for a pod the other agent does not serve), failed (the exchange or a check of a received socket failed; the pod's own listeners are opened instead), refused (a request refused: a peer neither root nor the agent's user, no free slot, or an undecodable request)."}, []string{"result"}),
+	}
+	for _, r := range handoverResults {
+		m.handover.WithLabelValues(r)
 	}
 	for _, l := range listenerNames {
 		m.openConns.WithLabelValues(l)
@@ -122,7 +131,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.handover)
 	}
 	return m
 }

@@ -26,6 +26,9 @@ type pod struct {
 	// stop: every dial from the pod (to its apps, to HBONE peers, to
 	// passthrough destinations) enters it without opening the path.
 	ns *netns.Handle
+	// nsInode identifies the namespace to a successor agent asking for
+	// the pod's listeners (handover.go).
+	nsInode uint64
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -83,18 +86,16 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	if err != nil {
 		return nil, err
 	}
+	ino, err := ns.Inode()
+	if err != nil {
+		ns.Close()
+		return nil, err
+	}
 	pctx, cancel := context.WithCancel(context.Background())
-	p := &pod{t: t, uid: uid, netns: path, ns: ns, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
+	p := &pod{t: t, uid: uid, netns: path, ns: ns, nsInode: ino, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
 		inbound: map[*inboundConn]struct{}{}, id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
 	for i, port := range []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort} {
 		p.health[i] = &listenerHealth{port: port}
-	}
-	// Every listener is in a reuseport group (see handover.go): a
-	// successor agent opens its own next to these and takes over.
-	if err := enableHandover(path, t.cfg.ProcDir); err != nil {
-		// Serving matters more: only a hand-over would reset the requests
-		// queued on a closing listener.
-		t.log.WarnContext(ctx, "pod served without request migration", "uid", uid, "error", err)
 	}
 	if p.hbone, err = t.newHBONEServer(p); err != nil {
 		cancel()
@@ -103,8 +104,9 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	}
 	lns, err := p.listen(ctx)
 	if errors.Is(err, syscall.EADDRINUSE) {
-		// A predecessor without SO_REUSEPORT (a release before hand-over)
-		// holds the ports: take them the moment it lets go (handover.go).
+		// Another process holds the ports: a predecessor that did not hand
+		// them over (a release before hand-over, or the exchange failed).
+		// Take them the moment it lets go (handover.go).
 		p.awaitPorts(ctx, err)
 		return p, nil
 	}
@@ -119,10 +121,27 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	return p, nil
 }
 
-// listen opens the pod's three listeners, or none.
+// listen takes the pod's three listeners from the predecessor agent, if
+// it serves the pod (handover.go), or else opens them, all or none.
 func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 	t, path := p.t, p.netns
-	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, ReusePort: true, KeepAlive: tunnelKeepAlive}
+	if pr := t.cfg.Predecessor; pr != nil {
+		lns, err := pr.take(p.nsInode, []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort}, t.cfg.TunnelMark)
+		switch {
+		case err != nil:
+			t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
+			t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
+		case lns != nil:
+			t.cfg.Metrics.handover.WithLabelValues(handoverTaken).Inc()
+			t.log.InfoContext(ctx, "pod listeners taken over from the predecessor", "uid", p.uid, "netns", path)
+			return lns, nil
+		default:
+			t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
+		}
+	}
+	// No SO_REUSEPORT: nothing else in the pod may bind these ports
+	// (handover.go).
+	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, KeepAlive: tunnelKeepAlive}
 	fromApps := transparent
 	fromApps.Congestion = inPodCongestionName() // its connections come from the pod's own apps
 	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, fromApps)
@@ -134,7 +153,7 @@ func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
 		out.Close()
 		return nil, fmt.Errorf("inbound listener: %w", err)
 	}
-	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, ReusePort: true, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive})
+	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive})
 	if err != nil {
 		out.Close()
 		in.Close()

@@ -43,9 +43,10 @@ type Config struct {
 	// (dialled and accepted); empty keeps the pod namespace's default.
 	// netns.CheckCongestion validates it.
 	HBONECongestion string
-	// ProcDir is a writable procfs for per-namespace sysctls (empty: /proc;
-	// see loader.Settings.ProcDir).
-	ProcDir string
+	// Predecessor, when set, is the agent this one replaces on the node:
+	// each pod's listeners are taken from it while it serves the pod
+	// (handover.go).
+	Predecessor *Predecessor
 	// WrapPodSocket, if set, wraps each socket the tunnel accepts on a pod's
 	// capture listeners or dials to the pod's apps, before any use (the
 	// sockops acceleration's accel.Accelerator.Wrap).

@@ -58,8 +58,11 @@ func StartAgent(t TB, n *Node, o AgentOptions) *Agent {
 	if o.Manifest != "" {
 		args = append(args, "--source", "file:"+o.Manifest)
 	}
+	// The hand-over socket sits next to the pin root: an agent started on
+	// another's pin root (an upgrade) finds the running one's.
+	handover := filepath.Join(filepath.Dir(o.BPFRoot), "handover-"+n.Name+".sock")
 	args = append(append(args,
-		"--ca-dir", o.CADir, "--bpf-root", o.BPFRoot, "--reconcile-period", "2s", "--log-level", "debug"), o.Args...)
+		"--ca-dir", o.CADir, "--bpf-root", o.BPFRoot, "--handover-socket", handover, "--reconcile-period", "2s", "--log-level", "debug"), o.Args...)
 	a.cmd = Command(context.Background(), n.Path(), o.Binary, args...)
 	a.cmd.Env = append(os.Environ(), o.Env...)
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log

@@ -245,7 +245,9 @@ func testUpgradeHitless(t *testing.T, node int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(time.Second) // both serve: sk_assign reselects within the reuseport group
+	// The new agent took the old one's listeners instead of opening its own.
+	next.WaitLog(t, "pod listeners taken over from the predecessor", time.Second)
+	time.Sleep(time.Second) // both serve, accepting from the same sockets
 	newBefore, err := openedTotal(t, n, "127.0.0.1:25020")
 	if err != nil {
 		t.Fatal(err)

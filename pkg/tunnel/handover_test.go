@@ -1,0 +1,452 @@
+package tunnel
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+)
+
+const testMark = 0x539
+
+// podNS creates a network namespace with lo up, deleted when the test ends.
+func podNS(t *testing.T) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create network namespaces")
+	}
+	name := fmt.Sprintf("rdho%06x", rand.IntN(0xffffff))
+	for _, args := range [][]string{{"netns", "add", name}, {"-n", name, "link", "set", "lo", "up"}} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
+	return "/var/run/netns/" + name
+}
+
+// handoverTunnel is a tunnel with real listeners, as the agent runs it.
+func handoverTunnel(t *testing.T, log *bytes.Buffer, pred *Predecessor) *Tunnel {
+	pool := hbone.NewPool(hbone.PoolOptions{})
+	t.Cleanup(func() { pool.Close() })
+	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		TunnelMark: testMark, Predecessor: pred, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()),
+		Logger: slogTo(log), NoAccessLog: true})
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = tun.Shutdown(ctx)
+	})
+	return tun
+}
+
+func handoverCount(tun *Tunnel, result string) float64 {
+	return testutil.ToFloat64(tun.cfg.Metrics.handover.WithLabelValues(result))
+}
+
+// socketInode is the inode of the socket behind l: the same socket in two
+// processes (or two descriptors) has the same one.
+func socketInode(t *testing.T, l net.Listener) uint64 {
+	t.Helper()
+	rc, err := l.(*net.TCPListener).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := controlErr(rc, func(fd int) error { return unix.Fstat(fd, &st) }); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+func controlErr(rc syscall.RawConn, fn func(fd int) error) error {
+	var ferr error
+	if err := rc.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil {
+		return err
+	}
+	return ferr
+}
+
+func slogTo(log *bytes.Buffer) *slog.Logger {
+	if log == nil {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(&syncWriter{w: log}, nil))
+}
+
+var handoverPod = netip.MustParseAddr("10.9.0.2")
+
+// TestListenerHandover: a successor takes the running agent's pod
+// listeners over the hand-over socket: the very same sockets, so the pod's
+// ports never close. After the old agent drains (closing its descriptors)
+// the ports still accept, now only through the successor; without the
+// hand-over the same drain leaves them closed.
+func TestListenerHandover(t *testing.T) {
+	ns := podNS(t)
+	ctx := context.Background()
+	var oldLog, newLog bytes.Buffer
+	old := handoverTunnel(t, &oldLog, nil)
+	if err := old.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "handover.sock")
+	sctx, stop := context.WithCancel(ctx)
+	served := make(chan error, 1)
+	go func() { served <- old.ServeHandover(sctx, sock) }()
+	t.Cleanup(func() { stop(); <-served })
+	waitForSocket(t, sock)
+
+	pred, err := DialPredecessor(ctx, sock)
+	if err != nil || pred == nil {
+		t.Fatalf("DialPredecessor = %v, %v", pred, err)
+	}
+	defer pred.Close()
+	next := handoverTunnel(t, &newLog, pred)
+	if err := next.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
+		t.Fatalf("successor ServePod: %v\n%s", err, newLog.String())
+	}
+	if got := handoverCount(next, handoverTaken); got != 1 {
+		t.Fatalf("taken = %v, want 1; log:\n%s", got, newLog.String())
+	}
+	if got := handoverCount(old, handoverGiven); got != 1 {
+		t.Errorf("given = %v, want 1", got)
+	}
+	oldPod, newPod := old.pods["pod-a"], next.pods["pod-a"]
+	for i := range oldPod.lns {
+		if a, b := socketInode(t, oldPod.lns[i]), socketInode(t, newPod.lns[i]); a != b {
+			t.Errorf("listener %d: the successor's socket %d is not the running agent's %d", i, b, a)
+		}
+	}
+
+	// A pod the running agent does not serve: nothing to take, the
+	// successor opens its own.
+	other := podNS(t)
+	if err := next.ServePod(ctx, "pod-b", other, []netip.Addr{netip.MustParseAddr("10.9.0.3")}); err != nil {
+		t.Fatal(err)
+	}
+	if got := handoverCount(next, handoverNotServed); got != 1 {
+		t.Errorf("not_served = %v, want 1", got)
+	}
+
+	// The predecessor is alive: WaitGone waits.
+	wctx, wcancel := context.WithTimeout(ctx, 3*predecessorPoll)
+	pred.WaitGone(wctx)
+	if wctx.Err() == nil {
+		t.Error("WaitGone returned while the predecessor still served")
+	}
+	wcancel()
+
+	// The old agent stops (SIGTERM: its context ends, then it drains).
+	stop()
+	if err := <-served; err != nil {
+		t.Errorf("ServeHandover: %v", err)
+	}
+	served <- nil // for the cleanup
+	dctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	old.Drain(dctx, nil)
+	wctx, wcancel = context.WithTimeout(ctx, 5*time.Second)
+	pred.WaitGone(wctx)
+	if wctx.Err() != nil {
+		t.Error("WaitGone still waiting 5 s after the predecessor stopped")
+	}
+	wcancel()
+	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the stopped agent left its hand-over socket: %v", err)
+	}
+	for _, port := range []int{15001, 15006, 15008} {
+		c, err := netns.Dial(ctx, ns, "tcp", fmt.Sprintf("127.0.0.1:%d", port), netns.SocketOptions{Mark: testMark})
+		if err != nil {
+			t.Errorf("port %d after the running agent drained: %v (the socket closed with it)", port, err)
+			continue
+		}
+		c.Close()
+	}
+	// Control: the successor closes too, and nothing holds the ports.
+	next.Drain(dctx, nil)
+	if c, err := netns.Dial(ctx, ns, "tcp", "127.0.0.1:15006", netns.SocketOptions{Mark: testMark}); err == nil {
+		c.Close()
+		t.Error("port 15006 accepted with both agents drained: the check above proves nothing")
+	}
+}
+
+func waitForSocket(t *testing.T, path string) {
+	t.Helper()
+	for range 200 {
+		if fi, err := os.Stat(path); err == nil && fi.Mode().Type() == os.ModeSocket {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("no socket at %s", path)
+}
+
+// TestHandoverServerBounds: the hand-over socket holds at most
+// maxHandoverConns connections (more are closed and counted), and a request
+// it cannot decode (oversized, unknown fields, no namespace) closes its
+// connection, counted, while the others go on.
+func TestHandoverServerBounds(t *testing.T) {
+	var log bytes.Buffer
+	tun := handoverTunnel(t, &log, nil)
+	sock := filepath.Join(t.TempDir(), "handover.sock")
+	ctx, stop := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- tun.ServeHandover(ctx, sock) }()
+	defer func() { stop(); <-served }()
+	waitForSocket(t, sock)
+	var conns []net.Conn
+	for range maxHandoverConns + 2 {
+		c, err := net.Dial("unixpacket", sock)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		conns = append(conns, c)
+	}
+	closed := func(c net.Conn) bool {
+		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		_, err := c.Read(make([]byte, 16))
+		return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+	}
+	for _, c := range conns[maxHandoverConns:] {
+		if !closed(c) {
+			t.Error("a connection past the bound stayed open")
+		}
+	}
+	for i, req := range []string{strings.Repeat("x", maxHandoverMessage+1), `{"netns":1,"evil":2}`, `{}`} {
+		if _, err := conns[i].Write([]byte(req)); err != nil {
+			t.Fatal(err)
+		}
+		if !closed(conns[i]) {
+			t.Errorf("request %.40q: the connection stayed open", req)
+		}
+	}
+	// The fourth, well-formed, is answered: no such pod.
+	if _, err := conns[3].Write([]byte(`{"netns":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 512)
+	_ = conns[3].SetReadDeadline(time.Now().Add(2 * time.Second))
+	n, err := conns[3].Read(buf)
+	if err != nil || !strings.Contains(string(buf[:n]), "no pod served") {
+		t.Errorf("answer %q, %v; want no pod served", buf[:n], err)
+	}
+	if got := handoverCount(tun, handoverRefused); got != 5 {
+		t.Errorf("refused = %v, want 5 (2 past the bound, 3 bad requests); log:\n%s", got, log.String())
+	}
+}
+
+// TestPodProcessCannotBindTunnelPorts: a process in the pod, as root (the
+// agent's own user), cannot bind any of the tunnel's ports while the pod
+// is served, on the wildcard address or the pod's, with SO_REUSEPORT or
+// SO_REUSEADDR. Before, the listeners were in SO_REUSEPORT groups, which
+// such a process joined, and since Linux 6.5 the kernel hands a share of
+// the connections the capture assigns to a group member to any member.
+func TestPodProcessCannotBindTunnelPorts(t *testing.T) {
+	ns := podNS(t)
+	if out, err := exec.Command("ip", "-n", filepath.Base(ns), "addr", "add", handoverPod.String()+"/32", "dev", "lo").CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	tun := handoverTunnel(t, nil, nil)
+	if err := tun.ServePod(context.Background(), "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
+		t.Fatal(err)
+	}
+	for _, port := range []int{15001, 15006, 15008} {
+		for _, addr := range []string{"[::]", "0.0.0.0", handoverPod.String(), "127.0.0.1", "[::1]"} {
+			for _, opt := range []struct {
+				name string
+				opt  int
+			}{{"SO_REUSEPORT", unix.SO_REUSEPORT}, {"SO_REUSEADDR", unix.SO_REUSEADDR}} {
+				lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+					return controlErr(c, func(fd int) error { return unix.SetsockoptInt(fd, unix.SOL_SOCKET, opt.opt, 1) })
+				}}
+				var l net.Listener
+				err := netns.Do(ns, func() error {
+					var err error
+					l, err = lc.Listen(context.Background(), "tcp", fmt.Sprintf("%s:%d", addr, port))
+					return err
+				})
+				if err == nil {
+					l.Close()
+					t.Errorf("a process in the pod bound %s:%d with %s next to the tunnel's listener", addr, port, opt.name)
+				} else if !errors.Is(err, syscall.EADDRINUSE) {
+					t.Errorf("bind %s:%d with %s: %v, want EADDRINUSE", addr, port, opt.name, err)
+				}
+			}
+		}
+	}
+}
+
+// fakePredecessor serves a hand-over socket that answers every request
+// with the descriptors send returns (closed after sending) and ports. Each
+// connection it accepts is reported on the channel.
+func fakePredecessor(t *testing.T, ports []uint16, send func() []int) (string, <-chan struct{}) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unixpacket", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	accepted := make(chan struct{}, 16)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- struct{}{}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 512)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+					fds := send()
+					msg := fmt.Sprintf(`{"ports":%s}`, strings.ReplaceAll(fmt.Sprint(ports), " ", ","))
+					_, _, _ = c.(*net.UnixConn).WriteMsgUnix([]byte(msg), unix.UnixRights(fds...), nil)
+					for _, fd := range fds {
+						unix.Close(fd)
+					}
+				}
+			}()
+		}
+	}()
+	return sock, accepted
+}
+
+func listenerFD(t *testing.T, ns, addr string, opts netns.SocketOptions) int {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), ns, "tcp", addr, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	f, err := l.(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.Dup(int(f.Fd()))
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fd
+}
+
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if os.Getenv("FDDEBUG") != "" {
+		var names []string
+		for _, e := range ents {
+			l, _ := os.Readlink("/proc/self/fd/" + e.Name())
+			names = append(names, e.Name()+"="+l)
+		}
+		t.Log(names)
+	}
+	return len(ents)
+}
+
+// TestHandoverRefusesForeignSockets: a predecessor's answer is checked
+// socket by socket. A listener in another namespace, one on another port,
+// one without the tunnel mark, a socket that does not listen, or too many
+// descriptors: each fails the take (counted), every received descriptor is
+// closed, and the pod gets listeners of its own.
+func TestHandoverRefusesForeignSockets(t *testing.T) {
+	pod := podNS(t)
+	elsewhere := podNS(t)
+	marked := netns.SocketOptions{Mark: testMark}
+	ports := []uint16{15001, 15006, 15008}
+	three := func(ns string, opts netns.SocketOptions, first string) func() []int {
+		return func() []int {
+			fds := []int{listenerFD(t, ns, first, opts)}
+			for _, p := range ports[1:] {
+				fds = append(fds, listenerFD(t, ns, fmt.Sprintf("127.0.0.1:%d", p+1000), opts))
+			}
+			return fds
+		}
+	}
+	cases := map[string]struct {
+		send func() []int
+		want string
+	}{
+		"another namespace": {three(elsewhere, marked, "127.0.0.1:15001"), "not the pod's"},
+		"another port":      {three(pod, marked, "127.0.0.1:25001"), "bound to port 25001"},
+		"no tunnel mark":    {three(pod, netns.SocketOptions{}, "127.0.0.1:15001"), "SO_MARK (the tunnel mark) is 0"},
+		"not listening": {func() []int {
+			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return []int{fd, fd, fd}
+		}, "SO_ACCEPTCONN (listening) is 0"},
+		"too many descriptors": {func() []int {
+			return append(three(pod, marked, "127.0.0.1:15001")(), listenerFD(t, pod, "127.0.0.1:17000", marked))
+		}, "with 4 descriptors"},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			sock, accepted := fakePredecessor(t, ports, c.send)
+			pred, err := DialPredecessor(context.Background(), sock)
+			if err != nil || pred == nil {
+				t.Fatalf("DialPredecessor = %v, %v", pred, err)
+			}
+			defer pred.Close()
+			var log bytes.Buffer
+			tun := handoverTunnel(t, &log, pred)
+			// The first entry into a namespace opens the process's own once;
+			// the fake's end of the connection counts too.
+			_ = netns.Do(pod, func() error { return nil })
+			<-accepted
+			before := openFDs(t)
+			if err := tun.ServePod(context.Background(), "pod-a", pod, []netip.Addr{handoverPod}); err != nil {
+				t.Fatal(err)
+			}
+			if got := handoverCount(tun, handoverFailed); got != 1 {
+				t.Errorf("failed = %v, want 1", got)
+			}
+			if !strings.Contains(log.String(), c.want) {
+				t.Errorf("log lacks %q:\n%s", c.want, log.String())
+			}
+			p := tun.pods["pod-a"]
+			for i, l := range p.lns {
+				if port := addrPortOf(l.Addr()).Port(); port != ports[i] || !strings.HasPrefix(l.Addr().String(), "[::]") {
+					t.Errorf("listener %d is %s, want the pod's own on [::]:%d", i, l.Addr(), ports[i])
+				}
+			}
+			// The pod's own three listeners and its namespace handle are the
+			// only descriptors added.
+			// The fake predecessor closes its own copies after sending.
+			got := openFDs(t) - before
+			for deadline := time.Now().Add(time.Second); got > 4 && time.Now().Before(deadline); got = openFDs(t) - before {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if got > 4 {
+				t.Errorf("%d descriptors more after the take, want 4 (the pod's own listeners, its namespace): received ones leaked", got)
+			}
+		})
+	}
+}
