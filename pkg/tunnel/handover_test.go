@@ -71,18 +71,11 @@ func socketInode(t *testing.T, l net.Listener) uint64 {
 		t.Fatal(err)
 	}
 	var st unix.Stat_t
-	if err := controlErr(rc, func(fd int) error { return unix.Fstat(fd, &st) }); err != nil {
-		t.Fatal(err)
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
 	}
 	return st.Ino
-}
-
-func controlErr(rc syscall.RawConn, fn func(fd int) error) error {
-	var ferr error
-	if err := rc.Control(func(fd uintptr) { ferr = fn(int(fd)) }); err != nil {
-		return err
-	}
-	return ferr
 }
 
 func slogTo(log *bytes.Buffer) *slog.Logger {
@@ -276,7 +269,11 @@ func TestPodProcessCannotBindTunnelPorts(t *testing.T) {
 				opt  int
 			}{{"SO_REUSEPORT", unix.SO_REUSEPORT}, {"SO_REUSEADDR", unix.SO_REUSEADDR}} {
 				lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
-					return controlErr(c, func(fd int) error { return unix.SetsockoptInt(fd, unix.SOL_SOCKET, opt.opt, 1) })
+					var serr error
+					if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, opt.opt, 1) }); err != nil {
+						return err
+					}
+					return serr
 				}}
 				var l net.Listener
 				err := netns.Do(ns, func() error {
