@@ -165,25 +165,19 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 			t.log.WarnContext(ctx, "hand-over socket: bad request; closing the connection", "peer", credString(cred), "error", err)
 			return
 		}
-		files, uid, ports, err := t.podListenerFiles(req.Netns)
+		fds, uid, ports, err := t.podListenerFDs(req.Netns)
 		reply := handoverReply{Ports: ports}
 		if err != nil {
 			reply = handoverReply{Error: err.Error()}
 		}
 		msg, _ := json.Marshal(reply)
 		var rights []byte
-		if len(files) > 0 {
-			fds := make([]int, len(files))
-			for i, f := range files {
-				fds[i] = int(f.Fd())
-			}
+		if len(fds) > 0 {
 			rights = unix.UnixRights(fds...)
 		}
 		_ = c.SetWriteDeadline(time.Now().Add(handoverTimeout))
 		_, _, werr := c.WriteMsgUnix(msg, rights, nil)
-		for _, f := range files {
-			f.Close()
-		}
+		closeFDs(fds)
 		switch {
 		case werr != nil:
 			t.log.WarnContext(ctx, "hand-over socket: answer not sent", "peer", credString(cred), "error", werr)
@@ -198,9 +192,14 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 	}
 }
 
-// podListenerFiles duplicates the listeners of the pod served in the
-// namespace with inode ino, with their ports.
-func (t *Tunnel) podListenerFiles(ino uint64) ([]*os.File, string, []uint16, error) {
+// podListenerFDs duplicates the listeners of the pod served in the
+// namespace with inode ino, with their ports. The descriptors are the
+// caller's to close. They are duplicated with fcntl, not through an
+// os.File: File.Fd puts the descriptor in blocking mode, and O_NONBLOCK
+// belongs to the open file, which the pod's own listener shares: its
+// accepts would then block a thread when the successor took the
+// connection first, and its close would wait for them.
+func (t *Tunnel) podListenerFDs(ino uint64) ([]int, string, []uint16, error) {
 	t.mu.Lock()
 	var p *pod
 	for _, q := range t.pods {
@@ -218,25 +217,46 @@ func (t *Tunnel) podListenerFiles(ino uint64) ([]*os.File, string, []uint16, err
 	if p.stopping.Load() || len(p.lns) == 0 {
 		return nil, p.uid, nil, fmt.Errorf("pod %s has no open listeners", p.uid)
 	}
-	var files []*os.File
+	var fds []int
 	var ports []uint16
 	for _, l := range p.lns {
-		tl, ok := l.(*net.TCPListener)
-		var f *os.File
-		err := fmt.Errorf("listener %s is a %T", l.Addr(), l)
-		if ok {
-			f, err = tl.File()
-		}
+		fd, err := dupListener(l)
 		if err != nil {
-			for _, f := range files {
-				f.Close()
-			}
-			return nil, p.uid, nil, fmt.Errorf("pod %s: %w", p.uid, err)
+			closeFDs(fds)
+			return nil, p.uid, nil, fmt.Errorf("pod %s: listener %s: %w", p.uid, l.Addr(), err)
 		}
-		files = append(files, f)
+		fds = append(fds, fd)
 		ports = append(ports, addrPortOf(l.Addr()).Port())
 	}
-	return files, p.uid, ports, nil
+	return fds, p.uid, ports, nil
+}
+
+// dupListener duplicates l's descriptor (close-on-exec), leaving its
+// flags alone.
+func dupListener(l net.Listener) (int, error) {
+	sc, ok := l.(syscall.Conn)
+	if !ok {
+		return -1, fmt.Errorf("a %T has no descriptor", l)
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	var derr error
+	if err := rc.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return -1, err
+	}
+	if derr != nil {
+		return -1, fmt.Errorf("dup: %w", derr)
+	}
+	return fd, nil
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
 }
 
 // Predecessor is this agent's connection to the hand-over socket of the
@@ -363,11 +383,7 @@ func (pr *Predecessor) take(ino uint64, ports []uint16, mark uint32) ([]net.List
 		return nil, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
 	}
 	fds, ferr := receivedFDs(oob[:oobn])
-	closeAll := func() {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-	}
+	closeAll := func() { closeFDs(fds) }
 	var reply handoverReply
 	switch {
 	case ferr != nil:
@@ -399,9 +415,7 @@ func (pr *Predecessor) take(ino uint64, ports []uint16, mark uint32) ([]net.List
 			for _, l := range lns {
 				l.Close()
 			}
-			for _, fd := range fds[i+1:] {
-				unix.Close(fd)
-			}
+			closeFDs(fds[i+1:])
 			return nil, fmt.Errorf("hand-over socket %s: port %d: %w", pr.path, ports[i], err)
 		}
 		lns = append(lns, l)
@@ -422,9 +436,7 @@ func receivedFDs(oob []byte) ([]int, error) {
 		}
 		got, err := unix.ParseUnixRights(&m)
 		if err != nil {
-			for _, fd := range fds {
-				unix.Close(fd)
-			}
+			closeFDs(fds)
 			return nil, fmt.Errorf("SCM_RIGHTS: %w", err)
 		}
 		fds = append(fds, got...)

@@ -107,6 +107,41 @@ func TestListenerHandover(t *testing.T) {
 	t.Cleanup(func() { stop(); <-served })
 	waitForSocket(t, sock)
 
+	// Giving the listeners leaves the running agent's own as they were:
+	// non-blocking (O_NONBLOCK belongs to the open file, which they share).
+	// Checked with the descriptors received and left alone, as a successor
+	// that refused them would.
+	ino, err := netns.Inode(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := net.Dial("unixpacket", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := raw.Write([]byte(fmt.Sprintf(`{"netns":%d}`, ino))); err != nil {
+		t.Fatal(err)
+	}
+	oob := make([]byte, unix.CmsgSpace(4*3))
+	_, oobn, _, _, err := raw.(*net.UnixConn).ReadMsgUnix(make([]byte, 512), oob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := receivedFDs(oob[:oobn])
+	if err != nil || len(got) != 3 {
+		t.Fatalf("received %d descriptors, %v; want 3", len(got), err)
+	}
+	for i, l := range old.pods["pod-a"].lns {
+		rc, _ := l.(*net.TCPListener).SyscallConn()
+		var fl int
+		_ = rc.Control(func(fd uintptr) { fl, _ = unix.FcntlInt(fd, unix.F_GETFL, 0) })
+		if fl&unix.O_NONBLOCK == 0 {
+			t.Errorf("listener %d of the running agent became blocking by being handed over", i)
+		}
+	}
+	closeFDs(got)
+	raw.Close()
+
 	pred, err := DialPredecessor(ctx, sock)
 	if err != nil || pred == nil {
 		t.Fatalf("DialPredecessor = %v, %v", pred, err)
@@ -119,8 +154,8 @@ func TestListenerHandover(t *testing.T) {
 	if got := handoverCount(next, handoverTaken); got != 1 {
 		t.Fatalf("taken = %v, want 1; log:\n%s", got, newLog.String())
 	}
-	if got := handoverCount(old, handoverGiven); got != 1 {
-		t.Errorf("given = %v, want 1", got)
+	if got := handoverCount(old, handoverGiven); got != 2 {
+		t.Errorf("given = %v, want 2 (the test's own request, the successor's)", got)
 	}
 	oldPod, newPod := old.pods["pod-a"], next.pods["pod-a"]
 	for i := range oldPod.lns {
