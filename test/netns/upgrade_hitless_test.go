@@ -712,13 +712,15 @@ func startIperf(t *testing.T, client, server *Pod, d time.Duration) (wait func()
 	}
 }
 
-// TestTakeoverFromAgentWithoutReusePort: the first upgrade from a release
-// without listener hand-over. Its listeners (here: plain ones the test
-// holds on the pod's tunnel ports, without SO_REUSEPORT) make the new
-// agent's binds fail with EADDRINUSE; the new agent still becomes ready (a
+// TestTakeoverWithoutHandover: an upgrade from a release without listener
+// hand-over (every release before it: their listeners sit in SO_REUSEPORT
+// groups, which the new agent's sockets, without it, cannot join), or with
+// no hand-over socket set. The old agent's listeners (here: plain ones the
+// test holds on the pod's tunnel ports) make the new agent's binds fail
+// with EADDRINUSE; the new agent still becomes ready (a
 // surge rollout would otherwise wait forever) and takes the ports the
 // moment they are released, then serves the pod through the mesh.
-func TestTakeoverFromAgentWithoutReusePort(t *testing.T) {
+func TestTakeoverWithoutHandover(t *testing.T) {
 	var held []net.Listener
 	var client, server *Pod
 	ms := newMeshWith(t, nil, func(tp *Topology, m *Manifest) {
