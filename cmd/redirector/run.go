@@ -344,7 +344,6 @@ func runAgent(ctx context.Context, args []string) error {
 		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
 			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
 		} else if pred != nil {
-			defer pred.Close()
 			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
 		}
 	}

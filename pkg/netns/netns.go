@@ -309,6 +309,33 @@ func (o SocketOptions) apply(fd int, ipv4Only bool) error {
 	return nil
 }
 
+// ApplyToListener sets opts on a listener opened elsewhere (one another
+// process passed over): those set before bind or listen, and the
+// keepalive, which the sockets it accepts from then on inherit.
+func ApplyToListener(l net.Listener, opts SocketOptions) error {
+	sc, ok := l.(syscall.Conn)
+	if !ok {
+		return fmt.Errorf("a %T has no socket", l)
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	return controlErr(rc, func(fd int) error {
+		domain, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
+		if err != nil {
+			return fmt.Errorf("SO_DOMAIN: %w", err)
+		}
+		if err := opts.apply(fd, domain == unix.AF_INET); err != nil {
+			return err
+		}
+		if opts.KeepAlive != nil {
+			return opts.KeepAlive.apply(fd)
+		}
+		return nil
+	})
+}
+
 // Listen opens a TCP listener inside the network namespace at path.
 func Listen(ctx context.Context, path, network, addr string, opts SocketOptions) (net.Listener, error) {
 	var l net.Listener

@@ -98,15 +98,24 @@ func (t *Tunnel) ServeHandover(ctx context.Context, path string) error {
 	slots := make(chan struct{}, maxHandoverConns)
 	var wg sync.WaitGroup
 	defer wg.Wait()
+	backoff := time.Duration(0)
 	for {
 		c, err := l.Accept()
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
-			l.Close()
-			return fmt.Errorf("serve hand-over socket %s: %w", path, err)
+			// EMFILE and the like pass; the socket stays.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			t.log.WarnContext(ctx, "hand-over socket: accept failed; retrying", "socket", path, "error", err, "retry_in", backoff)
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(backoff):
+			}
+			continue
 		}
+		backoff = 0
 		cred, err := unixsock.PeerCred(c)
 		if err != nil || !unixsock.Trusted(cred) {
 			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
@@ -259,24 +268,25 @@ func closeFDs(fds []int) {
 	}
 }
 
-// Predecessor is this agent's connection to the hand-over socket of the
-// agent that served the node before it, made before this one served any
-// pod (and so before it put its own socket at the path).
+// Predecessor is the agent that served the node before this one, reached
+// at its hand-over socket with one connection per request. This agent
+// leaves the socket's path to it until it is gone (WaitGone).
 type Predecessor struct {
 	path string
-	mu   sync.Mutex
-	c    *net.UnixConn // nil once an exchange failed: the predecessor is gone
 }
 
-// DialPredecessor connects to the hand-over socket at path. With no agent
-// serving it (no socket, or a stale one) it returns nil and no error. A
-// socket served by a user other than root or this process's is an error:
-// its listeners would not be the agent's.
-func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
+// errNoPredecessor means no agent serves the hand-over socket (any more).
+var errNoPredecessor = errors.New("no agent serves the hand-over socket")
+
+// dialHandover connects to the hand-over socket at path: errNoPredecessor
+// when nothing listens there (no socket, or a stale one), an error when
+// the socket is served by a user other than root or this process's (its
+// listeners would not be an agent's).
+func dialHandover(ctx context.Context, path string) (*net.UnixConn, error) {
 	d := net.Dialer{Timeout: handoverTimeout}
 	c, err := d.DialContext(ctx, "unixpacket", path)
 	if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
-		return nil, nil
+		return nil, errNoPredecessor
 	}
 	if err != nil {
 		return nil, fmt.Errorf("hand-over socket %s: %w", path, err)
@@ -289,22 +299,45 @@ func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
 		c.Close()
 		return nil, fmt.Errorf("hand-over socket %s: %w", path, err)
 	}
-	return &Predecessor{path: path, c: c.(*net.UnixConn)}, nil
+	return c.(*net.UnixConn), nil
 }
 
-// predecessorPoll is how often WaitGone checks the predecessor's end.
+// DialPredecessor checks for an agent serving the hand-over socket at
+// path, as this agent starts: nil and no error when there is none.
+func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
+	c, err := dialHandover(ctx, path)
+	if errors.Is(err, errNoPredecessor) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	c.Close()
+	return &Predecessor{path: path}, nil
+}
+
+// predecessorPoll is how often WaitGone checks for the predecessor.
 const predecessorPoll = 250 * time.Millisecond
 
-// WaitGone returns once the predecessor closed its end of the connection
-// (it exited, or began to drain) or ctx ended. Until then this agent leaves
-// the hand-over socket's path to the predecessor: an agent started next
-// (this one restarted after a crash, say) must reach the agent that still
-// holds the pods' listeners, not this one.
+// WaitGone returns once nothing serves the predecessor's hand-over socket
+// any more (it exited, or began to drain), or a socket not an agent's took
+// its place, or ctx ended. Until then this agent leaves the path to the
+// predecessor: an agent started next (this one restarted after a crash,
+// say) must reach the agent that still holds the pods' listeners. A
+// predecessor that answers slowly or has no free slot still counts as
+// there.
 func (pr *Predecessor) WaitGone(ctx context.Context) {
 	tick := time.NewTicker(predecessorPoll)
 	defer tick.Stop()
 	for {
-		if pr.gone() {
+		c, err := dialHandover(ctx, pr.path)
+		var ne net.Error
+		switch {
+		case err == nil:
+			c.Close()
+		case errors.As(err, &ne) && ne.Timeout():
+			// Slow to answer, or ctx ending: still there.
+		default:
 			return
 		}
 		select {
@@ -315,77 +348,34 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 	}
 }
 
-// gone peeks at the connection without blocking: an end of file or an
-// error means the predecessor is gone, and the connection is closed.
-func (pr *Predecessor) gone() bool {
-	pr.mu.Lock()
-	defer pr.mu.Unlock()
-	if pr.c == nil {
-		return true
-	}
-	rc, err := pr.c.SyscallConn()
-	if err != nil {
-		return true
-	}
-	alive := false
-	_ = rc.Control(func(fd uintptr) {
-		var b [1]byte
-		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		// EAGAIN: nothing to read, still open. Data unasked for (n > 0)
-		// is no answer either; the next take reads it as a bad answer.
-		alive = errors.Is(err, unix.EAGAIN) || n > 0
-	})
-	if !alive {
-		pr.c.Close()
-		pr.c = nil
-	}
-	return !alive
-}
-
-// Close ends the connection: the predecessor is not asked again.
-func (pr *Predecessor) Close() error {
-	pr.mu.Lock()
-	defer pr.mu.Unlock()
-	if pr.c == nil {
-		return nil
-	}
-	err := pr.c.Close()
-	pr.c = nil
-	return err
-}
-
 // take asks the predecessor for the listeners of the pod in the namespace
 // with inode ino, on ports in order, and checks each socket it receives
 // (checkHandedListener). It returns nil and no error when the predecessor
-// does not serve that pod, and an error when the exchange or a check
-// failed; then every received descriptor is closed, and after an I/O error
-// the predecessor is not asked again.
-func (pr *Predecessor) take(ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
-	pr.mu.Lock()
-	defer pr.mu.Unlock()
-	if pr.c == nil {
-		return nil, nil
+// does not serve that pod, errNoPredecessor when no agent serves the
+// socket, and another error when the exchange or a check failed. Every
+// received descriptor that is not returned is closed.
+func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
+	c, err := dialHandover(ctx, pr.path)
+	if err != nil {
+		return nil, err
 	}
+	defer c.Close()
 	msg, _ := json.Marshal(handoverRequest{Netns: ino})
 	buf := make([]byte, maxHandoverMessage)
 	oob := make([]byte, unix.CmsgSpace(4*len(ports)))
-	_ = pr.c.SetDeadline(time.Now().Add(handoverTimeout))
-	n, oobn, flags, err := 0, 0, 0, error(nil)
-	if _, err = pr.c.Write(msg); err == nil {
-		n, oobn, flags, _, err = pr.c.ReadMsgUnix(buf, oob)
+	_ = c.SetDeadline(time.Now().Add(handoverTimeout))
+	n, oobn, flags := 0, 0, 0
+	if _, err = c.Write(msg); err == nil {
+		n, oobn, flags, _, err = c.ReadMsgUnix(buf, oob)
 	}
-	if err == nil && n == 0 {
-		err = io.ErrUnexpectedEOF
-	}
-	if err != nil {
-		pr.c.Close()
-		pr.c = nil
-		return nil, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
-	}
+	// Descriptors may come with an error or an empty message: take them
+	// first, so that every one is closed.
 	fds, ferr := receivedFDs(oob[:oobn])
-	closeAll := func() { closeFDs(fds) }
 	var reply handoverReply
 	switch {
+	case err != nil:
+	case n == 0:
+		err = io.ErrUnexpectedEOF
 	case ferr != nil:
 		err = ferr
 	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
@@ -394,18 +384,18 @@ func (pr *Predecessor) take(ino uint64, ports []uint16, mark uint32) ([]net.List
 		err = json.Unmarshal(buf[:n], &reply)
 	}
 	if err != nil {
-		closeAll()
-		return nil, fmt.Errorf("hand-over socket %s: bad answer: %w", pr.path, err)
+		closeFDs(fds)
+		return nil, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
 	}
 	if reply.Error != "" {
-		closeAll()
+		closeFDs(fds)
 		if len(fds) > 0 {
 			return nil, fmt.Errorf("hand-over socket %s: an answer with %d descriptors and an error: %s", pr.path, len(fds), reply.Error)
 		}
 		return nil, nil
 	}
 	if !slices.Equal(reply.Ports, ports) || len(fds) != len(ports) {
-		closeAll()
+		closeFDs(fds)
 		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for %v", pr.path, reply.Ports, len(fds), ports)
 	}
 	lns := make([]net.Listener, 0, len(fds))
@@ -546,8 +536,8 @@ type DrainResult struct {
 	Closed   int // closed when ctx ended
 }
 
-// Drain stops accepting in every pod (closing the listeners hands the
-// reuseport groups to a successor agent, with their queued requests), sends
+// Drain stops accepting in every pod (a successor that took the listeners
+// keeps the sockets open, with their queued requests), sends
 // GOAWAY on every HBONE server connection so peers open new streams to the
 // successor, lets the relayed connections run until ctx ends, then closes
 // what is left. m may be nil.
@@ -615,9 +605,11 @@ func (t *Tunnel) drainingConns(pods map[string]*pod) int {
 	return n
 }
 
-// Taking the ports over from a predecessor without SO_REUSEPORT (a release
-// from before hand-over): its listeners cannot share a group, so binding
-// fails with EADDRINUSE until it closes them on SIGTERM. The pod counts as
+// Taking the ports over from a predecessor that did not hand its listeners
+// over (a release from before hand-over, whose listeners sit in
+// SO_REUSEPORT groups this agent's sockets cannot join; no hand-over
+// socket; a failed exchange): binding fails with EADDRINUSE until it closes
+// them on SIGTERM. The pod counts as
 // served meanwhile (readiness must pass, or a surge rollout would wait
 // forever for this agent while the old one keeps the ports), and binding is
 // retried every awaitPortsEvery: the gap after the predecessor closes is at
@@ -626,6 +618,7 @@ func (t *Tunnel) drainingConns(pods map[string]*pod) int {
 // agent on its way out may hold the port (an app listening on 15001).
 const (
 	awaitPortsEvery  = 20 * time.Millisecond
+	awaitPortsAsk    = time.Second
 	awaitPortsReport = 60 * time.Second
 )
 
@@ -640,13 +633,20 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 		tick := time.NewTicker(awaitPortsEvery)
 		defer tick.Stop()
 		reported := false
+		var asked time.Time
 		for {
 			select {
 			case <-p.ctx.Done():
 				return
 			case <-tick.C:
 			}
-			lns, err := p.listen(p.ctx)
+			// The predecessor may hand the listeners over after all (an
+			// exchange that failed once); asked at most once a second.
+			takeOver := time.Since(asked) >= awaitPortsAsk
+			if takeOver {
+				asked = time.Now()
+			}
+			lns, err := p.listen(p.ctx, takeOver)
 			if err != nil {
 				if !reported && time.Since(start) > awaitPortsReport {
 					reported = true

@@ -102,7 +102,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		ns.Close()
 		return nil, fmt.Errorf("HBONE server: %w", err)
 	}
-	lns, err := p.listen(ctx)
+	lns, err := p.listen(ctx, true)
 	if errors.Is(err, syscall.EADDRINUSE) {
 		// Another process holds the ports: a predecessor that did not hand
 		// them over (a release before hand-over, or the exchange failed).
@@ -122,45 +122,73 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 }
 
 // listen takes the pod's three listeners from the predecessor agent, if
-// it serves the pod (handover.go), or else opens them, all or none.
-func (p *pod) listen(ctx context.Context) ([]net.Listener, error) {
+// it serves the pod and takeOver is set (handover.go), or else opens them,
+// all or none.
+func (p *pod) listen(ctx context.Context, takeOver bool) ([]net.Listener, error) {
 	t, path := p.t, p.netns
-	if pr := t.cfg.Predecessor; pr != nil {
-		lns, err := pr.take(p.nsInode, []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort}, t.cfg.TunnelMark)
-		switch {
-		case err != nil:
-			t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
-			t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
-		case lns != nil:
-			t.cfg.Metrics.handover.WithLabelValues(handoverTaken).Inc()
-			t.log.InfoContext(ctx, "pod listeners taken over from the predecessor", "uid", p.uid, "netns", path)
-			return lns, nil
-		default:
-			t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
-		}
-	}
+	ports := []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort}
 	// No SO_REUSEPORT: nothing else in the pod may bind these ports
 	// (handover.go).
 	transparent := netns.SocketOptions{Transparent: true, Mark: t.cfg.TunnelMark, KeepAlive: tunnelKeepAlive}
 	fromApps := transparent
 	fromApps.Congestion = inPodCongestionName() // its connections come from the pod's own apps
-	out, err := listenWildcard(ctx, path, t.cfg.OutboundPort, fromApps)
-	if err != nil {
-		return nil, fmt.Errorf("outbound listener: %w", err)
+	opts := []netns.SocketOptions{fromApps, transparent,
+		{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive}}
+	if pr := t.cfg.Predecessor; pr != nil && takeOver {
+		lns, err := p.take(ctx, pr, ports, opts)
+		if lns != nil || err != nil {
+			return lns, err
+		}
 	}
-	in, err := listenWildcard(ctx, path, t.cfg.InboundPort, transparent)
-	if err != nil {
-		out.Close()
-		return nil, fmt.Errorf("inbound listener: %w", err)
+	var lns []net.Listener
+	for i, name := range []string{"outbound", "inbound", "HBONE"} {
+		l, err := listenWildcard(ctx, path, ports[i], opts[i])
+		if err != nil {
+			closeListeners(lns)
+			return nil, fmt.Errorf("%s listener: %w", name, err)
+		}
+		lns = append(lns, l)
 	}
-	hb, err := listenWildcard(ctx, path, t.cfg.HBONEPort, netns.SocketOptions{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive})
-	if err != nil {
-		out.Close()
-		in.Close()
-		return nil, fmt.Errorf("HBONE listener: %w", err)
+	t.checkCongestion(lns[2], "HBONE listener")
+	return lns, nil
+}
+
+// take takes the pod's listeners from the predecessor and gives them this
+// agent's options (the predecessor's release may have set others: the
+// sockets outlive it, and accepted sockets inherit from the listener). It
+// returns none, and no error, when they are to be opened anew; an error
+// only when the predecessor's were taken and could not be set.
+func (p *pod) take(ctx context.Context, pr *Predecessor, ports []uint16, opts []netns.SocketOptions) ([]net.Listener, error) {
+	t := p.t
+	lns, err := pr.take(ctx, p.nsInode, ports, t.cfg.TunnelMark)
+	switch {
+	case errors.Is(err, errNoPredecessor):
+		return nil, nil
+	case err != nil:
+		t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
+		t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
+		return nil, nil
+	case lns == nil:
+		t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
+		return nil, nil
 	}
-	t.checkCongestion(hb, "HBONE listener")
-	return []net.Listener{out, in, hb}, nil
+	for i, l := range lns {
+		if err := netns.ApplyToListener(l, opts[i]); err != nil {
+			closeListeners(lns)
+			t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
+			return nil, fmt.Errorf("listener taken from the predecessor on port %d: %w", ports[i], err)
+		}
+	}
+	t.checkCongestion(lns[2], "HBONE listener")
+	t.cfg.Metrics.handover.WithLabelValues(handoverTaken).Inc()
+	t.log.InfoContext(ctx, "pod listeners taken over from the predecessor", "uid", p.uid, "netns", p.netns)
+	return lns, nil
+}
+
+func closeListeners(lns []net.Listener) {
+	for _, l := range lns {
+		l.Close()
+	}
 }
 
 // serve runs the accept loops and the HBONE server on lns (from listen);
