@@ -573,8 +573,9 @@ func TestAwaitPortsAsksPredecessorOncePerSecond(t *testing.T) {
 	if n := asked.Load(); n < 2 || n > 3 {
 		t.Errorf("the predecessor was asked %d times in 1.5 s, want 2 or 3 (at start, then once a second)", n)
 	}
-	if got := handoverCount(tun, handoverNotServed); got != float64(asked.Load()) {
-		t.Errorf("not_served = %v, want one per request (%d)", got, asked.Load())
+	// One per request; the last may still be on its way back.
+	if got, n := handoverCount(tun, handoverNotServed), float64(asked.Load()); got != n && got != n-1 {
+		t.Errorf("not_served = %v, want one per request (%v)", got, n)
 	}
 	closeListeners(held)
 	for deadline := time.Now().Add(2 * time.Second); !tun.podServing("pod-a") && time.Now().Before(deadline); {
