@@ -408,6 +408,13 @@ func TestRealNode(t *testing.T) {
 		if hits != 0 {
 			t.Errorf("plaintext leaked %d times during the upgrade", hits)
 		}
+		// The surge pod took the pods' listeners from the old one over the chart's hand-over
+		// socket (the host directory both mount), not by waiting for the old one to exit.
+		if logs, err := n.Kubectl(ctx, "-n", releaseNS, "logs", agentPod(t, n), "-c", "agent"); err != nil {
+			t.Errorf("the new agent's log: %v", err)
+		} else if !strings.Contains(logs, "pod listeners taken over from the predecessor") || strings.Contains(logs, "pod ports held by another process") {
+			t.Errorf("the new agent did not take the pods' listeners over from the old one; its log without access lines:\n%s", logExcerpt(withoutAccessLines(logs), 80))
+		}
 		if got := bpffsMounts(t, n); got != 1 {
 			t.Errorf("%d bpffs mounts on the node's /sys/fs/bpf after the upgrade, want 1", got)
 		}
