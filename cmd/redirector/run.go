@@ -185,6 +185,10 @@ func parseRunFlags(args []string) (agentConfig, error) {
 			return c, fmt.Errorf("%s: %w", s.name(sock), err)
 		}
 	}
+	if c.handoverSocket != "" && c.handoverSocket == c.cniSocket {
+		// Each agent renames its socket over the path: one would replace the other.
+		return c, fmt.Errorf("%s: %q is also %s: the two sockets need paths of their own", s.name(f.handoverSocket), c.handoverSocket, s.name(f.cniSocket))
+	}
 	if c.reconcilePeriod < time.Second {
 		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
 	}
