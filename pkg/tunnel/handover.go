@@ -31,7 +31,7 @@ import (
 // bind the tunnel's ports at all (EADDRINUSE, on any address).
 //
 // A successor agent takes the very same listening sockets from the running
-// one instead, over a unix socket (SCM_RIGHTS): it connects to the running
+// one instead, over a unix socket (SCM_RIGHTS): it looks for the running
 // agent's hand-over socket before it serves any pod (Predecessor), and asks
 // for each pod's listeners as it starts serving the pod. From then both
 // processes accept from one queue, each serving what it accepts in full.
@@ -39,12 +39,14 @@ import (
 // the successor with every request queued on them, so no SYN meets an
 // empty port and nothing moves or is reset. Established connections stay
 // with the process that accepted them and drain (pod.stop). Every socket
-// received is checked before use: a listening TCP socket in the pod's own
-// namespace, on the port asked for, carrying the tunnel mark.
+// received is checked before use (a listening TCP socket in the pod's own
+// namespace, on the port asked for, carrying the tunnel mark) and given this
+// agent's socket options (pod.take).
 //
-// The exchange is one request and one answer per pod over a SOCK_SEQPACKET
-// connection, each a JSON message of at most maxHandoverMessage bytes; the
-// answer carries the descriptors in the order of its ports.
+// The exchange is one request and one answer per pod, each over a
+// SOCK_SEQPACKET connection of its own and a JSON message of at most
+// maxHandoverMessage bytes; the answer carries the descriptors in the order
+// of its ports.
 
 // handoverRequest asks for the listeners of the pod in one network
 // namespace.
@@ -62,8 +64,9 @@ type handoverReply struct {
 }
 
 // Bounds of the hand-over socket: a request or answer is a few dozen
-// bytes; a successor holds one connection, a second is room for an
-// operator's check. A request must be answered within handoverTimeout.
+// bytes; a successor opens one connection at a time (a pod's request, or
+// WaitGone's look), the rest is room for a second agent or an operator's
+// check. A request must be answered within handoverTimeout.
 const (
 	maxHandoverMessage = 512
 	maxHandoverConns   = 4
