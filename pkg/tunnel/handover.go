@@ -272,10 +272,13 @@ func closeFDs(fds []int) {
 }
 
 // Predecessor is the agent that served the node before this one, reached
-// at its hand-over socket with one connection per request. This agent
-// leaves the socket's path to it until it is gone (WaitGone).
+// at its hand-over socket with one connection per request, one at a time
+// (the pod workers start many pods at once; the socket takes a few
+// connections). This agent leaves the socket's path to it until it is gone
+// (WaitGone).
 type Predecessor struct {
 	path string
+	mu   sync.Mutex // one connection at a time
 }
 
 // errNoPredecessor means no agent serves the hand-over socket (any more).
@@ -333,7 +336,9 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 	tick := time.NewTicker(predecessorPoll)
 	defer tick.Stop()
 	for {
+		pr.mu.Lock()
 		c, err := dialHandover(ctx, pr.path)
+		pr.mu.Unlock()
 		var ne net.Error
 		switch {
 		case err == nil:
@@ -358,6 +363,8 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 // socket, and another error when the exchange or a check failed. Every
 // received descriptor that is not returned is closed.
 func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
 	c, err := dialHandover(ctx, pr.path)
 	if err != nil {
 		return nil, err

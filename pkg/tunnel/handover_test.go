@@ -13,6 +13,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -597,4 +598,45 @@ func (t *Tunnel) podServing(uid string) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.lns) == 3
+}
+
+// TestHandoverManyPodsAtOnce: the node agent starts pods on up to 16
+// workers at once; every pod's listeners are taken, none refused for want
+// of a slot on the hand-over socket (before, requests past its 4 slots
+// failed and those pods waited for their ports).
+func TestHandoverManyPodsAtOnce(t *testing.T) {
+	const pods = 12
+	ctx := context.Background()
+	old := handoverTunnel(t, nil, nil)
+	namespaces := make([]string, pods)
+	for i := range namespaces {
+		namespaces[i] = podNS(t)
+		if err := old.ServePod(ctx, fmt.Sprint("pod-", i), namespaces[i], []netip.Addr{handoverPod}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sock := filepath.Join(t.TempDir(), "handover.sock")
+	sctx, stop := context.WithCancel(ctx)
+	served := make(chan error, 1)
+	go func() { served <- old.ServeHandover(sctx, sock) }()
+	t.Cleanup(func() { stop(); <-served })
+	waitForSocket(t, sock)
+	pred, err := DialPredecessor(ctx, sock)
+	if err != nil || pred == nil {
+		t.Fatalf("DialPredecessor = %v, %v", pred, err)
+	}
+	var log bytes.Buffer
+	next := handoverTunnel(t, &log, pred)
+	var wg sync.WaitGroup
+	for i, ns := range namespaces {
+		wg.Go(func() {
+			if err := next.ServePod(ctx, fmt.Sprint("pod-", i), ns, []netip.Addr{handoverPod}); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	if got := handoverCount(next, handoverTaken); got != pods {
+		t.Errorf("taken = %v of %d, failed = %v; log:\n%s", got, pods, handoverCount(next, handoverFailed), log.String())
+	}
 }
