@@ -102,12 +102,7 @@ func TestListenerHandover(t *testing.T) {
 	if err := old.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatal(err)
 	}
-	sock := filepath.Join(t.TempDir(), "handover.sock")
-	sctx, stop := context.WithCancel(ctx)
-	served := make(chan error, 1)
-	go func() { served <- old.ServeHandover(sctx, sock) }()
-	t.Cleanup(func() { stop(); <-served })
-	waitForSocket(t, sock)
+	sock, stop := serveHandover(t, old)
 
 	// Giving the listeners leaves the running agent's own as they were:
 	// non-blocking (O_NONBLOCK belongs to the open file, which they share).
@@ -144,10 +139,7 @@ func TestListenerHandover(t *testing.T) {
 	closeFDs(got)
 	raw.Close()
 
-	pred, err := DialPredecessor(ctx, sock)
-	if err != nil || pred == nil {
-		t.Fatalf("DialPredecessor = %v, %v", pred, err)
-	}
+	pred := mustPredecessor(t, sock)
 	next := handoverTunnel(t, &newLog, pred)
 	if err := next.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatalf("successor ServePod: %v\n%s", err, newLog.String())
@@ -188,11 +180,9 @@ func TestListenerHandover(t *testing.T) {
 	wcancel()
 
 	// The old agent stops (SIGTERM: its context ends, then it drains).
-	stop()
-	if err := <-served; err != nil {
+	if err := stop(); err != nil {
 		t.Errorf("ServeHandover: %v", err)
 	}
-	served <- nil // for the cleanup
 	dctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
 	defer cancel()
 	old.Drain(dctx, nil)
@@ -227,6 +217,30 @@ func TestListenerHandover(t *testing.T) {
 	}
 }
 
+// serveHandover serves tun's hand-over socket until the test ends or stop
+// is called; stop returns what ServeHandover returned.
+func serveHandover(t *testing.T, tun *Tunnel) (sock string, stop func() error) {
+	t.Helper()
+	sock = filepath.Join(t.TempDir(), "handover.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- tun.ServeHandover(ctx, sock) }()
+	stop = sync.OnceValue(func() error { cancel(); return <-served })
+	t.Cleanup(func() { _ = stop() })
+	waitForSocket(t, sock)
+	return sock, stop
+}
+
+// mustPredecessor is DialPredecessor at sock, which must find an agent.
+func mustPredecessor(t *testing.T, sock string) *Predecessor {
+	t.Helper()
+	pred, err := DialPredecessor(context.Background(), sock)
+	if err != nil || pred == nil {
+		t.Fatalf("DialPredecessor = %v, %v", pred, err)
+	}
+	return pred
+}
+
 func waitForSocket(t *testing.T, path string) {
 	t.Helper()
 	for range 200 {
@@ -245,12 +259,7 @@ func waitForSocket(t *testing.T, path string) {
 func TestHandoverServerBounds(t *testing.T) {
 	var log bytes.Buffer
 	tun := handoverTunnel(t, &log, nil)
-	sock := filepath.Join(t.TempDir(), "handover.sock")
-	ctx, stop := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- tun.ServeHandover(ctx, sock) }()
-	defer func() { stop(); <-served }()
-	waitForSocket(t, sock)
+	sock, _ := serveHandover(t, tun)
 	var conns []net.Conn
 	for range maxHandoverConns + 2 {
 		c, err := net.Dial("unixpacket", sock)
@@ -465,10 +474,7 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
 			sock, accepted := fakePredecessor(t, c.answer, c.send)
-			pred, err := DialPredecessor(context.Background(), sock)
-			if err != nil || pred == nil {
-				t.Fatalf("DialPredecessor = %v, %v", pred, err)
-			}
+			pred := mustPredecessor(t, sock)
 			var log bytes.Buffer
 			tun := handoverTunnel(t, &log, pred)
 			// The first entry into a namespace opens the process's own once;
@@ -517,16 +523,8 @@ func TestHandedListenersTakeThisAgentsOptions(t *testing.T) {
 	if err := old.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatal(err)
 	}
-	sock := filepath.Join(t.TempDir(), "handover.sock")
-	sctx, stop := context.WithCancel(ctx)
-	served := make(chan error, 1)
-	go func() { served <- old.ServeHandover(sctx, sock) }()
-	t.Cleanup(func() { stop(); <-served })
-	waitForSocket(t, sock)
-	pred, err := DialPredecessor(ctx, sock)
-	if err != nil || pred == nil {
-		t.Fatalf("DialPredecessor = %v, %v", pred, err)
-	}
+	sock, _ := serveHandover(t, old)
+	pred := mustPredecessor(t, sock)
 	next := handoverTunnel(t, nil, pred)
 	next.cfg.HBONECongestion = "cubic"
 	if err := next.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
@@ -562,10 +560,7 @@ func TestAwaitPortsAsksPredecessorOncePerSecond(t *testing.T) {
 	}
 	var asked atomic.Int64
 	sock, _ := fakePredecessor(t, `{"error":"not served"}`, func() []int { asked.Add(1); return nil })
-	pred, err := DialPredecessor(context.Background(), sock)
-	if err != nil || pred == nil {
-		t.Fatalf("DialPredecessor = %v, %v", pred, err)
-	}
+	pred := mustPredecessor(t, sock)
 	tun := handoverTunnel(t, nil, pred)
 	if err := tun.ServePod(context.Background(), "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatal(err)
@@ -615,16 +610,8 @@ func TestHandoverManyPodsAtOnce(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	sock := filepath.Join(t.TempDir(), "handover.sock")
-	sctx, stop := context.WithCancel(ctx)
-	served := make(chan error, 1)
-	go func() { served <- old.ServeHandover(sctx, sock) }()
-	t.Cleanup(func() { stop(); <-served })
-	waitForSocket(t, sock)
-	pred, err := DialPredecessor(ctx, sock)
-	if err != nil || pred == nil {
-		t.Fatalf("DialPredecessor = %v, %v", pred, err)
-	}
+	sock, _ := serveHandover(t, old)
+	pred := mustPredecessor(t, sock)
 	var log bytes.Buffer
 	next := handoverTunnel(t, &log, pred)
 	var wg sync.WaitGroup
