@@ -309,19 +309,26 @@ func (o SocketOptions) apply(fd int, ipv4Only bool) error {
 	return nil
 }
 
-// ApplyToListener sets opts on a listener opened elsewhere (one another
-// process passed over): those set before bind or listen, and the
-// keepalive, which the sockets it accepts from then on inherit.
-func ApplyToListener(l net.Listener, opts SocketOptions) error {
-	sc, ok := l.(syscall.Conn)
+// Adopt gives a listener another process opened (passed over a unix
+// socket) the options of opts that a listener carries: those set before
+// bind or listen, and the keepalive. The sockets it accepts inherit them
+// from the listener, except the keepalive timings: on every connection a
+// listener it did not open accepts, the runtime turns on its own 15 s
+// keepalive (a file listener has no ListenConfig to say otherwise). So the
+// listener returned sets opts' timings again on each accepted connection
+// (three setsockopts more per connection), as best effort, as the runtime
+// does its own. It embeds the *net.TCPListener, so its descriptor can be
+// passed on again.
+func Adopt(l net.Listener, opts SocketOptions) (net.Listener, error) {
+	tl, ok := l.(*net.TCPListener)
 	if !ok {
-		return fmt.Errorf("a %T has no socket", l)
+		return nil, fmt.Errorf("a %T is not a TCP listener", l)
 	}
-	rc, err := sc.SyscallConn()
+	rc, err := tl.SyscallConn()
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return controlErr(rc, func(fd int) error {
+	err = controlErr(rc, func(fd int) error {
 		domain, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_DOMAIN)
 		if err != nil {
 			return fmt.Errorf("SO_DOMAIN: %w", err)
@@ -334,6 +341,27 @@ func ApplyToListener(l net.Listener, opts SocketOptions) error {
 		}
 		return nil
 	})
+	if err != nil || opts.KeepAlive == nil {
+		return tl, err
+	}
+	k := opts.KeepAlive
+	return &adoptedListener{TCPListener: tl, keepAlive: net.KeepAliveConfig{Enable: true, Idle: k.Idle, Interval: k.Interval, Count: k.Count}}, nil
+}
+
+// adoptedListener is an adopted listener whose accepted connections get
+// the keepalive timings its own sockets were opened with (Adopt).
+type adoptedListener struct {
+	*net.TCPListener
+	keepAlive net.KeepAliveConfig
+}
+
+func (l *adoptedListener) Accept() (net.Conn, error) {
+	c, err := l.AcceptTCP()
+	if err != nil {
+		return nil, err
+	}
+	_ = c.SetKeepAliveConfig(l.keepAlive)
+	return c, nil
 }
 
 // Listen opens a TCP listener inside the network namespace at path.

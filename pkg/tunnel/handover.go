@@ -11,6 +11,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -66,12 +67,16 @@ type handoverReply struct {
 // Bounds of the hand-over socket: a request or answer is a few dozen
 // bytes; a successor opens one connection at a time (a pod's request, or
 // WaitGone's look), the rest is room for a second agent or an operator's
-// check. A request must be answered within handoverTimeout.
+// check; more wait for a slot. A request must arrive within handoverIdle
+// of its connection, and be answered within handoverTimeout.
 const (
 	maxHandoverMessage = 512
 	maxHandoverConns   = 4
 	handoverTimeout    = 5 * time.Second
 )
+
+// handoverIdle is a variable for the tests.
+var handoverIdle = handoverTimeout
 
 // Results of a hand-over, the label of redirector_listener_handovers_total.
 const (
@@ -126,13 +131,14 @@ func (t *Tunnel) ServeHandover(ctx context.Context, path string) error {
 			c.Close()
 			continue
 		}
+		// A connection waits for a slot (the next ones wait in the
+		// socket's backlog): every served one ends within handoverIdle
+		// plus handoverTimeout.
 		select {
 		case slots <- struct{}{}:
-		default:
-			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
-			t.log.WarnContext(ctx, "hand-over socket: connection refused: all slots taken", "peer", credString(cred), "slots", maxHandoverConns)
+		case <-ctx.Done():
 			c.Close()
-			continue
+			return nil
 		}
 		wg.Add(1)
 		go func() {
@@ -152,55 +158,51 @@ func credString(cred *unix.Ucred) string {
 	return fmt.Sprintf("pid %d uid %d", cred.Pid, cred.Uid)
 }
 
-// serveHandoverConn answers requests on c until it closes or sends one
-// that cannot be decoded.
+// serveHandoverConn answers the one request of c.
 func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *unix.Ucred) {
 	buf := make([]byte, maxHandoverMessage)
-	for {
-		// A successor holds the connection idle between its pods; only
-		// the answer is bounded in time.
-		_ = c.SetReadDeadline(time.Time{})
-		n, _, flags, _, err := c.ReadMsgUnix(buf, nil)
-		if err != nil || n == 0 {
-			return // closed (the successor is serving, or gone)
-		}
-		var req handoverRequest
-		dec := json.NewDecoder(bytes.NewReader(buf[:n]))
-		dec.DisallowUnknownFields()
-		if flags&unix.MSG_TRUNC != 0 {
-			err = fmt.Errorf("request longer than %d bytes", maxHandoverMessage)
-		} else if err = dec.Decode(&req); err == nil && req.Netns == 0 {
-			err = errors.New("request names no network namespace")
-		}
-		if err != nil {
-			t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
-			t.log.WarnContext(ctx, "hand-over socket: bad request; closing the connection", "peer", credString(cred), "error", err)
-			return
-		}
-		fds, uid, ports, err := t.podListenerFDs(req.Netns)
-		reply := handoverReply{Ports: ports}
-		if err != nil {
-			reply = handoverReply{Error: err.Error()}
-		}
-		msg, _ := json.Marshal(reply)
-		var rights []byte
-		if len(fds) > 0 {
-			rights = unix.UnixRights(fds...)
-		}
-		_ = c.SetWriteDeadline(time.Now().Add(handoverTimeout))
-		_, _, werr := c.WriteMsgUnix(msg, rights, nil)
-		closeFDs(fds)
-		switch {
-		case werr != nil:
-			t.log.WarnContext(ctx, "hand-over socket: answer not sent", "peer", credString(cred), "error", werr)
-			return
-		case err != nil:
-			t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
-			t.log.DebugContext(ctx, "hand-over: no listeners to give", "netns_inode", req.Netns, "reason", err)
-		default:
-			t.cfg.Metrics.handover.WithLabelValues(handoverGiven).Inc()
-			t.log.InfoContext(ctx, "listeners handed over to a successor", "uid", uid, "ports", ports, "peer", credString(cred))
-		}
+	// One request per connection, right after it: an idle connection
+	// holds its slot for handoverIdle at most.
+	_ = c.SetReadDeadline(time.Now().Add(handoverIdle))
+	n, _, flags, _, err := c.ReadMsgUnix(buf, nil)
+	if err != nil || n == 0 {
+		return // closed, or idle too long
+	}
+	var req handoverRequest
+	dec := json.NewDecoder(bytes.NewReader(buf[:n]))
+	dec.DisallowUnknownFields()
+	if flags&unix.MSG_TRUNC != 0 {
+		err = fmt.Errorf("request longer than %d bytes", maxHandoverMessage)
+	} else if err = dec.Decode(&req); err == nil && req.Netns == 0 {
+		err = errors.New("request names no network namespace")
+	}
+	if err != nil {
+		t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
+		t.log.WarnContext(ctx, "hand-over socket: bad request; closing the connection", "peer", credString(cred), "error", err)
+		return
+	}
+	fds, uid, ports, err := t.podListenerFDs(req.Netns)
+	reply := handoverReply{Ports: ports}
+	if err != nil {
+		reply = handoverReply{Error: err.Error()}
+	}
+	msg, _ := json.Marshal(reply)
+	var rights []byte
+	if len(fds) > 0 {
+		rights = unix.UnixRights(fds...)
+	}
+	_ = c.SetWriteDeadline(time.Now().Add(handoverTimeout))
+	_, _, werr := c.WriteMsgUnix(msg, rights, nil)
+	closeFDs(fds)
+	switch {
+	case werr != nil:
+		t.log.WarnContext(ctx, "hand-over socket: answer not sent", "peer", credString(cred), "error", werr)
+	case err != nil:
+		t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
+		t.log.DebugContext(ctx, "hand-over: no listeners to give", "netns_inode", req.Netns, "reason", err)
+	default:
+		t.cfg.Metrics.handover.WithLabelValues(handoverGiven).Inc()
+		t.log.InfoContext(ctx, "listeners handed over to a successor", "uid", uid, "ports", ports, "peer", credString(cred))
 	}
 }
 
@@ -275,19 +277,33 @@ func closeFDs(fds []int) {
 // at its hand-over socket with one connection per request, one at a time
 // (the pod workers start many pods at once; the socket takes a few
 // connections). This agent leaves the socket's path to it until it is gone
-// (WaitGone).
+// (WaitGone), and asks it nothing after that.
 type Predecessor struct {
 	path string
-	mu   sync.Mutex // one connection at a time
+	turn chan struct{} // one request at a time; a waiter can give up
+	// gone is set once WaitGone saw no agent at the path: from then on the
+	// path may be this agent's own socket.
+	gone atomic.Bool
+	// quietUntil (unix nanoseconds) pauses requests after one timed out: a
+	// predecessor that stopped answering would otherwise hold every pod
+	// start for the full timeout, one after the other.
+	quietUntil atomic.Int64
 }
 
-// errNoPredecessor means no agent serves the hand-over socket (any more).
-var errNoPredecessor = errors.New("no agent serves the hand-over socket")
+// Errors of dialHandover: nothing listens at the path, or a socket not an
+// agent's does.
+var (
+	errNoPredecessor = errors.New("no agent serves the hand-over socket")
+	errUntrusted     = errors.New("served by a user neither root nor the agent's: refusing its listeners")
+)
+
+// predecessorQuiet is how long requests pause after one timed out.
+const predecessorQuiet = 10 * time.Second
 
 // dialHandover connects to the hand-over socket at path: errNoPredecessor
-// when nothing listens there (no socket, or a stale one), an error when
-// the socket is served by a user other than root or this process's (its
-// listeners would not be an agent's).
+// when nothing listens there (no socket, or a stale one), errUntrusted
+// when the socket is served by a user other than root or this process's
+// (its listeners would not be an agent's).
 func dialHandover(ctx context.Context, path string) (*net.UnixConn, error) {
 	d := net.Dialer{Timeout: handoverTimeout}
 	c, err := d.DialContext(ctx, "unixpacket", path)
@@ -299,7 +315,7 @@ func dialHandover(ctx context.Context, path string) (*net.UnixConn, error) {
 	}
 	cred, err := unixsock.PeerCred(c)
 	if err == nil && !unixsock.Trusted(cred) {
-		err = fmt.Errorf("served by uid %d, neither root nor the agent's user: refusing its listeners", cred.Uid)
+		err = fmt.Errorf("%w (uid %d)", errUntrusted, cred.Uid)
 	}
 	if err != nil {
 		c.Close()
@@ -319,7 +335,7 @@ func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
 		return nil, err
 	}
 	c.Close()
-	return &Predecessor{path: path}, nil
+	return &Predecessor{path: path, turn: make(chan struct{}, 1)}, nil
 }
 
 // predecessorPoll is how often WaitGone checks for the predecessor.
@@ -329,23 +345,19 @@ const predecessorPoll = 250 * time.Millisecond
 // any more (it exited, or began to drain), or a socket not an agent's took
 // its place, or ctx ended. Until then this agent leaves the path to the
 // predecessor: an agent started next (this one restarted after a crash,
-// say) must reach the agent that still holds the pods' listeners. A
-// predecessor that answers slowly or has no free slot still counts as
-// there.
+// say) must reach the agent that still holds the pods' listeners. Any
+// other failure to connect (a predecessor slow to accept, this process
+// short of descriptors) counts as the predecessor still there.
 func (pr *Predecessor) WaitGone(ctx context.Context) {
 	tick := time.NewTicker(predecessorPoll)
 	defer tick.Stop()
 	for {
-		pr.mu.Lock()
 		c, err := dialHandover(ctx, pr.path)
-		pr.mu.Unlock()
-		var ne net.Error
 		switch {
 		case err == nil:
 			c.Close()
-		case errors.As(err, &ne) && ne.Timeout():
-			// Slow to answer, or ctx ending: still there.
-		default:
+		case errors.Is(err, errNoPredecessor), errors.Is(err, errUntrusted):
+			pr.gone.Store(true)
 			return
 		}
 		select {
@@ -363,8 +375,15 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 // socket, and another error when the exchange or a check failed. Every
 // received descriptor that is not returned is closed.
 func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
-	pr.mu.Lock()
-	defer pr.mu.Unlock()
+	if pr.gone.Load() || time.Now().UnixNano() < pr.quietUntil.Load() {
+		return nil, errNoPredecessor
+	}
+	select {
+	case pr.turn <- struct{}{}:
+		defer func() { <-pr.turn }()
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
 	c, err := dialHandover(ctx, pr.path)
 	if err != nil {
 		return nil, err
@@ -373,10 +392,17 @@ func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mar
 	msg, _ := json.Marshal(handoverRequest{Netns: ino})
 	buf := make([]byte, maxHandoverMessage)
 	oob := make([]byte, unix.CmsgSpace(4*len(ports)))
-	_ = c.SetDeadline(time.Now().Add(handoverTimeout))
+	deadline := time.Now().Add(handoverTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	_ = c.SetDeadline(deadline)
 	n, oobn, flags := 0, 0, 0
 	if _, err = c.Write(msg); err == nil {
 		n, oobn, flags, _, err = c.ReadMsgUnix(buf, oob)
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) && ctx.Err() == nil {
+		pr.quietUntil.Store(time.Now().Add(predecessorQuiet).UnixNano())
 	}
 	// Descriptors may come with an error or an empty message: take them
 	// first, so that every one is closed.

@@ -68,7 +68,7 @@ func handoverCount(tun *Tunnel, result string) float64 {
 // processes (or two descriptors) has the same one.
 func socketInode(t *testing.T, l net.Listener) uint64 {
 	t.Helper()
-	rc, err := l.(*net.TCPListener).SyscallConn()
+	rc, err := l.(syscall.Conn).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,6 +195,20 @@ func TestListenerHandover(t *testing.T) {
 	if _, err := os.Stat(sock); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the stopped agent left its hand-over socket: %v", err)
 	}
+	// The successor now serves the path itself, for its own successor:
+	// the gone predecessor is asked nothing more, so the successor never
+	// asks itself.
+	nctx, nstop := context.WithCancel(ctx)
+	nserved := make(chan error, 1)
+	go func() { nserved <- next.ServeHandover(nctx, sock) }()
+	defer func() { nstop(); <-nserved }()
+	waitForSocket(t, sock)
+	if lns, err := pred.take(ctx, ino, []uint16{15001, 15006, 15008}, testMark); !errors.Is(err, errNoPredecessor) || lns != nil {
+		t.Errorf("take from a gone predecessor = %v, %v; want errNoPredecessor", lns, err)
+	}
+	if got := handoverCount(next, handoverGiven); got != 0 {
+		t.Errorf("the successor gave its own listeners to itself %v times", got)
+	}
 	for _, port := range []int{15001, 15006, 15008} {
 		// The successor accepts; it may reset at once (the pod is in no
 		// directory), which a connect can already see.
@@ -252,53 +266,68 @@ func waitForSocket(t *testing.T, path string) {
 	t.Fatalf("no socket at %s", path)
 }
 
-// TestHandoverServerBounds: the hand-over socket holds at most
-// maxHandoverConns connections (more are closed and counted), and a request
-// it cannot decode (oversized, unknown fields, no namespace) closes its
-// connection, counted, while the others go on.
+// TestHandoverServerBounds: the hand-over socket serves at most
+// maxHandoverConns connections at once and each for a bounded time: idle
+// ones are closed after handoverIdle, and the ones past the bound, which
+// wait for a slot, are served next, each in turn. A request it cannot
+// decode (oversized, unknown fields, no namespace) closes its connection,
+// counted, while the others go on.
 func TestHandoverServerBounds(t *testing.T) {
+	defer func(d time.Duration) { handoverIdle = d }(handoverIdle)
+	handoverIdle = 300 * time.Millisecond
 	var log bytes.Buffer
 	tun := handoverTunnel(t, &log, nil)
 	sock, _ := serveHandover(t, tun)
-	var conns []net.Conn
-	for range maxHandoverConns + 2 {
+	dial := func() net.Conn {
 		c, err := net.Dial("unixpacket", sock)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Close()
-		conns = append(conns, c)
+		t.Cleanup(func() { c.Close() })
+		return c
 	}
-	closed := func(c net.Conn) bool {
-		_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	closed := func(c net.Conn, within time.Duration) bool {
+		_ = c.SetReadDeadline(time.Now().Add(within))
 		_, err := c.Read(make([]byte, 16))
 		return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
 	}
-	for _, c := range conns[maxHandoverConns:] {
-		if !closed(c) {
-			t.Error("a connection past the bound stayed open")
+	// Twice the bound, idle: the first maxHandoverConns are closed after
+	// handoverIdle, the rest after a second turn.
+	var idle []net.Conn
+	for range 2 * maxHandoverConns {
+		idle = append(idle, dial())
+	}
+	start := time.Now()
+	for i, c := range idle {
+		if !closed(c, 3*time.Second) {
+			t.Fatalf("idle connection %d still open after %s", i, time.Since(start))
 		}
 	}
-	for i, req := range []string{strings.Repeat("x", maxHandoverMessage+1), `{"netns":1,"evil":2}`, `{}`} {
-		if _, err := conns[i].Write([]byte(req)); err != nil {
+	if d := time.Since(start); d < 2*handoverIdle || d > 2*time.Second {
+		t.Errorf("%d idle connections closed after %s, want about two turns of %s", len(idle), d, handoverIdle)
+	}
+	for _, req := range []string{strings.Repeat("x", maxHandoverMessage+1), `{"netns":1,"evil":2}`, `{}`} {
+		c := dial()
+		if _, err := c.Write([]byte(req)); err != nil {
 			t.Fatal(err)
 		}
-		if !closed(conns[i]) {
+		if !closed(c, 2*time.Second) {
 			t.Errorf("request %.40q: the connection stayed open", req)
 		}
 	}
-	// The fourth, well-formed, is answered: no such pod.
-	if _, err := conns[3].Write([]byte(`{"netns":1}`)); err != nil {
+	// A well-formed one is answered: no such pod.
+	c := dial()
+	if _, err := c.Write([]byte(`{"netns":1}`)); err != nil {
 		t.Fatal(err)
 	}
 	buf := make([]byte, 512)
-	_ = conns[3].SetReadDeadline(time.Now().Add(2 * time.Second))
-	n, err := conns[3].Read(buf)
+	_ = c.SetReadDeadline(time.Now().Add(2 * time.Second))
+	n, err := c.Read(buf)
 	if err != nil || !strings.Contains(string(buf[:n]), "no pod served") {
 		t.Errorf("answer %q, %v; want no pod served", buf[:n], err)
 	}
-	if got := handoverCount(tun, handoverRefused); got != 5 {
-		t.Errorf("refused = %v, want 5 (2 past the bound, 3 bad requests); log:\n%s", got, log.String())
+	if got := handoverCount(tun, handoverRefused); got != 3 {
+		t.Errorf("refused = %v, want 3 (the bad requests); log:\n%s", got, log.String())
 	}
 }
 
@@ -533,7 +562,7 @@ func TestHandedListenersTakeThisAgentsOptions(t *testing.T) {
 	if got := handoverCount(next, handoverTaken); got != 1 {
 		t.Fatalf("taken = %v, want 1", got)
 	}
-	rc, err := next.pods["pod-a"].lns[2].(*net.TCPListener).SyscallConn()
+	rc, err := next.pods["pod-a"].lns[2].(syscall.Conn).SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -118,7 +118,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "HBONE tunnels whose client proved another identity than the workload the directory has at the client's address (a gateway or NAT between, a reused address, a forged one); counted without that workload's labels."}),
 		handover: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_listener_handovers_total",
-			Help: "Pods whose listeners passed between this agent and another over the hand-over socket, by result: given (to a successor), taken (from the predecessor), not_served (asked for a pod the other agent does not serve), failed (the exchange or a check of a received socket failed; the pod's own listeners are opened instead), refused (a request refused: a peer neither root nor the agent's user, no free slot, or an undecodable request)."}, []string{"result"}),
+			Help: "Pods whose listeners passed between this agent and another over the hand-over socket, by result: given (to a successor), taken (from the predecessor), not_served (asked for a pod the other agent does not serve), failed (the exchange or a check of a received socket failed; the pod's own listeners are opened instead), refused (a connection or request refused: a peer neither root nor the agent's user, or an undecodable request)."}, []string{"result"}),
 	}
 	for _, r := range handoverResults {
 		m.handover.WithLabelValues(r)

@@ -135,9 +135,8 @@ func (p *pod) listen(ctx context.Context, takeOver bool) ([]net.Listener, error)
 	opts := []netns.SocketOptions{fromApps, transparent,
 		{Mark: t.cfg.TunnelMark, Congestion: t.cfg.HBONECongestion, KeepAlive: tunnelKeepAlive}}
 	if pr := t.cfg.Predecessor; pr != nil && takeOver {
-		lns, err := p.take(ctx, pr, ports, opts)
-		if lns != nil || err != nil {
-			return lns, err
+		if lns := p.take(ctx, pr, ports, opts); lns != nil {
+			return lns, nil
 		}
 	}
 	var lns []net.Listener
@@ -156,33 +155,38 @@ func (p *pod) listen(ctx context.Context, takeOver bool) ([]net.Listener, error)
 // take takes the pod's listeners from the predecessor and gives them this
 // agent's options (the predecessor's release may have set others: the
 // sockets outlive it, and accepted sockets inherit from the listener). It
-// returns none, and no error, when they are to be opened anew; an error
-// only when the predecessor's were taken and could not be set.
-func (p *pod) take(ctx context.Context, pr *Predecessor, ports []uint16, opts []netns.SocketOptions) ([]net.Listener, error) {
+// returns none when they are to be opened anew: no predecessor, the pod not
+// served there, or a failure, counted (the pod then binds its own, which
+// fails while the predecessor holds the ports, and waits for them).
+func (p *pod) take(ctx context.Context, pr *Predecessor, ports []uint16, opts []netns.SocketOptions) []net.Listener {
 	t := p.t
 	lns, err := pr.take(ctx, p.nsInode, ports, t.cfg.TunnelMark)
 	switch {
-	case errors.Is(err, errNoPredecessor):
-		return nil, nil
+	case errors.Is(err, errNoPredecessor), ctx.Err() != nil:
+		return nil
 	case err != nil:
 		t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
 		t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
-		return nil, nil
+		return nil
 	case lns == nil:
 		t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
-		return nil, nil
+		return nil
 	}
 	for i, l := range lns {
-		if err := netns.ApplyToListener(l, opts[i]); err != nil {
+		adopted, err := netns.Adopt(l, opts[i])
+		if err != nil {
 			closeListeners(lns)
 			t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
-			return nil, fmt.Errorf("listener taken from the predecessor on port %d: %w", ports[i], err)
+			t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid,
+				"error", fmt.Errorf("listener taken on port %d: %w", ports[i], err))
+			return nil
 		}
+		lns[i] = adopted
 	}
 	t.checkCongestion(lns[2], "HBONE listener")
 	t.cfg.Metrics.handover.WithLabelValues(handoverTaken).Inc()
 	t.log.InfoContext(ctx, "pod listeners taken over from the predecessor", "uid", p.uid, "netns", p.netns)
-	return lns, nil
+	return lns
 }
 
 func closeListeners(lns []net.Listener) {
