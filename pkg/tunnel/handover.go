@@ -67,16 +67,14 @@ type handoverReply struct {
 // Bounds of the hand-over socket: a request or answer is a few dozen
 // bytes; a successor opens one connection at a time (a pod's request, or
 // WaitGone's look), the rest is room for a second agent or an operator's
-// check; more wait for a slot. A request must arrive within handoverIdle
-// of its connection, and be answered within handoverTimeout.
+// check; more wait for a slot. A request must arrive within
+// handoverTimeout of its connection (Tunnel.handoverIdle), and be answered
+// within handoverTimeout.
 const (
 	maxHandoverMessage = 512
 	maxHandoverConns   = 4
 	handoverTimeout    = 5 * time.Second
 )
-
-// handoverIdle is a variable for the tests.
-var handoverIdle = handoverTimeout
 
 // Results of a hand-over, the label of redirector_listener_handovers_total.
 const (
@@ -132,7 +130,7 @@ func (t *Tunnel) ServeHandover(ctx context.Context, path string) error {
 			continue
 		}
 		// A connection waits for a slot (the next ones wait in the
-		// socket's backlog): every served one ends within handoverIdle
+		// socket's backlog): every served one ends within t.handoverIdle
 		// plus handoverTimeout.
 		select {
 		case slots <- struct{}{}:
@@ -162,8 +160,8 @@ func credString(cred *unix.Ucred) string {
 func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *unix.Ucred) {
 	buf := make([]byte, maxHandoverMessage)
 	// One request per connection, right after it: an idle connection
-	// holds its slot for handoverIdle at most.
-	_ = c.SetReadDeadline(time.Now().Add(handoverIdle))
+	// holds its slot for t.handoverIdle at most.
+	_ = c.SetReadDeadline(time.Now().Add(t.handoverIdle))
 	n, _, flags, _, err := c.ReadMsgUnix(buf, nil)
 	if err != nil || n == 0 {
 		return // closed, or idle too long

@@ -268,15 +268,14 @@ func waitForSocket(t *testing.T, path string) {
 
 // TestHandoverServerBounds: the hand-over socket serves at most
 // maxHandoverConns connections at once and each for a bounded time: idle
-// ones are closed after handoverIdle, and the ones past the bound, which
+// ones are closed after Tunnel.handoverIdle, and the ones past the bound, which
 // wait for a slot, are served next, each in turn. A request it cannot
 // decode (oversized, unknown fields, no namespace) closes its connection,
 // counted, while the others go on.
 func TestHandoverServerBounds(t *testing.T) {
-	defer func(d time.Duration) { handoverIdle = d }(handoverIdle)
-	handoverIdle = 300 * time.Millisecond
 	var log bytes.Buffer
 	tun := handoverTunnel(t, &log, nil)
+	tun.handoverIdle = 300 * time.Millisecond
 	sock, _ := serveHandover(t, tun)
 	dial := func() net.Conn {
 		c, err := net.Dial("unixpacket", sock)
@@ -292,7 +291,7 @@ func TestHandoverServerBounds(t *testing.T) {
 		return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
 	}
 	// Twice the bound, idle: the first maxHandoverConns are closed after
-	// handoverIdle, the rest after a second turn.
+	// tun.handoverIdle, the rest after a second turn.
 	var idle []net.Conn
 	for range 2 * maxHandoverConns {
 		idle = append(idle, dial())
@@ -303,8 +302,8 @@ func TestHandoverServerBounds(t *testing.T) {
 			t.Fatalf("idle connection %d still open after %s", i, time.Since(start))
 		}
 	}
-	if d := time.Since(start); d < 2*handoverIdle || d > 2*time.Second {
-		t.Errorf("%d idle connections closed after %s, want about two turns of %s", len(idle), d, handoverIdle)
+	if d := time.Since(start); d < 2*tun.handoverIdle || d > 2*time.Second {
+		t.Errorf("%d idle connections closed after %s, want about two turns of %s", len(idle), d, tun.handoverIdle)
 	}
 	for _, req := range []string{strings.Repeat("x", maxHandoverMessage+1), `{"netns":1,"evil":2}`, `{}`} {
 		c := dial()

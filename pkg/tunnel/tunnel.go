@@ -94,6 +94,10 @@ type Tunnel struct {
 	// against each state in the order the states were installed.
 	updateMu sync.Mutex
 
+	// handoverIdle is how long a connection to the hand-over socket may
+	// wait before its request (handoverTimeout; shorter in tests).
+	handoverIdle time.Duration
+
 	// hboneLimits bounds the open connections and TLS handshakes of every
 	// pod's HBONE server together, so the bounds hold per node.
 	hboneLimits *hbone.ConnLimiter
@@ -129,7 +133,7 @@ func New(cfg Config) *Tunnel {
 	if cfg.Limits.PerSource <= 0 {
 		cfg.Limits.PerSource = def.PerSource
 	}
-	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}),
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}), handoverIdle: handoverTimeout,
 		limits: newLimiter(cfg.Limits, cfg.Metrics), refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	if cfg.Certs != nil {
