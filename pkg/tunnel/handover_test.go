@@ -46,7 +46,7 @@ func podNS(t *testing.T) string {
 }
 
 // handoverTunnel is a tunnel with real listeners, as the agent runs it.
-func handoverTunnel(t *testing.T, log *bytes.Buffer, pred *Predecessor) *Tunnel {
+func handoverTunnel(t *testing.T, log *testLog, pred *Predecessor) *Tunnel {
 	pool := hbone.NewPool(hbone.PoolOptions{})
 	t.Cleanup(func() { pool.Close() })
 	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
@@ -80,11 +80,22 @@ func socketInode(t *testing.T, l net.Listener) uint64 {
 	return st.Ino
 }
 
-func slogTo(log *bytes.Buffer) *slog.Logger {
+// testLog collects a tunnel's log, safe to read while the tunnel writes.
+type testLog struct{ syncWriter }
+
+func newTestLog() *testLog { return &testLog{syncWriter{w: &bytes.Buffer{}}} }
+
+func (l *testLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.String()
+}
+
+func slogTo(log *testLog) *slog.Logger {
 	if log == nil {
 		return nil
 	}
-	return slog.New(slog.NewTextHandler(&syncWriter{w: log}, nil))
+	return slog.New(slog.NewTextHandler(&log.syncWriter, nil))
 }
 
 var handoverPod = netip.MustParseAddr("10.9.0.2")
@@ -97,8 +108,8 @@ var handoverPod = netip.MustParseAddr("10.9.0.2")
 func TestListenerHandover(t *testing.T) {
 	ns := podNS(t)
 	ctx := context.Background()
-	var oldLog, newLog bytes.Buffer
-	old := handoverTunnel(t, &oldLog, nil)
+	oldLog, newLog := newTestLog(), newTestLog()
+	old := handoverTunnel(t, oldLog, nil)
 	if err := old.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatal(err)
 	}
@@ -140,7 +151,7 @@ func TestListenerHandover(t *testing.T) {
 	raw.Close()
 
 	pred := mustPredecessor(t, sock)
-	next := handoverTunnel(t, &newLog, pred)
+	next := handoverTunnel(t, newLog, pred)
 	if err := next.ServePod(ctx, "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatalf("successor ServePod: %v\n%s", err, newLog.String())
 	}
@@ -273,8 +284,8 @@ func waitForSocket(t *testing.T, path string) {
 // decode (oversized, unknown fields, no namespace) closes its connection,
 // counted, while the others go on.
 func TestHandoverServerBounds(t *testing.T) {
-	var log bytes.Buffer
-	tun := handoverTunnel(t, &log, nil)
+	log := newTestLog()
+	tun := handoverTunnel(t, log, nil)
 	tun.handoverIdle = 300 * time.Millisecond
 	sock, _ := serveHandover(t, tun)
 	dial := func() net.Conn {
@@ -472,6 +483,9 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 			return fds
 		}
 	}
+	// The fakes' listeners in the pod's namespace sit off the tunnel's
+	// ports (16001 and up), except where the port is what is checked, so
+	// that the pod's own bind never meets one.
 	portsAnswer := `{"ports":[15001,15006,15008]}`
 	cases := map[string]struct {
 		answer string
@@ -479,11 +493,11 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 		want   string
 	}{
 		// Go sends an empty message with descriptors as one NUL byte.
-		"an empty answer with descriptors": {"", three(pod, marked, "127.0.0.1:15001"), "invalid character"},
-		"an error with descriptors":        {`{"error":"no"}`, three(pod, marked, "127.0.0.1:15001"), "an answer with 3 descriptors and an error"},
+		"an empty answer with descriptors": {"", three(pod, marked, "127.0.0.1:16001"), "invalid character"},
+		"an error with descriptors":        {`{"error":"no"}`, three(pod, marked, "127.0.0.1:16001"), "an answer with 3 descriptors and an error"},
 		"another namespace":                {portsAnswer, three(elsewhere, marked, "127.0.0.1:15001"), "not the pod's"},
 		"another port":                     {portsAnswer, three(pod, marked, "127.0.0.1:25001"), "bound to port 25001"},
-		"no tunnel mark":                   {portsAnswer, three(pod, netns.SocketOptions{}, "127.0.0.1:15001"), "SO_MARK (the tunnel mark) is 0"},
+		"no tunnel mark":                   {portsAnswer, three(pod, netns.SocketOptions{}, "127.0.0.1:16001"), "SO_MARK (the tunnel mark) is 0"},
 		"not listening": {portsAnswer, func() []int {
 			var fds []int
 			for range 3 {
@@ -496,15 +510,15 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 			return fds
 		}, "SO_ACCEPTCONN (listening) is 0"},
 		"too many descriptors": {portsAnswer, func() []int {
-			return append(three(pod, marked, "127.0.0.1:15001")(), listenerFD(t, pod, "127.0.0.1:17000", marked))
+			return append(three(pod, marked, "127.0.0.1:16001")(), listenerFD(t, pod, "127.0.0.1:17000", marked))
 		}, "with 4 descriptors"},
 	}
 	for name, c := range cases {
 		t.Run(name, func(t *testing.T) {
 			sock, accepted := fakePredecessor(t, c.answer, c.send)
 			pred := mustPredecessor(t, sock)
-			var log bytes.Buffer
-			tun := handoverTunnel(t, &log, pred)
+			log := newTestLog()
+			tun := handoverTunnel(t, log, pred)
 			// The first entry into a namespace opens the process's own once;
 			// the fake's end of the connection counts too.
 			_ = netns.Do(pod, func() error { return nil })
@@ -518,6 +532,9 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 			}
 			if !strings.Contains(log.String(), c.want) {
 				t.Errorf("log lacks %q:\n%s", c.want, log.String())
+			}
+			if strings.Contains(log.String(), "pod ports held by another process") {
+				t.Errorf("the pod waited for its ports: a fake's listener sat on one of them")
 			}
 			p := tun.pods["pod-a"]
 			for i, l := range p.lns {
@@ -640,8 +657,8 @@ func TestHandoverManyPodsAtOnce(t *testing.T) {
 	}
 	sock, _ := serveHandover(t, old)
 	pred := mustPredecessor(t, sock)
-	var log bytes.Buffer
-	next := handoverTunnel(t, &log, pred)
+	log := newTestLog()
+	next := handoverTunnel(t, log, pred)
 	var wg sync.WaitGroup
 	for i, ns := range namespaces {
 		wg.Go(func() {
