@@ -162,8 +162,8 @@ func (p *pod) take(ctx context.Context, pr *Predecessor, ports []uint16, opts []
 	t := p.t
 	lns, err := pr.take(ctx, p.nsInode, ports, t.cfg.TunnelMark)
 	switch {
-	case errors.Is(err, errNoPredecessor), ctx.Err() != nil:
-		return nil
+	case errors.Is(err, errNoPredecessor), err != nil && ctx.Err() != nil:
+		return nil // nothing to take, or the pod stopped meanwhile
 	case err != nil:
 		t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
 		t.log.WarnContext(ctx, "listener hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
