@@ -307,6 +307,29 @@ static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pk
 	return 1;
 }
 
+/* foreign_dst reports (and counts as drop_foreign_dst, for the pod whose
+ * interface it is) a SYN from the wire to an enrolled address of another
+ * pod than the one whose interface it arrives on: a neighbour routed that
+ * pod's address via this pod's MAC. The inbound listener is transparent and
+ * the assignment does not look at the address, so the kernel, which drops
+ * such a packet as not local, would instead hand it to this pod's tunnel,
+ * which would then serve another pod's address. A frame the host would not
+ * take (one the bridge flooded) is left to the kernel, which drops it
+ * uncounted. Only a SYN about to be assigned pays for the lookup. */
+static __always_inline int foreign_dst(struct __sk_buff *skb, const struct pod_settings *dst_pod)
+{
+	struct pod_settings *pod;
+	struct pod_addr owner;
+
+	if (not_for_host(skb, 1))
+		return 0;
+	pod = netns_pod(skb, &owner);
+	if (!pod || pod->pod_id == dst_pod->pod_id)
+		return 0;
+	count(REASON_DROP_FOREIGN_DST, &owner, CNT_DROPPED);
+	return 1;
+}
+
 /* unenrolled_local is the verdict for a TCP packet whose own end (local:
  * the destination on ingress, the source on egress) is not an enrolled
  * address. On an enrolled pod's interface that address is the pod's all the
@@ -703,6 +726,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  or off): its own SYN was captured, so only a
  *                  simultaneous open by a sender on the wire could connect
  *                  it, in plaintext;
+ *   TC_ACT_SHOT    a SYN to another pod's address than the one whose
+ *                  interface this is (foreign_dst);
  *   TC_ACT_SHOT    when that listener is missing or is not the tunnel's:
  *                  fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
@@ -770,6 +795,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}
+	if (foreign_dst(skb, pod))
+		return TC_ACT_SHOT;
 	return take_syn(skb, &p, inbound_port, &p.dst, REASON_IN_ASSIGN_INBOUND, CNT_INBOUND_CONN, TC_ACT_UNSPEC,
 			pod->flags & POD_CAPTURE_OUTBOUND);
 }

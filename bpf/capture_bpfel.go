@@ -113,7 +113,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_LOOPBACK         CaptureVerdictReason = 29
 	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL     CaptureVerdictReason = 30
 	CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER CaptureVerdictReason = 31
-	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 32
+	CaptureVerdictReasonREASON_DROP_FOREIGN_DST      CaptureVerdictReason = 32
+	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 33
 )
 
 // Names of all BPF objects in the ELF.

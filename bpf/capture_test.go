@@ -582,6 +582,39 @@ func TestCaptureUnenrolledAddrOnPodInterface(t *testing.T) {
 	runTableIn(t, objs.RdPodEgress, objs.RdReasons, own, egress)
 }
 
+// TestCaptureForeignDestinationSyn: a SYN from the wire, for this host, to
+// an enrolled address of another pod than the one whose interface it
+// arrives on (a neighbour routed that pod's address via this pod's MAC) is
+// dropped. Before, it was assigned to this pod's transparent inbound
+// listener, and this pod's tunnel served another pod's address. The pod's
+// own addresses, a frame the bridge flooded (the kernel drops it) and a
+// namespace the programs do not know keep their verdicts.
+func TestCaptureForeignDestinationSyn(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	tcpSyn := syn(8080)
+	foreign, noListener := CaptureVerdictReasonREASON_DROP_FOREIGN_DST, CaptureVerdictReasonREASON_DROP_NO_LISTENER
+	podTwo := func(ino uint32) {
+		enroll(t, objs.RdPods, 2, other4, other6)
+		v := CapturePodNetns{Addr: CapturePodAddr{Addr: other4.As16()}, PodId: 2}
+		if err := objs.RdPodNetns.Put(ino, &v); err != nil {
+			t.Errorf("record netns: %v", err)
+		}
+	}
+	runTableIn(t, objs.RdPodIngress, objs.RdReasons, podTwo, []progCase{
+		{"v4 syn to pod 1 on pod 2's interface", 0, forHost(ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, foreign},
+		{"v6 syn to pod 1 on pod 2's interface", 0, forHost(ip6(peer6, pod6, nil, pTCP, tcpSyn)), actShot, foreign},
+		{"v6 syn to pod 1 behind destination options", 0, forHost(ip6(peer6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpSyn)), actShot, foreign},
+		{"v4 syn to pod 2's own address", 0, forHost(ip4(peer4, other4, pTCP, 0, tcpSyn)), actShot, noListener},
+		{"v6 syn to pod 2's own address", 0, forHost(ip6(peer6, other6, nil, pTCP, tcpSyn)), actShot, noListener},
+		{"v4 ack to pod 1, left to the kernel", 0, forHost(ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, 8080, fACK))), actUnspec, noReason},
+		{"v4 syn to pod 1, frame for another host", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn), actShot, noListener},
+	})
+	runTable(t, objs.RdPodIngress, objs.RdReasons, []progCase{
+		{"v4 syn to pod 1, namespace unknown", 0, forHost(ip4(peer4, pod4, pTCP, 0, tcpSyn)), actShot, noListener},
+	})
+}
+
 // TestCaptureEgressForeignSynAck: every SYN from the wire to a pod whose
 // inbound is captured goes to the tunnel's inbound listener, so a SYN-ACK
 // leaving such a pod that no tunnel socket sent (no tunnel mark) or owns

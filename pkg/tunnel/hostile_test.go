@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -559,5 +560,42 @@ func TestOutboundSourceMustBeTheCapturingPod(t *testing.T) {
 	}
 	if _, _, err := reused.self(netip.MustParseAddr("10.1.0.3")); err == nil || !strings.Contains(err.Error(), "belongs to mesh/other") {
 		t.Errorf("self of a reused address: %v, want it to name the directory's pod", err)
+	}
+}
+
+// A plaintext connection whose original destination is another pod's
+// address (a neighbour routed it via this pod's MAC; the transparent
+// listener takes any address) is reset and counted, never dialled: served,
+// this pod's tunnel would have opened a connection to pod b for the client.
+func TestInboundPlaintextToAnotherPodsAddressRefused(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	app, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Close()
+	tun.Update(&State{Dir: testDir(t,
+		podObj("mesh", "a", "a-sa", "127.0.0.1", nil),
+		podObj("mesh", "b", "b-sa", "127.0.0.2", nil))})
+	a := testPod(tun, "uid-a", netip.MustParseAddr("127.0.0.1"))
+	inOwnNamespace(t, a)
+	c := newFakeConn(app.Addr().String(), "127.0.0.3:40000")
+	a.handleInboundPlaintext(c)
+	if !c.closed.Load() {
+		t.Error("the connection to pod b's address was not closed")
+	}
+	var refused float64
+	for k, v := range promtest.Scrape(t, tun.cfg.Metrics.policyDenials) {
+		if strings.Contains(k, `reason="foreign_destination"`) {
+			refused += v
+		}
+	}
+	if refused != 1 {
+		t.Errorf(`redirector_policy_denials_total{reason="foreign_destination"} = %v, want 1`, refused)
+	}
+	_ = app.(*net.TCPListener).SetDeadline(time.Now().Add(300 * time.Millisecond))
+	if got, err := app.Accept(); err == nil {
+		got.Close()
+		t.Errorf("pod a's tunnel dialled pod b's address for a plaintext client (pod b saw %v)", got.RemoteAddr())
 	}
 }

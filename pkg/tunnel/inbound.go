@@ -282,6 +282,17 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		resetConn(c)
 		return
 	}
+	// The listener is transparent, so it takes a SYN to any address that
+	// reaches the pod's interface; one to another pod's address was sent
+	// here on purpose (a neighbour routing it via this pod's MAC). Served,
+	// this pod's tunnel would dial that pod for the client. The capture
+	// drops such SYNs; this is the same rule for anything that got past.
+	if !p.owns(dst.Addr()) {
+		t.cfg.Metrics.denied("foreign_destination")
+		t.refusals.note(ctx, "plaintext connection to an address not of this pod refused", "client", client, "dst", dst)
+		resetConn(c)
+		return
+	}
 	ic := p.track(dst, client.Addr(), identity.ID{}, false)
 	st := t.State()
 	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), identity.ID{}, false)
