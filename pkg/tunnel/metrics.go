@@ -31,6 +31,9 @@ type Metrics struct {
 	// sourceMismatch counts HBONE clients whose identity is not the
 	// one of the workload at their address (sourceWorkload).
 	sourceMismatch prometheus.Counter
+	// derivedRefused counts connections whose baggage names were
+	// dropped at a bound of admitDerived, by limit.
+	derivedRefused *prometheus.CounterVec
 	// handover counts pods whose listeners passed between agents
 	// (handover.go), by result.
 	handover *prometheus.CounterVec
@@ -116,6 +119,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		sourceMismatch: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "redirector_hbone_source_identity_mismatch_total",
 			Help: "HBONE tunnels whose client proved another identity than the workload the directory has at the client's address (a gateway or NAT between, a reused address, a forged one); counted without that workload's labels."}),
+		derivedRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_baggage_series_refused_total",
+			Help: "Inbound connections counted in istio_tcp_* without the source names their peer announced in baggage, because such series reached their bound, by limit: peer (100 for one verified identity) or node (1000 in all)."}, []string{"limit"}),
 		handover: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_listener_handovers_total",
 			Help: "Pods whose listeners passed between this agent and another over the hand-over socket, by result: given (to a successor), taken (from the predecessor), not_served (asked for a pod the other agent does not serve), failed (the exchange or a check of a received socket failed; the pod's own listeners are opened instead), refused (a connection or request refused: a peer neither root nor the agent's user, or an undecodable request)."}, []string{"result"}),
@@ -126,12 +132,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, l := range listenerNames {
 		m.openConns.WithLabelValues(l)
 	}
+	for _, l := range []string{"node", "peer"} {
+		m.derivedRefused.WithLabelValues(l)
+	}
 	m.cluster, m.access = DefaultCluster, newAccessLog(nil)
 	m.series = newSeriesGC(time.Now,
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.handover)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
 	}
 	return m
 }
@@ -237,11 +246,14 @@ func (m *Metrics) open(c connInfo, trace string) *connResult {
 		c.peer = nil
 	}
 	l := m.labels(c)
-	if c.peer != nil && c.src == nil && !m.series.admitDerived(l) {
-		// Too many series named by peers: count this one without the
-		// names the peer announced.
-		c.peer = nil
-		l = m.labels(c)
+	if c.peer != nil && c.src == nil {
+		if ok, limit := m.series.admitDerived(l); !ok {
+			// Too many series named by peers, or by this one: count
+			// this connection without the names the peer announced.
+			m.derivedRefused.WithLabelValues(limit).Inc()
+			c.peer = nil
+			l = m.labels(c)
+		}
 	}
 	counters, end := m.series.begin(0, l)
 	opened, done, sent, received := counters[0], counters[1], counters[2], counters[3]
@@ -272,6 +284,12 @@ func (m *Metrics) SetAccessLog(log *slog.Logger) { m.access = newAccessLog(log) 
 // with its reason, and as ztunnel does in istio_tcp_* as opened and closed
 // with the DENY flag.
 func (m *Metrics) deniedConn(ctx context.Context, reason string, c connInfo, trace string, err error) {
+	if c.src == nil {
+		// Names a refused peer announced get no series of their own: a
+		// peer every policy refuses would otherwise still spend the
+		// budget of maxDerivedSeries (as denial keeps them out too).
+		c.peer = nil
+	}
 	m.denial(reason, c)
 	c.flags = flagDeny
 	m.open(c, trace).close(ctx, 0, 0, err)

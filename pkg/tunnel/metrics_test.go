@@ -197,13 +197,17 @@ func TestBaggageRoundTrip(t *testing.T) {
 func TestDerivedSeriesBounded(t *testing.T) {
 	dir := bookinfo(t)
 	m := NewMetrics(nil)
-	peer := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "x"}
 	for i := range maxDerivedSeries + 50 {
+		// Peers of their share each, so that the node's bound is reached.
+		peer := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: fmt.Sprintf("x%d", i/maxDerivedSeriesPerPeer)}
 		meta := parseBaggage(http.Header{"Baggage": {fmt.Sprintf("k8s.namespace.name=mesh,k8s.deployment.name=w%d", i)}}, peer)
 		m.open(connInfo{reporter: "destination", peer: meta, srcID: peer, dst: mustPod(t, dir, "10.1.0.12"), secure: true}, "").close(context.Background(), 0, 0, nil)
 	}
 	if n := testutil.CollectAndCount(m.connsOpened); n != maxDerivedSeries+1 {
 		t.Errorf("%d series, want %d named by peers and 1 with an unknown source", n, maxDerivedSeries+1)
+	}
+	if got := testutil.ToFloat64(m.derivedRefused.WithLabelValues("node")); got != 50 {
+		t.Errorf(`redirector_baggage_series_refused_total{limit="node"} = %v, want 50`, got)
 	}
 }
 

@@ -27,6 +27,13 @@ const seriesGrace = 5 * time.Minute
 // Past the bound such connections are counted with an unknown source.
 const maxDerivedSeries = 1000
 
+// maxDerivedSeriesPerPeer is one verified identity's share of
+// maxDerivedSeries, so that one peer (a compromised workload) cannot take
+// every slot and leave the other peers' connections, remote clusters' and
+// VMs' above all, without their names. An honest source needs one series
+// per name it runs under and destination it reaches on this node.
+const maxDerivedSeriesPerPeer = 100
+
 // seriesGC deletes the per-workload series of workloads that are gone.
 // A series is gone when its source or destination workload (by namespace
 // and workload name, the labels it carries) or its service is in no state
@@ -45,6 +52,9 @@ type seriesGC struct {
 	owners  map[string]map[string]bool
 	series  map[string]*seriesEntry
 	derived int // entries whose source names a peer announced
+	// derivedBy counts those entries by the source_principal that
+	// announced them.
+	derivedBy map[string]int
 }
 
 // seriesGroup is counter vectors that share one label set.
@@ -66,7 +76,7 @@ type seriesEntry struct {
 }
 
 func newSeriesGC(now func() time.Time, groups ...seriesGroup) *seriesGC {
-	return &seriesGC{now: now, grace: seriesGrace, groups: groups, series: map[string]*seriesEntry{}}
+	return &seriesGC{now: now, grace: seriesGrace, groups: groups, series: map[string]*seriesEntry{}, derivedBy: map[string]int{}}
 }
 
 // SetSeriesGrace changes how long the series of gone workloads stay
@@ -118,20 +128,27 @@ func (g *seriesGC) claimable(m *peerMeta, id identity.ID) bool {
 
 // admitDerived reports whether the istio_tcp_* series l, whose source
 // names come from a peer, may be counted: it exists already, or fewer than
-// maxDerivedSeries such series do.
-func (g *seriesGC) admitDerived(l prometheus.Labels) bool {
+// maxDerivedSeries such series do and fewer than maxDerivedSeriesPerPeer of
+// its source_principal. Otherwise it returns the bound that was reached
+// ("node" or "peer").
+func (g *seriesGC) admitDerived(l prometheus.Labels) (ok bool, limit string) {
 	k := g.key(0, l)
+	peer := l["source_principal"]
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if _, ok := g.series[k]; ok {
-		return true
+		return true, ""
 	}
 	if g.derived >= maxDerivedSeries {
-		return false
+		return false, "node"
+	}
+	if g.derivedBy[peer] >= maxDerivedSeriesPerPeer {
+		return false, "peer"
 	}
 	g.derived++
+	g.derivedBy[peer]++
 	g.series[k] = &seriesEntry{group: 0, labels: l, derived: true}
-	return true
+	return true, ""
 }
 
 // begin records an open connection counted in the series l and returns
@@ -248,6 +265,10 @@ func (g *seriesGC) sweep() {
 		}
 		if e.derived {
 			g.derived--
+			peer := e.labels["source_principal"]
+			if g.derivedBy[peer]--; g.derivedBy[peer] <= 0 {
+				delete(g.derivedBy, peer)
+			}
 		}
 		delete(g.series, k)
 	}

@@ -73,7 +73,7 @@ func TestDerivedSeriesBudgetNotPinned(t *testing.T) {
 	dir := bookinfo(t)
 	m.setLive(dir)
 	owner := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bookinfo-reviews-v1"}
-	for i := range maxDerivedSeries {
+	for i := range maxDerivedSeriesPerPeer {
 		derivedLabels(t, m, owner, fmt.Sprintf("k8s.namespace.name=mesh,k8s.deployment.name=reviews-v1,service.version=x%d", i))
 	}
 	if w, _ := derivedLabels(t, m, owner, "k8s.namespace.name=mesh,k8s.deployment.name=fresh"); w != "unknown" {
@@ -160,5 +160,38 @@ func TestHBONESourceWorkloadMustMatchPeerIdentity(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(tun.cfg.Metrics.sourceMismatch); got != 1 {
 		t.Errorf("redirector_hbone_source_identity_mismatch_total = %v, want 1", got)
+	}
+}
+
+// One peer cannot take the whole node's budget of series named by peers:
+// before, one identity's 1000 connections (each refused by policy, even)
+// with ever new names took every slot for five minutes at a time, and every
+// other peer's connections lost their names (a remote cluster's edges
+// vanished from Kiali), with nothing counting it. Now a refused peer's
+// names get no series, one identity holds at most its share, and the
+// refusals are counted.
+func TestDerivedSeriesOnePeerCannotStarveOthers(t *testing.T) {
+	dir := bookinfo(t)
+	m := NewMetrics(nil)
+	m.setLive(dir)
+	ctx := context.Background()
+	attacker := identity.ID{TrustDomain: "cluster.local", Namespace: "evil", ServiceAccount: "x"}
+	dst := mustPod(t, dir, "10.1.0.12")
+	for i := range maxDerivedSeries {
+		meta := parseBaggage(http.Header{"Baggage": {fmt.Sprintf("k8s.namespace.name=evil,k8s.deployment.name=d%d", i)}}, attacker)
+		m.deniedConn(ctx, "authorization", connInfo{reporter: "destination", peer: meta, srcID: attacker, dst: dst, secure: true}, "", errors.New("denied"))
+	}
+	for i := range maxDerivedSeries {
+		derivedLabels(t, m, attacker, fmt.Sprintf("k8s.namespace.name=evil,k8s.deployment.name=a%d", i))
+	}
+	if got, want := testutil.ToFloat64(m.derivedRefused.WithLabelValues("peer")), float64(maxDerivedSeries-maxDerivedSeriesPerPeer); got != want {
+		t.Errorf(`redirector_baggage_series_refused_total{limit="peer"} = %v, want %v`, got, want)
+	}
+	honest := identity.ID{TrustDomain: "cluster.local", Namespace: "remote", ServiceAccount: "web"}
+	if w, _ := derivedLabels(t, m, honest, "k8s.cluster.name=east,k8s.namespace.name=remote,k8s.deployment.name=web,service.name=web"); w != "web" {
+		t.Errorf("after one peer's flood, another peer's connection counted as workload %q, want web", w)
+	}
+	if n := testutil.CollectAndCount(m.connsOpened); n > maxDerivedSeriesPerPeer+3 {
+		t.Errorf("%d istio_tcp_connections_opened_total series, want at most the attacker's share, its unnamed one and the honest peer's", n)
 	}
 }
