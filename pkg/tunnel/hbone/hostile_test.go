@@ -194,6 +194,46 @@ func TestRefusalWithoutWindowFreesStream(t *testing.T) {
 	}
 }
 
+// TestRefusalsWaitingForWindowBounded: refusals whose client grants no
+// window wait for it only while a slot of the process-wide refusalWaits is
+// free; past that their body is left out at once and the stream is done.
+// Before, every refused stream held its goroutine for refuseWriteTimeout,
+// bounded only by streams per connection times connections per address
+// (some 200,000 goroutines for one address with a mesh certificate).
+func TestRefusalsWaitingForWindowBounded(t *testing.T) {
+	defer func(d time.Duration, w chan struct{}) { refuseWriteTimeout, refusalWaits = d, w }(refuseWriteTimeout, refusalWaits)
+	refuseWriteTimeout = time.Minute
+	refusalWaits = make(chan struct{}, 2)
+	srv, rc := rawServer(t, ServerOptions{
+		TLSConfig:            mustServerTLS(),
+		MaxConcurrentStreams: 8,
+		Handler: func(ctx context.Context, req *ServerRequest) Response {
+			return Response{Status: 403, Reason: "denied by authorization policy"}
+		},
+	})
+	if err := rc.fr.WriteSettings(http2.Setting{ID: http2.SettingInitialWindowSize, Val: 0}); err != nil {
+		t.Fatal(err)
+	}
+	for id := uint32(1); id <= 11; id += 2 {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Two of the six refusals wait (a minute) for window; the other four
+	// are cut and their streams reset at once.
+	reset := map[uint32]bool{}
+	for len(reset) < 4 {
+		f := rc.waitFor(fmt.Sprintf("four refused streams reset (have %d)", len(reset)), func(f rawFrame) bool {
+			return f.typ == http2.FrameRSTStream
+		})
+		reset[f.stream] = true
+	}
+	waitfor.Until(t, "four refusals counted as cut", func() bool { return srv.Stats().RefusalsCut == 4 })
+	if st := srv.Stats(); st.HandlersHeld != 2 {
+		t.Errorf("%d handlers held, want the 2 refusals waiting for window", st.HandlersHeld)
+	}
+}
+
 // TestHandlerGauges: the streams holding a handler slot and those queued
 // for one are counted while a client keeps them (here: handlers that do
 // not watch their context, and streams reset behind them), and both

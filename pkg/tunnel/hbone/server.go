@@ -564,6 +564,16 @@ func (srv *Server) noteRefusalCut(c *conn, cut bool) {
 // as long as the connection lives. A variable for the tests.
 var refuseWriteTimeout = 5 * time.Second
 
+// refusalWaits bounds the refusals of the whole process whose body waits for
+// a client's window at once; a refusal past it is cut at once (the status
+// and reason header went out already). Without it, a peer's refused streams
+// held a goroutine each for refuseWriteTimeout: MaxConcurrentStreams per
+// connection on MaxConnsPerSource connections per address, some 200,000
+// goroutines for one client address, and more for every other one. A client
+// that grants window takes a slot only for the moment of the write. A
+// variable for the tests.
+var refusalWaits = make(chan struct{}, 1024)
+
 // refuse answers with an error status, the reason in a header and the body,
 // then closes the stream; RST_STREAM(NO_ERROR) tells a client still sending
 // that it can stop (RFC 9113 §8.1). It reports whether the body was cut
@@ -596,8 +606,15 @@ func (s *Stream) refuseMalformed(status int, reason string) (cut bool) {
 }
 
 // writeRefusalBody writes a refusal's body, waiting for send window no
-// longer than refuseWriteTimeout, and reports whether that ran out.
+// longer than refuseWriteTimeout, and reports whether that ran out or no
+// slot of refusalWaits was free (the body is then left out).
 func (s *Stream) writeRefusalBody(reason string) (timedOut bool) {
+	select {
+	case refusalWaits <- struct{}{}:
+		defer func() { <-refusalWaits }()
+	default:
+		return true
+	}
 	_ = s.SetWriteDeadline(time.Now().Add(refuseWriteTimeout))
 	_, err := s.Write([]byte(reason + "\n"))
 	_ = s.SetWriteDeadline(time.Time{})
