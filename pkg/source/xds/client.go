@@ -34,6 +34,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -97,10 +98,14 @@ const (
 	// rest as a count): the list is quoted in every refusal.
 	maxListedUnresolved = 20
 	// maxUnresolved bounds the names of unresolved policies kept (1 MiB at
-	// most); past it they are counted, and a removal cannot clear them
-	// before the next stream. Any one of them refuses every inbound
-	// connection already, so nothing is lost by not telling them apart.
+	// most); past it they are kept by a 64-bit hash only (random seed, so
+	// istiod cannot aim two names at one hash). Any one of them refuses
+	// every inbound connection already, so nothing is lost by not
+	// listing them.
 	maxUnresolved = 1024
+	// maxOverflow bounds the hashes of unresolved names past maxUnresolved
+	// (a few hundred KiB); past it they are only counted.
+	maxOverflow = 16 * maxUnresolved
 )
 
 // ClusterIDHeader is the request header naming the cluster whose API
@@ -179,8 +184,13 @@ type resourceType struct {
 	// not hold on a new stream, so the first response there (fresh)
 	// rebuilds the list.
 	unresolved map[string]bool
-	more       int
-	fresh      bool
+	// overflow holds, by hash, the unresolved names unresolved had no room
+	// for (or too long to keep), so a resend is not counted again and a
+	// removal or a held version clears them; more counts those beyond
+	// maxOverflow too.
+	overflow map[uint64]bool
+	more     int
+	fresh    bool
 }
 
 type entry struct {
@@ -408,13 +418,14 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	if t.fresh {
 		t.fresh = false
 		clear(t.unresolved)
+		clear(t.overflow)
 		t.more = 0
 	}
 	var errs []string
 	for _, name := range resp.GetRemovedResources() {
 		t.bytes -= t.held[name].size
 		delete(t.held, name)
-		delete(t.unresolved, name)
+		t.resolve(name, true, 0)
 	}
 	rejected := 0
 	for _, r := range resp.GetResources() {
@@ -428,7 +439,7 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 	}
 	c.cfg.Metrics.push(t.short, rejected > 0, len(t.held), t.bytes)
 	if t.unresolved != nil {
-		c.cfg.Metrics.setUnresolved(len(t.unresolved) + t.more)
+		c.cfg.Metrics.setUnresolved(t.unresolvedCount())
 	}
 	if rejected > 0 {
 		sort.Strings(errs)
@@ -527,18 +538,36 @@ func resourceName(v any) string {
 
 // resolve records whether the latest version of name was held (see
 // resourceType.unresolved); at most limit names are kept, the rest (and
-// names over MaxNameBytes) counted.
+// names over MaxNameBytes) by hash in overflow, and past maxOverflow
+// counted.
 func (t *resourceType) resolve(name string, held bool, limit int) {
+	if t.unresolved == nil {
+		return
+	}
+	h := maphash.String(overflowSeed, name)
 	switch {
-	case t.unresolved == nil:
 	case held:
 		delete(t.unresolved, name)
-	case t.unresolved[name]:
+		delete(t.overflow, h)
+	case t.unresolved[name] || t.overflow[h]:
 	case len(t.unresolved) < limit && len(name) <= MaxNameBytes:
 		t.unresolved[name] = true
+	case len(t.overflow) < maxOverflow:
+		if t.overflow == nil {
+			t.overflow = map[uint64]bool{}
+		}
+		t.overflow[h] = true
 	default:
 		t.more++
 	}
+}
+
+// overflowSeed seeds the hashes of resourceType.overflow.
+var overflowSeed = maphash.MakeSeed()
+
+// unresolvedCount is how many policies are unresolved, named or not.
+func (t *resourceType) unresolvedCount() int {
+	return len(t.unresolved) + len(t.overflow) + t.more
 }
 
 // versions is what a reconnect tells istiod the client already has.
@@ -577,7 +606,7 @@ func (c *Client) snapshot() *Snapshot {
 			names = append(names, name)
 		}
 		sort.Strings(names)
-		more := t.more
+		more := len(t.overflow) + t.more
 		if len(names) > maxListedUnresolved {
 			more += len(names) - maxListedUnresolved
 			names = names[:maxListedUnresolved]

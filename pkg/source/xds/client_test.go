@@ -429,6 +429,36 @@ func TestClientHoldsUnresolvedPolicies(t *testing.T) {
 	}
 }
 
+// TestClientCountsAnUnresolvedPolicyOnce: a policy whose name cannot be
+// kept (over MaxNameBytes, or past maxUnresolved) was counted again each
+// time istiod resent it, so redirector_xds_unresolved_policies and the
+// "(N more)" of every refusal grew with pushes for one policy, and nothing
+// could clear them before the next stream. Now such names are kept by hash:
+// counted once, and cleared by a removal or a version that applies.
+func TestClientCountsAnUnresolvedPolicyOnce(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	send(t, st, TypeAddress, "n1", nil)
+	long := "istio-system/" + strings.Repeat("x", MaxNameBytes)
+	bad := strictAuthz()
+	bad.Name, bad.Scope = long[len("istio-system/"):], security.Scope(7)
+	var s *Snapshot
+	for _, nonce := range []string{"n2", "n3", "n4", "n5"} {
+		send(t, st, TypeAuthorization, nonce, nil, resource(t, long, "v1", TypeAuthorization, bad))
+		s = h.next()
+	}
+	if strings.Join(s.Unresolved, ",") != "(1 more)" {
+		t.Errorf("unresolved %v after four pushes of one policy, want (1 more)", s.Unresolved)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 1)
+
+	send(t, st, TypeAuthorization, "n6", []string{long})
+	if s := h.next(); len(s.Unresolved) != 0 {
+		t.Errorf("unresolved %v after istiod removed the policy", s.Unresolved)
+	}
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 0)
+}
+
 // TestClientBoundsDecodedSize: an empty nested message is 2 bytes on the
 // wire and hundreds once decoded and translated, so the encoded size
 // alone bounded nothing (64 MiB of empty matches decode to gigabytes). A
