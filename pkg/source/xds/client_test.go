@@ -586,12 +586,12 @@ func TestClientBoundsNamesAndNacks(t *testing.T) {
 		t.Fatalf("NACK lists %d resources: %.300q", n, msg)
 	}
 	s := h.next()
-	if len(s.Unresolved) != maxListedUnresolved+1 || s.Unresolved[maxListedUnresolved] != fmt.Sprintf("(%d more)", 100-maxListedUnresolved+2) {
+	if len(s.Unresolved) != maxListedUnresolved+1 || s.Unresolved[maxListedUnresolved] != fmt.Sprintf("(%d more)", 100-maxListedUnresolved+1) {
 		t.Fatalf("unresolved lists %d: %v", len(s.Unresolved), s.Unresolved)
 	}
-	// The 100, the policy whose version was too long and the over-long
-	// name (counted, so not matched by its removal).
-	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 102)
+	// The 100 and the policy whose version was too long (the over-long
+	// name, kept by hash, went with its removal).
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 101)
 
 	// The names kept are bounded too (they were by MaxResources, 200k of
 	// up to 1 KiB each); the rest are counted.
@@ -601,9 +601,9 @@ func TestClientBoundsNamesAndNacks(t *testing.T) {
 	}
 	send(t, st, TypeAuthorization, "n5", nil, bad...)
 	h.next()
-	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, float64(102+maxUnresolved))
-	// Removing every name clears only those kept: 101 were kept before,
-	// so as many of the new ones were only counted, besides the long name.
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, float64(101+maxUnresolved))
+	// Removing every name clears them all, those kept by name and those
+	// kept by hash past maxUnresolved.
 	var all []string
 	for i := range 100 {
 		all = append(all, fmt.Sprintf("istio-system/bad-%03d", i))
@@ -613,7 +613,7 @@ func TestClientBoundsNamesAndNacks(t *testing.T) {
 	}
 	send(t, st, TypeAuthorization, "n6", append(all, "istio-system/istio_converted_static_strict"))
 	h.next()
-	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 1+101)
+	expectMetric(t, h.metrics, `redirector_xds_unresolved_policies`, 0)
 }
 
 // TestClientClipsUnknownTypes: a response of a type never subscribed is
