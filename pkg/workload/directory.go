@@ -104,15 +104,22 @@ func sortedByName[T any](list []T, key func(T) (string, string)) []T {
 	return list
 }
 
+// addService adds s. A VIP another service has already is left out of
+// s (and reported); the rest of s stays: a second claimant (a stale or
+// hostile object) must not take every other VIP and the endpoints of the
+// first one's name with it.
 func (d *Directory) addService(s *Service) error {
-	for _, vip := range s.VIPs {
-		if other, ok := d.byVIP[vip]; ok {
-			return fmt.Errorf("service %s: cluster IP %s already belongs to service %s", s, vip, other)
+	var err error
+	own := *s
+	own.VIPs = slices.DeleteFunc(slices.Clone(s.VIPs), func(vip netip.Addr) bool {
+		other, ok := d.byVIP[vip]
+		if ok && err == nil {
+			err = fmt.Errorf("service %s: cluster IP %s already belongs to service %s: left out", s, vip, other)
 		}
-	}
+		return ok
+	})
 	// The service and its endpoints are copied: a source may hand the
 	// same service to the next directory while this one's readers run.
-	own := *s
 	own.Endpoints = slices.Clone(s.Endpoints)
 	for _, vip := range own.VIPs {
 		d.byVIP[vip] = &own
@@ -126,7 +133,7 @@ func (d *Directory) addService(s *Service) error {
 			d.selecting[e.Workload] = append(d.selecting[e.Workload], &own)
 		}
 	}
-	return nil
+	return err
 }
 
 // ByAddr returns the pod at a. IPv4-mapped IPv6 addresses, as a dual-stack

@@ -82,3 +82,22 @@ func TestDirectoryAddressConflict(t *testing.T) {
 		})
 	}
 }
+
+// TestDirectoryVIPConflictKeepsTheRest: a service whose VIP another
+// service (first by namespace and name) already has loses that VIP only.
+// Before, it was left out whole: a tenant's object at one of kube-dns's
+// VIPs took its other VIPs and its endpoints out of the directory too.
+func TestDirectoryVIPConflictKeepsTheRest(t *testing.T) {
+	ep := Endpoint{Addr: addr("10.1.0.53"), Ready: true}
+	d, errs := NewDirectory(nil, []*Service{
+		{Namespace: "default", Name: "evil", VIPs: []netip.Addr{addr("10.96.0.10")}},
+		{Namespace: "kube-system", Name: "kube-dns", VIPs: []netip.Addr{addr("10.96.0.10"), addr("fd00::a")}, Endpoints: []Endpoint{ep}},
+	})
+	if len(errs) != 1 || errs[0].Error() != "service kube-system/kube-dns: cluster IP 10.96.0.10 already belongs to service default/evil: left out" {
+		t.Errorf("errors %v", errs)
+	}
+	s, ok := d.ServiceByVIP(addr("fd00::a"))
+	if !ok || s.Name != "kube-dns" || len(s.VIPs) != 1 || len(s.Endpoints) != 1 {
+		t.Errorf("fd00::a is %+v, want kube-dns with its endpoint and that VIP only", s)
+	}
+}

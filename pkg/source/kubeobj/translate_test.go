@@ -236,15 +236,19 @@ func TestBuildServices(t *testing.T) {
 	wantErrors(t, errs,
 		`service shop/bad: spec.clusterIP: bad IP "10.96.0.300"`,
 		`endpointslice shop/web-a: bad address "10.0.0.bad"`,
-		`service shop/zz: cluster IP 10.96.0.10 already belongs to service shop/web`,
+		`service shop/zz: cluster IP 10.96.0.10 already belongs to service shop/web: left out`,
 	)
 
 	var got []string
 	for _, s := range d.Services() {
 		got = append(got, s.String())
 	}
-	if strings.Join(got, " ") != "ext/legacy shop/db shop/web" {
+	// shop/zz stays, without the VIP shop/web has.
+	if strings.Join(got, " ") != "ext/legacy shop/db shop/web shop/zz" {
 		t.Errorf("Services() = %v", got)
+	}
+	if s, ok := d.ServiceByVIP(addr("10.96.0.10")); !ok || s.Name != "web" {
+		t.Errorf("10.96.0.10 is %v, want shop/web's", s)
 	}
 
 	s, ok := d.ServiceByVIP(addr("fd00:96::10"))

@@ -34,6 +34,11 @@ type Workload struct {
 	// Policies are the keys (namespace/name) of the workload-selector
 	// authorization policies that select this workload.
 	Policies []string
+	// HostNetwork is istiod's mark (network_mode HOST_NETWORK) on a pod
+	// that uses its node's network: its addresses are the node's, shared
+	// by every such pod there, so the directory does not index them
+	// (merge); it stays an endpoint of its services at them.
+	HostNetwork bool
 }
 
 // Identity is the workload's SPIFFE ID.

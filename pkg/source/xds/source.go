@@ -210,6 +210,21 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			if w.Node == node {
 				continue
 			}
+			if w.HostNetwork {
+				// Its addresses are its node's: not the pod's to index, as
+				// the API source does not index a hostNetwork pod's (and
+				// ztunnel does not look it up by them). They stay claimed,
+				// so no ServiceEntry takes a node's address as its VIP.
+				for _, a := range w.Addrs {
+					if _, taken := claimed[a]; !taken {
+						claimed[a] = key
+					}
+				}
+				c := w.Workload
+				c.Addrs = nil
+				snap.Workloads = append(snap.Workloads, &c)
+				continue
+			}
 			free := make([]netip.Addr, 0, len(w.Addrs))
 			for _, a := range w.Addrs {
 				owner, taken := claimed[a]
@@ -234,14 +249,90 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		}
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
+	services := make([]*workload.Service, 0, len(mesh.Services))
 	for _, svc := range mesh.Services {
 		s, taken := foreignVIPs(&svc.Service, claimed)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
-		snap.Services = append(snap.Services, s)
+		services = append(services, s)
 	}
+	services, shared := sharedVIPs(services)
+	errs = append(errs, shared...)
+	snap.Services = append(snap.Services, services...)
 	return snap, errs
+}
+
+// sharedVIPs settles the VIPs that more than one service lists. A
+// ServiceEntry's addresses are anyone's to write in their namespace, and
+// the directory gives a VIP to one service: a tenant's entry at kube-dns's
+// cluster IP would take the cluster's DNS to its own endpoints. So a shared
+// VIP goes to the one claimant shaped like a Kubernetes Service (hostname
+// name.namespace.svc.<domain>, which a ServiceEntry can copy only within
+// its own namespace), and to none when that does not single one out: a
+// tenant can at worst take a VIP out of the mesh (its traffic then leaves
+// as to any address outside it), never to itself. Each claimant keeps its
+// other VIPs. Returns the services (copies where a VIP was taken out) and
+// an addressConflict per VIP settled.
+func sharedVIPs(services []*workload.Service) ([]*workload.Service, []error) {
+	claimants := map[netip.Addr][]int{}
+	for i, s := range services {
+		for _, a := range s.VIPs {
+			claimants[a] = append(claimants[a], i)
+		}
+	}
+	lost := map[int]map[netip.Addr]bool{}
+	var errs []error
+	for a, list := range claimants {
+		if len(list) < 2 {
+			continue
+		}
+		keeper := -1
+		for _, i := range list {
+			if kubernetesShaped(services[i]) {
+				if keeper != -1 {
+					keeper = -1
+					break
+				}
+				keeper = i
+			}
+		}
+		names := make([]string, 0, len(list))
+		for _, i := range list {
+			names = append(names, services[i].Namespace+"/"+services[i].Hostname)
+			if i == keeper {
+				continue
+			}
+			if lost[i] == nil {
+				lost[i] = map[netip.Addr]bool{}
+			}
+			lost[i][a] = true
+		}
+		slices.Sort(names)
+		outcome := "no service keeps it"
+		if keeper != -1 {
+			outcome = "it stays the Kubernetes Service's, " + services[keeper].Namespace + "/" + services[keeper].Hostname
+		}
+		errs = append(errs, addressConflict{fmt.Errorf("istiod's services %s all list VIP %s: %s", strings.Join(names, ", "), a, outcome)})
+	}
+	if len(lost) == 0 {
+		return services, nil
+	}
+	out := slices.Clone(services)
+	for i, vips := range lost {
+		c := *out[i]
+		c.VIPs = slices.DeleteFunc(slices.Clone(c.VIPs), func(a netip.Addr) bool { return vips[a] })
+		out[i] = &c
+	}
+	slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
+	return out, errs
+}
+
+// kubernetesShaped reports whether s is named as istiod names a
+// Kubernetes Service: hostname name.namespace.svc.<domain>.
+func kubernetesShaped(s *workload.Service) bool {
+	rest, ok := strings.CutPrefix(s.Hostname, s.Name+"."+s.Namespace+".svc.")
+	return ok && rest != ""
 }
 
 // reportNew logs the errors that were not in the last merge's (reported)

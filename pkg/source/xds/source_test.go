@@ -384,6 +384,150 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	expectMetric(t, m, "redirector_xds_address_conflicts", 2)
 }
 
+// TestMergeSharedVIPs: a VIP two services list goes to the one shaped
+// like a Kubernetes Service, or to none. Before, the directory gave it to
+// the first by namespace and name and dropped the other service whole: a
+// tenant's ServiceEntry in "default" at kube-dns's cluster IP took the
+// cluster's DNS to its own endpoint, and kube-dns's IPv6 VIP went with it.
+func TestMergeSharedVIPs(t *testing.T) {
+	dnsVIP, dnsVIP6, tenantVIP := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00::a"), netip.MustParseAddr("10.96.0.20")
+	workloads := map[string]*Workload{}
+	for _, x := range []*workloadapi.Workload{
+		{Uid: "K//Pod/kube-system/coredns-1", Name: "coredns-1", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.53").AsSlice()},
+			Services: map[string]*workloadapi.PortList{"kube-system/kube-dns.kube-system.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}}}},
+		{Uid: "K/networking.istio.io/ServiceEntry/default/evil/203.0.113.5", Name: "evil", Namespace: "default", Addresses: [][]byte{netip.MustParseAddr("203.0.113.5").AsSlice()},
+			Services: map[string]*workloadapi.PortList{
+				"default/evil.example":                   {Ports: []*workloadapi.Port{{ServicePort: 53}}},
+				"default/mimic.default.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}},
+			}},
+	} {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		workloads[x.Uid] = w
+	}
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "kube-dns", Namespace: "kube-system", Hostname: "kube-dns.kube-system.svc.cluster.local",
+			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: dnsVIP6.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
+		// A ServiceEntry at kube-dns's VIP, and at a tenant Service's.
+		{Name: "evil", Namespace: "default", Hostname: "evil.example",
+			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: tenantVIP.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
+		// A ServiceEntry named like a Kubernetes Service of its own
+		// namespace, at kube-dns's IPv6 VIP: two of that shape, so
+		// neither keeps it.
+		{Name: "mimic", Namespace: "default", Hostname: "mimic.default.svc.cluster.local",
+			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP6.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
+	} {
+		svc, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[svc.Key()] = svc
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	want := []string{
+		"istiod's services default/evil.example, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP 10.96.0.10: it stays the Kubernetes Service's, kube-system/kube-dns.kube-system.svc.cluster.local",
+		"istiod's services default/mimic.default.svc.cluster.local, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP fd00::a: no service keeps it",
+	}
+	if got := errorStrings(errs); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Errorf("errors:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	if n := countConflicts(errs); n != 2 {
+		t.Errorf("%d address conflicts counted, want 2", n)
+	}
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if len(dirErrs) != 0 {
+		t.Errorf("directory errors %v", dirErrs)
+	}
+	if svc, ok := dir.ServiceByVIP(dnsVIP); !ok || svc.Name != "kube-dns" || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != netip.MustParseAddr("10.2.0.53") {
+		t.Errorf("%s is %v, want kube-dns with coredns behind it", dnsVIP, svc)
+	}
+	if svc, ok := dir.ServiceByVIP(dnsVIP6); ok {
+		t.Errorf("%s is %v's, want no service's", dnsVIP6, svc)
+	}
+	if svc, ok := dir.ServiceByVIP(tenantVIP); !ok || svc.Name != "evil" {
+		t.Errorf("the entry's own VIP %s is %v, want it kept", tenantVIP, svc)
+	}
+	for _, svc := range mesh.Services {
+		if svc.Name == "kube-dns" && len(svc.VIPs) != 2 {
+			t.Errorf("istiod's snapshot was modified: %v", svc.VIPs)
+		}
+	}
+}
+
+// TestMergeHostNetworkPodsNotIndexed: istiod sends a hostNetwork pod at its
+// node's address with network_mode HOST_NETWORK. Indexed, that address (a
+// whole node's: kubelet, node ports, every hostNetwork daemon) was one such
+// pod, the first by name, and connections to it took that pod's waypoint.
+// The address is now nobody's, stays claimed against VIPs, and the pod
+// stays an endpoint of its service there.
+func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
+	nodeB := netip.MustParseAddr("10.0.0.20")
+	waypoint := &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.2.9.9").AsSlice()}}, HboneMtlsPort: 15008}
+	workloads := map[string]*Workload{}
+	for _, x := range []*workloadapi.Workload{
+		{Uid: "K//Pod/agents/exporter-b", Name: "exporter-b", Namespace: "agents", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
+			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK, Waypoint: waypoint, Status: workloadapi.WorkloadStatus_HEALTHY,
+			Services: map[string]*workloadapi.PortList{"agents/exporter.agents.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 9100}}}}},
+		{Uid: "K//Pod/kube-system/kube-proxy-b", Name: "kube-proxy-b", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
+			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
+	} {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		workloads[x.Uid] = w
+	}
+	exporter, err := translateService(&workloadapi.Service{Name: "exporter", Namespace: "agents", Hostname: "exporter.agents.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.30").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 9100}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: nodeB.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 10250}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{exporter.Key(): exporter, grab.Key(): grab}, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.0.0.20, an address of workload agents/exporter-b") {
+		t.Errorf("errors %v, want the VIP at node-b's address refused", errs)
+	}
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if len(dirErrs) != 0 {
+		t.Errorf("directory errors %v", dirErrs)
+	}
+	if w, ok := dir.ByAddr(nodeB); ok {
+		t.Errorf("node-b's address %s is indexed as %s", nodeB, w)
+	}
+	if svc, ok := dir.ServiceByVIP(nodeB); ok {
+		t.Errorf("node-b's address %s is a VIP of %s", nodeB, svc)
+	}
+	if _, ok := dir.Pod("agents", "exporter-b"); !ok {
+		t.Error("the hostNetwork pod is not in the directory")
+	}
+	svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.30"))
+	if !ok || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != nodeB || !svc.Endpoints[0].Ready || svc.Endpoints[0].Workload != nil {
+		t.Errorf("exporter service %v, want one ready endpoint at %s with no meshed workload", svc, nodeB)
+	}
+
+	bad := &workloadapi.Workload{Uid: "K//Pod/a/b", Name: "b", Namespace: "a", NetworkMode: workloadapi.NetworkMode(9)}
+	if _, err := translateWorkload(bad); err == nil || !strings.Contains(err.Error(), "network mode 9 is not supported") {
+		t.Errorf("unknown network mode: %v", err)
+	}
+}
+
+func errorStrings(errs []error) []string {
+	out := make([]string, 0, len(errs))
+	for _, err := range errs {
+		out = append(out, err.Error())
+	}
+	return out
+}
+
 // webOnNodeA is node-a's pods: shop/web-1 (uid u1, service account web)
 // at 10.1.0.5 in an ambient namespace.
 func webOnNodeA() nodepods.State {

@@ -77,6 +77,13 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	default:
 		return nil, fmt.Errorf("workload %s: tunnel protocol %s is not supported (HBONE or NONE)", x.GetUid(), x.GetTunnelProtocol())
 	}
+	switch x.GetNetworkMode() {
+	case workloadapi.NetworkMode_STANDARD:
+	case workloadapi.NetworkMode_HOST_NETWORK:
+		w.HostNetwork = true
+	default:
+		return nil, fmt.Errorf("workload %s: network mode %s is not supported (STANDARD or HOST_NETWORK)", x.GetUid(), x.GetNetworkMode())
+	}
 	for i, b := range x.GetAddresses() {
 		a, ok := netip.AddrFromSlice(b)
 		if !ok {
