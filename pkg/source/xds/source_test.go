@@ -397,7 +397,7 @@ func TestMergeSharedVIPs(t *testing.T) {
 			Services: map[string]*workloadapi.PortList{"kube-system/kube-dns.kube-system.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}}}},
 		{Uid: "K/networking.istio.io/ServiceEntry/default/evil/203.0.113.5", Name: "evil", Namespace: "default", Addresses: [][]byte{netip.MustParseAddr("203.0.113.5").AsSlice()},
 			Services: map[string]*workloadapi.PortList{
-				"default/evil.example":                   {Ports: []*workloadapi.Port{{ServicePort: 53}}},
+				"default/evil.example":                    {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 				"default/mimic.default.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 			}},
 	} {
