@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -85,11 +86,11 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 		return nil, fmt.Errorf("workload %s: network mode %s is not supported (STANDARD or HOST_NETWORK)", x.GetUid(), x.GetNetworkMode())
 	}
 	for i, b := range x.GetAddresses() {
-		a, ok := netip.AddrFromSlice(b)
-		if !ok {
-			return nil, fmt.Errorf("workload %s: address %d has %d bytes, want 4 or 16", x.GetUid(), i, len(b))
+		a, err := meshAddr(b)
+		if err != nil {
+			return nil, fmt.Errorf("workload %s: address %d: %w", x.GetUid(), i, err)
 		}
-		w.Addrs = append(w.Addrs, a.Unmap())
+		w.Addrs = append(w.Addrs, a)
 	}
 	var err error
 	if w.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
@@ -156,11 +157,11 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	}
 	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace(), Hostname: x.GetHostname()}}
 	for i, na := range x.GetAddresses() {
-		a, ok := netip.AddrFromSlice(na.GetAddress())
-		if !ok {
-			return nil, fmt.Errorf("service %s: address %d has %d bytes, want 4 or 16", s.Key(), i, len(na.GetAddress()))
+		a, err := meshAddr(na.GetAddress())
+		if err != nil {
+			return nil, fmt.Errorf("service %s: address %d: %w", s.Key(), i, err)
 		}
-		s.VIPs = append(s.VIPs, a.Unmap())
+		s.VIPs = append(s.VIPs, a)
 		s.vipNetworks = append(s.vipNetworks, na.GetNetwork())
 	}
 	for _, p := range x.GetPorts() {
@@ -183,6 +184,24 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	return s, nil
 }
 
+// meshAddr parses an address istiod gives a workload, a service or a
+// waypoint. Only a unicast address that means one host across the cluster
+// is one: a loopback, unspecified, multicast, broadcast or link-local
+// address (169.254.169.254, the cloud metadata server, above all) as a
+// ServiceEntry's VIP would have every meshed pod's traffic to it sent to
+// that entry's endpoints, and as a workload's it is no pod's.
+func meshAddr(b []byte) (netip.Addr, error) {
+	a, ok := netip.AddrFromSlice(b)
+	if !ok {
+		return netip.Addr{}, fmt.Errorf("%d bytes, want 4 or 16", len(b))
+	}
+	a = a.Unmap()
+	if err := selection.CheckPodAddr(a); err != nil {
+		return netip.Addr{}, err
+	}
+	return a, nil
+}
+
 func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error) {
 	if g == nil {
 		return nil, nil
@@ -193,11 +212,11 @@ func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error)
 	out := &workload.Waypoint{HBONEPort: uint16(g.GetHboneMtlsPort())}
 	switch d := g.GetDestination().(type) {
 	case *workloadapi.GatewayAddress_Address:
-		a, ok := netip.AddrFromSlice(d.Address.GetAddress())
-		if !ok {
-			return nil, fmt.Errorf("address has %d bytes, want 4 or 16", len(d.Address.GetAddress()))
+		a, err := meshAddr(d.Address.GetAddress())
+		if err != nil {
+			return nil, err
 		}
-		out.Addr = a.Unmap()
+		out.Addr = a
 	case *workloadapi.GatewayAddress_Hostname:
 		if d.Hostname.GetHostname() == "" {
 			return nil, errors.New("empty hostname")

@@ -135,3 +135,34 @@ func TestTranslateWorkloadBoundsAddresses(t *testing.T) {
 		t.Errorf("error %v, want one about too many addresses", err)
 	}
 }
+
+// TestTranslateRejectsAddressesOfNoOneHost: istiod's addresses were only
+// checked for length. A ServiceEntry's VIP at the cloud metadata server
+// (link-local) would have every meshed pod's requests to it go to that
+// entry's endpoints; a loopback, unspecified, multicast or broadcast
+// address means no one host either. Such a workload, service or waypoint
+// is rejected (NACKed, the last good version kept).
+func TestTranslateRejectsAddressesOfNoOneHost(t *testing.T) {
+	for _, bad := range []string{"169.254.169.254", "fe80::1", "127.0.0.1", "::1", "0.0.0.0", "::", "224.0.0.1", "ff02::1", "255.255.255.255", "0.1.2.3", "::ffff:127.0.0.1"} {
+		raw := netip.MustParseAddr(bad).AsSlice()
+		w := wlAddr("Kubernetes//Pod/shop/web-1", "web-1", "10.1.0.5", nil).GetWorkload()
+		w.Addresses = append(w.Addresses, raw)
+		if _, err := translateWorkload(w); err == nil || !strings.Contains(err.Error(), "address 1") {
+			t.Errorf("workload at %s: error %v", bad, err)
+		}
+		svc := &workloadapi.Service{Name: "meta", Namespace: "evil", Hostname: "meta.example", Addresses: []*workloadapi.NetworkAddress{{Address: raw}}}
+		if _, err := translateService(svc); err == nil || !strings.Contains(err.Error(), "address 0") {
+			t.Errorf("service VIP %s: error %v", bad, err)
+		}
+		w = wlAddr("Kubernetes//Pod/shop/web-1", "web-1", "10.1.0.5", nil).GetWorkload()
+		w.Waypoint = &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: raw}}, HboneMtlsPort: 15008}
+		if _, err := translateWorkload(w); err == nil || !strings.Contains(err.Error(), "waypoint") {
+			t.Errorf("waypoint at %s: error %v", bad, err)
+		}
+	}
+	svc := &workloadapi.Service{Name: "ext", Namespace: "shop", Hostname: "ext.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("240.240.0.1").AsSlice()}}}
+	if _, err := translateService(svc); err != nil {
+		t.Errorf("an address istiod allocates for a ServiceEntry (240.240/16): %v", err)
+	}
+}
