@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -180,6 +179,17 @@ func parseRunFlags(args []string) (agentConfig, error) {
 			return c, fmt.Errorf("%s: %q is not a positive duration such as 30s", s.name(d.val), *d.val)
 		}
 	}
+	if err := s.checkPortsApart(f.metrics, f.ready, f.admin); err != nil {
+		return c, err
+	}
+	if err := s.checkPaths(f.procDir, f.bpfRoot); err != nil {
+		return c, err
+	}
+	if c.cgroupRoot = *f.cgroupRoot; c.cgroupRoot != "" {
+		if err := s.checkPaths(f.cgroupRoot); err != nil {
+			return c, err
+		}
+	}
 	for _, sock := range []*string{f.cniSocket, f.handoverSocket} {
 		if err := checkSocketPath(*sock); err != nil {
 			return c, fmt.Errorf("%s: %w", s.name(sock), err)
@@ -224,9 +234,6 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if err := hbone.CheckReplyPoll(c.replyPoll); err != nil {
 		return c, fmt.Errorf("%s, %s: %w", s.name(f.replyPoll), s.name(f.replyPollCPU), err)
 	}
-	if c.cgroupRoot = *f.cgroupRoot; c.cgroupRoot != "" && !filepath.IsAbs(c.cgroupRoot) {
-		return c, fmt.Errorf("%s: %q is not an absolute path", s.name(f.cgroupRoot), c.cgroupRoot)
-	}
 	switch *f.tcMode {
 	case "auto", "tcx":
 	case "legacy":
@@ -237,7 +244,11 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if c.telemetry, err = f.telemetry.parse(s); err != nil {
 		return c, err
 	}
-	if err := c.logLevel.UnmarshalText([]byte(*f.logLevel)); err != nil {
+	// Only the names, as POST /logging takes them: slog's own parser also
+	// took offsets ("info+2", "debug-100") that name no level the agent
+	// logs at.
+	var ok bool
+	if c.logLevel, ok = admin.ParseLevel(*f.logLevel); !ok {
 		return c, fmt.Errorf("%s: %q is not debug, info, warn or error", s.name(f.logLevel), *f.logLevel)
 	}
 	if c.data.ProbeSNATv4, c.data.ProbeSNATv6, err = probe.ParseSNAT(*f.probe4, *f.probe6); err != nil {
@@ -554,12 +565,13 @@ const defaultHandoverSocket = "/var/run/redirector/handover.sock"
 // own; a successor agent) find: a relative or unclean path, or one too long
 // for a unix socket.
 func checkSocketPath(path string) error {
-	switch {
-	case path == "":
+	if path == "" {
 		return nil
-	case !filepath.IsAbs(path) || filepath.Clean(path) != path:
-		return fmt.Errorf("%q is not an absolute, clean path", path)
-	case len(path) > maxSocketPath:
+	}
+	if err := checkCleanPath(path); err != nil {
+		return err
+	}
+	if len(path) > maxSocketPath {
 		return fmt.Errorf("%q has %d bytes, more than the %d a unix socket's name leaves it", path, len(path), maxSocketPath)
 	}
 	return nil

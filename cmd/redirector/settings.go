@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -118,6 +120,82 @@ func checkAddr(addr string) error {
 		return fmt.Errorf("host %q is neither an IP address nor a DNS name", host)
 	}
 	return nil
+}
+
+// checkCleanPath accepts an absolute path with nothing to clean: no empty,
+// "." or ".." element and no trailing slash. The agent joins names to such
+// paths and compares them (its pins under BPF_ROOT, a pod's network
+// namespace under PROC_DIR, the cgroup its programs attach to), and hands
+// them to processes with another working directory (the CNI plugin, a
+// successor agent, `redirector uninstall`): a relative path would name
+// another place there, an unclean one the same place under another name.
+func checkCleanPath(path string) error {
+	if !filepath.IsAbs(path) || filepath.Clean(path) != path {
+		return fmt.Errorf("%q is not an absolute, clean path", path)
+	}
+	return nil
+}
+
+// checkPaths fails naming the first of values that is not an absolute,
+// clean path (an empty one included).
+func (s *settings) checkPaths(values ...*string) error {
+	for _, v := range values {
+		if err := checkCleanPath(*v); err != nil {
+			return fmt.Errorf("%s: %w", s.name(v), err)
+		}
+	}
+	return nil
+}
+
+// checkPortsApart refuses two of the agent's listen addresses that share a
+// port on overlapping hosts: the same host, or either one every address
+// (an empty host, 0.0.0.0 or ::). The endpoints bind with SO_REUSEPORT, so
+// that an upgrading agent binds them beside its predecessor: two endpoints
+// on one port would both bind without error, and the kernel would spread
+// connections over them, so kubelet's probe would reach /metrics at
+// random and the agent would flap NotReady. Port 0 (the kernel's choice)
+// never clashes; hosts given by name are compared as written.
+func (s *settings) checkPortsApart(values ...*string) error {
+	for i, a := range values {
+		for _, b := range values[:i] {
+			if port, ok := sharePort(*a, *b); ok {
+				return fmt.Errorf("%s %q and %s %q share port %d on overlapping hosts: both would bind, each getting some of the other's connections; give each a port of its own",
+					s.name(a), *a, s.name(b), *b, port)
+			}
+		}
+	}
+	return nil
+}
+
+// sharePort reports whether the host:port addresses a and b (checked by
+// checkAddr, or empty for an endpoint left out) would take each other's
+// connections, and on which port.
+func sharePort(a, b string) (uint64, bool) {
+	if a == "" || b == "" {
+		return 0, false
+	}
+	hostA, portA, _ := net.SplitHostPort(a)
+	hostB, portB, _ := net.SplitHostPort(b)
+	pa, _ := strconv.ParseUint(portA, 10, 16)
+	pb, _ := strconv.ParseUint(portB, 10, 16)
+	if pa != pb || pa == 0 {
+		return 0, false
+	}
+	return pa, isWildcardHost(hostA) || isWildcardHost(hostB) || sameHost(hostA, hostB)
+}
+
+func isWildcardHost(host string) bool {
+	ip, err := netip.ParseAddr(host)
+	return host == "" || err == nil && ip.IsUnspecified()
+}
+
+func sameHost(a, b string) bool {
+	ipA, errA := netip.ParseAddr(a)
+	ipB, errB := netip.ParseAddr(b)
+	if errA == nil && errB == nil {
+		return ipA.Unmap() == ipB.Unmap()
+	}
+	return strings.EqualFold(a, b)
 }
 
 // help prints the synopsis and every setting with its type, env twin and

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"fmt"
+	"log/slog"
 	"os"
 	"regexp"
 	"strings"
@@ -124,6 +126,99 @@ func TestRunSettingsNamesAreValidated(t *testing.T) {
 	} {
 		if _, err := parseRunFlags(args); err != nil {
 			t.Errorf("parseRunFlags(%q) = %v, want no error", args, err)
+		}
+	}
+}
+
+// TestRunSettingsEndpointsNeedPortsApart: the endpoints bind with
+// SO_REUSEPORT (an upgrading agent binds them beside its predecessor), so
+// two of them on one port of overlapping hosts both started, and the
+// kernel spread connections over the two: kubelet's probe reached /metrics
+// at random. Such settings now fail at start, naming both.
+func TestRunSettingsEndpointsNeedPortsApart(t *testing.T) {
+	base := []string{"--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{args: append(base, "--metrics-addr", ":15020", "--readiness-addr", ":15020"),
+			want: `--readiness-addr (READINESS_ADDR) ":15020" and --metrics-addr (METRICS_ADDR) ":15020" share port 15020 on overlapping hosts`},
+		{args: append(base, "--admin-addr", ":15020"), want: `--admin-addr (ADMIN_ADDR) ":15020" and --metrics-addr (METRICS_ADDR) ":15020"`},
+		// The default 127.0.0.1:15000 is inside every address.
+		{args: append(base, "--metrics-addr", "0.0.0.0:15000"), want: `--admin-addr (ADMIN_ADDR) "127.0.0.1:15000" and --metrics-addr (METRICS_ADDR) "0.0.0.0:15000"`},
+		{args: append(base, "--readiness-addr", "[::]:15000"), want: `--admin-addr (ADMIN_ADDR) "127.0.0.1:15000" and --readiness-addr (READINESS_ADDR) "[::]:15000"`},
+		{args: append(base, "--metrics-addr", "10.0.0.1:9000", "--readiness-addr", "10.0.0.1:09000"), want: "share port 9000"},
+		{args: append(base, "--metrics-addr", "[::ffff:10.0.0.1]:9000", "--readiness-addr", "10.0.0.1:9000"), want: "share port 9000"},
+		{args: append(base, "--metrics-addr", "Node-A:9000", "--readiness-addr", "node-a:9000"), want: "share port 9000"},
+	} {
+		_, err := parseRunFlags(tc.args)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("parseRunFlags(%q) = %v, want an error containing %q", tc.args[len(base):], err, tc.want)
+		}
+	}
+	for _, args := range [][]string{
+		append(base, "--metrics-addr", "10.0.0.1:15020", "--readiness-addr", "10.0.0.2:15020"), // two hosts of their own
+		append(base, "--metrics-addr", "127.0.0.1:0", "--readiness-addr", "127.0.0.1:0", "--admin-addr", ":0"),
+		append(base, "--metrics-addr", "", "--readiness-addr", ":15021", "--admin-addr", ""), // endpoints left out
+	} {
+		if _, err := parseRunFlags(args); err != nil {
+			t.Errorf("parseRunFlags(%q) = %v, want no error", args[len(base):], err)
+		}
+	}
+}
+
+// TestRunSettingsDirectoriesAreAbsoluteAndClean: PROC_DIR, BPF_ROOT and
+// CGROUP_ROOT are refused, named, unless absolute and clean, as the socket
+// paths are. Before, a relative PROC_DIR or BPF_ROOT (an empty one too) was
+// taken relative to the agent's working directory, and CGROUP_ROOT had only
+// to be absolute: /sys/fs/cgroup/../../etc passed.
+func TestRunSettingsDirectoriesAreAbsoluteAndClean(t *testing.T) {
+	base := []string{"--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{args: append(base, "--proc-dir", "proc"), want: `--proc-dir (PROC_DIR): "proc" is not an absolute, clean path`},
+		{args: append(base, "--proc-dir", ""), want: `--proc-dir (PROC_DIR): "" is not an absolute, clean path`},
+		{args: append(base, "--proc-dir", "/host/proc/"), want: `--proc-dir (PROC_DIR): "/host/proc/" is not an absolute, clean path`},
+		{args: append(base, "--bpf-root", "bpf"), want: `--bpf-root (BPF_ROOT): "bpf" is not an absolute, clean path`},
+		{args: append(base, "--bpf-root", "/sys/fs/bpf//redirector"), want: `--bpf-root (BPF_ROOT): "/sys/fs/bpf//redirector" is not an absolute, clean path`},
+		{args: append(base, "--cgroup-root", "/sys/fs/cgroup/../../etc"), want: `--cgroup-root (CGROUP_ROOT): "/sys/fs/cgroup/../../etc" is not an absolute, clean path`},
+		{args: append(base, "--cgroup-root", "sys/fs/cgroup"), want: `--cgroup-root (CGROUP_ROOT): "sys/fs/cgroup" is not an absolute, clean path`},
+	} {
+		_, err := parseRunFlags(tc.args)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("parseRunFlags(%q) = %v, want an error containing %q", tc.args[len(base):], err, tc.want)
+		}
+	}
+	cfg, err := parseRunFlags(append(base, "--proc-dir", "/host/proc", "--bpf-root", "/sys/fs/bpf/r", "--cgroup-root", ""))
+	if err != nil || cfg.procDir != "/host/proc" || cfg.bpfRoot != "/sys/fs/bpf/r" || cfg.cgroupRoot != "" {
+		t.Errorf("clean paths and an empty CGROUP_ROOT: %v (proc %q bpf %q cgroup %q), want them taken", err, cfg.procDir, cfg.bpfRoot, cfg.cgroupRoot)
+	}
+	// uninstall takes the same two directories.
+	if _, _, err := parseUninstallFlags([]string{"--bpf-root", "bpf"}); err == nil || !strings.Contains(err.Error(), `--bpf-root (BPF_ROOT): "bpf" is not an absolute, clean path`) {
+		t.Errorf("uninstall --bpf-root bpf: %v, want an error naming the setting", err)
+	}
+	if _, _, err := parseUninstallFlags([]string{"--proc-dir", "/proc/./"}); err == nil || !strings.Contains(err.Error(), `--proc-dir (PROC_DIR): "/proc/./" is not an absolute, clean path`) {
+		t.Errorf("uninstall --proc-dir /proc/./: %v, want an error naming the setting", err)
+	}
+}
+
+// TestRunSettingsLogLevelOnlyNames: LOG_LEVEL takes the names listed in
+// its help, in any case, and nothing else. Before, slog's parser took
+// offsets too ("debug-100", "INFO+2"), levels no log line is written at
+// and which POST /logging refuses.
+func TestRunSettingsLogLevelOnlyNames(t *testing.T) {
+	base := []string{"--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	for _, level := range []string{"debug-100", "INFO+2", "warning", ""} {
+		_, err := parseRunFlags(append(base, "--log-level", level))
+		if want := fmt.Sprintf("--log-level (LOG_LEVEL): %q is not debug, info, warn or error", level); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("--log-level %q: %v, want an error containing %q", level, err, want)
+		}
+	}
+	for level, want := range map[string]slog.Level{"debug": slog.LevelDebug, "Info": slog.LevelInfo, "WARN": slog.LevelWarn, "error": slog.LevelError} {
+		if cfg, err := parseRunFlags(append(base, "--log-level", level)); err != nil || cfg.logLevel != want {
+			t.Errorf("--log-level %q: %v, level %s, want %s", level, err, cfg.logLevel, want)
 		}
 	}
 }

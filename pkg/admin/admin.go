@@ -47,12 +47,26 @@ type Options struct {
 }
 
 // Bounds of every request, whoever sends it: the endpoints take no body
-// but pprof's symbol lookups, and no header set of an honest caller comes
-// near 16 KiB (net/http's default is 1 MiB).
+// but pprof's symbol lookups (a few KiB from the pprof tool), and no header
+// set of an honest caller comes near 16 KiB (net/http's default is 1 MiB).
+// A metrics or readiness answer must be written within writeTimeout.
 const (
 	maxHeaderBytes = 16 << 10
+	maxBodyBytes   = 64 << 10
 	readTimeout    = 10 * time.Second
 	writeTimeout   = 30 * time.Second
+)
+
+// maxProfileSeconds bounds how long a profile or trace asked of the admin
+// endpoint runs (its seconds parameter; see boundProfile): the runtime's
+// tracer or CPU profiler stays on, and a trace's buffers fill, for as long
+// as it runs, whether or not the caller reads. The admin server's write
+// timeout is just above it, so that pprof's own check of a duration against
+// the server's write timeout applies too, and a caller that stops reading
+// is cut off rather than holding the profile's answer for ever.
+const (
+	maxProfileSeconds = 60
+	adminWriteTimeout = (maxProfileSeconds + 5) * time.Second
 )
 
 // Servers are the running endpoints.
@@ -108,20 +122,27 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		if e.name == "admin" {
 			total = maxConnsPerSource // one local caller's worth: it is on loopback
 		}
-		l = newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
+		ll := newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
+		l = ll
 		srv := &http.Server{
-			Handler:           e.handler(),
+			Handler:           boundBody(e.handler()),
 			ReadHeaderTimeout: 5 * time.Second,
 			ReadTimeout:       readTimeout,
+			WriteTimeout:      writeTimeout,
 			IdleTimeout:       time.Minute,
 			MaxHeaderBytes:    maxHeaderBytes,
+			ConnState:         ll.connState, // which connections are idle, and so evictable
 			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 		}
-		if e.name != "admin" {
-			// pprof's profile and trace run as long as asked (and refuse a
-			// duration past the write timeout), so only the other endpoints,
-			// whose answers are small, bound how long a reader may take.
-			srv.WriteTimeout = writeTimeout
+		switch e.name {
+		case "admin":
+			// pprof's profile and trace run as long as asked, up to
+			// maxProfileSeconds, before their answer is written.
+			srv.WriteTimeout = adminWriteTimeout
+		case "readiness":
+			// kubelet opens a connection per probe and never reuses it:
+			// an idle keep-alive connection there only holds a slot.
+			srv.SetKeepAlivesEnabled(false)
 		}
 		s.servers = append(s.servers, srv)
 		if e.name == "readiness" {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"log/slog"
 	"net"
+	"net/http"
 	"net/netip"
 	"sync"
 	"time"
@@ -18,9 +19,18 @@ import (
 // its own: a caller who opens connections and keeps them busy (a header
 // sent a byte at a time, a request every minute) could hold as many as it
 // likes. So each endpoint holds a bounded number of connections, and one
-// client address a bounded share of them; a connection over either bound
-// is closed as soon as it is accepted. Prometheus keeps one connection per
-// target, kubelet opens one per probe.
+// client address a bounded share of them. Prometheus keeps one connection
+// per target, kubelet opens one per probe.
+//
+// A connection over a bound first evicts an idle keep-alive connection (one
+// that was answered and waits for its next request): the one idle longest
+// of the client address holding the most connections, or of its own
+// address if that is the bound it is over. Otherwise eight addresses that
+// each send one honest request on 16 connections and then idle would hold
+// every slot for the server's idle timeout (a minute), and kubelet's probe
+// would be closed at accept: the agent would stay NotReady. Only a
+// connection that no idle one can make room for is closed as soon as it is
+// accepted.
 const (
 	// maxConnsPerEndpoint bounds the open connections of one endpoint.
 	maxConnsPerEndpoint = 128
@@ -35,11 +45,13 @@ const (
 const limitLogEvery = time.Minute
 
 // connMetrics counts the endpoints' connections, by endpoint: those open,
-// and those closed at accept over a bound (limit "endpoint" or
-// "per_source"), which the log reports only once a minute.
+// those closed at accept over a bound (limit "endpoint" or "per_source"),
+// which the log reports only once a minute, and the idle ones evicted to
+// admit a new one.
 type connMetrics struct {
 	open    *prometheus.GaugeVec
 	refused *prometheus.CounterVec
+	evicted *prometheus.CounterVec
 }
 
 // newConnMetrics returns the connection metrics, registered with reg if it
@@ -52,14 +64,19 @@ func newConnMetrics(reg prometheus.Registerer) *connMetrics {
 		}, []string{"endpoint"}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_endpoint_refused_connections_total",
-			Help: "Connections the agent's HTTP endpoints closed at accept, by endpoint and the bound they were over (endpoint: all its connections; per_source: one client address's).",
+			Help: "Connections the agent's HTTP endpoints closed at accept, by endpoint and the bound they were over (endpoint: all its connections; per_source: one client address's), when no idle keep-alive connection could be evicted for them.",
 		}, []string{"endpoint", "limit"}),
+		evicted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_endpoint_evicted_connections_total",
+			Help: "Idle keep-alive connections the agent's HTTP endpoints closed to admit a new connection over a bound (the one idle longest of the client address holding the most connections, or of the new connection's own address when that is the bound), by endpoint.",
+		}, []string{"endpoint"}),
 	}
 	if reg == nil {
 		return m
 	}
 	m.open = registered(reg, m.open)
 	m.refused = registered(reg, m.refused)
+	m.evicted = registered(reg, m.evicted)
 	return m
 }
 
@@ -77,8 +94,9 @@ func registered[C prometheus.Collector](reg prometheus.Registerer, c C) C {
 	return c
 }
 
-// limitListener accepts connections within the bounds above and closes
-// the others at once.
+// limitListener accepts connections within the bounds above, evicting idle
+// ones to make room, and closes the others at once. Its server must report
+// connection states to connState.
 type limitListener struct {
 	net.Listener
 	name             string
@@ -87,19 +105,23 @@ type limitListener struct {
 	openGauge        prometheus.Gauge
 	refusedTotal     prometheus.Counter // over total
 	refusedPerSource prometheus.Counter // over perSource
+	evicted          prometheus.Counter
 
 	mu     sync.Mutex
 	open   int
 	bySrc  map[netip.Addr]int
-	closed uint64    // over a bound, closed at accept, since logged
-	logged time.Time // when that was last logged
+	idle   map[*limitedConn]time.Time // idle keep-alive connections, and since when
+	closed uint64                     // over a bound, closed at accept, since logged
+	logged time.Time                  // when that was last logged
 }
 
 func newLimitListener(l net.Listener, name string, total, perSource int, m *connMetrics, log *slog.Logger) *limitListener {
-	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log, bySrc: map[netip.Addr]int{},
+	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log,
+		bySrc: map[netip.Addr]int{}, idle: map[*limitedConn]time.Time{},
 		openGauge:        m.open.WithLabelValues(name),
 		refusedTotal:     m.refused.WithLabelValues(name, "endpoint"),
 		refusedPerSource: m.refused.WithLabelValues(name, "per_source"),
+		evicted:          m.evicted.WithLabelValues(name),
 	}
 }
 
@@ -110,43 +132,108 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		if err != nil {
 			return nil, err
 		}
-		src := sourceOf(c)
-		l.mu.Lock()
-		if overTotal := l.open >= l.total; overTotal || l.bySrc[src] >= l.perSource {
-			if overTotal {
-				l.refusedTotal.Inc()
-			} else {
-				l.refusedPerSource.Inc()
-			}
-			l.closed++
-			var n uint64
-			if now := time.Now(); now.Sub(l.logged) >= limitLogEvery {
-				n, l.closed, l.logged = l.closed, 0, now
-			}
+		if lc := l.admit(c); lc != nil {
+			return lc, nil
+		}
+		c.Close()
+	}
+}
+
+// admit takes c's slot, evicting an idle connection if c is over a bound,
+// or returns nil if it cannot.
+func (l *limitListener) admit(c net.Conn) *limitedConn {
+	src := sourceOf(c)
+	l.mu.Lock()
+	overTotal, overSource := l.open >= l.total, l.bySrc[src] >= l.perSource
+	var victim *limitedConn
+	if overTotal || overSource {
+		if victim = l.evictable(src, overSource); victim == nil {
+			n := l.countRefused(overTotal)
 			l.mu.Unlock()
-			c.Close()
 			if n > 0 {
 				l.log.Warn("http endpoint closes connections over its limit", "endpoint", l.name, "source", src,
 					"closed", n, "limit", l.total, "limit_per_source", l.perSource)
 			}
+			return nil
+		}
+		l.releaseLocked(victim)
+	}
+	lc := &limitedConn{Conn: c, l: l, src: src}
+	l.open++
+	l.bySrc[src]++
+	l.openGauge.Inc()
+	l.mu.Unlock()
+	if victim != nil {
+		victim.Conn.Close() // its server's read fails, and it forgets the connection
+		l.evicted.Inc()
+	}
+	return lc
+}
+
+// evictable is the idle connection to close for a new one from src: the
+// one idle longest of src's own if src is over its bound, otherwise of the
+// address holding the most connections. nil if none is idle.
+func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
+	var victim *limitedConn
+	for c, since := range l.idle {
+		if ownOnly && c.src != src {
 			continue
 		}
-		l.open++
-		l.bySrc[src]++
-		l.mu.Unlock()
-		l.openGauge.Inc()
-		return &limitedConn{Conn: c, l: l, src: src}, nil
+		if victim == nil || l.bySrc[c.src] > l.bySrc[victim.src] ||
+			(l.bySrc[c.src] == l.bySrc[victim.src] && since.Before(l.idle[victim])) {
+			victim = c
+		}
+	}
+	return victim
+}
+
+// countRefused counts a connection closed over a bound and returns how
+// many to log now: all since the last line, once a minute, else 0.
+func (l *limitListener) countRefused(overTotal bool) uint64 {
+	if overTotal {
+		l.refusedTotal.Inc()
+	} else {
+		l.refusedPerSource.Inc()
+	}
+	l.closed++
+	var n uint64
+	if now := time.Now(); now.Sub(l.logged) >= limitLogEvery {
+		n, l.closed, l.logged = l.closed, 0, now
+	}
+	return n
+}
+
+// connState is the server's ConnState hook: it tells which connections are
+// idle between requests, and so evictable.
+func (l *limitListener) connState(c net.Conn, state http.ConnState) {
+	lc, ok := c.(*limitedConn)
+	if !ok {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if lc.released {
+		return
+	}
+	if state == http.StateIdle {
+		l.idle[lc] = time.Now()
+	} else {
+		delete(l.idle, lc)
 	}
 }
 
-func (l *limitListener) release(src netip.Addr) {
-	l.openGauge.Dec()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.open--
-	if l.bySrc[src]--; l.bySrc[src] <= 0 {
-		delete(l.bySrc, src) // the map holds only addresses with open connections
+// releaseLocked gives c's slot back, once.
+func (l *limitListener) releaseLocked(c *limitedConn) {
+	if c.released {
+		return
 	}
+	c.released = true
+	l.openGauge.Dec()
+	l.open--
+	if l.bySrc[c.src]--; l.bySrc[c.src] <= 0 {
+		delete(l.bySrc, c.src) // the map holds only addresses with open connections
+	}
+	delete(l.idle, c)
 }
 
 func sourceOf(c net.Conn) netip.Addr {
@@ -158,16 +245,18 @@ func sourceOf(c net.Conn) netip.Addr {
 	return netip.Addr{}
 }
 
-// limitedConn gives its slot back when it is closed, once.
+// limitedConn gives its slot back when it is closed or evicted.
 type limitedConn struct {
 	net.Conn
-	l    *limitListener
-	src  netip.Addr
-	once sync.Once
+	l        *limitListener
+	src      netip.Addr
+	released bool // under l.mu
 }
 
 func (c *limitedConn) Close() error {
 	err := c.Conn.Close()
-	c.once.Do(func() { c.l.release(c.src) })
+	c.l.mu.Lock()
+	c.l.releaseLocked(c)
+	c.l.mu.Unlock()
 	return err
 }

@@ -1,12 +1,18 @@
 package admin
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/pprof"
+	"net/netip"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -18,24 +24,93 @@ import (
 // while the other metrics are still served, so one broken source does not
 // blind every dashboard.
 //
-// A scrape reads every BPF map and series, so scrapes beyond
-// maxScrapesInFlight at once are answered 503 rather than queued: anyone
-// who reaches the port (every pod can) could otherwise make the agent spend
-// its CPU gathering metrics.
+// A scrape reads every BPF map and series and holds its answer until it is
+// written, so scrapes beyond maxScrapesInFlight at once, or beyond
+// maxScrapesPerSource from one client address, are answered 503 rather
+// than queued: anyone who reaches the port (every pod can) could otherwise
+// make the agent spend its CPU gathering metrics, or start scrapes it
+// never reads (each held to the write timeout) and leave Prometheus none.
 func metricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
+	scrapes := newInFlight(maxScrapesInFlight, maxScrapesPerSource)
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
-		ErrorLog:            slog.NewLogLogger(log.Handler(), slog.LevelError),
-		ErrorHandling:       promhttp.ContinueOnError,
-		Registry:            reg,
-		MaxRequestsInFlight: maxScrapesInFlight,
-	}))
+	mux.Handle("GET /metrics", scrapes.limit(
+		fmt.Sprintf("busy: %d scrapes in flight at most, %d per client address; try again later", maxScrapesInFlight, maxScrapesPerSource),
+		promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+			ErrorLog:      slog.NewLogLogger(log.Handler(), slog.LevelError),
+			ErrorHandling: promhttp.ContinueOnError,
+			Registry:      reg,
+		})))
 	return mux
 }
 
-// maxScrapesInFlight is how many scrapes are gathered at once: an HA pair
-// of Prometheus servers and a person with curl.
-const maxScrapesInFlight = 4
+// maxScrapesInFlight is how many scrapes are gathered and written at once:
+// an HA pair of Prometheus servers and a person with curl.
+// maxScrapesPerSource is how many of them one client address may have:
+// each of those has an address of its own, and Prometheus scrapes a
+// target one scrape at a time.
+const (
+	maxScrapesInFlight  = 4
+	maxScrapesPerSource = 1
+)
+
+// inFlight bounds the requests a handler serves at once, in all and per
+// client address.
+type inFlight struct {
+	total, perSource int
+
+	mu    sync.Mutex
+	n     int
+	bySrc map[netip.Addr]int
+}
+
+func newInFlight(total, perSource int) *inFlight {
+	return &inFlight{total: total, perSource: perSource, bySrc: map[netip.Addr]int{}}
+}
+
+// limit serves h within the bounds, and answers 503 with busy past them.
+// A request holds its slot until h returns, its answer written.
+func (f *inFlight) limit(busy string, h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		src := remoteAddr(r)
+		if !f.acquire(src) {
+			w.Header().Set("Retry-After", "1")
+			http.Error(w, busy, http.StatusServiceUnavailable)
+			return
+		}
+		defer f.release(src)
+		h.ServeHTTP(w, r)
+	})
+}
+
+func (f *inFlight) acquire(src netip.Addr) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.n >= f.total || f.bySrc[src] >= f.perSource {
+		return false
+	}
+	f.n++
+	f.bySrc[src]++
+	return true
+}
+
+func (f *inFlight) release(src netip.Addr) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.n--
+	if f.bySrc[src]--; f.bySrc[src] <= 0 {
+		delete(f.bySrc, src)
+	}
+}
+
+// remoteAddr is the client address of r (the zero address, one bucket for
+// all, if the server gave none).
+func remoteAddr(r *http.Request) netip.Addr {
+	ap, err := netip.ParseAddrPort(r.RemoteAddr)
+	if err != nil {
+		return netip.Addr{}
+	}
+	return ap.Addr().Unmap()
+}
 
 // readinessHandler answers 200 only while ready says so, and 503 with the
 // reason otherwise.
@@ -57,7 +132,7 @@ func readinessHandler(ready func() (bool, string)) http.Handler {
 // adminEndpoints are listed by GET / for whoever lands on the admin port.
 var adminEndpoints = []string{
 	"GET  /config_dump             workloads, services, policies, certificates, workloadState (ztunnel's shape); pods, certs, meshPolicies",
-	"GET  /debug/pprof/            Go profiles (net/http/pprof)",
+	fmt.Sprintf("GET  /debug/pprof/            Go profiles (net/http/pprof); a profile or trace runs for seconds=N, at most %d", maxProfileSeconds),
 	"GET  /logging                 the current log level",
 	"POST /logging?level=LEVEL     set the log level: debug, info, warn or error",
 }
@@ -71,32 +146,85 @@ func adminHandler(sections map[string]func() any, level *slog.LevelVar, log *slo
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprintln(w, strings.Join(adminEndpoints, "\n"))
 	})
-	mux.HandleFunc("GET /config_dump", configDump(sections))
-	mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+	mux.Handle("GET /config_dump", configDump(sections))
+	mux.HandleFunc("GET /debug/pprof/", boundProfile(pprof.Index)) // named profiles, with ?seconds= a delta
 	mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("GET /debug/pprof/profile", boundProfile(pprof.Profile))
 	mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("POST /debug/pprof/symbol", pprof.Symbol) // the pprof tool posts its lookups
-	mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+	mux.HandleFunc("POST /debug/pprof/symbol", symbol) // the pprof tool posts its lookups
+	mux.HandleFunc("GET /debug/pprof/trace", boundProfile(pprof.Trace))
 	mux.HandleFunc("GET /logging", showLevel(level))
 	mux.HandleFunc("POST /logging", setLevel(level, log))
 	return mux
+}
+
+// boundBody stops a handler reading more than maxBodyBytes of a request's
+// body: none of the endpoints takes more, and what a handler reads it may
+// hold (pprof's symbol lookup holds its whole answer while it reads).
+func boundBody(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, maxBodyBytes)
+		h.ServeHTTP(w, r)
+	})
+}
+
+// symbol answers the pprof tool's POSTed symbol lookups. The body is read
+// first, within maxBodyBytes (some 5,000 addresses; profiles of Go programs
+// carry their symbols and need no lookup), and one over it is refused with
+// 413 rather than answered in part.
+func symbol(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			http.Error(w, fmt.Sprintf("symbol lookup of more than %d bytes", tooLarge.Limit), http.StatusRequestEntityTooLarge)
+			return
+		}
+		http.Error(w, fmt.Sprintf("reading symbol lookup: %v", err), http.StatusBadRequest)
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	pprof.Symbol(w, r)
+}
+
+// boundProfile refuses a profile, trace or delta profile asked to run for
+// more than maxProfileSeconds (or for a duration that is not a positive
+// number): pprof itself runs one as long as it is asked, with the runtime's
+// profiler or tracer on all along.
+func boundProfile(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if v := r.URL.Query().Get("seconds"); v != "" {
+			if sec, err := strconv.ParseFloat(v, 64); err != nil || !(sec > 0 && sec <= maxProfileSeconds) {
+				http.Error(w, fmt.Sprintf("seconds=%s: a profile or trace on the admin endpoint runs for a positive number of seconds, at most %d seconds", v, maxProfileSeconds),
+					http.StatusBadRequest)
+				return
+			}
+		}
+		h(w, r)
+	}
 }
 
 // configDumpWrite bounds how long a reader may take to read a dump: each
 // one holds its copy until it is written.
 const configDumpWrite = time.Minute
 
+// maxDumpsInFlight is how many config dumps are built or written at once.
+const maxDumpsInFlight = 2
+
 // configDump writes every section as one JSON object. Each section is
 // marshalled on its own so that a failure names the section at fault.
 //
-// A dump of a large directory takes memory and CPU in proportion, so one
-// is built at a time (other callers wait their turn or give up), and a
-// caller that reads it slowly is cut off after configDumpWrite rather than
+// A dump of a large directory takes memory and CPU in proportion, and each
+// copy is held until its reader has taken it: so at most maxDumpsInFlight
+// dumps are built or written at once (others are answered 503), one of
+// them built at a time (the other waits its turn or gives up), and a caller
+// that reads its dump slowly is cut off after configDumpWrite rather than
 // holding its copy for ever.
-func configDump(sections map[string]func() any) http.HandlerFunc {
+func configDump(sections map[string]func() any) http.Handler {
+	dumps := newInFlight(maxDumpsInFlight, maxDumpsInFlight)
 	building := make(chan struct{}, 1)
-	return func(w http.ResponseWriter, r *http.Request) {
+	busy := fmt.Sprintf("config dump busy: %d dumps are being built or written; try again later", maxDumpsInFlight)
+	return dumps.limit(busy, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		select {
 		case building <- struct{}{}:
 		case <-r.Context().Done():
@@ -111,7 +239,7 @@ func configDump(sections map[string]func() any) http.HandlerFunc {
 		_ = http.NewResponseController(w).SetWriteDeadline(time.Now().Add(configDumpWrite))
 		w.Header().Set("Content-Type", "application/json")
 		w.Write(out) // the client is gone if this fails
-	}
+	}))
 }
 
 // buildDump marshals every section, indented, or names the one that fails.
@@ -131,12 +259,20 @@ func buildDump(sections map[string]func() any) (out []byte, failed string, err e
 	return append(out, '\n'), "", nil
 }
 
-// levels are the names /logging accepts, as the --log-level flag does.
+// levels are the names /logging and the LOG_LEVEL setting accept.
 var levels = map[string]slog.Level{
 	"debug": slog.LevelDebug,
 	"info":  slog.LevelInfo,
 	"warn":  slog.LevelWarn,
 	"error": slog.LevelError,
+}
+
+// ParseLevel returns the level that name stands for: debug, info, warn or
+// error, in any case. slog's own parser takes offsets too ("info+2", "debug-100"),
+// which name no level the agent logs at and which /logging would refuse.
+func ParseLevel(name string) (slog.Level, bool) {
+	l, ok := levels[strings.ToLower(name)]
+	return l, ok
 }
 
 // showLevel answers GET /logging. A GET never changes anything (as in
@@ -161,7 +297,7 @@ func setLevel(level *slog.LevelVar, log *slog.Logger) http.HandlerFunc {
 			http.Error(w, "missing level parameter (want debug, info, warn or error)", http.StatusBadRequest)
 			return
 		}
-		l, ok := levels[strings.ToLower(name)]
+		l, ok := ParseLevel(name)
 		if !ok {
 			http.Error(w, fmt.Sprintf("unknown level %q (want debug, info, warn or error)", name), http.StatusBadRequest)
 			return

@@ -3,9 +3,13 @@ package admin
 import (
 	"bufio"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -200,9 +204,11 @@ func TestMetricsBoundsConcurrentScrapes(t *testing.T) {
 	const n = maxScrapesInFlight + 6
 	var wg sync.WaitGroup
 	codes := make(chan int, n)
-	for range n {
+	for i := range n {
 		wg.Go(func() {
-			resp, err := (&http.Client{Timeout: 5 * time.Second}).Get("http://" + s.MetricsAddr() + "/metrics")
+			// Each from an address of its own: one address has one scrape
+			// in flight at most (TestMetricsScrapesBoundedPerSource).
+			resp, err := clientFrom(fmt.Sprintf("127.0.0.%d", 10+i)).Get("http://" + s.MetricsAddr() + "/metrics")
 			if err != nil {
 				codes <- 0
 				return
@@ -260,5 +266,336 @@ func TestConfigDumpOneAtATime(t *testing.T) {
 	wg.Wait()
 	if most > 1 {
 		t.Errorf("%d config dumps built at once, want 1", most)
+	}
+}
+
+// dialFrom opens a connection to addr's port on 127.0.0.1 from the
+// loopback address src: every 127/8 address reaches it, so one test plays
+// many client addresses.
+func dialFrom(t *testing.T, src, addr string) net.Conn {
+	t.Helper()
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: time.Second}
+	c, err := d.Dial("tcp", net.JoinHostPort("127.0.0.1", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// ask sends one HTTP/1.1 request for path on c, keep-alive unless the
+// server says otherwise, and returns the answer with its body read (or
+// the error, if the connection was closed instead).
+func ask(c net.Conn, path string) (*http.Response, error) {
+	c.SetDeadline(time.Now().Add(2 * time.Second))
+	defer c.SetDeadline(time.Time{})
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path); err != nil {
+		return nil, err
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		return nil, err
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp, err
+}
+
+// idleClients opens n keep-alive connections to addr from src, each
+// answered once and left idle, as a client that pools them does.
+func idleClients(t *testing.T, src, addr, path string, n int) []net.Conn {
+	t.Helper()
+	var conns []net.Conn
+	for range n {
+		c := dialFrom(t, src, addr)
+		if _, err := ask(c, path); err != nil {
+			t.Fatalf("request from %s: %v", src, err)
+		}
+		conns = append(conns, c)
+	}
+	return conns
+}
+
+// TestReadinessProbeNotStarvedByIdleClients: 8 client addresses (pods),
+// each within its 16 connections, sent one honest request on each and
+// kept them idle: all 128 slots were held for the idle timeout (a minute,
+// renewed at will), kubelet's probe was closed at accept and the agent
+// stayed NotReady. The readiness endpoint keeps no connection alive now
+// (kubelet reuses none), so the probe is answered.
+func TestReadinessProbeNotStarvedByIdleClients(t *testing.T) {
+	s := start(t, Options{})
+	for i := range maxConnsPerEndpoint / maxConnsPerSource {
+		idleClients(t, fmt.Sprintf("127.0.0.%d", 10+i), s.ReadinessAddr(), "/healthz/ready", maxConnsPerSource)
+	}
+	resp, err := ask(dialFrom(t, "127.0.0.200", s.ReadinessAddr()), "/healthz/ready")
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("probe from a fresh address while %d addresses idled %d connections each: %v %v, want 200",
+			maxConnsPerEndpoint/maxConnsPerSource, maxConnsPerSource, resp, err)
+	}
+}
+
+// TestReadinessClosesConnectionAfterAnswer: the readiness endpoint answers
+// "Connection: close" and closes, even to a client that asked for nothing.
+func TestReadinessClosesConnectionAfterAnswer(t *testing.T) {
+	s := start(t, Options{})
+	c := dialFrom(t, "127.0.0.1", s.ReadinessAddr())
+	resp, err := ask(c, "/healthz/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.Close {
+		t.Errorf("readiness answer without Connection: close: %v", resp.Header)
+	}
+	if stillOpen(t, []net.Conn{c}) != 0 {
+		t.Error("readiness endpoint keeps the connection open after its answer")
+	}
+}
+
+// TestIdleConnectionEvictedAtBound: when an endpoint holds its 128
+// connections, a new one evicts an idle keep-alive connection instead of
+// being refused: the one idle longest of the client address holding the
+// most connections. The eviction is counted.
+func TestIdleConnectionEvictedAtBound(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s := start(t, Options{Registry: reg})
+	// One address holds 16, eight others 14 each: 128 in all, every one
+	// idle. The server marks a connection idle after its answer is sent, so
+	// the first waits a little for it to be the one idle longest however
+	// the server's goroutines are scheduled.
+	heavy := idleClients(t, "127.0.0.10", s.MetricsAddr(), "/metrics", 1)
+	time.Sleep(50 * time.Millisecond)
+	heavy = append(heavy, idleClients(t, "127.0.0.10", s.MetricsAddr(), "/metrics", maxConnsPerSource-1)...)
+	for i := range 8 {
+		idleClients(t, fmt.Sprintf("127.0.0.%d", 20+i), s.MetricsAddr(), "/metrics", (maxConnsPerEndpoint-maxConnsPerSource)/8)
+	}
+	resp, err := ask(dialFrom(t, "127.0.0.200", s.MetricsAddr()), "/metrics")
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("scrape from a fresh address while %d idle connections are open: %v %v, want 200", maxConnsPerEndpoint, resp, err)
+	}
+	if stillOpen(t, heavy[:1]) != 0 {
+		t.Error("the heavy address's connection idle longest is still open")
+	}
+	if open := stillOpen(t, heavy[1:]); open != len(heavy)-1 {
+		t.Errorf("%d of the heavy address's other %d connections still open, want all: one eviction makes room for one", open, len(heavy)-1)
+	}
+	if got := metricValue(t, reg, "redirector_endpoint_evicted_connections_total", "metrics"); got != 1 {
+		t.Errorf("metrics evicted connections: %v, want 1", got)
+	}
+	if got := metricValue(t, reg, "redirector_endpoint_refused_connections_total", "metrics", "endpoint"); got > 0 {
+		t.Errorf("metrics refused connections over the endpoint bound: %v, want none", got)
+	}
+}
+
+// TestNewConnectionEvictsOwnIdleAtSourceBound: a client address at its own
+// bound (the admin endpoint's 16, all from loopback) that opens another
+// connection evicts its own connection idle longest, so a pooling client
+// cannot lock itself (or a second local caller) out for a minute.
+func TestNewConnectionEvictsOwnIdleAtSourceBound(t *testing.T) {
+	s := start(t, Options{})
+	conns := idleClients(t, "127.0.0.1", s.AdminAddr(), "/", 1)
+	time.Sleep(50 * time.Millisecond) // idle longest (TestIdleConnectionEvictedAtBound)
+	conns = append(conns, idleClients(t, "127.0.0.1", s.AdminAddr(), "/", maxConnsPerSource-1)...)
+	resp, err := ask(dialFrom(t, "127.0.0.1", s.AdminAddr()), "/logging")
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("a 17th connection while 16 idle: %v %v, want 200", resp, err)
+	}
+	if stillOpen(t, conns[:1]) != 0 {
+		t.Error("the connection idle longest is still open")
+	}
+}
+
+// TestMetricsScrapesBoundedPerSource: one client address that starts
+// scrapes and does not read them (each held to the 30 s write timeout)
+// took all 4 in-flight slots, and Prometheus got 503 meanwhile. An address
+// now has one scrape in flight at a time; more are answered 503 at once,
+// and another address is served.
+func TestMetricsScrapesBoundedPerSource(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	b := &blocking{desc: prometheus.NewDesc("slow", "A collector that blocks.", nil, nil), release: make(chan struct{})}
+	reg.MustRegister(b)
+	s := start(t, Options{Registry: reg})
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(b.release) }) }
+	defer release()
+
+	scrape := func(src string, codes chan<- int) {
+		resp, err := clientFrom(src).Get("http://" + s.MetricsAddr() + "/metrics")
+		if err != nil {
+			codes <- 0
+			return
+		}
+		resp.Body.Close()
+		codes <- resp.StatusCode
+	}
+	attacker := make(chan int, maxScrapesInFlight)
+	for range maxScrapesInFlight {
+		go scrape("127.0.0.10", attacker)
+	}
+	// All but one of the attacker's are turned away without waiting.
+	for range maxScrapesInFlight - 1 {
+		select {
+		case code := <-attacker:
+			if code != http.StatusServiceUnavailable {
+				t.Errorf("a second scrape from one address answered %d, want 503", code)
+			}
+		case <-time.After(2 * time.Second):
+			t.Fatalf("scrapes from one address all wait: %d gathered at once", b.inFlight())
+		}
+	}
+	other := make(chan int, 1)
+	go scrape("127.0.0.20", other)
+	for deadline := time.Now().Add(2 * time.Second); b.inFlight() < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("another address's scrape is not gathered while one address has a scrape in flight")
+		}
+	}
+	release()
+	if code := <-other; code != http.StatusOK {
+		t.Errorf("another address's scrape answered %d, want 200", code)
+	}
+	if code := <-attacker; code != http.StatusOK {
+		t.Errorf("the one admitted scrape answered %d, want 200", code)
+	}
+}
+
+// clientFrom is an HTTP client whose connections come from the loopback
+// address src.
+func clientFrom(src string) *http.Client {
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: time.Second}
+	return &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: d.DialContext, DisableKeepAlives: true}}
+}
+
+func (b *blocking) inFlight() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.inside
+}
+
+// stuckWriter is a ResponseWriter whose successful answer's body is never
+// taken (a reader that does not read): Write blocks until release closes.
+// Error answers are written at once.
+type stuckWriter struct {
+	header  http.Header
+	code    int
+	body    strings.Builder
+	writing chan<- struct{}
+	release <-chan struct{}
+}
+
+func (w *stuckWriter) Header() http.Header  { return w.header }
+func (w *stuckWriter) WriteHeader(code int) { w.code = code }
+func (w *stuckWriter) Write(p []byte) (int, error) {
+	if w.code == 0 || w.code == http.StatusOK {
+		w.writing <- struct{}{}
+		<-w.release
+	}
+	return w.body.Write(p)
+}
+
+// TestConfigDumpsInFlightBounded: dumps were built one at a time, but each
+// copy was held until its reader took it (up to a minute), so callers that
+// did not read held a copy each. At most maxDumpsInFlight are now built or
+// written at once; the next caller is answered 503 at once.
+func TestConfigDumpsInFlightBounded(t *testing.T) {
+	h := configDump(map[string]func() any{"x": func() any { return "dump" }})
+	writing, release := make(chan struct{}), make(chan struct{})
+	defer close(release)
+	for range maxDumpsInFlight {
+		go h.ServeHTTP(&stuckWriter{header: http.Header{}, writing: writing, release: release}, httptest.NewRequest(http.MethodGet, "/config_dump", nil))
+		select {
+		case <-writing:
+		case <-time.After(2 * time.Second):
+			t.Fatal("a config dump is not written")
+		}
+	}
+	done := make(chan *stuckWriter)
+	go func() {
+		w := &stuckWriter{header: http.Header{}, writing: writing, release: release}
+		h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/config_dump", nil))
+		done <- w
+	}()
+	select {
+	case w := <-done:
+		if w.code != http.StatusServiceUnavailable || !strings.Contains(w.body.String(), "busy") {
+			t.Errorf("dump while %d are written: %d %q, want 503 busy", maxDumpsInFlight, w.code, w.body.String())
+		}
+	case <-writing:
+		t.Errorf("a dump is built and written while %d others are held by readers that do not read", maxDumpsInFlight)
+	case <-time.After(2 * time.Second):
+		t.Error("a dump waits while others are written, want 503 at once")
+	}
+}
+
+// aFunctionWhoseAddressIsLookedUp is resolved by pprof's symbol lookup.
+func aFunctionWhoseAddressIsLookedUp() {}
+
+// TestPprofSymbolBodyBounded: POST /debug/pprof/symbol read a body of any
+// size while it held its whole answer in memory (a line per address), so a
+// local caller made the agent hold more than it sent. A body over
+// maxBodyBytes is refused with 413 now, and one within it still answered.
+func TestPprofSymbolBodyBounded(t *testing.T) {
+	s := start(t, Options{})
+	pc := fmt.Sprintf("%#x", reflect.ValueOf(aFunctionWhoseAddressIsLookedUp).Pointer())
+	post := func(body string) (int, string) {
+		resp, err := (&http.Client{Timeout: 5 * time.Second}).Post("http://"+s.AdminAddr()+"/debug/pprof/symbol", "text/plain", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.StatusCode, string(b)
+	}
+	if code, body := post(pc); code != http.StatusOK || !strings.Contains(body, "aFunctionWhoseAddressIsLookedUp") {
+		t.Errorf("lookup of one address: %d %.200q, want 200 naming the function", code, body)
+	}
+	// 1 MiB of the address: unbounded, the answer was about 7 MiB.
+	large := strings.Repeat(pc+"+", (1<<20)/(len(pc)+1))
+	code, body := post(large)
+	if code != http.StatusRequestEntityTooLarge || len(body) > 1<<10 {
+		t.Errorf("lookup of %d bytes: %d with %d bytes of answer, want 413 and a short answer", len(large), code, len(body))
+	}
+}
+
+// TestProfileDurationsBounded: the admin server had no write timeout, so a
+// profile or trace ran as long as its seconds asked (10^9 s): the runtime's
+// tracer stayed on, its buffers filling while the caller read nothing. A
+// duration over maxProfileSeconds (or not a positive number) is refused
+// now, saying the bound, for every profile that takes one.
+func TestProfileDurationsBounded(t *testing.T) {
+	s := start(t, Options{})
+	for _, path := range []string{
+		"/debug/pprof/trace?seconds=1000000000",
+		"/debug/pprof/profile?seconds=61",
+		"/debug/pprof/goroutine?seconds=3600", // a delta profile
+		"/debug/pprof/heap?seconds=inf",
+		"/debug/pprof/trace?seconds=NaN",
+		"/debug/pprof/trace?seconds=-1",
+	} {
+		code, body := get(t, "http://"+s.AdminAddr()+path)
+		if code != http.StatusBadRequest || !strings.Contains(body, fmt.Sprintf("at most %d seconds", maxProfileSeconds)) {
+			t.Errorf("GET %s: %d %q, want 400 saying the %d s bound", path, code, body, maxProfileSeconds)
+		}
+	}
+	if code, body := get(t, "http://"+s.AdminAddr()+"/debug/pprof/trace?seconds=0.1"); code != http.StatusOK {
+		t.Errorf("a trace of 0.1 s: %d %.200q, want 200", code, body)
+	}
+}
+
+// TestAdminServerWriteTimeoutAboveProfileBound: the admin server bounds
+// how long an answer may take, just above the longest profile, so that
+// pprof's own check of a duration against it applies and a caller that
+// stops reading a profile is cut off.
+func TestAdminServerWriteTimeoutAboveProfileBound(t *testing.T) {
+	s := start(t, Options{})
+	admin := s.servers[len(s.servers)-1] // started last
+	if wt := admin.WriteTimeout; wt <= maxProfileSeconds*time.Second || wt > maxProfileSeconds*time.Second+10*time.Second {
+		t.Errorf("admin server write timeout %v, want just above the %d s profile bound", wt, maxProfileSeconds)
 	}
 }
