@@ -39,6 +39,12 @@ import (
 // hold to another are a resource a setting makes the agent hold.
 const maxPoolConnsPerKey = 16
 
+// maxCertTTL bounds CERT_TTL at istiod's own maximum for workload
+// certificates (its MAX_WORKLOAD_CERT_TTL default, 90 days): a leaked key
+// should not stay good for years, and istiod would shorten the request
+// anyway.
+const maxCertTTL = 90 * 24 * time.Hour
+
 // agentConfig is every setting of `redirector run`, validated.
 type agentConfig struct {
 	node            string
@@ -202,8 +208,8 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if c.reconcilePeriod < time.Second {
 		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
 	}
-	if c.certTTL < 2*time.Minute {
-		return c, fmt.Errorf("%s: %s is shorter than the 2m minimum", s.name(f.ttl), c.certTTL)
+	if c.certTTL < 2*time.Minute || c.certTTL > maxCertTTL {
+		return c, fmt.Errorf("%s: %s is not from the 2m minimum to the %s maximum", s.name(f.ttl), c.certTTL, maxCertTTL)
 	}
 	if c.poolMaxStreams, err = strconv.Atoi(*f.maxStreams); err != nil || c.poolMaxStreams < 1 {
 		return c, fmt.Errorf("%s: %q is not a positive integer", s.name(f.maxStreams), *f.maxStreams)
@@ -228,8 +234,10 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if c.replyPoll.Window, err = time.ParseDuration(*f.replyPoll); err != nil {
 		return c, fmt.Errorf("%s: %q is not a duration", s.name(f.replyPoll), *f.replyPoll)
 	}
-	if c.replyPoll.CPU, err = strconv.ParseFloat(*f.replyPollCPU, 64); err != nil {
-		return c, fmt.Errorf("%s: %q is not a number", s.name(f.replyPollCPU), *f.replyPollCPU)
+	// Checked with polling off too: a bad value must not wait until
+	// someone turns polling on to be found.
+	if c.replyPoll.CPU, err = strconv.ParseFloat(*f.replyPollCPU, 64); err != nil || !(c.replyPoll.CPU > 0 && c.replyPoll.CPU <= 1) {
+		return c, fmt.Errorf("%s: %q is not a share of one CPU, more than 0 and at most 1", s.name(f.replyPollCPU), *f.replyPollCPU)
 	}
 	if err := hbone.CheckReplyPoll(c.replyPoll); err != nil {
 		return c, fmt.Errorf("%s, %s: %w", s.name(f.replyPoll), s.name(f.replyPollCPU), err)
