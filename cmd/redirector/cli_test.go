@@ -101,6 +101,7 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"XDS_ADDRESS=::1:15010"}, run, `--xds-address (XDS_ADDRESS): "::1:15010" is not host:port`},
 		{[]string{"NETWORK=east west"}, xds, `--network (NETWORK): "east west" is not a network name`},
 		{nil, []string{"inspect", "certs", "--admin-addr", "localhost"}, `--admin-addr (ADMIN_ADDR): "localhost" is not host:port`},
+		{[]string{"BPF_ROOT=/sys/fs/bpf/../x"}, []string{"inspect", "pods"}, `--bpf-root (BPF_ROOT): "/sys/fs/bpf/../x" is not an absolute, clean path`},
 	} {
 		_, stderr, code := cli(t, tc.env, tc.args...)
 		if code != 1 || !strings.Contains(stderr, tc.want) {

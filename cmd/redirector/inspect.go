@@ -49,6 +49,9 @@ func runInspect(ctx context.Context, args []string) error {
 	if !slices.Contains([]string{"table", "json", "yaml"}, *out) {
 		return fmt.Errorf("%s: unknown output format %q (want table, json or yaml)", s.name(out), *out)
 	}
+	if err := s.checkPaths(root); err != nil {
+		return err
+	}
 	switch what {
 	case "pods":
 		rows, err := inspectPods(*root)
