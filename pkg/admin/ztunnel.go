@@ -206,7 +206,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 
 // ZtunnelPolicies converts the AuthorizationPolicies the node's tunnel
 // holds as istiod would send them to ztunnel: those with a targetRef belong
-// to waypoints and an ALLOW whose selector has no labels selects no
+// to waypoints and an ALLOW whose selector has no matchLabels selects no
 // workload, so both are left out; dry-run ones are listed, marked.
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}

@@ -140,18 +140,22 @@ func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src 
 func key(ap *AuthorizationPolicy) string { return ap.Namespace + "/" + ap.Name }
 
 // notEnforced reports the policies istiod never has ztunnel enforce,
-// wherever they are: dry-run ones, and ALLOW policies whose selector has
-// no labels (workload-selector scope that no workload lists).
+// wherever they are: dry-run ones, and ALLOW policies with a selector
+// without matchLabels (workload-selector scope that no workload lists).
 func notEnforced(ap *AuthorizationPolicy) bool {
 	return ap.DryRun() || ap.SelectsNoWorkload()
 }
 
-// SelectsNoWorkload reports an ALLOW policy whose selector has no labels:
-// istiod gives it workload-selector scope and no workload lists it, so
-// ztunnel never applies it.
+// SelectsNoWorkload reports an ALLOW policy whose selector has no
+// matchLabels at all (`selector: {}`): istiod gives it workload-selector
+// scope with a nil label selector, which no workload lists, so ztunnel
+// never applies it. An empty but present `matchLabels: {}` is another
+// thing: istiod decodes it as an empty map, which selects every workload
+// in the policy's scope (every one in the mesh from the root namespace),
+// so such a policy applies, ALLOW and DENY alike.
 func (ap *AuthorizationPolicy) SelectsNoWorkload() bool {
 	allow := ap.Spec.Action == "" || ap.Spec.Action == ActionAllow
-	return allow && ap.Spec.Selector != nil && !hasSelector(ap.Spec.Selector)
+	return allow && ap.Spec.Selector != nil && ap.Spec.Selector.MatchLabels == nil
 }
 
 // DryRunAnnotation marks a policy that is only to be logged, not enforced.

@@ -505,18 +505,35 @@ spec: {action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/pr
 		{
 			// istiod gives it workload-selector scope and no workload
 			// lists it; applying it would admit cart here.
-			name: "allow with an empty selector applies to no workload, as istiod",
+			name: "allow with a selector without matchLabels applies to no workload, as istiod",
 			policies: `
 metadata: {name: allow-web, namespace: shop}
 spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}
 ---
 metadata: {name: empty-selector, namespace: shop}
-spec: {selector: {}, rules: [{}]}
----
-metadata: {name: empty-labels, namespace: istio-system}
-spec: {selector: {matchLabels: {}}, rules: [{}]}`,
+spec: {selector: {}, rules: [{}]}`,
 			dst:     dbTarget,
 			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
+		},
+		{
+			// istiod decodes `matchLabels: {}` as an empty map (jsonpb),
+			// which selects every workload in scope: the policy applies.
+			// Skipping it, as before, admitted web and cart here, whom
+			// Istio refuses.
+			name: "allow with empty matchLabels applies to every workload in scope, as istiod",
+			policies: `
+metadata: {name: only-blog, namespace: shop}
+spec: {selector: {matchLabels: {}}, rules: [{from: [{source: {namespaces: [prod-blog]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &cartPeer: false, &blogPeer: true},
+		},
+		{
+			name: "allow with empty matchLabels in the root namespace applies mesh-wide, as istiod",
+			policies: `
+metadata: {name: only-blog, namespace: istio-system}
+spec: {selector: {matchLabels: {}}, rules: [{from: [{source: {namespaces: [prod-blog]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &blogPeer: true},
 		},
 		{
 			name: "deny with an empty selector denies in its whole scope",
