@@ -211,14 +211,14 @@ func ruleMatches(r *Rule, action Action, policyNS string, c *conn) bool {
 	if action == ActionAllow && usesL7(r) {
 		return false
 	}
-	if len(r.From) > 0 && !slices.ContainsFunc(r.From, func(f From) bool { return sourceMatches(f.Source, policyNS, c) }) {
+	if len(r.From) > 0 && !slices.ContainsFunc(r.From, func(f From) bool { return sourceMatches(f.Source, action, policyNS, c) }) {
 		return false
 	}
 	if len(r.To) > 0 && !slices.ContainsFunc(r.To, func(t To) bool { return operationMatches(t.Operation, c) }) {
 		return false
 	}
 	for i := range r.When {
-		if !conditionMatches(&r.When[i], c) {
+		if !conditionMatches(&r.When[i], action, c) {
 			return false
 		}
 	}
@@ -246,14 +246,14 @@ func usesL7(r *Rule) bool {
 }
 
 // sourceMatches ignores L7 fields; a nil source (invalid) matches nothing.
-func sourceMatches(s *Source, policyNS string, c *conn) bool {
+func sourceMatches(s *Source, action Action, policyNS string, c *conn) bool {
 	if s == nil {
 		return false
 	}
 	return matchList(s.Principals, s.NotPrincipals, func(p string) bool { return matchString(p, c.principal) }) &&
 		matchList(s.Namespaces, s.NotNamespaces, func(p string) bool { return matchString(p, c.namespace) }) &&
 		matchList(s.ServiceAccounts, s.NotServiceAccounts, func(p string) bool { return matchServiceAccount(p, policyNS, c) }) &&
-		matchList(s.IPBlocks, s.NotIPBlocks, func(b string) bool { return matchIP(b, c.src) })
+		matchIPList(s.IPBlocks, s.NotIPBlocks, action, c.src)
 }
 
 // operationMatches ignores L7 fields; a nil operation (invalid) matches
@@ -267,17 +267,17 @@ func operationMatches(o *Operation, c *conn) bool {
 
 // conditionMatches decides one `when` entry; keys that are not L4 are
 // ignored (they only reach here in DENY rules).
-func conditionMatches(w *Condition, c *conn) bool {
+func conditionMatches(w *Condition, action Action, c *conn) bool {
 	var pred func(string) bool
 	switch w.Key {
 	case "source.ip":
-		pred = func(v string) bool { return matchIP(v, c.src) }
+		return matchIPList(w.Values, w.NotValues, action, c.src)
 	case "source.namespace":
 		pred = func(v string) bool { return matchString(v, c.namespace) }
 	case "source.principal":
 		pred = func(v string) bool { return matchString(v, c.principal) }
 	case "destination.ip":
-		pred = func(v string) bool { return matchIP(v, c.dst) }
+		return matchIPList(w.Values, w.NotValues, action, c.dst)
 	case "destination.port":
 		pred = func(v string) bool { return matchPort(v, c.port) }
 	default:
@@ -328,18 +328,33 @@ func matchServiceAccount(v, policyNS string, c *conn) bool {
 	return ns == c.namespace && sa == c.serviceAccount
 }
 
-// matchIP matches a CIDR or single address; malformed blocks match nothing
+// matchIPList is matchList for address blocks of a rule with action.
+// ztunnel matches a peer by its IPv4 address, so a block written
+// IPv4-mapped (::ffff:a.b.c.d/104) matches no IPv4 peer there. Its
+// writer meant the IPv4 block it carries; that reading is taken only where
+// it refuses more than ztunnel: a positive block of a DENY rule, a negative
+// block of an ALLOW rule. Elsewhere (a positive ALLOW block, a negative
+// DENY block) the block matches no IPv4 peer, as in ztunnel, or an ALLOW
+// of ::ffff:0:0/96 would admit every IPv4 client.
+func matchIPList(pos, neg []string, action Action, a netip.Addr) bool {
+	deny := action != ActionAllow
+	return matchList(pos, nil, func(b string) bool { return matchIP(b, a, deny) }) &&
+		!slices.ContainsFunc(neg, func(b string) bool { return matchIP(b, a, !deny) })
+}
+
+// matchIP matches a CIDR or single address, reading a mapped block as the
+// IPv4 block it carries if unmap is set; malformed blocks match nothing
 // (Validate reports them).
-func matchIP(block string, a netip.Addr) bool {
-	p, err := parseIPBlock(block)
+func matchIP(block string, a netip.Addr, unmap bool) bool {
+	p, err := parseIPBlock(block, unmap)
 	return err == nil && a.IsValid() && p.Contains(a)
 }
 
-// parseIPBlock parses a CIDR or a single address. A block written
-// IPv4-mapped (::ffff:a.b.c.d, a prefix of 96 bits or more) is the IPv4
-// block it carries: peers are matched by their unmapped address, and the
-// xDS source reads istiod's bytes for such a block the same way.
-func parseIPBlock(block string) (netip.Prefix, error) {
+// parseIPBlock parses a CIDR or a single address. With unmap, a block
+// written IPv4-mapped (::ffff:a.b.c.d, a prefix of 96 bits or more) is the
+// IPv4 block it carries (see matchIPList); the xDS source reads istiod's
+// bytes for such a block the same way.
+func parseIPBlock(block string, unmap bool) (netip.Prefix, error) {
 	var p netip.Prefix
 	if strings.Contains(block, "/") {
 		var err error
@@ -356,7 +371,7 @@ func parseIPBlock(block string) (netip.Prefix, error) {
 		}
 		p = netip.PrefixFrom(a, a.BitLen())
 	}
-	if a := p.Addr(); a.Is4In6() && p.Bits() >= 96 {
+	if a := p.Addr(); unmap && a.Is4In6() && p.Bits() >= 96 {
 		p = netip.PrefixFrom(a.Unmap(), p.Bits()-96)
 	}
 	return p, nil

@@ -254,6 +254,31 @@ spec: {action: DENY, rules: [{from: [{source: {ipBlocks: ["::ffff:10.0.0.4/126"]
 			allowed: map[*Peer]bool{&webPeer: false, &mappedPeer: false, &v6Peer: true, &plainPeer: true},
 		},
 		{
+			// ztunnel matches IPv4 peers against such a block as IPv6:
+			// never. Read as IPv4 here, as before, an ALLOW of
+			// ::ffff:0:0/96 admitted every IPv4 client that Istio refuses.
+			// Only the readings that refuse more take the IPv4 block: a
+			// negative block of an ALLOW rule does.
+			name: "ipBlocks written IPv4-mapped admit no IPv4 peer, as ztunnel",
+			policies: `
+metadata: {name: mapped-allow, namespace: shop}
+spec:
+  rules:
+  - from: [{source: {ipBlocks: ["::ffff:0:0/96", "::ffff:10.0.0.4/126"]}}]
+  - from: [{source: {namespaces: [shop, prod-blog], notIpBlocks: ["::ffff:10.0.0.4/126"]}}]
+  - when: [{key: source.ip, values: ["::ffff:10.0.0.5"]}]`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &mappedPeer: false, &cartPeer: false, &plainPeer: false, &blogPeer: true},
+		},
+		{
+			name: "negative blocks written IPv4-mapped in a DENY rule except no IPv4 peer, as ztunnel",
+			policies: `
+metadata: {name: mapped-deny-not, namespace: shop}
+spec: {action: DENY, rules: [{from: [{source: {notIpBlocks: ["::ffff:10.0.0.4/126"]}}]}, {when: [{key: destination.ip, notValues: ["::ffff:0:0/96"]}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: false, &cartPeer: false},
+		},
+		{
 			name: "ipBlocks v6",
 			policies: `
 metadata: {name: ips6, namespace: shop}

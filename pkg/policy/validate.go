@@ -213,7 +213,7 @@ func (v *validator) trustDomains(path string, tds []string) {
 
 func (v *validator) ipBlocks(path string, blocks []string) {
 	for i, b := range blocks {
-		if _, err := parseIPBlock(b); err != nil {
+		if _, err := parseIPBlock(b, true); err != nil {
 			v.add(fmt.Sprintf("%s[%d]", path, i), "malformed ip block %q: %v", b, err)
 		}
 	}

@@ -267,7 +267,7 @@ func translateAuthorization(x *security.Authorization) (*policy.Compiled, error)
 		for ri, r := range g.GetRules() {
 			var clause policy.Clause
 			for mi, m := range r.GetMatches() {
-				cm, err := translateMatch(m)
+				cm, err := translateMatch(m, p.Action)
 				if err != nil {
 					return nil, fmt.Errorf("authorization %s: group %d rule %d match %d: %w", key, gi, ri, mi, err)
 				}
@@ -280,7 +280,7 @@ func translateAuthorization(x *security.Authorization) (*policy.Compiled, error)
 	return p, nil
 }
 
-func translateMatch(m *security.Match) (policy.Match, error) {
+func translateMatch(m *security.Match, action policy.Action) (policy.Match, error) {
 	var out policy.Match
 	var err error
 	if len(m.GetExtensions()) > 0 {
@@ -307,15 +307,21 @@ func translateMatch(m *security.Match) (policy.Match, error) {
 	for _, sa := range m.GetNotServiceAccounts() {
 		out.NotServiceAccounts = append(out.NotServiceAccounts, policy.ServiceAccountRef{Namespace: sa.GetNamespace(), Name: sa.GetServiceAccount()})
 	}
+	// ztunnel matches an IPv4 peer against an IPv4-mapped prefix as IPv6:
+	// never. Its writer meant the IPv4 prefix it carries, and that reading
+	// is taken where it refuses more: positive prefixes of a DENY, negative
+	// ones of an ALLOW (as pkg/policy reads such blocks).
+	deny := action != policy.ActionAllow
 	ips := []struct {
-		name string
-		in   []*security.Address
-		out  *[]netip.Prefix
+		name  string
+		in    []*security.Address
+		out   *[]netip.Prefix
+		unmap bool
 	}{
-		{"source_ips", m.GetSourceIps(), &out.SourceIPs},
-		{"not_source_ips", m.GetNotSourceIps(), &out.NotSourceIPs},
-		{"destination_ips", m.GetDestinationIps(), &out.DestinationIPs},
-		{"not_destination_ips", m.GetNotDestinationIps(), &out.NotDestinationIPs},
+		{"source_ips", m.GetSourceIps(), &out.SourceIPs, deny},
+		{"not_source_ips", m.GetNotSourceIps(), &out.NotSourceIPs, !deny},
+		{"destination_ips", m.GetDestinationIps(), &out.DestinationIPs, deny},
+		{"not_destination_ips", m.GetNotDestinationIps(), &out.NotDestinationIPs, !deny},
 	}
 	for _, s := range ips {
 		for _, a := range s.in {
@@ -324,9 +330,7 @@ func translateMatch(m *security.Match) (policy.Match, error) {
 				return out, fmt.Errorf("%s: %d address bytes with prefix length %d", s.name, len(a.GetAddress()), a.GetLength())
 			}
 			bits := int(a.GetLength())
-			if ip.Is4In6() && bits >= 96 {
-				// Peers are matched by their unmapped address: the
-				// mapped prefix is the IPv4 prefix it carries.
+			if s.unmap && ip.Is4In6() && bits >= 96 {
 				ip, bits = ip.Unmap(), bits-96
 			}
 			*s.out = append(*s.out, netip.PrefixFrom(ip, bits).Masked())

@@ -99,6 +99,18 @@ func TestTranslateMappedPrefixes(t *testing.T) {
 	if v.Allowed {
 		t.Errorf("a peer in the denied mapped range allowed: %s", v.Reason)
 	}
+
+	// In an ALLOW, ztunnel's reading stands: the mapped prefix admits no
+	// IPv4 peer (read as IPv4, ::ffff:0:0/96 admitted every one).
+	a.Name, a.Action = "allow-mapped", security.Action_ALLOW
+	a.Groups[0].Rules[0].Matches[0].SourceIps[0] = &security.Address{Address: netip.MustParseAddr("::ffff:0:0").AsSlice(), Length: 96}
+	if p, err = translateAuthorization(a); err != nil {
+		t.Fatal(err)
+	}
+	v = policy.AuthorizeCompiled([]*policy.Compiled{p}, policy.Target{Namespace: "shop", Port: 80}, nil, policy.Peer{Addr: netip.MustParseAddr("10.9.1.1")})
+	if v.Allowed {
+		t.Errorf("an ALLOW of ::ffff:0:0/96 admitted an IPv4 peer, which ztunnel refuses: %s", v.Reason)
+	}
 }
 
 // TestTranslateWorkloadRejectsMalformedIdentity: the SPIFFE ID is built
