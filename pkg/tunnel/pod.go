@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
@@ -277,6 +278,10 @@ func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respB
 	}()
 }
 
+// stopEvictAfter is how long stop waits, once it closed the pod's
+// connections, before it closes the pod's pooled HBONE connections too.
+const stopEvictAfter = 100 * time.Millisecond
+
 // stop closes the listeners, lets connections finish until ctx ends, then
 // closes the rest and waits for every goroutine. It returns how many
 // relayed connections were open when it began and how many of them it
@@ -311,7 +316,16 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 		c.Close()
 	}
 	p.mu.Unlock()
-	<-done
+	select {
+	case <-done:
+	case <-time.After(stopEvictAfter):
+		// Something still runs: a relay or CONNECT blocked in a write to
+		// a peer that reads nothing of ours, which closing the app's
+		// socket does not end and closing the pod's pooled connections
+		// does.
+		p.t.evict(ctx, p)
+		<-done
+	}
 	// Dials still under way (a pooled connection spread in the background)
 	// fail from here; the pod's pool entries are evicted next.
 	_ = p.ns.Close()

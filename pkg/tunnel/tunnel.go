@@ -242,6 +242,9 @@ func (t *Tunnel) StopPod(ctx context.Context, uid string) error {
 // namespace: nothing else may use them, and a peer may never answer them
 // again.
 func (t *Tunnel) evict(ctx context.Context, p *pod) {
+	if t.cfg.Pool == nil {
+		return
+	}
 	if n := t.cfg.Pool.Evict(func(k hbone.PoolKey) bool { return k.Src == p.id }); n > 0 {
 		t.log.DebugContext(ctx, "closed the pod's HBONE connections", "pod", p.uid, "connections", n)
 	}

@@ -83,15 +83,27 @@ func (r *Request) fields() ([]hpack.HeaderField, error) {
 // openStream sends the CONNECT headers on a stream slot the caller reserved
 // (tryReserve), followed by early if both send windows have room for it now;
 // sentEarly says whether they had. Stream ids must reach the wire in
-// increasing order, so the id is taken under the write lock.
-func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, sentEarly bool, err error) {
-	c.wmu.Lock()
+// increasing order, so the id is taken under the write lock. If ctx ends
+// before the write lock is free (a write blocked on a peer that reads
+// nothing of ours), the slot is given back and the conn drained, so that
+// new streams go to a new connection.
+func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early []byte) (s *Stream, sentEarly bool, err error) {
+	if err := c.lockWriteCtx(ctx); err != nil {
+		c.mu.Lock()
+		closeNow := c.releaseLocked()
+		c.mu.Unlock()
+		if closeNow {
+			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		}
+		c.drain()
+		return nil, false, err
+	}
 	c.mu.Lock()
 	if c.err != nil || c.goAway || c.nextID > maxStreamID {
 		c.goAway = true
 		closeNow := c.releaseLocked()
 		c.mu.Unlock()
-		c.wmu.Unlock()
+		c.unlockWrite()
 		if closeNow {
 			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 		}
@@ -115,7 +127,7 @@ func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, 
 	if err == nil {
 		err = c.bw.Flush()
 	}
-	c.wmu.Unlock()
+	c.unlockWrite()
 	if err != nil {
 		c.close(http2.ErrCodeNo, fmt.Errorf("write request: %w", err), false)
 		return nil, false, fmt.Errorf("%w: %w", ErrConnClosed, err)
@@ -127,7 +139,7 @@ func (c *conn) openStream(fields []hpack.HeaderField, early []byte) (s *Stream, 
 // it now, and waits for the 200 that establishes the tunnel.
 func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early []byte) (*Stream, error) {
 	opened := time.Now().UnixNano()
-	s, sentEarly, err := c.openStream(fields, early)
+	s, sentEarly, err := c.openStream(ctx, fields, early)
 	if err != nil {
 		return nil, err
 	}

@@ -220,8 +220,12 @@ type conn struct {
 	readyOnce     sync.Once
 
 	// wmu serializes writes to bw. It is held only while writing, never
-	// while waiting for flow control.
+	// while waiting for flow control. Take it with lockWrite.
 	wmu sync.Mutex
+	// writing is when the holder of wmu took it (UnixNano), 0 while nobody
+	// holds it: a write that blocks for long means a peer that reads
+	// nothing of ours (keepalive closes the conn).
+	writing atomic.Int64
 	// dataWaiters counts writeData calls waiting for wmu. While one waits,
 	// the holder leaves its frame in bw for the waiter to flush: frames of
 	// streams writing at the same moment share TLS records and syscalls.
@@ -443,7 +447,7 @@ func (c *conn) start() error {
 	} else {
 		settings = append(settings, http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: c.cfg.maxStreams})
 	}
-	c.wmu.Lock()
+	c.lockWrite()
 	if c.cfg.client {
 		_, _ = c.bw.WriteString(http2.ClientPreface)
 	}
@@ -452,7 +456,7 @@ func (c *conn) start() error {
 		_ = c.fr.WriteWindowUpdate(0, uint32(extra))
 	}
 	err := c.bw.Flush()
-	c.wmu.Unlock()
+	c.unlockWrite()
 	if err != nil {
 		c.mu.Lock()
 		c.releaseWindowLocked()
@@ -485,7 +489,13 @@ func (c *conn) keepalive() {
 	}
 	last := c.lastRead.Load()
 	dead := false
+	stalled := c.writeStalled(now, c.cfg.pingTimeout)
 	switch {
+	case stalled:
+		// The peer answers (PINGs, frames) but reads nothing of ours: a
+		// writer blocked this long holds every stream's writes and every
+		// new CONNECT of the conn.
+		dead = true
 	case c.pingSent != 0 && last >= c.pingSent:
 		c.pingSent = 0 // the ack or other frames came: alive
 	case c.pingSent != 0 && now-c.pingSent >= timeout:
@@ -504,6 +514,10 @@ func (c *conn) keepalive() {
 	}
 	c.pingTimer.Reset(time.Duration(max(next, int64(time.Millisecond))))
 	c.mu.Unlock()
+	if dead && stalled {
+		c.close(http2.ErrCodeNo, fmt.Errorf("%w: a write to the peer made no progress for %v", ErrConnClosed, c.cfg.pingTimeout), false)
+		return
+	}
 	if dead {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: keepalive PING unanswered for %v", ErrConnClosed, c.cfg.pingTimeout), false)
 		return
@@ -1171,7 +1185,7 @@ func (c *conn) ctlLoop() {
 		if len(batch) == 0 {
 			continue
 		}
-		c.wmu.Lock()
+		c.lockWrite()
 		var err error
 		settingsAck := false
 		for _, f := range batch {
@@ -1183,7 +1197,7 @@ func (c *conn) ctlLoop() {
 		if err == nil {
 			err = c.bw.Flush()
 		}
-		c.wmu.Unlock()
+		c.unlockWrite()
 		c.mu.Lock()
 		c.ctlSpare = batch[:0]
 		if settingsAck && err == nil {
@@ -1218,6 +1232,50 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 	return nil
 }
 
+// lockWrite takes wmu for a write and notes when.
+func (c *conn) lockWrite() {
+	c.wmu.Lock()
+	c.writing.Store(time.Now().UnixNano())
+}
+
+// unlockWrite ends a write begun with lockWrite.
+func (c *conn) unlockWrite() {
+	c.writing.Store(0)
+	c.wmu.Unlock()
+}
+
+// lockWriteCtx is lockWrite that gives up when ctx ends: a writer stuck in
+// a write to a peer that reads nothing holds wmu until the keepalive or
+// the kernel gives up on the peer, and a CONNECT must not wait that long
+// past its own deadline.
+func (c *conn) lockWriteCtx(ctx context.Context) error {
+	if !c.wmu.TryLock() {
+		locked := make(chan struct{})
+		go func() {
+			c.wmu.Lock()
+			close(locked)
+		}()
+		select {
+		case <-locked:
+		case <-ctx.Done():
+			go func() {
+				<-locked
+				c.wmu.Unlock()
+			}()
+			return ctx.Err()
+		}
+	}
+	c.writing.Store(time.Now().UnixNano())
+	return nil
+}
+
+// writeStalled reports whether the write in progress, if any, began at
+// least d before now (UnixNano).
+func (c *conn) writeStalled(now int64, d time.Duration) bool {
+	w := c.writing.Load()
+	return w != 0 && now-w >= int64(d)
+}
+
 // burstGap is how closely a DATA frame must follow the connection's previous
 // one for writeData to wait for more before flushing. At one request at a
 // time (fortio, 1000 qps, one connection: 1 ms apart) yielding for every
@@ -1242,7 +1300,7 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 	frame[4] = flags
 	frame[5], frame[6], frame[7], frame[8] = byte(id>>24), byte(id>>16), byte(id>>8), byte(id)
 	c.dataWaiters.Add(1)
-	c.wmu.Lock()
+	c.lockWrite()
 	c.dataWaiters.Add(-1)
 	// A frame of more than two TLS records leaves in one write (a frame of one full
 	// record and the few bytes past it is not worth a batch buffer and a copy).
@@ -1262,9 +1320,9 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 		// for work. So only a frame that follows another closely yields;
 		// a lone request (the first of a burst too) is flushed at once.
 		c.yields++
-		c.wmu.Unlock()
+		c.unlockWrite()
 		runtime.Gosched()
-		c.wmu.Lock()
+		c.lockWrite()
 	}
 	if err == nil && c.dataWaiters.Load() == 0 {
 		// Nobody queued behind us: send now. Otherwise the last writer
@@ -1279,7 +1337,7 @@ func (c *conn) writeData(frame []byte, id uint32, end bool) error {
 		}
 	}
 	c.lastData.Store(monotonic())
-	c.wmu.Unlock()
+	c.unlockWrite()
 	if err != nil {
 		c.close(http2.ErrCodeNo, fmt.Errorf("write data: %w", err), false)
 		return fmt.Errorf("%w: %w", ErrConnClosed, err)
@@ -1544,7 +1602,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	if sendGoAway || len(pending) > 0 {
 		// Bound the write: a peer that stopped reading must not hold us.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(closeWriteDeadline))
-		c.wmu.Lock()
+		c.lockWrite()
 		var err error
 		for _, f := range pending {
 			if err = c.writeCtlLocked(f); err != nil {
@@ -1557,7 +1615,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		if err == nil {
 			_ = c.bw.Flush()
 		}
-		c.wmu.Unlock()
+		c.unlockWrite()
 	}
 	switch {
 	case inOrder && !linger:

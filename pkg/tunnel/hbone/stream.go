@@ -681,12 +681,12 @@ func (s *Stream) writeResponse(status int, reason string, end bool) error {
 		return err
 	}
 	c := s.c
-	c.wmu.Lock()
+	c.lockWrite()
 	err := c.writeHeadersLocked(s.id, fields, end)
 	if err == nil {
 		err = c.bw.Flush()
 	}
-	c.wmu.Unlock()
+	c.unlockWrite()
 	if err != nil {
 		c.close(http2.ErrCodeNo, fmt.Errorf("write response: %w", err), false)
 		return fmt.Errorf("%w: %w", ErrConnClosed, err)
