@@ -265,6 +265,12 @@ type CompiledSet struct {
 	Unresolved []string
 }
 
+// ConvertedPeerAuthnPrefix begins the names istiod gives the policies it
+// converts PeerAuthentications into (istio_converted_static_strict,
+// istio_converted_peer_authentication_<name>): DENY rules that each match
+// only a peer without mTLS.
+const ConvertedPeerAuthnPrefix = "istio_converted_"
+
 // Authorize decides a connection to the workload namespace/name (see
 // AuthorizeCompiled). Whatever the set cannot decide exactly fails closed:
 // an unresolved policy, a workload whose selection is unknown, or a
@@ -282,9 +288,19 @@ func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
 	selected := s.Selected[workload]
 	for _, k := range selected {
 		ns, name, _ := strings.Cut(k, "/")
-		if !slices.ContainsFunc(s.Policies, func(p *Compiled) bool { return p.Namespace == ns && p.Name == name }) {
-			return Verdict{Reason: "policy " + k + " selects " + workload + " but was not received or not applied (fails closed)", Policy: k}
+		if slices.ContainsFunc(s.Policies, func(p *Compiled) bool { return p.Namespace == ns && p.Name == name }) {
+			continue
 		}
+		if strings.HasPrefix(name, ConvertedPeerAuthnPrefix) && src.Authenticated {
+			// istiod's conversion of a PeerAuthentication only ever
+			// denies peers without mTLS, and istiod lists some such
+			// policy it never sends (a workload PERMISSIVE with a STRICT
+			// port under a STRICT mesh policy): ztunnel skips it. Failing
+			// closed for an mTLS peer would refuse the pod's every
+			// connection; plaintext ones stay refused.
+			continue
+		}
+		return Verdict{Reason: "policy " + k + " selects " + workload + " but was not received or not applied (fails closed)", Policy: k}
 	}
 	return AuthorizeCompiled(s.Policies, dst, selected, src)
 }

@@ -129,3 +129,28 @@ func TestCompiledSetFailsClosedOnMissingPolicies(t *testing.T) {
 		t.Errorf("an unresolved policy of unknown scope: allowed=%v (%s)", v.Allowed, v.Reason)
 	}
 }
+
+// TestCompiledSetMissingConvertedPeerAuthn: istiod lists a converted
+// PeerAuthentication policy it never sends for some configurations (a
+// workload PERMISSIVE with a STRICT port under a STRICT mesh policy), and
+// ztunnel skips the missing key. Failing closed refused every connection
+// to the pod, mTLS ones too. Such a policy only ever denies peers without
+// mTLS: those stay refused, mTLS peers are decided by the rest.
+func TestCompiledSetMissingConvertedPeerAuthn(t *testing.T) {
+	allowAll := &Compiled{Name: "allow", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow, Groups: []Group{{}}}
+	s := CompiledSet{Synced: true, Policies: []*Compiled{allowAll}, Selected: map[string][]string{
+		"shop/web": {"shop/istio_converted_peer_authentication_web"},
+		"shop/db":  {"shop/istio_converted_peer_authentication_db", "shop/deny-db"},
+	}}
+	dst := Target{Namespace: "shop", Port: 80}
+	mtls := Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/cart", Namespace: "shop"}
+	if v := s.Authorize(dst, "shop/web", mtls); !v.Allowed {
+		t.Errorf("an mTLS peer refused for a missing converted PeerAuthentication: %s", v.Reason)
+	}
+	if v := s.Authorize(dst, "shop/web", Peer{}); v.Allowed || !strings.Contains(v.Reason, "istio_converted_peer_authentication_web") {
+		t.Errorf("a plaintext peer: allowed=%v (%s), want refused naming the missing policy", v.Allowed, v.Reason)
+	}
+	if v := s.Authorize(dst, "shop/db", mtls); v.Allowed || !strings.Contains(v.Reason, "shop/deny-db") {
+		t.Errorf("another missing policy beside it: allowed=%v (%s), want refused naming shop/deny-db", v.Allowed, v.Reason)
+	}
+}
