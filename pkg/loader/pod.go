@@ -91,6 +91,19 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if err != nil {
 		return PodState{}, err
 	}
+	// fresh: the pod's interface is new to us, in a new pod or in a new
+	// sandbox of an attached one. Then its links are attached, not updated
+	// in place: an update would swap the programs on the old sandbox's
+	// interface (its pinned links are there) and leave the new one
+	// without any, while everything else moved to it.
+	fresh := !existed
+	if moved, oldIno := l.movedNetNS(id, old.NetNS, p.NetNS); existed && moved {
+		l.log.InfoContext(ctx, "pod moved to a new network namespace: leaving the old one", "pod", p.String(), "old", old.NetNS, "new", p.NetNS)
+		if err := l.leaveNetNS(ctx, id, old, oldIno); err != nil {
+			l.log.WarnContext(ctx, "leaving the pod's old network namespace", "pod", p.String(), "netns", old.NetNS, "error", err)
+		}
+		fresh = true
+	}
 	meta := maps.PodMeta{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name,
 		NetNS: p.NetNS, Interface: p.Interface, Addrs: p.Addrs,
@@ -98,15 +111,16 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 		AttachMode:  maps.AttachTCX,
 		AcceptLocal: -1, RPFilter: -1, RPFilterAll: -1,
 	}
-	if existed {
+	if !fresh {
 		meta.AcceptLocal, meta.RPFilter, meta.RPFilterAll = old.AcceptLocal, old.RPFilter, old.RPFilterAll
 	}
 	if l.cfg.ForceLegacyTC {
 		meta.AttachMode = maps.AttachTCLegacy
 	}
-	// failed undoes a new pod entirely; an attached pod keeps what it had.
+	// failed undoes a new pod (or one that left its old namespace)
+	// entirely; an attached pod keeps what it had.
 	failed := func(err error) error {
-		if !existed {
+		if fresh {
 			err = errors.Join(err, l.detach(ctx, id, meta))
 		}
 		return err
@@ -114,7 +128,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 
 	// Record first, so that a crash half-way leaves state the reconciler and
 	// uninstall can find and remove.
-	lks, err := l.attachInNetNS(ctx, id, &meta, existed)
+	lks, err := l.attachInNetNS(ctx, id, &meta, !fresh)
 	if err != nil {
 		return PodState{}, fmt.Errorf("attach pod %s: %w", p, failed(err))
 	}
@@ -137,7 +151,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	// Probe SNAT on the host end comes before inbound capture: from the
 	// moment it is on, kubelet's probes must already bypass it. Outbound
 	// capture of a new pod starts before (see above).
-	if err == nil && !existed {
+	if err == nil && fresh {
 		err = l.enrollOutbound(p.Addrs, meta.Settings)
 	}
 	if err == nil {
@@ -477,14 +491,76 @@ func (l *Loader) deleteCounters(a netip.Addr, id uint32) error {
 	return l.maps.DeleteCounters(a)
 }
 
-func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
-	errs := []error{l.deletePodNetNS(id, meta)}
-	for _, a := range meta.Addrs {
-		errs = append(errs, l.deleteEntry(a, id))
+// movedNetNS reports whether the attached pod id, recorded in the
+// namespace at oldPath, is now to be attached in the one at newPath: a
+// different namespace, by inode (two paths may name one namespace: a
+// /proc/<pid>/ns/net and a runtime's bind mount). The inode recorded for
+// the pod in rd_pod_netns is the old namespace's, whatever its path leads
+// to now; without a record, the old path's own inode, and an old namespace
+// that cannot be found is a move.
+// It also returns the old namespace's inode, 0 if unknown.
+func (l *Loader) movedNetNS(id uint32, oldPath, newPath string) (moved bool, oldIno uint32) {
+	newIno, err := netnsIno(newPath)
+	if err != nil {
+		return false, 0 // the attach reports it
 	}
+	if oldIno, ok := l.recordedNetNS(id); ok {
+		return oldIno != newIno, oldIno
+	}
+	if oldIno, err = netnsIno(oldPath); err != nil {
+		return true, 0
+	}
+	return oldIno != newIno, oldIno
+}
+
+// recordedNetNS is the inode of the namespace pod id was last attached in:
+// this process's record, else the pinned rd_pod_netns entry naming the pod.
+func (l *Loader) recordedNetNS(id uint32) (uint32, bool) {
+	l.mu.Lock()
+	ino, ok := l.podNetNS[id]
+	l.mu.Unlock()
+	if ok {
+		return ino, true
+	}
+	all, err := l.maps.ListPodNetNS()
+	if err != nil {
+		return 0, false
+	}
+	for ino, e := range all {
+		if e.PodID == id {
+			return ino, true
+		}
+	}
+	return 0, false
+}
+
+// leaveNetNS undoes what attaching pod id did in its old namespace (meta's,
+// inode oldIno) and on its old host veth, keeping its id, metadata and
+// entries: its links (held and pinned), its host-probe SNAT, its
+// rd_pod_netns entry, and the legacy filters, rules, routes and sysctls in
+// the old namespace if meta's path still leads to it (a path can come to
+// name another namespace, the new sandbox's even: that one is left alone).
+// The attach that follows starts afresh.
+func (l *Loader) leaveNetNS(ctx context.Context, id uint32, meta maps.PodMeta, oldIno uint32) error {
+	errs := []error{l.deletePodNetNS(id, meta)}
 	if l.probes != nil {
 		errs = append(errs, l.probes.DetachHost(id))
 	}
+	l.setHostProbe(id, false)
+	if cur, err := netnsIno(meta.NetNS); err == nil && oldIno != 0 && cur == oldIno {
+		errs = append(errs, l.undoInNetNS(ctx, meta))
+	}
+	l.dropLinks(id)
+	for _, d := range []direction{ingress, egress} {
+		errs = append(errs, l.detachTCX(id, d))
+	}
+	return errors.Join(errs...)
+}
+
+// undoInNetNS removes the legacy filters, rules and routes attaching left in
+// meta's namespace and restores its sysctls. A namespace that is gone took
+// them with it.
+func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta) error {
 	err := netns.Do(meta.NetNS, func() error {
 		var errs []error
 		iface, err := netlink.LinkByName(meta.Interface)
@@ -505,13 +581,24 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 		}
 		return errors.Join(errs...)
 	})
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err != nil && errors.Is(err, os.ErrNotExist) {
 		// The namespace being gone (pod deleted) takes its links, rules and
 		// routes with it; anything else is worth reporting.
-		errs = append(errs, err)
-	} else if err != nil {
 		l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
+		return nil
 	}
+	return err
+}
+
+func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
+	errs := []error{l.deletePodNetNS(id, meta)}
+	for _, a := range meta.Addrs {
+		errs = append(errs, l.deleteEntry(a, id))
+	}
+	if l.probes != nil {
+		errs = append(errs, l.probes.DetachHost(id))
+	}
+	errs = append(errs, l.undoInNetNS(ctx, meta))
 	// The held links go with their pins; either alone keeps a link attached.
 	l.dropLinks(id)
 	for _, d := range []direction{ingress, egress} {

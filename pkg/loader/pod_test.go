@@ -6,7 +6,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
@@ -77,5 +82,87 @@ func TestDetachRestoresRPFilter(t *testing.T) {
 	}
 	if a, i := sysctl(all), sysctl(iface); a != "2" || i != "1" {
 		t.Errorf("detached: all.rp_filter=%s eth0.rp_filter=%s, want the old 2 and 1", a, i)
+	}
+}
+
+// tcxPrograms names the tcx programs on eth0 of the namespace at path.
+func tcxPrograms(t *testing.T, path string) string {
+	t.Helper()
+	var out []string
+	err := netns.Do(path, func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+			r, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: at})
+			if err != nil {
+				return err
+			}
+			for _, p := range r.Programs {
+				prog, err := ebpf.NewProgramFromID(p.ID)
+				if err != nil {
+					return err
+				}
+				info, _ := prog.Info()
+				prog.Close()
+				out = append(out, info.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("query programs in %s: %v", path, err)
+	}
+	return strings.Join(out, ",")
+}
+
+// TestAttachInNewSandboxMovesPrograms: a pod attached again in a new
+// network namespace (a new sandbox of the same pod) gets its programs
+// there, and the old namespace loses them with its rules. Before, the
+// attach updated the pinned links in place, which swapped the programs on
+// the old sandbox's interface: the new sandbox ran with none, uncaptured,
+// while the pod counted as enrolled there.
+func TestAttachInNewSandboxMovesPrograms(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	oldBox, newBox := topo.Nodes[0].AddPod("old"), topo.Nodes[0].AddPod("new")
+	ctx := context.Background()
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
+	defer l.Close()
+	pod := loadertest.PodOf(oldBox, true)
+	if _, err := l.AttachPod(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	if got := tcxPrograms(t, oldBox.Path()); got != "rd_pod_ingress,rd_pod_egress" {
+		t.Fatalf("old sandbox has %q", got)
+	}
+	moved := loadertest.PodOf(newBox, true)
+	moved.UID, moved.Name = pod.UID, pod.Name
+	st, err := l.AttachPod(ctx, moved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := tcxPrograms(t, newBox.Path()); got != "rd_pod_ingress,rd_pod_egress" {
+		t.Errorf("the new sandbox has programs %q, want both of the pod's", got)
+	}
+	if got := tcxPrograms(t, oldBox.Path()); got != "" {
+		t.Errorf("the old sandbox kept programs %q", got)
+	}
+	rules, err := netnstest.Exec(ctx, oldBox.Path(), "ip", "rule", "list")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(rules), "lookup 100") {
+		t.Errorf("the old sandbox kept the pod's fwmark rule:\n%s", rules)
+	}
+	if st.Meta.NetNS != newBox.Path() || !l.KernelOK(st, true) {
+		t.Errorf("state %+v: want the new namespace, links in place", st.Meta)
+	}
+	// Attaching again in the same namespace keeps updating in place.
+	if _, err := l.AttachPod(ctx, moved); err != nil {
+		t.Fatal(err)
+	}
+	if got := tcxPrograms(t, newBox.Path()); got != "rd_pod_ingress,rd_pod_egress" {
+		t.Errorf("after a second attach in the new sandbox: %q", got)
 	}
 }
