@@ -39,11 +39,10 @@ import (
 // hold to another are a resource a setting makes the agent hold.
 const maxPoolConnsPerKey = 16
 
-// maxCertTTL bounds CERT_TTL at istiod's own maximum for workload
-// certificates (its MAX_WORKLOAD_CERT_TTL default, 90 days): a leaked key
-// should not stay good for years, and istiod would shorten the request
-// anyway.
-const maxCertTTL = 90 * 24 * time.Hour
+// maxCertTTL bounds CERT_TTL at a year: a leaked key should not stay good
+// for longer, and istiod caps what it signs anyway (MAX_WORKLOAD_CERT_TTL,
+// 90 days unless its operator raised it; a year leaves room for that).
+const maxCertTTL = 365 * 24 * time.Hour
 
 // agentConfig is every setting of `redirector run`, validated.
 type agentConfig struct {

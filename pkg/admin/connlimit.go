@@ -172,7 +172,9 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 
 // evictable is the idle connection to close for a new one from src: the
 // one idle longest of src's own if src is over its bound, otherwise of the
-// address holding the most connections. nil if none is idle.
+// address holding the most connections, and only if that address holds
+// more than src does (a client whose connections are busy must not evict
+// Prometheus's one idle keep-alive with its fifteenth). nil if none is.
 func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
 	var victim *limitedConn
 	for c, since := range l.idle {
@@ -183,6 +185,9 @@ func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
 			(l.bySrc[c.src] == l.bySrc[victim.src] && since.Before(l.idle[victim])) {
 			victim = c
 		}
+	}
+	if victim != nil && !ownOnly && l.bySrc[victim.src] <= l.bySrc[src] {
+		return nil
 	}
 	return victim
 }

@@ -46,11 +46,12 @@ func metricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
 // maxScrapesInFlight is how many scrapes are gathered and written at once:
 // an HA pair of Prometheus servers and a person with curl.
 // maxScrapesPerSource is how many of them one client address may have:
-// each of those has an address of its own, and Prometheus scrapes a
-// target one scrape at a time.
+// two, as two scrape jobs of one Prometheus (a PodMonitor and a
+// ServiceMonitor, say) or collectors behind one SNAT address may overlap;
+// one address still cannot take every slot.
 const (
 	maxScrapesInFlight  = 4
-	maxScrapesPerSource = 1
+	maxScrapesPerSource = 2
 )
 
 // inFlight bounds the requests a handler serves at once, in all and per

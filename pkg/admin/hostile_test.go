@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"os"
 	"reflect"
 	"strings"
@@ -435,12 +436,13 @@ func TestMetricsScrapesBoundedPerSource(t *testing.T) {
 	for range maxScrapesInFlight {
 		go scrape("127.0.0.10", attacker)
 	}
-	// All but one of the attacker's are turned away without waiting.
-	for range maxScrapesInFlight - 1 {
+	// All but maxScrapesPerSource of the attacker's are turned away
+	// without waiting.
+	for range maxScrapesInFlight - maxScrapesPerSource {
 		select {
 		case code := <-attacker:
 			if code != http.StatusServiceUnavailable {
-				t.Errorf("a second scrape from one address answered %d, want 503", code)
+				t.Errorf("a scrape from one address past its %d answered %d, want 503", maxScrapesPerSource, code)
 			}
 		case <-time.After(2 * time.Second):
 			t.Fatalf("scrapes from one address all wait: %d gathered at once", b.inFlight())
@@ -448,7 +450,7 @@ func TestMetricsScrapesBoundedPerSource(t *testing.T) {
 	}
 	other := make(chan int, 1)
 	go scrape("127.0.0.20", other)
-	for deadline := time.Now().Add(2 * time.Second); b.inFlight() < 2; time.Sleep(5 * time.Millisecond) {
+	for deadline := time.Now().Add(2 * time.Second); b.inFlight() < maxScrapesPerSource+1; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("another address's scrape is not gathered while one address has a scrape in flight")
 		}
@@ -457,8 +459,10 @@ func TestMetricsScrapesBoundedPerSource(t *testing.T) {
 	if code := <-other; code != http.StatusOK {
 		t.Errorf("another address's scrape answered %d, want 200", code)
 	}
-	if code := <-attacker; code != http.StatusOK {
-		t.Errorf("the one admitted scrape answered %d, want 200", code)
+	for range maxScrapesPerSource {
+		if code := <-attacker; code != http.StatusOK {
+			t.Errorf("an admitted scrape answered %d, want 200", code)
+		}
 	}
 }
 
@@ -597,5 +601,22 @@ func TestAdminServerWriteTimeoutAboveProfileBound(t *testing.T) {
 	admin := s.servers[len(s.servers)-1] // started last
 	if wt := admin.WriteTimeout; wt <= maxProfileSeconds*time.Second || wt > maxProfileSeconds*time.Second+10*time.Second {
 		t.Errorf("admin server write timeout %v, want just above the %d s profile bound", wt, maxProfileSeconds)
+	}
+}
+
+// TestEvictionSparesSmallerHolders: at the endpoint's bound a newcomer
+// evicts an idle connection only from an address holding more than its
+// own does. Before, an address whose connections were all busy could
+// evict Prometheus's one idle keep-alive with its fifteenth.
+func TestEvictionSparesSmallerHolders(t *testing.T) {
+	prom, busy, fresh := netip.MustParseAddr("127.0.0.30"), netip.MustParseAddr("127.0.0.31"), netip.MustParseAddr("127.0.0.32")
+	l := &limitListener{bySrc: map[netip.Addr]int{prom: 1, busy: 14}, idle: map[*limitedConn]time.Time{}}
+	scraper := &limitedConn{src: prom, l: l}
+	l.idle[scraper] = time.Now()
+	if v := l.evictable(busy, false); v != nil {
+		t.Errorf("an address holding 14 evicted the idle connection of one holding 1")
+	}
+	if v := l.evictable(fresh, false); v != scraper {
+		t.Errorf("a new address (holding none) did not evict the idle connection of one holding 1: %v", v)
 	}
 }

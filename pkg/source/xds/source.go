@@ -201,6 +201,25 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				continue // a workload elsewhere is not at its address here
 			}
 			key := w.Namespace + "/" + w.Name
+			if w.HostNetwork {
+				// Its addresses are its node's (this node's too): not the
+				// pod's to index, as the API source does not index a
+				// hostNetwork pod's (and ztunnel does not look it up by
+				// them). They stay claimed, so no ServiceEntry takes a
+				// node's address as its VIP.
+				for _, a := range w.Addrs {
+					if _, taken := claimed[a]; !taken {
+						claimed[a] = key
+					}
+				}
+				if localNames[key] || w.Node == node {
+					continue
+				}
+				c := w.Workload
+				c.Addrs = nil
+				snap.Workloads = append(snap.Workloads, &c)
+				continue
+			}
 			if localNames[key] {
 				continue // this node's pods come from the API server
 			}
@@ -208,21 +227,6 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				snap.Compiled.Selected[key] = w.Policies
 			}
 			if w.Node == node {
-				continue
-			}
-			if w.HostNetwork {
-				// Its addresses are its node's: not the pod's to index, as
-				// the API source does not index a hostNetwork pod's (and
-				// ztunnel does not look it up by them). They stay claimed,
-				// so no ServiceEntry takes a node's address as its VIP.
-				for _, a := range w.Addrs {
-					if _, taken := claimed[a]; !taken {
-						claimed[a] = key
-					}
-				}
-				c := w.Workload
-				c.Addrs = nil
-				snap.Workloads = append(snap.Workloads, &c)
 				continue
 			}
 			free := make([]netip.Addr, 0, len(w.Addrs))
@@ -278,7 +282,9 @@ func sharedVIPs(services []*workload.Service) ([]*workload.Service, []error) {
 	claimants := map[netip.Addr][]int{}
 	for i, s := range services {
 		for _, a := range s.VIPs {
-			claimants[a] = append(claimants[a], i)
+			if c := claimants[a]; len(c) == 0 || c[len(c)-1] != i { // a VIP listed twice is one claim
+				claimants[a] = append(c, i)
+			}
 		}
 	}
 	lost := map[int]map[netip.Addr]bool{}

@@ -409,8 +409,9 @@ func TestMergeSharedVIPs(t *testing.T) {
 	}
 	services := map[string]*Service{}
 	for _, x := range []*workloadapi.Service{
+		// A VIP listed twice is one claim.
 		{Name: "kube-dns", Namespace: "kube-system", Hostname: "kube-dns.kube-system.svc.cluster.local",
-			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: dnsVIP6.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
+			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: dnsVIP6.AsSlice()}, {Address: dnsVIP.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
 		// A ServiceEntry at kube-dns's VIP, and at a tenant Service's.
 		{Name: "evil", Namespace: "default", Hostname: "evil.example",
 			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: tenantVIP.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
@@ -452,7 +453,7 @@ func TestMergeSharedVIPs(t *testing.T) {
 		t.Errorf("the entry's own VIP %s is %v, want it kept", tenantVIP, svc)
 	}
 	for _, svc := range mesh.Services {
-		if svc.Name == "kube-dns" && len(svc.VIPs) != 2 {
+		if svc.Name == "kube-dns" && len(svc.VIPs) != 3 {
 			t.Errorf("istiod's snapshot was modified: %v", svc.VIPs)
 		}
 	}
@@ -474,6 +475,9 @@ func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
 			Services: map[string]*workloadapi.PortList{"agents/exporter.agents.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 9100}}}}},
 		{Uid: "K//Pod/kube-system/kube-proxy-b", Name: "kube-proxy-b", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
 			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
+		// This node's own: its address is claimed too.
+		{Uid: "K//Pod/kube-system/kube-proxy-a", Name: "kube-proxy-a", Namespace: "kube-system", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.0.0.10").AsSlice()},
+			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
 	} {
 		w, err := translateWorkload(x)
 		if err != nil {
@@ -487,14 +491,15 @@ func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
 		t.Fatal(err)
 	}
 	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
-		Addresses: []*workloadapi.NetworkAddress{{Address: nodeB.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 10250}}})
+		Addresses: []*workloadapi.NetworkAddress{{Address: nodeB.AsSlice()}, {Address: netip.MustParseAddr("10.0.0.10").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 10250}}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	mesh := buildSnapshot(workloads, map[string]*Service{exporter.Key(): exporter, grab.Key(): grab}, nil, "")
 	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
-	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.0.0.20, an address of workload agents/exporter-b") {
-		t.Errorf("errors %v, want the VIP at node-b's address refused", errs)
+	if len(errs) != 2 || !strings.Contains(errs[0].Error(), "evil/grab.example lists VIP 10.0.0.20, an address of workload agents/exporter-b") ||
+		!strings.Contains(errs[1].Error(), "evil/grab.example lists VIP 10.0.0.10, an address of workload kube-system/kube-proxy-a") {
+		t.Errorf("errors %v, want the VIPs at node-a's and node-b's addresses refused", errs)
 	}
 	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
 	if len(dirErrs) != 0 {

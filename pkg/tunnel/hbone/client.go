@@ -95,7 +95,11 @@ func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early
 		if closeNow {
 			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 		}
-		c.drain()
+		if errors.Is(err, context.DeadlineExceeded) {
+			// Its whole time went waiting on a write: the peer reads
+			// nothing. A caller that gave up says nothing of the conn.
+			c.drain()
+		}
 		return nil, false, err
 	}
 	c.mu.Lock()

@@ -222,8 +222,8 @@ type conn struct {
 	// wmu serializes writes to bw. It is held only while writing, never
 	// while waiting for flow control. Take it with lockWrite.
 	wmu sync.Mutex
-	// writing is when the holder of wmu took it (UnixNano), 0 while nobody
-	// holds it: a write that blocks for long means a peer that reads
+	// writing is when the holder of wmu took it (monotonic), 0 while
+	// nobody holds it: a write that blocks for long means a peer that reads
 	// nothing of ours (keepalive closes the conn).
 	writing atomic.Int64
 	// dataWaiters counts writeData calls waiting for wmu. While one waits,
@@ -489,7 +489,7 @@ func (c *conn) keepalive() {
 	}
 	last := c.lastRead.Load()
 	dead := false
-	stalled := c.writeStalled(now, c.cfg.pingTimeout)
+	stalled := c.writeStalled(c.cfg.pingTimeout)
 	switch {
 	case stalled:
 		// The peer answers (PINGs, frames) but reads nothing of ours: a
@@ -1235,7 +1235,7 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 // lockWrite takes wmu for a write and notes when.
 func (c *conn) lockWrite() {
 	c.wmu.Lock()
-	c.writing.Store(time.Now().UnixNano())
+	c.writing.Store(monotonic())
 }
 
 // unlockWrite ends a write begun with lockWrite.
@@ -1265,15 +1265,15 @@ func (c *conn) lockWriteCtx(ctx context.Context) error {
 			return ctx.Err()
 		}
 	}
-	c.writing.Store(time.Now().UnixNano())
+	c.writing.Store(monotonic())
 	return nil
 }
 
 // writeStalled reports whether the write in progress, if any, began at
-// least d before now (UnixNano).
-func (c *conn) writeStalled(now int64, d time.Duration) bool {
+// least d ago.
+func (c *conn) writeStalled(d time.Duration) bool {
 	w := c.writing.Load()
-	return w != 0 && now-w >= int64(d)
+	return w != 0 && monotonic()-w >= int64(d)
 }
 
 // burstGap is how closely a DATA frame must follow the connection's previous

@@ -553,7 +553,7 @@ func (srv *Server) noteRefusalCut(c *conn, cut bool) {
 		return
 	}
 	srv.stats.refusalsCut.Add(1)
-	srv.log.Debug("hbone refusal body cut: the client granted no flow-control window for it", "remote", c.nc.RemoteAddr(), "timeout", refuseWriteTimeout)
+	srv.log.Debug("hbone refusal body cut: the client granted no flow-control window for it in time, or too many refusals waited for window", "remote", c.nc.RemoteAddr(), "timeout", refuseWriteTimeout)
 }
 
 // refuseWriteTimeout bounds how long a refusal's body waits for the
@@ -570,8 +570,8 @@ var refuseWriteTimeout = 5 * time.Second
 // held a goroutine each for refuseWriteTimeout: MaxConcurrentStreams per
 // connection on MaxConnsPerSource connections per address, some 200,000
 // goroutines for one client address, and more for every other one. A client
-// that grants window takes a slot only for the moment of the write. A
-// variable for the tests.
+// that grants window needs no slot (refusalNoWait). A variable for the
+// tests.
 var refusalWaits = make(chan struct{}, 1024)
 
 // refuse answers with an error status, the reason in a header and the body,
@@ -605,21 +605,32 @@ func (s *Stream) refuseMalformed(status int, reason string) (cut bool) {
 	return cut
 }
 
-// writeRefusalBody writes a refusal's body, waiting for send window no
-// longer than refuseWriteTimeout, and reports whether that ran out or no
-// slot of refusalWaits was free (the body is then left out).
-func (s *Stream) writeRefusalBody(reason string) (timedOut bool) {
-	select {
-	case refusalWaits <- struct{}{}:
-		defer func() { <-refusalWaits }()
-	default:
-		return true
+// writeRefusalBody writes a refusal's body, and reports whether it was cut:
+// a client with window gets it at once; one without gets it if it grants
+// window within refuseWriteTimeout and a slot of refusalWaits is free to
+// wait with.
+func (s *Stream) writeRefusalBody(reason string) (cut bool) {
+	body := []byte(reason + "\n")
+	_ = s.SetWriteDeadline(time.Now().Add(refusalNoWait))
+	n, err := s.Write(body)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		waits := refusalWaits // the slot goes back to the channel it came from
+		select {
+		case waits <- struct{}{}:
+			_ = s.SetWriteDeadline(time.Now().Add(refuseWriteTimeout))
+			_, err = s.Write(body[n:])
+			<-waits
+		default:
+		}
 	}
-	_ = s.SetWriteDeadline(time.Now().Add(refuseWriteTimeout))
-	_, err := s.Write([]byte(reason + "\n"))
 	_ = s.SetWriteDeadline(time.Time{})
 	return errors.Is(err, os.ErrDeadlineExceeded)
 }
+
+// refusalNoWait is how long a refusal's body waits for window before it
+// needs a slot of refusalWaits: long enough for a write that has its window
+// to go through, not to wait for one.
+const refusalNoWait = time.Millisecond
 
 // sanitizeReason makes reason safe to send to a remote peer: file system
 // paths (netns paths, pin and socket files) and source file names are
