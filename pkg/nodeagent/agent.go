@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"k8s.io/client-go/util/workqueue"
@@ -80,6 +81,9 @@ type Agent struct {
 	yielded bool
 	last    *source.Snapshot
 	cniPods map[string]cniPod // namespace/name -> what the CNI plugin reported
+	// reportedNetNS is cniPods' namespaces by inode, published on every
+	// change (publishReportsLocked) for readers that cannot take mu.
+	reportedNetNS atomic.Pointer[map[uint64][]reportedNS]
 	// desired is, by pod uid, how each pod to enroll should be attached,
 	// with its workload (for its annotation).
 	desired map[string]desiredPod
@@ -113,7 +117,7 @@ func New(cfg Config) *Agent {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	return &Agent{
+	a := &Agent{
 		cfg: cfg,
 		log: cfg.Logger,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
@@ -124,6 +128,10 @@ func New(cfg Config) *Agent {
 		newSnapshot: make(chan struct{}),
 		podSynced:   make(chan struct{}),
 	}
+	if cfg.Reconciler != nil {
+		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
+	}
+	return a
 }
 
 // Close waits for the pod workers to finish what they were doing when Run

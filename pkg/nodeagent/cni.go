@@ -58,6 +58,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		stale := ok && (rec.container != ev.ContainerID || (rec.uid != "" && ev.PodUID != "" && rec.uid != ev.PodUID))
 		if ok && !stale {
 			a.cniPods[key] = cniPod{uid: rec.uid, container: rec.container, netns: rec.netns, ino: rec.ino, deleted: true}
+			a.publishReportsLocked()
 		}
 		a.mu.Unlock()
 		if stale {
@@ -86,6 +87,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		a.mu.Lock()
 		a.cniPods[key] = cniPod{uid: ev.PodUID, container: ev.ContainerID, netns: path, ino: ino, addrs: addrs}
+		a.publishReportsLocked()
 		a.mu.Unlock()
 	}
 	deadline := time.Now().Add(cniWait)
@@ -243,8 +245,19 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: %w", key, ev.NetNS, err)
 	}
-	other := func(namespace, name, uid string) bool {
-		return namespace+"/"+name != key || (uid != "" && ev.PodUID != "" && uid != ev.PodUID)
+	if owner := a.netnsOwner(key, ev.PodUID, ino); owner != "" {
+		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: it is the network namespace of pod %s: %w", key, ev.NetNS, owner, netns.ErrNotPodNetNS)
+	}
+	return ino, nil
+}
+
+// netnsOwner names another pod than key (uid, if known) that the namespace
+// with inode ino is the namespace of: one attached in it, or one a CNI
+// report names it for (a DELeted report too, while that namespace lives).
+// "" if none.
+func (a *Agent) netnsOwner(key, uid string, ino uint64) string {
+	other := func(namespace, name, otherUID string) bool {
+		return namespace+"/"+name != key || (otherUID != "" && uid != "" && otherUID != uid)
 	}
 	owner := ""
 	if a.cfg.Loader != nil {
@@ -263,26 +276,53 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 		}
 	}
 	if owner == "" {
-		a.mu.Lock()
-		for k, rec := range a.cniPods {
-			ns, name, _ := strings.Cut(k, "/")
-			// A DELeted report counts while its namespace lives: a DEL
-			// does not free a namespace for another pod (the runtime
-			// destroys it next), and each live namespace stays one pod's
-			// report, which bounds the reports by the node's namespaces.
-			if rec.ino == ino && other(ns, name, rec.uid) {
+		// A DELeted report counts while its namespace lives: a DEL does
+		// not free a namespace for another pod (the runtime destroys it
+		// next), and each live namespace stays one pod's report, which
+		// bounds the reports by the node's namespaces.
+		if m := a.reportedNetNS.Load(); m != nil {
+			for _, rec := range (*m)[ino] {
+				ns, name, _ := strings.Cut(rec.key, "/")
+				if !other(ns, name, rec.uid) {
+					continue
+				}
 				if cur, err := netns.Inode(rec.netns); err == nil && cur == ino {
-					owner = k
+					owner = rec.key
 					break
 				}
 			}
 		}
-		a.mu.Unlock()
 	}
-	if owner != "" {
-		return 0, fmt.Errorf("pod %s: CNI_NETNS %s refused: it is the network namespace of pod %s: %w", key, ev.NetNS, owner, netns.ErrNotPodNetNS)
+	return owner
+}
+
+// foreignNetNS says why the namespace at path, found by the address of the
+// pod key (uid), cannot be that pod's, or "": another pod is attached in it
+// or was reported in it, or its processes run in another pod's cgroup. An
+// address alone does not make a namespace a pod's: the API can still give
+// a pod the address its new sandbox no longer has, which the runtime may
+// have given another pod, one outside the mesh even, whose traffic would
+// then leave with this pod's identity.
+func (a *Agent) foreignNetNS(key, uid, path string) string {
+	ino, err := netns.Inode(path)
+	if err != nil {
+		return ""
 	}
-	return ino, nil
+	if owner := a.netnsOwner(key, uid, ino); owner != "" {
+		return "it is the network namespace of pod " + owner
+	}
+	if uids := netns.PodUIDsIn(a.procDir(), ino); len(uids) > 0 && uid != "" && !uids[uid] {
+		return "its processes belong to another pod (uid " + strings.Join(slices.Sorted(maps.Keys(uids)), ", ") + ")"
+	}
+	return ""
+}
+
+// procDir is the host's /proc as the agent sees it.
+func (a *Agent) procDir() string {
+	if a.cfg.ProcDir != "" {
+		return a.cfg.ProcDir
+	}
+	return "/proc"
 }
 
 // refusedErr is why the local pod w, selected, is refused (claimAddrs), or
@@ -394,11 +434,34 @@ func (a *Agent) withAttachedPending(ws []*workload.Workload) map[string]cniPod {
 // the source never delivered would otherwise stay for ever. Callers hold
 // a.mu.
 func (a *Agent) pruneCNIPods() {
+	pruned := false
 	for k, rec := range a.cniPods {
 		if cur, err := netns.Inode(rec.netns); err != nil || (rec.ino != 0 && cur != rec.ino) {
 			delete(a.cniPods, k)
+			pruned = true
 		}
 	}
+	if pruned {
+		a.publishReportsLocked()
+	}
+}
+
+// reportedNS is one CNI report's namespace, as netnsOwner reads it.
+type reportedNS struct {
+	key, uid, netns string
+}
+
+// publishReportsLocked publishes the CNI reports' namespaces by inode, for
+// netnsOwner to read without a.mu: the full pass asks it while apply holds
+// a.mu. Callers hold a.mu and call it after every change of a.cniPods.
+func (a *Agent) publishReportsLocked() {
+	m := make(map[uint64][]reportedNS, len(a.cniPods))
+	for k, rec := range a.cniPods {
+		if rec.ino != 0 {
+			m[rec.ino] = append(m[rec.ino], reportedNS{key: k, uid: rec.uid, netns: rec.netns})
+		}
+	}
+	a.reportedNetNS.Store(&m)
 }
 
 // CNIReports is how many pod sandboxes the CNI plugin reported whose

@@ -284,3 +284,50 @@ func runWorker(t *testing.T, a *Agent) context.Context {
 	t.Cleanup(func() { a.queue.ShutDown(); cancel(); <-done })
 	return ctx
 }
+
+// TestAddressLookupSkipsOtherPodsNamespace: a pod whose sandbox went (DEL,
+// namespace destroyed) while the API still has its old address is looked
+// up by that address; the runtime gave it to pod b, outside the mesh,
+// whose ADD the agent recorded. Before, the full pass attached pod a (its
+// identity, its capture) in b's namespace. Now the namespace of another
+// reported or attached pod is never taken for this one: a waits for its
+// ADD, and b keeps running without the mesh.
+func TestAddressLookupSkipsOtherPodsNamespace(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	nsA, nsB := tp.Nodes[0].AddPod("aold"), tp.Nodes[0].AddPod("b")
+	ag, ld, _, _ := testAgent(t)
+	x := nsA.Addrs()
+	prefixes := func(addrs []netip.Addr) (out []netip.Prefix) {
+		for _, a := range addrs {
+			out = append(out, netip.PrefixFrom(a, a.BitLen()))
+		}
+		return out
+	}
+	wa := &workload.Workload{Name: "a", Namespace: "shop", UID: "uid-a", ServiceAccount: "sa-a", Node: "node1", Addrs: x, Enrolled: true, Reason: "namespace label"}
+	wb := &workload.Workload{Name: "b", Namespace: "other", UID: "uid-b", ServiceAccount: "default", Node: "node1", Reason: "no istio.io/dataplane-mode=ambient label on pod or namespace"}
+	ag.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{wa, wb}})
+	ctx := runWorker(t, ag)
+	if resp, err := ag.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", ContainerID: "ca", NetNS: nsA.Path(), IPs: prefixes(x)}); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD a: %+v %v", resp, err)
+	}
+	if _, err := ag.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandDel, PodName: "a", PodNamespace: "shop", PodUID: "uid-a", ContainerID: "ca"}); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("ip", "netns", "del", nsA.NS).CombinedOutput(); err != nil {
+		t.Fatalf("%v %s", err, out)
+	}
+	tp.AddAddr(nsB, x[0].String()+"/32", "eth0")
+	if out, err := exec.Command("ip", "-n", nsB.NS, "addr", "add", x[1].String()+"/128", "dev", "eth0", "nodad").CombinedOutput(); err != nil {
+		t.Fatalf("%v %s", err, out)
+	}
+	if resp, err := ag.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "b", PodNamespace: "other", PodUID: "uid-b", ContainerID: "cb", NetNS: nsB.Path(), IPs: prefixes(x)}); err != nil || resp.Enrolled {
+		t.Fatalf("ADD b (not in the mesh): %+v %v", resp, err)
+	}
+	ag.applyLatest(ctx, true)
+	if st, attached, _ := ld.PodState("uid-a"); attached && st.Meta.NetNS == nsB.Path() {
+		t.Errorf("pod shop/a is attached in the namespace of pod other/b, outside the mesh: b's traffic would leave with a's identity")
+	}
+	if st, attached, _ := ld.PodState("uid-b"); attached {
+		t.Errorf("pod other/b, outside the mesh, is attached: %+v", st.Meta)
+	}
+}

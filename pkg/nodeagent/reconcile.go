@@ -61,6 +61,30 @@ type Reconciler struct {
 
 	statsMu sync.Mutex // separate, so a scrape never waits for a reconcile
 	stats   ReconcileStats
+
+	// foreignNetNS, if set, says why a namespace found by a pod's address
+	// is not that pod's (SetForeignNetNS), or "".
+	foreignNetNS func(key, uid, path string) string
+}
+
+// SetForeignNetNS sets the check a namespace found by a pod's address must
+// pass before the pod is attached in it (the Agent's, which knows the CNI
+// reports). Call it before the first reconcile.
+func (r *Reconciler) SetForeignNetNS(f func(key, uid, path string) string) { r.foreignNetNS = f }
+
+// netnsByAddr is the namespace holding one of p's addresses in scan, or an
+// error: none does, or the one that does is not p's (foreignNetNS).
+func (r *Reconciler) netnsByAddr(scan map[netip.Addr]string, p loader.Pod) (string, error) {
+	path := findNetNS(scan, p.Addrs)
+	if path == "" {
+		return "", fmt.Errorf("pod %s: no network namespace owns its addresses %v", p, p.Addrs)
+	}
+	if r.foreignNetNS != nil {
+		if why := r.foreignNetNS(p.Namespace+"/"+p.Name, p.UID, path); why != "" {
+			return "", fmt.Errorf("pod %s: the network namespace %s holding its addresses %v is not the pod's: %s; waiting for its CNI ADD", p, path, p.Addrs, why)
+		}
+	}
+	return path, nil
 }
 
 type nsRecord struct {
@@ -181,9 +205,8 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 	for _, p := range want {
 		cur, isAttached := attached[p.UID]
 		if p.NetNS == "" {
-			p.NetNS = findNetNS(scan, p.Addrs)
-			if p.NetNS == "" {
-				res.Errors = append(res.Errors, fmt.Errorf("pod %s: no network namespace owns its addresses %v", p, p.Addrs))
+			if p.NetNS, err = r.netnsByAddr(scan, p); err != nil {
+				res.Errors = append(res.Errors, err)
 				continue
 			}
 		}
@@ -293,8 +316,8 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 			if err != nil {
 				r.log.WarnContext(ctx, "network namespace scan incomplete", "error", err)
 			}
-			if p.NetNS = findNetNS(scan, p.Addrs); p.NetNS == "" {
-				res.Errors = append(res.Errors, fmt.Errorf("pod %s: no network namespace owns its addresses %v", p, p.Addrs))
+			if p.NetNS, err = r.netnsByAddr(scan, p); err != nil {
+				res.Errors = append(res.Errors, err)
 				break
 			}
 		}
