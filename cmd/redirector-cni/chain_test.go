@@ -445,8 +445,31 @@ func TestVersionCommand(t *testing.T) {
 	if err := json.Unmarshal(out, &info); err != nil {
 		t.Fatalf("VERSION output %s: %v", out, err)
 	}
-	if want := []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}; !reflect.DeepEqual(info.Supported, want) {
+	if want := supportedVersions; !reflect.DeepEqual(info.Supported, want) {
 		t.Errorf("supported versions = %v, want %v", info.Supported, want)
+	}
+}
+
+// TestDelNeverFailsBeforeSkel runs the built plugin's DEL with configurations skel
+// refuses before any plugin code runs (not JSON, a CNI version it does not
+// support, none at all): DEL still exits 0. Before, skel failed such a DEL,
+// and the runtime repeats a failed DEL for ever, the pod stuck Terminating.
+func TestDelNeverFailsBeforeSkel(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds the plugin")
+	}
+	chainBins.once.Do(func() { chainBins.err = buildChainBins() })
+	if chainBins.err != nil {
+		t.Fatal(chainBins.err)
+	}
+	for _, conf := range []string{`not json`, `{"cniVersion":"0.1.0","name":"n","type":"redirector-cni"}`, `{"name":"n","type":"redirector-cni"}`} {
+		cmd := exec.Command(filepath.Join(chainBins.ownDir, "redirector-cni"))
+		cmd.Env = []string{"CNI_COMMAND=DEL", "CNI_CONTAINERID=c1", "CNI_NETNS=/nonexistent", "CNI_IFNAME=eth0",
+			"CNI_ARGS=K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web", "CNI_PATH=/nonexistent"}
+		cmd.Stdin = strings.NewReader(conf)
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("DEL with configuration %q: %v: %s", conf, err, out)
+		}
 	}
 }
 
