@@ -236,6 +236,37 @@ func TestServeRefusesNonSocket(t *testing.T) {
 	}
 }
 
+// TestStartupHint: where no hint is (a node just rebooted: it lives on
+// tmpfs), the agent's start writes one that knows only the excluded
+// namespaces, so the plugin lets kube-system's pods (CoreDNS) start while
+// the agent has not read its source; every other pod may be ambient and is
+// refused. Before, there was no hint until the first snapshot, and every
+// pod was refused. An existing hint, the last agent's word, is kept.
+func TestStartupHint(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "run", "ambient-namespaces.json")
+	if err := cni.WriteStartupHint(path, []string{"kube-system"}); err != nil {
+		t.Fatal(err)
+	}
+	h, err := cni.ReadSelectionHint(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for ns, want := range map[string]bool{"kube-system": false, "default": true, "shop": true} {
+		if got := h.WouldEnroll(ns); got != want {
+			t.Errorf("start-up hint: WouldEnroll(%q) = %v, want %v", ns, got, want)
+		}
+	}
+	if err := cni.WriteSelectionHint(path, []string{"shop"}, []string{"kube-system"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cni.WriteStartupHint(path, []string{"kube-system"}); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err != nil || h.AmbientUnknown || h.WouldEnroll("default") {
+		t.Errorf("an existing hint was replaced by the start-up one: %+v %v", h, err)
+	}
+}
+
 func TestSelectionHint(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "run", "ambient-namespaces.json")
 	if _, err := cni.ReadSelectionHint(path); !errors.Is(err, os.ErrNotExist) {

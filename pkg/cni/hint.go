@@ -2,6 +2,7 @@ package cni
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -24,13 +25,18 @@ type SelectionHint struct {
 	AmbientNamespaces []string `json:"ambientNamespaces"`
 	// ExcludedNamespaces are never enrolled whatever their labels.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// AmbientUnknown says the agent has not read its source yet (a node
+	// just rebooted: the hint lives on tmpfs), so AmbientNamespaces is
+	// empty for want of knowing: a pod outside ExcludedNamespaces may be
+	// ambient.
+	AmbientUnknown bool `json:"ambientUnknown,omitempty"`
 	// Written is when the agent wrote the hint, for operators reading it.
 	Written time.Time `json:"written"`
 }
 
 // WouldEnroll reports whether a pod in namespace would probably be enrolled.
 func (h SelectionHint) WouldEnroll(namespace string) bool {
-	return !slices.Contains(h.ExcludedNamespaces, namespace) && slices.Contains(h.AmbientNamespaces, namespace)
+	return !slices.Contains(h.ExcludedNamespaces, namespace) && (h.AmbientUnknown || slices.Contains(h.AmbientNamespaces, namespace))
 }
 
 // WriteSelectionHint replaces the hint at path (DefaultHintPath if empty).
@@ -38,14 +44,29 @@ func (h SelectionHint) WouldEnroll(namespace string) bool {
 // fsync, rename), so a plugin running at the same moment reads the old or the
 // new hint, never half of one. The directory is created (0700) if missing.
 func WriteSelectionHint(path string, ambientNamespaces, excluded []string) error {
+	return writeHint(path, SelectionHint{AmbientNamespaces: sortedUnique(ambientNamespaces), ExcludedNamespaces: sortedUnique(excluded)})
+}
+
+// WriteStartupHint writes, where no hint is yet, one that knows only the
+// excluded namespaces (AmbientUnknown): after a reboot wiped the hint, the
+// agent's own start (before its source answered) must not keep the
+// plugin refusing kube-system's pods, CoreDNS among them, that no setting
+// would ever enroll. An existing hint, the last agent's word, is kept.
+func WriteStartupHint(path string, excluded []string) error {
 	if path == "" {
 		path = DefaultHintPath
 	}
-	h := SelectionHint{
-		AmbientNamespaces:  sortedUnique(ambientNamespaces),
-		ExcludedNamespaces: sortedUnique(excluded),
-		Written:            time.Now().UTC(),
+	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+		return err
 	}
+	return writeHint(path, SelectionHint{AmbientNamespaces: []string{}, ExcludedNamespaces: sortedUnique(excluded), AmbientUnknown: true})
+}
+
+func writeHint(path string, h SelectionHint) error {
+	if path == "" {
+		path = DefaultHintPath
+	}
+	h.Written = time.Now().UTC()
 	data, err := json.MarshalIndent(h, "", "  ")
 	if err != nil {
 		return fmt.Errorf("encode selection hint: %w", err)

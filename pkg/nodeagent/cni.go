@@ -482,6 +482,18 @@ func (a *Agent) cniNetNS(w *workload.Workload) string {
 	return rec.netns
 }
 
+// WriteStartupHint writes the CNI selection hint an agent that has not
+// read its source yet can give (cni.WriteStartupHint), where none is.
+func (a *Agent) WriteStartupHint() {
+	if a.cfg.CNISocket == "" {
+		return
+	}
+	path := filepath.Join(filepath.Dir(a.cfg.CNISocket), filepath.Base(cni.DefaultHintPath))
+	if err := cni.WriteStartupHint(path, a.cfg.Selection.ExcludeNamespaces); err != nil {
+		a.log.Error("write CNI start-up selection hint", "path", path, "error", err)
+	}
+}
+
 // writeHint records which namespaces are ambient for the plugin to consult
 // when the agent is down; it is rewritten only when it changes.
 func (a *Agent) writeHint(s source.Snapshot) {
