@@ -40,7 +40,12 @@ func start(t *testing.T, o Options) *Servers {
 
 func request(t *testing.T, method, url string) (int, string) {
 	t.Helper()
-	req, err := http.NewRequest(method, url, nil)
+	return requestBody(t, method, url, nil)
+}
+
+func requestBody(t *testing.T, method, url string, body io.Reader) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, body)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -545,16 +545,7 @@ func TestPprofSymbolBodyBounded(t *testing.T) {
 	s := start(t, Options{})
 	pc := fmt.Sprintf("%#x", reflect.ValueOf(aFunctionWhoseAddressIsLookedUp).Pointer())
 	post := func(body string) (int, string) {
-		resp, err := (&http.Client{Timeout: 5 * time.Second}).Post("http://"+s.AdminAddr()+"/debug/pprof/symbol", "text/plain", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, err := io.ReadAll(resp.Body)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return resp.StatusCode, string(b)
+		return requestBody(t, http.MethodPost, "http://"+s.AdminAddr()+"/debug/pprof/symbol", strings.NewReader(body))
 	}
 	if code, body := post(pc); code != http.StatusOK || !strings.Contains(body, "aFunctionWhoseAddressIsLookedUp") {
 		t.Errorf("lookup of one address: %d %.200q, want 200 naming the function", code, body)

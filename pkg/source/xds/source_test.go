@@ -26,8 +26,7 @@ import (
 func TestMergeIntoDirectory(t *testing.T) {
 	local := webOnNodeA()
 	svcKey := "shop/web.shop.svc.cluster.local"
-	workloads := map[string]*Workload{}
-	for _, x := range []*workloadapi.Workload{
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		// web-1 is local: istiod's copy only adds its policy selection.
 		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{"istio-system/istio_converted_static_strict"},
@@ -41,13 +40,7 @@ func TestMergeIntoDirectory(t *testing.T) {
 			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
 		{Uid: "K//Pod/legacy/db", Name: "db", Namespace: "legacy", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.6").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"shop/db.example.com": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
-	} {
-		w, err := translateWorkload(x)
-		if err != nil {
-			t.Fatal(err)
-		}
-		workloads[x.Uid] = w
-	}
+	})
 	services := map[string]*Service{}
 	for _, x := range []*workloadapi.Service{
 		{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
@@ -170,8 +163,7 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 	}
 	deny := &policy.Compiled{Name: "deny-all", Namespace: "shop", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionDeny, Groups: []policy.Group{{}}}
 	allow := &policy.Compiled{Name: "allow-all", Namespace: "shop", Scope: policy.ScopeWorkloadSelector, Action: policy.ActionAllow, Groups: []policy.Group{{}}}
-	workloads := map[string]*Workload{}
-	for _, x := range []*workloadapi.Workload{
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{deny.Key()}},
 		// Same name: a ServiceEntry's endpoint and a pod of another cluster.
@@ -184,13 +176,7 @@ func TestMergeLocalPodsOwnTheirAddressesAndSelection(t *testing.T) {
 		{Uid: "K//Pod/aaa/evil", Name: "evil", Namespace: "aaa", Node: "node-b", ServiceAccount: "evil",
 			Addresses:      [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice(), netip.MustParseAddr("10.2.0.9").AsSlice()},
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
-	} {
-		w, err := translateWorkload(x)
-		if err != nil {
-			t.Fatal(err)
-		}
-		workloads[x.Uid] = w
-	}
+	})
 	mesh := buildSnapshot(workloads, nil, map[string]*policy.Compiled{deny.Key(): deny, allow.Key(): allow}, "")
 	snap, errs := merge(local, mesh, "node-a", selection.Config{}, nil)
 	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "aaa/evil") || !strings.Contains(errs[0].Error(), "10.1.0.5") || !strings.Contains(errs[0].Error(), "shop/web-1") {
@@ -321,8 +307,7 @@ func TestMergeOtherNetworks(t *testing.T) {
 // other VIPs, and a VIP at one of its own endpoints (a VM's) stays.
 func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	local := webOnNodeA()
-	workloads := map[string]*Workload{}
-	for _, x := range []*workloadapi.Workload{
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
 		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
@@ -335,13 +320,7 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 		// A VM whose ServiceEntry names its address as the VIP.
 		{Uid: "K/networking.istio.io/ServiceEntry/vm/db/10.5.0.1", Name: "db", Namespace: "vm", Addresses: [][]byte{netip.MustParseAddr("10.5.0.1").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"vm/db.example": {Ports: []*workloadapi.Port{{ServicePort: 5432, TargetPort: 15432}}}}},
-	} {
-		w, err := translateWorkload(x)
-		if err != nil {
-			t.Fatal(err)
-		}
-		workloads[x.Uid] = w
-	}
+	})
 	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
 		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.1.0.5").AsSlice()}, {Address: netip.MustParseAddr("10.2.0.5").AsSlice()}, {Address: netip.MustParseAddr("240.9.9.9").AsSlice()}},
 		Ports:     []*workloadapi.Port{{ServicePort: 80}}})
@@ -391,8 +370,7 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 // cluster's DNS to its own endpoint, and kube-dns's IPv6 VIP went with it.
 func TestMergeSharedVIPs(t *testing.T) {
 	dnsVIP, dnsVIP6, tenantVIP := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00::a"), netip.MustParseAddr("10.96.0.20")
-	workloads := map[string]*Workload{}
-	for _, x := range []*workloadapi.Workload{
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		{Uid: "K//Pod/kube-system/coredns-1", Name: "coredns-1", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.53").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"kube-system/kube-dns.kube-system.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}}}},
 		{Uid: "K/networking.istio.io/ServiceEntry/default/evil/203.0.113.5", Name: "evil", Namespace: "default", Addresses: [][]byte{netip.MustParseAddr("203.0.113.5").AsSlice()},
@@ -400,13 +378,7 @@ func TestMergeSharedVIPs(t *testing.T) {
 				"default/evil.example":                    {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 				"default/mimic.default.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 			}},
-	} {
-		w, err := translateWorkload(x)
-		if err != nil {
-			t.Fatal(err)
-		}
-		workloads[x.Uid] = w
-	}
+	})
 	services := map[string]*Service{}
 	for _, x := range []*workloadapi.Service{
 		// A VIP listed twice is one claim.
@@ -468,8 +440,7 @@ func TestMergeSharedVIPs(t *testing.T) {
 func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
 	nodeB := netip.MustParseAddr("10.0.0.20")
 	waypoint := &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Address{Address: &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.2.9.9").AsSlice()}}, HboneMtlsPort: 15008}
-	workloads := map[string]*Workload{}
-	for _, x := range []*workloadapi.Workload{
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		{Uid: "K//Pod/agents/exporter-b", Name: "exporter-b", Namespace: "agents", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
 			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK, Waypoint: waypoint, Status: workloadapi.WorkloadStatus_HEALTHY,
 			Services: map[string]*workloadapi.PortList{"agents/exporter.agents.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 9100}}}}},
@@ -478,13 +449,7 @@ func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
 		// This node's own: its address is claimed too.
 		{Uid: "K//Pod/kube-system/kube-proxy-a", Name: "kube-proxy-a", Namespace: "kube-system", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.0.0.10").AsSlice()},
 			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
-	} {
-		w, err := translateWorkload(x)
-		if err != nil {
-			t.Fatal(err)
-		}
-		workloads[x.Uid] = w
-	}
+	})
 	exporter, err := translateService(&workloadapi.Service{Name: "exporter", Namespace: "agents", Hostname: "exporter.agents.svc.cluster.local",
 		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.30").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 9100}}})
 	if err != nil {
@@ -523,6 +488,21 @@ func TestMergeHostNetworkPodsNotIndexed(t *testing.T) {
 	if _, err := translateWorkload(bad); err == nil || !strings.Contains(err.Error(), "network mode 9 is not supported") {
 		t.Errorf("unknown network mode: %v", err)
 	}
+}
+
+// translateWorkloads translates istiod's workloads, by uid, failing the
+// test on an error.
+func translateWorkloads(t *testing.T, xs []*workloadapi.Workload) map[string]*Workload {
+	t.Helper()
+	out := make(map[string]*Workload, len(xs))
+	for _, x := range xs {
+		w, err := translateWorkload(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[x.Uid] = w
+	}
+	return out
 }
 
 func errorStrings(errs []error) []string {
