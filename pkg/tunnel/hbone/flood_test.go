@@ -59,7 +59,7 @@ func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
 	if src.IsValid() {
 		srvSide = addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40000))}
 	}
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
 	rc := &rawClient{t: t, nc: cli, fr: http2.NewFramer(cli, nil), frames: make(chan rawFrame, 1<<16)}
 	rc.enc = hpack.NewEncoder(&rc.buf)
 	t.Cleanup(func() { cli.Close() })

@@ -83,6 +83,9 @@ type Pool struct {
 	opts  PoolOptions
 	log   *slog.Logger
 	dials atomic.Uint64
+	// trust sees a trust change that DrainPeers applied while one of the
+	// pool's handshakes was under way.
+	trust trustChanges
 	// floods counts conns closed because the server flooded.
 	floods atomic.Uint64
 	// zeroLimits counts conns drained for a stream limit of 0.
@@ -223,7 +226,12 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 // after the pool closed or Evict removed the key is closed, not added.
 // Called, and returns, without p.mu.
 func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialCall, dial Dialer, tlsConf *tls.Config, reserve bool) (*conn, error) {
+	gen := p.trust.generation()
 	c, err := p.dial(ctx, key, e, dial, tlsConf, d)
+	if err == nil {
+		// Once pooled, below, where a DrainPeers finds it.
+		defer p.trust.recheck(gen, c)
+	}
 	p.mu.Lock()
 	if err == nil {
 		if err = p.goneLocked(e); err != nil {
@@ -505,6 +513,7 @@ func (p *Pool) Evict(match func(PoolKey) bool) int {
 // their end; new streams go on a new connection, verified anew. keep runs
 // without the pool's lock.
 func (p *Pool) DrainPeers(keep func(tls.ConnectionState) bool) int {
+	p.trust.changed(keep)
 	p.mu.Lock()
 	var conns []*conn
 	for _, e := range p.entries {

@@ -144,6 +144,9 @@ type Server struct {
 	ctx     context.Context // parent of every conn's context
 	cancel  context.CancelFunc
 	stats   serverCounters
+	// trust sees a trust change that DrainPeers applied while one of the
+	// server's handshakes was under way.
+	trust   trustChanges
 	limiter *ConnLimiter
 	// backingOff counts Serve loops waiting after an accept error.
 	backingOff atomic.Int32
@@ -301,6 +304,7 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	defer srv.limiter.handshakeDone(hs)
 	batch := newBatchConn(nc)
 	tc := tls.Server(batch, srv.tlsConf)
+	gen := srv.trust.generation()
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	err := tc.HandshakeContext(ctx)
 	cancel()
@@ -316,13 +320,13 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 		return
 	}
 	state := tc.ConnectionState()
-	srv.serveHTTP2(tc, &state, batch, func() { srv.limiter.handshakeDone(hs) })
+	srv.serveHTTP2(tc, &state, batch, gen, func() { srv.limiter.handshakeDone(hs) })
 }
 
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
 // dies; onPreface, if not nil, runs once the client's first SETTINGS frame
 // arrived.
-func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn, onPreface func()) {
+func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn, trustGen uint64, onPreface func()) {
 	var c *conn
 	c = newConn(srv.ctx, nc, connConfig{
 		batch:          batch,
@@ -353,6 +357,7 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 	srv.conns[c] = struct{}{}
 	srv.stats.connsActive.Add(1)
 	srv.mu.Unlock()
+	srv.trust.recheck(trustGen, c)
 	select {
 	case <-c.done:
 		// Closed before it was registered (its idle timer runs from
@@ -786,6 +791,7 @@ func (srv *Server) Shutdown(ctx context.Context) error {
 // their end; the client's next streams need a new handshake. keep runs
 // without the server's lock.
 func (srv *Server) DrainPeers(keep func(tls.ConnectionState) bool) int {
+	srv.trust.changed(keep)
 	srv.mu.Lock()
 	conns := make([]*conn, 0, len(srv.conns))
 	for c := range srv.conns {
