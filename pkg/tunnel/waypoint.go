@@ -240,9 +240,10 @@ type waypointIndex struct {
 
 type hostIndex struct {
 	dir *workload.Directory
-	// byHost maps "namespace/hostname" to the service, and "/hostname" to
-	// the first service of that host name by namespace, for a waypoint
-	// that names no namespace.
+	// byHost maps "namespace/hostname" to the service. A waypoint that
+	// names no namespace finds none, as in ztunnel: resolved in any
+	// namespace, a tenant's service of that host name would become
+	// another namespace's waypoint.
 	byHost map[string]*workload.Service
 }
 
@@ -256,9 +257,6 @@ func (x *waypointIndex) lookup(dir *workload.Directory, namespace, hostname stri
 			}
 			if _, dup := idx.byHost[s.Namespace+"/"+s.Hostname]; !dup {
 				idx.byHost[s.Namespace+"/"+s.Hostname] = s
-			}
-			if _, dup := idx.byHost["/"+s.Hostname]; !dup {
-				idx.byHost["/"+s.Hostname] = s
 			}
 		}
 		// Two connections may both build one; either is right.

@@ -221,6 +221,12 @@ func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error)
 		if d.Hostname.GetHostname() == "" {
 			return nil, errors.New("empty hostname")
 		}
+		if d.Hostname.GetNamespace() == "" {
+			// ztunnel looks the exact namespace/hostname up and finds
+			// nothing; resolved in any namespace, a tenant's service of
+			// that host name would become another namespace's waypoint.
+			return nil, fmt.Errorf("hostname %q names no namespace", d.Hostname.GetHostname())
+		}
 		out.Namespace, out.Hostname = d.Hostname.GetNamespace(), d.Hostname.GetHostname()
 	default:
 		return nil, errors.New("neither an address nor a hostname")

@@ -178,3 +178,19 @@ func TestTranslateRejectsAddressesOfNoOneHost(t *testing.T) {
 		t.Errorf("an address istiod allocates for a ServiceEntry (240.240/16): %v", err)
 	}
 }
+
+// TestTranslateWaypointHostnameNeedsNamespace: a waypoint named by host
+// name without a namespace was resolved to the first service of that host
+// name in any namespace, a tenant's ServiceEntry among them; ztunnel looks
+// the exact namespace/hostname up and finds nothing. It is rejected.
+func TestTranslateWaypointHostnameNeedsNamespace(t *testing.T) {
+	w := wlAddr("Kubernetes//Pod/shop/web-1", "web-1", "10.1.0.5", nil).GetWorkload()
+	w.Waypoint = &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Hostname{Hostname: &workloadapi.NamespacedHostname{Hostname: "waypoint.shop.svc.cluster.local"}}, HboneMtlsPort: 15008}
+	if _, err := translateWorkload(w); err == nil || !strings.Contains(err.Error(), "names no namespace") {
+		t.Errorf("waypoint without a namespace: %v", err)
+	}
+	w.Waypoint.GetHostname().Namespace = "shop"
+	if _, err := translateWorkload(w); err != nil {
+		t.Errorf("waypoint with its namespace: %v", err)
+	}
+}
