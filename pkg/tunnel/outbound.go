@@ -39,7 +39,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 		p.handleWaypoint(ctx, c, state.Dir, via, srcW, srcID, src, dst)
 		return
 	}
-	if svc, ok := state.Dir.ServiceByVIP(dst.Addr()); ok {
+	if svc, ok := state.Dir.ServiceByVIPFor(dst.Addr(), namespaceOf(srcW)); ok {
 		p.handleService(ctx, c, svc, src, dst)
 		return
 	}

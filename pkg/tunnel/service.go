@@ -151,6 +151,12 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		resetConn(c)
 		return
 	}
+	if svc.Contested {
+		t.cfg.Metrics.failClosed.WithLabelValues("contested_vip").Inc()
+		t.failures.note(ctx, "service connection refused: services that cannot be told apart claim this VIP", "vip", dst)
+		resetConn(c)
+		return
+	}
 	var port *workload.ServicePort
 	for i := range svc.Ports {
 		if svc.Ports[i].Port == int32(dst.Port()) && (svc.Ports[i].Protocol == "" || svc.Ports[i].Protocol == "TCP") {

@@ -1,9 +1,12 @@
 package tunnel
 
 import (
+	"context"
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
@@ -84,5 +87,33 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 	b.prune(&workload.Directory{}) // no service left
 	if len(b.next) != 0 {
 		t.Errorf("cursors after every service left: %v, want none", b.next)
+	}
+}
+
+// TestContestedVIPRefused: a VIP that services claim and none can be told
+// the owner of is a Contested stand-in: connections to it are reset and
+// counted, never sent in plaintext to the address as to no service's (and
+// past the waypoint of the service that should have it).
+func TestContestedVIPRefused(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	vip := netip.MustParseAddr("10.96.0.99")
+	contested := &workload.Service{Name: "contested 10.96.0.99", VIPs: []netip.Addr{vip}, Contested: true}
+	dir, errs := workload.NewDirectory([]*workload.Workload{podObj("mesh", "a", "a-sa", "127.0.0.1", nil)}, []*workload.Service{contested})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-a", netip.MustParseAddr("127.0.0.1"))
+	svc, ok := dir.ServiceByVIPFor(vip, "mesh")
+	if !ok || !svc.Contested {
+		t.Fatalf("the VIP resolves to %v", svc)
+	}
+	c := newFakeConn("10.96.0.99:53", "127.0.0.1:40000")
+	p.handleService(context.Background(), c, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.99:53"))
+	if !c.closed.Load() {
+		t.Error("a connection to a contested VIP was not closed")
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("contested_vip")); got != 1 {
+		t.Errorf(`redirector_fail_closed_total{reason="contested_vip"} = %v, want 1`, got)
 	}
 }

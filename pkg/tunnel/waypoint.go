@@ -74,7 +74,7 @@ type waypointRoute struct {
 // waypointOf returns the waypoint a connection from srcW to dst must go
 // through, or nil when it goes directly.
 func waypointOf(dir *workload.Directory, idx *waypointIndex, srcW *workload.Workload, dst netip.Addr) *waypointRoute {
-	if svc, ok := dir.ServiceByVIP(dst); ok {
+	if svc, ok := dir.ServiceByVIPFor(dst, namespaceOf(srcW)); ok {
 		if svc.Waypoint == nil || isWaypoint(dir, idx, svc.Waypoint, srcW) {
 			return nil
 		}
@@ -85,6 +85,14 @@ func waypointOf(dir *workload.Directory, idx *waypointIndex, srcW *workload.Work
 		return nil
 	}
 	return &waypointRoute{wp: w.Waypoint}
+}
+
+// namespaceOf is w's namespace, "" for no workload.
+func namespaceOf(w *workload.Workload) string {
+	if w == nil {
+		return ""
+	}
+	return w.Namespace
 }
 
 // waypointService returns the service wp names (by host name, or by VIP),

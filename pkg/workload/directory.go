@@ -17,6 +17,8 @@ type Directory struct {
 	byNode   map[string][]*Workload
 	services []*Service // sorted by namespace, name
 	byVIP    map[netip.Addr]*Service
+	// byVIPIn holds the VIPs of NamespaceOnly services, by namespace.
+	byVIPIn map[string]map[netip.Addr]*Service
 	// selecting lists, per workload, the services it is an endpoint of, in
 	// service order: the destination side names the service of an inbound
 	// connection among these only.
@@ -35,6 +37,7 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 		byAddr:    make(map[netip.Addr]*Workload, len(workloads)),
 		byNode:    map[string][]*Workload{},
 		byVIP:     make(map[netip.Addr]*Service, len(services)),
+		byVIPIn:   map[string]map[netip.Addr]*Service{},
 		selecting: map[*Workload][]*Service{},
 	}
 	var errs []error
@@ -111,8 +114,15 @@ func sortedByName[T any](list []T, key func(T) (string, string)) []T {
 func (d *Directory) addService(s *Service) error {
 	var err error
 	own := *s
+	vips := d.byVIP
+	if s.NamespaceOnly {
+		if d.byVIPIn[s.Namespace] == nil {
+			d.byVIPIn[s.Namespace] = map[netip.Addr]*Service{}
+		}
+		vips = d.byVIPIn[s.Namespace]
+	}
 	own.VIPs = slices.DeleteFunc(slices.Clone(s.VIPs), func(vip netip.Addr) bool {
-		other, ok := d.byVIP[vip]
+		other, ok := vips[vip]
 		if ok && err == nil {
 			err = fmt.Errorf("service %s: cluster IP %s already belongs to service %s: left out", s, vip, other)
 		}
@@ -122,7 +132,7 @@ func (d *Directory) addService(s *Service) error {
 	// same service to the next directory while this one's readers run.
 	own.Endpoints = slices.Clone(s.Endpoints)
 	for _, vip := range own.VIPs {
-		d.byVIP[vip] = &own
+		vips[vip] = &own
 	}
 	d.services = append(d.services, &own)
 	for i := range own.Endpoints {
@@ -163,10 +173,22 @@ func (d *Directory) Services() []*Service { return slices.Clone(d.services) }
 // and name.
 func (d *Directory) ServicesOf(w *Workload) []*Service { return slices.Clone(d.selecting[w]) }
 
-// ServiceByVIP returns the service whose cluster IP is a.
+// ServiceByVIP returns the service whose cluster IP is a, of those every
+// namespace reaches.
 func (d *Directory) ServiceByVIP(a netip.Addr) (*Service, bool) {
 	s, ok := d.byVIP[a.Unmap()]
 	return s, ok
+}
+
+// ServiceByVIPFor returns the service a client in namespace reaches at a:
+// its own namespace's NamespaceOnly service first, as ztunnel prefers the
+// client's namespace, then the one every namespace reaches. Another
+// namespace's NamespaceOnly service is never it.
+func (d *Directory) ServiceByVIPFor(a netip.Addr, namespace string) (*Service, bool) {
+	if s, ok := d.byVIPIn[namespace][a.Unmap()]; ok {
+		return s, true
+	}
+	return d.ServiceByVIP(a)
 }
 
 // Store holds the current Directory. Writers build a new Directory and Set

@@ -92,6 +92,15 @@ type Service struct {
 	Endpoints []Endpoint
 	// Waypoint, if set, is where traffic to this service goes first.
 	Waypoint *Waypoint
+	// NamespaceOnly: only clients in the service's own namespace reach it
+	// at its VIPs (a ServiceEntry exported to ".": istiod's visibility
+	// NAMESPACE); for the others the VIPs are not its.
+	NamespaceOnly bool
+	// Contested marks a stand-in for a VIP that services claim and none
+	// can be told the owner of (see the xDS source's sharedVIPs): it has
+	// no ports and no endpoints, and connections to it are refused rather
+	// than sent in plaintext to the address as if it were no service's.
+	Contested bool
 }
 
 // ServicePort is one port of a service.

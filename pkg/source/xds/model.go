@@ -56,6 +56,10 @@ type PortMap struct {
 // their number so endpoints map them to target ports.
 type Service struct {
 	workload.Service
+	// Canonical is istiod's mark on the service that owns its host name
+	// (a Kubernetes Service, not a ServiceEntry naming the same host): of
+	// two services listing one VIP, it keeps it (sharedVIPs).
+	Canonical bool
 	// vipNetworks holds, per VIP, the network the address is on; the
 	// snapshot keeps only the VIPs on the agent's network.
 	vipNetworks []string

@@ -1,6 +1,7 @@
 package xds
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -254,54 +255,68 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	services := make([]*workload.Service, 0, len(mesh.Services))
+	canonical := make([]bool, 0, len(mesh.Services))
 	for _, svc := range mesh.Services {
 		s, taken := foreignVIPs(&svc.Service, claimed)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
 		services = append(services, s)
+		canonical = append(canonical, svc.Canonical)
 	}
-	services, shared := sharedVIPs(services)
+	services, shared := sharedVIPs(services, canonical)
 	errs = append(errs, shared...)
 	snap.Services = append(snap.Services, services...)
 	return snap, errs
 }
 
-// sharedVIPs settles the VIPs that more than one service lists. A
-// ServiceEntry's addresses are anyone's to write in their namespace, and
-// the directory gives a VIP to one service: a tenant's entry at kube-dns's
-// cluster IP would take the cluster's DNS to its own endpoints. So a shared
-// VIP goes to the one claimant shaped like a Kubernetes Service (hostname
-// name.namespace.svc.<domain>, which a ServiceEntry can copy only within
-// its own namespace), and to none when that does not single one out: a
-// tenant can at worst take a VIP out of the mesh (its traffic then leaves
-// as to any address outside it), never to itself. Each claimant keeps its
-// other VIPs. Returns the services (copies where a VIP was taken out) and
-// an addressConflict per VIP settled.
-func sharedVIPs(services []*workload.Service) ([]*workload.Service, []error) {
-	claimants := map[netip.Addr][]int{}
+// sharedVIPs settles the VIPs that more than one service lists where they
+// compete: among the services every namespace reaches, and among one
+// namespace's NamespaceOnly ones (a client's own namespace's comes first,
+// in the directory, so those two never compete). A ServiceEntry's
+// addresses are anyone's to write in their namespace, and the directory
+// gives a VIP to one service: a tenant's entry at kube-dns's cluster IP
+// would take the cluster's DNS to its own endpoints. So a shared VIP goes,
+// as in ztunnel, to the one claimant istiod marks canonical (the owner of
+// its host name: a Kubernetes Service, not an entry naming the same
+// host); failing that, to the one shaped like a Kubernetes Service
+// (hostname name.namespace.svc.<domain>, which an entry can copy only in
+// its own namespace). When neither tells one apart, no claimant keeps it:
+// a Contested stand-in takes it, and connections to it are refused rather
+// than sent in plaintext to the address as to no service's. Each claimant
+// keeps its other VIPs. canonical[i] is istiod's mark on services[i].
+// Returns the services (copies where a VIP was taken out, stand-ins
+// added) and an addressConflict per VIP settled.
+func sharedVIPs(services []*workload.Service, canonical []bool) ([]*workload.Service, []error) {
+	type scope struct {
+		namespace string // "" for the services every namespace reaches
+		vip       netip.Addr
+	}
+	claimants := map[scope][]int{}
 	for i, s := range services {
+		ns := ""
+		if s.NamespaceOnly {
+			ns = s.Namespace
+		}
 		for _, a := range s.VIPs {
-			if c := claimants[a]; len(c) == 0 || c[len(c)-1] != i { // a VIP listed twice is one claim
-				claimants[a] = append(c, i)
+			k := scope{ns, a}
+			if c := claimants[k]; len(c) == 0 || c[len(c)-1] != i { // a VIP listed twice is one claim
+				claimants[k] = append(c, i)
 			}
 		}
 	}
 	lost := map[int]map[netip.Addr]bool{}
 	var errs []error
-	for a, list := range claimants {
+	var standIns []*workload.Service
+	for k, list := range claimants {
 		if len(list) < 2 {
 			continue
 		}
-		keeper := -1
-		for _, i := range list {
-			if kubernetesShaped(services[i]) {
-				if keeper != -1 {
-					keeper = -1
-					break
-				}
-				keeper = i
-			}
+		keeper := onlyOne(list, func(i int) bool { return canonical[i] })
+		how := "istiod's canonical service"
+		if keeper == -1 {
+			keeper = onlyOne(list, func(i int) bool { return kubernetesShaped(services[i]) })
+			how = "the Kubernetes Service"
 		}
 		names := make([]string, 0, len(list))
 		for _, i := range list {
@@ -312,14 +327,17 @@ func sharedVIPs(services []*workload.Service) ([]*workload.Service, []error) {
 			if lost[i] == nil {
 				lost[i] = map[netip.Addr]bool{}
 			}
-			lost[i][a] = true
+			lost[i][k.vip] = true
 		}
 		slices.Sort(names)
-		outcome := "no service keeps it"
+		outcome := "no service keeps it, and connections to it are refused"
 		if keeper != -1 {
-			outcome = "it stays the Kubernetes Service's, " + services[keeper].Namespace + "/" + services[keeper].Hostname
+			outcome = "it stays " + how + "'s, " + services[keeper].Namespace + "/" + services[keeper].Hostname
+		} else {
+			standIns = append(standIns, &workload.Service{Name: "contested " + k.vip.String(), Namespace: k.namespace,
+				VIPs: []netip.Addr{k.vip}, NamespaceOnly: k.namespace != "", Contested: true})
 		}
-		errs = append(errs, addressConflict{fmt.Errorf("istiod's services %s all list VIP %s: %s", strings.Join(names, ", "), a, outcome)})
+		errs = append(errs, addressConflict{fmt.Errorf("istiod's services %s all list VIP %s: %s", strings.Join(names, ", "), k.vip, outcome)})
 	}
 	if len(lost) == 0 {
 		return services, nil
@@ -330,8 +348,27 @@ func sharedVIPs(services []*workload.Service) ([]*workload.Service, []error) {
 		c.VIPs = slices.DeleteFunc(slices.Clone(c.VIPs), func(a netip.Addr) bool { return vips[a] })
 		out[i] = &c
 	}
+	slices.SortFunc(standIns, func(a, b *workload.Service) int {
+		return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), a.VIPs[0].Compare(b.VIPs[0]))
+	})
+	out = append(out, standIns...)
 	slices.SortFunc(errs, func(a, b error) int { return strings.Compare(a.Error(), b.Error()) })
 	return out, errs
+}
+
+// onlyOne returns the one element of list that is, -1 if none or several
+// are.
+func onlyOne(list []int, is func(int) bool) int {
+	found := -1
+	for _, i := range list {
+		if is(i) {
+			if found != -1 {
+				return -1
+			}
+			found = i
+		}
+	}
+	return found
 }
 
 // kubernetesShaped reports whether s is named as istiod names a

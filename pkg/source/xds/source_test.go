@@ -363,13 +363,16 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 	expectMetric(t, m, "redirector_xds_address_conflicts", 2)
 }
 
-// TestMergeSharedVIPs: a VIP two services list goes to the one shaped
-// like a Kubernetes Service, or to none. Before, the directory gave it to
-// the first by namespace and name and dropped the other service whole: a
-// tenant's ServiceEntry in "default" at kube-dns's cluster IP took the
-// cluster's DNS to its own endpoint, and kube-dns's IPv6 VIP went with it.
+// TestMergeSharedVIPs: a VIP two services list goes, as in ztunnel, to
+// the one istiod marks canonical, else to the one shaped like a Kubernetes
+// Service, else to a stand-in that refuses connections; a NamespaceOnly
+// service competes with nobody outside its namespace and is reached only
+// from it. Before, the directory gave a VIP to the first service by
+// namespace and name and dropped the other service whole: a tenant's
+// ServiceEntry in "default" at kube-dns's cluster IP took the cluster's
+// DNS to its own endpoint, and kube-dns's IPv6 VIP went with it.
 func TestMergeSharedVIPs(t *testing.T) {
-	dnsVIP, dnsVIP6, tenantVIP := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00::a"), netip.MustParseAddr("10.96.0.20")
+	dnsVIP, dnsVIP6, tenantVIP, fought := netip.MustParseAddr("10.96.0.10"), netip.MustParseAddr("fd00::a"), netip.MustParseAddr("10.96.0.20"), netip.MustParseAddr("10.96.0.99")
 	workloads := translateWorkloads(t, []*workloadapi.Workload{
 		{Uid: "K//Pod/kube-system/coredns-1", Name: "coredns-1", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.53").AsSlice()},
 			Services: map[string]*workloadapi.PortList{"kube-system/kube-dns.kube-system.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}}}},
@@ -377,21 +380,32 @@ func TestMergeSharedVIPs(t *testing.T) {
 			Services: map[string]*workloadapi.PortList{
 				"default/evil.example":                    {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 				"default/mimic.default.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 53}}},
+				"default/local.example":                   {Ports: []*workloadapi.Port{{ServicePort: 53}}},
 			}},
 	})
+	vips := func(as ...netip.Addr) (out []*workloadapi.NetworkAddress) {
+		for _, a := range as {
+			out = append(out, &workloadapi.NetworkAddress{Address: a.AsSlice()})
+		}
+		return out
+	}
+	dnsPort := []*workloadapi.Port{{ServicePort: 53}}
 	services := map[string]*Service{}
 	for _, x := range []*workloadapi.Service{
 		// A VIP listed twice is one claim.
-		{Name: "kube-dns", Namespace: "kube-system", Hostname: "kube-dns.kube-system.svc.cluster.local",
-			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: dnsVIP6.AsSlice()}, {Address: dnsVIP.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
-		// A ServiceEntry at kube-dns's VIP, and at a tenant Service's.
-		{Name: "evil", Namespace: "default", Hostname: "evil.example",
-			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP.AsSlice()}, {Address: tenantVIP.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
-		// A ServiceEntry named like a Kubernetes Service of its own
-		// namespace, at kube-dns's IPv6 VIP: two of that shape, so
-		// neither keeps it.
-		{Name: "mimic", Namespace: "default", Hostname: "mimic.default.svc.cluster.local",
-			Addresses: []*workloadapi.NetworkAddress{{Address: dnsVIP6.AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 53}}},
+		{Name: "kube-dns", Namespace: "kube-system", Hostname: "kube-dns.kube-system.svc.cluster.local", Canonical: true,
+			Addresses: vips(dnsVIP, dnsVIP6, dnsVIP), Ports: dnsPort},
+		// A ServiceEntry at kube-dns's VIP, and at a VIP of its own.
+		{Name: "evil", Namespace: "default", Hostname: "evil.example", Addresses: vips(dnsVIP, tenantVIP), Ports: dnsPort},
+		// Named like a Kubernetes Service of its own namespace, at
+		// kube-dns's IPv6 VIP: kube-dns is istiod's canonical one.
+		{Name: "mimic", Namespace: "default", Hostname: "mimic.default.svc.cluster.local", Addresses: vips(dnsVIP6), Ports: dnsPort},
+		// Exported to its own namespace only, at kube-dns's VIP: for
+		// clients in default only, and competing with no one else.
+		{Name: "local", Namespace: "default", Hostname: "local.example", Addresses: vips(dnsVIP), Ports: dnsPort, Visibility: workloadapi.Service_NAMESPACE},
+		// Two entries that nothing tells apart.
+		{Name: "one", Namespace: "a", Hostname: "one.example", Addresses: vips(fought), Ports: dnsPort},
+		{Name: "two", Namespace: "b", Hostname: "two.example", Addresses: vips(fought), Ports: dnsPort},
 	} {
 		svc, err := translateService(x)
 		if err != nil {
@@ -402,24 +416,30 @@ func TestMergeSharedVIPs(t *testing.T) {
 	mesh := buildSnapshot(workloads, services, nil, "")
 	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
 	want := []string{
-		"istiod's services default/evil.example, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP 10.96.0.10: it stays the Kubernetes Service's, kube-system/kube-dns.kube-system.svc.cluster.local",
-		"istiod's services default/mimic.default.svc.cluster.local, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP fd00::a: no service keeps it",
+		"istiod's services a/one.example, b/two.example all list VIP 10.96.0.99: no service keeps it, and connections to it are refused",
+		"istiod's services default/evil.example, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP 10.96.0.10: it stays istiod's canonical service's, kube-system/kube-dns.kube-system.svc.cluster.local",
+		"istiod's services default/mimic.default.svc.cluster.local, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP fd00::a: it stays istiod's canonical service's, kube-system/kube-dns.kube-system.svc.cluster.local",
 	}
 	if got := errorStrings(errs); strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("errors:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
-	if n := countConflicts(errs); n != 2 {
-		t.Errorf("%d address conflicts counted, want 2", n)
+	if n := countConflicts(errs); n != 3 {
+		t.Errorf("%d address conflicts counted, want 3", n)
 	}
 	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
 	if len(dirErrs) != 0 {
 		t.Errorf("directory errors %v", dirErrs)
 	}
-	if svc, ok := dir.ServiceByVIP(dnsVIP); !ok || svc.Name != "kube-dns" || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != netip.MustParseAddr("10.2.0.53") {
-		t.Errorf("%s is %v, want kube-dns with coredns behind it", dnsVIP, svc)
+	for _, vip := range []netip.Addr{dnsVIP, dnsVIP6} {
+		if svc, ok := dir.ServiceByVIPFor(vip, "shop"); !ok || svc.Name != "kube-dns" || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != netip.MustParseAddr("10.2.0.53") {
+			t.Errorf("%s from shop is %v, want kube-dns with coredns behind it", vip, svc)
+		}
 	}
-	if svc, ok := dir.ServiceByVIP(dnsVIP6); ok {
-		t.Errorf("%s is %v's, want no service's", dnsVIP6, svc)
+	if svc, ok := dir.ServiceByVIPFor(dnsVIP, "default"); !ok || svc.Name != "local" {
+		t.Errorf("%s from default is %v, want default's own NamespaceOnly entry", dnsVIP, svc)
+	}
+	if svc, ok := dir.ServiceByVIPFor(fought, "shop"); !ok || !svc.Contested || len(svc.Ports) != 0 {
+		t.Errorf("%s is %+v, want a contested stand-in that refuses connections", fought, svc)
 	}
 	if svc, ok := dir.ServiceByVIP(tenantVIP); !ok || svc.Name != "evil" {
 		t.Errorf("the entry's own VIP %s is %v, want it kept", tenantVIP, svc)

@@ -155,7 +155,15 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	if x.GetName() == "" || x.GetNamespace() == "" || x.GetHostname() == "" {
 		return nil, fmt.Errorf("service %s/%s (%q): name, namespace and hostname are required", x.GetNamespace(), x.GetName(), x.GetHostname())
 	}
-	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace(), Hostname: x.GetHostname()}}
+	s := &Service{Service: workload.Service{Name: x.GetName(), Namespace: x.GetNamespace(), Hostname: x.GetHostname()}, Canonical: x.GetCanonical()}
+	switch x.GetVisibility() {
+	case workloadapi.Service_PUBLIC:
+	case workloadapi.Service_NAMESPACE:
+		s.NamespaceOnly = true
+	default:
+		// Read as public, it could take other namespaces' traffic.
+		return nil, fmt.Errorf("service %s: visibility %s is not supported (PUBLIC or NAMESPACE)", s.Key(), x.GetVisibility())
+	}
 	for i, na := range x.GetAddresses() {
 		a, err := meshAddr(na.GetAddress())
 		if err != nil {
