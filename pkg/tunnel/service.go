@@ -28,8 +28,19 @@ type balancer struct {
 	mu     sync.Mutex
 	next   map[cursorKey]uint64         // per service port: round-robin cursor
 	failed map[netip.AddrPort]time.Time // endpoint -> when it last failed
+	pruned time.Time                    // when failed was last pruned
 	now    func() time.Time
 }
+
+// The balancer's lock is shared by every pod's service connections, so
+// what it does under it is bounded, whatever size of service a tenant
+// makes: order looks at most maxOrderProbes endpoints past the cursor
+// (a connection tries maxServiceAttempts), and the failure memory holds at
+// most maxFailed endpoints and is pruned once per failureMemory.
+const (
+	maxOrderProbes = 64
+	maxFailed      = 1 << 14
+)
 
 func newBalancer() *balancer {
 	return &balancer{next: map[cursorKey]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now}
@@ -60,8 +71,8 @@ type target struct {
 	addr netip.AddrPort // endpoint address and the resolved target port
 }
 
-// order returns the ready endpoints serving port, starting at the service's
-// round-robin cursor, recently failed ones last.
+// order returns up to maxServiceAttempts ready endpoints serving port,
+// starting at the service's round-robin cursor, recently failed ones last.
 func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []target {
 	// Rotate over the endpoints that can serve, so endpoints that cannot
 	// (not ready, port missing) never skew the share of the others.
@@ -77,16 +88,20 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 	if len(eligible) == 0 {
 		return nil
 	}
+	key := cursorKey{svc.String(), port.Name}
+	fresh := make([]target, 0, maxServiceAttempts)
+	var stale []target
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	key := cursorKey{svc.String(), port.Name}
 	start := int(b.next[key] % uint64(len(eligible)))
 	b.next[key]++
-	var fresh, stale []target
-	for i := range eligible {
+	now := b.now()
+	for i := 0; i < len(eligible) && i < maxOrderProbes && len(fresh) < maxServiceAttempts; i++ {
 		t := eligible[(start+i)%len(eligible)]
-		if at, bad := b.failed[t.addr]; bad && b.now().Sub(at) < failureMemory {
-			stale = append(stale, t)
+		if at, bad := b.failed[t.addr]; bad && now.Sub(at) < failureMemory {
+			if len(stale) < maxServiceAttempts {
+				stale = append(stale, t)
+			}
 		} else {
 			fresh = append(fresh, t)
 		}
@@ -97,11 +112,17 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 func (b *balancer) fail(a netip.AddrPort) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.failed[a] = b.now()
-	for k, at := range b.failed {
-		if b.now().Sub(at) > failureMemory {
-			delete(b.failed, k)
+	now := b.now()
+	if now.Sub(b.pruned) > failureMemory || len(b.failed) >= maxFailed {
+		b.pruned = now
+		for k, at := range b.failed {
+			if now.Sub(at) > failureMemory {
+				delete(b.failed, k)
+			}
 		}
+	}
+	if len(b.failed) < maxFailed {
+		b.failed[a] = now
 	}
 }
 
