@@ -67,6 +67,12 @@ type Decision struct {
 	// its addresses are known (the CNI plugin reports them before the API
 	// server does).
 	Pending string
+	// Undecided is set, with Enrolled false, when the rules select the pod
+	// but the agent cannot tell yet whether its runtime may be meshed (its
+	// RuntimeClass is not in the agent's view yet: the API server admits
+	// no pod of an unknown class, so the view lags). The CNI ADD fails
+	// rather than let the pod start unmeshed; the runtime retries.
+	Undecided string
 }
 
 // Decide applies the rules to pod, whose namespace object is ns (nil if
@@ -96,7 +102,20 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 		return Decision{Reason: fmt.Sprintf("pod phase is %s", p)}
 	}
 	if out := checkRuntimeClass(cfg, pod, lookup); out != nil {
-		return *out
+		var rc *RuntimeClassError
+		switch {
+		case !errors.As(out.Err, &rc):
+			return *out
+		case pod.Annotations[RedirectionAnnotation] == "enabled":
+			// Meshed before, under a class the agent knew then: the
+			// class was deleted while the pod runs (its sandbox keeps
+			// its handler), and a restarted agent has no decision of its
+			// own to keep. It stays enrolled.
+			d.Reason += fmt.Sprintf("; runtime class %q unknown, kept enrolled: the pod was meshed before (annotation %s=enabled)", rc.Class, RedirectionAnnotation)
+		default:
+			out.Undecided = out.Reason
+			return *out
+		}
 	}
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"

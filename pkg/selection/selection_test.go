@@ -109,7 +109,11 @@ func TestDecide(t *testing.T) {
 		// Runtime classes.
 		{"skipped runtime handler", namespace("shop", true), newPod(runtimeClass("kata")), Decision{Reason: "runtime class kata (handler kata-qemu) is skipped"}, nil},
 		{"other runtime handler", namespace("shop", true), newPod(runtimeClass("gvisor")), Decision{Enrolled: true, Reason: nsAmbient}, nil},
-		{"unknown runtime class", namespace("shop", true), newPod(runtimeClass("firecracker")), Decision{Reason: `pod shop/web-1: unknown runtime class "firecracker"`}, ErrUnknownRuntimeClass},
+		// Not judged yet: its ADD fails rather than start it unmeshed.
+		{"unknown runtime class", namespace("shop", true), newPod(runtimeClass("firecracker")), Decision{Reason: `pod shop/web-1: unknown runtime class "firecracker"`, Undecided: `pod shop/web-1: unknown runtime class "firecracker"`}, ErrUnknownRuntimeClass},
+		// Meshed before (the class was deleted while it runs): kept.
+		{"unknown runtime class of a pod meshed before", namespace("shop", true), newPod(runtimeClass("firecracker"), annotate(RedirectionAnnotation, "enabled")),
+			Decision{Enrolled: true, Reason: nsAmbient + `; runtime class "firecracker" unknown, kept enrolled: the pod was meshed before (annotation ` + RedirectionAnnotation + `=enabled)`}, nil},
 		{"unknown runtime class on a pod not selected", namespace("shop", false), newPod(runtimeClass("firecracker")), Decision{Reason: noLabel}, nil},
 		{"skipped runtime beats no IP", namespace("shop", true), newPod(runtimeClass("kata"), noIP()), Decision{Reason: "runtime class kata (handler kata-qemu) is skipped"}, nil},
 

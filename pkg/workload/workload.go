@@ -49,6 +49,10 @@ type Workload struct {
 	// reason it is enrolled under once the CNI plugin reports its
 	// addresses.
 	Pending string
+	// Undecided is set on a pod the rules select but whose runtime the
+	// agent cannot judge yet (see selection.Decision.Undecided): its CNI ADD
+	// fails, so it never starts unmeshed.
+	Undecided string
 	// Redirected says the pod carries ambient.istio.io/redirection=enabled
 	// as its source last read it, and Terminating that it is being deleted;
 	// the node agent keeps the annotation true to what is attached.

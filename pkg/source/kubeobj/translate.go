@@ -94,6 +94,7 @@ func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup sel
 		Reason:         dec.Reason,
 		BypassInbound:  dec.BypassInbound,
 		Pending:        dec.Pending,
+		Undecided:      dec.Undecided,
 		Redirected:     pod.Annotations[selection.RedirectionAnnotation] == "enabled",
 		Terminating:    pod.DeletionTimestamp != nil,
 		ContainerPorts: namedPorts(pod),
