@@ -109,7 +109,7 @@ func runSettings() (*settings, runFlags) {
 		ready:          s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
 		admin:          s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
 		exclude:        s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
-		ownNS:          s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace, excluded as well"),
+		ownNS:          s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace (in istiod's node id)"),
 		skipRC:         s.add("skip-runtime-classes", selection.EnvSkipRuntimeClasses, "", "comma-separated RuntimeClass handlers whose pods are never enrolled"),
 		rootNS:         s.add("root-namespace", "ROOT_NAMESPACE", policy.DefaultRootNamespace, "namespace of mesh-wide policies"),
 		ttl:            s.add("cert-ttl", "CERT_TTL", "24h", "lifetime of workload certificates; rotated at half-life"),
@@ -172,7 +172,10 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if c.xds, err = parseXDSFlags(s, f.xds, c, *f.ownNS); err != nil {
 		return c, err
 	}
-	if c.selection, err = selection.ParseConfig(*f.exclude+","+*f.ownNS, *f.skipRC); err != nil {
+	// Only EXCLUDE_NAMESPACES, as istio-cni's excludeNamespaces: the
+	// agent's own namespace (istio-system) is meshed when it is labelled
+	// ambient, as Istio does; the agent's own pods use the host network.
+	if c.selection, err = selection.ParseConfig(*f.exclude, *f.skipRC); err != nil {
 		return c, err
 	}
 	durations := []struct {
