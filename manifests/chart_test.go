@@ -463,7 +463,7 @@ func checkUninstallHook(t *testing.T, r *rendered) {
 		t.Errorf("hook Job in %q, want %q", j.Namespace, releaseNamespace)
 	}
 	spec := j.Spec.Template.Spec
-	if spec.ServiceAccountName != r.ServiceAccount.Name || spec.HostNetwork || spec.HostPID || spec.RestartPolicy != corev1.RestartPolicyNever {
+	if spec.ServiceAccountName != r.ServiceAccount.Name+"-uninstall" || spec.HostNetwork || spec.HostPID || spec.RestartPolicy != corev1.RestartPolicyNever {
 		t.Errorf("hook pod: serviceAccount %q, hostNetwork %v, hostPID %v, restartPolicy %q", spec.ServiceAccountName, spec.HostNetwork, spec.HostPID, spec.RestartPolicy)
 	}
 	if len(spec.Containers) != 1 || !slices.Equal(spec.Containers[0].Command, []string{"redirector-node", "delete-daemonset"}) {
@@ -516,10 +516,23 @@ func checkRBAC(t *testing.T, r *rendered) {
 	if got := flatten(r.ClusterRole.Rules); !slices.Equal(got, want) {
 		t.Errorf("ClusterRole grants\n%v\nwant exactly\n%v", got, want)
 	}
-	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "delete", r.DaemonSet.Name}, {"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
-		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet: read by node-setup, deleted by the pre-delete hook)", got, want)
+	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
+		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet, read by node-setup: a delete would turn the mesh off on every node)", got, want)
 	}
-	for _, rl := range slices.Concat(r.ClusterRole.Rules, r.Role.Rules) {
+	if r.UninstallRole == nil || r.UninstallServiceAccount == nil || r.UninstallRoleBinding == nil {
+		t.Fatal("no account of the pre-delete hook's own (ServiceAccount, Role, RoleBinding named -uninstall)")
+	}
+	if got, want := flatten(r.UninstallRole.Rules), []rule{{"apps", "daemonsets", "delete", r.DaemonSet.Name}, {"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
+		t.Errorf("the hook's Role grants %v, want exactly %v", got, want)
+	}
+	hookSA := rbacv1.Subject{Kind: "ServiceAccount", Name: r.UninstallServiceAccount.Name, Namespace: r.UninstallServiceAccount.Namespace}
+	if b := r.UninstallRoleBinding; b.RoleRef.Name != r.UninstallRole.Name || !slices.Equal(b.Subjects, []rbacv1.Subject{hookSA}) {
+		t.Errorf("the hook's RoleBinding binds %s to %+v, want %s to %+v", b.RoleRef.Name, b.Subjects, r.UninstallRole.Name, hookSA)
+	}
+	if got := r.UninstallJob.Spec.Template.Spec.ServiceAccountName; got != r.UninstallServiceAccount.Name {
+		t.Errorf("the pre-delete hook runs as %q, want its own account %q", got, r.UninstallServiceAccount.Name)
+	}
+	for _, rl := range slices.Concat(r.ClusterRole.Rules, r.Role.Rules, r.UninstallRole.Rules) {
 		for _, list := range [][]string{rl.APIGroups, rl.Resources, rl.Verbs, rl.ResourceNames} {
 			if slices.Contains(list, "*") {
 				t.Errorf("wildcard in rule %+v", rl)

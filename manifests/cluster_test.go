@@ -115,6 +115,12 @@ func apply(t *testing.T, client kubernetes.Interface, dyn dynamic.Interface, r *
 	check("Role", err)
 	_, err = client.RbacV1().RoleBindings(releaseNamespace).Create(ctx, r.RoleBinding, opts)
 	check("RoleBinding", err)
+	_, err = client.CoreV1().ServiceAccounts(releaseNamespace).Create(ctx, r.UninstallServiceAccount, opts)
+	check("the hook's ServiceAccount", err)
+	_, err = client.RbacV1().Roles(releaseNamespace).Create(ctx, r.UninstallRole, opts)
+	check("the hook's Role", err)
+	_, err = client.RbacV1().RoleBindings(releaseNamespace).Create(ctx, r.UninstallRoleBinding, opts)
+	check("the hook's RoleBinding", err)
 	_, err = client.AppsV1().DaemonSets(releaseNamespace).Create(ctx, r.DaemonSet, opts)
 	check("DaemonSet", err)
 	_, err = client.BatchV1().Jobs(releaseNamespace).Create(ctx, r.UninstallJob, opts)
@@ -264,12 +270,24 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 			t.Errorf("%s as the agent: %v, want forbidden", what, err)
 		}
 	}
-	// node-setup's one read: its own DaemonSet; the pre-delete hook's one write: deleting it.
+	// node-setup's one read: its own DaemonSet. Deleting it would turn the mesh off on every
+	// node: that is the pre-delete hook's alone, under an account no agent pod has.
 	if _, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, r.DaemonSet.Name, metav1.GetOptions{}); err != nil {
 		t.Errorf("node-setup cannot read its DaemonSet: %v", err)
 	}
-	if err := agentClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name,
-		metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
+	dryRun := metav1.DeleteOptions{DryRun: []string{metav1.DryRunAll}}
+	if err := agentClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name, dryRun); !apierrors.IsForbidden(err) {
+		t.Errorf("the agent deleting its DaemonSet: %v, want forbidden", err)
+	}
+	asHook := rest.CopyConfig(c.Config)
+	asHook.Impersonate = rest.ImpersonationConfig{
+		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.UninstallServiceAccount.Name),
+	}
+	hookClient, err := kubernetes.NewForConfig(asHook)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := hookClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name, dryRun); err != nil {
 		t.Errorf("the pre-delete hook cannot delete its DaemonSet: %v", err)
 	}
 }

@@ -55,11 +55,15 @@ type rendered struct {
 	Role               *rbacv1.Role
 	RoleBinding        *rbacv1.RoleBinding
 	PeerAuthentication *peerAuthentication
-	UninstallJob       *batchv1.Job      // the pre-delete hook
-	PodMonitor         *podMonitor       // monitoring.podMonitor (monitoring_test.go)
-	Dashboards         *corev1.ConfigMap // monitoring.dashboard: the Grafana sidecar's ConfigMap
-	Notes              string
-	Manifest           string // the whole rendered manifest, for failure messages
+	UninstallJob       *batchv1.Job // the pre-delete hook
+	// The hook's own account and the one grant it has (names ending -uninstall).
+	UninstallServiceAccount *corev1.ServiceAccount
+	UninstallRole           *rbacv1.Role
+	UninstallRoleBinding    *rbacv1.RoleBinding
+	PodMonitor              *podMonitor       // monitoring.podMonitor (monitoring_test.go)
+	Dashboards              *corev1.ConfigMap // monitoring.dashboard: the Grafana sidecar's ConfigMap
+	Notes                   string
+	Manifest                string // the whole rendered manifest, for failure messages
 }
 
 // renderOpts are the inputs of one `helm install --dry-run`.
@@ -157,6 +161,22 @@ func (r *rendered) add(doc string) error {
 	var tm metav1.TypeMeta
 	if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
 		return fmt.Errorf("read kind: %w", err)
+	}
+	var meta struct {
+		Metadata metav1.ObjectMeta `json:"metadata"`
+	}
+	if err := yaml.Unmarshal([]byte(doc), &meta); err != nil {
+		return fmt.Errorf("read metadata: %w", err)
+	}
+	if strings.HasSuffix(meta.Metadata.Name, "-uninstall") {
+		switch tm.APIVersion + "/" + tm.Kind {
+		case "v1/ServiceAccount":
+			return strictNew(doc, &r.UninstallServiceAccount)
+		case "rbac.authorization.k8s.io/v1/Role":
+			return strictNew(doc, &r.UninstallRole)
+		case "rbac.authorization.k8s.io/v1/RoleBinding":
+			return strictNew(doc, &r.UninstallRoleBinding)
+		}
 	}
 	decode := map[string]func() error{
 		"apps/v1/DaemonSet":                               func() error { return strictNew(doc, &r.DaemonSet) },
