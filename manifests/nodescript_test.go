@@ -604,3 +604,44 @@ func TestNodeScriptUsage(t *testing.T) {
 		t.Errorf("unknown command: exit %d\n%s", code, out)
 	}
 }
+
+// TestNodeScriptWritesNoPlantedPath: node-setup writes the host's CNI directories as root with
+// the host's / reachable, so nothing another writer of those directories plants may turn
+// its writes elsewhere. Before, its temporary files had fixed names (a symlink there sent the
+// conflist or the plugin binary onto any host file), and a symlinked conflist was replaced
+// by a regular file its owner no longer wrote. Now temporary names are random (mktemp) and
+// a symlinked conflist is refused, its target untouched.
+func TestNodeScriptWritesNoPlantedPath(t *testing.T) {
+	n := newNodeEnv(t)
+	victim := filepath.Join(t.TempDir(), "victim")
+	n.write(victim, "host file\n", 0o644)
+	for _, planted := range []string{
+		filepath.Join(n.confDir, ".10-kindnet.conflist.redirector.tmp"),
+		filepath.Join(n.binDir, ".redirector-cni.tmp"),
+	} {
+		if err := os.Symlink(victim, planted); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n.write(filepath.Join(n.confDir, "10-kindnet.conflist"), primaryConf, 0o644)
+	n.mustRun("install-cni")
+	if got := readFile(t, victim); got != "host file\n" {
+		t.Errorf("a planted symlink turned node-setup's write onto another file: %q", got)
+	}
+	if plugins, _ := n.plugins("10-kindnet.conflist"); len(plugins) != 3 {
+		t.Errorf("the conflist was not chained: %v", types(plugins))
+	}
+
+	m := newNodeEnv(t)
+	real := filepath.Join(t.TempDir(), "10-kindnet.conflist")
+	m.write(real, primaryConf, 0o644)
+	if err := os.Symlink(real, filepath.Join(m.confDir, "10-kindnet.conflist")); err != nil {
+		t.Fatal(err)
+	}
+	if out, code := m.run("install-cni"); code == 0 || !strings.Contains(out, "is a symlink") {
+		t.Errorf("install-cni through a symlinked conflist: exit %d\n%s", code, out)
+	}
+	if got := readFile(t, real); got != primaryConf {
+		t.Errorf("the symlink's target was rewritten: %s", got)
+	}
+}
