@@ -467,6 +467,9 @@ func runAgent(ctx context.Context, args []string) error {
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "redirector_cni_pod_reports", Help: "Pod sandboxes the CNI plugin reported whose network namespace still exists (at most one a namespace)."},
 				func() float64 { return float64(agent.CNIReports()) }),
 		)
+		// Before the socket: while the agent starts after a reboot (no
+		// hint on tmpfs), kube-system's pods must not wait for its source.
+		agent.WriteStartupHint()
 		cniReady = serveCNI(ctx, srv, cniRetryPeriod, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full

@@ -96,13 +96,13 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	// in place: an update would swap the programs on the old sandbox's
 	// interface (its pinned links are there) and leave the new one
 	// without any, while everything else moved to it.
-	fresh := !existed
-	if moved, oldIno := l.movedNetNS(id, old.NetNS, p.NetNS); existed && moved {
+	fresh, moved := !existed, false
+	if existed && l.movedNetNS(id, old.NetNS, p.NetNS) {
 		l.log.InfoContext(ctx, "pod moved to a new network namespace: leaving the old one", "pod", p.String(), "old", old.NetNS, "new", p.NetNS)
-		if err := l.leaveNetNS(ctx, id, old, oldIno); err != nil {
+		if err := l.leaveNetNS(id, old); err != nil {
 			l.log.WarnContext(ctx, "leaving the pod's old network namespace", "pod", p.String(), "netns", old.NetNS, "error", err)
 		}
-		fresh = true
+		fresh, moved = true, true
 	}
 	meta := maps.PodMeta{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name,
@@ -122,6 +122,14 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	failed := func(err error) error {
 		if fresh {
 			err = errors.Join(err, l.detach(ctx, id, meta))
+		}
+		if moved {
+			// detach knows only the new addresses.
+			for _, a := range old.Addrs {
+				if !containsAddr(p.Addrs, a) {
+					err = errors.Join(err, l.deleteEntry(a, id), l.deleteCounters(a, id))
+				}
+			}
 		}
 		return err
 	}
@@ -496,21 +504,19 @@ func (l *Loader) deleteCounters(a netip.Addr, id uint32) error {
 // different namespace, by inode (two paths may name one namespace: a
 // /proc/<pid>/ns/net and a runtime's bind mount). The inode recorded for
 // the pod in rd_pod_netns is the old namespace's, whatever its path leads
-// to now; without a record, the old path's own inode, and an old namespace
-// that cannot be found is a move.
-// It also returns the old namespace's inode, 0 if unknown.
-func (l *Loader) movedNetNS(id uint32, oldPath, newPath string) (moved bool, oldIno uint32) {
+// to now; without a record, the old path's own inode. When neither is
+// known (a restarted agent, the old path gone) it is no move: the links
+// are updated in place as before, and a defunct one is attached anew.
+func (l *Loader) movedNetNS(id uint32, oldPath, newPath string) bool {
 	newIno, err := netnsIno(newPath)
 	if err != nil {
-		return false, 0 // the attach reports it
+		return false // the attach reports it
 	}
 	if oldIno, ok := l.recordedNetNS(id); ok {
-		return oldIno != newIno, oldIno
+		return oldIno != newIno
 	}
-	if oldIno, err = netnsIno(oldPath); err != nil {
-		return true, 0
-	}
-	return oldIno != newIno, oldIno
+	oldIno, err := netnsIno(oldPath)
+	return err == nil && oldIno != newIno
 }
 
 // recordedNetNS is the inode of the namespace pod id was last attached in:
@@ -534,22 +540,18 @@ func (l *Loader) recordedNetNS(id uint32) (uint32, bool) {
 	return 0, false
 }
 
-// leaveNetNS undoes what attaching pod id did in its old namespace (meta's,
-// inode oldIno) and on its old host veth, keeping its id, metadata and
-// entries: its links (held and pinned), its host-probe SNAT, its
-// rd_pod_netns entry, and the legacy filters, rules, routes and sysctls in
-// the old namespace if meta's path still leads to it (a path can come to
-// name another namespace, the new sandbox's even: that one is left alone).
-// The attach that follows starts afresh.
-func (l *Loader) leaveNetNS(ctx context.Context, id uint32, meta maps.PodMeta, oldIno uint32) error {
+// leaveNetNS undoes what attaching pod id did on its old sandbox, keeping
+// its id, metadata and entries: its links (held and pinned), its host-probe
+// SNAT and its rd_pod_netns entry. The rules, routes and sysctls left in
+// the old namespace are left to it (the runtime tears it down): a path can
+// come to name another namespace, and undoing them there would take them
+// from a pod that needs them. The attach that follows starts afresh.
+func (l *Loader) leaveNetNS(id uint32, meta maps.PodMeta) error {
 	errs := []error{l.deletePodNetNS(id, meta)}
 	if l.probes != nil {
 		errs = append(errs, l.probes.DetachHost(id))
 	}
 	l.setHostProbe(id, false)
-	if cur, err := netnsIno(meta.NetNS); err == nil && oldIno != 0 && cur == oldIno {
-		errs = append(errs, l.undoInNetNS(ctx, meta))
-	}
 	l.dropLinks(id)
 	for _, d := range []direction{ingress, egress} {
 		errs = append(errs, l.detachTCX(id, d))

@@ -152,7 +152,7 @@ func (a *Agent) Reconciled() (bool, string) {
 // periodic full pass, until ctx is done (nil) or the source fails (its
 // error). Call Close after it returned, before the loader closes.
 func (a *Agent) Run(ctx context.Context, src source.Source) error {
-	a.WriteStartupHint()
+	a.WriteStartupHint() // again, for an Agent run without a CNI socket served first
 	snaps := make(chan source.Snapshot, 1)
 	srcErr := make(chan error, 1)
 	go func() {

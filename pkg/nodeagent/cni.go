@@ -104,7 +104,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		refused := a.refusedErr(w)
 		switch {
-		case known && addrErr != nil && (w.Enrolled || w.Pending != ""):
+		case known && addrErr != nil && (w.Enrolled || w.Pending != "" || w.Undecided != ""):
 			return cni.Response{}, fmt.Errorf("pod %s is selected but its ADD is refused: %w; refusing to start it with these addresses", key, addrErr)
 		case known && addrErr != nil:
 			return cni.Response{Reason: w.Reason}, nil
@@ -138,6 +138,11 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && ev.Command == cni.CommandCheck:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
+		case !known && slices.Contains(a.cfg.Selection.ExcludeNamespaces, ev.PodNamespace):
+			// Never enrolled whatever the source says: no need to wait
+			// for it (after a reboot, CoreDNS and the rest of kube-system
+			// start before the agent's source answers).
+			return cni.Response{Reason: "namespace " + ev.PodNamespace + " is excluded"}, nil
 		case time.Now().After(deadline) || ctx.Err() != nil:
 			if !known && addrErr != nil {
 				return cni.Response{}, fmt.Errorf("pod %s is unknown to the agent's source after %s, and its ADD is refused: %w", key, cniWait, addrErr)

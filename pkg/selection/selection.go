@@ -39,8 +39,8 @@ var ErrUnknownRuntimeClass = errors.New("unknown runtime class")
 
 // Config is the operator's part of the rules.
 type Config struct {
-	// ExcludeNamespaces are never enrolled (kube-system and the agent's
-	// own namespace, typically).
+	// ExcludeNamespaces are never enrolled (kube-system, typically, as
+	// istio-cni's excludeNamespaces).
 	ExcludeNamespaces []string
 	// SkipRuntimeClasses are RuntimeClass handlers (not class names) whose
 	// pods are never enrolled: VM-sandboxed runtimes such as Kata have their

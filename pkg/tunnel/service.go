@@ -71,8 +71,10 @@ type target struct {
 	addr netip.AddrPort // endpoint address and the resolved target port
 }
 
-// order returns up to maxServiceAttempts ready endpoints serving port,
-// starting at the service's round-robin cursor, recently failed ones last.
+// order returns ready endpoints serving port, looking at most
+// maxOrderProbes spread over the ring from the service's round-robin
+// cursor: up to maxServiceAttempts fresh ones, then as many recently
+// failed ones.
 func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []target {
 	// Rotate over the endpoints that can serve, so endpoints that cannot
 	// (not ready, port missing) never skew the share of the others.
@@ -96,8 +98,12 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 	start := int(b.next[key] % uint64(len(eligible)))
 	b.next[key]++
 	now := b.now()
+	// The looks are spread over the whole ring, not the 64 after the
+	// cursor: the endpoints of one failed node are often a contiguous
+	// run of addresses, and a window inside it would offer only those.
+	step := max(1, len(eligible)/maxOrderProbes)
 	for i := 0; i < len(eligible) && i < maxOrderProbes && len(fresh) < maxServiceAttempts; i++ {
-		t := eligible[(start+i)%len(eligible)]
+		t := eligible[(start+i*step)%len(eligible)]
 		if at, bad := b.failed[t.addr]; bad && now.Sub(at) < failureMemory {
 			if len(stale) < maxServiceAttempts {
 				stale = append(stale, t)
@@ -113,7 +119,7 @@ func (b *balancer) fail(a netip.AddrPort) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	now := b.now()
-	if now.Sub(b.pruned) > failureMemory || len(b.failed) >= maxFailed {
+	if now.Sub(b.pruned) > failureMemory || (len(b.failed) >= maxFailed && now.Sub(b.pruned) > time.Second) {
 		b.pruned = now
 		for k, at := range b.failed {
 			if now.Sub(at) > failureMemory {

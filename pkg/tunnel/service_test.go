@@ -142,8 +142,24 @@ func TestBalancerBoundedWork(t *testing.T) {
 	if n := len(b.failed); n > maxFailed {
 		t.Errorf("failure memory holds %d endpoints, want at most %d", n, maxFailed)
 	}
-	if got := b.order(svc, port); len(got) != maxServiceAttempts {
-		t.Errorf("order returned %d endpoints, want %d", len(got), maxServiceAttempts)
+	if got := b.order(svc, port); len(got) < maxServiceAttempts || len(got) > 2*maxServiceAttempts {
+		t.Errorf("order returned %d endpoints, want %d to %d", len(got), maxServiceAttempts, 2*maxServiceAttempts)
+	}
+	// A contiguous run of failed endpoints (one node's) around the cursor
+	// still leaves fresh ones first: the looks are spread over the ring.
+	b = newBalancer()
+	b.now = func() time.Time { return now }
+	for i := range 10000 {
+		b.fail(netip.AddrPortFrom(svc.Endpoints[i].Addr, 8080))
+	}
+	for range 50 {
+		got := b.order(svc, port)
+		if len(got) == 0 {
+			t.Fatal("no endpoint")
+		}
+		if at, bad := b.failed[got[0].addr]; bad && now.Sub(at) < failureMemory {
+			t.Fatalf("a recently failed endpoint came first while 10000 of 20000 are fresh: %s", got[0].addr)
+		}
 	}
 	now = now.Add(failureMemory + time.Second)
 	b.fail(netip.MustParseAddrPort("10.8.0.1:8080"))

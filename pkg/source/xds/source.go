@@ -281,10 +281,15 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 // its host name: a Kubernetes Service, not an entry naming the same
 // host); failing that, to the one shaped like a Kubernetes Service
 // (hostname name.namespace.svc.<domain>, which an entry can copy only in
-// its own namespace). When neither tells one apart, no claimant keeps it:
-// a Contested stand-in takes it, and connections to it are refused rather
-// than sent in plaintext to the address as to no service's. Each claimant
-// keeps its other VIPs. canonical[i] is istiod's mark on services[i].
+// its own namespace). When neither tells one apart (istiod marks canonical
+// also a ServiceEntry whose host name is its own, so a tenant's entry
+// named like a Kubernetes Service of its namespace ties with the real one),
+// no claimant keeps it: connections to it go to the address, where the
+// cluster's service proxy (kube-proxy) knows which Service really has it,
+// so no entry's endpoints are reached that way. Refusing instead would let
+// any namespace cut every meshed client off kube-dns. (Among one
+// namespace's NamespaceOnly services a Contested stand-in takes it and
+// its connections are refused.) Each claimant keeps its other VIPs. canonical[i] is istiod's mark on services[i].
 // Returns the services (copies where a VIP was taken out, stand-ins
 // added) and an addressConflict per VIP settled.
 func sharedVIPs(services []*workload.Service, canonical []bool) ([]*workload.Service, []error) {
@@ -330,12 +335,16 @@ func sharedVIPs(services []*workload.Service, canonical []bool) ([]*workload.Ser
 			lost[i][k.vip] = true
 		}
 		slices.Sort(names)
-		outcome := "no service keeps it, and connections to it are refused"
-		if keeper != -1 {
+		outcome := "no service keeps it: connections to it go to the address, where the cluster's service proxy knows the real owner"
+		switch {
+		case keeper != -1:
 			outcome = "it stays " + how + "'s, " + services[keeper].Namespace + "/" + services[keeper].Hostname
-		} else {
+		case k.namespace != "":
+			// Within one namespace's NamespaceOnly services nothing
+			// outside decides: refuse rather than guess.
+			outcome = "no service keeps it, and connections to it from namespace " + k.namespace + " are refused"
 			standIns = append(standIns, &workload.Service{Name: "contested " + k.vip.String(), Namespace: k.namespace,
-				VIPs: []netip.Addr{k.vip}, NamespaceOnly: k.namespace != "", Contested: true})
+				VIPs: []netip.Addr{k.vip}, NamespaceOnly: true, Contested: true})
 		}
 		errs = append(errs, addressConflict{fmt.Errorf("istiod's services %s all list VIP %s: %s", strings.Join(names, ", "), k.vip, outcome)})
 	}

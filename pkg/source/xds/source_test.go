@@ -365,7 +365,7 @@ func TestMergeWorkloadAddressesBeforeVIPs(t *testing.T) {
 
 // TestMergeSharedVIPs: a VIP two services list goes, as in ztunnel, to
 // the one istiod marks canonical, else to the one shaped like a Kubernetes
-// Service, else to a stand-in that refuses connections; a NamespaceOnly
+// Service, else to none (the cluster's service proxy decides); a NamespaceOnly
 // service competes with nobody outside its namespace and is reached only
 // from it. Before, the directory gave a VIP to the first service by
 // namespace and name and dropped the other service whole: a tenant's
@@ -416,7 +416,7 @@ func TestMergeSharedVIPs(t *testing.T) {
 	mesh := buildSnapshot(workloads, services, nil, "")
 	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
 	want := []string{
-		"istiod's services a/one.example, b/two.example all list VIP 10.96.0.99: no service keeps it, and connections to it are refused",
+		"istiod's services a/one.example, b/two.example all list VIP 10.96.0.99: no service keeps it: connections to it go to the address, where the cluster's service proxy knows the real owner",
 		"istiod's services default/evil.example, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP 10.96.0.10: it stays istiod's canonical service's, kube-system/kube-dns.kube-system.svc.cluster.local",
 		"istiod's services default/mimic.default.svc.cluster.local, kube-system/kube-dns.kube-system.svc.cluster.local all list VIP fd00::a: it stays istiod's canonical service's, kube-system/kube-dns.kube-system.svc.cluster.local",
 	}
@@ -438,8 +438,10 @@ func TestMergeSharedVIPs(t *testing.T) {
 	if svc, ok := dir.ServiceByVIPFor(dnsVIP, "default"); !ok || svc.Name != "local" {
 		t.Errorf("%s from default is %v, want default's own NamespaceOnly entry", dnsVIP, svc)
 	}
-	if svc, ok := dir.ServiceByVIPFor(fought, "shop"); !ok || !svc.Contested || len(svc.Ports) != 0 {
-		t.Errorf("%s is %+v, want a contested stand-in that refuses connections", fought, svc)
+	// Nothing tells the owner apart: the address goes to the cluster's service
+	// proxy, which knows the real one; no entry's endpoints are reached.
+	if svc, ok := dir.ServiceByVIPFor(fought, "shop"); ok {
+		t.Errorf("%s is %+v, want no service's", fought, svc)
 	}
 	if svc, ok := dir.ServiceByVIP(tenantVIP); !ok || svc.Name != "evil" {
 		t.Errorf("the entry's own VIP %s is %v, want it kept", tenantVIP, svc)
