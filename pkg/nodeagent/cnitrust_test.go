@@ -331,3 +331,29 @@ func TestAddressLookupSkipsOtherPodsNamespace(t *testing.T) {
 		t.Errorf("pod other/b, outside the mesh, is attached: %+v", st.Meta)
 	}
 }
+
+// TestCNIAddOfExcludedNamespaceAnsweredAtOnce: a pod of an excluded
+// namespace is never enrolled, so its ADD need not wait for the source to
+// know it: after a reboot CoreDNS and the rest of kube-system start while
+// the agent's source has not answered yet. Before, such an ADD waited the
+// whole cniWait (20 s) and was then refused.
+func TestCNIAddOfExcludedNamespaceAnsweredAtOnce(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	dns := tp.Nodes[0].AddPod("coredns")
+	ag, _, _, _ := testAgent(t)
+	ag.cfg.Selection.ExcludeNamespaces = []string{"kube-system"}
+	ctx := runWorker(t, ag)
+	var ips []netip.Prefix
+	for _, a := range dns.Addrs() {
+		ips = append(ips, netip.PrefixFrom(a, a.BitLen()))
+	}
+	start := time.Now()
+	resp, err := ag.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "coredns-1", PodNamespace: "kube-system", PodUID: "uid-dns",
+		ContainerID: "c-dns", NetNS: dns.Path(), IPs: ips})
+	if err != nil || resp.Enrolled {
+		t.Fatalf("ADD of an excluded namespace's pod unknown to the source: %+v %v, want not enrolled", resp, err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("the ADD took %v, want it answered without waiting for the source", d)
+	}
+}
