@@ -23,45 +23,10 @@ import (
 // meanwhile runs on. Loopback only: the "pod" is 127.0.0.1 in this
 // namespace.
 func TestTrustBundleChangeDrainsUntrustedPeers(t *testing.T) {
-	newCA := func() *identity.CA {
-		dir := t.TempDir()
-		if err := identity.InitCA(dir, "cluster.local"); err != nil {
-			t.Fatal(err)
-		}
-		ca, err := identity.LoadCA(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ca
-	}
-	dropped, kept := newCA(), newCA()
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	writeBundle := func(cas ...*identity.CA) {
-		t.Helper()
-		var pem []byte
-		for _, ca := range cas {
-			pem = append(pem, identitytest.CertPEM(ca.Certificate())...)
-		}
-		if err := os.WriteFile(bundlePath, pem, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	writeBundle(dropped, kept)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	manager := func(ca *identity.CA, id identity.ID) *identity.Manager {
-		m := identity.New(identity.ManagerOptions{Signer: ca, Trust: bundle})
-		t.Cleanup(m.Close)
-		m.Add(id)
-		if err := m.Wait(ctx, id); err != nil {
-			t.Fatal(err)
-		}
-		return m
-	}
+	rig := newTwoRoots(t)
+	dropped, kept, bundle, writeBundle, manager := rig.dropped, rig.kept, rig.bundle, rig.write, rig.manager
+	ctx := rig.ctx
+	var err error
 	serverID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "server-sa"}
 	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
 	serverCerts, clientCerts := manager(kept, serverID), manager(dropped, clientID)
@@ -133,4 +98,62 @@ func TestTrustBundleChangeDrainsUntrustedPeers(t *testing.T) {
 	if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
 		t.Fatalf("stream open at the change: read %q, %v", buf, err)
 	}
+}
+
+// twoRoots is a trust bundle of two roots, one of which a test drops, and
+// certificate managers signed by either.
+type twoRoots struct {
+	ctx           context.Context
+	dropped, kept *identity.CA
+	bundle        *identity.Bundle
+	// write replaces the bundle file with cas' roots (Reload reads it).
+	write func(cas ...*identity.CA)
+	// manager is a certificate manager for id, signed by ca, trusting the
+	// bundle, with id's certificate ready.
+	manager func(ca *identity.CA, id identity.ID) *identity.Manager
+}
+
+func newTwoRoots(t *testing.T) *twoRoots {
+	t.Helper()
+	newCA := func() *identity.CA {
+		dir := t.TempDir()
+		if err := identity.InitCA(dir, "cluster.local"); err != nil {
+			t.Fatal(err)
+		}
+		ca, err := identity.LoadCA(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ca
+	}
+	r := &twoRoots{dropped: newCA(), kept: newCA()}
+	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
+	r.write = func(cas ...*identity.CA) {
+		t.Helper()
+		var pem []byte
+		for _, ca := range cas {
+			pem = append(pem, identitytest.CertPEM(ca.Certificate())...)
+		}
+		if err := os.WriteFile(bundlePath, pem, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.write(r.dropped, r.kept)
+	var err error
+	if r.bundle, err = identity.LoadBundle(bundlePath, "cluster.local"); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	r.ctx = ctx
+	r.manager = func(ca *identity.CA, id identity.ID) *identity.Manager {
+		m := identity.New(identity.ManagerOptions{Signer: ca, Trust: r.bundle})
+		t.Cleanup(m.Close)
+		m.Add(id)
+		if err := m.Wait(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	return r
 }

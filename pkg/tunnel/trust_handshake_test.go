@@ -6,14 +6,11 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
-	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
@@ -61,44 +58,9 @@ func (c *stallConn) Write(b []byte) (int, error) {
 // registered ones, and served the removed root's identity until the
 // client's leaf expired; a fresh connection was refused all along.
 func TestTrustChangeDuringHandshake(t *testing.T) {
-	newCA := func() *identity.CA {
-		dir := t.TempDir()
-		if err := identity.InitCA(dir, "cluster.local"); err != nil {
-			t.Fatal(err)
-		}
-		ca, err := identity.LoadCA(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ca
-	}
-	dropped, kept := newCA(), newCA()
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	writeBundle := func(cas ...*identity.CA) {
-		var pem []byte
-		for _, ca := range cas {
-			pem = append(pem, identitytest.CertPEM(ca.Certificate())...)
-		}
-		if err := os.WriteFile(bundlePath, pem, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	writeBundle(dropped, kept)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	manager := func(ca *identity.CA, id identity.ID) *identity.Manager {
-		m := identity.New(identity.ManagerOptions{Signer: ca, Trust: bundle})
-		t.Cleanup(m.Close)
-		m.Add(id)
-		if err := m.Wait(ctx, id); err != nil {
-			t.Fatal(err)
-		}
-		return m
-	}
+	rig := newTwoRoots(t)
+	dropped, kept, bundle, writeBundle, manager, ctx := rig.dropped, rig.kept, rig.bundle, rig.write, rig.manager, rig.ctx
+	var err error
 	serverID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "server-sa"}
 	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
 	serverCerts, clientCerts := manager(kept, serverID), manager(dropped, clientID)
@@ -213,44 +175,9 @@ func (l *stallListener) Accept() (net.Conn, error) {
 // flight is held back while the trust bundle drops its root, gets no
 // stream of this node's traffic.
 func TestTrustChangeDuringHandshakeOutbound(t *testing.T) {
-	newCA := func() *identity.CA {
-		dir := t.TempDir()
-		if err := identity.InitCA(dir, "cluster.local"); err != nil {
-			t.Fatal(err)
-		}
-		ca, err := identity.LoadCA(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ca
-	}
-	dropped, kept := newCA(), newCA()
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	writeBundle := func(cas ...*identity.CA) {
-		var pem []byte
-		for _, ca := range cas {
-			pem = append(pem, identitytest.CertPEM(ca.Certificate())...)
-		}
-		if err := os.WriteFile(bundlePath, pem, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	writeBundle(dropped, kept)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	manager := func(ca *identity.CA, id identity.ID) *identity.Manager {
-		m := identity.New(identity.ManagerOptions{Signer: ca, Trust: bundle})
-		t.Cleanup(m.Close)
-		m.Add(id)
-		if err := m.Wait(ctx, id); err != nil {
-			t.Fatal(err)
-		}
-		return m
-	}
+	rig := newTwoRoots(t)
+	dropped, kept, bundle, writeBundle, manager, ctx := rig.dropped, rig.kept, rig.bundle, rig.write, rig.manager, rig.ctx
+	var err error
 	serverID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "server-sa"}
 	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
 	serverCerts, clientCerts := manager(dropped, serverID), manager(kept, clientID)
