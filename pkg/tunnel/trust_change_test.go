@@ -31,37 +31,7 @@ func TestTrustBundleChangeDrainsUntrustedPeers(t *testing.T) {
 	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
 	serverCerts, clientCerts := manager(kept, serverID), manager(dropped, clientID)
 
-	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Certs: serverCerts})
-	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
-	p := testPod(tun, "uid-server", netip.MustParseAddr("127.0.0.1"))
-	inOwnNamespace(t, p)
-	if p.hbone, err = tun.newHBONEServer(p); err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go p.hbone.Serve(l)
-	t.Cleanup(func() { p.hbone.Close() })
-
-	app, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer app.Close()
-	go func() {
-		for {
-			c, err := app.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
+	l, app := servedEchoPod(t, serverCerts)
 
 	pool := hbone.NewPool(hbone.PoolOptions{})
 	defer pool.Close()
@@ -156,4 +126,41 @@ func newTwoRoots(t *testing.T) *twoRoots {
 		return m
 	}
 	return r
+}
+
+// servedEchoPod serves the pod "server" (127.0.0.1, this namespace) with
+// certs on an HBONE listener l, and an echo app on app; both closed when
+// the test ends.
+func servedEchoPod(t *testing.T, certs *identity.Manager) (l, app net.Listener) {
+	t.Helper()
+	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Certs: certs})
+	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
+	p := testPod(tun, "uid-server", netip.MustParseAddr("127.0.0.1"))
+	inOwnNamespace(t, p)
+	var err error
+	if p.hbone, err = tun.newHBONEServer(p); err != nil {
+		t.Fatal(err)
+	}
+	if l, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	go p.hbone.Serve(l)
+	t.Cleanup(func() { p.hbone.Close() })
+	if app, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { app.Close() })
+	go func() {
+		for {
+			c, err := app.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_, _ = io.Copy(c, c)
+			}()
+		}
+	}()
+	return l, app
 }

@@ -60,39 +60,11 @@ func (c *stallConn) Write(b []byte) (int, error) {
 func TestTrustChangeDuringHandshake(t *testing.T) {
 	rig := newTwoRoots(t)
 	dropped, kept, bundle, writeBundle, manager, ctx := rig.dropped, rig.kept, rig.bundle, rig.write, rig.manager, rig.ctx
-	var err error
 	serverID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "server-sa"}
 	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
 	serverCerts, clientCerts := manager(kept, serverID), manager(dropped, clientID)
 
-	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Certs: serverCerts})
-	tun.Update(&State{Dir: testDir(t, podObj("mesh", "server", "server-sa", "127.0.0.1", nil))})
-	p := testPod(tun, "uid-server", netip.MustParseAddr("127.0.0.1"))
-	inOwnNamespace(t, p)
-	if p.hbone, err = tun.newHBONEServer(p); err != nil {
-		t.Fatal(err)
-	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go p.hbone.Serve(l)
-	t.Cleanup(func() { p.hbone.Close() })
-
-	app, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer app.Close()
-	go func() {
-		for {
-			c, err := app.Accept()
-			if err != nil {
-				return
-			}
-			go func() { defer c.Close(); _, _ = io.Copy(c, c) }()
-		}
-	}()
+	l, app := servedEchoPod(t, serverCerts)
 
 	pool := hbone.NewPool(hbone.PoolOptions{})
 	defer pool.Close()
