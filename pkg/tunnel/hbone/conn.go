@@ -1232,15 +1232,21 @@ func (c *conn) writeCtlLocked(f ctlFrame) error {
 	return nil
 }
 
-// lockWrite takes wmu for a write and notes when.
+// lockWrite takes wmu for a write and notes when, on a conn whose
+// keepalive reads it (a client's; a server's has none: no clock read on its
+// writes).
 func (c *conn) lockWrite() {
 	c.wmu.Lock()
-	c.writing.Store(monotonic())
+	if c.cfg.pingInterval > 0 {
+		c.writing.Store(monotonic())
+	}
 }
 
 // unlockWrite ends a write begun with lockWrite.
 func (c *conn) unlockWrite() {
-	c.writing.Store(0)
+	if c.cfg.pingInterval > 0 {
+		c.writing.Store(0)
+	}
 	c.wmu.Unlock()
 }
 
@@ -1265,7 +1271,9 @@ func (c *conn) lockWriteCtx(ctx context.Context) error {
 			return ctx.Err()
 		}
 	}
-	c.writing.Store(monotonic())
+	if c.cfg.pingInterval > 0 {
+		c.writing.Store(monotonic())
+	}
 	return nil
 }
 
