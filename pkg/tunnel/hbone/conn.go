@@ -1168,13 +1168,21 @@ func (c *conn) queue(f ctlFrame) {
 	flood := len(c.ctl) > maxQueuedControl
 	c.mu.Unlock()
 	if flood {
-		c.close(http2.ErrCodeEnhanceYourCalm, errors.New("peer floods control frames"), true)
+		c.closeControlFlood()
 		return
 	}
 	select {
 	case c.ctlWake <- struct{}{}:
 	default:
 	}
+}
+
+// closeControlFlood closes a conn whose control frames queued beyond
+// maxQueuedControl: the peer sends what must be answered faster than it
+// reads the answers, or reads nothing of ours at all.
+func (c *conn) closeControlFlood() {
+	c.cfg.log.Warn("hbone peer reads too few of our control frames, closing its connection", "remote", c.nc.RemoteAddr(), "queued", maxQueuedControl)
+	c.close(http2.ErrCodeEnhanceYourCalm, errors.New("peer floods control frames"), true)
 }
 
 // credit returns receive window to the peer after n bytes were consumed
@@ -1199,7 +1207,16 @@ func (c *conn) credit(id uint32, streamInc uint32, n int64) {
 		c.recvUnacked = 0
 		queued = true
 	}
+	// The window counts as returned once its WINDOW_UPDATE is queued, so a
+	// peer that reads nothing of ours (the control writer stuck in a write)
+	// may go on sending, and each quarter window it sends would queue
+	// another frame for good: these count against the bound of queue.
+	flood := len(c.ctl) > maxQueuedControl
 	c.mu.Unlock()
+	if flood {
+		c.closeControlFlood()
+		return
+	}
 	if queued {
 		select {
 		case c.ctlWake <- struct{}{}:
