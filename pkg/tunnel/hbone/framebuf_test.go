@@ -2,8 +2,11 @@ package hbone
 
 import (
 	"context"
+	"fmt"
+	"net/netip"
 	"runtime"
 	"testing"
+	"time"
 
 	"golang.org/x/net/http2"
 )
@@ -81,4 +84,55 @@ func ping(t *testing.T, rc *rawClient, mark [8]byte) {
 		t.Fatal(err)
 	}
 	rc.waitFor("PING ack", func(f rawFrame) bool { return f.typ == http2.FramePing && f.ack && f.ping == mark })
+}
+
+// TestClientLargeFramesPinNoBuffer is TestLargeControlFramesPinNoBuffer for
+// the pool: a server that sends one 1 MiB frame of an unknown type on each
+// pooled connection must not leave each holding a 1 MiB read buffer.
+func TestClientLargeFramesPinNoBuffer(t *testing.T) {
+	const conns = 8
+	payload := make([]byte, maxReadFrameSize)
+	frame := append([]byte{byte(len(payload) >> 16), byte(len(payload) >> 8), byte(len(payload)), 0xfa, 0, 0, 0, 0, 0}, payload...)
+	servers := make(chan *hostileServer, conns)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		if hs.awaitRequest(1) != nil {
+			return
+		}
+		if hs.headers(1, false, hpackField{Name: ":status", Value: "200"}) == nil {
+			servers <- hs
+		}
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	good, _ := pkis()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var hss []*hostileServer
+	for i := range conns {
+		key := hostileKey()
+		key.Src = fmt.Sprintf("pod-%d", i)
+		s, err := pool.Connect(ctx, key, dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		hss = append(hss, <-servers)
+	}
+	before := heapInUse()
+	for _, hs := range hss {
+		if _, err := hs.tc.Write(frame); err != nil {
+			t.Fatal(err)
+		}
+		if f := hs.answerAfter(func(http2.Frame) bool { return false }); f != nil {
+			t.Fatalf("the pool answered %v", f)
+		}
+	}
+	held := heapInUse() - before
+	t.Logf("held %d KiB per connection", held/conns>>10)
+	if perConn := held / conns; perConn > 256<<10 {
+		t.Errorf("each pooled connection holds %d KiB after one %d KiB frame, want at most 256 KiB", perConn>>10, maxReadFrameSize>>10)
+	}
+	if st := pool.Stats(); st.Conns != conns {
+		t.Errorf("%d pooled connections, want %d", st.Conns, conns)
+	}
 }
