@@ -88,16 +88,28 @@ const maxHeaderBlockBytes = 8 * maxHeaderListSize
 
 var errHeaderBlockTooLong = errors.New("header block too long")
 
+// readBufKeep is the most a connection's read framer may keep as its read
+// buffer between frames. x/net's Framer keeps a buffer the size of the
+// largest frame it ever read; DATA bypasses it, and every other frame an
+// honest peer sends fits in HTTP/2's default 16 KiB, but a peer may send any
+// frame up to our SETTINGS_MAX_FRAME_SIZE (1 MiB): an unknown type, GOAWAY
+// with a long debug text, a padded HEADERS.
+const readBufKeep = defaultMaxFrame
+
 // blockReader is the reader under the framer. While left is not negative
-// (during a header block), it lets at most left more bytes through.
+// (during a header block), it lets at most left more bytes through. read
+// counts every byte it let through.
 type blockReader struct {
 	r    io.Reader
 	left int64
+	read int64
 }
 
 func (b *blockReader) Read(p []byte) (int, error) {
 	if b.left < 0 {
-		return b.r.Read(p)
+		n, err := b.r.Read(p)
+		b.read += int64(n)
+		return n, err
 	}
 	if b.left == 0 {
 		return 0, errHeaderBlockTooLong
@@ -107,6 +119,7 @@ func (b *blockReader) Read(p []byte) (int, error) {
 	}
 	n, err := b.r.Read(p)
 	b.left -= int64(n)
+	b.read += int64(n)
 	return n, err
 }
 
@@ -202,10 +215,16 @@ type conn struct {
 	cfg      connConfig
 	nc       net.Conn
 	tlsState *tls.ConnectionState
-	fr       *http2.Framer
-	ctx      context.Context // cancelled when the conn dies
-	cancel   context.CancelFunc
-	poolKey  PoolKey // client: the pool entry this conn belongs to
+	// fr writes frames (under wmu); rfr, the reader's own, reads them and
+	// is replaced after a frame too large to keep its buffer for
+	// (renewReadFramer). hdec is rfr's HPACK decoder, whose dynamic table
+	// outlives each rfr.
+	fr      *http2.Framer
+	rfr     *http2.Framer
+	hdec    *hpack.Decoder
+	ctx     context.Context // cancelled when the conn dies
+	cancel  context.CancelFunc
+	poolKey PoolKey // client: the pool entry this conn belongs to
 	// peer is the remote address, whose share of the bulk frame budget
 	// the conn's streams take (bulkbuf.go).
 	peer netip.Addr
@@ -403,17 +422,28 @@ func newConn(parent context.Context, nc net.Conn, cfg connConfig) *conn {
 	if cfg.batch != nil && cfg.batch.raw != nil {
 		cfg.batch.raw.idle = c.replyPoll // reader only: reply polling
 	}
-	c.fr = http2.NewFramer(c.bw, &c.blockReader)
-	c.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-	c.fr.MaxHeaderListSize = maxHeaderListSize
-	c.fr.SetMaxReadFrameSize(maxReadFrameSize)
-	c.fr.SetReuseFrames()
+	c.fr = http2.NewFramer(c.bw, nil)
+	c.hdec = hpack.NewDecoder(4096, nil)
+	c.renewReadFramer()
 	c.henc = hpack.NewEncoder(&c.hbuf)
 	if cfg.idleTimeout > 0 {
 		c.idleSince = time.Now()
 		c.idleTimer = time.AfterFunc(cfg.idleTimeout, func() { cfg.onIdle(c) })
 	}
 	return c
+}
+
+// renewReadFramer gives the reader a fresh framer, which holds no read
+// buffer yet. Only between frames: the state the framer carries from frame
+// to frame is a header block's, which it reads whole, and the HPACK
+// decoder's table, which the new one shares.
+func (c *conn) renewReadFramer() {
+	fr := http2.NewFramer(io.Discard, &c.blockReader)
+	fr.ReadMetaHeaders = c.hdec
+	fr.MaxHeaderListSize = maxHeaderListSize
+	fr.SetMaxReadFrameSize(maxReadFrameSize)
+	fr.SetReuseFrames()
+	c.rfr = fr
 }
 
 // start writes our connection preface and launches the control writer. The
@@ -578,7 +608,7 @@ func (c *conn) readFrames() error {
 	for {
 		// DATA payloads are read here rather than by the framer, straight
 		// into the stream's buffer; the framer reads everything else.
-		fh, err := c.fr.ReadFrameHeader()
+		fh, err := c.rfr.ReadFrameHeader()
 		if err == nil {
 			now := time.Now().UnixNano()
 			c.lastRead.Store(now)
@@ -592,13 +622,21 @@ func (c *conn) readFrames() error {
 				if fh.Type == http2.FrameHeaders {
 					c.blockReader.left = maxHeaderBlockBytes
 				}
-				f, err = c.fr.ReadFrameForHeader(fh)
+				from := c.blockReader.read
+				f, err = c.rfr.ReadFrameForHeader(fh)
 				c.blockReader.left = -1
 				if errors.Is(err, errHeaderBlockTooLong) {
 					err = &floodError{reason: "header block (HEADERS and CONTINUATION frames) too long"}
 				}
 				if err == nil {
 					err = c.onFrame(f)
+				}
+				if c.blockReader.read-from > readBufKeep {
+					// The framer now keeps a buffer that large for
+					// the life of the connection: one such frame per
+					// connection pinned 1 MiB each. The frame is
+					// handled; drop the framer and its buffer.
+					c.renewReadFramer()
 				}
 			}
 		}
@@ -1130,13 +1168,21 @@ func (c *conn) queue(f ctlFrame) {
 	flood := len(c.ctl) > maxQueuedControl
 	c.mu.Unlock()
 	if flood {
-		c.close(http2.ErrCodeEnhanceYourCalm, errors.New("peer floods control frames"), true)
+		c.closeControlFlood()
 		return
 	}
 	select {
 	case c.ctlWake <- struct{}{}:
 	default:
 	}
+}
+
+// closeControlFlood closes a conn whose control frames queued beyond
+// maxQueuedControl: the peer sends what must be answered faster than it
+// reads the answers, or reads nothing of ours at all.
+func (c *conn) closeControlFlood() {
+	c.cfg.log.Warn("hbone peer reads too few of our control frames, closing its connection", "remote", c.nc.RemoteAddr(), "queued", maxQueuedControl)
+	c.close(http2.ErrCodeEnhanceYourCalm, errors.New("peer floods control frames"), true)
 }
 
 // credit returns receive window to the peer after n bytes were consumed
@@ -1161,7 +1207,16 @@ func (c *conn) credit(id uint32, streamInc uint32, n int64) {
 		c.recvUnacked = 0
 		queued = true
 	}
+	// The window counts as returned once its WINDOW_UPDATE is queued, so a
+	// peer that reads nothing of ours (the control writer stuck in a write)
+	// may go on sending, and each quarter window it sends would queue
+	// another frame for good: these count against the bound of queue.
+	flood := len(c.ctl) > maxQueuedControl
 	c.mu.Unlock()
+	if flood {
+		c.closeControlFlood()
+		return
+	}
 	if queued {
 		select {
 		case c.ctlWake <- struct{}{}:

@@ -21,6 +21,7 @@ import (
 // waypoint could.
 type hostileServer struct {
 	t      testing.TB
+	tc     *tls.Conn // for raw bytes
 	fr     *http2.Framer
 	enc    *hpack.Encoder
 	buf    bytes.Buffer
@@ -44,7 +45,7 @@ func dialHostile(t testing.TB, serve func(hs *hostileServer)) Dialer {
 			if _, err := io.ReadFull(tc, preface[:]); err != nil {
 				return
 			}
-			hs := &hostileServer{t: t, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
+			hs := &hostileServer{t: t, tc: tc, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
 			hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
 			hs.enc = hpack.NewEncoder(&hs.buf)
 			_ = hs.fr.WriteSettings()
