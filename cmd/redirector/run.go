@@ -416,7 +416,8 @@ func runAgent(ctx context.Context, args []string) error {
 			return admin.BufferStats{Limit: b.Limit, FramesInUse: b.FramesInUse, BatchesInUse: b.BatchesInUse,
 				FramesDenied: b.FramesDenied, BatchesDenied: b.BatchesDenied,
 				FramesDeniedShare: b.FramesDeniedShare, BatchesDeniedShare: b.BatchesDeniedShare,
-				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short}
+				WindowReserved: w.Reserved, WindowLimit: w.Limit, WindowsShort: w.Short,
+				WindowsReclaimed: w.Reclaimed}
 		}),
 		admin.NewReplyPollCollector(func() admin.ReplyPollStats {
 			p := hbone.ReplyPolls()

@@ -131,9 +131,10 @@ type BufferStats struct {
 	FramesDeniedShare, BatchesDeniedShare uint64
 	// The receive-window budget (hbone.Windows): bytes of window reserved by
 	// connections beyond HTTP/2's initial 64 KiB, its limit, and the
-	// connections that got less than a full window.
-	WindowReserved, WindowLimit int64
-	WindowsShort                uint64
+	// connections that got less than a full window, and the idle connections
+	// drained to give their window to another address's.
+	WindowReserved, WindowLimit    int64
+	WindowsShort, WindowsReclaimed uint64
 }
 
 // NewBufferCollector reports the HBONE layer's large-buffer budgets.
@@ -153,8 +154,10 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 		"The most receive window all HBONE connections reserve together (a peer address gets at most 1/8 of it).", nil, nil)
 	short := prometheus.NewDesc("redirector_hbone_receive_windows_short_total",
 		"HBONE connections that got less than a full receive window because the budget or their peer's share was spent.", nil, nil)
+	reclaimed := prometheus.NewDesc("redirector_hbone_receive_windows_reclaimed_total",
+		"Idle HBONE connections drained (GOAWAY) to give their receive window to a new connection of another address, when the budget was spent.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{inUse, limit, denied, deniedShare, window, windowLimit, short},
+		descs: []*prometheus.Desc{inUse, limit, denied, deniedShare, window, windowLimit, short, reclaimed},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(inUse, float64(s.FramesInUse), "frame")
@@ -167,6 +170,7 @@ func NewBufferCollector(stats func() BufferStats) prometheus.Collector {
 			ch <- gauge(window, float64(s.WindowReserved))
 			ch <- gauge(windowLimit, float64(s.WindowLimit))
 			ch <- counter(short, s.WindowsShort)
+			ch <- counter(reclaimed, s.WindowsReclaimed)
 		},
 	}
 }

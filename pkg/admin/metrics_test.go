@@ -71,7 +71,7 @@ func TestHBONECollectors(t *testing.T) {
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2, FramesDeniedShare: 7, BatchesDeniedShare: 8,
-			WindowReserved: 5 << 20, WindowLimit: 1 << 30, WindowsShort: 6}
+			WindowReserved: 5 << 20, WindowLimit: 1 << 30, WindowsShort: 6, WindowsReclaimed: 9}
 	})
 	expect(t, promtest.Scrape(t, buffers), map[string]float64{
 		`redirector_hbone_bulk_buffers{kind="frame"}`:                    3,
@@ -84,6 +84,7 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_receive_window_reserved_bytes":                 5 << 20,
 		"redirector_hbone_receive_window_limit_bytes":                    1 << 30,
 		"redirector_hbone_receive_windows_short_total":                   6,
+		"redirector_hbone_receive_windows_reclaimed_total":               9,
 	})
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,

@@ -271,14 +271,15 @@ type conn struct {
 	// send window (their own has room), longest waiting first; see
 	// passConnWindowLocked.
 	connWaiters   []*Stream
-	sendWaiting   int        // writers waiting for send window now
-	sendWakes     uint64     // times a waiting writer was woken (tests read it)
-	recvWindow    int64      // what the peer may still send before our next WINDOW_UPDATE
-	recvTarget    int64      // our connection window: defaultWindow plus recvReserved
-	streamTarget  int64      // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
-	recvReserved  int64      // taken from the process-wide window budget (start) until close
-	windowOwner   netip.Addr // whose share of the window budget recvReserved is
-	recvUnacked   int64      // bytes consumed locally and not yet returned to the peer
+	sendWaiting   int           // writers waiting for send window now
+	sendWakes     uint64        // times a waiting writer was woken (tests read it)
+	recvWindow    int64         // what the peer may still send before our next WINDOW_UPDATE
+	recvTarget    int64         // our connection window: defaultWindow plus recvReserved
+	streamTarget  int64         // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
+	recvReserved  int64         // taken from the process-wide window budget (start) until close
+	windows       *windowBudget // the budget recvReserved is from (the process's, or a test's)
+	windowOwner   netip.Addr    // whose share of the window budget recvReserved is
+	recvUnacked   int64         // bytes consumed locally and not yet returned to the peer
 	sawSettings   bool
 	goAway        bool // no new streams: GOAWAY sent or received, or closing
 	goAwaySent    bool
@@ -449,15 +450,16 @@ func (c *conn) renewReadFramer() {
 // start writes our connection preface and launches the control writer. The
 // caller then runs readLoop (server) or starts it on a goroutine (client).
 func (c *conn) start() error {
-	extra := windows.reserve(c.windowOwner, connWindow-defaultWindow)
+	c.windows = windows
+	extra := c.windows.reserveFor(c.windowOwner, connWindow-defaultWindow, c)
 	c.mu.Lock()
+	c.recvReserved = extra
 	if c.err != nil {
 		// Closed already (the idle timer runs from newConn): closeConn gave
 		// back nothing, and nothing later would give this back.
-		windows.release(c.windowOwner, extra)
+		c.releaseWindowLocked()
 		extra = 0
 	}
-	c.recvReserved = extra
 	c.recvTarget += extra
 	c.recvWindow += extra
 	// A stream gets a quarter of the connection's window, as with a full
@@ -1612,8 +1614,28 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 // releaseWindowLocked gives the connection's reserved receive window back
 // to the process-wide budget, once.
 func (c *conn) releaseWindowLocked() {
-	windows.release(c.windowOwner, c.recvReserved)
+	if c.windows == nil {
+		return // never started
+	}
+	c.windows.release(c.windowOwner, c.recvReserved)
+	c.windows.untrack(c.windowOwner, c)
 	c.recvReserved = 0
+}
+
+// giveBackIfIdle is windowHolder's: an idle conn gives its reserved window
+// to another client's new connection and is drained, in order, as an idle
+// timeout would. Its peer opens a new connection when it needs one.
+func (c *conn) giveBackIfIdle() bool {
+	c.mu.Lock()
+	if !c.idleForLocked(0) || c.recvReserved == 0 {
+		c.mu.Unlock()
+		return false
+	}
+	c.goAway = true // no stream may start on a window no longer reserved
+	c.releaseWindowLocked()
+	c.mu.Unlock()
+	go c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle, its receive window given to another client", ErrConnClosed), true)
+	return true
 }
 
 // closeConn is close; linger (for the reader, closing because of what the

@@ -13,7 +13,11 @@ import (
 // reserved from a process-wide budget when the connection starts, with a share per address
 // that opens connections (windowOwnerOf), and given back when it closes. A connection that
 // finds the budget spent gets what is left (at least the initial window): slower on a long
-// path, never refused.
+// path, never refused. Unless idle connections hold it: a connection that would come up short
+// may reclaim the window of an idle connection (no streams) of the address holding the most,
+// which is drained (reclaim), the way ConnLimiter evicts for connection slots. Otherwise a few
+// addresses' idle connections, renewed before the idle timeout, would hold the whole budget and
+// leave every later connection of the node at the initial window.
 const (
 	// maxReservedWindow bounds the receive window reserved by all connections together.
 	maxReservedWindow = 1 << 30
@@ -29,11 +33,107 @@ type windowBudget struct {
 	mu       sync.Mutex
 	reserved int64
 	byPeer   map[netip.Addr]int64
-	short    uint64 // reservations that got less than they asked for
+	// holders are the connections holding each address's reservations,
+	// for reclaim.
+	holders   map[netip.Addr]map[windowHolder]struct{}
+	short     uint64 // reservations that got less than they asked for
+	reclaimed uint64 // idle connections drained to give their window to another address
 }
 
+// windowHolder is a connection holding a reservation.
+type windowHolder interface {
+	// giveBackIfIdle, if the connection has no streams, stops it taking
+	// new ones, releases its reservation at once and drains it; it
+	// reports whether it did.
+	giveBackIfIdle() bool
+}
+
+// maxReclaimLooks bounds the connections one reclaim asks: the largest
+// holder may hold a thousand, all busy.
+const maxReclaimLooks = 64
+
 func newWindowBudget(limit, perPeer int64) *windowBudget {
-	return &windowBudget{limit: limit, perPeer: perPeer, byPeer: make(map[netip.Addr]int64)}
+	return &windowBudget{limit: limit, perPeer: perPeer, byPeer: make(map[netip.Addr]int64),
+		holders: make(map[netip.Addr]map[windowHolder]struct{})}
+}
+
+// reserveFor is reserve for connection h, which is tracked as a holder
+// until untrack: short on the node-wide budget, it first tries to reclaim
+// the window of an idle connection of the largest holder.
+func (b *windowBudget) reserveFor(peer netip.Addr, want int64, h windowHolder) int64 {
+	b.mu.Lock()
+	n := b.takeLocked(peer, want)
+	b.mu.Unlock()
+	if n < want && b.reclaim(peer, want) {
+		b.mu.Lock()
+		n += b.takeLocked(peer, want-n)
+		b.mu.Unlock()
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if n < want {
+		b.short++
+	}
+	if n > 0 {
+		hs := b.holders[peer]
+		if hs == nil {
+			hs = make(map[windowHolder]struct{})
+			b.holders[peer] = hs
+		}
+		hs[h] = struct{}{}
+	}
+	return n
+}
+
+// untrack forgets h, which released its reservation.
+func (b *windowBudget) untrack(peer netip.Addr, h windowHolder) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if hs := b.holders[peer]; hs != nil {
+		delete(hs, h)
+		if len(hs) == 0 {
+			delete(b.holders, peer)
+		}
+	}
+}
+
+// reclaim drains an idle connection of the address holding the most, so
+// that want more fits the node-wide budget for peer. Only from an address
+// holding at least two windows more than peer: after giving one, it still
+// holds more, so addresses converge on equal shares and never take turns
+// draining each other. Not when peer's own share is what is short.
+func (b *windowBudget) reclaim(peer netip.Addr, want int64) bool {
+	b.mu.Lock()
+	if b.perPeer-b.byPeer[peer] < want {
+		b.mu.Unlock()
+		return false
+	}
+	var most netip.Addr
+	var mostHeld int64
+	for p, held := range b.byPeer {
+		if p != peer && held > mostHeld {
+			most, mostHeld = p, held
+		}
+	}
+	var candidates []windowHolder
+	if mostHeld >= b.byPeer[peer]+2*want {
+		for h := range b.holders[most] {
+			if len(candidates) == maxReclaimLooks {
+				break
+			}
+			candidates = append(candidates, h)
+		}
+	}
+	b.mu.Unlock()
+	for _, h := range candidates {
+		if h.giveBackIfIdle() {
+			b.mu.Lock()
+			b.reclaimed++
+			b.mu.Unlock()
+			return true
+		}
+	}
+	return false
 }
 
 var windows = newWindowBudget(maxReservedWindow, maxPeerWindow)
@@ -43,10 +143,16 @@ var windows = newWindowBudget(maxReservedWindow, maxPeerWindow)
 func (b *windowBudget) reserve(peer netip.Addr, want int64) int64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	n := max(min(want, b.limit-b.reserved, b.perPeer-b.byPeer[peer]), 0)
+	n := b.takeLocked(peer, want)
 	if n < want {
 		b.short++
 	}
+	return n
+}
+
+// takeLocked takes up to want bytes for peer, uncounted.
+func (b *windowBudget) takeLocked(peer netip.Addr, want int64) int64 {
+	n := max(min(want, b.limit-b.reserved, b.perPeer-b.byPeer[peer]), 0)
 	if n > 0 {
 		b.reserved += n
 		b.byPeer[peer] += n
@@ -90,11 +196,12 @@ func windowOwnerOf(nc net.Conn, client bool) netip.Addr {
 type WindowStats struct {
 	Reserved, Limit int64  // bytes beyond each connection's initial window
 	Short           uint64 // connections that got less than a full window
+	Reclaimed       uint64 // idle connections drained for another address's window
 }
 
 // Windows reports the receive-window budget, for metrics.
 func Windows() WindowStats {
 	windows.mu.Lock()
 	defer windows.mu.Unlock()
-	return WindowStats{Reserved: windows.reserved, Limit: windows.limit, Short: windows.short}
+	return WindowStats{Reserved: windows.reserved, Limit: windows.limit, Short: windows.short, Reclaimed: windows.reclaimed}
 }

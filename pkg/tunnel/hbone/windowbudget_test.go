@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"testing"
+	"time"
 
 	"golang.org/x/net/http2"
 )
@@ -236,5 +237,124 @@ func TestWindowOwnerIsWhoOpened(t *testing.T) {
 	}
 	if got := windowOwnerOf(srv, false); got != want {
 		t.Errorf("server side: owner %v, want the client's %v", got, want)
+	}
+}
+
+// TestWindowReclaimedFromIdleConns: when idle connections of a few
+// addresses hold the whole node's window budget, a new connection from
+// another address takes the window of an idle connection of the address
+// holding the most, which is drained with GOAWAY(NO_ERROR); a connection
+// carrying a stream is never drained for it. Before, eight addresses' idle
+// connections (renewed before the idle timeout) left every later
+// connection of the node at HTTP/2's initial 64 KiB window.
+func TestWindowReclaimedFromIdleConns(t *testing.T) {
+	const full = connWindow - defaultWindow
+	saved := windows
+	windows = newWindowBudget(2*full, 2*full)
+	t.Cleanup(func() { windows = saved })
+	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	// granted is the window beyond the initial one a new client at src got.
+	granted := func(src netip.Addr) (*rawClient, int64) {
+		rc := newRawClientFrom(t, srv, src)
+		mark := [8]byte{'w', 'i', 'n', 'd', 'o', 'w'}
+		if err := rc.fr.WritePing(false, mark); err != nil {
+			t.Fatal(err)
+		}
+		var window int64
+		rc.waitFor("PING ack", func(f rawFrame) bool {
+			if f.typ == http2.FrameWindowUpdate && f.stream == 0 {
+				window += int64(f.inc)
+			}
+			return f.typ == http2.FramePing && f.ack && f.ping == mark
+		})
+		return rc, window
+	}
+	busy := netip.MustParseAddr("10.8.0.1")
+	upstream, _ := countingUpstream(t)
+	var busyConns []*rawClient
+	for range 2 {
+		rc, w := granted(busy)
+		if w != full {
+			t.Fatalf("a connection of an empty budget got %d bytes of window, want %d", w, full)
+		}
+		if err := rc.connect(1, upstream.String()); err != nil {
+			t.Fatal(err)
+		}
+		rc.waitFor("200", func(f rawFrame) bool { return f.typ == http2.FrameHeaders && f.status == 200 })
+		busyConns = append(busyConns, rc)
+	}
+	// The budget is spent by connections with streams: nothing to reclaim.
+	if _, w := granted(netip.MustParseAddr("10.8.0.2")); w != 0 {
+		t.Fatalf("budget held by busy connections: a new connection got %d bytes of window beyond the initial ones, want 0", w)
+	}
+	for _, rc := range busyConns {
+		_ = rc.nc.Close()
+	}
+	waitWindows := func(want int64) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			windows.mu.Lock()
+			reserved := windows.reserved
+			windows.mu.Unlock()
+			if reserved == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("reserved window %d, want %d", reserved, want)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	waitWindows(0)
+
+	hoarder := netip.MustParseAddr("10.8.0.3")
+	var idle []*rawClient
+	for range 2 {
+		rc, w := granted(hoarder)
+		if w != full {
+			t.Fatalf("hoarder's connection got %d bytes of window, want %d", w, full)
+		}
+		idle = append(idle, rc)
+	}
+	if _, w := granted(netip.MustParseAddr("10.8.0.4")); w != full {
+		t.Errorf("budget held by one address's idle connections: a new connection from another got %d bytes of window, want %d", w, full)
+	}
+	drained := 0
+	for _, rc := range idle {
+		timeout := time.After(time.Second)
+	frames:
+		for {
+			select {
+			case f, ok := <-rc.frames:
+				if !ok {
+					t.Error("a hoarder's connection ended without GOAWAY")
+					break frames
+				}
+				if f.typ == http2.FrameGoAway {
+					if f.code != http2.ErrCodeNo {
+						t.Errorf("reclaimed connection: GOAWAY %v, want NO_ERROR", f.code)
+					}
+					drained++
+					break frames
+				}
+			case <-timeout:
+				break frames
+			}
+		}
+	}
+	if drained != 1 {
+		t.Errorf("%d of the hoarder's idle connections drained, want 1", drained)
+	}
+	if s := Windows(); s.Reclaimed != 1 {
+		t.Errorf("Windows().Reclaimed = %d, want 1", s.Reclaimed)
+	}
+	// Shares are now equal: the hoarder's second connection is kept.
+	if _, w := granted(netip.MustParseAddr("10.8.0.4")); w != 0 {
+		t.Errorf("equal shares: a second connection got %d bytes of window, want 0 (no draining each other)", w)
 	}
 }
