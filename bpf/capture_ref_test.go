@@ -468,8 +468,16 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 		}
 		return takeSYN(15001, &src, CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND, actOK, false)
 	}
+	// From the wire, IPv4 from an enrolled address of the pod whose
+	// interface it arrives on is a spoof whatever it is for: the loader
+	// turns accept_local on, and the kernel then takes what it refused as
+	// a martian before.
+	ownSource := !p.v6 && srcEnrolled && onPod && w.pods[src].id == nsPod.id
 	pod, ok := w.pods[dst]
 	if !ok {
+		if ownSource {
+			return one(actShot, CaptureVerdictReasonREASON_DROP_SPOOFED, &owner)
+		}
 		return unenrolled(dst, uint32(CapturePodFlagPOD_CAPTURE_INBOUND))
 	}
 	if srcEnrolled && w.pods[src].id == pod.id {
