@@ -324,9 +324,10 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 				sa = &unix.SockaddrInet4{Port: int(k.remote.Port()), Addr: k.remote.Addr().As4()}
 			}
 			// an IPv6 address's local route comes with addrconf's
-			// work item, a moment after the address
+			// work item, a moment after the address (up to 5 s on a
+			// loaded machine)
 			err = unix.Connect(fd, sa)
-			for i := 0; i < 100 && errors.Is(err, unix.ENETUNREACH); i++ {
+			for i := 0; i < 500 && errors.Is(err, unix.ENETUNREACH); i++ {
 				time.Sleep(10 * time.Millisecond)
 				err = unix.Connect(fd, sa)
 			}
