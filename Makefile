@@ -97,7 +97,7 @@ test: deps lint gen-check build test-deps
 	cd manifests && $(GO) vet ./...
 	cd bench && $(GO) vet ./...
 	$(MAKE) --no-print-directory bench-smoke
-	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd 2>/dev/null | xargs -r dirname | sort -u); do \
+	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd bpf 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
 			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
 			$(GO) test -run='^$$' -fuzz="^$$fn$$" -fuzztime=$(FUZZTIME) ./$$target || exit 1; \

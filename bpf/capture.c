@@ -281,13 +281,14 @@ static __always_inline int drop_unparsed(struct __sk_buff *skb, const struct tcp
 	return TC_ACT_UNSPEC;
 }
 
-/* own_source reports (and counts as drop_spoofed) an IPv4 packet that is
- * not TCP, from the wire, whose source is an enrolled address of the pod
- * whose interface it arrives on. The loader turns accept_local on for
+/* own_source reports (and counts as drop_spoofed) an IPv4 packet from the
+ * wire whose source is an enrolled address of the pod whose interface it
+ * arrives on: any protocol but TCP, and TCP to an address that is not
+ * enrolled (TCP to an enrolled address gets the check in rd_pod_ingress,
+ * by the destination's pod). The loader turns accept_local on for
  * re-injection, and with it the kernel takes such a packet, which it
  * refuses as a martian otherwise: a sender on the wire could pose as the
- * pod to its own sockets. TCP gets the same check in rd_pod_ingress.
- * IPv6 has no such check to restore. The pod's own multicast and
+ * pod to its own sockets. IPv6 has no such check to restore. The pod's own multicast and
  * broadcast, looped back to its interface, are PACKET_LOOPBACK. Only a
  * packet from an enrolled address pays for the netns lookup. */
 static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pkt *p)
@@ -699,8 +700,9 @@ int rd_pod_egress(struct __sk_buff *skb)
  *
  * For every packet: TC_ACT_SHOT for an IP packet from or to an enrolled
  * address, or for this host on an enrolled pod's interface, that parse_tcp
- * cannot classify (drop_unparsed), and for IPv4 that is not TCP from an
- * enrolled address of this same pod (own_source: accept_local is on).
+ * cannot classify (drop_unparsed), and for IPv4 from the wire from an
+ * enrolled address of this same pod: not TCP, or TCP to an address that
+ * is not enrolled (own_source: accept_local is on).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
@@ -733,6 +735,8 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
  *                  would hand it to the app's own listener, in plaintext.
  * Verdicts for TCP from the wire to an address that is not enrolled:
+ *   TC_ACT_SHOT    IPv4 from an enrolled address of the pod whose interface
+ *                  this is, whatever its capture flags (own_source);
  *   TC_ACT_SHOT    on an enrolled pod's interface, when the frame is for this
  *                  host and the pod's inbound capture is on: the pod's
  *                  link-local address (drop_link_local) or another address
@@ -763,8 +767,13 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	}
 
 	pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
-	if (!pod)
+	if (!pod) {
+		/* the pod's own source is a spoof whatever the destination
+		 * (a secondary address, with inbound capture off too) */
+		if (own_source(skb, &p))
+			return TC_ACT_SHOT;
 		return unenrolled_local(skb, &p.dst, 1);
+	}
 	src_pod = bpf_map_lookup_elem(&rd_pods, &p.src);
 	if (src_pod && src_pod->pod_id == pod->pod_id) {
 		count(REASON_DROP_SPOOFED, &p.dst, CNT_DROPPED);

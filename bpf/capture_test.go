@@ -782,6 +782,42 @@ func TestCaptureOwnSourceNotTCP(t *testing.T) {
 	runTableIn(t, objs.RdPodIngress, objs.RdReasons, otherPod, elsewhere)
 }
 
+// TestCaptureOwnSourceTCPToUnenrolledAddr: IPv4 TCP from the wire whose
+// source is an enrolled address of the pod whose interface it arrives on
+// is dropped as drop_spoofed when its destination is not enrolled too (an
+// address of the pod the loader was not given, its IPv4 link-local one, or
+// none of the pod's), whatever the pod's capture flags. The loader turns
+// accept_local on, and with it the kernel takes what it refused as a
+// martian before enrollment. Before, only TCP to an enrolled address and
+// IPv4 of other protocols were checked, so with inbound capture off
+// (bypass-inbound-capture) a SYN "from" the pod itself to its secondary
+// address reached its sockets, and with it on such TCP was counted as
+// drop_unenrolled_addr, not as the spoof it is. (FuzzCapture found it
+// once its reference read the design's rule as written.)
+func TestCaptureOwnSourceTCPToUnenrolledAddr(t *testing.T) {
+	needRoot(t)
+	objs := loadCapture(t)
+	spoofed := CaptureVerdictReasonREASON_DROP_SPOOFED
+	tcpSyn, ack := syn(8080), tcpHdr(40000, 8080, fACK)
+	outbound := uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND)
+	for _, flags := range []uint32{outbound, bothWays} {
+		cases := []progCase{
+			{"v4 syn from the pod's own address to a secondary address", 0, forHost(ip4(pod4, other4, pTCP, 0, tcpSyn)), actShot, spoofed},
+			{"v4 ack from the pod's own address to a secondary address", 0, forHost(ip4(pod4, other4, pTCP, 0, ack)), actShot, spoofed},
+			{"v4 syn from the pod's own address to its link-local address", 0, forHost(ip4(pod4, ll4Pod, pTCP, 0, tcpSyn)), actShot, spoofed},
+			{"v4 syn from the pod's own address to another host", 0, ip4(pod4, peer4, pTCP, 0, tcpSyn), actShot, spoofed},
+			{"v4 syn from the pod's own address to itself", 0, forHost(ip4(pod4, pod4, pTCP, 0, tcpSyn)), actShot, spoofed},
+			{"v6 syn from an enrolled address to a SLAAC address", 0, forHost(ip6(pod6, other6, nil, pTCP, tcpSyn)),
+				map[bool]uint32{true: actShot, false: actUnspec}[flags == bothWays],
+				map[bool]CaptureVerdictReason{true: CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR, false: noReason}[flags == bothWays]},
+		}
+		if flags == outbound {
+			cases = append(cases, progCase{"v4 syn from another address to a secondary address", 0, forHost(ip4(peer4, other4, pTCP, 0, tcpSyn)), actUnspec, noReason})
+		}
+		runTableIn(t, objs.RdPodIngress, objs.RdReasons, ownNetNS(t, objs, pod4, 1, flags), cases)
+	}
+}
+
 // TestCaptureOwnBroadcastLoopedBack: the pod's own broadcast, which the
 // kernel loops back to the pod's sockets with the pod's source address
 // (PACKET_LOOPBACK, no Ethernet header), still arrives with the ingress
