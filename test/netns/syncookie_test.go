@@ -35,3 +35,32 @@ func TestSynCookieACKUnderStrict(t *testing.T) {
 		}
 	}
 }
+
+// TestSynCookieACKThroughTunnel: with SYN cookies on, a plaintext client the
+// policy allows is still served, through the tunnel's inbound listener that
+// checks its cookie (in_assign_cookie_ack), not by the app's listener.
+func TestSynCookieACKThroughTunnel(t *testing.T) {
+	ms, client, server, plain := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(plain, URL(server.IPv4, 8080)); return err })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	out, err := Exec(ctx, server.Path(), "sysctl", "-w", "net.ipv4.tcp_syncookies=2")
+	cancel()
+	if err != nil {
+		t.Fatalf("set tcp_syncookies in the server pod: %v: %s", err, out)
+	}
+	cookieACKs := func() float64 {
+		return metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="in_assign_cookie_ack"`)
+	}
+	before := cookieACKs()
+	for _, u := range []string{URL(server.IPv4, 8080), URL(server.IPv6, 8080)} {
+		if out, err := Curl(client, u); err != nil {
+			t.Fatalf("meshed client to %s with SYN cookies: %v: %s", u, err, out)
+		}
+		if out, err := Curl(plain, u); err != nil {
+			t.Errorf("plaintext client to %s with SYN cookies: %v: %s", u, err, out)
+		}
+	}
+	if got := cookieACKs() - before; got < 2 {
+		t.Errorf("in_assign_cookie_ack grew by %v for two plaintext connections, want at least 2", got)
+	}
+}
