@@ -590,6 +590,42 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
 	return TC_ACT_OK;
 }
 
+/* cookie_ack handles an ACK (no SYN, no RST) from the wire to a pod whose
+ * inbound is captured. A packet of a connection (or of a request, or of a
+ * TIME_WAIT socket) goes on to it: TC_ACT_UNSPEC. With no socket for its
+ * tuple, the kernel would hand it to a listener of the packet's own port:
+ * the app's. When the pod sends SYN cookies (the inbound listener's SYN
+ * queue overflowed, or net.ipv4.tcp_syncookies=2, which Kubernetes lets a
+ * pod set), the tunnel's inbound listener answered the client's SYN with a
+ * cookie and kept no request, and the app's listener takes that cookie as
+ * its own once it has sent cookies itself (to the tunnel's dials): the
+ * client would be connected to the app in plaintext, past the tunnel and
+ * its policy. So an ACK that would reach a listener is assigned to the
+ * inbound listener instead, which checks the cookie (or answers with a RST,
+ * as any listener does to an ACK it has no request for); with none, it is
+ * dropped as a SYN would be. An ACK no socket would take is left to the
+ * kernel, which resets it. */
+static __always_inline int cookie_ack(struct __sk_buff *skb, struct tcp_pkt *p)
+{
+	struct bpf_sock *sk = lookup_tcp(skb, p);
+	__u32 state;
+	int reason;
+
+	if (!sk)
+		return TC_ACT_UNSPEC; /* no socket takes it: the kernel resets */
+	state = sk->state;
+	bpf_sk_release(sk);
+	if (state != BPF_TCP_LISTEN)
+		return TC_ACT_UNSPEC;
+	reason = assign_listener(skb, p, inbound_port);
+	if (reason) {
+		count(reason, &p->dst, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	count(REASON_IN_ASSIGN_COOKIE_ACK, &p->dst, CNT_STEERED);
+	return TC_ACT_OK;
+}
+
 /* rd_pod_egress: tcx egress of the pod interface (pod -> world).
  *
  * Verdicts:
@@ -801,6 +837,8 @@ int rd_pod_ingress(struct __sk_buff *skb)
 		return TC_ACT_UNSPEC;
 	}
 	if (!(p.syn && !p.ack)) {
+		if (p.ack && !p.syn && !p.rst)
+			return cookie_ack(skb, &p);
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}

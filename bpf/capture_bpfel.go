@@ -114,7 +114,8 @@ const (
 	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL     CaptureVerdictReason = 30
 	CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER CaptureVerdictReason = 31
 	CaptureVerdictReasonREASON_DROP_FOREIGN_DST      CaptureVerdictReason = 32
-	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 33
+	CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK  CaptureVerdictReason = 33
+	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 34
 )
 
 // Names of all BPF objects in the ELF.

@@ -43,6 +43,7 @@ struct tcp_pkt {
 	__u8 has_addrs;              /* src and dst are filled in */
 	__u8 syn;
 	__u8 ack;
+	__u8 rst;
 	__u8 v6;
 };
 
@@ -157,6 +158,7 @@ static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __
 	p->l4_off = off;
 	p->syn = tcp.syn;
 	p->ack = tcp.ack;
+	p->rst = tcp.rst;
 	if (p->v6) {
 		p->tuple.ipv6.sport = tcp.source;
 		p->tuple.ipv6.dport = tcp.dest;
