@@ -38,7 +38,14 @@
 //     matches them: "hostnetwork" is not hostNetwork; values are typed as
 //     kubectl sends them, so an unquoted number or yes/no/on/off where a
 //     string belongs is an error, not "1" or "true"), a key given twice,
-//     no name, a duplicate object or pod uid (reason "invalid");
+//     no name, a duplicate object or pod uid, or what the API server
+//     would refuse in an object it is asked to create: a name, namespace,
+//     label or annotation it does not admit, a serviceAccountName that is
+//     no name, a pod uid that is not a plain token (it could read as
+//     another pod's namespace/name key), a policy selector whose labels no
+//     pod can carry (reason "invalid"). Taken as written, a namespace
+//     labelled "ambient " was not ambient and its pods were silently left
+//     unenrolled;
 //   - a pod of the last applied load has an address that no longer parses
 //     (status.podIP or a status.podIPs entry such as "10.0.0.300",
 //     "10.0.0.05", "fe80::1%eth0" or ""): translation would leave the pod

@@ -591,6 +591,9 @@ func add[T any, PT interface {
 	case meta.GetNamespace() == "":
 		meta.SetNamespace(metav1.NamespaceDefault)
 	}
+	if err := validateObject(kind, meta, namespaced); err != nil {
+		return err
+	}
 	if dc, ok := any(&obj).(interface{ DeepCopy() *T }); ok {
 		kept := any(dc.DeepCopy()).(interface{ DeepCopy() *T })
 		b.replays = append(b.replays, replay{item: loc.Item, add: func(b *builder, loc DocError) error {
