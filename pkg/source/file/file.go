@@ -122,6 +122,59 @@ var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 500 * time
 
 const rewatchGap = time.Second
 
+// resyncPeriod is how often PATH is read again with no event (a variable
+// for tests). A load that reads the bytes of the last one delivers
+// nothing, and decodes nothing again (docCache): its cost is reading and
+// hashing the manifests.
+var resyncPeriod = 10 * time.Second
+
+// maxLinkHops bounds how many symlinks watchLinks follows, as the kernel
+// bounds a lookup (40): a loop is not followed for ever.
+const maxLinkHops = 40
+
+// watchLinks adds to w the directories that hold the symlinks PATH leads
+// through, and the directory it ends in, that are not watched yet (links,
+// which it updates, holds those it added). inotify watches what a name
+// points to when it is added, not the name: with only PATH's directory
+// watched, a write to a linked file in its own directory, or a link to a
+// manifest or directory swapped in another directory (a deployment
+// tool's `current`), was never seen, and the agent kept enforcing the old
+// manifests without a word. Directories no longer on the way stay watched
+// (an event there costs one reload, which reads the same bytes); what
+// cannot be watched is logged, and the periodic resync reads it anyway.
+func (s *Source) watchLinks(w *fsnotify.Watcher, dir string, links map[string]bool) {
+	var want []string
+	p := s.path
+	for hop := 0; hop <= maxLinkHops; hop++ {
+		want = append(want, filepath.Dir(p))
+		fi, err := os.Lstat(p)
+		if err != nil || fi.Mode()&os.ModeSymlink == 0 {
+			if err == nil && fi.IsDir() {
+				want = append(want, p)
+			}
+			break
+		}
+		target, err := os.Readlink(p)
+		if err != nil {
+			break
+		}
+		if !filepath.IsAbs(target) {
+			target = filepath.Join(filepath.Dir(p), target)
+		}
+		p = filepath.Clean(target)
+	}
+	for _, d := range want {
+		if d == dir || links[d] {
+			continue
+		}
+		if err := w.Add(d); err != nil {
+			s.log.Warn("cannot watch a directory a symlink of PATH leads through; it is read again every "+resyncPeriod.String(), "dir", d, "err", err)
+			continue
+		}
+		links[d] = true
+	}
+}
+
 // Source watches PATH and delivers a full snapshot at start and after every
 // change of the bytes it reads, unless the load has errors (see the package
 // documentation).
@@ -166,6 +219,11 @@ func (s *Source) Errors() []error {
 // a directory) is watched, not the file, so editors that write a new file
 // and rename it over the old one, and ConfigMap volume updates, are seen. If
 // PATH disappears later the last good snapshot stays and the loss is logged.
+// When PATH is a symlink (or a chain of them), the directories of its links
+// and the one it ends in are watched too, followed again at every reload;
+// and PATH is read again every resyncPeriod whatever the events, for what
+// no watch reports (a link above PATH's directory, a filesystem without
+// inotify).
 func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	info, err := os.Stat(s.path)
 	if err != nil {
@@ -183,6 +241,8 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	if err := w.Add(dir); err != nil {
 		return fmt.Errorf("file source: watch %s: %w", dir, err)
 	}
+	links := map[string]bool{}
+	s.watchLinks(w, dir, links)
 
 	// Watch first, then load: a change in between is seen twice, never lost.
 	last := state{dir: info.IsDir()}
@@ -190,11 +250,18 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 
 	reload := source.NewDebouncer(debounce)
 	defer reload.Stop()
+	resync := time.NewTicker(resyncPeriod)
+	defer resync.Stop()
 	var rewatch <-chan time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-resync.C:
+			// A change no event told of: a link above PATH swapped, a
+			// filesystem without inotify (NFS, FUSE), a lost event.
+			s.watchLinks(w, dir, links)
+			s.reload(update, &last)
 		case ev, ok := <-w.Events:
 			if !ok {
 				return errors.New("file source: watcher closed")
@@ -223,6 +290,7 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 			s.reload(update, &last)
 		case <-reload.C():
 			if reload.Due() {
+				s.watchLinks(w, dir, links)
 				s.reload(update, &last)
 			}
 		}

@@ -79,3 +79,25 @@ func swapLink(t *testing.T, link, target string) {
 		t.Fatal(err)
 	}
 }
+
+// TestRunResyncsWithoutEvents: a change no watch reports (a link above
+// PATH's directory swapped; a filesystem without inotify, such as NFS) is
+// read by the periodic resync.
+func TestRunResyncsWithoutEvents(t *testing.T) {
+	defer func(p time.Duration) { resyncPeriod = p }(resyncPeriod)
+	resyncPeriod = 200 * time.Millisecond
+	top := t.TempDir()
+	for v, ns := range map[string]string{"v1": namespaceDoc("a"), "v2": namespaceDoc("a", "b")} {
+		if err := os.Mkdir(filepath.Join(top, v), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeFile(t, filepath.Join(top, v), "m.yaml", ns)
+	}
+	if err := os.Symlink("v1", filepath.Join(top, "current")); err != nil {
+		t.Fatal(err)
+	}
+	r := start(t, filepath.Join(top, "current", "m.yaml"), nil)
+	r.waitFor(t, "a")
+	swapLink(t, filepath.Join(top, "current"), "v2")
+	r.waitWithin(t, 3*time.Second, "a b")
+}
