@@ -30,7 +30,8 @@
 //     never mixed (a pod moved from one key to another would be in
 //     neither, and unenrolled);
 //   - the manifests are over 64 MiB or 100k objects (documents and list
-//     items) in all (reason "too_large"): what a load holds is bounded;
+//     items) in all, or a directory has over 10k *.yaml and *.yml names
+//     (reason "too_large"): what a load holds is bounded;
 //   - a document is not YAML (reason "parse");
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
@@ -331,8 +332,11 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 	}
 	r, err := load(s.path, last.decoded)
 	if err != nil {
-		s.refuse(last, sha256.Sum256([]byte(err.Error())),
-			[]error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
+		var fe *FileError
+		if !errors.As(err, &fe) {
+			err = &FileError{File: s.path, Reason: source.ReasonRead, Err: err}
+		}
+		s.refuse(last, sha256.Sum256([]byte(err.Error())), []error{err})
 		return
 	}
 	last.decoded = r.decoded
