@@ -33,6 +33,26 @@ type Pod struct {
 
 func (p Pod) String() string { return p.Namespace + "/" + p.Name }
 
+// checkProbeAddrs refuses a pod at a host-probe SNAT address. The capture
+// never captures that address (a destination on egress, a source marked by
+// the host program on ingress), and HOST_PROBE_SNAT_IPV6 only has to be
+// unicast: set inside the pod range, the pod given that address would be
+// enrolled while its traffic with it passed in plaintext.
+func (l *Loader) checkProbeAddrs(p Pod) error {
+	for _, a := range p.Addrs {
+		for _, probeAddr := range []struct {
+			addr netip.Addr
+			env  string
+		}{{l.cfg.Settings.ProbeSNATv4, probe.EnvSNATv4}, {l.cfg.Settings.ProbeSNATv6, probe.EnvSNATv6}} {
+			if a == probeAddr.addr {
+				return fmt.Errorf("pod %s: address %s is the host-probe SNAT address (%s), which the capture never captures: "+
+					"its traffic would pass in plaintext; set %s to an address no pod has", p, a, probeAddr.env, probeAddr.env)
+			}
+		}
+	}
+	return nil
+}
+
 func (p *Pod) validate() error {
 	if p.UID == "" {
 		return fmt.Errorf("pod %s has no uid", p)
@@ -77,6 +97,9 @@ func (p *Pod) validate() error {
 // dropped (fail closed).
 func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if err := p.validate(); err != nil {
+		return PodState{}, err
+	}
+	if err := l.checkProbeAddrs(p); err != nil {
 		return PodState{}, err
 	}
 	unlock := l.lockPod(p.UID)

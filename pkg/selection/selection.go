@@ -165,7 +165,19 @@ func optIn(cfg Config, ns *corev1.Namespace, pod *corev1.Pod) Decision {
 	if ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient {
 		return Decision{Enrolled: true, Reason: "namespace label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}
 	}
-	return Decision{Reason: "no " + DataplaneModeLabel + "=" + DataplaneModeAmbient + " label on pod or namespace"}
+	reason := "no " + DataplaneModeLabel + "=" + DataplaneModeAmbient + " label on pod or namespace"
+	// A value Istio does not know ("Ambient", "ambient " from a manifest,
+	// a typo) is ignored as Istio ignores it; the reason names it, so the
+	// operator who wrote it sees why the pod is not meshed.
+	if v, ok := pod.Labels[DataplaneModeLabel]; ok {
+		reason += fmt.Sprintf("; pod label %s=%q is neither %s nor %s: ignored", DataplaneModeLabel, v, DataplaneModeAmbient, DataplaneModeNone)
+	}
+	if ns != nil {
+		if v, ok := ns.Labels[DataplaneModeLabel]; ok && v != DataplaneModeNone {
+			reason += fmt.Sprintf("; namespace label %s=%q is neither %s nor %s: ignored", DataplaneModeLabel, v, DataplaneModeAmbient, DataplaneModeNone)
+		}
+	}
+	return Decision{Reason: reason}
 }
 
 // checkRuntimeClass returns a not-enrolled decision when the pod's runtime

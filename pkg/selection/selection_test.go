@@ -293,3 +293,30 @@ func TestDecideRefusesBadAddrs(t *testing.T) {
 		}
 	}
 }
+
+// TestDecideNamesAnUnknownModeValue: a dataplane-mode label whose value is
+// neither ambient nor none ("Ambient", "ambient " from a manifest, a typo)
+// is ignored, as Istio ignores it, so the pod is not meshed; the reason
+// says which label had which value, where it only said there was no
+// ambient label, and the operator who wrote one was left to guess.
+func TestDecideNamesAnUnknownModeValue(t *testing.T) {
+	ns := func(v string) *corev1.Namespace {
+		return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{DataplaneModeLabel: v}}}
+	}
+	for _, tt := range []struct {
+		name string
+		ns   *corev1.Namespace
+		pod  *corev1.Pod
+		want string
+	}{
+		{"namespace in another case", ns("Ambient"), newPod(), `namespace label istio.io/dataplane-mode="Ambient" is neither ambient nor none: ignored`},
+		{"pod with a stray space", namespace("shop", false), newPod(label(DataplaneModeLabel, "ambient ")), `pod label istio.io/dataplane-mode="ambient " is neither ambient nor none: ignored`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := Decide(Config{}, tt.ns, tt.pod, nil)
+			if d.Enrolled || !strings.Contains(d.Reason, tt.want) {
+				t.Fatalf("Decide = %+v, want not enrolled, reason naming %s", d, tt.want)
+			}
+		})
+	}
+}

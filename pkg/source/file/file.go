@@ -30,7 +30,8 @@
 //     never mixed (a pod moved from one key to another would be in
 //     neither, and unenrolled);
 //   - the manifests are over 64 MiB or 100k objects (documents and list
-//     items) in all (reason "too_large"): what a load holds is bounded;
+//     items) in all, or a directory has over 10k *.yaml and *.yml names
+//     (reason "too_large"): what a load holds is bounded;
 //   - a document is not YAML (reason "parse");
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
@@ -38,7 +39,14 @@
 //     matches them: "hostnetwork" is not hostNetwork; values are typed as
 //     kubectl sends them, so an unquoted number or yes/no/on/off where a
 //     string belongs is an error, not "1" or "true"), a key given twice,
-//     no name, a duplicate object or pod uid (reason "invalid");
+//     no name, a duplicate object or pod uid, or what the API server
+//     would refuse in an object it is asked to create: a name, namespace,
+//     label or annotation it does not admit, a serviceAccountName that is
+//     no name, a pod uid that is not a plain token (it could read as
+//     another pod's namespace/name key), a policy selector whose labels no
+//     pod can carry (reason "invalid"). Taken as written, a namespace
+//     labelled "ambient " was not ambient and its pods were silently left
+//     unenrolled;
 //   - a pod of the last applied load has an address that no longer parses
 //     (status.podIP or a status.podIPs entry such as "10.0.0.300",
 //     "10.0.0.05", "fe80::1%eth0" or ""): translation would leave the pod
@@ -115,6 +123,59 @@ var debounce = source.Debounce{Quiet: 10 * time.Millisecond, MaxWait: 500 * time
 
 const rewatchGap = time.Second
 
+// resyncPeriod is how often PATH is read again with no event (a variable
+// for tests). A load that reads the bytes of the last one delivers
+// nothing, and decodes nothing again (docCache): its cost is reading and
+// hashing the manifests.
+var resyncPeriod = 10 * time.Second
+
+// maxLinkHops bounds how many symlinks watchLinks follows, as the kernel
+// bounds a lookup (40): a loop is not followed for ever.
+const maxLinkHops = 40
+
+// watchLinks adds to w the directories that hold the symlinks PATH leads
+// through, and the directory it ends in, that are not watched yet (links,
+// which it updates, holds those it added). inotify watches what a name
+// points to when it is added, not the name: with only PATH's directory
+// watched, a write to a linked file in its own directory, or a link to a
+// manifest or directory swapped in another directory (a deployment
+// tool's `current`), was never seen, and the agent kept enforcing the old
+// manifests without a word. Directories no longer on the way stay watched
+// (an event there costs one reload, which reads the same bytes); what
+// cannot be watched is logged, and the periodic resync reads it anyway.
+func (s *Source) watchLinks(w *fsnotify.Watcher, dir string, links map[string]bool) {
+	var want []string
+	p := s.path
+	for hop := 0; hop <= maxLinkHops; hop++ {
+		want = append(want, filepath.Dir(p))
+		fi, err := os.Lstat(p)
+		if err != nil || fi.Mode()&os.ModeSymlink == 0 {
+			if err == nil && fi.IsDir() {
+				want = append(want, p)
+			}
+			break
+		}
+		target, err := os.Readlink(p)
+		if err != nil {
+			break
+		}
+		if !filepath.IsAbs(target) {
+			target = filepath.Join(filepath.Dir(p), target)
+		}
+		p = filepath.Clean(target)
+	}
+	for _, d := range want {
+		if d == dir || links[d] {
+			continue
+		}
+		if err := w.Add(d); err != nil {
+			s.log.Warn("cannot watch a directory a symlink of PATH leads through; it is read again every "+resyncPeriod.String(), "dir", d, "err", err)
+			continue
+		}
+		links[d] = true
+	}
+}
+
 // Source watches PATH and delivers a full snapshot at start and after every
 // change of the bytes it reads, unless the load has errors (see the package
 // documentation).
@@ -159,6 +220,11 @@ func (s *Source) Errors() []error {
 // a directory) is watched, not the file, so editors that write a new file
 // and rename it over the old one, and ConfigMap volume updates, are seen. If
 // PATH disappears later the last good snapshot stays and the loss is logged.
+// When PATH is a symlink (or a chain of them), the directories of its links
+// and the one it ends in are watched too, followed again at every reload;
+// and PATH is read again every resyncPeriod whatever the events, for what
+// no watch reports (a link above PATH's directory, a filesystem without
+// inotify).
 func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	info, err := os.Stat(s.path)
 	if err != nil {
@@ -176,6 +242,8 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 	if err := w.Add(dir); err != nil {
 		return fmt.Errorf("file source: watch %s: %w", dir, err)
 	}
+	links := map[string]bool{}
+	s.watchLinks(w, dir, links)
 
 	// Watch first, then load: a change in between is seen twice, never lost.
 	last := state{dir: info.IsDir()}
@@ -183,11 +251,18 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 
 	reload := source.NewDebouncer(debounce)
 	defer reload.Stop()
+	resync := time.NewTicker(resyncPeriod)
+	defer resync.Stop()
 	var rewatch <-chan time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
+		case <-resync.C:
+			// A change no event told of: a link above PATH swapped, a
+			// filesystem without inotify (NFS, FUSE), a lost event.
+			s.watchLinks(w, dir, links)
+			s.reload(update, &last)
 		case ev, ok := <-w.Events:
 			if !ok {
 				return errors.New("file source: watcher closed")
@@ -216,6 +291,7 @@ func (s *Source) Run(ctx context.Context, update func(kubeobj.Objects)) error {
 			s.reload(update, &last)
 		case <-reload.C():
 			if reload.Due() {
+				s.watchLinks(w, dir, links)
 				s.reload(update, &last)
 			}
 		}
@@ -256,8 +332,11 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 	}
 	r, err := load(s.path, last.decoded)
 	if err != nil {
-		s.refuse(last, sha256.Sum256([]byte(err.Error())),
-			[]error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
+		var fe *FileError
+		if !errors.As(err, &fe) {
+			err = &FileError{File: s.path, Reason: source.ReasonRead, Err: err}
+		}
+		s.refuse(last, sha256.Sum256([]byte(err.Error())), []error{err})
 		return
 	}
 	last.decoded = r.decoded

@@ -239,7 +239,15 @@ func loadOnce(path string, prev docCache) (result, error) {
 var (
 	maxLoadBytes   int64 = 64 << 20
 	maxLoadObjects       = 100_000
+	// maxLoadFiles bounds the *.yaml and *.yml names of a directory: each
+	// costs an open, a read and its entry in the load's state, documents or
+	// not, at every reload.
+	maxLoadFiles = 10_000
 )
+
+// readDirBatch is how many directory entries manifestFiles reads at once,
+// so that listing a huge directory holds a batch, not the whole listing.
+const readDirBatch = 1024
 
 // readManifest reads the manifest file f, at most budget bytes of it. A
 // name that holds no regular file (a directory, a fifo, a device, a
@@ -291,19 +299,33 @@ func manifestFiles(path string) ([]string, error) {
 	if !info.IsDir() {
 		return []string{path}, nil
 	}
-	entries, err := os.ReadDir(path)
+	d, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("read manifests: %w", err)
 	}
+	defer d.Close()
 	var files []string
-	for _, e := range entries {
-		name := e.Name()
-		ext := filepath.Ext(name)
-		if strings.HasPrefix(name, ".") || (ext != ".yaml" && ext != ".yml") {
-			continue
+	for {
+		names, err := d.Readdirnames(readDirBatch)
+		for _, name := range names {
+			ext := filepath.Ext(name)
+			if strings.HasPrefix(name, ".") || (ext != ".yaml" && ext != ".yml") {
+				continue
+			}
+			if len(files) == maxLoadFiles {
+				return nil, &FileError{File: path, Reason: source.ReasonTooLarge,
+					Err: fmt.Errorf("more than %d manifest files (*.yaml, *.yml): not read", maxLoadFiles)}
+			}
+			files = append(files, filepath.Join(path, name))
 		}
-		files = append(files, filepath.Join(path, name))
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read manifests: %w", err)
+		}
 	}
+	sort.Strings(files)
 	return files, nil
 }
 
@@ -590,6 +612,9 @@ func add[T any, PT interface {
 		meta.SetNamespace("")
 	case meta.GetNamespace() == "":
 		meta.SetNamespace(metav1.NamespaceDefault)
+	}
+	if err := validateObject(kind, meta, namespaced); err != nil {
+		return err
 	}
 	if dc, ok := any(&obj).(interface{ DeepCopy() *T }); ok {
 		kept := any(dc.DeepCopy()).(interface{ DeepCopy() *T })

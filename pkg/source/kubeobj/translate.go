@@ -226,6 +226,14 @@ func Endpoints(list []*discoveryv1.EndpointSlice) ([]workload.Endpoint, []error)
 				errs = append(errs, fmt.Errorf("endpointslice %s/%s: bad address %q", es.Namespace, es.Name, ep.Addresses[0]))
 				continue
 			}
+			// An address of no one host (loopback, link-local such as
+			// the metadata server's, unspecified, multicast), which the
+			// API server refuses and the xDS source rejects: the tunnel
+			// would dial it from the client pod.
+			if err := selection.CheckPodAddr(a); err != nil {
+				errs = append(errs, fmt.Errorf("endpointslice %s/%s: %w", es.Namespace, es.Name, err))
+				continue
+			}
 			a = a.Unmap()
 			m := merged[a]
 			if m == nil {

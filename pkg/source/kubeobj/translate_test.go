@@ -337,3 +337,31 @@ func build(objs Objects, cfg selection.Config) (*workload.Directory, []error) {
 	d, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
 	return d, append(errs, dirErrs...)
 }
+
+// TestEndpointAddressOfNoHost: an EndpointSlice address that is no one
+// host's (loopback, unspecified, link-local, multicast, 0.0.0.0/8,
+// broadcast) is left out with an error naming the slice and the address, as
+// the API server refuses it and the xDS source rejects it: from a manifest
+// (the file source validates no spec field) a service's connections went
+// to the client pod's own loopback or to 169.254.169.254, the cloud
+// metadata server, through the tunnel.
+func TestEndpointAddressOfNoHost(t *testing.T) {
+	svc := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "s"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.1"}}
+	for _, bad := range []string{"127.0.0.1", "169.254.169.254", "0.0.0.0", "::1", "fe80::1", "224.0.0.1", "::ffff:127.0.0.1"} {
+		t.Run(bad, func(t *testing.T) {
+			es := discoveryv1.EndpointSlice{
+				ObjectMeta:  metav1.ObjectMeta{Namespace: "a", Name: "s-1", Labels: map[string]string{discoveryv1.LabelServiceName: "s"}},
+				AddressType: discoveryv1.AddressTypeIPv4,
+				Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{bad}}, {Addresses: []string{"10.0.0.1"}}},
+			}
+			d, errs := build(Objects{Services: []corev1.Service{svc}, EndpointSlices: []discoveryv1.EndpointSlice{es}}, selection.Config{})
+			if len(errs) != 1 || !strings.Contains(errs[0].Error(), "endpointslice a/s-1") || !strings.Contains(errs[0].Error(), bad) {
+				t.Fatalf("errors = %v, want one naming endpointslice a/s-1 and %s", errs, bad)
+			}
+			s, _ := d.ServiceByVIP(addr("10.96.0.1"))
+			if len(s.Endpoints) != 1 || s.Endpoints[0].Addr != addr("10.0.0.1") {
+				t.Errorf("endpoints = %+v, want only 10.0.0.1", s.Endpoints)
+			}
+		})
+	}
+}
