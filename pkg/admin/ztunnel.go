@@ -45,8 +45,39 @@ type ZtunnelWorkload struct {
 	TrustDomain       string   `json:"trustDomain"`
 	Locality          Locality `json:"locality"`
 	Node              string   `json:"node"`
-	Status            string   `json:"status"`
+	Status            string   `json:"status"` // Healthy or Unhealthy
 	Capacity          uint32   `json:"capacity"`
+	// Waypoint is where the workload's traffic goes first, if anywhere.
+	Waypoint *ZtunnelGatewayAddress `json:"waypoint,omitempty"`
+}
+
+// ZtunnelGatewayAddress is a waypoint as ztunnel dumps it: Destination is
+// namespace/hostname or network/ip, which istioctl matches against the
+// services for its WAYPOINT column.
+type ZtunnelGatewayAddress struct {
+	Destination   string `json:"destination"`
+	HBONEMtlsPort uint16 `json:"hboneMtlsPort"`
+}
+
+func ztunnelWaypoint(wp *workload.Waypoint, network string) *ZtunnelGatewayAddress {
+	if wp == nil {
+		return nil
+	}
+	z := &ZtunnelGatewayAddress{HBONEMtlsPort: wp.HBONEPort}
+	if wp.Addr.IsValid() {
+		z.Destination = network + "/" + wp.Addr.String()
+	} else {
+		z.Destination = wp.Namespace + "/" + wp.Hostname
+	}
+	return z
+}
+
+// healthStatus is ztunnel's HealthStatus of a readiness.
+func healthStatus(ready bool) string {
+	if ready {
+		return "Healthy"
+	}
+	return "Unhealthy"
 }
 
 // Locality is a workload's region and zone, empty when unknown.
@@ -63,6 +94,7 @@ type ZtunnelService struct {
 	VIPs            []string                    `json:"vips"`  // network/ip
 	Ports           map[string]uint16           `json:"ports"` // service port -> target port (0: named, per endpoint)
 	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
+	Waypoint        *ZtunnelGatewayAddress      `json:"waypoint,omitempty"`
 	SubjectAltNames []string                    `json:"subjectAltNames"`
 	IPFamilies      string                      `json:"ipFamilies"`
 }
@@ -73,6 +105,7 @@ type ZtunnelEndpoint struct {
 	Service     string            `json:"service"` // namespace/hostname
 	Address     string            `json:"address"`
 	Port        map[string]uint16 `json:"port"`
+	Status      string            `json:"status"` // Healthy when ready, else Unhealthy
 }
 
 // ZtunnelPolicy is an AuthorizationPolicy converted as Istio hands it to
@@ -150,13 +183,28 @@ func ZtunnelUID(cluster string, w *workload.Workload) string {
 
 // ZtunnelWorkloads converts every workload of dir; all are on network,
 // the agent's (the directory holds no other).
+//
+// A workload's status is what its endpoints say: Unhealthy when services
+// list it only as not ready (the pod's readiness, which istiod's status
+// is; the xDS source's endpoints carry that status), Healthy otherwise,
+// also when no service lists it and so its readiness is not known here.
 func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain string) []ZtunnelWorkload {
+	listed, ready := map[*workload.Workload]bool{}, map[*workload.Workload]bool{}
+	for _, s := range dir.Services() {
+		for _, ep := range s.Endpoints {
+			if ep.Workload != nil {
+				listed[ep.Workload] = true
+				ready[ep.Workload] = ready[ep.Workload] || ep.Ready
+			}
+		}
+	}
 	out := []ZtunnelWorkload{}
 	for _, w := range dir.All() {
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
 			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
-			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone}}
+			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone},
+			Waypoint: ztunnelWaypoint(w.Waypoint, network)}
 		if w.Enrolled {
 			z.Protocol = "HBONE"
 		}
@@ -173,7 +221,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 	out := []ZtunnelService{}
 	for _, s := range dir.Services() {
 		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
-			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}}
+			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}, Waypoint: ztunnelWaypoint(s.Waypoint, network)}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
 			z.VIPs = append(z.VIPs, network+"/"+vip.String())
@@ -191,7 +239,8 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			if ep.Workload != nil {
 				uid = ZtunnelUID(cluster, ep.Workload)
 			}
-			e := &ZtunnelEndpoint{WorkloadUID: uid, Service: s.Namespace + "/" + z.Hostname, Address: "/" + ep.Addr.String(), Port: map[string]uint16{}}
+			e := &ZtunnelEndpoint{WorkloadUID: uid, Service: s.Namespace + "/" + z.Hostname, Address: "/" + ep.Addr.String(), Port: map[string]uint16{},
+				Status: healthStatus(ep.Ready)}
 			for _, p := range s.Ports {
 				if tp, ok := ep.Ports[p.Name]; ok {
 					e.Port[strconv.Itoa(int(p.Port))] = uint16(tp)
