@@ -92,3 +92,17 @@ func TestZtunnelDumpWaypointAndHealth(t *testing.T) {
 		t.Errorf("a missing waypoint is written as null; ztunnel leaves it out: %s", b)
 	}
 }
+
+// TestZtunnelServicePortsUnsetTarget: a service port with no targetPort
+// (a manifest's; the API server fills it in) sends to the same port, and
+// the dump says so; 0 in ztunnel's ports means a named target port,
+// resolved per endpoint. Before, the dump wrote 0 for both.
+func TestZtunnelServicePortsUnsetTarget(t *testing.T) {
+	svc := &workload.Service{Name: "app", Namespace: "mesh", Hostname: "app.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
+		Ports: []workload.ServicePort{{Name: "same", Port: 80}, {Name: "named", Port: 81, TargetPortName: "http"}, {Name: "num", Port: 82, TargetPort: 8082}}}
+	dir, _ := workload.NewDirectory(nil, []*workload.Service{svc})
+	got := ZtunnelServices(dir, "Kubernetes", "")[0].Ports
+	if got["80"] != 80 || got["81"] != 0 || got["82"] != 8082 {
+		t.Errorf("ports %v, want 80->80, 81->0 (named), 82->8082", got)
+	}
+}
