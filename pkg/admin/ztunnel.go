@@ -232,7 +232,12 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			if p.Protocol != "" && p.Protocol != "TCP" {
 				continue
 			}
-			z.Ports[strconv.Itoa(int(p.Port))] = uint16(p.TargetPort) // 0 for a named port, as ztunnel
+			// 0 for a named port, as ztunnel; an unset one is the port itself.
+			tp := p.TargetPort
+			if p.TargetPortName == "" {
+				tp = cmp.Or(tp, p.Port)
+			}
+			z.Ports[strconv.Itoa(int(p.Port))] = uint16(tp)
 		}
 		for _, ep := range s.Endpoints {
 			uid := ""
