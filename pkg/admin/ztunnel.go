@@ -134,6 +134,14 @@ type ZtunnelPolicyMatch struct {
 	NotDestinationIps   []string      `json:"notDestinationIps,omitempty"`
 	DestinationPorts    []uint16      `json:"destinationPorts,omitempty"`
 	NotDestinationPorts []uint16      `json:"notDestinationPorts,omitempty"`
+	ServiceAccounts     []SAMatch     `json:"serviceAccounts,omitempty"`
+	NotServiceAccounts  []SAMatch     `json:"notServiceAccounts,omitempty"`
+}
+
+// SAMatch is ztunnel's service account match.
+type SAMatch struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
 }
 
 // StringMatch is ztunnel's string matcher; one field is set.
@@ -261,7 +269,10 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 // ZtunnelPolicies converts the AuthorizationPolicies the node's tunnel
 // holds as istiod would send them to ztunnel: those with a targetRef belong
 // to waypoints and an ALLOW whose selector has no matchLabels selects no
-// workload, so both are left out; dry-run ones are listed, marked.
+// workload, so both are left out; dry-run ones are listed, marked. An
+// ALLOW rule using fields only an L7 proxy decides never matches, so it is
+// left out too (as istiod does); a DENY rule keeps its L4 part, which is
+// what is enforced.
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	for _, ap := range aps {
@@ -285,21 +296,25 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 		}
 		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: ap.DryRun()}
 		for _, r := range ap.Spec.Rules {
-			z.Rules = append(z.Rules, ztunnelRule(r))
+			if action == "Allow" && r.UsesL7() {
+				continue
+			}
+			z.Rules = append(z.Rules, ztunnelRule(r, ap.Namespace))
 		}
 		out = append(out, z)
 	}
 	return out
 }
 
-func ztunnelRule(r policy.Rule) [][]*ZtunnelPolicyMatch {
+func ztunnelRule(r policy.Rule, policyNS string) [][]*ZtunnelPolicyMatch {
 	clauses := [][]*ZtunnelPolicyMatch{}
 	var from, to []*ZtunnelPolicyMatch
 	for _, f := range r.From {
 		if s := f.Source; s != nil {
 			from = append(from, &ZtunnelPolicyMatch{Namespaces: stringMatches(s.Namespaces), NotNamespaces: stringMatches(s.NotNamespaces),
 				Principals: stringMatches(s.Principals), NotPrincipals: stringMatches(s.NotPrincipals),
-				SourceIps: s.IPBlocks, NotSourceIps: s.NotIPBlocks})
+				SourceIps: s.IPBlocks, NotSourceIps: s.NotIPBlocks,
+				ServiceAccounts: saMatches(s.ServiceAccounts, policyNS), NotServiceAccounts: saMatches(s.NotServiceAccounts, policyNS)})
 		}
 	}
 	for _, t := range r.To {
@@ -348,6 +363,28 @@ func stringMatches(vs []string) []StringMatch {
 		default:
 			out = append(out, StringMatch{Exact: v})
 		}
+	}
+	return out
+}
+
+// saMatches converts Istio's service accounts: namespace/name, or a bare
+// name in the policy's namespace.
+func saMatches(vs []string, policyNS string) []SAMatch {
+	var out []SAMatch
+	for _, v := range vs {
+		ns, sa, ok := strings.Cut(v, "/")
+		if !ok {
+			ns, sa = policyNS, v
+		}
+		out = append(out, SAMatch{Namespace: ns, ServiceAccount: sa})
+	}
+	return out
+}
+
+func compiledSAs(refs []policy.ServiceAccountRef) []SAMatch {
+	var out []SAMatch
+	for _, r := range refs {
+		out = append(out, SAMatch{Namespace: r.Namespace, ServiceAccount: r.Name})
 	}
 	return out
 }
@@ -463,6 +500,7 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 						SourceIps: prefixes(m.SourceIPs), NotSourceIps: prefixes(m.NotSourceIPs),
 						DestinationIps: prefixes(m.DestinationIPs), NotDestinationIps: prefixes(m.NotDestinationIPs),
 						DestinationPorts: m.DestinationPorts, NotDestinationPorts: m.NotDestinationPorts,
+						ServiceAccounts: compiledSAs(m.ServiceAccounts), NotServiceAccounts: compiledSAs(m.NotServiceAccounts),
 					})
 				}
 				rule = append(rule, clause)
