@@ -171,8 +171,46 @@ type ZtunnelCert struct {
 // ZtunnelWorkloadState is a local pod's state, as ztunnel's in-pod mode
 // dumps it.
 type ZtunnelWorkloadState struct {
-	State string              `json:"state"` // Up when the tunnel serves the pod, else Pending
-	Info  ZtunnelWorkloadInfo `json:"info"`
+	State string `json:"state"` // Up when the tunnel serves the pod, else Pending
+	// Connections are the pod's open connections while it is Up, which
+	// istioctl ztunnel-config connections lists.
+	Connections *ZtunnelConnections `json:"connections,omitempty"`
+	Info        ZtunnelWorkloadInfo `json:"info"`
+}
+
+// ZtunnelConnections are a pod's open connections, as ztunnel's connection
+// manager dumps them.
+type ZtunnelConnections struct {
+	Inbound  []ZtunnelInboundConnection  `json:"inbound"`
+	Outbound []ZtunnelOutboundConnection `json:"outbound"`
+}
+
+// ZtunnelInboundConnection is one open inbound connection: addresses as
+// ip:port, the protocol HBONE or TCP.
+type ZtunnelInboundConnection struct {
+	Src string `json:"src"`
+	// OriginalDst is the host name of the service the connection is
+	// counted under, null when none (ztunnel's dest_service).
+	OriginalDst *string `json:"originalDst"`
+	ActualDst   string  `json:"actualDst"`
+	Protocol    string  `json:"protocol"`
+}
+
+// ZtunnelOutboundConnection is one open outbound connection: where the app
+// connected (OriginalDst) and where the tunnel did (ActualDst).
+type ZtunnelOutboundConnection struct {
+	Src         string `json:"src"`
+	OriginalDst string `json:"originalDst"`
+	ActualDst   string `json:"actualDst"`
+	Protocol    string `json:"protocol"`
+}
+
+// Protocol is ztunnel's name of a connection's protocol.
+func Protocol(hbone bool) string {
+	if hbone {
+		return "HBONE"
+	}
+	return "TCP"
 }
 
 // ZtunnelWorkloadInfo names a local pod.
@@ -453,18 +491,18 @@ func certOf(c *x509.Certificate) ZtunnelCert {
 }
 
 // ZtunnelWorkloadStates describes the node's enrolled pods; serving says
-// whether the tunnel serves one.
-func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, serving func(*workload.Workload) bool) map[string]ZtunnelWorkloadState {
+// whether the tunnel serves one and, if it does, its open connections.
+func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, serving func(*workload.Workload) (bool, *ZtunnelConnections)) map[string]ZtunnelWorkloadState {
 	out := map[string]ZtunnelWorkloadState{}
 	for _, w := range pods {
 		if !w.Enrolled {
 			continue
 		}
-		st := "Pending"
-		if serving(w) {
-			st = "Up"
+		z := ZtunnelWorkloadState{State: "Pending", Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+		if up, conns := serving(w); up {
+			z.State, z.Connections = "Up", conns
 		}
-		out[w.UID] = ZtunnelWorkloadState{State: st, Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+		out[w.UID] = z
 	}
 	return out
 }

@@ -106,3 +106,27 @@ func TestZtunnelServicePortsUnsetTarget(t *testing.T) {
 		t.Errorf("ports %v, want 80->80, 81->0 (named), 82->8082", got)
 	}
 }
+
+// TestZtunnelWorkloadStateConnections: an Up pod's connections are in
+// ztunnel's shape (inbound/outbound lists, an inbound originalDst null when
+// no service is known); a Pending pod has none.
+func TestZtunnelWorkloadStateConnections(t *testing.T) {
+	up := &workload.Workload{Name: "up", Namespace: "mesh", UID: "u1", Enrolled: true}
+	pending := &workload.Workload{Name: "pending", Namespace: "mesh", UID: "u2", Enrolled: true}
+	got := ZtunnelWorkloadStates([]*workload.Workload{up, pending}, "cluster.local", func(w *workload.Workload) (bool, *ZtunnelConnections) {
+		if w != up {
+			return false, nil
+		}
+		return true, &ZtunnelConnections{
+			Inbound:  []ZtunnelInboundConnection{{Src: "10.2.0.1:40001", ActualDst: "10.1.0.2:8080", Protocol: Protocol(false)}},
+			Outbound: []ZtunnelOutboundConnection{},
+		}
+	})
+	b, _ := json.Marshal(got)
+	want := `{"u1":{"state":"Up","connections":{"inbound":[{"src":"10.2.0.1:40001","originalDst":null,"actualDst":"10.1.0.2:8080","protocol":"TCP"}],"outbound":[]},` +
+		`"info":{"name":"up","namespace":"mesh","trustDomain":"cluster.local","serviceAccount":""}},` +
+		`"u2":{"state":"Pending","info":{"name":"pending","namespace":"mesh","trustDomain":"cluster.local","serviceAccount":""}}}`
+	if string(b) != want {
+		t.Errorf("workloadState\n got %s\nwant %s", b, want)
+	}
+}
