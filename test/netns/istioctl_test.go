@@ -272,7 +272,7 @@ func TestIstioctlConnections(t *testing.T) {
 	// Both reach port 8080 of a reviews endpoint: the service is named
 	// for both, as ztunnel's guess_inbound_service names it.
 	inbound := []string{q(serverName), "Inbound", q(serverName + ":8080"), q(clientName) + `:\d+`, q("reviews.mesh.svc.cluster.local"), "HBONE"}
-	if n := len(regexp.MustCompile(`(?m)^` + strings.Join(inbound, `\s+`) + `$`).FindAllString(out, -1)); n != 2 {
+	if n := len(regexp.MustCompile(`(?m)^`+strings.Join(inbound, `\s+`)+`$`).FindAllString(out, -1)); n != 2 {
 		t.Errorf("istioctl ztunnel-config connections on the server's node: %d rows %v, want 2:\n%s", n, inbound, out)
 	}
 }
