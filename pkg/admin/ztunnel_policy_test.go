@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // TestZtunnelPoliciesShowWhatIsEnforced: the policies section says what
@@ -51,5 +52,26 @@ func TestZtunnelPoliciesShowWhatIsEnforced(t *testing.T) {
 	b, _ = json.Marshal(ZtunnelCompiledPolicies(set)[0].Rules)
 	if want := `[[[{"serviceAccounts":[{"namespace":"mesh","serviceAccount":"client"}],"notServiceAccounts":[{"namespace":"mesh","serviceAccount":"bad"}]}]]]`; string(b) != want {
 		t.Errorf("compiled rules\n got %s\nwant %s", b, want)
+	}
+}
+
+// TestZtunnelDumpEmptyVersusMissing: fields ztunnel always writes are
+// written, and those it leaves out when empty are left out: a policy's
+// dryRun (a plain bool in ztunnel's Authorization) is there when false;
+// a workload's locality is absent when unknown and, when known, carries
+// region, zone and subzone, as ztunnel's Locality does. Before, dryRun was
+// missing unless true and an unknown locality was written as {}.
+func TestZtunnelDumpEmptyVersusMissing(t *testing.T) {
+	b, _ := json.Marshal(ZtunnelPolicies([]policy.AuthorizationPolicy{{Meta: policy.Meta{Namespace: "mesh", Name: "p"}}}, "istio-system"))
+	if !strings.Contains(string(b), `"dryRun":false`) {
+		t.Errorf("policy without dry run: %s, want \"dryRun\":false", b)
+	}
+	dir, _ := workload.NewDirectory([]*workload.Workload{
+		{Name: "nowhere", Namespace: "mesh", UID: "u1"},
+		{Name: "somewhere", Namespace: "mesh", UID: "u2", Region: "eu", Zone: "eu-1"},
+	}, nil)
+	b, _ = json.Marshal(ZtunnelWorkloads(dir, "Kubernetes", "", "cluster.local"))
+	if strings.Contains(string(b), `"locality":{}`) || !strings.Contains(string(b), `"locality":{"region":"eu","zone":"eu-1","subzone":""}`) {
+		t.Errorf("workloads %s: want no locality when unknown, region, zone and subzone when known", b)
 	}
 }
