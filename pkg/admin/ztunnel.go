@@ -30,23 +30,23 @@ const (
 
 // ZtunnelWorkload is one workload (pod), as ztunnel dumps it.
 type ZtunnelWorkload struct {
-	UID               string   `json:"uid"`
-	WorkloadIPs       []string `json:"workloadIps"`
-	Protocol          string   `json:"protocol"` // HBONE when enrolled, else TCP
-	Name              string   `json:"name"`
-	Namespace         string   `json:"namespace"`
-	ServiceAccount    string   `json:"serviceAccount"`
-	WorkloadName      string   `json:"workloadName"`
-	WorkloadType      string   `json:"workloadType"`
-	CanonicalName     string   `json:"canonicalName"`
-	CanonicalRevision string   `json:"canonicalRevision"`
-	ClusterID         string   `json:"clusterId"`
-	Network           string   `json:"network"`
-	TrustDomain       string   `json:"trustDomain"`
-	Locality          Locality `json:"locality"`
-	Node              string   `json:"node"`
-	Status            string   `json:"status"` // Healthy or Unhealthy
-	Capacity          uint32   `json:"capacity"`
+	UID               string    `json:"uid"`
+	WorkloadIPs       []string  `json:"workloadIps"`
+	Protocol          string    `json:"protocol"` // HBONE when enrolled, else TCP
+	Name              string    `json:"name"`
+	Namespace         string    `json:"namespace"`
+	ServiceAccount    string    `json:"serviceAccount"`
+	WorkloadName      string    `json:"workloadName"`
+	WorkloadType      string    `json:"workloadType"`
+	CanonicalName     string    `json:"canonicalName"`
+	CanonicalRevision string    `json:"canonicalRevision"`
+	ClusterID         string    `json:"clusterId"`
+	Network           string    `json:"network"`
+	TrustDomain       string    `json:"trustDomain"`
+	Locality          *Locality `json:"locality,omitempty"` // absent when unknown, as ztunnel
+	Node              string    `json:"node"`
+	Status            string    `json:"status"` // Healthy or Unhealthy
+	Capacity          uint32    `json:"capacity"`
 	// Waypoint is where the workload's traffic goes first, if anywhere.
 	Waypoint *ZtunnelGatewayAddress `json:"waypoint,omitempty"`
 }
@@ -80,10 +80,19 @@ func healthStatus(ready bool) string {
 	return "Unhealthy"
 }
 
-// Locality is a workload's region and zone, empty when unknown.
+// Locality is a workload's region and zone (the agent knows no subzone),
+// written whole as ztunnel's Locality is.
 type Locality struct {
-	Region string `json:"region,omitempty"`
-	Zone   string `json:"zone,omitempty"`
+	Region  string `json:"region"`
+	Zone    string `json:"zone"`
+	Subzone string `json:"subzone"`
+}
+
+func localityOf(w *workload.Workload) *Locality {
+	if w.Region == "" && w.Zone == "" {
+		return nil
+	}
+	return &Locality{Region: w.Region, Zone: w.Zone}
 }
 
 // ZtunnelService is one service, as ztunnel dumps it.
@@ -118,8 +127,9 @@ type ZtunnelPolicy struct {
 	Action    string                    `json:"action"` // Allow or Deny
 	Rules     [][][]*ZtunnelPolicyMatch `json:"rules"`
 	// DryRun marks a policy that is only logged, not enforced (Istio's
-	// istio.io/dry-run annotation, which istiod sends ztunnel as dry_run).
-	DryRun bool `json:"dryRun,omitempty"`
+	// istio.io/dry-run annotation, which istiod sends ztunnel as dry_run);
+	// written also when false, as ztunnel does.
+	DryRun bool `json:"dryRun"`
 }
 
 // ZtunnelPolicyMatch is one match of a policy clause.
@@ -249,7 +259,7 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain str
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
 			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
-			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone},
+			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: localityOf(w),
 			Waypoint: ztunnelWaypoint(w.Waypoint, network)}
 		if w.Enrolled {
 			z.Protocol = "HBONE"
