@@ -68,8 +68,9 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		},
 		admin.SectionCertificates: func() any { return admin.ZtunnelCertificates(certRows(certs), nil) },
 		admin.SectionWorkloadState: func() any {
-			return admin.ZtunnelWorkloadStates(tun.State().Dir.LocalPods(cfg.node), cfg.trustDomain,
-				func(w *workload.Workload) bool { return tun.PodReady(w.Key()) })
+			return admin.ZtunnelWorkloadStates(tun.State().Dir.LocalPods(cfg.node), cfg.trustDomain, func(w *workload.Workload) (bool, *admin.ZtunnelConnections) {
+				return podConnections(tun, w.Key())
+			})
 		},
 		admin.SectionMeshPolicies: func() any {
 			st := tun.State()
@@ -77,6 +78,27 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 		},
 		admin.SectionCerts: func() any { return certRows(certs) },
 	}
+}
+
+// podConnections is whether the tunnel serves the pod under key and, if it
+// does, its open connections in ztunnel's shape.
+func podConnections(tun *tunnel.Tunnel, key string) (bool, *admin.ZtunnelConnections) {
+	in, out, ok := tun.Connections(key)
+	if !ok {
+		return false, nil
+	}
+	z := &admin.ZtunnelConnections{Inbound: make([]admin.ZtunnelInboundConnection, 0, len(in)), Outbound: make([]admin.ZtunnelOutboundConnection, 0, len(out))}
+	for _, c := range in {
+		var svc *string
+		if c.Service != "" {
+			svc = &c.Service
+		}
+		z.Inbound = append(z.Inbound, admin.ZtunnelInboundConnection{Src: c.Src.String(), OriginalDst: svc, ActualDst: c.Dst.String(), Protocol: admin.Protocol(c.HBONE)})
+	}
+	for _, c := range out {
+		z.Outbound = append(z.Outbound, admin.ZtunnelOutboundConnection{Src: c.Src.String(), OriginalDst: c.OriginalDst.String(), ActualDst: c.ActualDst.String(), Protocol: admin.Protocol(c.HBONE)})
+	}
+	return true, z
 }
 
 // certRows describes the cached certificates for the config dump and the

@@ -406,6 +406,17 @@ func runAgent(ctx context.Context, args []string) error {
 			return st.Runs, st.Errors, st.Repairs, st.Enrolled
 		}),
 		admin.NewCertCollector(func() []admin.CertRow { return certExpiryRows(certs) }),
+		admin.NewZtunnelCollector(version, func() (active, pending int) {
+			for _, w := range tun.State().Dir.LocalPods(cfg.node) {
+				switch {
+				case tun.PodReady(w.Key()):
+					active++
+				case w.Enrolled:
+					pending++
+				}
+			}
+			return active, pending
+		}),
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses,

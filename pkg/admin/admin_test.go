@@ -181,8 +181,8 @@ func TestLoggingLevel(t *testing.T) {
 	if code, body := request(t, http.MethodPost, url+"?level=verbose"); code != http.StatusBadRequest || !strings.Contains(body, `"verbose"`) {
 		t.Errorf("POST verbose: %d %q, want 400 naming the value", code, body)
 	}
-	if code, _ := request(t, http.MethodPost, url); code != http.StatusBadRequest {
-		t.Errorf("POST without a level: %d, want 400", code)
+	if code, body := request(t, http.MethodPost, url); code != http.StatusOK || body != "level=debug\n" {
+		t.Errorf("POST without a level: %d %q, want the level shown, as ztunnel does", code, body)
 	}
 	if code, _ := get(t, url+"?level=error"); code != http.StatusMethodNotAllowed {
 		t.Errorf("GET with a level: %d, want 405", code)

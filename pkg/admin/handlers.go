@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
@@ -134,8 +135,9 @@ func readinessHandler(ready func() (bool, string)) http.Handler {
 var adminEndpoints = []string{
 	"GET  /config_dump             workloads, services, policies, certificates, workloadState (ztunnel's shape); pods, certs, meshPolicies",
 	fmt.Sprintf("GET  /debug/pprof/            Go profiles (net/http/pprof); a profile or trace runs for seconds=N, at most %d", maxProfileSeconds),
-	"GET  /logging                 the current log level",
-	"POST /logging?level=LEVEL     set the log level: debug, info, warn or error",
+	"GET  /logging                 the current log level (POST /logging with no level too, as ztunnel)",
+	"POST /logging?level=LEVEL     set the log level: error, warn, info, debug, trace or off (a comma list: the last wins)",
+	"POST /logging?reset           back to the level the agent started with (LOG_LEVEL)",
 }
 
 // adminHandler serves the config dump, pprof and the log level. pprof's
@@ -155,7 +157,7 @@ func adminHandler(sections map[string]func() any, level *slog.LevelVar, log *slo
 	mux.HandleFunc("POST /debug/pprof/symbol", symbol) // the pprof tool posts its lookups
 	mux.HandleFunc("GET /debug/pprof/trace", boundProfile(pprof.Trace))
 	mux.HandleFunc("GET /logging", showLevel(level))
-	mux.HandleFunc("POST /logging", setLevel(level, log))
+	mux.HandleFunc("POST /logging", setLevel(level, level.Level(), log))
 	return mux
 }
 
@@ -276,6 +278,63 @@ func ParseLevel(name string) (slog.Level, bool) {
 	return l, ok
 }
 
+// Levels beyond slog's four, so that /logging takes ztunnel's names:
+// trace writes what debug does (the agent logs nothing finer), off writes
+// nothing at all.
+const (
+	LevelTrace = slog.LevelDebug - 4
+	LevelOff   = slog.Level(math.MaxInt32)
+)
+
+// loggingLevels are the names POST /logging takes, ztunnel's (src/admin.rs:
+// error|warn|info|debug|trace|off), which istioctl ztunnel-config log sends
+// (it turns warning into warn and critical into error).
+var loggingLevels = map[string]slog.Level{
+	"error": slog.LevelError, "warn": slog.LevelWarn, "info": slog.LevelInfo,
+	"debug": slog.LevelDebug, "trace": LevelTrace, "off": LevelOff,
+}
+
+const wantLevels = "want error, warn, info, debug, trace or off"
+
+// parseLogging reads a /logging level: a level, or a comma list of them
+// of which the last wins (as in ztunnel's filter). A per-logger clause
+// ("access=debug", or istioctl's "access:debug") is refused rather than
+// ignored: the agent has one level for every logger.
+func parseLogging(v string) (slog.Level, error) {
+	var l slog.Level
+	for _, clause := range strings.Split(v, ",") {
+		if lv, ok := loggingLevels[strings.ToLower(clause)]; ok {
+			l = lv
+			continue
+		}
+		if strings.ContainsAny(clause, "=:") {
+			return 0, fmt.Errorf("per-logger level %q: the agent has one level for every logger; %s", clip(clause), wantLevels)
+		}
+		return 0, fmt.Errorf("unknown level %q (%s)", clip(clause), wantLevels)
+	}
+	return l, nil
+}
+
+// clip cuts a caller's value to what an error message needs: a query may
+// be as long as the header bound.
+func clip(s string) string {
+	const n = 64
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}
+
+// levelName is l as /logging names it.
+func levelName(l slog.Level) string {
+	for name, lv := range loggingLevels {
+		if lv == l {
+			return name
+		}
+	}
+	return strings.ToLower(l.String())
+}
+
 // showLevel answers GET /logging. A GET never changes anything (as in
 // Envoy's admin API), so a crawler or a mistyped URL cannot turn debug
 // logging on; one that tries is told to POST.
@@ -283,31 +342,47 @@ func showLevel(level *slog.LevelVar) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		if name := r.URL.Query().Get("level"); name != "" {
 			w.Header().Set("Allow", "GET, HEAD, POST")
-			http.Error(w, fmt.Sprintf("use POST /logging?level=%s to change the level", name), http.StatusMethodNotAllowed)
+			http.Error(w, fmt.Sprintf("use POST /logging?level=%s to change the level", clip(name)), http.StatusMethodNotAllowed)
 			return
 		}
 		writeLevel(w, level)
 	}
 }
 
-// setLevel answers POST /logging?level=debug|info|warn|error.
-func setLevel(level *slog.LevelVar, log *slog.Logger) http.HandlerFunc {
+// setLevel answers POST /logging as ztunnel does, which is what istioctl
+// ztunnel-config log expects: with no level (or an empty one, which is
+// what istioctl sends to read it) it shows the level; with a level it sets
+// it; with reset it goes back to the start-up level, then to the level if
+// one is given too. A refused request leaves the level as it was.
+func setLevel(level *slog.LevelVar, startup slog.Level, log *slog.Logger) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
-		name := r.URL.Query().Get("level")
-		if name == "" {
-			http.Error(w, "missing level parameter (want debug, info, warn or error)", http.StatusBadRequest)
+		q := r.URL.Query()
+		name := q.Get("level")
+		_, reset := q["reset"]
+		if name == "" && !reset {
+			writeLevel(w, level)
 			return
 		}
-		l, ok := ParseLevel(name)
-		if !ok {
-			http.Error(w, fmt.Sprintf("unknown level %q (want debug, info, warn or error)", name), http.StatusBadRequest)
-			return
+		l := startup
+		if name != "" {
+			var err error
+			if l, err = parseLogging(name); err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
 		}
 		if old := level.Level(); old != l {
+			// At the higher of the two levels (error at most), so the
+			// change is logged whichever way it went; before the change
+			// when it turns logging off.
+			at := min(max(old, l), slog.LevelError)
+			if l == LevelOff {
+				log.Log(r.Context(), at, "log level changed", "from", levelName(old), "to", levelName(l))
+			}
 			level.Set(l)
-			// At the higher of the two levels, so the change is logged
-			// whichever way it went.
-			log.Log(r.Context(), max(old, l), "log level changed", "from", old, "to", l)
+			if l != LevelOff {
+				log.Log(r.Context(), at, "log level changed", "from", levelName(old), "to", levelName(l))
+			}
 		}
 		writeLevel(w, level)
 	}
@@ -315,5 +390,5 @@ func setLevel(level *slog.LevelVar, log *slog.Logger) http.HandlerFunc {
 
 func writeLevel(w http.ResponseWriter, level *slog.LevelVar) {
 	w.Header().Set("Content-Type", "text/plain; charset=utf-8")
-	fmt.Fprintf(w, "level=%s\n", strings.ToLower(level.Level().String()))
+	fmt.Fprintf(w, "level=%s\n", levelName(level.Level()))
 }

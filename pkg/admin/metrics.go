@@ -53,6 +53,29 @@ func NewAgentCollector(stats func() (runs, errors, repairs uint64, enrolled int)
 	}
 }
 
+// NewZtunnelCollector reports the series of ztunnel's that Istio's ztunnel
+// dashboard reads beside istio_tcp_*: istio_build{component="ztunnel",tag}
+// (tag the agent's version) and, from proxies, the pods whose tunnel is
+// served (workload_manager_active_proxy_count) and those enrolled but not
+// served yet (workload_manager_pending_proxy_count).
+func NewZtunnelCollector(tag string, proxies func() (active, pending int)) prometheus.Collector {
+	build := prometheus.NewDesc("istio_build", "Istio component build info (as ztunnel's).", nil,
+		prometheus.Labels{"component": "ztunnel", "tag": tag})
+	active := prometheus.NewDesc("workload_manager_active_proxy_count",
+		"Pods on this node whose tunnel is served (ztunnel's active proxies).", nil, nil)
+	pending := prometheus.NewDesc("workload_manager_pending_proxy_count",
+		"Pods on this node enrolled but whose tunnel is not served yet (ztunnel's pending proxies).", nil, nil)
+	return scrapeCollector{
+		descs: []*prometheus.Desc{build, active, pending},
+		collect: func(ch chan<- prometheus.Metric) {
+			a, p := proxies()
+			ch <- gauge(build, 1)
+			ch <- gauge(active, float64(a))
+			ch <- gauge(pending, float64(p))
+		},
+	}
+}
+
 // NewCertCollector reports how long each cached workload certificate has
 // left, from the same rows as the config dump's certs section.
 func NewCertCollector(certs func() []CertRow) prometheus.Collector {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
 )
@@ -149,5 +150,27 @@ func TestMetricsEndpoint(t *testing.T) {
 		if !strings.Contains(body, line+"\n") {
 			t.Errorf("/metrics has no line %q", line)
 		}
+	}
+}
+
+// The series Istio's ztunnel dashboard reads beside istio_tcp_*: the build
+// with component ztunnel and the agent's version as tag, and the served
+// and pending pods as ztunnel's workload manager counts its proxies.
+func TestZtunnelCollector(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(NewZtunnelCollector("v1.2.3", func() (int, int) { return 3, 1 }))
+	want := `
+# HELP istio_build Istio component build info (as ztunnel's).
+# TYPE istio_build gauge
+istio_build{component="ztunnel",tag="v1.2.3"} 1
+# HELP workload_manager_active_proxy_count Pods on this node whose tunnel is served (ztunnel's active proxies).
+# TYPE workload_manager_active_proxy_count gauge
+workload_manager_active_proxy_count 3
+# HELP workload_manager_pending_proxy_count Pods on this node enrolled but whose tunnel is not served yet (ztunnel's pending proxies).
+# TYPE workload_manager_pending_proxy_count gauge
+workload_manager_pending_proxy_count 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
+		t.Error(err)
 	}
 }

@@ -30,29 +30,69 @@ const (
 
 // ZtunnelWorkload is one workload (pod), as ztunnel dumps it.
 type ZtunnelWorkload struct {
-	UID               string   `json:"uid"`
-	WorkloadIPs       []string `json:"workloadIps"`
-	Protocol          string   `json:"protocol"` // HBONE when enrolled, else TCP
-	Name              string   `json:"name"`
-	Namespace         string   `json:"namespace"`
-	ServiceAccount    string   `json:"serviceAccount"`
-	WorkloadName      string   `json:"workloadName"`
-	WorkloadType      string   `json:"workloadType"`
-	CanonicalName     string   `json:"canonicalName"`
-	CanonicalRevision string   `json:"canonicalRevision"`
-	ClusterID         string   `json:"clusterId"`
-	Network           string   `json:"network"`
-	TrustDomain       string   `json:"trustDomain"`
-	Locality          Locality `json:"locality"`
-	Node              string   `json:"node"`
-	Status            string   `json:"status"`
-	Capacity          uint32   `json:"capacity"`
+	UID               string    `json:"uid"`
+	WorkloadIPs       []string  `json:"workloadIps"`
+	Protocol          string    `json:"protocol"` // HBONE when enrolled, else TCP
+	Name              string    `json:"name"`
+	Namespace         string    `json:"namespace"`
+	ServiceAccount    string    `json:"serviceAccount"`
+	WorkloadName      string    `json:"workloadName"`
+	WorkloadType      string    `json:"workloadType"`
+	CanonicalName     string    `json:"canonicalName"`
+	CanonicalRevision string    `json:"canonicalRevision"`
+	ClusterID         string    `json:"clusterId"`
+	Network           string    `json:"network"`
+	TrustDomain       string    `json:"trustDomain"`
+	Locality          *Locality `json:"locality,omitempty"` // absent when unknown, as ztunnel
+	Node              string    `json:"node"`
+	Status            string    `json:"status"` // Healthy or Unhealthy
+	Capacity          uint32    `json:"capacity"`
+	// Waypoint is where the workload's traffic goes first, if anywhere.
+	Waypoint *ZtunnelGatewayAddress `json:"waypoint,omitempty"`
 }
 
-// Locality is a workload's region and zone, empty when unknown.
+// ZtunnelGatewayAddress is a waypoint as ztunnel dumps it: Destination is
+// namespace/hostname or network/ip, which istioctl matches against the
+// services for its WAYPOINT column.
+type ZtunnelGatewayAddress struct {
+	Destination   string `json:"destination"`
+	HBONEMtlsPort uint16 `json:"hboneMtlsPort"`
+}
+
+func ztunnelWaypoint(wp *workload.Waypoint, network string) *ZtunnelGatewayAddress {
+	if wp == nil {
+		return nil
+	}
+	z := &ZtunnelGatewayAddress{HBONEMtlsPort: wp.HBONEPort}
+	if wp.Addr.IsValid() {
+		z.Destination = network + "/" + wp.Addr.String()
+	} else {
+		z.Destination = wp.Namespace + "/" + wp.Hostname
+	}
+	return z
+}
+
+// healthStatus is ztunnel's HealthStatus of a readiness.
+func healthStatus(ready bool) string {
+	if ready {
+		return "Healthy"
+	}
+	return "Unhealthy"
+}
+
+// Locality is a workload's region and zone (the agent knows no subzone),
+// written whole as ztunnel's Locality is.
 type Locality struct {
-	Region string `json:"region,omitempty"`
-	Zone   string `json:"zone,omitempty"`
+	Region  string `json:"region"`
+	Zone    string `json:"zone"`
+	Subzone string `json:"subzone"`
+}
+
+func localityOf(w *workload.Workload) *Locality {
+	if w.Region == "" && w.Zone == "" {
+		return nil
+	}
+	return &Locality{Region: w.Region, Zone: w.Zone}
 }
 
 // ZtunnelService is one service, as ztunnel dumps it.
@@ -63,6 +103,7 @@ type ZtunnelService struct {
 	VIPs            []string                    `json:"vips"`  // network/ip
 	Ports           map[string]uint16           `json:"ports"` // service port -> target port (0: named, per endpoint)
 	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
+	Waypoint        *ZtunnelGatewayAddress      `json:"waypoint,omitempty"`
 	SubjectAltNames []string                    `json:"subjectAltNames"`
 	IPFamilies      string                      `json:"ipFamilies"`
 }
@@ -73,6 +114,7 @@ type ZtunnelEndpoint struct {
 	Service     string            `json:"service"` // namespace/hostname
 	Address     string            `json:"address"`
 	Port        map[string]uint16 `json:"port"`
+	Status      string            `json:"status"` // Healthy when ready, else Unhealthy
 }
 
 // ZtunnelPolicy is an AuthorizationPolicy converted as Istio hands it to
@@ -85,8 +127,9 @@ type ZtunnelPolicy struct {
 	Action    string                    `json:"action"` // Allow or Deny
 	Rules     [][][]*ZtunnelPolicyMatch `json:"rules"`
 	// DryRun marks a policy that is only logged, not enforced (Istio's
-	// istio.io/dry-run annotation, which istiod sends ztunnel as dry_run).
-	DryRun bool `json:"dryRun,omitempty"`
+	// istio.io/dry-run annotation, which istiod sends ztunnel as dry_run);
+	// written also when false, as ztunnel does.
+	DryRun bool `json:"dryRun"`
 }
 
 // ZtunnelPolicyMatch is one match of a policy clause.
@@ -101,6 +144,14 @@ type ZtunnelPolicyMatch struct {
 	NotDestinationIps   []string      `json:"notDestinationIps,omitempty"`
 	DestinationPorts    []uint16      `json:"destinationPorts,omitempty"`
 	NotDestinationPorts []uint16      `json:"notDestinationPorts,omitempty"`
+	ServiceAccounts     []SAMatch     `json:"serviceAccounts,omitempty"`
+	NotServiceAccounts  []SAMatch     `json:"notServiceAccounts,omitempty"`
+}
+
+// SAMatch is ztunnel's service account match.
+type SAMatch struct {
+	Namespace      string `json:"namespace"`
+	ServiceAccount string `json:"serviceAccount"`
 }
 
 // StringMatch is ztunnel's string matcher; one field is set.
@@ -130,8 +181,46 @@ type ZtunnelCert struct {
 // ZtunnelWorkloadState is a local pod's state, as ztunnel's in-pod mode
 // dumps it.
 type ZtunnelWorkloadState struct {
-	State string              `json:"state"` // Up when the tunnel serves the pod, else Pending
-	Info  ZtunnelWorkloadInfo `json:"info"`
+	State string `json:"state"` // Up when the tunnel serves the pod, else Pending
+	// Connections are the pod's open connections while it is Up, which
+	// istioctl ztunnel-config connections lists.
+	Connections *ZtunnelConnections `json:"connections,omitempty"`
+	Info        ZtunnelWorkloadInfo `json:"info"`
+}
+
+// ZtunnelConnections are a pod's open connections, as ztunnel's connection
+// manager dumps them.
+type ZtunnelConnections struct {
+	Inbound  []ZtunnelInboundConnection  `json:"inbound"`
+	Outbound []ZtunnelOutboundConnection `json:"outbound"`
+}
+
+// ZtunnelInboundConnection is one open inbound connection: addresses as
+// ip:port, the protocol HBONE or TCP.
+type ZtunnelInboundConnection struct {
+	Src string `json:"src"`
+	// OriginalDst is the host name of the service the connection is
+	// counted under, null when none (ztunnel's dest_service).
+	OriginalDst *string `json:"originalDst"`
+	ActualDst   string  `json:"actualDst"`
+	Protocol    string  `json:"protocol"`
+}
+
+// ZtunnelOutboundConnection is one open outbound connection: where the app
+// connected (OriginalDst) and where the tunnel did (ActualDst).
+type ZtunnelOutboundConnection struct {
+	Src         string `json:"src"`
+	OriginalDst string `json:"originalDst"`
+	ActualDst   string `json:"actualDst"`
+	Protocol    string `json:"protocol"`
+}
+
+// Protocol is ztunnel's name of a connection's protocol.
+func Protocol(hbone bool) string {
+	if hbone {
+		return "HBONE"
+	}
+	return "TCP"
 }
 
 // ZtunnelWorkloadInfo names a local pod.
@@ -150,13 +239,28 @@ func ZtunnelUID(cluster string, w *workload.Workload) string {
 
 // ZtunnelWorkloads converts every workload of dir; all are on network,
 // the agent's (the directory holds no other).
+//
+// A workload's status is what its endpoints say: Unhealthy when services
+// list it only as not ready (the pod's readiness, which istiod's status
+// is; the xDS source's endpoints carry that status), Healthy otherwise,
+// also when no service lists it and so its readiness is not known here.
 func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain string) []ZtunnelWorkload {
+	listed, ready := map[*workload.Workload]bool{}, map[*workload.Workload]bool{}
+	for _, s := range dir.Services() {
+		for _, ep := range s.Endpoints {
+			if ep.Workload != nil {
+				listed[ep.Workload] = true
+				ready[ep.Workload] = ready[ep.Workload] || ep.Ready
+			}
+		}
+	}
 	out := []ZtunnelWorkload{}
 	for _, w := range dir.All() {
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
 			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
-			Node: w.Node, Status: "Healthy", Capacity: 1, WorkloadIPs: []string{}, Locality: Locality{Region: w.Region, Zone: w.Zone}}
+			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: localityOf(w),
+			Waypoint: ztunnelWaypoint(w.Waypoint, network)}
 		if w.Enrolled {
 			z.Protocol = "HBONE"
 		}
@@ -173,7 +277,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 	out := []ZtunnelService{}
 	for _, s := range dir.Services() {
 		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
-			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}}
+			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}, Waypoint: ztunnelWaypoint(s.Waypoint, network)}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
 			z.VIPs = append(z.VIPs, network+"/"+vip.String())
@@ -184,14 +288,20 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			if p.Protocol != "" && p.Protocol != "TCP" {
 				continue
 			}
-			z.Ports[strconv.Itoa(int(p.Port))] = uint16(p.TargetPort) // 0 for a named port, as ztunnel
+			// 0 for a named port, as ztunnel; an unset one is the port itself.
+			tp := p.TargetPort
+			if p.TargetPortName == "" {
+				tp = cmp.Or(tp, p.Port)
+			}
+			z.Ports[strconv.Itoa(int(p.Port))] = uint16(tp)
 		}
 		for _, ep := range s.Endpoints {
 			uid := ""
 			if ep.Workload != nil {
 				uid = ZtunnelUID(cluster, ep.Workload)
 			}
-			e := &ZtunnelEndpoint{WorkloadUID: uid, Service: s.Namespace + "/" + z.Hostname, Address: "/" + ep.Addr.String(), Port: map[string]uint16{}}
+			e := &ZtunnelEndpoint{WorkloadUID: uid, Service: s.Namespace + "/" + z.Hostname, Address: "/" + ep.Addr.String(), Port: map[string]uint16{},
+				Status: healthStatus(ep.Ready)}
 			for _, p := range s.Ports {
 				if tp, ok := ep.Ports[p.Name]; ok {
 					e.Port[strconv.Itoa(int(p.Port))] = uint16(tp)
@@ -207,7 +317,10 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 // ZtunnelPolicies converts the AuthorizationPolicies the node's tunnel
 // holds as istiod would send them to ztunnel: those with a targetRef belong
 // to waypoints and an ALLOW whose selector has no matchLabels selects no
-// workload, so both are left out; dry-run ones are listed, marked.
+// workload, so both are left out; dry-run ones are listed, marked. An
+// ALLOW rule using fields only an L7 proxy decides never matches, so it is
+// left out too (as istiod does); a DENY rule keeps its L4 part, which is
+// what is enforced.
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	for _, ap := range aps {
@@ -231,21 +344,25 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 		}
 		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: ap.DryRun()}
 		for _, r := range ap.Spec.Rules {
-			z.Rules = append(z.Rules, ztunnelRule(r))
+			if action == "Allow" && r.UsesL7() {
+				continue
+			}
+			z.Rules = append(z.Rules, ztunnelRule(r, ap.Namespace))
 		}
 		out = append(out, z)
 	}
 	return out
 }
 
-func ztunnelRule(r policy.Rule) [][]*ZtunnelPolicyMatch {
+func ztunnelRule(r policy.Rule, policyNS string) [][]*ZtunnelPolicyMatch {
 	clauses := [][]*ZtunnelPolicyMatch{}
 	var from, to []*ZtunnelPolicyMatch
 	for _, f := range r.From {
 		if s := f.Source; s != nil {
 			from = append(from, &ZtunnelPolicyMatch{Namespaces: stringMatches(s.Namespaces), NotNamespaces: stringMatches(s.NotNamespaces),
 				Principals: stringMatches(s.Principals), NotPrincipals: stringMatches(s.NotPrincipals),
-				SourceIps: s.IPBlocks, NotSourceIps: s.NotIPBlocks})
+				SourceIps: s.IPBlocks, NotSourceIps: s.NotIPBlocks,
+				ServiceAccounts: saMatches(s.ServiceAccounts, policyNS), NotServiceAccounts: saMatches(s.NotServiceAccounts, policyNS)})
 		}
 	}
 	for _, t := range r.To {
@@ -294,6 +411,28 @@ func stringMatches(vs []string) []StringMatch {
 		default:
 			out = append(out, StringMatch{Exact: v})
 		}
+	}
+	return out
+}
+
+// saMatches converts Istio's service accounts: namespace/name, or a bare
+// name in the policy's namespace.
+func saMatches(vs []string, policyNS string) []SAMatch {
+	var out []SAMatch
+	for _, v := range vs {
+		ns, sa, ok := strings.Cut(v, "/")
+		if !ok {
+			ns, sa = policyNS, v
+		}
+		out = append(out, SAMatch{Namespace: ns, ServiceAccount: sa})
+	}
+	return out
+}
+
+func compiledSAs(refs []policy.ServiceAccountRef) []SAMatch {
+	var out []SAMatch
+	for _, r := range refs {
+		out = append(out, SAMatch{Namespace: r.Namespace, ServiceAccount: r.Name})
 	}
 	return out
 }
@@ -362,18 +501,18 @@ func certOf(c *x509.Certificate) ZtunnelCert {
 }
 
 // ZtunnelWorkloadStates describes the node's enrolled pods; serving says
-// whether the tunnel serves one.
-func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, serving func(*workload.Workload) bool) map[string]ZtunnelWorkloadState {
+// whether the tunnel serves one and, if it does, its open connections.
+func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, serving func(*workload.Workload) (bool, *ZtunnelConnections)) map[string]ZtunnelWorkloadState {
 	out := map[string]ZtunnelWorkloadState{}
 	for _, w := range pods {
 		if !w.Enrolled {
 			continue
 		}
-		st := "Pending"
-		if serving(w) {
-			st = "Up"
+		z := ZtunnelWorkloadState{State: "Pending", Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+		if up, conns := serving(w); up {
+			z.State, z.Connections = "Up", conns
 		}
-		out[w.UID] = ZtunnelWorkloadState{State: st, Info: ZtunnelWorkloadInfo{Name: w.Name, Namespace: w.Namespace, TrustDomain: trustDomain, ServiceAccount: w.ServiceAccount}}
+		out[w.UID] = z
 	}
 	return out
 }
@@ -409,6 +548,7 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 						SourceIps: prefixes(m.SourceIPs), NotSourceIps: prefixes(m.NotSourceIPs),
 						DestinationIps: prefixes(m.DestinationIPs), NotDestinationIps: prefixes(m.NotDestinationIPs),
 						DestinationPorts: m.DestinationPorts, NotDestinationPorts: m.NotDestinationPorts,
+						ServiceAccounts: compiledSAs(m.ServiceAccounts), NotServiceAccounts: compiledSAs(m.NotServiceAccounts),
 					})
 				}
 				rule = append(rule, clause)

@@ -225,6 +225,10 @@ func ruleMatches(r *Rule, action Action, policyNS string, c *conn) bool {
 	return true
 }
 
+// UsesL7 reports whether r uses a field only an L7 proxy can decide (see
+// Authorize): as part of an ALLOW policy it never matches.
+func (r *Rule) UsesL7() bool { return usesL7(r) }
+
 func usesL7(r *Rule) bool {
 	for _, f := range r.From {
 		if s := f.Source; s != nil && len(s.RequestPrincipals)+len(s.NotRequestPrincipals)+len(s.RemoteIPBlocks)+len(s.NotRemoteIPBlocks)+

@@ -299,14 +299,14 @@ func TestPolicyChangeClosesOpenConnections(t *testing.T) {
 	good := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "good"}
 	dst := netip.AddrPortFrom(server, 8080)
 	var closedBad, closedGood, closedPlain atomic.Bool
-	icBad := p.track(dst, netip.MustParseAddr("10.2.0.1"), bad, true)
+	icBad := p.track(dst, netip.MustParseAddrPort("10.2.0.1:40000"), bad, true)
 	icBad.connected(func() { closedBad.Store(true) })
-	icGood := p.track(dst, netip.MustParseAddr("10.2.0.2"), good, true)
+	icGood := p.track(dst, netip.MustParseAddrPort("10.2.0.2:40000"), good, true)
 	icGood.connected(func() { closedGood.Store(true) })
-	icPlain := p.track(dst, netip.MustParseAddr("10.2.0.3"), identity.ID{}, false)
+	icPlain := p.track(dst, netip.MustParseAddrPort("10.2.0.3:40000"), identity.ID{}, false)
 	icPlain.connected(func() { closedPlain.Store(true) })
 	// Registered but not connected yet: revoked now, closed when it connects.
-	icPending := p.track(dst, netip.MustParseAddr("10.2.0.4"), bad, true)
+	icPending := p.track(dst, netip.MustParseAddrPort("10.2.0.4:40000"), bad, true)
 
 	tun.Update(&State{Dir: dir, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom(bad.Principal())}})
 	if !closedBad.Load() || closedGood.Load() || closedPlain.Load() {
@@ -364,7 +364,7 @@ func TestRecheckOnlyOnChange(t *testing.T) {
 	// A connection the current policy would refuse, registered as if it
 	// were admitted under an older state: only a change re-decides it.
 	var closed atomic.Bool
-	ic := p.track(netip.AddrPortFrom(server, 80), netip.MustParseAddr("10.2.0.1"), identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bad"}, true)
+	ic := p.track(netip.AddrPortFrom(server, 80), netip.MustParseAddrPort("10.2.0.1:40000"), identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "bad"}, true)
 	ic.connected(func() { closed.Store(true) })
 	same := testDir(t, podObj("mesh", "server", "server-sa", "10.1.0.2", nil))
 	tun.Update(&State{Dir: same, AuthorizationPolicies: []policy.AuthorizationPolicy{denyFrom("cluster.local/ns/mesh/sa/bad")}})

@@ -132,7 +132,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		return hbone.Response{Status: http.StatusForbidden, Reason: "no verified client identity"}
 	}
 	client := addrPortOf(req.RemoteAddr)
-	ic := p.track(dst, client.Addr(), peer, true)
+	ic := p.track(dst, client, peer, true)
 	st := t.State()
 	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), peer, true)
 	srcW := t.sourceWorkload(st.Dir, client.Addr(), peer)
@@ -146,6 +146,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	conn := connInfo{reporter: "destination", src: srcW, peer: meta, srcID: peer, dst: podW, secure: true,
 		service: inboundService(st.Dir, podW, forwardedHost(req.Forwarded), dst.Port()),
 		srcAddr: client, dstAddr: addrPortOf(req.LocalAddr), hboneAddr: dst}
+	ic.setService(conn.service)
 	switch why {
 	case "":
 	case "unknown_destination":
@@ -293,7 +294,7 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 		resetConn(c)
 		return
 	}
-	ic := p.track(dst, client.Addr(), identity.ID{}, false)
+	ic := p.track(dst, client, identity.ID{}, false)
 	st := t.State()
 	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), identity.ID{}, false)
 	switch why {
@@ -322,6 +323,7 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	}
 	podID := t.identityOf(podW)
 	conn := plainConn(st, podW, podID, client, dst)
+	ic.setService(conn.service)
 	r := &inboundRequest{dst: dst, client: client.Addr(), clientPort: client.Port(), srcW: conn.src, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)
 	if err != nil {

@@ -70,6 +70,14 @@ var listenerNames = [numListeners]string{"outbound", "inbound", "hbone"}
 
 func (k listenerKind) String() string { return listenerNames[k] }
 
+// reporter is ztunnel's reporter for k's connections.
+func (k listenerKind) reporter() string {
+	if k == listenerOutbound {
+		return "source"
+	}
+	return "destination"
+}
+
 // bySource reports whether k is limited per client address: inbound
 // kinds are, a pod's own outbound connections are not.
 func (k listenerKind) bySource() bool { return k != listenerOutbound }
@@ -115,6 +123,7 @@ func (l *limiter) acquire(kind listenerKind, p *pod, src netip.Addr) (release fu
 		l.bySource[kind][src]++
 	}
 	l.m.openConns.WithLabelValues(kind.String()).Inc()
+	l.m.socketsOpen.WithLabelValues(kind.reporter()).Inc()
 	var once sync.Once
 	return func() { once.Do(func() { l.release(kind, p, src) }) }, ""
 }
@@ -130,6 +139,7 @@ func (l *limiter) release(kind listenerKind, p *pod, src netip.Addr) {
 		}
 	}
 	l.m.openConns.WithLabelValues(kind.String()).Dec()
+	l.m.socketsOpen.WithLabelValues(kind.reporter()).Dec()
 }
 
 // admitter returns the accept loop's admission for one listener of p: a

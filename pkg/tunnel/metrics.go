@@ -25,6 +25,7 @@ type Metrics struct {
 	failClosed    *prometheus.CounterVec
 	servedPods    prometheus.Gauge
 	openConns     *prometheus.GaugeVec
+	socketsOpen   *prometheus.GaugeVec // ztunnel's istio_tcp_sockets_open{reporter}
 	limitRefused  *prometheus.CounterVec
 	acceptErrors  *prometheus.CounterVec
 	policyClosed  *prometheus.CounterVec
@@ -107,6 +108,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		openConns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "redirector_tunnel_open_connections",
 			Help: "Connections the agent holds open for this node's pods, by listener (outbound 15001, inbound plaintext 15006, hbone: tunnels to pods' apps)."}, []string{"listener"}),
+		socketsOpen: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "istio_tcp_sockets_open",
+			Help: "Connections the agent holds open for this node's pods, as ztunnel reports them: reporter source (outbound) or destination (inbound plaintext and HBONE tunnels)."}, []string{"reporter"}),
 		limitRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_tunnel_refused_connections_total",
 			Help: "Connections refused (reset at accept; HBONE tunnels answered 503) because a connection limit (node, pod or source address) was reached, by listener and limit."}, []string{"listener", "limit"}),
@@ -132,6 +136,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	for _, l := range listenerNames {
 		m.openConns.WithLabelValues(l)
 	}
+	for _, r := range []string{"source", "destination"} {
+		m.socketsOpen.WithLabelValues(r)
+	}
 	for _, l := range []string{"node", "peer"} {
 		m.derivedRefused.WithLabelValues(l)
 	}
@@ -140,7 +147,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
 	}
 	return m
 }

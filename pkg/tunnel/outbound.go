@@ -62,11 +62,24 @@ func (p *pod) handleOutbound(c net.Conn) {
 	p.relayCounted(ctx, c, stream, t.cfg.Metrics.open(conn, traceIDOf(trace)))
 }
 
-// relayCounted relays like relay, with the connection's access log lines
-// and its close counted in res.
+// relayCounted relays an outbound connection like relay, with its access
+// log lines and its close counted in res, and lists it among the pod's
+// open connections (Connections) while it is relayed.
 func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteCloser, res *connResult) {
 	res.opened(ctx)
-	p.relay(c, up, func(reqBytes, respBytes int64, err error) { res.close(ctx, reqBytes, respBytes, err) })
+	oc := &OpenOutbound{Src: addrPortOf(c.RemoteAddr()), OriginalDst: addrPortOf(c.LocalAddr()), ActualDst: res.c.dstAddr, HBONE: res.c.secure}
+	p.mu.Lock()
+	if p.outbound == nil {
+		p.outbound = map[*OpenOutbound]struct{}{}
+	}
+	p.outbound[oc] = struct{}{}
+	p.mu.Unlock()
+	p.relay(c, up, func(reqBytes, respBytes int64, err error) {
+		p.mu.Lock()
+		delete(p.outbound, oc)
+		p.mu.Unlock()
+		res.close(ctx, reqBytes, respBytes, err)
+	})
 }
 
 // dialHBONE opens a CONNECT stream to dst through the destination pod's

@@ -56,6 +56,8 @@ type pod struct {
 	// inbound registers open inbound connections (HBONE and plaintext)
 	// so that a policy change can re-check and close them.
 	inbound map[*inboundConn]struct{}
+	// outbound registers relayed outbound connections, for Connections.
+	outbound map[*OpenOutbound]struct{}
 }
 
 // connRef counts the goroutines holding an accepted connection; the last
@@ -94,7 +96,7 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 	}
 	pctx, cancel := context.WithCancel(context.Background())
 	p := &pod{t: t, uid: uid, netns: path, ns: ns, nsInode: ino, addrs: addrs, ctx: pctx, cancel: cancel, conns: map[net.Conn]*connRef{},
-		inbound: map[*inboundConn]struct{}{}, id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
+		inbound: map[*inboundConn]struct{}{}, outbound: map[*OpenOutbound]struct{}{}, id: uid + "#" + strconv.FormatUint(podSeq.Add(1), 10)}
 	for i, port := range []uint16{t.cfg.OutboundPort, t.cfg.InboundPort, t.cfg.HBONEPort} {
 		p.health[i] = &listenerHealth{port: port}
 	}

@@ -24,20 +24,22 @@ import (
 // inboundConn is one open (or opening) inbound connection.
 type inboundConn struct {
 	dst    netip.AddrPort // the pod address and port the client asked for
-	client netip.Addr
-	peer   identity.ID // verified client identity; zero for plaintext
+	src    netip.AddrPort // the client's address and port (an HBONE client's tunnel's)
+	client netip.Addr     // src's address
+	peer   identity.ID    // verified client identity; zero for plaintext
 	secure bool
 
 	mu      sync.Mutex
 	closer  func() // closes the connection's sockets; nil until connected
 	revoked string // why a policy change closed it; "" while admitted
+	service string // the host name of the service it is counted under, for the config dump
 }
 
 // track registers a connection before its first decision, so that an
 // Update landing between that decision and the registration cannot miss
 // it (ztunnel registers first for the same reason).
-func (p *pod) track(dst netip.AddrPort, client netip.Addr, peer identity.ID, secure bool) *inboundConn {
-	ic := &inboundConn{dst: dst, client: client, peer: peer, secure: secure}
+func (p *pod) track(dst, src netip.AddrPort, peer identity.ID, secure bool) *inboundConn {
+	ic := &inboundConn{dst: dst, src: src, client: src.Addr(), peer: peer, secure: secure}
 	p.mu.Lock()
 	p.inbound[ic] = struct{}{}
 	p.mu.Unlock()
@@ -48,6 +50,16 @@ func (p *pod) untrack(ic *inboundConn) {
 	p.mu.Lock()
 	delete(p.inbound, ic)
 	p.mu.Unlock()
+}
+
+// setService records the service ic is counted under (nil: none).
+func (ic *inboundConn) setService(s *workload.Service) {
+	if s == nil {
+		return
+	}
+	ic.mu.Lock()
+	ic.service = s.Hostname
+	ic.mu.Unlock()
 }
 
 // connected gives ic what closes it. It reports false, having closed it,

@@ -70,7 +70,10 @@ type panel struct {
 	Panels []panel `json:"panels"` // a collapsed row's
 }
 
-func loadPanels(t *testing.T) []panel {
+func loadPanels(t *testing.T) []panel { return loadPanelsFrom(t, dashboardPath) }
+
+// loadPanelsFrom reads the panels of the Grafana dashboard at path.
+func loadPanelsFrom(t *testing.T, dashboardPath string) []panel {
 	t.Helper()
 	b, err := os.ReadFile(dashboardPath)
 	if err != nil {

@@ -1,0 +1,71 @@
+package dashboard
+
+import (
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/prometheus/promql/parser"
+)
+
+// istioZtunnelDashboard is Istio's own ztunnel dashboard, from the
+// istio.io/istio version test/istiotools pins (its module is in the module
+// cache once hack/istio-binaries.sh has built istiod or istioctl).
+func istioZtunnelDashboard(t *testing.T) string {
+	t.Helper()
+	cmd := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "istio.io/istio")
+	cmd.Dir = "../istiotools"
+	cmd.Env = append(cmd.Environ(), "GOWORK=off", "GOFLAGS=-mod=readonly")
+	out, err := cmd.Output()
+	dir := strings.TrimSpace(string(out))
+	if err != nil || dir == "" {
+		t.Skipf("istio.io/istio is not in the module cache (run hack/istio-binaries.sh): %v", err)
+	}
+	return filepath.Join(dir, "manifests/addons/dashboards/ztunnel-dashboard.gen.json")
+}
+
+// istioOnlyMetrics are the series Istio's ztunnel dashboard reads that the
+// agent does not have, each for a reason: no DNS proxy, and the agent's
+// xDS client is not instrumented as ztunnel's is.
+var istioOnlyMetrics = map[string]string{
+	"istio_dns_requests_total":                "the agent has no DNS proxy",
+	"istio_xds_connection_terminations_total": "xDS client metrics are the agent's own (redirector_xds_*)",
+	"istio_xds_message_total":                 "xDS client metrics are the agent's own (redirector_xds_*)",
+	"process_open_fds":                        "", // client_golang's process collector, registered in cmd/redirector
+}
+
+// TestIstioZtunnelDashboardMetrics: every series Istio's ztunnel dashboard
+// selects, but the kubelet's container_* and the few istioOnlyMetrics,
+// is one the agent defines, so the dashboard's panels (versions, workload
+// manager, connections, bytes, sockets) read the agent. Before,
+// istio_build, workload_manager_active_proxy_count and
+// workload_manager_pending_proxy_count were missing: the "Ztunnel
+// Versions" and "Workload Manager" panels were empty.
+func TestIstioZtunnelDashboardMetrics(t *testing.T) {
+	path := istioZtunnelDashboard(t)
+	src := agentSources(t)
+	p := parser.NewParser(parser.Options{})
+	seen := map[string]bool{}
+	for _, pn := range loadPanelsFrom(t, path) {
+		for _, tg := range pn.Targets {
+			expr, err := p.ParseExpr(query(t, tg.Expr))
+			if err != nil {
+				t.Errorf("panel %q: %q: %v", pn.Title, tg.Expr, err)
+				continue
+			}
+			for _, name := range metricNames(expr) {
+				if _, skip := istioOnlyMetrics[name]; skip || seen[name] || strings.HasPrefix(name, "container_") {
+					continue
+				}
+				seen[name] = true
+				if !strings.Contains(src, `"`+name+`"`) {
+					t.Errorf("Istio's ztunnel dashboard panel %q selects %s, which the agent does not define", pn.Title, name)
+				}
+			}
+		}
+	}
+	if len(seen) < 5 {
+		t.Errorf("only %d metrics checked in %s", len(seen), path)
+	}
+}
