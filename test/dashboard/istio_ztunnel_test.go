@@ -1,6 +1,7 @@
 package dashboard
 
 import (
+	"encoding/json"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -10,19 +11,23 @@ import (
 )
 
 // istioZtunnelDashboard is Istio's own ztunnel dashboard, from the
-// istio.io/istio version test/istiotools pins (its module is in the module
-// cache once hack/istio-binaries.sh has built istiod or istioctl).
+// istio.io/istio version test/istiotools pins. go mod download fetches the
+// module when the cache lacks it (istiod's build, hack/istio-binaries.sh,
+// may have come from the binary cache).
 func istioZtunnelDashboard(t *testing.T) string {
 	t.Helper()
-	cmd := exec.Command("go", "list", "-m", "-f", "{{.Dir}}", "istio.io/istio")
+	cmd := exec.Command("go", "mod", "download", "-json", "istio.io/istio")
 	cmd.Dir = "../istiotools"
 	cmd.Env = append(cmd.Environ(), "GOWORK=off", "GOFLAGS=-mod=readonly")
 	out, err := cmd.Output()
-	dir := strings.TrimSpace(string(out))
-	if err != nil || dir == "" {
-		t.Skipf("istio.io/istio is not in the module cache (run hack/istio-binaries.sh): %v", err)
+	if err != nil {
+		t.Fatalf("go mod download istio.io/istio (pinned by test/istiotools): %v\n%s", err, out)
 	}
-	return filepath.Join(dir, "manifests/addons/dashboards/ztunnel-dashboard.gen.json")
+	var mod struct{ Dir, Error string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download istio.io/istio: no module directory (%v; %s)", err, mod.Error)
+	}
+	return filepath.Join(mod.Dir, "manifests/addons/dashboards/ztunnel-dashboard.gen.json")
 }
 
 // istioOnlyMetrics are the series Istio's ztunnel dashboard reads that the
