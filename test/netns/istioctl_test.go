@@ -79,16 +79,7 @@ spec:
 	}
 	run := func(args ...string) string {
 		t.Helper()
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, istioctl, append([]string{"ztunnel-config"}, append(args, "--file", file)...)...)
-		// istioctl must not need a cluster to read a file.
-		cmd.Env = append(os.Environ(), "KUBECONFIG="+filepath.Join(t.TempDir(), "none"), "HOME="+t.TempDir())
-		out, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("istioctl %s: %v\n%s", strings.Join(args, " "), err, out)
-		}
-		return string(out)
+		return istioctlFile(t, istioctl, file, args...)
 	}
 	row := func(out string, cells ...string) bool {
 		re := regexp.MustCompile(`(?m)^` + strings.Join(cells, `\s+`) + `(\s|$)`)
@@ -146,7 +137,7 @@ spec:
 }
 
 // istioctlFile runs istioctl ztunnel-config args on the config dump in
-// file, with no cluster to reach.
+// file, with no cluster to reach: istioctl must not need one to read a file.
 func istioctlFile(t *testing.T, istioctl, file string, args ...string) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

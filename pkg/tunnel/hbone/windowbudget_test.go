@@ -59,19 +59,8 @@ func TestReceiveWindowBoundedPerPeer(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Close() })
 	// granted is the connection window a new client at src was given.
 	granted := func(src netip.Addr) (*rawClient, int64) {
-		rc := newRawClientFrom(t, srv, src)
-		mark := [8]byte{'w', 'i', 'n', 'd', 'o', 'w'}
-		if err := rc.fr.WritePing(false, mark); err != nil {
-			t.Fatal(err)
-		}
-		window := int64(defaultWindow)
-		rc.waitFor("PING ack", func(f rawFrame) bool {
-			if f.typ == http2.FrameWindowUpdate && f.stream == 0 {
-				window += int64(f.inc)
-			}
-			return f.typ == http2.FramePing && f.ack && f.ping == mark
-		})
-		return rc, window
+		rc, extra := windowGranted(t, srv, src)
+		return rc, defaultWindow + extra
 	}
 	attacker := netip.MustParseAddr("10.9.0.1")
 	const full = connWindow
@@ -257,22 +246,7 @@ func TestWindowReclaimedFromIdleConns(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = srv.Close() })
-	// granted is the window beyond the initial one a new client at src got.
-	granted := func(src netip.Addr) (*rawClient, int64) {
-		rc := newRawClientFrom(t, srv, src)
-		mark := [8]byte{'w', 'i', 'n', 'd', 'o', 'w'}
-		if err := rc.fr.WritePing(false, mark); err != nil {
-			t.Fatal(err)
-		}
-		var window int64
-		rc.waitFor("PING ack", func(f rawFrame) bool {
-			if f.typ == http2.FrameWindowUpdate && f.stream == 0 {
-				window += int64(f.inc)
-			}
-			return f.typ == http2.FramePing && f.ack && f.ping == mark
-		})
-		return rc, window
-	}
+	granted := func(src netip.Addr) (*rawClient, int64) { return windowGranted(t, srv, src) }
 	busy := netip.MustParseAddr("10.8.0.1")
 	upstream, _ := countingUpstream(t)
 	var busyConns []*rawClient
@@ -357,4 +331,24 @@ func TestWindowReclaimedFromIdleConns(t *testing.T) {
 	if _, w := granted(netip.MustParseAddr("10.8.0.4")); w != 0 {
 		t.Errorf("equal shares: a second connection got %d bytes of window, want 0 (no draining each other)", w)
 	}
+}
+
+// windowGranted opens a raw client connection from src and returns it with
+// the connection window it was given beyond HTTP/2's initial one (the
+// preface's WINDOW_UPDATEs, all in before the answer to a PING).
+func windowGranted(t *testing.T, srv *Server, src netip.Addr) (*rawClient, int64) {
+	t.Helper()
+	rc := newRawClientFrom(t, srv, src)
+	mark := [8]byte{'w', 'i', 'n', 'd', 'o', 'w'}
+	if err := rc.fr.WritePing(false, mark); err != nil {
+		t.Fatal(err)
+	}
+	var window int64
+	rc.waitFor("PING ack", func(f rawFrame) bool {
+		if f.typ == http2.FrameWindowUpdate && f.stream == 0 {
+			window += int64(f.inc)
+		}
+		return f.typ == http2.FramePing && f.ack && f.ping == mark
+	})
+	return rc, window
 }
