@@ -30,6 +30,7 @@ type refPkt struct {
 	src, dst     [16]byte
 	sport, dport uint16
 	syn, ack     bool
+	rst          bool
 	forHost      bool // the frame's destination MAC is the device's (PACKET_HOST)
 }
 
@@ -239,7 +240,7 @@ func refTCPHdr(f []byte, off int, p *refPkt) {
 	}
 	p.class = refTCP
 	p.sport, p.dport = binary.BigEndian.Uint16(t[0:]), binary.BigEndian.Uint16(t[2:])
-	p.syn, p.ack = t[13]&0x02 != 0, t[13]&0x10 != 0
+	p.syn, p.ack, p.rst = t[13]&0x02 != 0, t[13]&0x10 != 0, t[13]&0x04 != 0
 }
 
 // refPod is an enrolled pod of the rig.
@@ -502,6 +503,19 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 		return one(actUnspec, CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE, &dst)
 	}
 	if !pureSYN {
+		// cookie_ack: an ACK with no connection, which a listener would
+		// take (a SYN cookie's), goes to the inbound listener, never to the
+		// app's own listener (nor the tunnel's others).
+		if p.ack && !p.syn && !p.rst && (own == sockTunnelListener || own == sockOtherListener) {
+			switch w.lookup(src, dst, p.sport, 15006) {
+			case sockTunnelListener:
+				return []outcome{{actOK, CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK, &dst},
+					{actShot, CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED, &dst}}
+			case sockOtherListener:
+				return one(actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER, &dst)
+			}
+			return one(actShot, CaptureVerdictReasonREASON_DROP_NO_LISTENER, &dst)
+		}
 		return pass // the kernel's demux finds the connection's socket
 	}
 	if p.forHost && onPod && nsPod.id != pod.id {
@@ -520,7 +534,8 @@ func refCounterFields(r CaptureVerdictReason) []int {
 	case CaptureVerdictReasonREASON_IN_ASSIGN_INBOUND:
 		return []int{1}
 	case CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET, CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND,
-		CaptureVerdictReasonREASON_IN_PASS_REINJECTED, CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT:
+		CaptureVerdictReasonREASON_IN_PASS_REINJECTED, CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT,
+		CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK:
 		return []int{2}
 	case CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK, CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED,
 		CaptureVerdictReasonREASON_IN_PASS_HBONE, CaptureVerdictReasonREASON_IN_PASS_PROBE,
