@@ -406,6 +406,18 @@ func TestIstiodXDSAgents(t *testing.T) {
 	if v := metric(t, node2, `redirector_xds_connects_total{result="ok"}`); v < 2 {
 		t.Errorf("xds connects counted %v, want >= 2", v)
 	}
+	// ztunnel's series, which Istio's dashboard reads: istiod's pushes by
+	// type, and the stream it ended when it went away.
+	if v := metric(t, node2, `istio_xds_message_total{url="`+xds.TypeAddress+`"}`); v < 2 {
+		t.Errorf("istio_xds_message_total for Address %v, want >= 2 (one per stream)", v)
+	}
+	ended := 0.0
+	for _, reason := range []string{"Reconnect", "Complete", "Error"} {
+		ended += metric(t, node2, `istio_xds_connection_terminations_total{reason="`+reason+`"}`)
+	}
+	if ended < 1 {
+		t.Error("istio_xds_connection_terminations_total counts no open stream ended, though istiod went away")
+	}
 
 	// A policy the agent cannot apply as written (port 0, which istiod
 	// passes on): NACKed with the reason, the rest stays applied (STRICT),

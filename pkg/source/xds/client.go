@@ -50,6 +50,7 @@ import (
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"istio.io/istio/pkg/workloadapi"
@@ -259,6 +260,7 @@ func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		c.cfg.Metrics.ended(endReason(got, err))
 		if got && time.Since(began) >= c.cfg.MaxBackoff {
 			// The stream worked for a while: the next failure starts the
 			// backoff anew. A stream that breaks right after its first
@@ -277,6 +279,26 @@ func (c *Client) Run(ctx context.Context, update func(*Snapshot)) error {
 		}
 		delay = min(delay*2, c.cfg.MaxBackoff)
 	}
+}
+
+// errStreamClosed: istiod ended the stream cleanly.
+var errStreamClosed = errors.New("istiod closed the stream")
+
+// endReason names why a stream ended, as ztunnel counts it.
+func endReason(got bool, err error) string {
+	switch {
+	case !got:
+		return endConnectionError
+	case errors.Is(err, errStreamClosed):
+		return endComplete
+	}
+	if s, ok := status.FromError(err); ok && err != nil {
+		switch s.Code() {
+		case codes.Unavailable, codes.Canceled, codes.DeadlineExceeded, codes.Unknown:
+			return endReconnect
+		}
+	}
+	return endError
 }
 
 // stream runs one stream; got reports whether any response arrived.
@@ -358,7 +380,7 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 				c.cfg.Metrics.connect(false)
 			}
 			if errors.Is(r.err, io.EOF) {
-				return got, errors.New("istiod closed the stream")
+				return got, errStreamClosed
 			}
 			return got, fmt.Errorf("receive: %w", r.err)
 		}
@@ -415,6 +437,11 @@ func (c *Client) apply(resp *discoveryv3.DeltaDiscoveryResponse) (*discoveryv3.D
 		return ack, nil
 	}
 	t.received = true
+	size := 0
+	for _, r := range resp.GetResources() {
+		size += len(r.GetResource().GetValue())
+	}
+	c.cfg.Metrics.received(t.url, size)
 	if t.fresh {
 		t.fresh = false
 		clear(t.unresolved)

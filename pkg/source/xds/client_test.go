@@ -12,8 +12,10 @@ import (
 
 	discoveryv3 "github.com/envoyproxy/go-control-plane/envoy/service/discovery/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/test/bufconn"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/anypb"
@@ -717,4 +719,50 @@ func TestClientBoundsResponseFields(t *testing.T) {
 	if want := fmt.Sprintf("more than %d fields in one response", maxResponseFields(10)); !strings.Contains(logs.String(), want) {
 		t.Errorf("log %q, want %q", logs.String(), want)
 	}
+}
+
+// TestClientCountsStreamsAsZtunnel: Istio's ztunnel dashboard reads
+// istio_xds_message_total{url} and
+// istio_xds_connection_terminations_total{reason}, which the agent did not
+// export, so its "XDS Pushes" and "XDS Connections" panels were empty. They
+// now count as ztunnel's do, and a type istiod was not asked for makes no
+// series of its own.
+func TestClientCountsStreamsAsZtunnel(t *testing.T) {
+	h := startClient(t, nil)
+	st, _ := h.accept()
+	st.end <- nil // before any response: the stream never opened
+
+	st, _ = h.accept()
+	expectMetric(t, h.metrics, `istio_xds_connection_terminations_total{reason="ConnectionError"}`, 1)
+	a := resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil))
+	b := resource(t, "b", "v1", TypeAddress, wlAddr("b", "b", "10.1.0.6", nil))
+	send(t, st, TypeAddress, "n1", nil, a, b)
+	send(t, st, TypeAuthorization, "n2", nil)
+	send(t, st, "type.googleapis.com/istio.unknown.Thing", "n3", nil)
+	expectMetric(t, h.metrics, `istio_xds_message_total{url="`+TypeAddress+`"}`, 1)
+	expectMetric(t, h.metrics, `istio_xds_message_total{url="`+TypeAuthorization+`"}`, 1)
+	expectMetric(t, h.metrics, `istio_xds_message_bytes_total{url="`+TypeAddress+`"}`, float64(len(a.Resource.Value)+len(b.Resource.Value)))
+	for k := range promtest.Scrape(t, h.metrics) {
+		if strings.Contains(k, "istio.unknown") {
+			t.Errorf("a series for a type istiod was not asked for: %s", k)
+		}
+	}
+	st.end <- nil // istiod closes the stream cleanly
+
+	for _, c := range []struct {
+		end    error
+		reason string
+	}{
+		{status.Error(codes.Unavailable, "transport is closing"), "Reconnect"},
+		{status.Error(codes.PermissionDenied, "token rejected"), "Error"},
+	} {
+		st, _ = h.accept()
+		send(t, st, TypeAddress, "n", nil)
+		st.end <- c.end
+	}
+	h.accept()
+	for reason, want := range map[string]float64{"ConnectionError": 1, "Complete": 1, "Reconnect": 1, "Error": 1} {
+		expectMetric(t, h.metrics, `istio_xds_connection_terminations_total{reason="`+reason+`"}`, want)
+	}
+	expectMetric(t, h.metrics, `istio_xds_message_total{url="`+TypeAddress+`"}`, 3)
 }

@@ -18,7 +18,29 @@ type Metrics struct {
 	otherNetwork prometheus.Gauge
 	// addressConflicts counts addresses istiod gives a second owner.
 	addressConflicts prometheus.Gauge
+
+	// The series ztunnel exports for its xDS client, under its names and
+	// labels, which Istio's ztunnel dashboard reads ("XDS Connections",
+	// "XDS Pushes"). Only subscribed type URLs are labels: istiod's text
+	// never makes a new series.
+	istioMessages     *prometheus.CounterVec
+	istioMessageBytes *prometheus.CounterVec
+	istioTerminations *prometheus.CounterVec
 }
+
+// Reasons a stream ended (the reason label of
+// istio_xds_connection_terminations_total), ztunnel's values.
+const (
+	// endConnectionError: no response came; the stream never opened.
+	endConnectionError = "ConnectionError"
+	// endReconnect: the transport under an open stream ended (istiod's
+	// connection age, a restart); ztunnel counts the same gRPC codes so.
+	endReconnect = "Reconnect"
+	// endComplete: istiod closed the stream cleanly.
+	endComplete = "Complete"
+	// endError: any other failure of an open stream.
+	endError = "Error"
+)
 
 // Reasons a single resource is rejected (the reason label of
 // redirector_xds_rejected_resources_total).
@@ -70,6 +92,21 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "redirector_xds_address_conflicts",
 			Help: "Addresses istiod gives a second owner, left with the first: a workload's address that is this node's pod's, or a service VIP at the address of a workload that does not serve it (the log names both).",
 		}),
+		istioMessages: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_xds_message_total",
+			Help: "Delta xDS responses received, by type URL (ztunnel's series; the same count as redirector_xds_pushes_total).",
+		}, []string{"url"}),
+		istioMessageBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_xds_message_bytes_total",
+			Help: "Bytes of resources received in delta xDS responses, by type URL (ztunnel's series: the encoded resources, not the framing).",
+		}, []string{"url"}),
+		istioTerminations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_xds_connection_terminations_total",
+			Help: "Ended xDS streams to istiod, by reason (ztunnel's series: ConnectionError, no response came; Reconnect, the transport ended under an open stream; Complete, istiod closed it; Error, anything else).",
+		}, []string{"reason"}),
+	}
+	for _, r := range []string{endConnectionError, endReconnect, endComplete, endError} {
+		m.istioTerminations.WithLabelValues(r)
 	}
 	if reg != nil {
 		reg.MustRegister(m)
@@ -78,7 +115,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 }
 
 func (m *Metrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.bytes, m.unresolved, m.otherNetwork, m.addressConflicts}
+	return []prometheus.Collector{m.connects, m.connected, m.pushes, m.nacks, m.rejected, m.resources, m.bytes, m.unresolved, m.otherNetwork, m.addressConflicts,
+		m.istioMessages, m.istioMessageBytes, m.istioTerminations}
 }
 
 // Describe implements prometheus.Collector.
@@ -123,6 +161,22 @@ func (m *Metrics) push(typ string, nack bool, held, bytes int) {
 	}
 	m.resources.WithLabelValues(typ).Set(float64(held))
 	m.bytes.WithLabelValues(typ).Set(float64(bytes))
+}
+
+// received counts one response of a subscribed type at url, carrying
+// bytes of resources.
+func (m *Metrics) received(url string, bytes int) {
+	if m != nil {
+		m.istioMessages.WithLabelValues(url).Inc()
+		m.istioMessageBytes.WithLabelValues(url).Add(float64(bytes))
+	}
+}
+
+// ended counts a stream that ended for reason.
+func (m *Metrics) ended(reason string) {
+	if m != nil {
+		m.istioTerminations.WithLabelValues(reason).Inc()
+	}
 }
 
 func (m *Metrics) reject(typ, reason string) {
