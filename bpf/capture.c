@@ -438,11 +438,13 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	return 0;
 }
 
-/* steer re-injects an egress packet into the same interface's ingress. The
- * destination MAC becomes the interface's own (else the stack drops it as
- * PACKET_OTHERHOST) and the mark tells ingress and the fwmark rule that the
- * packet came from here, not from the wire. */
-static __always_inline int steer(struct __sk_buff *skb)
+/* steer re-injects an egress packet into the same interface's ingress and
+ * counts it under reason and f. The destination MAC becomes the interface's
+ * own (else the stack drops it as PACKET_OTHERHOST) and the mark tells
+ * ingress and the fwmark rule that the packet came from here, not from the
+ * wire. A packet it cannot rewrite (no memory) is dropped, and counted as
+ * such rather than as steered; TCP sends it again. */
+static __always_inline int steer(struct __sk_buff *skb, __u32 reason, const struct pod_addr *pod, enum counter_field f)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
@@ -450,12 +452,16 @@ static __always_inline int steer(struct __sk_buff *skb)
 	__u8 own[ETH_ALEN];
 
 	if ((void *)(eth + 1) > end)
-		return TC_ACT_SHOT;
+		goto fail;
 	__builtin_memcpy(own, eth->h_source, ETH_ALEN);
 	if (bpf_skb_store_bytes(skb, offsetof(struct ethhdr, h_dest), own, ETH_ALEN, 0) < 0)
-		return TC_ACT_SHOT;
+		goto fail;
+	count(reason, pod, f);
 	skb->mark = reinject_mark;
 	return bpf_redirect(skb->ifindex, BPF_F_INGRESS);
+fail:
+	count(REASON_DROP_STEER, pod, CNT_DROPPED);
+	return TC_ACT_SHOT;
 }
 
 /* tunnel_socket reports whether a socket the lookup found is one of the
@@ -700,16 +706,14 @@ int rd_pod_egress(struct __sk_buff *skb)
 			count(REASON_DROP_CAPTURE_MARK, &p.src, CNT_DROPPED);
 			return TC_ACT_SHOT;
 		}
-		count(REASON_OUT_SYN_STEERED, &p.src, CNT_OUTBOUND_CONN);
-		return steer(skb);
+		return steer(skb, REASON_OUT_SYN_STEERED, &p.src, CNT_OUTBOUND_CONN);
 	}
 	if (tunnel_owns(skb, &p)) {
 		if (!keep_captured(skb, &p)) {
 			count(REASON_DROP_CAPTURE_MARK, &p.src, CNT_DROPPED);
 			return TC_ACT_SHOT;
 		}
-		count(REASON_OUT_TUNNEL_SOCKET, &p.src, CNT_STEERED);
-		return steer(skb);
+		return steer(skb, REASON_OUT_TUNNEL_SOCKET, &p.src, CNT_STEERED);
 	}
 	if (was_captured(skb, &p)) {
 		count(REASON_DROP_TUNNEL_GONE, &p.src, CNT_DROPPED);

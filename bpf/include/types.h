@@ -68,6 +68,7 @@ enum verdict_reason {
 	REASON_DROP_FOREIGN_LISTENER, /* fail closed: the listener found for a captured SYN is not the tunnel's (no tunnel mark): a pod's own socket on the tunnel's port, bound to a more specific address; or a SYN-ACK from a pod with inbound capture that no tunnel socket sent (a member of the tunnel's reuseport group that is not the tunnel's) */
 	REASON_DROP_FOREIGN_DST,     /* fail closed: a SYN from the wire to an enrolled address of another pod than the one whose interface it arrives on (the transparent inbound listener would take it) */
 	REASON_IN_ASSIGN_COOKIE_ACK, /* ingress: an ACK from the wire whose tuple has no connection (a SYN cookie's) assigned to 15006, never to the app's listener */
+	REASON_DROP_STEER,           /* fail closed: an egress packet to be steered could not be rewritten (no memory) */
 	REASON_MAX,
 };
 

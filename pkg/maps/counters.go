@@ -122,6 +122,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER: "drop_foreign_listener",
 	bpf.CaptureVerdictReasonREASON_DROP_FOREIGN_DST:      "drop_foreign_dst",
 	bpf.CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK:  "in_assign_cookie_ack",
+	bpf.CaptureVerdictReasonREASON_DROP_STEER:            "drop_steer",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the
