@@ -1,0 +1,139 @@
+package identity
+
+import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/asn1"
+	"errors"
+	"math/big"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
+)
+
+// signWithP224 issues tmpl for pub under issuer, whose key is the P-224
+// key issuerKey. crypto/x509 cannot sign with P-224 (it verifies such
+// signatures all the same), so the certificate is made with a stand-in
+// P-256 key and its to-be-signed part signed again with issuerKey, as any
+// other toolkit would sign it (ecdsa-with-SHA256).
+func signWithP224(t *testing.T, tmpl *x509.Certificate, pub any, issuer *x509.Certificate, issuerKey *ecdsa.PrivateKey) *x509.Certificate {
+	t.Helper()
+	standIn, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	parent := *issuer
+	parent.PublicKey = standIn.Public()
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, &parent, pub, standIn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	digest := sha256.Sum256(c.RawTBSCertificate)
+	sig, err := ecdsa.SignASN1(rand.Reader, issuerKey, digest[:])
+	if err != nil {
+		t.Fatal(err)
+	}
+	der, err = asn1.Marshal(struct {
+		TBS asn1.RawValue
+		Alg pkix.AlgorithmIdentifier
+		Sig asn1.BitString
+	}{asn1.RawValue{FullBytes: c.RawTBSCertificate}, pkix.AlgorithmIdentifier{Algorithm: asn1.ObjectIdentifier{1, 2, 840, 10045, 4, 3, 2}}, asn1.BitString{Bytes: sig, BitLength: 8 * len(sig)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c, err = x509.ParseCertificate(der); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CheckSignatureFrom(issuer); err != nil {
+		t.Fatalf("re-signed certificate does not verify under its P-224 issuer: %v", err)
+	}
+	return c
+}
+
+// TestVerifyPeerRejectsOddCurves: crypto/x509 verifies signatures of P-224
+// keys anywhere in a chain; rustls (ztunnel, with ring or aws-lc-rs)
+// verifies only P-256, P-384 (and P-521 with aws-lc-rs), Ed25519 and RSA of
+// 2048 to 8192 bits. A chain through a P-224 intermediate was accepted
+// from a peer and from the CA, and would work only between agents like
+// this one. Keys outside what rustls verifies are refused in a peer's
+// chain and in the CA's answer, naming the key; the same chain through a
+// P-256 intermediate passes.
+func TestVerifyPeerRejectsOddCurves(t *testing.T) {
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
+	pool := x509.NewCertPool()
+	pool.AddCert(root)
+	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
+	t.Cleanup(m.Close)
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+
+	interKey, err := ecdsa.GenerateKey(elliptic.P224(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inter := identitytest.Sign(t, &x509.Certificate{
+		SerialNumber: big.NewInt(20), Subject: pkix.Name{CommonName: "p224 intermediate"}, SubjectKeyId: []byte{1, 2, 3, 4},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true,
+	}, interKey, root, rootKey)
+	leafKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf := signWithP224(t, &x509.Certificate{
+		SerialNumber: big.NewInt(21), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+		URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+	}, &leafKey.PublicKey, inter, interKey)
+	// The premise: crypto/x509 takes the chain.
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, Intermediates: poolOf(inter), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		t.Fatalf("crypto/x509 refuses the P-224 chain itself (%v): the test's premise is gone", err)
+	}
+
+	for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth} {
+		id, err := verifyPeer(m, []*x509.Certificate{leaf, inter}, usage)
+		if !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "P-224") {
+			t.Errorf("peer chain through a P-224 intermediate (usage %v): got %v, err = %v, want ErrUntrustedPeer naming P-224", usage, id, err)
+		}
+	}
+	own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
+	var ce *CAError
+	if _, err := m.check(want, own); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain || !strings.Contains(err.Error(), "P-224") {
+		t.Errorf("own chain through a P-224 intermediate: err = %v, want %s naming P-224", err, ReasonUntrustedChain)
+	}
+
+	// The control: P-256 intermediate, same shape.
+	goodKey := identitytest.NewKey(t, "ecdsa")
+	good := identitytest.MakeCACert(t, pkix.Name{CommonName: "p256 intermediate"}, goodKey, root, rootKey)
+	goodLeaf := identitytest.Sign(t, &x509.Certificate{
+		SerialNumber: big.NewInt(22), NotBefore: time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+		URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+	}, leafKey, good, goodKey)
+	if id, err := verifyPeer(m, []*x509.Certificate{goodLeaf, good}, x509.ExtKeyUsageClientAuth); err != nil || id != want {
+		t.Errorf("peer chain through a P-256 intermediate: %v %v, want %v", id, err, want)
+	}
+	if _, err := m.check(want, &tls.Certificate{Certificate: [][]byte{goodLeaf.Raw, good.Raw}, PrivateKey: leafKey, Leaf: goodLeaf}); err != nil {
+		t.Errorf("own chain through a P-256 intermediate: %v", err)
+	}
+}
+
+func poolOf(cs ...*x509.Certificate) *x509.CertPool {
+	p := x509.NewCertPool()
+	for _, c := range cs {
+		p.AddCert(c)
+	}
+	return p
+}
