@@ -4,6 +4,7 @@ import (
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
+	"crypto/rsa"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
@@ -127,6 +128,39 @@ func TestVerifyPeerRejectsOddCurves(t *testing.T) {
 	}
 	if _, err := m.check(want, &tls.Certificate{Certificate: [][]byte{goodLeaf.Raw, good.Raw}, PrivateKey: leafKey, Leaf: goodLeaf}); err != nil {
 		t.Errorf("own chain through a P-256 intermediate: %v", err)
+	}
+}
+
+// TestUnusableKeys pins which keys a chain may hold: what rustls verifies.
+// RSA keys over 8192 bits are refused too (crypto/tls refuses them from a
+// peer, and rustls too, so a CA answer with one in its chain would be
+// refused by every peer); making one here would take minutes, so the
+// predicate is checked on a public key alone.
+func TestUnusableKeys(t *testing.T) {
+	big8193 := new(big.Int).Lsh(big.NewInt(1), 8192)
+	big8193.Add(big8193, big.NewInt(1))
+	big2048 := new(big.Int).Lsh(big.NewInt(1), 2047)
+	big2048.Add(big2048, big.NewInt(1))
+	p := func(c elliptic.Curve) *ecdsa.PublicKey {
+		k, _ := ecdsa.GenerateKey(c, rand.Reader)
+		return &k.PublicKey
+	}
+	for name, tc := range map[string]struct {
+		key any
+		ok  bool
+	}{
+		"rsa 2048":  {&rsa.PublicKey{N: big2048, E: 65537}, true},
+		"rsa 8193":  {&rsa.PublicKey{N: big8193, E: 65537}, false},
+		"rsa 1024":  {&rsa.PublicKey{N: new(big.Int).Lsh(big.NewInt(1), 1023), E: 65537}, false},
+		"ecdsa 224": {p(elliptic.P224()), false},
+		"ecdsa 256": {p(elliptic.P256()), true},
+		"ecdsa 384": {p(elliptic.P384()), true},
+		"ecdsa 521": {p(elliptic.P521()), true},
+	} {
+		err := checkKey(tc.key)
+		if (err == nil) != tc.ok {
+			t.Errorf("%s: checkKey = %v, want ok=%v", name, err, tc.ok)
+		}
 	}
 }
 

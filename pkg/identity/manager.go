@@ -599,7 +599,7 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 func chainsEnd(chains [][]*x509.Certificate) time.Time {
 	var latest time.Time
 	for _, chain := range chains {
-		if weakRSA(chain) != nil {
+		if c, _ := unusableKey(chain); c != nil {
 			continue
 		}
 		end := chain[0].NotAfter
