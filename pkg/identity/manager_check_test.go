@@ -299,8 +299,8 @@ func TestManagerKeepsCertificateOverShortRenewal(t *testing.T) {
 	if st.State != StateFailing || !strings.Contains(st.LastError, "renewed") {
 		t.Errorf("state %s, last error %q: want failing, naming the short lifetime", st.State, st.LastError)
 	}
-	if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues("short_lifetime")); got != 1 {
-		t.Errorf("failures{%s} = %v, want 1", "short_lifetime", got)
+	if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(ReasonShortLifetime)); got != 1 {
+		t.Errorf("failures{%s} = %v, want 1", ReasonShortLifetime, got)
 	}
 	time.Sleep(time.Second)
 	if n := s.calls.Load(); n != 2 {
