@@ -171,3 +171,42 @@ func poolOf(cs ...*x509.Certificate) *x509.CertPool {
 	}
 	return p
 }
+
+// TestPeerChainEnd: the end of a peer's chain is that of the chains that
+// verify, the root's end included, whatever else the peer presented.
+func TestPeerChainEnd(t *testing.T) {
+	now := time.Now().Truncate(time.Second)
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	rootTmpl := &x509.Certificate{SerialNumber: big.NewInt(40), Subject: pkix.Name{CommonName: "root"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(3 * time.Hour),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true}
+	root := identitytest.Sign(t, rootTmpl, rootKey, rootTmpl, rootKey)
+	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{poolOf(root)}})
+	t.Cleanup(m.Close)
+	interKey := identitytest.NewKey(t, "ecdsa")
+	interTmpl := &x509.Certificate{SerialNumber: big.NewInt(41), Subject: pkix.Name{CommonName: "inter"},
+		NotBefore: now.Add(-time.Hour), NotAfter: now.Add(2 * time.Hour),
+		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true}
+	inter := identitytest.Sign(t, interTmpl, interKey, root, rootKey)
+	forgedKey := identitytest.NewKey(t, "ecdsa")
+	forgedTmpl := *interTmpl
+	forgedTmpl.NotAfter = now.Add(10 * time.Hour)
+	forged := identitytest.Sign(t, &forgedTmpl, forgedKey, &forgedTmpl, forgedKey)
+	leafKey := identitytest.NewKey(t, "ecdsa")
+	leaf := identitytest.Sign(t, &x509.Certificate{SerialNumber: big.NewInt(42), NotBefore: now.Add(-time.Minute), NotAfter: now.Add(5 * time.Hour),
+		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
+		URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}}}, leafKey, inter, interKey)
+
+	if got := m.PeerChainEnd(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf, inter, forged}}, x509.ExtKeyUsageClientAuth); !got.Equal(inter.NotAfter) {
+		t.Errorf("with a forged issuer: end %s, want the intermediate's %s", got, inter.NotAfter)
+	}
+	// An intermediate outliving the root: the root's end.
+	interTmpl.NotAfter = now.Add(4 * time.Hour)
+	long := identitytest.Sign(t, interTmpl, interKey, root, rootKey)
+	if got := m.PeerChainEnd(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf, long}}, x509.ExtKeyUsageClientAuth); !got.Equal(root.NotAfter) {
+		t.Errorf("under a root ending first: end %s, want the root's %s", got, root.NotAfter)
+	}
+	if got := m.PeerChainEnd(tls.ConnectionState{PeerCertificates: []*x509.Certificate{leaf}}, x509.ExtKeyUsageClientAuth); got.After(time.Now()) {
+		t.Errorf("a chain that does not verify ends at %s, want now", got)
+	}
+}

@@ -10,6 +10,7 @@ import (
 	"encoding/asn1"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // ALPN is the only application protocol HBONE speaks.
@@ -95,15 +96,21 @@ func checkALPN(cs tls.ConnectionState) error {
 // longer one from its own CA either, and each certificate costs a
 // handshake time and memory.
 func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, error) {
+	id, _, err := verifyPeerChains(m, chain, usage)
+	return id, err
+}
+
+// verifyPeerChains is verifyPeer, also returning the chains that verified.
+func verifyPeerChains(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, [][]*x509.Certificate, error) {
 	if len(chain) == 0 {
-		return ID{}, ErrNoPeerCertificate
+		return ID{}, nil, ErrNoPeerCertificate
 	}
 	if len(chain) > MaxChainLen {
-		return ID{}, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
+		return ID{}, nil, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
 	}
 	roots, err := m.roots()
 	if err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	leaf := chain[0]
 	opts := x509.VerifyOptions{
@@ -119,19 +126,37 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	}
 	chains, err := leaf.Verify(opts)
 	if err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	if err := strongChain(chains); err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	id, err := idFromLeaf(leaf)
 	if err != nil {
-		return ID{}, err
+		return ID{}, nil, err
 	}
 	if td := m.opts.Trust.TrustDomain(); id.TrustDomain != td {
-		return ID{}, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, td)
+		return ID{}, nil, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, td)
 	}
-	return id, nil
+	return id, chains, nil
+}
+
+// PeerChainEnd is when the chain the peer of a connection made with
+// ServerConfig (usage x509.ExtKeyUsageClientAuth) or ClientConfig
+// (x509.ExtKeyUsageServerAuth) presented stops verifying: the latest end
+// among the chains that verify now against the current roots, each the
+// first NotAfter along it, the root's included (chainsEnd). It is what the
+// HBONE connection drains at. The chains are verified, not followed by
+// issuer names: a peer may add certificates of its own making that carry
+// its intermediate's name and a later end, and a drain time taken from
+// them served it, as its identity, past the end of the chain that
+// verified. A chain that does not verify now ends now.
+func (m *Manager) PeerChainEnd(cs tls.ConnectionState, usage x509.ExtKeyUsage) time.Time {
+	_, chains, err := verifyPeerChains(m, cs.PeerCertificates, usage)
+	if err != nil {
+		return m.clock()
+	}
+	return chainsEnd(chains)
 }
 
 // Reverify checks again, against the current roots at the Manager's time,
