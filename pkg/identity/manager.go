@@ -367,12 +367,23 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		}
 		now := m.clock()
 		var wait time.Duration
+		// A certificate with an error is a short grant (see request): asked
+		// again at the renewal pace, not the backoff's, and served unless
+		// the one kept still verifies and outlives it. Only this worker
+		// writes e.cert.
+		shortGrant := cert != nil
+		keptGood := false
+		if shortGrant {
+			m.mu.Lock()
+			kept := e.cert
+			m.mu.Unlock()
+			if kept != nil {
+				_, cerr := m.check(e.id, kept)
+				keptGood = cerr == nil
+			}
+		}
 		m.mu.Lock()
 		if err != nil {
-			// A certificate with an error is a short grant (see request):
-			// asked again at the renewal pace, not the backoff's, and
-			// served only if nothing kept outlives it.
-			shortGrant := cert != nil
 			if shortGrant {
 				wait = m.renewFloor()
 				wait = wait/2 + rand.N(wait/2+1)
@@ -383,7 +394,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 				backoff = min(2*backoff, m.opts.BackoffMax)
 			}
 			first := false
-			if shortGrant && (e.cert == nil || e.end.Before(end)) {
+			if shortGrant && (!keptGood || e.end.Before(end)) {
 				first = e.cert == nil
 				e.cert, e.end, e.refreshAt = cert, end, now.Add(wait)
 			}
