@@ -458,10 +458,13 @@ func parseKey(block *pem.Block) (crypto.Signer, error) {
 	}
 	switch k := k.(type) {
 	case *ecdsa.PrivateKey:
+		if err := checkKey(k.Public()); err != nil {
+			return nil, err
+		}
 		return k, nil
 	case *rsa.PrivateKey:
-		if k.N.BitLen() < minRSABits {
-			return nil, fmt.Errorf("rsa key of %d bits, want at least %d", k.N.BitLen(), minRSABits)
+		if err := checkKey(k.Public()); err != nil {
+			return nil, err
 		}
 		return k, nil
 	default:

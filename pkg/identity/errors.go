@@ -40,6 +40,7 @@ const (
 	ReasonBadResponse      = "bad_response"      // the answer was malformed
 	ReasonWrongIdentity    = "wrong_identity"    // the leaf did not carry exactly the identity asked for
 	ReasonUntrustedChain   = "untrusted_chain"   // the chain did not verify to the trust bundle
+	ReasonShortLifetime    = "short_lifetime"    // the chain would expire before it could be renewed
 	ReasonRefused          = "refused"           // any other refusal by the CA
 	ReasonLocal            = "local"             // signing failed locally (file CA)
 )

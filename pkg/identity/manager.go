@@ -367,17 +367,45 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		}
 		now := m.clock()
 		var wait time.Duration
+		// A certificate with an error is a short grant (see request): asked
+		// again at the renewal pace, not the backoff's, and served unless
+		// the one kept still verifies and outlives it. Only this worker
+		// writes e.cert.
+		shortGrant := cert != nil
+		keptGood := false
+		if shortGrant {
+			m.mu.Lock()
+			kept := e.cert
+			m.mu.Unlock()
+			if kept != nil {
+				_, cerr := m.check(e.id, kept)
+				keptGood = cerr == nil
+			}
+		}
 		m.mu.Lock()
 		if err != nil {
+			if shortGrant {
+				wait = m.renewFloor()
+				wait = wait/2 + rand.N(wait/2+1)
+			} else {
+				// Full jitter in [backoff/2, backoff]: agents restarted
+				// together do not retry in step.
+				wait = backoff/2 + rand.N(backoff/2+1)
+				backoff = min(2*backoff, m.opts.BackoffMax)
+			}
+			first := false
+			if shortGrant && (!keptGood || e.end.Before(end)) {
+				first = e.cert == nil
+				e.cert, e.end, e.refreshAt = cert, end, now.Add(wait)
+			}
 			e.lastErr = err
 			e.failures++
 			failures := e.failures
 			hasCert := e.cert != nil && now.Before(e.end)
 			m.mu.Unlock()
-			// Full jitter in [backoff/2, backoff]: agents restarted together
-			// do not retry in step.
-			wait = backoff/2 + rand.N(backoff/2+1)
-			backoff = min(2*backoff, m.opts.BackoffMax)
+			if first {
+				close(e.ready)
+			}
 			m.log.Warn("certificate request failed", "identity", e.id, "ca", m.opts.Signer.Name(),
 				"reason", ReasonOf(err), "failures", failures, "have_valid_certificate", hasCert, "retry_in", wait.Round(time.Millisecond), "error", err)
 		} else {
@@ -395,8 +423,10 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			wait = e.refreshAt.Sub(now)
 			// Granted far less than asked: asking again at half of a few
 			// seconds would hammer the CA in a loop. Not sooner than a
-			// quarter of the TTL asked for, at most BackoffMax, jittered.
-			floor := min(m.opts.BackoffMax, m.opts.TTL/4)
+			// quarter of the TTL asked for, at most BackoffMax, jittered
+			// (the certificate outlives that: request refuses one that
+			// does not).
+			floor := m.renewFloor()
 			short := wait < floor
 			if short {
 				wait = floor/2 + rand.N(floor/2+1)
@@ -492,8 +522,19 @@ func refreshTime(issued, notAfter time.Time) time.Time {
 	return issued.Add(life/2 - rand.N(life/20+1))
 }
 
+// renewFloor is the soonest a certificate is asked for again after one was
+// granted: a quarter of the TTL asked for, at most BackoffMax.
+func (m *Manager) renewFloor() time.Duration { return min(m.opts.BackoffMax, m.opts.TTL/4) }
+
 // request makes one bounded CA request and checks what came back; it
 // returns the certificate and the end of its chain (see check).
+//
+// A certificate whose chain ends within renewFloor would expire before it
+// could be renewed: the identity would be left without one until the next
+// request, and a renewal replacing a certificate with hours left would
+// take those hours away. It is returned with a ReasonShortLifetime error,
+// counted as a failure, for the caller to serve only when nothing it keeps
+// lasts longer.
 func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, time.Time, error) {
 	select {
 	case m.sem <- struct{}{}:
@@ -512,6 +553,13 @@ func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, time.Ti
 	if ctx.Err() != nil {
 		// Forgotten or closed meanwhile: not the CA's failure.
 		return nil, time.Time{}, ctx.Err()
+	}
+	if err == nil {
+		if life, floor := end.Sub(m.clock()), m.renewFloor(); life < floor {
+			err = &CAError{Reason: ReasonShortLifetime, Err: fmt.Errorf("granted a chain valid for %s, less than the %s before it could be renewed", life.Round(time.Millisecond), floor)}
+			m.metrics.observe(time.Since(start), err)
+			return cert, end, fmt.Errorf("certificate for %s from %s: %w", id, m.opts.Signer.Name(), err)
+		}
 	}
 	m.metrics.observe(time.Since(start), err)
 	if err != nil {
@@ -599,7 +647,7 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 func chainsEnd(chains [][]*x509.Certificate) time.Time {
 	var latest time.Time
 	for _, chain := range chains {
-		if weakRSA(chain) != nil {
+		if c, _ := unusableKey(chain); c != nil {
 			continue
 		}
 		end := chain[0].NotAfter

@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"math/big"
 	"net/url"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -247,5 +248,62 @@ func TestManagerChainEnd(t *testing.T) {
 	}
 	if st := stateOf(m, idWeb).State; st != StateExpired {
 		t.Errorf("state = %s, want expired", st)
+	}
+}
+
+// TestManagerKeepsCertificateOverShortRenewal: a renewal answered with a
+// certificate that expires before it could be renewed (a hostile or broken
+// CA granting seconds) must not take the place of the certificate in use,
+// which has half an hour left: before, it did, and from its expiry until
+// the next request (paced at a quarter of the TTL asked for, up to
+// BackoffMax) the identity had no certificate and every handshake failed
+// closed. The short answer is a failure, named and counted; the CA is not
+// asked again sooner than that pace.
+func TestManagerKeepsCertificateOverShortRenewal(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	var short atomic.Bool
+	s := &answerSigner{answer: func(id ID, _ time.Duration) (*tls.Certificate, error) {
+		life := time.Hour
+		if short.Load() {
+			life = 2 * time.Second
+		}
+		return mint(t, ca, id, func(c *x509.Certificate) {
+			c.NotBefore, c.NotAfter = clock.Now().Add(-time.Minute), clock.Now().Add(life)
+		}), nil
+	}}
+	m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour, Clock: clock.Now, BackoffMax: time.Hour})
+	defer m.Close()
+	m.clockCheck = 10 * time.Millisecond
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	good := stateOf(m, idWeb)
+
+	short.Store(true)
+	clock.Advance(31 * time.Minute) // past the refresh time (about half of the hour)
+	waitfor.Until(t, "the renewal", func() bool { return s.calls.Load() == 2 })
+	waitfor.Until(t, "the renewal's outcome", func() bool { return stateOf(m, idWeb).State != StateRefreshing })
+	clock.Advance(3 * time.Second) // the short certificate has expired; the first has 29 minutes left
+	c, err := m.Certificate(idWeb)
+	if err != nil {
+		t.Fatalf("no certificate with the first one (serial %s) 29 minutes from its end: %v", good.Serial, err)
+	}
+	if got := c.Leaf.SerialNumber.Text(16); got != good.Serial {
+		t.Errorf("serving serial %s, want the first certificate's %s", got, good.Serial)
+	}
+	st := stateOf(m, idWeb)
+	if st.State != StateFailing || !strings.Contains(st.LastError, "renewed") {
+		t.Errorf("state %s, last error %q: want failing, naming the short lifetime", st.State, st.LastError)
+	}
+	if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(ReasonShortLifetime)); got != 1 {
+		t.Errorf("failures{%s} = %v, want 1", ReasonShortLifetime, got)
+	}
+	time.Sleep(time.Second)
+	if n := s.calls.Load(); n != 2 {
+		t.Errorf("%d CA requests, want 2: a short answer is retried at the renewal pace, not the backoff's", n)
 	}
 }

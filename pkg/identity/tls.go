@@ -1,12 +1,16 @@
 package identity
 
 import (
+	"crypto/ecdsa"
+	"crypto/ed25519"
+	"crypto/elliptic"
 	"crypto/rsa"
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/asn1"
 	"errors"
 	"fmt"
+	"time"
 )
 
 // ALPN is the only application protocol HBONE speaks.
@@ -92,15 +96,21 @@ func checkALPN(cs tls.ConnectionState) error {
 // longer one from its own CA either, and each certificate costs a
 // handshake time and memory.
 func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, error) {
+	id, _, err := verifyPeerChains(m, chain, usage)
+	return id, err
+}
+
+// verifyPeerChains is verifyPeer, also returning the chains that verified.
+func verifyPeerChains(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (ID, [][]*x509.Certificate, error) {
 	if len(chain) == 0 {
-		return ID{}, ErrNoPeerCertificate
+		return ID{}, nil, ErrNoPeerCertificate
 	}
 	if len(chain) > MaxChainLen {
-		return ID{}, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
+		return ID{}, nil, fmt.Errorf("%w: chain of %d certificates, at most %d accepted", ErrUntrustedPeer, len(chain), MaxChainLen)
 	}
 	roots, err := m.roots()
 	if err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	leaf := chain[0]
 	opts := x509.VerifyOptions{
@@ -116,19 +126,37 @@ func verifyPeer(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUsage) (
 	}
 	chains, err := leaf.Verify(opts)
 	if err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	if err := strongChain(chains); err != nil {
-		return ID{}, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
+		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	id, err := idFromLeaf(leaf)
 	if err != nil {
-		return ID{}, err
+		return ID{}, nil, err
 	}
 	if td := m.opts.Trust.TrustDomain(); id.TrustDomain != td {
-		return ID{}, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, td)
+		return ID{}, nil, fmt.Errorf("%w: %s is not in trust domain %q", ErrUntrustedPeer, id, td)
 	}
-	return id, nil
+	return id, chains, nil
+}
+
+// PeerChainEnd is when the chain the peer of a connection made with
+// ServerConfig (usage x509.ExtKeyUsageClientAuth) or ClientConfig
+// (x509.ExtKeyUsageServerAuth) presented stops verifying: the latest end
+// among the chains that verify now against the current roots, each the
+// first NotAfter along it, the root's included (chainsEnd). It is what the
+// HBONE connection drains at. The chains are verified, not followed by
+// issuer names: a peer may add certificates of its own making that carry
+// its intermediate's name and a later end, and a drain time taken from
+// them served it, as its identity, past the end of the chain that
+// verified. A chain that does not verify now ends now.
+func (m *Manager) PeerChainEnd(cs tls.ConnectionState, usage x509.ExtKeyUsage) time.Time {
+	_, chains, err := verifyPeerChains(m, cs.PeerCertificates, usage)
+	if err != nil {
+		return m.clock()
+	}
+	return chainsEnd(chains)
 }
 
 // Reverify checks again, against the current roots at the Manager's time,
@@ -164,8 +192,8 @@ func (m *Manager) OnTrustChange(f func()) {
 // signs the handshake with it, RFC 8446 4.4.2.2; crypto/tls does not check)
 // and must not allow signing certificates or CRLs (the X.509-SVID
 // specification; crypto/x509 does not check either). Istio's workload
-// certificates carry digitalSignature and keyEncipherment. An RSA key must
-// have minRSABits, as the file CA's own key must: crypto/tls takes 1024.
+// certificates carry digitalSignature and keyEncipherment. The key must be
+// one rustls verifies (checkKey): crypto/tls takes RSA of 1024 bits.
 func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 	if leaf.IsCA {
 		return ID{}, fmt.Errorf("%w: leaf certificate is a CA", ErrUntrustedPeer)
@@ -176,8 +204,8 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 	if leaf.KeyUsage&(x509.KeyUsageCertSign|x509.KeyUsageCRLSign) != 0 {
 		return ID{}, fmt.Errorf("%w: leaf key usage allows signing certificates or CRLs, which an X.509-SVID must not", ErrUntrustedPeer)
 	}
-	if k, ok := leaf.PublicKey.(*rsa.PublicKey); ok && k.N.BitLen() < minRSABits {
-		return ID{}, fmt.Errorf("%w: leaf rsa key of %d bits, want at least %d", ErrUntrustedPeer, k.N.BitLen(), minRSABits)
+	if err := checkKey(leaf.PublicKey); err != nil {
+		return ID{}, fmt.Errorf("%w: leaf %w", ErrUntrustedPeer, err)
 	}
 	uris, err := uriSANs(leaf)
 	if err != nil {
@@ -193,42 +221,72 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 	return id, nil
 }
 
-// strongChain accepts verified chains when one of them has no RSA key under
-// minRSABits: every key in a chain, the root's included, signs something
-// the verifier relies on, and crypto/x509 takes RSA keys of 1024 bits
-// anywhere in it. rustls (ztunnel) refuses such signatures, so a chain
-// through a weak intermediate would work only between agents like this one.
+// strongChain accepts verified chains when one of them holds only keys
+// checkKey accepts: every key in a chain, the root's included, signs
+// something the verifier relies on, and crypto/x509 verifies signatures of
+// RSA keys of 1024 bits or of P-224 keys anywhere in it. rustls (ztunnel)
+// refuses such signatures, so a chain through such an intermediate would
+// work only between agents like this one.
 func strongChain(chains [][]*x509.Certificate) error {
-	var weak *x509.Certificate
+	var firstErr error
 	for _, chain := range chains {
-		w := weakRSA(chain)
-		if w == nil {
+		c, err := unusableKey(chain)
+		if c == nil {
 			return nil
 		}
-		weak = w
+		if firstErr == nil {
+			firstErr = fmt.Errorf("%w in the chain (%q)", err, c.Subject.String())
+		}
 	}
-	if weak == nil {
+	if firstErr == nil {
 		return errors.New("no verified chain")
 	}
-	return fmt.Errorf("rsa key of %d bits in the chain (%q), want at least %d",
-		weak.PublicKey.(*rsa.PublicKey).N.BitLen(), weak.Subject.String(), minRSABits)
+	return firstErr
 }
 
-// weakRSA returns the first certificate of chain whose RSA key is shorter
-// than minRSABits, or nil.
-func weakRSA(chain []*x509.Certificate) *x509.Certificate {
+// unusableKey returns the first certificate of chain whose key checkKey
+// refuses, and why; nil if there is none.
+func unusableKey(chain []*x509.Certificate) (*x509.Certificate, error) {
 	for _, c := range chain {
-		if k, ok := c.PublicKey.(*rsa.PublicKey); ok && k.N.BitLen() < minRSABits {
-			return c
+		if err := checkKey(c.PublicKey); err != nil {
+			return c, err
 		}
+	}
+	return nil, nil
+}
+
+// checkKey accepts the public keys rustls verifies signatures of, as
+// ztunnel builds it (aws-lc-rs; ring lacks P-521): RSA of minRSABits to
+// maxRSABits, ECDSA on P-256, P-384 or P-521, and Ed25519. crypto/x509
+// also verifies P-224 and any RSA size, and crypto/tls refuses RSA over
+// 8192 bits only in what a peer sends: a CA answer with such a key would
+// be taken here and refused by every peer.
+func checkKey(pub any) error {
+	switch k := pub.(type) {
+	case *rsa.PublicKey:
+		if n := k.N.BitLen(); n < minRSABits || n > maxRSABits {
+			return fmt.Errorf("rsa key of %d bits, want %d to %d", n, minRSABits, maxRSABits)
+		}
+	case *ecdsa.PublicKey:
+		switch k.Curve {
+		case elliptic.P256(), elliptic.P384(), elliptic.P521():
+		default:
+			return fmt.Errorf("ecdsa key on curve %s, want P-256, P-384 or P-521", k.Curve.Params().Name)
+		}
+	case ed25519.PublicKey:
+	default:
+		return fmt.Errorf("key of type %T, want RSA, ECDSA or Ed25519", pub)
 	}
 	return nil
 }
 
-// minRSABits is the smallest RSA key accepted in a peer's leaf, as for a
-// CA key (parseKey); rustls, which ztunnel verifies peers with, takes RSA
-// signatures only from keys of 2048 bits or more.
-const minRSABits = 2048
+// minRSABits and maxRSABits bound the RSA keys accepted anywhere in a
+// chain, as for a CA key (parseKey): rustls takes RSA signatures only from
+// keys of 2048 to 8192 bits, and crypto/tls none over 8192 from a peer.
+const (
+	minRSABits = 2048
+	maxRSABits = 8192
+)
 
 // oidSubjectAltName is the X.509 subjectAltName extension.
 var oidSubjectAltName = asn1.ObjectIdentifier{2, 5, 29, 17}

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -12,6 +13,7 @@ import (
 	"os"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -100,7 +102,10 @@ func (t *Tunnel) newHBONEServer(p *pod) (*hbone.Server, error) {
 		TLSConfig: tlsConf,
 		Limiter:   t.hboneLimits,
 		Handler:   p.handleHBONE,
-		Logger:    t.log,
+		PeerExpiry: func(cs tls.ConnectionState) time.Time {
+			return t.cfg.Certs.PeerChainEnd(cs, x509.ExtKeyUsageClientAuth)
+		},
+		Logger: t.log,
 	})
 }
 

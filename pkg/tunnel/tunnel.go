@@ -12,6 +12,8 @@ package tunnel
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -138,6 +140,14 @@ func New(cfg Config) *Tunnel {
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	if cfg.Certs != nil {
 		cfg.Certs.OnTrustChange(t.recheckPeers)
+		if cfg.Pool != nil {
+			// Servers' connections drain when the chain that verified
+			// ends, not one a server's presented names suggest.
+			certs := cfg.Certs
+			cfg.Pool.SetPeerExpiry(func(cs tls.ConnectionState) time.Time {
+				return certs.PeerChainEnd(cs, x509.ExtKeyUsageServerAuth)
+			})
+		}
 	}
 	return t
 }

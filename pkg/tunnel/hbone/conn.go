@@ -1514,11 +1514,20 @@ func (c *conn) idleForLocked(d time.Duration) bool {
 // that identity. New streams go on a new connection instead, whose
 // handshake checks a current certificate against the roots of that
 // moment; streams open at expiry run to their end.
-func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
+//
+// end, when not nil, says when the chain stops verifying (PeerExpiry);
+// without it the end is found by following issuer names (peerChainEnd),
+// which a peer can mislead with certificates of its own making.
+func (c *conn) drainAtPeerExpiry(state tls.ConnectionState, end PeerExpiry) {
 	if len(state.PeerCertificates) == 0 {
 		return
 	}
-	notAfter := peerChainEnd(state.PeerCertificates)
+	var notAfter time.Time
+	if end != nil {
+		notAfter = end(state)
+	} else {
+		notAfter = peerChainEnd(state.PeerCertificates)
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.err == nil {
@@ -1526,6 +1535,12 @@ func (c *conn) drainAtPeerExpiry(state tls.ConnectionState) {
 		c.expiryTimer = expiryAfterFunc(time.Until(notAfter), c.drain)
 	}
 }
+
+// PeerExpiry returns when the chain a peer presented in its handshake stops
+// verifying; a connection is drained then. The TLS configurations that
+// verify peers know the chains that verified; this package sees only what
+// was presented.
+type PeerExpiry func(tls.ConnectionState) time.Time
 
 // peerChainEnd is the first end along the chain a peer presented, leaf
 // first: each step goes to the presented certificate named as the

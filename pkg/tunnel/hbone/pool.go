@@ -86,6 +86,8 @@ type Pool struct {
 	// trust sees a trust change that DrainPeers applied while one of the
 	// pool's handshakes was under way.
 	trust trustChanges
+	// peerExpiry is SetPeerExpiry's.
+	peerExpiry atomic.Pointer[PeerExpiry]
 	// floods counts conns closed because the server flooded.
 	floods atomic.Uint64
 	// zeroLimits counts conns drained for a stream limit of 0.
@@ -249,9 +251,25 @@ func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialC
 	e.conns = append(e.conns, c)
 	// Once pooled (and reserved): a drain that closes the conn at once
 	// must find it in e.conns, or onClose would leave it there.
-	c.drainAtPeerExpiry(*c.tlsState)
+	var end PeerExpiry
+	if f := p.peerExpiry.Load(); f != nil {
+		end = *f
+	}
+	c.drainAtPeerExpiry(*c.tlsState, end)
 	p.mu.Unlock()
 	return c, nil
+}
+
+// SetPeerExpiry sets how the pool learns when a server's chain stops
+// verifying, which its connections are drained at (see
+// ServerOptions.PeerExpiry); connections made before keep theirs. Without
+// it the presented chain is followed by issuer names.
+func (p *Pool) SetPeerExpiry(f PeerExpiry) {
+	if f == nil {
+		p.peerExpiry.Store(nil)
+		return
+	}
+	p.peerExpiry.Store(&f)
 }
 
 // reserveLeastLoaded reserves a stream slot for a new stream and reports

@@ -91,7 +91,11 @@ type ServerOptions struct {
 	// Default 5m, longer than the client pool's, so clients normally close
 	// first and never race a server-side close.
 	IdleTimeout time.Duration
-	Logger      *slog.Logger
+	// PeerExpiry says when a client's chain stops verifying, which its
+	// connection is drained at; nil follows the presented chain by
+	// issuer names.
+	PeerExpiry PeerExpiry
+	Logger     *slog.Logger
 }
 
 // ServerStats counts what the server did, for metrics and tests.
@@ -378,7 +382,7 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 	// After the registration: a drain that closes the conn at once must
 	// find it registered, or onClose would leave it counted.
 	if state != nil {
-		c.drainAtPeerExpiry(*state)
+		c.drainAtPeerExpiry(*state, srv.opts.PeerExpiry)
 	}
 	c.readLoop()
 }
