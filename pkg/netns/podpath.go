@@ -19,7 +19,9 @@ var ErrNotPodNetNS = errors.New("not a pod's network namespace")
 // runtime) is not trusted to name a pod's: the agent enters the namespace,
 // attaches programs, changes sysctls and opens listeners there, so a path
 // that leads to the agent's own namespace (the host's: /proc/self/ns/net,
-// /proc/thread-self/..., a symlink or bind mount of either) or to pid 1's
+// /proc/thread-self/..., a symlink or bind mount of either; known by
+// OwnInode, not by reading /proc/self, which is the main thread's and so a
+// pod's while a Do runs there) or to pid 1's
 // under procDir (the host's /proc, default /proc) would mesh the node
 // itself. The path must be absolute and clean, and name an nsfs file.
 // Errors wrap ErrNotPodNetNS and name the path.
@@ -50,13 +52,15 @@ func CheckPodPath(path, procDir string) (uint64, error) {
 	if t, err := unix.IoctlRetInt(int(f.Fd()), unix.NS_GET_NSTYPE); err == nil && t != unix.CLONE_NEWNET {
 		return 0, fmt.Errorf("network namespace %s: a namespace of another kind: %w", path, ErrNotPodNetNS)
 	}
-	for _, host := range []struct{ path, what string }{
-		{"/proc/self/ns/net", "the agent's own network namespace"},
-		{filepath.Join(cmp.Or(procDir, "/proc"), "1", "ns", "net"), "the host's network namespace (pid 1's)"},
-	} {
-		if ino, err := Inode(host.path); err == nil && ino == st.Ino {
-			return 0, fmt.Errorf("network namespace %s is %s: %w", path, host.what, ErrNotPodNetNS)
-		}
+	own, err := OwnInode()
+	if err != nil {
+		return 0, fmt.Errorf("network namespace %s: %w", path, err)
+	}
+	if own == st.Ino {
+		return 0, fmt.Errorf("network namespace %s is the agent's own network namespace: %w", path, ErrNotPodNetNS)
+	}
+	if ino, err := Inode(filepath.Join(cmp.Or(procDir, "/proc"), "1", "ns", "net")); err == nil && ino == st.Ino {
+		return 0, fmt.Errorf("network namespace %s is the host's network namespace (pid 1's): %w", path, ErrNotPodNetNS)
 	}
 	return st.Ino, nil
 }
