@@ -6,6 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -28,6 +31,9 @@ var ErrNotPodNetNS = errors.New("not a pod's network namespace")
 func CheckPodPath(path, procDir string) (uint64, error) {
 	if path == "" || !filepath.IsAbs(path) || filepath.Clean(path) != path {
 		return 0, fmt.Errorf("network namespace path %q: must be absolute and clean: %w", path, ErrNotPodNetNS)
+	}
+	if err := ownThreadPath(path, procDir); err != nil {
+		return 0, err
 	}
 	// Without blocking: a fifo at the path would wait for a writer for ever;
 	// opened so, it is refused below as not a namespace file.
@@ -63,4 +69,28 @@ func CheckPodPath(path, procDir string) (uint64, error) {
 		return 0, fmt.Errorf("network namespace %s is the host's network namespace (pid 1's): %w", path, ErrNotPodNetNS)
 	}
 	return st.Ino, nil
+}
+
+// ownThreadPath refuses a path into the agent's own process under /proc (or
+// procDir): self, thread-self, or its pid. Such a path names the namespace
+// of whichever thread reads it, or of the main thread, which the Go
+// runtime lends to any goroutine, netns.Do's included: it named a pod's
+// namespace while a Do ran there, passed the checks, and the agent's own
+// a moment later, when the pod's listeners and programs were put there.
+func ownThreadPath(path, procDir string) error {
+	own := []string{"self", "thread-self", strconv.Itoa(os.Getpid())}
+	for _, proc := range []string{"/proc", procDir} {
+		if proc == "" {
+			continue
+		}
+		rest, ok := strings.CutPrefix(path, filepath.Clean(proc)+"/")
+		if !ok {
+			continue
+		}
+		first, _, _ := strings.Cut(rest, "/")
+		if slices.Contains(own, first) {
+			return fmt.Errorf("network namespace %s is under the agent's own process (%s/%s): %w", path, proc, first, ErrNotPodNetNS)
+		}
+	}
+	return nil
 }

@@ -38,7 +38,7 @@ func TestCheckPodPathWhileThreadsVisitPods(t *testing.T) {
 			}
 		})
 	}
-	var refused atomic.Int64
+	var refused, selfPassed atomic.Int64
 	var last atomic.Value
 	deadline := time.Now().Add(2 * time.Second)
 	checks := 0
@@ -51,12 +51,20 @@ func TestCheckPodPathWhileThreadsVisitPods(t *testing.T) {
 				t.Fatalf("CheckPodPath(%s): %v", pod, err)
 			}
 		}
+		// /proc/self/ns/net is the main thread's namespace: the pod's
+		// while a Do runs there, the agent's a moment later.
+		if _, err := CheckPodPath("/proc/self/ns/net", ""); !errors.Is(err, ErrNotPodNetNS) {
+			selfPassed.Add(1)
+		}
 		time.Sleep(50 * time.Microsecond)
 	}
 	close(stop)
 	wg.Wait()
 	if n := refused.Load(); n > 0 {
 		t.Errorf("CheckPodPath refused a pod's namespace %d times of %d while other threads visited it; last: %v", n, checks, last.Load())
+	}
+	if n := selfPassed.Load(); n > 0 {
+		t.Errorf("CheckPodPath passed /proc/self/ns/net %d times of %d while other threads visited a pod", n, checks)
 	}
 	// The agent's own namespace is still refused, whatever thread asks.
 	for _, path := range []string{"/proc/self/ns/net", "/proc/thread-self/ns/net"} {
