@@ -430,11 +430,7 @@ func (a *Agent) converged(uid string) bool {
 	if err != nil || !attached || !matches(cur, d.pod) {
 		return false
 	}
-	if d.ino != 0 {
-		ino, ok := a.cfg.Loader.AttachedNetNS(uid)
-		return ok && ino == d.ino
-	}
-	return true
+	return d.ino == 0 || a.attachedIno(cur) == d.ino
 }
 
 // annotateConverged makes the redirection annotation of the pod a worker
