@@ -563,6 +563,32 @@ func (l *Loader) recordedNetNS(id uint32) (uint32, bool) {
 	return 0, false
 }
 
+// AttachedNetNS is the inode of the network namespace the pod uid is
+// attached in (what its links and rd_pod_netns entry were made for), which
+// its metadata's path may no longer name: a new sandbox can be given the
+// old one's path. ok is false when the pod is not attached or no record
+// says.
+func (l *Loader) AttachedNetNS(uid string) (ino uint64, ok bool) {
+	st, attached, err := l.PodState(uid)
+	if err != nil || !attached {
+		return 0, false
+	}
+	i, ok := l.recordedNetNS(st.ID)
+	return uint64(i), ok
+}
+
+// AttachedAt reports whether path names the network namespace the pod uid
+// is attached in: by the recorded inode (AttachedNetNS), or, with no
+// record, whether path names a namespace at all.
+func (l *Loader) AttachedAt(uid, path string) bool {
+	cur, err := netnsIno(path)
+	if err != nil {
+		return false
+	}
+	ino, ok := l.AttachedNetNS(uid)
+	return !ok || ino == uint64(cur)
+}
+
 // leaveNetNS undoes what attaching pod id did on its old sandbox, keeping
 // its id, metadata and entries: its links (held and pinned), its host-probe
 // SNAT and its rd_pod_netns entry. The rules, routes and sysctls left in

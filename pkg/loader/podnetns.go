@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -118,7 +119,11 @@ func (l *Loader) syncPodNetNS(ctx context.Context) error {
 	}
 	l.entries.Lock()
 	defer l.entries.Unlock()
-	want := map[uint32]uint32{} // namespace inode -> pod id
+	want := map[uint32]uint32{}     // namespace inode -> pod id
+	pinned := map[uint32][]uint32{} // pod id -> namespace inodes its entries name
+	for ino, e := range entries {
+		pinned[e.PodID] = append(pinned[e.PodID], ino)
+	}
 	var errs []error
 	for id, m := range metas {
 		if len(m.Addrs) == 0 || m.NetNS == "" {
@@ -127,6 +132,24 @@ func (l *Loader) syncPodNetNS(ctx context.Context) error {
 		ino, err := netnsIno(m.NetNS)
 		if err != nil {
 			continue // gone: the reconciler detaches the pod
+		}
+		if rec := pinned[id]; len(rec) > 0 && !slices.Contains(rec, ino) {
+			// The pod was attached in another namespace than the one its
+			// path names now: the path went to a new sandbox (the pod's own,
+			// or another pod's) while no agent ran. The record stays the
+			// attachment's; the reconciler decides where the pod goes.
+			l.log.WarnContext(ctx, "pod's network namespace path names another namespace than the one it was attached in",
+				"pod", m.Namespace+"/"+m.Name, "netns", m.NetNS, "attached_inode", rec[0], "path_inode", ino)
+			for _, r := range rec {
+				want[r] = id
+			}
+			l.mu.Lock()
+			if l.podNetNS == nil {
+				l.podNetNS = map[uint32]uint32{}
+			}
+			l.podNetNS[id] = rec[0]
+			l.mu.Unlock()
+			continue
 		}
 		want[ino] = id
 		l.mu.Lock()

@@ -78,7 +78,7 @@ func (x *Index) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
 	if len(missing) == 0 {
 		return out, nil
 	}
-	own, err := Inode("/proc/self/ns/net")
+	own, err := OwnInode() // not /proc/self: the main thread may be in a pod's
 	if err != nil {
 		return out, err
 	}

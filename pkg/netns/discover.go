@@ -51,7 +51,7 @@ func (f *Finder) ScanFor(want []netip.Addr) (map[netip.Addr]string, error) {
 // scan visits the candidate namespaces; with want non-nil it stops once all
 // of want is found.
 func (f *Finder) scan(want []netip.Addr) (map[netip.Addr]string, error) {
-	own, err := Inode("/proc/self/ns/net")
+	own, err := OwnInode() // not /proc/self: the main thread may be in a pod's
 	if err != nil {
 		return nil, err
 	}

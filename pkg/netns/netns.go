@@ -99,6 +99,26 @@ var hostNS = sync.OnceValues(func() (*os.File, error) {
 	return os.Open("/proc/thread-self/ns/net")
 })
 
+// Opened at start, on the main goroutine, before any thread can have
+// entered another namespace.
+func init() { _, _ = hostNS() }
+
+// OwnInode is the inode of the agent's own network namespace: the one
+// every thread not inside Do is in. /proc/self/ns/net is not it: that is
+// the main thread's, and the Go runtime runs any goroutine on the main
+// thread, Do's too, so it names a pod's namespace while one runs there.
+func OwnInode() (uint64, error) {
+	own, err := hostNS()
+	if err != nil {
+		return 0, fmt.Errorf("open own network namespace: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(own.Fd()), &st); err != nil {
+		return 0, fmt.Errorf("stat own network namespace: %w", err)
+	}
+	return st.Ino, nil
+}
+
 // Do runs fn on an OS thread that has entered h's namespace, as the
 // package's Do. The namespace file is held (its descriptor cannot be closed
 // and reused) for the whole call, so the thread never enters another.

@@ -103,6 +103,10 @@ type Agent struct {
 type desiredPod struct {
 	pod loader.Pod
 	w   *workload.Workload
+	// ino is the inode of the namespace the CNI plugin reported pod.NetNS
+	// as (0 without a report): a new sandbox may be given the path of the
+	// pod's old one, and is another namespace all the same.
+	ino uint64
 }
 
 // Retry backoff of a pod whose reconcile failed: doubling from the first
@@ -292,8 +296,9 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	desired := make(map[string]desiredPod, len(local))
 	for _, w := range local {
 		if w.Enrolled {
-			p := loader.Pod{UID: w.Key(), Namespace: w.Namespace, Name: w.Name, NetNS: a.cniNetNS(w), Addrs: w.Addrs, CaptureInbound: !w.BypassInbound}
-			desired[p.UID] = desiredPod{pod: p, w: w}
+			path, ino := a.cniNetNS(w)
+			p := loader.Pod{UID: w.Key(), Namespace: w.Namespace, Name: w.Name, NetNS: path, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound}
+			desired[p.UID] = desiredPod{pod: p, w: w, ino: ino}
 		}
 	}
 	// Certificates of new identities are requested now, before the CNI ADD
@@ -307,7 +312,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	// Pods whose wanted state changed are queued, on a full pass too: a
 	// worker that read the previous state before the pass converges again.
 	for uid, d := range desired {
-		if old, ok := previous[uid]; !ok || !samePod(old.pod, d.pod) || old.w.Redirected != d.w.Redirected {
+		if old, ok := previous[uid]; !ok || !samePod(old.pod, d.pod) || old.ino != d.ino || old.w.Redirected != d.w.Redirected {
 			a.queue.Add(uid)
 		}
 	}
@@ -412,7 +417,8 @@ func (a *Agent) processNext(ctx context.Context) bool {
 }
 
 // converged reports whether the pod uid is attached as it is wanted now
-// (the namespace the CNI plugin reported included).
+// (the namespace the CNI plugin reported included, by inode: the path
+// alone may name a new sandbox while the pod is attached in the old one).
 func (a *Agent) converged(uid string) bool {
 	a.mu.Lock()
 	d, ok := a.desired[uid]
@@ -421,7 +427,10 @@ func (a *Agent) converged(uid string) bool {
 		return false
 	}
 	cur, attached, err := a.cfg.Loader.PodState(uid)
-	return err == nil && attached && matches(cur, d.pod)
+	if err != nil || !attached || !matches(cur, d.pod) {
+		return false
+	}
+	return d.ino == 0 || a.attachedIno(cur) == d.ino
 }
 
 // annotateConverged makes the redirection annotation of the pod a worker

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -194,8 +195,17 @@ func (a *Agent) attachedElsewhereErr(uid, key string, ev cni.PodEvent, ino uint6
 	if !attached {
 		return fmt.Errorf("pod %s is selected but not attached", key)
 	}
-	if cur, err := netns.Inode(st.Meta.NetNS); err != nil || cur != ino {
-		return fmt.Errorf("pod %s is attached in network namespace %s, not in %s (CNI_NETNS of container %s): this sandbox is not redirected", key, st.Meta.NetNS, ev.NetNS, ev.ContainerID)
+	// By the namespace the pod was attached in, not the one its path names
+	// now: a new sandbox may have been given the old one's path.
+	cur, ok := a.cfg.Loader.AttachedNetNS(uid)
+	if !ok {
+		var err error
+		if cur, err = netns.Inode(st.Meta.NetNS); err != nil {
+			cur = 0
+		}
+	}
+	if cur == 0 || cur != ino {
+		return fmt.Errorf("pod %s is attached in network namespace %s (inode %d), not in %s (inode %d, CNI_NETNS of container %s): this sandbox is not redirected", key, st.Meta.NetNS, cur, ev.NetNS, ino, ev.ContainerID)
 	}
 	return nil
 }
@@ -273,9 +283,11 @@ func (a *Agent) netnsOwner(key, uid string, ino uint64) string {
 				if !other(p.Meta.Namespace, p.Meta.Name, p.Meta.UID) {
 					continue
 				}
-				// Only while the other pod's path still names this
-				// namespace: a freed namespace's inode number is reused.
-				if cur, err := netns.Inode(p.Meta.NetNS); err == nil && cur == ino {
+				// Only while the other pod is attached in this namespace
+				// (its recorded inode, else what its path names): a freed
+				// namespace's inode number is reused, and a path can be
+				// given to a new sandbox.
+				if a.cfg.Loader.AttachedAt(p.Meta.UID, p.Meta.NetNS) && a.attachedIno(p) == ino {
 					owner = p.Meta.Namespace + "/" + p.Meta.Name
 					break
 				}
@@ -301,6 +313,16 @@ func (a *Agent) netnsOwner(key, uid string, ino uint64) string {
 		}
 	}
 	return owner
+}
+
+// attachedIno is the inode of the namespace the attached pod p is in: the
+// loader's record, else what its path names (0 if nothing).
+func (a *Agent) attachedIno(p loader.PodState) uint64 {
+	if ino, ok := a.cfg.Loader.AttachedNetNS(p.Meta.UID); ok {
+		return ino
+	}
+	ino, _ := netns.Inode(p.Meta.NetNS)
+	return ino
 }
 
 // foreignNetNS says why the namespace at path, found by the address of the
@@ -422,8 +444,8 @@ func (a *Agent) withAttachedPending(ws []*workload.Workload) map[string]cniPod {
 		if err != nil || !attached || len(st.Meta.Addrs) == 0 {
 			continue
 		}
-		if _, err := netns.CheckPodPath(st.Meta.NetNS, a.cfg.ProcDir); err != nil {
-			continue // the sandbox is gone: the pod is detached
+		if _, err := netns.CheckPodPath(st.Meta.NetNS, a.cfg.ProcDir); err != nil || !a.cfg.Loader.AttachedAt(w.Key(), st.Meta.NetNS) {
+			continue // the sandbox is gone (its path may name another): the pod is detached
 		}
 		if !cloned {
 			out, cloned = maps.Clone(a.cniPods), true
@@ -480,13 +502,14 @@ func (a *Agent) CNIReports() int {
 	return len(a.cniPods)
 }
 
-// cniNetNS returns the namespace path the CNI plugin reported for w, if any.
-func (a *Agent) cniNetNS(w *workload.Workload) string {
+// cniNetNS returns the namespace path the CNI plugin reported for w, if
+// any, and the inode it named then.
+func (a *Agent) cniNetNS(w *workload.Workload) (path string, ino uint64) {
 	rec, ok := a.cniPods[w.Namespace+"/"+w.Name]
 	if !ok || rec.deleted || (rec.uid != "" && w.UID != "" && rec.uid != w.UID) {
-		return ""
+		return "", 0
 	}
-	return rec.netns
+	return rec.netns, rec.ino
 }
 
 // WriteStartupHint writes the CNI selection hint an agent that has not

@@ -390,13 +390,16 @@ func runBounded(n int, jobs []func()) {
 
 // sameNS reports whether path still names the namespace the pod was last
 // attached in by this process. With unknownOK, a pod this process has not
-// attached yet passes when the path exists (its first pass verifies it).
+// attached yet passes when the path names the namespace the pinned state
+// says it was attached in (its first pass verifies the rest), or, with no
+// such record, when the path exists: a path can be given to a new sandbox,
+// another pod's even, while no agent runs.
 func (r *Reconciler) sameNS(uid, path string, unknownOK bool) bool {
 	r.nsMu.Lock()
 	rec, ok := r.ns[uid]
 	r.nsMu.Unlock()
 	if !ok {
-		return unknownOK && pathExists(path)
+		return unknownOK && pathExists(path) && r.loader.AttachedAt(uid, path)
 	}
 	if rec.path != path {
 		return false
@@ -557,6 +560,13 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 			if !ok || !pathExists(meta.NetNS) {
 				// Detached, or its namespace is gone (the pod is being
 				// deleted): the reconciler lets it go.
+				continue
+			}
+			if !r.loader.AttachedAt(meta.UID, meta.NetNS) {
+				// Its path names another namespace now (a new sandbox,
+				// maybe another pod's): the reconciler finds the pod's
+				// own, with the checks that namespace must pass.
+				r.log.WarnContext(ctx, "not re-attaching pod: its network namespace path names another namespace than it was attached in", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
 				continue
 			}
 			if err := notPodNetNS(meta.NetNS); err != nil {

@@ -17,6 +17,17 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
+// pathMoved reports whether the pod's path now names another namespace
+// than the one it is served in: a new sandbox of the pod put at the old
+// one's path (a runtime naming namespaces by pod, a reused
+// /proc/<pid>/ns/net). The listeners are in the old namespace, which they
+// keep alive, so the new one has none. A path that names nothing is no
+// move: there is nothing else to serve.
+func (p *pod) pathMoved() bool {
+	ino, err := netns.Inode(p.netns)
+	return err == nil && ino != p.nsInode
+}
+
 // pod is one enrolled pod's listeners and the connections they accepted.
 type pod struct {
 	t     *Tunnel

@@ -175,7 +175,8 @@ func (t *Tunnel) Update(s *State) {
 func (t *Tunnel) State() *State { return t.state.Load() }
 
 // ServePod opens the pod's listeners inside netnsPath. Serving a pod that is
-// already served from the same namespace is a no-op.
+// already served from the same namespace (the same path naming the same
+// namespace, by inode) is a no-op.
 //
 // Once Drain has begun it refuses: a draining agent opens no listeners.
 // A pod served from another namespace or with other addresses (its sandbox
@@ -189,7 +190,7 @@ func (t *Tunnel) ServePod(ctx context.Context, uid, netnsPath string, addrs []ne
 		return errDraining
 	}
 	old, ok := t.pods[uid]
-	if ok && old.netns == netnsPath && slices.Equal(old.addrs, addrs) {
+	if ok && old.netns == netnsPath && slices.Equal(old.addrs, addrs) && !old.pathMoved() {
 		t.mu.Unlock()
 		return nil
 	}

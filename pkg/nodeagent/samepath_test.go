@@ -1,0 +1,250 @@
+package nodeagent
+
+import (
+	"context"
+	"log/slog"
+	"net/netip"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// recreateSandbox destroys the pod's namespace and makes a new one under the
+// same name (so the same path), wired to the node's bridge with the same
+// addresses: a runtime that names sandboxes' namespaces by the pod, or a
+// /proc/<pid>/ns/net path whose pid came round again. The old namespace
+// lives on while something holds it (the agent's listeners do); only its
+// path is taken from it.
+func recreateSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
+	t.Helper()
+	hostVeth := p.HostVeth + "r"
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+	run("netns", "del", p.NS)
+	run("netns", "add", p.NS)
+	t.Cleanup(func() { _ = exec.Command("ip", "-n", n.Name, "link", "del", hostVeth).Run() })
+	run("-n", p.NS, "link", "set", "lo", "up")
+	run("-n", n.Name, "link", "add", hostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
+	run("-n", n.Name, "link", "set", hostVeth, "master", "rdbr", "up")
+	run("-n", p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
+	run("-n", p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
+	run("-n", p.NS, "link", "set", "eth0", "up")
+}
+
+// podTCX lists the tcx programs on eth0 of the namespace at path.
+func podTCX(t *testing.T, path string) []string {
+	t.Helper()
+	var out []string
+	err := netns.Do(path, func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+			r, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: at})
+			if err != nil {
+				return err
+			}
+			for _, p := range r.Programs {
+				prog, err := ebpf.NewProgramFromID(p.ID)
+				if err != nil {
+					return err
+				}
+				info, _ := prog.Info()
+				prog.Close()
+				out = append(out, info.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("query programs in %s: %v", path, err)
+	}
+	return out
+}
+
+// podListens reports whether something listens on port in the namespace at
+// path.
+func podListens(t *testing.T, path string, port int) bool {
+	t.Helper()
+	out, err := netnstest.Exec(context.Background(), path, "ss", "-Hltn", "sport", "= :"+strconv.Itoa(port))
+	if err != nil {
+		t.Fatalf("ss in %s: %v", path, err)
+	}
+	return strings.TrimSpace(string(out)) != ""
+}
+
+// TestCNIAddOfSandboxRecreatedAtSamePath: a pod's sandbox is re-created
+// and its new namespace gets the old one's path and addresses (a runtime
+// naming namespaces by pod, a reused /proc/<pid>/ns/net, a static IP). The
+// new sandbox's ADD must be answered "enrolled" only once its own
+// interface carries the programs and its own namespace has the tunnel's
+// listeners. Seen failing: the ADD was answered "enrolled" at once, since
+// the attachment and the tunnel compared the path by name only; the new
+// sandbox's containers started with no capture at all (plaintext) until the
+// next full pass, and even then the tunnel kept serving the old namespace,
+// so every captured connection of the pod was dropped for good.
+func TestCNIAddOfSandboxRecreatedAtSamePath(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("p")
+	a, ld, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	add := func(container string) {
+		t.Helper()
+		resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p",
+			ContainerID: container, NetNS: sandbox.Path(), IfName: "eth0", IPs: ips})
+		if err != nil || !resp.Enrolled {
+			t.Fatalf("ADD of %s: %+v, %v; want enrolled", container, resp, err)
+		}
+	}
+	add("c1")
+	if progs := podTCX(t, sandbox.Path()); len(progs) != 2 {
+		t.Fatalf("first sandbox: tcx programs %v, want ingress and egress", progs)
+	}
+	oldIno, err := netns.Inode(sandbox.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	recreateSandbox(t, node, sandbox)
+	newIno, err := netns.Inode(sandbox.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if newIno == oldIno {
+		t.Fatalf("the re-created namespace has the old inode %d", oldIno)
+	}
+	start := time.Now()
+	add("c2")
+	t.Logf("ADD of the re-created sandbox answered after %s", time.Since(start))
+	if progs := podTCX(t, sandbox.Path()); len(progs) != 2 {
+		t.Errorf("ADD answered enrolled while the re-created sandbox's eth0 has tcx programs %v: it starts uncaptured", progs)
+	}
+	for _, port := range []int{15001, 15006, 15008} {
+		if !podListens(t, sandbox.Path(), port) {
+			t.Errorf("ADD answered enrolled while nothing listens on %d in the re-created sandbox", port)
+		}
+	}
+	if st, attached, _ := ld.PodState("uid-p"); !attached || st.Meta.NetNS != sandbox.Path() {
+		t.Errorf("pod attached=%v in %q", attached, st.Meta.NetNS)
+	}
+}
+
+// TestCNICheckOfSandboxRecreatedAtSamePath: a CHECK of a new sandbox that
+// was given the path of the namespace the pod is attached in fails: that
+// sandbox carries no programs. Seen failing: the CHECK compared the
+// inode the path names now with the CHECK's own, which are the same, and
+// passed.
+func TestCNICheckOfSandboxRecreatedAtSamePath(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("p")
+	a, _, _, rec := testAgent(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+	if res := rec.Reconcile(ctx, []loader.Pod{{UID: "uid-p", Namespace: "shop", Name: "p", NetNS: sandbox.Path(), Addrs: sandbox.Addrs(), CaptureInbound: true}}, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	check := func() (cni.Response, error) {
+		return a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandCheck, PodName: "p", PodNamespace: "shop", PodUID: "uid-p",
+			ContainerID: "c2", NetNS: sandbox.Path(), IfName: "eth0"})
+	}
+	if resp, err := check(); err != nil || !resp.Enrolled {
+		t.Fatalf("CHECK of the attached sandbox: %+v, %v", resp, err)
+	}
+	recreateSandbox(t, node, sandbox)
+	resp, err := check()
+	t.Logf("CHECK of the re-created sandbox: %+v, %v", resp, err)
+	if err == nil {
+		t.Errorf("CHECK of a sandbox with no programs (tcx %v) passed: %+v", podTCX(t, sandbox.Path()), resp)
+	}
+}
+
+// TestRestartDoesNotFollowReusedPath: while the agent is down, pod a's
+// sandbox goes and its namespace path (and address) is given to pod b's
+// new sandbox, outside the mesh, which the CNI plugin reports once the
+// agent is back. The restarted agent must not take the path for a's
+// namespace: a stays unattached until its own ADD (or a lookup that
+// finds a namespace of its own), b's ADD is taken, and b's interface gets
+// no programs and b's namespace no listeners under a's identity. Seen
+// failing: Load rewrote a's rd_pod_netns record to whatever the path
+// named, b's ADD was refused as "the network namespace of pod a", and
+// the first full pass attached a in b's namespace: b's traffic left with
+// a's identity, its inbound went through a's policy.
+func TestRestartDoesNotFollowReusedPath(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("a")
+	root := loadertest.TempBPFFS(t)
+	// The previous process attached a, and was killed.
+	prev := loadertest.Load(t, root)
+	if _, err := prev.AttachPod(context.Background(), loader.Pod{UID: "uid-a", Namespace: "shop", Name: "a", NetNS: sandbox.Path(), Interface: "eth0", Addrs: sandbox.Addrs(), CaptureInbound: true}); err != nil {
+		t.Fatal(err)
+	}
+	prev.Close()
+	// Meanwhile a's sandbox went, and b's took its path and address.
+	recreateSandbox(t, node, sandbox)
+
+	log := slog.New(slog.DiscardHandler)
+	ld := loadertest.Load(t, root)
+	t.Cleanup(func() { ld.Close() })
+	tun, certs := netnstest.FileCATunnel(t, log)
+	rec := NewReconciler(ld, tun, netns.DefaultFinder(), log)
+	a := New(Config{Node: "node1", TrustDomain: "cluster.local", ReconcilePeriod: time.Hour, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Logger: log})
+	// The API still has a, at its old address.
+	wa := &workload.Workload{Name: "a", Namespace: "shop", UID: "uid-a", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{wa}})
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	bctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err := a.HandleCNI(bctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "b", PodNamespace: "other", PodUID: "uid-b",
+		ContainerID: "cb", NetNS: sandbox.Path(), IfName: "eth0", IPs: ips})
+	t.Logf("ADD of b (unknown to the source yet): %v", err)
+	if err != nil && strings.Contains(err.Error(), "network namespace of pod shop/a") {
+		t.Errorf("b's ADD was refused as a's namespace, which a left: %v", err)
+	}
+	ctx, cancel2 := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel2()
+	a.applyLatest(ctx, true)
+	rec.repairLinks(ctx, true)
+	if progs := podTCX(t, sandbox.Path()); len(progs) != 0 {
+		t.Errorf("pod b's eth0 carries pod a's programs %v", progs)
+	}
+	if podListens(t, sandbox.Path(), 15008) {
+		t.Errorf("pod b's namespace has the tunnel's listeners for pod a")
+	}
+	if ino, ok := ld.AttachedNetNS("uid-a"); ok {
+		if cur, _ := netns.Inode(sandbox.Path()); cur == ino {
+			t.Errorf("pod a is recorded as attached in pod b's namespace (inode %d)", ino)
+		}
+	}
+}
