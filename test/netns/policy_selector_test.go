@@ -45,3 +45,42 @@ spec:
 	}
 	ms.agents[1].WaitLog(t, "mesh/deny-client-on-db", 5*time.Second)
 }
+
+// TestPortLevelMTLSUnderSelectorlessNamespacePolicy: with an older
+// namespace-wide PeerAuthentication written `selector: {}` (PERMISSIVE) and
+// a newer one with no selector (STRICT), a workload policy with
+// portLevelMtls is enforced as istiod converts it for ztunnel, under the
+// selector-less STRICT policy: plaintext is refused on every port but the
+// PERMISSIVE one. Before the fix, the agent read the other ports as
+// PERMISSIVE and the plaintext pod reached the server on 8080.
+func TestPortLevelMTLSUnderSelectorlessNamespacePolicy(t *testing.T) {
+	const pas = `apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: old-wide, namespace: mesh, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec:
+  selector: {}
+  mtls: {mode: PERMISSIVE}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: default, namespace: mesh, creationTimestamp: "2024-06-01T00:00:00Z"}
+spec:
+  mtls: {mode: STRICT}
+---
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {name: server, namespace: mesh, creationTimestamp: "2024-06-01T00:00:00Z"}
+spec:
+  selector: {matchLabels: {app: server}}
+  portLevelMtls:
+    8081: {mode: STRICT}
+    8082: {mode: PERMISSIVE}`
+	ms, _, server, plain := meshed(t, pas)
+	HTTPApp(t, server, 8082, "server")
+	// The PERMISSIVE port takes plaintext: the path works.
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(plain, URL(server.IPv4, 8082)); return err })
+	if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {
+		t.Fatalf("plaintext reached port 8080, which ztunnel refuses under the converted port-level policy: %q", out)
+	}
+	ms.agents[1].WaitLog(t, "mTLS is STRICT", 5*time.Second)
+}
