@@ -56,7 +56,9 @@ var l4WhenKeys = []string{"source.ip", "source.namespace", "source.principal", "
 //
 // Which policies apply: those in rootNamespace ("" means istio-system),
 // whose selector matches dst's labels in any namespace, and those in
-// dst.Namespace whose selector matches (no selector: every pod there).
+// dst.Namespace whose selector matches (no selector: every pod there). A
+// pod with no labels is matched by every selector, as istiod attaches
+// every selector policy of those namespaces to it.
 // Policies with targetRef(s) belong to waypoints and gateways, and AUDIT
 // and CUSTOM are not enforced at L4; all three are skipped. So are
 // dry-run policies (annotation istio.io/dry-run true, see DryRun), which
@@ -175,6 +177,13 @@ func appliesTo(ap *AuthorizationPolicy, rootNamespace string, dst Target) bool {
 	}
 	if ap.Namespace != rootNamespace && ap.Namespace != dst.Namespace {
 		return false
+	}
+	if ap.Spec.Selector != nil && len(dst.Labels) == 0 {
+		// A pod without labels takes every selector policy of its scope:
+		// istiod lists them all for it (its label filter does not filter
+		// on a nil map), and ztunnel enforces what a workload lists. The
+		// API server keeps no empty label map, so none is "no labels" too.
+		return true
 	}
 	return selects(ap.Spec.Selector, dst.Labels)
 }

@@ -692,3 +692,88 @@ spec: {rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]
 		t.Errorf("deny with an unknown field: %+v", v)
 	}
 }
+
+// TestAuthorizeUnlabelledPodTakesSelectorPolicies copies istiod's
+// attachment of workload-selector policies to a pod with no labels at all.
+// istiod (pilot/pkg/serviceregistry/kube/controller/ambient,
+// buildWorkloadPolicies) lists for a workload every AuthorizationPolicy of
+// its namespace and of the root namespace that krt.FilterSelects(labels)
+// keeps and whose matchLabels is set; FilterSelects does not filter when
+// the labels are nil (pkg/kube/krt filter.go: `f.selects != nil && ...`),
+// and a pod without labels has nil ones. ztunnel (src/state.rs
+// assert_rbac) then enforces every policy the workload lists. Before, the
+// agent applied a selector only to pods whose labels matched it, so such a
+// pod was open to peers a DENY (or an ALLOW naming others) refuses under
+// ztunnel.
+func TestAuthorizeUnlabelledPodTakesSelectorPolicies(t *testing.T) {
+	unlabelled := Target{Namespace: "shop", Port: 5432, Addr: netip.MustParseAddr("10.1.0.9")}
+	emptyLabels := unlabelled
+	emptyLabels.Labels = map[string]string{} // as a manifest's `labels: {}`: the API server keeps none
+	for _, tc := range []struct {
+		name     string
+		policies string
+		dst      Target
+		allowed  map[*Peer]bool
+	}{
+		{
+			name: "deny selecting app=db in the pod's namespace",
+			policies: `
+metadata: {name: deny-cart, namespace: shop}
+spec: {selector: {matchLabels: {app: db}}, action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/cart"]}}]}]}`,
+			dst:     unlabelled,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false},
+		},
+		{
+			name: "deny selecting app=db in the root namespace",
+			policies: `
+metadata: {name: deny-plain, namespace: istio-system}
+spec: {selector: {matchLabels: {app: db}}, action: DENY, rules: [{from: [{source: {notPrincipals: ["*"]}}]}]}`,
+			dst:     emptyLabels,
+			allowed: map[*Peer]bool{&webPeer: true, &plainPeer: false},
+		},
+		{
+			name: "allow selecting app=web restricts the pod to whom it names",
+			policies: `
+metadata: {name: only-web, namespace: shop}
+spec: {selector: {matchLabels: {app: web}}, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}`,
+			dst:     unlabelled,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: false, &plainPeer: false},
+		},
+		{
+			name: "a selector policy of another namespace does not attach",
+			policies: `
+metadata: {name: deny-all, namespace: prod-blog}
+spec: {selector: {matchLabels: {app: db}}, action: DENY, rules: [{}]}`,
+			dst:     unlabelled,
+			allowed: map[*Peer]bool{&webPeer: true, &plainPeer: true},
+		},
+		{
+			// `selector: {}` has nil matchLabels: istiod lists it for no
+			// workload, labelled or not.
+			name: "an allow with selector {} still attaches to none",
+			policies: `
+metadata: {name: empty-selector, namespace: shop}
+spec: {selector: {}, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/web"]}}]}]}`,
+			dst:     unlabelled,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: true},
+		},
+		{
+			name: "a labelled pod keeps the selector rule",
+			policies: `
+metadata: {name: deny-cart, namespace: shop}
+spec: {selector: {matchLabels: {app: web}}, action: DENY, rules: [{from: [{source: {principals: ["cluster.local/ns/shop/sa/cart"]}}]}]}`,
+			dst:     dbTarget,
+			allowed: map[*Peer]bool{&webPeer: true, &cartPeer: true},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			aps := decodeAll[AuthorizationPolicy](t, tc.policies)
+			for peer, want := range tc.allowed {
+				if v := Authorize(aps, "", tc.dst, *peer); v.Allowed != want {
+					t.Errorf("peer %s@%s authenticated=%v: allowed=%v (%s), want %v",
+						peer.Principal, peer.Addr, peer.Authenticated, v.Allowed, v.Reason, want)
+				}
+			}
+		})
+	}
+}

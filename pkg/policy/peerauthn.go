@@ -51,6 +51,13 @@ func (d Decision) Strict() bool { return d.Mode == ModeStrict }
 // (convertedSelectorPeerAuthentications looks only for PERMISSIVE ports
 // there, and keeps the static STRICT policy otherwise).
 //
+// A second exception, also stricter: when the namespace policy is one
+// written `selector: {}` (or `matchLabels: {}`) and the namespace also has
+// an older-or-newer policy with no selector at all, a workload policy with
+// portLevelMtls is also resolved under the oldest of the latter, and the
+// port is STRICT if either reading says so: istiod converts port-level
+// policies against namespace policies without a selector only.
+//
 // A mode that is not one of Istio's (ValidatePA reports it) is read as
 // STRICT: a typo must not quietly weaken what the author meant to enforce.
 // So is a policy with a field this agent does not know (Unrecognized), at
@@ -59,7 +66,11 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 	if rootNamespace == "" {
 		rootNamespace = DefaultRootNamespace
 	}
-	var mesh, namespace, workload *PeerAuthentication
+	// plainNamespace is the oldest namespace policy written without any
+	// selector: istiod converts a workload policy's portLevelMtls against
+	// it (and ztunnel enforces the result), though it picks the namespace
+	// level among `selector: {}` policies too (see below).
+	var mesh, namespace, plainNamespace, workload *PeerAuthentication
 	for i := range pas {
 		pa := &pas[i]
 		switch {
@@ -71,13 +82,58 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 				mesh = older(mesh, pa)
 			} else if pa.Namespace == podNamespace {
 				namespace = older(namespace, pa)
+				if pa.Spec.Selector == nil {
+					plainNamespace = older(plainNamespace, pa)
+				}
 			}
 		case pa.Namespace == podNamespace && pa.Namespace != rootNamespace &&
 			selects(pa.Spec.Selector, podLabels):
 			workload = older(workload, pa)
 		}
 	}
+	d := resolveMode(mesh, namespace, workload, port)
+	if workload != nil && plainNamespace != namespace && !d.Strict() && listsConverted(mesh, namespace, workload) {
+		// istiod lists the workload's converted policy as the namespace
+		// level decides, and builds that policy under plainNamespace: what
+		// it denies then, ztunnel denies. Denying what either reading
+		// denies never admits what ztunnel refuses.
+		if alt := resolveMode(mesh, plainNamespace, workload, port); alt.Strict() {
+			under := "no namespace policy"
+			if plainNamespace != nil {
+				under = plainNamespace.Namespace + "/" + plainNamespace.Name
+			}
+			alt.Source += fmt.Sprintf("; as istiod converts %s/%s's port-level mTLS under %s, not under %s/%s",
+				workload.Namespace, workload.Name, under, namespace.Namespace, namespace.Name)
+			return alt
+		}
+	}
+	return d
+}
 
+// listsConverted reports whether istiod lists the converted form of
+// workload's port-level mTLS for the pod: the workload policy's own mode,
+// or the mesh and namespace levels when it sets none, are at odds with one
+// of its ports (a STRICT policy with a PERMISSIVE or DISABLE port, a
+// PERMISSIVE or DISABLE one with a STRICT port, an unset one with a
+// PERMISSIVE port under STRICT, or with a STRICT port otherwise).
+func listsConverted(mesh, namespace, workload *PeerAuthentication) bool {
+	if len(workload.Spec.PortLevelMTLS) == 0 {
+		return false
+	}
+	switch mode := workload.mtlsOrNil(); {
+	case mode != nil && mode.Mode == ModeStrict:
+		return hasPortMode(workload, ModePermissive) || hasPortMode(workload, ModeDisable)
+	case mode != nil && (mode.Mode == ModePermissive || mode.Mode == ModeDisable):
+		return hasPortMode(workload, ModeStrict)
+	case resolveMode(mesh, namespace, nil, 0).Strict():
+		return hasPortMode(workload, ModePermissive)
+	default:
+		return hasPortMode(workload, ModeStrict)
+	}
+}
+
+// resolveMode applies the levels of EffectiveMode, most specific last.
+func resolveMode(mesh, namespace, workload *PeerAuthentication, port uint16) Decision {
 	d := Decision{Mode: ModePermissive, Source: "default (no policy)"}
 	apply := func(pa *PeerAuthentication, mtls *MTLS, level string) {
 		if pa == nil || mtls == nil {

@@ -238,3 +238,50 @@ spec: {}
 		t.Errorf("ValidatePA = %v, want an error naming the unknown field", err)
 	}
 }
+
+// TestEffectiveModePortLevelAgainstSelectorlessNamespacePolicy copies how
+// istiod converts a workload PeerAuthentication with portLevelMtls for
+// ztunnel when a namespace holds two namespace-wide policies, an older one
+// written `selector: {}` and a newer one with no selector. istiod
+// (pilot/pkg/serviceregistry/kube/controller/ambient/authorization.go)
+// picks the namespace level for the workload's policy list among both
+// (convertedSelectorPeerAuthentications: no selector or no matchLabels),
+// but converts the port-level policy against the namespace policies
+// without a selector only (PolicyCollections' PeerAuthByNamespace index:
+// `GetSelector() == nil`). Here the list names the converted policy (the
+// older PERMISSIVE namespace policy leaves port 80 the only STRICT one), and
+// the conversion, made under the STRICT namespace policy, denies plaintext
+// on every port but 8080, which ztunnel enforces. Before, the agent read
+// port 9090 as PERMISSIVE and admitted plaintext ztunnel refuses.
+func TestEffectiveModePortLevelAgainstSelectorlessNamespacePolicy(t *testing.T) {
+	pas := decodeAll[PeerAuthentication](t, `
+metadata: {name: old-wide, namespace: shop, creationTimestamp: "2024-01-01T00:00:00Z"}
+spec: {selector: {}, mtls: {mode: PERMISSIVE}}
+---
+metadata: {name: default, namespace: shop, creationTimestamp: "2024-06-01T00:00:00Z"}
+spec: {mtls: {mode: STRICT}}
+---
+metadata: {name: db, namespace: shop, creationTimestamp: "2024-06-01T00:00:00Z"}
+spec:
+  selector: {matchLabels: {app: db}}
+  portLevelMtls:
+    80: {mode: STRICT}
+    8080: {mode: PERMISSIVE}`)
+	db := map[string]string{"app": "db"}
+	for _, tc := range []struct {
+		labels map[string]string
+		port   uint16
+		strict bool
+	}{
+		{db, 80, true},
+		{db, 8080, false},
+		{db, 9090, true},
+		// Without a workload policy the list decides alone: the older
+		// namespace policy, PERMISSIVE, as istiod.
+		{map[string]string{"app": "web"}, 9090, false},
+	} {
+		if d := EffectiveMode(pas, "", "shop", tc.labels, tc.port); d.Strict() != tc.strict {
+			t.Errorf("labels %v port %d: %s (%s), want strict=%v", tc.labels, tc.port, d.Mode, d.Source, tc.strict)
+		}
+	}
+}
