@@ -564,3 +564,38 @@ func TestReportNewLogsPersistingErrorsOnce(t *testing.T) {
 		t.Errorf("logged a %d times, b %d times, want once each:\n%s", na, nb, logs.String())
 	}
 }
+
+// TestMergeAddressGoesToTheMeshedClaimant: two of istiod's workloads at
+// one address (a pod's stale copy beside the one now there, a lying
+// object) are settled as ztunnel settles them and as the directory does
+// for every other source: a pod before anything else, then the one that
+// takes HBONE, then the first by name. Before, merge gave the address to
+// the first by namespace and name alone, so a plaintext claimant named
+// before an HBONE pod made every connection to that pod plaintext
+// passthrough (where the HBONE one, if wrong, fails closed).
+func TestMergeAddressGoesToTheMeshedClaimant(t *testing.T) {
+	shared, seAddr := netip.MustParseAddr("10.2.0.7"), netip.MustParseAddr("10.3.0.9")
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/aaa/stale", Name: "stale", Namespace: "aaa", Node: "node-b", Addresses: [][]byte{shared.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
+		{Uid: "K//Pod/shop/web-3", Name: "web-3", Namespace: "shop", Node: "node-b", Addresses: [][]byte{shared.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+		// Not pods: a plaintext ServiceEntry endpoint named first, a
+		// meshed WorkloadEntry.
+		{Uid: "K/networking.istio.io/ServiceEntry/aaa/plain/10.3.0.9", Name: "plain", Namespace: "aaa", Addresses: [][]byte{seAddr.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
+		{Uid: "K/networking.istio.io/WorkloadEntry/vm/db", Name: "db", Namespace: "vm", Addresses: [][]byte{seAddr.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+	})
+	mesh := buildSnapshot(workloads, nil, nil, "")
+	for range 3 { // the same answer every time
+		snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+		dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+		if w, ok := dir.ByAddr(shared); !ok || w.Name != "web-3" || !w.Enrolled {
+			t.Errorf("%s: %v, want the HBONE pod shop/web-3", shared, w)
+		}
+		if w, ok := dir.ByAddr(seAddr); !ok || w.Name != "db" || !w.Enrolled {
+			t.Errorf("%s: %v, want the HBONE WorkloadEntry vm/db", seAddr, w)
+		}
+	}
+}
