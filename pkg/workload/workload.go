@@ -135,6 +135,30 @@ type Endpoint struct {
 	Workload *Workload
 }
 
+// TargetPort resolves the port ep serves a service port on: the
+// endpoint's own port of the same name first (an EndpointSlice's already
+// holds the resolved targetPort, istiod's per-workload map likewise), else
+// a named targetPort among the endpoint workload's container ports, else
+// the numeric targetPort (0: the service port). Not ok: ep does not serve
+// the port.
+func (ep Endpoint) TargetPort(port ServicePort) (uint16, bool) {
+	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
+		return uint16(p), true
+	}
+	if port.TargetPortName != "" {
+		if ep.Workload != nil {
+			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p > 0 {
+				return uint16(p), true
+			}
+		}
+		return 0, false
+	}
+	if port.TargetPort > 0 {
+		return uint16(port.TargetPort), true
+	}
+	return uint16(port.Port), true
+}
+
 // Waypoint is a waypoint proxy: an address or a service hostname, and the
 // port it takes HBONE on.
 type Waypoint struct {

@@ -101,3 +101,26 @@ func TestDirectoryVIPConflictKeepsTheRest(t *testing.T) {
 		t.Errorf("fd00::a is %+v, want kube-dns with its endpoint and that VIP only", s)
 	}
 }
+
+func TestEndpointTargetPort(t *testing.T) {
+	pod := &Workload{ContainerPorts: map[string]int32{"http": 8080}}
+	for _, tc := range []struct {
+		name string
+		port ServicePort
+		ep   Endpoint
+		want uint16
+		ok   bool
+	}{
+		{"slice port of the same name wins", ServicePort{Name: "web", Port: 80, TargetPort: 9999}, Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
+		{"numeric targetPort", ServicePort{Port: 80, TargetPort: 9090}, Endpoint{}, 9090, true},
+		{"no targetPort means port", ServicePort{Port: 80}, Endpoint{}, 80, true},
+		{"named targetPort via container ports", ServicePort{Port: 80, TargetPortName: "http"}, Endpoint{Workload: pod}, 8080, true},
+		{"named targetPort the pod lacks", ServicePort{Port: 80, TargetPortName: "grpc"}, Endpoint{Workload: pod}, 0, false},
+		{"named targetPort, unknown pod", ServicePort{Port: 80, TargetPortName: "http"}, Endpoint{}, 0, false},
+	} {
+		got, ok := tc.ep.TargetPort(tc.port)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: got %d %v, want %d %v", tc.name, got, ok, tc.want, tc.ok)
+		}
+	}
+}
