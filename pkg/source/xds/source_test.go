@@ -599,3 +599,52 @@ func TestMergeAddressGoesToTheMeshedClaimant(t *testing.T) {
 		}
 	}
 }
+
+// TestMergeNamedTargetPortOnlyPerEndpoint: istiod sends a Kubernetes
+// Service's named targetPort as target port 0 and resolves it per pod,
+// leaving the port out of the list of a pod that declares no port of that
+// name (as Kubernetes leaves such a pod out of the port's endpoints); the
+// service's target port 0 then means "only where a workload says", and
+// ztunnel skips an endpoint without its own port. Before, 0 was read as
+// the service port, and such a pod was sent the service's connections on
+// the service port number, a port it never offered for the service.
+func TestMergeNamedTargetPortOnlyPerEndpoint(t *testing.T) {
+	svcKey := "shop/web.shop.svc.cluster.local"
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}, {ServicePort: 9000, TargetPort: 9000}}}}},
+		// An old version without the named port: only 9000 is its.
+		{Uid: "K//Pod/shop/web-old", Name: "web-old", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.6").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 9000, TargetPort: 9000}}}}},
+	})
+	web, err := translateService(&workloadapi.Service{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: 80, TargetPort: 0}, {ServicePort: 9000, TargetPort: 9000}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{web.Key(): web}, nil, "")
+	snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.10"))
+	if !ok || len(svc.Endpoints) != 2 {
+		t.Fatalf("service: %+v", svc)
+	}
+	want := map[string]map[int32]int{ // endpoint -> service port -> target, -1: does not serve it
+		"10.2.0.5": {80: 8080, 9000: 9000},
+		"10.2.0.6": {80: -1, 9000: 9000},
+	}
+	for _, ep := range svc.Endpoints {
+		for _, sp := range svc.Ports {
+			got := -1
+			if tp, ok := ep.TargetPort(sp); ok {
+				got = int(tp)
+			}
+			if w := want[ep.Addr.String()][sp.Port]; got != w {
+				t.Errorf("endpoint %s, service port %d: target %d, want %d (-1: not served)", ep.Addr, sp.Port, got, w)
+			}
+		}
+	}
+}
