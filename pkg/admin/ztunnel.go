@@ -290,7 +290,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			}
 			// 0 for a named port, as ztunnel; an unset one is the port itself.
 			tp := p.TargetPort
-			if p.TargetPortName == "" {
+			if p.TargetPortName == "" && !p.PerEndpoint {
 				tp = cmp.Or(tp, p.Port)
 			}
 			z.Ports[strconv.Itoa(int(p.Port))] = uint16(tp)

@@ -116,6 +116,13 @@ type ServicePort struct {
 	// targetPort), resolved per endpoint.
 	TargetPort     int32
 	TargetPortName string
+	// PerEndpoint: only the endpoints' own ports (Endpoint.Ports) say
+	// where this port is served, and an endpoint without one does not
+	// serve it. istiod sends a named targetPort as 0, without the name,
+	// and resolves it per workload, leaving the port out for a pod with
+	// no port of that name (as Kubernetes leaves such a pod out of the
+	// port's endpoints; ztunnel skips it).
+	PerEndpoint bool
 	// Protocol is TCP, UDP or SCTP ("" means TCP); only TCP is meshed.
 	Protocol string
 	// AppProtocol is the declared application protocol, when known.
@@ -139,11 +146,15 @@ type Endpoint struct {
 // endpoint's own port of the same name first (an EndpointSlice's already
 // holds the resolved targetPort, istiod's per-workload map likewise), else
 // a named targetPort among the endpoint workload's container ports, else
-// the numeric targetPort (0: the service port). Not ok: ep does not serve
-// the port.
+// the numeric targetPort (0: the service port) unless the port is served
+// only where an endpoint says (PerEndpoint). Not ok: ep does not serve the
+// port.
 func (ep Endpoint) TargetPort(port ServicePort) (uint16, bool) {
 	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
 		return uint16(p), true
+	}
+	if port.PerEndpoint {
+		return 0, false
 	}
 	if port.TargetPortName != "" {
 		if ep.Workload != nil {

@@ -124,3 +124,17 @@ func TestEndpointTargetPort(t *testing.T) {
 		}
 	}
 }
+
+// TestEndpointTargetPortPerEndpoint: a port served only where an endpoint
+// says (istiod's target port 0) is not served by an endpoint without its
+// own port for it, whatever its container ports.
+func TestEndpointTargetPortPerEndpoint(t *testing.T) {
+	port := ServicePort{Name: "80", Port: 80, PerEndpoint: true}
+	pod := &Workload{ContainerPorts: map[string]int32{"80": 8080, "http": 8080}}
+	if tp, ok := (Endpoint{Ports: map[string]int32{"80": 8081}, Workload: pod}).TargetPort(port); !ok || tp != 8081 {
+		t.Errorf("endpoint with its own port: %d %v, want 8081", tp, ok)
+	}
+	if tp, ok := (Endpoint{Workload: pod}).TargetPort(port); ok {
+		t.Errorf("endpoint without its own port: %d, want none", tp)
+	}
+}

@@ -178,8 +178,10 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		}
 		sp := int32(p.GetServicePort())
 		// The target port here is the service's default; a workload's
-		// own map (its endpoint ports) wins where it has one.
-		port := workload.ServicePort{Name: portName(sp), Port: sp, TargetPort: int32(cmp.Or(p.GetTargetPort(), p.GetServicePort())), Protocol: "TCP"}
+		// own map (its endpoint ports) wins where it has one. 0 is a
+		// named targetPort istiod resolved per workload: a workload
+		// without it in its map does not serve the port (PerEndpoint).
+		port := workload.ServicePort{Name: portName(sp), Port: sp, TargetPort: int32(p.GetTargetPort()), PerEndpoint: p.GetTargetPort() == 0, Protocol: "TCP"}
 		if ap := p.GetAppProtocol(); ap != workloadapi.AppProtocol_UNKNOWN {
 			port.AppProtocol = ap.String()
 		}
