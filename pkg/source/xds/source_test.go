@@ -648,3 +648,81 @@ func TestMergeNamedTargetPortOnlyPerEndpoint(t *testing.T) {
 		}
 	}
 }
+
+// TestMergeServiceLoadBalancing: istiod's load_balancing on a service
+// says more than a preference, and was ignored:
+//   - health_policy ALLOW_ALL (publishNotReadyAddresses): endpoints not
+//     ready serve too; read as ONLY_HEALTHY, the peers of a StatefulSet
+//     that find each other through such a service before they are ready
+//     (etcd, ZooKeeper) were refused as "no ready endpoint";
+//   - mode STRICT with NODE (internalTrafficPolicy: Local): only endpoints
+//     on the client's node, this node, serve; balanced over every node, a
+//     pod's data for its node's agent went to other nodes' agents;
+//   - mode PASSTHROUGH (a ServiceEntry with resolution NONE): connections
+//     go to the address called, not to the entry's endpoints; as a
+//     service, every meshed connection to such an entry's addresses was
+//     refused, or taken to its endpoints;
+//
+// and a mode or a STRICT scope the agent cannot honour rejects the service
+// (the client NACKs it, naming the field), rather than balancing as if it
+// were not there.
+func TestMergeServiceLoadBalancing(t *testing.T) {
+	peersKey, localKey, extKey := "db/peers.db.svc.cluster.local", "obs/agent.obs.svc.cluster.local", "shop/ext.example.com"
+	port := func(svcKey string) map[string]*workloadapi.PortList {
+		return map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}
+	}
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/db/db-0", Name: "db-0", Namespace: "db", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.10").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Status: workloadapi.WorkloadStatus_UNHEALTHY, Services: port(peersKey)},
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: port(localKey)},
+		{Uid: "K//Pod/obs/agent-b", Name: "agent-b", Namespace: "obs", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.11").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: port(localKey)},
+		{Uid: "K/networking.istio.io/ServiceEntry/shop/ext/10.9.0.1", Name: "ext", Namespace: "shop", Addresses: [][]byte{netip.MustParseAddr("10.9.0.1").AsSlice()},
+			Services: port(extKey)},
+	})
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "peers", Namespace: "db", Hostname: "peers.db.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.1.1").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}, LoadBalancing: &workloadapi.LoadBalancing{HealthPolicy: workloadapi.LoadBalancing_ALLOW_ALL}},
+		{Name: "agent", Namespace: "obs", Hostname: "agent.obs.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.1.2").AsSlice()}},
+			Ports:         []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}},
+			LoadBalancing: &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_NODE}}},
+		{Name: "ext", Namespace: "shop", Hostname: "ext.example.com", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("203.0.113.7").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 80}}, LoadBalancing: &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_PASSTHROUGH, HealthPolicy: workloadapi.LoadBalancing_ALLOW_ALL}},
+	} {
+		s, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.1.1")); !ok || len(svc.Endpoints) != 1 || !svc.Endpoints[0].Ready {
+		t.Errorf("ALLOW_ALL: %+v, want db-0 a ready endpoint though istiod marks it unhealthy", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.1.2")); !ok || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != netip.MustParseAddr("10.1.0.5") {
+		t.Errorf("STRICT NODE: %+v, want only this node's endpoint 10.1.0.5", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("203.0.113.7")); ok {
+		t.Errorf("PASSTHROUGH: 203.0.113.7 is a VIP of %s, want connections to go to the address", svc)
+	}
+
+	for _, tc := range []struct {
+		name string
+		lb   *workloadapi.LoadBalancing
+		want string
+	}{
+		{"unknown mode", &workloadapi.LoadBalancing{Mode: 9}, "load_balancing mode 9"},
+		{"unknown health policy", &workloadapi.LoadBalancing{HealthPolicy: 7}, "load_balancing health_policy 7"},
+		{"STRICT by zone", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_ZONE}}, "routing_preference ZONE"},
+		{"STRICT by unknown scope", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{12}}, "routing_preference 12"},
+	} {
+		_, err := translateService(&workloadapi.Service{Name: "x", Namespace: "shop", Hostname: "x.shop.svc.cluster.local", LoadBalancing: tc.lb})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error naming %q", tc.name, err, tc.want)
+		}
+	}
+}
