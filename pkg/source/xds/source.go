@@ -256,7 +256,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	services := make([]*workload.Service, 0, len(mesh.Services))
 	canonical := make([]bool, 0, len(mesh.Services))
 	for _, svc := range mesh.Services {
-		s, taken := foreignVIPs(&svc.Service, claimed)
+		s, taken := foreignVIPs(routed(svc, node), claimed)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
@@ -449,6 +449,28 @@ func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workloa
 		}
 	}
 	return &c, taken
+}
+
+// routed returns svc as this node's pods reach it (a copy if that
+// differs): a nodeLocal service only through its endpoints on this node;
+// a passthrough one not at its VIPs (a connection goes to the address
+// called, as in ztunnel), unless it has a waypoint, which takes
+// connections to its VIPs first.
+func routed(svc *Service, node string) *workload.Service {
+	s := &svc.Service
+	if svc.nodeLocal {
+		c := *s
+		c.Endpoints = slices.DeleteFunc(slices.Clone(s.Endpoints), func(ep workload.Endpoint) bool {
+			return ep.Workload == nil || ep.Workload.Node != node
+		})
+		s = &c
+	}
+	if svc.passthrough && s.Waypoint == nil && len(s.VIPs) > 0 {
+		c := *s
+		c.VIPs = nil
+		s = &c
+	}
+	return s
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods

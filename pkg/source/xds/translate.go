@@ -191,7 +191,53 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	if s.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
 		return nil, fmt.Errorf("service %s: waypoint: %w", s.Key(), err)
 	}
+	if err := translateLoadBalancing(x.GetLoadBalancing(), s); err != nil {
+		return nil, fmt.Errorf("service %s: %w", s.Key(), err)
+	}
 	return s, nil
+}
+
+// translateLoadBalancing reads what of a service's load_balancing changes
+// which endpoints may serve it, or whether it routes at all, into s. Mode
+// FAILOVER and its routing preferences only order endpoints that all may
+// serve, and the agent balances over all of them. The rest is not a
+// preference: a mode, a STRICT scope or a health policy the agent cannot
+// honour is an error, since balancing as if it were not there sends
+// connections where istiod says they must not go.
+func translateLoadBalancing(lb *workloadapi.LoadBalancing, s *Service) error {
+	if lb == nil {
+		return nil
+	}
+	switch lb.GetHealthPolicy() {
+	case workloadapi.LoadBalancing_ONLY_HEALTHY:
+	case workloadapi.LoadBalancing_ALLOW_ALL:
+		s.allowUnhealthy = true
+	default:
+		return fmt.Errorf("load_balancing health_policy %s is not supported (ONLY_HEALTHY or ALLOW_ALL)", lb.GetHealthPolicy())
+	}
+	switch lb.GetMode() {
+	case workloadapi.LoadBalancing_UNSPECIFIED_MODE, workloadapi.LoadBalancing_FAILOVER:
+	case workloadapi.LoadBalancing_PASSTHROUGH:
+		s.passthrough = true
+	case workloadapi.LoadBalancing_STRICT:
+		// Every endpoint must match the client in each scope. The
+		// clients are this node's pods: NODE is this node, NETWORK is
+		// the agent's (the only one whose endpoints are kept). The
+		// others need a locality or cluster the agent does not keep, and
+		// istiod sends STRICT only by NODE (internalTrafficPolicy: Local).
+		for _, scope := range lb.GetRoutingPreference() {
+			switch scope {
+			case workloadapi.LoadBalancing_NODE:
+				s.nodeLocal = true
+			case workloadapi.LoadBalancing_NETWORK:
+			default:
+				return fmt.Errorf("load_balancing mode STRICT with routing_preference %s is not supported (NODE or NETWORK)", scope)
+			}
+		}
+	default:
+		return fmt.Errorf("load_balancing mode %s is not supported (FAILOVER, STRICT or PASSTHROUGH)", lb.GetMode())
+	}
+	return nil
 }
 
 // meshAddr parses an address istiod gives a workload, a service or a
