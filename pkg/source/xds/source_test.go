@@ -726,3 +726,78 @@ func TestMergeServiceLoadBalancing(t *testing.T) {
 		}
 	}
 }
+
+// TestMergeCIDRAddresses: a ServiceEntry's address may be a CIDR, which
+// istiod sends as the range's first address with a prefix length; ztunnel
+// takes a connection to any address in it (that no VIP has) to the
+// service, its waypoint first: an egress waypoint's policy for a range
+// holds only so. Before, the length was ignored and the range's first
+// address became a host VIP: connections to the rest of the range went
+// straight out, past the waypoint. A workload's address stays the
+// workload's (as for host VIPs), the longest prefix wins, a range that
+// holds addresses of no one host (link-local: the cloud metadata server)
+// rejects the service, and a range on another network is left out.
+func TestMergeCIDRAddresses(t *testing.T) {
+	cidr := func(p string, network string) *workloadapi.NetworkAddress {
+		pr := netip.MustParsePrefix(p)
+		l := uint32(pr.Bits())
+		return &workloadapi.NetworkAddress{Address: pr.Addr().AsSlice(), Length: &l, Network: network}
+	}
+	egress := &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Hostname{Hostname: &workloadapi.NamespacedHostname{Namespace: "egress", Hostname: "waypoint.egress.svc.cluster.local"}}, HboneMtlsPort: 15008}
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.20.0.7").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+	})
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "partners", Namespace: "egress", Hostname: "partners.example", Addresses: []*workloadapi.NetworkAddress{cidr("10.20.0.0/16", ""), cidr("10.30.0.0/16", "far")},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}, Waypoint: egress},
+		{Name: "one-partner", Namespace: "egress", Hostname: "one.partners.example", Addresses: []*workloadapi.NetworkAddress{cidr("10.20.9.0/24", "")},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}, Waypoint: egress},
+		{Name: "exact", Namespace: "shop", Hostname: "exact.example", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.20.1.1").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}},
+	} {
+		s, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if errs = append(errs, dirErrs...); len(errs) > 0 {
+		t.Errorf("errors: %v", errs)
+	}
+	for _, tc := range []struct{ dst, want string }{
+		{"10.20.5.5", "partners"},
+		{"10.20.0.0", "partners"},
+		{"10.20.9.9", "one-partner"}, // the longer prefix
+		{"10.20.1.1", "exact"},       // a VIP first
+		{"10.20.0.7", ""},            // a workload's address stays its
+		{"10.30.0.1", ""},            // on another network
+		{"10.21.0.1", ""},
+	} {
+		got := ""
+		if svc, ok := dir.ServiceByVIPFor(netip.MustParseAddr(tc.dst), "shop"); ok {
+			got = svc.Name
+		}
+		if got != tc.want {
+			t.Errorf("%s: service %q, want %q", tc.dst, got, tc.want)
+		}
+	}
+	for _, bad := range []string{"169.254.0.0/16", "160.0.0.0/4", "fc00::/6", "0.0.0.0/0", "127.0.0.0/8", "fe80::/10", "::/0", "::ffff:10.0.0.0/104", "10.20.0.0/33"} {
+		pr, err := netip.ParsePrefix(bad)
+		var na *workloadapi.NetworkAddress
+		if err != nil { // not a prefix netip takes: a length past the family's
+			l := uint32(33)
+			na = &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.20.0.0").AsSlice(), Length: &l}
+		} else {
+			l := uint32(pr.Bits())
+			na = &workloadapi.NetworkAddress{Address: pr.Addr().AsSlice(), Length: &l}
+		}
+		if _, err := translateService(&workloadapi.Service{Name: "x", Namespace: "evil", Hostname: "x.example", Addresses: []*workloadapi.NetworkAddress{na}}); err == nil {
+			t.Errorf("CIDR %s accepted, want the service rejected", bad)
+		}
+	}
+}
