@@ -91,7 +91,12 @@ type Service struct {
 	// Kubernetes Service, the declared host of a ServiceEntry.
 	Hostname string
 	// VIPs are the virtual addresses; empty for a headless service.
-	VIPs      []netip.Addr
+	VIPs []netip.Addr
+	// CIDRs are address ranges the service takes connections to (a
+	// ServiceEntry's CIDR addresses): an address in one that is no VIP
+	// and no workload's goes to the service (see
+	// Directory.ServiceByVIPFor).
+	CIDRs     []netip.Prefix
 	Ports     []ServicePort
 	Endpoints []Endpoint
 	// Waypoint, if set, is where traffic to this service goes first.

@@ -138,3 +138,41 @@ func TestEndpointTargetPortPerEndpoint(t *testing.T) {
 		t.Errorf("endpoint without its own port: %d, want none", tp)
 	}
 }
+
+// TestServiceByVIPForRanges: a range (CIDR) is consulted after the VIPs
+// and never at a workload's address; the longest range holding the
+// address wins, the client's namespace's NamespaceOnly ones first,
+// another namespace's never, and two services tying at the longest range
+// leave the address to itself.
+func TestServiceByVIPForRanges(t *testing.T) {
+	pfx := netip.MustParsePrefix
+	wide := &Service{Name: "wide", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.0.0.0/8")}}
+	narrow := &Service{Name: "narrow", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.1.0.0/16")}}
+	twinA := &Service{Name: "twin-a", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.2.0.0/16")}}
+	twinB := &Service{Name: "twin-b", Namespace: "b", CIDRs: []netip.Prefix{pfx("10.2.0.0/16")}}
+	own := &Service{Name: "own", Namespace: "c", NamespaceOnly: true, CIDRs: []netip.Prefix{pfx("10.3.0.0/24")}}
+	vip := &Service{Name: "vip", Namespace: "a", VIPs: []netip.Addr{addr("10.1.0.1")}}
+	pod := &Workload{Name: "p", Namespace: "a", Addrs: []netip.Addr{addr("10.1.0.2")}}
+	dir, errs := NewDirectory([]*Workload{pod}, []*Service{wide, narrow, twinA, twinB, own, vip})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	for _, tc := range []struct{ dst, ns, want string }{
+		{"10.9.0.1", "a", "wide"},
+		{"10.1.7.7", "a", "narrow"},
+		{"10.1.0.1", "a", "vip"},
+		{"10.1.0.2", "a", ""}, // the pod's
+		{"10.2.0.1", "a", ""}, // a tie
+		{"10.3.0.1", "c", "own"},
+		{"10.3.0.1", "d", "wide"},
+		{"11.0.0.1", "a", ""},
+	} {
+		got := ""
+		if s, ok := dir.ServiceByVIPFor(addr(tc.dst), tc.ns); ok {
+			got = s.Name
+		}
+		if got != tc.want {
+			t.Errorf("%s from %s: %q, want %q", tc.dst, tc.ns, got, tc.want)
+		}
+	}
+}

@@ -63,6 +63,8 @@ type Service struct {
 	// vipNetworks holds, per VIP, the network the address is on; the
 	// snapshot keeps only the VIPs on the agent's network.
 	vipNetworks []string
+	// cidrNetworks holds, per CIDR, the network the range is on.
+	cidrNetworks []string
 	// What istiod's load_balancing says beyond a preference (see
 	// translateLoadBalancing): allowUnhealthy (health_policy ALLOW_ALL,
 	// publishNotReadyAddresses) makes every endpoint ready; nodeLocal
@@ -127,6 +129,12 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			}
 			if vipNetwork == network {
 				c.VIPs = append(c.VIPs, vip)
+			}
+		}
+		c.CIDRs, c.cidrNetworks = nil, nil
+		for i, p := range svc.CIDRs {
+			if svc.cidrNetworks[i] == network {
+				c.CIDRs = append(c.CIDRs, p)
 			}
 		}
 		s.Services = append(s.Services, &c)

@@ -465,9 +465,9 @@ func routed(svc *Service, node string) *workload.Service {
 		})
 		s = &c
 	}
-	if svc.passthrough && s.Waypoint == nil && len(s.VIPs) > 0 {
+	if svc.passthrough && s.Waypoint == nil && len(s.VIPs)+len(s.CIDRs) > 0 {
 		c := *s
-		c.VIPs = nil
+		c.VIPs, c.CIDRs = nil, nil
 		s = &c
 	}
 	return s

@@ -165,6 +165,13 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		return nil, fmt.Errorf("service %s: visibility %s is not supported (PUBLIC or NAMESPACE)", s.Key(), x.GetVisibility())
 	}
 	for i, na := range x.GetAddresses() {
+		if p, ok, err := meshCIDR(na); err != nil {
+			return nil, fmt.Errorf("service %s: address %d: %w", s.Key(), i, err)
+		} else if ok {
+			s.CIDRs = append(s.CIDRs, p)
+			s.cidrNetworks = append(s.cidrNetworks, na.GetNetwork())
+			continue
+		}
 		a, err := meshAddr(na.GetAddress())
 		if err != nil {
 			return nil, fmt.Errorf("service %s: address %d: %w", s.Key(), i, err)
@@ -256,6 +263,46 @@ func meshAddr(b []byte) (netip.Addr, error) {
 		return netip.Addr{}, err
 	}
 	return a, nil
+}
+
+// meshCIDR reads a service address istiod sends with a prefix length (a
+// ServiceEntry's CIDR address) as a range; ok is false for a host address
+// (no length, or the family's full one). A range is refused where it holds
+// an address of no one host (see meshAddr: 169.254.0.0/16 would take the
+// cloud metadata server's connections, 0.0.0.0/0 everything's) or is
+// written IPv4-mapped (which family it means is not known).
+func meshCIDR(na *workloadapi.NetworkAddress) (netip.Prefix, bool, error) {
+	if na.Length == nil {
+		return netip.Prefix{}, false, nil
+	}
+	a, ok := netip.AddrFromSlice(na.GetAddress())
+	if !ok {
+		return netip.Prefix{}, false, fmt.Errorf("%d bytes, want 4 or 16", len(na.GetAddress()))
+	}
+	if n := na.GetLength(); n > uint32(a.BitLen()) {
+		return netip.Prefix{}, false, fmt.Errorf("prefix length %d of %s, at most %d", n, a, a.BitLen())
+	} else if n == uint32(a.BitLen()) {
+		return netip.Prefix{}, false, nil
+	}
+	if a.Is4In6() {
+		return netip.Prefix{}, false, fmt.Errorf("range %s/%d is written IPv4-mapped", a, na.GetLength())
+	}
+	p := netip.PrefixFrom(a, int(na.GetLength())).Masked()
+	for _, n := range noHostRanges {
+		if n.Overlaps(p) {
+			return netip.Prefix{}, false, fmt.Errorf("range %s holds %s, addresses of no one host", p, n)
+		}
+	}
+	return p, true, nil
+}
+
+// noHostRanges are the ranges of addresses that mean no one host across
+// the cluster (selection.CheckPodAddr's).
+var noHostRanges = []netip.Prefix{
+	netip.MustParsePrefix("0.0.0.0/8"), netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("169.254.0.0/16"),
+	netip.MustParsePrefix("224.0.0.0/4"), netip.MustParsePrefix("255.255.255.255/32"),
+	netip.MustParsePrefix("::/128"), netip.MustParsePrefix("::1/128"), netip.MustParsePrefix("::ffff:0.0.0.0/96"),
+	netip.MustParsePrefix("fe80::/10"), netip.MustParsePrefix("ff00::/8"),
 }
 
 func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error) {
