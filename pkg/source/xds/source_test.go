@@ -801,3 +801,35 @@ func TestMergeCIDRAddresses(t *testing.T) {
 		}
 	}
 }
+
+// TestMergeCIDRSparesNodeAddresses: a range holding a node's address (a
+// hostNetwork pod's, which the directory does not index) would take
+// connections to that node, its kubelet and hostNetwork pods, to the
+// entry's endpoints, as a VIP there would; such a range is left out,
+// named in an error, and the service keeps the rest.
+func TestMergeCIDRSparesNodeAddresses(t *testing.T) {
+	nodeB := netip.MustParseAddr("10.0.0.20")
+	l16, l24 := uint32(16), uint32(24)
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/kube-system/kube-proxy-b", Name: "kube-proxy-b", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
+			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
+	})
+	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.0.0.0").AsSlice(), Length: &l16}, {Address: netip.MustParseAddr("10.50.0.0").AsSlice(), Length: &l24}},
+		Ports:     []*workloadapi.Port{{ServicePort: 10250, TargetPort: 10250}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{grab.Key(): grab}, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "10.0.0.0/16") || !strings.Contains(errs[0].Error(), "kube-system/kube-proxy-b") {
+		t.Errorf("errors %v, want the range holding node-b's address named", errs)
+	}
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	if svc, ok := dir.ServiceByVIPFor(nodeB, "shop"); ok {
+		t.Errorf("node-b's address %s goes to %s", nodeB, svc)
+	}
+	if svc, ok := dir.ServiceByVIPFor(netip.MustParseAddr("10.50.0.9"), "shop"); !ok || svc.Name != "grab" {
+		t.Errorf("the other range: %v, want kept", svc)
+	}
+}
