@@ -197,6 +197,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			unknown(key, fmt.Sprintf("istiod describes %d pods %s on node %s (%s, %s)", len(c), key, node, c[0].UID, c[1].UID))
 		}
 	}
+	// The nodes' addresses (hostNetwork pods'), which the directory does
+	// not index, for the ranges that would take them (nodeRanges).
+	var nodeAddrs []nodeAddr
 	for _, w := range claimOrder(mesh.Workloads) {
 		if w.Network != mesh.Network {
 			continue // a workload elsewhere is not at its address here
@@ -212,6 +215,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				if _, taken := claimed[a]; !taken {
 					claimed[a] = key
 				}
+				nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
 			}
 			if localNames[key] || w.Node == node {
 				continue
@@ -255,11 +259,14 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	services := make([]*workload.Service, 0, len(mesh.Services))
 	canonical := make([]bool, 0, len(mesh.Services))
+	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
 	for _, svc := range mesh.Services {
 		s, taken := foreignVIPs(routed(svc, node), claimed)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
+		s, spared := nodeRanges(s, nodeAddrs)
+		errs = append(errs, spared...)
 		services = append(services, s)
 		canonical = append(canonical, svc.Canonical)
 	}
@@ -471,6 +478,39 @@ func routed(svc *Service, node string) *workload.Service {
 		s = &c
 	}
 	return s
+}
+
+// nodeAddr is a node's address and a hostNetwork pod there.
+type nodeAddr struct {
+	addr netip.Addr
+	pod  string
+}
+
+// nodeRanges returns svc without the ranges (CIDRs) that hold a node's
+// address (a copy if any is left out), and an error naming each. The
+// directory leaves a workload's address to the workload before it looks
+// at ranges, but a node's address is no workload's there (hostNetwork
+// pods are not indexed), so a ServiceEntry's range over the nodes would
+// take connections to them, kubelets included, to its endpoints, as a VIP
+// at a node's address would (foreignVIPs). nodes is sorted by address.
+func nodeRanges(svc *workload.Service, nodes []nodeAddr) (*workload.Service, []error) {
+	var errs []error
+	keep := make([]netip.Prefix, 0, len(svc.CIDRs))
+	for _, p := range svc.CIDRs {
+		// The first node address at or after the range's start.
+		j, _ := slices.BinarySearchFunc(nodes, p.Addr(), func(n nodeAddr, a netip.Addr) int { return n.addr.Compare(a) })
+		if j < len(nodes) && p.Contains(nodes[j].addr) {
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists range %s, which holds node address %s (of %s): the range is left out", svc.Namespace+"/"+svc.Hostname, p, nodes[j].addr, nodes[j].pod)})
+			continue
+		}
+		keep = append(keep, p)
+	}
+	if len(errs) == 0 {
+		return svc, nil
+	}
+	c := *svc
+	c.CIDRs = keep
+	return &c, errs
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods
