@@ -100,8 +100,9 @@ type ZtunnelService struct {
 	Name            string                      `json:"name"`
 	Namespace       string                      `json:"namespace"`
 	Hostname        string                      `json:"hostname"`
-	VIPs            []string                    `json:"vips"`  // network/ip
-	Ports           map[string]uint16           `json:"ports"` // service port -> target port (0: named, per endpoint)
+	VIPs            []string                    `json:"vips"`               // network/ip
+	CIDRVIPs        []string                    `json:"cidrVips,omitempty"` // network/prefix, as ztunnel
+	Ports           map[string]uint16           `json:"ports"`              // service port -> target port (0: named, per endpoint)
 	Endpoints       map[string]*ZtunnelEndpoint `json:"endpoints"`
 	Waypoint        *ZtunnelGatewayAddress      `json:"waypoint,omitempty"`
 	SubjectAltNames []string                    `json:"subjectAltNames"`
@@ -283,6 +284,9 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			z.VIPs = append(z.VIPs, network+"/"+vip.String())
 			v4, v6 = v4 || vip.Is4(), v6 || vip.Is6()
 		}
+		for _, p := range s.CIDRs {
+			z.CIDRVIPs = append(z.CIDRVIPs, network+"/"+p.String())
+		}
 		z.IPFamilies = map[[2]bool]string{{true, false}: "IPv4", {false, true}: "IPv6", {true, true}: "Dual"}[[2]bool{v4, v6}]
 		for _, p := range s.Ports {
 			if p.Protocol != "" && p.Protocol != "TCP" {
@@ -290,7 +294,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 			}
 			// 0 for a named port, as ztunnel; an unset one is the port itself.
 			tp := p.TargetPort
-			if p.TargetPortName == "" {
+			if p.TargetPortName == "" && !p.PerEndpoint {
 				tp = cmp.Or(tp, p.Port)
 			}
 			z.Ports[strconv.Itoa(int(p.Port))] = uint16(tp)

@@ -263,7 +263,7 @@ func inboundService(dir *workload.Directory, podW *workload.Workload, host strin
 				continue
 			}
 			for _, sp := range s.Ports {
-				if tp, ok := targetPort(sp, ep); ok && tp == port {
+				if tp, ok := ep.TargetPort(sp); ok && tp == port {
 					return s
 				}
 			}

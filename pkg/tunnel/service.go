@@ -83,7 +83,7 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 		if !ep.Ready {
 			continue
 		}
-		if tp, ok := targetPort(port, ep); ok {
+		if tp, ok := ep.TargetPort(port); ok {
 			eligible = append(eligible, target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)})
 		}
 	}
@@ -136,29 +136,6 @@ func (b *balancer) ok(a netip.AddrPort) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	delete(b.failed, a)
-}
-
-// targetPort resolves the port an endpoint serves a service port on: the
-// endpoint's own port of the same name first (an EndpointSlice's already
-// holds the resolved targetPort, istiod's per-workload map likewise), else
-// a named targetPort among the endpoint workload's container ports, else
-// the numeric targetPort (0: the service port).
-func targetPort(port workload.ServicePort, ep workload.Endpoint) (uint16, bool) {
-	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
-		return uint16(p), true
-	}
-	if port.TargetPortName != "" {
-		if ep.Workload != nil {
-			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p > 0 {
-				return uint16(p), true
-			}
-		}
-		return 0, false
-	}
-	if port.TargetPort > 0 {
-		return uint16(port.TargetPort), true
-	}
-	return uint16(port.Port), true
 }
 
 // errNoEndpoint means a service has nothing to send the connection to.

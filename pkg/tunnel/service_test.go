@@ -11,29 +11,6 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
-func TestTargetPort(t *testing.T) {
-	pod := &workload.Workload{ContainerPorts: map[string]int32{"http": 8080}}
-	for _, tc := range []struct {
-		name string
-		port workload.ServicePort
-		ep   workload.Endpoint
-		want uint16
-		ok   bool
-	}{
-		{"slice port of the same name wins", workload.ServicePort{Name: "web", Port: 80, TargetPort: 9999}, workload.Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
-		{"numeric targetPort", workload.ServicePort{Port: 80, TargetPort: 9090}, workload.Endpoint{}, 9090, true},
-		{"no targetPort means port", workload.ServicePort{Port: 80}, workload.Endpoint{}, 80, true},
-		{"named targetPort via container ports", workload.ServicePort{Port: 80, TargetPortName: "http"}, workload.Endpoint{Workload: pod}, 8080, true},
-		{"named targetPort the pod lacks", workload.ServicePort{Port: 80, TargetPortName: "grpc"}, workload.Endpoint{Workload: pod}, 0, false},
-		{"named targetPort, unknown pod", workload.ServicePort{Port: 80, TargetPortName: "http"}, workload.Endpoint{}, 0, false},
-	} {
-		got, ok := targetPort(tc.port, tc.ep)
-		if got != tc.want || ok != tc.ok {
-			t.Errorf("%s: got %d %v, want %d %v", tc.name, got, ok, tc.want, tc.ok)
-		}
-	}
-}
-
 func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 	now := time.Unix(1000, 0)
 	b := newBalancer()

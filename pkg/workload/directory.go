@@ -19,6 +19,10 @@ type Directory struct {
 	byVIP    map[netip.Addr]*Service
 	// byVIPIn holds the VIPs of NamespaceOnly services, by namespace.
 	byVIPIn map[string]map[netip.Addr]*Service
+	// byCIDR and byCIDRIn hold the services with CIDRs, as byVIP and
+	// byVIPIn hold VIPs.
+	byCIDR   []*Service
+	byCIDRIn map[string][]*Service
 	// selecting lists, per workload, the services it is an endpoint of, in
 	// service order: the destination side names the service of an inbound
 	// connection among these only.
@@ -38,6 +42,7 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 		byNode:    map[string][]*Workload{},
 		byVIP:     make(map[netip.Addr]*Service, len(services)),
 		byVIPIn:   map[string]map[netip.Addr]*Service{},
+		byCIDRIn:  map[string][]*Service{},
 		selecting: map[*Workload][]*Service{},
 	}
 	var errs []error
@@ -134,6 +139,13 @@ func (d *Directory) addService(s *Service) error {
 	for _, vip := range own.VIPs {
 		vips[vip] = &own
 	}
+	if len(own.CIDRs) > 0 {
+		if s.NamespaceOnly {
+			d.byCIDRIn[s.Namespace] = append(d.byCIDRIn[s.Namespace], &own)
+		} else {
+			d.byCIDR = append(d.byCIDR, &own)
+		}
+	}
 	d.services = append(d.services, &own)
 	for i := range own.Endpoints {
 		e := &own.Endpoints[i]
@@ -182,13 +194,54 @@ func (d *Directory) ServiceByVIP(a netip.Addr) (*Service, bool) {
 
 // ServiceByVIPFor returns the service a client in namespace reaches at a:
 // its own namespace's NamespaceOnly service first, as ztunnel prefers the
-// client's namespace, then the one every namespace reaches. Another
-// namespace's NamespaceOnly service is never it.
+// client's namespace, then the one every namespace reaches; failing a
+// VIP, and unless a workload is at a, the service with the longest range
+// (CIDRs) holding a, in the same order. Another namespace's NamespaceOnly
+// service is never it.
 func (d *Directory) ServiceByVIPFor(a netip.Addr, namespace string) (*Service, bool) {
 	if s, ok := d.byVIPIn[namespace][a.Unmap()]; ok {
 		return s, true
 	}
-	return d.ServiceByVIP(a)
+	if s, ok := d.ServiceByVIP(a); ok {
+		return s, true
+	}
+	// Then the ranges (CIDRs), as ztunnel, except at a workload's address:
+	// the workload comes first, as a VIP at it would not be the service's
+	// (a ServiceEntry's ranges are anyone's to write in their namespace).
+	if _, ok := d.ByAddr(a); ok {
+		return nil, false
+	}
+	if s := bestCIDR(d.byCIDRIn[namespace], a.Unmap()); s != nil {
+		return s, true
+	}
+	if s := bestCIDR(d.byCIDR, a.Unmap()); s != nil {
+		return s, true
+	}
+	return nil, false
+}
+
+// bestCIDR returns the service of list whose range holding a is the
+// longest, nil if none or if two services tie there (no one can tell
+// which is meant: the connection goes to the address, as for a VIP two
+// services claim that neither owns).
+func bestCIDR(list []*Service, a netip.Addr) *Service {
+	var best *Service
+	bits, tie := -1, false
+	for _, s := range list {
+		for _, p := range s.CIDRs {
+			switch {
+			case !p.Contains(a) || p.Bits() < bits:
+			case p.Bits() > bits:
+				best, bits, tie = s, p.Bits(), false
+			case best != s:
+				tie = true
+			}
+		}
+	}
+	if tie {
+		return nil
+	}
+	return best
 }
 
 // Store holds the current Directory. Writers build a new Directory and Set

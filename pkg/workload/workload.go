@@ -91,7 +91,12 @@ type Service struct {
 	// Kubernetes Service, the declared host of a ServiceEntry.
 	Hostname string
 	// VIPs are the virtual addresses; empty for a headless service.
-	VIPs      []netip.Addr
+	VIPs []netip.Addr
+	// CIDRs are address ranges the service takes connections to (a
+	// ServiceEntry's CIDR addresses): an address in one that is no VIP
+	// and no workload's goes to the service (see
+	// Directory.ServiceByVIPFor).
+	CIDRs     []netip.Prefix
 	Ports     []ServicePort
 	Endpoints []Endpoint
 	// Waypoint, if set, is where traffic to this service goes first.
@@ -116,6 +121,13 @@ type ServicePort struct {
 	// targetPort), resolved per endpoint.
 	TargetPort     int32
 	TargetPortName string
+	// PerEndpoint: only the endpoints' own ports (Endpoint.Ports) say
+	// where this port is served, and an endpoint without one does not
+	// serve it. istiod sends a named targetPort as 0, without the name,
+	// and resolves it per workload, leaving the port out for a pod with
+	// no port of that name (as Kubernetes leaves such a pod out of the
+	// port's endpoints; ztunnel skips it).
+	PerEndpoint bool
 	// Protocol is TCP, UDP or SCTP ("" means TCP); only TCP is meshed.
 	Protocol string
 	// AppProtocol is the declared application protocol, when known.
@@ -133,6 +145,34 @@ type Endpoint struct {
 	// Workload is the workload at Addr, or nil if it is not one we know.
 	// NewDirectory fills it in.
 	Workload *Workload
+}
+
+// TargetPort resolves the port ep serves a service port on: the
+// endpoint's own port of the same name first (an EndpointSlice's already
+// holds the resolved targetPort, istiod's per-workload map likewise), else
+// a named targetPort among the endpoint workload's container ports, else
+// the numeric targetPort (0: the service port) unless the port is served
+// only where an endpoint says (PerEndpoint). Not ok: ep does not serve the
+// port.
+func (ep Endpoint) TargetPort(port ServicePort) (uint16, bool) {
+	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
+		return uint16(p), true
+	}
+	if port.PerEndpoint {
+		return 0, false
+	}
+	if port.TargetPortName != "" {
+		if ep.Workload != nil {
+			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p > 0 {
+				return uint16(p), true
+			}
+		}
+		return 0, false
+	}
+	if port.TargetPort > 0 {
+		return uint16(port.TargetPort), true
+	}
+	return uint16(port.Port), true
 }
 
 // Waypoint is a waypoint proxy: an address or a service hostname, and the

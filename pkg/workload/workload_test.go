@@ -101,3 +101,78 @@ func TestDirectoryVIPConflictKeepsTheRest(t *testing.T) {
 		t.Errorf("fd00::a is %+v, want kube-dns with its endpoint and that VIP only", s)
 	}
 }
+
+func TestEndpointTargetPort(t *testing.T) {
+	pod := &Workload{ContainerPorts: map[string]int32{"http": 8080}}
+	for _, tc := range []struct {
+		name string
+		port ServicePort
+		ep   Endpoint
+		want uint16
+		ok   bool
+	}{
+		{"slice port of the same name wins", ServicePort{Name: "web", Port: 80, TargetPort: 9999}, Endpoint{Ports: map[string]int32{"web": 8081}}, 8081, true},
+		{"numeric targetPort", ServicePort{Port: 80, TargetPort: 9090}, Endpoint{}, 9090, true},
+		{"no targetPort means port", ServicePort{Port: 80}, Endpoint{}, 80, true},
+		{"named targetPort via container ports", ServicePort{Port: 80, TargetPortName: "http"}, Endpoint{Workload: pod}, 8080, true},
+		{"named targetPort the pod lacks", ServicePort{Port: 80, TargetPortName: "grpc"}, Endpoint{Workload: pod}, 0, false},
+		{"named targetPort, unknown pod", ServicePort{Port: 80, TargetPortName: "http"}, Endpoint{}, 0, false},
+	} {
+		got, ok := tc.ep.TargetPort(tc.port)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: got %d %v, want %d %v", tc.name, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+// TestEndpointTargetPortPerEndpoint: a port served only where an endpoint
+// says (istiod's target port 0) is not served by an endpoint without its
+// own port for it, whatever its container ports.
+func TestEndpointTargetPortPerEndpoint(t *testing.T) {
+	port := ServicePort{Name: "80", Port: 80, PerEndpoint: true}
+	pod := &Workload{ContainerPorts: map[string]int32{"80": 8080, "http": 8080}}
+	if tp, ok := (Endpoint{Ports: map[string]int32{"80": 8081}, Workload: pod}).TargetPort(port); !ok || tp != 8081 {
+		t.Errorf("endpoint with its own port: %d %v, want 8081", tp, ok)
+	}
+	if tp, ok := (Endpoint{Workload: pod}).TargetPort(port); ok {
+		t.Errorf("endpoint without its own port: %d, want none", tp)
+	}
+}
+
+// TestServiceByVIPForRanges: a range (CIDR) is consulted after the VIPs
+// and never at a workload's address; the longest range holding the
+// address wins, the client's namespace's NamespaceOnly ones first,
+// another namespace's never, and two services tying at the longest range
+// leave the address to itself.
+func TestServiceByVIPForRanges(t *testing.T) {
+	pfx := netip.MustParsePrefix
+	wide := &Service{Name: "wide", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.0.0.0/8")}}
+	narrow := &Service{Name: "narrow", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.1.0.0/16")}}
+	twinA := &Service{Name: "twin-a", Namespace: "a", CIDRs: []netip.Prefix{pfx("10.2.0.0/16")}}
+	twinB := &Service{Name: "twin-b", Namespace: "b", CIDRs: []netip.Prefix{pfx("10.2.0.0/16")}}
+	own := &Service{Name: "own", Namespace: "c", NamespaceOnly: true, CIDRs: []netip.Prefix{pfx("10.3.0.0/24")}}
+	vip := &Service{Name: "vip", Namespace: "a", VIPs: []netip.Addr{addr("10.1.0.1")}}
+	pod := &Workload{Name: "p", Namespace: "a", Addrs: []netip.Addr{addr("10.1.0.2")}}
+	dir, errs := NewDirectory([]*Workload{pod}, []*Service{wide, narrow, twinA, twinB, own, vip})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	for _, tc := range []struct{ dst, ns, want string }{
+		{"10.9.0.1", "a", "wide"},
+		{"10.1.7.7", "a", "narrow"},
+		{"10.1.0.1", "a", "vip"},
+		{"10.1.0.2", "a", ""}, // the pod's
+		{"10.2.0.1", "a", ""}, // a tie
+		{"10.3.0.1", "c", "own"},
+		{"10.3.0.1", "d", "wide"},
+		{"11.0.0.1", "a", ""},
+	} {
+		got := ""
+		if s, ok := dir.ServiceByVIPFor(addr(tc.dst), tc.ns); ok {
+			got = s.Name
+		}
+		if got != tc.want {
+			t.Errorf("%s from %s: %q, want %q", tc.dst, tc.ns, got, tc.want)
+		}
+	}
+}

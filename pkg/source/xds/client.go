@@ -67,8 +67,13 @@ const (
 
 // Defaults of Config's bounds and backoff.
 const (
-	DefaultMaxResources    = 200_000
-	DefaultMaxMessageBytes = 64 << 20
+	DefaultMaxResources = 200_000
+	// DefaultMaxMessageBytes admits istiod's push of DefaultMaxResources
+	// (it sends all it has in one response): a Deployment's pod is some
+	// 460 bytes there, 200k of them 88 MiB; this leaves room for longer
+	// names, as ztunnel's 200 MiB does. At 64 MiB a mesh of 145k pods
+	// never synced.
+	DefaultMaxMessageBytes = 200 << 20
 	DefaultMaxTypeBytes    = 512 << 20
 	// DefaultMaxResourceMessages bounds the messages nested in one
 	// resource: a policy of 100k conditions, far beyond any real one.

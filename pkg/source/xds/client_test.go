@@ -766,3 +766,38 @@ func TestClientCountsStreamsAsZtunnel(t *testing.T) {
 	}
 	expectMetric(t, h.metrics, `istio_xds_message_total{url="`+TypeAddress+`"}`, 3)
 }
+
+// TestClientDefaultsTakeAFullPush: istiod sends every Address a node
+// holds in one response (the first on a stream, and after a reconnect all
+// that changed meanwhile), so the bound on one response must admit as many
+// resources as the client holds. A pod of a Deployment, as istiod 1.31
+// describes it, is some 460 bytes in a delta response: the 64 MiB bound
+// refused the first push of about 145k of them, while MaxResources admits
+// 200k, and such a mesh never synced (every node unready, inbound refused,
+// a full push asked of istiod at every reconnect). ztunnel takes 200 MiB.
+func TestClientDefaultsTakeAFullPush(t *testing.T) {
+	pod := &workloadapi.Address{Type: &workloadapi.Address_Workload{Workload: &workloadapi.Workload{
+		Uid: "Kubernetes//Pod/payments/checkout-frontend-7d4b9c8f6-abcde", Name: "checkout-frontend-7d4b9c8f6-abcde", Namespace: "payments",
+		Addresses: [][]byte{netip.MustParseAddr("10.12.34.56").AsSlice()}, TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+		ServiceAccount: "checkout-frontend", Node: "ip-10-0-12-34.us-west-2.compute.internal", CanonicalName: "checkout-frontend", CanonicalRevision: "latest",
+		WorkloadName: "checkout-frontend", WorkloadType: workloadapi.WorkloadType_DEPLOYMENT, ClusterId: "Kubernetes",
+		Services: map[string]*workloadapi.PortList{"payments/checkout-frontend.payments.svc.cluster.local": {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}},
+		Locality: &workloadapi.Locality{Region: "us-west-2", Zone: "us-west-2a"},
+	}}}
+	r := resource(t, "Kubernetes//Pod/payments/checkout-frontend-7d4b9c8f6-abcde", "a1b2c3d4e5f60718", TypeAddress, pod)
+	one := proto.Size(&discoveryv3.DeltaDiscoveryResponse{Resources: []*discoveryv3.Resource{r}})
+	each := proto.Size(&discoveryv3.DeltaDiscoveryResponse{Resources: []*discoveryv3.Resource{r, r}}) - one
+	// Room for names half again as long as these.
+	if need := DefaultMaxResources * each * 3 / 2; need > DefaultMaxMessageBytes {
+		t.Errorf("a push of %d pods of %d bytes (names half again as long) is %d MiB, over DefaultMaxMessageBytes (%d MiB)",
+			DefaultMaxResources, each, need>>20, DefaultMaxMessageBytes>>20)
+	}
+	// And the client holds them: what they are charged fits the bound per type.
+	size, err := charge(r.GetResource().GetValue(), addressDesc, DefaultMaxResourceMessages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if held := DefaultMaxResources * (size + len(r.GetName()) + len(r.GetVersion())); held > DefaultMaxTypeBytes {
+		t.Errorf("%d pods are charged %d MiB, over DefaultMaxTypeBytes", DefaultMaxResources, held>>20)
+	}
+}

@@ -63,6 +63,16 @@ type Service struct {
 	// vipNetworks holds, per VIP, the network the address is on; the
 	// snapshot keeps only the VIPs on the agent's network.
 	vipNetworks []string
+	// cidrNetworks holds, per CIDR, the network the range is on.
+	cidrNetworks []string
+	// What istiod's load_balancing says beyond a preference (see
+	// translateLoadBalancing): allowUnhealthy (health_policy ALLOW_ALL,
+	// publishNotReadyAddresses) makes every endpoint ready; nodeLocal
+	// (mode STRICT by NODE, internalTrafficPolicy: Local) keeps only the
+	// endpoints on the client's node, this one; passthrough (mode
+	// PASSTHROUGH, a ServiceEntry with resolution NONE) sends connections
+	// to the address called, so its VIPs route nothing (merge).
+	allowUnhealthy, nodeLocal, passthrough bool
 }
 
 // Key is namespace/hostname, how workloads name the services they serve.
@@ -121,6 +131,12 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 				c.VIPs = append(c.VIPs, vip)
 			}
 		}
+		c.CIDRs, c.cidrNetworks = nil, nil
+		for i, p := range svc.CIDRs {
+			if svc.cidrNetworks[i] == network {
+				c.CIDRs = append(c.CIDRs, p)
+			}
+		}
 		s.Services = append(s.Services, &c)
 		byKey[c.Key()] = &c
 	}
@@ -138,7 +154,7 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			if svc == nil {
 				continue
 			}
-			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy, Ports: make(map[string]int32, len(ports)), Workload: &w.Workload}
+			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy || svc.allowUnhealthy, Ports: make(map[string]int32, len(ports)), Workload: &w.Workload}
 			for _, p := range ports {
 				ep.Ports[portName(int32(p.ServicePort))] = int32(cmp.Or(p.TargetPort, p.ServicePort))
 			}

@@ -143,8 +143,9 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 // may be nil in tests.
 //
 // This node's pods own their addresses and their policy selection: an
-// istiod workload keeps only the addresses no one before it claimed (an
-// istiod pod claiming a local pod's address is reported), and a local
+// istiod workload keeps only the addresses no one before it claimed, in
+// claimOrder (an istiod pod claiming a local pod's address is reported),
+// and a local
 // pod's selection is that of istiod's copy of it (the pod of that name on
 // this node), never of another workload of the same name. A local pod
 // istiod has no single copy of is listed as unknown, so the tunnel
@@ -196,71 +197,76 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			unknown(key, fmt.Sprintf("istiod describes %d pods %s on node %s (%s, %s)", len(c), key, node, c[0].UID, c[1].UID))
 		}
 	}
-	for _, pods := range []bool{true, false} {
-		for _, w := range mesh.Workloads {
-			if isPod(w) != pods || w.Network != mesh.Network {
-				continue // a workload elsewhere is not at its address here
-			}
-			key := w.Namespace + "/" + w.Name
-			if w.HostNetwork {
-				// Its addresses are its node's (this node's too): not the
-				// pod's to index, as the API source does not index a
-				// hostNetwork pod's (and ztunnel does not look it up by
-				// them). They stay claimed, so no ServiceEntry takes a
-				// node's address as its VIP.
-				for _, a := range w.Addrs {
-					if _, taken := claimed[a]; !taken {
-						claimed[a] = key
-					}
-				}
-				if localNames[key] || w.Node == node {
-					continue
-				}
-				c := w.Workload
-				c.Addrs = nil
-				snap.Workloads = append(snap.Workloads, &c)
-				continue
-			}
-			if localNames[key] {
-				continue // this node's pods come from the API server
-			}
-			if _, ok := snap.Compiled.Selected[key]; !ok && len(w.Policies) > 0 {
-				snap.Compiled.Selected[key] = w.Policies
-			}
-			if w.Node == node {
-				continue
-			}
-			free := make([]netip.Addr, 0, len(w.Addrs))
+	// The nodes' addresses (hostNetwork pods'), which the directory does
+	// not index, for the ranges that would take them (nodeRanges).
+	var nodeAddrs []nodeAddr
+	for _, w := range claimOrder(mesh.Workloads) {
+		if w.Network != mesh.Network {
+			continue // a workload elsewhere is not at its address here
+		}
+		key := w.Namespace + "/" + w.Name
+		if w.HostNetwork {
+			// Its addresses are its node's (this node's too): not the
+			// pod's to index, as the API source does not index a
+			// hostNetwork pod's (and ztunnel does not look it up by
+			// them). They stay claimed, so no ServiceEntry takes a
+			// node's address as its VIP.
 			for _, a := range w.Addrs {
-				owner, taken := claimed[a]
-				if !taken {
-					free = append(free, a)
+				if _, taken := claimed[a]; !taken {
 					claimed[a] = key
-					continue
 				}
-				if pods && localNames[owner] {
-					errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
-				}
+				nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
 			}
-			switch {
-			case len(free) == 0:
-			case len(free) == len(w.Addrs):
-				snap.Workloads = append(snap.Workloads, &w.Workload)
-			default:
-				c := w.Workload
-				c.Addrs = free
-				snap.Workloads = append(snap.Workloads, &c)
+			if localNames[key] || w.Node == node {
+				continue
 			}
+			c := w.Workload
+			c.Addrs = nil
+			snap.Workloads = append(snap.Workloads, &c)
+			continue
+		}
+		if localNames[key] {
+			continue // this node's pods come from the API server
+		}
+		if _, ok := snap.Compiled.Selected[key]; !ok && len(w.Policies) > 0 {
+			snap.Compiled.Selected[key] = w.Policies
+		}
+		if w.Node == node {
+			continue
+		}
+		free := make([]netip.Addr, 0, len(w.Addrs))
+		for _, a := range w.Addrs {
+			owner, taken := claimed[a]
+			if !taken {
+				free = append(free, a)
+				claimed[a] = key
+				continue
+			}
+			if isPod(w) && localNames[owner] {
+				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
+			}
+		}
+		switch {
+		case len(free) == 0:
+		case len(free) == len(w.Addrs):
+			snap.Workloads = append(snap.Workloads, &w.Workload)
+		default:
+			c := w.Workload
+			c.Addrs = free
+			snap.Workloads = append(snap.Workloads, &c)
 		}
 	}
 	localWaypoints(snap.Workloads[:nLocal], copies)
 	services := make([]*workload.Service, 0, len(mesh.Services))
 	canonical := make([]bool, 0, len(mesh.Services))
+	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
 	for _, svc := range mesh.Services {
-		s, taken := foreignVIPs(&svc.Service, claimed)
+		s, taken := foreignVIPs(routed(svc, node), claimed)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
 		}
+		s, spared := nodeRanges(s, nodeAddrs)
+		errs = append(errs, spared...)
 		services = append(services, s)
 		canonical = append(canonical, svc.Canonical)
 	}
@@ -452,6 +458,61 @@ func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workloa
 	return &c, taken
 }
 
+// routed returns svc as this node's pods reach it (a copy if that
+// differs): a nodeLocal service only through its endpoints on this node;
+// a passthrough one not at its VIPs (a connection goes to the address
+// called, as in ztunnel), unless it has a waypoint, which takes
+// connections to its VIPs first.
+func routed(svc *Service, node string) *workload.Service {
+	s := &svc.Service
+	if svc.nodeLocal {
+		c := *s
+		c.Endpoints = slices.DeleteFunc(slices.Clone(s.Endpoints), func(ep workload.Endpoint) bool {
+			return ep.Workload == nil || ep.Workload.Node != node
+		})
+		s = &c
+	}
+	if svc.passthrough && s.Waypoint == nil && len(s.VIPs)+len(s.CIDRs) > 0 {
+		c := *s
+		c.VIPs, c.CIDRs = nil, nil
+		s = &c
+	}
+	return s
+}
+
+// nodeAddr is a node's address and a hostNetwork pod there.
+type nodeAddr struct {
+	addr netip.Addr
+	pod  string
+}
+
+// nodeRanges returns svc without the ranges (CIDRs) that hold a node's
+// address (a copy if any is left out), and an error naming each. The
+// directory leaves a workload's address to the workload before it looks
+// at ranges, but a node's address is no workload's there (hostNetwork
+// pods are not indexed), so a ServiceEntry's range over the nodes would
+// take connections to them, kubelets included, to its endpoints, as a VIP
+// at a node's address would (foreignVIPs). nodes is sorted by address.
+func nodeRanges(svc *workload.Service, nodes []nodeAddr) (*workload.Service, []error) {
+	var errs []error
+	keep := make([]netip.Prefix, 0, len(svc.CIDRs))
+	for _, p := range svc.CIDRs {
+		// The first node address at or after the range's start.
+		j, _ := slices.BinarySearchFunc(nodes, p.Addr(), func(n nodeAddr, a netip.Addr) int { return n.addr.Compare(a) })
+		if j < len(nodes) && p.Contains(nodes[j].addr) {
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists range %s, which holds node address %s (of %s): the range is left out", svc.Namespace+"/"+svc.Hostname, p, nodes[j].addr, nodes[j].pod)})
+			continue
+		}
+		keep = append(keep, p)
+	}
+	if len(errs) == 0 {
+		return svc, nil
+	}
+	c := *svc
+	c.CIDRs = keep
+	return &c, errs
+}
+
 // localCopies returns, per local pod name (namespace/name), istiod's pods
 // of that name on this node: normally one; none while istiod has not
 // seen the pod (or sees it on another node), two only if istiod is wrong.
@@ -467,3 +528,28 @@ func localCopies(mesh []*Workload, localNames map[string]bool, node string) map[
 
 // isPod: istiod names a Pod's workload <cluster>//Pod/<namespace>/<name>.
 func isPod(w *Workload) bool { return strings.Contains(w.UID, "/Pod/") }
+
+// claimOrder returns istiod's workloads in the order they claim addresses,
+// as ztunnel ranks workloads at one address: pods first (their addresses
+// are the kubelet's; anyone in a namespace writes a ServiceEntry's or a
+// WorkloadEntry's), then those that take HBONE, then by namespace and name
+// (mesh's own order, kept). Two pods at one address are a stale copy and
+// the pod there now, or a lie: an HBONE claimant, if wrong, fails closed
+// (its HBONE goes unanswered), where a plaintext one made connections to
+// a meshed pod plaintext passthrough. The directory ranks other sources'
+// claimants the same way (workload.NewDirectory).
+func claimOrder(mesh []*Workload) []*Workload {
+	rank := func(w *Workload) int {
+		r := 0
+		if isPod(w) {
+			r += 2
+		}
+		if w.Enrolled {
+			r++
+		}
+		return r
+	}
+	out := slices.Clone(mesh)
+	slices.SortStableFunc(out, func(a, b *Workload) int { return rank(b) - rank(a) })
+	return out
+}

@@ -564,3 +564,272 @@ func TestReportNewLogsPersistingErrorsOnce(t *testing.T) {
 		t.Errorf("logged a %d times, b %d times, want once each:\n%s", na, nb, logs.String())
 	}
 }
+
+// TestMergeAddressGoesToTheMeshedClaimant: two of istiod's workloads at
+// one address (a pod's stale copy beside the one now there, a lying
+// object) are settled as ztunnel settles them and as the directory does
+// for every other source: a pod before anything else, then the one that
+// takes HBONE, then the first by name. Before, merge gave the address to
+// the first by namespace and name alone, so a plaintext claimant named
+// before an HBONE pod made every connection to that pod plaintext
+// passthrough (where the HBONE one, if wrong, fails closed).
+func TestMergeAddressGoesToTheMeshedClaimant(t *testing.T) {
+	shared, seAddr := netip.MustParseAddr("10.2.0.7"), netip.MustParseAddr("10.3.0.9")
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/aaa/stale", Name: "stale", Namespace: "aaa", Node: "node-b", Addresses: [][]byte{shared.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
+		{Uid: "K//Pod/shop/web-3", Name: "web-3", Namespace: "shop", Node: "node-b", Addresses: [][]byte{shared.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+		// Not pods: a plaintext ServiceEntry endpoint named first, a
+		// meshed WorkloadEntry.
+		{Uid: "K/networking.istio.io/ServiceEntry/aaa/plain/10.3.0.9", Name: "plain", Namespace: "aaa", Addresses: [][]byte{seAddr.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_NONE},
+		{Uid: "K/networking.istio.io/WorkloadEntry/vm/db", Name: "db", Namespace: "vm", Addresses: [][]byte{seAddr.AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+	})
+	mesh := buildSnapshot(workloads, nil, nil, "")
+	for range 3 { // the same answer every time
+		snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+		dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+		if w, ok := dir.ByAddr(shared); !ok || w.Name != "web-3" || !w.Enrolled {
+			t.Errorf("%s: %v, want the HBONE pod shop/web-3", shared, w)
+		}
+		if w, ok := dir.ByAddr(seAddr); !ok || w.Name != "db" || !w.Enrolled {
+			t.Errorf("%s: %v, want the HBONE WorkloadEntry vm/db", seAddr, w)
+		}
+	}
+}
+
+// TestMergeNamedTargetPortOnlyPerEndpoint: istiod sends a Kubernetes
+// Service's named targetPort as target port 0 and resolves it per pod,
+// leaving the port out of the list of a pod that declares no port of that
+// name (as Kubernetes leaves such a pod out of the port's endpoints); the
+// service's target port 0 then means "only where a workload says", and
+// ztunnel skips an endpoint without its own port. Before, 0 was read as
+// the service port, and such a pod was sent the service's connections on
+// the service port number, a port it never offered for the service.
+func TestMergeNamedTargetPortOnlyPerEndpoint(t *testing.T) {
+	svcKey := "shop/web.shop.svc.cluster.local"
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}, {ServicePort: 9000, TargetPort: 9000}}}}},
+		// An old version without the named port: only 9000 is its.
+		{Uid: "K//Pod/shop/web-old", Name: "web-old", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.6").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Services:       map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 9000, TargetPort: 9000}}}}},
+	})
+	web, err := translateService(&workloadapi.Service{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: 80, TargetPort: 0}, {ServicePort: 9000, TargetPort: 9000}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{web.Key(): web}, nil, "")
+	snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.10"))
+	if !ok || len(svc.Endpoints) != 2 {
+		t.Fatalf("service: %+v", svc)
+	}
+	want := map[string]map[int32]int{ // endpoint -> service port -> target, -1: does not serve it
+		"10.2.0.5": {80: 8080, 9000: 9000},
+		"10.2.0.6": {80: -1, 9000: 9000},
+	}
+	for _, ep := range svc.Endpoints {
+		for _, sp := range svc.Ports {
+			got := -1
+			if tp, ok := ep.TargetPort(sp); ok {
+				got = int(tp)
+			}
+			if w := want[ep.Addr.String()][sp.Port]; got != w {
+				t.Errorf("endpoint %s, service port %d: target %d, want %d (-1: not served)", ep.Addr, sp.Port, got, w)
+			}
+		}
+	}
+}
+
+// TestMergeServiceLoadBalancing: istiod's load_balancing on a service
+// says more than a preference, and was ignored:
+//   - health_policy ALLOW_ALL (publishNotReadyAddresses): endpoints not
+//     ready serve too; read as ONLY_HEALTHY, the peers of a StatefulSet
+//     that find each other through such a service before they are ready
+//     (etcd, ZooKeeper) were refused as "no ready endpoint";
+//   - mode STRICT with NODE (internalTrafficPolicy: Local): only endpoints
+//     on the client's node, this node, serve; balanced over every node, a
+//     pod's data for its node's agent went to other nodes' agents;
+//   - mode PASSTHROUGH (a ServiceEntry with resolution NONE): connections
+//     go to the address called, not to the entry's endpoints; as a
+//     service, every meshed connection to such an entry's addresses was
+//     refused, or taken to its endpoints;
+//
+// and a mode or a STRICT scope the agent cannot honour rejects the service
+// (the client NACKs it, naming the field), rather than balancing as if it
+// were not there.
+func TestMergeServiceLoadBalancing(t *testing.T) {
+	peersKey, localKey, extKey := "db/peers.db.svc.cluster.local", "obs/agent.obs.svc.cluster.local", "shop/ext.example.com"
+	port := func(svcKey string) map[string]*workloadapi.PortList {
+		return map[string]*workloadapi.PortList{svcKey: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}
+	}
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/db/db-0", Name: "db-0", Namespace: "db", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.10").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Status: workloadapi.WorkloadStatus_UNHEALTHY, Services: port(peersKey)},
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", Addresses: [][]byte{netip.MustParseAddr("10.1.0.5").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: port(localKey)},
+		{Uid: "K//Pod/obs/agent-b", Name: "agent-b", Namespace: "obs", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.2.0.11").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, Services: port(localKey)},
+		{Uid: "K/networking.istio.io/ServiceEntry/shop/ext/10.9.0.1", Name: "ext", Namespace: "shop", Addresses: [][]byte{netip.MustParseAddr("10.9.0.1").AsSlice()},
+			Services: port(extKey)},
+	})
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "peers", Namespace: "db", Hostname: "peers.db.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.1.1").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}, LoadBalancing: &workloadapi.LoadBalancing{HealthPolicy: workloadapi.LoadBalancing_ALLOW_ALL}},
+		{Name: "agent", Namespace: "obs", Hostname: "agent.obs.svc.cluster.local", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.1.2").AsSlice()}},
+			Ports:         []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}},
+			LoadBalancing: &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_NODE}}},
+		{Name: "ext", Namespace: "shop", Hostname: "ext.example.com", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("203.0.113.7").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 80}}, LoadBalancing: &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_PASSTHROUGH, HealthPolicy: workloadapi.LoadBalancing_ALLOW_ALL}},
+	} {
+		s, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.1.1")); !ok || len(svc.Endpoints) != 1 || !svc.Endpoints[0].Ready {
+		t.Errorf("ALLOW_ALL: %+v, want db-0 a ready endpoint though istiod marks it unhealthy", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.1.2")); !ok || len(svc.Endpoints) != 1 || svc.Endpoints[0].Addr != netip.MustParseAddr("10.1.0.5") {
+		t.Errorf("STRICT NODE: %+v, want only this node's endpoint 10.1.0.5", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("203.0.113.7")); ok {
+		t.Errorf("PASSTHROUGH: 203.0.113.7 is a VIP of %s, want connections to go to the address", svc)
+	}
+
+	for _, tc := range []struct {
+		name string
+		lb   *workloadapi.LoadBalancing
+		want string
+	}{
+		{"unknown mode", &workloadapi.LoadBalancing{Mode: 9}, "load_balancing mode 9"},
+		{"unknown health policy", &workloadapi.LoadBalancing{HealthPolicy: 7}, "load_balancing health_policy 7"},
+		{"STRICT by zone", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_ZONE}}, "routing_preference ZONE"},
+		{"STRICT by unknown scope", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{12}}, "routing_preference 12"},
+	} {
+		_, err := translateService(&workloadapi.Service{Name: "x", Namespace: "shop", Hostname: "x.shop.svc.cluster.local", LoadBalancing: tc.lb})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error naming %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// TestMergeCIDRAddresses: a ServiceEntry's address may be a CIDR, which
+// istiod sends as the range's first address with a prefix length; ztunnel
+// takes a connection to any address in it (that no VIP has) to the
+// service, its waypoint first: an egress waypoint's policy for a range
+// holds only so. Before, the length was ignored and the range's first
+// address became a host VIP: connections to the rest of the range went
+// straight out, past the waypoint. A workload's address stays the
+// workload's (as for host VIPs), the longest prefix wins, a range that
+// holds addresses of no one host (link-local: the cloud metadata server)
+// rejects the service, and a range on another network is left out.
+func TestMergeCIDRAddresses(t *testing.T) {
+	cidr := func(p string, network string) *workloadapi.NetworkAddress {
+		pr := netip.MustParsePrefix(p)
+		l := uint32(pr.Bits())
+		return &workloadapi.NetworkAddress{Address: pr.Addr().AsSlice(), Length: &l, Network: network}
+	}
+	egress := &workloadapi.GatewayAddress{Destination: &workloadapi.GatewayAddress_Hostname{Hostname: &workloadapi.NamespacedHostname{Namespace: "egress", Hostname: "waypoint.egress.svc.cluster.local"}}, HboneMtlsPort: 15008}
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", Addresses: [][]byte{netip.MustParseAddr("10.20.0.7").AsSlice()},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+	})
+	services := map[string]*Service{}
+	for _, x := range []*workloadapi.Service{
+		{Name: "partners", Namespace: "egress", Hostname: "partners.example", Addresses: []*workloadapi.NetworkAddress{cidr("10.20.0.0/16", ""), cidr("10.30.0.0/16", "far")},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}, Waypoint: egress},
+		{Name: "one-partner", Namespace: "egress", Hostname: "one.partners.example", Addresses: []*workloadapi.NetworkAddress{cidr("10.20.9.0/24", "")},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}, Waypoint: egress},
+		{Name: "exact", Namespace: "shop", Hostname: "exact.example", Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.20.1.1").AsSlice()}},
+			Ports: []*workloadapi.Port{{ServicePort: 443, TargetPort: 443}}},
+	} {
+		s, err := translateService(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, dirErrs := workload.NewDirectory(snap.Workloads, snap.Services)
+	if errs = append(errs, dirErrs...); len(errs) > 0 {
+		t.Errorf("errors: %v", errs)
+	}
+	for _, tc := range []struct{ dst, want string }{
+		{"10.20.5.5", "partners"},
+		{"10.20.0.0", "partners"},
+		{"10.20.9.9", "one-partner"}, // the longer prefix
+		{"10.20.1.1", "exact"},       // a VIP first
+		{"10.20.0.7", ""},            // a workload's address stays its
+		{"10.30.0.1", ""},            // on another network
+		{"10.21.0.1", ""},
+	} {
+		got := ""
+		if svc, ok := dir.ServiceByVIPFor(netip.MustParseAddr(tc.dst), "shop"); ok {
+			got = svc.Name
+		}
+		if got != tc.want {
+			t.Errorf("%s: service %q, want %q", tc.dst, got, tc.want)
+		}
+	}
+	for _, bad := range []string{"169.254.0.0/16", "160.0.0.0/4", "fc00::/6", "0.0.0.0/0", "127.0.0.0/8", "fe80::/10", "::/0", "::ffff:10.0.0.0/104", "10.20.0.0/33"} {
+		pr, err := netip.ParsePrefix(bad)
+		var na *workloadapi.NetworkAddress
+		if err != nil { // not a prefix netip takes: a length past the family's
+			l := uint32(33)
+			na = &workloadapi.NetworkAddress{Address: netip.MustParseAddr("10.20.0.0").AsSlice(), Length: &l}
+		} else {
+			l := uint32(pr.Bits())
+			na = &workloadapi.NetworkAddress{Address: pr.Addr().AsSlice(), Length: &l}
+		}
+		if _, err := translateService(&workloadapi.Service{Name: "x", Namespace: "evil", Hostname: "x.example", Addresses: []*workloadapi.NetworkAddress{na}}); err == nil {
+			t.Errorf("CIDR %s accepted, want the service rejected", bad)
+		}
+	}
+}
+
+// TestMergeCIDRSparesNodeAddresses: a range holding a node's address (a
+// hostNetwork pod's, which the directory does not index) would take
+// connections to that node, its kubelet and hostNetwork pods, to the
+// entry's endpoints, as a VIP there would; such a range is left out,
+// named in an error, and the service keeps the rest.
+func TestMergeCIDRSparesNodeAddresses(t *testing.T) {
+	nodeB := netip.MustParseAddr("10.0.0.20")
+	l16, l24 := uint32(16), uint32(24)
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/kube-system/kube-proxy-b", Name: "kube-proxy-b", Namespace: "kube-system", Node: "node-b", Addresses: [][]byte{nodeB.AsSlice()},
+			NetworkMode: workloadapi.NetworkMode_HOST_NETWORK},
+	})
+	grab, err := translateService(&workloadapi.Service{Name: "grab", Namespace: "evil", Hostname: "grab.example",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.0.0.0").AsSlice(), Length: &l16}, {Address: netip.MustParseAddr("10.50.0.0").AsSlice(), Length: &l24}},
+		Ports:     []*workloadapi.Port{{ServicePort: 10250, TargetPort: 10250}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{grab.Key(): grab}, nil, "")
+	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "10.0.0.0/16") || !strings.Contains(errs[0].Error(), "kube-system/kube-proxy-b") {
+		t.Errorf("errors %v, want the range holding node-b's address named", errs)
+	}
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	if svc, ok := dir.ServiceByVIPFor(nodeB, "shop"); ok {
+		t.Errorf("node-b's address %s goes to %s", nodeB, svc)
+	}
+	if svc, ok := dir.ServiceByVIPFor(netip.MustParseAddr("10.50.0.9"), "shop"); !ok || svc.Name != "grab" {
+		t.Errorf("the other range: %v, want kept", svc)
+	}
+}

@@ -165,6 +165,13 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		return nil, fmt.Errorf("service %s: visibility %s is not supported (PUBLIC or NAMESPACE)", s.Key(), x.GetVisibility())
 	}
 	for i, na := range x.GetAddresses() {
+		if p, ok, err := meshCIDR(na); err != nil {
+			return nil, fmt.Errorf("service %s: address %d: %w", s.Key(), i, err)
+		} else if ok {
+			s.CIDRs = append(s.CIDRs, p)
+			s.cidrNetworks = append(s.cidrNetworks, na.GetNetwork())
+			continue
+		}
 		a, err := meshAddr(na.GetAddress())
 		if err != nil {
 			return nil, fmt.Errorf("service %s: address %d: %w", s.Key(), i, err)
@@ -178,8 +185,10 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		}
 		sp := int32(p.GetServicePort())
 		// The target port here is the service's default; a workload's
-		// own map (its endpoint ports) wins where it has one.
-		port := workload.ServicePort{Name: portName(sp), Port: sp, TargetPort: int32(cmp.Or(p.GetTargetPort(), p.GetServicePort())), Protocol: "TCP"}
+		// own map (its endpoint ports) wins where it has one. 0 is a
+		// named targetPort istiod resolved per workload: a workload
+		// without it in its map does not serve the port (PerEndpoint).
+		port := workload.ServicePort{Name: portName(sp), Port: sp, TargetPort: int32(p.GetTargetPort()), PerEndpoint: p.GetTargetPort() == 0, Protocol: "TCP"}
 		if ap := p.GetAppProtocol(); ap != workloadapi.AppProtocol_UNKNOWN {
 			port.AppProtocol = ap.String()
 		}
@@ -189,7 +198,53 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	if s.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
 		return nil, fmt.Errorf("service %s: waypoint: %w", s.Key(), err)
 	}
+	if err := translateLoadBalancing(x.GetLoadBalancing(), s); err != nil {
+		return nil, fmt.Errorf("service %s: %w", s.Key(), err)
+	}
 	return s, nil
+}
+
+// translateLoadBalancing reads what of a service's load_balancing changes
+// which endpoints may serve it, or whether it routes at all, into s. Mode
+// FAILOVER and its routing preferences only order endpoints that all may
+// serve, and the agent balances over all of them. The rest is not a
+// preference: a mode, a STRICT scope or a health policy the agent cannot
+// honour is an error, since balancing as if it were not there sends
+// connections where istiod says they must not go.
+func translateLoadBalancing(lb *workloadapi.LoadBalancing, s *Service) error {
+	if lb == nil {
+		return nil
+	}
+	switch lb.GetHealthPolicy() {
+	case workloadapi.LoadBalancing_ONLY_HEALTHY:
+	case workloadapi.LoadBalancing_ALLOW_ALL:
+		s.allowUnhealthy = true
+	default:
+		return fmt.Errorf("load_balancing health_policy %s is not supported (ONLY_HEALTHY or ALLOW_ALL)", lb.GetHealthPolicy())
+	}
+	switch lb.GetMode() {
+	case workloadapi.LoadBalancing_UNSPECIFIED_MODE, workloadapi.LoadBalancing_FAILOVER:
+	case workloadapi.LoadBalancing_PASSTHROUGH:
+		s.passthrough = true
+	case workloadapi.LoadBalancing_STRICT:
+		// Every endpoint must match the client in each scope. The
+		// clients are this node's pods: NODE is this node, NETWORK is
+		// the agent's (the only one whose endpoints are kept). The
+		// others need a locality or cluster the agent does not keep, and
+		// istiod sends STRICT only by NODE (internalTrafficPolicy: Local).
+		for _, scope := range lb.GetRoutingPreference() {
+			switch scope {
+			case workloadapi.LoadBalancing_NODE:
+				s.nodeLocal = true
+			case workloadapi.LoadBalancing_NETWORK:
+			default:
+				return fmt.Errorf("load_balancing mode STRICT with routing_preference %s is not supported (NODE or NETWORK)", scope)
+			}
+		}
+	default:
+		return fmt.Errorf("load_balancing mode %s is not supported (FAILOVER, STRICT or PASSTHROUGH)", lb.GetMode())
+	}
+	return nil
 }
 
 // meshAddr parses an address istiod gives a workload, a service or a
@@ -208,6 +263,46 @@ func meshAddr(b []byte) (netip.Addr, error) {
 		return netip.Addr{}, err
 	}
 	return a, nil
+}
+
+// meshCIDR reads a service address istiod sends with a prefix length (a
+// ServiceEntry's CIDR address) as a range; ok is false for a host address
+// (no length, or the family's full one). A range is refused where it holds
+// an address of no one host (see meshAddr: 169.254.0.0/16 would take the
+// cloud metadata server's connections, 0.0.0.0/0 everything's) or is
+// written IPv4-mapped (which family it means is not known).
+func meshCIDR(na *workloadapi.NetworkAddress) (netip.Prefix, bool, error) {
+	if na.Length == nil {
+		return netip.Prefix{}, false, nil
+	}
+	a, ok := netip.AddrFromSlice(na.GetAddress())
+	if !ok {
+		return netip.Prefix{}, false, fmt.Errorf("%d bytes, want 4 or 16", len(na.GetAddress()))
+	}
+	if n := na.GetLength(); n > uint32(a.BitLen()) {
+		return netip.Prefix{}, false, fmt.Errorf("prefix length %d of %s, at most %d", n, a, a.BitLen())
+	} else if n == uint32(a.BitLen()) {
+		return netip.Prefix{}, false, nil
+	}
+	if a.Is4In6() {
+		return netip.Prefix{}, false, fmt.Errorf("range %s/%d is written IPv4-mapped", a, na.GetLength())
+	}
+	p := netip.PrefixFrom(a, int(na.GetLength())).Masked()
+	for _, n := range noHostRanges {
+		if n.Overlaps(p) {
+			return netip.Prefix{}, false, fmt.Errorf("range %s holds %s, addresses of no one host", p, n)
+		}
+	}
+	return p, true, nil
+}
+
+// noHostRanges are the ranges of addresses that mean no one host across
+// the cluster (selection.CheckPodAddr's).
+var noHostRanges = []netip.Prefix{
+	netip.MustParsePrefix("0.0.0.0/8"), netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("169.254.0.0/16"),
+	netip.MustParsePrefix("224.0.0.0/4"), netip.MustParsePrefix("255.255.255.255/32"),
+	netip.MustParsePrefix("::/128"), netip.MustParsePrefix("::1/128"), netip.MustParsePrefix("::ffff:0.0.0.0/96"),
+	netip.MustParsePrefix("fe80::/10"), netip.MustParsePrefix("ff00::/8"),
 }
 
 func translateGateway(g *workloadapi.GatewayAddress) (*workload.Waypoint, error) {
