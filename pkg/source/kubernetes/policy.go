@@ -20,8 +20,14 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
-// istioSecurity is the API group version of the policies.
-var istioSecurity = schema.GroupVersion{Group: "security.istio.io", Version: "v1"}
+// istioSecurityGroup is the API group of the policies.
+const istioSecurityGroup = "security.istio.io"
+
+// policyVersions are the versions of istioSecurityGroup the source reads, preferred first.
+// Istio serves its security types in v1 since 1.22 and in v1beta1 before and alongside, with
+// the same schema (the file source takes both too), so a cluster whose CRDs serve only
+// v1beta1 has its policies read there.
+var policyVersions = []string{"v1", "v1beta1"}
 
 // policyKind is one Istio policy resource, watched once its CRD is served.
 type policyKind struct {
@@ -34,6 +40,7 @@ type policyKind struct {
 	failClosed func(*unstructured.Unstructured) any
 
 	informer      cache.SharedIndexInformer // nil while the CRD is missing
+	version       string                    // the version the informer watches
 	loggedMissing bool
 	// lastGood is the last version of each object (by UID) that converted; only the model
 	// (the Run goroutine) reads and writes it.
@@ -44,13 +51,19 @@ type policyKind struct {
 // in clusters without Istio's CRDs, so a missing CRD is not an error: it is looked up again
 // every Config.PolicyRecheck. A CRD removed later is not noticed; its informer keeps retrying.
 //
+// A kind is watched in the first of policyVersions that discovery lists it in. A kind that
+// discovery lists only in other versions (a CRD serving only a version this agent cannot
+// read) is an error, not a missing kind: its policies exist, and snapshots without them
+// would drop every DENY and STRICT they hold, so no snapshot is delivered until a version
+// the agent reads is served.
+//
 // Discovery not listing a kind does not prove its CRD is missing: an API server that has just
 // started serves a CRD's discovery a moment after its CRDs are loaded. Starting without the
 // policies then would drop every PeerAuthentication (STRICT) until the next check. So a kind
 // that discovery does not list is looked up as a CustomResourceDefinition: if it exists and
-// serves v1, check fails (no first snapshot yet; a later check retries). Only a 404 (or a CRD
-// without a served v1) counts as "not installed". Without RBAC to read the CRD (an older
-// chart) discovery alone decides, as before.
+// serves any version, check fails (no first snapshot yet; a later check retries). Only a 404
+// (or a CRD serving no version) counts as "not installed". Without RBAC to read the CRD (an
+// older chart) discovery alone decides, as before.
 type policyWatch struct {
 	s       *Source
 	factory dynamicinformer.DynamicSharedInformerFactory
@@ -60,36 +73,45 @@ type policyWatch struct {
 	loggedNoCRDAccess bool
 }
 
-// check starts the informers of the policy kinds the API server now serves. It fails only
-// when discovery gives no answer; a group or kind that is not served is not an error.
+// check starts the informers of the policy kinds the API server now serves in a version it
+// reads. It fails when discovery gives no answer, or a kind is served (or its CRD installed)
+// only in versions it cannot read; a kind that is not installed is not an error.
 func (w *policyWatch) check(ctx context.Context) error {
-	resources, err := w.s.discovery.ServerResourcesForGroupVersion(istioSecurity.String())
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("look up %s resources: %w", istioSecurity, err)
+	servedIn, err := w.servedVersions()
+	if err != nil {
+		return err
 	}
-	served := map[string]bool{}
-	if resources != nil {
-		for _, r := range resources.APIResources {
-			served[r.Name] = true
+	for _, k := range w.kinds {
+		if k.informer != nil {
+			continue
+		}
+		versions := servedIn[k.resource]
+		if k.version = readable(versions); k.version != "" {
+			continue
+		}
+		if len(versions) > 0 {
+			return fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				k.resource, istioSecurityGroup, versions, policyVersions)
+		}
+		crdVersions, err := w.crdServed(ctx, k.resource)
+		if err != nil {
+			return err
+		}
+		switch {
+		case readable(crdVersions) != "":
+			return fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", k.resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
+		case len(crdVersions) > 0:
+			return fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				k.resource, istioSecurityGroup, crdVersions, policyVersions)
 		}
 	}
 	var started []cache.InformerSynced
 	for _, k := range w.kinds {
-		if k.informer == nil && !served[k.resource] {
-			pending, err := w.crdPending(ctx, k.resource)
-			if err != nil {
-				return err
-			}
-			if pending {
-				return fmt.Errorf("CRD %s.%s is installed but %s is not served yet", k.resource, istioSecurity.Group, istioSecurity)
-			}
-		}
-	}
-	for _, k := range w.kinds {
 		switch {
 		case k.informer != nil:
-		case served[k.resource]:
-			k.informer = w.factory.ForResource(istioSecurity.WithResource(k.resource)).Informer()
+		case k.version != "":
+			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
+			k.informer = w.factory.ForResource(gvr).Informer()
 			if err := k.informer.SetTransform(dropManagedFields); err != nil {
 				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
 			}
@@ -99,11 +121,11 @@ func (w *policyWatch) check(ctx context.Context) error {
 			if err := k.informer.SetWatchErrorHandlerWithContext(w.s.watchError); err != nil {
 				w.s.log.Warn("set watch error handler", "resource", k.resource, "err", err)
 			}
-			w.s.log.Info("watching Istio policies", "resource", k.resource)
+			w.s.log.Info("watching Istio policies", "resource", k.resource, "version", gvr.GroupVersion().String())
 			started = append(started, k.informer.HasSynced)
 		case !k.loggedMissing:
 			w.s.log.Info("Istio policy CRD not installed; checking again periodically",
-				"resource", k.resource+"."+istioSecurity.Group, "every", w.s.cfg.PolicyRecheck)
+				"resource", k.resource+"."+istioSecurityGroup, "every", w.s.cfg.PolicyRecheck)
 			k.loggedMissing = true
 		}
 	}
@@ -122,35 +144,86 @@ func (w *policyWatch) check(ctx context.Context) error {
 	return nil
 }
 
+// readable is the first of policyVersions among versions, or "".
+func readable(versions []string) string {
+	for _, v := range policyVersions {
+		if slices.Contains(versions, v) {
+			return v
+		}
+	}
+	return ""
+}
+
+// servedVersions lists, by resource, the versions of istioSecurityGroup that discovery serves
+// it in (every version of the group, so one the agent cannot read is seen too).
+func (w *policyWatch) servedVersions() (map[string][]string, error) {
+	groups, err := w.s.discovery.ServerGroups()
+	if err != nil {
+		return nil, fmt.Errorf("look up API groups: %w", err)
+	}
+	var versions []string
+	for _, g := range groups.Groups {
+		if g.Name == istioSecurityGroup {
+			for _, v := range g.Versions {
+				versions = append(versions, v.Version)
+			}
+		}
+	}
+	// The versions the agent reads are asked for even when the group list lacks them: the
+	// list may lag behind a version that is served.
+	for _, v := range policyVersions {
+		if !slices.Contains(versions, v) {
+			versions = append(versions, v)
+		}
+	}
+	out := map[string][]string{}
+	for _, v := range versions {
+		gv := schema.GroupVersion{Group: istioSecurityGroup, Version: v}.String()
+		resources, err := w.s.discovery.ServerResourcesForGroupVersion(gv)
+		if apierrors.IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("look up %s resources: %w", gv, err)
+		}
+		for _, r := range resources.APIResources {
+			if !slices.Contains(out[r.Name], v) {
+				out[r.Name] = append(out[r.Name], v)
+			}
+		}
+	}
+	return out, nil
+}
+
 // crdGVR is where CustomResourceDefinitions are read.
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
-// crdPending reports whether the CRD of resource exists with istioSecurity's version served,
-// though discovery does not list it. Not found, or no such version: false. Forbidden (no RBAC
-// for CRDs): false, logged once.
-func (w *policyWatch) crdPending(ctx context.Context, resource string) (bool, error) {
-	name := resource + "." + istioSecurity.Group
+// crdServed returns the versions the CRD of resource serves, though discovery lists none of
+// them. Not found: none. Forbidden (no RBAC for CRDs): none, logged once.
+func (w *policyWatch) crdServed(ctx context.Context, resource string) ([]string, error) {
+	name := resource + "." + istioSecurityGroup
 	crd, err := w.s.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		return false, nil
+		return nil, nil
 	case apierrors.IsForbidden(err):
 		if !w.loggedNoCRDAccess {
 			w.s.log.Warn("cannot read CustomResourceDefinitions (RBAC); trusting discovery alone for Istio policy kinds", "crd", name, "err", err)
 			w.loggedNoCRDAccess = true
 		}
-		return false, nil
+		return nil, nil
 	case err != nil:
-		return false, fmt.Errorf("look up CRD %s: %w", name, err)
+		return nil, fmt.Errorf("look up CRD %s: %w", name, err)
 	}
 	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+	var served []string
 	for _, v := range versions {
 		m, ok := v.(map[string]any)
-		if ok && m["name"] == istioSecurity.Version && m["served"] == true {
-			return true, nil
+		if name, isName := m["name"].(string); ok && isName && m["served"] == true {
+			served = append(served, name)
 		}
 	}
-	return false, nil
+	return served, nil
 }
 
 // missing reports whether a policy kind waits for its CRD.
