@@ -117,3 +117,41 @@ spec: {mtls: {mode: STRICT}}
 		t.Error("no discovery error counted")
 	}
 }
+
+// TestSourceTrimsPolicies: every node caches every policy of the cluster, and a tenant who
+// may write AuthorizationPolicies in its namespace decides their size. Annotations alone may
+// take 256 KiB an object, which the informer cache kept and every decoded copy held again
+// (policy.Meta carries annotations): a thousand such policies cost half a GiB on every node.
+// Only istio.io/dry-run is read; the rest is dropped before the cache, as for pods.
+func TestSourceTrimsPolicies(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", ambient)
+	big := strings.Repeat("x", 200<<10)
+	createObject(t, dyn, authzGVR, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  namespace: shop
+  name: deny-dry
+  labels: {team: shop}
+  annotations: {istio.io/dry-run: "true", padding: "`+big+`"}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, authzGVR)
+
+	w := runSource(t, c.Config)
+	snap := w.waitFor(t, "the policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-dry"))
+	})
+	ap := snap.AuthorizationPolicies[slices.IndexFunc(snap.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-dry"))]
+	if _, ok := ap.Annotations["padding"]; ok {
+		t.Errorf("the policy holds an annotation nothing reads (%d bytes)", len(ap.Annotations["padding"]))
+	}
+	if ap.Annotations[policy.DryRunAnnotation] != "true" || ap.Labels["team"] != "shop" || ap.Spec.Action != policy.ActionDeny || ap.UID == "" || ap.CreationTimestamp.IsZero() {
+		t.Errorf("trimmed too much: %+v", ap)
+	}
+}
