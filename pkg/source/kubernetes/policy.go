@@ -121,7 +121,7 @@ func (w *policyWatch) check(ctx context.Context) error {
 		case k.version != "":
 			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
 			k.informer = w.factory.ForResource(gvr).Informer()
-			if err := k.informer.SetTransform(dropManagedFields); err != nil {
+			if err := k.informer.SetTransform(trimPolicy); err != nil {
 				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
 			}
 			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
@@ -201,6 +201,39 @@ func (w *policyWatch) servedVersions() (map[string][]string, error) {
 			}
 		}
 	}
+	return out, nil
+}
+
+// trimPolicy is the policy informers' transform: an object enters the cache with only what
+// decoding reads (kind, name, namespace, UID, resourceVersion, creation time, labels, the
+// dry-run annotation, spec). Every node caches every policy of the cluster, and their authors
+// (tenants) decide their size: annotations alone may take 256 KiB an object, kept in the cache
+// and again in each decoded policy. Trimming a trimmed object changes nothing.
+func trimPolicy(obj any) (any, error) {
+	u, ok := obj.(*unstructured.Unstructured)
+	if !ok {
+		return dropManagedFields(obj)
+	}
+	out := &unstructured.Unstructured{Object: map[string]any{}}
+	for _, f := range []string{"apiVersion", "kind", "spec"} {
+		if v, ok := u.Object[f]; ok {
+			out.Object[f] = v
+		}
+	}
+	meta := map[string]any{}
+	if m, ok := u.Object["metadata"].(map[string]any); ok {
+		for _, f := range []string{"name", "namespace", "uid", "resourceVersion", "creationTimestamp", "labels", "deletionTimestamp"} {
+			if v, ok := m[f]; ok {
+				meta[f] = v
+			}
+		}
+		if a, ok := m["annotations"].(map[string]any); ok {
+			if v, ok := a[policy.DryRunAnnotation]; ok {
+				meta["annotations"] = map[string]any{policy.DryRunAnnotation: v}
+			}
+		}
+	}
+	out.Object["metadata"] = meta
 	return out, nil
 }
 
