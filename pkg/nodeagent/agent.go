@@ -287,6 +287,10 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 			a.log.Error("pod refused", "error", err)
 		}
 	}
+	ws, errs := a.localAddrsFirst(ws)
+	for _, err := range errs {
+		a.log.Error("address of a local pod claimed by another node's object", "error", err)
+	}
 	dir, errs := workload.NewDirectory(ws, s.Services)
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)

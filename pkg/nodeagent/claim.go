@@ -109,3 +109,51 @@ func compareBool(a, b bool) int {
 	}
 	return -1
 }
+
+// localAddrsFirst gives the addresses of this node's pods that are not
+// terminating to those pods in the directory, whatever other node's object
+// claims them too: this node knows what is at its own pods' addresses (the
+// CNI plugin reported them), and a pod of another node at one of them is a
+// stale object or a lie (any node's kubelet writes its pods' status.podIPs,
+// a manifest may say anything). Kept by name order instead, a remote pod in
+// a namespace sorting first took a local pod's address: the local pod's
+// inbound was judged by the remote pod's namespace and policies, and its
+// outbound refused as a foreign source. The xDS source does the same for
+// istiod's workloads. The remote workload (a copy; ws is not modified)
+// keeps its other addresses; errs names both and the address. A terminating
+// local pod's address may be another node's pod's already (an IPAM that
+// moves addresses between nodes), so the directory's rules decide that one.
+func (a *Agent) localAddrsFirst(ws []*workload.Workload) (out []*workload.Workload, errs []error) {
+	local := map[netip.Addr]*workload.Workload{}
+	for _, w := range ws {
+		if w.Node == a.cfg.Node && !w.Terminating {
+			for _, ad := range w.Addrs {
+				if _, ok := local[ad]; !ok {
+					local[ad] = w
+				}
+			}
+		}
+	}
+	if len(local) == 0 {
+		return ws, nil
+	}
+	out, cloned := ws, false
+	for i, w := range ws {
+		if w.Node == a.cfg.Node || !slices.ContainsFunc(w.Addrs, func(ad netip.Addr) bool { return local[ad] != nil }) {
+			continue
+		}
+		if !cloned {
+			out, cloned = slices.Clone(ws), true
+		}
+		c := *w
+		c.Addrs = slices.DeleteFunc(slices.Clone(w.Addrs), func(ad netip.Addr) bool {
+			if o := local[ad]; o != nil {
+				errs = append(errs, fmt.Errorf("pod %s of node %q claims address %s of pod %s of this node; the address stays this node's pod's", w, w.Node, ad, o))
+				return true
+			}
+			return false
+		})
+		out[i] = &c
+	}
+	return out, errs
+}

@@ -98,3 +98,51 @@ func TestOneLocalPodPerAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestRemotePodNeverTakesLocalPodsAddress: an object of another node
+// claiming the address of an enrolled pod of this node (a hostile node
+// writing its pod's status.podIPs, or a stale object) does not take that
+// address in this node's directory. Before, the directory kept the first
+// by namespace and name among two enrolled claimants, so a remote pod in a
+// namespace that sorts first ("aaa") became the workload at the local
+// pod's address: the local pod's inbound connections were judged by the
+// remote pod's namespace, labels and policies (its own STRICT and DENY
+// policies no longer applied), and its outbound failed as a foreign
+// source. The remote object keeps its other addresses, the error names
+// both, and the local pod stays attached.
+func TestRemotePodNeverTakesLocalPodsAddress(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	p := tp.Nodes[0].AddPod("p")
+	a, ld, tun, _ := testAgent(t)
+	var logs syncbuf.Buffer
+	a.log = slog.New(slog.NewTextHandler(&logs, nil))
+	ctx := context.Background()
+	web := &workload.Workload{Name: "web", Namespace: "prod", UID: "uid-web", ServiceAccount: "web", Node: "node1", Addrs: p.Addrs(), Enrolled: true, Reason: "test",
+		Labels: map[string]string{"app": "web"}}
+	other := netip.MustParseAddr("10.250.0.7")
+	intruder := &workload.Workload{Name: "intruder", Namespace: "aaa", UID: "uid-x", ServiceAccount: "default", Node: "node2",
+		Addrs: []netip.Addr{p.IPv4, other}, Enrolled: true, Reason: "test"}
+	a.mu.Lock()
+	a.cniPods["prod/web"] = cniPod{uid: "uid-web", netns: p.Path()}
+	a.mu.Unlock()
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{intruder, web}})
+	for pass := range 2 {
+		logs.Take()
+		a.applyLatest(ctx, true)
+		if _, ok, err := ld.PodState("uid-web"); err != nil || !ok {
+			t.Fatalf("pass %d: web not attached: %v", pass, err)
+		}
+		dir := tun.State().Dir
+		for _, ad := range p.Addrs() {
+			if w, ok := dir.ByAddr(ad); !ok || w.Key() != "uid-web" {
+				t.Errorf("pass %d: directory at %s: %v, want this node's pod prod/web", pass, ad, w)
+			}
+		}
+		if w, ok := dir.ByAddr(other); !ok || w.Name != "intruder" {
+			t.Errorf("pass %d: directory at %s: %v, want aaa/intruder (its other address)", pass, other, w)
+		}
+		if out := logs.Take(); !strings.Contains(out, "aaa/intruder") || !strings.Contains(out, "prod/web") || !strings.Contains(out, p.IPv4.String()) {
+			t.Errorf("pass %d: log does not name both pods and the address:\n%s", pass, out)
+		}
+	}
+}

@@ -20,8 +20,14 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
-// istioSecurity is the API group version of the policies.
-var istioSecurity = schema.GroupVersion{Group: "security.istio.io", Version: "v1"}
+// istioSecurityGroup is the API group of the policies.
+const istioSecurityGroup = "security.istio.io"
+
+// policyVersions are the versions of istioSecurityGroup the source reads, preferred first.
+// Istio serves its security types in v1 since 1.22 and in v1beta1 before and alongside, with
+// the same schema (the file source takes both too), so a cluster whose CRDs serve only
+// v1beta1 has its policies read there.
+var policyVersions = []string{"v1", "v1beta1"}
 
 // policyKind is one Istio policy resource, watched once its CRD is served.
 type policyKind struct {
@@ -34,23 +40,39 @@ type policyKind struct {
 	failClosed func(*unstructured.Unstructured) any
 
 	informer      cache.SharedIndexInformer // nil while the CRD is missing
+	version       string                    // the version the informer watches
 	loggedMissing bool
 	// lastGood is the last version of each object (by UID) that converted; only the model
 	// (the Run goroutine) reads and writes it.
-	lastGood map[types.UID]any
+	lastGood map[types.UID]*goodVersion
+}
+
+// goodVersion is an object's last version that converted: its resourceVersion and the
+// policy. A snapshot takes an object at that same resourceVersion as it is, without decoding
+// it again: decoding every policy for each change cost about a second at 10k policies, during
+// which no pod change reached a snapshot.
+type goodVersion struct {
+	rv string
+	v  any
 }
 
 // policyWatch starts the policy informers when (and if) their CRDs appear. The agent must run
 // in clusters without Istio's CRDs, so a missing CRD is not an error: it is looked up again
 // every Config.PolicyRecheck. A CRD removed later is not noticed; its informer keeps retrying.
 //
+// A kind is watched in the first of policyVersions that discovery lists it in. A kind that
+// discovery lists only in other versions (a CRD serving only a version this agent cannot
+// read) is an error, not a missing kind: its policies exist, and snapshots without them
+// would drop every DENY and STRICT they hold, so no snapshot is delivered until a version
+// the agent reads is served.
+//
 // Discovery not listing a kind does not prove its CRD is missing: an API server that has just
 // started serves a CRD's discovery a moment after its CRDs are loaded. Starting without the
 // policies then would drop every PeerAuthentication (STRICT) until the next check. So a kind
 // that discovery does not list is looked up as a CustomResourceDefinition: if it exists and
-// serves v1, check fails (no first snapshot yet; a later check retries). Only a 404 (or a CRD
-// without a served v1) counts as "not installed". Without RBAC to read the CRD (an older
-// chart) discovery alone decides, as before.
+// serves any version, check fails (no first snapshot yet; a later check retries). Only a 404
+// (or a CRD serving no version) counts as "not installed". Without RBAC to read the CRD (an
+// older chart) discovery alone decides, as before.
 type policyWatch struct {
 	s       *Source
 	factory dynamicinformer.DynamicSharedInformerFactory
@@ -60,37 +82,46 @@ type policyWatch struct {
 	loggedNoCRDAccess bool
 }
 
-// check starts the informers of the policy kinds the API server now serves. It fails only
-// when discovery gives no answer; a group or kind that is not served is not an error.
+// check starts the informers of the policy kinds the API server now serves in a version it
+// reads. It fails when discovery gives no answer, or a kind is served (or its CRD installed)
+// only in versions it cannot read; a kind that is not installed is not an error.
 func (w *policyWatch) check(ctx context.Context) error {
-	resources, err := w.s.discovery.ServerResourcesForGroupVersion(istioSecurity.String())
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("look up %s resources: %w", istioSecurity, err)
+	servedIn, err := w.servedVersions()
+	if err != nil {
+		return err
 	}
-	served := map[string]bool{}
-	if resources != nil {
-		for _, r := range resources.APIResources {
-			served[r.Name] = true
+	for _, k := range w.kinds {
+		if k.informer != nil {
+			continue
+		}
+		versions := servedIn[k.resource]
+		if k.version = readable(versions); k.version != "" {
+			continue
+		}
+		if len(versions) > 0 {
+			return fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				k.resource, istioSecurityGroup, versions, policyVersions)
+		}
+		crdVersions, err := w.crdServed(ctx, k.resource)
+		if err != nil {
+			return err
+		}
+		switch {
+		case readable(crdVersions) != "":
+			return fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", k.resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
+		case len(crdVersions) > 0:
+			return fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				k.resource, istioSecurityGroup, crdVersions, policyVersions)
 		}
 	}
 	var started []cache.InformerSynced
 	for _, k := range w.kinds {
-		if k.informer == nil && !served[k.resource] {
-			pending, err := w.crdPending(ctx, k.resource)
-			if err != nil {
-				return err
-			}
-			if pending {
-				return fmt.Errorf("CRD %s.%s is installed but %s is not served yet", k.resource, istioSecurity.Group, istioSecurity)
-			}
-		}
-	}
-	for _, k := range w.kinds {
 		switch {
 		case k.informer != nil:
-		case served[k.resource]:
-			k.informer = w.factory.ForResource(istioSecurity.WithResource(k.resource)).Informer()
-			if err := k.informer.SetTransform(dropManagedFields); err != nil {
+		case k.version != "":
+			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
+			k.informer = w.factory.ForResource(gvr).Informer()
+			if err := k.informer.SetTransform(trimPolicy); err != nil {
 				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
 			}
 			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
@@ -99,11 +130,11 @@ func (w *policyWatch) check(ctx context.Context) error {
 			if err := k.informer.SetWatchErrorHandlerWithContext(w.s.watchError); err != nil {
 				w.s.log.Warn("set watch error handler", "resource", k.resource, "err", err)
 			}
-			w.s.log.Info("watching Istio policies", "resource", k.resource)
+			w.s.log.Info("watching Istio policies", "resource", k.resource, "version", gvr.GroupVersion().String())
 			started = append(started, k.informer.HasSynced)
 		case !k.loggedMissing:
 			w.s.log.Info("Istio policy CRD not installed; checking again periodically",
-				"resource", k.resource+"."+istioSecurity.Group, "every", w.s.cfg.PolicyRecheck)
+				"resource", k.resource+"."+istioSecurityGroup, "every", w.s.cfg.PolicyRecheck)
 			k.loggedMissing = true
 		}
 	}
@@ -122,35 +153,119 @@ func (w *policyWatch) check(ctx context.Context) error {
 	return nil
 }
 
+// readable is the first of policyVersions among versions, or "".
+func readable(versions []string) string {
+	for _, v := range policyVersions {
+		if slices.Contains(versions, v) {
+			return v
+		}
+	}
+	return ""
+}
+
+// servedVersions lists, by resource, the versions of istioSecurityGroup that discovery serves
+// it in (every version of the group, so one the agent cannot read is seen too).
+func (w *policyWatch) servedVersions() (map[string][]string, error) {
+	groups, err := w.s.discovery.ServerGroups()
+	if err != nil {
+		return nil, fmt.Errorf("look up API groups: %w", err)
+	}
+	var versions []string
+	for _, g := range groups.Groups {
+		if g.Name == istioSecurityGroup {
+			for _, v := range g.Versions {
+				versions = append(versions, v.Version)
+			}
+		}
+	}
+	// The versions the agent reads are asked for even when the group list lacks them: the
+	// list may lag behind a version that is served.
+	for _, v := range policyVersions {
+		if !slices.Contains(versions, v) {
+			versions = append(versions, v)
+		}
+	}
+	out := map[string][]string{}
+	for _, v := range versions {
+		gv := schema.GroupVersion{Group: istioSecurityGroup, Version: v}.String()
+		resources, err := w.s.discovery.ServerResourcesForGroupVersion(gv)
+		if apierrors.IsNotFound(err) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("look up %s resources: %w", gv, err)
+		}
+		for _, r := range resources.APIResources {
+			if !slices.Contains(out[r.Name], v) {
+				out[r.Name] = append(out[r.Name], v)
+			}
+		}
+	}
+	return out, nil
+}
+
+// trimPolicy is the policy informers' transform: an object enters the cache with only what
+// decoding reads (kind, name, namespace, UID, resourceVersion, creation time, labels, the
+// dry-run annotation, spec). Every node caches every policy of the cluster, and their authors
+// (tenants) decide their size: annotations alone may take 256 KiB an object, kept in the cache
+// and again in each decoded policy. Trimming a trimmed object changes nothing.
+func trimPolicy(obj any) (any, error) {
+	u, ok := obj.(*unstructured.Unstructured)
+	if !ok {
+		return dropManagedFields(obj)
+	}
+	out := &unstructured.Unstructured{Object: map[string]any{}}
+	for _, f := range []string{"apiVersion", "kind", "spec"} {
+		if v, ok := u.Object[f]; ok {
+			out.Object[f] = v
+		}
+	}
+	meta := map[string]any{}
+	if m, ok := u.Object["metadata"].(map[string]any); ok {
+		for _, f := range []string{"name", "namespace", "uid", "resourceVersion", "creationTimestamp", "labels", "deletionTimestamp"} {
+			if v, ok := m[f]; ok {
+				meta[f] = v
+			}
+		}
+		if a, ok := m["annotations"].(map[string]any); ok {
+			if v, ok := a[policy.DryRunAnnotation]; ok {
+				meta["annotations"] = map[string]any{policy.DryRunAnnotation: v}
+			}
+		}
+	}
+	out.Object["metadata"] = meta
+	return out, nil
+}
+
 // crdGVR is where CustomResourceDefinitions are read.
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
-// crdPending reports whether the CRD of resource exists with istioSecurity's version served,
-// though discovery does not list it. Not found, or no such version: false. Forbidden (no RBAC
-// for CRDs): false, logged once.
-func (w *policyWatch) crdPending(ctx context.Context, resource string) (bool, error) {
-	name := resource + "." + istioSecurity.Group
+// crdServed returns the versions the CRD of resource serves, though discovery lists none of
+// them. Not found: none. Forbidden (no RBAC for CRDs): none, logged once.
+func (w *policyWatch) crdServed(ctx context.Context, resource string) ([]string, error) {
+	name := resource + "." + istioSecurityGroup
 	crd, err := w.s.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		return false, nil
+		return nil, nil
 	case apierrors.IsForbidden(err):
 		if !w.loggedNoCRDAccess {
 			w.s.log.Warn("cannot read CustomResourceDefinitions (RBAC); trusting discovery alone for Istio policy kinds", "crd", name, "err", err)
 			w.loggedNoCRDAccess = true
 		}
-		return false, nil
+		return nil, nil
 	case err != nil:
-		return false, fmt.Errorf("look up CRD %s: %w", name, err)
+		return nil, fmt.Errorf("look up CRD %s: %w", name, err)
 	}
 	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+	var served []string
 	for _, v := range versions {
 		m, ok := v.(map[string]any)
-		if ok && m["name"] == istioSecurity.Version && m["served"] == true {
-			return true, nil
+		if name, isName := m["name"].(string); ok && isName && m["served"] == true {
+			served = append(served, name)
 		}
 	}
-	return false, nil
+	return served, nil
 }
 
 // missing reports whether a policy kind waits for its CRD.
@@ -209,21 +324,31 @@ func decodeAll[T any](k *policyKind) []*T {
 // decodeObjects converts objs to T. Leaving out a policy that does not convert would fail
 // open (a DENY or ALLOW policy gone, a STRICT PeerAuthentication gone), so an object that
 // does not convert is replaced by its last version that did (lastGood, by UID), or, if it
-// never did, by failClosed's stand-in. It returns the policies and the new lastGood.
-func decodeObjects[T any](objs []any, lastGood map[types.UID]any, failClosed func(*unstructured.Unstructured) any) ([]*T, map[types.UID]any) {
-	next := make(map[types.UID]any, len(objs))
+// never did, by failClosed's stand-in. An object whose UID and resourceVersion are its last
+// good version's is that version, not decoded again (the API server gives every change a new
+// resourceVersion). It returns the policies (shared with earlier calls: read-only) and the
+// new lastGood.
+func decodeObjects[T any](objs []any, lastGood map[types.UID]*goodVersion, failClosed func(*unstructured.Unstructured) any) ([]*T, map[types.UID]*goodVersion) {
+	next := make(map[types.UID]*goodVersion, len(objs))
 	var out []*T
 	for _, obj := range objs {
 		u, ok := obj.(*unstructured.Unstructured)
 		if !ok {
 			continue
 		}
+		uid, rv := u.GetUID(), u.GetResourceVersion()
+		last := lastGood[uid]
+		if lv, ok := last.value().(*T); ok && rv != "" && last.rv == rv {
+			next[uid] = last
+			out = append(out, lv)
+			continue
+		}
 		v, err := decode[T](u)
 		if err == nil {
-			next[u.GetUID()] = v
-		} else if last, ok := lastGood[u.GetUID()].(*T); ok {
-			v = last
-			next[u.GetUID()] = v
+			next[uid] = &goodVersion{rv: rv, v: v}
+		} else if lv, ok := last.value().(*T); ok {
+			v = lv
+			next[uid] = last
 		} else if stand, ok := failClosed(u).(*T); ok {
 			v = stand
 		} else {
@@ -232,6 +357,14 @@ func decodeObjects[T any](objs []any, lastGood map[types.UID]any, failClosed fun
 		out = append(out, v)
 	}
 	return out, next
+}
+
+// value is the policy of g, nil for none.
+func (g *goodVersion) value() any {
+	if g == nil {
+		return nil
+	}
+	return g.v
 }
 
 // unconvertible is the action or mode of a stand-in for a policy that never converted. The

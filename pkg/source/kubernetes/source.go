@@ -5,8 +5,9 @@
 // It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
 // so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices,
 // node.k8s.io/v1 RuntimeClasses and,
-// when their CRDs are installed, security.istio.io/v1 PeerAuthentications and
-// AuthorizationPolicies. The Annotator patches pods.
+// when their CRDs are installed, security.istio.io PeerAuthentications and
+// AuthorizationPolicies (v1, else v1beta1: the same schema; a CRD serving only another
+// version holds snapshots back, see policyWatch). The Annotator patches pods.
 //
 // # Scale
 //
@@ -32,7 +33,7 @@
 //	apiextensions.k8s.io customresourcedefinitions         get     (those two CRDs, by name;
 //	                                                                optional, see policyWatch)
 //
-// Discovery of security.istio.io/v1 needs no rule: system:discovery allows it to every
+// Discovery of security.istio.io needs no rule: system:discovery allows it to every
 // authenticated user.
 //
 // # Never fail open

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 )
 
 // State is the node's view at one moment. Treat it as read-only.
@@ -77,8 +78,8 @@ func NewForClient(cs kubernetes.Interface, node string, log *slog.Logger, metric
 // error if the informers cannot be set up.
 func (w *Watcher) Run(ctx context.Context, update func(State)) error {
 	ctx, cancel := context.WithCancel(ctx)
-	all := informers.NewSharedInformerFactoryWithOptions(w.client, 0, informers.WithTransform(dropManagedFields))
-	local := informers.NewSharedInformerFactoryWithOptions(w.client, 0, informers.WithTransform(dropManagedFields),
+	all := informers.NewSharedInformerFactoryWithOptions(w.client, 0, informers.WithTransform(trim))
+	local := informers.NewSharedInformerFactoryWithOptions(w.client, 0, informers.WithTransform(trim),
 		informers.WithTweakListOptions(func(o *v1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", w.node).String()
 		}))
@@ -156,6 +157,21 @@ func (w *Watcher) Run(ctx context.Context, update func(State)) error {
 			}
 		}
 	}
+}
+
+// trim is the informers' transform: pods and namespaces enter the caches
+// with only what kubeobj.Translate reads (the Kubernetes source's trims),
+// since their authors decide their size (annotations up to 256 KiB, a
+// pod's environment and command up to the object's 1.5 MiB); other
+// objects without their managedFields.
+func trim(obj any) (any, error) {
+	switch o := obj.(type) {
+	case *corev1.Pod:
+		return kubeobj.NewCompactPod(o).Pod(), nil
+	case *corev1.Namespace:
+		return kubeobj.TrimNamespace(o), nil
+	}
+	return dropManagedFields(obj)
 }
 
 func dropManagedFields(obj any) (any, error) {

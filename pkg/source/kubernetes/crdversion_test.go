@@ -1,0 +1,157 @@
+package kubernetes_test
+
+import (
+	"os"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/test/kubetest"
+)
+
+// installCRDsServing installs the stand-in Istio CRDs serving only version (instead of v1).
+func installCRDsServing(t *testing.T, dyn dynamic.Interface, version string) {
+	t.Helper()
+	for _, f := range []string{"testdata/crd-peerauthentication.yaml", "testdata/crd-authorizationpolicy.yaml"} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		manifest := strings.Replace(string(b), "    - name: v1\n", "    - name: "+version+"\n", 1)
+		if manifest == string(b) {
+			t.Fatalf("%s: no version v1 to replace", f)
+		}
+		createObject(t, dyn, crdGVR, manifest)
+	}
+}
+
+// TestSourceReadsV1beta1OnlyCRDs: a cluster whose Istio CRDs serve security.istio.io/v1beta1
+// and not v1 (Istio before 1.22, or a CRD an operator pinned) has its policies in v1beta1,
+// which is the same schema. Before, discovery of v1 answered 404 and the CRD did not serve
+// v1, so the source took the kinds as "not installed" and delivered snapshots without any
+// policy: the DENY policy and the STRICT PeerAuthentication were dropped (allow-all,
+// plaintext admitted) without an error.
+func TestSourceReadsV1beta1OnlyCRDs(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDsServing(t, dyn, "v1beta1")
+	createNamespace(t, client, "shop", ambient)
+	paV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "peerauthentications"}
+	azV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "authorizationpolicies"}
+	createObject(t, dyn, paV1beta1, `
+apiVersion: security.istio.io/v1beta1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+	createObject(t, dyn, azV1beta1, `
+apiVersion: security.istio.io/v1beta1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-all}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, paV1beta1)
+	waitServed(t, c.Config, azV1beta1)
+
+	w := runSource(t, c.Config)
+	first := w.first(t)
+	if !slices.ContainsFunc(first.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict")) {
+		t.Errorf("first snapshot lacks the v1beta1 PeerAuthentication (STRICT dropped): %+v", first.PeerAuthentications)
+	}
+	i := slices.IndexFunc(first.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-all"))
+	if i < 0 {
+		t.Fatalf("first snapshot lacks the v1beta1 DENY AuthorizationPolicy: %+v", first.AuthorizationPolicies)
+	}
+	if a := first.AuthorizationPolicies[i].Spec.Action; a != policy.ActionDeny {
+		t.Errorf("action %q, want DENY", a)
+	}
+
+	// A change made in v1beta1 reaches snapshots too.
+	createObject(t, dyn, azV1beta1, `
+apiVersion: security.istio.io/v1beta1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-more}
+spec: {action: DENY, rules: [{}]}
+`)
+	w.waitFor(t, "the second DENY policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-more"))
+	})
+}
+
+// TestSourceRefusesCRDsOfUnknownVersion: Istio policy CRDs that serve only a version the agent
+// cannot read (neither v1 nor v1beta1) hold policies it cannot see. Taking the kinds as not
+// installed would deliver snapshots without them (fail open); the source delivers nothing,
+// with the discovery error counted, until a version it reads is served.
+func TestSourceRefusesCRDsOfUnknownVersion(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDsServing(t, dyn, "v2alpha1")
+	createNamespace(t, client, "shop", ambient)
+	paV2 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v2alpha1", Resource: "peerauthentications"}
+	createObject(t, dyn, paV2, `
+apiVersion: security.istio.io/v2alpha1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+	waitServed(t, c.Config, paV2)
+
+	m := source.NewMetrics(nil)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: c.Config, Metrics: m, PolicyRecheck: 200 * time.Millisecond})
+	time.Sleep(3 * time.Second)
+	if n := w.count(); n != 0 {
+		t.Fatalf("%d snapshots delivered while the policy CRDs serve only a version the agent cannot read", n)
+	}
+	if errorCount(t, m, source.ReasonDiscovery) == 0 {
+		t.Error("no discovery error counted")
+	}
+}
+
+// TestSourceTrimsPolicies: every node caches every policy of the cluster, and a tenant who
+// may write AuthorizationPolicies in its namespace decides their size. Annotations alone may
+// take 256 KiB an object, which the informer cache kept and every decoded copy held again
+// (policy.Meta carries annotations): a thousand such policies cost half a GiB on every node.
+// Only istio.io/dry-run is read; the rest is dropped before the cache, as for pods.
+func TestSourceTrimsPolicies(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", ambient)
+	big := strings.Repeat("x", 200<<10)
+	createObject(t, dyn, authzGVR, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata:
+  namespace: shop
+  name: deny-dry
+  labels: {team: shop}
+  annotations: {istio.io/dry-run: "true", padding: "`+big+`"}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, authzGVR)
+
+	w := runSource(t, c.Config)
+	snap := w.waitFor(t, "the policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-dry"))
+	})
+	ap := snap.AuthorizationPolicies[slices.IndexFunc(snap.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-dry"))]
+	if _, ok := ap.Annotations["padding"]; ok {
+		t.Errorf("the policy holds an annotation nothing reads (%d bytes)", len(ap.Annotations["padding"]))
+	}
+	if ap.Annotations[policy.DryRunAnnotation] != "true" || ap.Labels["team"] != "shop" || ap.Spec.Action != policy.ActionDeny || ap.UID == "" || ap.CreationTimestamp.IsZero() {
+		t.Errorf("trimmed too much: %+v", ap)
+	}
+}
