@@ -291,7 +291,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	for _, err := range errs {
 		a.log.Error("address of a local pod claimed by another node's object", "error", err)
 	}
-	dir, errs := workload.NewDirectory(ws, s.Services)
+	dir, errs := workload.NewDirectory(ws, workload.NodeLocalServices(s.Services, a.cfg.Node))
 	for _, err := range errs {
 		a.log.Error("workload skipped", "error", err)
 	}

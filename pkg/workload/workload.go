@@ -9,7 +9,10 @@
 // readers share it without locks; a Store swaps in the next one.
 package workload
 
-import "net/netip"
+import (
+	"net/netip"
+	"slices"
+)
 
 // Workload is one pod (or, from istiod, a ServiceEntry or VM workload) as
 // the mesh sees it. Treat it as read-only.
@@ -110,6 +113,31 @@ type Service struct {
 	// no ports and no endpoints, and connections to it are refused rather
 	// than sent in plaintext to the address as if it were no service's.
 	Contested bool
+	// NodeLocal: a client reaches only the endpoints on its own node
+	// (Kubernetes' internalTrafficPolicy: Local), none if its node has
+	// none, as kube-proxy routes it. The node agent keeps those (see
+	// NodeLocalServices); the xDS source's istiod says so per node.
+	NodeLocal bool
+}
+
+// NodeLocalServices returns services as clients on node reach them: a
+// NodeLocal service with only its endpoints on node (a copy), the others
+// as they are.
+func NodeLocalServices(services []*Service, node string) []*Service {
+	out := services
+	cloned := false
+	for i, s := range services {
+		if !s.NodeLocal {
+			continue
+		}
+		if !cloned {
+			out, cloned = slices.Clone(services), true
+		}
+		c := *s
+		c.Endpoints = slices.DeleteFunc(slices.Clone(s.Endpoints), func(ep Endpoint) bool { return ep.Node != node })
+		out[i] = &c
+	}
+	return out
 }
 
 // ServicePort is one port of a service.
@@ -142,6 +170,10 @@ type Endpoint struct {
 	// does per workload).
 	Ports map[string]int32
 	Ready bool
+	// Node is the node the endpoint is on, where the source says (an
+	// EndpointSlice's nodeName); NodeLocal services are served only by
+	// endpoints of the client's node.
+	Node string
 	// Workload is the workload at Addr, or nil if it is not one we know.
 	// NewDirectory fills it in.
 	Workload *Workload

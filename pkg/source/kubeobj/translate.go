@@ -124,7 +124,8 @@ func namedPorts(pod *corev1.Pod) map[string]int32 {
 
 // Service translates a Service, without endpoints.
 func Service(svc *corev1.Service) (*workload.Service, error) {
-	s := &workload.Service{Name: svc.Name, Namespace: svc.Namespace, Hostname: workload.ClusterHostname(svc.Name, svc.Namespace)}
+	s := &workload.Service{Name: svc.Name, Namespace: svc.Namespace, Hostname: workload.ClusterHostname(svc.Name, svc.Namespace),
+		NodeLocal: derefOr(svc.Spec.InternalTrafficPolicy, "") == corev1.ServiceInternalTrafficPolicyLocal}
 	for _, f := range clusterIPs(svc) {
 		if f.value == corev1.ClusterIPNone {
 			continue
@@ -237,7 +238,7 @@ func Endpoints(list []*discoveryv1.EndpointSlice) ([]workload.Endpoint, []error)
 			a = a.Unmap()
 			m := merged[a]
 			if m == nil {
-				m = &merging{e: &workload.Endpoint{Addr: a, Ports: ports}}
+				m = &merging{e: &workload.Endpoint{Addr: a, Ports: ports, Node: derefOr(ep.NodeName, "")}}
 				merged[a] = m
 			} else {
 				if !m.own {

@@ -365,3 +365,66 @@ func TestEndpointAddressOfNoHost(t *testing.T) {
 		})
 	}
 }
+
+// TestInternalTrafficPolicyLocal: a Service with internalTrafficPolicy:
+// Local (a node-local DNS cache, a log collector) is routed by kube-proxy
+// only to the client's node's endpoints, and by ztunnel likewise (istiod
+// sends it STRICT by NODE). The Kubernetes and file sources ignored the
+// field, so meshed clients were balanced over every node's endpoints, and
+// a client on a node with none was sent to another node rather than
+// refused. Each endpoint now carries its slice's nodeName, and the node
+// agent keeps a node-local service's endpoints of its own node only.
+func TestInternalTrafficPolicyLocal(t *testing.T) {
+	local := corev1.ServiceInternalTrafficPolicyLocal
+	svc := corev1.Service{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "node-dns"},
+		Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.53", InternalTrafficPolicy: &local,
+			Ports: []corev1.ServicePort{{Name: "dns-tcp", Port: 53, TargetPort: intstr.FromInt32(53)}}},
+	}
+	cluster := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: "any-node"},
+		Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.54", Ports: []corev1.ServicePort{{Port: 80}}}}
+	ep := func(addr, node string) discoveryv1.Endpoint {
+		e := discoveryv1.Endpoint{Addresses: []string{addr}}
+		if node != "" {
+			e.NodeName = &node
+		}
+		return e
+	}
+	slice := func(name, svc string, eps ...discoveryv1.Endpoint) discoveryv1.EndpointSlice {
+		return discoveryv1.EndpointSlice{ObjectMeta: metav1.ObjectMeta{Namespace: "kube-system", Name: name,
+			Labels: map[string]string{discoveryv1.LabelServiceName: svc}}, AddressType: discoveryv1.AddressTypeIPv4, Endpoints: eps}
+	}
+	objs := Objects{
+		Services: []corev1.Service{*TrimService(&svc), *TrimService(&cluster)},
+		EndpointSlices: []discoveryv1.EndpointSlice{
+			*TrimEndpointSlice(&[]discoveryv1.EndpointSlice{slice("node-dns-1", "node-dns", ep("10.1.0.5", "node-a"), ep("10.2.0.5", "node-b"), ep("10.3.0.5", ""))}[0]),
+			*TrimEndpointSlice(&[]discoveryv1.EndpointSlice{slice("any-node-1", "any-node", ep("10.1.0.6", "node-a"), ep("10.2.0.6", "node-b"))}[0]),
+		},
+	}
+	snap, errs := Translate(objs, selection.Config{})
+	if len(errs) != 0 {
+		t.Fatal(errs)
+	}
+	addrs := func(s *workload.Service) []string {
+		var out []string
+		for _, e := range s.Endpoints {
+			out = append(out, e.Addr.String()+"@"+e.Node)
+		}
+		return out
+	}
+	for node, want := range map[string][2][]string{
+		"node-a": {{"10.1.0.5@node-a"}, {"10.1.0.6@node-a", "10.2.0.6@node-b"}},
+		"node-b": {{"10.2.0.5@node-b"}, {"10.1.0.6@node-a", "10.2.0.6@node-b"}},
+		"node-c": {nil, {"10.1.0.6@node-a", "10.2.0.6@node-b"}},
+	} {
+		got := workload.NodeLocalServices(snap.Services, node)
+		for i, s := range got {
+			if w := want[i]; !slices.Equal(addrs(s), w) {
+				t.Errorf("on %s, service %s has endpoints %v, want %v", node, s, addrs(s), w)
+			}
+		}
+	}
+	if n := len(snap.Services[0].Endpoints); n != 3 {
+		t.Errorf("NodeLocalServices changed the snapshot's service: %d endpoints left, want 3", n)
+	}
+}

@@ -109,12 +109,12 @@ func (c *CompactPod) DeepCopyObject() runtime.Object {
 }
 
 // TrimService keeps of svc what Service and the waypoint rules read: its
-// cluster IPs, ports and waypoint labels.
+// cluster IPs, ports, internal traffic policy and waypoint labels.
 func TrimService(svc *corev1.Service) *corev1.Service {
 	out := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: svc.Name, Namespace: svc.Namespace, UID: svc.UID, ResourceVersion: svc.ResourceVersion,
 			Labels: keep(svc.Labels, WaypointLabels...)},
-		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs},
+		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs, InternalTrafficPolicy: svc.Spec.InternalTrafficPolicy},
 	}
 	if svc.Spec.Ports != nil {
 		out.Spec.Ports = make([]corev1.ServicePort, len(svc.Spec.Ports))
@@ -126,8 +126,8 @@ func TrimService(svc *corev1.Service) *corev1.Service {
 }
 
 // TrimEndpointSlice keeps of es what Endpoints reads: its service label,
-// address type, each endpoint's first address (the one used) and ready
-// condition, and the ports.
+// address type, each endpoint's first address (the one used), ready
+// condition and node, and the ports.
 func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice {
 	out := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Name: es.Name, Namespace: es.Namespace, UID: es.UID, ResourceVersion: es.ResourceVersion,
@@ -138,7 +138,7 @@ func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice
 	if es.Endpoints != nil {
 		out.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
 		for i, ep := range es.Endpoints {
-			out.Endpoints[i] = discoveryv1.Endpoint{Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}}
+			out.Endpoints[i] = discoveryv1.Endpoint{Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}, NodeName: ep.NodeName}
 			if len(ep.Addresses) > 0 {
 				out.Endpoints[i].Addresses = ep.Addresses[:1:1]
 			}

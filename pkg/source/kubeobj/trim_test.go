@@ -122,10 +122,14 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 				{Name: "http", Port: 80, TargetPort: intstr.FromString("http"), AppProtocol: new("http"), NodePort: 30080},
 				{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP, TargetPort: intstr.FromInt32(5353)},
 			},
-			SessionAffinity: corev1.ServiceAffinityClientIP,
+			SessionAffinity:       corev1.ServiceAffinityClientIP,
+			InternalTrafficPolicy: new(corev1.ServiceInternalTrafficPolicyLocal),
 		},
 	}
 	wantSvc, wantErr := Service(svc)
+	if !wantSvc.NodeLocal {
+		t.Error("a service with internalTrafficPolicy: Local is not NodeLocal")
+	}
 	gotSvc, gotErr := Service(TrimService(svc))
 	if !reflect.DeepEqual(gotSvc, wantSvc) || !reflect.DeepEqual(gotErr, wantErr) {
 		t.Errorf("trimmed service gives %+v, %v; full %+v, %v", gotSvc, gotErr, wantSvc, wantErr)
@@ -155,7 +159,7 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 	if !reflect.DeepEqual(gotEps, wantEps) || !reflect.DeepEqual(gotErrs, wantErrs) {
 		t.Errorf("trimmed slice gives %+v, %v; full %+v, %v", gotEps, gotErrs, wantEps, wantErrs)
 	}
-	if trimmedES.Endpoints[0].NodeName != nil || len(trimmedES.Labels) != 1 {
+	if trimmedES.Endpoints[0].TargetRef != nil || len(trimmedES.Labels) != 1 {
 		t.Errorf("TrimEndpointSlice kept what translation does not read: %+v", trimmedES)
 	}
 }
