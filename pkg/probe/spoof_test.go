@@ -356,6 +356,64 @@ func inetChecksum(parts ...[]byte) uint16 {
 
 func htons16(v uint16) uint16 { return v<<8 | v>>8 }
 
+// TestProbeNATStaleEntryLeavesTunnelConnection: a NAT entry outlives its
+// probe connection (the map is an LRU, nothing deletes on close). A node
+// connection the host program must leave alone (the tunnel mark) that
+// reuses the tuple of an earlier probe had its SYN left as it was, and
+// every later packet translated by the stale entry: the pod's socket,
+// which answered the node's address, got the rest from the SNAT address
+// and the connection never carried data. A connection is now translated
+// from its first packet to its last or not at all.
+func TestProbeNATStaleEntryLeavesTunnelConnection(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	app := node.AddPod("app")
+	got := holdApp(t, app)
+	root := tempBPFFS(t)
+	a := load(t, probe.Config{PinRoot: root})
+	const id = 6
+	enroll(t, root, app, id)
+	if err := attachHost(a, app, id); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families(node, probe.DefaultSNATv4, probe.DefaultSNATv6) {
+		t.Run(f.name, func(t *testing.T) {
+			dst := netip.AddrPortFrom(f.pod(app), holdPort)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			// A probe, closed with a reset so that the node keeps no
+			// TIME_WAIT and its port can be taken again at once.
+			c, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			local := netip.MustParseAddrPort(c.LocalAddr().String())
+			local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
+			c.Write([]byte("probe"))
+			if b := got.wait(netip.AddrPortFrom(f.snat, local.Port()), "probe", 2*time.Second); b != "probe" {
+				t.Fatalf("probe: the app read %q", b)
+			}
+			c.(*net.TCPConn).SetLinger(0)
+			c.Close()
+			time.Sleep(100 * time.Millisecond)
+
+			// A tunnel-marked connection from the same address and port.
+			m, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{Mark: tunnelMark, Local: net.TCPAddrFromAddrPort(local)})
+			if err != nil {
+				t.Fatalf("tunnel-marked dial from %s, the earlier probe's tuple: %v", local, err)
+			}
+			defer m.Close()
+			if _, err := m.Write([]byte("marked")); err != nil {
+				t.Fatal(err)
+			}
+			if b := got.wait(local, "marked", 2*time.Second); b != "marked" {
+				t.Errorf("a tunnel-marked connection on an earlier probe's tuple: the app read %q from the node's %s (and %q from the SNAT address)",
+					b, local, got.wait(netip.AddrPortFrom(f.snat, local.Port()), "", 0))
+			}
+		})
+	}
+}
+
 // probeSpoofedDrops reads drop_probe_spoofed from the pinned reason counters
 // the host programs share with the pod-side ones.
 func probeSpoofedDrops(t *testing.T, root string) uint64 {
