@@ -143,6 +143,9 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *     - a later packet of such a connection that the node's stack sent
  *       (node_sent; the entry exists and its node address is the packet's
  *       source) is rewritten the same way;
+ *     - a SYN from a local full socket that is not translated (tunnel
+ *       mark, or an address not enrolled) deletes the entry of its tuple,
+ *       which an earlier probe may have left (nothing else deletes them);
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
  *       socket of the node's namespace: other pods, whether routed or
  *       bridged, other nodes), tunnel-marked sockets, connections
@@ -183,13 +186,16 @@ int rd_host_egress(struct __sk_buff *skb)
 		if (!host_socket(skb))
 			return TC_ACT_UNSPEC;
 		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
-		if (!pod)
-			return TC_ACT_UNSPEC;
-		ent.pod_id = pod->pod_id;
-		if ((skb->mark & mark_mask) == tunnel_mark) {
-			count(ent.pod_id, CNT_TUNNEL_MARKED);
+		if (!pod || (skb->mark & mark_mask) == tunnel_mark) {
+			/* a connection the node opens untranslated stays so:
+			 * an entry an earlier probe left for its tuple would
+			 * translate its later packets */
+			bpf_map_delete_elem(&rd_probe_nat, &key);
+			if (pod)
+				count(pod->pod_id, CNT_TUNNEL_MARKED);
 			return TC_ACT_UNSPEC;
 		}
+		ent.pod_id = pod->pod_id;
 		ent.node = p.src;
 		if (bpf_map_update_elem(&rd_probe_nat, &key, &ent, BPF_ANY) < 0) {
 			count(ent.pod_id, CNT_ERROR);
