@@ -15,6 +15,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -104,7 +105,7 @@ func holdApp(t *testing.T, pod *netnstest.Pod) *received {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { l.Close() })
-	r := &received{ch: make(chan struct{}, 1), by: map[netip.AddrPort]*bytes.Buffer{}}
+	r := &received{ch: make(chan struct{}, 1), by: map[netip.AddrPort]*bytes.Buffer{}, conns: map[netip.AddrPort]net.Conn{}}
 	go func() {
 		for {
 			c, err := l.Accept()
@@ -115,6 +116,9 @@ func holdApp(t *testing.T, pod *netnstest.Pod) *received {
 				defer c.Close()
 				from := netip.MustParseAddrPort(c.RemoteAddr().String())
 				from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+				r.mu.Lock()
+				r.conns[from] = c
+				r.mu.Unlock()
 				b := make([]byte, 4096)
 				for {
 					n, err := c.Read(b)
@@ -132,9 +136,17 @@ func holdApp(t *testing.T, pod *netnstest.Pod) *received {
 }
 
 type received struct {
-	mu sync.Mutex
-	ch chan struct{} // a nudge for wait on every add
-	by map[netip.AddrPort]*bytes.Buffer
+	mu    sync.Mutex
+	ch    chan struct{} // a nudge for wait on every add
+	by    map[netip.AddrPort]*bytes.Buffer
+	conns map[netip.AddrPort]net.Conn
+}
+
+// conn is the app's end of the connection from a client.
+func (r *received) conn(from netip.AddrPort) net.Conn {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.conns[from]
 }
 
 func (r *received) add(from netip.AddrPort, b []byte) {
@@ -233,20 +245,154 @@ func TestProbeNATStaleEntryLeavesTunnelConnection(t *testing.T) {
 // probeSpoofedDrops reads drop_probe_spoofed from the pinned reason counters
 // the host programs share with the pod-side ones.
 func probeSpoofedDrops(t *testing.T, root string) uint64 {
+	return reasonCount(t, root, "drop_probe_spoofed")
+}
+
+// reasonCount reads the count of the reason called name (as metrics name
+// it) from the pinned reason counters; 0 for a name no reason has.
+func reasonCount(t *testing.T, root, name string) uint64 {
 	t.Helper()
 	m, err := ebpf.LoadPinnedMap(filepath.Join(root, bpf.HostProbeMapRdReasons), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	var per []uint64
-	key := uint32(bpf.CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED)
-	if err := m.Lookup(&key, &per); err != nil {
+	for r := maps.Reason(0); r < bpf.CaptureVerdictReasonREASON_MAX; r++ {
+		if maps.ReasonName(r) != name {
+			continue
+		}
+		var per []uint64
+		key := uint32(r)
+		if err := m.Lookup(&key, &per); err != nil {
+			t.Fatal(err)
+		}
+		var sum uint64
+		for _, v := range per {
+			sum += v
+		}
+		return sum
+	}
+	t.Errorf("no reason is called %s", name)
+	return 0
+}
+
+// TestProbeSNATAddressNeverLeavesTheNode: the SNAT address is no peer, so a
+// pod's packet to it that answers no probe connection the NAT map knows has
+// nowhere to go. Before the fix rd_host_ingress passed it to the node, which
+// routed it on like any other packet (here via a route, on a real node via
+// its default route): the pod-side capture never captures that address, so
+// the app's SYN left the node uncaptured (its answer, from the SNAT source,
+// is dropped on the way back as spoofed), and a pod's reply to a probe
+// whose entry was gone (evicted by newer node connections, forgotten by a
+// restart that resized the map) carried the probe's answer off the node in
+// plaintext. Now it is dropped at the pod's host veth (drop_probe_unmatched).
+func TestProbeSNATAddressNeverLeavesTheNode(t *testing.T) {
+	topo := netnstest.New(t, 2)
+	node, far := topo.Nodes[0], topo.Nodes[1]
+	app := node.AddPod("app")
+	got := holdApp(t, app)
+	root := tempBPFFS(t)
+	a := load(t, probe.Config{PinRoot: root})
+	const id = 8
+	enroll(t, root, app, id)
+	if err := attachHost(a, app, id); err != nil {
 		t.Fatal(err)
 	}
-	var sum uint64
-	for _, v := range per {
-		sum += v
+	for _, f := range []struct {
+		name      string
+		snat, via netip.Addr
+		pod       netip.Addr
+		prefix    string
+	}{
+		{"ipv4", probe.DefaultSNATv4, far.IPv4, app.IPv4, "/32"},
+		{"ipv6", probe.DefaultSNATv6, far.IPv6, app.IPv6, "/128"},
+	} {
+		t.Run(f.name, func(t *testing.T) {
+			// Someone off the node answers at the SNAT address, and the
+			// node has a route there (a default route would do).
+			if _, err := netnstest.Exec(context.Background(), far.Path(), "ip", "addr", "add", f.snat.String()+f.prefix, "dev", "lo"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := netnstest.Exec(context.Background(), node.Path(), "ip", "route", "add", f.snat.String()+f.prefix, "via", f.via.String()); err != nil {
+				t.Fatal(err)
+			}
+			l, err := netns.Listen(context.Background(), far.Path(), "tcp", netip.AddrPortFrom(f.snat, 7777).String(), netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			go acceptPeers(l)
+
+			// Any packet from the pod to the SNAT address crossing the
+			// far node's uplink has the two addresses side by side in its
+			// IP header.
+			leaked := append(f.pod.AsSlice(), f.snat.AsSlice()...)
+			before := reasonCount(t, root, "drop_probe_unmatched")
+			wire := netnstest.Capture(t, far.Path(), "uplink")
+			if peer, err := dialPeerAt(app.Path(), netip.AddrPortFrom(f.snat, 7777)); err == nil {
+				t.Errorf("the pod's app reached a listener at the SNAT address off the node, which saw it as %s", peer)
+			}
+			if bytes.Contains(wire(), leaked) {
+				t.Errorf("the pod's app's SYN to the SNAT address left the node")
+			}
+
+			// A probe whose NAT entry is gone by the time the app answers.
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			c, err := netns.Dial(ctx, node.Path(), "tcp", netip.AddrPortFrom(f.pod, holdPort).String(), netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			from := netip.MustParseAddrPort(c.LocalAddr().String())
+			probeEnd := netip.AddrPortFrom(f.snat, from.Port())
+			c.Write([]byte("probe"))
+			if b := got.wait(probeEnd, "probe", 2*time.Second); b != "probe" {
+				t.Fatalf("probe: the app read %q", b)
+			}
+			forgetNAT(t, root)
+			wire = netnstest.Capture(t, far.Path(), "uplink")
+			conn := got.conn(probeEnd)
+			conn.Write([]byte("PROBE-ANSWER"))
+			time.Sleep(500 * time.Millisecond)
+			if w := wire(); bytes.Contains(w, []byte("PROBE-ANSWER")) || bytes.Contains(w, leaked) {
+				t.Errorf("the pod's answer to a probe whose NAT entry was gone left the node towards the SNAT address")
+			}
+			if n := reasonCount(t, root, "drop_probe_unmatched") - before; n < 2 {
+				t.Errorf("drop_probe_unmatched grew by %d, want >= 2 (the app's SYN, the answer)", n)
+			}
+		})
 	}
-	return sum
+}
+
+// dialPeerAt connects from the namespace at nsPath to dst and returns the
+// client address the peer saw.
+func dialPeerAt(nsPath string, dst netip.AddrPort) (netip.Addr, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, nsPath, "tcp", dst.String(), netns.SocketOptions{})
+	if err != nil {
+		return netip.Addr{}, err
+	}
+	defer c.Close()
+	return readPeer(c)
+}
+
+// forgetNAT deletes every entry of the pinned NAT map, as eviction would.
+func forgetNAT(t *testing.T, root string) {
+	t.Helper()
+	m, err := ebpf.LoadPinnedMap(filepath.Join(root, probe.NATMapName), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	var k bpf.HostProbeNatKey
+	var keys []bpf.HostProbeNatKey
+	var v bpf.HostProbeNatEntry
+	for it := m.Iterate(); it.Next(&k, &v); {
+		keys = append(keys, k)
+	}
+	for _, k := range keys {
+		m.Delete(&k)
+	}
 }
