@@ -228,6 +228,24 @@ int rd_host_egress(struct __sk_buff *skb)
 	return TC_ACT_UNSPEC;
 }
 
+/* to_snat reports (and counts) a packet to the SNAT address, of any
+ * protocol, that rd_host_ingress does not translate: the address is no
+ * peer, and the node would route the packet on, off the node (the pod-side
+ * capture never captures that address). */
+static __always_inline int to_snat(struct __sk_buff *skb)
+{
+	struct pod_addr src, dst, snat;
+	__u8 v6;
+
+	if (read_addrs(skb, &src, &dst, &v6) < 0)
+		return 0;
+	snat_addr(&snat, v6);
+	if (!addr_eq(&dst, &snat))
+		return 0;
+	count_reason(REASON_DROP_PROBE_UNMATCHED);
+	return 1;
+}
+
 /* rd_host_ingress: tcx ingress of the node-side veth of an enrolled pod
  * (pod -> node and everything else the pod sends).
  *
@@ -235,9 +253,17 @@ int rd_host_egress(struct __sk_buff *skb)
  *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine: a TCP packet
  *                  to the SNAT address whose connection is in rd_probe_nat
  *                  gets the node's address back as its destination; all other
- *                  packets pass untouched. The NAT entry is not checked
- *                  against rd_pods, so a probe connection open while its pod
- *                  is unenrolled still gets its replies;
+ *                  packets not to the SNAT address pass untouched. The NAT
+ *                  entry is not checked against rd_pods, so a probe
+ *                  connection open while its pod is unenrolled still gets
+ *                  its replies;
+ *   TC_ACT_SHOT    any other packet to the SNAT address (counted as
+ *                  drop_probe_unmatched): the pod's own connection to it,
+ *                  which the pod-side capture leaves uncaptured, a reply to
+ *                  a probe whose entry is gone (evicted, or forgotten when
+ *                  the map was replaced), any other protocol. The address is
+ *                  no peer, and the node would route such a packet off the
+ *                  node, in plaintext;
  *   TC_ACT_SHOT    when a rewrite failed half-way (the packet is corrupt).
  *
  * Why here: the pod routes replies to the SNAT address via its default
@@ -252,7 +278,7 @@ int rd_host_ingress(struct __sk_buff *skb)
 	__u32 pod_id;
 
 	if (parse_host_pkt(skb, &p) < 0)
-		return TC_ACT_UNSPEC;
+		return to_snat(skb) ? TC_ACT_SHOT : TC_ACT_UNSPEC;
 	snat_addr(&snat, p.v6);
 	if (!addr_eq(&p.dst, &snat))
 		return TC_ACT_UNSPEC;
@@ -260,8 +286,10 @@ int rd_host_ingress(struct __sk_buff *skb)
 	key.pod_port = p.sport;
 	key.node_port = p.dport;
 	e = bpf_map_lookup_elem(&rd_probe_nat, &key);
-	if (!e)
-		return TC_ACT_UNSPEC;
+	if (!e) {
+		count_reason(REASON_DROP_PROBE_UNMATCHED);
+		return TC_ACT_SHOT;
+	}
 	node = e->node;
 	pod_id = e->pod_id;
 
