@@ -116,7 +116,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_FOREIGN_DST      CaptureVerdictReason = 32
 	CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK  CaptureVerdictReason = 33
 	CaptureVerdictReasonREASON_DROP_STEER            CaptureVerdictReason = 34
-	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 35
+	CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED  CaptureVerdictReason = 35
+	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 36
 )
 
 // Names of all BPF objects in the ELF.

@@ -54,6 +54,15 @@ static __always_inline void count(__u32 pod_id, enum snat_counter f)
 	}
 }
 
+/* count_reason counts a drop in the pod-side programs' rd_reasons. */
+static __always_inline void count_reason(__u32 reason)
+{
+	__u64 *n = bpf_map_lookup_elem(&rd_reasons, &reason);
+
+	if (n)
+		*n += 1;
+}
+
 /* snat_addr is the SNAT address of the packet's family, IPv4-mapped for IPv4
  * like every address in these maps. */
 static __always_inline void snat_addr(struct pod_addr *a, int v6)
@@ -73,26 +82,35 @@ static __always_inline void snat_addr(struct pod_addr *a, int v6)
 	a->addr[15] = snat_v4[3];
 }
 
-/* host_socket reports whether this node's stack sent the packet from a full
- * socket: what "has a local socket" means for a probe's SYN. Packets routed
- * through the node have none (IP input orphans them). Packets a pod sent
- * that reach this veth without IP input still carry the pod's socket:
- * bridged from another pod's veth on the node's bridge, or redirected by a
- * tc program, since a veth keeps skb->sk when a packet crosses into another
- * namespace. So the socket must also be in this device's namespace (the
- * node's): a pod's socket is in the pod's. */
-static __always_inline int host_socket(struct __sk_buff *skb)
+/* node_sent reports whether this node's own stack sent the packet: it was
+ * received on no device (a packet routed through the node, bridged from
+ * another pod's veth or redirected by a tc program was, and keeps that
+ * ingress ifindex), and a socket it carries is in this device's namespace,
+ * the node's: a veth keeps skb->sk when a packet crosses into another
+ * namespace, so a pod's packet may still carry the pod's socket. Every
+ * packet of a node connection qualifies, those the kernel sends for it
+ * without a full socket (a TIME_WAIT ACK, a reset) included. */
+static __always_inline int node_sent(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
 	__u32 ino;
 
-	if (!sk)
+	if (skb->ingress_ifindex)
 		return 0;
-	sk = bpf_sk_fullsock(sk);
 	if (!sk)
-		return 0;
+		return 1;
 	ino = sk_netns_ino(sk);
 	return ino && ino == netns_ino(skb);
+}
+
+/* host_socket reports whether the node's stack sent the packet from a full
+ * socket: what "has a local socket" means for a probe's SYN. Packets routed
+ * through the node have none (IP input orphans them). */
+static __always_inline int host_socket(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+
+	return sk && bpf_sk_fullsock(sk) && node_sent(skb);
 }
 
 /* spoofed_probe reports (and counts) a packet to an enrolled pod whose
@@ -102,8 +120,6 @@ static __always_inline int host_socket(struct __sk_buff *skb)
 static __always_inline int spoofed_probe(struct __sk_buff *skb)
 {
 	struct pod_addr src, dst, snat;
-	__u32 reason = REASON_DROP_PROBE_SPOOFED;
-	__u64 *n;
 	__u8 v6;
 
 	if (read_addrs(skb, &src, &dst, &v6) < 0)
@@ -111,9 +127,7 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
 	snat_addr(&snat, v6);
 	if (!addr_eq(&src, &snat) || !bpf_map_lookup_elem(&rd_pods, &dst))
 		return 0;
-	n = bpf_map_lookup_elem(&rd_reasons, &reason);
-	if (n)
-		*n += 1;
+	count_reason(REASON_DROP_PROBE_SPOOFED);
 	return 1;
 }
 
@@ -126,8 +140,12 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *     - a SYN without ACK from a local full socket without the tunnel mark,
  *       to an enrolled pod address (rd_pods), gets an rd_probe_nat entry and
  *       its source rewritten to the SNAT address;
- *     - a later packet of such a connection (the entry exists and its node
- *       address is the packet's source) is rewritten the same way;
+ *     - a later packet of such a connection that the node's stack sent
+ *       (node_sent; the entry exists and its node address is the packet's
+ *       source) is rewritten the same way;
+ *     - a SYN from a local full socket that is not translated (tunnel
+ *       mark, or an address not enrolled) deletes the entry of its tuple,
+ *       which an earlier probe may have left (nothing else deletes them);
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
  *       socket of the node's namespace: other pods, whether routed or
  *       bridged, other nodes), tunnel-marked sockets, connections
@@ -135,7 +153,10 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *       never creates an entry), unenrolled pods, IPv6 extension headers;
  *   TC_ACT_SHOT    a packet of any protocol to an enrolled pod whose source
  *                  already is the SNAT address (counted as drop_probe_spoofed:
- *                  only this program may give a packet that source), a SYN
+ *                  only this program may give a packet that source), a
+ *                  packet with the node's end of a probe connection that the
+ *                  node did not send (a frame a pod on the bridge forged; also
+ *                  drop_probe_spoofed), a SYN
  *                  whose NAT entry cannot be stored (the SYN is retried), or
  *                  a packet whose rewrite failed half-way (it is corrupt).
  *
@@ -165,13 +186,16 @@ int rd_host_egress(struct __sk_buff *skb)
 		if (!host_socket(skb))
 			return TC_ACT_UNSPEC;
 		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
-		if (!pod)
-			return TC_ACT_UNSPEC;
-		ent.pod_id = pod->pod_id;
-		if ((skb->mark & mark_mask) == tunnel_mark) {
-			count(ent.pod_id, CNT_TUNNEL_MARKED);
+		if (!pod || (skb->mark & mark_mask) == tunnel_mark) {
+			/* a connection the node opens untranslated stays so:
+			 * an entry an earlier probe left for its tuple would
+			 * translate its later packets */
+			bpf_map_delete_elem(&rd_probe_nat, &key);
+			if (pod)
+				count(pod->pod_id, CNT_TUNNEL_MARKED);
 			return TC_ACT_UNSPEC;
 		}
+		ent.pod_id = pod->pod_id;
 		ent.node = p.src;
 		if (bpf_map_update_elem(&rd_probe_nat, &key, &ent, BPF_ANY) < 0) {
 			count(ent.pod_id, CNT_ERROR);
@@ -183,6 +207,14 @@ int rd_host_egress(struct __sk_buff *skb)
 
 		if (!e || !addr_eq(&e->node, &p.src))
 			return TC_ACT_UNSPEC;
+		/* The node's address and port are no proof: a pod on the
+		 * node's bridge can send a frame with them. Passed as it is,
+		 * it would meet no socket in the pod, whose reset the node's
+		 * connection would take for its peer's. */
+		if (!node_sent(skb)) {
+			count_reason(REASON_DROP_PROBE_SPOOFED);
+			return TC_ACT_SHOT;
+		}
 		ent = *e;
 	}
 
@@ -196,6 +228,24 @@ int rd_host_egress(struct __sk_buff *skb)
 	return TC_ACT_UNSPEC;
 }
 
+/* to_snat reports (and counts) a packet to the SNAT address, of any
+ * protocol, that rd_host_ingress does not translate: the address is no
+ * peer, and the node would route the packet on, off the node (the pod-side
+ * capture never captures that address). */
+static __always_inline int to_snat(struct __sk_buff *skb)
+{
+	struct pod_addr src, dst, snat;
+	__u8 v6;
+
+	if (read_addrs(skb, &src, &dst, &v6) < 0)
+		return 0;
+	snat_addr(&snat, v6);
+	if (!addr_eq(&dst, &snat))
+		return 0;
+	count_reason(REASON_DROP_PROBE_UNMATCHED);
+	return 1;
+}
+
 /* rd_host_ingress: tcx ingress of the node-side veth of an enrolled pod
  * (pod -> node and everything else the pod sends).
  *
@@ -203,9 +253,17 @@ int rd_host_egress(struct __sk_buff *skb)
  *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine: a TCP packet
  *                  to the SNAT address whose connection is in rd_probe_nat
  *                  gets the node's address back as its destination; all other
- *                  packets pass untouched. The NAT entry is not checked
- *                  against rd_pods, so a probe connection open while its pod
- *                  is unenrolled still gets its replies;
+ *                  packets not to the SNAT address pass untouched. The NAT
+ *                  entry is not checked against rd_pods, so a probe
+ *                  connection open while its pod is unenrolled still gets
+ *                  its replies;
+ *   TC_ACT_SHOT    any other packet to the SNAT address (counted as
+ *                  drop_probe_unmatched): the pod's own connection to it,
+ *                  which the pod-side capture leaves uncaptured, a reply to
+ *                  a probe whose entry is gone (evicted, or forgotten when
+ *                  the map was replaced), any other protocol. The address is
+ *                  no peer, and the node would route such a packet off the
+ *                  node, in plaintext;
  *   TC_ACT_SHOT    when a rewrite failed half-way (the packet is corrupt).
  *
  * Why here: the pod routes replies to the SNAT address via its default
@@ -220,7 +278,7 @@ int rd_host_ingress(struct __sk_buff *skb)
 	__u32 pod_id;
 
 	if (parse_host_pkt(skb, &p) < 0)
-		return TC_ACT_UNSPEC;
+		return to_snat(skb) ? TC_ACT_SHOT : TC_ACT_UNSPEC;
 	snat_addr(&snat, p.v6);
 	if (!addr_eq(&p.dst, &snat))
 		return TC_ACT_UNSPEC;
@@ -228,8 +286,10 @@ int rd_host_ingress(struct __sk_buff *skb)
 	key.pod_port = p.sport;
 	key.node_port = p.dport;
 	e = bpf_map_lookup_elem(&rd_probe_nat, &key);
-	if (!e)
-		return TC_ACT_UNSPEC;
+	if (!e) {
+		count_reason(REASON_DROP_PROBE_UNMATCHED);
+		return TC_ACT_SHOT;
+	}
 	node = e->node;
 	pod_id = e->pod_id;
 

@@ -69,6 +69,7 @@ enum verdict_reason {
 	REASON_DROP_FOREIGN_DST,     /* fail closed: a SYN from the wire to an enrolled address of another pod than the one whose interface it arrives on (the transparent inbound listener would take it) */
 	REASON_IN_ASSIGN_COOKIE_ACK, /* ingress: an ACK from the wire whose tuple has no connection (a SYN cookie's) assigned to 15006, never to the app's listener */
 	REASON_DROP_STEER,           /* fail closed: an egress packet to be steered could not be rewritten (no memory) */
+	REASON_DROP_PROBE_UNMATCHED, /* host veth: from a pod to the probe SNAT address, answering no probe connection the NAT map knows (it would be routed off the node) */
 	REASON_MAX,
 };
 

@@ -123,6 +123,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_FOREIGN_DST:      "drop_foreign_dst",
 	bpf.CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK:  "in_assign_cookie_ack",
 	bpf.CaptureVerdictReasonREASON_DROP_STEER:            "drop_steer",
+	bpf.CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED:  "drop_probe_unmatched",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the

@@ -596,6 +596,103 @@ func TestHostileSameNodePodNotAProbe(t *testing.T) {
 	}
 }
 
+// TestHostileSameNodePodForgesProbeSegment: an unmeshed pod on the STRICT
+// pod's node forges a segment of a connection the node holds open to the
+// STRICT pod (a probe in flight): the node's address and port, in window.
+// Before the fix the host-veth program translated it by the connection's
+// NAT entry, whoever sent it, gave it the probe SNAT source and marker, and
+// the pod-side capture passed it to the app, which read the forged bytes in
+// plaintext, past STRICT mTLS. Now the host-veth program drops it
+// (drop_probe_spoofed) and the node's connection goes on.
+func TestHostileSameNodePodForgesProbeSegment(t *testing.T) {
+	var server, neighbour *Pod
+	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+		server = tp.Nodes[1].AddPod("server")
+		neighbour = tp.Nodes[1].AddPod("neighbour")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(server, "mesh", "server-sa").
+			Pod(neighbour, "plain", "default").
+			Raw(strictMesh)
+	})
+	HTTPApp(t, server, 8080, "server")
+	var mu sync.Mutex
+	read := map[netip.AddrPort]string{}
+	ServeTCP(t, server, hostileAppPort, func(c net.Conn) {
+		from := netip.MustParseAddrPort(c.RemoteAddr().String())
+		from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 256)
+		for {
+			n, err := c.Read(buf)
+			mu.Lock()
+			read[from] += string(buf[:n])
+			mu.Unlock()
+			if err != nil {
+				return
+			}
+		}
+	})
+	readFrom := func(from netip.AddrPort, want string) string {
+		deadline := time.Now().Add(time.Second)
+		for {
+			mu.Lock()
+			s := read[from]
+			mu.Unlock()
+			if strings.Contains(s, want) || time.Now().After(deadline) {
+				return s
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	// The host-probe programs are in place once the node itself gets
+	// through (as a probe) under STRICT.
+	Eventually(t, 10*time.Second, func() error { _, err := CurlFrom(server.Node.Path(), URL(server.IPv4, 8080)); return err })
+	drops := func() float64 {
+		return metricSum(scrape(t, ms.agents[1], "http://127.0.0.1:15020/metrics"), "redirector_bpf_packets_total", `reason="drop_probe_spoofed"`)
+	}
+
+	for _, fam := range []struct {
+		name      string
+		dst, snat netip.Addr
+	}{
+		{"ipv4", server.IPv4, netip.MustParseAddr("169.254.7.127")},
+		{"ipv6", server.IPv6, netip.MustParseAddr("fd16:9254:7127:1337:ffff:ffff:ffff:ffff")},
+	} {
+		t.Run(fam.name, func(t *testing.T) {
+			dst := netip.AddrPortFrom(fam.dst, hostileAppPort)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			c, err := netns.Dial(ctx, server.Node.Path(), "tcp", dst.String(), netns.SocketOptions{})
+			if err != nil {
+				t.Fatalf("the node's connection to the STRICT pod: %v", err)
+			}
+			defer c.Close()
+			node := netip.MustParseAddrPort(c.LocalAddr().String())
+			node = netip.AddrPortFrom(node.Addr().Unmap(), node.Port())
+			probe := netip.AddrPortFrom(fam.snat, node.Port())
+			seq, ack := NextSegment(t, server, probe, []byte("probe"), func() error { _, err := c.Write([]byte("probe")); return err })
+			if got := readFrom(probe, "probe"); got != "probe" {
+				t.Fatalf("the app read %q from %s, want the node's probe bytes", got, probe)
+			}
+			before := drops()
+			InjectFrame(t, neighbour, server, IPPacket(node.Addr(), fam.dst, TCPSegment(node, dst, seq, ack, 0x18, []byte("FORGED"))))
+			if got := readFrom(probe, "FORGED"); strings.Contains(got, "FORGED") {
+				t.Errorf("the STRICT pod's app read a segment an unmeshed pod forged with the node's address, as a probe from %s: %q", probe, got)
+			}
+			if got := drops() - before; got < 1 {
+				t.Errorf("drop_probe_spoofed grew by %v on the server's node, want >= 1", got)
+			}
+			if _, err := c.Write([]byte("again")); err != nil {
+				t.Fatalf("the node's connection after the forged segment: %v", err)
+			}
+			if got := readFrom(probe, "again"); !strings.Contains(got, "again") {
+				t.Errorf("the node's own next segment did not reach the app: read %q", got)
+			}
+		})
+	}
+}
+
 // TestHostileMeshedSegmentRoutingNoPlaintext: a meshed app that puts a
 // segment routing header on its socket (IPV6_RTHDR, routing type 4: any
 // user may) whose first segment is the probe SNAT address sends its SYN to
