@@ -106,6 +106,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 	if err := pin.EnsureBPFFS(cfg.PinRoot); err != nil {
 		return nil, err
 	}
+	// Nothing pinned is used before the tree is known to be the agent's.
+	if err := pin.CheckTree(cfg.PinRoot); err != nil {
+		return nil, err
+	}
 	spec, err := bpf.LoadCapture()
 	if err != nil {
 		return nil, fmt.Errorf("read embedded BPF object: %w", err)

@@ -290,3 +290,40 @@ func DetachLink(path string) error {
 	}
 	return nil
 }
+
+// ErrLoosePins marks a pin tree that someone other than root or the
+// agent's user could change.
+var ErrLoosePins = errors.New("pin tree not the agent's alone")
+
+// CheckTree refuses a pin root in which anything (the root, a directory,
+// a pin) is owned by a user other than root and this process's, or is
+// writable by group or others, or is a symlink (the agent pins none). Why:
+// since Linux 6.5 BPF_OBJ_GET is checked against the pin's file mode only,
+// unprivileged BPF off or not, so any user who may write rd_pods may delete
+// a pod's enrollment entry (the kill switch: its traffic passes in
+// plaintext); who may write a directory may rename pins (swap a pod's
+// links, hide a map for the next agent to recreate empty). The agent
+// creates everything 0700/0600: a looser tree was changed by someone, and
+// what is in it cannot be trusted. The error names the first such path.
+func CheckTree(root string) error {
+	euid := uint32(os.Geteuid())
+	return filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return fmt.Errorf("pin tree %s: %w", root, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return fmt.Errorf("pin tree %s: %w", root, err)
+		}
+		mode := os.FileMode(st.Mode & 0o777)
+		switch {
+		case st.Mode&unix.S_IFMT == unix.S_IFLNK:
+			return fmt.Errorf("%w: %s is a symlink; the agent pins none: remove it", ErrLoosePins, path)
+		case st.Uid != 0 && st.Uid != euid:
+			return fmt.Errorf("%w: %s is owned by uid %d, neither root nor the agent's user: its owner could change the capture state; give it to root", ErrLoosePins, path, st.Uid)
+		case mode&0o022 != 0:
+			return fmt.Errorf("%w: %s is writable by group or others (mode %v): they could change or remove the capture state; make it 0700 (directories) or 0600 (pins)", ErrLoosePins, path, mode)
+		}
+		return nil
+	})
+}
