@@ -16,6 +16,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/pin"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 )
@@ -356,12 +357,31 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			return err
 		}
 		if meta.AttachMode == maps.AttachTCX {
-			lks[0], err = l.attachTCX(id, iface.Attrs().Index, ingress)
-			if err == nil {
-				lks[1], err = l.attachTCX(id, iface.Attrs().Index, egress)
-				return err
+			// Links found at the pins that are not the pod's for them (a
+			// pod's two pins swapped: each holds the other direction's only
+			// link) are detached once both new ones run.
+			var displaced []link.Link
+			defer func() {
+				for _, lk := range displaced {
+					lk.Close()
+				}
+			}()
+			for i, d := range []direction{ingress, egress} {
+				var a pin.Attached
+				a, err = l.attachTCX(id, iface.Attrs().Index, d)
+				if err != nil {
+					break
+				}
+				lks[i] = a.Link
+				if a.Replaced != nil {
+					l.log.WarnContext(ctx, "pinned link replaced: it was not the pod's", "pod", meta.Namespace+"/"+meta.Name,
+						"pin", l.linkPin(id, d), "reason", a.Replaced)
+				}
+				if a.Displaced != nil {
+					displaced = append(displaced, a.Displaced)
+				}
 			}
-			if !errors.Is(err, ebpf.ErrNotSupported) {
+			if err == nil || !errors.Is(err, ebpf.ErrNotSupported) {
 				return err
 			}
 			// No tcx in this kernel (before 6.6): classic tc instead.
