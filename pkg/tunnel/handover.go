@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"slices"
 	"sync"
@@ -469,8 +470,9 @@ func receivedFDs(oob []byte) ([]int, error) {
 }
 
 // handedListener checks that fd is a listening TCP socket in the network
-// namespace with inode ino, bound to port and carrying the tunnel mark,
-// and returns it as a listener; fd is closed either way.
+// namespace with inode ino, bound to port on the wildcard address (dual-stack
+// if IPv6) and carrying the tunnel mark, and returns it as a listener; fd
+// is closed either way.
 func handedListener(fd int, ino uint64, port uint16, mark uint32) (net.Listener, error) {
 	f := os.NewFile(uintptr(fd), "handed-over listener")
 	defer f.Close()
@@ -510,11 +512,12 @@ func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
 		return fmt.Errorf("getsockname: %w", err)
 	}
 	var got int
+	var addr netip.Addr
 	switch a := sa.(type) {
 	case *unix.SockaddrInet4:
-		got = a.Port
+		got, addr = a.Port, netip.AddrFrom4(a.Addr)
 	case *unix.SockaddrInet6:
-		got = a.Port
+		got, addr = a.Port, netip.AddrFrom16(a.Addr)
 	default:
 		return fmt.Errorf("bound to a %T, not an IP address", sa)
 	}
@@ -532,6 +535,22 @@ func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
 	}
 	if st.Ino != ino {
 		return fmt.Errorf("in network namespace %d, not the pod's (%d)", st.Ino, ino)
+	}
+	// The capture assigns SYNs for every address of the pod, IPv4 and
+	// IPv6, to the listener of the port: one bound to a single address, or
+	// IPv6 only, would take none (or no IPv4), and hold the port against
+	// the pod's own wildcard listener (listenWildcard) all the same.
+	if !addr.Unmap().IsUnspecified() {
+		return fmt.Errorf("bound to %s, not the wildcard address", addr.Unmap())
+	}
+	if _, ok := sa.(*unix.SockaddrInet6); ok {
+		v6only, err := unix.GetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY)
+		if err != nil {
+			return fmt.Errorf("IPV6_V6ONLY: %w", err)
+		}
+		if v6only != 0 {
+			return errors.New("IPv6 only (IPV6_V6ONLY): IPv4 connections would find no listener")
+		}
 	}
 	return nil
 }
