@@ -1,8 +1,11 @@
 package tunnel
 
 import (
+	"context"
+	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
@@ -51,5 +54,56 @@ func TestHandedListenerMustBeWildcard(t *testing.T) {
 			t.Errorf("checkHandedListener of the agent's own kind of listener (%s %s): %v", c.network, c.addr, err)
 		}
 		closeFDs([]int{fd})
+	}
+}
+
+// TestEndpointHandover: a successor takes the very socket of the
+// predecessor's HTTP endpoint (admin.ListenAlone binds it without
+// SO_REUSEPORT, so nothing else can bind the port, a successor included):
+// checked to be bound to the address asked for, in this namespace.
+func TestEndpointHandover(t *testing.T) {
+	ctx := context.Background()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	old := handoverTunnel(t, nil, nil)
+	old.ShareEndpoints(func(name string) net.Listener {
+		if name == "readiness" {
+			return l
+		}
+		return nil
+	})
+	sock, _ := serveHandover(t, old)
+	pred := mustPredecessor(t, sock)
+	got, err := pred.TakeEndpoint(ctx, "readiness", l.Addr().String())
+	if err != nil || got == nil {
+		t.Fatalf("TakeEndpoint = %v, %v; want the predecessor's listener", got, err)
+	}
+	defer got.Close()
+	if got.Addr().String() != l.Addr().String() {
+		t.Errorf("taken listener on %s, want %s", got.Addr(), l.Addr())
+	}
+	// One socket: a connection is accepted by the successor's copy.
+	go func() {
+		if c, err := net.Dial("tcp", l.Addr().String()); err == nil {
+			defer c.Close()
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	c, err := got.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	// Not served: nothing to take, no error.
+	if got, err := pred.TakeEndpoint(ctx, "metrics", "127.0.0.1:15020"); got != nil || err != nil {
+		t.Errorf("TakeEndpoint of an endpoint not served = %v, %v; want nothing", got, err)
+	}
+	// Another address than the one this agent would bind: refused.
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	if got, err := pred.TakeEndpoint(ctx, "readiness", "127.0.0.2:"+port); got != nil || err == nil || !strings.Contains(err.Error(), "not the endpoint's address") {
+		t.Errorf("TakeEndpoint for another address = %v, %v; want refused", got, err)
 	}
 }
