@@ -378,10 +378,19 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 						"pin", l.linkPin(id, d), "reason", a.Replaced)
 				}
 				if a.Displaced != nil {
+					if l.keepStray(a.Displaced, a.Replaced) {
+						continue
+					}
 					displaced = append(displaced, a.Displaced)
 				}
 			}
-			if err == nil || !errors.Is(err, ebpf.ErrNotSupported) {
+			if err == nil {
+				// This pod's own links found at other pods' paths are
+				// replaced now.
+				l.releaseStrays(iface.Attrs().Index)
+				return nil
+			}
+			if !errors.Is(err, ebpf.ErrNotSupported) {
 				return err
 			}
 			// No tcx in this kernel (before 6.6): classic tc instead.
@@ -637,6 +646,9 @@ func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta) error {
 		iface, err := netlink.LinkByName(meta.Interface)
 		if err == nil && meta.AttachMode == maps.AttachTCLegacy {
 			errs = append(errs, detachLegacy(iface.Attrs().Index))
+		}
+		if err == nil {
+			l.releaseStrays(iface.Attrs().Index)
 		}
 		errs = append(errs, l.delRouting(meta.Addrs))
 		if err == nil && hasV4(meta.Addrs) {

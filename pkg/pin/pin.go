@@ -159,6 +159,11 @@ func isMountPoint(path string) bool {
 // program than the one to be put in, or one on another interface.
 var ErrForeignLink = errors.New("pinned object is not the expected link")
 
+// ErrLinkElsewhere is ErrForeignLink for a link of the right kind on
+// another interface than the one asked for (checkTCX with an ifindex): when
+// still attached, some other pod's link, which a caller may have to keep.
+var ErrLinkElsewhere = fmt.Errorf("%w: on another interface", ErrForeignLink)
+
 // UpdateTCX points the tcx link pinned at path at prog. The link stays
 // attached throughout, so no packet goes unhandled. It reports
 // os.ErrNotExist when nothing is pinned there, ErrForeignLink when the pin
@@ -230,7 +235,7 @@ func checkTCX(lk link.Link, prog *ebpf.Program, attach ebpf.AttachType, ifindex 
 		return nil
 	}
 	if int(tcx.Ifindex) != ifindex {
-		return fmt.Errorf("%w: on interface index %d, not %d", ErrForeignLink, tcx.Ifindex, ifindex)
+		return fmt.Errorf("%w (index %d, not %d)", ErrLinkElsewhere, tcx.Ifindex, ifindex)
 	}
 	// The same index in another namespace is another interface.
 	res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
@@ -242,7 +247,7 @@ func checkTCX(lk link.Link, prog *ebpf.Program, attach ebpf.AttachType, ifindex 
 			return nil
 		}
 	}
-	return fmt.Errorf("%w: not attached to interface %d of this network namespace", ErrForeignLink, ifindex)
+	return fmt.Errorf("%w (not interface %d of this network namespace)", ErrLinkElsewhere, ifindex)
 }
 
 // AttachTCX updates the link pinned at path, or attaches prog to ifindex
@@ -302,7 +307,14 @@ func AttachTCXHeld(path string, ifindex int, prog *ebpf.Program, attach ebpf.Att
 		}
 		res.Displaced = old
 	}
-	lk, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
+	// The interface may run prog in this direction already, through a link
+	// pinned elsewhere (two pods' pins swapped) or not at all (held by this
+	// process): that link is the pod's, and is pinned here again. The
+	// kernel would refuse a second link of the same program on the hook.
+	lk, err := linkRunning(ifindex, prog, attach)
+	if err == nil && lk == nil {
+		lk, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
+	}
 	if err != nil {
 		if res.Displaced != nil {
 			res.Displaced.Close() // still pinned: stays attached
@@ -323,6 +335,33 @@ func AttachTCXHeld(path string, ifindex int, prog *ebpf.Program, attach ebpf.Att
 	}
 	res.Link = lk
 	return res, nil
+}
+
+// linkRunning opens the tcx link of attach on interface ifindex (in the
+// calling thread's network namespace) that runs prog, nil if there is none.
+func linkRunning(ifindex int, prog *ebpf.Program, attach ebpf.AttachType) (link.Link, error) {
+	info, err := prog.Info()
+	if err != nil {
+		return nil, fmt.Errorf("program info: %w", err)
+	}
+	id, ok := info.ID()
+	if !ok {
+		return nil, nil
+	}
+	res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
+	if err != nil {
+		return nil, nil // attaching will say what is wrong
+	}
+	for _, p := range res.Programs {
+		if lid, ok := p.LinkID(); ok && p.ID == id {
+			lk, err := link.NewFromID(lid)
+			if err != nil {
+				return nil, fmt.Errorf("open link %d running the program: %w", lid, err)
+			}
+			return lk, nil
+		}
+	}
+	return nil, nil
 }
 
 // Repin pins lk at path again, creating the directory if it went too.
