@@ -619,7 +619,7 @@ func endpointListen(cfg agentConfig, pred *tunnel.Predecessor, log *slog.Logger)
 			return l, nil
 		}
 		if err != nil {
-			log.Warn("HTTP endpoint hand-over failed; binding beside the predecessor until it is gone", "endpoint", name, "addr", addr, "error", err)
+			log.Warn("HTTP endpoint socket not taken over from the predecessor (another address, or the exchange failed); binding beside it until it is gone", "endpoint", name, "addr", addr, "error", err)
 		}
 		select {
 		case <-pred.Gone():

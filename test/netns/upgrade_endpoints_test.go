@@ -54,7 +54,7 @@ func TestUpgradeHandsOverEndpoints(t *testing.T) {
 		}
 	}
 	cannotJoin("after the upgrade")
-	if strings.Contains(next.Log(), "binding beside the predecessor") {
+	if strings.Contains(next.Log(), "not taken over from the predecessor") {
 		t.Errorf("the new agent bound an endpoint beside the predecessor instead of taking it over:\n%s", next.Log())
 	}
 	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
