@@ -507,11 +507,29 @@ func runAgent(ctx context.Context, args []string) error {
 		Sections: configSections(cfg, tun, certs),
 		Level:    level,
 		Logger:   log,
+		Listen:   endpointListen(cfg, pred, log),
 	})
 	if err != nil {
 		return err
 	}
 	defer servers.Close()
+	if cfg.handoverSocket != "" {
+		tun.ShareEndpoints(servers.Listener)
+		if pred != nil {
+			// Sockets bound beside a predecessor that did not hand them
+			// over (or handed ones it had so bound) take their ports alone
+			// once it is gone.
+			go func() {
+				select {
+				case <-ctx.Done():
+				case <-pred.Gone():
+					if err := servers.OwnPorts(ctx); err != nil {
+						log.Error("HTTP endpoints: binding alone after the predecessor left failed", "error", err)
+					}
+				}
+			}()
+		}
+	}
 
 	log.Info("agent started", "source", cfg.source, "bpf_root", cfg.bpfRoot, "trust_domain", cfg.trustDomain)
 	if err := agent.Run(ctx, src); err != nil {
@@ -573,6 +591,42 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *sl
 			return false, "CNI event socket: " + failed.Error()
 		}
 		return true, ""
+	}
+}
+
+// endpointListen opens the HTTP endpoints' listeners in the node's
+// namespace. No socket there is in a reuseport group while it can help it:
+// any process of the agent's user (a hostNetwork container running as
+// root) could join one and take a share of kubelet's probes, the scrapes
+// and admin calls (admin.ListenAlone). A predecessor's sockets are taken
+// over through the hand-over socket; one that does not hand them over (a
+// release before this) has them in a reuseport group, which this agent
+// joins until it is gone (Servers.OwnPorts). Without a hand-over socket
+// there is no other way for a successor to start beside this agent, and
+// the endpoints stay shared, as the warning says.
+func endpointListen(cfg agentConfig, pred *tunnel.Predecessor, log *slog.Logger) func(ctx context.Context, name, addr string) (net.Listener, error) {
+	return func(ctx context.Context, name, addr string) (net.Listener, error) {
+		if cfg.handoverSocket == "" {
+			log.Warn("no hand-over socket: the HTTP endpoint binds with SO_REUSEPORT so that a successor can bind beside it; any process of this user in the node's network namespace can join its port", "endpoint", name, "addr", addr)
+			return admin.ListenShared(ctx, addr)
+		}
+		if pred == nil {
+			return admin.ListenAlone(ctx, addr)
+		}
+		l, err := pred.TakeEndpoint(ctx, name, addr)
+		if l != nil {
+			log.Info("HTTP endpoint socket taken over from the predecessor", "endpoint", name, "addr", addr)
+			return l, nil
+		}
+		if err != nil {
+			log.Warn("HTTP endpoint socket not taken over from the predecessor (another address, or the exchange failed); binding beside it until it is gone", "endpoint", name, "addr", addr, "error", err)
+		}
+		select {
+		case <-pred.Gone():
+			return admin.ListenAlone(ctx, addr)
+		default:
+			return admin.ListenShared(ctx, addr)
+		}
 	}
 }
 

@@ -44,6 +44,10 @@ type Options struct {
 	Level *slog.LevelVar
 	// Logger gets server errors and level changes (slog.Default if nil).
 	Logger *slog.Logger
+	// Listen opens the listener of the endpoint named name (EndpointMetrics,
+	// ...) on addr: a predecessor's socket taken over, or ListenShared
+	// beside one that does not hand them over. Nil: ListenAlone.
+	Listen func(ctx context.Context, name, addr string) (net.Listener, error)
 }
 
 // Bounds of every request, whoever sends it: the endpoints take no body
@@ -75,8 +79,18 @@ type Servers struct {
 
 	servers   []*http.Server
 	readiness *http.Server
-	wg        sync.WaitGroup
+	// raw are the endpoints' listeners by name, for a successor agent
+	// to take (Listener) and OwnPorts to replace.
+	raw map[string]*rebindable
+	wg  sync.WaitGroup
 }
+
+// Endpoint names, as Options.Listen and Listener take them.
+const (
+	EndpointMetrics   = "metrics"
+	EndpointReadiness = "readiness"
+	EndpointAdmin     = "admin"
+)
 
 // Start listens on every address before it returns, so a port already in use
 // fails the agent's start with an error naming the endpoint and address
@@ -101,19 +115,29 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		handler    func() http.Handler
 		bound      *string
 	}{
-		{"metrics", o.MetricsAddr, func() http.Handler { return metricsHandler(o.Registry, log) }, &s.metricsAddr},
-		{"readiness", o.ReadinessAddr, func() http.Handler { return readinessHandler(o.Ready) }, &s.readinessAddr},
-		{"admin", o.AdminAddr, func() http.Handler { return adminHandler(o.Sections, o.Level, log) }, &s.adminAddr},
+		{EndpointMetrics, o.MetricsAddr, func() http.Handler { return metricsHandler(o.Registry, log) }, &s.metricsAddr},
+		{EndpointReadiness, o.ReadinessAddr, func() http.Handler { return readinessHandler(o.Ready) }, &s.readinessAddr},
+		{EndpointAdmin, o.AdminAddr, func() http.Handler { return adminHandler(o.Sections, o.Level, log) }, &s.adminAddr},
 	}
 	for _, e := range endpoints {
 		if e.addr == "" {
 			continue
 		}
-		l, err := (&net.ListenConfig{Control: reusePort}).Listen(ctx, "tcp", e.addr)
+		listen := o.Listen
+		if listen == nil {
+			listen = func(ctx context.Context, _, addr string) (net.Listener, error) { return ListenAlone(ctx, addr) }
+		}
+		l, err := listen(ctx, e.name, e.addr)
 		if err != nil {
 			s.Close()
 			return nil, fmt.Errorf("%s endpoint: %w", e.name, err)
 		}
+		if s.raw == nil {
+			s.raw = map[string]*rebindable{}
+		}
+		r := &rebindable{cur: l}
+		s.raw[e.name] = r
+		l = r
 		*e.bound = l.Addr().String()
 		if e.name == "admin" && !isLoopback(l.Addr()) {
 			log.Warn("admin endpoint is not on a loopback address: anyone who reaches it can read the config and profile the agent", "addr", *e.bound)
@@ -209,10 +233,144 @@ func (s *Servers) CloseReadiness() error {
 	return s.readiness.Close()
 }
 
-// reusePort sets SO_REUSEPORT: during an upgrade the new agent binds the
-// same ports while the old one still runs (and drains), so the endpoints
-// never clash and never disappear. While both run, a connection reaches
-// either process.
+// Listener is the listener of the endpoint named name (EndpointMetrics,
+// ...) as opened, nil if it is not served: the socket a successor agent
+// takes over (tunnel's hand-over), so that the two accept from one queue
+// while both run and the port is never free nor shared with anyone else.
+func (s *Servers) Listener(name string) net.Listener {
+	if s == nil || s.raw[name] == nil {
+		return nil
+	}
+	return s.raw[name].current()
+}
+
+// ListenAlone listens on addr (TCP) without SO_REUSEPORT: no other socket
+// may bind the port while it is open. The endpoints are in the node's
+// namespace: with SO_REUSEPORT any process of the agent's user there (a
+// hostNetwork container running as root) could join the port and take a
+// share of its connections (kubelet's probes, scrapes, admin calls), or
+// all of them on the node's own address, which a specific bind wins over
+// the wildcard. A successor agent takes the very socket instead
+// (Listener).
+func ListenAlone(ctx context.Context, addr string) (net.Listener, error) {
+	return (&net.ListenConfig{}).Listen(ctx, "tcp", addr)
+}
+
+// ListenShared listens on addr with SO_REUSEPORT, beside a predecessor
+// that does not hand its endpoints over (a release before hand-over of
+// the endpoints, whose sockets are in a reuseport group): the two then
+// share the port, open to anyone of the agent's user, until Unshare.
+func ListenShared(ctx context.Context, addr string) (net.Listener, error) {
+	return (&net.ListenConfig{Control: reusePort}).Listen(ctx, "tcp", addr)
+}
+
+// OwnPorts gives each endpoint that shares its port (SO_REUSEPORT: bound
+// by ListenShared, or such a socket a predecessor handed over) a socket of
+// its own: the shared one is closed and the address bound again alone.
+// Call it once no predecessor shares the ports any more. A socket with
+// SO_REUSEPORT stays open to joiners for as long as it lives (clearing the
+// option does not close the port's bind bucket), and a successor takes it
+// over as it is: without this, every later agent would carry it on. The
+// port is free for the moment between the close and the bind: a connection
+// then is refused, and the caller sees an error if something took the port.
+func (s *Servers) OwnPorts(ctx context.Context) error {
+	if s == nil {
+		return nil
+	}
+	var errs []error
+	for name, r := range s.raw {
+		shared, err := reusePortSet(r.current())
+		if err != nil || !shared {
+			continue
+		}
+		if err := r.rebind(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("%s endpoint: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// reusePortSet reports whether l has SO_REUSEPORT.
+func reusePortSet(l net.Listener) (bool, error) {
+	sc, ok := l.(syscall.Conn)
+	if !ok {
+		return false, fmt.Errorf("a %T has no descriptor", l)
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return false, err
+	}
+	var v int
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		v, gerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT)
+	}); err != nil {
+		return false, err
+	}
+	return v != 0, gerr
+}
+
+// rebindable is an endpoint's listener that OwnPorts can replace under
+// its server: Accept goes on on the new socket.
+type rebindable struct {
+	mu     sync.Mutex
+	cur    net.Listener
+	closed bool
+}
+
+func (r *rebindable) current() net.Listener {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.cur
+}
+
+func (r *rebindable) Accept() (net.Conn, error) {
+	for {
+		l := r.current()
+		c, err := l.Accept()
+		if err == nil {
+			return c, nil
+		}
+		// rebind holds mu from closing the old socket to installing the
+		// new one.
+		r.mu.Lock()
+		again := !r.closed && r.cur != l
+		r.mu.Unlock()
+		if !again {
+			return nil, err
+		}
+	}
+}
+
+func (r *rebindable) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.closed = true
+	return r.cur.Close()
+}
+
+func (r *rebindable) Addr() net.Addr { return r.current().Addr() }
+
+func (r *rebindable) rebind(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	addr := r.cur.Addr().String()
+	if err := r.cur.Close(); err != nil {
+		return fmt.Errorf("close the shared socket: %w", err)
+	}
+	l, err := ListenAlone(ctx, addr)
+	if err != nil {
+		// The server stops: Accept returns the old socket's error.
+		return fmt.Errorf("bind %s alone: %w", addr, err)
+	}
+	r.cur = l
+	return nil
+}
+
+// reusePort sets SO_REUSEPORT (ListenShared).
 func reusePort(_, _ string, c syscall.RawConn) error {
 	var serr error
 	if err := c.Control(func(fd uintptr) {

@@ -4,19 +4,28 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"testing"
 )
 
-// TestReadinessHandover: a second agent binds the same ports (SO_REUSEPORT;
-// the old code failed with "address already in use"); once the old one
-// closes its readiness endpoint, every probe reaches the new one.
+// TestReadinessHandover: a second agent takes the very socket of the
+// first one's readiness endpoint (the tunnel's hand-over passes it; here a
+// duplicate); once the old one closes its readiness endpoint, every probe
+// reaches the new one.
 func TestReadinessHandover(t *testing.T) {
+	var taken net.Listener
 	startAt := func(addr string, ready bool) *Servers {
 		t.Helper()
 		s, err := Start(context.Background(), Options{
 			ReadinessAddr: addr, Ready: func() (bool, string) { return ready, "not yet" },
 			Logger: slog.New(slog.NewTextHandler(io.Discard, nil)),
+			Listen: func(ctx context.Context, name, addr string) (net.Listener, error) {
+				if taken != nil {
+					return taken, nil
+				}
+				return ListenAlone(ctx, addr)
+			},
 		})
 		if err != nil {
 			t.Fatalf("readiness on %s: %v", addr, err)
@@ -26,6 +35,15 @@ func TestReadinessHandover(t *testing.T) {
 	}
 	old := startAt("127.0.0.1:0", true)
 	addr := old.ReadinessAddr()
+	f, err := old.Listener(EndpointReadiness).(*net.TCPListener).File()
+	if err != nil {
+		t.Fatal(err)
+	}
+	taken, err = net.FileListener(f)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
 	next := startAt(addr, false)
 	if err := old.CloseReadiness(); err != nil {
 		t.Fatal(err)

@@ -39,12 +39,14 @@ func (d direction) attachType() ebpf.AttachType {
 }
 
 func (l *Loader) updatePinnedLink(id uint32, d direction) (link.Link, error) {
-	return pin.UpdateTCXHeld(l.linkPin(id, d), l.program(d))
+	return pin.UpdateTCXHeld(l.linkPin(id, d), l.program(d), d.attachType())
 }
 
 // attachTCX must run inside the pod's network namespace: the kernel
-// resolves ifindex there. The link comes back open, for the loader to hold.
-func (l *Loader) attachTCX(id uint32, ifindex int, d direction) (link.Link, error) {
+// resolves ifindex there. The link comes back open, for the loader to hold,
+// with the link it replaced at the pin, if any (pin.Attached.Displaced),
+// for the caller to close once the pod's other link is in place.
+func (l *Loader) attachTCX(id uint32, ifindex int, d direction) (pin.Attached, error) {
 	return pin.AttachTCXHeld(l.linkPin(id, d), ifindex, l.program(d), d.attachType())
 }
 

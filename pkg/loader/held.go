@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 
+	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
 	"github.com/redirector-mesh/redirector/pkg/pin"
@@ -187,8 +188,12 @@ func (l *Loader) linksOK(id uint32, tcx bool) bool {
 func (l *Loader) closeHeld() {
 	l.linksMu.Lock()
 	held := l.links
-	l.links, l.linkFDs = nil, nil
+	strays := l.strays
+	l.links, l.linkFDs, l.strays = nil, nil, nil
 	l.linksMu.Unlock()
+	for _, lk := range strays {
+		lk.Close()
+	}
 	for _, lks := range held {
 		for _, lk := range lks {
 			if lk != nil {
@@ -210,4 +215,56 @@ func (l *Loader) HeldDirs(gen uint64) (dirs []string, newGen uint64, changed boo
 		dirs = append(dirs, l.podDir(id))
 	}
 	return dirs, l.linksGen, true
+}
+
+// keepStray keeps lk, a link displaced from a pod's pin path for why, when
+// it is another pod's: attached to another interface (pin.ErrLinkElsewhere)
+// and still running. Its only pin was the one replaced, so closing it
+// would detach that pod's capture until its own attach: its traffic would
+// pass uncaptured meanwhile. It reports whether it kept lk.
+func (l *Loader) keepStray(lk link.Link, why error) bool {
+	if !errors.Is(why, pin.ErrLinkElsewhere) {
+		return false
+	}
+	if ok, err := pin.TCXAttached(lk); err != nil || !ok {
+		return false
+	}
+	info, err := lk.Info()
+	if err != nil {
+		return false
+	}
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	if l.strays == nil {
+		l.strays = map[link.ID]link.Link{}
+	}
+	if old := l.strays[info.ID]; old != nil {
+		old.Close()
+	}
+	l.strays[info.ID] = lk
+	return true
+}
+
+// releaseStrays closes the kept strays attached to interface ifindex of the
+// calling thread's network namespace: that pod's own links are in place
+// (or it is detached).
+func (l *Loader) releaseStrays(ifindex int) {
+	l.linksMu.Lock()
+	defer l.linksMu.Unlock()
+	if len(l.strays) == 0 {
+		return
+	}
+	for _, attach := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+		res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
+		if err != nil {
+			continue
+		}
+		for _, p := range res.Programs {
+			id, ok := p.LinkID()
+			if lk := l.strays[id]; ok && lk != nil {
+				lk.Close()
+				delete(l.strays, id)
+			}
+		}
+	}
 }

@@ -83,6 +83,10 @@ type Loader struct {
 	links    map[uint32][2]link.Link // held tcx links by pod id (held.go)
 	linkFDs  map[uint32][2]int       // their file descriptors, for CheckLinks
 	linksGen uint64                  // changes whenever links does
+	// strays are other pods' links found at a pod's pin paths (two pods'
+	// pins swapped) and replaced there: kept open, so that they stay
+	// attached, until their own pod's attach or detach (held.go).
+	strays map[link.ID]link.Link
 
 	// claim, once set, guards every enrollment change (SetClaim).
 	claim atomic.Pointer[maps.Claim]
@@ -104,6 +108,10 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		return nil, err
 	}
 	if err := pin.EnsureBPFFS(cfg.PinRoot); err != nil {
+		return nil, err
+	}
+	// Nothing pinned is used before the tree is known to be the agent's.
+	if err := pin.CheckTree(cfg.PinRoot); err != nil {
 		return nil, err
 	}
 	spec, err := bpf.LoadCapture()

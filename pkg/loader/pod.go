@@ -16,6 +16,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/pin"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 )
@@ -356,10 +357,38 @@ func (l *Loader) attachInNetNS(ctx context.Context, id uint32, meta *maps.PodMet
 			return err
 		}
 		if meta.AttachMode == maps.AttachTCX {
-			lks[0], err = l.attachTCX(id, iface.Attrs().Index, ingress)
+			// Links found at the pins that are not the pod's for them (a
+			// pod's two pins swapped: each holds the other direction's only
+			// link) are detached once both new ones run.
+			var displaced []link.Link
+			defer func() {
+				for _, lk := range displaced {
+					lk.Close()
+				}
+			}()
+			for i, d := range []direction{ingress, egress} {
+				var a pin.Attached
+				a, err = l.attachTCX(id, iface.Attrs().Index, d)
+				if err != nil {
+					break
+				}
+				lks[i] = a.Link
+				if a.Replaced != nil {
+					l.log.WarnContext(ctx, "pinned link replaced: it was not the pod's", "pod", meta.Namespace+"/"+meta.Name,
+						"pin", l.linkPin(id, d), "reason", a.Replaced)
+				}
+				if a.Displaced != nil {
+					if l.keepStray(a.Displaced, a.Replaced) {
+						continue
+					}
+					displaced = append(displaced, a.Displaced)
+				}
+			}
 			if err == nil {
-				lks[1], err = l.attachTCX(id, iface.Attrs().Index, egress)
-				return err
+				// This pod's own links found at other pods' paths are
+				// replaced now.
+				l.releaseStrays(iface.Attrs().Index)
+				return nil
 			}
 			if !errors.Is(err, ebpf.ErrNotSupported) {
 				return err
@@ -617,6 +646,9 @@ func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta) error {
 		iface, err := netlink.LinkByName(meta.Interface)
 		if err == nil && meta.AttachMode == maps.AttachTCLegacy {
 			errs = append(errs, detachLegacy(iface.Attrs().Index))
+		}
+		if err == nil {
+			l.releaseStrays(iface.Attrs().Index)
 		}
 		errs = append(errs, l.delRouting(meta.Addrs))
 		if err == nil && hasV4(meta.Addrs) {

@@ -154,12 +154,23 @@ func isMountPoint(path string) bool {
 	return st.Dev != parent.Dev
 }
 
+// ErrForeignLink marks a pin that is not the link its path is for: another
+// kind of object, a link of another type or direction, one running another
+// program than the one to be put in, or one on another interface.
+var ErrForeignLink = errors.New("pinned object is not the expected link")
+
+// ErrLinkElsewhere is ErrForeignLink for a link of the right kind on
+// another interface than the one asked for (checkTCX with an ifindex): when
+// still attached, some other pod's link, which a caller may have to keep.
+var ErrLinkElsewhere = fmt.Errorf("%w: on another interface", ErrForeignLink)
+
 // UpdateTCX points the tcx link pinned at path at prog. The link stays
 // attached throughout, so no packet goes unhandled. It reports
-// os.ErrNotExist when nothing is pinned there, and an error when the link
-// is defunct (its interface is gone).
-func UpdateTCX(path string, prog *ebpf.Program) error {
-	lk, err := UpdateTCXHeld(path, prog)
+// os.ErrNotExist when nothing is pinned there, ErrForeignLink when the pin
+// is not a tcx link of attach running a program of prog's name (checkTCX),
+// and another error when the link is defunct (its interface is gone).
+func UpdateTCX(path string, prog *ebpf.Program, attach ebpf.AttachType) error {
+	lk, err := UpdateTCXHeld(path, prog, attach)
 	if err != nil {
 		return err
 	}
@@ -168,10 +179,14 @@ func UpdateTCX(path string, prog *ebpf.Program) error {
 
 // UpdateTCXHeld is UpdateTCX that returns the link, open: the caller holds
 // it (see AttachTCXHeld).
-func UpdateTCXHeld(path string, prog *ebpf.Program) (link.Link, error) {
+func UpdateTCXHeld(path string, prog *ebpf.Program, attach ebpf.AttachType) (link.Link, error) {
 	lk, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
 	if err != nil {
 		return nil, err
+	}
+	if err := checkTCX(lk, prog, attach, 0); err != nil {
+		lk.Close()
+		return nil, fmt.Errorf("pinned link %s: %w", path, err)
 	}
 	if err := lk.Update(prog); err != nil {
 		lk.Close()
@@ -180,38 +195,173 @@ func UpdateTCXHeld(path string, prog *ebpf.Program) (link.Link, error) {
 	return lk, nil
 }
 
+// checkTCX refuses (ErrForeignLink) a link that is not a tcx link of
+// attach running a program named as prog is, and with ifindex > 0 one not
+// attached to that interface of the calling thread's network namespace.
+// Why: the kernel updates any tcx link with any classifier, whatever its
+// direction or interface. A pin renamed into another's place (ingress and
+// egress swapped, another pod's link) had each hook run the other
+// direction's program, or a pod hold another's link, and no repair saw it:
+// every link was attached and every pin there.
+func checkTCX(lk link.Link, prog *ebpf.Program, attach ebpf.AttachType, ifindex int) error {
+	info, err := lk.Info()
+	if err != nil {
+		return fmt.Errorf("link info: %w", err)
+	}
+	tcx := info.TCX()
+	if info.Type != link.TCXType || tcx == nil {
+		return fmt.Errorf("%w: a link of type %d, not tcx", ErrForeignLink, info.Type)
+	}
+	if got := ebpf.AttachType(tcx.AttachType); got != attach {
+		return fmt.Errorf("%w: a tcx link of attach type %v, want %v", ErrForeignLink, got, attach)
+	}
+	want, err := prog.Info()
+	if err != nil {
+		return fmt.Errorf("program info: %w", err)
+	}
+	running, err := ebpf.NewProgramFromID(info.Program)
+	if err != nil {
+		return fmt.Errorf("program of the link: %w", err)
+	}
+	got, err := running.Info()
+	running.Close()
+	if err != nil {
+		return fmt.Errorf("program info of the link: %w", err)
+	}
+	if got.Name != want.Name {
+		return fmt.Errorf("%w: it runs program %q, not %q", ErrForeignLink, got.Name, want.Name)
+	}
+	if ifindex <= 0 {
+		return nil
+	}
+	if int(tcx.Ifindex) != ifindex {
+		return fmt.Errorf("%w (index %d, not %d)", ErrLinkElsewhere, tcx.Ifindex, ifindex)
+	}
+	// The same index in another namespace is another interface.
+	res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
+	if err != nil {
+		return fmt.Errorf("query tcx links of interface %d: %w", ifindex, err)
+	}
+	for _, p := range res.Programs {
+		if id, ok := p.LinkID(); ok && id == info.ID {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w (not interface %d of this network namespace)", ErrLinkElsewhere, ifindex)
+}
+
 // AttachTCX updates the link pinned at path, or attaches prog to ifindex
 // and pins the new link there. The kernel resolves ifindex in the calling
-// thread's network namespace. A defunct link or stale pin is replaced.
+// thread's network namespace. A defunct link, stale pin or foreign object
+// is replaced.
 func AttachTCX(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachType) error {
-	lk, err := AttachTCXHeld(path, ifindex, prog, attach)
+	a, err := AttachTCXHeld(path, ifindex, prog, attach)
 	if err != nil {
 		return err
 	}
-	return lk.Close()
+	if a.Displaced != nil {
+		a.Displaced.Close()
+	}
+	return a.Link.Close()
+}
+
+// Attached is what AttachTCXHeld did.
+type Attached struct {
+	// Link is the pod's link, open.
+	Link link.Link
+	// Displaced, when not nil, is a link that was pinned at the path but
+	// is not the one for it (Replaced says why), kept open so that it stays
+	// attached: closing it detaches it, unless it is pinned elsewhere.
+	// The caller closes it once the other links it attaches are in place
+	// (a pod's ingress and egress pins swapped: each path holds the other
+	// direction's only link).
+	Displaced link.Link
+	// Replaced is why the pin at the path was not updated in place
+	// (nil: it was, or there was none).
+	Replaced error
 }
 
 // AttachTCXHeld is AttachTCX that returns the link, open. A holder keeps
 // the link attached even when someone removes its pin, and can pin it again
 // (Repin) without a moment of the program missing; closing the link
-// leaves it to its pin.
-func AttachTCXHeld(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachType) (link.Link, error) {
-	lk, err := UpdateTCXHeld(path, prog)
-	if err == nil {
-		return lk, nil
+// leaves it to its pin. A pin that is not this direction's link of prog's
+// program on ifindex (checkTCX), or a link that cannot be updated, is
+// replaced: the new link is attached before the pin moves, and the old one
+// comes back open (Attached.Displaced), so nothing is detached before its
+// replacement runs.
+func AttachTCXHeld(path string, ifindex int, prog *ebpf.Program, attach ebpf.AttachType) (Attached, error) {
+	var res Attached
+	old, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+	case err != nil:
+		// Not a link, or a defunct one: nothing there runs.
+		res.Replaced = err
+	default:
+		if err := checkTCX(old, prog, attach, ifindex); err != nil {
+			res.Replaced = err
+		} else if err := old.Update(prog); err != nil {
+			res.Replaced = fmt.Errorf("update: %w", err)
+		} else {
+			return Attached{Link: old}, nil
+		}
+		res.Displaced = old
 	}
-	if !errors.Is(err, os.ErrNotExist) {
-		_ = os.Remove(path)
+	// The interface may run prog in this direction already, through a link
+	// pinned elsewhere (two pods' pins swapped) or not at all (held by this
+	// process): that link is the pod's, and is pinned here again. The
+	// kernel would refuse a second link of the same program on the hook.
+	lk, err := linkRunning(ifindex, prog, attach)
+	if err == nil && lk == nil {
+		lk, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
 	}
-	lk, err = link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: attach})
 	if err != nil {
-		return nil, fmt.Errorf("attach tcx %s: %w", filepath.Base(path), err)
+		if res.Displaced != nil {
+			res.Displaced.Close() // still pinned: stays attached
+		}
+		return Attached{}, fmt.Errorf("attach tcx %s: %w", filepath.Base(path), err)
+	}
+	if res.Replaced != nil {
+		_ = os.Remove(path)
 	}
 	if err := Repin(lk, path); err != nil {
 		lk.Close()
-		return nil, err
+		if res.Displaced != nil {
+			// Back where it was, so that closing it detaches nothing.
+			_ = Repin(res.Displaced, path)
+			res.Displaced.Close()
+		}
+		return Attached{}, err
 	}
-	return lk, nil
+	res.Link = lk
+	return res, nil
+}
+
+// linkRunning opens the tcx link of attach on interface ifindex (in the
+// calling thread's network namespace) that runs prog, nil if there is none.
+func linkRunning(ifindex int, prog *ebpf.Program, attach ebpf.AttachType) (link.Link, error) {
+	info, err := prog.Info()
+	if err != nil {
+		return nil, fmt.Errorf("program info: %w", err)
+	}
+	id, ok := info.ID()
+	if !ok {
+		return nil, nil
+	}
+	res, err := link.QueryPrograms(link.QueryOptions{Target: ifindex, Attach: attach})
+	if err != nil {
+		return nil, nil // attaching will say what is wrong
+	}
+	for _, p := range res.Programs {
+		if lid, ok := p.LinkID(); ok && p.ID == id {
+			lk, err := link.NewFromID(lid)
+			if err != nil {
+				return nil, fmt.Errorf("open link %d running the program: %w", lid, err)
+			}
+			return lk, nil
+		}
+	}
+	return nil, nil
 }
 
 // Repin pins lk at path again, creating the directory if it went too.
@@ -289,4 +439,41 @@ func DetachLink(path string) error {
 		return fmt.Errorf("unpin %s: %w", path, err)
 	}
 	return nil
+}
+
+// ErrLoosePins marks a pin tree that someone other than root or the
+// agent's user could change.
+var ErrLoosePins = errors.New("pin tree not the agent's alone")
+
+// CheckTree refuses a pin root in which anything (the root, a directory,
+// a pin) is owned by a user other than root and this process's, or is
+// writable by group or others, or is a symlink (the agent pins none). Why:
+// since Linux 6.5 BPF_OBJ_GET is checked against the pin's file mode only,
+// unprivileged BPF off or not, so any user who may write rd_pods may delete
+// a pod's enrollment entry (the kill switch: its traffic passes in
+// plaintext); who may write a directory may rename pins (swap a pod's
+// links, hide a map for the next agent to recreate empty). The agent
+// creates everything 0700/0600: a looser tree was changed by someone, and
+// what is in it cannot be trusted. The error names the first such path.
+func CheckTree(root string) error {
+	euid := uint32(os.Geteuid())
+	return filepath.WalkDir(root, func(path string, d os.DirEntry, err error) error {
+		if err != nil {
+			return fmt.Errorf("pin tree %s: %w", root, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return fmt.Errorf("pin tree %s: %w", root, err)
+		}
+		mode := os.FileMode(st.Mode & 0o777)
+		switch {
+		case st.Mode&unix.S_IFMT == unix.S_IFLNK:
+			return fmt.Errorf("%w: %s is a symlink; the agent pins none: remove it", ErrLoosePins, path)
+		case st.Uid != 0 && st.Uid != euid:
+			return fmt.Errorf("%w: %s is owned by uid %d, neither root nor the agent's user: its owner could change the capture state; give it to root", ErrLoosePins, path, st.Uid)
+		case mode&0o022 != 0:
+			return fmt.Errorf("%w: %s is writable by group or others (mode %v): they could change or remove the capture state; make it 0700 (directories) or 0600 (pins)", ErrLoosePins, path, mode)
+		}
+		return nil
+	})
 }

@@ -107,7 +107,7 @@ func (d direction) attachType() ebpf.AttachType {
 }
 
 func (a *Attacher) updatePinnedLink(podID uint32, d direction) error {
-	return pin.UpdateTCX(a.linkPin(podID, d), a.program(d))
+	return pin.UpdateTCX(a.linkPin(podID, d), a.program(d), d.attachType())
 }
 
 // attachTCX runs in the calling thread's network namespace (the node's).

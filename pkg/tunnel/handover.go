@@ -8,8 +8,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -54,7 +56,12 @@ import (
 type handoverRequest struct {
 	// Netns is the inode of the pod's network namespace (nsfs), the same
 	// in every process that opened it.
-	Netns uint64 `json:"netns"`
+	Netns uint64 `json:"netns,omitempty"`
+	// Endpoint, instead, names one of the agent's HTTP endpoints in the
+	// node's namespace (metrics, readiness, admin): its listener is handed
+	// over, so that it never shares its port in a reuseport group
+	// (admin.ListenAlone).
+	Endpoint string `json:"endpoint,omitempty"`
 }
 
 // handoverReply carries the pod's listeners, one descriptor per port in
@@ -171,15 +178,25 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 	dec.DisallowUnknownFields()
 	if flags&unix.MSG_TRUNC != 0 {
 		err = fmt.Errorf("request longer than %d bytes", maxHandoverMessage)
-	} else if err = dec.Decode(&req); err == nil && req.Netns == 0 {
-		err = errors.New("request names no network namespace")
+	} else if err = dec.Decode(&req); err == nil && (req.Netns == 0) == (req.Endpoint == "") {
+		err = errors.New("request names neither a network namespace nor an endpoint, or both")
 	}
 	if err != nil {
 		t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
 		t.log.WarnContext(ctx, "hand-over socket: bad request; closing the connection", "peer", credString(cred), "error", err)
 		return
 	}
-	fds, uid, ports, err := t.podListenerFDs(req.Netns)
+	var (
+		fds   []int
+		uid   string
+		ports []uint16
+	)
+	if req.Endpoint != "" {
+		uid = "endpoint " + req.Endpoint
+		fds, ports, err = t.endpointFD(req.Endpoint)
+	} else {
+		fds, uid, ports, err = t.podListenerFDs(req.Netns)
+	}
 	reply := handoverReply{Ports: ports}
 	if err != nil {
 		reply = handoverReply{Error: err.Error()}
@@ -243,6 +260,31 @@ func (t *Tunnel) podListenerFDs(ino uint64) ([]int, string, []uint16, error) {
 	return fds, p.uid, ports, nil
 }
 
+// ShareEndpoints makes the listeners of the agent's HTTP endpoints, by
+// name, available to a successor asking the hand-over socket (see
+// admin.Servers.Listener).
+func (t *Tunnel) ShareEndpoints(get func(name string) net.Listener) {
+	t.endpoints.Store(&get)
+}
+
+// endpointFD duplicates the listener of the HTTP endpoint named name, with
+// its port.
+func (t *Tunnel) endpointFD(name string) ([]int, []uint16, error) {
+	get := t.endpoints.Load()
+	var l net.Listener
+	if get != nil {
+		l = (*get)(name)
+	}
+	if l == nil {
+		return nil, nil, fmt.Errorf("endpoint %q not served", name)
+	}
+	fd, err := dupListener(l)
+	if err != nil {
+		return nil, nil, fmt.Errorf("endpoint %q: %w", name, err)
+	}
+	return []int{fd}, []uint16{addrPortOf(l.Addr()).Port()}, nil
+}
+
 // dupListener duplicates l's descriptor (close-on-exec), leaving its
 // flags alone.
 func dupListener(l net.Listener) (int, error) {
@@ -281,7 +323,9 @@ type Predecessor struct {
 	turn chan struct{} // one request at a time; a waiter can give up
 	// gone is set once WaitGone saw no agent at the path: from then on the
 	// path may be this agent's own socket.
-	gone atomic.Bool
+	gone     atomic.Bool
+	goneCh   chan struct{} // closed when gone is set
+	goneOnce sync.Once
 	// quietUntil (unix nanoseconds) pauses requests after one timed out: a
 	// predecessor that stopped answering would otherwise hold every pod
 	// start for the full timeout, one after the other.
@@ -333,7 +377,7 @@ func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
 		return nil, err
 	}
 	c.Close()
-	return &Predecessor{path: path, turn: make(chan struct{}, 1)}, nil
+	return &Predecessor{path: path, turn: make(chan struct{}, 1), goneCh: make(chan struct{})}, nil
 }
 
 // predecessorPoll is how often WaitGone checks for the predecessor.
@@ -356,6 +400,7 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 			c.Close()
 		case errors.Is(err, errNoPredecessor), errors.Is(err, errUntrusted):
 			pr.gone.Store(true)
+			pr.goneOnce.Do(func() { close(pr.goneCh) })
 			return
 		}
 		select {
@@ -373,23 +418,52 @@ func (pr *Predecessor) WaitGone(ctx context.Context) {
 // socket, and another error when the exchange or a check failed. Every
 // received descriptor that is not returned is closed.
 func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mark uint32) ([]net.Listener, error) {
+	fds, reply, err := pr.exchange(ctx, handoverRequest{Netns: ino}, len(ports))
+	if err != nil || reply.Error != "" {
+		return nil, err
+	}
+	if !slices.Equal(reply.Ports, ports) || len(fds) != len(ports) {
+		closeFDs(fds)
+		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for %v", pr.path, reply.Ports, len(fds), ports)
+	}
+	lns := make([]net.Listener, 0, len(fds))
+	for i, fd := range fds {
+		l, err := handedListener(fd, ino, ports[i], mark)
+		if err != nil {
+			for _, l := range lns {
+				l.Close()
+			}
+			closeFDs(fds[i+1:])
+			return nil, fmt.Errorf("hand-over socket %s: port %d: %w", pr.path, ports[i], err)
+		}
+		lns = append(lns, l)
+	}
+	return lns, nil
+}
+
+// exchange sends req to the predecessor and returns the descriptors of its
+// answer (at most want) with the answer: none and no error when it serves
+// nothing of the kind (reply.Error), errNoPredecessor when no agent serves
+// the socket. Every received descriptor not returned is closed.
+func (pr *Predecessor) exchange(ctx context.Context, req handoverRequest, want int) ([]int, handoverReply, error) {
+	var reply0 handoverReply
 	if pr.gone.Load() || time.Now().UnixNano() < pr.quietUntil.Load() {
-		return nil, errNoPredecessor
+		return nil, reply0, errNoPredecessor
 	}
 	select {
 	case pr.turn <- struct{}{}:
 		defer func() { <-pr.turn }()
 	case <-ctx.Done():
-		return nil, ctx.Err()
+		return nil, reply0, ctx.Err()
 	}
 	c, err := dialHandover(ctx, pr.path)
 	if err != nil {
-		return nil, err
+		return nil, reply0, err
 	}
 	defer c.Close()
-	msg, _ := json.Marshal(handoverRequest{Netns: ino})
+	msg, _ := json.Marshal(req)
 	buf := make([]byte, maxHandoverMessage)
-	oob := make([]byte, unix.CmsgSpace(4*len(ports)))
+	oob := make([]byte, unix.CmsgSpace(4*want))
 	deadline := time.Now().Add(handoverTimeout)
 	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
 		deadline = d
@@ -413,38 +487,126 @@ func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mar
 	case ferr != nil:
 		err = ferr
 	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
-		err = fmt.Errorf("answer longer than %d bytes or with more than %d descriptors", maxHandoverMessage, len(ports))
+		err = fmt.Errorf("answer longer than %d bytes or with more than %d descriptors", maxHandoverMessage, want)
 	default:
 		err = json.Unmarshal(buf[:n], &reply)
 	}
 	if err != nil {
 		closeFDs(fds)
-		return nil, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
+		return nil, reply0, fmt.Errorf("hand-over socket %s: %w", pr.path, err)
 	}
 	if reply.Error != "" {
 		closeFDs(fds)
 		if len(fds) > 0 {
-			return nil, fmt.Errorf("hand-over socket %s: an answer with %d descriptors and an error: %s", pr.path, len(fds), reply.Error)
+			return nil, reply0, fmt.Errorf("hand-over socket %s: an answer with %d descriptors and an error: %s", pr.path, len(fds), reply.Error)
 		}
+		return nil, reply, nil
+	}
+	return fds, reply, nil
+}
+
+// Gone is closed once WaitGone saw no agent at the predecessor's socket.
+func (pr *Predecessor) Gone() <-chan struct{} { return pr.goneCh }
+
+// TakeEndpoint asks the predecessor for the listener of its HTTP endpoint
+// named name, which this agent would open on addr (host:port, the host
+// empty or an IP address), and checks it: a listening TCP socket in this
+// agent's network namespace bound to that very address. It returns nil and
+// no error when there is nothing to take: no predecessor (any more), an
+// endpoint it does not serve, or an address that names no fixed socket
+// (port 0, a host name); an error when the exchange or the check failed.
+func (pr *Predecessor) TakeEndpoint(ctx context.Context, name, addr string) (net.Listener, error) {
+	host, portStr, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %s address %q: %w", name, addr, err)
+	}
+	port, err := strconv.ParseUint(portStr, 10, 16)
+	if err != nil || port == 0 {
 		return nil, nil
 	}
-	if !slices.Equal(reply.Ports, ports) || len(fds) != len(ports) {
-		closeFDs(fds)
-		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for %v", pr.path, reply.Ports, len(fds), ports)
-	}
-	lns := make([]net.Listener, 0, len(fds))
-	for i, fd := range fds {
-		l, err := handedListener(fd, ino, ports[i], mark)
-		if err != nil {
-			for _, l := range lns {
-				l.Close()
-			}
-			closeFDs(fds[i+1:])
-			return nil, fmt.Errorf("hand-over socket %s: port %d: %w", pr.path, ports[i], err)
+	var ip netip.Addr // invalid: the wildcard
+	if host != "" {
+		if ip, err = netip.ParseAddr(host); err != nil {
+			return nil, nil
 		}
-		lns = append(lns, l)
 	}
-	return lns, nil
+	fds, reply, err := pr.exchange(ctx, handoverRequest{Endpoint: name}, 1)
+	if errors.Is(err, errNoPredecessor) || (err == nil && reply.Error != "") {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if len(fds) != 1 || len(reply.Ports) != 1 || reply.Ports[0] != uint16(port) {
+		closeFDs(fds)
+		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for endpoint %s on port %d", pr.path, reply.Ports, len(fds), name, port)
+	}
+	f := os.NewFile(uintptr(fds[0]), "handed-over endpoint "+name)
+	defer f.Close()
+	if err := checkHandedEndpoint(fds[0], ip, uint16(port)); err != nil {
+		return nil, fmt.Errorf("hand-over socket %s: endpoint %s: %w", pr.path, name, err)
+	}
+	return net.FileListener(f)
+}
+
+// checkHandedEndpoint checks that fd is a listening TCP socket in this
+// process's network namespace, bound to ip (invalid: the wildcard, either
+// family) and port.
+func checkHandedEndpoint(fd int, ip netip.Addr, port uint16) error {
+	for _, o := range []struct {
+		opt  int
+		want int
+		name string
+	}{
+		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
+		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
+	} {
+		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
+		if err != nil {
+			return fmt.Errorf("%s: %w", o.name, err)
+		}
+		if got != o.want {
+			return fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
+		}
+	}
+	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
+		return fmt.Errorf("SO_PROTOCOL: %w", err)
+	} else if proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP {
+		return fmt.Errorf("SO_PROTOCOL is %d, neither TCP nor MPTCP", proto)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return fmt.Errorf("getsockname: %w", err)
+	}
+	var got netip.AddrPort
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		got = netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
+	case *unix.SockaddrInet6:
+		got = netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
+	default:
+		return fmt.Errorf("bound to a %T, not an IP address", sa)
+	}
+	wantAddr := ip.IsValid() && got.Addr() == ip.Unmap() || !ip.IsValid() && got.Addr().IsUnspecified()
+	if got.Port() != port || !wantAddr {
+		return fmt.Errorf("bound to %s, not the endpoint's address", got)
+	}
+	nsfd, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	if err != nil {
+		return fmt.Errorf("its network namespace (SIOCGSKNS): %w", err)
+	}
+	defer unix.Close(nsfd)
+	var st, own unix.Stat_t
+	if err := unix.Fstat(nsfd, &st); err != nil {
+		return fmt.Errorf("its network namespace: %w", err)
+	}
+	if err := unix.Stat("/proc/self/ns/net", &own); err != nil {
+		return fmt.Errorf("this agent's network namespace: %w", err)
+	}
+	if st.Ino != own.Ino || st.Dev != own.Dev {
+		return fmt.Errorf("in network namespace %d, not this agent's (%d)", st.Ino, own.Ino)
+	}
+	return nil
 }
 
 // receivedFDs are the descriptors of SCM_RIGHTS messages in oob.
@@ -469,8 +631,9 @@ func receivedFDs(oob []byte) ([]int, error) {
 }
 
 // handedListener checks that fd is a listening TCP socket in the network
-// namespace with inode ino, bound to port and carrying the tunnel mark,
-// and returns it as a listener; fd is closed either way.
+// namespace with inode ino, bound to port on the wildcard address (dual-stack
+// if IPv6) and carrying the tunnel mark, and returns it as a listener; fd
+// is closed either way.
 func handedListener(fd int, ino uint64, port uint16, mark uint32) (net.Listener, error) {
 	f := os.NewFile(uintptr(fd), "handed-over listener")
 	defer f.Close()
@@ -510,11 +673,12 @@ func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
 		return fmt.Errorf("getsockname: %w", err)
 	}
 	var got int
+	var addr netip.Addr
 	switch a := sa.(type) {
 	case *unix.SockaddrInet4:
-		got = a.Port
+		got, addr = a.Port, netip.AddrFrom4(a.Addr)
 	case *unix.SockaddrInet6:
-		got = a.Port
+		got, addr = a.Port, netip.AddrFrom16(a.Addr)
 	default:
 		return fmt.Errorf("bound to a %T, not an IP address", sa)
 	}
@@ -532,6 +696,22 @@ func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
 	}
 	if st.Ino != ino {
 		return fmt.Errorf("in network namespace %d, not the pod's (%d)", st.Ino, ino)
+	}
+	// The capture assigns SYNs for every address of the pod, IPv4 and
+	// IPv6, to the listener of the port: one bound to a single address, or
+	// IPv6 only, would take none (or no IPv4), and hold the port against
+	// the pod's own wildcard listener (listenWildcard) all the same.
+	if !addr.Unmap().IsUnspecified() {
+		return fmt.Errorf("bound to %s, not the wildcard address", addr.Unmap())
+	}
+	if _, ok := sa.(*unix.SockaddrInet6); ok {
+		v6only, err := unix.GetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY)
+		if err != nil {
+			return fmt.Errorf("IPV6_V6ONLY: %w", err)
+		}
+		if v6only != 0 {
+			return errors.New("IPv6 only (IPV6_V6ONLY): IPv4 connections would find no listener")
+		}
 	}
 	return nil
 }

@@ -430,7 +430,13 @@ func fakePredecessor(t *testing.T, answer string, send func() []int) (string, <-
 
 func listenerFD(t *testing.T, ns, addr string, opts netns.SocketOptions) int {
 	t.Helper()
-	l, err := netns.Listen(context.Background(), ns, "tcp", addr, opts)
+	return listenerFDNet(t, ns, "tcp", addr, opts)
+}
+
+// listenerFDNet is listenerFD on network ("tcp", "tcp4", "tcp6").
+func listenerFDNet(t *testing.T, ns, network, addr string, opts netns.SocketOptions) int {
+	t.Helper()
+	l, err := netns.Listen(context.Background(), ns, network, addr, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -99,6 +99,9 @@ type Tunnel struct {
 	// handoverIdle is how long a connection to the hand-over socket may
 	// wait before its request (handoverTimeout; shorter in tests).
 	handoverIdle time.Duration
+	// endpoints gives the listener of the agent's HTTP endpoint of a name
+	// (metrics, readiness, admin) to hand over (ShareEndpoints); nil: none.
+	endpoints atomic.Pointer[func(name string) net.Listener]
 
 	// hboneLimits bounds the open connections and TLS handshakes of every
 	// pod's HBONE server together, so the bounds hold per node.
