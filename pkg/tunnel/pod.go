@@ -76,6 +76,11 @@ type pod struct {
 type connRef struct {
 	holders int
 	release func()
+	// up is the other end of the connection's relay, once it has one.
+	// stop closes it with the connection: a relay blocked on it (writing to
+	// an upstream that reads nothing while reading from it, which sends
+	// nothing) never wakes when only the connection closes.
+	up io.Closer
 }
 
 // podSeq numbers pod instances (pod.id).
@@ -282,6 +287,11 @@ func (p *pod) release(c net.Conn) {
 // keeps a smaller stack, about a third of an idle tunnel's memory.
 func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64, err error)) {
 	p.hold(c)
+	p.mu.Lock()
+	if r := p.conns[c]; r != nil {
+		r.up = up
+	}
+	p.mu.Unlock()
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -323,12 +333,23 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	case <-ctx.Done():
 	}
 	p.cancel()
+	// Both ends of every relay: one blocked in a write to its upstream and
+	// a read from it (a plaintext server that stopped reading, an app that
+	// reads nothing) does not wake when only the accepted socket closes,
+	// and stop, and the reconciler's call of it, waited for it for ever.
 	p.mu.Lock()
 	forced = len(p.conns)
-	for c := range p.conns {
-		c.Close()
+	closers := make([]io.Closer, 0, 2*len(p.conns))
+	for c, r := range p.conns {
+		closers = append(closers, c)
+		if r.up != nil {
+			closers = append(closers, r.up)
+		}
 	}
 	p.mu.Unlock()
+	for _, c := range closers {
+		_ = c.Close()
+	}
 	select {
 	case <-done:
 	case <-time.After(stopEvictAfter):
