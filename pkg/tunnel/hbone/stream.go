@@ -52,7 +52,9 @@ type Stream struct {
 	localEnded  bool  // END_STREAM sent (also written under wmu)
 	err         error // reset or connection failure
 	closed      bool  // Close called
-	draining    bool  // WriteTo, or the reader delivering, holds the sink or a slice of buf outside mu
+	// onAbort runs once when the stream fails (closeOnAbort).
+	onAbort  func()
+	draining bool // WriteTo, or the reader delivering, holds the sink or a slice of buf outside mu
 	// sink is the socket WriteTo writes to, when the connection's reader
 	// may write into it directly; delivered counts what it wrote there
 	// (deliver.go).
@@ -237,7 +239,12 @@ func (s *Stream) abort(err error) {
 	}
 	s.closeRespLocked()
 	s.rcond.Broadcast()
+	onAbort := s.onAbort
+	s.onAbort = nil
 	s.mu.Unlock()
+	if onAbort != nil {
+		onAbort()
+	}
 	c := s.c
 	c.mu.Lock()
 	if s.sendErr == nil {
@@ -251,6 +258,30 @@ func (s *Stream) abort(err error) {
 	c.forget(s)
 	if !c.cfg.client {
 		c.releaseQueued(s)
+	}
+}
+
+// closeOnAbort closes c when the stream fails (reset by either side, or
+// its connection closed), at once if it failed already; stop undoes it.
+// Relay uses it for the socket on the stream's other side: its copies
+// block on that socket too (a write to an application that reads nothing,
+// a read from one that sends nothing), where the stream's failure never
+// reaches them, and the relay, with its socket, goroutines and the
+// server's handler slot, outlived the stream for as long as the
+// application lived (a forced Shutdown waited for it for ever).
+func (s *Stream) closeOnAbort(c io.Closer) (stop func()) {
+	s.mu.Lock()
+	if s.err != nil {
+		s.mu.Unlock()
+		_ = c.Close()
+		return func() {}
+	}
+	s.onAbort = func() { _ = c.Close() }
+	s.mu.Unlock()
+	return func() {
+		s.mu.Lock()
+		s.onAbort = nil
+		s.mu.Unlock()
 	}
 }
 
