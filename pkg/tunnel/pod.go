@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -61,6 +62,9 @@ type pod struct {
 	// open counts the pod's accepted connections per listener, against
 	// Limits.PerPod (guarded by the tunnel's limiter).
 	open [numListeners]int
+	// slots are the pod's evictable limit slots per listener, oldest first
+	// (guarded by the tunnel's limiter).
+	slots [numListeners]list.List
 
 	mu    sync.Mutex
 	conns map[net.Conn]*connRef // accepted connections
@@ -260,6 +264,22 @@ func (p *pod) holdWith(c net.Conn, release func()) {
 	}
 }
 
+// closeConn resets c, an accepted connection, and closes its relay's
+// upstream: an eviction (limiter.take) ends the relay at once, whatever it
+// is blocked on.
+func (p *pod) closeConn(c net.Conn) {
+	p.mu.Lock()
+	var up io.Closer
+	if r := p.conns[c]; r != nil {
+		up = r.up
+	}
+	p.mu.Unlock()
+	resetConn(c)
+	if up != nil {
+		_ = up.Close()
+	}
+}
+
 // release uncounts a goroutine using c and closes c after the last one.
 func (p *pod) release(c net.Conn) {
 	p.mu.Lock()
@@ -287,6 +307,8 @@ func (p *pod) release(c net.Conn) {
 // keeps a smaller stack, about a third of an idle tunnel's memory.
 func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64, err error)) {
 	p.hold(c)
+	// Closed (stopped, evicted) before this: the relay's first read of c
+	// fails and closes up.
 	p.mu.Lock()
 	if r := p.conns[c]; r != nil {
 		r.up = up
