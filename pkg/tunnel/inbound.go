@@ -179,7 +179,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		t.cfg.Metrics.limitRefused.WithLabelValues(listenerHBONE.String(), refusedBy).Inc()
 		t.refusals.note(ctx, "HBONE tunnel refused: over the "+refusedBy+" connection limit",
 			"pod", p.uid, "client", peer.String(), "source", client, "dst", dst)
-		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "over the " + refusedBy + " connection limit"}
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: limitReason(refusedBy)}
 	}
 	r := &inboundRequest{dst: dst, client: client.Addr(), peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
 	app, err := p.dialApp(ctx, r)

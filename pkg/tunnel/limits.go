@@ -59,6 +59,13 @@ func (l Limits) Validate() error {
 	return nil
 }
 
+// limitReason is what a CONNECT refused by a limit is told.
+func limitReason(refusedBy string) string { return "over the " + refusedBy + " connection limit" }
+
+// sourceLimitReason refuses a client over its own limit (limitReason): it
+// says nothing about the destination (endpointFailed).
+var sourceLimitReason = limitReason("source")
+
 // listenerKind is a kind of connection whose count is limited.
 type listenerKind int
 
