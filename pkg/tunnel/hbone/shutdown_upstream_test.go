@@ -114,3 +114,57 @@ func TestStreamResetClosesUpstreamThatReadsNothing(t *testing.T) {
 }
 
 func isReset(err error) bool { return errors.Is(err, syscall.ECONNRESET) }
+
+// What a stream received before it was reset still reaches an application
+// that reads it: the relay closes the application's socket at once only
+// when nothing waits for delivery, else after abortDeliverGrace.
+func TestStreamResetDeliversWhatItReceived(t *testing.T) {
+	// Small socket buffers on the relay's side too, or the kernel takes
+	// everything before the reset.
+	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		resp := dialTarget(ctx, req)
+		if c, ok := resp.Upstream.(*net.TCPConn); ok {
+			_ = c.SetWriteBuffer(4 << 10)
+		}
+		return resp
+	}, ServerOptions{}, PoolOptions{})
+	const size = 2 << 20
+	got := make(chan int, 1)
+	l, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	// A small receive buffer, so most of the bytes wait in the stream.
+	if rc, err := l.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) { _ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4<<10) })
+	}
+	go func() {
+		c, err := l.AcceptTCP()
+		if err != nil {
+			got <- -1
+			return
+		}
+		defer c.Close()
+		time.Sleep(300 * time.Millisecond) // the reset arrives meanwhile
+		n, _ := io.Copy(io.Discard, c)
+		got <- int(n)
+	}()
+	s, err := e.connect(context.Background(), l.Addr().(*net.TCPAddr).AddrPort())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Write(make([]byte, size)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // the DATA frames are in before the reset
+	s.Close()
+	select {
+	case n := <-got:
+		if n != size {
+			t.Errorf("the application read %d bytes, want the %d the stream received before its reset", n, size)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the application's connection was never closed")
+	}
+}
