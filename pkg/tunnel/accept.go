@@ -121,8 +121,7 @@ func (p *pod) acceptLoop(l net.Listener, h *listenerHealth, admit func(net.Conn)
 				continue
 			}
 			c, _ := p.wrap(raw, nil)
-			p.holdWith(c, s.release)
-			s.setClose(func() { p.closeConn(c) })
+			p.holdAccepted(c, s)
 			p.wg.Add(1)
 			go func() {
 				defer p.wg.Done()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"syscall"
 	"testing"
 	"time"
 
@@ -100,5 +101,74 @@ func TestNodeLimitSharedFairlyAcrossPods(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(tun.cfg.Metrics.openConns.WithLabelValues("outbound")); got != 6 {
 		t.Errorf("open outbound gauge %v, want 6", got)
+	}
+}
+
+// silentListener is a listening socket on 127.0.0.2 with a backlog of 0
+// that never accepts: once one connection waits in its queue, the SYNs of
+// the next are dropped, and their connects stay pending.
+func silentListener(t *testing.T) netip.AddrPort {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := syscall.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 2}), uint16(sa.(*syscall.SockaddrInet4).Port))
+	filler, err := net.Dial("tcp", addr.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { filler.Close() })
+	return addr
+}
+
+// An evicted connection's handler stops what it was doing: a dial still
+// pending (a destination that never answers) is cancelled with it.
+// Otherwise each eviction left a dial outside every count for up to the
+// connect timeout, and two pods evicting each other's pending connections
+// (each holding at least two more than the other in turn) could keep as
+// many as they open in 5 s.
+func TestEvictionCancelsPendingDial(t *testing.T) {
+	tun := New(Config{OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Limits: Limits{PerNode: 2, PerPod: 2, PerSource: 100}})
+	tun.Update(&State{Dir: testDir(t, podObj("mesh", "a", "a-sa", "127.0.0.1", nil), podObj("mesh", "b", "b-sa", "127.0.0.3", nil))})
+	dst := silentListener(t)
+	a := testPod(tun, "uid-a", netip.MustParseAddr("127.0.0.1"))
+	b := testPod(tun, "uid-b", netip.MustParseAddr("127.0.0.3"))
+	inOwnNamespace(t, a)
+	returned := make(chan time.Time, 4)
+	la, lb := newFakeListener(), newFakeListener()
+	a.acceptLoop(la, a.health[0], a.admitter(listenerOutbound), func(c net.Conn) {
+		a.handleOutbound(c)
+		returned <- time.Now()
+	})
+	b.acceptLoop(lb, b.health[0], b.admitter(listenerOutbound), func(net.Conn) { <-b.ctx.Done() })
+	for _, p := range []*pod{a, b} {
+		t.Cleanup(func() { p.stopping.Store(true); la.Close(); lb.Close(); p.cancel(); p.stop(context.Background()) })
+	}
+	first := newFakeConn(dst.String(), "127.0.0.1:40001")
+	la.feed(t, first)
+	la.feed(t, newFakeConn(dst.String(), "127.0.0.1:40002"))
+	time.Sleep(200 * time.Millisecond) // both dials pending
+	evicted := time.Now()
+	lb.feed(t, newFakeConn(dst.String(), "127.0.0.3:40003"))
+	waitfor.Until(t, "pod a's oldest connection closed", first.closed.Load)
+	select {
+	case at := <-returned:
+		if d := at.Sub(evicted); d > 2*time.Second {
+			t.Errorf("the evicted connection's handler returned %v after the eviction, want its dial cancelled at once", d.Round(time.Millisecond))
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the evicted connection's handler never returned")
 	}
 }

@@ -277,7 +277,7 @@ func inboundService(dir *workload.Directory, podW *workload.Workload, host strin
 // reset; PERMISSIVE and DISABLE forward it after authorization.
 func (p *pod) handleInboundPlaintext(c net.Conn) {
 	t := p.t
-	ctx := p.ctx
+	ctx := p.connContext(c)
 	dst, client := addrPortOf(c.LocalAddr()), addrPortOf(c.RemoteAddr())
 	// Dialled, a tunnel port of the pod's own address is this listener
 	// again: a connection to it (the pod's own app over lo, a probe, a SYN

@@ -80,6 +80,11 @@ type pod struct {
 type connRef struct {
 	holders int
 	release func()
+	// ctx is the connection's handler's (from the pod's), cancelled when
+	// the connection is evicted or let go, so a dial under way for it ends
+	// with it.
+	ctx    context.Context
+	cancel context.CancelFunc
 	// up is the other end of the connection's relay, once it has one.
 	// stop closes it with the connection: a relay blocked on it (writing to
 	// an upstream that reads nothing while reading from it, which sends
@@ -280,6 +285,36 @@ func (p *pod) closeConn(c net.Conn) {
 	}
 }
 
+// holdAccepted is holdWith for a connection an accept loop admitted: it
+// gets a context of its own, which evicting it (limiter.take) cancels.
+func (p *pod) holdAccepted(c net.Conn, s *slot) {
+	ctx, cancel := context.WithCancel(p.ctx)
+	p.mu.Lock()
+	r := p.conns[c]
+	if r == nil {
+		r = &connRef{}
+		p.conns[c] = r
+	}
+	r.holders++
+	r.release, r.ctx, r.cancel = s.release, ctx, cancel
+	p.mu.Unlock()
+	s.setClose(func() {
+		cancel()
+		p.closeConn(c)
+	})
+}
+
+// connContext is the context of c's handler: its own for an accepted
+// connection, else the pod's.
+func (p *pod) connContext(c net.Conn) context.Context {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r := p.conns[c]; r != nil && r.ctx != nil {
+		return r.ctx
+	}
+	return p.ctx
+}
+
 // release uncounts a goroutine using c and closes c after the last one.
 func (p *pod) release(c net.Conn) {
 	p.mu.Lock()
@@ -294,6 +329,9 @@ func (p *pod) release(c net.Conn) {
 	p.mu.Unlock()
 	if last {
 		c.Close()
+		if r.cancel != nil {
+			r.cancel()
+		}
 		if r.release != nil {
 			r.release()
 		}
