@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -173,7 +174,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	}
 	podID := t.identityOf(podW)
 	conn.dstID = podID
-	release, refusedBy := t.limits.acquire(listenerHBONE, p, client.Addr())
+	slot, refusedBy := t.limits.take(listenerHBONE, p, client.Addr(), true)
 	if refusedBy != "" {
 		p.untrack(ic)
 		t.cfg.Metrics.limitRefused.WithLabelValues(listenerHBONE.String(), refusedBy).Inc()
@@ -181,8 +182,40 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 			"pod", p.uid, "client", peer.String(), "source", client, "dst", dst)
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: limitReason(refusedBy)}
 	}
+	// Evicted for another pod's tunnel (limiter.take): the dial is
+	// cancelled, or the app's socket reset, which ends the relay and the
+	// stream.
+	dialCtx, cancel := context.WithCancel(ctx)
+	var (
+		appMu   sync.Mutex
+		appConn net.Conn
+		evicted bool
+	)
+	slot.setClose(func() {
+		cancel()
+		appMu.Lock()
+		evicted = true
+		c := appConn
+		appMu.Unlock()
+		if c != nil {
+			resetConn(c)
+		}
+	})
+	release := func() {
+		cancel()
+		slot.release()
+	}
 	r := &inboundRequest{dst: dst, client: client.Addr(), peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
-	app, err := p.dialApp(ctx, r)
+	app, err := p.dialApp(dialCtx, r)
+	if err == nil {
+		appMu.Lock()
+		appConn = app
+		if evicted {
+			resetConn(app)
+			err = errors.New("evicted for another pod's tunnel: over the node connection limit")
+		}
+		appMu.Unlock()
+	}
 	if err != nil {
 		release()
 		p.untrack(ic)

@@ -18,8 +18,8 @@ import (
 // connection over a limit is reset at once (an HBONE tunnel is refused
 // with 503), before any dial, and counted in
 // redirector_tunnel_refused_connections_total{listener,limit}; at the node
-// limit, a capture listener's connection of a pod holding fewer than
-// another takes that pod's oldest instead (limiter). The HBONE
+// limit, a connection of a pod holding fewer than another takes that
+// pod's oldest instead (limiter). The HBONE
 // transport's own connections, handshakes and streams per connection are
 // bounded apart, in package hbone.
 type Limits struct {
@@ -104,9 +104,9 @@ func (k listenerKind) bySource() bool { return k != listenerOutbound }
 // is closed and its slot goes to the new one, when that pod holds at least
 // two more than the pod asking (the HBONE transport's ConnLimiter does the
 // same per source). Pods converge on equal shares, and one pod's flood,
-// or a few pods', never stops the others. Only the capture listeners'
-// connections are evictable (their accept loop can close them); HBONE
-// tunnels are not.
+// or a few pods', never stops the others. An evicted connection's dial is
+// cancelled and its sockets reset (the app's, for an HBONE tunnel, which
+// ends its relay and stream); slots taken with acquire are never evicted.
 type limiter struct {
 	lim Limits
 	m   *Metrics
