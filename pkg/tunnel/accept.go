@@ -81,7 +81,7 @@ func (h *listenerHealth) problem(now time.Time) string {
 // acceptLoop accepts on l until l is closed, handing each connection to
 // admit (which may refuse it at once) and then to handle on a goroutine of
 // its own. A failed accept is retried with backoff, never ends the loop.
-func (p *pod) acceptLoop(l net.Listener, h *listenerHealth, admit func(net.Conn) (release func(), ok bool), handle func(net.Conn)) {
+func (p *pod) acceptLoop(l net.Listener, h *listenerHealth, admit func(net.Conn) (*slot, bool), handle func(net.Conn)) {
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -116,12 +116,12 @@ func (p *pod) acceptLoop(l net.Listener, h *listenerHealth, admit func(net.Conn)
 				p.t.log.Info("accepting again", "pod", p.uid, "port", h.port, "failed_accepts", n, "after", d.Round(time.Millisecond))
 			}
 			backoff = 0
-			release, ok := admit(raw)
+			s, ok := admit(raw)
 			if !ok {
 				continue
 			}
 			c, _ := p.wrap(raw, nil)
-			p.holdWith(c, release)
+			p.holdAccepted(c, s)
 			p.wg.Add(1)
 			go func() {
 				defer p.wg.Done()

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -173,16 +174,48 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	}
 	podID := t.identityOf(podW)
 	conn.dstID = podID
-	release, refusedBy := t.limits.acquire(listenerHBONE, p, client.Addr())
+	slot, refusedBy := t.limits.take(listenerHBONE, p, client.Addr(), true)
 	if refusedBy != "" {
 		p.untrack(ic)
 		t.cfg.Metrics.limitRefused.WithLabelValues(listenerHBONE.String(), refusedBy).Inc()
 		t.refusals.note(ctx, "HBONE tunnel refused: over the "+refusedBy+" connection limit",
 			"pod", p.uid, "client", peer.String(), "source", client, "dst", dst)
-		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "over the " + refusedBy + " connection limit"}
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: limitReason(refusedBy)}
+	}
+	// Evicted for another pod's tunnel (limiter.take): the dial is
+	// cancelled, or the app's socket reset, which ends the relay and the
+	// stream.
+	dialCtx, cancel := context.WithCancel(ctx)
+	var (
+		appMu   sync.Mutex
+		appConn net.Conn
+		evicted bool
+	)
+	slot.setClose(func() {
+		cancel()
+		appMu.Lock()
+		evicted = true
+		c := appConn
+		appMu.Unlock()
+		if c != nil {
+			resetConn(c)
+		}
+	})
+	release := func() {
+		cancel()
+		slot.release()
 	}
 	r := &inboundRequest{dst: dst, client: client.Addr(), peer: peer, secure: true, srcW: srcW, podW: podW, podID: podID}
-	app, err := p.dialApp(ctx, r)
+	app, err := p.dialApp(dialCtx, r)
+	if err == nil {
+		appMu.Lock()
+		appConn = app
+		if evicted {
+			resetConn(app)
+			err = errors.New("evicted for another pod's tunnel: over the node connection limit")
+		}
+		appMu.Unlock()
+	}
 	if err != nil {
 		release()
 		p.untrack(ic)
@@ -277,7 +310,7 @@ func inboundService(dir *workload.Directory, podW *workload.Workload, host strin
 // reset; PERMISSIVE and DISABLE forward it after authorization.
 func (p *pod) handleInboundPlaintext(c net.Conn) {
 	t := p.t
-	ctx := p.ctx
+	ctx := p.connContext(c)
 	dst, client := addrPortOf(c.LocalAddr()), addrPortOf(c.RemoteAddr())
 	// Dialled, a tunnel port of the pod's own address is this listener
 	// again: a connection to it (the pod's own app over lo, a probe, a SYN

@@ -7,11 +7,13 @@ import (
 	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"math/big"
 	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -140,5 +142,79 @@ func TestHBONETunnelLimits(t *testing.T) {
 	first.Done(0, 0, nil)
 	if again := connect("127.0.0.3"); !accepted(again) {
 		t.Errorf("after a tunnel ended: %d %q, want accepted", again.Status, again.Reason)
+	}
+}
+
+// HBONE tunnels share the node's budget like the capture listeners'
+// connections: mesh peers that hold tunnels to three pods (each source
+// within its 2,000, each pod within its 10,000) filled the node's 30,000,
+// and every other pod of the node answered each new tunnel 503. A full
+// node budget now closes the oldest tunnel of the pod holding the most
+// (its app socket, so its relay and stream end) for a pod holding at least
+// two fewer.
+func TestHBONETunnelNodeLimitSharedFairly(t *testing.T) {
+	tun := New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		Limits: Limits{PerNode: 2, PerPod: 2, PerSource: 10}})
+	accepted := make(chan net.Conn, 8)
+	listen := func(addr string) netip.AddrPort {
+		l, err := net.Listen("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				t.Cleanup(func() { c.Close() })
+				accepted <- c
+			}
+		}()
+		return netip.MustParseAddrPort(l.Addr().String())
+	}
+	appA, appB := listen("127.0.0.1:0"), listen("127.0.0.3:0")
+	tun.Update(&State{Dir: testDir(t, podObj("mesh", "a", "a-sa", "127.0.0.1", nil), podObj("mesh", "b", "b-sa", "127.0.0.3", nil))})
+	a := testPod(tun, "uid-a", appA.Addr())
+	b := testPod(tun, "uid-b", appB.Addr())
+	inOwnNamespace(t, a)
+	inOwnNamespace(t, b)
+	peerCert := spiffeCert(t, "spiffe://cluster.local/ns/mesh/sa/client")
+	connect := func(p *pod, target netip.AddrPort) hbone.Response {
+		return p.handleHBONE(context.Background(), &hbone.ServerRequest{Target: target, Authority: target.String(),
+			TLS:        &tls.ConnectionState{HandshakeComplete: true, PeerCertificates: []*x509.Certificate{peerCert}},
+			RemoteAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.5"), Port: 40000}, LocalAddr: &net.TCPAddr{IP: target.Addr().AsSlice(), Port: 15008}})
+	}
+	first, second := connect(a, appA), connect(a, appA)
+	if first.Upstream == nil || second.Upstream == nil {
+		t.Fatalf("pod a's tunnels within the limits refused: %d %q, %d %q", first.Status, first.Reason, second.Status, second.Reason)
+	}
+	defer first.Upstream.Close()
+	defer second.Upstream.Close()
+	other := connect(b, appB)
+	if other.Upstream == nil {
+		t.Fatalf("pod b's first tunnel on a full node: %d %q, want it accepted", other.Status, other.Reason)
+	}
+	defer other.Upstream.Close()
+	// Pod a's oldest tunnel lost its app socket.
+	_ = first.Upstream.SetReadDeadline(time.Now().Add(time.Second))
+	if _, err := first.Upstream.Read(make([]byte, 1)); !errors.Is(err, net.ErrClosed) {
+		t.Errorf("pod a's oldest tunnel: read %v, want its app socket closed", err)
+	}
+	_ = second.Upstream.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if _, err := second.Upstream.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("pod a's second tunnel: read %v, want it open", err)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.limitEvicted.WithLabelValues("hbone")); got != 1 {
+		t.Errorf("evicted{hbone} = %v, want 1", got)
+	}
+	// The evicted tunnel's relay ends; its Done releases nothing more.
+	first.Done(0, 0, nil)
+	tun.limits.mu.Lock()
+	node := tun.limits.node[listenerHBONE]
+	tun.limits.mu.Unlock()
+	if node != 2 {
+		t.Errorf("node hbone count %d, want 2", node)
 	}
 }

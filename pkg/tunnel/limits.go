@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"container/list"
 	"fmt"
 	"net"
 	"net/netip"
@@ -16,7 +17,9 @@ import (
 // plaintext clients never starve meshed ones, nor the reverse. A
 // connection over a limit is reset at once (an HBONE tunnel is refused
 // with 503), before any dial, and counted in
-// redirector_tunnel_refused_connections_total{listener,limit}. The HBONE
+// redirector_tunnel_refused_connections_total{listener,limit}; at the node
+// limit, a connection of a pod holding fewer than another takes that
+// pod's oldest instead (limiter). The HBONE
 // transport's own connections, handshakes and streams per connection are
 // bounded apart, in package hbone.
 type Limits struct {
@@ -56,6 +59,13 @@ func (l Limits) Validate() error {
 	return nil
 }
 
+// limitReason is what a CONNECT refused by a limit is told.
+func limitReason(refusedBy string) string { return "over the " + refusedBy + " connection limit" }
+
+// sourceLimitReason refuses a client over its own limit (limitReason): it
+// says nothing about the destination (endpointFailed).
+var sourceLimitReason = limitReason("source")
+
 // listenerKind is a kind of connection whose count is limited.
 type listenerKind int
 
@@ -85,73 +95,194 @@ func (k listenerKind) bySource() bool { return k != listenerOutbound }
 // limiter counts the open connections of the node's pods by kind. One
 // mutex guards the node, pod and source counts: it is taken twice per
 // connection, never while doing I/O.
+//
+// The node's budget of a kind is shared by every pod, and a pod may take
+// up to PerPod of it: with the defaults three pods that keep their
+// connections open, or pending to a destination that never answers, fill
+// it. So a full node budget does not refuse a pod that holds fewer than
+// the others: the oldest evictable connection of the pod holding the most
+// is closed and its slot goes to the new one, when that pod holds at least
+// two more than the pod asking (the HBONE transport's ConnLimiter does the
+// same per source). Pods converge on equal shares, and one pod's flood,
+// or a few pods', never stops the others. An evicted connection's dial is
+// cancelled and its sockets reset (the app's, for an HBONE tunnel, which
+// ends its relay and stream); slots taken with acquire are never evicted.
 type limiter struct {
 	lim Limits
 	m   *Metrics
+	log *refusalLog
 
 	mu       sync.Mutex
 	node     [numListeners]int
 	bySource [numListeners]map[netip.Addr]int // inbound kinds only; no zero entries
+	// holders are the pods with evictable slots of each kind.
+	holders [numListeners]map[*pod]struct{}
+	seq     uint64
 }
 
-func newLimiter(lim Limits, m *Metrics) *limiter {
-	l := &limiter{lim: lim, m: m}
+func newLimiter(lim Limits, m *Metrics, log *refusalLog) *limiter {
+	l := &limiter{lim: lim, m: m, log: log}
 	for k := range l.bySource {
 		l.bySource[k] = map[netip.Addr]int{}
+		l.holders[k] = map[*pod]struct{}{}
 	}
 	return l
 }
 
+// slot is one admitted connection's place in the counts.
+type slot struct {
+	l    *limiter
+	kind listenerKind
+	p    *pod
+	src  netip.Addr
+	seq  uint64 // admission order
+	// Guarded by l.mu.
+	elem    *list.Element // in p.slots[kind] while evictable and held
+	done    bool          // released or evicted: counted no more
+	evicted bool
+	close   func() // closes the connection when it is evicted
+}
+
 // acquire takes a slot for a new connection of pod p from src (src counts
-// for inbound kinds only). It returns the limit that refused it ("node",
-// "pod", "source"), or a release that may be called more than once (only
-// the first counts) when the connection closes.
+// for inbound kinds only) that cannot be evicted. It returns the limit
+// that refused it ("node", "pod", "source"), or a release that may be
+// called more than once (only the first counts) when the connection
+// closes.
 func (l *limiter) acquire(kind listenerKind, p *pod, src netip.Addr) (release func(), refusedBy string) {
+	s, refusedBy := l.take(kind, p, src, false)
+	if s == nil {
+		return nil, refusedBy
+	}
+	return s.release, ""
+}
+
+// take is acquire's slot; an evictable one may be evicted (see limiter)
+// for another pod's connection, which closes the connection (setClose).
+func (l *limiter) take(kind listenerKind, p *pod, src netip.Addr, evictable bool) (*slot, string) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	switch {
-	case l.node[kind] >= l.lim.PerNode:
-		return nil, "node"
 	case p.open[kind] >= l.lim.PerPod:
+		l.mu.Unlock()
 		return nil, "pod"
 	case kind.bySource() && l.bySource[kind][src] >= l.lim.PerSource:
+		l.mu.Unlock()
 		return nil, "source"
+	}
+	var victim *slot
+	if l.node[kind] >= l.lim.PerNode {
+		if victim = l.victimLocked(kind, p); victim == nil {
+			l.mu.Unlock()
+			return nil, "node"
+		}
+		victim.evicted = true
+		l.dropLocked(victim)
 	}
 	l.node[kind]++
 	p.open[kind]++
 	if kind.bySource() {
 		l.bySource[kind][src]++
 	}
+	l.seq++
+	s := &slot{l: l, kind: kind, p: p, src: src, seq: l.seq}
+	if evictable {
+		s.elem = p.slots[kind].PushBack(s)
+		l.holders[kind][p] = struct{}{}
+	}
+	var closeVictim func()
+	if victim != nil {
+		closeVictim = victim.close
+	}
+	l.mu.Unlock()
 	l.m.openConns.WithLabelValues(kind.String()).Inc()
 	l.m.socketsOpen.WithLabelValues(kind.reporter()).Inc()
-	var once sync.Once
-	return func() { once.Do(func() { l.release(kind, p, src) }) }, ""
-}
-
-func (l *limiter) release(kind listenerKind, p *pod, src netip.Addr) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.node[kind]--
-	p.open[kind]--
-	if kind.bySource() {
-		if l.bySource[kind][src]--; l.bySource[kind][src] <= 0 {
-			delete(l.bySource[kind], src)
+	if victim != nil {
+		l.m.limitEvicted.WithLabelValues(kind.String()).Inc()
+		l.log.note(p.ctx, "connection closed: the node's connection limit was reached and a pod holding fewer opened one",
+			"listener", kind.String(), "pod", victim.p.uid, "for_pod", p.uid)
+		if closeVictim != nil {
+			closeVictim()
 		}
 	}
-	l.m.openConns.WithLabelValues(kind.String()).Dec()
-	l.m.socketsOpen.WithLabelValues(kind.reporter()).Dec()
+	return s, ""
+}
+
+// victimLocked returns the oldest evictable slot of the pod holding the
+// most evictable slots of kind (of two holding as many, the one whose
+// oldest is older), if it holds at least two more than p; nil if none
+// does.
+func (l *limiter) victimLocked(kind listenerKind, p *pod) *slot {
+	need := p.open[kind] + 2
+	var best *slot
+	bestN := 0
+	for q := range l.holders[kind] {
+		n := q.slots[kind].Len()
+		if q == p || n < need {
+			continue
+		}
+		oldest := q.slots[kind].Front().Value.(*slot)
+		if best == nil || n > bestN || (n == bestN && oldest.seq < best.seq) {
+			best, bestN = oldest, n
+		}
+	}
+	return best
+}
+
+// dropLocked uncounts s, once.
+func (l *limiter) dropLocked(s *slot) {
+	if s.done {
+		return
+	}
+	s.done = true
+	l.node[s.kind]--
+	s.p.open[s.kind]--
+	if s.kind.bySource() {
+		if l.bySource[s.kind][s.src]--; l.bySource[s.kind][s.src] <= 0 {
+			delete(l.bySource[s.kind], s.src)
+		}
+	}
+	if s.elem != nil {
+		s.p.slots[s.kind].Remove(s.elem)
+		s.elem = nil
+		if s.p.slots[s.kind].Len() == 0 {
+			delete(l.holders[s.kind], s.p)
+		}
+	}
+	l.m.openConns.WithLabelValues(s.kind.String()).Dec()
+	l.m.socketsOpen.WithLabelValues(s.kind.reporter()).Dec()
+}
+
+// release gives the slot back when its connection closes; only the first
+// call (or an eviction before it) counts.
+func (s *slot) release() {
+	s.l.mu.Lock()
+	defer s.l.mu.Unlock()
+	s.l.dropLocked(s)
+}
+
+// setClose gives s what closes its connection when it is evicted; if it
+// was evicted already, close runs now.
+func (s *slot) setClose(close func()) {
+	s.l.mu.Lock()
+	evicted := s.evicted
+	if !evicted {
+		s.close = close
+	}
+	s.l.mu.Unlock()
+	if evicted {
+		close()
+	}
 }
 
 // admitter returns the accept loop's admission for one listener of p: a
 // connection over a limit is reset at once and counted, with a
 // rate-limited log.
-func (p *pod) admitter(kind listenerKind) func(net.Conn) (func(), bool) {
+func (p *pod) admitter(kind listenerKind) func(net.Conn) (*slot, bool) {
 	t := p.t
-	return func(c net.Conn) (func(), bool) {
+	return func(c net.Conn) (*slot, bool) {
 		src := addrPortOf(c.RemoteAddr())
-		release, refusedBy := t.limits.acquire(kind, p, src.Addr())
+		s, refusedBy := t.limits.take(kind, p, src.Addr(), true)
 		if refusedBy == "" {
-			return release, true
+			return s, true
 		}
 		resetConn(c)
 		t.cfg.Metrics.limitRefused.WithLabelValues(kind.String(), refusedBy).Inc()

@@ -27,8 +27,11 @@ type Metrics struct {
 	openConns     *prometheus.GaugeVec
 	socketsOpen   *prometheus.GaugeVec // ztunnel's istio_tcp_sockets_open{reporter}
 	limitRefused  *prometheus.CounterVec
-	acceptErrors  *prometheus.CounterVec
-	policyClosed  *prometheus.CounterVec
+	// limitEvicted counts connections closed to give their slot of a full
+	// node budget to a pod holding fewer (limiter.take).
+	limitEvicted *prometheus.CounterVec
+	acceptErrors *prometheus.CounterVec
+	policyClosed *prometheus.CounterVec
 	// sourceMismatch counts HBONE clients whose identity is not the
 	// one of the workload at their address (sourceWorkload).
 	sourceMismatch prometheus.Counter
@@ -114,6 +117,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		limitRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_tunnel_refused_connections_total",
 			Help: "Connections refused (reset at accept; HBONE tunnels answered 503) because a connection limit (node, pod or source address) was reached, by listener and limit."}, []string{"listener", "limit"}),
+		limitEvicted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_tunnel_evicted_connections_total",
+			Help: "Open connections closed (reset) because the node's connection limit was reached and a pod holding at least two fewer of that listener's connections opened one: the oldest of the pod holding the most, by listener."}, []string{"listener"}),
 		acceptErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_tunnel_accept_errors_total",
 			Help: "Failed accepts on the capture listeners (EMFILE, ENFILE, ENOBUFS, ...), each retried after a backoff, by listener."}, []string{"listener"}),
@@ -147,7 +153,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.limitEvicted, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
 	}
 	return m
 }

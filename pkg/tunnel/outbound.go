@@ -25,7 +25,7 @@ import (
 func (p *pod) handleOutbound(c net.Conn) {
 	t := p.t
 	src, dst := addrPortOf(c.RemoteAddr()), addrPortOf(c.LocalAddr())
-	ctx := p.ctx
+	ctx := p.connContext(c)
 	srcW, srcID, err := p.self(src.Addr())
 	if err != nil {
 		// Fail closed: without the source identity nothing may leave.

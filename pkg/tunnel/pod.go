@@ -1,6 +1,7 @@
 package tunnel
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
@@ -61,6 +62,9 @@ type pod struct {
 	// open counts the pod's accepted connections per listener, against
 	// Limits.PerPod (guarded by the tunnel's limiter).
 	open [numListeners]int
+	// slots are the pod's evictable limit slots per listener, oldest first
+	// (guarded by the tunnel's limiter).
+	slots [numListeners]list.List
 
 	mu    sync.Mutex
 	conns map[net.Conn]*connRef // accepted connections
@@ -76,6 +80,16 @@ type pod struct {
 type connRef struct {
 	holders int
 	release func()
+	// ctx is the connection's handler's (from the pod's), cancelled when
+	// the connection is evicted or let go, so a dial under way for it ends
+	// with it.
+	ctx    context.Context
+	cancel context.CancelFunc
+	// up is the other end of the connection's relay, once it has one.
+	// stop closes it with the connection: a relay blocked on it (writing to
+	// an upstream that reads nothing while reading from it, which sends
+	// nothing) never wakes when only the connection closes.
+	up io.Closer
 }
 
 // podSeq numbers pod instances (pod.id).
@@ -255,6 +269,52 @@ func (p *pod) holdWith(c net.Conn, release func()) {
 	}
 }
 
+// closeConn resets c, an accepted connection, and closes its relay's
+// upstream: an eviction (limiter.take) ends the relay at once, whatever it
+// is blocked on.
+func (p *pod) closeConn(c net.Conn) {
+	p.mu.Lock()
+	var up io.Closer
+	if r := p.conns[c]; r != nil {
+		up = r.up
+	}
+	p.mu.Unlock()
+	resetConn(c)
+	if up != nil {
+		_ = up.Close()
+	}
+}
+
+// holdAccepted is holdWith for a connection an accept loop admitted: it
+// gets a context of its own, which evicting it (limiter.take) cancels.
+func (p *pod) holdAccepted(c net.Conn, s *slot) {
+	ctx, cancel := context.WithCancel(p.ctx)
+	p.mu.Lock()
+	r := p.conns[c]
+	if r == nil {
+		r = &connRef{}
+		p.conns[c] = r
+	}
+	r.holders++
+	r.release, r.ctx, r.cancel = s.release, ctx, cancel
+	p.mu.Unlock()
+	s.setClose(func() {
+		cancel()
+		p.closeConn(c)
+	})
+}
+
+// connContext is the context of c's handler: its own for an accepted
+// connection, else the pod's.
+func (p *pod) connContext(c net.Conn) context.Context {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r := p.conns[c]; r != nil && r.ctx != nil {
+		return r.ctx
+	}
+	return p.ctx
+}
+
 // release uncounts a goroutine using c and closes c after the last one.
 func (p *pod) release(c net.Conn) {
 	p.mu.Lock()
@@ -269,6 +329,9 @@ func (p *pod) release(c net.Conn) {
 	p.mu.Unlock()
 	if last {
 		c.Close()
+		if r.cancel != nil {
+			r.cancel()
+		}
 		if r.release != nil {
 			r.release()
 		}
@@ -282,6 +345,13 @@ func (p *pod) release(c net.Conn) {
 // keeps a smaller stack, about a third of an idle tunnel's memory.
 func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64, err error)) {
 	p.hold(c)
+	// Closed (stopped, evicted) before this: the relay's first read of c
+	// fails and closes up.
+	p.mu.Lock()
+	if r := p.conns[c]; r != nil {
+		r.up = up
+	}
+	p.mu.Unlock()
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -323,12 +393,23 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	case <-ctx.Done():
 	}
 	p.cancel()
+	// Both ends of every relay: one blocked in a write to its upstream and
+	// a read from it (a plaintext server that stopped reading, an app that
+	// reads nothing) does not wake when only the accepted socket closes,
+	// and stop, and the reconciler's call of it, waited for it for ever.
 	p.mu.Lock()
 	forced = len(p.conns)
-	for c := range p.conns {
-		c.Close()
+	closers := make([]io.Closer, 0, 2*len(p.conns))
+	for c, r := range p.conns {
+		closers = append(closers, c)
+		if r.up != nil {
+			closers = append(closers, r.up)
+		}
 	}
 	p.mu.Unlock()
+	for _, c := range closers {
+		_ = c.Close()
+	}
 	select {
 	case <-done:
 	case <-time.After(stopEvictAfter):

@@ -8,10 +8,13 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -190,7 +193,9 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		up, meshed, err := p.dialEndpoint(ctx, srcW, srcID, svc, cand, src, trace)
 		if err != nil {
 			lastErr = err
-			t.lb.fail(cand.addr)
+			if endpointFailed(err) {
+				t.lb.fail(cand.addr)
+			}
 			t.refusals.note(ctx, "service endpoint failed; trying the next", "service", svc.String(), "endpoint", cand.addr, "error", err)
 			continue
 		}
@@ -228,4 +233,28 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 		return nil, false, err
 	}
 	return c, false, nil
+}
+
+// endpointFailed reports whether err, from a connection attempt to a
+// service endpoint or waypoint instance, says that the endpoint failed,
+// and so marks it for every pod of the node (balancer.fail). A failure
+// that says something about the client only must not: a pod could then
+// steer the service connections of every pod of its node to the endpoints
+// it left unmarked. Its own namespace out of ports or fds (a pod may
+// narrow net.ipv4.ip_local_port_range, and the agent dials from the pod's
+// namespace), its pod stopping (the dial cancelled), its identity refused
+// by policy, a request refused (4xx), or its address over the endpoint
+// node's per-source limit are the client's.
+func endpointFailed(err error) bool {
+	var st *hbone.StatusError
+	if errors.As(err, &st) {
+		return st.Status >= 500 && !strings.Contains(st.Reason, sourceLimitReason)
+	}
+	for _, own := range []error{context.Canceled, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE,
+		syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
+		if errors.Is(err, own) {
+			return false
+		}
+	}
+	return true
 }

@@ -2,12 +2,16 @@ package tunnel
 
 import (
 	"context"
+	"fmt"
+	"net"
 	"net/netip"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -142,5 +146,71 @@ func TestBalancerBoundedWork(t *testing.T) {
 	b.fail(netip.MustParseAddrPort("10.8.0.1:8080"))
 	if n := len(b.failed); n != 1 {
 		t.Errorf("after failureMemory, the memory holds %d endpoints, want the one new failure", n)
+	}
+}
+
+// An endpoint is tried last by every pod of the node for 10 s once a
+// connection to it failed (balancer.fail). A failure that says something
+// about the client only marked it all the same, so one pod could steer the
+// service connections of every pod of its node to the endpoints it left
+// unmarked: with net.ipv4.ip_local_port_range (a sysctl Kubernetes lets any
+// pod set) narrowed, the agent's dials from the pod fail with EADDRNOTAVAIL
+// wherever no pooled connection is left; past the endpoint node's
+// per-source limit, its HBONE connects get 503; a policy refusing its
+// identity answers 403; and a pod being stopped cancels its dials. None of
+// those may mark the endpoint.
+func TestEndpointFailuresOfTheClientAreNotShared(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"refused by the endpoint", fmt.Errorf("dial 10.0.0.1:80: %w", syscall.ECONNREFUSED), true},
+		{"endpoint unreachable", fmt.Errorf("dial: %w", syscall.EHOSTUNREACH), true},
+		{"connect timeout", fmt.Errorf("dial: %w", context.DeadlineExceeded), true},
+		{"app down behind HBONE", &hbone.StatusError{Status: 503, Reason: "connect to 10.0.0.1:80: connection refused"}, true},
+		{"endpoint node full", &hbone.StatusError{Status: 503, Reason: "over the node connection limit"}, true},
+		{"client out of ports", fmt.Errorf("dial: %w", syscall.EADDRNOTAVAIL), false},
+		{"client out of fds", fmt.Errorf("dial: %w", syscall.EMFILE), false},
+		{"client pod stopping", fmt.Errorf("dial: %w", context.Canceled), false},
+		{"client over its source limit", fmt.Errorf("hbone: %w", &hbone.StatusError{Status: 503, Reason: "over the source connection limit"}), false},
+		{"client's identity denied", &hbone.StatusError{Status: 403, Reason: "denied by authorization policy"}, false},
+		{"client's request refused", &hbone.StatusError{Status: 400, Reason: "authority port 15001 is the tunnel's own"}, false},
+	} {
+		if got := endpointFailed(tc.err); got != tc.want {
+			t.Errorf("%s (%v): endpointFailed = %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+
+	// Through a service connection of a pod whose dials are cancelled.
+	tun := newTestTunnel(t, nil)
+	app, err := net.Listen("tcp", "127.0.0.2:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Close()
+	ep := netip.MustParseAddrPort(app.Addr().String())
+	svc := &workload.Service{Name: "web", Namespace: "mesh", Hostname: "web.mesh.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.1")},
+		Ports:     []workload.ServicePort{{Name: "http", Port: 80, TargetPort: int32(ep.Port())}},
+		Endpoints: []workload.Endpoint{{Addr: ep.Addr(), Ready: true}}}
+	dir, errs := workload.NewDirectory([]*workload.Workload{podObj("mesh", "a", "a-sa", "127.0.0.1", nil)}, []*workload.Service{svc})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-a", netip.MustParseAddr("127.0.0.1"))
+	inOwnNamespace(t, p)
+	p.cancel()
+	c := newFakeConn("10.96.0.1:80", "127.0.0.1:40000")
+	p.handleService(p.ctx, c, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.1:80"))
+	if !c.closed.Load() {
+		t.Error("the connection was not closed")
+	}
+	tun.lb.mu.Lock()
+	_, marked := tun.lb.failed[ep]
+	tun.lb.mu.Unlock()
+	if marked {
+		t.Errorf("endpoint %s marked failed for every pod by a dial its own pod's stop cancelled", ep)
 	}
 }

@@ -139,7 +139,8 @@ func New(cfg Config) *Tunnel {
 		cfg.Limits.PerSource = def.PerSource
 	}
 	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}), handoverIdle: handoverTimeout,
-		limits: newLimiter(cfg.Limits, cfg.Metrics), refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
+		refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
+	t.limits = newLimiter(cfg.Limits, cfg.Metrics, t.refusals)
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	if cfg.Certs != nil {
 		cfg.Certs.OnTrustChange(t.recheckPeers)

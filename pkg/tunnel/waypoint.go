@@ -225,7 +225,9 @@ func (p *pod) handleWaypoint(ctx context.Context, c net.Conn, dir *workload.Dire
 		stream, err := p.dialHBONEVia(ctx, app, srcW, srcID, id, src, dst, hop.addr, host, trace)
 		if err != nil {
 			lastErr = err
-			t.lb.fail(hop.addr)
+			if endpointFailed(err) {
+				t.lb.fail(hop.addr)
+			}
 			t.refusals.note(ctx, "waypoint instance failed; trying the next", "waypoint", waypointName(via.wp), "instance", hop.addr, "error", err)
 			continue
 		}

@@ -30,7 +30,17 @@ type closeWriter interface {
 // It returns the bytes copied each way and the first error (nil when both
 // directions ended with EOF). Copies go through io.Copy, so a *Stream
 // reads or writes frames in place and TCP-to-TCP pairs splice.
+//
+// A side that is a *Stream closes the other side when it fails (reset, or
+// its connection closed): a copy blocked on the other side would not see
+// it otherwise.
 func Relay(a, b io.ReadWriteCloser) (aToB, bToA int64, err error) {
+	if s, ok := a.(*Stream); ok {
+		defer s.closeOnAbort(b)()
+	}
+	if s, ok := b.(*Stream); ok {
+		defer s.closeOnAbort(a)()
+	}
 	var (
 		once     sync.Once
 		firstErr error

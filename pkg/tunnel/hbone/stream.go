@@ -52,7 +52,10 @@ type Stream struct {
 	localEnded  bool  // END_STREAM sent (also written under wmu)
 	err         error // reset or connection failure
 	closed      bool  // Close called
-	draining    bool  // WriteTo, or the reader delivering, holds the sink or a slice of buf outside mu
+	// onAbort runs once when the stream fails (closeOnAbort), told whether
+	// received bytes wait for delivery.
+	onAbort  func(pending bool)
+	draining bool // WriteTo, or the reader delivering, holds the sink or a slice of buf outside mu
 	// sink is the socket WriteTo writes to, when the connection's reader
 	// may write into it directly; delivered counts what it wrote there
 	// (deliver.go).
@@ -237,7 +240,13 @@ func (s *Stream) abort(err error) {
 	}
 	s.closeRespLocked()
 	s.rcond.Broadcast()
+	onAbort := s.onAbort
+	s.onAbort = nil
+	pending := s.buf.n > 0 || s.draining
 	s.mu.Unlock()
+	if onAbort != nil {
+		onAbort(pending)
+	}
 	c := s.c
 	c.mu.Lock()
 	if s.sendErr == nil {
@@ -253,6 +262,65 @@ func (s *Stream) abort(err error) {
 		c.releaseQueued(s)
 	}
 }
+
+// closeOnAbort closes c when the stream fails (reset by either side, or
+// its connection closed), at once if it failed already; stop undoes it.
+// Relay uses it for the socket on the stream's other side: its copies
+// block on that socket too (a write to an application that reads nothing,
+// a read from one that sends nothing), where the stream's failure never
+// reaches them, and the relay, with its socket, goroutines and the
+// server's handler slot, outlived the stream for as long as the
+// application lived (a forced Shutdown waited for it for ever). What the
+// stream received before it failed is still delivered (WriteTo reads the
+// buffer before the error): with some left, c is closed only after
+// abortDeliverGrace, which a relay whose application reads it ends first.
+func (s *Stream) closeOnAbort(c io.Closer) (stop func()) {
+	var (
+		mu    sync.Mutex
+		timer *time.Timer
+		done  bool
+	)
+	closeNow := func() { _ = c.Close() }
+	s.mu.Lock()
+	if s.err != nil {
+		pending := s.buf.n > 0 || s.draining
+		s.mu.Unlock()
+		if !pending {
+			closeNow()
+			return func() {}
+		}
+		t := time.AfterFunc(abortDeliverGrace, closeNow)
+		return func() { t.Stop() }
+	}
+	s.onAbort = func(pending bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case done:
+		case pending:
+			timer = time.AfterFunc(abortDeliverGrace, closeNow)
+		default:
+			closeNow()
+		}
+	}
+	s.mu.Unlock()
+	return func() {
+		s.mu.Lock()
+		s.onAbort = nil
+		s.mu.Unlock()
+		mu.Lock()
+		done = true
+		if timer != nil {
+			timer.Stop()
+		}
+		mu.Unlock()
+	}
+}
+
+// abortDeliverGrace is how long a relay whose stream failed may take to
+// deliver what the stream received before, before closeOnAbort closes its
+// socket.
+const abortDeliverGrace = time.Second
 
 // consumedLocked accounts n bytes taken by the application and returns the
 // stream WINDOW_UPDATE increment to send, if the threshold was reached.
