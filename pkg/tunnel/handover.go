@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
@@ -553,60 +554,95 @@ func (pr *Predecessor) TakeEndpoint(ctx context.Context, name, addr string) (net
 // process's network namespace, bound to ip (invalid: the wildcard, either
 // family) and port.
 func checkHandedEndpoint(fd int, ip netip.Addr, port uint16) error {
-	for _, o := range []struct {
-		opt  int
-		want int
-		name string
-	}{
-		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
-		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
-	} {
-		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
-		if err != nil {
-			return fmt.Errorf("%s: %w", o.name, err)
-		}
-		if got != o.want {
-			return fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
-		}
-	}
-	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
-		return fmt.Errorf("SO_PROTOCOL: %w", err)
-	} else if proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP {
-		return fmt.Errorf("SO_PROTOCOL is %d, neither TCP nor MPTCP", proto)
-	}
-	sa, err := unix.Getsockname(fd)
+	sa, err := checkTCPListener(fd)
 	if err != nil {
-		return fmt.Errorf("getsockname: %w", err)
+		return err
 	}
-	var got netip.AddrPort
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		got = netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
-	case *unix.SockaddrInet6:
-		got = netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
-	default:
-		return fmt.Errorf("bound to a %T, not an IP address", sa)
-	}
+	got := sockaddrPort(sa)
 	wantAddr := ip.IsValid() && got.Addr() == ip.Unmap() || !ip.IsValid() && got.Addr().IsUnspecified()
 	if got.Port() != port || !wantAddr {
 		return fmt.Errorf("bound to %s, not the endpoint's address", got)
 	}
-	nsfd, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	ino, err := socketNetNS(fd)
 	if err != nil {
-		return fmt.Errorf("its network namespace (SIOCGSKNS): %w", err)
+		return err
 	}
-	defer unix.Close(nsfd)
-	var st, own unix.Stat_t
-	if err := unix.Fstat(nsfd, &st); err != nil {
-		return fmt.Errorf("its network namespace: %w", err)
-	}
-	if err := unix.Stat("/proc/self/ns/net", &own); err != nil {
+	// Not /proc/self/ns/net: that is the main thread's namespace, a pod's
+	// while a goroutine visits one there.
+	own, err := netns.OwnInode()
+	if err != nil {
 		return fmt.Errorf("this agent's network namespace: %w", err)
 	}
-	if st.Ino != own.Ino || st.Dev != own.Dev {
-		return fmt.Errorf("in network namespace %d, not this agent's (%d)", st.Ino, own.Ino)
+	if ino != own {
+		return fmt.Errorf("in network namespace %d, not this agent's (%d)", ino, own)
 	}
 	return nil
+}
+
+// checkTCPListener checks that fd is a listening TCP (or MPTCP: the
+// runtime opens listeners so where the kernel has it, and serves plain TCP
+// clients as TCP) stream socket with each of the SOL_SOCKET options of
+// extra, and returns its address, which is an IP one.
+func checkTCPListener(fd int, extra ...sockOptWant) (unix.Sockaddr, error) {
+	for _, o := range append([]sockOptWant{
+		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
+		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
+	}, extra...) {
+		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", o.name, err)
+		}
+		if got != o.want {
+			return nil, fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
+		}
+	}
+	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
+		return nil, fmt.Errorf("SO_PROTOCOL: %w", err)
+	} else if proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP {
+		return nil, fmt.Errorf("SO_PROTOCOL is %d, neither TCP nor MPTCP", proto)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return nil, fmt.Errorf("getsockname: %w", err)
+	}
+	switch sa.(type) {
+	case *unix.SockaddrInet4, *unix.SockaddrInet6:
+		return sa, nil
+	}
+	return nil, fmt.Errorf("bound to a %T, not an IP address", sa)
+}
+
+// sockOptWant is a SOL_SOCKET option a handed socket must have.
+type sockOptWant struct {
+	opt  int
+	want int
+	name string
+}
+
+// sockaddrPort is the address and port of an IP socket address (IPv4 as
+// itself, not mapped).
+func sockaddrPort(sa unix.Sockaddr) netip.AddrPort {
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), uint16(a.Port))
+	case *unix.SockaddrInet6:
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr).Unmap(), uint16(a.Port))
+	}
+	return netip.AddrPort{}
+}
+
+// socketNetNS is the inode of the network namespace fd's socket is in.
+func socketNetNS(fd int) (uint64, error) {
+	nsfd, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	if err != nil {
+		return 0, fmt.Errorf("its network namespace (SIOCGSKNS): %w", err)
+	}
+	defer unix.Close(nsfd)
+	var st unix.Stat_t
+	if err := unix.Fstat(nsfd, &st); err != nil {
+		return 0, fmt.Errorf("its network namespace: %w", err)
+	}
+	return st.Ino, nil
 }
 
 // receivedFDs are the descriptors of SCM_RIGHTS messages in oob.
@@ -644,65 +680,27 @@ func handedListener(fd int, ino uint64, port uint16, mark uint32) (net.Listener,
 }
 
 func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
-	for _, o := range []struct {
-		opt  int
-		want int
-		name string
-	}{
-		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
-		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
-		{unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"},
-	} {
-		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
-		if err != nil {
-			return fmt.Errorf("%s: %w", o.name, err)
-		}
-		if got != o.want {
-			return fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
-		}
-	}
-	// The runtime opens listeners as MPTCP where the kernel has it (plain
-	// TCP clients are served as TCP).
-	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
-		return fmt.Errorf("SO_PROTOCOL: %w", err)
-	} else if proto != unix.IPPROTO_TCP && proto != unix.IPPROTO_MPTCP {
-		return fmt.Errorf("SO_PROTOCOL is %d, neither TCP nor MPTCP", proto)
-	}
-	sa, err := unix.Getsockname(fd)
+	sa, err := checkTCPListener(fd, sockOptWant{unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"})
 	if err != nil {
-		return fmt.Errorf("getsockname: %w", err)
+		return err
 	}
-	var got int
-	var addr netip.Addr
-	switch a := sa.(type) {
-	case *unix.SockaddrInet4:
-		got, addr = a.Port, netip.AddrFrom4(a.Addr)
-	case *unix.SockaddrInet6:
-		got, addr = a.Port, netip.AddrFrom16(a.Addr)
-	default:
-		return fmt.Errorf("bound to a %T, not an IP address", sa)
+	addr := sockaddrPort(sa)
+	if addr.Port() != port {
+		return fmt.Errorf("bound to port %d", addr.Port())
 	}
-	if got != int(port) {
-		return fmt.Errorf("bound to port %d", got)
-	}
-	nsfd, err := unix.IoctlRetInt(fd, unix.SIOCGSKNS)
+	got, err := socketNetNS(fd)
 	if err != nil {
-		return fmt.Errorf("its network namespace (SIOCGSKNS): %w", err)
+		return err
 	}
-	defer unix.Close(nsfd)
-	var st unix.Stat_t
-	if err := unix.Fstat(nsfd, &st); err != nil {
-		return fmt.Errorf("its network namespace: %w", err)
-	}
-	if st.Ino != ino {
-		return fmt.Errorf("in network namespace %d, not the pod's (%d)", st.Ino, ino)
+	if got != ino {
+		return fmt.Errorf("in network namespace %d, not the pod's (%d)", got, ino)
 	}
 	// The capture assigns SYNs for every address of the pod, IPv4 and
 	// IPv6, to the listener of the port: one bound to a single address, or
 	// IPv6 only, would take none (or no IPv4), and hold the port against
 	// the pod's own wildcard listener (listenWildcard) all the same.
-	if !addr.Unmap().IsUnspecified() {
-		return fmt.Errorf("bound to %s, not the wildcard address", addr.Unmap())
+	if !addr.Addr().IsUnspecified() {
+		return fmt.Errorf("bound to %s, not the wildcard address", addr.Addr())
 	}
 	if _, ok := sa.(*unix.SockaddrInet6); ok {
 		v6only, err := unix.GetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY)

@@ -175,6 +175,7 @@ func parseTCP(p []byte) (netip.Addr, []byte, bool) {
 	return netip.Addr{}, nil, false
 }
 
+// inetChecksum is the Internet checksum over the concatenated parts.
 func inetChecksum(parts ...[]byte) uint16 {
 	var sum uint32
 	for _, b := range parts {

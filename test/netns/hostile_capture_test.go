@@ -88,7 +88,7 @@ func rawSYN6(p *Pod, dst netip.AddrPort, sport uint16, chain []rawExt) error {
 		s16, d16 := p.IPv6.As16(), dst.Addr().As16()
 		tcp := synSegment(sport, dst.Port(), 20)
 		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
-		binary.BigEndian.PutUint16(tcp[16:], checksum(pseudo, tcp))
+		binary.BigEndian.PutUint16(tcp[16:], inetChecksum(pseudo, tcp))
 		var body []byte
 		for i, e := range chain {
 			next := byte(unix.IPPROTO_TCP)
@@ -400,7 +400,7 @@ func fragmentedSYN6(p *Pod, dst netip.Addr, port uint16) (synack bool, err error
 		copy(tcp[20:], "hostile-frag")
 		s16, d16 := src.As16(), dst.As16()
 		pseudo := append(append(append([]byte{}, s16[:]...), d16[:]...), 0, 0, 0, byte(len(tcp)), 0, 0, 0, unix.IPPROTO_TCP)
-		binary.BigEndian.PutUint16(tcp[16:], checksum(pseudo, tcp))
+		binary.BigEndian.PutUint16(tcp[16:], inetChecksum(pseudo, tcp))
 
 		send, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW, unix.IPPROTO_RAW) // implies IPV6_HDRINCL
 		if err != nil {
@@ -462,24 +462,7 @@ func fragmentedSYN6(p *Pod, dst netip.Addr, port uint16) (synack bool, err error
 func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {
 	s, d := src.As4(), dst.As4()
 	pseudo := append(append(s[:], d[:]...), 0, unix.IPPROTO_TCP, byte(len(seg)>>8), byte(len(seg)))
-	return checksum(pseudo, seg)
-}
-
-// checksum is the Internet checksum over the concatenated parts.
-func checksum(parts ...[]byte) uint16 {
-	var sum uint32
-	for _, b := range parts {
-		for i := 0; i+1 < len(b); i += 2 {
-			sum += uint32(b[i])<<8 | uint32(b[i+1])
-		}
-		if len(b)%2 == 1 {
-			sum += uint32(b[len(b)-1]) << 8
-		}
-	}
-	for sum > 0xffff {
-		sum = sum>>16 + sum&0xffff
-	}
-	return ^uint16(sum)
+	return inetChecksum(pseudo, seg)
 }
 
 // TestHostileProbeSourceSpoofed: a pod that gives itself the probe SNAT
