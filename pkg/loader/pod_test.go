@@ -6,12 +6,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
-
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
-	"github.com/redirector-mesh/redirector/pkg/netns"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
@@ -85,36 +80,11 @@ func TestDetachRestoresRPFilter(t *testing.T) {
 	}
 }
 
-// tcxPrograms names the tcx programs on eth0 of the namespace at path.
+// tcxPrograms names the tcx programs on eth0 of the namespace at path,
+// comma-separated.
 func tcxPrograms(t *testing.T, path string) string {
 	t.Helper()
-	var out []string
-	err := netns.Do(path, func() error {
-		l, err := netlink.LinkByName("eth0")
-		if err != nil {
-			return err
-		}
-		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
-			r, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: at})
-			if err != nil {
-				return err
-			}
-			for _, p := range r.Programs {
-				prog, err := ebpf.NewProgramFromID(p.ID)
-				if err != nil {
-					return err
-				}
-				info, _ := prog.Info()
-				prog.Close()
-				out = append(out, info.Name)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("query programs in %s: %v", path, err)
-	}
-	return strings.Join(out, ",")
+	return strings.Join(loadertest.TCXPrograms(t, path), ",")
 }
 
 // TestAttachInNewSandboxMovesPrograms: a pod attached again in a new

@@ -10,10 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
-
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
@@ -47,38 +43,6 @@ func recreateSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
 	run("-n", p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
 	run("-n", p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
 	run("-n", p.NS, "link", "set", "eth0", "up")
-}
-
-// podTCX lists the tcx programs on eth0 of the namespace at path.
-func podTCX(t *testing.T, path string) []string {
-	t.Helper()
-	var out []string
-	err := netns.Do(path, func() error {
-		l, err := netlink.LinkByName("eth0")
-		if err != nil {
-			return err
-		}
-		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
-			r, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: at})
-			if err != nil {
-				return err
-			}
-			for _, p := range r.Programs {
-				prog, err := ebpf.NewProgramFromID(p.ID)
-				if err != nil {
-					return err
-				}
-				info, _ := prog.Info()
-				prog.Close()
-				out = append(out, info.Name)
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("query programs in %s: %v", path, err)
-	}
-	return out
 }
 
 // podListens reports whether something listens on port in the namespace at
@@ -122,7 +86,7 @@ func TestCNIAddOfSandboxRecreatedAtSamePath(t *testing.T) {
 		}
 	}
 	add("c1")
-	if progs := podTCX(t, sandbox.Path()); len(progs) != 2 {
+	if progs := loadertest.TCXPrograms(t, sandbox.Path()); len(progs) != 2 {
 		t.Fatalf("first sandbox: tcx programs %v, want ingress and egress", progs)
 	}
 	oldIno, err := netns.Inode(sandbox.Path())
@@ -141,7 +105,7 @@ func TestCNIAddOfSandboxRecreatedAtSamePath(t *testing.T) {
 	start := time.Now()
 	add("c2")
 	t.Logf("ADD of the re-created sandbox answered after %s", time.Since(start))
-	if progs := podTCX(t, sandbox.Path()); len(progs) != 2 {
+	if progs := loadertest.TCXPrograms(t, sandbox.Path()); len(progs) != 2 {
 		t.Errorf("ADD answered enrolled while the re-created sandbox's eth0 has tcx programs %v: it starts uncaptured", progs)
 	}
 	for _, port := range []int{15001, 15006, 15008} {
@@ -182,7 +146,7 @@ func TestCNICheckOfSandboxRecreatedAtSamePath(t *testing.T) {
 	resp, err := check()
 	t.Logf("CHECK of the re-created sandbox: %+v, %v", resp, err)
 	if err == nil {
-		t.Errorf("CHECK of a sandbox with no programs (tcx %v) passed: %+v", podTCX(t, sandbox.Path()), resp)
+		t.Errorf("CHECK of a sandbox with no programs (tcx %v) passed: %+v", loadertest.TCXPrograms(t, sandbox.Path()), resp)
 	}
 }
 
@@ -236,7 +200,7 @@ func TestRestartDoesNotFollowReusedPath(t *testing.T) {
 	defer cancel2()
 	a.applyLatest(ctx, true)
 	rec.repairLinks(ctx, true)
-	if progs := podTCX(t, sandbox.Path()); len(progs) != 0 {
+	if progs := loadertest.TCXPrograms(t, sandbox.Path()); len(progs) != 0 {
 		t.Errorf("pod b's eth0 carries pod a's programs %v", progs)
 	}
 	if podListens(t, sandbox.Path(), 15008) {

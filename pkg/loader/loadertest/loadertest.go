@@ -16,6 +16,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/loader"
@@ -118,4 +121,37 @@ func unmapped(s string) string {
 		return s
 	}
 	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()).String()
+}
+
+// TCXPrograms names the tcx programs on eth0 of the namespace at path,
+// ingress first.
+func TCXPrograms(t *testing.T, path string) []string {
+	t.Helper()
+	var out []string
+	err := netns.Do(path, func() error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for _, at := range []ebpf.AttachType{ebpf.AttachTCXIngress, ebpf.AttachTCXEgress} {
+			r, err := link.QueryPrograms(link.QueryOptions{Target: l.Attrs().Index, Attach: at})
+			if err != nil {
+				return err
+			}
+			for _, p := range r.Programs {
+				prog, err := ebpf.NewProgramFromID(p.ID)
+				if err != nil {
+					return err
+				}
+				info, _ := prog.Info()
+				prog.Close()
+				out = append(out, info.Name)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("query programs in %s: %v", path, err)
+	}
+	return out
 }
