@@ -189,6 +189,8 @@ func TestRefusalWithoutWindowFreesStream(t *testing.T) {
 	if n := handled.Load(); n != 4 {
 		t.Errorf("%d handlers ran, want 4", n)
 	}
+	// A cut is counted just after its stream's reset is written.
+	waitfor.Until(t, "four refusals counted as cut", func() bool { return srv.Stats().RefusalsCut >= 4 })
 	if st := srv.Stats(); st.RefusalsCut != 4 || st.StreamsRefused != 0 {
 		t.Errorf("RefusalsCut = %d, StreamsRefused = %d, want 4 and 0", st.RefusalsCut, st.StreamsRefused)
 	}

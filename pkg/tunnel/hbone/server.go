@@ -562,7 +562,7 @@ func (srv *Server) noteRefusalCut(c *conn, cut bool) {
 		return
 	}
 	srv.stats.refusalsCut.Add(1)
-	srv.log.Debug("hbone refusal body cut: the client granted no flow-control window for it in time, or too many refusals waited for window", "remote", c.nc.RemoteAddr(), "timeout", refuseWriteTimeout)
+	srv.log.Debug("hbone refusal body cut: the client granted no flow-control window for it in time, or too many refusals waited for window", "remote", c.nc.RemoteAddr())
 }
 
 // refuseWriteTimeout bounds how long a refusal's body waits for the
