@@ -80,8 +80,8 @@ func healthStatus(ready bool) string {
 	return "Unhealthy"
 }
 
-// Locality is a workload's region and zone (the agent knows no subzone),
-// written whole as ztunnel's Locality is.
+// Locality is a workload's region, zone and subzone, written whole as
+// ztunnel's Locality is.
 type Locality struct {
 	Region  string `json:"region"`
 	Zone    string `json:"zone"`
@@ -89,10 +89,10 @@ type Locality struct {
 }
 
 func localityOf(w *workload.Workload) *Locality {
-	if w.Region == "" && w.Zone == "" {
+	if w.Region == "" && w.Zone == "" && w.Subzone == "" {
 		return nil
 	}
-	return &Locality{Region: w.Region, Zone: w.Zone}
+	return &Locality{Region: w.Region, Zone: w.Zone, Subzone: w.Subzone}
 }
 
 // ZtunnelService is one service, as ztunnel dumps it.
@@ -107,6 +107,28 @@ type ZtunnelService struct {
 	Waypoint        *ZtunnelGatewayAddress      `json:"waypoint,omitempty"`
 	SubjectAltNames []string                    `json:"subjectAltNames"`
 	IPFamilies      string                      `json:"ipFamilies"`
+	LoadBalancer    *ZtunnelLoadBalancer        `json:"loadBalancer,omitempty"`
+}
+
+// ZtunnelLoadBalancer is a service's routing preference, as ztunnel dumps
+// its load balancer: mode Failover or Strict, scopes in order.
+type ZtunnelLoadBalancer struct {
+	RoutingPreferences []string `json:"routingPreferences"`
+	Mode               string   `json:"mode"`
+}
+
+func ztunnelLoadBalancer(r *workload.Routing) *ZtunnelLoadBalancer {
+	if r == nil {
+		return nil
+	}
+	z := &ZtunnelLoadBalancer{RoutingPreferences: []string{}, Mode: "Failover"}
+	if r.Strict {
+		z.Mode = "Strict"
+	}
+	for _, s := range r.Scopes {
+		z.RoutingPreferences = append(z.RoutingPreferences, s.String())
+	}
+	return z
 }
 
 // ZtunnelEndpoint is one endpoint of a ZtunnelService.
@@ -278,7 +300,8 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 	out := []ZtunnelService{}
 	for _, s := range dir.Services() {
 		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
-			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}, Waypoint: ztunnelWaypoint(s.Waypoint, network)}
+			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}, Waypoint: ztunnelWaypoint(s.Waypoint, network),
+			LoadBalancer: ztunnelLoadBalancer(s.Routing)}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
 			z.VIPs = append(z.VIPs, network+"/"+vip.String())

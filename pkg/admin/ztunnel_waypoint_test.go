@@ -107,6 +107,36 @@ func TestZtunnelServicePortsUnsetTarget(t *testing.T) {
 	}
 }
 
+// TestZtunnelServiceLoadBalancer: a service's routing preference is in
+// the dump as ztunnel writes it (istioctl reads loadBalancer), and a
+// workload's subzone with its locality.
+func TestZtunnelServiceLoadBalancer(t *testing.T) {
+	near := &workload.Service{Name: "close", Namespace: "mesh", Hostname: "close.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.11")},
+		Routing: &workload.Routing{Scopes: []workload.Scope{workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone}}}
+	local := &workload.Service{Name: "local", Namespace: "mesh", Hostname: "local.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.12")},
+		Routing: &workload.Routing{Scopes: []workload.Scope{workload.ScopeNode}, Strict: true}}
+	plain := &workload.Service{Name: "plain", Namespace: "mesh", Hostname: "plain.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.13")}}
+	dir, _ := workload.NewDirectory(nil, []*workload.Service{near, local, plain})
+	got := map[string]string{}
+	for _, s := range ZtunnelServices(dir, "Kubernetes", "") {
+		b, _ := json.Marshal(s.LoadBalancer)
+		got[s.Name] = string(b)
+	}
+	want := map[string]string{
+		"close": `{"routingPreferences":["Network","Region","Zone"],"mode":"Failover"}`,
+		"local": `{"routingPreferences":["Node"],"mode":"Strict"}`,
+		"plain": `null`,
+	}
+	for name, w := range want {
+		if got[name] != w {
+			t.Errorf("%s: loadBalancer %s, want %s", name, got[name], w)
+		}
+	}
+	if l := localityOf(&workload.Workload{Region: "r1", Zone: "a", Subzone: "rack7"}); l == nil || l.Subzone != "rack7" {
+		t.Errorf("locality %+v, want the subzone rack7", l)
+	}
+}
+
 // TestZtunnelWorkloadStateConnections: an Up pod's connections are in
 // ztunnel's shape (inbound/outbound lists, an inbound originalDst null when
 // no service is known); a Pending pod has none.

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -74,23 +75,18 @@ type target struct {
 	addr netip.AddrPort // endpoint address and the resolved target port
 }
 
-// order returns ready endpoints serving port, looking at most
-// maxOrderProbes spread over the ring from the service's round-robin
-// cursor: up to maxServiceAttempts fresh ones, then as many recently
-// failed ones.
-func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []target {
-	// Rotate over the endpoints that can serve, so endpoints that cannot
-	// (not ready, port missing) never skew the share of the others.
-	var eligible []target
-	for _, ep := range svc.Endpoints {
-		if !ep.Ready {
-			continue
-		}
-		if tp, ok := ep.TargetPort(port); ok {
-			eligible = append(eligible, target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)})
-		}
-	}
-	if len(eligible) == 0 {
+// order returns ready endpoints serving port for a connection from client
+// (nil if unknown), looking at most maxOrderProbes per rank, spread over
+// the ring from the service's round-robin cursor: up to
+// maxServiceAttempts fresh ones, then as many recently failed ones. A
+// service with a Routing preference is served by its best-ranked
+// endpoints first; the next rank's fresh ones follow only where those
+// are too few or failed recently, so a zone whose endpoints all fail
+// hands its connections to the next zone (FAILOVER, as Envoy's outlier
+// detection moves a locality's traffic).
+func (b *balancer) order(svc *workload.Service, port workload.ServicePort, client *workload.Workload) []target {
+	tiers := eligible(svc, port, client)
+	if len(tiers) == 0 {
 		return nil
 	}
 	key := cursorKey{svc.String(), port.Name}
@@ -98,24 +94,73 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort) []tar
 	var stale []target
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	start := int(b.next[key] % uint64(len(eligible)))
+	cursor := b.next[key]
 	b.next[key]++
 	now := b.now()
-	// The looks are spread over the whole ring, not the 64 after the
-	// cursor: the endpoints of one failed node are often a contiguous
-	// run of addresses, and a window inside it would offer only those.
-	step := max(1, len(eligible)/maxOrderProbes)
-	for i := 0; i < len(eligible) && i < maxOrderProbes && len(fresh) < maxServiceAttempts; i++ {
-		t := eligible[(start+i*step)%len(eligible)]
-		if at, bad := b.failed[t.addr]; bad && now.Sub(at) < failureMemory {
-			if len(stale) < maxServiceAttempts {
-				stale = append(stale, t)
+	for _, tier := range tiers {
+		if len(fresh) == maxServiceAttempts {
+			break
+		}
+		start := int(cursor % uint64(len(tier)))
+		// The looks are spread over the whole ring, not the 64 after
+		// the cursor: the endpoints of one failed node are often a
+		// contiguous run of addresses, and a window inside it would
+		// offer only those.
+		step := max(1, len(tier)/maxOrderProbes)
+		for i := 0; i < len(tier) && i < maxOrderProbes && len(fresh) < maxServiceAttempts; i++ {
+			t := tier[(start+i*step)%len(tier)]
+			if at, bad := b.failed[t.addr]; bad && now.Sub(at) < failureMemory {
+				if len(stale) < maxServiceAttempts {
+					stale = append(stale, t)
+				}
+			} else {
+				fresh = append(fresh, t)
 			}
-		} else {
-			fresh = append(fresh, t)
 		}
 	}
 	return append(fresh, stale...)
+}
+
+// eligible returns the ready endpoints serving port, grouped by their
+// rank for client under the service's Routing, best first: one group
+// when the service has none (or the client is unknown). A Strict service
+// keeps only the endpoints sharing every scope with the client, none
+// when the client is unknown. Endpoints that cannot serve (not ready,
+// port missing) are left out here, so they never skew the share of the
+// others in the rotation.
+func eligible(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]target {
+	r := svc.Routing
+	if r != nil && client == nil {
+		if r.Strict {
+			return nil
+		}
+		r = nil
+	}
+	var tiers [][]target
+	if r == nil {
+		tiers = make([][]target, 1)
+	} else {
+		tiers = make([][]target, len(r.Scopes)+1)
+	}
+	for _, ep := range svc.Endpoints {
+		if !ep.Ready {
+			continue
+		}
+		tp, ok := ep.TargetPort(port)
+		if !ok {
+			continue
+		}
+		rank := 0
+		if r != nil {
+			rank = r.Rank(client, ep)
+			if r.Strict && rank < len(r.Scopes) {
+				continue
+			}
+		}
+		tiers[rank] = append(tiers[rank], target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)})
+	}
+	slices.Reverse(tiers)
+	return slices.DeleteFunc(tiers, func(t []target) bool { return len(t) == 0 })
 }
 
 func (b *balancer) fail(a netip.AddrPort) {
@@ -177,7 +222,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		resetConn(c)
 		return
 	}
-	candidates := t.lb.order(svc, *port)
+	candidates := t.lb.order(svc, *port, srcW)
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
 		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))

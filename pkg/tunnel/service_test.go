@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -27,7 +28,7 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 	port := workload.ServicePort{Port: 80, TargetPort: 8080}
 	first := map[string]int{}
 	for i := 0; i < 4; i++ {
-		order := b.order(svc, port)
+		order := b.order(svc, port, nil)
 		if len(order) != 2 {
 			t.Fatalf("order %v: the not-ready endpoint must be left out", order)
 		}
@@ -38,14 +39,14 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 	}
 	b.fail(netip.MustParseAddrPort("10.0.0.1:8080"))
 	for i := 0; i < 3; i++ {
-		if got := b.order(svc, port)[0].addr.String(); got != "10.0.0.2:8080" {
+		if got := b.order(svc, port, nil)[0].addr.String(); got != "10.0.0.2:8080" {
 			t.Fatalf("a failed endpoint came first: %s", got)
 		}
 	}
 	now = now.Add(failureMemory + time.Second)
 	seen := map[string]bool{}
 	for i := 0; i < 2; i++ {
-		seen[b.order(svc, port)[0].addr.String()] = true
+		seen[b.order(svc, port, nil)[0].addr.String()] = true
 	}
 	if !seen["10.0.0.1:8080"] {
 		t.Error("the failed endpoint is not tried again after failureMemory")
@@ -60,7 +61,7 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: 8080}
 	for _, name := range []string{"a", "b", "c"} {
 		svc := &workload.Service{Name: name, Namespace: "shop", Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
-		b.order(svc, port)
+		b.order(svc, port, nil)
 	}
 	if len(b.next) != 3 {
 		t.Fatalf("cursors before pruning: %d, want 3", len(b.next))
@@ -123,7 +124,7 @@ func TestBalancerBoundedWork(t *testing.T) {
 	if n := len(b.failed); n > maxFailed {
 		t.Errorf("failure memory holds %d endpoints, want at most %d", n, maxFailed)
 	}
-	if got := b.order(svc, port); len(got) < maxServiceAttempts || len(got) > 2*maxServiceAttempts {
+	if got := b.order(svc, port, nil); len(got) < maxServiceAttempts || len(got) > 2*maxServiceAttempts {
 		t.Errorf("order returned %d endpoints, want %d to %d", len(got), maxServiceAttempts, 2*maxServiceAttempts)
 	}
 	// A contiguous run of failed endpoints (one node's) around the cursor
@@ -134,7 +135,7 @@ func TestBalancerBoundedWork(t *testing.T) {
 		b.fail(netip.AddrPortFrom(svc.Endpoints[i].Addr, 8080))
 	}
 	for range 50 {
-		got := b.order(svc, port)
+		got := b.order(svc, port, nil)
 		if len(got) == 0 {
 			t.Fatal("no endpoint")
 		}
@@ -212,5 +213,111 @@ func TestEndpointFailuresOfTheClientAreNotShared(t *testing.T) {
 	tun.lb.mu.Unlock()
 	if marked {
 		t.Errorf("endpoint %s marked failed for every pod by a dial its own pod's stop cancelled", ep)
+	}
+}
+
+// TestBalancerPrefersCloseEndpoints: a service with a routing preference
+// (istiod's load_balancing for trafficDistribution: PreferClose and
+// PreferSameNode, or internalTrafficPolicy: Local) was balanced over
+// every endpoint, so a client's connections crossed zones and regions
+// that istiod, as ztunnel does, keeps them in. Now the best-ranked
+// endpoints serve in turn; a zone counts only inside a shared region;
+// the next rank takes a connection's later attempts, and its first
+// once the best have failed recently (FAILOVER); STRICT serves only
+// endpoints sharing every scope, none for a client it cannot place.
+func TestBalancerPrefersCloseEndpoints(t *testing.T) {
+	now := time.Unix(1000, 0)
+	client := &workload.Workload{Name: "client", Node: "n1", Region: "r1", Zone: "a", Subzone: "s1"}
+	ep := func(addr, node, region, zone string) workload.Endpoint {
+		return workload.Endpoint{Addr: netip.MustParseAddr(addr), Ready: true,
+			Workload: &workload.Workload{Name: addr, Node: node, Region: region, Zone: zone, Subzone: "s1"}}
+	}
+	endpoints := []workload.Endpoint{
+		ep("10.0.0.1", "n2", "r1", "a"),                      // same zone, another node
+		ep("10.0.0.2", "n3", "r1", "b"),                      // same region, another zone
+		ep("10.0.0.3", "n4", "r2", "a"),                      // a zone named alike in another region
+		ep("10.0.0.4", "n1", "r1", "a"),                      // this node
+		{Addr: netip.MustParseAddr("10.0.0.5"), Ready: true}, // no workload known: no locality
+	}
+	port := workload.ServicePort{Port: 80, TargetPort: 8080}
+	scopes := func(s ...workload.Scope) []workload.Scope { return s }
+	preferClose := &workload.Routing{Scopes: scopes(workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone)}
+	addrs := func(ts []target) []string {
+		var out []string
+		for _, t := range ts {
+			out = append(out, t.addr.Addr().String())
+		}
+		return out
+	}
+
+	b := newBalancer()
+	b.now = func() time.Time { return now }
+	svc := &workload.Service{Name: "web", Namespace: "shop", Endpoints: endpoints, Routing: preferClose}
+	firsts := map[string]int{}
+	for range 10 {
+		got := addrs(b.order(svc, port, client))
+		firsts[got[0]]++
+		// The zone's two, then the region's one: three attempts.
+		if len(got) != maxServiceAttempts || got[2] != "10.0.0.2" {
+			t.Fatalf("PreferClose order %v, want the zone's two endpoints, then 10.0.0.2", got)
+		}
+	}
+	if firsts["10.0.0.1"] != 5 || firsts["10.0.0.4"] != 5 {
+		t.Errorf("PreferClose firsts %v, want the zone's two endpoints 5 times each", firsts)
+	}
+	// The zone's endpoints failed: the region's takes the connections
+	// first, then the rest of the network, the failed ones last.
+	b.fail(netip.MustParseAddrPort("10.0.0.1:8080"))
+	b.fail(netip.MustParseAddrPort("10.0.0.4:8080"))
+	if got := addrs(b.order(svc, port, client)); got[0] != "10.0.0.2" || len(got) != 5 || got[3] == "10.0.0.2" {
+		t.Errorf("zone failed: order %v, want 10.0.0.2 first, then the network's two, then the failed zone's two", got)
+	}
+	now = now.Add(failureMemory + time.Second)
+	if got := addrs(b.order(svc, port, client)); got[0] != "10.0.0.1" && got[0] != "10.0.0.4" {
+		t.Errorf("after failureMemory: order %v, want the zone's endpoints first again", got)
+	}
+	// An unknown client (no workload at the source address) is balanced
+	// over all: no rank can be told.
+	seen := map[string]bool{}
+	for range len(endpoints) {
+		seen[addrs(b.order(svc, port, nil))[0]] = true
+	}
+	if len(seen) != len(endpoints) {
+		t.Errorf("unknown client: firsts %v, want every endpoint in turn", seen)
+	}
+
+	for _, tc := range []struct {
+		name    string
+		routing *workload.Routing
+		client  *workload.Workload
+		want    []string // the possible first choices; nil: no endpoint
+	}{
+		{"PreferSameNode", &workload.Routing{Scopes: scopes(workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone, workload.ScopeSubzone, workload.ScopeNode)}, client, []string{"10.0.0.4"}},
+		{"STRICT by node", &workload.Routing{Scopes: scopes(workload.ScopeNode), Strict: true}, client, []string{"10.0.0.4"}},
+		{"STRICT by zone", &workload.Routing{Scopes: scopes(workload.ScopeRegion, workload.ScopeZone), Strict: true}, client, []string{"10.0.0.1", "10.0.0.4"}},
+		{"STRICT by region and zone in another region", &workload.Routing{Scopes: scopes(workload.ScopeRegion, workload.ScopeZone), Strict: true},
+			&workload.Workload{Node: "n9", Region: "r3", Zone: "a"}, nil},
+		{"STRICT, unknown client", &workload.Routing{Scopes: scopes(workload.ScopeZone), Strict: true}, nil, nil},
+		{"by cluster: all share it", &workload.Routing{Scopes: scopes(workload.ScopeCluster)}, client, []string{"10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"}},
+	} {
+		b := newBalancer()
+		svc := &workload.Service{Name: "web", Namespace: "shop", Endpoints: endpoints, Routing: tc.routing}
+		for range 8 {
+			got := addrs(b.order(svc, port, tc.client))
+			if tc.want == nil {
+				if len(got) != 0 {
+					t.Errorf("%s: order %v, want no endpoint", tc.name, got)
+				}
+				break
+			}
+			if len(got) == 0 || !slices.Contains(tc.want, got[0]) {
+				t.Errorf("%s: order %v, want one of %v first", tc.name, got, tc.want)
+				break
+			}
+			if tc.routing.Strict && len(got) > len(tc.want) {
+				t.Errorf("%s: order %v, want only %v (STRICT)", tc.name, got, tc.want)
+				break
+			}
+		}
 	}
 }

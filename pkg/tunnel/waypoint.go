@@ -137,8 +137,8 @@ type waypointHop struct {
 }
 
 // waypointHops resolves wp to the instances to try, in order, for a
-// connection to dst.
-func (t *Tunnel) waypointHops(dir *workload.Directory, wp *workload.Waypoint, dst netip.Addr) ([]waypointHop, error) {
+// connection from client to dst.
+func (t *Tunnel) waypointHops(dir *workload.Directory, wp *workload.Waypoint, client *workload.Workload, dst netip.Addr) ([]waypointHop, error) {
 	port := cmp.Or(wp.HBONEPort, t.cfg.HBONEPort)
 	svc := waypointService(dir, &t.waypoints, wp)
 	if svc == nil {
@@ -159,7 +159,7 @@ func (t *Tunnel) waypointHops(dir *workload.Directory, wp *workload.Waypoint, ds
 		return nil, fmt.Errorf("%w: service %s has no port %d", errWaypointNoEndpoint, svc, port)
 	}
 	var hops []waypointHop
-	for _, c := range t.lb.order(svc, *sp) {
+	for _, c := range t.lb.order(svc, *sp, client) {
 		w := c.ep.Workload
 		if w == nil {
 			continue // no workload, no identity to check its certificate against
@@ -194,7 +194,7 @@ func (p *pod) handleWaypoint(ctx context.Context, c net.Conn, dir *workload.Dire
 	t := p.t
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, service: via.svc, secure: true,
 		srcAddr: src, dstAddr: dst, hboneAddr: dst, waypoint: true}
-	hops, err := t.waypointHops(dir, via.wp, dst.Addr())
+	hops, err := t.waypointHops(dir, via.wp, srcW, dst.Addr())
 	if err != nil {
 		reason := reasonWaypointNoEndpoint
 		if errors.Is(err, errWaypointUnknown) {

@@ -108,7 +108,7 @@ func TestWaypointHops(t *testing.T) {
 		{"service without the HBONE port", &workload.Waypoint{Namespace: "mesh", Hostname: "waypoint.mesh.svc.cluster.local", HBONEPort: 15009}, v4, "no endpoint"},
 	} {
 		dir := waypointDir(t, tc.wp)
-		hops, err := tun.waypointHops(dir, tc.wp, tc.dst)
+		hops, err := tun.waypointHops(dir, tc.wp, nil, tc.dst)
 		switch tc.want {
 		case "unknown":
 			if !errors.Is(err, errWaypointUnknown) {
@@ -125,7 +125,7 @@ func TestWaypointHops(t *testing.T) {
 		}
 	}
 	// The identity checked is the waypoint workload's.
-	hops, _ := tun.waypointHops(waypointDir(t, byHost), byHost, v4)
+	hops, _ := tun.waypointHops(waypointDir(t, byHost), byHost, nil, v4)
 	if got := tun.identityOf(hops[0].w).String(); got != "spiffe://cluster.local/ns/mesh/sa/waypoint" {
 		t.Errorf("waypoint identity %s", got)
 	}
@@ -140,7 +140,7 @@ func TestWaypointHops(t *testing.T) {
 		}
 	}
 	dir, _ = workload.NewDirectory(dir.All(), svcs)
-	if hops, err := tun.waypointHops(dir, byHost, v4); !errors.Is(err, errWaypointNoEndpoint) {
+	if hops, err := tun.waypointHops(dir, byHost, nil, v4); !errors.Is(err, errWaypointNoEndpoint) {
 		t.Errorf("no ready endpoint with a known workload: %v %v, want errWaypointNoEndpoint", hops, err)
 	}
 }

@@ -37,9 +37,12 @@ type Workload struct {
 	WorkloadType      string
 	CanonicalName     string
 	CanonicalRevision string
-	// Region and Zone are the pod's locality, when its source knows it
-	// (istiod's xDS does; the agent's own sources read no Nodes).
-	Region, Zone string
+	// Region, Zone and Subzone are the pod's locality, and Cluster the
+	// cluster it runs in, when its source knows them (istiod's xDS does,
+	// from the node's topology labels; the agent's own sources read no
+	// Nodes). Services with a Routing preference rank endpoints by them.
+	Region, Zone, Subzone string
+	Cluster               string
 	// Enrolled says the workload is in the mesh and takes HBONE: for this
 	// node's pods, the selection decision (Reason says which rule decided,
 	// BypassInbound turns inbound capture off); for other workloads, what
@@ -118,6 +121,9 @@ type Service struct {
 	// none, as kube-proxy routes it. The node agent keeps those (see
 	// NodeLocalServices); the xDS source's istiod says so per node.
 	NodeLocal bool
+	// Routing, if set, prefers (or, Strict, requires) endpoints sharing
+	// the client's locality.
+	Routing *Routing
 }
 
 // NodeLocalServices returns services as clients on node reach them: a

@@ -275,22 +275,8 @@ func TestIstiodXDSAgents(t *testing.T) {
 	istiotest.CreatePod(t, cs, "outside", "plain", "plain-sa", "node1", plain.IPv4.String(), plain.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 
-	var agents []*Agent
-	for _, n := range tp.Nodes {
-		forwardLoopback(t, n.Path(), cluster.Config.Host)
-		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		node := fmt.Sprintf("node%d", n.Index)
-		token := istiotest.AgentToken(t, cs, agentAccount, node, istiotest.Audience)
-		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
-			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
-			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
-			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
-		}}))
-	}
+	agents := startXDSAgents(t, tp, cluster, istiod, agentAccount)
 	node1, node2 := agents[0], agents[1]
-	for _, a := range agents {
-		a.WaitLog(t, "xds stream to istiod open", 30*time.Second)
-	}
 	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
 	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
 	// Ready only with istiod's state (policies known).
@@ -438,6 +424,30 @@ func TestIstiodXDSAgents(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// startXDSAgents starts an agent with --source xds on every node of tp,
+// each with its own node's token for account, and waits for their streams
+// to istiod to open.
+func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istiod *istiotest.Istiod, account string) []*Agent {
+	t.Helper()
+	cs := cluster.Client(t)
+	var agents []*Agent
+	for _, n := range tp.Nodes {
+		forwardLoopback(t, n.Path(), cluster.Config.Host)
+		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
+		node := fmt.Sprintf("node%d", n.Index)
+		token := istiotest.AgentToken(t, cs, account, node, istiotest.Audience)
+		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
+			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
+			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
+			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
+		}}))
+	}
+	for _, a := range agents {
+		a.WaitLog(t, "xds stream to istiod open", 30*time.Second)
+	}
+	return agents
 }
 
 // TestIstiodXDSEnrollsWithoutIstiod: with istiod down when the agents

@@ -256,7 +256,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			snap.Workloads = append(snap.Workloads, &c)
 		}
 	}
-	localWaypoints(snap.Workloads[:nLocal], copies)
+	fromIstiod(snap.Workloads[:nLocal], copies)
 	services := make([]*workload.Service, 0, len(mesh.Services))
 	canonical := make([]bool, 0, len(mesh.Services))
 	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
@@ -511,6 +511,27 @@ func nodeRanges(svc *workload.Service, nodes []nodeAddr) (*workload.Service, []e
 	c := *svc
 	c.CIDRs = keep
 	return &c, errs
+}
+
+// fromIstiod gives this node's pods (local, built from the API server's
+// objects) what only istiod knows of them, from the copies it sent
+// (localCopies): the waypoint, since only istiod resolves the Gateway an
+// istio.io/use-waypoint label names, and without it traffic to a local
+// pod's address would skip its waypoint; and the locality and cluster,
+// which istiod reads from the pod's Node, and which services with a
+// routing preference rank endpoints against. A pod with no single copy
+// keeps none.
+func fromIstiod(local []*workload.Workload, copies map[string][]*Workload) {
+	for _, w := range local {
+		c := copies[w.String()]
+		if len(c) != 1 {
+			continue
+		}
+		if c[0].Waypoint != nil {
+			w.Waypoint = c[0].Waypoint
+		}
+		w.Region, w.Zone, w.Subzone, w.Cluster = c[0].Region, c[0].Zone, c[0].Subzone, c[0].Cluster
+	}
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods

@@ -663,9 +663,9 @@ func TestMergeNamedTargetPortOnlyPerEndpoint(t *testing.T) {
 //     service, every meshed connection to such an entry's addresses was
 //     refused, or taken to its endpoints;
 //
-// and a mode or a STRICT scope the agent cannot honour rejects the service
-// (the client NACKs it, naming the field), rather than balancing as if it
-// were not there.
+// and a mode or a scope the agent does not know, or a scope listed twice,
+// rejects the service (the client NACKs it, naming the field), rather than
+// balancing as if it were not there.
 func TestMergeServiceLoadBalancing(t *testing.T) {
 	peersKey, localKey, extKey := "db/peers.db.svc.cluster.local", "obs/agent.obs.svc.cluster.local", "shop/ext.example.com"
 	port := func(svcKey string) map[string]*workloadapi.PortList {
@@ -717,8 +717,9 @@ func TestMergeServiceLoadBalancing(t *testing.T) {
 	}{
 		{"unknown mode", &workloadapi.LoadBalancing{Mode: 9}, "load_balancing mode 9"},
 		{"unknown health policy", &workloadapi.LoadBalancing{HealthPolicy: 7}, "load_balancing health_policy 7"},
-		{"STRICT by zone", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_ZONE}}, "routing_preference ZONE"},
 		{"STRICT by unknown scope", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_STRICT, RoutingPreference: []workloadapi.LoadBalancing_Scope{12}}, "routing_preference 12"},
+		{"FAILOVER by unspecified scope", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_FAILOVER, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_UNSPECIFIED_SCOPE}}, "routing_preference UNSPECIFIED_SCOPE"},
+		{"FAILOVER by zone twice", &workloadapi.LoadBalancing{Mode: workloadapi.LoadBalancing_FAILOVER, RoutingPreference: []workloadapi.LoadBalancing_Scope{workloadapi.LoadBalancing_ZONE, workloadapi.LoadBalancing_REGION, workloadapi.LoadBalancing_ZONE}}, "lists ZONE twice"},
 	} {
 		_, err := translateService(&workloadapi.Service{Name: "x", Namespace: "shop", Hostname: "x.shop.svc.cluster.local", LoadBalancing: tc.lb})
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

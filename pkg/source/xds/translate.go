@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"google.golang.org/protobuf/encoding/protowire"
@@ -62,6 +63,8 @@ func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 			CanonicalRevision: x.GetCanonicalRevision(),
 			Region:            x.GetLocality().GetRegion(),
 			Zone:              x.GetLocality().GetZone(),
+			Subzone:           x.GetLocality().GetSubzone(),
+			Cluster:           x.GetClusterId(),
 		},
 		// istiod leaves out the default trust domain.
 		TrustDomain: cmp.Or(x.GetTrustDomain(), "cluster.local"),
@@ -204,13 +207,13 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 	return s, nil
 }
 
-// translateLoadBalancing reads what of a service's load_balancing changes
-// which endpoints may serve it, or whether it routes at all, into s. Mode
-// FAILOVER and its routing preferences only order endpoints that all may
-// serve, and the agent balances over all of them. The rest is not a
-// preference: a mode, a STRICT scope or a health policy the agent cannot
-// honour is an error, since balancing as if it were not there sends
-// connections where istiod says they must not go.
+// translateLoadBalancing reads a service's load_balancing into s: which
+// endpoints may serve it, in what order of preference, or whether it
+// routes at all. Mode FAILOVER ranks endpoints by the routing preferences
+// and STRICT also leaves out those not sharing every scope (Routing); an
+// unspecified mode balances over all, as ztunnel does. A mode, scope or
+// health policy the agent does not know is an error: balancing as if it
+// were not there sends connections where istiod says they must not go.
 func translateLoadBalancing(lb *workloadapi.LoadBalancing, s *Service) error {
 	if lb == nil {
 		return nil
@@ -223,28 +226,44 @@ func translateLoadBalancing(lb *workloadapi.LoadBalancing, s *Service) error {
 		return fmt.Errorf("load_balancing health_policy %s is not supported (ONLY_HEALTHY or ALLOW_ALL)", lb.GetHealthPolicy())
 	}
 	switch lb.GetMode() {
-	case workloadapi.LoadBalancing_UNSPECIFIED_MODE, workloadapi.LoadBalancing_FAILOVER:
+	case workloadapi.LoadBalancing_UNSPECIFIED_MODE:
 	case workloadapi.LoadBalancing_PASSTHROUGH:
 		s.passthrough = true
-	case workloadapi.LoadBalancing_STRICT:
-		// Every endpoint must match the client in each scope. The
-		// clients are this node's pods: NODE is this node, NETWORK is
-		// the agent's (the only one whose endpoints are kept). The
-		// others need a locality or cluster the agent does not keep, and
-		// istiod sends STRICT only by NODE (internalTrafficPolicy: Local).
-		for _, scope := range lb.GetRoutingPreference() {
-			switch scope {
-			case workloadapi.LoadBalancing_NODE:
-				s.nodeLocal = true
-			case workloadapi.LoadBalancing_NETWORK:
-			default:
-				return fmt.Errorf("load_balancing mode STRICT with routing_preference %s is not supported (NODE or NETWORK)", scope)
+	case workloadapi.LoadBalancing_FAILOVER, workloadapi.LoadBalancing_STRICT:
+		r := &workload.Routing{Strict: lb.GetMode() == workloadapi.LoadBalancing_STRICT}
+		for _, x := range lb.GetRoutingPreference() {
+			scope, ok := scopes[x]
+			if !ok {
+				return fmt.Errorf("load_balancing routing_preference %s is not supported (REGION, ZONE, SUBZONE, NODE, CLUSTER or NETWORK)", x)
 			}
+			if slices.Contains(r.Scopes, scope) {
+				return fmt.Errorf("load_balancing routing_preference lists %s twice", x)
+			}
+			r.Scopes = append(r.Scopes, scope)
+			// Every endpoint must be on the client's node, and the
+			// clients are this node's pods (internalTrafficPolicy:
+			// Local): the others are left out of the node's copy.
+			if r.Strict && scope == workload.ScopeNode {
+				s.nodeLocal = true
+			}
+		}
+		if len(r.Scopes) > 0 {
+			s.Routing = r
 		}
 	default:
 		return fmt.Errorf("load_balancing mode %s is not supported (FAILOVER, STRICT or PASSTHROUGH)", lb.GetMode())
 	}
 	return nil
+}
+
+// scopes maps istiod's load_balancing scopes to the model's.
+var scopes = map[workloadapi.LoadBalancing_Scope]workload.Scope{
+	workloadapi.LoadBalancing_REGION:  workload.ScopeRegion,
+	workloadapi.LoadBalancing_ZONE:    workload.ScopeZone,
+	workloadapi.LoadBalancing_SUBZONE: workload.ScopeSubzone,
+	workloadapi.LoadBalancing_NODE:    workload.ScopeNode,
+	workloadapi.LoadBalancing_CLUSTER: workload.ScopeCluster,
+	workloadapi.LoadBalancing_NETWORK: workload.ScopeNetwork,
 }
 
 // meshAddr parses an address istiod gives a workload, a service or a
