@@ -501,6 +501,8 @@ func checkRBAC(t *testing.T, r *rendered) {
 			want = append(want, rule{"", res, v, ""})
 		}
 	}
+	// Nodes for their locality labels, through an informer only.
+	want = append(want, rule{"", "nodes", "list", ""}, rule{"", "nodes", "watch", ""})
 	// The annotation goes through pods/status: the status strategy keeps the spec.
 	want = append(want, rule{"", "pods/status", "patch", ""})
 	// The two policy CRDs, by name: installed but not served yet is not "missing".

@@ -572,6 +572,8 @@ func (b *builder) addObject(loc DocError, tm metav1.TypeMeta, data []byte) error
 		return errors.New("apiVersion and kind are required")
 	case tm.APIVersion == "v1" && tm.Kind == "Namespace":
 		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Namespace { return &b.snap.Namespaces }, false)
+	case tm.APIVersion == "v1" && tm.Kind == "Node":
+		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Node { return &b.snap.Nodes }, false)
 	case tm.APIVersion == "v1" && tm.Kind == "Pod":
 		return add(b, loc, tm.Kind, data, func(b *builder) *[]corev1.Pod { return &b.snap.Pods }, true)
 	case tm.APIVersion == "v1" && tm.Kind == "Service":

@@ -23,6 +23,12 @@ metadata:
     istio.io/dataplane-mode: ambient
 ---
 apiVersion: v1
+kind: Node
+metadata:
+  name: node-a
+  labels: {topology.kubernetes.io/region: eu-west, topology.kubernetes.io/zone: eu-west-1a}
+---
+apiVersion: v1
 kind: Pod
 metadata:
   name: web-1
@@ -49,6 +55,7 @@ metadata: {name: web, namespace: shop}
 spec:
   clusterIP: 10.96.0.10
   selector: {app: web}
+  trafficDistribution: PreferClose
   ports:
   - {name: http, port: 80, targetPort: http}
 ---
@@ -115,7 +122,11 @@ func TestLoadEveryKind(t *testing.T) {
 		pod.Status.PodIPs[1].IP != "fd00::5" || pod.Spec.Containers[0].Ports[0].ContainerPort != 8080 {
 		t.Errorf("pod = %+v", pod)
 	}
-	if len(snap.Services) != 1 || snap.Services[0].Spec.ClusterIP != "10.96.0.10" || snap.Services[0].Spec.Ports[0].TargetPort.StrVal != "http" {
+	if len(snap.Nodes) != 1 || snap.Nodes[0].Namespace != "" || snap.Nodes[0].Labels["topology.kubernetes.io/zone"] != "eu-west-1a" {
+		t.Errorf("nodes = %+v", snap.Nodes)
+	}
+	if len(snap.Services) != 1 || snap.Services[0].Spec.ClusterIP != "10.96.0.10" || snap.Services[0].Spec.Ports[0].TargetPort.StrVal != "http" ||
+		*snap.Services[0].Spec.TrafficDistribution != "PreferClose" {
 		t.Errorf("services = %+v", snap.Services)
 	}
 	if len(snap.EndpointSlices) != 1 || snap.EndpointSlices[0].Endpoints[0].Addresses[0] != "10.0.0.5" ||
@@ -270,6 +281,12 @@ func TestLoadMalformed(t *testing.T) {
 			stream:   "- a\n- b\n---\n" + pod("b"),
 			wantPods: "b",
 			wantErrs: []string{"document 1 (line 1): error unmarshaling JSON"},
+		},
+		{
+			name:     "traffic distribution the API server refuses",
+			stream:   pod("a") + "---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {trafficDistribution: Nearby}\n",
+			wantPods: "a",
+			wantErrs: []string{`document 2 (line 5): spec.trafficDistribution: Unsupported value: "Nearby"`},
 		},
 		{
 			name:     "duplicate",

@@ -3,6 +3,7 @@ package file
 import (
 	"fmt"
 	"regexp"
+	"slices"
 
 	corev1 "k8s.io/api/core/v1"
 	apivalidation "k8s.io/apimachinery/pkg/api/validation"
@@ -25,6 +26,7 @@ import (
 // validation for the built-in kinds; Istio's CRDs take DNS-1123 subdomains).
 var nameRules = map[string]apivalidation.ValidateNameFunc{
 	"Namespace":           apivalidation.ValidateNamespaceName,
+	"Node":                apivalidation.NameIsDNSSubdomain,
 	"Pod":                 apivalidation.NameIsDNSSubdomain,
 	"Service":             apivalidation.NameIsDNS1035Label,
 	"EndpointSlice":       apivalidation.NameIsDNSSubdomain,
@@ -32,6 +34,10 @@ var nameRules = map[string]apivalidation.ValidateNameFunc{
 	"PeerAuthentication":  apivalidation.NameIsDNSSubdomain,
 	"AuthorizationPolicy": apivalidation.NameIsDNSSubdomain,
 }
+
+// trafficDistributions are the values the API server takes in a
+// Service's spec.trafficDistribution.
+var trafficDistributions = []string{corev1.ServiceTrafficDistributionPreferClose, corev1.ServiceTrafficDistributionPreferSameZone, corev1.ServiceTrafficDistributionPreferSameNode}
 
 // uidPattern is what a manifest's pod uid may be: the API server sets
 // uids itself (UUIDs), so a manifest's is checked only to be a token that
@@ -59,6 +65,10 @@ func validateObject(kind string, obj metav1.Object, namespaced bool) error {
 			for _, msg := range apivalidation.NameIsDNSSubdomain(sa, false) {
 				errs = append(errs, field.Invalid(field.NewPath("spec", "serviceAccountName"), sa, msg))
 			}
+		}
+	case *corev1.Service:
+		if td := o.Spec.TrafficDistribution; td != nil && !slices.Contains(trafficDistributions, *td) {
+			errs = append(errs, field.NotSupported(field.NewPath("spec", "trafficDistribution"), *td, trafficDistributions))
 		}
 	case *peerAuthnDoc:
 		errs = append(errs, validateSelector(o.Spec.Selector)...)

@@ -23,6 +23,9 @@ type Objects struct {
 	Pods           []corev1.Pod
 	Services       []corev1.Service
 	EndpointSlices []discoveryv1.EndpointSlice
+	// Nodes give their pods a locality (their topology labels), which
+	// Services with a trafficDistribution rank endpoints by.
+	Nodes []corev1.Node
 	// RuntimeClasses map a pod's runtimeClassName to its handler, which
 	// SKIP_RUNTIME_CLASSES names.
 	RuntimeClasses        []nodev1.RuntimeClass

@@ -41,6 +41,10 @@ func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 		}
 	}
 	slices.Sort(snap.AmbientNamespaces)
+	localities := make(map[string]Locality, len(objs.Nodes))
+	for i := range objs.Nodes {
+		localities[objs.Nodes[i].Name] = NodeLocality(&objs.Nodes[i])
+	}
 	lookup := objs.HandlerLookup()
 	for i := range objs.Pods {
 		pod := &objs.Pods[i]
@@ -49,15 +53,20 @@ func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 			errs = append(errs, err)
 		}
 		if w != nil {
+			localities[w.Node].Set(w)
 			snap.Workloads = append(snap.Workloads, w)
 		}
 	}
 	byName := make(map[string]*workload.Service, len(objs.Services))
 	for i := range objs.Services {
-		s, err := Service(&objs.Services[i])
+		svc := &objs.Services[i]
+		s, err := Service(svc)
 		if err != nil {
 			errs = append(errs, err)
 			continue
+		}
+		if s.Routing, err = Routing(svc, namespaces[svc.Namespace]); err != nil {
+			errs = append(errs, err)
 		}
 		snap.Services = append(snap.Services, s)
 		byName[s.String()] = s

@@ -108,13 +108,15 @@ func (c *CompactPod) DeepCopyObject() runtime.Object {
 	return &out
 }
 
-// TrimService keeps of svc what Service and the waypoint rules read: its
-// cluster IPs, ports, internal traffic policy and waypoint labels.
+// TrimService keeps of svc what Service, Routing and the waypoint rules
+// read: its cluster IPs, ports, internal traffic policy, traffic
+// distribution (field and annotation) and waypoint labels.
 func TrimService(svc *corev1.Service) *corev1.Service {
 	out := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: svc.Name, Namespace: svc.Namespace, UID: svc.UID, ResourceVersion: svc.ResourceVersion,
-			Labels: keep(svc.Labels, WaypointLabels...)},
-		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs, InternalTrafficPolicy: svc.Spec.InternalTrafficPolicy},
+			Labels: keep(svc.Labels, WaypointLabels...), Annotations: keep(svc.Annotations, TrafficDistributionAnnotation)},
+		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs, InternalTrafficPolicy: svc.Spec.InternalTrafficPolicy,
+			TrafficDistribution: svc.Spec.TrafficDistribution},
 	}
 	if svc.Spec.Ports != nil {
 		out.Spec.Ports = make([]corev1.ServicePort, len(svc.Spec.Ports))
@@ -147,11 +149,20 @@ func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice
 	return out
 }
 
-// TrimNamespace keeps of ns its name, the dataplane-mode label and the
-// waypoint labels, all the selection and waypoint rules read.
+// TrimNamespace keeps of ns its name, the dataplane-mode label, the
+// waypoint labels and the traffic-distribution annotation, all the
+// selection, waypoint and routing rules read.
 func TrimNamespace(ns *corev1.Namespace) *corev1.Namespace {
 	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion,
-		Labels: keep(ns.Labels, append([]string{selection.DataplaneModeLabel}, WaypointLabels...)...)}}
+		Labels:      keep(ns.Labels, append([]string{selection.DataplaneModeLabel}, WaypointLabels...)...),
+		Annotations: keep(ns.Annotations, TrafficDistributionAnnotation)}}
+}
+
+// TrimNode keeps of n its name and locality labels, all translation
+// reads of a Node.
+func TrimNode(n *corev1.Node) *corev1.Node {
+	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion,
+		Labels: keep(n.Labels, localityLabels...)}}
 }
 
 // keep returns the entries of m under keys (nil if none; m itself if it

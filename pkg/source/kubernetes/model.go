@@ -32,12 +32,14 @@ const (
 	// kindService keys are services: a Service event or an event of one of
 	// its EndpointSlices both make the service translated again.
 	kindService
+	kindNode
 	numKinds
 )
 
 // Index names on the informers (added before they start).
 const (
 	podsByRuntimeClass = "runtimeClass"
+	podsByNode         = "node"
 	slicesByService    = "service"
 )
 
@@ -132,6 +134,15 @@ func indexPodsByRuntimeClass(obj any) ([]string, error) {
 	return nil, nil
 }
 
+// indexPodsByNode indexes pods by their node, so a change of a node's
+// locality re-translates only its pods.
+func indexPodsByNode(obj any) ([]string, error) {
+	if p, ok := obj.(*kubeobj.CompactPod); ok && p.NodeName != "" {
+		return []string{p.NodeName}, nil
+	}
+	return nil, nil
+}
+
 // indexSlicesByService indexes EndpointSlices by their service's key.
 func indexSlicesByService(obj any) ([]string, error) {
 	if key := sliceServiceKey(obj); key != "" {
@@ -143,8 +154,8 @@ func indexSlicesByService(obj any) ([]string, error) {
 // informerSet is the informers the model reads (their stores are the truth;
 // events only say which keys to read again).
 type informerSet struct {
-	namespaces, runtimeClasses, pods, services, endpointSlices cache.SharedIndexInformer
-	peerAuthn, authz                                           *policyKind
+	namespaces, runtimeClasses, pods, services, endpointSlices, nodes cache.SharedIndexInformer
+	peerAuthn, authz                                                  *policyKind
 }
 
 // model is the translated state: every pod as a workload, every service
@@ -161,6 +172,7 @@ type model struct {
 
 	namespaces map[string]*corev1.Namespace // trimmed: name and dataplane-mode label
 	handlers   map[string]string            // RuntimeClass name -> handler
+	localities map[string]kubeobj.Locality  // node name -> its locality labels
 	ambient    []string                     // replaced, never modified, when it changes
 	workloads  sortedMap[*workload.Workload]
 	services   sortedMap[*workload.Service]
@@ -176,7 +188,7 @@ type model struct {
 }
 
 func newModel(cfg selection.Config, log *slog.Logger, inf informerSet) *model {
-	return &model{cfg: cfg, log: log, inf: inf, namespaces: map[string]*corev1.Namespace{}, handlers: map[string]string{}, waypointLabels: map[string]string{}}
+	return &model{cfg: cfg, log: log, inf: inf, namespaces: map[string]*corev1.Namespace{}, handlers: map[string]string{}, localities: map[string]kubeobj.Locality{}, waypointLabels: map[string]string{}}
 }
 
 // everything is a change of every object in the caches: the first
@@ -184,7 +196,7 @@ func newModel(cfg selection.Config, log *slog.Logger, inf informerSet) *model {
 func (m *model) everything() changes {
 	var c changes
 	for k, inf := range map[kind]cache.SharedIndexInformer{
-		kindNamespace: m.inf.namespaces, kindRuntimeClass: m.inf.runtimeClasses, kindPod: m.inf.pods, kindService: m.inf.services,
+		kindNamespace: m.inf.namespaces, kindRuntimeClass: m.inf.runtimeClasses, kindPod: m.inf.pods, kindService: m.inf.services, kindNode: m.inf.nodes,
 	} {
 		for _, key := range inf.GetStore().ListKeys() {
 			c.add(k, key)
@@ -196,8 +208,32 @@ func (m *model) everything() changes {
 
 // apply translates the objects of c again from the informer caches, and
 // what depends on them: a namespace's pods when its dataplane-mode label
-// changed, a RuntimeClass's pods when its handler changed.
+// changed and its Services when its traffic-distribution annotation did,
+// a RuntimeClass's pods when its handler changed, a node's pods when its
+// locality did.
 func (m *model) apply(c changes) {
+	for name := range c.keys[kindNode] {
+		obj, ok, _ := m.inf.nodes.GetStore().GetByKey(name)
+		n, _ := obj.(*corev1.Node)
+		if !ok {
+			n = nil
+		}
+		was, had := m.localities[name]
+		now := kubeobj.NodeLocality(n)
+		if n != nil {
+			m.localities[name] = now
+		} else {
+			delete(m.localities, name)
+		}
+		if had == (n != nil) && was == now {
+			continue
+		}
+		pods, _ := m.inf.pods.GetIndexer().ByIndex(podsByNode, name)
+		for _, p := range pods {
+			c.add(kindPod, objectKey(p))
+		}
+	}
+
 	for name := range c.keys[kindRuntimeClass] {
 		obj, ok, _ := m.inf.runtimeClasses.GetStore().GetByKey(name)
 		handler, exists := "", false
@@ -235,6 +271,12 @@ func (m *model) apply(c changes) {
 		if waypointKey(labelsOf(old)) != waypointKey(labelsOf(ns)) {
 			m.waypointsChanged = true
 		}
+		if trafficDistribution(old) != trafficDistribution(ns) {
+			svcs, _ := m.inf.services.GetIndexer().ByIndex(cache.NamespaceIndex, name)
+			for _, svc := range svcs {
+				c.add(kindService, objectKey(svc))
+			}
+		}
 		if (old == nil) == (ns == nil) && dataplaneMode(old) == dataplaneMode(ns) {
 			continue
 		}
@@ -269,6 +311,13 @@ func (m *model) apply(c changes) {
 		m.peerAuthn = sortedValues(decodeAll[policy.PeerAuthentication](m.inf.peerAuthn))
 		m.authz = sortedValues(decodeAll[policy.AuthorizationPolicy](m.inf.authz))
 	}
+}
+
+func trafficDistribution(ns *corev1.Namespace) string {
+	if ns == nil {
+		return ""
+	}
+	return ns.Annotations[kubeobj.TrafficDistributionAnnotation]
 }
 
 func dataplaneMode(ns *corev1.Namespace) string {
@@ -319,6 +368,7 @@ func (m *model) applyPod(key string) {
 		return
 	}
 	w.Waypoint = m.waypointRules().For(w.Namespace, "", w.Labels, kubeobj.WaypointForWorkload)
+	m.localities[w.Node].Set(w)
 	m.workloads.set(k, w)
 }
 
@@ -343,6 +393,9 @@ func (m *model) applyService(key string) {
 		m.log.Error("service left out", "error", err)
 		m.services.delete(k)
 		return
+	}
+	if s.Routing, err = kubeobj.Routing(svc, m.namespaces[svc.Namespace]); err != nil {
+		m.log.Error("service's traffic distribution ignored", "error", err)
 	}
 	objs, _ := m.inf.endpointSlices.GetIndexer().ByIndex(slicesByService, key)
 	list := make([]*discoveryv1.EndpointSlice, 0, len(objs))

@@ -4,7 +4,8 @@
 //
 // It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
 // so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices,
-// node.k8s.io/v1 RuntimeClasses and,
+// node.k8s.io/v1 RuntimeClasses, Nodes (their locality labels only, for Services' traffic
+// distribution; snapshots do not wait for them) and,
 // when their CRDs are installed, security.istio.io PeerAuthentications and
 // AuthorizationPolicies (v1, else v1beta1: the same schema; a CRD serving only another
 // version holds snapshots back, see policyWatch). The Annotator patches pods.
@@ -25,6 +26,7 @@
 // RBAC the agent's ClusterRole needs for this package:
 //
 //	""                   namespaces, pods, services        get, list, watch
+//	""                   nodes                             list, watch (optional)
 //	""                   pods/status                       patch   (Annotator)
 //	discovery.k8s.io     endpointslices                    get, list, watch
 //	node.k8s.io          runtimeclasses                    get, list, watch
@@ -183,11 +185,17 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync,
 		informers.WithTransform(trim))
 	dynFactory := dynamicinformer.NewDynamicSharedInformerFactory(s.dynamic, s.cfg.Resync)
+	// Nodes only give pods their locality, a preference among a Service's
+	// endpoints: snapshots do not wait for their list, so an API server
+	// that refuses it (a ClusterRole without nodes) costs the preference,
+	// logged and counted as a watch error, not the mesh.
+	nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync, informers.WithTransform(trim))
 	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
 	defer func() {
 		cancel()
 		factory.Shutdown()
 		dynFactory.Shutdown()
+		nodeFactory.Shutdown()
 	}()
 
 	inf := informerSet{
@@ -196,10 +204,11 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		pods:           factory.Core().V1().Pods().Informer(),
 		services:       factory.Core().V1().Services().Informer(),
 		endpointSlices: factory.Discovery().V1().EndpointSlices().Informer(),
+		nodes:          nodeFactory.Core().V1().Nodes().Informer(),
 		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec], failClosed: failClosedPeerAuthn},
 		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec], failClosed: failClosedAuthz},
 	}
-	if err := inf.pods.AddIndexers(cache.Indexers{podsByRuntimeClass: indexPodsByRuntimeClass}); err != nil {
+	if err := inf.pods.AddIndexers(cache.Indexers{podsByRuntimeClass: indexPodsByRuntimeClass, podsByNode: indexPodsByNode}); err != nil {
 		return fmt.Errorf("add pod index: %w", err)
 	}
 	if err := inf.endpointSlices.AddIndexers(cache.Indexers{slicesByService: indexSlicesByService}); err != nil {
@@ -215,18 +224,22 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		{inf.pods, todo.handler(kindPod, objectKey)},
 		{inf.services, todo.handler(kindService, objectKey)},
 		{inf.endpointSlices, todo.handler(kindService, sliceServiceKey)},
+		{inf.nodes, todo.handler(kindNode, objectKey)},
 	} {
 		reg, err := h.inf.AddEventHandler(h.handler)
 		if err != nil {
 			return fmt.Errorf("add event handler: %w", err)
 		}
-		delivered = append(delivered, reg.HasSynced)
+		if h.inf != inf.nodes {
+			delivered = append(delivered, reg.HasSynced)
+		}
 		if err := h.inf.SetWatchErrorHandlerWithContext(s.watchError); err != nil {
 			return fmt.Errorf("set watch error handler: %w", err)
 		}
 	}
 	start := time.Now()
 	factory.Start(ctx.Done())
+	nodeFactory.Start(ctx.Done())
 
 	// The first snapshot must not lack policies only because the API server did not answer
 	// discovery yet (that would drop DENY policies until the next check): retry until it does.
@@ -345,6 +358,8 @@ func trim(obj any) (any, error) {
 		return kubeobj.TrimEndpointSlice(o), nil
 	case *corev1.Namespace:
 		return kubeobj.TrimNamespace(o), nil
+	case *corev1.Node:
+		return kubeobj.TrimNode(o), nil
 	}
 	return dropManagedFields(obj)
 }

@@ -15,6 +15,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	nodev1 "k8s.io/api/node/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -296,6 +297,68 @@ spec:
 		w.waitFor(t, "no waypoint once its Service is gone", waypoints(nil, nil))
 	})
 
+	// A Service's trafficDistribution (kube-proxy honours it for unmeshed pods) and its
+	// namespace's Istio annotation give it a routing preference, as istiod derives it; pods
+	// take their node's locality labels, and follow a change of them.
+	t.Run("node locality and traffic distribution", func(t *testing.T) {
+		createNamespace(t, client, "zoned", nil)
+		createRunningPod(t, client, "zoned", "near", "node-z1", "10.244.7.5", "")
+		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-z1", Labels: map[string]string{
+			corev1.LabelTopologyRegion: "eu-west", corev1.LabelTopologyZone: "eu-west-1a", "kubernetes.io/os": "linux"}}}
+		if _, err := client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		zone := func(want string) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i := slices.IndexFunc(s.Workloads, isWorkload("zoned", "near"))
+				return i >= 0 && s.Workloads[i].Region == "eu-west" && s.Workloads[i].Zone == want
+			}
+		}
+		w.waitFor(t, "zoned/near in its node's zone", zone("eu-west-1a"))
+		node.Labels[corev1.LabelTopologyZone] = "eu-west-1b"
+		if _, err := client.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/near in the node's new zone", zone("eu-west-1b"))
+
+		if _, err := client.CoreV1().Services("zoned").Create(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "zoned", Name: "close"},
+			Spec: corev1.ServiceSpec{TrafficDistribution: new(corev1.ServiceTrafficDistributionPreferClose),
+				Ports: []corev1.ServicePort{{Name: "http", Port: 80}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := client.CoreV1().Services("zoned").Create(ctx, &corev1.Service{
+			ObjectMeta: metav1.ObjectMeta{Namespace: "zoned", Name: "plain"},
+			Spec:       corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		routing := func(name string, scopes ...workload.Scope) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				i := slices.IndexFunc(s.Services, isService("zoned", name))
+				if i < 0 {
+					return false
+				}
+				if r := s.Services[i].Routing; r == nil {
+					return len(scopes) == 0
+				}
+				return slices.Equal(s.Services[i].Routing.Scopes, scopes) && !s.Services[i].Routing.Strict
+			}
+		}
+		preferClose := []workload.Scope{workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone}
+		sameNode := append(slices.Clone(preferClose), workload.ScopeSubzone, workload.ScopeNode)
+		w.waitFor(t, "zoned/close preferring its zone", routing("close", preferClose...))
+		w.waitFor(t, "zoned/plain without a preference", routing("plain"))
+		// The namespace's annotation reaches the Service that has no field.
+		if _, err := client.CoreV1().Namespaces().Patch(ctx, "zoned", types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"`+kubeobj.TrafficDistributionAnnotation+`":"PreferSameNode"}}}`), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/plain preferring its node, from its namespace", routing("plain", sameNode...))
+		w.waitFor(t, "zoned/close keeping its own field", routing("close", preferClose...))
+	})
+
 	// Whatever the order of events, the incremental model ends where a whole translation of
 	// the API's objects does.
 	t.Run("incremental equals whole translation", func(t *testing.T) {
@@ -525,10 +588,11 @@ func translateAll(t *testing.T, client k8s.Interface) source.Snapshot {
 	svcs, err3 := client.CoreV1().Services("").List(ctx, metav1.ListOptions{})
 	eps, err4 := client.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{})
 	rcs, err5 := client.NodeV1().RuntimeClasses().List(ctx, metav1.ListOptions{})
-	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
+	nodes, err6 := client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err := errors.Join(err1, err2, err3, err4, err5, err6); err != nil {
 		t.Fatalf("list: %v", err)
 	}
-	objs.Namespaces, objs.Pods, objs.Services, objs.EndpointSlices, objs.RuntimeClasses = nss.Items, pods.Items, svcs.Items, eps.Items, rcs.Items
+	objs.Namespaces, objs.Pods, objs.Services, objs.EndpointSlices, objs.RuntimeClasses, objs.Nodes = nss.Items, pods.Items, svcs.Items, eps.Items, rcs.Items, nodes.Items
 	snap, _ := kubeobj.Translate(objs, selection.Config{SkipRuntimeClasses: []string{"kata"}})
 	return snap
 }
@@ -660,5 +724,59 @@ func named[T any, P interface {
 	return func(o T) bool {
 		p := P(&o)
 		return p.GetNamespace() == ns && p.GetName() == name
+	}
+}
+
+// TestSourceWithoutNodeAccess: nodes only give pods a locality, a
+// preference among a Service's endpoints. An agent whose ClusterRole
+// predates that rule (no nodes) must still deliver snapshots (the mesh
+// works, balanced without a preference), with the refused list counted and
+// logged, not hang waiting for a list the API server will never give.
+func TestSourceWithoutNodeAccess(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	ctx := t.Context()
+	createNamespace(t, client, "apps", map[string]string{"istio.io/dataplane-mode": "ambient"})
+	createRunningPod(t, client, "apps", "web", "node-a", "10.244.1.5", "")
+	if _, err := client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a",
+		Labels: map[string]string{corev1.LabelTopologyZone: "z1"}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	all := []string{"get", "list", "watch"}
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "agent-before-nodes"}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"namespaces", "pods", "services"}, Verbs: all},
+		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: all},
+		{APIGroups: []string{"node.k8s.io"}, Resources: []string{"runtimeclasses"}, Verbs: all},
+		{APIGroups: []string{"security.istio.io"}, Resources: []string{"peerauthentications", "authorizationpolicies"}, Verbs: all},
+	}}
+	if _, err := client.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.RbacV1().ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: metav1.ObjectMeta{Name: "agent-before-nodes"},
+		RoleRef:  rbacv1.RoleRef{APIGroup: "rbac.authorization.k8s.io", Kind: "ClusterRole", Name: role.Name},
+		Subjects: []rbacv1.Subject{{Kind: "User", APIGroup: "rbac.authorization.k8s.io", Name: "agent-before-nodes"}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	limited := rest.CopyConfig(c.Config)
+	limited.Impersonate = rest.ImpersonationConfig{UserName: "agent-before-nodes"}
+	if _, err := k8s.NewForConfigOrDie(limited).CoreV1().Nodes().List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
+		t.Fatalf("listing nodes as the limited user: %v, want forbidden", err)
+	}
+	m := source.NewMetrics(nil)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: limited, Metrics: m, PolicyRecheck: 200 * time.Millisecond})
+	snap := w.waitFor(t, "a snapshot with apps/web", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Workloads, withIP("apps", "web", "10.244.1.5"))
+	})
+	if web := snap.Workloads[slices.IndexFunc(snap.Workloads, isWorkload("apps", "web"))]; web.Zone != "" {
+		t.Errorf("apps/web in zone %q though the nodes cannot be read", web.Zone)
+	}
+	deadline := time.Now().Add(waitTimeout)
+	for errorCount(t, m, source.ReasonListWatch) < 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the refused node list was not counted as a list_watch error")
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

@@ -1,0 +1,72 @@
+package kubeobj
+
+import (
+	"fmt"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// SubzoneLabel is Istio's node label for a subzone, below Kubernetes'
+// region and zone labels.
+const SubzoneLabel = "topology.istio.io/subzone"
+
+// TrafficDistributionAnnotation is Istio's way to ask for a Service's
+// trafficDistribution on a Service or on its whole namespace (where the
+// Kubernetes field is not set).
+const TrafficDistributionAnnotation = "networking.istio.io/traffic-distribution"
+
+// localityLabels are the node labels istiod reads a workload's locality
+// from.
+var localityLabels = []string{corev1.LabelTopologyRegion, corev1.LabelTopologyZone, SubzoneLabel}
+
+// Locality is a node's place in the cluster's topology, from its labels.
+type Locality struct{ Region, Zone, Subzone string }
+
+// NodeLocality reads n's locality labels (the zero Locality for nil).
+func NodeLocality(n *corev1.Node) Locality {
+	if n == nil {
+		return Locality{}
+	}
+	return Locality{n.Labels[corev1.LabelTopologyRegion], n.Labels[corev1.LabelTopologyZone], n.Labels[SubzoneLabel]}
+}
+
+// Set gives w the locality.
+func (l Locality) Set(w *workload.Workload) {
+	w.Region, w.Zone, w.Subzone = l.Region, l.Zone, l.Subzone
+}
+
+// Routing is svc's preference for endpoints close to the client, as
+// istiod derives it for ztunnel: from spec.trafficDistribution, else the
+// Service's networking.istio.io/traffic-distribution annotation, else its
+// namespace's. PreferClose (PreferSameZone) ranks by network, region and
+// zone; PreferSameNode by network, region, zone, subzone and node; both
+// fail over to the next rank where the best has no endpoint. A Service
+// with internalTrafficPolicy: Local has none (only its node's endpoints
+// serve: NodeLocal). An annotation value istiod does not know is an error
+// naming it, and the service is balanced without a preference, as istiod
+// does.
+func Routing(svc *corev1.Service, ns *corev1.Namespace) (*workload.Routing, error) {
+	if derefOr(svc.Spec.InternalTrafficPolicy, "") == corev1.ServiceInternalTrafficPolicyLocal {
+		return nil, nil
+	}
+	value, from := derefOr(svc.Spec.TrafficDistribution, ""), "spec.trafficDistribution"
+	if value == "" {
+		value, from = svc.Annotations[TrafficDistributionAnnotation], "annotation "+TrafficDistributionAnnotation
+	}
+	if value == "" && ns != nil {
+		value, from = ns.Annotations[TrafficDistributionAnnotation], "namespace "+ns.Name+"'s annotation "+TrafficDistributionAnnotation
+	}
+	preferClose := []workload.Scope{workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone}
+	switch {
+	case value == "":
+		return nil, nil
+	case strings.EqualFold(value, corev1.ServiceTrafficDistributionPreferClose), strings.EqualFold(value, corev1.ServiceTrafficDistributionPreferSameZone):
+		return &workload.Routing{Scopes: preferClose}, nil
+	case strings.EqualFold(value, corev1.ServiceTrafficDistributionPreferSameNode):
+		return &workload.Routing{Scopes: append(preferClose, workload.ScopeSubzone, workload.ScopeNode)}, nil
+	}
+	return nil, fmt.Errorf("service %s/%s: %s %q is not a traffic distribution (PreferClose, PreferSameZone or PreferSameNode); endpoints are balanced without a preference", svc.Namespace, svc.Name, from, value)
+}
