@@ -1,8 +1,9 @@
 // Package file is a source.Source backed by YAML manifests on disk, for
 // standalone use, demos and tests: `--source file:PATH`, where PATH is a YAML
 // file or a directory of *.yaml / *.yml files. Each file is a multi-document
-// stream of v1 Namespace, Pod and Service, discovery.k8s.io/v1 EndpointSlice
-// and security.istio.io/v1 (or v1beta1) PeerAuthentication and
+// stream of v1 Namespace, Node, Pod and Service, discovery.k8s.io/v1
+// EndpointSlice, node.k8s.io/v1 RuntimeClass and security.istio.io/v1 (or
+// v1beta1) PeerAuthentication and
 // AuthorizationPolicy objects, or `kind: List` documents of them, as
 // `kubectl get -o yaml` prints.
 //
