@@ -53,17 +53,7 @@ func TestIstiodXDSTrafficDistribution(t *testing.T) {
 		node string
 	}{{near, "node2"}, {far, "node3"}} {
 		created := istiotest.CreatePod(t, cs, "mesh", p.pod.Name, "server-sa", p.node, p.pod.IPv4.String(), p.pod.IPv6.String())
-		created.Labels = map[string]string{"app": "server"}
-		updated, err := cs.CoreV1().Pods("mesh").Update(ctx, created, metav1.UpdateOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		// Ready, as a kubelet would say: istiod marks a pod that is not
-		// ready UNHEALTHY, and services skip it.
-		updated.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
-		if _, err := cs.CoreV1().Pods("mesh").UpdateStatus(ctx, updated, metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		labelReady(t, cs, created, map[string]string{"app": "server"})
 	}
 	if _, err := cs.CoreV1().Services("mesh").Create(ctx, &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "server"},

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -318,16 +319,7 @@ func TestIstiodXDSAgents(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srvPod.Labels = map[string]string{"app": "server"}
-	if srvPod, err = cs.CoreV1().Pods("mesh").Update(ctx, srvPod, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	// Ready, as a kubelet would say: istiod marks a pod that is not ready
-	// UNHEALTHY, and services skip it.
-	srvPod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
-	if _, err := cs.CoreV1().Pods("mesh").UpdateStatus(ctx, srvPod, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	labelReady(t, cs, srvPod, map[string]string{"app": "server"})
 	if _, err := cs.CoreV1().Services("mesh").Create(ctx, &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: "server"},
 		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "server"}, ClusterIP: "10.96.0.50",
@@ -424,6 +416,22 @@ func TestIstiodXDSAgents(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// labelReady gives pod labels and marks it ready, as a kubelet would say:
+// istiod marks a pod that is not ready UNHEALTHY, and services skip it.
+func labelReady(t *testing.T, cs kubernetes.Interface, pod *corev1.Pod, labels map[string]string) {
+	t.Helper()
+	ctx := context.Background()
+	pod.Labels = labels
+	updated, err := cs.CoreV1().Pods(pod.Namespace).Update(ctx, pod, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	updated.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}
+	if _, err := cs.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, updated, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // startXDSAgents starts an agent with --source xds on every node of tp,
