@@ -15,9 +15,10 @@ import (
 
 // AttachCgroup makes the cgroup link pinned at path run prog on the cgroup
 // v2 directory dir. A link pinned there by an earlier process on the same
-// cgroup is updated in place, so the hook never goes without a program. On
-// another cgroup (the setting changed), the new link is attached and pinned
-// first and the old one detached after.
+// cgroup, of the same attach type, is updated in place, so the hook never
+// goes without a program. On another cgroup (the setting changed), or of
+// another attach type, the new link is attached and pinned first and the
+// old one detached after.
 func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) error {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
@@ -27,7 +28,10 @@ func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) 
 	if err == nil {
 		defer old.Close()
 		info, err := old.Info()
-		if err == nil && info.Cgroup() != nil && info.Cgroup().CgroupId == st.Ino {
+		// Updated in place only when it is our kind of link on this
+		// cgroup: a pin holding another attach type's link (on the same
+		// cgroup) cannot take prog, and would fail the update every start.
+		if err == nil && info.Cgroup() != nil && info.Cgroup().CgroupId == st.Ino && uint32(info.Cgroup().AttachType) == uint32(attach) {
 			if err := old.Update(prog); err != nil {
 				return fmt.Errorf("update pinned cgroup link %s: %w", path, err)
 			}

@@ -108,3 +108,57 @@ func TestAttachCgroupFollowsTheSetting(t *testing.T) {
 		t.Error("still attached after DetachLink")
 	}
 }
+
+// TestAttachCgroupReplacesOtherAttachType: a pin at the link's path that
+// holds a link of another attach type on the same cgroup (a program of
+// another kind pinned there) was updated with prog, which the kernel
+// refuses: the attach failed on every start. It is replaced instead.
+func TestAttachCgroupReplacesOtherAttachType(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "bpf")
+	t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
+	if err := EnsureBPFFS(root); err != nil {
+		t.Fatal(err)
+	}
+	top, err := CgroupV2Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child := filepath.Join(top, fmt.Sprintf("rd-pin-type-test-%d", os.Getpid()))
+	if err := os.Mkdir(child, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Remove(child) })
+	path := filepath.Join(root, "sockops")
+	t.Cleanup(func() { _ = DetachLink(path) })
+	ret1 := asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}
+	skb, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.CGroupSKB, AttachType: ebpf.AttachCGroupInetIngress, License: "GPL", Instructions: ret1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer skb.Close()
+	other, err := link.AttachCgroup(link.CgroupOptions{Path: child, Attach: ebpf.AttachCGroupInetIngress, Program: skb})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Pin(path); err != nil {
+		t.Fatal(err)
+	}
+	other.Close() // the pin holds it
+	sockops, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SockOps, License: "GPL", Instructions: ret1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sockops.Close()
+	if err := AttachCgroup(path, child, sockops, ebpf.AttachCGroupSockOps); err != nil {
+		t.Fatalf("attach over a pin of another attach type: %v", err)
+	}
+	l, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	info, err := l.Info()
+	if err != nil || info.Cgroup() == nil || uint32(info.Cgroup().AttachType) != uint32(ebpf.AttachCGroupSockOps) {
+		t.Fatalf("the pin holds %+v (%v), want a sockops link", info, err)
+	}
+}
