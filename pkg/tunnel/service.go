@@ -34,6 +34,15 @@ type balancer struct {
 	failed map[netip.AddrPort]time.Time // endpoint -> when it last failed
 	pruned time.Time                    // when failed was last pruned
 	now    func() time.Time
+
+	// ranked caches each service port's eligible endpoints, by rank for
+	// a client locality, for the current directory (prune clears it):
+	// finding them walks every endpoint, and a service may have tens of
+	// thousands, which every connection to it walked. Bounded by
+	// maxRankedPicks endpoints in all; past that, connections walk.
+	rankedMu    sync.Mutex
+	ranked      map[rankedKey][][]pick
+	rankedPicks int
 }
 
 // The balancer's lock is shared by every pod's service connections, so
@@ -44,10 +53,32 @@ type balancer struct {
 const (
 	maxOrderProbes = 64
 	maxFailed      = 1 << 14
+	maxRankedPicks = 1 << 20 // 8 MiB of picks
 )
 
 func newBalancer() *balancer {
-	return &balancer{next: map[cursorKey]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now}
+	return &balancer{next: map[cursorKey]uint64{}, failed: map[netip.AddrPort]time.Time{}, now: time.Now, ranked: map[rankedKey][][]pick{}}
+}
+
+// rankedKey names a service port, and the locality of the client its
+// endpoints were ranked for (zero when the service has no Routing).
+type rankedKey struct {
+	svc    *workload.Service
+	port   workload.ServicePort
+	client clientPlace
+}
+
+// clientPlace is what of a client Routing.Rank reads.
+type clientPlace struct {
+	known                                bool
+	region, zone, subzone, node, cluster string
+}
+
+// pick is one eligible endpoint: its index in the service's endpoints and
+// the port it serves the service port on.
+type pick struct {
+	ep   int32
+	port uint16
 }
 
 // cursorKey names one port of one service.
@@ -56,6 +87,10 @@ type cursorKey struct{ service, port string }
 // prune forgets the cursors of services that are no longer in dir, so the
 // balancer holds state only for services that exist.
 func (b *balancer) prune(dir *workload.Directory) {
+	b.rankedMu.Lock()
+	clear(b.ranked)
+	b.rankedPicks = 0
+	b.rankedMu.Unlock()
 	live := map[string]bool{}
 	for _, s := range dir.Services() {
 		live[s.String()] = true
@@ -85,7 +120,7 @@ type target struct {
 // hands its connections to the next zone (FAILOVER, as Envoy's outlier
 // detection moves a locality's traffic).
 func (b *balancer) order(svc *workload.Service, port workload.ServicePort, client *workload.Workload) []target {
-	tiers := eligible(svc, port, client)
+	tiers := b.eligible(svc, port, client)
 	if len(tiers) == 0 {
 		return nil
 	}
@@ -108,7 +143,9 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort, clien
 		// offer only those.
 		step := max(1, len(tier)/maxOrderProbes)
 		for i := 0; i < len(tier) && i < maxOrderProbes && len(fresh) < maxServiceAttempts; i++ {
-			t := tier[(start+i*step)%len(tier)]
+			p := tier[(start+i*step)%len(tier)]
+			ep := svc.Endpoints[p.ep]
+			t := target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, p.port)}
 			if at, bad := b.failed[t.addr]; bad && now.Sub(at) < failureMemory {
 				if len(stale) < maxServiceAttempts {
 					stale = append(stale, t)
@@ -122,13 +159,42 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort, clien
 }
 
 // eligible returns the ready endpoints serving port, grouped by their
-// rank for client under the service's Routing, best first: one group
-// when the service has none (or the client is unknown). A Strict service
-// keeps only the endpoints sharing every scope with the client, none
-// when the client is unknown. Endpoints that cannot serve (not ready,
-// port missing) are left out here, so they never skew the share of the
-// others in the rotation.
-func eligible(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]target {
+// rank for client under the service's Routing, best first (see rank),
+// from the cache when it has them.
+func (b *balancer) eligible(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]pick {
+	key := rankedKey{svc: svc, port: port}
+	if svc.Routing != nil && client != nil {
+		key.client = clientPlace{true, client.Region, client.Zone, client.Subzone, client.Node, client.Cluster}
+	}
+	b.rankedMu.Lock()
+	tiers, ok := b.ranked[key]
+	b.rankedMu.Unlock()
+	if ok {
+		return tiers
+	}
+	tiers = rank(svc, port, client)
+	n := 0
+	for _, t := range tiers {
+		n += len(t)
+	}
+	b.rankedMu.Lock()
+	if b.rankedPicks+n <= maxRankedPicks {
+		if _, raced := b.ranked[key]; !raced {
+			b.ranked[key] = tiers
+			b.rankedPicks += n
+		}
+	}
+	b.rankedMu.Unlock()
+	return tiers
+}
+
+// rank groups the ready endpoints serving port by their rank for client
+// under the service's Routing, best first: one group when the service has
+// none (or the client is unknown). A Strict service keeps only the
+// endpoints sharing every scope with the client, none when the client is
+// unknown. Endpoints that cannot serve (not ready, port missing) are left
+// out here, so they never skew the share of the others in the rotation.
+func rank(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]pick {
 	r := svc.Routing
 	if r != nil && client == nil {
 		if r.Strict {
@@ -136,13 +202,13 @@ func eligible(svc *workload.Service, port workload.ServicePort, client *workload
 		}
 		r = nil
 	}
-	var tiers [][]target
+	var tiers [][]pick
 	if r == nil {
-		tiers = make([][]target, 1)
+		tiers = make([][]pick, 1)
 	} else {
-		tiers = make([][]target, len(r.Scopes)+1)
+		tiers = make([][]pick, len(r.Scopes)+1)
 	}
-	for _, ep := range svc.Endpoints {
+	for i, ep := range svc.Endpoints {
 		if !ep.Ready {
 			continue
 		}
@@ -150,17 +216,17 @@ func eligible(svc *workload.Service, port workload.ServicePort, client *workload
 		if !ok {
 			continue
 		}
-		rank := 0
+		n := 0
 		if r != nil {
-			rank = r.Rank(client, ep)
-			if r.Strict && rank < len(r.Scopes) {
+			n = r.Rank(client, ep)
+			if r.Strict && n < len(r.Scopes) {
 				continue
 			}
 		}
-		tiers[rank] = append(tiers[rank], target{ep: ep, addr: netip.AddrPortFrom(ep.Addr, tp)})
+		tiers[n] = append(tiers[n], pick{ep: int32(i), port: tp})
 	}
 	slices.Reverse(tiers)
-	return slices.DeleteFunc(tiers, func(t []target) bool { return len(t) == 0 })
+	return slices.DeleteFunc(tiers, func(t []pick) bool { return len(t) == 0 })
 }
 
 func (b *balancer) fail(a netip.AddrPort) {

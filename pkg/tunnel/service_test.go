@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -54,8 +55,9 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 }
 
 // TestBalancerPrunesGoneServices checks that the round-robin cursors of
-// services that left the directory are dropped, so services that come and go
-// leave nothing behind.
+// services that left the directory are dropped, and the ranked endpoints
+// of the directory before, so services that come and go leave nothing
+// behind.
 func TestBalancerPrunesGoneServices(t *testing.T) {
 	b := newBalancer()
 	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: 8080}
@@ -63,12 +65,12 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 		svc := &workload.Service{Name: name, Namespace: "shop", Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
 		b.order(svc, port, nil)
 	}
-	if len(b.next) != 3 {
-		t.Fatalf("cursors before pruning: %d, want 3", len(b.next))
+	if len(b.next) != 3 || len(b.ranked) != 3 {
+		t.Fatalf("cursors and ranked endpoints before pruning: %d, %d, want 3 each", len(b.next), len(b.ranked))
 	}
 	b.prune(&workload.Directory{}) // no service left
-	if len(b.next) != 0 {
-		t.Errorf("cursors after every service left: %v, want none", b.next)
+	if len(b.next) != 0 || len(b.ranked) != 0 || b.rankedPicks != 0 {
+		t.Errorf("cursors %v and ranked endpoints %v after every service left, want none", b.next, b.ranked)
 	}
 }
 
@@ -320,4 +322,61 @@ func TestBalancerPrefersCloseEndpoints(t *testing.T) {
 			}
 		}
 	}
+}
+
+// BenchmarkBalancerOrder is the cost of ordering one connection's
+// endpoints, with and without a routing preference (PreferClose, the
+// endpoints spread over three zones), for a small and a large service.
+func BenchmarkBalancerOrder(b *testing.B) {
+	client := &workload.Workload{Name: "client", Node: "n1", Region: "r1", Zone: "z0"}
+	preferClose := &workload.Routing{Scopes: []workload.Scope{workload.ScopeNetwork, workload.ScopeRegion, workload.ScopeZone}}
+	for _, n := range []int{10, 10000} {
+		for _, routing := range []*workload.Routing{nil, preferClose} {
+			svc := &workload.Service{Name: "web", Namespace: "shop", Routing: routing}
+			for i := range n {
+				svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: netip.AddrFrom4([4]byte{10, 9, byte(i >> 8), byte(i)}), Ready: true,
+					Workload: &workload.Workload{Node: fmt.Sprintf("n%d", i%30), Region: "r1", Zone: fmt.Sprintf("z%d", i%3)}})
+			}
+			name := fmt.Sprintf("endpoints=%d/routing=%v", n, routing != nil)
+			b.Run(name, func(b *testing.B) {
+				bal := newBalancer()
+				port := workload.ServicePort{Port: 80, TargetPort: 8080}
+				for b.Loop() {
+					if len(bal.order(svc, port, client)) == 0 {
+						b.Fatal("no endpoint")
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestBalancerConcurrentOrderAndPrune: connections order endpoints while
+// directory updates clear the cache under them (run with -race).
+func TestBalancerConcurrentOrderAndPrune(t *testing.T) {
+	b := newBalancer()
+	client := &workload.Workload{Node: "n1", Zone: "a"}
+	svc := &workload.Service{Name: "web", Namespace: "shop", Routing: &workload.Routing{Scopes: []workload.Scope{workload.ScopeZone}}}
+	for i := range 100 {
+		svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: netip.AddrFrom4([4]byte{10, 0, 0, byte(i)}), Ready: true,
+			Workload: &workload.Workload{Zone: string(rune('a' + i%2))}})
+	}
+	port := workload.ServicePort{Port: 80}
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for range 200 {
+				if g == 0 {
+					b.prune(&workload.Directory{})
+					continue
+				}
+				got := b.order(svc, port, client)
+				if len(got) == 0 || got[0].ep.Workload.Zone != "a" {
+					t.Errorf("order %v, want zone a's endpoints first", got)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
