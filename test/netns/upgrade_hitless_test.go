@@ -151,7 +151,9 @@ func synRetrans(t *testing.T, path string) int64 {
 	t.Helper()
 	var v int64 = -1
 	err := netns.Do(path, func() error {
-		b, err := os.ReadFile("/proc/net/netstat")
+		// /proc/net is the thread group leader's namespace's, not this
+		// thread's: thread-self is the one netns.Do entered.
+		b, err := os.ReadFile("/proc/thread-self/net/netstat")
 		if err != nil {
 			return err
 		}
