@@ -83,3 +83,46 @@ func TestMergeHostNetworkEndpointsRanked(t *testing.T) {
 		t.Errorf("cache: ranks %v, want the hostNetwork endpoint in the client's zone (10.0.0.20) at 3, the other zone's pod at 2", got)
 	}
 }
+
+// TestMergeLocalPodWithoutCopyTakesNodeLocality: istiod gives a pod its
+// node's locality, so this node's pods share one; but a local pod only took
+// it from its own copy, and one istiod had not sent yet (a pod just
+// started) or sent twice had none: its connections to a PreferClose
+// service were balanced over every zone. It now takes the locality this
+// node's other copies agree on; when they disagree (a node relabelled, seen
+// half-way), it keeps none.
+func TestMergeLocalPodWithoutCopyTakesNodeLocality(t *testing.T) {
+	addrs := map[string]string{"web-1": "10.1.0.5", "web-3": "10.1.0.7"}
+	copyOf := func(name, uid, zone string) *workloadapi.Workload {
+		return &workloadapi.Workload{Uid: "K//Pod/shop/" + name, Name: name, Namespace: "shop", Node: "node-a",
+			Addresses: [][]byte{netip.MustParseAddr(addrs[name]).AsSlice()}, TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			Locality: &workloadapi.Locality{Region: "r1", Zone: zone, Subzone: "s1"}, ClusterId: "c1"}
+	}
+	local := webOnNodeA()
+	fresh := local.Pods[0]
+	fresh.Name, fresh.UID = "web-2", "u2"
+	fresh.Status.PodIP, fresh.Status.PodIPs = "10.1.0.6", []corev1.PodIP{{IP: "10.1.0.6"}}
+	third := fresh
+	third.Name, third.UID = "web-3", "u3"
+	third.Status.PodIP, third.Status.PodIPs = "10.1.0.7", []corev1.PodIP{{IP: "10.1.0.7"}}
+	local.Pods = append(local.Pods, fresh, third)
+	for _, tc := range []struct {
+		name   string
+		copies []*workloadapi.Workload
+		want   string // web-2's region/zone/subzone/cluster
+	}{
+		{"istiod has not sent web-2 yet", []*workloadapi.Workload{copyOf("web-1", "u1", "a"), copyOf("web-3", "u3", "a")}, "r1/a/s1/c1"},
+		{"the copies disagree", []*workloadapi.Workload{copyOf("web-1", "u1", "a"), copyOf("web-3", "u3", "b")}, "///"},
+	} {
+		workloads := translateWorkloads(t, tc.copies)
+		snap, _ := merge(local, buildSnapshot(workloads, map[string]*Service{}, nil, ""), "node-a", selection.Config{}, nil)
+		dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+		w, ok := dir.Pod("shop", "web-2")
+		if !ok {
+			t.Fatalf("%s: shop/web-2 is not in the directory", tc.name)
+		}
+		if got := w.Region + "/" + w.Zone + "/" + w.Subzone + "/" + w.Cluster; got != tc.want {
+			t.Errorf("%s: web-2's locality %s, want %s", tc.name, got, tc.want)
+		}
+	}
+}
