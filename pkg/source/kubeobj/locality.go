@@ -2,6 +2,7 @@ package kubeobj
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -21,6 +22,10 @@ const TrafficDistributionAnnotation = "networking.istio.io/traffic-distribution"
 // localityLabels are the node labels istiod reads a workload's locality
 // from.
 var localityLabels = []string{corev1.LabelTopologyRegion, corev1.LabelTopologyZone, SubzoneLabel}
+
+// knownDistributions are the trafficDistribution values istiod maps to a
+// routing preference.
+var knownDistributions = []string{corev1.ServiceTrafficDistributionPreferClose, corev1.ServiceTrafficDistributionPreferSameZone, corev1.ServiceTrafficDistributionPreferSameNode}
 
 // Locality is a node's place in the cluster's topology, from its labels.
 type Locality struct{ Region, Zone, Subzone string }
@@ -45,14 +50,18 @@ func (l Locality) Set(w *workload.Workload) {
 // zone; PreferSameNode by network, region, zone, subzone and node; both
 // fail over to the next rank where the best has no endpoint. A Service
 // with internalTrafficPolicy: Local has none (only its node's endpoints
-// serve: NodeLocal). An annotation value istiod does not know is an error
-// naming it, and the service is balanced without a preference, as istiod
-// does.
+// serve: NodeLocal). A field value istiod does not know (a newer API
+// server's) is passed over for the annotations, as istiod does; an
+// annotation value it does not know is an error naming it, and the
+// service is balanced without a preference, as istiod does.
 func Routing(svc *corev1.Service, ns *corev1.Namespace) (*workload.Routing, error) {
 	if derefOr(svc.Spec.InternalTrafficPolicy, "") == corev1.ServiceInternalTrafficPolicyLocal {
 		return nil, nil
 	}
 	value, from := derefOr(svc.Spec.TrafficDistribution, ""), "spec.trafficDistribution"
+	if !slices.Contains(knownDistributions, value) {
+		value = ""
+	}
 	if value == "" {
 		value, from = svc.Annotations[TrafficDistributionAnnotation], "annotation "+TrafficDistributionAnnotation
 	}

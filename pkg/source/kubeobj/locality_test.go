@@ -58,6 +58,10 @@ func TestTrafficDistribution(t *testing.T) {
 		{"unknown annotation", plainNS, svc("web", "", "Nearby"), nil, `annotation networking.istio.io/traffic-distribution "Nearby" is not a traffic distribution`},
 		{"unknown namespace annotation", corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Annotations: map[string]string{TrafficDistributionAnnotation: "x"}}}, svc("web", "", ""), nil, `namespace shop's annotation`},
 		{"internalTrafficPolicy: Local", plainNS, local, nil, ""},
+		// A newer API server's value istiod does not know: istiod reads the
+		// annotations instead.
+		{"a field value not known, then the namespace's annotation", annotatedNS, svc("web", "PreferSameRegion", ""), &workload.Routing{Scopes: nodeScopes}, ""},
+		{"a field value not known, then nothing", plainNS, svc("web", "PreferSameRegion", ""), nil, ""},
 	} {
 		objs := Objects{Namespaces: []corev1.Namespace{tc.ns}, Services: []corev1.Service{tc.svc}}
 		trimmed := Objects{Namespaces: []corev1.Namespace{*TrimNamespace(&tc.ns)}, Services: []corev1.Service{*TrimService(&tc.svc)}}
