@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"unicode/utf8"
 
 	corev1 "k8s.io/api/core/v1"
 
@@ -77,5 +78,11 @@ func Routing(svc *corev1.Service, ns *corev1.Namespace) (*workload.Routing, erro
 	case strings.EqualFold(value, corev1.ServiceTrafficDistributionPreferSameNode):
 		return &workload.Routing{Scopes: append(preferClose, workload.ScopeSubzone, workload.ScopeNode)}, nil
 	}
-	return nil, fmt.Errorf("service %s/%s: %s %q is not a traffic distribution (PreferClose, PreferSameZone or PreferSameNode); endpoints are balanced without a preference", svc.Namespace, svc.Name, from, value)
+	// The value is quoted clipped (to 64 runes): a tenant's may be
+	// hundreds of kilobytes, logged at each translation of the Service.
+	quoted := fmt.Sprintf("%.64q", value)
+	if utf8.RuneCountInString(value) > 64 {
+		quoted += fmt.Sprintf(" (clipped: %d bytes)", len(value))
+	}
+	return nil, fmt.Errorf("service %s/%s: %s %s is not a traffic distribution (PreferClose, PreferSameZone or PreferSameNode); endpoints are balanced without a preference", svc.Namespace, svc.Name, from, quoted)
 }

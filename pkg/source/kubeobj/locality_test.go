@@ -100,3 +100,21 @@ func TestTrafficDistribution(t *testing.T) {
 		}
 	}
 }
+
+// TestTrafficDistributionErrorBounded: the error for an annotation value
+// istiod does not know quoted the whole value, and the Kubernetes source
+// logs it each time the Service is translated again (each change of its
+// EndpointSlices, each of its namespace): a tenant's Service with a value
+// of hundreds of kilobytes made every agent log that much per endpoint
+// change. The error quotes the value's start only, still naming it.
+func TestTrafficDistributionErrorBounded(t *testing.T) {
+	value := "Nearby" + strings.Repeat("x", 200_000)
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", Annotations: map[string]string{TrafficDistributionAnnotation: value}}}
+	r, err := Routing(svc, nil)
+	if r != nil || err == nil {
+		t.Fatalf("routing %+v, error %v; want none and an error", r, err)
+	}
+	if msg := err.Error(); len(msg) > 512 || !strings.Contains(msg, `"Nearbyxxx`) || !strings.Contains(msg, "shop/web") {
+		t.Errorf("error of %d bytes (%.200s...), want under 512 naming the service and the value's start", len(msg), msg)
+	}
+}
