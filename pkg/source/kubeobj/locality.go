@@ -78,11 +78,30 @@ func Routing(svc *corev1.Service, ns *corev1.Namespace) (*workload.Routing, erro
 	case strings.EqualFold(value, corev1.ServiceTrafficDistributionPreferSameNode):
 		return &workload.Routing{Scopes: append(preferClose, workload.ScopeSubzone, workload.ScopeNode)}, nil
 	}
-	// The value is quoted clipped (to 64 runes): a tenant's may be
-	// hundreds of kilobytes, logged at each translation of the Service.
-	quoted := fmt.Sprintf("%.64q", value)
-	if utf8.RuneCountInString(value) > 64 {
-		quoted += fmt.Sprintf(" (clipped: %d bytes)", len(value))
+	// The value is quoted clipped: a tenant's may be hundreds of
+	// kilobytes, logged at each translation of the Service.
+	quoted := fmt.Sprintf("%.*q", maxQuotedRunes, value)
+	if utf8.RuneCountInString(value) > maxQuotedRunes {
+		quoted += " (clipped)"
 	}
 	return nil, fmt.Errorf("service %s/%s: %s %s is not a traffic distribution (PreferClose, PreferSameZone or PreferSameNode); endpoints are balanced without a preference", svc.Namespace, svc.Name, from, quoted)
+}
+
+// maxQuotedRunes is how much of a traffic distribution value istiod does
+// not know its error quotes.
+const maxQuotedRunes = 64
+
+// clipDistribution returns what Routing reads of a traffic-distribution
+// annotation's value: all of a value it knows, the start of one it does
+// not (enough to quote it and to tell it was clipped). The trimmed objects
+// the Kubernetes source caches on every node keep only that.
+func clipDistribution(v string) string {
+	n := 0
+	for i := range v {
+		if n == maxQuotedRunes+1 {
+			return v[:i]
+		}
+		n++
+	}
+	return v
 }
