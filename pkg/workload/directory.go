@@ -27,6 +27,8 @@ type Directory struct {
 	// service order: the destination side names the service of an inbound
 	// connection among these only.
 	selecting map[*Workload][]*Service
+	// sites memoizes site, per node.
+	sites map[string]*Workload
 }
 
 // NewDirectory indexes workloads and services (the services are copied, so
@@ -151,11 +153,39 @@ func (d *Directory) addService(s *Service) error {
 		e := &own.Endpoints[i]
 		// An address belongs to one workload: the directory's.
 		e.Workload = d.byAddr[e.Addr]
+		e.Site = nil
+		if e.Workload == nil && e.Node != "" {
+			e.Site = d.site(e.Node)
+		}
 		if e.Workload != nil && !slices.Contains(d.selecting[e.Workload], &own) {
 			d.selecting[e.Workload] = append(d.selecting[e.Workload], &own)
 		}
 	}
 	return err
+}
+
+// site returns the workload whose locality stands for node's (see
+// Endpoint.Site): its first by name that has one, else its first; nil
+// for a node with no workload.
+func (d *Directory) site(node string) *Workload {
+	if w, ok := d.sites[node]; ok {
+		return w
+	}
+	var site *Workload
+	if pods := d.byNode[node]; len(pods) > 0 {
+		site = pods[0]
+		for _, w := range pods {
+			if w.Region != "" || w.Zone != "" || w.Subzone != "" || w.Cluster != "" {
+				site = w
+				break
+			}
+		}
+	}
+	if d.sites == nil {
+		d.sites = map[string]*Workload{}
+	}
+	d.sites[node] = site
+	return site
 }
 
 // ByAddr returns the pod at a. IPv4-mapped IPv6 addresses, as a dual-stack

@@ -1,5 +1,7 @@
 package workload
 
+import "cmp"
+
 // Scope is one level of where a workload runs that a client and a
 // service endpoint may share: istiod's load_balancing scopes.
 type Scope uint8
@@ -52,13 +54,11 @@ var noLocality Workload
 // counting stops at the first scope not shared, so a zone counts only
 // within a shared region, as ztunnel ranks. The network is always shared:
 // the sources keep only endpoints on the agent's own network. An endpoint
-// that is no known workload has no locality; it shares a scope only with
-// a client that has none either.
+// that is no known workload has its node's locality (Site), as a
+// hostNetwork pod's, which istiod ranks by its workload; failing that,
+// none: it shares a scope only with a client that has none either.
 func (r *Routing) Rank(client *Workload, ep Endpoint) int {
-	w := ep.Workload
-	if w == nil {
-		w = &noLocality
-	}
+	w := cmp.Or(ep.Workload, ep.Site, &noLocality)
 	node := ep.Node
 	if node == "" {
 		node = w.Node

@@ -183,6 +183,12 @@ type Endpoint struct {
 	// Workload is the workload at Addr, or nil if it is not one we know.
 	// NewDirectory fills it in.
 	Workload *Workload
+	// Site stands in for Workload's locality where Workload is nil but
+	// Node is known (a hostNetwork pod's endpoint, at its node's address,
+	// which is no workload's): a workload on that node, whose region,
+	// zone, subzone and cluster are the endpoint's. NewDirectory fills it
+	// in; Routing.Rank reads it.
+	Site *Workload
 }
 
 // TargetPort resolves the port ep serves a service port on: the

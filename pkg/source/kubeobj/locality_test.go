@@ -1,6 +1,7 @@
 package kubeobj
 
 import (
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -58,6 +59,10 @@ func TestTrafficDistribution(t *testing.T) {
 		{"unknown annotation", plainNS, svc("web", "", "Nearby"), nil, `annotation networking.istio.io/traffic-distribution "Nearby" is not a traffic distribution`},
 		{"unknown namespace annotation", corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Annotations: map[string]string{TrafficDistributionAnnotation: "x"}}}, svc("web", "", ""), nil, `namespace shop's annotation`},
 		{"internalTrafficPolicy: Local", plainNS, local, nil, ""},
+		// A newer API server's value istiod does not know: istiod reads the
+		// annotations instead.
+		{"a field value not known, then the namespace's annotation", annotatedNS, svc("web", "PreferSameRegion", ""), &workload.Routing{Scopes: nodeScopes}, ""},
+		{"a field value not known, then nothing", plainNS, svc("web", "PreferSameRegion", ""), nil, ""},
 	} {
 		objs := Objects{Namespaces: []corev1.Namespace{tc.ns}, Services: []corev1.Service{tc.svc}}
 		trimmed := Objects{Namespaces: []corev1.Namespace{*TrimNamespace(&tc.ns)}, Services: []corev1.Service{*TrimService(&tc.svc)}}
@@ -93,6 +98,53 @@ func TestTrafficDistribution(t *testing.T) {
 		}
 		if w := snap.Workloads[1]; w.Region != "" || w.Zone != "" || w.Subzone != "" {
 			t.Errorf("pod on a node not known: locality %q/%q/%q, want none", w.Region, w.Zone, w.Subzone)
+		}
+	}
+}
+
+// TestTrafficDistributionErrorBounded: the error for an annotation value
+// istiod does not know quoted the whole value, and the Kubernetes source
+// logs it each time the Service is translated again (each change of its
+// EndpointSlices, each of its namespace): a tenant's Service with a value
+// of hundreds of kilobytes made every agent log that much per endpoint
+// change. The error quotes the value's start only, still naming it.
+func TestTrafficDistributionErrorBounded(t *testing.T) {
+	value := "Nearby" + strings.Repeat("x", 200_000)
+	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", Annotations: map[string]string{TrafficDistributionAnnotation: value}}}
+	r, err := Routing(svc, nil)
+	if r != nil || err == nil {
+		t.Fatalf("routing %+v, error %v; want none and an error", r, err)
+	}
+	if msg := err.Error(); len(msg) > 512 || !strings.Contains(msg, `"Nearbyxxx`) || !strings.Contains(msg, "shop/web") {
+		t.Errorf("error of %d bytes (%.200s...), want under 512 naming the service and the value's start", len(msg), msg)
+	}
+}
+
+// TestTrimBoundsTrafficDistributionAnnotation: the Kubernetes source
+// caches every Service of the cluster on every node, trimmed to what
+// translation reads; the traffic-distribution annotation was kept whole,
+// so a tenant's Services with values of up to 256 KiB each were held by
+// every agent (as policies' annotations were, before trimPolicy). Only
+// the value's start, all translation reads of it, is kept; trimmed and
+// full objects still translate alike.
+func TestTrimBoundsTrafficDistributionAnnotation(t *testing.T) {
+	for _, value := range []string{"PreferSameNode", "Nearby" + strings.Repeat("é", 100_000)} {
+		svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web", Annotations: map[string]string{TrafficDistributionAnnotation: value}}}
+		ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Annotations: map[string]string{TrafficDistributionAnnotation: value}}}
+		ts, tns := TrimService(svc), TrimNamespace(ns)
+		if n, m := len(ts.Annotations[TrafficDistributionAnnotation]), len(tns.Annotations[TrafficDistributionAnnotation]); n > 512 || m > 512 {
+			t.Errorf("value of %d bytes: trimmed Service keeps %d bytes of it, Namespace %d; want at most 512", len(value), n, m)
+		}
+		bare := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "web"}}
+		for name, pair := range map[string][2][2]any{
+			"service":   {{svc, (*corev1.Namespace)(nil)}, {ts, (*corev1.Namespace)(nil)}},
+			"namespace": {{bare, ns}, {TrimService(bare), tns}},
+		} {
+			wantR, wantErr := Routing(pair[0][0].(*corev1.Service), pair[0][1].(*corev1.Namespace))
+			gotR, gotErr := Routing(pair[1][0].(*corev1.Service), pair[1][1].(*corev1.Namespace))
+			if !reflect.DeepEqual(gotR, wantR) || fmt.Sprint(gotErr) != fmt.Sprint(wantErr) {
+				t.Errorf("%s annotation of %d bytes: trimmed gives %+v, %v; full %+v, %v", name, len(value), gotR, gotErr, wantR, wantErr)
+			}
 		}
 	}
 }

@@ -114,7 +114,7 @@ func (c *CompactPod) DeepCopyObject() runtime.Object {
 func TrimService(svc *corev1.Service) *corev1.Service {
 	out := &corev1.Service{
 		ObjectMeta: metav1.ObjectMeta{Name: svc.Name, Namespace: svc.Namespace, UID: svc.UID, ResourceVersion: svc.ResourceVersion,
-			Labels: keep(svc.Labels, WaypointLabels...), Annotations: keep(svc.Annotations, TrafficDistributionAnnotation)},
+			Labels: keep(svc.Labels, WaypointLabels...), Annotations: keepDistribution(svc.Annotations)},
 		Spec: corev1.ServiceSpec{ClusterIP: svc.Spec.ClusterIP, ClusterIPs: svc.Spec.ClusterIPs, InternalTrafficPolicy: svc.Spec.InternalTrafficPolicy,
 			TrafficDistribution: svc.Spec.TrafficDistribution},
 	}
@@ -155,7 +155,7 @@ func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice
 func TrimNamespace(ns *corev1.Namespace) *corev1.Namespace {
 	return &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns.Name, UID: ns.UID, ResourceVersion: ns.ResourceVersion,
 		Labels:      keep(ns.Labels, append([]string{selection.DataplaneModeLabel}, WaypointLabels...)...),
-		Annotations: keep(ns.Annotations, TrafficDistributionAnnotation)}}
+		Annotations: keepDistribution(ns.Annotations)}}
 }
 
 // TrimNode keeps of n its name and locality labels, all translation
@@ -163,6 +163,17 @@ func TrimNamespace(ns *corev1.Namespace) *corev1.Namespace {
 func TrimNode(n *corev1.Node) *corev1.Node {
 	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion,
 		Labels: keep(n.Labels, localityLabels...)}}
+}
+
+// keepDistribution returns of m the traffic-distribution annotation, as
+// much of it as Routing reads (a tenant's value may be 256 KiB, and the
+// Kubernetes source caches every Service on every node).
+func keepDistribution(m map[string]string) map[string]string {
+	out := keep(m, TrafficDistributionAnnotation)
+	if v, ok := out[TrafficDistributionAnnotation]; ok && clipDistribution(v) != v {
+		out = map[string]string{TrafficDistributionAnnotation: clipDistribution(v)}
+	}
+	return out
 }
 
 // keep returns the entries of m under keys (nil if none; m itself if it

@@ -106,6 +106,24 @@ func (p *pending) handler(k kind, keysOf func(obj any) string) cache.ResourceEve
 	}
 }
 
+// nodeHandler records the names of Nodes added or deleted, and of those
+// updated where their locality changed: the model reads nothing else of a
+// Node, and every node's status is written at least every few minutes
+// (conditions, images, controllers' annotations), which would otherwise
+// rebuild every agent's directory for nothing.
+func (p *pending) nodeHandler() cache.ResourceEventHandlerFuncs {
+	h := p.handler(kindNode, objectKey)
+	h.UpdateFunc = func(old, obj any) {
+		o, _ := old.(*corev1.Node)
+		n, _ := obj.(*corev1.Node)
+		if o != nil && n != nil && o.Name == n.Name && kubeobj.NodeLocality(o) == kubeobj.NodeLocality(n) {
+			return
+		}
+		p.mark(kindNode, objectKey(old), objectKey(obj))
+	}
+	return h
+}
+
 // objectKey is an object's cache key (namespace/name, or name), tombstones
 // included.
 func objectKey(obj any) string {

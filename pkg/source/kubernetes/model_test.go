@@ -208,3 +208,38 @@ func TestModelKeepsEnrolledPodWhoseRuntimeClassIsDeleted(t *testing.T) {
 		t.Errorf("log %q does not name the pod and class, or say the pod is kept", out)
 	}
 }
+
+// TestNodeUpdatesWithoutLocalityChangeMarkNothing: the model reads only a
+// Node's locality labels, but every update of any node (its kubelet
+// reports status at least every few minutes, conditions and images
+// change, controllers annotate it) asked for a snapshot, and every agent
+// of the cluster built its whole directory again: work proportional to the
+// cluster's size times its nodes' update rate, for nothing. An update that
+// leaves the locality as it was now marks nothing.
+func TestNodeUpdatesWithoutLocalityChangeMarkNothing(t *testing.T) {
+	notified := 0
+	p := &pending{notify: func() { notified++ }}
+	h := p.nodeHandler()
+	node := func(rv, zone string, labels ...string) *corev1.Node {
+		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", ResourceVersion: rv,
+			Labels: map[string]string{corev1.LabelTopologyRegion: "r1", corev1.LabelTopologyZone: zone}}}
+		for i := 0; i+1 < len(labels); i += 2 {
+			n.Labels[labels[i]] = labels[i+1]
+		}
+		return kubeobj.TrimNode(n)
+	}
+	h.OnUpdate(node("1", "a"), node("2", "a"))
+	h.OnUpdate(node("2", "a"), node("3", "a", "node.kubernetes.io/instance-type", "big"))
+	if c := p.take(); notified != 0 || len(c.keys[kindNode]) != 0 {
+		t.Errorf("status updates: %d notifications, marked %v; want none", notified, c.keys[kindNode])
+	}
+	h.OnUpdate(node("3", "a"), node("4", "b"))
+	if c := p.take(); notified != 1 || len(c.keys[kindNode]) != 1 {
+		t.Errorf("zone changed: %d notifications, marked %v; want node-a", notified, c.keys[kindNode])
+	}
+	h.OnAdd(node("5", "b"), false)
+	h.OnDelete(cache.DeletedFinalStateUnknown{Key: "node-a", Obj: node("5", "b")})
+	if c := p.take(); notified != 3 || len(c.keys[kindNode]) != 1 {
+		t.Errorf("added and deleted: %d notifications, marked %v; want node-a twice", notified, c.keys[kindNode])
+	}
+}

@@ -224,7 +224,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		{inf.pods, todo.handler(kindPod, objectKey)},
 		{inf.services, todo.handler(kindService, objectKey)},
 		{inf.endpointSlices, todo.handler(kindService, sliceServiceKey)},
-		{inf.nodes, todo.handler(kindNode, objectKey)},
+		{inf.nodes, todo.nodeHandler()},
 	} {
 		reg, err := h.inf.AddEventHandler(h.handler)
 		if err != nil {

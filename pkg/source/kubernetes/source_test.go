@@ -357,6 +357,34 @@ spec:
 		}
 		w.waitFor(t, "zoned/plain preferring its node, from its namespace", routing("plain", sameNode...))
 		w.waitFor(t, "zoned/close keeping its own field", routing("close", preferClose...))
+
+		// And back: what was removed takes its preference or locality with it.
+		if _, err := client.CoreV1().Namespaces().Patch(ctx, "zoned", types.MergePatchType,
+			[]byte(`{"metadata":{"annotations":{"`+kubeobj.TrafficDistributionAnnotation+`":null}}}`), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/plain without a preference once its namespace's annotation is gone", routing("plain"))
+		if _, err := client.CoreV1().Services("zoned").Patch(ctx, "close", types.MergePatchType,
+			[]byte(`{"spec":{"trafficDistribution":null}}`), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/close without a preference once its field is gone", routing("close"))
+		if err := client.CoreV1().Nodes().Delete(ctx, "node-z1", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/near without a locality once its node is gone", func(s source.Snapshot) bool {
+			i := slices.IndexFunc(s.Workloads, isWorkload("zoned", "near"))
+			return i >= 0 && s.Workloads[i].Region == "" && s.Workloads[i].Zone == ""
+		})
+		// A node created after its pods gives them its locality.
+		node = &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-z1", Labels: map[string]string{corev1.LabelTopologyRegion: "eu-north", kubeobj.SubzoneLabel: "rack1"}}}
+		if _, err := client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "zoned/near in the new node's region", func(s source.Snapshot) bool {
+			i := slices.IndexFunc(s.Workloads, isWorkload("zoned", "near"))
+			return i >= 0 && s.Workloads[i].Region == "eu-north" && s.Workloads[i].Zone == "" && s.Workloads[i].Subzone == "rack1"
+		})
 	})
 
 	// Whatever the order of events, the incremental model ends where a whole translation of

@@ -154,7 +154,8 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			if svc == nil {
 				continue
 			}
-			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy || svc.allowUnhealthy, Ports: make(map[string]int32, len(ports)), Workload: &w.Workload}
+			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy || svc.allowUnhealthy, Ports: make(map[string]int32, len(ports)),
+				Node: w.Node, Workload: &w.Workload}
 			for _, p := range ports {
 				ep.Ports[portName(int32(p.ServicePort))] = int32(cmp.Or(p.TargetPort, p.ServicePort))
 			}

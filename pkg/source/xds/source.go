@@ -520,8 +520,14 @@ func nodeRanges(svc *workload.Service, nodes []nodeAddr) (*workload.Service, []e
 // pod's address would skip its waypoint; and the locality and cluster,
 // which istiod reads from the pod's Node, and which services with a
 // routing preference rank endpoints against. A pod with no single copy
-// keeps none.
+// keeps no waypoint; since istiod gives every pod of a node the node's
+// locality, it takes the one its node's copies agree on (none if they
+// disagree: a relabelled node seen half-way), so a pod istiod has not
+// sent yet still prefers endpoints close to it.
 func fromIstiod(local []*workload.Workload, copies map[string][]*Workload) {
+	type site struct{ region, zone, subzone, cluster string }
+	var node site
+	agreed, seen := true, false
 	for _, w := range local {
 		c := copies[w.String()]
 		if len(c) != 1 {
@@ -531,6 +537,19 @@ func fromIstiod(local []*workload.Workload, copies map[string][]*Workload) {
 			w.Waypoint = c[0].Waypoint
 		}
 		w.Region, w.Zone, w.Subzone, w.Cluster = c[0].Region, c[0].Zone, c[0].Subzone, c[0].Cluster
+		s := site{w.Region, w.Zone, w.Subzone, w.Cluster}
+		if seen && s != node {
+			agreed = false
+		}
+		node, seen = s, true
+	}
+	if !seen || !agreed {
+		return
+	}
+	for _, w := range local {
+		if len(copies[w.String()]) != 1 {
+			w.Region, w.Zone, w.Subzone, w.Cluster = node.region, node.zone, node.subzone, node.cluster
+		}
 	}
 }
 
