@@ -31,12 +31,9 @@ var knownDistributions = []string{corev1.ServiceTrafficDistributionPreferClose, 
 // Locality is a node's place in the cluster's topology, from its labels.
 type Locality struct{ Region, Zone, Subzone string }
 
-// NodeLocality reads n's locality labels (the zero Locality for nil).
-func NodeLocality(n *corev1.Node) Locality {
-	if n == nil {
-		return Locality{}
-	}
-	return Locality{n.Labels[corev1.LabelTopologyRegion], n.Labels[corev1.LabelTopologyZone], n.Labels[SubzoneLabel]}
+// NodeLocality reads a node's locality from its labels.
+func NodeLocality(labels map[string]string) Locality {
+	return Locality{labels[corev1.LabelTopologyRegion], labels[corev1.LabelTopologyZone], labels[SubzoneLabel]}
 }
 
 // Set gives w the locality.

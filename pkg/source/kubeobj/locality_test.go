@@ -87,11 +87,11 @@ func TestTrafficDistribution(t *testing.T) {
 	elsewhere := pod
 	elsewhere.Name, elsewhere.UID, elsewhere.Spec.NodeName = "web-2", "u2", "node-unknown"
 	elsewhere.Status.PodIP, elsewhere.Status.PodIPs = "10.0.0.6", []corev1.PodIP{{IP: "10.0.0.6"}}
-	trimmedNode := TrimNode(&node)
-	if len(trimmedNode.Labels) != 3 {
-		t.Errorf("TrimNode kept labels %v, want the three locality labels", trimmedNode.Labels)
+	trimmedMeta := TrimNodeMeta(&metav1.PartialObjectMetadata{ObjectMeta: node.ObjectMeta})
+	if len(trimmedMeta.Labels) != 3 {
+		t.Errorf("TrimNodeMeta kept labels %v, want the three locality labels", trimmedMeta.Labels)
 	}
-	for which, n := range map[string]corev1.Node{"full": node, "trimmed": *trimmedNode} {
+	for which, n := range map[string]corev1.Node{"full": node, "trimmed": {ObjectMeta: trimmedMeta.ObjectMeta}} {
 		snap, _ := Translate(Objects{Namespaces: []corev1.Namespace{plainNS}, Pods: []corev1.Pod{pod, elsewhere}, Nodes: []corev1.Node{n}}, selection.Config{})
 		if w := snap.Workloads[0]; w.Region != "eu-west" || w.Zone != "eu-west-1a" || w.Subzone != "rack7" {
 			t.Errorf("%s node: pod locality %q/%q/%q, want eu-west/eu-west-1a/rack7", which, w.Region, w.Zone, w.Subzone)

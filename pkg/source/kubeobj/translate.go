@@ -43,7 +43,7 @@ func Translate(objs Objects, cfg selection.Config) (source.Snapshot, []error) {
 	slices.Sort(snap.AmbientNamespaces)
 	localities := make(map[string]Locality, len(objs.Nodes))
 	for i := range objs.Nodes {
-		localities[objs.Nodes[i].Name] = NodeLocality(&objs.Nodes[i])
+		localities[objs.Nodes[i].Name] = NodeLocality(objs.Nodes[i].Labels)
 	}
 	lookup := objs.HandlerLookup()
 	for i := range objs.Pods {

@@ -158,10 +158,11 @@ func TrimNamespace(ns *corev1.Namespace) *corev1.Namespace {
 		Annotations: keepDistribution(ns.Annotations)}}
 }
 
-// TrimNode keeps of n its name and locality labels, all translation
-// reads of a Node.
-func TrimNode(n *corev1.Node) *corev1.Node {
-	return &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion,
+// TrimNodeMeta keeps of a Node's metadata (the Kubernetes source watches
+// no more of Nodes) its name and locality labels, all translation reads
+// of a Node.
+func TrimNodeMeta(n *metav1.PartialObjectMetadata) *metav1.PartialObjectMetadata {
+	return &metav1.PartialObjectMetadata{TypeMeta: n.TypeMeta, ObjectMeta: metav1.ObjectMeta{Name: n.Name, UID: n.UID, ResourceVersion: n.ResourceVersion,
 		Labels: keep(n.Labels, localityLabels...)}}
 }
 

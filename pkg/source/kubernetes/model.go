@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	nodev1 "k8s.io/api/node/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
@@ -114,9 +115,9 @@ func (p *pending) handler(k kind, keysOf func(obj any) string) cache.ResourceEve
 func (p *pending) nodeHandler() cache.ResourceEventHandlerFuncs {
 	h := p.handler(kindNode, objectKey)
 	h.UpdateFunc = func(old, obj any) {
-		o, _ := old.(*corev1.Node)
-		n, _ := obj.(*corev1.Node)
-		if o != nil && n != nil && o.Name == n.Name && kubeobj.NodeLocality(o) == kubeobj.NodeLocality(n) {
+		o, _ := old.(*metav1.PartialObjectMetadata)
+		n, _ := obj.(*metav1.PartialObjectMetadata)
+		if o != nil && n != nil && o.Name == n.Name && kubeobj.NodeLocality(o.Labels) == kubeobj.NodeLocality(n.Labels) {
 			return
 		}
 		p.mark(kindNode, objectKey(old), objectKey(obj))
@@ -232,12 +233,15 @@ func (m *model) everything() changes {
 func (m *model) apply(c changes) {
 	for name := range c.keys[kindNode] {
 		obj, ok, _ := m.inf.nodes.GetStore().GetByKey(name)
-		n, _ := obj.(*corev1.Node)
+		n, _ := obj.(*metav1.PartialObjectMetadata)
 		if !ok {
 			n = nil
 		}
 		was, had := m.localities[name]
-		now := kubeobj.NodeLocality(n)
+		var now kubeobj.Locality
+		if n != nil {
+			now = kubeobj.NodeLocality(n.Labels)
+		}
 		if n != nil {
 			m.localities[name] = now
 		} else {

@@ -220,13 +220,13 @@ func TestNodeUpdatesWithoutLocalityChangeMarkNothing(t *testing.T) {
 	notified := 0
 	p := &pending{notify: func() { notified++ }}
 	h := p.nodeHandler()
-	node := func(rv, zone string, labels ...string) *corev1.Node {
-		n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", ResourceVersion: rv,
+	node := func(rv, zone string, labels ...string) *metav1.PartialObjectMetadata {
+		n := &metav1.PartialObjectMetadata{ObjectMeta: metav1.ObjectMeta{Name: "node-a", ResourceVersion: rv,
 			Labels: map[string]string{corev1.LabelTopologyRegion: "r1", corev1.LabelTopologyZone: zone}}}
 		for i := 0; i+1 < len(labels); i += 2 {
 			n.Labels[labels[i]] = labels[i+1]
 		}
-		return kubeobj.TrimNode(n)
+		return kubeobj.TrimNodeMeta(n)
 	}
 	h.OnUpdate(node("1", "a"), node("2", "a"))
 	h.OnUpdate(node("2", "a"), node("3", "a", "node.kubernetes.io/instance-type", "big"))

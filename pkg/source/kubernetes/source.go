@@ -4,7 +4,7 @@
 //
 // It watches Namespaces, Pods (of every node: the workload directory needs remote pods too,
 // so no spec.nodeName field selector), Services, discovery.k8s.io/v1 EndpointSlices,
-// node.k8s.io/v1 RuntimeClasses, Nodes (their locality labels only, for Services' traffic
+// node.k8s.io/v1 RuntimeClasses, Nodes' metadata (their locality labels only, for Services' traffic
 // distribution; snapshots do not wait for them) and,
 // when their CRDs are installed, security.istio.io PeerAuthentications and
 // AuthorizationPolicies (v1, else v1beta1: the same schema; a CRD serving only another
@@ -70,12 +70,15 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
@@ -121,6 +124,7 @@ type Source struct {
 	log       *slog.Logger
 	client    kubernetes.Interface
 	dynamic   dynamic.Interface
+	metadata  metadata.Interface
 	discovery discovery.DiscoveryInterface
 }
 
@@ -149,6 +153,10 @@ func New(cfg Config) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("discovery client: %w", err)
 	}
+	meta, err := metadata.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("metadata client: %w", err)
+	}
 	// Built-in types travel as protobuf: cheaper to decode than JSON for thousands of pods.
 	// The dynamic and discovery clients above keep JSON, which CRDs require.
 	rc.ContentType = runtime.ContentTypeProtobuf
@@ -162,6 +170,7 @@ func New(cfg Config) (*Source, error) {
 		log:       cfg.Logger.With("source", "kubernetes", "node", cfg.NodeName),
 		client:    client,
 		dynamic:   dyn,
+		metadata:  meta,
 		discovery: disc,
 	}, nil
 }
@@ -188,8 +197,11 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	// Nodes only give pods their locality, a preference among a Service's
 	// endpoints: snapshots do not wait for their list, so an API server
 	// that refuses it (a ClusterRole without nodes) costs the preference,
-	// logged and counted as a watch error, not the mesh.
-	nodeFactory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync, informers.WithTransform(trim))
+	// logged and counted as a watch error, not the mesh. Their metadata is
+	// all that is read (the labels), so only that is watched: a Node's
+	// status (conditions, images, tens of kB) is written every few
+	// minutes, and every agent would receive each write whole.
+	nodeFactory := metadatainformer.NewFilteredSharedInformerFactory(s.metadata, s.cfg.Resync, "", nil)
 	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
 	defer func() {
 		cancel()
@@ -204,9 +216,12 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 		pods:           factory.Core().V1().Pods().Informer(),
 		services:       factory.Core().V1().Services().Informer(),
 		endpointSlices: factory.Discovery().V1().EndpointSlices().Informer(),
-		nodes:          nodeFactory.Core().V1().Nodes().Informer(),
+		nodes:          nodeFactory.ForResource(corev1.SchemeGroupVersion.WithResource("nodes")).Informer(),
 		peerAuthn:      &policyKind{resource: "peerauthentications", check: checkSpec[policy.PeerAuthenticationSpec], failClosed: failClosedPeerAuthn},
 		authz:          &policyKind{resource: "authorizationpolicies", check: checkSpec[policy.AuthorizationPolicySpec], failClosed: failClosedAuthz},
+	}
+	if err := inf.nodes.SetTransform(trim); err != nil {
+		return fmt.Errorf("set node transform: %w", err)
 	}
 	if err := inf.pods.AddIndexers(cache.Indexers{podsByRuntimeClass: indexPodsByRuntimeClass, podsByNode: indexPodsByNode}); err != nil {
 		return fmt.Errorf("add pod index: %w", err)
@@ -358,8 +373,8 @@ func trim(obj any) (any, error) {
 		return kubeobj.TrimEndpointSlice(o), nil
 	case *corev1.Namespace:
 		return kubeobj.TrimNamespace(o), nil
-	case *corev1.Node:
-		return kubeobj.TrimNode(o), nil
+	case *metav1.PartialObjectMetadata:
+		return kubeobj.TrimNodeMeta(o), nil
 	}
 	return dropManagedFields(obj)
 }
