@@ -117,7 +117,12 @@ type ZtunnelLoadBalancer struct {
 	Mode               string   `json:"mode"`
 }
 
-func ztunnelLoadBalancer(r *workload.Routing) *ZtunnelLoadBalancer {
+func ztunnelLoadBalancer(s *workload.Service) *ZtunnelLoadBalancer {
+	r := s.Routing
+	if r == nil && s.NodeLocal {
+		// internalTrafficPolicy: Local, as istiod sends it to ztunnel.
+		r = &workload.Routing{Scopes: []workload.Scope{workload.ScopeNode}, Strict: true}
+	}
 	if r == nil {
 		return nil
 	}
@@ -125,8 +130,8 @@ func ztunnelLoadBalancer(r *workload.Routing) *ZtunnelLoadBalancer {
 	if r.Strict {
 		z.Mode = "Strict"
 	}
-	for _, s := range r.Scopes {
-		z.RoutingPreferences = append(z.RoutingPreferences, s.String())
+	for _, scope := range r.Scopes {
+		z.RoutingPreferences = append(z.RoutingPreferences, scope.String())
 	}
 	return z
 }
@@ -301,7 +306,7 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 	for _, s := range dir.Services() {
 		z := ZtunnelService{Name: s.Name, Namespace: s.Namespace, Hostname: s.Hostname, VIPs: []string{},
 			Ports: map[string]uint16{}, Endpoints: map[string]*ZtunnelEndpoint{}, SubjectAltNames: []string{}, Waypoint: ztunnelWaypoint(s.Waypoint, network),
-			LoadBalancer: ztunnelLoadBalancer(s.Routing)}
+			LoadBalancer: ztunnelLoadBalancer(s)}
 		v4, v6 := false, false
 		for _, vip := range s.VIPs {
 			z.VIPs = append(z.VIPs, network+"/"+vip.String())

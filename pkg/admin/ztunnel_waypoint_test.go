@@ -116,16 +116,19 @@ func TestZtunnelServiceLoadBalancer(t *testing.T) {
 	local := &workload.Service{Name: "local", Namespace: "mesh", Hostname: "local.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.12")},
 		Routing: &workload.Routing{Scopes: []workload.Scope{workload.ScopeNode}, Strict: true}}
 	plain := &workload.Service{Name: "plain", Namespace: "mesh", Hostname: "plain.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.13")}}
-	dir, _ := workload.NewDirectory(nil, []*workload.Service{near, local, plain})
+	// internalTrafficPolicy: Local from the Kubernetes source, shown as istiod sends it.
+	itpLocal := &workload.Service{Name: "itp-local", Namespace: "mesh", Hostname: "itp-local.mesh.svc.cluster.local", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.14")}, NodeLocal: true}
+	dir, _ := workload.NewDirectory(nil, []*workload.Service{near, local, plain, itpLocal})
 	got := map[string]string{}
 	for _, s := range ZtunnelServices(dir, "Kubernetes", "") {
 		b, _ := json.Marshal(s.LoadBalancer)
 		got[s.Name] = string(b)
 	}
 	want := map[string]string{
-		"close": `{"routingPreferences":["Network","Region","Zone"],"mode":"Failover"}`,
-		"local": `{"routingPreferences":["Node"],"mode":"Strict"}`,
-		"plain": `null`,
+		"close":     `{"routingPreferences":["Network","Region","Zone"],"mode":"Failover"}`,
+		"local":     `{"routingPreferences":["Node"],"mode":"Strict"}`,
+		"plain":     `null`,
+		"itp-local": `{"routingPreferences":["Node"],"mode":"Strict"}`,
 	}
 	for name, w := range want {
 		if got[name] != w {
