@@ -24,6 +24,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -70,28 +71,32 @@ func Start(t testing.TB) *Cluster {
 	c := &Cluster{bins: findBinaries(t), dir: t.TempDir()}
 	t.Cleanup(func() { c.stop(t) }) // registered after TempDir: runs before its removal
 
-	etcdClient := mustFreePort(t)
-	etcdPeer := mustFreePort(t)
-	etcdURL := "http://127.0.0.1:" + strconv.Itoa(etcdClient)
-	peerURL := "http://127.0.0.1:" + strconv.Itoa(etcdPeer)
-	var err error
-	c.etcd, err = startProcess("etcd", c.bins.etcd, []string{
-		"--name=kubetest",
-		"--data-dir=" + filepath.Join(c.dir, "etcd"),
-		"--listen-client-urls=" + etcdURL,
-		"--advertise-client-urls=" + etcdURL,
-		"--listen-peer-urls=" + peerURL,
-		"--initial-advertise-peer-urls=" + peerURL,
-		"--initial-cluster=kubetest=" + peerURL,
-		"--unsafe-no-fsync", // the data dies with the test; fsync only costs time
-		"--log-level=warn",
-	}, filepath.Join(c.dir, "etcd.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.etcd.waitHealthy(http.DefaultClient, etcdURL+"/health", nil, etcdStartTimeout); err != nil {
-		t.Fatal(err) // cleanup logs the end of the log
-	}
+	var etcdURL string
+	retryOnTakenPort(t, func() (*process, error) {
+		etcdURL = "http://127.0.0.1:" + strconv.Itoa(mustFreePort(t))
+		peerURL := "http://127.0.0.1:" + strconv.Itoa(mustFreePort(t))
+		// A try that could not bind may have begun a member with its URLs.
+		if err := os.RemoveAll(filepath.Join(c.dir, "etcd")); err != nil {
+			return nil, err
+		}
+		var err error
+		c.etcd, err = startProcess("etcd", c.bins.etcd, []string{
+			"--name=kubetest",
+			"--data-dir=" + filepath.Join(c.dir, "etcd"),
+			"--listen-client-urls=" + etcdURL,
+			"--advertise-client-urls=" + etcdURL,
+			"--listen-peer-urls=" + peerURL,
+			"--initial-advertise-peer-urls=" + peerURL,
+			"--initial-cluster=kubetest=" + peerURL,
+			"--unsafe-no-fsync", // the data dies with the test; fsync only costs time
+			"--log-level=warn",
+		}, filepath.Join(c.dir, "etcd.log"))
+		if err != nil {
+			return nil, err
+		}
+		err = c.etcd.waitHealthy(&http.Client{Timeout: 5 * time.Second}, etcdURL+"/health", nil, etcdStartTimeout)
+		return c.etcd, err
+	})
 
 	c.token = rand.Text()
 	certDir := filepath.Join(c.dir, "certs")
@@ -100,9 +105,35 @@ func Start(t testing.TB) *Cluster {
 	writeFile(t, saKey, rsaKeyPEM(t))
 	writeFile(t, tokens, []byte(c.token+`,kubetest-admin,kubetest-admin,"system:masters"`+"\n"))
 
-	port := mustFreePort(t)
-	c.url = "https://127.0.0.1:" + strconv.Itoa(port)
-	c.apiserverArgs = []string{
+	retryOnTakenPort(t, func() (*process, error) {
+		port := mustFreePort(t)
+		c.url = "https://127.0.0.1:" + strconv.Itoa(port)
+		c.apiserverArgs = apiserverArgs(etcdURL, port, certDir, saKey, tokens)
+		err := c.tryStartAPIServer()
+		return c.apiserver, err
+	})
+
+	ca, err := os.ReadFile(filepath.Join(certDir, "apiserver.crt"))
+	if err != nil {
+		t.Fatalf("read apiserver serving certificate: %v", err)
+	}
+	c.Config = &rest.Config{
+		Host:            c.url,
+		BearerToken:     c.token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: ca},
+		QPS:             100, // tests create objects in bursts; client-side throttling only slows them
+		Burst:           200,
+	}
+	c.Kubeconfig = filepath.Join(c.dir, "kubeconfig")
+	if err := writeKubeconfig(c.Kubeconfig, c.url, ca, c.token); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// apiserverArgs are kube-apiserver's flags for a test cluster.
+func apiserverArgs(etcdURL string, port int, certDir, saKey, tokens string) []string {
+	return []string{
 		"--etcd-servers=" + etcdURL,
 		"--bind-address=127.0.0.1",
 		// Without an advertise address the server looks for a default route, which a
@@ -123,24 +154,25 @@ func Start(t testing.TB) *Cluster {
 		"--profiling=false",
 		"--shutdown-watch-termination-grace-period=2s",
 	}
-	c.startAPIServer(t)
+}
 
-	ca, err := os.ReadFile(filepath.Join(certDir, "apiserver.crt"))
-	if err != nil {
-		t.Fatalf("read apiserver serving certificate: %v", err)
+// retryOnTakenPort runs start, which picks free ports and starts a process
+// on them, again (at most three times) when the process could not bind
+// one: a port found free can be taken by a parallel test before the
+// process binds it. Any other failure fails the test.
+func retryOnTakenPort(t testing.TB, start func() (*process, error)) {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		p, err := start()
+		if err == nil {
+			return
+		}
+		if p == nil || attempt == 3 || !strings.Contains(p.logTail(30), "address already in use") {
+			t.Fatal(err) // cleanup logs the end of the log
+		}
+		t.Logf("%s could not bind its port, retrying on another: %v", p.name, err)
+		p.stop(apiserverStopGrace)
 	}
-	c.Config = &rest.Config{
-		Host:            c.url,
-		BearerToken:     c.token,
-		TLSClientConfig: rest.TLSClientConfig{CAData: ca},
-		QPS:             100, // tests create objects in bursts; client-side throttling only slows them
-		Burst:           200,
-	}
-	c.Kubeconfig = filepath.Join(c.dir, "kubeconfig")
-	if err := writeKubeconfig(c.Kubeconfig, c.url, ca, c.token); err != nil {
-		t.Fatal(err)
-	}
-	return c
 }
 
 // Restart stops the API server and starts it again on the same port, with the same etcd and
@@ -163,10 +195,18 @@ func (c *Cluster) Client(t testing.TB) kubernetes.Interface {
 
 func (c *Cluster) startAPIServer(t testing.TB) {
 	t.Helper()
+	if err := c.tryStartAPIServer(); err != nil {
+		t.Fatal(err) // cleanup logs the end of the log
+	}
+}
+
+// tryStartAPIServer starts kube-apiserver with c's flags and waits until it
+// is ready.
+func (c *Cluster) tryStartAPIServer() error {
 	var err error
 	c.apiserver, err = startProcess("kube-apiserver", c.bins.apiserver, c.apiserverArgs, filepath.Join(c.dir, "kube-apiserver.log"))
 	if err != nil {
-		t.Fatal(err)
+		return err
 	}
 	// The serving certificate is not known before the server writes it: skip verification
 	// for the readiness probe only.
@@ -176,9 +216,7 @@ func (c *Cluster) startAPIServer(t testing.TB) {
 	}
 	defer client.CloseIdleConnections()
 	header := http.Header{"Authorization": {"Bearer " + c.token}}
-	if err := c.apiserver.waitHealthy(client, c.url+"/readyz", header, apiserverStartTimeout); err != nil {
-		t.Fatal(err) // cleanup logs the end of the log
-	}
+	return c.apiserver.waitHealthy(client, c.url+"/readyz", header, apiserverStartTimeout)
 }
 
 // stop ends both processes; on a failed test it logs the ends of their logs first.
@@ -221,8 +259,12 @@ func writeFile(t testing.TB, path string, data []byte) {
 	}
 }
 
+// freePort finds a free loopback port (a variable for the test that
+// hands out a taken one).
+var freePort = testbin.FreePort
+
 func mustFreePort(t testing.TB) int {
-	port, err := testbin.FreePort()
+	port, err := freePort()
 	if err != nil {
 		t.Fatal(err)
 	}
