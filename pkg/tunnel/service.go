@@ -43,12 +43,12 @@ type balancer struct {
 	// connection that looked one up before an update) are not cached:
 	// nothing would read them again before the next update, yet they
 	// would hold the old directory's endpoints and the cache's room.
-	// Bounded by maxRankedPicks endpoints in all; past that, connections
-	// walk.
-	rankedMu    sync.Mutex
-	rankedDir   *workload.Directory
-	ranked      map[rankedKey][][]pick
-	rankedPicks int
+	// Bounded by maxRankedPicks picks' worth in all (rankedCost: each
+	// entry's room for picks, and its key); past that, connections walk.
+	rankedMu   sync.Mutex
+	rankedDir  *workload.Directory
+	ranked     map[rankedKey][][]pick
+	rankedCost int
 }
 
 // The balancer's lock is shared by every pod's service connections, so
@@ -60,6 +60,11 @@ const (
 	maxOrderProbes = 64
 	maxFailed      = 1 << 14
 	maxRankedPicks = 1 << 20 // 8 MiB of picks
+	// rankedEntryCost is what a cache entry holds besides its picks (its
+	// key, about 180 bytes, and slice headers), in picks: an entry with
+	// none (no ready endpoint serves the port; STRICT, and a client it
+	// cannot place) is not free.
+	rankedEntryCost = 32
 )
 
 func newBalancer() *balancer {
@@ -96,7 +101,7 @@ func (b *balancer) prune(dir *workload.Directory) {
 	b.rankedMu.Lock()
 	b.rankedDir = dir
 	clear(b.ranked)
-	b.rankedPicks = 0
+	b.rankedCost = 0
 	b.rankedMu.Unlock()
 	live := map[string]bool{}
 	for _, s := range dir.Services() {
@@ -180,15 +185,15 @@ func (b *balancer) eligible(dir *workload.Directory, svc *workload.Service, port
 		return tiers
 	}
 	tiers = rank(svc, port, client)
-	n := 0
+	cost := rankedEntryCost
 	for _, t := range tiers {
-		n += len(t)
+		cost += cap(t) // what append grew it to, not only what is used
 	}
 	b.rankedMu.Lock()
-	if dir == b.rankedDir && b.rankedPicks+n <= maxRankedPicks {
+	if dir == b.rankedDir && b.rankedCost+cost <= maxRankedPicks {
 		if _, raced := b.ranked[key]; !raced {
 			b.ranked[key] = tiers
-			b.rankedPicks += n
+			b.rankedCost += cost
 		}
 	}
 	b.rankedMu.Unlock()

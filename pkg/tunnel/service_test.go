@@ -69,7 +69,7 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 		t.Fatalf("cursors and ranked endpoints before pruning: %d, %d, want 3 each", len(b.next), len(b.ranked))
 	}
 	b.prune(&workload.Directory{}) // no service left
-	if len(b.next) != 0 || len(b.ranked) != 0 || b.rankedPicks != 0 {
+	if len(b.next) != 0 || len(b.ranked) != 0 || b.rankedCost != 0 {
 		t.Errorf("cursors %v and ranked endpoints %v after every service left, want none", b.next, b.ranked)
 	}
 }
@@ -404,11 +404,42 @@ func TestBalancerCachesOnlyTheCurrentDirectory(t *testing.T) {
 	if got := b.order(old, old.Services()[0], port, nil); len(got) != 1 {
 		t.Fatalf("order %v, want the one endpoint", got)
 	}
-	if len(b.ranked) != 0 || b.rankedPicks != 0 {
-		t.Errorf("the previous directory's service is cached after the update: %d entries, %d picks", len(b.ranked), b.rankedPicks)
+	if len(b.ranked) != 0 || b.rankedCost != 0 {
+		t.Errorf("the previous directory's service is cached after the update: %d entries, %d picks", len(b.ranked), b.rankedCost)
 	}
 	b.order(cur, cur.Services()[0], port, nil)
 	if len(b.ranked) != 1 {
 		t.Errorf("the current directory's service: %d entries cached, want 1", len(b.ranked))
+	}
+}
+
+// TestBalancerCacheChargesWhatItHolds: the cache's bound counted the
+// picks in use only. An entry without one (a port no ready endpoint
+// serves, a STRICT service for a client it cannot place) was free, so
+// entries were bounded by nothing but the directory, and the room tiers
+// hold past their length was not counted either. Each entry is charged
+// its slices' capacity and its key now.
+func TestBalancerCacheChargesWhatItHolds(t *testing.T) {
+	b := newBalancer()
+	port := workload.ServicePort{Port: 80, TargetPort: 8080}
+	for i := range 40 {
+		svc := &workload.Service{Name: fmt.Sprint("empty-", i), Namespace: "tenant",
+			Endpoints: []workload.Endpoint{{Addr: netip.AddrFrom4([4]byte{10, 0, 0, byte(i)})}}} // not ready
+		b.order(nil, svc, port, nil)
+	}
+	svc := &workload.Service{Name: "web", Namespace: "tenant"}
+	for i := range 1000 {
+		svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), Ready: true})
+	}
+	b.order(nil, svc, port, nil)
+	held := 0
+	for _, tiers := range b.ranked {
+		held++ // the entry itself
+		for _, tier := range tiers {
+			held += cap(tier)
+		}
+	}
+	if len(b.ranked) != 41 || b.rankedCost < held {
+		t.Errorf("%d entries holding %d picks' room and their keys, charged %d", len(b.ranked), held, b.rankedCost)
 	}
 }
