@@ -44,7 +44,7 @@ func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) 
 	}
 	defer l.Close()
 	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
-		return err
+		return fmt.Errorf("pin directory of cgroup link %s: %w", path, err)
 	}
 	if old != nil {
 		// Pin over the old link's path: renameat over an existing pin is

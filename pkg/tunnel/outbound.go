@@ -40,7 +40,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	if svc, ok := state.Dir.ServiceByVIPFor(dst.Addr(), namespaceOf(srcW)); ok {
-		p.handleService(ctx, c, svc, src, dst)
+		p.handleService(ctx, c, state.Dir, svc, src, dst)
 		return
 	}
 	dstW, meshed := state.Dir.ByAddr(dst.Addr())

@@ -36,13 +36,19 @@ type balancer struct {
 	now    func() time.Time
 
 	// ranked caches each service port's eligible endpoints, by rank for
-	// a client locality, for the current directory (prune clears it):
-	// finding them walks every endpoint, and a service may have tens of
-	// thousands, which every connection to it walked. Bounded by
-	// maxRankedPicks endpoints in all; past that, connections walk.
-	rankedMu    sync.Mutex
-	ranked      map[rankedKey][][]pick
-	rankedPicks int
+	// a client locality, for the current directory, rankedDir (prune
+	// replaces it and clears the cache): finding them walks every
+	// endpoint, and a service may have tens of thousands, which every
+	// connection to it walked. Services of another directory (a
+	// connection that looked one up before an update) are not cached:
+	// nothing would read them again before the next update, yet they
+	// would hold the old directory's endpoints and the cache's room.
+	// Bounded by maxRankedPicks picks' worth in all (rankedCost: each
+	// entry's room for picks, and its key); past that, connections walk.
+	rankedMu   sync.Mutex
+	rankedDir  *workload.Directory
+	ranked     map[rankedKey][][]pick
+	rankedCost int
 }
 
 // The balancer's lock is shared by every pod's service connections, so
@@ -54,6 +60,11 @@ const (
 	maxOrderProbes = 64
 	maxFailed      = 1 << 14
 	maxRankedPicks = 1 << 20 // 8 MiB of picks
+	// rankedEntryCost is what a cache entry holds besides its picks (its
+	// key, about 180 bytes, and slice headers), in picks: an entry with
+	// none (no ready endpoint serves the port; STRICT, and a client it
+	// cannot place) is not free.
+	rankedEntryCost = 32
 )
 
 func newBalancer() *balancer {
@@ -88,8 +99,9 @@ type cursorKey struct{ service, port string }
 // balancer holds state only for services that exist.
 func (b *balancer) prune(dir *workload.Directory) {
 	b.rankedMu.Lock()
+	b.rankedDir = dir
 	clear(b.ranked)
-	b.rankedPicks = 0
+	b.rankedCost = 0
 	b.rankedMu.Unlock()
 	live := map[string]bool{}
 	for _, s := range dir.Services() {
@@ -110,8 +122,8 @@ type target struct {
 	addr netip.AddrPort // endpoint address and the resolved target port
 }
 
-// order returns ready endpoints serving port for a connection from client
-// (nil if unknown), looking at most maxOrderProbes per rank, spread over
+// order returns ready endpoints serving port of svc, a service of dir,
+// for a connection from client (nil if unknown), looking at most maxOrderProbes per rank, spread over
 // the ring from the service's round-robin cursor: up to
 // maxServiceAttempts fresh ones, then as many recently failed ones. A
 // service with a Routing preference is served by its best-ranked
@@ -119,8 +131,8 @@ type target struct {
 // are too few or failed recently, so a zone whose endpoints all fail
 // hands its connections to the next zone (FAILOVER, as Envoy's outlier
 // detection moves a locality's traffic).
-func (b *balancer) order(svc *workload.Service, port workload.ServicePort, client *workload.Workload) []target {
-	tiers := b.eligible(svc, port, client)
+func (b *balancer) order(dir *workload.Directory, svc *workload.Service, port workload.ServicePort, client *workload.Workload) []target {
+	tiers := b.eligible(dir, svc, port, client)
 	if len(tiers) == 0 {
 		return nil
 	}
@@ -160,8 +172,8 @@ func (b *balancer) order(svc *workload.Service, port workload.ServicePort, clien
 
 // eligible returns the ready endpoints serving port, grouped by their
 // rank for client under the service's Routing, best first (see rank),
-// from the cache when it has them.
-func (b *balancer) eligible(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]pick {
+// from the cache when it has them (svc is of dir, the current directory).
+func (b *balancer) eligible(dir *workload.Directory, svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]pick {
 	key := rankedKey{svc: svc, port: port}
 	if svc.Routing != nil && client != nil {
 		key.client = clientPlace{true, client.Region, client.Zone, client.Subzone, client.Node, client.Cluster}
@@ -173,15 +185,15 @@ func (b *balancer) eligible(svc *workload.Service, port workload.ServicePort, cl
 		return tiers
 	}
 	tiers = rank(svc, port, client)
-	n := 0
+	cost := rankedEntryCost
 	for _, t := range tiers {
-		n += len(t)
+		cost += cap(t) // what append grew it to, not only what is used
 	}
 	b.rankedMu.Lock()
-	if b.rankedPicks+n <= maxRankedPicks {
+	if dir == b.rankedDir && b.rankedCost+cost <= maxRankedPicks {
 		if _, raced := b.ranked[key]; !raced {
 			b.ranked[key] = tiers
-			b.rankedPicks += n
+			b.rankedCost += cost
 		}
 	}
 	b.rankedMu.Unlock()
@@ -260,7 +272,7 @@ var errNoEndpoint = errors.New("no ready endpoint")
 // service itself: it picks a ready endpoint, and opens HBONE to it when the
 // endpoint is meshed, plain TCP otherwise. Without an endpoint the
 // connection is refused; it is never sent to the VIP in plaintext.
-func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Service, src, dst netip.AddrPort) {
+func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Directory, svc *workload.Service, src, dst netip.AddrPort) {
 	t := p.t
 	srcW, srcID, err := p.self(src.Addr())
 	if err != nil {
@@ -288,7 +300,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, svc *workload.Servi
 		resetConn(c)
 		return
 	}
-	candidates := t.lb.order(svc, *port, srcW)
+	candidates := t.lb.order(dir, svc, *port, srcW)
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
 		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))

@@ -29,7 +29,7 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 	port := workload.ServicePort{Port: 80, TargetPort: 8080}
 	first := map[string]int{}
 	for i := 0; i < 4; i++ {
-		order := b.order(svc, port, nil)
+		order := b.order(nil, svc, port, nil)
 		if len(order) != 2 {
 			t.Fatalf("order %v: the not-ready endpoint must be left out", order)
 		}
@@ -40,14 +40,14 @@ func TestBalancerRoundRobinSkipsFailed(t *testing.T) {
 	}
 	b.fail(netip.MustParseAddrPort("10.0.0.1:8080"))
 	for i := 0; i < 3; i++ {
-		if got := b.order(svc, port, nil)[0].addr.String(); got != "10.0.0.2:8080" {
+		if got := b.order(nil, svc, port, nil)[0].addr.String(); got != "10.0.0.2:8080" {
 			t.Fatalf("a failed endpoint came first: %s", got)
 		}
 	}
 	now = now.Add(failureMemory + time.Second)
 	seen := map[string]bool{}
 	for i := 0; i < 2; i++ {
-		seen[b.order(svc, port, nil)[0].addr.String()] = true
+		seen[b.order(nil, svc, port, nil)[0].addr.String()] = true
 	}
 	if !seen["10.0.0.1:8080"] {
 		t.Error("the failed endpoint is not tried again after failureMemory")
@@ -63,13 +63,13 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 	port := workload.ServicePort{Name: "http", Port: 80, TargetPort: 8080}
 	for _, name := range []string{"a", "b", "c"} {
 		svc := &workload.Service{Name: name, Namespace: "shop", Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
-		b.order(svc, port, nil)
+		b.order(nil, svc, port, nil)
 	}
 	if len(b.next) != 3 || len(b.ranked) != 3 {
 		t.Fatalf("cursors and ranked endpoints before pruning: %d, %d, want 3 each", len(b.next), len(b.ranked))
 	}
 	b.prune(&workload.Directory{}) // no service left
-	if len(b.next) != 0 || len(b.ranked) != 0 || b.rankedPicks != 0 {
+	if len(b.next) != 0 || len(b.ranked) != 0 || b.rankedCost != 0 {
 		t.Errorf("cursors %v and ranked endpoints %v after every service left, want none", b.next, b.ranked)
 	}
 }
@@ -93,7 +93,7 @@ func TestContestedVIPRefused(t *testing.T) {
 		t.Fatalf("the VIP resolves to %v", svc)
 	}
 	c := newFakeConn("10.96.0.99:53", "127.0.0.1:40000")
-	p.handleService(context.Background(), c, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.99:53"))
+	p.handleService(context.Background(), c, dir, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.99:53"))
 	if !c.closed.Load() {
 		t.Error("a connection to a contested VIP was not closed")
 	}
@@ -126,7 +126,7 @@ func TestBalancerBoundedWork(t *testing.T) {
 	if n := len(b.failed); n > maxFailed {
 		t.Errorf("failure memory holds %d endpoints, want at most %d", n, maxFailed)
 	}
-	if got := b.order(svc, port, nil); len(got) < maxServiceAttempts || len(got) > 2*maxServiceAttempts {
+	if got := b.order(nil, svc, port, nil); len(got) < maxServiceAttempts || len(got) > 2*maxServiceAttempts {
 		t.Errorf("order returned %d endpoints, want %d to %d", len(got), maxServiceAttempts, 2*maxServiceAttempts)
 	}
 	// A contiguous run of failed endpoints (one node's) around the cursor
@@ -137,7 +137,7 @@ func TestBalancerBoundedWork(t *testing.T) {
 		b.fail(netip.AddrPortFrom(svc.Endpoints[i].Addr, 8080))
 	}
 	for range 50 {
-		got := b.order(svc, port, nil)
+		got := b.order(nil, svc, port, nil)
 		if len(got) == 0 {
 			t.Fatal("no endpoint")
 		}
@@ -206,7 +206,7 @@ func TestEndpointFailuresOfTheClientAreNotShared(t *testing.T) {
 	inOwnNamespace(t, p)
 	p.cancel()
 	c := newFakeConn("10.96.0.1:80", "127.0.0.1:40000")
-	p.handleService(p.ctx, c, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.1:80"))
+	p.handleService(p.ctx, c, dir, svc, netip.MustParseAddrPort("127.0.0.1:40000"), netip.MustParseAddrPort("10.96.0.1:80"))
 	if !c.closed.Load() {
 		t.Error("the connection was not closed")
 	}
@@ -257,7 +257,7 @@ func TestBalancerPrefersCloseEndpoints(t *testing.T) {
 	svc := &workload.Service{Name: "web", Namespace: "shop", Endpoints: endpoints, Routing: preferClose}
 	firsts := map[string]int{}
 	for range 10 {
-		got := addrs(b.order(svc, port, client))
+		got := addrs(b.order(nil, svc, port, client))
 		firsts[got[0]]++
 		// The zone's two, then the region's one: three attempts.
 		if len(got) != maxServiceAttempts || got[2] != "10.0.0.2" {
@@ -271,18 +271,18 @@ func TestBalancerPrefersCloseEndpoints(t *testing.T) {
 	// first, then the rest of the network, the failed ones last.
 	b.fail(netip.MustParseAddrPort("10.0.0.1:8080"))
 	b.fail(netip.MustParseAddrPort("10.0.0.4:8080"))
-	if got := addrs(b.order(svc, port, client)); got[0] != "10.0.0.2" || len(got) != 5 || got[3] == "10.0.0.2" {
+	if got := addrs(b.order(nil, svc, port, client)); got[0] != "10.0.0.2" || len(got) != 5 || got[3] == "10.0.0.2" {
 		t.Errorf("zone failed: order %v, want 10.0.0.2 first, then the network's two, then the failed zone's two", got)
 	}
 	now = now.Add(failureMemory + time.Second)
-	if got := addrs(b.order(svc, port, client)); got[0] != "10.0.0.1" && got[0] != "10.0.0.4" {
+	if got := addrs(b.order(nil, svc, port, client)); got[0] != "10.0.0.1" && got[0] != "10.0.0.4" {
 		t.Errorf("after failureMemory: order %v, want the zone's endpoints first again", got)
 	}
 	// An unknown client (no workload at the source address) is balanced
 	// over all: no rank can be told.
 	seen := map[string]bool{}
 	for range len(endpoints) {
-		seen[addrs(b.order(svc, port, nil))[0]] = true
+		seen[addrs(b.order(nil, svc, port, nil))[0]] = true
 	}
 	if len(seen) != len(endpoints) {
 		t.Errorf("unknown client: firsts %v, want every endpoint in turn", seen)
@@ -305,7 +305,7 @@ func TestBalancerPrefersCloseEndpoints(t *testing.T) {
 		b := newBalancer()
 		svc := &workload.Service{Name: "web", Namespace: "shop", Endpoints: endpoints, Routing: tc.routing}
 		for range 8 {
-			got := addrs(b.order(svc, port, tc.client))
+			got := addrs(b.order(nil, svc, port, tc.client))
 			if tc.want == nil {
 				if len(got) != 0 {
 					t.Errorf("%s: order %v, want no endpoint", tc.name, got)
@@ -342,7 +342,7 @@ func BenchmarkBalancerOrder(b *testing.B) {
 				bal := newBalancer()
 				port := workload.ServicePort{Port: 80, TargetPort: 8080}
 				for b.Loop() {
-					if len(bal.order(svc, port, client)) == 0 {
+					if len(bal.order(nil, svc, port, client)) == 0 {
 						b.Fatal("no endpoint")
 					}
 				}
@@ -362,15 +362,17 @@ func TestBalancerConcurrentOrderAndPrune(t *testing.T) {
 			Workload: &workload.Workload{Zone: string(rune('a' + i%2))}})
 	}
 	port := workload.ServicePort{Port: 80}
+	dir := &workload.Directory{} // stands for svc's: the cache takes its services
+	b.prune(dir)
 	var wg sync.WaitGroup
 	for g := range 4 {
 		wg.Go(func() {
 			for range 200 {
 				if g == 0 {
-					b.prune(&workload.Directory{})
+					b.prune(dir)
 					continue
 				}
-				got := b.order(svc, port, client)
+				got := b.order(dir, svc, port, client)
 				if len(got) == 0 || got[0].ep.Workload.Zone != "a" {
 					t.Errorf("order %v, want zone a's endpoints first", got)
 					return
@@ -379,4 +381,65 @@ func TestBalancerConcurrentOrderAndPrune(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// TestBalancerCachesOnlyTheCurrentDirectory: a connection that looked its
+// service up in the directory before an update orders its endpoints after
+// the update cleared the cache. Its ranking was cached under the old
+// service until the next update (which may be hours away): nothing read
+// it again, yet it held the old service, its endpoints and workloads, and
+// a share of the cache's bound that the current directory's services then
+// lacked. Only the current directory's services are cached now.
+func TestBalancerCachesOnlyTheCurrentDirectory(t *testing.T) {
+	svc := &workload.Service{Name: "web", Namespace: "shop", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.10")},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("10.0.0.1"), Ready: true}}}
+	old, _ := workload.NewDirectory(nil, []*workload.Service{svc})
+	cur, _ := workload.NewDirectory(nil, []*workload.Service{svc})
+	port := workload.ServicePort{Port: 80, TargetPort: 8080}
+	b := newBalancer()
+	b.prune(old)
+	b.order(old, old.Services()[0], port, nil)
+	b.prune(cur)
+	// In flight across the update: it still holds old's service.
+	if got := b.order(old, old.Services()[0], port, nil); len(got) != 1 {
+		t.Fatalf("order %v, want the one endpoint", got)
+	}
+	if len(b.ranked) != 0 || b.rankedCost != 0 {
+		t.Errorf("the previous directory's service is cached after the update: %d entries, %d picks", len(b.ranked), b.rankedCost)
+	}
+	b.order(cur, cur.Services()[0], port, nil)
+	if len(b.ranked) != 1 {
+		t.Errorf("the current directory's service: %d entries cached, want 1", len(b.ranked))
+	}
+}
+
+// TestBalancerCacheChargesWhatItHolds: the cache's bound counted the
+// picks in use only. An entry without one (a port no ready endpoint
+// serves, a STRICT service for a client it cannot place) was free, so
+// entries were bounded by nothing but the directory, and the room tiers
+// hold past their length was not counted either. Each entry is charged
+// its slices' capacity and its key now.
+func TestBalancerCacheChargesWhatItHolds(t *testing.T) {
+	b := newBalancer()
+	port := workload.ServicePort{Port: 80, TargetPort: 8080}
+	for i := range 40 {
+		svc := &workload.Service{Name: fmt.Sprint("empty-", i), Namespace: "tenant",
+			Endpoints: []workload.Endpoint{{Addr: netip.AddrFrom4([4]byte{10, 0, 0, byte(i)})}}} // not ready
+		b.order(nil, svc, port, nil)
+	}
+	svc := &workload.Service{Name: "web", Namespace: "tenant"}
+	for i := range 1000 {
+		svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}), Ready: true})
+	}
+	b.order(nil, svc, port, nil)
+	held := 0
+	for _, tiers := range b.ranked {
+		held++ // the entry itself
+		for _, tier := range tiers {
+			held += cap(tier)
+		}
+	}
+	if len(b.ranked) != 41 || b.rankedCost < held {
+		t.Errorf("%d entries holding %d picks' room and their keys, charged %d", len(b.ranked), held, b.rankedCost)
+	}
 }

@@ -159,7 +159,7 @@ func (t *Tunnel) waypointHops(dir *workload.Directory, wp *workload.Waypoint, cl
 		return nil, fmt.Errorf("%w: service %s has no port %d", errWaypointNoEndpoint, svc, port)
 	}
 	var hops []waypointHop
-	for _, c := range t.lb.order(svc, *sp, client) {
+	for _, c := range t.lb.order(dir, svc, *sp, client) {
 		w := c.ep.Workload
 		if w == nil {
 			continue // no workload, no identity to check its certificate against

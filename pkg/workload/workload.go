@@ -38,9 +38,10 @@ type Workload struct {
 	CanonicalName     string
 	CanonicalRevision string
 	// Region, Zone and Subzone are the pod's locality, and Cluster the
-	// cluster it runs in, when its source knows them (istiod's xDS does,
-	// from the node's topology labels; the agent's own sources read no
-	// Nodes). Services with a Routing preference rank endpoints by them.
+	// cluster it runs in, when its source knows them (istiod's xDS sends
+	// them, from the node's topology labels; the Kubernetes and file
+	// sources read those labels from Nodes, and know no Cluster).
+	// Services with a Routing preference rank endpoints by them.
 	Region, Zone, Subzone string
 	Cluster               string
 	// Enrolled says the workload is in the mesh and takes HBONE: for this

@@ -33,6 +33,8 @@ const (
 	// kindService keys are services: a Service event or an event of one of
 	// its EndpointSlices both make the service translated again.
 	kindService
+	// kindNode keys are node names: a change of a node's locality labels
+	// makes its pods translated again.
 	kindNode
 	numKinds
 )
