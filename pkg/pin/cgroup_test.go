@@ -37,11 +37,11 @@ func TestCgroupV2RootLongLine(t *testing.T) {
 	}
 }
 
-// TestAttachCgroupFollowsTheSetting: a second attach on the same cgroup
-// updates the pinned link in place; on another cgroup the program moves
-// there and leaves the first; DetachLink takes it off.
-func TestAttachCgroupFollowsTheSetting(t *testing.T) {
-	root := filepath.Join(t.TempDir(), "bpf")
+// cgroupRig mounts a bpffs for pins (root) and makes a child cgroup named
+// after name under the cgroup v2 root (top), both gone when t ends.
+func cgroupRig(t *testing.T, name string) (root, top, child string) {
+	t.Helper()
+	root = filepath.Join(t.TempDir(), "bpf")
 	t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
 	if err := EnsureBPFFS(root); err != nil {
 		t.Fatal(err)
@@ -50,11 +50,19 @@ func TestAttachCgroupFollowsTheSetting(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	child := filepath.Join(top, fmt.Sprintf("rd-pin-test-%d", os.Getpid()))
+	child = filepath.Join(top, fmt.Sprintf("%s-%d", name, os.Getpid()))
 	if err := os.Mkdir(child, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.Remove(child) })
+	return root, top, child
+}
+
+// TestAttachCgroupFollowsTheSetting: a second attach on the same cgroup
+// updates the pinned link in place; on another cgroup the program moves
+// there and leaves the first; DetachLink takes it off.
+func TestAttachCgroupFollowsTheSetting(t *testing.T) {
+	root, top, child := cgroupRig(t, "rd-pin-test")
 	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Type: ebpf.SockOps, License: "GPL",
 		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}})
 	if err != nil {
@@ -114,20 +122,7 @@ func TestAttachCgroupFollowsTheSetting(t *testing.T) {
 // another kind pinned there) was updated with prog, which the kernel
 // refuses: the attach failed on every start. It is replaced instead.
 func TestAttachCgroupReplacesOtherAttachType(t *testing.T) {
-	root := filepath.Join(t.TempDir(), "bpf")
-	t.Cleanup(func() { _ = unix.Unmount(root, unix.MNT_DETACH) })
-	if err := EnsureBPFFS(root); err != nil {
-		t.Fatal(err)
-	}
-	top, err := CgroupV2Root()
-	if err != nil {
-		t.Fatal(err)
-	}
-	child := filepath.Join(top, fmt.Sprintf("rd-pin-type-test-%d", os.Getpid()))
-	if err := os.Mkdir(child, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = os.Remove(child) })
+	root, _, child := cgroupRig(t, "rd-pin-type-test")
 	path := filepath.Join(root, "sockops")
 	t.Cleanup(func() { _ = DetachLink(path) })
 	ret1 := asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}
