@@ -202,7 +202,11 @@ func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 			Pod(server, "mesh", "server-sa", "app=server").
 			Pod(plain, "plain", "default")
 	})
-	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
+	// Both pods enrolled: a client pod not yet enrolled reaches the server
+	// in plaintext, where the per-source limit resets its later connects.
+	for _, a := range ms.agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
 	var appConns atomic.Int64
 	ServeTCP(t, server, 9000, func(c net.Conn) { appConns.Add(1); _, _ = io.Copy(c, c) })
 	dst := netip.AddrPortFrom(server.IPv4, 9000)
