@@ -165,7 +165,10 @@ func liar(t *testing.T, honest bool) netip.AddrPort {
 			}
 			bad := [][]byte{
 				reply(func(r *dns.Msg) { r.Id++; r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.1") }),
-				reply(func(r *dns.Msg) { r.Question[0].Name = "evil.example."; r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.2") }),
+				reply(func(r *dns.Msg) {
+					r.Question[0].Name = "evil.example."
+					r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.2")
+				}),
 				reply(func(r *dns.Msg) { r.Question[0].Qtype = dns.TypeAAAA }),
 				reply(func(r *dns.Msg) { r.Response = false }),
 				append(slices.Clone(buf[:2]), 0x81, 0x80, 0, 1, 0, 1, 0xff, 0xff),

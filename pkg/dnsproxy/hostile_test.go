@@ -52,7 +52,9 @@ func TestHostileQueries(t *testing.T) {
 		{"cut question", good[:20], dns.RcodeFormatError, "malformed"},
 		{"garbage after header", append(slices.Clone(good[:12]), 0xc0, 0xff, 0xc0, 0x0c), dns.RcodeFormatError, "malformed"},
 		{"zero questions", edit(func(q *dns.Msg) { q.Question = nil }), dns.RcodeFormatError, "question_count"},
-		{"two questions", edit(func(q *dns.Msg) { q.Question = append(q.Question, dns.Question{Name: "b.example.", Qtype: dns.TypeA, Qclass: dns.ClassINET}) }), dns.RcodeFormatError, "question_count"},
+		{"two questions", edit(func(q *dns.Msg) {
+			q.Question = append(q.Question, dns.Question{Name: "b.example.", Qtype: dns.TypeA, Qclass: dns.ClassINET})
+		}), dns.RcodeFormatError, "question_count"},
 		{"response", edit(func(q *dns.Msg) { q.Response = true }), dns.RcodeFormatError, "response"},
 		{"notify", edit(func(q *dns.Msg) { q.Opcode = dns.OpcodeNotify }), dns.RcodeNotImplemented, "opcode"},
 		{"update", edit(func(q *dns.Msg) { q.Opcode = dns.OpcodeUpdate }), dns.RcodeNotImplemented, "opcode"},
