@@ -202,6 +202,12 @@ func (k *kubeDNS) lastReply() []byte {
 // connections to ServeConn, all from the pod who.
 func serve(t testing.TB, p *Proxy, who *workload.Workload) string {
 	t.Helper()
+	return serveObserved(t, p, who, nil)
+}
+
+// serveObserved is serve, showing each UDP query to seen first.
+func serveObserved(t testing.TB, p *Proxy, who *workload.Workload, seen func(query []byte)) string {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
 	if err != nil {
@@ -222,6 +228,9 @@ func serve(t testing.TB, p *Proxy, who *workload.Workload) string {
 				return
 			}
 			query := append([]byte(nil), buf[:n]...)
+			if seen != nil {
+				seen(query)
+			}
 			wg.Go(func() {
 				if answer := p.Answer(ctx, who, "udp", query, dialLoopback); answer != nil {
 					pc.WriteTo(answer, from)
