@@ -1,0 +1,195 @@
+package dnsproxy
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/miekg/dns"
+
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+var errNoUpstream = errors.New("no upstream resolver configured")
+
+// forward sends query upstream and returns the answer for the client:
+// the upstream's, its ID the client's, fitted to the client's buffer; or
+// SERVFAIL when no upstream answered.
+func (p *Proxy) forward(ctx context.Context, client *workload.Workload, l []string, req *dns.Msg, query []byte, tcp bool, dial Dialer) []byte {
+	start := time.Now()
+	answer, err := p.exchange(ctx, req, query, tcp, dial)
+	p.m.upstream(l, time.Since(start), err != nil)
+	if err != nil {
+		p.log.Debug("dns: forwarding failed", "client", clientName(client), "name", req.Question[0].Name,
+			"type", dns.TypeToString[req.Question[0].Qtype], "error", err)
+	}
+	if answer == nil {
+		return p.pack(replyTo(req, dns.RcodeServerFailure), req, tcp)
+	}
+	binary.BigEndian.PutUint16(answer, req.Id)
+	if size := clientSize(req, tcp); len(answer) > size {
+		// Only an answer re-asked over TCP for a TCP client, or an
+		// upstream ignoring the client's size, gets here.
+		m := new(dns.Msg)
+		if err := m.Unpack(answer); err != nil {
+			return p.pack(replyTo(req, dns.RcodeServerFailure), req, tcp)
+		}
+		return p.pack(m, req, tcp)
+	}
+	return answer
+}
+
+// exchange asks the upstreams in order, each within Config.Timeout, and
+// returns the first answer that is not SERVFAIL or REFUSED (hickory moves
+// to the next server on those too); failing that the last such answer,
+// with an error, or nil and an error. The query goes as the client sent
+// it, under a fresh random ID; an answer over UDP with TC set is asked
+// again over TCP when the client came over TCP (a UDP client gets the
+// truncated answer and retries over TCP itself, as it would talking to
+// the upstream).
+func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bool, dial Dialer) ([]byte, error) {
+	if len(p.cfg.Upstreams) == 0 {
+		return nil, errNoUpstream
+	}
+	id := uint16(rand.N(1 << 16))
+	out := slices.Clone(query)
+	binary.BigEndian.PutUint16(out, id)
+	q := req.Question[0]
+	var failed []byte
+	var errs []error
+	for _, up := range p.cfg.Upstreams {
+		answer, err := p.ask(ctx, up.String(), out, id, q, clientSize(req, false), tcp, dial)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("upstream %s: %w", up, err))
+			continue
+		}
+		if rcode := int(answer[3] & 0xf); rcode == dns.RcodeServerFailure || rcode == dns.RcodeRefused {
+			failed = answer
+			errs = append(errs, fmt.Errorf("upstream %s: answered %s", up, dns.RcodeToString[rcode]))
+			continue
+		}
+		return answer, nil
+	}
+	return failed, errors.Join(errs...)
+}
+
+// ask asks one upstream at addr, over UDP and then TCP if the answer is
+// truncated and retry says so.
+func (p *Proxy) ask(ctx context.Context, addr string, query []byte, id uint16, q dns.Question, udpSize int, retry bool, dial Dialer) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
+	defer cancel()
+	answer, err := askUDP(ctx, dial, addr, query, id, q, udpSize)
+	if err != nil {
+		return nil, err
+	}
+	if answer[2]&0x02 == 0 || !retry {
+		return answer, nil
+	}
+	answer, err = askTCP(ctx, dial, addr, query, id, q)
+	if err != nil {
+		return nil, fmt.Errorf("retry over tcp of a truncated answer: %w", err)
+	}
+	return answer, nil
+}
+
+// askUDP sends query to addr over UDP and waits for its answer, ignoring
+// datagrams that are not (another ID or question, larger than the query
+// allowed, not a response), as a stub resolver does against spoofing.
+func askUDP(ctx context.Context, dial Dialer, addr string, query []byte, id uint16, q dns.Question, size int) ([]byte, error) {
+	conn, err := dialUpstream(ctx, dial, "udp", addr)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	if _, err := conn.Write(query); err != nil {
+		return nil, fmt.Errorf("send: %w", err)
+	}
+	buf := make([]byte, size+1)
+	for {
+		n, err := conn.Read(buf)
+		if err != nil {
+			return nil, fmt.Errorf("receive: %w", err)
+		}
+		if n <= size && answers(buf[:n], id, q) {
+			return slices.Clone(buf[:n]), nil
+		}
+	}
+}
+
+// askTCP sends query to addr over TCP (RFC 1035 4.2.2 framing) and reads
+// its answer, which must be one.
+func askTCP(ctx context.Context, dial Dialer, addr string, query []byte, id uint16, q dns.Question) ([]byte, error) {
+	conn, err := dialUpstream(ctx, dial, "tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	msg := binary.BigEndian.AppendUint16(make([]byte, 0, 2+len(query)), uint16(len(query)))
+	if _, err := conn.Write(append(msg, query...)); err != nil {
+		return nil, fmt.Errorf("send: %w", err)
+	}
+	var n [2]byte
+	if _, err := io.ReadFull(conn, n[:]); err != nil {
+		return nil, fmt.Errorf("receive: %w", err)
+	}
+	answer := make([]byte, binary.BigEndian.Uint16(n[:]))
+	if _, err := io.ReadFull(conn, answer); err != nil {
+		return nil, fmt.Errorf("receive: %w", err)
+	}
+	if !answers(answer, id, q) {
+		return nil, errors.New("answer does not match the query")
+	}
+	return answer, nil
+}
+
+// dialUpstream dials addr and ties the connection to ctx: its deadline,
+// and closing it when ctx ends.
+func dialUpstream(ctx context.Context, dial Dialer, network, addr string) (net.Conn, error) {
+	if dial == nil {
+		return nil, errors.New("no dialer")
+	}
+	conn, err := dial(ctx, network, addr)
+	if err != nil {
+		return nil, fmt.Errorf("dial %s: %w", network, err)
+	}
+	if d, ok := ctx.Deadline(); ok {
+		if err := conn.SetDeadline(d); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("set deadline: %w", err)
+		}
+	}
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
+	return closeStopping{conn, stop}, nil
+}
+
+// closeStopping closes its conn and drops the close on ctx's end.
+type closeStopping struct {
+	net.Conn
+	stop func() bool
+}
+
+func (c closeStopping) Close() error {
+	c.stop()
+	return c.Conn.Close()
+}
+
+// answers says whether msg is a well-formed response to the query with id
+// and question q: only then is it passed on.
+func answers(msg []byte, id uint16, q dns.Question) bool {
+	if len(msg) < headerLen || binary.BigEndian.Uint16(msg) != id || msg[2]&0x80 == 0 || opcode(msg) != dns.OpcodeQuery {
+		return false
+	}
+	var m dns.Msg
+	if err := m.Unpack(msg); err != nil || len(m.Question) != 1 {
+		return false
+	}
+	a := m.Question[0]
+	return a.Qtype == q.Qtype && a.Qclass == q.Qclass && strings.EqualFold(a.Name, q.Name)
+}
