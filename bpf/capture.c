@@ -756,7 +756,14 @@ static __always_inline int dns_ingress(struct __sk_buff *skb, struct tcp_pkt *p,
  *   bpf_redirect   to this interface's ingress for a new outbound connection
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
- *                  captured or source-preserved connection);
+ *                  captured or source-preserved connection), and for a
+ *                  UDP query to port 53 of a pod with DNS capture
+ *                  (dns_egress);
+ *   TC_ACT_SHOT    such a query that cannot be steered cleanly (a
+ *                  fragment, IPv4 options, IPv6 extension headers, a
+ *                  stacked VLAN tag, a cut UDP header), to a loopback
+ *                  address, or from an address of the pod's interface that
+ *                  is not enrolled (dns_egress);
  *   TC_ACT_SHOT    a packet of an app socket whose connection was captured
  *                  (rd_captured: its SYN was steered, or a tunnel socket
  *                  owned its packets; rd_dialled: the tunnel dialled it)
