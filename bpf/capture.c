@@ -18,6 +18,7 @@ char __license[] SEC("license") = "GPL";
 volatile const __u16 outbound_port = 15001;
 volatile const __u16 inbound_port = 15006;
 volatile const __u16 hbone_port = 15008;
+volatile const __u16 dns_port = 15053; /* the tunnel's DNS socket in each pod, bound to [::] */
 volatile const __u32 mark_mask = 0xfff;
 volatile const __u32 tunnel_mark = 0x539;   /* SO_MARK of every tunnel socket */
 volatile const __u32 reinject_mark = 0x111; /* routed locally by the pod's fwmark rule */
@@ -632,17 +633,137 @@ static __always_inline int cookie_ack(struct __sk_buff *skb, struct tcp_pkt *p)
 	return TC_ACT_OK;
 }
 
+#define DNS_SERVER_PORT 53
+
+/* dns_query reports whether a PARSE_UDP packet may be a DNS query: to port
+ * 53, or with its ports unreadable (it cannot be told apart from one). */
+static __always_inline int dns_query(const struct tcp_pkt *p)
+{
+	return !p->has_ports || bpf_ntohs(pkt_dport(p)) == DNS_SERVER_PORT;
+}
+
+/* dns_egress is rd_pod_egress for UDP: a query to port 53 of a pod whose
+ * DNS is captured is re-injected into ingress, where rd_pod_ingress assigns
+ * it to the tunnel's DNS socket (assign_dns), as istio-cni's
+ * `-p udp --dport 53 -j REDIRECT --to-port 15053` does with conntrack. The
+ * tunnel's own queries upstream (tunnel mark) pass. A query the programs
+ * cannot steer cleanly (parse_tcp's unclean reasons), one to a loopback
+ * address (a socket bound to the device), and one from an address of the
+ * pod's interface that is not enrolled (link-local, SLAAC) is dropped: with
+ * DNS capture on, no query leaves the pod uncaptured. Everything else, and
+ * everything of pods without DNS capture, passes as it always did. */
+static __always_inline int dns_egress(struct __sk_buff *skb, const struct tcp_pkt *p)
+{
+	int tunnel = (skb->mark & mark_mask) == tunnel_mark;
+	struct pod_settings *pod;
+	struct pod_addr owner;
+
+	if (!dns_query(p))
+		return TC_ACT_UNSPEC;
+	pod = bpf_map_lookup_elem(&rd_pods, &p->src);
+	if (!pod) {
+		if (tunnel)
+			return TC_ACT_UNSPEC;
+		pod = netns_pod(skb, &owner);
+		if (!pod || !(pod->flags & POD_CAPTURE_DNS))
+			return TC_ACT_UNSPEC;
+		count(is_link_local(&p->src) ? REASON_DROP_LINK_LOCAL : REASON_DROP_UNENROLLED_ADDR, &owner, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (!(pod->flags & POD_CAPTURE_DNS))
+		return TC_ACT_UNSPEC;
+	if (tunnel) {
+		count(REASON_OUT_PASS_TUNNEL_MARK, &p->src, CNT_BYPASSED);
+		return TC_ACT_UNSPEC;
+	}
+	if (p->unclean) {
+		count(p->unclean, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (is_loopback(&p->dst)) {
+		count(REASON_DROP_LOOPBACK, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	return steer(skb, REASON_OUT_DNS_STEERED, &p->src, CNT_STEERED);
+}
+
+/* assign_dns hands a DNS query dns_egress re-injected to the tunnel's DNS
+ * socket: the UDP socket on dns_port that the packet's tuple, with that
+ * destination port, finds (bound to the wildcard address, dual-stack). It
+ * keeps the reinject mark, so the fwmark rule routes it locally although
+ * its destination is the resolver's address; the socket reads that address
+ * and port 53 from IP(V6)_ORIGDSTADDR. The socket must carry the tunnel
+ * mark: a process in the pod may bind dns_port itself (to the resolver's
+ * address, the more specific match, with IP_FREEBIND). No socket or a
+ * foreign one fails the query, as a REDIRECT to a port nobody listens on
+ * does. Returns the verdict. */
+static __always_inline int assign_dns(struct __sk_buff *skb, struct tcp_pkt *p)
+{
+	struct bpf_sock *sk;
+	long err;
+
+	set_dport(p, dns_port);
+	sk = lookup_udp(skb, p);
+	if (!sk) {
+		count(REASON_DROP_NO_DNS_SOCKET, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	if (!tunnel_socket(sk)) {
+		bpf_sk_release(sk);
+		count(REASON_DROP_FOREIGN_DNS_SOCKET, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	err = bpf_sk_assign(skb, sk, 0);
+	bpf_sk_release(sk);
+	if (err) {
+		count(REASON_DROP_ASSIGN_FAILED, &p->src, CNT_DROPPED);
+		return TC_ACT_SHOT;
+	}
+	count(REASON_IN_ASSIGN_DNS, &p->src, CNT_STEERED);
+	return TC_ACT_OK;
+}
+
+/* dns_ingress is rd_pod_ingress for a re-injected UDP packet: a query of a
+ * pod whose DNS is captured goes to assign_dns (one that is not clean cannot
+ * have been steered, so it is dropped, not passed); 1 with the verdict in
+ * *verdict, 0 for what is not such a query. */
+static __always_inline int dns_ingress(struct __sk_buff *skb, struct tcp_pkt *p, int *verdict)
+{
+	struct pod_settings *pod;
+
+	if ((skb->mark & mark_mask) != reinject_mark || !dns_query(p))
+		return 0;
+	pod = bpf_map_lookup_elem(&rd_pods, &p->src);
+	if (!pod || !(pod->flags & POD_CAPTURE_DNS))
+		return 0;
+	if (p->unclean) {
+		count(p->unclean, &p->src, CNT_DROPPED);
+		*verdict = TC_ACT_SHOT;
+		return 1;
+	}
+	*verdict = assign_dns(skb, p);
+	return 1;
+}
+
 /* rd_pod_egress: tcx egress of the pod interface (pod -> world).
  *
  * Verdicts:
- *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP, an
+ *   TC_ACT_UNSPEC  (tcx next) for everything not ours: non-TCP (but a
+ *                  DNS query of a pod with DNS capture: dns_egress), an
  *                  unenrolled source on an interface that is no enrolled
  *                  pod's, tunnel-marked sockets, the probe SNAT address, and
  *                  packets of connections the tunnel does not own;
  *   bpf_redirect   to this interface's ingress for a new outbound connection
  *                  (SYN without ACK) of an enrolled pod, and for any packet
  *                  whose tuple belongs to a tunnel socket (the app's side of a
- *                  captured or source-preserved connection);
+ *                  captured or source-preserved connection), and for a
+ *                  UDP query to port 53 of a pod with DNS capture
+ *                  (dns_egress);
+ *   TC_ACT_SHOT    such a query that cannot be steered cleanly (a
+ *                  fragment, IPv4 options, IPv6 extension headers, a
+ *                  stacked VLAN tag, a cut UDP header), to a loopback
+ *                  address, or from an address of the pod's interface that
+ *                  is not enrolled (dns_egress);
  *   TC_ACT_SHOT    a packet of an app socket whose connection was captured
  *                  (rd_captured: its SYN was steered, or a tunnel socket
  *                  owned its packets; rd_dialled: the tunnel dialled it)
@@ -672,6 +793,8 @@ int rd_pod_egress(struct __sk_buff *skb)
 	struct tcp_pkt p = {};
 	int ret = parse_tcp(skb, &p);
 
+	if (ret == PARSE_UDP)
+		return dns_egress(skb, &p);
 	if (ret == PARSE_OTHER)
 		return TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)
@@ -745,6 +868,10 @@ int rd_pod_egress(struct __sk_buff *skb)
  * is not enrolled (own_source: accept_local is on).
  * Verdicts for re-injected packets (they carry reinject_mark, which a packet
  * from another namespace cannot: the mark is scrubbed when crossing one):
+ *   TC_ACT_OK      after bpf_sk_assign of a DNS query (UDP to port 53) of a
+ *                  pod with DNS capture to the tunnel's DNS socket;
+ *   TC_ACT_SHOT    for such a query when that socket is missing or is not
+ *                  the tunnel's (dns_ingress);
  *   TC_ACT_OK      after bpf_sk_assign of an outbound SYN to the outbound
  *                  listener; other re-injected packets pass with the mark so
  *                  the fwmark rule delivers them locally to their socket, and
@@ -788,8 +915,13 @@ int rd_pod_ingress(struct __sk_buff *skb)
 {
 	struct pod_settings *pod, *src_pod;
 	struct tcp_pkt p = {};
-	int ret = parse_tcp(skb, &p);
+	int ret = parse_tcp(skb, &p), verdict;
 
+	if (ret == PARSE_UDP) {
+		if (dns_ingress(skb, &p, &verdict))
+			return verdict;
+		ret = PARSE_OTHER;
+	}
 	if (ret == PARSE_OTHER)
 		return own_source(skb, &p) ? TC_ACT_SHOT : TC_ACT_UNSPEC;
 	if (ret != PARSE_TCP)

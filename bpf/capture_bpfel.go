@@ -47,6 +47,7 @@ type CapturePodFlag uint32
 const (
 	CapturePodFlagPOD_CAPTURE_OUTBOUND CapturePodFlag = 1
 	CapturePodFlagPOD_CAPTURE_INBOUND  CapturePodFlag = 2
+	CapturePodFlagPOD_CAPTURE_DNS      CapturePodFlag = 4
 )
 
 type CapturePodMeta struct {
@@ -81,43 +82,48 @@ type CapturePodSettings struct {
 type CaptureVerdictReason uint32
 
 const (
-	CaptureVerdictReasonREASON_OUT_SYN_STEERED       CaptureVerdictReason = 0
-	CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET     CaptureVerdictReason = 1
-	CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK  CaptureVerdictReason = 2
-	CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED     CaptureVerdictReason = 3
-	CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND    CaptureVerdictReason = 4
-	CaptureVerdictReasonREASON_IN_ASSIGN_INBOUND     CaptureVerdictReason = 5
-	CaptureVerdictReasonREASON_IN_PASS_HBONE         CaptureVerdictReason = 6
-	CaptureVerdictReasonREASON_IN_PASS_PROBE         CaptureVerdictReason = 7
-	CaptureVerdictReasonREASON_IN_PASS_REINJECTED    CaptureVerdictReason = 8
-	CaptureVerdictReasonREASON_IN_PASS_EXISTING      CaptureVerdictReason = 9
-	CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE    CaptureVerdictReason = 10
-	CaptureVerdictReasonREASON_DROP_NO_LISTENER      CaptureVerdictReason = 11
-	CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED    CaptureVerdictReason = 12
-	CaptureVerdictReasonREASON_DROP_SPOOFED          CaptureVerdictReason = 13
-	CaptureVerdictReasonREASON_DROP_TRUNCATED        CaptureVerdictReason = 14
-	CaptureVerdictReasonREASON_DROP_MALFORMED        CaptureVerdictReason = 15
-	CaptureVerdictReasonREASON_DROP_FRAGMENT         CaptureVerdictReason = 16
-	CaptureVerdictReasonREASON_DROP_EXTHDR           CaptureVerdictReason = 17
-	CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT       CaptureVerdictReason = 18
-	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT     CaptureVerdictReason = 19
-	CaptureVerdictReasonREASON_IN_SYN_EXISTING       CaptureVerdictReason = 20
-	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED    CaptureVerdictReason = 21
-	CaptureVerdictReasonREASON_DROP_LINK_LOCAL       CaptureVerdictReason = 22
-	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR  CaptureVerdictReason = 23
-	CaptureVerdictReasonREASON_DROP_VLAN             CaptureVerdictReason = 24
-	CaptureVerdictReasonREASON_DROP_SYN_SENT         CaptureVerdictReason = 25
-	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE     CaptureVerdictReason = 26
-	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE      CaptureVerdictReason = 27
-	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK     CaptureVerdictReason = 28
-	CaptureVerdictReasonREASON_DROP_LOOPBACK         CaptureVerdictReason = 29
-	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL     CaptureVerdictReason = 30
-	CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER CaptureVerdictReason = 31
-	CaptureVerdictReasonREASON_DROP_FOREIGN_DST      CaptureVerdictReason = 32
-	CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK  CaptureVerdictReason = 33
-	CaptureVerdictReasonREASON_DROP_STEER            CaptureVerdictReason = 34
-	CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED  CaptureVerdictReason = 35
-	CaptureVerdictReasonREASON_MAX                   CaptureVerdictReason = 36
+	CaptureVerdictReasonREASON_OUT_SYN_STEERED         CaptureVerdictReason = 0
+	CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET       CaptureVerdictReason = 1
+	CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK    CaptureVerdictReason = 2
+	CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED       CaptureVerdictReason = 3
+	CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND      CaptureVerdictReason = 4
+	CaptureVerdictReasonREASON_IN_ASSIGN_INBOUND       CaptureVerdictReason = 5
+	CaptureVerdictReasonREASON_IN_PASS_HBONE           CaptureVerdictReason = 6
+	CaptureVerdictReasonREASON_IN_PASS_PROBE           CaptureVerdictReason = 7
+	CaptureVerdictReasonREASON_IN_PASS_REINJECTED      CaptureVerdictReason = 8
+	CaptureVerdictReasonREASON_IN_PASS_EXISTING        CaptureVerdictReason = 9
+	CaptureVerdictReasonREASON_IN_PASS_NO_CAPTURE      CaptureVerdictReason = 10
+	CaptureVerdictReasonREASON_DROP_NO_LISTENER        CaptureVerdictReason = 11
+	CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED      CaptureVerdictReason = 12
+	CaptureVerdictReasonREASON_DROP_SPOOFED            CaptureVerdictReason = 13
+	CaptureVerdictReasonREASON_DROP_TRUNCATED          CaptureVerdictReason = 14
+	CaptureVerdictReasonREASON_DROP_MALFORMED          CaptureVerdictReason = 15
+	CaptureVerdictReasonREASON_DROP_FRAGMENT           CaptureVerdictReason = 16
+	CaptureVerdictReasonREASON_DROP_EXTHDR             CaptureVerdictReason = 17
+	CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT         CaptureVerdictReason = 18
+	CaptureVerdictReasonREASON_DROP_SYN_TIMEWAIT       CaptureVerdictReason = 19
+	CaptureVerdictReasonREASON_IN_SYN_EXISTING         CaptureVerdictReason = 20
+	CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED      CaptureVerdictReason = 21
+	CaptureVerdictReasonREASON_DROP_LINK_LOCAL         CaptureVerdictReason = 22
+	CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR    CaptureVerdictReason = 23
+	CaptureVerdictReasonREASON_DROP_VLAN               CaptureVerdictReason = 24
+	CaptureVerdictReasonREASON_DROP_SYN_SENT           CaptureVerdictReason = 25
+	CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE       CaptureVerdictReason = 26
+	CaptureVerdictReasonREASON_DROP_TUNNEL_GONE        CaptureVerdictReason = 27
+	CaptureVerdictReasonREASON_DROP_CAPTURE_MARK       CaptureVerdictReason = 28
+	CaptureVerdictReasonREASON_DROP_LOOPBACK           CaptureVerdictReason = 29
+	CaptureVerdictReasonREASON_SOCK_ROUTED_LOCAL       CaptureVerdictReason = 30
+	CaptureVerdictReasonREASON_DROP_FOREIGN_LISTENER   CaptureVerdictReason = 31
+	CaptureVerdictReasonREASON_DROP_FOREIGN_DST        CaptureVerdictReason = 32
+	CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK    CaptureVerdictReason = 33
+	CaptureVerdictReasonREASON_DROP_STEER              CaptureVerdictReason = 34
+	CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED    CaptureVerdictReason = 35
+	CaptureVerdictReasonREASON_OUT_DNS_STEERED         CaptureVerdictReason = 36
+	CaptureVerdictReasonREASON_IN_ASSIGN_DNS           CaptureVerdictReason = 37
+	CaptureVerdictReasonREASON_DROP_NO_DNS_SOCKET      CaptureVerdictReason = 38
+	CaptureVerdictReasonREASON_DROP_FOREIGN_DNS_SOCKET CaptureVerdictReason = 39
+	CaptureVerdictReasonREASON_DROP_IP_OPTIONS         CaptureVerdictReason = 40
+	CaptureVerdictReasonREASON_MAX                     CaptureVerdictReason = 41
 )
 
 // Names of all BPF objects in the ELF.
@@ -134,6 +140,7 @@ const (
 	CaptureProgRdPodEgress        = "rd_pod_egress"
 	CaptureProgRdPodIngress       = "rd_pod_ingress"
 	CaptureProgRdPodSockops       = "rd_pod_sockops"
+	CaptureVarDnsPort             = "dns_port"
 	CaptureVarHbonePort           = "hbone_port"
 	CaptureVarInboundPort         = "inbound_port"
 	CaptureVarMarkMask            = "mark_mask"
@@ -211,6 +218,7 @@ type CaptureMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type CaptureVariableSpecs struct {
+	DnsPort             *ebpf.VariableSpec `ebpf:"dns_port"`
 	HbonePort           *ebpf.VariableSpec `ebpf:"hbone_port"`
 	InboundPort         *ebpf.VariableSpec `ebpf:"inbound_port"`
 	MarkMask            *ebpf.VariableSpec `ebpf:"mark_mask"`
@@ -269,6 +277,7 @@ func (m *CaptureMaps) Close() error {
 //
 // It can be passed to LoadCaptureObjects or ebpf.CollectionSpec.LoadAndAssign.
 type CaptureVariables struct {
+	DnsPort             *ebpf.Variable `ebpf:"dns_port"`
 	HbonePort           *ebpf.Variable `ebpf:"hbone_port"`
 	InboundPort         *ebpf.Variable `ebpf:"inbound_port"`
 	MarkMask            *ebpf.Variable `ebpf:"mark_mask"`

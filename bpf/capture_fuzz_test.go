@@ -45,11 +45,15 @@ import (
 //	          (0x111), the tunnel's with bits outside the mask
 //	bits 5-6  the namespace's rd_pod_netns entry: none, pod 1's, pod 2's,
 //	          or a stale one (pod 1's id on an address pod 2 holds now)
+//	bit 7     pod 1's DNS capture (POD_CAPTURE_DNS)
 //
 // The rig's namespace has the tunnel's three listeners (tunnel mark,
 // dual-stack), an app's listener on the inbound port bound to pod 1's
 // second IPv4 address (no mark), and one connected pair per family whose
-// tuple stands for a tunnel-owned connection.
+// tuple stands for a tunnel-owned connection. On the DNS port 15053 it has
+// the tunnel's UDP socket on [::] for IPv6 only (so an IPv4 query finds
+// none) and sockets of an app (no mark) bound to peer4 and peer6 (the more
+// specific match for queries to them).
 func FuzzCapture(f *testing.F) {
 	for _, s := range fuzzSeeds() {
 		f.Add(s.mode, s.pkt)
@@ -163,6 +167,11 @@ func newFuzzRig(f *testing.F) *fuzzRig {
 		synSent(pod4, rigSynSentPort, gone4, false), synSent(pod6, rigSynSentPort, gone6, false),
 		synSent(pod4, rigSynSentPort+1, gone4, true), synSent(pod4, 15008, gone4, false),
 	}
+	r.world.udpSocks = []refSock{
+		{local: netip.AddrPortFrom(netip.IPv6Unspecified(), 15053), marked: true},
+		{local: netip.AddrPortFrom(peer4, 15053)},
+		{local: netip.AddrPortFrom(peer6, 15053)},
+	}
 	ready := make(chan error)
 	stop := make(chan struct{})
 	go r.serve(ready, stop)
@@ -239,20 +248,24 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 				return fmt.Errorf("neighbour %s: %w", a, err)
 			}
 		}
-		sock := func(a netip.AddrPort, mark int, v6only bool) (int, error) {
+		sock := func(typ int, a netip.AddrPort, mark int, v6only bool) (int, error) {
 			fam := unix.AF_INET6
 			var sa unix.Sockaddr = &unix.SockaddrInet6{Port: int(a.Port()), Addr: a.Addr().As16()}
 			if a.Addr().Is4() {
 				fam = unix.AF_INET
 				sa = &unix.SockaddrInet4{Port: int(a.Port()), Addr: a.Addr().As4()}
 			}
-			fd, err := unix.Socket(fam, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			fd, err := unix.Socket(fam, typ|unix.SOCK_CLOEXEC, 0)
 			if err != nil {
 				return -1, err
 			}
 			fds = append(fds, fd)
-			if fam == unix.AF_INET6 && !v6only {
-				if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
+			if fam == unix.AF_INET6 {
+				only := 0
+				if v6only {
+					only = 1
+				}
+				if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, only); err != nil {
 					return -1, err
 				}
 			}
@@ -262,6 +275,15 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 				}
 			}
 			return fd, unix.Bind(fd, sa)
+		}
+		for _, k := range r.world.udpSocks {
+			mark := 0
+			if k.marked {
+				mark = tunnelMarkRef
+			}
+			if _, err := sock(unix.SOCK_DGRAM, k.local, mark, !k.dualStack); err != nil {
+				return fmt.Errorf("udp socket %s: %w", k.local, err)
+			}
 		}
 		// The sockets the reference's world lists: listeners first,
 		// then each pair's client end connects (from the pod's port)
@@ -275,7 +297,7 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 			if k.marked {
 				mark = tunnelMarkRef
 			}
-			fd, err := sock(k.local, mark, !k.dualStack)
+			fd, err := sock(unix.SOCK_STREAM, k.local, mark, !k.dualStack)
 			if err != nil {
 				return fmt.Errorf("listener %s: %w", k.local, err)
 			}
@@ -292,7 +314,7 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 			if k.marked {
 				mark = tunnelMarkRef
 			}
-			fd, err := sock(k.local, mark, true)
+			fd, err := sock(unix.SOCK_STREAM, k.local, mark, true)
 			if err != nil {
 				return fmt.Errorf("client %s: %w", k.local, err)
 			}
@@ -315,7 +337,7 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 			if k.listen || k.synSent || k.local.Port() != rigLocalPort {
 				continue
 			}
-			fd, err := sock(k.local, 0, true)
+			fd, err := sock(unix.SOCK_STREAM, k.local, 0, true)
 			if err != nil {
 				return fmt.Errorf("client %s: %w", k.local, err)
 			}
@@ -364,6 +386,9 @@ func (r *fuzzRig) serve(ready chan<- error, stop <-chan struct{}) {
 // setMode puts the mode's enrollment and rd_pod_netns entry in the maps.
 func (r *fuzzRig) setMode(t *testing.T, mode byte) {
 	flags := uint32(mode>>1) & 3
+	if mode&0x80 != 0 {
+		flags |= uint32(CapturePodFlagPOD_CAPTURE_DNS)
+	}
 	ns := int(mode>>5) & 3
 	r.world.pods = map[[16]byte]refPod{
 		addrKey(pod4): {1, flags}, addrKey(pod4b): {1, flags}, addrKey(pod6): {1, flags},
@@ -378,7 +403,7 @@ func (r *fuzzRig) setMode(t *testing.T, mode byte) {
 		k := addrKey(owners[ns].addr)
 		r.world.nsOwner, r.world.nsPodID = &k, owners[ns].id
 	}
-	key := int(flags) | ns<<2
+	key := int(flags) | ns<<3
 	if key == r.lastMode {
 		return
 	}
@@ -470,7 +495,7 @@ func (r *fuzzRig) check(t *testing.T, mode byte, pkt []byte) {
 
 	p := refParse(pkt)
 	want := r.world.expect(egress, mark, p)
-	desc := fmt.Sprintf("%s, mode %#02x (pod 1 flags %d, mark %#x, netns %d), ref %v", name, mode, (mode>>1)&3, mark, (mode>>5)&3, p)
+	desc := fmt.Sprintf("%s, mode %#02x (pod 1 flags %d, dns %v, mark %#x, netns %d), ref %v", name, mode, (mode>>1)&3, mode&0x80 != 0, mark, (mode>>5)&3, p)
 
 	// At most one reason counted, once.
 	counted := noReason
@@ -571,6 +596,9 @@ func outcomesString(os []outcome) string {
 // fuzzMode is the input's first byte (see FuzzCapture).
 func fuzzMode(egress bool, flags uint32, markSel, ns int) byte {
 	m := byte(flags&3)<<1 | byte(markSel&3)<<3 | byte(ns&3)<<5
+	if flags&uint32(CapturePodFlagPOD_CAPTURE_DNS) != 0 {
+		m |= 0x80
+	}
 	if egress {
 		m |= 1
 	}
@@ -711,6 +739,17 @@ func fuzzSeeds() []fuzzSeed {
 		ip6(peer6, mapped(pod4), nil, pTCP, tcpSyn), ip6(mapped(pod4), peer6, nil, pTCP, tcpSyn),
 		frame(unix.ETH_P_ARP, make([]byte, 28)), []byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14},
 	}
+	for _, p := range dnsFrames() {
+		for _, egress := range []bool{false, true} {
+			for _, markSel := range []int{0, 1, 2, 3} {
+				for _, ns := range []int{0, 1} {
+					for _, flags := range []uint32{dnsFlags, bothWays} {
+						seeds = append(seeds, fuzzSeed{fuzzMode(egress, flags, markSel, ns), p})
+					}
+				}
+			}
+		}
+	}
 	for _, p := range other {
 		for _, egress := range []bool{false, true} {
 			for _, markSel := range []int{0, 1, 2, 3} {
@@ -724,4 +763,36 @@ func fuzzSeeds() []fuzzSeed {
 		}
 	}
 	return seeds
+}
+
+// dnsFrames are DNS queries of pod 1 (and look-alikes) as the DNS capture
+// sees them: to the resolvers whose port 15053 has the tunnel's socket, an
+// app's, or none; to 5353 and from 53; to loopback; from addresses of the
+// pod's interface that are not enrolled; and every way of hiding a query
+// from a clean parse (IPv4 options and AH, fragments, IPv6 extension
+// headers and source routes, VLAN tags, a header cut short).
+func dnsFrames() [][]byte {
+	q := query(53)
+	final := netip.MustParseAddr("fd00:200::5")
+	v4ah := append([]byte{pUDP, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 1}, q...)
+	return [][]byte{
+		ip4(pod4, peer4, pUDP, 0, q), ip4(pod4, other4, pUDP, 0, q), ip4(pod4, nb4, pUDP, 0, q),
+		ip6(pod6, peer6, nil, pUDP, q), ip6(pod6, other6, nil, pUDP, q),
+		ip4(pod4, other4, pUDP, 0, query(5353)), ip6(pod6, other6, nil, pUDP, udpHdr(53, 40000, nil)),
+		ip4(pod4, netip.MustParseAddr("127.0.0.53"), pUDP, 0, q), ip6(pod6, netip.IPv6Loopback(), nil, pUDP, q),
+		ip6(llPod, llPeer, nil, pUDP, q), ip6(other6, peer6, nil, pUDP, q), ip4(other4, peer4, pUDP, 0, q),
+		ip4(pod4, other4, pUDP, 0, q, 1, 1, 1, 0), ip4(pod4, other4, pUDP, 0, query(5353), 1, 1, 1, 0),
+		ip4(pod4, other4, pAH, 0, v4ah),
+		ip4(pod4, other4, pUDP, 0x2000, q), ip4(pod4, other4, pUDP, 0x2000, q[:4]), ip4(pod4, other4, pUDP, 0x2000|1, q),
+		ip4(pod4, other4, pUDP, 0, q[:6]), ip6(pod6, other6, nil, pUDP, q[:2]),
+		ip6(pod6, other6, []ext{opts(pHop, 0)}, pUDP, q), ip6(pod6, other6, []ext{opts(pHop, 0)}, pUDP, query(5353)),
+		ip6(pod6, other6, []ext{routing()}, pUDP, q), ip6(pod6, other6, []ext{ah()}, pUDP, q),
+		ip6(pod6, other6, []ext{frag(0, false)}, pUDP, q), ip6(pod6, other6, []ext{frag(0, true)}, pUDP, q),
+		ip6(pod6, other6, []ext{frag(0, true)}, pUDP, nil), ip6(pod6, other6, []ext{frag(8, true)}, pUDP, q),
+		ip6(pod6, other6, repeat(opts(pDst, 0), 8), pUDP, q),
+		ip6(pod6, other6, []ext{srh(1, final, other6)}, pUDP, q), ip6(pod6, other6, []ext{srh(1, final, other6)}, pUDP, query(5353)),
+		vlan(0x8100, ip4(pod4, other4, pUDP, 0, q)), vlan(0x8100, ip6(pod6, other6, nil, pUDP, query(5353))),
+		ip4(pod4, peer4, pTCP, 0, syn(53)),
+		forHost(ip4(peer4, pod4, pUDP, 0, q)), forHost(ip4(pod4, pod4, pUDP, 0, q)),
+	}
 }

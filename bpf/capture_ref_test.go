@@ -16,9 +16,10 @@ import (
 type refClass int
 
 const (
-	refOther    refClass = iota // not IP, or IP whose payload is not TCP
+	refOther    refClass = iota // not IP, or IP whose payload is neither TCP nor UDP
 	refTCP                      // a whole TCP header, its tuple known
 	refUnparsed                 // IP that may carry TCP but cannot be classified
+	refUDP                      // UDP, or the first fragment of a UDP datagram
 )
 
 // refPkt is a parsed frame. Addresses are the maps' keys: IPv4 mapped.
@@ -32,6 +33,10 @@ type refPkt struct {
 	syn, ack     bool
 	rst          bool
 	forHost      bool // the frame's destination MAC is the device's (PACKET_HOST)
+	// refUDP only: the ports were read (a whole UDP header), and why a DNS
+	// query in the packet cannot be steered cleanly (0: it can).
+	hasPorts bool
+	unclean  CaptureVerdictReason
 }
 
 // Protocol numbers that may carry TCP out of sight (docs: "hides its
@@ -82,18 +87,25 @@ func refParse(f []byte) refPkt {
 	default:
 		return p
 	}
-	if tags > 0 && p.class != refOther {
+	if tags > 0 && p.class == refUDP {
+		// a tag the kernel may take off after tc, and then route
+		// what it carries past the capture
+		p.unclean = CaptureVerdictReasonREASON_DROP_VLAN
+	} else if tags > 0 && p.class != refOther {
 		p.class, p.reason = refUnparsed, CaptureVerdictReasonREASON_DROP_VLAN
 	}
 	return p
 }
 
 func (p refPkt) String() string {
-	class := [...]string{"other", "tcp", "unparsed"}[p.class]
+	class := [...]string{"other", "tcp", "unparsed", "udp"}[p.class]
 	s := fmt.Sprintf("%s (reason %d), host frame %v", class, p.reason, p.forHost)
 	if p.hasAddrs {
 		s += fmt.Sprintf(", %s:%d -> %s:%d syn %v ack %v", netip.AddrFrom16(p.src).Unmap(), p.sport,
 			netip.AddrFrom16(p.dst).Unmap(), p.dport, p.syn, p.ack)
+	}
+	if p.class == refUDP {
+		s += fmt.Sprintf(", ports read %v, unclean %d", p.hasPorts, p.unclean)
 	}
 	return s
 }
@@ -124,6 +136,9 @@ func refIPv4(f []byte, l3 int, p *refPkt) {
 	if binary.BigEndian.Uint16(h[6:])&0x3fff != 0 { // MF or an offset
 		if proto == 6 || proto == 51 || refHides[proto] {
 			p.drop(CaptureVerdictReasonREASON_DROP_FRAGMENT)
+		} else if proto == 17 && binary.BigEndian.Uint16(h[6:])&0x1fff == 0 {
+			// the first fragment: the only one with the UDP header
+			refUDPHdr(f, off, p, CaptureVerdictReasonREASON_DROP_FRAGMENT)
 		}
 		return
 	}
@@ -142,13 +157,24 @@ func refIPv4(f []byte, l3 int, p *refPkt) {
 			p.drop(CaptureVerdictReasonREASON_DROP_EXTHDR)
 			return
 		}
+		if proto == 17 {
+			refUDPHdr(f, off, p, CaptureVerdictReasonREASON_DROP_EXTHDR)
+			return
+		}
 	}
 	if refHides[proto] {
 		p.drop(CaptureVerdictReasonREASON_DROP_EXTHDR)
 		return
 	}
-	if proto == 6 {
+	switch proto {
+	case 6:
 		refTCPHdr(f, off, p)
+	case 17:
+		var unclean CaptureVerdictReason
+		if h[0]&0xf > 5 {
+			unclean = CaptureVerdictReasonREASON_DROP_IP_OPTIONS
+		}
+		refUDPHdr(f, off, p, unclean)
 	}
 }
 
@@ -174,6 +200,14 @@ func refIPv6(f []byte, l3 int, p *refPkt) {
 			refTCPHdr(f, off, p)
 			return
 		}
+		if next == 17 {
+			var unclean CaptureVerdictReason
+			if walked > 0 {
+				unclean = CaptureVerdictReasonREASON_DROP_EXTHDR
+			}
+			refUDPHdr(f, off, p, unclean)
+			return
+		}
 		if !refMayHoldTCP6(next) {
 			return // UDP, ICMPv6, no next header, unknown: not TCP
 		}
@@ -194,6 +228,8 @@ func refIPv6(f []byte, l3 int, p *refPkt) {
 			if e[3] != 0 {
 				if refMayHoldTCP6(e[0]) {
 					p.drop(CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE)
+				} else if e[0] == 17 {
+					refUDPHdr(f, off+(int(e[1])+1)*8, p, CaptureVerdictReasonREASON_DROP_SOURCE_ROUTE)
 				}
 				return
 			}
@@ -208,9 +244,11 @@ func refIPv6(f []byte, l3 int, p *refPkt) {
 			off += (int(e[1]) + 2) * 4
 		case 44: // a fragment, unless atomic (offset 0, no more)
 			off += 8
-			if binary.BigEndian.Uint16(e[2:])&0xfff9 != 0 {
+			if fo := binary.BigEndian.Uint16(e[2:]); fo&0xfff9 != 0 {
 				if refMayHoldTCP6(e[0]) {
 					p.drop(CaptureVerdictReasonREASON_DROP_FRAGMENT)
+				} else if e[0] == 17 && fo&0xfff8 == 0 {
+					refUDPHdr(f, off, p, CaptureVerdictReasonREASON_DROP_FRAGMENT)
 				}
 				return
 			}
@@ -243,6 +281,19 @@ func refTCPHdr(f []byte, off int, p *refPkt) {
 	p.syn, p.ack, p.rst = t[13]&0x02 != 0, t[13]&0x10 != 0, t[13]&0x04 != 0
 }
 
+// refUDPHdr reads the UDP header at off: unclean is why a DNS query in it
+// could not be steered, and a header cut short (its ports unknown, so it may
+// be a query) makes it drop_truncated.
+func refUDPHdr(f []byte, off int, p *refPkt, unclean CaptureVerdictReason) {
+	p.class, p.unclean = refUDP, unclean
+	if len(f) < off+8 {
+		p.unclean = CaptureVerdictReasonREASON_DROP_TRUNCATED
+		return
+	}
+	p.hasPorts = true
+	p.sport, p.dport = binary.BigEndian.Uint16(f[off:]), binary.BigEndian.Uint16(f[off+2:])
+}
+
 // refPod is an enrolled pod of the rig.
 type refPod struct {
 	id, flags uint32
@@ -265,6 +316,32 @@ type refWorld struct {
 	nsOwner *[16]byte // the address rd_pod_netns names for this namespace
 	nsPodID uint32
 	socks   []refSock
+	// udpSocks are the namespace's bound UDP sockets (local and marked,
+	// dualStack: [::] not IPV6_V6ONLY).
+	udpSocks []refSock
+}
+
+// lookupUDP is bpf_sk_lookup_udp for a packet to dst:port: the socket
+// bound to dst itself, else one bound to the wildcard address of dst's
+// family (or a dual-stack [::]).
+func (w *refWorld) lookupUDP(dst [16]byte, port uint16) sockKind {
+	d := netip.AddrFrom16(dst).Unmap()
+	best, bestSpecific := sockNone, false
+	for _, k := range w.udpSocks {
+		if k.local.Port() != port {
+			continue
+		}
+		specific := k.local.Addr() == d
+		wild := k.local.Addr().IsUnspecified() && (k.local.Addr().Is6() == d.Is6() || k.dualStack)
+		if !specific && !wild || best != sockNone && bestSpecific && !specific {
+			continue
+		}
+		best, bestSpecific = sockOtherListener, specific
+		if k.marked {
+			best = sockTunnelListener
+		}
+	}
+	return best
 }
 
 // nsPod is netns_pod: the pod whose interface the packet is on, while the
@@ -373,8 +450,52 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 	forHost := egress || p.forHost // ingress frames the host would not take are the kernel's to drop
 	nsPod, owner, onPod := w.nsPod()
 
+	tunnelMarked := mark&markMaskRef == tunnelMarkRef
+	dnsFlag := uint32(CapturePodFlagPOD_CAPTURE_DNS)
+	// a query to port 53 as far as the programs can tell: a UDP header
+	// cut short may be one
+	dnsQuery := p.class == refUDP && (!p.hasPorts || p.dport == 53)
+	if dnsQuery && egress {
+		// dns_egress: a pod with DNS capture has every query steered
+		// to the tunnel's DNS socket, but for the tunnel's own; one it
+		// cannot steer cleanly, or to loopback, or from an address of
+		// its interface that is not enrolled, never leaves.
+		pod, ok := w.pods[src]
+		switch {
+		case !ok && (tunnelMarked || !onPod || nsPod.flags&dnsFlag == 0):
+			return pass
+		case !ok && refIsLinkLocal(src):
+			return one(actShot, CaptureVerdictReasonREASON_DROP_LINK_LOCAL, &owner)
+		case !ok:
+			return one(actShot, CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR, &owner)
+		case pod.flags&dnsFlag == 0:
+			return pass
+		case tunnelMarked:
+			return one(actUnspec, CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK, &src)
+		case p.unclean != 0:
+			return one(actShot, p.unclean, &src)
+		case refIsLoopback(dst):
+			return one(actShot, CaptureVerdictReasonREASON_DROP_LOOPBACK, &src)
+		}
+		return one(actRedirect, CaptureVerdictReasonREASON_OUT_DNS_STEERED, &src)
+	}
+	if dnsQuery && mark&markMaskRef == reinjectMarkRef && srcEnrolled && w.pods[src].flags&dnsFlag != 0 {
+		// a query dns_egress steered: to the tunnel's DNS socket on
+		// 15053 (bpf_sk_assign may refuse under BPF_PROG_TEST_RUN)
+		if p.unclean != 0 {
+			return one(actShot, p.unclean, &src)
+		}
+		switch w.lookupUDP(dst, 15053) {
+		case sockTunnelListener:
+			return []outcome{{actOK, CaptureVerdictReasonREASON_IN_ASSIGN_DNS, &src}, {actShot, CaptureVerdictReasonREASON_DROP_ASSIGN_FAILED, &src}}
+		case sockOtherListener:
+			return one(actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_DNS_SOCKET, &src)
+		}
+		return one(actShot, CaptureVerdictReasonREASON_DROP_NO_DNS_SOCKET, &src)
+	}
+
 	switch p.class {
-	case refOther:
+	case refOther, refUDP: // UDP that is no captured query is not the mesh's
 		// own_source: IPv4 from the wire from an enrolled address of
 		// the pod whose interface it arrives on (accept_local is on).
 		if !egress && p.hasAddrs && !p.v6 && srcEnrolled && onPod && w.pods[src].id == nsPod.id {
@@ -395,7 +516,6 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 		return pass
 	}
 
-	tunnelMarked := mark&markMaskRef == tunnelMarkRef
 	// unenrolled is unenrolled_local: TCP of the pod's own end that is not
 	// enrolled (link-local, SLAAC, secondary) on its interface.
 	unenrolled := func(local [16]byte, flag uint32) []outcome {
@@ -535,7 +655,8 @@ func refCounterFields(r CaptureVerdictReason) []int {
 		return []int{1}
 	case CaptureVerdictReasonREASON_OUT_TUNNEL_SOCKET, CaptureVerdictReasonREASON_IN_ASSIGN_OUTBOUND,
 		CaptureVerdictReasonREASON_IN_PASS_REINJECTED, CaptureVerdictReasonREASON_IN_SYN_TIMEWAIT,
-		CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK:
+		CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK, CaptureVerdictReasonREASON_OUT_DNS_STEERED,
+		CaptureVerdictReasonREASON_IN_ASSIGN_DNS:
 		return []int{2}
 	case CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK, CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED,
 		CaptureVerdictReasonREASON_IN_PASS_HBONE, CaptureVerdictReasonREASON_IN_PASS_PROBE,

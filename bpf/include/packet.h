@@ -13,6 +13,7 @@
 #include <linux/ipv6.h>
 #include <linux/pkt_cls.h>
 #include <linux/tcp.h>
+#include <linux/udp.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 #include "types.h"
@@ -45,6 +46,13 @@ struct tcp_pkt {
 	__u8 ack;
 	__u8 rst;
 	__u8 v6;
+	/* PARSE_UDP only: the UDP ports are in tuple (the header was whole),
+	 * and, when nonzero, the verdict_reason a DNS query in this packet is
+	 * dropped with: it could not be steered cleanly (a fragment, IPv4
+	 * options, IPv6 extension headers, a source route, a stacked VLAN
+	 * tag, a UDP header cut short). */
+	__u8 has_ports;
+	__u8 unclean;
 };
 
 /* What parse_tcp found. Anything else it returns is a verdict_reason: the
@@ -53,6 +61,8 @@ struct tcp_pkt {
 enum parse_result {
 	PARSE_TCP = 0,    /* a whole TCP header, its tuple in p */
 	PARSE_OTHER = -1, /* not IP, or IP whose payload is not TCP: not ours */
+	PARSE_UDP = -2,   /* UDP (or the first fragment of it): its ports in p if
+			   * has_ports; otherwise it is PARSE_OTHER to TCP */
 };
 
 static __always_inline void map_v4(struct pod_addr *a, __be32 ip)
@@ -169,6 +179,31 @@ static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __
 	return PARSE_TCP;
 }
 
+/* read_udp reads the UDP header at off into p for the DNS capture.
+ * unclean is the reason a DNS query in it cannot be steered (0: it can).
+ * Always PARSE_UDP: a header cut short only makes it unclean, with no
+ * ports, since the programs cannot tell it is not a query to port 53. */
+static __always_inline int read_udp(struct __sk_buff *skb, struct tcp_pkt *p, __u32 off, __u8 unclean)
+{
+	struct udphdr udp;
+
+	p->l4_off = off;
+	p->unclean = unclean;
+	if (bpf_skb_load_bytes(skb, off, &udp, sizeof(udp)) < 0) {
+		p->unclean = REASON_DROP_TRUNCATED;
+		return PARSE_UDP;
+	}
+	p->has_ports = 1;
+	if (p->v6) {
+		p->tuple.ipv6.sport = udp.source;
+		p->tuple.ipv6.dport = udp.dest;
+	} else {
+		p->tuple.ipv4.sport = udp.source;
+		p->tuple.ipv4.dport = udp.dest;
+	}
+	return PARSE_UDP;
+}
+
 /* parse_ipv4 reads the IPv4 header at l3 (the end of the Ethernet header
  * and of any VLAN tags). */
 static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p, __u32 l3)
@@ -195,6 +230,10 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p, 
 	if (ip.frag_off & bpf_htons(IP_MF | IP_OFFSET)) {
 		if (ip.protocol == IPPROTO_TCP || ip.protocol == IPPROTO_AH || hides_tcp(ip.protocol))
 			return REASON_DROP_FRAGMENT;
+		/* Only the first fragment holds the UDP header, and only
+		 * with it can the datagram be put together. */
+		if (ip.protocol == IPPROTO_UDP && !(ip.frag_off & bpf_htons(IP_OFFSET)))
+			return read_udp(skb, p, off, REASON_DROP_FRAGMENT);
 		return PARSE_OTHER;
 	}
 	if (ip.protocol == IPPROTO_AH) {
@@ -210,9 +249,13 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct tcp_pkt *p, 
 		 * too, which a receiver with both SAs would deliver. */
 		if (ip.protocol == IPPROTO_AH)
 			return REASON_DROP_EXTHDR;
+		if (ip.protocol == IPPROTO_UDP)
+			return read_udp(skb, p, off, REASON_DROP_EXTHDR);
 	}
 	if (hides_tcp(ip.protocol))
 		return REASON_DROP_EXTHDR;
+	if (ip.protocol == IPPROTO_UDP)
+		return read_udp(skb, p, off, ip.ihl > 5 ? REASON_DROP_IP_OPTIONS : 0);
 	if (ip.protocol != IPPROTO_TCP)
 		return PARSE_OTHER;
 	return read_tcp(skb, p, off);
@@ -261,8 +304,13 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 			 * routing header needs no capability). */
 			if (bpf_skb_load_bytes(skb, off, &rt, sizeof(rt)) < 0)
 				return REASON_DROP_TRUNCATED;
-			if (rt.segments_left)
-				return may_hold_tcp6(rt.nexthdr) ? REASON_DROP_SOURCE_ROUTE : PARSE_OTHER;
+			if (rt.segments_left) {
+				if (may_hold_tcp6(rt.nexthdr))
+					return REASON_DROP_SOURCE_ROUTE;
+				if (rt.nexthdr == IPPROTO_UDP)
+					return read_udp(skb, p, off + (rt.hdrlen + 1) * 8, REASON_DROP_SOURCE_ROUTE);
+				return PARSE_OTHER;
+			}
 			off += (rt.hdrlen + 1) * 8;
 			next = rt.nexthdr;
 			break;
@@ -300,10 +348,16 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 			if (fh.frag_off & bpf_htons(IP6_MF | IP6_OFFSET)) {
 				if (may_hold_tcp6(next))
 					return REASON_DROP_FRAGMENT;
+				if (next == IPPROTO_UDP && !(fh.frag_off & bpf_htons(IP6_OFFSET)))
+					return read_udp(skb, p, off, REASON_DROP_FRAGMENT);
 				return PARSE_OTHER;
 			}
 			break;
 		}
+		case IPPROTO_UDP:
+			/* the kernel delivers UDP after extension headers, but
+			 * a DNS query is steered only without them */
+			return read_udp(skb, p, off, i ? REASON_DROP_EXTHDR : 0);
 		default:
 			if (hides_tcp(next) || opaque_exthdr6(next))
 				return REASON_DROP_EXTHDR;
@@ -318,6 +372,8 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct tcp_pkt *p, 
 	 * read (the loop looks at a header only before walking it). */
 	if (next == IPPROTO_TCP)
 		return read_tcp(skb, p, off);
+	if (next == IPPROTO_UDP)
+		return read_udp(skb, p, off, REASON_DROP_EXTHDR);
 	if (!may_hold_tcp6(next))
 		return PARSE_OTHER;
 	return REASON_DROP_EXTHDR;
@@ -345,7 +401,11 @@ static __always_inline int is_vlan(__be16 proto)
  * never classified. Such a frame is REASON_DROP_VLAN when it carries IP that
  * is or may be TCP, with the inner addresses read (up to VLAN_MAX_TAGS
  * tags; deeper, without them); tagged UDP, ICMP and non-IP frames are
- * PARSE_OTHER as untagged ones are. */
+ * PARSE_OTHER as untagged ones are.
+ *
+ * UDP (and the first fragment of a UDP datagram) is PARSE_UDP, which the
+ * TCP capture treats as PARSE_OTHER; read_udp says whether a DNS query in
+ * it could be steered cleanly. */
 static __always_inline int parse_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 {
 	__u32 l3 = ETH_HLEN;
@@ -369,6 +429,10 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 		ret = parse_ipv6(skb, p, l3);
 	else
 		return PARSE_OTHER;
+	if (tagged && ret == PARSE_UDP) {
+		p->unclean = REASON_DROP_VLAN;
+		return ret;
+	}
 	if (tagged && ret != PARSE_OTHER)
 		return REASON_DROP_VLAN;
 	return ret;
@@ -377,6 +441,15 @@ static __always_inline int parse_tcp(struct __sk_buff *skb, struct tcp_pkt *p)
 static __always_inline __be16 pkt_dport(const struct tcp_pkt *p)
 {
 	return p->v6 ? p->tuple.ipv6.dport : p->tuple.ipv4.dport;
+}
+
+/* lookup_udp finds the UDP socket the tuple addresses in this namespace:
+ * a connected one, else the most specific bound one. */
+static __always_inline struct bpf_sock *lookup_udp(struct __sk_buff *skb, struct tcp_pkt *p)
+{
+	if (p->v6)
+		return bpf_sk_lookup_udp(skb, &p->tuple, sizeof(p->tuple.ipv6), BPF_F_CURRENT_NETNS, 0);
+	return bpf_sk_lookup_udp(skb, &p->tuple, sizeof(p->tuple.ipv4), BPF_F_CURRENT_NETNS, 0);
 }
 
 static __always_inline void set_dport(struct tcp_pkt *p, __u16 port)

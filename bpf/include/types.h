@@ -14,6 +14,7 @@ struct pod_addr {
 enum pod_flag {
 	POD_CAPTURE_OUTBOUND = 1 << 0, /* steer the pod's outgoing TCP to 15001 */
 	POD_CAPTURE_INBOUND = 1 << 1,  /* steer new plaintext TCP to the pod to 15006 */
+	POD_CAPTURE_DNS = 1 << 2,      /* steer the pod's UDP queries to port 53 to the DNS socket on 15053 */
 };
 
 /* Value of the enrollment map: what to do for one pod address. The entry's
@@ -48,28 +49,33 @@ enum verdict_reason {
 	REASON_DROP_NO_LISTENER,     /* fail closed: the tunnel listener is missing */
 	REASON_DROP_ASSIGN_FAILED,   /* fail closed: bpf_sk_assign refused */
 	REASON_DROP_SPOOFED,         /* ingress: pod's own source address from the wire */
-	REASON_DROP_TRUNCATED,       /* fail closed: IP packet that ends inside a header it needs */
+	REASON_DROP_TRUNCATED,       /* fail closed: IP packet that ends inside a header it needs (for a DNS-captured pod's UDP: the UDP header) */
 	REASON_DROP_MALFORMED,       /* fail closed: header the kernel rejects (IHL or TCP offset < 5, wrong version), IPv4-mapped address in IPv6 */
-	REASON_DROP_FRAGMENT,        /* fail closed: an IP fragment that may hold TCP */
-	REASON_DROP_EXTHDR,          /* fail closed: IPv6 chain too long, or TCP hidden (ESP, IP-in-IP, GRE) */
+	REASON_DROP_FRAGMENT,        /* fail closed: an IP fragment that may hold TCP, or the first fragment of a DNS-captured pod's UDP to port 53 */
+	REASON_DROP_EXTHDR,          /* fail closed: IPv6 chain too long, or TCP hidden (ESP, IP-in-IP, GRE), or extension headers (AH) before a DNS-captured pod's UDP to port 53 */
 	REASON_IN_SYN_TIMEWAIT,      /* ingress: a SYN's tuple was in TIME_WAIT: reset it, SYN queued again */
 	REASON_DROP_SYN_TIMEWAIT,    /* fail closed: that TIME_WAIT socket could not be cleared */
 	REASON_IN_SYN_EXISTING,      /* ingress: a SYN whose tuple has a live socket, left to TCP (retransmit, challenge ACK) */
 	REASON_DROP_PROBE_SPOOFED,   /* host veth: to a pod from the probe SNAT address, not translated there */
-	REASON_DROP_LINK_LOCAL,      /* fail closed: TCP to (ingress) or from (egress) a link-local address of an enrolled pod's interface */
+	REASON_DROP_LINK_LOCAL,      /* fail closed: TCP to (ingress) or from (egress) a link-local address of an enrolled pod's interface; a DNS query from one, with DNS capture on */
 	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
-	REASON_DROP_VLAN,            /* fail closed: TCP in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
+	REASON_DROP_VLAN,            /* fail closed: TCP, or a DNS-captured pod's UDP to port 53, in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */
 	REASON_DROP_SYN_SENT,        /* fail closed: a SYN from the wire whose tuple is an app socket in SYN_SENT (a simultaneous open would connect it in plaintext) */
-	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP with a routing header whose segments are not all visited (the destination is not the packet's own) */
+	REASON_DROP_SOURCE_ROUTE,    /* fail closed: IPv6 TCP, or a DNS-captured pod's UDP to port 53, with a routing header whose segments are not all visited (the destination is not the packet's own) */
 	REASON_DROP_TUNNEL_GONE,     /* fail closed: egress packet of an app socket whose connection was captured, with no tunnel socket left for its tuple */
 	REASON_DROP_CAPTURE_MARK,    /* fail closed: the app socket of a new outbound connection, or of a tunnel-owned packet, could not be marked as captured (no memory) */
-	REASON_DROP_LOOPBACK,        /* fail closed: egress TCP to a loopback address on the pod's interface (a socket bound to the device) */
+	REASON_DROP_LOOPBACK,        /* fail closed: egress TCP, or a DNS-captured pod's UDP to port 53, to a loopback address on the pod's interface (a socket bound to the device) */
 	REASON_SOCK_ROUTED_LOCAL,    /* sock_ops: an app socket of a connection the tunnel terminates got the reinject mark, so its packets take lo to the tunnel */
 	REASON_DROP_FOREIGN_LISTENER, /* fail closed: the listener found for a captured SYN is not the tunnel's (no tunnel mark): a pod's own socket on the tunnel's port, bound to a more specific address; or a SYN-ACK from a pod with inbound capture that no tunnel socket sent (a member of the tunnel's reuseport group that is not the tunnel's) */
 	REASON_DROP_FOREIGN_DST,     /* fail closed: a SYN from the wire to an enrolled address of another pod than the one whose interface it arrives on (the transparent inbound listener would take it) */
 	REASON_IN_ASSIGN_COOKIE_ACK, /* ingress: an ACK from the wire whose tuple has no connection (a SYN cookie's) assigned to 15006, never to the app's listener */
 	REASON_DROP_STEER,           /* fail closed: an egress packet to be steered could not be rewritten (no memory) */
 	REASON_DROP_PROBE_UNMATCHED, /* host veth: from a pod to the probe SNAT address, answering no probe connection the NAT map knows (it would be routed off the node) */
+	REASON_OUT_DNS_STEERED,      /* egress: a UDP query to port 53 of a pod with DNS capture re-injected */
+	REASON_IN_ASSIGN_DNS,        /* ingress: re-injected DNS query assigned to the DNS socket (dns_port) */
+	REASON_DROP_NO_DNS_SOCKET,   /* fail closed: a captured DNS query found no UDP socket on dns_port */
+	REASON_DROP_FOREIGN_DNS_SOCKET, /* fail closed: the UDP socket found on dns_port is not the tunnel's (no tunnel mark) */
+	REASON_DROP_IP_OPTIONS,      /* fail closed: a DNS query of a pod with DNS capture that carries IPv4 options (a source route would take it past the capture) */
 	REASON_MAX,
 };
 

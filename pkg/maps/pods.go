@@ -14,6 +14,9 @@ import (
 type PodSettings struct {
 	CaptureOutbound bool
 	CaptureInbound  bool
+	// CaptureDNS steers the pod's UDP queries to port 53 to the tunnel's
+	// DNS socket in the pod (port 15053), as istio-cni's DNS capture does.
+	CaptureDNS bool
 	// PodID is unique per node; addresses of one pod share it.
 	PodID uint32
 }
@@ -26,6 +29,9 @@ func (s PodSettings) raw() bpf.CapturePodSettings {
 	if s.CaptureInbound {
 		flags |= uint32(bpf.CapturePodFlagPOD_CAPTURE_INBOUND)
 	}
+	if s.CaptureDNS {
+		flags |= uint32(bpf.CapturePodFlagPOD_CAPTURE_DNS)
+	}
 	return bpf.CapturePodSettings{Flags: flags, PodId: s.PodID}
 }
 
@@ -33,6 +39,7 @@ func settingsOf(r bpf.CapturePodSettings) PodSettings {
 	return PodSettings{
 		CaptureOutbound: r.Flags&uint32(bpf.CapturePodFlagPOD_CAPTURE_OUTBOUND) != 0,
 		CaptureInbound:  r.Flags&uint32(bpf.CapturePodFlagPOD_CAPTURE_INBOUND) != 0,
+		CaptureDNS:      r.Flags&uint32(bpf.CapturePodFlagPOD_CAPTURE_DNS) != 0,
 		PodID:           r.PodId,
 	}
 }
