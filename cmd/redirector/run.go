@@ -32,6 +32,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
@@ -67,6 +68,7 @@ type agentConfig struct {
 	poolIdle        time.Duration
 	seriesGrace     time.Duration
 	telemetry       telemetrySettings
+	dns             dnsSettings
 	legacyTC        bool
 	logLevel        slog.Level
 	data            loader.Settings
@@ -93,6 +95,7 @@ type runFlags struct {
 
 	seriesGrace *string
 	telemetry   telemetryFlags
+	dns         dnsFlags
 }
 
 // runSettings registers the run settings; tests list them to check the README.
@@ -137,6 +140,7 @@ func runSettings() (*settings, runFlags) {
 		seriesGrace: s.add("metrics-series-grace", "METRICS_SERIES_GRACE", "5m",
 			"istio_tcp_* series of workloads that left are deleted this long after their last connection closed"),
 		telemetry: addTelemetrySettings(s),
+		dns:       addDNSSettings(s),
 	}
 }
 
@@ -252,6 +256,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		return c, fmt.Errorf("%s: %q is not auto, tcx or legacy", s.name(f.tcMode), *f.tcMode)
 	}
 	if c.telemetry, err = f.telemetry.parse(s); err != nil {
+		return c, err
+	}
+	if c.dns, err = f.dns.parse(s); err != nil {
 		return c, err
 	}
 	// Only the names, as POST /logging takes them: slog's own parser also
@@ -372,8 +379,14 @@ func runAgent(ctx context.Context, args []string) error {
 			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
 		}
 	}
-	tun := tunnel.New(tunnel.Config{
+	var tun *tunnel.Tunnel
+	dns, err := newDNSProxy(cfg.dns, func() *workload.Directory { return tun.State().Dir }, reg, log)
+	if err != nil {
+		return err
+	}
+	tun = tunnel.New(tunnel.Config{
 		TrustDomain: cfg.trustDomain, RootNamespace: cfg.rootNamespace,
+		DNS: dns, DNSPort: cfg.data.DNSPort, DNSCapture: cfg.dns.capture,
 		OutboundPort: cfg.data.OutboundPort, InboundPort: cfg.data.InboundPort, HBONEPort: cfg.data.HBONEPort,
 		TunnelMark: cfg.data.TunnelMark, Predecessor: pred, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog, HBONECongestion: cfg.hboneCongestion,
@@ -455,7 +468,7 @@ func runAgent(ctx context.Context, args []string) error {
 	// probes of the shared readiness port must reach the successor.
 	var servers *admin.Servers
 	agent := nodeagent.New(nodeagent.Config{
-		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
+		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
 		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Registry: reg, Logger: log,
 		Annotator: annotator(ann),
 		OnYield: func() {

@@ -30,6 +30,9 @@ type Pod struct {
 	// CaptureInbound is false for pods annotated
 	// ambient.istio.io/bypass-inbound-capture: "true".
 	CaptureInbound bool
+	// CaptureDNS steers the pod's UDP queries to port 53 to the tunnel's
+	// DNS socket (POD_CAPTURE_DNS).
+	CaptureDNS bool
 }
 
 func (p Pod) String() string { return p.Namespace + "/" + p.Name }
@@ -131,7 +134,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	meta := maps.PodMeta{
 		UID: p.UID, Namespace: p.Namespace, Name: p.Name,
 		NetNS: p.NetNS, Interface: p.Interface, Addrs: p.Addrs,
-		Settings:    maps.PodSettings{CaptureOutbound: true, CaptureInbound: p.CaptureInbound, PodID: id},
+		Settings:    maps.PodSettings{CaptureOutbound: true, CaptureInbound: p.CaptureInbound, CaptureDNS: p.CaptureDNS, PodID: id},
 		AttachMode:  maps.AttachTCX,
 		AcceptLocal: -1, RPFilter: -1, RPFilterAll: -1,
 	}
@@ -831,5 +834,5 @@ func (p PodState) Matches(want Pod) bool {
 		addrs[i] = addrs[i].Unmap()
 	}
 	return p.Meta.NetNS == want.NetNS && p.Meta.Interface == iface &&
-		slices.Equal(p.Meta.Addrs, addrs) && p.Meta.Settings.CaptureInbound == want.CaptureInbound
+		slices.Equal(p.Meta.Addrs, addrs) && p.Meta.Settings.CaptureInbound == want.CaptureInbound && p.Meta.Settings.CaptureDNS == want.CaptureDNS
 }

@@ -16,6 +16,7 @@ type Settings struct {
 	OutboundPort uint16 // tunnel listener for captured outbound connections
 	InboundPort  uint16 // tunnel listener for captured inbound plaintext
 	HBONEPort    uint16 // the tunnel's own HBONE listener, never captured
+	DNSPort      uint16 // the tunnel's UDP socket for captured DNS queries
 	// TunnelMark is the SO_MARK of every tunnel socket, compared under MarkMask:
 	// packets that carry it are never captured.
 	TunnelMark uint32
@@ -41,6 +42,7 @@ func DefaultSettings() Settings {
 		OutboundPort: 15001,
 		InboundPort:  15006,
 		HBONEPort:    15008,
+		DNSPort:      15053,
 		TunnelMark:   0x539,
 		ReinjectMark: 0x111,
 		MarkMask:     0xfff,
@@ -53,7 +55,7 @@ func DefaultSettings() Settings {
 
 // Validate reports the first setting that cannot work.
 func (s Settings) Validate() error {
-	ports := map[string]uint16{"outbound port": s.OutboundPort, "inbound port": s.InboundPort, "HBONE port": s.HBONEPort}
+	ports := map[string]uint16{"outbound port": s.OutboundPort, "inbound port": s.InboundPort, "HBONE port": s.HBONEPort, "DNS port": s.DNSPort}
 	seen := map[uint16]string{}
 	for name, p := range ports {
 		if p == 0 {
@@ -91,6 +93,7 @@ func (s Settings) apply(spec *ebpf.CollectionSpec) error {
 		bpf.CaptureVarOutboundPort: s.OutboundPort,
 		bpf.CaptureVarInboundPort:  s.InboundPort,
 		bpf.CaptureVarHbonePort:    s.HBONEPort,
+		bpf.CaptureVarDnsPort:      s.DNSPort,
 		bpf.CaptureVarTunnelMark:   s.TunnelMark,
 		bpf.CaptureVarReinjectMark: s.ReinjectMark,
 		bpf.CaptureVarMarkMask:     s.MarkMask,

@@ -211,6 +211,13 @@ type SocketOptions struct {
 	// group; see tunnel/handover.go); tests use it to stand for such a
 	// process.
 	ReusePort bool
+	// ReuseAddr sets SO_REUSEADDR: a UDP socket that answers from the
+	// address a query was sent to binds it next to others doing the same.
+	ReuseAddr bool
+	// RecvOrigDst asks a UDP socket for each datagram's original
+	// destination (IP_RECVORIGDSTADDR, IPV6_RECVORIGDSTADDR): a datagram
+	// the capture assigned to it was sent to another address.
+	RecvOrigDst bool
 	// Congestion is the TCP congestion control, set before the socket
 	// connects or listens, so the node's default is never initialised on it
 	// (a listener's accepted sockets inherit it). Failing to set it is not an
@@ -287,7 +294,7 @@ func CheckCongestion(algo string) error {
 func (o SocketOptions) control(network, _ string, c syscall.RawConn) error {
 	var serr error
 	err := c.Control(func(fd uintptr) {
-		serr = o.apply(int(fd), network == "tcp4")
+		serr = o.apply(int(fd), network == "tcp4" || network == "udp4")
 	})
 	if err != nil {
 		return err
@@ -306,6 +313,21 @@ func (o SocketOptions) apply(fd int, ipv4Only bool) error {
 	if o.ReusePort {
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1); err != nil {
 			return fmt.Errorf("set SO_REUSEPORT: %w", err)
+		}
+	}
+	if o.ReuseAddr {
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+			return fmt.Errorf("set SO_REUSEADDR: %w", err)
+		}
+	}
+	if o.RecvOrigDst {
+		if err := unix.SetsockoptInt(fd, unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1); err != nil {
+			return fmt.Errorf("set IP_RECVORIGDSTADDR: %w", err)
+		}
+		if !ipv4Only {
+			if err := unix.SetsockoptInt(fd, unix.SOL_IPV6, unix.IPV6_RECVORIGDSTADDR, 1); err != nil {
+				return fmt.Errorf("set IPV6_RECVORIGDSTADDR: %w", err)
+			}
 		}
 	}
 	if o.Congestion != "" {
@@ -406,4 +428,33 @@ func Listen(ctx context.Context, path, network, addr string, opts SocketOptions)
 		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, path, err)
 	}
 	return l, nil
+}
+
+// ListenPacket opens a UDP socket inside the namespace h holds.
+func (h *Handle) ListenPacket(ctx context.Context, network, addr string, opts SocketOptions) (*net.UDPConn, error) {
+	var c net.PacketConn
+	err := h.Do(func() error {
+		var err error
+		c, err = (&net.ListenConfig{Control: opts.control}).ListenPacket(ctx, network, addr)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s %s in %s: %w", network, addr, h.path, err)
+	}
+	return c.(*net.UDPConn), nil
+}
+
+// DialUDP opens a UDP socket inside the namespace h holds, connected to
+// addr.
+func (h *Handle) DialUDP(ctx context.Context, network, addr string, opts SocketOptions) (net.Conn, error) {
+	var c net.Conn
+	err := h.Do(func() error {
+		var err error
+		c, err = (&net.Dialer{Control: opts.control}).DialContext(ctx, network, addr)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dial %s %s in %s: %w", network, addr, h.path, err)
+	}
+	return c, nil
 }

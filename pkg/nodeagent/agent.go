@@ -43,6 +43,9 @@ type Config struct {
 	TrustDomain string
 	// Selection's excluded namespaces go into the CNI plugin's hint.
 	Selection selection.Config
+	// DNSCapture is the node's DNS capture setting; a pod's annotation
+	// overrides it (workload.Workload.DNSCapture).
+	DNSCapture bool
 	// CNISocket is where the CNI plugin reports pods ("" for none); the
 	// selection hint is written next to it.
 	CNISocket string
@@ -301,7 +304,8 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	for _, w := range local {
 		if w.Enrolled {
 			path, ino := a.cniNetNS(w)
-			p := loader.Pod{UID: w.Key(), Namespace: w.Namespace, Name: w.Name, NetNS: path, Addrs: w.Addrs, CaptureInbound: !w.BypassInbound}
+			p := loader.Pod{UID: w.Key(), Namespace: w.Namespace, Name: w.Name, NetNS: path, Addrs: w.Addrs,
+				CaptureInbound: !w.BypassInbound, CaptureDNS: w.DNSCapture.Or(a.cfg.DNSCapture)}
 			desired[p.UID] = desiredPod{pod: p, w: w, ino: ino}
 		}
 	}
@@ -374,7 +378,7 @@ func matches(cur loader.PodState, want loader.Pod) bool {
 
 func samePod(a, b loader.Pod) bool {
 	return a.UID == b.UID && a.Namespace == b.Namespace && a.Name == b.Name && a.NetNS == b.NetNS &&
-		a.CaptureInbound == b.CaptureInbound && slices.Equal(a.Addrs, b.Addrs)
+		a.CaptureInbound == b.CaptureInbound && a.CaptureDNS == b.CaptureDNS && slices.Equal(a.Addrs, b.Addrs)
 }
 
 // processNext converges the next queued pod; false once the queue shut

@@ -575,7 +575,7 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 				continue
 			}
 			p := loader.Pod{UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, NetNS: meta.NetNS,
-				Interface: meta.Interface, Addrs: meta.Addrs, CaptureInbound: meta.Settings.CaptureInbound}
+				Interface: meta.Interface, Addrs: meta.Addrs, CaptureInbound: meta.Settings.CaptureInbound, CaptureDNS: meta.Settings.CaptureDNS}
 			if _, err := r.loader.AttachPod(ctx, p); err != nil {
 				errs++
 				r.log.ErrorContext(ctx, "re-attach pod whose link was detached", "pod", p.String(), "error", err)

@@ -12,6 +12,8 @@ import (
 	"strconv"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // Labels and annotations the rules read. They are Istio's, so manifests
@@ -22,6 +24,9 @@ const (
 	DataplaneModeNone       = "none"
 	SidecarStatusAnnotation = "sidecar.istio.io/status"
 	BypassInboundAnnotation = "ambient.istio.io/bypass-inbound-capture"
+	// DNSCaptureAnnotation turns the DNS capture of one pod on or off,
+	// over the node's setting (istio-cni's ambient.istio.io/dns-capture).
+	DNSCaptureAnnotation = "ambient.istio.io/dns-capture"
 	// RedirectionAnnotation is set to "enabled" on a pod whose traffic the
 	// node's dataplane redirects (istio-cni sets it; istiod reads it).
 	RedirectionAnnotation = "ambient.istio.io/redirection"
@@ -59,6 +64,8 @@ type Decision struct {
 	Reason string
 	// BypassInbound turns inbound capture off while outbound stays on.
 	BypassInbound bool
+	// DNSCapture is the pod's own choice about DNS capture.
+	DNSCapture workload.Choice
 	// Err is set when the pod is left out because of a problem the
 	// operator should fix (wraps ErrUnknownRuntimeClass); Reason repeats it.
 	Err error
@@ -132,8 +139,22 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 			d.Reason += "; inbound capture bypassed by annotation " + BypassInboundAnnotation
 		}
 	}
+	// The same for DNS capture: a value that is not a boolean leaves the
+	// node's setting, as istio-cni's CheckBooleanAnnotation does.
+	if v, ok := pod.Annotations[DNSCaptureAnnotation]; ok {
+		on, err := strconv.ParseBool(v)
+		switch {
+		case err != nil:
+			d.Reason += fmt.Sprintf("; annotation %s=%q ignored: not a boolean", DNSCaptureAnnotation, v)
+		case on:
+			d.DNSCapture = workload.ChoiceOn
+		default:
+			d.DNSCapture = workload.ChoiceOff
+			d.Reason += "; DNS capture off by annotation " + DNSCaptureAnnotation
+		}
+	}
 	if pod.Status.PodIP == "" && len(pod.Status.PodIPs) == 0 {
-		return Decision{Reason: NoIPYet, BypassInbound: d.BypassInbound, Pending: d.Reason}
+		return Decision{Reason: NoIPYet, BypassInbound: d.BypassInbound, DNSCapture: d.DNSCapture, Pending: d.Reason}
 	}
 	if out := checkAddrs(pod); out != nil {
 		return *out

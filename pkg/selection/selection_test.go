@@ -9,6 +9,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 type podOpt func(*corev1.Pod)
@@ -125,6 +127,9 @@ func TestDecide(t *testing.T) {
 		{"bypass inbound 1", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, "1")), Decision{Enrolled: true, BypassInbound: true, Reason: nsAmbient + "; inbound capture bypassed by annotation " + BypassInboundAnnotation}, nil},
 		{"bypass inbound not a boolean", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, " true")), Decision{Enrolled: true, Reason: nsAmbient + `; annotation ` + BypassInboundAnnotation + `=" true" ignored: not a boolean`}, nil},
 		{"bypass on a pod not enrolled", namespace("shop", false), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Reason: noLabel}, nil},
+		{"dns capture off", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "false")), Decision{Enrolled: true, DNSCapture: workload.ChoiceOff, Reason: nsAmbient + "; DNS capture off by annotation " + DNSCaptureAnnotation}, nil},
+		{"dns capture on", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "True")), Decision{Enrolled: true, DNSCapture: workload.ChoiceOn, Reason: nsAmbient}, nil},
+		{"dns capture not a boolean", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "no")), Decision{Enrolled: true, Reason: nsAmbient + `; annotation ` + DNSCaptureAnnotation + `="no" ignored: not a boolean`}, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -34,6 +34,10 @@ func (p *pod) handleOutbound(c net.Conn) {
 		resetConn(c)
 		return
 	}
+	if dst.Port() == 53 && t.capturesDNS(srcW) {
+		t.cfg.DNS.ServeConn(ctx, srcW, c, p.dnsDialer())
+		return
+	}
 	state := t.State()
 	if via := waypointOf(state.Dir, &t.waypoints, srcW, dst.Addr()); via != nil {
 		p.handleWaypoint(ctx, c, state.Dir, via, srcW, srcID, src, dst)

@@ -47,6 +47,7 @@ type pod struct {
 	cancel context.CancelFunc
 	lns    []net.Listener
 	hbone  *hbone.Server
+	dns    *net.UDPConn   // captured DNS queries (dns.go), if the node answers them
 	wg     sync.WaitGroup // accept loops and connection handlers
 
 	// id names this instance of the pod for the HBONE pool: a pod served
@@ -236,6 +237,9 @@ func (p *pod) serve(lns []net.Listener) bool {
 	}
 	p.lns = lns
 	p.mu.Unlock()
+	if p.t.cfg.DNS != nil {
+		p.startDNS()
+	}
 	p.acceptLoop(lns[0], p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
 	p.acceptLoop(lns[1], p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
 	p.serveHBONE(lns[2], p.health[2])
@@ -372,11 +376,14 @@ const stopEvictAfter = 100 * time.Millisecond
 func (p *pod) stop(ctx context.Context) (open, forced int) {
 	p.mu.Lock()
 	p.stopping.Store(true) // under mu: awaitPorts serves no listener after this
-	lns, hb := p.lns, p.hbone
+	lns, hb, dns := p.lns, p.hbone, p.dns
 	open = len(p.conns)
 	p.mu.Unlock()
 	for _, l := range lns {
 		l.Close()
+	}
+	if dns != nil {
+		dns.Close()
 	}
 	done := make(chan struct{})
 	go func() {

@@ -25,6 +25,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/redirector-mesh/redirector/pkg/dnsproxy"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
@@ -38,6 +39,12 @@ type Config struct {
 	OutboundPort  uint16
 	InboundPort   uint16
 	HBONEPort     uint16
+	// DNS, when set, answers the pods' captured DNS queries (dns.go): each
+	// pod gets a UDP socket on DNSPort, and its TCP connections to port 53
+	// go to DNS when DNSCapture, or the pod's own choice, says so.
+	DNS        *dnsproxy.Proxy
+	DNSPort    uint16
+	DNSCapture bool
 	// TunnelMark is the SO_MARK of every socket the tunnel opens in a pod;
 	// the BPF programs never capture packets that carry it.
 	TunnelMark uint32

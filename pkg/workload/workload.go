@@ -51,6 +51,9 @@ type Workload struct {
 	Enrolled      bool
 	Reason        string
 	BypassInbound bool
+	// DNSCapture is the pod's own choice about DNS capture (annotation
+	// ambient.istio.io/dns-capture); unset follows the node's setting.
+	DNSCapture Choice
 	// Pending is set on a pod the rules select but whose address its
 	// source does not know yet (see selection.Decision.Pending): the
 	// reason it is enrolled under once the CNI plugin reports its
@@ -70,6 +73,26 @@ type Workload struct {
 	ContainerPorts map[string]int32
 	// Waypoint, if set, is where traffic to this workload goes first.
 	Waypoint *Waypoint
+}
+
+// Choice is a pod's own answer to a node-wide setting.
+type Choice int8
+
+const (
+	ChoiceUnset Choice = iota // follows the node's setting
+	ChoiceOn
+	ChoiceOff
+)
+
+// Or is the choice, or def when it is unset.
+func (c Choice) Or(def bool) bool {
+	switch c {
+	case ChoiceOn:
+		return true
+	case ChoiceOff:
+		return false
+	}
+	return def
 }
 
 // Identity is the workload's SPIFFE ID in trustDomain.

@@ -75,7 +75,7 @@ func KeepDecision(w, old *workload.Workload) bool {
 	if !old.Enrolled || old.Key() != w.Key() || old.Namespace != w.Namespace || old.Name != w.Name {
 		return false
 	}
-	w.Enrolled, w.Reason, w.BypassInbound, w.Pending, w.Undecided = true, old.Reason, old.BypassInbound, "", ""
+	w.Enrolled, w.Reason, w.BypassInbound, w.DNSCapture, w.Pending, w.Undecided = true, old.Reason, old.BypassInbound, old.DNSCapture, "", ""
 	return true
 }
 

@@ -102,6 +102,7 @@ func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup sel
 		Enrolled:       dec.Enrolled,
 		Reason:         dec.Reason,
 		BypassInbound:  dec.BypassInbound,
+		DNSCapture:     dec.DNSCapture,
 		Pending:        dec.Pending,
 		Undecided:      dec.Undecided,
 		Redirected:     pod.Annotations[selection.RedirectionAnnotation] == "enabled",

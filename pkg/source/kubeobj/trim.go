@@ -25,6 +25,7 @@ import (
 var podAnnotations = []string{
 	selection.SidecarStatusAnnotation,
 	selection.BypassInboundAnnotation,
+	selection.DNSCaptureAnnotation,
 	selection.RedirectionAnnotation,
 }
 

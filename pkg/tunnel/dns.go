@@ -1,0 +1,188 @@
+package tunnel
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/pkg/dnsproxy"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// DNS capture, as istio-cni's ambient DNS capture with ztunnel's proxy: a
+// pod whose DNS is captured (POD_CAPTURE_DNS) has its UDP queries to port
+// 53 assigned by the capture programs to a UDP socket of the tunnel on
+// Config.DNSPort in its namespace, and its TCP connections to port 53
+// arrive at the outbound listener like any other. Both are answered by
+// Config.DNS: names of the mesh from the directory, the rest forwarded from
+// the pod's namespace to the upstream resolvers. An answer over UDP leaves
+// from a socket bound to the address and port the query was sent to, so
+// the app's resolver, which connected its socket there, takes it.
+
+// dnsBufSize is the largest query read: EDNS0 lets a client announce up to
+// 64 KiB, but a query itself is a few hundred bytes.
+const dnsBufSize = 4096
+
+// listenDNS opens the pod's DNS socket: dual-stack when the namespace has
+// IPv6, else IPv4 only. SO_REUSEPORT lets the agent replacing this one open
+// its own while this one still serves; only a process of the same user in
+// the pod could join the group, and it would get that pod's own queries.
+func (p *pod) listenDNS(ctx context.Context) (*net.UDPConn, error) {
+	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, ReusePort: true, RecvOrigDst: true}
+	port := strconv.Itoa(int(p.t.cfg.DNSPort))
+	c, err := p.ns.ListenPacket(ctx, "udp", net.JoinHostPort("::", port), opts)
+	if err == nil {
+		return c, nil
+	}
+	c4, err4 := p.ns.ListenPacket(ctx, "udp4", net.JoinHostPort("0.0.0.0", port), opts)
+	if err4 != nil {
+		return nil, errors.Join(err, err4)
+	}
+	return c4, nil
+}
+
+// serveDNS reads the pod's captured queries until the socket closes, on
+// a goroutine counted in p.wg by the caller. Each
+// query is answered on its own goroutine: a forwarded one waits for its
+// upstream. The resolver bounds how many are in flight (per pod and for
+// the node) and drops the rest, so a flood makes only short-lived
+// goroutines.
+func (p *pod) serveDNS(c *net.UDPConn) {
+	go func() {
+		defer p.wg.Done()
+		buf := make([]byte, dnsBufSize)
+		oob := make([]byte, 128)
+		for {
+			n, oobn, _, from, err := c.ReadMsgUDPAddrPort(buf, oob)
+			if err != nil {
+				if !p.stopping.Load() && !errors.Is(err, net.ErrClosed) {
+					p.t.log.Error("DNS socket failed: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
+				}
+				return
+			}
+			to, ok := origDst(oob[:oobn])
+			if !ok {
+				continue // not assigned by the capture: nothing to answer from
+			}
+			query := append([]byte(nil), buf[:n]...)
+			go p.answerDNS(from, to, query)
+		}
+	}()
+}
+
+// answerDNS answers one query from client, sent to dst.
+func (p *pod) answerDNS(client, dst netip.AddrPort, query []byte) {
+	client = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
+	w, _ := p.t.State().Dir.ByAddr(client.Addr())
+	if w != nil && w.Key() != p.uid {
+		w = nil // not this pod's address: answer without its namespace
+	}
+	ctx, cancel := context.WithTimeout(p.ctx, dnsAnswerTimeout)
+	defer cancel()
+	answer := p.t.cfg.DNS.Answer(ctx, w, "udp", query, p.dnsDialer())
+	if answer == nil {
+		return
+	}
+	if err := p.replyDNS(ctx, dst, client, answer); err != nil {
+		p.t.failures.note(ctx, "DNS answer not sent", "pod", p.uid, "client", client, "error", err)
+	}
+}
+
+// dnsAnswerTimeout bounds one query's answer, forwarding included.
+const dnsAnswerTimeout = 10 * time.Second
+
+// replyDNS sends answer to client from from, the address the query was
+// sent to: a socket in the pod's namespace bound there (transparent, as
+// the address is not the pod's; beside other answers' sockets). It goes
+// out over lo, where no capture program runs.
+func (p *pod) replyDNS(ctx context.Context, from, client netip.AddrPort, answer []byte) error {
+	network := "udp4"
+	if from.Addr().Is6() {
+		network = "udp6"
+	}
+	c, err := p.ns.ListenPacket(ctx, network, from.String(), netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, ReuseAddr: true})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if _, err := c.WriteToUDPAddrPort(answer, client); err != nil {
+		return fmt.Errorf("send to %s: %w", client, err)
+	}
+	return nil
+}
+
+// dnsDialer dials upstream resolvers from the pod's namespace, as the pod
+// would, with the tunnel mark so the capture lets the query out.
+func (p *pod) dnsDialer() dnsproxy.Dialer {
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		opts := netns.SocketOptions{Mark: p.t.cfg.TunnelMark}
+		if network == "tcp" {
+			return p.ns.Dial(ctx, network, addr, opts)
+		}
+		return p.ns.DialUDP(ctx, network, addr, opts)
+	}
+}
+
+// capturesDNS reports whether w's TCP connections to port 53 are the DNS
+// proxy's: the node's setting, or the pod's own choice over it.
+func (t *Tunnel) capturesDNS(w *workload.Workload) bool {
+	return t.cfg.DNS != nil && w.DNSCapture.Or(t.cfg.DNSCapture)
+}
+
+// origDst reads the original destination from a datagram's control
+// messages (IP_ORIGDSTADDR or IPV6_ORIGDSTADDR).
+func origDst(oob []byte) (netip.AddrPort, bool) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return netip.AddrPort{}, false
+	}
+	for _, m := range msgs {
+		switch {
+		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet4:
+			sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), portOf(sa.Port)), true
+		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet6:
+			sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), portOf(sa.Port)), true
+		}
+	}
+	return netip.AddrPort{}, false
+}
+
+// portOf turns a sockaddr's port, in network byte order, into a number.
+func portOf(raw uint16) uint16 {
+	var b [2]byte
+	*(*uint16)(unsafe.Pointer(&b[0])) = raw
+	return binary.BigEndian.Uint16(b[:])
+}
+
+// startDNS opens the pod's DNS socket and serves it. A pod without one
+// has its captured queries dropped by the capture (no socket to assign
+// them to): they fail, as they would without a proxy listening, and never
+// leave uncaptured.
+func (p *pod) startDNS() {
+	c, err := p.listenDNS(p.ctx)
+	if err != nil {
+		p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
+		return
+	}
+	p.mu.Lock()
+	if p.stopping.Load() {
+		p.mu.Unlock()
+		c.Close()
+		return
+	}
+	p.dns = c
+	p.wg.Add(1) // under mu: stop waits for it once it has set stopping
+	p.mu.Unlock()
+	p.serveDNS(c)
+}
