@@ -32,8 +32,8 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
-	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // maxPoolConnsPerKey bounds POOL_CONNS_PER_KEY: the connections one pod may
