@@ -79,6 +79,7 @@ type podRow struct {
 	Name           string           `json:"name"`
 	Addresses      []string         `json:"addresses"`
 	CaptureInbound bool             `json:"captureInbound"`
+	CaptureDNS     bool             `json:"captureDNS"`
 	AttachMode     string           `json:"attachMode"`
 	NetNS          string           `json:"netns"`
 	Interface      string           `json:"interface"`
@@ -98,7 +99,7 @@ func inspectPods(root string) ([]podRow, error) {
 	var rows []podRow
 	for id, meta := range metas {
 		r := podRow{ID: id, UID: meta.UID, Namespace: meta.Namespace, Name: meta.Name, CaptureInbound: meta.Settings.CaptureInbound,
-			AttachMode: meta.AttachMode.String(), NetNS: meta.NetNS, Interface: meta.Interface}
+			CaptureDNS: meta.Settings.CaptureDNS, AttachMode: meta.AttachMode.String(), NetNS: meta.NetNS, Interface: meta.Interface}
 		for _, a := range meta.Addrs {
 			r.Addresses = append(r.Addresses, a.String())
 			if c, ok, err := m.Counters(a); err == nil && ok {
@@ -133,7 +134,7 @@ func inspectMaps(root string) ([]mapRow, error) {
 		return nil, err
 	}
 	for a, s := range pods {
-		rows = append(rows, mapRow{maps.PodsName, a.String(), fmt.Sprintf("pod_id=%d outbound=%v inbound=%v", s.PodID, s.CaptureOutbound, s.CaptureInbound)})
+		rows = append(rows, mapRow{maps.PodsName, a.String(), fmt.Sprintf("pod_id=%d outbound=%v inbound=%v dns=%v", s.PodID, s.CaptureOutbound, s.CaptureInbound, s.CaptureDNS)})
 	}
 	counters, err := m.AllCounters()
 	if err != nil {
@@ -162,8 +163,8 @@ func inspectMaps(root string) ([]mapRow, error) {
 }
 
 func renderPods(w io.Writer, format string, rows []podRow) error {
-	return render(w, format, rows, []string{"ID", "NAMESPACE", "NAME", "ADDRESSES", "INBOUND", "MODE", "OUT-CONNS", "IN-CONNS", "DROPPED", "NETNS"}, func(r podRow) []string {
-		return []string{fmt.Sprint(r.ID), r.Namespace, r.Name, strings.Join(r.Addresses, ","), fmt.Sprint(r.CaptureInbound), r.AttachMode,
+	return render(w, format, rows, []string{"ID", "NAMESPACE", "NAME", "ADDRESSES", "INBOUND", "DNS", "MODE", "OUT-CONNS", "IN-CONNS", "DROPPED", "NETNS"}, func(r podRow) []string {
+		return []string{fmt.Sprint(r.ID), r.Namespace, r.Name, strings.Join(r.Addresses, ","), fmt.Sprint(r.CaptureInbound), fmt.Sprint(r.CaptureDNS), r.AttachMode,
 			fmt.Sprint(r.Counters.OutboundConns), fmt.Sprint(r.Counters.InboundConns), fmt.Sprint(r.Counters.DroppedPackets), r.NetNS}
 	})
 }

@@ -34,12 +34,12 @@ func golden(t *testing.T, name string, got []byte) {
 
 func TestInspectGolden(t *testing.T) {
 	pods := []podRow{
-		{ID: 1, UID: "uid-a", Namespace: "shop", Name: "frontend", Addresses: []string{"10.1.0.2", "fd00:1::2"}, CaptureInbound: true,
+		{ID: 1, UID: "uid-a", Namespace: "shop", Name: "frontend", Addresses: []string{"10.1.0.2", "fd00:1::2"}, CaptureInbound: true, CaptureDNS: true,
 			AttachMode: "tcx", NetNS: "/var/run/netns/a", Interface: "eth0", Counters: maps.PodCounters{OutboundConns: 7, InboundConns: 2, SteeredPackets: 40, BypassedPackets: 3}},
 		{ID: 2, UID: "uid-b", Namespace: "shop", Name: "legacy-tc", Addresses: []string{"10.1.0.3"}, AttachMode: "tc", NetNS: "/proc/42/ns/net", Interface: "eth0",
 			Counters: maps.PodCounters{DroppedPackets: 5}},
 	}
-	mapRows := []mapRow{{"rd_pods", "10.1.0.2", "pod_id=1 outbound=true inbound=true"}, {"rd_reasons", "drop_no_listener", "5"}}
+	mapRows := []mapRow{{"rd_pods", "10.1.0.2", "pod_id=1 outbound=true inbound=true dns=true"}, {"rd_reasons", "drop_no_listener", "5"}}
 	at := time.Date(2026, 11, 30, 9, 0, 0, 0, time.UTC)
 	certs := []certRow{
 		{Identity: "spiffe://cluster.local/ns/shop/sa/frontend", Serial: "0a1b2c", NotBefore: at, NotAfter: at.Add(24 * time.Hour), RefreshAt: at.Add(12 * time.Hour),
