@@ -33,8 +33,7 @@ func istioZtunnelDashboard(t *testing.T) string {
 // istioOnlyMetrics are the series Istio's ztunnel dashboard reads that the
 // agent does not have, each for a reason.
 var istioOnlyMetrics = map[string]string{
-	"istio_dns_requests_total": "the agent has no DNS proxy",
-	"process_open_fds":         "", // client_golang's process collector, registered in cmd/redirector
+	"process_open_fds": "", // client_golang's process collector, registered in cmd/redirector
 }
 
 // TestIstioZtunnelDashboardMetrics: every series Istio's ztunnel dashboard
