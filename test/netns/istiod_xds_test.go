@@ -255,7 +255,9 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // istiod and are enforced; with istiod stopped the last state holds and
 // traffic continues; a policy removed while it was away stops applying
 // once it is back; a policy the agent cannot apply is NACKed with the
-// reason, the rest stays applied, and the bad policy fails closed.
+// reason, the rest stays applied, and the bad policy fails closed. The
+// client's DNS is captured: its agent answers the Service's names and the
+// ServiceEntry hosts, one of them at the address istiod allocated.
 func TestIstiodXDSAgents(t *testing.T) {
 	cluster := kubetest.Start(t)
 	cs := cluster.Client(t)
@@ -333,6 +335,11 @@ func TestIstiodXDSAgents(t *testing.T) {
 		"ports":            []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(8080)}},
 		"workloadSelector": map[string]any{"labels": map[string]any{"app": "server"}},
 	})
+	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "auto", map[string]any{
+		"hosts": []any{"api.example.com"}, "resolution": "STATIC",
+		"ports":            []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP", "targetPort": int64(8080)}},
+		"workloadSelector": map[string]any{"labels": map[string]any{"app": "server"}},
+	})
 	for _, vip := range []string{"http://10.96.0.50:80/", "http://10.97.0.1:5432/"} {
 		Eventually(t, 30*time.Second, func() error {
 			out, err := Curl(client, vip)
@@ -341,6 +348,30 @@ func TestIstiodXDSAgents(t *testing.T) {
 			}
 			return err
 		})
+	}
+	// DNS capture: the client's queries, to a resolver that does not
+	// exist, are answered by its agent from istiod's state: the Service by
+	// its full and short names, a ServiceEntry host by its address, and
+	// one without addresses by the one istiod allocated for it.
+	for name, want := range map[string]string{"server.mesh.svc.cluster.local": "10.96.0.50", "server": "10.96.0.50", "db.example.com": "10.97.0.1"} {
+		Eventually(t, 30*time.Second, func() error {
+			got, err := dig(client, "10.96.0.10", name)
+			if err == nil && got != want {
+				err = fmt.Errorf("%s is %q, want %s", name, got, want)
+			}
+			return err
+		})
+	}
+	var allocated string
+	Eventually(t, 30*time.Second, func() (err error) {
+		if allocated, err = dig(client, "10.96.0.10", "api.example.com"); err == nil && allocated == "" {
+			err = fmt.Errorf("api.example.com has no address yet")
+		}
+		return err
+	})
+	t.Logf("api.example.com: the agent answered %s, the address istiod allocated", allocated)
+	if out, err := Curl(client, "http://"+allocated+":80/"); err != nil || !strings.Contains(out, "server peer="+client.IPv4.String()) {
+		t.Errorf("api.example.com at the address istiod allocated, %s: %q, %v", allocated, out, err)
 	}
 
 	apply(t, dyn, "security.istio.io", "v1", "peerauthentications", "mesh", "strict", map[string]any{"mtls": map[string]any{"mode": "STRICT"}})
