@@ -110,7 +110,11 @@ func TestStopEndsRelaysWhoseUpstreamReadsNothing(t *testing.T) {
 	}
 	defer app.Close()
 	select {
-	case <-upstreams:
+	case up := <-upstreams:
+		// Held until the end: a connection no longer referenced is closed
+		// by its finalizer, and with unread data that is a reset, which
+		// ended the relay under test (CI saw it).
+		defer func() { go func() { _, _ = io.Copy(io.Discard, up); up.Close() }() }()
 	case <-time.After(5 * time.Second):
 		t.Fatal("the tunnel never dialled the server")
 	}
