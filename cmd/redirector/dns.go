@@ -106,9 +106,12 @@ func newDNSProxy(d dnsSettings, dir func() *workload.Directory, reg prometheus.R
 	ups := d.upstreams
 	if len(ups) == 0 {
 		var err error
-		if ups, err = resolvers(resolvConf); err != nil {
-			// Names of the mesh are still answered; the rest fail.
-			log.Error("DNS capture: no upstream resolver, queries for names outside the mesh fail", "error", err)
+		if ups, err = resolvers(resolvConf); err == nil && len(ups) == 0 {
+			err = fmt.Errorf("%s names no nameserver", resolvConf)
+		}
+		if err != nil {
+			// Names of the mesh are still answered; the rest get SERVFAIL.
+			log.Warn("DNS capture: no upstream resolver, captured queries for names outside the mesh fail (set DNS_UPSTREAMS)", "error", err)
 		}
 	}
 	p, err := dnsproxy.New(dnsproxy.Config{Upstreams: ups}, dir, dnsproxy.NewMetrics(reg), log)
