@@ -73,10 +73,16 @@ func (p *pod) serveDNS(c *net.UDPConn) {
 			if !ok {
 				continue // not assigned by the capture: nothing to answer from
 			}
-			query := append([]byte(nil), buf[:n]...)
-			go p.answerDNS(from, to, query)
+			p.dispatchDNS(from, to, buf[:n])
 		}
 	}()
+}
+
+// dispatchDNS starts answering one datagram the pod's DNS socket read from
+// from, sent to to; query is the reader's buffer, copied here.
+func (p *pod) dispatchDNS(from, to netip.AddrPort, query []byte) {
+	query = append([]byte(nil), query...)
+	go p.answerDNS(from, to, query)
 }
 
 // answerDNS answers one query from client, sent to dst.
