@@ -28,9 +28,11 @@ import (
 // from a socket bound to the address and port the query was sent to, so
 // the app's resolver, which connected its socket there, takes it.
 
-// dnsBufSize is the largest query read: EDNS0 lets a client announce up to
-// 64 KiB, but a query itself is a few hundred bytes.
-const dnsBufSize = 4096
+// dnsBufSize is one byte more than the largest query the resolver takes
+// (a query is a few hundred bytes, though EDNS0 lets a client announce up
+// to 64 KiB): a longer datagram is read cut to this size, and the resolver
+// rejects it as oversized rather than judging its cut.
+const dnsBufSize = dnsproxy.MaxQueryLen + 1
 
 // listenDNS opens the pod's DNS socket: dual-stack when the namespace has
 // IPv6, else IPv4 only. SO_REUSEPORT lets the agent replacing this one open

@@ -289,3 +289,34 @@ func TestDNSAnswersBoundedPerPod(t *testing.T) {
 		t.Errorf("redirector_dns_dropped_total{reason=busy} = %v, want at least %v", got, want)
 	}
 }
+
+// TestDNSOversizedDatagramRejected: a datagram larger than the resolver
+// takes (dnsproxy.MaxQueryLen) is answered FORMERR as oversized, not cut
+// to the reader's buffer and answered as if the client had sent the cut.
+// Before, the reader read into a MaxQueryLen buffer: a query padded past
+// it was taken whole (forwarded upstream, trailing bytes and all), a
+// longer one judged on its first 4096 bytes.
+func TestDNSOversizedDatagramRejected(t *testing.T) {
+	ns := dnsPodNS(t)
+	_, p := dnsTunnel(t, ns, dnsproxy.Config{Timeout: 300 * time.Millisecond})
+	// A socket of the pod's own on port 53 stands in for the capture: its
+	// datagrams' original destination is port 53. (SO_REUSEADDR: the
+	// answer's socket binds the same address.)
+	c, err := ns.ListenPacket(context.Background(), "udp4", netip.AddrPortFrom(dnsPodAddr, 53).String(),
+		netns.SocketOptions{RecvOrigDst: true, ReuseAddr: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.wg.Add(1)
+	p.serveDNS(c)
+	t.Cleanup(func() { c.Close() })
+	own := udpIn(t, ns, netip.AddrPortFrom(dnsPodAddr, 0))
+	padded := append(dnsQuery(t, "outside.test"), make([]byte, dnsproxy.MaxQueryLen+100)...)
+	if _, err := own.WriteToUDPAddrPort(padded, netip.AddrPortFrom(dnsPodAddr, 53)); err != nil {
+		t.Fatal(err)
+	}
+	m, _ := readDNS(t, own, 3*time.Second)
+	if m == nil || m.Rcode != dns.RcodeFormatError {
+		t.Fatalf("a %d-byte query got %v, want FORMERR", len(padded), m)
+	}
+}
