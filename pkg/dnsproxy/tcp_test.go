@@ -178,6 +178,13 @@ func TestBounds(t *testing.T) {
 	first, firstPeer := net.Pipe()
 	defer firstPeer.Close()
 	go p.ServeConn(ctx, client, first, dialLoopback)
+	// The first is served (and so holds its slot before the second
+	// starts: both started at once, either could take it).
+	firstPeer.SetDeadline(time.Now().Add(5 * time.Second))
+	firstPeer.Write(frame(query(t, "reviews.", dns.TypeA, 9)))
+	if r := readFrame(t, firstPeer); r.Id != 9 || len(r.Answer) != 1 {
+		t.Errorf("first connection: %v", r)
+	}
 	second, secondPeer := net.Pipe()
 	done := make(chan struct{})
 	go func() { p.ServeConn(ctx, client, second, dialLoopback); close(done) }()
@@ -190,10 +197,9 @@ func TestBounds(t *testing.T) {
 	if got := testutil.ToFloat64(m.refused.WithLabelValues("conns_pod")); got != 1 {
 		t.Errorf(`redirector_dns_refused_total{limit="conns_pod"} = %v, want 1`, got)
 	}
-	// The first is served.
-	firstPeer.SetDeadline(time.Now().Add(5 * time.Second))
-	firstPeer.Write(frame(query(t, "reviews.", dns.TypeA, 9)))
-	if r := readFrame(t, firstPeer); r.Id != 9 || len(r.Answer) != 1 {
+	// The first is still served.
+	firstPeer.Write(frame(query(t, "reviews.", dns.TypeA, 10)))
+	if r := readFrame(t, firstPeer); r.Id != 10 || len(r.Answer) != 1 {
 		t.Errorf("first connection: %v", r)
 	}
 }
