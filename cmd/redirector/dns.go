@@ -25,7 +25,7 @@ func addDNSSettings(s *settings) dnsFlags {
 		capture: s.add("dns-capture", "DNS_CAPTURE", "true",
 			"answer enrolled pods' DNS queries (UDP and TCP to port 53) in the agent: names of the mesh from its services, the rest forwarded; a pod's annotation ambient.istio.io/dns-capture overrides"),
 		upstreams: s.add("dns-upstreams", "DNS_UPSTREAMS", "",
-			"comma-separated resolvers that queries for names outside the mesh are forwarded to, as IP or IP:port (empty: the nameservers of "+resolvConf+")"),
+			"comma-separated resolvers that queries for names outside the mesh are forwarded to, from each pod's namespace (so no loopback address), as IP or IP:port (empty: the nameservers of "+resolvConf+")"),
 	}
 }
 
@@ -65,19 +65,47 @@ func (f dnsFlags) parse(s *settings) (dnsSettings, error) {
 
 // parseResolver reads a resolver as IP (port 53) or IP:port.
 func parseResolver(s string) (netip.AddrPort, error) {
+	var ap netip.AddrPort
 	if a, err := netip.ParseAddr(s); err == nil && a.Zone() == "" {
-		return netip.AddrPortFrom(a.Unmap(), 53), nil
+		ap = netip.AddrPortFrom(a.Unmap(), 53)
+	} else {
+		ap, err = netip.ParseAddrPort(s)
+		if err != nil || ap.Port() == 0 || ap.Addr().Zone() != "" {
+			return netip.AddrPort{}, fmt.Errorf("resolver %q is not an IP address or IP:port", s)
+		}
+		ap = netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())
 	}
-	ap, err := netip.ParseAddrPort(s)
-	if err != nil || ap.Port() == 0 || ap.Addr().Zone() != "" {
-		return netip.AddrPort{}, fmt.Errorf("resolver %q is not an IP address or IP:port", s)
+	if why := notFromPods(ap.Addr()); why != "" {
+		return netip.AddrPort{}, fmt.Errorf("resolver %q: %s", s, why)
 	}
-	return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+	return ap, nil
+}
+
+// notFromPods says why a is no resolver to forward to ("" if it is one):
+// queries are forwarded from the client pod's network namespace, where a
+// loopback address is the pod's own loopback (a node's systemd-resolved
+// stub, 127.0.0.53, is not there; a pod's own listener would be), and an
+// unspecified, multicast or broadcast address is nobody's. A link-local
+// one is kept: NodeLocal DNSCache answers pods at 169.254.20.10.
+func notFromPods(a netip.Addr) string {
+	switch {
+	case a.IsLoopback():
+		return "a loopback address, which from the pods' namespaces (where queries are forwarded from) is each pod's own loopback"
+	case a.IsUnspecified():
+		return "the unspecified address is no resolver"
+	case a.IsMulticast(), a == netip.AddrFrom4([4]byte{255, 255, 255, 255}):
+		return "a multicast or broadcast address is no resolver"
+	}
+	return ""
 }
 
 // resolvers are the nameservers of a resolv.conf file. A line that is not
-// an address is skipped, as the C library does.
-func resolvers(path string) ([]netip.AddrPort, error) {
+// an address is skipped, as the C library does, and so is an address no
+// pod can forward to (notFromPods), logged.
+func resolvers(path string, log *slog.Logger) ([]netip.AddrPort, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("read resolvers: %w", err)
@@ -90,9 +118,15 @@ func resolvers(path string) ([]netip.AddrPort, error) {
 		if len(fields) < 2 || fields[0] != "nameserver" {
 			continue
 		}
-		if a, err := netip.ParseAddr(fields[1]); err == nil && a.Zone() == "" {
-			out = append(out, netip.AddrPortFrom(a.Unmap(), 53))
+		a, err := netip.ParseAddr(fields[1])
+		if err != nil || a.Zone() != "" {
+			continue
 		}
+		if why := notFromPods(a.Unmap()); why != "" {
+			log.Warn("DNS capture: a nameserver of "+path+" skipped as upstream", "nameserver", fields[1], "reason", why)
+			continue
+		}
+		out = append(out, netip.AddrPortFrom(a.Unmap(), 53))
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("read resolvers from %s: %w", path, err)
@@ -106,8 +140,9 @@ func newDNSProxy(d dnsSettings, dir func() *workload.Directory, reg prometheus.R
 	ups := d.upstreams
 	if len(ups) == 0 {
 		var err error
-		if ups, err = resolvers(resolvConf); err == nil && len(ups) == 0 {
-			err = fmt.Errorf("%s names no nameserver", resolvConf)
+		ups, err = resolvers(resolvConf, log)
+		if err == nil && len(ups) == 0 {
+			err = fmt.Errorf("no nameserver in %s that pods can forward to", resolvConf)
 		}
 		if err != nil {
 			// Names of the mesh are still answered; the rest get SERVFAIL.

@@ -10,6 +10,7 @@ import (
 	"net"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/miekg/dns"
@@ -65,7 +66,7 @@ func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bo
 	var failed []byte
 	var errs []error
 	for _, up := range p.cfg.Upstreams {
-		answer, err := p.ask(ctx, up.String(), out, id, q, clientSize(req, false), tcp, dial)
+		answer, err := p.ask(ctx, up.String(), out, id, q, tcp, dial)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("upstream %s: %w", up, err))
 			continue
@@ -82,10 +83,10 @@ func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bo
 
 // ask asks one upstream at addr, over UDP and then TCP if the answer is
 // truncated and retry says so.
-func (p *Proxy) ask(ctx context.Context, addr string, query []byte, id uint16, q dns.Question, udpSize int, retry bool, dial Dialer) ([]byte, error) {
+func (p *Proxy) ask(ctx context.Context, addr string, query []byte, id uint16, q dns.Question, retry bool, dial Dialer) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
-	answer, err := askUDP(ctx, dial, addr, query, id, q, udpSize)
+	answer, err := askUDP(ctx, dial, addr, query, id, q)
 	if err != nil {
 		return nil, err
 	}
@@ -100,9 +101,11 @@ func (p *Proxy) ask(ctx context.Context, addr string, query []byte, id uint16, q
 }
 
 // askUDP sends query to addr over UDP and waits for its answer, ignoring
-// datagrams that are not (another ID or question, larger than the query
-// allowed, not a response), as a stub resolver does against spoofing.
-func askUDP(ctx context.Context, dial Dialer, addr string, query []byte, id uint16, q dns.Question, size int) ([]byte, error) {
+// datagrams that are not (another ID or question, not a response), as a
+// stub resolver does against spoofing. An answer larger than the client's
+// size is taken (forward truncates it): an upstream ignoring that size
+// still answers, rather than leaving the client to wait for the timeout.
+func askUDP(ctx context.Context, dial Dialer, addr string, query []byte, id uint16, q dns.Question) ([]byte, error) {
 	conn, err := dialUpstream(ctx, dial, "udp", addr)
 	if err != nil {
 		return nil, err
@@ -111,17 +114,26 @@ func askUDP(ctx context.Context, dial Dialer, addr string, query []byte, id uint
 	if _, err := conn.Write(query); err != nil {
 		return nil, fmt.Errorf("send: %w", err)
 	}
-	buf := make([]byte, size+1)
+	bp := udpBufs.Get().(*[]byte)
+	defer udpBufs.Put(bp)
+	buf := *bp
 	for {
 		n, err := conn.Read(buf)
 		if err != nil {
 			return nil, fmt.Errorf("receive: %w", err)
 		}
-		if n <= size && answers(buf[:n], id, q) {
+		if answers(buf[:n], id, q) {
 			return slices.Clone(buf[:n]), nil
 		}
 	}
 }
+
+// udpBufs are receive buffers for upstream answers, each the largest
+// datagram: one per query in flight at most.
+var udpBufs = sync.Pool{New: func() any {
+	b := make([]byte, dns.MaxMsgSize)
+	return &b
+}}
 
 // askTCP sends query to addr over TCP (RFC 1035 4.2.2 framing) and reads
 // its answer, which must be one.

@@ -235,3 +235,48 @@ func TestTruncation(t *testing.T) {
 		t.Errorf("tcp client: %d answers, want 100", len(resp.Answer))
 	}
 }
+
+// TestUpstreamIgnoringClientSize: an upstream answering over UDP with more
+// than the client's buffer (512 bytes, or its EDNS0 size) allows is
+// passed on truncated to fit, TC set, at once. Before, such an answer was
+// dropped as if it were no answer: the client waited the whole timeout for
+// a SERVFAIL, though forward truncates such answers itself.
+func TestUpstreamIgnoringClientSize(t *testing.T) {
+	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			q := new(dns.Msg)
+			if q.Unpack(buf[:n]) != nil {
+				continue
+			}
+			r := new(dns.Msg).SetReply(q)
+			for i := range 60 { // about 1 KB: over 512
+				r.Answer = append(r.Answer, &dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.IPv4(192, 0, 2, byte(i+1))})
+			}
+			b, _ := r.Pack()
+			pc.WriteTo(b, from)
+		}
+	}()
+	up := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+	p, _ := newProxy(t, Config{Upstreams: []netip.AddrPort{up}, Timeout: 2 * time.Second})
+	start := time.Now()
+	raw := p.Answer(context.Background(), client, "udp", query(t, "outside.example.org.", dns.TypeA, 9), dialLoopback)
+	took := time.Since(start)
+	resp := unpack(t, raw)
+	if resp.Rcode != dns.RcodeSuccess || !resp.Truncated || len(raw) > 512 || len(resp.Answer) == 0 || resp.Id != 9 {
+		t.Errorf("answer %s, TC %v, %d bytes, %d records, id %d; want NOERROR truncated to 512 bytes with the records that fit",
+			dns.RcodeToString[resp.Rcode], resp.Truncated, len(raw), len(resp.Answer), resp.Id)
+	}
+	if took > time.Second {
+		t.Errorf("answered after %v: the upstream's answer was not taken", took)
+	}
+}

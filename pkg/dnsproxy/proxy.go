@@ -55,7 +55,7 @@ type Config struct {
 // Defaults. A forwarded query normally takes a millisecond or so: 64 at
 // once is far more than one pod's resolver has outstanding (glibc sends A
 // and AAAA together), 1024 more than a node's pods need, and each holds at
-// most one socket and 64 KiB. 5 s is glibc's own retry timeout (and
+// most one socket and a 64 KiB buffer. 5 s is glibc's own retry timeout (and
 // hickory's per-server one): waiting longer only overlaps the client's
 // retry. 5 s idle is ztunnel's TCP request timeout.
 const (

@@ -28,9 +28,11 @@ import (
 // from a socket bound to the address and port the query was sent to, so
 // the app's resolver, which connected its socket there, takes it.
 
-// dnsBufSize is the largest query read: EDNS0 lets a client announce up to
-// 64 KiB, but a query itself is a few hundred bytes.
-const dnsBufSize = 4096
+// dnsBufSize is one byte more than the largest query the resolver takes
+// (a query is a few hundred bytes, though EDNS0 lets a client announce up
+// to 64 KiB): a longer datagram is read cut to this size, and the resolver
+// rejects it as oversized rather than judging its cut.
+const dnsBufSize = dnsproxy.MaxQueryLen + 1
 
 // listenDNS opens the pod's DNS socket: dual-stack when the namespace has
 // IPv6, else IPv4 only. SO_REUSEPORT lets the agent replacing this one open
@@ -51,11 +53,10 @@ func (p *pod) listenDNS(ctx context.Context) (*net.UDPConn, error) {
 }
 
 // serveDNS reads the pod's captured queries until the socket closes, on
-// a goroutine counted in p.wg by the caller. Each
-// query is answered on its own goroutine: a forwarded one waits for its
-// upstream. The resolver bounds how many are in flight (per pod and for
-// the node) and drops the rest, so a flood makes only short-lived
-// goroutines.
+// a goroutine counted in p.wg by the caller. Each query is answered on its
+// own goroutine (dispatchDNS): a forwarded one waits for its upstream.
+// Those are bounded per pod, and the resolver bounds how many are
+// forwarded at once (per pod and for the node).
 func (p *pod) serveDNS(c *net.UDPConn) {
 	go func() {
 		defer p.wg.Done()
@@ -73,18 +74,73 @@ func (p *pod) serveDNS(c *net.UDPConn) {
 			if !ok {
 				continue // not assigned by the capture: nothing to answer from
 			}
-			query := append([]byte(nil), buf[:n]...)
-			go p.answerDNS(from, to, query)
+			p.dispatchDNS(from, to, buf[:n])
 		}
 	}()
 }
 
+// dispatchDNS starts answering one datagram the pod's DNS socket read from
+// from, sent to to; query is the reader's buffer, copied here. Only a query
+// the capture assigned (sent to port 53: IP_ORIGDSTADDR names every
+// datagram's destination, this socket's own port for one sent straight to
+// it) from one of the pod's own addresses is answered: the answer leaves
+// the pod's namespace with the tunnel mark, past the capture, so one to
+// any other address would let a pod (or a peer sending to the socket's
+// port) make the agent send "the resolver's" datagrams where it names, and
+// forward queries as the pod. At most dnsMaxPendingPerPod are answered at
+// once, counted in p.wg so a stopping pod answers them before it goes; the
+// rest are dropped. Every drop is counted by reason.
+func (p *pod) dispatchDNS(from, to netip.AddrPort, query []byte) {
+	from = netip.AddrPortFrom(from.Addr().Unmap(), from.Port())
+	drop := func(reason string) { p.t.cfg.Metrics.dnsDropped.WithLabelValues(reason).Inc() }
+	switch {
+	case to.Port() != dnsServerPort:
+		drop(dnsDropNotCaptured)
+		return
+	case from.Port() == 0 || !p.owns(from.Addr()):
+		drop(dnsDropForeignSource)
+		return
+	}
+	if p.dnsPending.Add(1) > dnsMaxPendingPerPod {
+		p.dnsPending.Add(-1)
+		drop(dnsDropBusy)
+		return
+	}
+	query = append([]byte(nil), query...)
+	p.wg.Add(1) // the reader holds one: the count is not zero
+	go func() {
+		defer p.wg.Done()
+		defer p.dnsPending.Add(-1)
+		p.answerDNS(from, to, query)
+	}()
+}
+
+// dnsServerPort is the port of the queries the capture assigns to the DNS
+// socket (capture.c's DNS_SERVER_PORT).
+const dnsServerPort = 53
+
+// dnsMaxPendingPerPod bounds a pod's queries being answered at once, each
+// a goroutine that may hold an upstream socket and then a reply socket in
+// the pod's namespace. It is twice the resolver's default bound of queries
+// in flight per pod (dnsproxy.DefaultMaxInFlightPerPod), so the resolver's
+// REFUSED answers still reach a pod over its bound; what a flood sends
+// beyond this is dropped, as a full socket buffer would drop it.
+const dnsMaxPendingPerPod = 2 * dnsproxy.DefaultMaxInFlightPerPod
+
+// Reasons of redirector_dns_dropped_total.
+const (
+	dnsDropNotCaptured   = "not_captured"
+	dnsDropForeignSource = "foreign_source"
+	dnsDropBusy          = "busy"
+)
+
+var dnsDropReasons = []string{dnsDropNotCaptured, dnsDropForeignSource, dnsDropBusy}
+
 // answerDNS answers one query from client, sent to dst.
 func (p *pod) answerDNS(client, dst netip.AddrPort, query []byte) {
-	client = netip.AddrPortFrom(client.Addr().Unmap(), client.Port())
 	w, _ := p.t.State().Dir.ByAddr(client.Addr())
 	if w != nil && w.Key() != p.uid {
-		w = nil // not this pod's address: answer without its namespace
+		w = nil // the directory (lagging) names another pod there: answer as no one's
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, dnsAnswerTimeout)
 	defer cancel()

@@ -5,6 +5,7 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -41,6 +42,9 @@ type Metrics struct {
 	// handover counts pods whose listeners passed between agents
 	// (handover.go), by result.
 	handover *prometheus.CounterVec
+	// dnsDropped counts datagrams the pods' DNS sockets read and did not
+	// answer (dns.go), by reason.
+	dnsDropped *prometheus.CounterVec
 
 	series *seriesGC
 	// cluster is the cluster ID for the agent's own workloads.
@@ -135,6 +139,12 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		handover: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_listener_handovers_total",
 			Help: "Pods whose listeners passed between this agent and another over the hand-over socket, by result: given (to a successor), taken (from the predecessor), not_served (asked for a pod the other agent does not serve), failed (the exchange or a check of a received socket failed; the pod's own listeners are opened instead), refused (a connection or request refused: a peer neither root nor the agent's user, or an undecodable request)."}, []string{"result"}),
+		dnsDropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_dns_dropped_total",
+			Help: "Datagrams a pod's DNS socket read and dropped unanswered, by reason: not_captured (not a query the capture assigned: its original destination port is not 53, as a datagram sent straight to the socket's port), foreign_source (from an address that is not the pod's, or from port 0), busy (the pod already has " + strconv.Itoa(dnsMaxPendingPerPod) + " queries being answered)."}, []string{"reason"}),
+	}
+	for _, r := range dnsDropReasons {
+		m.dnsDropped.WithLabelValues(r)
 	}
 	for _, r := range handoverResults {
 		m.handover.WithLabelValues(r)
@@ -153,7 +163,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
-		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.limitEvicted, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover)
+		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.limitEvicted, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover, m.dnsDropped)
 	}
 	return m
 }

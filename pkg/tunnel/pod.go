@@ -47,8 +47,11 @@ type pod struct {
 	cancel context.CancelFunc
 	lns    []net.Listener
 	hbone  *hbone.Server
-	dns    *net.UDPConn   // captured DNS queries (dns.go), if the node answers them
-	wg     sync.WaitGroup // accept loops and connection handlers
+	dns    *net.UDPConn // captured DNS queries (dns.go), if the node answers them
+	// dnsPending counts the pod's DNS queries being answered, against
+	// dnsMaxPendingPerPod (dispatchDNS).
+	dnsPending atomic.Int32
+	wg         sync.WaitGroup // accept loops and connection handlers
 
 	// id names this instance of the pod for the HBONE pool: a pod served
 	// again from a new namespace, or a new pod on a reused address, never
