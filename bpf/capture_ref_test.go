@@ -325,14 +325,21 @@ type refWorld struct {
 // bound to dst itself, else one bound to the wildcard address of dst's
 // family (or a dual-stack [::]).
 func (w *refWorld) lookupUDP(dst [16]byte, port uint16) sockKind {
-	d := netip.AddrFrom16(dst).Unmap()
+	return bestBound(w.udpSocks, netip.AddrPortFrom(netip.AddrFrom16(dst).Unmap(), port))
+}
+
+// bestBound is the most specific of socks bound to d's port: one bound to
+// d's address, else one bound to the wildcard address of its family (or a
+// dual-stack [::]); the tunnel's if it carries the mark. socks are those
+// that may take the packet: TCP listeners, or bound UDP sockets.
+func bestBound(socks []refSock, d netip.AddrPort) sockKind {
 	best, bestSpecific := sockNone, false
-	for _, k := range w.udpSocks {
-		if k.local.Port() != port {
+	for _, k := range socks {
+		if k.local.Port() != d.Port() {
 			continue
 		}
-		specific := k.local.Addr() == d
-		wild := k.local.Addr().IsUnspecified() && (k.local.Addr().Is6() == d.Is6() || k.dualStack)
+		specific := k.local.Addr() == d.Addr()
+		wild := k.local.Addr().IsUnspecified() && (k.local.Addr().Is6() == d.Addr().Is6() || k.dualStack)
 		if !specific && !wild || best != sockNone && bestSpecific && !specific {
 			continue
 		}
@@ -382,22 +389,13 @@ func (w *refWorld) lookup(src, dst [16]byte, sport, dport uint16) sockKind {
 			return sockConn
 		}
 	}
-	best, bestSpecific := sockNone, false
+	var listeners []refSock
 	for _, k := range w.socks {
-		if !k.listen || k.local.Port() != dport {
-			continue
-		}
-		specific := k.local.Addr() == d.Addr()
-		wild := k.local.Addr().IsUnspecified() && (k.local.Addr().Is6() == d.Addr().Is6() || k.dualStack)
-		if !specific && !wild || best != sockNone && bestSpecific && !specific {
-			continue
-		}
-		best, bestSpecific = sockOtherListener, specific
-		if k.marked {
-			best = sockTunnelListener
+		if k.listen {
+			listeners = append(listeners, k)
 		}
 	}
-	return best
+	return bestBound(listeners, d)
 }
 
 // outcome is one verdict the programs may give, the reason it counts (or

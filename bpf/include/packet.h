@@ -152,6 +152,19 @@ static __always_inline int may_hold_tcp6(__u8 next)
 	       next == IPPROTO_FRAGMENT || next == IPPROTO_AH || hides_tcp(next) || opaque_exthdr6(next);
 }
 
+/* set_ports puts a TCP or UDP header's ports (network order) into p's
+ * tuple of its family. */
+static __always_inline void set_ports(struct tcp_pkt *p, __be16 sport, __be16 dport)
+{
+	if (p->v6) {
+		p->tuple.ipv6.sport = sport;
+		p->tuple.ipv6.dport = dport;
+	} else {
+		p->tuple.ipv4.sport = sport;
+		p->tuple.ipv4.dport = dport;
+	}
+}
+
 /* read_tcp reads the TCP header at off into p. Returns PARSE_TCP or the
  * reason the header cannot be used. */
 static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __u32 off)
@@ -169,13 +182,7 @@ static __always_inline int read_tcp(struct __sk_buff *skb, struct tcp_pkt *p, __
 	p->syn = tcp.syn;
 	p->ack = tcp.ack;
 	p->rst = tcp.rst;
-	if (p->v6) {
-		p->tuple.ipv6.sport = tcp.source;
-		p->tuple.ipv6.dport = tcp.dest;
-	} else {
-		p->tuple.ipv4.sport = tcp.source;
-		p->tuple.ipv4.dport = tcp.dest;
-	}
+	set_ports(p, tcp.source, tcp.dest);
 	return PARSE_TCP;
 }
 
@@ -194,13 +201,7 @@ static __always_inline int read_udp(struct __sk_buff *skb, struct tcp_pkt *p, __
 		return PARSE_UDP;
 	}
 	p->has_ports = 1;
-	if (p->v6) {
-		p->tuple.ipv6.sport = udp.source;
-		p->tuple.ipv6.dport = udp.dest;
-	} else {
-		p->tuple.ipv4.sport = udp.source;
-		p->tuple.ipv4.dport = udp.dest;
-	}
+	set_ports(p, udp.source, udp.dest);
 	return PARSE_UDP;
 }
 

@@ -140,48 +140,29 @@ func TestUpstreamAnswerMustMatch(t *testing.T) {
 // the query: another ID, another name, the query itself, garbage; then,
 // if honest, the real answer.
 func liar(t *testing.T, honest bool) netip.AddrPort {
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pc.Close() })
-	go func() {
-		buf := make([]byte, 4096)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			q := new(dns.Msg)
-			if q.Unpack(buf[:n]) != nil {
-				continue
-			}
-			reply := func(edit func(*dns.Msg)) []byte {
-				r := new(dns.Msg).SetReply(q)
-				r.Answer = []dns.RR{&dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.ParseIP("192.0.2.1")}}
-				edit(r)
-				b, _ := r.Pack()
-				return b
-			}
-			bad := [][]byte{
-				reply(func(r *dns.Msg) { r.Id++; r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.1") }),
-				reply(func(r *dns.Msg) {
-					r.Question[0].Name = "evil.example."
-					r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.2")
-				}),
-				reply(func(r *dns.Msg) { r.Question[0].Qtype = dns.TypeAAAA }),
-				reply(func(r *dns.Msg) { r.Response = false }),
-				append(slices.Clone(buf[:2]), 0x81, 0x80, 0, 1, 0, 1, 0xff, 0xff),
-			}
-			for _, b := range bad {
-				pc.WriteTo(b, from)
-			}
-			if honest {
-				pc.WriteTo(reply(func(*dns.Msg) {}), from)
-			}
+	return udpUpstream(t, func(q *dns.Msg, raw []byte) [][]byte {
+		reply := func(edit func(*dns.Msg)) []byte {
+			r := new(dns.Msg).SetReply(q)
+			r.Answer = []dns.RR{&dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.ParseIP("192.0.2.1")}}
+			edit(r)
+			b, _ := r.Pack()
+			return b
 		}
-	}()
-	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+		out := [][]byte{
+			reply(func(r *dns.Msg) { r.Id++; r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.1") }),
+			reply(func(r *dns.Msg) {
+				r.Question[0].Name = "evil.example."
+				r.Answer[0].(*dns.A).A = net.ParseIP("203.0.113.2")
+			}),
+			reply(func(r *dns.Msg) { r.Question[0].Qtype = dns.TypeAAAA }),
+			reply(func(r *dns.Msg) { r.Response = false }),
+			append(slices.Clone(raw[:2]), 0x81, 0x80, 0, 1, 0, 1, 0xff, 0xff),
+		}
+		if honest {
+			out = append(out, reply(func(*dns.Msg) {}))
+		}
+		return out
+	})
 }
 
 // TestTruncation: over UDP an answer fits the client's buffer, 512 bytes
@@ -242,31 +223,14 @@ func TestTruncation(t *testing.T) {
 // dropped as if it were no answer: the client waited the whole timeout for
 // a SERVFAIL, though forward truncates such answers itself.
 func TestUpstreamIgnoringClientSize(t *testing.T) {
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pc.Close() })
-	go func() {
-		buf := make([]byte, 4096)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			q := new(dns.Msg)
-			if q.Unpack(buf[:n]) != nil {
-				continue
-			}
-			r := new(dns.Msg).SetReply(q)
-			for i := range 60 { // about 1 KB: over 512
-				r.Answer = append(r.Answer, &dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.IPv4(192, 0, 2, byte(i+1))})
-			}
-			b, _ := r.Pack()
-			pc.WriteTo(b, from)
+	up := udpUpstream(t, func(q *dns.Msg, _ []byte) [][]byte {
+		r := new(dns.Msg).SetReply(q)
+		for i := range 60 { // about 1 KB: over 512
+			r.Answer = append(r.Answer, &dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.IPv4(192, 0, 2, byte(i+1))})
 		}
-	}()
-	up := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+		b, _ := r.Pack()
+		return [][]byte{b}
+	})
 	p, _ := newProxy(t, Config{Upstreams: []netip.AddrPort{up}, Timeout: 2 * time.Second})
 	start := time.Now()
 	raw := p.Answer(context.Background(), client, "udp", query(t, "outside.example.org.", dns.TypeA, 9), dialLoopback)

@@ -107,9 +107,10 @@ type kubeDNS struct {
 	held    atomic.Int32
 }
 
-func startKubeDNS(t testing.TB) *kubeDNS {
+// listenBoth opens a UDP socket and a TCP listener on one loopback port,
+// as a DNS server takes both.
+func listenBoth(t testing.TB) (net.PacketConn, net.Listener, int) {
 	t.Helper()
-	k := &kubeDNS{}
 	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -120,6 +121,13 @@ func startKubeDNS(t testing.TB) *kubeDNS {
 		pc.Close()
 		t.Fatal(err)
 	}
+	return pc, ln, port
+}
+
+func startKubeDNS(t testing.TB) *kubeDNS {
+	t.Helper()
+	k := &kubeDNS{}
+	pc, ln, port := listenBoth(t)
 	k.addr = netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(port))
 	for _, srv := range []*dns.Server{{PacketConn: pc, Handler: k}, {Listener: ln, Handler: k}} {
 		started := make(chan struct{})
@@ -197,6 +205,36 @@ func (k *kubeDNS) lastReply() []byte {
 	return k.replies[len(k.replies)-1]
 }
 
+// udpUpstream is a bare upstream resolver on 127.0.0.1 (UDP only) that
+// sends, for each query it can parse, the datagrams answer returns for it
+// (raw is the query as received), in order: for upstreams that misbehave
+// in ways kubeDNS's server will not.
+func udpUpstream(t testing.TB, answer func(q *dns.Msg, raw []byte) [][]byte) netip.AddrPort {
+	t.Helper()
+	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			q := new(dns.Msg)
+			if q.Unpack(buf[:n]) != nil {
+				continue
+			}
+			for _, b := range answer(q, buf[:n]) {
+				pc.WriteTo(b, from)
+			}
+		}
+	}()
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
 // serve runs a tiny DNS server on 127.0.0.1 (UDP and TCP, one port) that
 // hands every query to p as the tunnel does: datagrams to Answer,
 // connections to ServeConn, all from the pod who.
@@ -209,16 +247,7 @@ func serve(t testing.TB, p *Proxy, who *workload.Workload) string {
 func serveObserved(t testing.TB, p *Proxy, who *workload.Workload, seen func(query []byte)) string {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	if err != nil {
-		pc.Close()
-		t.Fatal(err)
-	}
+	pc, ln, port := listenBoth(t)
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		buf := make([]byte, 65536)

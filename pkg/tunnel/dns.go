@@ -9,7 +9,6 @@ import (
 	"net/netip"
 	"strconv"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -195,30 +194,23 @@ func (t *Tunnel) capturesDNS(w *workload.Workload) bool {
 }
 
 // origDst reads the original destination from a datagram's control
-// messages (IP_ORIGDSTADDR or IPV6_ORIGDSTADDR).
+// messages (IP_ORIGDSTADDR or IPV6_ORIGDSTADDR): a sockaddr_in or
+// sockaddr_in6, port at bytes 2-3 in network order, the address at 4 or 8.
 func origDst(oob []byte) (netip.AddrPort, bool) {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
 		return netip.AddrPort{}, false
 	}
 	for _, m := range msgs {
+		d := m.Data
 		switch {
-		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet4:
-			sa := (*unix.RawSockaddrInet4)(unsafe.Pointer(&m.Data[0]))
-			return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), portOf(sa.Port)), true
-		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(m.Data) >= unix.SizeofSockaddrInet6:
-			sa := (*unix.RawSockaddrInet6)(unsafe.Pointer(&m.Data[0]))
-			return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), portOf(sa.Port)), true
+		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_ORIGDSTADDR && len(d) >= unix.SizeofSockaddrInet4:
+			return netip.AddrPortFrom(netip.AddrFrom4([4]byte(d[4:8])), binary.BigEndian.Uint16(d[2:4])), true
+		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_ORIGDSTADDR && len(d) >= unix.SizeofSockaddrInet6:
+			return netip.AddrPortFrom(netip.AddrFrom16([16]byte(d[8:24])).Unmap(), binary.BigEndian.Uint16(d[2:4])), true
 		}
 	}
 	return netip.AddrPort{}, false
-}
-
-// portOf turns a sockaddr's port, in network byte order, into a number.
-func portOf(raw uint16) uint16 {
-	var b [2]byte
-	*(*uint16)(unsafe.Pointer(&b[0])) = raw
-	return binary.BigEndian.Uint16(b[:])
 }
 
 // startDNS opens the pod's DNS socket and serves it. A pod without one

@@ -320,3 +320,43 @@ func TestDNSOversizedDatagramRejected(t *testing.T) {
 		t.Fatalf("a %d-byte query got %v, want FORMERR", len(padded), m)
 	}
 }
+
+// TestDNSSocketNotWaitingForPorts: a pod whose TCP ports another process
+// holds (a predecessor that did not hand them over: awaitPorts) has its
+// DNS socket at once, since that socket needs none of those ports; and
+// taking the ports later opens no second one. Before, the DNS socket
+// opened only with the listeners: while the ports were held, every
+// captured query of the pod was dropped for want of a socket (all of
+// them, with a predecessor that answers no DNS).
+func TestDNSSocketNotWaitingForPorts(t *testing.T) {
+	ns := dnsPodNS(t)
+	held, err := netns.Listen(context.Background(), ns.Path(), "tcp", "[::]:15001", netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	_, p := dnsTunnel(t, ns, dnsproxy.Config{}) // fails unless the DNS socket opens
+	p.mu.Lock()
+	first, lns := p.dns, p.lns
+	p.mu.Unlock()
+	if lns != nil {
+		t.Fatal("the pod serves its listeners though port 15001 is held")
+	}
+	held.Close()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		p.mu.Lock()
+		lns = p.lns
+		p.mu.Unlock()
+		if lns != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pod never took its ports once they were free")
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dns != first {
+		t.Errorf("taking the ports opened another DNS socket (%p, was %p)", p.dns, first)
+	}
+}

@@ -135,18 +135,24 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		return nil, fmt.Errorf("HBONE server: %w", err)
 	}
 	lns, err := p.listen(ctx, true)
-	if errors.Is(err, syscall.EADDRINUSE) {
+	if err != nil && !errors.Is(err, syscall.EADDRINUSE) {
+		_ = p.hbone.Close()
+		cancel()
+		ns.Close()
+		return nil, err
+	}
+	if t.cfg.DNS != nil {
+		// The DNS socket takes none of the listeners' ports (it joins a
+		// predecessor's in SO_REUSEPORT): it opens now, even while another
+		// process holds those.
+		p.startDNS()
+	}
+	if err != nil {
 		// Another process holds the ports: a predecessor that did not hand
 		// them over (a release before hand-over, or the exchange failed).
 		// Take them the moment it lets go (handover.go).
 		p.awaitPorts(ctx, err)
 		return p, nil
-	}
-	if err != nil {
-		_ = p.hbone.Close()
-		cancel()
-		ns.Close()
-		return nil, err
 	}
 	p.serve(lns)
 	t.log.InfoContext(ctx, "serving pod", "uid", uid, "netns", path, "addrs", addrs)
@@ -240,9 +246,6 @@ func (p *pod) serve(lns []net.Listener) bool {
 	}
 	p.lns = lns
 	p.mu.Unlock()
-	if p.t.cfg.DNS != nil {
-		p.startDNS()
-	}
 	p.acceptLoop(lns[0], p.health[0], p.admitter(listenerOutbound), p.handleOutbound)
 	p.acceptLoop(lns[1], p.health[1], p.admitter(listenerInbound), p.handleInboundPlaintext)
 	p.serveHBONE(lns[2], p.health[2])

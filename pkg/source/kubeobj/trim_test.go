@@ -28,6 +28,7 @@ func fullPod() *corev1.Pod {
 		"prometheus.io/scrape":                             "true",
 		selection.RedirectionAnnotation:                    "enabled",
 		selection.BypassInboundAnnotation:                  "true",
+		selection.DNSCaptureAnnotation:                     "false",
 	}
 	p.OwnerReferences = []metav1.OwnerReference{
 		{APIVersion: "v1", Kind: "ConfigMap", Name: "not-the-controller", Controller: &no},
@@ -109,7 +110,7 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 	}
 
 	compact := NewCompactPod(fullPod())
-	if compact.ManagedFields != nil || compact.Finalizers != nil || len(compact.NamedPorts) != 2 || len(compact.Annotations) != 2 ||
+	if compact.ManagedFields != nil || compact.Finalizers != nil || len(compact.NamedPorts) != 2 || len(compact.Annotations) != 3 ||
 		len(compact.OwnerReferences) != 1 || compact.OwnerReferences[0].UID != "" {
 		t.Errorf("NewCompactPod kept what translation does not read: %+v", compact)
 	}
