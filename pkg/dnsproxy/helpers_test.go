@@ -111,17 +111,23 @@ type kubeDNS struct {
 // as a DNS server takes both.
 func listenBoth(t testing.TB) (net.PacketConn, net.Listener, int) {
 	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := pc.LocalAddr().(*net.UDPAddr).Port
-	ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
-	if err != nil {
+	// The UDP port's TCP twin may be another process's: try other ports.
+	var last error
+	for range 20 {
+		pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := pc.LocalAddr().(*net.UDPAddr).Port
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err == nil {
+			return pc, ln, port
+		}
 		pc.Close()
-		t.Fatal(err)
+		last = err
 	}
-	return pc, ln, port
+	t.Fatalf("no port free for both UDP and TCP: %v", last)
+	return nil, nil, 0
 }
 
 func startKubeDNS(t testing.TB) *kubeDNS {
