@@ -45,7 +45,7 @@ func configSections(cfg agentConfig, tun *tunnel.Tunnel, certs *identity.Manager
 			rows := []admin.PodRow{}
 			for _, w := range tun.State().Dir.LocalPods(cfg.node) {
 				r := admin.PodRow{Namespace: w.Namespace, Name: w.Name, UID: w.UID, Enrolled: w.Enrolled, Reason: w.Reason,
-					CaptureInbound: w.Enrolled && !w.BypassInbound, Listening: tun.PodReady(w.Key())}
+					CaptureInbound: w.Enrolled && !w.BypassInbound, CaptureDNS: w.Enrolled && w.DNSCapture.Or(cfg.dns.capture), Listening: tun.PodReady(w.Key())}
 				for _, a := range w.Addrs {
 					r.Addresses = append(r.Addresses, a.String())
 				}

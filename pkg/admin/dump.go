@@ -25,7 +25,8 @@ type PodRow struct {
 	Enrolled       bool     `json:"enrolled"`
 	Reason         string   `json:"reason"` // the selection rule that decided
 	CaptureInbound bool     `json:"captureInbound"`
-	Listening      bool     `json:"listening"` // the tunnel's listeners are open
+	CaptureDNS     bool     `json:"captureDNS"` // the node's DNS_CAPTURE, or the pod's annotation over it
+	Listening      bool     `json:"listening"`  // the tunnel's listeners are open
 }
 
 // Policies is the meshPolicies section.

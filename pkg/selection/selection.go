@@ -148,6 +148,7 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 			d.Reason += fmt.Sprintf("; annotation %s=%q ignored: not a boolean", DNSCaptureAnnotation, v)
 		case on:
 			d.DNSCapture = workload.ChoiceOn
+			d.Reason += "; DNS capture on by annotation " + DNSCaptureAnnotation
 		default:
 			d.DNSCapture = workload.ChoiceOff
 			d.Reason += "; DNS capture off by annotation " + DNSCaptureAnnotation

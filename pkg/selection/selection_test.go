@@ -128,7 +128,7 @@ func TestDecide(t *testing.T) {
 		{"bypass inbound not a boolean", namespace("shop", true), newPod(annotate(BypassInboundAnnotation, " true")), Decision{Enrolled: true, Reason: nsAmbient + `; annotation ` + BypassInboundAnnotation + `=" true" ignored: not a boolean`}, nil},
 		{"bypass on a pod not enrolled", namespace("shop", false), newPod(annotate(BypassInboundAnnotation, "true")), Decision{Reason: noLabel}, nil},
 		{"dns capture off", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "false")), Decision{Enrolled: true, DNSCapture: workload.ChoiceOff, Reason: nsAmbient + "; DNS capture off by annotation " + DNSCaptureAnnotation}, nil},
-		{"dns capture on", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "True")), Decision{Enrolled: true, DNSCapture: workload.ChoiceOn, Reason: nsAmbient}, nil},
+		{"dns capture on", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "True")), Decision{Enrolled: true, DNSCapture: workload.ChoiceOn, Reason: nsAmbient + "; DNS capture on by annotation " + DNSCaptureAnnotation}, nil},
 		{"dns capture not a boolean", namespace("shop", true), newPod(annotate(DNSCaptureAnnotation, "no")), Decision{Enrolled: true, Reason: nsAmbient + `; annotation ` + DNSCaptureAnnotation + `="no" ignored: not a boolean`}, nil},
 	}
 	for _, tt := range tests {
