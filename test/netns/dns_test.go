@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -161,5 +162,80 @@ func TestDNSCapture(t *testing.T) {
 	}
 	if n := metricSum(text, "istio_dns_upstream_requests_total"); n < 3 {
 		t.Errorf("istio_dns_upstream_requests_total = %v, want at least 3", n)
+	}
+}
+
+// TestUpgradeAnswersDNS: while the client node's agent is upgraded (a new
+// agent next to the old, which then drains and exits), the client's
+// captured DNS queries are answered throughout, names of the mesh and
+// forwarded ones alike: both agents hold a DNS socket in the pod, and the
+// old one answers what it read before it closed.
+func TestUpgradeAnswersDNS(t *testing.T) {
+	var client, server, resolver *Pod
+	args := []string{"--dns-upstreams", ""}
+	ms := newMeshWith(t, args, func(tp *Topology, m *Manifest) {
+		client = tp.Nodes[0].AddPod("client")
+		server, resolver = tp.Nodes[1].AddPod("server"), tp.Nodes[1].AddPod("coredns")
+		args[1] = resolver.IPv4.String()
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("kube-system").
+			Pod(client, "mesh", "client-sa").Pod(server, "mesh", "server-sa").Pod(resolver, "kube-system", "coredns").
+			Raw(dnsDocs(server))
+	})
+	startDnsmasq(t, resolver)
+	for _, a := range ms.agents {
+		a.WaitLog(t, "pod enrolled", 10*time.Second)
+	}
+	ns := resolver.IPv4.String()
+	Eventually(t, 10*time.Second, func() error { _, err := dig(client, ns, "reviews.mesh.svc.cluster.local"); return err })
+
+	var mu sync.Mutex
+	var asked int
+	var failures []string
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			name, want := "reviews.mesh.svc.cluster.local", "10.96.0.20"
+			if i%2 == 1 {
+				name, want = "outside.test", "192.0.2.7"
+			}
+			got, err := dig(client, ns, name)
+			mu.Lock()
+			asked++
+			if err != nil || got != want {
+				failures = append(failures, fmt.Sprintf("%s: %q, %v", name, got, err))
+			}
+			mu.Unlock()
+		}
+	}()
+	time.Sleep(time.Second)
+	old := ms.agents[0]
+	next := StartAgent(t, old.Node, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: append([]string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}, args...)})
+	Eventually(t, 20*time.Second, func() error {
+		_, err := curlOK(old.Node.Path(), "http://127.0.0.1:25021/healthz/ready")
+		return err
+	})
+	time.Sleep(time.Second) // both agents answer
+	if err := old.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second) // the new agent alone
+	close(stop)
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("%d queries through the upgrade, %d failed", asked, len(failures))
+	if len(failures) > 0 || asked < 20 {
+		t.Errorf("%d of %d queries failed through the upgrade (want none, of at least 20): %v", len(failures), asked, failures)
+	}
+	if n := metricSum(scrape(t, next, "http://127.0.0.1:25020/metrics"), "istio_dns_requests_total"); n == 0 {
+		t.Error("the new agent answered no query")
 	}
 }
