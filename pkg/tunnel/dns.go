@@ -71,7 +71,7 @@ func (p *pod) serveDNS(c *net.UDPConn) {
 			}
 			to, ok := origDst(oob[:oobn])
 			if !ok {
-				continue // not assigned by the capture: nothing to answer from
+				continue // no destination to answer from (the kernel names every datagram's)
 			}
 			p.dispatchDNS(from, to, buf[:n])
 		}
