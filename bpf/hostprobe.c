@@ -197,6 +197,7 @@ int rd_host_egress(struct __sk_buff *skb)
 		}
 		ent.pod_id = pod->pod_id;
 		ent.node = p.src;
+		ent.ifindex = skb->ifindex;
 		if (bpf_map_update_elem(&rd_probe_nat, &key, &ent, BPF_ANY) < 0) {
 			count(ent.pod_id, CNT_ERROR);
 			return TC_ACT_SHOT;
@@ -257,6 +258,11 @@ static __always_inline int to_snat(struct __sk_buff *skb)
  *                  entry is not checked against rd_pods, so a probe
  *                  connection open while its pod is unenrolled still gets
  *                  its replies;
+ *   TC_ACT_SHOT    a packet of a probe connection the NAT map knows that
+ *                  arrives on another veth than the one its SYN left by
+ *                  (counted as drop_probe_spoofed): another pod forging the
+ *                  probed pod's address, whose packet would otherwise reach
+ *                  kubelet's probe socket as the pod's answer;
  *   TC_ACT_SHOT    any other packet to the SNAT address (counted as
  *                  drop_probe_unmatched): the pod's own connection to it,
  *                  which the pod-side capture leaves uncaptured, a reply to
@@ -288,6 +294,10 @@ int rd_host_ingress(struct __sk_buff *skb)
 	e = bpf_map_lookup_elem(&rd_probe_nat, &key);
 	if (!e) {
 		count_reason(REASON_DROP_PROBE_UNMATCHED);
+		return TC_ACT_SHOT;
+	}
+	if (e->ifindex != skb->ifindex) {
+		count_reason(REASON_DROP_PROBE_SPOOFED);
 		return TC_ACT_SHOT;
 	}
 	node = e->node;

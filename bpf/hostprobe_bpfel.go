@@ -14,9 +14,10 @@ import (
 )
 
 type HostProbeNatEntry struct {
-	_     structs.HostLayout
-	Node  HostProbePodAddr
-	PodId uint32
+	_       structs.HostLayout
+	Node    HostProbePodAddr
+	PodId   uint32
+	Ifindex uint32
 }
 
 type HostProbeNatKey struct {

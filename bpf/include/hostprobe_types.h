@@ -16,10 +16,13 @@ struct nat_key {
 };
 
 /* Value of the probe NAT map: the node's own source address the connection
- * had before SNAT, restored on the replies, and the pod it was counted for. */
+ * had before SNAT, restored on the replies, the pod it was counted for, and
+ * the host veth its SYN left by: only that veth's packets are the pod's
+ * replies (another pod on the node's bridge can forge the pod's address). */
 struct nat_entry {
 	struct pod_addr node;
 	__u32 pod_id;
+	__u32 ifindex;
 };
 
 /* Per-pod counters of the host-probe programs (per-CPU, summed in Go). */

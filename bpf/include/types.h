@@ -56,7 +56,7 @@ enum verdict_reason {
 	REASON_IN_SYN_TIMEWAIT,      /* ingress: a SYN's tuple was in TIME_WAIT: reset it, SYN queued again */
 	REASON_DROP_SYN_TIMEWAIT,    /* fail closed: that TIME_WAIT socket could not be cleared */
 	REASON_IN_SYN_EXISTING,      /* ingress: a SYN whose tuple has a live socket, left to TCP (retransmit, challenge ACK) */
-	REASON_DROP_PROBE_SPOOFED,   /* host veth: to a pod from the probe SNAT address, not translated there */
+	REASON_DROP_PROBE_SPOOFED,   /* host veth: to a pod from the probe SNAT address, not translated there; or a probe connection's packet the node did not send, or the probed pod's veth did not carry (another pod forging either end) */
 	REASON_DROP_LINK_LOCAL,      /* fail closed: TCP to (ingress) or from (egress) a link-local address of an enrolled pod's interface; a DNS query from one, with DNS capture on */
 	REASON_DROP_UNENROLLED_ADDR, /* fail closed: the same for any other address of that interface that is not enrolled (SLAAC, secondary) */
 	REASON_DROP_VLAN,            /* fail closed: TCP, or a DNS-captured pod's UDP to port 53, in a frame still VLAN-tagged at tc (stacked 802.1Q/802.1ad/QinQ tags) */

@@ -96,6 +96,99 @@ func TestProbeNATTranslatesOnlyNodePackets(t *testing.T) {
 	}
 }
 
+// TestProbeAnswerOnlyFromTheProbedPodsVeth: another enrolled pod on the
+// node forges the probed pod's answer (a raw frame to the node with the
+// probed pod's address and port, to the SNAT address and the probe's node
+// port, at the sequence numbers of the pod's next segment). Before the fix
+// rd_host_ingress on the forger's own host veth found the probe's NAT entry
+// by those addresses and ports alone and restored the node's address, so
+// kubelet's probe socket took the forged bytes as the probed app's answer: a
+// pod could pass or fail its neighbour's liveness probe. Now an entry
+// remembers the veth its SYN left by, and a reply by any other is dropped
+// (drop_probe_spoofed).
+func TestProbeAnswerOnlyFromTheProbedPodsVeth(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	app, forger := node.AddPod("app"), node.AddPod("forger")
+	got := holdApp(t, app)
+	root := tempBPFFS(t)
+	a := load(t, probe.Config{PinRoot: root})
+	const appID, forgerID = 5, 6
+	enroll(t, root, app, appID)
+	enroll(t, root, forger, forgerID)
+	for _, p := range []struct {
+		pod *netnstest.Pod
+		id  uint32
+	}{{app, appID}, {forger, forgerID}} {
+		if err := attachHost(a, p.pod, p.id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range families(node, probe.DefaultSNATv4, probe.DefaultSNATv6) {
+		t.Run(f.name, func(t *testing.T) {
+			appEnd := netip.AddrPortFrom(f.pod(app), holdPort)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			c, err := netns.Dial(ctx, node.Path(), "tcp", appEnd.String(), netns.SocketOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			nodePort := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+			probeEnd := netip.AddrPortFrom(f.snat, nodePort)
+			if _, err := c.Write([]byte("probe")); err != nil {
+				t.Fatal(err)
+			}
+			if b := got.wait(probeEnd, "probe", time.Second); !strings.Contains(b, "probe") {
+				t.Fatalf("the app read %q from %s, want the node's probe bytes", b, probeEnd)
+			}
+			answer := got.conn(probeEnd)
+			// The app answers once, which tells where its side stands.
+			seq, ack := netnstest.NextSegment(t, app, appEnd, []byte("alive"), func() error {
+				_, err := answer.Write([]byte("alive"))
+				return err
+			})
+			if b := readFor(c, 5, time.Second); b != "alive" {
+				t.Fatalf("the node read %q, want the app's answer", b)
+			}
+
+			before := probeSpoofedDrops(t, root)
+			seg := netnstest.TCPSegment(appEnd, probeEnd, seq, ack, 0x18 /* PSH|ACK */, []byte("FORGED"))
+			netnstest.InjectFrameToNode(t, forger, netnstest.IPPacket(appEnd.Addr(), probeEnd.Addr(), seg))
+			if b := readFor(c, 64, 500*time.Millisecond); b != "" {
+				t.Errorf("the node's probe socket read %q, sent by another pod with the probed pod's address", b)
+			}
+			if n := probeSpoofedDrops(t, root) - before; n < 1 {
+				t.Errorf("drop_probe_spoofed grew by %d, want >= 1 for the forged answer", n)
+			}
+			// The probed pod's own answers still arrive.
+			if _, err := answer.Write([]byte("still")); err != nil {
+				t.Fatal(err)
+			}
+			if b := readFor(c, 5, 2*time.Second); b != "still" {
+				t.Errorf("the node read %q after the forgery, want the app's own %q", b, "still")
+			}
+		})
+	}
+}
+
+// readFor reads from c until it holds want bytes or d passed, and returns
+// what it read.
+func readFor(c net.Conn, want int, d time.Duration) string {
+	c.SetReadDeadline(time.Now().Add(d))
+	defer c.SetReadDeadline(time.Time{})
+	var out []byte
+	b := make([]byte, 256)
+	for len(out) < want {
+		n, err := c.Read(b)
+		out = append(out, b[:n]...)
+		if err != nil {
+			break
+		}
+	}
+	return string(out)
+}
+
 // holdApp serves holdPort in pod: it reads from every client and keeps
 // what each sent, by the client's address, until the client closes.
 func holdApp(t *testing.T, pod *netnstest.Pod) *received {

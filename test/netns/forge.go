@@ -80,6 +80,20 @@ func InjectFrame(t TB, from, to *Pod, pkt []byte) {
 	}); err != nil {
 		t.Fatalf("MAC address of %s: %v", to.Name, err)
 	}
+	sendFrame(t, from, mac, pkt)
+}
+
+// InjectFrameToNode sends an IP packet out of from's eth0 to its node's
+// bridge, as a packet to its gateway: the node's IP input takes it.
+func InjectFrameToNode(t TB, from *Pod, pkt []byte) {
+	t.Helper()
+	sendFrame(t, from, from.Node.BridgeMAC(), pkt)
+}
+
+// sendFrame writes pkt in a frame to mac out of from's eth0, whatever its
+// source address.
+func sendFrame(t TB, from *Pod, mac net.HardwareAddr, pkt []byte) {
+	t.Helper()
 	proto := uint16(unix.ETH_P_IP)
 	if pkt[0]>>4 == 6 {
 		proto = unix.ETH_P_IPV6

@@ -21,6 +21,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -136,7 +137,7 @@ func (tp *Topology) addNode(i int) {
 	// A fixed address: a bridge without one takes its lowest port's, so a
 	// new pod could change the gateway's MAC under the other pods, whose
 	// off-node packets then go nowhere until their neighbor entry expires.
-	tp.ip(n.Name, "link", "add", "rdbr", "address", fmt.Sprintf("02:72:64:%02x:00:%02x", tp.slot, i), "type", "bridge")
+	tp.ip(n.Name, "link", "add", "rdbr", "address", n.BridgeMAC().String(), "type", "bridge")
 	tp.ip(n.Name, "addr", "add", n.PodAddr4(1).String()+"/24", "dev", "rdbr")
 	tp.ip(n.Name, "addr", "add", n.PodAddr6(1).String()+"/64", "dev", "rdbr", "nodad")
 	tp.ip(n.Name, "link", "set", "rdbr", "up")
@@ -187,6 +188,12 @@ func (n *Node) PodAddr6(h int) netip.Addr {
 // Gateway4 is the node's address on its pod bridge: what a pod sees as the
 // node (and the source of host-originated traffic such as probes).
 func (n *Node) Gateway4() netip.Addr { return n.PodAddr4(1) }
+
+// BridgeMAC is the fixed MAC address of the node's pod bridge: where a
+// pod's frames to its gateway go.
+func (n *Node) BridgeMAC() net.HardwareAddr {
+	return net.HardwareAddr{0x02, 0x72, 0x64, byte(n.topo.slot), 0x00, byte(n.Index)}
+}
 
 // Gateway6 is Gateway4's IPv6 twin.
 func (n *Node) Gateway6() netip.Addr { return n.PodAddr6(1) }
