@@ -100,6 +100,10 @@ func newCertManager(ctx context.Context, cfg agentConfig, log *slog.Logger) (*id
 		if err != nil {
 			return nil, nil, fmt.Errorf("--ca-dir (CA_DIR): %w", err)
 		}
+		if path, mode, exposed := ca.ExposedKey(); exposed {
+			log.Warn("the CA's signing key is readable or writable by group or others: whoever reads it can sign any identity of the mesh; mount it 0400 (a Secret volume's defaultMode)",
+				"path", path, "mode", mode.String())
+		}
 		opts.Signer, opts.Trust = ca, ca
 		m := identity.New(opts)
 		log.Info("certificates from the file CA on this node (standalone mode)", "dir", cfg.ca.dir, "trust_domain", ca.TrustDomain())

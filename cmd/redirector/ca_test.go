@@ -82,3 +82,33 @@ func TestXDSTrustFollowsTheBundle(t *testing.T) {
 func testRoot(t *testing.T, name string) *x509.Certificate {
 	return identitytest.MakeCACert(t, pkix.Name{CommonName: name, Organization: []string{"cluster.local"}}, identitytest.NewKey(t, "ecdsa"), nil, nil)
 }
+
+// The file CA's signing key, readable by others (a Secret volume's default
+// mode), is named in a warning at start; at 0400 nothing is said.
+func TestFileCAWarnsOfAnExposedKey(t *testing.T) {
+	dir := t.TempDir()
+	if err := identity.InitCA(dir, "cluster.local"); err != nil {
+		t.Fatal(err)
+	}
+	key := filepath.Join(dir, identity.RootKeyFile)
+	for _, tc := range []struct {
+		mode os.FileMode
+		warn bool
+	}{{0o644, true}, {0o400, false}} {
+		if err := os.Chmod(key, tc.mode); err != nil {
+			t.Fatal(err)
+		}
+		var out strings.Builder
+		log := slog.New(slog.NewTextHandler(&out, nil))
+		cfg := agentConfig{trustDomain: "cluster.local", ca: caSettings{dir: dir}}
+		_, closeFn, err := newCertManager(context.Background(), cfg, log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		closeFn()
+		warned := strings.Contains(out.String(), "level=WARN") && strings.Contains(out.String(), key)
+		if warned != tc.warn {
+			t.Errorf("key mode %04o: warned %v, want %v; log:\n%s", tc.mode, warned, tc.warn, out.String())
+		}
+	}
+}

@@ -50,6 +50,16 @@ type CA struct {
 	roots       *x509.CertPool
 	rootCerts   []*x509.Certificate
 	dir         string
+	keyPath     string
+	keyMode     fs.FileMode // permission bits of keyPath when loaded
+}
+
+// ExposedKey reports the signing key's file and mode when its mode lets
+// group or others read or write it: whoever can read that file can sign any
+// identity of the mesh. A Secret volume's default mode (0644) and Istio's
+// cacerts mounted as it comes do; the chart mounts the key 0400.
+func (ca *CA) ExposedKey() (path string, mode fs.FileMode, exposed bool) {
+	return ca.keyPath, ca.keyMode, ca.keyMode&0o066 != 0
 }
 
 // InitCA creates a new CA in dir for trustDomain: an ECDSA P-256 key in
@@ -197,10 +207,24 @@ func LoadCAFor(dir, trustDomain string) (*CA, error) {
 	roots := x509.NewCertPool()
 	roots.AddCert(cert)
 	ca := &CA{cert: cert, key: key, trustDomain: td, roots: roots, rootCerts: []*x509.Certificate{cert}, dir: dir}
+	if err := ca.noteKeyMode(keyPath); err != nil {
+		return nil, fmt.Errorf("load ca: %w", err)
+	}
 	if err := ca.selfCheck(); err != nil {
 		return nil, fmt.Errorf("load ca: %w", err)
 	}
 	return ca, nil
+}
+
+// noteKeyMode records the mode of the key file the CA was read from, the
+// file a symlink names (a Secret volume's files are symlinks).
+func (ca *CA) noteKeyMode(path string) error {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("stat key %s: %w", path, err)
+	}
+	ca.keyPath, ca.keyMode = path, fi.Mode().Perm()
+	return nil
 }
 
 // selfCheck signs a certificate for a stand-in identity and checks it as
@@ -278,6 +302,9 @@ func loadIstioCA(dir, trustDomain string) (*CA, error) {
 		}
 	}
 	ca := &CA{cert: cert, key: key, chain: present, trustDomain: td, roots: roots, rootCerts: rootCerts, dir: dir}
+	if err := ca.noteKeyMode(filepath.Join(dir, IstioCAKeyFile)); err != nil {
+		return nil, err
+	}
 	if err := ca.selfCheck(); err != nil {
 		return nil, err
 	}

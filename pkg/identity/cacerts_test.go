@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
+	"io/fs"
 	"math/big"
 	"os"
 	"path/filepath"
@@ -184,5 +185,57 @@ func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 	// The usual layout still loads.
 	if _, err := LoadCAFor(identitytest.WriteCacerts(t, identitytest.NewPKI(t, "rsa")), "cluster.local"); err != nil {
 		t.Errorf("LoadCAFor(NewPKI) = %v", err)
+	}
+}
+
+// TestCAKeyExposedByMode: both layouts report a signing key whose file
+// group or others may read or write (a Secret volume's default 0644), the
+// file a symlink names included, as a Secret volume presents its keys, and
+// report none for 0600 and 0400.
+func TestCAKeyExposedByMode(t *testing.T) {
+	fileDir := t.TempDir()
+	if err := InitCA(fileDir, "cluster.local"); err != nil {
+		t.Fatal(err)
+	}
+	istioDir := identitytest.WriteCacerts(t, identitytest.NewPKI(t, "ecdsa"))
+	for _, layout := range []struct{ name, dir, key string }{
+		{"file", fileDir, RootKeyFile},
+		{"istio", istioDir, IstioCAKeyFile},
+	} {
+		for _, mode := range []fs.FileMode{0o600, 0o400, 0o640, 0o644, 0o604, 0o620} {
+			t.Run(fmt.Sprintf("%s/%04o", layout.name, mode), func(t *testing.T) {
+				key := filepath.Join(layout.dir, layout.key)
+				if err := os.Chmod(key, mode); err != nil {
+					t.Fatal(err)
+				}
+				ca, err := LoadCAFor(layout.dir, "cluster.local")
+				if err != nil {
+					t.Fatal(err)
+				}
+				path, got, exposed := ca.ExposedKey()
+				if want := mode&0o066 != 0; exposed != want || got != mode || path != key {
+					t.Errorf("ExposedKey() = %s, %04o, %v; want %s, %04o, %v", path, got, exposed, key, mode, want)
+				}
+			})
+		}
+	}
+	// A Secret volume: the key's name is a symlink to the real file.
+	real := filepath.Join(istioDir, "..data-key")
+	link := filepath.Join(istioDir, IstioCAKeyFile)
+	if err := os.Rename(link, real); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(real, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(real, link); err != nil {
+		t.Fatal(err)
+	}
+	ca, err := LoadCAFor(istioDir, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, mode, exposed := ca.ExposedKey(); !exposed || mode != 0o644 {
+		t.Errorf("a 0644 key behind a symlink: ExposedKey() = %04o, %v; want 0644, true", mode, exposed)
 	}
 }
