@@ -2,8 +2,11 @@ package xds
 
 import (
 	"cmp"
+	"net/netip"
 	"slices"
 	"strconv"
+
+	"istio.io/istio/pkg/workloadapi"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -73,6 +76,55 @@ type Service struct {
 	// PASSTHROUGH, a ServiceEntry with resolution NONE) sends connections
 	// to the address called, so its VIPs route nothing (merge).
 	allowUnhealthy, nodeLocal, passthrough bool
+	// families is istiod's ip_families (checked by translateFamilies):
+	// the address families a headless service's endpoints are listed in
+	// (endpointAddrs). The zero value, AUTOMATIC, is both.
+	families workloadapi.IPFamilies
+}
+
+// hasFamily: whether the service has a's address family.
+func (s *Service) hasFamily(a netip.Addr) bool {
+	switch s.families {
+	case workloadapi.IPFamilies_IPV4_ONLY:
+		return a.Is4()
+	case workloadapi.IPFamilies_IPV6_ONLY:
+		return a.Is6()
+	}
+	return true
+}
+
+// headless: istiod gives the service no address at all, not even on
+// another network (ztunnel's test, vips empty), so DNS answers its
+// endpoints' addresses and nothing dials it by a VIP.
+func (s *Service) headless() bool { return len(s.VIPs) == 0 && len(s.CIDRs) == 0 }
+
+// endpointAddrs are the addresses at which w is listed as an endpoint of
+// svc. A service with addresses is dialled through its endpoints: one per
+// workload, at its first address (a workload's share of the balancer's
+// rotation is its count of endpoints). A headless service's clients ask
+// DNS for its endpoints' addresses and dial those, which are workloads'
+// (routed as such, not through the service), so w is listed at its first
+// address of each of the service's families, as ztunnel answers a
+// headless service: per endpoint workload, its first address of the
+// asked family, if the service has that family. A dual-stack pod behind
+// a dual-stack headless service is then answered over A and over AAAA,
+// as the Kubernetes source lists it in the service's two EndpointSlices;
+// a family the service has not is left out, as Kubernetes makes no slice
+// of it. At most two per workload. (A waypoint named by a headless
+// service's host name is dialled through them, at the caller's family of
+// each instance: twice in the rotation each, as under the Kubernetes
+// source.)
+func endpointAddrs(w *Workload, svc *Service) []netip.Addr {
+	if !svc.headless() {
+		return w.Addrs[:1]
+	}
+	var out []netip.Addr
+	for _, a := range w.Addrs {
+		if svc.hasFamily(a) && !slices.ContainsFunc(out, func(b netip.Addr) bool { return b.Is4() == a.Is4() }) {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // Key is namespace/hostname, how workloads name the services they serve.
@@ -84,7 +136,8 @@ type Snapshot struct {
 	// Workloads are sorted by namespace and name.
 	Workloads []*Workload
 	// Services are sorted by namespace and hostname; their endpoints are
-	// the workloads that serve them, sorted by address.
+	// the workloads that serve them (a headless service's, at each of its
+	// families: endpointAddrs), sorted by address.
 	Services []*Service
 	// Policies are sorted by namespace and name.
 	Policies []*policy.Compiled
@@ -117,7 +170,10 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 		Policies:  make([]*policy.Compiled, 0, len(policies)),
 		Network:   network,
 	}
-	byKey := make(map[string]*Service, len(services))
+	// Per key, the copy and istiod's service, whose addresses on every
+	// network tell a headless one.
+	type joined struct{ copy, istiod *Service }
+	byKey := make(map[string]joined, len(services))
 	for _, svc := range services {
 		c := *svc
 		c.Endpoints = nil
@@ -138,7 +194,7 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			}
 		}
 		s.Services = append(s.Services, &c)
-		byKey[c.Key()] = &c
+		byKey[c.Key()] = joined{&c, svc}
 	}
 	for _, w := range workloads {
 		s.Workloads = append(s.Workloads, w)
@@ -150,16 +206,25 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			continue
 		}
 		for key, ports := range w.Services {
-			svc := byKey[key]
-			if svc == nil {
+			j, ok := byKey[key]
+			if !ok {
 				continue
 			}
-			ep := workload.Endpoint{Addr: w.Addrs[0], Ready: w.Healthy || svc.allowUnhealthy, Ports: make(map[string]int32, len(ports)),
-				Node: w.Node, Workload: &w.Workload}
-			for _, p := range ports {
-				ep.Ports[portName(int32(p.ServicePort))] = int32(cmp.Or(p.TargetPort, p.ServicePort))
+			svc := j.copy
+			addrs := endpointAddrs(w, j.istiod)
+			if len(addrs) == 0 {
+				continue
 			}
-			svc.Endpoints = append(svc.Endpoints, ep)
+			targets := make(map[string]int32, len(ports))
+			for _, p := range ports {
+				targets[portName(int32(p.ServicePort))] = int32(cmp.Or(p.TargetPort, p.ServicePort))
+			}
+			for _, a := range addrs {
+				// The port map is shared: the directory treats it as
+				// read-only.
+				svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: a, Ready: w.Healthy || svc.allowUnhealthy, Ports: targets,
+					Node: w.Node, Workload: &w.Workload})
+			}
 		}
 	}
 	for _, p := range policies {

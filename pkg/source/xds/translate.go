@@ -198,6 +198,9 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		s.Ports = append(s.Ports, port)
 	}
 	var err error
+	if s.families, err = translateFamilies(x.GetIpFamilies()); err != nil {
+		return nil, fmt.Errorf("service %s: %w", s.Key(), err)
+	}
 	if s.Waypoint, err = translateGateway(x.GetWaypoint()); err != nil {
 		return nil, fmt.Errorf("service %s: waypoint: %w", s.Key(), err)
 	}
@@ -205,6 +208,20 @@ func translateService(x *workloadapi.Service) (*Service, error) {
 		return nil, fmt.Errorf("service %s: %w", s.Key(), err)
 	}
 	return s, nil
+}
+
+// translateFamilies checks a service's ip_families: a Kubernetes
+// Service's spec.ipFamilies (istiod sends AUTOMATIC for a ServiceEntry),
+// which decide the families a headless one is answered in (hasFamily).
+// AUTOMATIC is both, as ztunnel reads it (no family is left out). A value
+// the agent does not know is an error, as ztunnel refuses it: read as
+// either, it could answer a family the service does not have.
+func translateFamilies(f workloadapi.IPFamilies) (workloadapi.IPFamilies, error) {
+	switch f {
+	case workloadapi.IPFamilies_AUTOMATIC, workloadapi.IPFamilies_DUAL, workloadapi.IPFamilies_IPV4_ONLY, workloadapi.IPFamilies_IPV6_ONLY:
+		return f, nil
+	}
+	return 0, fmt.Errorf("ip_families %s is not supported (AUTOMATIC, IPV4_ONLY, IPV6_ONLY or DUAL)", f)
 }
 
 // translateLoadBalancing reads a service's load_balancing into s: which
