@@ -616,7 +616,7 @@ func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 		"a TCP socket": {answer, func() int {
 			return listenerFD(t, pod.Path(), "[::]:15053", netns.SocketOptions{Mark: testMark, Transparent: true})
 		}, "SO_TYPE is 1, want 2"},
-		"another port":         {`{"ports":[15054]}`, udp(pod, "udp", "[::]:15054", good), "asked for the DNS socket on port 15053"},
+		"another port":          {`{"ports":[15054]}`, udp(pod, "udp", "[::]:15054", good), "asked for the DNS socket on port 15053"},
 		"bound to another port": {answer, udp(pod, "udp", "[::]:15054", good), "bound to port 15054"},
 		"one address":           {answer, udp(pod, "udp4", dnsPodAddr.String()+":15053", good), "not the wildcard address"},
 		"another namespace":     {answer, udp(elsewhere, "udp", "[::]:15053", good), "not the pod's"},
