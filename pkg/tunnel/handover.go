@@ -295,7 +295,7 @@ func (t *Tunnel) podDNSFD(ino uint64) ([]int, string, []uint16, error) {
 	if err != nil {
 		return nil, p.uid, nil, fmt.Errorf("pod %s: DNS socket: %w", p.uid, err)
 	}
-	return []int{fd}, p.uid, []uint16{p.dns.LocalAddr().(*net.UDPAddr).AddrPort().Port()}, nil
+	return []int{fd}, p.uid, []uint16{addrPortOf(p.dns.LocalAddr()).Port()}, nil
 }
 
 // podByInode is the pod served in the namespace with inode ino, or nil.
