@@ -2,6 +2,8 @@ package dnsproxy
 
 import (
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/miekg/dns"
@@ -16,7 +18,9 @@ import (
 //
 // Labels are bounded: the query type comes from a fixed set (queryTypes,
 // else "other"), the protocol is udp or tcp, and the canonical service
-// and revision are those of the node's pods.
+// and revision are those of the node's pods. The series of a canonical
+// service and revision no pod of the directory has any more are deleted
+// seriesGrace after they left (sources).
 type Metrics struct {
 	requests         *prometheus.CounterVec
 	upstreamRequests *prometheus.CounterVec
@@ -25,6 +29,46 @@ type Metrics struct {
 	refused          *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
 	inFlight         prometheus.Gauge
+	sources          *sourceSeries
+}
+
+// seriesGrace is how long the istio_dns_* series of a canonical service
+// and revision stay exported once no pod of the directory has them (and no
+// query of theirs was counted): as pkg/tunnel's seriesGrace for the
+// istio_tcp_* series, five minutes is 20 scrapes at a 15 s interval, so
+// every scraper sees the final values several times and increase() over the
+// source's last minutes stays right. Kept forever, the series of every
+// revision ever rolled out grow the agent's heap and every scrape.
+const seriesGrace = 5 * time.Minute
+
+// source is the label values of the pods a series counts the queries of.
+type source struct{ service, revision string }
+
+// unknownSource is the series of queries from no pod the directory knows:
+// always live.
+var unknownSource = source{"unknown", "unknown"}
+
+// sourceSeries deletes the istio_dns_* series of sources that left, the
+// way pkg/tunnel's seriesGC does the istio_tcp_* ones (that type cannot
+// serve here: it judges the tunnel's labels, and the tunnel imports this
+// package): at each scrape (a sweeping collector) it judges every source
+// counted against the directory, starts the grace of one no workload has
+// any more, and deletes its series, every query type and protocol, once
+// the grace passed. A query counted meanwhile (a pod of that source came
+// back, or the directory lagged) ends the grace. Bounded by the sources
+// the directory had: one entry per canonical service and revision.
+type sourceSeries struct {
+	now   func() time.Time
+	grace time.Duration
+	vecs  []*prometheus.MetricVec
+	// dir is the directory the sources are judged against, from watch;
+	// nil: none, every source is live.
+	dir atomic.Pointer[func() *workload.Directory]
+
+	mu     sync.Mutex
+	seen   map[source]time.Time // goneSince per source counted; zero: live
+	judged *workload.Directory  // the directory live was computed from
+	live   map[source]bool
 }
 
 // dnsLabels are ztunnel's DnsLabels, in its order.
@@ -53,10 +97,84 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_dns_queries_in_flight", Help: "DNS queries being answered now, over all pods."}),
 	}
+	m.sources = &sourceSeries{now: time.Now, grace: seriesGrace, seen: map[source]time.Time{},
+		vecs: []*prometheus.MetricVec{m.requests.MetricVec, m.upstreamRequests.MetricVec, m.upstreamFailures.MetricVec, m.upstreamDuration.MetricVec}}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.upstreamRequests, m.upstreamFailures, m.upstreamDuration, m.refused, m.rejected, m.inFlight)
+		reg.MustRegister(sweepingCollector{m.sources, []prometheus.Collector{m.requests, m.upstreamRequests, m.upstreamFailures, m.upstreamDuration}},
+			m.refused, m.rejected, m.inFlight)
 	}
 	return m
+}
+
+// watch judges the sources of the series against the directory dir
+// returns (the proxy's).
+func (m *Metrics) watch(dir func() *workload.Directory) {
+	if dir != nil {
+		m.sources.dir.Store(&dir)
+	}
+}
+
+// count notes a query of the source of l (labels' values) counted now.
+func (s *sourceSeries) count(l []string) {
+	src := source{l[2], l[3]}
+	s.mu.Lock()
+	s.seen[src] = time.Time{}
+	s.mu.Unlock()
+}
+
+// sweep starts the grace of the sources no workload of the directory has
+// and deletes the series of those past it.
+func (s *sourceSeries) sweep() {
+	dirFn := s.dir.Load()
+	if dirFn == nil {
+		return
+	}
+	dir := (*dirFn)()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if dir != s.judged || s.live == nil {
+		s.judged, s.live = dir, map[source]bool{unknownSource: true}
+		if dir != nil {
+			for _, w := range dir.All() {
+				s.live[source{orUnknown(w.CanonicalName), orUnknown(w.CanonicalRevision)}] = true
+			}
+		}
+	}
+	now := s.now()
+	for src, goneSince := range s.seen {
+		switch {
+		case s.live[src]:
+			s.seen[src] = time.Time{}
+		case goneSince.IsZero():
+			s.seen[src] = now
+		case now.Sub(goneSince) >= s.grace:
+			match := prometheus.Labels{"source_canonical_service": src.service, "source_canonical_revision": src.revision}
+			for _, v := range s.vecs {
+				v.DeletePartialMatch(match)
+			}
+			delete(s.seen, src)
+		}
+	}
+}
+
+// sweepingCollector exports the istio_dns_* vectors, sweeping first, so a
+// scrape never shows a series past its grace.
+type sweepingCollector struct {
+	s    *sourceSeries
+	vecs []prometheus.Collector
+}
+
+func (c sweepingCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, v := range c.vecs {
+		v.Describe(ch)
+	}
+}
+
+func (c sweepingCollector) Collect(ch chan<- prometheus.Metric) {
+	c.s.sweep()
+	for _, v := range c.vecs {
+		v.Collect(ch)
+	}
 }
 
 // queryTypes are the query types with a label value of their own, in
@@ -99,10 +217,14 @@ func orUnknown(s string) string {
 	return s
 }
 
-func (m *Metrics) request(l []string) { m.requests.WithLabelValues(l...).Inc() }
+func (m *Metrics) request(l []string) {
+	m.sources.count(l)
+	m.requests.WithLabelValues(l...).Inc()
+}
 
 // upstream records one forwarded query: its duration, and a failure.
 func (m *Metrics) upstream(l []string, took time.Duration, failed bool) {
+	m.sources.count(l)
 	m.upstreamRequests.WithLabelValues(l...).Inc()
 	m.upstreamDuration.WithLabelValues(l...).Observe(took.Seconds())
 	if failed {

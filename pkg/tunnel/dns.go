@@ -34,9 +34,12 @@ import (
 const dnsBufSize = dnsproxy.MaxQueryLen + 1
 
 // listenDNS opens the pod's DNS socket: dual-stack when the namespace has
-// IPv6, else IPv4 only. SO_REUSEPORT lets the agent replacing this one open
-// its own while this one still serves; only a process of the same user in
-// the pod could join the group, and it would get that pod's own queries.
+// IPv6, else IPv4 only. A successor agent takes this very socket over
+// (takeDNS); SO_REUSEPORT lets one that cannot (a failed exchange, a check
+// it fails) open its own beside it while this agent still serves, and
+// this agent open its own beside a predecessor's that was not handed over
+// (a release from before). Only a process of the same user in the pod
+// could join the group, and it would get that pod's own queries.
 func (p *pod) listenDNS(ctx context.Context) (*net.UDPConn, error) {
 	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, ReusePort: true, RecvOrigDst: true}
 	port := strconv.Itoa(int(p.t.cfg.DNSPort))
@@ -213,15 +216,20 @@ func origDst(oob []byte) (netip.AddrPort, bool) {
 	return netip.AddrPort{}, false
 }
 
-// startDNS opens the pod's DNS socket and serves it. A pod without one
-// has its captured queries dropped by the capture (no socket to assign
-// them to): they fail, as they would without a proxy listening, and never
-// leave uncaptured.
+// startDNS takes the pod's DNS socket from the predecessor agent, or
+// opens one, and serves it. A pod without one has its captured queries
+// dropped by the capture (no socket to assign them to): they fail, as they
+// would without a proxy listening, and never leave uncaptured.
 func (p *pod) startDNS() {
-	c, err := p.listenDNS(p.ctx)
-	if err != nil {
-		p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
-		return
+	c := p.takeDNS(p.ctx)
+	if c == nil {
+		var err error
+		if c, err = p.listenDNS(p.ctx); err != nil {
+			if p.ctx.Err() == nil {
+				p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
+			}
+			return
+		}
 	}
 	p.mu.Lock()
 	if p.stopping.Load() {
@@ -233,4 +241,33 @@ func (p *pod) startDNS() {
 	p.wg.Add(1) // under mu: stop waits for it once it has set stopping
 	p.mu.Unlock()
 	p.serveDNS(c)
+}
+
+// takeDNS takes the pod's DNS socket from the predecessor agent, with the
+// queries queued on it (handover.go), or returns nil when the pod is to
+// open its own: no predecessor, none handed over (a release from before,
+// the pod not served there), or a failure, counted and logged. From here
+// both agents read the socket until the predecessor closes its
+// descriptor; each answers in full what it reads.
+func (p *pod) takeDNS(ctx context.Context) *net.UDPConn {
+	t := p.t
+	pr := t.cfg.Predecessor
+	if pr == nil {
+		return nil
+	}
+	c, err := pr.takeDNS(ctx, p.nsInode, t.cfg.DNSPort, t.cfg.TunnelMark)
+	switch {
+	case errors.Is(err, errNoPredecessor), err != nil && ctx.Err() != nil:
+		return nil // nothing to take, or the pod stopped meanwhile
+	case err != nil:
+		t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
+		t.log.WarnContext(ctx, "DNS socket hand-over failed; opening the pod's own", "uid", p.uid, "error", err)
+		return nil
+	case c == nil:
+		t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
+		return nil
+	}
+	t.cfg.Metrics.handover.WithLabelValues(handoverTaken).Inc()
+	t.log.InfoContext(ctx, "pod DNS socket taken over from the predecessor", "uid", p.uid, "netns", p.netns)
+	return c
 }

@@ -51,6 +51,18 @@ import (
 // SOCK_SEQPACKET connection of its own and a JSON message of at most
 // maxHandoverMessage bytes; the answer carries the descriptors in the order
 // of its ports.
+//
+// A pod's DNS socket (dns.go) passes the same way, in a request of its own
+// right after the listeners': its queue, with the queries the capture
+// assigned to it, goes on with it, where a socket of the successor's own
+// beside it (SO_REUSEPORT) would leave the queries queued on the old one
+// to be lost when the old agent closes it. Both agents read it until the
+// old one closes its descriptor: a datagram is dequeued by one reader,
+// which answers it in full (and a stopping pod waits for its answers),
+// as either agent accepts a connection and serves it. An agent from before
+// refuses the DNS request (an unknown field): the successor then asks it
+// no more and opens its own DNS socket beside the old one's, as before;
+// the listeners' request is unchanged.
 
 // handoverRequest asks for the listeners of the pod in one network
 // namespace.
@@ -63,6 +75,11 @@ type handoverRequest struct {
 	// over, so that it never shares its port in a reuseport group
 	// (admin.ListenAlone).
 	Endpoint string `json:"endpoint,omitempty"`
+	// DNS asks for the DNS socket of the pod in Netns instead of its
+	// listeners. A request of its own, not a field of the listeners' one:
+	// an agent from before the DNS hand-over refuses a request with it, and
+	// must still hand the listeners over.
+	DNS bool `json:"dns,omitempty"`
 }
 
 // handoverReply carries the pod's listeners, one descriptor per port in
@@ -181,6 +198,8 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 		err = fmt.Errorf("request longer than %d bytes", maxHandoverMessage)
 	} else if err = dec.Decode(&req); err == nil && (req.Netns == 0) == (req.Endpoint == "") {
 		err = errors.New("request names neither a network namespace nor an endpoint, or both")
+	} else if err == nil && req.DNS && req.Netns == 0 {
+		err = errors.New("request for a DNS socket names no network namespace")
 	}
 	if err != nil {
 		t.cfg.Metrics.handover.WithLabelValues(handoverRefused).Inc()
@@ -191,11 +210,16 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 		fds   []int
 		uid   string
 		ports []uint16
+		what  = "listeners"
 	)
-	if req.Endpoint != "" {
+	switch {
+	case req.Endpoint != "":
 		uid = "endpoint " + req.Endpoint
 		fds, ports, err = t.endpointFD(req.Endpoint)
-	} else {
+	case req.DNS:
+		what = "DNS socket"
+		fds, uid, ports, err = t.podDNSFD(req.Netns)
+	default:
 		fds, uid, ports, err = t.podListenerFDs(req.Netns)
 	}
 	reply := handoverReply{Ports: ports}
@@ -215,10 +239,10 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 		t.log.WarnContext(ctx, "hand-over socket: answer not sent", "peer", credString(cred), "error", werr)
 	case err != nil:
 		t.cfg.Metrics.handover.WithLabelValues(handoverNotServed).Inc()
-		t.log.DebugContext(ctx, "hand-over: no listeners to give", "netns_inode", req.Netns, "reason", err)
+		t.log.DebugContext(ctx, "hand-over: nothing to give", "what", what, "netns_inode", req.Netns, "reason", err)
 	default:
 		t.cfg.Metrics.handover.WithLabelValues(handoverGiven).Inc()
-		t.log.InfoContext(ctx, "listeners handed over to a successor", "uid", uid, "ports", ports, "peer", credString(cred))
+		t.log.InfoContext(ctx, what+" handed over to a successor", "uid", uid, "ports", ports, "peer", credString(cred))
 	}
 }
 
@@ -230,15 +254,7 @@ func (t *Tunnel) serveHandoverConn(ctx context.Context, c *net.UnixConn, cred *u
 // accepts would then block a thread when the successor took the
 // connection first, and its close would wait for them.
 func (t *Tunnel) podListenerFDs(ino uint64) ([]int, string, []uint16, error) {
-	t.mu.Lock()
-	var p *pod
-	for _, q := range t.pods {
-		if q.nsInode == ino {
-			p = q
-			break
-		}
-	}
-	t.mu.Unlock()
+	p := t.podByInode(ino)
 	if p == nil {
 		return nil, "", nil, fmt.Errorf("no pod served in network namespace %d", ino)
 	}
@@ -250,7 +266,7 @@ func (t *Tunnel) podListenerFDs(ino uint64) ([]int, string, []uint16, error) {
 	var fds []int
 	var ports []uint16
 	for _, l := range p.lns {
-		fd, err := dupListener(l)
+		fd, err := dupSocket(l)
 		if err != nil {
 			closeFDs(fds)
 			return nil, p.uid, nil, fmt.Errorf("pod %s: listener %s: %w", p.uid, l.Addr(), err)
@@ -259,6 +275,39 @@ func (t *Tunnel) podListenerFDs(ino uint64) ([]int, string, []uint16, error) {
 		ports = append(ports, addrPortOf(l.Addr()).Port())
 	}
 	return fds, p.uid, ports, nil
+}
+
+// podDNSFD duplicates the DNS socket of the pod served in the namespace
+// with inode ino (as podListenerFDs its listeners), with its port. A pod
+// stopping has none to give: its socket closes with it unless a successor
+// already holds it.
+func (t *Tunnel) podDNSFD(ino uint64) ([]int, string, []uint16, error) {
+	p := t.podByInode(ino)
+	if p == nil {
+		return nil, "", nil, fmt.Errorf("no pod served in network namespace %d", ino)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.stopping.Load() || p.dns == nil {
+		return nil, p.uid, nil, fmt.Errorf("pod %s has no open DNS socket", p.uid)
+	}
+	fd, err := dupSocket(p.dns)
+	if err != nil {
+		return nil, p.uid, nil, fmt.Errorf("pod %s: DNS socket: %w", p.uid, err)
+	}
+	return []int{fd}, p.uid, []uint16{addrPortOf(p.dns.LocalAddr()).Port()}, nil
+}
+
+// podByInode is the pod served in the namespace with inode ino, or nil.
+func (t *Tunnel) podByInode(ino uint64) *pod {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, p := range t.pods {
+		if p.nsInode == ino {
+			return p
+		}
+	}
+	return nil
 }
 
 // ShareEndpoints makes the listeners of the agent's HTTP endpoints, by
@@ -279,19 +328,19 @@ func (t *Tunnel) endpointFD(name string) ([]int, []uint16, error) {
 	if l == nil {
 		return nil, nil, fmt.Errorf("endpoint %q not served", name)
 	}
-	fd, err := dupListener(l)
+	fd, err := dupSocket(l)
 	if err != nil {
 		return nil, nil, fmt.Errorf("endpoint %q: %w", name, err)
 	}
 	return []int{fd}, []uint16{addrPortOf(l.Addr()).Port()}, nil
 }
 
-// dupListener duplicates l's descriptor (close-on-exec), leaving its
-// flags alone.
-func dupListener(l net.Listener) (int, error) {
-	sc, ok := l.(syscall.Conn)
+// dupSocket duplicates the descriptor of s, a listener or a UDP socket
+// (close-on-exec), leaving its flags alone.
+func dupSocket(s any) (int, error) {
+	sc, ok := s.(syscall.Conn)
 	if !ok {
-		return -1, fmt.Errorf("a %T has no descriptor", l)
+		return -1, fmt.Errorf("a %T has no descriptor", s)
 	}
 	rc, err := sc.SyscallConn()
 	if err != nil {
@@ -331,6 +380,10 @@ type Predecessor struct {
 	// predecessor that stopped answering would otherwise hold every pod
 	// start for the full timeout, one after the other.
 	quietUntil atomic.Int64
+	// noDNS is set once the predecessor closed a request for a DNS socket
+	// unanswered: a release from before the DNS hand-over, which refuses
+	// the request's field. It is asked for none again.
+	noDNS atomic.Bool
 }
 
 // Errors of dialHandover: nothing listens at the path, or a socket not an
@@ -339,6 +392,10 @@ var (
 	errNoPredecessor = errors.New("no agent serves the hand-over socket")
 	errUntrusted     = errors.New("served by a user neither root nor the agent's: refusing its listeners")
 )
+
+// errUnanswered: the agent closed the connection without answering, as
+// one refuses a request it cannot decode.
+var errUnanswered = errors.New("connection closed without an answer")
 
 // predecessorQuiet is how long requests pause after one timed out.
 const predecessorQuiet = 10 * time.Second
@@ -442,6 +499,113 @@ func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mar
 	return lns, nil
 }
 
+// takeDNS asks the predecessor for the DNS socket of the pod in the
+// namespace with inode ino, on port, and checks it (checkHandedDNSSocket).
+// It returns nil and no error when the predecessor has none for that pod
+// or does not hand DNS sockets over (a release from before: noDNS),
+// errNoPredecessor when no agent serves the socket, and another error when
+// the exchange or the check failed. A received descriptor not returned is
+// closed.
+func (pr *Predecessor) takeDNS(ctx context.Context, ino uint64, port uint16, mark uint32) (*net.UDPConn, error) {
+	if pr.noDNS.Load() {
+		return nil, nil
+	}
+	fds, reply, err := pr.exchange(ctx, handoverRequest{Netns: ino, DNS: true}, 1)
+	if errors.Is(err, errUnanswered) && ctx.Err() == nil {
+		pr.noDNS.Store(true)
+		return nil, nil
+	}
+	if err != nil || reply.Error != "" {
+		return nil, err
+	}
+	if len(fds) != 1 || len(reply.Ports) != 1 || reply.Ports[0] != port {
+		closeFDs(fds)
+		return nil, fmt.Errorf("hand-over socket %s: answer for ports %v with %d descriptors, asked for the DNS socket on port %d", pr.path, reply.Ports, len(fds), port)
+	}
+	f := os.NewFile(uintptr(fds[0]), "handed-over DNS socket")
+	defer f.Close()
+	if err := checkHandedDNSSocket(fds[0], ino, port, mark); err != nil {
+		return nil, fmt.Errorf("hand-over socket %s: DNS socket: %w", pr.path, err)
+	}
+	c, err := net.FilePacketConn(f)
+	if err != nil {
+		return nil, fmt.Errorf("hand-over socket %s: DNS socket: %w", pr.path, err)
+	}
+	uc, ok := c.(*net.UDPConn)
+	if !ok {
+		c.Close()
+		return nil, fmt.Errorf("hand-over socket %s: DNS socket is a %T", pr.path, c)
+	}
+	return uc, nil
+}
+
+// checkHandedDNSSocket checks that fd is a pod's DNS socket as listenDNS
+// opens it: an unconnected UDP socket in the network namespace with inode
+// ino, bound to port on the wildcard address (dual-stack if IPv6) and to no
+// device, carrying the tunnel mark (the capture assigns queries only to
+// such a socket), transparent, in the port's reuseport group (a successor
+// that cannot take it over opens its own beside it), and asking for each
+// datagram's original destination (without it the reader answers nothing).
+func checkHandedDNSSocket(fd int, ino uint64, port uint16, mark uint32) error {
+	for _, o := range []sockOptWant{
+		{unix.SOL_SOCKET, unix.SO_TYPE, unix.SOCK_DGRAM, "SO_TYPE"},
+		{unix.SOL_SOCKET, unix.SO_PROTOCOL, unix.IPPROTO_UDP, "SO_PROTOCOL (UDP)"},
+		{unix.SOL_SOCKET, unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"},
+		{unix.SOL_SOCKET, unix.SO_REUSEPORT, 1, "SO_REUSEPORT"},
+		{unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, 0, "SO_BINDTOIFINDEX (bound to a device)"},
+	} {
+		if err := o.check(fd); err != nil {
+			return err
+		}
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return fmt.Errorf("getsockname: %w", err)
+	}
+	var family []sockOptWant
+	switch sa.(type) {
+	case *unix.SockaddrInet4:
+		family = []sockOptWant{
+			{unix.SOL_IP, unix.IP_TRANSPARENT, 1, "IP_TRANSPARENT"},
+			{unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1, "IP_RECVORIGDSTADDR"},
+		}
+	case *unix.SockaddrInet6:
+		// IPv4 queries reach a dual-stack socket too, with IP_ORIGDSTADDR.
+		family = []sockOptWant{
+			{unix.SOL_IPV6, unix.IPV6_V6ONLY, 0, "IPV6_V6ONLY (IPv4 queries would find no socket)"},
+			{unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1, "IPV6_TRANSPARENT"},
+			{unix.SOL_IPV6, unix.IPV6_RECVORIGDSTADDR, 1, "IPV6_RECVORIGDSTADDR"},
+			{unix.SOL_IP, unix.IP_RECVORIGDSTADDR, 1, "IP_RECVORIGDSTADDR"},
+		}
+	default:
+		return fmt.Errorf("bound to a %T, not an IP address", sa)
+	}
+	for _, o := range family {
+		if err := o.check(fd); err != nil {
+			return err
+		}
+	}
+	addr := sockaddrPort(sa)
+	if addr.Port() != port {
+		return fmt.Errorf("bound to port %d", addr.Port())
+	}
+	if !addr.Addr().IsUnspecified() {
+		return fmt.Errorf("bound to %s, not the wildcard address", addr.Addr())
+	}
+	// A connected socket takes datagrams from its peer only.
+	if _, err := unix.Getpeername(fd); !errors.Is(err, unix.ENOTCONN) {
+		return fmt.Errorf("connected (getpeername: %v)", err)
+	}
+	got, err := socketNetNS(fd)
+	if err != nil {
+		return err
+	}
+	if got != ino {
+		return fmt.Errorf("in network namespace %d, not the pod's (%d)", got, ino)
+	}
+	return nil
+}
+
 // exchange sends req to the predecessor and returns the descriptors of its
 // answer (at most want) with the answer: none and no error when it serves
 // nothing of the kind (reply.Error), errNoPredecessor when no agent serves
@@ -482,9 +646,9 @@ func (pr *Predecessor) exchange(ctx context.Context, req handoverRequest, want i
 	fds, ferr := receivedFDs(oob[:oobn])
 	var reply handoverReply
 	switch {
+	case n == 0 && (err == nil || errors.Is(err, io.EOF)):
+		err = fmt.Errorf("%w (%w)", errUnanswered, io.ErrUnexpectedEOF)
 	case err != nil:
-	case n == 0:
-		err = io.ErrUnexpectedEOF
 	case ferr != nil:
 		err = ferr
 	case flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0:
@@ -585,15 +749,11 @@ func checkHandedEndpoint(fd int, ip netip.Addr, port uint16) error {
 // extra, and returns its address, which is an IP one.
 func checkTCPListener(fd int, extra ...sockOptWant) (unix.Sockaddr, error) {
 	for _, o := range append([]sockOptWant{
-		{unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
-		{unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
+		{unix.SOL_SOCKET, unix.SO_TYPE, unix.SOCK_STREAM, "SO_TYPE"},
+		{unix.SOL_SOCKET, unix.SO_ACCEPTCONN, 1, "SO_ACCEPTCONN (listening)"},
 	}, extra...) {
-		got, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o.opt)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", o.name, err)
-		}
-		if got != o.want {
-			return nil, fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
+		if err := o.check(fd); err != nil {
+			return nil, err
 		}
 	}
 	if proto, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PROTOCOL); err != nil {
@@ -612,11 +772,23 @@ func checkTCPListener(fd int, extra ...sockOptWant) (unix.Sockaddr, error) {
 	return nil, fmt.Errorf("bound to a %T, not an IP address", sa)
 }
 
-// sockOptWant is a SOL_SOCKET option a handed socket must have.
+// sockOptWant is a socket option a handed socket must have.
 type sockOptWant struct {
-	opt  int
-	want int
-	name string
+	level int
+	opt   int
+	want  int
+	name  string
+}
+
+func (o sockOptWant) check(fd int) error {
+	got, err := unix.GetsockoptInt(fd, o.level, o.opt)
+	if err != nil {
+		return fmt.Errorf("%s: %w", o.name, err)
+	}
+	if got != o.want {
+		return fmt.Errorf("%s is %d, want %d", o.name, got, o.want)
+	}
+	return nil
 }
 
 // sockaddrPort is the address and port of an IP socket address (IPv4 as
@@ -680,7 +852,7 @@ func handedListener(fd int, ino uint64, port uint16, mark uint32) (net.Listener,
 }
 
 func checkHandedListener(fd int, ino uint64, port uint16, mark uint32) error {
-	sa, err := checkTCPListener(fd, sockOptWant{unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"})
+	sa, err := checkTCPListener(fd, sockOptWant{unix.SOL_SOCKET, unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"})
 	if err != nil {
 		return err
 	}
