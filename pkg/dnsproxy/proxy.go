@@ -129,6 +129,7 @@ func New(cfg Config, dir func() *workload.Directory, m *Metrics, log *slog.Logge
 	if m == nil {
 		m = NewMetrics(nil)
 	}
+	m.watch(dir)
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}

@@ -168,8 +168,9 @@ func TestDNSCapture(t *testing.T) {
 // TestUpgradeAnswersDNS: while the client node's agent is upgraded (a new
 // agent next to the old, which then drains and exits), the client's
 // captured DNS queries are answered throughout, names of the mesh and
-// forwarded ones alike: both agents hold a DNS socket in the pod, and the
-// old one answers what it read before it closed.
+// forwarded ones alike: the new agent takes the pod's DNS socket from the
+// old one in the hand-over, queue and all, and both answer what they read
+// while they overlap.
 func TestUpgradeAnswersDNS(t *testing.T) {
 	var client, server, resolver *Pod
 	args := []string{"--dns-upstreams", ""}
