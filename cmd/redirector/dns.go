@@ -2,10 +2,12 @@ package main
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -153,5 +155,38 @@ func newDNSProxy(d dnsSettings, dir func() *workload.Directory, reg prometheus.R
 	if err != nil {
 		return nil, fmt.Errorf("DNS proxy: %w", err)
 	}
+	if ok, err := canBindPort53(); err == nil && !ok {
+		log.Warn("DNS capture: the agent lacks CAP_NET_BIND_SERVICE, so answers to captured queries, which leave from <resolver>:53, fail in pods whose runtime keeps ports below 1024 privileged (add NET_BIND_SERVICE, as the chart does, or set DNS_CAPTURE=false)")
+	}
 	return p, nil
+}
+
+// capNetBindService is CAP_NET_BIND_SERVICE's bit in /proc/self/status.
+const capNetBindService = 10
+
+// canBindPort53 reports whether this process holds CAP_NET_BIND_SERVICE in
+// its effective set: an answer to a captured query is sent from a socket
+// bound to port 53 in the pod's namespace, which needs it unless the pod's
+// runtime opened the privileged ports (ip_unprivileged_port_start).
+func canBindPort53() (bool, error) {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false, err
+	}
+	return effectiveCap(string(b), capNetBindService)
+}
+
+// effectiveCap reads capability bit c of the CapEff line of a
+// /proc/<pid>/status text.
+func effectiveCap(status string, c uint) (bool, error) {
+	for _, line := range strings.Split(status, "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			mask, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				return false, fmt.Errorf("CapEff %q: %w", v, err)
+			}
+			return mask&(1<<c) != 0, nil
+		}
+	}
+	return false, errors.New("no CapEff line")
 }

@@ -73,3 +73,22 @@ func TestDNSUpstreamsNotFromPods(t *testing.T) {
 		t.Errorf("resolvers = %v, %v; want %v (loopback and unspecified skipped; NodeLocal DNSCache's link-local address kept)", got, err, want)
 	}
 }
+
+func TestEffectiveCap(t *testing.T) {
+	for _, tc := range []struct {
+		status string
+		want   bool
+		err    bool
+	}{
+		{"Name:\tx\nCapEff:\t000001ffffffffff\n", true, false},
+		{"CapEff:\t0000000000003000\n", false, false}, // NET_ADMIN and NET_RAW only
+		{"CapEff:\t0000000000000400\n", true, false},  // NET_BIND_SERVICE alone
+		{"CapEff:\tzz\n", false, true},
+		{"Name:\tx\n", false, true},
+	} {
+		got, err := effectiveCap(tc.status, capNetBindService)
+		if got != tc.want || (err != nil) != tc.err {
+			t.Errorf("effectiveCap(%q) = %v, %v; want %v, error %v", tc.status, got, err, tc.want, tc.err)
+		}
+	}
+}

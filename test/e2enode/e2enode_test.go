@@ -284,6 +284,43 @@ func TestRealNode(t *testing.T) {
 		}
 	})
 
+	// Istio ambient's DNS capture, on by default: the meshed client's resolver, given the
+	// cluster DNS address by the real kubelet, is answered by the agent in the pod (nothing
+	// serves that address on this node); the opted-out pod's queries go unanswered.
+	t.Run("DNSCaptured", func(t *testing.T) {
+		nslookup := func(pod string, args ...string) (string, error) {
+			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			return n.Kubectl(ctx, append([]string{"-n", meshNS, "exec", pod, "--", "nslookup", "-type=a"}, args...)...)
+		}
+		resolv, err := n.Kubectl(ctx, "-n", meshNS, "exec", "client", "--", "cat", "/etc/resolv.conf")
+		if err != nil || !strings.Contains(resolv, "nameserver "+clusterDNS) {
+			t.Fatalf("the kubelet gave the pod resolv.conf %q (%v), want nameserver %s", resolv, err, clusterDNS)
+		}
+		for _, name := range []string{"server." + meshNS + ".svc.cluster.local", "server." + meshNS} {
+			out, err := nslookup("client", name)
+			if err != nil || !strings.Contains(out, svc.Spec.ClusterIP) {
+				t.Errorf("nslookup %s in the meshed client: %q, %v; want the Service's address %s", name, out, err, svc.Spec.ClusterIP)
+			}
+		}
+		if out, err := nslookup("optout", "server."+meshNS+".svc.cluster.local"); err == nil || strings.Contains(out, svc.Spec.ClusterIP) {
+			t.Errorf("the opted-out pod's query was answered (%q, %v): nothing serves %s for pods outside the mesh", out, err, clusterDNS)
+		}
+		if got, err := agentCounter(ctx, n, `redirector_bpf_packets_total{reason="in_assign_dns"}`); err != nil || got == 0 {
+			t.Errorf("in_assign_dns = %d, %v: no query was assigned to the agent's DNS socket", got, err)
+		}
+		if t.Failed() {
+			out, _ := nslookup("client", "-debug", "server."+meshNS+".svc.cluster.local")
+			t.Logf("nslookup -debug in the client:\n%s", out)
+			logs, _ := n.Kubectl(ctx, "-n", releaseNS, "logs", agentPod(t, n), "-c", "agent")
+			for _, line := range strings.Split(logs, "\n") {
+				if strings.Contains(strings.ToLower(line), "dns") {
+					t.Logf("agent: %s", line)
+				}
+			}
+		}
+	})
+
 	t.Run("StrictRefusesPlaintextProbesPass", func(t *testing.T) {
 		if out, err := wget(outsideNS, "outsider", "http://"+serverIP+":8080/"); err == nil {
 			t.Errorf("plaintext from outside the mesh reached the server under STRICT: %q", out)

@@ -39,8 +39,13 @@ const (
 	// apiVIP is the first Service address, the "kubernetes" Service. There is no kube-proxy:
 	// the node holds the address itself and kube-apiserver listens on :443, so in-cluster
 	// clients (the agent, redirector-node's curl) reach it as on a real cluster.
-	apiVIP       = "10.96.0.1"
-	serviceCIDR  = "10.96.0.0/16"
+	apiVIP      = "10.96.0.1"
+	serviceCIDR = "10.96.0.0/16"
+	// clusterDNS is the nameserver the kubelet writes into pods' resolv.conf, where a
+	// cluster's kube-dns Service would be. Nothing serves it (no kube-proxy, no DNS pod):
+	// a meshed pod's queries are answered by the agent's DNS capture, an unmeshed pod's
+	// go unanswered, and the node has no route out, so none leaves it.
+	clusterDNS   = "10.96.0.10"
 	podCIDR      = "10.244.0.0/24"
 	maxNodes     = 8
 	bridgeName   = "cni0"
@@ -962,13 +967,14 @@ evictionHard: {memory.available: "50Mi", nodefs.available: "1%%", imagefs.availa
 podLogsDir: /var/log/pods
 resolvConf: ""
 clusterDomain: cluster.local
+clusterDNS: [%q]
 registerNode: true
 serializeImagePulls: false
 syncFrequency: 10s
 fileCheckFrequency: 5s
 nodeStatusUpdateFrequency: 5s
 podCIDR: %q
-`, n.cgroupRoot, "unix://"+filepath.Join(n.Dir, "containerd", "containerd.sock"), n.IP, n.PodCIDR)
+`, n.cgroupRoot, "unix://"+filepath.Join(n.Dir, "containerd", "containerd.sock"), n.IP, clusterDNS, n.PodCIDR)
 	cfgPath := filepath.Join(kd, "config.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return err

@@ -115,6 +115,8 @@ redirector.securityContext is the agent's, shared by the node container, which r
                         find the namespaces of pods that existed before the agent.
   DAC_OVERRIDE          write files root does not own: the sysctls of pods in their own user
                         namespace (hostUsers: false), host directories with other owners.
+  NET_BIND_SERVICE      answer a captured DNS query from the address and port the pod asked (a
+                        transparent socket bound to <resolver>:53 in the pod's namespace).
   AppArmor Unconfined   the runtime's default profile denies writes below /sys and
                         /proc/sys: pins under /sys/fs/bpf, sysctls in pod namespaces.
 */}}
@@ -126,7 +128,7 @@ runAsNonRoot: false
 readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
-  add: [NET_ADMIN, SYS_ADMIN, BPF, SYS_PTRACE, DAC_OVERRIDE]
+  add: [NET_ADMIN, SYS_ADMIN, BPF, SYS_PTRACE, DAC_OVERRIDE, NET_BIND_SERVICE]
 appArmorProfile:
   type: Unconfined
 {{- with .Values.seccompProfile }}
