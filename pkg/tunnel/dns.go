@@ -245,8 +245,9 @@ func (p *pod) startDNS() {
 
 // takeDNS takes the pod's DNS socket from the predecessor agent, with the
 // queries queued on it (handover.go), or returns nil when the pod is to
-// open its own: no predecessor, none handed over (a release from before,
-// the pod not served there), or a failure, counted and logged. From here
+// open its own: no predecessor, one that hands no DNS socket over (a
+// release from before: logged once, not counted), none handed over (the
+// pod not served there, counted), or a failure, counted and logged. From here
 // both agents read the socket until the predecessor closes its
 // descriptor; each answers in full what it reads.
 func (p *pod) takeDNS(ctx context.Context) *net.UDPConn {
@@ -257,8 +258,14 @@ func (p *pod) takeDNS(ctx context.Context) *net.UDPConn {
 	}
 	c, err := pr.takeDNS(ctx, p.nsInode, t.cfg.DNSPort, t.cfg.TunnelMark)
 	switch {
-	case errors.Is(err, errNoPredecessor), err != nil && ctx.Err() != nil:
-		return nil // nothing to take, or the pod stopped meanwhile
+	case errors.Is(err, errDNSRefused):
+		t.log.InfoContext(ctx, "the predecessor does not hand DNS sockets over: each pod opens its own beside the predecessor's", "error", err)
+		return nil
+	case errors.Is(err, errNoPredecessor), errors.Is(err, errNoDNSHandover), err != nil && ctx.Err() != nil:
+		// nothing to take (no predecessor, or none that hands DNS sockets
+		// over: not counted, as no pod was asked for), or the pod stopped
+		// meanwhile
+		return nil
 	case err != nil:
 		t.cfg.Metrics.handover.WithLabelValues(handoverFailed).Inc()
 		t.log.WarnContext(ctx, "DNS socket hand-over failed; opening the pod's own", "uid", p.uid, "error", err)

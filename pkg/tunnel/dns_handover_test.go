@@ -464,6 +464,12 @@ func TestDNSHandoverFromOldRelease(t *testing.T) {
 	if n := refused(); n != 1 {
 		t.Errorf("the old release refused %d requests, want still 1: asked again for a DNS socket it does not know", n)
 	}
+	// not_served is the answers "not served": pod-b's listeners. A DNS
+	// socket the old release does not hand over for any pod is no pod it
+	// does not serve (before, each pod's counted as one: 3).
+	if got := handoverCount(next, handoverNotServed); got != 1 {
+		t.Errorf("not_served = %v, want 1 (pod-b's listeners); log:\n%s", got, log.String())
+	}
 	clients := newDNSClients(t, ns, 16)
 	for range 32 {
 		clients.send()

@@ -397,6 +397,14 @@ var (
 // one refuses a request it cannot decode.
 var errUnanswered = errors.New("connection closed without an answer")
 
+// errNoDNSHandover: the predecessor hands no DNS socket over, for any pod
+// (a release from before, which refuses the request); errDNSRefused is the
+// refusal that showed it, once per predecessor.
+var (
+	errNoDNSHandover = errors.New("the predecessor hands no DNS sockets over")
+	errDNSRefused    = fmt.Errorf("%w (it refused the request: a release from before)", errNoDNSHandover)
+)
+
 // predecessorQuiet is how long requests pause after one timed out.
 const predecessorQuiet = 10 * time.Second
 
@@ -501,19 +509,21 @@ func (pr *Predecessor) take(ctx context.Context, ino uint64, ports []uint16, mar
 
 // takeDNS asks the predecessor for the DNS socket of the pod in the
 // namespace with inode ino, on port, and checks it (checkHandedDNSSocket).
-// It returns nil and no error when the predecessor has none for that pod
-// or does not hand DNS sockets over (a release from before: noDNS),
-// errNoPredecessor when no agent serves the socket, and another error when
-// the exchange or the check failed. A received descriptor not returned is
-// closed.
+// It returns nil and no error when the predecessor has none for that pod,
+// errNoDNSHandover when it hands DNS sockets over for no pod (a release
+// from before: noDNS; errDNSRefused the first time), errNoPredecessor when
+// no agent serves the socket, and another error when the exchange or the
+// check failed. A received descriptor not returned is closed.
 func (pr *Predecessor) takeDNS(ctx context.Context, ino uint64, port uint16, mark uint32) (*net.UDPConn, error) {
 	if pr.noDNS.Load() {
-		return nil, nil
+		return nil, errNoDNSHandover
 	}
 	fds, reply, err := pr.exchange(ctx, handoverRequest{Netns: ino, DNS: true}, 1)
 	if errors.Is(err, errUnanswered) && ctx.Err() == nil {
-		pr.noDNS.Store(true)
-		return nil, nil
+		if pr.noDNS.CompareAndSwap(false, true) {
+			return nil, errDNSRefused
+		}
+		return nil, errNoDNSHandover
 	}
 	if err != nil || reply.Error != "" {
 		return nil, err
