@@ -156,7 +156,7 @@ func newDNSProxy(d dnsSettings, dir func() *workload.Directory, reg prometheus.R
 		return nil, fmt.Errorf("DNS proxy: %w", err)
 	}
 	if ok, err := canBindPort53(); err == nil && !ok {
-		log.Warn("DNS capture: the agent lacks CAP_NET_BIND_SERVICE, so answers to captured queries, which leave from <resolver>:53, fail in pods whose runtime keeps ports below 1024 privileged (add NET_BIND_SERVICE, as the chart does, or set DNS_CAPTURE=false)")
+		log.Warn("DNS capture: the agent lacks CAP_NET_BIND_SERVICE, so answers to captured queries, which leave from <resolver>:53, fail in pods whose runtime keeps ports below 1024 privileged; add NET_BIND_SERVICE, as the chart does (with DNS_CAPTURE=false only pods annotated ambient.istio.io/dns-capture=true are captured)")
 	}
 	return p, nil
 }

@@ -5,6 +5,7 @@
 //	redirector ca init --dir DIR [--trust-domain cluster.local]
 //	redirector uninstall [--bpf-root PATH]
 //	redirector inspect pods|maps|workloads|services|certs|policies [-o table|json|yaml]
+//	redirector ready --socket PATH
 //	redirector version
 package main
 
@@ -66,6 +67,8 @@ func dispatch(ctx context.Context, args []string) error {
 		return runUninstall(ctx, rest)
 	case "inspect":
 		return runInspect(ctx, rest)
+	case "ready":
+		return runReady(ctx, rest)
 	case "version":
 		s := newSettings("version")
 		if err := s.parse(rest); err != nil {

@@ -57,6 +57,7 @@ type agentConfig struct {
 	bpfRoot         string
 	metricsAddr     string
 	readinessAddr   string
+	readinessSocket string
 	adminAddr       string
 	selection       selection.Config
 	rootNamespace   string
@@ -85,8 +86,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, handoverSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
-	limits                                                                                                                                                                                                                                                                                       func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, readySocket, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, handoverSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                                                                                                    func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -110,6 +111,7 @@ func runSettings() (*settings, runFlags) {
 		bpfRoot:        s.add("bpf-root", "BPF_ROOT", loader.DefaultPinRoot, "bpffs directory for pinned maps and links"),
 		metrics:        s.add("metrics-addr", "METRICS_ADDR", ":15020", "address of the Prometheus /metrics endpoint"),
 		ready:          s.add("readiness-addr", "READINESS_ADDR", ":15021", "address of /healthz/ready"),
+		readySocket:    s.add("readiness-socket", "READINESS_SOCKET", "", "unix socket serving /healthz/ready too, for `redirector ready` (the chart's startup probe): a path private to the agent's container, which no predecessor agent beside it answers (empty: none)"),
 		admin:          s.add("admin-addr", "ADMIN_ADDR", "127.0.0.1:15000", "address of the admin endpoint (config dump, pprof, logging)"),
 		exclude:        s.add("exclude-namespaces", selection.EnvExcludeNamespaces, "kube-system", "comma-separated namespaces whose pods are never enrolled"),
 		ownNS:          s.add("pod-namespace", "POD_NAMESPACE", "", "the agent's own namespace (in istiod's node id)"),
@@ -157,7 +159,7 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	}
 	var err error
 	c := agentConfig{node: *f.node, kubeconfig: *f.kubeconfig, cniSocket: *f.cniSocket, handoverSocket: *f.handoverSocket, procDir: *f.procDir, accel: *f.accel == "true", caDir: *f.caDir, trustDomain: *f.td, bpfRoot: *f.bpfRoot,
-		metricsAddr: *f.metrics, readinessAddr: *f.ready, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
+		metricsAddr: *f.metrics, readinessAddr: *f.ready, readinessSocket: *f.readySocket, adminAddr: *f.admin, rootNamespace: *f.rootNS, data: loader.DefaultSettings()}
 	c.data.ProcDir = c.procDir
 	switch {
 	case *f.src == "kubernetes", *f.src == "xds":
@@ -202,14 +204,17 @@ func parseRunFlags(args []string) (agentConfig, error) {
 			return c, err
 		}
 	}
-	for _, sock := range []*string{f.cniSocket, f.handoverSocket} {
+	socks := []*string{f.cniSocket, f.handoverSocket, f.readySocket}
+	for i, sock := range socks {
 		if err := checkSocketPath(*sock); err != nil {
 			return c, fmt.Errorf("%s: %w", s.name(sock), err)
 		}
-	}
-	if c.handoverSocket != "" && c.handoverSocket == c.cniSocket {
 		// Each agent renames its socket over the path: one would replace the other.
-		return c, fmt.Errorf("%s: %q is also %s: the two sockets need paths of their own", s.name(f.handoverSocket), c.handoverSocket, s.name(f.cniSocket))
+		for _, other := range socks[:i] {
+			if *sock != "" && *sock == *other {
+				return c, fmt.Errorf("%s: %q is also %s: the sockets need paths of their own", s.name(sock), *sock, s.name(other))
+			}
+		}
 	}
 	if c.reconcilePeriod < time.Second {
 		return c, fmt.Errorf("%s: %s is shorter than the 1s minimum (every pass checks every pod)", s.name(f.period), c.reconcilePeriod)
@@ -501,7 +506,7 @@ func runAgent(ctx context.Context, args []string) error {
 	// reconcile finished, every enrolled pod has its listeners and a valid
 	// certificate, and no shutdown has begun.
 	servers, err = admin.Start(ctx, admin.Options{
-		MetricsAddr: cfg.metricsAddr, ReadinessAddr: cfg.readinessAddr, AdminAddr: cfg.adminAddr,
+		MetricsAddr: cfg.metricsAddr, ReadinessAddr: cfg.readinessAddr, ReadinessSocket: cfg.readinessSocket, AdminAddr: cfg.adminAddr,
 		Registry: reg,
 		Ready: admin.AllReady(
 			func() (bool, string) { return ctx.Err() == nil, "shutting down" },

@@ -116,7 +116,10 @@ func TestRunSettingsNamesAreValidated(t *testing.T) {
 		{args: append(base, "--cni-socket", "/var/run/"+strings.Repeat("r", 90)+"/cni.sock"), want: `more than the 95 a unix socket's name leaves it`},
 		{args: append(base, "--handover-socket", "handover.sock"), want: `--handover-socket (HANDOVER_SOCKET): "handover.sock" is not an absolute, clean path`},
 		{args: append(base, "--cni-socket", "/var/run/redirector/x.sock", "--handover-socket", "/var/run/redirector/x.sock"),
-			want: `--handover-socket (HANDOVER_SOCKET): "/var/run/redirector/x.sock" is also --cni-socket (CNI_SOCKET): the two sockets need paths of their own`},
+			want: `--handover-socket (HANDOVER_SOCKET): "/var/run/redirector/x.sock" is also --cni-socket (CNI_SOCKET): the sockets need paths of their own`},
+		{args: append(base, "--handover-socket", "/var/run/redirector/x.sock", "--readiness-socket", "/var/run/redirector/x.sock"),
+			want: `--readiness-socket (READINESS_SOCKET): "/var/run/redirector/x.sock" is also --handover-socket (HANDOVER_SOCKET): the sockets need paths of their own`},
+		{args: append(base, "--readiness-socket", "tmp/ready.sock"), want: `--readiness-socket (READINESS_SOCKET): "tmp/ready.sock" is not an absolute, clean path`},
 		{args: append(base, "--reconcile-period", "1ms"), want: `--reconcile-period (RECONCILE_PERIOD): 1ms is shorter than the 1s minimum`},
 		{args: append(base, "--ca-root-cert-reload", "1ns"), want: `--ca-root-cert-reload (CA_ROOT_CERT_RELOAD): 1ns is shorter than the 1s minimum`},
 	} {

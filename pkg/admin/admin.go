@@ -20,6 +20,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // Options says what to serve where. An empty address leaves that endpoint
@@ -29,6 +31,12 @@ type Options struct {
 	MetricsAddr string
 	// ReadinessAddr serves GET /healthz/ready from Ready.
 	ReadinessAddr string
+	// ReadinessSocket, if set, serves GET /healthz/ready from Ready on a
+	// unix socket at this path too: a path private to the agent's
+	// container, which only this agent answers, where the shared TCP port
+	// may be answered by a predecessor still running beside it (see
+	// `redirector ready`, the chart's startup probe).
+	ReadinessSocket string
 	// AdminAddr serves the config dump, pprof and the log level. It exposes
 	// the process's internals, so it belongs on a loopback address.
 	AdminAddr string
@@ -180,14 +188,48 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 			}
 		}()
 	}
+	if o.ReadinessSocket != "" {
+		if err := s.serveReadinessSocket(o.ReadinessSocket, o.Ready, log); err != nil {
+			s.Close()
+			return nil, err
+		}
+	}
 	return s, nil
+}
+
+// serveReadinessSocket serves the readiness handler on a unix socket at
+// path, replacing a stale socket there (a restart of the container keeps
+// its /tmp).
+func (s *Servers) serveReadinessSocket(path string, ready func() (bool, string), log *slog.Logger) error {
+	l, _, err := unixsock.Install("readiness socket", path, "unix")
+	if err != nil {
+		return fmt.Errorf("readiness socket: %w", err)
+	}
+	srv := &http.Server{
+		Handler:           boundBody(readinessHandler(ready)),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       readTimeout,
+		WriteTimeout:      writeTimeout,
+		MaxHeaderBytes:    maxHeaderBytes,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	srv.SetKeepAlivesEnabled(false)
+	s.servers = append(s.servers, srv)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
+			log.Error("readiness socket stopped", "path", path, "error", err)
+		}
+	}()
+	return nil
 }
 
 func (o Options) validate() error {
 	switch {
 	case o.MetricsAddr != "" && o.Registry == nil:
 		return errors.New("metrics endpoint: no registry given")
-	case o.ReadinessAddr != "" && o.Ready == nil:
+	case (o.ReadinessAddr != "" || o.ReadinessSocket != "") && o.Ready == nil:
 		return errors.New("readiness endpoint: no readiness check given")
 	case o.AdminAddr != "" && o.Level == nil:
 		return errors.New("admin endpoint: no log level variable given")
