@@ -104,7 +104,7 @@ test: deps lint gen-check build test-deps
 		done; \
 	done
 
-## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm, pods meshed (root; part of test)
+## e2e-node: a real node (kubelet, containerd, control plane) in its own netns; the chart installed with helm (file CA, and istiod's CA and xDS), pods meshed (root; part of test)
 # The test's steps give up 2 min before -timeout and a watchdog stops the nodes 45 s before
 # it (the testing package's -timeout panic would run no clean-up); it fails if any test is
 # skipped. Its whole output: $(BIN)/e2e-node.log.
@@ -114,6 +114,7 @@ E2ENODE_TIMEOUT ?= 12m
 e2e-node:
 	@$(MAKE) --no-print-directory deps DEBS="$(DEBS) $(NODE_DEBS)"
 	@bash hack/node-binaries.sh >/dev/null
+	@bash hack/istio-binaries.sh >/dev/null
 	@mkdir -p $(BIN)
 	$(GO) vet -tags e2enode ./test/e2enode/
 	@set -o pipefail; $(GO) test -tags e2enode -count=1 -v -timeout $(E2ENODE_TIMEOUT) ./test/e2enode/ 2>&1 | tee $(BIN)/e2e-node.log \

@@ -21,7 +21,7 @@ var wantProfiles = []string{"debug", "default", "dual-stack", "standalone", "str
 // agentCaps is the documented capability set of the agent (templates/_helpers.tpl,
 // README.md): adding or dropping one must change the docs and this list together. SYS_ADMIN
 // covers setns() and the perfmon_capable() check of bpf_probe_read_kernel in the data path.
-var agentCaps = []corev1.Capability{"BPF", "DAC_OVERRIDE", "NET_ADMIN", "SYS_ADMIN", "SYS_PTRACE"}
+var agentCaps = []corev1.Capability{"BPF", "DAC_OVERRIDE", "NET_ADMIN", "NET_BIND_SERVICE", "SYS_ADMIN", "SYS_PTRACE"}
 
 func TestChartShipsProfiles(t *testing.T) {
 	got := profiles(t)
@@ -494,7 +494,34 @@ func checkUninstallHook(t *testing.T, r *rendered) {
 
 func checkRBAC(t *testing.T, r *rendered) {
 	t.Helper()
-	// Exactly the calls of pkg/source/kubernetes (see its package comment).
+	if r.ConfigMap.Data["SOURCE"] == "xds" {
+		checkClusterRole(t, r, xdsRules())
+	} else {
+		checkClusterRole(t, r, kubernetesRules())
+	}
+	checkOtherRBAC(t, r)
+}
+
+// xdsRules are exactly the calls of the xDS source's own watches (pkg/source/nodepods:
+// namespaces, its node's pods, RuntimeClasses) and the annotator's: istiod sends the rest.
+func xdsRules() []rule {
+	var want []rule
+	for _, v := range []string{"get", "list", "watch"} {
+		want = append(want, rule{"", "namespaces", v, ""}, rule{"", "pods", v, ""}, rule{"node.k8s.io", "runtimeclasses", v, ""})
+	}
+	return append(want, rule{"", "pods/status", "patch", ""})
+}
+
+func checkClusterRole(t *testing.T, r *rendered, want []rule) {
+	t.Helper()
+	slices.SortFunc(want, func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) })
+	if got := flatten(r.ClusterRole.Rules); !slices.Equal(got, want) {
+		t.Errorf("ClusterRole (SOURCE=%s) grants\n%v\nwant exactly\n%v", r.ConfigMap.Data["SOURCE"], got, want)
+	}
+}
+
+// kubernetesRules are exactly the calls of pkg/source/kubernetes (see its package comment).
+func kubernetesRules() []rule {
 	var want []rule
 	for _, res := range []string{"namespaces", "pods", "services"} {
 		for _, v := range []string{"get", "list", "watch"} {
@@ -514,10 +541,12 @@ func checkRBAC(t *testing.T, r *rendered) {
 		want = append(want, rule{"security.istio.io", "peerauthentications", v, ""})
 		want = append(want, rule{"security.istio.io", "authorizationpolicies", v, ""})
 	}
-	slices.SortFunc(want, func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) })
-	if got := flatten(r.ClusterRole.Rules); !slices.Equal(got, want) {
-		t.Errorf("ClusterRole grants\n%v\nwant exactly\n%v", got, want)
-	}
+	return want
+}
+
+// checkOtherRBAC checks the grants that do not depend on the source.
+func checkOtherRBAC(t *testing.T, r *rendered) {
+	t.Helper()
 	if got, want := flatten(r.Role.Rules), []rule{{"apps", "daemonsets", "get", r.DaemonSet.Name}}; !slices.Equal(got, want) {
 		t.Errorf("Role grants %v, want exactly %v (its own DaemonSet, read by node-setup: a delete would turn the mesh off on every node)", got, want)
 	}
@@ -632,6 +661,8 @@ func TestRenderErrors(t *testing.T) {
 		{"strict without Istio's CRDs", renderOpts{set: []string{"profile=strict"}}, "does not serve"},
 		{"bad mTLS mode", renderOpts{set: []string{"meshMTLSMode=strict"}, apiVersions: []string{peerAuthnAPI}}, `meshMTLSMode "strict" is not STRICT`},
 		{"cluster without native sidecars", renderOpts{kubeVersion: "v1.29.4"}, "incompatible with Kubernetes v1.29.4"},
+		{"unknown source", renderOpts{set: []string{"source=file:/x"}}, `source "file:/x" is neither kubernetes nor xds`},
+		{"xds with the file CA", renderOpts{set: []string{"profile=standalone", "source=xds"}}, "source xds reads the mesh from istiod"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := render(t, tc.opts)
@@ -718,6 +749,21 @@ func TestIstiodSettings(t *testing.T) {
 	r = mustRender(t, renderOpts{set: []string{"profile=standalone", "fileCA.enabled=false"}})
 	if _, ok := r.ConfigMap.Data["CA_DIR"]; ok || r.ConfigMap.Data["CA_ADDRESS"] == "" {
 		t.Errorf("standalone with fileCA.enabled=false: CA_DIR set or CA_ADDRESS %q empty", r.ConfigMap.Data["CA_ADDRESS"])
+	}
+}
+
+// TestSourceXDS: source=xds reaches the agent, and its ClusterRole is only what the xDS
+// source reads itself (checkRBAC); every profile but standalone takes it.
+func TestSourceXDS(t *testing.T) {
+	for _, p := range []string{"default", "strict", "debug", "dual-stack"} {
+		r := mustRender(t, renderOpts{set: []string{"profile=" + p, "source=xds"}, apiVersions: []string{peerAuthnAPI}})
+		if got := r.ConfigMap.Data["SOURCE"]; got != "xds" {
+			t.Errorf("%s: SOURCE=%q, want xds", p, got)
+		}
+		checkRBAC(t, r)
+	}
+	if got := mustRender(t, renderOpts{}).ConfigMap.Data["SOURCE"]; got != "kubernetes" {
+		t.Errorf("default SOURCE=%q, want kubernetes", got)
 	}
 }
 

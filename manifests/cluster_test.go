@@ -25,6 +25,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/pkg/source"
 	k8ssource "github.com/redirector-mesh/redirector/pkg/source/kubernetes"
+	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/test/kubetest"
 )
@@ -289,5 +290,83 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	}
 	if err := hookClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name, dryRun); err != nil {
 		t.Errorf("the pre-delete hook cannot delete its DaemonSet: %v", err)
+	}
+}
+
+// TestRBACIsEnoughForTheXDSAgent: with source=xds the chart's ClusterRole is only what the
+// xDS source reads itself; its node-pod watch and the annotator run as the chart's
+// ServiceAccount, and what only the Kubernetes source reads is forbidden.
+func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
+	c, client, dyn := startCluster(t)
+	r := mustRender(t, renderOpts{set: []string{"source=xds"}})
+	apply(t, client, dyn, r, false)
+	if t.Failed() {
+		t.FailNow()
+	}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "apps"},
+		Spec:       corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "web", Image: "web"}}},
+	}
+	if _, err := client.CoreV1().Pods("apps").Create(t.Context(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	asAgent := rest.CopyConfig(c.Config)
+	asAgent.Impersonate = rest.ImpersonationConfig{
+		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.ServiceAccount.Name),
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
+	defer cancel()
+	w, err := nodepods.New(asAgent, "node-a", slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := make(chan nodepods.State, 1)
+	runErr := make(chan error, 1)
+	go func() {
+		runErr <- w.Run(ctx, func(s nodepods.State) {
+			select {
+			case first <- s:
+			default:
+			}
+		})
+	}()
+	select {
+	case s := <-first:
+		if !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) {
+			t.Errorf("first node-pod state as the agent has no pod web: %d pods", len(s.Pods))
+		}
+	case err := <-runErr:
+		t.Fatalf("the node-pod watch stopped as the agent: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no node-pod state as the agent: its informers cannot list or watch something (RBAC?)")
+	}
+	annotator, err := k8ssource.NewAnnotator(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := annotator.SetRedirection(ctx, "apps", "web", true); err != nil {
+		t.Errorf("annotate a pod as the agent: %v", err)
+	}
+	agentClient, err := kubernetes.NewForConfig(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for what, call := range map[string]func() error{
+		"list Services": func() error {
+			_, err := agentClient.CoreV1().Services("").List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"list EndpointSlices": func() error {
+			_, err := agentClient.DiscoveryV1().EndpointSlices("").List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"list nodes": func() error {
+			_, err := agentClient.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			return err
+		},
+	} {
+		if err := call(); !apierrors.IsForbidden(err) {
+			t.Errorf("%s as the xDS agent: %v, want forbidden (istiod sends the mesh)", what, err)
+		}
 	}
 }

@@ -30,14 +30,19 @@ import (
 )
 
 const (
-	release     = "redirector"
-	releaseNS   = "istio-system"
-	meshNS      = "mesh"
-	outsideNS   = "outside"
-	imageTag    = "e2e"
-	marker      = "e2enode-plaintext-marker" // the app image's index.html
-	redirection = "ambient.istio.io/redirection"
-	podTimeout  = 2 * time.Minute
+	release   = "redirector"
+	releaseNS = "istio-system"
+	// What the cluster's resolver (ServeClusterDNS) answers: a decoy for the Service's name,
+	// which only a pod outside the mesh may get, and a name outside the mesh.
+	dnsDecoy       = "192.0.2.99"
+	dnsOutsideName = "outside.test"
+	dnsOutsideAddr = "192.0.2.7"
+	meshNS         = "mesh"
+	outsideNS      = "outside"
+	imageTag       = "e2e"
+	marker         = "e2enode-plaintext-marker" // the app image's index.html
+	redirection    = "ambient.istio.io/redirection"
+	podTimeout     = 2 * time.Minute
 )
 
 var repoRoot = func() string {
@@ -151,6 +156,15 @@ func TestRealNode(t *testing.T) {
 	apply := func(t *testing.T, name, manifest string) {
 		t.Helper()
 		mustApply(ctx, t, n, name, manifest)
+	}
+
+	// The cluster's DNS (kube-dns's part, played by dnsmasq).
+	dnsLog, err := n.ServeClusterDNS(map[string]string{
+		"server." + meshNS + ".svc.cluster.local": dnsDecoy,
+		dnsOutsideName: dnsOutsideAddr,
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 
 	// What a user has before installing, and a pod in the mesh's namespace already running.
@@ -284,9 +298,11 @@ func TestRealNode(t *testing.T) {
 		}
 	})
 
-	// Istio ambient's DNS capture, on by default: the meshed client's resolver, given the
-	// cluster DNS address by the real kubelet, is answered by the agent in the pod (nothing
-	// serves that address on this node); the opted-out pod's queries go unanswered.
+	// Istio ambient's DNS capture, on by default. The cluster's DNS is a real resolver
+	// (dnsmasq, at the address the kubelet writes into pods' resolv.conf) that knows a decoy
+	// address for the Service's name: a meshed pod gets the Service's own address from the
+	// agent in the pod, an opted-out pod the decoy from the resolver; a name outside the mesh
+	// is forwarded by the agent from the pod's own address.
 	t.Run("DNSCaptured", func(t *testing.T) {
 		nslookup := func(pod string, args ...string) (string, error) {
 			ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -297,21 +313,33 @@ func TestRealNode(t *testing.T) {
 		if err != nil || !strings.Contains(resolv, "nameserver "+clusterDNS) {
 			t.Fatalf("the kubelet gave the pod resolv.conf %q (%v), want nameserver %s", resolv, err, clusterDNS)
 		}
-		for _, name := range []string{"server." + meshNS + ".svc.cluster.local", "server." + meshNS} {
+		svcName := "server." + meshNS + ".svc.cluster.local"
+		for _, name := range []string{svcName, "server." + meshNS} {
 			out, err := nslookup("client", name)
-			if err != nil || !strings.Contains(out, svc.Spec.ClusterIP) {
-				t.Errorf("nslookup %s in the meshed client: %q, %v; want the Service's address %s", name, out, err, svc.Spec.ClusterIP)
+			if err != nil || !strings.Contains(out, svc.Spec.ClusterIP) || strings.Contains(out, dnsDecoy) {
+				t.Errorf("nslookup %s in the meshed client: %q, %v; want the Service's address %s from the agent", name, out, err, svc.Spec.ClusterIP)
 			}
 		}
-		if out, err := nslookup("optout", "server."+meshNS+".svc.cluster.local"); err == nil || strings.Contains(out, svc.Spec.ClusterIP) {
-			t.Errorf("the opted-out pod's query was answered (%q, %v): nothing serves %s for pods outside the mesh", out, err, clusterDNS)
+		if out, err := nslookup("client", dnsOutsideName); err != nil || !strings.Contains(out, dnsOutsideAddr) {
+			t.Errorf("nslookup %s in the meshed client: %q, %v; want %s, forwarded to the cluster's resolver", dnsOutsideName, out, err, dnsOutsideAddr)
+		}
+		if out, err := nslookup("optout", svcName); err != nil || !strings.Contains(out, dnsDecoy) {
+			t.Errorf("nslookup %s in the opted-out pod: %q, %v; want the resolver's decoy %s (no capture)", svcName, out, err, dnsDecoy)
+		}
+		log, err := os.ReadFile(dnsLog)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := "query[A] " + dnsOutsideName + " from " + clientIP; !strings.Contains(string(log), want) {
+			t.Errorf("the cluster's resolver did not log %q (forwarded from the client's own address):\n%s", want, log)
+		}
+		if want := "query[A] " + svcName + " from " + clientIP; strings.Contains(string(log), want) {
+			t.Errorf("the meshed client's query for the Service reached the cluster's resolver (%q)", want)
 		}
 		if got, err := agentCounter(ctx, n, `redirector_bpf_packets_total{reason="in_assign_dns"}`); err != nil || got == 0 {
 			t.Errorf("in_assign_dns = %d, %v: no query was assigned to the agent's DNS socket", got, err)
 		}
 		if t.Failed() {
-			out, _ := nslookup("client", "-debug", "server."+meshNS+".svc.cluster.local")
-			t.Logf("nslookup -debug in the client:\n%s", out)
 			logs, _ := n.Kubectl(ctx, "-n", releaseNS, "logs", agentPod(t, n), "-c", "agent")
 			for _, line := range strings.Split(logs, "\n") {
 				if strings.Contains(strings.ToLower(line), "dns") {

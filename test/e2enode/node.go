@@ -42,9 +42,8 @@ const (
 	apiVIP      = "10.96.0.1"
 	serviceCIDR = "10.96.0.0/16"
 	// clusterDNS is the nameserver the kubelet writes into pods' resolv.conf, where a
-	// cluster's kube-dns Service would be. Nothing serves it (no kube-proxy, no DNS pod):
-	// a meshed pod's queries are answered by the agent's DNS capture, an unmeshed pod's
-	// go unanswered, and the node has no route out, so none leaves it.
+	// cluster's kube-dns Service would be. The control node holds the address, as it holds
+	// apiVIP (no kube-proxy); ServeClusterDNS runs a resolver there, else nothing answers.
 	clusterDNS   = "10.96.0.10"
 	podCIDR      = "10.244.0.0/24"
 	maxNodes     = 8
@@ -260,6 +259,7 @@ func (n *Node) netns() error {
 		{"link", "set", "uplink", "up"},
 		{"addr", "add", n.IP + "/24", "dev", "eth0"},
 		{"addr", "add", apiVIP + "/32", "dev", "eth0"},
+		{"addr", "add", clusterDNS + "/32", "dev", "eth0"},
 		{"link", "set", "eth0", "up"},
 		// A default route for the components that look for one; nothing is on the other
 		// end.
@@ -1015,6 +1015,53 @@ podCIDR: %q
 			n.Name, restarted, n.LogTail("kubelet", 0))
 	}
 	return nil
+}
+
+// ServeClusterDNS runs dnsmasq, a real resolver, at the cluster DNS address in the node's
+// namespaces, playing the cluster's kube-dns: it answers each name of records (and its
+// subdomains) with the address given, refuses the rest, and logs every query with its
+// source. It returns the log's path. Stop ends it.
+func (n *Node) ServeClusterDNS(records map[string]string) (string, error) {
+	args := []string{"--keep-in-foreground", "--no-resolv", "--no-hosts", "--conf-file=/dev/null", "--pid-file=",
+		"--bind-interfaces", "--listen-address=" + clusterDNS, "--port=53", "--user=root",
+		"--log-queries", "--log-facility=-",
+		// The cluster's domain is this resolver's: names it does not know there are
+		// NXDOMAIN, as kube-dns answers them, so a client's search list moves on.
+		"--local=/cluster.local/"}
+	for name, addr := range records {
+		args = append(args, "--address=/"+name+"/"+addr)
+	}
+	p, err := n.spawn("cluster-dns", "dnsmasq", args...)
+	if err != nil {
+		return "", err
+	}
+	return p.log, nil
+}
+
+// istiodSecurePort is where StartIstiod's istiod serves its CA and xDS (secured gRPC), on the
+// node's address, as a Service would route 15012 to it; its other ports are on loopback.
+const istiodSecurePort = "15012"
+
+// StartIstiod runs a real istiod (pilot-discovery) as a daemon of the node, ambient on, its own
+// CA signing for the agents whose service account is trustedAgent (namespace/name), and serving
+// CA and xDS on the node's address. Istio's CRDs must be applied and the istio-system namespace
+// made. Clients reach it by the name in its serving certificate, istiod.istio-system.svc, which
+// ServeClusterDNS must resolve to the node's address. Stop ends it.
+func (n *Node) StartIstiod(istiodBin, trustedAgent string) error {
+	dir := filepath.Join(n.Dir, "istiod")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	// env sets istiod's environment and working directory (where it writes a few files).
+	_, err := n.spawn("istiod", "env", "-C", dir,
+		"POD_NAMESPACE=istio-system", "POD_NAME=istiod-e2enode", "REVISION=default",
+		"PILOT_CERT_PROVIDER=istiod", "ENABLE_CA_SERVER=true", "CLUSTER_ID=Kubernetes",
+		"CA_TRUSTED_NODE_ACCOUNTS="+trustedAgent, "PILOT_ENABLE_AMBIENT=true",
+		istiodBin, "discovery", "--kubeconfig", n.Kubeconfig,
+		"--grpcAddr=127.0.0.1:15010", "--secureGRPCAddr="+n.IP+":"+istiodSecurePort,
+		"--httpAddr=127.0.0.1:15080", "--httpsAddr=127.0.0.1:15017", "--monitoringAddr=127.0.0.1:15014",
+		"--ctrlz_address=127.0.0.1", "--ctrlz_port=15076")
+	return err
 }
 
 // kubeletRestarts is how often a node's kubelet may exit unasked and be started again.

@@ -49,3 +49,12 @@ func binariesIn(dir string) (binaries, error) {
 	}
 	return b, nil
 }
+
+// Binaries returns the paths of pilot-discovery and of Istio's CRDs of the same version,
+// building them as findBinaries does, for a caller that runs istiod its own way (the
+// real-node test runs it inside its node).
+func Binaries(t testing.TB) (istiod, crds string) {
+	t.Helper()
+	b := findBinaries(t)
+	return b.istiod, b.crds
+}

@@ -160,6 +160,21 @@ true
 {{- end -}}
 
 {{/*
+redirector.source is SOURCE, checked: kubernetes, or xds (istiod's workload xDS), which needs
+istiod and so cannot go with the standalone profile's file CA.
+*/}}
+{{- define "redirector.source" -}}
+{{- $s := toString .Values.source -}}
+{{- if not (has $s (list "kubernetes" "xds")) -}}
+{{- fail (printf "source %q is neither kubernetes nor xds" $s) -}}
+{{- end -}}
+{{- if and (eq $s "xds") (include "redirector.fileCA" .) -}}
+{{- fail "source xds reads the mesh from istiod, and the standalone profile's file CA runs without istiod: use source kubernetes with it, or let istiod sign (fileCA.enabled=false)" -}}
+{{- end -}}
+{{- $s -}}
+{{- end -}}
+
+{{/*
 redirector.caAddress is istiod's CA address: caAddress, else the istiod Service of the
 revision in istioNamespace, as Istio's ztunnel chart derives it.
 */}}
