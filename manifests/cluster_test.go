@@ -158,12 +158,13 @@ func TestAPIServerAcceptsEveryProfile(t *testing.T) {
 	}
 }
 
-// TestRBACIsEnoughForTheAgent installs the chart, then runs the agent's Kubernetes source and
-// pod annotator as the chart's ServiceAccount: a missing rule would stall the source's
-// informers or fail the patch. Requests beyond the chart's rules must be forbidden.
-func TestRBACIsEnoughForTheAgent(t *testing.T) {
+// installAsAgent installs the chart rendered with opts into a new cluster, with a pod web in
+// namespace apps on node-a, and returns the cluster, an admin client, the render, and a
+// config that authenticates as the DaemonSet's pods do (its ServiceAccount).
+func installAsAgent(t *testing.T, opts renderOpts) (*kubetest.Cluster, kubernetes.Interface, *rendered, *rest.Config) {
+	t.Helper()
 	c, client, dyn := startCluster(t)
-	r := mustRender(t, renderOpts{set: []string{"profile=strict"}, apiVersions: []string{peerAuthnAPI}})
+	r := mustRender(t, opts)
 	apply(t, client, dyn, r, false)
 	if t.Failed() {
 		t.FailNow()
@@ -175,13 +176,18 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if _, err := client.CoreV1().Pods("apps").Create(t.Context(), pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-
-	// What the pods of the DaemonSet authenticate as.
 	asAgent := rest.CopyConfig(c.Config)
 	asAgent.Impersonate = rest.ImpersonationConfig{
 		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.ServiceAccount.Name),
 	}
+	return c, client, r, asAgent
+}
 
+// TestRBACIsEnoughForTheAgent installs the chart, then runs the agent's Kubernetes source and
+// pod annotator as the chart's ServiceAccount: a missing rule would stall the source's
+// informers or fail the patch. Requests beyond the chart's rules must be forbidden.
+func TestRBACIsEnoughForTheAgent(t *testing.T) {
+	c, client, r, asAgent := installAsAgent(t, renderOpts{set: []string{"profile=strict"}, apiVersions: []string{peerAuthnAPI}})
 	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
 	defer cancel()
 	src, err := k8ssource.New(k8ssource.Config{RestConfig: asAgent, NodeName: "node-a",
@@ -297,23 +303,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 // xDS source reads itself; its node-pod watch and the annotator run as the chart's
 // ServiceAccount, and what only the Kubernetes source reads is forbidden.
 func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
-	c, client, dyn := startCluster(t)
-	r := mustRender(t, renderOpts{set: []string{"source=xds"}})
-	apply(t, client, dyn, r, false)
-	if t.Failed() {
-		t.FailNow()
-	}
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "apps"},
-		Spec:       corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "web", Image: "web"}}},
-	}
-	if _, err := client.CoreV1().Pods("apps").Create(t.Context(), pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	asAgent := rest.CopyConfig(c.Config)
-	asAgent.Impersonate = rest.ImpersonationConfig{
-		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.ServiceAccount.Name),
-	}
+	_, _, _, asAgent := installAsAgent(t, renderOpts{set: []string{"source=xds"}})
 	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
 	defer cancel()
 	w, err := nodepods.New(asAgent, "node-a", slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)

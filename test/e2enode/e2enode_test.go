@@ -350,18 +350,8 @@ func TestRealNode(t *testing.T) {
 	})
 
 	t.Run("StrictRefusesPlaintextProbesPass", func(t *testing.T) {
-		if out, err := wget(outsideNS, "outsider", "http://"+serverIP+":8080/"); err == nil {
-			t.Errorf("plaintext from outside the mesh reached the server under STRICT: %q", out)
-		}
-		// The kubelet's HTTP probes have been running all along: still Ready, no restart.
-		time.Sleep(12 * time.Second) // a few probe periods
-		pod, err := n.Client.CoreV1().Pods(meshNS).Get(ctx, "server", metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !podReady(pod) || pod.Status.ContainerStatuses[0].RestartCount != 0 {
-			t.Errorf("server under STRICT: ready=%v restarts=%d", podReady(pod), pod.Status.ContainerStatuses[0].RestartCount)
-		}
+		// The kubelet's HTTP probes have been running all along: a few more periods.
+		strictRefusesPlaintextProbesPass(ctx, t, n, serverIP, 12*time.Second)
 	})
 
 	t.Run("AgentRestart", func(t *testing.T) {
@@ -850,6 +840,24 @@ func waitServiceEndpoint(ctx context.Context, t *testing.T, n *Node, ns, name, i
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// strictRefusesPlaintextProbesPass checks the mesh's STRICT on the server pod: the outside
+// pod's plaintext is refused, and after settle (probe periods) the server is still Ready with
+// no restart, so the kubelet's HTTP probes passed through the probe SNAT.
+func strictRefusesPlaintextProbesPass(ctx context.Context, t *testing.T, n *Node, serverIP string, settle time.Duration) {
+	t.Helper()
+	if out, err := podGet(ctx, n, outsideNS, "outsider", "http://"+serverIP+":8080/"); err == nil {
+		t.Errorf("plaintext from outside the mesh reached the server under STRICT: %q", out)
+	}
+	time.Sleep(settle)
+	pod, err := n.Client.CoreV1().Pods(meshNS).Get(ctx, "server", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !podReady(pod) || pod.Status.ContainerStatuses[0].RestartCount != 0 {
+		t.Errorf("server under STRICT: ready=%v restarts=%d (the kubelet's probes must pass)", podReady(pod), pod.Status.ContainerStatuses[0].RestartCount)
 	}
 }
 
