@@ -109,7 +109,8 @@ static __always_inline int node_sent(struct __sk_buff *skb)
  * for every port but one, and a clone carries no socket. Nothing else
  * reaches a veth with neither an ingress device nor a socket: packets of
  * pods and other nodes were received on a device, and a tc redirect keeps
- * that ingress ifindex. */
+ * that ingress ifindex; the node's refragmenting of a forwarded packet
+ * makes fragments, which parse_host_pkt refuses. */
 static __always_inline int node_syn(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
