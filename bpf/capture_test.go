@@ -440,6 +440,11 @@ func TestHostProbeSpoofedSource(t *testing.T) {
 	}
 	t.Cleanup(func() { objs.Close() })
 	enroll(t, objs.RdPods, 1, pod4, pod6)
+	// The packets run on the loopback device (ifindex 1): as pod 1's host
+	// veth, a SYN to the pod there starts SNAT.
+	if err := objs.RdProbeVeths.Put(uint32(1), uint32(1)); err != nil {
+		t.Fatal(err)
+	}
 	spoofed := CaptureVerdictReasonREASON_DROP_PROBE_SPOOFED
 	tcpSyn := syn(8080)
 	egress := []progCase{

@@ -103,14 +103,32 @@ static __always_inline int node_sent(struct __sk_buff *skb)
 	return ino && ino == netns_ino(skb);
 }
 
-/* host_socket reports whether the node's stack sent the packet from a full
- * socket: what "has a local socket" means for a probe's SYN. Packets routed
- * through the node have none (IP input orphans them). */
-static __always_inline int host_socket(struct __sk_buff *skb)
+/* node_syn reports whether the node's stack sent this SYN (node_sent): from
+ * a full socket of the node's namespace, or from none at all. A SYN without
+ * a socket is a copy a bridge flooded: the bridge clones the node's packet
+ * for every port but one, and a clone carries no socket. Nothing else
+ * reaches a veth with neither an ingress device nor a socket: packets of
+ * pods and other nodes were received on a device, and a tc redirect keeps
+ * that ingress ifindex; the node's refragmenting of a forwarded packet
+ * makes fragments, which parse_host_pkt refuses. */
+static __always_inline int node_syn(struct __sk_buff *skb)
 {
 	struct bpf_sock *sk = skb->sk;
 
-	return sk && bpf_sk_fullsock(sk) && node_sent(skb);
+	if (sk && !bpf_sk_fullsock(sk))
+		return 0;
+	return node_sent(skb);
+}
+
+/* own_veth reports whether the packet leaves by the host veth of pod_id, the
+ * pod it is addressed to, and not by another pod's veth that a bridge
+ * flooded it to (rd_probe_veths). */
+static __always_inline int own_veth(struct __sk_buff *skb, __u32 pod_id)
+{
+	__u32 ifindex = skb->ifindex;
+	__u32 *owner = bpf_map_lookup_elem(&rd_probe_veths, &ifindex);
+
+	return owner && *owner == pod_id;
 }
 
 /* spoofed_probe reports (and counts) a packet to an enrolled pod whose
@@ -137,18 +155,23 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  * Verdicts:
  *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine, rewritten or
  *                  not, so programs attached after this one still run:
- *     - a SYN without ACK from a local full socket without the tunnel mark,
- *       to an enrolled pod address (rd_pods), gets an rd_probe_nat entry and
- *       its source rewritten to the SNAT address;
+ *     - a SYN without ACK that the node sent (node_syn: from a full
+ *       socket of its namespace, or a bridge's flooded copy without one),
+ *       without the tunnel mark, to an enrolled pod address (rd_pods),
+ *       leaving by that pod's own host veth (rd_probe_veths), gets an
+ *       rd_probe_nat entry and its source rewritten to the SNAT address;
  *     - a later packet of such a connection that the node's stack sent
  *       (node_sent; the entry exists and its node address is the packet's
- *       source) is rewritten the same way;
- *     - a SYN from a local full socket that is not translated (tunnel
- *       mark, or an address not enrolled) deletes the entry of its tuple,
- *       which an earlier probe may have left (nothing else deletes them);
+ *       source) and that leaves by the veth its SYN left by is rewritten
+ *       the same way;
+ *     - a SYN the node sent that is not translated (tunnel mark, or an
+ *       address not enrolled) deletes the entry of its tuple, which an
+ *       earlier probe may have left (nothing else deletes them);
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
- *       socket of the node's namespace: other pods, whether routed or
- *       bridged, other nodes), tunnel-marked sockets, connections
+ *       socket of the node's namespace and an ingress device: other pods,
+ *       whether routed or bridged, other nodes), the copies of a node
+ *       packet that a bridge which forgot where the pod is floods to the
+ *       other pods' veths, tunnel-marked sockets, connections
  *       the pod opened to the node (the node answers with SYN-ACK, which
  *       never creates an entry), unenrolled pods, IPv6 extension headers;
  *   TC_ACT_SHOT    a packet of any protocol to an enrolled pod whose source
@@ -183,16 +206,23 @@ int rd_host_egress(struct __sk_buff *skb)
 	if (p.syn && !p.ack) {
 		struct pod_settings *pod;
 
-		if (!host_socket(skb))
+		if (!node_syn(skb))
 			return TC_ACT_UNSPEC;
 		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
-		if (!pod || (skb->mark & mark_mask) == tunnel_mark) {
+		if (!pod) {
 			/* a connection the node opens untranslated stays so:
 			 * an entry an earlier probe left for its tuple would
 			 * translate its later packets */
 			bpf_map_delete_elem(&rd_probe_nat, &key);
-			if (pod)
-				count(pod->pod_id, CNT_TUNNEL_MARKED);
+			return TC_ACT_UNSPEC;
+		}
+		/* A copy a bridge flooded to another pod's port: the copy on
+		 * the pod's own veth is the one translated. */
+		if (!own_veth(skb, pod->pod_id))
+			return TC_ACT_UNSPEC;
+		if ((skb->mark & mark_mask) == tunnel_mark) {
+			bpf_map_delete_elem(&rd_probe_nat, &key);
+			count(pod->pod_id, CNT_TUNNEL_MARKED);
 			return TC_ACT_UNSPEC;
 		}
 		ent.pod_id = pod->pod_id;
@@ -216,6 +246,9 @@ int rd_host_egress(struct __sk_buff *skb)
 			count_reason(REASON_DROP_PROBE_SPOOFED);
 			return TC_ACT_SHOT;
 		}
+		/* a copy flooded to another pod's port */
+		if (e->ifindex != skb->ifindex)
+			return TC_ACT_UNSPEC;
 		ent = *e;
 	}
 

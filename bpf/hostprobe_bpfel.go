@@ -54,6 +54,7 @@ const (
 	HostProbeMapRdPods         = "rd_pods"
 	HostProbeMapRdProbeNat     = "rd_probe_nat"
 	HostProbeMapRdProbeStats   = "rd_probe_stats"
+	HostProbeMapRdProbeVeths   = "rd_probe_veths"
 	HostProbeMapRdReasons      = "rd_reasons"
 	HostProbeProgRdHostEgress  = "rd_host_egress"
 	HostProbeProgRdHostIngress = "rd_host_ingress"
@@ -116,6 +117,7 @@ type HostProbeMapSpecs struct {
 	RdPods       *ebpf.MapSpec `ebpf:"rd_pods"`
 	RdProbeNat   *ebpf.MapSpec `ebpf:"rd_probe_nat"`
 	RdProbeStats *ebpf.MapSpec `ebpf:"rd_probe_stats"`
+	RdProbeVeths *ebpf.MapSpec `ebpf:"rd_probe_veths"`
 	RdReasons    *ebpf.MapSpec `ebpf:"rd_reasons"`
 }
 
@@ -152,6 +154,7 @@ type HostProbeMaps struct {
 	RdPods       *ebpf.Map `ebpf:"rd_pods"`
 	RdProbeNat   *ebpf.Map `ebpf:"rd_probe_nat"`
 	RdProbeStats *ebpf.Map `ebpf:"rd_probe_stats"`
+	RdProbeVeths *ebpf.Map `ebpf:"rd_probe_veths"`
 	RdReasons    *ebpf.Map `ebpf:"rd_reasons"`
 }
 
@@ -160,6 +163,7 @@ func (m *HostProbeMaps) Close() error {
 		m.RdPods,
 		m.RdProbeNat,
 		m.RdProbeStats,
+		m.RdProbeVeths,
 		m.RdReasons,
 	)
 }

@@ -48,3 +48,16 @@ struct {
 	__type(value, struct snat_counters);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
 } rd_probe_stats SEC(".maps");
+
+/* Host veth ifindex -> the pod id attached there. Written by pkg/probe when it
+ * attaches to the pod's host veth, deleted on detach, rebuilt from the pinned
+ * links at load. A SYN starts SNAT only on its destination pod's own veth:
+ * a bridge that forgot where the pod is floods the node's SYN to every port,
+ * and only one copy is the pod's. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, __u32);
+	__uint(pinning, LIBBPF_PIN_BY_NAME);
+} rd_probe_veths SEC(".maps");

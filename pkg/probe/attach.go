@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
@@ -54,6 +55,9 @@ func (a *Attacher) AttachHost(podID uint32, hostIfindex int) error {
 	defer a.mu.Unlock()
 	existed := a.pinned(podID)
 	err := a.createCounters(podID)
+	if err == nil {
+		err = a.recordVeth(podID, hostIfindex)
+	}
 	for _, d := range directions {
 		if err == nil {
 			err = a.attachTCX(podID, hostIfindex, d)
@@ -69,7 +73,8 @@ func (a *Attacher) AttachHost(podID uint32, hostIfindex int) error {
 }
 
 // DetachHost stops SNAT for pod podID: it unpins its host links (the kernel
-// detaches them), deletes its counters and forgets its NAT entries. Detaching
+// detaches them), deletes its counters and veth record and forgets its NAT
+// entries. Detaching
 // a pod that is not attached, or whose veth is gone, is not an error.
 func (a *Attacher) DetachHost(podID uint32) error {
 	a.mu.Lock()
@@ -86,7 +91,7 @@ func (a *Attacher) detach(podID uint32) error {
 		errs = append(errs, a.detachTCX(podID, d))
 	}
 	removeIfEmpty(a.podDir(podID))
-	errs = append(errs, ignoreMissing(a.objs.RdProbeStats.Delete(podID)), a.forgetNAT(podID))
+	errs = append(errs, ignoreMissing(a.objs.RdProbeStats.Delete(podID)), a.forgetVeths(podID, 0), a.forgetNAT(podID))
 	return errors.Join(errs...)
 }
 
@@ -121,8 +126,10 @@ func (a *Attacher) detachTCX(podID uint32, d direction) error {
 
 // upgradePinnedLinks points every pinned host link at the programs just
 // loaded. Failures are logged: the link keeps its old program, and the
-// caller's next AttachHost replaces a broken one.
-func (a *Attacher) upgradePinnedLinks(ctx context.Context) {
+// caller's next AttachHost replaces a broken one. It returns the pods whose
+// egress link it upgraded, by the ifindex of their host veth.
+func (a *Attacher) upgradePinnedLinks(ctx context.Context) map[uint32]uint32 {
+	veths := make(map[uint32]uint32)
 	for _, d := range directions {
 		pins, _ := filepath.Glob(filepath.Join(a.cfg.PinRoot, "pods", "*", string(d)))
 		for _, p := range pins {
@@ -130,11 +137,93 @@ func (a *Attacher) upgradePinnedLinks(ctx context.Context) {
 			if _, err := fmt.Sscan(filepath.Base(filepath.Dir(p)), &id); err != nil {
 				continue
 			}
-			if err := a.updatePinnedLink(id, d); err != nil {
+			lk, err := pin.UpdateTCXHeld(a.linkPin(id, d), a.program(d), d.attachType())
+			if err != nil {
 				a.log.WarnContext(ctx, "keep old program on pinned host link", "pod", id, "direction", d, "error", err)
+				continue
 			}
+			if d == egress {
+				if ifindex, err := tcxIfindex(lk); err == nil && ifindex > 0 {
+					veths[ifindex] = id
+				}
+			}
+			lk.Close()
 		}
 	}
+	return veths
+}
+
+func tcxIfindex(lk link.Link) (uint32, error) {
+	info, err := lk.Info()
+	if err != nil {
+		return 0, err
+	}
+	tcx := info.TCX()
+	if tcx == nil {
+		return 0, fmt.Errorf("link %d is no tcx link", info.ID)
+	}
+	return tcx.Ifindex, nil
+}
+
+// recordVeth tells the egress program that hostIfindex is pod podID's host
+// veth, the one veth by which a SYN to the pod starts SNAT (a bridge may
+// flood the node's SYN to every pod's veth), and forgets any other veth
+// recorded for the pod.
+func (a *Attacher) recordVeth(podID uint32, hostIfindex int) error {
+	if err := a.forgetVeths(podID, uint32(hostIfindex)); err != nil {
+		return err
+	}
+	if err := a.objs.RdProbeVeths.Put(uint32(hostIfindex), podID); err != nil {
+		return fmt.Errorf("record host veth in %s: %w", VethsMapName, err)
+	}
+	return nil
+}
+
+// forgetVeths deletes the veth records of pod podID, except that of ifindex
+// keep (0: none kept).
+func (a *Attacher) forgetVeths(podID, keep uint32) error {
+	var ifindex, owner uint32
+	var stale []uint32
+	it := a.objs.RdProbeVeths.Iterate()
+	for it.Next(&ifindex, &owner) {
+		if owner == podID && ifindex != keep {
+			stale = append(stale, ifindex)
+		}
+	}
+	err := it.Err()
+	if err != nil {
+		err = fmt.Errorf("iterate %s: %w", VethsMapName, err)
+	}
+	for _, i := range stale {
+		err = errors.Join(err, ignoreMissing(a.objs.RdProbeVeths.Delete(i)))
+	}
+	return err
+}
+
+// syncVeths makes the veth map hold exactly veths (ifindex -> pod id): the
+// pods whose pinned links this load found, so that after an upgrade (an
+// older agent wrote no such map) or a pod detached while no agent ran, the
+// egress program knows every pod's veth and no departed pod's.
+func (a *Attacher) syncVeths(veths map[uint32]uint32) error {
+	var ifindex, owner uint32
+	var stale []uint32
+	it := a.objs.RdProbeVeths.Iterate()
+	for it.Next(&ifindex, &owner) {
+		if want, ok := veths[ifindex]; !ok || want != owner {
+			stale = append(stale, ifindex)
+		}
+	}
+	err := it.Err()
+	for _, i := range stale {
+		err = errors.Join(err, ignoreMissing(a.objs.RdProbeVeths.Delete(i)))
+	}
+	for i, id := range veths {
+		err = errors.Join(err, a.objs.RdProbeVeths.Put(i, id))
+	}
+	if err != nil {
+		return fmt.Errorf("rebuild %s from the pinned host links: %w", VethsMapName, err)
+	}
+	return nil
 }
 
 // HostPeerIndex returns the ifindex, in the calling thread's network

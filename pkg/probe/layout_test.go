@@ -33,6 +33,7 @@ func TestLayoutMatchesELF(t *testing.T) {
 		bpf.HostProbeMapRdPods:    {ebpf.Hash, bpf.CapturePodAddr{}, bpf.CapturePodSettings{}},
 		NATMapName:                {ebpf.LRUHash, bpf.HostProbeNatKey{}, bpf.HostProbeNatEntry{}},
 		StatsMapName:              {ebpf.PerCPUHash, uint32(0), bpf.HostProbeSnatCounters{}},
+		VethsMapName:              {ebpf.Hash, uint32(0), uint32(0)},
 		bpf.HostProbeMapRdReasons: {ebpf.PerCPUArray, uint32(0), uint64(0)},
 	}
 	for name, w := range want {

@@ -22,6 +22,7 @@ import (
 const (
 	NATMapName   = bpf.HostProbeMapRdProbeNat
 	StatsMapName = bpf.HostProbeMapRdProbeStats
+	VethsMapName = bpf.HostProbeMapRdProbeVeths
 )
 
 // Defaults of the Config fields left zero.
@@ -146,7 +147,10 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 		}
 		return nil, fmt.Errorf("load host probe programs (pin root %s): %w", cfg.PinRoot, err)
 	}
-	a.upgradePinnedLinks(ctx)
+	if err := a.syncVeths(a.upgradePinnedLinks(ctx)); err != nil {
+		a.objs.Close()
+		return nil, err
+	}
 	return a, nil
 }
 
@@ -183,7 +187,7 @@ func (a *Attacher) Close() error {
 func (a *Attacher) PinRoot() string { return a.cfg.PinRoot }
 
 // Uninstall removes what this package pinned under root: every host link
-// (which detaches it) and the NAT and counter maps. It leaves rd_pods, the
+// (which detaches it) and the NAT, counter and veth maps. It leaves rd_pods, the
 // pin root and the pod-side pins to the loader, so call it before
 // loader.Uninstall, which removes the then empty root.
 func Uninstall(root string) error {
@@ -199,7 +203,7 @@ func Uninstall(root string) error {
 		}
 		removeIfEmpty(filepath.Dir(p))
 	}
-	for _, name := range []string{NATMapName, StatsMapName} {
+	for _, name := range []string{NATMapName, StatsMapName, VethsMapName} {
 		if err := os.Remove(filepath.Join(root, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("unpin %s: %w", name, err))
 		}

@@ -53,11 +53,12 @@ func (a *Attacher) Counters(podID uint32) (c Counters, ok bool, err error) {
 }
 
 // NATEntry is one SNATed connection: the pod's end, the node's end before
-// SNAT, and the pod it belongs to.
+// SNAT, the pod it belongs to and the host veth (ifindex) its SYN left by.
 type NATEntry struct {
-	Pod   netip.AddrPort
-	Node  netip.AddrPort
-	PodID uint32
+	Pod         netip.AddrPort
+	Node        netip.AddrPort
+	PodID       uint32
+	HostIfindex uint32
 }
 
 // NAT lists the probe connections the NAT map remembers.
@@ -65,9 +66,10 @@ func (a *Attacher) NAT() ([]NATEntry, error) {
 	var out []NATEntry
 	err := a.eachNAT(func(k bpf.HostProbeNatKey, v bpf.HostProbeNatEntry) {
 		out = append(out, NATEntry{
-			Pod:   netip.AddrPortFrom(netip.AddrFrom16(k.Pod.Addr).Unmap(), ntohs(k.PodPort)),
-			Node:  netip.AddrPortFrom(netip.AddrFrom16(v.Node.Addr).Unmap(), ntohs(k.NodePort)),
-			PodID: v.PodId,
+			Pod:         netip.AddrPortFrom(netip.AddrFrom16(k.Pod.Addr).Unmap(), ntohs(k.PodPort)),
+			Node:        netip.AddrPortFrom(netip.AddrFrom16(v.Node.Addr).Unmap(), ntohs(k.NodePort)),
+			PodID:       v.PodId,
+			HostIfindex: v.Ifindex,
 		})
 	})
 	return out, err
