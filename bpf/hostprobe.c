@@ -103,21 +103,63 @@ static __always_inline int node_sent(struct __sk_buff *skb)
 	return ino && ino == netns_ino(skb);
 }
 
+/* node_connecting reports whether the node holds the connecting socket of
+ * this SYN's connection: a socket of its namespace in SYN_SENT from the
+ * SYN's source address and port to its destination. A SYN without a socket
+ * is the node's only if it is a copy of such a socket's SYN, which a bridge
+ * flooded. The node's kernel builds SYNs without a socket for others too:
+ * netfilter's SYNPROXY (iptables or nftables) answers a remote client's
+ * handshake itself, then opens the connection to the pod for it in a fresh
+ * packet with the client's source, sent with neither a socket nor an
+ * ingress device. The lookup is the one for the pod's answer (from the pod
+ * to the node's socket), so it finds the node's socket only: like Istio's
+ * --socket-exists, and unlike it per packet, a node connection whose SYN the
+ * node's own netfilter rewrote on the way out (a Service address DNATed in
+ * OUTPUT) has no socket of the packet's tuple, so a flooded copy of it is
+ * not translated; its copy with the socket, on a bridge that knows the
+ * pod, is. */
+static __always_inline int node_connecting(struct __sk_buff *skb, const struct host_pkt *p)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	int ok;
+
+	if (p->v6) {
+		__builtin_memcpy(t.ipv6.saddr, p->dst.addr, 16);
+		__builtin_memcpy(t.ipv6.daddr, p->src.addr, 16);
+		t.ipv6.sport = p->dport;
+		t.ipv6.dport = p->sport;
+		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	} else {
+		__builtin_memcpy(&t.ipv4.saddr, &p->dst.addr[12], 4);
+		__builtin_memcpy(&t.ipv4.daddr, &p->src.addr[12], 4);
+		t.ipv4.sport = p->dport;
+		t.ipv4.dport = p->sport;
+		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	}
+	if (!sk)
+		return 0;
+	ok = sk->state == BPF_TCP_SYN_SENT;
+	bpf_sk_release(sk);
+	return ok;
+}
+
 /* node_syn reports whether the node's stack sent this SYN (node_sent): from
- * a full socket of the node's namespace, or from none at all. A SYN without
- * a socket is a copy a bridge flooded: the bridge clones the node's packet
- * for every port but one, and a clone carries no socket. Nothing else
- * reaches a veth with neither an ingress device nor a socket: packets of
- * pods and other nodes were received on a device, and a tc redirect keeps
- * that ingress ifindex; the node's refragmenting of a forwarded packet
- * makes fragments, which parse_host_pkt refuses. */
-static __always_inline int node_syn(struct __sk_buff *skb)
+ * a full socket of the node's namespace, or, without a socket, as the copy
+ * of such a socket's SYN that a bridge flooded (the bridge clones the node's
+ * packet for every port but one, and a clone carries no socket) while that
+ * socket is still connecting (node_connecting). Packets of pods and other
+ * nodes were received on a device, and a tc redirect keeps that ingress
+ * ifindex; the node's refragmenting of a forwarded packet makes fragments,
+ * which parse_host_pkt refuses; a SYN netfilter builds for a remote client
+ * (SYNPROXY) has no socket of its tuple on the node. */
+static __always_inline int node_syn(struct __sk_buff *skb, const struct host_pkt *p)
 {
 	struct bpf_sock *sk = skb->sk;
 
-	if (sk && !bpf_sk_fullsock(sk))
-		return 0;
-	return node_sent(skb);
+	if (sk)
+		return bpf_sk_fullsock(sk) && node_sent(skb);
+	return node_sent(skb) && node_connecting(skb, p);
 }
 
 /* own_veth reports whether the packet leaves by the host veth of pod_id, the
@@ -156,7 +198,8 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *   TC_ACT_UNSPEC  (tcx next) always when the packet is fine, rewritten or
  *                  not, so programs attached after this one still run:
  *     - a SYN without ACK that the node sent (node_syn: from a full
- *       socket of its namespace, or a bridge's flooded copy without one),
+ *       socket of its namespace, or a bridge's flooded copy without one
+ *       while that socket is connecting),
  *       without the tunnel mark, to an enrolled pod address (rd_pods),
  *       leaving by that pod's own host veth (rd_probe_veths), gets an
  *       rd_probe_nat entry and its source rewritten to the SNAT address;
@@ -171,7 +214,9 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *       socket of the node's namespace and an ingress device: other pods,
  *       whether routed or bridged, other nodes), the copies of a node
  *       packet that a bridge which forgot where the pod is floods to the
- *       other pods' veths, tunnel-marked sockets, connections
+ *       other pods' veths, SYNs the node's netfilter builds for a remote
+ *       client (SYNPROXY: no socket of the node has their tuple),
+ *       tunnel-marked sockets, connections
  *       the pod opened to the node (the node answers with SYN-ACK, which
  *       never creates an entry), unenrolled pods, IPv6 extension headers;
  *   TC_ACT_SHOT    a packet of any protocol to an enrolled pod whose source
@@ -206,7 +251,7 @@ int rd_host_egress(struct __sk_buff *skb)
 	if (p.syn && !p.ack) {
 		struct pod_settings *pod;
 
-		if (!node_syn(skb))
+		if (!node_syn(skb, &p))
 			return TC_ACT_UNSPEC;
 		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
 		if (!pod) {
