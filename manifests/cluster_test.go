@@ -23,7 +23,6 @@ import (
 	"k8s.io/client-go/rest"
 	"sigs.k8s.io/yaml"
 
-	"github.com/redirector-mesh/redirector/pkg/source"
 	k8ssource "github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -183,6 +182,32 @@ func installAsAgent(t *testing.T, opts renderOpts) (*kubetest.Cluster, kubernete
 	return c, client, r, asAgent
 }
 
+// firstUpdate runs run until its first update and returns it. A run that stops, or no update
+// before ctx ends, fails t: as the agent, that is an informer its RBAC does not let list or
+// watch.
+func firstUpdate[T any](ctx context.Context, t *testing.T, what string, run func(context.Context, func(T)) error) T {
+	t.Helper()
+	first := make(chan T, 1)
+	runErr := make(chan error, 1)
+	go func() {
+		runErr <- run(ctx, func(v T) {
+			select {
+			case first <- v:
+			default:
+			}
+		})
+	}()
+	select {
+	case v := <-first:
+		return v
+	case err := <-runErr:
+		t.Fatalf("%s: the watch stopped as the agent: %v", what, err)
+	case <-ctx.Done():
+		t.Fatalf("no %s as the agent: its informers cannot list or watch something (RBAC?)", what)
+	}
+	panic("unreachable")
+}
+
 // TestRBACIsEnoughForTheAgent installs the chart, then runs the agent's Kubernetes source and
 // pod annotator as the chart's ServiceAccount: a missing rule would stall the source's
 // informers or fail the patch. Requests beyond the chart's rules must be forbidden.
@@ -195,26 +220,10 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := make(chan source.Snapshot, 1)
-	runErr := make(chan error, 1)
-	go func() {
-		runErr <- src.Run(ctx, func(s source.Snapshot) {
-			select {
-			case first <- s:
-			default:
-			}
-		})
-	}()
-	select {
-	case s := <-first:
-		if !slices.ContainsFunc(s.Workloads, func(w *workload.Workload) bool { return w.Name == "web" }) ||
-			len(s.PeerAuthentications) != 1 || s.PeerAuthentications[0].Name != "default" {
-			t.Errorf("first snapshot as the agent: workloads %d, PeerAuthentications %v", len(s.Workloads), s.PeerAuthentications)
-		}
-	case err := <-runErr:
-		t.Fatalf("the source stopped as the agent: %v", err)
-	case <-ctx.Done():
-		t.Fatal("no snapshot as the agent: its informers cannot list or watch something (RBAC?)")
+	s := firstUpdate(ctx, t, "source snapshot", src.Run)
+	if !slices.ContainsFunc(s.Workloads, func(w *workload.Workload) bool { return w.Name == "web" }) ||
+		len(s.PeerAuthentications) != 1 || s.PeerAuthentications[0].Name != "default" {
+		t.Errorf("first snapshot as the agent: workloads %d, PeerAuthentications %v", len(s.Workloads), s.PeerAuthentications)
 	}
 
 	annotator, err := k8ssource.NewAnnotator(asAgent)
@@ -310,25 +319,8 @@ func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	first := make(chan nodepods.State, 1)
-	runErr := make(chan error, 1)
-	go func() {
-		runErr <- w.Run(ctx, func(s nodepods.State) {
-			select {
-			case first <- s:
-			default:
-			}
-		})
-	}()
-	select {
-	case s := <-first:
-		if !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) {
-			t.Errorf("first node-pod state as the agent has no pod web: %d pods", len(s.Pods))
-		}
-	case err := <-runErr:
-		t.Fatalf("the node-pod watch stopped as the agent: %v", err)
-	case <-ctx.Done():
-		t.Fatal("no node-pod state as the agent: its informers cannot list or watch something (RBAC?)")
+	if s := firstUpdate(ctx, t, "node-pod state", w.Run); !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) {
+		t.Errorf("first node-pod state as the agent has no pod web: %d pods", len(s.Pods))
 	}
 	annotator, err := k8ssource.NewAnnotator(asAgent)
 	if err != nil {
