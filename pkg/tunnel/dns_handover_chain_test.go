@@ -19,7 +19,7 @@ func TestDNSHandoverTwoUpgradesInARow(t *testing.T) {
 	if got := handoverCount(b, handoverTaken); got != 2 {
 		t.Fatalf("B took %v, want 2", got)
 	}
-	ia := udpSocketInode(t, aPod.dnsSocket())
+	ia := socketInode(t, aPod.dnsSocket())
 	_ = aStop()
 	dctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
@@ -31,7 +31,7 @@ func TestDNSHandoverTwoUpgradesInARow(t *testing.T) {
 	if got := handoverCount(c, handoverTaken); got != 2 {
 		t.Fatalf("C took %v, want 2; log:\n%s", got, cLog.String())
 	}
-	ib, ic := udpSocketInode(t, bPod.dnsSocket()), udpSocketInode(t, cPod.dnsSocket())
+	ib, ic := socketInode(t, bPod.dnsSocket()), socketInode(t, cPod.dnsSocket())
 	if ia != ib || ib != ic {
 		t.Errorf("DNS socket inodes A %d, B %d, C %d: want one socket", ia, ib, ic)
 	}

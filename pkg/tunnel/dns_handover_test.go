@@ -134,22 +134,6 @@ func (p *pod) dnsSocket() *net.UDPConn {
 	return p.dns
 }
 
-// udpSocketInode is the inode of c's socket: the same in every process
-// and descriptor holding it.
-func udpSocketInode(t *testing.T, c *net.UDPConn) uint64 {
-	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var st unix.Stat_t
-	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
-		t.Fatal(err, serr)
-	}
-	return st.Ino
-}
-
 // dnsClients are the pod's resolvers: sockets on dnsPodAddr, each on a
 // port of its own (a reuseport group spreads datagrams by their ports),
 // that send queries to dnsCaptured and collect the answers by query ID.
@@ -288,7 +272,7 @@ func TestDNSHandoverKeepsQueuedQueries(t *testing.T) {
 	if got := handoverCount(next, handoverTaken); got != 2 {
 		t.Errorf("taken = %v, want 2 (the listeners, the DNS socket); log:\n%s", got, newLog.String())
 	}
-	if a, b := udpSocketInode(t, oldPod.dnsSocket()), udpSocketInode(t, newPod.dnsSocket()); a != b {
+	if a, b := socketInode(t, oldPod.dnsSocket()), socketInode(t, newPod.dnsSocket()); a != b {
 		t.Errorf("the successor's DNS socket %d is not the old agent's %d", b, a)
 	}
 	// The old agent goes (SIGTERM): it closes its descriptors.
@@ -453,7 +437,7 @@ func TestDNSHandoverFromOldRelease(t *testing.T) {
 			t.Errorf("listener %d: the successor's socket %d is not the old agent's %d", i, b, a)
 		}
 	}
-	if a, b := udpSocketInode(t, oldPod.dnsSocket()), udpSocketInode(t, newPod.dnsSocket()); a == b {
+	if a, b := socketInode(t, oldPod.dnsSocket()), socketInode(t, newPod.dnsSocket()); a == b {
 		t.Error("the successor holds the old release's DNS socket")
 	}
 	// A second pod: the old release is not asked for its DNS socket again.

@@ -64,11 +64,15 @@ func handoverCount(tun *Tunnel, result string) float64 {
 	return testutil.ToFloat64(tun.cfg.Metrics.handover.WithLabelValues(result))
 }
 
-// socketInode is the inode of the socket behind l: the same socket in two
+// socketInode is the inode of the socket behind c (a listener or a conn): the same socket in two
 // processes (or two descriptors) has the same one.
-func socketInode(t *testing.T, l net.Listener) uint64 {
+func socketInode(t *testing.T, c any) uint64 {
 	t.Helper()
-	rc, err := l.(syscall.Conn).SyscallConn()
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		t.Fatalf("%T has no socket", c)
+	}
+	rc, err := sc.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
