@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -34,18 +35,21 @@ import (
 const dnsBufSize = dnsproxy.MaxQueryLen + 1
 
 // listenDNS opens the pod's DNS socket: dual-stack when the namespace has
-// IPv6, else IPv4 only. A successor agent takes this very socket over
-// (takeDNS); SO_REUSEPORT lets one that cannot (a failed exchange, a check
-// it fails) open its own beside it while this agent still serves, and
-// this agent open its own beside a predecessor's that was not handed over
-// (a release from before). Only a process of the same user in the pod
-// could join the group, and it would get that pod's own queries.
+// IPv6, else IPv4 only. It is in no reuseport group, as the listeners
+// (handover.go): a group admits any socket of the same user, so a process
+// in the pod running as root could join it and be handed a share of its
+// own pod's captured queries, and answer them. A successor agent takes
+// this very socket over (takeDNS); one that cannot waits for the port
+// (awaitDNS).
 func (p *pod) listenDNS(ctx context.Context) (*net.UDPConn, error) {
-	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, ReusePort: true, RecvOrigDst: true}
+	opts := netns.SocketOptions{Transparent: true, Mark: p.t.cfg.TunnelMark, RecvOrigDst: true}
 	port := strconv.Itoa(int(p.t.cfg.DNSPort))
 	c, err := p.ns.ListenPacket(ctx, "udp", net.JoinHostPort("::", port), opts)
 	if err == nil {
 		return c, nil
+	}
+	if errors.Is(err, syscall.EADDRINUSE) {
+		return nil, err // held, IPv4 included (dual-stack)
 	}
 	c4, err4 := p.ns.ListenPacket(ctx, "udp4", net.JoinHostPort("0.0.0.0", port), opts)
 	if err4 != nil {
@@ -219,18 +223,29 @@ func origDst(oob []byte) (netip.AddrPort, bool) {
 // startDNS takes the pod's DNS socket from the predecessor agent, or
 // opens one, and serves it. A pod without one has its captured queries
 // dropped by the capture (no socket to assign them to): they fail, as they
-// would without a proxy listening, and never leave uncaptured.
+// would without a proxy listening, and never leave uncaptured. When
+// another process holds the port (a predecessor that did not hand the
+// socket over), the pod waits for it (awaitDNS).
 func (p *pod) startDNS() {
 	c := p.takeDNS(p.ctx)
 	if c == nil {
 		var err error
 		if c, err = p.listenDNS(p.ctx); err != nil {
-			if p.ctx.Err() == nil {
+			switch {
+			case errors.Is(err, syscall.EADDRINUSE):
+				p.awaitDNS(err)
+			case p.ctx.Err() == nil:
 				p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
 			}
 			return
 		}
 	}
+	p.serveDNSSocket(c)
+}
+
+// serveDNSSocket makes c the pod's DNS socket and serves it, unless the pod
+// is stopping.
+func (p *pod) serveDNSSocket(c *net.UDPConn) {
 	p.mu.Lock()
 	if p.stopping.Load() {
 		p.mu.Unlock()
@@ -241,6 +256,55 @@ func (p *pod) startDNS() {
 	p.wg.Add(1) // under mu: stop waits for it once it has set stopping
 	p.mu.Unlock()
 	p.serveDNS(c)
+}
+
+// awaitDNS waits for the pod's DNS port, held by another process: a
+// predecessor that did not hand its socket over (a release from before the
+// DNS hand-over, or a failed exchange). The predecessor answers the pod's
+// queries until it closes its socket on SIGTERM; binding is retried every
+// awaitPortsEvery, and the predecessor asked again at most once a second
+// (an exchange that failed once). After awaitPortsReport the wait is
+// logged as an error: something else than an agent on its way out may
+// hold the port.
+func (p *pod) awaitDNS(first error) {
+	p.t.log.Info("pod DNS port held by another process (an agent without DNS hand-over?); taking it when it lets go",
+		"uid", p.uid, "netns", p.netns, "error", first)
+	start := time.Now()
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		tick := time.NewTicker(awaitPortsEvery)
+		defer tick.Stop()
+		reported := false
+		asked := time.Now()
+		for {
+			select {
+			case <-p.ctx.Done():
+				return
+			case <-tick.C:
+			}
+			var c *net.UDPConn
+			if time.Since(asked) >= awaitPortsAsk {
+				asked = time.Now()
+				c = p.takeDNS(p.ctx)
+			}
+			var err error
+			if c == nil {
+				c, err = p.listenDNS(p.ctx)
+			}
+			if err != nil {
+				if !reported && time.Since(start) > awaitPortsReport && p.ctx.Err() == nil {
+					reported = true
+					p.t.log.Error("pod DNS port still held by another process: the pod's captured queries go to it or unanswered",
+						"uid", p.uid, "netns", p.netns, "error", err)
+				}
+				continue
+			}
+			p.serveDNSSocket(c)
+			p.t.log.Info("serving pod DNS (port taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+			return
+		}
+	}()
 }
 
 // takeDNS takes the pod's DNS socket from the predecessor agent, with the

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -11,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -94,10 +96,10 @@ func answeringUpstream(t *testing.T, ns *netns.Handle, addr, answer netip.Addr) 
 	}()
 }
 
-// dnsAgent is a tunnel answering the pod's DNS (dnsPodAddr in ns), with
+// dnsAgentServing is a tunnel answering the pod's DNS (dnsPodAddr in ns), with
 // upstream as its resolver and pred as its predecessor (nil: none); its
-// pod is served once its DNS socket is open.
-func dnsAgent(t *testing.T, ns *netns.Handle, upstream netip.Addr, pred *Predecessor, log *testLog) (*Tunnel, *pod) {
+// pod is served, its DNS socket open or awaited.
+func dnsAgentServing(t *testing.T, ns *netns.Handle, upstream netip.Addr, pred *Predecessor, log *testLog) (*Tunnel, *pod) {
 	t.Helper()
 	var tun *Tunnel
 	proxy, err := dnsproxy.New(dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(upstream, 53)}, Timeout: 2 * time.Second},
@@ -119,12 +121,14 @@ func dnsAgent(t *testing.T, ns *netns.Handle, upstream netip.Addr, pred *Predece
 	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
 		t.Fatal(err)
 	}
-	p := tun.pods["uid-client"]
-	for deadline := time.Now().Add(5 * time.Second); p.dnsSocket() == nil; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the pod's DNS socket never opened")
-		}
-	}
+	return tun, tun.pods["uid-client"]
+}
+
+// dnsAgent is dnsAgentServing, whose pod has its DNS socket open.
+func dnsAgent(t *testing.T, ns *netns.Handle, upstream netip.Addr, pred *Predecessor, log *testLog) (*Tunnel, *pod) {
+	t.Helper()
+	tun, p := dnsAgentServing(t, ns, upstream, pred, log)
+	waitDNSSocket(t, p)
 	return tun, p
 }
 
@@ -132,6 +136,81 @@ func (p *pod) dnsSocket() *net.UDPConn {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.dns
+}
+
+// waitDNSSocket waits for the pod to have a DNS socket: it opens its own
+// once the port is free (awaitDNS).
+func waitDNSSocket(t *testing.T, p *pod) *net.UDPConn {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if c := p.dnsSocket(); c != nil {
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pod has no DNS socket")
+		}
+	}
+}
+
+// checkPodCannotBindDNSPort: no process in the pod, as root (the agent's
+// own user), can bind the pod's DNS port beside the agent's socket, on any
+// address, with SO_REUSEPORT or SO_REUSEADDR. A socket that could would
+// be handed a share of the pod's captured queries (a reuseport group
+// spreads them by hash) and answer them.
+func checkPodCannotBindDNSPort(t *testing.T, ns *netns.Handle) {
+	t.Helper()
+	for _, b := range []struct{ network, addr string }{
+		{"udp", "[::]"}, {"udp6", "[::]"}, {"udp4", "0.0.0.0"}, {"udp4", dnsPodAddr.String()}, {"udp4", "127.0.0.1"}, {"udp6", "[::1]"},
+	} {
+		for _, opt := range []struct {
+			name string
+			opt  int
+		}{{"SO_REUSEPORT", unix.SO_REUSEPORT}, {"SO_REUSEADDR", unix.SO_REUSEADDR}} {
+			lc := listenConfigWith(opt.opt)
+			addr := fmt.Sprintf("%s:%d", b.addr, dnsHandoverPort)
+			var c net.PacketConn
+			err := ns.Do(func() error {
+				var err error
+				c, err = lc.ListenPacket(context.Background(), b.network, addr)
+				return err
+			})
+			if err == nil {
+				c.Close()
+				t.Errorf("a process in the pod bound %s %s with %s next to the agent's DNS socket", b.network, addr, opt.name)
+			} else if !errors.Is(err, syscall.EADDRINUSE) {
+				t.Errorf("bind %s %s with %s: %v, want EADDRINUSE", b.network, addr, opt.name, err)
+			}
+		}
+	}
+}
+
+// TestPodProcessCannotBindDNSPort: the pod's DNS socket is in no reuseport
+// group, whether the agent opened it or took it from a predecessor whose
+// socket was in one (the release of 6 December set SO_REUSEPORT so that
+// a successor could open its own beside it). Before, a process in the pod
+// running as root joined the group and was handed a share of the pod's
+// own captured queries.
+func TestPodProcessCannotBindDNSPort(t *testing.T) {
+	t.Run("opened", func(t *testing.T) {
+		ns := dnsPodNS(t)
+		_, p := dnsAgent(t, ns, dnsOldUpstream, nil, nil)
+		waitDNSSocket(t, p)
+		checkPodCannotBindDNSPort(t, ns)
+	})
+	t.Run("taken from a reuseport group", func(t *testing.T) {
+		ns := dnsPodNS(t)
+		grouped := netns.SocketOptions{Transparent: true, Mark: testMark, ReusePort: true, RecvOrigDst: true}
+		pred := mustPredecessor(t, dnsFakePredecessor(t, `{"ports":[15053]}`, func() int {
+			return dnsSocketFD(t, ns, "udp", "[::]:15053", grouped, netip.AddrPort{})
+		}))
+		log := newTestLog()
+		tun, p := dnsAgent(t, ns, dnsOldUpstream, pred, log)
+		if got := handoverCount(tun, handoverTaken); got != 1 {
+			t.Fatalf("taken = %v, want 1 (the DNS socket); log:\n%s", got, log.String())
+		}
+		waitDNSSocket(t, p)
+		checkPodCannotBindDNSPort(t, ns)
+	})
 }
 
 // dnsClients are the pod's resolvers: sockets on dnsPodAddr, each on a
@@ -414,18 +493,19 @@ func oldReleaseHandover(t *testing.T, sock string) (string, func() int) {
 
 // TestDNSHandoverFromOldRelease: a predecessor from before the DNS
 // hand-over refuses the request for a DNS socket; it still hands the
-// listeners over, the successor opens a DNS socket of its own beside the
-// old one's, as before, asks for no other pod's, and the pod's queries are
-// answered throughout. And a predecessor that serves the pod without a DNS
+// listeners over, the successor asks for no other pod's DNS socket, and
+// waits for the old agent's to close before it opens its own (no reuseport
+// group to share): the pod's queries are answered throughout, by the old
+// agent and then by the successor. And a predecessor that serves the pod without a DNS
 // socket (its node answers no DNS) has none to give.
 func TestDNSHandoverFromOldRelease(t *testing.T) {
 	ns := dnsPodNS(t)
 	captureDNS(t, ns)
 	log := newTestLog()
 	old, oldPod := dnsAgent(t, ns, dnsOldUpstream, nil, nil)
-	sock, _ := serveHandover(t, old)
+	sock, stop := serveHandover(t, old)
 	front, refused := oldReleaseHandover(t, sock)
-	next, newPod := dnsAgent(t, ns, dnsNewUpstream, mustPredecessor(t, front), log)
+	next, newPod := dnsAgentServing(t, ns, dnsNewUpstream, mustPredecessor(t, front), log)
 	if got := handoverCount(next, handoverTaken); got != 1 {
 		t.Errorf("taken = %v, want 1 (the listeners); log:\n%s", got, log.String())
 	}
@@ -437,8 +517,8 @@ func TestDNSHandoverFromOldRelease(t *testing.T) {
 			t.Errorf("listener %d: the successor's socket %d is not the old agent's %d", i, b, a)
 		}
 	}
-	if a, b := socketInode(t, oldPod.dnsSocket()), socketInode(t, newPod.dnsSocket()); a == b {
-		t.Error("the successor holds the old release's DNS socket")
+	if newPod.dnsSocket() != nil {
+		t.Error("the successor opened a DNS socket while the old release's holds the port")
 	}
 	// A second pod: the old release is not asked for its DNS socket again.
 	other := podNS(t)
@@ -458,8 +538,23 @@ func TestDNSHandoverFromOldRelease(t *testing.T) {
 	for range 32 {
 		clients.send()
 	}
-	if missing, _, by := clients.result(3 * time.Second); missing != 0 {
-		t.Errorf("%d of 32 queries unanswered with both agents' sockets in the group (answers %v)", missing, by)
+	if missing, _, by := clients.result(3 * time.Second); missing != 0 || by[dnsOldAnswer] != 32 {
+		t.Errorf("%d of 32 queries unanswered while the old release holds the port; answers %v, want all the old agent's", missing, by)
+	}
+	// The old agent goes (SIGTERM): the successor takes the port.
+	if err := stop(); err != nil {
+		t.Error(err)
+	}
+	dctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	old.Drain(dctx, nil)
+	waitDNSSocket(t, newPod)
+	after := newDNSClients(t, ns, 16)
+	for range 32 {
+		after.send()
+	}
+	if missing, _, by := after.result(3 * time.Second); missing != 0 || by[dnsNewAnswer] != 32 {
+		t.Errorf("%d of 32 queries unanswered once the old agent went; answers %v, want all the successor's; log:\n%s", missing, by, log.String())
 	}
 
 	// An agent serving the pod with no DNS socket: nothing to take.
@@ -583,8 +678,8 @@ func dnsSocketFD(t *testing.T, ns *netns.Handle, network, addr string, opts netn
 // TestDNSHandoverRefusesForeignSockets: the DNS socket a predecessor hands
 // over is checked as the listeners are: a TCP socket, one on another port
 // or address, in another namespace, without the tunnel mark, without the
-// original destination the reader needs, not transparent, outside the
-// reuseport group, connected, or IPv6 only: each is refused (counted,
+// original destination the reader needs, not transparent, connected, or
+// IPv6 only: each is refused (counted,
 // logged, closed) and the pod opens its own DNS socket. Before, nothing
 // was handed over and nothing checked; a successor taking any socket it
 // was given would have served a pod through a socket the capture skips,
@@ -592,7 +687,7 @@ func dnsSocketFD(t *testing.T, ns *netns.Handle, network, addr string, opts netn
 func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 	pod := dnsPodNS(t)
 	elsewhere := dnsPodNS(t)
-	good := netns.SocketOptions{Transparent: true, Mark: testMark, ReusePort: true, RecvOrigDst: true}
+	good := netns.SocketOptions{Transparent: true, Mark: testMark, RecvOrigDst: true}
 	without := func(f func(o *netns.SocketOptions)) netns.SocketOptions { o := good; f(&o); return o }
 	udp := func(ns *netns.Handle, network, addr string, opts netns.SocketOptions) func() int {
 		return func() int { return dnsSocketFD(t, ns, network, addr, opts, netip.AddrPort{}) }
@@ -615,8 +710,6 @@ func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 			"RECVORIGDSTADDR is 0"},
 		"not transparent": {answer, udp(pod, "udp4", "0.0.0.0:15053", without(func(o *netns.SocketOptions) { o.Transparent = false })),
 			"IP_TRANSPARENT is 0"},
-		"no SO_REUSEPORT": {answer, udp(pod, "udp", "[::]:15053", without(func(o *netns.SocketOptions) { o.ReusePort = false })),
-			"SO_REUSEPORT is 0"},
 		"connected": {answer, func() int {
 			return dnsSocketFD(t, pod, "udp4", "0.0.0.0:15053", good, netip.AddrPortFrom(dnsPodAddr, 9))
 		}, "connected"},
@@ -636,7 +729,7 @@ func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 			if !strings.Contains(log.String(), c.want) {
 				t.Errorf("log lacks %q:\n%s", c.want, log.String())
 			}
-			if got := p.dnsSocket().LocalAddr().String(); got != "[::]:15053" {
+			if got := waitDNSSocket(t, p).LocalAddr().String(); got != "[::]:15053" {
 				t.Errorf("the pod's DNS socket is on %s, want its own on [::]:15053", got)
 			}
 			// The pod's own listeners, DNS socket and namespace handle are

@@ -54,15 +54,16 @@ import (
 //
 // A pod's DNS socket (dns.go) passes the same way, in a request of its own
 // right after the listeners': its queue, with the queries the capture
-// assigned to it, goes on with it, where a socket of the successor's own
-// beside it (SO_REUSEPORT) would leave the queries queued on the old one
-// to be lost when the old agent closes it. Both agents read it until the
-// old one closes its descriptor: a datagram is dequeued by one reader,
-// which answers it in full (and a stopping pod waits for its answers),
-// as either agent accepts a connection and serves it. An agent from before
-// refuses the DNS request (an unknown field): the successor then asks it
-// no more and opens its own DNS socket beside the old one's, as before;
-// the listeners' request is unchanged.
+// assigned to it, goes on with it. Both agents read it until the old one
+// closes its descriptor: a datagram is dequeued by one reader, which
+// answers it in full (and a stopping pod waits for its answers), as either
+// agent accepts a connection and serves it. Like the listeners, the DNS
+// socket is in no reuseport group. An agent from before refuses the DNS
+// request (an unknown field): the successor then asks it no more and waits
+// for the old agent to close its DNS socket (awaitDNS), which answers the
+// pod's queries meanwhile; the listeners' request is unchanged. A socket
+// handed over by a release whose DNS socket was in a reuseport group
+// (6 December) leaves it on taking: no other socket can join it then.
 
 // handoverRequest asks for the listeners of the pod in one network
 // namespace.
@@ -537,6 +538,11 @@ func (pr *Predecessor) takeDNS(ctx context.Context, ino uint64, port uint16, mar
 	if err := checkHandedDNSSocket(fds[0], ino, port, mark); err != nil {
 		return nil, fmt.Errorf("hand-over socket %s: DNS socket: %w", pr.path, err)
 	}
+	// Bound already, it stays where it is; with the flag off, a bind of
+	// another socket to the port fails, reuseport or not.
+	if err := unix.SetsockoptInt(fds[0], unix.SOL_SOCKET, unix.SO_REUSEPORT, 0); err != nil {
+		return nil, fmt.Errorf("hand-over socket %s: DNS socket: clear SO_REUSEPORT: %w", pr.path, err)
+	}
 	c, err := net.FilePacketConn(f)
 	if err != nil {
 		return nil, fmt.Errorf("hand-over socket %s: DNS socket: %w", pr.path, err)
@@ -553,15 +559,14 @@ func (pr *Predecessor) takeDNS(ctx context.Context, ino uint64, port uint16, mar
 // opens it: an unconnected UDP socket in the network namespace with inode
 // ino, bound to port on the wildcard address (dual-stack if IPv6) and to no
 // device, carrying the tunnel mark (the capture assigns queries only to
-// such a socket), transparent, in the port's reuseport group (a successor
-// that cannot take it over opens its own beside it), and asking for each
-// datagram's original destination (without it the reader answers nothing).
+// such a socket), transparent, and asking for each datagram's original
+// destination (without it the reader answers nothing). SO_REUSEPORT may be
+// set (a release of 6 December set it): takeDNS clears it.
 func checkHandedDNSSocket(fd int, ino uint64, port uint16, mark uint32) error {
 	for _, o := range []sockOptWant{
 		{unix.SOL_SOCKET, unix.SO_TYPE, unix.SOCK_DGRAM, "SO_TYPE"},
 		{unix.SOL_SOCKET, unix.SO_PROTOCOL, unix.IPPROTO_UDP, "SO_PROTOCOL (UDP)"},
 		{unix.SOL_SOCKET, unix.SO_MARK, int(mark), "SO_MARK (the tunnel mark)"},
-		{unix.SOL_SOCKET, unix.SO_REUSEPORT, 1, "SO_REUSEPORT"},
 		{unix.SOL_SOCKET, unix.SO_BINDTOIFINDEX, 0, "SO_BINDTOIFINDEX (bound to a device)"},
 	} {
 		if err := o.check(fd); err != nil {

@@ -368,13 +368,7 @@ func TestPodProcessCannotBindTunnelPorts(t *testing.T) {
 				name string
 				opt  int
 			}{{"SO_REUSEPORT", unix.SO_REUSEPORT}, {"SO_REUSEADDR", unix.SO_REUSEADDR}} {
-				lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
-					var serr error
-					if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, opt.opt, 1) }); err != nil {
-						return err
-					}
-					return serr
-				}}
+				lc := listenConfigWith(opt.opt)
 				var l net.Listener
 				err := netns.Do(ns, func() error {
 					var err error
@@ -390,6 +384,18 @@ func TestPodProcessCannotBindTunnelPorts(t *testing.T) {
 			}
 		}
 	}
+}
+
+// listenConfigWith sets the socket option opt (SO_REUSEPORT,
+// SO_REUSEADDR) before binding, as a process sharing a port would.
+func listenConfigWith(opt int) net.ListenConfig {
+	return net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, opt, 1) }); err != nil {
+			return err
+		}
+		return serr
+	}}
 }
 
 // fakePredecessor serves a hand-over socket that answers every request

@@ -142,9 +142,9 @@ func (t *Tunnel) startPod(ctx context.Context, uid, path string, addrs []netip.A
 		return nil, err
 	}
 	if t.cfg.DNS != nil {
-		// The DNS socket takes none of the listeners' ports (it joins a
-		// predecessor's in SO_REUSEPORT): it opens now, even while another
-		// process holds those.
+		// The DNS socket takes none of the listeners' ports: it opens (or
+		// waits for its own port) now, even while another process holds
+		// those.
 		p.startDNS()
 	}
 	if err != nil {
