@@ -260,51 +260,33 @@ func (p *pod) serveDNSSocket(c *net.UDPConn) {
 
 // awaitDNS waits for the pod's DNS port, held by another process: a
 // predecessor that did not hand its socket over (a release from before the
-// DNS hand-over, or a failed exchange). The predecessor answers the pod's
-// queries until it closes its socket on SIGTERM; binding is retried every
-// awaitPortsEvery, and the predecessor asked again at most once a second
-// (an exchange that failed once). After awaitPortsReport the wait is
-// logged as an error: something else than an agent on its way out may
-// hold the port.
+// DNS hand-over, or a failed exchange), which answers the pod's queries
+// until it closes its socket on SIGTERM. As awaitPorts: binding is retried
+// every awaitPortsEvery, the predecessor asked again at most once a
+// second, and a wait past awaitPortsReport logged as an error (something
+// else than an agent on its way out may hold the port).
 func (p *pod) awaitDNS(first error) {
 	p.t.log.Info("pod DNS port held by another process (an agent without DNS hand-over?); taking it when it lets go",
 		"uid", p.uid, "netns", p.netns, "error", first)
 	start := time.Now()
-	p.wg.Add(1)
-	go func() {
-		defer p.wg.Done()
-		tick := time.NewTicker(awaitPortsEvery)
-		defer tick.Stop()
-		reported := false
-		asked := time.Now()
-		for {
-			select {
-			case <-p.ctx.Done():
-				return
-			case <-tick.C:
-			}
-			var c *net.UDPConn
-			if time.Since(asked) >= awaitPortsAsk {
-				asked = time.Now()
-				c = p.takeDNS(p.ctx)
-			}
-			var err error
-			if c == nil {
-				c, err = p.listenDNS(p.ctx)
-			}
-			if err != nil {
-				if !reported && time.Since(start) > awaitPortsReport && p.ctx.Err() == nil {
-					reported = true
-					p.t.log.Error("pod DNS port still held by another process: the pod's captured queries go to it or unanswered",
-						"uid", p.uid, "netns", p.netns, "error", err)
-				}
-				continue
-			}
-			p.serveDNSSocket(c)
-			p.t.log.Info("serving pod DNS (port taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
-			return
+	p.awaitFree(func(takeOver bool) error {
+		var c *net.UDPConn
+		if takeOver {
+			c = p.takeDNS(p.ctx)
 		}
-	}()
+		if c == nil {
+			var err error
+			if c, err = p.listenDNS(p.ctx); err != nil {
+				return err
+			}
+		}
+		p.serveDNSSocket(c)
+		p.t.log.Info("serving pod DNS (port taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+		return nil
+	}, func(err error) {
+		p.t.log.Error("pod DNS port still held by another process: the pod's captured queries go to it or unanswered",
+			"uid", p.uid, "netns", p.netns, "error", err)
+	})
 }
 
 // takeDNS takes the pod's DNS socket from the predecessor agent, with the

@@ -1026,6 +1026,34 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 	p.t.log.InfoContext(ctx, "pod ports held by another process (an agent without listener hand-over?); taking them when it lets go",
 		"uid", p.uid, "netns", p.netns, "error", first)
 	start := time.Now()
+	p.awaitFree(func(takeOver bool) error {
+		lns, err := p.listen(p.ctx, takeOver)
+		if err != nil {
+			return err
+		}
+		if !p.serve(lns) {
+			return nil
+		}
+		for _, h := range p.health {
+			h.ok(time.Now())
+		}
+		p.t.log.Info("serving pod (ports taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+		return nil
+	}, func(err error) {
+		for _, h := range p.health {
+			h.fail(err, time.Now())
+		}
+		p.t.log.Error("pod ports still held by another process", "uid", p.uid, "netns", p.netns, "error", err)
+	})
+}
+
+// awaitFree calls try every awaitPortsEvery, on a goroutine counted in
+// p.wg, until it succeeds or the pod stops. takeOver is set at most once
+// every awaitPortsAsk (the first time included): the predecessor may hand
+// the sockets over after all (an exchange that failed once). Once the
+// wait passes awaitPortsReport, held is called with try's last error.
+func (p *pod) awaitFree(try func(takeOver bool) error, held func(err error)) {
+	start := time.Now()
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -1039,31 +1067,18 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 				return
 			case <-tick.C:
 			}
-			// The predecessor may hand the listeners over after all (an
-			// exchange that failed once); asked at most once a second.
 			takeOver := time.Since(asked) >= awaitPortsAsk
 			if takeOver {
 				asked = time.Now()
 			}
-			lns, err := p.listen(p.ctx, takeOver)
-			if err != nil {
-				if !reported && time.Since(start) > awaitPortsReport {
-					reported = true
-					for _, h := range p.health {
-						h.fail(err, time.Now())
-					}
-					p.t.log.Error("pod ports still held by another process", "uid", p.uid, "netns", p.netns, "error", err)
-				}
-				continue
-			}
-			if !p.serve(lns) {
+			err := try(takeOver)
+			if err == nil {
 				return
 			}
-			for _, h := range p.health {
-				h.ok(time.Now())
+			if !reported && time.Since(start) > awaitPortsReport && p.ctx.Err() == nil {
+				reported = true
+				held(err)
 			}
-			p.t.log.Info("serving pod (ports taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
-			return
 		}
 	}()
 }
