@@ -13,6 +13,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -33,6 +34,8 @@ const (
 	dataplaneMode = "istio.io/dataplane-mode"
 	// hostNetPort is where the hostNetwork pod's httpd listens in the node's namespace.
 	hostNetPort = "18080"
+	// hostProbeSNATIP is the chart's hostProbeSNAT.ipv4, Istio's default.
+	hostProbeSNATIP = "169.254.7.127"
 )
 
 // initContainerMeshed: an init container of a meshed pod reaches a STRICT server on its first
@@ -173,8 +176,8 @@ func sandboxRecreated(ctx context.Context, t *testing.T, n *Node, clientIP strin
 		t.Errorf("the recreated pod -> server: %q, %v; want the server to see %s", out, err, newIP)
 	}
 	hits, ports := s.Stop()
-	if hits != 0 || ports[15008] == 0 {
-		t.Errorf("to and from the recreated pod: plaintext frames %d, frames by port %v; want none and HBONE", hits, ports)
+	if hits != 0 || s.Frames(newIP, 15008) == 0 {
+		t.Errorf("to and from the recreated pod: plaintext frames %d, HBONE frames of %s:15008 %d (all frames by port %v); want none and HBONE", hits, newIP, s.Frames(newIP, 15008), ports)
 	}
 	if out, err := podGet(ctx, n, outsideNS, "outsider", "http://"+newIP+":8080/"); err == nil {
 		t.Errorf("plaintext from outside the mesh reached the recreated pod under STRICT: %q", out)
@@ -311,8 +314,8 @@ func checkMeshed(ctx context.Context, t *testing.T, n *Node, ns, pod, serverIP, 
 	if err != nil || remoteAddr(out) != ip || pageErr != nil || !strings.Contains(page, marker) {
 		t.Errorf("%s/%s (%s) -> the STRICT server: %q, %v; %v; want it meshed, the server seeing %s", ns, pod, when, out, err, pageErr, ip)
 	}
-	if hits != 0 || ports[15008] == 0 {
-		t.Errorf("%s/%s (%s): plaintext frames %d, frames by port %v; want none and HBONE", ns, pod, when, hits, ports)
+	if hbone := s.Frames(serverIP, 15008); hits != 0 || hbone == 0 {
+		t.Errorf("%s/%s (%s): plaintext frames %d, HBONE frames to the server %d (all frames by port %v); want none and HBONE", ns, pod, when, hits, hbone, ports)
 	}
 }
 
@@ -333,16 +336,18 @@ func checkPlain(ctx context.Context, t *testing.T, n *Node, ns, pod, serverIP, p
 	if err != nil || remoteAddr(out) != ip || pageErr != nil || !strings.Contains(page, marker) {
 		t.Errorf("%s/%s (%s) -> the server outside the mesh: %q, %v; %v", ns, pod, when, out, err, pageErr)
 	}
-	if hits == 0 || ports[15008] != 0 {
-		t.Errorf("%s/%s (%s) -> the server outside the mesh: plaintext frames %d, frames by port %v; want plaintext, no HBONE", ns, pod, when, hits, ports)
+	if hits == 0 || s.Frames(plainIP, 8080) == 0 || s.Frames(plainIP, 15008) != 0 || s.Frames(ip, 15008) != 0 {
+		t.Errorf("%s/%s (%s) -> the server outside the mesh: plaintext frames %d, frames of %s:8080 %d, of %s:15008 %d, of %s:15008 %d (all by port %v); want plaintext, no HBONE",
+			ns, pod, when, hits, plainIP, s.Frames(plainIP, 8080), plainIP, s.Frames(plainIP, 15008), ip, s.Frames(ip, 15008), ports)
 	}
 }
 
 // hostNetworkUntouched: a hostNetwork pod in a meshed namespace shares the node's network
 // namespace. It is never enrolled (no CNI ADD, no annotation, no pinned record), a meshed pod
 // reaches its server in plaintext (it is no workload of the mesh), and its own connections
-// leave with the node's address, in plaintext.
-func hostNetworkUntouched(ctx context.Context, t *testing.T, n *Node, clientIP, plainIP string) {
+// leave with the node's address, in plaintext; to a meshed pod they are the node's, as a
+// kubelet probe's (the host-probe SNAT, as Istio's).
+func hostNetworkUntouched(ctx context.Context, t *testing.T, n *Node, serverIP, clientIP, plainIP string) {
 	const name = "hostnet"
 	before, err := inspectPods(ctx, n)
 	if err != nil {
@@ -413,12 +418,26 @@ spec:
 	if err != nil || remoteAddr(out) != clientIP || pageErr != nil || !strings.Contains(page, marker) {
 		t.Errorf("meshed client -> the hostNetwork pod's server: %q, %v; %v; want it answered, seeing %s", out, err, pageErr, clientIP)
 	}
-	if hostErr != nil || remoteAddr(fromHost) != n.IP {
-		t.Errorf("the hostNetwork pod -> a server outside the mesh: %q, %v; want it answered, seeing the node's %s", fromHost, hostErr, n.IP)
+	// The node's stack sends from its address on the pods' bridge.
+	gateway := netip.MustParsePrefix(n.PodCIDR).Addr().Next().String()
+	if hostErr != nil || remoteAddr(fromHost) != gateway {
+		t.Errorf("the hostNetwork pod -> a server outside the mesh: %q, %v; want it answered, seeing the node's bridge address %s", fromHost, hostErr, gateway)
+	}
+	// To a meshed pod, a hostNetwork pod's connection is the node's own, like a kubelet
+	// probe: Istio's host-probe SNAT (istio-cni's --socket-exists rule) gives every such
+	// connection the SNAT address, which the pod lets past STRICT. Same here.
+	if out, err := podGet(ctx, n, meshNS, name, "http://"+serverIP+":8080/cgi-bin/ip"); err != nil || remoteAddr(out) != hostProbeSNATIP {
+		t.Errorf("the hostNetwork pod -> the meshed server: %q, %v; want it answered as a node probe, from %s", out, err, hostProbeSNATIP)
 	}
 	t.Logf("hostNetwork pod's traffic: plaintext frames %d, frames by port %v", hits, ports)
-	if hits == 0 || ports[15008] != 0 {
-		t.Errorf("plaintext frames %d, frames by port %v: want the hostNetwork pod's traffic in plaintext, no HBONE", hits, ports)
+	if hits == 0 || s.Frames(n.IP, 18080) == 0 || s.Frames(plainIP, 8080) == 0 {
+		t.Errorf("plaintext frames %d, frames of the hostNetwork server %d, of the plain server %d: want both connections on the wire in plaintext",
+			hits, s.Frames(n.IP, 18080), s.Frames(plainIP, 8080))
+	}
+	for _, a := range []string{n.IP, gateway, plainIP} {
+		if f := s.Frames(a, 15008); f != 0 {
+			t.Errorf("%d HBONE frames of %s:15008: the hostNetwork pod's traffic went through the mesh", f, a)
+		}
 	}
 }
 

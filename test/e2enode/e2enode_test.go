@@ -360,7 +360,7 @@ func TestRealNode(t *testing.T) {
 	t.Run("InitContainerMeshed", func(t *testing.T) { initContainerMeshed(ctx, t, n, serverIP) })
 	t.Run("SandboxRecreated", func(t *testing.T) { sandboxRecreated(ctx, t, n, clientIP) })
 	t.Run("OptOutLive", func(t *testing.T) { optOutLive(ctx, t, n, serverIP, plainIP) })
-	t.Run("HostNetworkUntouched", func(t *testing.T) { hostNetworkUntouched(ctx, t, n, clientIP, plainIP) })
+	t.Run("HostNetworkUntouched", func(t *testing.T) { hostNetworkUntouched(ctx, t, n, serverIP, clientIP, plainIP) })
 
 	t.Run("AgentRestart", func(t *testing.T) {
 		s, err := n.Sniff(marker)
