@@ -18,6 +18,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -91,8 +92,8 @@ spec:
 	if hits != 0 {
 		t.Errorf("the init container's request crossed the bridge in plaintext %d times", hits)
 	}
-	if ports[15008] == 0 {
-		t.Errorf("no HBONE (15008) frames while the init container ran: %v", ports)
+	if s.Frames(serverIP, 15008) == 0 {
+		t.Errorf("no HBONE frames of the server's %s:15008 while the init container ran: %v", serverIP, ports)
 	}
 	requireCNIAdd(ctx, t, n, meshNS+"/initclient", true)
 	waitAnnotated(t, n, meshNS, "initclient", true)
@@ -391,7 +392,7 @@ spec:
 		t.Fatal(err)
 	}
 	for _, r := range after {
-		if r.Name == name || containsStr(r.Addresses, n.IP) {
+		if r.Name == name || slices.Contains(r.Addresses, n.IP) {
 			t.Errorf("the agent enrolled the hostNetwork pod (or the node's address): %+v", r)
 		}
 	}
@@ -692,15 +693,6 @@ func inodeOf(path string) (uint64, error) {
 		return 0, err
 	}
 	return st.Ino, nil
-}
-
-func containsStr(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
 }
 
 func grepLines(log, sub string) string {
