@@ -219,7 +219,8 @@ func TestRealNode(t *testing.T) {
 	apply(t, "server", serverPod(meshNS, "server", nil)+"---\n"+service(meshNS, "server"))
 	apply(t, "client", clientPod(meshNS, "client", nil))
 	apply(t, "optout", clientPod(meshNS, "optout", map[string]string{"istio.io/dataplane-mode": "none"}))
-	for _, p := range [][2]string{{meshNS, "server"}, {meshNS, "client"}, {meshNS, "optout"}, {outsideNS, "outsider"}} {
+	apply(t, "plain", serverPod(outsideNS, "plain", nil)) // a server outside the mesh
+	for _, p := range [][2]string{{meshNS, "server"}, {meshNS, "client"}, {meshNS, "optout"}, {outsideNS, "outsider"}, {outsideNS, "plain"}} {
 		waitReady(t, n, p[0], p[1])
 	}
 	serverIP := podIP(t, n, meshNS, "server")
@@ -353,6 +354,13 @@ func TestRealNode(t *testing.T) {
 		// The kubelet's HTTP probes have been running all along: a few more periods.
 		strictRefusesPlaintextProbesPass(ctx, t, n, serverIP, 12*time.Second)
 	})
+
+	// Day one for an operator coming from istio-cni + ztunnel (dayone_test.go).
+	plainIP := podIP(t, n, outsideNS, "plain")
+	t.Run("InitContainerMeshed", func(t *testing.T) { initContainerMeshed(ctx, t, n, serverIP) })
+	t.Run("SandboxRecreated", func(t *testing.T) { sandboxRecreated(ctx, t, n, clientIP) })
+	t.Run("OptOutLive", func(t *testing.T) { optOutLive(ctx, t, n, serverIP, plainIP) })
+	t.Run("HostNetworkUntouched", func(t *testing.T) { hostNetworkUntouched(ctx, t, n, serverIP, clientIP, plainIP) })
 
 	t.Run("AgentRestart", func(t *testing.T) {
 		s, err := n.Sniff(marker)
@@ -997,14 +1005,20 @@ func waitReady(t *testing.T, n *Node, ns, name string) {
 	}
 }
 
+// waitAnnotated waits until the pod carries the redirection annotation (want) or not.
 func waitAnnotated(t *testing.T, n *Node, ns, name string, want bool) {
 	t.Helper()
-	if err := waitFor(t.Context(), time.Minute, ns+"/"+name+" annotated", func() error {
+	what := ns + "/" + name + " annotated"
+	if !want {
+		what = ns + "/" + name + " without " + redirection
+	}
+	if err := waitFor(t.Context(), time.Minute, what, func() error {
 		p, err := n.Client.CoreV1().Pods(ns).Get(t.Context(), name, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
-		if v := p.Annotations[redirection]; v != "enabled" {
+		v, ok := p.Annotations[redirection]
+		if want && v != "enabled" || !want && ok {
 			return fmt.Errorf("%s=%q", redirection, v)
 		}
 		return nil

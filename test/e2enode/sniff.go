@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 	"runtime"
 	"sync"
 
@@ -23,6 +24,9 @@ type Sniffer struct {
 	mu        sync.Mutex
 	markerHit int            // frames whose TCP payload holds the marker
 	byPort    map[uint16]int // TCP frames with a payload, by the lower of the two ports
+	// TCP frames with a payload by each of their two endpoints: which connections they were,
+	// where byPort mixes in every other pod's (an HBONE pool's keep-alive pings, say).
+	byEndpoint map[netip.AddrPort]int
 }
 
 // Sniff starts capturing; marker is plaintext that must never cross the wire meshed.
@@ -63,7 +67,7 @@ func (n *Node) Sniff(marker string) (*Sniffer, error) {
 	if r.err != nil {
 		return nil, r.err
 	}
-	s := &Sniffer{fd: r.fd, marker: []byte(marker), stop: make(chan struct{}), done: make(chan struct{}), byPort: map[uint16]int{}}
+	s := &Sniffer{fd: r.fd, marker: []byte(marker), stop: make(chan struct{}), done: make(chan struct{}), byPort: map[uint16]int{}, byEndpoint: map[netip.AddrPort]int{}}
 	go s.loop()
 	return s, nil
 }
@@ -117,6 +121,9 @@ func (s *Sniffer) frame(f []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.byPort[min(sport, dport)]++
+	src, dst := netip.AddrFrom4([4]byte(ip[12:16])), netip.AddrFrom4([4]byte(ip[16:20]))
+	s.byEndpoint[netip.AddrPortFrom(src, sport)]++
+	s.byEndpoint[netip.AddrPortFrom(dst, dport)]++
 	if bytes.Contains(payload, s.marker) {
 		s.markerHit++
 	}
@@ -142,4 +149,16 @@ func (s *Sniffer) Snapshot() (markerHits int, byPort map[uint16]int) {
 		m[k] = v
 	}
 	return s.markerHit, m
+}
+
+// Frames returns the TCP frames with a payload seen so far (or until Stop) that had addr:port
+// as their source or destination; an unparsable addr counts none.
+func (s *Sniffer) Frames(addr string, port uint16) int {
+	a, err := netip.ParseAddr(addr)
+	if err != nil {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.byEndpoint[netip.AddrPortFrom(a, port)]
 }
