@@ -68,7 +68,7 @@ func newConnMetrics(reg prometheus.Registerer) *connMetrics {
 		}, []string{"endpoint", "limit"}),
 		evicted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_endpoint_evicted_connections_total",
-			Help: "Idle keep-alive connections the agent's HTTP endpoints closed to admit a new connection over a bound (the one idle longest of the client address holding the most connections, or of the new connection's own address when that is the bound), by endpoint.",
+			Help: "Connections the agent's HTTP endpoints closed to admit a new connection over a bound, by endpoint: an idle keep-alive connection (the one idle longest of the client address holding the most connections, or of the new connection's own address when that is the bound), or on the readiness socket the one open longest.",
 		}, []string{"endpoint"}),
 	}
 	if reg == nil {
@@ -107,17 +107,26 @@ type limitListener struct {
 	refusedPerSource prometheus.Counter // over perSource
 	evicted          prometheus.Counter
 
+	// evictOldest: over a bound with no idle connection to evict, the
+	// oldest open connection (of the source over its bound, if that is
+	// the bound) is closed for the new one instead of the new one. For
+	// a socket whose honest clients send their request at once and are
+	// answered at once (the readiness socket), so that the oldest is a
+	// stalled one.
+	evictOldest bool
+
 	mu     sync.Mutex
 	open   int
 	bySrc  map[netip.Addr]int
 	idle   map[*limitedConn]time.Time // idle keep-alive connections, and since when
+	conns  map[*limitedConn]time.Time // with evictOldest: every open connection, and since when
 	closed uint64                     // over a bound, closed at accept, since logged
 	logged time.Time                  // when that was last logged
 }
 
 func newLimitListener(l net.Listener, name string, total, perSource int, m *connMetrics, log *slog.Logger) *limitListener {
 	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log,
-		bySrc: map[netip.Addr]int{}, idle: map[*limitedConn]time.Time{},
+		bySrc: map[netip.Addr]int{}, idle: map[*limitedConn]time.Time{}, conns: map[*limitedConn]time.Time{},
 		openGauge:        m.open.WithLabelValues(name),
 		refusedTotal:     m.refused.WithLabelValues(name, "endpoint"),
 		refusedPerSource: m.refused.WithLabelValues(name, "per_source"),
@@ -147,7 +156,10 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 	overTotal, overSource := l.open >= l.total, l.bySrc[src] >= l.perSource
 	var victim *limitedConn
 	if overTotal || overSource {
-		if victim = l.evictable(src, overSource); victim == nil {
+		if victim = l.evictable(src, overSource); victim == nil && l.evictOldest {
+			victim = l.oldest(src, overSource)
+		}
+		if victim == nil {
 			n := l.countRefused(overTotal)
 			l.mu.Unlock()
 			if n > 0 {
@@ -159,6 +171,9 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 		l.releaseLocked(victim)
 	}
 	lc := &limitedConn{Conn: c, l: l, src: src}
+	if l.evictOldest {
+		l.conns[lc] = time.Now()
+	}
 	l.open++
 	l.bySrc[src]++
 	l.openGauge.Inc()
@@ -188,6 +203,21 @@ func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
 	}
 	if victim != nil && !ownOnly && l.bySrc[victim.src] <= l.bySrc[src] {
 		return nil
+	}
+	return victim
+}
+
+// oldest is the connection open longest, of src's own if ownOnly (see
+// evictOldest); nil if there is none.
+func (l *limitListener) oldest(src netip.Addr, ownOnly bool) *limitedConn {
+	var victim *limitedConn
+	for c, since := range l.conns {
+		if ownOnly && c.src != src {
+			continue
+		}
+		if victim == nil || since.Before(l.conns[victim]) {
+			victim = c
+		}
 	}
 	return victim
 }
@@ -239,6 +269,7 @@ func (l *limitListener) releaseLocked(c *limitedConn) {
 		delete(l.bySrc, c.src) // the map holds only addresses with open connections
 	}
 	delete(l.idle, c)
+	delete(l.conns, c)
 }
 
 func sourceOf(c net.Conn) netip.Addr {
