@@ -1016,6 +1016,11 @@ const (
 	awaitPortsReport = 60 * time.Second
 )
 
+// dnsAwaitReport is how long the pod's DNS socket may fail to open before
+// readiness names the pod and port, as awaitPortsReport for the listeners
+// (a variable for tests).
+var dnsAwaitReport = awaitPortsReport
+
 // awaitPorts retries listen until it succeeds or the pod stops.
 func (p *pod) awaitPorts(ctx context.Context, first error) {
 	p.t.log.InfoContext(ctx, "pod ports held by another process (an agent without listener hand-over?); taking them when it lets go",
