@@ -220,27 +220,94 @@ func origDst(oob []byte) (netip.AddrPort, bool) {
 // opens one, and serves it. A pod without one has its captured queries
 // dropped by the capture (no socket to assign them to): they fail, as they
 // would without a proxy listening, and never leave uncaptured.
+//
+// A socket that cannot be opened (another process in the pod holds the
+// port, or a predecessor whose socket was not handed over and who shares it
+// with no one) is opened again every awaitPortsEvery until it opens
+// (awaitDNS). Before, the failure was logged once and never retried: the
+// pod's captured queries, every lookup it made, were dropped for as long
+// as the agent served it, long after the port was free.
 func (p *pod) startDNS() {
 	c := p.takeDNS(p.ctx)
 	if c == nil {
 		var err error
 		if c, err = p.listenDNS(p.ctx); err != nil {
 			if p.ctx.Err() == nil {
-				p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
+				p.awaitDNS(err)
 			}
 			return
 		}
 	}
+	p.useDNS(c)
+}
+
+// useDNS makes c the pod's DNS socket and serves it; it reports false (and
+// closes c) if the pod is stopping.
+func (p *pod) useDNS(c *net.UDPConn) bool {
 	p.mu.Lock()
 	if p.stopping.Load() {
 		p.mu.Unlock()
 		c.Close()
-		return
+		return false
 	}
 	p.dns = c
 	p.wg.Add(1) // under mu: stop waits for it once it has set stopping
 	p.mu.Unlock()
 	p.serveDNS(c)
+	return true
+}
+
+// dnsFailure is why the pod has no DNS socket, and since when.
+type dnsFailure struct {
+	since time.Time
+	err   error
+}
+
+// problem is the readiness problem of the pod's DNS socket on port.
+func (f *dnsFailure) problem(port uint16, now time.Time) string {
+	return fmt.Sprintf("port %d: DNS socket not open for %s, the pod's captured queries are dropped (last: %v)",
+		port, now.Sub(f.since).Round(time.Second), f.err)
+}
+
+// awaitDNS opens the pod's DNS socket again every awaitPortsEvery until it
+// opens or the pod stops. After dnsAwaitReport readiness names the pod and
+// port (dnsDown), as for the listeners' ports held by another process.
+func (p *pod) awaitDNS(first error) {
+	p.t.log.Warn("DNS socket not opened: the pod's captured queries are dropped until it opens; retrying",
+		"uid", p.uid, "netns", p.netns, "error", first)
+	start := time.Now()
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		tick := time.NewTicker(awaitPortsEvery)
+		defer tick.Stop()
+		reported := false
+		for {
+			select {
+			case <-p.ctx.Done():
+				return
+			case <-tick.C:
+			}
+			// stop waits for this goroutine before it cancels p.ctx
+			if p.stopping.Load() {
+				return
+			}
+			c, err := p.listenDNS(p.ctx)
+			if err != nil {
+				if !reported && time.Since(start) > dnsAwaitReport {
+					reported = true
+					p.dnsDown.Store(&dnsFailure{since: start, err: err})
+					p.t.log.Error("DNS socket still not open: the pod's captured queries are dropped", "uid", p.uid, "netns", p.netns, "error", err)
+				}
+				continue
+			}
+			if p.useDNS(c) {
+				p.dnsDown.Store(nil)
+				p.t.log.Info("DNS socket opened", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+			}
+			return
+		}
+	}()
 }
 
 // takeDNS takes the pod's DNS socket from the predecessor agent, with the

@@ -78,3 +78,40 @@ func TestDNSSocketTakenOnceFree(t *testing.T) {
 		t.Errorf("DNS socket at %s, want port 15053", got)
 	}
 }
+
+// TestDNSAwaitEndsWithPod: a pod whose DNS socket is still being retried
+// stops at once: stop waits for the pod's goroutines before it cancels
+// them, and the retry must not hold it for the whole drain.
+func TestDNSAwaitEndsWithPod(t *testing.T) {
+	ns := dnsPodNS(t)
+	held, err := ns.ListenPacket(context.Background(), "udp", "[::]:15053", netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	var tun *Tunnel
+	proxy, err := dnsproxy.New(dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}},
+		func() *workload.Directory { return tun.State().Dir }, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := hbone.NewPool(hbone.PoolOptions{})
+	t.Cleanup(func() { pool.Close() })
+	tun = New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		TunnelMark: testMark, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
+		DNS: proxy, DNSPort: 15053, DNSCapture: true})
+	tun.Update(&State{Dir: testDir(t, podObj("mesh", "client", "client-sa", dnsPodAddr.String(), nil))})
+	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	if err := tun.StopPod(ctx, "uid-client"); err != nil {
+		t.Fatal(err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("stopping a pod whose DNS socket was being retried took %s, want well under the 5 s drain", took)
+	}
+}
