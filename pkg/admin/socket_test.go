@@ -3,7 +3,9 @@ package admin
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"net"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -118,4 +120,58 @@ func TestReadinessSocketProbeAmidFlood(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// TestReadinessSocketProbeAmidFastFlood: one client opening stalled
+// connections as fast as it can. With every unix peer one source, each
+// new connection evicted the oldest open one, and a probe's connection was
+// evicted before it was answered. Each peer process is a source of its own
+// now (SO_PEERCRED): over the bound the connection evicted is of the
+// process holding the most, so the flooding client only ever evicts its
+// own.
+func TestReadinessSocketProbeAmidFastFlood(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "ready.sock")
+	start(t, Options{ReadinessSocket: sock})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var held []net.Conn
+		defer func() {
+			for _, c := range held {
+				c.Close()
+			}
+		}()
+		for ctx.Err() == nil {
+			c, err := net.DialTimeout("unix", sock, time.Second)
+			if err != nil {
+				continue
+			}
+			held = append(held, c)
+			if len(held) > 4*maxConnsPerSource {
+				held[0].Close()
+				held = held[1:]
+			}
+		}
+	}()
+	defer func() { cancel(); <-done }()
+	time.Sleep(100 * time.Millisecond)
+	for i := range 20 {
+		line, err := askFromChild(t, sock)
+		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
+			t.Fatalf("probe %d amid a fast flood of stalled clients: %q, %v; want 200", i, line, err)
+		}
+	}
+}
+
+// askFromChild asks the readiness socket from a process of its own (curl),
+// as `redirector ready` does, and returns the status line.
+func askFromChild(t *testing.T, sock string) (string, error) {
+	t.Helper()
+	out, err := exec.Command("curl", "-sS", "-i", "--max-time", "2", "--unix-socket", sock, "http://agent/healthz/ready").CombinedOutput()
+	line, _, _ := strings.Cut(string(out), "\n")
+	if err != nil {
+		return line, fmt.Errorf("curl: %w: %s", err, out)
+	}
+	return line, nil
 }
