@@ -203,13 +203,13 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 // serveReadinessSocket serves the readiness handler on a unix socket at
 // path, replacing a stale socket there (a restart of the container keeps
 // its /tmp). It holds at most maxConnsPerSource connections, counted as
-// the endpoint EndpointReadinessSocket: every client is one source (a
-// unix peer has no address), and its one honest client, `redirector
-// ready`, sends its request at once and is answered at once, so a
-// connection over the bound evicts the oldest open one, a stalled client
-// (nothing sent, or half a request), rather than being refused: stalled
-// clients that keep coming neither make the agent hold descriptors
-// without bound nor keep the startup probe from its answer.
+// the endpoint EndpointReadinessSocket, each peer process a source. Its
+// one honest client, `redirector ready`, sends its request at once and is
+// answered at once, so a connection over the bound evicts the oldest open
+// one of the process holding the most, a stalled client (nothing sent, or
+// half a request), rather than being refused: stalled clients that keep
+// coming neither make the agent hold descriptors without bound nor keep
+// the startup probe from its answer.
 func (s *Servers) serveReadinessSocket(path string, ready func() (bool, string), conns *connMetrics, log *slog.Logger) error {
 	raw, _, err := unixsock.Install("readiness socket", path, "unix")
 	if err != nil {

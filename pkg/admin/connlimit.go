@@ -2,6 +2,7 @@ package admin
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -10,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // The metrics and readiness ports listen on every node address, so any pod
@@ -107,17 +110,16 @@ type limitListener struct {
 	refusedPerSource prometheus.Counter // over perSource
 	evicted          prometheus.Counter
 
-	// evictOldest: over a bound with no idle connection to evict, the
-	// oldest open connection (of the source over its bound, if that is
-	// the bound) is closed for the new one instead of the new one. For
-	// a socket whose honest clients send their request at once and are
-	// answered at once (the readiness socket), so that the oldest is a
-	// stalled one.
+	// evictOldest: over a bound with no idle connection to evict, an
+	// open connection is closed for the new one instead of the new one
+	// (see oldest). For a socket whose honest clients send their request
+	// at once and are answered at once (the readiness socket), so that
+	// the oldest is a stalled one.
 	evictOldest bool
 
 	mu     sync.Mutex
 	open   int
-	bySrc  map[netip.Addr]int
+	bySrc  map[connSource]int
 	idle   map[*limitedConn]time.Time // idle keep-alive connections, and since when
 	conns  map[*limitedConn]time.Time // with evictOldest: every open connection, and since when
 	closed uint64                     // over a bound, closed at accept, since logged
@@ -126,7 +128,7 @@ type limitListener struct {
 
 func newLimitListener(l net.Listener, name string, total, perSource int, m *connMetrics, log *slog.Logger) *limitListener {
 	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log,
-		bySrc: map[netip.Addr]int{}, idle: map[*limitedConn]time.Time{}, conns: map[*limitedConn]time.Time{},
+		bySrc: map[connSource]int{}, idle: map[*limitedConn]time.Time{}, conns: map[*limitedConn]time.Time{},
 		openGauge:        m.open.WithLabelValues(name),
 		refusedTotal:     m.refused.WithLabelValues(name, "endpoint"),
 		refusedPerSource: m.refused.WithLabelValues(name, "per_source"),
@@ -163,7 +165,7 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 			n := l.countRefused(overTotal)
 			l.mu.Unlock()
 			if n > 0 {
-				l.log.Warn("http endpoint closes connections over its limit", "endpoint", l.name, "source", src,
+				l.log.Warn("http endpoint closes connections over its limit", "endpoint", l.name, "source", src.String(),
 					"closed", n, "limit", l.total, "limit_per_source", l.perSource)
 			}
 			return nil
@@ -190,7 +192,7 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 // address holding the most connections, and only if that address holds
 // more than src does (a client whose connections are busy must not evict
 // Prometheus's one idle keep-alive with its fifteenth). nil if none is.
-func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
+func (l *limitListener) evictable(src connSource, ownOnly bool) *limitedConn {
 	var victim *limitedConn
 	for c, since := range l.idle {
 		if ownOnly && c.src != src {
@@ -207,15 +209,19 @@ func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
 	return victim
 }
 
-// oldest is the connection open longest, of src's own if ownOnly (see
-// evictOldest); nil if there is none.
-func (l *limitListener) oldest(src netip.Addr, ownOnly bool) *limitedConn {
+// oldest is the connection to close for a new one from src with
+// evictOldest: the one open longest of src's own if ownOnly, otherwise of
+// the source holding the most connections (so that one client opening
+// connections as fast as it can only ever evicts its own); nil if there
+// is none.
+func (l *limitListener) oldest(src connSource, ownOnly bool) *limitedConn {
 	var victim *limitedConn
 	for c, since := range l.conns {
 		if ownOnly && c.src != src {
 			continue
 		}
-		if victim == nil || since.Before(l.conns[victim]) {
+		if victim == nil || l.bySrc[c.src] > l.bySrc[victim.src] ||
+			(l.bySrc[c.src] == l.bySrc[victim.src] && since.Before(l.conns[victim])) {
 			victim = c
 		}
 	}
@@ -272,20 +278,41 @@ func (l *limitListener) releaseLocked(c *limitedConn) {
 	delete(l.conns, c)
 }
 
-func sourceOf(c net.Conn) netip.Addr {
-	if t, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+// connSource is who a connection is from, for the per-source bound: the
+// client address of a TCP connection; the process (SO_PEERCRED) of a unix
+// one, which has no address. The zero value is one bucket for all (a peer
+// whose credentials could not be read).
+type connSource struct {
+	addr netip.Addr
+	pid  int32
+}
+
+func (s connSource) String() string {
+	if s.pid != 0 {
+		return fmt.Sprintf("pid %d", s.pid)
+	}
+	return s.addr.String()
+}
+
+func sourceOf(c net.Conn) connSource {
+	switch t := c.RemoteAddr().(type) {
+	case *net.TCPAddr:
 		if a, ok := netip.AddrFromSlice(t.IP); ok {
-			return a.Unmap()
+			return connSource{addr: a.Unmap()}
+		}
+	case *net.UnixAddr:
+		if cred, err := unixsock.PeerCred(c); err == nil {
+			return connSource{pid: cred.Pid}
 		}
 	}
-	return netip.Addr{}
+	return connSource{}
 }
 
 // limitedConn gives its slot back when it is closed or evicted.
 type limitedConn struct {
 	net.Conn
 	l        *limitListener
-	src      netip.Addr
+	src      connSource
 	released bool // under l.mu
 }
 
