@@ -3,6 +3,7 @@ package admin
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os/exec"
@@ -165,13 +166,23 @@ func TestReadinessSocketProbeAmidFastFlood(t *testing.T) {
 }
 
 // askFromChild asks the readiness socket from a process of its own (curl),
-// as `redirector ready` does, and returns the status line.
+// as `redirector ready` does, and returns the status line. As that one, it
+// tries again for 2 s while the socket's backlog is full (curl's exit 7:
+// the connect refused).
 func askFromChild(t *testing.T, sock string) (string, error) {
 	t.Helper()
-	out, err := exec.Command("curl", "-sS", "-i", "--max-time", "2", "--unix-socket", sock, "http://agent/healthz/ready").CombinedOutput()
-	line, _, _ := strings.Cut(string(out), "\n")
-	if err != nil {
-		return line, fmt.Errorf("curl: %w: %s", err, out)
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		out, err := exec.Command("curl", "-sS", "-i", "--max-time", "2", "--unix-socket", sock, "http://agent/healthz/ready").CombinedOutput()
+		line, _, _ := strings.Cut(string(out), "\n")
+		var ee *exec.ExitError
+		if errors.As(err, &ee) && ee.ExitCode() == 7 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		if err != nil {
+			return line, fmt.Errorf("curl: %w: %s", err, out)
+		}
+		return line, nil
 	}
-	return line, nil
 }
