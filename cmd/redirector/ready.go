@@ -2,11 +2,13 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -49,7 +51,7 @@ func runReady(ctx context.Context, args []string) error {
 // returns whether the agent answered 200, with the answer's first line.
 func askReady(ctx context.Context, path string) (bool, string, error) {
 	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		return (&net.Dialer{}).DialContext(ctx, "unix", path)
+		return dialUnixRetry(ctx, path)
 	}}
 	defer tr.CloseIdleConnections()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://agent/healthz/ready", nil)
@@ -67,4 +69,27 @@ func askReady(ctx context.Context, path string) (bool, string, error) {
 	}
 	line, _, _ := strings.Cut(string(b), "\n")
 	return resp.StatusCode == http.StatusOK, line + "\n", nil
+}
+
+// backlogRetry is how soon a connect refused for a full backlog is tried
+// again.
+const backlogRetry = 10 * time.Millisecond
+
+// dialUnixRetry connects to the unix socket at path, trying again until ctx
+// ends while its listen backlog is full: a unix socket refuses a connect
+// then at once (EAGAIN) instead of queueing it, and clients opening
+// connections faster than the agent accepts them fill it for moments,
+// which must not fail the startup probe.
+func dialUnixRetry(ctx context.Context, path string) (net.Conn, error) {
+	for {
+		c, err := (&net.Dialer{}).DialContext(ctx, "unix", path)
+		if err == nil || !errors.Is(err, syscall.EAGAIN) {
+			return c, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(backlogRetry):
+		}
+	}
 }

@@ -33,6 +33,7 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -205,9 +206,18 @@ func parseRunFlags(args []string) (agentConfig, error) {
 		}
 	}
 	socks := []*string{f.cniSocket, f.handoverSocket, f.readySocket}
+	socketWhat := []string{"CNI socket", "hand-over socket", "readiness socket"} // as their servers name them
 	for i, sock := range socks {
 		if err := checkSocketPath(*sock); err != nil {
 			return c, fmt.Errorf("%s: %w", s.name(sock), err)
+		}
+		// Before anything is taken over: the readiness socket is served
+		// only once the agent has claimed the node and taken the pods'
+		// listeners, and an agent failing then left the node to no one.
+		if *sock != "" {
+			if err := unixsock.Check(socketWhat[i], *sock); err != nil {
+				return c, fmt.Errorf("%s: %w", s.name(sock), err)
+			}
 		}
 		// Each agent renames its socket over the path: one would replace the other.
 		for _, other := range socks[:i] {

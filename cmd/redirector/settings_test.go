@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -229,5 +230,57 @@ func TestRunSettingsLogLevelOnlyNames(t *testing.T) {
 		if cfg, err := parseRunFlags(append(base, "--log-level", level)); err != nil || cfg.logLevel != want {
 			t.Errorf("--log-level %q: %v, level %s, want %s", level, err, cfg.logLevel, want)
 		}
+	}
+}
+
+// TestRunSocketPathsCheckedAtStart: a socket setting whose path the agent
+// can never serve (something other than a socket there, a parent that is
+// not a directory, a directory others may write) fails at start, naming
+// the setting. Before, READINESS_SOCKET was first tried by admin.Start,
+// after the agent had loaded its programs and claimed the node: the agent
+// exited with an error naming no setting, and crash-looped holding the
+// claim, so that during an upgrade the old agent, which had yielded, no
+// longer enrolled the node's new pods either.
+func TestRunSocketPathsCheckedAtStart(t *testing.T) {
+	base := []string{"--node-name", "n1", "--source", "file:/tmp", "--ca-dir", "/tmp"}
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sub := filepath.Join(dir, "sub")
+	if err := os.Mkdir(sub, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link.sock")
+	if err := os.Symlink(filepath.Join(dir, "elsewhere.sock"), link); err != nil {
+		t.Fatal(err)
+	}
+	open := filepath.Join(dir, "open")
+	if err := os.Mkdir(open, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		flag, path, want string
+	}{
+		{"--readiness-socket", sub, `--readiness-socket (READINESS_SOCKET): readiness socket path ` + sub + ` exists and is not a socket (a directory)`},
+		{"--readiness-socket", file, `--readiness-socket (READINESS_SOCKET): readiness socket path ` + file + ` exists and is not a socket (a regular file)`},
+		{"--readiness-socket", link, `--readiness-socket (READINESS_SOCKET): readiness socket path ` + link + ` exists and is not a socket (a symbolic link)`},
+		{"--readiness-socket", filepath.Join(file, "x", "ready.sock"), `--readiness-socket (READINESS_SOCKET): readiness socket directory ` + filepath.Join(file, "x") + `: ` + file + ` is not a directory`},
+		{"--readiness-socket", filepath.Join(open, "ready.sock"), `--readiness-socket (READINESS_SOCKET): readiness socket directory ` + open + ` is writable by group or others`},
+		{"--cni-socket", sub, `--cni-socket (CNI_SOCKET): CNI socket path ` + sub + ` exists and is not a socket (a directory)`},
+		{"--handover-socket", file, `--handover-socket (HANDOVER_SOCKET): hand-over socket path ` + file + ` exists and is not a socket (a regular file)`},
+	} {
+		_, err := parseRunFlags(append(base, tc.flag, tc.path))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s %s: %v, want an error containing %q", tc.flag, tc.path, err, tc.want)
+		}
+	}
+	// A directory still to be made (the agent makes it, mode 0700) is fine.
+	if _, err := parseRunFlags(append(base, "--readiness-socket", filepath.Join(dir, "new", "ready", "agent.sock"))); err != nil {
+		t.Errorf("socket in a directory still to be made: %v, want no error", err)
 	}
 }

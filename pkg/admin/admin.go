@@ -98,6 +98,9 @@ const (
 	EndpointMetrics   = "metrics"
 	EndpointReadiness = "readiness"
 	EndpointAdmin     = "admin"
+	// EndpointReadinessSocket names the readiness socket (ReadinessSocket)
+	// in the connection metrics.
+	EndpointReadinessSocket = "readiness_socket"
 )
 
 // Start listens on every address before it returns, so a port already in use
@@ -189,7 +192,7 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		}()
 	}
 	if o.ReadinessSocket != "" {
-		if err := s.serveReadinessSocket(o.ReadinessSocket, o.Ready, log); err != nil {
+		if err := s.serveReadinessSocket(o.ReadinessSocket, o.Ready, conns, log); err != nil {
 			s.Close()
 			return nil, err
 		}
@@ -199,14 +202,24 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 
 // serveReadinessSocket serves the readiness handler on a unix socket at
 // path, replacing a stale socket there (a restart of the container keeps
-// its /tmp).
-func (s *Servers) serveReadinessSocket(path string, ready func() (bool, string), log *slog.Logger) error {
-	l, _, err := unixsock.Install("readiness socket", path, "unix")
+// its /tmp). It holds at most maxConnsPerSource connections, counted as
+// the endpoint EndpointReadinessSocket, each peer process a source. Its
+// one honest client, `redirector ready`, sends its request at once and is
+// answered at once, so a connection over the bound evicts the oldest open
+// one of the process holding the most, a stalled client (nothing sent, or
+// half a request), rather than being refused: stalled clients that keep
+// coming neither make the agent hold descriptors without bound nor keep
+// the startup probe from its answer.
+func (s *Servers) serveReadinessSocket(path string, ready func() (bool, string), conns *connMetrics, log *slog.Logger) error {
+	raw, _, err := unixsock.Install("readiness socket", path, "unix")
 	if err != nil {
 		return fmt.Errorf("readiness socket: %w", err)
 	}
+	l := newLimitListener(raw, EndpointReadinessSocket, maxConnsPerSource, maxConnsPerSource, conns, log)
+	l.evictOldest = true
 	srv := &http.Server{
 		Handler:           boundBody(readinessHandler(ready)),
+		ConnState:         l.connState,
 		ReadHeaderTimeout: 5 * time.Second,
 		ReadTimeout:       readTimeout,
 		WriteTimeout:      writeTimeout,

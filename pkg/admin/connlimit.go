@@ -2,6 +2,7 @@ package admin
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -10,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/unixsock"
 )
 
 // The metrics and readiness ports listen on every node address, so any pod
@@ -68,7 +71,7 @@ func newConnMetrics(reg prometheus.Registerer) *connMetrics {
 		}, []string{"endpoint", "limit"}),
 		evicted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_endpoint_evicted_connections_total",
-			Help: "Idle keep-alive connections the agent's HTTP endpoints closed to admit a new connection over a bound (the one idle longest of the client address holding the most connections, or of the new connection's own address when that is the bound), by endpoint.",
+			Help: "Connections the agent's HTTP endpoints closed to admit a new connection over a bound, by endpoint: an idle keep-alive connection (the one idle longest of the client address holding the most connections, or of the new connection's own address when that is the bound), or on the readiness socket the one open longest.",
 		}, []string{"endpoint"}),
 	}
 	if reg == nil {
@@ -107,17 +110,25 @@ type limitListener struct {
 	refusedPerSource prometheus.Counter // over perSource
 	evicted          prometheus.Counter
 
+	// evictOldest: over a bound with no idle connection to evict, an
+	// open connection is closed for the new one instead of the new one
+	// (see oldest). For a socket whose honest clients send their request
+	// at once and are answered at once (the readiness socket), so that
+	// the oldest is a stalled one.
+	evictOldest bool
+
 	mu     sync.Mutex
 	open   int
-	bySrc  map[netip.Addr]int
+	bySrc  map[connSource]int
 	idle   map[*limitedConn]time.Time // idle keep-alive connections, and since when
+	conns  map[*limitedConn]time.Time // with evictOldest: every open connection, and since when
 	closed uint64                     // over a bound, closed at accept, since logged
 	logged time.Time                  // when that was last logged
 }
 
 func newLimitListener(l net.Listener, name string, total, perSource int, m *connMetrics, log *slog.Logger) *limitListener {
 	return &limitListener{Listener: l, name: name, total: total, perSource: perSource, log: log,
-		bySrc: map[netip.Addr]int{}, idle: map[*limitedConn]time.Time{},
+		bySrc: map[connSource]int{}, idle: map[*limitedConn]time.Time{}, conns: map[*limitedConn]time.Time{},
 		openGauge:        m.open.WithLabelValues(name),
 		refusedTotal:     m.refused.WithLabelValues(name, "endpoint"),
 		refusedPerSource: m.refused.WithLabelValues(name, "per_source"),
@@ -147,11 +158,14 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 	overTotal, overSource := l.open >= l.total, l.bySrc[src] >= l.perSource
 	var victim *limitedConn
 	if overTotal || overSource {
-		if victim = l.evictable(src, overSource); victim == nil {
+		if victim = l.evictable(src, overSource); victim == nil && l.evictOldest {
+			victim = l.oldest(src, overSource)
+		}
+		if victim == nil {
 			n := l.countRefused(overTotal)
 			l.mu.Unlock()
 			if n > 0 {
-				l.log.Warn("http endpoint closes connections over its limit", "endpoint", l.name, "source", src,
+				l.log.Warn("http endpoint closes connections over its limit", "endpoint", l.name, "source", src.String(),
 					"closed", n, "limit", l.total, "limit_per_source", l.perSource)
 			}
 			return nil
@@ -159,6 +173,9 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 		l.releaseLocked(victim)
 	}
 	lc := &limitedConn{Conn: c, l: l, src: src}
+	if l.evictOldest {
+		l.conns[lc] = time.Now()
+	}
 	l.open++
 	l.bySrc[src]++
 	l.openGauge.Inc()
@@ -175,7 +192,7 @@ func (l *limitListener) admit(c net.Conn) *limitedConn {
 // address holding the most connections, and only if that address holds
 // more than src does (a client whose connections are busy must not evict
 // Prometheus's one idle keep-alive with its fifteenth). nil if none is.
-func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
+func (l *limitListener) evictable(src connSource, ownOnly bool) *limitedConn {
 	var victim *limitedConn
 	for c, since := range l.idle {
 		if ownOnly && c.src != src {
@@ -188,6 +205,25 @@ func (l *limitListener) evictable(src netip.Addr, ownOnly bool) *limitedConn {
 	}
 	if victim != nil && !ownOnly && l.bySrc[victim.src] <= l.bySrc[src] {
 		return nil
+	}
+	return victim
+}
+
+// oldest is the connection to close for a new one from src with
+// evictOldest: the one open longest of src's own if ownOnly, otherwise of
+// the source holding the most connections (so that one client opening
+// connections as fast as it can only ever evicts its own); nil if there
+// is none.
+func (l *limitListener) oldest(src connSource, ownOnly bool) *limitedConn {
+	var victim *limitedConn
+	for c, since := range l.conns {
+		if ownOnly && c.src != src {
+			continue
+		}
+		if victim == nil || l.bySrc[c.src] > l.bySrc[victim.src] ||
+			(l.bySrc[c.src] == l.bySrc[victim.src] && since.Before(l.conns[victim])) {
+			victim = c
+		}
 	}
 	return victim
 }
@@ -239,22 +275,44 @@ func (l *limitListener) releaseLocked(c *limitedConn) {
 		delete(l.bySrc, c.src) // the map holds only addresses with open connections
 	}
 	delete(l.idle, c)
+	delete(l.conns, c)
 }
 
-func sourceOf(c net.Conn) netip.Addr {
-	if t, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+// connSource is who a connection is from, for the per-source bound: the
+// client address of a TCP connection; the process (SO_PEERCRED) of a unix
+// one, which has no address. The zero value is one bucket for all (a peer
+// whose credentials could not be read).
+type connSource struct {
+	addr netip.Addr
+	pid  int32
+}
+
+func (s connSource) String() string {
+	if s.pid != 0 {
+		return fmt.Sprintf("pid %d", s.pid)
+	}
+	return s.addr.String()
+}
+
+func sourceOf(c net.Conn) connSource {
+	switch t := c.RemoteAddr().(type) {
+	case *net.TCPAddr:
 		if a, ok := netip.AddrFromSlice(t.IP); ok {
-			return a.Unmap()
+			return connSource{addr: a.Unmap()}
+		}
+	case *net.UnixAddr:
+		if cred, err := unixsock.PeerCred(c); err == nil {
+			return connSource{pid: cred.Pid}
 		}
 	}
-	return netip.Addr{}
+	return connSource{}
 }
 
 // limitedConn gives its slot back when it is closed or evicted.
 type limitedConn struct {
 	net.Conn
 	l        *limitListener
-	src      netip.Addr
+	src      connSource
 	released bool // under l.mu
 }
 

@@ -600,8 +600,8 @@ func TestAdminServerWriteTimeoutAboveProfileBound(t *testing.T) {
 // own does. Before, an address whose connections were all busy could
 // evict Prometheus's one idle keep-alive with its fifteenth.
 func TestEvictionSparesSmallerHolders(t *testing.T) {
-	prom, busy, fresh := netip.MustParseAddr("127.0.0.30"), netip.MustParseAddr("127.0.0.31"), netip.MustParseAddr("127.0.0.32")
-	l := &limitListener{bySrc: map[netip.Addr]int{prom: 1, busy: 14}, idle: map[*limitedConn]time.Time{}}
+	prom, busy, fresh := connSource{addr: netip.MustParseAddr("127.0.0.30")}, connSource{addr: netip.MustParseAddr("127.0.0.31")}, connSource{addr: netip.MustParseAddr("127.0.0.32")}
+	l := &limitListener{bySrc: map[connSource]int{prom: 1, busy: 14}, idle: map[*limitedConn]time.Time{}}
 	scraper := &limitedConn{src: prom, l: l}
 	l.idle[scraper] = time.Now()
 	if v := l.evictable(busy, false); v != nil {

@@ -253,6 +253,16 @@ func (c *Claim) Guard() (release func(), err error) {
 // Close releases the map; the claim stays recorded.
 func (c *Claim) Close() error { return c.m.Close() }
 
+// Quiesce holds off every enrollment change of the agents on the node
+// (each runs under Guard's shared lock) until release is called, after
+// those under way are done. A loading agent reads the pinned state under
+// it before it claims the node: an older agent still attaches and detaches
+// pods until then, and state read half-way through one of its changes (a
+// pod's veth recorded, its links not pinned yet) is wrong.
+func Quiesce(root string) (release func(), err error) {
+	return lockRoot(root, unix.LOCK_EX)
+}
+
 // lockRoot takes flock(2) how on the pin root directory; the release closes
 // the descriptor, which drops the lock.
 func lockRoot(root string, how int) (release func(), err error) {

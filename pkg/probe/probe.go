@@ -13,6 +13,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/redirector-mesh/redirector/bpf"
+	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/pin"
 )
 
@@ -147,11 +148,26 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 		}
 		return nil, fmt.Errorf("load host probe programs (pin root %s): %w", cfg.PinRoot, err)
 	}
-	if err := a.syncVeths(a.upgradePinnedLinks(ctx)); err != nil {
+	if err := a.rebuildVeths(ctx); err != nil {
 		a.objs.Close()
 		return nil, err
 	}
 	return a, nil
+}
+
+// rebuildVeths points the pinned host links at the programs just loaded
+// and rebuilds the veth map from them, with every other agent's attach and
+// detach held off (maps.Quiesce): an older agent still running (an
+// upgrade, before this one claims the node) records a pod's veth before it
+// pins the pod's links, and a rebuild between the two deleted the record,
+// so no probe to that pod was SNATed until it was attached again.
+func (a *Attacher) rebuildVeths(ctx context.Context) error {
+	release, err := maps.Quiesce(a.cfg.PinRoot)
+	if err != nil {
+		return fmt.Errorf("rebuild %s: %w", VethsMapName, err)
+	}
+	defer release()
+	return a.syncVeths(a.upgradePinnedLinks(ctx))
 }
 
 // dropResizedPin unpins a NAT map whose size (or layout, after an upgrade)

@@ -223,53 +223,66 @@ func origDst(oob []byte) (netip.AddrPort, bool) {
 // startDNS takes the pod's DNS socket from the predecessor agent, or
 // opens one, and serves it. A pod without one has its captured queries
 // dropped by the capture (no socket to assign them to): they fail, as they
-// would without a proxy listening, and never leave uncaptured. When
-// another process holds the port (a predecessor that did not hand the
-// socket over), the pod waits for it (awaitDNS).
+// would without a proxy listening, and never leave uncaptured. A socket
+// that cannot be opened (a predecessor that did not hand its socket over,
+// another process in the pod holding the port) is waited for (awaitDNS).
 func (p *pod) startDNS() {
 	c := p.takeDNS(p.ctx)
 	if c == nil {
 		var err error
 		if c, err = p.listenDNS(p.ctx); err != nil {
-			switch {
-			case errors.Is(err, syscall.EADDRINUSE):
+			if p.ctx.Err() == nil {
 				p.awaitDNS(err)
-			case p.ctx.Err() == nil:
-				p.t.log.Error("DNS socket not opened: the pod's captured queries go unanswered", "pod", p.uid, "error", err)
 			}
 			return
 		}
 	}
-	p.serveDNSSocket(c)
+	p.useDNS(c)
 }
 
-// serveDNSSocket makes c the pod's DNS socket and serves it, unless the pod
-// is stopping.
-func (p *pod) serveDNSSocket(c *net.UDPConn) {
+// useDNS makes c the pod's DNS socket and serves it; it reports false (and
+// closes c) if the pod is stopping.
+func (p *pod) useDNS(c *net.UDPConn) bool {
 	p.mu.Lock()
 	if p.stopping.Load() {
 		p.mu.Unlock()
 		c.Close()
-		return
+		return false
 	}
 	p.dns = c
 	p.wg.Add(1) // under mu: stop waits for it once it has set stopping
 	p.mu.Unlock()
 	p.serveDNS(c)
+	return true
 }
 
-// awaitDNS waits for the pod's DNS port, held by another process: a
-// predecessor that did not hand its socket over (a release from before the
-// DNS hand-over, or a failed exchange), which answers the pod's queries
-// until it closes its socket on SIGTERM. As awaitPorts: binding is retried
-// every awaitPortsEvery, the predecessor asked again at most once a
-// second, and a wait past awaitPortsReport logged as an error (something
-// else than an agent on its way out may hold the port).
+// dnsFailure is why the pod has no DNS socket, and since when.
+type dnsFailure struct {
+	since time.Time
+	err   error
+}
+
+// problem is the readiness problem of the pod's DNS socket on port.
+func (f *dnsFailure) problem(port uint16, now time.Time) string {
+	return fmt.Sprintf("port %d: DNS socket not open for %s, the pod's captured queries are dropped (last: %v)",
+		port, now.Sub(f.since).Round(time.Second), f.err)
+}
+
+// awaitDNS opens the pod's DNS socket again until it opens or the pod
+// stops. The port is most often held by a predecessor that did not hand
+// its socket over (a release from before the DNS hand-over, or a failed
+// exchange), which answers the pod's queries until it closes its socket
+// on SIGTERM. As awaitPorts: binding is retried every awaitPortsEvery, the
+// predecessor asked again at most once a second, and after dnsAwaitReport
+// readiness names the pod and port (dnsDown): something else than an agent
+// on its way out may hold the port, or the socket fails to open otherwise.
+// Before, a failure was logged once and never retried: the pod's captured
+// queries were dropped for as long as the agent served it.
 func (p *pod) awaitDNS(first error) {
-	p.t.log.Info("pod DNS port held by another process (an agent without DNS hand-over?); taking it when it lets go",
+	p.t.log.Warn("DNS socket not opened (a predecessor without DNS hand-over holding the port?): the pod's captured queries go to it or are dropped until it opens; retrying",
 		"uid", p.uid, "netns", p.netns, "error", first)
 	start := time.Now()
-	p.awaitFree(func(takeOver bool) error {
+	p.awaitFree(dnsAwaitReport, func(takeOver bool) error {
 		var c *net.UDPConn
 		if takeOver {
 			c = p.takeDNS(p.ctx)
@@ -280,11 +293,14 @@ func (p *pod) awaitDNS(first error) {
 				return err
 			}
 		}
-		p.serveDNSSocket(c)
-		p.t.log.Info("serving pod DNS (port taken over)", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+		if p.useDNS(c) {
+			p.dnsDown.Store(nil)
+			p.t.log.Info("DNS socket opened", "uid", p.uid, "netns", p.netns, "waited", time.Since(start).Round(time.Millisecond))
+		}
 		return nil
 	}, func(err error) {
-		p.t.log.Error("pod DNS port still held by another process: the pod's captured queries go to it or unanswered",
+		p.dnsDown.Store(&dnsFailure{since: start, err: err})
+		p.t.log.Error("DNS socket still not open: the pod's captured queries go to another process's socket or are dropped",
 			"uid", p.uid, "netns", p.netns, "error", err)
 	})
 }

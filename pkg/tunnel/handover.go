@@ -1021,12 +1021,17 @@ const (
 	awaitPortsReport = 60 * time.Second
 )
 
+// dnsAwaitReport is how long the pod's DNS socket may fail to open before
+// readiness names the pod and port, as awaitPortsReport for the listeners
+// (a variable for tests).
+var dnsAwaitReport = awaitPortsReport
+
 // awaitPorts retries listen until it succeeds or the pod stops.
 func (p *pod) awaitPorts(ctx context.Context, first error) {
 	p.t.log.InfoContext(ctx, "pod ports held by another process (an agent without listener hand-over?); taking them when it lets go",
 		"uid", p.uid, "netns", p.netns, "error", first)
 	start := time.Now()
-	p.awaitFree(func(takeOver bool) error {
+	p.awaitFree(awaitPortsReport, func(takeOver bool) error {
 		lns, err := p.listen(p.ctx, takeOver)
 		if err != nil {
 			return err
@@ -1051,8 +1056,8 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 // p.wg, until it succeeds or the pod stops. takeOver is set at most once
 // every awaitPortsAsk (the first time included): the predecessor may hand
 // the sockets over after all (an exchange that failed once). Once the
-// wait passes awaitPortsReport, held is called with try's last error.
-func (p *pod) awaitFree(try func(takeOver bool) error, held func(err error)) {
+// wait passes report, held is called with try's last error.
+func (p *pod) awaitFree(report time.Duration, try func(takeOver bool) error, held func(err error)) {
 	start := time.Now()
 	p.wg.Add(1)
 	go func() {
@@ -1067,6 +1072,10 @@ func (p *pod) awaitFree(try func(takeOver bool) error, held func(err error)) {
 				return
 			case <-tick.C:
 			}
+			// stop waits for this goroutine before it cancels p.ctx
+			if p.stopping.Load() {
+				return
+			}
 			takeOver := time.Since(asked) >= awaitPortsAsk
 			if takeOver {
 				asked = time.Now()
@@ -1075,7 +1084,7 @@ func (p *pod) awaitFree(try func(takeOver bool) error, held func(err error)) {
 			if err == nil {
 				return
 			}
-			if !reported && time.Since(start) > awaitPortsReport && p.ctx.Err() == nil {
+			if !reported && time.Since(start) > report && p.ctx.Err() == nil {
 				reported = true
 				held(err)
 			}

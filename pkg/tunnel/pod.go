@@ -60,6 +60,9 @@ type pod struct {
 
 	// health of the outbound, inbound and HBONE listeners, for readiness.
 	health [3]*listenerHealth
+	// dnsDown is set while the pod's DNS socket could not be opened for
+	// longer than dnsAwaitReport (awaitDNS), for readiness.
+	dnsDown atomic.Pointer[dnsFailure]
 	// stopping is set when stop begins: listeners closing then are no
 	// failure.
 	stopping atomic.Bool

@@ -313,6 +313,9 @@ func (t *Tunnel) ListenerProblems() []string {
 				out = append(out, name+" "+why)
 			}
 		}
+		if f := p.dnsDown.Load(); f != nil && !p.stopping.Load() {
+			out = append(out, name+" "+f.problem(p.t.cfg.DNSPort, now))
+		}
 		if h := p.health[2]; h.problem(now) == "" && p.hbone != nil && !p.hbone.Accepting() && !p.stopping.Load() {
 			out = append(out, fmt.Sprintf("%s port %d: HBONE server not accepting (accept errors, backing off)", name, h.port))
 		}

@@ -25,6 +25,9 @@ import (
 // socket is replaced the same way. The socket is mode 0600. It returns the
 // inode, by which the caller knows the path is still its own (RemoveIfOwn).
 func Install(what, path, network string) (net.Listener, uint64, error) {
+	if err := Check(what, path); err != nil {
+		return nil, 0, err
+	}
 	dir := filepath.Dir(path)
 	if _, err := os.Stat(dir); errors.Is(err, os.ErrNotExist) {
 		// Only a directory we create gets our mode: chmod on an existing one
@@ -63,6 +66,51 @@ func Install(what, path, network string) (net.Listener, uint64, error) {
 		return nil, 0, fmt.Errorf("install %s %s: %w", what, path, err)
 	}
 	return l, inodeOf(fi), nil
+}
+
+// Check reports, changing nothing, whether Install could put a socket at
+// path: nothing but a socket there, and its directory, if it exists, one
+// CheckDir accepts, or, if not, to be made under a directory. An agent
+// checks its socket settings with it before it takes over anything, so
+// that a path it can never serve fails its start, not after it claimed the
+// node.
+func Check(what, path string) error {
+	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
+		return fmt.Errorf("%s path %s exists and is not a socket (%s); remove it", what, path, kind(fi.Mode()))
+	}
+	dir := filepath.Dir(path)
+	for d := dir; ; d = filepath.Dir(d) {
+		fi, err := os.Stat(d)
+		switch {
+		case (errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOTDIR)) && d != filepath.Dir(d):
+			continue // made by Install, or a parent is no directory (found above)
+		case err != nil:
+			return fmt.Errorf("%s directory %s: %w", what, dir, err)
+		case !fi.IsDir():
+			return fmt.Errorf("%s directory %s: %s is not a directory", what, dir, d)
+		case d == dir:
+			return CheckDir(what, dir)
+		}
+		return nil
+	}
+}
+
+// kind names a file's type for an error.
+func kind(m os.FileMode) string {
+	switch t := m.Type(); {
+	case t == 0:
+		return "a regular file"
+	case t&os.ModeDir != 0:
+		return "a directory"
+	case t&os.ModeSymlink != 0:
+		return "a symbolic link"
+	case t&os.ModeNamedPipe != 0:
+		return "a named pipe"
+	case t&os.ModeDevice != 0:
+		return "a device"
+	default:
+		return "mode " + t.String()
+	}
 }
 
 // RemoveIfOwn removes the socket at path if it is still the one Install
