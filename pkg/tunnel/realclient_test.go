@@ -115,4 +115,3 @@ func TestTLSClientWithoutH2ToHBONEPort(t *testing.T) {
 		t.Errorf("curl --http1.1 without a certificate: %v\n%s\nwant the handshake refused, no answer", err, out)
 	}
 }
-

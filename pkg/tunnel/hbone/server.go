@@ -315,7 +315,10 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	if err == nil {
 		if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
 			err = fmt.Errorf("client negotiated ALPN %q, want h2", proto)
+			answerNoH2(tc, nc)
 		}
+	} else if answerPlaintext(err, nc) {
+		err = fmt.Errorf("client spoke plaintext HTTP: %w", err)
 	}
 	if err != nil {
 		srv.stats.handshakeFailures.Add(1)
