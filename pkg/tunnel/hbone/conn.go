@@ -86,6 +86,12 @@ const (
 // honest block is at most maxHeaderListSize plus a few frame headers.
 const maxHeaderBlockBytes = 8 * maxHeaderListSize
 
+// maxHeaderFrame bounds a CONTINUATION frame: a header block within
+// maxHeaderListSize (HPACK encodes no field longer than it counts decoded),
+// and its padding. The framer reads those frames of a block on its own,
+// into a buffer of the declared size (checkFrameLength).
+const maxHeaderFrame = maxHeaderListSize + 512
+
 var errHeaderBlockTooLong = errors.New("header block too long")
 
 // readBufKeep is the most a connection's read framer may keep as its read
@@ -103,22 +109,27 @@ type blockReader struct {
 	r    io.Reader
 	left int64
 	read int64
+	// pre, when not empty, is read before r: a frame's payload read ahead
+	// (conn.prefetch).
+	pre []byte
 }
 
-func (b *blockReader) Read(p []byte) (int, error) {
-	if b.left < 0 {
-		n, err := b.r.Read(p)
-		b.read += int64(n)
-		return n, err
-	}
+func (b *blockReader) Read(p []byte) (n int, err error) {
 	if b.left == 0 {
 		return 0, errHeaderBlockTooLong
 	}
-	if int64(len(p)) > b.left {
+	if b.left > 0 && int64(len(p)) > b.left {
 		p = p[:b.left]
 	}
-	n, err := b.r.Read(p)
-	b.left -= int64(n)
+	if len(b.pre) > 0 {
+		n = copy(p, b.pre)
+		b.pre = b.pre[n:]
+	} else {
+		n, err = b.r.Read(p)
+	}
+	if b.left > 0 {
+		b.left -= int64(n)
+	}
 	b.read += int64(n)
 	return n, err
 }
@@ -619,14 +630,24 @@ func (c *conn) readFrames() error {
 			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
+			} else if skip, ferr := c.checkFrameLength(fh); ferr != nil || skip {
+				err = ferr
 			} else {
 				var f http2.Frame
 				if fh.Type == http2.FrameHeaders {
 					c.blockReader.left = maxHeaderBlockBytes
+					c.rfr.SetMaxReadFrameSize(maxHeaderFrame) // its CONTINUATION frames
 				}
 				from := c.blockReader.read
 				f, err = c.rfr.ReadFrameForHeader(fh)
 				c.blockReader.left = -1
+				c.blockReader.pre = nil
+				if fh.Type == http2.FrameHeaders {
+					c.rfr.SetMaxReadFrameSize(maxReadFrameSize)
+					if errors.Is(err, http2.ErrFrameTooLarge) {
+						err = &floodError{reason: fmt.Sprintf("CONTINUATION frame larger than %d bytes, more than a header block within SETTINGS_MAX_HEADER_LIST_SIZE needs", maxHeaderFrame)}
+					}
+				}
 				if errors.Is(err, errHeaderBlockTooLong) {
 					err = &floodError{reason: "header block (HEADERS and CONTINUATION frames) too long"}
 				}
@@ -663,6 +684,64 @@ func (c *conn) readFrames() error {
 			return err
 		}
 	}
+}
+
+// checkFrameLength runs before the framer reads a frame that is not DATA,
+// whose payload x/net's framer allocates at the length the header declares,
+// before a byte of it arrived: a peer that sent a 9-byte header declaring 1
+// MiB (our SETTINGS_MAX_FRAME_SIZE, which is for DATA) and then nothing held
+// 1 MiB of ours for the life of the connection, 1 GiB with the 1024
+// connections one address may open. So what the framer reads is at most
+// readBufKeep, what it keeps anyway, except: a frame no honest peer sends
+// that large (every type of a fixed or small size, SETTINGS of more than
+// maxSettingsPerFrame, a frame before the first SETTINGS, HEADERS that
+// x/net would refuse) is a flood; a HEADERS, or a GOAWAY whose debug text
+// may be long, is read first into a buffer that grows as its bytes arrive
+// (prefetch); a frame of an unknown type, which is ignored, is read and
+// dropped (skip true), charged to the junk budget. The CONTINUATION frames
+// of a header block, which the framer reads on its own, are bounded by
+// maxHeaderFrame.
+func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
+	if fh.Length <= readBufKeep {
+		return false, nil
+	}
+	tooLong := func() error {
+		return &floodError{reason: fmt.Sprintf("%v frame declaring %d bytes, more than any honest one needs", fh.Type, fh.Length)}
+	}
+	switch {
+	case !c.sawSettings:
+		return false, tooLong() // the first frame must be SETTINGS
+	case fh.Type == http2.FrameHeaders:
+		// x/net refuses a fragment over twice the header list size it has
+		// left (for headers and trailers: 4 times ours), after reading it.
+		// Below, the list may be just over the limit: the stream is
+		// refused with 431, and the connection lives.
+		if fh.Length > 4*maxHeaderListSize+512 {
+			return false, tooLong()
+		}
+		return false, c.prefetch(fh.Length)
+	case fh.Type == http2.FrameGoAway:
+		return false, c.prefetch(fh.Length)
+	case fh.Type > http2.FrameContinuation: // unknown: ignored (RFC 9113 §5.5)
+		if err := c.spendJunk(fh.Type.String()); err != nil {
+			return false, err
+		}
+		_, err := io.CopyN(io.Discard, c.rd, int64(fh.Length))
+		return true, err
+	default:
+		return false, tooLong()
+	}
+}
+
+// prefetch reads the next n bytes, a frame's payload, into a buffer that
+// grows as they arrive, for the framer to read (blockReader.pre).
+func (c *conn) prefetch(n uint32) error {
+	var buf bytes.Buffer
+	if _, err := io.CopyN(&buf, c.rd, int64(n)); err != nil {
+		return err
+	}
+	c.blockReader.pre = buf.Bytes()
+	return nil
 }
 
 func (c *conn) onFrame(f http2.Frame) error {
