@@ -183,3 +183,23 @@ func TestOpenSSLLongChainHandshakeCost(t *testing.T) {
 		t.Errorf("a handshake with a chain of 1050 certificates cost the server %v, an honest one %v: want at most twice", long, honest)
 	}
 }
+
+// TestH2CToHBONEPort: plaintext HTTP/2 with prior knowledge (curl
+// --http2-prior-knowledge, nghttp's h2c) to the HBONE port is answered with
+// SETTINGS and GOAWAY INADEQUATE_SECURITY whose debug data says what the
+// port speaks (nghttp prints it; curl -v reports the GOAWAY and its code).
+// Before, the server closed the connection without a word: curl reported
+// "Connection reset by peer", nghttp no frame at all.
+func TestH2CToHBONEPort(t *testing.T) {
+	curl := realClient(t, "curl", "curl")
+	nghttp := realClient(t, "nghttp", "nghttp2-client")
+	r := newHBONERig(t)
+	out, err := run(t, curl, "-sS", "-v", "--max-time", "10", "--http2-prior-knowledge", "http://"+r.addr+"/")
+	if err == nil || !strings.Contains(out, "GOAWAY, error=12") { // INADEQUATE_SECURITY
+		t.Errorf("curl --http2-prior-knowledge: %v\n%s\nwant the GOAWAY INADEQUATE_SECURITY (12) reported", err, out)
+	}
+	out, _ = run(t, nghttp, "-v", "-t", "10", "http://"+r.addr+"/")
+	if !strings.Contains(out, "INADEQUATE_SECURITY") || !strings.Contains(out, "HBONE") {
+		t.Errorf("nghttp h2c:\n%s\nwant the GOAWAY INADEQUATE_SECURITY with the reason as its debug data", out)
+	}
+}
