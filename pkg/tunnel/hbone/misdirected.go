@@ -1,15 +1,18 @@
 package hbone
 
 import (
+	"bytes"
 	"crypto/tls"
 	"errors"
 	"io"
 	"net"
 	"time"
+
+	"golang.org/x/net/http2"
 )
 
 // A client that reaches the HBONE port speaking something else than HBONE
-// (plaintext HTTP, or TLS without ALPN h2) is told so in HTTP, which is what
+// (plaintext HTTP/1 or HTTP/2, or TLS without ALPN h2) is told so in HTTP, which is what
 // such a client reads: closing without a word left it with "empty reply
 // from server", and a TLS alert can only say bad_certificate, which sends
 // the operator after a certificate that was fine. The answers are fixed
@@ -50,15 +53,35 @@ func looksLikeHTTP(hdr [5]byte) bool {
 	return false
 }
 
+// h2cAnswer is what a plaintext HTTP/2 client (prior knowledge, h2c) gets:
+// our (empty) SETTINGS, which it expects first, and GOAWAY
+// INADEQUATE_SECURITY ("the transport does not meet minimum security
+// requirements") with the reason as its debug data.
+var h2cAnswer = func() string {
+	var b bytes.Buffer
+	fr := http2.NewFramer(&b, nil)
+	_ = fr.WriteSettings()
+	_ = fr.WriteGoAway(0, http2.ErrCodeInadequateSecurity,
+		[]byte("this port speaks HBONE: HTTP/2 CONNECT over mutual TLS 1.3 (ALPN h2), not plaintext HTTP/2"))
+	return b.String()
+}()
+
 // answerPlaintext answers, on its socket raw, a client whose handshake
-// failed with err because it spoke plaintext HTTP, and reports whether it
-// did.
+// failed with err because it spoke plaintext HTTP/1 or HTTP/2, and reports
+// whether it did.
 func answerPlaintext(err error, raw net.Conn) bool {
 	var rhe tls.RecordHeaderError
-	if !errors.As(err, &rhe) || rhe.Conn == nil || !looksLikeHTTP(rhe.RecordHeader) {
+	if !errors.As(err, &rhe) || rhe.Conn == nil {
 		return false
 	}
-	answerAndLinger(raw, raw, plaintextAnswer)
+	switch {
+	case string(rhe.RecordHeader[:]) == http2.ClientPreface[:5]: // "PRI *"
+		answerAndLinger(raw, raw, h2cAnswer)
+	case looksLikeHTTP(rhe.RecordHeader):
+		answerAndLinger(raw, raw, plaintextAnswer)
+	default:
+		return false
+	}
 	return true
 }
 
