@@ -5,11 +5,13 @@ import (
 	"context"
 	"crypto/x509"
 	"encoding/pem"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -153,4 +155,46 @@ func TestOpenSSLStalledLargeFrames(t *testing.T) {
 func writeFrameHeader(b *bytes.Buffer, length int, typ http2.FrameType, flags http2.Flags, id uint32) {
 	b.Write([]byte{byte(length >> 16), byte(length >> 8), byte(length), byte(typ), byte(flags),
 		byte(id >> 24), byte(id >> 16), byte(id >> 8), byte(id)})
+}
+
+// TestNghttpConnectionErrorsExplained: a connection error the client caused
+// comes with its reason in the GOAWAY's debug data, which nghttp prints:
+// here a header field longer than the header list size we advertise
+// (COMPRESSION_ERROR: HPACK cannot skip it), and a 300-field header block
+// (PROTOCOL_ERROR: x/net refuses a fragment that large). Before, every
+// GOAWAY went without debug data, and the client's operator saw only the
+// code.
+func TestNghttpConnectionErrorsExplained(t *testing.T) {
+	nghttp := realClient(t, "nghttp", "nghttp2-client")
+	good, _ := pkis()
+	_, addr := serveLoopback(t, ServerOptions{TLSConfig: good.serverTLS(), Handler: func(context.Context, *ServerRequest) Response {
+		return Response{Status: 403}
+	}})
+	cert, key := good.pemFiles(t)
+	many := []string{}
+	for i := range 300 {
+		many = append(many, "-H", fmt.Sprintf("x-field-%d: %s", i, strings.Repeat("v", 100)))
+	}
+	for name, headers := range map[string][]string{
+		"one long field": {"-H", "x-big: " + strings.Repeat("a", 20000)},
+		"300 fields":     many,
+	} {
+		args := append([]string{"-v", "-t", "10", "--cert", cert, "--key", key}, headers...)
+		out, _ := exec.Command(nghttp, append(args, "https://"+addr+"/")...).CombinedOutput()
+		goaway := ""
+		for _, line := range strings.Split(string(out), "\n") {
+			if strings.Contains(line, "last_stream_id") && strings.Contains(line, "error_code=") && !strings.Contains(line, "NO_ERROR") {
+				goaway = line
+			}
+		}
+		if goaway == "" {
+			t.Errorf("%s: nghttp got no GOAWAY with an error:\n%s", name, out)
+			continue
+		}
+		if strings.Contains(goaway, "opaque_data(0)") {
+			t.Errorf("%s: the GOAWAY carries no reason: %s", name, strings.TrimSpace(goaway))
+		} else {
+			t.Logf("%s: %s", name, strings.TrimSpace(goaway))
+		}
+	}
 }
