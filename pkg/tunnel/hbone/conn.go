@@ -134,6 +134,49 @@ func (b *blockReader) Read(p []byte) (n int, err error) {
 	return n, err
 }
 
+// peerError explains a connection error (an http2.ConnectionError) the peer
+// caused, for our GOAWAY's debug data.
+type peerError struct {
+	reason string
+	err    error
+}
+
+func (e *peerError) Error() string { return e.reason + ": " + e.err.Error() }
+func (e *peerError) Unwrap() error { return e.err }
+
+// headerBlockReason says why x/net's framer refused a header block with ce
+// and no detail of its own.
+func headerBlockReason(ce http2.ConnectionError) string {
+	if http2.ErrCode(ce) == http2.ErrCodeCompression {
+		return fmt.Sprintf("header block not decoded: a field over SETTINGS_MAX_HEADER_LIST_SIZE (%d bytes), or invalid HPACK", maxHeaderListSize)
+	}
+	return fmt.Sprintf("header block refused: far over SETTINGS_MAX_HEADER_LIST_SIZE (%d bytes), or a CONTINUATION after an invalid field", maxHeaderListSize)
+}
+
+// peerErrorReason is the debug data of the GOAWAY closing a connection for
+// err, a connection error the peer caused; "" for other errors. The texts
+// are this package's or x/net's framer's own (fr.ErrorDetail), which name
+// no local detail.
+func peerErrorReason(err error, fr *http2.Framer) string {
+	var fe *floodError
+	var pe *peerError
+	var ce http2.ConnectionError
+	reason := ""
+	switch {
+	case errors.As(err, &fe):
+		reason = fe.reason
+	case errors.As(err, &pe):
+		reason = pe.reason
+	case errors.As(err, &ce):
+		if d := fr.ErrorDetail(); d != nil {
+			reason = d.Error()
+		}
+	case errors.Is(err, http2.ErrFrameTooLarge):
+		reason = fmt.Sprintf("frame larger than SETTINGS_MAX_FRAME_SIZE (%d bytes)", maxReadFrameSize)
+	}
+	return sanitizeReason(reason)
+}
+
 // floodError is a connection error for a peer that abuses the protocol
 // without breaking it: the conn goes with GOAWAY ENHANCE_YOUR_CALM.
 type floodError struct{ reason string }
@@ -281,19 +324,22 @@ type conn struct {
 	// connWaiters are the streams whose writers wait for the connection's
 	// send window (their own has room), longest waiting first; see
 	// passConnWindowLocked.
-	connWaiters   []*Stream
-	sendWaiting   int           // writers waiting for send window now
-	sendWakes     uint64        // times a waiting writer was woken (tests read it)
-	recvWindow    int64         // what the peer may still send before our next WINDOW_UPDATE
-	recvTarget    int64         // our connection window: defaultWindow plus recvReserved
-	streamTarget  int64         // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
-	recvReserved  int64         // taken from the process-wide window budget (start) until close
-	windows       *windowBudget // the budget recvReserved is from (the process's, or a test's)
-	windowOwner   netip.Addr    // whose share of the window budget recvReserved is
-	recvUnacked   int64         // bytes consumed locally and not yet returned to the peer
-	sawSettings   bool
-	goAway        bool // no new streams: GOAWAY sent or received, or closing
-	goAwaySent    bool
+	connWaiters  []*Stream
+	sendWaiting  int           // writers waiting for send window now
+	sendWakes    uint64        // times a waiting writer was woken (tests read it)
+	recvWindow   int64         // what the peer may still send before our next WINDOW_UPDATE
+	recvTarget   int64         // our connection window: defaultWindow plus recvReserved
+	streamTarget int64         // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
+	recvReserved int64         // taken from the process-wide window budget (start) until close
+	windows      *windowBudget // the budget recvReserved is from (the process's, or a test's)
+	windowOwner  netip.Addr    // whose share of the window budget recvReserved is
+	recvUnacked  int64         // bytes consumed locally and not yet returned to the peer
+	sawSettings  bool
+	goAway       bool // no new streams: GOAWAY sent or received, or closing
+	goAwaySent   bool
+	// goAwayDebug is the debug data of the GOAWAY of a connection error the
+	// peer caused: why, in a fixed text (readLoop).
+	goAwayDebug   string
 	err           error // set once, when the conn dies
 	idleSince     time.Time
 	idleTimer     *time.Timer
@@ -579,6 +625,11 @@ func (c *conn) readLoop() {
 	var ce http2.ConnectionError
 	var fe *floodError
 	var ge *GoAwayError
+	if debug := peerErrorReason(err, c.rfr); debug != "" {
+		c.mu.Lock()
+		c.goAwayDebug = debug
+		c.mu.Unlock()
+	}
 	switch {
 	case errors.As(err, &fe):
 		if c.cfg.onFlood != nil {
@@ -615,7 +666,7 @@ func (c *conn) readFrames() error {
 			return fmt.Errorf("read client preface: %w", err)
 		}
 		if string(preface[:]) != http2.ClientPreface {
-			return http2.ConnectionError(http2.ErrCodeProtocol)
+			return &peerError{reason: "no HTTP/2 client preface", err: http2.ConnectionError(http2.ErrCodeProtocol)}
 		}
 	}
 	for {
@@ -644,8 +695,12 @@ func (c *conn) readFrames() error {
 				c.blockReader.pre = nil
 				if fh.Type == http2.FrameHeaders {
 					c.rfr.SetMaxReadFrameSize(maxReadFrameSize)
-					if errors.Is(err, http2.ErrFrameTooLarge) {
+					var ce http2.ConnectionError
+					switch {
+					case errors.Is(err, http2.ErrFrameTooLarge):
 						err = &floodError{reason: fmt.Sprintf("CONTINUATION frame larger than %d bytes, more than a header block within SETTINGS_MAX_HEADER_LIST_SIZE needs", maxHeaderFrame)}
+					case errors.As(err, &ce) && c.rfr.ErrorDetail() == nil:
+						err = &peerError{reason: headerBlockReason(ce), err: err}
 					}
 				}
 				if errors.Is(err, errHeaderBlockTooLong) {
@@ -1757,6 +1812,10 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	sendGoAway = sendGoAway && !c.goAwaySent
 	last := c.lastPeerID
+	var debug []byte
+	if code != http2.ErrCodeNo {
+		debug = []byte(c.goAwayDebug)
+	}
 	streams := make([]*Stream, 0, len(c.streams))
 	for _, s := range c.streams {
 		streams = append(streams, s)
@@ -1789,7 +1848,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 			}
 		}
 		if err == nil && sendGoAway {
-			err = c.fr.WriteGoAway(last, code, nil)
+			err = c.fr.WriteGoAway(last, code, debug)
 		}
 		if err == nil {
 			_ = c.bw.Flush()
