@@ -198,3 +198,32 @@ func TestNghttpConnectionErrorsExplained(t *testing.T) {
 		}
 	}
 }
+
+// TestNghttpAtStreamLimitNotRefused: nghttp sending 3000 requests on one
+// connection keeps to our SETTINGS_MAX_CONCURRENT_STREAMS (200), opening a
+// stream as soon as it read the end of another: none may be refused. Before,
+// a stream our END_STREAM closed still counted until the goroutine that
+// wrote it forgot it, so the client's next HEADERS, sent on reading that
+// END_STREAM, was often refused (REFUSED_STREAM, some 100 to 600 per run),
+// and the refusals, charged as junk, closed the connection as a flood
+// (ENHANCE_YOUR_CALM) after about a thousand: an honest client at the limit
+// lost every stream.
+func TestNghttpAtStreamLimitNotRefused(t *testing.T) {
+	nghttp := realClient(t, "nghttp", "nghttp2-client")
+	good, _ := pkis()
+	srv, addr := serveLoopback(t, ServerOptions{TLSConfig: good.serverTLS(), Handler: func(context.Context, *ServerRequest) Response {
+		return Response{Status: 403}
+	}})
+	cert, key := good.pemFiles(t)
+	out, err := exec.Command(nghttp, "-n", "-m", "3000", "-t", "60", "--cert", cert, "--key", key, "https://"+addr+"/").CombinedOutput()
+	if err != nil {
+		t.Logf("nghttp: %v\n%s", err, out)
+	}
+	st := srv.Stats()
+	if st.StreamsRefused != 0 || st.ConnsFlood != 0 {
+		t.Errorf("%d streams refused, %d connections closed as floods, want none for a client within the stream limit", st.StreamsRefused, st.ConnsFlood)
+	}
+	if st.StreamsBadRequest != 3000 {
+		t.Errorf("%d requests answered (405), want 3000", st.StreamsBadRequest)
+	}
+}
