@@ -1594,10 +1594,29 @@ func (c *conn) addActiveLocked() {
 	}
 }
 
-// releaseLocked uncounts a stream and reports whether the conn, draining,
-// has just become empty and should close.
-func (c *conn) releaseLocked() (closeNow bool) {
-	c.active--
+// uncount stops counting s, ended both ways (its END_STREAM committed, see
+// Stream.commitEnd), toward the peer's concurrent streams, before it is
+// forgotten. A draining conn still closes only when forget finds it empty:
+// our END_STREAM must go out first.
+func (c *conn) uncount(s *Stream) {
+	c.mu.Lock()
+	if c.streams[s.id] == s && !s.uncounted {
+		s.uncounted = true
+		c.active--
+	}
+	c.mu.Unlock()
+}
+
+// releaseLocked uncounts stream s, unless uncount did, or a reserved slot
+// that got no stream (s nil), and reports whether the conn, draining, has
+// just become empty and should close.
+func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
+	if s == nil || !s.uncounted {
+		if s != nil {
+			s.uncounted = true
+		}
+		c.active--
+	}
 	if c.active > 0 || c.err != nil {
 		return false
 	}
@@ -1625,7 +1644,7 @@ func (c *conn) forget(s *Stream) {
 	if peerEnded {
 		c.notePeerClosedLocked(s.id)
 	}
-	closeNow := c.releaseLocked()
+	closeNow := c.releaseLocked(s)
 	c.mu.Unlock()
 	if closeNow {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
