@@ -5,7 +5,7 @@ GO      ?= go
 export PATH := $(PATH):/usr/local/go/bin
 BIN     := bin
 PKGS    := ./...
-DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-certificates git make bind9-dnsutils dnsmasq-base
+DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-certificates git make bind9-dnsutils dnsmasq-base openssl nghttp2-client
 # FUZZTIME counts executions, not seconds: a duration limit races Go's fuzz
 # coordinator at its deadline and can fail with a bare "context deadline exceeded"
 # (golang/go#75804; seen here in CI with no crasher saved).

@@ -255,7 +255,7 @@ type ServerStats struct {
 // NewServerCollector reports the HBONE servers.
 func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	handshakes := prometheus.NewDesc("redirector_hbone_tls_handshake_failures_total",
-		"Inbound HBONE TLS handshakes that failed: a peer with an untrusted or expired certificate, or no h2 ALPN.", nil, nil)
+		"Inbound HBONE TLS handshakes that failed: a peer with an untrusted or expired certificate, no h2 ALPN, plaintext HTTP, or a handshake over 32 KiB.", nil, nil)
 	streams := prometheus.NewDesc("redirector_hbone_streams_total",
 		"Inbound HBONE CONNECT streams by outcome: ok, bad_request, denied (policy) or refused (stream limit, draining).",
 		[]string{"outcome"}, nil)

@@ -17,10 +17,14 @@ import (
 const ALPN = "h2"
 
 // ServerConfig is the TLS configuration of the HBONE listener for the local
-// workload identity local. It requires TLS 1.3 and ALPN h2, asks every client
-// for a certificate, and accepts only certificates that chain to the mesh
-// root, allow client authentication, and carry exactly one SPIFFE ID in the
-// trust domain (see verifyPeer and idFromLeaf for the rest). Which clients
+// workload identity local. It requires TLS 1.3, offers ALPN h2, asks every
+// client for a certificate, and accepts only certificates that chain to the
+// mesh root, allow client authentication, and carry exactly one SPIFFE ID in
+// the trust domain (see verifyPeer and idFromLeaf for the rest). A client
+// that did not negotiate h2 is the HBONE server's to refuse, after the
+// handshake: it answers in HTTP/1.1 that the port needs h2, where this
+// config's only word would be the alert bad_certificate, which
+// VerifyConnection's errors get and which blames a certificate that is fine. Which clients
 // may then open which streams is policy's business, not this config's:
 // read the identity with PeerID. The check holds at the handshake; a
 // connection outliving the client's certificate or root is drained by the
@@ -39,9 +43,6 @@ func ServerConfig(m *Manager, local ID) *tls.Config {
 		// VerifyConnection rather than VerifyPeerCertificate: it also runs on
 		// resumed sessions, so no path skips the identity check.
 		VerifyConnection: func(cs tls.ConnectionState) error {
-			if err := checkALPN(cs); err != nil {
-				return err
-			}
 			_, err := verifyPeer(m, cs.PeerCertificates, x509.ExtKeyUsageClientAuth)
 			return err
 		},

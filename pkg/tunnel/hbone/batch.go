@@ -32,6 +32,12 @@ type batchConn struct {
 
 	// peer is the remote address, whose share of the batch buffer budget a batch takes.
 	peer netip.Addr
+
+	// readLeft, while readLimited, is how many more bytes Read returns before it fails with
+	// errHandshakeTooLarge: a server's TLS handshake (serveConn). Read and set only by the
+	// goroutine that runs the handshake and then reads the connection.
+	readLeft    int64
+	readLimited bool
 }
 
 // tls13RecordOverhead is what a TLS 1.3 record adds to its plaintext: the 5-byte header,
@@ -57,10 +63,33 @@ func newBatchConn(c net.Conn) *batchConn {
 
 // Read reads from the socket.
 func (b *batchConn) Read(p []byte) (int, error) {
+	if b.readLimited {
+		return b.limitedRead(p)
+	}
 	if b.raw != nil {
 		return b.raw.Read(p)
 	}
 	return b.Conn.Read(p)
+}
+
+// limitRead makes Read fail with errHandshakeTooLarge after n more bytes, until
+// unlimitRead.
+func (b *batchConn) limitRead(n int64) { b.readLeft, b.readLimited = n, true }
+
+func (b *batchConn) unlimitRead() { b.readLimited = false }
+
+func (b *batchConn) limitedRead(p []byte) (int, error) {
+	if b.readLeft <= 0 {
+		return 0, errHandshakeTooLarge
+	}
+	if int64(len(p)) > b.readLeft {
+		p = p[:b.readLeft]
+	}
+	b.readLimited = false
+	n, err := b.Read(p)
+	b.readLimited = true
+	b.readLeft -= int64(n)
+	return n, err
 }
 
 // write writes p to the socket.

@@ -90,7 +90,7 @@ func (r *Request) fields() ([]hpack.HeaderField, error) {
 func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early []byte) (s *Stream, sentEarly bool, err error) {
 	if err := c.lockWriteCtx(ctx); err != nil {
 		c.mu.Lock()
-		closeNow := c.releaseLocked()
+		closeNow := c.releaseLocked(nil)
 		c.mu.Unlock()
 		if closeNow {
 			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
@@ -105,7 +105,7 @@ func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early
 	c.mu.Lock()
 	if c.err != nil || c.goAway || c.nextID > maxStreamID {
 		c.goAway = true
-		closeNow := c.releaseLocked()
+		closeNow := c.releaseLocked(nil)
 		c.mu.Unlock()
 		c.unlockWrite()
 		if closeNow {

@@ -86,6 +86,12 @@ const (
 // honest block is at most maxHeaderListSize plus a few frame headers.
 const maxHeaderBlockBytes = 8 * maxHeaderListSize
 
+// maxHeaderFrame bounds a CONTINUATION frame: a header block within
+// maxHeaderListSize (HPACK encodes no field longer than it counts decoded),
+// and its padding. The framer reads those frames of a block on its own,
+// into a buffer of the declared size (checkFrameLength).
+const maxHeaderFrame = maxHeaderListSize + 512
+
 var errHeaderBlockTooLong = errors.New("header block too long")
 
 // readBufKeep is the most a connection's read framer may keep as its read
@@ -103,24 +109,72 @@ type blockReader struct {
 	r    io.Reader
 	left int64
 	read int64
+	// pre, when not empty, is read before r: a frame's payload read ahead
+	// (conn.prefetch).
+	pre []byte
 }
 
-func (b *blockReader) Read(p []byte) (int, error) {
-	if b.left < 0 {
-		n, err := b.r.Read(p)
-		b.read += int64(n)
-		return n, err
-	}
+func (b *blockReader) Read(p []byte) (n int, err error) {
 	if b.left == 0 {
 		return 0, errHeaderBlockTooLong
 	}
-	if int64(len(p)) > b.left {
+	if b.left > 0 && int64(len(p)) > b.left {
 		p = p[:b.left]
 	}
-	n, err := b.r.Read(p)
-	b.left -= int64(n)
+	if len(b.pre) > 0 {
+		n = copy(p, b.pre)
+		b.pre = b.pre[n:]
+	} else {
+		n, err = b.r.Read(p)
+	}
+	if b.left > 0 {
+		b.left -= int64(n)
+	}
 	b.read += int64(n)
 	return n, err
+}
+
+// peerError explains a connection error (an http2.ConnectionError) the peer
+// caused, for our GOAWAY's debug data.
+type peerError struct {
+	reason string
+	err    error
+}
+
+func (e *peerError) Error() string { return e.reason + ": " + e.err.Error() }
+func (e *peerError) Unwrap() error { return e.err }
+
+// headerBlockReason says why x/net's framer refused a header block with ce
+// and no detail of its own.
+func headerBlockReason(ce http2.ConnectionError) string {
+	if http2.ErrCode(ce) == http2.ErrCodeCompression {
+		return fmt.Sprintf("header block not decoded: a field over SETTINGS_MAX_HEADER_LIST_SIZE (%d bytes), or invalid HPACK", maxHeaderListSize)
+	}
+	return fmt.Sprintf("header block refused: far over SETTINGS_MAX_HEADER_LIST_SIZE (%d bytes), or a CONTINUATION after an invalid field", maxHeaderListSize)
+}
+
+// peerErrorReason is the debug data of the GOAWAY closing a connection for
+// err, a connection error the peer caused; "" for other errors. The texts
+// are this package's or x/net's framer's own (fr.ErrorDetail), which name
+// no local detail.
+func peerErrorReason(err error, fr *http2.Framer) string {
+	var fe *floodError
+	var pe *peerError
+	var ce http2.ConnectionError
+	reason := ""
+	switch {
+	case errors.As(err, &fe):
+		reason = fe.reason
+	case errors.As(err, &pe):
+		reason = pe.reason
+	case errors.As(err, &ce):
+		if d := fr.ErrorDetail(); d != nil {
+			reason = d.Error()
+		}
+	case errors.Is(err, http2.ErrFrameTooLarge):
+		reason = fmt.Sprintf("frame larger than SETTINGS_MAX_FRAME_SIZE (%d bytes)", maxReadFrameSize)
+	}
+	return sanitizeReason(reason)
 }
 
 // floodError is a connection error for a peer that abuses the protocol
@@ -270,19 +324,22 @@ type conn struct {
 	// connWaiters are the streams whose writers wait for the connection's
 	// send window (their own has room), longest waiting first; see
 	// passConnWindowLocked.
-	connWaiters   []*Stream
-	sendWaiting   int           // writers waiting for send window now
-	sendWakes     uint64        // times a waiting writer was woken (tests read it)
-	recvWindow    int64         // what the peer may still send before our next WINDOW_UPDATE
-	recvTarget    int64         // our connection window: defaultWindow plus recvReserved
-	streamTarget  int64         // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
-	recvReserved  int64         // taken from the process-wide window budget (start) until close
-	windows       *windowBudget // the budget recvReserved is from (the process's, or a test's)
-	windowOwner   netip.Addr    // whose share of the window budget recvReserved is
-	recvUnacked   int64         // bytes consumed locally and not yet returned to the peer
-	sawSettings   bool
-	goAway        bool // no new streams: GOAWAY sent or received, or closing
-	goAwaySent    bool
+	connWaiters  []*Stream
+	sendWaiting  int           // writers waiting for send window now
+	sendWakes    uint64        // times a waiting writer was woken (tests read it)
+	recvWindow   int64         // what the peer may still send before our next WINDOW_UPDATE
+	recvTarget   int64         // our connection window: defaultWindow plus recvReserved
+	streamTarget int64         // our stream window (SETTINGS_INITIAL_WINDOW_SIZE), set by start
+	recvReserved int64         // taken from the process-wide window budget (start) until close
+	windows      *windowBudget // the budget recvReserved is from (the process's, or a test's)
+	windowOwner  netip.Addr    // whose share of the window budget recvReserved is
+	recvUnacked  int64         // bytes consumed locally and not yet returned to the peer
+	sawSettings  bool
+	goAway       bool // no new streams: GOAWAY sent or received, or closing
+	goAwaySent   bool
+	// goAwayDebug is the debug data of the GOAWAY of a connection error the
+	// peer caused: why, in a fixed text (readLoop).
+	goAwayDebug   string
 	err           error // set once, when the conn dies
 	idleSince     time.Time
 	idleTimer     *time.Timer
@@ -568,6 +625,11 @@ func (c *conn) readLoop() {
 	var ce http2.ConnectionError
 	var fe *floodError
 	var ge *GoAwayError
+	if debug := peerErrorReason(err, c.rfr); debug != "" {
+		c.mu.Lock()
+		c.goAwayDebug = debug
+		c.mu.Unlock()
+	}
 	switch {
 	case errors.As(err, &fe):
 		if c.cfg.onFlood != nil {
@@ -604,7 +666,7 @@ func (c *conn) readFrames() error {
 			return fmt.Errorf("read client preface: %w", err)
 		}
 		if string(preface[:]) != http2.ClientPreface {
-			return http2.ConnectionError(http2.ErrCodeProtocol)
+			return &peerError{reason: "no HTTP/2 client preface", err: http2.ConnectionError(http2.ErrCodeProtocol)}
 		}
 	}
 	for {
@@ -619,14 +681,28 @@ func (c *conn) readFrames() error {
 			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
+			} else if skip, ferr := c.checkFrameLength(fh); ferr != nil || skip {
+				err = ferr
 			} else {
 				var f http2.Frame
 				if fh.Type == http2.FrameHeaders {
 					c.blockReader.left = maxHeaderBlockBytes
+					c.rfr.SetMaxReadFrameSize(maxHeaderFrame) // its CONTINUATION frames
 				}
 				from := c.blockReader.read
 				f, err = c.rfr.ReadFrameForHeader(fh)
 				c.blockReader.left = -1
+				c.blockReader.pre = nil
+				if fh.Type == http2.FrameHeaders {
+					c.rfr.SetMaxReadFrameSize(maxReadFrameSize)
+					var ce http2.ConnectionError
+					switch {
+					case errors.Is(err, http2.ErrFrameTooLarge):
+						err = &floodError{reason: fmt.Sprintf("CONTINUATION frame larger than %d bytes, more than a header block within SETTINGS_MAX_HEADER_LIST_SIZE needs", maxHeaderFrame)}
+					case errors.As(err, &ce) && c.rfr.ErrorDetail() == nil:
+						err = &peerError{reason: headerBlockReason(ce), err: err}
+					}
+				}
 				if errors.Is(err, errHeaderBlockTooLong) {
 					err = &floodError{reason: "header block (HEADERS and CONTINUATION frames) too long"}
 				}
@@ -663,6 +739,64 @@ func (c *conn) readFrames() error {
 			return err
 		}
 	}
+}
+
+// checkFrameLength runs before the framer reads a frame that is not DATA,
+// whose payload x/net's framer allocates at the length the header declares,
+// before a byte of it arrived: a peer that sent a 9-byte header declaring 1
+// MiB (our SETTINGS_MAX_FRAME_SIZE, which is for DATA) and then nothing held
+// 1 MiB of ours for the life of the connection, 1 GiB with the 1024
+// connections one address may open. So what the framer reads is at most
+// readBufKeep, what it keeps anyway, except: a frame no honest peer sends
+// that large (every type of a fixed or small size, SETTINGS of more than
+// maxSettingsPerFrame, a frame before the first SETTINGS, HEADERS that
+// x/net would refuse) is a flood; a HEADERS, or a GOAWAY whose debug text
+// may be long, is read first into a buffer that grows as its bytes arrive
+// (prefetch); a frame of an unknown type, which is ignored, is read and
+// dropped (skip true), charged to the junk budget. The CONTINUATION frames
+// of a header block, which the framer reads on its own, are bounded by
+// maxHeaderFrame.
+func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
+	if fh.Length <= readBufKeep {
+		return false, nil
+	}
+	tooLong := func() error {
+		return &floodError{reason: fmt.Sprintf("%v frame declaring %d bytes, more than any honest one needs", fh.Type, fh.Length)}
+	}
+	switch {
+	case !c.sawSettings:
+		return false, tooLong() // the first frame must be SETTINGS
+	case fh.Type == http2.FrameHeaders:
+		// x/net refuses a fragment over twice the header list size it has
+		// left (for headers and trailers: 4 times ours), after reading it.
+		// Below, the list may be just over the limit: the stream is
+		// refused with 431, and the connection lives.
+		if fh.Length > 4*maxHeaderListSize+512 {
+			return false, tooLong()
+		}
+		return false, c.prefetch(fh.Length)
+	case fh.Type == http2.FrameGoAway:
+		return false, c.prefetch(fh.Length)
+	case fh.Type > http2.FrameContinuation: // unknown: ignored (RFC 9113 §5.5)
+		if err := c.spendJunk(fh.Type.String()); err != nil {
+			return false, err
+		}
+		_, err := io.CopyN(io.Discard, c.rd, int64(fh.Length))
+		return true, err
+	default:
+		return false, tooLong()
+	}
+}
+
+// prefetch reads the next n bytes, a frame's payload, into a buffer that
+// grows as they arrive, for the framer to read (blockReader.pre).
+func (c *conn) prefetch(n uint32) error {
+	var buf bytes.Buffer
+	if _, err := io.CopyN(&buf, c.rd, int64(n)); err != nil {
+		return err
+	}
+	c.blockReader.pre = buf.Bytes()
+	return nil
 }
 
 func (c *conn) onFrame(f http2.Frame) error {
@@ -1460,10 +1594,29 @@ func (c *conn) addActiveLocked() {
 	}
 }
 
-// releaseLocked uncounts a stream and reports whether the conn, draining,
-// has just become empty and should close.
-func (c *conn) releaseLocked() (closeNow bool) {
-	c.active--
+// uncount stops counting s, ended both ways (its END_STREAM committed, see
+// Stream.commitEnd), toward the peer's concurrent streams, before it is
+// forgotten. A draining conn still closes only when forget finds it empty:
+// our END_STREAM must go out first.
+func (c *conn) uncount(s *Stream) {
+	c.mu.Lock()
+	if c.streams[s.id] == s && !s.uncounted {
+		s.uncounted = true
+		c.active--
+	}
+	c.mu.Unlock()
+}
+
+// releaseLocked uncounts stream s, unless uncount did, or a reserved slot
+// that got no stream (s nil), and reports whether the conn, draining, has
+// just become empty and should close.
+func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
+	if s == nil || !s.uncounted {
+		if s != nil {
+			s.uncounted = true
+		}
+		c.active--
+	}
 	if c.active > 0 || c.err != nil {
 		return false
 	}
@@ -1491,7 +1644,7 @@ func (c *conn) forget(s *Stream) {
 	if peerEnded {
 		c.notePeerClosedLocked(s.id)
 	}
-	closeNow := c.releaseLocked()
+	closeNow := c.releaseLocked(s)
 	c.mu.Unlock()
 	if closeNow {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
@@ -1678,6 +1831,10 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	sendGoAway = sendGoAway && !c.goAwaySent
 	last := c.lastPeerID
+	var debug []byte
+	if code != http2.ErrCodeNo {
+		debug = []byte(c.goAwayDebug)
+	}
 	streams := make([]*Stream, 0, len(c.streams))
 	for _, s := range c.streams {
 		streams = append(streams, s)
@@ -1710,7 +1867,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 			}
 		}
 		if err == nil && sendGoAway {
-			err = c.fr.WriteGoAway(last, code, nil)
+			err = c.fr.WriteGoAway(last, code, debug)
 		}
 		if err == nil {
 			_ = c.bw.Flush()

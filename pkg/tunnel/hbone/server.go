@@ -299,6 +299,22 @@ func (srv *Server) isClosed() bool {
 	return srv.closed
 }
 
+// maxClientHandshake bounds the bytes a server reads from a client during the
+// TLS handshake: its ClientHello (a few KiB, post-quantum key shares
+// included; a second after a HelloRetryRequest), certificate chain,
+// CertificateVerify and Finished. crypto/tls takes a Certificate message of
+// up to 256 KiB and parses every certificate in it before VerifyConnection
+// can refuse the chain for its length: a client with no valid certificate
+// made each handshake cost several times an honest one (some 1000 small
+// certificates), beyond what the handshake rate limit per source was set
+// for, and held that much per handshake slot. A chain of 8 certificates
+// with RSA keys of 8192 bits (what the identity package accepts at most)
+// takes some 20 KiB.
+const maxClientHandshake = 32 << 10
+
+// errHandshakeTooLarge fails a handshake that reads more than maxClientHandshake.
+var errHandshakeTooLarge = fmt.Errorf("client sent more than %d bytes in its TLS handshake, more than any honest client", maxClientHandshake)
+
 // serveConn handshakes and then runs the conn's reader on this goroutine.
 // The connection holds its handshake slot hs until the client's first
 // SETTINGS frame, or its end.
@@ -310,12 +326,17 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	tc := tls.Server(batch, srv.tlsConf)
 	gen := srv.trust.generation()
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
+	batch.limitRead(maxClientHandshake)
 	err := tc.HandshakeContext(ctx)
+	batch.unlimitRead()
 	cancel()
 	if err == nil {
 		if proto := tc.ConnectionState().NegotiatedProtocol; proto != "h2" {
 			err = fmt.Errorf("client negotiated ALPN %q, want h2", proto)
+			answerNoH2(tc, nc)
 		}
+	} else if answerPlaintext(err, nc) {
+		err = fmt.Errorf("client spoke plaintext HTTP: %w", err)
 	}
 	if err != nil {
 		srv.stats.handshakeFailures.Add(1)

@@ -47,11 +47,18 @@ type Stream struct {
 	buf         recvBuf
 	recvWindow  int64 // what the peer may still send on this stream
 	recvUnacked int64
-	remoteEnded bool  // END_STREAM received
-	peerReset   bool  // RST_STREAM received
-	localEnded  bool  // END_STREAM sent (also written under wmu)
-	err         error // reset or connection failure
-	closed      bool  // Close called
+	remoteEnded bool // END_STREAM received
+	peerReset   bool // RST_STREAM received
+	localEnded  bool // END_STREAM sent (also written under wmu)
+	// endCommitted: our END_STREAM is being written (set before the
+	// write, under wmu): with remoteEnded, the stream no longer counts
+	// toward the peer's concurrent streams (conn.uncount).
+	endCommitted bool
+	// uncounted: the stream no longer counts in conn.active. Guarded by
+	// the conn's mu.
+	uncounted bool
+	err       error // reset or connection failure
+	closed    bool  // Close called
 	// onAbort runs once when the stream fails (closeOnAbort), told whether
 	// received bytes wait for delivery.
 	onAbort  func(pending bool)
@@ -168,12 +175,15 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	}
 	inc := s.consumedLocked(consumed)
 	done := s.remoteEnded && s.localEnded
+	uncount := end && s.endCommitted && !done
 	s.mu.Unlock()
 	if consumed > 0 {
 		s.c.credit(s.id, inc, consumed)
 	}
 	if done {
 		s.c.forget(s)
+	} else if uncount {
+		s.c.uncount(s)
 	}
 	return nil
 }
@@ -220,9 +230,12 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 		s.rcond.Broadcast()
 	}
 	done := s.remoteEnded && s.localEnded
+	uncount := s.remoteEnded && s.endCommitted && !done
 	s.mu.Unlock()
 	if done {
 		s.c.forget(s)
+	} else if uncount {
+		s.c.uncount(s)
 	}
 	return nil
 }
@@ -713,11 +726,29 @@ func (s *Stream) CloseWrite() error {
 		return err
 	}
 	var hdr [frameHeaderLen]byte
+	s.commitEnd()
 	if err := s.c.writeData(hdr[:], s.id, true); err != nil {
 		return err
 	}
 	s.endLocal()
 	return nil
+}
+
+// commitEnd records, before our END_STREAM is written, that it will be: a
+// stream the peer ended already stops counting toward its concurrent
+// streams now (conn.uncount), not once the write returned. The peer may
+// open a new stream as soon as it reads that END_STREAM, and its HEADERS,
+// read on the reader goroutine while this one still returned from the write,
+// were refused (REFUSED_STREAM) for a limit the peer kept. The caller holds
+// wmu.
+func (s *Stream) commitEnd() {
+	s.mu.Lock()
+	s.endCommitted = true
+	uncount := s.remoteEnded
+	s.mu.Unlock()
+	if uncount {
+		s.c.uncount(s)
+	}
 }
 
 // endLocal records that END_STREAM was sent. The caller holds wmu.
@@ -749,6 +780,9 @@ func (s *Stream) writeResponse(status int, reason string, end bool) error {
 		return err
 	}
 	c := s.c
+	if end {
+		s.commitEnd()
+	}
 	c.lockWrite()
 	err := c.writeHeadersLocked(s.id, fields, end)
 	if err == nil {
