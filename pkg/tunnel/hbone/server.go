@@ -309,8 +309,11 @@ func (srv *Server) isClosed() bool {
 // certificates), beyond what the handshake rate limit per source was set
 // for, and held that much per handshake slot. A chain of 8 certificates
 // with RSA keys of 8192 bits (what the identity package accepts at most)
-// takes some 20 KiB.
-const maxClientHandshake = 32 << 10
+// takes some 20 KiB. The bound is on bytes read from the socket, and the
+// handshake's last read may take as much of the client's first application
+// data as its buffer holds (up to its largest record so far): twice the
+// largest honest handshake, and more.
+const maxClientHandshake = 64 << 10
 
 // errHandshakeTooLarge fails a handshake that reads more than maxClientHandshake.
 var errHandshakeTooLarge = fmt.Errorf("client sent more than %d bytes in its TLS handshake, more than any honest client", maxClientHandshake)
