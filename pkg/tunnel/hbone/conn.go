@@ -315,6 +315,7 @@ type conn struct {
 	mu             sync.Mutex
 	streams        map[uint32]*Stream
 	active         int // streams open or reserved (client) on this conn
+	ending         int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
 	nextID         uint32
 	lastPeerID     uint32
 	peerMaxStreams uint32
@@ -1249,7 +1250,7 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 			unprocessed = append(unprocessed, s)
 		}
 	}
-	idle := c.active == len(unprocessed)
+	idle := c.active == len(unprocessed) && c.ending == 0
 	c.mu.Unlock()
 	for _, s := range unprocessed {
 		s.abort(fmt.Errorf("%w: connection going away", errRetry))
@@ -1603,21 +1604,29 @@ func (c *conn) uncount(s *Stream) {
 	if c.streams[s.id] == s && !s.uncounted {
 		s.uncounted = true
 		c.active--
+		c.ending++
 	}
 	c.mu.Unlock()
 }
+
+// emptyLocked reports whether the conn has no stream at all: none counted
+// or reserved, and none whose END_STREAM is still being written (ending).
+func (c *conn) emptyLocked() bool { return c.active == 0 && c.ending == 0 }
 
 // releaseLocked uncounts stream s, unless uncount did, or a reserved slot
 // that got no stream (s nil), and reports whether the conn, draining, has
 // just become empty and should close.
 func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
-	if s == nil || !s.uncounted {
-		if s != nil {
-			s.uncounted = true
-		}
+	switch {
+	case s == nil:
+		c.active--
+	case s.uncounted:
+		c.ending-- // uncount took it out of active; now it is gone
+	default:
+		s.uncounted = true
 		c.active--
 	}
-	if c.active > 0 || c.err != nil {
+	if !c.emptyLocked() || c.err != nil {
 		return false
 	}
 	if c.goAway {
@@ -1654,7 +1663,7 @@ func (c *conn) forget(s *Stream) {
 // idleForLocked reports whether the conn has had no streams for at least d and
 // is still open. Timer callbacks use it to ignore stale firings.
 func (c *conn) idleForLocked(d time.Duration) bool {
-	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
+	return c.err == nil && c.emptyLocked() && !c.goAway && time.Since(c.idleSince) >= d
 }
 
 // drainAtPeerExpiry drains c when the chain the peer presented in state
@@ -1756,7 +1765,7 @@ func (c *conn) drain() {
 		return
 	}
 	c.goAway = true
-	idle := c.active == 0
+	idle := c.emptyLocked()
 	last := c.lastPeerID
 	if !idle && !c.goAwaySent {
 		c.goAwaySent = true
