@@ -682,7 +682,7 @@ func (c *conn) readFrames() error {
 			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
-			} else if skip, ferr := c.checkFrameLength(fh); ferr != nil || skip {
+			} else if skip, ferr := c.checkFrameLength(&fh); ferr != nil || skip {
 				err = ferr
 			} else {
 				var f http2.Frame
@@ -756,8 +756,11 @@ func (c *conn) readFrames() error {
 // (prefetch); a frame of an unknown type, which is ignored, is read and
 // dropped (skip true), charged to the junk budget. The CONTINUATION frames
 // of a header block, which the framer reads on its own, are bounded by
-// maxHeaderFrame.
-func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
+// maxHeaderFrame. Of a GOAWAY only its first maxGoAwayRead bytes are kept,
+// the rest of its debug text read and dropped, and fh shortened to match:
+// a peer that sent all of a 1 MiB GOAWAY but its last byte, and stalled,
+// made the connection hold all it sent.
+func (c *conn) checkFrameLength(fh *http2.FrameHeader) (skip bool, err error) {
 	if fh.Length <= readBufKeep {
 		return false, nil
 	}
@@ -777,7 +780,14 @@ func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
 		}
 		return false, c.prefetch(fh.Length)
 	case fh.Type == http2.FrameGoAway:
-		return false, c.prefetch(fh.Length)
+		if err := c.prefetch(maxGoAwayRead); err != nil {
+			return false, err
+		}
+		if _, err := io.CopyN(io.Discard, c.rd, int64(fh.Length-maxGoAwayRead)); err != nil {
+			return false, err
+		}
+		fh.Length = maxGoAwayRead
+		return false, nil
 	case fh.Type > http2.FrameContinuation: // unknown: ignored (RFC 9113 §5.5)
 		if err := c.spendJunk(fh.Type.String()); err != nil {
 			return false, err
@@ -788,6 +798,10 @@ func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
 		return false, tooLong()
 	}
 }
+
+// maxGoAwayRead is the most of a GOAWAY frame kept (checkFrameLength): its
+// last stream and code, and a debug text longer than any log line shows.
+const maxGoAwayRead = readBufKeep
 
 // prefetch reads the next n bytes, a frame's payload, into a buffer that
 // grows as they arrive, for the framer to read (blockReader.pre).
