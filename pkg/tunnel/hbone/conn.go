@@ -315,6 +315,7 @@ type conn struct {
 	mu             sync.Mutex
 	streams        map[uint32]*Stream
 	active         int // streams open or reserved (client) on this conn
+	ending         int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
 	nextID         uint32
 	lastPeerID     uint32
 	peerMaxStreams uint32
@@ -681,7 +682,7 @@ func (c *conn) readFrames() error {
 			}
 			if fh.Type == http2.FrameData && c.sawSettings {
 				err = c.readData(fh)
-			} else if skip, ferr := c.checkFrameLength(fh); ferr != nil || skip {
+			} else if skip, ferr := c.checkFrameLength(&fh); ferr != nil || skip {
 				err = ferr
 			} else {
 				var f http2.Frame
@@ -755,8 +756,11 @@ func (c *conn) readFrames() error {
 // (prefetch); a frame of an unknown type, which is ignored, is read and
 // dropped (skip true), charged to the junk budget. The CONTINUATION frames
 // of a header block, which the framer reads on its own, are bounded by
-// maxHeaderFrame.
-func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
+// maxHeaderFrame. Of a GOAWAY only its first maxGoAwayRead bytes are kept,
+// the rest of its debug text read and dropped, and fh shortened to match:
+// a peer that sent all of a 1 MiB GOAWAY but its last byte, and stalled,
+// made the connection hold all it sent.
+func (c *conn) checkFrameLength(fh *http2.FrameHeader) (skip bool, err error) {
 	if fh.Length <= readBufKeep {
 		return false, nil
 	}
@@ -776,7 +780,14 @@ func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
 		}
 		return false, c.prefetch(fh.Length)
 	case fh.Type == http2.FrameGoAway:
-		return false, c.prefetch(fh.Length)
+		if err := c.prefetch(maxGoAwayRead); err != nil {
+			return false, err
+		}
+		if _, err := io.CopyN(io.Discard, c.rd, int64(fh.Length-maxGoAwayRead)); err != nil {
+			return false, err
+		}
+		fh.Length = maxGoAwayRead
+		return false, nil
 	case fh.Type > http2.FrameContinuation: // unknown: ignored (RFC 9113 §5.5)
 		if err := c.spendJunk(fh.Type.String()); err != nil {
 			return false, err
@@ -787,6 +798,10 @@ func (c *conn) checkFrameLength(fh http2.FrameHeader) (skip bool, err error) {
 		return false, tooLong()
 	}
 }
+
+// maxGoAwayRead is the most of a GOAWAY frame kept (checkFrameLength): its
+// last stream and code, and a debug text longer than any log line shows.
+const maxGoAwayRead = readBufKeep
 
 // prefetch reads the next n bytes, a frame's payload, into a buffer that
 // grows as they arrive, for the framer to read (blockReader.pre).
@@ -1249,7 +1264,7 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 			unprocessed = append(unprocessed, s)
 		}
 	}
-	idle := c.active == len(unprocessed)
+	idle := c.active == len(unprocessed) && c.ending == 0
 	c.mu.Unlock()
 	for _, s := range unprocessed {
 		s.abort(fmt.Errorf("%w: connection going away", errRetry))
@@ -1603,21 +1618,29 @@ func (c *conn) uncount(s *Stream) {
 	if c.streams[s.id] == s && !s.uncounted {
 		s.uncounted = true
 		c.active--
+		c.ending++
 	}
 	c.mu.Unlock()
 }
+
+// emptyLocked reports whether the conn has no stream at all: none counted
+// or reserved, and none whose END_STREAM is still being written (ending).
+func (c *conn) emptyLocked() bool { return c.active == 0 && c.ending == 0 }
 
 // releaseLocked uncounts stream s, unless uncount did, or a reserved slot
 // that got no stream (s nil), and reports whether the conn, draining, has
 // just become empty and should close.
 func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
-	if s == nil || !s.uncounted {
-		if s != nil {
-			s.uncounted = true
-		}
+	switch {
+	case s == nil:
+		c.active--
+	case s.uncounted:
+		c.ending-- // uncount took it out of active; now it is gone
+	default:
+		s.uncounted = true
 		c.active--
 	}
-	if c.active > 0 || c.err != nil {
+	if !c.emptyLocked() || c.err != nil {
 		return false
 	}
 	if c.goAway {
@@ -1654,7 +1677,7 @@ func (c *conn) forget(s *Stream) {
 // idleForLocked reports whether the conn has had no streams for at least d and
 // is still open. Timer callbacks use it to ignore stale firings.
 func (c *conn) idleForLocked(d time.Duration) bool {
-	return c.err == nil && c.active == 0 && !c.goAway && time.Since(c.idleSince) >= d
+	return c.err == nil && c.emptyLocked() && !c.goAway && time.Since(c.idleSince) >= d
 }
 
 // drainAtPeerExpiry drains c when the chain the peer presented in state
@@ -1756,7 +1779,7 @@ func (c *conn) drain() {
 		return
 	}
 	c.goAway = true
-	idle := c.active == 0
+	idle := c.emptyLocked()
 	last := c.lastPeerID
 	if !idle && !c.goAwaySent {
 		c.goAwaySent = true

@@ -32,6 +32,7 @@ type rawFrame struct {
 	ping   [8]byte       // PING data
 	inc    uint32        // WINDOW_UPDATE increment
 	length uint32        // the frame's payload length (DATA: flow-controlled bytes)
+	end    bool          // END_STREAM (DATA, HEADERS)
 }
 
 // rawClient speaks raw HTTP/2 frames to a server connection over net.Pipe,
@@ -73,6 +74,9 @@ func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
 				return
 			}
 			rf := rawFrame{typ: f.Header().Type, stream: f.Header().StreamID, length: f.Header().Length}
+			if t := rf.typ; t == http2.FrameData || t == http2.FrameHeaders {
+				rf.end = f.Header().Flags.Has(http2.FlagDataEndStream)
+			}
 			switch f := f.(type) {
 			case *http2.MetaHeadersFrame:
 				rf.status, _ = strconv.Atoi(f.PseudoValue("status"))

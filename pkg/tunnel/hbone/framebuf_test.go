@@ -136,3 +136,43 @@ func TestClientLargeFramesPinNoBuffer(t *testing.T) {
 		t.Errorf("%d pooled connections, want %d", st.Conns, conns)
 	}
 }
+
+// TestStalledGoAwayHoldsNoPayload: a GOAWAY longer than readBufKeep is read
+// ahead of the framer (prefetch), so that a header declaring 1 MiB and
+// nothing more costs nothing. But a peer that sends all of such a GOAWAY
+// but its last byte, and stalls, must not make the connection hold what it
+// sent: the debug text is only logged, cut short anyway, and 1 MiB per
+// connection is what the receive window budget exists to refuse (1 GiB for
+// one client address's 1024 connections). Before the fix each such
+// connection held the 1 MiB it was sent, and more, until it ended.
+func TestStalledGoAwayHoldsNoPayload(t *testing.T) {
+	srv, err := NewServer(ServerOptions{TLSConfig: mustServerTLS(), Handler: func(ctx context.Context, req *ServerRequest) Response {
+		<-ctx.Done()
+		return Response{Status: 503}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	const conns = 16
+	payload := make([]byte, maxReadFrameSize) // last stream 0, NO_ERROR, zeros
+	rcs := make([]*rawClient, conns)
+	for i := range rcs {
+		rcs[i] = newRawClient(t, srv)
+		ping(t, rcs[i], [8]byte{'u', 'p'})
+	}
+	before := heapInUse()
+	for _, rc := range rcs {
+		hdr := []byte{byte(len(payload) >> 16), byte(len(payload) >> 8), byte(len(payload)), byte(http2.FrameGoAway), 0, 0, 0, 0, 0}
+		// Over net.Pipe a write returns once the server read all of it.
+		if _, err := rc.nc.Write(append(hdr, payload[:len(payload)-1]...)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	held := heapInUse() - before
+	t.Logf("held %d KiB per connection", held/conns>>10)
+	if perConn := held / conns; perConn > 256<<10 {
+		t.Errorf("each connection holds %d KiB of a stalled %d KiB GOAWAY, want at most 256 KiB", perConn>>10, maxReadFrameSize>>10)
+	}
+	runtime.KeepAlive(rcs)
+}
