@@ -321,7 +321,7 @@ func (p *pod) takeDNS(ctx context.Context) *net.UDPConn {
 	c, err := pr.takeDNS(ctx, p.nsInode, t.cfg.DNSPort, t.cfg.TunnelMark)
 	switch {
 	case errors.Is(err, errDNSRefused):
-		t.log.InfoContext(ctx, "the predecessor does not hand DNS sockets over: each pod opens its own beside the predecessor's", "error", err)
+		t.log.InfoContext(ctx, "the predecessor does not hand DNS sockets over: each pod opens its own once the predecessor closes its socket", "error", err)
 		return nil
 	case errors.Is(err, errNoPredecessor), errors.Is(err, errNoDNSHandover), err != nil && ctx.Err() != nil:
 		// nothing to take (no predecessor, or none that hands DNS sockets
