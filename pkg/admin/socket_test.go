@@ -88,31 +88,7 @@ func TestReadinessSocketBoundsConnections(t *testing.T) {
 func TestReadinessSocketProbeAmidFlood(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "ready.sock")
 	start(t, Options{ReadinessSocket: sock})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		var held []net.Conn
-		defer func() {
-			for _, c := range held {
-				c.Close()
-			}
-		}()
-		for ctx.Err() == nil {
-			c, err := net.DialTimeout("unix", sock, time.Second)
-			if err != nil {
-				time.Sleep(time.Millisecond)
-				continue
-			}
-			held = append(held, c)
-			if len(held) > 4*maxConnsPerSource {
-				held[0].Close()
-				held = held[1:]
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}()
-	defer func() { cancel(); <-done }()
+	defer floodSocket(sock, time.Millisecond)()
 	time.Sleep(100 * time.Millisecond)
 	for i := range 20 {
 		line, err := askSocket(sock, 2*time.Second)
@@ -133,6 +109,21 @@ func TestReadinessSocketProbeAmidFlood(t *testing.T) {
 func TestReadinessSocketProbeAmidFastFlood(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "ready.sock")
 	start(t, Options{ReadinessSocket: sock})
+	defer floodSocket(sock, 0)()
+	time.Sleep(100 * time.Millisecond)
+	for i := range 20 {
+		line, err := askFromChild(t, sock)
+		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
+			t.Fatalf("probe %d amid a fast flood of stalled clients: %q, %v; want 200", i, line, err)
+		}
+	}
+}
+
+// floodSocket opens stalled connections to the unix socket sock, pausing
+// pause after each try (none: as fast as it can), and keeps the last
+// 4*maxConnsPerSource of them open (each evicted one replaced at once),
+// until the returned stop is called.
+func floodSocket(sock string, pause time.Duration) (stop func()) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -145,24 +136,17 @@ func TestReadinessSocketProbeAmidFastFlood(t *testing.T) {
 		}()
 		for ctx.Err() == nil {
 			c, err := net.DialTimeout("unix", sock, time.Second)
-			if err != nil {
-				continue
+			if err == nil {
+				held = append(held, c)
+				if len(held) > 4*maxConnsPerSource {
+					held[0].Close()
+					held = held[1:]
+				}
 			}
-			held = append(held, c)
-			if len(held) > 4*maxConnsPerSource {
-				held[0].Close()
-				held = held[1:]
-			}
+			time.Sleep(pause)
 		}
 	}()
-	defer func() { cancel(); <-done }()
-	time.Sleep(100 * time.Millisecond)
-	for i := range 20 {
-		line, err := askFromChild(t, sock)
-		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
-			t.Fatalf("probe %d amid a fast flood of stalled clients: %q, %v; want 200", i, line, err)
-		}
-	}
+	return func() { cancel(); <-done }
 }
 
 // askFromChild asks the readiness socket from a process of its own (curl),

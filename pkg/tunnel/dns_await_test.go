@@ -7,12 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/redirector-mesh/redirector/pkg/dnsproxy"
 	"github.com/redirector-mesh/redirector/pkg/netns"
-	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
-	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // TestDNSSocketTakenOnceFree: a process in the pod that holds UDP port
@@ -34,27 +30,7 @@ func TestDNSSocketTakenOnceFree(t *testing.T) {
 	}
 	defer held.Close()
 
-	var tun *Tunnel
-	proxy, err := dnsproxy.New(dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}},
-		func() *workload.Directory { return tun.State().Dir }, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := hbone.NewPool(hbone.PoolOptions{})
-	t.Cleanup(func() { pool.Close() })
-	tun = New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
-		TunnelMark: testMark, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
-		DNS: proxy, DNSPort: 15053, DNSCapture: true})
-	tun.Update(&State{Dir: testDir(t, podObj("mesh", "client", "client-sa", dnsPodAddr.String(), nil))})
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = tun.Shutdown(ctx)
-	})
-	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
-		t.Fatal(err)
-	}
-	p := tun.pods["uid-client"]
+	tun, p := dnsTunnelWith(t, ns, dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}}, nil, nil)
 	time.Sleep(500 * time.Millisecond)
 	if p.dnsSocket() != nil {
 		t.Fatal("the pod's DNS socket opened though port 15053 is held")
@@ -89,21 +65,7 @@ func TestDNSAwaitEndsWithPod(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer held.Close()
-	var tun *Tunnel
-	proxy, err := dnsproxy.New(dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}},
-		func() *workload.Directory { return tun.State().Dir }, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := hbone.NewPool(hbone.PoolOptions{})
-	t.Cleanup(func() { pool.Close() })
-	tun = New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
-		TunnelMark: testMark, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
-		DNS: proxy, DNSPort: 15053, DNSCapture: true})
-	tun.Update(&State{Dir: testDir(t, podObj("mesh", "client", "client-sa", dnsPodAddr.String(), nil))})
-	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
-		t.Fatal(err)
-	}
+	tun, _ := dnsTunnelWith(t, ns, dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}}, nil, nil)
 	time.Sleep(100 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

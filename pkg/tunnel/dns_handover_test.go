@@ -17,13 +17,10 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
-	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/dnsproxy"
 	"github.com/redirector-mesh/redirector/pkg/netns"
-	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
-	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // The DNS hand-over tests capture the pod's queries as the capture
@@ -96,32 +93,10 @@ func answeringUpstream(t *testing.T, ns *netns.Handle, addr, answer netip.Addr) 
 	}()
 }
 
-// dnsAgentServing is a tunnel answering the pod's DNS (dnsPodAddr in ns), with
-// upstream as its resolver and pred as its predecessor (nil: none); its
-// pod is served, its DNS socket open or awaited.
+// dnsAgentServing is dnsTunnelWith, forwarding to upstream.
 func dnsAgentServing(t *testing.T, ns *netns.Handle, upstream netip.Addr, pred *Predecessor, log *testLog) (*Tunnel, *pod) {
 	t.Helper()
-	var tun *Tunnel
-	proxy, err := dnsproxy.New(dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(upstream, 53)}, Timeout: 2 * time.Second},
-		func() *workload.Directory { return tun.State().Dir }, nil, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pool := hbone.NewPool(hbone.PoolOptions{})
-	t.Cleanup(func() { pool.Close() })
-	tun = New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
-		TunnelMark: testMark, Predecessor: pred, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
-		DNS: proxy, DNSPort: dnsHandoverPort, DNSCapture: true, Logger: slogTo(log)})
-	tun.Update(&State{Dir: testDir(t, podObj("mesh", "client", "client-sa", dnsPodAddr.String(), nil))})
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = tun.Shutdown(ctx)
-	})
-	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
-		t.Fatal(err)
-	}
-	return tun, tun.pods["uid-client"]
+	return dnsTunnelWith(t, ns, dnsproxy.Config{Upstreams: []netip.AddrPort{netip.AddrPortFrom(upstream, 53)}, Timeout: 2 * time.Second}, pred, log)
 }
 
 // dnsAgent is dnsAgentServing, whose pod has its DNS socket open.

@@ -59,11 +59,22 @@ func dnsPodNS(t *testing.T) *netns.Handle {
 }
 
 // dnsTunnel serves pod uid-client at dnsPodAddr in ns with the DNS proxy
-// configured by cfg (its upstream dnsUpstreamAddr:53).
+// configured by cfg (its upstream dnsUpstreamAddr:53), its DNS socket open.
 func dnsTunnel(t *testing.T, ns *netns.Handle, cfg dnsproxy.Config) (*Tunnel, *pod) {
 	t.Helper()
-	var tun *Tunnel
 	cfg.Upstreams = []netip.AddrPort{netip.AddrPortFrom(dnsUpstreamAddr, 53)}
+	tun, p := dnsTunnelWith(t, ns, cfg, nil, nil)
+	waitDNSSocket(t, p)
+	return tun, p
+}
+
+// dnsTunnelWith is a tunnel answering the DNS of pod uid-client (dnsPodAddr
+// in ns) with the DNS proxy configured by cfg, pred as its predecessor (nil:
+// none) and its log in log (nil: none); the pod is served, its DNS socket
+// open or awaited.
+func dnsTunnelWith(t *testing.T, ns *netns.Handle, cfg dnsproxy.Config, pred *Predecessor, log *testLog) (*Tunnel, *pod) {
+	t.Helper()
+	var tun *Tunnel
 	proxy, err := dnsproxy.New(cfg, func() *workload.Directory { return tun.State().Dir }, nil, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -71,8 +82,8 @@ func dnsTunnel(t *testing.T, ns *netns.Handle, cfg dnsproxy.Config) (*Tunnel, *p
 	pool := hbone.NewPool(hbone.PoolOptions{})
 	t.Cleanup(func() { pool.Close() })
 	tun = New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
-		TunnelMark: testMark, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
-		DNS: proxy, DNSPort: 15053, DNSCapture: true})
+		TunnelMark: testMark, Predecessor: pred, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true,
+		DNS: proxy, DNSPort: dnsHandoverPort, DNSCapture: true, Logger: slogTo(log)})
 	tun.Update(&State{Dir: testDir(t, podObj("mesh", "client", "client-sa", dnsPodAddr.String(), nil))})
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -82,20 +93,7 @@ func dnsTunnel(t *testing.T, ns *netns.Handle, cfg dnsproxy.Config) (*Tunnel, *p
 	if err := tun.ServePod(context.Background(), "uid-client", ns.Path(), []netip.Addr{dnsPodAddr}); err != nil {
 		t.Fatal(err)
 	}
-	p := tun.pods["uid-client"]
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		p.mu.Lock()
-		up := p.dns != nil
-		p.mu.Unlock()
-		if up {
-			return tun, p
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the pod's DNS socket never opened")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	return tun, tun.pods["uid-client"]
 }
 
 // udpIn opens an unconnected UDP socket at addr in ns.
