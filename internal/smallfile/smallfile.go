@@ -43,11 +43,15 @@ func Read(path string, limit int64) ([]byte, error) {
 	return data, nil
 }
 
-// Kind names the type of a file that is not a regular one.
+// Kind names a file's type for an error.
 func Kind(m fs.FileMode) string {
 	switch {
+	case m.Type() == 0:
+		return "a regular file"
 	case m.IsDir():
 		return "a directory"
+	case m&fs.ModeSymlink != 0:
+		return "a symbolic link"
 	case m&fs.ModeNamedPipe != 0:
 		return "a fifo"
 	case m&fs.ModeSocket != 0:

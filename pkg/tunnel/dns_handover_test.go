@@ -698,14 +698,18 @@ func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 			_ = pod.Do(func() error { return nil })
 			before := openFDs(t)
 			tun, p := dnsAgent(t, pod, dnsOldUpstream, pred, log)
-			if got := handoverCount(tun, handoverFailed); got != 1 {
-				t.Errorf("failed = %v, want 1; log:\n%s", got, log.String())
-			}
 			if !strings.Contains(log.String(), c.want) {
 				t.Errorf("log lacks %q:\n%s", c.want, log.String())
 			}
 			if got := waitDNSSocket(t, p).LocalAddr().String(); got != "[::]:15053" {
 				t.Errorf("the pod's DNS socket is on %s, want its own on [::]:15053", got)
+			}
+			// The fake predecessor closes its copy of the socket just after
+			// sending it, so the agent's own bind can race it, fail, and ask
+			// again a moment later: each refusal is counted once.
+			refusals := strings.Count(log.String(), "DNS socket hand-over failed")
+			if got := handoverCount(tun, handoverFailed); got < 1 || int(got) != refusals {
+				t.Errorf("failed = %v, want 1 per refusal logged (%d); log:\n%s", got, refusals, log.String())
 			}
 			// The pod's own listeners, DNS socket and namespace handle are
 			// the only descriptors added.

@@ -13,6 +13,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/redirector-mesh/redirector/internal/smallfile"
 )
 
 // Install listens on a unix socket of network ("unix" or "unixpacket") and
@@ -76,7 +78,7 @@ func Install(what, path, network string) (net.Listener, uint64, error) {
 // node.
 func Check(what, path string) error {
 	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
-		return fmt.Errorf("%s path %s exists and is not a socket (%s); remove it", what, path, kind(fi.Mode()))
+		return fmt.Errorf("%s path %s exists and is not a socket (%s); remove it", what, path, smallfile.Kind(fi.Mode()))
 	}
 	dir := filepath.Dir(path)
 	for d := dir; ; d = filepath.Dir(d) {
@@ -92,24 +94,6 @@ func Check(what, path string) error {
 			return CheckDir(what, dir)
 		}
 		return nil
-	}
-}
-
-// kind names a file's type for an error.
-func kind(m os.FileMode) string {
-	switch t := m.Type(); {
-	case t == 0:
-		return "a regular file"
-	case t&os.ModeDir != 0:
-		return "a directory"
-	case t&os.ModeSymlink != 0:
-		return "a symbolic link"
-	case t&os.ModeNamedPipe != 0:
-		return "a named pipe"
-	case t&os.ModeDevice != 0:
-		return "a device"
-	default:
-		return "mode " + t.String()
 	}
 }
 
