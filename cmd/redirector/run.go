@@ -348,7 +348,7 @@ func runAgent(ctx context.Context, args []string) error {
 	defer ld.Close()
 	// An upgrade overlaps two agents on the node: from here on this one
 	// changes the enrollment, and an older one still running stops doing so.
-	claim, err := maps.ClaimNode(cfg.bpfRoot)
+	claim, err := maps.ClaimNode(ctx, cfg.bpfRoot, log)
 	if err != nil {
 		return err
 	}

@@ -23,7 +23,7 @@ func TestLoaderYieldsToNewerClaim(t *testing.T) {
 	root := loadertest.TempBPFFS(t)
 	old := loadertest.Load(t, root)
 	defer old.Close()
-	oldClaim, err := maps.ClaimNode(root)
+	oldClaim, err := maps.ClaimNode(context.Background(), root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -32,7 +32,7 @@ func TestLoaderYieldsToNewerClaim(t *testing.T) {
 
 	next := loadertest.Load(t, root)
 	defer next.Close()
-	nextClaim, err := maps.ClaimNode(root)
+	nextClaim, err := maps.ClaimNode(context.Background(), root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,7 +50,7 @@ func TestLoaderYieldsToNewerClaim(t *testing.T) {
 	if err := old.DetachPod(context.Background(), "uid-any"); !errors.Is(err, maps.ErrNotHeld) {
 		t.Fatalf("old agent's detach after the claim: %v, want ErrNotHeld", err)
 	}
-	if c := old.CheckLinks(true); len(c.Errors) != 1 || !errors.Is(c.Errors[0], maps.ErrNotHeld) || c.Repinned != 0 {
+	if c := old.CheckLinks(context.Background(), true); len(c.Errors) != 1 || !errors.Is(c.Errors[0], maps.ErrNotHeld) || c.Repinned != 0 {
 		t.Fatalf("old agent's link check with pins: %+v, want only ErrNotHeld", c)
 	}
 }

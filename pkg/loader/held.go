@@ -1,6 +1,7 @@
 package loader
 
 import (
+	"context"
 	"errors"
 	"os"
 
@@ -107,12 +108,12 @@ func linkFDs(lks [2]link.Link) [2]int {
 // call per link, on the descriptor kept in linkFDs (no walk through the
 // link objects), and one stat with pins, so it can run several times a
 // second.
-func (l *Loader) CheckLinks(pins bool) LinkCheck {
+func (l *Loader) CheckLinks(ctx context.Context, pins bool) LinkCheck {
 	var res LinkCheck
 	if pins {
 		// Putting a pin back changes the pinned state: not once another
 		// agent holds the node (it may have unpinned the pod on purpose).
-		release, err := l.guard()
+		release, err := l.guard(ctx)
 		if err != nil {
 			res.Errors = append(res.Errors, err)
 			pins = false

@@ -248,12 +248,12 @@ func (l *Loader) SetClaim(c *maps.Claim) {
 
 // guard holds off a claim by another agent while one enrollment change is
 // made; it fails with maps.ErrNotHeld once another agent holds the node.
-func (l *Loader) guard() (release func(), err error) {
+func (l *Loader) guard(ctx context.Context) (release func(), err error) {
 	c := l.claim.Load()
 	if c == nil {
 		return func() {}, nil
 	}
-	return c.Guard()
+	return c.Guard(ctx)
 }
 
 // upgradePinnedLinks points every pinned pod link at the programs just

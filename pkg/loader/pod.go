@@ -108,7 +108,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	}
 	unlock := l.lockPod(p.UID)
 	defer unlock()
-	release, err := l.guard()
+	release, err := l.guard(ctx)
 	if err != nil {
 		return PodState{}, fmt.Errorf("attach pod %s: %w", p, err)
 	}
@@ -500,7 +500,7 @@ func (l *Loader) PodMeta(id uint32) (maps.PodMeta, bool) {
 func (l *Loader) DetachPod(ctx context.Context, uid string) error {
 	unlock := l.lockPod(uid)
 	defer unlock()
-	release, err := l.guard()
+	release, err := l.guard(ctx)
 	if err != nil {
 		return fmt.Errorf("detach pod %s: %w", uid, err)
 	}

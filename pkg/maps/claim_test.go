@@ -1,7 +1,10 @@
 package maps
 
 import (
+	"context"
 	"errors"
+	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -52,18 +55,18 @@ func TestClaimWaitsForChangesUnderWay(t *testing.T) {
 	if err := PinLayout(root); err != nil {
 		t.Fatal(err)
 	}
-	old, err := ClaimNode(root)
+	old, err := ClaimNode(context.Background(), root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer old.Close()
-	release, err := old.Guard()
+	release, err := old.Guard(context.Background())
 	if err != nil {
 		t.Fatalf("guard of the agent holding the node: %v", err)
 	}
 	claimed := make(chan *Claim, 1)
 	go func() {
-		c, err := ClaimNode(root)
+		c, err := ClaimNode(context.Background(), root, nil)
 		if err != nil {
 			t.Error(err)
 		}
@@ -85,20 +88,74 @@ func TestClaimWaitsForChangesUnderWay(t *testing.T) {
 		t.FailNow()
 	}
 	defer next.Close()
-	if _, err := old.Guard(); !errors.Is(err, ErrNotHeld) {
+	if _, err := old.Guard(context.Background()); !errors.Is(err, ErrNotHeld) {
 		t.Fatalf("old agent's guard after the claim: %v, want ErrNotHeld", err)
 	}
-	rel, err := next.Guard()
+	rel, err := next.Guard(context.Background())
 	if err != nil {
 		t.Fatalf("new agent's guard: %v", err)
 	}
 	// Guards of one agent do not exclude each other.
-	rel2, err := next.Guard()
+	rel2, err := next.Guard(context.Background())
 	if err != nil {
 		t.Fatalf("second guard of the new agent: %v", err)
 	}
 	rel()
 	rel2()
+}
+
+// TestLockWaitNamesHolderAndGivesUp: a new agent waiting for an old agent
+// hung in an enrollment change (holding the pin root's shared lock) waited
+// in silence, for ever. It now logs who holds the lock while it waits, and
+// gives up after LockPatience, or when its context ends, with an error
+// naming the holder; the old agent keeps the node.
+func TestLockWaitNamesHolderAndGivesUp(t *testing.T) {
+	root := tempBPFFS(t)
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ClaimNode(context.Background(), root, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	hung, err := old.Guard(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func(p, q, n time.Duration) { LockPatience, lockQuietFor, lockNagEvery = p, q, n }(LockPatience, lockQuietFor, lockNagEvery)
+	LockPatience, lockQuietFor, lockNagEvery = 400*time.Millisecond, 50*time.Millisecond, time.Hour
+
+	var logged strings.Builder
+	log := slog.New(slog.NewTextHandler(&logged, nil))
+	holder := fmt.Sprintf("pid %d (", os.Getpid())
+	start := time.Now()
+	_, err = ClaimNode(context.Background(), root, log)
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "held by "+holder) {
+		t.Fatalf("claim while an old agent's change hangs: %v; want the deadline, naming %q", err, holder)
+	}
+	if waited := time.Since(start); waited < LockPatience || waited > LockPatience+2*time.Second {
+		t.Errorf("claim gave up after %s, want about %s", waited, LockPatience)
+	}
+	if out := logged.String(); strings.Count(out, "waiting for the pin root lock") != 1 || !strings.Contains(out, `held_by="`+holder) {
+		t.Errorf("log while waiting: %q; want one warning naming %q", out, holder)
+	}
+	if !old.Held() {
+		t.Error("the old agent lost the node to a claim that failed")
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := Quiesce(ctx, root, nil); !errors.Is(err, context.Canceled) {
+		t.Errorf("quiesce with its context ended: %v, want context.Canceled", err)
+	}
+
+	hung()
+	next, err := ClaimNode(context.Background(), root, log)
+	if err != nil {
+		t.Fatalf("claim once the change is done: %v", err)
+	}
+	next.Close()
 }
 
 // TestLayoutZeroVersion: an rd_layout whose version was never written (an

@@ -1,13 +1,18 @@
 package maps
 
 import (
+	"bufio"
+	"context"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
@@ -188,6 +193,7 @@ type Claim struct {
 	root  string
 	m     *ebpf.Map
 	token uint32
+	log   *slog.Logger
 }
 
 // ErrNotHeld is returned by Guard once a newer agent claimed the node.
@@ -195,15 +201,16 @@ var ErrNotHeld = errors.New("a newer agent holds the node")
 
 // ClaimNode makes the caller the agent that holds the node under root (the
 // maps must be loaded there, Load pins rd_layout). It waits for changes
-// another agent has under way (see Claim). Close releases the map.
-func ClaimNode(root string) (*Claim, error) {
+// another agent has under way (see Claim), at most LockPatience and while
+// ctx lasts, logging to log who holds them up. Close releases the map.
+func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, error) {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if err != nil {
 		return nil, fmt.Errorf("claim the node: open %s: %w", path, err)
 	}
 	var b [4]byte
-	c := &Claim{root: root, m: m}
+	c := &Claim{root: root, m: m, log: log}
 	for c.token == 0 {
 		if _, err := rand.Read(b[:]); err != nil {
 			m.Close()
@@ -211,7 +218,7 @@ func ClaimNode(root string) (*Claim, error) {
 		}
 		c.token = binary.LittleEndian.Uint32(b[:])
 	}
-	unlock, err := lockRoot(root, unix.LOCK_EX)
+	unlock, err := lockRoot(ctx, root, unix.LOCK_EX, "claim the node", log)
 	if err != nil {
 		m.Close()
 		return nil, fmt.Errorf("claim the node: %w", err)
@@ -238,8 +245,10 @@ func (c *Claim) Held() bool {
 // link pin put back): it returns ErrNotHeld if a newer agent holds the
 // node, else a release that must be called once the change is done. Guards
 // of one agent do not exclude each other; a claim waits for all of them.
-func (c *Claim) Guard() (release func(), err error) {
-	unlock, err := lockRoot(c.root, unix.LOCK_SH)
+//
+// It waits for a claim under way as ClaimNode waits for changes.
+func (c *Claim) Guard(ctx context.Context) (release func(), err error) {
+	unlock, err := lockRoot(ctx, c.root, unix.LOCK_SH, "change the enrollment", c.log)
 	if err != nil {
 		return nil, err
 	}
@@ -259,26 +268,101 @@ func (c *Claim) Close() error { return c.m.Close() }
 // it before it claims the node: an older agent still attaches and detaches
 // pods until then, and state read half-way through one of its changes (a
 // pod's veth recorded, its links not pinned yet) is wrong.
-func Quiesce(root string) (release func(), err error) {
-	return lockRoot(root, unix.LOCK_EX)
+//
+// It waits for changes under way as ClaimNode does.
+func Quiesce(ctx context.Context, root string, log *slog.Logger) (release func(), err error) {
+	return lockRoot(ctx, root, unix.LOCK_EX, "hold off the enrollment changes", log)
 }
 
-// lockRoot takes flock(2) how on the pin root directory; the release closes
-// the descriptor, which drops the lock.
-func lockRoot(root string, how int) (release func(), err error) {
+// LockPatience bounds every wait for the pin root's lock. An enrollment
+// change holds it for a few netlink and bpf(2) calls, so an agent that holds
+// it this long is hung, and a new agent that waited on it in silence would
+// never start: it fails instead, naming the holder, and its restart tries
+// again.
+var LockPatience = 2 * time.Minute
+
+// lockQuietFor is how long a wait for the lock stays unlogged; lockNagEvery
+// spaces the reminders after that.
+var (
+	lockQuietFor = 5 * time.Second
+	lockNagEvery = 30 * time.Second
+)
+
+// lockRoot takes flock(2) how on the pin root directory, for what (named in
+// logs and errors), waiting at most LockPatience and while ctx lasts; the
+// release closes the descriptor, which drops the lock. flock cannot be
+// interrupted by a context, so a busy lock is polled.
+func lockRoot(ctx context.Context, root string, how int, what string, log *slog.Logger) (release func(), err error) {
 	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open pin root %s for locking: %w", root, err)
 	}
-	for {
-		err = unix.Flock(fd, how)
-		if !errors.Is(err, unix.EINTR) {
-			break
+	ctx, cancel := context.WithTimeout(ctx, LockPatience)
+	defer cancel()
+	start := time.Now()
+	nextLog := start.Add(lockQuietFor)
+	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
+		err = unix.Flock(fd, how|unix.LOCK_NB)
+		if err == nil {
+			if waited := time.Since(start); waited >= lockQuietFor && log != nil {
+				log.Info("pin root lock taken", "root", root, "for", what, "waited", waited.Round(time.Millisecond))
+			}
+			return func() { unix.Close(fd) }, nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
+			unix.Close(fd)
+			return nil, fmt.Errorf("lock pin root %s: %w", root, err)
+		}
+		if now := time.Now(); !now.Before(nextLog) && log != nil {
+			log.Warn("waiting for the pin root lock: another agent's enrollment change holds it", "root", root,
+				"for", what, "held_by", lockHolders(fd), "waited", now.Sub(start).Round(time.Second), "gives_up_after", LockPatience)
+			nextLog = now.Add(lockNagEvery)
+		}
+		select {
+		case <-ctx.Done():
+			holders := lockHolders(fd)
+			unix.Close(fd)
+			return nil, fmt.Errorf("lock pin root %s to %s: held by %s for over %s (an agent hung in an enrollment change?): %w",
+				root, what, holders, time.Since(start).Round(time.Millisecond), context.Cause(ctx))
+		case <-time.After(pause):
 		}
 	}
-	if err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("lock pin root %s: %w", root, err)
+}
+
+// lockHolders names the processes holding a flock on the file open at fd,
+// from /proc/locks, for a log or an error.
+func lockHolders(fd int) string {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return "an unknown process"
 	}
-	return func() { unix.Close(fd) }, nil
+	id := fmt.Sprintf("%02x:%02x:%d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
+	f, err := os.Open("/proc/locks")
+	if err != nil {
+		return "an unknown process"
+	}
+	defer f.Close()
+	var names []string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// "1: FLOCK  ADVISORY  READ  1234 00:2a:5678 0 EOF"; a waiter's
+		// line has "->" after the number.
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 6 || fields[1] != "FLOCK" || fields[5] != id {
+			continue
+		}
+		if fields[4] == "0" {
+			names = append(names, "a process of another PID namespace")
+			continue
+		}
+		name := "pid " + fields[4]
+		if comm, err := os.ReadFile("/proc/" + fields[4] + "/comm"); err == nil {
+			name += " (" + strings.TrimSpace(string(comm)) + ")"
+		}
+		names = append(names, name)
+	}
+	if len(names) == 0 {
+		return "an unknown process"
+	}
+	return strings.Join(names, ", ")
 }

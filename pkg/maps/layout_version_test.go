@@ -1,6 +1,7 @@
 package maps
 
 import (
+	"context"
 	"errors"
 	"path/filepath"
 	"strings"
@@ -48,7 +49,7 @@ func TestLayoutVersion(t *testing.T) {
 	}
 
 	// Two agents overlap: the newer claim wins, the older sees it.
-	first, err := ClaimNode(root)
+	first, err := ClaimNode(context.Background(), root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -56,7 +57,7 @@ func TestLayoutVersion(t *testing.T) {
 	if !first.Held() {
 		t.Fatal("first claim not held")
 	}
-	second, err := ClaimNode(root)
+	second, err := ClaimNode(context.Background(), root, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -535,7 +535,7 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 }
 
 func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
-	c := r.loader.CheckLinks(pins)
+	c := r.loader.CheckLinks(ctx, pins)
 	if pins {
 		// The host-probe links are not held: a removed pin detached one,
 		// and its pod is attached again (which attaches them anew).

@@ -162,7 +162,7 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 // pins the pod's links, and a rebuild between the two deleted the record,
 // so no probe to that pod was SNATed until it was attached again.
 func (a *Attacher) rebuildVeths(ctx context.Context) error {
-	release, err := maps.Quiesce(a.cfg.PinRoot)
+	release, err := maps.Quiesce(ctx, a.cfg.PinRoot, a.log)
 	if err != nil {
 		return fmt.Errorf("rebuild %s: %w", VethsMapName, err)
 	}

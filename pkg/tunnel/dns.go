@@ -273,7 +273,7 @@ func (f *dnsFailure) problem(port uint16, now time.Time) string {
 // its socket over (a release from before the DNS hand-over, or a failed
 // exchange), which answers the pod's queries until it closes its socket
 // on SIGTERM. As awaitPorts: binding is retried every awaitPortsEvery, the
-// predecessor asked again at most once a second, and after dnsAwaitReport
+// predecessor asked again less and less often, and after dnsAwaitReport
 // readiness names the pod and port (dnsDown): something else than an agent
 // on its way out may hold the port, or the socket fails to open otherwise.
 // Before, a failure was logged once and never retried: the pod's captured

@@ -1018,6 +1018,7 @@ func (t *Tunnel) drainingConns(pods map[string]*pod) int {
 const (
 	awaitPortsEvery  = 20 * time.Millisecond
 	awaitPortsAsk    = time.Second
+	awaitPortsAskMax = 30 * time.Second
 	awaitPortsReport = 60 * time.Second
 )
 
@@ -1053,10 +1054,13 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 }
 
 // awaitFree calls try every awaitPortsEvery, on a goroutine counted in
-// p.wg, until it succeeds or the pod stops. takeOver is set at most once
-// every awaitPortsAsk (the first time included): the predecessor may hand
-// the sockets over after all (an exchange that failed once). Once the
-// wait passes report, held is called with try's last error.
+// p.wg, until it succeeds or the pod stops. takeOver is set awaitPortsAsk
+// after the start (the caller has just asked), then at intervals doubling
+// up to awaitPortsAskMax: the predecessor may hand the sockets over after
+// all (an exchange that failed once), but one whose exchange keeps failing
+// is not asked, and its failures counted and logged, once a second per pod
+// for as long as it runs. Once the wait passes report, held is called with
+// try's last error.
 func (p *pod) awaitFree(report time.Duration, try func(takeOver bool) error, held func(err error)) {
 	start := time.Now()
 	p.wg.Add(1)
@@ -1065,7 +1069,7 @@ func (p *pod) awaitFree(report time.Duration, try func(takeOver bool) error, hel
 		tick := time.NewTicker(awaitPortsEvery)
 		defer tick.Stop()
 		reported := false
-		var asked time.Time
+		nextAsk, askEvery := start.Add(awaitPortsAsk), awaitPortsAsk
 		for {
 			select {
 			case <-p.ctx.Done():
@@ -1076,9 +1080,10 @@ func (p *pod) awaitFree(report time.Duration, try func(takeOver bool) error, hel
 			if p.stopping.Load() {
 				return
 			}
-			takeOver := time.Since(asked) >= awaitPortsAsk
+			takeOver := !time.Now().Before(nextAsk)
 			if takeOver {
-				asked = time.Now()
+				askEvery = min(2*askEvery, awaitPortsAskMax)
+				nextAsk = time.Now().Add(askEvery)
 			}
 			err := try(takeOver)
 			if err == nil {
