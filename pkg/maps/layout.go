@@ -289,7 +289,7 @@ var (
 )
 
 // lockRoot takes flock(2) how on the pin root directory, for what (named in
-// logs and errors), waiting at most LockPatience and while ctx lasts; the
+// its logs), waiting at most LockPatience and while ctx lasts; the
 // release closes the descriptor, which drops the lock. flock cannot be
 // interrupted by a context, so a busy lock is polled.
 func lockRoot(ctx context.Context, root string, how int, what string, log *slog.Logger) (release func(), err error) {
@@ -322,8 +322,8 @@ func lockRoot(ctx context.Context, root string, how int, what string, log *slog.
 		case <-ctx.Done():
 			holders := lockHolders(fd)
 			unix.Close(fd)
-			return nil, fmt.Errorf("lock pin root %s to %s: held by %s for over %s (an agent hung in an enrollment change?): %w",
-				root, what, holders, time.Since(start).Round(time.Millisecond), context.Cause(ctx))
+			return nil, fmt.Errorf("lock pin root %s: held by %s for over %s (an agent hung in an enrollment change?): %w",
+				root, holders, time.Since(start).Round(time.Millisecond), context.Cause(ctx))
 		case <-time.After(pause):
 		}
 	}
