@@ -245,6 +245,9 @@ type ctlFrame struct {
 	id   uint32
 	val  uint32 // WINDOW_UPDATE increment, error code, or 1 for a PING to send (not an ack)
 	ping [8]byte
+	// release: the client stream this RST_STREAM resets still counts
+	// toward the server's limit until the frame is written (forgetUntilSent).
+	release *Stream
 }
 
 // pendingStream is a request whose handler waits for a free handler slot.
@@ -1393,19 +1396,27 @@ func (c *conn) ctlLoop() {
 		}
 		c.lockWrite()
 		var err error
-		settingsAck := false
+		settingsAck, releases := false, false
 		for _, f := range batch {
 			if err = c.writeCtlLocked(f); err != nil {
 				break
 			}
 			settingsAck = settingsAck || f.typ == http2.FrameSettings
+			releases = releases || f.release != nil
 		}
 		if err == nil {
 			err = c.bw.Flush()
 		}
 		c.unlockWrite()
 		c.mu.Lock()
-		c.ctlSpare = batch[:0]
+		drained := false
+		if releases && err == nil {
+			for _, f := range batch {
+				if f.release != nil {
+					drained = c.releaseLocked(f.release) || drained
+				}
+			}
+		}
 		if settingsAck && err == nil {
 			for _, f := range batch {
 				if f.typ == http2.FrameSettings {
@@ -1414,10 +1425,17 @@ func (c *conn) ctlLoop() {
 			}
 			c.passConnWindowLocked() // the new settings' windows may be used now
 		}
+		if releases {
+			clear(batch) // no stream kept reachable from the spare
+		}
+		c.ctlSpare = batch[:0]
 		c.mu.Unlock()
 		if err != nil {
 			c.close(http2.ErrCodeNo, fmt.Errorf("write control frame: %w", err), false)
 			return
+		}
+		if drained {
+			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 		}
 	}
 }
@@ -1613,7 +1631,16 @@ func (c *conn) addActiveLocked() {
 // Stream.commitEnd), toward the peer's concurrent streams, before it is
 // forgotten. A draining conn still closes only when forget finds it empty:
 // our END_STREAM must go out first.
+//
+// Only a server does: its count is the limit it enforces on the client.
+// A client's count is the server's limit, which the server keeps until it
+// reads our END_STREAM, so a client stream counts until forget, after the
+// END_STREAM is written; a slot freed at the commit let another stream's
+// HEADERS go out before it, one too many there, and refused.
 func (c *conn) uncount(s *Stream) {
+	if c.cfg.client {
+		return
+	}
 	c.mu.Lock()
 	if c.streams[s.id] == s && !s.uncounted {
 		s.uncounted = true
@@ -1654,24 +1681,37 @@ func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
 }
 
 // forget removes a finished stream from the conn.
-func (c *conn) forget(s *Stream) {
+func (c *conn) forget(s *Stream) { c.remove(s, true) }
+
+// forgetUntilSent removes client stream s, which is about to be reset, from
+// the conn, and reports whether it did; if so, s still counts toward the
+// server's concurrent streams until its RST_STREAM is written (the control
+// writer releases it). Released at once, its slot went to another stream
+// whose HEADERS could be written before the reset: one stream too many at
+// the server, refused.
+func (c *conn) forgetUntilSent(s *Stream) bool { return c.remove(s, false) }
+
+// remove takes s out of the conn's streams, releasing its count if
+// release, and reports whether s was there.
+func (c *conn) remove(s *Stream, release bool) bool {
 	s.mu.Lock()
 	peerEnded := s.remoteEnded || s.peerReset
 	s.mu.Unlock()
 	c.mu.Lock()
 	if c.streams[s.id] != s {
 		c.mu.Unlock()
-		return
+		return false
 	}
 	delete(c.streams, s.id)
 	if peerEnded {
 		c.notePeerClosedLocked(s.id)
 	}
-	closeNow := c.releaseLocked(s)
+	closeNow := release && c.releaseLocked(s)
 	c.mu.Unlock()
 	if closeNow {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 	}
+	return true
 }
 
 // idleForLocked reports whether the conn has had no streams for at least d and

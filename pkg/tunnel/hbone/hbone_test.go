@@ -1197,3 +1197,53 @@ func TestBurstSharesWrites(t *testing.T) {
 		t.Fatalf("a burst of %d small frames took %d socket writes, want at most 4", n, got)
 	}
 }
+
+// TestClientCountsStreamUntilEndOrResetWritten: a client stream counts
+// toward the server's stream limit until our END_STREAM or RST_STREAM is
+// written. Before, a stream the server had ended stopped counting when our
+// END_STREAM was committed, or when Close queued its reset; another Connect
+// took its slot on the same connection, and that stream's HEADERS could be
+// written first: one stream too many at the server, refused (REFUSED_STREAM)
+// and retried by the pool (most of the reset streams here).
+func TestClientCountsStreamUntilEndOrResetWritten(t *testing.T) {
+	for _, ended := range []bool{true, false} {
+		name := map[bool]string{true: "ended", false: "reset"}[ended]
+		t.Run(name, func(t *testing.T) {
+			e := newEnv(t, dialTarget, ServerOptions{MaxConcurrentStreams: 1}, PoolOptions{ConnsPerKey: 4})
+			app := startUpstream(t, func(c *net.TCPConn) { c.Close() })
+			var wg sync.WaitGroup
+			for range 4 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for range 300 {
+						s, err := e.connect(context.Background(), app)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						_, _ = io.Copy(io.Discard, s) // the server's END_STREAM
+						if ended {
+							if err := s.CloseWrite(); err != nil {
+								t.Error(err)
+							}
+						}
+						s.Close() // a reset unless ended
+					}
+				}()
+			}
+			wg.Wait()
+			if st := e.srv.Stats(); st.StreamsRefused != 0 {
+				t.Errorf("%d of 1200 streams refused by a server with a limit of 1, want none", st.StreamsRefused)
+			}
+			// The last resets may still be on their way out.
+			active := e.pool.Stats().ActiveStreams
+			for deadline := time.Now().Add(2 * time.Second); active != 0 && time.Now().Before(deadline); active = e.pool.Stats().ActiveStreams {
+				time.Sleep(5 * time.Millisecond)
+			}
+			if active != 0 {
+				t.Errorf("pool counts %d active streams after all ended, want 0", active)
+			}
+		})
+	}
+}

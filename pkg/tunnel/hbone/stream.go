@@ -840,9 +840,17 @@ func (s *Stream) closeWithCode(code http2.ErrCode) {
 	// Forgotten before the reset is sent: a peer that answers the reset
 	// at once must find the stream closed by us (frames then are junk it
 	// pays for), not still half-closed by its own END_STREAM.
-	c.forget(s)
-	if reset {
-		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
+	if reset && c.cfg.client {
+		var release *Stream
+		if c.forgetUntilSent(s) {
+			release = s
+		}
+		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code), release: release})
+	} else {
+		c.forget(s)
+		if reset {
+			c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
+		}
 	}
 	if unread > 0 {
 		c.credit(0, 0, unread)
