@@ -46,12 +46,11 @@ func pinMap(t *testing.T, path string, spec *ebpf.MapSpec) *ebpf.Map {
 	return m
 }
 
-// TestClaimWaitsForChangesUnderWay: an agent that read Held and then lost
-// the node must not still change the enrollment. A claim waits for the
-// older agent's change under way, and after it every guard of the older
-// agent fails with ErrNotHeld.
-func TestClaimWaitsForChangesUnderWay(t *testing.T) {
-	root := tempBPFFS(t)
+// changeUnderWay is an agent (old) that holds the node under a new pin root
+// and is in the middle of an enrollment change: release ends it.
+func changeUnderWay(t *testing.T) (root string, old *Claim, release func()) {
+	t.Helper()
+	root = tempBPFFS(t)
 	if err := PinLayout(root); err != nil {
 		t.Fatal(err)
 	}
@@ -59,11 +58,20 @@ func TestClaimWaitsForChangesUnderWay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer old.Close()
-	release, err := old.Guard(context.Background())
+	t.Cleanup(func() { old.Close() })
+	release, err = old.Guard(context.Background())
 	if err != nil {
 		t.Fatalf("guard of the agent holding the node: %v", err)
 	}
+	return root, old, release
+}
+
+// TestClaimWaitsForChangesUnderWay: an agent that read Held and then lost
+// the node must not still change the enrollment. A claim waits for the
+// older agent's change under way, and after it every guard of the older
+// agent fails with ErrNotHeld.
+func TestClaimWaitsForChangesUnderWay(t *testing.T) {
+	root, old, release := changeUnderWay(t)
 	claimed := make(chan *Claim, 1)
 	go func() {
 		c, err := ClaimNode(context.Background(), root, nil)
@@ -110,19 +118,7 @@ func TestClaimWaitsForChangesUnderWay(t *testing.T) {
 // gives up after LockPatience, or when its context ends, with an error
 // naming the holder; the old agent keeps the node.
 func TestLockWaitNamesHolderAndGivesUp(t *testing.T) {
-	root := tempBPFFS(t)
-	if err := PinLayout(root); err != nil {
-		t.Fatal(err)
-	}
-	old, err := ClaimNode(context.Background(), root, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer old.Close()
-	hung, err := old.Guard(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	root, old, hung := changeUnderWay(t)
 	defer func(p, q, n time.Duration) { LockPatience, lockQuietFor, lockNagEvery = p, q, n }(LockPatience, lockQuietFor, lockNagEvery)
 	LockPatience, lockQuietFor, lockNagEvery = 400*time.Millisecond, 50*time.Millisecond, time.Hour
 
@@ -130,7 +126,7 @@ func TestLockWaitNamesHolderAndGivesUp(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(&logged, nil))
 	holder := fmt.Sprintf("pid %d (", os.Getpid())
 	start := time.Now()
-	_, err = ClaimNode(context.Background(), root, log)
+	_, err := ClaimNode(context.Background(), root, log)
 	if err == nil || !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "held by "+holder) {
 		t.Fatalf("claim while an old agent's change hangs: %v; want the deadline, naming %q", err, holder)
 	}
