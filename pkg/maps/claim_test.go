@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -227,4 +229,55 @@ func TestLayoutPartialPinSet(t *testing.T) {
 			t.Fatalf("pod pin directories without %s: %v, want ErrLayout", PodMetaName, err)
 		}
 	})
+}
+
+// TestLockHoldersOfAnotherPIDNamespace: the agent runs in a pod of its own
+// PID namespace (no hostPID), and the kernel leaves a lock whose holder is
+// not in the namespace of the reading /proc out of /proc/locks altogether
+// (no line with pid 0). The agent an upgrade waits for is such a holder:
+// the wait was logged, and failed, as held by "an unknown process".
+func TestLockHoldersOfAnotherPIDNamespace(t *testing.T) {
+	if dir := os.Getenv("MAPS_TEST_LOCKHOLDERS_DIR"); dir != "" {
+		// The child, in a PID and mount namespace of its own.
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+			t.Fatalf("make mounts private: %v", err)
+		}
+		if err := unix.Mount("proc", "/proc", "proc", 0, ""); err != nil {
+			t.Fatalf("mount proc: %v", err)
+		}
+		fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		fmt.Printf("HOLDERS=%s\n", lockHolders(fd))
+		return
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a PID namespace")
+	}
+	dir := t.TempDir()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Flock(fd, unix.LOCK_SH); err != nil {
+		t.Fatal(err)
+	}
+	if got := lockHolders(fd); !strings.Contains(got, fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Fatalf("holders seen from our own namespace: %q, want our pid", got)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHoldersOfAnotherPIDNamespace$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "MAPS_TEST_LOCKHOLDERS_DIR="+dir)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS, Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child in a PID namespace: %v\n%s", err, out)
+	}
+	_, got, ok := strings.Cut(string(out), "HOLDERS=")
+	got, _, _ = strings.Cut(got, "\n")
+	if !ok || !strings.Contains(got, "another PID namespace") {
+		t.Errorf("holders seen from another PID namespace: %q, want them named as in another PID namespace\n%s", got, out)
+	}
 }
