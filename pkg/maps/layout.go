@@ -330,7 +330,8 @@ func lockRoot(ctx context.Context, root string, how int, what string, log *slog.
 }
 
 // lockHolders names the processes holding a flock on the file open at fd,
-// from /proc/locks, for a log or an error.
+// from /proc/locks, for a log or an error. Only holders in our PID
+// namespace are listed there.
 func lockHolders(fd int) string {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -362,7 +363,10 @@ func lockHolders(fd int) string {
 		names = append(names, name)
 	}
 	if len(names) == 0 {
-		return "an unknown process"
+		// The kernel leaves out of /proc/locks every lock whose holder is
+		// not in the PID namespace of that /proc: the agent of another pod
+		// (the chart runs agents without hostPID), the usual holder.
+		return "a process in another PID namespace (not listed in /proc/locks here: another agent's pod?), or one that just let go"
 	}
 	return strings.Join(names, ", ")
 }
