@@ -6,8 +6,12 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -223,4 +227,102 @@ func TestLayoutPartialPinSet(t *testing.T) {
 			t.Fatalf("pod pin directories without %s: %v, want ErrLayout", PodMetaName, err)
 		}
 	})
+}
+
+// TestLockHoldersOfAnotherPIDNamespace: the agent runs in a pod of its own
+// PID namespace (no hostPID), and the kernel leaves a lock whose holder is
+// not in the namespace of the reading /proc out of /proc/locks altogether
+// (no line with pid 0). The agent an upgrade waits for is such a holder:
+// the wait was logged, and failed, as held by "an unknown process".
+func TestLockHoldersOfAnotherPIDNamespace(t *testing.T) {
+	if dir := os.Getenv("MAPS_TEST_LOCKHOLDERS_DIR"); dir != "" {
+		// The child, in a PID and mount namespace of its own.
+		if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+			t.Fatalf("make mounts private: %v", err)
+		}
+		if err := unix.Mount("proc", "/proc", "proc", 0, ""); err != nil {
+			t.Fatalf("mount proc: %v", err)
+		}
+		fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		fmt.Printf("HOLDERS=%s\n", lockHolders(fd))
+		return
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for a PID namespace")
+	}
+	dir := t.TempDir()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Flock(fd, unix.LOCK_SH); err != nil {
+		t.Fatal(err)
+	}
+	if got := lockHolders(fd); !strings.Contains(got, fmt.Sprintf("pid %d", os.Getpid())) {
+		t.Fatalf("holders seen from our own namespace: %q, want our pid", got)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestLockHoldersOfAnotherPIDNamespace$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "MAPS_TEST_LOCKHOLDERS_DIR="+dir)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID | syscall.CLONE_NEWNS, Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("child in a PID namespace: %v\n%s", err, out)
+	}
+	_, got, ok := strings.Cut(string(out), "HOLDERS=")
+	got, _, _ = strings.Cut(got, "\n")
+	if !ok || !strings.Contains(got, "another PID namespace") {
+		t.Errorf("holders seen from another PID namespace: %q, want them named as in another PID namespace\n%s", got, out)
+	}
+}
+
+// TestExclusiveLockAmidOverlappingGuards: a claim (or quiesce) waits for
+// the pin root while an agent's enrollment changes overlap, each holding
+// the shared lock, with gaps of a millisecond or two between them (a burst
+// of pod starts). A waiter blocked in flock(2) is woken at each release and
+// takes such a gap; one polling with LOCK_NB every 50 ms must land in one.
+// Before, the poll took from half a second to over 20 s (measured: 2.2 s,
+// 12 s, 8.9 s, >20 s against 0.08-0.5 s blocked), so a claim beside a busy
+// agent could run out of LockPatience and fail the new agent's start.
+func TestExclusiveLockAmidOverlappingGuards(t *testing.T) {
+	dir := t.TempDir()
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer stop.Store(true)
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer unix.Close(fd)
+			for !stop.Load() {
+				_ = unix.Flock(fd, unix.LOCK_SH)
+				time.Sleep(20 * time.Millisecond)
+				_ = unix.Flock(fd, unix.LOCK_UN)
+				time.Sleep(time.Duration(1+i) * time.Millisecond)
+			}
+		}()
+	}
+	time.Sleep(50 * time.Millisecond)
+	for i := range 5 {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		start := time.Now()
+		release, err := lockRoot(ctx, dir, unix.LOCK_EX, "test", nil)
+		cancel()
+		if err != nil {
+			t.Fatalf("exclusive lock %d amid overlapping shared ones: %v", i, err)
+		}
+		t.Logf("exclusive lock %d after %s", i, time.Since(start).Round(time.Millisecond))
+		release()
+		time.Sleep(30 * time.Millisecond)
+	}
 }

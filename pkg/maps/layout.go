@@ -290,8 +290,18 @@ var (
 
 // lockRoot takes flock(2) how on the pin root directory, for what (named in
 // its logs), waiting at most LockPatience and while ctx lasts; the
-// release closes the descriptor, which drops the lock. flock cannot be
-// interrupted by a context, so a busy lock is polled.
+// release closes the descriptor, which drops the lock.
+//
+// flock cannot be interrupted by a context (the Go runtime's signal
+// handlers restart it), so a shared lock is polled. An exclusive one is not:
+// new shared locks are granted while it waits, so against an agent's
+// overlapping changes, with gaps of a millisecond between them, a poll
+// every few tens of milliseconds seldom found the lock free, where a waiter
+// blocked in the kernel is woken at each release
+// (TestExclusiveLockAmidOverlappingGuards). It blocks on a goroutine of its
+// own, abandoned if the wait ends first; it drops the lock if it ever gets
+// it. Only the start of an agent waits for the exclusive lock (ClaimNode,
+// Quiesce), so at most that many threads are held by such waits.
 func lockRoot(ctx context.Context, root string, how int, what string, log *slog.Logger) (release func(), err error) {
 	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -300,9 +310,14 @@ func lockRoot(ctx context.Context, root string, how int, what string, log *slog.
 	ctx, cancel := context.WithTimeout(ctx, LockPatience)
 	defer cancel()
 	start := time.Now()
+	err = unix.Flock(fd, how|unix.LOCK_NB)
+	var blocked chan error // the blocking flock's result (exclusive)
+	if err != nil && how == unix.LOCK_EX && errors.Is(err, unix.EWOULDBLOCK) {
+		blocked = make(chan error, 1)
+		go func() { blocked <- flockRetry(fd, how) }()
+	}
 	nextLog := start.Add(lockQuietFor)
 	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
-		err = unix.Flock(fd, how|unix.LOCK_NB)
 		if err == nil {
 			if waited := time.Since(start); waited >= lockQuietFor && log != nil {
 				log.Info("pin root lock taken", "root", root, "for", what, "waited", waited.Round(time.Millisecond))
@@ -318,19 +333,53 @@ func lockRoot(ctx context.Context, root string, how int, what string, log *slog.
 				"for", what, "held_by", lockHolders(fd), "waited", now.Sub(start).Round(time.Second), "gives_up_after", LockPatience)
 			nextLog = now.Add(lockNagEvery)
 		}
+		var wake <-chan time.Time // nil: the blocked flock or the end of the wait wakes us
+		switch {
+		case blocked == nil:
+			wake = time.After(pause)
+		case log != nil:
+			wake = time.After(time.Until(nextLog)) // the next reminder
+		}
 		select {
 		case <-ctx.Done():
 			holders := lockHolders(fd)
-			unix.Close(fd)
+			if blocked != nil {
+				// The blocked flock still uses fd: it closes it, which
+				// drops the lock if it got it.
+				go func() {
+					<-blocked
+					unix.Close(fd)
+				}()
+			} else {
+				unix.Close(fd)
+			}
 			return nil, fmt.Errorf("lock pin root %s: held by %s for over %s (an agent hung in an enrollment change?): %w",
 				root, holders, time.Since(start).Round(time.Millisecond), context.Cause(ctx))
-		case <-time.After(pause):
+		case err = <-blocked:
+			if err != nil {
+				blocked = nil // closed below, with err named
+			}
+		case <-wake:
+			if blocked == nil {
+				err = unix.Flock(fd, how|unix.LOCK_NB)
+			}
+		}
+	}
+}
+
+// flockRetry is a blocking flock, retried when interrupted.
+func flockRetry(fd, how int) error {
+	for {
+		err := unix.Flock(fd, how)
+		if !errors.Is(err, unix.EINTR) {
+			return err
 		}
 	}
 }
 
 // lockHolders names the processes holding a flock on the file open at fd,
-// from /proc/locks, for a log or an error.
+// from /proc/locks, for a log or an error. Only holders in our PID
+// namespace are listed there.
 func lockHolders(fd int) string {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -362,7 +411,10 @@ func lockHolders(fd int) string {
 		names = append(names, name)
 	}
 	if len(names) == 0 {
-		return "an unknown process"
+		// The kernel leaves out of /proc/locks every lock whose holder is
+		// not in the PID namespace of that /proc: the agent of another pod
+		// (the chart runs agents without hostPID), the usual holder.
+		return "a process in another PID namespace (not listed in /proc/locks here: another agent's pod?), or one that just let go"
 	}
 	return strings.Join(names, ", ")
 }

@@ -1298,7 +1298,14 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 		c.lastPeerID = id // a malformed request still opened (and closed) the stream
 	}
 	c.mu.Unlock()
-	c.queue(ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)})
+	// A client stream counts toward the server's limit until the reset is
+	// written, as in Stream.closeWithCode: freed now, its slot let another
+	// stream's HEADERS out before the RST_STREAM, one too many there.
+	f := ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)}
+	if s != nil && c.cfg.client && c.forgetUntilSent(s) {
+		f.release = s
+	}
+	c.queue(f)
 	if s == nil {
 		return c.spendJunk("frames that make us reset streams")
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"sync"
 	"testing"
 	"time"
 
@@ -291,5 +292,86 @@ func TestClientZeroStreamLimitConnsDrain(t *testing.T) {
 	waitfor.Until(t, "no connection to a server that takes no stream left in the pool", func() bool { return pool.Stats().Conns == 0 })
 	if st := pool.Stats(); st.ZeroStreamLimitDrains != st.DialsTotal || st.DialsTotal < n {
 		t.Errorf("ZeroStreamLimitDrains = %d, DialsTotal = %d, want both the same and at least %d", st.ZeroStreamLimitDrains, st.DialsTotal, n)
+	}
+}
+
+// TestClientStreamErrorCountsUntilResetWritten: a stream the client resets
+// for a stream error of the server's (here a malformed :status) counts
+// toward the server's limit until its RST_STREAM is written, as one reset
+// by Close does (TestClientCountsStreamUntilEndOrResetWritten). Before, the
+// reader's reset freed the slot at once: the next Connect's HEADERS could
+// reach a server with a limit of 1 before that RST_STREAM, one stream too
+// many there.
+func TestClientStreamErrorCountsUntilResetWritten(t *testing.T) {
+	const n = 300
+	type result struct{ early, checked int }
+	done := make(chan result, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1})
+		acks := 0
+		open := map[uint32]bool{} // streams answered and not yet reset by the client
+		var r result
+		defer func() { done <- r }()
+		for f := range hs.frames {
+			h := f.Header()
+			switch h.Type {
+			case http2.FrameSettings:
+				if h.Flags.Has(http2.FlagSettingsAck) {
+					acks++
+				}
+			case http2.FrameRSTStream:
+				delete(open, h.StreamID)
+			case http2.FrameHeaders:
+				if acks >= 2 { // the client knows the limit of 1
+					r.checked++
+					if len(open) > 0 {
+						r.early++
+					}
+				}
+				open[h.StreamID] = true
+				if hs.headers(h.StreamID, false, hpackField{Name: ":status", Value: "abc"}) != nil || r.checked == n {
+					return
+				}
+			}
+		}
+	})
+	pool := NewPool(PoolOptions{ConnsPerKey: 1})
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer close(stop)
+	defer pool.Close()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			s, err := connectHostile(ctx, pool, dial)
+			cancel()
+			if s != nil {
+				s.Close()
+			}
+			if err == nil {
+				t.Error("Connect succeeded on a malformed response")
+				return
+			}
+		}
+	}()
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatal("timed out")
+	}
+	if r.checked < n {
+		t.Fatalf("the server saw %d requests, want %d", r.checked, n)
+	}
+	if r.early != 0 {
+		t.Errorf("%d of %d requests reached a server with a limit of 1 before the reset of the stream before them", r.early, r.checked)
 	}
 }
