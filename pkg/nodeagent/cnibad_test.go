@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
@@ -167,10 +168,22 @@ func TestCNIConcurrentAddsForOnePod(t *testing.T) {
 		}()
 		return ch
 	}
+	// Each ADD's report is waited for, not slept for: an ADD checks its
+	// namespace and addresses (netlink in the pod's namespace) before it
+	// records the report, and a loaded VM could let c2's report in first,
+	// making c1 the current sandbox.
+	reported := func(container string) {
+		t.Helper()
+		waitfor.Until(t, "the report of container "+container, func() bool {
+			a.mu.Lock()
+			defer a.mu.Unlock()
+			return a.cniPods["shop/p"].container == container
+		})
+	}
 	first := add("c1", nsA)
-	time.Sleep(300 * time.Millisecond) // c1's report is in; the source does not know the pod
+	reported("c1") // the source does not know the pod: c1's ADD waits
 	second := add("c2", nsB)
-	time.Sleep(300 * time.Millisecond)
+	reported("c2")
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
 	a.applyLatest(ctx, false)
 	r1, r2 := <-first, <-second

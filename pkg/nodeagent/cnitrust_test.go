@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/cni"
 	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/source"
@@ -162,20 +163,25 @@ func TestCNIStaleDelKeepsSandbox(t *testing.T) {
 	if resp, err := a.HandleCNI(ctx, ev); err != nil || !resp.Enrolled {
 		t.Fatalf("ADD: %+v, %v", resp, err)
 	}
+	// attached waits for the worker to act on what a DEL changed, then
+	// reports whether the pod is attached. The wait ends once the loader
+	// has the pod as the agent wants it (HandleCNI records that before it
+	// returns), not once the queue is empty: the worker takes the pod off
+	// the queue before it detaches it, and a detach slower than a poll (a
+	// loaded VM, -race) was read as the pod's own DEL leaving it attached.
+	// A stale DEL wrongly honoured changes the want at once, so it is
+	// waited for and caught too.
 	attached := func() bool {
-		// Let the workers act on what the DEL changed.
-		deadline := time.Now().Add(2 * time.Second)
-		for time.Now().Before(deadline) {
-			if a.queue.Len() == 0 {
-				time.Sleep(100 * time.Millisecond)
-				if a.queue.Len() == 0 {
-					break
-				}
+		var ok bool
+		for deadline := time.Now().Add(waitfor.Timeout); ; time.Sleep(10 * time.Millisecond) {
+			a.mu.Lock()
+			_, want := a.desired["uid-p"]
+			a.mu.Unlock()
+			_, ok, _ = ld.PodState("uid-p")
+			if ok == want && a.queue.Len() == 0 || time.Now().After(deadline) {
+				return ok
 			}
-			time.Sleep(20 * time.Millisecond)
 		}
-		_, ok, _ := ld.PodState("uid-p")
-		return ok
 	}
 	for _, stale := range []cni.PodEvent{
 		{Command: cni.CommandDel, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1"},

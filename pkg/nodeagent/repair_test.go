@@ -56,9 +56,9 @@ func (s *recordServer) ServedPods() []string {
 	return out
 }
 
-// TestLinkRepair: a removed link pin is put back within a second, and the
+// TestLinkRepair: a removed link pin is put back at once (inotify), and the
 // pod is captured throughout (the loader holds its links); a link detached
-// underneath is replaced within a second and capture works again. Before,
+// underneath is replaced at the next link check and capture works again. Before,
 // both waited for the next full reconcile (30 s by default), the detached
 // one in plaintext.
 func TestLinkRepair(t *testing.T) {
@@ -95,12 +95,18 @@ func TestLinkRepair(t *testing.T) {
 			t.Fatalf("%s: conn reached %+v (%v), want outbound", when, r, err)
 		}
 	}
+	// A detached link is seen at the next check, up to LinkCheckPeriod
+	// (750 ms) away, and re-attaching it takes netlink and bpf calls: a
+	// 1 s bound left a loaded CI VM under -race 250 ms for those. No full
+	// reconcile runs here, so any repair at all is RepairLinks'; the bound
+	// is only how long to wait for it (the time taken is logged).
 	waitFor := func(what string, cond func() bool) {
 		t.Helper()
-		deadline := time.Now().Add(time.Second)
+		const within = 10 * time.Second
+		deadline := time.Now().Add(within)
 		for !cond() {
 			if time.Now().After(deadline) {
-				t.Fatalf("%s: not within 1 s", what)
+				t.Fatalf("%s: not within %s", what, within)
 			}
 			time.Sleep(10 * time.Millisecond)
 		}

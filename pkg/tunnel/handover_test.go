@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
@@ -626,12 +627,22 @@ func TestAwaitPortsAsksPredecessorLessAndLess(t *testing.T) {
 	sock, _ := fakePredecessor(t, `{"error":"not served"}`, func() []int { asked.Add(1); return nil })
 	pred := mustPredecessor(t, sock)
 	tun := handoverTunnel(t, nil, pred)
+	start := time.Now()
 	if err := tun.ServePod(context.Background(), "pod-a", ns, []netip.Addr{handoverPod}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(3500 * time.Millisecond)
+	// The asks are timed by the pod's goroutine: counted at 3.5 s, a
+	// loaded VM that ran it half a second late saw 2. The third ask is
+	// waited for; it comes no sooner than 3 s after the start (once a
+	// second: at 2 s), and the fourth, 4 s after the third, not within the
+	// next 1.5 s (once a second: within 1 s), however late they run.
+	waitfor.Until(t, "the third ask", func() bool { return asked.Load() >= 3 })
+	if d := time.Since(start); d < 2500*time.Millisecond {
+		t.Errorf("the predecessor was asked 3 times within %s, want at start, after 1 s and 3 s", d.Round(time.Millisecond))
+	}
+	time.Sleep(1500 * time.Millisecond)
 	if n := asked.Load(); n != 3 {
-		t.Errorf("the predecessor was asked %d times in 3.5 s, want 3 (at start, after 1 s and 3 s)", n)
+		t.Errorf("the predecessor was asked %d times, 1.5 s after the third ask, want still 3 (the fourth after 7 s)", n)
 	}
 	// One per request; the last may still be on its way back.
 	if got, n := handoverCount(tun, handoverNotServed), float64(asked.Load()); got != n && got != n-1 {

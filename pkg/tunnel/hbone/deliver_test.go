@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 )
 
 // TestDirectDelivery: the server's reader writes arriving bytes into the app's socket itself,
@@ -253,11 +255,12 @@ func TestSmallFramesDelivered(t *testing.T) {
 		streams [n]*Stream
 		got     [n]chan []byte
 		sent    [n][]byte
+		arrived [n]atomic.Int64 // what each app has read so far
 	)
 	for i := range n {
 		got[i] = make(chan []byte, 1)
 		app := startUpstream(t, func(c *net.TCPConn) {
-			b, _ := io.ReadAll(c)
+			b, _ := io.ReadAll(&countingReader{r: c, n: &arrived[i]})
 			got[i] <- b
 		})
 		s, err := e.connect(context.Background(), app)
@@ -310,14 +313,50 @@ func TestSmallFramesDelivered(t *testing.T) {
 		send(frame{0, bytes.Repeat([]byte("w"), 16<<10)})
 	}
 	send(frame{1, []byte("hello")}, frame{2, []byte("hello")})
-	time.Sleep(100 * time.Millisecond) // the server's relays have started their writers
+	// The reader delivers a frame itself only while the stream's WriteTo
+	// waits with nothing buffered (Stream.deliverLocked's caller), and
+	// what was sent before must have reached the apps, or it would count
+	// with what follows: both are waited for. Sleeps of 100 and 50 ms
+	// stood for them, and a relay started late (a loaded VM, -race) had
+	// its frames queued and the test fail on a correct server.
+	settled := func() bool {
+		for i := range n {
+			if arrived[i].Load() != int64(len(sent[i])) {
+				return false
+			}
+		}
+		e.srv.mu.Lock()
+		var conns []*conn
+		for sc := range e.srv.conns {
+			conns = append(conns, sc)
+		}
+		e.srv.mu.Unlock()
+		var streams []*Stream
+		for _, sc := range conns {
+			sc.mu.Lock()
+			for _, s := range sc.streams {
+				streams = append(streams, s)
+			}
+			sc.mu.Unlock()
+		}
+		waiting := 0
+		for _, s := range streams {
+			s.mu.Lock()
+			if s.sink != nil && !s.draining && s.buf.n == 0 && !s.closed {
+				waiting++
+			}
+			s.mu.Unlock()
+		}
+		return waiting == n
+	}
+	waitfor.Until(t, "the server's relays waiting with nothing buffered", settled)
 
 	before := directBytes.Load()
 	send(frame{1, []byte("lone")})
 	if d := waitDirect(before, 4); d != 4 {
 		t.Fatalf("the reader wrote %d bytes of a lone 4-byte frame itself, want 4", d)
 	}
-	time.Sleep(50 * time.Millisecond) // the writer waits again
+	waitfor.Until(t, "the server's relays waiting again", settled)
 	burst := []frame{
 		{0, []byte("first")},
 		{1, bytes.Repeat([]byte("b"), 1024)},

@@ -631,8 +631,15 @@ func newFreezeProxy(t *testing.T, target netip.AddrPort) *freezeProxy {
 // TestPingTimeoutClosesDeadConn: a pooled connection whose peer stops
 // answering is closed by the keepalive, failing its streams, instead of
 // lingering until TCP gives up.
+//
+// The timeout is a second, not 200 ms: client, server and proxy share this
+// process, and on a loaded VM (under -race) one of them running a quarter
+// of a second late makes a correct keepalive close a live connection. The
+// alive phase outlasts interval and timeout, so an unanswered PING would
+// still close the connection within it.
 func TestPingTimeoutClosesDeadConn(t *testing.T) {
-	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{PingInterval: 50 * time.Millisecond, PingTimeout: 200 * time.Millisecond})
+	const interval, timeout = 100 * time.Millisecond, time.Second
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{PingInterval: interval, PingTimeout: timeout})
 	app := startUpstream(t, echo)
 	proxy := newFreezeProxy(t, e.addr)
 	good, _ := pkis()
@@ -645,7 +652,7 @@ func TestPingTimeoutClosesDeadConn(t *testing.T) {
 	}
 	defer s.Close()
 	// Alive and idle: pings are answered, the connection stays.
-	time.Sleep(400 * time.Millisecond)
+	time.Sleep(interval + timeout + 400*time.Millisecond)
 	if st := e.pool.Stats(); st.Conns != 1 {
 		t.Fatalf("pool has %d conns while the peer answers pings, want 1", st.Conns)
 	}
