@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"net/netip"
 	"runtime"
+	"slices"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -27,6 +29,20 @@ type Sniffer struct {
 	// TCP frames with a payload by each of their two endpoints: which connections they were,
 	// where byPort mixes in every other pod's (an HBONE pool's keep-alive pings, say).
 	byEndpoint map[netip.AddrPort]int
+	// TCP frames with a payload by connection, its lower endpoint first: a check of one pair of
+	// pods is not misled by a connection of another pod, such as the kernel retransmitting an
+	// orphaned socket's data to a pod deleted earlier (flooded by the bridge to every port).
+	byFlow map[flow]int
+}
+
+// flow is a TCP connection's two endpoints, the lower (by address, then port) first.
+type flow [2]netip.AddrPort
+
+func newFlow(a, b netip.AddrPort) flow {
+	if b.Compare(a) < 0 {
+		a, b = b, a
+	}
+	return flow{a, b}
 }
 
 // Sniff starts capturing; marker is plaintext that must never cross the wire meshed.
@@ -67,7 +83,7 @@ func (n *Node) Sniff(marker string) (*Sniffer, error) {
 	if r.err != nil {
 		return nil, r.err
 	}
-	s := &Sniffer{fd: r.fd, marker: []byte(marker), stop: make(chan struct{}), done: make(chan struct{}), byPort: map[uint16]int{}, byEndpoint: map[netip.AddrPort]int{}}
+	s := &Sniffer{fd: r.fd, marker: []byte(marker), stop: make(chan struct{}), done: make(chan struct{}), byPort: map[uint16]int{}, byEndpoint: map[netip.AddrPort]int{}, byFlow: map[flow]int{}}
 	go s.loop()
 	return s, nil
 }
@@ -122,8 +138,10 @@ func (s *Sniffer) frame(f []byte) {
 	defer s.mu.Unlock()
 	s.byPort[min(sport, dport)]++
 	src, dst := netip.AddrFrom4([4]byte(ip[12:16])), netip.AddrFrom4([4]byte(ip[16:20]))
-	s.byEndpoint[netip.AddrPortFrom(src, sport)]++
-	s.byEndpoint[netip.AddrPortFrom(dst, dport)]++
+	from, to := netip.AddrPortFrom(src, sport), netip.AddrPortFrom(dst, dport)
+	s.byEndpoint[from]++
+	s.byEndpoint[to]++
+	s.byFlow[newFlow(from, to)]++
 	if bytes.Contains(payload, s.marker) {
 		s.markerHit++
 	}
@@ -161,4 +179,44 @@ func (s *Sniffer) Frames(addr string, port uint16) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.byEndpoint[netip.AddrPortFrom(a, port)]
+}
+
+// FramesBetween returns the TCP frames with a payload seen so far (or until Stop) of the
+// connections between addresses a and b with port on either side; an unparsable address
+// counts none.
+func (s *Sniffer) FramesBetween(a, b string, port uint16) int {
+	x, errA := netip.ParseAddr(a)
+	y, errB := netip.ParseAddr(b)
+	if errA != nil || errB != nil {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for f, c := range s.byFlow {
+		lo, hi := f[0], f[1]
+		pair := (lo.Addr() == x && hi.Addr() == y) || (lo.Addr() == y && hi.Addr() == x)
+		if pair && (lo.Port() == port || hi.Port() == port) {
+			n += c
+		}
+	}
+	return n
+}
+
+// FlowsOn describes the connections with port on either side and their frames, for a
+// failure's report.
+func (s *Sniffer) FlowsOn(port uint16) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var lines []string
+	for f, c := range s.byFlow {
+		if f[0].Port() == port || f[1].Port() == port {
+			lines = append(lines, fmt.Sprintf("%s <-> %s: %d frames", f[0], f[1], c))
+		}
+	}
+	slices.Sort(lines)
+	if len(lines) == 0 {
+		return "none"
+	}
+	return strings.Join(lines, "; ")
 }
