@@ -1054,13 +1054,13 @@ func (p *pod) awaitPorts(ctx context.Context, first error) {
 }
 
 // awaitFree calls try every awaitPortsEvery, on a goroutine counted in
-// p.wg, until it succeeds or the pod stops. takeOver is set awaitPortsAsk
-// after the start (the caller has just asked), then at intervals doubling
-// up to awaitPortsAskMax: the predecessor may hand the sockets over after
-// all (an exchange that failed once), but one whose exchange keeps failing
-// is not asked, and its failures counted and logged, once a second per pod
-// for as long as it runs. Once the wait passes report, held is called with
-// try's last error.
+// p.wg, until it succeeds or the pod stops. takeOver (ask the predecessor
+// to hand the sockets over) is set awaitPortsAsk after the start, the
+// caller having just asked, then at intervals doubling up to
+// awaitPortsAskMax: an exchange that failed once may succeed later, but a
+// predecessor whose exchanges keep failing should not cost a failure
+// counted and logged every second per pod. Once the wait passes report,
+// held is called with try's last error.
 func (p *pod) awaitFree(report time.Duration, try func(takeOver bool) error, held func(err error)) {
 	start := time.Now()
 	p.wg.Add(1)

@@ -1298,14 +1298,7 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 		c.lastPeerID = id // a malformed request still opened (and closed) the stream
 	}
 	c.mu.Unlock()
-	// A client stream counts toward the server's limit until the reset is
-	// written, as in Stream.closeWithCode: freed now, its slot let another
-	// stream's HEADERS out before the RST_STREAM, one too many there.
-	f := ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)}
-	if s != nil && c.cfg.client && c.forgetUntilSent(s) {
-		f.release = s
-	}
-	c.queue(f)
+	c.sendReset(s, id, code)
 	if s == nil {
 		return c.spendJunk("frames that make us reset streams")
 	}
@@ -1316,6 +1309,18 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 		return c.spendEarlyReset("too many streams we reset, for stream errors, before their response")
 	}
 	return c.spendJunk("frames that make us reset streams")
+}
+
+// sendReset queues the RST_STREAM of stream id (s, nil if no longer
+// known). A client's stream is forgotten now but counts toward the server's
+// limit until the reset is written: freed at once, its slot let another
+// stream's HEADERS out before the RST_STREAM, one stream too many there.
+func (c *conn) sendReset(s *Stream, id uint32, code http2.ErrCode) {
+	f := ctlFrame{typ: http2.FrameRSTStream, id: id, val: uint32(code)}
+	if s != nil && c.cfg.client && c.forgetUntilSent(s) {
+		f.release = s
+	}
+	c.queue(f)
 }
 
 // queue hands a control frame to the control writer without blocking.

@@ -839,18 +839,13 @@ func (s *Stream) closeWithCode(code http2.ErrCode) {
 	c.mu.Unlock()
 	// Forgotten before the reset is sent: a peer that answers the reset
 	// at once must find the stream closed by us (frames then are junk it
-	// pays for), not still half-closed by its own END_STREAM.
-	if reset && c.cfg.client {
-		var release *Stream
-		if c.forgetUntilSent(s) {
-			release = s
-		}
-		c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code), release: release})
-	} else {
+	// pays for), not still half-closed by its own END_STREAM. (sendReset
+	// forgets a client's stream.)
+	if !reset || !c.cfg.client {
 		c.forget(s)
-		if reset {
-			c.queue(ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
-		}
+	}
+	if reset {
+		c.sendReset(s, s.id, code)
 	}
 	if unread > 0 {
 		c.credit(0, 0, unread)
