@@ -165,7 +165,9 @@ func sandboxRecreated(ctx context.Context, t *testing.T, n *Node, clientIP strin
 	}
 
 	// Meshed in the new namespace: inbound and outbound over HBONE, STRICT refuses plaintext,
-	// the kubelet's probes pass.
+	// the kubelet's probes pass. The client's request is routed by the agent's view of the
+	// pod, which may trail the pinned record and the API server's status: wait for it.
+	waitAgentSees(ctx, t, n, newIP, "")
 	s, err := n.Sniff(marker)
 	if err != nil {
 		t.Fatal(err)

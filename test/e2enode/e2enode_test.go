@@ -230,6 +230,7 @@ func TestRealNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitServiceEndpoint(ctx, t, n, meshNS, "server", serverIP)
+	waitAgentSees(ctx, t, n, serverIP, svc.Spec.ClusterIP)
 
 	t.Run("NewPodsEnrolledAtCNIAdd", func(t *testing.T) {
 		// The annotation is written when the pod is enrolled; for a pod created after the
@@ -1112,4 +1113,85 @@ func agentCounter(ctx context.Context, n *Node, series string) (uint64, error) {
 		}
 	}
 	return 0, fmt.Errorf("no %s in the agent's metrics", series)
+}
+
+// waitAgentSees waits until n's agent (its admin config dump, from inside the node's network
+// namespace) lists the workload at ip as enrolled (HBONE) and, if vip is not "", the Service
+// at vip with ip as a healthy endpoint. The agent learns pods and EndpointSlices by its own
+// watch, a moment after the test read them from the API server; a request sent before then
+// would be judged against what the agent did not know yet.
+func waitAgentSees(ctx context.Context, t *testing.T, n *Node, ip, vip string) {
+	t.Helper()
+	what := fmt.Sprintf("%s's agent to know %s as a meshed workload", n.Name, ip)
+	if vip != "" {
+		what += " and an endpoint of " + vip
+	}
+	err := waitFor(ctx, podTimeout, what, func() error {
+		var dump struct {
+			Workloads []dumpWorkload `json:"workloads"`
+			Services  []dumpService  `json:"services"`
+		}
+		if err := agentAdminGet(ctx, n, "/config_dump", &dump); err != nil {
+			return err
+		}
+		if !slices.ContainsFunc(dump.Workloads, func(w dumpWorkload) bool {
+			return w.Protocol == "HBONE" && slices.Contains(w.WorkloadIPs, ip)
+		}) {
+			return fmt.Errorf("no HBONE workload with address %s", ip)
+		}
+		if vip == "" {
+			return nil
+		}
+		for _, s := range dump.Services {
+			if !slices.ContainsFunc(s.VIPs, func(v string) bool { return strings.HasSuffix(v, "/"+vip) }) {
+				continue
+			}
+			for _, e := range s.Endpoints {
+				if strings.HasSuffix(e.Address, "/"+ip) && e.Status == "Healthy" {
+					return nil
+				}
+			}
+			return fmt.Errorf("the Service at %s has no healthy endpoint %s", vip, ip)
+		}
+		return fmt.Errorf("no Service at %s", vip)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dumpWorkload and dumpService are the parts of the agent's config dump (ztunnel's shape) that
+// waitAgentSees reads.
+type dumpWorkload struct {
+	WorkloadIPs []string `json:"workloadIps"`
+	Protocol    string   `json:"protocol"` // HBONE when enrolled
+}
+
+type dumpService struct {
+	VIPs      []string `json:"vips"` // network/ip
+	Endpoints map[string]struct {
+		Address string `json:"address"` // network/ip
+		Status  string `json:"status"`
+	} `json:"endpoints"`
+}
+
+// agentAdminGet decodes the JSON the node agent's admin endpoint (hostNetwork, ADMIN_ADDR
+// 127.0.0.1:15000) serves at path, from inside the node's network namespace.
+func agentAdminGet(ctx context.Context, n *Node, path string, into any) error {
+	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: n.DialContext}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1:15000"+path, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+		return fmt.Errorf("agent admin %s: %s: %s", path, resp.Status, b)
+	}
+	return json.NewDecoder(resp.Body).Decode(into)
 }

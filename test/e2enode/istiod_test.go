@@ -159,7 +159,7 @@ func TestRealNodeIstiod(t *testing.T) {
 	})
 
 	t.Run("Uninstall", func(t *testing.T) {
-		if out, err := n.Helm(ctx, "uninstall", release, "-n", releaseNS, "--wait", "--timeout=2m"); err != nil {
+		if out, err := n.Helm(ctx, "uninstall", release, "-n", releaseNS, "--wait", "--timeout=3m"); err != nil {
 			t.Fatalf("helm uninstall: %v\n%s", err, out)
 		}
 		if err := waitFor(ctx, time.Minute, "plain HTTP between the pods again", func() error {

@@ -93,6 +93,8 @@ func TestTwoNodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitServiceEndpoint(ctx, t, a, meshNS, "server", serverIP)
+	// The client's agent, on the worker, learns the server and its Service by its own watch.
+	waitAgentSees(ctx, t, b, serverIP, svc.Spec.ClusterIP)
 	get := func(ns, pod, url string) (string, error) { return podGet(ctx, a, ns, pod, url) }
 
 	t.Run("MeshedAcrossNodes", func(t *testing.T) {
