@@ -225,7 +225,7 @@ static __always_inline int tunnel_owns(struct __sk_buff *skb, struct tcp_pkt *p)
  * namespaces), and in *owner the address its counters go to; NULL when the
  * namespace has no rd_pod_netns entry, or the address it names has no
  * rd_pods entry of that pod (the kill switch). Only packets that are not
- * to or from an enrolled address pay for it. */
+ * to or from an enrolled address, and drops, pay for it. */
 static __always_inline struct pod_settings *netns_pod(struct __sk_buff *skb, struct pod_addr *owner)
 {
 	__u32 ino = netns_ino(skb);
@@ -257,29 +257,29 @@ static __always_inline int not_for_host(struct __sk_buff *skb, int ingress)
  * enrolled, on an enrolled pod's interface whatever its addresses (a
  * fragment to the pod's link-local address is the pod's too; on ingress,
  * if the frame is for this host), and when not even its addresses could be
- * read; passed otherwise, as traffic that is not the mesh's. */
+ * read; passed otherwise, as traffic that is not the mesh's. The drop is
+ * the pod's whose interface it is, whatever the addresses say (a sender on
+ * the wire picks its source: charged to it, a neighbour's forged fragments
+ * "from" another pod went to that pod's counters, and frames whose
+ * addresses cannot be read to none); by address only off such an
+ * interface. */
 static __always_inline int drop_unparsed(struct __sk_buff *skb, const struct tcp_pkt *p, __u32 reason, int ingress)
 {
 	static const struct pod_addr none = {};
+	const struct pod_addr *by_addr = &none;
 	struct pod_addr owner;
+	int on_pod = netns_pod(skb, &owner) != NULL;
 
-	if (!p->has_addrs) {
-		count(reason, &none, CNT_DROPPED);
-		return TC_ACT_SHOT;
+	if (p->has_addrs) {
+		if (bpf_map_lookup_elem(&rd_pods, &p->src))
+			by_addr = &p->src;
+		else if (bpf_map_lookup_elem(&rd_pods, &p->dst))
+			by_addr = &p->dst;
+		else if (!on_pod || not_for_host(skb, ingress))
+			return TC_ACT_UNSPEC;
 	}
-	if (bpf_map_lookup_elem(&rd_pods, &p->src)) {
-		count(reason, &p->src, CNT_DROPPED);
-		return TC_ACT_SHOT;
-	}
-	if (bpf_map_lookup_elem(&rd_pods, &p->dst)) {
-		count(reason, &p->dst, CNT_DROPPED);
-		return TC_ACT_SHOT;
-	}
-	if (!not_for_host(skb, ingress) && netns_pod(skb, &owner)) {
-		count(reason, &owner, CNT_DROPPED);
-		return TC_ACT_SHOT;
-	}
-	return TC_ACT_UNSPEC;
+	count(reason, on_pod ? &owner : by_addr, CNT_DROPPED);
+	return TC_ACT_SHOT;
 }
 
 /* own_source reports (and counts as drop_spoofed) an IPv4 packet from the

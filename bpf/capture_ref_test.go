@@ -501,15 +501,17 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 		}
 		return pass
 	case refUnparsed:
+		// dropped as before, and charged to the pod whose interface
+		// it is (its addresses name it only off such an interface)
 		switch {
-		case !p.hasAddrs:
+		case !p.hasAddrs && !onPod:
 			return one(actShot, p.reason, nil)
+		case onPod && (!p.hasAddrs || srcEnrolled || dstEnrolled || forHost):
+			return one(actShot, p.reason, &owner)
 		case srcEnrolled:
 			return one(actShot, p.reason, &src)
 		case dstEnrolled:
 			return one(actShot, p.reason, &dst)
-		case forHost && onPod:
-			return one(actShot, p.reason, &owner)
 		}
 		return pass
 	}
