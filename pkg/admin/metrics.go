@@ -250,6 +250,7 @@ type ServerStats struct {
 	RefusedHandshakeRate            uint64 // a source opened connections too fast
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
 	EvictedConns                    uint64 // closed to admit one from a source holding fewer
+	SourceResetFloods               uint64 // closed: the source's early resets over all its connections
 }
 
 // NewServerCollector reports the HBONE servers.
@@ -281,8 +282,10 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed while still handshaking, the oldest first, to admit a new one when the node-wide handshake bound was reached (silent or slow clients).", nil, nil)
 	evictedConns := prometheus.NewDesc("redirector_hbone_connections_evicted_total",
 		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
+	sourceResetFloods := prometheus.NewDesc("redirector_hbone_source_reset_floods_total",
+		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because their client address reset more streams before their answer, over all its connections, than its budget (1000 per 10 s); also in redirector_hbone_flood_closes_total.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
@@ -298,6 +301,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- counter(refused, s.RefusedHandshakeRate, "handshake_rate")
 			ch <- counter(evicted, s.EvictedHandshakes)
 			ch <- counter(evictedConns, s.EvictedConns)
+			ch <- counter(sourceResetFloods, s.SourceResetFloods)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")
 			ch <- counter(streams, s.StreamsBadRequest, "bad_request")

@@ -38,6 +38,9 @@ type batchConn struct {
 	// goroutine that runs the handshake and then reads the connection.
 	readLeft    int64
 	readLimited bool
+	// reads counts the socket reads that returned data, for direct delivery's
+	// rule of one write per stream per read (Stream.onData). Same goroutine.
+	reads uint64
 }
 
 // tls13RecordOverhead is what a TLS 1.3 record adds to its plaintext: the 5-byte header,
@@ -62,14 +65,19 @@ func newBatchConn(c net.Conn) *batchConn {
 }
 
 // Read reads from the socket.
-func (b *batchConn) Read(p []byte) (int, error) {
-	if b.readLimited {
+func (b *batchConn) Read(p []byte) (n int, err error) {
+	switch {
+	case b.readLimited:
 		return b.limitedRead(p)
+	case b.raw != nil:
+		n, err = b.raw.Read(p)
+	default:
+		n, err = b.Conn.Read(p)
 	}
-	if b.raw != nil {
-		return b.raw.Read(p)
+	if n > 0 {
+		b.reads++
 	}
-	return b.Conn.Read(p)
+	return n, err
 }
 
 // limitRead makes Read fail with errHandshakeTooLarge after n more bytes, until

@@ -226,9 +226,11 @@ type connConfig struct {
 	// maxEarlyResets (server) is the budget of streams the peer may reset
 	// before they were answered, per floodPeriod.
 	maxEarlyResets int
-	// onEarlyReset (server) counts such resets; onFlood counts conns
-	// closed with ENHANCE_YOUR_CALM.
-	onEarlyReset func()
+	// onEarlyReset (server) counts such resets and takes each from the
+	// budget of the peer's address, over all its connections: false when
+	// that is spent, a flood. onFlood counts conns closed with
+	// ENHANCE_YOUR_CALM.
+	onEarlyReset func() bool
 	onFlood      func()
 	// onZeroStreamLimit (client) counts conns drained because the server
 	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0.
@@ -1238,8 +1240,8 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 // takes it from the peer's early-reset budget; a peer that spent the budget
 // floods. Only the reader calls it.
 func (c *conn) spendEarlyReset(reason string) error {
-	if c.cfg.onEarlyReset != nil {
-		c.cfg.onEarlyReset()
+	if c.cfg.onEarlyReset != nil && !c.cfg.onEarlyReset() {
+		return &floodError{reason: reason + " from this address, over all its connections"}
 	}
 	if !c.earlyResets.spend(time.Now().UnixNano()) {
 		return &floodError{reason: reason}

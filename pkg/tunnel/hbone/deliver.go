@@ -33,6 +33,27 @@ import (
 // same order. Frames over our own bulk size (a peer may send up to 1 MiB) are
 // handed off, so that wait is bounded by one 256 KiB write.
 
+// A tiny frame (under tinyFrame bytes) is delivered so only when it is the
+// first its stream delivered in this read of the connection's socket
+// (readCount); later ones of the same read are queued for WriteTo, which
+// writes what gathered in one write. A peer packing a stream's bytes into
+// DATA frames of a byte each (ten on the wire, some 1600 per TLS record)
+// otherwise made the reader write them one write(2), and one TCP segment
+// to the app, each (TestTinyDataFramesCoalesced). A frame of tinyFrame bytes
+// or more costs the peer about what a TCP segment of its own would.
+
+// tinyFrame is the DATA payload below which a frame is tiny.
+const tinyFrame = 64
+
+// readCount is how many reads of the connection's socket returned data,
+// 0 when it has no batchConn (tests' pipes). Reader goroutine only.
+func (c *conn) readCount() uint64 {
+	if c.cfg.batch == nil {
+		return 0
+	}
+	return c.cfg.batch.reads
+}
+
 // directBytes counts the bytes readers wrote to sockets themselves.
 var directBytes atomic.Int64
 

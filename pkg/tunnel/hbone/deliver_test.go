@@ -368,6 +368,9 @@ func TestSmallFramesDelivered(t *testing.T) {
 	for _, f := range burst {
 		want += int64(len(f.p))
 	}
+	// But stream 1's second frame of the read, a tiny one: it is queued for
+	// the stream's writer (TestTinyDataFramesCoalesced).
+	want -= int64(len("b again"))
 	before = directBytes.Load()
 	send(burst...)
 	if d := waitDirect(before, want); d != want {

@@ -90,7 +90,24 @@ type ConnLimits struct {
 	// a client that opens and drops connections as fast as it can would
 	// spend this node's CPU on handshakes without ever holding one.
 	HandshakeRatePerSource int
+	// EarlyResetsPerSource bounds the streams one client address may have
+	// reset before their answer (by RST_STREAM, or by a stream error the
+	// server answers with one), over all its connections to the process's
+	// servers, per 10 s; past it the connection that resets is closed with
+	// GOAWAY ENHANCE_YOUR_CALM. Each connection has a budget of its own
+	// (ServerOptions.MaxEarlyResets), but an address may hold
+	// MaxConnsPerSource connections: with only those, one address reset
+	// that many times more streams, each a handler run and maybe a dial of
+	// the app. Default 1000: ten pooled connections whose CONNECTs all
+	// time out at once.
+	EarlyResetsPerSource int
 }
+
+// defaultEarlyResetsPerSource is ConnLimits.EarlyResetsPerSource's default.
+const defaultEarlyResetsPerSource = 1000
+
+// earlyResetPeriod is the period of the per-source early-reset budget.
+const earlyResetPeriod = floodPeriod
 
 // ConnLimiter admits inbound connections against ConnLimits. One limiter is
 // meant to be shared by every Server of a process (one per pod, all on
@@ -109,13 +126,17 @@ type ConnLimiter struct {
 	// drained are swept once the map doubled since the last sweep.
 	rates      map[netip.Addr]*budget
 	ratesSwept int
-	now        func() int64 // UnixNano; a variable for the tests
+	// resets holds the per-source early-reset budgets, swept the same way.
+	resets      map[netip.Addr]*budget
+	resetsSwept int
+	now         func() int64 // UnixNano; a variable for the tests
 
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
 	refusedRate       atomic.Uint64
 	evictedHandshakes atomic.Uint64
 	evictedConns      atomic.Uint64
+	sourceResetFloods atomic.Uint64
 }
 
 // sourceCount is what one client address holds: its connections (open
@@ -154,6 +175,9 @@ type ConnLimiterStats struct {
 	// holding the most, to admit one from a source holding fewer when
 	// MaxConns were open.
 	EvictedConns uint64
+	// SourceResetFloods counts connections closed because their source
+	// address spent EarlyResetsPerSource over all its connections.
+	SourceResetFloods uint64
 }
 
 // NewConnLimiter returns a limiter; zero fields of limits pick defaults.
@@ -173,10 +197,14 @@ func NewConnLimiter(limits ConnLimits) *ConnLimiter {
 	if limits.HandshakeRatePerSource <= 0 {
 		limits.HandshakeRatePerSource = 100
 	}
+	if limits.EarlyResetsPerSource <= 0 {
+		limits.EarlyResetsPerSource = defaultEarlyResetsPerSource
+	}
 	return &ConnLimiter{
 		limits:   limits,
 		bySource: make(map[netip.Addr]*sourceCount),
 		rates:    make(map[netip.Addr]*budget),
+		resets:   make(map[netip.Addr]*budget),
 		now:      func() int64 { return time.Now().UnixNano() },
 	}
 }
@@ -193,6 +221,7 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 		RefusedHandshakeRate: l.refusedRate.Load(),
 		EvictedHandshakes:    l.evictedHandshakes.Load(),
 		EvictedConns:         l.evictedConns.Load(),
+		SourceResetFloods:    l.sourceResetFloods.Load(),
 	}
 }
 
@@ -264,22 +293,47 @@ func (l *ConnLimiter) admit(src netip.Addr, nc net.Conn) (h *handshakeSlot, refu
 // drained: one that opens and drops connections holds none.
 func (l *ConnLimiter) takeHandshakeLocked(src netip.Addr) bool {
 	now := l.now()
-	b := l.rates[src]
-	if b == nil {
-		if len(l.rates) >= 2*l.ratesSwept+1024 {
-			for a, rb := range l.rates {
-				if rb.drained(now) {
-					delete(l.rates, a)
-				}
-			}
-			l.ratesSwept = len(l.rates)
-		}
-		nb := newBudget(l.limits.HandshakeRatePerSource*int(handshakeRatePeriod/time.Second), handshakeRatePeriod)
-		nb.at = now
-		b = &nb
-		l.rates[src] = b
+	burst := l.limits.HandshakeRatePerSource * int(handshakeRatePeriod/time.Second)
+	return sourceBudgetLocked(l.rates, &l.ratesSwept, src, burst, handshakeRatePeriod, now).take(now)
+}
+
+// takeEarlyReset takes a stream reset before its answer from src's
+// early-reset budget, shared by all its connections, if it holds one; a
+// false answer is counted, and the caller closes its connection as a
+// flood. Like the handshake budget, a source refused for a while is not
+// refused for longer the more it tries.
+func (l *ConnLimiter) takeEarlyReset(src netip.Addr) bool {
+	l.mu.Lock()
+	now := l.now()
+	ok := sourceBudgetLocked(l.resets, &l.resetsSwept, src, l.limits.EarlyResetsPerSource, earlyResetPeriod, now).take(now)
+	l.mu.Unlock()
+	if !ok {
+		l.sourceResetFloods.Add(1)
 	}
-	return b.take(now)
+	return ok
+}
+
+// sourceBudgetLocked returns src's budget in m, new if it has none. A
+// source's budget is kept after its connections closed, until it drained;
+// drained ones are swept once m doubled since the last sweep (*swept), so
+// m holds about the sources active within a period.
+func sourceBudgetLocked(m map[netip.Addr]*budget, swept *int, src netip.Addr, burst int, period time.Duration, now int64) *budget {
+	b := m[src]
+	if b != nil {
+		return b
+	}
+	if len(m) >= 2**swept+1024 {
+		for a, rb := range m {
+			if rb.drained(now) {
+				delete(m, a)
+			}
+		}
+		*swept = len(m)
+	}
+	nb := newBudget(burst, period)
+	nb.at = now
+	m[src] = &nb
+	return &nb
 }
 
 // fairShareVictimLocked returns the oldest connection of the source

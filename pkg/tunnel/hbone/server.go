@@ -368,7 +368,7 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		onRequest:      func(s *Stream, f *http2.MetaHeadersFrame) error { return srv.startStream(c, s, f) },
 		onRefused:      func() { srv.stats.refused.Add(1) },
 		maxEarlyResets: srv.opts.MaxEarlyResets,
-		onEarlyReset:   func() { srv.stats.earlyResets.Add(1) },
+		onEarlyReset:   func() bool { return srv.earlyReset(c) },
 		onFlood:        func() { srv.stats.floods.Add(1) },
 	})
 	c.tlsState = state
@@ -409,6 +409,14 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		c.drainAtPeerExpiry(*state, srv.opts.PeerExpiry)
 	}
 	c.readLoop()
+}
+
+// earlyReset counts a stream of c reset before its answer and takes it from
+// the budget of c's client address, shared by all its connections to the
+// servers of the limiter: false when that address floods.
+func (srv *Server) earlyReset(c *conn) bool {
+	srv.stats.earlyResets.Add(1)
+	return srv.limiter.takeEarlyReset(c.peer)
 }
 
 func (srv *Server) onIdle(c *conn) {

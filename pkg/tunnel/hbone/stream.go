@@ -76,6 +76,11 @@ type Stream struct {
 	readDeadline time.Time
 	readTimer    *time.Timer
 	earlySent    bool // client: Request.EarlyData went out with the request
+
+	// deliveredRead is the connection's socket read (readCount) in which
+	// the reader last delivered to this stream: a tiny frame only once per
+	// read (deliver.go).
+	deliveredRead uint64
 	// Client: the response, signalled by closing respc.
 	respc       chan struct{}
 	respDone    bool
@@ -149,7 +154,10 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		stored += int64(c.w)
 	}
 	consumed := n - stored // padding is consumed on arrival
-	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() {
+	read := s.c.readCount()
+	if stored > 0 && stored <= bulkFrameSize && !s.closed && s.sink != nil && !s.draining && s.buf.n == 0 && s.readDeadline.IsZero() &&
+		(stored >= tinyFrame || read == 0 || read != s.deliveredRead) {
+		s.deliveredRead = read
 		var wrote int
 		sink := s.sink
 		small, chunks, wrote = s.deliverLocked(small, chunks)
