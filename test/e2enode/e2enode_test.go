@@ -1178,20 +1178,33 @@ type dumpService struct {
 // agentAdminGet decodes the JSON the node agent's admin endpoint (hostNetwork, ADMIN_ADDR
 // 127.0.0.1:15000) serves at path, from inside the node's network namespace.
 func agentAdminGet(ctx context.Context, n *Node, path string, into any) error {
-	hc := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: n.DialContext}}
-	defer hc.CloseIdleConnections()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1:15000"+path, nil)
+	body, err := getInNode(ctx, n, "http://127.0.0.1:15000"+path, 5*time.Second)
 	if err != nil {
-		return err
+		return fmt.Errorf("agent admin: %w", err)
+	}
+	return json.Unmarshal(body, into)
+}
+
+// getInNode GETs url from inside n's network namespace and returns the body of a 200 answer
+// (at most 64 MiB), or an error naming the status and the start of the body.
+func getInNode(ctx context.Context, n *Node, url string, timeout time.Duration) ([]byte, error) {
+	hc := &http.Client{Timeout: timeout, Transport: &http.Transport{DialContext: n.DialContext}}
+	defer hc.CloseIdleConnections()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-		return fmt.Errorf("agent admin %s: %s: %s", path, resp.Status, b)
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, fmt.Errorf("GET %s: %w", url, err)
 	}
-	return json.NewDecoder(resp.Body).Decode(into)
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("GET %s: %s: %.512s", url, resp.Status, body)
+	}
+	return body, nil
 }

@@ -5,8 +5,6 @@ package e2enode
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -173,20 +171,6 @@ func TestRealNodeIstiod(t *testing.T) {
 
 // istiodReady asks the node's istiod for /ready.
 func istiodReady(ctx context.Context, n *Node) error {
-	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DialContext: n.DialContext}}
-	defer hc.CloseIdleConnections()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://127.0.0.1:15080/ready", nil)
-	if err != nil {
-		return err
-	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	io.Copy(io.Discard, resp.Body)
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("istiod /ready: %s", resp.Status)
-	}
-	return nil
+	_, err := getInNode(ctx, n, "http://127.0.0.1:15080/ready", 2*time.Second)
+	return err
 }
