@@ -127,8 +127,9 @@ func TestTinyDataFramesCoalesced(t *testing.T) {
 	}
 	// About 660 here; race builds, whose reader is slower next to the
 	// stream's writer, about 2300: the writer writes what gathered each
-	// time it wakes. One per frame was 16000.
-	if writes > frames/4 {
-		t.Errorf("%d write calls for %d one-byte frames: want them coalesced (at most %d)", writes, frames, frames/4)
+	// time it wakes. One per frame was 16000; half that leaves a loaded
+	// machine's scheduling room and still catches it.
+	if writes > frames/2 {
+		t.Errorf("%d write calls for %d one-byte frames: want them coalesced (at most %d)", writes, frames, frames/2)
 	}
 }
