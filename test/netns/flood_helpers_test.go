@@ -154,18 +154,24 @@ func workloadTLS(t *testing.T, caDir, ns, sa string) *tls.Config {
 
 // floodResult is what a rapid-reset flood achieved.
 type floodResult struct {
-	Pairs  int // HEADERS+RST_STREAM pairs written
-	Conns  int // connections it took
-	Calmed int // connections the server closed with GOAWAY ENHANCE_YOUR_CALM
+	Pairs   int // HEADERS+RST_STREAM pairs the server acknowledged reading
+	Conns   int // connections it took
+	Calmed  int // connections the server closed with GOAWAY ENHANCE_YOUR_CALM
+	Refused int // handshakes the server refused (its per-source handshake rate)
 }
 
 // rapidReset sends pairs HEADERS(CONNECT target)+RST_STREAM pairs to
 // hbone from the namespace at from, as fast as it can write, over as many
-// connections as it takes: when the server closes one, it dials again, as
-// a real attacker would. Everything the server sends is read and dropped.
-func rapidReset(ctx context.Context, from string, hbone, target netip.AddrPort, conf *tls.Config, pairs int) (floodResult, error) {
+// connections as it takes, for at most floodFor: when the server closes one,
+// it dials again, and when the server refuses a handshake (once the source's
+// early resets spent their budget, every new connection is closed at its
+// first reset, and the source soon dials faster than its handshake rate), it
+// tries again 10 ms later, as a real attacker would. Everything the server
+// sends is read and dropped.
+func rapidReset(ctx context.Context, from string, hbone, target netip.AddrPort, conf *tls.Config, pairs int, floodFor time.Duration) (floodResult, error) {
 	var res floodResult
-	for res.Pairs < pairs && ctx.Err() == nil {
+	end := time.Now().Add(floodFor)
+	for res.Pairs < pairs && ctx.Err() == nil && time.Now().Before(end) {
 		raw, err := netns.Dial(ctx, from, "tcp", hbone.String(), netns.SocketOptions{})
 		if err != nil {
 			return res, fmt.Errorf("dial %v after %d pairs: %w", hbone, res.Pairs, err)
@@ -174,7 +180,12 @@ func rapidReset(ctx context.Context, from string, hbone, target netip.AddrPort, 
 		tc := tls.Client(raw, conf)
 		if err := tc.HandshakeContext(ctx); err != nil {
 			raw.Close()
-			return res, fmt.Errorf("handshake after %d pairs: %w", res.Pairs, err)
+			if ctx.Err() != nil {
+				break
+			}
+			res.Refused++
+			time.Sleep(10 * time.Millisecond)
+			continue
 		}
 		calm := make(chan bool, 1)
 		acks := make(chan struct{}, 16)
