@@ -61,6 +61,14 @@ func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
 		srvSide = addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40000))}
 	}
 	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
+	return newRawClientOver(t, cli)
+}
+
+// newRawClientOver is a raw client on cli, a connection to a server that
+// already speaks HTTP/2 on it (a pipe, or a TLS connection that chose h2):
+// it sends the preface and SETTINGS.
+func newRawClientOver(t testing.TB, cli net.Conn) *rawClient {
+	t.Helper()
 	rc := &rawClient{t: t, nc: cli, fr: http2.NewFramer(cli, nil), frames: make(chan rawFrame, 1<<16)}
 	rc.enc = hpack.NewEncoder(&rc.buf)
 	t.Cleanup(func() { cli.Close() })

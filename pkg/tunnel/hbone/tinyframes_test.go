@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
 // writeSyscalls is this process's count of write(2)-like calls (syscw).
@@ -68,44 +67,17 @@ func TestTinyDataFramesCoalesced(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tc.Close() })
-	var out bytes.Buffer
-	out.WriteString(http2.ClientPreface)
-	fr := http2.NewFramer(&out, nil)
-	_ = fr.WriteSettings()
-	var hb bytes.Buffer
-	enc := hpack.NewEncoder(&hb)
-	_ = enc.WriteField(hpack.HeaderField{Name: ":method", Value: "CONNECT"})
-	_ = enc.WriteField(hpack.HeaderField{Name: ":authority", Value: app.String()})
-	_ = fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: hb.Bytes(), EndHeaders: true})
-	if _, err := tc.Write(out.Bytes()); err != nil {
+	rc := newRawClientOver(t, tc)
+	if err := rc.connect(1, app.String()); err != nil {
 		t.Fatal(err)
 	}
-	ok := make(chan int, 1)
-	go func() {
-		rfr := http2.NewFramer(nil, tc)
-		rfr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-		for {
-			f, err := rfr.ReadFrame()
-			if err != nil {
-				ok <- 0
-				return
-			}
-			if h, isH := f.(*http2.MetaHeadersFrame); isH {
-				st, _ := strconv.Atoi(h.PseudoValue("status"))
-				ok <- st
-			}
-		}
-	}()
-	select {
-	case st := <-ok:
-		if st != 200 {
-			t.Fatalf("CONNECT answered %d, want 200", st)
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatal("no answer to CONNECT")
+	if st := rc.waitFor("the answer to CONNECT", func(f rawFrame) bool { return f.typ == http2.FrameHeaders }).status; st != 200 {
+		t.Fatalf("CONNECT answered %d, want 200", st)
 	}
 
-	out.Reset()
+	// Every frame in one write, so the server reads many in one read.
+	var out bytes.Buffer
+	fr := http2.NewFramer(&out, nil)
 	want := make([]byte, frames)
 	for i := range want {
 		want[i] = byte('a' + i%26)
