@@ -123,7 +123,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_NO_DNS_SOCKET      CaptureVerdictReason = 38
 	CaptureVerdictReasonREASON_DROP_FOREIGN_DNS_SOCKET CaptureVerdictReason = 39
 	CaptureVerdictReasonREASON_DROP_IP_OPTIONS         CaptureVerdictReason = 40
-	CaptureVerdictReasonREASON_MAX                     CaptureVerdictReason = 41
+	CaptureVerdictReasonREASON_HOST_POD_NOT_PROBE      CaptureVerdictReason = 41
+	CaptureVerdictReasonREASON_MAX                     CaptureVerdictReason = 42
 )
 
 // Names of all BPF objects in the ELF.

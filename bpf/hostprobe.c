@@ -20,6 +20,15 @@ volatile const __u32 tunnel_mark = 0x539; /* SO_MARK of every tunnel socket */
 volatile const __u8 snat_v4[4] = {169, 254, 7, 127};
 volatile const __u8 snat_v6[16] = {0xfd, 0x16, 0x92, 0x54, 0x71, 0x27, 0x13, 0x37,
 				   0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+/* The cgroup v2 id of the cgroup above every pod's (kubelet's "kubepods"),
+ * 0 when unknown. A SYN whose socket lives below it comes from a process of a
+ * pod sharing the node's network namespace (hostNetwork), not from kubelet:
+ * it is no probe. */
+volatile const __u64 pods_cgroup = 0;
+
+/* Cgroup levels looked at for pods_cgroup; kubelet's pod cgroups sit a few
+ * levels down (kubepods.slice/kubepods-burstable.slice/...). */
+#define MAX_CGROUP_LEVEL 16
 
 enum snat_counter {
 	CNT_CONN,
@@ -103,6 +112,68 @@ static __always_inline int node_sent(struct __sk_buff *skb)
 	return ino && ino == netns_ino(skb);
 }
 
+/* skb_from_pod reports whether the packet's socket is a process's below
+ * pods_cgroup (a hostNetwork pod's). A level past the socket's own cgroup
+ * has no ancestor, and the helper returns 0 there. */
+static __always_inline int skb_from_pod(struct __sk_buff *skb)
+{
+	if (!pods_cgroup)
+		return 0;
+	for (int level = 1; level <= MAX_CGROUP_LEVEL; level++) {
+		__u64 id = bpf_skb_ancestor_cgroup_id(skb, level);
+
+		if (id == pods_cgroup)
+			return 1;
+		if (!id)
+			return 0;
+	}
+	return 0;
+}
+
+/* The kernel's sock, cgroup and kernfs_node: only the fields sk_from_pod
+ * reads, located at load time through BTF (CO-RE). A cgroup's self is its
+ * first member, so the parent of its self is its parent cgroup's self. */
+struct kernfs_node___rd {
+	__u64 id;
+} __attribute__((preserve_access_index));
+
+struct cgroup_subsys_state___rd {
+	struct cgroup_subsys_state___rd *parent;
+} __attribute__((preserve_access_index));
+
+struct cgroup___rd {
+	struct cgroup_subsys_state___rd self;
+	struct kernfs_node___rd *kn;
+} __attribute__((preserve_access_index));
+
+struct sock___rd {
+	struct {
+		struct cgroup___rd *cgroup;
+	} sk_cgrp_data;
+} __attribute__((preserve_access_index));
+
+/* sk_from_pod is skb_from_pod for a full socket found by lookup. tc
+ * programs may not call bpf_sk_ancestor_cgroup_id, so the socket's cgroup
+ * v2 and its parents are read as in sk_netns_ino; a kernel whose sock has no
+ * cgroup pointer (before 5.15) reads as none. */
+static __always_inline int sk_from_pod(struct bpf_sock *sk)
+{
+	struct sock___rd *k;
+	struct cgroup___rd *cg;
+
+	if (!pods_cgroup || !bpf_core_field_exists(struct sock___rd, sk_cgrp_data.cgroup))
+		return 0;
+	if (bpf_probe_read_kernel(&k, sizeof(k), &sk) < 0)
+		return 0;
+	cg = BPF_CORE_READ(k, sk_cgrp_data.cgroup);
+	for (int level = 0; level <= MAX_CGROUP_LEVEL && cg; level++) {
+		if (BPF_CORE_READ(cg, kn, id) == pods_cgroup)
+			return 1;
+		cg = (struct cgroup___rd *)BPF_CORE_READ(cg, self.parent);
+	}
+	return 0;
+}
+
 /* node_connecting reports whether the node holds the connecting socket of
  * this SYN's connection: a socket of its namespace in SYN_SENT from the
  * SYN's source address and port to its destination. A SYN without a socket
@@ -118,7 +189,7 @@ static __always_inline int node_sent(struct __sk_buff *skb)
  * OUTPUT) has no socket of the packet's tuple, so a flooded copy of it is
  * not translated; its copy with the socket, on a bridge that knows the
  * pod, is. */
-static __always_inline int node_connecting(struct __sk_buff *skb, const struct host_pkt *p)
+static __always_inline int node_connecting(struct __sk_buff *skb, const struct host_pkt *p, int *from_pod)
 {
 	struct bpf_sock_tuple t = {};
 	struct bpf_sock *sk;
@@ -140,6 +211,8 @@ static __always_inline int node_connecting(struct __sk_buff *skb, const struct h
 	if (!sk)
 		return 0;
 	ok = sk->state == BPF_TCP_SYN_SENT;
+	if (ok)
+		*from_pod = sk_from_pod(sk);
 	bpf_sk_release(sk);
 	return ok;
 }
@@ -153,13 +226,18 @@ static __always_inline int node_connecting(struct __sk_buff *skb, const struct h
  * ifindex; the node's refragmenting of a forwarded packet makes fragments,
  * which parse_host_pkt refuses; a SYN netfilter builds for a remote client
  * (SYNPROXY) has no socket of its tuple on the node. */
-static __always_inline int node_syn(struct __sk_buff *skb, const struct host_pkt *p)
+static __always_inline int node_syn(struct __sk_buff *skb, const struct host_pkt *p, int *from_pod)
 {
 	struct bpf_sock *sk = skb->sk;
 
-	if (sk)
-		return bpf_sk_fullsock(sk) && node_sent(skb);
-	return node_sent(skb) && node_connecting(skb, p);
+	*from_pod = 0;
+	if (sk) {
+		if (!bpf_sk_fullsock(sk) || !node_sent(skb))
+			return 0;
+		*from_pod = skb_from_pod(skb);
+		return 1;
+	}
+	return node_sent(skb) && node_connecting(skb, p, from_pod);
 }
 
 /* own_veth reports whether the packet leaves by the host veth of pod_id, the
@@ -207,9 +285,10 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *       (node_sent; the entry exists and its node address is the packet's
  *       source) and that leaves by the veth its SYN left by is rewritten
  *       the same way;
- *     - a SYN the node sent that is not translated (tunnel mark, or an
- *       address not enrolled) deletes the entry of its tuple, which an
- *       earlier probe may have left (nothing else deletes them);
+ *     - a SYN the node sent that is not translated (tunnel mark, an
+ *       address not enrolled, or a socket of a process below pods_cgroup,
+ *       counted as host_pod_not_probe) deletes the entry of its tuple, which
+ *       an earlier probe may have left (nothing else deletes them);
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
  *       socket of the node's namespace and an ingress device: other pods,
  *       whether routed or bridged, other nodes), the copies of a node
@@ -250,8 +329,9 @@ int rd_host_egress(struct __sk_buff *skb)
 
 	if (p.syn && !p.ack) {
 		struct pod_settings *pod;
+		int from_pod;
 
-		if (!node_syn(skb, &p))
+		if (!node_syn(skb, &p, &from_pod))
 			return TC_ACT_UNSPEC;
 		pod = bpf_map_lookup_elem(&rd_pods, &p.dst);
 		if (!pod) {
@@ -268,6 +348,13 @@ int rd_host_egress(struct __sk_buff *skb)
 		if ((skb->mark & mark_mask) == tunnel_mark) {
 			bpf_map_delete_elem(&rd_probe_nat, &key);
 			count(pod->pod_id, CNT_TUNNEL_MARKED);
+			return TC_ACT_UNSPEC;
+		}
+		if (from_pod) {
+			/* a hostNetwork pod's process: a client like any
+			 * other, whose plaintext the pod's capture judges */
+			bpf_map_delete_elem(&rd_probe_nat, &key);
+			count_reason(REASON_HOST_POD_NOT_PROBE);
 			return TC_ACT_UNSPEC;
 		}
 		ent.pod_id = pod->pod_id;

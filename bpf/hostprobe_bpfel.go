@@ -59,6 +59,7 @@ const (
 	HostProbeProgRdHostEgress  = "rd_host_egress"
 	HostProbeProgRdHostIngress = "rd_host_ingress"
 	HostProbeVarMarkMask       = "mark_mask"
+	HostProbeVarPodsCgroup     = "pods_cgroup"
 	HostProbeVarSnatV4         = "snat_v4"
 	HostProbeVarSnatV6         = "snat_v6"
 	HostProbeVarTunnelMark     = "tunnel_mark"
@@ -126,6 +127,7 @@ type HostProbeMapSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type HostProbeVariableSpecs struct {
 	MarkMask   *ebpf.VariableSpec `ebpf:"mark_mask"`
+	PodsCgroup *ebpf.VariableSpec `ebpf:"pods_cgroup"`
 	SnatV4     *ebpf.VariableSpec `ebpf:"snat_v4"`
 	SnatV6     *ebpf.VariableSpec `ebpf:"snat_v6"`
 	TunnelMark *ebpf.VariableSpec `ebpf:"tunnel_mark"`
@@ -173,6 +175,7 @@ func (m *HostProbeMaps) Close() error {
 // It can be passed to LoadHostProbeObjects or ebpf.CollectionSpec.LoadAndAssign.
 type HostProbeVariables struct {
 	MarkMask   *ebpf.Variable `ebpf:"mark_mask"`
+	PodsCgroup *ebpf.Variable `ebpf:"pods_cgroup"`
 	SnatV4     *ebpf.Variable `ebpf:"snat_v4"`
 	SnatV6     *ebpf.Variable `ebpf:"snat_v6"`
 	TunnelMark *ebpf.Variable `ebpf:"tunnel_mark"`

@@ -76,6 +76,7 @@ enum verdict_reason {
 	REASON_DROP_NO_DNS_SOCKET,   /* fail closed: a captured DNS query found no UDP socket on dns_port */
 	REASON_DROP_FOREIGN_DNS_SOCKET, /* fail closed: the UDP socket found on dns_port is not the tunnel's (no tunnel mark) */
 	REASON_DROP_IP_OPTIONS,      /* fail closed: a DNS query of a pod with DNS capture that carries IPv4 options (a source route would take it past the capture) */
+	REASON_HOST_POD_NOT_PROBE,   /* host veth: a SYN to a pod from a socket of a process in the pods' cgroup (a hostNetwork pod), left untranslated: not a kubelet probe */
 	REASON_MAX,
 };
 

@@ -78,6 +78,8 @@ type agentConfig struct {
 	handoverSocket  string
 	accel           bool
 	cgroupRoot      string
+	podsCgroup      probe.PodsCgroup
+	podsCgroupFound bool // false: looked for where kubelet puts pods, found none
 	localRoute      bool
 	replyPoll       hbone.ReplyPollConfig
 	procDir         string
@@ -87,8 +89,8 @@ type agentConfig struct {
 
 // runFlags are the settings of `redirector run`, each with an env twin.
 type runFlags struct {
-	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, readySocket, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, handoverSocket, accel, cgroupRoot, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
-	limits                                                                                                                                                                                                                                                                                                    func() (tunnel.Limits, error)
+	node, src, kubeconfig, caDir, td, bpfRoot, metrics, ready, readySocket, admin, exclude, ownNS, skipRC, rootNS, ttl, period, drain, maxStreams, poolConns, poolIdle, tcMode, probe4, probe6, logLevel, cniSocket, handoverSocket, accel, cgroupRoot, podsCgroup, localRoute, replyPoll, replyPollCPU, procDir, hboneCC *string
+	limits                                                                                                                                                                                                                                                                                                                func() (tunnel.Limits, error)
 
 	// ca: where certificates come from (ca.go).
 	ca caFlags
@@ -131,6 +133,7 @@ func runSettings() (*settings, runFlags) {
 		logLevel:       s.add("log-level", "LOG_LEVEL", "info", "debug, info, warn or error"),
 		accel:          s.add("sockops-acceleration", "SOCKOPS_ACCELERATION", "false", "experimental: move an app's sends into the tunnel's socket directly (sockops + sk_msg) instead of through the TCP stack; apps doing blocking reads may get spurious EAGAIN (see BENCHMARKS.md)"),
 		cgroupRoot:     s.add("cgroup-root", "CGROUP_ROOT", "", "the cgroup v2 directory that holds the pods' cgroups, where the agent's sock_ops programs attach (empty: this process's cgroup v2 mount, which in a container is the container's own; the Helm chart mounts the host's at /host/sys/fs/cgroup)"),
+		podsCgroup:     s.add("host-probe-pod-cgroup", probe.EnvPodsCgroup, "", "the cgroup v2 directory above every pod's cgroup (kubelet's kubepods), below --cgroup-root's hierarchy if relative: a connection to a pod from a process below it (a hostNetwork pod) is not taken for a kubelet probe, so it meets STRICT like any other plaintext (empty: kubepods.slice or kubepods where kubelet puts them, and off if neither exists; none: off, every process of the node's network namespace probes, as under Istio)"),
 		localRoute:     s.add("local-route", "LOCAL_ROUTE", "true", "route the app socket of an established captured connection over lo to the tunnel's socket (a sock_ops program on --cgroup-root) instead of every packet through the pod interface's programs; false keeps every packet on that path"),
 		replyPoll:      s.add("reply-poll", "REPLY_POLL", "0", "how long the tunnel may keep a thread awake after it delivered a small request or response to an app that answered the one before within five times that, polling for the answer instead of waiting to be woken (0: never, the default; e.g. 50us; at most 1ms; see BENCHMARKS.md)"),
 		replyPollCPU:   s.add("reply-poll-cpu", "REPLY_POLL_CPU", "0.25", "the share of one CPU the agent may spend on --reply-poll, from 0 (exclusive) to 1"),
@@ -286,6 +289,9 @@ func parseRunFlags(args []string) (agentConfig, error) {
 	if c.data.ProbeSNATv4, c.data.ProbeSNATv6, err = probe.ParseSNAT(*f.probe4, *f.probe6); err != nil {
 		return c, err
 	}
+	if c.podsCgroup, c.podsCgroupFound, err = probe.FindPodsCgroup(c.cgroupRoot, *f.podsCgroup); err != nil {
+		return c, err
+	}
 	return c, nil
 }
 
@@ -340,8 +346,9 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer closeCerts()
 
+	logPodsCgroup(ctx, log, cfg)
 	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC,
-		CgroupPath: cfg.cgroupRoot, PacketPathOnly: !cfg.localRoute, Logger: log})
+		CgroupPath: cfg.cgroupRoot, PodsCgroupID: cfg.podsCgroup.ID, PacketPathOnly: !cfg.localRoute, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -721,4 +728,18 @@ func newSource(ctx context.Context, cfg agentConfig, log *slog.Logger, reg prome
 		return nil, nil, fmt.Errorf("kubernetes annotator: %w", err)
 	}
 	return ks, ann, nil
+}
+
+// logPodsCgroup says who passes as kubelet's probes on this node: with no
+// pods' cgroup, hostNetwork pods do too.
+func logPodsCgroup(ctx context.Context, log *slog.Logger, cfg agentConfig) {
+	switch {
+	case cfg.podsCgroup.ID != 0:
+		log.InfoContext(ctx, "host probes: connections from processes below the pods' cgroup (hostNetwork pods) are not probes", "cgroup", cfg.podsCgroup.Dir)
+	case cfg.podsCgroupFound:
+		log.InfoContext(ctx, "host probes: every process of the node's network namespace probes, hostNetwork pods too", "setting", probe.EnvPodsCgroup+"="+probe.PodsCgroupOff)
+	default:
+		log.WarnContext(ctx, "host probes: no pods' cgroup found where kubelet puts it, so every process of the node's network namespace probes, hostNetwork pods too, past STRICT; name it with "+probe.EnvPodsCgroup,
+			"cgroup_root", cfg.cgroupRoot)
+	}
 }

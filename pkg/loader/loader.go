@@ -44,6 +44,9 @@ type Config struct {
 	// the sock_ops program that routes established captured connections over
 	// lo is attached (localroute.go). Empty: this process's cgroup v2 mount.
 	CgroupPath string
+	// PodsCgroupID is the cgroup id of the pods' cgroup, whose processes'
+	// connections are not host probes (probe.Config).
+	PodsCgroupID uint64
 	// PacketPathOnly leaves that program off (and detaches one an earlier
 	// agent attached): every packet of a captured connection takes the pod
 	// interface's programs.
@@ -165,7 +168,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		},
 	}
 	l.probes, err = probe.Load(ctx, probe.Config{PinRoot: cfg.PinRoot, SNATv4: cfg.Settings.ProbeSNATv4, SNATv6: cfg.Settings.ProbeSNATv6,
-		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, Logger: cfg.Logger})
+		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, PodsCgroupID: cfg.PodsCgroupID, Logger: cfg.Logger})
 	if err != nil {
 		l.Close()
 		return nil, fmt.Errorf("load host-probe SNAT: %w", err)

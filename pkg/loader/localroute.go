@@ -2,11 +2,9 @@ package loader
 
 import (
 	"context"
-	"fmt"
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
-	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/pkg/pin"
 )
@@ -36,7 +34,7 @@ func (l *Loader) attachLocalRoute(ctx context.Context) {
 	if l.cfg.CgroupPath == "" {
 		dir, err = pin.CgroupV2Root()
 	} else {
-		dir, err = cgroup2Under(l.cfg.CgroupPath)
+		dir, err = pin.Cgroup2Under(l.cfg.CgroupPath)
 	}
 	if err == nil {
 		err = pin.AttachCgroup(path, dir, l.sockops, ebpf.AttachCGroupSockOps)
@@ -49,24 +47,6 @@ func (l *Loader) attachLocalRoute(ctx context.Context) {
 	default:
 		l.log.WarnContext(ctx, "local routing off: established captured connections keep the capture's packet path", "error", err)
 	}
-}
-
-// cgroup2Under returns the cgroup v2 hierarchy at dir, or at dir/unified
-// (where hybrid hosts mount it below their cgroup v1 controllers).
-func cgroup2Under(dir string) (string, error) {
-	for _, d := range []string{dir, filepath.Join(dir, "unified")} {
-		var fs unix.Statfs_t
-		if err := unix.Statfs(d, &fs); err != nil {
-			if d == dir {
-				return "", fmt.Errorf("cgroup %s: %w", dir, err)
-			}
-			continue
-		}
-		if fs.Type == unix.CGROUP2_SUPER_MAGIC {
-			return d, nil
-		}
-	}
-	return "", fmt.Errorf("cgroup %s: neither it nor %s/unified is on a cgroup v2 file system", dir, dir)
 }
 
 // detachLocalRoute removes the local-routing link pinned under root.

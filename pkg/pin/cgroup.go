@@ -97,3 +97,21 @@ func cgroupV2Root(r io.Reader, name string) (string, error) {
 	}
 	return "", fmt.Errorf("no cgroup v2 mount in %s", name)
 }
+
+// Cgroup2Under returns the cgroup v2 hierarchy at dir, or at dir/unified
+// (where hybrid hosts mount it below their cgroup v1 controllers).
+func Cgroup2Under(dir string) (string, error) {
+	for _, d := range []string{dir, filepath.Join(dir, "unified")} {
+		var fs unix.Statfs_t
+		if err := unix.Statfs(d, &fs); err != nil {
+			if d == dir {
+				return "", fmt.Errorf("cgroup %s: %w", dir, err)
+			}
+			continue
+		}
+		if fs.Type == unix.CGROUP2_SUPER_MAGIC {
+			return d, nil
+		}
+	}
+	return "", fmt.Errorf("cgroup %s: neither it nor %s/unified is on a cgroup v2 file system", dir, dir)
+}

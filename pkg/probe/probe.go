@@ -48,7 +48,11 @@ type Config struct {
 	// NATSize bounds the NAT map: the number of probe connections remembered
 	// at once (the least recently used is forgotten first).
 	NATSize uint32
-	Logger  *slog.Logger
+	// PodsCgroupID is the cgroup id of the pods' cgroup (FindPodsCgroup):
+	// SYNs from sockets below it are not probes. Zero: every process of
+	// the node's network namespace probes.
+	PodsCgroupID uint64
+	Logger       *slog.Logger
 }
 
 func (c *Config) setDefaults() {
@@ -120,6 +124,7 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 		bpf.HostProbeVarSnatV6:     cfg.SNATv6.As16(),
 		bpf.HostProbeVarTunnelMark: cfg.TunnelMark,
 		bpf.HostProbeVarMarkMask:   cfg.MarkMask,
+		bpf.HostProbeVarPodsCgroup: cfg.PodsCgroupID,
 	}
 	for name, v := range vars {
 		vs, ok := spec.Variables[name]
