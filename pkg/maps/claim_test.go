@@ -316,7 +316,7 @@ func TestExclusiveLockAmidOverlappingGuards(t *testing.T) {
 	for i := range 5 {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		start := time.Now()
-		release, err := lockRoot(ctx, dir, unix.LOCK_EX, "test", nil)
+		release, err := (&rootLock{root: dir}).take(ctx, unix.LOCK_EX, "test")
 		cancel()
 		if err != nil {
 			t.Fatalf("exclusive lock %d amid overlapping shared ones: %v", i, err)
@@ -324,5 +324,110 @@ func TestExclusiveLockAmidOverlappingGuards(t *testing.T) {
 		t.Logf("exclusive lock %d after %s", i, time.Since(start).Round(time.Millisecond))
 		release()
 		time.Sleep(30 * time.Millisecond)
+	}
+}
+
+// TestExclusiveLockAmidGaplessGuards: an agent's enrollment changes (two
+// streams of them, as pods keep starting) overlap without any gap: each
+// change begins before the one before it ends. flock grants every new
+// shared lock while an exclusive one waits, so a claim waited out all of
+// LockPatience and failed the new agent's start. Through the gate, changes
+// that begin while a claim waits wait in turn, those under way end (here
+// within 100 ms), and the claim gets the lock; the changes go on after it.
+func TestExclusiveLockAmidGaplessGuards(t *testing.T) {
+	defer func(p time.Duration) { LockPatience = p }(LockPatience)
+	LockPatience = 2 * time.Second
+	dir := t.TempDir()
+	guards := &rootLock{root: dir} // the old agent's, as a Claim's
+	var stop atomic.Bool
+	var changes atomic.Int64
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() {
+			end := func() {}
+			defer func() { end() }()
+			for !stop.Load() {
+				release, err := guards.take(context.Background(), unix.LOCK_SH, "test change")
+				end() // the change before ends once this one began...
+				if err != nil {
+					errs <- err
+					return
+				}
+				changes.Add(1)
+				end = sync.OnceFunc(release)
+				time.AfterFunc(100*time.Millisecond, end) // ...or within 100 ms
+				time.Sleep(5 * time.Millisecond)
+			}
+			errs <- nil
+		}()
+	}
+	defer func() {
+		stop.Store(true)
+		for range 2 {
+			if err := <-errs; err != nil {
+				t.Errorf("a change's shared lock: %v", err)
+			}
+		}
+	}()
+
+	time.Sleep(50 * time.Millisecond)
+	for i := range 3 {
+		start := time.Now()
+		release, err := (&rootLock{root: dir}).take(context.Background(), unix.LOCK_EX, "test claim")
+		waited := time.Since(start)
+		if err != nil {
+			t.Fatalf("exclusive lock %d amid gapless shared ones: %v", i, err)
+		}
+		release()
+		t.Logf("exclusive lock %d after %s", i, waited.Round(time.Millisecond))
+		if waited > time.Second {
+			t.Errorf("exclusive lock %d took %s, want the changes under way (100 ms) to end and no new one to start", i, waited)
+		}
+		before := changes.Load()
+		deadline := time.Now().Add(time.Second)
+		for changes.Load() < before+4 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		if n := changes.Load() - before; n < 4 {
+			t.Fatalf("%d changes in the second after exclusive lock %d was released, want them going on", n, i)
+		}
+	}
+	if st, err := os.Lstat(filepath.Join(dir, GateName)); err != nil || !st.IsDir() || st.Mode().Perm() != 0o700 {
+		t.Errorf("gate %s: %v (%v), want a directory of mode 0700 as the pin tree's", GateName, st, err)
+	}
+}
+
+// TestLockWithoutGate: a gate that cannot be made (here a file is in its
+// place) does not stop the agent: the root is locked alone, as by an agent
+// from before the gate, and the warning comes once.
+func TestLockWithoutGate(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, GateName), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var logged strings.Builder
+	l := &rootLock{root: dir, log: slog.New(slog.NewTextHandler(&logged, nil))}
+	rel1, err := l.take(context.Background(), unix.LOCK_SH, "test change")
+	if err != nil {
+		t.Fatalf("shared lock without a gate: %v", err)
+	}
+	rel2, err := l.take(context.Background(), unix.LOCK_SH, "test change")
+	if err != nil {
+		t.Fatalf("second shared lock without a gate: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := l.take(ctx, unix.LOCK_EX, "test claim"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("exclusive lock while shared ones are held: %v, want it to wait until its context ends", err)
+	}
+	rel1()
+	rel2()
+	release, err := l.take(context.Background(), unix.LOCK_EX, "test claim")
+	if err != nil {
+		t.Fatalf("exclusive lock once the shared ones are released: %v", err)
+	}
+	release()
+	if n := strings.Count(logged.String(), "without its gate"); n != 1 {
+		t.Errorf("%d warnings about the missing gate, want 1:\n%s", n, logged.String())
 	}
 }

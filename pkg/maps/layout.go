@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -188,12 +189,12 @@ func readLayout(root string) (uint32, bool, error) {
 // claim waits for changes under way, and no change starts unclaimed after
 // it. The lock is per open file, so it holds across the agents' mount and
 // PID namespaces (both see the same bpffs directory), and a dead agent's
-// lock goes with its descriptors.
+// lock goes with its descriptors. A gate in front of it (rootLock) makes
+// new changes wait for a claim that waits, instead of keeping it out.
 type Claim struct {
-	root  string
+	lock  rootLock
 	m     *ebpf.Map
 	token uint32
-	log   *slog.Logger
 }
 
 // ErrNotHeld is returned by Guard once a newer agent claimed the node.
@@ -210,7 +211,7 @@ func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, erro
 		return nil, fmt.Errorf("claim the node: open %s: %w", path, err)
 	}
 	var b [4]byte
-	c := &Claim{root: root, m: m, log: log}
+	c := &Claim{lock: rootLock{root: root, log: log}, m: m}
 	for c.token == 0 {
 		if _, err := rand.Read(b[:]); err != nil {
 			m.Close()
@@ -218,7 +219,7 @@ func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, erro
 		}
 		c.token = binary.LittleEndian.Uint32(b[:])
 	}
-	unlock, err := lockRoot(ctx, root, unix.LOCK_EX, "claim the node", log)
+	unlock, err := c.lock.take(ctx, unix.LOCK_EX, "claim the node")
 	if err != nil {
 		m.Close()
 		return nil, fmt.Errorf("claim the node: %w", err)
@@ -245,16 +246,18 @@ func (c *Claim) Held() bool {
 // link pin put back): it returns ErrNotHeld if a newer agent holds the
 // node, else a release that must be called once the change is done. Guards
 // of one agent do not exclude each other; a claim waits for all of them.
+// A change must not wait, while it holds a Guard, for another Guard to be
+// taken: a claim waiting for the first would hold the second off.
 //
 // It waits for a claim under way as ClaimNode waits for changes.
 func (c *Claim) Guard(ctx context.Context) (release func(), err error) {
-	unlock, err := lockRoot(ctx, c.root, unix.LOCK_SH, "change the enrollment", c.log)
+	unlock, err := c.lock.take(ctx, unix.LOCK_SH, "change the enrollment")
 	if err != nil {
 		return nil, err
 	}
 	if !c.Held() {
 		unlock()
-		return nil, fmt.Errorf("%w under %s: it attaches, detaches and repairs the pods now", ErrNotHeld, c.root)
+		return nil, fmt.Errorf("%w under %s: it attaches, detaches and repairs the pods now", ErrNotHeld, c.lock.root)
 	}
 	return unlock, nil
 }
@@ -271,7 +274,8 @@ func (c *Claim) Close() error { return c.m.Close() }
 //
 // It waits for changes under way as ClaimNode does.
 func Quiesce(ctx context.Context, root string, log *slog.Logger) (release func(), err error) {
-	return lockRoot(ctx, root, unix.LOCK_EX, "hold off the enrollment changes", log)
+	l := &rootLock{root: root, log: log}
+	return l.take(ctx, unix.LOCK_EX, "hold off the enrollment changes")
 }
 
 // LockPatience bounds every wait for the pin root's lock. An enrollment
@@ -288,9 +292,106 @@ var (
 	lockNagEvery = 30 * time.Second
 )
 
-// lockRoot takes flock(2) how on the pin root directory, for what (named in
-// its logs), waiting at most LockPatience and while ctx lasts; the
-// release closes the descriptor, which drops the lock.
+// GateName is the directory under the pin root whose flock is the gate in
+// front of the root's lock (see rootLock). It is empty; uninstall removes
+// it with the pins.
+const GateName = "lockgate"
+
+// rootLock takes flock(2) on the pin root directory, through a gate.
+//
+// flock grants a shared lock whenever only shared locks are held, however
+// long an exclusive locker has waited: an agent whose enrollment changes
+// overlap without a gap would keep a new agent's claim out until
+// LockPatience, and fail its start. So a locker first takes a second
+// flock, on the directory GateName, in the same mode: an exclusive locker
+// holds the gate until it holds the root, so new shared lockers wait at the
+// gate while those already holding the root finish; a shared locker holds
+// the gate only until it holds the root.
+//
+// No deadlock: every locker takes the gate before the root; whoever holds
+// the gate waits only for the root, and whoever holds the root waits for
+// neither. An exclusive holder (ClaimNode, Quiesce) has let go of the gate
+// and takes no other lock; a shared holder's change takes no other Guard
+// (see Guard). An agent claims and quiesces before it takes any Guard of
+// its own: its exclusive lock would wait for its own changes, gate or not.
+//
+// An agent from before the gate takes the root lock alone: the root lock
+// still excludes as before, only its changes do not give way to a waiting
+// claim. A gate that cannot be opened or created is skipped the same way,
+// with a warning, once per rootLock (per Claim, for the Guards).
+type rootLock struct {
+	root       string
+	log        *slog.Logger
+	gateWarned atomic.Bool
+}
+
+// take takes the pin root's lock how (LOCK_SH or LOCK_EX), for what (named
+// in its logs), waiting at most LockPatience in all and while ctx lasts;
+// the release closes the descriptor, which drops the lock.
+func (l *rootLock) take(ctx context.Context, how int, what string) (release func(), err error) {
+	fd, err := unix.Open(l.root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open pin root %s for locking: %w", l.root, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, LockPatience)
+	defer cancel()
+	w := &lockWait{ctx: ctx, root: l.root, what: what, log: l.log, start: time.Now()}
+	w.nextLog = w.start.Add(lockQuietFor)
+
+	gate, err := openGate(l.root)
+	if err != nil {
+		if !l.gateWarned.Swap(true) && l.log != nil {
+			l.log.Warn("pin root lock taken without its gate: a claim may wait for this agent's overlapping enrollment changes",
+				"root", l.root, "error", err)
+		}
+	} else {
+		if err := w.flock(gate, how, true); err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+		defer unix.Close(gate) // once the root is held, or not
+	}
+	if err := w.flock(fd, how, false); err != nil {
+		return nil, err
+	}
+	if waited := time.Since(w.start); waited >= lockQuietFor && l.log != nil {
+		l.log.Info("pin root lock taken", "root", l.root, "for", what, "waited", waited.Round(time.Millisecond))
+	}
+	return func() { unix.Close(fd) }, nil
+}
+
+// openGate opens the gate directory under root, creating it as the pin
+// tree's directories are (0700, the agent's user; see pin.CheckTree). Not
+// following a symlink: the agent makes none there.
+func openGate(root string) (int, error) {
+	path := filepath.Join(root, GateName)
+	const flags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
+	fd, err := unix.Open(path, flags, 0)
+	if errors.Is(err, unix.ENOENT) {
+		if err := unix.Mkdir(path, 0o700); err != nil && !errors.Is(err, unix.EEXIST) {
+			return -1, fmt.Errorf("create lock gate %s: %w", path, err)
+		}
+		fd, err = unix.Open(path, flags, 0)
+	}
+	if err != nil {
+		return -1, fmt.Errorf("open lock gate %s: %w", path, err)
+	}
+	return fd, nil
+}
+
+// lockWait is one wait for the pin root's lock: for its gate, then for the
+// root itself, within one deadline and with one schedule of logs.
+type lockWait struct {
+	ctx     context.Context // ends at LockPatience
+	root    string
+	what    string
+	log     *slog.Logger
+	start   time.Time
+	nextLog time.Time
+}
+
+// flock takes flock(2) how on fd, the root's or (gate) its gate's. On
+// failure fd is closed, once nothing uses it any more.
 //
 // flock cannot be interrupted by a context (the Go runtime's signal
 // handlers restart it), so a shared lock is polled. An exclusive one is not:
@@ -298,50 +399,46 @@ var (
 // overlapping changes, with gaps of a millisecond between them, a poll
 // every few tens of milliseconds seldom found the lock free, where a waiter
 // blocked in the kernel is woken at each release
-// (TestExclusiveLockAmidOverlappingGuards). It blocks on a goroutine of its
-// own, abandoned if the wait ends first; it drops the lock if it ever gets
-// it. Only the start of an agent waits for the exclusive lock (ClaimNode,
-// Quiesce), so at most that many threads are held by such waits.
-func lockRoot(ctx context.Context, root string, how int, what string, log *slog.Logger) (release func(), err error) {
-	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("open pin root %s for locking: %w", root, err)
+// (TestExclusiveLockAmidOverlappingGuards: older agents take no gate). It
+// blocks on a goroutine of its own, abandoned if the wait ends first; it
+// drops the lock if it ever gets it. Only the start of an agent waits for
+// the exclusive lock (ClaimNode, Quiesce), so at most twice that many
+// threads are held by such waits.
+func (w *lockWait) flock(fd, how int, gate bool) error {
+	name, waitMsg, hint := "pin root "+w.root, "waiting for the pin root lock: another agent's enrollment change holds it",
+		"an agent hung in an enrollment change?"
+	if gate {
+		name, waitMsg, hint = "the gate of pin root "+w.root, "waiting at the pin root lock's gate: another agent is taking the lock",
+			"an agent waiting for a hung one?"
 	}
-	ctx, cancel := context.WithTimeout(ctx, LockPatience)
-	defer cancel()
-	start := time.Now()
-	err = unix.Flock(fd, how|unix.LOCK_NB)
+	err := unix.Flock(fd, how|unix.LOCK_NB)
 	var blocked chan error // the blocking flock's result (exclusive)
 	if err != nil && how == unix.LOCK_EX && errors.Is(err, unix.EWOULDBLOCK) {
 		blocked = make(chan error, 1)
 		go func() { blocked <- flockRetry(fd, how) }()
 	}
-	nextLog := start.Add(lockQuietFor)
 	for pause := time.Millisecond; ; pause = min(2*pause, 50*time.Millisecond) {
 		if err == nil {
-			if waited := time.Since(start); waited >= lockQuietFor && log != nil {
-				log.Info("pin root lock taken", "root", root, "for", what, "waited", waited.Round(time.Millisecond))
-			}
-			return func() { unix.Close(fd) }, nil
+			return nil
 		}
 		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
 			unix.Close(fd)
-			return nil, fmt.Errorf("lock pin root %s: %w", root, err)
+			return fmt.Errorf("lock %s: %w", name, err)
 		}
-		if now := time.Now(); !now.Before(nextLog) && log != nil {
-			log.Warn("waiting for the pin root lock: another agent's enrollment change holds it", "root", root,
-				"for", what, "held_by", lockHolders(fd), "waited", now.Sub(start).Round(time.Second), "gives_up_after", LockPatience)
-			nextLog = now.Add(lockNagEvery)
+		if now := time.Now(); !now.Before(w.nextLog) && w.log != nil {
+			w.log.Warn(waitMsg, "root", w.root, "for", w.what, "held_by", lockHolders(fd),
+				"waited", now.Sub(w.start).Round(time.Second), "gives_up_after", LockPatience)
+			w.nextLog = now.Add(lockNagEvery)
 		}
 		var wake <-chan time.Time // nil: the blocked flock or the end of the wait wakes us
 		switch {
 		case blocked == nil:
 			wake = time.After(pause)
-		case log != nil:
-			wake = time.After(time.Until(nextLog)) // the next reminder
+		case w.log != nil:
+			wake = time.After(time.Until(w.nextLog)) // the next reminder
 		}
 		select {
-		case <-ctx.Done():
+		case <-w.ctx.Done():
 			holders := lockHolders(fd)
 			if blocked != nil {
 				// The blocked flock still uses fd: it closes it, which
@@ -353,11 +450,11 @@ func lockRoot(ctx context.Context, root string, how int, what string, log *slog.
 			} else {
 				unix.Close(fd)
 			}
-			return nil, fmt.Errorf("lock pin root %s: held by %s for over %s (an agent hung in an enrollment change?): %w",
-				root, holders, time.Since(start).Round(time.Millisecond), context.Cause(ctx))
+			return fmt.Errorf("lock %s: held by %s for over %s (%s): %w",
+				name, holders, time.Since(w.start).Round(time.Millisecond), hint, context.Cause(w.ctx))
 		case err = <-blocked:
 			if err != nil {
-				blocked = nil // closed below, with err named
+				blocked = nil // fd closed at the loop's top, with err named
 			}
 		case <-wake:
 			if blocked == nil {
