@@ -296,10 +296,10 @@ var ErrNotPinRoot = errors.New("not a pin root")
 // pod its metadata map records loses its links, rules and routes (its
 // interface sysctls restored); then the maps it pins by name go, each pod
 // pin directory and the pods directory if they end up empty, the pin root
-// lock's gate (maps.GateName, empty), and the root itself once empty. It never removes a directory recursively: a root that
-// is not on a bpffs holds no pins and is refused, and entries someone else
-// put under root stay (they are logged). Pods whose namespace is gone are
-// skipped quietly.
+// lock's gate (maps.GateName, empty), and the root itself once empty. It
+// never removes a directory recursively: a root that is not on a bpffs
+// holds no pins and is refused, and entries someone else put under root
+// stay (they are logged). Pods whose namespace is gone are skipped quietly.
 func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) error {
 	if log == nil {
 		log = slog.Default()
