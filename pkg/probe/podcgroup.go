@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -44,9 +46,10 @@ type PodsCgroup struct {
 // cgroupRoot (CGROUP_ROOT; empty: this process's cgroup v2 mount).
 // PodsCgroupOff turns the check off. Empty looks for kubelet's usual places
 // (kubeletPodsCgroups) and, where none exists, turns it off with found false,
-// for the caller to warn. A relative path is taken below the hierarchy's
-// root, an absolute one as it is; either must be a cgroup v2 directory, and
-// the error names the setting and what is wrong.
+// for the caller to warn. Otherwise it is a cgroup's path in the hierarchy,
+// as kubelet's cgroupRoot is written (a leading / is the hierarchy's root),
+// and must name a cgroup below the root; the error names the setting and
+// what is wrong.
 func FindPodsCgroup(cgroupRoot, setting string) (pc PodsCgroup, found bool, err error) {
 	if setting == PodsCgroupOff {
 		return PodsCgroup{}, true, nil
@@ -66,11 +69,10 @@ func FindPodsCgroup(cgroupRoot, setting string) (pc PodsCgroup, found bool, err 
 		}
 		return PodsCgroup{}, false, nil
 	}
-	dir := setting
-	if !filepath.IsAbs(dir) {
-		dir = filepath.Join(root, dir)
+	if slices.Contains(strings.Split(setting, "/"), "..") {
+		return PodsCgroup{}, false, fmt.Errorf("%s=%s: a cgroup path in the hierarchy may not climb out of it with ..", EnvPodsCgroup, setting)
 	}
-	if pc, err = podsCgroupAt(dir); err != nil {
+	if pc, err = podsCgroupAt(filepath.Join(root, setting)); err != nil {
 		return PodsCgroup{}, false, fmt.Errorf("%s=%s: %w", EnvPodsCgroup, setting, err)
 	}
 	return pc, true, nil

@@ -88,7 +88,7 @@ func curlFromCgroup(t *testing.T, nsPath, dir string, dst netip.Addr) (netip.Add
 // copy without one (the socket found by lookup).
 func TestHostNetworkPodIsNoProbe(t *testing.T) {
 	hierarchy, base := testCgroups(t, "kubepods/besteffort/podA/ctr", "system/kubelet")
-	pc, found, err := probe.FindPodsCgroup(hierarchy, filepath.Join(base, "kubepods"))
+	pc, found, err := probe.FindPodsCgroup(hierarchy, "/"+base+"/kubepods")
 	if err != nil || !found || pc.ID == 0 {
 		t.Fatalf("FindPodsCgroup: %+v %v %v", pc, found, err)
 	}
@@ -156,17 +156,17 @@ func TestHostNetworkPodIsNoProbe(t *testing.T) {
 	}
 }
 
-// TestFindPodsCgroup: the setting resolves to a cgroup v2 directory below
-// the hierarchy's root, relative or absolute; what cannot be one is an error
-// naming the setting; empty finds kubelet's usual places or nothing; none is
-// off.
+// TestFindPodsCgroup: the setting is a cgroup's path in the hierarchy,
+// with or without a leading /, and resolves to a cgroup v2 directory below
+// the hierarchy's root; what cannot be one is an error naming the setting;
+// empty finds kubelet's usual places or nothing; none is off.
 func TestFindPodsCgroup(t *testing.T) {
 	hierarchy, base := testCgroups(t, "kubepods", "kubepods.slice")
 	var st syscall.Stat_t
 	if err := syscall.Stat(filepath.Join(hierarchy, base, "kubepods"), &st); err != nil {
 		t.Fatal(err)
 	}
-	for _, setting := range []string{filepath.Join(base, "kubepods"), filepath.Join(hierarchy, base, "kubepods")} {
+	for _, setting := range []string{base + "/kubepods", "/" + base + "/kubepods/"} {
 		pc, found, err := probe.FindPodsCgroup(hierarchy, setting)
 		if err != nil || !found || pc.ID != st.Ino || pc.Dir != filepath.Join(hierarchy, base, "kubepods") {
 			t.Errorf("%s: %+v %v %v, want id %d", setting, pc, found, err, st.Ino)
@@ -184,10 +184,11 @@ func TestFindPodsCgroup(t *testing.T) {
 		t.Errorf("empty, nothing there: %+v %v %v, want off and not found", pc, found, err)
 	}
 	for setting, want := range map[string]string{
-		filepath.Join(base, "nonexistent"): "no such file",
-		"/":                                "not on a cgroup v2 file system",
-		hierarchy:                          "root of its cgroup hierarchy",
-		filepath.Join(hierarchy, base, "kubepods", "cgroup.procs"): "not a cgroup directory",
+		base + "/nonexistent":           "no such file",
+		"/":                             "root of its cgroup hierarchy",
+		base + "/..":                    "climb out of it",
+		"/../../etc":                    "climb out of it",
+		base + "/kubepods/cgroup.procs": "not a cgroup directory",
 	} {
 		_, _, err := probe.FindPodsCgroup(hierarchy, setting)
 		if err == nil || !strings.Contains(err.Error(), probe.EnvPodsCgroup+"="+setting) || !strings.Contains(err.Error(), want) {
