@@ -735,8 +735,8 @@ func parseRequest(fields []hpack.HeaderField, truncated bool) (req *ServerReques
 		return nil, http.StatusRequestHeaderFieldsTooLarge, fmt.Sprintf("request headers exceed %d bytes", maxHeaderListSize), false
 	}
 	req = &ServerRequest{}
-	var method, scheme, path, protocol string
-	var hasMethod, hasScheme, hasPath bool
+	var method, scheme, path string
+	var hasMethod, hasScheme, hasPath, hasProtocol bool
 	var forwarded []string
 	var bad string
 	for _, f := range fields {
@@ -750,7 +750,9 @@ func parseRequest(fields []hpack.HeaderField, truncated bool) (req *ServerReques
 		case ":path":
 			path, hasPath = f.Value, true
 		case ":protocol":
-			protocol = f.Value
+			// Its presence, whatever its value: an empty one is
+			// still extended CONNECT, which we never enabled.
+			hasProtocol = true
 		case "forwarded":
 			forwarded = append(forwarded, f.Value)
 		default:
@@ -774,7 +776,7 @@ func parseRequest(fields []hpack.HeaderField, truncated bool) (req *ServerReques
 		bad = "missing :method"
 	case method != http.MethodConnect && (!hasScheme || scheme == "" || !hasPath || path == ""):
 		bad = "a request other than CONNECT needs :scheme and a non-empty :path"
-	case method == http.MethodConnect && protocol == "" && (hasScheme || hasPath):
+	case method == http.MethodConnect && !hasProtocol && (hasScheme || hasPath):
 		bad = "CONNECT must not carry :scheme or :path"
 	}
 	if bad != "" {
@@ -783,8 +785,8 @@ func parseRequest(fields []hpack.HeaderField, truncated bool) (req *ServerReques
 	if method != http.MethodConnect {
 		return nil, http.StatusMethodNotAllowed, fmt.Sprintf("method %q not allowed, only CONNECT", method), false
 	}
-	if protocol != "" {
-		return nil, http.StatusBadRequest, "extended CONNECT is not supported", false
+	if hasProtocol {
+		return nil, http.StatusBadRequest, "extended CONNECT (:protocol) is not supported", false
 	}
 	if req.Authority == "" {
 		return nil, http.StatusBadRequest, "missing :authority", true
