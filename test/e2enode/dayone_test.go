@@ -426,11 +426,18 @@ spec:
 	if hostErr != nil || remoteAddr(fromHost) != gateway {
 		t.Errorf("the hostNetwork pod -> a server outside the mesh: %q, %v; want it answered, seeing the node's bridge address %s", fromHost, hostErr, gateway)
 	}
-	// To a meshed pod, a hostNetwork pod's connection is the node's own, like a kubelet
-	// probe: Istio's host-probe SNAT (istio-cni's --socket-exists rule) gives every such
-	// connection the SNAT address, which the pod lets past STRICT. Same here.
-	if out, err := podGet(ctx, n, meshNS, name, "http://"+serverIP+":8080/cgi-bin/ip"); err != nil || remoteAddr(out) != hostProbeSNATIP {
-		t.Errorf("the hostNetwork pod -> the meshed server: %q, %v; want it answered as a node probe, from %s", out, err, hostProbeSNATIP)
+	// To a meshed pod, a hostNetwork pod's connection comes from the node's namespace, as a
+	// kubelet probe does, but from a process below the kubelet's pods' cgroup (the chart's
+	// hostProbePodCgroup, set to this node's): it is not taken for a probe (Istio's
+	// --socket-exists rule would SNAT it past STRICT), so STRICT refuses its plaintext, as
+	// it would from another node. The kubelet's own probes pass with the setting on
+	// (StrictRefusesPlaintextProbesPass).
+	notProbe, _ := agentCounter(ctx, n, `redirector_bpf_packets_total{reason="host_pod_not_probe"}`)
+	if out, err := podGet(ctx, n, meshNS, name, "http://"+serverIP+":8080/cgi-bin/ip"); err == nil {
+		t.Errorf("the hostNetwork pod -> the meshed server under STRICT: answered %q, want refused (a hostNetwork pod is no kubelet probe)", out)
+	}
+	if after, err := agentCounter(ctx, n, `redirector_bpf_packets_total{reason="host_pod_not_probe"}`); err != nil || after <= notProbe {
+		t.Errorf("host_pod_not_probe %d -> %d (%v): the hostNetwork pod's SYN was not told apart from a probe", notProbe, after, err)
 	}
 	t.Logf("hostNetwork pod's traffic: plaintext frames %d, frames by port %v", hits, ports)
 	if hits == 0 || s.Frames(n.IP, 18080) == 0 || s.Frames(plainIP, 8080) == 0 {
