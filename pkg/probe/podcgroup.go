@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -44,9 +45,11 @@ type PodsCgroup struct {
 
 // FindPodsCgroup resolves the setting against the cgroup v2 hierarchy at
 // cgroupRoot (CGROUP_ROOT; empty: this process's cgroup v2 mount).
-// PodsCgroupOff turns the check off. Empty looks for kubelet's usual places
-// (kubeletPodsCgroups) and, where none exists, turns it off with found false,
-// for the caller to warn. Otherwise it is a cgroup's path in the hierarchy,
+// PodsCgroupOff turns the check off. Empty looks first above this process's
+// own cgroup (selfPodsCgroup: the agent runs in a pod, whatever kubelet's
+// cgroup root), then in kubelet's usual places (kubeletPodsCgroups), and
+// where neither finds it, turns the check off with found false, for the
+// caller to warn. Otherwise it is a cgroup's path in the hierarchy,
 // as kubelet's cgroupRoot is written (a leading / is the hierarchy's root),
 // and must name a cgroup below the root; the error names the setting and
 // what is wrong.
@@ -62,6 +65,11 @@ func FindPodsCgroup(cgroupRoot, setting string) (pc PodsCgroup, found bool, err 
 		return PodsCgroup{}, false, fmt.Errorf("%s=%s: %w", EnvPodsCgroup, setting, err)
 	}
 	if setting == "" {
+		if dir, ok := selfPodsCgroup(root, os.Getpid()); ok {
+			if pc, err := podsCgroupAt(dir); err == nil {
+				return pc, true, nil
+			}
+		}
 		for _, rel := range kubeletPodsCgroups {
 			if pc, err := podsCgroupAt(filepath.Join(root, rel)); err == nil {
 				return pc, true, nil
@@ -108,4 +116,62 @@ func podsCgroupAt(dir string) (PodsCgroup, error) {
 		return PodsCgroup{}, fmt.Errorf("%s is not a cgroup directory", dir)
 	}
 	return PodsCgroup{Dir: dir, ID: st.Ino}, nil
+}
+
+// Bounds of selfPodsCgroup's walk of the hierarchy, which runs once at start:
+// a node's cgroups are a few per container.
+const (
+	maxCgroupWalk  = 100000
+	maxCgroupDepth = 32
+)
+
+// selfPodsCgroup finds the pods' cgroup above the process pid (as this
+// process's PID namespace numbers it): its cgroup is the directory of the
+// hierarchy at root whose cgroup.procs lists it (the kernel lists each
+// process in the reader's PID namespace), and the pods' cgroup is that
+// directory's nearest ancestor named as kubelet names it: kubepods (the
+// cgroupfs driver) or a systemd slice ending in kubepods.slice. A process
+// outside a pod (the agent run by hand, a test) has no such ancestor.
+func selfPodsCgroup(root string, pid int) (string, bool) {
+	self, ok := cgroupOf(root, strconv.Itoa(pid))
+	if !ok {
+		return "", false
+	}
+	for dir := self; dir != root && strings.HasPrefix(dir, root+"/"); dir = filepath.Dir(dir) {
+		if name := filepath.Base(dir); name == "kubepods" || strings.HasSuffix(name, "kubepods.slice") {
+			return dir, true
+		}
+	}
+	return "", false
+}
+
+// cgroupOf walks the hierarchy at root, depth first and within the walk's
+// bounds, for the directory whose cgroup.procs lists pid.
+func cgroupOf(root, pid string) (string, bool) {
+	var visited int
+	var walk func(dir string, depth int) (string, bool)
+	walk = func(dir string, depth int) (string, bool) {
+		if visited++; visited > maxCgroupWalk || depth > maxCgroupDepth {
+			return "", false
+		}
+		if procs, err := os.ReadFile(filepath.Join(dir, "cgroup.procs")); err == nil {
+			if slices.Contains(strings.Fields(string(procs)), pid) {
+				return dir, true
+			}
+		}
+		entries, err := os.ReadDir(dir)
+		if err != nil {
+			return "", false
+		}
+		for _, e := range entries {
+			if !e.IsDir() {
+				continue
+			}
+			if found, ok := walk(filepath.Join(dir, e.Name()), depth+1); ok {
+				return found, true
+			}
+		}
+		return "", false
+	}
+	return walk(root, 0)
 }

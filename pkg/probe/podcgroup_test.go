@@ -196,3 +196,39 @@ func TestFindPodsCgroup(t *testing.T) {
 		}
 	}
 }
+
+// TestSelfPodsCgroup: an agent in a pod finds the pods' cgroup above its own,
+// whatever kubelet's cgroup root: the cgroupfs driver's kubepods and the
+// systemd driver's *kubepods.slice (kind's kubelet-kubepods.slice here),
+// never a QoS or pod slice whose name only contains kubepods. A process
+// outside any pod (this test's own) finds none. The processes are sleep,
+// born in real cgroups.
+func TestSelfPodsCgroup(t *testing.T) {
+	hierarchy, base := testCgroups(t, "kubepods/burstable/podA/ctr",
+		"kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-podB.slice/cri-x.scope")
+	for _, c := range []struct{ cgroup, want string }{
+		{"kubepods/burstable/podA/ctr", "kubepods"},
+		{"kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-podB.slice/cri-x.scope", "kubelet.slice/kubelet-kubepods.slice"},
+	} {
+		fd, err := syscall.Open(filepath.Join(hierarchy, base, c.cgroup), syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command("sleep", "30")
+		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+		err = cmd.Start()
+		syscall.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, ok := probe.SelfPodsCgroup(hierarchy, cmd.Process.Pid)
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if want := filepath.Join(hierarchy, base, c.want); !ok || got != want {
+			t.Errorf("a process in %s: %q %v, want %s", c.cgroup, got, ok, want)
+		}
+	}
+	if got, ok := probe.SelfPodsCgroup(hierarchy, os.Getpid()); ok {
+		t.Errorf("this test's process, in no pod: found %s", got)
+	}
+}

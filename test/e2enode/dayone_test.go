@@ -427,8 +427,8 @@ spec:
 		t.Errorf("the hostNetwork pod -> a server outside the mesh: %q, %v; want it answered, seeing the node's bridge address %s", fromHost, hostErr, gateway)
 	}
 	// To a meshed pod, a hostNetwork pod's connection comes from the node's namespace, as a
-	// kubelet probe does, but from a process below the kubelet's pods' cgroup (the chart's
-	// hostProbePodCgroup, set to this node's): it is not taken for a probe (Istio's
+	// kubelet probe does, but from a process below the kubelet's pods' cgroup (which the
+	// agent found above its own, below this node's cgroup root): it is not taken for a probe (Istio's
 	// --socket-exists rule would SNAT it past STRICT), so STRICT refuses its plaintext, as
 	// it would from another node. The kubelet's own probes pass with the setting on
 	// (StrictRefusesPlaintextProbesPass).

@@ -188,9 +188,9 @@ func TestRealNode(t *testing.T) {
 	// The chart exactly as it renders: unprivileged agent and node-setup containers. (They
 	// once needed to be privileged here: the agent wrote the pods' sysctls through its own
 	// /proc/sys, which the runtime mounts read-only; it now writes them through PROC_DIR.)
-	// The kubelet's pods are below its cgroupRoot, the node's own here (kubepods, the
-	// cgroupfs driver's name), where the agent does not look by itself.
-	helmInstall(ctx, t, n, "--set", "hostProbePodCgroup="+n.cgroupRoot+"/kubepods")
+	// The kubelet's pods are below its cgroupRoot, the node's own here, not at the top of
+	// the hierarchy: the agent finds their cgroup above its own (hostProbePodCgroup empty).
+	helmInstall(ctx, t, n)
 	// helm --wait and the agent pod's readiness agree (surge rollout, maxUnavailable 0).
 	if err := waitFor(ctx, podTimeout, "agent pod Ready", func() error {
 		if agentPodOrEmpty(n) == "" {
@@ -698,15 +698,14 @@ func prepareCluster(ctx context.Context, t *testing.T, n *Node) {
 }
 
 // helmInstall installs the chart as a user does: the standalone profile, STRICT mTLS, the
-// locally built image, and the extra helm arguments, and waits for it.
-func helmInstall(ctx context.Context, t *testing.T, n *Node, extra ...string) {
+// locally built image, and waits for it.
+func helmInstall(ctx context.Context, t *testing.T, n *Node) {
 	t.Helper()
 	chart := filepath.Join(repoRoot, "manifests", "charts", "redirector")
-	args := append([]string{"install", release, chart, "-n", releaseNS,
+	if out, err := n.Helm(ctx, "install", release, chart, "-n", releaseNS,
 		"--set", "profile=standalone", "--set", "meshMTLSMode=STRICT",
-		"--set", "image.repository=localhost/redirector", "--set", "image.tag=" + imageTag,
-		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"}, extra...)
-	if out, err := n.Helm(ctx, args...); err != nil {
+		"--set", "image.repository=localhost/redirector", "--set", "image.tag="+imageTag,
+		"--set", "image.pullPolicy=Never", "--wait", "--timeout=3m"); err != nil {
 		t.Fatalf("helm install: %v\n%s", err, out)
 	}
 }

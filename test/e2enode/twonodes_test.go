@@ -58,9 +58,6 @@ func TestTwoNodes(t *testing.T) {
 	t.Logf("nodes %s (control plane) and %s up after %v", a.Name, b.Name, time.Since(start).Round(time.Millisecond))
 
 	prepareCluster(ctx, t, a)
-	// Each node's kubelet has a cgroup root of its own, and the chart takes one
-	// hostProbePodCgroup: both agents find none where kubelet puts it by default, warn, and
-	// let every process of their node probe, as under Istio.
 	helmInstall(ctx, t, a)
 	// One ready agent on each node.
 	if err := waitFor(ctx, podTimeout, "an agent on each node", func() error {
