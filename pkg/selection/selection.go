@@ -35,7 +35,9 @@ const (
 // ErrBadPodAddr marks a pod address that cannot be a pod's own: enrolling
 // it would capture traffic that is not the pod's (loopback, multicast) or
 // match every packet (unspecified). Such a pod is left out, with the reason.
-var ErrBadPodAddr = errors.New("not a usable pod address")
+// Services' VIPs and endpoints are held to the same rule, so the text names
+// no kind of object.
+var ErrBadPodAddr = errors.New("not the address of one host in the cluster")
 
 // ErrUnknownRuntimeClass marks a pod whose RuntimeClass the lookup does not
 // know: the agent cannot tell whether the pod runs in a sandbox it must skip,

@@ -433,7 +433,7 @@ func refuseEdit(t *testing.T, good, bad, want string) (*running, *source.Metrics
 }
 
 // TestRunRefusesMalformedServiceIP: a Service of the last applied load whose
-// cluster IP stops parsing would be left out of the model, and connections
+// cluster IP stops parsing, or becomes an address of no one host, would be left out of the model, and connections
 // to its VIP would leave meshed pods in plaintext (an unknown address is
 // passed through): the load is refused, naming the service and the field.
 func TestRunRefusesMalformedServiceIP(t *testing.T) {
@@ -446,6 +446,13 @@ func TestRunRefusesMalformedServiceIP(t *testing.T) {
 		{"out of range", `{clusterIP: 10.96.0.300, ports: [{port: 80}]}`, "spec.clusterIP", "10.96.0.300"},
 		{"a CIDR", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10/32], ports: [{port: 80}]}`, "spec.clusterIPs[0]", "10.96.0.10/32"},
 		{"zone", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "fe80::1%eth0"], ports: [{port: 80}]}`, "spec.clusterIPs[1]", "fe80::1%eth0"},
+		// Parseable, but of no one host: as a VIP, the metadata server's
+		// address would send meshed pods' connections to it to web's
+		// endpoints.
+		{"link-local", `{clusterIP: 169.254.169.254, ports: [{port: 80}]}`, "spec.clusterIP", "169.254.169.254"},
+		{"IPv4-mapped loopback", `{clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10, "::ffff:127.0.0.1"], ports: [{port: 80}]}`, "spec.clusterIPs[1]", "::ffff:127.0.0.1"},
+		{"unspecified", `{clusterIP: "::", ports: [{port: 80}]}`, "spec.clusterIP", "::"},
+		{"multicast", `{clusterIP: 224.0.0.251, ports: [{port: 80}]}`, "spec.clusterIP", "224.0.0.251"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r, _, dir := refuseEdit(t, good, ns+svc(tt.spec), `service a/web: `+tt.field+`: bad IP "`+tt.value+`"`)

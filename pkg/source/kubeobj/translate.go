@@ -144,6 +144,13 @@ func Service(svc *corev1.Service) (*workload.Service, error) {
 		if err != nil || a.Zone() != "" {
 			return nil, fmt.Errorf("service %s: %s: bad IP %q", s, f.name, f.value)
 		}
+		// A VIP of no one host (169.254.169.254, the cloud metadata
+		// server, above all) would send every meshed pod's connections
+		// to it to this service's endpoints. The API server never
+		// allocates one; the xDS source refuses them too.
+		if err := selection.CheckPodAddr(a); err != nil {
+			return nil, fmt.Errorf("service %s: %s: bad IP %q: %w", s, f.name, f.value, err)
+		}
 		s.VIPs = append(s.VIPs, a.Unmap())
 	}
 	for _, p := range svc.Spec.Ports {

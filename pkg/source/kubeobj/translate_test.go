@@ -201,6 +201,7 @@ func TestBuildServices(t *testing.T) {
 		Spec:       corev1.ServiceSpec{ClusterIP: "10.96.0.20", Ports: []corev1.ServicePort{{Port: 443}}},
 	}
 	badVIP := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "bad"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.300"}}
+	metadataVIP := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "metadata"}, Spec: corev1.ServiceSpec{ClusterIPs: []string{"10.96.0.77", "169.254.169.254"}}}
 	dupVIP := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "zz"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.10"}}
 
 	slice := func(ns, name, svc string, typ discoveryv1.AddressType, ports []discoveryv1.EndpointPort, eps ...discoveryv1.Endpoint) discoveryv1.EndpointSlice {
@@ -229,12 +230,13 @@ func TestBuildServices(t *testing.T) {
 	}
 	snap := Objects{
 		Pods:           []corev1.Pod{web1, web2},
-		Services:       []corev1.Service{web, headless, external, badVIP, dupVIP},
+		Services:       []corev1.Service{web, headless, external, badVIP, metadataVIP, dupVIP},
 		EndpointSlices: endpointSlices,
 	}
 	d, errs := build(snap, selection.Config{})
 	wantErrors(t, errs,
 		`service shop/bad: spec.clusterIP: bad IP "10.96.0.300"`,
+		`service shop/metadata: spec.clusterIPs[1]: bad IP "169.254.169.254": address 169.254.169.254 is link-local: not the address of one host in the cluster`,
 		`endpointslice shop/web-a: bad address "10.0.0.bad"`,
 		`service shop/zz: cluster IP 10.96.0.10 already belongs to service shop/web: left out`,
 	)
