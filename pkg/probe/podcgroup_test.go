@@ -51,21 +51,29 @@ func testCgroups(t *testing.T, children ...string) (hierarchy, base string) {
 	return hierarchy, base
 }
 
-// curlFromCgroup runs curl in the network namespace at nsPath as a process
-// of the cgroup dir (it is born there: clone3 with CLONE_INTO_CGROUP), and
-// returns the client address the app saw.
-func curlFromCgroup(t *testing.T, nsPath, dir string, dst netip.Addr) (netip.Addr, error) {
+// bornIn makes cmd start as a process of the cgroup dir (clone3 with
+// CLONE_INTO_CGROUP), never in this test's cgroup first; release closes the
+// cgroup's descriptor once cmd has started (or failed to).
+func bornIn(t *testing.T, cmd *exec.Cmd, dir string) (release func()) {
 	t.Helper()
 	fd, err := syscall.Open(dir, syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer syscall.Close(fd)
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+	return func() { syscall.Close(fd) }
+}
+
+// curlFromCgroup runs curl in the network namespace at nsPath as a process
+// of the cgroup dir (it is born there: clone3 with CLONE_INTO_CGROUP), and
+// returns the client address the app saw.
+func curlFromCgroup(t *testing.T, nsPath, dir string, dst netip.Addr) (netip.Addr, error) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	url := fmt.Sprintf("http://%s/", netip.AddrPortFrom(dst, appPort))
 	cmd := netnstest.Command(ctx, nsPath, "curl", "-sS", "-g", "--max-time", "3", url)
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
+	defer bornIn(t, cmd, dir)()
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		return netip.Addr{}, fmt.Errorf("curl %s from cgroup %s: %w: %s", url, dir, err, out)
@@ -210,14 +218,10 @@ func TestSelfPodsCgroup(t *testing.T) {
 		{"kubepods/burstable/podA/ctr", "kubepods"},
 		{"kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-burstable.slice/kubelet-kubepods-burstable-podB.slice/cri-x.scope", "kubelet.slice/kubelet-kubepods.slice"},
 	} {
-		fd, err := syscall.Open(filepath.Join(hierarchy, base, c.cgroup), syscall.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
 		cmd := exec.Command("sleep", "30")
-		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: fd}
-		err = cmd.Start()
-		syscall.Close(fd)
+		release := bornIn(t, cmd, filepath.Join(hierarchy, base, c.cgroup))
+		err := cmd.Start()
+		release()
 		if err != nil {
 			t.Fatal(err)
 		}
