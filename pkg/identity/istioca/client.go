@@ -18,6 +18,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/url"
 	"strings"
@@ -70,14 +71,19 @@ type Config struct {
 	// sends none.
 	ClusterID string
 	// Trust verifies istiod's serving certificate and the chains it
-	// returns; a reloaded bundle takes effect on the next connection.
+	// returns; a reloaded bundle takes effect at once (see Credentials).
 	Trust identity.Trust
+	// Logger logs connections closed by a change of the roots; nil:
+	// slog.Default.
+	Logger *slog.Logger
 }
 
 // Client implements identity.Signer with istiod.
 type Client struct {
-	cfg    Config
-	tls    *tls.Config
+	cfg Config
+	// creds are shared by every connection dial makes, so a change of the
+	// roots reaches them all.
+	creds  credentials.TransportCredentials
 	mu     sync.Mutex
 	conn   *grpc.ClientConn
 	closed bool
@@ -98,21 +104,7 @@ func New(cfg Config) (*Client, error) {
 			cfg.ServerName = DefaultServerName
 		}
 	}
-	tlsConf := &tls.Config{
-		MinVersion: tls.VersionTLS12,
-		ServerName: cfg.ServerName,
-		// Verified below against the current roots, which a reloaded
-		// bundle may change: the pool is read at each handshake.
-		InsecureSkipVerify: true,
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			roots, err := identity.TrustRoots(cfg.Trust)
-			if err != nil {
-				return fmt.Errorf("istiod's serving certificate: %w", err)
-			}
-			return verifyServer(cs, roots, cfg.ServerName)
-		},
-	}
-	c := &Client{cfg: cfg, tls: tlsConf}
+	c := &Client{cfg: cfg, creds: Credentials(cfg.Trust, cfg.ServerName, cfg.Logger)}
 	conn, err := c.dial()
 	if err != nil {
 		return nil, err
@@ -123,7 +115,7 @@ func New(cfg Config) (*Client, error) {
 
 func (c *Client) dial() (*grpc.ClientConn, error) {
 	conn, err := grpc.NewClient(c.cfg.Addr,
-		grpc.WithTransportCredentials(credentials.NewTLS(c.tls)),
+		grpc.WithTransportCredentials(c.creds),
 		grpc.WithMaxHeaderListSize(maxHeaderBytes),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxAnswerBytes)),
 		// Reconnect quickly once istiod is back (gRPC's default backoff
@@ -183,15 +175,15 @@ func (c *Client) redial(stale *grpc.ClientConn) {
 
 // verifyServer checks istiod's serving certificate against the mesh roots
 // and its DNS name.
-func verifyServer(cs tls.ConnectionState, roots *x509.CertPool, name string) error {
-	if len(cs.PeerCertificates) == 0 {
+func verifyServer(chain []*x509.Certificate, roots *x509.CertPool, name string) error {
+	if len(chain) == 0 {
 		return errors.New("istiod presented no certificate")
 	}
 	opts := x509.VerifyOptions{Roots: roots, DNSName: name, Intermediates: x509.NewCertPool()}
-	for _, c := range cs.PeerCertificates[1:] {
+	for _, c := range chain[1:] {
 		opts.Intermediates.AddCert(c)
 	}
-	if _, err := cs.PeerCertificates[0].Verify(opts); err != nil {
+	if _, err := chain[0].Verify(opts); err != nil {
 		return fmt.Errorf("istiod's serving certificate: %w", err)
 	}
 	return nil

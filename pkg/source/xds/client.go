@@ -20,7 +20,8 @@
 // jitter.
 //
 // Bounds: a response is at most MaxMessageBytes and 8 fields per resource
-// of MaxResources (counted before gRPC decodes it), a resource holds at most
+// of MaxResources, nested at most MaxDepth deep (counted before gRPC
+// decodes it), a resource holds at most
 // MaxResourceMessages nested messages (checked before decoding), and a
 // type holds at most MaxResources resources charged at most MaxTypeBytes
 // in all (encoded size plus a per-message overhead, see charge, plus its
@@ -522,7 +523,7 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 	size += len(r.GetName()) + len(r.GetVersion())
 	if err != nil {
 		var tooMany errTooManyMessages
-		if errors.As(err, &tooMany) {
+		if errors.As(err, &tooMany) || errors.As(err, &errTooDeep{}) {
 			c.cfg.Metrics.reject(t.short, rejectLimit)
 		} else {
 			c.cfg.Metrics.reject(t.short, rejectInvalid)

@@ -1,8 +1,6 @@
 package xds
 
 import (
-	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
 	"net"
@@ -11,7 +9,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/keepalive"
 
 	"github.com/redirector-mesh/redirector/internal/smallfile"
@@ -20,10 +17,11 @@ import (
 )
 
 // Dial returns a connection to istiod's xDS port verified the way the CA
-// client verifies istiod (pkg/identity/istioca): its serving certificate
+// client verifies istiod (istioca.Credentials): its serving certificate
 // must chain to the mesh roots, read at each handshake, and carry
 // serverName (empty: the address's host, or istioca.DefaultServerName for
-// an IP). It connects lazily.
+// an IP); when the roots change, a connection whose istiod no longer
+// verifies is closed and the stream reconnects. It connects lazily.
 func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, error) {
 	host, _, err := net.SplitHostPort(addr)
 	if err != nil {
@@ -38,33 +36,8 @@ func Dial(addr, serverName string, trust identity.Trust) (*grpc.ClientConn, erro
 			serverName = istioca.DefaultServerName
 		}
 	}
-	tlsConf := &tls.Config{
-		MinVersion: tls.VersionTLS12,
-		ServerName: serverName,
-		// Verified in VerifyConnection against the current roots.
-		InsecureSkipVerify: true,
-		VerifyConnection: func(cs tls.ConnectionState) error {
-			if len(cs.PeerCertificates) == 0 {
-				return errors.New("istiod presented no certificate")
-			}
-			// TrustRoots refuses an empty bundle: a nil pool would make
-			// crypto/x509 fall back to the host's system roots.
-			roots, err := identity.TrustRoots(trust)
-			if err != nil {
-				return fmt.Errorf("istiod's serving certificate: %w", err)
-			}
-			opts := x509.VerifyOptions{Roots: roots, DNSName: serverName, Intermediates: x509.NewCertPool()}
-			for _, c := range cs.PeerCertificates[1:] {
-				opts.Intermediates.AddCert(c)
-			}
-			if _, err := cs.PeerCertificates[0].Verify(opts); err != nil {
-				return fmt.Errorf("istiod's serving certificate: %w", err)
-			}
-			return nil
-		},
-	}
 	conn, err := grpc.NewClient(addr,
-		grpc.WithTransportCredentials(credentials.NewTLS(tlsConf)),
+		grpc.WithTransportCredentials(istioca.Credentials(trust, serverName, nil)),
 		grpc.WithKeepaliveParams(keepaliveParams),
 		grpc.WithMaxHeaderListSize(maxHeaderBytes),
 		grpc.WithConnectParams(grpc.ConnectParams{

@@ -69,6 +69,16 @@ func TestDialDetectsSilentIstiod(t *testing.T) {
 // certificate for istioca.DefaultServerName under the returned trust.
 func startTLSADS(t *testing.T) (*fakeADS, string, poolTrust) {
 	t.Helper()
+	ads, addr, pki := startTLSADSPKI(t)
+	roots := x509.NewCertPool()
+	roots.AddCert(pki.Root)
+	return ads, addr, poolTrust{roots}
+}
+
+// startTLSADSPKI is startTLSADS returning the PKI its serving certificate
+// is under.
+func startTLSADSPKI(t *testing.T) (*fakeADS, string, identitytest.PKI) {
+	t.Helper()
 	pki := identitytest.NewPKI(t, "ecdsa")
 	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	der, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{
@@ -88,9 +98,7 @@ func startTLSADS(t *testing.T) (*fakeADS, string, poolTrust) {
 	}
 	go srv.Serve(ln)
 	t.Cleanup(srv.Stop)
-	roots := x509.NewCertPool()
-	roots.AddCert(pki.Root)
-	return ads, ln.Addr().String(), poolTrust{roots}
+	return ads, ln.Addr().String(), pki
 }
 
 // TestDialBoundsErrorText: the error istiod ends a stream with (a gRPC

@@ -42,6 +42,22 @@ func charge(b []byte, md protoreflect.MessageDescriptor, limit int) (int, error)
 	return len(b) + resourceOverhead + n*messageOverhead, nil
 }
 
+// MaxDepth bounds how deep messages nest in a response, counted on the
+// wire before anything is decoded. walkWire recurses per level, some
+// hundreds of bytes of stack each: a response of 14 MiB nesting 1.5M
+// levels (google.protobuf.Struct, which a Resource's metadata holds,
+// nests without end) grew the stack past Go's 1 GB and crashed the agent
+// (a fatal error, not a panic), every tunnel with it. 100 is the limit of
+// prost, ztunnel's decoder; istiod's resources nest a handful of levels.
+const MaxDepth = 100
+
+// errTooDeep is walkWire's error past MaxDepth.
+type errTooDeep struct{}
+
+func (errTooDeep) Error() string {
+	return fmt.Sprintf("messages nested more than %d deep", MaxDepth)
+}
+
 // errTooManyMessages is countMessages' error past the limit.
 type errTooManyMessages int
 
@@ -66,8 +82,17 @@ func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit in
 // walkWire calls count for every field of b (md's message) and, depth
 // first, of the messages in it (message: the field is one), without
 // decoding anything; unknown fields and bytes are not walked. It stops at
-// the first error count or the wire format gives.
+// the first error count or the wire format gives, and at messages nested
+// deeper than MaxDepth.
 func walkWire(b []byte, md protoreflect.MessageDescriptor, count func(message bool) error) error {
+	return walkWireAt(b, md, count, 0)
+}
+
+// walkWireAt is walkWire for a message nested depth levels deep.
+func walkWireAt(b []byte, md protoreflect.MessageDescriptor, count func(message bool) error, depth int) error {
+	if depth > MaxDepth {
+		return fmt.Errorf("%s: %w", md.FullName(), errTooDeep{})
+	}
 	fields := md.Fields()
 	for len(b) > 0 {
 		num, typ, l := protowire.ConsumeTag(b)
@@ -84,7 +109,7 @@ func walkWire(b []byte, md protoreflect.MessageDescriptor, count func(message bo
 			if err := count(true); err != nil {
 				return err
 			}
-			if err := walkWire(v, fd.Message(), count); err != nil {
+			if err := walkWireAt(v, fd.Message(), count, depth+1); err != nil {
 				return err
 			}
 			b = b[l:]
