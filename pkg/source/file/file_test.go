@@ -237,7 +237,12 @@ func TestRunKnownBytesNotDecoded(t *testing.T) {
 	}
 	quiet("applied")
 
-	writeFile(t, dir, "c.yaml", namespaceDoc("a")+"---\napiVersion: v1\nkind: Namespace\nmetadata: {name: b, labels: {app: \"web \"}}\n")
+	// Renamed into place: a write in place can be seen half done, refused
+	// once for that, then read whole.
+	tmp := writeFile(t, dir, ".c.yaml.tmp", namespaceDoc("a")+"---\napiVersion: v1\nkind: Namespace\nmetadata: {name: b, labels: {app: \"web \"}}\n")
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
 	r.refused(t)
 	quiet("refused")
 	if errs := r.src.Errors(); len(errs) != 1 || errorReason(errs[0]) != source.ReasonInvalid {

@@ -201,8 +201,9 @@ func TestLoadSplitsAsItDecodes(t *testing.T) {
 		if name == "docs.yaml" && (len(errs) != 11 || errorReason(errs[10]) != source.ReasonTooLarge) {
 			t.Errorf("%s: %d errors, want 10 documents refused then too_large: %v", name, len(errs), errs[len(errs)-1])
 		}
-		// Reading the file takes about twice its size (a growing buffer).
-		if got, limit := after.TotalAlloc-before.TotalAlloc, uint64(4*len(content)+1<<20); got > limit {
+		// Reading the file takes about twice its size (a growing buffer), more
+		// under the race detector; splitting up front took 30 times.
+		if got, limit := after.TotalAlloc-before.TotalAlloc, uint64(8*len(content)+1<<20); got > limit {
 			t.Errorf("%s: loading %d bytes allocated %d, want at most %d", name, len(content), got, limit)
 		}
 	}
