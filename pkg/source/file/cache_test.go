@@ -44,7 +44,7 @@ func TestLoadCached(t *testing.T) {
 	}
 	same(r2, fresh())
 	for sum, replays := range r1.decoded {
-		if got := r2.decoded[sum]; len(got) == 0 || &got[0] != &replays[0] {
+		if got := r2.decoded[sum].replays; len(got) == 0 || &got[0] != &replays.replays[0] {
 			t.Errorf("document %x decoded again, not taken from the cache", sum[:4])
 		}
 	}

@@ -30,9 +30,10 @@
 //     that saw it change once is read again: files of two versions are
 //     never mixed (a pod moved from one key to another would be in
 //     neither, and unenrolled);
-//   - the manifests are over 64 MiB or 100k objects (documents and list
-//     items) in all, or a directory has over 10k *.yaml and *.yml names
-//     (reason "too_large"): what a load holds is bounded;
+//   - the manifests are over 64 MiB (YAML aliases counted expanded) or
+//     100k objects (documents and list items) in all, or a directory has
+//     over 10k *.yaml and *.yml names (reason "too_large"): what a load
+//     holds is bounded;
 //   - a document is not YAML (reason "parse");
 //   - a document is not an object this source takes: an unknown kind (a
 //     misspelt AuthorizationPolicy must not vanish quietly), an unknown or
@@ -87,7 +88,9 @@
 // not a truncation.
 //
 // A reload decodes only the documents whose bytes changed since the last
-// load (see docCache); every check above still runs on the whole load.
+// load (see docCache); every check above still runs on the whole load. A
+// reload that reads the bytes of the load applied, or of the one last
+// refused, decodes nothing: its verdict would be the same.
 package file
 
 import (
@@ -331,7 +334,19 @@ func (s *Source) reload(update func(kubeobj.Objects), last *state) {
 		s.refuse(last, sha256.Sum256([]byte(err.Error())), []error{&FileError{File: s.path, Reason: source.ReasonRead, Err: err}})
 		return
 	}
-	r, err := load(s.path, last.decoded)
+	var applied [sha256.Size]byte
+	if last.applied {
+		applied = last.sum
+	}
+	r, err := load(s.path, last.decoded, applied, last.refused)
+	if r.known {
+		if r.sum == last.refused {
+			return // refused and reported already, errors kept
+		}
+		s.setErrors(nil)
+		last.refused = [sha256.Size]byte{}
+		return // what is applied
+	}
 	if err != nil {
 		var fe *FileError
 		if !errors.As(err, &fe) {

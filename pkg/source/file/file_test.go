@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -207,6 +208,52 @@ func TestRunRefusesMalformed(t *testing.T) {
 	r.waitFor(t, "b c")
 	if errs := r.src.Errors(); len(errs) != 0 {
 		t.Fatalf("Errors() = %v after the fix", errs)
+	}
+}
+
+// TestRunKnownBytesNotDecoded: a reload that reads the bytes of the load
+// last refused, or of the one applied, decodes nothing: the verdict would be
+// the same. A refused load was decoded again at every resync and event, so
+// a broken manifest of many documents left in place cost a core for good.
+// The refusal stays reported, and counted once.
+func TestRunKnownBytesNotDecoded(t *testing.T) {
+	defer func(p time.Duration) { resyncPeriod = p }(resyncPeriod)
+	resyncPeriod = 20 * time.Millisecond
+	var decodes atomic.Int64
+	afterDecode = func(string) { decodes.Add(1) }
+	t.Cleanup(func() { afterDecode = nil })
+	dir := t.TempDir()
+	path := writeFile(t, dir, "c.yaml", namespaceDoc("a"))
+	m := source.NewMetrics(nil)
+	r := startWith(t, New(path, nil).WithMetrics(m))
+	r.waitFor(t, "a")
+	quiet := func(what string) {
+		t.Helper()
+		n := decodes.Load()
+		time.Sleep(10 * resyncPeriod)
+		if got := decodes.Load() - n; got != 0 {
+			t.Errorf("%s: decoded %d times again in %v of resyncs", what, got, 10*resyncPeriod)
+		}
+	}
+	quiet("applied")
+
+	// Renamed into place: a write in place can be seen half done, refused
+	// once for that, then read whole.
+	tmp := writeFile(t, dir, ".c.yaml.tmp", namespaceDoc("a")+"---\napiVersion: v1\nkind: Namespace\nmetadata: {name: b, labels: {app: \"web \"}}\n")
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	r.refused(t)
+	quiet("refused")
+	if errs := r.src.Errors(); len(errs) != 1 || errorReason(errs[0]) != source.ReasonInvalid {
+		t.Errorf("errors %v, want the refusal kept", errs)
+	}
+	wantCount(t, m, source.ReasonInvalid, 1)
+
+	writeFile(t, dir, "c.yaml", namespaceDoc("a", "b"))
+	r.waitFor(t, "a b")
+	if errs := r.src.Errors(); len(errs) != 0 {
+		t.Errorf("errors %v after the fix", errs)
 	}
 }
 

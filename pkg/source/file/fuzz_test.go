@@ -30,6 +30,7 @@ func FuzzFileManifest(f *testing.F) {
 		"apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: shop, labels: {istio.io/dataplane-mode: ambient}}}\n- " +
 			"{apiVersion: v1, kind: Pod, metadata: {name: a, namespace: shop}, status: {podIPs: [{ip: 10.0.0.6}, {ip: fd00::6}]}}\n",
 		"apiVersion: v1\nkind: List\nitems: []\n",
+		"apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: &l {app: web}, annotations: *l}\nx: &s abcdef\ny: [*s, *s, *s]\n",
 		"apiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: strict, namespace: shop}\nspec:\n  mtls: {mode: STRICT}\n" +
 			"---\napiVersion: security.istio.io/v1\nkind: AuthorizationPolicy\nmetadata: {name: deny, namespace: shop}\n" +
 			"spec: {action: DENY, selector: {matchLabels: {app: web}}, rules: [{from: [{source: {ipBlocks: [10.0.0.0/8]}}]}]}\n...\n",

@@ -2,8 +2,10 @@ package file
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -128,6 +130,82 @@ func TestLoadTooManyObjects(t *testing.T) {
 	writeFile(t, dir, "a.yaml", "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Namespace, metadata: {name: d}}\n- {apiVersion: v1, kind: Namespace, metadata: {name: e}}\n"+namespaceDoc("f", "g"))
 	if r, _ = load(a, r.decoded); len(r.errs) != 1 || errorReason(r.errs[0]) != source.ReasonTooLarge {
 		t.Fatalf("cached list and 2 more: errors %v, want too_large", r.errs)
+	}
+}
+
+// TestLoadAliasesCharged: YAML aliases are charged to the load's byte bound
+// as they expand. The decoder bounds how many aliases a document expands,
+// not how large: a 1 MiB string aliased 300 times in a 1 MiB file became
+// 300 MiB of JSON, twice, some 2 GiB of memory and 20 s of a core, under a
+// bound of 64 MiB. A document over the bound is refused (too_large) naming
+// it, before it is expanded; a cached reload is charged the same; a few
+// aliases as people write them (shared labels) load as before.
+func TestLoadAliasesCharged(t *testing.T) {
+	defer func(n int64) { maxLoadBytes = n }(maxLoadBytes)
+	maxLoadBytes = 64 << 10
+	dir := t.TempDir()
+	pod := func(name string, aliases int) string {
+		doc := "apiVersion: v1\nkind: Pod\nmetadata: {name: " + name + ", namespace: shop}\nspec:\n  containers:\n  - name: app\n    env:\n" +
+			"    - {name: E0, value: &big " + strings.Repeat("x", 4<<10) + "}\n"
+		for i := 1; i <= aliases; i++ {
+			doc += fmt.Sprintf("    - {name: E%d, value: *big}\n", i)
+		}
+		return doc
+	}
+	bomb := writeFile(t, dir, "bomb.yaml", pod("web-1", 40)) // 5 KiB, 160 KiB expanded
+	_, errs := Load(bomb)
+	if len(errs) != 1 || errorReason(errs[0]) != source.ReasonTooLarge ||
+		!strings.Contains(errs[0].Error(), bomb+": document 1 (line 1): YAML aliases expand this document by ") {
+		t.Fatalf("errors = %v, want one too_large naming %s document 1", errs, bomb)
+	}
+
+	// Under the bound alone, over it with another file: fresh or cached.
+	a := writeFile(t, dir, "bomb.yaml", pod("web-1", 10)) // some 40 KiB expanded
+	r, err := load(a, nil)
+	if err != nil || len(r.errs) != 0 {
+		t.Fatalf("10 aliases of 4 KiB: %v %v", err, r.errs)
+	}
+	writeFile(t, dir, "b.yaml", namespaceDoc("shop")+"# "+strings.Repeat("x", 30<<10)+"\n")
+	for _, prev := range []docCache{nil, r.decoded} {
+		if r, err := load(dir, prev); err != nil || len(r.errs) != 1 || errorReason(r.errs[0]) != source.ReasonTooLarge {
+			t.Errorf("with 30 KiB more (cache %v): %v, errors %v, want too_large", prev != nil, err, r.errs)
+		}
+	}
+
+	labels := "apiVersion: v1\nkind: Namespace\nmetadata: {name: shop, labels: &l {app: web, team: a}, annotations: *l}\n"
+	if snap, errs := Load(writeFile(t, t.TempDir(), "ns.yaml", labels)); len(errs) != 0 || snap.Namespaces[0].Annotations["team"] != "a" {
+		t.Errorf("labels aliased as annotations: errors %v, snapshot %+v", errs, snap.Namespaces)
+	}
+}
+
+// TestLoadSplitsAsItDecodes: a file is split into documents as they are
+// decoded, each a slice of the file, so what splitting holds does not grow
+// with the lines or documents of a file: 64 MiB of newlines, or of "---"
+// separators between one-letter documents, split up front, held some 2 GiB
+// (a slice per line, a copy and a record per document) before the object
+// bound stopped anything.
+func TestLoadSplitsAsItDecodes(t *testing.T) {
+	defer func(n int) { maxLoadObjects = n }(maxLoadObjects)
+	maxLoadObjects = 10
+	dir := t.TempDir()
+	for name, content := range map[string]string{
+		"newlines.yaml": strings.Repeat("\n", 4<<20),
+		"docs.yaml":     strings.Repeat("a\n---\n", 1<<20),
+	} {
+		path := writeFile(t, dir, name, content)
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		_, errs := Load(path)
+		runtime.ReadMemStats(&after)
+		if name == "docs.yaml" && (len(errs) != 11 || errorReason(errs[10]) != source.ReasonTooLarge) {
+			t.Errorf("%s: %d errors, want 10 documents refused then too_large: %v", name, len(errs), errs[len(errs)-1])
+		}
+		// Reading the file takes about twice its size (a growing buffer), more
+		// under the race detector; splitting up front took 30 times.
+		if got, limit := after.TotalAlloc-before.TotalAlloc, uint64(8*len(content)+1<<20); got > limit {
+			t.Errorf("%s: loading %d bytes allocated %d, want at most %d", name, len(content), got, limit)
+		}
 	}
 }
 

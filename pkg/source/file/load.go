@@ -11,10 +11,12 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
 
+	yamlv2 "go.yaml.in/yaml/v2"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	nodev1 "k8s.io/api/node/v1"
@@ -106,6 +108,9 @@ type result struct {
 	decoded docCache
 	// badObjects are the pods and services translation would leave out.
 	badObjects []badObject
+	// known: the bytes read are those of a load the caller named, and were
+	// not decoded (see loadOnce).
+	known bool
 }
 
 // docCache maps the bytes of a document (their SHA-256) that decoded without
@@ -117,7 +122,15 @@ type result struct {
 // depends on more than the document itself (duplicates, end markers, empty
 // files) runs on every load as before. It holds the documents of one load
 // only (the last one), so it is bounded by the manifests' size.
-type docCache map[[sha256.Size]byte][]replay
+type docCache map[[sha256.Size]byte]cachedDoc
+
+// cachedDoc is one decoded document: how to add its objects again, and
+// what its aliases added to it (see aliasBytes), charged again at every
+// load that holds it, as a fresh decode would charge it.
+type cachedDoc struct {
+	replays    []replay
+	aliasBytes int64
+}
 
 // replay adds one decoded object of a cached document to b again, as a deep
 // copy: a delivered snapshot is read-only by contract, but the cache must
@@ -156,10 +169,10 @@ func (r result) docs() int {
 // again.
 //
 // prev, which may be nil, is the decoded documents of the last load.
-func load(path string, prev docCache) (result, error) {
+func load(path string, prev docCache, known ...[sha256.Size]byte) (result, error) {
 	for attempt := 1; ; attempt++ {
 		before := dataVersion(path)
-		r, err := loadOnce(path, prev)
+		r, err := loadOnce(path, prev, known)
 		after := dataVersion(path)
 		if before == after {
 			return r, err
@@ -168,7 +181,9 @@ func load(path string, prev docCache) (result, error) {
 			return result{}, fmt.Errorf("read manifests: %s changed while read, %d times in a row (a ConfigMap updated that often?): not applied",
 				filepath.Join(path, dataLink), attempt)
 		}
-		prev = r.decoded
+		if r.decoded != nil {
+			prev = r.decoded
+		}
 	}
 }
 
@@ -190,11 +205,17 @@ func dataVersion(path string) string {
 	return v
 }
 
-// afterRead, when set (by tests), is called after each manifest file is read.
-var afterRead func(file string)
+// afterRead and afterDecode, when set (by tests), are called after each
+// manifest file is read, and after its documents are decoded.
+var afterRead, afterDecode func(file string)
 
-// loadOnce reads path once (see load).
-func loadOnce(path string, prev docCache) (result, error) {
+// loadOnce reads path once (see load). It reads every file first, and
+// decodes nothing when their bytes are one of the known loads' (the one
+// applied, the one last refused): the result would be the same, and a
+// refused load of many documents, read again at every resync and event,
+// was decoded again each time (a 64 MiB manifest, half a minute of a core
+// every 10 s). Such a result has only its sum, and known set.
+func loadOnce(path string, prev docCache, known [][sha256.Size]byte) (result, error) {
 	files, err := manifestFiles(path)
 	if err != nil {
 		return result{}, err
@@ -202,31 +223,48 @@ func loadOnce(path string, prev docCache) (result, error) {
 	b := newBuilder()
 	b.prev = prev
 	h := sha256.New()
-	r := result{files: map[string]fileState{}}
-	budget := maxLoadBytes
+	type read struct {
+		file string
+		data []byte
+		err  error
+	}
+	var reads []read
 	for _, f := range files {
-		data, err := readManifest(f, budget)
+		data, err := readManifest(f, b.budget)
 		if afterRead != nil {
 			afterRead(f)
 		}
 		if errors.Is(err, fs.ErrNotExist) {
 			continue // removed since the directory was listed: an edit
 		}
+		reads = append(reads, read{f, data, err})
 		if err != nil {
-			b.errs = append(b.errs, err)
 			fmt.Fprintf(h, "%s\x00error\x00%v\x00", f, err)
 			if errorReason(err) == source.ReasonTooLarge {
 				break
 			}
 			continue
 		}
-		budget -= int64(len(data))
+		b.budget -= int64(len(data))
 		fmt.Fprintf(h, "%s\x00%d\x00", f, len(data))
 		h.Write(data)
-		r.files[f] = b.addStream(f, data)
+	}
+	r := result{files: map[string]fileState{}}
+	h.Sum(r.sum[:0])
+	if slices.Contains(known, r.sum) {
+		return result{sum: r.sum, known: true}, nil
+	}
+	for _, rd := range reads {
+		if rd.err != nil {
+			b.errs = append(b.errs, rd.err)
+			continue
+		}
+		r.files[rd.file] = b.addStream(rd.file, rd.data)
+		if afterDecode != nil {
+			afterDecode(rd.file)
+		}
 	}
 	r.snap, r.errs, r.decoded, r.badObjects = b.snapshot(), b.errs, b.next, b.badObjects
-	h.Sum(r.sum[:0])
 	return r, nil
 }
 
@@ -331,57 +369,69 @@ func manifestFiles(path string) ([]string, error) {
 
 // document is one YAML document of a stream and the line it starts on.
 type document struct {
-	data []byte
-	line int
-	err  error
+	data  []byte
+	index int // 1-based, among the stream's non-blank documents
+	line  int
+	err   error
 }
 
-// splitDocuments splits a YAML stream at "---" lines and drops documents
-// that hold only blanks and comments, so document numbers match what a
-// reader of the file counts. A "..." line ends a document: what follows it
-// up to the next "---" must be blank or comments (the YAML decoder would
+// splitDocuments splits a YAML stream at "---" lines and calls each with
+// every document that holds more than blanks and comments (each a slice of
+// data), so document numbers match what a reader of the file counts; it
+// returns how many there were. A "..." line ends a document: what follows
+// it up to the next "---" must be blank or comments (the YAML decoder would
 // ignore it silently). ended reports whether the stream's last non-blank,
-// non-comment line is such an end marker.
-func splitDocuments(data []byte) (docs []document, ended bool) {
+// non-comment line is such an end marker. It holds one document at a time:
+// 64 MiB of separators or newlines, split up front, held some 2 GiB.
+func splitDocuments(data []byte, each func(document)) (n int, ended bool) {
 	cur := document{line: 1}
 	closed := false // cur follows a "..." line
+	start, pos := 0, 0
 	flush := func() {
+		cur.data = data[start:pos]
 		if !blank(cur.data) || cur.err != nil {
-			docs = append(docs, cur)
+			n++
+			cur.index = n
+			each(cur)
 		}
 	}
-	for i, line := range bytes.SplitAfter(data, []byte("\n")) {
+	i := 0
+	for line := range bytes.SplitAfterSeq(data, []byte("\n")) {
+		i++
 		if rest, ok := marker(line, "---"); ok {
 			flush()
-			cur, closed = document{line: i + 2}, false
+			cur, closed = document{line: i + 1}, false
 			if len(rest) > 0 && rest[0] != '#' {
-				cur.line = i + 1
+				cur.line = i
 				cur.err = errors.New("content after a \"---\" separator on the same line is not supported")
 			}
+			pos += len(line)
+			start = pos
 			continue
 		}
 		if rest, ok := marker(line, "..."); ok && !closed {
 			flush()
-			cur, closed, ended = document{line: i + 2}, true, true
+			cur, closed, ended = document{line: i + 1}, true, true
 			if len(rest) > 0 && rest[0] != '#' {
-				cur.line = i + 1
+				cur.line = i
 				cur.err = errors.New("content after a \"...\" end marker on the same line is not supported")
 			}
+			pos += len(line)
+			start = pos
 			continue
 		}
+		pos += len(line)
 		if blank(line) {
-			cur.data = append(cur.data, line...)
 			continue
 		}
 		ended = false
 		if closed && cur.err == nil {
-			cur.line = i + 1
+			cur.line = i
 			cur.err = errors.New("content after a \"...\" end marker needs a \"---\" separator first")
 		}
-		cur.data = append(cur.data, line...)
 	}
 	flush()
-	return docs, ended
+	return n, ended
 }
 
 // marker reports whether line is a "---" separator or "..." end marker
@@ -419,9 +469,12 @@ type builder struct {
 	badObjects []badObject
 
 	// objects counts the documents and list items of the load, full says
-	// they went over maxLoadObjects.
+	// they went over maxLoadObjects (or the aliases over budget).
 	objects int
 	full    bool
+	// budget is what is left of maxLoadBytes: the files' bytes and what
+	// their aliases add when expanded (see aliasBytes).
+	budget int64
 
 	prev, next docCache
 	// replays collects how to add again the objects of the document being
@@ -430,30 +483,31 @@ type builder struct {
 	cacheable bool
 }
 
-func newBuilder() *builder { return &builder{seen: map[string]string{}, next: docCache{}} }
+func newBuilder() *builder {
+	return &builder{seen: map[string]string{}, next: docCache{}, budget: maxLoadBytes}
+}
 
 // addStream adds the documents of one file and returns what it held. A file
 // that does not end with a newline was cut short mid-line, or is being
 // written: an error, whatever its documents parse to.
 func (b *builder) addStream(file string, data []byte) fileState {
-	docs, ended := splitDocuments(data)
 	if len(data) > 0 && data[len(data)-1] != '\n' {
 		// First: the documents' own errors are likely its consequences.
 		b.errs = append(b.errs, &FileError{File: file, Reason: source.ReasonTruncated,
 			Err: errors.New("does not end with a newline: cut short, or still being written")})
 	}
-	for i, doc := range docs {
+	n, ended := splitDocuments(data, func(doc document) {
 		if !b.room(file, 1) {
-			break
+			return
 		}
-		loc := DocError{File: file, Doc: i + 1, Line: doc.line, Reason: source.ReasonParse}
+		loc := DocError{File: file, Doc: doc.index, Line: doc.line, Reason: source.ReasonParse}
 		if doc.err != nil {
 			b.fail(loc, doc.err)
-			continue
+			return
 		}
 		b.addCached(loc, doc.data)
-	}
-	return fileState{docs: len(docs), ended: ended}
+	})
+	return fileState{docs: n, ended: ended}
 }
 
 // addCached adds one document: from the cache if the last load decoded the
@@ -461,45 +515,116 @@ func (b *builder) addStream(file string, data []byte) fileState {
 // it had no error).
 func (b *builder) addCached(loc DocError, data []byte) {
 	sum := sha256.Sum256(data)
-	if replays, ok := b.prev[sum]; ok {
-		if len(replays) > 1 && !b.room(loc.File, len(replays)-1) {
+	if c, ok := b.prev[sum]; ok {
+		if !b.chargeAliases(loc, c.aliasBytes) {
 			return
 		}
-		for _, r := range replays {
+		if len(c.replays) > 1 && !b.room(loc.File, len(c.replays)-1) {
+			return
+		}
+		for _, r := range c.replays {
 			loc.Item = r.item
 			loc.Reason = source.ReasonInvalid
 			b.fail(loc, r.add(b, loc))
 		}
-		b.next[sum] = replays
+		b.next[sum] = c
 		return
 	}
 	errs := len(b.errs)
 	b.replays, b.cacheable = nil, true
-	b.addDocument(loc, data)
+	extra := b.addDocument(loc, data)
 	if len(b.errs) == errs && b.cacheable {
-		b.next[sum] = b.replays
+		b.next[sum] = cachedDoc{replays: b.replays, aliasBytes: extra}
 	}
 	b.replays = nil
 }
 
-// addDocument decodes one document, reporting failures at loc.
-func (b *builder) addDocument(loc DocError, data []byte) {
+// chargeAliases charges n bytes that a document's aliases add (see
+// aliasBytes) to the load's budget. The first time they do not fit, it
+// records the error (reason too_large, at loc) and the load decodes
+// nothing more.
+func (b *builder) chargeAliases(loc DocError, n int64) bool {
+	if n == 0 {
+		return true
+	}
+	if b.full {
+		return false
+	}
+	if n > b.budget {
+		b.full = true
+		loc.Reason = source.ReasonTooLarge
+		b.fail(loc, fmt.Errorf("YAML aliases expand this document by %d bytes, past the bound of %d bytes on the manifests in all "+
+			"(every file read, aliases expanded): not decoded", n, maxLoadBytes))
+		return false
+	}
+	b.budget -= n
+	return true
+}
+
+// aliasBytes is how many bytes the YAML aliases (*name) of a document
+// add to it once expanded, as converting it to JSON expands them: an
+// alias of a 1 MiB string, given 300 times in a 1 MiB document, made 300
+// MiB of JSON, twice (for the kind, then the object), and some 2 GiB of
+// memory. The YAML decoder bounds how many aliases a document expands,
+// not how large they are. Only a document with both an anchor and an
+// alias mark is parsed for it; the expanded value holds each aliased
+// string once, so it is measured in the time it takes to decode.
+func aliasBytes(data []byte) int64 {
+	if !bytes.ContainsRune(data, '&') || !bytes.ContainsRune(data, '*') {
+		return 0
+	}
+	var v any
+	if err := yamlv2.Unmarshal(data, &v); err != nil {
+		return 0 // not YAML: the conversion says so
+	}
+	return max(0, expandedSize(v)-int64(len(data)))
+}
+
+// expandedSize is about what v takes written out as JSON.
+func expandedSize(v any) int64 {
+	switch v := v.(type) {
+	case string:
+		return int64(len(v)) + 2
+	case []any:
+		n := int64(2)
+		for _, e := range v {
+			n += expandedSize(e) + 1
+		}
+		return n
+	case map[any]any:
+		n := int64(2)
+		for k, e := range v {
+			n += expandedSize(k) + expandedSize(e) + 2
+		}
+		return n
+	}
+	return 8 // a number, boolean or null
+}
+
+// addDocument decodes one document, reporting failures at loc, and
+// returns what its aliases added to the load's budget.
+func (b *builder) addDocument(loc DocError, data []byte) (aliases int64) {
+	aliases = aliasBytes(data)
+	if !b.chargeAliases(loc, aliases) {
+		return aliases
+	}
 	j, err := yaml.YAMLToJSON(data)
 	if err != nil {
 		b.fail(loc, fmt.Errorf("error converting YAML to JSON: %w", err))
-		return
+		return aliases
 	}
 	loc.Reason = source.ReasonInvalid // YAML, whatever follows
 	var tm metav1.TypeMeta
 	if err := json.Unmarshal(j, &tm); err != nil {
 		b.fail(loc, fmt.Errorf("error unmarshaling JSON: %w", err))
-		return
+		return aliases
 	}
 	if tm.APIVersion == "v1" && tm.Kind == "List" {
 		b.addList(loc, data)
-		return
+		return aliases
 	}
 	b.fail(loc, b.addObject(loc, tm, data))
+	return aliases
 }
 
 // addList adds the items of a `kind: List` document, what `kubectl get -o

@@ -90,6 +90,12 @@ func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup sel
 	if pod.Spec.HostNetwork || pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed {
 		addrs = nil
 	}
+	// Nor is an address of no one host (Decide leaves such a pod out of
+	// the mesh): indexed, 169.254.169.254 was the pod's, and a pod there
+	// with a waypoint label took every meshed pod's connections to the
+	// cloud metadata server to its waypoint. The xDS source rejects such
+	// a workload.
+	addrs = slices.DeleteFunc(addrs, func(a netip.Addr) bool { return selection.CheckPodAddr(a) != nil })
 	dec := selection.Decide(cfg, ns, pod, lookup)
 	w := &workload.Workload{
 		Name:           pod.Name,

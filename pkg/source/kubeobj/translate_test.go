@@ -368,6 +368,38 @@ func TestEndpointAddressOfNoHost(t *testing.T) {
 	}
 }
 
+// TestPodAddressOfNoHostNotIndexed: a pod whose status holds an address of
+// no one host (the API server takes what a kubelet reports; a manifest holds
+// anything) is not enrolled, and that address is not indexed as the pod's:
+// indexed, a pod at 169.254.169.254 whose namespace names a waypoint took
+// every meshed pod's connections to the cloud metadata server to that
+// waypoint (the tunnel looks a destination's waypoint up by address). Its
+// other address stays its own. The xDS source rejects such a workload.
+func TestPodAddressOfNoHostNotIndexed(t *testing.T) {
+	ns := corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{
+		selection.DataplaneModeLabel: selection.DataplaneModeAmbient, "istio.io/use-waypoint": "wp"}}}
+	wp := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: "wp", Labels: map[string]string{"istio.io/waypoint-for": "all"}},
+		Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.20", Ports: []corev1.ServicePort{{Port: 15008}}}}
+	for _, bad := range []string{"169.254.169.254", "127.0.0.1", "0.0.0.0", "224.0.0.1", "fe80::1"} {
+		t.Run(bad, func(t *testing.T) {
+			p := pod("shop", "web", "n2", bad)
+			if strings.Contains(bad, ":") {
+				p = pod("shop", "web", "n2", "10.0.0.5", bad)
+			}
+			d, errs := build(Objects{Namespaces: []corev1.Namespace{ns}, Pods: []corev1.Pod{p}, Services: []corev1.Service{wp}}, selection.Config{})
+			if len(errs) != 1 || !strings.Contains(errs[0].Error(), "pod shop/web") || !strings.Contains(errs[0].Error(), bad) {
+				t.Errorf("errors = %v, want one naming pod shop/web and %s", errs, bad)
+			}
+			if w, ok := d.ByAddr(addr(bad)); ok {
+				t.Errorf("%s is indexed as %s's (waypoint %+v)", bad, w, w.Waypoint)
+			}
+			if w, ok := d.ByAddr(addr("10.0.0.5")); strings.Contains(bad, ":") && (!ok || w.Name != "web" || w.Enrolled) {
+				t.Errorf("10.0.0.5: %v %v, want web, not enrolled", w, ok)
+			}
+		})
+	}
+}
+
 // TestInternalTrafficPolicyLocal: a Service with internalTrafficPolicy:
 // Local (a node-local DNS cache, a log collector) is routed by kube-proxy
 // only to the client's node's endpoints, and by ztunnel likewise (istiod
