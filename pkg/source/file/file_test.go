@@ -94,6 +94,22 @@ func (r *running) noUpdate(t *testing.T, d time.Duration) {
 	}
 }
 
+// drain takes the updates already delivered, failing unless their
+// namespaces are want.
+func (r *running) drain(t *testing.T, want string) {
+	t.Helper()
+	for {
+		select {
+		case s := <-r.updates:
+			if got := nsNames(s); got != want {
+				t.Fatalf("update with namespaces %q, want %q", got, want)
+			}
+		default:
+			return
+		}
+	}
+}
+
 // refused waits until the source reports an error and returns them.
 func (r *running) refused(t *testing.T) []error {
 	t.Helper()
