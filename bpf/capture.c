@@ -393,10 +393,11 @@ static __always_inline int tw_rcv_nxt(struct bpf_sock *sk, __u32 *out)
  *   - the packet itself becomes a RST with the sequence number the TIME_WAIT
  *     socket expects, which the kernel's demux delivers to it, ending it
  *     (net.ipv4.tcp_rfc1337=0, the default).
- * The clone carries HASH_SYN_REQUEUED (requeued, for the SYN that comes back
- * with it): if its tuple is still in TIME_WAIT then, because the RST did not
- * end the socket (PAWS discarded it for an old timestamp, or
- * net.ipv4.tcp_rfc1337=1), it is dropped rather than looped. Unlike the kernel's
+ * The RST carries no TCP options, so PAWS never discards it, whatever the
+ * SYN's timestamp. The clone carries HASH_SYN_REQUEUED (requeued, for the
+ * SYN that comes back with it): if its tuple is still in TIME_WAIT then,
+ * because the RST did not end the socket (net.ipv4.tcp_rfc1337=1 in the
+ * pod), it is dropped rather than looped. Unlike the kernel's
  * own TIME_WAIT handling, the SYN is not checked to be newer than the old
  * connection (sequence number or timestamp): an old duplicate SYN of the same
  * tuple also ends the TIME_WAIT, as tcp_tw_reuse would allow.
@@ -419,6 +420,16 @@ static __always_inline int clear_timewait(struct __sk_buff *skb, const struct tc
 	    bpf_skb_load_bytes(skb, p->l4_off + TCP_FLAGS_OFF, &old_flags, sizeof(old_flags)) < 0)
 		return REASON_DROP_SYN_TIMEWAIT;
 	new_flags = old_flags;
+	/* Data offset 5: the SYN's options (its timestamp above all) and any
+	 * data become the RST's payload, which the TIME_WAIT socket ignores.
+	 * A RST with the SYN's timestamp was discarded by PAWS whenever that
+	 * timestamp was older than the socket's last (clients behind one NAT
+	 * address, as kube-proxy's SNAT of NodePort traffic makes them), and
+	 * the SYN was dropped until the TIME_WAIT expired, 60 s, where the
+	 * kernel's own handling costs such a client a 1 s retransmission.
+	 * RFC 7323 (5.3) says a RST should carry no timestamp and be taken
+	 * whatever its timestamp; Linux sends none. */
+	fb[0] = 0x50; /* data offset 5, nothing reserved, no AE bit */
 	fb[1] = 0x04; /* RST only: no SYN, no ACK, no ECN bits */
 
 	bpf_set_hash(skb, HASH_SYN_REQUEUED);

@@ -150,7 +150,7 @@ func dialFrom(ctx context.Context, target int, path string, family int, dst neti
 				// so it would be in the process's own namespace.
 				return cmp.Or(perr, errRedial)
 			}
-			perr = controlErr(c, func(fd int) error { return prepare(fd, family, opts, local) })
+			perr = controlErr(c, func(fd int) error { return prepare(fd, family, opts, local, dst) })
 			leave()
 			return cmp.Or(stuck, perr)
 		},
@@ -192,8 +192,9 @@ var errRedial = errors.New("net.Dialer wants a new socket (after EADDRNOTAVAIL o
 
 // prepare sets opts on a new socket and binds it to local when set: in
 // opts.LocalPorts when local has no port, never to opts.AvoidLocalPort. It
-// runs on the thread that made the socket, still in its namespace.
-func prepare(fd, family int, opts SocketOptions, local unix.Sockaddr) error {
+// runs on the thread that made the socket, still in its namespace, which
+// dst is dialled from.
+func prepare(fd, family int, opts SocketOptions, local unix.Sockaddr, dst netip.AddrPort) error {
 	if err := opts.apply(fd, family == unix.AF_INET); err != nil {
 		return err
 	}
@@ -209,7 +210,7 @@ func prepare(fd, family int, opts SocketOptions, local unix.Sockaddr) error {
 	}
 	ap, _ := sockaddrPort(local)
 	if lo, hi := opts.LocalPorts[0], opts.LocalPorts[1]; lo != 0 && hi >= lo && ap.Port() == 0 {
-		if done, err := bindInRange(fd, family, ap.Addr(), lo, hi, opts.AvoidLocalPort); done {
+		if done, err := bindInRange(fd, family, ap.Addr(), lo, hi, opts.AvoidLocalPort, dst); done {
 			return err
 		}
 	}
@@ -244,15 +245,28 @@ func prepare(fd, family int, opts SocketOptions, local unix.Sockaddr) error {
 const localPortTries = 32
 
 // bindInRange binds fd to addr with a port in [lo, hi]: consecutive ports
-// from a random one, skipping avoid and those in use. done is false when
-// none of the ports tried was free (fd is still unbound): the kernel
-// chooses then.
-func bindInRange(fd, family int, addr netip.Addr, lo, hi, avoid uint16) (done bool, err error) {
+// from a random one, skipping avoid, those in use, and those whose tuple
+// towards dst a socket of the namespace holds from dst's side. done is
+// false when none of the ports tried was free (fd is still unbound): the
+// kernel chooses then.
+//
+// That last kind: the inbound tunnel dials the app from a plaintext
+// client's address (IP_TRANSPARENT), and the tunnel's accepted socket of
+// another connection of that client, from that port (live, closing or in
+// TIME_WAIT), is not bound to the client's address in this namespace, so
+// bind does not see it. The dial's SYN met it: a challenge ACK sent to the
+// client, or the TIME_WAIT's ACK for a SYN whose timestamp it took for
+// old, and the dial timed out. Clients pick such ports whenever their
+// ephemeral range reaches below 32768 (net.ipv4.ip_local_port_range
+// "1024 65535", a common tuning and a sysctl Kubernetes lets any pod set).
+func bindInRange(fd, family int, addr netip.Addr, lo, hi, avoid uint16, dst netip.AddrPort) (done bool, err error) {
 	n := int(hi-lo) + 1
 	start := rand.IntN(n)
+	probe := newTupleProbe()
+	defer probe.close()
 	for i := 0; i < min(n, localPortTries); i++ {
 		port := lo + uint16((start+i)%n)
-		if port == avoid {
+		if port == avoid || probe.taken(dst, netip.AddrPortFrom(addr, port)) {
 			continue
 		}
 		err := unix.Bind(fd, sockaddr(netip.AddrPortFrom(addr, port), family))

@@ -326,6 +326,85 @@ func TestDialLocalPorts(t *testing.T) {
 	c.Close()
 }
 
+// A dialer given LocalPorts skips a port whose tuple towards the
+// destination a socket of the namespace already holds from the
+// destination's side: the inbound tunnel's accepted socket of another
+// connection of the same plaintext client from that port, which bind does
+// not see. Here the client's address is made local in b (a local route),
+// so b's sockets of a's connections stand for the tunnel's: one in
+// TIME_WAIT (the server closed first, port 20000), one open (20001).
+// Before, the dial bound the port, and its SYN met that socket: the
+// TIME_WAIT took it as a new connection only when its timestamp looked
+// newer (never from a client on another node's clock), and the open one
+// answered a challenge ACK, so across nodes the dial timed out.
+func TestDialLocalPortsSkipTakenTuples(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
+	acceptOne(t, b, 8080) // closes each connection first: TIME_WAIT in b
+	held, err := netns.Listen(context.Background(), b.Path(), "tcp", "[::]:8081", netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { held.Close() })
+	go func() {
+		for {
+			c, err := held.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() })
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, fam := range []struct{ client, server netip.Addr }{{a.IPv4, b.IPv4}, {a.IPv6, b.IPv6}} {
+		// a's connection to 8080 from port 20000, closed by b first.
+		c, err := netns.Dial(ctx, a.Path(), "tcp", netip.AddrPortFrom(fam.server, 8080).String(),
+			netns.SocketOptions{Local: &net.TCPAddr{IP: fam.client.AsSlice(), Port: 20000}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Read(make([]byte, 1)); err == nil {
+			t.Fatal("b's first close: read data")
+		}
+		c.Close()
+		// a's connection to 8081 from port 20001, left open.
+		open, err := netns.Dial(ctx, a.Path(), "tcp", netip.AddrPortFrom(fam.server, 8081).String(),
+			netns.SocketOptions{Local: &net.TCPAddr{IP: fam.client.AsSlice(), Port: 20001}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer open.Close()
+		time.Sleep(100 * time.Millisecond) // the last ACKs
+		bits := "/32"
+		if fam.client.Is6() {
+			bits = "/128"
+		}
+		if out, err := netnstest.Exec(ctx, b.Path(), "ip", "route", "add", "local", fam.client.String()+bits, "dev", "lo"); err != nil {
+			t.Fatalf("local route: %v: %s", err, out)
+		}
+		for _, tc := range []struct {
+			port uint16
+			dst  netip.AddrPort
+		}{{20000, netip.AddrPortFrom(fam.server, 8080)}, {20001, netip.AddrPortFrom(fam.server, 8081)}} {
+			dctx, dcancel := context.WithTimeout(ctx, 3*time.Second)
+			d, err := netns.Dial(dctx, b.Path(), "tcp", tc.dst.String(),
+				netns.SocketOptions{Transparent: true, Local: &net.TCPAddr{IP: fam.client.AsSlice()}, LocalPorts: [2]uint16{tc.port, tc.port}})
+			dcancel()
+			if err != nil {
+				t.Errorf("%s from %s: %v", tc.dst, fam.client, err)
+				continue
+			}
+			if got := d.LocalAddr().(*net.TCPAddr).Port; got == int(tc.port) {
+				t.Errorf("%s from %s: bound to %d, whose tuple b holds", tc.dst, fam.client, got)
+			}
+			d.(*net.TCPConn).SetLinger(0)
+			d.Close()
+		}
+	}
+}
+
 // net.Dialer makes a new socket when its first one's bind or connect
 // fails with EADDRNOTAVAIL. The thread has left the pod's namespace by
 // then: that socket must not be made (it would be in the agent's own).
