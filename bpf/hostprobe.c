@@ -251,6 +251,21 @@ static __always_inline int own_veth(struct __sk_buff *skb, __u32 pod_id)
 	return owner && *owner == pod_id;
 }
 
+/* forget_stale deletes the NAT entry of key that an earlier probe from the
+ * node address node left: a SYN the node sends untranslated starts a
+ * connection on that tuple, which the entry would translate. An entry of
+ * another node address is another connection's, perhaps a live probe's (the
+ * key holds no node address: the pod's replies show none), and stays: a
+ * hostNetwork pod that took a live probe's port on another of the node's
+ * addresses deleted it, and the probe failed. */
+static __always_inline void forget_stale(struct nat_key *key, const struct pod_addr *node)
+{
+	struct nat_entry *e = bpf_map_lookup_elem(&rd_probe_nat, key);
+
+	if (e && addr_eq(&e->node, node))
+		bpf_map_delete_elem(&rd_probe_nat, key);
+}
+
 /* spoofed_probe reports (and counts) a packet to an enrolled pod whose
  * source already is the SNAT address, of any protocol: this program sees
  * packets before it translates them, so such a packet was not translated
@@ -282,13 +297,14 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *       leaving by that pod's own host veth (rd_probe_veths), gets an
  *       rd_probe_nat entry and its source rewritten to the SNAT address;
  *     - a later packet of such a connection that the node's stack sent
- *       (node_sent; the entry exists and its node address is the packet's
+ *       (node_sent, from no socket of a process below pods_cgroup; the entry exists and its node address is the packet's
  *       source) and that leaves by the veth its SYN left by is rewritten
  *       the same way;
  *     - a SYN the node sent that is not translated (tunnel mark, an
  *       address not enrolled, or a socket of a process below pods_cgroup,
- *       counted as host_pod_not_probe) deletes the entry of its tuple, which
- *       an earlier probe may have left (nothing else deletes them);
+ *       counted as host_pod_not_probe) deletes the entry of its tuple that
+ *       an earlier probe from its node address may have left (nothing else
+ *       deletes them; an entry of another node address is left alone);
  *     - everything else passes untouched: non-TCP, forwarded traffic (no
  *       socket of the node's namespace and an ingress device: other pods,
  *       whether routed or bridged, other nodes), the copies of a node
@@ -302,7 +318,8 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *                  already is the SNAT address (counted as drop_probe_spoofed:
  *                  only this program may give a packet that source), a
  *                  packet with the node's end of a probe connection that the
- *                  node did not send (a frame a pod on the bridge forged; also
+ *                  node did not send (a frame a pod on the bridge forged, or a
+ *                  hostNetwork pod's raw or packet socket sent; also
  *                  drop_probe_spoofed), a SYN
  *                  whose NAT entry cannot be stored (the SYN is retried), or
  *                  a packet whose rewrite failed half-way (it is corrupt).
@@ -338,7 +355,7 @@ int rd_host_egress(struct __sk_buff *skb)
 			/* a connection the node opens untranslated stays so:
 			 * an entry an earlier probe left for its tuple would
 			 * translate its later packets */
-			bpf_map_delete_elem(&rd_probe_nat, &key);
+			forget_stale(&key, &p.src);
 			return TC_ACT_UNSPEC;
 		}
 		/* A copy a bridge flooded to another pod's port: the copy on
@@ -346,14 +363,14 @@ int rd_host_egress(struct __sk_buff *skb)
 		if (!own_veth(skb, pod->pod_id))
 			return TC_ACT_UNSPEC;
 		if ((skb->mark & mark_mask) == tunnel_mark) {
-			bpf_map_delete_elem(&rd_probe_nat, &key);
+			forget_stale(&key, &p.src);
 			count(pod->pod_id, CNT_TUNNEL_MARKED);
 			return TC_ACT_UNSPEC;
 		}
 		if (from_pod) {
 			/* a hostNetwork pod's process: a client like any
 			 * other, whose plaintext the pod's capture judges */
-			bpf_map_delete_elem(&rd_probe_nat, &key);
+			forget_stale(&key, &p.src);
 			count_reason(REASON_HOST_POD_NOT_PROBE);
 			return TC_ACT_UNSPEC;
 		}
@@ -371,10 +388,12 @@ int rd_host_egress(struct __sk_buff *skb)
 		if (!e || !addr_eq(&e->node, &p.src))
 			return TC_ACT_UNSPEC;
 		/* The node's address and port are no proof: a pod on the
-		 * node's bridge can send a frame with them. Passed as it is,
-		 * it would meet no socket in the pod, whose reset the node's
+		 * node's bridge can send a frame with them, and a hostNetwork
+		 * pod's raw or packet socket is one of the node's namespace
+		 * (skb_from_pod, as for the SYN). Passed as it is, it would
+		 * meet no socket in the pod, whose reset the node's
 		 * connection would take for its peer's. */
-		if (!node_sent(skb)) {
+		if (!node_sent(skb) || skb_from_pod(skb)) {
 			count_reason(REASON_DROP_PROBE_SPOOFED);
 			return TC_ACT_SHOT;
 		}
