@@ -248,7 +248,15 @@ func (e *RuntimeClassError) Unwrap() error { return ErrUnknownRuntimeClass }
 // enrollment entry), is a *PodAddrError naming the pod, the field and the
 // bad string: the pod object is malformed, so callers keep what they had of
 // the pod rather than drop it (see PodAddrError).
-func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
+func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) { return podAddrs(pod, false) }
+
+// PodAddrsOfOneHost is PodAddrs, with an address of no one host (see
+// CheckPodAddr) also a *PodAddrError: for a source that refuses an edit
+// moving an enrolled pod to such an address, where translation would
+// leave the pod out.
+func PodAddrsOfOneHost(pod *corev1.Pod) ([]netip.Addr, error) { return podAddrs(pod, true) }
+
+func podAddrs(pod *corev1.Pod, oneHost bool) ([]netip.Addr, error) {
 	type field struct{ name, value string }
 	raw := make([]field, 0, len(pod.Status.PodIPs))
 	for i, ip := range pod.Status.PodIPs {
@@ -267,6 +275,8 @@ func PodAddrs(pod *corev1.Pod) ([]netip.Addr, error) {
 			err = errors.New("zone not allowed")
 		case slices.ContainsFunc(addrs, func(b netip.Addr) bool { return b.Is4() == a.Is4() }):
 			err = fmt.Errorf("a second %s address", family(a))
+		case oneHost:
+			err = CheckPodAddr(a)
 		}
 		if err != nil {
 			return nil, &PodAddrError{Namespace: pod.Namespace, Name: pod.Name, UID: string(pod.UID), Field: f.name, Value: f.value, Err: err}

@@ -422,7 +422,7 @@ func TestRunMissingPath(t *testing.T) {
 }
 
 // TestRunRefusesMalformedPodAddress: an enrolled pod whose address is edited
-// into one that does not parse is not delivered without it (translation
+// into one that does not parse, or is of no one host, is not delivered without it (translation
 // would leave the pod out, and the agent unenroll it): the load is refused,
 // also when another document changes meanwhile (the pod's document then
 // comes from the decode cache), the error names the file, document, pod and
@@ -442,6 +442,11 @@ func TestRunRefusesMalformedPodAddress(t *testing.T) {
 		{"zone", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: "fe80::1%eth0"}]}`, "status.podIPs[1].ip", "fe80::1%eth0"},
 		{"empty entry", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: ""}]}`, "status.podIPs[0].ip", ""},
 		{"garbage entry", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: garbage}]}`, "status.podIPs[1].ip", "garbage"},
+		// Parseable, but of no one host: translation leaves the pod out
+		// as it does a malformed one.
+		{"link-local", `{phase: Running, podIP: 169.254.169.254}`, "status.podIP", "169.254.169.254"},
+		{"loopback", `{phase: Running, podIP: 10.0.0.5, podIPs: [{ip: 10.0.0.5}, {ip: "::1"}]}`, "status.podIPs[1].ip", "::1"},
+		{"IPv4-mapped unspecified", `{phase: Running, podIP: "::ffff:0.0.0.0"}`, "status.podIP", "::ffff:0.0.0.0"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r, m, dir := refuseEdit(t, good, ns+pod(tt.status), `pod a/web: `+tt.field+`: bad IP "`+tt.value+`"`)

@@ -778,7 +778,7 @@ func put[T any, PT interface {
 	var err error
 	switch o := any(&obj).(type) {
 	case *corev1.Pod:
-		_, err = selection.PodAddrs(o)
+		_, err = selection.PodAddrsOfOneHost(o)
 	case *corev1.Service:
 		_, err = kubeobj.Service(o)
 	}
