@@ -19,27 +19,29 @@ import (
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
-// Environment of TestRawSendHelper, the helper process of sendFromCgroup.
+// Environment of the helper process of sendFromCgroup (see TestMain).
 const (
 	envRawPacket = "RD_TEST_RAW_PACKET" // hex of the IP packet to send
 	envRawDevice = "RD_TEST_RAW_DEVICE" // send in a frame out of this device (a packet socket); empty: a raw IP socket
 	envRawMAC    = "RD_TEST_RAW_MAC"    // the frame's destination
 )
 
-// TestRawSendHelper is no test: it is the process sendFromCgroup starts,
-// which sends one forged IP packet from its own socket.
-func TestRawSendHelper(t *testing.T) {
-	h := os.Getenv(envRawPacket)
-	if h == "" {
-		t.Skip("the helper process of sendFromCgroup")
+// TestMain runs the tests, or, started by sendFromCgroup with the packet in
+// its environment, is that helper process: it sends one forged IP packet
+// from its own socket and exits.
+func TestMain(m *testing.M) {
+	if h := os.Getenv(envRawPacket); h != "" {
+		pkt, err := hex.DecodeString(h)
+		if err == nil {
+			err = rawSend(pkt, os.Getenv(envRawDevice), os.Getenv(envRawMAC))
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "send a forged packet:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
-	pkt, err := hex.DecodeString(h)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rawSend(pkt, os.Getenv(envRawDevice), os.Getenv(envRawMAC)); err != nil {
-		t.Fatal(err)
-	}
+	os.Exit(m.Run())
 }
 
 // rawSend sends pkt from a raw IP socket (the kernel routes it), or in a
@@ -97,7 +99,7 @@ func sendFromCgroup(t *testing.T, nsPath, dir string, pkt []byte, dev, mac strin
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	cmd := netnstest.Command(ctx, nsPath, exe, "-test.run=^TestRawSendHelper$", "-test.count=1")
+	cmd := netnstest.Command(ctx, nsPath, exe, "-test.run=^$")
 	cmd.Env = append(os.Environ(), envRawPacket+"="+hex.EncodeToString(pkt), envRawDevice+"="+dev, envRawMAC+"="+mac)
 	defer bornIn(t, cmd, dir)()
 	if out, err := cmd.CombinedOutput(); err != nil {
