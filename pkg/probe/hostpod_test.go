@@ -107,6 +107,30 @@ func sendFromCgroup(t *testing.T, nsPath, dir string, pkt []byte, dev, mac strin
 	}
 }
 
+// hostPodRig is a node whose pod app (enrolled as id, its host programs
+// attached, serving holdPort into got) has the host programs judging
+// sockets by a real pods' cgroup, with hostPod a container's cgroup below
+// it; root is the pin root.
+func hostPodRig(t *testing.T, id uint32) (hostPod string, node *netnstest.Node, app *netnstest.Pod, got *received, root string) {
+	t.Helper()
+	hierarchy, base := testCgroups(t, "kubepods/besteffort/podA/ctr")
+	pc, found, err := probe.FindPodsCgroup(hierarchy, "/"+base+"/kubepods")
+	if err != nil || !found || pc.ID == 0 {
+		t.Fatalf("FindPodsCgroup: %+v %v %v", pc, found, err)
+	}
+	hostPod = filepath.Join(hierarchy, base, "kubepods/besteffort/podA/ctr")
+	node = netnstest.New(t, 1).Nodes[0]
+	app = node.AddPod("app")
+	got = holdApp(t, app)
+	root = tempBPFFS(t)
+	a := load(t, probe.Config{PinRoot: root, PodsCgroupID: pc.ID})
+	enroll(t, root, app, id)
+	if err := attachHost(a, app, id); err != nil {
+		t.Fatal(err)
+	}
+	return hostPod, node, app, got, root
+}
+
 // TestHostNetworkPodCannotInjectIntoProbe: a hostNetwork pod shares the
 // node's network namespace, so its raw packet with the node's end of a
 // kubelet probe connection (the address and port ss shows it, the
@@ -120,24 +144,7 @@ func sendFromCgroup(t *testing.T, nsPath, dir string, pkt []byte, dev, mac strin
 // socket on the node's bridge, the forged segment is now dropped and
 // counted (drop_probe_spoofed), and kubelet's own packets still pass.
 func TestHostNetworkPodCannotInjectIntoProbe(t *testing.T) {
-	hierarchy, base := testCgroups(t, "kubepods/besteffort/podA/ctr")
-	pc, found, err := probe.FindPodsCgroup(hierarchy, "/"+base+"/kubepods")
-	if err != nil || !found || pc.ID == 0 {
-		t.Fatalf("FindPodsCgroup: %+v %v %v", pc, found, err)
-	}
-	hostPod := filepath.Join(hierarchy, base, "kubepods/besteffort/podA/ctr")
-
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	app := node.AddPod("app")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root, PodsCgroupID: pc.ID})
-	const id = 31
-	enroll(t, root, app, id)
-	if err := attachHost(a, app, id); err != nil {
-		t.Fatal(err)
-	}
+	hostPod, node, app, got, root := hostPodRig(t, 31)
 	var appMAC string
 	if err := netns.Do(app.Path(), func() error {
 		ifi, err := net.InterfaceByName("eth0")
@@ -209,24 +216,7 @@ func TestHostNetworkPodCannotInjectIntoProbe(t *testing.T) {
 // the pod untranslated, where no socket had their tuple. An untranslated
 // SYN now deletes only an entry of its own node address.
 func TestHostNetworkPodKeepsLiveProbeEntry(t *testing.T) {
-	hierarchy, base := testCgroups(t, "kubepods/besteffort/podA/ctr")
-	pc, found, err := probe.FindPodsCgroup(hierarchy, "/"+base+"/kubepods")
-	if err != nil || !found || pc.ID == 0 {
-		t.Fatalf("FindPodsCgroup: %+v %v %v", pc, found, err)
-	}
-	hostPod := filepath.Join(hierarchy, base, "kubepods/besteffort/podA/ctr")
-
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	app := node.AddPod("app")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root, PodsCgroupID: pc.ID})
-	const id = 32
-	enroll(t, root, app, id)
-	if err := attachHost(a, app, id); err != nil {
-		t.Fatal(err)
-	}
+	hostPod, node, app, got, root := hostPodRig(t, 32)
 
 	for _, f := range []struct {
 		family
