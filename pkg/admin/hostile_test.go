@@ -294,7 +294,7 @@ func dialFrom(t *testing.T, src, addr string) net.Conn {
 func ask(c net.Conn, path string) (*http.Response, error) {
 	c.SetDeadline(time.Now().Add(2 * time.Second))
 	defer c.SetDeadline(time.Time{})
-	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path); err != nil {
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n", path); err != nil {
 		return nil, err
 	}
 	resp, err := http.ReadResponse(bufio.NewReader(c), nil)

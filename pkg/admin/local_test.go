@@ -1,0 +1,136 @@
+package admin
+
+import (
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The admin endpoint is on loopback: every process of the node's network
+// namespace reaches it (a hostNetwork pod's too), and so does a browser
+// running on the node, for a page of any site. These tests hold it to what
+// such callers may not do.
+
+// adminRequest sends method path to the admin endpoint with the headers
+// given (Host among them) and returns the status and body.
+func adminRequest(t *testing.T, s *Servers, method, path string, headers map[string]string) (int, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, "http://"+s.AdminAddr()+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range headers {
+		if k == "Host" {
+			req.Host = v
+			continue
+		}
+		req.Header.Set(k, v)
+	}
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}
+
+// TestAdminRefusesForeignHost: a page whose DNS name is rebound to
+// 127.0.0.1 after it loaded is same-origin with the admin endpoint in the
+// browser's eyes, and read the config dump (every workload, policy and
+// certificate chain) and profiles; its requests carry the page's name as
+// Host. The admin endpoint answers only requests addressed to an IP
+// address or localhost now, and says why it refuses the others.
+func TestAdminRefusesForeignHost(t *testing.T) {
+	s := start(t, Options{Sections: map[string]func() any{"workloads": func() any { return "secret-ish" }}})
+	_, port, _ := strings.Cut(s.AdminAddr(), ":")
+	for _, host := range []string{"rebind.example:" + port, "rebind.example", "localhost.rebind.example:" + port, "127.0.0.1.nip.io:" + port} {
+		code, body := adminRequest(t, s, http.MethodGet, "/config_dump", map[string]string{"Host": host})
+		if code != http.StatusMisdirectedRequest || strings.Contains(body, "secret-ish") || !strings.Contains(body, "Host") {
+			t.Errorf("config dump with Host %q: %d %.200q, want 421 naming the Host, without the dump", host, code, body)
+		}
+	}
+	for _, host := range []string{"127.0.0.1:" + port, "localhost:" + port, "LOCALHOST", "[::1]:" + port, "10.0.0.7:" + port, ""} {
+		if code, body := adminRequest(t, s, http.MethodGet, "/config_dump", map[string]string{"Host": host}); code != http.StatusOK {
+			t.Errorf("config dump with Host %q: %d %.200q, want 200", host, code, body)
+		}
+	}
+}
+
+// TestAdminRefusesCrossOriginChange: a page of any site may POST a form to
+// http://127.0.0.1:15000/logging?level=off (a simple request: the browser
+// sends it without asking), which turned the agent's logging off. A
+// request a browser marks as cross-origin is refused now, and changes
+// nothing; istioctl and curl send no such marks.
+func TestAdminRefusesCrossOriginChange(t *testing.T) {
+	level := new(slog.LevelVar)
+	s := start(t, Options{Level: level})
+	for _, h := range []map[string]string{
+		{"Origin": "http://evil.example"},
+		{"Sec-Fetch-Site": "cross-site"},
+		{"Origin": "null"},
+	} {
+		code, body := adminRequest(t, s, http.MethodPost, "/logging?level=off", h)
+		if code != http.StatusForbidden {
+			t.Errorf("POST /logging?level=off with %v: %d %.200q, want 403", h, code, body)
+		}
+		if level.Level() != slog.LevelInfo {
+			t.Fatalf("POST /logging?level=off with %v changed the level to %v", h, level.Level())
+		}
+	}
+	if code, body := adminRequest(t, s, http.MethodPost, "/logging?level=debug", nil); code != http.StatusOK || level.Level() != slog.LevelDebug {
+		t.Errorf("POST /logging?level=debug without browser headers: %d %q, level %v, want 200 and debug", code, body, level.Level())
+	}
+}
+
+// TestPprofInFlightBounded: a goroutine dump (debug=2) is built in a
+// buffer of up to 64 MiB, doubling from 1 MiB with the world stopped for
+// each try, and held until the caller reads it (up to the admin write
+// timeout, 65 s); every one of the admin's 16 connections could hold one.
+// At most maxProfilesInFlight pprof answers are built or written at once
+// now, and the next caller is answered 503 at once.
+func TestPprofInFlightBounded(t *testing.T) {
+	h := adminHandler(nil, new(slog.LevelVar), slog.Default())
+	writing, release := make(chan struct{}), make(chan struct{})
+	defer close(release)
+	for range maxProfilesInFlight {
+		go h.ServeHTTP(&stuckWriter{header: http.Header{}, writing: writing, release: release}, localRequest("/debug/pprof/goroutine?debug=2"))
+		select {
+		case <-writing:
+		case <-time.After(2 * time.Second):
+			t.Fatal("a goroutine dump is not written")
+		}
+	}
+	for _, path := range []string{"/debug/pprof/goroutine?debug=2", "/debug/pprof/heap?gc=1", "/debug/pprof/profile?seconds=1", "/debug/pprof/trace?seconds=1"} {
+		done := make(chan *stuckWriter)
+		go func() {
+			w := &stuckWriter{header: http.Header{}, writing: writing, release: release}
+			h.ServeHTTP(w, localRequest(path))
+			done <- w
+		}()
+		select {
+		case w := <-done:
+			if w.code != http.StatusServiceUnavailable || !strings.Contains(w.body.String(), "busy") {
+				t.Errorf("%s while %d are written: %d %.200q, want 503 busy", path, maxProfilesInFlight, w.code, w.body.String())
+			}
+		case <-writing:
+			t.Errorf("%s is served while %d others are held by readers that do not read", path, maxProfilesInFlight)
+		case <-time.After(5 * time.Second):
+			t.Errorf("%s waits while others are written, want 503 at once", path)
+		}
+	}
+}
+
+// localRequest is a GET of path as a local caller sends it.
+func localRequest(path string) *http.Request {
+	r := httptest.NewRequest(http.MethodGet, path, nil)
+	r.Host = "127.0.0.1:15000"
+	return r
+}
