@@ -158,6 +158,11 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 			total = maxConnsPerSource // one local caller's worth: it is on loopback
 		}
 		ll := newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
+		// kubelet sends its probe at once and is answered at once, from
+		// the node's address, which every hostNetwork pod may use too: a
+		// connection still open long after it came is a stalled request
+		// (none is kept alive), to evict rather than refuse the probe for.
+		ll.evictOldest = e.name == EndpointReadiness
 		l = ll
 		srv := &http.Server{
 			Handler:           boundBody(e.handler()),

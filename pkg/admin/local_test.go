@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -8,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // The admin endpoint is on loopback: every process of the node's network
@@ -133,4 +136,47 @@ func localRequest(path string) *http.Request {
 	r := httptest.NewRequest(http.MethodGet, path, nil)
 	r.Host = "127.0.0.1:15000"
 	return r
+}
+
+// TestReadinessProbeAmidStalledRequests: kubelet probes a hostNetwork
+// agent from the node's own address, which every hostNetwork pod may
+// connect from too. One such pod that kept 16 connections from that
+// address half-way through a request (renewed within the 5 s header
+// timeout) had kubelet's probe closed at accept, and 8 pods doing so
+// from their addresses (or one pod from 8 loopback addresses) every
+// probe: the agent stayed NotReady for as long as they liked. A stalled
+// request is not idle, so it was never evicted. The readiness endpoint's
+// honest clients send their request at once and are answered at once, so
+// a connection over a bound now evicts the one open longest of the source
+// holding the most, its own source's if that is the bound.
+func TestReadinessProbeAmidStalledRequests(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	s := start(t, Options{Registry: reg})
+	stall := func(src string, n int) {
+		for range n {
+			c := dialFrom(t, src, s.ReadinessAddr())
+			if _, err := c.Write([]byte("GET /healthz/ready HTTP/1.1\r\nHost: x\r\n")); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	stall("127.0.0.1", maxConnsPerSource) // the node's address, kubelet's
+	time.Sleep(50 * time.Millisecond)     // open longer than the probe
+	resp, err := ask(dialFrom(t, "127.0.0.1", s.ReadinessAddr()), "/healthz/ready")
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("probe from an address holding %d stalled requests: %v %v, want 200", maxConnsPerSource, resp, err)
+	}
+	for i := range maxConnsPerEndpoint / maxConnsPerSource {
+		stall(fmt.Sprintf("127.0.0.%d", 10+i), maxConnsPerSource)
+	}
+	time.Sleep(50 * time.Millisecond)
+	for _, src := range []string{"127.0.0.1", "127.0.0.200"} {
+		resp, err := ask(dialFrom(t, src, s.ReadinessAddr()), "/healthz/ready")
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("probe from %s while the endpoint's %d connections are stalled requests: %v %v, want 200", src, maxConnsPerEndpoint, resp, err)
+		}
+	}
+	if got := metricValue(t, reg, "redirector_endpoint_evicted_connections_total", "readiness"); got < 2 {
+		t.Errorf("readiness evictions: %v, want the probes' counted", got)
+	}
 }
