@@ -88,6 +88,13 @@ func TestAdminRefusesCrossOriginChange(t *testing.T) {
 			t.Fatalf("POST /logging?level=off with %v changed the level to %v", h, level.Level())
 		}
 	}
+	// An image tag of any page starts a CPU profile with a GET.
+	if code, body := adminRequest(t, s, http.MethodGet, "/debug/pprof/profile?seconds=1", map[string]string{"Sec-Fetch-Site": "cross-site"}); code != http.StatusForbidden {
+		t.Errorf("cross-site GET of a profile: %d %.200q, want 403", code, body)
+	}
+	if code, body := adminRequest(t, s, http.MethodPost, "/logging?level=debug", map[string]string{"Sec-Fetch-Site": "none"}); code != http.StatusOK {
+		t.Errorf("POST /logging typed into the browser's address bar (Sec-Fetch-Site none): %d %q, want 200", code, body)
+	}
 	if code, body := adminRequest(t, s, http.MethodPost, "/logging?level=debug", nil); code != http.StatusOK || level.Level() != slog.LevelDebug {
 		t.Errorf("POST /logging?level=debug without browser headers: %d %q, level %v, want 200 and debug", code, body, level.Level())
 	}
