@@ -7,12 +7,14 @@
 package admin
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -56,7 +58,15 @@ type Options struct {
 	// ...) on addr: a predecessor's socket taken over, or ListenShared
 	// beside one that does not hand them over. Nil: ListenAlone.
 	Listen func(ctx context.Context, name, addr string) (net.Listener, error)
+
+	// bindRetry is how long an endpoint whose address is in use waits
+	// before it tries again (0: BindRetryPeriod); for tests.
+	bindRetry time.Duration
 }
+
+// BindRetryPeriod is how often an endpoint whose address another socket
+// holds tries to bind it again (see Start).
+const BindRetryPeriod = 5 * time.Second
 
 // Bounds of every request, whoever sends it: the endpoints take no body
 // but pprof's symbol lookups (a few KiB from the pprof tool), and no header
@@ -87,6 +97,11 @@ type Servers struct {
 
 	servers   []*http.Server
 	readiness *http.Server
+	// stop ends the binding of endpoints whose address was in use.
+	stop     chan struct{}
+	stopOnce sync.Once
+	pendMu   sync.Mutex
+	pending  []*pendingListener
 	// raw are the endpoints' listeners by name, for a successor agent
 	// to take (Listener) and OwnPorts to replace.
 	raw map[string]*rebindable
@@ -103,10 +118,17 @@ const (
 	EndpointReadinessSocket = "readiness_socket"
 )
 
-// Start listens on every address before it returns, so a port already in use
-// fails the agent's start with an error naming the endpoint and address
-// rather than a log line later; then it serves in the background until Close.
-// ctx bounds only the listening.
+// Start listens on every address before it returns, so that a bad address
+// fails the agent's start with an error naming the endpoint; then it serves
+// in the background until Close. ctx bounds only the listening.
+//
+// An address another socket holds (EADDRINUSE) does not fail the start: the
+// endpoint is bound once it is free, tried every BindRetryPeriod, and until
+// then the agent is not ready, naming it. The endpoints are in the node's
+// namespace, where any hostNetwork pod may bind a port the agent left for a
+// moment (a crash, a restart without hand-over); a failed start then made
+// the agent exit at every restart, and the enrolled pods' tunnels with it,
+// for as long as that pod held the port.
 func Start(ctx context.Context, o Options) (*Servers, error) {
 	if err := o.validate(); err != nil {
 		return nil, err
@@ -115,7 +137,10 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Servers{}
+	s := &Servers{stop: make(chan struct{})}
+	if ready := o.Ready; ready != nil {
+		o.Ready = AllReady(ready, s.bound)
+	}
 	var reg prometheus.Registerer
 	if o.Registry != nil {
 		reg = o.Registry
@@ -139,7 +164,9 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 			listen = func(ctx context.Context, _, addr string) (net.Listener, error) { return ListenAlone(ctx, addr) }
 		}
 		l, err := listen(ctx, e.name, e.addr)
-		if err != nil {
+		if errors.Is(err, syscall.EADDRINUSE) {
+			l = s.bindLater(e.name, e.addr, listen, cmp.Or(o.bindRetry, BindRetryPeriod), err, log)
+		} else if err != nil {
 			s.Close()
 			return nil, fmt.Errorf("%s endpoint: %w", e.name, err)
 		}
@@ -158,6 +185,11 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 			total = maxConnsPerSource // one local caller's worth: it is on loopback
 		}
 		ll := newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
+		// kubelet sends its probe at once and is answered at once, from
+		// the node's address, which every hostNetwork pod may use too: a
+		// connection still open long after it came is a stalled request
+		// (none is kept alive), to evict rather than refuse the probe for.
+		ll.evictOldest = e.name == EndpointReadiness
 		l = ll
 		srv := &http.Server{
 			Handler:           boundBody(e.handler()),
@@ -268,6 +300,9 @@ func (s *Servers) AdminAddr() string { return s.adminAddr }
 // Close stops every endpoint at once, open requests included, and waits for
 // the servers to return. Calling it again is harmless.
 func (s *Servers) Close() error {
+	if s.stop != nil {
+		s.stopOnce.Do(func() { close(s.stop) })
+	}
 	var errs []error
 	for _, srv := range s.servers {
 		errs = append(errs, srv.Close())
@@ -296,7 +331,140 @@ func (s *Servers) Listener(name string) net.Listener {
 	if s == nil || s.raw[name] == nil {
 		return nil
 	}
-	return s.raw[name].current()
+	l := s.raw[name].current()
+	if p, ok := l.(*pendingListener); ok {
+		return p.bound() // nil until bound
+	}
+	return l
+}
+
+// bindLater returns a listener for the endpoint name at addr, which is in
+// use (first is why): it binds addr every retry until that succeeds or
+// the servers close, and accepts only once bound.
+func (s *Servers) bindLater(name, addr string, listen func(context.Context, string, string) (net.Listener, error), retry time.Duration, first error, log *slog.Logger) *pendingListener {
+	p := &pendingListener{name: name, addr: addr, ready: make(chan struct{}), closed: make(chan struct{}), err: first}
+	if a, err := net.ResolveTCPAddr("tcp", addr); err == nil {
+		p.placeholder = a
+	} else {
+		p.placeholder = &net.TCPAddr{}
+	}
+	s.pendMu.Lock()
+	s.pending = append(s.pending, p)
+	s.pendMu.Unlock()
+	log.Error("http endpoint address in use by another socket: the agent runs without the endpoint, not ready, and binds it once it is free",
+		"endpoint", name, "addr", addr, "error", first, "retry_in", retry)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		for {
+			select {
+			case <-s.stop:
+				return
+			case <-p.closed:
+				return
+			case <-time.After(retry):
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), retry)
+			l, err := listen(ctx, name, addr)
+			cancel()
+			if err == nil {
+				if p.set(l) {
+					log.Info("http endpoint bound at last", "endpoint", name, "addr", addr)
+				}
+				return
+			}
+			p.fail(err)
+		}
+	}()
+	return p
+}
+
+// bound is the readiness check of the endpoints not bound yet.
+func (s *Servers) bound() (bool, string) {
+	s.pendMu.Lock()
+	defer s.pendMu.Unlock()
+	var why []string
+	for _, p := range s.pending {
+		if err := p.unbound(); err != nil {
+			why = append(why, fmt.Sprintf("%s endpoint %s not served: %v (tried again every few seconds)", p.name, p.addr, err))
+		}
+	}
+	return len(why) == 0, strings.Join(why, "; ")
+}
+
+// pendingListener is an endpoint's listener whose address was in use: it
+// accepts once bindLater has bound it.
+type pendingListener struct {
+	name, addr  string
+	placeholder net.Addr // the address asked for, until bound
+	ready       chan struct{}
+	closed      chan struct{}
+
+	mu       sync.Mutex
+	l        net.Listener
+	err      error // why it is not bound yet
+	isClosed bool
+}
+
+// set installs the bound listener, or closes it if p was closed meanwhile.
+func (p *pendingListener) set(l net.Listener) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.isClosed {
+		l.Close()
+		return false
+	}
+	p.l, p.err = l, nil
+	close(p.ready)
+	return true
+}
+
+func (p *pendingListener) fail(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.err = err
+}
+
+func (p *pendingListener) unbound() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+func (p *pendingListener) bound() net.Listener {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.l
+}
+
+func (p *pendingListener) Accept() (net.Conn, error) {
+	select {
+	case <-p.ready:
+		return p.bound().Accept()
+	case <-p.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+func (p *pendingListener) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.isClosed {
+		return nil
+	}
+	p.isClosed = true
+	close(p.closed)
+	if p.l != nil {
+		return p.l.Close()
+	}
+	return nil
+}
+
+func (p *pendingListener) Addr() net.Addr {
+	if l := p.bound(); l != nil {
+		return l.Addr()
+	}
+	return p.placeholder
 }
 
 // ListenAlone listens on addr (TCP) without SO_REUSEPORT: no other socket

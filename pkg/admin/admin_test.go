@@ -207,18 +207,69 @@ func TestPprofOnlyOnAdmin(t *testing.T) {
 	}
 }
 
-func TestStartReportsPortClash(t *testing.T) {
+// TestStartBindsTakenPortLater: an endpoint address in use failed the
+// start, and the agent exited; any hostNetwork pod that bound the port
+// while the agent restarted (after a crash, or a restart without
+// hand-over) kept it from ever starting again, and the enrolled pods'
+// tunnels down. The agent now starts without the endpoint, not ready and
+// naming it, and serves it once the address is free.
+func TestStartBindsTakenPortLater(t *testing.T) {
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	_, err = Start(context.Background(), Options{
+	addr := busy.Addr().String()
+	s, err := Start(context.Background(), Options{
 		ReadinessAddr: "127.0.0.1:0", Ready: func() (bool, string) { return true, "" },
-		MetricsAddr: busy.Addr().String(), Registry: prometheus.NewRegistry(),
+		MetricsAddr: addr, Registry: prometheus.NewRegistry(),
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		bindRetry: 20 * time.Millisecond,
 	})
-	if err == nil || !strings.Contains(err.Error(), "metrics endpoint") || !strings.Contains(err.Error(), busy.Addr().String()) {
-		t.Errorf("got %v, want an error naming the metrics endpoint and %s", err, busy.Addr())
+	if err != nil {
+		t.Fatalf("start with the metrics address in use: %v, want a start without it", err)
+	}
+	defer s.Close()
+	if s.Listener(EndpointMetrics) != nil {
+		t.Error("the listener of an endpoint not bound is handed over")
+	}
+	code, body := get(t, "http://"+s.ReadinessAddr()+"/healthz/ready")
+	if code != http.StatusServiceUnavailable || !strings.Contains(body, "metrics endpoint") || !strings.Contains(body, addr) || !strings.Contains(body, "in use") {
+		t.Errorf("readiness while the metrics address is in use: %d %q, want 503 naming the endpoint, %s and why", code, body, addr)
+	}
+	time.Sleep(100 * time.Millisecond) // a few retries fail
+	busy.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", addr, time.Second)
+		if err == nil {
+			c.Close()
+			if code, _ := get(t, "http://"+addr+"/metrics"); code == http.StatusOK {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("metrics endpoint not served once its address is free: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, body := get(t, "http://"+s.ReadinessAddr()+"/healthz/ready"); code != http.StatusOK {
+		t.Errorf("readiness once every endpoint is served: %d %q, want 200", code, body)
+	}
+	if s.Listener(EndpointMetrics) == nil {
+		t.Error("the bound endpoint's listener is not handed over")
+	}
+}
+
+// TestStartReportsBadAddress: an address that can never be bound still
+// fails the start, naming the endpoint.
+func TestStartReportsBadAddress(t *testing.T) {
+	_, err := Start(context.Background(), Options{
+		ReadinessAddr: "127.0.0.1:0", Ready: func() (bool, string) { return true, "" },
+		MetricsAddr: "127.0.0.1:99999", Registry: prometheus.NewRegistry(),
+	})
+	if err == nil || !strings.Contains(err.Error(), "metrics endpoint") {
+		t.Errorf("got %v, want an error naming the metrics endpoint", err)
 	}
 }
 

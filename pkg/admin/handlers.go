@@ -8,9 +8,11 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
 	"net/http/pprof"
 	"net/netip"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -150,15 +152,87 @@ func adminHandler(sections map[string]func() any, level *slog.LevelVar, log *slo
 		fmt.Fprintln(w, strings.Join(adminEndpoints, "\n"))
 	})
 	mux.Handle("GET /config_dump", configDump(sections))
-	mux.HandleFunc("GET /debug/pprof/", boundProfile(pprof.Index)) // named profiles, with ?seconds= a delta
-	mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("GET /debug/pprof/profile", boundProfile(pprof.Profile))
-	mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("POST /debug/pprof/symbol", symbol) // the pprof tool posts its lookups
-	mux.HandleFunc("GET /debug/pprof/trace", boundProfile(pprof.Trace))
+	profiles := newInFlight(maxProfilesInFlight, maxProfilesInFlight)
+	busy := fmt.Sprintf("pprof busy: %d profiles are being taken or written; try again later", maxProfilesInFlight)
+	prof := func(pattern string, h http.HandlerFunc) { mux.Handle(pattern, profiles.limit(busy, h)) }
+	prof("GET /debug/pprof/", boundProfile(pprof.Index)) // named profiles, with ?seconds= a delta
+	prof("GET /debug/pprof/cmdline", pprof.Cmdline)
+	prof("GET /debug/pprof/profile", boundProfile(pprof.Profile))
+	prof("GET /debug/pprof/symbol", pprof.Symbol)
+	prof("POST /debug/pprof/symbol", symbol) // the pprof tool posts its lookups
+	prof("GET /debug/pprof/trace", boundProfile(pprof.Trace))
 	mux.HandleFunc("GET /logging", showLevel(level))
 	mux.HandleFunc("POST /logging", setLevel(level, level.Level(), log))
-	return mux
+	return localOnly(mux)
+}
+
+// localOnly refuses what a web page in a browser on the node can send to
+// the admin endpoint's loopback address, and serves the rest with h:
+//
+//   - a request whose Host is a name other than localhost (421): a page
+//     whose DNS name was rebound to 127.0.0.1 is same-origin with the
+//     endpoint in the browser's eyes, and could read the config dump and
+//     profiles; its requests carry its own name as Host. istioctl, kubectl
+//     port-forward, curl and `redirector inspect` address it by IP or as
+//     localhost.
+//   - a request the browser marks as cross-origin (403): Sec-Fetch-Site
+//     other than same-origin or none, or without it an Origin that is not
+//     the Host. A page of any site may otherwise POST a form to
+//     /logging?level=off (the browser sends such a simple request without
+//     asking first), or start profiles with image tags. Callers that are
+//     not browsers send neither header.
+func localOnly(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !localHost(r.Host) {
+			http.Error(w, fmt.Sprintf("admin endpoint: Host %q is neither an IP address nor localhost; address it as 127.0.0.1 or localhost", clip(r.Host)),
+				http.StatusMisdirectedRequest)
+			return
+		}
+		if why := crossOrigin(r); why != "" {
+			http.Error(w, "admin endpoint: cross-origin request refused: "+why, http.StatusForbidden)
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// localHost says whether host (a Host header, with or without a port) is
+// an IP address or localhost, which no DNS answer can stand for. An empty
+// one (HTTP/1.0) is no browser's.
+func localHost(host string) bool {
+	if host == "" {
+		return true
+	}
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		host = h
+	} else {
+		host = strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")
+	}
+	if _, err := netip.ParseAddr(host); err == nil {
+		return true
+	}
+	return strings.EqualFold(host, "localhost")
+}
+
+// crossOrigin says why a browser would call r cross-origin, or "" if it
+// would not (or r is not a browser's).
+func crossOrigin(r *http.Request) string {
+	switch site := r.Header.Get("Sec-Fetch-Site"); site {
+	case "", "same-origin", "none":
+		if site != "" {
+			return ""
+		}
+	default:
+		return fmt.Sprintf("Sec-Fetch-Site %q", clip(site))
+	}
+	origin := r.Header.Get("Origin")
+	if origin == "" {
+		return ""
+	}
+	if u, err := url.Parse(origin); err == nil && u.Host != "" && u.Host == r.Host {
+		return ""
+	}
+	return fmt.Sprintf("Origin %q is not Host %q", clip(origin), clip(r.Host))
 }
 
 // boundBody stops a handler reading more than maxBodyBytes of a request's
@@ -213,6 +287,10 @@ const configDumpWrite = time.Minute
 
 // maxDumpsInFlight is how many config dumps are built or written at once.
 const maxDumpsInFlight = 2
+
+// maxProfilesInFlight is how many pprof answers are built or written at
+// once: a profile and a trace side by side, as a person debugging asks.
+const maxProfilesInFlight = 2
 
 // configDump writes every section as one JSON object. Each section is
 // marshalled on its own so that a failure names the section at fault.

@@ -100,24 +100,25 @@ func TestEndpointsBoundConnections(t *testing.T) {
 
 // TestEndpointsCountRefusedConnections: what the bounds close is counted
 // per endpoint and bound, not only in a once-a-minute log line, and the
-// open connections are a gauge that falls back when they close.
+// open connections are a gauge that falls back when they close. (The
+// readiness endpoint evicts instead: TestReadinessProbeAmidStalledRequests.)
 func TestEndpointsCountRefusedConnections(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	s := start(t, Options{Registry: reg})
-	conns := openStalled(t, s.ReadinessAddr(), maxConnsPerSource+5)
+	conns := openStalled(t, s.MetricsAddr(), maxConnsPerSource+5)
 	refused := func() float64 {
-		return metricValue(t, reg, "redirector_endpoint_refused_connections_total", "readiness", "per_source")
+		return metricValue(t, reg, "redirector_endpoint_refused_connections_total", "metrics", "per_source")
 	}
-	open := func() float64 { return metricValue(t, reg, "redirector_endpoint_open_connections", "readiness") }
+	open := func() float64 { return metricValue(t, reg, "redirector_endpoint_open_connections", "metrics") }
 	deadline := time.Now().Add(5 * time.Second)
 	for refused() < 5 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if got := refused(); got != 5 {
-		t.Errorf("readiness refused per source: %v, want 5", got)
+		t.Errorf("metrics refused per source: %v, want 5", got)
 	}
 	if got := open(); got != maxConnsPerSource {
-		t.Errorf("readiness open connections: %v, want %d", got, maxConnsPerSource)
+		t.Errorf("metrics open connections: %v, want %d", got, maxConnsPerSource)
 	}
 	for _, c := range conns {
 		c.Close()
@@ -126,7 +127,7 @@ func TestEndpointsCountRefusedConnections(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if got := open(); got != 0 {
-		t.Errorf("readiness open connections after closing them: %v, want 0", got)
+		t.Errorf("metrics open connections after closing them: %v, want 0", got)
 	}
 }
 
@@ -294,7 +295,7 @@ func dialFrom(t *testing.T, src, addr string) net.Conn {
 func ask(c net.Conn, path string) (*http.Response, error) {
 	c.SetDeadline(time.Now().Add(2 * time.Second))
 	defer c.SetDeadline(time.Time{})
-	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: x\r\n\r\n", path); err != nil {
+	if _, err := fmt.Fprintf(c, "GET %s HTTP/1.1\r\nHost: localhost\r\n\r\n", path); err != nil {
 		return nil, err
 	}
 	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
