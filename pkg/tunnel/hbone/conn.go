@@ -741,7 +741,7 @@ func (c *conn) readFrames() error {
 			}
 			return err
 		}
-		if err := c.resetStream(se.StreamID, se.Code); err != nil {
+		if err := c.resetStreamFor(se.StreamID, se.Code, se.Cause); err != nil {
 			return err
 		}
 	}
@@ -1294,6 +1294,13 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 // a request refused) spends the junk budget. A returned error is a
 // flood: the connection goes with GOAWAY ENHANCE_YOUR_CALM.
 func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
+	return c.resetStreamFor(id, code, nil)
+}
+
+// resetStreamFor is resetStream for a stream error whose cause, if any, is
+// kept in the stream's ResetError: the caller of a failed Connect learns
+// what was wrong with the server's answer.
+func (c *conn) resetStreamFor(id uint32, code http2.ErrCode, cause error) error {
 	c.mu.Lock()
 	s := c.streams[id]
 	if !c.cfg.client && s == nil && id%2 == 1 && id > c.lastPeerID {
@@ -1306,7 +1313,11 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 	}
 	// As in onReset, answered is read before abort cancels the handler.
 	early := !c.cfg.client && !s.answered.Load()
-	s.abort(&ResetError{Code: code})
+	rerr := &ResetError{Code: code}
+	if cause != nil {
+		rerr.Reason = cause.Error()
+	}
+	s.abort(rerr)
 	if early {
 		return c.spendEarlyReset("too many streams we reset, for stream errors, before their response")
 	}

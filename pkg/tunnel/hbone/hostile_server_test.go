@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -373,5 +375,75 @@ func TestClientStreamErrorCountsUntilResetWritten(t *testing.T) {
 	}
 	if r.early != 0 {
 		t.Errorf("%d of %d requests reached a server with a limit of 1 before the reset of the stream before them", r.early, r.checked)
+	}
+}
+
+// TestClientMalformedResponsesRefusedWithReason: a server's answer that
+// breaks the protocol fails the Connect with an error that names what was
+// wrong, and the stream is reset with PROTOCOL_ERROR. Before the fix the
+// error said only "hbone stream reset: PROTOCOL_ERROR", and a response
+// whose header list was over our SETTINGS_MAX_HEADER_LIST_SIZE (x/net's
+// framer drops the fields past it, marking the frame truncated) was taken
+// as the server's answer: a 200 with a dropped reason header, or with
+// any field the agent would read from it gone, established the tunnel.
+func TestClientMalformedResponsesRefusedWithReason(t *testing.T) {
+	big := make([]hpackField, 0, 40)
+	for i := range 40 {
+		big = append(big, hpackField{Name: fmt.Sprintf("x-big-%d", i), Value: string(bytes.Repeat([]byte{'a'}, 1000))})
+	}
+	for _, tc := range []struct {
+		name   string
+		send   func(hs *hostileServer) error
+		naming string
+	}{
+		{"header list over the limit", func(hs *hostileServer) error {
+			return hs.headers(1, false, append([]hpackField{{Name: ":status", Value: "200"}}, big...)...)
+		}, "SETTINGS_MAX_HEADER_LIST_SIZE"},
+		{"status not a number", func(hs *hostileServer) error {
+			return hs.headers(1, false, hpackField{Name: ":status", Value: "abc"})
+		}, `:status "abc"`},
+		{"status with a sign", func(hs *hostileServer) error {
+			return hs.headers(1, false, hpackField{Name: ":status", Value: "+200"})
+		}, `:status "+200"`},
+		{"interim response ending the stream", func(hs *hostileServer) error {
+			return hs.headers(1, true, hpackField{Name: ":status", Value: "103"})
+		}, "informational (103) response ends the stream"},
+		{"DATA before the response", func(hs *hostileServer) error {
+			return hs.fr.WriteData(1, false, []byte("x"))
+		}, "DATA before the response"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			result := make(chan http2.Frame, 1)
+			dial := dialHostile(t, func(hs *hostileServer) {
+				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
+					result <- nil
+					return
+				}
+				result <- hs.answerAfter(func(f http2.Frame) bool {
+					_, rst := f.(*http2.RSTStreamFrame)
+					_, ga := f.(*http2.GoAwayFrame)
+					return (rst && f.Header().StreamID == 1) || ga
+				})
+			})
+			pool := NewPool(PoolOptions{})
+			t.Cleanup(func() { _ = pool.Close() })
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s, err := connectHostile(ctx, pool, dial)
+			if s != nil {
+				s.Close()
+			}
+			var rerr *ResetError
+			if !errors.As(err, &rerr) || rerr.Remote || rerr.Code != http2.ErrCodeProtocol {
+				t.Fatalf("Connect = %v, want a local reset with PROTOCOL_ERROR", err)
+			}
+			if !strings.Contains(err.Error(), tc.naming) {
+				t.Errorf("Connect error %q does not name what was wrong (%q)", err, tc.naming)
+			}
+			f := <-result
+			if rst, ok := f.(*http2.RSTStreamFrame); !ok || rst.ErrCode != http2.ErrCodeProtocol {
+				t.Errorf("the pool answered with %#v, want RST_STREAM PROTOCOL_ERROR on stream 1", f)
+			}
+		})
 	}
 }
