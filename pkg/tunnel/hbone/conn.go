@@ -339,6 +339,7 @@ type conn struct {
 	recvReserved int64         // taken from the process-wide window budget (start) until close
 	windows      *windowBudget // the budget recvReserved is from (the process's, or a test's)
 	windowOwner  netip.Addr    // whose share of the window budget recvReserved is
+	windowRemote netip.Addr    // client: the server, whose part of that share it is (windowPair)
 	recvUnacked  int64         // bytes consumed locally and not yet returned to the peer
 	sawSettings  bool
 	goAway       bool // no new streams: GOAWAY sent or received, or closing
@@ -514,7 +515,10 @@ func (c *conn) renewReadFramer() {
 // caller then runs readLoop (server) or starts it on a goroutine (client).
 func (c *conn) start() error {
 	c.windows = windows
-	extra := c.windows.reserveFor(c.windowOwner, connWindow-defaultWindow, c)
+	if c.cfg.client {
+		c.windowRemote = c.peer // the server decides how many connections we open to it
+	}
+	extra := c.windows.reserveFor(c.windowOwner, c.windowRemote, connWindow-defaultWindow, c)
 	c.mu.Lock()
 	c.recvReserved = extra
 	if c.err != nil {
@@ -1873,7 +1877,7 @@ func (c *conn) releaseWindowLocked() {
 	if c.windows == nil {
 		return // never started
 	}
-	c.windows.release(c.windowOwner, c.recvReserved)
+	c.windows.release(c.windowOwner, c.windowRemote, c.recvReserved)
 	c.windows.untrack(c.windowOwner, c)
 	c.recvReserved = 0
 }

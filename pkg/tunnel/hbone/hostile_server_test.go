@@ -35,40 +35,67 @@ type hostileServer struct {
 // handed to serve once the TLS handshake and the prefaces are done (the
 // server's SETTINGS sent).
 func dialHostile(t testing.TB, serve func(hs *hostileServer)) Dialer {
-	good, _ := pkis()
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
 		cli, srvSide := net.Pipe()
 		t.Cleanup(func() { srvSide.Close() })
-		go func() {
-			tc := tls.Server(srvSide, good.serverTLS())
-			if tc.Handshake() != nil {
-				return
-			}
-			var preface [len(http2.ClientPreface)]byte
-			if _, err := io.ReadFull(tc, preface[:]); err != nil {
-				return
-			}
-			hs := &hostileServer{t: t, tc: tc, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
-			hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-			hs.enc = hpack.NewEncoder(&hs.buf)
-			_ = hs.fr.WriteSettings()
-			go func() {
-				defer close(hs.frames)
-				for {
-					f, err := hs.fr.ReadFrame()
-					if err != nil {
-						return
-					}
-					select {
-					case hs.frames <- copyFrame(f):
-					default:
-					}
-				}
-			}()
-			serve(hs)
-		}()
+		go serveHostile(t, srvSide, serve)
 		return cli, nil
 	}
+}
+
+// listenHostile is dialHostile's server on loopback TCP at addr (ip:0):
+// the Dialer returned connects there, whatever address it is given.
+func listenHostile(t testing.TB, addr string, serve func(hs *hostileServer)) Dialer {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() })
+			go serveHostile(t, c, serve)
+		}
+	}()
+	return func(ctx context.Context, network, _ string) (net.Conn, error) {
+		return tcpDial(ctx, network, l.Addr().String())
+	}
+}
+
+// serveHostile does the server's TLS handshake and prefaces on srvSide and
+// hands the connection to serve.
+func serveHostile(t testing.TB, srvSide net.Conn, serve func(hs *hostileServer)) {
+	good, _ := pkis()
+	tc := tls.Server(srvSide, good.serverTLS())
+	if tc.Handshake() != nil {
+		return
+	}
+	var preface [len(http2.ClientPreface)]byte
+	if _, err := io.ReadFull(tc, preface[:]); err != nil {
+		return
+	}
+	hs := &hostileServer{t: t, tc: tc, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
+	hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	hs.enc = hpack.NewEncoder(&hs.buf)
+	_ = hs.fr.WriteSettings()
+	go func() {
+		defer close(hs.frames)
+		for {
+			f, err := hs.fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			select {
+			case hs.frames <- copyFrame(f):
+			default:
+			}
+		}
+	}()
+	serve(hs)
 }
 
 // copyFrame keeps what the tests look at of a frame the framer will reuse.
@@ -445,5 +472,62 @@ func TestClientMalformedResponsesRefusedWithReason(t *testing.T) {
 				t.Errorf("the pool answered with %#v, want RST_STREAM PROTOCOL_ERROR on stream 1", f)
 			}
 		})
+	}
+}
+
+// TestClientWindowShareOfOneServerBounded: a server that takes one stream
+// per connection (SETTINGS_MAX_CONCURRENT_STREAMS 1) and holds its streams
+// open makes the source pod open a connection per stream, and each reserved
+// a full receive window from the pod's share of the window budget. Before
+// the fix eight such streams spent the whole share, and every connection
+// the pod opened afterwards, to any other server, got HTTP/2's initial
+// 64 KiB window for its life (slow on any path with some latency). Now the
+// connections of one source to one server reserve at most half the
+// source's share.
+func TestClientWindowShareOfOneServerBounded(t *testing.T) {
+	saved := windows
+	windows = newWindowBudget(maxReservedWindow, maxPeerWindow)
+	windows.perRemote = maxRemoteWindow
+	t.Cleanup(func() { windows = saved })
+
+	env := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	upstream := startUpstream(t, echo)
+	hostile := listenHostile(t, "127.0.0.2:0", func(hs *hostileServer) {
+		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1})
+		for f := range hs.frames {
+			if f.Header().Type == http2.FrameHeaders {
+				// Answered, and held open for good.
+				_ = hs.headers(f.Header().StreamID, false, hpackField{Name: ":status", Value: "200"})
+			}
+		}
+	})
+	good, _ := pkis()
+	key := PoolKey{SrcIdentity: "a", DstIdentity: "b", DstAddr: netip.MustParseAddrPort("127.0.0.2:15008")}
+	const held = 12
+	for i := range held {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		s, err := env.pool.Connect(ctx, key, hostile, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		cancel()
+		if err != nil {
+			t.Fatalf("stream %d to the server that takes one stream per connection: %v", i, err)
+		}
+		t.Cleanup(func() { s.Close() })
+	}
+	if st := env.pool.Stats(); st.Conns != held {
+		t.Fatalf("%d connections to the server, want one per stream (%d)", st.Conns, held)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := env.connect(ctx, upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	s.c.mu.Lock()
+	got := s.c.recvTarget
+	s.c.mu.Unlock()
+	if got != connWindow {
+		t.Errorf("a connection to another server, opened after %d streams held by one that takes one per connection, has a receive window of %d, want %d", held, got, connWindow)
 	}
 }
