@@ -531,3 +531,47 @@ func TestClientWindowShareOfOneServerBounded(t *testing.T) {
 		t.Errorf("a connection to another server, opened after %d streams held by one that takes one per connection, has a receive window of %d, want %d", held, got, connWindow)
 	}
 }
+
+// TestClientUnansweredConnectBounded: a server that takes the CONNECT and
+// never answers, nor sends anything else, holds the Connect only until its
+// deadline, which fails naming what it waited for, and the connection,
+// drained, leaves the pool once the stream's reset went out: nothing of the
+// client's stays with it. Before, the error was a bare "context deadline
+// exceeded", the same as a dial or a TLS handshake that timed out.
+func TestClientUnansweredConnectBounded(t *testing.T) {
+	reset := make(chan bool, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		if hs.awaitRequest(1) != nil {
+			reset <- false
+			return
+		}
+		for f := range hs.frames {
+			if f.Header().Type == http2.FrameRSTStream && f.Header().StreamID == 1 {
+				reset <- true
+				for range hs.frames {
+				}
+				return
+			}
+		}
+		reset <- false
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := connectHostile(ctx, pool, dial)
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("Connect returned after %v, its deadline was 300ms", took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "no response to the CONNECT") {
+		t.Errorf("Connect = %v, want a deadline error naming the unanswered CONNECT", err)
+	}
+	if !<-reset {
+		t.Error("the unanswered stream was not reset")
+	}
+	waitfor.Until(t, "the connection to a server that answers nothing left the pool", func() bool {
+		st := pool.Stats()
+		return st.Conns == 0 && st.ActiveStreams == 0
+	})
+}

@@ -197,7 +197,7 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 			select {
 			case <-d.done:
 			case <-ctx.Done():
-				return nil, ctx.Err()
+				return nil, fmt.Errorf("waiting for the connection being dialled to send its SETTINGS: %w", ctx.Err())
 			}
 			// Another caller's cancelled dial says nothing about ours.
 			if d.err != nil && !errors.Is(d.err, context.Canceled) && !errors.Is(d.err, context.DeadlineExceeded) {
