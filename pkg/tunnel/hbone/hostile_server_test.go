@@ -575,3 +575,51 @@ func TestClientUnansweredConnectBounded(t *testing.T) {
 		return st.Conns == 0 && st.ActiveStreams == 0
 	})
 }
+
+// TestClientBoundsServerHandshake: a server whose TLS handshake carries
+// hundreds of certificates fails the dial once it sent more than
+// maxServerHandshake, before crypto/tls parsed them all, with an error
+// that says so. Before, the client read all of a Certificate message of up
+// to 256 KiB and parsed every certificate in it (here about 600), on every
+// dial to that server, before the chain could be refused for its length.
+func TestClientBoundsServerHandshake(t *testing.T) {
+	good, _ := pkis()
+	leaf := good.leaf.Certificate[0]
+	chain := [][]byte{leaf}
+	for len(chain) < 600 {
+		chain = append(chain, leaf)
+	}
+	conf := good.serverTLS()
+	conf.Certificates = []tls.Certificate{{Certificate: chain, PrivateKey: good.leaf.PrivateKey}}
+	// TCP, not a pipe: the client writes while the server writes its
+	// flight, as crypto/tls does (its ChangeCipherSpec).
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = tls.Server(c, conf).Handshake()
+				_, _ = io.Copy(io.Discard, c)
+			}()
+		}
+	}()
+	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		return tcpDial(ctx, network, l.Addr().String())
+	}
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = connectHostile(ctx, pool, dial)
+	if !errors.Is(err, errServerHandshakeTooLarge) {
+		t.Fatalf("Connect to a server sending %d certificates = %v, want %v", len(chain), err, errServerHandshakeTooLarge)
+	}
+}
