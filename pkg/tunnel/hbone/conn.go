@@ -851,6 +851,9 @@ func (c *conn) onFrame(f http2.Frame) error {
 		return c.onGoAway(f)
 	case *http2.PushPromiseFrame:
 		// We never enable push, and a client cannot push.
+		if c.cfg.client {
+			return &peerError{reason: "PUSH_PROMISE with SETTINGS_ENABLE_PUSH 0", err: http2.ConnectionError(http2.ErrCodeProtocol)}
+		}
 		return http2.ConnectionError(http2.ErrCodeProtocol)
 	case *http2.PriorityFrame:
 		if f.StreamDep == f.StreamID {
@@ -1048,7 +1051,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		idle := c.idleStreamLocked(id)
 		c.mu.Unlock()
 		if idle {
-			return http2.ConnectionError(http2.ErrCodeProtocol)
+			return &peerError{reason: fmt.Sprintf("HEADERS on stream %d, which the client never opened", id), err: http2.ConnectionError(http2.ErrCodeProtocol)}
 		}
 		// A response to a stream we gave up on: in flight when we reset
 		// it now and then, but free work for the peer in a flood.
@@ -1119,7 +1122,7 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		case http2.SettingEnablePush:
 			if c.cfg.client && s.Val != 0 {
 				// RFC 9113 §6.5.2: a server must not set it to 1.
-				return http2.ConnectionError(http2.ErrCodeProtocol)
+				return &peerError{reason: "SETTINGS_ENABLE_PUSH set by a server", err: http2.ConnectionError(http2.ErrCodeProtocol)}
 			}
 		case http2.SettingMaxFrameSize:
 			c.peerMaxFrame.Store(s.Val)

@@ -105,12 +105,18 @@ func copyFrame(f http2.Frame) http2.Frame {
 		c := *f
 		return &c
 	case *http2.GoAwayFrame:
-		return &http2.GoAwayFrame{FrameHeader: f.FrameHeader, LastStreamID: f.LastStreamID, ErrCode: f.ErrCode}
+		return &goAwayCopy{GoAwayFrame: http2.GoAwayFrame{FrameHeader: f.FrameHeader, LastStreamID: f.LastStreamID, ErrCode: f.ErrCode}, debug: string(f.DebugData())}
 	case *http2.PingFrame:
 		c := *f
 		return &c
 	}
 	return &http2.UnknownFrame{FrameHeader: f.Header()}
+}
+
+// goAwayCopy is a GOAWAY copied by copyFrame, with its debug data.
+type goAwayCopy struct {
+	http2.GoAwayFrame
+	debug string
 }
 
 // awaitRequest waits for the pool's HEADERS opening stream id: an answer
@@ -191,7 +197,7 @@ func TestClientInterimResponseFlood(t *testing.T) {
 		}
 		result <- hs.answerAfter(func(f http2.Frame) bool {
 			_, rst := f.(*http2.RSTStreamFrame)
-			_, ga := f.(*http2.GoAwayFrame)
+			_, ga := f.(*goAwayCopy)
 			return (rst && f.Header().StreamID == 1) || ga
 		})
 	})
@@ -244,7 +250,7 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 				break
 			}
 		}
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
 	})
 	pool := NewPool(PoolOptions{})
 	t.Cleanup(func() { _ = pool.Close() })
@@ -253,7 +259,7 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 		t.Fatal("Connect succeeded on a 403")
 	}
 	f := <-result
-	ga, ok := f.(*http2.GoAwayFrame)
+	ga, ok := f.(*goAwayCopy)
 	if !ok || ga.ErrCode != http2.ErrCodeEnhanceYourCalm {
 		t.Fatalf("the pool answered %d HEADERS on a closed stream with %#v, want GOAWAY ENHANCE_YOUR_CALM", 3*junkBurst, f)
 	}
@@ -269,7 +275,7 @@ func TestClientRefusesServerPush(t *testing.T) {
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
 	})
 	pool := NewPool(PoolOptions{})
 	t.Cleanup(func() { _ = pool.Close() })
@@ -281,7 +287,7 @@ func TestClientRefusesServerPush(t *testing.T) {
 		}
 	}()
 	f := <-result
-	if ga, ok := f.(*http2.GoAwayFrame); !ok || ga.ErrCode != http2.ErrCodeProtocol {
+	if ga, ok := f.(*goAwayCopy); !ok || ga.ErrCode != http2.ErrCodeProtocol {
 		t.Fatalf("the pool answered ENABLE_PUSH 1 with %#v, want GOAWAY PROTOCOL_ERROR", f)
 	}
 }
@@ -448,7 +454,7 @@ func TestClientMalformedResponsesRefusedWithReason(t *testing.T) {
 				}
 				result <- hs.answerAfter(func(f http2.Frame) bool {
 					_, rst := f.(*http2.RSTStreamFrame)
-					_, ga := f.(*http2.GoAwayFrame)
+					_, ga := f.(*goAwayCopy)
 					return (rst && f.Header().StreamID == 1) || ga
 				})
 			})
@@ -621,5 +627,53 @@ func TestClientBoundsServerHandshake(t *testing.T) {
 	_, err = connectHostile(ctx, pool, dial)
 	if !errors.Is(err, errServerHandshakeTooLarge) {
 		t.Fatalf("Connect to a server sending %d certificates = %v, want %v", len(chain), err, errServerHandshakeTooLarge)
+	}
+}
+
+// TestClientConnectionErrorsExplained: a server that breaks the protocol in
+// a way only a server can is told why in our GOAWAY's debug data, and the
+// Connect's error says the same. Before, both said only PROTOCOL_ERROR.
+func TestClientConnectionErrorsExplained(t *testing.T) {
+	for _, tc := range []struct {
+		name, naming string
+		send         func(hs *hostileServer) error
+	}{
+		{"push promise", "PUSH_PROMISE", func(hs *hostileServer) error {
+			hs.buf.Reset()
+			_ = hs.enc.WriteField(hpackField{Name: ":method", Value: "GET"})
+			return hs.fr.WritePushPromise(http2.PushPromiseParam{StreamID: 1, PromiseID: 2, BlockFragment: hs.buf.Bytes(), EndHeaders: true})
+		}},
+		{"enable push", "SETTINGS_ENABLE_PUSH", func(hs *hostileServer) error {
+			return hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
+		}},
+		{"response on a stream never opened", "never opened", func(hs *hostileServer) error {
+			return hs.headers(3, true, hpackField{Name: ":status", Value: "200"})
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			result := make(chan http2.Frame, 1)
+			dial := dialHostile(t, func(hs *hostileServer) {
+				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
+					result <- nil
+					return
+				}
+				result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
+			})
+			pool := NewPool(PoolOptions{})
+			t.Cleanup(func() { _ = pool.Close() })
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s, err := connectHostile(ctx, pool, dial)
+			if s != nil {
+				s.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.naming) {
+				t.Errorf("Connect = %v, want an error naming %q", err, tc.naming)
+			}
+			ga, ok := (<-result).(*goAwayCopy)
+			if !ok || ga.ErrCode != http2.ErrCodeProtocol || !strings.Contains(ga.debug, tc.naming) {
+				t.Errorf("the pool answered with %#v, want GOAWAY PROTOCOL_ERROR naming %q", ga, tc.naming)
+			}
+		})
 	}
 }
