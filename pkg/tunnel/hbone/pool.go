@@ -419,7 +419,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 // TLS handshake, as maxClientHandshake does on a server: crypto/tls takes a
 // Certificate message of up to 256 KiB and parses every certificate in it
 // before VerifyConnection can refuse the chain for its length, so a server
-// (anything at a destination's HBONE port) sending some 800 small
+// (anything at a destination's HBONE port) sending some 600 small
 // certificates made each of our dials to it parse them all, many times the
 // cost of an honest handshake, for every connection a pod opened to it.
 const maxServerHandshake = 64 << 10
