@@ -34,10 +34,11 @@ type batchConn struct {
 	peer netip.Addr
 
 	// readLeft, while readLimited, is how many more bytes Read returns before it fails with
-	// errHandshakeTooLarge: a server's TLS handshake (serveConn). Read and set only by the
+	// readLimitErr: a TLS handshake (Server.serveConn, Pool.dial). Read and set only by the
 	// goroutine that runs the handshake and then reads the connection.
-	readLeft    int64
-	readLimited bool
+	readLeft     int64
+	readLimited  bool
+	readLimitErr error
 	// reads counts the socket reads that returned data, for direct delivery's
 	// rule of one write per stream per read (Stream.onData). Same goroutine.
 	reads uint64
@@ -80,15 +81,16 @@ func (b *batchConn) Read(p []byte) (n int, err error) {
 	return n, err
 }
 
-// limitRead makes Read fail with errHandshakeTooLarge after n more bytes, until
-// unlimitRead.
-func (b *batchConn) limitRead(n int64) { b.readLeft, b.readLimited = n, true }
+// limitRead makes Read fail with err after n more bytes, until unlimitRead.
+func (b *batchConn) limitRead(n int64, err error) {
+	b.readLeft, b.readLimited, b.readLimitErr = n, true, err
+}
 
 func (b *batchConn) unlimitRead() { b.readLimited = false }
 
 func (b *batchConn) limitedRead(p []byte) (int, error) {
 	if b.readLeft <= 0 {
-		return 0, errHandshakeTooLarge
+		return 0, b.readLimitErr
 	}
 	if int64(len(p)) > b.readLeft {
 		p = p[:b.readLeft]

@@ -159,7 +159,9 @@ func (c *conn) roundTrip(ctx context.Context, fields []hpack.HeaderField, early 
 			// this stream (its app is), and keeps the connection.
 			c.drain()
 		}
-		return nil, ctx.Err()
+		// Named: a dial or a handshake that timed out says so, and this
+		// is the peer that took the CONNECT and never answered it.
+		return nil, fmt.Errorf("no response to the CONNECT: %w", ctx.Err())
 	}
 	s.mu.Lock()
 	got, status, reason, serr := s.gotResponse, s.status, s.reason, s.err

@@ -339,6 +339,7 @@ type conn struct {
 	recvReserved int64         // taken from the process-wide window budget (start) until close
 	windows      *windowBudget // the budget recvReserved is from (the process's, or a test's)
 	windowOwner  netip.Addr    // whose share of the window budget recvReserved is
+	windowRemote netip.Addr    // client: the server, whose part of that share it is (windowPair)
 	recvUnacked  int64         // bytes consumed locally and not yet returned to the peer
 	sawSettings  bool
 	goAway       bool // no new streams: GOAWAY sent or received, or closing
@@ -514,7 +515,10 @@ func (c *conn) renewReadFramer() {
 // caller then runs readLoop (server) or starts it on a goroutine (client).
 func (c *conn) start() error {
 	c.windows = windows
-	extra := c.windows.reserveFor(c.windowOwner, connWindow-defaultWindow, c)
+	if c.cfg.client {
+		c.windowRemote = c.peer // the server decides how many connections we open to it
+	}
+	extra := c.windows.reserveFor(c.windowOwner, c.windowRemote, connWindow-defaultWindow, c)
 	c.mu.Lock()
 	c.recvReserved = extra
 	if c.err != nil {
@@ -741,7 +745,7 @@ func (c *conn) readFrames() error {
 			}
 			return err
 		}
-		if err := c.resetStream(se.StreamID, se.Code); err != nil {
+		if err := c.resetStreamFor(se.StreamID, se.Code, se.Cause); err != nil {
 			return err
 		}
 	}
@@ -847,6 +851,9 @@ func (c *conn) onFrame(f http2.Frame) error {
 		return c.onGoAway(f)
 	case *http2.PushPromiseFrame:
 		// We never enable push, and a client cannot push.
+		if c.cfg.client {
+			return &peerError{reason: "PUSH_PROMISE with SETTINGS_ENABLE_PUSH 0", err: http2.ConnectionError(http2.ErrCodeProtocol)}
+		}
 		return http2.ConnectionError(http2.ErrCodeProtocol)
 	case *http2.PriorityFrame:
 		if f.StreamDep == f.StreamID {
@@ -1044,7 +1051,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		idle := c.idleStreamLocked(id)
 		c.mu.Unlock()
 		if idle {
-			return http2.ConnectionError(http2.ErrCodeProtocol)
+			return &peerError{reason: fmt.Sprintf("HEADERS on stream %d, which the client never opened", id), err: http2.ConnectionError(http2.ErrCodeProtocol)}
 		}
 		// A response to a stream we gave up on: in flight when we reset
 		// it now and then, but free work for the peer in a flood.
@@ -1115,7 +1122,7 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		case http2.SettingEnablePush:
 			if c.cfg.client && s.Val != 0 {
 				// RFC 9113 §6.5.2: a server must not set it to 1.
-				return http2.ConnectionError(http2.ErrCodeProtocol)
+				return &peerError{reason: "SETTINGS_ENABLE_PUSH set by a server", err: http2.ConnectionError(http2.ErrCodeProtocol)}
 			}
 		case http2.SettingMaxFrameSize:
 			c.peerMaxFrame.Store(s.Val)
@@ -1294,6 +1301,13 @@ func (c *conn) onGoAway(f *http2.GoAwayFrame) error {
 // a request refused) spends the junk budget. A returned error is a
 // flood: the connection goes with GOAWAY ENHANCE_YOUR_CALM.
 func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
+	return c.resetStreamFor(id, code, nil)
+}
+
+// resetStreamFor is resetStream for a stream error whose cause, if any, is
+// kept in the stream's ResetError: the caller of a failed Connect learns
+// what was wrong with the server's answer.
+func (c *conn) resetStreamFor(id uint32, code http2.ErrCode, cause error) error {
 	c.mu.Lock()
 	s := c.streams[id]
 	if !c.cfg.client && s == nil && id%2 == 1 && id > c.lastPeerID {
@@ -1306,7 +1320,11 @@ func (c *conn) resetStream(id uint32, code http2.ErrCode) error {
 	}
 	// As in onReset, answered is read before abort cancels the handler.
 	early := !c.cfg.client && !s.answered.Load()
-	s.abort(&ResetError{Code: code})
+	rerr := &ResetError{Code: code}
+	if cause != nil {
+		rerr.Reason = cause.Error()
+	}
+	s.abort(rerr)
 	if early {
 		return c.spendEarlyReset("too many streams we reset, for stream errors, before their response")
 	}
@@ -1862,7 +1880,7 @@ func (c *conn) releaseWindowLocked() {
 	if c.windows == nil {
 		return // never started
 	}
-	c.windows.release(c.windowOwner, c.recvReserved)
+	c.windows.release(c.windowOwner, c.windowRemote, c.recvReserved)
 	c.windows.untrack(c.windowOwner, c)
 	c.recvReserved = 0
 }

@@ -47,11 +47,18 @@ func (e *StatusError) Error() string {
 type ResetError struct {
 	Code   http2.ErrCode
 	Remote bool
+	// Reason says what the peer sent that made us reset the stream (local
+	// resets only), so that a failed Connect names what was wrong with the
+	// server's answer, not only an error code.
+	Reason string
 }
 
 func (e *ResetError) Error() string {
-	if e.Remote {
+	switch {
+	case e.Remote:
 		return fmt.Sprintf("hbone stream reset by peer: %v", e.Code)
+	case e.Reason != "":
+		return fmt.Sprintf("hbone stream reset: %v: %s", e.Code, e.Reason)
 	}
 	return fmt.Sprintf("hbone stream reset: %v", e.Code)
 }

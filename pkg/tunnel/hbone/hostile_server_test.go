@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -33,40 +35,67 @@ type hostileServer struct {
 // handed to serve once the TLS handshake and the prefaces are done (the
 // server's SETTINGS sent).
 func dialHostile(t testing.TB, serve func(hs *hostileServer)) Dialer {
-	good, _ := pkis()
 	return func(ctx context.Context, network, addr string) (net.Conn, error) {
 		cli, srvSide := net.Pipe()
 		t.Cleanup(func() { srvSide.Close() })
-		go func() {
-			tc := tls.Server(srvSide, good.serverTLS())
-			if tc.Handshake() != nil {
-				return
-			}
-			var preface [len(http2.ClientPreface)]byte
-			if _, err := io.ReadFull(tc, preface[:]); err != nil {
-				return
-			}
-			hs := &hostileServer{t: t, tc: tc, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
-			hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
-			hs.enc = hpack.NewEncoder(&hs.buf)
-			_ = hs.fr.WriteSettings()
-			go func() {
-				defer close(hs.frames)
-				for {
-					f, err := hs.fr.ReadFrame()
-					if err != nil {
-						return
-					}
-					select {
-					case hs.frames <- copyFrame(f):
-					default:
-					}
-				}
-			}()
-			serve(hs)
-		}()
+		go serveHostile(t, srvSide, serve)
 		return cli, nil
 	}
+}
+
+// listenHostile is dialHostile's server on loopback TCP at addr (ip:0):
+// the Dialer returned connects there, whatever address it is given.
+func listenHostile(t testing.TB, addr string, serve func(hs *hostileServer)) Dialer {
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { c.Close() })
+			go serveHostile(t, c, serve)
+		}
+	}()
+	return func(ctx context.Context, network, _ string) (net.Conn, error) {
+		return tcpDial(ctx, network, l.Addr().String())
+	}
+}
+
+// serveHostile does the server's TLS handshake and prefaces on srvSide and
+// hands the connection to serve.
+func serveHostile(t testing.TB, srvSide net.Conn, serve func(hs *hostileServer)) {
+	good, _ := pkis()
+	tc := tls.Server(srvSide, good.serverTLS())
+	if tc.Handshake() != nil {
+		return
+	}
+	var preface [len(http2.ClientPreface)]byte
+	if _, err := io.ReadFull(tc, preface[:]); err != nil {
+		return
+	}
+	hs := &hostileServer{t: t, tc: tc, fr: http2.NewFramer(tc, tc), frames: make(chan http2.Frame, 1<<16)}
+	hs.fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	hs.enc = hpack.NewEncoder(&hs.buf)
+	_ = hs.fr.WriteSettings()
+	go func() {
+		defer close(hs.frames)
+		for {
+			f, err := hs.fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			select {
+			case hs.frames <- copyFrame(f):
+			default:
+			}
+		}
+	}()
+	serve(hs)
 }
 
 // copyFrame keeps what the tests look at of a frame the framer will reuse.
@@ -76,12 +105,18 @@ func copyFrame(f http2.Frame) http2.Frame {
 		c := *f
 		return &c
 	case *http2.GoAwayFrame:
-		return &http2.GoAwayFrame{FrameHeader: f.FrameHeader, LastStreamID: f.LastStreamID, ErrCode: f.ErrCode}
+		return &goAwayCopy{GoAwayFrame: http2.GoAwayFrame{FrameHeader: f.FrameHeader, LastStreamID: f.LastStreamID, ErrCode: f.ErrCode}, debug: string(f.DebugData())}
 	case *http2.PingFrame:
 		c := *f
 		return &c
 	}
 	return &http2.UnknownFrame{FrameHeader: f.Header()}
+}
+
+// goAwayCopy is a GOAWAY copied by copyFrame, with its debug data.
+type goAwayCopy struct {
+	http2.GoAwayFrame
+	debug string
 }
 
 // awaitRequest waits for the pool's HEADERS opening stream id: an answer
@@ -162,7 +197,7 @@ func TestClientInterimResponseFlood(t *testing.T) {
 		}
 		result <- hs.answerAfter(func(f http2.Frame) bool {
 			_, rst := f.(*http2.RSTStreamFrame)
-			_, ga := f.(*http2.GoAwayFrame)
+			_, ga := f.(*goAwayCopy)
 			return (rst && f.Header().StreamID == 1) || ga
 		})
 	})
@@ -215,7 +250,7 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 				break
 			}
 		}
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
 	})
 	pool := NewPool(PoolOptions{})
 	t.Cleanup(func() { _ = pool.Close() })
@@ -224,7 +259,7 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 		t.Fatal("Connect succeeded on a 403")
 	}
 	f := <-result
-	ga, ok := f.(*http2.GoAwayFrame)
+	ga, ok := f.(*goAwayCopy)
 	if !ok || ga.ErrCode != http2.ErrCodeEnhanceYourCalm {
 		t.Fatalf("the pool answered %d HEADERS on a closed stream with %#v, want GOAWAY ENHANCE_YOUR_CALM", 3*junkBurst, f)
 	}
@@ -240,7 +275,7 @@ func TestClientRefusesServerPush(t *testing.T) {
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*http2.GoAwayFrame); return ga })
+		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
 	})
 	pool := NewPool(PoolOptions{})
 	t.Cleanup(func() { _ = pool.Close() })
@@ -252,7 +287,7 @@ func TestClientRefusesServerPush(t *testing.T) {
 		}
 	}()
 	f := <-result
-	if ga, ok := f.(*http2.GoAwayFrame); !ok || ga.ErrCode != http2.ErrCodeProtocol {
+	if ga, ok := f.(*goAwayCopy); !ok || ga.ErrCode != http2.ErrCodeProtocol {
 		t.Fatalf("the pool answered ENABLE_PUSH 1 with %#v, want GOAWAY PROTOCOL_ERROR", f)
 	}
 }
@@ -373,5 +408,272 @@ func TestClientStreamErrorCountsUntilResetWritten(t *testing.T) {
 	}
 	if r.early != 0 {
 		t.Errorf("%d of %d requests reached a server with a limit of 1 before the reset of the stream before them", r.early, r.checked)
+	}
+}
+
+// TestClientMalformedResponsesRefusedWithReason: a server's answer that
+// breaks the protocol fails the Connect with an error that names what was
+// wrong, and the stream is reset with PROTOCOL_ERROR. Before the fix the
+// error said only "hbone stream reset: PROTOCOL_ERROR", and a response
+// whose header list was over our SETTINGS_MAX_HEADER_LIST_SIZE (x/net's
+// framer drops the fields past it, marking the frame truncated) was taken
+// as the server's answer: a 200 with a dropped reason header, or with
+// any field the agent would read from it gone, established the tunnel.
+func TestClientMalformedResponsesRefusedWithReason(t *testing.T) {
+	big := make([]hpackField, 0, 40)
+	for i := range 40 {
+		big = append(big, hpackField{Name: fmt.Sprintf("x-big-%d", i), Value: string(bytes.Repeat([]byte{'a'}, 1000))})
+	}
+	for _, tc := range []struct {
+		name   string
+		send   func(hs *hostileServer) error
+		naming string
+	}{
+		{"header list over the limit", func(hs *hostileServer) error {
+			return hs.headers(1, false, append([]hpackField{{Name: ":status", Value: "200"}}, big...)...)
+		}, "SETTINGS_MAX_HEADER_LIST_SIZE"},
+		{"status not a number", func(hs *hostileServer) error {
+			return hs.headers(1, false, hpackField{Name: ":status", Value: "abc"})
+		}, `:status "abc"`},
+		{"status with a sign", func(hs *hostileServer) error {
+			return hs.headers(1, false, hpackField{Name: ":status", Value: "+200"})
+		}, `:status "+200"`},
+		{"interim response ending the stream", func(hs *hostileServer) error {
+			return hs.headers(1, true, hpackField{Name: ":status", Value: "103"})
+		}, "informational (103) response ends the stream"},
+		{"DATA before the response", func(hs *hostileServer) error {
+			return hs.fr.WriteData(1, false, []byte("x"))
+		}, "DATA before the response"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			result := make(chan http2.Frame, 1)
+			dial := dialHostile(t, func(hs *hostileServer) {
+				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
+					result <- nil
+					return
+				}
+				result <- hs.answerAfter(func(f http2.Frame) bool {
+					_, rst := f.(*http2.RSTStreamFrame)
+					_, ga := f.(*goAwayCopy)
+					return (rst && f.Header().StreamID == 1) || ga
+				})
+			})
+			pool := NewPool(PoolOptions{})
+			t.Cleanup(func() { _ = pool.Close() })
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s, err := connectHostile(ctx, pool, dial)
+			if s != nil {
+				s.Close()
+			}
+			var rerr *ResetError
+			if !errors.As(err, &rerr) || rerr.Remote || rerr.Code != http2.ErrCodeProtocol {
+				t.Fatalf("Connect = %v, want a local reset with PROTOCOL_ERROR", err)
+			}
+			if !strings.Contains(err.Error(), tc.naming) {
+				t.Errorf("Connect error %q does not name what was wrong (%q)", err, tc.naming)
+			}
+			f := <-result
+			if rst, ok := f.(*http2.RSTStreamFrame); !ok || rst.ErrCode != http2.ErrCodeProtocol {
+				t.Errorf("the pool answered with %#v, want RST_STREAM PROTOCOL_ERROR on stream 1", f)
+			}
+		})
+	}
+}
+
+// TestClientWindowShareOfOneServerBounded: a server that takes one stream
+// per connection (SETTINGS_MAX_CONCURRENT_STREAMS 1) and holds its streams
+// open makes the source pod open a connection per stream, and each reserved
+// a full receive window from the pod's share of the window budget. Before
+// the fix eight such streams spent the whole share, and every connection
+// the pod opened afterwards, to any other server, got HTTP/2's initial
+// 64 KiB window for its life (slow on any path with some latency). Now the
+// connections of one source to one server reserve at most half the
+// source's share.
+func TestClientWindowShareOfOneServerBounded(t *testing.T) {
+	saved := windows
+	windows = newWindowBudget(maxReservedWindow, maxPeerWindow)
+	windows.perRemote = maxRemoteWindow
+	t.Cleanup(func() { windows = saved })
+
+	env := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	upstream := startUpstream(t, echo)
+	hostile := listenHostile(t, "127.0.0.2:0", func(hs *hostileServer) {
+		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingMaxConcurrentStreams, Val: 1})
+		for f := range hs.frames {
+			if f.Header().Type == http2.FrameHeaders {
+				// Answered, and held open for good.
+				_ = hs.headers(f.Header().StreamID, false, hpackField{Name: ":status", Value: "200"})
+			}
+		}
+	})
+	good, _ := pkis()
+	key := PoolKey{SrcIdentity: "a", DstIdentity: "b", DstAddr: netip.MustParseAddrPort("127.0.0.2:15008")}
+	const held = 12
+	for i := range held {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		s, err := env.pool.Connect(ctx, key, hostile, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
+		cancel()
+		if err != nil {
+			t.Fatalf("stream %d to the server that takes one stream per connection: %v", i, err)
+		}
+		t.Cleanup(func() { s.Close() })
+	}
+	if st := env.pool.Stats(); st.Conns != held {
+		t.Fatalf("%d connections to the server, want one per stream (%d)", st.Conns, held)
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := env.connect(ctx, upstream)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	s.c.mu.Lock()
+	got := s.c.recvTarget
+	s.c.mu.Unlock()
+	if got != connWindow {
+		t.Errorf("a connection to another server, opened after %d streams held by one that takes one per connection, has a receive window of %d, want %d", held, got, connWindow)
+	}
+}
+
+// TestClientUnansweredConnectBounded: a server that takes the CONNECT and
+// never answers, nor sends anything else, holds the Connect only until its
+// deadline, which fails naming what it waited for, and the connection,
+// drained, leaves the pool once the stream's reset went out: nothing of the
+// client's stays with it. Before, the error was a bare "context deadline
+// exceeded", the same as a dial or a TLS handshake that timed out.
+func TestClientUnansweredConnectBounded(t *testing.T) {
+	reset := make(chan bool, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		if hs.awaitRequest(1) != nil {
+			reset <- false
+			return
+		}
+		for f := range hs.frames {
+			if f.Header().Type == http2.FrameRSTStream && f.Header().StreamID == 1 {
+				reset <- true
+				for range hs.frames {
+				}
+				return
+			}
+		}
+		reset <- false
+	})
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := connectHostile(ctx, pool, dial)
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("Connect returned after %v, its deadline was 300ms", took)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "no response to the CONNECT") {
+		t.Errorf("Connect = %v, want a deadline error naming the unanswered CONNECT", err)
+	}
+	if !<-reset {
+		t.Error("the unanswered stream was not reset")
+	}
+	waitfor.Until(t, "the connection to a server that answers nothing left the pool", func() bool {
+		st := pool.Stats()
+		return st.Conns == 0 && st.ActiveStreams == 0
+	})
+}
+
+// TestClientBoundsServerHandshake: a server whose TLS handshake carries
+// hundreds of certificates fails the dial once it sent more than
+// maxServerHandshake, before crypto/tls parsed them all, with an error
+// that says so. Before, the client read all of a Certificate message of up
+// to 256 KiB and parsed every certificate in it (here about 600), on every
+// dial to that server, before the chain could be refused for its length.
+func TestClientBoundsServerHandshake(t *testing.T) {
+	good, _ := pkis()
+	leaf := good.leaf.Certificate[0]
+	chain := [][]byte{leaf}
+	for len(chain) < 600 {
+		chain = append(chain, leaf)
+	}
+	conf := good.serverTLS()
+	conf.Certificates = []tls.Certificate{{Certificate: chain, PrivateKey: good.leaf.PrivateKey}}
+	// TCP, not a pipe: the client writes while the server writes its
+	// flight, as crypto/tls does (its ChangeCipherSpec).
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = tls.Server(c, conf).Handshake()
+				_, _ = io.Copy(io.Discard, c)
+			}()
+		}
+	}()
+	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
+		return tcpDial(ctx, network, l.Addr().String())
+	}
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = connectHostile(ctx, pool, dial)
+	if !errors.Is(err, errServerHandshakeTooLarge) {
+		t.Fatalf("Connect to a server sending %d certificates = %v, want %v", len(chain), err, errServerHandshakeTooLarge)
+	}
+}
+
+// TestClientConnectionErrorsExplained: a server that breaks the protocol in
+// a way only a server can is told why in our GOAWAY's debug data, and the
+// Connect's error says the same. Before, both said only PROTOCOL_ERROR.
+func TestClientConnectionErrorsExplained(t *testing.T) {
+	for _, tc := range []struct {
+		name, naming string
+		send         func(hs *hostileServer) error
+	}{
+		{"push promise", "PUSH_PROMISE", func(hs *hostileServer) error {
+			hs.buf.Reset()
+			_ = hs.enc.WriteField(hpackField{Name: ":method", Value: "GET"})
+			return hs.fr.WritePushPromise(http2.PushPromiseParam{StreamID: 1, PromiseID: 2, BlockFragment: hs.buf.Bytes(), EndHeaders: true})
+		}},
+		{"enable push", "SETTINGS_ENABLE_PUSH", func(hs *hostileServer) error {
+			return hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
+		}},
+		{"response on a stream never opened", "never opened", func(hs *hostileServer) error {
+			return hs.headers(3, true, hpackField{Name: ":status", Value: "200"})
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			result := make(chan http2.Frame, 1)
+			dial := dialHostile(t, func(hs *hostileServer) {
+				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
+					result <- nil
+					return
+				}
+				result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
+			})
+			pool := NewPool(PoolOptions{})
+			t.Cleanup(func() { _ = pool.Close() })
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			s, err := connectHostile(ctx, pool, dial)
+			if s != nil {
+				s.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.naming) {
+				t.Errorf("Connect = %v, want an error naming %q", err, tc.naming)
+			}
+			ga, ok := (<-result).(*goAwayCopy)
+			if !ok || ga.ErrCode != http2.ErrCodeProtocol || !strings.Contains(ga.debug, tc.naming) {
+				t.Errorf("the pool answered with %#v, want GOAWAY PROTOCOL_ERROR naming %q", ga, tc.naming)
+			}
+		})
 	}
 }

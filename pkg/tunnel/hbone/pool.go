@@ -197,7 +197,7 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 			select {
 			case <-d.done:
 			case <-ctx.Done():
-				return nil, ctx.Err()
+				return nil, fmt.Errorf("waiting for the connection being dialled to send its SETTINGS: %w", ctx.Err())
 			}
 			// Another caller's cancelled dial says nothing about ours.
 			if d.err != nil && !errors.Is(d.err, context.Canceled) && !errors.Is(d.err, context.DeadlineExceeded) {
@@ -373,7 +373,10 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 	}
 	batch := newBatchConn(raw)
 	tc := tls.Client(batch, withH2(tlsConf))
-	if err := tc.HandshakeContext(ctx); err != nil {
+	batch.limitRead(maxServerHandshake, errServerHandshakeTooLarge)
+	err = tc.HandshakeContext(ctx)
+	batch.unlimitRead()
+	if err != nil {
 		_ = raw.Close()
 		return nil, fmt.Errorf("tls handshake with hbone %v: %w", key.DstAddr, err)
 	}
@@ -411,6 +414,19 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 	p.log.Debug("hbone connection opened", "dst", key.DstAddr, "src_identity", key.SrcIdentity, "dst_identity", key.DstIdentity)
 	return c, nil
 }
+
+// maxServerHandshake bounds the bytes a client reads from a server during the
+// TLS handshake, as maxClientHandshake does on a server: crypto/tls takes a
+// Certificate message of up to 256 KiB and parses every certificate in it
+// before VerifyConnection can refuse the chain for its length, so a server
+// (anything at a destination's HBONE port) sending some 600 small
+// certificates made each of our dials to it parse them all, many times the
+// cost of an honest handshake, for every connection a pod opened to it.
+const maxServerHandshake = 64 << 10
+
+// errServerHandshakeTooLarge fails a dial whose handshake reads more than
+// maxServerHandshake.
+var errServerHandshakeTooLarge = fmt.Errorf("server sent more than %d bytes in its TLS handshake, more than any honest server", maxServerHandshake)
 
 // withH2 makes sure the config offers ALPN h2, without changing the
 // caller's config.

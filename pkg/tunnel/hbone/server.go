@@ -329,7 +329,7 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	tc := tls.Server(batch, srv.tlsConf)
 	gen := srv.trust.generation()
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
-	batch.limitRead(maxClientHandshake)
+	batch.limitRead(maxClientHandshake, errHandshakeTooLarge)
 	err := tc.HandshakeContext(ctx)
 	batch.unlimitRead()
 	cancel()

@@ -129,7 +129,7 @@ func (s *Stream) closeRespLocked() {
 // queued, the reader writes the payload into the sink itself (deliver.go).
 func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 	s.mu.Lock()
-	var code http2.ErrCode
+	var serr http2.StreamError
 	switch {
 	case s.remoteEnded:
 		// Frames after the peer's END_STREAM (RFC 9113 §5.1).
@@ -138,15 +138,16 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 		s.c.credit(0, 0, n)
 		return http2.ConnectionError(http2.ErrCodeStreamClosed)
 	case s.respc != nil && !s.gotResponse:
-		code = http2.ErrCodeProtocol // DATA before the response headers
+		serr = http2.StreamError{Code: http2.ErrCodeProtocol, Cause: errors.New("DATA before the response")}
 	case n > s.recvWindow:
-		code = http2.ErrCodeFlowControl
+		serr = http2.StreamError{Code: http2.ErrCodeFlowControl, Cause: fmt.Errorf("DATA of %d bytes beyond the stream's receive window of %d", n, s.recvWindow)}
 	}
-	if code != http2.ErrCodeNo {
+	if serr.Code != http2.ErrCodeNo {
 		s.mu.Unlock()
 		recycleChunks(chunks)
 		s.c.credit(0, 0, n)
-		return http2.StreamError{StreamID: s.id, Code: code}
+		serr.StreamID = s.id
+		return serr
 	}
 	s.recvWindow -= n
 	stored := int64(len(small))
@@ -198,26 +199,39 @@ func (s *Stream) onData(small []byte, chunks []chunk, n int64, end bool) error {
 
 // onHeaders handles the response (client) or trailers on an open stream.
 func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
-	protoErr := http2.StreamError{StreamID: s.id, Code: http2.ErrCodeProtocol}
+	protoErr := func(format string, args ...any) error {
+		return http2.StreamError{StreamID: s.id, Code: http2.ErrCodeProtocol, Cause: fmt.Errorf(format, args...)}
+	}
 	s.mu.Lock()
 	if s.remoteEnded {
 		s.mu.Unlock()
 		return http2.ConnectionError(http2.ErrCodeStreamClosed) // frames after the peer's END_STREAM (§5.1)
 	}
 	if s.respc != nil && !s.gotResponse {
-		status, err := strconv.Atoi(f.PseudoValue("status"))
-		if err != nil || status < 100 || status > 999 {
+		if f.Truncated {
+			// x/net's framer dropped the fields past our
+			// SETTINGS_MAX_HEADER_LIST_SIZE: what is left is not the
+			// server's answer (x/net's client refuses it too).
 			s.mu.Unlock()
-			return protoErr
+			return protoErr("response header list larger than SETTINGS_MAX_HEADER_LIST_SIZE (%d bytes)", maxHeaderListSize)
+		}
+		raw := f.PseudoValue("status")
+		status, err := strconv.Atoi(raw)
+		if err != nil || len(raw) != 3 || status < 100 {
+			s.mu.Unlock()
+			return protoErr("response :status %.16q is not a 3-digit code", raw)
 		}
 		if status < 200 { // interim response: wait for the final one
 			s.interim++
 			n := s.interim
 			s.mu.Unlock()
-			if f.StreamEnded() || n > maxInterimResponses {
+			switch {
+			case f.StreamEnded():
+				return protoErr("informational (%d) response ends the stream", status)
+			case n > maxInterimResponses:
 				// A server that sends them without end would keep us
 				// decoding headers, for nothing, until the connect timeout.
-				return protoErr
+				return protoErr("more than %d informational (1xx) responses", maxInterimResponses)
 			}
 			return nil
 		}
@@ -231,7 +245,7 @@ func (s *Stream) onHeaders(f *http2.MetaHeadersFrame) error {
 		s.closeRespLocked()
 	} else if !f.StreamEnded() {
 		s.mu.Unlock()
-		return protoErr // trailers must end the stream
+		return protoErr("HEADERS after the response without END_STREAM (trailers must end the stream)")
 	}
 	if f.StreamEnded() {
 		s.remoteEnded = true

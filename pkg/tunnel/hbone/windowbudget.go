@@ -1,6 +1,7 @@
 package hbone
 
 import (
+	"math"
 	"net"
 	"net/netip"
 	"sync"
@@ -24,15 +25,26 @@ const (
 	// maxPeerWindow bounds what the connections one address opened reserve: eight
 	// connections' full windows, so one client cannot take the budget from the others.
 	maxPeerWindow = 8 * (connWindow - defaultWindow)
+	// maxRemoteWindow bounds what one source's client connections to one server
+	// reserve: half the source's share. The server decides how many connections
+	// its streams take (SETTINGS_MAX_CONCURRENT_STREAMS 1: one each), and without
+	// it a server holding eight streams open spent the source's whole share, so
+	// every later connection of the source, to any server, got the initial
+	// window for its life.
+	maxRemoteWindow = maxPeerWindow / 2
 )
 
 // windowBudget is the process-wide receive-window budget.
 type windowBudget struct {
 	limit, perPeer int64
+	// perRemote bounds what one owner's client connections to one server
+	// reserve (0: no bound); server connections have no such bound.
+	perRemote int64
 
 	mu       sync.Mutex
 	reserved int64
 	byPeer   map[netip.Addr]int64
+	byPair   map[windowPair]int64 // client connections: by owner and server
 	// holders are the connections holding each address's reservations,
 	// for reclaim.
 	holders   map[netip.Addr]map[windowHolder]struct{}
@@ -53,20 +65,20 @@ type windowHolder interface {
 const maxReclaimLooks = 64
 
 func newWindowBudget(limit, perPeer int64) *windowBudget {
-	return &windowBudget{limit: limit, perPeer: perPeer, byPeer: make(map[netip.Addr]int64),
+	return &windowBudget{limit: limit, perPeer: perPeer, byPeer: make(map[netip.Addr]int64), byPair: make(map[windowPair]int64),
 		holders: make(map[netip.Addr]map[windowHolder]struct{})}
 }
 
 // reserveFor is reserve for connection h, which is tracked as a holder
 // until untrack: short on the node-wide budget, it first tries to reclaim
 // the window of an idle connection of the largest holder.
-func (b *windowBudget) reserveFor(peer netip.Addr, want int64, h windowHolder) int64 {
+func (b *windowBudget) reserveFor(peer, remote netip.Addr, want int64, h windowHolder) int64 {
 	b.mu.Lock()
-	n := b.takeLocked(peer, want)
+	n := b.takeLocked(peer, remote, want)
 	b.mu.Unlock()
-	if n < want && b.reclaim(peer, want) {
+	if n < want && b.reclaim(peer, remote, want) {
 		b.mu.Lock()
-		n += b.takeLocked(peer, want-n)
+		n += b.takeLocked(peer, remote, want-n)
 		b.mu.Unlock()
 	}
 	b.mu.Lock()
@@ -102,9 +114,9 @@ func (b *windowBudget) untrack(peer netip.Addr, h windowHolder) {
 // holding at least two windows more than peer: after giving one, it still
 // holds more, so addresses converge on equal shares and never take turns
 // draining each other. Not when peer's own share is what is short.
-func (b *windowBudget) reclaim(peer netip.Addr, want int64) bool {
+func (b *windowBudget) reclaim(peer, remote netip.Addr, want int64) bool {
 	b.mu.Lock()
-	if b.perPeer-b.byPeer[peer] < want {
+	if b.perPeer-b.byPeer[peer] < want || b.pairRoomLocked(peer, remote) < want {
 		b.mu.Unlock()
 		return false
 	}
@@ -136,37 +148,65 @@ func (b *windowBudget) reclaim(peer netip.Addr, want int64) bool {
 	return false
 }
 
-var windows = newWindowBudget(maxReservedWindow, maxPeerWindow)
+var windows = func() *windowBudget {
+	b := newWindowBudget(maxReservedWindow, maxPeerWindow)
+	b.perRemote = maxRemoteWindow
+	return b
+}()
 
 // reserve takes up to want bytes of window for a connection with peer and
 // returns what it took.
 func (b *windowBudget) reserve(peer netip.Addr, want int64) int64 {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	n := b.takeLocked(peer, want)
+	n := b.takeLocked(peer, netip.Addr{}, want)
 	if n < want {
 		b.short++
 	}
 	return n
 }
 
-// takeLocked takes up to want bytes for peer, uncounted.
-func (b *windowBudget) takeLocked(peer netip.Addr, want int64) int64 {
-	n := max(min(want, b.limit-b.reserved, b.perPeer-b.byPeer[peer]), 0)
+// windowPair is a client connection's owner (the source) and server.
+type windowPair struct{ owner, remote netip.Addr }
+
+// pairRoomLocked is what owner's client connections to remote may still
+// reserve; remote is the zero address for a server connection, unbounded.
+func (b *windowBudget) pairRoomLocked(owner, remote netip.Addr) int64 {
+	if b.perRemote == 0 || !remote.IsValid() {
+		return math.MaxInt64
+	}
+	return b.perRemote - b.byPair[windowPair{owner, remote}]
+}
+
+// takeLocked takes up to want bytes for peer (and, for a client
+// connection, its server remote), uncounted.
+func (b *windowBudget) takeLocked(peer, remote netip.Addr, want int64) int64 {
+	n := max(min(want, b.limit-b.reserved, b.perPeer-b.byPeer[peer], b.pairRoomLocked(peer, remote)), 0)
 	if n > 0 {
 		b.reserved += n
 		b.byPeer[peer] += n
+		if b.perRemote != 0 && remote.IsValid() {
+			b.byPair[windowPair{peer, remote}] += n
+		}
 	}
 	return n
 }
 
-// release gives back n bytes reserved for a connection with peer.
-func (b *windowBudget) release(peer netip.Addr, n int64) {
+// release gives back n bytes reserved for a connection with peer (and
+// remote, as reserved).
+func (b *windowBudget) release(peer, remote netip.Addr, n int64) {
 	if n == 0 {
 		return
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if pair := (windowPair{peer, remote}); b.byPair[pair] > 0 {
+		if left := b.byPair[pair] - n; left > 0 {
+			b.byPair[pair] = left
+		} else {
+			delete(b.byPair, pair)
+		}
+	}
 	b.reserved -= n
 	if left := b.byPeer[peer] - n; left > 0 {
 		b.byPeer[peer] = left

@@ -35,10 +35,10 @@ func TestWindowBudget(t *testing.T) {
 		if w.reserved != step.reserved || w.short != step.short {
 			t.Fatalf("after reserve(%v, %d): reserved %d short %d, want %d %d", step.peer, step.want, w.reserved, w.short, step.reserved, step.short)
 		}
-		w.release(step.peer, step.releaseNow)
+		w.release(step.peer, netip.Addr{}, step.releaseNow)
 	}
-	w.release(a, 60)
-	w.release(b, 30)
+	w.release(a, netip.Addr{}, 60)
+	w.release(b, netip.Addr{}, 30)
 	if w.reserved != 0 || len(w.byPeer) != 0 {
 		t.Errorf("all released: reserved %d, peers %v", w.reserved, w.byPeer)
 	}
@@ -171,7 +171,7 @@ func TestStreamWindowFollowsConnWindow(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			taken := windows.reserve(peer, maxPeerWindow-tc.left)
-			defer windows.release(peer, taken)
+			defer windows.release(peer, netip.Addr{}, taken)
 			local, remote := net.Pipe()
 			t.Cleanup(func() { local.Close(); remote.Close() })
 			c := newConn(context.Background(), addrConn{local, net.TCPAddrFromAddrPort(netip.AddrPortFrom(peer, 15008))},
