@@ -10,6 +10,13 @@ DEBS    := clang llvm libbpf-dev bpftool iproute2 iperf3 curl jq util-linux ca-c
 # coordinator at its deadline and can fail with a bare "context deadline exceeded"
 # (golang/go#75804; seen here in CI with no crasher saved).
 FUZZTIME ?= 30000x
+# Fuzzers whose every input costs a TLS handshake and timers (some 15 a second
+# here) get FUZZTIME_SLOW instead; run them longer by hand.
+FUZZ_SLOW ?= FuzzClientResponse
+FUZZTIME_SLOW ?= 300x
+# Each new interesting input is minimized for this many executions (Go's
+# default is 60 s of them, which the slow fuzzers spend on every one).
+FUZZMINIMIZE ?= 200x
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 COMMIT  ?= $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -99,8 +106,9 @@ test: deps lint gen-check build test-deps
 	$(MAKE) --no-print-directory bench-smoke
 	@for target in $$(grep -rl --include='*_test.go' '^func Fuzz' pkg cmd bpf 2>/dev/null | xargs -r dirname | sort -u); do \
 		for fn in $$(grep -ho '^func Fuzz[A-Za-z0-9_]*' $$target/*_test.go | sed 's/func //'); do \
-			echo "fuzz $$target $$fn ($(FUZZTIME))"; \
-			$(GO) test -run='^$$' -fuzz="^$$fn$$" -fuzztime=$(FUZZTIME) ./$$target || exit 1; \
+			n=$(FUZZTIME); case " $(FUZZ_SLOW) " in *" $$fn "*) n=$(FUZZTIME_SLOW);; esac; \
+			echo "fuzz $$target $$fn ($$n)"; \
+			$(GO) test -run='^$$' -fuzz="^$$fn$$" -fuzztime=$$n -fuzzminimizetime=$(FUZZMINIMIZE) ./$$target || exit 1; \
 		done; \
 	done
 
