@@ -482,6 +482,8 @@ func runAgent(ctx context.Context, args []string) error {
 		}),
 	)
 
+	registerListenerDrops(reg, tun)
+
 	src, ann, err := newSource(ctx, cfg, log, reg, source.NewMetrics(reg), certs.Trust())
 	if err != nil {
 		return err
@@ -741,5 +743,30 @@ func logPodsCgroup(ctx context.Context, log *slog.Logger, cfg agentConfig) {
 	default:
 		log.WarnContext(ctx, "host probes: no pods' cgroup found where kubelet puts it, so every process of the node's network namespace probes, hostNetwork pods too, past STRICT; name it with "+probe.EnvPodsCgroup,
 			"cgroup_root", cfg.cgroupRoot)
+	}
+}
+
+// registerListenerDrops exports what the kernel dropped at the pods'
+// sockets before the agent read it: a listener's full SYN or accept queue,
+// a full DNS socket. One read of the sockets per scrape.
+func registerListenerDrops(reg prometheus.Registerer, tun *tunnel.Tunnel) {
+	reg.MustRegister(listenerDropsCollector{tun})
+}
+
+var listenerDropsDesc = prometheus.NewDesc("redirector_listener_drops_total",
+	"SYNs and handshakes the pods' capture listeners turned away because their SYN or accept queue was full (the namespaces' ListenOverflows and ListenDrops), and DNS queries the pods' DNS sockets turned away because their receive queue was full, by listener: outbound (15001), inbound (15006), hbone (15008), dns (15053).",
+	[]string{"listener"}, nil)
+
+type listenerDropsCollector struct{ tun *tunnel.Tunnel }
+
+func (listenerDropsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- listenerDropsDesc }
+
+func (c listenerDropsCollector) Collect(ch chan<- prometheus.Metric) {
+	d := c.tun.ListenerDrops()
+	for _, v := range []struct {
+		name  string
+		count uint64
+	}{{"outbound", d.Outbound}, {"inbound", d.Inbound}, {"hbone", d.HBONE}, {"dns", d.DNS}} {
+		ch <- prometheus.MustNewConstMetric(listenerDropsDesc, prometheus.CounterValue, float64(v.count), v.name)
 	}
 }

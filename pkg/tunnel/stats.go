@@ -21,6 +21,7 @@ func (t *Tunnel) retire(p *pod) {
 	s := p.hbone.Stats()
 	s.ConnsActive, s.HandlersHeld, s.HandlersQueued = 0, 0, 0
 	addServerStats(&t.retired, s)
+	t.retiredDrops.add(p.drops())
 }
 
 func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {

@@ -119,6 +119,8 @@ type Tunnel struct {
 	// draining is set once Drain began: no pod is served any more.
 	draining bool
 	retired  hbone.ServerStats // HBONE counts of pods no longer served
+	// retiredDrops are the socket drop counts of pods no longer served.
+	retiredDrops ListenerDrops
 }
 
 // New returns a tunnel serving no pod yet.

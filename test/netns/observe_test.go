@@ -113,7 +113,7 @@ func TestObservability(t *testing.T) {
 		if opened != closed || opened < conns {
 			t.Errorf("%s reporter: opened %v closed %v, want equal and >= %d", reporter, opened, closed, conns)
 		}
-		for _, m := range []string{"redirector_bpf_packets_total", "redirector_enrolled_pods 1", "redirector_certificate_expiry_seconds", "go_goroutines", "process_resident_memory_bytes"} {
+		for _, m := range []string{"redirector_bpf_packets_total", "redirector_enrolled_pods 1", "redirector_certificate_expiry_seconds", `redirector_listener_drops_total{listener="hbone"}`, "go_goroutines", "process_resident_memory_bytes"} {
 			if !strings.Contains(text, m) {
 				t.Errorf("%s agent metrics lack %s", reporter, m)
 			}
