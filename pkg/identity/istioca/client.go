@@ -174,19 +174,34 @@ func (c *Client) redial(stale *grpc.ClientConn) {
 }
 
 // verifyServer checks istiod's serving certificate against the mesh roots
-// and its DNS name.
-func verifyServer(chain []*x509.Certificate, roots *x509.CertPool, name string) error {
+// and its DNS name. It returns when the verified chain stops being valid:
+// the earliest end of validity of its certificates.
+func verifyServer(chain []*x509.Certificate, roots *x509.CertPool, name string) (time.Time, error) {
 	if len(chain) == 0 {
-		return errors.New("istiod presented no certificate")
+		return time.Time{}, errors.New("istiod presented no certificate")
 	}
 	opts := x509.VerifyOptions{Roots: roots, DNSName: name, Intermediates: x509.NewCertPool()}
 	for _, c := range chain[1:] {
 		opts.Intermediates.AddCert(c)
 	}
-	if _, err := chain[0].Verify(opts); err != nil {
-		return fmt.Errorf("istiod's serving certificate: %w", err)
+	chains, err := chain[0].Verify(opts)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("istiod's serving certificate: %w", err)
 	}
-	return nil
+	// Of the chains that verify, the one valid longest decides.
+	var until time.Time
+	for _, c := range chains {
+		end := c[0].NotAfter
+		for _, cert := range c[1:] {
+			if cert.NotAfter.Before(end) {
+				end = cert.NotAfter
+			}
+		}
+		if end.After(until) {
+			until = end
+		}
+	}
+	return until, nil
 }
 
 // Close closes the connection to istiod.

@@ -130,9 +130,16 @@ func (f *fakeIstiod) issue(uri string) func(*x509.CertificateRequest) (*pb.Istio
 // names, signed by pki.
 func startIstiod(t *testing.T, pki testPKI, names ...string) (*fakeIstiod, string) {
 	t.Helper()
+	return startIstiodUntil(t, pki, time.Time{}, names...)
+}
+
+// startIstiodUntil is startIstiod with a serving certificate valid until
+// notAfter (zero: an hour).
+func startIstiodUntil(t *testing.T, pki testPKI, notAfter time.Time, names ...string) (*fakeIstiod, string) {
+	t.Helper()
 	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	serving := pki.sign(t, &x509.Certificate{DNSNames: names, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		KeyUsage: x509.KeyUsageDigitalSignature}, &key.PublicKey)
+		KeyUsage: x509.KeyUsageDigitalSignature, NotAfter: notAfter}, &key.PublicKey)
 	creds := credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{serving.Raw}, PrivateKey: key}}})
 	srv := grpc.NewServer(grpc.Creds(creds))
 	f := &fakeIstiod{t: t, pki: pki}

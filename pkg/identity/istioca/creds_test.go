@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 )
@@ -50,5 +51,26 @@ func TestRootRemovalClosesIstiodConnection(t *testing.T) {
 	}
 	if _, err := sign(c); err == nil {
 		t.Fatal("a certificate came over the connection to an istiod whose root was removed")
+	}
+}
+
+// TestExpiredIstiodConnectionClosed: istiod's serving certificate was
+// checked at the handshake only, so a connection (an xDS stream lives for
+// days) stayed trusted after the certificate expired, and whoever held its
+// key went on speaking as istiod. The connection is now verified again when
+// the chain expires and closed; the next handshake must present a valid
+// certificate, which this istiod has not.
+func TestExpiredIstiodConnectionClosed(t *testing.T) {
+	pki := newPKI(t)
+	// x509 times have a second's resolution: the certificate ends within
+	// two seconds from now.
+	_, addr := startIstiodUntil(t, pki, time.Now().Add(2*time.Second), DefaultServerName)
+	c := newClient(t, Config{Addr: addr, TokenFile: writeToken(t, "tok"), Trust: trustOf(pki.root)})
+	if _, err := sign(c); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2*time.Second + expiryGrace + 500*time.Millisecond)
+	if _, err := sign(c); err == nil {
+		t.Fatal("a certificate came over a connection whose istiod's serving certificate has expired")
 	}
 }
