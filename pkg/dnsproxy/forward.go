@@ -37,7 +37,8 @@ func (p *Proxy) forward(ctx context.Context, client *workload.Workload, l []stri
 	binary.BigEndian.PutUint16(answer, req.Id)
 	if bareError(answer) {
 		// The client's resolver matches an answer to its query by the
-		// question too (glibc, musl's rcode aside, Go): give it back.
+		// question too (glibc's, Go's): the upstream's rcode with the
+		// client's question.
 		return p.pack(replyTo(req, rcode(answer)), req, tcp)
 	}
 	if size := clientSize(req, tcp); len(answer) > size {

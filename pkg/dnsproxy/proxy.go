@@ -145,8 +145,9 @@ func New(cfg Config, dir func() *workload.Directory, m *Metrics, log *slog.Logge
 // carry an ID (counted in redirector_dns_rejected_total). Names of the mesh
 // are answered from the directory; other names and other query types are
 // forwarded upstream through dial, the answer passed on unchanged but for
-// its ID. Over udp the answer fits the client's buffer (512 bytes, or its
-// EDNS0 size), truncated with TC set when it does not. A query over a
+// its ID (an upstream's bare error gets the client's question). Over udp
+// the answer fits the client's buffer (512 bytes, or its EDNS0 size, at
+// most a datagram), truncated with TC set when it does not. A query over a
 // bound (Config.MaxInFlight*) is answered REFUSED; a malformed one FORMERR,
 // one with another opcode NOTIMP, all without going upstream.
 func (p *Proxy) Answer(ctx context.Context, client *workload.Workload, proto string, query []byte, dial Dialer) []byte {
