@@ -143,3 +143,84 @@ func sameSet(a, b []string) bool {
 	slices.Sort(b)
 	return slices.Equal(a, b)
 }
+
+// TestDigThroughUpstreamShortcuts: the real dig, through the proxy, of an
+// upstream that answers over UDP with a truncated answer cut mid-record
+// (and whole over TCP), and refuses one name with a bare FORMERR (no
+// question). dig gets the truncated answer, retries over TCP and gets
+// every record; and gets FORMERR for the other name; both at once. Before,
+// the proxy ignored both answers, and dig timed out.
+func TestDigThroughUpstreamShortcuts(t *testing.T) {
+	digPath, err := exec.LookPath("dig")
+	if err != nil {
+		t.Fatalf("dig not found (apt-get install bind9-dnsutils): %v", err)
+	}
+	pc, ln, upPort := listenBoth(t)
+	full := func(q *dns.Msg) *dns.Msg {
+		r := new(dns.Msg).SetReply(q)
+		for i := range 100 {
+			r.Answer = append(r.Answer, &dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.IPv4(192, 0, 2, byte(i+1))})
+		}
+		return r
+	}
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			q := new(dns.Msg)
+			if q.Unpack(buf[:n]) != nil {
+				continue
+			}
+			if q.Question[0].Name == "formerr.example.org." {
+				bare := new(dns.Msg)
+				bare.Id, bare.Response, bare.Rcode = q.Id, true, dns.RcodeFormatError
+				b, _ := bare.Pack()
+				pc.WriteTo(b, from)
+				continue
+			}
+			r := full(q)
+			r.Truncated = true
+			b, _ := r.Pack()
+			pc.WriteTo(b[:500], from)
+		}
+	}()
+	t.Cleanup(func() { pc.Close() })
+	tcp := &dns.Server{Listener: ln, Handler: dns.HandlerFunc(func(w dns.ResponseWriter, q *dns.Msg) { w.WriteMsg(full(q)) })}
+	started := make(chan struct{})
+	tcp.NotifyStartedFunc = func() { close(started) }
+	go tcp.ActivateAndServe()
+	<-started
+	t.Cleanup(func() { tcp.Shutdown() })
+
+	up := netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), uint16(upPort))
+	p, _ := newProxy(t, Config{Upstreams: []netip.AddrPort{up}, Timeout: 3 * time.Second})
+	host, port, _ := net.SplitHostPort(serve(t, p, client))
+	for _, c := range []struct {
+		name string
+		want []string
+	}{
+		{"cut.example.org", []string{"Truncated, retrying in TCP mode.", "status: NOERROR,", "ANSWER: 100,"}},
+		{"formerr.example.org", []string{"status: FORMERR,", "QUERY: 1,"}},
+	} {
+		start := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, err := exec.CommandContext(ctx, digPath, "@"+host, "-p", port, "+tries=1", "+time=2", c.name).CombinedOutput()
+		cancel()
+		took := time.Since(start)
+		if err != nil {
+			t.Errorf("dig %s: %v after %v\n%s", c.name, err, took, out)
+			continue
+		}
+		for _, s := range c.want {
+			if !strings.Contains(string(out), s) {
+				t.Errorf("dig %s: output lacks %q\n%s", c.name, s, out)
+			}
+		}
+		if took > time.Second {
+			t.Errorf("dig %s: took %v, want at once", c.name, took)
+		}
+	}
+}

@@ -35,12 +35,22 @@ func (p *Proxy) forward(ctx context.Context, client *workload.Workload, l []stri
 		return p.pack(replyTo(req, dns.RcodeServerFailure), req, tcp)
 	}
 	binary.BigEndian.PutUint16(answer, req.Id)
+	if bareError(answer) {
+		// The client's resolver matches an answer to its query by the
+		// question too (glibc's, Go's): the upstream's rcode with the
+		// client's question.
+		return p.pack(replyTo(req, rcode(answer)), req, tcp)
+	}
 	if size := clientSize(req, tcp); len(answer) > size {
 		// Only an answer re-asked over TCP for a TCP client, or an
 		// upstream ignoring the client's size, gets here.
 		m := new(dns.Msg)
 		if err := m.Unpack(answer); err != nil {
-			return p.pack(replyTo(req, dns.RcodeServerFailure), req, tcp)
+			// A truncated answer cut mid-record (answers took it by its
+			// header and question): the client is to ask over TCP.
+			r := replyTo(req, rcode(answer))
+			r.Truncated = true
+			return p.pack(r, req, tcp)
 		}
 		return p.pack(m, req, tcp)
 	}
@@ -71,7 +81,7 @@ func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bo
 			errs = append(errs, fmt.Errorf("upstream %s: %w", up, err))
 			continue
 		}
-		if rcode := int(answer[3] & 0xf); rcode == dns.RcodeServerFailure || rcode == dns.RcodeRefused {
+		if rcode := rcode(answer); rcode == dns.RcodeServerFailure || rcode == dns.RcodeRefused {
 			failed = answer
 			errs = append(errs, fmt.Errorf("upstream %s: answered %s", up, dns.RcodeToString[rcode]))
 			continue
@@ -192,11 +202,32 @@ func (c closeStopping) Close() error {
 	return c.Conn.Close()
 }
 
-// answers says whether msg is a well-formed response to the query with id
-// and question q: only then is it passed on.
+// answers says whether msg answers the query with id and question q, as
+// a stub resolver judges it against spoofing (RFC 5452 9.1): a response,
+// opcode QUERY, with the ID and the question (its name in any case). Only
+// then is it passed on. Its records must parse too, but for two answers
+// whose records do not matter, lest a real answer be ignored and the client
+// wait for the timeout and a SERVFAIL: one with TC set, whose records the
+// client discards (RFC 2181 9) and which may be cut mid-record, is judged
+// by its header and question; and a bare error (bareError) is taken as
+// hickory, ztunnel's forwarder, takes it.
 func answers(msg []byte, id uint16, q dns.Question) bool {
 	if len(msg) < headerLen || binary.BigEndian.Uint16(msg) != id || msg[2]&0x80 == 0 || opcode(msg) != dns.OpcodeQuery {
 		return false
+	}
+	if bareError(msg) {
+		return true
+	}
+	if binary.BigEndian.Uint16(msg[4:]) != 1 {
+		return false
+	}
+	if msg[2]&0x02 != 0 {
+		name, off, err := dns.UnpackDomainName(msg, headerLen)
+		if err != nil || off+4 > len(msg) {
+			return false
+		}
+		return binary.BigEndian.Uint16(msg[off:]) == q.Qtype && binary.BigEndian.Uint16(msg[off+2:]) == q.Qclass &&
+			strings.EqualFold(name, q.Name)
 	}
 	var m dns.Msg
 	if err := m.Unpack(msg); err != nil || len(m.Question) != 1 {
@@ -205,3 +236,26 @@ func answers(msg []byte, id uint16, q dns.Question) bool {
 	a := m.Question[0]
 	return a.Qtype == q.Qtype && a.Qclass == q.Qclass && strings.EqualFold(a.Name, q.Name)
 }
+
+// bareError says whether msg is an error answer without question or
+// records but an OPT record: FORMERR, SERVFAIL, NOTIMP or REFUSED, as
+// servers refuse a query they will not parse (miekg's server, so CoreDNS,
+// one with more than one answer or authority record or two additional
+// ones; unbound one with any answer record). A bare answer claiming
+// success, or an error with records, is no answer.
+func bareError(msg []byte) bool {
+	if len(msg) < headerLen {
+		return false
+	}
+	switch rcode(msg) {
+	case dns.RcodeFormatError, dns.RcodeServerFailure, dns.RcodeNotImplemented, dns.RcodeRefused:
+	default:
+		return false
+	}
+	counts := msg[4:headerLen]
+	return binary.BigEndian.Uint16(counts[0:]) == 0 && binary.BigEndian.Uint16(counts[2:]) == 0 &&
+		binary.BigEndian.Uint16(counts[4:]) == 0 && binary.BigEndian.Uint16(counts[6:]) <= 1
+}
+
+// rcode is msg's header rcode (the low four bits).
+func rcode(msg []byte) int { return int(msg[3] & 0xf) }

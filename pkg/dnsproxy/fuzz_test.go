@@ -3,7 +3,10 @@ package dnsproxy
 import (
 	"context"
 	"encoding/binary"
+	"net"
+	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/miekg/dns"
 )
@@ -55,6 +58,75 @@ func FuzzAnswer(f *testing.F) {
 		}
 		if len(answer) > limit {
 			t.Fatalf("answer of %d bytes over %s, client takes %d", len(answer), proto, limit)
+		}
+	})
+}
+
+// FuzzUpstreamAnswer has an upstream answer a forwarded query with
+// arbitrary bytes (under the query's ID), over UDP and, for a TCP client
+// after a truncated answer, TCP: the client must get, at once, a response
+// with its ID that fits its buffer and parses, or has TC set (a truncated
+// answer is passed on as the upstream cut it). The upstream is a pipe, so
+// the fuzzer stays off the network.
+func FuzzUpstreamAnswer(f *testing.F) {
+	q := new(dns.Msg).SetQuestion("outside.example.org.", dns.TypeA)
+	r := new(dns.Msg).SetReply(q)
+	for i := range 60 {
+		r.Answer = append(r.Answer, &dns.A{Hdr: hdr(q.Question[0].Name, dns.TypeA), A: net.IPv4(192, 0, 2, byte(i+1))})
+	}
+	b, _ := r.Pack()
+	f.Add(b, false, uint16(0))
+	f.Add(b[:300], true, uint16(1232))
+	r.Extra = append(r.Extra, &dns.TSIG{Hdr: dns.RR_Header{Name: "key.", Rrtype: dns.TypeTSIG, Class: dns.ClassANY},
+		Algorithm: dns.HmacSHA256, TimeSigned: 1, Fudge: 300})
+	b, _ = r.Pack()
+	f.Add(b, false, uint16(0))
+	p, _ := newProxy(f, Config{Upstreams: []netip.AddrPort{netip.MustParseAddrPort("192.0.2.53:53")}, Timeout: 50 * time.Millisecond})
+	f.Fuzz(func(t *testing.T, resp []byte, tcp bool, edns uint16) {
+		dial := func(_ context.Context, network, _ string) (net.Conn, error) {
+			ours, theirs := net.Pipe()
+			go func() {
+				defer theirs.Close()
+				if network == "tcp" {
+					var size [2]byte
+					if _, err := theirs.Read(size[:]); err != nil {
+						return
+					}
+				}
+				query := make([]byte, MaxQueryLen)
+				if n, err := theirs.Read(query); err != nil || n < 2 {
+					return
+				}
+				out := append([]byte(nil), resp...)
+				if len(out) >= 2 {
+					copy(out, query[:2])
+				}
+				if network == "tcp" {
+					out = append(binary.BigEndian.AppendUint16(nil, uint16(len(out))), out...)
+				}
+				theirs.Write(out)
+			}()
+			return ours, nil
+		}
+		req := new(dns.Msg).SetQuestion("outside.example.org.", dns.TypeA)
+		req.Id = 77
+		if edns > 0 {
+			req.SetEdns0(edns, false)
+		}
+		query, _ := req.Pack()
+		proto := "udp"
+		if tcp {
+			proto = "tcp"
+		}
+		answer := p.Answer(context.Background(), client, proto, query, dial)
+		if len(answer) < headerLen || binary.BigEndian.Uint16(answer) != 77 || answer[2]&0x80 == 0 {
+			t.Fatalf("answer %x: not a response with the query's ID", answer)
+		}
+		if size := clientSize(req, tcp); len(answer) > size {
+			t.Fatalf("answer of %d bytes over %s, client takes %d", len(answer), proto, size)
+		}
+		if err := new(dns.Msg).Unpack(answer); err != nil && answer[2]&0x02 == 0 {
+			t.Fatalf("answer does not parse and is not truncated: %v", err)
 		}
 	})
 }

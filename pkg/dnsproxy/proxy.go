@@ -145,8 +145,9 @@ func New(cfg Config, dir func() *workload.Directory, m *Metrics, log *slog.Logge
 // carry an ID (counted in redirector_dns_rejected_total). Names of the mesh
 // are answered from the directory; other names and other query types are
 // forwarded upstream through dial, the answer passed on unchanged but for
-// its ID. Over udp the answer fits the client's buffer (512 bytes, or its
-// EDNS0 size), truncated with TC set when it does not. A query over a
+// its ID (an upstream's bare error gets the client's question). Over udp
+// the answer fits the client's buffer (512 bytes, or its EDNS0 size, at
+// most a datagram), truncated with TC set when it does not. A query over a
 // bound (Config.MaxInFlight*) is answered REFUSED; a malformed one FORMERR,
 // one with another opcode NOTIMP, all without going upstream.
 func (p *Proxy) Answer(ctx context.Context, client *workload.Workload, proto string, query []byte, dial Dialer) []byte {
@@ -286,21 +287,30 @@ func replyTo(req *dns.Msg, rcode int) *dns.Msg {
 }
 
 // clientSize is the largest answer the client of req takes: a TCP frame,
-// or over UDP 512 bytes or its EDNS0 size.
+// or over UDP 512 bytes or its EDNS0 size, at most what a datagram carries.
 func clientSize(req *dns.Msg, tcp bool) int {
 	if tcp {
 		return dns.MaxMsgSize
 	}
 	if opt := req.IsEdns0(); opt != nil {
-		return max(dns.MinMsgSize, int(opt.UDPSize()))
+		return min(maxUDPPayload, max(dns.MinMsgSize, int(opt.UDPSize())))
 	}
 	return dns.MinMsgSize
 }
 
 // pack encodes resp to fit req's client, truncated (TC) if need be.
 func (p *Proxy) pack(resp *dns.Msg, req *dns.Msg, tcp bool) []byte {
-	resp.Truncate(clientSize(req, tcp))
+	size := clientSize(req, tcp)
+	resp.Truncate(size)
 	b, err := resp.Pack()
+	if err == nil && len(b) > size {
+		// Truncate leaves an answer with a TSIG record whole and cannot
+		// cut an OPT record (an upstream's): the header and question, TC
+		// set, for the client to ask over TCP.
+		r := replyTo(req, resp.Rcode)
+		r.Truncated = true
+		b, err = r.Pack()
+	}
 	if err != nil {
 		p.log.Warn("dns proxy: cannot encode answer", "name", req.Question[0].Name, "error", err)
 		b, _ = replyTo(req, dns.RcodeServerFailure).Pack()
@@ -315,3 +325,8 @@ func podKey(client *workload.Workload) string {
 	}
 	return client.Key()
 }
+
+// maxUDPPayload is the most a UDP datagram over IPv4 carries (65535 less
+// the IPv4 and UDP headers): a client announcing a larger EDNS0 size gets
+// at most this.
+const maxUDPPayload = 65507
