@@ -37,7 +37,9 @@ const maxDerivedSeriesPerPeer = 100
 // seriesGC deletes the per-workload series of workloads that are gone.
 // A series is gone when its source or destination workload (by namespace
 // and workload name, the labels it carries) or its service is in no state
-// the tunnel has since installed, and no connection counted in it is open.
+// the tunnel has since installed (or it names its source only by a
+// verified identity, or by the peer's baggage; see liveLocked), and no
+// connection counted in it is open.
 // It is deleted seriesGrace later, at the next scrape or Update.
 type seriesGC struct {
 	now    func() time.Time
@@ -227,8 +229,18 @@ func (m *Metrics) setLive(dir *workload.Directory) {
 // there, and its slot in the maxDerivedSeries budget must come back a
 // grace after its last connection, or a peer could hold the budget for
 // ever by naming an existing workload with ever new versions.
+//
+// Nor is one whose source is only a verified identity (no workload the
+// directory has at its address, no baggage taken): no workload of it can
+// leave, so it would stay as long as its destination, and every identity
+// that ever connected (per-run service accounts, or ones a tenant mints)
+// would hold its series for good. It goes a grace after its last
+// connection, and comes back, from zero, with the next.
 func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 	if e.derived {
+		return false
+	}
+	if e.labels["source_workload"] == "unknown" && e.labels["source_principal"] != "unknown" {
 		return false
 	}
 	if g.live == nil {
