@@ -110,6 +110,11 @@ func workloadKey(ns, name string) string  { return "w\x00" + ns + "\x00" + name 
 func serviceKey(ns, name string) string   { return "s\x00" + ns + "\x00" + name }
 func canonicalKey(ns, name string) string { return "c\x00" + ns + "\x00" + name }
 
+// revisionKey is a workload's canonical service and revision.
+func revisionKey(ns, name, canon, rev string) string {
+	return "r\x00" + ns + "\x00" + name + "\x00" + canon + "\x00" + rev
+}
+
 // claimable reports whether a peer whose verified identity is id may be
 // counted under the names it announced in m. Baggage is the peer's claim,
 // checked only for its namespace when parsed; a workload or canonical
@@ -198,8 +203,9 @@ func (m *Metrics) setLive(dir *workload.Directory) {
 		owners[k][sa] = true
 	}
 	for _, w := range dir.All() {
-		name, canon, _ := workloadMeta(w)
+		name, canon, rev := workloadMeta(w)
 		live[workloadKey(w.Namespace, name)] = true
+		live[revisionKey(w.Namespace, name, canon, rev)] = true
 		own(workloadKey(w.Namespace, name), w.ServiceAccount)
 		own(canonicalKey(w.Namespace, canon), w.ServiceAccount)
 	}
@@ -251,8 +257,22 @@ func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 		if name == "unknown" {
 			continue
 		}
-		if !g.live[workloadKey(e.labels[side+"_workload_namespace"], name)] {
+		ns := e.labels[side+"_workload_namespace"]
+		if !g.live[workloadKey(ns, name)] {
 			return false
+		}
+		// A workload keeps its name across rollouts, not its revision
+		// or service account: the series of one no pod of it runs as
+		// any more go too, or every release would add series for as
+		// long as the workload lives.
+		if canon, ok := e.labels[side+"_canonical_service"]; ok && !g.live[revisionKey(ns, name, canon, e.labels[side+"_canonical_revision"])] {
+			return false
+		}
+		if p, ok := e.labels[side+"_principal"]; ok && p != "unknown" {
+			sa := p[strings.LastIndex(p, "/sa/")+len("/sa/"):]
+			if !g.owners[workloadKey(ns, name)][sa] {
+				return false
+			}
 		}
 	}
 	if name, ok := e.labels["destination_service_name"]; ok && name != "unknown" {

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
 // A client the directory does not name (a remote cluster's or VM's peer
@@ -60,5 +61,47 @@ func TestSeriesOfUnnamedPeersExpire(t *testing.T) {
 	m.setLive(dir)
 	if n := count(); n != 4 {
 		t.Errorf("%d series of a named client and destination that both exist, want 4", n)
+	}
+}
+
+// A workload keeps its name across rollouts, but its canonical revision
+// (the version label; app.kubernetes.io/version is often the release's
+// commit) and even its service account can change with each. The series
+// of a revision no pod runs any more named a workload that still existed,
+// so they stayed for as long as the workload did: a Deployment released
+// many times a day grew every reporter's series without bound.
+func TestSeriesOfRetiredRevisionsExpire(t *testing.T) {
+	now := time.Unix(1_000_000, 0)
+	m := NewMetrics(nil)
+	m.series.now = func() time.Time { return now }
+	client := podObj("mesh", "client", "client", "10.1.0.9", nil)
+	release := func(i int) (*workload.Workload, *workload.Directory) {
+		w := podObj("mesh", fmt.Sprintf("reviews-%d", i), fmt.Sprintf("reviews-sa-%d", i%2), fmt.Sprintf("10.1.1.%d", i),
+			map[string]string{"app": "reviews", "version": fmt.Sprintf("r%d", i)})
+		w.WorkloadName, w.CanonicalName, w.CanonicalRevision = "reviews", "reviews", fmt.Sprintf("r%d", i)
+		return w, testDir(t, client, w)
+	}
+	const releases = 20
+	for i := range releases {
+		w, dir := release(i)
+		m.setLive(dir)
+		for _, c := range []connInfo{
+			{reporter: "source", src: client, dst: w, secure: true,
+				srcID: identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"},
+				dstID: identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: w.ServiceAccount}},
+			{reporter: "destination", src: w, dst: client, secure: true,
+				srcID: identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: w.ServiceAccount},
+				dstID: identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}},
+		} {
+			m.open(c, "").close(context.Background(), 1, 1, nil)
+		}
+		now = now.Add(time.Minute)
+	}
+	// The last release runs on, as does the client.
+	_, dir := release(releases - 1)
+	now = now.Add(seriesGrace + time.Second)
+	m.setLive(dir)
+	if n := testutil.CollectAndCount(m.series.collector()); n != 8 {
+		t.Errorf("%d series a grace after %d releases of one workload, want the running revision's 8", n, releases)
 	}
 }
