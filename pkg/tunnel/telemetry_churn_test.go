@@ -105,3 +105,50 @@ func TestSeriesOfRetiredRevisionsExpire(t *testing.T) {
 		t.Errorf("%d series a grace after %d releases of one workload, want the running revision's 8", n, releases)
 	}
 }
+
+// Scrapes, directory updates and connections run at once: a scrape during
+// churn must neither race nor lose a counted connection's increments.
+func TestSeriesScrapeDuringChurn(t *testing.T) {
+	m := NewMetrics(nil)
+	m.SetSeriesGrace(time.Millisecond)
+	dirs := make([]*workload.Directory, 4)
+	pods := make([]*workload.Workload, len(dirs))
+	client := podObj("mesh", "client", "client", "10.1.0.9", nil)
+	for i := range dirs {
+		pods[i] = podObj("mesh", fmt.Sprintf("p%d", i), "sa", fmt.Sprintf("10.1.1.%d", i), map[string]string{"version": fmt.Sprint(i)})
+		dirs[i] = testDir(t, client, pods[i])
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{}, 2)
+	go func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				done <- struct{}{}
+				return
+			default:
+			}
+			m.setLive(dirs[i%len(dirs)])
+		}
+	}()
+	go func() {
+		for {
+			select {
+			case <-stop:
+				done <- struct{}{}
+				return
+			default:
+			}
+			testutil.CollectAndCount(m.series.collector())
+		}
+	}()
+	const conns = 2000
+	for i := range conns {
+		c := connInfo{reporter: "source", src: client, dst: pods[i%len(pods)], secure: true,
+			srcID: identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}}
+		m.open(c, "").close(context.Background(), 1, 1, nil)
+	}
+	close(stop)
+	<-done
+	<-done
+}
