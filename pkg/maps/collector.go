@@ -83,14 +83,25 @@ func (c collector) collectPods(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(podPacketsDesc, err)
 		return
 	}
+	// An address's counters are its owner's (the pod its enrollment entry
+	// names; the loader keeps them for that pod alone). A pod's predecessor
+	// can still be recorded with the same address while it is detached.
+	owners, err := c.m.ListPods()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(podConnsDesc, err)
+		ch <- prometheus.NewInvalidMetric(podPacketsDesc, err)
+		return
+	}
 	// Summed by name, not by pod id: while a re-created pod replaces its
 	// predecessor both can be recorded for a moment, and two series with the
 	// same labels would fail the whole scrape.
 	pods := map[podName]PodCounters{}
-	for _, meta := range metas {
+	for id, meta := range metas {
 		sum := pods[podName{meta.Namespace, meta.Name}]
 		for _, a := range meta.Addrs {
-			sum.plus(counters[a])
+			if o, ok := owners[a]; !ok || o.PodID == id {
+				sum.plus(counters[a])
+			}
 		}
 		pods[podName{meta.Namespace, meta.Name}] = sum
 	}

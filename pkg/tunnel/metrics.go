@@ -61,7 +61,8 @@ type Metrics struct {
 // connection, address or port: per reporter, at most (source workloads x
 // destination workloads x destination services x 3 response flags x 2
 // security policies) series, of which only pairs that actually talked
-// exist, and those of workloads that left are deleted (see seriesGC).
+// exist, and those of workloads (or revisions of them) that left, or of
+// clients named by their identity alone, are deleted (see seriesGC).
 // Names a peer announces in baggage count only within maxDerivedSeries.
 var istioLabels = []string{
 	"reporter",

@@ -37,7 +37,9 @@ const maxDerivedSeriesPerPeer = 100
 // seriesGC deletes the per-workload series of workloads that are gone.
 // A series is gone when its source or destination workload (by namespace
 // and workload name, the labels it carries) or its service is in no state
-// the tunnel has since installed, and no connection counted in it is open.
+// the tunnel has since installed (or it names its source only by a
+// verified identity, or by the peer's baggage; see liveLocked), and no
+// connection counted in it is open.
 // It is deleted seriesGrace later, at the next scrape or Update.
 type seriesGC struct {
 	now    func() time.Time
@@ -107,6 +109,11 @@ func (g *seriesGC) key(group int, l prometheus.Labels) string {
 func workloadKey(ns, name string) string  { return "w\x00" + ns + "\x00" + name }
 func serviceKey(ns, name string) string   { return "s\x00" + ns + "\x00" + name }
 func canonicalKey(ns, name string) string { return "c\x00" + ns + "\x00" + name }
+
+// revisionKey is a workload's canonical service and revision.
+func revisionKey(ns, name, canon, rev string) string {
+	return "r\x00" + ns + "\x00" + name + "\x00" + canon + "\x00" + rev
+}
 
 // claimable reports whether a peer whose verified identity is id may be
 // counted under the names it announced in m. Baggage is the peer's claim,
@@ -196,8 +203,9 @@ func (m *Metrics) setLive(dir *workload.Directory) {
 		owners[k][sa] = true
 	}
 	for _, w := range dir.All() {
-		name, canon, _ := workloadMeta(w)
+		name, canon, rev := workloadMeta(w)
 		live[workloadKey(w.Namespace, name)] = true
+		live[revisionKey(w.Namespace, name, canon, rev)] = true
 		own(workloadKey(w.Namespace, name), w.ServiceAccount)
 		own(canonicalKey(w.Namespace, canon), w.ServiceAccount)
 	}
@@ -227,8 +235,18 @@ func (m *Metrics) setLive(dir *workload.Directory) {
 // there, and its slot in the maxDerivedSeries budget must come back a
 // grace after its last connection, or a peer could hold the budget for
 // ever by naming an existing workload with ever new versions.
+//
+// Nor is one whose source is only a verified identity (no workload the
+// directory has at its address, no baggage taken): no workload of it can
+// leave, so it would stay as long as its destination, and every identity
+// that ever connected (per-run service accounts, or ones a tenant mints)
+// would hold its series for good. It goes a grace after its last
+// connection, and comes back, from zero, with the next.
 func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 	if e.derived {
+		return false
+	}
+	if e.labels["source_workload"] == "unknown" && e.labels["source_principal"] != "unknown" {
 		return false
 	}
 	if g.live == nil {
@@ -239,8 +257,22 @@ func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 		if name == "unknown" {
 			continue
 		}
-		if !g.live[workloadKey(e.labels[side+"_workload_namespace"], name)] {
+		ns := e.labels[side+"_workload_namespace"]
+		if !g.live[workloadKey(ns, name)] {
 			return false
+		}
+		// A workload keeps its name across rollouts, not its revision
+		// or service account: the series of one no pod of it runs as
+		// any more go too, or every release would add series for as
+		// long as the workload lives.
+		if canon, ok := e.labels[side+"_canonical_service"]; ok && !g.live[revisionKey(ns, name, canon, e.labels[side+"_canonical_revision"])] {
+			return false
+		}
+		if p, ok := e.labels[side+"_principal"]; ok && p != "unknown" {
+			sa := p[strings.LastIndex(p, "/sa/")+len("/sa/"):]
+			if !g.owners[workloadKey(ns, name)][sa] {
+				return false
+			}
 		}
 	}
 	if name, ok := e.labels["destination_service_name"]; ok && name != "unknown" {
