@@ -269,8 +269,8 @@ func (g *seriesGC) liveLocked(e *seriesEntry) bool {
 			return false
 		}
 		if p, ok := e.labels[side+"_principal"]; ok && p != "unknown" {
-			sa := p[strings.LastIndex(p, "/sa/")+len("/sa/"):]
-			if !g.owners[workloadKey(ns, name)][sa] {
+			i := strings.LastIndex(p, "/sa/")
+			if i < 0 || !g.owners[workloadKey(ns, name)][p[i+len("/sa/"):]] {
 				return false
 			}
 		}
