@@ -455,7 +455,7 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses,
-				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains}
+				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains, ProtocolErrorCloses: st.ProtocolErrorCloses}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b, w := hbone.Buffers(), hbone.Windows()
@@ -474,7 +474,7 @@ func runAgent(ctx context.Context, args []string) error {
 			st, lim := tun.HBONEStats(), tun.HBONELimits()
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
 				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
-				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
+				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, ProtocolErrorCloses: st.ConnsProtocolError, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
 				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				RefusedHandshakeRate: lim.RefusedHandshakeRate,

@@ -116,6 +116,9 @@ type PoolStats struct {
 	// ZeroStreamLimitDrains counts connections drained because the server
 	// took no streams (SETTINGS_MAX_CONCURRENT_STREAMS 0).
 	ZeroStreamLimitDrains uint64
+	// ProtocolErrorCloses counts connections closed because the server
+	// broke HTTP/2.
+	ProtocolErrorCloses uint64
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -130,8 +133,10 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"Pooled HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because the server flooded them with frames that carry nothing.", nil, nil)
 	zeroLimits := prometheus.NewDesc("redirector_hbone_pool_zero_stream_limit_drains_total",
 		"Pooled HBONE connections drained because the server set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new stream.", nil, nil)
+	protocolErrors := prometheus.NewDesc("redirector_hbone_pool_protocol_error_closes_total",
+		"Pooled HBONE connections closed because the server broke HTTP/2 (a malformed or truncated response, a push, frames on streams never opened): GOAWAY with the error's code, naming the reason.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits},
+		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits, protocolErrors},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
@@ -139,6 +144,7 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 			ch <- counter(dials, s.Dials)
 			ch <- counter(floods, s.FloodCloses)
 			ch <- counter(zeroLimits, s.ZeroStreamLimitDrains)
+			ch <- counter(protocolErrors, s.ProtocolErrorCloses)
 		},
 	}
 }
@@ -233,15 +239,16 @@ func NewReplyPollCollector(stats func() ReplyPollStats) prometheus.Collector {
 // node's pods (from hbone.ServerStats in the agent). The sums must never go
 // down, so counts of servers already stopped have to stay in them.
 type ServerStats struct {
-	HandshakeFailures uint64 // TLS handshakes (or ALPN) that failed
-	StreamsOK         uint64 // tunnels established (200)
-	StreamsBadRequest uint64 // malformed requests (400, 405, 431)
-	StreamsDenied     uint64 // refused by policy
-	StreamsRefused    uint64 // REFUSED_STREAM: stream limit or draining
-	EarlyResets       uint64 // streams the client reset before their answer
-	FloodCloses       uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
-	AcceptErrors      uint64 // failed accepts (EMFILE, ...), each followed by a backoff
-	RefusalsCut       uint64 // refusals reset before their body: the client granted no window
+	HandshakeFailures   uint64 // TLS handshakes (or ALPN) that failed
+	StreamsOK           uint64 // tunnels established (200)
+	StreamsBadRequest   uint64 // malformed requests (400, 405, 431)
+	StreamsDenied       uint64 // refused by policy
+	StreamsRefused      uint64 // REFUSED_STREAM: stream limit or draining
+	EarlyResets         uint64 // streams the client reset before their answer
+	FloodCloses         uint64 // connections closed with GOAWAY ENHANCE_YOUR_CALM
+	ProtocolErrorCloses uint64 // connections closed because the client broke HTTP/2
+	AcceptErrors        uint64 // failed accepts (EMFILE, ...), each followed by a backoff
+	RefusalsCut         uint64 // refusals reset before their body: the client granted no window
 	// Streams holding a handler slot (to their relay's end) and waiting for one.
 	HandlersHeld, HandlersQueued uint64
 	// The node-wide bounds on open connections and TLS handshakes.
@@ -284,12 +291,15 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
 	sourceResetFloods := prometheus.NewDesc("redirector_hbone_source_reset_floods_total",
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because their client address reset more streams before their answer, over all its connections, than its budget (1000 per 10 s); also in redirector_hbone_flood_closes_total.", nil, nil)
+	protocolErrors := prometheus.NewDesc("redirector_hbone_protocol_error_closes_total",
+		"Inbound HBONE connections closed because the client broke HTTP/2 (a malformed frame or header block, DATA beyond the window, frames on closed streams): GOAWAY with the error's code, naming the reason.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, protocolErrors, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
 			ch <- counter(floods, s.FloodCloses)
+			ch <- counter(protocolErrors, s.ProtocolErrorCloses)
 			ch <- counter(acceptErrors, s.AcceptErrors)
 			ch <- counter(refusalsCut, s.RefusalsCut)
 			ch <- gauge(handlers, float64(s.HandlersHeld), "held")

@@ -37,6 +37,7 @@ func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.ConnsRefused += s.ConnsRefused
 	sum.StreamsEarlyReset += s.StreamsEarlyReset
 	sum.ConnsFlood += s.ConnsFlood
+	sum.ConnsProtocolError += s.ConnsProtocolError
 	sum.AcceptErrors += s.AcceptErrors
 	sum.RefusalsCut += s.RefusalsCut
 }

@@ -232,6 +232,10 @@ type connConfig struct {
 	// ENHANCE_YOUR_CALM.
 	onEarlyReset func() bool
 	onFlood      func()
+	// onProtocolError counts conns closed because the peer broke HTTP/2
+	// (our GOAWAY carries PROTOCOL_ERROR, FLOW_CONTROL_ERROR,
+	// FRAME_SIZE_ERROR, ...).
+	onProtocolError func()
 	// onZeroStreamLimit (client) counts conns drained because the server
 	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0.
 	onZeroStreamLimit func()
@@ -648,8 +652,10 @@ func (c *conn) readLoop() {
 		c.cfg.log.Warn("hbone peer floods, closing its connection", "remote", c.nc.RemoteAddr(), "reason", fe.reason)
 		c.closeConn(http2.ErrCodeEnhanceYourCalm, err, true, true)
 	case errors.As(err, &ce):
+		c.countProtocolError()
 		c.closeConn(http2.ErrCode(ce), fmt.Errorf("peer broke http2 protocol: %w", err), true, true)
 	case errors.Is(err, http2.ErrFrameTooLarge):
+		c.countProtocolError()
 		c.closeConn(http2.ErrCodeFrameSize, err, true, true)
 	case errors.As(err, &ge):
 		c.closeConn(http2.ErrCodeNo, err, false, true)
@@ -1899,6 +1905,14 @@ func (c *conn) giveBackIfIdle() bool {
 	c.mu.Unlock()
 	go c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle, its receive window given to another client", ErrConnClosed), true)
 	return true
+}
+
+// countProtocolError counts the conn as closed because its peer broke
+// HTTP/2.
+func (c *conn) countProtocolError() {
+	if c.cfg.onProtocolError != nil {
+		c.cfg.onProtocolError()
+	}
 }
 
 // closeConn is close; linger (for the reader, closing because of what the

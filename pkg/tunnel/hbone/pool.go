@@ -75,6 +75,10 @@ type PoolStats struct {
 	// set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new
 	// stream, and would otherwise stay pooled until the idle timeout.
 	ZeroStreamLimitDrains uint64
+	// ProtocolErrorCloses counts connections closed because the server
+	// broke HTTP/2 (a malformed or truncated response, a push, frames on
+	// streams never opened, ...): GOAWAY with the error's code.
+	ProtocolErrorCloses uint64
 }
 
 // Pool is the HBONE client: it multiplexes streams over pooled TLS
@@ -92,6 +96,8 @@ type Pool struct {
 	floods atomic.Uint64
 	// zeroLimits counts conns drained for a stream limit of 0.
 	zeroLimits atomic.Uint64
+	// protocolErrors counts conns closed because the server broke HTTP/2.
+	protocolErrors atomic.Uint64
 
 	mu      sync.Mutex
 	entries map[PoolKey]*poolEntry
@@ -385,15 +391,16 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		return nil, fmt.Errorf("hbone %v negotiated ALPN %q, want h2", key.DstAddr, proto)
 	}
 	c := newConn(context.Background(), tc, connConfig{
-		client:       true,
-		batch:        batch,
-		idleTimeout:  p.opts.IdleTimeout,
-		pingInterval: max(p.opts.PingInterval, 0),
-		pingTimeout:  p.opts.PingTimeout,
-		log:          p.log,
-		onIdle:       p.onIdle,
-		onClose:      p.onClose,
-		onFlood:      func() { p.floods.Add(1) },
+		client:          true,
+		batch:           batch,
+		idleTimeout:     p.opts.IdleTimeout,
+		pingInterval:    max(p.opts.PingInterval, 0),
+		pingTimeout:     p.opts.PingTimeout,
+		log:             p.log,
+		onIdle:          p.onIdle,
+		onClose:         p.onClose,
+		onFlood:         func() { p.floods.Add(1) },
+		onProtocolError: func() { p.protocolErrors.Add(1) },
 		onZeroStreamLimit: func() {
 			p.zeroLimits.Add(1)
 			p.log.Debug("hbone server takes no streams (SETTINGS_MAX_CONCURRENT_STREAMS 0), draining its connection", "dst", key.DstAddr)
@@ -508,7 +515,8 @@ func (p *Pool) dropEntryLocked(key PoolKey, e *poolEntry) {
 func (p *Pool) Stats() PoolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load(), ZeroStreamLimitDrains: p.zeroLimits.Load()}
+	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load(), ZeroStreamLimitDrains: p.zeroLimits.Load(),
+		ProtocolErrorCloses: p.protocolErrors.Load()}
 	for _, e := range p.entries {
 		for _, c := range e.conns {
 			st.Conns++

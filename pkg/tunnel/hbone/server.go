@@ -118,6 +118,9 @@ type ServerStats struct {
 	// flood of frames that carry nothing).
 	StreamsEarlyReset uint64
 	ConnsFlood        uint64
+	// ConnsProtocolError counts connections closed because the client
+	// broke HTTP/2: GOAWAY with the error's code.
+	ConnsProtocolError uint64
 	// AcceptErrors counts failed Accepts (EMFILE, ENFILE, ENOBUFS, ...),
 	// each followed by a backoff.
 	AcceptErrors uint64
@@ -136,7 +139,7 @@ type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
-	refusalsCut                                          atomic.Uint64
+	refusalsCut, protocolErrors                          atomic.Uint64
 	handlersHeld, handlersQueued                         atomic.Int64
 }
 
@@ -209,20 +212,21 @@ func NewServer(opts ServerOptions) (*Server, error) {
 func (srv *Server) Stats() ServerStats {
 	st := &srv.stats
 	return ServerStats{
-		ConnsAccepted:     st.connsAccepted.Load(),
-		ConnsActive:       st.connsActive.Load(),
-		HandshakeFailures: st.handshakeFailures.Load(),
-		StreamsOK:         st.streamsOK.Load(),
-		StreamsBadRequest: st.streamsBadRequest.Load(),
-		StreamsDenied:     st.streamsDenied.Load(),
-		StreamsRefused:    st.refused.Load(),
-		ConnsRefused:      st.connsRefused.Load(),
-		StreamsEarlyReset: st.earlyResets.Load(),
-		ConnsFlood:        st.floods.Load(),
-		AcceptErrors:      st.acceptErrors.Load(),
-		RefusalsCut:       st.refusalsCut.Load(),
-		HandlersHeld:      uint64(max(st.handlersHeld.Load(), 0)),
-		HandlersQueued:    uint64(max(st.handlersQueued.Load(), 0)),
+		ConnsAccepted:      st.connsAccepted.Load(),
+		ConnsActive:        st.connsActive.Load(),
+		HandshakeFailures:  st.handshakeFailures.Load(),
+		StreamsOK:          st.streamsOK.Load(),
+		StreamsBadRequest:  st.streamsBadRequest.Load(),
+		StreamsDenied:      st.streamsDenied.Load(),
+		StreamsRefused:     st.refused.Load(),
+		ConnsRefused:       st.connsRefused.Load(),
+		StreamsEarlyReset:  st.earlyResets.Load(),
+		ConnsFlood:         st.floods.Load(),
+		ConnsProtocolError: st.protocolErrors.Load(),
+		AcceptErrors:       st.acceptErrors.Load(),
+		RefusalsCut:        st.refusalsCut.Load(),
+		HandlersHeld:       uint64(max(st.handlersHeld.Load(), 0)),
+		HandlersQueued:     uint64(max(st.handlersQueued.Load(), 0)),
 	}
 }
 
@@ -357,19 +361,20 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn, trustGen uint64, onPreface func()) {
 	var c *conn
 	c = newConn(srv.ctx, nc, connConfig{
-		batch:          batch,
-		maxStreams:     srv.opts.MaxConcurrentStreams,
-		idleTimeout:    srv.opts.IdleTimeout,
-		prefaceTimeout: srv.opts.HandshakeTimeout,
-		onPreface:      onPreface,
-		log:            srv.log,
-		onIdle:         srv.onIdle,
-		onClose:        srv.onClose,
-		onRequest:      func(s *Stream, f *http2.MetaHeadersFrame) error { return srv.startStream(c, s, f) },
-		onRefused:      func() { srv.stats.refused.Add(1) },
-		maxEarlyResets: srv.opts.MaxEarlyResets,
-		onEarlyReset:   func() bool { return srv.earlyReset(c) },
-		onFlood:        func() { srv.stats.floods.Add(1) },
+		batch:           batch,
+		maxStreams:      srv.opts.MaxConcurrentStreams,
+		idleTimeout:     srv.opts.IdleTimeout,
+		prefaceTimeout:  srv.opts.HandshakeTimeout,
+		onPreface:       onPreface,
+		log:             srv.log,
+		onIdle:          srv.onIdle,
+		onClose:         srv.onClose,
+		onRequest:       func(s *Stream, f *http2.MetaHeadersFrame) error { return srv.startStream(c, s, f) },
+		onRefused:       func() { srv.stats.refused.Add(1) },
+		maxEarlyResets:  srv.opts.MaxEarlyResets,
+		onEarlyReset:    func() bool { return srv.earlyReset(c) },
+		onFlood:         func() { srv.stats.floods.Add(1) },
+		onProtocolError: func() { srv.stats.protocolErrors.Add(1) },
 	})
 	c.tlsState = state
 
