@@ -341,7 +341,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 // name when the endpoint pod is meshed, plain TCP from the pod otherwise.
 func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort, trace string) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
-	if w != nil && w.Enrolled {
+	if w != nil && w.TakesHBONE() {
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
 		// a second one.

@@ -1,0 +1,131 @@
+package tunnel
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/netip"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// plainWitness is a plaintext server standing at a destination's address:
+// it reports every byte that reaches it.
+type plainWitness struct {
+	l   net.Listener
+	got chan []byte
+}
+
+func newPlainWitness(t *testing.T, addr string) *plainWitness {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	w := &plainWitness{l: l, got: make(chan []byte, 16)}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				b := make([]byte, 512)
+				n, _ := c.Read(b)
+				w.got <- b[:n]
+			}()
+		}
+	}()
+	return w
+}
+
+func (w *plainWitness) port() uint16 { return uint16(w.l.Addr().(*net.TCPAddr).Port) }
+
+// tunnelWithPool is a test tunnel that can open HBONE: certificates and a
+// pool (its dials fail before any handshake when nothing listens).
+func tunnelWithPool(t *testing.T) *Tunnel {
+	t.Helper()
+	pki := identitytest.NewPKI(t, "ecdsa")
+	ca, err := identity.LoadCAFor(identitytest.WriteCacerts(t, pki), "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	certs := identity.NewManager(ca, time.Hour, nil)
+	t.Cleanup(certs.Close)
+	pool := hbone.NewPool(hbone.PoolOptions{})
+	t.Cleanup(func() { pool.Close() })
+	return New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		TunnelMark: testMark, Certs: certs, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true})
+}
+
+// TestOutboundToCapturedPodNeverPlaintext: a pod of another node whose
+// own node records it captured (annotation
+// ambient.istio.io/redirection=enabled, Workload.Redirected) takes HBONE,
+// whatever this agent's rules say of it: its namespace not (yet) in this
+// agent's view, a namespace label just removed while its node has not
+// detached it yet, nodes whose settings differ. istiod decides a pod's
+// tunnel protocol by that annotation. Before, such a pod was dialled in
+// plain TCP, directly and as a service endpoint, and the app's bytes
+// crossed the network in plaintext to a meshed pod (which, STRICT,
+// refused them only once they had arrived).
+func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.2:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	remote := podObj("fresh", "server", "server", "127.0.0.2", nil)
+	remote.Node, remote.Enrolled, remote.Redirected = "n2", false, true
+	remote.Reason = "no istio.io/dataplane-mode=ambient label on pod or namespace"
+	svc := &workload.Service{Name: "server", Namespace: "fresh", Hostname: "server.fresh.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.20")},
+		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true}}}
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, remote}, []*workload.Service{svc})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	for _, dst := range []string{
+		"127.0.0.2:" + strconv.Itoa(int(witness.port())), // the pod's own address
+		"10.96.0.20:80", // its service
+	} {
+		app, tunnelSide := net.Pipe()
+		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(dst)),
+			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		go func() {
+			_, _ = app.Write([]byte("secret request"))
+			_, _ = io.Copy(io.Discard, app)
+		}()
+		done := make(chan struct{})
+		go func() { defer close(done); p.handleOutbound(c) }()
+		select {
+		case b := <-witness.got:
+			t.Errorf("to %s: %q reached the captured pod in plaintext", dst, b)
+		case <-done:
+			select {
+			case b := <-witness.got:
+				t.Errorf("to %s: %q reached the captured pod in plaintext", dst, b)
+			case <-time.After(500 * time.Millisecond):
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("to %s: outbound handler still running", dst)
+		}
+		app.Close()
+		c.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}
