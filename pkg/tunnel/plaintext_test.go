@@ -100,6 +100,9 @@ func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
 	for _, dst := range []string{
 		"127.0.0.2:" + strconv.Itoa(int(witness.port())), // the pod's own address
 		"10.96.0.20:80", // its service
+		// As a dual-stack socket reports an IPv4 destination.
+		"[::ffff:127.0.0.2]:" + strconv.Itoa(int(witness.port())),
+		"[::ffff:10.96.0.20]:80",
 	} {
 		app, tunnelSide := net.Pipe()
 		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(dst)),

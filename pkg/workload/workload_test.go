@@ -65,6 +65,10 @@ func TestDirectoryAddressConflict(t *testing.T) {
 			{Namespace: "a", Name: "stale", Addrs: a},
 			{Namespace: "b", Name: "web", Addrs: a, Redirected: true},
 		}, "b/web", "a/stale"},
+		{"enrolled over captured by its node", []*Workload{
+			{Namespace: "a", Name: "leaving", Addrs: a, Redirected: true},
+			{Namespace: "b", Name: "web", Addrs: a, Enrolled: true},
+		}, "b/web", "a/leaving"},
 		{"not terminating over terminating", []*Workload{
 			{Namespace: "a", Name: "old", Addrs: a, Enrolled: true, Terminating: true},
 			{Namespace: "b", Name: "new", Addrs: a},
