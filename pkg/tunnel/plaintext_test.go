@@ -6,13 +6,16 @@ import (
 	"net"
 	"net/netip"
 	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
+	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
@@ -131,4 +134,82 @@ func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	p.stop(ctx)
+}
+
+// TestInboundJudgedOnlyAsTheServedPod: an inbound connection is decided
+// with the policies of the pod whose listener took it, never those of
+// another workload the directory has at that address. A terminating pod
+// loses its address in the directory to any pod that is not terminating
+// (a kubelet writes its own pods' status.podIPs, and a compromised one
+// can name any address), while the terminating pod still runs and takes
+// connections. Before, those were judged by the other pod's namespace
+// and labels: a STRICT pod took plaintext under the other namespace's
+// PERMISSIVE, and AuthorizationPolicies selecting it did not apply. Such a
+// connection is refused and counted instead, and an open one is closed
+// when an update gives its address away.
+func TestInboundJudgedOnlyAsTheServedPod(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	server := podObj("strict", "server", "server", "10.1.0.2", nil)
+	server.Terminating = true
+	intruder := podObj("open", "intruder", "intruder", "10.1.0.2", nil)
+	intruder.Node = "n2"
+	strict := policy.PeerAuthentication{Meta: policy.Meta{Namespace: "strict", Name: "strict"},
+		Spec: policy.PeerAuthenticationSpec{MTLS: &policy.MTLS{Mode: policy.ModeStrict}}}
+	own := testDir(t, server)
+	tun.Update(&State{Dir: own, PeerAuthentications: []policy.PeerAuthentication{strict}})
+	p := testPod(tun, server.Key(), netip.MustParseAddr("10.1.0.2"))
+
+	// Open over mTLS while the directory is right.
+	peer := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
+	var closed atomic.Bool
+	ic := p.track(netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddrPort("10.2.0.1:40000"), peer, true)
+	ic.connected(func() { closed.Store(true) })
+
+	taken, _ := workload.NewDirectory([]*workload.Workload{server, intruder}, nil)
+	if w, _ := taken.ByAddr(netip.MustParseAddr("10.1.0.2")); w != intruder {
+		t.Fatalf("directory gives the address to %v, want the intruder", w)
+	}
+	tun.Update(&State{Dir: taken, PeerAuthentications: []policy.PeerAuthentication{strict}})
+	if !closed.Load() {
+		t.Error("an open connection to the pod stayed open after its address went to another workload")
+	}
+	c := newFakeConn("10.1.0.2:8080", "10.2.0.7:40000")
+	p.handleInboundPlaintext(c)
+	if !c.closed.Load() {
+		t.Error("plaintext connection left open")
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues(reasonNotThisPod)); got != 1 {
+		t.Errorf("fail_closed{%s} = %v, want 1: the plaintext connection was judged as the other workload's", reasonNotThisPod, got)
+	}
+	for _, tc := range []struct {
+		name   string
+		secure bool
+	}{{"plaintext", false}, {"mTLS", true}} {
+		podW, why, _, _ := tun.inboundVerdict(tun.State(), p, netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddr("10.2.0.7"), peer, tc.secure)
+		if why != reasonNotThisPod || podW != nil {
+			t.Errorf("%s: verdict %v %q, want %q", tc.name, podW, why, reasonNotThisPod)
+		}
+	}
+}
+
+// TestInboundClosedWhenAddressGoesToLookalike: an open connection is
+// decided again when its pod's address goes to another workload, even one
+// of the same namespace and labels (nothing the policies read changed, but
+// the pod is no longer the directory's at that address).
+func TestInboundClosedWhenAddressGoesToLookalike(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	server := podObj("mesh", "server", "server", "10.1.0.2", map[string]string{"app": "web"})
+	server.Terminating = true
+	lookalike := podObj("mesh", "web-2", "server", "10.1.0.2", map[string]string{"app": "web"})
+	lookalike.Node = "n2"
+	tun.Update(&State{Dir: testDir(t, server)})
+	p := testPod(tun, server.Key(), netip.MustParseAddr("10.1.0.2"))
+	var closed atomic.Bool
+	ic := p.track(netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddrPort("10.2.0.1:40000"), identity.ID{}, false)
+	ic.connected(func() { closed.Store(true) })
+	taken, _ := workload.NewDirectory([]*workload.Workload{server, lookalike}, nil)
+	tun.Update(&State{Dir: taken})
+	if !closed.Load() {
+		t.Error("an open connection stayed open after its pod's address went to another workload")
+	}
 }
