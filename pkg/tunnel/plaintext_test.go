@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -211,5 +212,73 @@ func TestInboundClosedWhenAddressGoesToLookalike(t *testing.T) {
 	tun.Update(&State{Dir: taken})
 	if !closed.Load() {
 		t.Error("an open connection stayed open after its pod's address went to another workload")
+	}
+}
+
+// TestServiceEndpointInTheVIPsFamily: a connection to an IPv4 VIP goes to
+// an endpoint workload's IPv4 address, though the service lists the
+// workload by its IPv6 one (a dual-stack service has a slice per family),
+// as kube-proxy routes and ztunnel picks. Before, it went to the IPv6
+// address, which an app listening on IPv4 only refused, and the refusal
+// marked the endpoint failed for every pod of the node.
+func TestServiceEndpointInTheVIPsFamily(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.3:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	server := podObj("plain", "server", "server", "127.0.0.3", nil)
+	server.Addrs = append(server.Addrs, netip.MustParseAddr("::1"))
+	server.Enrolled = false // outside the mesh: plain TCP is right here
+	svc := &workload.Service{Name: "server", Namespace: "plain", Hostname: "server.plain.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.30"), netip.MustParseAddr("fd00:96::30")},
+		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("::1"), Ready: true}}}
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, server}, []*workload.Service{svc})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	app, tunnelSide := net.Pipe()
+	defer app.Close()
+	c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.30:80")),
+		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+	go func() { _, _ = app.Write([]byte("hello")) }()
+	p.handleOutbound(c)
+	select {
+	case b := <-witness.got:
+		if string(b) != "hello" {
+			t.Errorf("the endpoint got %q", b)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("the endpoint's IPv4 address got nothing")
+	}
+	tun.lb.mu.Lock()
+	failed := len(tun.lb.failed)
+	tun.lb.mu.Unlock()
+	if failed != 0 {
+		t.Errorf("%d endpoints marked failed, want none", failed)
+	}
+	c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}
+
+// inFamilyOf maps dual-stack workloads to the destination's family, drops
+// the repeats that makes, and puts endpoints it cannot map last.
+func TestInFamilyOf(t *testing.T) {
+	ds := &workload.Workload{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00::1")}}
+	v6only := &workload.Workload{Addrs: []netip.Addr{netip.MustParseAddr("fd00::2")}}
+	tg := func(w *workload.Workload, a string) target {
+		return target{ep: workload.Endpoint{Workload: w}, addr: netip.MustParseAddrPort(a)}
+	}
+	cands := []target{tg(ds, "[fd00::1]:80"), tg(v6only, "[fd00::2]:80"), tg(ds, "10.0.0.1:80"), tg(nil, "10.0.0.9:80")}
+	var got []string
+	for _, c := range inFamilyOf(cands, netip.MustParseAddr("10.96.0.1")) {
+		got = append(got, c.addr.String())
+	}
+	if want := []string{"10.0.0.1:80", "10.0.0.9:80", "[fd00::2]:80"}; !slices.Equal(got, want) {
+		t.Errorf("inFamilyOf = %v, want %v", got, want)
 	}
 }
