@@ -140,7 +140,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	client := addrPortOf(req.RemoteAddr)
 	ic := p.track(dst, client, peer, true)
 	st := t.State()
-	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), peer, true)
+	podW, why, detail, pol := t.inboundVerdict(st, p, dst, client.Addr(), peer, true)
 	srcW := t.sourceWorkload(st.Dir, client.Addr(), peer)
 	// The source labels come from the directory; the client's baggage
 	// only names a client the directory does not know.
@@ -159,6 +159,11 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 		p.untrack(ic)
 		t.cfg.Metrics.denied(why)
 		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "destination pod not in the workload directory"}
+	case reasonNotThisPod:
+		p.untrack(ic)
+		t.cfg.Metrics.failClosed.WithLabelValues(why).Inc()
+		t.failures.note(ctx, "inbound connection refused: the directory gives its destination to another workload", "client", peer.String(), "dst", dst, "detail", detail)
+		return hbone.Response{Status: http.StatusServiceUnavailable, Reason: "destination address belongs to another workload in the directory"}
 	default:
 		p.untrack(ic)
 		conn.dstID = t.identityOf(podW)
@@ -334,12 +339,18 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	}
 	ic := p.track(dst, client, identity.ID{}, false)
 	st := t.State()
-	podW, why, detail, pol := t.inboundVerdict(st, dst, client.Addr(), identity.ID{}, false)
+	podW, why, detail, pol := t.inboundVerdict(st, p, dst, client.Addr(), identity.ID{}, false)
 	switch why {
 	case "":
 	case "unknown_destination":
 		p.untrack(ic)
 		t.cfg.Metrics.failClosed.WithLabelValues(why).Inc()
+		resetConn(c)
+		return
+	case reasonNotThisPod:
+		p.untrack(ic)
+		t.cfg.Metrics.failClosed.WithLabelValues(why).Inc()
+		t.failures.note(ctx, "inbound connection refused: the directory gives its destination to another workload", "client", client, "dst", dst, "detail", detail)
 		resetConn(c)
 		return
 	case "strict_plaintext":

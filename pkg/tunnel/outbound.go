@@ -48,7 +48,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	dstW, meshed := state.Dir.ByAddr(dst.Addr())
-	if !meshed || !dstW.Enrolled {
+	if !meshed || !dstW.TakesHBONE() {
 		p.passthrough(ctx, c, srcW, dstW, src, dst)
 		return
 	}

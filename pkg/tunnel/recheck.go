@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"maps"
 	"net/netip"
 	"reflect"
@@ -94,14 +95,31 @@ func (ic *inboundConn) revoke(reason string) bool {
 	return true
 }
 
-// inboundVerdict decides an inbound connection against st: it returns the
-// destination pod's workload and "" when admitted, else the reason it is
-// not (a metric label: unknown_destination, strict_plaintext,
-// authorization) with the detail and policy to log.
-func (t *Tunnel) inboundVerdict(st *State, dst netip.AddrPort, client netip.Addr, peer identity.ID, secure bool) (podW *workload.Workload, reason, detail, pol string) {
+// reasonNotThisPod: the directory gives an inbound connection's
+// destination address to another workload than the pod whose listener
+// took it, as redirector_fail_closed_total labels it.
+const reasonNotThisPod = "destination_not_this_pod"
+
+// inboundVerdict decides an inbound connection to p against st: it returns
+// the destination pod's workload and "" when admitted, else the reason it
+// is not (a metric label: unknown_destination, destination_not_this_pod,
+// strict_plaintext, authorization) with the detail and policy to log;
+// podW is nil for the first two.
+//
+// The connection reached p's own listener, so only p's policies may decide
+// it: a directory that gives p's address to another workload (a pod that
+// is not terminating takes the address of one that is, and a kubelet
+// writes its pods' addresses) must not have that workload's namespace,
+// labels and PeerAuthentication judge p's traffic. Such a connection is
+// refused, as the outbound side refuses a source the directory gives to
+// another pod (pod.self).
+func (t *Tunnel) inboundVerdict(st *State, p *pod, dst netip.AddrPort, client netip.Addr, peer identity.ID, secure bool) (podW *workload.Workload, reason, detail, pol string) {
 	podW, ok := st.Dir.ByAddr(dst.Addr().Unmap())
 	if !ok {
 		return nil, "unknown_destination", "destination pod not in the workload directory", ""
+	}
+	if podW.Key() != p.uid {
+		return nil, reasonNotThisPod, fmt.Sprintf("the directory gives %s to %s, not to pod %s", dst.Addr(), podW, p.uid), ""
 	}
 	// Compiled policies (istiod's) carry STRICT as a DENY of plaintext.
 	if !secure && st.Compiled == nil {
@@ -148,7 +166,7 @@ func (t *Tunnel) recheck(ctx context.Context, prev, next *State) {
 		conns := slices.Collect(maps.Keys(p.inbound))
 		p.mu.Unlock()
 		for _, ic := range conns {
-			_, reason, detail, pol := t.inboundVerdict(next, ic.dst, ic.client, ic.peer, ic.secure)
+			_, reason, detail, pol := t.inboundVerdict(next, p, ic.dst, ic.client, ic.peer, ic.secure)
 			if reason == "" || !ic.revoke(reason) {
 				continue
 			}
@@ -168,8 +186,8 @@ func (t *Tunnel) recheck(ctx context.Context, prev, next *State) {
 }
 
 // workloadChanged reports whether any of p's addresses maps to a workload
-// with other policy inputs (presence, namespace, labels) in next than in
-// prev.
+// with other policy inputs (presence, identity, namespace, labels) in next
+// than in prev.
 func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
 	for _, a := range p.addrs {
 		was, wok := prev.ByAddr(a)
@@ -177,7 +195,7 @@ func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
 		if wok != iok {
 			return true
 		}
-		if wok && (was.Namespace != is.Namespace || !maps.Equal(was.Labels, is.Labels)) {
+		if wok && (was.Key() != is.Key() || was.Namespace != is.Namespace || !maps.Equal(was.Labels, is.Labels)) {
 			return true
 		}
 	}

@@ -300,7 +300,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 		resetConn(c)
 		return
 	}
-	candidates := t.lb.order(dir, svc, *port, srcW)
+	candidates := inFamilyOf(t.lb.order(dir, svc, *port, srcW), dst.Addr())
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
 		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))
@@ -337,11 +337,42 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 	resetConn(c)
 }
 
+// inFamilyOf returns cands for a connection to dst: each at its
+// workload's address of dst's family where it is of the other (a
+// dual-stack service lists a dual-stack pod once per family), without
+// repeats, those of dst's family first. kube-proxy never sends a VIP's
+// connection to an endpoint of the other family, and ztunnel picks the
+// endpoint workload's address of the destination's family: an app that
+// listens on IPv4 only refused the connections sent to its IPv6 address,
+// which also marked it failed for every pod of the node.
+func inFamilyOf(cands []target, dst netip.Addr) []target {
+	out := make([]target, 0, len(cands))
+	var other []target
+	for _, c := range cands {
+		a := c.addr.Addr()
+		if w := c.ep.Workload; a.Is4() != dst.Is4() && w != nil {
+			if i := slices.IndexFunc(w.Addrs, func(x netip.Addr) bool { return x.Is4() == dst.Is4() }); i >= 0 {
+				c.addr = netip.AddrPortFrom(w.Addrs[i], c.addr.Port())
+			}
+		}
+		seen := func(t target) bool { return t.addr == c.addr }
+		if slices.ContainsFunc(out, seen) || slices.ContainsFunc(other, seen) {
+			continue
+		}
+		if c.addr.Addr().Is4() == dst.Is4() {
+			out = append(out, c)
+		} else {
+			other = append(other, c)
+		}
+	}
+	return append(out, other...)
+}
+
 // dialEndpoint connects to one service endpoint: HBONE with the service host
 // name when the endpoint pod is meshed, plain TCP from the pod otherwise.
 func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort, trace string) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
-	if w != nil && w.Enrolled {
+	if w != nil && w.TakesHBONE() {
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
 		// a second one.

@@ -83,15 +83,19 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 
 // claimsOver says whether w takes an address from other, which came
 // before it by name. A pod that is not terminating wins (a terminating
-// pod's address may be a new pod's already), then an enrolled one: an
-// object outside the mesh at a meshed pod's address (stale, or lying)
-// would make connections to it plaintext passthrough, where the enrolled
-// one, if wrong, fails closed (its HBONE is not answered).
+// pod's address may be a new pod's already), then an enrolled one, then
+// one its node records captured (Redirected): an object outside the mesh
+// at a meshed pod's address (stale, or lying) would make connections to
+// it plaintext passthrough, where the meshed one, if wrong, fails closed
+// (its HBONE is not answered).
 func claimsOver(w, other *Workload) bool {
 	if w.Terminating != other.Terminating {
 		return !w.Terminating
 	}
-	return w.Enrolled && !other.Enrolled
+	if w.Enrolled != other.Enrolled {
+		return w.Enrolled
+	}
+	return w.Redirected && !other.Redirected
 }
 
 // nameKey is namespace and name.

@@ -95,6 +95,18 @@ func (c Choice) Or(def bool) bool {
 	return def
 }
 
+// TakesHBONE says whether connections to w must go over HBONE, never in
+// plain TCP: w is enrolled, or its node records it captured (Redirected,
+// the annotation its node agent writes once the capture is on and removes
+// once it is off). istiod decides a pod's tunnel protocol by that
+// annotation alone; this agent's own rules can lag or differ for another
+// node's pod (its namespace not yet in the agent's view, a label just
+// removed that its node has not acted on, nodes with other settings), and
+// sending plaintext to a captured pod puts its traffic on the network
+// unencrypted. HBONE to a pod that turns out not to be captured fails
+// closed instead.
+func (w *Workload) TakesHBONE() bool { return w.Enrolled || w.Redirected }
+
 // Identity is the workload's SPIFFE ID in trustDomain.
 func (w *Workload) Identity(trustDomain string) string {
 	return "spiffe://" + trustDomain + "/ns/" + w.Namespace + "/sa/" + w.ServiceAccount

@@ -61,6 +61,14 @@ func TestDirectoryAddressConflict(t *testing.T) {
 			{Namespace: "a", Name: "stale", Addrs: a},
 			{Namespace: "b", Name: "web", Addrs: a, Enrolled: true},
 		}, "b/web", "a/stale"},
+		{"captured by its node over neither", []*Workload{
+			{Namespace: "a", Name: "stale", Addrs: a},
+			{Namespace: "b", Name: "web", Addrs: a, Redirected: true},
+		}, "b/web", "a/stale"},
+		{"enrolled over captured by its node", []*Workload{
+			{Namespace: "a", Name: "leaving", Addrs: a, Redirected: true},
+			{Namespace: "b", Name: "web", Addrs: a, Enrolled: true},
+		}, "b/web", "a/leaving"},
 		{"not terminating over terminating", []*Workload{
 			{Namespace: "a", Name: "old", Addrs: a, Enrolled: true, Terminating: true},
 			{Namespace: "b", Name: "new", Addrs: a},
@@ -173,6 +181,26 @@ func TestServiceByVIPForRanges(t *testing.T) {
 		}
 		if got != tc.want {
 			t.Errorf("%s from %s: %q, want %q", tc.dst, tc.ns, got, tc.want)
+		}
+	}
+}
+
+// TestTakesHBONE: a workload is dialled over HBONE when it is enrolled or
+// its node records it captured (Redirected), as istiod decides by that
+// annotation; only a workload that is neither is dialled in plain TCP.
+func TestTakesHBONE(t *testing.T) {
+	for _, tt := range []struct {
+		w    Workload
+		want bool
+	}{
+		{Workload{}, false},
+		{Workload{Enrolled: true}, true},
+		{Workload{Redirected: true}, true},
+		{Workload{Redirected: true, Terminating: true}, true}, // captured until its netns is gone
+		{Workload{Enrolled: true, Redirected: true}, true},
+	} {
+		if got := tt.w.TakesHBONE(); got != tt.want {
+			t.Errorf("%+v: TakesHBONE() = %v, want %v", tt.w, got, tt.want)
 		}
 	}
 }

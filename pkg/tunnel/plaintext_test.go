@@ -1,0 +1,284 @@
+package tunnel
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/identity/identitytest"
+	"github.com/redirector-mesh/redirector/pkg/policy"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+)
+
+// plainWitness is a plaintext server standing at a destination's address:
+// it reports every byte that reaches it.
+type plainWitness struct {
+	l   net.Listener
+	got chan []byte
+}
+
+func newPlainWitness(t *testing.T, addr string) *plainWitness {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	w := &plainWitness{l: l, got: make(chan []byte, 16)}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				b := make([]byte, 512)
+				n, _ := c.Read(b)
+				w.got <- b[:n]
+			}()
+		}
+	}()
+	return w
+}
+
+func (w *plainWitness) port() uint16 { return uint16(w.l.Addr().(*net.TCPAddr).Port) }
+
+// tunnelWithPool is a test tunnel that can open HBONE: certificates and a
+// pool (its dials fail before any handshake when nothing listens).
+func tunnelWithPool(t *testing.T) *Tunnel {
+	t.Helper()
+	pki := identitytest.NewPKI(t, "ecdsa")
+	ca, err := identity.LoadCAFor(identitytest.WriteCacerts(t, pki), "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	certs := identity.NewManager(ca, time.Hour, nil)
+	t.Cleanup(certs.Close)
+	pool := hbone.NewPool(hbone.PoolOptions{})
+	t.Cleanup(func() { pool.Close() })
+	return New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008,
+		TunnelMark: testMark, Certs: certs, Pool: pool, Metrics: NewMetrics(prometheus.NewRegistry()), NoAccessLog: true})
+}
+
+// TestOutboundToCapturedPodNeverPlaintext: a pod of another node whose
+// own node records it captured (annotation
+// ambient.istio.io/redirection=enabled, Workload.Redirected) takes HBONE,
+// whatever this agent's rules say of it: its namespace not (yet) in this
+// agent's view, a namespace label just removed while its node has not
+// detached it yet, nodes whose settings differ. istiod decides a pod's
+// tunnel protocol by that annotation. Before, such a pod was dialled in
+// plain TCP, directly and as a service endpoint, and the app's bytes
+// crossed the network in plaintext to a meshed pod (which, STRICT,
+// refused them only once they had arrived).
+func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.2:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	remote := podObj("fresh", "server", "server", "127.0.0.2", nil)
+	remote.Node, remote.Enrolled, remote.Redirected = "n2", false, true
+	remote.Reason = "no istio.io/dataplane-mode=ambient label on pod or namespace"
+	svc := &workload.Service{Name: "server", Namespace: "fresh", Hostname: "server.fresh.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.20")},
+		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true}}}
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, remote}, []*workload.Service{svc})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	for _, dst := range []string{
+		"127.0.0.2:" + strconv.Itoa(int(witness.port())), // the pod's own address
+		"10.96.0.20:80", // its service
+		// As a dual-stack socket reports an IPv4 destination.
+		"[::ffff:127.0.0.2]:" + strconv.Itoa(int(witness.port())),
+		"[::ffff:10.96.0.20]:80",
+	} {
+		app, tunnelSide := net.Pipe()
+		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(dst)),
+			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		go func() {
+			_, _ = app.Write([]byte("secret request"))
+			_, _ = io.Copy(io.Discard, app)
+		}()
+		done := make(chan struct{})
+		go func() { defer close(done); p.handleOutbound(c) }()
+		select {
+		case b := <-witness.got:
+			t.Errorf("to %s: %q reached the captured pod in plaintext", dst, b)
+		case <-done:
+			select {
+			case b := <-witness.got:
+				t.Errorf("to %s: %q reached the captured pod in plaintext", dst, b)
+			case <-time.After(500 * time.Millisecond):
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatalf("to %s: outbound handler still running", dst)
+		}
+		app.Close()
+		c.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}
+
+// TestInboundJudgedOnlyAsTheServedPod: an inbound connection is decided
+// with the policies of the pod whose listener took it, never those of
+// another workload the directory has at that address. A terminating pod
+// loses its address in the directory to any pod that is not terminating
+// (a kubelet writes its own pods' status.podIPs, and a compromised one
+// can name any address), while the terminating pod still runs and takes
+// connections. Before, those were judged by the other pod's namespace
+// and labels: a STRICT pod took plaintext under the other namespace's
+// PERMISSIVE, and AuthorizationPolicies selecting it did not apply. Such a
+// connection is refused and counted instead, and an open one is closed
+// when an update gives its address away.
+func TestInboundJudgedOnlyAsTheServedPod(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	server := podObj("strict", "server", "server", "10.1.0.2", nil)
+	server.Terminating = true
+	intruder := podObj("open", "intruder", "intruder", "10.1.0.2", nil)
+	intruder.Node = "n2"
+	strict := policy.PeerAuthentication{Meta: policy.Meta{Namespace: "strict", Name: "strict"},
+		Spec: policy.PeerAuthenticationSpec{MTLS: &policy.MTLS{Mode: policy.ModeStrict}}}
+	own := testDir(t, server)
+	tun.Update(&State{Dir: own, PeerAuthentications: []policy.PeerAuthentication{strict}})
+	p := testPod(tun, server.Key(), netip.MustParseAddr("10.1.0.2"))
+
+	// Open over mTLS while the directory is right.
+	peer := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
+	var closed atomic.Bool
+	ic := p.track(netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddrPort("10.2.0.1:40000"), peer, true)
+	ic.connected(func() { closed.Store(true) })
+
+	taken, _ := workload.NewDirectory([]*workload.Workload{server, intruder}, nil)
+	if w, _ := taken.ByAddr(netip.MustParseAddr("10.1.0.2")); w != intruder {
+		t.Fatalf("directory gives the address to %v, want the intruder", w)
+	}
+	tun.Update(&State{Dir: taken, PeerAuthentications: []policy.PeerAuthentication{strict}})
+	if !closed.Load() {
+		t.Error("an open connection to the pod stayed open after its address went to another workload")
+	}
+	c := newFakeConn("10.1.0.2:8080", "10.2.0.7:40000")
+	p.handleInboundPlaintext(c)
+	if !c.closed.Load() {
+		t.Error("plaintext connection left open")
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues(reasonNotThisPod)); got != 1 {
+		t.Errorf("fail_closed{%s} = %v, want 1: the plaintext connection was judged as the other workload's", reasonNotThisPod, got)
+	}
+	for _, tc := range []struct {
+		name   string
+		secure bool
+	}{{"plaintext", false}, {"mTLS", true}} {
+		podW, why, _, _ := tun.inboundVerdict(tun.State(), p, netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddr("10.2.0.7"), peer, tc.secure)
+		if why != reasonNotThisPod || podW != nil {
+			t.Errorf("%s: verdict %v %q, want %q", tc.name, podW, why, reasonNotThisPod)
+		}
+	}
+}
+
+// TestInboundClosedWhenAddressGoesToLookalike: an open connection is
+// decided again when its pod's address goes to another workload, even one
+// of the same namespace and labels (nothing the policies read changed, but
+// the pod is no longer the directory's at that address).
+func TestInboundClosedWhenAddressGoesToLookalike(t *testing.T) {
+	tun := newTestTunnel(t, nil)
+	server := podObj("mesh", "server", "server", "10.1.0.2", map[string]string{"app": "web"})
+	server.Terminating = true
+	lookalike := podObj("mesh", "web-2", "server", "10.1.0.2", map[string]string{"app": "web"})
+	lookalike.Node = "n2"
+	tun.Update(&State{Dir: testDir(t, server)})
+	p := testPod(tun, server.Key(), netip.MustParseAddr("10.1.0.2"))
+	var closed atomic.Bool
+	ic := p.track(netip.MustParseAddrPort("10.1.0.2:8080"), netip.MustParseAddrPort("10.2.0.1:40000"), identity.ID{}, false)
+	ic.connected(func() { closed.Store(true) })
+	taken, _ := workload.NewDirectory([]*workload.Workload{server, lookalike}, nil)
+	tun.Update(&State{Dir: taken})
+	if !closed.Load() {
+		t.Error("an open connection stayed open after its pod's address went to another workload")
+	}
+}
+
+// TestServiceEndpointInTheVIPsFamily: a connection to an IPv4 VIP goes to
+// an endpoint workload's IPv4 address, though the service lists the
+// workload by its IPv6 one (a dual-stack service has a slice per family),
+// as kube-proxy routes and ztunnel picks. Before, it went to the IPv6
+// address, which an app listening on IPv4 only refused, and the refusal
+// marked the endpoint failed for every pod of the node.
+func TestServiceEndpointInTheVIPsFamily(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.3:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	server := podObj("plain", "server", "server", "127.0.0.3", nil)
+	server.Addrs = append(server.Addrs, netip.MustParseAddr("::1"))
+	server.Enrolled = false // outside the mesh: plain TCP is right here
+	svc := &workload.Service{Name: "server", Namespace: "plain", Hostname: "server.plain.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.30"), netip.MustParseAddr("fd00:96::30")},
+		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("::1"), Ready: true}}}
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, server}, []*workload.Service{svc})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	app, tunnelSide := net.Pipe()
+	defer app.Close()
+	c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.30:80")),
+		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+	go func() { _, _ = app.Write([]byte("hello")) }()
+	p.handleOutbound(c)
+	select {
+	case b := <-witness.got:
+		if string(b) != "hello" {
+			t.Errorf("the endpoint got %q", b)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("the endpoint's IPv4 address got nothing")
+	}
+	tun.lb.mu.Lock()
+	failed := len(tun.lb.failed)
+	tun.lb.mu.Unlock()
+	if failed != 0 {
+		t.Errorf("%d endpoints marked failed, want none", failed)
+	}
+	c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}
+
+// inFamilyOf maps dual-stack workloads to the destination's family, drops
+// the repeats that makes, and puts endpoints it cannot map last.
+func TestInFamilyOf(t *testing.T) {
+	ds := &workload.Workload{Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.1"), netip.MustParseAddr("fd00::1")}}
+	v6only := &workload.Workload{Addrs: []netip.Addr{netip.MustParseAddr("fd00::2")}}
+	tg := func(w *workload.Workload, a string) target {
+		return target{ep: workload.Endpoint{Workload: w}, addr: netip.MustParseAddrPort(a)}
+	}
+	cands := []target{tg(ds, "[fd00::1]:80"), tg(v6only, "[fd00::2]:80"), tg(ds, "10.0.0.1:80"), tg(nil, "10.0.0.9:80")}
+	var got []string
+	for _, c := range inFamilyOf(cands, netip.MustParseAddr("10.96.0.1")) {
+		got = append(got, c.addr.String())
+	}
+	if want := []string{"10.0.0.1:80", "10.0.0.9:80", "[fd00::2]:80"}; !slices.Equal(got, want) {
+		t.Errorf("inFamilyOf = %v, want %v", got, want)
+	}
+}
