@@ -61,7 +61,7 @@ func TestCertCollector(t *testing.T) {
 
 func TestHBONECollectors(t *testing.T) {
 	pool := NewPoolCollector(func() PoolStats {
-		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4}
+		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4, ProtocolErrorCloses: 10}
 	})
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
 		"redirector_hbone_pool_connections":                    2,
@@ -69,6 +69,7 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_dials_total":                         5,
 		"redirector_hbone_pool_flood_closes_total":             3,
 		"redirector_hbone_pool_zero_stream_limit_drains_total": 4,
+		"redirector_hbone_pool_protocol_error_closes_total":    10,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2, FramesDeniedShare: 7, BatchesDeniedShare: 8,
@@ -90,10 +91,11 @@ func TestHBONECollectors(t *testing.T) {
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
 			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
-			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19}
+			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19, ProtocolErrorCloses: 20}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":                      1,
+		"redirector_hbone_protocol_error_closes_total":                       20,
 		`redirector_hbone_streams_total{outcome="ok"}`:                       10,
 		`redirector_hbone_streams_total{outcome="bad_request"}`:              2,
 		`redirector_hbone_streams_total{outcome="denied"}`:                   3,
