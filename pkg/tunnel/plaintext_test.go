@@ -282,3 +282,74 @@ func TestInFamilyOf(t *testing.T) {
 		t.Errorf("inFamilyOf = %v, want %v", got, want)
 	}
 }
+
+// TestServiceEndpointOfUnseenPodNeverPlaintext: an EndpointSlice and the
+// Pod it names are watched apart, with no order between them, so a
+// service's endpoint may name a pod the directory does not have yet. That
+// pod may be meshed: before, the endpoint was dialled in plain TCP, and a
+// meshed pod's first connections crossed the network unencrypted. Such an
+// endpoint is refused (and counted) until the pod is known; an endpoint
+// naming a pod known outside the mesh (a hostNetwork pod, at its node's
+// address) is still dialled in plain TCP.
+func TestServiceEndpointOfUnseenPodNeverPlaintext(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.2:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	hostPod := podObj("infra", "agent", "agent", "127.0.0.9", nil)
+	hostPod.Addrs, hostPod.Enrolled = nil, false // hostNetwork: no address of its own
+	service := func(pod string) *workload.Service {
+		return &workload.Service{Name: "server", Namespace: "fresh", Hostname: "server.fresh.svc.cluster.local",
+			VIPs:  []netip.Addr{netip.MustParseAddr("10.96.0.20")},
+			Ports: []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+			Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true,
+				PodNamespace: "fresh", PodName: pod}}}
+	}
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	// connect opens a connection to the service and returns what reached
+	// the endpoint's plaintext server within wait, if anything.
+	connect := func(wait time.Duration) ([]byte, bool) {
+		t.Helper()
+		app, tunnelSide := net.Pipe()
+		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.20:80")),
+			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		defer func() { app.Close(); c.Close() }()
+		go func() {
+			_, _ = app.Write([]byte("secret request"))
+			_, _ = io.Copy(io.Discard, app)
+		}()
+		go p.handleOutbound(c)
+		select {
+		case b := <-witness.got:
+			return b, true
+		case <-time.After(wait):
+			return nil, false
+		}
+	}
+
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service("server")})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	if b, ok := connect(time.Second); ok {
+		t.Errorf("%q reached an endpoint naming an unseen pod in plaintext", b)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved")); got != 1 {
+		t.Errorf("fail_closed{endpoint_unresolved} = %v, want 1", got)
+	}
+
+	// The same endpoint naming a pod known outside the mesh: plain TCP.
+	hostPod.Namespace = "fresh"
+	dir, errs = workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service("agent")})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	if b, ok := connect(5 * time.Second); !ok || string(b) != "secret request" {
+		t.Errorf("an endpoint naming a pod known outside the mesh got %q (%v), want the request in plain TCP", b, ok)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}

@@ -368,10 +368,21 @@ func inFamilyOf(cands []target, dst netip.Addr) []target {
 	return append(out, other...)
 }
 
+// errEndpointUnresolved refuses an endpoint that names a pod the directory
+// does not know (workload.Endpoint.Unresolved).
+var errEndpointUnresolved = errors.New("the endpoint names a pod the directory does not know yet (or not at this address): not dialled in plain TCP")
+
 // dialEndpoint connects to one service endpoint: HBONE with the service host
-// name when the endpoint pod is meshed, plain TCP from the pod otherwise.
+// name when the endpoint pod is meshed, plain TCP from the pod otherwise. An
+// endpoint naming a pod the directory has not seen is not dialled: it may be
+// a meshed pod, and plain TCP would put its traffic on the network
+// unencrypted (ztunnel's endpoints are workloads, so it skips such one too).
 func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID identity.ID, svc *workload.Service, cand target, src netip.AddrPort, trace string) (io.ReadWriteCloser, bool, error) {
 	w := cand.ep.Workload
+	if w == nil && cand.ep.Unresolved {
+		p.t.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved").Inc()
+		return nil, false, errEndpointUnresolved
+	}
 	if w != nil && w.TakesHBONE() {
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
@@ -396,7 +407,8 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 // steer the service connections of every pod of its node to the endpoints
 // it left unmarked. Its own namespace out of ports or fds (a pod may
 // narrow net.ipv4.ip_local_port_range, and the agent dials from the pod's
-// namespace), its pod stopping (the dial cancelled), its identity refused
+// namespace), its pod stopping (the dial cancelled), an endpoint the
+// directory cannot resolve yet (not the endpoint's failure), its identity refused
 // by policy, a request refused (4xx), or its address over the endpoint
 // node's per-source limit are the client's.
 func endpointFailed(err error) bool {
@@ -404,7 +416,7 @@ func endpointFailed(err error) bool {
 	if errors.As(err, &st) {
 		return st.Status >= 500 && !strings.Contains(st.Reason, sourceLimitReason)
 	}
-	for _, own := range []error{context.Canceled, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE,
+	for _, own := range []error{errEndpointUnresolved, context.Canceled, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE,
 		syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
 		if errors.Is(err, own) {
 			return false

@@ -157,6 +157,11 @@ func (d *Directory) addService(s *Service) error {
 		e := &own.Endpoints[i]
 		// An address belongs to one workload: the directory's.
 		e.Workload = d.byAddr[e.Addr]
+		e.Unresolved = false
+		if e.Workload == nil && e.PodName != "" {
+			named := d.byName[nameKey{e.PodNamespace, e.PodName}]
+			e.Unresolved = named == nil || named.TakesHBONE()
+		}
 		e.Site = nil
 		if e.Workload == nil && e.Node != "" {
 			e.Site = d.site(e.Node)

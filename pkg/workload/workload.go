@@ -219,6 +219,15 @@ type Endpoint struct {
 	// Workload is the workload at Addr, or nil if it is not one we know.
 	// NewDirectory fills it in.
 	Workload *Workload
+	// PodNamespace and PodName name the pod the endpoint is, where the
+	// source says (an EndpointSlice endpoint's targetRef).
+	PodNamespace, PodName string
+	// Unresolved says the endpoint names a pod the directory does not
+	// know, or knows as meshed but not at Addr: the source has not seen
+	// the pod (or its address) yet, as an EndpointSlice and its Pod are
+	// watched apart. Such an endpoint may be a meshed pod, so it is not
+	// dialled in plain TCP. NewDirectory fills it in.
+	Unresolved bool
 	// Site stands in for Workload's locality where Workload is nil but
 	// Node is known (a hostNetwork pod's endpoint, at its node's address,
 	// which is no workload's): a workload on that node, whose region,

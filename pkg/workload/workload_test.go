@@ -204,3 +204,43 @@ func TestTakesHBONE(t *testing.T) {
 		}
 	}
 }
+
+// TestEndpointUnresolved: an endpoint that names a pod the directory does
+// not know, or knows as meshed but not at the endpoint's address, is
+// unresolved (the source has not seen the pod yet, and it may be meshed);
+// one naming a pod known outside the mesh, or no pod, is not.
+func TestEndpointUnresolved(t *testing.T) {
+	a := netip.MustParseAddr("10.0.0.5")
+	for _, tt := range []struct {
+		name string
+		pods []*Workload
+		ep   Endpoint
+		want bool
+	}{
+		{"no pod named", nil, Endpoint{Addr: a}, false},
+		{"pod unseen", nil, Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
+		{"pod at the address", []*Workload{{Namespace: "shop", Name: "web", Addrs: []netip.Addr{a}, Enrolled: true}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, false},
+		{"pod outside the mesh, no address (hostNetwork)", []*Workload{{Namespace: "shop", Name: "web"}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, false},
+		{"meshed pod, its address not seen yet", []*Workload{{Namespace: "shop", Name: "web", Enrolled: true}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
+		{"pod its node records captured, address not seen yet", []*Workload{{Namespace: "shop", Name: "web", Redirected: true}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
+		{"same name, other namespace", []*Workload{{Namespace: "other", Name: "web"}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
+	} {
+		svc := &Service{Namespace: "shop", Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")}, Endpoints: []Endpoint{tt.ep}}
+		d, errs := NewDirectory(tt.pods, []*Service{svc})
+		if len(errs) > 0 {
+			t.Fatal(errs)
+		}
+		got, ok := d.ServiceByVIP(svc.VIPs[0])
+		if !ok {
+			t.Fatalf("%s: service not found", tt.name)
+		}
+		if got := got.Endpoints[0].Unresolved; got != tt.want {
+			t.Errorf("%s: Unresolved = %v, want %v", tt.name, got, tt.want)
+		}
+	}
+}

@@ -262,6 +262,9 @@ func Endpoints(list []*discoveryv1.EndpointSlice) ([]workload.Endpoint, []error)
 			m := merged[a]
 			if m == nil {
 				m = &merging{e: &workload.Endpoint{Addr: a, Ports: ports, Node: derefOr(ep.NodeName, "")}}
+				if r := ep.TargetRef; r != nil && r.Kind == "Pod" && r.Name != "" {
+					m.e.PodNamespace, m.e.PodName = cmp.Or(r.Namespace, es.Namespace), r.Name
+				}
 				merged[a] = m
 			} else {
 				if !m.own {

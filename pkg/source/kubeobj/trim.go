@@ -130,7 +130,7 @@ func TrimService(svc *corev1.Service) *corev1.Service {
 
 // TrimEndpointSlice keeps of es what Endpoints reads: its service label,
 // address type, each endpoint's first address (the one used), ready
-// condition and node, and the ports.
+// condition, node and pod (targetRef), and the ports.
 func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice {
 	out := &discoveryv1.EndpointSlice{
 		ObjectMeta: metav1.ObjectMeta{Name: es.Name, Namespace: es.Namespace, UID: es.UID, ResourceVersion: es.ResourceVersion,
@@ -142,6 +142,9 @@ func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice
 		out.Endpoints = make([]discoveryv1.Endpoint, len(es.Endpoints))
 		for i, ep := range es.Endpoints {
 			out.Endpoints[i] = discoveryv1.Endpoint{Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}, NodeName: ep.NodeName}
+			if r := ep.TargetRef; r != nil && r.Kind == "Pod" {
+				out.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
+			}
 			if len(ep.Addresses) > 0 {
 				out.Endpoints[i].Addresses = ep.Addresses[:1:1]
 			}

@@ -143,7 +143,7 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Endpoints: []discoveryv1.Endpoint{
 			{Addresses: []string{"10.0.0.5", "10.0.0.55"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready},
-				NodeName: new("node-a"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "web-1"}},
+				NodeName: new("node-a"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "web-1", UID: "u-1", ResourceVersion: "9"}},
 			{Addresses: []string{"10.0.0.6"}, Conditions: discoveryv1.EndpointConditions{Ready: &notReady}},
 			{Addresses: []string{"10.0.0.7"}},
 			{Addresses: []string{"bad"}},
@@ -160,8 +160,14 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 	if !reflect.DeepEqual(gotEps, wantEps) || !reflect.DeepEqual(gotErrs, wantErrs) {
 		t.Errorf("trimmed slice gives %+v, %v; full %+v, %v", gotEps, gotErrs, wantEps, wantErrs)
 	}
-	if trimmedES.Endpoints[0].TargetRef != nil || len(trimmedES.Labels) != 1 {
-		t.Errorf("TrimEndpointSlice kept what translation does not read: %+v", trimmedES)
+	if r := trimmedES.Endpoints[0].TargetRef; r == nil || *r != (corev1.ObjectReference{Kind: "Pod", Name: "web-1"}) || len(trimmedES.Labels) != 1 {
+		t.Errorf("TrimEndpointSlice kept what translation does not read, or lost the pod it names: %+v", trimmedES)
+	}
+	// The pod an endpoint names, in the slice's namespace when its
+	// reference names none: the directory tells an endpoint of a pod it
+	// has not seen yet from one of no pod.
+	if len(gotEps) == 0 || gotEps[0].PodNamespace != "shop" || gotEps[0].PodName != "web-1" || gotEps[1].PodName != "" {
+		t.Errorf("endpoints name pods %+v, want shop/web-1 for the first and none for the second", gotEps)
 	}
 }
 
