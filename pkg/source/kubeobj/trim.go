@@ -143,7 +143,13 @@ func TrimEndpointSlice(es *discoveryv1.EndpointSlice) *discoveryv1.EndpointSlice
 		for i, ep := range es.Endpoints {
 			out.Endpoints[i] = discoveryv1.Endpoint{Conditions: discoveryv1.EndpointConditions{Ready: ep.Conditions.Ready}, NodeName: ep.NodeName}
 			if r := ep.TargetRef; r != nil && r.Kind == "Pod" {
-				out.Endpoints[i].TargetRef = &corev1.ObjectReference{Kind: r.Kind, Namespace: r.Namespace, Name: r.Name}
+				// The slice's namespace is the pod's when the reference
+				// names none (Endpoints): not kept twice.
+				ref := &corev1.ObjectReference{Kind: "Pod", Namespace: r.Namespace, Name: r.Name}
+				if ref.Namespace == es.Namespace {
+					ref.Namespace = ""
+				}
+				out.Endpoints[i].TargetRef = ref
 			}
 			if len(ep.Addresses) > 0 {
 				out.Endpoints[i].Addresses = ep.Addresses[:1:1]

@@ -143,7 +143,7 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 		AddressType: discoveryv1.AddressTypeIPv4,
 		Endpoints: []discoveryv1.Endpoint{
 			{Addresses: []string{"10.0.0.5", "10.0.0.55"}, Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready},
-				NodeName: new("node-a"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: "web-1", UID: "u-1", ResourceVersion: "9"}},
+				NodeName: new("node-a"), TargetRef: &corev1.ObjectReference{Kind: "Pod", Namespace: "shop", Name: "web-1", UID: "u-1", ResourceVersion: "9"}},
 			{Addresses: []string{"10.0.0.6"}, Conditions: discoveryv1.EndpointConditions{Ready: &notReady}},
 			{Addresses: []string{"10.0.0.7"}},
 			{Addresses: []string{"bad"}},
