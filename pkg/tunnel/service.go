@@ -407,7 +407,8 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 // steer the service connections of every pod of its node to the endpoints
 // it left unmarked. Its own namespace out of ports or fds (a pod may
 // narrow net.ipv4.ip_local_port_range, and the agent dials from the pod's
-// namespace), its pod stopping (the dial cancelled), an endpoint the
+// namespace), no route to the endpoint in its namespace (ENETUNREACH is
+// the client namespace's own routing table's answer), its pod stopping (the dial cancelled), an endpoint the
 // directory cannot resolve yet (not the endpoint's failure), its identity refused
 // by policy, a request refused (4xx), or its address over the endpoint
 // node's per-source limit are the client's.
@@ -416,7 +417,7 @@ func endpointFailed(err error) bool {
 	if errors.As(err, &st) {
 		return st.Status >= 500 && !strings.Contains(st.Reason, sourceLimitReason)
 	}
-	for _, own := range []error{errEndpointUnresolved, context.Canceled, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE,
+	for _, own := range []error{errEndpointUnresolved, context.Canceled, syscall.EADDRNOTAVAIL, syscall.ENETUNREACH, syscall.EADDRINUSE,
 		syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM} {
 		if errors.Is(err, own) {
 			return false

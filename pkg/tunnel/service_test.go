@@ -175,6 +175,8 @@ func TestEndpointFailuresOfTheClientAreNotShared(t *testing.T) {
 		{"endpoint node full", &hbone.StatusError{Status: 503, Reason: "over the node connection limit"}, true},
 		{"client out of ports", fmt.Errorf("dial: %w", syscall.EADDRNOTAVAIL), false},
 		{"client out of fds", fmt.Errorf("dial: %w", syscall.EMFILE), false},
+		{"no route in the client's namespace", fmt.Errorf("dial: %w", syscall.ENETUNREACH), false},
+		{"endpoint's pod not seen yet", fmt.Errorf("endpoint: %w", errEndpointUnresolved), false},
 		{"client pod stopping", fmt.Errorf("dial: %w", context.Canceled), false},
 		{"client over its source limit", fmt.Errorf("hbone: %w", &hbone.StatusError{Status: 503, Reason: "over the source connection limit"}), false},
 		{"client's identity denied", &hbone.StatusError{Status: 403, Reason: "denied by authorization policy"}, false},
