@@ -71,8 +71,8 @@ lint:
 test-unit:
 	$(GO) test -count=1 -short $(PKGS)
 
-## test-race: the race detector over the packages with the most concurrency (tunnel, policy, sources, identity, node agent)
-RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/... ./pkg/nodeagent/...
+## test-race: the race detector over the packages with the most concurrency (tunnel, policy, sources, identity, node agent, admin endpoints)
+RACE_PKGS := ./pkg/tunnel/... ./pkg/policy/... ./pkg/source/... ./pkg/identity/... ./pkg/nodeagent/... ./pkg/admin/...
 .PHONY: test-race
 test-race:
 	$(GO) test -race -count=1 -timeout 20m $(RACE_PKGS)

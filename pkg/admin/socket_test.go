@@ -6,9 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -53,7 +56,7 @@ func TestReadinessSocketBoundsConnections(t *testing.T) {
 		}
 	})
 	for i := range n {
-		c, err := net.DialTimeout("unix", sock, time.Second)
+		c, err := dialRetry(sock)
 		if err != nil {
 			t.Fatalf("connection %d: %v", i, err)
 		}
@@ -111,11 +114,15 @@ func TestReadinessSocketProbeAmidFastFlood(t *testing.T) {
 	start(t, Options{ReadinessSocket: sock})
 	defer floodSocket(sock, 0)()
 	time.Sleep(100 * time.Millisecond)
-	for i := range 20 {
-		line, err := askFromChild(t, sock)
-		if err != nil || !strings.HasPrefix(line, "HTTP/1.1 200") {
-			t.Fatalf("probe %d amid a fast flood of stalled clients: %q, %v; want 200", i, line, err)
+	const n = 20
+	lines, err := askFromChild(sock, n)
+	for i, line := range lines {
+		if !strings.HasPrefix(line, "HTTP/1.1 200") {
+			t.Fatalf("probe %d amid a fast flood of stalled clients: %q; want 200", i, line)
 		}
+	}
+	if err != nil || len(lines) != n {
+		t.Fatalf("probe %d amid a fast flood of stalled clients: %v; want 200", len(lines), err)
 	}
 }
 
@@ -149,24 +156,90 @@ func floodSocket(sock string, pause time.Duration) (stop func()) {
 	return func() { cancel(); <-done }
 }
 
-// askFromChild asks the readiness socket from a process of its own (curl),
-// as `redirector ready` does, and returns the status line. As that one, it
-// tries again for 2 s while the socket's backlog is full (curl's exit 7:
-// the connect refused).
-func askFromChild(t *testing.T, sock string) (string, error) {
-	t.Helper()
+// askFromChild asks the readiness socket n times from a process of its own
+// (this test binary run again, see TestMain), each time as `redirector
+// ready` does, and returns the status lines it got. As that one, each ask
+// tries the connect again every 10 ms for 2 s while the socket's backlog
+// is full (EAGAIN). It was a curl per ask, tried again on its exit 7: a
+// process start per try, 0.1 s and more on a CPU the flood keeps busy, so
+// 2 s were a dozen tries, not `redirector ready`'s 200, and under -race an
+// ask lost that race now and then.
+func askFromChild(sock string, n int) ([]string, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%d:%s", askChildEnv, n, sock))
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if len(out) == 0 {
+		lines = nil
+	}
+	if err != nil {
+		return lines, fmt.Errorf("child: %w: %s", err, stderr.String())
+	}
+	return lines, nil
+}
+
+// askChildEnv tells a run of the test binary by askFromChild to ask a
+// socket ("count:path") instead of running the tests.
+const askChildEnv = "REDIRECTOR_ADMIN_TEST_ASK_SOCKET"
+
+func TestMain(m *testing.M) {
+	if v := os.Getenv(askChildEnv); v != "" {
+		os.Exit(askChild(v))
+	}
+	os.Exit(m.Run())
+}
+
+// askChild is the child of askFromChild: it prints the status line of
+// each ask, one a line, and fails at the first ask that got none.
+func askChild(v string) int {
+	count, sock, _ := strings.Cut(v, ":")
+	n, err := strconv.Atoi(count)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s=%q: %v\n", askChildEnv, v, err)
+		return 2
+	}
+	for range n {
+		line, err := askSocketRetry(sock, 2*time.Second)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Println(strings.TrimSpace(line))
+	}
+	return 0
+}
+
+// dialRetry connects to the unix socket at path, trying again for 2 s while
+// its listen backlog is full (EAGAIN): connects in a row can come faster
+// than the agent accepts them.
+func dialRetry(path string) (net.Conn, error) {
 	deadline := time.Now().Add(2 * time.Second)
 	for {
-		out, err := exec.Command("curl", "-sS", "-i", "--max-time", "2", "--unix-socket", sock, "http://agent/healthz/ready").CombinedOutput()
-		line, _, _ := strings.Cut(string(out), "\n")
-		var ee *exec.ExitError
-		if errors.As(err, &ee) && ee.ExitCode() == 7 && time.Now().Before(deadline) {
+		c, err := net.DialTimeout("unix", path, time.Second)
+		if errors.Is(err, syscall.EAGAIN) && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		return c, err
+	}
+}
+
+// askSocketRetry is askSocket, tried again every 10 ms for d while the
+// socket's backlog is full, as `redirector ready` does.
+func askSocketRetry(path string, d time.Duration) (string, error) {
+	deadline := time.Now().Add(d)
+	for {
+		line, err := askSocket(path, d)
+		if errors.Is(err, syscall.EAGAIN) && time.Now().Before(deadline) {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
-		if err != nil {
-			return line, fmt.Errorf("curl: %w: %s", err, out)
-		}
-		return line, nil
+		return line, err
 	}
 }

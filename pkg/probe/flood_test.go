@@ -70,12 +70,8 @@ func (r *floodRig) probe(t *testing.T, appEnd netip.AddrPort, snat netip.Addr) (
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	c, err := netns.Dial(ctx, r.node.Path(), "tcp", appEnd.String(), netns.SocketOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	nodePort := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+	c, nodeEnd := dialFrom(ctx, t, r.node.Path(), appEnd)
+	nodePort := nodeEnd.Port()
 	probeEnd := netip.AddrPortFrom(snat, nodePort)
 	if _, err := c.Write([]byte("probe")); err != nil {
 		t.Fatal(err)

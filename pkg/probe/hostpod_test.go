@@ -161,14 +161,7 @@ func TestHostNetworkPodCannotInjectIntoProbe(t *testing.T) {
 			dst := netip.AddrPortFrom(f.pod(app), holdPort)
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			// kubelet's probe, open (this test's process is in no pod).
-			c, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			nodeEnd := netip.MustParseAddrPort(c.LocalAddr().String())
-			nodeEnd = netip.AddrPortFrom(nodeEnd.Addr().Unmap(), nodeEnd.Port())
+			c, nodeEnd := dialFrom(ctx, t, node.Path(), dst) // kubelet's probe, open
 			from := netip.AddrPortFrom(f.snat, nodeEnd.Port())
 			seq, ack := netnstest.NextSegment(t, app, from, []byte("probe"), func() error {
 				_, err := c.Write([]byte("probe"))
@@ -229,12 +222,8 @@ func TestHostNetworkPodKeepsLiveProbeEntry(t *testing.T) {
 			dst := netip.AddrPortFrom(f.pod(app), holdPort)
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			c, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			port := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+			c, nodeEnd := dialFrom(ctx, t, node.Path(), dst)
+			port := nodeEnd.Port()
 			from := netip.AddrPortFrom(f.snat, port)
 			if _, err := c.Write([]byte("probe")); err != nil {
 				t.Fatal(err)

@@ -52,13 +52,7 @@ func TestProbeNATTranslatesOnlyNodePackets(t *testing.T) {
 			// A probe in flight: the node's connection, open.
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			c, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			nodeEnd := netip.MustParseAddrPort(c.LocalAddr().String())
-			nodeEnd = netip.AddrPortFrom(nodeEnd.Addr().Unmap(), nodeEnd.Port())
+			c, nodeEnd := dialFrom(ctx, t, node.Path(), dst)
 			if nodeEnd.Addr() != f.node {
 				t.Fatalf("the node dialled from %s, want its address %s towards the pods", nodeEnd, f.node)
 			}
@@ -129,12 +123,8 @@ func TestProbeAnswerOnlyFromTheProbedPodsVeth(t *testing.T) {
 			appEnd := netip.AddrPortFrom(f.pod(app), holdPort)
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			c, err := netns.Dial(ctx, node.Path(), "tcp", appEnd.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			nodePort := netip.MustParseAddrPort(c.LocalAddr().String()).Port()
+			c, nodeEnd := dialFrom(ctx, t, node.Path(), appEnd)
+			nodePort := nodeEnd.Port()
 			probeEnd := netip.AddrPortFrom(f.snat, nodePort)
 			if _, err := c.Write([]byte("probe")); err != nil {
 				t.Fatal(err)
@@ -187,6 +177,20 @@ func readFor(c net.Conn, want int, d time.Duration) string {
 		}
 	}
 	return string(out)
+}
+
+// dialFrom opens a connection from the namespace at nsPath to dst (the
+// node's: kubelet's probe; this test's process is in no pod), closed when
+// the test ends, and returns it with its local end, unmapped.
+func dialFrom(ctx context.Context, t *testing.T, nsPath string, dst netip.AddrPort) (net.Conn, netip.AddrPort) {
+	t.Helper()
+	c, err := netns.Dial(ctx, nsPath, "tcp", dst.String(), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	local := netip.MustParseAddrPort(c.LocalAddr().String())
+	return c, netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
 }
 
 // holdApp serves holdPort in pod: it reads from every client and keeps
@@ -304,12 +308,7 @@ func TestProbeNATStaleEntryLeavesTunnelConnection(t *testing.T) {
 			defer cancel()
 			// A probe, closed with a reset so that the node keeps no
 			// TIME_WAIT and its port can be taken again at once.
-			c, err := netns.Dial(ctx, node.Path(), "tcp", dst.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			local := netip.MustParseAddrPort(c.LocalAddr().String())
-			local = netip.AddrPortFrom(local.Addr().Unmap(), local.Port())
+			c, local := dialFrom(ctx, t, node.Path(), dst)
 			c.Write([]byte("probe"))
 			if b := got.wait(netip.AddrPortFrom(f.snat, local.Port()), "probe", 2*time.Second); b != "probe" {
 				t.Fatalf("probe: the app read %q", b)
@@ -432,12 +431,7 @@ func TestProbeSNATAddressNeverLeavesTheNode(t *testing.T) {
 			// A probe whose NAT entry is gone by the time the app answers.
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			c, err := netns.Dial(ctx, node.Path(), "tcp", netip.AddrPortFrom(f.pod, holdPort).String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			from := netip.MustParseAddrPort(c.LocalAddr().String())
+			c, from := dialFrom(ctx, t, node.Path(), netip.AddrPortFrom(f.pod, holdPort))
 			probeEnd := netip.AddrPortFrom(f.snat, from.Port())
 			c.Write([]byte("probe"))
 			if b := got.wait(probeEnd, "probe", 2*time.Second); b != "probe" {

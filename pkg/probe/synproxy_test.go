@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/probe"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
@@ -66,13 +65,7 @@ func TestSynproxySYNNotTranslated(t *testing.T) {
 			dst := netip.AddrPortFrom(f.pod(app), holdPort)
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			c, err := netns.Dial(ctx, remote.Path(), "tcp", dst.String(), netns.SocketOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			clientEnd := netip.MustParseAddrPort(c.LocalAddr().String())
-			clientEnd = netip.AddrPortFrom(clientEnd.Addr().Unmap(), clientEnd.Port())
+			c, clientEnd := dialFrom(ctx, t, remote.Path(), dst)
 			if clientEnd.Addr() != client {
 				t.Fatalf("the remote node dialled from %s, want %s", clientEnd, client)
 			}

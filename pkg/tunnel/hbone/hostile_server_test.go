@@ -46,6 +46,16 @@ func dialHostile(t testing.TB, serve func(hs *hostileServer)) Dialer {
 // listenHostile is dialHostile's server on loopback TCP at addr (ip:0):
 // the Dialer returned connects there, whatever address it is given.
 func listenHostile(t testing.TB, addr string, serve func(hs *hostileServer)) Dialer {
+	return listenTCP(t, addr, func(c net.Conn) {
+		t.Cleanup(func() { c.Close() })
+		serveHostile(t, c, serve)
+	})
+}
+
+// listenTCP listens on loopback TCP at addr (ip:0), until the test ends,
+// and hands each connection to handle in a goroutine of its own. The
+// Dialer returned connects there, whatever address it is given.
+func listenTCP(t testing.TB, addr string, handle func(c net.Conn)) Dialer {
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
@@ -57,8 +67,7 @@ func listenHostile(t testing.TB, addr string, serve func(hs *hostileServer)) Dia
 			if err != nil {
 				return
 			}
-			t.Cleanup(func() { c.Close() })
-			go serveHostile(t, c, serve)
+			go handle(c)
 		}
 	}()
 	return func(ctx context.Context, network, _ string) (net.Conn, error) {
@@ -178,41 +187,75 @@ func connectHostile(ctx context.Context, pool *Pool, dial Dialer) (*Stream, erro
 	return pool.Connect(ctx, hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
 }
 
+// connectAndClose is connectHostile for a test that wants only its error:
+// a stream that did open is closed at once.
+func connectAndClose(ctx context.Context, pool *Pool, dial Dialer) error {
+	s, err := connectHostile(ctx, pool, dial)
+	if s != nil {
+		s.Close()
+	}
+	return err
+}
+
+// hostilePool is a Pool with the default options, closed when the test
+// ends.
+func hostilePool(t testing.TB) *Pool {
+	pool := NewPool(PoolOptions{})
+	t.Cleanup(func() { _ = pool.Close() })
+	return pool
+}
+
+// stream1ResetOrGoAway matches the pool's answer to a server's stream
+// error on stream 1: its RST_STREAM, or a GOAWAY if it took it for the
+// connection's.
+func stream1ResetOrGoAway(f http2.Frame) bool {
+	_, rst := f.(*http2.RSTStreamFrame)
+	_, ga := f.(*goAwayCopy)
+	return (rst && f.Header().StreamID == 1) || ga
+}
+
+// dialSendAfterRequest returns a Dialer whose hostile server, once the
+// pool's request on stream 1 came, does send, and a channel that gets the
+// pool's first answer that match accepts (nil if there was none, or the
+// request or send failed).
+func dialSendAfterRequest(t testing.TB, send func(hs *hostileServer) error, match func(http2.Frame) bool) (Dialer, <-chan http2.Frame) {
+	result := make(chan http2.Frame, 1)
+	dial := dialHostile(t, func(hs *hostileServer) {
+		if hs.awaitRequest(1) != nil || send(hs) != nil {
+			result <- nil
+			return
+		}
+		result <- hs.answerAfter(match)
+	})
+	return dial, result
+}
+
+// isGoAway matches the pool's GOAWAY.
+func isGoAway(f http2.Frame) bool {
+	_, ga := f.(*goAwayCopy)
+	return ga
+}
+
 // TestClientInterimResponseFlood: a server that answers a CONNECT with
 // informational (1xx) responses, one after another, gets the stream reset
 // with PROTOCOL_ERROR after a few, as net/http's client does (5), and the
 // Connect fails at once. Before the fix the client read any number of them
 // (each an HPACK decode, answered by nothing) until its connect timeout.
 func TestClientInterimResponseFlood(t *testing.T) {
-	result := make(chan http2.Frame, 1)
-	dial := dialHostile(t, func(hs *hostileServer) {
-		if err := hs.awaitRequest(1); err != nil {
-			result <- nil
-			return
-		}
+	interims := func(hs *hostileServer) error {
 		for range 1000 {
 			if hs.headers(1, false, hpackField{Name: ":status", Value: "100"}) != nil {
 				break
 			}
 		}
-		result <- hs.answerAfter(func(f http2.Frame) bool {
-			_, rst := f.(*http2.RSTStreamFrame)
-			_, ga := f.(*goAwayCopy)
-			return (rst && f.Header().StreamID == 1) || ga
-		})
-	})
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+		return nil // as far as the pool let it: the answer tells
+	}
+	dial, result := dialSendAfterRequest(t, interims, stream1ResetOrGoAway)
+	pool := hostilePool(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	connected := make(chan error, 1)
-	go func() {
-		s, err := connectHostile(ctx, pool, dial)
-		if s != nil {
-			s.Close()
-		}
-		connected <- err
-	}()
+	go func() { connected <- connectAndClose(ctx, pool, dial) }()
 	f := <-result
 	rst, ok := f.(*http2.RSTStreamFrame)
 	if !ok || rst.ErrCode != http2.ErrCodeProtocol {
@@ -250,10 +293,9 @@ func TestClientHeadersOnClosedStreamsFlood(t *testing.T) {
 				break
 			}
 		}
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
+		result <- hs.answerAfter(isGoAway)
 	})
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+	pool := hostilePool(t)
 	_, err := pool.Connect(context.Background(), hostileKey(), dial, good.clientTLS(), Request{Authority: netip.MustParseAddrPort("10.0.0.3:80")})
 	if err == nil {
 		t.Fatal("Connect succeeded on a 403")
@@ -275,17 +317,12 @@ func TestClientRefusesServerPush(t *testing.T) {
 	result := make(chan http2.Frame, 1)
 	dial := dialHostile(t, func(hs *hostileServer) {
 		_ = hs.fr.WriteSettings(http2.Setting{ID: http2.SettingEnablePush, Val: 1})
-		result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
+		result <- hs.answerAfter(isGoAway)
 	})
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+	pool := hostilePool(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	go func() {
-		if s, err := connectHostile(ctx, pool, dial); err == nil {
-			s.Close()
-		}
-	}()
+	go func() { _ = connectAndClose(ctx, pool, dial) }()
 	f := <-result
 	if ga, ok := f.(*goAwayCopy); !ok || ga.ErrCode != http2.ErrCodeProtocol {
 		t.Fatalf("the pool answered ENABLE_PUSH 1 with %#v, want GOAWAY PROTOCOL_ERROR", f)
@@ -311,8 +348,7 @@ func TestClientZeroStreamLimitConnsDrain(t *testing.T) {
 		for range hs.frames { // hold the connection until the pool closes it
 		}
 	})
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+	pool := hostilePool(t)
 	const n = 20
 	for range n {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -446,26 +482,10 @@ func TestClientMalformedResponsesRefusedWithReason(t *testing.T) {
 		}, "DATA before the response"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			result := make(chan http2.Frame, 1)
-			dial := dialHostile(t, func(hs *hostileServer) {
-				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
-					result <- nil
-					return
-				}
-				result <- hs.answerAfter(func(f http2.Frame) bool {
-					_, rst := f.(*http2.RSTStreamFrame)
-					_, ga := f.(*goAwayCopy)
-					return (rst && f.Header().StreamID == 1) || ga
-				})
-			})
-			pool := NewPool(PoolOptions{})
-			t.Cleanup(func() { _ = pool.Close() })
+			dial, result := dialSendAfterRequest(t, tc.send, stream1ResetOrGoAway)
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			s, err := connectHostile(ctx, pool, dial)
-			if s != nil {
-				s.Close()
-			}
+			err := connectAndClose(ctx, hostilePool(t), dial)
 			var rerr *ResetError
 			if !errors.As(err, &rerr) || rerr.Remote || rerr.Code != http2.ErrCodeProtocol {
 				t.Fatalf("Connect = %v, want a local reset with PROTOCOL_ERROR", err)
@@ -561,8 +581,7 @@ func TestClientUnansweredConnectBounded(t *testing.T) {
 		}
 		reset <- false
 	})
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+	pool := hostilePool(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -599,32 +618,14 @@ func TestClientBoundsServerHandshake(t *testing.T) {
 	conf.Certificates = []tls.Certificate{{Certificate: chain, PrivateKey: good.leaf.PrivateKey}}
 	// TCP, not a pipe: the client writes while the server writes its
 	// flight, as crypto/tls does (its ChangeCipherSpec).
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_ = tls.Server(c, conf).Handshake()
-				_, _ = io.Copy(io.Discard, c)
-			}()
-		}
-	}()
-	dial := func(ctx context.Context, network, _ string) (net.Conn, error) {
-		return tcpDial(ctx, network, l.Addr().String())
-	}
-	pool := NewPool(PoolOptions{})
-	t.Cleanup(func() { _ = pool.Close() })
+	dial := listenTCP(t, "127.0.0.1:0", func(c net.Conn) {
+		defer c.Close()
+		_ = tls.Server(c, conf).Handshake()
+		_, _ = io.Copy(io.Discard, c)
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, err = connectHostile(ctx, pool, dial)
+	_, err := connectHostile(ctx, hostilePool(t), dial)
 	if !errors.Is(err, errServerHandshakeTooLarge) {
 		t.Fatalf("Connect to a server sending %d certificates = %v, want %v", len(chain), err, errServerHandshakeTooLarge)
 	}
@@ -651,22 +652,10 @@ func TestClientConnectionErrorsExplained(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			result := make(chan http2.Frame, 1)
-			dial := dialHostile(t, func(hs *hostileServer) {
-				if hs.awaitRequest(1) != nil || tc.send(hs) != nil {
-					result <- nil
-					return
-				}
-				result <- hs.answerAfter(func(f http2.Frame) bool { _, ga := f.(*goAwayCopy); return ga })
-			})
-			pool := NewPool(PoolOptions{})
-			t.Cleanup(func() { _ = pool.Close() })
+			dial, result := dialSendAfterRequest(t, tc.send, isGoAway)
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			s, err := connectHostile(ctx, pool, dial)
-			if s != nil {
-				s.Close()
-			}
+			err := connectAndClose(ctx, hostilePool(t), dial)
 			if err == nil || !strings.Contains(err.Error(), tc.naming) {
 				t.Errorf("Connect = %v, want an error naming %q", err, tc.naming)
 			}
