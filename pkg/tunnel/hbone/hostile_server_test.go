@@ -655,13 +655,18 @@ func TestClientConnectionErrorsExplained(t *testing.T) {
 			dial, result := dialSendAfterRequest(t, tc.send, isGoAway)
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
-			err := connectAndClose(ctx, hostilePool(t), dial)
+			pool := hostilePool(t)
+			err := connectAndClose(ctx, pool, dial)
 			if err == nil || !strings.Contains(err.Error(), tc.naming) {
 				t.Errorf("Connect = %v, want an error naming %q", err, tc.naming)
 			}
 			ga, ok := (<-result).(*goAwayCopy)
 			if !ok || ga.ErrCode != http2.ErrCodeProtocol || !strings.Contains(ga.debug, tc.naming) {
 				t.Errorf("the pool answered with %#v, want GOAWAY PROTOCOL_ERROR naming %q", ga, tc.naming)
+			}
+			// Counted as such (redirector_hbone_pool_protocol_error_closes_total).
+			if st := pool.Stats(); st.ProtocolErrorCloses != 1 || st.FloodCloses != 0 {
+				t.Errorf("ProtocolErrorCloses = %d, FloodCloses = %d, want 1 and 0", st.ProtocolErrorCloses, st.FloodCloses)
 			}
 		})
 	}
