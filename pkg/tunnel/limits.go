@@ -284,8 +284,9 @@ func (p *pod) admitter(kind listenerKind) func(net.Conn) (*slot, bool) {
 		if refusedBy == "" {
 			return s, true
 		}
-		resetConn(c)
+		// Counted first: whoever sees the reset sees the count.
 		t.cfg.Metrics.limitRefused.WithLabelValues(kind.String(), refusedBy).Inc()
+		resetConn(c)
 		t.refusals.note(p.ctx, "connection refused: over the "+refusedBy+" connection limit",
 			"listener", kind.String(), "pod", p.uid, "client", src, "dst", addrPortOf(c.LocalAddr()))
 		return nil, false
