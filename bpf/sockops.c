@@ -182,11 +182,16 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
 	/* Into the sockhash first, so a tunnel key in rd_sock_state is a
 	 * redirect target until the tunnel closes the socket. Without a state
-	 * entry the socket is not paired. */
-	if (bpf_sock_hash_update(skops, socks, &key, BPF_ANY) != 0)
+	 * entry the socket is not paired. The maps are the node's: one pod's
+	 * many connections can fill them, and then new sockets stay on TCP,
+	 * counted as unpaired. */
+	if (bpf_sock_hash_update(skops, socks, &key, BPF_ANY) != 0) {
+		count(stats(), unpaired, 1);
 		return 1;
+	}
 	if (bpf_map_update_elem(&rd_sock_state, &key, &fresh, BPF_ANY) != 0) {
 		bpf_map_delete_elem(socks, &key);
+		count(stats(), unpaired, 1);
 		return 1;
 	}
 	/* A report left by an earlier connection with the same key (an agent
