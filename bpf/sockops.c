@@ -182,15 +182,27 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
 	/* Into the sockhash first, so a tunnel key in rd_sock_state is a
 	 * redirect target until the tunnel closes the socket. Without a state
-	 * entry the socket is not paired. */
-	if (bpf_sock_hash_update(skops, socks, &key, BPF_ANY) != 0)
+	 * entry the socket is not paired. The maps are the node's: one pod's
+	 * many connections can fill them, and then new sockets stay on TCP,
+	 * counted as unpaired.
+	 * Never in place of a socket still open under the same key: a socket
+	 * leaves the sockhash only at close(2), so a connection that reuses the
+	 * 4-tuple of one in TIME_WAIT can find the old tunnel socket there with
+	 * the app's last sends still in its queue, which replacing it would
+	 * throw away. The new connection stays on TCP instead. */
+	if (bpf_sock_hash_update(skops, socks, &key, BPF_NOEXIST) != 0) {
+		count(stats(), unpaired, 1);
 		return 1;
+	}
 	if (bpf_map_update_elem(&rd_sock_state, &key, &fresh, BPF_ANY) != 0) {
 		bpf_map_delete_elem(socks, &key);
+		count(stats(), unpaired, 1);
 		return 1;
 	}
 	/* A report left by an earlier connection with the same key (an agent
-	 * that died before closing) must not hand this one budget. */
+	 * that died before closing) must not hand this one budget. (The
+	 * tunnel's Conn reports nothing once it closed its socket, and the
+	 * socket left the sockhash only then.) */
 	if (fresh.tunnel)
 		bpf_map_delete_elem(&rd_sock_consumed, &key);
 	bpf_sock_ops_cb_flags_set(skops, skops->bpf_sock_ops_cb_flags | BPF_SOCK_OPS_STATE_CB_FLAG);

@@ -22,6 +22,7 @@ type SockopsAccelCounters struct {
 	FallbackNoPeer  uint64
 	FallbackBudget  uint64
 	FallbackEarly   uint64
+	Unpaired        uint64
 }
 
 type SockopsPodAddr struct {

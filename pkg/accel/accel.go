@@ -126,6 +126,10 @@ type Counters struct {
 	// Connections that took the TCP path for good, by cause: no local peer
 	// at their first send, the peer's budget spent, data sent before pairing.
 	FallbackNoPeer, FallbackBudget, FallbackEarly uint64
+	// Unpaired counts sockets of this node's pods left out of the maps:
+	// one was full (they are the node's, 65536 entries), or the kernel
+	// refused the socket. Their sends take TCP.
+	Unpaired uint64
 }
 
 // Counters sums the per-CPU counters.
@@ -139,7 +143,8 @@ func readCounters(m *ebpf.Map) (Counters, error) {
 	var c Counters
 	for _, p := range per {
 		c = c.Add(Counters{Sockets: p.Sockets, Redirected: p.Redirected, RedirectedBytes: p.RedirectedBytes,
-			Passed: p.Passed, FallbackNoPeer: p.FallbackNoPeer, FallbackBudget: p.FallbackBudget, FallbackEarly: p.FallbackEarly})
+			Passed: p.Passed, FallbackNoPeer: p.FallbackNoPeer, FallbackBudget: p.FallbackBudget, FallbackEarly: p.FallbackEarly,
+			Unpaired: p.Unpaired})
 	}
 	return c, nil
 }
@@ -159,7 +164,7 @@ func (c Counters) combine(o Counters, op func(a, b uint64) uint64) Counters {
 		Sockets: op(c.Sockets, o.Sockets), Redirected: op(c.Redirected, o.Redirected),
 		RedirectedBytes: op(c.RedirectedBytes, o.RedirectedBytes), Passed: op(c.Passed, o.Passed),
 		FallbackNoPeer: op(c.FallbackNoPeer, o.FallbackNoPeer), FallbackBudget: op(c.FallbackBudget, o.FallbackBudget),
-		FallbackEarly: op(c.FallbackEarly, o.FallbackEarly),
+		FallbackEarly: op(c.FallbackEarly, o.FallbackEarly), Unpaired: op(c.Unpaired, o.Unpaired),
 	}
 }
 

@@ -14,6 +14,8 @@ var (
 		"App connections that took the TCP path for good, by reason: no_peer (no tunnel socket to send to: not paired yet, or closed), "+
 			"budget (the tunnel had not read enough), early_data (data was sent before pairing).",
 		[]string{"reason"}, nil)
+	unpairedDesc = prometheus.NewDesc("redirector_sockops_sockets_unpaired_total",
+		"Sockets of this node's pods left unpaired, on the TCP path: a map of the node was full, or the kernel refused the socket.", nil, nil)
 )
 
 // collector reads the per-CPU counters when Prometheus scrapes.
@@ -24,7 +26,7 @@ func (a *Accelerator) Collector() prometheus.Collector { return collector{a} }
 
 // Describe implements prometheus.Collector.
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{socketsDesc, messagesDesc, redirectedBytesDesc, fallbacksDesc} {
+	for _, d := range []*prometheus.Desc{socketsDesc, messagesDesc, redirectedBytesDesc, fallbacksDesc, unpairedDesc} {
 		ch <- d
 	}
 }
@@ -33,7 +35,7 @@ func (c collector) Describe(ch chan<- *prometheus.Desc) {
 func (c collector) Collect(ch chan<- prometheus.Metric) {
 	n, err := c.a.Counters()
 	if err != nil {
-		for _, d := range []*prometheus.Desc{socketsDesc, messagesDesc, redirectedBytesDesc, fallbacksDesc} {
+		for _, d := range []*prometheus.Desc{socketsDesc, messagesDesc, redirectedBytesDesc, fallbacksDesc, unpairedDesc} {
 			ch <- prometheus.NewInvalidMetric(d, err)
 		}
 		return
@@ -48,4 +50,5 @@ func (c collector) Collect(ch chan<- prometheus.Metric) {
 	counter(fallbacksDesc, n.FallbackNoPeer, "no_peer")
 	counter(fallbacksDesc, n.FallbackBudget, "budget")
 	counter(fallbacksDesc, n.FallbackEarly, "early_data")
+	counter(unpairedDesc, n.Unpaired)
 }
