@@ -163,31 +163,18 @@ func TestDigThroughUpstreamShortcuts(t *testing.T) {
 		}
 		return r
 	}
-	go func() {
-		buf := make([]byte, 4096)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			q := new(dns.Msg)
-			if q.Unpack(buf[:n]) != nil {
-				continue
-			}
-			if q.Question[0].Name == "formerr.example.org." {
-				bare := new(dns.Msg)
-				bare.Id, bare.Response, bare.Rcode = q.Id, true, dns.RcodeFormatError
-				b, _ := bare.Pack()
-				pc.WriteTo(b, from)
-				continue
-			}
-			r := full(q)
-			r.Truncated = true
-			b, _ := r.Pack()
-			pc.WriteTo(b[:500], from)
+	serveUDP(t, pc, func(q *dns.Msg, _ []byte) [][]byte {
+		if q.Question[0].Name == "formerr.example.org." {
+			bare := new(dns.Msg)
+			bare.Id, bare.Response, bare.Rcode = q.Id, true, dns.RcodeFormatError
+			b, _ := bare.Pack()
+			return [][]byte{b}
 		}
-	}()
-	t.Cleanup(func() { pc.Close() })
+		r := full(q)
+		r.Truncated = true
+		b, _ := r.Pack()
+		return [][]byte{b[:500]}
+	})
 	tcp := &dns.Server{Listener: ln, Handler: dns.HandlerFunc(func(w dns.ResponseWriter, q *dns.Msg) { w.WriteMsg(full(q)) })}
 	started := make(chan struct{})
 	tcp.NotifyStartedFunc = func() { close(started) }

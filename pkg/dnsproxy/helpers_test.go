@@ -221,6 +221,13 @@ func udpUpstream(t testing.TB, answer func(q *dns.Msg, raw []byte) [][]byte) net
 	if err != nil {
 		t.Fatal(err)
 	}
+	serveUDP(t, pc, answer)
+	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
+}
+
+// serveUDP answers the queries pc receives as udpUpstream does, until the
+// test ends.
+func serveUDP(t testing.TB, pc net.PacketConn, answer func(q *dns.Msg, raw []byte) [][]byte) {
 	t.Cleanup(func() { pc.Close() })
 	go func() {
 		buf := make([]byte, 4096)
@@ -238,7 +245,6 @@ func udpUpstream(t testing.TB, answer func(q *dns.Msg, raw []byte) [][]byte) net
 			}
 		}
 	}()
-	return pc.LocalAddr().(*net.UDPAddr).AddrPort()
 }
 
 // serve runs a tiny DNS server on 127.0.0.1 (UDP and TCP, one port) that
