@@ -53,6 +53,16 @@ type Config struct {
 	// pods are never enrolled: VM-sandboxed runtimes such as Kata have their
 	// own kernel, so in-pod eBPF on the node cannot see their traffic.
 	SkipRuntimeClasses []string
+	// NamespaceViewLags is set by sources that watch namespaces: the API
+	// server admits no pod of a namespace that does not exist, so a pod
+	// whose namespace is missing from their view is one the view has not
+	// caught up with. Unless another rule decides first, such a pod is
+	// Undecided (its CNI ADD fails and is retried) rather than out: it
+	// would start unmeshed if its namespace is ambient. Istio's plugin
+	// reads the namespace from the API server at the ADD. Sources whose
+	// objects are all there is (the file source) leave it false: a
+	// namespace they lack has no label.
+	NamespaceViewLags bool
 }
 
 // HandlerLookup maps a RuntimeClass name to its handler; ok is false when
@@ -76,11 +86,13 @@ type Decision struct {
 	// its addresses are known (the CNI plugin reports them before the API
 	// server does).
 	Pending string
-	// Undecided is set, with Enrolled false, when the rules select the pod
-	// but the agent cannot tell yet whether its runtime may be meshed (its
-	// RuntimeClass is not in the agent's view yet: the API server admits
-	// no pod of an unknown class, so the view lags). The CNI ADD fails
-	// rather than let the pod start unmeshed; the runtime retries.
+	// Undecided is set, with Enrolled false, when the agent cannot tell
+	// yet whether the rules select the pod (its namespace is not in the
+	// agent's view yet, Config.NamespaceViewLags) or whether its runtime
+	// may be meshed (its RuntimeClass is not in the view yet: the API
+	// server admits no pod of an unknown class, so the view lags). The CNI
+	// ADD fails rather than let the pod start unmeshed; the runtime
+	// retries.
 	Undecided string
 }
 
@@ -92,7 +104,8 @@ type Decision struct {
 //  3. sidecar.istio.io/status annotation: out (a sidecar already captures)
 //  4. pod label istio.io/dataplane-mode=none: out
 //  5. pod label istio.io/dataplane-mode=ambient: in
-//  6. namespace label istio.io/dataplane-mode=ambient: in
+//  6. namespace label istio.io/dataplane-mode=ambient: in (a namespace
+//     not in view is Undecided with cfg.NamespaceViewLags)
 //  7. otherwise out.
 //
 // A pod the rules enroll is still left out when its phase is Succeeded or
@@ -185,6 +198,10 @@ func optIn(cfg Config, ns *corev1.Namespace, pod *corev1.Pod) Decision {
 		return Decision{Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeNone}
 	case DataplaneModeAmbient:
 		return Decision{Enrolled: true, Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}
+	}
+	if ns == nil && cfg.NamespaceViewLags {
+		why := fmt.Sprintf("namespace %s is not in the agent's view yet", pod.Namespace)
+		return Decision{Reason: why, Undecided: why}
 	}
 	if ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient {
 		return Decision{Enrolled: true, Reason: "namespace label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}

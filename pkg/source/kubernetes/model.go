@@ -209,6 +209,7 @@ type model struct {
 }
 
 func newModel(cfg selection.Config, log *slog.Logger, inf informerSet) *model {
+	cfg.NamespaceViewLags = true // namespaces are watched: one missing is one not seen yet
 	return &model{cfg: cfg, log: log, inf: inf, namespaces: map[string]*corev1.Namespace{}, handlers: map[string]string{}, localities: map[string]kubeobj.Locality{}, waypointLabels: map[string]string{}}
 }
 
