@@ -114,7 +114,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// start unmeshed, so the runtime retries.
 			return cni.Response{}, refused
 		case known && !w.Enrolled && w.Undecided != "":
-			return cni.Response{}, fmt.Errorf("pod %s is selected but cannot be judged yet: %s; refusing to start it unmeshed", key, w.Undecided)
+			return cni.Response{}, fmt.Errorf("pod %s cannot be judged yet: %s; refusing to start it unmeshed", key, w.Undecided)
 		case known && !w.Enrolled && w.Pending != "":
 			// Selected, but the plugin gave no address it can be enrolled
 			// with: it must not start unmeshed, so the runtime retries.
