@@ -30,6 +30,11 @@ const (
 	// RedirectionAnnotation is set to "enabled" on a pod whose traffic the
 	// node's dataplane redirects (istio-cni sets it; istiod reads it).
 	RedirectionAnnotation = "ambient.istio.io/redirection"
+	// GatewayClassLabel and WaypointGatewayClass mark a waypoint's pod
+	// (Istio's waypoint template sets them); the rules do not read them,
+	// the reason of an enrolled waypoint does.
+	GatewayClassLabel    = "gateway.networking.k8s.io/gateway-class-name"
+	WaypointGatewayClass = "istio-waypoint"
 )
 
 // ErrBadPodAddr marks a pod address that cannot be a pod's own: enrolling
@@ -141,6 +146,12 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 	}
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"
+	}
+	// Enrolled as Istio enrolls it, but a waypoint serves HBONE on 15008
+	// itself, which the tunnel then holds in its namespace: the reason says
+	// what Istio's own waypoints carry instead.
+	if pod.Labels[GatewayClassLabel] == WaypointGatewayClass {
+		d.Reason += fmt.Sprintf("; a waypoint's pod (label %s=%s): its own port 15008 is the tunnel's now; Istio's waypoints carry %s=%s", GatewayClassLabel, WaypointGatewayClass, DataplaneModeLabel, DataplaneModeNone)
 	}
 	// Istio reads the annotation with strconv.ParseBool ("1", "t", "True"
 	// are true) and ignores a value that is not a boolean; so do the rules.

@@ -363,3 +363,17 @@ func TestNamespaceNotInViewUndecided(t *testing.T) {
 		t.Errorf("namespace in view, not ambient: %+v; want out", d)
 	}
 }
+
+// TestEnrolledWaypointReason: a waypoint's pod without Istio's
+// istio.io/dataplane-mode=none in an ambient namespace is enrolled, as
+// Istio enrolls it, and the reason says why that breaks it and what
+// Istio's waypoints carry.
+func TestEnrolledWaypointReason(t *testing.T) {
+	d := Decide(Config{}, namespace("shop", true), newPod(label(GatewayClassLabel, WaypointGatewayClass)), nil)
+	if !d.Enrolled || !strings.Contains(d.Reason, "a waypoint's pod") || !strings.Contains(d.Reason, "istio.io/dataplane-mode=none") {
+		t.Errorf("waypoint pod without dataplane-mode=none: %+v; want enrolled, the reason naming the label Istio's waypoints carry", d)
+	}
+	if d := Decide(Config{}, namespace("shop", true), newPod(label(GatewayClassLabel, WaypointGatewayClass), label(DataplaneModeLabel, DataplaneModeNone)), nil); d.Enrolled {
+		t.Errorf("waypoint pod with dataplane-mode=none: %+v; want out", d)
+	}
+}
