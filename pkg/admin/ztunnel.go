@@ -544,7 +544,7 @@ func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, servin
 		if up, conns := serving(w); up {
 			z.State, z.Connections = "Up", conns
 		}
-		out[w.UID] = z
+		out[w.Key()] = z // a pod without a UID (a mirror pod) by namespace/name
 	}
 	return out
 }

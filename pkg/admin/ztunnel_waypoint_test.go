@@ -163,3 +163,15 @@ func TestZtunnelWorkloadStateConnections(t *testing.T) {
 		t.Errorf("workloadState\n got %s\nwant %s", b, want)
 	}
 }
+
+// TestZtunnelWorkloadStatesWithoutUID: pods without a UID (mirror pods,
+// kubeobj.PodUID) are listed by namespace/name; before, all of them shared
+// the key "" and the config dump showed one of them.
+func TestZtunnelWorkloadStatesWithoutUID(t *testing.T) {
+	a := &workload.Workload{Name: "a-node1", Namespace: "edge", Enrolled: true}
+	b := &workload.Workload{Name: "b-node1", Namespace: "edge", Enrolled: true}
+	got := ZtunnelWorkloadStates([]*workload.Workload{a, b}, "cluster.local", func(*workload.Workload) (bool, *ZtunnelConnections) { return false, nil })
+	if len(got) != 2 || got["edge/a-node1"].Info.Name != "a-node1" || got["edge/b-node1"].Info.Name != "b-node1" {
+		t.Errorf("workload states of two pods without a UID: %+v", got)
+	}
+}

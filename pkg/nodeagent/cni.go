@@ -114,7 +114,7 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// start unmeshed, so the runtime retries.
 			return cni.Response{}, refused
 		case known && !w.Enrolled && w.Undecided != "":
-			return cni.Response{}, fmt.Errorf("pod %s is selected but cannot be judged yet: %s; refusing to start it unmeshed", key, w.Undecided)
+			return cni.Response{}, fmt.Errorf("pod %s cannot be judged yet: %s; refusing to start it unmeshed", key, w.Undecided)
 		case known && !w.Enrolled && w.Pending != "":
 			// Selected, but the plugin gave no address it can be enrolled
 			// with: it must not start unmeshed, so the runtime retries.
@@ -273,8 +273,11 @@ func (a *Agent) checkCNINetNS(ev cni.PodEvent, path string) (uint64, error) {
 // report names it for (a DELeted report too, while that namespace lives).
 // "" if none.
 func (a *Agent) netnsOwner(key, uid string, ino uint64) string {
+	uid = uidOf(key, uid)
 	other := func(namespace, name, otherUID string) bool {
-		return namespace+"/"+name != key || (otherUID != "" && uid != "" && otherUID != uid)
+		k := namespace + "/" + name
+		otherUID = uidOf(k, otherUID)
+		return k != key || (otherUID != "" && uid != "" && otherUID != uid)
 	}
 	owner := ""
 	if a.cfg.Loader != nil {
@@ -333,6 +336,7 @@ func (a *Agent) attachedIno(p loader.PodState) uint64 {
 // have given another pod, one outside the mesh even, whose traffic would
 // then leave with this pod's identity.
 func (a *Agent) foreignNetNS(key, uid, path string) string {
+	uid = uidOf(key, uid)
 	ino, err := netns.Inode(path)
 	if err != nil {
 		return ""
@@ -344,6 +348,18 @@ func (a *Agent) foreignNetNS(key, uid, path string) string {
 		return "its processes belong to another pod (uid " + strings.Join(slices.Sorted(maps.Keys(uids)), ", ") + ")"
 	}
 	return ""
+}
+
+// uidOf is uid, or "" when it is the pod's key (namespace/name): a pod the
+// source knows no UID of (a mirror pod, whose runtime UID is not the API's:
+// kubeobj.PodUID; a manifest's pod without one) is keyed by name, and
+// comparing that key with a runtime's UID took the pod's own namespace for
+// another pod's.
+func uidOf(key, uid string) string {
+	if uid == key {
+		return ""
+	}
+	return uid
 }
 
 // procDir is the host's /proc as the agent sees it.

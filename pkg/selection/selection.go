@@ -30,6 +30,11 @@ const (
 	// RedirectionAnnotation is set to "enabled" on a pod whose traffic the
 	// node's dataplane redirects (istio-cni sets it; istiod reads it).
 	RedirectionAnnotation = "ambient.istio.io/redirection"
+	// GatewayClassLabel and WaypointGatewayClass mark a waypoint's pod
+	// (Istio's waypoint template sets them); the rules do not read them,
+	// the reason of an enrolled waypoint does.
+	GatewayClassLabel    = "gateway.networking.k8s.io/gateway-class-name"
+	WaypointGatewayClass = "istio-waypoint"
 )
 
 // ErrBadPodAddr marks a pod address that cannot be a pod's own: enrolling
@@ -53,6 +58,16 @@ type Config struct {
 	// pods are never enrolled: VM-sandboxed runtimes such as Kata have their
 	// own kernel, so in-pod eBPF on the node cannot see their traffic.
 	SkipRuntimeClasses []string
+	// NamespaceViewLags is set by sources that watch namespaces: the API
+	// server admits no pod of a namespace that does not exist, so a pod
+	// whose namespace is missing from their view is one the view has not
+	// caught up with. Unless another rule decides first, such a pod is
+	// Undecided (its CNI ADD fails and is retried) rather than out: it
+	// would start unmeshed if its namespace is ambient. Istio's plugin
+	// reads the namespace from the API server at the ADD. Sources whose
+	// objects are all there is (the file source) leave it false: a
+	// namespace they lack has no label.
+	NamespaceViewLags bool
 }
 
 // HandlerLookup maps a RuntimeClass name to its handler; ok is false when
@@ -76,11 +91,13 @@ type Decision struct {
 	// its addresses are known (the CNI plugin reports them before the API
 	// server does).
 	Pending string
-	// Undecided is set, with Enrolled false, when the rules select the pod
-	// but the agent cannot tell yet whether its runtime may be meshed (its
-	// RuntimeClass is not in the agent's view yet: the API server admits
-	// no pod of an unknown class, so the view lags). The CNI ADD fails
-	// rather than let the pod start unmeshed; the runtime retries.
+	// Undecided is set, with Enrolled false, when the agent cannot tell
+	// yet whether the rules select the pod (its namespace is not in the
+	// agent's view yet, Config.NamespaceViewLags) or whether its runtime
+	// may be meshed (its RuntimeClass is not in the view yet: the API
+	// server admits no pod of an unknown class, so the view lags). The CNI
+	// ADD fails rather than let the pod start unmeshed; the runtime
+	// retries.
 	Undecided string
 }
 
@@ -92,7 +109,8 @@ type Decision struct {
 //  3. sidecar.istio.io/status annotation: out (a sidecar already captures)
 //  4. pod label istio.io/dataplane-mode=none: out
 //  5. pod label istio.io/dataplane-mode=ambient: in
-//  6. namespace label istio.io/dataplane-mode=ambient: in
+//  6. namespace label istio.io/dataplane-mode=ambient: in (a namespace
+//     not in view is Undecided with cfg.NamespaceViewLags)
 //  7. otherwise out.
 //
 // A pod the rules enroll is still left out when its phase is Succeeded or
@@ -128,6 +146,12 @@ func Decide(cfg Config, ns *corev1.Namespace, pod *corev1.Pod, lookup HandlerLoo
 	}
 	if pod.DeletionTimestamp != nil {
 		d.Reason += "; terminating, kept until its netns is gone"
+	}
+	// Enrolled as Istio enrolls it, but a waypoint serves HBONE on 15008
+	// itself, which the tunnel then holds in its namespace: the reason says
+	// what Istio's own waypoints carry instead.
+	if pod.Labels[GatewayClassLabel] == WaypointGatewayClass {
+		d.Reason += fmt.Sprintf("; a waypoint's pod (label %s=%s): its own port 15008 is the tunnel's now; Istio's waypoints carry %s=%s", GatewayClassLabel, WaypointGatewayClass, DataplaneModeLabel, DataplaneModeNone)
 	}
 	// Istio reads the annotation with strconv.ParseBool ("1", "t", "True"
 	// are true) and ignores a value that is not a boolean; so do the rules.
@@ -185,6 +209,10 @@ func optIn(cfg Config, ns *corev1.Namespace, pod *corev1.Pod) Decision {
 		return Decision{Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeNone}
 	case DataplaneModeAmbient:
 		return Decision{Enrolled: true, Reason: "pod label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}
+	}
+	if ns == nil && cfg.NamespaceViewLags {
+		why := fmt.Sprintf("namespace %s is not in the agent's view yet", pod.Namespace)
+		return Decision{Reason: why, Undecided: why}
 	}
 	if ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient {
 		return Decision{Enrolled: true, Reason: "namespace label " + DataplaneModeLabel + "=" + DataplaneModeAmbient}

@@ -325,3 +325,55 @@ func TestDecideNamesAnUnknownModeValue(t *testing.T) {
 		})
 	}
 }
+
+// TestNamespaceNotInViewUndecided: with a source that watches namespaces
+// (NamespaceViewLags), a pod whose namespace it has not seen yet (the API
+// server admits no pod of a namespace that does not exist) is Undecided,
+// so its CNI ADD fails and is retried, unless a rule that does not need
+// the namespace decides; without the flag (the file source) such a pod is
+// out. Before, it was out: a pod of a new ambient namespace whose
+// namespace event lagged its ADD started unmeshed.
+func TestNamespaceNotInViewUndecided(t *testing.T) {
+	lags := Config{ExcludeNamespaces: []string{"kube-system"}, NamespaceViewLags: true}
+	const want = "namespace shop is not in the agent's view yet"
+	if d := Decide(lags, nil, newPod(), nil); d.Enrolled || d.Undecided != want || d.Reason != want {
+		t.Errorf("unlabelled pod, namespace not in view: %+v; want undecided, %q", d, want)
+	}
+	if d := Decide(lags, nil, newPod(noIP()), nil); d.Enrolled || d.Undecided != want || d.Pending != "" {
+		t.Errorf("unlabelled pod without IP, namespace not in view: %+v; want undecided", d)
+	}
+	for name, c := range map[string]struct {
+		pod      *corev1.Pod
+		enrolled bool
+	}{
+		"pod label ambient":  {newPod(label(DataplaneModeLabel, DataplaneModeAmbient)), true},
+		"pod label none":     {newPod(label(DataplaneModeLabel, DataplaneModeNone)), false},
+		"hostNetwork":        {newPod(hostNetwork()), false},
+		"sidecar":            {newPod(annotate(SidecarStatusAnnotation, "{}")), false},
+		"excluded namespace": {newPod(inNamespace("kube-system")), false},
+	} {
+		if d := Decide(lags, nil, c.pod, nil); d.Enrolled != c.enrolled || d.Undecided != "" {
+			t.Errorf("%s, namespace not in view: %+v; want enrolled %v, decided", name, d, c.enrolled)
+		}
+	}
+	if d := Decide(Config{}, nil, newPod(), nil); d.Enrolled || d.Undecided != "" {
+		t.Errorf("file source, namespace not declared: %+v; want out", d)
+	}
+	if d := Decide(lags, namespace("shop", false), newPod(), nil); d.Enrolled || d.Undecided != "" {
+		t.Errorf("namespace in view, not ambient: %+v; want out", d)
+	}
+}
+
+// TestEnrolledWaypointReason: a waypoint's pod without Istio's
+// istio.io/dataplane-mode=none in an ambient namespace is enrolled, as
+// Istio enrolls it, and the reason says why that breaks it and what
+// Istio's waypoints carry.
+func TestEnrolledWaypointReason(t *testing.T) {
+	d := Decide(Config{}, namespace("shop", true), newPod(label(GatewayClassLabel, WaypointGatewayClass)), nil)
+	if !d.Enrolled || !strings.Contains(d.Reason, "a waypoint's pod") || !strings.Contains(d.Reason, "istio.io/dataplane-mode=none") {
+		t.Errorf("waypoint pod without dataplane-mode=none: %+v; want enrolled, the reason naming the label Istio's waypoints carry", d)
+	}
+	if d := Decide(Config{}, namespace("shop", true), newPod(label(GatewayClassLabel, WaypointGatewayClass), label(DataplaneModeLabel, DataplaneModeNone)), nil); d.Enrolled {
+		t.Errorf("waypoint pod with dataplane-mode=none: %+v; want out", d)
+	}
+}

@@ -59,9 +59,10 @@ type Workload struct {
 	// reason it is enrolled under once the CNI plugin reports its
 	// addresses.
 	Pending string
-	// Undecided is set on a pod the rules select but whose runtime the
-	// agent cannot judge yet (see selection.Decision.Undecided): its CNI ADD
-	// fails, so it never starts unmeshed.
+	// Undecided is set on a pod the agent cannot judge yet (its namespace
+	// or, selected, its runtime not in the agent's view yet; see
+	// selection.Decision.Undecided): its CNI ADD fails, so it never starts
+	// unmeshed.
 	Undecided string
 	// Redirected says the pod carries ambient.istio.io/redirection=enabled
 	// as its source last read it, and Terminating that it is being deleted;

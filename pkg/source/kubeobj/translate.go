@@ -100,7 +100,7 @@ func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup sel
 	w := &workload.Workload{
 		Name:           pod.Name,
 		Namespace:      pod.Namespace,
-		UID:            string(pod.UID),
+		UID:            PodUID(pod),
 		ServiceAccount: cmp.Or(pod.Spec.ServiceAccountName, "default"),
 		Node:           pod.Spec.NodeName,
 		Addrs:          addrs,
@@ -118,6 +118,25 @@ func Pod(cfg selection.Config, ns *corev1.Namespace, pod *corev1.Pod, lookup sel
 	w.WorkloadName, _, w.WorkloadType = WorkloadMeta(pod)
 	w.CanonicalName, w.CanonicalRevision = workload.CanonicalService(pod.Labels, w.WorkloadName)
 	return w, dec.Err
+}
+
+// MirrorPodAnnotation marks a mirror pod: the API's copy of a static pod,
+// which the kubelet runs from a file. Its value is the static pod's hash.
+const MirrorPodAnnotation = "kubernetes.io/config.mirror"
+
+// PodUID is the UID the agent keys pod by: its own, except for a mirror pod,
+// which gets none (so it is keyed by namespace/name, as Istio matches pods).
+// The API server gives a mirror pod a UID of its own, while the kubelet, the
+// runtime, the CNI plugin (K8S_POD_UID) and the pod's cgroup know the static
+// pod by another, its hash: matched against the API's, the static pod's CNI
+// ADD was taken for an earlier pod of its name, and the pod never started.
+// The annotation's value is not taken as the UID: anyone who may create a
+// pod can write it, so it could be another pod's key.
+func PodUID(pod *corev1.Pod) string {
+	if _, ok := pod.Annotations[MirrorPodAnnotation]; ok {
+		return ""
+	}
+	return string(pod.UID)
 }
 
 func namedPorts(pod *corev1.Pod) map[string]int32 {

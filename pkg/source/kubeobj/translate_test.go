@@ -462,3 +462,27 @@ func TestInternalTrafficPolicyLocal(t *testing.T) {
 		t.Errorf("NodeLocalServices changed the snapshot's service: %d endpoints left, want 3", n)
 	}
 }
+
+// TestMirrorPodKeyedByName: a mirror pod (a static pod's copy in the API)
+// is keyed by namespace/name, without the API's UID: the kubelet, the
+// runtime and the CNI plugin know the static pod by its hash, another UID,
+// so matched by the API's, its CNI ADD was taken for an earlier pod of its
+// name and refused until the pod gave up (Istio matches pods by name and
+// meshes them). The annotation's value is not taken as the key: anyone
+// creating a pod can write it.
+func TestMirrorPodKeyedByName(t *testing.T) {
+	ns := ambientNamespace("edge")
+	p := pod("edge", "probe-node-a", "node-a", "10.0.0.9")
+	p.Annotations = map[string]string{MirrorPodAnnotation: "uid-plain"}
+	w, err := Pod(selection.Config{}, &ns, &p, nil)
+	if err != nil || w == nil {
+		t.Fatalf("Pod: %v, %v", w, err)
+	}
+	if !w.Enrolled || w.UID != "" || w.Key() != "edge/probe-node-a" {
+		t.Errorf("mirror pod: enrolled %v, uid %q, key %q; want enrolled, no uid, keyed edge/probe-node-a", w.Enrolled, w.UID, w.Key())
+	}
+	plain := pod("edge", "plain", "node-a", "10.0.0.10")
+	if w, _ := Pod(selection.Config{}, &ns, &plain, nil); w.UID != "uid-plain" || w.Key() != "uid-plain" {
+		t.Errorf("plain pod: uid %q, key %q; want its own uid", w.UID, w.Key())
+	}
+}

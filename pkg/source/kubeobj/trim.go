@@ -27,6 +27,7 @@ var podAnnotations = []string{
 	selection.BypassInboundAnnotation,
 	selection.DNSCaptureAnnotation,
 	selection.RedirectionAnnotation,
+	MirrorPodAnnotation,
 }
 
 // CompactPod is what the Kubernetes source caches of a pod: the fields

@@ -82,6 +82,7 @@ func TestTrimmedTranslatesAlike(t *testing.T) {
 		"workload label":   func(p *corev1.Pod) { p.Labels["service.istio.io/workload-name"] = "named" },
 		"cronjob":          func(p *corev1.Pod) { p.OwnerReferences[1].Kind, p.OwnerReferences[1].Name = "Job", "backup-28391040" },
 		"no generate name": func(p *corev1.Pod) { p.GenerateName = "" },
+		"mirror pod":       func(p *corev1.Pod) { p.Annotations[MirrorPodAnnotation] = "6c1a5e0e0b2e4c3f9d1e8a7b6c5d4e3f" },
 	}
 	for _, cfg := range []selection.Config{{}, {ExcludeNamespaces: []string{"shop"}}, {SkipRuntimeClasses: []string{"kata-qemu"}}, {SkipRuntimeClasses: []string{"runc"}}} {
 		for _, ns := range []*corev1.Namespace{&nsAmbient, &nsPlain, nil} {

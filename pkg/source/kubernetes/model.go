@@ -209,6 +209,7 @@ type model struct {
 }
 
 func newModel(cfg selection.Config, log *slog.Logger, inf informerSet) *model {
+	cfg.NamespaceViewLags = true // namespaces are watched: one missing is one not seen yet
 	return &model{cfg: cfg, log: log, inf: inf, namespaces: map[string]*corev1.Namespace{}, handlers: map[string]string{}, localities: map[string]kubeobj.Locality{}, waypointLabels: map[string]string{}}
 }
 
@@ -365,12 +366,13 @@ func (m *model) applyPod(key string) {
 		m.workloads.delete(k)
 		return
 	}
-	w, err := kubeobj.Pod(m.cfg, m.namespaces[pod.Namespace], pod.Pod(), m.lookup)
+	p := pod.Pod()
+	w, err := kubeobj.Pod(m.cfg, m.namespaces[pod.Namespace], p, m.lookup)
 	if w == nil && errors.As(err, new(*selection.PodAddrError)) {
 		// The pod is still there, its object malformed: it did not leave,
 		// so it keeps its last good version (its enrollment with it).
 		m.metrics.Error("kubernetes", source.ReasonInvalid)
-		if old, had := m.workloads.m[k]; had && old.UID == string(pod.UID) {
+		if old, had := m.workloads.m[k]; had && old.UID == kubeobj.PodUID(p) {
 			m.log.Error("pod object malformed; its last good version is kept", "error", err)
 			return
 		}

@@ -243,3 +243,33 @@ func TestNodeUpdatesWithoutLocalityChangeMarkNothing(t *testing.T) {
 		t.Errorf("added and deleted: %d notifications, marked %v; want node-a twice", notified, c.keys[kindNode])
 	}
 }
+
+// TestModelPodBeforeItsNamespaceUndecided: the pod and namespace watches
+// have no order between them, so a pod of a new ambient namespace can come
+// first. It is Undecided (its CNI ADD fails and is retried) until its
+// namespace is seen, then enrolled. Before, it was out, and its ADD let
+// it start unmeshed.
+func TestModelPodBeforeItsNamespaceUndecided(t *testing.T) {
+	inf := storeOnlyInformers()
+	m := newModel(selection.Config{}, slog.New(slog.DiscardHandler), inf)
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "fresh", Name: "web", UID: "u1"},
+		Spec: corev1.PodSpec{NodeName: "node-a"}, Status: corev1.PodStatus{Phase: corev1.PodPending}}
+	if err := inf.pods.GetStore().Add(kubeobj.NewCompactPod(p)); err != nil {
+		t.Fatal(err)
+	}
+	var c changes
+	c.add(kindPod, "fresh/web")
+	m.apply(c)
+	if ws := m.snapshot().Workloads; len(ws) != 1 || ws[0].Enrolled || ws[0].Undecided == "" {
+		t.Fatalf("pod before its namespace: %+v; want undecided", ws)
+	}
+	if err := inf.namespaces.GetStore().Add(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "fresh", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}); err != nil {
+		t.Fatal(err)
+	}
+	c = changes{}
+	c.add(kindNamespace, "fresh")
+	m.apply(c)
+	if ws := m.snapshot().Workloads; len(ws) != 1 || ws[0].Pending == "" || ws[0].Undecided != "" {
+		t.Errorf("once its ambient namespace is seen: %+v; want selected (pending its address)", ws)
+	}
+}

@@ -57,6 +57,7 @@ func NewSource(client *Client, pods *nodepods.Watcher, node string, cfg selectio
 	if log == nil {
 		log = slog.Default()
 	}
+	cfg.NamespaceViewLags = true // the node's pod watcher watches namespaces: one missing is one not seen yet
 	return &Source{client: client, pods: pods, node: node, selection: cfg, log: log.With("source", "xds")}
 }
 

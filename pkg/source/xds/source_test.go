@@ -834,3 +834,12 @@ func TestMergeCIDRSparesNodeAddresses(t *testing.T) {
 		t.Errorf("the other range: %v, want kept", svc)
 	}
 }
+
+// TestSourceNamespaceViewLags: the node's pod watcher watches namespaces,
+// so a local pod whose namespace it has not seen yet is Undecided (its CNI
+// ADD is retried), not out (selection.Config.NamespaceViewLags).
+func TestSourceNamespaceViewLags(t *testing.T) {
+	if s := NewSource(nil, nil, "node-a", selection.Config{}, nil); !s.selection.NamespaceViewLags {
+		t.Error("the xDS source's selection does not take a missing namespace for one not seen yet")
+	}
+}
