@@ -813,7 +813,8 @@ func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
 // KernelOK reports whether the attached pod p still has, for every address,
 // its enrollment entry, and its links attached and pinned; with full, also
 // its host-probe link pins and its rd_pod_netns entry (one an older agent,
-// overlapping an upgrade, attached the pod without). It is the cheap check
+// overlapping an upgrade, attached the pod without), and for a pod attached
+// with legacy tc its filters (legacyAttached). It is the cheap check
 // a reconcile makes before attaching a pod again.
 func (l *Loader) KernelOK(p PodState, full bool) bool {
 	for _, a := range p.Meta.Addrs {
@@ -822,6 +823,9 @@ func (l *Loader) KernelOK(p PodState, full bool) bool {
 		}
 	}
 	if !l.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
+		return false
+	}
+	if full && p.Meta.AttachMode == maps.AttachTCLegacy && !l.legacyAttached(p) {
 		return false
 	}
 	return !full || (l.hostProbeOK(p.ID) && l.podNetNSOK(p))
