@@ -4,12 +4,14 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/pin"
 )
 
@@ -108,4 +110,49 @@ func detachLegacy(ifindex int) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// legacyAttached reports whether the pod attached with legacy tc still has
+// both filters, running this loader's programs, on its interface in the
+// namespace it was attached in. Unlike tcx links, nothing holds a filter:
+// one deleted (a qdisc reset), or the interface made anew in the namespace
+// (at the old index or not), left the pod enrolled with no program on its
+// interface, its traffic uncaptured, and no check ever saw it. It enters
+// the pod's namespace, so only full passes ask.
+func (l *Loader) legacyAttached(p PodState) bool {
+	ino, recorded := l.recordedNetNS(p.ID)
+	h, err := netns.Open(p.Meta.NetNS)
+	if err != nil {
+		return false
+	}
+	defer h.Close()
+	if cur, err := h.Inode(); err != nil || (recorded && cur != uint64(ino)) {
+		return false
+	}
+	err = h.Do(func() error {
+		iface, err := netlink.LinkByName(p.Meta.Interface)
+		if err != nil {
+			return err
+		}
+		for _, d := range []direction{ingress, egress} {
+			info, err := l.program(d).Info()
+			if err != nil {
+				return err
+			}
+			id, _ := info.ID()
+			want := legacyFilter(iface.Attrs().Index, d, 0)
+			fs, err := netlink.FilterList(iface, want.Parent)
+			if err != nil {
+				return err
+			}
+			if !slices.ContainsFunc(fs, func(f netlink.Filter) bool {
+				bf, ok := f.(*netlink.BpfFilter)
+				return ok && bf.Handle == want.Handle && bf.Priority == want.Priority && bf.DirectAction && bf.Id == int(id)
+			}) {
+				return fmt.Errorf("no %s filter", d)
+			}
+		}
+		return nil
+	})
+	return err == nil
 }

@@ -318,9 +318,16 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 	errs := []error{accel.Uninstall(root), probe.Uninstall(root), detachLocalRoute(root)}
 	m, err := maps.OpenPinned(root)
 	if err == nil {
-		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m}
+		l := &Loader{cfg: Config{PinRoot: root, Settings: s}, log: log, maps: m, podNetNS: map[uint32]uint32{}}
 		metas, err := m.ListMeta()
 		errs = append(errs, err)
+		// The namespace each pod was attached in, read once (detach looks
+		// it up per pod otherwise).
+		netnsEntries, err := m.ListPodNetNS()
+		errs = append(errs, err)
+		for ino, e := range netnsEntries {
+			l.podNetNS[e.PodID] = ino
+		}
 		for id, meta := range metas {
 			errs = append(errs, l.detach(ctx, id, meta))
 		}

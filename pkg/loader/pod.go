@@ -642,9 +642,33 @@ func (l *Loader) leaveNetNS(id uint32, meta maps.PodMeta) error {
 
 // undoInNetNS removes the legacy filters, rules and routes attaching left in
 // meta's namespace and restores its sysctls. A namespace that is gone took
-// them with it.
-func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta) error {
-	err := netns.Do(meta.NetNS, func() error {
+// them with it. With recorded set, ino is the namespace the pod was
+// attached in: a path that names another one now (a new sandbox, maybe
+// another pod's, given the old one's path) is left alone, since what is
+// there is not the pod's to undo.
+func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta, ino uint32, recorded bool) error {
+	gone := func(err error) error {
+		if err != nil && errors.Is(err, os.ErrNotExist) {
+			// The namespace being gone (pod deleted) takes its links, rules
+			// and routes with it; anything else is worth reporting.
+			l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
+			return nil
+		}
+		return err
+	}
+	h, err := netns.Open(meta.NetNS)
+	if err != nil {
+		return gone(err)
+	}
+	defer h.Close()
+	if cur, err := h.Inode(); err != nil {
+		return err
+	} else if recorded && cur != uint64(ino) {
+		l.log.InfoContext(ctx, "pod's network namespace path names another namespace now: nothing undone there",
+			"pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS, "attached_inode", ino, "path_inode", cur)
+		return nil
+	}
+	return gone(h.Do(func() error {
 		var errs []error
 		iface, err := netlink.LinkByName(meta.Interface)
 		if err == nil && meta.AttachMode == maps.AttachTCLegacy {
@@ -666,17 +690,12 @@ func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta) error {
 			}
 		}
 		return errors.Join(errs...)
-	})
-	if err != nil && errors.Is(err, os.ErrNotExist) {
-		// The namespace being gone (pod deleted) takes its links, rules and
-		// routes with it; anything else is worth reporting.
-		l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
-		return nil
-	}
-	return err
+	}))
 }
 
 func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
+	// Which namespace the pod was attached in, before its record goes.
+	ino, recorded := l.recordedNetNS(id)
 	errs := []error{l.deletePodNetNS(id, meta)}
 	for _, a := range meta.Addrs {
 		errs = append(errs, l.deleteEntry(a, id))
@@ -684,7 +703,7 @@ func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error
 	if l.probes != nil {
 		errs = append(errs, l.probes.DetachHost(id))
 	}
-	errs = append(errs, l.undoInNetNS(ctx, meta))
+	errs = append(errs, l.undoInNetNS(ctx, meta, ino, recorded))
 	// The held links go with their pins; either alone keeps a link attached.
 	l.dropLinks(id)
 	for _, d := range []direction{ingress, egress} {
@@ -794,7 +813,8 @@ func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
 // KernelOK reports whether the attached pod p still has, for every address,
 // its enrollment entry, and its links attached and pinned; with full, also
 // its host-probe link pins and its rd_pod_netns entry (one an older agent,
-// overlapping an upgrade, attached the pod without). It is the cheap check
+// overlapping an upgrade, attached the pod without), and for a pod attached
+// with legacy tc its filters (legacyAttached). It is the cheap check
 // a reconcile makes before attaching a pod again.
 func (l *Loader) KernelOK(p PodState, full bool) bool {
 	for _, a := range p.Meta.Addrs {
@@ -803,6 +823,9 @@ func (l *Loader) KernelOK(p PodState, full bool) bool {
 		}
 	}
 	if !l.linksOK(p.ID, p.Meta.AttachMode == maps.AttachTCX) {
+		return false
+	}
+	if full && p.Meta.AttachMode == maps.AttachTCLegacy && !l.legacyAttached(p) {
 		return false
 	}
 	return !full || (l.hostProbeOK(p.ID) && l.podNetNSOK(p))

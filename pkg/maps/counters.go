@@ -35,7 +35,7 @@ func (m *Maps) CreateCounters(addr netip.Addr) error {
 	zero := make([]bpf.CapturePodCounters, ebpf.MustPossibleCPU())
 	err := m.PodStats.Update(&k, zero, ebpf.UpdateNoExist)
 	if err != nil && !errors.Is(err, ebpf.ErrKeyExist) {
-		return fmt.Errorf("create counters of %s: %w", addr, err)
+		return fmt.Errorf("create counters of %s: %w", addr, full(m.PodStats, PodStatsName, err))
 	}
 	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/redirector-mesh/redirector/bpf"
 )
@@ -81,6 +82,21 @@ func PodKey(a netip.Addr) bpf.CapturePodAddr {
 // AddrOf converts a map key back to an address, unmapping IPv4.
 func AddrOf(k bpf.CapturePodAddr) netip.Addr {
 	return netip.AddrFrom16(k.Addr).Unmap()
+}
+
+// ErrFull marks an enrollment refused because a per-address map has no
+// room: rd_pods and rd_pod_stats hold one entry per enrolled address,
+// MAX_PODS (4096) in all, so a node of dual-stack pods is full at 2048
+// pods, though pod ids go to 4096.
+var ErrFull = errors.New("map full")
+
+// full names the map and its bound when the kernel refused a new key for
+// lack of room (E2BIG, which reads "argument list too long").
+func full(mp *ebpf.Map, name string, err error) error {
+	if errors.Is(err, unix.E2BIG) {
+		return fmt.Errorf("%w: %s holds at most %d pod addresses, all taken on this node: %w", ErrFull, name, mp.MaxEntries(), err)
+	}
+	return err
 }
 
 func ignoreMissing(err error) error {

@@ -49,7 +49,7 @@ func settingsOf(r bpf.CapturePodSettings) PodSettings {
 func (m *Maps) SetPod(addr netip.Addr, s PodSettings) error {
 	k, v := PodKey(addr), s.raw()
 	if err := m.Pods.Put(&k, &v); err != nil {
-		return fmt.Errorf("enroll %s: %w", addr, err)
+		return fmt.Errorf("enroll %s: %w", addr, full(m.Pods, PodsName, err))
 	}
 	return nil
 }

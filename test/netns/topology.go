@@ -175,6 +175,32 @@ func (n *Node) AddPod(name string) *Pod {
 	return p
 }
 
+// RecreatePod destroys p's namespace and makes a new one under the same
+// name (so at the same path), wired to the node's bridge with p's
+// addresses and routes: a pod re-created in a new sandbox that a runtime
+// names by the pod, a /proc/<pid>/ns/net whose pid came round again, or
+// another pod given a dead pod's path. The old namespace lives on while
+// something holds it; only its path is taken from it.
+func (n *Node) RecreatePod(p *Pod) {
+	tp := n.topo
+	tp.t.Helper()
+	if out, err := exec.Command("ip", "netns", "del", p.NS).CombinedOutput(); err != nil {
+		tp.t.Fatalf("ip netns del %s: %v: %s", p.NS, err, out)
+	}
+	tp.addNS(p.NS)
+	tp.mu.Lock()
+	n.pods++
+	p.HostVeth = fmt.Sprintf("veth%dp%d", n.Index, n.pods) // a number no pod has
+	tp.mu.Unlock()
+	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
+	tp.ip(n.Name, "link", "set", p.HostVeth, "master", "rdbr", "up")
+	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
+	tp.ip(p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
+	tp.ip(p.NS, "link", "set", "eth0", "up")
+	tp.ip(p.NS, "route", "add", "default", "via", n.Gateway4().String())
+	tp.ip(p.NS, "-6", "route", "add", "default", "via", n.Gateway6().String())
+}
+
 // PodAddr4 is host number h in the node's pod subnet (1 is the node's bridge).
 func (n *Node) PodAddr4(h int) netip.Addr {
 	return netip.MustParseAddr(fmt.Sprintf("10.%d.%d.%d", n.topo.slot, n.Index, h))
