@@ -162,13 +162,7 @@ func (n *Node) AddPod(name string) *Pod {
 		IPv6:     n.PodAddr6(j + 1),
 		HostVeth: fmt.Sprintf("veth%dp%d", n.Index, j)}
 	tp.addNS(p.NS)
-	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
-	tp.ip(n.Name, "link", "set", p.HostVeth, "master", "rdbr", "up")
-	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
-	tp.ip(p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
-	tp.ip(p.NS, "link", "set", "eth0", "up")
-	tp.ip(p.NS, "route", "add", "default", "via", n.Gateway4().String())
-	tp.ip(p.NS, "-6", "route", "add", "default", "via", n.Gateway6().String())
+	n.wirePod(p)
 	tp.mu.Lock()
 	n.Pods = append(n.Pods, p)
 	tp.mu.Unlock()
@@ -192,6 +186,14 @@ func (n *Node) RecreatePod(p *Pod) {
 	n.pods++
 	p.HostVeth = fmt.Sprintf("veth%dp%d", n.Index, n.pods) // a number no pod has
 	tp.mu.Unlock()
+	n.wirePod(p)
+}
+
+// wirePod joins p's namespace to the node's bridge over a veth (p.HostVeth
+// on the node, eth0 in the pod) with p's addresses and default routes.
+func (n *Node) wirePod(p *Pod) {
+	tp := n.topo
+	tp.t.Helper()
 	tp.ip(n.Name, "link", "add", p.HostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
 	tp.ip(n.Name, "link", "set", p.HostVeth, "master", "rdbr", "up")
 	tp.ip(p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
