@@ -49,8 +49,13 @@ func requestBody(t *testing.T, method, url string, body io.Reader) (int, string)
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := &http.Client{Timeout: 5 * time.Second}
-	resp, err := c.Do(req)
+	return do(t, req)
+}
+
+// do sends req and returns the status and body.
+func do(t *testing.T, req *http.Request) (int, string) {
+	t.Helper()
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

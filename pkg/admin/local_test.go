@@ -2,7 +2,6 @@ package admin
 
 import (
 	"fmt"
-	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -33,16 +32,7 @@ func adminRequest(t *testing.T, s *Servers, method, path string, headers map[str
 		}
 		req.Header.Set(k, v)
 	}
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return resp.StatusCode, string(b)
+	return do(t, req)
 }
 
 // TestAdminRefusesForeignHost: a page whose DNS name is rebound to

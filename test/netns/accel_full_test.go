@@ -13,17 +13,25 @@ import (
 	"github.com/redirector-mesh/redirector/bpf"
 )
 
+// sockopsPair is a mesh of two nodes with sockops acceleration on, a
+// meshed client pod on the first and a meshed server pod on the second.
+func sockopsPair(t *testing.T) (*mesh, *Pod, *Pod) {
+	t.Helper()
+	var client, server *Pod
+	ms := newMeshWith(t, []string{"--sockops-acceleration=true"}, func(tp *Topology, m *Manifest) {
+		client, server = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(client, "mesh", "client").Pod(server, "mesh", "server")
+	})
+	return ms, client, server
+}
+
 // TestSockopsAccelerationMapsFull: the acceleration's maps are the node's,
 // 65536 entries, and one pod's connections can fill them (each connection
 // between two of the node's sockets takes two). A connection that finds
 // them full must still work, on TCP, and be counted: an operator otherwise
 // sees the acceleration stop for every pod with nothing to tell why.
 func TestSockopsAccelerationMapsFull(t *testing.T) {
-	var client, server *Pod
-	ms := newMeshWith(t, []string{"--sockops-acceleration=true"}, func(tp *Topology, m *Manifest) {
-		client, server = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(client, "mesh", "client").Pod(server, "mesh", "server")
-	})
+	ms, client, server := sockopsPair(t)
 	mirrorServer(t, server, 9000)
 	for _, a := range ms.agents {
 		a.WaitLog(t, "pod enrolled", 10*time.Second)

@@ -24,11 +24,7 @@ import (
 // connection from the same port to the same server has the same key:
 // pairing its tunnel socket must not throw away what the old one holds.
 func TestSockopsAccelerationTupleReuse(t *testing.T) {
-	var client, server *Pod
-	ms := newMeshWith(t, []string{"--sockops-acceleration=true"}, func(tp *Topology, m *Manifest) {
-		client, server = tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(client, "mesh", "client").Pod(server, "mesh", "server")
-	})
+	ms, client, server := sockopsPair(t)
 	got := make(chan int64, 2)
 	release := make(chan struct{})
 	ServeTCP(t, server, 9700, func(c net.Conn) {
