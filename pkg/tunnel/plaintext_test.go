@@ -265,6 +265,59 @@ func TestServiceEndpointInTheVIPsFamily(t *testing.T) {
 	p.stop(ctx)
 }
 
+// TestServiceEndpointFamilyAddressIsTheWorkloadsOwn: a connection to an
+// IPv6 VIP whose endpoint is listed at a workload's IPv4 address goes to
+// that workload's IPv6 address only where the directory gives that address
+// to the workload. A pod object that still lists an address the directory
+// gives to another workload (a terminating pod whose address a new pod
+// took, as NewDirectory settles it) does not speak for what is there now:
+// before, the plaintext endpoint's other-family address was dialled in
+// plain TCP, and the app's bytes went in plaintext to the meshed pod that
+// holds it now. Such an endpoint keeps its listed address.
+func TestServiceEndpointFamilyAddressIsTheWorkloadsOwn(t *testing.T) {
+	tun := tunnelWithPool(t)
+	taken := newPlainWitness(t, "[::1]:0")
+	own := newPlainWitness(t, "127.0.0.3:"+strconv.Itoa(int(taken.port())))
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	old := podObj("plain", "old", "old", "127.0.0.3", nil)
+	old.Addrs = append(old.Addrs, netip.MustParseAddr("::1"))
+	old.Enrolled, old.Terminating = false, true
+	meshed := podObj("mesh", "new", "new", "::1", nil) // has ::1 now
+	svc := &workload.Service{Name: "old", Namespace: "plain", Hostname: "old.plain.svc.cluster.local",
+		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.30"), netip.MustParseAddr("fd00:96::30")},
+		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(taken.port())}},
+		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.3"), Ready: true}}}
+	dir, _ := workload.NewDirectory([]*workload.Workload{client, old, meshed}, []*workload.Service{svc})
+	if w, _ := dir.ByAddr(netip.MustParseAddr("::1")); w != meshed {
+		t.Fatalf("::1 is %v's in the directory, want mesh/new's", w)
+	}
+	tun.Update(&State{Dir: dir})
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	app, tunnelSide := net.Pipe()
+	defer app.Close()
+	c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("[fd00:96::30]:80")),
+		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+	go func() { _, _ = app.Write([]byte("hello")) }()
+	done := make(chan struct{})
+	go func() { p.handleOutbound(c); close(done) }()
+	select {
+	case b := <-taken.got:
+		t.Errorf("the meshed pod's address got %q in plaintext", b)
+	case b := <-own.got:
+		if string(b) != "hello" {
+			t.Errorf("the endpoint's own address got %q", b)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("no address got the connection")
+	}
+	c.Close()
+	<-done
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p.stop(ctx)
+}
+
 // inFamilyOf maps dual-stack workloads to the destination's family, drops
 // the repeats that makes, and puts endpoints it cannot map last.
 func TestInFamilyOf(t *testing.T) {
@@ -274,8 +327,12 @@ func TestInFamilyOf(t *testing.T) {
 		return target{ep: workload.Endpoint{Workload: w}, addr: netip.MustParseAddrPort(a)}
 	}
 	cands := []target{tg(ds, "[fd00::1]:80"), tg(v6only, "[fd00::2]:80"), tg(ds, "10.0.0.1:80"), tg(nil, "10.0.0.9:80")}
+	dir, errs := workload.NewDirectory([]*workload.Workload{ds, v6only}, nil)
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
 	var got []string
-	for _, c := range inFamilyOf(cands, netip.MustParseAddr("10.96.0.1")) {
+	for _, c := range inFamilyOf(dir, cands, netip.MustParseAddr("10.96.0.1")) {
 		got = append(got, c.addr.String())
 	}
 	if want := []string{"10.0.0.1:80", "10.0.0.9:80", "[fd00::2]:80"}; !slices.Equal(got, want) {

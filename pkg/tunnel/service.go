@@ -300,7 +300,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 		resetConn(c)
 		return
 	}
-	candidates := inFamilyOf(t.lb.order(dir, svc, *port, srcW), dst.Addr())
+	candidates := inFamilyOf(dir, t.lb.order(dir, svc, *port, srcW), dst.Addr())
 	if len(candidates) == 0 {
 		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
 		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))
@@ -345,14 +345,14 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 // endpoint workload's address of the destination's family: an app that
 // listens on IPv4 only refused the connections sent to its IPv6 address,
 // which also marked it failed for every pod of the node.
-func inFamilyOf(cands []target, dst netip.Addr) []target {
+func inFamilyOf(dir *workload.Directory, cands []target, dst netip.Addr) []target {
 	out := make([]target, 0, len(cands))
 	var other []target
 	for _, c := range cands {
 		a := c.addr.Addr()
 		if w := c.ep.Workload; a.Is4() != dst.Is4() && w != nil {
-			if i := slices.IndexFunc(w.Addrs, func(x netip.Addr) bool { return x.Is4() == dst.Is4() }); i >= 0 {
-				c.addr = netip.AddrPortFrom(w.Addrs[i], c.addr.Port())
+			if x, ok := ownAddrOfFamily(dir, w, dst.Is4()); ok {
+				c.addr = netip.AddrPortFrom(x, c.addr.Port())
 			}
 		}
 		seen := func(t target) bool { return t.addr == c.addr }
@@ -366,6 +366,21 @@ func inFamilyOf(cands []target, dst netip.Addr) []target {
 		}
 	}
 	return append(out, other...)
+}
+
+// ownAddrOfFamily returns an address of w in the IPv4 family (v4) or the
+// IPv6 one that the directory gives to w. A workload may still list an
+// address the directory gives to another (a terminating pod's, which a new
+// pod took): what is there now is that other workload, with its own
+// identity and protocol, and dialled as w's, a plaintext endpoint's address
+// sent the app's bytes in plaintext to a meshed pod.
+func ownAddrOfFamily(dir *workload.Directory, w *workload.Workload, v4 bool) (netip.Addr, bool) {
+	for _, x := range w.Addrs {
+		if owner, ok := dir.ByAddr(x); ok && owner == w && x.Is4() == v4 {
+			return x, true
+		}
+	}
+	return netip.Addr{}, false
 }
 
 // errEndpointUnresolved refuses an endpoint that names a pod the directory

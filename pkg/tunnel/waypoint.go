@@ -167,8 +167,8 @@ func (t *Tunnel) waypointHops(dir *workload.Directory, wp *workload.Waypoint, cl
 		a := c.addr.Addr()
 		if a.Is4() != dst.Is4() {
 			// Prefer the caller's family, where the instance has it.
-			if i := slices.IndexFunc(w.Addrs, func(x netip.Addr) bool { return x.Is4() == dst.Is4() }); i >= 0 {
-				a = w.Addrs[i]
+			if x, ok := ownAddrOfFamily(dir, w, dst.Is4()); ok {
+				a = x
 			}
 		}
 		hops = append(hops, waypointHop{w: w, addr: netip.AddrPortFrom(a, c.addr.Port())})

@@ -143,6 +143,21 @@ func TestWaypointHops(t *testing.T) {
 	if hops, err := tun.waypointHops(dir, byHost, nil, v4); !errors.Is(err, errWaypointNoEndpoint) {
 		t.Errorf("no ready endpoint with a known workload: %v %v, want errWaypointNoEndpoint", hops, err)
 	}
+	// An IPv6 caller, the waypoint pod terminating and its IPv6 address a
+	// new pod's in the directory: that address is not the waypoint's to
+	// dial, and its IPv4 one is taken.
+	all := waypointDir(t, byHost).All()
+	for i, w := range all {
+		if w.Name == "waypoint-6f7b" {
+			c := *w
+			c.Terminating = true
+			all[i] = &c
+		}
+	}
+	dir, _ = workload.NewDirectory(append(all, podObj("mesh", "new", "new", "fd00::9", nil)), waypointDir(t, byHost).Services())
+	if hops, err := tun.waypointHops(dir, byHost, nil, v6); err != nil || len(hops) == 0 || hops[0].addr.String() != "10.1.0.9:15008" {
+		t.Errorf("waypoint whose IPv6 address is another's: %v %v, want first hop 10.1.0.9:15008", hops, err)
+	}
 }
 
 // A connection whose waypoint cannot be resolved is reset and counted,

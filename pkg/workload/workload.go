@@ -243,26 +243,35 @@ type Endpoint struct {
 // a named targetPort among the endpoint workload's container ports, else
 // the numeric targetPort (0: the service port) unless the port is served
 // only where an endpoint says (PerEndpoint). Not ok: ep does not serve the
-// port.
+// port, or the port it names is no TCP port (see tcpPort).
 func (ep Endpoint) TargetPort(port ServicePort) (uint16, bool) {
-	if p, ok := ep.Ports[port.Name]; ok && p > 0 {
-		return uint16(p), true
+	if p, ok := ep.Ports[port.Name]; ok && p != 0 {
+		return tcpPort(p)
 	}
 	if port.PerEndpoint {
 		return 0, false
 	}
 	if port.TargetPortName != "" {
 		if ep.Workload != nil {
-			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p > 0 {
-				return uint16(p), true
+			if p, ok := ep.Workload.ContainerPorts[port.TargetPortName]; ok && p != 0 {
+				return tcpPort(p)
 			}
 		}
 		return 0, false
 	}
-	if port.TargetPort > 0 {
-		return uint16(port.TargetPort), true
+	if port.TargetPort != 0 {
+		return tcpPort(port.TargetPort)
 	}
-	return uint16(port.Port), true
+	return tcpPort(port.Port)
+}
+
+// tcpPort is p as a port number, not ok outside 1-65535: cut to 16 bits,
+// 65616 was port 80, so a number no port has sent connections to another.
+func tcpPort(p int32) (uint16, bool) {
+	if p < 1 || p > 65535 {
+		return 0, false
+	}
+	return uint16(p), true
 }
 
 // Waypoint is a waypoint proxy: an address or a service hostname, and the

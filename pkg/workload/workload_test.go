@@ -133,6 +133,29 @@ func TestEndpointTargetPort(t *testing.T) {
 	}
 }
 
+// TestEndpointTargetPortOutOfRange: a port number no TCP port has (over
+// 65535, or negative) is served nowhere. Converted to 16 bits it named
+// another port: a targetPort of 65616, an endpoint port of 65616 or a
+// container port of 65616 sent the service's connections to port 80.
+func TestEndpointTargetPortOutOfRange(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		port ServicePort
+		ep   Endpoint
+	}{
+		{"targetPort over 65535", ServicePort{Port: 80, TargetPort: 65536 + 80}, Endpoint{}},
+		{"negative targetPort", ServicePort{Port: 80, TargetPort: -1}, Endpoint{}},
+		{"service port over 65535", ServicePort{Port: 65536 + 80}, Endpoint{}},
+		{"endpoint port over 65535", ServicePort{Name: "web", Port: 80}, Endpoint{Ports: map[string]int32{"web": 65536 + 80}}},
+		{"negative endpoint port", ServicePort{Name: "web", Port: 80}, Endpoint{Ports: map[string]int32{"web": -1}}},
+		{"container port over 65535", ServicePort{Port: 80, TargetPortName: "http"}, Endpoint{Workload: &Workload{ContainerPorts: map[string]int32{"http": 65536 + 80}}}},
+	} {
+		if got, ok := tc.ep.TargetPort(tc.port); ok {
+			t.Errorf("%s: served on port %d, want not served", tc.name, got)
+		}
+	}
+}
+
 // TestEndpointTargetPortPerEndpoint: a port served only where an endpoint
 // says (istiod's target port 0) is not served by an endpoint without its
 // own port for it, whatever its container ports.

@@ -6,9 +6,12 @@ import (
 	"slices"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	apivalidation "k8s.io/apimachinery/pkg/api/validation"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	metavalidation "k8s.io/apimachinery/pkg/apis/meta/v1/validation"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	utilvalidation "k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
@@ -66,16 +69,146 @@ func validateObject(kind string, obj metav1.Object, namespaced bool) error {
 				errs = append(errs, field.Invalid(field.NewPath("spec", "serviceAccountName"), sa, msg))
 			}
 		}
+		for _, list := range []struct {
+			name       string
+			containers []corev1.Container
+		}{{"initContainers", o.Spec.InitContainers}, {"containers", o.Spec.Containers}} {
+			for i, c := range list.containers {
+				errs = append(errs, validateContainerPorts(c.Ports, field.NewPath("spec", list.name).Index(i).Child("ports"))...)
+			}
+		}
 	case *corev1.Service:
 		if td := o.Spec.TrafficDistribution; td != nil && !slices.Contains(trafficDistributions, *td) {
 			errs = append(errs, field.NotSupported(field.NewPath("spec", "trafficDistribution"), *td, trafficDistributions))
 		}
+		errs = append(errs, validateServicePorts(o.Spec.Ports, field.NewPath("spec", "ports"))...)
+	case *discoveryv1.EndpointSlice:
+		errs = append(errs, validateSlicePorts(o.Ports, field.NewPath("ports"))...)
 	case *peerAuthnDoc:
 		errs = append(errs, validateSelector(o.Spec.Selector)...)
 	case *authzDoc:
 		errs = append(errs, validateSelector(o.Spec.Selector)...)
 	}
 	return errs.ToAggregate()
+}
+
+// Ports are checked as the API server checks them: a number outside
+// 1-65535, a protocol spelled other than TCP, UDP or SCTP, a name that is
+// none, a service port or name listed twice. Taken as written, a number
+// over 65535 was another port once cut to 16 bits (65616 is 80), "tcp"
+// made a port no TCP port, and of two entries for one port or name the
+// last won without a word. (The API server leaves an EndpointSlice's port
+// numbers unchecked; a number no port has is refused here all the same.)
+
+// protocols are the port protocols the API server takes.
+var protocols = []string{string(corev1.ProtocolTCP), string(corev1.ProtocolUDP), string(corev1.ProtocolSCTP)}
+
+// validateServicePorts checks a Service's spec.ports.
+func validateServicePorts(ports []corev1.ServicePort, path *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	names := map[string]bool{}
+	type portKey struct {
+		port     int32
+		protocol corev1.Protocol
+	}
+	seen := map[portKey]bool{}
+	for i, p := range ports {
+		at := path.Index(i)
+		switch {
+		case p.Name == "" && len(ports) > 1:
+			errs = append(errs, field.Required(at.Child("name"), "each port of a service with several is named"))
+		case p.Name != "":
+			errs = append(errs, invalid(at.Child("name"), p.Name, utilvalidation.IsDNS1123Label(p.Name))...)
+			if names[p.Name] {
+				errs = append(errs, field.Duplicate(at.Child("name"), p.Name))
+			}
+			names[p.Name] = true
+		}
+		errs = append(errs, invalid(at.Child("port"), p.Port, utilvalidation.IsValidPortNum(int(p.Port)))...)
+		errs = append(errs, validateProtocol(at.Child("protocol"), p.Protocol)...)
+		// An empty or zero targetPort is the port itself, as the API
+		// server defaults it.
+		switch tp := p.TargetPort; {
+		case tp.Type == intstr.String && tp.StrVal != "":
+			errs = append(errs, invalid(at.Child("targetPort"), tp.StrVal, utilvalidation.IsValidPortName(tp.StrVal))...)
+		case tp.Type == intstr.Int && tp.IntVal != 0:
+			errs = append(errs, invalid(at.Child("targetPort"), tp.IntVal, utilvalidation.IsValidPortNum(int(tp.IntVal)))...)
+		}
+		k := portKey{p.Port, p.Protocol}
+		if k.protocol == "" {
+			k.protocol = corev1.ProtocolTCP
+		}
+		if seen[k] {
+			errs = append(errs, field.Duplicate(at, fmt.Sprintf("%d/%s", k.port, k.protocol)))
+		}
+		seen[k] = true
+	}
+	return errs
+}
+
+// validateSlicePorts checks an EndpointSlice's ports.
+func validateSlicePorts(ports []discoveryv1.EndpointPort, path *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	names := map[string]bool{}
+	for i, p := range ports {
+		at := path.Index(i)
+		name := ""
+		if p.Name != nil {
+			name = *p.Name
+		}
+		if name != "" {
+			errs = append(errs, invalid(at.Child("name"), name, utilvalidation.IsDNS1123Label(name))...)
+		}
+		if names[name] {
+			errs = append(errs, field.Duplicate(at.Child("name"), name))
+		}
+		names[name] = true
+		if p.Port != nil {
+			errs = append(errs, invalid(at.Child("port"), *p.Port, utilvalidation.IsValidPortNum(int(*p.Port)))...)
+		}
+		if p.Protocol != nil {
+			errs = append(errs, validateProtocol(at.Child("protocol"), *p.Protocol)...)
+		}
+	}
+	return errs
+}
+
+// validateContainerPorts checks one container's ports.
+func validateContainerPorts(ports []corev1.ContainerPort, path *field.Path) field.ErrorList {
+	var errs field.ErrorList
+	names := map[string]bool{}
+	for i, p := range ports {
+		at := path.Index(i)
+		if p.Name != "" {
+			if msgs := utilvalidation.IsValidPortName(p.Name); len(msgs) > 0 {
+				errs = append(errs, invalid(at.Child("name"), p.Name, msgs)...)
+			} else if names[p.Name] {
+				errs = append(errs, field.Duplicate(at.Child("name"), p.Name))
+			}
+			names[p.Name] = true
+		}
+		errs = append(errs, invalid(at.Child("containerPort"), p.ContainerPort, utilvalidation.IsValidPortNum(int(p.ContainerPort)))...)
+		errs = append(errs, validateProtocol(at.Child("protocol"), p.Protocol)...)
+	}
+	return errs
+}
+
+// validateProtocol checks a port's protocol; empty is TCP, as the API
+// server defaults it.
+func validateProtocol(path *field.Path, p corev1.Protocol) field.ErrorList {
+	if p == "" || slices.Contains(protocols, string(p)) {
+		return nil
+	}
+	return field.ErrorList{field.NotSupported(path, p, protocols)}
+}
+
+// invalid turns a validation function's messages about value into errors.
+func invalid(path *field.Path, value any, msgs []string) field.ErrorList {
+	var errs field.ErrorList
+	for _, m := range msgs {
+		errs = append(errs, field.Invalid(path, value, m))
+	}
+	return errs
 }
 
 // validateSelector checks a policy's workload selector as Istio's webhook

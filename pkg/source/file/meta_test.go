@@ -57,6 +57,59 @@ func TestLoadRefusesMetadataTheAPIServerRefuses(t *testing.T) {
 	}
 }
 
+// TestLoadRefusesPortsTheAPIServerRefuses: a port the API server would
+// refuse (a number no port has, a protocol spelled another way, a named
+// targetPort that is no port name, a service port listed twice) is refused
+// too, naming the field. Taken as written, a targetPort, slice port or
+// container port of 65616 was port 80 to the tunnel, a protocol "tcp" made
+// the port no TCP port (every connection to it reset as "no such port"),
+// and of two entries for one port the last silently won.
+func TestLoadRefusesPortsTheAPIServerRefuses(t *testing.T) {
+	svc := func(ports string) string {
+		return "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec: {clusterIP: 10.96.0.9, ports: [" + ports + "]}\n"
+	}
+	slice := func(ports string) string {
+		return "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-x, namespace: shop, labels: {kubernetes.io/service-name: web}}\n" +
+			"addressType: IPv4\nendpoints: [{addresses: [10.0.0.9]}]\nports: [" + ports + "]\n"
+	}
+	pod := func(ports string) string {
+		return "apiVersion: v1\nkind: Pod\nmetadata: {name: web, namespace: shop}\nspec: {nodeName: n1, containers: [{name: c, image: x, ports: [" + ports + "]}]}\nstatus: {podIP: 10.0.0.9}\n"
+	}
+	for _, tt := range []struct{ name, doc, field string }{
+		{"service port over 65535", svc("{port: 65616}"), "spec.ports[0].port"},
+		{"service port 0", svc("{port: 0}"), "spec.ports[0].port"},
+		{"targetPort over 65535", svc("{port: 80, targetPort: 65616}"), "spec.ports[0].targetPort"},
+		{"negative targetPort", svc("{port: 80, targetPort: -1}"), "spec.ports[0].targetPort"},
+		{"targetPort a number in quotes", svc(`{port: 80, targetPort: "8080"}`), "spec.ports[0].targetPort"},
+		{"protocol in lower case", svc("{port: 80, protocol: tcp}"), "spec.ports[0].protocol"},
+		{"one port twice", svc("{name: a, port: 80, targetPort: 8080}, {name: b, port: 80, targetPort: 9090}"), "spec.ports[1]"},
+		{"one port name twice", svc("{name: a, port: 80}, {name: a, port: 81}"), "spec.ports[1].name"},
+		{"two ports, one unnamed", svc("{port: 80}, {name: b, port: 81}"), "spec.ports[0].name"},
+		{"slice port over 65535", slice("{name: http, port: 65616}"), "ports[0].port"},
+		{"slice protocol in lower case", slice("{name: http, port: 80, protocol: tcp}"), "ports[0].protocol"},
+		{"container port over 65535", pod("{name: http, containerPort: 65616}"), "spec.containers[0].ports[0].containerPort"},
+		{"container port name not a port name", pod("{name: HTTP, containerPort: 8080}"), "spec.containers[0].ports[0].name"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			path := writeFile(t, t.TempDir(), "c.yaml", namespaceDoc("shop")+"---\n"+tt.doc)
+			_, errs := Load(path)
+			if len(errs) != 1 || errorReason(errs[0]) != source.ReasonInvalid || !strings.Contains(errs[0].Error(), tt.field) ||
+				!strings.Contains(errs[0].Error(), "c.yaml: document 2") {
+				t.Fatalf("errors = %.400v, want one invalid, at document 2, naming %s", errs, tt.field)
+			}
+		})
+	}
+	// What the API server takes loads: a named targetPort, a UDP twin of a
+	// TCP port, a port with no targetPort, a slice port without a number.
+	ok := namespaceDoc("shop") + "---\n" +
+		svc(`{name: dns, port: 53, protocol: UDP, targetPort: 5353}, {name: dns-tcp, port: 53, targetPort: dns-tcp}, {name: web, port: 80}`) + "---\n" +
+		slice(`{name: dns, port: 5353, protocol: UDP}, {name: dns-tcp, port: 5353}, {name: web}`) + "---\n" +
+		pod(`{name: dns-tcp, containerPort: 5353}, {containerPort: 8080}`)
+	if _, errs := Load(writeFile(t, t.TempDir(), "c.yaml", ok)); len(errs) != 0 {
+		t.Fatalf("valid ports refused: %v", errs)
+	}
+}
+
 // TestRunKeepsEnrollmentOverAnInvalidLabel: a running source whose ambient
 // namespace's label is edited to a value the API server refuses ("ambient "
 // with a stray space) does not deliver it, which would unenroll every pod of

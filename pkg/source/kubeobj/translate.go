@@ -254,9 +254,17 @@ func Endpoints(list []*discoveryv1.EndpointSlice) ([]workload.Endpoint, []error)
 		}
 		ports := make(map[string]int32, len(es.Ports))
 		for _, p := range es.Ports {
-			if p.Port != nil {
-				ports[derefOr(p.Name, "")] = *p.Port
+			if p.Port == nil {
+				continue
 			}
+			// The API server checks no slice's port numbers. One no
+			// port has stays in the map, so that no endpoint of the
+			// slice serves it (workload.Endpoint.TargetPort): cut to 16
+			// bits it was another port.
+			if n := *p.Port; n < 1 || n > 65535 {
+				errs = append(errs, fmt.Errorf("endpointslice %s/%s: port %q: %d is not a port number (1-65535); not served", es.Namespace, es.Name, derefOr(p.Name, ""), n))
+			}
+			ports[derefOr(p.Name, "")] = *p.Port
 		}
 		for _, ep := range es.Endpoints {
 			if len(ep.Addresses) == 0 {

@@ -3,6 +3,7 @@ package kubeobj
 import (
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -363,6 +364,40 @@ func TestEndpointAddressOfNoHost(t *testing.T) {
 			s, _ := d.ServiceByVIP(addr("10.96.0.1"))
 			if len(s.Endpoints) != 1 || s.Endpoints[0].Addr != addr("10.0.0.1") {
 				t.Errorf("endpoints = %+v, want only 10.0.0.1", s.Endpoints)
+			}
+		})
+	}
+}
+
+// TestEndpointSlicePortOutOfRange: the API server leaves an EndpointSlice's
+// port numbers unchecked (only names and protocols are), so a hand-made
+// slice may say 65616, or -65456, for a port. Cut to 16 bits that was port
+// 80, where the tunnel dialled the endpoint, while an admission policy, kube-proxy
+// and anyone reading the slice saw another number. Such a port is reported
+// naming the slice and the port, and served by no endpoint of the slice
+// (not the service's targetPort either: the slice said where it is).
+func TestEndpointSlicePortOutOfRange(t *testing.T) {
+	svc := corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "a", Name: "s"}, Spec: corev1.ServiceSpec{ClusterIP: "10.96.0.1",
+		Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}}
+	name := "http"
+	for _, bad := range []int32{65536 + 80, -65536 + 80} {
+		t.Run(strconv.Itoa(int(bad)), func(t *testing.T) {
+			es := discoveryv1.EndpointSlice{
+				ObjectMeta:  metav1.ObjectMeta{Namespace: "a", Name: "s-1", Labels: map[string]string{discoveryv1.LabelServiceName: "s"}},
+				AddressType: discoveryv1.AddressTypeIPv4,
+				Ports:       []discoveryv1.EndpointPort{{Name: &name, Port: &bad}},
+				Endpoints:   []discoveryv1.Endpoint{{Addresses: []string{"10.0.0.1"}}},
+			}
+			d, errs := build(Objects{Services: []corev1.Service{svc}, EndpointSlices: []discoveryv1.EndpointSlice{es}}, selection.Config{})
+			if len(errs) != 1 || !strings.Contains(errs[0].Error(), "endpointslice a/s-1") || !strings.Contains(errs[0].Error(), strconv.Itoa(int(bad))) {
+				t.Fatalf("errors = %v, want one naming endpointslice a/s-1 and %d", errs, bad)
+			}
+			s, _ := d.ServiceByVIP(addr("10.96.0.1"))
+			if len(s.Endpoints) != 1 {
+				t.Fatalf("endpoints = %+v, want 10.0.0.1", s.Endpoints)
+			}
+			if p, ok := s.Endpoints[0].TargetPort(s.Ports[0]); ok {
+				t.Errorf("port http served on %d, want not served", p)
 			}
 		})
 	}
