@@ -86,6 +86,9 @@ func (l *limiter) take(pod string, cancel func()) (h *hold, refusedBy string, ev
 // holding as many, the one whose oldest is older), if it holds at least
 // two more than pod, which holds n; nil if none does.
 func (l *limiter) victimLocked(pod string, n int) *hold {
+	if n+2 > l.perPod {
+		return nil // no pod holds that many: spare the scan
+	}
 	var best *hold
 	bestN := 0
 	for q, holds := range l.pods {

@@ -21,6 +21,7 @@ import (
 	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -87,6 +88,9 @@ type Proxy struct {
 	queries *limiter // queries in flight
 	conns   *limiter // TCP connections served
 	index   atomic.Pointer[hostIndex]
+	// indexMu serialises building index, so the queries that arrive
+	// together after a directory change share one build (see hosts).
+	indexMu sync.Mutex
 }
 
 // New returns a Proxy answering from the directory dir returns (nil: an
