@@ -262,6 +262,9 @@ func TestNodeBoundSharedFairly(t *testing.T) {
 	if got := testutil.ToFloat64(m.refused.WithLabelValues("node")); got != 0 {
 		t.Errorf(`redirector_dns_refused_total{limit="node"} = %v, want 0`, got)
 	}
+	if got := testutil.ToFloat64(m.upstreamFailures.WithLabelValues(labels(dns.TypeA, "udp", client)...)); got != 0 {
+		t.Errorf("istio_dns_upstream_failures_total = %v after an eviction, want 0: no upstream failed", got)
+	}
 	// Shares converge and then hold: the other pod takes a second slot
 	// by eviction (3:1 after its first held query, 2:2 after this), and
 	// neither pod then evicts the other.
