@@ -26,7 +26,9 @@ var errNoUpstream = errors.New("no upstream resolver configured")
 func (p *Proxy) forward(ctx context.Context, client *workload.Workload, l []string, req *dns.Msg, query []byte, tcp bool, dial Dialer) []byte {
 	start := time.Now()
 	answer, err := p.exchange(ctx, req, query, tcp, dial)
-	p.m.upstream(l, time.Since(start), err != nil)
+	// A query ended on our side (evicted for another pod's, its pod
+	// stopping) is no upstream's failure.
+	p.m.upstream(l, time.Since(start), err != nil && !errors.Is(ctx.Err(), context.Canceled))
 	if err != nil {
 		p.log.Debug("dns: forwarding failed", "client", clientName(client), "name", req.Question[0].Name,
 			"type", dns.TypeToString[req.Question[0].Qtype], "error", err)

@@ -28,6 +28,7 @@ type Metrics struct {
 	upstreamDuration *prometheus.HistogramVec
 	refused          *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	evicted          *prometheus.CounterVec
 	inFlight         prometheus.Gauge
 	sources          *sourceSeries
 }
@@ -94,6 +95,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_dns_rejected_total",
 			Help: "DNS queries not answered because they are malformed or not queries, by reason; short ones are dropped, the others answered FORMERR, NOTIMP or BADVERS."}, []string{"reason"}),
+		evicted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_dns_evicted_total",
+			Help: "DNS queries answered REFUSED, and TCP connections closed, to make room under a full node bound for a pod holding fewer, by limit (node: queries in flight; conns_node: TCP connections)."}, []string{"limit"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_dns_queries_in_flight", Help: "DNS queries being answered now, over all pods."}),
 	}
@@ -101,7 +105,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		vecs: []*prometheus.MetricVec{m.requests.MetricVec, m.upstreamRequests.MetricVec, m.upstreamFailures.MetricVec, m.upstreamDuration.MetricVec}}
 	if reg != nil {
 		reg.MustRegister(sweepingCollector{m.sources, []prometheus.Collector{m.requests, m.upstreamRequests, m.upstreamFailures, m.upstreamDuration}},
-			m.refused, m.rejected, m.inFlight)
+			m.refused, m.rejected, m.evicted, m.inFlight)
 	}
 	return m
 }
@@ -249,3 +253,4 @@ func (m *Metrics) upstream(l []string, took time.Duration, failed bool) {
 
 func (m *Metrics) refuse(limit string)  { m.refused.WithLabelValues(limit).Inc() }
 func (m *Metrics) reject(reason string) { m.rejected.WithLabelValues(reason).Inc() }
+func (m *Metrics) evict(limit string)   { m.evicted.WithLabelValues(limit).Inc() }

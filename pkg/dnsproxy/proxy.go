@@ -21,6 +21,7 @@ import (
 	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -87,6 +88,9 @@ type Proxy struct {
 	queries *limiter // queries in flight
 	conns   *limiter // TCP connections served
 	index   atomic.Pointer[hostIndex]
+	// indexMu serialises building index, so the queries that arrive
+	// together after a directory change share one build (see hosts).
+	indexMu sync.Mutex
 }
 
 // New returns a Proxy answering from the directory dir returns (nil: an
@@ -148,7 +152,9 @@ func New(cfg Config, dir func() *workload.Directory, m *Metrics, log *slog.Logge
 // its ID (an upstream's bare error gets the client's question). Over udp
 // the answer fits the client's buffer (512 bytes, or its EDNS0 size, at
 // most a datagram), truncated with TC set when it does not. A query over a
-// bound (Config.MaxInFlight*) is answered REFUSED; a malformed one FORMERR,
+// bound (Config.MaxInFlight*) is answered REFUSED, and so is one ended for
+// another pod's when the node's bound is full and its pod holds the most
+// (see limiter); a malformed one FORMERR,
 // one with another opcode NOTIMP, all without going upstream.
 func (p *Proxy) Answer(ctx context.Context, client *workload.Workload, proto string, query []byte, dial Dialer) []byte {
 	tcp := protoLabel(proto) == "tcp"
@@ -156,15 +162,20 @@ func (p *Proxy) Answer(ctx context.Context, client *workload.Workload, proto str
 	if req == nil {
 		return reply
 	}
-	pod := podKey(client)
-	if by := p.queries.take(pod); by != "" {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	h, by, evicted := p.queries.take(podKey(client), cancel)
+	if by != "" {
 		p.m.refuse(by)
 		return p.pack(replyTo(req, dns.RcodeRefused), req, tcp)
+	}
+	if evicted {
+		p.m.evict("node")
 	}
 	p.m.inFlight.Inc()
 	defer func() {
 		p.m.inFlight.Dec()
-		p.queries.release(pod)
+		h.release()
 	}()
 
 	q := req.Question[0]
@@ -177,7 +188,13 @@ func (p *Proxy) Answer(ctx context.Context, client *workload.Workload, proto str
 	if resp := p.fromMesh(client, req); resp != nil {
 		return p.pack(resp, req, tcp)
 	}
-	return p.forward(ctx, client, l, req, query, tcp, dial)
+	answer := p.forward(ctx, client, l, req, query, tcp, dial)
+	if h.wasEvicted() {
+		// Ended for another pod's query (see limiter): over the node's
+		// bound, as if refused when it came.
+		return p.pack(replyTo(req, dns.RcodeRefused), req, tcp)
+	}
+	return answer
 }
 
 // check parses query and judges it. A query to answer comes back as req;

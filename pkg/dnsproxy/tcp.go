@@ -20,17 +20,24 @@ import (
 // frame is shorter than a header or longer than MaxQueryLen, or an answer
 // cannot be written within it: a slow or silent client holds the
 // goroutine for one timeout at most. A connection over the
-// Config.MaxConns* bounds is closed at once (counted).
+// Config.MaxConns* bounds is closed at once (counted), and one of the pod
+// holding the most is closed for another pod's when the node's bound is
+// full (see limiter).
 func (p *Proxy) ServeConn(ctx context.Context, client *workload.Workload, conn net.Conn, dial Dialer) {
 	defer conn.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	defer stop()
-	pod := podKey(client)
-	if by := p.conns.take(pod); by != "" {
+	h, by, evicted := p.conns.take(podKey(client), cancel)
+	if by != "" {
 		p.m.refuse("conns_" + by)
 		return
 	}
-	defer p.conns.release(pod)
+	defer h.release()
+	if evicted {
+		p.m.evict("conns_node")
+	}
 
 	var size [2]byte
 	query := make([]byte, MaxQueryLen)

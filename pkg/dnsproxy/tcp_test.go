@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -212,4 +213,132 @@ func waitFor(t *testing.T, cond func() bool, what string) {
 		}
 	}
 	t.Fatalf("timed out waiting for %s", what)
+}
+
+// TestNodeBoundSharedFairly: one pod holding the node's whole bound of
+// queries in flight (names whose upstream never answers) and of TCP
+// connections (a query sent within each idle timeout keeps one open)
+// does not lock the node's other pods out of DNS: under the full bound,
+// the oldest query or connection of the pod holding the most is ended
+// for the pod holding fewer, and counted. Before, every other pod's
+// query, for a name of the mesh too, was REFUSED for as long as the
+// first kept its share.
+func TestNodeBoundSharedFairly(t *testing.T) {
+	k := startKubeDNS(t)
+	hold := make(chan struct{})
+	release := sync.OnceFunc(func() { close(hold) })
+	defer release()
+	k.mu.Lock()
+	k.hold = hold
+	k.mu.Unlock()
+	p, m := newProxy(t, Config{Upstreams: []netip.AddrPort{k.addr}, MaxInFlightPerPod: 4, MaxInFlight: 4, MaxConnsPerPod: 2, MaxConns: 2})
+
+	results := make(chan *dns.Msg, 4)
+	for id := range uint16(4) {
+		go func() {
+			m := new(dns.Msg)
+			m.Unpack(p.Answer(context.Background(), client, "udp", query(t, "hold.example.org.", dns.TypeA, id), dialLoopback))
+			results <- m
+		}()
+		// In order, so the first is the oldest.
+		waitFor(t, func() bool { return k.held.Load() == int32(id)+1 }, "query held upstream")
+	}
+	start := time.Now()
+	resp := unpack(t, p.Answer(context.Background(), otherClient, "udp", query(t, "ratings.other.", dns.TypeA, 9), dialLoopback))
+	if resp.Rcode != dns.RcodeSuccess || len(resp.Answer) != 1 {
+		t.Errorf("other pod's query under a full node bound one pod holds: %s, %d answers, want answered", dns.RcodeToString[resp.Rcode], len(resp.Answer))
+	}
+	select {
+	case r := <-results:
+		if r.Id != 0 || r.Rcode != dns.RcodeRefused {
+			t.Errorf("evicted query: id %d %s, want the oldest (0) REFUSED", r.Id, dns.RcodeToString[r.Rcode])
+		}
+	case <-time.After(2 * time.Second):
+		t.Errorf("no query of the pod holding the node's bound ended after %v", time.Since(start))
+	}
+	if got := testutil.ToFloat64(m.evicted.WithLabelValues("node")); got != 1 {
+		t.Errorf(`redirector_dns_evicted_total{limit="node"} = %v, want 1`, got)
+	}
+	if got := testutil.ToFloat64(m.refused.WithLabelValues("node")); got != 0 {
+		t.Errorf(`redirector_dns_refused_total{limit="node"} = %v, want 0`, got)
+	}
+	if got := testutil.ToFloat64(m.upstreamFailures.WithLabelValues(labels(dns.TypeA, "udp", client)...)); got != 0 {
+		t.Errorf("istio_dns_upstream_failures_total = %v after an eviction, want 0: no upstream failed", got)
+	}
+	// Shares converge and then hold: the other pod takes a second slot
+	// by eviction (3:1 after its first held query, 2:2 after this), and
+	// neither pod then evicts the other.
+	for _, id := range []uint16{10, 11} {
+		go func() {
+			m := new(dns.Msg)
+			m.Unpack(p.Answer(context.Background(), otherClient, "udp", query(t, "hold.example.org.", dns.TypeA, id), dialLoopback))
+			results <- m
+		}()
+		waitFor(t, func() bool { return k.held.Load() == int32(id)-5 }, "other pod's query held")
+	}
+	select {
+	case r := <-results:
+		if r.Id != 1 || r.Rcode != dns.RcodeRefused {
+			t.Errorf("second evicted query: id %d %s, want 1 REFUSED", r.Id, dns.RcodeToString[r.Rcode])
+		}
+	case <-time.After(2 * time.Second):
+		t.Error("no second query evicted")
+	}
+	for _, who := range []*workload.Workload{otherClient, client} {
+		if resp := unpack(t, p.Answer(context.Background(), who, "udp", query(t, "ratings.other.", dns.TypeA, 12), dialLoopback)); resp.Rcode != dns.RcodeRefused {
+			t.Errorf("%s's query with the node full, shares 2:2: %s, want REFUSED", who.Name, dns.RcodeToString[resp.Rcode])
+		}
+	}
+	if got := testutil.ToFloat64(m.evicted.WithLabelValues("node")); got != 2 {
+		t.Errorf(`redirector_dns_evicted_total{limit="node"} = %v, want 2`, got)
+	}
+
+	release()
+	for range 4 {
+		if r := <-results; r.Rcode != dns.RcodeSuccess {
+			t.Errorf("held query %d: %s", r.Id, dns.RcodeToString[r.Rcode])
+		}
+	}
+
+	// TCP connections.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var peers []net.Conn
+	served := make(chan int, 3)
+	serveConn := func(who *workload.Workload, i int) net.Conn {
+		c, peer := net.Pipe()
+		t.Cleanup(func() { peer.Close() })
+		go func() { p.ServeConn(ctx, who, c, dialLoopback); served <- i }()
+		peer.SetDeadline(time.Now().Add(5 * time.Second))
+		peer.Write(frame(query(t, "ratings.other.", dns.TypeA, uint16(100+i))))
+		if r := readFrame(t, peer); r.Id != uint16(100+i) || len(r.Answer) != 1 {
+			t.Errorf("connection %d: %v", i, r)
+		}
+		return peer
+	}
+	for i := range 2 {
+		peers = append(peers, serveConn(client, i))
+	}
+	peers = append(peers, serveConn(otherClient, 2))
+	select {
+	case i := <-served:
+		if i != 0 {
+			t.Errorf("connection %d closed, want the oldest of the pod holding the node's bound (0)", i)
+		}
+	case <-time.After(2 * time.Second):
+		t.Error("no connection of the pod holding the node's bound closed")
+	}
+	if got := testutil.ToFloat64(m.evicted.WithLabelValues("conns_node")); got != 1 {
+		t.Errorf(`redirector_dns_evicted_total{limit="conns_node"} = %v, want 1`, got)
+	}
+	if got := testutil.ToFloat64(m.refused.WithLabelValues("conns_node")); got != 0 {
+		t.Errorf(`redirector_dns_refused_total{limit="conns_node"} = %v, want 0`, got)
+	}
+	// Both pods' remaining connections are still served.
+	for i, peer := range peers[1:] {
+		peer.Write(frame(query(t, "ratings.other.", dns.TypeA, uint16(200+i))))
+		if r := readFrame(t, peer); r.Id != uint16(200+i) {
+			t.Errorf("connection %d after the eviction: %v", i+1, r)
+		}
+	}
 }

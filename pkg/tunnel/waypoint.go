@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"sync/atomic"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -243,9 +244,12 @@ func (p *pod) handleWaypoint(ctx context.Context, c net.Conn, dir *workload.Dire
 
 // waypointIndex finds services by namespace and host name, as waypoints
 // name them. It is built once per directory, on the first lookup, and
-// replaced when the directory is.
+// replaced when the directory is. The build is O(services), and every
+// connection to a waypoint that arrives while it runs wants it: they wait
+// for one build (mu) rather than each making its own.
 type waypointIndex struct {
 	cur atomic.Pointer[hostIndex]
+	mu  sync.Mutex // serialises builds
 }
 
 type hostIndex struct {
@@ -260,17 +264,28 @@ type hostIndex struct {
 func (x *waypointIndex) lookup(dir *workload.Directory, namespace, hostname string) *workload.Service {
 	idx := x.cur.Load()
 	if idx == nil || idx.dir != dir {
-		idx = &hostIndex{dir: dir, byHost: map[string]*workload.Service{}}
-		for _, s := range dir.Services() {
-			if s.Hostname == "" {
-				continue
-			}
-			if _, dup := idx.byHost[s.Namespace+"/"+s.Hostname]; !dup {
-				idx.byHost[s.Namespace+"/"+s.Hostname] = s
-			}
-		}
-		// Two connections may both build one; either is right.
-		x.cur.Store(idx)
+		idx = x.build(dir)
 	}
 	return idx.byHost[namespace+"/"+hostname]
+}
+
+// build returns dir's index, built unless another lookup built it while
+// this one waited.
+func (x *waypointIndex) build(dir *workload.Directory) *hostIndex {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if idx := x.cur.Load(); idx != nil && idx.dir == dir {
+		return idx
+	}
+	idx := &hostIndex{dir: dir, byHost: map[string]*workload.Service{}}
+	for _, s := range dir.Services() {
+		if s.Hostname == "" {
+			continue
+		}
+		if _, dup := idx.byHost[s.Namespace+"/"+s.Hostname]; !dup {
+			idx.byHost[s.Namespace+"/"+s.Hostname] = s
+		}
+	}
+	x.cur.Store(idx)
+	return idx
 }
