@@ -61,6 +61,12 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 	otherIface := ev.Command == cni.CommandAdd && ev.IfName != "" && ev.IfName != podInterface
 	switch ev.Command {
 	case cni.CommandDel:
+		if ev.IfName != "" && ev.IfName != podInterface {
+			// Another interface going (a second network's DEL, at the
+			// sandbox's end or unplugged from a running pod by Multus's
+			// dynamic networks): the pod's eth0 stays, and so does its report.
+			return cni.Response{Reason: "interface " + ev.IfName + " is not the one the pod is enrolled on (" + podInterface + ")"}, nil
+		}
 		// Only the reported sandbox's own DEL drops its report. Runtimes
 		// repeat DEL for a sandbox they tear down or collect late, after
 		// the pod's next sandbox (or the next pod of the name) was added:

@@ -240,7 +240,10 @@ func TestCNICheckOfOtherSandboxFails(t *testing.T) {
 // the directory, the attach on eth0 failed for want of it, and the net1
 // ADD failed after 20 s, so the runtime tore the sandbox down and the pod
 // never started). A selected pod whose eth0 ADD did not enroll it fails
-// such an ADD naming CNI_IFNAME.
+// such an ADD naming CNI_IFNAME. The DEL of net1 (the interface unplugged
+// from the running pod) leaves the pod's report: before, it marked it
+// deleted, and a pod whose address the source did not have yet was
+// detached.
 func TestCNIAddOfSecondInterfaceKeepsPrimary(t *testing.T) {
 	tp := netnstest.New(t, 1)
 	sandbox := tp.Nodes[0].AddPod("p")
@@ -281,6 +284,26 @@ func TestCNIAddOfSecondInterfaceKeepsPrimary(t *testing.T) {
 	}
 	if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled || !sameAddrs(w.Addrs, sandbox.Addrs()) {
 		t.Errorf("after the net1 ADD the directory has the pod as %+v, want enrolled with %v", w, sandbox.Addrs())
+	}
+	// net1 unplugged from the running pod (Multus's dynamic networks): the
+	// pod's eth0 report stays, and so does its enrollment.
+	del := net1
+	del.Command, del.IPs = cni.CommandDel, nil
+	if _, err := a.HandleCNI(ctx, del); err != nil {
+		t.Errorf("DEL of net1: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	for a.queue.Len() > 0 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	a.mu.Lock()
+	rec := a.cniPods["shop/p"]
+	a.mu.Unlock()
+	if rec.deleted || !sameAddrs(rec.addrs, sandbox.Addrs()) {
+		t.Errorf("after the net1 DEL the pod's report is %+v, want eth0's, not deleted", rec)
+	}
+	if _, attached, _ := ld.PodState("uid-p"); !attached {
+		t.Errorf("after the net1 DEL the pod is detached")
 	}
 
 	// A selected pod whose eth0 ADD never came: the net1 ADD cannot enroll it.
