@@ -148,15 +148,12 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
-			if !check {
-				if err := a.supersededErr(key, ev, ino); err != nil {
-					return cni.Response{}, err
-				}
-			}
 			if check {
 				if err := a.attachedElsewhereErr(w.Key(), key, ev, ino); err != nil {
 					return cni.Response{}, err
 				}
+			} else if err := a.supersededErr(key, ev, ino); err != nil {
+				return cni.Response{}, err
 			}
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
 		case known && otherIface:
