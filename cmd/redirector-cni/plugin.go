@@ -256,7 +256,7 @@ func podIPs(prev types.Result, ifName string) ([]netip.Prefix, error) {
 		return nil, err
 	}
 	var out []netip.Prefix
-	for _, ipc := range res.IPs {
+	for n, ipc := range res.IPs {
 		if i := ipc.Interface; i != nil && *i >= 0 && *i < len(res.Interfaces) {
 			if iface := res.Interfaces[*i]; iface.Sandbox == "" || (ifName != "" && iface.Name != ifName) {
 				continue
@@ -264,14 +264,24 @@ func podIPs(prev types.Result, ifName string) ([]netip.Prefix, error) {
 		}
 		addr, ok := netip.AddrFromSlice(ipc.Address.IP)
 		if !ok {
-			return nil, fmt.Errorf("bad address %v", ipc.Address.IP)
+			return nil, fmt.Errorf("ips[%d]: bad address %v", n, ipc.Address.IP)
 		}
-		addr = addr.Unmap()
 		ones, bits := ipc.Address.Mask.Size()
 		if bits == 0 {
-			ones = addr.BitLen() // no mask given: a host address
+			ones, bits = addr.BitLen(), addr.BitLen() // no mask given: a host address
 		}
-		out = append(out, netip.PrefixFrom(addr, ones))
+		if addr.Is4In6() && bits == 128 {
+			// ::ffff:a.b.c.d/120 is a.b.c.d/24.
+			ones -= 96
+		}
+		p := netip.PrefixFrom(addr.Unmap(), ones)
+		if !p.IsValid() {
+			// An invalid prefix is sent as "invalid Prefix", which the
+			// agent cannot decode: every pod's ADD failed, in the mesh or
+			// not, naming neither the entry nor the address.
+			return nil, fmt.Errorf("ips[%d]: address %s with a %d-bit mask of %d bits is not a prefix", n, ipc.Address.IP, ones, bits)
+		}
+		out = append(out, p)
 	}
 	return out, nil
 }

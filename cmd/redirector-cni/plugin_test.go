@@ -352,3 +352,36 @@ func TestPodIPsOnlyOfItsInterface(t *testing.T) {
 		t.Errorf("addresses sent: %v, want %v (eth0's and the unattributed one)", evs[0].IPs, want)
 	}
 }
+
+// TestPodIPsMappedAddress: an IPv4 address written IPv4-mapped, with a mask
+// of 128 bits, reaches the agent as the IPv4 prefix it is, and one with no
+// IPv4 prefix to it fails the ADD naming the entry (seen failing: the
+// plugin unmapped the address but kept the mask's length, sent the agent
+// an invalid prefix, and the agent refused to decode the event: the ADD
+// failed for any pod, in the mesh or not, naming neither entry nor address).
+func TestPodIPsMappedAddress(t *testing.T) {
+	prev := func(addr string) string {
+		return `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","sandbox":"` + podNetNS + `"}],"ips":[{"interface":0,"address":"` + addr + `"}]}`
+	}
+	e := newEnv(t)
+	agent := &cnitest.Agent{}
+	cnitest.Serve(t, e.sock, agent)
+	if err := e.p.add(e.args(t, "1.0.0", prev("::ffff:10.244.1.5/120"), k8sArgs)); err != nil {
+		t.Fatalf("ADD: %v", err)
+	}
+	evs := agent.Events()
+	if want := []netip.Prefix{netip.MustParsePrefix("10.244.1.5/24")}; len(evs) != 1 || !reflect.DeepEqual(evs[0].IPs, want) {
+		t.Errorf("agent events %+v, want one with %v", evs, want)
+	}
+
+	agent.Reset()
+	e.out.Reset()
+	err := e.p.add(e.args(t, "1.0.0", prev("::ffff:10.244.1.5/64"), k8sArgs))
+	var cniErr *types.Error
+	if !errors.As(err, &cniErr) || cniErr.Code != types.ErrDecodingFailure || !strings.Contains(cniErr.Msg, "ips[0]") {
+		t.Errorf("ADD with a mapped address under a /64: err = %v, want a decoding failure naming ips[0]", err)
+	}
+	if len(agent.Events()) != 0 || e.out.Len() != 0 {
+		t.Errorf("agent told %+v or result printed %q", agent.Events(), e.out.String())
+	}
+}

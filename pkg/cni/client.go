@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"syscall"
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/unixsock"
@@ -43,7 +44,10 @@ func Notify(ctx context.Context, socketPath string, ev PodEvent) (Response, erro
 			var d net.Dialer
 			c, err := d.DialContext(ctx, "unix", socketPath)
 			if err != nil {
-				return nil, fmt.Errorf("%w: %w", ErrAgentUnreachable, err)
+				if noListener(err) {
+					return nil, fmt.Errorf("%w: %w", ErrAgentUnreachable, err)
+				}
+				return nil, fmt.Errorf("agent socket %s: %w", socketPath, err)
 			}
 			if err := checkAgentPeer(c, socketPath); err != nil {
 				c.Close()
@@ -80,6 +84,18 @@ func Notify(ctx context.Context, socketPath string, ev PodEvent) (Response, erro
 		resp.Error = fmt.Sprintf("agent answered HTTP %d without a reason", res.StatusCode)
 	}
 	return resp, nil
+}
+
+// noListener says whether a dial error proves that no agent listens at the
+// socket: no file there (ENOENT, ENOTDIR), or a file nobody listens on
+// (ECONNREFUSED, left by an agent that died). Only then may the plugin fall
+// back to the selection hint. Any other error means an agent may be there:
+// EAGAIN is a full accept queue (an agent that is busy or hung, whose
+// connections wait unaccepted; each plugin that gave up leaves its own
+// queued), and taking it for "no agent" let pods the hint does not know
+// start unmeshed while the agent ran.
+func noListener(err error) bool {
+	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ENOTDIR) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
 func truncate(b []byte, n int) string {

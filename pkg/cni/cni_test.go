@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -121,6 +122,48 @@ func TestNotifyUnreachable(t *testing.T) {
 			t.Fatalf("err = %v, want ErrAgentUnreachable", err)
 		}
 	})
+}
+
+// TestNotifyFullQueueIsNotUnreachable: an agent that does not accept (busy
+// with its connection bound, or hung) is not an agent that is down. Its
+// queue fills (a plugin that gave up leaves its connection queued) and
+// connect fails with EAGAIN; that must fail the command, not send the
+// plugin to the selection hint (seen failing: EAGAIN was taken for "no
+// agent", and a pod the hint does not know as ambient, one opted in by its
+// own label, would start unmeshed while the agent ran).
+func TestNotifyFullQueueIsNotUnreachable(t *testing.T) {
+	sock := cnitest.SocketPath(t)
+	if err := os.MkdirAll(filepath.Dir(sock), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	// A listener that never accepts, with the shortest queue the kernel
+	// keeps (one connection).
+	fd, err := syscall.Socket(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrUnix{Name: sock}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	var errs []error
+	for range 3 {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		_, err := cni.Notify(ctx, sock, addEvent())
+		cancel()
+		errs = append(errs, err)
+	}
+	for i, err := range errs {
+		if err == nil || errors.Is(err, cni.ErrAgentUnreachable) {
+			t.Errorf("Notify %d to an agent that does not accept: err = %v, want an error that is not ErrAgentUnreachable", i, err)
+		}
+	}
+	if last := errs[len(errs)-1]; !errors.Is(last, syscall.EAGAIN) {
+		t.Errorf("last error %v: want EAGAIN (a full queue)", last)
+	}
 }
 
 // staleSocket leaves a socket file nobody listens on, as a killed agent does.

@@ -123,6 +123,11 @@ func ReadSelectionHint(path string) (SelectionHint, error) {
 	if err := json.Unmarshal(data, &h); err != nil {
 		return SelectionHint{}, fmt.Errorf("decode selection hint %s: %w", path, err)
 	}
+	// The agent always writes both: any other JSON object (a conflist)
+	// would decode as a hint naming no ambient namespace.
+	if h.AmbientNamespaces == nil || h.Written.IsZero() {
+		return SelectionHint{}, fmt.Errorf("decode selection hint %s: no ambientNamespaces or written field: not a hint the agent wrote", path)
+	}
 	return h, nil
 }
 
@@ -137,11 +142,24 @@ func sortedUnique(in []string) []string {
 }
 
 // readOwnedFile reads path, at most limit bytes, if it is a regular file
-// owned by root or this process's user and writable by no one else.
+// owned by root or this process's user and writable by no one else, in a
+// directory no one else may write, and not through a symlink. The hint is
+// read when the agent is unreachable, which is also what the agent is when
+// it refuses to serve a directory others may write (unixsock.CheckDir):
+// there, a symlink to any root-owned JSON file (a conflist decodes as a
+// hint naming no ambient namespace) passed the owner and mode checks, and
+// every pod started unmeshed.
 func readOwnedFile(path string, limit int64) ([]byte, error) {
+	if err := checkHintDir(filepath.Dir(path)); err != nil {
+		return nil, err
+	}
 	// Without blocking: a fifo at the path would wait for a writer for
-	// ever; opened so, it is refused below as not a regular file.
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	// ever; opened so, it is refused below as not a regular file. The agent
+	// writes a regular file there (a rename), never a symlink.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("%s is a symlink, not the agent's file", path)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -162,4 +180,24 @@ func readOwnedFile(path string, limit int64) ([]byte, error) {
 		return nil, fmt.Errorf("%s has %d bytes, more than %d", path, fi.Size(), limit)
 	}
 	return io.ReadAll(io.LimitReader(f, limit))
+}
+
+// checkHintDir refuses a directory owned by another user than root or this
+// process's, or that group or others may write: whoever may write there can
+// replace the hint.
+func checkHintDir(dir string) error {
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return err
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	switch {
+	case !fi.IsDir():
+		return fmt.Errorf("%s is not a directory", dir)
+	case !ok || (st.Uid != 0 && st.Uid != uint32(os.Geteuid())):
+		return fmt.Errorf("directory %s is owned by uid %d, neither root nor this process's user: its owner could replace the hint", dir, st.Uid)
+	case fi.Mode().Perm()&0o022 != 0:
+		return fmt.Errorf("directory %s is writable by group or others (mode %v): they could replace the hint", dir, fi.Mode().Perm())
+	}
+	return nil
 }

@@ -163,6 +163,6 @@ type Response struct {
 
 // ErrAgentUnreachable marks a Notify error that happened before the agent saw
 // the event: no socket, or nobody listening on it. Only then may the plugin
-// fall back to the selection hint; any later failure means the agent exists
-// and was not able to answer in time.
+// fall back to the selection hint; any other failure (a full accept queue
+// included) means the agent may exist and was not able to answer in time.
 var ErrAgentUnreachable = errors.New("redirector agent unreachable")

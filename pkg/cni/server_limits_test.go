@@ -342,6 +342,58 @@ func TestReadSelectionHintRefusesForeignFile(t *testing.T) {
 	}
 }
 
+// TestReadSelectionHintRefusesSymlinkAndLooseDir: the hint is read only
+// where the agent writes it: a regular file at the path, in a directory no
+// one else may write. The agent refuses to serve a socket in a directory
+// group or others may write, and the plugin then reads the hint from that
+// very directory (seen failing: a symlink there to any root-owned JSON file,
+// a conflist, or a hard link to one, was read as a hint naming no ambient
+// namespace, and every pod would have started unmeshed; a hint in a
+// world-writable directory was read too).
+func TestReadSelectionHintRefusesSymlinkAndLooseDir(t *testing.T) {
+	dir := t.TempDir()
+	conflist := filepath.Join(dir, "10-bridge.conflist")
+	if err := os.WriteFile(conflist, []byte(`{"cniVersion":"1.0.0","name":"podnet","plugins":[{"type":"bridge"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hintDir := filepath.Join(dir, "redirector")
+	if err := os.Mkdir(hintDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(hintDir, "ambient-namespaces.json")
+	if err := os.Symlink(conflist, path); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), "symlink") {
+		t.Errorf("a symlink to a conflist: %+v, %v; want refused as a symlink", h, err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	// Nor is any other JSON object the hint's owner could have put there.
+	if err := os.Link(conflist, path); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), "not a hint") {
+		t.Errorf("a conflist at the hint's path: %+v, %v; want refused as not a hint", h, err)
+	}
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := cni.WriteSelectionHint(path, []string{"shop"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err != nil || !h.WouldEnroll("shop") {
+		t.Fatalf("the agent's own hint: %+v, %v", h, err)
+	}
+	if err := os.Chmod(hintDir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if h, err := cni.ReadSelectionHint(path); err == nil || !strings.Contains(err.Error(), "writable by group or others") || !strings.Contains(err.Error(), hintDir) {
+		t.Errorf("a hint in a world-writable directory: %+v, %v; want refused naming the directory", h, err)
+	}
+}
+
 // TestServeRefusesLooseSocketDir: the server does not listen in a directory
 // that group or others may write, or that another user owns, and says which
 // and why (seen failing: it served there, where anyone could rename a socket

@@ -101,6 +101,9 @@ type Agent struct {
 	newSnapshot chan struct{}
 	podSynced   chan struct{}
 	reconciled  bool
+
+	// annots are written by runAnnotations, never under mu.
+	annots *annotations
 }
 
 type desiredPod struct {
@@ -134,6 +137,7 @@ func New(cfg Config) *Agent {
 		desired:     map[string]desiredPod{},
 		newSnapshot: make(chan struct{}),
 		podSynced:   make(chan struct{}),
+		annots:      newAnnotations(),
 	}
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
@@ -181,6 +185,12 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 			for a.processNext(ctx) {
 			}
 		})
+	}
+	if a.cfg.Annotator != nil {
+		// Ends when Run returns, a failed source included: Close waits.
+		actx, stop := context.WithCancel(ctx)
+		defer stop()
+		a.workers.Go(func() { a.runAnnotations(actx) })
 	}
 	ticker := time.NewTicker(a.cfg.ReconcilePeriod)
 	defer ticker.Stop()
@@ -341,7 +351,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 		}
 	}
 	if a.cfg.Annotator != nil {
-		a.syncAnnotations(ctx, dir)
+		a.syncAnnotations(dir)
 	}
 }
 
@@ -415,7 +425,7 @@ func (a *Agent) processNext(ctx context.Context) bool {
 		a.queue.Forget(uid)
 	}
 	if a.cfg.Annotator != nil {
-		a.annotateConverged(ctx, uid, d, want, res)
+		a.annotateConverged(uid, d, want, res)
 	}
 	a.mu.Lock()
 	close(a.podSynced)
@@ -444,11 +454,9 @@ func (a *Agent) converged(uid string) bool {
 // annotateConverged makes the redirection annotation of the pod a worker
 // just converged say what is attached now: set once it is attached, removed
 // once it is detached (unless the pod is being deleted).
-func (a *Agent) annotateConverged(ctx context.Context, uid string, d desiredPod, want bool, res Result) {
+func (a *Agent) annotateConverged(uid string, d desiredPod, want bool, res Result) {
 	if want && len(res.Errors) == 0 && !d.w.Redirected {
-		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
-			a.log.Error("annotate pod", "error", err)
-		}
+		a.annots.set(annotation{d.w.Namespace, d.w.Name, true})
 	}
 	dir := a.cfg.Tunnel.State().Dir
 	for _, name := range res.Detached {
@@ -456,9 +464,7 @@ func (a *Agent) annotateConverged(ctx context.Context, uid string, d desiredPod,
 		// Only the pod that left: a new pod of the same name (a
 		// StatefulSet's) keeps its annotation.
 		if w, ok := dir.Pod(ns, n); ok && w.Key() == uid && w.Redirected && !w.Terminating {
-			if err := a.cfg.Annotator.SetRedirection(ctx, ns, n, false); err != nil {
-				a.log.Error("annotate pod", "error", err)
-			}
+			a.annots.set(annotation{ns, n, false})
 		}
 	}
 }
@@ -480,7 +486,7 @@ func (a *Agent) logResult(res Result) {
 
 // syncAnnotations makes ambient.istio.io/redirection on this node's pods say
 // what is attached: "enabled" exactly on the pods the loader redirects.
-func (a *Agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
+func (a *Agent) syncAnnotations(dir *workload.Directory) {
 	pods, err := a.cfg.Loader.Pods()
 	if err != nil {
 		a.log.Error("read attached pods", "error", err)
@@ -490,15 +496,15 @@ func (a *Agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
 	for _, p := range pods {
 		attached[p.Meta.UID] = true
 	}
+	var writes []annotation
 	for _, w := range dir.LocalPods(a.cfg.Node) {
 		want := attached[w.Key()]
 		if want == w.Redirected || (!want && w.Terminating) {
 			continue
 		}
-		if err := a.cfg.Annotator.SetRedirection(ctx, w.Namespace, w.Name, want); err != nil {
-			a.log.Error("annotate pod", "error", err)
-		}
+		writes = append(writes, annotation{w.Namespace, w.Name, want})
 	}
+	a.annots.set(writes...)
 }
 
 // enrolledIdentities are the identities of the enrolled pods among ws.

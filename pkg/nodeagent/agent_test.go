@@ -157,6 +157,7 @@ func TestAnnotationKeptOnNameReuse(t *testing.T) {
 	for a.queue.Len() > 0 {
 		a.processNext(ctx)
 	}
+	a.writeAnnotations(ctx)
 	t.Logf("annotation calls: %v", ann.calls)
 	for _, c := range ann.calls {
 		if c == "shop/web-0=removed" {

@@ -40,6 +40,10 @@ type cniPod struct {
 // cniWait bounds how long an ADD waits for the source to know the pod.
 const cniWait = 20 * time.Second
 
+// podInterface is the sandbox interface the capture is attached to (the
+// loader's default, loader.Pod.Interface), whose ADD enrolls the pod.
+const podInterface = "eth0"
+
 // HandleCNI answers the chained plugin. ADD returns only once a selected pod
 // is redirected, so its first packet is meshed; a pod the agent cannot
 // decide on fails the ADD (the runtime retries), never starts unmeshed.
@@ -47,8 +51,22 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 	key := ev.PodNamespace + "/" + ev.PodName
 	var addrErr error // the ADD's addresses were refused
 	var ino uint64    // the inode of the namespace the ADD or CHECK names
+	// check: the event only asks whether the pod is as it should be. An
+	// ADD of another interface of the sandbox (a second network's, as
+	// Multus adds when the plugin is chained there too) is one: its
+	// addresses are not on the interface the capture is on, and taken as
+	// the pod's report they replaced its eth0 addresses (in the directory
+	// too), the attach failed, and that ADD failed, so the pod never started.
+	check := ev.Command == cni.CommandCheck
+	otherIface := ev.Command == cni.CommandAdd && ev.IfName != "" && ev.IfName != podInterface
 	switch ev.Command {
 	case cni.CommandDel:
+		if ev.IfName != "" && ev.IfName != podInterface {
+			// Another interface going (a second network's DEL, at the
+			// sandbox's end or unplugged from a running pod by Multus's
+			// dynamic networks): the pod's eth0 stays, and so does its report.
+			return cni.Response{Reason: "interface " + ev.IfName + " is not the one the pod is enrolled on (" + podInterface + ")"}, nil
+		}
 		// Only the reported sandbox's own DEL drops its report. Runtimes
 		// repeat DEL for a sandbox they tear down or collect late, after
 		// the pod's next sandbox (or the next pod of the name) was added:
@@ -75,7 +93,8 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		if ino, err = a.checkCNINetNS(ev, path); err != nil {
 			return cni.Response{}, err
 		}
-		if ev.Command == cni.CommandCheck {
+		if check || otherIface {
+			check = true
 			break
 		}
 		addrs, err := checkCNIAddrs(ev, path)
@@ -119,25 +138,27 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 			// Selected, but the plugin gave no address it can be enrolled
 			// with: it must not start unmeshed, so the runtime retries.
 			why := "the CNI result (prevResult) carries no address for the pod's interface"
-			if len(ev.IPs) > 0 {
+			switch {
+			case otherIface:
+				why = otherIfaceWhy(ev)
+			case len(ev.IPs) > 0:
 				why = w.Reason
 			}
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but cannot be enrolled: %s; refusing to start it unmeshed", key, w.Pending, why)
 		case known && !w.Enrolled:
 			return cni.Response{Reason: w.Reason}, nil
 		case known && a.converged(w.Key()):
-			if ev.Command == cni.CommandAdd {
-				if err := a.supersededErr(key, ev, ino); err != nil {
-					return cni.Response{}, err
-				}
-			}
-			if ev.Command == cni.CommandCheck {
+			if check {
 				if err := a.attachedElsewhereErr(w.Key(), key, ev, ino); err != nil {
 					return cni.Response{}, err
 				}
+			} else if err := a.supersededErr(key, ev, ino); err != nil {
+				return cni.Response{}, err
 			}
 			return cni.Response{Enrolled: true, Reason: w.Reason}, nil
-		case known && ev.Command == cni.CommandCheck:
+		case known && otherIface:
+			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected: %s", key, w.Reason, otherIfaceWhy(ev))
+		case known && check:
 			return cni.Response{}, fmt.Errorf("pod %s is selected (%s) but not redirected", key, w.Reason)
 		case !known && slices.Contains(a.cfg.Selection.ExcludeNamespaces, ev.PodNamespace):
 			// Never enrolled whatever the source says: no need to wait
@@ -163,6 +184,12 @@ func (a *Agent) HandleCNI(ctx context.Context, ev cni.PodEvent) (cni.Response, e
 		}
 		next, synced = a.watch()
 	}
+}
+
+// otherIfaceWhy says why an ADD of another interface than podInterface
+// does not enroll the pod.
+func otherIfaceWhy(ev cni.PodEvent) string {
+	return fmt.Sprintf("this ADD is for interface %s (CNI_IFNAME), and a pod is enrolled on %s by the ADD of %s (redirector-cni chained into the pod's primary network)", ev.IfName, podInterface, podInterface)
 }
 
 // supersededErr is why the ADD ev no longer speaks for the pod once it is

@@ -2,6 +2,7 @@ package nodeagent
 
 import (
 	"net/netip"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -227,5 +228,89 @@ func TestCNICheckOfOtherSandboxFails(t *testing.T) {
 	}
 	if resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandCheck, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c2", NetNS: nsB.Path()}); err != nil || !resp.Enrolled {
 		t.Errorf("CHECK of the attached sandbox: %+v, %v", resp, err)
+	}
+}
+
+// TestCNIAddOfSecondInterfaceKeepsPrimary: with the plugin chained into a
+// second network too (Multus runs a network attachment's chain with
+// CNI_IFNAME net1 after the pod's eth0 one), the ADD of net1 does not
+// replace the pod's report: it is answered as a CHECK of the sandbox, and
+// the pod stays enrolled, attached and in the directory with its eth0
+// addresses (seen failing: net1's address replaced the pod's eth0 ones in
+// the directory, the attach on eth0 failed for want of it, and the net1
+// ADD failed after 20 s, so the runtime tore the sandbox down and the pod
+// never started). A selected pod whose eth0 ADD did not enroll it fails
+// such an ADD naming CNI_IFNAME. The DEL of net1 (the interface unplugged
+// from the running pod) leaves the pod's report: before, it marked it
+// deleted, and a pod whose address the source did not have yet was
+// detached.
+func TestCNIAddOfSecondInterfaceKeepsPrimary(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	sandbox := tp.Nodes[0].AddPod("p")
+	second := netip.MustParsePrefix("192.168.77.5/24")
+	for _, args := range [][]string{
+		{"link", "add", "net1", "type", "veth", "peer", "name", "net1peer"},
+		{"addr", "add", second.String(), "dev", "net1"},
+		{"link", "set", "net1", "up"},
+	} {
+		if out, err := exec.Command("ip", append([]string{"-n", sandbox.NS}, args...)...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	a, ld, _, _ := testAgent(t)
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p")}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	ev := cni.PodEvent{Command: cni.CommandAdd, PodName: "p", PodNamespace: "shop", PodUID: "uid-p", ContainerID: "c1", NetNS: sandbox.Path(), IfName: "eth0", IPs: ips}
+	if resp, err := a.HandleCNI(ctx, ev); err != nil || !resp.Enrolled {
+		t.Fatalf("ADD of eth0: %+v, %v", resp, err)
+	}
+	net1 := ev
+	net1.IfName, net1.IPs = "net1", []netip.Prefix{second}
+	start := time.Now()
+	resp, err := a.HandleCNI(ctx, net1)
+	if err != nil || !resp.Enrolled {
+		t.Errorf("ADD of net1 after eth0's enrolled the pod: %+v, %v (after %s); want enrolled", resp, err, time.Since(start).Round(time.Millisecond))
+	}
+	time.Sleep(300 * time.Millisecond)
+	for a.queue.Len() > 0 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if st, attached, _ := ld.PodState("uid-p"); !attached || !sameAddrs(st.Meta.Addrs, sandbox.Addrs()) {
+		t.Errorf("after the net1 ADD the pod is attached %v with %v, want attached with %v", attached, st.Meta.Addrs, sandbox.Addrs())
+	}
+	if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled || !sameAddrs(w.Addrs, sandbox.Addrs()) {
+		t.Errorf("after the net1 ADD the directory has the pod as %+v, want enrolled with %v", w, sandbox.Addrs())
+	}
+	// net1 unplugged from the running pod (Multus's dynamic networks): the
+	// pod's eth0 report stays, and so does its enrollment.
+	del := net1
+	del.Command, del.IPs = cni.CommandDel, nil
+	if _, err := a.HandleCNI(ctx, del); err != nil {
+		t.Errorf("DEL of net1: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	for a.queue.Len() > 0 {
+		time.Sleep(50 * time.Millisecond)
+	}
+	a.mu.Lock()
+	rec := a.cniPods["shop/p"]
+	a.mu.Unlock()
+	if rec.deleted || !sameAddrs(rec.addrs, sandbox.Addrs()) {
+		t.Errorf("after the net1 DEL the pod's report is %+v, want eth0's, not deleted", rec)
+	}
+	if _, attached, _ := ld.PodState("uid-p"); !attached {
+		t.Errorf("after the net1 DEL the pod is detached")
+	}
+
+	// A selected pod whose eth0 ADD never came: the net1 ADD cannot enroll it.
+	q := tp.Nodes[0].AddPod("q")
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("p", "uid-p"), pendingPod("q", "uid-q")}})
+	_, err = a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "q", PodNamespace: "shop", PodUID: "uid-q", ContainerID: "c2", NetNS: q.Path(), IfName: "net1", IPs: []netip.Prefix{netip.PrefixFrom(q.IPv4, 32)}})
+	if err == nil || !strings.Contains(err.Error(), "net1") || !strings.Contains(err.Error(), "CNI_IFNAME") {
+		t.Errorf("net1 ADD of a pod not enrolled: err = %v, want refused naming CNI_IFNAME net1", err)
 	}
 }
