@@ -265,11 +265,15 @@ type CompiledSet struct {
 	Unresolved []string
 }
 
-// ConvertedPeerAuthnPrefix begins the names istiod gives the policies it
-// converts PeerAuthentications into (istio_converted_static_strict,
-// istio_converted_peer_authentication_<name>): DENY rules that each match
-// only a peer without mTLS.
-const ConvertedPeerAuthnPrefix = "istio_converted_"
+// ConvertedPeerAuthn reports whether name is one istiod gives the
+// policies it converts PeerAuthentications into: DENY rules that each
+// match only a peer without mTLS. istiod names them
+// converted_peer_authentication_<name> (model.GetAmbientPolicyConfigName)
+// and its static STRICT policy istio_converted_static_strict; '_' is not
+// allowed in a Kubernetes name, so no AuthorizationPolicy takes either.
+func ConvertedPeerAuthn(name string) bool {
+	return strings.HasPrefix(name, "converted_peer_authentication_") || strings.HasPrefix(name, "istio_converted_")
+}
 
 // Authorize decides a connection to the workload namespace/name (see
 // AuthorizeCompiled). Whatever the set cannot decide exactly fails closed:
@@ -291,7 +295,7 @@ func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
 		if slices.ContainsFunc(s.Policies, func(p *Compiled) bool { return p.Namespace == ns && p.Name == name }) {
 			continue
 		}
-		if strings.HasPrefix(name, ConvertedPeerAuthnPrefix) && src.Authenticated {
+		if ConvertedPeerAuthn(name) && src.Authenticated {
 			// istiod's conversion of a PeerAuthentication only ever
 			// denies peers without mTLS, and istiod lists some such
 			// policy it never sends (a workload PERMISSIVE with a STRICT

@@ -135,22 +135,33 @@ func TestCompiledSetFailsClosedOnMissingPolicies(t *testing.T) {
 // workload PERMISSIVE with a STRICT port under a STRICT mesh policy), and
 // ztunnel skips the missing key. Failing closed refused every connection
 // to the pod, mTLS ones too. Such a policy only ever denies peers without
-// mTLS: those stay refused, mTLS peers are decided by the rest.
+// mTLS: those stay refused, mTLS peers are decided by the rest. istiod
+// names it converted_peer_authentication_<name> (its static STRICT policy
+// istio_converted_static_strict); until 7 December only names beginning
+// istio_converted_ were recognised, so under a real istiod such a pod
+// refused mTLS peers all the same (TestPeerAuthnDifferential found it).
 func TestCompiledSetMissingConvertedPeerAuthn(t *testing.T) {
-	allowAll := &Compiled{Name: "allow", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow, Groups: []Group{{}}}
-	s := CompiledSet{Synced: true, Policies: []*Compiled{allowAll}, Selected: map[string][]string{
-		"shop/web": {"shop/istio_converted_peer_authentication_web"},
-		"shop/db":  {"shop/istio_converted_peer_authentication_db", "shop/deny-db"},
-	}}
-	dst := Target{Namespace: "shop", Port: 80}
-	mtls := Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/cart", Namespace: "shop"}
-	if v := s.Authorize(dst, "shop/web", mtls); !v.Allowed {
-		t.Errorf("an mTLS peer refused for a missing converted PeerAuthentication: %s", v.Reason)
+	for _, name := range []string{"converted_peer_authentication_", "istio_converted_"} {
+		allowAll := &Compiled{Name: "allow", Namespace: "shop", Scope: ScopeNamespace, Action: ActionAllow, Groups: []Group{{}}}
+		s := CompiledSet{Synced: true, Policies: []*Compiled{allowAll}, Selected: map[string][]string{
+			"shop/web": {"shop/" + name + "web"},
+			"shop/db":  {"shop/" + name + "db", "shop/deny-db"},
+		}}
+		dst := Target{Namespace: "shop", Port: 80}
+		mtls := Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/cart", Namespace: "shop"}
+		if v := s.Authorize(dst, "shop/web", mtls); !v.Allowed {
+			t.Errorf("%s: an mTLS peer refused for a missing converted PeerAuthentication: %s", name, v.Reason)
+		}
+		if v := s.Authorize(dst, "shop/web", Peer{}); v.Allowed || !strings.Contains(v.Reason, name+"web") {
+			t.Errorf("%s: a plaintext peer: allowed=%v (%s), want refused naming the missing policy", name, v.Allowed, v.Reason)
+		}
+		if v := s.Authorize(dst, "shop/db", mtls); v.Allowed || !strings.Contains(v.Reason, "shop/deny-db") {
+			t.Errorf("%s: another missing policy beside it: allowed=%v (%s), want refused naming shop/deny-db", name, v.Allowed, v.Reason)
+		}
 	}
-	if v := s.Authorize(dst, "shop/web", Peer{}); v.Allowed || !strings.Contains(v.Reason, "istio_converted_peer_authentication_web") {
-		t.Errorf("a plaintext peer: allowed=%v (%s), want refused naming the missing policy", v.Allowed, v.Reason)
-	}
-	if v := s.Authorize(dst, "shop/db", mtls); v.Allowed || !strings.Contains(v.Reason, "shop/deny-db") {
-		t.Errorf("another missing policy beside it: allowed=%v (%s), want refused naming shop/deny-db", v.Allowed, v.Reason)
+	// A name that only resembles one is no converted PeerAuthentication.
+	s := CompiledSet{Synced: true, Selected: map[string][]string{"shop/web": {"shop/x_converted_peer_authentication_web"}}}
+	if v := s.Authorize(Target{Namespace: "shop", Port: 80}, "shop/web", Peer{Authenticated: true, Principal: "cluster.local/ns/shop/sa/cart"}); v.Allowed {
+		t.Errorf("a missing policy of another name skipped: %s", v.Reason)
 	}
 }
