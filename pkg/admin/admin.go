@@ -528,9 +528,15 @@ func (p *pendingListener) fail(err error) {
 	p.err = err
 }
 
+// unbound is why p is not bound yet; nil once closed: a readiness
+// endpoint closed and served again (ReopenReadiness) is judged by its new
+// listener.
 func (p *pendingListener) unbound() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.isClosed {
+		return nil
+	}
 	return p.err
 }
 

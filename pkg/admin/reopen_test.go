@@ -76,3 +76,40 @@ func TestReopenReadiness(t *testing.T) {
 		t.Error("the readiness port still accepts after the second CloseReadiness")
 	}
 }
+
+// TestReopenReadinessNeverBoundAtFirst: a readiness endpoint whose port was
+// held when the agent started, and that it closed before binding it (a
+// newer agent took the node), is judged by its new listener once served
+// again: the first one's bind error no longer makes the agent unready.
+func TestReopenReadinessNeverBoundAtFirst(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := busy.Addr().String()
+	s, err := Start(context.Background(), Options{
+		ReadinessAddr: addr, Ready: func() (bool, string) { return true, "" },
+		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
+		bindRetry: time.Hour,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.CloseReadiness(); err != nil {
+		t.Fatal(err)
+	}
+	busy.Close()
+	if err := s.ReopenReadiness(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := (&http.Client{Timeout: 2 * time.Second}).Get("http://" + addr + "/healthz/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Errorf("readiness served again: %d %q, want 200", resp.StatusCode, body)
+	}
+}
