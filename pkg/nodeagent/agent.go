@@ -65,7 +65,8 @@ type Config struct {
 	// Annotator is nil for sources without an API server (the file).
 	Annotator Annotator
 	Claim     Claim
-	// OnYield runs once when a newer agent took the node over.
+	// OnYield runs when a newer agent took the node over (again, after an
+	// OnReclaim).
 	OnYield func()
 	// OnReclaim runs when this agent took the node back from a newer one
 	// that gave it up (a rolled back upgrade), before the full pass that
@@ -89,9 +90,9 @@ type Agent struct {
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
 	mu sync.Mutex
-	// yielded is set once a newer agent claimed the node: snapshots then
-	// update only the tunnel's state and certificates, never the
-	// enrollment or annotations.
+	// yielded is set once a newer agent claimed the node, until it gives
+	// the node back (checkClaim): snapshots then update only the tunnel's
+	// state and certificates, never the enrollment or annotations.
 	yielded bool
 	last    *source.Snapshot
 	cniPods map[string]cniPod // namespace/name -> what the CNI plugin reported
