@@ -739,9 +739,9 @@ func endpointListen(cfg agentConfig, pred *tunnel.Predecessor, log *slog.Logger)
 }
 
 // maxSocketPath bounds CNI_SOCKET and HANDOVER_SOCKET: a unix socket's
-// name has at most 107 bytes, and the server binds "<path>.<pid>.tmp" first
-// (a pid has at most 7 digits) before renaming it over the path.
-const maxSocketPath = 107 - len(".4194304.tmp")
+// name has at most 107 bytes, and the server binds "<path>.<7 hex digits>.tmp"
+// first (unixsock.Install) before renaming it over the path.
+const maxSocketPath = 107 - len(".0000000.tmp")
 
 // defaultHandoverSocket is the chart's HANDOVER_SOCKET, next to the CNI
 // socket in the directory both agents of an upgrade mount.
