@@ -1,6 +1,9 @@
 package netnstest
 
 import (
+	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -63,4 +66,45 @@ func TestUpgradeRolledBack(t *testing.T) {
 	if !enrolled {
 		t.Error("the old agent did not log the late pod's enrollment")
 	}
+}
+
+// TestUpgradeRolledBackCNISocket: after a rollback the CNI socket at the
+// path is the old agent's again. The new agent renamed its own over the
+// old one's as it started, and removed it as it stopped: the old agent,
+// taking the node back, installs its socket there again. Before, the path
+// stayed empty for as long as the old agent ran, and every CNI ADD of an
+// ambient pod on the node failed as if no agent ran.
+func TestUpgradeRolledBackCNISocket(t *testing.T) {
+	tp := New(t, 1)
+	n := tp.Nodes[0]
+	pod := n.AddPod("web")
+	dir := t.TempDir()
+	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
+	if err := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(pod, "mesh", "web").Write(manifest); err != nil {
+		t.Fatal(err)
+	}
+	initCA(t, ca)
+	sockDir := filepath.Join(dir, "cni")
+	if err := os.Mkdir(sockDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(sockDir, "cni.sock")
+	old := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, Args: []string{"--cni-socket", sock}})
+	old.WaitLog(t, "pod enrolled", 10*time.Second)
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, BPFRoot: old.BPFRoot,
+		Args: []string{"--cni-socket", sock, "--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
+	next.WaitLog(t, "CNI event server listening", 10*time.Second)
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error {
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			return err
+		}
+		return c.Close()
+	})
+	old.WaitLog(t, "CNI event socket installed again", time.Second)
 }
