@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -43,7 +44,7 @@ func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
 			func() error { return os.Remove(notSocket) }},
 	} {
 		ctx, cancel := context.WithCancel(context.Background())
-		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, log)
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, nil, log)
 		waitfor.Until(t, "not ready naming the socket", func() bool {
 			ok, reason := ready()
 			return !ok && strings.Contains(reason, tc.want)
@@ -59,5 +60,48 @@ func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
 			t.Errorf("socket %s: %v", tc.path, err)
 		}
 		cancel()
+	}
+}
+
+// TestServeCNIReinstall: an agent that took the node back from a newer one
+// (an upgrade rolled back) installs its CNI socket again over the newer
+// agent's, which the rename of that agent's start had put at the path and
+// which is dead or gone once it stopped. Before, the path stayed the dead
+// agent's: every CNI ADD of an ambient pod on the node failed as if no
+// agent ran.
+func TestServeCNIReinstall(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	path := filepath.Join(t.TempDir(), "cni.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	reinstall := make(chan struct{}, 1)
+	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
+		10*time.Millisecond, reinstall, log)
+	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
+	// The newer agent's socket renamed over the path, then the newer agent
+	// gone: a stale socket nothing serves.
+	newer, err := net.Listen("unix", path+".newer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	newer.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Rename(path+".newer", path); err != nil {
+		t.Fatal(err)
+	}
+	newer.Close()
+	if _, err := net.Dial("unix", path); err == nil {
+		t.Fatal("the stale socket answers")
+	}
+	reinstall <- struct{}{}
+	waitfor.Until(t, "the CNI socket installed again", func() bool {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
+	})
+	if ok, reason := ready(); !ok {
+		t.Errorf("not ready after the reinstall: %s", reason)
 	}
 }

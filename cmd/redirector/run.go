@@ -361,6 +361,10 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer claim.Close()
 	ld.SetClaim(claim)
+	// However this agent stops, an older one still running beside it (an
+	// upgrade rolled back, this start failed) takes the node back.
+	releaseClaim := sync.OnceFunc(func() { giveNodeUp(ctx, claim, log) })
+	defer releaseClaim()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
@@ -428,9 +432,25 @@ func runAgent(ctx context.Context, args []string) error {
 		}()
 	}
 	rec := nodeagent.NewReconciler(ld, tun, netns.NewIndex(&netns.Finder{NetNSDirs: netns.DefaultFinder().NetNSDirs, ProcDir: cfg.procDir}), log)
-	repairCtx, stopRepair := context.WithCancel(ctx)
-	defer stopRepair()
-	go rec.RepairLinks(repairCtx, nodeagent.LinkCheckPeriod)
+	// Link repair runs while this agent holds the node: stopped when a
+	// newer agent takes it over, started again if it gives it back.
+	var repairMu sync.Mutex
+	stopRepair := func() {}
+	startRepair := func() {
+		repairMu.Lock()
+		defer repairMu.Unlock()
+		stopRepair()
+		repairCtx, cancel := context.WithCancel(ctx)
+		stopRepair = cancel
+		go rec.RepairLinks(repairCtx, nodeagent.LinkCheckPeriod)
+	}
+	endRepair := func() {
+		repairMu.Lock()
+		defer repairMu.Unlock()
+		stopRepair()
+	}
+	startRepair()
+	defer endRepair()
 	reg.MustRegister(
 		loader.NewCollector(ld),
 		nodeagent.NewCollector(rec),
@@ -489,15 +509,29 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	// The readiness server is closed when a newer agent takes the node over:
-	// probes of the shared readiness port must reach the successor.
+	// probes of the shared readiness port must reach the successor. It is
+	// served again, with the CNI socket installed again over the newer
+	// agent's, if that one gives the node back.
 	var servers *admin.Servers
+	cniReinstall := make(chan struct{}, 1)
 	agent := nodeagent.New(nodeagent.Config{
 		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
 		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Registry: reg, Logger: log,
 		Annotator: annotator(ann),
 		OnYield: func() {
-			stopRepair()
+			endRepair()
 			_ = servers.CloseReadiness()
+		},
+		OnReclaim: func() {
+			ld.SetClaim(claim) // read the pinned state again: the newer agent changed it
+			startRepair()
+			select {
+			case cniReinstall <- struct{}{}:
+			default:
+			}
+			if err := servers.ReopenReadiness(ctx); err != nil {
+				log.Error("readiness endpoint not served again after taking the node back", "error", err)
+			}
 		},
 	})
 	defer agent.Close()
@@ -519,7 +553,7 @@ func runAgent(ctx context.Context, args []string) error {
 		// Before the socket: while the agent starts after a reboot (no
 		// hint on tmpfs), kube-system's pods must not wait for its source.
 		agent.WriteStartupHint()
-		cniReady = serveCNI(ctx, srv, cniRetryPeriod, log)
+		cniReady = serveCNI(ctx, srv, cniRetryPeriod, cniReinstall, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -569,8 +603,11 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 
 	log.Info("agent started", "source", cfg.source, "bpf_root", cfg.bpfRoot, "trust_domain", cfg.trustDomain)
-	if err := agent.Run(ctx, src); err != nil {
-		return fmt.Errorf("source %s: %w", cfg.source, err)
+	runErr := agent.Run(ctx, src)
+	// No more enrollment changes here: give the node back before the drain.
+	releaseClaim()
+	if runErr != nil {
+		return fmt.Errorf("source %s: %w", cfg.source, runErr)
 	}
 	if ctx.Err() == nil {
 		return nil // the source ended
@@ -586,6 +623,20 @@ func runAgent(ctx context.Context, args []string) error {
 	return nil
 }
 
+// giveNodeUp releases this agent's claim on the node as it stops
+// (maps.Claim.Release), waiting at most releasePatience for the pin root's
+// lock: an older agent still running takes the node back.
+func giveNodeUp(ctx context.Context, claim *maps.Claim, log *slog.Logger) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releasePatience)
+	defer cancel()
+	if err := claim.Release(rctx); err != nil {
+		log.Warn("node not given up: an older agent still running stays yielded", "error", err)
+	}
+}
+
+// releasePatience bounds giveNodeUp's wait for the pin root's lock.
+const releasePatience = 10 * time.Second
+
 // serveCNI serves the CNI event socket until ctx ends, and returns a
 // readiness check that fails, with the error, while it does not: a socket
 // the agent cannot serve (a directory others may write, something else at
@@ -594,7 +645,11 @@ func runAgent(ctx context.Context, args []string) error {
 // the old agent, which still served). The agent does not exit for it: its
 // enrolled pods keep their tunnel. Serving is tried again every retry, so
 // a directory put right is taken without a restart.
-func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *slog.Logger) admin.Check {
+//
+// A value on reinstall (nil: none) serves the socket anew, installed over
+// whatever is at the path: the agent took the node back from a newer one,
+// whose socket was put over this one's (see OnReclaim).
+func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinstall <-chan struct{}, log *slog.Logger) admin.Check {
 	var mu sync.Mutex
 	failed := errors.New("not served yet")
 	set := func(err error) {
@@ -607,7 +662,23 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, log *sl
 			err := srv.Listen()
 			if err == nil {
 				set(nil)
-				err = srv.Serve(ctx)
+				sctx, cancel := context.WithCancel(ctx)
+				served := make(chan struct{})
+				go func() {
+					select {
+					case <-reinstall:
+						cancel()
+					case <-served:
+					}
+				}()
+				err = srv.Serve(sctx)
+				close(served)
+				again := sctx.Err() != nil && ctx.Err() == nil
+				cancel()
+				if again {
+					log.Info("CNI event socket installed again", "socket", srv.Path())
+					continue
+				}
 			}
 			if ctx.Err() != nil {
 				return
@@ -668,9 +739,9 @@ func endpointListen(cfg agentConfig, pred *tunnel.Predecessor, log *slog.Logger)
 }
 
 // maxSocketPath bounds CNI_SOCKET and HANDOVER_SOCKET: a unix socket's
-// name has at most 107 bytes, and the server binds "<path>.<pid>.tmp" first
-// (a pid has at most 7 digits) before renaming it over the path.
-const maxSocketPath = 107 - len(".4194304.tmp")
+// name has at most 107 bytes, and the server binds "<path>.<7 hex digits>.tmp"
+// first (unixsock.Install) before renaming it over the path.
+const maxSocketPath = 107 - len(".0000000.tmp")
 
 // defaultHandoverSocket is the chart's HANDOVER_SOCKET, next to the CNI
 // socket in the directory both agents of an upgrade mount.

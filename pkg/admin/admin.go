@@ -12,8 +12,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -95,8 +97,14 @@ const (
 type Servers struct {
 	metricsAddr, readinessAddr, adminAddr string
 
-	servers   []*http.Server
-	readiness *http.Server
+	// mu guards servers, readiness, readinessClosed and raw: the readiness
+	// endpoint may be served again (ReopenReadiness).
+	mu              sync.Mutex
+	servers         []*http.Server
+	readiness       *http.Server
+	readinessClosed bool
+	// reopenReadiness serves the readiness endpoint again on its address.
+	reopenReadiness func(ctx context.Context) error
 	// stop ends the binding of endpoints whose address was in use.
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -155,73 +163,28 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		{EndpointReadiness, o.ReadinessAddr, func() http.Handler { return readinessHandler(o.Ready) }, &s.readinessAddr},
 		{EndpointAdmin, o.AdminAddr, func() http.Handler { return adminHandler(o.Sections, o.Level, log) }, &s.adminAddr},
 	}
+	listen := o.Listen
+	if listen == nil {
+		listen = func(ctx context.Context, _, addr string) (net.Listener, error) { return ListenAlone(ctx, addr) }
+	}
+	retry := cmp.Or(o.bindRetry, BindRetryPeriod)
 	for _, e := range endpoints {
 		if e.addr == "" {
 			continue
 		}
-		listen := o.Listen
-		if listen == nil {
-			listen = func(ctx context.Context, _, addr string) (net.Listener, error) { return ListenAlone(ctx, addr) }
-		}
-		l, err := listen(ctx, e.name, e.addr)
-		if errors.Is(err, syscall.EADDRINUSE) {
-			l = s.bindLater(e.name, e.addr, listen, cmp.Or(o.bindRetry, BindRetryPeriod), err, log)
-		} else if err != nil {
+		bound, err := s.serve(ctx, e.name, e.addr, listen, retry, e.handler(), conns, log)
+		if err != nil {
 			s.Close()
-			return nil, fmt.Errorf("%s endpoint: %w", e.name, err)
+			return nil, err
 		}
-		if s.raw == nil {
-			s.raw = map[string]*rebindable{}
-		}
-		r := &rebindable{cur: l}
-		s.raw[e.name] = r
-		l = r
-		*e.bound = l.Addr().String()
-		if e.name == "admin" && !isLoopback(l.Addr()) {
-			log.Warn("admin endpoint is not on a loopback address: anyone who reaches it can read the config and profile the agent", "addr", *e.bound)
-		}
-		total := maxConnsPerEndpoint
-		if e.name == "admin" {
-			total = maxConnsPerSource // one local caller's worth: it is on loopback
-		}
-		ll := newLimitListener(l, e.name, total, maxConnsPerSource, conns, log)
-		// kubelet sends its probe at once and is answered at once, from
-		// the node's address, which every hostNetwork pod may use too: a
-		// connection still open long after it came is a stalled request
-		// (none is kept alive), to evict rather than refuse the probe for.
-		ll.evictOldest = e.name == EndpointReadiness
-		l = ll
-		srv := &http.Server{
-			Handler:           boundBody(e.handler()),
-			ReadHeaderTimeout: 5 * time.Second,
-			ReadTimeout:       readTimeout,
-			WriteTimeout:      writeTimeout,
-			IdleTimeout:       time.Minute,
-			MaxHeaderBytes:    maxHeaderBytes,
-			ConnState:         ll.connState, // which connections are idle, and so evictable
-			ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
-		}
-		switch e.name {
-		case "admin":
-			// pprof's profile and trace run as long as asked, up to
-			// maxProfileSeconds, before their answer is written.
-			srv.WriteTimeout = adminWriteTimeout
-		case "readiness":
-			// kubelet opens a connection per probe and never reuses it:
-			// an idle keep-alive connection there only holds a slot.
-			srv.SetKeepAlivesEnabled(false)
-		}
-		s.servers = append(s.servers, srv)
-		if e.name == "readiness" {
-			s.readiness = srv
-		}
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			if err := srv.Serve(l); !errors.Is(err, http.ErrServerClosed) {
-				log.Error("http endpoint stopped", "endpoint", e.name, "addr", l.Addr().String(), "error", err)
+		*e.bound = bound
+		if e.name == EndpointReadiness {
+			handler := e.handler()
+			s.reopenReadiness = func(ctx context.Context) error {
+				_, err := s.serve(ctx, EndpointReadiness, bound, listen, retry, handler, conns, log)
+				return err
 			}
-		}()
+		}
 	}
 	if o.ReadinessSocket != "" {
 		if err := s.serveReadinessSocket(o.ReadinessSocket, o.Ready, conns, log); err != nil {
@@ -230,6 +193,72 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		}
 	}
 	return s, nil
+}
+
+// serve listens for the endpoint name on addr (or binds it later if the
+// address is in use, see Start) and serves handler there until Close. It
+// returns the address bound.
+func (s *Servers) serve(ctx context.Context, name, addr string, listen func(context.Context, string, string) (net.Listener, error),
+	retry time.Duration, handler http.Handler, conns *connMetrics, log *slog.Logger) (string, error) {
+	l, err := listen(ctx, name, addr)
+	if errors.Is(err, syscall.EADDRINUSE) {
+		l = s.bindLater(name, addr, listen, retry, err, log)
+	} else if err != nil {
+		return "", fmt.Errorf("%s endpoint: %w", name, err)
+	}
+	r := &rebindable{cur: l}
+	bound := r.Addr().String()
+	if name == EndpointAdmin && !isLoopback(r.Addr()) {
+		log.Warn("admin endpoint is not on a loopback address: anyone who reaches it can read the config and profile the agent", "addr", bound)
+	}
+	total := maxConnsPerEndpoint
+	if name == EndpointAdmin {
+		total = maxConnsPerSource // one local caller's worth: it is on loopback
+	}
+	ll := newLimitListener(r, name, total, maxConnsPerSource, conns, log)
+	// kubelet sends its probe at once and is answered at once, from
+	// the node's address, which every hostNetwork pod may use too: a
+	// connection still open long after it came is a stalled request
+	// (none is kept alive), to evict rather than refuse the probe for.
+	ll.evictOldest = name == EndpointReadiness
+	srv := &http.Server{
+		Handler:           boundBody(handler),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       readTimeout,
+		WriteTimeout:      writeTimeout,
+		IdleTimeout:       time.Minute,
+		MaxHeaderBytes:    maxHeaderBytes,
+		ConnState:         ll.connState, // which connections are idle, and so evictable
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	switch name {
+	case EndpointAdmin:
+		// pprof's profile and trace run as long as asked, up to
+		// maxProfileSeconds, before their answer is written.
+		srv.WriteTimeout = adminWriteTimeout
+	case EndpointReadiness:
+		// kubelet opens a connection per probe and never reuses it:
+		// an idle keep-alive connection there only holds a slot.
+		srv.SetKeepAlivesEnabled(false)
+	}
+	s.mu.Lock()
+	if s.raw == nil {
+		s.raw = map[string]*rebindable{}
+	}
+	s.raw[name] = r
+	s.servers = append(s.servers, srv)
+	if name == EndpointReadiness {
+		s.readiness = srv
+	}
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		if err := srv.Serve(ll); !errors.Is(err, http.ErrServerClosed) {
+			log.Error("http endpoint stopped", "endpoint", name, "addr", bound, "error", err)
+		}
+	}()
+	return bound, nil
 }
 
 // serveReadinessSocket serves the readiness handler on a unix socket at
@@ -337,8 +366,11 @@ func (s *Servers) Close() error {
 	if s.stop != nil {
 		s.stopOnce.Do(func() { close(s.stop) })
 	}
+	s.mu.Lock()
+	servers := slices.Clone(s.servers)
+	s.mu.Unlock()
 	var errs []error
-	for _, srv := range s.servers {
+	for _, srv := range servers {
 		errs = append(errs, srv.Close())
 	}
 	s.wg.Wait()
@@ -351,10 +383,41 @@ func (s *Servers) Close() error {
 // the successor would pass for ready before it is. The old agent's own
 // probes then reach the successor. Calling it again is harmless.
 func (s *Servers) CloseReadiness() error {
-	if s.readiness == nil {
+	if s == nil {
 		return nil
 	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.readiness == nil || s.readinessClosed {
+		return nil
+	}
+	s.readinessClosed = true
 	return s.readiness.Close()
+}
+
+// ReopenReadiness serves the readiness endpoint again, on the address it
+// had, after CloseReadiness: the newer agent this one yielded to gave the
+// node up (an upgrade rolled back), and this agent answers the node's
+// probes again. The newer agent may still hold the port while it drains:
+// the endpoint is then bound once it is free, as at Start. Calling it while
+// the endpoint is served is harmless.
+func (s *Servers) ReopenReadiness(ctx context.Context) error {
+	if s == nil {
+		return nil
+	}
+	s.mu.Lock()
+	reopen := s.readinessClosed && s.reopenReadiness != nil
+	s.readinessClosed = false
+	s.mu.Unlock()
+	select {
+	case <-s.stop:
+		return nil // closed
+	default:
+	}
+	if !reopen {
+		return nil
+	}
+	return s.reopenReadiness(ctx)
 }
 
 // Listener is the listener of the endpoint named name (EndpointMetrics,
@@ -362,10 +425,16 @@ func (s *Servers) CloseReadiness() error {
 // takes over (tunnel's hand-over), so that the two accept from one queue
 // while both run and the port is never free nor shared with anyone else.
 func (s *Servers) Listener(name string) net.Listener {
-	if s == nil || s.raw[name] == nil {
+	if s == nil {
 		return nil
 	}
-	l := s.raw[name].current()
+	s.mu.Lock()
+	r := s.raw[name]
+	s.mu.Unlock()
+	if r == nil {
+		return nil
+	}
+	l := r.current()
 	if p, ok := l.(*pendingListener); ok {
 		return p.bound() // nil until bound
 	}
@@ -459,9 +528,15 @@ func (p *pendingListener) fail(err error) {
 	p.err = err
 }
 
+// unbound is why p is not bound yet; nil once closed: a readiness
+// endpoint closed and served again (ReopenReadiness) is judged by its new
+// listener.
 func (p *pendingListener) unbound() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.isClosed {
+		return nil
+	}
 	return p.err
 }
 
@@ -534,8 +609,11 @@ func (s *Servers) OwnPorts(ctx context.Context) error {
 	if s == nil {
 		return nil
 	}
+	s.mu.Lock()
+	raw := maps.Clone(s.raw)
+	s.mu.Unlock()
 	var errs []error
-	for name, r := range s.raw {
+	for name, r := range raw {
 		shared, err := reusePortSet(r.current())
 		if err != nil || !shared {
 			continue

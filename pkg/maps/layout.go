@@ -265,6 +265,63 @@ func (c *Claim) Guard(ctx context.Context) (release func(), err error) {
 // Close releases the map; the claim stays recorded.
 func (c *Claim) Close() error { return c.m.Close() }
 
+// Release gives the node up as this agent stops, if it still holds it: the
+// owner slot is cleared, under the root's exclusive lock (after the
+// agent's changes under way). An older agent still running beside it (an
+// upgrade rolled back, a new agent that failed its start after claiming)
+// then takes the node back (Reclaim); before, it stayed yielded for good,
+// and nothing enrolled, detached or repaired the node's pods any more. A
+// newer agent's claim is left alone, and any later claim overwrites the
+// cleared slot.
+func (c *Claim) Release(ctx context.Context) error {
+	unlock, err := c.lock.take(ctx, unix.LOCK_EX, "give the node up")
+	if err != nil {
+		return fmt.Errorf("give the node up: %w", err)
+	}
+	defer unlock()
+	owner, err := c.owner()
+	if err != nil || owner != c.token {
+		return err
+	}
+	if err := c.m.Put(layoutSlotOwner, uint32(0)); err != nil {
+		return fmt.Errorf("give the node up: write %s: %w", LayoutName, err)
+	}
+	return nil
+}
+
+// Reclaim takes the node back for this agent, which a newer one took it
+// from, once that one gave it up (Release) and no other claimed it since.
+// It reports whether this agent holds the node again; the caller must read
+// the pinned state again (the other agent changed it) before its next
+// change. Cheap while the node is held: one map lookup, no lock.
+func (c *Claim) Reclaim(ctx context.Context) (bool, error) {
+	if owner, err := c.owner(); err != nil || owner != 0 {
+		return false, err
+	}
+	unlock, err := c.lock.take(ctx, unix.LOCK_EX, "take the node back")
+	if err != nil {
+		return false, fmt.Errorf("take the node back: %w", err)
+	}
+	defer unlock()
+	// Another agent may have claimed it meanwhile.
+	if owner, err := c.owner(); err != nil || owner != 0 {
+		return false, err
+	}
+	if err := c.m.Put(layoutSlotOwner, c.token); err != nil {
+		return false, fmt.Errorf("take the node back: write %s: %w", LayoutName, err)
+	}
+	return true, nil
+}
+
+// owner is the token of the agent holding the node, 0 if given up.
+func (c *Claim) owner() (uint32, error) {
+	var v uint32
+	if err := c.m.Lookup(layoutSlotOwner, &v); err != nil {
+		return 0, fmt.Errorf("read the node's owner in %s: %w", LayoutName, err)
+	}
+	return v, nil
+}
+
 // Quiesce holds off every enrollment change of the agents on the node
 // (each runs under Guard's shared lock) until release is called, after
 // those under way are done. A loading agent reads the pinned state under

@@ -33,9 +33,15 @@ type Annotator interface {
 	SetRedirection(ctx context.Context, namespace, name string, enabled bool) error
 }
 
-// Claim says whether this agent still holds the node (maps.NodeClaim): a
+// Claim says whether this agent still holds the node (maps.Claim): a
 // newer agent of an upgrade takes it over.
 type Claim interface{ Held() bool }
+
+// reclaimer is a Claim that can be taken back once the newer agent gave
+// the node up (maps.Claim.Reclaim).
+type reclaimer interface {
+	Reclaim(ctx context.Context) (bool, error)
+}
 
 // Config wires the agent.
 type Config struct {
@@ -59,8 +65,14 @@ type Config struct {
 	// Annotator is nil for sources without an API server (the file).
 	Annotator Annotator
 	Claim     Claim
-	// OnYield runs once when a newer agent took the node over.
+	// OnYield runs when a newer agent took the node over (again, after an
+	// OnReclaim).
 	OnYield func()
+	// OnReclaim runs when this agent took the node back from a newer one
+	// that gave it up (a rolled back upgrade), before the full pass that
+	// follows: it undoes OnYield and has the loader read the pinned state
+	// again.
+	OnReclaim func()
 	// Registry, if set, gets the work queue's metrics.
 	Registry prometheus.Registerer
 	Logger   *slog.Logger
@@ -78,9 +90,9 @@ type Agent struct {
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
 	mu sync.Mutex
-	// yielded is set once a newer agent claimed the node: snapshots then
-	// update only the tunnel's state and certificates, never the
-	// enrollment or annotations.
+	// yielded is set once a newer agent claimed the node, until it gives
+	// the node back (checkClaim): snapshots then update only the tunnel's
+	// state and certificates, never the enrollment or annotations.
 	yielded bool
 	last    *source.Snapshot
 	cniPods map[string]cniPod // namespace/name -> what the CNI plugin reported
@@ -206,7 +218,9 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 		case <-ticker.C:
 			full = true
 		}
-		a.checkClaim()
+		if a.checkClaim(ctx, true) {
+			full = true // converge every pod the other agent changed
+		}
 		if a.applyLatest(ctx, full) && full {
 			a.mu.Lock()
 			a.reconciled = true
@@ -233,14 +247,45 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 // queued pod is worked on, so that a pod queued (or backing off) before the
 // successor claimed is not attached or detached by both; the loader's claim
 // guard refuses any change that starts later still.
-func (a *Agent) checkClaim() {
-	if a.cfg.Claim == nil || a.cfg.Claim.Held() || !a.yield() {
-		return
+//
+// A yielded agent takes the node back when the newer agent gave it up as it
+// stopped (maps.Claim.Release) and none claimed it since: an upgrade rolled
+// back, or a new agent that failed its start after claiming. Before, the
+// older agent stayed yielded for as long as it ran: no pod was enrolled,
+// detached or repaired on the node, and no CNI event answered. It reports
+// whether it took the node back; only the main loop (reclaim set) tries,
+// and then runs a full pass.
+func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
+	if a.cfg.Claim == nil || a.cfg.Claim.Held() {
+		return false
 	}
-	if a.cfg.OnYield != nil {
-		a.cfg.OnYield()
+	if a.yield() {
+		if a.cfg.OnYield != nil {
+			a.cfg.OnYield()
+		}
+		a.log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
+		return false
 	}
-	a.log.Info("a newer agent holds the node: no more enrollment changes here, serving open connections until SIGTERM")
+	r, ok := a.cfg.Claim.(reclaimer)
+	if !reclaim || !ok {
+		return false
+	}
+	back, err := r.Reclaim(ctx)
+	if err != nil {
+		a.log.Warn("a newer agent may have given the node up; taking it back failed", "error", err)
+		return false
+	}
+	if !back {
+		return false
+	}
+	if a.cfg.OnReclaim != nil {
+		a.cfg.OnReclaim()
+	}
+	a.mu.Lock()
+	a.yielded = false
+	a.mu.Unlock()
+	a.log.Warn("the newer agent gave the node up with none after it (an upgrade rolled back?): this agent holds it again, enrolling and repairing its pods")
+	return true
 }
 
 // yield records that a newer agent holds the node; it reports whether this
@@ -404,7 +449,7 @@ func (a *Agent) processNext(ctx context.Context) bool {
 		a.queue.Forget(uid)
 		return true
 	}
-	a.checkClaim()
+	a.checkClaim(ctx, false)
 	a.mu.Lock()
 	d, want := a.desired[uid]
 	yielded := a.yielded

@@ -7,6 +7,7 @@ package unixsock
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -44,9 +45,22 @@ func Install(what, path, network string) (net.Listener, uint64, error) {
 	if fi, err := os.Lstat(path); err == nil && fi.Mode().Type() != os.ModeSocket {
 		return nil, 0, fmt.Errorf("%s path %s exists and is not a socket; remove it", what, path)
 	}
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	_ = os.Remove(tmp)
-	l, err := net.Listen(network, tmp)
+	// A temporary name of this call's own: not the process id, which the
+	// agents of an upgrade share (each is PID 1 in its container). Two
+	// agents installing at once each removed the other's temporary socket,
+	// and one renamed the other's over the path and took it for its own.
+	// A name taken (a crash's leftover) is never removed: another is drawn.
+	var (
+		tmp string
+		l   net.Listener
+		err error
+	)
+	for range 4 {
+		tmp = fmt.Sprintf("%s.%07x.tmp", path, rand.Uint32N(1<<28))
+		if l, err = net.Listen(network, tmp); !errors.Is(err, syscall.EADDRINUSE) {
+			break
+		}
+	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("listen on %s: %w", what, err)
 	}
@@ -57,14 +71,17 @@ func Install(what, path, network string) (net.Listener, uint64, error) {
 		os.Remove(tmp)
 		return nil, 0, fmt.Errorf("restrict %s: %w", what, err)
 	}
-	if err := os.Rename(tmp, path); err != nil {
+	// The inode before the rename, which keeps it: after it, the path may
+	// already be another agent's socket, renamed over this one.
+	fi, err := os.Lstat(tmp)
+	if err != nil {
 		l.Close()
 		os.Remove(tmp)
 		return nil, 0, fmt.Errorf("install %s %s: %w", what, path, err)
 	}
-	fi, err := os.Lstat(path)
-	if err != nil {
+	if err := os.Rename(tmp, path); err != nil {
 		l.Close()
+		os.Remove(tmp)
 		return nil, 0, fmt.Errorf("install %s %s: %w", what, path, err)
 	}
 	return l, inodeOf(fi), nil

@@ -1,0 +1,110 @@
+package netnstest
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestUpgradeRolledBack: the new agent of an upgrade is removed (SIGTERM,
+// as a rollback deletes it) while the old one still runs. The new agent
+// gives the node up as it stops, and the old one, which yielded it, takes
+// it back: it answers readiness on its port again, and enrolls a pod made
+// after the rollback. Before, the old agent stayed yielded for as long as
+// it ran: no pod of the node was enrolled, detached or repaired any more,
+// its readiness port stayed closed (the chart's liveness probe then
+// restarted it, and every connection it carried was lost), and under
+// STRICT the new pod's traffic went uncaptured.
+func TestUpgradeRolledBack(t *testing.T) {
+	ms, client, server, plain := meshed(t, strictMesh)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	n := old.Node
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	Eventually(t, 20*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:25021/healthz/ready"); return err })
+	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
+	next.WaitLog(t, "pod listeners taken over from the predecessor", time.Second)
+
+	// The rollback: the new agent goes, the old one stays.
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:15021/healthz/ready"); return err })
+	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
+		t.Fatalf("through the mesh after the rollback: %q, %v", out, err)
+	}
+
+	// A pod made after the rollback is enrolled by the old agent, and
+	// reaches the STRICT server through the mesh.
+	late := ms.topo.Nodes[0].AddPod("late")
+	m := &Manifest{}
+	m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+		Pod(client, "mesh", "client-sa", "app=client").
+		Pod(server, "mesh", "server-sa", "app=server").
+		Pod(plain, "plain", "default").
+		Pod(late, "mesh", "client-sa", "app=late").
+		Raw(strictMesh)
+	if err := m.Write(ms.manifest); err != nil {
+		t.Fatal(err)
+	}
+	Eventually(t, 10*time.Second, func() error {
+		out, err := Curl(late, URL(server.IPv4, 8080))
+		if err == nil && !strings.Contains(out, "server peer="+late.IPv4.String()) {
+			t.Errorf("answer %q", out)
+		}
+		return err
+	})
+	enrolled := false
+	for _, line := range strings.Split(old.Log(), "\n") {
+		enrolled = enrolled || strings.Contains(line, `msg="pod enrolled"`) && strings.Contains(line, " pod=mesh/late")
+	}
+	if !enrolled {
+		t.Error("the old agent did not log the late pod's enrollment")
+	}
+}
+
+// TestUpgradeRolledBackCNISocket: after a rollback the CNI socket at the
+// path is the old agent's again. The new agent renamed its own over the
+// old one's as it started, and removed it as it stopped: the old agent,
+// taking the node back, installs its socket there again. Before, the path
+// stayed empty for as long as the old agent ran, and every CNI ADD of an
+// ambient pod on the node failed as if no agent ran.
+func TestUpgradeRolledBackCNISocket(t *testing.T) {
+	tp := New(t, 1)
+	n := tp.Nodes[0]
+	pod := n.AddPod("web")
+	dir := t.TempDir()
+	manifest, ca := filepath.Join(dir, "cluster.yaml"), filepath.Join(dir, "ca")
+	if err := (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Pod(pod, "mesh", "web").Write(manifest); err != nil {
+		t.Fatal(err)
+	}
+	initCA(t, ca)
+	sockDir := filepath.Join(dir, "cni")
+	if err := os.Mkdir(sockDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(sockDir, "cni.sock")
+	old := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, Args: []string{"--cni-socket", sock}})
+	old.WaitLog(t, "pod enrolled", 10*time.Second)
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, CADir: ca, BPFRoot: old.BPFRoot,
+		Args: []string{"--cni-socket", sock, "--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
+	next.WaitLog(t, "CNI event server listening", 10*time.Second)
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	Eventually(t, 10*time.Second, func() error {
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			return err
+		}
+		return c.Close()
+	})
+	old.WaitLog(t, "CNI event socket installed again", time.Second)
+}
