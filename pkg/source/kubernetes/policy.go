@@ -83,42 +83,76 @@ type policyWatch struct {
 }
 
 // check starts the informers of the policy kinds the API server now serves in a version it
-// reads. It fails when discovery gives no answer, or a kind is served (or its CRD installed)
-// only in versions it cannot read; a kind that is not installed is not an error.
+// reads: look, then start. Run's first check calls it; later ones look on another goroutine.
 func (w *policyWatch) check(ctx context.Context) error {
-	servedIn, err := w.servedVersions()
+	versions, err := w.look(ctx, w.missingKinds())
 	if err != nil {
 		return err
 	}
+	w.start(ctx, versions)
+	return nil
+}
+
+// missingKinds are the resources of the kinds not watched yet.
+func (w *policyWatch) missingKinds() []string {
+	var out []string
 	for _, k := range w.kinds {
-		if k.informer != nil {
-			continue
+		if k.informer == nil {
+			out = append(out, k.resource)
 		}
-		versions := servedIn[k.resource]
-		if k.version = readable(versions); k.version != "" {
+	}
+	return out
+}
+
+// look asks the API server which version of each of resources to watch ("" for a kind not
+// installed). It fails when discovery gives no answer, or a kind is served (or its CRD
+// installed) only in versions the agent cannot read; a kind that is not installed is not an
+// error. It only reads the API server (and loggedNoCRDAccess), so it may run on another
+// goroutine than the model's, one look at a time: an API server slow to answer discovery
+// then holds back no snapshot (before, every pod change waited for the look-up, up to the
+// discovery client's 32 s a request, while a new pod's CNI ADD gives up after 20 s).
+func (w *policyWatch) look(ctx context.Context, resources []string) (map[string]string, error) {
+	servedIn, err := w.servedVersions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]string, len(resources))
+	for _, resource := range resources {
+		versions := servedIn[resource]
+		if v := readable(versions); v != "" {
+			out[resource] = v
 			continue
 		}
 		if len(versions) > 0 {
-			return fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
-				k.resource, istioSecurityGroup, versions, policyVersions)
+			return nil, fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				resource, istioSecurityGroup, versions, policyVersions)
 		}
-		crdVersions, err := w.crdServed(ctx, k.resource)
+		crdVersions, err := w.crdServed(ctx, resource)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		switch {
 		case readable(crdVersions) != "":
-			return fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", k.resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
+			return nil, fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
 		case len(crdVersions) > 0:
-			return fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
-				k.resource, istioSecurityGroup, crdVersions, policyVersions)
+			return nil, fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				resource, istioSecurityGroup, crdVersions, policyVersions)
 		}
+		out[resource] = ""
 	}
+	return out, nil
+}
+
+// start starts the informers of the kinds look found served (versions, by resource), on the
+// model's goroutine: decodeAll reads the kinds' informers there.
+func (w *policyWatch) start(ctx context.Context, versions map[string]string) {
 	var started []cache.InformerSynced
 	for _, k := range w.kinds {
+		version, looked := versions[k.resource]
 		switch {
-		case k.informer != nil:
-		case k.version != "":
+		case k.informer != nil || !looked:
+		case version != "":
+			k.version = version
 			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
 			k.informer = w.factory.ForResource(gvr).Informer()
 			if err := k.informer.SetTransform(trimPolicy); err != nil {
@@ -139,7 +173,7 @@ func (w *policyWatch) check(ctx context.Context) error {
 		}
 	}
 	if len(started) == 0 {
-		return nil
+		return
 	}
 	w.factory.Start(ctx.Done())
 	// Policies of a kind enter snapshots only once its informer synced (a partial list of
@@ -150,7 +184,6 @@ func (w *policyWatch) check(ctx context.Context) error {
 			w.notify()
 		}
 	}()
-	return nil
 }
 
 // readable is the first of policyVersions among versions, or "".
@@ -165,8 +198,8 @@ func readable(versions []string) string {
 
 // servedVersions lists, by resource, the versions of istioSecurityGroup that discovery serves
 // it in (every version of the group, so one the agent cannot read is seen too).
-func (w *policyWatch) servedVersions() (map[string][]string, error) {
-	groups, err := w.s.discovery.ServerGroups()
+func (w *policyWatch) servedVersions(ctx context.Context) (map[string][]string, error) {
+	groups, err := w.s.discovery.ServerGroupsWithContext(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("look up API groups: %w", err)
 	}
@@ -188,7 +221,7 @@ func (w *policyWatch) servedVersions() (map[string][]string, error) {
 	out := map[string][]string{}
 	for _, v := range versions {
 		gv := schema.GroupVersion{Group: istioSecurityGroup, Version: v}.String()
-		resources, err := w.s.discovery.ServerResourcesForGroupVersion(gv)
+		resources, err := w.s.discovery.ServerResourcesForGroupVersionWithContext(ctx, gv)
 		if apierrors.IsNotFound(err) {
 			continue
 		}

@@ -64,6 +64,7 @@ import (
 	"io"
 	"log/slog"
 	"slices"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -125,7 +126,7 @@ type Source struct {
 	client    kubernetes.Interface
 	dynamic   dynamic.Interface
 	metadata  metadata.Interface
-	discovery discovery.DiscoveryInterface
+	discovery *discovery.DiscoveryClient
 }
 
 var _ source.Source = (*Source)(nil)
@@ -202,9 +203,12 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	// status (conditions, images, tens of kB) is written every few
 	// minutes, and every agent would receive each write whole.
 	nodeFactory := metadatainformer.NewFilteredSharedInformerFactory(s.metadata, s.cfg.Resync, "", nil)
-	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
+	// Informer goroutines and policy look-ups end with ctx; Shutdown and looks wait for
+	// them, so cancel comes first.
+	var looks sync.WaitGroup
 	defer func() {
 		cancel()
+		looks.Wait()
 		factory.Shutdown()
 		dynFactory.Shutdown()
 		nodeFactory.Shutdown()
@@ -307,6 +311,15 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 
 	recheck := time.NewTicker(s.cfg.PolicyRecheck)
 	defer recheck.Stop()
+	// A policy look-up runs on its own goroutine, one at a time (looking), and hands what it
+	// found back here, where the informers are started: an API server slow to answer
+	// discovery must not hold back snapshots of pod changes.
+	type found struct {
+		versions map[string]string
+		err      error
+	}
+	looked := make(chan found, 1)
+	looking := false
 	due := source.NewDebouncer(debounce)
 	defer due.Stop()
 	for {
@@ -321,13 +334,25 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 				update(m.snapshot())
 			}
 		case <-recheck.C:
-			if !pw.missing() {
+			if looking || !pw.missing() {
 				continue
 			}
-			if err := pw.check(ctx); err != nil {
-				s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
-				s.log.Warn("Istio policy discovery failed", "err", err)
+			looking = true
+			kinds := pw.missingKinds()
+			looks.Go(func() {
+				v, err := pw.look(ctx, kinds)
+				looked <- found{v, err}
+			})
+		case f := <-looked:
+			looking = false
+			if f.err != nil {
+				if ctx.Err() == nil {
+					s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
+					s.log.Warn("Istio policy discovery failed", "err", f.err)
+				}
+				continue
 			}
+			pw.start(ctx, f.versions)
 		}
 	}
 }
