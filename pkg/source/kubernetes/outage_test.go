@@ -15,6 +15,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
@@ -317,7 +318,7 @@ func TestSlowPolicyDiscoveryHoldsNoSnapshotBack(t *testing.T) {
 
 	const slowFor = 15 * time.Second
 	p.slow("/apis/security.istio.io/", slowFor) // still slow when Run must return, at cleanup
-	time.Sleep(time.Second) // a look-up is under way
+	time.Sleep(time.Second)                     // a look-up is under way
 	start := time.Now()
 	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
 	w.waitFor(t, "the new pod", func(s source.Snapshot) bool {
@@ -326,4 +327,53 @@ func TestSlowPolicyDiscoveryHoldsNoSnapshotBack(t *testing.T) {
 	if took := time.Since(start); took > 5*time.Second {
 		t.Errorf("the new pod reached a snapshot after %v, held back by the slow policy discovery", took.Round(time.Millisecond))
 	}
+}
+
+// TestSourceDropsPoliciesOfDeletedCRD: Istio's CRDs are deleted (Istio uninstalled) while the
+// source is cut off from the API server, so it never sees its policies' deletions; once back,
+// its relists answer 404. Before, the informers retried for ever and the policies stayed in
+// force (a DENY kept denying). The kind is looked up again: its CRD gone, it has no policies.
+func TestSourceDropsPoliciesOfDeletedCRD(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", ambient)
+	createObject(t, dyn, authzGVR, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-all}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, authzGVR)
+	waitServed(t, c.Config, peerAuthGVR)
+
+	p := newOutageProxy(t, c)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), PolicyRecheck: 200 * time.Millisecond})
+	w.waitFor(t, "the DENY policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-all"))
+	})
+
+	p.setDown(true)
+	for _, name := range []string{"peerauthentications.security.istio.io", "authorizationpolicies.security.istio.io"} {
+		if err := dyn.Resource(crdGVR).Delete(t.Context(), name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(100 * time.Millisecond) {
+		_, err := dyn.Resource(crdGVR).Get(t.Context(), "authorizationpolicies.security.istio.io", metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("CRD not deleted after %v: %v", waitTimeout, err)
+		}
+	}
+	createNamespace(t, client, "after", ambient)
+	p.setDown(false)
+	w.waitFor(t, "the namespace made after the CRDs were deleted, without the DENY policy", func(s source.Snapshot) bool {
+		return slices.Contains(s.AmbientNamespaces, "after") &&
+			!slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-all"))
+	})
 }
