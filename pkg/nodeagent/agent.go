@@ -30,7 +30,8 @@ import (
 // Annotator writes the pod annotation that says whether the node's
 // dataplane redirects it (ambient.istio.io/redirection).
 type Annotator interface {
-	SetRedirection(ctx context.Context, namespace, name string, enabled bool) error
+	// SetRedirection annotates the pod of that name only if its UID is uid ("": any).
+	SetRedirection(ctx context.Context, namespace, name, uid string, enabled bool) error
 }
 
 // Claim says whether this agent still holds the node (maps.NodeClaim): a
@@ -446,7 +447,7 @@ func (a *Agent) converged(uid string) bool {
 // once it is detached (unless the pod is being deleted).
 func (a *Agent) annotateConverged(ctx context.Context, uid string, d desiredPod, want bool, res Result) {
 	if want && len(res.Errors) == 0 && !d.w.Redirected {
-		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, true); err != nil {
+		if err := a.cfg.Annotator.SetRedirection(ctx, d.w.Namespace, d.w.Name, d.w.UID, true); err != nil {
 			a.log.Error("annotate pod", "error", err)
 		}
 	}
@@ -456,7 +457,7 @@ func (a *Agent) annotateConverged(ctx context.Context, uid string, d desiredPod,
 		// Only the pod that left: a new pod of the same name (a
 		// StatefulSet's) keeps its annotation.
 		if w, ok := dir.Pod(ns, n); ok && w.Key() == uid && w.Redirected && !w.Terminating {
-			if err := a.cfg.Annotator.SetRedirection(ctx, ns, n, false); err != nil {
+			if err := a.cfg.Annotator.SetRedirection(ctx, ns, n, w.UID, false); err != nil {
 				a.log.Error("annotate pod", "error", err)
 			}
 		}
@@ -495,7 +496,7 @@ func (a *Agent) syncAnnotations(ctx context.Context, dir *workload.Directory) {
 		if want == w.Redirected || (!want && w.Terminating) {
 			continue
 		}
-		if err := a.cfg.Annotator.SetRedirection(ctx, w.Namespace, w.Name, want); err != nil {
+		if err := a.cfg.Annotator.SetRedirection(ctx, w.Namespace, w.Name, w.UID, want); err != nil {
 			a.log.Error("annotate pod", "error", err)
 		}
 	}
