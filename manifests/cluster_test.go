@@ -230,7 +230,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := annotator.SetRedirection(ctx, "apps", "web", true); err != nil {
+	if err := annotator.SetRedirection(ctx, "apps", "web", "", true); err != nil {
 		t.Errorf("annotate a pod as the agent: %v", err)
 	}
 
@@ -326,7 +326,7 @@ func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := annotator.SetRedirection(ctx, "apps", "web", true); err != nil {
+	if err := annotator.SetRedirection(ctx, "apps", "web", "", true); err != nil {
 		t.Errorf("annotate a pod as the agent: %v", err)
 	}
 	agentClient, err := kubernetes.NewForConfig(asAgent)

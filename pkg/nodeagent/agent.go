@@ -30,7 +30,8 @@ import (
 // Annotator writes the pod annotation that says whether the node's
 // dataplane redirects it (ambient.istio.io/redirection).
 type Annotator interface {
-	SetRedirection(ctx context.Context, namespace, name string, enabled bool) error
+	// SetRedirection annotates the pod of that name only if its UID is uid ("": any).
+	SetRedirection(ctx context.Context, namespace, name, uid string, enabled bool) error
 }
 
 // Claim says whether this agent still holds the node (maps.Claim): a
@@ -501,7 +502,7 @@ func (a *Agent) converged(uid string) bool {
 // once it is detached (unless the pod is being deleted).
 func (a *Agent) annotateConverged(uid string, d desiredPod, want bool, res Result) {
 	if want && len(res.Errors) == 0 && !d.w.Redirected {
-		a.annots.set(annotation{d.w.Namespace, d.w.Name, true})
+		a.annots.set(annotation{d.w.Namespace, d.w.Name, d.w.UID, true})
 	}
 	dir := a.cfg.Tunnel.State().Dir
 	for _, name := range res.Detached {
@@ -509,7 +510,7 @@ func (a *Agent) annotateConverged(uid string, d desiredPod, want bool, res Resul
 		// Only the pod that left: a new pod of the same name (a
 		// StatefulSet's) keeps its annotation.
 		if w, ok := dir.Pod(ns, n); ok && w.Key() == uid && w.Redirected && !w.Terminating {
-			a.annots.set(annotation{ns, n, false})
+			a.annots.set(annotation{ns, n, w.UID, false})
 		}
 	}
 }
@@ -547,7 +548,7 @@ func (a *Agent) syncAnnotations(dir *workload.Directory) {
 		if want == w.Redirected || (!want && w.Terminating) {
 			continue
 		}
-		writes = append(writes, annotation{w.Namespace, w.Name, want})
+		writes = append(writes, annotation{w.Namespace, w.Name, w.UID, want})
 	}
 	a.annots.set(writes...)
 }

@@ -129,7 +129,7 @@ func TestCNIAddNewSandboxWhileAPIHasOldAddress(t *testing.T) {
 // recAnn records the annotation changes asked for.
 type recAnn struct{ calls []string }
 
-func (r *recAnn) SetRedirection(_ context.Context, ns, name string, enabled bool) error {
+func (r *recAnn) SetRedirection(_ context.Context, ns, name, _ string, enabled bool) error {
 	r.calls = append(r.calls, ns+"/"+name+map[bool]string{true: "=enabled", false: "=removed"}[enabled])
 	return nil
 }

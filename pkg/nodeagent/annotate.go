@@ -19,9 +19,11 @@ type annotations struct {
 	kick chan struct{}
 }
 
+// annotation is one write: uid names the pod it is meant for, so a write
+// that waited is not made on a new pod of the same name.
 type annotation struct {
-	namespace, name string
-	enabled         bool
+	namespace, name, uid string
+	enabled              bool
 }
 
 func newAnnotations() *annotations {
@@ -80,7 +82,7 @@ func (a *Agent) writeAnnotations(ctx context.Context) {
 			return
 		}
 		wctx, cancel := context.WithTimeout(ctx, annotationTimeout)
-		err := a.cfg.Annotator.SetRedirection(wctx, an.namespace, an.name, an.enabled)
+		err := a.cfg.Annotator.SetRedirection(wctx, an.namespace, an.name, an.uid, an.enabled)
 		cancel()
 		if err != nil {
 			a.log.Error("annotate pod", "error", err)

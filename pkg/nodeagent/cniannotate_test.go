@@ -19,7 +19,7 @@ import (
 // context.
 type hungAnnotator struct{ calls atomic.Int64 }
 
-func (h *hungAnnotator) SetRedirection(ctx context.Context, _, _ string, _ bool) error {
+func (h *hungAnnotator) SetRedirection(ctx context.Context, _, _, _ string, _ bool) error {
 	h.calls.Add(1)
 	<-ctx.Done()
 	return ctx.Err()

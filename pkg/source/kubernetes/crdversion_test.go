@@ -7,6 +7,9 @@ import (
 	"testing"
 	"time"
 
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
@@ -154,4 +157,73 @@ spec: {action: DENY, rules: [{}]}
 	if ap.Annotations[policy.DryRunAnnotation] != "true" || ap.Labels["team"] != "shop" || ap.Spec.Action != policy.ActionDeny || ap.UID == "" || ap.CreationTimestamp.IsZero() {
 		t.Errorf("trimmed too much: %+v", ap)
 	}
+}
+
+// serveOnly makes the stand-in Istio CRDs serve (and store) only version, keeping the
+// version they served before as a version not served, as an operator does once every object
+// is read in the new one.
+func serveOnly(t *testing.T, dyn dynamic.Interface, version string) {
+	t.Helper()
+	for _, name := range []string{"peerauthentications.security.istio.io", "authorizationpolicies.security.istio.io"} {
+		crd, err := dyn.Resource(crdGVR).Get(t.Context(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+		old := versions[0].(map[string]any)
+		next := runtime.DeepCopyJSONValue(old).(map[string]any)
+		next["name"], next["served"], next["storage"] = version, true, true
+		old["served"], old["storage"] = false, false
+		if err := unstructured.SetNestedSlice(crd.Object, []any{next, old}, "spec", "versions"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := dyn.Resource(crdGVR).Update(t.Context(), crd, metav1.UpdateOptions{}); err != nil {
+			t.Fatalf("update CRD %s: %v", name, err)
+		}
+	}
+}
+
+// TestSourceFollowsPolicyVersionChange: an agent started while the Istio CRDs served only
+// v1beta1 watches v1beta1. Istio upgraded serves v1, and once v1beta1 is no longer served
+// the agent's lists of v1beta1 answer 404. Before, its informers retried v1beta1 for ever:
+// a policy created since (a DENY, a STRICT) never reached a snapshot, and one deleted stayed
+// in force, with only a list error counted. The kind is looked up again and watched in v1.
+func TestSourceFollowsPolicyVersionChange(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDsServing(t, dyn, "v1beta1")
+	createNamespace(t, client, "shop", ambient)
+	azV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "authorizationpolicies"}
+	createObject(t, dyn, azV1beta1, `
+apiVersion: security.istio.io/v1beta1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-old}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, azV1beta1)
+	waitServed(t, c.Config, schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "peerauthentications"})
+
+	w := runSource(t, c.Config)
+	w.waitFor(t, "the v1beta1 DENY policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-old"))
+	})
+
+	serveOnly(t, dyn, "v1")
+	waitServed(t, c.Config, authzGVR)
+	waitServed(t, c.Config, peerAuthGVR)
+	createObject(t, dyn, peerAuthGVR, `
+apiVersion: security.istio.io/v1
+kind: PeerAuthentication
+metadata: {namespace: shop, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+	if err := dyn.Resource(authzGVR).Namespace("shop").Delete(t.Context(), "deny-old", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	w.waitFor(t, "the STRICT PeerAuthentication created in v1, without the deleted DENY", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict")) &&
+			!slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-old"))
+	})
 }

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
@@ -33,12 +34,14 @@ type outageProxy struct {
 	srv   *httptest.Server
 	proxy *httputil.ReverseProxy
 
-	mu     sync.Mutex
-	down   bool
-	spared string          // while down, paths with this prefix still pass ("": none)
-	hidden string          // this exact path answers 404 ("": none)
-	gen    context.Context // cancelled when the proxy goes down: cuts open streams
-	cut    context.CancelFunc
+	mu      sync.Mutex
+	down    bool
+	spared  string // while down, paths with this prefix still pass ("": none)
+	hidden  string // this exact path answers 404 ("": none)
+	slowed  string // requests for paths with this prefix wait slowFor first ("": none)
+	slowFor time.Duration
+	gen     context.Context // cancelled when the proxy goes down: cuts open streams
+	cut     context.CancelFunc
 }
 
 func newOutageProxy(t *testing.T, c *kubetest.Cluster) *outageProxy {
@@ -67,7 +70,15 @@ func newOutageProxy(t *testing.T, c *kubetest.Cluster) *outageProxy {
 func (p *outageProxy) serve(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	down, spared, hidden, gen := p.down, p.spared, p.hidden, p.gen
+	slowed, slowFor := p.slowed, p.slowFor
 	p.mu.Unlock()
+	if slowed != "" && strings.HasPrefix(r.URL.Path, slowed) {
+		select {
+		case <-time.After(slowFor):
+		case <-r.Context().Done():
+			return
+		}
+	}
 	if hidden != "" && r.URL.Path == hidden {
 		http.Error(w, `{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404}`, http.StatusNotFound)
 		return
@@ -101,6 +112,14 @@ func (p *outageProxy) hide(path string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.hidden = path
+}
+
+// slow makes requests for paths under prefix wait d before they are served ("" to stop), as
+// an API server under load answers them.
+func (p *outageProxy) slow(prefix string, d time.Duration) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.slowed, p.slowFor = prefix, d
 }
 
 // config reaches the API server through the proxy.
@@ -279,4 +298,82 @@ spec: {mtls: {mode: STRICT}}
 	if !slices.ContainsFunc(first.PeerAuthentications, named[policy.PeerAuthentication]("shop", "strict")) {
 		t.Fatalf("first snapshot lacks the PeerAuthentication: %+v", first.PeerAuthentications)
 	}
+}
+
+// TestSlowPolicyDiscoveryHoldsNoSnapshotBack: in a cluster without Istio's CRDs the source
+// looks for them every PolicyRecheck. An API server slow to answer that discovery (under
+// load, discovery waits its turn as any request) must not hold back snapshots of pod
+// changes: a new pod's CNI ADD waits for the pod to reach a snapshot, and fails after 20 s.
+// Before, the look-up ran on the goroutine that makes snapshots, so every change waited for
+// it, up to the discovery client's 32 s timeout per request. Run still returns at once when
+// cancelled during a look-up.
+func TestSlowPolicyDiscoveryHoldsNoSnapshotBack(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	createNamespace(t, client, "shop", ambient)
+	p := newOutageProxy(t, c)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), PolicyRecheck: 100 * time.Millisecond})
+	w.waitFor(t, "the ambient namespace", func(s source.Snapshot) bool { return slices.Contains(s.AmbientNamespaces, "shop") })
+
+	const slowFor = 15 * time.Second
+	p.slow("/apis/security.istio.io/", slowFor) // still slow when Run must return, at cleanup
+	time.Sleep(time.Second)                     // a look-up is under way
+	start := time.Now()
+	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
+	w.waitFor(t, "the new pod", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.Workloads, withIP("shop", "web", "10.244.1.5"))
+	})
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the new pod reached a snapshot after %v, held back by the slow policy discovery", took.Round(time.Millisecond))
+	}
+}
+
+// TestSourceDropsPoliciesOfDeletedCRD: Istio's CRDs are deleted (Istio uninstalled) while the
+// source is cut off from the API server, so it never sees its policies' deletions; once back,
+// its relists answer 404. Before, the informers retried for ever and the policies stayed in
+// force (a DENY kept denying). The kind is looked up again: its CRD gone, it has no policies.
+func TestSourceDropsPoliciesOfDeletedCRD(t *testing.T) {
+	t.Parallel()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	installCRDs(t, dyn)
+	createNamespace(t, client, "shop", ambient)
+	createObject(t, dyn, authzGVR, `
+apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {namespace: shop, name: deny-all}
+spec: {action: DENY, rules: [{}]}
+`)
+	waitServed(t, c.Config, authzGVR)
+	waitServed(t, c.Config, peerAuthGVR)
+
+	p := newOutageProxy(t, c)
+	w := runSourceWith(t, kubernetes.Config{RestConfig: p.config(), PolicyRecheck: 200 * time.Millisecond})
+	w.waitFor(t, "the DENY policy", func(s source.Snapshot) bool {
+		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-all"))
+	})
+
+	p.setDown(true)
+	for _, name := range []string{"peerauthentications.security.istio.io", "authorizationpolicies.security.istio.io"} {
+		if err := dyn.Resource(crdGVR).Delete(t.Context(), name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(100 * time.Millisecond) {
+		_, err := dyn.Resource(crdGVR).Get(t.Context(), "authorizationpolicies.security.istio.io", metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("CRD not deleted after %v: %v", waitTimeout, err)
+		}
+	}
+	createNamespace(t, client, "after", ambient)
+	p.setDown(false)
+	w.waitFor(t, "the namespace made after the CRDs were deleted, without the DENY policy", func(s source.Snapshot) bool {
+		return slices.Contains(s.AmbientNamespaces, "after") &&
+			!slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-all"))
+	})
 }

@@ -1,10 +1,13 @@
 package kubernetes
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"slices"
+	"sync"
+	"sync/atomic"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -41,10 +44,17 @@ type policyKind struct {
 
 	informer      cache.SharedIndexInformer // nil while the CRD is missing
 	version       string                    // the version the informer watches
+	stop          context.CancelFunc        // stops the informer
 	loggedMissing bool
+	// gone is set when the API server answers 404 for the version watched: the CRD was
+	// deleted, or no longer serves that version. The kind is then looked up again.
+	gone atomic.Bool
 	// lastGood is the last version of each object (by UID) that converted; only the model
 	// (the Run goroutine) reads and writes it.
 	lastGood map[types.UID]*goodVersion
+	// held is what decodeAll returned last ([]*T): the policies of the kind while an informer
+	// of its new version lists.
+	held any
 }
 
 // goodVersion is an object's last version that converted: its resourceVersion and the
@@ -58,7 +68,13 @@ type goodVersion struct {
 
 // policyWatch starts the policy informers when (and if) their CRDs appear. The agent must run
 // in clusters without Istio's CRDs, so a missing CRD is not an error: it is looked up again
-// every Config.PolicyRecheck. A CRD removed later is not noticed; its informer keeps retrying.
+// every Config.PolicyRecheck. A kind whose version the API server stops serving (404: its CRD
+// deleted, or serving the kind in another version only) is looked up again the same way: a
+// kind served in another version it reads is watched there (its policies as they were until
+// the new list is in), a kind whose CRD is gone has no policies left, and a kind that cannot
+// be told (discovery fails, the CRD serves no version the agent reads, or the agent may not
+// read CRDs) keeps its last policies. Before, the informer retried its version for ever: a
+// policy made since never applied and one deleted stayed in force.
 //
 // A kind is watched in the first of policyVersions that discovery lists it in. A kind that
 // discovery lists only in other versions (a CRD serving only a version this agent cannot
@@ -74,63 +90,136 @@ type goodVersion struct {
 // (or a CRD serving no version) counts as "not installed". Without RBAC to read the CRD (an
 // older chart) discovery alone decides, as before.
 type policyWatch struct {
-	s       *Source
-	factory dynamicinformer.DynamicSharedInformerFactory
-	kinds   []*policyKind
-	notify  func()
+	s      *Source
+	kinds  []*policyKind
+	notify func()
+	runs   sync.WaitGroup // the informers' goroutines
 
 	loggedNoCRDAccess bool
 }
 
 // check starts the informers of the policy kinds the API server now serves in a version it
-// reads. It fails when discovery gives no answer, or a kind is served (or its CRD installed)
-// only in versions it cannot read; a kind that is not installed is not an error.
+// reads: look, then start. Run's first check calls it; later ones look on another goroutine.
 func (w *policyWatch) check(ctx context.Context) error {
-	servedIn, err := w.servedVersions()
+	versions, err := w.look(ctx, w.missingKinds())
 	if err != nil {
 		return err
 	}
+	w.start(ctx, versions)
+	return nil
+}
+
+// missingKinds are the resources of the kinds not watched yet, or no longer served.
+func (w *policyWatch) missingKinds() []string {
+	var out []string
 	for _, k := range w.kinds {
-		if k.informer != nil {
-			continue
+		if k.informer == nil || k.gone.Load() {
+			out = append(out, k.resource)
 		}
-		versions := servedIn[k.resource]
-		if k.version = readable(versions); k.version != "" {
+	}
+	return out
+}
+
+// found is what look found of a kind: the version to watch, else whether its CRD is known
+// to be absent (404), not only unlisted by discovery (the agent may not read CRDs).
+type found struct {
+	version string
+	absent  bool
+}
+
+// look asks the API server which version of each of resources to watch. It fails when
+// discovery gives no answer, or a kind is served (or its CRD installed) only in versions the
+// agent cannot read; a kind that is not installed is not an error. It only reads the API
+// server (and loggedNoCRDAccess), so it may run on another goroutine than the model's, one
+// look at a time: an API server slow to answer discovery then holds back no snapshot (before,
+// every pod change waited for the look-up, up to the discovery client's 32 s a request, while
+// a new pod's CNI ADD gives up after 20 s).
+func (w *policyWatch) look(ctx context.Context, resources []string) (map[string]found, error) {
+	servedIn, err := w.servedVersions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]found, len(resources))
+	for _, resource := range resources {
+		versions := servedIn[resource]
+		if v := readable(versions); v != "" {
+			out[resource] = found{version: v}
 			continue
 		}
 		if len(versions) > 0 {
-			return fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
-				k.resource, istioSecurityGroup, versions, policyVersions)
+			return nil, fmt.Errorf("%s.%s is served only in %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				resource, istioSecurityGroup, versions, policyVersions)
 		}
-		crdVersions, err := w.crdServed(ctx, k.resource)
+		crdVersions, absent, err := w.crdServed(ctx, resource)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		switch {
 		case readable(crdVersions) != "":
-			return fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", k.resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
+			return nil, fmt.Errorf("CRD %s.%s is installed but %s/%s is not served yet", resource, istioSecurityGroup, istioSecurityGroup, readable(crdVersions))
 		case len(crdVersions) > 0:
-			return fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
-				k.resource, istioSecurityGroup, crdVersions, policyVersions)
+			return nil, fmt.Errorf("CRD %s.%s serves only %v; this agent reads %v: no snapshot until one of those is served, since its policies would be dropped",
+				resource, istioSecurityGroup, crdVersions, policyVersions)
 		}
+		out[resource] = found{absent: absent}
 	}
+	return out, nil
+}
+
+// start starts the informers of the kinds look found served (by resource), on the model's
+// goroutine: decodeAll reads the kinds' informers there. A kind watched in a version no
+// longer served (gone) moves to the version found, or, when its CRD is absent, is dropped.
+func (w *policyWatch) start(ctx context.Context, kinds map[string]found) {
 	var started []cache.InformerSynced
 	for _, k := range w.kinds {
+		f, looked := kinds[k.resource]
+		if !looked {
+			continue
+		}
+		if k.informer != nil {
+			switch {
+			case !k.gone.Load():
+				continue
+			case f.version == k.version, f.version == "" && !f.absent:
+				// Still served (the 404 passed), or cannot be told: the informer keeps
+				// retrying and its policies stay.
+				k.gone.Store(false)
+				continue
+			}
+			w.s.log.Warn("Istio policy version no longer served; watching the kind again",
+				"resource", k.resource, "was", k.version, "now", cmp.Or(f.version, "CRD not installed"))
+			k.stop()
+			k.informer, k.version, k.stop = nil, "", nil
+			k.gone.Store(false)
+			if f.version == "" {
+				k.lastGood, k.held = nil, nil
+				w.notify()
+			}
+		}
 		switch {
-		case k.informer != nil:
-		case k.version != "":
+		case f.version != "":
+			k.version = f.version
 			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
-			k.informer = w.factory.ForResource(gvr).Informer()
+			k.informer = dynamicinformer.NewFilteredDynamicInformer(w.s.dynamic, gvr, metav1.NamespaceAll, w.s.cfg.Resync,
+				cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
 			if err := k.informer.SetTransform(trimPolicy); err != nil {
 				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
 			}
 			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
 				w.s.log.Warn("add event handler", "resource", k.resource, "err", err)
 			}
-			if err := k.informer.SetWatchErrorHandlerWithContext(w.s.watchError); err != nil {
+			if err := k.informer.SetWatchErrorHandlerWithContext(func(ctx context.Context, r *cache.Reflector, err error) {
+				w.s.watchError(ctx, r, err)
+				if apierrors.IsNotFound(err) {
+					k.gone.Store(true)
+				}
+			}); err != nil {
 				w.s.log.Warn("set watch error handler", "resource", k.resource, "err", err)
 			}
 			w.s.log.Info("watching Istio policies", "resource", k.resource, "version", gvr.GroupVersion().String())
+			var kctx context.Context
+			kctx, k.stop = context.WithCancel(ctx)
+			w.runs.Go(func() { k.informer.RunWithContext(kctx) })
 			started = append(started, k.informer.HasSynced)
 		case !k.loggedMissing:
 			w.s.log.Info("Istio policy CRD not installed; checking again periodically",
@@ -139,19 +228,20 @@ func (w *policyWatch) check(ctx context.Context) error {
 		}
 	}
 	if len(started) == 0 {
-		return nil
+		return
 	}
-	w.factory.Start(ctx.Done())
 	// Policies of a kind enter snapshots only once its informer synced (a partial list of
 	// ALLOW/DENY policies would be wrong, not just stale); snapshot on that moment even if
 	// the list was empty and fired no event.
-	go func() {
+	w.runs.Go(func() {
 		if cache.WaitForCacheSync(ctx.Done(), started...) {
 			w.notify()
 		}
-	}()
-	return nil
+	})
 }
+
+// wait waits for the informers' goroutines, which end with the context start was given.
+func (w *policyWatch) wait() { w.runs.Wait() }
 
 // readable is the first of policyVersions among versions, or "".
 func readable(versions []string) string {
@@ -165,8 +255,8 @@ func readable(versions []string) string {
 
 // servedVersions lists, by resource, the versions of istioSecurityGroup that discovery serves
 // it in (every version of the group, so one the agent cannot read is seen too).
-func (w *policyWatch) servedVersions() (map[string][]string, error) {
-	groups, err := w.s.discovery.ServerGroups()
+func (w *policyWatch) servedVersions(ctx context.Context) (map[string][]string, error) {
+	groups, err := w.s.discovery.ServerGroupsWithContext(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("look up API groups: %w", err)
 	}
@@ -188,7 +278,7 @@ func (w *policyWatch) servedVersions() (map[string][]string, error) {
 	out := map[string][]string{}
 	for _, v := range versions {
 		gv := schema.GroupVersion{Group: istioSecurityGroup, Version: v}.String()
-		resources, err := w.s.discovery.ServerResourcesForGroupVersion(gv)
+		resources, err := w.s.discovery.ServerResourcesForGroupVersionWithContext(ctx, gv)
 		if apierrors.IsNotFound(err) {
 			continue
 		}
@@ -241,36 +331,37 @@ func trimPolicy(obj any) (any, error) {
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
 // crdServed returns the versions the CRD of resource serves, though discovery lists none of
-// them. Not found: none. Forbidden (no RBAC for CRDs): none, logged once.
-func (w *policyWatch) crdServed(ctx context.Context, resource string) ([]string, error) {
+// them. Not found: none, absent. Forbidden (no RBAC for CRDs): none, not known absent,
+// logged once.
+func (w *policyWatch) crdServed(ctx context.Context, resource string) (served []string, absent bool, err error) {
 	name := resource + "." + istioSecurityGroup
 	crd, err := w.s.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
-		return nil, nil
+		return nil, true, nil
 	case apierrors.IsForbidden(err):
 		if !w.loggedNoCRDAccess {
 			w.s.log.Warn("cannot read CustomResourceDefinitions (RBAC); trusting discovery alone for Istio policy kinds", "crd", name, "err", err)
 			w.loggedNoCRDAccess = true
 		}
-		return nil, nil
+		return nil, false, nil
 	case err != nil:
-		return nil, fmt.Errorf("look up CRD %s: %w", name, err)
+		return nil, false, fmt.Errorf("look up CRD %s: %w", name, err)
 	}
 	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
-	var served []string
 	for _, v := range versions {
 		m, ok := v.(map[string]any)
 		if name, isName := m["name"].(string); ok && isName && m["served"] == true {
 			served = append(served, name)
 		}
 	}
-	return served, nil
+	return served, len(served) == 0, nil
 }
 
-// missing reports whether a policy kind waits for its CRD.
+// missing reports whether a policy kind waits for its CRD, or for its version to be looked
+// up again.
 func (w *policyWatch) missing() bool {
-	return slices.ContainsFunc(w.kinds, func(k *policyKind) bool { return k.informer == nil })
+	return slices.ContainsFunc(w.kinds, func(k *policyKind) bool { return k.informer == nil || k.gone.Load() })
 }
 
 // synced reports whether every started policy informer has synced.
@@ -310,14 +401,16 @@ func (w *policyWatch) handler(k *policyKind) cache.ResourceEventHandlerFuncs {
 	}
 }
 
-// decodeAll converts the cached objects of k to T (see decodeObjects). Nothing is returned
-// before the informer has synced.
+// decodeAll converts the cached objects of k to T (see decodeObjects). Before the informer
+// has synced it returns what it returned last: nothing for a kind watched for the first time,
+// the policies of the version watched before for a kind that moved to another.
 func decodeAll[T any](k *policyKind) []*T {
 	if k.informer == nil || !k.informer.HasSynced() {
-		return nil
+		held, _ := k.held.([]*T) // an informer of a new version lists: the old one's policies
+		return held
 	}
 	out, next := decodeObjects[T](k.informer.GetStore().List(), k.lastGood, k.failClosed)
-	k.lastGood = next
+	k.lastGood, k.held = next, out
 	return out
 }
 

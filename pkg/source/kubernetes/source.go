@@ -41,8 +41,10 @@
 // # Never fail open
 //
 // Snapshots are read from the informers' caches, which only a complete list replaces: a list
-// or watch that fails (API server unreachable, 5xx, 403 after an RBAC change, a CRD deleted)
-// leaves the cache as it was, and the informer retries with backoff. So through an outage
+// or watch that fails (API server unreachable, 5xx, 403 after an RBAC change) leaves the
+// cache as it was, and the informer retries with backoff. A policy kind whose version answers
+// 404 (its CRD deleted, or no longer serving that version) is looked up again: see
+// policyWatch. So through an outage
 // every snapshot is the last good state, never a partial or empty one. No snapshot is
 // delivered before every informer has synced once (an API server unreachable at start means
 // no snapshot, and the agent stays unready); policies of a kind enter snapshots only once
@@ -64,6 +66,7 @@ import (
 	"io"
 	"log/slog"
 	"slices"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -74,7 +77,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/metadata"
@@ -125,7 +127,7 @@ type Source struct {
 	client    kubernetes.Interface
 	dynamic   dynamic.Interface
 	metadata  metadata.Interface
-	discovery discovery.DiscoveryInterface
+	discovery *discovery.DiscoveryClient
 }
 
 var _ source.Source = (*Source)(nil)
@@ -193,7 +195,6 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 
 	factory := informers.NewSharedInformerFactoryWithOptions(s.client, s.cfg.Resync,
 		informers.WithTransform(trim))
-	dynFactory := dynamicinformer.NewDynamicSharedInformerFactory(s.dynamic, s.cfg.Resync)
 	// Nodes only give pods their locality, a preference among a Service's
 	// endpoints: snapshots do not wait for their list, so an API server
 	// that refuses it (a ClusterRole without nodes) costs the preference,
@@ -202,11 +203,15 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 	// status (conditions, images, tens of kB) is written every few
 	// minutes, and every agent would receive each write whole.
 	nodeFactory := metadatainformer.NewFilteredSharedInformerFactory(s.metadata, s.cfg.Resync, "", nil)
-	// Informer goroutines end with ctx; Shutdown waits for them, so cancel comes first.
+	// Informer goroutines and policy look-ups end with ctx; Shutdown and looks wait for
+	// them, so cancel comes first.
+	var looks sync.WaitGroup
+	pw := &policyWatch{s: s, notify: todo.markPolicies}
 	defer func() {
 		cancel()
+		looks.Wait()
+		pw.wait()
 		factory.Shutdown()
-		dynFactory.Shutdown()
 		nodeFactory.Shutdown()
 	}()
 
@@ -258,7 +263,7 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 
 	// The first snapshot must not lack policies only because the API server did not answer
 	// discovery yet (that would drop DENY policies until the next check): retry until it does.
-	pw := &policyWatch{s: s, factory: dynFactory, kinds: []*policyKind{inf.peerAuthn, inf.authz}, notify: todo.markPolicies}
+	pw.kinds = []*policyKind{inf.peerAuthn, inf.authz}
 	for {
 		err := pw.check(ctx)
 		if err == nil {
@@ -307,6 +312,15 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 
 	recheck := time.NewTicker(s.cfg.PolicyRecheck)
 	defer recheck.Stop()
+	// A policy look-up runs on its own goroutine, one at a time (looking), and hands what it
+	// found back here, where the informers are started: an API server slow to answer
+	// discovery must not hold back snapshots of pod changes.
+	type lookResult struct {
+		kinds map[string]found
+		err   error
+	}
+	looked := make(chan lookResult, 1)
+	looking := false
 	due := source.NewDebouncer(debounce)
 	defer due.Stop()
 	for {
@@ -321,13 +335,25 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 				update(m.snapshot())
 			}
 		case <-recheck.C:
-			if !pw.missing() {
+			if looking || !pw.missing() {
 				continue
 			}
-			if err := pw.check(ctx); err != nil {
-				s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
-				s.log.Warn("Istio policy discovery failed", "err", err)
+			looking = true
+			kinds := pw.missingKinds()
+			looks.Go(func() {
+				v, err := pw.look(ctx, kinds)
+				looked <- lookResult{v, err}
+			})
+		case r := <-looked:
+			looking = false
+			if r.err != nil {
+				if ctx.Err() == nil {
+					s.cfg.Metrics.Error("kubernetes", source.ReasonDiscovery)
+					s.log.Warn("Istio policy discovery failed", "err", r.err)
+				}
+				continue
 			}
+			pw.start(ctx, r.kinds)
 		}
 	}
 }

@@ -207,21 +207,47 @@ func TestSource(t *testing.T) {
 			}
 		}
 
-		if err := a.SetRedirection(ctx, "apps", "web", true); err != nil {
+		web, err := client.CoreV1().Pods("apps").Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		uid := string(web.UID)
+		if err := a.SetRedirection(ctx, "apps", "web", uid, true); err != nil {
 			t.Fatal(err)
 		}
 		w.waitFor(t, "annotation enabled on web", redirected(true))
-		if err := a.SetRedirection(ctx, "apps", "web", false); err != nil {
+		if err := a.SetRedirection(ctx, "apps", "web", uid, false); err != nil {
 			t.Fatal(err)
 		}
 		w.waitFor(t, "annotation gone from web", redirected(false))
 
-		if err := a.SetRedirection(ctx, "apps", "gone", false); err != nil {
+		if err := a.SetRedirection(ctx, "apps", "gone", "", false); err != nil {
 			t.Errorf("unannotate a missing pod: %v, want success", err)
 		}
-		err = a.SetRedirection(ctx, "apps", "gone", true)
+		err = a.SetRedirection(ctx, "apps", "gone", "", true)
 		if !apierrors.IsNotFound(err) || !strings.Contains(err.Error(), "apps/gone") {
 			t.Errorf("annotate a missing pod: %v, want a not-found error naming apps/gone", err)
+		}
+
+		// A pod of the same name with another UID (a StatefulSet's, recreated before the
+		// agent saw it) is not the one meant: not annotated for it, nor unannotated.
+		const replaced = "00000000-0000-0000-0000-000000000001"
+		err = a.SetRedirection(ctx, "apps", "web", replaced, true)
+		if err == nil || !strings.Contains(err.Error(), "replaced") {
+			t.Errorf("annotate web for another pod's UID: %v, want an error saying it was replaced", err)
+		}
+		if err := a.SetRedirection(ctx, "apps", "web", uid, true); err != nil {
+			t.Fatal(err)
+		}
+		if err := a.SetRedirection(ctx, "apps", "web", replaced, false); err != nil {
+			t.Errorf("unannotate a replaced pod: %v, want success", err)
+		}
+		got, err := client.CoreV1().Pods("apps").Get(ctx, "web", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := got.Annotations[kubernetes.RedirectionAnnotation]; v != "enabled" {
+			t.Errorf("web's annotation %q after a removal meant for another UID, want enabled", v)
 		}
 	})
 

@@ -9,11 +9,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	nodev1 "k8s.io/api/node/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
@@ -101,10 +103,7 @@ func (w *Watcher) Run(ctx context.Context, update func(State)) error {
 		if _, err := inf.AddEventHandler(handler); err != nil {
 			return fmt.Errorf("add event handler: %w", err)
 		}
-		if err := inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-			w.metrics.Error("nodepods", source.ReasonListWatch)
-			w.log.Warn("list/watch failed; keeping the last state", "error", err)
-		}); err != nil {
+		if err := inf.SetWatchErrorHandlerWithContext(w.watchError); err != nil {
 			return fmt.Errorf("set watch error handler: %w", err)
 		}
 	}
@@ -157,6 +156,20 @@ func (w *Watcher) Run(ctx context.Context, update func(State)) error {
 			}
 		}
 	}
+}
+
+// watchError is every informer's WatchErrorHandler: a list or watch failed, and the informer
+// retries with backoff, its cache unchanged. A watch that merely ended (EOF) or expired (410,
+// answered with a relist) is not an error, as in the Kubernetes source; the log names the
+// informer (before, neither: a relist was counted as a failure, and a refused watch did not
+// say of what).
+func (w *Watcher) watchError(ctx context.Context, r *cache.Reflector, err error) {
+	cache.DefaultWatchErrorHandler(ctx, r, err)
+	if errors.Is(err, io.EOF) || apierrors.IsResourceExpired(err) || apierrors.IsGone(err) {
+		return
+	}
+	w.metrics.Error("nodepods", source.ReasonListWatch)
+	w.log.Warn("list or watch failed; keeping the last state until it recovers", "informer", r.TypeDescription(), "error", err)
 }
 
 // trim is the informers' transform: pods and namespaces enter the caches
