@@ -284,6 +284,7 @@ func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
 	}
 	a.mu.Lock()
 	a.yielded = false
+	a.annots.resume()
 	a.mu.Unlock()
 	a.log.Warn("the newer agent gave the node up with none after it (an upgrade rolled back?): this agent holds it again, enrolling and repairing its pods")
 	return true
@@ -296,6 +297,7 @@ func (a *Agent) yield() bool {
 	defer a.mu.Unlock()
 	first := !a.yielded
 	a.yielded = true
+	a.annots.handOver() // the newer agent annotates the pods now
 	return first
 }
 
