@@ -87,6 +87,10 @@ type Agent struct {
 	queue workqueue.TypedRateLimitingInterface[string]
 	// workers are the goroutines converging queued pods.
 	workers sync.WaitGroup
+	// claimMu serialises checkClaim's hand-overs: a yield (OnYield, made
+	// by whichever worker or loop saw the claim first) and a take-back
+	// (OnReclaim, by the main loop) one after the other, never interleaved.
+	claimMu sync.Mutex
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -259,6 +263,11 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
 	if a.cfg.Claim == nil || a.cfg.Claim.Held() {
 		return false
+	}
+	a.claimMu.Lock()
+	defer a.claimMu.Unlock()
+	if a.cfg.Claim.Held() {
+		return false // taken back while this one waited
 	}
 	if a.yield() {
 		if a.cfg.OnYield != nil {

@@ -2,8 +2,10 @@ package nodeagent
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -124,4 +126,56 @@ type cutAnn struct {
 func (c cutAnn) SetRedirection(ctx context.Context, ns, name, uid string, enabled bool) error {
 	c.cancel()
 	return c.next.SetRedirection(ctx, ns, name, uid, enabled)
+}
+
+// givenUpClaim is a node a newer agent claimed and, already, gave up:
+// not held, and taken back by Reclaim.
+type givenUpClaim struct{ held atomic.Bool }
+
+func (c *givenUpClaim) Held() bool { return c.held.Load() }
+
+func (c *givenUpClaim) Reclaim(context.Context) (bool, error) {
+	return c.held.CompareAndSwap(false, true), nil
+}
+
+// TestReclaimWaitsForYield: a worker that saw the newer agent's claim
+// yields (OnYield: link repair stopped, readiness closed) while the main
+// loop sees the node given up already (a new agent whose start failed
+// just after its claim) and takes it back (OnReclaim: link repair and
+// readiness started again). The take-back waits for the yield, or the
+// yield's end undid it: the agent held the node with no link repair and
+// its readiness port closed, which the liveness probe restarts it for.
+func TestReclaimWaitsForYield(t *testing.T) {
+	claim := &givenUpClaim{}
+	var mu sync.Mutex
+	var events []string
+	note := func(e string) { mu.Lock(); events = append(events, e); mu.Unlock() }
+	inYield, proceed := make(chan struct{}), make(chan struct{})
+	a := annotationAgent(nil)
+	a.cfg.Annotator = nil
+	a.cfg.Claim = claim
+	a.cfg.OnYield = func() { note("yield"); close(inYield); <-proceed; note("yielded") }
+	a.cfg.OnReclaim = func() { note("reclaim") }
+	ctx := t.Context()
+	var wg sync.WaitGroup
+	wg.Go(func() { a.checkClaim(ctx, false) }) // a worker
+	<-inYield
+	back := make(chan bool, 1)
+	wg.Go(func() { back <- a.checkClaim(ctx, true) }) // the main loop
+	time.Sleep(100 * time.Millisecond)
+	close(proceed)
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	if got := fmt.Sprint(events); got != "[yield yielded reclaim]" {
+		t.Errorf("events %s; want [yield yielded reclaim]: the take-back ran during the yield", got)
+	}
+	if !<-back {
+		t.Error("the main loop did not take the node back")
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.yielded {
+		t.Error("yielded after taking the node back")
+	}
 }
