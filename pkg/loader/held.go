@@ -269,3 +269,46 @@ func (l *Loader) releaseStrays(ifindex int) {
 		}
 	}
 }
+
+// dropForeignHeld closes the held links whose pin no longer holds them:
+// another agent held the node meanwhile and detached the pod (a detach
+// unpins its links, and only this process's descriptors kept them
+// attached) or attached another pod under its id. Kept, they stayed
+// attached for as long as this agent ran, and CheckLinks, finding their
+// pin gone, pinned a detached pod's links back under an id the pod
+// metadata no longer names.
+func (l *Loader) dropForeignHeld() {
+	var closing []link.Link
+	l.linksMu.Lock()
+	for id, lks := range l.links {
+		for i, d := range [2]direction{ingress, egress} {
+			if lks[i] != nil && !pinnedAt(lks[i], l.linkPin(id, d)) {
+				closing = append(closing, lks[i])
+				lks[i] = nil
+			}
+		}
+		if lks[0] == nil && lks[1] == nil {
+			delete(l.links, id)
+			delete(l.linkFDs, id)
+		} else {
+			l.links[id], l.linkFDs[id] = lks, linkFDs(lks)
+		}
+	}
+	l.linksGen++
+	l.linksMu.Unlock()
+	for _, lk := range closing {
+		lk.Close()
+	}
+}
+
+// pinnedAt reports whether the link pinned at path is lk.
+func pinnedAt(lk link.Link, path string) bool {
+	pinned, err := link.LoadPinnedLink(path, &ebpf.LoadPinOptions{}) // links open read-write only
+	if err != nil {
+		return false
+	}
+	defer pinned.Close()
+	a, errA := lk.Info()
+	b, errB := pinned.Info()
+	return errA == nil && errB == nil && a.ID == b.ID
+}

@@ -242,11 +242,19 @@ func (l *Loader) restoreEntries(ctx context.Context) error {
 // claiming, before any change: the pod index is read again from the map,
 // since an older agent may have attached or detached pods between Load and
 // the claim.
+//
+// Called again when the agent took the node back from a newer one that gave
+// it up (nodeagent's OnReclaim), it also lets go of the links it holds that
+// the newer agent detached or replaced meanwhile (dropForeignHeld).
 func (l *Loader) SetClaim(c *maps.Claim) {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	again := l.claim.Load() != nil
 	l.indexed = false
 	l.claim.Store(c)
+	l.mu.Unlock()
+	if again {
+		l.dropForeignHeld()
+	}
 }
 
 // guard holds off a claim by another agent while one enrollment change is

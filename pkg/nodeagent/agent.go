@@ -87,6 +87,10 @@ type Agent struct {
 	queue workqueue.TypedRateLimitingInterface[string]
 	// workers are the goroutines converging queued pods.
 	workers sync.WaitGroup
+	// claimMu serialises checkClaim's hand-overs: a yield (OnYield, made
+	// by whichever worker or loop saw the claim first) and a take-back
+	// (OnReclaim, by the main loop) one after the other, never interleaved.
+	claimMu sync.Mutex
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -260,6 +264,11 @@ func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
 	if a.cfg.Claim == nil || a.cfg.Claim.Held() {
 		return false
 	}
+	a.claimMu.Lock()
+	defer a.claimMu.Unlock()
+	if a.cfg.Claim.Held() {
+		return false // taken back while this one waited
+	}
 	if a.yield() {
 		if a.cfg.OnYield != nil {
 			a.cfg.OnYield()
@@ -284,6 +293,7 @@ func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
 	}
 	a.mu.Lock()
 	a.yielded = false
+	a.annots.resume()
 	a.mu.Unlock()
 	a.log.Warn("the newer agent gave the node up with none after it (an upgrade rolled back?): this agent holds it again, enrolling and repairing its pods")
 	return true
@@ -296,6 +306,7 @@ func (a *Agent) yield() bool {
 	defer a.mu.Unlock()
 	first := !a.yielded
 	a.yielded = true
+	a.annots.handOver() // the newer agent annotates the pods now
 	return first
 }
 

@@ -16,6 +16,10 @@ import (
 type annotations struct {
 	mu   sync.Mutex
 	want map[string]annotation
+	// off is set while a newer agent holds the node (Agent.yield): it
+	// annotates the node's pods then, and a write queued here before, made
+	// late (the queue drains one API call after another), undid its own.
+	off  bool
 	kick chan struct{}
 }
 
@@ -35,6 +39,10 @@ func newAnnotations() *annotations {
 // however long the API server takes.
 func (q *annotations) set(as ...annotation) {
 	q.mu.Lock()
+	if q.off {
+		q.mu.Unlock()
+		return
+	}
 	for _, an := range as {
 		q.want[an.namespace+"/"+an.name] = an
 	}
@@ -57,17 +65,59 @@ func (q *annotations) take() map[string]annotation {
 	return out
 }
 
+// handOver drops what is queued and queues nothing more: a newer agent
+// holds the node.
+func (q *annotations) handOver() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.off = true
+	q.want = map[string]annotation{}
+}
+
+// resume queues writes again: this agent took the node back.
+func (q *annotations) resume() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.off = false
+}
+
+// handedOver says whether a newer agent holds the node.
+func (q *annotations) handedOver() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.off
+}
+
+// putBack queues again the writes taken but not made, unless a later
+// write of the same pod replaced one meanwhile.
+func (q *annotations) putBack(m map[string]annotation) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.off {
+		return
+	}
+	for k, an := range m {
+		if _, later := q.want[k]; !later {
+			q.want[k] = an
+		}
+	}
+}
+
 // annotationTimeout bounds one write: a hung API server must not keep the
 // writes of the node's other pods waiting for ever.
 const annotationTimeout = 10 * time.Second
 
-// runAnnotations writes the queued annotations until ctx ends. A write
-// that fails is logged; the next apply compares again (syncAnnotations) and
-// queues it anew.
+// annotationFlush bounds the writes made as the agent stops.
+const annotationFlush = 5 * time.Second
+
+// runAnnotations writes the queued annotations until ctx ends, and then
+// what is still queued (flushAnnotations). A write that fails is logged;
+// the next apply compares again (syncAnnotations) and queues it anew.
 func (a *Agent) runAnnotations(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
+			a.flushAnnotations(ctx)
 			return
 		case <-a.annots.kick:
 		}
@@ -75,17 +125,37 @@ func (a *Agent) runAnnotations(ctx context.Context) {
 	}
 }
 
-// writeAnnotations writes what is queued now.
+// flushAnnotations writes, within annotationFlush, what is queued as the
+// agent stops: its pods stay as they are through its drain and after, and
+// a pod attached or detached just before would keep saying otherwise to
+// istiod until another agent's first pass (its peers sending it plaintext
+// it refuses, or HBONE nothing captures). Not once a newer agent holds the
+// node: that one annotates.
+func (a *Agent) flushAnnotations(ctx context.Context) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), annotationFlush)
+	defer cancel()
+	a.writeAnnotations(fctx)
+}
+
+// writeAnnotations writes what is queued now. The writes that ctx's end
+// cuts off, or leaves unmade, are queued again (for flushAnnotations);
+// those of a node handed over are dropped.
 func (a *Agent) writeAnnotations(ctx context.Context) {
-	for _, an := range a.annots.take() {
-		if ctx.Err() != nil {
-			return
+	todo := a.annots.take()
+	for key, an := range todo {
+		if ctx.Err() != nil || a.annots.handedOver() {
+			break
 		}
 		wctx, cancel := context.WithTimeout(ctx, annotationTimeout)
 		err := a.cfg.Annotator.SetRedirection(wctx, an.namespace, an.name, an.uid, an.enabled)
 		cancel()
+		if err != nil && ctx.Err() != nil {
+			break // cut off by the stop: made again by the flush
+		}
+		delete(todo, key)
 		if err != nil {
 			a.log.Error("annotate pod", "error", err)
 		}
 	}
+	a.annots.putBack(todo)
 }

@@ -3,9 +3,12 @@ package nodeagent
 import (
 	"context"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/maps"
 	"github.com/redirector-mesh/redirector/pkg/netns"
@@ -92,5 +95,68 @@ func TestYieldedAgentTakesNodeBack(t *testing.T) {
 	t.Cleanup(func() { again.Close() })
 	if a.checkClaim(ctx, true) || yields != 2 {
 		t.Errorf("after a second newer claim: yields %d, want 2", yields)
+	}
+}
+
+// TestTakenBackAgentLetsGoOfDetachedLinks: a pod the older agent attached
+// and the newer one detached while it held the node stays detached once the
+// older agent takes the node back. The newer agent's detach unpins the
+// pod's links, but the older agent still held them open, so they stayed
+// attached; and its link check, holding the node again, found their pins
+// gone and pinned them back (seen failing: 2 links re-pinned under a pod
+// id the metadata no longer names).
+func TestTakenBackAgentLetsGoOfDetachedLinks(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	p := tp.Nodes[0].AddPod("p")
+	log := slog.New(slog.DiscardHandler)
+	root := loadertest.TempBPFFS(t)
+	ctx := context.Background()
+	older := loadertest.Load(t, root)
+	t.Cleanup(func() { older.Close() })
+	claim, err := maps.ClaimNode(ctx, root, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { claim.Close() })
+	older.SetClaim(claim)
+	if _, err := older.AttachPod(ctx, loader.Pod{UID: "uid-p", Namespace: "shop", Name: "p", NetNS: p.Path(), Addrs: p.Addrs(), CaptureInbound: true}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A newer agent takes the node, detaches the pod and gives the node up.
+	newer := loadertest.Load(t, root)
+	t.Cleanup(func() { newer.Close() })
+	newerClaim, err := maps.ClaimNode(ctx, root, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { newerClaim.Close() })
+	newer.SetClaim(newerClaim)
+	if err := newer.DetachPod(ctx, "uid-p"); err != nil {
+		t.Fatal(err)
+	}
+	if err := newerClaim.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	// The older agent takes it back (as OnReclaim does).
+	if back, err := claim.Reclaim(ctx); err != nil || !back {
+		t.Fatalf("reclaim: %v %v", back, err)
+	}
+	older.SetClaim(claim)
+	if res := older.CheckLinks(ctx, true); res.Repinned != 0 || len(res.Errors) != 0 {
+		t.Errorf("link check after taking the node back: %+v; want nothing re-pinned", res)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(root, "pods")); len(ents) != 0 {
+		var names []string
+		for _, e := range ents {
+			sub, _ := os.ReadDir(filepath.Join(root, "pods", e.Name()))
+			for _, s := range sub {
+				names = append(names, e.Name()+"/"+s.Name())
+			}
+		}
+		if len(names) > 0 {
+			t.Errorf("pins of the detached pod under %s/pods: %v", root, names)
+		}
 	}
 }

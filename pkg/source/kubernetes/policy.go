@@ -170,7 +170,6 @@ func (w *policyWatch) look(ctx context.Context, resources []string) (map[string]
 // goroutine: decodeAll reads the kinds' informers there. A kind watched in a version no
 // longer served (gone) moves to the version found, or, when its CRD is absent, is dropped.
 func (w *policyWatch) start(ctx context.Context, kinds map[string]found) {
-	var started []cache.InformerSynced
 	for _, k := range w.kinds {
 		f, looked := kinds[k.resource]
 		if !looked {
@@ -200,15 +199,18 @@ func (w *policyWatch) start(ctx context.Context, kinds map[string]found) {
 		case f.version != "":
 			k.version = f.version
 			gvr := schema.GroupVersionResource{Group: istioSecurityGroup, Version: k.version, Resource: k.resource}
-			k.informer = dynamicinformer.NewFilteredDynamicInformer(w.s.dynamic, gvr, metav1.NamespaceAll, w.s.cfg.Resync,
+			// inf, not k.informer, in what runs on other goroutines: a later start
+			// replaces (or clears) k.informer on this one.
+			inf := dynamicinformer.NewFilteredDynamicInformer(w.s.dynamic, gvr, metav1.NamespaceAll, w.s.cfg.Resync,
 				cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
-			if err := k.informer.SetTransform(trimPolicy); err != nil {
+			k.informer = inf
+			if err := inf.SetTransform(trimPolicy); err != nil {
 				w.s.log.Warn("set informer transform", "resource", k.resource, "err", err)
 			}
-			if _, err := k.informer.AddEventHandler(w.handler(k)); err != nil {
+			if _, err := inf.AddEventHandler(w.handler(k)); err != nil {
 				w.s.log.Warn("add event handler", "resource", k.resource, "err", err)
 			}
-			if err := k.informer.SetWatchErrorHandlerWithContext(func(ctx context.Context, r *cache.Reflector, err error) {
+			if err := inf.SetWatchErrorHandlerWithContext(func(ctx context.Context, r *cache.Reflector, err error) {
 				w.s.watchError(ctx, r, err)
 				if apierrors.IsNotFound(err) {
 					k.gone.Store(true)
@@ -217,27 +219,24 @@ func (w *policyWatch) start(ctx context.Context, kinds map[string]found) {
 				w.s.log.Warn("set watch error handler", "resource", k.resource, "err", err)
 			}
 			w.s.log.Info("watching Istio policies", "resource", k.resource, "version", gvr.GroupVersion().String())
-			var kctx context.Context
-			kctx, k.stop = context.WithCancel(ctx)
-			w.runs.Go(func() { k.informer.RunWithContext(kctx) })
-			started = append(started, k.informer.HasSynced)
+			kctx, stop := context.WithCancel(ctx)
+			k.stop = stop
+			w.runs.Go(func() { inf.RunWithContext(kctx) })
+			// Policies of a kind enter snapshots only once its informer synced (a partial
+			// list of ALLOW/DENY policies would be wrong, not just stale); snapshot on that
+			// moment even if the list was empty and fired no event. The wait ends with the
+			// informer: one stopped before it synced (its kind moved on) syncs never.
+			w.runs.Go(func() {
+				if cache.WaitForCacheSync(kctx.Done(), inf.HasSynced) {
+					w.notify()
+				}
+			})
 		case !k.loggedMissing:
 			w.s.log.Info("Istio policy CRD not installed; checking again periodically",
 				"resource", k.resource+"."+istioSecurityGroup, "every", w.s.cfg.PolicyRecheck)
 			k.loggedMissing = true
 		}
 	}
-	if len(started) == 0 {
-		return
-	}
-	// Policies of a kind enter snapshots only once its informer synced (a partial list of
-	// ALLOW/DENY policies would be wrong, not just stale); snapshot on that moment even if
-	// the list was empty and fired no event.
-	w.runs.Go(func() {
-		if cache.WaitForCacheSync(ctx.Done(), started...) {
-			w.notify()
-		}
-	})
 }
 
 // wait waits for the informers' goroutines, which end with the context start was given.
