@@ -14,6 +14,7 @@ import (
 	"net"
 	"net/netip"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -893,11 +894,35 @@ func (c *conn) onPingAck() error {
 	return c.spendJunk("unsolicited PING ack")
 }
 
-// notePeerClosedLocked remembers that the peer ended stream id.
+// notePeerClosedLocked remembers that the peer ended stream id, once.
 func (c *conn) notePeerClosedLocked(id uint32) {
+	if slices.Contains(c.peerClosed[:], id) {
+		return
+	}
 	c.peerClosed[c.peerClosedNext] = id
 	c.peerClosedNext = (c.peerClosedNext + 1) % len(c.peerClosed)
 }
+
+// endedByPeer is called by the reader after the peer ended s (end: an
+// END_STREAM or RST_STREAM was handled) and passes err on. If our side took
+// s out of the conn between the reader's lookup and the end being recorded
+// on s (a handler that answered and closed just then), remove could not know
+// the peer had ended it: it is remembered here, so the peer's later frames
+// on it are still STREAM_CLOSED rather than dropped unanswered.
+func (c *conn) endedByPeer(s *Stream, end bool, err error) error {
+	if end {
+		c.mu.Lock()
+		if c.streams[s.id] != s {
+			c.notePeerClosedLocked(s.id)
+		}
+		c.mu.Unlock()
+	}
+	return err
+}
+
+// testHookResetFound, if set, runs in onReset between finding the stream
+// and recording the reset on it: tests widen that window.
+var testHookResetFound func(c *conn, id uint32)
 
 // peerClosedRecently reports whether id is one of the last streams the
 // peer ended that are gone.
@@ -1004,7 +1029,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		if err := c.skip(pad); err != nil {
 			return err
 		}
-		return s.onData(small, nil, n, end)
+		return c.endedByPeer(s, end, s.onData(small, nil, n, end))
 	}
 	chunks, err := c.readChunks(payload - pad)
 	if err != nil {
@@ -1014,7 +1039,7 @@ func (c *conn) readData(fh http2.FrameHeader) error {
 		recycleChunks(chunks)
 		return err
 	}
-	return s.onData(nil, chunks, n, end)
+	return c.endedByPeer(s, end, s.onData(nil, chunks, n, end))
 }
 
 // skip discards n payload bytes (padding, data of a closed stream).
@@ -1051,7 +1076,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	s := c.streams[id]
 	if s != nil {
 		c.mu.Unlock()
-		return s.onHeaders(f)
+		return c.endedByPeer(s, f.StreamEnded(), s.onHeaders(f))
 	}
 	if c.cfg.client {
 		idle := c.idleStreamLocked(id)
@@ -1230,6 +1255,10 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 		c.notePeerClosedLocked(f.StreamID)
 		c.mu.Unlock()
 		return c.spendJunk("RST_STREAM for closed streams")
+	}
+	defer c.endedByPeer(s, true, nil)
+	if testHookResetFound != nil {
+		testHookResetFound(c, s.id)
 	}
 	s.mu.Lock()
 	s.peerReset = true
