@@ -713,13 +713,7 @@ func TestDNSHandoverRefusesForeignSockets(t *testing.T) {
 			}
 			// The pod's own listeners, DNS socket and namespace handle are
 			// the only descriptors added.
-			got := openFDs(t) - before
-			for deadline := time.Now().Add(time.Second); got > 5 && time.Now().Before(deadline); got = openFDs(t) - before {
-				time.Sleep(10 * time.Millisecond)
-			}
-			if got > 5 {
-				t.Errorf("%d descriptors more after the take, want 5: the received one leaked", got)
-			}
+			checkFDsAdded(t, before, 5, "the pod's own listeners, DNS socket and namespace")
 		})
 	}
 }

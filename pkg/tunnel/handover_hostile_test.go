@@ -232,13 +232,7 @@ func TestHandoverRefusesOtherKindsOfDescriptor(t *testing.T) {
 			if !tun.podServing("pod-a") {
 				t.Error("the pod did not open listeners of its own")
 			}
-			got := openFDs(t) - before
-			for deadline := time.Now().Add(time.Second); got > 4 && time.Now().Before(deadline); got = openFDs(t) - before {
-				time.Sleep(10 * time.Millisecond)
-			}
-			if got > 4 {
-				t.Errorf("%d descriptors more after the take, want 4 (the pod's own listeners, its namespace): received ones leaked", got)
-			}
+			checkFDsAdded(t, before, 4, "the pod's own listeners, its namespace")
 		})
 	}
 }

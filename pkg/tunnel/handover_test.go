@@ -466,6 +466,20 @@ func listenerFDNet(t *testing.T, ns, network, addr string, opts netns.SocketOpti
 	return fd
 }
 
+// checkFDsAdded fails t if more than want descriptors (what) were opened
+// since before, once a second has let closes still under way finish: a
+// received descriptor nobody closed shows as one more.
+func checkFDsAdded(t *testing.T, before, want int, what string) {
+	t.Helper()
+	got := openFDs(t) - before
+	for deadline := time.Now().Add(time.Second); got > want && time.Now().Before(deadline); got = openFDs(t) - before {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got > want {
+		t.Errorf("%d descriptors more after the take, want %d (%s): received ones leaked", got, want, what)
+	}
+}
+
 func openFDs(t *testing.T) int {
 	t.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
@@ -564,13 +578,7 @@ func TestHandoverRefusesForeignSockets(t *testing.T) {
 			// The pod's own three listeners and its namespace handle are the
 			// only descriptors added.
 			// The fake predecessor closes its own copies after sending.
-			got := openFDs(t) - before
-			for deadline := time.Now().Add(time.Second); got > 4 && time.Now().Before(deadline); got = openFDs(t) - before {
-				time.Sleep(10 * time.Millisecond)
-			}
-			if got > 4 {
-				t.Errorf("%d descriptors more after the take, want 4 (the pod's own listeners, its namespace): received ones leaked", got)
-			}
+			checkFDsAdded(t, before, 4, "the pod's own listeners, its namespace")
 		})
 	}
 }

@@ -663,6 +663,28 @@ func mustKubectl(ctx context.Context, t *testing.T, n *Node, args ...string) str
 	return out
 }
 
+// waitCRDsEstablished waits until the API server serves each CRD. It polls the
+// condition rather than running kubectl wait, which fails at once ("accessor
+// error: <nil>") on a CRD whose status the API server has not written yet.
+func waitCRDsEstablished(ctx context.Context, t *testing.T, n *Node, names ...string) {
+	t.Helper()
+	for _, name := range names {
+		err := waitFor(ctx, time.Minute, "CRD "+name+" established", func() error {
+			out, err := n.Kubectl(ctx, "get", "crd", name, "-o", `jsonpath={.status.conditions[?(@.type=="Established")].status}`)
+			if err != nil {
+				return err
+			}
+			if strings.TrimSpace(out) != "True" {
+				return fmt.Errorf("Established is %q", strings.TrimSpace(out))
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func mustApply(ctx context.Context, t *testing.T, n *Node, name, manifest string) {
 	t.Helper()
 	f := filepath.Join(n.Dir, name+".yaml")
@@ -681,7 +703,7 @@ func prepareCluster(ctx context.Context, t *testing.T, n *Node) {
 	for _, f := range []string{"crd-peerauthentication.yaml", "crd-authorizationpolicy.yaml"} {
 		kubectl("apply", "-f", filepath.Join(repoRoot, "pkg/source/kubernetes/testdata", f))
 	}
-	kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io")
+	waitCRDsEstablished(ctx, t, n, "peerauthentications.security.istio.io")
 	kubectl("create", "namespace", releaseNS)
 	redirector := filepath.Join(n.Dir, "redirector")
 	if out, err := exec.CommandContext(ctx, "go", "build", "-o", redirector, filepath.Join(repoRoot, "cmd", "redirector")).CombinedOutput(); err != nil {

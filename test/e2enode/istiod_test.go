@@ -55,7 +55,7 @@ func TestRealNodeIstiod(t *testing.T) {
 		t.Fatal(err)
 	}
 	kubectl("apply", "--server-side", "-f", crds)
-	kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/peerauthentications.security.istio.io", "crd/authorizationpolicies.security.istio.io")
+	waitCRDsEstablished(ctx, t, n, "peerauthentications.security.istio.io", "authorizationpolicies.security.istio.io")
 	kubectl("create", "namespace", releaseNS)
 	kubectl("create", "namespace", meshNS)
 	kubectl("label", "namespace", meshNS, "istio.io/dataplane-mode=ambient")
