@@ -322,12 +322,17 @@ type conn struct {
 	hbuf      bytes.Buffer
 	hencLimit uint32
 
-	mu             sync.Mutex
-	streams        map[uint32]*Stream
-	active         int // streams open or reserved (client) on this conn
-	ending         int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
-	nextID         uint32
-	lastPeerID     uint32
+	mu         sync.Mutex
+	streams    map[uint32]*Stream
+	active     int // streams open or reserved (client) on this conn
+	ending     int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
+	nextID     uint32
+	lastPeerID uint32
+	// lastAccepted (server) is the last stream the peer opened that we
+	// took (not refused): what a GOAWAY names as the last we may have
+	// processed, so a stream refused as the conn goes away stays beyond
+	// it, retried by the client even if its RST_STREAM is lost in the close.
+	lastAccepted   uint32
 	peerMaxStreams uint32
 	peerInitWindow int64
 	acksPending    int   // SETTINGS acks queued, not yet written: DATA waits
@@ -1123,6 +1128,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	s.sendWindow = c.peerInitWindow
 	s.remoteEnded = f.StreamEnded()
 	c.streams[id] = s
+	c.lastAccepted = id
 	c.addActiveLocked()
 	c.mu.Unlock()
 	return c.cfg.onRequest(s, f)
@@ -1887,7 +1893,7 @@ func (c *conn) drain() {
 	}
 	c.goAway = true
 	idle := c.emptyLocked()
-	last := c.lastPeerID
+	last := c.lastAccepted
 	if !idle && !c.goAwaySent {
 		c.goAwaySent = true
 		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameGoAway, id: last, val: uint32(http2.ErrCodeNo)})
@@ -1968,7 +1974,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		pending, c.ctl = c.ctl, nil
 	}
 	sendGoAway = sendGoAway && !c.goAwaySent
-	last := c.lastPeerID
+	last := c.lastAccepted
 	var debug []byte
 	if code != http2.ErrCodeNo {
 		debug = []byte(c.goAwayDebug)
