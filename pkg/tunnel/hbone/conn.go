@@ -1391,13 +1391,25 @@ func (c *conn) queue(f ctlFrame) {
 		c.mu.Unlock()
 		return
 	}
-	c.ctl = append(c.ctl, f)
-	flood := len(c.ctl) > maxQueuedControl
+	flood := c.queueLocked(f)
 	c.mu.Unlock()
 	if flood {
 		c.closeControlFlood()
 		return
 	}
+	c.wakeCtl()
+}
+
+// queueLocked adds f to the control frames and reports whether they are now
+// more than maxQueuedControl: the caller then closes the conn
+// (closeControlFlood), else wakes the writer (wakeCtl).
+func (c *conn) queueLocked(f ctlFrame) (flood bool) {
+	c.ctl = append(c.ctl, f)
+	return len(c.ctl) > maxQueuedControl
+}
+
+// wakeCtl wakes the control writer.
+func (c *conn) wakeCtl() {
 	select {
 	case c.ctlWake <- struct{}{}:
 	default:
@@ -1754,7 +1766,15 @@ func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
 }
 
 // forget removes a finished stream from the conn.
-func (c *conn) forget(s *Stream) { c.remove(s, true) }
+func (c *conn) forget(s *Stream) { c.remove(s, true, nil) }
+
+// forgetAndReset forgets server stream s and queues its RST_STREAM in one
+// step under mu. Forgotten first, the last stream of a draining conn closed
+// the conn, and its reset, queued after, was dropped: the client saw the
+// connection end rather than its stream reset.
+func (c *conn) forgetAndReset(s *Stream, code http2.ErrCode) {
+	c.remove(s, true, &ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
+}
 
 // forgetUntilSent removes client stream s, which is about to be reset, from
 // the conn, and reports whether it did; if so, s still counts toward the
@@ -1762,29 +1782,41 @@ func (c *conn) forget(s *Stream) { c.remove(s, true) }
 // writer releases it). Released at once, its slot went to another stream
 // whose HEADERS could be written before the reset: one stream too many at
 // the server, refused.
-func (c *conn) forgetUntilSent(s *Stream) bool { return c.remove(s, false) }
+func (c *conn) forgetUntilSent(s *Stream) bool { return c.remove(s, false, nil) }
 
 // remove takes s out of the conn's streams, releasing its count if
-// release, and reports whether s was there.
-func (c *conn) remove(s *Stream, release bool) bool {
+// release, and reports whether s was there. reset, if not nil, is queued
+// for the control writer in the same step, whether or not s was there:
+// before the release can close a draining conn, whose close in order
+// sends what is queued.
+func (c *conn) remove(s *Stream, release bool, reset *ctlFrame) bool {
 	s.mu.Lock()
 	peerEnded := s.remoteEnded || s.peerReset
 	s.mu.Unlock()
 	c.mu.Lock()
-	if c.streams[s.id] != s {
-		c.mu.Unlock()
-		return false
+	queued, flood := false, false
+	if reset != nil && c.err == nil {
+		queued, flood = true, c.queueLocked(*reset)
 	}
-	delete(c.streams, s.id)
-	if peerEnded {
-		c.notePeerClosedLocked(s.id)
+	found := c.streams[s.id] == s
+	closeNow := false
+	if found {
+		delete(c.streams, s.id)
+		if peerEnded {
+			c.notePeerClosedLocked(s.id)
+		}
+		closeNow = release && c.releaseLocked(s)
 	}
-	closeNow := release && c.releaseLocked(s)
 	c.mu.Unlock()
-	if closeNow {
+	switch {
+	case flood:
+		c.closeControlFlood()
+	case closeNow:
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+	case queued:
+		c.wakeCtl()
 	}
-	return true
+	return found
 }
 
 // idleForLocked reports whether the conn has had no streams for at least d and

@@ -2,6 +2,8 @@ package hbone
 
 import (
 	"context"
+	"errors"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -60,4 +62,48 @@ func TestIdleCloseRacingNewStream(t *testing.T) {
 	if n := handlers.Load(); n != 0 {
 		t.Errorf("%d handlers ran for a stream taken as the connection closed for idleness, want 0", n)
 	}
+}
+
+// failingApp is an application connection whose reads fail at once, as a
+// socket the application reset does.
+type failingApp struct{ net.Conn }
+
+func (failingApp) Read([]byte) (int, error) { return 0, errors.New("connection reset by the app") }
+
+// TestDrainedConnSendsLastStreamsReset: on a draining server connection, the
+// RST_STREAM of its last stream (here the relay's, when the application
+// failed) reaches the client before the connection ends. Before the fix the
+// stream was forgotten first, which closed the drained connection, and the
+// reset queued after that was dropped: the client saw the connection end,
+// not its stream reset.
+func TestDrainedConnSendsLastStreamsReset(t *testing.T) {
+	answer := make(chan struct{})
+	srv, rc := rawServer(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: func(ctx context.Context, req *ServerRequest) Response {
+		<-answer
+		app, other := net.Pipe()
+		t.Cleanup(func() { other.Close() })
+		return Response{Upstream: failingApp{app}}
+	}})
+	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
+		t.Fatal(err)
+	}
+	var c *conn
+	waitfor.Until(t, "the stream taken", func() bool {
+		srv.mu.Lock()
+		defer srv.mu.Unlock()
+		for sc := range srv.conns {
+			sc.mu.Lock()
+			if sc.streams[1] != nil {
+				c = sc
+			}
+			sc.mu.Unlock()
+		}
+		return c != nil
+	})
+	c.drain()
+	rc.waitFor("GOAWAY", func(f rawFrame) bool { return f.typ == http2.FrameGoAway })
+	close(answer)
+	rc.waitFor("RST_STREAM on stream 1", func(f rawFrame) bool {
+		return f.typ == http2.FrameRSTStream && f.stream == 1
+	})
 }
