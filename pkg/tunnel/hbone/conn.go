@@ -1472,14 +1472,21 @@ func (c *conn) ctlLoop() {
 		case <-c.done:
 			return
 		}
+		// The batch is taken under wmu: a close in order (closeConn)
+		// takes wmu before it ends the connection, so frames taken here
+		// are written before that, not after close_notify and lost.
+		c.lockWrite()
 		c.mu.Lock()
 		batch := c.ctl
 		c.ctl, c.ctlSpare = c.ctlSpare[:0], nil
 		c.mu.Unlock()
 		if len(batch) == 0 {
+			c.unlockWrite()
 			continue
 		}
-		c.lockWrite()
+		if testHookCtlBatch != nil {
+			testHookCtlBatch(c, batch)
+		}
 		var err error
 		settingsAck, releases := false, false
 		for _, f := range batch {
@@ -1524,6 +1531,10 @@ func (c *conn) ctlLoop() {
 		}
 	}
 }
+
+// testHookCtlBatch, if set, runs in ctlLoop once it took a batch of control
+// frames, before writing them: tests widen that window.
+var testHookCtlBatch func(c *conn, batch []ctlFrame)
 
 func (c *conn) writeCtlLocked(f ctlFrame) error {
 	switch f.typ {
@@ -2032,8 +2043,11 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 
 	close(c.done)
 	c.cancel()
-	if sendGoAway || len(pending) > 0 {
+	if sendGoAway || len(pending) > 0 || inOrder {
 		// Bound the write: a peer that stopped reading must not hold us.
+		// In order, wmu is taken even with nothing to write: the control
+		// writer may hold frames it took before the close (ctlLoop), which
+		// must go out before the connection ends.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(closeWriteDeadline))
 		c.lockWrite()
 		var err error

@@ -2,8 +2,10 @@ package hbone
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"net"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -105,5 +107,70 @@ func TestDrainedConnSendsLastStreamsReset(t *testing.T) {
 	close(answer)
 	rc.waitFor("RST_STREAM on stream 1", func(f rawFrame) bool {
 		return f.typ == http2.FrameRSTStream && f.stream == 1
+	})
+}
+
+// TestCloseInOrderWaitsForControlWrite: a connection closed in order (here
+// a drained server connection whose last stream the client reset) sends
+// the control frames its writer already took before it ends the
+// connection: a stream's RST_STREAM reaches the client. The hook holds the
+// control writer, with a batch holding stream 3's reset, until the close
+// began. Before the fix the close sent TLS close_notify meanwhile, and the
+// writer's reset, written after it, was lost: the client saw the
+// connection end, not its stream reset.
+func TestCloseInOrderWaitsForControlWrite(t *testing.T) {
+	running := make(chan struct{}, 2)
+	srv, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: func(ctx context.Context, req *ServerRequest) Response {
+		running <- struct{}{}
+		<-ctx.Done()
+		return Response{Status: 503}
+	}})
+	conf := mustClientTLS()
+	conf.NextProtos = []string{"h2"}
+	tc, err := tls.Dial("tcp", addr, conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tc.Close() })
+	rc := newRawClientOver(t, tc)
+	for _, id := range []uint32{1, 3} {
+		if err := rc.connect(id, "10.0.0.1:80"); err != nil {
+			t.Fatal(err)
+		}
+		<-running
+	}
+	var c *conn
+	srv.mu.Lock()
+	for sc := range srv.conns {
+		c = sc
+	}
+	srv.mu.Unlock()
+
+	grabbed := make(chan struct{})
+	testHookCtlBatch = func(hc *conn, batch []ctlFrame) {
+		if hc != c || !slices.ContainsFunc(batch, func(f ctlFrame) bool { return f.typ == http2.FrameRSTStream && f.id == 3 }) {
+			return
+		}
+		close(grabbed)
+		select {
+		case <-c.done:
+		case <-time.After(5 * time.Second):
+		}
+	}
+	t.Cleanup(func() { testHookCtlBatch = nil })
+
+	c.drain()
+	rc.waitFor("GOAWAY", func(f rawFrame) bool { return f.typ == http2.FrameGoAway })
+	// A window beyond 2^31-1: the server resets stream 3 (FLOW_CONTROL_ERROR).
+	if err := rc.fr.WriteWindowUpdate(3, maxWindow); err != nil {
+		t.Fatal(err)
+	}
+	<-grabbed
+	// The last stream ends: the drained connection closes in order.
+	if err := rc.fr.WriteRSTStream(1, http2.ErrCodeCancel); err != nil {
+		t.Fatal(err)
+	}
+	rc.waitFor("RST_STREAM on stream 3", func(f rawFrame) bool {
+		return f.typ == http2.FrameRSTStream && f.stream == 3
 	})
 }
