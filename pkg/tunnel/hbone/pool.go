@@ -168,6 +168,9 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		if err != nil {
 			return nil, err
 		}
+		if testHookReserved != nil {
+			testHookReserved(p, c)
+		}
 		s, err := c.roundTrip(ctx, fields, req.EarlyData)
 		if err == nil {
 			return s, nil
@@ -177,6 +180,10 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		}
 	}
 }
+
+// testHookReserved, if set, runs in Connect once a stream slot was reserved
+// on c, before the stream is opened: tests widen that window.
+var testHookReserved func(p *Pool, c *conn)
 
 // reserve returns a connection for key with a stream slot reserved on it.
 func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config) (*conn, error) {

@@ -174,3 +174,32 @@ func TestCloseInOrderWaitsForControlWrite(t *testing.T) {
 		return f.typ == http2.FrameRSTStream && f.stream == 3
 	})
 }
+
+// TestConnectEvictedWhileReservedNotRedialled: a Connect whose connection
+// Evict closed between the stream slot's reservation and the stream's
+// opening fails as evicted. Before the fix it was retried as a stream the
+// peer never saw, and the retry, finding the key gone, dialled a new
+// connection from the evicted source, which nothing would evict again.
+func TestConnectEvictedWhileReservedNotRedialled(t *testing.T) {
+	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
+	app := startUpstream(t, echo)
+	s, err := e.connect(context.Background(), app)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	var evicted atomic.Bool
+	testHookReserved = func(p *Pool, c *conn) {
+		if !evicted.Swap(true) {
+			p.Evict(func(PoolKey) bool { return true })
+		}
+	}
+	t.Cleanup(func() { testHookReserved = nil })
+	_, err = e.connect(context.Background(), app)
+	if !errors.Is(err, errEvicted) {
+		t.Errorf("Connect on a connection evicted meanwhile: %v, want %v", err, errEvicted)
+	}
+	if st := e.pool.Stats(); st.DialsTotal != 1 || st.Conns != 0 {
+		t.Errorf("pool stats %+v: want 1 dial and no connection after the eviction", st)
+	}
+}
