@@ -203,3 +203,49 @@ func TestConnectEvictedWhileReservedNotRedialled(t *testing.T) {
 		t.Errorf("pool stats %+v: want 1 dial and no connection after the eviction", st)
 	}
 }
+
+// TestConnectWaitingForEvictedDialNotRedialled: a Connect waiting for
+// another's dial of its key fails as evicted when Evict closed that dial's
+// connection before the server's SETTINGS came. Before the fix the dial
+// ended without an error then, and the waiter, finding the key gone,
+// dialled a new connection from the evicted source.
+func TestConnectWaitingForEvictedDialNotRedialled(t *testing.T) {
+	release := make(chan struct{})
+	t.Cleanup(func() { close(release) })
+	inner := listenTCP(t, "127.0.0.1:0", func(c net.Conn) {
+		defer c.Close()
+		good, _ := pkis()
+		tc := tls.Server(c, good.serverTLS())
+		if tc.Handshake() != nil {
+			return
+		}
+		<-release // no SETTINGS until the test ends
+	})
+	var dials atomic.Int32
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return inner(ctx, network, addr)
+	}
+	pool := hostilePool(t)
+	waiting := make(chan struct{})
+	testHookDialWait = func() { close(waiting) }
+	t.Cleanup(func() { testHookDialWait = nil })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	first := make(chan error, 1)
+	go func() { first <- connectAndClose(ctx, pool, dial) }()
+	waitfor.Until(t, "the first dial's connection pooled", func() bool { return pool.Stats().Conns == 1 })
+	second := make(chan error, 1)
+	go func() { second <- connectAndClose(ctx, pool, dial) }()
+	<-waiting
+	pool.Evict(func(PoolKey) bool { return true })
+	for _, ch := range []chan error{first, second} {
+		if err := <-ch; !errors.Is(err, errEvicted) {
+			t.Errorf("Connect during the eviction: %v, want %v", err, errEvicted)
+		}
+	}
+	if n := dials.Load(); n != 1 {
+		t.Errorf("%d dials, want 1: none from the evicted source after its eviction", n)
+	}
+}
