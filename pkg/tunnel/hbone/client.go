@@ -106,10 +106,17 @@ func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early
 	if c.err != nil || c.goAway || c.nextID > maxStreamID {
 		c.goAway = true
 		closeNow := c.releaseLocked(nil)
+		cerr := c.err
 		c.mu.Unlock()
 		c.unlockWrite()
 		if closeNow {
 			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		}
+		if errors.Is(cerr, errEvicted) || errors.Is(cerr, ErrPoolClosed) {
+			// Evicted (its pod went away) or the pool closed since the
+			// slot was reserved: a retry would dial anew from a source
+			// that may send nothing more.
+			return nil, false, cerr
 		}
 		return nil, false, fmt.Errorf("%w: connection going away", errRetry)
 	}

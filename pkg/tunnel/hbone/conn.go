@@ -322,12 +322,17 @@ type conn struct {
 	hbuf      bytes.Buffer
 	hencLimit uint32
 
-	mu             sync.Mutex
-	streams        map[uint32]*Stream
-	active         int // streams open or reserved (client) on this conn
-	ending         int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
-	nextID         uint32
-	lastPeerID     uint32
+	mu         sync.Mutex
+	streams    map[uint32]*Stream
+	active     int // streams open or reserved (client) on this conn
+	ending     int // streams uncount took out of active, not yet forgotten: their END_STREAM is still being written (emptyLocked)
+	nextID     uint32
+	lastPeerID uint32
+	// lastAccepted (server) is the last stream the peer opened that we
+	// took (not refused): what a GOAWAY names as the last we may have
+	// processed, so a stream refused as the conn goes away stays beyond
+	// it, retried by the client even if its RST_STREAM is lost in the close.
+	lastAccepted   uint32
 	peerMaxStreams uint32
 	peerInitWindow int64
 	acksPending    int   // SETTINGS acks queued, not yet written: DATA waits
@@ -1123,6 +1128,7 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 	s.sendWindow = c.peerInitWindow
 	s.remoteEnded = f.StreamEnded()
 	c.streams[id] = s
+	c.lastAccepted = id
 	c.addActiveLocked()
 	c.mu.Unlock()
 	return c.cfg.onRequest(s, f)
@@ -1385,13 +1391,25 @@ func (c *conn) queue(f ctlFrame) {
 		c.mu.Unlock()
 		return
 	}
-	c.ctl = append(c.ctl, f)
-	flood := len(c.ctl) > maxQueuedControl
+	flood := c.queueLocked(f)
 	c.mu.Unlock()
 	if flood {
 		c.closeControlFlood()
 		return
 	}
+	c.wakeCtl()
+}
+
+// queueLocked adds f to the control frames and reports whether they are now
+// more than maxQueuedControl: the caller then closes the conn
+// (closeControlFlood), else wakes the writer (wakeCtl).
+func (c *conn) queueLocked(f ctlFrame) (flood bool) {
+	c.ctl = append(c.ctl, f)
+	return len(c.ctl) > maxQueuedControl
+}
+
+// wakeCtl wakes the control writer.
+func (c *conn) wakeCtl() {
 	select {
 	case c.ctlWake <- struct{}{}:
 	default:
@@ -1454,14 +1472,21 @@ func (c *conn) ctlLoop() {
 		case <-c.done:
 			return
 		}
+		// The batch is taken under wmu: a close in order (closeConn)
+		// takes wmu before it ends the connection, so frames taken here
+		// are written before that, not after close_notify and lost.
+		c.lockWrite()
 		c.mu.Lock()
 		batch := c.ctl
 		c.ctl, c.ctlSpare = c.ctlSpare[:0], nil
 		c.mu.Unlock()
 		if len(batch) == 0 {
+			c.unlockWrite()
 			continue
 		}
-		c.lockWrite()
+		if testHookCtlBatch != nil {
+			testHookCtlBatch(c, batch)
+		}
 		var err error
 		settingsAck, releases := false, false
 		for _, f := range batch {
@@ -1506,6 +1531,10 @@ func (c *conn) ctlLoop() {
 		}
 	}
 }
+
+// testHookCtlBatch, if set, runs in ctlLoop once it took a batch of control
+// frames, before writing them: tests widen that window.
+var testHookCtlBatch func(c *conn, batch []ctlFrame)
 
 func (c *conn) writeCtlLocked(f ctlFrame) error {
 	switch f.typ {
@@ -1748,7 +1777,15 @@ func (c *conn) releaseLocked(s *Stream) (closeNow bool) {
 }
 
 // forget removes a finished stream from the conn.
-func (c *conn) forget(s *Stream) { c.remove(s, true) }
+func (c *conn) forget(s *Stream) { c.remove(s, true, nil) }
+
+// forgetAndReset forgets server stream s and queues its RST_STREAM in one
+// step under mu. Forgotten first, the last stream of a draining conn closed
+// the conn, and its reset, queued after, was dropped: the client saw the
+// connection end rather than its stream reset.
+func (c *conn) forgetAndReset(s *Stream, code http2.ErrCode) {
+	c.remove(s, true, &ctlFrame{typ: http2.FrameRSTStream, id: s.id, val: uint32(code)})
+}
 
 // forgetUntilSent removes client stream s, which is about to be reset, from
 // the conn, and reports whether it did; if so, s still counts toward the
@@ -1756,29 +1793,41 @@ func (c *conn) forget(s *Stream) { c.remove(s, true) }
 // writer releases it). Released at once, its slot went to another stream
 // whose HEADERS could be written before the reset: one stream too many at
 // the server, refused.
-func (c *conn) forgetUntilSent(s *Stream) bool { return c.remove(s, false) }
+func (c *conn) forgetUntilSent(s *Stream) bool { return c.remove(s, false, nil) }
 
 // remove takes s out of the conn's streams, releasing its count if
-// release, and reports whether s was there.
-func (c *conn) remove(s *Stream, release bool) bool {
+// release, and reports whether s was there. reset, if not nil, is queued
+// for the control writer in the same step, whether or not s was there:
+// before the release can close a draining conn, whose close in order
+// sends what is queued.
+func (c *conn) remove(s *Stream, release bool, reset *ctlFrame) bool {
 	s.mu.Lock()
 	peerEnded := s.remoteEnded || s.peerReset
 	s.mu.Unlock()
 	c.mu.Lock()
-	if c.streams[s.id] != s {
-		c.mu.Unlock()
-		return false
+	queued, flood := false, false
+	if reset != nil && c.err == nil {
+		queued, flood = true, c.queueLocked(*reset)
 	}
-	delete(c.streams, s.id)
-	if peerEnded {
-		c.notePeerClosedLocked(s.id)
+	found := c.streams[s.id] == s
+	closeNow := false
+	if found {
+		delete(c.streams, s.id)
+		if peerEnded {
+			c.notePeerClosedLocked(s.id)
+		}
+		closeNow = release && c.releaseLocked(s)
 	}
-	closeNow := release && c.releaseLocked(s)
 	c.mu.Unlock()
-	if closeNow {
+	switch {
+	case flood:
+		c.closeControlFlood()
+	case closeNow:
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+	case queued:
+		c.wakeCtl()
 	}
-	return true
+	return found
 }
 
 // idleForLocked reports whether the conn has had no streams for at least d and
@@ -1887,7 +1936,7 @@ func (c *conn) drain() {
 	}
 	c.goAway = true
 	idle := c.emptyLocked()
-	last := c.lastPeerID
+	last := c.lastAccepted
 	if !idle && !c.goAwaySent {
 		c.goAwaySent = true
 		c.ctl = append(c.ctl, ctlFrame{typ: http2.FrameGoAway, id: last, val: uint32(http2.ErrCodeNo)})
@@ -1968,7 +2017,7 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 		pending, c.ctl = c.ctl, nil
 	}
 	sendGoAway = sendGoAway && !c.goAwaySent
-	last := c.lastPeerID
+	last := c.lastAccepted
 	var debug []byte
 	if code != http2.ErrCodeNo {
 		debug = []byte(c.goAwayDebug)
@@ -1994,8 +2043,11 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 
 	close(c.done)
 	c.cancel()
-	if sendGoAway || len(pending) > 0 {
+	if sendGoAway || len(pending) > 0 || inOrder {
 		// Bound the write: a peer that stopped reading must not hold us.
+		// In order, wmu is taken even with nothing to write: the control
+		// writer may hold frames it took before the close (ctlLoop), which
+		// must go out before the connection ends.
 		_ = c.nc.SetWriteDeadline(time.Now().Add(closeWriteDeadline))
 		c.lockWrite()
 		var err error

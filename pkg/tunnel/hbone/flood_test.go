@@ -27,6 +27,7 @@ type rawFrame struct {
 	typ    http2.FrameType
 	stream uint32
 	code   http2.ErrCode // RST_STREAM, GOAWAY
+	last   uint32        // GOAWAY: the last stream the server may have processed
 	status int           // response HEADERS
 	ack    bool          // PING ack
 	ping   [8]byte       // PING data
@@ -91,7 +92,7 @@ func newRawClientOver(t testing.TB, cli net.Conn) *rawClient {
 			case *http2.RSTStreamFrame:
 				rf.code = f.ErrCode
 			case *http2.GoAwayFrame:
-				rf.code = f.ErrCode
+				rf.code, rf.last = f.ErrCode, f.LastStreamID
 			case *http2.PingFrame:
 				rf.ack, rf.ping = f.IsAck(), f.Data
 			case *http2.WindowUpdateFrame:

@@ -168,6 +168,9 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		if err != nil {
 			return nil, err
 		}
+		if testHookReserved != nil {
+			testHookReserved(p, c)
+		}
 		s, err := c.roundTrip(ctx, fields, req.EarlyData)
 		if err == nil {
 			return s, nil
@@ -177,6 +180,14 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		}
 	}
 }
+
+// testHookDialWait, if set, runs in reserve before it waits for another
+// Connect's dial.
+var testHookDialWait func()
+
+// testHookReserved, if set, runs in Connect once a stream slot was reserved
+// on c, before the stream is opened: tests widen that window.
+var testHookReserved func(p *Pool, c *conn)
 
 // reserve returns a connection for key with a stream slot reserved on it.
 func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config) (*conn, error) {
@@ -200,6 +211,9 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		}
 		if d := e.dialing; d != nil {
 			p.mu.Unlock()
+			if testHookDialWait != nil {
+				testHookDialWait()
+			}
 			select {
 			case <-d.done:
 			case <-ctx.Done():
@@ -210,6 +224,14 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 				return nil, d.err
 			}
 			p.mu.Lock()
+			if e.evicted {
+				// Evict closed the dial's connection before its SETTINGS
+				// came (the dial ends without an error then): the key is
+				// gone, and going round would dial it anew from the
+				// evicted source.
+				p.mu.Unlock()
+				return nil, errEvicted
+			}
 			continue
 		}
 

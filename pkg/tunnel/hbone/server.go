@@ -424,14 +424,30 @@ func (srv *Server) earlyReset(c *conn) bool {
 	return srv.limiter.takeEarlyReset(c.peer)
 }
 
+// onIdle closes c if it is still idle. The check and the end of new
+// streams are one step under c.mu, as in Pool.onIdle: a CONNECT the reader
+// took between them would be accepted, its handler run, and then failed by
+// the close under a GOAWAY naming it processed, so its client could not
+// retry it. Taken after, it is refused (REFUSED_STREAM) and beyond the
+// GOAWAY's last stream.
 func (srv *Server) onIdle(c *conn) {
 	c.mu.Lock()
 	idle := c.idleForLocked(srv.opts.IdleTimeout)
+	if idle {
+		c.goAway = true
+	}
 	c.mu.Unlock()
+	if idle && testHookIdleChecked != nil {
+		testHookIdleChecked(c)
+	}
 	if idle {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle", ErrConnClosed), true)
 	}
 }
+
+// testHookIdleChecked, if set, runs in Server.onIdle between finding the
+// conn idle and closing it: tests widen that window.
+var testHookIdleChecked func(c *conn)
 
 func (srv *Server) onClose(c *conn) {
 	srv.mu.Lock()

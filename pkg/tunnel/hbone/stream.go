@@ -863,11 +863,13 @@ func (s *Stream) closeWithCode(code http2.ErrCode) {
 	// at once must find the stream closed by us (frames then are junk it
 	// pays for), not still half-closed by its own END_STREAM. (sendReset
 	// forgets a client's stream.)
-	if !reset || !c.cfg.client {
+	switch {
+	case !reset:
 		c.forget(s)
-	}
-	if reset {
+	case c.cfg.client:
 		c.sendReset(s, s.id, code)
+	default:
+		c.forgetAndReset(s, code)
 	}
 	if unread > 0 {
 		c.credit(0, 0, unread)
