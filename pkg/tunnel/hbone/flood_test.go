@@ -682,7 +682,7 @@ func TestConnLimiter(t *testing.T) {
 	var servers []*Server
 	var addrs []string
 	for range 2 {
-		srv, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: 300 * time.Millisecond})
+		srv, addr := serveLoopback(t, ServerOptions{TLSConfig: mustServerTLS(), Handler: dialTarget, Limiter: lim, HandshakeTimeout: time.Second})
 		servers = append(servers, srv)
 		addrs = append(addrs, addr)
 	}
@@ -794,7 +794,9 @@ func mustServerTLS() *tls.Config {
 // an answer; that stays within the early-reset budget, so the server does
 // not take an honest client for an attacker.
 func TestHonestResetsWithinBudget(t *testing.T) {
+	var started atomic.Int64
 	e := newEnv(t, func(ctx context.Context, req *ServerRequest) Response {
+		started.Add(1)
 		<-ctx.Done() // an app that never accepts
 		return Response{Status: 503}
 	}, ServerOptions{}, PoolOptions{MaxStreamsPerConn: 100})
@@ -814,7 +816,12 @@ func TestHonestResetsWithinBudget(t *testing.T) {
 	wg.Wait()
 	// Every handler ends (the resets, or the client's connection closing
 	// once it gave up on it, cancelled them) and none was taken for a flood.
-	waitfor.Until(t, "every handler to end", func() bool { return e.srv.Stats().StreamsDenied == 100 })
+	// (A Connect whose 300 ms ran out before its stream opened, on a loaded
+	// machine, started no handler.)
+	waitfor.Until(t, "every handler to end", func() bool {
+		n := started.Load()
+		return n > 0 && e.srv.Stats().StreamsDenied == uint64(n)
+	})
 	if st := e.srv.Stats(); st.ConnsFlood != 0 || st.StreamsEarlyReset == 0 {
 		t.Errorf("server stats %+v: want early resets and no connection closed as a flood", st)
 	}
