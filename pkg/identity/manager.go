@@ -78,6 +78,10 @@ const (
 	StateFailing CertState = "failing"
 	// StateExpired: past NotAfter and no new one yet; handshakes fail closed.
 	StateExpired CertState = "expired"
+	// StateNotYetValid: the clock is before the certificate's NotBefore (it
+	// was stepped back since the certificate was issued); handshakes fail
+	// closed while a new one is requested.
+	StateNotYetValid CertState = "not_yet_valid"
 )
 
 // CertInfo describes one identity the Manager keeps a certificate for, for
@@ -367,6 +371,9 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		}
 		now := m.clock()
 		var wait time.Duration
+		// validFrom, when set, ends the wait if the clock goes back before
+		// it (see sleep).
+		var validFrom time.Time
 		// A certificate with an error is a short grant (see request): asked
 		// again at the renewal pace, not the backoff's, and served unless
 		// the one kept still verifies and outlives it. Only this worker
@@ -397,6 +404,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			if shortGrant && (!keptGood || e.end.Before(end)) {
 				first = e.cert == nil
 				e.cert, e.end, e.refreshAt = cert, end, now.Add(wait)
+				validFrom = cert.Leaf.NotBefore
 			}
 			e.lastErr = err
 			e.failures++
@@ -411,6 +419,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		} else {
 			first := e.cert == nil
 			e.cert, e.end, e.lastErr, e.failures = cert, end, nil, 0
+			validFrom = cert.Leaf.NotBefore
 			// Renewal follows what was granted, but never later than if
 			// the TTL asked for had been granted: a CA granting years does
 			// not keep one key in use for years. The end is the chain's:
@@ -443,7 +452,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		if !m.sleep(ctx, now, wait, e.wake) {
+		if !m.sleep(ctx, now, wait, e.wake, validFrom) {
 			return
 		}
 	}
@@ -490,12 +499,21 @@ func (m *Manager) renewUntrusted() {
 // was computed at, not read again here: a step of the wall clock in
 // between (Wait has already returned) would have moved the refresh time
 // by the step.
-func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}) bool {
+//
+// A step back is seen the same way: once the clock is before validFrom
+// (the NotBefore of the certificate just stored, if any) it returns at
+// once. A certificate signed on a clock that was then set back, by more
+// than the 2 minutes it is backdated (the file CA signs on the node's
+// clock; a node whose clock ran ahead at start), is refused by every
+// handshake until the clock reaches its NotBefore again, which the wait
+// for its refresh time could outlast by hours.
+func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}, validFrom time.Time) bool {
 	start := time.Now()
 	at := from.Round(0).Add(d) // Round(0): compared on the wall clock
 	for {
-		left := min(d-time.Since(start), at.Sub(m.clock()))
-		if left <= 0 {
+		now := m.clock()
+		left := min(d-time.Since(start), at.Sub(now))
+		if left <= 0 || now.Before(validFrom) {
 			return true
 		}
 		t := time.NewTimer(min(left, m.clockCheck))
@@ -694,6 +712,8 @@ func (m *Manager) Snapshot() []CertInfo {
 			ci.State = StatePending
 		case !now.Before(e.end):
 			ci.State = StateExpired
+		case now.Before(e.cert.Leaf.NotBefore):
+			ci.State = StateNotYetValid
 		case e.lastErr != nil:
 			ci.State = StateFailing
 		case !now.Before(e.refreshAt):

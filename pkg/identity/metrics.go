@@ -47,7 +47,7 @@ func (c *caMetrics) observe(d time.Duration, err error) {
 }
 
 var keptDesc = prometheus.NewDesc("redirector_certificates",
-	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. "+
+	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid. "+
 		"Bounded by the local pods: an identity is dropped when its last local pod leaves.",
 	[]string{"state"}, nil)
 
@@ -64,7 +64,7 @@ func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.metrics.Collect(ch)
-	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0}
+	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0, StateNotYetValid: 0}
 	for _, ci := range c.m.Snapshot() {
 		counts[ci.State]++
 	}
