@@ -285,8 +285,18 @@ func makeCSR(id identity.ID) (*ecdsa.PrivateKey, []byte, error) {
 	return key, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}), nil
 }
 
-// parse turns istiod's answer (PEM strings: the leaf, then the chain up to
-// and including the root) into a certificate for id, checked.
+// maxAnswerCerts bounds the certificates of an answer as a whole: the
+// chain, at most identity.MaxChainLen of them presented, and the roots
+// istiod appends, its whole root-cert.pem, every trust anchor of a
+// multi-root mesh (ISTIO_MULTIROOT_MESH), which a few dozen cover. A
+// 64 KiB answer (maxAnswerBytes) holds some 300 certificates as small as
+// can be.
+const maxAnswerCerts = 64
+
+// parse turns istiod's answer (PEM strings: the leaf, then the chain its
+// cert-chain.pem flattens, root included, then its root-cert.pem as one
+// entry) into a certificate for id, checked. The roots are left out of
+// what is presented, so they do not count against identity.MaxChainLen.
 func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*tls.Certificate, error) {
 	bad := func(format string, a ...any) error {
 		return &identity.CAError{Reason: identity.ReasonBadResponse, Err: fmt.Errorf("istiod answer: "+format, a...)}
@@ -294,9 +304,9 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	var certs []*x509.Certificate
 	for i, p := range chainPEM {
 		// Before the rest is parsed or any signature checked: a real
-		// answer holds a few, a hostile one thousands (4 MiB of them).
-		if len(certs) > identity.MaxChainLen {
-			return nil, bad("chain of more than %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+		// answer holds a few, a hostile one thousands.
+		if len(certs) > maxAnswerCerts {
+			return nil, bad("more than %d certificates, at most %d accepted", len(certs), maxAnswerCerts)
 		}
 		cs, err := identity.ParseCertificates([]byte(p))
 		if err != nil {
@@ -307,8 +317,8 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	if len(certs) == 0 {
 		return nil, bad("empty certificate chain")
 	}
-	if len(certs) > identity.MaxChainLen {
-		return nil, bad("chain of %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+	if len(certs) > maxAnswerCerts {
+		return nil, bad("%d certificates, at most %d accepted", len(certs), maxAnswerCerts)
 	}
 	leaf := certs[0]
 	if pub, ok := key.Public().(*ecdsa.PublicKey); !ok || !pub.Equal(leaf.PublicKey) {
@@ -337,6 +347,9 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	for _, ch := range certs[1:] {
 		if isSelfSigned(ch) {
 			continue
+		}
+		if len(out.Certificate) == identity.MaxChainLen {
+			return nil, bad("chain of more than %d certificates below the roots, at most %d accepted", identity.MaxChainLen, identity.MaxChainLen)
 		}
 		opts.Intermediates.AddCert(ch)
 		out.Certificate = append(out.Certificate, ch.Raw)
