@@ -308,3 +308,62 @@ func TestSettingFilesNotRegular(t *testing.T) {
 		t.Errorf("LoadCAFor(root-cert.pem a fifo) = %v, want it named as a fifo", err)
 	}
 }
+
+// raceTrust is a Trust whose roots change, its OnChange callbacks run, in
+// the middle of the first read of them after it is armed: between a
+// Manager's check of a certificate and its storing, the moment a reload
+// may come.
+type raceTrust struct {
+	mu       sync.Mutex
+	pool     *x509.CertPool
+	next     *x509.CertPool // swapped in at the armed read
+	onChange []func()
+}
+
+func (r *raceTrust) TrustDomain() string { return "cluster.local" }
+
+func (r *raceTrust) OnChange(f func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.onChange = append(r.onChange, f)
+}
+
+func (r *raceTrust) Roots() *x509.CertPool {
+	r.mu.Lock()
+	pool, next, fs := r.pool, r.next, r.onChange
+	if next != nil {
+		r.pool, r.next = next, nil
+	}
+	r.mu.Unlock()
+	if next != nil {
+		for _, f := range fs {
+			f()
+		}
+	}
+	return pool
+}
+
+// TestTrustChangeDuringIssue: the root a certificate was checked against
+// is removed before the certificate is stored. The pass over the kept
+// certificates ran before it was stored and did not see it; it must be
+// renewed at once all the same. Before, it was served, refused by every
+// peer holding the new roots, until its refresh time.
+func TestTrustChangeDuringIssue(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	trust := &raceTrust{pool: oldCA.Roots(), next: newCA.Roots()}
+	s := &switchSigner{ca: oldCA}
+	m := New(ManagerOptions{Signer: s, Trust: trust, TTL: time.Hour})
+	t.Cleanup(m.Close)
+	// The rotation reaches the CA with the bundle: what it signs next is
+	// under the new root.
+	m.OnTrustChange(func() {
+		s.mu.Lock()
+		s.ca = newCA
+		s.mu.Unlock()
+	})
+	m.Add(idWeb)
+	waitfor.Until(t, "a certificate under the new root", func() bool {
+		c, err := m.Certificate(idWeb)
+		return err == nil && c.Leaf.CheckSignatureFrom(newCA.cert) == nil
+	})
+}

@@ -446,6 +446,17 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			if first {
 				close(e.ready)
 			}
+			// A change of the roots between request's check and the store
+			// above went by unseen: renewUntrusted saw the certificate
+			// before this one, or none. Checked again now that it is
+			// stored, a later change sees it.
+			if _, err := m.check(e.id, cert); err != nil {
+				m.log.Info("trust bundle changed while the certificate was issued: it no longer chains to a root; renewing now", "identity", e.id, "ca", m.opts.Signer.Name())
+				select {
+				case e.wake <- struct{}{}:
+				default:
+				}
+			}
 			if granted := end.Sub(now); short || granted > m.opts.TTL+time.Minute {
 				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
 					"asked", m.opts.TTL, "granted", granted.Round(time.Second), "refresh_in", wait.Round(time.Millisecond))
