@@ -367,3 +367,35 @@ func TestTrustChangeDuringIssue(t *testing.T) {
 		return err == nil && c.Leaf.CheckSignatureFrom(newCA.cert) == nil
 	})
 }
+
+// TestTrustChangeRetriesRefusedChain: the CA signs under a new root before
+// this node's bundle holds it (istiod switched to the new intermediate
+// while the ConfigMap with both roots was on its way). Its answers are
+// refused; once the bundle brings the root, the identity is asked for
+// again at once, not when its backoff (up to 30 s, an hour here) ends.
+func TestTrustChangeRetriesRefusedChain(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	path := filepath.Join(t.TempDir(), "root-cert.pem")
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	b, err := LoadBundle(path, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &switchSigner{ca: newCA}
+	m := New(ManagerOptions{Signer: s, Trust: b, TTL: time.Hour, BackoffMin: time.Hour})
+	t.Cleanup(m.Close)
+	m.Add(idWeb)
+	waitfor.Until(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert, newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := b.Reload(); !changed || err != nil {
+		t.Fatalf("reload with the new root: changed %v, err %v", changed, err)
+	}
+	waitfor.Until(t, "a certificate under the new root", func() bool {
+		_, err := m.Certificate(idWeb)
+		return err == nil
+	})
+}

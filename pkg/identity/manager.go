@@ -474,28 +474,46 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 // refresh time: a root rotation removed the root it was issued under, and
 // peers holding the new bundle refuse it. It stays in use meanwhile (a
 // peer whose bundle is not yet updated still takes it).
+//
+// An identity whose last answer was refused for not chaining to the roots
+// is asked again now too: a CA that signs under a new root before this
+// node's bundle holds it (istiod switched to the new intermediate as the
+// ConfigMap with both roots was still on its way) is answered in vain
+// until the bundle arrives, and the backoff after those refusals may
+// have grown to BackoffMax.
 func (m *Manager) renewUntrusted() {
 	type kept struct {
 		e    *entry
 		cert *tls.Certificate
 	}
 	var all []kept
+	var refused []*entry
 	m.mu.Lock()
 	for _, e := range m.entries {
-		if e.cert != nil {
+		switch {
+		case e.lastErr != nil && ReasonOf(e.lastErr) == ReasonUntrustedChain:
+			refused = append(refused, e)
+		case e.cert != nil:
 			all = append(all, kept{e, e.cert})
 		}
 	}
 	m.mu.Unlock()
+	wake := func(e *entry) {
+		select {
+		case e.wake <- struct{}{}:
+		default:
+		}
+	}
+	for _, e := range refused {
+		m.log.Info("trust bundle changed: asking again for the certificate refused for not chaining to a root", "identity", e.id, "ca", m.opts.Signer.Name())
+		wake(e)
+	}
 	for _, k := range all {
 		if _, err := m.check(k.e.id, k.cert); err == nil {
 			continue
 		}
 		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
-		select {
-		case k.e.wake <- struct{}{}:
-		default:
-		}
+		wake(k.e)
 	}
 }
 
