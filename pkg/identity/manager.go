@@ -658,6 +658,14 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 	if got != id {
 		return time.Time{}, &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
 	}
+	// Said before Verify, whose words ("expired or is not yet valid",
+	// "untrusted") do not point at the cause: the clocks. istiod backdates
+	// NotBefore by 2 minutes, so a node whose clock is further behind
+	// istiod's has every answer refused, until its clock is put right.
+	if nb := cert.Leaf.NotBefore; now.Before(nb) {
+		return time.Time{}, &CAError{Reason: ReasonNotYetValid, Err: fmt.Errorf("the leaf is not valid before %s, %s after this node's clock: is this node's clock behind the CA's?",
+			nb.UTC().Format(time.RFC3339), nb.Sub(now).Round(time.Second))}
+	}
 	opts := x509.VerifyOptions{
 		Roots:         roots,
 		Intermediates: x509.NewCertPool(),

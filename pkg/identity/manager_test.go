@@ -360,7 +360,7 @@ redirector_certificates{state="not_yet_valid"} 0
 redirector_certificates{state="pending"} 0
 redirector_certificates{state="refreshing"} 0
 redirector_certificates{state="valid"} 0
-# HELP redirector_ca_request_failures_total Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), refused, local.
+# HELP redirector_ca_request_failures_total Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), not_yet_valid (the leaf starts after this node's clock: the clocks disagree), refused, local.
 # TYPE redirector_ca_request_failures_total counter
 redirector_ca_request_failures_total{reason="unavailable"} 1
 `

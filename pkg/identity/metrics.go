@@ -24,7 +24,7 @@ func newCAMetrics() *caMetrics {
 		}),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_ca_request_failures_total",
-			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), refused, local.",
+			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), not_yet_valid (the leaf starts after this node's clock: the clocks disagree), refused, local.",
 		}, []string{"reason"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "redirector_ca_request_duration_seconds",
