@@ -85,8 +85,17 @@ type Client struct {
 	// roots reaches them all.
 	creds  credentials.TransportCredentials
 	mu     sync.Mutex
-	conn   *grpc.ClientConn
+	conn   *caConn
 	closed bool
+}
+
+// caConn is a connection to istiod and the requests in flight on it
+// (guarded by Client.mu): one redial replaced is closed when the last of
+// them ends, not under them.
+type caConn struct {
+	*grpc.ClientConn
+	inflight int
+	retired  bool
 }
 
 // New returns a client; it connects lazily, so istiod need not be up yet.
@@ -109,7 +118,7 @@ func New(cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.conn = conn
+	c.conn = &caConn{ClientConn: conn}
 	return c, nil
 }
 
@@ -143,11 +152,25 @@ const maxHeaderBytes = 64 << 10
 // each of the requests in flight.
 const maxAnswerBytes = 64 << 10
 
-// current is the connection requests use now.
-func (c *Client) current() *grpc.ClientConn {
+// acquire is the connection a request uses now, counted in flight until
+// release.
+func (c *Client) acquire() *caConn {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.conn.inflight++
 	return c.conn
+}
+
+// release ends a request on cc; the last one on a replaced connection
+// closes it.
+func (c *Client) release(cc *caConn) {
+	c.mu.Lock()
+	cc.inflight--
+	last := cc.retired && cc.inflight == 0
+	c.mu.Unlock()
+	if last {
+		cc.Close()
+	}
 }
 
 // redial replaces stale, on which a request timed out, with a new
@@ -158,7 +181,13 @@ func (c *Client) current() *grpc.ClientConn {
 // and more often than every 15 s, longer than a request may take. A slow
 // istiod costs one new connection per timeout, which may reach another
 // replica.
-func (c *Client) redial(stale *grpc.ClientConn) {
+//
+// The requests still in flight on stale run on, each to its own deadline,
+// and the last closes it (release): closed at once, it failed up to 7
+// requests that istiod may have been about to answer, which the manager
+// then asked again for, so that one slow answer (a slow signer behind
+// istiod's API, such as cert-manager's istio-csr) multiplied the requests.
+func (c *Client) redial(stale *caConn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.conn != stale || c.closed {
@@ -168,9 +197,8 @@ func (c *Client) redial(stale *grpc.ClientConn) {
 	if err != nil {
 		return
 	}
-	c.conn = fresh
-	// Requests still waiting on it fail and are retried by the manager.
-	go stale.Close()
+	c.conn = &caConn{ClientConn: fresh}
+	stale.retired = true
 }
 
 // verifyServer checks istiod's serving certificate against the mesh roots
@@ -239,12 +267,13 @@ func (c *Client) Sign(ctx context.Context, id identity.ID, ttl time.Duration) (*
 			ImpersonatedIdentityKey: structpb.NewStringValue(id.String()),
 		}},
 	}
-	conn := c.current()
+	conn := c.acquire()
 	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(metadata.NewOutgoingContext(ctx, md), req)
+	if status.Code(err) == codes.DeadlineExceeded {
+		c.redial(conn)
+	}
+	c.release(conn)
 	if err != nil {
-		if status.Code(err) == codes.DeadlineExceeded {
-			c.redial(conn)
-		}
 		return nil, &identity.CAError{Reason: reasonOf(err), Err: fmt.Errorf("istiod CreateCertificate: %w", err)}
 	}
 	cert, err := c.parse(id, key, resp.GetCertChain())
