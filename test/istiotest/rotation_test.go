@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"fmt"
@@ -116,10 +117,11 @@ func publishedRoots(t *testing.T, cs kubernetes.Interface, path string, want ...
 // TestIstiodRootRotation rotates istiod's plug-in CA to a new root as Istio's multi-root
 // rotation does: first root-cert.pem holds the old and the new root while a new
 // intermediate under the new root signs, then the old root is removed. The agent's
-// certificate and its connection to istiod follow: certificates under either root verify
+// certificate and its connection to istiod follow: peers' certificates under either root verify
 // during the overlap and the kept one is not renewed for it; once the old root is gone, the
 // certificate issued under it is renewed at once (not at half its lifetime), through a new
-// connection to istiod, whose serving certificate under the old root no longer verifies.
+// connection to istiod, whose serving certificate under the old root no longer verifies, and a
+// peer under the old root is refused.
 func TestIstiodRootRotation(t *testing.T) {
 	dir := t.TempDir()
 	rootA, rootAKey := newRoot(t, "Root A")
@@ -170,7 +172,11 @@ func TestIstiodRootRotation(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, serialA := issuer()
-	var underB *x509.Certificate
+	certA, err := m.Certificate(web)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var underB *tls.Certificate
 	deadline := time.Now().Add(30 * time.Second)
 	for underB == nil {
 		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
@@ -180,7 +186,7 @@ func TestIstiodRootRotation(t *testing.T) {
 		case err != nil:
 			t.Logf("during the overlap: %v", err)
 		case bytes.Equal(cert.Leaf.RawIssuer, interB.RawSubject):
-			underB = cert.Leaf
+			underB = cert
 		}
 		if underB == nil && time.Now().After(deadline) {
 			t.Fatalf("istiod issued no certificate under the new intermediate during the overlap (last: %v)", err)
@@ -189,6 +195,12 @@ func TestIstiodRootRotation(t *testing.T) {
 	}
 	if _, s := issuer(); s != serialA {
 		t.Errorf("the kept certificate under the old root, still trusted, was renewed for the overlap")
+	}
+	// A peer presenting either is taken during the overlap.
+	for name, c := range map[string]*tls.Certificate{"old root": certA, "new root": underB} {
+		if err := m.Reverify(presented(t, c), x509.ExtKeyUsageClientAuth); err != nil {
+			t.Errorf("peer under the %s during the overlap: %v", name, err)
+		}
 	}
 
 	// The old root leaves: the certificate under it is renewed at once.
@@ -211,6 +223,27 @@ func TestIstiodRootRotation(t *testing.T) {
 	if _, err := m.Certificate(web); err != nil {
 		t.Errorf("after the rotation: %v", err)
 	}
+	// And a peer under the old root is refused from then on.
+	if err := m.Reverify(presented(t, certA), x509.ExtKeyUsageClientAuth); err == nil {
+		t.Error("peer under the removed root still verifies")
+	}
+	if err := m.Reverify(presented(t, underB), x509.ExtKeyUsageClientAuth); err != nil {
+		t.Errorf("peer under the new root: %v", err)
+	}
+}
+
+// presented is what a handshake with a peer presenting c gives to verify.
+func presented(t *testing.T, c *tls.Certificate) tls.ConnectionState {
+	t.Helper()
+	cs := tls.ConnectionState{HandshakeComplete: true}
+	for _, der := range c.Certificate {
+		x, err := x509.ParseCertificate(der)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cs.PeerCertificates = append(cs.PeerCertificates, x)
+	}
+	return cs
 }
 
 // TestIstiodAnswerWithTheMeshRoots: istiod's answer ends with its whole root-cert.pem, every
