@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -290,5 +291,68 @@ func TestIstiodAnswerWithTheMeshRoots(t *testing.T) {
 		if c.ID == web && (len(c.Chain) != 2 || c.Chain[1].Subject != inter.Subject.String()) {
 			t.Errorf("presented chain %+v, want the leaf and the intermediate", c.Chain)
 		}
+	}
+}
+
+// TestIstiodOutageThroughExpiry: istiod stops while a certificate of 20 s is in use. The
+// certificate is served until its chain ends, never past it (the handshake then fails
+// closed, naming the expiry and the CA's error), and once istiod is back the identity has a
+// certificate again on its own, within its backoff.
+func TestIstiodOutageThroughExpiry(t *testing.T) {
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	istiod := Start(t, cluster, Options{TrustedNodeAccounts: []string{agentAccount}})
+	if _, err := cs.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	CreatePod(t, cs, "shop", "web", "web", "node1", "10.1.1.2")
+	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: AgentToken(t, cs, agentAccount, "node1", Audience), ClusterID: ClusterID, Trust: bundle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	const ttl = 20 * time.Second
+	m := identity.New(identity.ManagerOptions{Signer: client, Trust: bundle, TTL: ttl})
+	defer m.Close()
+	web := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
+	m.Add(web)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, web); err != nil {
+		t.Fatal(err)
+	}
+	istiod.Stop()
+	cert, err := m.Certificate(web)
+	if err != nil {
+		t.Fatalf("right after istiod stopped: %v", err)
+	}
+	end := cert.Leaf.NotAfter
+	// Served while it lasts (renewals failing meanwhile), refused once it ended.
+	for time.Now().Before(end.Add(-2 * time.Second)) {
+		if _, err := m.Certificate(web); err != nil {
+			t.Fatalf("%s before its end, istiod down: %v", time.Until(end).Round(time.Second), err)
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	time.Sleep(time.Until(end) + time.Second)
+	_, err = m.Certificate(web)
+	if err == nil || !strings.Contains(err.Error(), "expired") || !strings.Contains(err.Error(), "renewal failing") {
+		t.Fatalf("after its end, istiod down: err = %v, want an expiry naming the failing renewal", err)
+	}
+	t.Logf("refused as expected: %v", err)
+
+	istiod.Restart(t)
+	deadline := time.Now().Add(45 * time.Second) // the backoff (at most 30 s) and gRPC's reconnect
+	for {
+		if _, err := m.Certificate(web); err == nil {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("no certificate 45 s after istiod came back: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 }
