@@ -356,3 +356,94 @@ func TestIstiodOutageThroughExpiry(t *testing.T) {
 		time.Sleep(200 * time.Millisecond)
 	}
 }
+
+// TestIstiodRotationAheadOfTheBundle: istiod's plug-in CA switches to an intermediate under a
+// new root (root-cert.pem with both) before the node's copy of istio-ca-root-cert has the new
+// root, as when the kubelet is still to update the ConfigMap's volume. A new pod's identity is
+// refused meanwhile (its chain ends at a root the node does not trust yet); once the bundle
+// brings the root, it is asked for again at once, not when its backoff (30 s at most; an hour
+// here) ends.
+func TestIstiodRotationAheadOfTheBundle(t *testing.T) {
+	dir := t.TempDir()
+	rootA, rootAKey := newRoot(t, "Root A")
+	interAKey := identitytest.NewKey(t, "ecdsa")
+	interA := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate A"}, interAKey, rootA, rootAKey)
+	rootB, rootBKey := newRoot(t, "Root B")
+	interBKey := identitytest.NewKey(t, "ecdsa")
+	interB := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate B"}, interBKey, rootB, rootBKey)
+	pluginCA{cert: interA, key: interAKey, chain: []*x509.Certificate{rootA}, roots: []*x509.Certificate{rootA}}.write(t, dir)
+
+	istiod, cs, token := startPluginIstiod(t, dir)
+	CreatePod(t, cs, "shop", "cart", "cart", "node1", "10.1.1.3")
+	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
+	publishedRoots(t, cs, bundlePath, rootA)
+	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: token, ClusterID: ClusterID, Trust: bundle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	m := identity.New(identity.ManagerOptions{Signer: client, Trust: bundle, TTL: time.Hour, BackoffMin: time.Hour})
+	defer m.Close()
+	web := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
+	cart := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
+	m.Add(web)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, web); err != nil {
+		t.Fatal(err)
+	}
+
+	// istiod rotates; the node's bundle still holds the old root only.
+	pluginCA{cert: interB, key: interBKey, chain: []*x509.Certificate{rootB}, roots: []*x509.Certificate{rootA, rootB}}.write(t, dir)
+	publishedRoots(t, cs, filepath.Join(t.TempDir(), "later.pem"), rootA, rootB)
+	m.Add(cart)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var st identity.CertInfo
+		for _, c := range m.Snapshot() {
+			if c.ID == cart {
+				st = c
+			}
+		}
+		if st.State == identity.StateFailing {
+			if !strings.Contains(st.LastError, "does not verify to the trust bundle") {
+				t.Fatalf("refused for another reason: %s", st.LastError)
+			}
+			break
+		}
+		if st.State == identity.StateValid {
+			t.Fatal("issued under the new root before the node trusts it")
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("cart is %s", st.State)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if err := m.Ready(web); err != nil {
+		t.Errorf("the kept certificate meanwhile: %v", err)
+	}
+
+	// The kubelet catches up.
+	publishedRoots(t, cs, bundlePath, rootA, rootB)
+	if _, err := bundle.Reload(); err != nil {
+		t.Fatal(err)
+	}
+	deadline = time.Now().Add(15 * time.Second)
+	for {
+		c, err := m.Certificate(cart)
+		if err == nil {
+			if !bytes.Equal(c.Leaf.RawIssuer, interB.RawSubject) {
+				t.Errorf("cart's certificate issued by %s, want %s", c.Leaf.Issuer, interB.Subject)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no certificate 15 s after the bundle brought the new root: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
