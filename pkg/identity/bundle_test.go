@@ -308,3 +308,94 @@ func TestSettingFilesNotRegular(t *testing.T) {
 		t.Errorf("LoadCAFor(root-cert.pem a fifo) = %v, want it named as a fifo", err)
 	}
 }
+
+// raceTrust is a Trust whose roots change, its OnChange callbacks run, in
+// the middle of the first read of them after it is armed: between a
+// Manager's check of a certificate and its storing, the moment a reload
+// may come.
+type raceTrust struct {
+	mu       sync.Mutex
+	pool     *x509.CertPool
+	next     *x509.CertPool // swapped in at the armed read
+	onChange []func()
+}
+
+func (r *raceTrust) TrustDomain() string { return "cluster.local" }
+
+func (r *raceTrust) OnChange(f func()) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.onChange = append(r.onChange, f)
+}
+
+func (r *raceTrust) Roots() *x509.CertPool {
+	r.mu.Lock()
+	pool, next, fs := r.pool, r.next, r.onChange
+	if next != nil {
+		r.pool, r.next = next, nil
+	}
+	r.mu.Unlock()
+	if next != nil {
+		for _, f := range fs {
+			f()
+		}
+	}
+	return pool
+}
+
+// TestTrustChangeDuringIssue: the root a certificate was checked against
+// is removed before the certificate is stored. The pass over the kept
+// certificates ran before it was stored and did not see it; it must be
+// renewed at once all the same. Before, it was served, refused by every
+// peer holding the new roots, until its refresh time.
+func TestTrustChangeDuringIssue(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	trust := &raceTrust{pool: oldCA.Roots(), next: newCA.Roots()}
+	s := &switchSigner{ca: oldCA}
+	m := New(ManagerOptions{Signer: s, Trust: trust, TTL: time.Hour})
+	t.Cleanup(m.Close)
+	// The rotation reaches the CA with the bundle: what it signs next is
+	// under the new root.
+	m.OnTrustChange(func() {
+		s.mu.Lock()
+		s.ca = newCA
+		s.mu.Unlock()
+	})
+	m.Add(idWeb)
+	waitfor.Until(t, "a certificate under the new root", func() bool {
+		c, err := m.Certificate(idWeb)
+		return err == nil && c.Leaf.CheckSignatureFrom(newCA.cert) == nil
+	})
+}
+
+// TestTrustChangeRetriesRefusedChain: the CA signs under a new root before
+// this node's bundle holds it (istiod switched to the new intermediate
+// while the ConfigMap with both roots was on its way). Its answers are
+// refused; once the bundle brings the root, the identity is asked for
+// again at once, not when its backoff (up to 30 s, an hour here) ends.
+func TestTrustChangeRetriesRefusedChain(t *testing.T) {
+	oldCA, newCA := newCA(t, "cluster.local"), newCA(t, "cluster.local")
+	path := filepath.Join(t.TempDir(), "root-cert.pem")
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	b, err := LoadBundle(path, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &switchSigner{ca: newCA}
+	m := New(ManagerOptions{Signer: s, Trust: b, TTL: time.Hour, BackoffMin: time.Hour})
+	t.Cleanup(m.Close)
+	m.Add(idWeb)
+	waitfor.Until(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+	if err := os.WriteFile(path, identitytest.CertPEM(oldCA.cert, newCA.cert), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if changed, err := b.Reload(); !changed || err != nil {
+		t.Fatalf("reload with the new root: changed %v, err %v", changed, err)
+	}
+	waitfor.Until(t, "a certificate under the new root", func() bool {
+		_, err := m.Certificate(idWeb)
+		return err == nil
+	})
+}

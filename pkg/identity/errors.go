@@ -41,6 +41,7 @@ const (
 	ReasonWrongIdentity    = "wrong_identity"    // the leaf did not carry exactly the identity asked for
 	ReasonUntrustedChain   = "untrusted_chain"   // the chain did not verify to the trust bundle
 	ReasonShortLifetime    = "short_lifetime"    // the chain would expire before it could be renewed
+	ReasonNotYetValid      = "not_yet_valid"     // the leaf's NotBefore is ahead of this node's clock
 	ReasonRefused          = "refused"           // any other refusal by the CA
 	ReasonLocal            = "local"             // signing failed locally (file CA)
 )

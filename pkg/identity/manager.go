@@ -78,6 +78,10 @@ const (
 	StateFailing CertState = "failing"
 	// StateExpired: past NotAfter and no new one yet; handshakes fail closed.
 	StateExpired CertState = "expired"
+	// StateNotYetValid: the clock is before the certificate's NotBefore (it
+	// was stepped back since the certificate was issued); handshakes fail
+	// closed while a new one is requested.
+	StateNotYetValid CertState = "not_yet_valid"
 )
 
 // CertInfo describes one identity the Manager keeps a certificate for, for
@@ -367,6 +371,9 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		}
 		now := m.clock()
 		var wait time.Duration
+		// validFrom, when set, ends the wait if the clock goes back before
+		// it (see sleep).
+		var validFrom time.Time
 		// A certificate with an error is a short grant (see request): asked
 		// again at the renewal pace, not the backoff's, and served unless
 		// the one kept still verifies and outlives it. Only this worker
@@ -397,6 +404,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			if shortGrant && (!keptGood || e.end.Before(end)) {
 				first = e.cert == nil
 				e.cert, e.end, e.refreshAt = cert, end, now.Add(wait)
+				validFrom = cert.Leaf.NotBefore
 			}
 			e.lastErr = err
 			e.failures++
@@ -411,6 +419,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 		} else {
 			first := e.cert == nil
 			e.cert, e.end, e.lastErr, e.failures = cert, end, nil, 0
+			validFrom = cert.Leaf.NotBefore
 			// Renewal follows what was granted, but never later than if
 			// the TTL asked for had been granted: a CA granting years does
 			// not keep one key in use for years. The end is the chain's:
@@ -437,13 +446,24 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			if first {
 				close(e.ready)
 			}
+			// A change of the roots between request's check and the store
+			// above went by unseen: renewUntrusted saw the certificate
+			// before this one, or none. Checked again now that it is
+			// stored, a later change sees it.
+			if _, err := m.check(e.id, cert); err != nil {
+				m.log.Info("trust bundle changed while the certificate was issued: it no longer chains to a root; renewing now", "identity", e.id, "ca", m.opts.Signer.Name())
+				select {
+				case e.wake <- struct{}{}:
+				default:
+				}
+			}
 			if granted := end.Sub(now); short || granted > m.opts.TTL+time.Minute {
 				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
 					"asked", m.opts.TTL, "granted", granted.Round(time.Second), "refresh_in", wait.Round(time.Millisecond))
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		if !m.sleep(ctx, now, wait, e.wake) {
+		if !m.sleep(ctx, now, wait, e.wake, validFrom) {
 			return
 		}
 	}
@@ -454,28 +474,46 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 // refresh time: a root rotation removed the root it was issued under, and
 // peers holding the new bundle refuse it. It stays in use meanwhile (a
 // peer whose bundle is not yet updated still takes it).
+//
+// An identity whose last answer was refused for not chaining to the roots
+// is asked again now too: a CA that signs under a new root before this
+// node's bundle holds it (istiod switched to the new intermediate as the
+// ConfigMap with both roots was still on its way) is answered in vain
+// until the bundle arrives, and the backoff after those refusals may
+// have grown to BackoffMax.
 func (m *Manager) renewUntrusted() {
 	type kept struct {
 		e    *entry
 		cert *tls.Certificate
 	}
 	var all []kept
+	var refused []*entry
 	m.mu.Lock()
 	for _, e := range m.entries {
-		if e.cert != nil {
+		switch {
+		case e.lastErr != nil && ReasonOf(e.lastErr) == ReasonUntrustedChain:
+			refused = append(refused, e)
+		case e.cert != nil:
 			all = append(all, kept{e, e.cert})
 		}
 	}
 	m.mu.Unlock()
+	wake := func(e *entry) {
+		select {
+		case e.wake <- struct{}{}:
+		default:
+		}
+	}
+	for _, e := range refused {
+		m.log.Info("trust bundle changed: asking again for the certificate refused for not chaining to a root", "identity", e.id, "ca", m.opts.Signer.Name())
+		wake(e)
+	}
 	for _, k := range all {
 		if _, err := m.check(k.e.id, k.cert); err == nil {
 			continue
 		}
 		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
-		select {
-		case k.e.wake <- struct{}{}:
-		default:
-		}
+		wake(k.e)
 	}
 }
 
@@ -490,12 +528,21 @@ func (m *Manager) renewUntrusted() {
 // was computed at, not read again here: a step of the wall clock in
 // between (Wait has already returned) would have moved the refresh time
 // by the step.
-func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}) bool {
+//
+// A step back is seen the same way: once the clock is before validFrom
+// (the NotBefore of the certificate just stored, if any) it returns at
+// once. A certificate signed on a clock that was then set back, by more
+// than the 2 minutes it is backdated (the file CA signs on the node's
+// clock; a node whose clock ran ahead at start), is refused by every
+// handshake until the clock reaches its NotBefore again, which the wait
+// for its refresh time could outlast by hours.
+func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}, validFrom time.Time) bool {
 	start := time.Now()
 	at := from.Round(0).Add(d) // Round(0): compared on the wall clock
 	for {
-		left := min(d-time.Since(start), at.Sub(m.clock()))
-		if left <= 0 {
+		now := m.clock()
+		left := min(d-time.Since(start), at.Sub(now))
+		if left <= 0 || now.Before(validFrom) {
 			return true
 		}
 		t := time.NewTimer(min(left, m.clockCheck))
@@ -611,6 +658,14 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 	if got != id {
 		return time.Time{}, &CAError{Reason: ReasonWrongIdentity, Err: fmt.Errorf("%w: asked for %s, leaf carries %s", ErrUnexpectedIdentity, id, got)}
 	}
+	// Said before Verify, whose words ("expired or is not yet valid",
+	// "untrusted") do not point at the cause: the clocks. istiod backdates
+	// NotBefore by 2 minutes, so a node whose clock is further behind
+	// istiod's has every answer refused, until its clock is put right.
+	if nb := cert.Leaf.NotBefore; now.Before(nb) {
+		return time.Time{}, &CAError{Reason: ReasonNotYetValid, Err: fmt.Errorf("the leaf is not valid before %s, %s after this node's clock: is this node's clock behind the CA's?",
+			nb.UTC().Format(time.RFC3339), nb.Sub(now).Round(time.Second))}
+	}
 	opts := x509.VerifyOptions{
 		Roots:         roots,
 		Intermediates: x509.NewCertPool(),
@@ -694,6 +749,8 @@ func (m *Manager) Snapshot() []CertInfo {
 			ci.State = StatePending
 		case !now.Before(e.end):
 			ci.State = StateExpired
+		case now.Before(e.cert.Leaf.NotBefore):
+			ci.State = StateNotYetValid
 		case e.lastErr != nil:
 			ci.State = StateFailing
 		case !now.Before(e.refreshAt):

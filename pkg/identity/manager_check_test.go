@@ -119,7 +119,7 @@ func TestManagerChecksEveryAnswer(t *testing.T) {
 				c.NotBefore = time.Now().Add(time.Hour)
 				c.NotAfter = time.Now().Add(2 * time.Hour)
 			})
-		}, ReasonUntrustedChain},
+		}, ReasonNotYetValid},
 		"expired": {func(t *testing.T) *tls.Certificate {
 			return mint(t, ca, idWeb, func(c *x509.Certificate) {
 				c.NotBefore = time.Now().Add(-2 * time.Hour)
@@ -305,5 +305,28 @@ func TestManagerKeepsCertificateOverShortRenewal(t *testing.T) {
 	time.Sleep(time.Second)
 	if n := s.calls.Load(); n != 2 {
 		t.Errorf("%d CA requests, want 2: a short answer is retried at the renewal pace, not the backoff's", n)
+	}
+}
+
+// TestManagerNamesClockSkew: istiod backdates NotBefore by 2 minutes, so
+// a node whose clock is further behind istiod's is answered with
+// certificates not valid yet, every time. The refusal says so, and
+// names the clocks; before, it read as an untrusted chain ("untrusted
+// peer certificate: x509: certificate has expired or is not yet valid"),
+// counted as untrusted_chain, as a certificate from a foreign CA is.
+func TestManagerNamesClockSkew(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	clock.Advance(-5 * time.Minute) // this node is 5 minutes behind the CA
+	m := New(ManagerOptions{Signer: ca, Trust: ca, TTL: time.Hour, BackoffMin: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.Add(idWeb)
+	waitfor.Until(t, "the refusal", func() bool { return stateOf(m, idWeb).State == StateFailing })
+	st := stateOf(m, idWeb)
+	if !strings.Contains(st.LastError, "not valid before") || !strings.Contains(st.LastError, "clock") {
+		t.Errorf("last error %q does not name the clocks", st.LastError)
+	}
+	if got := testutil.ToFloat64(m.metrics.failures.WithLabelValues(ReasonNotYetValid)); got != 1 {
+		t.Errorf("failures{%s} = %v, want 1", ReasonNotYetValid, got)
 	}
 }

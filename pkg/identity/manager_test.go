@@ -352,14 +352,15 @@ func TestManagerCollector(t *testing.T) {
 	m.Add(idWeb)
 	waitfor.Until(t, "the failure", func() bool { return stateOf(m, idWeb).State == StateFailing })
 	want := `
-# HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. Bounded by the local pods: an identity is dropped when its last local pod leaves.
+# HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid. Bounded by the local pods: an identity is dropped when its last local pod leaves.
 # TYPE redirector_certificates gauge
 redirector_certificates{state="expired"} 0
 redirector_certificates{state="failing"} 1
+redirector_certificates{state="not_yet_valid"} 0
 redirector_certificates{state="pending"} 0
 redirector_certificates{state="refreshing"} 0
 redirector_certificates{state="valid"} 0
-# HELP redirector_ca_request_failures_total Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), refused, local.
+# HELP redirector_ca_request_failures_total Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), not_yet_valid (the leaf starts after this node's clock: the clocks disagree), refused, local.
 # TYPE redirector_ca_request_failures_total counter
 redirector_ca_request_failures_total{reason="unavailable"} 1
 `
@@ -367,7 +368,7 @@ redirector_ca_request_failures_total{reason="unavailable"} 1
 		t.Error(err)
 	}
 	m.Sync(nil)
-	if got := testutil.CollectAndCount(m.Collector(), "redirector_certificates"); got != 5 {
+	if got := testutil.CollectAndCount(m.Collector(), "redirector_certificates"); got != 6 {
 		t.Errorf("%d state series", got)
 	}
 	if n := len(m.Snapshot()); n != 0 {
@@ -401,5 +402,85 @@ func TestManagerRenewsOnTheWallClock(t *testing.T) {
 	})
 	if s := stateOf(m, idWeb).State; s != StateValid {
 		t.Errorf("state after renewal = %s, want valid", s)
+	}
+}
+
+// clockSigner signs with a file CA at the time of clock, as the file CA
+// does on the node's clock that the Manager reads too.
+type clockSigner struct {
+	ca    *CA
+	clock func() time.Time
+
+	mu    sync.Mutex
+	calls int
+}
+
+func (s *clockSigner) Name() string { return "file-at-clock" }
+
+func (s *clockSigner) Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
+	s.mu.Lock()
+	s.calls++
+	s.mu.Unlock()
+	c, err := s.ca.signAt(id, s.clock(), ttl)
+	if err != nil {
+		return nil, &CAError{Reason: ReasonLocal, Err: err}
+	}
+	return &c, nil
+}
+
+// TestManagerRenewsAfterClockStepBack: the node's clock ran ahead when the
+// certificate was signed on it, then was set back (chrony's makestep at
+// boot). The certificate is not valid before a time the clock has not
+// reached any more: every handshake refuses it. Before, the worker waited
+// for its refresh time (half an hour here, half a day by default), and
+// the identity had no usable certificate until the clock caught up with
+// the step, with the CA there all along; the config dump called it valid.
+func TestManagerRenewsAfterClockStepBack(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	clock.Advance(30 * time.Minute) // the node's clock is ahead at start
+	s := &clockSigner{ca: ca, clock: clock.Now}
+	m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.clockCheck = 20 * time.Millisecond
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	first := stateOf(m, idWeb).Serial
+	clock.Advance(-30 * time.Minute) // back to the time the CA's root was made at
+	waitfor.Until(t, "a certificate valid at the stepped clock", func() bool {
+		_, err := m.Certificate(idWeb)
+		return err == nil
+	})
+	if info := stateOf(m, idWeb); info.Serial == first || info.State != StateValid {
+		t.Errorf("after the step: serial %s (first %s), state %s; want a new, valid certificate", info.Serial, first, info.State)
+	}
+}
+
+// TestManagerNotYetValidState: a certificate the clock is before is shown
+// as such, not as valid, while handshakes refuse it.
+func TestManagerNotYetValidState(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	f := &fakeSigner{ca: ca}
+	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	m.Add(idWeb)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, idWeb); err != nil {
+		t.Fatal(err)
+	}
+	// The CA is gone and the clock goes back: nothing can replace it.
+	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
+	clock.Advance(-30 * time.Minute)
+	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) || !strings.Contains(err.Error(), "not valid before") {
+		t.Errorf("handshake with a certificate not valid yet: err = %v", err)
+	}
+	if s := stateOf(m, idWeb).State; s != StateNotYetValid && s != StateFailing {
+		t.Errorf("state = %s, want %s (or failing once the renewal it caused failed)", s, StateNotYetValid)
 	}
 }

@@ -24,7 +24,7 @@ func newCAMetrics() *caMetrics {
 		}),
 		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "redirector_ca_request_failures_total",
-			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), refused, local.",
+			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), not_yet_valid (the leaf starts after this node's clock: the clocks disagree), refused, local.",
 		}, []string{"reason"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "redirector_ca_request_duration_seconds",
@@ -47,7 +47,7 @@ func (c *caMetrics) observe(d time.Duration, err error) {
 }
 
 var keptDesc = prometheus.NewDesc("redirector_certificates",
-	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired. "+
+	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid. "+
 		"Bounded by the local pods: an identity is dropped when its last local pod leaves.",
 	[]string{"state"}, nil)
 
@@ -64,7 +64,7 @@ func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.metrics.Collect(ch)
-	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0}
+	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0, StateNotYetValid: 0}
 	for _, ci := range c.m.Snapshot() {
 		counts[ci.State]++
 	}

@@ -85,8 +85,17 @@ type Client struct {
 	// roots reaches them all.
 	creds  credentials.TransportCredentials
 	mu     sync.Mutex
-	conn   *grpc.ClientConn
+	conn   *caConn
 	closed bool
+}
+
+// caConn is a connection to istiod and the requests in flight on it
+// (guarded by Client.mu): one redial replaced is closed when the last of
+// them ends, not under them.
+type caConn struct {
+	*grpc.ClientConn
+	inflight int
+	retired  bool
 }
 
 // New returns a client; it connects lazily, so istiod need not be up yet.
@@ -109,7 +118,7 @@ func New(cfg Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c.conn = conn
+	c.conn = &caConn{ClientConn: conn}
 	return c, nil
 }
 
@@ -143,11 +152,25 @@ const maxHeaderBytes = 64 << 10
 // each of the requests in flight.
 const maxAnswerBytes = 64 << 10
 
-// current is the connection requests use now.
-func (c *Client) current() *grpc.ClientConn {
+// acquire is the connection a request uses now, counted in flight until
+// release.
+func (c *Client) acquire() *caConn {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.conn.inflight++
 	return c.conn
+}
+
+// release ends a request on cc; the last one on a replaced connection
+// closes it.
+func (c *Client) release(cc *caConn) {
+	c.mu.Lock()
+	cc.inflight--
+	last := cc.retired && cc.inflight == 0
+	c.mu.Unlock()
+	if last {
+		cc.Close()
+	}
 }
 
 // redial replaces stale, on which a request timed out, with a new
@@ -158,7 +181,13 @@ func (c *Client) current() *grpc.ClientConn {
 // and more often than every 15 s, longer than a request may take. A slow
 // istiod costs one new connection per timeout, which may reach another
 // replica.
-func (c *Client) redial(stale *grpc.ClientConn) {
+//
+// The requests still in flight on stale run on, each to its own deadline,
+// and the last closes it (release): closed at once, it failed up to 7
+// requests that istiod may have been about to answer, which the manager
+// then asked again for, so that one slow answer (a slow signer behind
+// istiod's API, such as cert-manager's istio-csr) multiplied the requests.
+func (c *Client) redial(stale *caConn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.conn != stale || c.closed {
@@ -168,9 +197,8 @@ func (c *Client) redial(stale *grpc.ClientConn) {
 	if err != nil {
 		return
 	}
-	c.conn = fresh
-	// Requests still waiting on it fail and are retried by the manager.
-	go stale.Close()
+	c.conn = &caConn{ClientConn: fresh}
+	stale.retired = true
 }
 
 // verifyServer checks istiod's serving certificate against the mesh roots
@@ -239,12 +267,13 @@ func (c *Client) Sign(ctx context.Context, id identity.ID, ttl time.Duration) (*
 			ImpersonatedIdentityKey: structpb.NewStringValue(id.String()),
 		}},
 	}
-	conn := c.current()
+	conn := c.acquire()
 	resp, err := pb.NewIstioCertificateServiceClient(conn).CreateCertificate(metadata.NewOutgoingContext(ctx, md), req)
+	if status.Code(err) == codes.DeadlineExceeded {
+		c.redial(conn)
+	}
+	c.release(conn)
 	if err != nil {
-		if status.Code(err) == codes.DeadlineExceeded {
-			c.redial(conn)
-		}
 		return nil, &identity.CAError{Reason: reasonOf(err), Err: fmt.Errorf("istiod CreateCertificate: %w", err)}
 	}
 	cert, err := c.parse(id, key, resp.GetCertChain())
@@ -285,8 +314,18 @@ func makeCSR(id identity.ID) (*ecdsa.PrivateKey, []byte, error) {
 	return key, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE REQUEST", Bytes: der}), nil
 }
 
-// parse turns istiod's answer (PEM strings: the leaf, then the chain up to
-// and including the root) into a certificate for id, checked.
+// maxAnswerCerts bounds the certificates of an answer as a whole: the
+// chain, at most identity.MaxChainLen of them presented, and the roots
+// istiod appends, its whole root-cert.pem, every trust anchor of a
+// multi-root mesh (ISTIO_MULTIROOT_MESH), which a few dozen cover. A
+// 64 KiB answer (maxAnswerBytes) holds some 300 certificates as small as
+// can be.
+const maxAnswerCerts = 64
+
+// parse turns istiod's answer (PEM strings: the leaf, then the chain its
+// cert-chain.pem flattens, root included, then its root-cert.pem as one
+// entry) into a certificate for id, checked. The roots are left out of
+// what is presented, so they do not count against identity.MaxChainLen.
 func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*tls.Certificate, error) {
 	bad := func(format string, a ...any) error {
 		return &identity.CAError{Reason: identity.ReasonBadResponse, Err: fmt.Errorf("istiod answer: "+format, a...)}
@@ -294,9 +333,9 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	var certs []*x509.Certificate
 	for i, p := range chainPEM {
 		// Before the rest is parsed or any signature checked: a real
-		// answer holds a few, a hostile one thousands (4 MiB of them).
-		if len(certs) > identity.MaxChainLen {
-			return nil, bad("chain of more than %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+		// answer holds a few, a hostile one thousands.
+		if len(certs) > maxAnswerCerts {
+			return nil, bad("more than %d certificates, at most %d accepted", len(certs), maxAnswerCerts)
 		}
 		cs, err := identity.ParseCertificates([]byte(p))
 		if err != nil {
@@ -307,8 +346,8 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	if len(certs) == 0 {
 		return nil, bad("empty certificate chain")
 	}
-	if len(certs) > identity.MaxChainLen {
-		return nil, bad("chain of %d certificates, at most %d accepted", len(certs), identity.MaxChainLen)
+	if len(certs) > maxAnswerCerts {
+		return nil, bad("%d certificates, at most %d accepted", len(certs), maxAnswerCerts)
 	}
 	leaf := certs[0]
 	if pub, ok := key.Public().(*ecdsa.PublicKey); !ok || !pub.Equal(leaf.PublicKey) {
@@ -337,6 +376,9 @@ func (c *Client) parse(id identity.ID, key crypto.Signer, chainPEM []string) (*t
 	for _, ch := range certs[1:] {
 		if isSelfSigned(ch) {
 			continue
+		}
+		if len(out.Certificate) == identity.MaxChainLen {
+			return nil, bad("chain of more than %d certificates below the roots, at most %d accepted", identity.MaxChainLen, identity.MaxChainLen)
 		}
 		opts.Intermediates.AddCert(ch)
 		out.Certificate = append(out.Certificate, ch.Raw)

@@ -241,9 +241,16 @@ func TestSignRefuses(t *testing.T) {
 		"outsized chain": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				resp, err := f.issue(idWeb.String())(csr)
-				for range 20 {
-					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
+				for range identity.MaxChainLen {
+					resp.CertChain = append(resp.CertChain, resp.CertChain[0]) // not a root: presented
 				}
+				return resp, err
+			}
+		}, reason: identity.ReasonBadResponse, want: "at most"},
+		"outsized answer of roots": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
+				resp, err := f.issue(idWeb.String())(csr)
+				resp.CertChain = append(resp.CertChain, strings.Repeat(pemOf(f.pki.root), maxAnswerCerts))
 				return resp, err
 			}
 		}, reason: identity.ReasonBadResponse, want: "at most"},
@@ -252,7 +259,7 @@ func TestSignRefuses(t *testing.T) {
 		"outsized chain, refused before the rest is parsed": {answer: func(f *fakeIstiod) func(*x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 			return func(csr *x509.CertificateRequest) (*pb.IstioCertificateResponse, error) {
 				resp, err := f.issue(idWeb.String())(csr)
-				for range identity.MaxChainLen {
+				for range maxAnswerCerts {
 					resp.CertChain = append(resp.CertChain, pemOf(f.pki.root))
 				}
 				resp.CertChain = append(resp.CertChain, "garbage")
