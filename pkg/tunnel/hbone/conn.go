@@ -524,11 +524,15 @@ func (c *conn) renewReadFramer() {
 // start writes our connection preface and launches the control writer. The
 // caller then runs readLoop (server) or starts it on a goroutine (client).
 func (c *conn) start() error {
+	// Under mu: the idle timer runs from newConn, and its close reads
+	// these (releaseWindowLocked).
+	c.mu.Lock()
 	c.windows = windows
 	if c.cfg.client {
 		c.windowRemote = c.peer // the server decides how many connections we open to it
 	}
-	extra := c.windows.reserveFor(c.windowOwner, c.windowRemote, connWindow-defaultWindow, c)
+	c.mu.Unlock()
+	extra := windows.reserveFor(c.windowOwner, c.windowRemote, connWindow-defaultWindow, c)
 	c.mu.Lock()
 	c.recvReserved = extra
 	if c.err != nil {
