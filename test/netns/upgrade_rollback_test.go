@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
 )
 
 // TestUpgradeRolledBack: the new agent of an upgrade is removed (SIGTERM,
@@ -18,22 +21,44 @@ import (
 // its readiness port stayed closed (the chart's liveness probe then
 // restarted it, and every connection it carried was lost), and under
 // STRICT the new pod's traffic went uncaptured.
+//
+// Taking the node back also points every pinned link (the pods' tcx links,
+// their host-probe links, the local-routing sock_ops link) back at the old
+// agent's own programs. The new agent swapped its programs into them as it
+// started, and until 7 December they stayed there after the rollback: one
+// made for a program bug kept the bug on the pods until the old agent
+// restarted. The two agents' programs are told apart by their ids.
 func TestUpgradeRolledBack(t *testing.T) {
 	ms, client, server, plain := meshed(t, strictMesh)
 	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	old := ms.agents[0]
 	n := old.Node
+	own := pinnedLinkPrograms(t, old.BPFRoot)
 	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
 		Args: []string{"--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
 	Eventually(t, 20*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:25021/healthz/ready"); return err })
 	old.WaitLog(t, "a newer agent holds the node", 10*time.Second)
 	next.WaitLog(t, "pod listeners taken over from the predecessor", time.Second)
+	for pin, id := range pinnedLinkPrograms(t, old.BPFRoot) {
+		if own[pin] == id {
+			t.Fatalf("%s runs the old agent's program %d with the new agent started: the check below shows nothing", pin, id)
+		}
+	}
 
 	// The rollback: the new agent goes, the old one stays.
 	if err := next.Stop(30 * time.Second); err != nil {
 		t.Fatal(err)
 	}
 	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	if got := pinnedLinkPrograms(t, old.BPFRoot); len(got) != len(own) {
+		t.Errorf("pinned links after the rollback: %v, before the upgrade: %v", got, own)
+	} else {
+		for pin, id := range got {
+			if own[pin] != id {
+				t.Errorf("%s runs program %d after the rollback, not the old agent's %d", pin, id, own[pin])
+			}
+		}
+	}
 	Eventually(t, 10*time.Second, func() error { _, err := curlOK(n.Path(), "http://127.0.0.1:15021/healthz/ready"); return err })
 	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
 		t.Fatalf("through the mesh after the rollback: %q, %v", out, err)
@@ -107,4 +132,35 @@ func TestUpgradeRolledBackCNISocket(t *testing.T) {
 		return c.Close()
 	})
 	old.WaitLog(t, "CNI event socket installed again", time.Second)
+}
+
+// pinnedLinkPrograms are the ids of the programs the links pinned under a
+// node's pin root run, by pin: every pod's tcx and host-probe links, and
+// the local-routing sock_ops link if there is one.
+func pinnedLinkPrograms(t *testing.T, root string) map[string]ebpf.ProgramID {
+	t.Helper()
+	pins, err := filepath.Glob(filepath.Join(root, "pods", "*", "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(filepath.Join(root, "sockops")); err == nil {
+		pins = append(pins, filepath.Join(root, "sockops"))
+	}
+	ids := map[string]ebpf.ProgramID{}
+	for _, p := range pins {
+		lk, err := link.LoadPinnedLink(p, &ebpf.LoadPinOptions{})
+		if err != nil {
+			t.Fatalf("open pinned link %s: %v", p, err)
+		}
+		info, err := lk.Info()
+		lk.Close()
+		if err != nil {
+			t.Fatalf("link info of %s: %v", p, err)
+		}
+		ids[strings.TrimPrefix(p, root+"/")] = info.Program
+	}
+	if len(ids) == 0 {
+		t.Fatalf("no pinned links under %s", root)
+	}
+	return ids
 }
