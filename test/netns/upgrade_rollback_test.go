@@ -1,6 +1,7 @@
 package netnstest
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -93,6 +94,44 @@ func TestUpgradeRolledBack(t *testing.T) {
 	}
 }
 
+// TestUpgradeRolledBackAcceleration: with sockops acceleration on, the
+// take-back also puts the old agent's acceleration programs back on their
+// hooks, and connections through the mesh keep working.
+func TestUpgradeRolledBackAcceleration(t *testing.T) {
+	args := []string{"--sockops-acceleration=true"}
+	ms, client, server := newMeshPair(t, args)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	n := old.Node
+	own := pinnedLinkPrograms(t, old.BPFRoot)
+	if _, ok := own["accel/sockops"]; !ok {
+		t.Fatalf("no acceleration link pinned: %v", own)
+	}
+	next := StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: append(args, "--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000")})
+	old.WaitLog(t, "a newer agent holds the node", 20*time.Second)
+	next.WaitLog(t, "pod listeners taken over from the predecessor", 10*time.Second)
+	if got := pinnedLinkPrograms(t, old.BPFRoot); got["accel/sockops"] == own["accel/sockops"] {
+		t.Fatalf("the new agent left the old one's acceleration program %d: the check below shows nothing", got["accel/sockops"])
+	}
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	for pin, id := range pinnedLinkPrograms(t, old.BPFRoot) {
+		if own[pin] != id {
+			t.Errorf("%s runs program %d after the rollback, not the old agent's %d", pin, id, own[pin])
+		}
+	}
+	Eventually(t, 10*time.Second, func() error {
+		out, err := Curl(client, URL(server.IPv4, 8080))
+		if err == nil && !strings.Contains(out, "server peer=") {
+			return fmt.Errorf("answer %q", out)
+		}
+		return err
+	})
+}
+
 // TestUpgradeRolledBackCNISocket: after a rollback the CNI socket at the
 // path is the old agent's again. The new agent renamed its own over the
 // old one's as it started, and removed it as it stopped: the old agent,
@@ -136,15 +175,17 @@ func TestUpgradeRolledBackCNISocket(t *testing.T) {
 
 // pinnedLinkPrograms are the ids of the programs the links pinned under a
 // node's pin root run, by pin: every pod's tcx and host-probe links, and
-// the local-routing sock_ops link if there is one.
+// the local-routing and acceleration sock_ops links if there are.
 func pinnedLinkPrograms(t *testing.T, root string) map[string]ebpf.ProgramID {
 	t.Helper()
 	pins, err := filepath.Glob(filepath.Join(root, "pods", "*", "*"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Lstat(filepath.Join(root, "sockops")); err == nil {
-		pins = append(pins, filepath.Join(root, "sockops"))
+	for _, name := range []string{"sockops", "accel/sockops"} {
+		if _, err := os.Lstat(filepath.Join(root, name)); err == nil {
+			pins = append(pins, filepath.Join(root, name))
+		}
 	}
 	ids := map[string]ebpf.ProgramID{}
 	for _, p := range pins {
