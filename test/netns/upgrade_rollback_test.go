@@ -132,6 +132,37 @@ func TestUpgradeRolledBackAcceleration(t *testing.T) {
 	})
 }
 
+// TestUpgradeRolledBackLocalRoute: a new agent run with local routing off
+// removes the local-routing link as it starts; the old agent, which runs
+// with it on, attaches it again as it takes the node back, as its start
+// did. The take-back follows the old agent's settings, not the new one's.
+func TestUpgradeRolledBackLocalRoute(t *testing.T) {
+	ms, client, server, _ := meshed(t)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	own := pinnedLinkPrograms(t, old.BPFRoot)
+	if _, ok := own["sockops"]; !ok {
+		t.Skipf("no local-routing link pinned (no cgroup v2 here?): %v", own)
+	}
+	next := StartAgent(t, old.Node, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: []string{"--local-route=false", "--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000"}})
+	old.WaitLog(t, "a newer agent holds the node", 20*time.Second)
+	next.WaitLog(t, "pod listeners taken over from the predecessor", 10*time.Second)
+	if _, ok := pinnedLinkPrograms(t, old.BPFRoot)["sockops"]; ok {
+		t.Fatal("the new agent, local routing off, left the local-routing link: the check below shows nothing")
+	}
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	if got := pinnedLinkPrograms(t, old.BPFRoot); got["sockops"] != own["sockops"] {
+		t.Errorf("local-routing link after the rollback runs program %d, want the old agent's %d", got["sockops"], own["sockops"])
+	}
+	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
+		t.Fatalf("through the mesh after the rollback: %q, %v", out, err)
+	}
+}
+
 // TestUpgradeRolledBackCNISocket: after a rollback the CNI socket at the
 // path is the old agent's again. The new agent renamed its own over the
 // old one's as it started, and removed it as it stopped: the old agent,
