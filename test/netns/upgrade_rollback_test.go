@@ -11,6 +11,9 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+	"github.com/vishvananda/netlink"
+
+	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // TestUpgradeRolledBack: the new agent of an upgrade is removed (SIGTERM,
@@ -161,6 +164,69 @@ func TestUpgradeRolledBackLocalRoute(t *testing.T) {
 	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
 		t.Fatalf("through the mesh after the rollback: %q, %v", out, err)
 	}
+}
+
+// TestUpgradeRolledBackLegacyTC: pods attached with legacy tc (no links to
+// relink) get the old agent's programs back on their filters from the full
+// pass that follows the take-back, whose check compares the filters'
+// program ids.
+func TestUpgradeRolledBackLegacyTC(t *testing.T) {
+	args := []string{"--tc-attach=legacy"}
+	ms, client, server := newMeshPair(t, args)
+	Eventually(t, 10*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
+	old := ms.agents[0]
+	own := filterPrograms(t, client)
+	next := StartAgent(t, old.Node, AgentOptions{Binary: redirectorBin(), Manifest: ms.manifest, CADir: ms.caDir, BPFRoot: old.BPFRoot,
+		Args: append(args, "--metrics-addr", ":25020", "--readiness-addr", ":25021", "--admin-addr", "127.0.0.1:25000")})
+	old.WaitLog(t, "a newer agent holds the node", 20*time.Second)
+	Eventually(t, 10*time.Second, func() error {
+		if got := filterPrograms(t, client); got == own {
+			return fmt.Errorf("the new agent's programs are not on the pod's filters yet: %v", got)
+		}
+		return nil
+	})
+	if err := next.Stop(30 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+	old.WaitLog(t, "this agent holds it again", 10*time.Second)
+	Eventually(t, 5*time.Second, func() error {
+		if got := filterPrograms(t, client); got != own {
+			return fmt.Errorf("the pod's filters run programs %v after the rollback, want the old agent's %v", got, own)
+		}
+		return nil
+	})
+	if out, err := Curl(client, URL(server.IPv4, 8080)); err != nil || !strings.Contains(out, "server peer=") {
+		t.Fatalf("through the mesh after the rollback: %q, %v", out, err)
+	}
+}
+
+// filterPrograms are the ids of the programs of the cls_bpf filters on eth0
+// of pod p, ingress then egress (0 where there is none).
+func filterPrograms(t *testing.T, p *Pod) [2]int {
+	t.Helper()
+	var ids [2]int
+	err := netns.Do(p.Path(), func() error {
+		iface, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		for i, parent := range []uint32{netlink.HANDLE_MIN_INGRESS, netlink.HANDLE_MIN_EGRESS} {
+			fs, err := netlink.FilterList(iface, parent)
+			if err != nil {
+				return err
+			}
+			for _, f := range fs {
+				if bf, ok := f.(*netlink.BpfFilter); ok {
+					ids[i] = bf.Id
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
 }
 
 // TestUpgradeRolledBackCNISocket: after a rollback the CNI socket at the
