@@ -355,7 +355,10 @@ func runAgent(ctx context.Context, args []string) error {
 	defer ld.Close()
 	// An upgrade overlaps two agents on the node: from here on this one
 	// changes the enrollment, and an older one still running stops doing so.
-	claim, err := maps.ClaimNode(ctx, cfg.bpfRoot, log)
+	// The pinned links are pointed at this agent's programs again under the
+	// claim's lock: an older agent taking the node back (a rollback) may
+	// have pointed them at its own since Load.
+	claim, err := maps.ClaimNodeThen(ctx, cfg.bpfRoot, log, func() { ld.Relink(ctx) })
 	if err != nil {
 		return err
 	}
@@ -368,8 +371,9 @@ func runAgent(ctx context.Context, args []string) error {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var wrapPodSocket func(net.Conn) net.Conn
+	var acc *accel.Accelerator
 	if cfg.accel {
-		acc, err := accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
+		acc, err = accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}
@@ -516,21 +520,24 @@ func runAgent(ctx context.Context, args []string) error {
 	cniReinstall := make(chan struct{}, 1)
 	agent := nodeagent.New(nodeagent.Config{
 		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
-		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Claim: claim, Registry: reg, Logger: log,
+		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
+		Claim:     takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
 		Annotator: annotator(ann),
 		OnYield: func() {
 			endRepair()
 			_ = servers.CloseReadiness()
 		},
 		OnReclaim: func() {
-			ld.SetClaim(claim) // read the pinned state again: the newer agent changed it
+			// The pinned state was read again, and the links pointed back
+			// at this agent's programs, as the node was taken back
+			// (takeBackClaim).
 			startRepair()
 			select {
 			case cniReinstall <- struct{}{}:
 			default:
 			}
 			if err := servers.ReopenReadiness(ctx); err != nil {
-				log.Error("readiness endpoint not served again after taking the node back", "error", err)
+				log.Error("readiness endpoint not served again after taking the node back; retrying in the background", "error", err)
 			}
 		},
 	})
@@ -621,6 +628,35 @@ func runAgent(ctx context.Context, args []string) error {
 	res := tun.Drain(dctx, drainMetrics)
 	log.Info("drained", "pods", res.Pods, "open_connections", res.Open, "finished", res.Finished, "closed_at_timeout", res.Closed)
 	return nil
+}
+
+// takeBackClaim is the node's claim as the node agent sees it: taking the
+// node back from a newer agent that gave it up relinks the node (relink)
+// under the claim's exclusive lock, before anything else of this agent or
+// another changes the pinned state.
+type takeBackClaim struct {
+	*maps.Claim
+	relink func(context.Context)
+}
+
+// Reclaim implements the node agent's take-back.
+func (c takeBackClaim) Reclaim(ctx context.Context) (bool, error) {
+	return c.ReclaimThen(ctx, func() { c.relink(ctx) })
+}
+
+// relinkNode points every pinned link of the node back at this agent's
+// programs, as its start did: the loader's (pods, host probes, local
+// routing) and the acceleration's, or removes the acceleration when this
+// agent runs without it (the newer agent may have run with it).
+func relinkNode(ctx context.Context, cfg agentConfig, ld *loader.Loader, acc *accel.Accelerator, log *slog.Logger) {
+	ld.Relink(ctx)
+	if acc != nil {
+		if err := acc.Relink(); err != nil {
+			log.ErrorContext(ctx, "sockops acceleration: this agent's programs not attached again after taking the node back", "error", err)
+		}
+	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
+		log.WarnContext(ctx, "remove sockops acceleration", "error", err)
+	}
 }
 
 // giveNodeUp releases this agent's claim on the node as it stops

@@ -97,17 +97,23 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load sockops programs: %w", err)
 	}
-	// The sk_msg verdict hangs off the map; attaching again replaces it.
-	if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: a.objs.RdAppSocks.FD(), Program: a.objs.RdSkMsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
-		a.objs.Close()
-		return nil, fmt.Errorf("attach sk_msg to %s: %w", bpf.SockopsMapRdAppSocks, err)
-	}
-	if err := a.attachSockops(); err != nil {
+	if err := a.Relink(); err != nil {
 		a.objs.Close()
 		return nil, err
 	}
 	cfg.Logger.InfoContext(ctx, "sockops acceleration on", "cgroup", cfg.CgroupPath)
 	return a, nil
+}
+
+// Relink attaches this process's programs again, replacing whatever runs
+// at their hooks (an earlier or a newer agent's): what Load does, and what
+// an agent taking the node back from a newer one does.
+func (a *Accelerator) Relink() error {
+	// The sk_msg verdict hangs off the map; attaching again replaces it.
+	if err := link.RawAttachProgram(link.RawAttachProgramOptions{Target: a.objs.RdAppSocks.FD(), Program: a.objs.RdSkMsg, Attach: ebpf.AttachSkMsgVerdict}); err != nil {
+		return fmt.Errorf("attach sk_msg to %s: %w", bpf.SockopsMapRdAppSocks, err)
+	}
+	return a.attachSockops()
 }
 
 func (a *Accelerator) attachSockops() error {

@@ -64,7 +64,18 @@ type Options struct {
 	// bindRetry is how long an endpoint whose address is in use waits
 	// before it tries again (0: BindRetryPeriod); for tests.
 	bindRetry time.Duration
+	// reopenRetry is the first wait before ReopenReadiness, failed, tries
+	// again (0: ReopenRetryPeriod); for tests.
+	reopenRetry time.Duration
 }
+
+// ReopenRetryPeriod is the first wait before the readiness endpoint, not
+// served again after a take-back (ReopenReadiness), is tried again; the
+// wait doubles up to ReopenRetryMax.
+const (
+	ReopenRetryPeriod = time.Second
+	ReopenRetryMax    = 30 * time.Second
+)
 
 // BindRetryPeriod is how often an endpoint whose address another socket
 // holds tries to bind it again (see Start).
@@ -103,8 +114,15 @@ type Servers struct {
 	servers         []*http.Server
 	readiness       *http.Server
 	readinessClosed bool
-	// reopenReadiness serves the readiness endpoint again on its address.
+	// readinessCloses counts CloseReadiness calls: a retry of
+	// ReopenReadiness made before the last one ends (retryReadiness).
+	readinessCloses uint64
+	// reopenReadiness serves the readiness endpoint again on its address;
+	// reopenMu makes one such serve at a time.
 	reopenReadiness func(ctx context.Context) error
+	reopenMu        sync.Mutex
+	reopenRetry     time.Duration
+	log             *slog.Logger
 	// stop ends the binding of endpoints whose address was in use.
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -145,7 +163,7 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 	if log == nil {
 		log = slog.Default()
 	}
-	s := &Servers{stop: make(chan struct{})}
+	s := &Servers{stop: make(chan struct{}), log: log, reopenRetry: cmp.Or(o.reopenRetry, ReopenRetryPeriod)}
 	if ready := o.Ready; ready != nil {
 		o.Ready = AllReady(ready, s.bound)
 	}
@@ -392,6 +410,7 @@ func (s *Servers) CloseReadiness() error {
 		return nil
 	}
 	s.readinessClosed = true
+	s.readinessCloses++
 	return s.readiness.Close()
 }
 
@@ -401,13 +420,22 @@ func (s *Servers) CloseReadiness() error {
 // probes again. The newer agent may still hold the port while it drains:
 // the endpoint is then bound once it is free, as at Start. Calling it while
 // the endpoint is served is harmless.
+//
+// Any other failure is returned, and serving is tried again in the
+// background, after ReopenRetryPeriod doubling up to ReopenRetryMax, until
+// it succeeds, the servers close or CloseReadiness is called (a newer agent
+// took the node again). Before, the agent stayed unready for good, and the
+// chart's liveness probe restarted it, losing every connection it carried.
 func (s *Servers) ReopenReadiness(ctx context.Context) error {
 	if s == nil {
 		return nil
 	}
+	s.reopenMu.Lock()
+	defer s.reopenMu.Unlock()
 	s.mu.Lock()
 	reopen := s.readinessClosed && s.reopenReadiness != nil
 	s.readinessClosed = false
+	closes := s.readinessCloses
 	s.mu.Unlock()
 	select {
 	case <-s.stop:
@@ -417,7 +445,61 @@ func (s *Servers) ReopenReadiness(ctx context.Context) error {
 	if !reopen {
 		return nil
 	}
-	return s.reopenReadiness(ctx)
+	err := s.reopenReadiness(ctx)
+	if err != nil {
+		s.wg.Add(1)
+		go s.retryReadiness(closes, err)
+	}
+	return err
+}
+
+// retryReadiness serves the readiness endpoint again after ReopenReadiness
+// failed with first, while no CloseReadiness came after it (closes is the
+// count it saw) and the servers run.
+func (s *Servers) retryReadiness(closes uint64, first error) {
+	defer s.wg.Done()
+	err := first
+	for wait := s.reopenRetry; ; wait = min(2*wait, ReopenRetryMax) {
+		s.log.Error("readiness endpoint not served again; retrying", "error", err, "retry_in", wait)
+		select {
+		case <-s.stop:
+			return
+		case <-time.After(wait):
+		}
+		if done := s.retryReadinessOnce(closes, wait, &err); done {
+			return
+		}
+	}
+}
+
+// retryReadinessOnce is one try of retryReadiness; it reports whether the
+// retries are over (served, or no longer wanted), else sets *err.
+func (s *Servers) retryReadinessOnce(closes uint64, wait time.Duration, err *error) bool {
+	s.reopenMu.Lock()
+	defer s.reopenMu.Unlock()
+	wanted := func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.readinessCloses == closes
+	}
+	if !wanted() {
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	if *err = s.reopenReadiness(ctx); *err != nil {
+		return false
+	}
+	if !wanted() {
+		// Closed while this one was being served: it must not answer.
+		s.mu.Lock()
+		srv := s.readiness
+		s.mu.Unlock()
+		_ = srv.Close()
+		return true
+	}
+	s.log.Info("readiness endpoint served again", "addr", s.readinessAddr)
+	return true
 }
 
 // Listener is the listener of the endpoint named name (EndpointMetrics,

@@ -2,10 +2,13 @@ package admin
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -111,5 +114,76 @@ func TestReopenReadinessNeverBoundAtFirst(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		t.Errorf("readiness served again: %d %q, want 200", resp.StatusCode, body)
+	}
+}
+
+// TestReopenReadinessRetried: a readiness endpoint that cannot be served
+// again after a take-back for another reason than its port still being
+// held (here, no descriptor left) is tried again until it is served, and
+// no longer once the agent yields the node again. Before, one failure left
+// the agent unready for good, and the chart's liveness probe restarted it.
+func TestReopenReadinessRetried(t *testing.T) {
+	var failing atomic.Bool
+	s, err := Start(context.Background(), Options{
+		ReadinessAddr: "127.0.0.1:0", Ready: func() (bool, string) { return true, "" },
+		Logger:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+		reopenRetry: 10 * time.Millisecond,
+		Listen: func(ctx context.Context, _, addr string) (net.Listener, error) {
+			if failing.Load() {
+				return nil, syscall.EMFILE
+			}
+			return ListenAlone(ctx, addr)
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	addr := s.ReadinessAddr()
+	served := func() bool {
+		resp, err := (&http.Client{Timeout: time.Second}).Get("http://" + addr + "/healthz/ready")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}
+
+	if err := s.CloseReadiness(); err != nil {
+		t.Fatal(err)
+	}
+	failing.Store(true)
+	if err := s.ReopenReadiness(context.Background()); !errors.Is(err, syscall.EMFILE) {
+		t.Fatalf("reopen with no descriptor left: %v, want EMFILE", err)
+	}
+	time.Sleep(50 * time.Millisecond) // a few tries fail
+	if served() {
+		t.Fatal("readiness served while its listen fails")
+	}
+	failing.Store(false)
+	deadline := time.Now().Add(5 * time.Second)
+	for !served() {
+		if time.Now().After(deadline) {
+			t.Fatal("readiness not served again once its listen works: the failed reopen was not retried")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	// A yield ends the retries: the port stays closed to the newer agent.
+	if err := s.CloseReadiness(); err != nil {
+		t.Fatal(err)
+	}
+	failing.Store(true)
+	if err := s.ReopenReadiness(context.Background()); err == nil {
+		t.Fatal("reopen with no descriptor left succeeded")
+	}
+	if err := s.CloseReadiness(); err != nil {
+		t.Fatal(err)
+	}
+	failing.Store(false)
+	time.Sleep(200 * time.Millisecond) // retries would have served it by now
+	if c, err := net.DialTimeout("tcp", addr, time.Second); err == nil {
+		c.Close()
+		t.Error("readiness served again after the agent yielded the node once more")
 	}
 }

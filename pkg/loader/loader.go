@@ -79,6 +79,11 @@ type Loader struct {
 	podNetNS map[uint32]uint32
 	// hostProbe: pods whose host-probe links this process attached.
 	hostProbe map[uint32]bool
+	// stale: pods with a pinned link Relink could not point at this
+	// loader's programs (relink.go), until their next attach.
+	stale map[uint32]bool
+	// relinkUpdated and relinkFailed count Relink's links.
+	relinkUpdated, relinkFailed atomic.Uint64
 
 	// entries serialises writes and removals of enrollment entries.
 	entries  sync.Mutex
@@ -179,7 +184,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			return nil, err
 		}
 	}
-	if err := l.upgradePinnedLinks(ctx); err != nil {
+	if _, err := l.relinkPods(ctx); err != nil {
 		l.Close()
 		return nil, err
 	}
@@ -241,20 +246,12 @@ func (l *Loader) restoreEntries(ctx context.Context) error {
 // the node from changes nothing more (maps.ErrNotHeld). Call it right after
 // claiming, before any change: the pod index is read again from the map,
 // since an older agent may have attached or detached pods between Load and
-// the claim.
-//
-// Called again when the agent took the node back from a newer one that gave
-// it up (nodeagent's OnReclaim), it also lets go of the links it holds that
-// the newer agent detached or replaced meanwhile (dropForeignHeld).
+// the claim. Taking the node back is Relink's.
 func (l *Loader) SetClaim(c *maps.Claim) {
 	l.mu.Lock()
-	again := l.claim.Load() != nil
 	l.indexed = false
 	l.claim.Store(c)
 	l.mu.Unlock()
-	if again {
-		l.dropForeignHeld()
-	}
 }
 
 // guard holds off a claim by another agent while one enrollment change is
@@ -265,32 +262,6 @@ func (l *Loader) guard(ctx context.Context) (release func(), err error) {
 		return func() {}, nil
 	}
 	return c.Guard(ctx)
-}
-
-// upgradePinnedLinks points every pinned pod link at the programs just
-// loaded. The link stays attached throughout, so no packet goes unhandled.
-func (l *Loader) upgradePinnedLinks(ctx context.Context) error {
-	metas, err := l.maps.ListMeta()
-	if err != nil {
-		return err
-	}
-	for id, m := range metas {
-		if m.AttachMode != maps.AttachTCX {
-			continue
-		}
-		var lks [2]link.Link
-		for i, dir := range []direction{ingress, egress} {
-			lk, err := l.updatePinnedLink(id, dir)
-			if err != nil {
-				// Not fatal: the reconciler re-attaches pods whose links broke.
-				l.log.WarnContext(ctx, "keep old program on pinned link", "pod", m.Namespace+"/"+m.Name, "direction", dir, "error", err)
-				continue
-			}
-			lks[i] = lk
-		}
-		l.holdLinks(id, lks)
-	}
-	return nil
 }
 
 func (l *Loader) podDir(id uint32) string {

@@ -202,6 +202,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	if err != nil {
 		return PodState{}, fmt.Errorf("enroll pod %s: %w", p, failed(err))
 	}
+	l.clearStale(id) // every link of the pod attached or updated anew
 	return PodState{ID: id, Meta: meta}, nil
 }
 
@@ -286,6 +287,7 @@ func (l *Loader) unindex(id uint32, uid string) {
 		delete(l.metas, id)
 	}
 	delete(l.hostProbe, id)
+	delete(l.stale, id)
 }
 
 // enrollOutbound gives each address without an enrollment entry one with
@@ -814,9 +816,13 @@ func containsAddr(addrs []netip.Addr, a netip.Addr) bool {
 // its enrollment entry, and its links attached and pinned; with full, also
 // its host-probe link pins and its rd_pod_netns entry (one an older agent,
 // overlapping an upgrade, attached the pod without), and for a pod attached
-// with legacy tc its filters (legacyAttached). It is the cheap check
+// with legacy tc its filters (legacyAttached). A pod with a link Relink
+// could not point at this loader's programs fails it. It is the cheap check
 // a reconcile makes before attaching a pod again.
 func (l *Loader) KernelOK(p PodState, full bool) bool {
+	if l.isStale(p.ID) {
+		return false // a link may run another agent's program (Relink)
+	}
 	for _, a := range p.Meta.Addrs {
 		if s, ok, err := l.maps.Pod(a); err != nil || !ok || s != p.Meta.Settings {
 			return false

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestClaimGivenUpIsTakenBack: a newer agent that stops while it holds the
@@ -83,5 +85,69 @@ func TestClaimGivenUpIsTakenBack(t *testing.T) {
 	reclaim(old, false, "claimed by another agent after the release")
 	if !fourth.Held() || old.Held() {
 		t.Errorf("the older agent took the node from the newest claim: old held %v, newest held %v", old.Held(), fourth.Held())
+	}
+}
+
+// TestClaimThenRunsUnderTheLock: what an agent does as it claims the node
+// or takes it back (ClaimNodeThen, ReclaimThen: point the pinned links at
+// its programs) runs once the claim is written and before the pin root's
+// exclusive lock is let go, so no other agent's change or claim comes
+// between; and not at all when nothing is taken back.
+func TestClaimThenRunsUnderTheLock(t *testing.T) {
+	ctx := context.Background()
+	root := tempBPFFS(t)
+	if err := PinLayout(root); err != nil {
+		t.Fatal(err)
+	}
+	// locked reports whether another process's shared lock (a Guard of
+	// another agent) would have to wait.
+	locked := func() bool {
+		fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		err = unix.Flock(fd, unix.LOCK_SH|unix.LOCK_NB)
+		return errors.Is(err, unix.EWOULDBLOCK)
+	}
+	var old *Claim
+	ran := 0
+	var err error
+	old, err = ClaimNodeThen(ctx, root, nil, func() {
+		ran++
+		if !locked() {
+			t.Error("the claim's then runs without the pin root's exclusive lock")
+		}
+	})
+	if err != nil || ran != 1 {
+		t.Fatalf("claim: %v, then ran %d times, want once", err, ran)
+	}
+	defer old.Close()
+	then := func() {
+		ran++
+		if !old.Held() {
+			t.Error("the take-back's then runs before the claim is written back")
+		}
+		if !locked() {
+			t.Error("the take-back's then runs without the pin root's exclusive lock")
+		}
+	}
+	next, err := ClaimNode(ctx, root, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer next.Close()
+	ran = 0
+	if back, err := old.ReclaimThen(ctx, then); back || err != nil || ran != 0 {
+		t.Fatalf("take-back while the newer agent holds the node: %v %v, then ran %d times, want none", back, err, ran)
+	}
+	if err := next.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if back, err := old.ReclaimThen(ctx, then); !back || err != nil || ran != 1 {
+		t.Fatalf("take-back once given up: %v %v, then ran %d times, want once", back, err, ran)
+	}
+	if locked() {
+		t.Error("the pin root stays locked after the take-back")
 	}
 }

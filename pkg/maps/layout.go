@@ -205,6 +205,19 @@ var ErrNotHeld = errors.New("a newer agent holds the node")
 // another agent has under way (see Claim), at most LockPatience and while
 // ctx lasts, logging to log who holds them up. Close releases the map.
 func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, error) {
+	return ClaimNodeThen(ctx, root, log, nil)
+}
+
+// ClaimNodeThen is ClaimNode that runs then (if not nil) once the claim is
+// written, before the pin root's exclusive lock is let go: no other agent
+// changes the pinned state meanwhile, and an older agent taking the node
+// back (ReclaimThen) runs its own then either wholly before or not at all.
+// The agent points the pinned links at its programs there (loader.Relink):
+// a take-back's relink that came between the agent's load and its claim
+// left the pods on the older agent's programs, with the new agent holding
+// the node. then must not take a Guard or the lock: it would wait for
+// itself.
+func ClaimNodeThen(ctx context.Context, root string, log *slog.Logger, then func()) (*Claim, error) {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if err != nil {
@@ -228,6 +241,9 @@ func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, erro
 	if err := m.Put(layoutSlotOwner, c.token); err != nil {
 		m.Close()
 		return nil, fmt.Errorf("claim the node: write %s: %w", path, err)
+	}
+	if then != nil {
+		then()
 	}
 	return c, nil
 }
@@ -295,6 +311,17 @@ func (c *Claim) Release(ctx context.Context) error {
 // the pinned state again (the other agent changed it) before its next
 // change. Cheap while the node is held: one map lookup, no lock.
 func (c *Claim) Reclaim(ctx context.Context) (bool, error) {
+	return c.ReclaimThen(ctx, nil)
+}
+
+// ReclaimThen is Reclaim that runs then (if not nil) once the node is taken
+// back, under the pin root's exclusive lock, as ClaimNodeThen does: the
+// agent reads the pinned state again and points every pinned link back at
+// its own programs there, before any change of its own or a newer agent's
+// claim. The newer agent swapped its programs into the links as it started
+// (loader.Load), and they stayed there after it gave the node up: a
+// rollback made for a program bug kept the bug on the pods.
+func (c *Claim) ReclaimThen(ctx context.Context, then func()) (bool, error) {
 	if owner, err := c.owner(); err != nil || owner != 0 {
 		return false, err
 	}
@@ -309,6 +336,9 @@ func (c *Claim) Reclaim(ctx context.Context) (bool, error) {
 	}
 	if err := c.m.Put(layoutSlotOwner, c.token); err != nil {
 		return false, fmt.Errorf("take the node back: write %s: %w", LayoutName, err)
+	}
+	if then != nil {
+		then()
 	}
 	return true, nil
 }

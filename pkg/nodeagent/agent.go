@@ -71,8 +71,9 @@ type Config struct {
 	OnYield func()
 	// OnReclaim runs when this agent took the node back from a newer one
 	// that gave it up (a rolled back upgrade), before the full pass that
-	// follows: it undoes OnYield and has the loader read the pinned state
-	// again.
+	// follows: it undoes OnYield. The loader reads the pinned state again
+	// and relinks the node as the claim is taken back (cmd/redirector's
+	// takeBackClaim: loader.Relink under the claim's lock).
 	OnReclaim func()
 	// Registry, if set, gets the work queue's metrics.
 	Registry prometheus.Registerer

@@ -139,11 +139,10 @@ func TestTakenBackAgentLetsGoOfDetachedLinks(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// The older agent takes it back (as OnReclaim does).
-	if back, err := claim.Reclaim(ctx); err != nil || !back {
+	// The older agent takes it back (as the agent's take-back does).
+	if back, err := claim.ReclaimThen(ctx, func() { older.Relink(ctx) }); err != nil || !back {
 		t.Fatalf("reclaim: %v %v", back, err)
 	}
-	older.SetClaim(claim)
 	if res := older.CheckLinks(ctx, true); res.Repinned != 0 || len(res.Errors) != 0 {
 		t.Errorf("link check after taking the node back: %+v; want nothing re-pinned", res)
 	}

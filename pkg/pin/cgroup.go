@@ -17,8 +17,10 @@ import (
 // v2 directory dir. A link pinned there by an earlier process on the same
 // cgroup, of the same attach type, is updated in place, so the hook never
 // goes without a program. On another cgroup (the setting changed), or of
-// another attach type, the new link is attached and pinned first and the
-// old one detached after.
+// another attach type, or one whose update fails, the new link is attached
+// and pinned first and the old one detached after: a link left on another
+// agent's program (an agent taking the node back from a newer one) would
+// run it for as long as this one does.
 func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) error {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
@@ -31,10 +33,8 @@ func AttachCgroup(path, dir string, prog *ebpf.Program, attach ebpf.AttachType) 
 		// Updated in place only when it is our kind of link on this
 		// cgroup: a pin holding another attach type's link (on the same
 		// cgroup) cannot take prog, and would fail the update every start.
-		if err == nil && info.Cgroup() != nil && info.Cgroup().CgroupId == st.Ino && uint32(info.Cgroup().AttachType) == uint32(attach) {
-			if err := old.Update(prog); err != nil {
-				return fmt.Errorf("update pinned cgroup link %s: %w", path, err)
-			}
+		if err == nil && info.Cgroup() != nil && info.Cgroup().CgroupId == st.Ino && uint32(info.Cgroup().AttachType) == uint32(attach) &&
+			old.Update(prog) == nil {
 			return nil
 		}
 	}

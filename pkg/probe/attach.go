@@ -1,7 +1,6 @@
 package probe
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -125,11 +124,12 @@ func (a *Attacher) detachTCX(podID uint32, d direction) error {
 }
 
 // upgradePinnedLinks points every pinned host link at the programs just
-// loaded. Failures are logged: the link keeps its old program, and the
-// caller's next AttachHost replaces a broken one. It returns the pods whose
-// egress link it upgraded, by the ifindex of their host veth.
-func (a *Attacher) upgradePinnedLinks(ctx context.Context) map[uint32]uint32 {
+// loaded. A link it cannot update keeps its old program, and its pod is in
+// the result's Failed: the caller's next AttachHost replaces it. It returns
+// the pods whose egress link it upgraded, by the ifindex of their host veth.
+func (a *Attacher) upgradePinnedLinks() (map[uint32]uint32, Relinked) {
 	veths := make(map[uint32]uint32)
+	res := Relinked{Failed: map[uint32]error{}}
 	for _, d := range directions {
 		pins, _ := filepath.Glob(filepath.Join(a.cfg.PinRoot, "pods", "*", string(d)))
 		for _, p := range pins {
@@ -139,9 +139,10 @@ func (a *Attacher) upgradePinnedLinks(ctx context.Context) map[uint32]uint32 {
 			}
 			lk, err := pin.UpdateTCXHeld(a.linkPin(id, d), a.program(d), d.attachType())
 			if err != nil {
-				a.log.WarnContext(ctx, "keep old program on pinned host link", "pod", id, "direction", d, "error", err)
+				res.Failed[id] = errors.Join(res.Failed[id], fmt.Errorf("%s: %w", d, err))
 				continue
 			}
+			res.Updated++
 			if d == egress {
 				if ifindex, err := tcxIfindex(lk); err == nil && ifindex > 0 {
 					veths[ifindex] = id
@@ -150,7 +151,7 @@ func (a *Attacher) upgradePinnedLinks(ctx context.Context) map[uint32]uint32 {
 			lk.Close()
 		}
 	}
-	return veths
+	return veths, res
 }
 
 func tcxIfindex(lk link.Link) (uint32, error) {

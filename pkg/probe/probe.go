@@ -172,7 +172,36 @@ func (a *Attacher) rebuildVeths(ctx context.Context) error {
 		return fmt.Errorf("rebuild %s: %w", VethsMapName, err)
 	}
 	defer release()
-	return a.syncVeths(a.upgradePinnedLinks(ctx))
+	res := a.Relink(ctx)
+	for id, err := range res.Failed {
+		a.log.WarnContext(ctx, "keep old program on pinned host link", "pod", id, "error", err)
+	}
+	return res.Err
+}
+
+// Relinked is what Relink did.
+type Relinked struct {
+	// Updated counts the host links now running this attacher's programs.
+	Updated int
+	// Failed are the pods, by id, with a pinned host link left on the
+	// program it had, and why (a pin that is no such link, a defunct link,
+	// a failed update): their next AttachHost replaces the link.
+	Failed map[uint32]error
+	// Err is a failed rebuild of the veth map.
+	Err error
+}
+
+// Relink points every pinned host link at this attacher's programs and
+// rebuilds the veth map from them: what Load does, for a caller that holds
+// off every other agent's attach and detach itself (maps.ClaimNodeThen,
+// maps.Claim.ReclaimThen: an agent taking the node back from a newer one
+// whose programs the links run).
+func (a *Attacher) Relink(ctx context.Context) Relinked {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	veths, res := a.upgradePinnedLinks()
+	res.Err = a.syncVeths(veths)
+	return res
 }
 
 // dropResizedPin unpins a NAT map whose size (or layout, after an upgrade)
