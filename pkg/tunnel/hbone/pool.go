@@ -169,7 +169,8 @@ func NewPool(opts PoolOptions) *Pool {
 // A pooled connection takes the stream only while the certificate it
 // presented is the one tlsConf would present now (its
 // GetClientCertificate, asked without the server's request info, must
-// not depend on it) and its chain has not ended; see presented.go.
+// not depend on it, nor call into the pool: it runs under the pool's lock)
+// and its chain has not ended; see presented.go.
 func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, req Request) (*Stream, error) {
 	fields, err := req.fields()
 	if err != nil {
@@ -424,7 +425,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
 	}
 	batch := newBatchConn(raw)
-	var presented *tls.Certificate
+	var presented *presentedCert
 	tc := tls.Client(batch, presenting(tlsConf, &presented))
 	batch.limitRead(maxServerHandshake, errServerHandshakeTooLarge)
 	err = tc.HandshakeContext(ctx)
@@ -459,7 +460,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		},
 	})
 	c.poolKey = key
-	c.presented = newPresented(presented)
+	c.presented = presented
 	if err := c.start(); err != nil {
 		_ = tc.Close()
 		return nil, err
@@ -680,7 +681,7 @@ func (p *Pool) stopStaleLocked(conns []*conn, cur *currentCert, stale []staleCon
 	var now time.Time
 	for _, c := range conns {
 		pc := c.presented
-		if pc == nil {
+		if pc == nil || pc.stopped.Load() {
 			continue
 		}
 		if now.IsZero() {
@@ -700,11 +701,11 @@ func (p *Pool) stopStaleLocked(conns []*conn, cur *currentCert, stale []staleCon
 func (c *conn) markStopped() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.err != nil || c.goAway || c.presented.stopped {
+	if c.err != nil || c.goAway || c.presented.stopped.Load() {
 		// Closed, or carrying no new stream already.
 		return false
 	}
-	c.presented.stopped = true
+	c.presented.stopped.Store(true)
 	c.goAway = true
 	return true
 }

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -28,9 +30,10 @@ type presentedCert struct {
 	// past an intermediate's end the leaf verifies no more. Zero: the
 	// chain did not parse, and only a replacement stops the conn.
 	end time.Time
-	// stopped: the pool stopped the conn for its certificate; guarded by
-	// the conn's mu, so that it is counted and logged once.
-	stopped bool
+	// stopped: the pool stopped the conn for its certificate, set under
+	// the conn's mu so that it is counted and logged once; read without it
+	// to skip such a conn.
+	stopped atomic.Bool
 }
 
 // newPresented records cert as presented; nil if nothing was (the server
@@ -56,28 +59,45 @@ func newPresented(cert *tls.Certificate) *presentedCert {
 	return pc
 }
 
-// presenting returns conf, offering ALPN h2, with the certificate
-// crypto/tls presents to the server recorded in *got. conf is not changed.
-func presenting(conf *tls.Config, got **tls.Certificate) *tls.Config {
+// endedAt says whether the presented chain has ended at now.
+func (pc *presentedCert) endedAt(now time.Time) bool {
+	return pc != nil && !pc.end.IsZero() && !now.Before(pc.end)
+}
+
+// presenting returns conf, offering ALPN h2, with what crypto/tls
+// presents to the server recorded in *got. A certificate whose chain has
+// ended is not presented: the handshake fails, naming its end, so that not
+// even the stream a connection is dialled for goes as an identity whose
+// certificate ended, whatever the server would take. conf is not changed.
+func presenting(conf *tls.Config, got **presentedCert) *tls.Config {
 	c := withH2(conf)
 	if c == conf {
 		c = conf.Clone()
 	}
+	record := func(cert *tls.Certificate) (*tls.Certificate, error) {
+		pc := newPresented(cert)
+		if pc.endedAt(time.Now()) {
+			return nil, fmt.Errorf("the client certificate's chain ended at %s", pc.end.UTC().Format(time.RFC3339))
+		}
+		*got = pc
+		return cert, nil
+	}
 	if get := conf.GetClientCertificate; get != nil {
 		c.GetClientCertificate = func(cri *tls.CertificateRequestInfo) (*tls.Certificate, error) {
 			cert, err := get(cri)
-			*got = cert
-			return cert, err
+			if err != nil {
+				return nil, err
+			}
+			return record(cert)
 		}
 		return c
 	}
-	// crypto/tls's own choice among static certificates, recorded.
+	// crypto/tls's own choice among static certificates.
 	certs := conf.Certificates
 	c.GetClientCertificate = func(cri *tls.CertificateRequestInfo) (*tls.Certificate, error) {
 		for i := range certs {
 			if cri.SupportsCertificate(&certs[i]) == nil {
-				*got = &certs[i]
-				return &certs[i], nil
+				return record(&certs[i])
 			}
 		}
 		return new(tls.Certificate), nil
@@ -119,7 +139,7 @@ func (cc *currentCert) get() (*tls.Certificate, bool) {
 // at now, with cur the certificate a new handshake would present; "" if it
 // may. Reasons are log values.
 func (pc *presentedCert) staleReason(now time.Time, cur *currentCert) string {
-	if !pc.end.IsZero() && !now.Before(pc.end) {
+	if pc.endedAt(now) {
 		return "presented certificate expired"
 	}
 	if cert, known := cur.get(); known && !sameLeaf(cert, pc.cert) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -17,15 +18,15 @@ import (
 // a connection for its client's certificate (another implementation): our
 // Server with the client's chain end put off for a day and no DrainPeers.
 // Its handshake still verifies the client's certificate, against any of
-// roots (a bundle holding an old and a new root). It records the leaf each
-// stream's connection presented.
+// roots (a bundle holding an old and a new root), on its clock, which is
+// skew off ours. It records the leaf each stream's connection presented.
 type presentedEnv struct {
 	*testEnv
 	mu     sync.Mutex
 	leaves [][]byte
 }
 
-func newPresentedEnv(t *testing.T, server tls.Certificate, roots ...*x509.CertPool) *presentedEnv {
+func newPresentedEnv(t *testing.T, server tls.Certificate, skew time.Duration, roots ...*x509.CertPool) *presentedEnv {
 	t.Helper()
 	pe := &presentedEnv{}
 	handler := func(ctx context.Context, req *ServerRequest) Response {
@@ -48,7 +49,8 @@ func newPresentedEnv(t *testing.T, server tls.Certificate, roots ...*x509.CertPo
 			inter.AddCert(c)
 		}
 		for _, r := range roots {
-			if _, err = leaf.Verify(x509.VerifyOptions{Roots: r, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}); err == nil {
+			opts := x509.VerifyOptions{Roots: r, Intermediates: inter, CurrentTime: time.Now().Add(skew), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}}
+			if _, err = leaf.Verify(opts); err == nil {
 				return nil
 			}
 		}
@@ -87,7 +89,7 @@ func TestNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 				short = pki.via
 			}
 			end := pki.expiring.Leaf.NotAfter // the intermediate's too
-			e := newPresentedEnv(t, pki.lasting, pki.pool)
+			e := newPresentedEnv(t, pki.lasting, 0, pki.pool)
 			app := startUpstream(t, echo)
 			client := pki.config(short, false)
 			if mode == "renewed" {
@@ -160,7 +162,7 @@ func TestNoStreamsAsReplacedOwnCertificate(t *testing.T) {
 	good, other := pkis()
 	for _, mode := range []string{"renewed", "trust change", "trust change during the handshake"} {
 		t.Run(mode, func(t *testing.T) {
-			e := newPresentedEnv(t, good.leaf, good.pool, other.pool)
+			e := newPresentedEnv(t, good.leaf, 0, good.pool, other.pool)
 			app := startUpstream(t, echo)
 			var cur atomic.Pointer[tls.Certificate]
 			cur.Store(&good.leaf)
@@ -217,4 +219,23 @@ func TestNoStreamsAsReplacedOwnCertificate(t *testing.T) {
 			wantEcho(t, open)
 		})
 	}
+}
+
+// A certificate whose chain has already ended is not presented, even to a
+// server that would take it (its clock runs behind): the dial fails,
+// naming the end, rather than the stream it was dialled for going as that
+// identity.
+func TestOwnCertificateEndedNotPresented(t *testing.T) {
+	pki := newExpiringPKI(t, -time.Minute)
+	e := newPresentedEnv(t, pki.lasting, -2*time.Minute, pki.pool)
+	app := startUpstream(t, echo)
+	s, err := e.pool.Connect(context.Background(), e.key, tcpDial, pki.config(pki.expiring, false), Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+	if err == nil {
+		s.Close()
+		t.Fatal("a stream opened on a connection that presented a certificate whose chain had ended")
+	}
+	if !strings.Contains(err.Error(), "chain ended at") {
+		t.Errorf("error %q does not name the certificate's end", err)
+	}
+	t.Logf("refused: %v", err)
 }
