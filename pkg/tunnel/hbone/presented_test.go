@@ -154,8 +154,8 @@ func TestNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 //     the new roots refuses.
 //   - trust change during the handshake: a connection whose certificate
 //     was fetched before the change and pooled after DrainPresented went
-//     through the pool is drained once pooled; the stream it was dialled
-//     for runs.
+//     through the pool is drained once pooled; the Connect that dialled it
+//     retries on a new one, as for any drain before its stream opened.
 //
 // Streams open on the drained connection run on.
 func TestNoStreamsAsReplacedOwnCertificate(t *testing.T) {
@@ -238,4 +238,31 @@ func TestOwnCertificateEndedNotPresented(t *testing.T) {
 		t.Errorf("error %q does not name the certificate's end", err)
 	}
 	t.Logf("refused: %v", err)
+}
+
+// The certificate a connection presented is compared with the current one
+// by leaf, not by pointer: a callback that builds a new tls.Certificate
+// for the same certificate at each call must not make every Connect drain
+// its connection and dial another.
+func TestSameOwnCertificateKeepsConnection(t *testing.T) {
+	good, _ := pkis()
+	e := newPresentedEnv(t, good.leaf, 0, good.pool)
+	app := startUpstream(t, echo)
+	client := good.clientTLS()
+	client.Certificates = nil
+	client.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+		c := good.leaf
+		c.Certificate = [][]byte{bytes.Clone(good.leaf.Certificate[0])}
+		return &c, nil
+	}
+	for range 3 {
+		s, err := e.pool.Connect(context.Background(), e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Close()
+	}
+	if st := e.pool.Stats(); st.DialsTotal != 1 || st.OwnCertificateDrains != 0 {
+		t.Errorf("dials = %d, OwnCertificateDrains = %d, want 1 and 0", st.DialsTotal, st.OwnCertificateDrains)
+	}
 }
