@@ -479,7 +479,8 @@ func runAgent(ctx context.Context, args []string) error {
 		admin.NewPoolCollector(func() admin.PoolStats {
 			st := pool.Stats()
 			return admin.PoolStats{Conns: st.Conns, ActiveStreams: st.ActiveStreams, Dials: st.DialsTotal, FloodCloses: st.FloodCloses,
-				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains, ProtocolErrorCloses: st.ProtocolErrorCloses}
+				ZeroStreamLimitDrains: st.ZeroStreamLimitDrains, ProtocolErrorCloses: st.ProtocolErrorCloses,
+				OwnCertificateDrains: st.OwnCertificateDrains}
 		}),
 		admin.NewBufferCollector(func() admin.BufferStats {
 			b, w := hbone.Buffers(), hbone.Windows()

@@ -119,6 +119,9 @@ type PoolStats struct {
 	// ProtocolErrorCloses counts connections closed because the server
 	// broke HTTP/2.
 	ProtocolErrorCloses uint64
+	// OwnCertificateDrains counts connections given no new stream because
+	// of the certificate this node presented on them.
+	OwnCertificateDrains uint64
 }
 
 // NewPoolCollector reports the HBONE client pool.
@@ -135,8 +138,10 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 		"Pooled HBONE connections drained because the server set SETTINGS_MAX_CONCURRENT_STREAMS to 0: they can carry no new stream.", nil, nil)
 	protocolErrors := prometheus.NewDesc("redirector_hbone_pool_protocol_error_closes_total",
 		"Pooled HBONE connections closed because the server broke HTTP/2 (a malformed or truncated response, a push, frames on streams never opened): GOAWAY with the error's code, naming the reason.", nil, nil)
+	ownCerts := prometheus.NewDesc("redirector_hbone_pool_own_certificate_drains_total",
+		"Pooled HBONE connections given no new stream because of the certificate this node presented on them: its chain ended, it was replaced (renewed, or its root removed), or a trust bundle change refused it. The next stream dials, presenting the current certificate.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits, protocolErrors},
+		descs: []*prometheus.Desc{conns, streams, dials, floods, zeroLimits, protocolErrors, ownCerts},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- gauge(conns, float64(s.Conns))
@@ -145,6 +150,7 @@ func NewPoolCollector(stats func() PoolStats) prometheus.Collector {
 			ch <- counter(floods, s.FloodCloses)
 			ch <- counter(zeroLimits, s.ZeroStreamLimitDrains)
 			ch <- counter(protocolErrors, s.ProtocolErrorCloses)
+			ch <- counter(ownCerts, s.OwnCertificateDrains)
 		},
 	}
 }

@@ -61,7 +61,7 @@ func TestCertCollector(t *testing.T) {
 
 func TestHBONECollectors(t *testing.T) {
 	pool := NewPoolCollector(func() PoolStats {
-		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4, ProtocolErrorCloses: 10}
+		return PoolStats{Conns: 2, ActiveStreams: 7, Dials: 5, FloodCloses: 3, ZeroStreamLimitDrains: 4, ProtocolErrorCloses: 10, OwnCertificateDrains: 11}
 	})
 	expect(t, promtest.Scrape(t, pool), map[string]float64{
 		"redirector_hbone_pool_connections":                    2,
@@ -70,6 +70,7 @@ func TestHBONECollectors(t *testing.T) {
 		"redirector_hbone_pool_flood_closes_total":             3,
 		"redirector_hbone_pool_zero_stream_limit_drains_total": 4,
 		"redirector_hbone_pool_protocol_error_closes_total":    10,
+		"redirector_hbone_pool_own_certificate_drains_total":   11,
 	})
 	buffers := NewBufferCollector(func() BufferStats {
 		return BufferStats{Limit: 32, FramesInUse: 3, BatchesInUse: 1, FramesDenied: 4, BatchesDenied: 2, FramesDeniedShare: 7, BatchesDeniedShare: 8,

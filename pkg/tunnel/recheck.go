@@ -209,12 +209,19 @@ func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
 // stream. Their open streams run to their end. Connections whose peer
 // still verifies are left alone: a rotation that adds a root reconnects
 // nothing.
+//
+// It also drains the pooled connections on which this node presented a
+// certificate that no longer verifies: a server that does not drain them
+// itself (ztunnel, a waypoint) would go on taking streams as that
+// identity; the next stream's handshake presents the certificate of that
+// moment (the identity manager renews such certificates at the same
+// change), which a server holding the new roots checks anew.
 func (t *Tunnel) recheckPeers() {
 	m := t.cfg.Certs
 	t.mu.Lock()
 	pods := slices.Collect(maps.Values(t.pods))
 	t.mu.Unlock()
-	inbound, outbound := 0, 0
+	inbound, outbound, own := 0, 0, 0
 	for _, p := range pods {
 		if p.hbone != nil {
 			inbound += p.hbone.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageClientAuth) == nil })
@@ -222,8 +229,30 @@ func (t *Tunnel) recheckPeers() {
 	}
 	if t.cfg.Pool != nil {
 		outbound = t.cfg.Pool.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageServerAuth) == nil })
+		own = t.cfg.Pool.DrainPresented(func(cert *tls.Certificate) bool {
+			cs, err := presentedState(cert)
+			return err == nil && m.Reverify(cs, x509.ExtKeyUsageClientAuth) == nil
+		})
 	}
-	if inbound+outbound > 0 {
-		t.log.Info("trust bundle changed: HBONE connections whose peer no longer verifies drained", "inbound", inbound, "outbound", outbound)
+	if inbound+outbound+own > 0 {
+		t.log.Info("trust bundle changed: HBONE connections whose peer, or whose certificate this node presented, no longer verifies drained",
+			"inbound", inbound, "outbound", outbound, "outbound_own_certificate", own)
 	}
+}
+
+// presentedState is a certificate this node presented, as its peer saw it.
+func presentedState(cert *tls.Certificate) (tls.ConnectionState, error) {
+	chain := make([]*x509.Certificate, 0, len(cert.Certificate))
+	for i, der := range cert.Certificate {
+		if i == 0 && cert.Leaf != nil {
+			chain = append(chain, cert.Leaf)
+			continue
+		}
+		c, err := x509.ParseCertificate(der)
+		if err != nil {
+			return tls.ConnectionState{}, fmt.Errorf("parse presented certificate %d: %w", i, err)
+		}
+		chain = append(chain, c)
+	}
+	return tls.ConnectionState{PeerCertificates: chain}, nil
 }

@@ -406,6 +406,10 @@ type conn struct {
 	tlsAnswered int64
 	tlsBase     int64
 	tlsCounted  bool // a TLS 1.3 conn over a batchConn: spendTLSAnswers counts
+
+	// presented (client) is the certificate we presented, set before
+	// the conn is pooled (presented.go); nil: none.
+	presented *presentedCert
 }
 
 // keyUpdateLen is the plaintext of the KeyUpdate message crypto/tls writes to

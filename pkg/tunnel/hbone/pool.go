@@ -79,6 +79,11 @@ type PoolStats struct {
 	// broke HTTP/2 (a malformed or truncated response, a push, frames on
 	// streams never opened, ...): GOAWAY with the error's code.
 	ProtocolErrorCloses uint64
+	// OwnCertificateDrains counts connections given no new stream because
+	// of the certificate we presented on them: its chain ended, a new
+	// handshake would present another, or a trust change refused it
+	// (presented.go).
+	OwnCertificateDrains uint64
 }
 
 // Pool is the HBONE client: it multiplexes streams over pooled TLS
@@ -98,6 +103,11 @@ type Pool struct {
 	zeroLimits atomic.Uint64
 	// protocolErrors counts conns closed because the server broke HTTP/2.
 	protocolErrors atomic.Uint64
+	// presentedTrust sees a DrainPresented that came while one of the
+	// pool's handshakes was under way; ownDrains counts conns stopped for
+	// the certificate they presented.
+	presentedTrust presentedChanges
+	ownDrains      atomic.Uint64
 
 	mu      sync.Mutex
 	entries map[PoolKey]*poolEntry
@@ -155,6 +165,12 @@ func NewPool(opts PoolOptions) *Pool {
 // room and otherwise dialling with dial and tlsConf (ALPN h2 is added when
 // missing). ctx bounds the dial, the handshake and the wait for the
 // response, not the returned stream. A non-200 answer is a *StatusError.
+//
+// A pooled connection takes the stream only while the certificate it
+// presented is the one tlsConf would present now (its
+// GetClientCertificate, asked without the server's request info, must
+// not depend on it, nor call into the pool: it runs under the pool's lock)
+// and its chain has not ended; see presented.go.
 func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, req Request) (*Stream, error) {
 	fields, err := req.fields()
 	if err != nil {
@@ -163,8 +179,9 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 	if len(req.EarlyData) > MaxEarlyData {
 		return nil, fmt.Errorf("hbone early data of %d bytes exceeds %d", len(req.EarlyData), MaxEarlyData)
 	}
+	cur := &currentCert{conf: tlsConf}
 	for attempt := 1; ; attempt++ {
-		c, err := p.reserve(ctx, key, dial, tlsConf)
+		c, err := p.reserve(ctx, key, dial, tlsConf, cur)
 		if err != nil {
 			return nil, err
 		}
@@ -190,7 +207,11 @@ var testHookDialWait func()
 var testHookReserved func(p *Pool, c *conn)
 
 // reserve returns a connection for key with a stream slot reserved on it.
-func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config) (*conn, error) {
+// cur is what tlsConf presents now: conns that presented another
+// certificate, or one whose chain ended, are drained instead.
+func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *tls.Config, cur *currentCert) (*conn, error) {
+	var stale []staleConn
+	defer func() { p.stopStale(stale) }() // the returns below
 	p.mu.Lock()
 	for {
 		if p.closed {
@@ -202,6 +223,7 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 			e = &poolEntry{}
 			p.entries[key] = e
 		}
+		stale = p.stopStaleLocked(e.conns, cur, stale)
 		if c, others := p.reserveLeastLoaded(e.conns); c != nil {
 			if others && len(e.conns) < p.opts.ConnsPerKey && e.dialing == nil {
 				p.spreadLocked(key, e, dial, tlsConf)
@@ -211,6 +233,7 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		}
 		if d := e.dialing; d != nil {
 			p.mu.Unlock()
+			stale = p.stopStale(stale)
 			if testHookDialWait != nil {
 				testHookDialWait()
 			}
@@ -238,6 +261,7 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		d := &dialCall{done: make(chan struct{})}
 		e.dialing = d
 		p.mu.Unlock()
+		stale = p.stopStale(stale)
 		// The dialler's stream goes out at once, pipelined with the peer's
 		// SETTINGS. Others keep waiting on d until the SETTINGS tell the
 		// real stream limit (onReady), so a burst neither overfills the
@@ -256,11 +280,12 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 // after the pool closed or Evict removed the key is closed, not added.
 // Called, and returns, without p.mu.
 func (p *Pool) dialInto(ctx context.Context, key PoolKey, e *poolEntry, d *dialCall, dial Dialer, tlsConf *tls.Config, reserve bool) (*conn, error) {
-	gen := p.trust.generation()
+	gen, ownGen := p.trust.generation(), p.presentedTrust.generation()
 	c, err := p.dial(ctx, key, e, dial, tlsConf, d)
 	if err == nil {
-		// Once pooled, below, where a DrainPeers finds it.
+		// Once pooled, below, where a DrainPeers or DrainPresented finds it.
 		defer p.trust.recheck(gen, c)
+		defer p.recheckPresented(ownGen, c)
 	}
 	p.mu.Lock()
 	if err == nil {
@@ -400,7 +425,8 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		return nil, fmt.Errorf("dial hbone %v: %w", key.DstAddr, err)
 	}
 	batch := newBatchConn(raw)
-	tc := tls.Client(batch, withH2(tlsConf))
+	var presented *presentedCert
+	tc := tls.Client(batch, presenting(tlsConf, &presented))
 	batch.limitRead(maxServerHandshake, errServerHandshakeTooLarge)
 	err = tc.HandshakeContext(ctx)
 	batch.unlimitRead()
@@ -434,6 +460,7 @@ func (p *Pool) dial(ctx context.Context, key PoolKey, e *poolEntry, dial Dialer,
 		},
 	})
 	c.poolKey = key
+	c.presented = presented
 	if err := c.start(); err != nil {
 		_ = tc.Close()
 		return nil, err
@@ -538,7 +565,7 @@ func (p *Pool) Stats() PoolStats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st := PoolStats{DialsTotal: p.dials.Load(), FloodCloses: p.floods.Load(), ZeroStreamLimitDrains: p.zeroLimits.Load(),
-		ProtocolErrorCloses: p.protocolErrors.Load()}
+		ProtocolErrorCloses: p.protocolErrors.Load(), OwnCertificateDrains: p.ownDrains.Load()}
 	for _, e := range p.entries {
 		for _, c := range e.conns {
 			st.Conns++
@@ -597,6 +624,116 @@ func drainPeers(conns []*conn, keep func(tls.ConnectionState) bool) int {
 		}
 	}
 	return n
+}
+
+// DrainPresented drains the pooled connections whose own certificate, as
+// their handshake presented it, keep refuses now (the trust bundle
+// changed: the root it was issued under may be gone), and returns how
+// many. A server holding the new roots would refuse that certificate in a
+// new handshake; one that does not drain such connections itself would
+// otherwise go on taking streams as that identity on them. Their open
+// streams run to their end. keep runs without the pool's lock, once per
+// distinct certificate.
+func (p *Pool) DrainPresented(keep func(*tls.Certificate) bool) int {
+	p.presentedTrust.changed(keep)
+	p.mu.Lock()
+	var conns []*conn
+	for _, e := range p.entries {
+		conns = append(conns, e.conns...)
+	}
+	p.mu.Unlock()
+	verdicts := map[*tls.Certificate]bool{}
+	n := 0
+	for _, c := range conns {
+		if c.presented == nil {
+			continue
+		}
+		kept, ok := verdicts[c.presented.cert]
+		if !ok {
+			kept = keep(c.presented.cert)
+			verdicts[c.presented.cert] = kept
+		}
+		if !kept && p.stopPresented(c, "trust change refuses the presented certificate") {
+			n++
+		}
+	}
+	return n
+}
+
+// recheckPresented drains c, pooled now, if a DrainPresented came since
+// gen whose check refuses the certificate c presented.
+func (p *Pool) recheckPresented(gen uint64, c *conn) {
+	if c.presented != nil && p.presentedTrust.refuses(gen, c.presented.cert) {
+		p.stopPresented(c, "trust change refuses the presented certificate")
+	}
+}
+
+// staleConn is a conn stopStaleLocked stopped, to drain once p.mu is
+// released (a drain of an idle conn closes it, which takes p.mu).
+type staleConn struct {
+	c      *conn
+	reason string
+}
+
+// stopStaleLocked stops the conns whose presented certificate cur says
+// must carry no new stream, appending them to stale.
+func (p *Pool) stopStaleLocked(conns []*conn, cur *currentCert, stale []staleConn) []staleConn {
+	var now time.Time
+	for _, c := range conns {
+		pc := c.presented
+		if pc == nil || pc.stopped.Load() {
+			continue
+		}
+		if now.IsZero() {
+			now = time.Now()
+		}
+		// Read without c.mu: set before the conn was pooled, never after.
+		reason := pc.staleReason(now, cur)
+		if reason != "" && c.markStopped() {
+			stale = append(stale, staleConn{c, reason})
+		}
+	}
+	return stale
+}
+
+// markStopped takes c out of service for its certificate, once; false if
+// it was already, or is closed.
+func (c *conn) markStopped() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil || c.goAway || c.presented.stopped.Load() {
+		// Closed, or carrying no new stream already.
+		return false
+	}
+	c.presented.stopped.Store(true)
+	c.goAway = true
+	return true
+}
+
+// stopStale drains the conns stopStaleLocked stopped, and returns stale
+// emptied; called without p.mu.
+func (p *Pool) stopStale(stale []staleConn) []staleConn {
+	for _, s := range stale {
+		p.drainPresented(s.c, s.reason)
+	}
+	return stale[:0]
+}
+
+// stopPresented stops and drains c for its certificate; false if it was
+// stopped already. Called without p.mu.
+func (p *Pool) stopPresented(c *conn, reason string) bool {
+	if !c.markStopped() {
+		return false
+	}
+	p.drainPresented(c, reason)
+	return true
+}
+
+func (p *Pool) drainPresented(c *conn, reason string) {
+	p.ownDrains.Add(1)
+	p.log.Debug("hbone connection drained: no new stream as the certificate it presented", "dst", c.poolKey.DstAddr,
+		"src_identity", c.poolKey.SrcIdentity, "reason", reason, "not_after", c.presented.end)
+	c.drain()
 }
 
 // Close closes every pooled connection, failing their streams, and makes
