@@ -1966,6 +1966,24 @@ func (c *conn) close(code http2.ErrCode, cause error, sendGoAway bool) {
 	c.closeConn(code, cause, sendGoAway, false)
 }
 
+// closeAll closes conns in order, all at once, and returns once every one is
+// closed. A close in order waits for the write lock, which a writer blocked
+// on a peer that reads nothing holds until the close's write deadline
+// (closeWriteDeadline) fails its write: one after another, those waits
+// added up to a second per such connection, and a peer holding hundreds
+// held a pod's stop (and the reconcile waiting on it) for minutes.
+func closeAll(conns []*conn, code http2.ErrCode, cause error) {
+	var wg sync.WaitGroup
+	for _, c := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c.close(code, cause, true)
+		}()
+	}
+	wg.Wait()
+}
+
 // releaseWindowLocked gives the connection's reserved receive window back
 // to the process-wide budget, once.
 func (c *conn) releaseWindowLocked() {
@@ -2122,10 +2140,17 @@ func (c *conn) lingerClose() {
 
 // closeWrite sends close_notify, its write bounded by deadline (a peer that
 // stopped reading must not hold us), and gives the peer until deadline to
-// close its side.
+// close its side. crypto/tls sets a write deadline of its own on
+// close_notify, 5 s, over ours: so the socket is closed under a write still
+// blocked at deadline, as nothing more can reach that peer anyway.
 func (c *conn) closeWrite(deadline time.Time) {
 	if cw, ok := c.nc.(interface{ CloseWrite() error }); ok {
 		_ = c.nc.SetWriteDeadline(deadline)
+		if c.cfg.batch != nil {
+			raw := c.cfg.batch.Conn
+			t := time.AfterFunc(time.Until(deadline), func() { _ = raw.Close() })
+			defer t.Stop()
+		}
 		_ = cw.CloseWrite()
 	}
 	_ = c.nc.SetReadDeadline(deadline)

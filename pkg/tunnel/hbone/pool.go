@@ -592,9 +592,7 @@ func (p *Pool) Evict(match func(PoolKey) bool) int {
 		}
 	}
 	p.mu.Unlock()
-	for _, c := range conns {
-		c.close(http2.ErrCodeNo, errEvicted, true)
-	}
+	closeAll(conns, http2.ErrCodeNo, errEvicted)
 	return len(conns)
 }
 
@@ -746,8 +744,6 @@ func (p *Pool) Close() error {
 		conns = append(conns, e.conns...)
 	}
 	p.mu.Unlock()
-	for _, c := range conns {
-		c.close(http2.ErrCodeNo, ErrPoolClosed, true)
-	}
+	closeAll(conns, http2.ErrCodeNo, ErrPoolClosed)
 	return nil
 }

@@ -865,9 +865,7 @@ func (srv *Server) DrainPeers(keep func(tls.ConnectionState) bool) int {
 func (srv *Server) Close() error {
 	conns := srv.stop()
 	srv.cancel()
-	for _, c := range conns {
-		c.close(http2.ErrCodeNo, ErrServerClosed, true)
-	}
+	closeAll(conns, http2.ErrCodeNo, ErrServerClosed)
 	return nil
 }
 
