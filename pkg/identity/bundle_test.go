@@ -224,12 +224,7 @@ func TestTrustChangeRenewsOwnCertificates(t *testing.T) {
 	s := &switchSigner{ca: oldCA}
 	m := New(ManagerOptions{Signer: s, Trust: b, TTL: time.Hour})
 	t.Cleanup(m.Close)
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	calls := func() int { s.mu.Lock(); defer s.mu.Unlock(); return s.calls }
 
 	// istiod signs under the new root; the bundle still holds both: the

@@ -155,12 +155,7 @@ func TestManagerRenewalFollowsTheAskedLifetime(t *testing.T) {
 		}}
 		m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour})
 		defer m.Close()
-		m.Add(idWeb)
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if err := m.Wait(ctx, idWeb); err != nil {
-			t.Fatal(err)
-		}
+		addAndWait(t, m, idWeb)
 		if at := stateOf(m, idWeb).RefreshAt; at.After(time.Now().Add(31 * time.Minute)) {
 			t.Fatalf("refresh at %s, over half of the 1h asked for from now", at)
 		}
@@ -230,12 +225,7 @@ func TestManagerChainEnd(t *testing.T) {
 	m := New(ManagerOptions{Signer: s, Trust: poolTrust{pool}, TTL: time.Hour, Clock: clock.Now})
 	defer m.Close()
 	m.clockCheck = time.Hour // the renewal must not run in this test
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	if at := stateOf(m, idWeb).RefreshAt; at.After(clock.Now().Add(5 * time.Minute)) {
 		t.Errorf("refresh at %s from now, past half of the chain's 10 minutes", at.Sub(clock.Now()))
 	}
@@ -275,12 +265,7 @@ func TestManagerKeepsCertificateOverShortRenewal(t *testing.T) {
 	m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour, Clock: clock.Now, BackoffMax: time.Hour})
 	defer m.Close()
 	m.clockCheck = 10 * time.Millisecond
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	good := stateOf(m, idWeb)
 
 	short.Store(true)

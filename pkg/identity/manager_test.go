@@ -105,6 +105,17 @@ func (f *fakeSigner) callCount() int {
 	return f.calls
 }
 
+// addAndWait adds id to m and waits (10 s at most) for its first certificate.
+func addAndWait(t *testing.T, m *Manager, id ID) {
+	t.Helper()
+	m.Add(id)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func stateOf(m *Manager, id ID) CertInfo {
 	for _, c := range m.Snapshot() {
 		if c.ID == id {
@@ -127,12 +138,7 @@ func TestManagerPrefetchesOnAdd(t *testing.T) {
 	if got := unavailable(m, UnavailableNotKept); got != 1 {
 		t.Errorf("unavailable{not_enrolled} = %v, want 1", got)
 	}
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	c, err := m.Certificate(idWeb)
 	if err != nil || c.Leaf.URIs[0].String() != idWeb.String() {
 		t.Fatalf("certificate after prefetch: %v %v", c, err)
@@ -250,12 +256,7 @@ func TestManagerExpiredFailsClosed(t *testing.T) {
 	f := &fakeSigner{ca: ca}
 	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
 	defer m.Close()
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
 	clock.Advance(40 * time.Minute)
 	if s := stateOf(m, idWeb).State; s != StateRefreshing && s != StateFailing {
@@ -389,12 +390,7 @@ func TestManagerRenewsOnTheWallClock(t *testing.T) {
 	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
 	defer m.Close()
 	m.clockCheck = 20 * time.Millisecond
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	first := stateOf(m, idWeb).Serial
 	clock.Advance(40 * time.Minute) // the machine slept; the timer did not run
 	waitfor.Until(t, "a renewal after the wall clock passed the refresh time", func() bool {
@@ -443,12 +439,7 @@ func TestManagerRenewsAfterClockStepBack(t *testing.T) {
 	m := New(ManagerOptions{Signer: s, Trust: ca, TTL: time.Hour, Clock: clock.Now})
 	defer m.Close()
 	m.clockCheck = 20 * time.Millisecond
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	first := stateOf(m, idWeb).Serial
 	clock.Advance(-30 * time.Minute) // back to the time the CA's root was made at
 	waitfor.Until(t, "a certificate valid at the stepped clock", func() bool {
@@ -468,12 +459,7 @@ func TestManagerNotYetValidState(t *testing.T) {
 	f := &fakeSigner{ca: ca}
 	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
 	defer m.Close()
-	m.Add(idWeb)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, idWeb); err != nil {
-		t.Fatal(err)
-	}
+	addAndWait(t, m, idWeb)
 	// The CA is gone and the clock goes back: nothing can replace it.
 	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
 	clock.Advance(-30 * time.Minute)

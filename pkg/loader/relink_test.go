@@ -21,6 +21,31 @@ import (
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
 )
 
+// olderAgentWithPod loads an agent's programs into a new pin root, claims
+// the node for it (relinking, as a start does) and attaches pod p of a new
+// node: the older agent of a rollback. st is p's state, dir its pin
+// directory.
+func olderAgentWithPod(t *testing.T) (root string, p *netnstest.Pod, older *loader.Loader, claim *maps.Claim, st loader.PodState, dir string) {
+	t.Helper()
+	ctx := context.Background()
+	tp := netnstest.New(t, 1)
+	p = tp.Nodes[0].AddPod("p")
+	root = loadertest.TempBPFFS(t)
+	older = loadertest.Load(t, root)
+	t.Cleanup(func() { older.Close() })
+	claim, err := maps.ClaimNodeThen(ctx, root, nil, func() { older.Relink(ctx) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { claim.Close() })
+	older.SetClaim(claim)
+	st, err = older.AttachPod(ctx, loadertest.PodOf(p, true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root, p, older, claim, st, filepath.Join(root, "pods", fmt.Sprint(st.ID))
+}
+
 // TestTakeBackRelinksOwnPrograms: an agent that takes the node back from a
 // newer one that gave it up (a rolled back upgrade) points the pods' pinned
 // links back at its own programs, under the claim's lock. The newer agent
@@ -31,23 +56,8 @@ func TestTakeBackRelinksOwnPrograms(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	tp := netnstest.New(t, 1)
-	p := tp.Nodes[0].AddPod("p")
-	root := loadertest.TempBPFFS(t)
 	ctx := context.Background()
-	older := loadertest.Load(t, root)
-	t.Cleanup(func() { older.Close() })
-	claim, err := maps.ClaimNodeThen(ctx, root, nil, func() { older.Relink(ctx) })
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { claim.Close() })
-	older.SetClaim(claim)
-	st, err := older.AttachPod(ctx, loadertest.PodOf(p, true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join(root, "pods", fmt.Sprint(st.ID))
+	root, p, older, claim, st, dir := olderAgentWithPod(t)
 	own := pinnedPrograms(t, dir)
 
 	// A newer agent loads (its programs go into the links), claims the
@@ -95,23 +105,8 @@ func TestTakeBackReplacesLinkItCannotUpdate(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	tp := netnstest.New(t, 1)
-	p := tp.Nodes[0].AddPod("p")
-	root := loadertest.TempBPFFS(t)
 	ctx := context.Background()
-	older := loadertest.Load(t, root)
-	t.Cleanup(func() { older.Close() })
-	claim, err := maps.ClaimNode(ctx, root, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { claim.Close() })
-	older.SetClaim(claim)
-	st, err := older.AttachPod(ctx, loadertest.PodOf(p, true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join(root, "pods", fmt.Sprint(st.ID))
+	root, p, older, claim, st, dir := olderAgentWithPod(t)
 	own := pinnedPrograms(t, dir)
 
 	// The newer release's ingress program has another name: its agent
@@ -233,23 +228,8 @@ func TestClaimRelinksAfterTakeBack(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root")
 	}
-	tp := netnstest.New(t, 1)
-	p := tp.Nodes[0].AddPod("p")
-	root := loadertest.TempBPFFS(t)
 	ctx := context.Background()
-	older := loadertest.Load(t, root)
-	t.Cleanup(func() { older.Close() })
-	claim, err := maps.ClaimNode(ctx, root, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { claim.Close() })
-	older.SetClaim(claim)
-	st, err := older.AttachPod(ctx, loadertest.PodOf(p, true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join(root, "pods", fmt.Sprint(st.ID))
+	root, p, older, claim, _, dir := olderAgentWithPod(t)
 
 	// A newer agent claims the node and gives it up (a rollback); the
 	// newest loads meanwhile, and the older takes the node back before the

@@ -146,21 +146,5 @@ func servedEchoPod(t *testing.T, certs *identity.Manager) (l, app net.Listener) 
 	}
 	go p.hbone.Serve(l)
 	t.Cleanup(func() { p.hbone.Close() })
-	if app, err = net.Listen("tcp", "127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { app.Close() })
-	go func() {
-		for {
-			c, err := app.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				_, _ = io.Copy(c, c)
-			}()
-		}
-	}()
-	return l, app
+	return l, echoListener(t)
 }

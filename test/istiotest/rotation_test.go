@@ -80,6 +80,62 @@ func startPluginIstiod(t *testing.T, dir string) (*Istiod, kubernetes.Interface,
 	return istiod, cs, AgentToken(t, cs, agentAccount, "node1", Audience)
 }
 
+// newRootAndIntermediate makes root name and an intermediate it signed, for a plug-in CA.
+func newRootAndIntermediate(t *testing.T, name string) (root, inter *x509.Certificate, interKey crypto.Signer) {
+	root, rootKey := newRoot(t, "Root "+name)
+	interKey = identitytest.NewKey(t, "ecdsa")
+	inter = identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate " + name}, interKey, root, rootKey)
+	return root, inter, interKey
+}
+
+// pluginMesh is istiod on a plug-in CA, the node's bundle file as istiod
+// published it, and an identity manager asking istiod through client.
+type pluginMesh struct {
+	cs         kubernetes.Interface
+	bundlePath string
+	bundle     *identity.Bundle
+	client     *istioca.Client
+	m          *identity.Manager
+}
+
+// startPluginMesh starts istiod on the plug-in CA in dir (startPluginIstiod),
+// waits for it to publish exactly roots, and starts a manager with opts
+// (its signer, trust and, if unset, a TTL of an hour filled in), all ended
+// with the test.
+func startPluginMesh(t *testing.T, dir string, opts identity.ManagerOptions, roots ...*x509.Certificate) pluginMesh {
+	t.Helper()
+	istiod, cs, token := startPluginIstiod(t, dir)
+	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
+	publishedRoots(t, cs, bundlePath, roots...)
+	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: token, ClusterID: ClusterID, Trust: bundle})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	opts.Signer, opts.Trust = client, bundle
+	if opts.TTL == 0 {
+		opts.TTL = time.Hour
+	}
+	m := identity.New(opts)
+	t.Cleanup(m.Close)
+	return pluginMesh{cs: cs, bundlePath: bundlePath, bundle: bundle, client: client, m: m}
+}
+
+// waitIssued adds id to m and waits (30 s at most) for its first certificate.
+func waitIssued(t *testing.T, m *identity.Manager, id identity.ID) {
+	t.Helper()
+	m.Add(id)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := m.Wait(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // publishedRoots waits until istiod's istio-ca-root-cert holds exactly want, and writes it to
 // path, as the kubelet updates the agent's mount of that ConfigMap.
 func publishedRoots(t *testing.T, cs kubernetes.Interface, path string, want ...*x509.Certificate) {
@@ -125,35 +181,14 @@ func publishedRoots(t *testing.T, cs kubernetes.Interface, path string, want ...
 // peer under the old root is refused.
 func TestIstiodRootRotation(t *testing.T) {
 	dir := t.TempDir()
-	rootA, rootAKey := newRoot(t, "Root A")
-	interAKey := identitytest.NewKey(t, "ecdsa")
-	interA := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate A"}, interAKey, rootA, rootAKey)
-	rootB, rootBKey := newRoot(t, "Root B")
-	interBKey := identitytest.NewKey(t, "ecdsa")
-	interB := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate B"}, interBKey, rootB, rootBKey)
+	rootA, interA, interAKey := newRootAndIntermediate(t, "A")
+	rootB, interB, interBKey := newRootAndIntermediate(t, "B")
 	pluginCA{cert: interA, key: interAKey, chain: []*x509.Certificate{rootA}, roots: []*x509.Certificate{rootA}}.write(t, dir)
 
-	istiod, cs, token := startPluginIstiod(t, dir)
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	publishedRoots(t, cs, bundlePath, rootA)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: token, ClusterID: ClusterID, Trust: bundle})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	m := identity.New(identity.ManagerOptions{Signer: client, Trust: bundle, TTL: time.Hour})
-	defer m.Close()
+	mesh := startPluginMesh(t, dir, identity.ManagerOptions{}, rootA)
+	cs, bundlePath, bundle, client, m := mesh.cs, mesh.bundlePath, mesh.bundle, mesh.client, mesh.m
 	web := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
-	m.Add(web)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, web); err != nil {
-		t.Fatal(err)
-	}
+	waitIssued(t, m, web)
 	issuer := func() (string, string) {
 		for _, c := range m.Snapshot() {
 			if c.ID == web {
@@ -180,7 +215,7 @@ func TestIstiodRootRotation(t *testing.T) {
 	var underB *tls.Certificate
 	deadline := time.Now().Add(30 * time.Second)
 	for underB == nil {
-		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+		sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
 		cert, err := client.Sign(sctx, web, time.Hour)
 		scancel()
 		switch {
@@ -266,27 +301,9 @@ func TestIstiodAnswerWithTheMeshRoots(t *testing.T) {
 	}
 	pluginCA{cert: inter, key: interKey, chain: []*x509.Certificate{root}, roots: roots}.write(t, dir)
 
-	istiod, cs, token := startPluginIstiod(t, dir)
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	publishedRoots(t, cs, bundlePath, roots...)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: token, ClusterID: ClusterID, Trust: bundle})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	m := identity.New(identity.ManagerOptions{Signer: client, Trust: bundle, TTL: time.Hour})
-	defer m.Close()
+	m := startPluginMesh(t, dir, identity.ManagerOptions{}, roots...).m
 	web := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
-	m.Add(web)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, web); err != nil {
-		t.Fatal(err)
-	}
+	waitIssued(t, m, web)
 	for _, c := range m.Snapshot() {
 		if c.ID == web && (len(c.Chain) != 2 || c.Chain[1].Subject != inter.Subject.String()) {
 			t.Errorf("presented chain %+v, want the leaf and the intermediate", c.Chain)
@@ -365,37 +382,16 @@ func TestIstiodOutageThroughExpiry(t *testing.T) {
 // here) ends.
 func TestIstiodRotationAheadOfTheBundle(t *testing.T) {
 	dir := t.TempDir()
-	rootA, rootAKey := newRoot(t, "Root A")
-	interAKey := identitytest.NewKey(t, "ecdsa")
-	interA := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate A"}, interAKey, rootA, rootAKey)
-	rootB, rootBKey := newRoot(t, "Root B")
-	interBKey := identitytest.NewKey(t, "ecdsa")
-	interB := identitytest.MakeCACert(t, pkix.Name{Organization: []string{"cluster.local"}, CommonName: "Intermediate B"}, interBKey, rootB, rootBKey)
+	rootA, interA, interAKey := newRootAndIntermediate(t, "A")
+	rootB, interB, interBKey := newRootAndIntermediate(t, "B")
 	pluginCA{cert: interA, key: interAKey, chain: []*x509.Certificate{rootA}, roots: []*x509.Certificate{rootA}}.write(t, dir)
 
-	istiod, cs, token := startPluginIstiod(t, dir)
+	mesh := startPluginMesh(t, dir, identity.ManagerOptions{BackoffMin: time.Hour}, rootA)
+	cs, bundlePath, bundle, m := mesh.cs, mesh.bundlePath, mesh.bundle, mesh.m
 	CreatePod(t, cs, "shop", "cart", "cart", "node1", "10.1.1.3")
-	bundlePath := filepath.Join(t.TempDir(), "root-cert.pem")
-	publishedRoots(t, cs, bundlePath, rootA)
-	bundle, err := identity.LoadBundle(bundlePath, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	client, err := istioca.New(istioca.Config{Addr: istiod.Addr, TokenFile: token, ClusterID: ClusterID, Trust: bundle})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer client.Close()
-	m := identity.New(identity.ManagerOptions{Signer: client, Trust: bundle, TTL: time.Hour, BackoffMin: time.Hour})
-	defer m.Close()
 	web := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "web"}
 	cart := identity.ID{TrustDomain: "cluster.local", Namespace: "shop", ServiceAccount: "cart"}
-	m.Add(web)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := m.Wait(ctx, web); err != nil {
-		t.Fatal(err)
-	}
+	waitIssued(t, m, web)
 
 	// istiod rotates; the node's bundle still holds the old root only.
 	pluginCA{cert: interB, key: interBKey, chain: []*x509.Certificate{rootB}, roots: []*x509.Certificate{rootA, rootB}}.write(t, dir)
