@@ -553,10 +553,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			// stored, a later change sees it.
 			if _, err := m.check(e.id, cert); err != nil {
 				m.log.Info("trust bundle changed while the certificate was issued: it no longer chains to a root; renewing now", "identity", e.id, "ca", m.opts.Signer.Name())
-				select {
-				case e.wake <- struct{}{}:
-				default:
-				}
+				signal(e.wake)
 			}
 			if granted := end.Sub(now); short || granted > m.opts.TTL+time.Minute {
 				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
@@ -625,22 +622,16 @@ func (m *Manager) renewUntrusted() {
 		}
 	}
 	m.mu.Unlock()
-	wake := func(e *entry) {
-		select {
-		case e.wake <- struct{}{}:
-		default:
-		}
-	}
 	for _, e := range refused {
 		m.log.Info("trust bundle changed: asking again for the certificate refused for not chaining to a root", "identity", e.id, "ca", m.opts.Signer.Name())
-		wake(e)
+		signal(e.wake)
 	}
 	for _, k := range all {
 		if _, err := m.check(k.e.id, k.cert); err == nil {
 			continue
 		}
 		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
-		wake(k.e)
+		signal(k.e.wake)
 	}
 }
 
