@@ -178,3 +178,29 @@ func TestCAGateCancelWhileQueued(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestManagerUrgentClass: which requests go ahead of renewals.
+func TestManagerUrgentClass(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	clock := newFakeClock()
+	m := New(ManagerOptions{Signer: ca, Trust: ca, TTL: time.Hour, Clock: clock.Now})
+	defer m.Close()
+	addAndWait(t, m, idWeb)
+	m.mu.Lock()
+	e := m.entries[idWeb]
+	m.mu.Unlock()
+	if m.urgent(e) {
+		t.Error("renewal of a certificate still served is urgent")
+	}
+	clock.Advance(2 * time.Hour)
+	if !m.urgent(e) {
+		t.Error("request for an identity whose certificate expired is not urgent")
+	}
+	m.Forget(idWeb)
+	if m.urgent(e) {
+		t.Error("request for an identity in its grace period is urgent")
+	}
+	if !m.urgent(&entry{id: idCart}) {
+		t.Error("first certificate is not urgent")
+	}
+}
