@@ -27,6 +27,20 @@ const (
 	DefaultMaxConcurrent  = 8
 	DefaultBackoffMin     = 500 * time.Millisecond
 	DefaultBackoffMax     = 30 * time.Second
+	// DefaultRequestRate and DefaultRequestBurst bound CA requests node
+	// wide (see caGate): a node starting its 110 pods (the kubelet's
+	// default maximum), each of its own identity, has them all issued in
+	// about 2.5 s against a healthy CA, while identities refused together
+	// retry at no more than 25 requests a second.
+	DefaultRequestRate  = 25.0
+	DefaultRequestBurst = 50
+	// DefaultReleaseGrace is how long an identity's certificate is kept
+	// after its last local pod left. A replaced pod (a rollout, an
+	// eviction, a restarted node's pods re-created) comes back under the
+	// same identity within seconds to a minute: kept that long, the
+	// replacement is served at once, with no CA request, even while the
+	// CA is down. Longer would keep keys of workloads that left the node.
+	DefaultReleaseGrace = 2 * time.Minute
 )
 
 // MaxChainLen bounds the certificates a signer's answer may hold (the leaf
@@ -82,6 +96,10 @@ const (
 	// was stepped back since the certificate was issued); handshakes fail
 	// closed while a new one is requested.
 	StateNotYetValid CertState = "not_yet_valid"
+	// StateGrace: the identity's last local pod left less than
+	// ReleaseGrace ago; the certificate is kept (renewed when due) but not
+	// served, for a replacement pod to take at once.
+	StateGrace CertState = "grace"
 )
 
 // CertInfo describes one identity the Manager keeps a certificate for, for
@@ -130,15 +148,25 @@ type ManagerOptions struct {
 	// BackoffMin and BackoffMax bound the jittered exponential backoff
 	// after failed requests (DefaultBackoffMin, DefaultBackoffMax).
 	BackoffMin, BackoffMax time.Duration
-	Logger                 *slog.Logger
+	// RequestRate (a second) and RequestBurst bound the CA requests of all
+	// identities together, renewals and first certificates alike
+	// (DefaultRequestRate, DefaultRequestBurst).
+	RequestRate  float64
+	RequestBurst int
+	// ReleaseGrace is how long an identity is kept, not served, after its
+	// last local pod left (DefaultReleaseGrace; negative: dropped at once).
+	ReleaseGrace time.Duration
+	Logger       *slog.Logger
 }
 
 // Manager keeps one certificate per identity of this node's enrolled pods.
 // An identity is added when its first local pod is enrolled (Sync or Add):
 // a background worker requests its certificate at once, again at about
-// half-life, and after a failure with jittered exponential backoff. It is
-// dropped when its last local pod leaves, so no key outlives its workloads
-// on this node.
+// half-life, and after a failure with jittered exponential backoff; the
+// requests of all identities pass one caGate. When its last local pod
+// leaves, a certificate is kept, not served, for ReleaseGrace, for a
+// replacement pod to take at once (Add), and then dropped, so no key
+// outlives its workloads on this node by more than that.
 //
 // Handshakes only read the cache (Certificate): one that finds no valid
 // certificate fails closed, counted by reason, and never waits for the CA.
@@ -147,7 +175,7 @@ type ManagerOptions struct {
 type Manager struct {
 	opts    ManagerOptions
 	clock   func() time.Time
-	sem     chan struct{}
+	gate    *caGate
 	metrics *caMetrics
 	log     *slog.Logger
 	// clockCheck is the longest a worker waits without looking at the
@@ -162,14 +190,19 @@ type Manager struct {
 	entries map[ID]*entry
 }
 
-// entry is one identity's state; fields other than id, cancel, ready and
-// wake are guarded by Manager.mu.
+// entry is one identity's state; fields other than id, cancel, ready,
+// wake and recheck are guarded by Manager.mu.
 type entry struct {
-	id     ID
-	cancel context.CancelFunc
-	ready  chan struct{} // closed on the first certificate
-	wake   chan struct{} // a send makes the worker request now (renewUntrusted)
-	cert   *tls.Certificate
+	id      ID
+	cancel  context.CancelFunc
+	ready   chan struct{} // closed on the first certificate
+	wake    chan struct{} // a send makes the worker request now (renewUntrusted)
+	recheck chan struct{} // a send makes the worker look at graceEnd again
+	// graceEnd is set while the identity's last local pod left less than
+	// ReleaseGrace ago (Forget), nil while a local pod holds it; the
+	// worker drops the entry when it passes, unless Add cleared it.
+	graceEnd *deadline
+	cert     *tls.Certificate
 	// end is when peers stop verifying cert: the leaf's NotAfter or,
 	// earlier, that of a certificate its chain goes through.
 	end       time.Time
@@ -204,22 +237,39 @@ func New(o ManagerOptions) *Manager {
 	if o.BackoffMax < o.BackoffMin {
 		o.BackoffMax = max(DefaultBackoffMax, o.BackoffMin)
 	}
+	if o.RequestRate <= 0 {
+		o.RequestRate = DefaultRequestRate
+	}
+	if o.RequestBurst <= 0 {
+		o.RequestBurst = DefaultRequestBurst
+	}
+	if o.ReleaseGrace == 0 {
+		o.ReleaseGrace = DefaultReleaseGrace
+	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &Manager{
-		opts: o, clock: o.Clock, sem: make(chan struct{}, o.MaxConcurrent), metrics: newCAMetrics(),
+		opts: o, clock: o.Clock, gate: newCAGate(o.RequestRate, o.RequestBurst, o.MaxConcurrent), metrics: newCAMetrics(),
 		log: o.Logger, clockCheck: defaultClockCheck, ctx: ctx, cancel: cancel, entries: make(map[ID]*entry),
 	}
 	m.OnTrustChange(m.renewUntrusted)
 	return m
 }
 
-// Close stops every worker and waits for them; cached certificates stay
-// readable.
+// Close stops every worker and waits for them; cached certificates of
+// identities with local pods stay readable, those kept after their last
+// pod left are dropped.
 func (m *Manager) Close() {
 	m.cancel()
+	m.mu.Lock()
+	for id, e := range m.entries {
+		if e.graceEnd != nil {
+			delete(m.entries, id)
+		}
+	}
+	m.mu.Unlock()
 	m.wg.Wait()
 }
 
@@ -232,8 +282,9 @@ func (m *Manager) CAName() string { return m.opts.Signer.Name() }
 // Now is the Manager's clock.
 func (m *Manager) Now() time.Time { return m.clock() }
 
-// Sync makes the kept identities exactly ids: new ones are added (their
-// first request starts now, in the background) and the others forgotten.
+// Sync makes the identities served exactly ids: new ones are added (their
+// first request starts now, in the background, unless a certificate kept
+// since their last pod left is taken back) and the others forgotten.
 // Call it with the identities of this node's enrolled pods whenever that
 // set may have changed.
 func (m *Manager) Sync(ids []ID) {
@@ -255,30 +306,78 @@ func (m *Manager) Sync(ids []ID) {
 	}
 }
 
-// Add starts keeping a certificate for id, if it is not kept already. It
-// does not wait for the CA: see Wait.
+// Add starts keeping a certificate for id, if it is not kept already; one
+// kept since id's last pod left (Forget) is served again as it is, its
+// worker going on. It does not wait for the CA: see Wait.
 func (m *Manager) Add(id ID) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if _, ok := m.entries[id]; ok || m.ctx.Err() != nil {
+	if e, ok := m.entries[id]; ok {
+		if e.graceEnd != nil {
+			e.graceEnd = nil
+			signal(e.recheck)
+			m.log.Debug("identity back within the grace period: its kept certificate is served again", "identity", id)
+		}
+		return
+	}
+	if m.ctx.Err() != nil {
 		return
 	}
 	ctx, cancel := context.WithCancel(m.ctx)
-	e := &entry{id: id, cancel: cancel, ready: make(chan struct{}), wake: make(chan struct{}, 1)}
+	e := &entry{id: id, cancel: cancel, ready: make(chan struct{}), wake: make(chan struct{}, 1), recheck: make(chan struct{}, 1)}
 	m.entries[id] = e
 	m.wg.Add(1)
 	go m.run(ctx, e)
 }
 
-// Forget drops id's certificate and stops refreshing it; a request in
-// flight is cancelled. Open connections keep the certificate they use.
+// Forget stops serving id's certificate: id's last local pod left. A
+// certificate is kept for ReleaseGrace, renewed only when due, for Add to
+// take back, and dropped after; an identity with none (its first request
+// pending or failing) is dropped now and its request cancelled. Forgetting
+// an identity already in its grace period does not extend it, so those
+// kept are no more than the identities whose last pod left within it.
+// Open connections keep the certificate they use.
 func (m *Manager) Forget(id ID) {
+	now := m.clock()
 	m.mu.Lock()
 	e, ok := m.entries[id]
+	if !ok || e.graceEnd != nil {
+		m.mu.Unlock()
+		return
+	}
+	if e.cert != nil && m.opts.ReleaseGrace > 0 && m.ctx.Err() == nil {
+		g := after(now, m.opts.ReleaseGrace)
+		e.graceEnd = &g
+		m.mu.Unlock()
+		signal(e.recheck)
+		m.log.Debug("last local pod of the identity left: certificate kept for a replacement", "identity", id, "grace", m.opts.ReleaseGrace)
+		return
+	}
 	delete(m.entries, id)
+	m.mu.Unlock()
+	e.cancel()
+}
+
+// drop ends the grace period g of e, if it is still e's: Add took e back
+// or Forget began another meanwhile otherwise.
+func (m *Manager) drop(e *entry, g *deadline) bool {
+	m.mu.Lock()
+	ok := e.graceEnd == g && m.entries[e.id] == e
+	if ok {
+		delete(m.entries, e.id)
+	}
 	m.mu.Unlock()
 	if ok {
 		e.cancel()
+		m.log.Debug("grace period over: certificate of an identity without local pods dropped", "identity", e.id)
+	}
+	return ok
+}
+
+func signal(ch chan struct{}) {
+	select {
+	case ch <- struct{}{}:
+	default:
 	}
 }
 
@@ -288,6 +387,7 @@ func (m *Manager) Forget(id ID) {
 func (m *Manager) Wait(ctx context.Context, id ID) error {
 	m.mu.Lock()
 	e, ok := m.entries[id]
+	ok = ok && e.graceEnd == nil
 	m.mu.Unlock()
 	if !ok {
 		return fmt.Errorf("wait for %s: %w: identity not added", id, ErrNoCertificate)
@@ -342,7 +442,7 @@ func (m *Manager) lookup(id ID) (*tls.Certificate, string, error) {
 	defer m.mu.Unlock()
 	e, ok := m.entries[id]
 	switch {
-	case !ok:
+	case !ok || e.graceEnd != nil:
 		return nil, UnavailableNotKept, fmt.Errorf("%w for %s: not an identity of an enrolled pod on this node", ErrNoCertificate, id)
 	case e.cert == nil && e.lastErr != nil:
 		return nil, UnavailableFailing, fmt.Errorf("%w for %s: %d CA requests failed, last: %w", ErrNoCertificate, id, e.failures, e.lastErr)
@@ -360,12 +460,13 @@ func (m *Manager) lookup(id ID) (*tls.Certificate, string, error) {
 }
 
 // run is id's worker: request, wait until the refresh time (or the backoff
-// after a failure), repeat, until Forget or Close.
+// after a failure), repeat, until Forget, the end of a grace period, or
+// Close.
 func (m *Manager) run(ctx context.Context, e *entry) {
 	defer m.wg.Done()
 	backoff := m.opts.BackoffMin
 	for {
-		cert, end, err := m.request(ctx, e.id)
+		cert, end, err := m.request(ctx, e.id, m.urgent(e))
 		if ctx.Err() != nil {
 			return
 		}
@@ -452,10 +553,7 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			// stored, a later change sees it.
 			if _, err := m.check(e.id, cert); err != nil {
 				m.log.Info("trust bundle changed while the certificate was issued: it no longer chains to a root; renewing now", "identity", e.id, "ca", m.opts.Signer.Name())
-				select {
-				case e.wake <- struct{}{}:
-				default:
-				}
+				signal(e.wake)
 			}
 			if granted := end.Sub(now); short || granted > m.opts.TTL+time.Minute {
 				m.log.Warn("certificate lifetime is not what was asked for; renewal paced by the lifetime asked for", "identity", e.id, "ca", m.opts.Signer.Name(),
@@ -463,10 +561,36 @@ func (m *Manager) run(ctx context.Context, e *entry) {
 			}
 			m.log.Debug("certificate issued", "identity", e.id, "ca", m.opts.Signer.Name(), "not_after", end, "refresh_at", e.refreshAt)
 		}
-		if !m.sleep(ctx, now, wait, e.wake, validFrom) {
-			return
+		due := after(now, wait)
+	waiting:
+		for {
+			m.mu.Lock()
+			grace := e.graceEnd
+			m.mu.Unlock()
+			switch m.sleep(ctx, due, grace, e, validFrom) {
+			case sleepCancelled:
+				return
+			case sleepGraceOver:
+				if m.drop(e, grace) {
+					return
+				}
+			case sleepRenew:
+				break waiting
+			}
 		}
 	}
+}
+
+// urgent is whether e has no certificate a handshake would take while a
+// local pod holds it: its request goes ahead of renewals (see caGate).
+func (m *Manager) urgent(e *entry) bool {
+	now := m.clock()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if e.graceEnd != nil {
+		return false
+	}
+	return e.cert == nil || !now.Before(e.end) || now.Before(e.cert.Leaf.NotBefore)
 }
 
 // renewUntrusted wakes the worker of every identity whose certificate no
@@ -498,36 +622,51 @@ func (m *Manager) renewUntrusted() {
 		}
 	}
 	m.mu.Unlock()
-	wake := func(e *entry) {
-		select {
-		case e.wake <- struct{}{}:
-		default:
-		}
-	}
 	for _, e := range refused {
 		m.log.Info("trust bundle changed: asking again for the certificate refused for not chaining to a root", "identity", e.id, "ca", m.opts.Signer.Name())
-		wake(e)
+		signal(e.wake)
 	}
 	for _, k := range all {
 		if _, err := m.check(k.e.id, k.cert); err == nil {
 			continue
 		}
 		m.log.Info("trust bundle changed: certificate no longer chains to a root; renewing now", "identity", k.e.id, "ca", m.opts.Signer.Name())
-		wake(k.e)
+		signal(k.e.wake)
 	}
 }
 
-// sleep waits for d to pass from from, on the monotonic clock or on the
-// Manager's clock, whichever gets there first, or for a send on wake; false
-// if ctx ended. Certificates expire by the wall clock, but a timer runs on
-// the monotonic one, which stops while the machine is suspended (a paused
-// VM) and does not follow a step of the wall clock: a worker woken past its
-// refresh time, or past the certificate's expiry, would otherwise wait out
-// the rest of its timer (up to half a lifetime) serving nothing. So it
-// looks at the clock again every clockCheck. from is the Manager's time d
-// was computed at, not read again here: a step of the wall clock in
-// between (Wait has already returned) would have moved the refresh time
-// by the step.
+// deadline is a time waited for on two clocks, whichever gets there
+// first (see sleep): mono on the monotonic clock, at on the Manager's.
+type deadline struct{ mono, at time.Time }
+
+// after is d after from, the Manager's time d was computed at (not read
+// again here: a step of the wall clock in between would move the deadline
+// by the step).
+func after(from time.Time, d time.Duration) deadline {
+	return deadline{mono: time.Now().Add(d), at: from.Round(0).Add(d)} // Round(0): compared on the wall clock
+}
+
+func (m *Manager) passed(d deadline) bool {
+	return !time.Now().Before(d.mono) || !m.clock().Before(d.at)
+}
+
+// Why sleep returned.
+const (
+	sleepCancelled = iota // ctx ended
+	sleepRenew            // due passed, the clock went before validFrom, or a send on e.wake
+	sleepGraceOver        // grace passed
+	sleepRecheck          // a send on e.recheck: grace may have changed
+)
+
+// sleep waits for due, or for grace if set (the end of e's grace period),
+// on the monotonic clock or on the Manager's clock, whichever gets there
+// first, or for a send on e.wake or e.recheck. Certificates expire by the
+// wall clock, but a timer runs on the monotonic one, which stops while
+// the machine is suspended (a paused VM) and does not follow a step of
+// the wall clock: a worker woken past its refresh time, or past the
+// certificate's expiry, would otherwise wait out the rest of its timer (up
+// to half a lifetime) serving nothing. So it looks at the clock again
+// every clockCheck.
 //
 // A step back is seen the same way: once the clock is before validFrom
 // (the NotBefore of the certificate just stored, if any) it returns at
@@ -536,23 +675,30 @@ func (m *Manager) renewUntrusted() {
 // clock; a node whose clock ran ahead at start), is refused by every
 // handshake until the clock reaches its NotBefore again, which the wait
 // for its refresh time could outlast by hours.
-func (m *Manager) sleep(ctx context.Context, from time.Time, d time.Duration, wake <-chan struct{}, validFrom time.Time) bool {
-	start := time.Now()
-	at := from.Round(0).Add(d) // Round(0): compared on the wall clock
+func (m *Manager) sleep(ctx context.Context, due deadline, grace *deadline, e *entry, validFrom time.Time) int {
 	for {
 		now := m.clock()
-		left := min(d-time.Since(start), at.Sub(now))
-		if left <= 0 || now.Before(validFrom) {
-			return true
+		if grace != nil && m.passed(*grace) {
+			return sleepGraceOver
+		}
+		if m.passed(due) || now.Before(validFrom) {
+			return sleepRenew
+		}
+		left := min(time.Until(due.mono), due.at.Sub(now))
+		if grace != nil {
+			left = min(left, time.Until(grace.mono), grace.at.Sub(now))
 		}
 		t := time.NewTimer(min(left, m.clockCheck))
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return false
-		case <-wake:
+			return sleepCancelled
+		case <-e.wake:
 			t.Stop()
-			return true
+			return sleepRenew
+		case <-e.recheck:
+			t.Stop()
+			return sleepRecheck
 		case <-t.C:
 		}
 	}
@@ -573,8 +719,9 @@ func refreshTime(issued, notAfter time.Time) time.Time {
 // granted: a quarter of the TTL asked for, at most BackoffMax.
 func (m *Manager) renewFloor() time.Duration { return min(m.opts.BackoffMax, m.opts.TTL/4) }
 
-// request makes one bounded CA request and checks what came back; it
-// returns the certificate and the end of its chain (see check).
+// request makes one CA request, once the gate admits it (urgent: ahead of
+// renewals), bounded in time, and checks what came back; it returns the
+// certificate and the end of its chain (see check).
 //
 // A certificate whose chain ends within renewFloor would expire before it
 // could be renewed: the identity would be left without one until the next
@@ -582,13 +729,15 @@ func (m *Manager) renewFloor() time.Duration { return min(m.opts.BackoffMax, m.o
 // take those hours away. It is returned with a ReasonShortLifetime error,
 // counted as a failure, for the caller to serve only when nothing it keeps
 // lasts longer.
-func (m *Manager) request(ctx context.Context, id ID) (*tls.Certificate, time.Time, error) {
-	select {
-	case m.sem <- struct{}{}:
-	case <-ctx.Done():
-		return nil, time.Time{}, ctx.Err()
+func (m *Manager) request(ctx context.Context, id ID, urgent bool) (*tls.Certificate, time.Time, error) {
+	held, err := m.gate.acquire(ctx, urgent)
+	if held {
+		m.metrics.delayed.Inc()
 	}
-	defer func() { <-m.sem }()
+	if err != nil {
+		return nil, time.Time{}, err
+	}
+	defer m.gate.release()
 	rctx, cancel := context.WithTimeout(ctx, m.opts.RequestTimeout)
 	defer cancel()
 	start := time.Now()
@@ -732,7 +881,8 @@ func TrustRoots(t Trust) (*x509.CertPool, error) {
 
 func (m *Manager) roots() (*x509.CertPool, error) { return TrustRoots(m.opts.Trust) }
 
-// Snapshot describes every kept identity, sorted.
+// Snapshot describes every kept identity, those in their grace period
+// too, sorted.
 func (m *Manager) Snapshot() []CertInfo {
 	now := m.clock()
 	m.mu.Lock()
@@ -743,6 +893,8 @@ func (m *Manager) Snapshot() []CertInfo {
 			ci.LastError = e.lastErr.Error()
 		}
 		switch {
+		case e.graceEnd != nil:
+			ci.State = StateGrace
 		case e.cert == nil && e.lastErr != nil:
 			ci.State = StateFailing
 		case e.cert == nil:

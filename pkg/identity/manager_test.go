@@ -277,8 +277,10 @@ func TestManagerExpiredFailsClosed(t *testing.T) {
 	}
 }
 
-// Sync keeps exactly the identities asked for: one whose last pod left is
-// forgotten, its request in flight cancelled, and nothing of it remains.
+// Sync serves exactly the identities asked for: one whose last pod left is
+// no longer served (kept in its grace period, see manager_grace_test.go),
+// and one with no certificate yet is forgotten, its request in flight
+// cancelled, and nothing of it remains.
 func TestManagerSyncForgets(t *testing.T) {
 	ca := newCA(t, "cluster.local")
 	m := NewManager(ca, time.Hour, nil)
@@ -292,8 +294,8 @@ func TestManagerSyncForgets(t *testing.T) {
 		}
 	}
 	m.Sync([]ID{idWeb})
-	if snap := m.Snapshot(); len(snap) != 1 || snap[0].ID != idWeb {
-		t.Errorf("snapshot after the cart pods left = %+v", snap)
+	if s := stateOf(m, idCart).State; s != StateGrace {
+		t.Errorf("state after the cart pods left = %s, want %s", s, StateGrace)
 	}
 	if _, err := m.Certificate(idCart); !errors.Is(err, ErrNoCertificate) {
 		t.Errorf("forgotten identity still served: %v", err)
@@ -353,10 +355,11 @@ func TestManagerCollector(t *testing.T) {
 	m.Add(idWeb)
 	waitfor.Until(t, "the failure", func() bool { return stateOf(m, idWeb).State == StateFailing })
 	want := `
-# HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid. Bounded by the local pods: an identity is dropped when its last local pod leaves.
+# HELP redirector_certificates Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid, grace (its last local pod left within the grace period, 2m by default: kept for a replacement pod, not served). Bounded by the local pods and those that left within the grace period.
 # TYPE redirector_certificates gauge
 redirector_certificates{state="expired"} 0
 redirector_certificates{state="failing"} 1
+redirector_certificates{state="grace"} 0
 redirector_certificates{state="not_yet_valid"} 0
 redirector_certificates{state="pending"} 0
 redirector_certificates{state="refreshing"} 0
@@ -368,8 +371,9 @@ redirector_ca_request_failures_total{reason="unavailable"} 1
 	if err := testutil.CollectAndCompare(m.Collector(), strings.NewReader(want), "redirector_certificates", "redirector_ca_request_failures_total"); err != nil {
 		t.Error(err)
 	}
+	// No certificate to keep: dropped at once.
 	m.Sync(nil)
-	if got := testutil.CollectAndCount(m.Collector(), "redirector_certificates"); got != 6 {
+	if got := testutil.CollectAndCount(m.Collector(), "redirector_certificates"); got != 7 {
 		t.Errorf("%d state series", got)
 	}
 	if n := len(m.Snapshot()); n != 0 {
@@ -412,6 +416,12 @@ type clockSigner struct {
 }
 
 func (s *clockSigner) Name() string { return "file-at-clock" }
+
+func (s *clockSigner) callCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.calls
+}
 
 func (s *clockSigner) Sign(ctx context.Context, id ID, ttl time.Duration) (*tls.Certificate, error) {
 	s.mu.Lock()

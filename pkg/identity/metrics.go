@@ -12,6 +12,7 @@ import (
 type caMetrics struct {
 	requests    prometheus.Counter
 	failures    *prometheus.CounterVec
+	delayed     prometheus.Counter
 	duration    prometheus.Histogram
 	unavailable *prometheus.CounterVec
 }
@@ -26,6 +27,10 @@ func newCAMetrics() *caMetrics {
 			Name: "redirector_ca_request_failures_total",
 			Help: "Certificate requests that failed, by reason: unavailable, timeout, unauthenticated (istiod refused the token or the identity), permission_denied, token, bad_response, wrong_identity, untrusted_chain, short_lifetime (a chain expiring before it could be renewed, kept only while no other certificate outlives it), not_yet_valid (the leaf starts after this node's clock: the clocks disagree), refused, local.",
 		}, []string{"reason"}),
+		delayed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "redirector_ca_requests_delayed_total",
+			Help: "Certificate requests held back before being sent by the node-wide bound on CA requests (in flight, and a rate beyond a burst); first certificates go ahead of renewals.",
+		}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "redirector_ca_request_duration_seconds",
 			Help:    "Latency of certificate requests to the CA, including key generation and checking the answer.",
@@ -47,8 +52,9 @@ func (c *caMetrics) observe(d time.Duration, err error) {
 }
 
 var keptDesc = prometheus.NewDesc("redirector_certificates",
-	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid. "+
-		"Bounded by the local pods: an identity is dropped when its last local pod leaves.",
+	"Identities of this node's enrolled pods the agent keeps a certificate for, by state: pending, valid, refreshing, failing, expired, not_yet_valid, "+
+		"grace (its last local pod left within the grace period, 2m by default: kept for a replacement pod, not served). "+
+		"Bounded by the local pods and those that left within the grace period.",
 	[]string{"state"}, nil)
 
 // Collector exports the Manager's CA request and fail-closed counters and
@@ -64,7 +70,7 @@ func (c managerCollector) Describe(ch chan<- *prometheus.Desc) {
 
 func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 	c.m.metrics.Collect(ch)
-	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0, StateNotYetValid: 0}
+	counts := map[CertState]int{StatePending: 0, StateValid: 0, StateRefreshing: 0, StateFailing: 0, StateExpired: 0, StateNotYetValid: 0, StateGrace: 0}
 	for _, ci := range c.m.Snapshot() {
 		counts[ci.State]++
 	}
@@ -77,6 +83,7 @@ func (c managerCollector) Collect(ch chan<- prometheus.Metric) {
 func (c *caMetrics) Describe(ch chan<- *prometheus.Desc) {
 	c.requests.Describe(ch)
 	c.failures.Describe(ch)
+	c.delayed.Describe(ch)
 	c.duration.Describe(ch)
 	c.unavailable.Describe(ch)
 }
@@ -85,6 +92,7 @@ func (c *caMetrics) Describe(ch chan<- *prometheus.Desc) {
 func (c *caMetrics) Collect(ch chan<- prometheus.Metric) {
 	c.requests.Collect(ch)
 	c.failures.Collect(ch)
+	c.delayed.Collect(ch)
 	c.duration.Collect(ch)
 	c.unavailable.Collect(ch)
 }
