@@ -2,6 +2,7 @@ package hbone
 
 import (
 	"bytes"
+	"context"
 	"crypto/tls"
 	"net"
 	"strings"
@@ -351,5 +352,51 @@ func TestServedNow(t *testing.T) {
 	failing := &tls.Config{GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return nil, net.ErrClosed }}
 	if cert, known := servedNow(failing, nc); !known || cert != nil {
 		t.Errorf("a failing callback: %v %v, want none, known", cert != nil, known)
+	}
+}
+
+// Our pool against our server across the server's renewals: the first
+// Connect after each finds its pooled connection refusing new streams
+// (REFUSED_STREAM under a GOAWAY, or the GOAWAY and close of an idle
+// connection) and retries on a new one, presenting the renewed
+// certificate: no CONNECT fails for the server's renewal, and the stream
+// open across it runs on.
+func TestPoolRetriesAcrossServerRenewal(t *testing.T) {
+	defer func(d time.Duration) { ownCertRecheck = d }(ownCertRecheck)
+	ownCertRecheck = 10 * time.Millisecond
+	good, other := pkis()
+	var cur atomic.Pointer[tls.Certificate]
+	cur.Store(&good.leaf)
+	conf := good.serverTLS()
+	conf.Certificates = nil
+	conf.GetCertificate = func(*tls.ClientHelloInfo) (*tls.Certificate, error) { return cur.Load(), nil }
+	e := newEnv(t, dialTarget, ServerOptions{TLSConfig: conf}, PoolOptions{})
+	app := startUpstream(t, echo)
+	client := good.clientTLS()
+	client.InsecureSkipVerify = true // other's root: verifying is not what this tests
+	connect := func() *Stream {
+		t.Helper()
+		s, err := e.pool.Connect(context.Background(), e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+		if err != nil {
+			t.Fatalf("connect after the server's renewal: %v", err)
+		}
+		return s
+	}
+	open := connect()
+	defer open.Close()
+	cur.Store(&other.leaf) // busy: a stream is open on the connection
+	time.Sleep(2 * ownCertRecheck)
+	connect().Close()
+	wantEcho(t, open)
+	open.Close()
+	waitfor.Until(t, "no stream open", func() bool { return e.pool.Stats().ActiveStreams == 0 })
+	cur.Store(&good.leaf) // idle: no stream open on the connection
+	time.Sleep(2 * ownCertRecheck)
+	connect().Close()
+	if st := e.srv.Stats(); st.OwnCertificateDrains != 2 {
+		t.Errorf("OwnCertificateDrains = %d, want 2", st.OwnCertificateDrains)
+	}
+	if st := e.pool.Stats(); st.DialsTotal != 3 {
+		t.Errorf("dials = %d, want 3: one per certificate the server presented", st.DialsTotal)
 	}
 }
