@@ -503,7 +503,8 @@ func runAgent(ctx context.Context, args []string) error {
 				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				RefusedHandshakeRate: lim.RefusedHandshakeRate,
-				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns, SourceResetFloods: lim.SourceResetFloods}
+				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns, SourceResetFloods: lim.SourceResetFloods,
+				OwnCertificateDrains: st.OwnCertificateDrains}
 		}),
 	)
 

@@ -92,11 +92,12 @@ func TestHBONECollectors(t *testing.T) {
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
 			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
-			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19, ProtocolErrorCloses: 20}
+			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19, ProtocolErrorCloses: 20, OwnCertificateDrains: 21}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":                      1,
 		"redirector_hbone_protocol_error_closes_total":                       20,
+		"redirector_hbone_own_certificate_drains_total":                      21,
 		`redirector_hbone_streams_total{outcome="ok"}`:                       10,
 		`redirector_hbone_streams_total{outcome="bad_request"}`:              2,
 		`redirector_hbone_streams_total{outcome="denied"}`:                   3,

@@ -210,33 +210,41 @@ func (p *pod) workloadChanged(prev, next *workload.Directory) bool {
 // still verifies are left alone: a rotation that adds a root reconnects
 // nothing.
 //
-// It also drains the pooled connections on which this node presented a
-// certificate that no longer verifies: a server that does not drain them
-// itself (ztunnel, a waypoint) would go on taking streams as that
-// identity; the next stream's handshake presents the certificate of that
-// moment (the identity manager renews such certificates at the same
-// change), which a server holding the new roots checks anew.
+// It also drains the connections, pooled and inbound, on which this node
+// presented a certificate that no longer verifies: a peer that does not
+// drain them itself (ztunnel, a waypoint, curl) would go on opening or
+// taking streams as that identity; the next stream's handshake presents
+// the certificate of that moment (the identity manager renews such
+// certificates at the same change), which a peer holding the new roots
+// checks anew.
 func (t *Tunnel) recheckPeers() {
 	m := t.cfg.Certs
 	t.mu.Lock()
 	pods := slices.Collect(maps.Values(t.pods))
 	t.mu.Unlock()
-	inbound, outbound, own := 0, 0, 0
+	reverify := func(usage x509.ExtKeyUsage) func(cs tls.ConnectionState) bool {
+		return func(cs tls.ConnectionState) bool { return m.Reverify(cs, usage) == nil }
+	}
+	keepOwn := func(usage x509.ExtKeyUsage) func(*tls.Certificate) bool {
+		return func(cert *tls.Certificate) bool {
+			cs, err := presentedState(cert)
+			return err == nil && m.Reverify(cs, usage) == nil
+		}
+	}
+	inbound, outbound, inboundOwn, outboundOwn := 0, 0, 0, 0
 	for _, p := range pods {
 		if p.hbone != nil {
-			inbound += p.hbone.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageClientAuth) == nil })
+			inbound += p.hbone.DrainPeers(reverify(x509.ExtKeyUsageClientAuth))
+			inboundOwn += p.hbone.DrainPresented(keepOwn(x509.ExtKeyUsageServerAuth))
 		}
 	}
 	if t.cfg.Pool != nil {
-		outbound = t.cfg.Pool.DrainPeers(func(cs tls.ConnectionState) bool { return m.Reverify(cs, x509.ExtKeyUsageServerAuth) == nil })
-		own = t.cfg.Pool.DrainPresented(func(cert *tls.Certificate) bool {
-			cs, err := presentedState(cert)
-			return err == nil && m.Reverify(cs, x509.ExtKeyUsageClientAuth) == nil
-		})
+		outbound = t.cfg.Pool.DrainPeers(reverify(x509.ExtKeyUsageServerAuth))
+		outboundOwn = t.cfg.Pool.DrainPresented(keepOwn(x509.ExtKeyUsageClientAuth))
 	}
-	if inbound+outbound+own > 0 {
+	if inbound+outbound+inboundOwn+outboundOwn > 0 {
 		t.log.Info("trust bundle changed: HBONE connections whose peer, or whose certificate this node presented, no longer verifies drained",
-			"inbound", inbound, "outbound", outbound, "outbound_own_certificate", own)
+			"inbound", inbound, "outbound", outbound, "inbound_own_certificate", inboundOwn, "outbound_own_certificate", outboundOwn)
 	}
 }
 

@@ -219,6 +219,11 @@ type connConfig struct {
 	onRequest func(*Stream, *http2.MetaHeadersFrame) error
 	// onRefused (server) counts streams refused for lack of capacity.
 	onRefused func()
+	// checkPresented (server) runs on the reader, without c.mu, for each
+	// new stream before it is accepted, while c takes new streams: it
+	// drains c if the certificate c presented is no longer current
+	// (presented.go).
+	checkPresented func()
 	// prefaceTimeout (server) bounds the wait for the client preface and
 	// the SETTINGS frame that must follow it; onPreface (server) runs on
 	// the reader once that SETTINGS frame was read.
@@ -407,8 +412,8 @@ type conn struct {
 	tlsBase     int64
 	tlsCounted  bool // a TLS 1.3 conn over a batchConn: spendTLSAnswers counts
 
-	// presented (client) is the certificate we presented, set before
-	// the conn is pooled (presented.go); nil: none.
+	// presented is the certificate we presented, set before the conn is
+	// pooled or registered with its server (presented.go); nil: none.
 	presented *presentedCert
 }
 
@@ -1120,6 +1125,12 @@ func (c *conn) onHeaders(f *http2.MetaHeadersFrame) error {
 		// a current certificate.
 		c.mu.Unlock()
 		c.drain()
+		c.mu.Lock()
+	}
+	if !c.goAway && c.presented != nil && !c.presented.stopped.Load() && c.cfg.checkPresented != nil {
+		// The same for the certificate we presented.
+		c.mu.Unlock()
+		c.cfg.checkPresented()
 		c.mu.Lock()
 	}
 	c.lastPeerID = id

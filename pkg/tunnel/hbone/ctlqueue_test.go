@@ -41,7 +41,7 @@ func TestWindowUpdatesQueuedBounded(t *testing.T) {
 
 	cli, srvSide := net.Pipe()
 	t.Cleanup(func() { cli.Close() })
-	go srv.serveHTTP2(addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40001))}, &tls.ConnectionState{}, nil, 0, nil)
+	go srv.serveHTTP2(addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40001))}, &tls.ConnectionState{}, nil, nil, trustGens{}, nil)
 	answered := make(chan struct{})
 	go func() {
 		// Read up to the answer to stream 1, then never again.

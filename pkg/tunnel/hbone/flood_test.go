@@ -61,7 +61,7 @@ func newRawClientFrom(t testing.TB, srv *Server, src netip.Addr) *rawClient {
 	if src.IsValid() {
 		srvSide = addrConn{srvSide, net.TCPAddrFromAddrPort(netip.AddrPortFrom(src, 40000))}
 	}
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil, trustGens{}, nil)
 	return newRawClientOver(t, cli)
 }
 

@@ -35,7 +35,7 @@ func rawExchange(t testing.TB, srv *Server, send func(fr *http2.Framer, enc *hpa
 	t.Helper()
 	cli, srvSide := net.Pipe()
 	defer cli.Close()
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil, trustGens{}, nil)
 	_ = cli.SetDeadline(time.Now().Add(5 * time.Second))
 
 	sent := make(chan error, 1)
@@ -295,7 +295,7 @@ func rawStream(t *testing.T, srv *Server, authority string, timeout time.Duratio
 	t.Helper()
 	cli, srvSide := net.Pipe()
 	t.Cleanup(func() { cli.Close() })
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil, trustGens{}, nil)
 	_ = cli.SetDeadline(time.Now().Add(timeout))
 	settings, answered := make(chan struct{}), make(chan struct{})
 	go func() {

@@ -27,7 +27,7 @@ func TestPrefaceWithoutSettingsTimesOut(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Close() })
 	cli, srvSide := net.Pipe()
 	t.Cleanup(func() { cli.Close() })
-	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, 0, nil)
+	go srv.serveHTTP2(srvSide, &tls.ConnectionState{}, nil, nil, trustGens{}, nil)
 	start := time.Now()
 	_ = cli.SetReadDeadline(start.Add(3 * time.Second))
 	ended := make(chan error, 1)

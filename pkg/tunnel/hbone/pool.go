@@ -640,29 +640,14 @@ func (p *Pool) DrainPresented(keep func(*tls.Certificate) bool) int {
 		conns = append(conns, e.conns...)
 	}
 	p.mu.Unlock()
-	verdicts := map[*tls.Certificate]bool{}
-	n := 0
-	for _, c := range conns {
-		if c.presented == nil {
-			continue
-		}
-		kept, ok := verdicts[c.presented.cert]
-		if !ok {
-			kept = keep(c.presented.cert)
-			verdicts[c.presented.cert] = kept
-		}
-		if !kept && p.stopPresented(c, "trust change refuses the presented certificate") {
-			n++
-		}
-	}
-	return n
+	return drainRefusedPresented(conns, keep, p.stopPresented)
 }
 
 // recheckPresented drains c, pooled now, if a DrainPresented came since
 // gen whose check refuses the certificate c presented.
 func (p *Pool) recheckPresented(gen uint64, c *conn) {
 	if c.presented != nil && p.presentedTrust.refuses(gen, c.presented.cert) {
-		p.stopPresented(c, "trust change refuses the presented certificate")
+		p.stopPresented(c, reasonTrustRefuses)
 	}
 }
 
@@ -686,26 +671,12 @@ func (p *Pool) stopStaleLocked(conns []*conn, cur *currentCert, stale []staleCon
 			now = time.Now()
 		}
 		// Read without c.mu: set before the conn was pooled, never after.
-		reason := pc.staleReason(now, cur)
+		reason := pc.staleReason(now, cur.get)
 		if reason != "" && c.markStopped() {
 			stale = append(stale, staleConn{c, reason})
 		}
 	}
 	return stale
-}
-
-// markStopped takes c out of service for its certificate, once; false if
-// it was already, or is closed.
-func (c *conn) markStopped() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.err != nil || c.goAway || c.presented.stopped.Load() {
-		// Closed, or carrying no new stream already.
-		return false
-	}
-	c.presented.stopped.Store(true)
-	c.goAway = true
-	return true
 }
 
 // stopStale drains the conns stopStaleLocked stopped, and returns stale

@@ -128,6 +128,11 @@ type ServerStats struct {
 	// body went out, because the client granted no send window for it
 	// within refuseWriteTimeout.
 	RefusalsCut uint64
+	// OwnCertificateDrains counts connections drained because of the
+	// certificate the server presented on them: its chain ended, a new
+	// handshake would present another (renewed, replaced), or a trust
+	// change refused it (presented.go).
+	OwnCertificateDrains uint64
 	// HandlersHeld and HandlersQueued are the streams holding a handler
 	// slot now (deciding, dialling, refusing or relaying; at most
 	// MaxConcurrentStreams per connection) and those waiting for one (at
@@ -139,7 +144,7 @@ type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
-	refusalsCut, protocolErrors                          atomic.Uint64
+	refusalsCut, protocolErrors, ownDrains               atomic.Uint64
 	handlersHeld, handlersQueued                         atomic.Int64
 }
 
@@ -152,9 +157,12 @@ type Server struct {
 	cancel  context.CancelFunc
 	stats   serverCounters
 	// trust sees a trust change that DrainPeers applied while one of the
-	// server's handshakes was under way.
-	trust   trustChanges
-	limiter *ConnLimiter
+	// server's handshakes was under way; presentedTrust one that
+	// DrainPresented applied. serving is what a new handshake presents.
+	trust          trustChanges
+	presentedTrust presentedChanges
+	serving        servingCert
+	limiter        *ConnLimiter
 	// backingOff counts Serve loops waiting after an accept error.
 	backingOff atomic.Int32
 
@@ -196,9 +204,11 @@ func NewServer(opts ServerOptions) (*Server, error) {
 		log = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	tlsConf := withH2(opts.TLSConfig)
 	return &Server{
 		opts:      opts,
-		tlsConf:   withH2(opts.TLSConfig),
+		tlsConf:   tlsConf,
+		serving:   servingCert{conf: tlsConf},
 		log:       log,
 		ctx:       ctx,
 		cancel:    cancel,
@@ -212,21 +222,22 @@ func NewServer(opts ServerOptions) (*Server, error) {
 func (srv *Server) Stats() ServerStats {
 	st := &srv.stats
 	return ServerStats{
-		ConnsAccepted:      st.connsAccepted.Load(),
-		ConnsActive:        st.connsActive.Load(),
-		HandshakeFailures:  st.handshakeFailures.Load(),
-		StreamsOK:          st.streamsOK.Load(),
-		StreamsBadRequest:  st.streamsBadRequest.Load(),
-		StreamsDenied:      st.streamsDenied.Load(),
-		StreamsRefused:     st.refused.Load(),
-		ConnsRefused:       st.connsRefused.Load(),
-		StreamsEarlyReset:  st.earlyResets.Load(),
-		ConnsFlood:         st.floods.Load(),
-		ConnsProtocolError: st.protocolErrors.Load(),
-		AcceptErrors:       st.acceptErrors.Load(),
-		RefusalsCut:        st.refusalsCut.Load(),
-		HandlersHeld:       uint64(max(st.handlersHeld.Load(), 0)),
-		HandlersQueued:     uint64(max(st.handlersQueued.Load(), 0)),
+		ConnsAccepted:        st.connsAccepted.Load(),
+		ConnsActive:          st.connsActive.Load(),
+		HandshakeFailures:    st.handshakeFailures.Load(),
+		StreamsOK:            st.streamsOK.Load(),
+		StreamsBadRequest:    st.streamsBadRequest.Load(),
+		StreamsDenied:        st.streamsDenied.Load(),
+		StreamsRefused:       st.refused.Load(),
+		ConnsRefused:         st.connsRefused.Load(),
+		StreamsEarlyReset:    st.earlyResets.Load(),
+		ConnsFlood:           st.floods.Load(),
+		ConnsProtocolError:   st.protocolErrors.Load(),
+		AcceptErrors:         st.acceptErrors.Load(),
+		RefusalsCut:          st.refusalsCut.Load(),
+		OwnCertificateDrains: st.ownDrains.Load(),
+		HandlersHeld:         uint64(max(st.handlersHeld.Load(), 0)),
+		HandlersQueued:       uint64(max(st.handlersQueued.Load(), 0)),
 	}
 }
 
@@ -330,8 +341,9 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 	defer srv.limiter.release(hs)
 	defer srv.limiter.handshakeDone(hs)
 	batch := newBatchConn(nc)
-	tc := tls.Server(batch, srv.tlsConf)
-	gen := srv.trust.generation()
+	var presented *presentedCert
+	tc := tls.Server(batch, serving(srv.tlsConf, &presented))
+	gens := trustGens{peer: srv.trust.generation(), own: srv.presentedTrust.generation()}
 	ctx, cancel := context.WithTimeout(srv.ctx, srv.opts.HandshakeTimeout)
 	batch.limitRead(maxClientHandshake, errHandshakeTooLarge)
 	err := tc.HandshakeContext(ctx)
@@ -352,13 +364,18 @@ func (srv *Server) serveConn(nc net.Conn, hs *handshakeSlot) {
 		return
 	}
 	state := tc.ConnectionState()
-	srv.serveHTTP2(tc, &state, batch, gen, func() { srv.limiter.handshakeDone(hs) })
+	srv.serveHTTP2(tc, &state, presented, batch, gens, func() { srv.limiter.handshakeDone(hs) })
 }
 
+// trustGens are the trust changes (DrainPeers, DrainPresented) seen before
+// a handshake.
+type trustGens struct{ peer, own uint64 }
+
 // serveHTTP2 serves HTTP/2 on an established (TLS) connection until it
-// dies; onPreface, if not nil, runs once the client's first SETTINGS frame
+// dies; presented is the certificate its handshake presented (nil: none);
+// onPreface, if not nil, runs once the client's first SETTINGS frame
 // arrived.
-func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *batchConn, trustGen uint64, onPreface func()) {
+func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, presented *presentedCert, batch *batchConn, gens trustGens, onPreface func()) {
 	var c *conn
 	c = newConn(srv.ctx, nc, connConfig{
 		batch:           batch,
@@ -375,8 +392,10 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 		onEarlyReset:    func() bool { return srv.earlyReset(c) },
 		onFlood:         func() { srv.stats.floods.Add(1) },
 		onProtocolError: func() { srv.stats.protocolErrors.Add(1) },
+		checkPresented:  func() { srv.checkPresented(c) },
 	})
 	c.tlsState = state
+	c.presented = presented
 
 	// The preface (SETTINGS) goes first, and only then is the conn
 	// registered where Shutdown finds and drains it: a GOAWAY must never
@@ -390,7 +409,10 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, batch *ba
 	srv.conns[c] = struct{}{}
 	srv.stats.connsActive.Add(1)
 	srv.mu.Unlock()
-	srv.trust.recheck(trustGen, c)
+	srv.trust.recheck(gens.peer, c)
+	if presented != nil && srv.presentedTrust.refuses(gens.own, presented.cert) {
+		srv.stopPresented(c, reasonTrustRefuses)
+	}
 	select {
 	case <-c.done:
 		// Closed before it was registered (its idle timer runs from
@@ -858,6 +880,55 @@ func (srv *Server) DrainPeers(keep func(tls.ConnectionState) bool) int {
 	}
 	srv.mu.Unlock()
 	return drainPeers(conns, keep)
+}
+
+// DrainPresented drains the connections whose own certificate, as their
+// handshake presented it, keep refuses now (the trust bundle changed: the
+// root it was issued under may be gone), and returns how many. A client
+// holding the new roots would refuse that certificate in a new handshake;
+// one that does not drain such connections itself (ztunnel, a waypoint,
+// curl) would otherwise go on opening streams to us on them. Their open
+// streams run to their end. keep runs without the server's lock, once per
+// distinct certificate.
+func (srv *Server) DrainPresented(keep func(*tls.Certificate) bool) int {
+	srv.presentedTrust.changed(keep)
+	srv.mu.Lock()
+	conns := make([]*conn, 0, len(srv.conns))
+	for c := range srv.conns {
+		conns = append(conns, c)
+	}
+	srv.mu.Unlock()
+	return drainRefusedPresented(conns, keep, srv.stopPresented)
+}
+
+// checkPresented runs on c's reader for a new stream, before it is
+// accepted: if the certificate c presented has ended or a new handshake
+// would present another, c is drained, so the stream is refused
+// (REFUSED_STREAM, beyond the GOAWAY's last stream) and its client retries
+// on a new connection, which presents the current certificate.
+func (srv *Server) checkPresented(c *conn) {
+	pc := c.presented
+	if pc == nil || pc.stopped.Load() {
+		return
+	}
+	now := time.Now()
+	reason := pc.staleReason(now, func() (*tls.Certificate, bool) { return srv.serving.get(now, c.nc, pc) })
+	if reason != "" {
+		srv.stopPresented(c, reason)
+	}
+}
+
+// stopPresented drains c for the certificate it presented, counted and
+// logged once; false if it was stopped or draining already.
+func (srv *Server) stopPresented(c *conn, reason string) bool {
+	if !c.markStopped() {
+		return false
+	}
+	srv.stats.ownDrains.Add(1)
+	srv.log.Debug("hbone connection drained: no new stream on the certificate this server presented", "remote", c.nc.RemoteAddr(),
+		"reason", reason, "not_after", c.presented.end)
+	c.drain()
+	return true
 }
 
 // Close stops accepting and closes every connection now, failing their
