@@ -250,3 +250,35 @@ func TestRankBySpeedCoarsely(t *testing.T) {
 		}
 	}
 }
+
+// TestSpeedNotRaisedBySlowNames: an upstream's least RTT rises only after
+// a whole window without a faster answer: a slow answer (a pod's slow
+// name) right after a window ends does not rank it after a slower
+// upstream; and a measure two windows old is forgotten, so an upstream
+// once ranked last for being slow is asked first again and measured anew.
+func TestSpeedNotRaisedBySlowNames(t *testing.T) {
+	t0 := time.Now()
+	ups := newUpstreams([]netip.AddrPort{netip.MustParseAddrPort("192.0.2.1:53"), netip.MustParseAddrPort("192.0.2.2:53")})
+	first := func(now time.Time) int { return rank(ups, now)[0].idx }
+	ups[0].answered(t0, time.Millisecond)
+	ups[1].answered(t0, 100*time.Millisecond)
+	if got := first(t0); got != 0 {
+		t.Fatalf("first %d, want the fast upstream", got)
+	}
+	t1 := t0.Add(minRTTWindow + time.Second)
+	ups[0].answered(t1, 3*time.Second)
+	if got := first(t1); got != 0 {
+		t.Errorf("after one slow answer in a new window: first %d, want the fast upstream still", got)
+	}
+	t2 := t1.Add(minRTTWindow + time.Second)
+	ups[0].answered(t2, 3*time.Second)
+	ups[1].answered(t2, 100*time.Millisecond)
+	if got := first(t2); got != 1 {
+		t.Errorf("after a window of slow answers only: first %d, want the other", got)
+	}
+	t3 := t2.Add(2*minRTTWindow + time.Second)
+	ups[1].answered(t3, 100*time.Millisecond)
+	if got := first(t3); got != 0 {
+		t.Errorf("two windows later: first %d, want the upstream unmeasured since, in its configured place", got)
+	}
+}

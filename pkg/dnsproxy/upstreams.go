@@ -24,7 +24,7 @@ const (
 	// each failure doubling the wait.
 	maxProbation = time.Minute
 	// minRTTWindow is how long the least RTT seen is kept: a better path
-	// shows at once, a worse one within this time.
+	// shows at once, a worse one within two of these.
 	minRTTWindow = time.Minute
 )
 
@@ -45,14 +45,18 @@ type upstream struct {
 	addr netip.AddrPort
 	idx  int // position in Config.Upstreams
 
-	mu         sync.Mutex
-	srtt       time.Duration // smoothed RTT (RFC 6298); 0: not measured yet
-	rttvar     time.Duration
-	minRTT     time.Duration // least RTT since minRTTAt's window
-	minRTTAt   time.Time
-	lastAnswer time.Time // when it last answered anything
-	strikes    int       // failures since its last answer
-	lastStrike time.Time
+	mu     sync.Mutex
+	srtt   time.Duration // smoothed RTT (RFC 6298); 0: not measured yet
+	rttvar time.Duration
+	// The least RTT of this window of minRTTWindow (from minStart) and
+	// of the window before (0: none): one slow answer cannot raise it,
+	// only a window without a faster one; and a measure two windows old is
+	// forgotten, so an upstream ranked last for being slow is measured anew.
+	minCur, minPrev time.Duration
+	minStart        time.Time
+	lastAnswer      time.Time // when it last answered anything
+	strikes         int       // failures since its last answer
+	lastStrike      time.Time
 }
 
 // answered notes an answer from u (any rcode) that took rtt.
@@ -66,9 +70,35 @@ func (u *upstream) answered(now time.Time, rtt time.Duration) {
 		u.rttvar = (3*u.rttvar + (u.srtt - rtt).Abs()) / 4
 		u.srtt = (7*u.srtt + rtt) / 8
 	}
-	if u.minRTTAt.IsZero() || rtt <= u.minRTT || now.Sub(u.minRTTAt) > minRTTWindow {
-		u.minRTT, u.minRTTAt = rtt, now
+	u.rotate(now)
+	if u.minCur == 0 || rtt < u.minCur {
+		u.minCur = max(rtt, 1) // 0 means none
 	}
+}
+
+// rotate starts a new window of the least RTT once minRTTWindow passed.
+func (u *upstream) rotate(now time.Time) {
+	switch since := now.Sub(u.minStart); {
+	case since < minRTTWindow:
+		return
+	case since < 2*minRTTWindow:
+		u.minPrev = u.minCur
+	default:
+		u.minPrev = 0
+	}
+	u.minCur, u.minStart = 0, now
+}
+
+// minRTT is the least RTT of the last two windows; 0: none measured.
+func (u *upstream) minRTT(now time.Time) time.Duration {
+	u.rotate(now)
+	switch {
+	case u.minCur == 0:
+		return u.minPrev
+	case u.minPrev == 0:
+		return u.minCur
+	}
+	return min(u.minCur, u.minPrev)
 }
 
 // failed notes that an exchange with u sent at sent got nothing from it.
@@ -116,7 +146,7 @@ func (u *upstream) state(now time.Time) (probation bool, strikes, speed int) {
 	if p := u.onProbation(now); p {
 		return true, u.strikes, 0
 	}
-	return false, 0, speedClass(u.minRTT)
+	return false, 0, speedClass(u.minRTT(now))
 }
 
 // speedClass groups RTTs that rank alike: all under 10 ms (a cluster's
