@@ -10,9 +10,9 @@ import (
 
 // Bounds of the hedge delay: how long the proxy waits for one upstream's
 // answer before it asks the next one too (still taking the first's answer
-// if it comes first). 200 ms is TCP's least retransmission timeout, and
-// above a cluster DNS's answer to a name it must resolve; 2 s keeps three
-// upstreams within the query's deadline even when every one is slow.
+// if it comes first). 200 ms is Linux TCP's least retransmission timeout;
+// 2 s has three upstreams asked, and each waited for its whole timeout,
+// within the tunnel's 10 s for a query.
 // An upstream not yet measured waits initialHedge (RFC 6298's first RTO);
 // one that failed lately waits minHedge, as it is asked only on probation.
 const (
@@ -61,6 +61,7 @@ type upstream struct {
 
 // answered notes an answer from u (any rcode) that took rtt.
 func (u *upstream) answered(now time.Time, rtt time.Duration) {
+	rtt = max(rtt, 1) // 0 means not measured
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.lastAnswer, u.strikes = now, 0
@@ -72,7 +73,7 @@ func (u *upstream) answered(now time.Time, rtt time.Duration) {
 	}
 	u.rotate(now)
 	if u.minCur == 0 || rtt < u.minCur {
-		u.minCur = max(rtt, 1) // 0 means none
+		u.minCur = rtt
 	}
 }
 
