@@ -106,10 +106,17 @@ func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bo
 		pending++
 		sent = time.Now()
 		hedge.Reset(u.hedge())
-		go func(sent time.Time) {
+		run := func(sent time.Time) {
 			answer, answered, err := p.ask(ctx, u, out, id, q, tcp, dial)
 			results <- result{u, sent, answer, answered, err}
-		}(sent)
+		}
+		if len(order) == 1 {
+			// Nothing to hedge to: on this goroutine, a query holding
+			// one goroutine as before (the tunnel bounds them per pod).
+			run(sent)
+			return
+		}
+		go run(sent)
 	}
 	// fail counts an exchange that got nothing against its upstream, once.
 	fail := func(u *upstream, sent time.Time) {
