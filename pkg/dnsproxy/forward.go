@@ -59,57 +59,145 @@ func (p *Proxy) forward(ctx context.Context, client *workload.Workload, l []stri
 	return answer
 }
 
-// exchange asks the upstreams in order, each within Config.Timeout, and
-// returns the first answer that is not SERVFAIL or REFUSED (hickory moves
-// to the next server on those too); failing that the last such answer,
-// with an error, or nil and an error. The query goes as the client sent
-// it, under a fresh random ID; an answer over UDP with TC set is asked
-// again over TCP when the client came over TCP (a UDP client gets the
-// truncated answer and retries over TCP itself, as it would talking to
-// the upstream).
+// exchange asks the upstreams, ranked (see upstream), and returns the
+// first answer that is not SERVFAIL or REFUSED (hickory moves to the next
+// server on those too); failing that the last such answer, with an error,
+// or nil and an error. Each upstream is asked within Config.Timeout; when
+// one has not answered within its hedge delay (from its RTT, 200 ms to
+// 2 s) the next is asked too, its answer still taken, and when one fails
+// (refused, timed out, SERVFAIL) the next is asked at once. Before, each
+// was asked in turn for up to 5 s: with the first upstream dead every
+// forwarded query waited 5 s, and with two dead the third was never asked
+// within the query's 10 s. The query goes as the client sent it, under a
+// fresh random ID; an answer over UDP with TC set is asked again over TCP
+// when the client came over TCP (a UDP client gets the truncated answer
+// and retries over TCP itself, as it would talking to the upstream).
+// Every exchange it starts has ended when it returns.
 func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bool, dial Dialer) ([]byte, error) {
-	if len(p.cfg.Upstreams) == 0 {
+	if len(p.ups) == 0 {
 		return nil, errNoUpstream
 	}
 	id := uint16(rand.N(1 << 16))
 	out := slices.Clone(query)
 	binary.BigEndian.PutUint16(out, id)
 	q := req.Question[0]
-	var failed []byte
+
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		u        *upstream
+		sent     time.Time
+		answer   []byte
+		answered bool // the upstream answered, over UDP at least
+		err      error
+	}
+	order := rank(p.ups, time.Now())
+	results := make(chan result, len(order))
+	var (
+		next, pending int
+		sent          time.Time // of the latest exchange started
+		struck        = map[*upstream]bool{}
+		hedge         = time.NewTimer(time.Hour)
+	)
+	defer hedge.Stop()
+	start := func() {
+		u := order[next]
+		next++
+		pending++
+		sent = time.Now()
+		hedge.Reset(u.hedge())
+		run := func(sent time.Time) {
+			answer, answered, err := p.ask(ctx, u, out, id, q, tcp, dial)
+			results <- result{u, sent, answer, answered, err}
+		}
+		if len(order) == 1 {
+			// Nothing to hedge to: on this goroutine, a query holding
+			// one goroutine as before (the tunnel bounds them per pod).
+			run(sent)
+			return
+		}
+		go run(sent)
+	}
+	// fail counts an exchange that got nothing against its upstream, once.
+	fail := func(u *upstream, sent time.Time) {
+		if !struck[u] && u.failed(time.Now(), sent) {
+			struck[u] = true
+			p.m.upstreamStruck(u.addr)
+		}
+	}
+	start()
+	var failed, answer []byte
 	var errs []error
-	for _, up := range p.cfg.Upstreams {
-		answer, err := p.ask(ctx, up.String(), out, id, q, tcp, dial)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("upstream %s: %w", up, err))
-			continue
+	for pending > 0 && answer == nil {
+		select {
+		case r := <-results:
+			pending--
+			if r.answered {
+				p.m.upstreamRTT(r.u.addr, r.u.srttNow())
+			}
+			if r.err != nil {
+				errs = append(errs, fmt.Errorf("upstream %s: %w", r.u.addr, r.err))
+				if !r.answered && ctx.Err() == nil {
+					// Its own timeout, or refused or unreachable: not the
+					// query's end.
+					p.m.upstreamUnanswered(r.u.addr)
+					fail(r.u, r.sent)
+				}
+			} else if rc := rcode(r.answer); rc == dns.RcodeServerFailure || rc == dns.RcodeRefused {
+				failed = r.answer
+				errs = append(errs, fmt.Errorf("upstream %s: answered %s", r.u.addr, dns.RcodeToString[rc]))
+			} else {
+				answer = r.answer
+				continue
+			}
+			if next < len(order) && ctx.Err() == nil {
+				start()
+			}
+		case <-hedge.C:
+			if next < len(order) && ctx.Err() == nil {
+				// The latest has not answered in its time: ask the next too.
+				u := order[next-1]
+				p.m.upstreamHedged(u.addr)
+				fail(u, sent)
+				start()
+			}
 		}
-		if rcode := rcode(answer); rcode == dns.RcodeServerFailure || rcode == dns.RcodeRefused {
-			failed = answer
-			errs = append(errs, fmt.Errorf("upstream %s: answered %s", up, dns.RcodeToString[rcode]))
-			continue
+	}
+	// The others asked are no longer waited for; their sockets close.
+	cancel()
+	for ; pending > 0; pending-- {
+		if r := <-results; r.answered {
+			p.m.upstreamRTT(r.u.addr, r.u.srttNow())
 		}
+	}
+	if answer != nil {
 		return answer, nil
 	}
 	return failed, errors.Join(errs...)
 }
 
-// ask asks one upstream at addr, over UDP and then TCP if the answer is
-// truncated and retry says so.
-func (p *Proxy) ask(ctx context.Context, addr string, query []byte, id uint16, q dns.Question, retry bool, dial Dialer) ([]byte, error) {
+// ask asks the upstream u, over UDP and then TCP if the answer is
+// truncated and retry says so, within Config.Timeout; answered says u
+// answered (over UDP), its RTT noted in u.
+func (p *Proxy) ask(ctx context.Context, u *upstream, query []byte, id uint16, q dns.Question, retry bool, dial Dialer) (answer []byte, answered bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.Timeout)
 	defer cancel()
-	answer, err := askUDP(ctx, dial, addr, query, id, q)
+	addr := u.addr.String()
+	start := time.Now()
+	answer, err = askUDP(ctx, dial, addr, query, id, q)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
+	now := time.Now()
+	u.answered(now, now.Sub(start))
 	if answer[2]&0x02 == 0 || !retry {
-		return answer, nil
+		return answer, true, nil
 	}
 	answer, err = askTCP(ctx, dial, addr, query, id, q)
 	if err != nil {
-		return nil, fmt.Errorf("retry over tcp of a truncated answer: %w", err)
+		return nil, true, fmt.Errorf("retry over tcp of a truncated answer: %w", err)
 	}
-	return answer, nil
+	return answer, true, nil
 }
 
 // askUDP sends query to addr over UDP and waits for its answer, ignoring

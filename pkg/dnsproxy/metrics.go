@@ -1,6 +1,7 @@
 package dnsproxy
 
 import (
+	"net/netip"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,7 +31,12 @@ type Metrics struct {
 	rejected         *prometheus.CounterVec
 	evicted          *prometheus.CounterVec
 	inFlight         prometheus.Gauge
-	sources          *sourceSeries
+	// Per upstream resolver (a label value per configured one):
+	upUnanswered *prometheus.CounterVec
+	upHedged     *prometheus.CounterVec
+	upStruck     *prometheus.CounterVec
+	upSRTT       *prometheus.GaugeVec
+	sources      *sourceSeries
 }
 
 // seriesGrace is how long the istio_dns_* series of a canonical service
@@ -100,12 +106,24 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "DNS queries answered REFUSED, and TCP connections closed, to make room under a full node bound for a pod holding fewer, by limit (node: queries in flight; conns_node: TCP connections)."}, []string{"limit"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "redirector_dns_queries_in_flight", Help: "DNS queries being answered now, over all pods."}),
+		upUnanswered: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_dns_upstream_unanswered_total",
+			Help: "Exchanges with an upstream resolver that got no answer: timed out, or refused or unreachable (not those ended because another upstream answered first)."}, []string{"upstream"}),
+		upHedged: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_dns_upstream_hedged_total",
+			Help: "Forwarded DNS queries asked of the next upstream resolver too because this one had not answered within its hedge delay."}, []string{"upstream"}),
+		upStruck: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "redirector_dns_upstream_demotions_total",
+			Help: "Failures counted against an upstream resolver (no answer, and none to any other query meanwhile), each ranking it after the others for a while."}, []string{"upstream"}),
+		upSRTT: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "redirector_dns_upstream_srtt_seconds",
+			Help: "Smoothed round-trip time of an upstream resolver's answers (0: none yet)."}, []string{"upstream"}),
 	}
 	m.sources = &sourceSeries{now: time.Now, grace: seriesGrace, seen: map[source]time.Time{},
 		vecs: []*prometheus.MetricVec{m.requests.MetricVec, m.upstreamRequests.MetricVec, m.upstreamFailures.MetricVec, m.upstreamDuration.MetricVec}}
 	if reg != nil {
 		reg.MustRegister(sweepingCollector{m.sources, []prometheus.Collector{m.requests, m.upstreamRequests, m.upstreamFailures, m.upstreamDuration}},
-			m.refused, m.rejected, m.evicted, m.inFlight)
+			m.refused, m.rejected, m.evicted, m.inFlight, m.upUnanswered, m.upHedged, m.upStruck, m.upSRTT)
 	}
 	return m
 }
@@ -254,3 +272,21 @@ func (m *Metrics) upstream(l []string, took time.Duration, failed bool) {
 func (m *Metrics) refuse(limit string)  { m.refused.WithLabelValues(limit).Inc() }
 func (m *Metrics) reject(reason string) { m.rejected.WithLabelValues(reason).Inc() }
 func (m *Metrics) evict(limit string)   { m.evicted.WithLabelValues(limit).Inc() }
+
+// upstreamKnown makes the series of the upstream at a, at zero.
+func (m *Metrics) upstreamKnown(a netip.AddrPort) {
+	l := a.String()
+	m.upUnanswered.WithLabelValues(l)
+	m.upHedged.WithLabelValues(l)
+	m.upStruck.WithLabelValues(l)
+	m.upSRTT.WithLabelValues(l)
+}
+
+func (m *Metrics) upstreamUnanswered(a netip.AddrPort) {
+	m.upUnanswered.WithLabelValues(a.String()).Inc()
+}
+func (m *Metrics) upstreamHedged(a netip.AddrPort) { m.upHedged.WithLabelValues(a.String()).Inc() }
+func (m *Metrics) upstreamStruck(a netip.AddrPort) { m.upStruck.WithLabelValues(a.String()).Inc() }
+func (m *Metrics) upstreamRTT(a netip.AddrPort, srtt time.Duration) {
+	m.upSRTT.WithLabelValues(a.String()).Set(srtt.Seconds())
+}

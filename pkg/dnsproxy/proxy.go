@@ -7,8 +7,8 @@
 // resolvers (kube-dns) from the client pod's network namespace.
 //
 // Everything a pod can make the proxy hold is bounded and counted: queries
-// in flight (each may hold an upstream socket for up to Config.Timeout per
-// upstream), TCP connections (each holds a goroutine, and closes when idle),
+// in flight (each may hold a socket to each configured upstream, each for
+// up to Config.Timeout), TCP connections (each holds a goroutine, and closes when idle),
 // and the size of what it reads. Malformed input is answered cheaply
 // (FORMERR, NOTIMP, BADVERS) or dropped, never forwarded.
 package dnsproxy
@@ -33,11 +33,15 @@ import (
 // Config configures a Proxy. Zero values take the defaults below.
 type Config struct {
 	// Upstreams are the resolvers names outside the mesh are forwarded
-	// to, tried in order; with none, those names get SERVFAIL.
+	// to, ranked by health and speed, alike ones in this order (see
+	// upstream); with none, those names get SERVFAIL.
 	Upstreams []netip.AddrPort
 	// Timeout bounds one forwarded query's exchange with one upstream
-	// (UDP, and TCP when that answer is truncated): a query takes at most
-	// len(Upstreams) times Timeout. Default DefaultTimeout.
+	// (UDP, and TCP when that answer is truncated). The next upstream is
+	// asked too once one has not answered within its hedge delay (200 ms
+	// to 2 s, from its RTT), so a query asks every upstream within a few
+	// seconds and takes at most Timeout after the last was asked.
+	// Default DefaultTimeout.
 	Timeout time.Duration
 	// MaxInFlight and MaxInFlightPerPod bound the queries being answered
 	// at once, node-wide and per client pod; a query over either is
@@ -56,7 +60,8 @@ type Config struct {
 // Defaults. A forwarded query normally takes a millisecond or so: 64 at
 // once is far more than one pod's resolver has outstanding (glibc sends A
 // and AAAA together), 1024 more than a node's pods need, and each holds at
-// most one socket and a 64 KiB buffer. 5 s is glibc's own retry timeout (and
+// most a socket and a 64 KiB buffer per upstream (two only while the first
+// is slow to answer). 5 s is glibc's own retry timeout (and
 // hickory's per-server one): waiting longer only overlaps the client's
 // retry. 5 s idle is ztunnel's TCP request timeout.
 const (
@@ -85,8 +90,9 @@ type Proxy struct {
 	dir     func() *workload.Directory
 	m       *Metrics
 	log     *slog.Logger
-	queries *limiter // queries in flight
-	conns   *limiter // TCP connections served
+	ups     []*upstream // Config.Upstreams, once each
+	queries *limiter    // queries in flight
+	conns   *limiter    // TCP connections served
 	index   atomic.Pointer[hostIndex]
 	// indexMu serialises building index, so the queries that arrive
 	// together after a directory change share one build (see hosts).
@@ -137,8 +143,12 @@ func New(cfg Config, dir func() *workload.Directory, m *Metrics, log *slog.Logge
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	ups := newUpstreams(cfg.Upstreams)
+	for _, u := range ups {
+		m.upstreamKnown(u.addr)
+	}
 	return &Proxy{
-		cfg: cfg, dir: dir, m: m, log: log,
+		cfg: cfg, dir: dir, m: m, log: log, ups: ups,
 		queries: newLimiter(cfg.MaxInFlight, cfg.MaxInFlightPerPod),
 		conns:   newLimiter(cfg.MaxConns, cfg.MaxConnsPerPod),
 	}, nil
