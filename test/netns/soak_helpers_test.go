@@ -31,6 +31,10 @@ type agentResources struct {
 	HeapInuse  int64 // bytes in in-use spans, right after a forced GC
 	HeapAlloc  int64 // live heap objects, right after a forced GC
 	Certs      int   // redirector_certificates, all states but grace
+	// Grace counts the identities kept after their last pod left (state
+	// grace, 2 minutes, longer than the soak settles): bounded by the pods
+	// that left within that, each holding its renewal worker's goroutine.
+	Grace int
 	Series     int   // istio_tcp_* samples exported
 	// GoneSeries are the istio_tcp_* samples (without value) that name a
 	// workload gone, by gone's test.
@@ -45,8 +49,8 @@ func (r agentResources) String() string {
 	for _, name := range sortedKeys(r.MapEntries) {
 		m = append(m, fmt.Sprintf("%s=%d", name, r.MapEntries[name]))
 	}
-	return fmt.Sprintf("fds=%d goroutines=%d heap_inuse=%.2fMB heap_alloc=%.2fMB certs=%d istio_tcp_series=%d pins=%d maps[%s]",
-		r.FDs, r.Goroutines, float64(r.HeapInuse)/(1<<20), float64(r.HeapAlloc)/(1<<20), r.Certs, r.Series, r.Pins, strings.Join(m, " "))
+	return fmt.Sprintf("fds=%d goroutines=%d heap_inuse=%.2fMB heap_alloc=%.2fMB certs=%d in_grace=%d istio_tcp_series=%d pins=%d maps[%s]",
+		r.FDs, r.Goroutines, float64(r.HeapInuse)/(1<<20), float64(r.HeapAlloc)/(1<<20), r.Certs, r.Grace, r.Series, r.Pins, strings.Join(m, " "))
 }
 
 func sortedKeys(m map[string]int) []string { return slices.Sorted(maps.Keys(m)) }
@@ -67,8 +71,9 @@ func (tol soakTolerance) exceeds(base, end agentResources) []string {
 	if end.FDs > base.FDs+tol.FDs {
 		out = append(out, fmt.Sprintf("fds %d -> %d (tolerance +%d)", base.FDs, end.FDs, tol.FDs))
 	}
-	if end.Goroutines > base.Goroutines+tol.Goroutines {
-		out = append(out, fmt.Sprintf("goroutines %d -> %d (tolerance +%d)", base.Goroutines, end.Goroutines, tol.Goroutines))
+	if end.Goroutines-end.Grace > base.Goroutines-base.Grace+tol.Goroutines {
+		out = append(out, fmt.Sprintf("goroutines %d -> %d, of which %d and %d of identities in grace (tolerance +%d)",
+			base.Goroutines, end.Goroutines, base.Grace, end.Grace, tol.Goroutines))
 	}
 	if end.HeapInuse > base.HeapInuse+tol.Heap {
 		out = append(out, fmt.Sprintf("heap in use after GC %d -> %d bytes (tolerance +%d)", base.HeapInuse, end.HeapInuse, tol.Heap))
@@ -140,9 +145,8 @@ func measure(a *Agent, gone func(workload string) bool) (agentResources, error) 
 	if err != nil {
 		return r, err
 	}
-	// Identities whose last pod left are kept for 2 minutes, longer than
-	// the soak settles; they are bounded by the pods that left within that.
-	r.Certs = int(metricSum(metrics, "redirector_certificates") - metricSum(metrics, "redirector_certificates", `state="grace"`))
+	r.Grace = int(metricSum(metrics, "redirector_certificates", `state="grace"`))
+	r.Certs = int(metricSum(metrics, "redirector_certificates")) - r.Grace
 	for _, line := range strings.Split(metrics, "\n") {
 		if !strings.HasPrefix(line, "istio_tcp_") {
 			continue
