@@ -34,8 +34,8 @@ type agentResources struct {
 	// Grace counts the identities kept after their last pod left (state
 	// grace, 2 minutes, longer than the soak settles): bounded by the pods
 	// that left within that, each holding its renewal worker's goroutine.
-	Grace int
-	Series     int   // istio_tcp_* samples exported
+	Grace  int
+	Series int // istio_tcp_* samples exported
 	// GoneSeries are the istio_tcp_* samples (without value) that name a
 	// workload gone, by gone's test.
 	GoneSeries []string
