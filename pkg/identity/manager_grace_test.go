@@ -15,15 +15,11 @@ import (
 // before; now the kept certificate is served again at once, with no CA
 // request, and is not served meanwhile.
 func TestManagerReplacedPodKeepsCertificate(t *testing.T) {
-	ca := newCA(t, "cluster.local")
-	clock := newFakeClock()
-	f := &fakeSigner{ca: ca}
-	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
-	defer m.Close()
+	m, f, clock := onFakeClock(t)
 	m.Sync([]ID{idWeb})
 	addAndWait(t, m, idWeb)
 	first := stateOf(m, idWeb).Serial
-	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
+	f.caDown()
 
 	m.Sync(nil) // the old pod left
 	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) {

@@ -249,15 +249,28 @@ func TestManagerRefusesWhatItDidNotAskFor(t *testing.T) {
 	}
 }
 
-// Renewal failing past expiry: the expired certificate is not presented.
-func TestManagerExpiredFailsClosed(t *testing.T) {
+// onFakeClock is a manager with an hour's TTL on a fake clock, signing
+// through a fakeSigner over a test CA; closed when the test ends.
+func onFakeClock(t *testing.T) (*Manager, *fakeSigner, *fakeClock) {
+	t.Helper()
 	ca := newCA(t, "cluster.local")
 	clock := newFakeClock()
 	f := &fakeSigner{ca: ca}
 	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
-	defer m.Close()
-	addAndWait(t, m, idWeb)
+	t.Cleanup(m.Close)
+	return m, f, clock
+}
+
+// caDown makes every request fail as istiod being unreachable.
+func (f *fakeSigner) caDown() {
 	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
+}
+
+// Renewal failing past expiry: the expired certificate is not presented.
+func TestManagerExpiredFailsClosed(t *testing.T) {
+	m, f, clock := onFakeClock(t)
+	addAndWait(t, m, idWeb)
+	f.caDown()
 	clock.Advance(40 * time.Minute)
 	if s := stateOf(m, idWeb).State; s != StateRefreshing && s != StateFailing {
 		t.Errorf("state past half-life = %s, want refreshing (or failing, once the renewal was tried)", s)
@@ -388,11 +401,7 @@ redirector_ca_request_failures_total{reason="unavailable"} 1
 // wall clock, the worker must renew at once, not when its timer fires
 // (here half an hour later, past the certificate's expiry).
 func TestManagerRenewsOnTheWallClock(t *testing.T) {
-	ca := newCA(t, "cluster.local")
-	clock := newFakeClock()
-	f := &fakeSigner{ca: ca}
-	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
-	defer m.Close()
+	m, f, clock := onFakeClock(t)
 	m.clockCheck = 20 * time.Millisecond
 	addAndWait(t, m, idWeb)
 	first := stateOf(m, idWeb).Serial
@@ -464,14 +473,10 @@ func TestManagerRenewsAfterClockStepBack(t *testing.T) {
 // TestManagerNotYetValidState: a certificate the clock is before is shown
 // as such, not as valid, while handshakes refuse it.
 func TestManagerNotYetValidState(t *testing.T) {
-	ca := newCA(t, "cluster.local")
-	clock := newFakeClock()
-	f := &fakeSigner{ca: ca}
-	m := New(ManagerOptions{Signer: f, Trust: ca, TTL: time.Hour, Clock: clock.Now})
-	defer m.Close()
+	m, f, clock := onFakeClock(t)
 	addAndWait(t, m, idWeb)
 	// The CA is gone and the clock goes back: nothing can replace it.
-	f.set(func(f *fakeSigner) { f.err = &CAError{Reason: ReasonUnavailable, Err: errors.New("istiod down")} })
+	f.caDown()
 	clock.Advance(-30 * time.Minute)
 	if _, err := m.Certificate(idWeb); !errors.Is(err, ErrNoCertificate) || !strings.Contains(err.Error(), "not valid before") {
 		t.Errorf("handshake with a certificate not valid yet: err = %v", err)

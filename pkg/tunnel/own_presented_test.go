@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"testing"
-	"time"
 
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -71,22 +70,14 @@ func TestTrustBundleChangeDrainsOwnPresented(t *testing.T) {
 	pool := hbone.NewPool(hbone.PoolOptions{})
 	defer pool.Close()
 	New(Config{TrustDomain: "cluster.local", OutboundPort: 15001, InboundPort: 15006, HBONEPort: 15008, Certs: clientCerts, Pool: pool})
-	key := hbone.PoolKey{Src: "client", SrcIdentity: clientID.String(), DstIdentity: serverID.String(), DstAddr: l.Addr().(*net.TCPAddr).AddrPort()}
-	connect := func() (*hbone.Stream, error) {
-		var d net.Dialer
-		return pool.Connect(rig.ctx, key, d.DialContext, identity.ClientConfig(clientCerts, clientID, serverID),
-			hbone.Request{Authority: app.Addr().(*net.TCPAddr).AddrPort(), Forwarded: `for="127.0.0.1"`})
-	}
+	connect := rig.pooledConnect(pool, clientCerts, clientID, serverID, l, app)
 	open, err := connect()
 	if err != nil {
 		t.Fatalf("stream under both roots: %v", err)
 	}
 	defer open.Close()
 
-	rig.write(rig.kept)
-	if changed, err := rig.bundle.Reload(); !changed || err != nil {
-		t.Fatalf("reload without the client's root: changed %v, err %v", changed, err)
-	}
+	rig.dropRoot(t, "the client's")
 	waitfor.Until(t, "the pooled connection that presented the client's certificate drained", func() bool {
 		return pool.Stats().OwnCertificateDrains == 1
 	})
@@ -98,68 +89,7 @@ func TestTrustBundleChangeDrainsOwnPresented(t *testing.T) {
 	if st := pool.Stats(); st.DialsTotal < 2 {
 		t.Errorf("dials = %d, want 2 or more: the stream after the change must need a new handshake", st.DialsTotal)
 	}
-	msg := []byte("still here")
-	if _, err := open.Write(msg); err != nil {
-		t.Fatalf("stream open at the change: write: %v", err)
-	}
-	buf := make([]byte, len(msg))
-	if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
-		t.Fatalf("stream open at the change: read %q, %v", buf, err)
-	}
-}
-
-// The same for the pod's HBONE server: a root removed from the trust bundle
-// must stop the pod's own certificate issued under it from taking new
-// streams on inbound connections. A client that does not drain them itself
-// (ztunnel, a waypoint; here a pool no tunnel drains, verifying the server
-// only at its handshake) would go on opening streams to the pod as its
-// peer. The trust change drains the server's connections that presented
-// such a certificate; the next stream needs a new handshake, which the
-// client, holding the new bundle, refuses; the stream open meanwhile runs
-// on. Loopback only: the "pod" is 127.0.0.1 in this namespace.
-func TestTrustBundleChangeDrainsOwnServed(t *testing.T) {
-	rig := newTwoRoots(t)
-	serverID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "server-sa"}
-	clientID := identity.ID{TrustDomain: "cluster.local", Namespace: "mesh", ServiceAccount: "client"}
-	serverCerts, clientCerts := rig.manager(rig.dropped, serverID), rig.manager(rig.kept, clientID)
-	l, app := servedEchoPod(t, serverCerts)
-
-	pool := hbone.NewPool(hbone.PoolOptions{})
-	defer pool.Close()
-	key := hbone.PoolKey{Src: "client", SrcIdentity: clientID.String(), DstIdentity: serverID.String(), DstAddr: l.Addr().(*net.TCPAddr).AddrPort()}
-	connect := func() (*hbone.Stream, error) {
-		var d net.Dialer
-		return pool.Connect(rig.ctx, key, d.DialContext, identity.ClientConfig(clientCerts, clientID, serverID),
-			hbone.Request{Authority: app.Addr().(*net.TCPAddr).AddrPort(), Forwarded: `for="127.0.0.1"`})
-	}
-	open, err := connect()
-	if err != nil {
-		t.Fatalf("stream under both roots: %v", err)
-	}
-	defer open.Close()
-
-	rig.write(rig.kept)
-	if changed, err := rig.bundle.Reload(); !changed || err != nil {
-		t.Fatalf("reload without the server's root: changed %v, err %v", changed, err)
-	}
-	time.Sleep(100 * time.Millisecond) // the server's GOAWAY reaches the pool
-	if s, err := connect(); err == nil {
-		s.Close()
-		t.Fatal("a stream opened to the pod on a connection where it presented a certificate whose root left the trust bundle")
-	} else {
-		t.Logf("after the change: %v", err)
-	}
-	if st := pool.Stats(); st.DialsTotal < 2 {
-		t.Errorf("dials = %d, want 2 or more: the stream after the change must need a new handshake", st.DialsTotal)
-	}
-	msg := []byte("still here")
-	if _, err := open.Write(msg); err != nil {
-		t.Fatalf("stream open at the change: write: %v", err)
-	}
-	buf := make([]byte, len(msg))
-	if _, err := io.ReadFull(open, buf); err != nil || string(buf) != string(msg) {
-		t.Fatalf("stream open at the change: read %q, %v", buf, err)
-	}
+	stillEchoes(t, open)
 }
 
 // echoListener is a loopback echo server, closed when the test ends.

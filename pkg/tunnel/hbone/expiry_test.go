@@ -91,6 +91,16 @@ func newExpiringPKI(t *testing.T, life time.Duration) *expiringPKI {
 		via: leaf(5, now.Add(time.Hour), inter, interKey)}
 }
 
+// endingFor is the certificate a test of mode presents ("static
+// intermediate": the one whose intermediate ends; otherwise the leaf that
+// ends) and the time its chain ends.
+func (p *expiringPKI) endingFor(mode string) (tls.Certificate, time.Time) {
+	if mode == "static intermediate" {
+		return p.via, p.expiring.Leaf.NotAfter // the intermediate's too
+	}
+	return p.expiring, p.expiring.Leaf.NotAfter
+}
+
 func (p *expiringPKI) config(cert tls.Certificate, server bool) *tls.Config {
 	c := &tls.Config{MinVersion: tls.VersionTLS13, Certificates: []tls.Certificate{cert}, NextProtos: []string{"h2"}}
 	if server {

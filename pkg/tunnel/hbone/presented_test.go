@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"net/netip"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -63,6 +64,16 @@ func newPresentedEnv(t *testing.T, server tls.Certificate, skew time.Duration, r
 	return pe
 }
 
+// connector returns a function that opens a stream through the pool,
+// presenting client's certificate, to app.
+func (pe *presentedEnv) connector(client *tls.Config, app netip.AddrPort) func() (*Stream, error) {
+	return func() (*Stream, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		return pe.pool.Connect(ctx, pe.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
+	}
+}
+
 // presentedLast reports whether the last stream's connection presented
 // cert's leaf.
 func (pe *presentedEnv) presentedLast(cert tls.Certificate) bool {
@@ -84,11 +95,7 @@ func TestNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 	for _, mode := range []string{"renewed", "static", "static intermediate"} {
 		t.Run(mode, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
-			short := pki.expiring
-			if mode == "static intermediate" {
-				short = pki.via
-			}
-			end := pki.expiring.Leaf.NotAfter // the intermediate's too
+			short, end := pki.endingFor(mode)
 			e := newPresentedEnv(t, pki.lasting, 0, pki.pool)
 			app := startUpstream(t, echo)
 			client := pki.config(short, false)
@@ -101,11 +108,7 @@ func TestNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 					return &pki.lasting, nil
 				}
 			}
-			connect := func() (*Stream, error) {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return e.pool.Connect(ctx, e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
-			}
+			connect := e.connector(client, app)
 			open, err := connect()
 			if err != nil {
 				t.Fatal(err)
@@ -180,11 +183,7 @@ func TestNoStreamsAsReplacedOwnCertificate(t *testing.T) {
 				}
 				return c, nil
 			}
-			connect := func() (*Stream, error) {
-				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-				defer cancel()
-				return e.pool.Connect(ctx, e.key, tcpDial, client, Request{Authority: app, Forwarded: `for="10.0.0.1"`})
-			}
+			connect := e.connector(client, app)
 			open, err := connect()
 			if err != nil {
 				t.Fatal(err)

@@ -28,6 +28,21 @@ func rawTLSClient(t *testing.T, addr string, cert tls.Certificate) (*rawClient, 
 	return newRawClientOver(t, tc), nil
 }
 
+// openedRawStream connects a rawTLSClient to addr, presenting cert, and
+// opens stream 1 to app on it.
+func openedRawStream(t *testing.T, addr string, cert tls.Certificate, app string) *rawClient {
+	t.Helper()
+	rc, err := rawTLSClient(t, addr, cert)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rc.connect(1, app); err != nil {
+		t.Fatal(err)
+	}
+	rc.wantOpened(1)
+	return rc
+}
+
 // wantOpened waits for the 200 of stream id.
 func (rc *rawClient) wantOpened(id uint32) {
 	rc.t.Helper()
@@ -98,11 +113,7 @@ func TestServerNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 	for _, mode := range []string{"renewed", "static", "static intermediate"} {
 		t.Run(mode, func(t *testing.T) {
 			pki := newExpiringPKI(t, 2*time.Second)
-			short := pki.expiring
-			if mode == "static intermediate" {
-				short = pki.via
-			}
-			end := pki.expiring.Leaf.NotAfter // the intermediate's too
+			short, end := pki.endingFor(mode)
 			conf := pki.config(short, true)
 			if mode == "renewed" {
 				conf = &tls.Config{MinVersion: tls.VersionTLS13, GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
@@ -119,14 +130,7 @@ func TestServerNoStreamsAfterOwnCertificateExpired(t *testing.T) {
 			}
 			srv, addr := serveLoopback(t, ServerOptions{TLSConfig: conf, Handler: dialTarget})
 			app := startUpstream(t, echo).String()
-			rc, err := rawTLSClient(t, addr, pki.lasting)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := rc.connect(1, app); err != nil {
-				t.Fatal(err)
-			}
-			rc.wantOpened(1)
+			rc := openedRawStream(t, addr, pki.lasting, app)
 			waitfor.Until(t, "the presented chain's end", func() bool { return !time.Now().Before(end) })
 
 			if err := rc.connect(3, app); err != nil {
@@ -218,14 +222,7 @@ func TestServerNoStreamsAsReplacedOwnCertificate(t *testing.T) {
 				}
 				return
 			}
-			rc, err := rawTLSClient(t, addr, good.leaf)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := rc.connect(1, app); err != nil {
-				t.Fatal(err)
-			}
-			rc.wantOpened(1)
+			rc := openedRawStream(t, addr, good.leaf, app)
 			switch mode {
 			case "renewed":
 				cur.Store(&other.leaf)
