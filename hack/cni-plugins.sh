@@ -28,16 +28,9 @@ pkgs=(
 	./cnidriver
 )
 
+# shellcheck source=hack/lib/cache.sh
+source "$root/hack/lib/cache.sh"
 log() { echo "cni-plugins: $*" >&2; }
-
-hash=$(cat "$tools/go.mod" "$tools/go.sum" "$tools"/cnidriver/*.go | sha256sum | cut -c1-16)
-out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/cni-plugins/$hash"
-if [[ "${1:-}" == --dir ]]; then
-	echo "$out"
-	exit 0
-fi
-out=${1:-$out}
-
 have() {
 	local p
 	for p in "${plugins[@]}"; do
@@ -45,30 +38,11 @@ have() {
 	done
 }
 
-if have; then
-	log "up to date in $out"
-	echo "$out"
-	exit 0
-fi
-
-mkdir -p "$out"
-# Concurrent test binaries may all ask at once: one builds, the others wait and then find
-# the binaries present.
-exec 9>"$out/.lock"
-flock 9
-if have; then
-	log "built by another process in $out"
-	echo "$out"
-	exit 0
-fi
+cache_out cni-plugins/ "${1:-}" "$tools/go.mod" "$tools/go.sum" "$tools"/cnidriver/*.go
+cache_build_lock
 
 # The tools module is built on its own: no go.work, no GOFLAGS from the caller's environment.
 export CGO_ENABLED=0 GOWORK=off GOFLAGS=-mod=readonly
-
-# Build into a temporary folder and move into place, so an interrupted build never leaves a
-# half-written binary that "have" would accept.
-tmp=$(mktemp -d "$out/.build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
 
 cd "$tools"
 start=$SECONDS

@@ -16,35 +16,15 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$root/test/h2spectool"
 
+# shellcheck source=hack/lib/cache.sh
+source "$root/hack/lib/cache.sh"
 log() { echo "h2spec: $*" >&2; }
-
-hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
-out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/h2spec/$hash"
-if [[ "${1:-}" == --dir ]]; then
-	echo "$out"
-	exit 0
-fi
-out=${1:-$out}
-
 have() { [[ -x "$out/h2spec" ]]; }
 
-if have; then
-	echo "$out"
-	exit 0
-fi
-
-mkdir -p "$out"
-# Concurrent test binaries may ask at once: one builds, the others wait and find it present.
-exec 9>"$out/.lock"
-flock 9
-if have; then
-	echo "$out"
-	exit 0
-fi
+cache_out h2spec/ "${1:-}" "$tools/go.mod" "$tools/go.sum"
+cache_build_lock
 
 export CGO_ENABLED=0 GOWORK=off GOFLAGS=-mod=readonly
-tmp=$(mktemp -d "$out/.build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
 cd "$tools"
 log "building github.com/summerwind/h2spec into $out"
 go build -trimpath -buildvcs=false -o "$tmp/h2spec" github.com/summerwind/h2spec/cmd/h2spec

@@ -28,6 +28,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$root/test/istiotools"
 
+# shellcheck source=hack/lib/cache.sh
+source "$root/hack/lib/cache.sh"
 log() { echo "istio-binaries: $*" >&2; }
 
 # One fixed set of flags, so a rebuild hits the Go build cache. The tools modules are built on
@@ -38,68 +40,27 @@ flags=(-trimpath -buildvcs=false -ldflags "-s -w")
 if [[ "${1:-}" == istioctl ]]; then
 	shift
 	mod="$tools/istioctl"
-	hash=$(cat "$mod/go.mod" "$mod/go.sum" | sha256sum | cut -c1-16)
-	out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/istio/istioctl-$hash"
-	if [[ "${1:-}" == --dir ]]; then
-		echo "$out"
-		exit 0
-	fi
-	out=${1:-$out}
-	if [[ -x "$out/istioctl" ]]; then
-		log "istioctl up to date in $out"
-		echo "$out"
-		exit 0
-	fi
+	have() { [[ -x "$out/istioctl" ]]; }
+	cache_out istio/istioctl- "${1:-}" "$mod/go.mod" "$mod/go.sum"
+	cache_build_lock
 	want=$(cd "$tools" && go list -m -f '{{.Version}}' istio.io/istio)
 	got=$(cd "$mod" && go list -m -f '{{.Version}}' istio.io/istio)
 	if [[ "$want" != "$got" ]]; then
 		log "test/istiotools/istioctl pins istio.io/istio $got, test/istiotools $want: make them equal"
 		exit 1
 	fi
-	mkdir -p "$out"
-	exec 9>"$out/.lock"
-	flock 9
-	if [[ ! -x "$out/istioctl" ]]; then
-		tmp=$(mktemp -d "$out/.build.XXXXXX")
-		trap 'rm -rf "$tmp"' EXIT
-		start=$SECONDS
-		log "building istioctl (istio.io/istio $got) into $out (minutes when cold)"
-		(cd "$mod" && go build "${flags[@]}" -o "$tmp/istioctl" istio.io/istio/istioctl/cmd/istioctl)
-		log "istioctl done after $((SECONDS - start))s"
-		mv "$tmp/istioctl" "$out/istioctl"
-	fi
+	start=$SECONDS
+	log "building istioctl (istio.io/istio $got) into $out (minutes when cold)"
+	(cd "$mod" && go build "${flags[@]}" -o "$tmp/istioctl" istio.io/istio/istioctl/cmd/istioctl)
+	log "istioctl done after $((SECONDS - start))s"
+	mv "$tmp/istioctl" "$out/istioctl"
 	echo "$out"
 	exit 0
 fi
-
-hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
-out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/istio/$hash"
-if [[ "${1:-}" == --dir ]]; then
-	echo "$out"
-	exit 0
-fi
-out=${1:-$out}
 
 have() { [[ -x "$out/pilot-discovery" && -s "$out/crd-all.gen.yaml" ]]; }
-
-if have; then
-	log "up to date in $out"
-	echo "$out"
-	exit 0
-fi
-
-mkdir -p "$out"
-# Concurrent test binaries may all ask at once: one builds, the others wait and then find it.
-exec 9>"$out/.lock"
-flock 9
-if have; then
-	log "built by another process in $out"
-	echo "$out"
-	exit 0
-fi
-
-tmp=$(mktemp -d "$out/.build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
+cache_out istio/ "${1:-}" "$tools/go.mod" "$tools/go.sum"
+cache_build_lock
 
 cd "$tools"
 start=$SECONDS

@@ -19,34 +19,13 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$root/test/k8stools"
 
+# shellcheck source=hack/lib/cache.sh
+source "$root/hack/lib/cache.sh"
 log() { echo "k8s-binaries: $*" >&2; }
-
-hash=$(cat "$tools/go.mod" "$tools/go.sum" | sha256sum | cut -c1-16)
-out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/k8s/$hash"
-if [[ "${1:-}" == --dir ]]; then
-	echo "$out"
-	exit 0
-fi
-out=${1:-$out}
-
 have() { [[ -x "$out/kube-apiserver" && -x "$out/etcd" ]]; }
 
-if have; then
-	log "up to date in $out"
-	echo "$out"
-	exit 0
-fi
-
-mkdir -p "$out"
-# Concurrent test binaries may all ask for the binaries at once: one builds, the others wait
-# for it and then find them present.
-exec 9>"$out/.lock"
-flock 9
-if have; then
-	log "built by another process in $out"
-	echo "$out"
-	exit 0
-fi
+cache_out k8s/ "${1:-}" "$tools/go.mod" "$tools/go.sum"
+cache_build_lock
 
 # One fixed set of flags: any change (-trimpath, CGO_ENABLED, tags) forces a full recompile
 # of Kubernetes instead of a warm build-cache hit.
@@ -58,11 +37,6 @@ flags=(
 	-buildvcs=false
 	-ldflags "-s -w -X $version_pkg.gitVersion=v1.34.4 -X $version_pkg.gitMajor=1 -X $version_pkg.gitMinor=34"
 )
-
-# Build into a temporary folder and move into place, so an interrupted build never leaves a
-# half-written binary that "have" would accept.
-tmp=$(mktemp -d "$out/.build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
 
 cd "$tools"
 start=$SECONDS

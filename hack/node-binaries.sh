@@ -22,6 +22,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 tools="$root/test/nodetools"
 bins=(kubelet kube-controller-manager kube-scheduler kubectl helm)
 
+# shellcheck source=hack/lib/cache.sh
+source "$root/hack/lib/cache.sh"
 log() { echo "node-binaries: $*" >&2; }
 
 # The node's runtime side comes from Debian (idempotent, as `make deps`): containerd 1.6,
@@ -35,15 +37,6 @@ if [[ -n "$missing" && "${1:-}" != --dir ]]; then
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 
-hash=$(cat "$tools/go.mod" "$tools/go.sum" "$tools/helm/go.mod" "$tools/helm/go.sum" \
-	"$root/test/k8stools/go.mod" "$root/test/k8stools/go.sum" | sha256sum | cut -c1-16)
-out="${XDG_CACHE_HOME:-$HOME/.cache}/redirector/node/$hash"
-if [[ "${1:-}" == --dir ]]; then
-	echo "$out"
-	exit 0
-fi
-out=${1:-$out}
-
 have() {
 	local b
 	for b in "${bins[@]}" kube-apiserver etcd; do
@@ -51,21 +44,9 @@ have() {
 	done
 }
 
-if have; then
-	log "up to date in $out"
-	echo "$out"
-	exit 0
-fi
-
-mkdir -p "$out"
-# Concurrent callers: one builds, the others wait for it and then find the binaries present.
-exec 9>"$out/.lock"
-flock 9
-if have; then
-	log "built by another process in $out"
-	echo "$out"
-	exit 0
-fi
+cache_out node/ "${1:-}" "$tools/go.mod" "$tools/go.sum" "$tools/helm/go.mod" "$tools/helm/go.sum" \
+	"$root/test/k8stools/go.mod" "$root/test/k8stools/go.sum"
+cache_build_lock
 
 k8s=$(bash "$root/hack/k8s-binaries.sh")
 
@@ -79,9 +60,6 @@ flags=(
 	-buildvcs=false
 	-ldflags "-s -w -X $version_pkg.gitVersion=v1.34.4 -X $version_pkg.gitMajor=1 -X $version_pkg.gitMinor=34"
 )
-
-tmp=$(mktemp -d "$out/.build.XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
 
 start=$SECONDS
 cd "$tools"

@@ -31,12 +31,7 @@ type binaries struct {
 // hack/istio-binaries.sh, building it there when missing.
 func findBinaries(t testing.TB) binaries {
 	t.Helper()
-	var b binaries
-	tool.Find(t, func(dir string) (err error) {
-		b, err = binariesIn(dir)
-		return err
-	})
-	return b
+	return testbin.Find(t, tool, binariesIn)
 }
 
 func binariesIn(dir string) (binaries, error) {

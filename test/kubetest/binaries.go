@@ -31,12 +31,7 @@ type binaries struct {
 // skips the test).
 func findBinaries(t testing.TB) binaries {
 	t.Helper()
-	var b binaries
-	tool.Find(t, func(dir string) (err error) {
-		b, err = binariesIn(dir)
-		return err
-	})
-	return b
+	return testbin.Find(t, tool, binariesIn)
 }
 
 // binariesIn finds kube-apiserver and etcd in dir.

@@ -28,15 +28,17 @@ type Tool struct {
 	EnvSkipBuild string
 }
 
-// Find returns the folder holding the tool's binaries, as accepted by check: EnvBinDir,
-// else the script's cache folder, built there when check refuses it.
-func (tool Tool) Find(t testing.TB, check func(dir string) error) string {
+// Find returns the tool's binaries as in reads them out of a folder (their paths, or an
+// error naming what the folder lacks): EnvBinDir's, else the script's cache folder, built
+// there when in refuses it.
+func Find[B any](t testing.TB, tool Tool, in func(dir string) (B, error)) B {
 	t.Helper()
 	if dir := os.Getenv(tool.EnvBinDir); dir != "" {
-		if err := check(dir); err != nil {
+		b, err := in(dir)
+		if err != nil {
 			t.Fatalf("%s=%s: %v", tool.EnvBinDir, dir, err)
 		}
-		return dir
+		return b
 	}
 	script, err := repoFile(tool.Script)
 	if err != nil {
@@ -47,8 +49,8 @@ func (tool Tool) Find(t testing.TB, check func(dir string) error) string {
 		t.Fatalf("%s --dir: %v", script, err)
 	}
 	dir := strings.TrimSpace(string(out))
-	if check(dir) == nil {
-		return dir
+	if b, err := in(dir); err == nil {
+		return b
 	}
 	if os.Getenv(tool.EnvSkipBuild) == "1" {
 		t.Skipf("%s not built in %s and %s=1; run %s or set %s", tool.Name, dir, tool.EnvSkipBuild, tool.Script, tool.EnvBinDir)
@@ -62,10 +64,11 @@ func (tool Tool) Find(t testing.TB, check func(dir string) error) string {
 		t.Fatalf("%s: %v", script, err)
 	}
 	dir = strings.TrimSpace(stdout.String())
-	if err := check(dir); err != nil {
+	b, err := in(dir)
+	if err != nil {
 		t.Fatalf("after %s: %v", script, err)
 	}
-	return dir
+	return b
 }
 
 // Executable reports whether path is a regular file someone may execute.
