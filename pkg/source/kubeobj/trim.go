@@ -5,6 +5,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -204,4 +205,14 @@ func keep(m map[string]string, keys ...string) map[string]string {
 		return m
 	}
 	return out
+}
+
+// DropManagedFields strips metadata.managedFields before objects enter an informer's cache
+// (a cache.TransformFunc): nothing here reads them, and they are a large part of every
+// object's memory.
+func DropManagedFields(obj any) (any, error) {
+	if m, err := meta.Accessor(obj); err == nil {
+		m.SetManagedFields(nil)
+	}
+	return obj, nil
 }

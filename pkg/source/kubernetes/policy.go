@@ -301,7 +301,7 @@ func (w *policyWatch) servedVersions(ctx context.Context) (map[string][]string, 
 func trimPolicy(obj any) (any, error) {
 	u, ok := obj.(*unstructured.Unstructured)
 	if !ok {
-		return dropManagedFields(obj)
+		return kubeobj.DropManagedFields(obj)
 	}
 	out := &unstructured.Unstructured{Object: map[string]any{}}
 	for _, f := range []string{"apiVersion", "kind", "spec"} {

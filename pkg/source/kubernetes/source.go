@@ -72,7 +72,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/discovery"
@@ -402,14 +401,5 @@ func trim(obj any) (any, error) {
 	case *metav1.PartialObjectMetadata:
 		return kubeobj.TrimNodeMeta(o), nil
 	}
-	return dropManagedFields(obj)
-}
-
-// dropManagedFields strips metadata.managedFields before objects enter the caches: nothing
-// here reads them, and they are a large part of every object's memory.
-func dropManagedFields(obj any) (any, error) {
-	if m, err := meta.Accessor(obj); err == nil {
-		m.SetManagedFields(nil)
-	}
-	return obj, nil
+	return kubeobj.DropManagedFields(obj)
 }

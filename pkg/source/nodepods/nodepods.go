@@ -16,7 +16,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	nodev1 "k8s.io/api/node/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
@@ -184,12 +183,5 @@ func trim(obj any) (any, error) {
 	case *corev1.Namespace:
 		return kubeobj.TrimNamespace(o), nil
 	}
-	return dropManagedFields(obj)
-}
-
-func dropManagedFields(obj any) (any, error) {
-	if m, err := meta.Accessor(obj); err == nil {
-		m.SetManagedFields(nil)
-	}
-	return obj, nil
+	return kubeobj.DropManagedFields(obj)
 }
