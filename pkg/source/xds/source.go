@@ -148,10 +148,13 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 // claimOrder (an istiod pod claiming a local pod's address is reported),
 // and a local
 // pod's selection is that of istiod's copy of it (the pod of that name on
-// this node), never of another workload of the same name. A local pod
-// istiod has no single copy of is listed as unknown, so the tunnel
-// refuses its inbound connections instead of serving them without its
-// workload-selector policies.
+// this node, in this cluster), never of another workload of the same name.
+// A local pod istiod has no single copy of is listed as unknown, so the
+// tunnel refuses its inbound connections instead of serving them without
+// its workload-selector policies. Only that copy stands aside for the
+// local pod: istiod names a WorkloadEntry, a ServiceEntry's endpoints and
+// another cluster's pods by their own objects, so they may bear a local
+// pod's name, and they are other hosts at their own addresses.
 func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Config, last *kubeobj.LastGood) (source.Snapshot, []error) {
 	snap, errs := kubeobj.Translate(kubeobj.Objects{Namespaces: local.Namespaces, Pods: local.Pods, RuntimeClasses: local.RuntimeClasses}, cfg)
 	if last != nil {
@@ -173,7 +176,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			claimed[a] = w.String()
 		}
 	}
-	copies := localCopies(mesh.Workloads, localNames, node)
+	copies, elsewhere := localCopies(mesh.Workloads, localNames, node, mesh.Cluster)
 	unknown := func(key, reason string) {
 		if snap.Compiled.Unknown == nil {
 			snap.Compiled.Unknown = map[string]string{}
@@ -192,6 +195,13 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			if len(c[0].Policies) > 0 {
 				snap.Compiled.Selected[key] = c[0].Policies
 			}
+		case len(c) == 0 && len(elsewhere[key]) > 0:
+			// The agent's CLUSTER_ID disagrees with istiod's, or istiod
+			// has not sent this cluster's pod yet: another cluster's pod
+			// of the name is not it.
+			o := elsewhere[key][0]
+			unknown(key, fmt.Sprintf("istiod describes pod %s on node %s only in cluster %q, this agent is in cluster %q (CLUSTER_ID)", key, node, o.Cluster, mesh.Cluster))
+			errs = append(errs, fmt.Errorf("istiod describes this node's pod %s only in cluster %q (%s), but this agent is in cluster %q (CLUSTER_ID): its inbound connections are refused until they agree", key, o.Cluster, o.UID, mesh.Cluster))
 		case len(c) == 0:
 			unknown(key, "istiod describes no pod "+key+" on node "+node)
 		default:
@@ -206,6 +216,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			continue // a workload elsewhere is not at its address here
 		}
 		key := w.Namespace + "/" + w.Name
+		// istiod's copy of a local pod, wherever istiod says it is (a
+		// lagging copy too): the pod comes from the API server.
+		localCopy := localNames[key] && ownPod(w, mesh.Cluster)
 		if w.HostNetwork {
 			// Its addresses are its node's (this node's too): not the
 			// pod's to index, as the API source does not index a
@@ -218,7 +231,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				}
 				nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
 			}
-			if localNames[key] || w.Node == node {
+			if localCopy || w.Node == node {
 				continue
 			}
 			c := w.Workload
@@ -226,10 +239,10 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			snap.Workloads = append(snap.Workloads, &c)
 			continue
 		}
-		if localNames[key] {
+		if localCopy {
 			continue // this node's pods come from the API server
 		}
-		if _, ok := snap.Compiled.Selected[key]; !ok && len(w.Policies) > 0 {
+		if _, ok := snap.Compiled.Selected[key]; !ok && !localNames[key] && len(w.Policies) > 0 {
 			snap.Compiled.Selected[key] = w.Policies
 		}
 		if w.Node == node {
@@ -555,20 +568,34 @@ func fromIstiod(local []*workload.Workload, copies map[string][]*Workload) {
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods
-// of that name on this node: normally one; none while istiod has not
-// seen the pod (or sees it on another node), two only if istiod is wrong.
-func localCopies(mesh []*Workload, localNames map[string]bool, node string) map[string][]*Workload {
-	copies := map[string][]*Workload{}
+// of that name on this node in cluster: normally one; none while istiod
+// has not seen the pod (or sees it on another node), two only if istiod
+// is wrong. elsewhere holds those of other clusters (on a node of this
+// name: EKS names nodes by their address, alike in clusters on overlapping
+// networks), which are not.
+func localCopies(mesh []*Workload, localNames map[string]bool, node, cluster string) (copies, elsewhere map[string][]*Workload) {
+	copies, elsewhere = map[string][]*Workload{}, map[string][]*Workload{}
 	for _, w := range mesh {
-		if key := w.Namespace + "/" + w.Name; isPod(w) && w.Node == node && localNames[key] {
+		key := w.Namespace + "/" + w.Name
+		switch {
+		case !isPod(w) || w.Node != node || !localNames[key]:
+		case ownPod(w, cluster):
 			copies[key] = append(copies[key], w)
+		default:
+			elsewhere[key] = append(elsewhere[key], w)
 		}
 	}
-	return copies
+	return copies, elsewhere
 }
 
 // isPod: istiod names a Pod's workload <cluster>//Pod/<namespace>/<name>.
 func isPod(w *Workload) bool { return strings.Contains(w.UID, "/Pod/") }
+
+// ownPod: w is a pod of cluster, the agent's ("" or a workload naming no
+// cluster matches: not known).
+func ownPod(w *Workload, cluster string) bool {
+	return isPod(w) && (cluster == "" || w.Cluster == "" || w.Cluster == cluster)
+}
 
 // claimOrder returns istiod's workloads in the order they claim addresses,
 // as ztunnel ranks workloads at one address: pods first (their addresses
