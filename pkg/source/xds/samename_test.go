@@ -31,14 +31,20 @@ func TestMergeKeepsWorkloadsNamedLikeLocalPods(t *testing.T) {
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
 		// A VM of the same name, meshed (HBONE), selected by a DENY.
 		{Uid: "K/networking.istio.io/WorkloadEntry/shop/web-1", Name: "web-1", Namespace: "shop", ClusterId: "K", Addresses: addr("10.50.0.1"),
-			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{deny.Key()}},
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE, AuthorizationPolicies: []string{deny.Key()},
+			Services: map[string]*workloadapi.PortList{"shop/vm.example.com": {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}}}},
 		// A ServiceEntry's endpoint named after the entry.
 		{Uid: "K/networking.istio.io/ServiceEntry/shop/web-1/10.50.0.2", Name: "web-1", Namespace: "shop", ClusterId: "K", Addresses: addr("10.50.0.2")},
 		// The same StatefulSet's pod in another cluster of the network.
 		{Uid: "K2//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-z", ClusterId: "K2", Addresses: addr("10.9.0.5"),
 			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
 	})
-	mesh := buildSnapshot(workloads, nil, map[string]*policy.Compiled{deny.Key(): deny}, "")
+	vm, err := translateService(&workloadapi.Service{Name: "vm", Namespace: "shop", Hostname: "vm.example.com",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("240.0.0.10").AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 80}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{vm.Key(): vm}, map[string]*policy.Compiled{deny.Key(): deny}, "")
 	mesh.Cluster = "K"
 	snap, errs := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
 	if len(errs) > 0 {
@@ -61,6 +67,11 @@ func TestMergeKeepsWorkloadsNamedLikeLocalPods(t *testing.T) {
 	}
 	if w, ok := dir.ByAddr(netip.MustParseAddr("10.50.0.1")); ok && !w.Enrolled {
 		t.Errorf("the HBONE VM is not enrolled: connections to it would go out in plaintext")
+	}
+	// The VM as its ServiceEntry's endpoint: dialled over HBONE, not as
+	// an endpoint of no workload (plain TCP).
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("240.0.0.10")); !ok || len(svc.Endpoints) != 1 || svc.Endpoints[0].Workload == nil || !svc.Endpoints[0].Workload.TakesHBONE() {
+		t.Errorf("service vm.example.com: %+v, want the VM as an HBONE endpoint", svc)
 	}
 	if w, ok := dir.Pod("shop", "web-1"); !ok || w.UID != "u1" {
 		t.Errorf("pod shop/web-1 is %v, want the local pod", w)
