@@ -27,6 +27,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/util/retry"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/source/xds"
@@ -47,7 +48,7 @@ func TestIstiodChurnAcrossReconnects(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs kube-apiserver and istiod")
 	}
-	rounds := 12
+	rounds := 8
 	if s := os.Getenv("XDS_CHURN_ROUNDS"); s != "" {
 		rounds, _ = strconv.Atoi(s)
 	}
@@ -141,33 +142,29 @@ func (w *churnWorld) step(round int) {
 		name := fmt.Sprintf("p%d", n)
 		if !w.objs["Pod/"+name] {
 			ip := fmt.Sprintf("10.244.%d.%d", 1+rng.IntN(2), 10+w.seq%200)
-			p := istiotest.CreatePod(t, w.cs, w.ns, name, "sa-"+app, []string{"node1", "node2"}[rng.IntN(2)], ip)
-			p.Labels = map[string]string{"app": app}
-			if rng.IntN(2) == 0 {
-				p.Annotations = map[string]string{"ambient.istio.io/redirection": "enabled"}
-			}
-			if _, err := w.cs.CoreV1().Pods(w.ns).Update(ctx, p, metav1.UpdateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			istiotest.CreatePod(t, w.cs, w.ns, name, "sa-"+app, []string{"node1", "node2"}[rng.IntN(2)], ip)
+			meshed := rng.IntN(2) == 0
+			w.updatePod(name, func(p *corev1.Pod) {
+				p.Labels = map[string]string{"app": app}
+				if meshed {
+					p.Annotations = map[string]string{"ambient.istio.io/redirection": "enabled"}
+				}
+			})
 			w.objs["Pod/"+name] = true
 			w.note("create pod %s %s app=%s", name, ip, app)
 			return
 		}
 		if rng.IntN(2) == 0 {
-			p, err := w.cs.CoreV1().Pods(w.ns).Get(ctx, name, metav1.GetOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			p.Labels = map[string]string{"app": app}
-			if p.Annotations == nil {
-				p.Annotations = map[string]string{"ambient.istio.io/redirection": "enabled"}
-			} else {
-				p.Annotations = nil
-			}
-			if _, err := w.cs.CoreV1().Pods(w.ns).Update(ctx, p, metav1.UpdateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			w.note("update pod %s app=%s annotated=%v", name, app, p.Annotations != nil)
+			var meshed bool
+			w.updatePod(name, func(p *corev1.Pod) {
+				p.Labels = map[string]string{"app": app}
+				if meshed = p.Annotations == nil; meshed {
+					p.Annotations = map[string]string{"ambient.istio.io/redirection": "enabled"}
+				} else {
+					p.Annotations = nil
+				}
+			})
+			w.note("update pod %s app=%s annotated=%v", name, app, meshed)
 			return
 		}
 		zero := int64(0)
@@ -248,12 +245,18 @@ func (w *churnWorld) istioMeta(kind, name string, spec map[string]any, meshed bo
 		w.objs[key] = true
 		w.note("create %s", key)
 	case w.rng.IntN(2) == 0:
-		old, err := r.Get(ctx, name, metav1.GetOptions{})
+		// istiod writes the status of what it reads: read again on a
+		// conflict.
+		err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+			old, err := r.Get(ctx, name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			obj.SetResourceVersion(old.GetResourceVersion())
+			_, err = r.Update(ctx, obj, metav1.UpdateOptions{})
+			return err
+		})
 		if err != nil {
-			t.Fatal(err)
-		}
-		obj.SetResourceVersion(old.GetResourceVersion())
-		if _, err := r.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
 			t.Fatalf("update %s: %v", key, err)
 		}
 		w.note("update %s", key)
@@ -263,6 +266,23 @@ func (w *churnWorld) istioMeta(kind, name string, spec map[string]any, meshed bo
 		}
 		delete(w.objs, key)
 		w.note("delete %s", key)
+	}
+}
+
+// updatePod changes pod name with change, read again on a conflict.
+func (w *churnWorld) updatePod(name string, change func(*corev1.Pod)) {
+	ctx := context.Background()
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		p, err := w.cs.CoreV1().Pods(w.ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		change(p)
+		_, err = w.cs.CoreV1().Pods(w.ns).Update(ctx, p, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		w.t.Fatalf("update pod %s: %v", name, err)
 	}
 }
 
