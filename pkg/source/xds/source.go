@@ -224,12 +224,18 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			// pod's to index, as the API source does not index a
 			// hostNetwork pod's (and ztunnel does not look it up by
 			// them). They stay claimed, so no ServiceEntry takes a
-			// node's address as its VIP.
+			// node's address as its VIP. istiod marks so an endpoint of
+			// a hand-made EndpointSlice too (a host it knows nothing of,
+			// outside the cluster maybe): only a pod's is a node's, for
+			// the ranges (an egress entry's range was left out whole,
+			// past its waypoint, for a Service's endpoint in it).
 			for _, a := range w.Addrs {
 				if _, taken := claimed[a]; !taken {
 					claimed[a] = key
 				}
-				nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
+				if isPod(w) {
+					nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
+				}
 			}
 			if localCopy || w.Node == node {
 				continue
