@@ -127,3 +127,60 @@ func TestMergeLocalCopyIsOfThisCluster(t *testing.T) {
 		t.Errorf("errors %v, want one naming CLUSTER_ID", errs)
 	}
 }
+
+// TestMergeVIPNamedLikeTheWorkloadAtIt: a VIP at a workload's address is
+// kept only when that workload is one of the service's endpoints, and
+// that was told by namespace/name: a ServiceEntry names its endpoints
+// after itself, so one named like a pod of its namespace, with the pod's
+// address as its VIP and as an endpoint, passed for serving it. The
+// pod's connections (this node's or another's) then went to the entry:
+// its other endpoints (a host of its author's) took a share of them, and
+// its waypoint all. The endpoint must be the claimant itself (istiod's copy
+// for a local pod); a VM's entry keeps the VM's address as its VIP.
+func TestMergeVIPNamedLikeTheWorkloadAtIt(t *testing.T) {
+	addr := func(s string) [][]byte { return [][]byte{netip.MustParseAddr(s).AsSlice()} }
+	grab := func(name string) *workloadapi.Workload {
+		return &workloadapi.Workload{Uid: "K/networking.istio.io/ServiceEntry/shop/" + name + "/10.66.0.1", Name: name, Namespace: "shop", Addresses: addr("10.66.0.1"),
+			Services: map[string]*workloadapi.PortList{"shop/" + name + ".example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}}
+	}
+	at := func(name, ip string) *workloadapi.Workload {
+		return &workloadapi.Workload{Uid: "K/networking.istio.io/ServiceEntry/shop/" + name + "/" + ip, Name: name, Namespace: "shop", Addresses: addr(ip),
+			Services: map[string]*workloadapi.PortList{"shop/" + name + ".example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}}
+	}
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		{Uid: "K//Pod/shop/web-1", Name: "web-1", Namespace: "shop", Node: "node-a", ClusterId: "K", Addresses: addr("10.1.0.5"),
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE,
+			// istiod's copy of the local pod serves an entry at its own address.
+			Services: map[string]*workloadapi.PortList{"shop/self.example": {Ports: []*workloadapi.Port{{ServicePort: 80}}}}},
+		{Uid: "K//Pod/shop/web-2", Name: "web-2", Namespace: "shop", Node: "node-b", ClusterId: "K", Addresses: addr("10.2.0.5"),
+			TunnelProtocol: workloadapi.TunnelProtocol_HBONE},
+		// Entries named like the pods, at their addresses and elsewhere.
+		at("web-1", "10.1.0.5"), grab("web-1"), at("web-2", "10.2.0.5"), grab("web-2"),
+		// A VM whose entry names its address as the VIP.
+		at("vm", "10.5.0.1"),
+	})
+	services := map[string]*Service{}
+	for name, vip := range map[string]string{"web-1": "10.1.0.5", "web-2": "10.2.0.5", "vm": "10.5.0.1", "self": "10.1.0.5"} {
+		s, err := translateService(&workloadapi.Service{Name: name, Namespace: "shop", Hostname: name + ".example",
+			Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr(vip).AsSlice()}}, Ports: []*workloadapi.Port{{ServicePort: 80}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		services[s.Key()] = s
+	}
+	mesh := buildSnapshot(workloads, services, nil, "")
+	mesh.Cluster = "K"
+	snap, _ := merge(webOnNodeA(), mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	for _, a := range []string{"10.1.0.5", "10.2.0.5"} {
+		if svc, ok := dir.ServiceByVIP(netip.MustParseAddr(a)); ok && svc.Name != "self" {
+			t.Errorf("pod address %s is a VIP of %s, which its author named like the pod", a, svc)
+		}
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.1.0.5")); !ok || svc.Name != "self" {
+		t.Errorf("10.1.0.5: %v, want the entry the local pod's copy serves", svc)
+	}
+	if svc, ok := dir.ServiceByVIP(netip.MustParseAddr("10.5.0.1")); !ok || svc.Name != "vm" {
+		t.Errorf("a VIP at the entry's own endpoint: %v, want it kept", svc)
+	}
+}

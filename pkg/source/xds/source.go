@@ -169,11 +169,11 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	// An address belongs to one workload in the directory: this node's
 	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
 	// endpoint at a pod's address is that pod).
-	claimed := map[netip.Addr]string{}
+	claimed := map[netip.Addr]claim{}
 	for _, w := range snap.Workloads {
 		localNames[w.String()] = true
 		for _, a := range w.Addrs {
-			claimed[a] = w.String()
+			claimed[a] = claim{key: w.String(), local: true}
 		}
 	}
 	copies, elsewhere := localCopies(mesh.Workloads, localNames, node, mesh.Cluster)
@@ -231,7 +231,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			// past its waypoint, for a Service's endpoint in it).
 			for _, a := range w.Addrs {
 				if _, taken := claimed[a]; !taken {
-					claimed[a] = key
+					claimed[a] = claim{key: key, uid: w.UID}
 				}
 				if isPod(w) {
 					nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
@@ -259,11 +259,11 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			owner, taken := claimed[a]
 			if !taken {
 				free = append(free, a)
-				claimed[a] = key
+				claimed[a] = claim{key: key, uid: w.UID}
 				continue
 			}
-			if isPod(w) && localNames[owner] {
-				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
+			if isPod(w) && owner.local {
+				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner.key)})
 			}
 		}
 		switch {
@@ -281,9 +281,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	canonical := make([]bool, 0, len(mesh.Services))
 	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
 	for _, svc := range mesh.Services {
-		s, taken := foreignVIPs(routed(svc, node), claimed)
+		s, taken := foreignVIPs(routed(svc, node), claimed, mesh.Cluster)
 		for _, a := range taken {
-			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a].key)})
 		}
 		s, spared := nodeRanges(s, nodeAddrs)
 		errs = append(errs, spared...)
@@ -451,12 +451,16 @@ func countConflicts(errs []error) int {
 // in their namespace: at another pod's address it would take that pod's
 // traffic (this node's pods included) to its own endpoints, plaintext
 // maybe. A VIP at one of its own endpoints (a ServiceEntry naming its VM's
-// address) stays.
-func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+// address) stays: an endpoint that is the claimant itself, not one of its
+// name (a ServiceEntry names its endpoints after itself, so one named like
+// a pod of its namespace, listing the pod's address as its VIP and as an
+// endpoint, passed for serving it and took the pod's connections).
+// cluster is the agent's (see ownPod).
+func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]claim, cluster string) (*workload.Service, []netip.Addr) {
 	foreign := func(a netip.Addr) bool {
 		owner, ok := claimed[a]
 		return ok && !slices.ContainsFunc(svc.Endpoints, func(ep workload.Endpoint) bool {
-			return ep.Addr == a && ep.Workload != nil && ep.Workload.Namespace+"/"+ep.Workload.Name == owner
+			return ep.Addr == a && ep.Workload != nil && owner.is(ep.Workload, cluster)
 		})
 	}
 	var taken []netip.Addr
@@ -476,6 +480,23 @@ func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workloa
 		}
 	}
 	return &c, taken
+}
+
+// claim is whom an address belongs to in the directory: an istiod
+// workload (key namespace/name, and uid istiod's name for it), or a local
+// pod (from the API server: its uid is not istiod's).
+type claim struct {
+	key, uid string
+	local    bool
+}
+
+// is reports whether w, istiod's workload, is the claimant: the same
+// resource, or for a local pod istiod's copy of it.
+func (c claim) is(w *workload.Workload, cluster string) bool {
+	if c.local {
+		return podOf(w, cluster) && w.Namespace+"/"+w.Name == c.key
+	}
+	return w.UID == c.uid
 }
 
 // routed returns svc as this node's pods reach it (a copy if that
@@ -599,8 +620,11 @@ func isPod(w *Workload) bool { return strings.Contains(w.UID, "/Pod/") }
 
 // ownPod: w is a pod of cluster, the agent's ("" or a workload naming no
 // cluster matches: not known).
-func ownPod(w *Workload, cluster string) bool {
-	return isPod(w) && (cluster == "" || w.Cluster == "" || w.Cluster == cluster)
+func ownPod(w *Workload, cluster string) bool { return podOf(&w.Workload, cluster) }
+
+// podOf is ownPod for the model's workload.
+func podOf(w *workload.Workload, cluster string) bool {
+	return strings.Contains(w.UID, "/Pod/") && (cluster == "" || w.Cluster == "" || w.Cluster == cluster)
 }
 
 // claimOrder returns istiod's workloads in the order they claim addresses,
