@@ -632,6 +632,7 @@ func (c *Client) snapshot() *Snapshot {
 		}
 	}
 	s := buildSnapshot(workloads, services, policies, c.cfg.Network)
+	s.Cluster = c.cfg.Node.ClusterID
 	c.cfg.Metrics.setOtherNetwork(s.OtherNetwork)
 	for _, t := range c.types {
 		names := make([]string, 0, len(t.unresolved))

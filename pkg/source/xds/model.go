@@ -152,6 +152,10 @@ type Snapshot struct {
 	// such an address means another host there, and reaching it would
 	// take an east-west gateway, which the agent does not drive.
 	Network string
+	// Cluster is the agent's cluster as istiod names it (CLUSTER_ID; ""
+	// takes any): istiod's copy of a local pod is the pod of its name in
+	// this cluster (see merge), not another cluster's pod of that name.
+	Cluster string
 	// OtherNetwork counts the workloads on other networks.
 	OtherNetwork int
 }

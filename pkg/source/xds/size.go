@@ -17,12 +17,22 @@ import (
 // size. An empty nested message is 2 bytes on the wire but a struct of
 // hundreds once decoded and translated (a policy.Match is 288), so the
 // encoded size alone bounds memory by nothing: each resource is charged
-// resourceOverhead and each message in it messageOverhead. A typical
-// workload (about 500 bytes, 8 messages) is charged under 2 KiB, so the
-// default bounds still hold 200k of them.
+// resourceOverhead and each message in it messageOverhead. Likewise an
+// element of a repeated scalar field (a workload's addresses, the policies
+// it lists, a match's ports) is a slice element once decoded, up to 24
+// bytes (a []byte's header) for as little as one byte on the wire (an
+// empty string or address, a port packed in one byte): each string or
+// bytes element is charged stringOverhead, each number numberOverhead
+// (each with the slack of a grown slice), or 20M empty addresses in one
+// 40 MB resource decoded to half a GiB before the workload was refused for
+// having more than 16. A typical workload (about 500 bytes, 8 messages, a
+// few elements) is charged under 2 KiB, so the default bounds still hold
+// 200k of them.
 const (
 	resourceOverhead = 256
 	messageOverhead  = 128
+	stringOverhead   = 32
+	numberOverhead   = 8
 )
 
 var (
@@ -35,11 +45,11 @@ var (
 // than limit messages or is malformed. It only walks the wire format, so
 // a hostile resource costs no allocation before it is refused.
 func charge(b []byte, md protoreflect.MessageDescriptor, limit int) (int, error) {
-	n := 0
-	if err := countMessages(b, md, &n, limit); err != nil {
+	n, elems := 0, 0
+	if err := countMessages(b, md, &n, &elems, limit); err != nil {
 		return 0, err
 	}
-	return len(b) + resourceOverhead + n*messageOverhead, nil
+	return len(b) + resourceOverhead + n*messageOverhead + elems, nil
 }
 
 // MaxDepth bounds how deep messages nest in a response, counted on the
@@ -66,10 +76,12 @@ func (e errTooManyMessages) Error() string {
 }
 
 // countMessages adds to n the messages nested in b (md's fields of
-// message kind, map entries included; unknown fields are not walked).
-func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
-	return walkWire(b, md, func(message bool) error {
-		if !message {
+// message kind, map entries included; unknown fields are not walked), and
+// to elems what the elements of repeated scalar fields are charged.
+func countMessages(b []byte, md protoreflect.MessageDescriptor, n, elems *int, limit int) error {
+	return walkWire(b, md, func(f wireField) error {
+		*elems += f.elems
+		if !f.message {
 			return nil
 		}
 		if *n++; *n > limit {
@@ -79,17 +91,48 @@ func countMessages(b []byte, md protoreflect.MessageDescriptor, n *int, limit in
 	})
 }
 
+// wireField is what walkWire reports of a field on the wire: a nested
+// message (walked next), or elements of a repeated scalar field (a packed
+// one holds many), charged elems (see stringOverhead), or neither.
+type wireField struct {
+	message bool
+	elems   int
+}
+
+// scalarElems is what the elements of the repeated scalar field fd in the
+// value v of wire type typ are charged: one, or for a packed value all.
+func scalarElems(fd protoreflect.FieldDescriptor, typ protowire.Type, v []byte) int {
+	switch {
+	case fd.Kind() == protoreflect.StringKind || fd.Kind() == protoreflect.BytesKind:
+		return stringOverhead
+	case typ != protowire.BytesType:
+		return numberOverhead
+	}
+	switch fd.Kind() {
+	case protoreflect.Fixed32Kind, protoreflect.Sfixed32Kind, protoreflect.FloatKind:
+		return len(v) / 4 * numberOverhead
+	case protoreflect.Fixed64Kind, protoreflect.Sfixed64Kind, protoreflect.DoubleKind:
+		return len(v) / 8 * numberOverhead
+	}
+	n := 0 // varints: each ends with a byte under 0x80
+	for _, c := range v {
+		if c < 0x80 {
+			n++
+		}
+	}
+	return n * numberOverhead
+}
+
 // walkWire calls count for every field of b (md's message) and, depth
-// first, of the messages in it (message: the field is one), without
-// decoding anything; unknown fields and bytes are not walked. It stops at
-// the first error count or the wire format gives, and at messages nested
-// deeper than MaxDepth.
-func walkWire(b []byte, md protoreflect.MessageDescriptor, count func(message bool) error) error {
+// first, of the messages in it, without decoding anything; unknown fields
+// and bytes are not walked. It stops at the first error count or the wire
+// format gives, and at messages nested deeper than MaxDepth.
+func walkWire(b []byte, md protoreflect.MessageDescriptor, count func(wireField) error) error {
 	return walkWireAt(b, md, count, 0)
 }
 
 // walkWireAt is walkWire for a message nested depth levels deep.
-func walkWireAt(b []byte, md protoreflect.MessageDescriptor, count func(message bool) error, depth int) error {
+func walkWireAt(b []byte, md protoreflect.MessageDescriptor, count func(wireField) error, depth int) error {
 	if depth > MaxDepth {
 		return fmt.Errorf("%s: %w", md.FullName(), errTooDeep{})
 	}
@@ -106,7 +149,7 @@ func walkWireAt(b []byte, md protoreflect.MessageDescriptor, count func(message 
 			if l < 0 {
 				return fmt.Errorf("malformed %s.%s: %w", md.FullName(), fd.Name(), protowire.ParseError(l))
 			}
-			if err := count(true); err != nil {
+			if err := count(wireField{message: true}); err != nil {
 				return err
 			}
 			if err := walkWireAt(v, fd.Message(), count, depth+1); err != nil {
@@ -115,12 +158,20 @@ func walkWireAt(b []byte, md protoreflect.MessageDescriptor, count func(message 
 			b = b[l:]
 			continue
 		}
-		if err := count(false); err != nil {
-			return err
-		}
 		l = protowire.ConsumeFieldValue(num, typ, b)
 		if l < 0 {
 			return fmt.Errorf("malformed %s: %w", md.FullName(), protowire.ParseError(l))
+		}
+		f := wireField{}
+		if fd != nil && fd.IsList() {
+			v := b[:l]
+			if typ == protowire.BytesType {
+				v, _ = protowire.ConsumeBytes(v)
+			}
+			f.elems = scalarElems(fd, typ, v)
+		}
+		if err := count(f); err != nil {
+			return err
 		}
 		b = b[l:]
 	}
@@ -163,7 +214,7 @@ func maxResponseFields(maxResources int) int { return 8*maxResources + 1024 }
 // countFields adds to n every field in b (md's message), and those of the
 // messages in it; unknown fields and bytes are not walked.
 func countFields(b []byte, md protoreflect.MessageDescriptor, n *int, limit int) error {
-	return walkWire(b, md, func(bool) error {
+	return walkWire(b, md, func(wireField) error {
 		if *n++; *n > limit {
 			return fmt.Errorf("more than %d fields in one response", limit)
 		}

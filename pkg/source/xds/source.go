@@ -148,10 +148,13 @@ func (s *Source) Run(ctx context.Context, update func(source.Snapshot)) error {
 // claimOrder (an istiod pod claiming a local pod's address is reported),
 // and a local
 // pod's selection is that of istiod's copy of it (the pod of that name on
-// this node), never of another workload of the same name. A local pod
-// istiod has no single copy of is listed as unknown, so the tunnel
-// refuses its inbound connections instead of serving them without its
-// workload-selector policies.
+// this node, in this cluster), never of another workload of the same name.
+// A local pod istiod has no single copy of is listed as unknown, so the
+// tunnel refuses its inbound connections instead of serving them without
+// its workload-selector policies. Only that copy stands aside for the
+// local pod: istiod names a WorkloadEntry, a ServiceEntry's endpoints and
+// another cluster's pods by their own objects, so they may bear a local
+// pod's name, and they are other hosts at their own addresses.
 func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Config, last *kubeobj.LastGood) (source.Snapshot, []error) {
 	snap, errs := kubeobj.Translate(kubeobj.Objects{Namespaces: local.Namespaces, Pods: local.Pods, RuntimeClasses: local.RuntimeClasses}, cfg)
 	if last != nil {
@@ -166,14 +169,14 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	// An address belongs to one workload in the directory: this node's
 	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
 	// endpoint at a pod's address is that pod).
-	claimed := map[netip.Addr]string{}
+	claimed := map[netip.Addr]claim{}
 	for _, w := range snap.Workloads {
 		localNames[w.String()] = true
 		for _, a := range w.Addrs {
-			claimed[a] = w.String()
+			claimed[a] = claim{key: w.String(), local: true}
 		}
 	}
-	copies := localCopies(mesh.Workloads, localNames, node)
+	copies, elsewhere := localCopies(mesh.Workloads, localNames, node, mesh.Cluster)
 	unknown := func(key, reason string) {
 		if snap.Compiled.Unknown == nil {
 			snap.Compiled.Unknown = map[string]string{}
@@ -192,6 +195,13 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			if len(c[0].Policies) > 0 {
 				snap.Compiled.Selected[key] = c[0].Policies
 			}
+		case len(c) == 0 && len(elsewhere[key]) > 0:
+			// The agent's CLUSTER_ID disagrees with istiod's, or istiod
+			// has not sent this cluster's pod yet: another cluster's pod
+			// of the name is not it.
+			o := elsewhere[key][0]
+			unknown(key, fmt.Sprintf("istiod describes pod %s on node %s only in cluster %q, this agent is in cluster %q (CLUSTER_ID)", key, node, o.Cluster, mesh.Cluster))
+			errs = append(errs, fmt.Errorf("istiod describes this node's pod %s only in cluster %q (%s), but this agent is in cluster %q (CLUSTER_ID): its inbound connections are refused until they agree", key, o.Cluster, o.UID, mesh.Cluster))
 		case len(c) == 0:
 			unknown(key, "istiod describes no pod "+key+" on node "+node)
 		default:
@@ -206,19 +216,28 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			continue // a workload elsewhere is not at its address here
 		}
 		key := w.Namespace + "/" + w.Name
+		// istiod's copy of a local pod, wherever istiod says it is (a
+		// lagging copy too): the pod comes from the API server.
+		localCopy := localNames[key] && ownPod(w, mesh.Cluster)
 		if w.HostNetwork {
 			// Its addresses are its node's (this node's too): not the
 			// pod's to index, as the API source does not index a
 			// hostNetwork pod's (and ztunnel does not look it up by
 			// them). They stay claimed, so no ServiceEntry takes a
-			// node's address as its VIP.
+			// node's address as its VIP. istiod marks so an endpoint of
+			// a hand-made EndpointSlice too (a host it knows nothing of,
+			// outside the cluster maybe): only a pod's is a node's, for
+			// the ranges (an egress entry's range was left out whole,
+			// past its waypoint, for a Service's endpoint in it).
 			for _, a := range w.Addrs {
 				if _, taken := claimed[a]; !taken {
-					claimed[a] = key
+					claimed[a] = claim{key: key, uid: w.UID}
 				}
-				nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
+				if isPod(w) {
+					nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
+				}
 			}
-			if localNames[key] || w.Node == node {
+			if localCopy || w.Node == node {
 				continue
 			}
 			c := w.Workload
@@ -226,10 +245,10 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			snap.Workloads = append(snap.Workloads, &c)
 			continue
 		}
-		if localNames[key] {
+		if localCopy {
 			continue // this node's pods come from the API server
 		}
-		if _, ok := snap.Compiled.Selected[key]; !ok && len(w.Policies) > 0 {
+		if _, ok := snap.Compiled.Selected[key]; !ok && !localNames[key] && len(w.Policies) > 0 {
 			snap.Compiled.Selected[key] = w.Policies
 		}
 		if w.Node == node {
@@ -240,11 +259,11 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 			owner, taken := claimed[a]
 			if !taken {
 				free = append(free, a)
-				claimed[a] = key
+				claimed[a] = claim{key: key, uid: w.UID}
 				continue
 			}
-			if isPod(w) && localNames[owner] {
-				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner)})
+			if isPod(w) && owner.local {
+				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner.key)})
 			}
 		}
 		switch {
@@ -262,9 +281,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	canonical := make([]bool, 0, len(mesh.Services))
 	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
 	for _, svc := range mesh.Services {
-		s, taken := foreignVIPs(routed(svc, node), claimed)
+		s, taken := foreignVIPs(routed(svc, node), claimed, mesh.Cluster)
 		for _, a := range taken {
-			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a])})
+			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a].key)})
 		}
 		s, spared := nodeRanges(s, nodeAddrs)
 		errs = append(errs, spared...)
@@ -432,12 +451,16 @@ func countConflicts(errs []error) int {
 // in their namespace: at another pod's address it would take that pod's
 // traffic (this node's pods included) to its own endpoints, plaintext
 // maybe. A VIP at one of its own endpoints (a ServiceEntry naming its VM's
-// address) stays.
-func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workload.Service, []netip.Addr) {
+// address) stays: an endpoint that is the claimant itself, not one of its
+// name (a ServiceEntry names its endpoints after itself, so one named like
+// a pod of its namespace, listing the pod's address as its VIP and as an
+// endpoint, passed for serving it and took the pod's connections).
+// cluster is the agent's (see ownPod).
+func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]claim, cluster string) (*workload.Service, []netip.Addr) {
 	foreign := func(a netip.Addr) bool {
 		owner, ok := claimed[a]
 		return ok && !slices.ContainsFunc(svc.Endpoints, func(ep workload.Endpoint) bool {
-			return ep.Addr == a && ep.Workload != nil && ep.Workload.Namespace+"/"+ep.Workload.Name == owner
+			return ep.Addr == a && ep.Workload != nil && owner.is(ep.Workload, cluster)
 		})
 	}
 	var taken []netip.Addr
@@ -457,6 +480,23 @@ func foreignVIPs(svc *workload.Service, claimed map[netip.Addr]string) (*workloa
 		}
 	}
 	return &c, taken
+}
+
+// claim is whom an address belongs to in the directory: an istiod
+// workload (key namespace/name, and uid istiod's name for it), or a local
+// pod (from the API server: its uid is not istiod's).
+type claim struct {
+	key, uid string
+	local    bool
+}
+
+// is reports whether w, istiod's workload, is the claimant: the same
+// resource, or for a local pod istiod's copy of it.
+func (c claim) is(w *workload.Workload, cluster string) bool {
+	if c.local {
+		return podOf(w, cluster) && w.Namespace+"/"+w.Name == c.key
+	}
+	return w.UID == c.uid
 }
 
 // routed returns svc as this node's pods reach it (a copy if that
@@ -555,20 +595,37 @@ func fromIstiod(local []*workload.Workload, copies map[string][]*Workload) {
 }
 
 // localCopies returns, per local pod name (namespace/name), istiod's pods
-// of that name on this node: normally one; none while istiod has not
-// seen the pod (or sees it on another node), two only if istiod is wrong.
-func localCopies(mesh []*Workload, localNames map[string]bool, node string) map[string][]*Workload {
-	copies := map[string][]*Workload{}
+// of that name on this node in cluster: normally one; none while istiod
+// has not seen the pod (or sees it on another node), two only if istiod
+// is wrong. elsewhere holds those of other clusters (on a node of this
+// name: EKS names nodes by their address, alike in clusters on overlapping
+// networks), which are not.
+func localCopies(mesh []*Workload, localNames map[string]bool, node, cluster string) (copies, elsewhere map[string][]*Workload) {
+	copies, elsewhere = map[string][]*Workload{}, map[string][]*Workload{}
 	for _, w := range mesh {
-		if key := w.Namespace + "/" + w.Name; isPod(w) && w.Node == node && localNames[key] {
+		key := w.Namespace + "/" + w.Name
+		switch {
+		case !isPod(w) || w.Node != node || !localNames[key]:
+		case ownPod(w, cluster):
 			copies[key] = append(copies[key], w)
+		default:
+			elsewhere[key] = append(elsewhere[key], w)
 		}
 	}
-	return copies
+	return copies, elsewhere
 }
 
 // isPod: istiod names a Pod's workload <cluster>//Pod/<namespace>/<name>.
 func isPod(w *Workload) bool { return strings.Contains(w.UID, "/Pod/") }
+
+// ownPod: w is a pod of cluster, the agent's ("" or a workload naming no
+// cluster matches: not known).
+func ownPod(w *Workload, cluster string) bool { return podOf(&w.Workload, cluster) }
+
+// podOf is ownPod for the model's workload.
+func podOf(w *workload.Workload, cluster string) bool {
+	return strings.Contains(w.UID, "/Pod/") && (cluster == "" || w.Cluster == "" || w.Cluster == cluster)
+}
 
 // claimOrder returns istiod's workloads in the order they claim addresses,
 // as ztunnel ranks workloads at one address: pods first (their addresses
