@@ -20,6 +20,12 @@ import (
 
 var errNoUpstream = errors.New("no upstream resolver configured")
 
+// errClientSocket marks a failure to make the socket a query goes out on,
+// in the client pod's namespace (its ports or routes: EAGAIN from a
+// narrowed net.ipv4.ip_local_port_range, ENETUNREACH): nothing was sent,
+// and it is the pod's, not the upstream's.
+var errClientSocket = errors.New("socket in the client's namespace")
+
 // forward sends query upstream and returns the answer for the client:
 // the upstream's, its ID the client's, fitted to the client's buffer; or
 // SERVFAIL when no upstream answered.
@@ -137,9 +143,12 @@ func (p *Proxy) exchange(ctx context.Context, req *dns.Msg, query []byte, tcp bo
 			}
 			if r.err != nil {
 				errs = append(errs, fmt.Errorf("upstream %s: %w", r.u.addr, r.err))
-				if !r.answered && ctx.Err() == nil {
+				if !r.answered && ctx.Err() == nil && !errors.Is(r.err, errClientSocket) {
 					// Its own timeout, or refused or unreachable: not the
-					// query's end.
+					// query's end, nor a socket the client's namespace
+					// would not give (counted against the upstream, one
+					// pod's narrowed port range put every upstream on
+					// probation for the node's pods).
 					p.m.upstreamUnanswered(r.u.addr)
 					fail(r.u, r.sent)
 				}
@@ -269,7 +278,7 @@ func dialUpstream(ctx context.Context, dial Dialer, network, addr string) (net.C
 	}
 	conn, err := dial(ctx, network, addr)
 	if err != nil {
-		return nil, fmt.Errorf("dial %s: %w", network, err)
+		return nil, fmt.Errorf("%w: dial %s: %w", errClientSocket, network, err)
 	}
 	if d, ok := ctx.Deadline(); ok {
 		if err := conn.SetDeadline(d); err != nil {

@@ -37,8 +37,8 @@ func ServerConfig(m *Manager, local ID) *tls.Config {
 		MinVersion: tls.VersionTLS13,
 		NextProtos: []string{ALPN},
 		ClientAuth: tls.RequireAnyClientCert,
-		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-			return m.Certificate(local)
+		GetCertificate: func(hello *tls.ClientHelloInfo) (*tls.Certificate, error) {
+			return m.presented(local, hello != nil && hello.Context() != nil)
 		},
 		// VerifyConnection rather than VerifyPeerCertificate: it also runs on
 		// resumed sessions, so no path skips the identity check.
@@ -63,8 +63,8 @@ func ClientConfig(m *Manager, local ID, expectedServer ID) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		NextProtos: []string{ALPN},
-		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
-			return m.Certificate(local)
+		GetClientCertificate: func(cri *tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			return m.presented(local, cri != nil && cri.Context() != nil)
 		},
 		InsecureSkipVerify: true, // replaced by VerifyConnection below
 		VerifyConnection: func(cs tls.ConnectionState) error {
@@ -82,6 +82,21 @@ func ClientConfig(m *Manager, local ID, expectedServer ID) *tls.Config {
 		},
 		Time: m.clock,
 	}
+}
+
+// presented is Certificate for the TLS callbacks, counted only when a
+// handshake asks: crypto/tls gives every handshake's hello and request info
+// a context. The HBONE server and pool ask without one what a new
+// handshake would present now, to stop connections whose certificate was
+// renewed or lost (hbone's presented.go); such a check finding none is no
+// handshake failing closed, and counted, an identity that lost its
+// certificate read as about twice the failed handshakes it had.
+func (m *Manager) presented(id ID, handshake bool) (*tls.Certificate, error) {
+	if handshake {
+		return m.Certificate(id)
+	}
+	cert, _, err := m.lookup(id)
+	return cert, err
 }
 
 func checkALPN(cs tls.ConnectionState) error {

@@ -423,7 +423,8 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 // it left unmarked. Its own namespace out of ports or fds (a pod may
 // narrow net.ipv4.ip_local_port_range, and the agent dials from the pod's
 // namespace), no route to the endpoint in its namespace (ENETUNREACH is
-// the client namespace's own routing table's answer), its pod stopping (the dial cancelled), an endpoint the
+// the client namespace's own routing table's answer), its pod stopping (the dial cancelled, or
+// the Connect failed as its pooled connections were evicted: hbone.ErrEvicted), an endpoint the
 // directory cannot resolve yet (not the endpoint's failure), no certificate of its
 // own to present (identity.ErrNoCertificate: not issued yet, the CA failing, expired), its identity refused
 // by policy, a request refused (4xx), or its address over the endpoint
@@ -434,7 +435,7 @@ func endpointFailed(err error) bool {
 		return st.Status >= 500 && !strings.Contains(st.Reason, sourceLimitReason)
 	}
 	for _, own := range []error{errEndpointUnresolved, context.Canceled, syscall.EADDRNOTAVAIL, syscall.ENETUNREACH, syscall.EADDRINUSE,
-		syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, identity.ErrNoCertificate} {
+		syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, identity.ErrNoCertificate, hbone.ErrEvicted, hbone.ErrPoolClosed} {
 		if errors.Is(err, own) {
 			return false
 		}

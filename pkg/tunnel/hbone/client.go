@@ -93,7 +93,7 @@ func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early
 		closeNow := c.releaseLocked(nil)
 		c.mu.Unlock()
 		if closeNow {
-			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+			c.closeDrained()
 		}
 		if errors.Is(err, context.DeadlineExceeded) {
 			// Its whole time went waiting on a write: the peer reads
@@ -110,7 +110,7 @@ func (c *conn) openStream(ctx context.Context, fields []hpack.HeaderField, early
 		c.mu.Unlock()
 		c.unlockWrite()
 		if closeNow {
-			c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+			c.closeDrained()
 		}
 		if errors.Is(cerr, errEvicted) || errors.Is(cerr, ErrPoolClosed) {
 			// Evicted (its pod went away) or the pool closed since the

@@ -1842,7 +1842,7 @@ func (c *conn) remove(s *Stream, release bool, reset *ctlFrame) bool {
 	case flood:
 		c.closeControlFlood()
 	case closeNow:
-		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		c.closeDrained()
 	case queued:
 		c.wakeCtl()
 	}
@@ -1946,7 +1946,7 @@ func (c *conn) peerExpiredLocked() bool {
 }
 
 // drain stops new streams (GOAWAY) and closes the conn once the last
-// stream finishes.
+// stream finishes; one with none is closed now (closeDrained).
 func (c *conn) drain() {
 	c.mu.Lock()
 	if c.err != nil {
@@ -1962,13 +1962,26 @@ func (c *conn) drain() {
 	}
 	c.mu.Unlock()
 	if idle {
-		c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
+		c.closeDrained()
 		return
 	}
 	select {
 	case c.ctlWake <- struct{}{}:
 	default:
 	}
+}
+
+// closeDrained closes a conn that drained (no new stream, none left), in
+// order, on a goroutine of its own. A close in order writes GOAWAY and
+// close_notify, and a peer that reads nothing holds each of those writes
+// for closeWriteDeadline: run by the caller, the drains of a pod's stop, a
+// trust change or a renewal, one connection after another, a Connect that
+// drained a stale connection, and the close of a draining connection's
+// last stream each waited about two seconds per such connection, so that
+// one meshed client holding hundreds of idle ones held a pod's stop for
+// minutes (TestDrainIdleStalledPeersBounded).
+func (c *conn) closeDrained() {
+	go c.close(http2.ErrCodeNo, fmt.Errorf("%w: drained", ErrConnClosed), true)
 }
 
 // close kills the conn once: optionally tells the peer why (GOAWAY), closes

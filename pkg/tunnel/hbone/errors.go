@@ -16,6 +16,10 @@ var (
 	ErrServerClosed = errors.New("hbone server closed")
 	// ErrConnClosed means the TLS connection under a stream went away.
 	ErrConnClosed = errors.New("hbone connection closed")
+	// ErrEvicted is returned by Pool.Connect when Pool.Evict removed its
+	// key meanwhile (the source went away): a failure of the source, not
+	// of the destination.
+	ErrEvicted = fmt.Errorf("%w: source evicted", ErrConnClosed)
 	// errRetry marks a stream the peer never processed (REFUSED_STREAM or
 	// beyond a GOAWAY), so Pool.Connect may open it again on another
 	// connection.

@@ -123,7 +123,7 @@ type poolEntry struct {
 }
 
 // errEvicted fails the dials and streams of a source that Evict removed.
-var errEvicted = fmt.Errorf("%w: source evicted", ErrConnClosed)
+var errEvicted = ErrEvicted
 
 // dialCall lets concurrent Connects for a new key wait for one dial instead
 // of each dialling.

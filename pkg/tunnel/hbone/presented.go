@@ -222,7 +222,9 @@ func (sc *servingCert) get(now time.Time, nc net.Conn, pc *presentedCert) (cert 
 // servedNow asks conf what a handshake would present. The callbacks
 // (GetConfigForClient, GetCertificate) get a hello that carries only the
 // connection and TLS 1.3: they must not choose by the client's hello, as
-// identity.ServerConfig's does not. A server with several static
+// identity.ServerConfig's does not. Its Context() is nil, where crypto/tls
+// gives every handshake's one: identity's callbacks count a certificate
+// missing at a handshake, not at this check. A server with several static
 // certificates chooses by the hello: unknown.
 func servedNow(conf *tls.Config, nc net.Conn) (*tls.Certificate, bool) {
 	hello := &tls.ClientHelloInfo{SupportedVersions: []uint16{tls.VersionTLS13}, Conn: nc}
@@ -262,7 +264,8 @@ func (cc *currentCert) get() (*tls.Certificate, bool) {
 		if get := cc.conf.GetClientCertificate; get != nil {
 			// The request info is not the server's: the callback is
 			// expected to give a workload's certificate whatever it holds,
-			// as identity.ClientConfig's does. An error is a certificate
+			// as identity.ClientConfig's does. Its Context() is nil, as no
+			// handshake's is (see servedNow). An error is a certificate
 			// this node no longer has (expired unrenewed, forgotten): the
 			// handshake would present none.
 			cert, err := get(&tls.CertificateRequestInfo{Version: tls.VersionTLS13})
