@@ -33,16 +33,25 @@ import (
 // than queued: anyone who reaches the port (every pod can) could otherwise
 // make the agent spend its CPU gathering metrics, or start scrapes it
 // never reads (each held to the write timeout) and leave Prometheus none.
-func metricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
+// Answers are rendered within a CPU budget and shared (scrapeCache), so
+// that asking again and again costs the agent no more than that budget.
+func metricsHandler(reg *prometheus.Registry, burst time.Duration, log *slog.Logger) http.Handler {
 	scrapes := newInFlight(maxScrapesInFlight, maxScrapesPerSource)
+	reused := registered(reg, prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "redirector_metrics_scrapes_reused_total",
+		Help: "Scrapes of /metrics answered with an earlier rendering of the same format (at most a minute old, usually moments), because renderings, one at a time, had used up their share of the time (a quarter, with a few seconds of credit): someone scrapes far more often than Prometheus does.",
+	}))
+	render := promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog:            slog.NewLogLogger(log.Handler(), slog.LevelError),
+		ErrorHandling:       promhttp.ContinueOnError,
+		Registry:            reg,
+		AcceptedFormats:     scrapeFormats,
+		OfferedCompressions: []promhttp.Compression{promhttp.Identity, promhttp.Gzip},
+	})
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", scrapes.limit(
 		fmt.Sprintf("busy: %d scrapes in flight at most, %d per client address; try again later", maxScrapesInFlight, maxScrapesPerSource),
-		promhttp.HandlerFor(reg, promhttp.HandlerOpts{
-			ErrorLog:      slog.NewLogLogger(log.Handler(), slog.LevelError),
-			ErrorHandling: promhttp.ContinueOnError,
-			Registry:      reg,
-		})))
+		newScrapeCache(render, burst, reused.Inc)))
 	return mux
 }
 
