@@ -353,6 +353,12 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 // ALLOW rule using fields only an L7 proxy decides never matches, so it is
 // left out too (as istiod does); a DENY rule keeps its L4 part, which is
 // what is enforced.
+//
+// An invalid policy (policy.Validate: a field this agent does not know, a
+// bad value) is listed as it is enforced, failing closed, not as written:
+// an ALLOW with no rule (it admits nothing), and a DENY, or a policy with
+// an unknown action, as a Deny with one rule of no clause (in ztunnel's
+// reading, it matches every connection).
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	for _, ap := range aps {
@@ -361,11 +367,11 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 		}
 		action := "Allow"
 		switch ap.Spec.Action {
-		case policy.ActionDeny:
-			action = "Deny"
 		case policy.ActionAllow, "":
+		case policy.ActionAudit, policy.ActionCustom:
+			continue // not enforced at L4
 		default:
-			continue // AUDIT and CUSTOM: not enforced at L4
+			action = "Deny" // DENY, or an unknown action, enforced as DENY everything
 		}
 		scope := "Namespace"
 		switch {
@@ -375,6 +381,13 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 			scope = "Global"
 		}
 		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: ap.DryRun()}
+		if policy.Validate(ap) != nil {
+			if action == "Deny" {
+				z.Rules = append(z.Rules, [][]*ZtunnelPolicyMatch{})
+			}
+			out = append(out, z)
+			continue
+		}
 		for _, r := range ap.Spec.Rules {
 			if action == "Allow" && r.UsesL7() {
 				continue
