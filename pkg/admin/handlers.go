@@ -320,8 +320,10 @@ func configDump(sections map[string]func() any) http.Handler {
 		case <-r.Context().Done():
 			return
 		}
-		out, name, err := buildDump(sections)
-		<-building
+		out, name, err := func() ([]byte, string, error) {
+			defer func() { <-building }()
+			return buildDump(sections)
+		}()
 		if err != nil {
 			http.Error(w, fmt.Sprintf("config dump section %s: %v", name, err), http.StatusInternalServerError)
 			return
@@ -336,7 +338,7 @@ func configDump(sections map[string]func() any) http.Handler {
 func buildDump(sections map[string]func() any) (out []byte, failed string, err error) {
 	dump := make(map[string]json.RawMessage, len(sections))
 	for name, section := range sections {
-		b, err := json.Marshal(section())
+		b, err := marshalSection(section)
 		if err != nil {
 			return nil, name, err
 		}
@@ -347,6 +349,20 @@ func buildDump(sections map[string]func() any) (out []byte, failed string, err e
 		return nil, "", err
 	}
 	return append(out, '\n'), "", nil
+}
+
+// marshalSection marshals what section returns. A section that panics
+// (a bug in how it reads the agent's state) fails the dump with an error
+// naming it: net/http would recover the panic too, but it would close the
+// connection without a word and, before, leave the dump's build slot held,
+// so that every later dump waited for it until its caller gave up.
+func marshalSection(section func() any) (b []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v", p)
+		}
+	}()
+	return json.Marshal(section())
 }
 
 // levels are the names /logging and the LOG_LEVEL setting accept.
