@@ -260,9 +260,10 @@ type ZtunnelWorkloadInfo struct {
 }
 
 // ZtunnelUID is a workload's uid as Istio builds it:
-// cluster//Pod/namespace/name.
+// cluster//Pod/namespace/name, with the workload's own cluster (a remote
+// workload's, from istiod), else cluster, the agent's.
 func ZtunnelUID(cluster string, w *workload.Workload) string {
-	return cluster + "//Pod/" + w.Namespace + "/" + w.Name
+	return cmp.Or(w.Cluster, cluster) + "//Pod/" + w.Namespace + "/" + w.Name
 }
 
 // ZtunnelWorkloads converts every workload of dir; all are on network,
@@ -286,7 +287,7 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain str
 	for _, w := range dir.All() {
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
-			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
+			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cmp.Or(w.Cluster, cluster), Network: network, TrustDomain: trustDomain,
 			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: localityOf(w),
 			Waypoint: ztunnelWaypoint(w.Waypoint, network)}
 		if w.Enrolled {
