@@ -39,7 +39,7 @@ func metricsHandler(reg *prometheus.Registry, burst time.Duration, log *slog.Log
 	scrapes := newInFlight(maxScrapesInFlight, maxScrapesPerSource)
 	reused := registered(reg, prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "redirector_metrics_scrapes_reused_total",
-		Help: "Scrapes of /metrics answered with an earlier rendering of the same format (at most a minute old, usually moments), because renderings, one at a time, had used up their share of the time (a quarter, with a few seconds of credit): someone scrapes far more often than Prometheus does.",
+		Help: "Scrapes of /metrics answered with an earlier rendering of the same format (at most 10 s old), because renderings, one at a time, had used up their share of the time (a quarter, with a few seconds of credit): someone scrapes far more often than Prometheus does.",
 	}))
 	render := promhttp.HandlerFor(reg, promhttp.HandlerOpts{
 		ErrorLog:            slog.NewLogLogger(log.Handler(), slog.LevelError),

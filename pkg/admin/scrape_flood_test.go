@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 )
@@ -162,5 +164,63 @@ func TestMetricsScrapeFormats(t *testing.T) {
 		if !found {
 			t.Errorf("Accept %q, Accept-Encoding %q: no redirector_costly_total in the answer", tc.accept, tc.encoding)
 		}
+	}
+}
+
+// TestMetricsScrapeFloodLeavesPrometheusFresh: a flood of one kind of
+// scrape takes the renderings' budget as soon as it is there; another kind
+// (Prometheus's protocol buffers) must still get renderings of its own,
+// none of its answers older than scrapeKeep (and a little), rather than
+// the last one it got before the flood for as long as the flood lasts.
+func TestMetricsScrapeFloodLeavesPrometheusFresh(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	c := &costly{desc: prometheus.NewDesc("redirector_costly_total", "A collector that takes time.", nil, nil), cost: 10 * time.Millisecond}
+	reg.MustRegister(c)
+	cache := newScrapeCache(promhttp.HandlerFor(reg, promhttp.HandlerOpts{AcceptedFormats: scrapeFormats}), time.Nanosecond, func() {})
+	cache.keep = 200 * time.Millisecond
+	srv := httptest.NewServer(cache)
+	defer srv.Close()
+
+	const flood = 2 * time.Second
+	stop := time.Now().Add(flood)
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for time.Now().Before(stop) {
+				if resp, err := http.Get(srv.URL); err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+			}
+		})
+	}
+	// Prometheus: protocol buffers, every 50 ms; the value is the number
+	// of the rendering it got.
+	var seen float64
+	since, worst := time.Now(), time.Duration(0)
+	for time.Now().Before(stop) {
+		req, _ := http.NewRequest(http.MethodGet, srv.URL, nil)
+		req.Header.Set("Accept", string(scrapeFormats[0]))
+		start := time.Now()
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mf dto.MetricFamily
+		err = expfmt.NewDecoder(resp.Body, expfmt.ResponseFormat(resp.Header)).Decode(&mf)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v := mf.GetMetric()[0].GetCounter().GetValue(); v != seen {
+			seen, since = v, start
+		}
+		worst = max(worst, time.Since(since))
+		time.Sleep(50 * time.Millisecond)
+	}
+	wg.Wait()
+	t.Logf("%d renderings; Prometheus's answers at most %v old", c.calls.Load(), worst)
+	if most := cache.keep + 20*c.cost*scrapeShare; worst > most {
+		t.Errorf("during a flood of text scrapes, Prometheus's answers were up to %v old, want at most %v", worst, most)
 	}
 }

@@ -25,13 +25,18 @@ import (
 // may take at most 1/scrapeShare of the time on average, with a credit of
 // scrapeBurst for an agent that renders seldom: an honest Prometheus (an HA
 // pair, a few jobs, every 15 s or more) always gets a rendering made for
-// it, while under a flood a scrape gets the last rendering of its format,
-// made moments before.
+// it, while under a flood a scrape gets the last rendering of its kind,
+// made moments before (at most scrapeKeep).
 const (
 	scrapeShare = 4
 	scrapeBurst = 5 * time.Second
-	// scrapeKeep is how long a rendering is kept for later scrapes.
-	scrapeKeep = time.Minute
+	// scrapeKeep is how long a rendering may serve later scrapes. A scrape
+	// whose kind has none that recent waits for a new one, and goes
+	// before scrapes that have one: so a flood of one kind of scrape,
+	// which uses up the budget as soon as it is there, leaves another
+	// kind (Prometheus's) answers at most this old, each got within a
+	// few renderings' time.
+	scrapeKeep = 10 * time.Second
 )
 
 // scrapeFormats are the formats the metrics endpoint offers, in order of
@@ -112,12 +117,16 @@ type scrapeCache struct {
 	now    func() time.Time
 	// reused counts scrapes answered with an earlier rendering.
 	reused func()
-	// burst is the most credit (scrapeBurst but in tests).
-	burst time.Duration
+	// burst is the most credit, keep how long a rendering serves
+	// (scrapeBurst and scrapeKeep but in tests).
+	burst, keep time.Duration
 
 	mu      sync.Mutex
 	last    map[scrapeKey]*rendering
 	current *rendering // being made; nil if none
+	// waiting counts scrapes waiting for a rendering, having none of
+	// their kind recent enough: one may start before any other.
+	waiting int
 	// credit is the render time that may be spent now (negative:
 	// overdrawn), as of credited.
 	credit   time.Duration
@@ -128,7 +137,7 @@ type scrapeCache struct {
 // spent at once by an agent that renders seldom (0: scrapeBurst).
 func newScrapeCache(render http.Handler, burst time.Duration, reused func()) *scrapeCache {
 	burst = cmp.Or(burst, scrapeBurst)
-	return &scrapeCache{render: render, now: time.Now, reused: reused, burst: burst, last: map[scrapeKey]*rendering{}, credit: burst}
+	return &scrapeCache{render: render, now: time.Now, reused: reused, burst: burst, keep: scrapeKeep, last: map[scrapeKey]*rendering{}, credit: burst}
 }
 
 // refill brings credit up to date. Call with c.mu held.
@@ -141,11 +150,20 @@ func (c *scrapeCache) refill(now time.Time) {
 
 func (c *scrapeCache) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	key := scrapeKeyOf(r)
+	waited := false
+	defer func() {
+		if waited {
+			c.mu.Lock()
+			c.waiting--
+			c.mu.Unlock()
+		}
+	}()
 	for {
 		c.mu.Lock()
 		now := c.now()
 		c.refill(now)
-		if cur := c.current; cur != nil && cur.key == key {
+		cur := c.current
+		if cur != nil && cur.key == key {
 			c.mu.Unlock()
 			select {
 			case <-cur.done:
@@ -154,7 +172,9 @@ func (c *scrapeCache) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			}
 			return
 		}
-		if c.current == nil && c.credit >= 0 {
+		last := c.last[key]
+		recent := last != nil && now.Sub(last.at) <= c.keep
+		if cur == nil && c.credit >= 0 && (!recent || c.waiting == 0) {
 			rd := &rendering{key: key, done: make(chan struct{}), at: now, header: http.Header{}}
 			c.current = rd
 			c.mu.Unlock()
@@ -162,18 +182,22 @@ func (c *scrapeCache) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			rd.serve(w)
 			return
 		}
-		if last := c.last[key]; last != nil && now.Sub(last.at) <= scrapeKeep {
+		if recent {
 			c.mu.Unlock()
 			c.reused()
 			last.serve(w)
 			return
 		}
-		// Nothing of this kind to serve, and no rendering may start
-		// now: wait for the one being made, or for credit.
+		// Nothing recent of this kind to serve, and no rendering may
+		// start now: wait for the one being made, or for credit.
+		if !waited {
+			waited = true
+			c.waiting++
+		}
 		var wait <-chan struct{}
 		var t *time.Timer
-		if c.current != nil {
-			wait = c.current.done
+		if cur != nil {
+			wait = cur.done
 		} else {
 			t = time.NewTimer(-c.credit * scrapeShare)
 		}
@@ -220,7 +244,7 @@ func (c *scrapeCache) make(rd *rendering) {
 			c.last[rd.key] = rd
 		}
 		for k, old := range c.last {
-			if now.Sub(old.at) > scrapeKeep {
+			if now.Sub(old.at) > c.keep {
 				delete(c.last, k)
 			}
 		}
