@@ -565,6 +565,16 @@ func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, servin
 
 // ZtunnelCompiledPolicies converts istiod's compiled policies (the xDS
 // source's), which already have ztunnel's structure.
+//
+// Two shapes istiod can send are read by the agent the way that can only
+// deny more (see policy.Compiled): a match with no condition and a clause
+// with no match. They are listed as enforced, in terms that read the same
+// whichever way the reader takes them: in an ALLOW, a condition-less match
+// is left out and a rule with a clause left without a match (it never
+// matches) is left out; in a DENY, a clause with no match or with a
+// condition-less one (it always matches) is left out. Listed as sent, an
+// ALLOW rule with an empty clause reads, in ztunnel's terms, as admitting
+// every connection, which the agent refuses.
 func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	if set == nil {
@@ -583,11 +593,17 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 		default:
 			z.Scope = "WorkloadSelector"
 		}
+	groups:
 		for _, g := range p.Groups {
 			rule := [][]*ZtunnelPolicyMatch{}
 			for _, c := range g.Clauses {
 				clause := []*ZtunnelPolicyMatch{}
+				always := len(c.Matches) == 0 // in a DENY
 				for _, m := range c.Matches {
+					if conditionless(m) {
+						always = true
+						continue
+					}
 					clause = append(clause, &ZtunnelPolicyMatch{
 						Namespaces: compiledMatches(m.Namespaces), NotNamespaces: compiledMatches(m.NotNamespaces),
 						Principals: compiledMatches(m.Principals), NotPrincipals: compiledMatches(m.NotPrincipals),
@@ -597,6 +613,12 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 						ServiceAccounts: compiledSAs(m.ServiceAccounts), NotServiceAccounts: compiledSAs(m.NotServiceAccounts),
 					})
 				}
+				switch {
+				case p.Action == policy.ActionDeny && always:
+					continue // matches every connection: no condition to list
+				case p.Action != policy.ActionDeny && len(clause) == 0:
+					continue groups // the rule never matches
+				}
 				rule = append(rule, clause)
 			}
 			z.Rules = append(z.Rules, rule)
@@ -604,6 +626,13 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 		out = append(out, z)
 	}
 	return out
+}
+
+// conditionless reports a match with no condition (policy.Compiled).
+func conditionless(m policy.Match) bool {
+	return len(m.Namespaces)+len(m.NotNamespaces)+len(m.ServiceAccounts)+len(m.NotServiceAccounts)+
+		len(m.Principals)+len(m.NotPrincipals)+len(m.SourceIPs)+len(m.NotSourceIPs)+
+		len(m.DestinationIPs)+len(m.NotDestinationIPs)+len(m.DestinationPorts)+len(m.NotDestinationPorts) == 0
 }
 
 func compiledMatches(ms []policy.StringMatch) []StringMatch {

@@ -61,3 +61,37 @@ func TestZtunnelPoliciesShowInvalidAsEnforced(t *testing.T) {
 		}
 	}
 }
+
+// TestZtunnelCompiledPoliciesShowAmbiguousShapesAsEnforced: istiod can
+// send a match with no condition (when every value of an entry was
+// dropped) and a clause with no match; the agent reads both the way that
+// can only deny more (policy.Compiled): never matching in an ALLOW, always
+// in a DENY. The dump listed them as sent, where an ALLOW rule with an
+// empty clause reads, in ztunnel's terms (a clause with no match is a
+// match), as admitting every connection, which the agent refuses. They are
+// now listed as enforced.
+func TestZtunnelCompiledPoliciesShowAmbiguousShapesAsEnforced(t *testing.T) {
+	x := policy.Match{Principals: []policy.StringMatch{{Value: "cluster.local/ns/mesh/sa/x"}}}
+	y := policy.Match{Principals: []policy.StringMatch{{Value: "cluster.local/ns/mesh/sa/y"}}}
+	set := &policy.CompiledSet{Synced: true, Policies: []*policy.Compiled{
+		{Name: "allow", Namespace: "mesh", Scope: policy.ScopeNamespace, Action: policy.ActionAllow, Groups: []policy.Group{
+			{Clauses: []policy.Clause{{}}},                               // never matches
+			{Clauses: []policy.Clause{{Matches: []policy.Match{{}}}}},    // never matches
+			{Clauses: []policy.Clause{{Matches: []policy.Match{{}, x}}}}, // x only
+		}},
+		{Name: "deny", Namespace: "mesh", Scope: policy.ScopeNamespace, Action: policy.ActionDeny, Groups: []policy.Group{
+			{Clauses: []policy.Clause{{}, {Matches: []policy.Match{y}}}}, // y
+			{Clauses: []policy.Clause{{Matches: []policy.Match{{}, y}}}}, // everything
+		}},
+	}}
+	want := map[string]string{
+		"allow": `[[[{"principals":[{"Exact":"cluster.local/ns/mesh/sa/x"}]}]]]`,
+		"deny":  `[[[{"principals":[{"Exact":"cluster.local/ns/mesh/sa/y"}]}]],[]]`,
+	}
+	for _, z := range ZtunnelCompiledPolicies(set) {
+		b, _ := json.Marshal(z.Rules)
+		if string(b) != want[z.Name] {
+			t.Errorf("%s: rules\n got %s\nwant %s", z.Name, b, want[z.Name])
+		}
+	}
+}
