@@ -67,6 +67,9 @@ type Options struct {
 	// reopenRetry is the first wait before ReopenReadiness, failed, tries
 	// again (0: ReopenRetryPeriod); for tests.
 	reopenRetry time.Duration
+	// scrapeBurst is the render time of scrapes spent at once before
+	// their budget applies (0: scrapeBurst, see scrapeCache); for tests.
+	scrapeBurst time.Duration
 }
 
 // ReopenRetryPeriod is the first wait before the readiness endpoint, not
@@ -177,7 +180,7 @@ func Start(ctx context.Context, o Options) (*Servers, error) {
 		handler    func() http.Handler
 		bound      *string
 	}{
-		{EndpointMetrics, o.MetricsAddr, func() http.Handler { return metricsHandler(o.Registry, log) }, &s.metricsAddr},
+		{EndpointMetrics, o.MetricsAddr, func() http.Handler { return metricsHandler(o.Registry, o.scrapeBurst, log) }, &s.metricsAddr},
 		{EndpointReadiness, o.ReadinessAddr, func() http.Handler { return readinessHandler(o.Ready) }, &s.readinessAddr},
 		{EndpointAdmin, o.AdminAddr, func() http.Handler { return adminHandler(o.Sections, o.Level, log) }, &s.adminAddr},
 	}

@@ -33,16 +33,25 @@ import (
 // than queued: anyone who reaches the port (every pod can) could otherwise
 // make the agent spend its CPU gathering metrics, or start scrapes it
 // never reads (each held to the write timeout) and leave Prometheus none.
-func metricsHandler(reg *prometheus.Registry, log *slog.Logger) http.Handler {
+// Answers are rendered within a CPU budget and shared (scrapeCache), so
+// that asking again and again costs the agent no more than that budget.
+func metricsHandler(reg *prometheus.Registry, burst time.Duration, log *slog.Logger) http.Handler {
 	scrapes := newInFlight(maxScrapesInFlight, maxScrapesPerSource)
+	reused := registered(reg, prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "redirector_metrics_scrapes_reused_total",
+		Help: "Scrapes of /metrics answered with an earlier rendering of the same format (at most 10 s old), because renderings, one at a time, had used up their share of the time (a quarter, with a few seconds of credit): someone scrapes far more often than Prometheus does.",
+	}))
+	render := promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorLog:            slog.NewLogLogger(log.Handler(), slog.LevelError),
+		ErrorHandling:       promhttp.ContinueOnError,
+		Registry:            reg,
+		AcceptedFormats:     scrapeFormats,
+		OfferedCompressions: []promhttp.Compression{promhttp.Identity, promhttp.Gzip},
+	})
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", scrapes.limit(
 		fmt.Sprintf("busy: %d scrapes in flight at most, %d per client address; try again later", maxScrapesInFlight, maxScrapesPerSource),
-		promhttp.HandlerFor(reg, promhttp.HandlerOpts{
-			ErrorLog:      slog.NewLogLogger(log.Handler(), slog.LevelError),
-			ErrorHandling: promhttp.ContinueOnError,
-			Registry:      reg,
-		})))
+		newScrapeCache(render, burst, reused.Inc)))
 	return mux
 }
 
@@ -311,8 +320,10 @@ func configDump(sections map[string]func() any) http.Handler {
 		case <-r.Context().Done():
 			return
 		}
-		out, name, err := buildDump(sections)
-		<-building
+		out, name, err := func() ([]byte, string, error) {
+			defer func() { <-building }()
+			return buildDump(sections)
+		}()
 		if err != nil {
 			http.Error(w, fmt.Sprintf("config dump section %s: %v", name, err), http.StatusInternalServerError)
 			return
@@ -327,7 +338,7 @@ func configDump(sections map[string]func() any) http.Handler {
 func buildDump(sections map[string]func() any) (out []byte, failed string, err error) {
 	dump := make(map[string]json.RawMessage, len(sections))
 	for name, section := range sections {
-		b, err := json.Marshal(section())
+		b, err := marshalSection(section)
 		if err != nil {
 			return nil, name, err
 		}
@@ -338,6 +349,20 @@ func buildDump(sections map[string]func() any) (out []byte, failed string, err e
 		return nil, "", err
 	}
 	return append(out, '\n'), "", nil
+}
+
+// marshalSection marshals what section returns. A section that panics
+// (a bug in how it reads the agent's state) fails the dump with an error
+// naming it: net/http would recover the panic too, but it would close the
+// connection without a word and, before, leave the dump's build slot held,
+// so that every later dump waited for it until its caller gave up.
+func marshalSection(section func() any) (b []byte, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = fmt.Errorf("panic: %v", p)
+		}
+	}()
+	return json.Marshal(section())
 }
 
 // levels are the names /logging and the LOG_LEVEL setting accept.

@@ -260,9 +260,10 @@ type ZtunnelWorkloadInfo struct {
 }
 
 // ZtunnelUID is a workload's uid as Istio builds it:
-// cluster//Pod/namespace/name.
+// cluster//Pod/namespace/name, with the workload's own cluster (a remote
+// workload's, from istiod), else cluster, the agent's.
 func ZtunnelUID(cluster string, w *workload.Workload) string {
-	return cluster + "//Pod/" + w.Namespace + "/" + w.Name
+	return cmp.Or(w.Cluster, cluster) + "//Pod/" + w.Namespace + "/" + w.Name
 }
 
 // ZtunnelWorkloads converts every workload of dir; all are on network,
@@ -286,7 +287,7 @@ func ZtunnelWorkloads(dir *workload.Directory, cluster, network, trustDomain str
 	for _, w := range dir.All() {
 		z := ZtunnelWorkload{UID: ZtunnelUID(cluster, w), Protocol: "TCP", Name: w.Name, Namespace: w.Namespace,
 			ServiceAccount: w.ServiceAccount, WorkloadName: cmp.Or(w.WorkloadName, w.Name), WorkloadType: cmp.Or(w.WorkloadType, workload.TypePod),
-			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cluster, Network: network, TrustDomain: trustDomain,
+			CanonicalName: w.CanonicalName, CanonicalRevision: w.CanonicalRevision, ClusterID: cmp.Or(w.Cluster, cluster), Network: network, TrustDomain: trustDomain,
 			Node: w.Node, Status: healthStatus(!listed[w] || ready[w]), Capacity: 1, WorkloadIPs: []string{}, Locality: localityOf(w),
 			Waypoint: ztunnelWaypoint(w.Waypoint, network)}
 		if w.Enrolled {
@@ -353,6 +354,12 @@ func ZtunnelServices(dir *workload.Directory, cluster, network string) []Ztunnel
 // ALLOW rule using fields only an L7 proxy decides never matches, so it is
 // left out too (as istiod does); a DENY rule keeps its L4 part, which is
 // what is enforced.
+//
+// An invalid policy (policy.Validate: a field this agent does not know, a
+// bad value) is listed as it is enforced, failing closed, not as written:
+// an ALLOW with no rule (it admits nothing), and a DENY, or a policy with
+// an unknown action, as a Deny with one rule of no clause (in ztunnel's
+// reading, it matches every connection).
 func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	for _, ap := range aps {
@@ -361,11 +368,11 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 		}
 		action := "Allow"
 		switch ap.Spec.Action {
-		case policy.ActionDeny:
-			action = "Deny"
 		case policy.ActionAllow, "":
+		case policy.ActionAudit, policy.ActionCustom:
+			continue // not enforced at L4
 		default:
-			continue // AUDIT and CUSTOM: not enforced at L4
+			action = "Deny" // DENY, or an unknown action, enforced as DENY everything
 		}
 		scope := "Namespace"
 		switch {
@@ -375,6 +382,13 @@ func ZtunnelPolicies(aps []policy.AuthorizationPolicy, rootNamespace string) []Z
 			scope = "Global"
 		}
 		z := ZtunnelPolicy{Name: ap.Name, Namespace: ap.Namespace, Scope: scope, Action: action, Rules: [][][]*ZtunnelPolicyMatch{}, DryRun: ap.DryRun()}
+		if policy.Validate(ap) != nil {
+			if action == "Deny" {
+				z.Rules = append(z.Rules, [][]*ZtunnelPolicyMatch{})
+			}
+			out = append(out, z)
+			continue
+		}
 		for _, r := range ap.Spec.Rules {
 			if action == "Allow" && r.UsesL7() {
 				continue
@@ -551,6 +565,16 @@ func ZtunnelWorkloadStates(pods []*workload.Workload, trustDomain string, servin
 
 // ZtunnelCompiledPolicies converts istiod's compiled policies (the xDS
 // source's), which already have ztunnel's structure.
+//
+// Two shapes istiod can send are read by the agent the way that can only
+// deny more (see policy.Compiled): a match with no condition and a clause
+// with no match. They are listed as enforced, in terms that read the same
+// whichever way the reader takes them: in an ALLOW, a condition-less match
+// is left out and a rule with a clause left without a match (it never
+// matches) is left out; in a DENY, a clause with no match or with a
+// condition-less one (it always matches) is left out. Listed as sent, an
+// ALLOW rule with an empty clause reads, in ztunnel's terms, as admitting
+// every connection, which the agent refuses.
 func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 	out := []ZtunnelPolicy{}
 	if set == nil {
@@ -569,11 +593,17 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 		default:
 			z.Scope = "WorkloadSelector"
 		}
+	groups:
 		for _, g := range p.Groups {
 			rule := [][]*ZtunnelPolicyMatch{}
 			for _, c := range g.Clauses {
 				clause := []*ZtunnelPolicyMatch{}
+				always := len(c.Matches) == 0 // in a DENY
 				for _, m := range c.Matches {
+					if conditionless(m) {
+						always = true
+						continue
+					}
 					clause = append(clause, &ZtunnelPolicyMatch{
 						Namespaces: compiledMatches(m.Namespaces), NotNamespaces: compiledMatches(m.NotNamespaces),
 						Principals: compiledMatches(m.Principals), NotPrincipals: compiledMatches(m.NotPrincipals),
@@ -583,6 +613,12 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 						ServiceAccounts: compiledSAs(m.ServiceAccounts), NotServiceAccounts: compiledSAs(m.NotServiceAccounts),
 					})
 				}
+				switch {
+				case p.Action == policy.ActionDeny && always:
+					continue // matches every connection: no condition to list
+				case p.Action != policy.ActionDeny && len(clause) == 0:
+					continue groups // the rule never matches
+				}
 				rule = append(rule, clause)
 			}
 			z.Rules = append(z.Rules, rule)
@@ -590,6 +626,13 @@ func ZtunnelCompiledPolicies(set *policy.CompiledSet) []ZtunnelPolicy {
 		out = append(out, z)
 	}
 	return out
+}
+
+// conditionless reports a match with no condition (policy.Compiled).
+func conditionless(m policy.Match) bool {
+	return len(m.Namespaces)+len(m.NotNamespaces)+len(m.ServiceAccounts)+len(m.NotServiceAccounts)+
+		len(m.Principals)+len(m.NotPrincipals)+len(m.SourceIPs)+len(m.NotSourceIPs)+
+		len(m.DestinationIPs)+len(m.NotDestinationIPs)+len(m.DestinationPorts)+len(m.NotDestinationPorts) == 0
 }
 
 func compiledMatches(ms []policy.StringMatch) []StringMatch {

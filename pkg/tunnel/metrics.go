@@ -233,14 +233,16 @@ func (m *Metrics) labels(c connInfo) prometheus.Labels {
 
 // workloadLabels fills side's labels from w, as ztunnel's with_source and
 // with_destination do: app and version repeat the canonical service and
-// revision. Locality is unknown unless the source gave it.
+// revision, and the cluster is the workload's own (istiod's cluster_id,
+// another cluster's for a remote workload), else this agent's. Locality is
+// unknown unless the source gave it.
 func (m *Metrics) workloadLabels(l prometheus.Labels, side string, w *workload.Workload) {
 	name, canon, rev := workloadMeta(w)
 	l[side+"_workload"] = name
 	l[side+"_workload_namespace"] = w.Namespace
 	l[side+"_canonical_service"], l[side+"_app"] = canon, canon
 	l[side+"_canonical_revision"], l[side+"_version"] = rev, rev
-	l[side+"_cluster"] = m.cluster
+	l[side+"_cluster"] = cmp.Or(w.Cluster, m.cluster)
 	if w.Region != "" {
 		l[side+"_region"] = w.Region
 	}
