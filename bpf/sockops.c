@@ -8,6 +8,7 @@
 
 #include <linux/bpf.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 #include "include/maps.h"
 #include "include/sockops.h"
@@ -84,6 +85,40 @@ struct tcp_sock {
 	__u64 bytes_sent;
 } __attribute__((preserve_access_index));
 
+
+/* The kernel's sock (a tcp_sock begins with it, and it with its
+ * sock_common) and its flag bits: only what zerocopy reads, located at load
+ * time through BTF (CO-RE). The flags moved into sock_common in Linux 6.15. */
+struct sock_common___zc {
+	unsigned long skc_flags;
+} __attribute__((preserve_access_index));
+
+struct sock___zc {
+	unsigned long sk_flags;
+} __attribute__((preserve_access_index));
+
+enum sock_flags___zc { SOCK_ZEROCOPY___zc = 0 };
+
+/* zerocopy says whether the socket takes MSG_ZEROCOPY sends (SO_ZEROCOPY; an
+ * accepted socket inherits it from its listener). The sockmap's send path
+ * copies every message and never queues a completion on the error queue, so
+ * an app that counts its zerocopy sends to match their completions would wait
+ * for ones that never come, and keep its buffers pinned. */
+static __always_inline int zerocopy(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	unsigned long flags;
+
+	if (!tp || !bpf_core_enum_value_exists(enum sock_flags___zc, SOCK_ZEROCOPY___zc))
+		return 0;
+	if (bpf_core_field_exists(struct sock_common___zc, skc_flags))
+		flags = ((struct sock_common___zc *)tp)->skc_flags;
+	else if (bpf_core_field_exists(struct sock___zc, sk_flags))
+		flags = ((struct sock___zc *)tp)->sk_flags;
+	else
+		return 0;
+	return (flags >> bpf_core_enum_value(enum sock_flags___zc, SOCK_ZEROCOPY___zc)) & 1;
+}
 
 /* Context fields are read one 32-bit word at a time (volatile): the
  * verifier refuses the 64-bit loads the compiler would merge them into. */
@@ -179,6 +214,12 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	 * read with splice(2) (Go's io.Copy between sockets does), which never
 	 * sees a redirect queue. The tunnel itself reads only with read(2). */
 	fresh.tunnel = tunnel_socket(sk);
+	/* An app socket set for MSG_ZEROCOPY stays on TCP, whose send path
+	 * reports completions (zerocopy). */
+	if (!fresh.tunnel && zerocopy(sk)) {
+		count(stats(), unpaired, 1);
+		return 1;
+	}
 	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
 	/* Into the sockhash first, so a tunnel key in rd_sock_state is a
 	 * redirect target until the tunnel closes the socket. Without a state
