@@ -174,21 +174,6 @@ static __always_inline int sk_from_pod(struct bpf_sock *sk)
 	return 0;
 }
 
-/* node_connecting reports whether the node holds the connecting socket of
- * this SYN's connection: a socket of its namespace in SYN_SENT from the
- * SYN's source address and port to its destination. A SYN without a socket
- * is the node's only if it is a copy of such a socket's SYN, which a bridge
- * flooded. The node's kernel builds SYNs without a socket for others too:
- * netfilter's SYNPROXY (iptables or nftables) answers a remote client's
- * handshake itself, then opens the connection to the pod for it in a fresh
- * packet with the client's source, sent with neither a socket nor an
- * ingress device. The lookup is the one for the pod's answer (from the pod
- * to the node's socket), so it finds the node's socket only: like Istio's
- * --socket-exists, and unlike it per packet, a node connection whose SYN the
- * node's own netfilter rewrote on the way out (a Service address DNATed in
- * OUTPUT) has no socket of the packet's tuple, so a flooded copy of it is
- * not translated; its copy with the socket, on a bridge that knows the
- * pod, is. */
 /* reply_tuple fills t with the tuple of the pod's answer to p (from the
  * pod to the node): looked up in the node's namespace, it finds the node's
  * socket of p's connection. */
@@ -207,6 +192,21 @@ static __always_inline void reply_tuple(struct bpf_sock_tuple *t, const struct h
 	}
 }
 
+/* node_connecting reports whether the node holds the connecting socket of
+ * this SYN's connection: a socket of its namespace in SYN_SENT from the
+ * SYN's source address and port to its destination. A SYN without a socket
+ * is the node's only if it is a copy of such a socket's SYN, which a bridge
+ * flooded. The node's kernel builds SYNs without a socket for others too:
+ * netfilter's SYNPROXY (iptables or nftables) answers a remote client's
+ * handshake itself, then opens the connection to the pod for it in a fresh
+ * packet with the client's source, sent with neither a socket nor an
+ * ingress device. The lookup is the one for the pod's answer (from the pod
+ * to the node's socket), so it finds the node's socket only: like Istio's
+ * --socket-exists, and unlike it per packet, a node connection whose SYN the
+ * node's own netfilter rewrote on the way out (a Service address DNATed in
+ * OUTPUT) has no socket of the packet's tuple, so a flooded copy of it is
+ * not translated; its copy with the socket, on a bridge that knows the
+ * pod, is. */
 static __always_inline int node_connecting(struct __sk_buff *skb, const struct host_pkt *p, int *from_pod)
 {
 	struct bpf_sock_tuple t = {};

@@ -88,7 +88,7 @@ struct tcp_sock {
 
 /* The kernel's sock (a tcp_sock begins with it, and it with its
  * sock_common) and its flag bits: only what zerocopy reads, located at load
- * time through BTF (CO-RE). The flags moved into sock_common in Linux 6.15. */
+ * time through BTF (CO-RE). Newer kernels keep the flags in sock_common. */
 struct sock_common___zc {
 	unsigned long skc_flags;
 } __attribute__((preserve_access_index));
