@@ -87,36 +87,50 @@ struct tcp_sock {
 
 
 /* The kernel's sock (a tcp_sock begins with it, and it with its
- * sock_common) and its flag bits: only what zerocopy reads, located at load
- * time through BTF (CO-RE). Newer kernels keep the flags in sock_common. */
+ * sock_common) and its flag bits: only what send_reports reads, located at
+ * load time through BTF (CO-RE). Newer kernels keep the flags in sock_common,
+ * and sk_tsflags grew from 16 to 32 bits. */
 struct sock_common___zc {
 	unsigned long skc_flags;
 } __attribute__((preserve_access_index));
 
 struct sock___zc {
 	unsigned long sk_flags;
+	__u32 sk_tsflags;
 } __attribute__((preserve_access_index));
 
 enum sock_flags___zc { SOCK_ZEROCOPY___zc = 0 };
 
-/* zerocopy says whether the socket takes MSG_ZEROCOPY sends (SO_ZEROCOPY; an
- * accepted socket inherits it from its listener). The sockmap's send path
- * copies every message and never queues a completion on the error queue, so
- * an app that counts its zerocopy sends to match their completions would wait
- * for ones that never come, and keep its buffers pinned. */
-static __always_inline int zerocopy(struct bpf_sock *sk)
+/* SO_TIMESTAMPING flags that ask for a report of each send: hardware,
+ * software, scheduler, acknowledgment and completion time stamps. */
+#define TX_TIMESTAMPS ((1 << 0) | (1 << 1) | (1 << 8) | (1 << 9) | (1 << 18))
+
+/* send_reports says whether the socket asked the kernel to report on its
+ * sends on the error queue: MSG_ZEROCOPY completions (SO_ZEROCOPY; an
+ * accepted socket inherits it from its listener) or transmit time stamps
+ * (SO_TIMESTAMPING). The sockmap's send path copies every message and, for
+ * a redirected one, reports nothing: an app that counts its sends to match
+ * the reports would wait for ones that never come (keeping its zerocopy
+ * buffers pinned). */
+static __always_inline int send_reports(struct bpf_sock *sk)
 {
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
-	unsigned long flags;
+	unsigned long flags = 0;
+	__u32 ts = 0;
 
-	if (!tp || !bpf_core_enum_value_exists(enum sock_flags___zc, SOCK_ZEROCOPY___zc))
+	if (!tp)
+		return 0;
+	if (bpf_core_field_exists(struct sock___zc, sk_tsflags) &&
+	    bpf_core_read(&ts, bpf_core_field_size(struct sock___zc, sk_tsflags),
+			  &((struct sock___zc *)tp)->sk_tsflags) == 0 &&
+	    (ts & TX_TIMESTAMPS))
+		return 1;
+	if (!bpf_core_enum_value_exists(enum sock_flags___zc, SOCK_ZEROCOPY___zc))
 		return 0;
 	if (bpf_core_field_exists(struct sock_common___zc, skc_flags))
 		flags = ((struct sock_common___zc *)tp)->skc_flags;
 	else if (bpf_core_field_exists(struct sock___zc, sk_flags))
 		flags = ((struct sock___zc *)tp)->sk_flags;
-	else
-		return 0;
 	return (flags >> bpf_core_enum_value(enum sock_flags___zc, SOCK_ZEROCOPY___zc)) & 1;
 }
 
@@ -214,9 +228,9 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	 * read with splice(2) (Go's io.Copy between sockets does), which never
 	 * sees a redirect queue. The tunnel itself reads only with read(2). */
 	fresh.tunnel = tunnel_socket(sk);
-	/* An app socket set for MSG_ZEROCOPY stays on TCP, whose send path
-	 * reports completions (zerocopy). */
-	if (!fresh.tunnel && zerocopy(sk)) {
+	/* An app socket that wants its sends reported stays on TCP, whose
+	 * send path reports them (send_reports). */
+	if (!fresh.tunnel && send_reports(sk)) {
 		count(stats(), unpaired, 1);
 		return 1;
 	}
@@ -284,8 +298,9 @@ static __always_inline int fall_back(struct sock_state *me, struct accel_counter
  * Verdicts: the message is redirected into the ingress queue of the
  * connection's other end when that end is a paired tunnel socket of the
  * same namespace (the tunnel of a captured connection), every earlier send
- * of this socket was redirected too, and the peer's queue stays within
- * REDIRECT_BUDGET; SK_PASS (the normal TCP path) otherwise, for good. Order
+ * of this socket was redirected too, the socket asked for no report of its
+ * sends (send_reports), and the peer's queue stays within REDIRECT_BUDGET;
+ * SK_PASS (the normal TCP path) otherwise, for good. Order
  * holds because the receiver reads its redirect queue before its TCP queue:
  * everything redirected must be sent before anything that is not. */
 SEC("sk_msg")
@@ -329,6 +344,11 @@ int rd_sk_msg(struct sk_msg_md *msg)
 		if (sent_before_pairing(msg))
 			return fall_back(me, c, c ? &c->fallback_early : NULL);
 	}
+	/* Asked for reports of its sends after it was paired (time stamps
+	 * need an established socket): TCP reports them, counted as
+	 * unpaired, since the tunnel then takes the socket out of the map. */
+	if (msg->sk && send_reports(msg->sk))
+		return fall_back(me, c, c ? &c->unpaired : NULL);
 	/* Redirecting to a missing peer would drop the data: look first. The
 	 * peer may also be another app (a pod talking to itself, not captured). */
 	other = bpf_map_lookup_elem(&rd_sock_state, &peer);

@@ -134,8 +134,9 @@ type Counters struct {
 	FallbackNoPeer, FallbackBudget, FallbackEarly uint64
 	// Unpaired counts sockets of this node's pods left out of the maps:
 	// one was full (they are the node's, 65536 entries), an app's socket
-	// was set for MSG_ZEROCOPY, or the kernel refused the socket. Their
-	// sends take TCP.
+	// asked for reports of its sends (MSG_ZEROCOPY completions, transmit
+	// time stamps; also when it asked once paired), or the kernel refused
+	// the socket. Their sends take TCP.
 	Unpaired uint64
 }
 
