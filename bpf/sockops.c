@@ -134,6 +134,30 @@ static __always_inline int send_reports(struct bpf_sock *sk)
 	return (flags >> bpf_core_enum_value(enum sock_flags___zc, SOCK_ZEROCOPY___zc)) & 1;
 }
 
+/* The kernel's inet_connection_sock (a tcp_sock begins with it): only its
+ * upper layer protocol, located at load time through BTF (CO-RE). */
+struct inet_connection_sock___zc {
+	void *icsk_ulp_ops;
+} __attribute__((preserve_access_index));
+
+/* has_ulp says whether an upper layer protocol runs on the socket: kTLS,
+ * which the app's TLS library sets once its handshake is done, so after
+ * pairing. kTLS runs this program on the plaintext of each record before it
+ * encrypts it, and a redirect sends that plaintext to the tunnel, which
+ * passes it on as the app's bytes: in the clear on the wire to a destination
+ * outside the mesh, and never as TLS to the app's peer. */
+static __always_inline int has_ulp(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	void *ops = NULL;
+
+	if (!tp || !bpf_core_field_exists(struct inet_connection_sock___zc, icsk_ulp_ops))
+		return 0;
+	if (bpf_core_read(&ops, sizeof(ops), &((struct inet_connection_sock___zc *)tp)->icsk_ulp_ops) < 0)
+		return 1; /* unknown: take the path that is right either way */
+	return ops != NULL;
+}
+
 /* Context fields are read one 32-bit word at a time (volatile): the
  * verifier refuses the 64-bit loads the compiler would merge them into. */
 
@@ -299,7 +323,8 @@ static __always_inline int fall_back(struct sock_state *me, struct accel_counter
  * connection's other end when that end is a paired tunnel socket of the
  * same namespace (the tunnel of a captured connection), every earlier send
  * of this socket was redirected too, the socket asked for no report of its
- * sends (send_reports), and the peer's queue stays within REDIRECT_BUDGET;
+ * sends (send_reports) and runs no kTLS (has_ulp), and the peer's queue
+ * stays within REDIRECT_BUDGET;
  * SK_PASS (the normal TCP path) otherwise, for good. Order
  * holds because the receiver reads its redirect queue before its TCP queue:
  * everything redirected must be sent before anything that is not. */
@@ -348,6 +373,9 @@ int rd_sk_msg(struct sk_msg_md *msg)
 	 * need an established socket): TCP reports them, counted as
 	 * unpaired, since the tunnel then takes the socket out of the map. */
 	if (msg->sk && send_reports(msg->sk))
+		return fall_back(me, c, c ? &c->unpaired : NULL);
+	/* kTLS set once paired (has_ulp): its records take TCP, encrypted. */
+	if (msg->sk && has_ulp(msg->sk))
 		return fall_back(me, c, c ? &c->unpaired : NULL);
 	/* Redirecting to a missing peer would drop the data: look first. The
 	 * peer may also be another app (a pod talking to itself, not captured). */

@@ -38,7 +38,7 @@ struct accel_counters {
 				 * still open had the same key, an app's socket asked for reports
 				 * of its sends (MSG_ZEROCOPY, transmit time stamps; also when it
 				 * asks once paired), or the kernel refused the socket (one with
-				 * a ULP such as kTLS) */
+				 * a ULP such as kTLS; a ULP set once paired falls back) */
 };
 
 /* Bytes a sender may have in its peer's receive queue, moved there but not
