@@ -174,6 +174,24 @@ static __always_inline int sk_from_pod(struct bpf_sock *sk)
 	return 0;
 }
 
+/* reply_tuple fills t with the tuple of the pod's answer to p (from the
+ * pod to the node): looked up in the node's namespace, it finds the node's
+ * socket of p's connection. */
+static __always_inline void reply_tuple(struct bpf_sock_tuple *t, const struct host_pkt *p)
+{
+	if (p->v6) {
+		__builtin_memcpy(t->ipv6.saddr, p->dst.addr, 16);
+		__builtin_memcpy(t->ipv6.daddr, p->src.addr, 16);
+		t->ipv6.sport = p->dport;
+		t->ipv6.dport = p->sport;
+	} else {
+		__builtin_memcpy(&t->ipv4.saddr, &p->dst.addr[12], 4);
+		__builtin_memcpy(&t->ipv4.daddr, &p->src.addr[12], 4);
+		t->ipv4.sport = p->dport;
+		t->ipv4.dport = p->sport;
+	}
+}
+
 /* node_connecting reports whether the node holds the connecting socket of
  * this SYN's connection: a socket of its namespace in SYN_SENT from the
  * SYN's source address and port to its destination. A SYN without a socket
@@ -195,19 +213,11 @@ static __always_inline int node_connecting(struct __sk_buff *skb, const struct h
 	struct bpf_sock *sk;
 	int ok;
 
-	if (p->v6) {
-		__builtin_memcpy(t.ipv6.saddr, p->dst.addr, 16);
-		__builtin_memcpy(t.ipv6.daddr, p->src.addr, 16);
-		t.ipv6.sport = p->dport;
-		t.ipv6.dport = p->sport;
+	reply_tuple(&t, p);
+	if (p->v6)
 		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
-	} else {
-		__builtin_memcpy(&t.ipv4.saddr, &p->dst.addr[12], 4);
-		__builtin_memcpy(&t.ipv4.daddr, &p->src.addr[12], 4);
-		t.ipv4.sport = p->dport;
-		t.ipv4.dport = p->sport;
+	else
 		sk = bpf_sk_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
-	}
 	if (!sk)
 		return 0;
 	ok = sk->state == BPF_TCP_SYN_SENT;
@@ -215,6 +225,28 @@ static __always_inline int node_connecting(struct __sk_buff *skb, const struct h
 		*from_pod = sk_from_pod(sk);
 	bpf_sk_release(sk);
 	return ok;
+}
+
+/* node_holds reports whether the node has a socket of p's connection, in
+ * any state but listening (a time-wait or request socket included): whether
+ * a probe with p's tuple may still be open. A NAT entry outlives its probe,
+ * and without such a socket it is no probe's any more. */
+static __always_inline int node_holds(struct __sk_buff *skb, const struct host_pkt *p)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	int held;
+
+	reply_tuple(&t, p);
+	if (p->v6)
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv6), BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_skc_lookup_tcp(skb, &t, sizeof(t.ipv4), BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return 0;
+	held = sk->state != BPF_TCP_LISTEN;
+	bpf_sk_release(sk);
+	return held;
 }
 
 /* node_syn reports whether the node's stack sent this SYN (node_sent): from
@@ -318,9 +350,12 @@ static __always_inline int spoofed_probe(struct __sk_buff *skb)
  *                  already is the SNAT address (counted as drop_probe_spoofed:
  *                  only this program may give a packet that source), a
  *                  packet with the node's end of a probe connection that the
- *                  node did not send (a frame a pod on the bridge forged, or a
+ *                  node did not send (a frame a pod on the bridge forged
+ *                  while the node holds the connection's socket, or a
  *                  hostNetwork pod's raw or packet socket sent; also
- *                  drop_probe_spoofed), a SYN
+ *                  drop_probe_spoofed; a forwarded packet whose tuple only
+ *                  a stale entry has, of a connection the node masqueraded,
+ *                  passes and the entry is forgotten), a SYN
  *                  whose NAT entry cannot be stored (the SYN is retried), or
  *                  a packet whose rewrite failed half-way (it is corrupt).
  *
@@ -393,7 +428,21 @@ int rd_host_egress(struct __sk_buff *skb)
 		 * (skb_from_pod, as for the SYN). Passed as it is, it would
 		 * meet no socket in the pod, whose reset the node's
 		 * connection would take for its peer's. */
-		if (!node_sent(skb) || skb_from_pod(skb)) {
+		if (!node_sent(skb)) {
+			/* Forwarded with the node's address: a forgery while the
+			 * probe is open, else another connection that the node
+			 * masqueraded to its own address (kube-proxy's NodePort
+			 * traffic) and whose port an old probe used. The entry
+			 * outlived that probe; forgotten, the connection passes
+			 * as it would without it. */
+			if (node_holds(skb, &p)) {
+				count_reason(REASON_DROP_PROBE_SPOOFED);
+				return TC_ACT_SHOT;
+			}
+			bpf_map_delete_elem(&rd_probe_nat, &key);
+			return TC_ACT_UNSPEC;
+		}
+		if (skb_from_pod(skb)) {
 			count_reason(REASON_DROP_PROBE_SPOOFED);
 			return TC_ACT_SHOT;
 		}

@@ -8,6 +8,7 @@
 
 #include <linux/bpf.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 #include <bpf/bpf_helpers.h>
 #include "include/maps.h"
 #include "include/sockops.h"
@@ -84,6 +85,78 @@ struct tcp_sock {
 	__u64 bytes_sent;
 } __attribute__((preserve_access_index));
 
+
+/* The kernel's sock (a tcp_sock begins with it, and it with its
+ * sock_common) and its flag bits: only what send_reports reads, located at
+ * load time through BTF (CO-RE). Newer kernels keep the flags in sock_common,
+ * and sk_tsflags grew from 16 to 32 bits. */
+struct sock_common___zc {
+	unsigned long skc_flags;
+} __attribute__((preserve_access_index));
+
+struct sock___zc {
+	unsigned long sk_flags;
+	__u32 sk_tsflags;
+} __attribute__((preserve_access_index));
+
+enum sock_flags___zc { SOCK_ZEROCOPY___zc = 0 };
+
+/* SO_TIMESTAMPING flags that ask for a report of each send: hardware,
+ * software, scheduler, acknowledgment and completion time stamps. */
+#define TX_TIMESTAMPS ((1 << 0) | (1 << 1) | (1 << 8) | (1 << 9) | (1 << 18))
+
+/* send_reports says whether the socket asked the kernel to report on its
+ * sends on the error queue: MSG_ZEROCOPY completions (SO_ZEROCOPY; an
+ * accepted socket inherits it from its listener) or transmit time stamps
+ * (SO_TIMESTAMPING). The sockmap's send path copies every message and, for
+ * a redirected one, reports nothing: an app that counts its sends to match
+ * the reports would wait for ones that never come (keeping its zerocopy
+ * buffers pinned). */
+static __always_inline int send_reports(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	unsigned long flags = 0;
+	__u32 ts = 0;
+
+	if (!tp)
+		return 0;
+	if (bpf_core_field_exists(struct sock___zc, sk_tsflags) &&
+	    bpf_core_read(&ts, bpf_core_field_size(struct sock___zc, sk_tsflags),
+			  &((struct sock___zc *)tp)->sk_tsflags) == 0 &&
+	    (ts & TX_TIMESTAMPS))
+		return 1;
+	if (!bpf_core_enum_value_exists(enum sock_flags___zc, SOCK_ZEROCOPY___zc))
+		return 0;
+	if (bpf_core_field_exists(struct sock_common___zc, skc_flags))
+		flags = ((struct sock_common___zc *)tp)->skc_flags;
+	else if (bpf_core_field_exists(struct sock___zc, sk_flags))
+		flags = ((struct sock___zc *)tp)->sk_flags;
+	return (flags >> bpf_core_enum_value(enum sock_flags___zc, SOCK_ZEROCOPY___zc)) & 1;
+}
+
+/* The kernel's inet_connection_sock (a tcp_sock begins with it): only its
+ * upper layer protocol, located at load time through BTF (CO-RE). */
+struct inet_connection_sock___zc {
+	void *icsk_ulp_ops;
+} __attribute__((preserve_access_index));
+
+/* has_ulp says whether an upper layer protocol runs on the socket: kTLS,
+ * which the app's TLS library sets once its handshake is done, so after
+ * pairing. kTLS runs this program on the plaintext of each record before it
+ * encrypts it, and a redirect sends that plaintext to the tunnel, which
+ * passes it on as the app's bytes: in the clear on the wire to a destination
+ * outside the mesh, and never as TLS to the app's peer. */
+static __always_inline int has_ulp(struct bpf_sock *sk)
+{
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	void *ops = NULL;
+
+	if (!tp || !bpf_core_field_exists(struct inet_connection_sock___zc, icsk_ulp_ops))
+		return 0;
+	if (bpf_core_read(&ops, sizeof(ops), &((struct inet_connection_sock___zc *)tp)->icsk_ulp_ops) < 0)
+		return 1; /* unknown: take the path that is right either way */
+	return ops != NULL;
+}
 
 /* Context fields are read one 32-bit word at a time (volatile): the
  * verifier refuses the 64-bit loads the compiler would merge them into. */
@@ -179,6 +252,12 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	 * read with splice(2) (Go's io.Copy between sockets does), which never
 	 * sees a redirect queue. The tunnel itself reads only with read(2). */
 	fresh.tunnel = tunnel_socket(sk);
+	/* An app socket that wants its sends reported stays on TCP, whose
+	 * send path reports them (send_reports). */
+	if (!fresh.tunnel && send_reports(sk)) {
+		count(stats(), unpaired, 1);
+		return 1;
+	}
 	socks = fresh.tunnel ? (void *)&rd_tunnel_socks : (void *)&rd_app_socks;
 	/* Into the sockhash first, so a tunnel key in rd_sock_state is a
 	 * redirect target until the tunnel closes the socket. Without a state
@@ -243,8 +322,10 @@ static __always_inline int fall_back(struct sock_state *me, struct accel_counter
  * Verdicts: the message is redirected into the ingress queue of the
  * connection's other end when that end is a paired tunnel socket of the
  * same namespace (the tunnel of a captured connection), every earlier send
- * of this socket was redirected too, and the peer's queue stays within
- * REDIRECT_BUDGET; SK_PASS (the normal TCP path) otherwise, for good. Order
+ * of this socket was redirected too, the socket asked for no report of its
+ * sends (send_reports) and runs no kTLS (has_ulp), and the peer's queue
+ * stays within REDIRECT_BUDGET;
+ * SK_PASS (the normal TCP path) otherwise, for good. Order
  * holds because the receiver reads its redirect queue before its TCP queue:
  * everything redirected must be sent before anything that is not. */
 SEC("sk_msg")
@@ -288,6 +369,14 @@ int rd_sk_msg(struct sk_msg_md *msg)
 		if (sent_before_pairing(msg))
 			return fall_back(me, c, c ? &c->fallback_early : NULL);
 	}
+	/* Asked for reports of its sends after it was paired (time stamps
+	 * need an established socket): TCP reports them, counted as
+	 * unpaired, since the tunnel then takes the socket out of the map. */
+	if (msg->sk && send_reports(msg->sk))
+		return fall_back(me, c, c ? &c->unpaired : NULL);
+	/* kTLS set once paired (has_ulp): its records take TCP, encrypted. */
+	if (msg->sk && has_ulp(msg->sk))
+		return fall_back(me, c, c ? &c->unpaired : NULL);
 	/* Redirecting to a missing peer would drop the data: look first. The
 	 * peer may also be another app (a pod talking to itself, not captured). */
 	other = bpf_map_lookup_elem(&rd_sock_state, &peer);

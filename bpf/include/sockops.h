@@ -35,8 +35,10 @@ struct accel_counters {
 	__u64 fallback_budget;  /* ... : the peer had not read enough (budget) */
 	__u64 fallback_early;   /* ... : data was queued before the socket was paired */
 	__u64 unpaired;         /* sockets of this node's pods left out: a map was full, a socket
-				 * still open had the same key, or the kernel refused the socket
-				 * (one with a ULP such as kTLS) */
+				 * still open had the same key, an app's socket asked for reports
+				 * of its sends (MSG_ZEROCOPY, transmit time stamps; also when it
+				 * asks once paired), or the kernel refused the socket (one with
+				 * a ULP such as kTLS; a ULP set once paired falls back) */
 };
 
 /* Bytes a sender may have in its peer's receive queue, moved there but not

@@ -133,8 +133,10 @@ type Counters struct {
 	// at their first send, the peer's budget spent, data sent before pairing.
 	FallbackNoPeer, FallbackBudget, FallbackEarly uint64
 	// Unpaired counts sockets of this node's pods left out of the maps:
-	// one was full (they are the node's, 65536 entries), or the kernel
-	// refused the socket. Their sends take TCP.
+	// one was full (they are the node's, 65536 entries), an app's socket
+	// asked for reports of its sends (MSG_ZEROCOPY completions, transmit
+	// time stamps; also when it asked once paired), or the kernel refused
+	// the socket. Their sends take TCP.
 	Unpaired uint64
 }
 

@@ -15,7 +15,7 @@ var (
 			"budget (the tunnel had not read enough), early_data (data was sent before pairing).",
 		[]string{"reason"}, nil)
 	unpairedDesc = prometheus.NewDesc("redirector_sockops_sockets_unpaired_total",
-		"Sockets of this node's pods left unpaired, on the TCP path: a map of the node was full, or the kernel refused the socket.", nil, nil)
+		"Sockets of this node's pods left unpaired, on the TCP path: a map of the node was full, an app's socket asked for reports of its sends (MSG_ZEROCOPY, transmit time stamps), or the kernel refused the socket.", nil, nil)
 )
 
 // collector reads the per-CPU counters when Prometheus scrapes.
