@@ -316,8 +316,8 @@ func checkNames(s *settings, f runFlags) error {
 		// The cluster goes to istiod in a gRPC header of every certificate
 		// request (a control or non-ASCII character failed each one at run
 		// time) and to peers in the baggage of every CONNECT, which a peer
-		// drops whole for a value that is not a plain name of at most 63
-		// characters (with it the source labels of its metrics).
+		// leaves out when it is not a plain name of at most 63 characters
+		// (with it the source_cluster label of its metrics).
 		{f.ca.clusterID, "cluster name (a label value)", true, validation.IsValidLabelValue},
 	} {
 		if n.optional && *n.val == "" {

@@ -52,15 +52,24 @@ func baggageOf(w *workload.Workload, cluster string) string {
 	return strings.Join(members, ",")
 }
 
-// maxBaggageValue bounds each announced value, as Kubernetes bounds label
-// values.
-const maxBaggageValue = 63
+// Bounds of announced values, as Kubernetes bounds what they name: a
+// workload's (pod's, Deployment's, Job's) name is a DNS subdomain of up to
+// 253 characters; namespaces, label values (canonical service and
+// revision, region, zone) and cluster names (CLUSTER_ID is checked as a
+// label value) are at most 63.
+const (
+	maxBaggageName  = 253
+	maxBaggageValue = 63
+)
 
 // parseBaggage reads ztunnel's keys from the baggage headers of h. The
 // announcement is a claim by the peer, so it is only taken when its
-// namespace is the one of the peer's verified identity and every value is
-// a plain name (at most 63 letters, digits, '-', '_' or '.'); otherwise, or
-// without baggage, it returns nil. Unknown keys are ignored.
+// namespace is the one of the peer's verified identity and it names a
+// workload; otherwise, or without baggage, it returns nil. A value that is
+// not a plain name (letters, digits, '-', '_' or '.', within its key's
+// bound) is left out on its own, as are unknown keys: one odd value (a
+// long Deployment name, a region with a space) does not cost the peer its
+// other labels.
 func parseBaggage(h http.Header, peer identity.ID) *peerMeta {
 	vals := h.Values(headerBaggage)
 	if len(vals) == 0 || peer.IsZero() {
@@ -76,24 +85,26 @@ func parseBaggage(h http.Header, peer identity.ID) *peerMeta {
 				continue
 			}
 			k, val = strings.TrimSpace(k), strings.TrimSpace(val)
-			if val != "" && !plainName(val) {
-				return nil
-			}
+			var field *string
+			bound := maxBaggageValue
 			switch k {
 			case "k8s.cluster.name":
-				m.cluster = val
+				field = &m.cluster
 			case "k8s.namespace.name":
-				m.namespace = val
+				field = &m.namespace
 			case "k8s.deployment.name", "k8s.cronjob.name", "k8s.pod.name", "k8s.job.name":
-				m.workload = val
+				field, bound = &m.workload, maxBaggageName
 			case "service.name":
-				m.service = val
+				field = &m.service
 			case "service.version":
-				m.revision = val
+				field = &m.revision
 			case "cloud.region":
-				m.region = val
+				field = &m.region
 			case "cloud.availability_zone":
-				m.zone = val
+				field = &m.zone
+			}
+			if field != nil && plainName(val, bound) {
+				*field = val
 			}
 		}
 	}
@@ -103,8 +114,10 @@ func parseBaggage(h http.Header, peer identity.ID) *peerMeta {
 	return &m
 }
 
-func plainName(s string) bool {
-	if len(s) > maxBaggageValue {
+// plainName reports whether s is at most bound letters, digits, '-', '_'
+// or '.': safe as a label value and in a log line.
+func plainName(s string, bound int) bool {
+	if len(s) > bound {
 		return false
 	}
 	for _, c := range []byte(s) {

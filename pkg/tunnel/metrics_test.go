@@ -171,14 +171,23 @@ func TestBaggageRoundTrip(t *testing.T) {
 		t.Errorf("derived source labels %v", l)
 	}
 	for _, bad := range []string{
-		"k8s.namespace.name=other,k8s.deployment.name=x",                         // not the peer's namespace
-		"k8s.namespace.name=mesh,k8s.deployment.name=x y",                        // not a name
-		"k8s.namespace.name=mesh,k8s.deployment.name=" + strings.Repeat("a", 64), // too long
-		"k8s.namespace.name=mesh",                                                // no workload
+		"k8s.namespace.name=other,k8s.deployment.name=x",                           // not the peer's namespace
+		"k8s.namespace.name=mesh,k8s.deployment.name=x y",                          // not a name
+		"k8s.namespace.name=mesh,k8s.deployment.name=" + strings.Repeat("a", 254),  // too long
+		"k8s.namespace.name=" + strings.Repeat("a", 64) + ",k8s.deployment.name=x", // a namespace too long
+		"k8s.namespace.name=mesh",                                                  // no workload
 	} {
 		if g := parseBaggage(http.Header{"Baggage": {bad}}, peer); g != nil {
 			t.Errorf("baggage %q accepted: %+v", bad, g)
 		}
+	}
+	// One odd value is left out on its own: a Deployment's name may be
+	// 253 characters, and a region with a space costs only the region.
+	long := strings.Repeat("d", 253)
+	odd := "k8s.cluster.name=east,k8s.namespace.name=mesh,k8s.deployment.name=" + long +
+		",service.name=reviews,service.version=" + strings.Repeat("v", 64) + ",cloud.region=us east,cloud.availability_zone=z1,x-unknown=a b"
+	if g := parseBaggage(http.Header{"Baggage": {odd}}, peer); g == nil || *g != (peerMeta{cluster: "east", namespace: "mesh", workload: long, service: "reviews", zone: "z1"}) {
+		t.Errorf("baggage with odd values parsed %+v, want every plain value kept and the odd ones left out", g)
 	}
 	if parseBaggage(http.Header{"Baggage": {b}}, identity.ID{}) != nil {
 		t.Error("baggage accepted without a verified identity")
