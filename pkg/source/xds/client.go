@@ -85,7 +85,13 @@ const (
 	// type the client waits for the others before it warns that they are
 	// missing (istiod answers every subscription, even with nothing).
 	DefaultFirstSyncGrace = 3 * time.Second
-	DefaultSnapshotGap    = 50 * time.Millisecond
+	// DefaultSilentWarn is how long a stream istiod accepted may go
+	// without any response before the client warns: istiod answers every
+	// subscription within seconds, even with nothing, so one that never
+	// does (a proxy in between holding the stream, an istiod stuck before
+	// its first push) is named rather than waited on in silence.
+	DefaultSilentWarn  = 30 * time.Second
+	DefaultSnapshotGap = 50 * time.Millisecond
 )
 
 // Bounds on what a resource or a NACK carries besides its value. istiod
@@ -152,6 +158,8 @@ type Config struct {
 	MinBackoff, MaxBackoff time.Duration
 	// FirstSyncGrace: 0 means DefaultFirstSyncGrace.
 	FirstSyncGrace time.Duration
+	// SilentWarn: 0 means DefaultSilentWarn.
+	SilentWarn time.Duration
 	// SnapshotGap is the least time between two snapshots (see
 	// publisher); 0 means DefaultSnapshotGap.
 	SnapshotGap time.Duration
@@ -221,6 +229,7 @@ func New(cfg Config) (*Client, error) {
 	cfg.MinBackoff = cmp.Or(cfg.MinBackoff, DefaultMinBackoff)
 	cfg.MaxBackoff = max(cmp.Or(cfg.MaxBackoff, DefaultMaxBackoff), cfg.MinBackoff)
 	cfg.FirstSyncGrace = cmp.Or(cfg.FirstSyncGrace, DefaultFirstSyncGrace)
+	cfg.SilentWarn = cmp.Or(cfg.SilentWarn, DefaultSilentWarn)
 	cfg.SnapshotGap = cmp.Or(cfg.SnapshotGap, DefaultSnapshotGap)
 	log := cmp.Or(cfg.Logger, slog.Default()).With("source", "xds")
 	return &Client{cfg: cfg, log: log, pub: newPublisher(cfg.SnapshotGap), types: []*resourceType{
@@ -366,6 +375,9 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		}
 	}()
 	var grace <-chan time.Time
+	silent := time.NewTimer(c.cfg.SilentWarn)
+	defer silent.Stop()
+	opened := time.Now()
 	for {
 		var r recvd
 		select {
@@ -374,6 +386,12 @@ func (c *Client) stream(ctx context.Context, update func(*Snapshot)) (got bool, 
 		case r = <-ch:
 		case <-c.pub.C():
 			c.pub.publish(c.snapshot, update)
+			continue
+		case <-silent.C:
+			if !got {
+				c.log.Warn("istiod accepted the xds stream but has sent no response; keeping the last state and waiting",
+					"waited", time.Since(opened).Round(time.Second), "synced_before", c.synced)
+			}
 			continue
 		case <-grace:
 			if !c.synced {

@@ -25,6 +25,7 @@ import (
 
 	"github.com/redirector-mesh/redirector/internal/promtest"
 	"github.com/redirector-mesh/redirector/internal/syncbuf"
+	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 )
 
@@ -370,6 +371,31 @@ func TestClientWaitsForPolicies(t *testing.T) {
 	send(t, st, TypeAuthorization, "n2", nil, resource(t, "istio-system/istio_converted_static_strict", "v1", TypeAuthorization, strictAuthz()))
 	if s := h.next(); len(s.Workloads) != 1 || len(s.Policies) != 1 {
 		t.Fatalf("%d workloads, %d policies", len(s.Workloads), len(s.Policies))
+	}
+}
+
+// TestClientWarnsOfASilentStream: a stream istiod (here a stand-in that
+// takes the subscriptions and answers nothing) accepted but never answers
+// was waited on with nothing logged past the dial; it is now named once,
+// SilentWarn after it opened, and still waited on.
+func TestClientWarnsOfASilentStream(t *testing.T) {
+	var logs syncbuf.Buffer
+	h := startClient(t, func(c *Config) {
+		c.SilentWarn = 50 * time.Millisecond
+		c.Logger = slog.New(slog.NewTextHandler(&logs, nil))
+	})
+	st, _ := h.accept()
+	waitfor.Until(t, "the warning of a silent stream", func() bool {
+		return strings.Contains(logs.String(), "has sent no response")
+	})
+	time.Sleep(150 * time.Millisecond)
+	if n := strings.Count(logs.String(), "has sent no response"); n != 1 {
+		t.Errorf("warned %d times of one silent stream, want once", n)
+	}
+	send(t, st, TypeAddress, "n1", nil, resource(t, "a", "v1", TypeAddress, wlAddr("a", "a", "10.1.0.5", nil)))
+	send(t, st, TypeAuthorization, "n2", nil)
+	if s := h.next(); len(s.Workloads) != 1 {
+		t.Fatalf("%d workloads after the late answer, want 1", len(s.Workloads))
 	}
 }
 
