@@ -395,11 +395,16 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 		dns.Close()
 	}
 	done := make(chan struct{})
+	// The HBONE server closes its streams when hctx ends, after the app
+	// sockets below were reset: closed by the server first, its streams'
+	// app sockets got a FIN.
+	hctx, hcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer hcancel()
 	go func() {
 		// GOAWAY first: peers open new streams elsewhere (a successor's
 		// listener) while these finish.
 		if hb != nil {
-			_ = hb.Shutdown(ctx)
+			_ = hb.Shutdown(hctx)
 		}
 		p.wg.Wait()
 		close(done)
@@ -441,6 +446,7 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	for _, abort := range aborts {
 		abort()
 	}
+	hcancel()
 	for _, c := range closers {
 		_ = c.Close()
 	}
