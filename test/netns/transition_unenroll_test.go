@@ -14,9 +14,9 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
-// TestUnenrollNoPlaintext: a pod unenrolled
-// (its label flipped to dataplane-mode=none) while a meshed connection of
-// it is open, its app writing. Its capture goes (entries, rules, links),
+// TestUnenrollNoPlaintext: a pod unenrolled (its label flipped to
+// dataplane-mode=none) while meshed connections of it are open, its app
+// writing on one and leaving the other idle until after the unenrollment. Its capture goes (entries, rules, links),
 // and whatever the app's socket sends after that leaves by its interface
 // as it is: before the fix the detach came first and the tunnel's stop
 // second, giving the relays a second on top, and closed the app's side
