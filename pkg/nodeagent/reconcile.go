@@ -264,20 +264,29 @@ func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, ker
 	}
 }
 
-// remove detaches the pod uid (name is namespace/name, for the result) and
-// closes its listeners.
+// remove closes the pod uid's listeners and ends its connections, then
+// detaches it (name is namespace/name, for the result). The tunnel goes
+// first: a captured connection's app socket keeps its tuple when the
+// capture goes, and what it sends after the detach (in the stop's grace,
+// or from CLOSE_WAIT once the tunnel closed its side) leaves by the pod's
+// interface as it is, in plaintext. With the capture still in place it
+// reaches the tunnel's sockets, or is dropped, until the stop has reset
+// it. New connections of the pod meanwhile find no listener and are
+// dropped (drop_no_listener); their SYN's retransmission goes out once
+// the pod is detached.
 func (r *Reconciler) remove(ctx context.Context, uid, name string, add func(func(*Result))) {
+	if err := r.server.StopPod(ctx, uid); err != nil {
+		add(func(res *Result) {
+			res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
+		})
+		return
+	}
 	if err := r.loader.DetachPod(ctx, uid); err != nil {
 		add(func(res *Result) { res.Errors = append(res.Errors, err) })
 		return
 	}
 	r.forgetNS(uid)
 	add(func(res *Result) { res.Detached = append(res.Detached, name) })
-	if err := r.server.StopPod(ctx, uid); err != nil {
-		add(func(res *Result) {
-			res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
-		})
-	}
 }
 
 // ReconcilePod converges one pod: want is how it should be attached, or

@@ -395,11 +395,16 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 		dns.Close()
 	}
 	done := make(chan struct{})
+	// The HBONE server closes its streams when hctx ends, after the app
+	// sockets below were reset: closed by the server first, its streams'
+	// app sockets got a FIN.
+	hctx, hcancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer hcancel()
 	go func() {
 		// GOAWAY first: peers open new streams elsewhere (a successor's
 		// listener) while these finish.
 		if hb != nil {
-			_ = hb.Shutdown(ctx)
+			_ = hb.Shutdown(hctx)
 		}
 		p.wg.Wait()
 		close(done)
@@ -413,16 +418,35 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	// a read from it (a plaintext server that stopped reading, an app that
 	// reads nothing) does not wake when only the accepted socket closes,
 	// and stop, and the reconciler's call of it, waited for it for ever.
+	//
+	// Sockets that face the pod's apps are reset, not closed with a FIN:
+	// an app's socket left in CLOSE_WAIT may still send, and once the pod
+	// is detached (StopPod comes first, see nodeagent) what it sends
+	// leaves by the pod's interface as it is, in plaintext. A reset
+	// leaves it nothing to send. Inbound connections' app sockets (the
+	// tunnel's dials, HBONE streams' included) are reset by their closer.
 	p.mu.Lock()
 	forced = len(p.conns)
 	closers := make([]io.Closer, 0, 2*len(p.conns))
 	for c, r := range p.conns {
-		closers = append(closers, c)
+		closers = append(closers, resetter{c})
 		if r.up != nil {
 			closers = append(closers, r.up)
 		}
 	}
+	var aborts []func()
+	for ic := range p.inbound {
+		ic.mu.Lock()
+		if ic.closer != nil {
+			aborts = append(aborts, ic.closer)
+		}
+		ic.mu.Unlock()
+	}
 	p.mu.Unlock()
+	for _, abort := range aborts {
+		abort()
+	}
+	hcancel()
 	for _, c := range closers {
 		_ = c.Close()
 	}
@@ -441,6 +465,11 @@ func (p *pod) stop(ctx context.Context) (open, forced int) {
 	_ = p.ns.Close()
 	return open, forced
 }
+
+// resetter closes a connection with a reset (resetConn).
+type resetter struct{ c net.Conn }
+
+func (r resetter) Close() error { resetConn(r.c); return nil }
 
 // owns reports whether a is one of the pod's addresses.
 func (p *pod) owns(a netip.Addr) bool {

@@ -158,10 +158,20 @@ func (d *Directory) addService(s *Service) error {
 	d.services = append(d.services, &own)
 	for i := range own.Endpoints {
 		e := &own.Endpoints[i]
-		// An address belongs to one workload: the directory's.
+		// An address belongs to one workload: the directory's. Where the
+		// endpoint names its pod (a slice's targetRef), it must be that
+		// one: a pod that left may have its address given to another pod
+		// while the slice, watched apart from pods, still lists it (a
+		// publishNotReadyAddresses service lists a pod until its object is
+		// deleted, after its sandbox freed the address), and the service's
+		// connections went to the new pod, its identity required and
+		// proved. Such an endpoint is not dialled.
 		e.Workload = d.byAddr[e.Addr]
 		e.Unresolved = false
-		if e.Workload == nil && e.PodName != "" {
+		if w := e.Workload; w != nil && e.PodName != "" && (w.Namespace != e.PodNamespace || w.Name != e.PodName) {
+			e.Workload, e.Unresolved = nil, true
+		}
+		if e.Workload == nil && !e.Unresolved && e.PodName != "" {
 			named := d.byName[nameKey{e.PodNamespace, e.PodName}]
 			e.Unresolved = named == nil || named.TakesHBONE()
 		}

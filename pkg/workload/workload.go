@@ -227,7 +227,10 @@ type Endpoint struct {
 	// know, or knows as meshed but not at Addr: the source has not seen
 	// the pod (or its address) yet, as an EndpointSlice and its Pod are
 	// watched apart. Such an endpoint may be a meshed pod, so it is not
-	// dialled in plain TCP. NewDirectory fills it in.
+	// dialled in plain TCP. It is also set, and Workload left nil, when
+	// the directory gives Addr to another pod than the one named (the
+	// named pod left and its address was reused): such an endpoint is not
+	// dialled at all. NewDirectory fills it in.
 	Unresolved bool
 	// Site stands in for Workload's locality where Workload is nil but
 	// Node is known (a hostNetwork pod's endpoint, at its node's address,
