@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net/netip"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -34,8 +35,16 @@ func recreateSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
 			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
 		}
 	}
+	// The old namespace is held until the new one exists, so the new one
+	// gets another inode number (the kernel reuses freed ones): what is
+	// tested is a reused path, not a reused number as well.
+	old, err := os.Open(p.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
 	run("netns", "del", p.NS)
 	run("netns", "add", p.NS)
+	old.Close()
 	t.Cleanup(func() { _ = exec.Command("ip", "-n", n.Name, "link", "del", hostVeth).Run() })
 	run("-n", p.NS, "link", "set", "lo", "up")
 	run("-n", n.Name, "link", "add", hostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
