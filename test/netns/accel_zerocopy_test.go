@@ -17,8 +17,8 @@ import (
 // (SO_ZEROCOPY on its socket, or on the listener its socket was accepted
 // from) matches each send with a completion the kernel queues on the
 // socket's error queue, and keeps the send's buffer until then; one that
-// asks for transmit time stamps (SO_TIMESTAMPING, once connected) matches
-// each send with a time stamp there. A paired socket's sends take the
+// asks for transmit time stamps (SO_TIMESTAMPING, once connected) gets
+// time stamps there that reach each send's last byte. A paired socket's sends take the
 // sockmap's path, which copies and reports nothing: before the fix the app
 // waited for reports that never came (none of 4 sends completed or time
 // stamped, where TCP reports all 4). Such a socket now stays unpaired, or
@@ -98,6 +98,7 @@ func TestSockopsAccelerationZerocopy(t *testing.T) {
 	})
 
 	t.Run("client app asking for time stamps once connected", func(t *testing.T) {
+		paired := accelTotals(t, ms).Sockets
 		var fd int
 		err := netns.Do(client.Path(), func() error {
 			var err error
@@ -110,14 +111,20 @@ func TestSockopsAccelerationZerocopy(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer unix.Close(fd)
-		time.Sleep(20 * time.Millisecond) // paired by now
+		// Both ends of the captured connection (the app's socket and the
+		// tunnel's) paired before the app asks.
+		for end := time.Now().Add(10 * time.Second); accelTotals(t, ms).Sockets-paired < 2; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(end) {
+				t.Fatalf("the connection's sockets were not paired: %+v", accelTotals(t, ms).Sub(before))
+			}
+		}
 		// OPT_ID takes an established socket.
 		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TIMESTAMPING, unix.SOF_TIMESTAMPING_TX_SOFTWARE|
 			unix.SOF_TIMESTAMPING_SOFTWARE|unix.SOF_TIMESTAMPING_OPT_ID|unix.SOF_TIMESTAMPING_OPT_TSONLY); err != nil {
 			t.Fatal(err)
 		}
-		if n := timestampedSends(fd, sends, size); n != sends {
-			t.Errorf("%d of %d sends got a transmit time stamp", n, sends)
+		if high := timestampedSends(fd, sends, size); high != sends*size-1 {
+			t.Errorf("the transmit time stamps of %d sends of %d bytes reached byte %d, want %d", sends, size, high, sends*size-1)
 		}
 		unix.Shutdown(fd, unix.SHUT_WR)
 		select {
@@ -151,18 +158,22 @@ func TestSockopsAccelerationZerocopy(t *testing.T) {
 }
 
 // timestampedSends writes n messages of size bytes on fd, which asked for
-// software transmit time stamps, and returns how many time stamps the
-// kernel queued within 3 seconds.
-func timestampedSends(fd, n, size int) int {
+// software transmit time stamps with OPT_ID, and returns the highest key of
+// the time stamps the kernel queued within 10 seconds. TCP's time stamps are
+// cumulative: one keyed k reports every byte up to offset k, and the kernel
+// merges those of sends that end in one segment (plain TCP over loopback
+// often reports 4 such sends with 2) or adds some for pieces of a send, so
+// every send was time stamped when the highest key is the last byte's.
+func timestampedSends(fd, n, size int) int64 {
 	buf := make([]byte, size)
 	for range n {
 		if _, err := unix.Write(fd, buf); err != nil {
 			return -1
 		}
 	}
-	got := 0
+	last, high := int64(n*size-1), int64(-1)
 	oob := make([]byte, 512)
-	for end := time.Now().Add(3 * time.Second); got < n && time.Now().Before(end); {
+	for end := time.Now().Add(10 * time.Second); high < last && time.Now().Before(end); {
 		_, oobn, _, _, err := unix.Recvmsg(fd, nil, oob, unix.MSG_ERRQUEUE|unix.MSG_DONTWAIT)
 		if err != nil {
 			time.Sleep(10 * time.Millisecond)
@@ -170,16 +181,19 @@ func timestampedSends(fd, n, size int) int {
 		}
 		msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
 		for _, m := range msgs {
-			if m.Header.Level == unix.SOL_SOCKET && m.Header.Type == unix.SO_TIMESTAMPING {
-				got++
+			// struct sock_extended_err: errno u32, origin u8, type u8,
+			// code u8, pad u8, info u32, data u32 (the OPT_ID key).
+			if m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_RECVERR && len(m.Data) >= 16 &&
+				m.Data[4] == unix.SO_EE_ORIGIN_TIMESTAMPING {
+				high = max(high, int64(binary.NativeEndian.Uint32(m.Data[12:])))
 			}
 		}
 	}
-	return got
+	return high
 }
 
 // zerocopySends sends n messages of size bytes with MSG_ZEROCOPY on fd and
-// returns how many of them the kernel reported complete within 3 seconds.
+// returns how many of them the kernel reported complete within 10 seconds.
 func zerocopySends(fd, n, size int) int {
 	buf := make([]byte, size)
 	for range n {
@@ -189,7 +203,7 @@ func zerocopySends(fd, n, size int) int {
 	}
 	done := 0
 	oob := make([]byte, 512)
-	for end := time.Now().Add(3 * time.Second); done < n && time.Now().Before(end); {
+	for end := time.Now().Add(10 * time.Second); done < n && time.Now().Before(end); {
 		_, oobn, _, _, err := unix.Recvmsg(fd, nil, oob, unix.MSG_ERRQUEUE|unix.MSG_DONTWAIT)
 		if err != nil {
 			time.Sleep(10 * time.Millisecond)
