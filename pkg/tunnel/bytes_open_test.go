@@ -3,10 +3,12 @@ package tunnel
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -177,6 +179,113 @@ func echo(t *testing.T, app net.Conn, n int) {
 	}
 }
 
+// A long-lived connection's bytes show in istio_tcp_sent_bytes_total and
+// istio_tcp_received_bytes_total while it is open, on every path the
+// tunnel relays: before, they were added only when it closed, so Kiali's
+// graph, which shows bytes, did not see a long-lived connection until it
+// ended. At the close the series hold exactly the connection's totals:
+// nothing counted twice.
+func TestBytesCountedWhileOpen(t *testing.T) {
+	const n = 300 << 10 // several frames and reads each way
+	for _, tc := range []struct {
+		name string
+		// open relays a connection from the app's end and returns the
+		// metrics and reporters that count it.
+		open func(t *testing.T, r *meshRig, app *net.TCPConn, tunnelSide *origDstConn) map[string]*Metrics
+		dst  func(r *meshRig) netip.AddrPort
+	}{
+		{"outbound HBONE and inbound HBONE", func(t *testing.T, r *meshRig, app *net.TCPConn, c *origDstConn) map[string]*Metrics {
+			go r.clientP.handleOutbound(c)
+			return map[string]*Metrics{"source": r.client.cfg.Metrics, "destination": r.server.cfg.Metrics}
+		}, func(r *meshRig) netip.AddrPort { return r.app }},
+		{"service endpoint over HBONE", func(t *testing.T, r *meshRig, app *net.TCPConn, c *origDstConn) map[string]*Metrics {
+			go r.clientP.handleOutbound(c)
+			return map[string]*Metrics{"source": r.client.cfg.Metrics, "destination": r.server.cfg.Metrics}
+		}, func(r *meshRig) netip.AddrPort { return r.vip }},
+		{"outbound plain TCP", func(t *testing.T, r *meshRig, app *net.TCPConn, c *origDstConn) map[string]*Metrics {
+			st := r.client.State()
+			dir, errs := workload.NewDirectory([]*workload.Workload{mustPod(t, st.Dir, "127.0.0.3")}, nil)
+			if len(errs) > 0 {
+				t.Fatal(errs)
+			}
+			r.client.Update(&State{Dir: dir}) // the app's address is outside the mesh
+			go r.clientP.handleOutbound(c)
+			return map[string]*Metrics{"source": r.client.cfg.Metrics}
+		}, func(r *meshRig) netip.AddrPort { return r.app }},
+		{"inbound plaintext", func(t *testing.T, r *meshRig, app *net.TCPConn, c *origDstConn) map[string]*Metrics {
+			go r.serverP.handleInboundPlaintext(c)
+			return map[string]*Metrics{"destination": r.server.cfg.Metrics}
+		}, func(r *meshRig) netip.AddrPort { return r.app }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := newMeshRig(t)
+			app, c := capturedPair(t, "127.0.0.3:40000", tc.dst(r).String())
+			counted := tc.open(t, r, app, c)
+			// The first bytes wait for the tunnel: none go early, so
+			// what is counted is what the relay moved.
+			echo(t, app, n)
+			echo(t, app, n)
+			for reporter, m := range counted {
+				bytesSeen(t, m, reporter, 2*n, 0)
+			}
+			app.Close()
+			for reporter, m := range counted {
+				bytesSeen(t, m, reporter, 2*n, 1)
+			}
+		})
+	}
+}
+
+// Scrapes folding the open connections' bytes race the relays adding to
+// them and the closes folding their totals: the series end with exactly the
+// bytes moved, whatever the interleaving (run with -race).
+func TestBytesFoldRacesClose(t *testing.T) {
+	m := NewMetrics(nil)
+	c := connInfo{reporter: "source", src: podObj("mesh", "a", "a", "10.1.0.1", nil), dst: podObj("mesh", "b", "b", "10.1.0.2", nil)}
+	const conns, writes = 50, 200
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	var scrapes sync.WaitGroup
+	scrapes.Add(1)
+	go func() {
+		defer scrapes.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				m.series.foldOpen()
+			}
+		}
+	}()
+	for range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := m.open(c, "")
+			counts := r.counts()
+			for i := range writes {
+				counts.AToB.Add(int64(i))
+				counts.BToA.Add(1)
+			}
+			r.close(context.Background(), counts.AToB.Load(), counts.BToA.Load(), nil)
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	scrapes.Wait()
+	sums := istioSums(t, m, "source")
+	wantReq, wantResp := float64(conns*writes*(writes-1)/2), float64(conns*writes)
+	if sums["istio_tcp_received_bytes_total"] != wantReq || sums["istio_tcp_sent_bytes_total"] != wantResp || sums["istio_tcp_connections_closed_total"] != conns {
+		t.Errorf("after %d connections closed: %v; want %v request and %v response bytes", conns, sums, wantReq, wantResp)
+	}
+	m.series.mu.Lock()
+	defer m.series.mu.Unlock()
+	if f := m.series.flows.next; f != &m.series.flows {
+		t.Error("a closed connection's flow is still folded at each scrape")
+	}
+}
+
 // What the app sent before its tunnel was up goes with the CONNECT as early
 // data, consumed from the app's socket before the relay starts: it is the
 // connection's first request bytes and counts in the source reporter's
@@ -198,7 +307,35 @@ func TestEarlyDataCounted(t *testing.T) {
 	}
 	echo(t, app, 1000)
 	n := float64(len(msg) + 1000)
+	bytesSeen(t, r.client.cfg.Metrics, "source", n, 0)
+	bytesSeen(t, r.server.cfg.Metrics, "destination", n, 0)
 	app.Close()
 	bytesSeen(t, r.client.cfg.Metrics, "source", n, 1)
 	bytesSeen(t, r.server.cfg.Metrics, "destination", n, 1)
+}
+
+// BenchmarkFoldOpen is a scrape's fold of 30,000 open connections (the
+// default node limit of one listener kind) over 100 series, each having
+// moved bytes since the last scrape: the time the series lock is held.
+func BenchmarkFoldOpen(b *testing.B) {
+	m := NewMetrics(nil)
+	const conns = 30000
+	results := make([]*connResult, 0, conns)
+	for i := range conns {
+		c := connInfo{reporter: "source", src: podObj("mesh", fmt.Sprint("a", i%100), "a", "10.1.0.1", nil)}
+		results = append(results, m.open(c, ""))
+	}
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		for _, r := range results {
+			r.counts().AToB.Add(100)
+		}
+		b.StartTimer()
+		m.series.foldOpen()
+	}
+	b.StopTimer()
+	for _, r := range results {
+		r.close(context.Background(), r.counts().AToB.Load(), 0, nil)
+	}
 }

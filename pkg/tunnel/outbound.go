@@ -73,6 +73,7 @@ func (p *pod) handleOutbound(c net.Conn) {
 // does not copy, counted with those it does.
 func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteCloser, early int, res *connResult) {
 	res.opened(ctx)
+	res.counts().AToB.Add(int64(early))
 	oc := &OpenOutbound{Src: addrPortOf(c.RemoteAddr()), OriginalDst: addrPortOf(c.LocalAddr()), ActualDst: res.c.dstAddr, HBONE: res.c.secure}
 	p.mu.Lock()
 	if p.outbound == nil {
@@ -80,7 +81,7 @@ func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteClose
 	}
 	p.outbound[oc] = struct{}{}
 	p.mu.Unlock()
-	p.relay(c, up, func(reqBytes, respBytes int64, err error) {
+	p.relay(c, up, res.counts(), func(reqBytes, respBytes int64, err error) {
 		p.mu.Lock()
 		delete(p.outbound, oc)
 		p.mu.Unlock()
