@@ -12,6 +12,8 @@ import (
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 )
 
 // Access logs, shaped like ztunnel's (src/proxy/metrics.rs
@@ -56,7 +58,14 @@ type connResult struct {
 	trace   string
 	start   time.Time
 	counted func(requestBytes, responseBytes int64)
+	// flow carries the relay's running counts into the byte counters
+	// while the connection is open.
+	flow byteFlow
 }
+
+// counts are the running counts the relay adds to (hbone.RelayCounting):
+// AToB the request bytes, from the client.
+func (r *connResult) counts() *hbone.Counts { return &r.flow.moved }
 
 // attrs are the access log fields of r, typed (no boxing), with room for
 // extra more.

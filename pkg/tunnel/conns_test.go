@@ -51,7 +51,7 @@ func TestConnectionsListsOpenConnections(t *testing.T) {
 	upLocal, upRemote := net.Pipe()
 	defer upRemote.Close()
 	actual := netip.MustParseAddrPort("10.1.0.9:15008")
-	p.relayCounted(context.Background(), accepted, upLocal, tun.cfg.Metrics.open(connInfo{reporter: "source", secure: true, dstAddr: actual}, ""))
+	p.relayCounted(context.Background(), accepted, upLocal, 0, tun.cfg.Metrics.open(connInfo{reporter: "source", secure: true, dstAddr: actual}, ""))
 
 	in, out, ok := tun.Connections("uid-server")
 	if !ok || len(in) != 1 || in[0] != (OpenInbound{Src: netip.MustParseAddrPort("10.2.0.1:40001"), Dst: dst, Service: "app.mesh.svc.cluster.local", HBONE: true}) {

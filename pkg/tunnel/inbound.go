@@ -236,7 +236,7 @@ func (p *pod) handleHBONE(ctx context.Context, req *hbone.ServerRequest) hbone.R
 	}
 	res := t.cfg.Metrics.open(conn, trace)
 	res.opened(ctx)
-	return hbone.Response{Upstream: app, Done: func(fromClient, toClient int64, err error) {
+	return hbone.Response{Upstream: app, Counts: res.counts(), Done: func(fromClient, toClient int64, err error) {
 		release()
 		p.untrack(ic)
 		res.close(ctx, fromClient, toClient, err)
@@ -389,7 +389,7 @@ func (p *pod) handleInboundPlaintext(c net.Conn) {
 	}
 	res := t.cfg.Metrics.open(conn, "")
 	res.opened(ctx)
-	p.relay(c, app, func(reqBytes, respBytes int64, err error) {
+	p.relay(c, app, res.counts(), func(reqBytes, respBytes int64, err error) {
 		p.untrack(ic)
 		res.close(ctx, reqBytes, respBytes, err)
 	})

@@ -161,7 +161,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	m.cluster, m.access = DefaultCluster, newAccessLog(nil)
 	m.series = newSeriesGC(time.Now,
-		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}},
+		seriesGroup{names: istioLabels, vecs: []*prometheus.CounterVec{m.connsOpened, m.connsClosed, m.sentBytes, m.receivedBytes}, bytes: []int{3, 2}},
 		seriesGroup{names: denialLabels, vecs: []*prometheus.CounterVec{m.policyDenials}})
 	if reg != nil {
 		reg.MustRegister(m.series.collector(), m.failClosed, m.servedPods, m.openConns, m.socketsOpen, m.limitRefused, m.limitEvicted, m.acceptErrors, m.policyClosed, m.sourceMismatch, m.derivedRefused, m.handover, m.dnsDropped)
@@ -265,7 +265,9 @@ func workloadMeta(w *workload.Workload) (name, canon, rev string) {
 // open counts c as opened and returns its result, which counts it closed
 // with its bytes and writes its access log line. The labelled counters are
 // resolved once, not again at close. The series stays (see seriesGC) until
-// the connection is closed.
+// the connection is closed. The relay adds to the result's running counts
+// (connResult.counts) as it copies, which each scrape folds into the byte
+// counters while the connection is open (byteFlow).
 func (m *Metrics) open(c connInfo, trace string) *connResult {
 	if c.peer != nil && c.src == nil && !m.series.claimable(c.peer, c.srcID) {
 		// The peer named a workload that runs as another identity.
@@ -281,15 +283,16 @@ func (m *Metrics) open(c connInfo, trace string) *connResult {
 			l = m.labels(c)
 		}
 	}
-	counters, end := m.series.begin(0, l)
-	opened, done, sent, received := counters[0], counters[1], counters[2], counters[3]
+	r := &connResult{m: m, c: c, l: l, trace: trace, start: time.Now()}
+	counters, end := m.series.begin(0, l, &r.flow)
+	opened, done := counters[0], counters[1]
 	opened.Inc()
-	return &connResult{m: m, c: c, l: l, trace: trace, start: time.Now(), counted: func(requestBytes, responseBytes int64) {
+	r.counted = func(requestBytes, responseBytes int64) {
 		done.Inc()
-		received.Add(float64(requestBytes))
-		sent.Add(float64(responseBytes))
+		r.flow.foldTo(requestBytes, responseBytes)
 		end()
-	}}
+	}
+	return r
 }
 
 // failed counts a connection that could not reach its upstream (ztunnel's
@@ -334,7 +337,7 @@ func (m *Metrics) denial(reason string, c connInfo) {
 	for _, n := range denialLabels[1:] {
 		l[n] = full[n]
 	}
-	counters, end := m.series.begin(1, l)
+	counters, end := m.series.begin(1, l, nil)
 	counters[0].Inc()
 	end()
 }

@@ -56,21 +56,24 @@ func (p *pod) handleOutbound(c net.Conn) {
 	conn := connInfo{reporter: "source", src: srcW, srcID: srcID, dst: dstW, dstID: dstID, secure: true,
 		srcAddr: src, dstAddr: netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort), hboneAddr: dst}
 	trace := newTraceparent()
-	stream, err := p.dialHBONE(ctx, c, srcW, srcID, dstID, src, dst, "", trace)
+	stream, early, err := p.dialHBONE(ctx, c, srcW, srcID, dstID, src, dst, "", trace)
 	if err != nil {
 		t.cfg.Metrics.failed(ctx, conn, traceIDOf(trace), err)
 		t.failures.note(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
 		resetConn(c)
 		return
 	}
-	p.relayCounted(ctx, c, stream, t.cfg.Metrics.open(conn, traceIDOf(trace)))
+	p.relayCounted(ctx, c, stream, early, t.cfg.Metrics.open(conn, traceIDOf(trace)))
 }
 
 // relayCounted relays an outbound connection like relay, with its access
 // log lines and its close counted in res, and lists it among the pod's
-// open connections (Connections) while it is relayed.
-func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteCloser, res *connResult) {
+// open connections (Connections) while it is relayed. early is what of the
+// app's bytes went with the CONNECT (dialHBONE): request bytes the relay
+// does not copy, counted with those it does.
+func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteCloser, early int, res *connResult) {
 	res.opened(ctx)
+	res.counts().AToB.Add(int64(early))
 	oc := &OpenOutbound{Src: addrPortOf(c.RemoteAddr()), OriginalDst: addrPortOf(c.LocalAddr()), ActualDst: res.c.dstAddr, HBONE: res.c.secure}
 	p.mu.Lock()
 	if p.outbound == nil {
@@ -78,11 +81,11 @@ func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteClose
 	}
 	p.outbound[oc] = struct{}{}
 	p.mu.Unlock()
-	p.relay(c, up, func(reqBytes, respBytes int64, err error) {
+	p.relay(c, up, res.counts(), func(reqBytes, respBytes int64, err error) {
 		p.mu.Lock()
 		delete(p.outbound, oc)
 		p.mu.Unlock()
-		res.close(ctx, reqBytes, respBytes, err)
+		res.close(ctx, int64(early)+reqBytes, respBytes, err)
 	})
 }
 
@@ -94,15 +97,16 @@ func (p *pod) relayCounted(ctx context.Context, c net.Conn, up io.ReadWriteClose
 //
 // What the app already sent on app (if not nil) goes with the request as
 // early data: it is only peeked at, and consumed from app once the tunnel
-// is up, so a refused attempt loses nothing.
-func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst netip.AddrPort, host, trace string) (*hbone.Stream, error) {
+// is up, so a refused attempt loses nothing; early is how many bytes went
+// so.
+func (p *pod) dialHBONE(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst netip.AddrPort, host, trace string) (stream *hbone.Stream, early int, err error) {
 	return p.dialHBONEVia(ctx, app, srcW, srcID, dstID, src, dst, netip.AddrPortFrom(dst.Addr(), p.t.cfg.HBONEPort), host, trace)
 }
 
 // dialHBONEVia is dialHBONE through the HBONE listener at hboneAddr (a
 // waypoint's), dstID the identity it must present; dst stays the
 // authority.
-func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst, hboneAddr netip.AddrPort, host, trace string) (*hbone.Stream, error) {
+func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Workload, srcID, dstID identity.ID, src, dst, hboneAddr netip.AddrPort, host, trace string) (*hbone.Stream, int, error) {
 	t := p.t
 	key := hbone.PoolKey{Src: p.id, SrcIdentity: srcID.String(), DstIdentity: dstID.String(), DstAddr: hboneAddr}
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
@@ -128,16 +132,18 @@ func (p *pod) dialHBONEVia(ctx context.Context, app net.Conn, srcW *workload.Wor
 	defer cancel()
 	stream, err := t.cfg.Pool.Connect(ctx, key, dial, tlsConf, req)
 	if err != nil {
-		return nil, fmt.Errorf("HBONE to %s via %s: %w", dst, hboneAddr, err)
+		return nil, 0, fmt.Errorf("HBONE to %s via %s: %w", dst, hboneAddr, err)
 	}
-	if n := len(req.EarlyData); n > 0 && stream.EarlyDataSent() {
-		// The peeked bytes are still first in app's receive queue.
-		if _, err := io.ReadFull(app, (*early)[:n]); err != nil {
-			stream.Close()
-			return nil, fmt.Errorf("consume %d bytes sent early to %s: %w", n, dst, err)
-		}
+	n := len(req.EarlyData)
+	if n == 0 || !stream.EarlyDataSent() {
+		return stream, 0, nil
 	}
-	return stream, nil
+	// The peeked bytes are still first in app's receive queue.
+	if _, err := io.ReadFull(app, (*early)[:n]); err != nil {
+		stream.Close()
+		return nil, 0, fmt.Errorf("consume %d bytes sent early to %s: %w", n, dst, err)
+	}
+	return stream, n, nil
 }
 
 // peekPool holds the buffers early data is peeked into.
@@ -184,7 +190,7 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 		resetConn(c)
 		return
 	}
-	p.relayCounted(ctx, c, up, t.cfg.Metrics.open(conn, ""))
+	p.relayCounted(ctx, c, up, 0, t.cfg.Metrics.open(conn, ""))
 }
 
 // connectTimeout bounds establishing a connection: every dial the tunnel

@@ -351,12 +351,13 @@ func (p *pod) release(c net.Conn) {
 	}
 }
 
-// relay copies between c and up on a goroutine of its own, then calls done
-// with the byte counts; it returns at once. The goroutine that accepted c
+// relay copies between c and up on a goroutine of its own, adding to
+// counts as bytes move (AToB from c), then calls done with the byte counts;
+// it returns at once. The goroutine that accepted c
 // and set up the upstream (its stack grown deep by the dial and the TLS
 // writes) ends instead of idling for the tunnel's life: a fresh goroutine
 // keeps a smaller stack, about a third of an idle tunnel's memory.
-func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respBytes int64, err error)) {
+func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, counts *hbone.Counts, done func(reqBytes, respBytes int64, err error)) {
 	p.hold(c)
 	// Closed (stopped, evicted) before this: the relay's first read of c
 	// fails and closes up.
@@ -369,7 +370,7 @@ func (p *pod) relay(c net.Conn, up io.ReadWriteCloser, done func(reqBytes, respB
 	go func() {
 		defer p.wg.Done()
 		defer p.release(c)
-		reqBytes, respBytes, err := hbone.Relay(c, up)
+		reqBytes, respBytes, err := hbone.RelayCounting(c, up, counts)
 		done(reqBytes, respBytes, err)
 	}()
 }

@@ -3,11 +3,13 @@ package tunnel
 import (
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
+	"github.com/redirector-mesh/redirector/pkg/tunnel/hbone"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -57,12 +59,58 @@ type seriesGC struct {
 	// derivedBy counts those entries by the source_principal that
 	// announced them.
 	derivedBy map[string]int
+	// flows are the open connections' byte flows (begin), a ring through
+	// this sentinel: one per open connection, which the tunnel's
+	// connection limits bound.
+	flows byteFlow
 }
 
 // seriesGroup is counter vectors that share one label set.
 type seriesGroup struct {
 	names []string
 	vecs  []*prometheus.CounterVec
+	// bytes are the indices in vecs of the request and response byte
+	// counters that an open connection's byteFlow adds to, if the group
+	// counts bytes.
+	bytes []int
+}
+
+// byteFlow is an open connection's bytes on their way into its series:
+// the relay adds to moved as it copies (one atomic add per write, to this
+// connection's own counter), and the series' byte counters are brought up
+// to moved at each scrape (foldOpen) and at the close, so a long-lived
+// connection's bytes show while it lasts, not all at once at its end.
+type byteFlow struct {
+	moved hbone.Counts // AToB: request bytes (client to server); BToA: response bytes
+	// folded is what the counters have been given of each direction; it
+	// only grows, so a byte is added once whoever folds it.
+	folded   [2]atomic.Int64
+	counters [2]prometheus.Counter // request, response (received, sent)
+	// prev and next link the flow in seriesGC.flows while its connection
+	// is open; guarded by the seriesGC's mu.
+	prev, next *byteFlow
+}
+
+// fold brings the counters up to the running counts.
+func (f *byteFlow) fold() { f.foldTo(f.moved.AToB.Load(), f.moved.BToA.Load()) }
+
+// foldTo brings the counters up to request and response bytes: each
+// counter gets what its direction has beyond what it was given already.
+// The relay's final counts equal its running ones, so at the close the
+// series hold exactly those, however scrapes and the close interleaved.
+func (f *byteFlow) foldTo(request, response int64) {
+	for i, n := range [2]int64{request, response} {
+		for {
+			old := f.folded[i].Load()
+			if n <= old {
+				break
+			}
+			if f.folded[i].CompareAndSwap(old, n) {
+				f.counters[i].Add(float64(n - old))
+				break
+			}
+		}
+	}
 }
 
 type seriesEntry struct {
@@ -78,7 +126,9 @@ type seriesEntry struct {
 }
 
 func newSeriesGC(now func() time.Time, groups ...seriesGroup) *seriesGC {
-	return &seriesGC{now: now, grace: seriesGrace, groups: groups, series: map[string]*seriesEntry{}, derivedBy: map[string]int{}}
+	g := &seriesGC{now: now, grace: seriesGrace, groups: groups, series: map[string]*seriesEntry{}, derivedBy: map[string]int{}}
+	g.flows.prev, g.flows.next = &g.flows, &g.flows
+	return g
 }
 
 // SetSeriesGrace changes how long the series of gone workloads stay
@@ -161,8 +211,11 @@ func (g *seriesGC) admitDerived(l prometheus.Labels) (ok bool, limit string) {
 // begin records an open connection counted in the series l and returns
 // the series' counters, one per vector of the group in its order; end when
 // the connection closes. The counters stay the series' until then: a
-// series with open connections is never deleted.
-func (g *seriesGC) begin(group int, l prometheus.Labels) (counters []prometheus.Counter, end func()) {
+// series with open connections is never deleted. flow, if not nil (a
+// group that counts bytes), is given the series' byte counters and folded
+// into them at each scrape until end, which does not fold it: fold it to
+// its final counts before.
+func (g *seriesGC) begin(group int, l prometheus.Labels, flow *byteFlow) (counters []prometheus.Counter, end func()) {
 	k := g.key(group, l)
 	g.mu.Lock()
 	e := g.series[k]
@@ -179,16 +232,39 @@ func (g *seriesGC) begin(group int, l prometheus.Labels) (counters []prometheus.
 	}
 	e.open++
 	e.goneSince = time.Time{}
+	if flow != nil {
+		b := g.groups[group].bytes
+		flow.counters = [2]prometheus.Counter{e.counters[b[0]], e.counters[b[1]]}
+		flow.prev, flow.next = g.flows.prev, &g.flows
+		g.flows.prev.next = flow
+		g.flows.prev = flow
+	}
 	g.mu.Unlock()
 	var once sync.Once
 	return e.counters, func() {
 		once.Do(func() {
 			g.mu.Lock()
 			defer g.mu.Unlock()
+			if flow != nil {
+				flow.prev.next, flow.next.prev = flow.next, flow.prev
+				flow.prev, flow.next = nil, nil
+			}
 			if e.open--; e.open == 0 && !g.liveLocked(e) {
 				e.goneSince = g.now()
 			}
 		})
+	}
+}
+
+// foldOpen brings the byte counters of every open connection's series up
+// to what its relay has moved so far. It holds mu, so no series it adds to
+// is deleted meanwhile, and a connection's end, which waits for mu, finds
+// its series holding exactly its final counts.
+func (g *seriesGC) foldOpen() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for f := g.flows.next; f != &g.flows; f = f.next {
+		f.fold()
 	}
 }
 
@@ -306,8 +382,10 @@ func (g *seriesGC) sweep() {
 	}
 }
 
-// collector exports the vectors, sweeping first, so that a scrape never
-// shows a series past its grace even when no Update came since.
+// collector exports the vectors, folding the open connections' bytes in
+// and sweeping first, so that a scrape shows the bytes of connections
+// still open and never a series past its grace even when no Update came
+// since.
 func (g *seriesGC) collector() prometheus.Collector { return sweepingCollector{g} }
 
 type sweepingCollector struct{ g *seriesGC }
@@ -321,6 +399,7 @@ func (c sweepingCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c sweepingCollector) Collect(ch chan<- prometheus.Metric) {
+	c.g.foldOpen()
 	c.g.sweep()
 	for _, gr := range c.g.groups {
 		for _, v := range gr.vecs {

@@ -328,7 +328,7 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 			conn.dstID = t.identityOf(cand.ep.Workload)
 			conn.dstAddr, conn.hboneAddr = netip.AddrPortFrom(cand.addr.Addr(), t.cfg.HBONEPort), cand.addr
 		}
-		p.relayCounted(ctx, c, up, t.cfg.Metrics.open(conn, traceIDOf(trace)))
+		p.relayCounted(ctx, c, up, 0, t.cfg.Metrics.open(conn, traceIDOf(trace)))
 		return
 	}
 	conn.dstAddr = dst
@@ -402,7 +402,7 @@ func (p *pod) dialEndpoint(ctx context.Context, srcW *workload.Workload, srcID i
 		// No early data here: after a timeout the bytes may already have
 		// reached this endpoint's app, and failing over would send them to
 		// a second one.
-		s, err := p.dialHBONE(ctx, nil, srcW, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname, trace)
+		s, _, err := p.dialHBONE(ctx, nil, srcW, srcID, p.t.identityOf(w), src, cand.addr, svc.Hostname, trace)
 		if err != nil {
 			return nil, true, err
 		}

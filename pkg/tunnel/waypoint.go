@@ -223,7 +223,7 @@ func (p *pod) handleWaypoint(ctx context.Context, c net.Conn, dir *workload.Dire
 			break
 		}
 		id := t.identityOf(hop.w)
-		stream, err := p.dialHBONEVia(ctx, app, srcW, srcID, id, src, dst, hop.addr, host, trace)
+		stream, early, err := p.dialHBONEVia(ctx, app, srcW, srcID, id, src, dst, hop.addr, host, trace)
 		if err != nil {
 			lastErr = err
 			if endpointFailed(err) {
@@ -234,7 +234,7 @@ func (p *pod) handleWaypoint(ctx context.Context, c net.Conn, dir *workload.Dire
 		}
 		t.lb.ok(hop.addr)
 		conn.dst, conn.dstID, conn.dstAddr = hop.w, id, hop.addr
-		p.relayCounted(ctx, c, stream, t.cfg.Metrics.open(conn, traceIDOf(trace)))
+		p.relayCounted(ctx, c, stream, early, t.cfg.Metrics.open(conn, traceIDOf(trace)))
 		return
 	}
 	t.cfg.Metrics.failed(ctx, conn, traceIDOf(trace), lastErr)

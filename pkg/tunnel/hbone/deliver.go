@@ -101,7 +101,7 @@ func rawSink(w io.Writer) *rawSock {
 // write.
 func (s *Stream) deliverLocked(small []byte, chunks []chunk) ([]byte, []chunk, int) {
 	s.draining = true
-	sink := s.sink
+	sink, moved := s.sink, s.sinkMoved
 	s.mu.Unlock()
 
 	bufs := s.c.iov[:0]
@@ -113,6 +113,7 @@ func (s *Stream) deliverLocked(small []byte, chunks []chunk) ([]byte, []chunk, i
 	}
 	wrote := sink.writeNow(bufs)
 	directBytes.Add(int64(wrote))
+	addMoved(moved, wrote)
 	clear(bufs) // no pointers to the chunks stay behind in the scratch slice
 	s.c.iov = bufs[:0]
 

@@ -24,6 +24,9 @@ var (
 	// beyond a GOAWAY), so Pool.Connect may open it again on another
 	// connection.
 	errRetry = errors.New("stream not processed by peer")
+	// errInvalidWrite is a Write that returned a count outside [0, len]
+	// (io's own errInvalidWrite, which it does not export).
+	errInvalidWrite = errors.New("invalid write result")
 )
 
 // ReasonHeader is the response header in which a Server explains a non-200

@@ -2,11 +2,13 @@ package hbone
 
 import (
 	"io"
+	"net"
 	"sync"
+	"sync/atomic"
 )
 
 // relayBufSize is the copy buffer for pairs with no zero-copy path: neither
-// side a *Stream (which frames in place) nor a TCP socket (splice). It
+// side a *Stream (which frames in place) nor both TCP sockets (splice). It
 // matches the Stream's frame and receive chunk size.
 const relayBufSize = 64 << 10
 
@@ -21,6 +23,17 @@ type closeWriter interface {
 	CloseWrite() error
 }
 
+// Counts are a relay's running byte counts, one per direction: each copy
+// adds what a write (or a delivery of the connection's reader, deliver.go)
+// moved as soon as it moved it, so that what an open connection has carried
+// can be read while it lasts (the tunnel's byte metrics of long-lived
+// connections). Once the relay has returned they equal its totals. Adding
+// is one atomic add per write to a counter of this relay alone: nothing is
+// shared with other connections on the data path.
+type Counts struct {
+	AToB, BToA atomic.Int64
+}
+
 // Relay copies a to b and b to a at the same time until both directions
 // are done, then closes a and b. A direction that reaches EOF half-closes
 // its destination (CloseWrite, when it has one) and the other direction
@@ -28,13 +41,21 @@ type closeWriter interface {
 // direction closes both sides, which ends the other direction too.
 //
 // It returns the bytes copied each way and the first error (nil when both
-// directions ended with EOF). Copies go through io.Copy, so a *Stream
-// reads or writes frames in place and TCP-to-TCP pairs splice.
+// directions ended with EOF). A *Stream reads or writes frames in place,
+// and TCP-to-TCP pairs splice.
 //
 // A side that is a *Stream closes the other side when it fails (reset, or
 // its connection closed): a copy blocked on the other side would not see
 // it otherwise.
 func Relay(a, b io.ReadWriteCloser) (aToB, bToA int64, err error) {
+	return RelayCounting(a, b, nil)
+}
+
+// RelayCounting is Relay adding to counts, when not nil, as bytes move.
+func RelayCounting(a, b io.ReadWriteCloser, counts *Counts) (aToB, bToA int64, err error) {
+	if counts == nil {
+		counts = new(Counts)
+	}
 	if s, ok := a.(*Stream); ok {
 		defer s.closeOnAbort(b)()
 	}
@@ -57,12 +78,12 @@ func Relay(a, b io.ReadWriteCloser) (aToB, bToA int64, err error) {
 	go func() {
 		defer wg.Done()
 		var e error
-		if bToA, e = copyHalf(a, b); e != nil {
+		if bToA, e = copyHalf(a, b, &counts.BToA); e != nil {
 			fail(e)
 		}
 	}()
 	var e error
-	if aToB, e = copyHalf(b, a); e != nil {
+	if aToB, e = copyHalf(b, a, &counts.AToB); e != nil {
 		fail(e)
 	}
 	wg.Wait()
@@ -70,8 +91,9 @@ func Relay(a, b io.ReadWriteCloser) (aToB, bToA int64, err error) {
 	return aToB, bToA, firstErr
 }
 
-// copyHalf copies src to dst until EOF, then half-closes dst.
-func copyHalf(dst io.Writer, src io.Reader) (int64, error) {
+// copyHalf copies src to dst until EOF, then half-closes dst; moved gets
+// what each write moved, as it moves it.
+func copyHalf(dst io.Writer, src io.Reader, moved *atomic.Int64) (int64, error) {
 	var n int64
 	var err error
 	// A Stream on either side is called directly rather than through
@@ -79,19 +101,23 @@ func copyHalf(dst io.Writer, src io.Reader) (int64, error) {
 	// goroutine that waits in it, which is most of an idle tunnel's memory.
 	rf, dstStream := dst.(*Stream)
 	wt, srcStream := src.(*Stream)
-	_, srcFast := src.(io.WriterTo)
-	_, dstFast := dst.(io.ReaderFrom)
+	dstTCP, dstIsTCP := dst.(*net.TCPConn)
+	srcTCP, srcIsTCP := src.(*net.TCPConn)
 	switch {
 	case dstStream:
-		n, err = rf.ReadFrom(src)
+		n, err = rf.readFrom(src, moved)
 	case srcStream:
-		n, err = wt.WriteTo(dst)
-	case srcFast || dstFast:
-		n, err = io.Copy(dst, src)
+		n, err = wt.writeTo(dst, moved)
 	default:
-		bp := relayBufPool.Get().(*[]byte)
-		n, err = io.CopyBuffer(dst, src, *bp)
-		relayBufPool.Put(bp)
+		handled := false
+		if dstIsTCP && srcIsTCP {
+			n, handled, err = spliceCopy(dstTCP, srcTCP, moved)
+		}
+		if !handled {
+			bp := relayBufPool.Get().(*[]byte)
+			n, err = copyBuffer(dst, src, *bp, moved)
+			relayBufPool.Put(bp)
+		}
 	}
 	if err != nil {
 		return n, err
@@ -100,4 +126,42 @@ func copyHalf(dst io.Writer, src io.Reader) (int64, error) {
 		return n, cw.CloseWrite()
 	}
 	return n, nil
+}
+
+// copyBuffer is io.CopyBuffer without the WriterTo and ReaderFrom paths
+// (the pairs that have a faster one take it in copyHalf; the others, such
+// as a socket the acceleration wraps, would only copy through a buffer of
+// their own), adding each write to moved.
+func copyBuffer(dst io.Writer, src io.Reader, buf []byte, moved *atomic.Int64) (int64, error) {
+	var total int64
+	for {
+		nr, rerr := src.Read(buf)
+		if nr > 0 {
+			nw, werr := dst.Write(buf[:nr])
+			if nw < 0 || nw > nr {
+				nw, werr = 0, errInvalidWrite
+			}
+			total += int64(nw)
+			moved.Add(int64(nw))
+			if werr != nil {
+				return total, werr
+			}
+			if nw != nr {
+				return total, io.ErrShortWrite
+			}
+		}
+		if rerr == io.EOF {
+			return total, nil
+		}
+		if rerr != nil {
+			return total, rerr
+		}
+	}
+}
+
+// addMoved adds n to moved, a copy's running count (Counts), if it has one.
+func addMoved(moved *atomic.Int64, n int) {
+	if moved != nil && n > 0 {
+		moved.Add(int64(n))
+	}
 }

@@ -50,6 +50,10 @@ type Response struct {
 	// Done, if set, is called after the relay with the bytes that went
 	// from the client to Upstream and back, for metrics.
 	Done func(fromClient, toClient int64, err error)
+	// Counts, if set, are added to as the relay moves bytes (AToB from
+	// the client to Upstream), so they can be read while it runs; at
+	// Done they equal Done's counts.
+	Counts *Counts
 }
 
 // Handler decides what to do with a CONNECT: check the target, authorize
@@ -623,7 +627,7 @@ func (srv *Server) serveStream(c *conn, s *Stream, fields []hpack.HeaderField, t
 	go func() {
 		defer srv.wg.Done()
 		defer srv.handlerDone(c)
-		fromClient, toClient, err := Relay(s, resp.Upstream)
+		fromClient, toClient, err := RelayCounting(s, resp.Upstream, resp.Counts)
 		if resp.Done != nil {
 			resp.Done(fromClient, toClient, err)
 		}

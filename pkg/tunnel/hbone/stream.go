@@ -67,6 +67,9 @@ type Stream struct {
 	// may write into it directly; delivered counts what it wrote there
 	// (deliver.go).
 	sink *rawSock
+	// sinkMoved, set with sink, is the relay's count (Counts) of the
+	// bytes written to it, which the reader's deliveries add to as well.
+	sinkMoved *atomic.Int64
 	// deliveredAt is when the reader last delivered a whole small frame to
 	// the app (0: answered since), answersFast whether the app answered the
 	// delivery before it soon enough for reply polling (replypoll.go).
@@ -414,9 +417,13 @@ func (s *Stream) Read(p []byte) (int, error) {
 //
 // While it waits with nothing buffered, the connection's reader may write
 // arriving bytes into w itself (deliver.go); they count in the total.
-func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
+func (s *Stream) WriteTo(w io.Writer) (total int64, err error) { return s.writeTo(w, nil) }
+
+// writeTo is WriteTo adding what it and the reader write to moved, if not
+// nil, as they write it.
+func (s *Stream) writeTo(w io.Writer, moved *atomic.Int64) (total int64, err error) {
 	s.mu.Lock()
-	s.sink, s.delivered = rawSink(w), 0
+	s.sink, s.sinkMoved, s.delivered = rawSink(w), moved, 0
 	write := w.Write
 	if s.sink != nil { // the same write(2)s, without the runtime's bookkeeping (rawio.go)
 		write = s.sink.Write
@@ -424,7 +431,7 @@ func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
-		s.sink = nil
+		s.sink, s.sinkMoved = nil, nil
 		for s.draining { // the reader is delivering: count what it wrote
 			s.rcond.Wait()
 		}
@@ -446,6 +453,7 @@ func (s *Stream) WriteTo(w io.Writer) (total int64, err error) {
 		s.mu.Unlock()
 
 		n, werr := write(p)
+		addMoved(moved, n)
 
 		s.mu.Lock()
 		s.draining = false
@@ -493,13 +501,17 @@ func (s *Stream) Write(p []byte) (int, error) {
 // A socket is read only once it is readable, into a pooled buffer taken for
 // that read, so an idle tunnel holds no buffer at all. Other readers get a
 // small buffer to wait with and a full frame buffer during bursts.
-func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
+func (s *Stream) ReadFrom(r io.Reader) (int64, error) { return s.readFrom(r, nil) }
+
+// readFrom is ReadFrom adding what it sends to moved, if not nil, as it
+// sends it.
+func (s *Stream) readFrom(r io.Reader, moved *atomic.Int64) (int64, error) {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
 	if sc, ok := r.(syscall.Conn); ok {
 		if rc, err := sc.SyscallConn(); err == nil {
 			obs, _ := r.(readObserver)
-			return s.readFromSocket(rc, obs)
+			return s.readFromSocket(rc, obs, moved)
 		}
 	}
 	small := smallBufPool.Get().(*[]byte)
@@ -517,6 +529,7 @@ func (s *Stream) ReadFrom(r io.Reader) (int64, error) {
 		if n > 0 {
 			sent, err := s.sendLocked(buf, n)
 			total += int64(sent)
+			addMoved(moved, sent)
 			if err != nil {
 				return total, err
 			}
@@ -550,8 +563,8 @@ type readObserver interface{ ObserveRead(n int) }
 // the budget has one and the send window has room for more than an ordinary
 // frame, and read no more than that room, so a stream waits for window with
 // an ordinary buffer, never a bulk one (bulkbuf.go). obs, if not nil, is
-// told of every read.
-func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, error) {
+// told of every read, and moved, if not nil, of every send.
+func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver, moved *atomic.Int64) (int64, error) {
 	var (
 		total  int64
 		bp     *[]byte
@@ -622,6 +635,7 @@ func (s *Stream) readFromSocket(rc syscall.RawConn, obs readObserver) (int64, er
 		s.noteAnswer()
 		sent, err := s.sendLocked(*bp, n)
 		total += int64(sent)
+		addMoved(moved, sent)
 		if err != nil {
 			return total, err
 		}
