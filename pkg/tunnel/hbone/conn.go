@@ -940,7 +940,7 @@ func (c *conn) endedByPeer(s *Stream, end bool, err error) error {
 
 // testHookResetFound, if set, runs in onReset between finding the stream
 // and recording the reset on it: tests widen that window.
-var testHookResetFound func(c *conn, id uint32)
+var testHookResetFound testHook[func(c *conn, id uint32)]
 
 // peerClosedRecently reports whether id is one of the last streams the
 // peer ended that are gone.
@@ -1282,8 +1282,8 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 		return c.spendJunk("RST_STREAM for closed streams")
 	}
 	defer c.endedByPeer(s, true, nil)
-	if testHookResetFound != nil {
-		testHookResetFound(c, s.id)
+	if f := testHookResetFound.get(); f != nil {
+		f(c, s.id)
 	}
 	s.mu.Lock()
 	s.peerReset = true
@@ -1503,8 +1503,8 @@ func (c *conn) ctlLoop() {
 			c.unlockWrite()
 			continue
 		}
-		if testHookCtlBatch != nil {
-			testHookCtlBatch(c, batch)
+		if f := testHookCtlBatch.get(); f != nil {
+			f(c, batch)
 		}
 		var err error
 		settingsAck, releases := false, false
@@ -1553,7 +1553,21 @@ func (c *conn) ctlLoop() {
 
 // testHookCtlBatch, if set, runs in ctlLoop once it took a batch of control
 // frames, before writing them: tests widen that window.
-var testHookCtlBatch func(c *conn, batch []ctlFrame)
+var testHookCtlBatch testHook[func(c *conn, batch []ctlFrame)]
+
+// testHook is a function a test sets to hold a goroutine in a race window;
+// unset in production. It is atomic: goroutines an earlier test left
+// running may reach it while the next test sets it.
+type testHook[F any] struct{ f atomic.Pointer[F] }
+
+// get returns the hook's function, or nil when none is set.
+func (h *testHook[F]) get() F {
+	var zero F
+	if f := h.f.Load(); f != nil {
+		return *f
+	}
+	return zero
+}
 
 func (c *conn) writeCtlLocked(f ctlFrame) error {
 	switch f.typ {

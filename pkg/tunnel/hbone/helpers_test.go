@@ -252,3 +252,9 @@ func checkGoroutines(t testing.TB) {
 }
 
 func contains(s, sub string) bool { return strings.Contains(s, sub) }
+
+// set installs f as the hook's function until the test ends.
+func (h *testHook[F]) set(t *testing.T, f F) {
+	h.f.Store(&f)
+	t.Cleanup(func() { h.f.Store(nil) })
+}

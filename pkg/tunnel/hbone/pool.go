@@ -185,8 +185,8 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		if err != nil {
 			return nil, err
 		}
-		if testHookReserved != nil {
-			testHookReserved(p, c)
+		if f := testHookReserved.get(); f != nil {
+			f(p, c)
 		}
 		s, err := c.roundTrip(ctx, fields, req.EarlyData)
 		if err == nil {
@@ -200,11 +200,11 @@ func (p *Pool) Connect(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 
 // testHookDialWait, if set, runs in reserve before it waits for another
 // Connect's dial.
-var testHookDialWait func()
+var testHookDialWait testHook[func()]
 
 // testHookReserved, if set, runs in Connect once a stream slot was reserved
 // on c, before the stream is opened: tests widen that window.
-var testHookReserved func(p *Pool, c *conn)
+var testHookReserved testHook[func(p *Pool, c *conn)]
 
 // reserve returns a connection for key with a stream slot reserved on it.
 // cur is what tlsConf presents now: conns that presented another
@@ -234,8 +234,8 @@ func (p *Pool) reserve(ctx context.Context, key PoolKey, dial Dialer, tlsConf *t
 		if d := e.dialing; d != nil {
 			p.mu.Unlock()
 			stale = p.stopStale(stale)
-			if testHookDialWait != nil {
-				testHookDialWait()
+			if f := testHookDialWait.get(); f != nil {
+				f()
 			}
 			select {
 			case <-d.done:

@@ -41,15 +41,14 @@ func TestFramesAfterPeerResetWhileAnswered(t *testing.T) {
 		<-answer
 		return Response{Status: 403, Reason: "denied"}
 	}})
-	testHookResetFound = func(c *conn, id uint32) {
+	testHookResetFound.set(t, func(c *conn, id uint32) {
 		close(answer)
 		waitfor.Until(t, "the handler closed the stream", func() bool {
 			c.mu.Lock()
 			defer c.mu.Unlock()
 			return c.streams[id] == nil
 		})
-	}
-	t.Cleanup(func() { testHookResetFound = nil })
+	})
 	if err := rc.connect(1, "10.0.0.1:80"); err != nil {
 		t.Fatal(err)
 	}

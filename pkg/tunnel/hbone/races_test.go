@@ -25,14 +25,13 @@ import (
 func TestIdleCloseRacingNewStream(t *testing.T) {
 	checked := make(chan *conn, 1)
 	proceed := make(chan struct{})
-	testHookIdleChecked = func(c *conn) {
+	testHookIdleChecked.set(t, func(c *conn) {
 		select {
 		case checked <- c:
 			<-proceed
 		default: // another firing: not held
 		}
-	}
-	t.Cleanup(func() { testHookIdleChecked = nil })
+	})
 	t.Cleanup(func() { close(proceed) })
 	var handlers atomic.Int32
 	_, rc := rawServer(t, ServerOptions{TLSConfig: mustServerTLS(), IdleTimeout: 20 * time.Millisecond,
@@ -147,7 +146,7 @@ func TestCloseInOrderWaitsForControlWrite(t *testing.T) {
 	srv.mu.Unlock()
 
 	grabbed := make(chan struct{})
-	testHookCtlBatch = func(hc *conn, batch []ctlFrame) {
+	testHookCtlBatch.set(t, func(hc *conn, batch []ctlFrame) {
 		if hc != c || !slices.ContainsFunc(batch, func(f ctlFrame) bool { return f.typ == http2.FrameRSTStream && f.id == 3 }) {
 			return
 		}
@@ -156,8 +155,7 @@ func TestCloseInOrderWaitsForControlWrite(t *testing.T) {
 		case <-c.done:
 		case <-time.After(5 * time.Second):
 		}
-	}
-	t.Cleanup(func() { testHookCtlBatch = nil })
+	})
 
 	c.drain()
 	rc.waitFor("GOAWAY", func(f rawFrame) bool { return f.typ == http2.FrameGoAway })
@@ -189,12 +187,11 @@ func TestConnectEvictedWhileReservedNotRedialled(t *testing.T) {
 	}
 	s.Close()
 	var evicted atomic.Bool
-	testHookReserved = func(p *Pool, c *conn) {
+	testHookReserved.set(t, func(p *Pool, c *conn) {
 		if !evicted.Swap(true) {
 			p.Evict(func(PoolKey) bool { return true })
 		}
-	}
-	t.Cleanup(func() { testHookReserved = nil })
+	})
 	_, err = e.connect(context.Background(), app)
 	if !errors.Is(err, errEvicted) {
 		t.Errorf("Connect on a connection evicted meanwhile: %v, want %v", err, errEvicted)
@@ -228,8 +225,7 @@ func TestConnectWaitingForEvictedDialNotRedialled(t *testing.T) {
 	}
 	pool := hostilePool(t)
 	waiting := make(chan struct{})
-	testHookDialWait = func() { close(waiting) }
-	t.Cleanup(func() { testHookDialWait = nil })
+	testHookDialWait.set(t, func() { close(waiting) })
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

@@ -463,8 +463,8 @@ func (srv *Server) onIdle(c *conn) {
 		c.goAway = true
 	}
 	c.mu.Unlock()
-	if idle && testHookIdleChecked != nil {
-		testHookIdleChecked(c)
+	if f := testHookIdleChecked.get(); idle && f != nil {
+		f(c)
 	}
 	if idle {
 		c.close(http2.ErrCodeNo, fmt.Errorf("%w: idle", ErrConnClosed), true)
@@ -473,7 +473,7 @@ func (srv *Server) onIdle(c *conn) {
 
 // testHookIdleChecked, if set, runs in Server.onIdle between finding the
 // conn idle and closing it: tests widen that window.
-var testHookIdleChecked func(c *conn)
+var testHookIdleChecked testHook[func(c *conn)]
 
 func (srv *Server) onClose(c *conn) {
 	srv.mu.Lock()
