@@ -123,6 +123,15 @@ func TestTwoDeadOfThreeReachTheThird(t *testing.T) {
 // demoted: it stays first, and answers the other names. Only an upstream
 // that answers nothing counts as failing, so one pod's names cannot steer
 // every pod's queries.
+//
+// The test's upstreams answer from its own process, on a loaded machine
+// (the other packages' tests) at times tens of milliseconds late: what the
+// ranking would make of that is not what this test is about, so both
+// upstreams start measured alike (a least RTT of 1 ms: one answer of 10 ms
+// or more, alone, ranked the first after the other for speed), and the
+// first's slow-name exchanges run to the timeout (its hedge delay set long
+// by a slow name answered before: 200 ms with no answer to another query,
+// its process starved, was a strike).
 func TestUpstreamNotDemotedByNames(t *testing.T) {
 	first := udpUpstream(t, func(q *dns.Msg, _ []byte) [][]byte {
 		r := new(dns.Msg).SetReply(q)
@@ -139,6 +148,9 @@ func TestUpstreamNotDemotedByNames(t *testing.T) {
 	})
 	k := startKubeDNS(t)
 	p, m := newProxy(t, Config{Upstreams: []netip.AddrPort{first, k.addr}, Timeout: time.Second})
+	for _, u := range p.ups {
+		u.answered(time.Now(), time.Millisecond)
+	}
 
 	for i := range 20 {
 		resp := unpack(t, p.Answer(context.Background(), client, "udp", query(t, "fail.example.org.", dns.TypeA, uint16(i)), dialLoopback))
@@ -148,6 +160,13 @@ func TestUpstreamNotDemotedByNames(t *testing.T) {
 	}
 	if got := ranked(p); !slices.Equal(got, []netip.AddrPort{first, k.addr}) {
 		t.Errorf("after SERVFAILs: rank %v, want the first upstream still first", got)
+	}
+
+	// A slow name answered after 2 s: the least RTT stays, the hedge delay
+	// is at its longest (2 s), beyond the timeout.
+	p.ups[0].answered(time.Now(), 2*time.Second)
+	if h := p.ups[0].hedge(); h <= time.Second {
+		t.Fatalf("hedge delay %v after a slow answer, want over the 1 s timeout", h)
 	}
 
 	// Other pods' queries, answered by the first upstream throughout.

@@ -16,12 +16,16 @@ import (
 // TestDirectDelivery: the server's reader writes arriving bytes into the app's socket itself,
 // and queues what the socket does not take for WriteTo. The bytes arrive intact and in order,
 // and the relay's count, which metrics report, includes what the reader wrote. Run against an
-// app that reads at once and one that stops reading after its first slowAfter bytes until the
-// sender stalls (so its socket filled, the stream's window is spent and the rest is queued), then
-// reads on: delivery mixes direct writes, partial writes and queued bytes. A pause of fixed length
-// proved nothing in race builds, whose sender is slower than such an app. (An app slow from the
-// start may see no direct write at all: if the first frames arrive before the relay's WriteTo
-// runs, they queue, and a full socket keeps the queue from ever emptying.)
+// app that reads at once and one that stops reading after its first slowAfter bytes until its
+// socket filled (the server's stream holds bytes queued for WriteTo) and the sender spent the
+// stream's window, then reads on: delivery mixes direct writes, partial writes and queued bytes.
+// Both are waited for as the state they are: a pause of fixed length proved nothing in race
+// builds, whose sender is slower than such an app, and "the sender made no progress for 100 ms"
+// also held while the server's reader, not the app, lagged (a loaded machine), or once the sender
+// had sent everything into an autotuned socket large enough to hold it: the app read on, nothing
+// was queued and the test failed on a correct server. (An app
+// slow from the start may see no direct write at all: if the first frames arrive before the
+// relay's WriteTo runs, they queue, and a full socket keeps the queue from ever emptying.)
 func TestDirectDelivery(t *testing.T) {
 	const size = 24 << 20
 	want := sha256.New()
@@ -34,7 +38,16 @@ func TestDirectDelivery(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var sent atomic.Int64 // what the sender read from its source so far
 			got := make(chan []byte, 1)
+			// full reports whether the app's socket filled and the sender stalled; the test
+			// sends it once the stream exists.
+			fullc := make(chan func() bool, 1)
 			app := startUpstream(t, func(c *net.TCPConn) {
+				if tc.stall {
+					// A fixed receive buffer: autotuned, it grew on loopback (up to
+					// tcp_rmem's 32 MiB here) until it held all the rest, so nothing
+					// was queued and the test failed on a correct server.
+					_ = c.SetReadBuffer(256 << 10)
+				}
 				h := sha256.New()
 				buf := make([]byte, 32<<10)
 				read, stalled := 0, !tc.stall
@@ -46,9 +59,15 @@ func TestDirectDelivery(t *testing.T) {
 					}
 					if read += n; read > slowAfter && !stalled {
 						stalled = true
-						for last := int64(-1); sent.Load() != last && sent.Load() < size; {
-							last = sent.Load()
-							time.Sleep(100 * time.Millisecond)
+						// Bounded: a reader that never queues (one that waits for the
+						// socket, or writes everything itself) fails the test below.
+						deadline := time.Now().Add(waitfor.Timeout)
+						select {
+						case full := <-fullc:
+							for !full() && time.Now().Before(deadline) {
+								time.Sleep(5 * time.Millisecond)
+							}
+						case <-time.After(waitfor.Timeout):
 						}
 					}
 				}
@@ -65,6 +84,7 @@ func TestDirectDelivery(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
+			fullc <- func() bool { return serverQueued(e.srv) > 0 && (s.sendRoom() == 0 || sent.Load() == size) }
 			before := directBytes.Load()
 			src := &countingReader{r: io.LimitReader(newPRNGReader(3), size), n: &sent}
 			if _, err := s.ReadFrom(src); err != nil {
@@ -87,6 +107,32 @@ func TestDirectDelivery(t *testing.T) {
 			t.Logf("%d of %d bytes written by the reader", direct, size)
 		})
 	}
+}
+
+// serverQueued is what srv's streams hold queued for their relays' writers:
+// bytes the reader did not, or could not, write into the apps' sockets itself.
+func serverQueued(srv *Server) int {
+	srv.mu.Lock()
+	var conns []*conn
+	for sc := range srv.conns {
+		conns = append(conns, sc)
+	}
+	srv.mu.Unlock()
+	var streams []*Stream
+	for _, sc := range conns {
+		sc.mu.Lock()
+		for _, s := range sc.streams {
+			streams = append(streams, s)
+		}
+		sc.mu.Unlock()
+	}
+	n := 0
+	for _, s := range streams {
+		s.mu.Lock()
+		n += s.buf.n
+		s.mu.Unlock()
+	}
+	return n
 }
 
 // countingReader counts what is read through it.

@@ -1,12 +1,101 @@
 package hbone
 
 import (
+	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 )
+
+// answererChildEnv makes a run of this test binary the answerer app of
+// startAnswererProcess instead of running the tests.
+const answererChildEnv = "REDIRECTOR_HBONE_TEST_ANSWERER"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(answererChildEnv) != "" {
+		os.Exit(answererChild())
+	}
+	os.Exit(m.Run())
+}
+
+// answererChild serves answerer(0) on a loopback port it prints, until its
+// stdin closes (the test ended, or its process died).
+func answererChild() int {
+	l, err := net.ListenTCP("tcp", &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	fmt.Println(l.Addr())
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}()
+	serve := answerer(0)
+	for {
+		c, err := l.AcceptTCP()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		go func() {
+			defer c.Close()
+			serve(c)
+		}()
+	}
+}
+
+// startAnswererProcess runs answerer(0) in a process of its own (this test
+// binary run again), as an app is, and returns its address. The process
+// ends with the test.
+func startAnswererProcess(t *testing.T) netip.AddrPort {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe)
+	cmd.Env = append(os.Environ(), answererChildEnv+"=1")
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start the answerer process: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		t.Fatalf("the answerer process gave no address: %v", err)
+	}
+	addr, err := netip.ParseAddrPort(strings.TrimSpace(line))
+	if err != nil {
+		t.Fatalf("the answerer process's address: %v", err)
+	}
+	return addr
+}
 
 // withReplyPoll turns reply polling on for a test and off after it.
 func withReplyPoll(t *testing.T, cfg ReplyPollConfig) {
@@ -59,13 +148,17 @@ func polls() uint64 {
 }
 
 // The server's reader, after delivering a request to an app that answers at
-// once, polls instead of parking and sees data come: the answer, or (here,
-// where the client runs in the same process and can finish the round trip
-// while the reader yields) the next request.
+// once, polls instead of parking and sees data come: the answer, or (where
+// the server's writer and the client get another CPU and finish the round
+// trip while the reader yields) the next request. The app is a process of
+// its own, as apps are: the poll holds its goroutine's P without entering
+// the scheduler, so with one P (-cpu=1, or GOMAXPROCS=1 on a node) an app
+// running as a goroutine of this process could never answer during a poll,
+// and every poll expired.
 func TestReplyPollCatchesAnswers(t *testing.T) {
 	withReplyPoll(t, ReplyPollConfig{Window: maxReplyPollWindow, CPU: 1})
 	e := newEnv(t, dialTarget, ServerOptions{}, PoolOptions{})
-	s, err := e.connect(context.Background(), startUpstream(t, answerer(0)))
+	s, err := e.connect(context.Background(), startAnswererProcess(t))
 	if err != nil {
 		t.Fatal(err)
 	}
