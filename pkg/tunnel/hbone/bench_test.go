@@ -221,12 +221,19 @@ func BenchmarkPairCopy(b *testing.B) {
 // BenchmarkPairCopy: TCP -> Relay (splice) -> TCP sink.
 func BenchmarkTCPRelayCopy(b *testing.B) {
 	checkGoroutines(b)
-	app := startUpstream(b, sink)
+	c := viaTCPRelay(b, startUpstream(b, sink))
+	pump(b, c, c.CloseWrite, c)
+}
+
+// viaTCPRelay returns a connection to app through a TCP-to-TCP Relay
+// (splice) on loopback, closed with its listener when b ends.
+func viaTCPRelay(b *testing.B, app netip.AddrPort) *net.TCPConn {
+	b.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer l.Close()
+	b.Cleanup(func() { l.Close() })
 	go func() {
 		c, err := l.Accept()
 		if err != nil {
@@ -243,8 +250,8 @@ func BenchmarkTCPRelayCopy(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer c.Close()
-	pump(b, c, c.CloseWrite, c)
+	b.Cleanup(func() { c.Close() })
+	return c
 }
 
 // pipeHandler accepts every stream with an in-memory upstream that

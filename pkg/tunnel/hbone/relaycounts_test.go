@@ -179,28 +179,5 @@ func TestServerResponseCounts(t *testing.T) {
 // BenchmarkTCPRelayRoundTrip is a 1-byte echo through a TCP-to-TCP relay
 // (splice): the latency the splice loop adds per request and response.
 func BenchmarkTCPRelayRoundTrip(b *testing.B) {
-	app := startUpstream(b, echo)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		u, err := net.Dial("tcp", app.String())
-		if err != nil {
-			c.Close()
-			return
-		}
-		_, _, _ = Relay(c, u)
-	}()
-	c, err := net.Dial("tcp", l.Addr().String())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
-	roundTrips(b, c)
+	roundTrips(b, viaTCPRelay(b, startUpstream(b, echo)))
 }
