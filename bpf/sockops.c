@@ -105,21 +105,18 @@ enum sock_flags___zc { SOCK_ZEROCOPY___zc = 0 };
  * software, scheduler, acknowledgment and completion time stamps. */
 #define TX_TIMESTAMPS ((1 << 0) | (1 << 1) | (1 << 8) | (1 << 9) | (1 << 18))
 
-/* send_reports says whether the socket asked the kernel to report on its
- * sends on the error queue: MSG_ZEROCOPY completions (SO_ZEROCOPY; an
+/* send_reports says whether the socket tp asked the kernel to report on
+ * its sends on the error queue: MSG_ZEROCOPY completions (SO_ZEROCOPY; an
  * accepted socket inherits it from its listener) or transmit time stamps
  * (SO_TIMESTAMPING). The sockmap's send path copies every message and, for
- * a redirected one, reports nothing: an app that counts its sends to match
- * the reports would wait for ones that never come (keeping its zerocopy
+ * a redirected one, reports nothing: an app that waits for the reports of
+ * its sends would wait for ones that never come (keeping its zerocopy
  * buffers pinned). */
-static __always_inline int send_reports(struct bpf_sock *sk)
+static __always_inline int send_reports(struct tcp_sock *tp)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	unsigned long flags = 0;
 	__u32 ts = 0;
 
-	if (!tp)
-		return 0;
 	if (bpf_core_field_exists(struct sock___zc, sk_tsflags) &&
 	    bpf_core_read(&ts, bpf_core_field_size(struct sock___zc, sk_tsflags),
 			  &((struct sock___zc *)tp)->sk_tsflags) == 0 &&
@@ -146,12 +143,11 @@ struct inet_connection_sock___zc {
  * encrypts it, and a redirect sends that plaintext to the tunnel, which
  * passes it on as the app's bytes: in the clear on the wire to a destination
  * outside the mesh, and never as TLS to the app's peer. */
-static __always_inline int has_ulp(struct bpf_sock *sk)
+static __always_inline int has_ulp(struct tcp_sock *tp)
 {
-	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	void *ops = NULL;
 
-	if (!tp || !bpf_core_field_exists(struct inet_connection_sock___zc, icsk_ulp_ops))
+	if (!bpf_core_field_exists(struct inet_connection_sock___zc, icsk_ulp_ops))
 		return 0;
 	if (bpf_core_read(&ops, sizeof(ops), &((struct inet_connection_sock___zc *)tp)->icsk_ulp_ops) < 0)
 		return 1; /* unknown: take the path that is right either way */
@@ -212,6 +208,7 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	struct sock_key key = {};
 	struct sock_state fresh = {};
 	struct bpf_sock *sk;
+	struct tcp_sock *tp;
 	void *socks;
 	__u32 ip6l[4], ip6r[4];
 	__u32 op = skops->op;
@@ -254,7 +251,8 @@ int rd_sockops(struct bpf_sock_ops *skops)
 	fresh.tunnel = tunnel_socket(sk);
 	/* An app socket that wants its sends reported stays on TCP, whose
 	 * send path reports them (send_reports). */
-	if (!fresh.tunnel && send_reports(sk)) {
+	tp = fresh.tunnel ? NULL : bpf_skc_to_tcp_sock(sk);
+	if (tp && send_reports(tp)) {
 		count(stats(), unpaired, 1);
 		return 1;
 	}
@@ -334,6 +332,7 @@ int rd_sk_msg(struct sk_msg_md *msg)
 	struct sock_key self = {}, peer = {};
 	struct accel_counters *c = stats();
 	struct sock_state *me, *other;
+	struct tcp_sock *tp;
 	__u32 ip6l[4], ip6r[4];
 	__u64 *consumed, inflight;
 
@@ -372,10 +371,10 @@ int rd_sk_msg(struct sk_msg_md *msg)
 	/* Asked for reports of its sends after it was paired (time stamps
 	 * need an established socket): TCP reports them, counted as
 	 * unpaired, since the tunnel then takes the socket out of the map. */
-	if (msg->sk && send_reports(msg->sk))
-		return fall_back(me, c, c ? &c->unpaired : NULL);
-	/* kTLS set once paired (has_ulp): its records take TCP, encrypted. */
-	if (msg->sk && has_ulp(msg->sk))
+	/* kTLS set once paired (has_ulp): its records take TCP, encrypted.
+	 * One look at the kernel's socket serves both checks. */
+	tp = msg->sk ? bpf_skc_to_tcp_sock(msg->sk) : NULL;
+	if (tp && (send_reports(tp) || has_ulp(tp)))
 		return fall_back(me, c, c ? &c->unpaired : NULL);
 	/* Redirecting to a missing peer would drop the data: look first. The
 	 * peer may also be another app (a pod talking to itself, not captured). */
