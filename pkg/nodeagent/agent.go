@@ -10,6 +10,7 @@ package nodeagent
 import (
 	"context"
 	"log/slog"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -122,6 +123,18 @@ type Agent struct {
 
 	// annots are written by runAnnotations, never under mu.
 	annots *annotations
+
+	// listed is every local pod of the last snapshot applied, enrolled or
+	// not, for the reconciler's listedPod (which runs under its locks, so
+	// never takes mu).
+	listed atomic.Pointer[localPods]
+}
+
+// localPods are the pods the source lists on this node, by uid, and their
+// addresses.
+type localPods struct {
+	uids  map[string]bool
+	addrs map[netip.Addr]bool
 }
 
 type desiredPod struct {
@@ -159,6 +172,7 @@ func New(cfg Config) *Agent {
 	}
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
+		cfg.Reconciler.SetListed(a.listedPod)
 	}
 	return a
 }
@@ -368,6 +382,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 	a.cfg.Tunnel.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
 	local := dir.LocalPods(a.cfg.Node)
+	a.setListed(local)
 	desired := make(map[string]desiredPod, len(local))
 	for _, w := range local {
 		if w.Enrolled {
@@ -411,6 +426,36 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	if a.cfg.Annotator != nil {
 		a.syncAnnotations(dir)
 	}
+}
+
+func (a *Agent) setListed(local []*workload.Workload) {
+	l := &localPods{uids: make(map[string]bool, len(local)), addrs: map[netip.Addr]bool{}}
+	for _, w := range local {
+		l.uids[w.Key()] = true
+		for _, addr := range w.Addrs {
+			l.addrs[addr.Unmap()] = true
+		}
+	}
+	a.listed.Store(l)
+}
+
+// listedPod reports whether the last snapshot lists the pod uid on this
+// node, and whether a pod it lists has one of addrs. Before the first
+// snapshot every pod counts as listed: nothing is known to be deleted.
+func (a *Agent) listedPod(uid string, addrs []netip.Addr) (listed, addrTaken bool) {
+	l := a.listed.Load()
+	if l == nil {
+		return true, false
+	}
+	if l.uids[uid] {
+		return true, false
+	}
+	for _, addr := range addrs {
+		if l.addrs[addr.Unmap()] {
+			return false, true
+		}
+	}
+	return false, false
 }
 
 // requeueUnconverged queues, with backoff, the pods a full pass left
@@ -533,6 +578,9 @@ func (a *Agent) logResult(res Result) {
 	}
 	for _, p := range res.Detached {
 		a.log.Info("pod unenrolled", "pod", p)
+	}
+	for _, p := range res.Sealed {
+		a.log.Warn("pod sealed: gone from its source while its network namespace lives; its connections are refused until the namespace goes", "pod", p)
 	}
 	for _, p := range res.Repaired {
 		a.log.Warn("pod repaired", "pod", p)

@@ -266,11 +266,19 @@ func TestRestartKeepsPendingAttachedPod(t *testing.T) {
 	if w, ok := a.cfg.Tunnel.State().Dir.Pod("shop", "p"); !ok || !w.Enrolled {
 		t.Errorf("the directory has the pod as %+v, want enrolled with its attached addresses", w)
 	}
-	// A pod that left is still detached: its workload is gone.
+	// A pod that left while its namespace lives is sealed (attached, not
+	// served), and detached once the namespace is gone.
 	a.setSnapshot(source.Snapshot{})
 	a.applyLatest(ctx, true)
+	if _, attached, _ := ld.PodState("uid-p"); !attached || rec.Stats().Sealed != 1 {
+		t.Errorf("a pod that left with its namespace alive: attached %v, sealed %d; want it sealed", attached, rec.Stats().Sealed)
+	}
+	if out, err := exec.Command("ip", "netns", "del", sandbox.NS).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns del: %v: %s", err, out)
+	}
+	a.applyLatest(ctx, true)
 	if _, attached, _ := ld.PodState("uid-p"); attached {
-		t.Errorf("a pod that left stayed attached")
+		t.Errorf("a pod that left stayed attached after its namespace went")
 	}
 }
 

@@ -6,6 +6,9 @@ var (
 	linkRepinsDesc = prometheus.NewDesc("redirector_link_pins_restored_total",
 		"Link pins that were removed underneath the agent and pinned again.",
 		nil, nil)
+	sealedDesc = prometheus.NewDesc("redirector_pods_sealed",
+		"Pods gone from the source while their network namespace lives, held captured with their connections refused until the namespace goes.",
+		nil, nil)
 	netnsKnownDesc = prometheus.NewDesc("redirector_netns_index_namespaces",
 		"Network namespaces the address-to-namespace index remembers (bounded by the namespaces on the node).",
 		nil, nil)
@@ -16,7 +19,7 @@ type collector struct {
 	idx interface{ Len() int }
 }
 
-// NewCollector exports what the link repair did and, when the reconciler's
+// NewCollector exports what the link repair did, how many pods are sealed and, when the reconciler's
 // namespace finder has a Len (netns.Index), how many namespaces it knows.
 func NewCollector(r *Reconciler) prometheus.Collector {
 	c := collector{r: r}
@@ -29,6 +32,7 @@ func NewCollector(r *Reconciler) prometheus.Collector {
 // Describe implements prometheus.Collector.
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- linkRepinsDesc
+	ch <- sealedDesc
 	if c.idx != nil {
 		ch <- netnsKnownDesc
 	}
@@ -36,7 +40,9 @@ func (c collector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c collector) Collect(ch chan<- prometheus.Metric) {
-	ch <- prometheus.MustNewConstMetric(linkRepinsDesc, prometheus.CounterValue, float64(c.r.Stats().LinkRepins))
+	st := c.r.Stats()
+	ch <- prometheus.MustNewConstMetric(linkRepinsDesc, prometheus.CounterValue, float64(st.LinkRepins))
+	ch <- prometheus.MustNewConstMetric(sealedDesc, prometheus.GaugeValue, float64(st.Sealed))
 	if c.idx != nil {
 		ch <- prometheus.MustNewConstMetric(netnsKnownDesc, prometheus.GaugeValue, float64(c.idx.Len()))
 	}

@@ -65,6 +65,34 @@ type Reconciler struct {
 	// foreignNetNS, if set, says why a namespace found by a pod's address
 	// is not that pod's (SetForeignNetNS), or "".
 	foreignNetNS func(key, uid, path string) string
+
+	// listed, if set, says whether the source lists the pod uid on this
+	// node (enrolled or not) and whether another pod it lists has one of
+	// addrs (SetListed). A pod no longer wanted and not listed was deleted,
+	// not opted out, and is sealed while its namespace lives (see seal).
+	// Without it every pod no longer wanted is detached.
+	listed func(uid string, addrs []netip.Addr) (listed, addrTaken bool)
+	// sealed are the pods held sealed (under nsMu), by uid; at most
+	// maxSealed after a sweep.
+	sealed    map[string]sealRecord
+	maxSealed int
+}
+
+type sealRecord struct {
+	name  string // namespace/name
+	since time.Time
+}
+
+// MaxSealed bounds the pods held sealed at once: past it the longest held
+// is detached (a runtime that leaks namespaces would otherwise fill the
+// pod slots, MAX_PODS 4096, one leaked sandbox at a time).
+const MaxSealed = 1024
+
+// SetListed sets the check that tells a pod deleted from its source from
+// one that opted out (the Agent's, which knows every pod the source lists
+// on the node). Call it before the first reconcile.
+func (r *Reconciler) SetListed(f func(uid string, addrs []netip.Addr) (listed, addrTaken bool)) {
+	r.listed = f
 }
 
 // SetForeignNetNS sets the check a namespace found by a pod's address must
@@ -98,12 +126,14 @@ type ReconcileStats struct {
 	// LinkRepins counts link pins put back by RepairLinks.
 	LinkRepins uint64
 	Enrolled   int
+	// Sealed is how many pods are held sealed now (see seal).
+	Sealed int
 }
 
 // Result says what one reconcile did.
 type Result struct {
-	Attached, Detached, Repaired []string // pod namespace/name
-	Errors                       []error  // one per pod that could not converge
+	Attached, Detached, Repaired, Sealed []string // pod namespace/name
+	Errors                               []error  // one per pod that could not converge
 }
 
 // NewReconciler wires the loader to a pod server and a namespace finder.
@@ -111,14 +141,19 @@ func NewReconciler(l *loader.Loader, s PodServer, f NetNSFinder, log *slog.Logge
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}, podLocks: map[string]*podLock{}}
+	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}, podLocks: map[string]*podLock{},
+		sealed: map[string]sealRecord{}, maxSealed: MaxSealed}
 }
 
 // Stats returns the cumulative counts.
 func (r *Reconciler) Stats() ReconcileStats {
 	r.statsMu.Lock()
-	defer r.statsMu.Unlock()
-	return r.stats
+	st := r.stats
+	r.statsMu.Unlock()
+	r.nsMu.Lock()
+	st.Sealed = len(r.sealed)
+	r.nsMu.Unlock()
+	return st
 }
 
 // Workers bounds how many pods one reconcile attaches or detaches at once:
@@ -188,7 +223,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 			continue
 		}
 		delete(served, uid)
-		jobs = append(jobs, func() { r.remove(ctx, uid, cur.Meta.Namespace+"/"+cur.Meta.Name, add) })
+		jobs = append(jobs, func() { r.leave(ctx, cur, add) })
 	}
 	for uid := range served {
 		if !wanted[uid] {
@@ -216,7 +251,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 		// namespace the path names now.
 		kernelOK := isAttached && cur.Matches(p) && r.loader.KernelOK(cur, full)
 		verified := r.sameNS(p.UID, p.NetNS, false)
-		if kernelOK && verified && served[p.UID] {
+		if kernelOK && verified && served[p.UID] && !r.isSealed(p.UID) {
 			continue
 		}
 		jobs = append(jobs, func() { r.converge(ctx, p, isAttached, kernelOK && verified, add) })
@@ -244,6 +279,7 @@ func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, ker
 		})
 		return
 	}
+	r.unseal(p.UID)
 	if kernelOK {
 		return
 	}
@@ -289,6 +325,144 @@ func (r *Reconciler) remove(ctx context.Context, uid, name string, add func(func
 	add(func(res *Result) { res.Detached = append(res.Detached, name) })
 }
 
+// leave ends the attached pod cur, no longer wanted: sealed while it is
+// gone from its source, holds no address a listed pod has and its
+// namespace is still the one it was attached in; detached otherwise.
+func (r *Reconciler) leave(ctx context.Context, cur loader.PodState, add func(func(*Result))) {
+	if r.holdSealed(cur) {
+		r.seal(ctx, cur, add)
+		return
+	}
+	r.remove(ctx, cur.Meta.UID, cur.Meta.Namespace+"/"+cur.Meta.Name, add)
+}
+
+func (r *Reconciler) holdSealed(cur loader.PodState) bool {
+	if r.listed == nil {
+		return false
+	}
+	listed, taken := r.listed(cur.Meta.UID, cur.Meta.Addrs)
+	return !listed && !taken && r.sameNS(cur.Meta.UID, cur.Meta.NetNS, true)
+}
+
+// seal ends the pod's connections, as remove does, and keeps its capture.
+// A pod leaves its source before its containers stop when it is
+// force-deleted (--grace-period=0 --force removes the object at once; the
+// kubelet kills the containers after) or dropped from a manifest;
+// detached, what it opens meanwhile would leave unmeshed, in plaintext.
+// Sealed, it is served again by listeners that refuse everything: the pod
+// is no workload of the directory any more, so the tunnel resets what it
+// opens (fail_closed unknown_source) and refuses what comes to it
+// (unknown_destination), at once, so clients of a stale endpoint move on
+// rather than wait out their connect timeout. Istio's node agent likewise
+// leaves a deleted pod's rules in its namespace, its traffic failing
+// closed at a ztunnel that no longer serves it. A sealed pod is detached
+// once its namespace is gone or replaced, a listed pod takes one of its
+// addresses, or it is the longest held of more than MaxSealed
+// (sweepSealed, every LinkCheckPeriod, and every full pass); it is served
+// as itself again if the source lists it again.
+func (r *Reconciler) seal(ctx context.Context, cur loader.PodState, add func(func(*Result))) {
+	uid, name := cur.Meta.UID, cur.Meta.Namespace+"/"+cur.Meta.Name
+	r.nsMu.Lock()
+	_, was := r.sealed[uid]
+	r.nsMu.Unlock()
+	served := slices.Contains(r.server.ServedPods(), uid)
+	if was && served {
+		return
+	}
+	if !was {
+		// Its connections go with its listeners: what they carried was
+		// admitted for a pod that no longer exists.
+		if err := r.server.StopPod(ctx, uid); err != nil {
+			add(func(res *Result) {
+				res.Errors = append(res.Errors, fmt.Errorf("pod %s: close tunnel listeners: %w", name, err))
+			})
+			return
+		}
+		r.nsMu.Lock()
+		r.sealed[uid] = sealRecord{name: name, since: time.Now()}
+		r.nsMu.Unlock()
+		add(func(res *Result) { res.Sealed = append(res.Sealed, name) })
+	}
+	// Without listeners its connections would be dropped, not refused:
+	// still closed, only slower for everyone. A failure is retried by the
+	// next pass.
+	if err := r.server.ServePod(ctx, uid, cur.Meta.NetNS, cur.Meta.Addrs); err != nil {
+		add(func(res *Result) {
+			res.Errors = append(res.Errors, fmt.Errorf("sealed pod %s: open refusing listeners: %w", name, err))
+		})
+	}
+}
+
+// isSealed reports whether the pod uid is sealed: served, but only by
+// listeners that refuse, which a pod wanted again must not be taken for.
+func (r *Reconciler) isSealed(uid string) bool {
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	_, ok := r.sealed[uid]
+	return ok
+}
+
+func (r *Reconciler) unseal(uid string) {
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	delete(r.sealed, uid)
+}
+
+// sweepSealed detaches the sealed pods that are no longer to be held (see
+// seal), the longest held first past the bound (MaxSealed). One the source lists again
+// is left to its own reconcile (served again, or detached if it opted out).
+func (r *Reconciler) sweepSealed(ctx context.Context) {
+	r.nsMu.Lock()
+	if len(r.sealed) == 0 {
+		r.nsMu.Unlock()
+		return
+	}
+	uids := make([]string, 0, len(r.sealed))
+	for uid := range r.sealed {
+		uids = append(uids, uid)
+	}
+	slices.SortFunc(uids, func(a, b string) int { return r.sealed[a].since.Compare(r.sealed[b].since) })
+	r.nsMu.Unlock()
+
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res, add := newResult()
+	detach := func(cur loader.PodState, why string) {
+		name := cur.Meta.Namespace + "/" + cur.Meta.Name
+		n := len(res.Detached)
+		r.remove(ctx, cur.Meta.UID, name, add)
+		if len(res.Detached) > n {
+			r.log.InfoContext(ctx, "sealed pod unenrolled", "pod", name, "reason", why)
+		}
+	}
+	for i, uid := range uids {
+		cur, ok, err := r.loader.PodState(uid)
+		switch {
+		case err != nil:
+			continue
+		case !ok:
+			r.forgetNS(uid) // detached meanwhile
+		case i < len(uids)-r.maxSealed:
+			r.log.WarnContext(ctx, "more pods sealed than the bound: the longest sealed is detached and its traffic no longer captured", "pod", cur.Meta.Namespace+"/"+cur.Meta.Name, "bound", r.maxSealed)
+			detach(cur, "over the bound")
+		default:
+			listed, taken := r.listed(uid, cur.Meta.Addrs)
+			switch {
+			case listed:
+				// Its own reconcile serves it again, or detaches it.
+			case taken:
+				detach(cur, "a pod the source lists has its address")
+			case !r.sameNS(uid, cur.Meta.NetNS, true):
+				detach(cur, "its network namespace is gone")
+			}
+		}
+	}
+	for _, err := range res.Errors {
+		r.log.ErrorContext(ctx, "detach sealed pod", "error", err)
+	}
+	r.record(*res, -1)
+}
+
 // ReconcilePod converges one pod: want is how it should be attached, or
 // nil when it should not be. It is Reconcile for a single pod, for a work
 // queue that handles each pod on its own (see nodeagent): pods are
@@ -310,7 +484,7 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 	served := slices.Contains(r.server.ServedPods(), uid)
 	switch {
 	case want == nil && isAttached:
-		r.remove(ctx, uid, cur.Meta.Namespace+"/"+cur.Meta.Name, add)
+		r.leave(ctx, cur, add)
 	case want == nil && served:
 		if err := r.server.StopPod(ctx, uid); err != nil {
 			res.Errors = append(res.Errors, err)
@@ -331,7 +505,7 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 			}
 		}
 		kernelOK := isAttached && cur.Matches(p) && r.loader.KernelOK(cur, false) && r.sameNS(p.UID, p.NetNS, false)
-		if !(kernelOK && served) {
+		if !(kernelOK && served) || r.isSealed(uid) {
 			r.converge(ctx, p, isAttached, kernelOK, add)
 		}
 	}
@@ -432,6 +606,7 @@ func (r *Reconciler) forgetNS(uid string) {
 	r.nsMu.Lock()
 	defer r.nsMu.Unlock()
 	delete(r.ns, uid)
+	delete(r.sealed, uid)
 }
 
 // LinkCheckPeriod is how often the agent checks that every pod's links are
@@ -544,6 +719,7 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 }
 
 func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
+	r.sweepSealed(ctx)
 	c := r.loader.CheckLinks(ctx, pins)
 	if pins {
 		// The host-probe links are not held: a removed pin detached one,

@@ -21,11 +21,13 @@ import (
 )
 
 // recordServer is a nodeagent.PodServer that only records which pods it
-// serves; the test opens the listeners itself.
+// serves, and how often each served pod was stopped; the test opens the
+// listeners itself.
 type recordServer struct {
 	mu    sync.Mutex
 	pods  map[string]bool
 	calls int // ServePod calls: a reconcile makes one per pod it works on
+	stops map[string]int
 }
 
 func (s *recordServer) ServePod(_ context.Context, uid, _ string, _ []netip.Addr) error {
@@ -42,6 +44,12 @@ func (s *recordServer) ServePod(_ context.Context, uid, _ string, _ []netip.Addr
 func (s *recordServer) StopPod(_ context.Context, uid string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.pods[uid] {
+		if s.stops == nil {
+			s.stops = map[string]int{}
+		}
+		s.stops[uid]++
+	}
 	delete(s.pods, uid)
 	return nil
 }

@@ -140,13 +140,12 @@ func TestServiceVIP(t *testing.T) {
 		t.Errorf("removed endpoint s3 still got %d of 20 connections", got["s3"])
 	}
 
-	// s3's pod is gone (no longer a pod, app down) but still listed: the
-	// client still succeeds every time; s3 is skipped after failing once.
+	// s3's app is down but its endpoint is listed again: the client still
+	// succeeds every time; s3 is skipped after failing once. (A pod gone
+	// from the source with its sandbox alive is sealed, and refuses what
+	// reaches it, see TestDeletedPodSealed.)
 	app3.Close()
-	m = (&Manifest{}).Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-		Pod(client, "mesh", "client").Pod(plain, "plain", "default").
-		Pod(s1, "mesh", "web", "app=web").Pod(s2, "mesh", "web", "app=web").
-		Raw(strict).Raw(serviceDocs(s1, s2, s3))
+	m = baseServiceManifest(client, plain, s1, s2, s3, strict).Raw(serviceDocs(s1, s2, s3))
 	if err := m.Write(ms.manifest); err != nil {
 		t.Fatal(err)
 	}

@@ -194,8 +194,9 @@ func TestChurnSoak(t *testing.T) {
 	}
 	// remove takes the oldest churned pod of node i away: even pods lose
 	// their object first, while their apps and connections are still up
-	// (the agent detaches from a live sandbox); odd pods lose their
-	// sandbox first (the agent learns it from the object afterwards).
+	// (the agent seals the live sandbox, and detaches it once the sandbox
+	// goes); odd pods lose their sandbox first (the agent learns it from
+	// the object afterwards).
 	remove := func(i int) {
 		t.Helper()
 		mu.Lock()
@@ -205,11 +206,19 @@ func TestChurnSoak(t *testing.T) {
 		p.tr.leaving.Store(true)
 		if p.seq%2 == 0 {
 			write()
-			if err := enrolledOn(agents[i], p.Name, false); err != nil {
-				t.Fatal(err)
-			}
+			Eventually(t, 15*time.Second, func() error {
+				for _, line := range strings.Split(agents[i].Log(), "\n") {
+					if strings.Contains(line, `msg="pod sealed`) && strings.HasSuffix(line, " pod=mesh/"+p.Name) {
+						return nil
+					}
+				}
+				return fmt.Errorf("mesh/%s not sealed on %s", p.Name, agents[i].Node.Name)
+			})
 			p.stopApps()
 			if err := deleteNetNS(p.Pod); err != nil {
+				t.Fatal(err)
+			}
+			if err := enrolledOn(agents[i], p.Name, false); err != nil {
 				t.Fatal(err)
 			}
 		} else {
