@@ -173,6 +173,7 @@ func New(cfg Config) *Agent {
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
+		cfg.Reconciler.SetRequeue(a.queue.Add)
 	}
 	return a
 }

@@ -6,6 +6,9 @@ var (
 	linkRepinsDesc = prometheus.NewDesc("redirector_link_pins_restored_total",
 		"Link pins that were removed underneath the agent and pinned again.",
 		nil, nil)
+	netnsMovedDesc = prometheus.NewDesc("redirector_pod_netns_moved_total",
+		"Attached pods whose network namespace path the link check found naming another namespace than the one they were attached in (a sandbox re-created at the same path), and reconciled.",
+		nil, nil)
 	sealedDesc = prometheus.NewDesc("redirector_pods_sealed",
 		"Pods gone from the source while their network namespace lives, held captured with their connections refused until the namespace goes.",
 		nil, nil)
@@ -32,6 +35,7 @@ func NewCollector(r *Reconciler) prometheus.Collector {
 // Describe implements prometheus.Collector.
 func (c collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- linkRepinsDesc
+	ch <- netnsMovedDesc
 	ch <- sealedDesc
 	if c.idx != nil {
 		ch <- netnsKnownDesc
@@ -42,6 +46,7 @@ func (c collector) Describe(ch chan<- *prometheus.Desc) {
 func (c collector) Collect(ch chan<- prometheus.Metric) {
 	st := c.r.Stats()
 	ch <- prometheus.MustNewConstMetric(linkRepinsDesc, prometheus.CounterValue, float64(st.LinkRepins))
+	ch <- prometheus.MustNewConstMetric(netnsMovedDesc, prometheus.CounterValue, float64(st.NetNSMoved))
 	ch <- prometheus.MustNewConstMetric(sealedDesc, prometheus.GaugeValue, float64(st.Sealed))
 	if c.idx != nil {
 		ch <- prometheus.MustNewConstMetric(netnsKnownDesc, prometheus.GaugeValue, float64(c.idx.Len()))

@@ -76,6 +76,9 @@ type Reconciler struct {
 	// maxSealed after a sweep.
 	sealed    map[string]sealRecord
 	maxSealed int
+
+	// requeue, if set, hands a pod to its own reconcile (SetRequeue).
+	requeue func(uid string)
 }
 
 type sealRecord struct {
@@ -94,6 +97,12 @@ const MaxSealed = 1024
 func (r *Reconciler) SetListed(f func(uid string, addrs []netip.Addr) (listed, addrTaken bool)) {
 	r.listed = f
 }
+
+// SetRequeue sets how the link check hands a pod to its own reconcile
+// (the Agent's work queue) when its path names another namespace than the
+// one it was attached in (see requeueMoved). Call it before
+// RepairLinks.
+func (r *Reconciler) SetRequeue(f func(uid string)) { r.requeue = f }
 
 // SetForeignNetNS sets the check a namespace found by a pod's address must
 // pass before the pod is attached in it (the Agent's, which knows the CNI
@@ -116,8 +125,12 @@ func (r *Reconciler) netnsByAddr(scan map[netip.Addr]string, p loader.Pod) (stri
 }
 
 type nsRecord struct {
+	name string // namespace/name, for logs
 	path string
 	ino  uint64
+	// moved: requeueMoved found the path naming another namespace and
+	// queued the pod (once per record).
+	moved bool
 }
 
 // ReconcileStats are cumulative counts, exported as metrics.
@@ -125,6 +138,9 @@ type ReconcileStats struct {
 	Runs, Errors, Repairs, Attached, Detached uint64
 	// LinkRepins counts link pins put back by RepairLinks.
 	LinkRepins uint64
+	// NetNSMoved counts pods queued because their namespace path named
+	// another namespace (requeueMoved).
+	NetNSMoved uint64
 	Enrolled   int
 	// Sealed is how many pods are held sealed now (see seal).
 	Sealed int
@@ -292,7 +308,7 @@ func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, ker
 		}
 		return
 	}
-	r.recordNS(p.UID, p.NetNS)
+	r.recordNS(p.UID, p.Namespace+"/"+p.Name, p.NetNS)
 	if isAttached {
 		add(func(res *Result) { res.Repaired = append(res.Repaired, p.String()) })
 	} else {
@@ -591,7 +607,7 @@ func (r *Reconciler) sameNS(uid, path string, unknownOK bool) bool {
 	return err == nil && ino == rec.ino
 }
 
-func (r *Reconciler) recordNS(uid, path string) {
+func (r *Reconciler) recordNS(uid, name, path string) {
 	ino, err := netns.Inode(path)
 	r.nsMu.Lock()
 	defer r.nsMu.Unlock()
@@ -599,7 +615,7 @@ func (r *Reconciler) recordNS(uid, path string) {
 		delete(r.ns, uid)
 		return
 	}
-	r.ns[uid] = nsRecord{path: path, ino: ino}
+	r.ns[uid] = nsRecord{name: name, path: path, ino: ino}
 }
 
 func (r *Reconciler) forgetNS(uid string) {
@@ -720,6 +736,7 @@ func (r *Reconciler) syncWatches(w *fsnotify.Watcher, watched map[string]bool, g
 
 func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 	r.sweepSealed(ctx)
+	r.requeueMoved(ctx)
 	c := r.loader.CheckLinks(ctx, pins)
 	if pins {
 		// The host-probe links are not held: a removed pin detached one,
@@ -776,6 +793,62 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 		r.stats.LinkRepins += uint64(c.Repinned)
 		r.stats.Repairs += repaired
 		r.stats.Errors += errs
+		r.statsMu.Unlock()
+	}
+}
+
+// requeueMoved queues every pod this process attached whose namespace
+// path names another namespace now: its sandbox was replaced, and a
+// runtime that names namespaces by pod (or a reused /proc/<pid>/ns/net)
+// gave the new one the old path, with the pod's addresses, so the source
+// has nothing to report. Without a CNI ADD saying so, nothing else looks
+// before the next full pass, and the new sandbox's apps would run
+// uncaptured, in plaintext, meanwhile (the old namespace lives on while the
+// tunnel's listeners hold it, so its links look attached). The pod's own
+// reconcile attaches it in the new namespace, with the checks a namespace
+// must pass. A path that is gone is left to the pod's source and the full
+// pass: it goes with every graceful delete, and finding where the pod went
+// would mean a namespace scan per check. One stat per pod per check; each
+// change is queued once (the queue's backoff retries it).
+func (r *Reconciler) requeueMoved(ctx context.Context) {
+	if r.requeue == nil {
+		return
+	}
+	type entry struct {
+		uid string
+		rec nsRecord
+	}
+	r.nsMu.Lock()
+	recs := make([]entry, 0, len(r.ns))
+	for uid, rec := range r.ns {
+		if !rec.moved {
+			recs = append(recs, entry{uid, rec})
+		}
+	}
+	r.nsMu.Unlock()
+	var moved uint64
+	for _, e := range recs {
+		if ino, err := netns.Inode(e.rec.path); err != nil || ino == e.rec.ino {
+			continue
+		}
+		r.nsMu.Lock()
+		cur, ok := r.ns[e.uid]
+		same := ok && cur == e.rec
+		if same {
+			cur.moved = true
+			r.ns[e.uid] = cur
+		}
+		r.nsMu.Unlock()
+		if !same {
+			continue // attached again meanwhile, or detached
+		}
+		moved++
+		r.log.WarnContext(ctx, "pod's network namespace path names another namespace than it was attached in; attaching it there", "pod", e.rec.name, "uid", e.uid, "netns", e.rec.path)
+		r.requeue(e.uid)
+	}
+	if moved > 0 {
+		r.statsMu.Lock()
+		r.stats.NetNSMoved += moved
 		r.statsMu.Unlock()
 	}
 }

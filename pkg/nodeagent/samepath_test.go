@@ -221,3 +221,64 @@ func TestRestartDoesNotFollowReusedPath(t *testing.T) {
 		}
 	}
 }
+
+// TestLinkCheckFollowsSandboxRecreatedAtSamePath: a pod found by its
+// address (no CNI plugin) has its sandbox re-created at the same path with
+// the same addresses, so its source reports nothing. The link check
+// (every LinkCheckPeriod) must see that the path names another namespace
+// and attach the pod there, its listeners with it, without waiting for a
+// full pass. Seen failing before the check: the old namespace lived on,
+// held by the tunnel's listeners, so its links looked attached, and the
+// new sandbox ran uncaptured (its apps' connections in plaintext) until
+// the next full pass (RECONCILE_PERIOD; an hour here).
+func TestLinkCheckFollowsSandboxRecreatedAtSamePath(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("p")
+	a, ld, _, rec := testAgent(t)
+	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	ctx := runWorker(t, a)
+	a.applyLatest(ctx, false) // queues uid-p: found by its address
+	attachedIn := func() (uint64, bool) {
+		ino, ok := ld.AttachedNetNS("uid-p")
+		return ino, ok && podListens(t, sandbox.Path(), 15001)
+	}
+	waitUntil := func(what string, cond func() bool) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for !cond() {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within 10s", what)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitUntil("pod attached in its first sandbox", func() bool { _, ok := attachedIn(); return ok })
+	oldIno, _ := ld.AttachedNetNS("uid-p")
+
+	rctx, cancel := context.WithCancel(ctx)
+	repairDone := make(chan struct{})
+	go func() { defer close(repairDone); rec.RepairLinks(rctx, 50*time.Millisecond) }()
+	defer func() { cancel(); <-repairDone }()
+
+	recreateSandbox(t, node, sandbox)
+	newIno, err := netns.Inode(sandbox.Path())
+	if err != nil || newIno == oldIno {
+		t.Fatalf("re-created namespace inode %d (old %d): %v", newIno, oldIno, err)
+	}
+	start := time.Now()
+	waitUntil("pod attached in its re-created sandbox", func() bool {
+		ino, ok := attachedIn()
+		return ok && ino == newIno && len(loadertest.TCXPrograms(t, sandbox.Path())) == 2
+	})
+	t.Logf("re-created sandbox captured after %s", time.Since(start))
+	for _, port := range []int{15001, 15006, 15008} {
+		if !podListens(t, sandbox.Path(), port) {
+			t.Errorf("nothing listens on %d in the re-created sandbox", port)
+		}
+	}
+	if got := rec.Stats().NetNSMoved; got != 1 {
+		t.Errorf("NetNSMoved = %d, want 1", got)
+	}
+}
