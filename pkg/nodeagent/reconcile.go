@@ -29,6 +29,9 @@ type PodServer interface {
 	StopPod(ctx context.Context, uid string) error
 	// ServedPods lists the uids that have listeners.
 	ServedPods() []string
+	// PodReady reports whether the pod uid has its listeners: one lookup,
+	// where ServedPods lists every pod.
+	PodReady(uid string) bool
 }
 
 // NetNSFinder maps addresses to network namespace paths (netns.Finder).
@@ -381,7 +384,7 @@ func (r *Reconciler) seal(ctx context.Context, cur loader.PodState, add func(fun
 	r.nsMu.Lock()
 	_, was := r.sealed[uid]
 	r.nsMu.Unlock()
-	served := slices.Contains(r.server.ServedPods(), uid)
+	served := r.server.PodReady(uid)
 	if was && served {
 		return
 	}
@@ -497,7 +500,7 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 		r.record(*res, -1)
 		return *res
 	}
-	served := slices.Contains(r.server.ServedPods(), uid)
+	served := r.server.PodReady(uid)
 	switch {
 	case want == nil && isAttached:
 		r.leave(ctx, cur, add)

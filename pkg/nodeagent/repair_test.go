@@ -54,6 +54,12 @@ func (s *recordServer) StopPod(_ context.Context, uid string) error {
 	return nil
 }
 
+func (s *recordServer) PodReady(uid string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pods[uid]
+}
+
 func (s *recordServer) ServedPods() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()

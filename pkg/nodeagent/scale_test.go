@@ -75,6 +75,13 @@ func (s *listenServer) StopPod(_ context.Context, uid string) error {
 	return nil
 }
 
+func (s *listenServer) PodReady(uid string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.pods[uid]
+	return ok
+}
+
 func (s *listenServer) ServedPods() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
