@@ -62,6 +62,13 @@ type Loader struct {
 	ingress *ebpf.Program
 	egress  *ebpf.Program
 	sockops *ebpf.Program // rd_pod_sockops, on the pods' cgroup (localroute.go)
+	// captured is rd_captured, the socket storage naming captured app
+	// sockets, and capturedID its kernel id: a leaving pod's are ended at
+	// its detach (endcaptured.go). nil in Uninstall's loader.
+	captured   *ebpf.Map
+	capturedID ebpf.MapID
+	// endedSockets counts what endCaptured did, by result.
+	endedSockets endedCounts
 	// probes SNATs host-originated connections (kubelet probes) on the host
 	// end of each pod's veth.
 	probes *probe.Attacher
@@ -159,11 +166,12 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		return nil, err
 	}
 	l := &Loader{
-		cfg:     cfg,
-		log:     cfg.Logger,
-		ingress: objs.RdPodIngress,
-		egress:  objs.RdPodEgress,
-		sockops: objs.RdPodSockops,
+		cfg:      cfg,
+		log:      cfg.Logger,
+		ingress:  objs.RdPodIngress,
+		egress:   objs.RdPodEgress,
+		sockops:  objs.RdPodSockops,
+		captured: objs.RdCaptured,
 		maps: &maps.Maps{
 			Pods:     objs.RdPods,
 			PodStats: objs.RdPodStats,
@@ -171,6 +179,9 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			PodMeta:  objs.RdPodMeta,
 			PodNetNS: objs.RdPodNetns,
 		},
+	}
+	if info, err := objs.RdCaptured.Info(); err == nil {
+		l.capturedID, _ = info.ID()
 	}
 	l.probes, err = probe.Load(ctx, probe.Config{PinRoot: cfg.PinRoot, SNATv4: cfg.Settings.ProbeSNATv4, SNATv6: cfg.Settings.ProbeSNATv6,
 		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, PodsCgroupID: cfg.PodsCgroupID, Logger: cfg.Logger})
@@ -207,6 +218,9 @@ func (l *Loader) PinRoot() string { return l.cfg.PinRoot }
 func (l *Loader) Close() error {
 	l.closeHeld()
 	errs := []error{l.ingress.Close(), l.egress.Close(), l.sockops.Close(), l.maps.Close()}
+	if l.captured != nil {
+		errs = append(errs, l.captured.Close())
+	}
 	if l.probes != nil {
 		errs = append(errs, l.probes.Close())
 	}
@@ -308,7 +322,9 @@ func Uninstall(ctx context.Context, root string, s Settings, log *slog.Logger) e
 			l.podNetNS[e.PodID] = ino
 		}
 		for id, meta := range metas {
-			errs = append(errs, l.detach(ctx, id, meta))
+			// Pods of a node being cleaned keep their sockets: see
+			// endCaptured.
+			errs = append(errs, l.detach(ctx, id, meta, false))
 		}
 		errs = append(errs, m.Close())
 	} else {

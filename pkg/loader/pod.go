@@ -148,7 +148,7 @@ func (l *Loader) AttachPod(ctx context.Context, p Pod) (PodState, error) {
 	// entirely; an attached pod keeps what it had.
 	failed := func(err error) error {
 		if fresh {
-			err = errors.Join(err, l.detach(ctx, id, meta))
+			err = errors.Join(err, l.detach(ctx, id, meta, false))
 		}
 		if moved {
 			// detach knows only the new addresses.
@@ -496,9 +496,10 @@ func (l *Loader) PodMeta(id uint32) (maps.PodMeta, bool) {
 	return m, ok && l.indexed && m.NetNS != ""
 }
 
-// DetachPod stops redirecting the pod: enrollment entries go first (the kill
-// switch), then links, rules, routes and sysctls. Detaching a pod that is not
-// attached is not an error.
+// DetachPod stops redirecting the pod, which leaves the mesh: its captured
+// sockets are ended first (endCaptured), then the enrollment entries go
+// (the kill switch), then links, rules, routes and sysctls. Detaching a pod
+// that is not attached is not an error.
 func (l *Loader) DetachPod(ctx context.Context, uid string) error {
 	unlock := l.lockPod(uid)
 	defer unlock()
@@ -518,7 +519,7 @@ func (l *Loader) DetachPod(ctx context.Context, uid string) error {
 	if !ok {
 		return nil
 	}
-	if err := l.detach(ctx, id, meta); err != nil {
+	if err := l.detach(ctx, id, meta, true); err != nil {
 		return fmt.Errorf("detach pod %s/%s: %w", meta.Namespace, meta.Name, err)
 	}
 	return nil
@@ -642,35 +643,44 @@ func (l *Loader) leaveNetNS(id uint32, meta maps.PodMeta) error {
 	return errors.Join(errs...)
 }
 
-// undoInNetNS removes the legacy filters, rules and routes attaching left in
-// meta's namespace and restores its sysctls. A namespace that is gone took
-// them with it. With recorded set, ino is the namespace the pod was
-// attached in: a path that names another one now (a new sandbox, maybe
-// another pod's, given the old one's path) is left alone, since what is
-// there is not the pod's to undo.
-func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta, ino uint32, recorded bool) error {
-	gone := func(err error) error {
-		if err != nil && errors.Is(err, os.ErrNotExist) {
-			// The namespace being gone (pod deleted) takes its links, rules
-			// and routes with it; anything else is worth reporting.
-			l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
-			return nil
-		}
-		return err
-	}
+// openAttachedNetNS opens the namespace at meta's path for the detach of
+// its pod. A namespace that is gone took the pod's rules and routes with
+// it, and its sockets: nil, no error. With recorded set, ino is the
+// namespace the pod was attached in: a path that names another one now (a
+// new sandbox, maybe another pod's, given the old one's path) is not
+// opened either, since what is there is not the pod's.
+func (l *Loader) openAttachedNetNS(ctx context.Context, meta maps.PodMeta, ino uint32, recorded bool) (*netns.Handle, error) {
 	h, err := netns.Open(meta.NetNS)
 	if err != nil {
-		return gone(err)
+		return nil, l.nsGone(ctx, meta, err)
 	}
-	defer h.Close()
 	if cur, err := h.Inode(); err != nil {
-		return err
+		h.Close()
+		return nil, err
 	} else if recorded && cur != uint64(ino) {
+		h.Close()
 		l.log.InfoContext(ctx, "pod's network namespace path names another namespace now: nothing undone there",
 			"pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS, "attached_inode", ino, "path_inode", cur)
+		return nil, nil
+	}
+	return h, nil
+}
+
+// nsGone is err, or nil when it says the pod's namespace is gone: the
+// namespace being gone (pod deleted) takes its links, rules and routes
+// with it; anything else is worth reporting.
+func (l *Loader) nsGone(ctx context.Context, meta maps.PodMeta, err error) error {
+	if err != nil && errors.Is(err, os.ErrNotExist) {
+		l.log.DebugContext(ctx, "pod network namespace already gone", "pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS)
 		return nil
 	}
-	return gone(h.Do(func() error {
+	return err
+}
+
+// undoInNetNS removes the legacy filters, rules and routes attaching left in
+// the pod's namespace h (openAttachedNetNS) and restores its sysctls.
+func (l *Loader) undoInNetNS(ctx context.Context, h *netns.Handle, meta maps.PodMeta) error {
+	return l.nsGone(ctx, meta, h.Do(func() error {
 		var errs []error
 		iface, err := netlink.LinkByName(meta.Interface)
 		if err == nil && meta.AttachMode == maps.AttachTCLegacy {
@@ -695,17 +705,30 @@ func (l *Loader) undoInNetNS(ctx context.Context, meta maps.PodMeta, ino uint32,
 	}))
 }
 
-func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta) error {
+// detach undoes what attaching pod id did. With endSockets (a pod leaving
+// the mesh), its captured sockets are ended first, while the capture is
+// still in place (endCaptured).
+func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta, endSockets bool) error {
 	// Which namespace the pod was attached in, before its record goes.
 	ino, recorded := l.recordedNetNS(id)
-	errs := []error{l.deletePodNetNS(id, meta)}
+	h, err := l.openAttachedNetNS(ctx, meta, ino, recorded)
+	errs := []error{err}
+	if h != nil {
+		defer h.Close()
+		if endSockets {
+			l.endCaptured(ctx, h, meta)
+		}
+	}
+	errs = append(errs, l.deletePodNetNS(id, meta))
 	for _, a := range meta.Addrs {
 		errs = append(errs, l.deleteEntry(a, id))
 	}
 	if l.probes != nil {
 		errs = append(errs, l.probes.DetachHost(id))
 	}
-	errs = append(errs, l.undoInNetNS(ctx, meta, ino, recorded))
+	if h != nil {
+		errs = append(errs, l.undoInNetNS(ctx, h, meta))
+	}
 	// The held links go with their pins; either alone keeps a link attached.
 	l.dropLinks(id)
 	for _, d := range []direction{ingress, egress} {

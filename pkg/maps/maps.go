@@ -23,7 +23,8 @@ const (
 	PodMetaName  = bpf.CaptureMapRdPodMeta
 	PodNetNSName = bpf.CaptureMapRdPodNetns
 	// CapturedName is the socket storage marking captured app sockets; no
-	// Go code reads it, the uninstaller removes its pin.
+	// Go code reads it (the loader asks sock_diag which sockets have an
+	// entry, to end a leaving pod's), the uninstaller removes its pin.
 	CapturedName = bpf.CaptureMapRdCaptured
 	// DialledName is the LRU of handshakes the tunnel dialled to an app,
 	// until the app's socket is marked in CapturedName; no Go code reads

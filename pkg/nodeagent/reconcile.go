@@ -326,9 +326,12 @@ func (r *Reconciler) converge(ctx context.Context, p loader.Pod, isAttached, ker
 // or from CLOSE_WAIT once the tunnel closed its side) leaves by the pod's
 // interface as it is, in plaintext. With the capture still in place it
 // reaches the tunnel's sockets, or is dropped, until the stop has reset
-// it. New connections of the pod meanwhile find no listener and are
-// dropped (drop_no_listener); their SYN's retransmission goes out once
-// the pod is detached.
+// it. An app socket whose relay had ended before (closed with a FIN, in
+// CLOSE_WAIT) has no relay for the stop to reset: the detach ends it, and
+// every other captured socket of the pod, before the capture goes
+// (loader.DetachPod). New connections of the pod meanwhile find no
+// listener and are dropped (drop_no_listener); their SYN's retransmission
+// goes out once the pod is detached.
 func (r *Reconciler) remove(ctx context.Context, uid, name string, add func(func(*Result))) {
 	if err := r.server.StopPod(ctx, uid); err != nil {
 		add(func(res *Result) {

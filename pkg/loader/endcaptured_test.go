@@ -1,0 +1,139 @@
+package loader_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// TestDetachEndsCapturedSockets: a captured connection whose tunnel side
+// ended with a FIN (a relay that ended while the app kept its socket open,
+// in CLOSE_WAIT) outlives the capture. Before the fix, what the app wrote
+// on it once its pod was detached left by the pod's interface as it is, in
+// plaintext, towards the original destination: with the capture's rules
+// gone the socket routes as any other. The detach now ends the pod's
+// captured sockets first (IPv4 and IPv6, on both capture paths: marked by
+// local routing, or only named by the capture's socket storage), so the
+// write fails with ECONNABORTED and nothing leaves; a connection the app
+// opened before the pod was enrolled is not captured and carries on.
+func TestDetachEndsCapturedSockets(t *testing.T) {
+	for _, path := range capturePaths {
+		t.Run(path.name, func(t *testing.T) { testDetachEndsCaptured(t, path) })
+	}
+}
+
+func testDetachEndsCaptured(t *testing.T, path capturePath) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	client, other := node.AddPod("client"), node.AddPod("other")
+	root := loadertest.TempBPFFS(t)
+	l := loadertest.LoadPacketPath(t, root, !path.local)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	received := make(chan []byte, 16)
+	netnstest.ServeTCP(t, other, 8080, func(c net.Conn) {
+		b, _ := io.ReadAll(c)
+		received <- b
+	})
+	// Opened before the pod is enrolled: never captured.
+	before, err := netns.Dial(ctx, client.Path(), "tcp", ap(other.IPv4, 8080).String(), netns.SocketOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer before.Close()
+
+	pod := loadertest.PodOf(client, true)
+	if _, err := l.AttachPod(ctx, pod); err != nil {
+		t.Fatal(err)
+	}
+	tunnel, err := netns.Listen(ctx, client.Path(), "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tunnel.Close()
+	var apps []net.Conn
+	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {
+		app, err := netns.Dial(ctx, client.Path(), "tcp", dst, netns.SocketOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer app.Close()
+		tun, err := tunnel.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tun.LocalAddr().String() != dst {
+			t.Fatalf("the app's connection reached the tunnel as %s, want %s", tun.LocalAddr(), dst)
+		}
+		checkAppMark(t, app, path.local)
+		// The relay ends with a FIN: the app's socket is left in CLOSE_WAIT.
+		tun.Close()
+		apps = append(apps, app)
+	}
+	tunnel.Close()
+	for _, app := range apps {
+		_ = app.SetReadDeadline(time.Now().Add(2 * time.Second))
+		if n, err := app.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+			t.Fatalf("the app's read after the relay's FIN: %d %v, want EOF", n, err)
+		}
+	}
+	// A socket entering CLOSE_WAIT delays its ACK of the FIN (up to 200
+	// ms): let it reach the tunnel, as it long has for a socket that sat in
+	// CLOSE_WAIT. Sent after the detach, it would draw a reset from the
+	// peer, which has no such connection.
+	time.Sleep(300 * time.Millisecond)
+
+	wire := netnstest.Capture(t, node.Path(), "")
+	endedBefore, _, _ := l.EndedSockets()
+	if err := l.DetachPod(ctx, pod.UID); err != nil {
+		t.Fatal(err)
+	}
+	secret := []byte("plaintext-after-detach-c41e")
+	for i, app := range apps {
+		_ = app.SetWriteDeadline(time.Now().Add(2 * time.Second))
+		if _, err := app.Write(secret); !errors.Is(err, syscall.ECONNABORTED) {
+			t.Errorf("connection %d: the app's write after the detach: %v, want ECONNABORTED", i, err)
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // a retransmission, had the first one left
+	seen := wire()
+	if bytes.Contains(seen, secret) {
+		t.Error("the app's data on its captured connection left the pod in plaintext after the detach")
+	}
+	// Not even the reset the kernel sends for an ended socket: it meets
+	// the capture (the tunnel's socket of the tuple, lo, or a drop).
+	for i, app := range apps {
+		port := app.LocalAddr().(*net.TCPAddr).Port
+		if bytes.Contains(seen, []byte{byte(port >> 8), byte(port), 8080 >> 8, 8080 & 0xff}) {
+			t.Errorf("connection %d: a segment of it crossed the node after the detach", i)
+		}
+	}
+	if ended, _, _ := l.EndedSockets(); ended-endedBefore != uint64(len(apps)) {
+		t.Errorf("%d sockets ended, want %d", ended-endedBefore, len(apps))
+	}
+
+	// The connection from before enrollment was left alone.
+	if _, err := before.Write([]byte("still here")); err != nil {
+		t.Fatalf("the connection from before enrollment: %v", err)
+	}
+	before.Close()
+	select {
+	case b := <-received:
+		if string(b) != "still here" {
+			t.Fatalf("the server read %q from the connection from before enrollment", b)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("the server got nothing on the connection from before enrollment")
+	}
+}
