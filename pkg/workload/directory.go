@@ -159,21 +159,26 @@ func (d *Directory) addService(s *Service) error {
 	for i := range own.Endpoints {
 		e := &own.Endpoints[i]
 		// An address belongs to one workload: the directory's. Where the
-		// endpoint names its pod (a slice's targetRef), it must be that
-		// one: a pod that left may have its address given to another pod
-		// while the slice, watched apart from pods, still lists it (a
-		// publishNotReadyAddresses service lists a pod until its object is
-		// deleted, after its sandbox freed the address), and the service's
-		// connections went to the new pod, its identity required and
-		// proved. Such an endpoint is not dialled.
+		// endpoint names its pod (a slice's targetRef, istiod's workload),
+		// it must be that one: a pod that left may have its address given
+		// to another pod while the slice, watched apart from pods, still
+		// lists it (a publishNotReadyAddresses service lists a pod until
+		// its object is deleted, after its sandbox freed the address), or
+		// two live pods claim one address (a stale object, a lie) and the
+		// other keeps it; the service's connections went to that other
+		// workload, its identity required and proved, or in plain TCP.
+		// Such an endpoint is not dialled.
 		e.Workload = d.byAddr[e.Addr]
 		e.Unresolved = false
-		if w := e.Workload; w != nil && e.PodName != "" && (w.Namespace != e.PodNamespace || w.Name != e.PodName) {
+		if w := e.Workload; w != nil && e.PodName != "" && !e.names(w) {
 			e.Workload, e.Unresolved = nil, true
 		}
 		if e.Workload == nil && !e.Unresolved && e.PodName != "" {
+			// The first workload of the name; another of the name (an
+			// entry named like the pod) is not it, and the endpoint
+			// stays unresolved.
 			named := d.byName[nameKey{e.PodNamespace, e.PodName}]
-			e.Unresolved = named == nil || named.TakesHBONE()
+			e.Unresolved = named == nil || !e.names(named) || named.TakesHBONE()
 		}
 		e.Site = nil
 		if e.Workload == nil && e.Node != "" {
@@ -184,6 +189,12 @@ func (d *Directory) addService(s *Service) error {
 		}
 	}
 	return err
+}
+
+// names reports whether w is the pod e names (PodNamespace, PodName and,
+// where set, PodUID).
+func (e *Endpoint) names(w *Workload) bool {
+	return w.Namespace == e.PodNamespace && w.Name == e.PodName && (e.PodUID == "" || w.UID == e.PodUID)
 }
 
 // site returns the workload whose locality stands for node's (see

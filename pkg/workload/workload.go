@@ -221,16 +221,23 @@ type Endpoint struct {
 	// NewDirectory fills it in.
 	Workload *Workload
 	// PodNamespace and PodName name the pod the endpoint is, where the
-	// source says (an EndpointSlice endpoint's targetRef).
+	// source says (an EndpointSlice endpoint's targetRef, the pod istiod
+	// lists as the endpoint's workload).
 	PodNamespace, PodName string
+	// PodUID, if set, is the named pod's uid as the directory's workload
+	// for it carries it: a workload of that namespace and name with
+	// another uid is not the pod (istiod names pods of several clusters
+	// alike).
+	PodUID string
 	// Unresolved says the endpoint names a pod the directory does not
 	// know, or knows as meshed but not at Addr: the source has not seen
 	// the pod (or its address) yet, as an EndpointSlice and its Pod are
 	// watched apart. Such an endpoint may be a meshed pod, so it is not
 	// dialled in plain TCP. It is also set, and Workload left nil, when
-	// the directory gives Addr to another pod than the one named (the
-	// named pod left and its address was reused): such an endpoint is not
-	// dialled at all. NewDirectory fills it in.
+	// the directory gives Addr to another workload than the pod named (the
+	// named pod left and its address was reused; two live pods claim the
+	// address, and the other keeps it): such an endpoint is not dialled at
+	// all. NewDirectory fills it in.
 	Unresolved bool
 	// Site stands in for Workload's locality where Workload is nil but
 	// Node is known (a hostNetwork pod's endpoint, at its node's address,

@@ -231,7 +231,8 @@ func TestTakesHBONE(t *testing.T) {
 // TestEndpointUnresolved: an endpoint that names a pod the directory does
 // not know, or knows as meshed but not at the endpoint's address, is
 // unresolved (the source has not seen the pod yet, and it may be meshed);
-// one naming a pod known outside the mesh, or no pod, is not.
+// one naming a pod known outside the mesh, or no pod, is not. A pod named
+// by uid as well is only the workload of that uid.
 func TestEndpointUnresolved(t *testing.T) {
 	a := netip.MustParseAddr("10.0.0.5")
 	for _, tt := range []struct {
@@ -252,6 +253,14 @@ func TestEndpointUnresolved(t *testing.T) {
 			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
 		{"same name, other namespace", []*Workload{{Namespace: "other", Name: "web"}},
 			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web"}, true},
+		// istiod names an endpoint's pod by uid too, alike for pods of
+		// one name in several clusters.
+		{"pod at the address, named by its uid", []*Workload{{UID: "K//Pod/shop/web", Namespace: "shop", Name: "web", Addrs: []netip.Addr{a}, Enrolled: true}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web", PodUID: "K//Pod/shop/web"}, false},
+		{"a pod of the name at the address, with another uid", []*Workload{{UID: "K//Pod/shop/web", Namespace: "shop", Name: "web", Addrs: []netip.Addr{a}, Enrolled: true}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web", PodUID: "K2//Pod/shop/web"}, true},
+		{"a pod of the name outside the mesh, no address, with another uid", []*Workload{{UID: "K//Pod/shop/web", Namespace: "shop", Name: "web"}},
+			Endpoint{Addr: a, PodNamespace: "shop", PodName: "web", PodUID: "K2//Pod/shop/web"}, true},
 	} {
 		svc := &Service{Namespace: "shop", Name: "web", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")}, Endpoints: []Endpoint{tt.ep}}
 		d, errs := NewDirectory(tt.pods, []*Service{svc})

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
@@ -74,26 +75,7 @@ func TestIstiodEndpointSliceRange(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	token := istiotest.AgentToken(t, cs, agentAccount, "node1", istiotest.Audience)
-	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := Dial(istiod.Addr, "", bundle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	c, err := New(Config{Conn: conn, Token: TokenFile(token), Metrics: NewMetrics(nil), Logger: slog.New(slog.DiscardHandler),
-		Node: Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: istiotest.Namespace, NodeName: "node1", ClusterID: istiotest.ClusterID}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	snaps := make(chan *Snapshot, 64)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); c.Run(runCtx, func(s *Snapshot) { snaps <- s }) }()
-	t.Cleanup(func() { cancel(); <-done })
+	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
 
 	deadline := time.After(60 * time.Second)
 	for {
@@ -131,4 +113,39 @@ func TestIstiodEndpointSliceRange(t *testing.T) {
 		}
 		return
 	}
+}
+
+// istiodSnapshots runs a client of istiod as node1's agent (account, its
+// service account, namespace/name) and returns the snapshots it delivers.
+func istiodSnapshots(t *testing.T, cs kubernetes.Interface, istiod *istiotest.Istiod, account string) <-chan *Snapshot {
+	t.Helper()
+	token := istiotest.AgentToken(t, cs, account, "node1", istiotest.Audience)
+	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := Dial(istiod.Addr, "", bundle)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	c, err := New(Config{Conn: conn, Token: TokenFile(token), Metrics: NewMetrics(nil), Logger: slog.New(slog.DiscardHandler),
+		Node: Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: istiotest.Namespace, NodeName: "node1", ClusterID: istiotest.ClusterID}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	snaps := make(chan *Snapshot, 64)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c.Run(ctx, func(s *Snapshot) {
+			select {
+			case snaps <- s:
+			case <-ctx.Done():
+			}
+		})
+	}()
+	t.Cleanup(func() { cancel(); <-done })
+	return snaps
 }

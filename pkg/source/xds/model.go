@@ -226,8 +226,17 @@ func buildSnapshot(workloads map[string]*Workload, services map[string]*Service,
 			for _, a := range addrs {
 				// The port map is shared: the directory treats it as
 				// read-only.
-				svc.Endpoints = append(svc.Endpoints, workload.Endpoint{Addr: a, Ready: w.Healthy || svc.allowUnhealthy, Ports: targets,
-					Node: w.Node, Workload: &w.Workload})
+				ep := workload.Endpoint{Addr: a, Ready: w.Healthy || svc.allowUnhealthy, Ports: targets, Node: w.Node, Workload: &w.Workload}
+				if isPod(w) {
+					// The endpoint is this pod, as ztunnel keys endpoints
+					// by workload uid: the directory resolves it only to
+					// the pod, not to another workload it gives the
+					// address to (merge names a local pod's by the API's
+					// uid). A ServiceEntry's or WorkloadEntry's endpoint
+					// names no pod: at a pod's address it is that pod.
+					ep.PodNamespace, ep.PodName, ep.PodUID = w.Namespace, w.Name, w.UID
+				}
+				svc.Endpoints = append(svc.Endpoints, ep)
 			}
 		}
 	}

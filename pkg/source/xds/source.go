@@ -166,12 +166,14 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	snap.Compiled = &policy.CompiledSet{Synced: true, Policies: mesh.Policies, Selected: map[string][]string{}, Unresolved: mesh.Unresolved}
 	localNames, nLocal := make(map[string]bool, len(snap.Workloads)), len(snap.Workloads)
+	localUIDs := make(map[string]string, nLocal) // namespace/name -> the API's uid
 	// An address belongs to one workload in the directory: this node's
 	// pods first, then pods elsewhere, then the rest (a ServiceEntry's
 	// endpoint at a pod's address is that pod).
 	claimed := map[netip.Addr]claim{}
 	for _, w := range snap.Workloads {
 		localNames[w.String()] = true
+		localUIDs[w.String()] = w.UID
 		for _, a := range w.Addrs {
 			claimed[a] = claim{key: w.String(), local: true}
 		}
@@ -211,6 +213,9 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	// The nodes' addresses (hostNetwork pods'), which the directory does
 	// not index, for the ranges that would take them (nodeRanges).
 	var nodeAddrs []nodeAddr
+	// istiod's uids of local pods' copies, the API's uid of each, and the
+	// services they serve, whose endpoints name the local pods (asLocal).
+	copyUIDs, copyServices := map[string]string{}, map[string]bool{}
 	for _, w := range claimOrder(mesh.Workloads) {
 		if w.Network != mesh.Network {
 			continue // a workload elsewhere is not at its address here
@@ -219,6 +224,12 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		// istiod's copy of a local pod, wherever istiod says it is (a
 		// lagging copy too): the pod comes from the API server.
 		localCopy := localNames[key] && ownPod(w, mesh.Cluster)
+		if localCopy {
+			copyUIDs[w.UID] = localUIDs[key]
+			for svc := range w.Services {
+				copyServices[svc] = true
+			}
+		}
 		if w.HostNetwork {
 			// Its addresses are its node's (this node's too): not the
 			// pod's to index, as the API source does not index a
@@ -262,8 +273,15 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 				claimed[a] = claim{key: key, uid: w.UID}
 				continue
 			}
-			if isPod(w) && owner.local {
+			switch {
+			case isPod(w) && owner.local:
 				errs = append(errs, addressConflict{fmt.Errorf("istiod's workload %s (%s) lists address %s of this node's pod %s: the address stays the local pod's", key, w.UID, a, owner.key)})
+			case isPod(w) && strings.Contains(owner.uid, "/Pod/"):
+				// Two live pods at one address (a stale object, a lie):
+				// the directory gives it to one, and the other's service
+				// endpoints there are not dialled as it (see
+				// buildSnapshot).
+				errs = append(errs, addressConflict{fmt.Errorf("istiod's pods %s (%s) and %s (%s) both list address %s: the first keeps it, and the second's service endpoints there are not dialled", owner.key, owner.uid, key, w.UID, a)})
 			}
 		}
 		switch {
@@ -281,7 +299,11 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	canonical := make([]bool, 0, len(mesh.Services))
 	slices.SortFunc(nodeAddrs, func(a, b nodeAddr) int { return a.addr.Compare(b.addr) })
 	for _, svc := range mesh.Services {
-		s, taken := foreignVIPs(routed(svc, node), claimed, mesh.Cluster)
+		s := routed(svc, node)
+		if copyServices[svc.Key()] {
+			s = asLocal(s, copyUIDs)
+		}
+		s, taken := foreignVIPs(s, claimed, mesh.Cluster)
 		for _, a := range taken {
 			errs = append(errs, addressConflict{fmt.Errorf("istiod's service %s lists VIP %s, an address of workload %s, which does not serve it: the address stays the workload's", s.Namespace+"/"+s.Hostname, a, claimed[a].key)})
 		}
@@ -519,6 +541,28 @@ func routed(svc *Service, node string) *workload.Service {
 		s = &c
 	}
 	return s
+}
+
+// asLocal returns svc with its endpoints that name istiod's copy of a
+// local pod naming the local pod by the uid the directory's pod carries,
+// the API's (uids maps istiod's to it), a copy if any does: the local pod
+// is built from the node's watch, not from istiod's copy, and the
+// directory resolves an endpoint that names a pod only to the workload of
+// that uid at its address.
+func asLocal(svc *workload.Service, uids map[string]string) *workload.Service {
+	named := func(ep workload.Endpoint) bool { _, ok := uids[ep.PodUID]; return ok }
+	i := slices.IndexFunc(svc.Endpoints, named)
+	if i < 0 {
+		return svc
+	}
+	c := *svc
+	c.Endpoints = slices.Clone(svc.Endpoints)
+	for j := i; j < len(c.Endpoints); j++ {
+		if uid, ok := uids[c.Endpoints[j].PodUID]; ok {
+			c.Endpoints[j].PodUID = uid
+		}
+	}
+	return &c
 }
 
 // nodeAddr is a node's address and a hostNetwork pod there.

@@ -1,0 +1,162 @@
+package xds
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	"github.com/redirector-mesh/redirector/test/istiotest"
+	"github.com/redirector-mesh/redirector/test/kubetest"
+)
+
+// TestIstiodPodsAtOneAddress: what TestMergeEndpointIsTheWorkloadIstiodNames
+// stands for, with a real istiod: two pods whose status lists one address
+// (any kubelet writes its pods' status.podIPs) are both sent, each the
+// endpoint of its own services; the service's endpoint naming the pod that
+// does not keep the address is unresolved, not dialled as the one that
+// does, and so is one of another node's pod at this node's pod's address.
+// A ServiceEntry's endpoint at a pod's address is that pod.
+func TestIstiodPodsAtOneAddress(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs kube-apiserver and istiod")
+	}
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	const agentAccount = istiotest.Namespace + "/redirector"
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	ctx := context.Background()
+	for _, ns := range []*corev1.Namespace{
+		{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "aaa"}},
+	} {
+		if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	label := func(p *corev1.Pod, app string) *corev1.Pod {
+		p.Labels = map[string]string{"app": app}
+		p, err := cs.CoreV1().Pods(p.Namespace).Update(ctx, p, metav1.UpdateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	// web-1 is node1's (the agent's), web-0 and web-2 are node2's; aaa's
+	// stale lists web-0's address and sorts first, aaa's intruder lists
+	// web-1's.
+	local := label(istiotest.CreatePod(t, cs, "shop", "web-1", "web", "node1", "10.244.1.5"), "web")
+	label(istiotest.CreatePod(t, cs, "shop", "web-0", "web", "node2", "10.244.2.7"), "web")
+	label(istiotest.CreatePod(t, cs, "shop", "web-2", "web", "node2", "10.244.2.5"), "web")
+	istiotest.CreatePod(t, cs, "aaa", "stale", "batch", "node3", "10.244.2.7")
+	label(istiotest.CreatePod(t, cs, "aaa", "intruder", "batch", "node2", "10.244.1.5"), "api")
+	for _, svc := range []*corev1.Service{
+		{ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "shop"}, Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "web"}, ClusterIP: "10.96.0.60",
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "api", Namespace: "aaa"}, Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "api"}, ClusterIP: "10.96.0.61",
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}},
+	} {
+		if _, err := cs.CoreV1().Services(svc.Namespace).Create(ctx, svc, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	se := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+		"metadata": map[string]any{"name": "ext", "namespace": "shop"},
+		"spec": map[string]any{"hosts": []any{"ext.example.com"}, "addresses": []any{"240.1.1.9"}, "resolution": "STATIC",
+			"ports":     []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP"}},
+			"endpoints": []any{map[string]any{"address": "10.244.2.5"}}},
+	}}
+	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}).Namespace("shop").Create(ctx, se, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	state := nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods:       []corev1.Pod{*local},
+	}
+
+	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
+	endpoints := func(dir *workload.Directory, vip string) (map[string]*workload.Endpoint, error) {
+		svc, ok := dir.ServiceByVIP(netip.MustParseAddr(vip))
+		if !ok {
+			return nil, fmt.Errorf("no service at %s", vip)
+		}
+		out := map[string]*workload.Endpoint{}
+		for i := range svc.Endpoints {
+			out[svc.Endpoints[i].Addr.String()] = &svc.Endpoints[i]
+		}
+		return out, nil
+	}
+	check := func(s *Snapshot) error {
+		snap, _ := merge(state, s, "node1", selection.Config{}, nil)
+		dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+		web, err := endpoints(dir, "10.96.0.60")
+		if err != nil || len(web) != 3 {
+			return fmt.Errorf("service shop/web: %v %v, want 3 endpoints", web, err)
+		}
+		api, err := endpoints(dir, "10.96.0.61")
+		if err != nil || len(api) != 1 {
+			return fmt.Errorf("service aaa/api: %v %v, want 1 endpoint", api, err)
+		}
+		ext, err := endpoints(dir, "240.1.1.9")
+		if err != nil || len(ext) != 1 {
+			return fmt.Errorf("service entry ext.example.com: %v %v, want 1 endpoint", ext, err)
+		}
+		if w, _ := dir.ByAddr(netip.MustParseAddr("10.244.2.7")); w == nil || w.Name != "stale" {
+			return fmt.Errorf("10.244.2.7 belongs to %v, want aaa/stale (the first by name of two plaintext pods)", w)
+		}
+		for _, c := range []struct {
+			what string
+			ep   *workload.Endpoint
+			uid  string // "" for unresolved
+		}{
+			{"shop/web-1 (the local pod, from istiod's copy)", web["10.244.1.5"], string(local.UID)},
+			{"shop/web-2", web["10.244.2.5"], istiotest.ClusterID + "//Pod/shop/web-2"},
+			{"shop/web-0, whose address aaa/stale keeps", web["10.244.2.7"], ""},
+			{"aaa/intruder, at the local pod's address", api["10.244.1.5"], ""},
+			{"the ServiceEntry's endpoint at shop/web-2's address", ext["10.244.2.5"], istiotest.ClusterID + "//Pod/shop/web-2"},
+		} {
+			switch {
+			case c.ep == nil:
+				return fmt.Errorf("%s: no endpoint", c.what)
+			case c.uid == "" && (c.ep.Workload != nil || !c.ep.Unresolved):
+				return fmt.Errorf("%s: endpoint resolves to %v (unresolved %v), want unresolved", c.what, c.ep.Workload, c.ep.Unresolved)
+			case c.uid != "" && (c.ep.Workload == nil || c.ep.Workload.UID != c.uid || c.ep.Unresolved):
+				return fmt.Errorf("%s: endpoint resolves to %v (unresolved %v), want %s", c.what, c.ep.Workload, c.ep.Unresolved, c.uid)
+			}
+		}
+		return nil
+	}
+	deadline := time.After(60 * time.Second)
+	var last error
+	for {
+		select {
+		case s := <-snaps:
+			if last = check(s); last == nil {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("istiod's state never came out as wanted: %v", last)
+		}
+	}
+}
