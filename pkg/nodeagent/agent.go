@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
@@ -519,7 +520,17 @@ func (a *Agent) processNext(ctx context.Context) bool {
 	}
 	var wp *loader.Pod
 	if want {
-		wp = &d.pod
+		p := d.pod
+		if d.ino != 0 && !namesInode(p.NetNS, d.ino) {
+			// The CNI report named another namespace than the path names
+			// now (the sandbox went, and its path was given to another:
+			// requeueMoved queues such a pod at once, before any apply
+			// drops the report). What is there now is judged as any
+			// namespace found by address is (foreignNetNS), never taken
+			// on the report's word: it may be another pod's.
+			p.NetNS = ""
+		}
+		wp = &p
 	}
 	res := a.cfg.Reconciler.ReconcilePod(ctx, uid, wp)
 	a.logResult(res)
@@ -623,4 +634,10 @@ func enrolledIdentities(trustDomain string, ws []*workload.Workload) []identity.
 		}
 	}
 	return ids
+}
+
+// namesInode reports whether path names the namespace with inode ino now.
+func namesInode(path string, ino uint64) bool {
+	cur, err := netns.Inode(path)
+	return err == nil && cur == ino
 }

@@ -1,0 +1,103 @@
+package nodeagent
+
+import (
+	"context"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/source"
+	"github.com/redirector-mesh/redirector/pkg/workload"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// fakePodProcess makes procDir hold a process of the Kubernetes pod uid
+// whose network namespace is the one at path (read when asked: a symlink),
+// as netns.PodUIDsIn reads the kubelet's cgroups.
+func fakePodProcess(t *testing.T, procDir, pid, path, uid string) {
+	t.Helper()
+	dir := filepath.Join(procDir, pid)
+	if err := os.MkdirAll(filepath.Join(dir, "ns"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(path, filepath.Join(dir, "ns", "net")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "cgroup"), []byte("0::/kubepods/besteffort/pod"+uid+"/c0ffee\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestLinkCheckRequeueTakesNoStaleReport: pod a was enrolled at its CNI
+// ADD, so its wanted state names the namespace path the ADD gave and the
+// inode it named then. The path is then given to another pod's sandbox,
+// with a's address (a reused /proc/<pid>/ns/net and a reused address,
+// a's DEL never having reached the agent), whose processes run in that
+// pod's kubelet cgroup. The link check sees the path name another
+// namespace and queues a; its worker must not take the report, which
+// speaks of another namespace, as the word for what the path names now:
+// the namespace is judged as any namespace found by address is, and this
+// one is another pod's. Seen failing: the worker attached a at the path
+// from the last apply, with no check, so the other pod's traffic was
+// captured with a's identity (and its own ADD refused as a's namespace).
+func TestLinkCheckRequeueTakesNoStaleReport(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("a")
+	proc := t.TempDir()
+	// The process of pod b that will run in the namespace at a's path.
+	fakePodProcess(t, proc, "4242", sandbox.Path(), "0b0b0b0b-0000-4000-8000-000000000b0b")
+
+	log := slog.New(slog.DiscardHandler)
+	ld := loadertest.Load(t, loadertest.TempBPFFS(t))
+	t.Cleanup(func() { ld.Close() })
+	tun, certs := netnstest.FileCATunnel(t, log)
+	rec := NewReconciler(ld, tun, netns.DefaultFinder(), log)
+	a := New(Config{Node: "node1", TrustDomain: "cluster.local", ProcDir: proc, ReconcilePeriod: time.Hour, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Logger: log})
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("a", "uid-a")}})
+	ctx := runWorker(t, a)
+	var ips []netip.Prefix
+	for _, ad := range sandbox.Addrs() {
+		ips = append(ips, netip.PrefixFrom(ad, ad.BitLen()))
+	}
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "a", PodNamespace: "shop", PodUID: "uid-a",
+		ContainerID: "ca", NetNS: sandbox.Path(), IfName: "eth0", IPs: ips})
+	if err != nil || !resp.Enrolled {
+		t.Fatalf("ADD of a: %+v, %v; want enrolled", resp, err)
+	}
+
+	rctx, cancel := context.WithCancel(ctx)
+	repairDone := make(chan struct{})
+	go func() { defer close(repairDone); rec.RepairLinks(rctx, 50*time.Millisecond) }()
+	defer func() { cancel(); <-repairDone }()
+
+	recreateSandbox(t, node, sandbox) // now b's, with a's addresses
+	newIno, err := netns.Inode(sandbox.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for rec.Stats().NetNSMoved == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the link check did not queue a")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// The worker has had its go (and a retry or two).
+	time.Sleep(time.Second)
+	if ino, ok := ld.AttachedNetNS("uid-a"); ok && ino == newIno {
+		t.Errorf("pod a is attached in pod b's namespace (inode %d): b's traffic leaves with a's identity", ino)
+	}
+	if progs := loadertest.TCXPrograms(t, sandbox.Path()); len(progs) != 0 {
+		t.Errorf("pod b's eth0 carries pod a's programs %v", progs)
+	}
+	if podListens(t, sandbox.Path(), 15008) {
+		t.Errorf("pod b's namespace has the tunnel's listeners for pod a")
+	}
+}
