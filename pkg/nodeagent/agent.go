@@ -384,7 +384,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 	a.cfg.Tunnel.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
 	local := dir.LocalPods(a.cfg.Node)
-	a.setListed(local)
+	before := a.setListed(local)
 	desired := make(map[string]desiredPod, len(local))
 	for _, w := range local {
 		if w.Enrolled {
@@ -414,6 +414,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 			a.queue.Add(uid)
 		}
 	}
+	a.queueListedAgain(before, desired)
 	if full {
 		want := make([]loader.Pod, 0, len(desired))
 		for _, d := range desired {
@@ -430,7 +431,9 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 }
 
-func (a *Agent) setListed(local []*workload.Workload) {
+// setListed publishes the local pods the source lists now; it returns the
+// previous listing (nil before the first).
+func (a *Agent) setListed(local []*workload.Workload) *localPods {
 	l := &localPods{uids: make(map[string]bool, len(local)), addrs: map[netip.Addr]bool{}}
 	for _, w := range local {
 		l.uids[w.Key()] = true
@@ -438,7 +441,30 @@ func (a *Agent) setListed(local []*workload.Workload) {
 			l.addrs[addr.Unmap()] = true
 		}
 	}
-	a.listed.Store(l)
+	return a.listed.Swap(l)
+}
+
+// queueListedAgain queues the attached pods the source lists again (they
+// were not in the listing before) while they are not to be enrolled: a
+// pod sealed when it left its source (see Reconciler.seal), listed again
+// opted out (or not enrollable yet), was not wanted before and is not
+// now, so nothing else queues it, and the sealed pods' sweep leaves a
+// listed pod to its own reconcile. Held sealed, it is served as itself
+// again (the directory knows it), though out of the mesh, until the next
+// full pass. Callers hold a.mu.
+func (a *Agent) queueListedAgain(before *localPods, desired map[string]desiredPod) {
+	now := a.listed.Load()
+	if before == nil || now == nil || a.cfg.Loader == nil {
+		return // the first pass converges every pod
+	}
+	for uid := range now.uids {
+		if _, wanted := desired[uid]; wanted || before.uids[uid] {
+			continue
+		}
+		if _, attached, err := a.cfg.Loader.PodState(uid); err != nil || attached {
+			a.queue.Add(uid)
+		}
+	}
 }
 
 // listedPod reports whether the last snapshot lists the pod uid on this

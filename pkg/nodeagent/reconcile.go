@@ -432,7 +432,8 @@ func (r *Reconciler) unseal(uid string) {
 
 // sweepSealed detaches the sealed pods that are no longer to be held (see
 // seal), the longest held first past the bound (MaxSealed). One the source lists again
-// is left to its own reconcile (served again, or detached if it opted out).
+// is left to its own reconcile (served again, or detached if it opted out), which
+// the agent queues when the pod comes back to its listing.
 func (r *Reconciler) sweepSealed(ctx context.Context) {
 	r.nsMu.Lock()
 	if len(r.sealed) == 0 {
