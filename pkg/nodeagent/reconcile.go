@@ -431,9 +431,18 @@ func (r *Reconciler) unseal(uid string) {
 }
 
 // sweepSealed detaches the sealed pods that are no longer to be held (see
-// seal), the longest held first past the bound (MaxSealed). One the source lists again
-// is left to its own reconcile (served again, or detached if it opted out), which
-// the agent queues when the pod comes back to its listing.
+// seal), the longest held first past the bound (MaxSealed). One the source
+// lists again is left to its own reconcile (served again, or detached if it
+// opted out), which the agent queues when the pod comes back to its
+// listing.
+//
+// It runs at every link check while any pod is sealed, so it decides
+// without the reconcile lock, and detaches each pod as ReconcilePod would:
+// beside other pods' reconciles, under the pod's own lock, the decision
+// taken again there. Holding the exclusive lock at every check stalled
+// every pod's reconcile (a new pod's CNI ADD among them) behind the
+// slowest one running, a second's grace of an unenrollment say, at every
+// tick for as long as a pod was sealed.
 func (r *Reconciler) sweepSealed(ctx context.Context) {
 	r.nsMu.Lock()
 	if len(r.sealed) == 0 {
@@ -447,43 +456,99 @@ func (r *Reconciler) sweepSealed(ctx context.Context) {
 	slices.SortFunc(uids, func(a, b string) int { return r.sealed[a].since.Compare(r.sealed[b].since) })
 	r.nsMu.Unlock()
 
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	res, add := newResult()
-	detach := func(cur loader.PodState, why string) {
-		name := cur.Meta.Namespace + "/" + cur.Meta.Name
-		n := len(res.Detached)
-		r.remove(ctx, cur.Meta.UID, name, add)
-		if len(res.Detached) > n {
-			r.log.InfoContext(ctx, "sealed pod unenrolled", "pod", name, "reason", why)
+	type leaving struct{ uid, why string }
+	var detach []leaving
+	for i, uid := range uids {
+		if why := r.unsealWhy(uid, i < len(uids)-r.maxSealed); why != "" {
+			detach = append(detach, leaving{uid, why})
 		}
 	}
-	for i, uid := range uids {
-		cur, ok, err := r.loader.PodState(uid)
-		switch {
-		case err != nil:
-			continue
-		case !ok:
-			r.forgetNS(uid) // detached meanwhile
-		case i < len(uids)-r.maxSealed:
-			r.log.WarnContext(ctx, "more pods sealed than the bound: the longest sealed is detached and its traffic no longer captured", "pod", cur.Meta.Namespace+"/"+cur.Meta.Name, "bound", r.maxSealed)
-			detach(cur, "over the bound")
-		default:
-			listed, taken := r.listed(uid, cur.Meta.Addrs)
-			switch {
-			case listed:
-				// Its own reconcile serves it again, or detaches it.
-			case taken:
-				detach(cur, "a pod the source lists has its address")
-			case !r.sameNS(uid, cur.Meta.NetNS, true):
-				detach(cur, "its network namespace is gone")
-			}
+	if len(detach) == 0 {
+		return
+	}
+	res, add := newResult()
+	for _, d := range detach {
+		if !r.detachSealed(ctx, d.uid, d.why, add) {
+			break // a newer agent holds the node: it detaches them
 		}
 	}
 	for _, err := range res.Errors {
 		r.log.ErrorContext(ctx, "detach sealed pod", "error", err)
 	}
 	r.record(*res, -1)
+}
+
+// overBound is the reason given for a sealed pod detached past MaxSealed.
+const overBound = "over the bound"
+
+// unsealWhy says why the sealed pod uid is to be detached now, or "": it
+// is over the bound (overLimit), a pod the source lists has one of its
+// addresses, or its namespace is gone. A pod no longer attached is
+// forgotten.
+func (r *Reconciler) unsealWhy(uid string, overLimit bool) string {
+	cur, ok, err := r.loader.PodState(uid)
+	switch {
+	case err != nil:
+		return ""
+	case !ok:
+		r.forgetNS(uid) // detached meanwhile
+		return ""
+	case overLimit:
+		return overBound
+	}
+	listed, taken := r.listed(uid, cur.Meta.Addrs)
+	switch {
+	case listed:
+		// Its own reconcile serves it again, or detaches it.
+		return ""
+	case taken:
+		return "a pod the source lists has its address"
+	case !r.sameNS(uid, cur.Meta.NetNS, true):
+		return "its network namespace is gone"
+	}
+	return ""
+}
+
+// detachSealed detaches the sealed pod uid, as ReconcilePod would (beside
+// other pods, never beside a full pass or the pod's own reconcile), if it
+// is still sealed and still to be detached then. It reports false when a
+// newer agent holds the node.
+func (r *Reconciler) detachSealed(ctx context.Context, uid, why string, add func(func(*Result))) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	unlock := r.lockPod(uid)
+	defer unlock()
+	if !r.isSealed(uid) {
+		return true // served again, or detached, meanwhile
+	}
+	if why != overBound {
+		if why = r.unsealWhy(uid, false); why == "" {
+			return true
+		}
+	}
+	cur, ok, err := r.loader.PodState(uid)
+	if err != nil || !ok {
+		return true
+	}
+	name := cur.Meta.Namespace + "/" + cur.Meta.Name
+	if why == overBound {
+		r.log.WarnContext(ctx, "more pods sealed than the bound: the longest sealed is detached and its traffic no longer captured", "pod", name, "bound", r.maxSealed)
+	}
+	held := true
+	res, own := newResult()
+	r.remove(ctx, uid, name, own)
+	for _, err := range res.Errors {
+		if errors.Is(err, maps.ErrNotHeld) {
+			held = false
+			continue
+		}
+		add(func(res *Result) { res.Errors = append(res.Errors, err) })
+	}
+	if len(res.Detached) > 0 {
+		r.log.InfoContext(ctx, "sealed pod unenrolled", "pod", name, "reason", why)
+		add(func(out *Result) { out.Detached = append(out.Detached, res.Detached...) })
+	}
+	return held
 }
 
 // ReconcilePod converges one pod: want is how it should be attached, or

@@ -1,0 +1,86 @@
+package nodeagent_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
+	"github.com/redirector-mesh/redirector/pkg/nodeagent"
+	netnstest "github.com/redirector-mesh/redirector/test/netns"
+)
+
+// slowStopServer is a recordServer whose StopPod of one pod takes as long
+// as the tunnel's does for a pod with open connections (a second's grace,
+// then reset), or longer.
+type slowStopServer struct {
+	recordServer
+	slowUID string
+	delay   time.Duration
+	stopped atomic.Bool
+}
+
+func (s *slowStopServer) StopPod(ctx context.Context, uid string) error {
+	if uid == s.slowUID {
+		time.Sleep(s.delay)
+		s.stopped.Store(true)
+	}
+	return s.recordServer.StopPod(ctx, uid)
+}
+
+// TestSealedSweepDoesNotStallPods: while a pod is sealed, the link check's
+// sweep (every LinkCheckPeriod) must not hold up other pods' reconciles.
+// Seen failing: the sweep took the reconciler's exclusive lock at every
+// tick whenever any pod was sealed, with nothing to detach; waiting for it
+// behind a pod whose unenrollment took its second's grace, every other
+// pod's reconcile (a new pod's CNI ADD among them) waited that second too,
+// at every tick for as long as a pod stayed sealed (up to its termination
+// grace period, or for good with a runtime that leaks namespaces).
+func TestSealedSweepDoesNotStallPods(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	n := topo.Nodes[0]
+	sealed, slow, fast := n.AddPod("sealed"), n.AddPod("slow"), n.AddPod("fast")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
+	defer l.Close()
+	srv := &slowStopServer{slowUID: "uid-slow", delay: 2 * time.Second}
+	rec := nodeagent.NewReconciler(l, srv, netns.DefaultFinder(), nil)
+	src := &listing{}
+	rec.SetListed(src.listed)
+	pods := []loader.Pod{loadertest.PodOf(sealed, true), loadertest.PodOf(slow, true), loadertest.PodOf(fast, true)}
+	src.set(pods...)
+	if res := rec.Reconcile(ctx, pods, true); len(res.Errors) > 0 || len(res.Attached) != 3 {
+		t.Fatalf("reconcile: %+v", res)
+	}
+	src.set(pods[1], pods[2])
+	if res := rec.ReconcilePod(ctx, "uid-sealed", nil); len(res.Sealed) != 1 {
+		t.Fatalf("reconcile: %+v, want the pod sealed", res)
+	}
+	repairDone := make(chan struct{})
+	go func() { defer close(repairDone); rec.RepairLinks(ctx, 50*time.Millisecond) }()
+	defer func() { cancel(); <-repairDone }() // before l.Close
+
+	// slow opts out (still listed): its stop takes its grace.
+	slowDone := make(chan struct{})
+	go func() { defer close(slowDone); rec.ReconcilePod(ctx, "uid-slow", nil) }()
+	defer func() { <-slowDone }()
+	time.Sleep(300 * time.Millisecond) // a few link checks meanwhile
+
+	start := time.Now()
+	res := rec.ReconcilePod(ctx, "uid-fast", &pods[2])
+	took := time.Since(start)
+	t.Logf("fast's reconcile (nothing to do) took %s while slow's stop ran", took)
+	if len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	if srv.stopped.Load() || took > 500*time.Millisecond {
+		t.Errorf("fast's reconcile waited %s, for slow's stop (done: %v)", took, srv.stopped.Load())
+	}
+	if rec.Stats().Sealed != 1 {
+		t.Errorf("sealed = %d, want 1", rec.Stats().Sealed)
+	}
+}
