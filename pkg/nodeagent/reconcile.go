@@ -131,9 +131,11 @@ type nsRecord struct {
 	name string // namespace/name, for logs
 	path string
 	ino  uint64
-	// moved: requeueMoved found the path naming another namespace and
-	// queued the pod (once per record).
-	moved bool
+	// movedTo: the inode of the other namespace requeueMoved last found
+	// at the path, and queued the pod for (0: none). Each new one is
+	// queued again: the pod's reconcile may have failed for the last
+	// (backing off), and a later one be its own sandbox.
+	movedTo uint64
 }
 
 // ReconcileStats are cumulative counts, exported as metrics.
@@ -881,7 +883,8 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 // must pass. A path that is gone is left to the pod's source and the full
 // pass: it goes with every graceful delete, and finding where the pod went
 // would mean a namespace scan per check. One stat per pod per check; each
-// change is queued once (the queue's backoff retries it).
+// namespace found at the path is queued once (the queue's backoff retries
+// it), and a later one again.
 func (r *Reconciler) requeueMoved(ctx context.Context) {
 	if r.requeue == nil {
 		return
@@ -893,26 +896,29 @@ func (r *Reconciler) requeueMoved(ctx context.Context) {
 	r.nsMu.Lock()
 	recs := make([]entry, 0, len(r.ns))
 	for uid, rec := range r.ns {
-		if !rec.moved {
-			recs = append(recs, entry{uid, rec})
-		}
+		recs = append(recs, entry{uid, rec})
 	}
 	r.nsMu.Unlock()
 	var moved uint64
 	for _, e := range recs {
-		if ino, err := netns.Inode(e.rec.path); err != nil || ino == e.rec.ino {
+		ino, err := netns.Inode(e.rec.path)
+		back := ino == e.rec.ino
+		if err != nil || ino == e.rec.movedTo || (back && e.rec.movedTo == 0) {
 			continue
 		}
 		r.nsMu.Lock()
 		cur, ok := r.ns[e.uid]
 		same := ok && cur == e.rec
 		if same {
-			cur.moved = true
+			cur.movedTo = ino
+			if back {
+				cur.movedTo = 0 // a later move is news again
+			}
 			r.ns[e.uid] = cur
 		}
 		r.nsMu.Unlock()
-		if !same {
-			continue // attached again meanwhile, or detached
+		if !same || back {
+			continue // attached again meanwhile, or detached; or back
 		}
 		moved++
 		r.log.WarnContext(ctx, "pod's network namespace path names another namespace than it was attached in; attaching it there", "pod", e.rec.name, "uid", e.uid, "netns", e.rec.path)

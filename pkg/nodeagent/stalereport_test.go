@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -99,5 +100,56 @@ func TestLinkCheckRequeueTakesNoStaleReport(t *testing.T) {
 	}
 	if podListens(t, sandbox.Path(), 15008) {
 		t.Errorf("pod b's namespace has the tunnel's listeners for pod a")
+	}
+}
+
+// TestLinkCheckFollowsEachNewNamespaceAtPath: a pod found by address has
+// its sandbox replaced at the same path twice: first by a namespace
+// without its addresses (its reconcile fails, and is retried with
+// backoff), then by its own new sandbox with them. The link check must
+// queue the pod again for the second change, so the new sandbox is
+// captured within a check, not after the backoff (up to 30 s). Seen
+// failing: requeueMoved queued a record once, whatever the path named
+// after, so the new sandbox waited out the pod's backoff uncaptured.
+func TestLinkCheckFollowsEachNewNamespaceAtPath(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	sandbox := node.AddPod("p")
+	a, ld, _, rec := testAgent(t)
+	w := &workload.Workload{Name: "p", Namespace: "shop", UID: "uid-p", ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+	ctx := runWorker(t, a)
+	a.applyLatest(ctx, false)
+	eventually(t, 10*time.Second, "pod attached", func() bool { _, ok := ld.AttachedNetNS("uid-p"); return ok })
+	runRepair(t, ctx, rec, 50*time.Millisecond)
+
+	// A namespace at the path without the pod's addresses: the pod's
+	// reconcile fails until its backoff is long.
+	old, err := os.Open(sandbox.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"netns", "del", sandbox.NS}, {"netns", "add", sandbox.NS}} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	old.Close()
+	eventually(t, 20*time.Second, "the pod's reconcile retried with a long backoff", func() bool { return a.queue.NumRequeues("uid-p") >= 5 })
+
+	recreateSandbox(t, node, sandbox) // the pod's own, with its addresses
+	newIno, err := netns.Inode(sandbox.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	eventually(t, 20*time.Second, "pod attached in its new sandbox", func() bool {
+		ino, ok := ld.AttachedNetNS("uid-p")
+		return ok && ino == newIno
+	})
+	took := time.Since(start)
+	t.Logf("new sandbox captured after %s; pod queued %d times by the link check", took, rec.Stats().NetNSMoved)
+	if took > 2*time.Second {
+		t.Errorf("the pod's new sandbox was captured only after %s (its backoff), not at the next link check", took)
 	}
 }
