@@ -174,9 +174,20 @@ func New(cfg Config) *Agent {
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
-		cfg.Reconciler.SetRequeue(a.queue.Add)
+		cfg.Reconciler.SetRequeue(a.requeueMoved)
 	}
 	return a
+}
+
+// requeueMoved queues the pod uid, whose namespace path names a new
+// namespace (Reconciler.requeueMoved), with its backoff reset: the path is
+// seen as soon as the runtime makes the namespace, before the pod's
+// addresses are on it, so the first try may fail; a pod that was failing
+// for an earlier namespace at the path would otherwise wait out a long
+// backoff (up to retryMax) for its own new sandbox, uncaptured meanwhile.
+func (a *Agent) requeueMoved(uid string) {
+	a.queue.Forget(uid)
+	a.queue.Add(uid)
 }
 
 // Close waits for the pod workers to finish what they were doing when Run

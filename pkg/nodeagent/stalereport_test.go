@@ -110,7 +110,9 @@ func TestLinkCheckRequeueTakesNoStaleReport(t *testing.T) {
 // queue the pod again for the second change, so the new sandbox is
 // captured within a check, not after the backoff (up to 30 s). Seen
 // failing: requeueMoved queued a record once, whatever the path named
-// after, so the new sandbox waited out the pod's backoff uncaptured.
+// after, so the new sandbox waited out the pod's backoff uncaptured; and
+// queued again but with its backoff, the pod's try at the new namespace
+// before its addresses were on it sent it back to that backoff.
 func TestLinkCheckFollowsEachNewNamespaceAtPath(t *testing.T) {
 	tp := netnstest.New(t, 1)
 	node := tp.Nodes[0]
