@@ -480,21 +480,23 @@ func (r *Reconciler) sweepSealed(ctx context.Context) {
 	r.record(*res, -1)
 }
 
-// overBound is the reason given for a sealed pod detached past MaxSealed.
-const overBound = "over the bound"
+// overBound is the reason given for a sealed pod detached past MaxSealed;
+// detachedMeanwhile is a sealed pod no longer attached, only forgotten.
+const (
+	overBound         = "over the bound"
+	detachedMeanwhile = "detached meanwhile"
+)
 
 // unsealWhy says why the sealed pod uid is to be detached now, or "": it
 // is over the bound (overLimit), a pod the source lists has one of its
-// addresses, or its namespace is gone. A pod no longer attached is
-// forgotten.
+// addresses, or its namespace is gone; or detachedMeanwhile.
 func (r *Reconciler) unsealWhy(uid string, overLimit bool) string {
 	cur, ok, err := r.loader.PodState(uid)
 	switch {
 	case err != nil:
 		return ""
 	case !ok:
-		r.forgetNS(uid) // detached meanwhile
-		return ""
+		return detachedMeanwhile
 	case overLimit:
 		return overBound
 	}
@@ -529,7 +531,11 @@ func (r *Reconciler) detachSealed(ctx context.Context, uid, why string, add func
 		}
 	}
 	cur, ok, err := r.loader.PodState(uid)
-	if err != nil || !ok {
+	if err != nil {
+		return true
+	}
+	if !ok {
+		r.forgetNS(uid)
 		return true
 	}
 	name := cur.Meta.Namespace + "/" + cur.Meta.Name
