@@ -158,3 +158,57 @@ func (s *syncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// TestRestartResealsPod: sealed pods live in the agent's memory only. A
+// new agent process finds the pod pinned, unlisted, its namespace (the one
+// the pinned record names) alive: it seals it again, at its first pass,
+// never detaches it into plaintext. Once the pod's path names another
+// namespace, the new process detaches it without touching that one.
+func TestRestartResealsPod(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	node := topo.Nodes[0]
+	p := node.AddPod("sealed")
+	root := loadertest.TempBPFFS(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pod := loadertest.PodOf(p, true)
+	src := &listing{}
+	src.set(pod)
+
+	first := loadertest.Load(t, root)
+	rec := nodeagent.NewReconciler(first, &recordServer{}, netns.DefaultFinder(), nil)
+	rec.SetListed(src.listed)
+	if res := rec.Reconcile(ctx, []loader.Pod{pod}, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	src.set()
+	if res := rec.ReconcilePod(ctx, pod.UID, nil); len(res.Sealed) != 1 {
+		t.Fatalf("reconcile: %+v, want the pod sealed", res)
+	}
+	first.Close() // the process ends; its listeners with it
+
+	l := loadertest.Load(t, root)
+	defer l.Close()
+	srv := &recordServer{}
+	rec = nodeagent.NewReconciler(l, srv, netns.DefaultFinder(), nil)
+	rec.SetListed(src.listed)
+	res := rec.Reconcile(ctx, nil, true)
+	if len(res.Errors) > 0 || len(res.Detached) > 0 || len(res.Sealed) != 1 {
+		t.Fatalf("the new process's first pass: %+v, want the pod sealed again", res)
+	}
+	if _, ok, _ := l.PodState(pod.UID); !ok || !srv.PodReady(pod.UID) || rec.Stats().Sealed != 1 {
+		t.Fatalf("after the new process's first pass: attached %v, served %v, sealed %d", ok, srv.PodReady(pod.UID), rec.Stats().Sealed)
+	}
+
+	node.RecreatePod(p) // another sandbox at the path
+	repairDone := make(chan struct{})
+	go func() { defer close(repairDone); rec.RepairLinks(ctx, 50*time.Millisecond) }()
+	defer func() { cancel(); <-repairDone }()
+	waitFor(t, "the sealed pod detached once its path named another namespace", func() bool {
+		_, ok, _ := l.PodState(pod.UID)
+		return !ok && rec.Stats().Sealed == 0
+	})
+	if progs := loadertest.TCXPrograms(t, p.Path()); len(progs) != 0 {
+		t.Errorf("the namespace now at the sealed pod's path carries programs %v", progs)
+	}
+}
