@@ -2,9 +2,13 @@ package nodeagent
 
 import (
 	"context"
+	"net/netip"
+	"os/exec"
 	"testing"
 	"time"
 
+	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -65,4 +69,54 @@ func TestSealedPodListedAgainOptedOut(t *testing.T) {
 	eventually(t, 5*time.Second, "the pod listed again, opted out, detached", func() bool {
 		return !attached() && rec.Stats().Sealed == 0
 	})
+}
+
+// TestSealedPodAddressGivenToNewPod: a sealed pod's address is given to a
+// new pod of the node (IPAM reused it; here the sealed pod's sandbox still
+// has it too, as a lying or lagging source would have it). The new pod's
+// ADD enrolls it with that address while the sealed pod still holds the
+// address's entry; the sealed pod is then detached, and the entry stays
+// the new pod's: neither order leaves the new pod's address unenrolled or
+// in the sealed pod's name.
+func TestSealedPodAddressGivenToNewPod(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	old, next := tp.Nodes[0].AddPod("old"), tp.Nodes[0].AddPod("next")
+	a, ld, _, rec := testAgent(t)
+	ctx := runWorker(t, a)
+	runRepair(t, ctx, rec, 50*time.Millisecond)
+	wOld := &workload.Workload{Name: "old", Namespace: "shop", UID: "uid-old", ServiceAccount: "default", Node: "node1", Addrs: old.Addrs(), Enrolled: true, Reason: "ns label"}
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{wOld}})
+	a.applyLatest(ctx, false)
+	eventually(t, 10*time.Second, "old enrolled", func() bool { _, ok, _ := ld.PodState("uid-old"); return ok })
+	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{pendingPod("next", "uid-next")}})
+	a.applyLatest(ctx, false)
+	eventually(t, 10*time.Second, "old sealed", func() bool { return rec.Stats().Sealed == 1 })
+
+	x := old.IPv4
+	if out, err := exec.Command("ip", "-n", next.NS, "addr", "add", x.String()+"/32", "dev", "eth0").CombinedOutput(); err != nil {
+		t.Fatalf("ip addr add: %v: %s", err, out)
+	}
+	resp, err := a.HandleCNI(ctx, cni.PodEvent{Command: cni.CommandAdd, PodName: "next", PodNamespace: "shop", PodUID: "uid-next",
+		ContainerID: "cn", NetNS: next.Path(), IfName: "eth0", IPs: []netip.Prefix{netip.PrefixFrom(x, 32)}})
+	if err != nil || !resp.Enrolled {
+		t.Fatalf("ADD of next with the sealed pod's address: %+v, %v", resp, err)
+	}
+	eventually(t, 5*time.Second, "the sealed pod detached", func() bool {
+		_, ok, _ := ld.PodState("uid-old")
+		return !ok && rec.Stats().Sealed == 0
+	})
+	st, ok, err := ld.PodState("uid-next")
+	if err != nil || !ok {
+		t.Fatalf("next not attached: %v", err)
+	}
+	s, ok, err := ld.Maps().Pod(x)
+	if err != nil || !ok || s.PodID != st.ID {
+		t.Errorf("the entry of %s: %+v (present %v, %v), want next's (pod id %d)", x, s, ok, err, st.ID)
+	}
+	if progs := loadertest.TCXPrograms(t, next.Path()); len(progs) != 2 {
+		t.Errorf("next's eth0 carries %v", progs)
+	}
+	if progs := loadertest.TCXPrograms(t, old.Path()); len(progs) != 0 {
+		t.Errorf("the detached sealed pod's eth0 still carries %v", progs)
+	}
 }
