@@ -79,6 +79,8 @@ type Reconciler struct {
 	// maxSealed after a sweep.
 	sealed    map[string]sealRecord
 	maxSealed int
+	// sweepBatch bounds the sealed pods one link check detaches.
+	sweepBatch int
 
 	// requeue, if set, hands a pod to its own reconcile (SetRequeue).
 	requeue func(uid string)
@@ -93,6 +95,13 @@ type sealRecord struct {
 // is detached (a runtime that leaks namespaces would otherwise fill the
 // pod slots, MAX_PODS 4096, one leaked sandbox at a time).
 const MaxSealed = 1024
+
+// sealedSweepBatch is how many sealed pods one link check detaches at
+// most: a detach takes some 20 ms of kernel work, and the pods' links are
+// checked after the sweep, so a hundred sealed pods whose namespaces went
+// at once (a namespace's pods force-deleted) held every link's check (and
+// repair) for two seconds.
+const sealedSweepBatch = 16
 
 // SetListed sets the check that tells a pod deleted from its source from
 // one that opted out (the Agent's, which knows every pod the source lists
@@ -163,7 +172,7 @@ func NewReconciler(l *loader.Loader, s PodServer, f NetNSFinder, log *slog.Logge
 		log = slog.Default()
 	}
 	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}, podLocks: map[string]*podLock{},
-		sealed: map[string]sealRecord{}, maxSealed: MaxSealed}
+		sealed: map[string]sealRecord{}, maxSealed: MaxSealed, sweepBatch: sealedSweepBatch}
 }
 
 // Stats returns the cumulative counts.
@@ -467,6 +476,13 @@ func (r *Reconciler) sweepSealed(ctx context.Context) {
 	}
 	if len(detach) == 0 {
 		return
+	}
+	// A detach waits for the kernel (some 20 ms, not shortened by doing
+	// several at once), and every pod's links wait for this check: a few
+	// per check, the longest sealed first; the full pass detaches the rest
+	// as well.
+	if len(detach) > r.sweepBatch {
+		detach = detach[:r.sweepBatch]
 	}
 	res, add := newResult()
 	for _, d := range detach {

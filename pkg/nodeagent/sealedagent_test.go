@@ -2,13 +2,17 @@ package nodeagent
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"net/netip"
 	"os/exec"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/cni"
+	"github.com/redirector-mesh/redirector/pkg/loader"
 	"github.com/redirector-mesh/redirector/pkg/loader/loadertest"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	netnstest "github.com/redirector-mesh/redirector/test/netns"
@@ -118,5 +122,61 @@ func TestSealedPodAddressGivenToNewPod(t *testing.T) {
 	}
 	if progs := loadertest.TCXPrograms(t, old.Path()); len(progs) != 0 {
 		t.Errorf("the detached sealed pod's eth0 still carries %v", progs)
+	}
+}
+
+// TestSealedSweepIsBatched: the sweep runs in the link check, before the
+// links are checked, and each sealed pod's detach takes some 25 ms of
+// kernel work (its listeners closed, its namespace freed). Many sealed
+// pods whose namespaces go at once (a namespace's pods force-deleted) are
+// detached a batch per check, so the check of every pod's links, and the
+// repair of a link detached underneath, waits for one batch at most.
+// Seen failing: one check detached every such pod, 60 of them in 1.6 s,
+// with no link checked meanwhile (MaxSealed of them: about 26 s).
+func TestSealedSweepIsBatched(t *testing.T) {
+	const n = 40
+	topo := netnstest.New(t, 1)
+	var want []loader.Pod
+	var spaces []string
+	for i := range n {
+		p := topo.Nodes[0].AddPod(fmt.Sprintf("p%d", i))
+		spaces = append(spaces, p.NS)
+		want = append(want, loader.Pod{UID: "uid-" + p.Name, Namespace: "shop", Name: p.Name, NetNS: p.Path(), Addrs: p.Addrs(), CaptureInbound: true})
+	}
+	ctx := context.Background()
+	log := slog.New(slog.DiscardHandler)
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
+	t.Cleanup(func() { l.Close() })
+	tun, _ := netnstest.FileCATunnel(t, log)
+	rec := NewReconciler(l, tun, netns.DefaultFinder(), log)
+	listed := true
+	rec.SetListed(func(string, []netip.Addr) (bool, bool) { return listed, false })
+	if res := rec.Reconcile(ctx, want, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	listed = false
+	if res := rec.Reconcile(ctx, nil, true); len(res.Sealed) != n {
+		t.Fatalf("sealed %d of %d: %v", len(res.Sealed), n, res.Errors)
+	}
+	for _, ns := range spaces {
+		if out, err := exec.Command("ip", "netns", "del", ns).CombinedOutput(); err != nil {
+			t.Fatalf("ip netns del %s: %v: %s", ns, err, out)
+		}
+	}
+	for sweeps := 1; rec.Stats().Sealed > 0; sweeps++ {
+		before := rec.Stats().Sealed
+		start := time.Now()
+		rec.sweepSealed(ctx)
+		after := rec.Stats().Sealed
+		t.Logf("sweep %d: %d sealed pods detached in %s", sweeps, before-after, time.Since(start))
+		if before-after > sealedSweepBatch {
+			t.Fatalf("one link check detached %d sealed pods, more than a batch (%d)", before-after, sealedSweepBatch)
+		}
+		if after == before || sweeps > n {
+			t.Fatalf("the sweep detached nothing, %d sealed left", after)
+		}
+	}
+	if got := len(tun.ServedPods()); got != 0 {
+		t.Errorf("%d pods still served", got)
 	}
 }
