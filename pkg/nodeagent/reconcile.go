@@ -513,14 +513,16 @@ func (r *Reconciler) unsealWhy(uid string, overLimit bool) string {
 		return ""
 	case !ok:
 		return detachedMeanwhile
-	case overLimit:
-		return overBound
 	}
 	listed, taken := r.listed(uid, cur.Meta.Addrs)
 	switch {
 	case listed:
-		// Its own reconcile serves it again, or detaches it.
+		// Its own reconcile serves it again, or detaches it: detached
+		// here, even past the bound, a pod wanted again would run
+		// uncaptured until that reconcile.
 		return ""
+	case overLimit:
+		return overBound
 	case taken:
 		return "a pod the source lists has its address"
 	case !r.sameNS(uid, cur.Meta.NetNS, true):
@@ -541,10 +543,8 @@ func (r *Reconciler) detachSealed(ctx context.Context, uid, why string, add func
 	if !r.isSealed(uid) {
 		return true // served again, or detached, meanwhile
 	}
-	if why != overBound {
-		if why = r.unsealWhy(uid, false); why == "" {
-			return true
-		}
+	if why = r.unsealWhy(uid, why == overBound); why == "" {
+		return true
 	}
 	cur, ok, err := r.loader.PodState(uid)
 	if err != nil {

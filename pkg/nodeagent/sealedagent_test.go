@@ -180,3 +180,38 @@ func TestSealedSweepIsBatched(t *testing.T) {
 		t.Errorf("%d pods still served", got)
 	}
 }
+
+// TestSealedBoundSparesListedPod: past MaxSealed the longest sealed pod is
+// detached, but not one the source lists again: its own reconcile serves
+// it again (or detaches it, if it opted out). Seen failing: the sweep
+// judged the bound first and detached the pod the source wanted again,
+// so its traffic left uncaptured, in plaintext, until that reconcile
+// attached it anew.
+func TestSealedBoundSparesListedPod(t *testing.T) {
+	topo := netnstest.New(t, 1)
+	older, newer := topo.Nodes[0].AddPod("older"), topo.Nodes[0].AddPod("newer")
+	ctx := context.Background()
+	log := slog.New(slog.DiscardHandler)
+	l := loadertest.Load(t, loadertest.TempBPFFS(t))
+	t.Cleanup(func() { l.Close() })
+	tun, _ := netnstest.FileCATunnel(t, log)
+	rec := NewReconciler(l, tun, netns.DefaultFinder(), log)
+	var listedUID string
+	rec.SetListed(func(uid string, _ []netip.Addr) (bool, bool) { return uid == listedUID, false })
+	pods := []loader.Pod{loadertest.PodOf(older, true), loadertest.PodOf(newer, true)}
+	if res := rec.Reconcile(ctx, pods, true); len(res.Errors) > 0 {
+		t.Fatal(res.Errors)
+	}
+	for _, p := range pods {
+		if res := rec.ReconcilePod(ctx, p.UID, nil); len(res.Sealed) != 1 {
+			t.Fatalf("reconcile %s: %+v, want it sealed", p.UID, res)
+		}
+		time.Sleep(10 * time.Millisecond) // newer is sealed after older
+	}
+	rec.SetMaxSealed(1)
+	listedUID = pods[0].UID // listed again; its reconcile is queued
+	rec.sweepSealed(ctx)
+	if _, ok, _ := l.PodState(pods[0].UID); !ok {
+		t.Errorf("the sweep detached the longest sealed pod, which the source lists again, over the bound")
+	}
+}
