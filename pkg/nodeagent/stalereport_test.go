@@ -5,7 +5,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -106,13 +105,16 @@ func TestLinkCheckRequeueTakesNoStaleReport(t *testing.T) {
 // TestLinkCheckFollowsEachNewNamespaceAtPath: a pod found by address has
 // its sandbox replaced at the same path twice: first by a namespace
 // without its addresses (its reconcile fails, and is retried with
-// backoff), then by its own new sandbox with them. The link check must
-// queue the pod again for the second change, so the new sandbox is
-// captured within a check, not after the backoff (up to 30 s). Seen
-// failing: requeueMoved queued a record once, whatever the path named
-// after, so the new sandbox waited out the pod's backoff uncaptured; and
-// queued again but with its backoff, the pod's try at the new namespace
-// before its addresses were on it sent it back to that backoff.
+// backoff), then by its own new sandbox, made empty and given the pod's
+// addresses a moment later, as a runtime makes a namespace before its CNI
+// plugins configure it. The link check must queue the pod again for the
+// second namespace, and a try made before the addresses were there must
+// not send the pod back to its long backoff: the new sandbox is captured
+// within a moment of getting its addresses, not after the backoff (up to
+// 30 s). Seen failing: requeueMoved queued a record once, whatever the
+// path named after, so the new sandbox waited out the pod's backoff
+// uncaptured; and, queued again but with its backoff, the pod's try at
+// the empty namespace sent it back to that backoff.
 func TestLinkCheckFollowsEachNewNamespaceAtPath(t *testing.T) {
 	tp := netnstest.New(t, 1)
 	node := tp.Nodes[0]
@@ -127,31 +129,28 @@ func TestLinkCheckFollowsEachNewNamespaceAtPath(t *testing.T) {
 
 	// A namespace at the path without the pod's addresses: the pod's
 	// reconcile fails until its backoff is long.
-	old, err := os.Open(sandbox.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, args := range [][]string{{"netns", "del", sandbox.NS}, {"netns", "add", sandbox.NS}} {
-		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
-			t.Fatalf("ip %v: %v: %s", args, err, out)
-		}
-	}
-	old.Close()
+	replaceNetNS(t, sandbox)
 	eventually(t, 20*time.Second, "the pod's reconcile retried with a long backoff", func() bool { return a.queue.NumRequeues("uid-p") >= 5 })
 
-	recreateSandbox(t, node, sandbox) // the pod's own, with its addresses
+	// The pod's own sandbox, empty at first: the link check queues the
+	// pod, whose try fails.
+	moved := rec.Stats().NetNSMoved
+	replaceNetNS(t, sandbox)
 	newIno, err := netns.Inode(sandbox.Path())
 	if err != nil {
 		t.Fatal(err)
 	}
+	eventually(t, 5*time.Second, "the pod queued for its new namespace", func() bool { return rec.Stats().NetNSMoved > moved })
+	time.Sleep(100 * time.Millisecond) // its try, before the addresses
+	wireSandbox(t, node, sandbox)
 	start := time.Now()
 	eventually(t, 20*time.Second, "pod attached in its new sandbox", func() bool {
 		ino, ok := ld.AttachedNetNS("uid-p")
 		return ok && ino == newIno
 	})
 	took := time.Since(start)
-	t.Logf("new sandbox captured after %s; pod queued %d times by the link check", took, rec.Stats().NetNSMoved)
+	t.Logf("new sandbox captured %s after it got its addresses; pod queued %d times by the link check", took, rec.Stats().NetNSMoved)
 	if took > 2*time.Second {
-		t.Errorf("the pod's new sandbox was captured only after %s (its backoff), not at the next link check", took)
+		t.Errorf("the pod's new sandbox was captured only %s after it got its addresses (its backoff), not within a moment", took)
 	}
 }
