@@ -2,6 +2,7 @@ package nodeagent
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -152,5 +153,47 @@ func TestLinkCheckFollowsEachNewNamespaceAtPath(t *testing.T) {
 	t.Logf("new sandbox captured %s after it got its addresses; pod queued %d times by the link check", took, rec.Stats().NetNSMoved)
 	if took > 2*time.Second {
 		t.Errorf("the pod's new sandbox was captured only %s after it got its addresses (its backoff), not within a moment", took)
+	}
+}
+
+// TestMovedPathWhileDetaching: a pod's sandbox is re-created at its path
+// while the pod opts out (the source still lists it): the link check
+// queues it for the new namespace as its worker detaches it, in either
+// order. It ends detached, unserved and forgotten, with no programs in
+// the new namespace; run under -race, the reconciler's locks are checked
+// too.
+func TestMovedPathWhileDetaching(t *testing.T) {
+	tp := netnstest.New(t, 1)
+	node := tp.Nodes[0]
+	a, ld, tun, rec := testAgent(t)
+	ctx := runWorker(t, a)
+	runRepair(t, ctx, rec, 10*time.Millisecond)
+	for i := range 3 {
+		sandbox := node.AddPod(fmt.Sprintf("p%d", i))
+		uid := "uid-" + sandbox.Name
+		w := &workload.Workload{Name: sandbox.Name, Namespace: "shop", UID: uid, ServiceAccount: "default", Node: "node1", Addrs: sandbox.Addrs(), Enrolled: true, Reason: "ns label"}
+		a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{w}})
+		a.applyLatest(ctx, false)
+		eventually(t, 10*time.Second, "pod attached", func() bool { _, ok := ld.AttachedNetNS(uid); return ok && tun.PodReady(uid) })
+		out := *w
+		out.Enrolled, out.Reason = false, "opted out"
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{&out}})
+			a.applyLatest(ctx, false)
+		}()
+		recreateSandbox(t, node, sandbox)
+		<-done
+		eventually(t, 10*time.Second, "pod detached and forgotten", func() bool {
+			_, attached, _ := ld.PodState(uid)
+			rec.nsMu.Lock()
+			_, recorded := rec.ns[uid]
+			rec.nsMu.Unlock()
+			return !attached && !tun.PodReady(uid) && !recorded
+		})
+		if progs := loadertest.TCXPrograms(t, sandbox.Path()); len(progs) != 0 {
+			t.Errorf("round %d: the new namespace carries %v", i, progs)
+		}
 	}
 }
