@@ -215,6 +215,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 	for _, p := range current {
 		attached[p.Meta.UID] = p
 	}
+	r.forgetUnattached(attached)
 	served := map[string]bool{}
 	for _, uid := range r.server.ServedPods() {
 		served[uid] = true
@@ -597,10 +598,15 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 	switch {
 	case want == nil && isAttached:
 		r.leave(ctx, cur, add)
-	case want == nil && served:
-		if err := r.server.StopPod(ctx, uid); err != nil {
-			res.Errors = append(res.Errors, err)
+	case want == nil:
+		if served {
+			if err := r.server.StopPod(ctx, uid); err != nil {
+				res.Errors = append(res.Errors, err)
+			}
 		}
+		// Nothing of it is attached (a failed attach in a new namespace
+		// undoes the pod whole): no namespace record or seal to keep.
+		r.forgetNS(uid)
 	case want != nil:
 		p := *want
 		if p.NetNS == "" && isAttached && r.sameNS(p.UID, cur.Meta.NetNS, true) {
@@ -712,6 +718,25 @@ func (r *Reconciler) recordNS(uid, name, path string) {
 		return
 	}
 	r.ns[uid] = nsRecord{name: name, path: path, ino: ino}
+}
+
+// forgetUnattached drops the namespace records and seals of pods not
+// attached: a pod the loader undid on its own (a failed attach in a new
+// namespace) left them behind, one per such pod for good, its path statted
+// at every link check. Callers hold r.mu.
+func (r *Reconciler) forgetUnattached(attached map[string]loader.PodState) {
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	for uid := range r.ns {
+		if _, ok := attached[uid]; !ok {
+			delete(r.ns, uid)
+		}
+	}
+	for uid := range r.sealed {
+		if _, ok := attached[uid]; !ok {
+			delete(r.sealed, uid)
+		}
+	}
 }
 
 func (r *Reconciler) forgetNS(uid string) {
