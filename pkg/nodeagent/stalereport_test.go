@@ -242,14 +242,23 @@ func TestFailedMoveLeavesNoRecord(t *testing.T) {
 		return !ok
 	})
 
+	recorded := func() bool {
+		rec.nsMu.Lock()
+		defer rec.nsMu.Unlock()
+		_, ok := rec.ns["uid-p"]
+		return ok
+	}
+	// Still wanted: a full pass forgets what is not attached.
+	a.applyLatest(ctx, true)
+	if recorded() {
+		t.Error("a full pass kept the namespace record of a pod not attached")
+	}
+
 	out := *w
 	out.Enrolled, out.Reason = false, "opted out"
 	a.setSnapshot(source.Snapshot{Workloads: []*workload.Workload{&out}})
 	a.applyLatest(ctx, false)
 	eventually(t, 10*time.Second, "the pod unserved and forgotten", func() bool {
-		rec.nsMu.Lock()
-		_, recorded := rec.ns["uid-p"]
-		rec.nsMu.Unlock()
-		return !tun.PodReady("uid-p") && !recorded
+		return !tun.PodReady("uid-p") && !recorded()
 	})
 }
