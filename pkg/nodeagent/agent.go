@@ -22,6 +22,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/loader"
+	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/tunnel"
@@ -173,9 +174,20 @@ func New(cfg Config) *Agent {
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
-		cfg.Reconciler.SetRequeue(a.queue.Add)
+		cfg.Reconciler.SetRequeue(a.requeueMoved)
 	}
 	return a
+}
+
+// requeueMoved queues the pod uid, whose namespace path names a new
+// namespace (Reconciler.requeueMoved), with its backoff reset: the path is
+// seen as soon as the runtime makes the namespace, before the pod's
+// addresses are on it, so the first try may fail; a pod that was failing
+// for an earlier namespace at the path would otherwise wait out a long
+// backoff (up to retryMax) for its own new sandbox, uncaptured meanwhile.
+func (a *Agent) requeueMoved(uid string) {
+	a.queue.Forget(uid)
+	a.queue.Add(uid)
 }
 
 // Close waits for the pod workers to finish what they were doing when Run
@@ -383,7 +395,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 	a.cfg.Tunnel.Update(&tunnel.State{Dir: dir, PeerAuthentications: s.PeerAuthentications, AuthorizationPolicies: s.AuthorizationPolicies, Compiled: s.Compiled})
 	local := dir.LocalPods(a.cfg.Node)
-	a.setListed(local)
+	before := a.setListed(local)
 	desired := make(map[string]desiredPod, len(local))
 	for _, w := range local {
 		if w.Enrolled {
@@ -413,6 +425,7 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 			a.queue.Add(uid)
 		}
 	}
+	a.queueListedAgain(before, desired)
 	if full {
 		want := make([]loader.Pod, 0, len(desired))
 		for _, d := range desired {
@@ -429,7 +442,9 @@ func (a *Agent) apply(ctx context.Context, s source.Snapshot, full bool) {
 	}
 }
 
-func (a *Agent) setListed(local []*workload.Workload) {
+// setListed publishes the local pods the source lists now; it returns the
+// previous listing (nil before the first).
+func (a *Agent) setListed(local []*workload.Workload) *localPods {
 	l := &localPods{uids: make(map[string]bool, len(local)), addrs: map[netip.Addr]bool{}}
 	for _, w := range local {
 		l.uids[w.Key()] = true
@@ -437,7 +452,30 @@ func (a *Agent) setListed(local []*workload.Workload) {
 			l.addrs[addr.Unmap()] = true
 		}
 	}
-	a.listed.Store(l)
+	return a.listed.Swap(l)
+}
+
+// queueListedAgain queues the attached pods the source lists again (they
+// were not in the listing before) while they are not to be enrolled: a
+// pod sealed when it left its source (see Reconciler.seal), listed again
+// opted out (or not enrollable yet), was not wanted before and is not
+// now, so nothing else queues it, and the sealed pods' sweep leaves a
+// listed pod to its own reconcile. Held sealed, it is served as itself
+// again (the directory knows it), though out of the mesh, until the next
+// full pass. Callers hold a.mu.
+func (a *Agent) queueListedAgain(before *localPods, desired map[string]desiredPod) {
+	now := a.listed.Load()
+	if before == nil || now == nil || a.cfg.Loader == nil {
+		return // the first pass converges every pod
+	}
+	for uid := range now.uids {
+		if _, wanted := desired[uid]; wanted || before.uids[uid] {
+			continue
+		}
+		if _, attached, err := a.cfg.Loader.PodState(uid); err != nil || attached {
+			a.queue.Add(uid)
+		}
+	}
 }
 
 // listedPod reports whether the last snapshot lists the pod uid on this
@@ -519,7 +557,17 @@ func (a *Agent) processNext(ctx context.Context) bool {
 	}
 	var wp *loader.Pod
 	if want {
-		wp = &d.pod
+		p := d.pod
+		if d.ino != 0 && !namesInode(p.NetNS, d.ino) {
+			// The CNI report named another namespace than the path names
+			// now (the sandbox went, and its path was given to another:
+			// requeueMoved queues such a pod at once, before any apply
+			// drops the report). What is there now is judged as any
+			// namespace found by address is (foreignNetNS), never taken
+			// on the report's word: it may be another pod's.
+			p.NetNS = ""
+		}
+		wp = &p
 	}
 	res := a.cfg.Reconciler.ReconcilePod(ctx, uid, wp)
 	a.logResult(res)
@@ -623,4 +671,10 @@ func enrolledIdentities(trustDomain string, ws []*workload.Workload) []identity.
 		}
 	}
 	return ids
+}
+
+// namesInode reports whether path names the namespace with inode ino now.
+func namesInode(path string, ino uint64) bool {
+	cur, err := netns.Inode(path)
+	return err == nil && cur == ino
 }

@@ -7,7 +7,7 @@ var (
 		"Link pins that were removed underneath the agent and pinned again.",
 		nil, nil)
 	netnsMovedDesc = prometheus.NewDesc("redirector_pod_netns_moved_total",
-		"Attached pods whose network namespace path the link check found naming another namespace than the one they were attached in (a sandbox re-created at the same path), and reconciled.",
+		"Namespaces the link check found at an attached pod's network namespace path, other than the one the pod was attached in (a sandbox re-created at the same path), for which it queued the pod: once per namespace found.",
 		nil, nil)
 	sealedDesc = prometheus.NewDesc("redirector_pods_sealed",
 		"Pods gone from the source while their network namespace lives, held captured with their connections refused until the namespace goes.",

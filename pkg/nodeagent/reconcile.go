@@ -79,6 +79,8 @@ type Reconciler struct {
 	// maxSealed after a sweep.
 	sealed    map[string]sealRecord
 	maxSealed int
+	// sweepBatch bounds the sealed pods one link check detaches.
+	sweepBatch int
 
 	// requeue, if set, hands a pod to its own reconcile (SetRequeue).
 	requeue func(uid string)
@@ -93,6 +95,13 @@ type sealRecord struct {
 // is detached (a runtime that leaks namespaces would otherwise fill the
 // pod slots, MAX_PODS 4096, one leaked sandbox at a time).
 const MaxSealed = 1024
+
+// sealedSweepBatch is how many sealed pods one link check detaches at
+// most: a detach takes some 20 ms of kernel work, and the pods' links are
+// checked after the sweep, so a hundred sealed pods whose namespaces went
+// at once (a namespace's pods force-deleted) held every link's check (and
+// repair) for two seconds.
+const sealedSweepBatch = 16
 
 // SetListed sets the check that tells a pod deleted from its source from
 // one that opted out (the Agent's, which knows every pod the source lists
@@ -131,9 +140,11 @@ type nsRecord struct {
 	name string // namespace/name, for logs
 	path string
 	ino  uint64
-	// moved: requeueMoved found the path naming another namespace and
-	// queued the pod (once per record).
-	moved bool
+	// movedTo: the inode of the other namespace requeueMoved last found
+	// at the path, and queued the pod for (0: none). Each new one is
+	// queued again: the pod's reconcile may have failed for the last
+	// (backing off), and a later one be its own sandbox.
+	movedTo uint64
 }
 
 // ReconcileStats are cumulative counts, exported as metrics.
@@ -161,7 +172,7 @@ func NewReconciler(l *loader.Loader, s PodServer, f NetNSFinder, log *slog.Logge
 		log = slog.Default()
 	}
 	return &Reconciler{loader: l, server: s, finder: f, log: log, ns: map[string]nsRecord{}, podLocks: map[string]*podLock{},
-		sealed: map[string]sealRecord{}, maxSealed: MaxSealed}
+		sealed: map[string]sealRecord{}, maxSealed: MaxSealed, sweepBatch: sealedSweepBatch}
 }
 
 // Stats returns the cumulative counts.
@@ -204,6 +215,7 @@ func (r *Reconciler) Reconcile(ctx context.Context, want []loader.Pod, full bool
 	for _, p := range current {
 		attached[p.Meta.UID] = p
 	}
+	r.forgetUnattached(attached)
 	served := map[string]bool{}
 	for _, uid := range r.server.ServedPods() {
 		served[uid] = true
@@ -431,8 +443,18 @@ func (r *Reconciler) unseal(uid string) {
 }
 
 // sweepSealed detaches the sealed pods that are no longer to be held (see
-// seal), the longest held first past the bound (MaxSealed). One the source lists again
-// is left to its own reconcile (served again, or detached if it opted out).
+// seal), the longest held first past the bound (MaxSealed). One the source
+// lists again is left to its own reconcile (served again, or detached if it
+// opted out), which the agent queues when the pod comes back to its
+// listing.
+//
+// It runs at every link check while any pod is sealed, so it decides
+// without the reconcile lock, and detaches each pod as ReconcilePod would:
+// beside other pods' reconciles, under the pod's own lock, the decision
+// taken again there. Holding the exclusive lock at every check stalled
+// every pod's reconcile (a new pod's CNI ADD among them) behind the
+// slowest one running, a second's grace of an unenrollment say, at every
+// tick for as long as a pod was sealed.
 func (r *Reconciler) sweepSealed(ctx context.Context) {
 	r.nsMu.Lock()
 	if len(r.sealed) == 0 {
@@ -446,43 +468,112 @@ func (r *Reconciler) sweepSealed(ctx context.Context) {
 	slices.SortFunc(uids, func(a, b string) int { return r.sealed[a].since.Compare(r.sealed[b].since) })
 	r.nsMu.Unlock()
 
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	res, add := newResult()
-	detach := func(cur loader.PodState, why string) {
-		name := cur.Meta.Namespace + "/" + cur.Meta.Name
-		n := len(res.Detached)
-		r.remove(ctx, cur.Meta.UID, name, add)
-		if len(res.Detached) > n {
-			r.log.InfoContext(ctx, "sealed pod unenrolled", "pod", name, "reason", why)
+	type leaving struct{ uid, why string }
+	var detach []leaving
+	for i, uid := range uids {
+		if why := r.unsealWhy(uid, i < len(uids)-r.maxSealed); why != "" {
+			detach = append(detach, leaving{uid, why})
 		}
 	}
-	for i, uid := range uids {
-		cur, ok, err := r.loader.PodState(uid)
-		switch {
-		case err != nil:
-			continue
-		case !ok:
-			r.forgetNS(uid) // detached meanwhile
-		case i < len(uids)-r.maxSealed:
-			r.log.WarnContext(ctx, "more pods sealed than the bound: the longest sealed is detached and its traffic no longer captured", "pod", cur.Meta.Namespace+"/"+cur.Meta.Name, "bound", r.maxSealed)
-			detach(cur, "over the bound")
-		default:
-			listed, taken := r.listed(uid, cur.Meta.Addrs)
-			switch {
-			case listed:
-				// Its own reconcile serves it again, or detaches it.
-			case taken:
-				detach(cur, "a pod the source lists has its address")
-			case !r.sameNS(uid, cur.Meta.NetNS, true):
-				detach(cur, "its network namespace is gone")
-			}
+	if len(detach) == 0 {
+		return
+	}
+	// A detach waits for the kernel (some 20 ms, not shortened by doing
+	// several at once), and every pod's links wait for this check: a few
+	// per check, the longest sealed first; the full pass detaches the rest
+	// as well.
+	if len(detach) > r.sweepBatch {
+		detach = detach[:r.sweepBatch]
+	}
+	res, add := newResult()
+	for _, d := range detach {
+		if !r.detachSealed(ctx, d.uid, d.why, add) {
+			break // a newer agent holds the node: it detaches them
 		}
 	}
 	for _, err := range res.Errors {
 		r.log.ErrorContext(ctx, "detach sealed pod", "error", err)
 	}
 	r.record(*res, -1)
+}
+
+// overBound is the reason given for a sealed pod detached past MaxSealed;
+// detachedMeanwhile is a sealed pod no longer attached, only forgotten.
+const (
+	overBound         = "over the bound"
+	detachedMeanwhile = "detached meanwhile"
+)
+
+// unsealWhy says why the sealed pod uid is to be detached now, or "": it
+// is over the bound (overLimit), a pod the source lists has one of its
+// addresses, or its namespace is gone; or detachedMeanwhile.
+func (r *Reconciler) unsealWhy(uid string, overLimit bool) string {
+	cur, ok, err := r.loader.PodState(uid)
+	switch {
+	case err != nil:
+		return ""
+	case !ok:
+		return detachedMeanwhile
+	}
+	listed, taken := r.listed(uid, cur.Meta.Addrs)
+	switch {
+	case listed:
+		// Its own reconcile serves it again, or detaches it: detached
+		// here, even past the bound, a pod wanted again would run
+		// uncaptured until that reconcile.
+		return ""
+	case overLimit:
+		return overBound
+	case taken:
+		return "a pod the source lists has its address"
+	case !r.sameNS(uid, cur.Meta.NetNS, true):
+		return "its network namespace is gone"
+	}
+	return ""
+}
+
+// detachSealed detaches the sealed pod uid, as ReconcilePod would (beside
+// other pods, never beside a full pass or the pod's own reconcile), if it
+// is still sealed and still to be detached then. It reports false when a
+// newer agent holds the node.
+func (r *Reconciler) detachSealed(ctx context.Context, uid, why string, add func(func(*Result))) bool {
+	r.mu.RLock()
+	defer r.mu.RUnlock()
+	unlock := r.lockPod(uid)
+	defer unlock()
+	if !r.isSealed(uid) {
+		return true // served again, or detached, meanwhile
+	}
+	if why = r.unsealWhy(uid, why == overBound); why == "" {
+		return true
+	}
+	cur, ok, err := r.loader.PodState(uid)
+	if err != nil {
+		return true
+	}
+	if !ok {
+		r.forgetNS(uid)
+		return true
+	}
+	name := cur.Meta.Namespace + "/" + cur.Meta.Name
+	if why == overBound {
+		r.log.WarnContext(ctx, "more pods sealed than the bound: the longest sealed is detached and its traffic no longer captured", "pod", name, "bound", r.maxSealed)
+	}
+	held := true
+	res, own := newResult()
+	r.remove(ctx, uid, name, own)
+	for _, err := range res.Errors {
+		if errors.Is(err, maps.ErrNotHeld) {
+			held = false
+			continue
+		}
+		add(func(res *Result) { res.Errors = append(res.Errors, err) })
+	}
+	if len(res.Detached) > 0 {
+		r.log.InfoContext(ctx, "sealed pod unenrolled", "pod", name, "reason", why)
+		add(func(out *Result) { out.Detached = append(out.Detached, res.Detached...) })
+	}
+	return held
 }
 
 // ReconcilePod converges one pod: want is how it should be attached, or
@@ -507,10 +598,15 @@ func (r *Reconciler) ReconcilePod(ctx context.Context, uid string, want *loader.
 	switch {
 	case want == nil && isAttached:
 		r.leave(ctx, cur, add)
-	case want == nil && served:
-		if err := r.server.StopPod(ctx, uid); err != nil {
-			res.Errors = append(res.Errors, err)
+	case want == nil:
+		if served {
+			if err := r.server.StopPod(ctx, uid); err != nil {
+				res.Errors = append(res.Errors, err)
+			}
 		}
+		// Nothing of it is attached (a failed attach in a new namespace
+		// undoes the pod whole): no namespace record or seal to keep.
+		r.forgetNS(uid)
 	case want != nil:
 		p := *want
 		if p.NetNS == "" && isAttached && r.sameNS(p.UID, cur.Meta.NetNS, true) {
@@ -624,6 +720,25 @@ func (r *Reconciler) recordNS(uid, name, path string) {
 	r.ns[uid] = nsRecord{name: name, path: path, ino: ino}
 }
 
+// forgetUnattached drops the namespace records and seals of pods not
+// attached: a pod the loader undid on its own (a failed attach in a new
+// namespace) left them behind, one per such pod for good, its path statted
+// at every link check. Callers hold r.mu.
+func (r *Reconciler) forgetUnattached(attached map[string]loader.PodState) {
+	r.nsMu.Lock()
+	defer r.nsMu.Unlock()
+	for uid := range r.ns {
+		if _, ok := attached[uid]; !ok {
+			delete(r.ns, uid)
+		}
+	}
+	for uid := range r.sealed {
+		if _, ok := attached[uid]; !ok {
+			delete(r.sealed, uid)
+		}
+	}
+}
+
 func (r *Reconciler) forgetNS(uid string) {
 	r.nsMu.Lock()
 	defer r.nsMu.Unlock()
@@ -632,8 +747,10 @@ func (r *Reconciler) forgetNS(uid string) {
 }
 
 // LinkCheckPeriod is how often the agent checks that every pod's links are
-// attached (RepairLinks): one bpf(2) call per link (about 2 µs with the
-// bookkeeping, so 250 pods cost 0.1 % of a CPU at this period), and a
+// attached (RepairLinks): one bpf(2) call per link, a stat of each pod's
+// namespace path (requeueMoved) and of each sealed pod's (sweepSealed),
+// about 5 µs a pod, 10 with every pod sealed (BenchmarkLinkCheckTick: 200
+// pods cost 0.15 to 0.26 % of a CPU at this period), and a
 // detached link replaced within a second.
 const LinkCheckPeriod = 750 * time.Millisecond
 
@@ -815,7 +932,8 @@ func (r *Reconciler) repairLinks(ctx context.Context, pins bool) {
 // must pass. A path that is gone is left to the pod's source and the full
 // pass: it goes with every graceful delete, and finding where the pod went
 // would mean a namespace scan per check. One stat per pod per check; each
-// change is queued once (the queue's backoff retries it).
+// namespace found at the path is queued once (the queue's backoff retries
+// it), and a later one again.
 func (r *Reconciler) requeueMoved(ctx context.Context) {
 	if r.requeue == nil {
 		return
@@ -827,26 +945,29 @@ func (r *Reconciler) requeueMoved(ctx context.Context) {
 	r.nsMu.Lock()
 	recs := make([]entry, 0, len(r.ns))
 	for uid, rec := range r.ns {
-		if !rec.moved {
-			recs = append(recs, entry{uid, rec})
-		}
+		recs = append(recs, entry{uid, rec})
 	}
 	r.nsMu.Unlock()
 	var moved uint64
 	for _, e := range recs {
-		if ino, err := netns.Inode(e.rec.path); err != nil || ino == e.rec.ino {
+		ino, err := netns.Inode(e.rec.path)
+		back := ino == e.rec.ino
+		if err != nil || ino == e.rec.movedTo || (back && e.rec.movedTo == 0) {
 			continue
 		}
 		r.nsMu.Lock()
 		cur, ok := r.ns[e.uid]
 		same := ok && cur == e.rec
 		if same {
-			cur.moved = true
+			cur.movedTo = ino
+			if back {
+				cur.movedTo = 0 // a later move is news again
+			}
 			r.ns[e.uid] = cur
 		}
 		r.nsMu.Unlock()
-		if !same {
-			continue // attached again meanwhile, or detached
+		if !same || back {
+			continue // attached again meanwhile, or detached; or back
 		}
 		moved++
 		r.log.WarnContext(ctx, "pod's network namespace path names another namespace than it was attached in; attaching it there", "pod", e.rec.name, "uid", e.uid, "netns", e.rec.path)

@@ -28,13 +28,21 @@ import (
 // path is taken from it.
 func recreateSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
 	t.Helper()
-	hostVeth := p.HostVeth + "r"
-	run := func(args ...string) {
-		t.Helper()
-		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
-			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
-		}
+	replaceNetNS(t, p)
+	wireSandbox(t, n, p)
+}
+
+func runIP(t *testing.T, args ...string) {
+	t.Helper()
+	if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+		t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
 	}
+}
+
+// replaceNetNS puts a new, empty namespace at the pod's path, as a runtime
+// makes one before its CNI plugins configure it.
+func replaceNetNS(t *testing.T, p *netnstest.Pod) {
+	t.Helper()
 	// The old namespace is held until the new one exists, so the new one
 	// gets another inode number (the kernel reuses freed ones): what is
 	// tested is a reused path, not a reused number as well.
@@ -42,16 +50,23 @@ func recreateSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run("netns", "del", p.NS)
-	run("netns", "add", p.NS)
-	old.Close()
+	defer old.Close()
+	runIP(t, "netns", "del", p.NS)
+	runIP(t, "netns", "add", p.NS)
+}
+
+// wireSandbox joins the namespace at the pod's path (made by replaceNetNS)
+// to the node's bridge with the pod's addresses.
+func wireSandbox(t *testing.T, n *netnstest.Node, p *netnstest.Pod) {
+	t.Helper()
+	hostVeth := p.HostVeth + "r"
 	t.Cleanup(func() { _ = exec.Command("ip", "-n", n.Name, "link", "del", hostVeth).Run() })
-	run("-n", p.NS, "link", "set", "lo", "up")
-	run("-n", n.Name, "link", "add", hostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
-	run("-n", n.Name, "link", "set", hostVeth, "master", "rdbr", "up")
-	run("-n", p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
-	run("-n", p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
-	run("-n", p.NS, "link", "set", "eth0", "up")
+	runIP(t, "-n", p.NS, "link", "set", "lo", "up")
+	runIP(t, "-n", n.Name, "link", "add", hostVeth, "type", "veth", "peer", "name", "eth0", "netns", p.NS)
+	runIP(t, "-n", n.Name, "link", "set", hostVeth, "master", "rdbr", "up")
+	runIP(t, "-n", p.NS, "addr", "add", p.IPv4.String()+"/24", "dev", "eth0")
+	runIP(t, "-n", p.NS, "addr", "add", p.IPv6.String()+"/64", "dev", "eth0", "nodad")
+	runIP(t, "-n", p.NS, "link", "set", "eth0", "up")
 }
 
 // podListens reports whether something listens on port in the namespace at
