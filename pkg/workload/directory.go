@@ -29,7 +29,14 @@ type Directory struct {
 	selecting map[*Workload][]*Service
 	// sites memoizes site, per node.
 	sites map[string]*Workload
+	// scanned memoizes named's scans while NewDirectory runs: a name
+	// can have many workloads (a ServiceEntry's endpoints), and many
+	// endpoints name one pod (each service it serves).
+	scanned map[podRef]*Workload
 }
+
+// podRef is a pod as an endpoint names it.
+type podRef struct{ namespace, name, uid string }
 
 // NewDirectory indexes workloads and services (the services are copied, so
 // their endpoints can be linked to this directory's workloads). Where two
@@ -78,6 +85,7 @@ func NewDirectory(workloads []*Workload, services []*Service) (*Directory, []err
 			errs = append(errs, err)
 		}
 	}
+	d.scanned = nil
 	return d, errs
 }
 
@@ -174,11 +182,8 @@ func (d *Directory) addService(s *Service) error {
 			e.Workload, e.Unresolved = nil, true
 		}
 		if e.Workload == nil && !e.Unresolved && e.PodName != "" {
-			// The first workload of the name; another of the name (an
-			// entry named like the pod) is not it, and the endpoint
-			// stays unresolved.
-			named := d.byName[nameKey{e.PodNamespace, e.PodName}]
-			e.Unresolved = named == nil || !e.names(named) || named.TakesHBONE()
+			named := d.named(e)
+			e.Unresolved = named == nil || named.TakesHBONE()
 		}
 		e.Site = nil
 		if e.Workload == nil && e.Node != "" {
@@ -195,6 +200,41 @@ func (d *Directory) addService(s *Service) error {
 // where set, PodUID).
 func (e *Endpoint) names(w *Workload) bool {
 	return w.Namespace == e.PodNamespace && w.Name == e.PodName && (e.PodUID == "" || w.UID == e.PodUID)
+}
+
+// named returns the workload e names, nil if the directory has none: of
+// its namespace and name, and of its uid where e gives one. Not merely
+// the first of the name (byName): istiod names pods of several clusters
+// alike, and a ServiceEntry's or WorkloadEntry's workloads after the
+// entry, so the first may be another, and an endpoint at no workload's
+// address (a hostNetwork pod's, at its node's) was refused as unknown
+// though the directory had its pod (TestEndpointNamedAmongWorkloadsOfOneName).
+func (d *Directory) named(e *Endpoint) *Workload {
+	key := nameKey{e.PodNamespace, e.PodName}
+	if w := d.byName[key]; w == nil || e.names(w) {
+		return w
+	}
+	ref := podRef{e.PodNamespace, e.PodName, e.PodUID}
+	if w, ok := d.scanned[ref]; ok {
+		return w
+	}
+	// d.all is sorted by namespace and name: the others of the name
+	// follow the first.
+	var found *Workload
+	i, _ := slices.BinarySearchFunc(d.all, key, func(w *Workload, k nameKey) int {
+		return cmp.Or(cmp.Compare(w.Namespace, k.namespace), cmp.Compare(w.Name, k.name))
+	})
+	for ; i < len(d.all) && d.all[i].Namespace == key.namespace && d.all[i].Name == key.name; i++ {
+		if e.names(d.all[i]) {
+			found = d.all[i]
+			break
+		}
+	}
+	if d.scanned == nil {
+		d.scanned = map[podRef]*Workload{}
+	}
+	d.scanned[ref] = found
+	return found
 }
 
 // site returns the workload whose locality stands for node's (see

@@ -276,3 +276,39 @@ func TestEndpointUnresolved(t *testing.T) {
 		}
 	}
 }
+
+// TestEndpointNamedAmongWorkloadsOfOneName: an endpoint at no workload's
+// address (a hostNetwork pod's, at its node's) that names its pod by uid
+// is that pod, wherever it sorts among the workloads of its name: istiod
+// names pods of several clusters alike, and a ServiceEntry's workloads
+// after the entry. Before, only the first of the name was looked at, and
+// the endpoint of a second cluster's hostNetwork pod (a StatefulSet's,
+// named alike in both) was refused as a pod the directory does not know,
+// where it had been dialled in plain TCP as istiod says.
+func TestEndpointNamedAmongWorkloadsOfOneName(t *testing.T) {
+	node := netip.MustParseAddr("10.0.9.2")
+	kafka := func(uid string, enrolled bool) *Workload {
+		return &Workload{UID: uid, Namespace: "shop", Name: "kafka-0", Enrolled: enrolled}
+	}
+	entry := &Workload{UID: "K/networking.istio.io/ServiceEntry/shop/kafka-0/10.7.0.1", Namespace: "shop", Name: "kafka-0", Addrs: []netip.Addr{netip.MustParseAddr("10.7.0.1")}}
+	for _, tt := range []struct {
+		name string
+		pods []*Workload
+		uid  string
+		want bool // Unresolved
+	}{
+		{"the first of the name", []*Workload{kafka("K//Pod/shop/kafka-0", false), kafka("K2//Pod/shop/kafka-0", false)}, "K//Pod/shop/kafka-0", false},
+		{"the second of the name, another cluster's", []*Workload{kafka("K//Pod/shop/kafka-0", false), kafka("K2//Pod/shop/kafka-0", false)}, "K2//Pod/shop/kafka-0", false},
+		{"after an entry of the name", []*Workload{entry, kafka("K//Pod/shop/kafka-0", false)}, "K//Pod/shop/kafka-0", false},
+		{"the second of the name, meshed, no address seen", []*Workload{kafka("K//Pod/shop/kafka-0", false), kafka("K2//Pod/shop/kafka-0", true)}, "K2//Pod/shop/kafka-0", true},
+		{"no workload of the uid", []*Workload{kafka("K//Pod/shop/kafka-0", false), entry}, "K3//Pod/shop/kafka-0", true},
+	} {
+		ep := Endpoint{Addr: node, PodNamespace: "shop", PodName: "kafka-0", PodUID: tt.uid}
+		svc := &Service{Namespace: "shop", Name: "kafka", VIPs: []netip.Addr{netip.MustParseAddr("10.96.0.1")}, Endpoints: []Endpoint{ep}}
+		d, _ := NewDirectory(tt.pods, []*Service{svc})
+		got, _ := d.ServiceByVIP(svc.VIPs[0])
+		if e := got.Endpoints[0]; e.Unresolved != tt.want || e.Workload != nil {
+			t.Errorf("%s: Unresolved = %v (workload %v), want %v", tt.name, e.Unresolved, e.Workload, tt.want)
+		}
+	}
+}

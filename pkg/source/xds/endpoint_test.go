@@ -6,8 +6,13 @@ import (
 	"testing"
 
 	"istio.io/istio/pkg/workloadapi"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/redirector-mesh/redirector/pkg/selection"
+	"github.com/redirector-mesh/redirector/pkg/source/kubeobj"
+	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 )
 
@@ -165,4 +170,138 @@ func containsError(errs []error, sub string) bool {
 		}
 	}
 	return false
+}
+
+// TestMergeHonestEndpointsResolve: endpoints that name their pod, in
+// meshes where nothing lies, resolve to that pod (or, for a hostNetwork
+// pod, at no workload's address, are dialled as istiod says) rather than
+// being refused as unresolved. Three were refused once endpoints named
+// their pods (they had been dialled before, the second in plain TCP though
+// istiod said HBONE):
+//   - a second cluster's hostNetwork pod named like this cluster's (a
+//     StatefulSet's, on the same network): the directory looked only at
+//     the first workload of the name, which had another uid;
+//   - another cluster's pod on a node named like this one (hostnames,
+//     alike in two clusters): merge took it for one of this node's pods
+//     the node's watch had not seen, and left it out;
+//   - a new pod given a deleted pod's address (its sandbox gone, its
+//     object still there, which istiod marks unhealthy): the deleted pod
+//     kept the address by name, so the new pod's endpoints, once it was
+//     ready, were refused until the old object went.
+//
+// And what already resolved stays so: this node's hostNetwork pod, a
+// mirror (static) pod the node's watch keys by no uid, a dual-stack pod.
+func TestMergeHonestEndpointsResolve(t *testing.T) {
+	const web = "shop/web.shop.svc.cluster.local"
+	addr := func(s ...string) [][]byte {
+		var out [][]byte
+		for _, x := range s {
+			out = append(out, netip.MustParseAddr(x).AsSlice())
+		}
+		return out
+	}
+	serves := func(target uint32) map[string]*workloadapi.PortList {
+		return map[string]*workloadapi.PortList{web: {Ports: []*workloadapi.Port{{ServicePort: 80, TargetPort: target}}}}
+	}
+	hbone, plain := workloadapi.TunnelProtocol_HBONE, workloadapi.TunnelProtocol_NONE
+	hostNet := workloadapi.NetworkMode_HOST_NETWORK
+	healthy, unhealthy := workloadapi.WorkloadStatus_HEALTHY, workloadapi.WorkloadStatus_UNHEALTHY
+	workloads := translateWorkloads(t, []*workloadapi.Workload{
+		// A hostNetwork StatefulSet pod of one name in two clusters.
+		{Uid: "K//Pod/shop/kafka-0", Name: "kafka-0", Namespace: "shop", Node: "node-b", ClusterId: "K", Addresses: addr("192.168.0.2"),
+			NetworkMode: hostNet, TunnelProtocol: plain, Status: healthy, Services: serves(8001)},
+		{Uid: "K2//Pod/shop/kafka-0", Name: "kafka-0", Namespace: "shop", Node: "node-z", ClusterId: "K2", Addresses: addr("192.168.9.2"),
+			NetworkMode: hostNet, TunnelProtocol: plain, Status: healthy, Services: serves(8002)},
+		// Pods of another cluster on its node named node-a.
+		{Uid: "K2//Pod/shop/web-z", Name: "web-z", Namespace: "shop", Node: "node-a", ClusterId: "K2", Addresses: addr("10.9.0.5"),
+			TunnelProtocol: hbone, Status: healthy, Services: serves(8003)},
+		{Uid: "K2//Pod/shop/agent-z", Name: "agent-z", Namespace: "shop", Node: "node-a", ClusterId: "K2", Addresses: addr("192.168.9.1"),
+			NetworkMode: hostNet, TunnelProtocol: plain, Status: healthy, Services: serves(8004)},
+		// node-b's deleted pod, whose address a new pod has now.
+		{Uid: "K//Pod/shop/a-old", Name: "a-old", Namespace: "shop", Node: "node-b", ClusterId: "K", Addresses: addr("10.2.0.9"),
+			TunnelProtocol: hbone, Status: unhealthy, Services: serves(8005)},
+		{Uid: "K//Pod/shop/b-new", Name: "b-new", Namespace: "shop", Node: "node-b", ClusterId: "K", Addresses: addr("10.2.0.9"),
+			TunnelProtocol: hbone, Status: healthy, Services: serves(8006)},
+		// istiod's copies of node-a's pods: hostNetwork, mirror,
+		// dual-stack.
+		{Uid: "K//Pod/shop/agent-a", Name: "agent-a", Namespace: "shop", Node: "node-a", ClusterId: "K", Addresses: addr("192.168.0.1"),
+			NetworkMode: hostNet, TunnelProtocol: plain, Status: healthy, Services: serves(8007)},
+		{Uid: "K//Pod/shop/static-node-a", Name: "static-node-a", Namespace: "shop", Node: "node-a", ClusterId: "K", Addresses: addr("10.1.0.9"),
+			TunnelProtocol: plain, Status: healthy, Services: serves(8008)},
+		{Uid: "K//Pod/shop/ds", Name: "ds", Namespace: "shop", Node: "node-a", ClusterId: "K", Addresses: addr("10.1.0.6", "fd00::6"),
+			TunnelProtocol: hbone, Status: healthy, Services: serves(8009)},
+	})
+	svc, err := translateService(&workloadapi.Service{Name: "web", Namespace: "shop", Hostname: "web.shop.svc.cluster.local",
+		Addresses: []*workloadapi.NetworkAddress{{Address: netip.MustParseAddr("10.96.0.10").AsSlice()}},
+		Ports:     []*workloadapi.Port{{ServicePort: 80, TargetPort: 8080}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := buildSnapshot(workloads, map[string]*Service{svc.Key(): svc}, nil, "")
+	mesh.Cluster = "K"
+	running := func(name, uid string, hostNetwork bool, annotations map[string]string, ips ...string) corev1.Pod {
+		p := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "shop", UID: types.UID(uid), Annotations: annotations},
+			Spec: corev1.PodSpec{NodeName: "node-a", HostNetwork: hostNetwork}, Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ips[0]}}
+		for _, ip := range ips {
+			p.Status.PodIPs = append(p.Status.PodIPs, corev1.PodIP{IP: ip})
+		}
+		return p
+	}
+	local := nodepods.State{
+		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
+		Pods: []corev1.Pod{
+			running("agent-a", "u-agent", true, nil, "192.168.0.1"),
+			running("static-node-a", "u-api-mirror", false, map[string]string{kubeobj.MirrorPodAnnotation: "hash"}, "10.1.0.9"),
+			running("ds", "u-ds", false, nil, "10.1.0.6", "fd00::6"),
+		},
+	}
+	snap, _ := merge(local, mesh, "node-a", selection.Config{}, nil)
+	dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+	got, ok := dir.ServiceByVIP(netip.MustParseAddr("10.96.0.10"))
+	if !ok {
+		t.Fatal("no service shop/web")
+	}
+	const noWorkload = "(none: dialled as istiod says)"
+	want := map[uint16]string{ // the endpoint's target port -> the uid it resolves to
+		8001: noWorkload,           // this cluster's hostNetwork kafka-0
+		8002: noWorkload,           // the other cluster's
+		8003: "K2//Pod/shop/web-z", // another cluster's pod on its node-a: HBONE, as itself
+		8004: noWorkload,           // another cluster's hostNetwork pod on its node-a
+		8005: "",                   // the deleted pod: its address is the new pod's
+		8006: "K//Pod/shop/b-new",  // the new pod at that address
+		8007: noWorkload,           // this node's hostNetwork pod
+		8008: "",                   // this node's mirror pod (keyed by no uid): empty uid
+		8009: "u-ds",               // this node's dual-stack pod
+	}
+	for _, ep := range got.Endpoints {
+		port := uint16(ep.Ports["80"])
+		w, ok := want[port]
+		if !ok {
+			t.Errorf("unexpected endpoint %s:%d", ep.Addr, port)
+			continue
+		}
+		delete(want, port)
+		switch {
+		case port == 8005:
+			if !ep.Unresolved || ep.Workload != nil {
+				t.Errorf("endpoint %s:%d (the deleted pod): workload %v, unresolved %v; want unresolved", ep.Addr, port, ep.Workload, ep.Unresolved)
+			}
+		case ep.Unresolved:
+			t.Errorf("endpoint %s:%d of %s/%s refused as unresolved, want %s", ep.Addr, port, ep.PodNamespace, ep.PodName, w)
+		case w == noWorkload && ep.Workload != nil:
+			t.Errorf("endpoint %s:%d resolves to %s, want no workload (a node's address)", ep.Addr, port, ep.Workload)
+		case w != noWorkload && (ep.Workload == nil || ep.Workload.UID != w):
+			t.Errorf("endpoint %s:%d resolves to %v, want %s", ep.Addr, port, ep.Workload, w)
+		}
+	}
+	for port := range want {
+		t.Errorf("no endpoint on port %d", port)
+	}
+	// The other cluster's pods are nobody's on this node: not this node's
+	// pods to capture.
+	for _, w := range dir.LocalPods("node-a") {
+		if w.Cluster == "K2" {
+			t.Errorf("another cluster's pod %s (%s) listed as this node's", w, w.UID)
+		}
+	}
 }

@@ -160,3 +160,130 @@ func TestIstiodPodsAtOneAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestIstiodEndpointsOfHonestPods: what TestMergeHonestEndpointsResolve
+// stands for, with a real istiod, for what one cluster can show: a pod
+// being deleted whose object lingers (a finalizer here) while a new, ready
+// pod has its address; istiod sends both, the old one unhealthy, and the
+// new pod's endpoints resolve to it (before, the old pod kept the address
+// by name and they were refused). hostNetwork pods of this node and
+// another, and a ServiceEntry selecting the pods (its endpoints are
+// theirs), resolve too.
+func TestIstiodEndpointsOfHonestPods(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs kube-apiserver and istiod")
+	}
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	const agentAccount = istiotest.Namespace + "/redirector"
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	ctx := context.Background()
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}
+	if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// pod creates a ready pod of app web, as a kubelet would report it.
+	pod := func(name, node, ip string, hostNetwork bool, finalizers ...string) *corev1.Pod {
+		p, err := cs.CoreV1().Pods("shop").Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "shop", Labels: map[string]string{"app": "web"}, Finalizers: finalizers},
+			Spec:       corev1.PodSpec{NodeName: node, HostNetwork: hostNetwork, Containers: []corev1.Container{{Name: "app", Image: "app"}}},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}},
+			Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
+		if p, err = cs.CoreV1().Pods("shop").UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	local := pod("web-1", "node1", "10.244.1.5", false)
+	localHost := pod("agent-1", "node1", "192.168.0.1", true)
+	pod("agent-2", "node2", "192.168.0.2", true)
+	// a-old sorts before b-new, which is given its address.
+	pod("a-old", "node2", "10.244.2.9", false, "example.com/hold")
+	t.Cleanup(func() {
+		if p, err := cs.CoreV1().Pods("shop").Get(ctx, "a-old", metav1.GetOptions{}); err == nil {
+			p.Finalizers = nil
+			_, _ = cs.CoreV1().Pods("shop").Update(ctx, p, metav1.UpdateOptions{})
+		}
+	})
+	if err := cs.CoreV1().Pods("shop").Delete(ctx, "a-old", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod("b-new", "node2", "10.244.2.9", false)
+	if _, err := cs.CoreV1().Services("shop").Create(ctx, &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "shop"},
+		Spec: corev1.ServiceSpec{Selector: map[string]string{"app": "web"}, ClusterIP: "10.96.0.60",
+			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	se := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+		"metadata": map[string]any{"name": "selected", "namespace": "shop"},
+		"spec": map[string]any{"hosts": []any{"selected.example.com"}, "addresses": []any{"240.1.1.10"}, "resolution": "STATIC",
+			"ports":            []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP", "targetPort": int64(9090)}},
+			"workloadSelector": map[string]any{"labels": map[string]any{"app": "web"}}},
+	}}
+	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}).Namespace("shop").Create(ctx, se, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	state := nodepods.State{Namespaces: []corev1.Namespace{*ns}, Pods: []corev1.Pod{*local, *localHost}}
+
+	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
+	uid := func(name string) string { return istiotest.ClusterID + "//Pod/shop/" + name }
+	check := func(s *Snapshot) error {
+		snap, _ := merge(state, s, "node1", selection.Config{}, nil)
+		dir, _ := workload.NewDirectory(snap.Workloads, snap.Services)
+		for _, vip := range []string{"10.96.0.60", "240.1.1.10"} {
+			svc, ok := dir.ServiceByVIP(netip.MustParseAddr(vip))
+			if !ok {
+				return fmt.Errorf("no service at %s", vip)
+			}
+			want := map[string]string{ // pod -> the uid its endpoint resolves to; "-" none, "" unresolved
+				"web-1": string(local.UID), "agent-1": "-", "agent-2": "-", "a-old": "", "b-new": uid("b-new"),
+			}
+			for _, ep := range svc.Endpoints {
+				w, ok := want[ep.PodName]
+				if !ok {
+					return fmt.Errorf("%s: unexpected endpoint %s of %q", vip, ep.Addr, ep.PodName)
+				}
+				delete(want, ep.PodName)
+				got := "-"
+				switch {
+				case ep.Unresolved:
+					got = ""
+				case ep.Workload != nil:
+					got = ep.Workload.UID
+				}
+				if got != w {
+					return fmt.Errorf("%s: endpoint %s of %s resolves to %q, want %q (\"\": unresolved, \"-\": no workload)", vip, ep.Addr, ep.PodName, got, w)
+				}
+			}
+			if len(want) > 0 {
+				return fmt.Errorf("%s: no endpoint of %v", vip, want)
+			}
+		}
+		return nil
+	}
+	deadline := time.After(60 * time.Second)
+	var last error
+	for {
+		select {
+		case s := <-snaps:
+			if last = check(s); last == nil {
+				return
+			}
+		case <-deadline:
+			t.Fatalf("istiod's state never came out as wanted: %v", last)
+		}
+	}
+}

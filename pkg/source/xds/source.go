@@ -224,6 +224,18 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		// istiod's copy of a local pod, wherever istiod says it is (a
 		// lagging copy too): the pod comes from the API server.
 		localCopy := localNames[key] && ownPod(w, mesh.Cluster)
+		// A pod of another cluster on a node named like this one (node
+		// names are each cluster's own: hostnames, alike in clusters on
+		// one network) is on another host, not one of this node's pods
+		// the node's watch has not seen yet. It is added as any other
+		// node's pod, with no node: the directory's nodes are this
+		// cluster's (LocalPods lists this node's pods to capture). Left
+		// out, its service endpoints were refused (they name it), and
+		// before they named it, dialled in plain TCP though istiod said
+		// HBONE. One named like a local pod is more likely that pod,
+		// under a CLUSTER_ID that disagrees with istiod's (refused and
+		// reported above), and stays out.
+		foreign := w.Node == node && isPod(w) && !ownPod(w, mesh.Cluster) && !localNames[key]
 		if localCopy {
 			copyUIDs[w.UID] = localUIDs[key]
 			for svc := range w.Services {
@@ -248,11 +260,14 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 					nodeAddrs = append(nodeAddrs, nodeAddr{a, key})
 				}
 			}
-			if localCopy || w.Node == node {
+			if localCopy || w.Node == node && !foreign {
 				continue
 			}
 			c := w.Workload
 			c.Addrs = nil
+			if foreign {
+				c.Node = ""
+			}
 			snap.Workloads = append(snap.Workloads, &c)
 			continue
 		}
@@ -262,7 +277,7 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		if _, ok := snap.Compiled.Selected[key]; !ok && !localNames[key] && len(w.Policies) > 0 {
 			snap.Compiled.Selected[key] = w.Policies
 		}
-		if w.Node == node {
+		if w.Node == node && !foreign {
 			continue
 		}
 		free := make([]netip.Addr, 0, len(w.Addrs))
@@ -286,11 +301,14 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 		}
 		switch {
 		case len(free) == 0:
-		case len(free) == len(w.Addrs):
+		case len(free) == len(w.Addrs) && !foreign:
 			snap.Workloads = append(snap.Workloads, &w.Workload)
 		default:
 			c := w.Workload
 			c.Addrs = free
+			if foreign {
+				c.Node = ""
+			}
 			snap.Workloads = append(snap.Workloads, &c)
 		}
 	}
@@ -674,19 +692,29 @@ func podOf(w *workload.Workload, cluster string) bool {
 // claimOrder returns istiod's workloads in the order they claim addresses,
 // as ztunnel ranks workloads at one address: pods first (their addresses
 // are the kubelet's; anyone in a namespace writes a ServiceEntry's or a
-// WorkloadEntry's), then those that take HBONE, then by namespace and name
-// (mesh's own order, kept). Two pods at one address are a stale copy and
-// the pod there now, or a lie: an HBONE claimant, if wrong, fails closed
-// (its HBONE goes unanswered), where a plaintext one made connections to
-// a meshed pod plaintext passthrough. The directory ranks other sources'
-// claimants the same way (workload.NewDirectory).
+// WorkloadEntry's), then those that take HBONE, then the healthy ones,
+// then by namespace and name (mesh's own order, kept). Two pods at one
+// address are a stale copy and the pod there now, or a lie: an HBONE
+// claimant, if wrong, fails closed (its HBONE goes unanswered), where a
+// plaintext one made connections to a meshed pod plaintext passthrough.
+// istiod marks a pod being deleted unhealthy, and its address may be a new
+// pod's already (its sandbox is gone before its object): by name alone
+// the deleted pod kept it while its object lingered, so the new pod's
+// service endpoints were refused (they name the new pod) once it was
+// ready. Health comes after HBONE: unhealthy is also a pod not ready yet,
+// which a plaintext claimant must not take the address from. The
+// directory ranks other sources' claimants alike (workload.NewDirectory),
+// where the API says which pod is terminating.
 func claimOrder(mesh []*Workload) []*Workload {
 	rank := func(w *Workload) int {
 		r := 0
 		if isPod(w) {
-			r += 2
+			r += 4
 		}
 		if w.Enrolled {
+			r += 2
+		}
+		if w.Healthy {
 			r++
 		}
 		return r
