@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -409,4 +410,97 @@ func TestServiceEndpointOfUnseenPodNeverPlaintext(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	p.stop(ctx)
+}
+
+// TestUnresolvedEndpointsSpendNoAttempts: a service whose endpoints name
+// pods the directory does not have (maxServiceAttempts of them or more)
+// beside one it can dial. The unresolved ones are never dialled, and they
+// no longer take a connection's attempts either: before, a connection
+// whose turn in the rotation began at them tried only them and was reset,
+// though a good endpoint was there (ztunnel picks only endpoints whose
+// workload it knows). A service with only unresolved endpoints is refused
+// and counted as endpoint_unresolved.
+func TestUnresolvedEndpointsSpendNoAttempts(t *testing.T) {
+	tun := tunnelWithPool(t)
+	witness := newPlainWitness(t, "127.0.0.2:0")
+	client := podObj("mesh", "client", "client", "10.1.0.1", nil)
+	hostPod := podObj("fresh", "agent", "agent", "127.0.0.9", nil)
+	hostPod.Addrs, hostPod.Enrolled = nil, false // hostNetwork: no address of its own
+	var eps []workload.Endpoint
+	for i := range maxServiceAttempts + 1 {
+		eps = append(eps, workload.Endpoint{Addr: netip.AddrFrom4([4]byte{127, 0, 0, byte(3 + i)}), Ready: true,
+			PodNamespace: "fresh", PodName: fmt.Sprintf("unseen-%d", i)})
+	}
+	good := workload.Endpoint{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true, PodNamespace: "fresh", PodName: "agent"}
+	service := func(eps []workload.Endpoint) *workload.Service {
+		return &workload.Service{Name: "server", Namespace: "fresh", Hostname: "server.fresh.svc.cluster.local",
+			VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.20")},
+			Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
+			Endpoints: eps}
+	}
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		p.stop(ctx)
+	}()
+	connect := func() bool {
+		t.Helper()
+		app, tunnelSide := net.Pipe()
+		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.20:80")),
+			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		defer func() { app.Close(); c.Close() }()
+		go func() {
+			_, _ = app.Write([]byte("request"))
+			_, _ = io.Copy(io.Discard, app)
+		}()
+		done := make(chan struct{})
+		go func() { defer close(done); p.handleOutbound(c) }()
+		// The handler returns once the relay ends, which the witness's
+		// close (after it reported) also does: done alone says nothing.
+		select {
+		case <-witness.got:
+			return true
+		case <-time.After(5 * time.Second):
+			return false
+		case <-done:
+		}
+		select {
+		case <-witness.got:
+			return true
+		case <-time.After(200 * time.Millisecond):
+			return false
+		}
+	}
+	unresolved := func() float64 {
+		return testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved"))
+	}
+
+	dir, errs := workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service(append(slices.Clone(eps), good))})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	// Every start of the rotation, the unresolved endpoints' included.
+	for i := range len(eps) + 1 {
+		if !connect() {
+			t.Errorf("connection %d was not carried to the one endpoint the directory resolves", i)
+		}
+	}
+	if got := unresolved(); got != 0 {
+		t.Errorf("fail_closed{endpoint_unresolved} = %v with a good endpoint there, want 0", got)
+	}
+
+	dir, errs = workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service(eps)})
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+	if connect() {
+		t.Error("a service of unresolved endpoints only was carried")
+	}
+	if got := unresolved(); got != 1 {
+		t.Errorf("fail_closed{endpoint_unresolved} = %v, want 1", got)
+	}
 }

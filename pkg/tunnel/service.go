@@ -204,8 +204,12 @@ func (b *balancer) eligible(dir *workload.Directory, svc *workload.Service, port
 // under the service's Routing, best first: one group when the service has
 // none (or the client is unknown). A Strict service keeps only the
 // endpoints sharing every scope with the client, none when the client is
-// unknown. Endpoints that cannot serve (not ready, port missing) are left
-// out here, so they never skew the share of the others in the rotation.
+// unknown. Endpoints that cannot serve (not ready, port missing, or
+// naming a pod the directory does not have at their address:
+// workload.Endpoint.Unresolved, never dialled) are left out here, so they
+// never skew the share of the others in the rotation nor spend a
+// connection's attempts, as ztunnel picks only endpoints whose workload it
+// knows.
 func rank(svc *workload.Service, port workload.ServicePort, client *workload.Workload) [][]pick {
 	r := svc.Routing
 	if r != nil && client == nil {
@@ -221,7 +225,7 @@ func rank(svc *workload.Service, port workload.ServicePort, client *workload.Wor
 		tiers = make([][]pick, len(r.Scopes)+1)
 	}
 	for i, ep := range svc.Endpoints {
-		if !ep.Ready {
+		if !ep.Ready || ep.Unresolved {
 			continue
 		}
 		tp, ok := ep.TargetPort(port)
@@ -302,8 +306,13 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 	}
 	candidates := inFamilyOf(dir, t.lb.order(dir, svc, *port, srcW), dst.Addr())
 	if len(candidates) == 0 {
-		t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
-		t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))
+		if unresolvedServe(svc, *port) {
+			t.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved").Inc()
+			t.failures.note(ctx, "service connection refused: its ready endpoints name pods the directory does not have at their addresses (not seen yet, or another workload keeps the address); not dialled in plain TCP", "service", svc.String(), "port", port.Port)
+		} else {
+			t.cfg.Metrics.failClosed.WithLabelValues("no_endpoint").Inc()
+			t.failures.note(ctx, "service connection refused: no ready endpoint serves the port", "service", svc.String(), "port", port.Port, "target_port", cmp.Or(port.TargetPortName, strconv.Itoa(int(port.TargetPort))))
+		}
 		resetConn(c)
 		return
 	}
@@ -381,6 +390,16 @@ func ownAddrOfFamily(dir *workload.Directory, w *workload.Workload, v4 bool) (ne
 		}
 	}
 	return netip.Addr{}, false
+}
+
+// unresolvedServe reports whether a ready endpoint of svc that would serve
+// port was left out for being unresolved: the refusal is then counted as
+// such, not as a service without endpoints.
+func unresolvedServe(svc *workload.Service, port workload.ServicePort) bool {
+	return slices.ContainsFunc(svc.Endpoints, func(ep workload.Endpoint) bool {
+		_, ok := ep.TargetPort(port)
+		return ep.Ready && ep.Unresolved && ok
+	})
 }
 
 // errEndpointUnresolved refuses an endpoint that names a pod the directory
