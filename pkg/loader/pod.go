@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -644,26 +645,54 @@ func (l *Loader) leaveNetNS(id uint32, meta maps.PodMeta) error {
 }
 
 // openAttachedNetNS opens the namespace at meta's path for the detach of
-// its pod. A namespace that is gone took the pod's rules and routes with
+// pod id. A namespace that is gone took the pod's rules and routes with
 // it, and its sockets: nil, no error. With recorded set, ino is the
 // namespace the pod was attached in: a path that names another one now (a
 // new sandbox, maybe another pod's, given the old one's path) is not
-// opened either, since what is there is not the pod's.
-func (l *Loader) openAttachedNetNS(ctx context.Context, meta maps.PodMeta, ino uint32, recorded bool) (*netns.Handle, error) {
+// opened either, since what is there is not the pod's. Nor is a namespace
+// another pod's capture is in force in (otherPodIn): the kernel gives a new
+// namespace a freed one's inode number, so a new sandbox at the old path
+// can pass for the old one by inode; its sockets, rules and routes are the
+// other pod's, kept in the mesh by its capture.
+func (l *Loader) openAttachedNetNS(ctx context.Context, id uint32, meta maps.PodMeta, ino uint32, recorded bool) (*netns.Handle, error) {
 	h, err := netns.Open(meta.NetNS)
 	if err != nil {
 		return nil, l.nsGone(ctx, meta, err)
 	}
-	if cur, err := h.Inode(); err != nil {
+	cur, err := h.Inode()
+	switch {
+	case err != nil:
 		h.Close()
 		return nil, err
-	} else if recorded && cur != uint64(ino) {
+	case recorded && cur != uint64(ino):
 		h.Close()
 		l.log.InfoContext(ctx, "pod's network namespace path names another namespace now: nothing undone there",
 			"pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS, "attached_inode", ino, "path_inode", cur)
 		return nil, nil
 	}
+	if other, ok := l.otherPodIn(id, cur); ok {
+		h.Close()
+		l.log.InfoContext(ctx, "pod's network namespace is another attached pod's: nothing undone there, no socket ended",
+			"pod", meta.Namespace+"/"+meta.Name, "netns", meta.NetNS, "inode", cur, "other_pod_id", other)
+		return nil, nil
+	}
 	return h, nil
+}
+
+// otherPodIn reports whether the capture of another pod than id is in
+// force in the namespace of inode ino, as the programs judge it: its
+// rd_pod_netns entry names that pod, and so does the enrollment entry of
+// the address it names.
+func (l *Loader) otherPodIn(id uint32, ino uint64) (uint32, bool) {
+	if l.maps.PodNetNS == nil || ino > math.MaxUint32 {
+		return 0, false
+	}
+	e, ok, err := l.maps.PodNetNSOf(uint32(ino))
+	if err != nil || !ok || e.PodID == id {
+		return 0, false
+	}
+	s, ok, err := l.maps.Pod(e.Addr)
+	return e.PodID, err == nil && ok && s.PodID == e.PodID
 }
 
 // nsGone is err, or nil when it says the pod's namespace is gone: the
@@ -711,7 +740,7 @@ func (l *Loader) undoInNetNS(ctx context.Context, h *netns.Handle, meta maps.Pod
 func (l *Loader) detach(ctx context.Context, id uint32, meta maps.PodMeta, endSockets bool) error {
 	// Which namespace the pod was attached in, before its record goes.
 	ino, recorded := l.recordedNetNS(id)
-	h, err := l.openAttachedNetNS(ctx, meta, ino, recorded)
+	h, err := l.openAttachedNetNS(ctx, id, meta, ino, recorded)
 	errs := []error{err}
 	if h != nil {
 		defer h.Close()

@@ -81,18 +81,24 @@ const (
 )
 
 // DestroyTCP ends, with sock_diag's SOCK_DESTROY, the TCP sockets of h's
-// namespace (IPv4 and IPv6) in a connected state that o.Match picks: each
-// is aborted as if reset (its owner's next call fails with ECONNABORTED,
-// then EPIPE), and what it still had to send is dropped. The kernel sends
-// the peer a reset from it, routed as the socket's packets are. It needs
-// CAP_NET_ADMIN and a kernel built with CONFIG_INET_DIAG_DESTROY.
+// namespace (IPv4 and IPv6, IPv4-mapped ones included) in a connected
+// state that o.Match picks: each is aborted as if reset (its owner's next
+// call fails with ECONNABORTED, then EPIPE), and what it still had to send
+// is dropped. The kernel sends the peer a reset from it, routed as the
+// socket's packets are. It needs CAP_NET_ADMIN and a kernel built with
+// CONFIG_INET_DIAG_DESTROY.
 //
 // Sockets are listed first and ended after, by exact tuple and cookie, so
 // a socket closed meanwhile is never confused with a new one of its tuple.
-// ctx bounds the whole call: what its deadline cuts off is counted in Left
-// when known, and reported as the error when the listing itself was cut.
+// Only the kernel's answers are read: a process of the namespace with
+// CAP_NET_ADMIN there can send the netlink socket datagrams of its own. A
+// listing the kernel cut short still has what it listed ended, and its
+// failure returned. ctx bounds the whole call: when it ends first, what it
+// cut off is counted in Left as far as it was listed, and its error is
+// returned. A kernel that refuses every socket (no
+// CONFIG_INET_DIAG_DESTROY, EPERM) is asked once: the matched sockets of
+// both families are counted in Failed, and its refusal returned.
 func (h *Handle) DestroyTCP(ctx context.Context, o DestroyOptions) (DestroyResult, error) {
-	var res DestroyResult
 	var fd int
 	err := h.Do(func() error {
 		var err error
@@ -102,53 +108,93 @@ func (h *Handle) DestroyTCP(ctx context.Context, o DestroyOptions) (DestroyResul
 		return err
 	})
 	if err != nil {
-		return res, fmt.Errorf("sock_diag socket in %s: %w", h.path, err)
+		return DestroyResult{}, fmt.Errorf("sock_diag socket in %s: %w", h.path, err)
 	}
-	d := &sockDiag{fd: fd, buf: make([]byte, sockDiagRecvBufBytes)}
 	defer unix.Close(fd)
 	tv := unix.NsecToTimeval(sockDiagRecvTimeout.Nanoseconds())
 	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
-		return res, fmt.Errorf("sock_diag socket in %s: %w", h.path, err)
+		return DestroyResult{}, fmt.Errorf("sock_diag socket in %s: %w", h.path, err)
 	}
+	res, err := destroyTCP(ctx, newSockDiag(netlinkConn(fd)), o)
+	if err != nil {
+		err = fmt.Errorf("end TCP sockets in %s: %w", h.path, err)
+	}
+	return res, err
+}
+
+// destroyTCP is DestroyTCP over d.
+func destroyTCP(ctx context.Context, d *sockDiag, o DestroyOptions) (DestroyResult, error) {
+	var res DestroyResult
 	storage := o.Storage
-	done := map[uint64]bool{} // cookies already tried
+	done := map[uint64]bool{} // cookies already dealt with
+	var errs []error
+	var refused error // the kernel ends no socket: the rest are only counted
+	// cut ends the call when ctx did, n listed sockets not tried.
+	cut := func(n int) (DestroyResult, error) {
+		res.Left += n
+		if err := errors.Join(errs...); !errors.Is(err, ctx.Err()) {
+			errs = append(errs, ctx.Err())
+		}
+		return res, errors.Join(errs...)
+	}
 	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
 		for pass := 0; pass < destroyPasses; pass++ {
 			socks, left, intr, err := d.list(ctx, family, storage, o, done, &res)
-			if err != nil && storage != nil && res.StorageErr == nil && isStorageRefusal(err) {
+			if err != nil && len(socks) == 0 && storage != nil && res.StorageErr == nil && isStorageRefusal(err) {
 				res.StorageErr, storage = err, nil
 				socks, left, intr, err = d.list(ctx, family, nil, o, done, &res)
 			}
-			if err != nil {
-				return res, fmt.Errorf("list TCP sockets in %s: %w", h.path, err)
-			}
 			res.Left += left
+			if err != nil {
+				// What was listed before the failure is still ended.
+				errs = append(errs, fmt.Errorf("list %s TCP sockets: %w", familyName(family), err))
+			}
+			if ctx.Err() != nil {
+				return cut(len(socks))
+			}
+			if refused != nil {
+				res.Failed += len(socks)
+				break
+			}
 			for i, s := range socks {
 				if ctx.Err() != nil {
-					res.Left += len(socks) - i
-					return res, nil
+					return cut(len(socks) - i)
 				}
 				done[s.cookie] = true
-				err := d.destroy(s)
+				err := d.destroy(ctx, s)
 				switch {
 				case err == nil:
 					res.Destroyed++
 				case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESTALE):
 					res.Gone++
 				case errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES):
-					// No socket will fare better.
+					// No socket will fare better: the others are
+					// counted, not tried.
+					refused = fmt.Errorf("end TCP socket %s -> %s: %w", s.local, s.remote, err)
+					errs = append(errs, refused)
 					res.Failed += len(socks) - i
-					return res, fmt.Errorf("end TCP socket %s -> %s in %s: %w", s.local, s.remote, h.path, err)
+				case ctx.Err() != nil:
+					return cut(len(socks) - i)
 				default:
 					res.Failed++
 				}
+				if refused != nil {
+					break
+				}
 			}
-			if !intr || left > 0 {
+			if err != nil || refused != nil || !intr || left > 0 {
 				break
 			}
 		}
 	}
-	return res, nil
+	return res, errors.Join(errs...)
+}
+
+func familyName(family uint8) string {
+	if family == unix.AF_INET {
+		return "IPv4"
+	}
+	return "IPv6"
 }
 
 // isStorageRefusal tells a refused storage request (no CAP_BPF, a kernel
@@ -158,11 +204,41 @@ func isStorageRefusal(err error) bool {
 	return errors.Is(err, unix.EPERM) || errors.Is(err, unix.EINVAL) || errors.Is(err, unix.EOPNOTSUPP) || errors.Is(err, unix.EBADF)
 }
 
-// sockDiag is a sock_diag netlink socket of one namespace.
+// diagConn carries sock_diag requests to a namespace's kernel and its
+// answers back: a netlink socket (netlinkConn), or a test's stand-in.
+type diagConn interface {
+	send(req []byte) error
+	// recv reads one datagram into buf. fromKernel is false for one
+	// another socket sent (a process of the pod with CAP_NET_ADMIN
+	// there may). unix.EAGAIN: none came within sockDiagRecvTimeout.
+	recv(buf []byte) (n int, fromKernel bool, err error)
+}
+
+// netlinkConn is a NETLINK_SOCK_DIAG socket.
+type netlinkConn int
+
+func (c netlinkConn) send(req []byte) error {
+	return unix.Sendto(int(c), req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK})
+}
+
+func (c netlinkConn) recv(buf []byte) (int, bool, error) {
+	n, from, err := unix.Recvfrom(int(c), buf, 0)
+	if err != nil {
+		return 0, false, err
+	}
+	nl, ok := from.(*unix.SockaddrNetlink)
+	return n, ok && nl.Pid == 0, nil
+}
+
+// sockDiag speaks sock_diag over one conn: one request at a time.
 type sockDiag struct {
-	fd  int
-	seq uint32
-	buf []byte
+	conn diagConn
+	seq  uint32
+	buf  []byte
+}
+
+func newSockDiag(c diagConn) *sockDiag {
+	return &sockDiag{conn: c, buf: make([]byte, sockDiagRecvBufBytes)}
 }
 
 // listedSocket is a socket to end: its identity as the kernel gave it.
@@ -173,11 +249,20 @@ type listedSocket struct {
 	local, remote netip.AddrPort
 }
 
+// noCookie is INET_DIAG_NOCOOKIE: a destroy naming it would end whichever
+// socket holds the tuple, so a socket listed with it (never by the kernel,
+// which gives every socket a cookie) is not asked for.
+const noCookie = ^uint64(0)
+
 // list dumps family's TCP sockets in connected states and returns those
 // o.Match picks and done does not hold, at most o.Max less what res holds
 // already; left counts the matched ones past that bound, and intr says the
 // kernel reported the dump inconsistent (sockets came and went during it).
+// With an error, what was listed before it is returned too.
 func (d *sockDiag) list(ctx context.Context, family uint8, storage *StorageMap, o DestroyOptions, done map[uint64]bool, res *DestroyResult) (socks []listedSocket, left int, intr bool, err error) {
+	if err := ctx.Err(); err != nil {
+		return nil, 0, false, err
+	}
 	d.seq++
 	seq := d.seq
 	msg := make([]byte, nlmsgHdrLen+inetDiagReqLen, nlmsgHdrLen+inetDiagReqLen+12)
@@ -194,80 +279,125 @@ func (d *sockDiag) list(ctx context.Context, family uint8, storage *StorageMap, 
 		msg = binary.NativeEndian.AppendUint32(msg, uint32(storage.FD))
 	}
 	putNlmsghdr(msg, sockDiagByFamily, unix.NLM_F_REQUEST|unix.NLM_F_DUMP, seq)
-	if err := unix.Sendto(d.fd, msg, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+	if err := d.conn.send(msg); err != nil {
 		return nil, 0, false, err
 	}
 	room := -1
 	if o.Max > 0 {
 		room = max(0, o.Max-res.Destroyed-res.Gone-res.Failed-res.Left)
 	}
+	var storageID uint32
+	if storage != nil {
+		storageID = storage.ID
+	}
 	for {
-		n, err := d.recv(ctx)
-		if err != nil {
-			return nil, 0, false, err
+		if err := ctx.Err(); err != nil {
+			return socks, left, intr, err // a dump keeps coming while it is read
 		}
-		for b := d.buf[:n]; len(b) >= nlmsgHdrLen; {
-			l := int(binary.NativeEndian.Uint32(b[0:]))
-			if l < nlmsgHdrLen || l > len(b) {
-				return nil, 0, false, fmt.Errorf("sock_diag: message of %d bytes in %d", l, len(b))
-			}
-			m := b[:l]
-			b = b[min(nlmsgAlign(l), len(b)):]
-			if binary.NativeEndian.Uint32(m[8:]) != seq {
-				continue // an answer to an earlier request
-			}
-			if binary.NativeEndian.Uint16(m[6:])&unix.NLM_F_DUMP_INTR != 0 {
-				intr = true
-			}
-			switch binary.NativeEndian.Uint16(m[4:]) {
-			case unix.NLMSG_DONE:
-				return socks, left, intr, nil
-			case unix.NLMSG_ERROR:
-				if err := nlError(m); err != nil {
-					return nil, 0, false, err
-				}
-				continue
-			case sockDiagByFamily:
-			default:
-				continue
-			}
-			s, ok := parseDiagMsg(m[nlmsgHdrLen:], storage)
+		b, err := d.recv(ctx, 0)
+		if err != nil {
+			return socks, left, intr, err
+		}
+		finished, dumpIntr, err := parseDump(b, seq, func(m []byte) {
+			s, ok := parseDiagMsg(m, family, storage != nil, storageID)
 			if !ok || done[s.cookie] || o.Match == nil || !o.Match(s.TCPSocket) {
-				continue
+				return
 			}
 			if room == 0 {
 				left++
-				continue
+				return
 			}
 			if room > 0 {
 				room--
 			}
 			socks = append(socks, s.listedSocket)
+		})
+		intr = intr || dumpIntr
+		if err != nil {
+			return socks, left, intr, err
+		}
+		if finished {
+			return socks, left, intr, nil
 		}
 	}
 }
 
-// recv reads one datagram of answers, waiting at most until ctx ends.
-func (d *sockDiag) recv(ctx context.Context) (int, error) {
-	for {
-		if err := ctx.Err(); err != nil {
-			return 0, err
+// parseDump reads one datagram of the answer to dump request seq, calling
+// each with the payload of every socket message of it (struct
+// inet_diag_msg and its attributes). finished says it held the end of the
+// dump (NLMSG_DONE), intr that the kernel marked a part inconsistent.
+// Messages of other requests are skipped; a message that does not fit,
+// an error, or an end that carries one, is an error.
+func parseDump(b []byte, seq uint32, each func(payload []byte)) (finished, intr bool, err error) {
+	for len(b) >= nlmsgHdrLen {
+		l := int(binary.NativeEndian.Uint32(b[0:]))
+		if l < nlmsgHdrLen || l > len(b) {
+			return false, intr, fmt.Errorf("sock_diag: message of %d bytes in %d", l, len(b))
 		}
-		n, _, err := unix.Recvfrom(d.fd, d.buf, 0)
+		m := b[:l]
+		b = b[min(nlmsgAlign(l), len(b)):]
+		if binary.NativeEndian.Uint32(m[8:]) != seq {
+			continue // an answer to an earlier request
+		}
+		if binary.NativeEndian.Uint16(m[6:])&unix.NLM_F_DUMP_INTR != 0 {
+			intr = true
+		}
+		switch binary.NativeEndian.Uint16(m[4:]) {
+		case unix.NLMSG_DONE:
+			// Its payload is the dump's own end: an error there cut it short.
+			if len(m) >= nlmsgHdrLen+4 {
+				if code := int32(binary.NativeEndian.Uint32(m[nlmsgHdrLen:])); code < 0 {
+					return true, intr, fmt.Errorf("sock_diag: dump ended early: %w", unix.Errno(-code))
+				}
+			}
+			return true, intr, nil
+		case unix.NLMSG_ERROR:
+			if err := nlError(m); err != nil {
+				return false, intr, err
+			}
+		case sockDiagByFamily:
+			each(m[nlmsgHdrLen:])
+		}
+	}
+	return false, intr, nil
+}
+
+// recv reads one datagram of answers from the kernel. While none comes it
+// waits as long as ctx lasts and, with tries > 0, at most that many read
+// timeouts. Datagrams another socket sent are dropped.
+func (d *sockDiag) recv(ctx context.Context, tries int) ([]byte, error) {
+	for {
+		n, kernel, err := d.conn.recv(d.buf)
 		switch {
 		case errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR):
-			continue // SO_RCVTIMEO: look at ctx again
+			// SO_RCVTIMEO: look at ctx again.
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			if tries > 0 {
+				if tries--; tries == 0 {
+					return nil, errNoAnswer
+				}
+			}
+			continue
 		case err != nil:
-			return 0, err
+			return nil, err
+		case !kernel:
+			continue
 		case n < nlmsgHdrLen:
-			return 0, fmt.Errorf("sock_diag: short answer of %d bytes", n)
+			return nil, fmt.Errorf("sock_diag: short answer of %d bytes", n)
 		}
-		return n, nil
+		return d.buf[:n], nil
 	}
 }
 
-// destroy asks the kernel to end s, and waits for its answer.
-func (d *sockDiag) destroy(s listedSocket) error {
+// errNoAnswer is a request the kernel did not answer: the answer was lost
+// (the socket's buffer full), since the kernel answers while it handles
+// the send.
+var errNoAnswer = errors.New("sock_diag: no answer")
+
+// destroy asks the kernel to end s, and reads its answer.
+func (d *sockDiag) destroy(ctx context.Context, s listedSocket) error {
 	d.seq++
 	seq := d.seq
 	msg := make([]byte, nlmsgHdrLen+inetDiagReqLen)
@@ -277,20 +407,15 @@ func (d *sockDiag) destroy(s listedSocket) error {
 	binary.NativeEndian.PutUint32(req[4:], ^uint32(0))
 	copy(req[8:], s.id[:])
 	putNlmsghdr(msg, sockDestroy, unix.NLM_F_REQUEST|unix.NLM_F_ACK, seq)
-	if err := unix.Sendto(d.fd, msg, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+	if err := d.conn.send(msg); err != nil {
 		return err
 	}
-	// The kernel answers while it handles the send; a wait is only a
-	// guard against a lost answer.
-	for tries := 0; tries < 10; tries++ {
-		n, _, err := unix.Recvfrom(d.fd, d.buf, 0)
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EINTR) {
-			continue
-		}
+	for {
+		b, err := d.recv(ctx, 2)
 		if err != nil {
 			return err
 		}
-		for b := d.buf[:n]; len(b) >= nlmsgHdrLen; {
+		for len(b) >= nlmsgHdrLen {
 			l := int(binary.NativeEndian.Uint32(b[0:]))
 			if l < nlmsgHdrLen || l > len(b) {
 				return fmt.Errorf("sock_diag: message of %d bytes in %d", l, len(b))
@@ -302,7 +427,6 @@ func (d *sockDiag) destroy(s listedSocket) error {
 			}
 		}
 	}
-	return fmt.Errorf("sock_diag: no answer to SOCK_DESTROY")
 }
 
 type diagSocket struct {
@@ -310,16 +434,21 @@ type diagSocket struct {
 	listedSocket
 }
 
-// parseDiagMsg reads a struct inet_diag_msg and its attributes.
-func parseDiagMsg(b []byte, storage *StorageMap) (diagSocket, bool) {
+// parseDiagMsg reads a struct inet_diag_msg and its attributes, from a dump
+// of family; with storage, whether the socket has an entry in the
+// socket-storage map of id storageID.
+func parseDiagMsg(b []byte, family uint8, storage bool, storageID uint32) (diagSocket, bool) {
 	var s diagSocket
-	if len(b) < inetDiagMsgLen {
+	if len(b) < inetDiagMsgLen || b[0] != family {
 		return s, false
 	}
 	s.family, s.State = b[0], b[1]
 	copy(s.id[:], b[4:52])
 	id := b[4:52]
 	s.cookie = uint64(binary.NativeEndian.Uint32(id[40:])) | uint64(binary.NativeEndian.Uint32(id[44:]))<<32
+	if s.cookie == noCookie {
+		return s, false
+	}
 	var local, remote netip.Addr
 	switch s.family {
 	case unix.AF_INET:
@@ -342,8 +471,8 @@ func parseDiagMsg(b []byte, storage *StorageMap) (diagSocket, bool) {
 		switch {
 		case typ == inetDiagMark && len(val) >= 4:
 			s.Mark = binary.NativeEndian.Uint32(val)
-		case typ == inetDiagSkStorages && storage != nil:
-			s.Stored = hasStorage(val, storage.ID)
+		case typ == inetDiagSkStorages && storage:
+			s.Stored = s.Stored || hasStorage(val, storageID)
 		}
 	}
 	return s, true
