@@ -476,7 +476,7 @@ func checkFDsAdded(t *testing.T, before, want int, what string) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if got > want {
-		t.Errorf("%d descriptors more after the take, want %d (%s): received ones leaked", got, want, what)
+		t.Errorf("%d descriptors more than before, want %d (%s): received ones leaked", got, want, what)
 	}
 }
 
