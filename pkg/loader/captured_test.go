@@ -33,9 +33,7 @@ import (
 // was routed over lo when its connection was established: its data meets the
 // pod's own TCP, which resets it, and nothing reaches the pod's interface.
 func TestCapturedConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
-	for _, path := range capturePaths {
-		t.Run(path.name, func(t *testing.T) { testCapturedNeverLeaves(t, path) })
-	}
+	onEachCapturePath(t, testCapturedNeverLeaves)
 }
 
 // capturePaths are the two ways the packets of an established captured
@@ -52,22 +50,46 @@ type capturePath struct {
 	local bool // routed over lo
 }
 
+// onEachCapturePath runs test once per capture path, as a subtest named for
+// the path: a captured connection must hold on both.
+func onEachCapturePath(t *testing.T, test func(*testing.T, capturePath)) {
+	for _, path := range capturePaths {
+		t.Run(path.name, func(t *testing.T) { test(t, path) })
+	}
+}
+
+// capturingNode is one simulated node with two pods, named first and second,
+// and the capture programs loaded for path into a fresh bpffs: where every
+// test of a capture path starts. The caller closes the loader.
+func capturingNode(t *testing.T, path capturePath, first, second string) (node *netnstest.Node, a, b *netnstest.Pod, l *loader.Loader) {
+	t.Helper()
+	node = netnstest.New(t, 1).Nodes[0]
+	a, b = node.AddPod(first), node.AddPod(second)
+	l = loadertest.LoadPacketPath(t, loadertest.TempBPFFS(t), !path.local)
+	return node, a, b, l
+}
+
+// listenAsTunnel listens in the pod at podPath where the capture delivers
+// outbound connections (port 15001, transparent, with the tunnel's mark), as
+// the tunnel does; the listener closes when the test ends.
+func listenAsTunnel(ctx context.Context, t *testing.T, podPath string) net.Listener {
+	t.Helper()
+	tunnel, err := netns.Listen(ctx, podPath, "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tunnel.Close() })
+	return tunnel
+}
+
 func testCapturedNeverLeaves(t *testing.T, path capturePath) {
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	client, other := node.AddPod("client"), node.AddPod("other")
-	root := loadertest.TempBPFFS(t)
-	l := loadertest.LoadPacketPath(t, root, !path.local)
+	node, client, other, l := capturingNode(t, path, "client", "other")
 	defer l.Close()
 	ctx := context.Background()
 	if _, err := l.AttachPod(ctx, loadertest.PodOf(client, true)); err != nil {
 		t.Fatal(err)
 	}
-	tunnel, err := netns.Listen(ctx, client.Path(), "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tunnel.Close()
+	tunnel := listenAsTunnel(ctx, t, client.Path())
 	loadertest.Listen(t, other.Path(), "[::]:8080", "other-app", netns.SocketOptions{})
 
 	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {

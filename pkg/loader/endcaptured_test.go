@@ -27,17 +27,11 @@ import (
 // write fails with ECONNABORTED and nothing leaves; a connection the app
 // opened before the pod was enrolled is not captured and carries on.
 func TestDetachEndsCapturedSockets(t *testing.T) {
-	for _, path := range capturePaths {
-		t.Run(path.name, func(t *testing.T) { testDetachEndsCaptured(t, path) })
-	}
+	onEachCapturePath(t, testDetachEndsCaptured)
 }
 
 func testDetachEndsCaptured(t *testing.T, path capturePath) {
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	client, other := node.AddPod("client"), node.AddPod("other")
-	root := loadertest.TempBPFFS(t)
-	l := loadertest.LoadPacketPath(t, root, !path.local)
+	node, client, other, l := capturingNode(t, path, "client", "other")
 	defer l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
@@ -58,30 +52,15 @@ func testDetachEndsCaptured(t *testing.T, path capturePath) {
 	if _, err := l.AttachPod(ctx, pod); err != nil {
 		t.Fatal(err)
 	}
-	tunnel, err := netns.Listen(ctx, client.Path(), "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tunnel.Close()
-	var apps []net.Conn
-	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {
-		app, err := netns.Dial(ctx, client.Path(), "tcp", dst, netns.SocketOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer app.Close()
-		tun, err := tunnel.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
+	tunnel := listenAsTunnel(ctx, t, client.Path())
+	apps := dialCaptured(ctx, t, client.Path(), tunnel, other, func(dst string, app, tun net.Conn) {
 		if tun.LocalAddr().String() != dst {
 			t.Fatalf("the app's connection reached the tunnel as %s, want %s", tun.LocalAddr(), dst)
 		}
 		checkAppMark(t, app, path.local)
 		// The relay ends with a FIN: the app's socket is left in CLOSE_WAIT.
 		tun.Close()
-		apps = append(apps, app)
-	}
+	})
 	tunnel.Close()
 	for _, app := range apps {
 		_ = app.SetReadDeadline(time.Now().Add(2 * time.Second))
@@ -171,27 +150,12 @@ func TestDetachLeavesAnotherPodsSockets(t *testing.T) {
 	if _, err := l.AttachPod(ctx, b); err != nil {
 		t.Fatal(err)
 	}
-	tunnel, err := netns.Listen(ctx, p.Path(), "tcp", "[::]:15001", netns.SocketOptions{Transparent: true, Mark: loadertest.TunnelMark})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tunnel.Close()
-	var apps []net.Conn
-	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {
-		app, err := netns.Dial(ctx, p.Path(), "tcp", dst, netns.SocketOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer app.Close()
-		tun, err := tunnel.Accept()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer tun.Close()
+	tunnel := listenAsTunnel(ctx, t, p.Path())
+	apps := dialCaptured(ctx, t, p.Path(), tunnel, other, func(_ string, app, tun net.Conn) {
+		t.Cleanup(func() { tun.Close() })
 		go func() { _, _ = io.Copy(io.Discard, tun) }()
 		checkAppMark(t, app, true)
-		apps = append(apps, app)
-	}
+	})
 	endedBefore, _, _ := l.EndedSockets()
 	if err := l.DetachPod(ctx, a.UID); err != nil {
 		t.Fatal(err)
@@ -214,4 +178,27 @@ func TestDetachLeavesAnotherPodsSockets(t *testing.T) {
 			t.Errorf("b's local routes (%s) after a's detach: %q %v, want them kept", family, out, err)
 		}
 	}
+}
+
+// dialCaptured dials other's port 8080 from the app side of the pod at
+// podPath, over IPv4 and then IPv6, takes each connection as the tunnel from
+// tunnel, and hands it to onAccept before the next dial. It returns the app
+// sockets, which close when the test ends.
+func dialCaptured(ctx context.Context, t *testing.T, podPath string, tunnel net.Listener, other *netnstest.Pod, onAccept func(dst string, app, tun net.Conn)) []net.Conn {
+	t.Helper()
+	var apps []net.Conn
+	for _, dst := range []string{ap(other.IPv4, 8080).String(), ap(other.IPv6, 8080).String()} {
+		app, err := netns.Dial(ctx, podPath, "tcp", dst, netns.SocketOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { app.Close() })
+		tun, err := tunnel.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		onAccept(dst, app, tun)
+		apps = append(apps, app)
+	}
+	return apps
 }

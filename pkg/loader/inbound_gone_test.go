@@ -26,17 +26,11 @@ import (
 // after the reset (a server that speaks first: its greeting) are checked.
 // As in the outbound test, the RST is held back for good.
 func TestDialledAppConnectionNeverLeavesAfterTunnelReset(t *testing.T) {
-	for _, path := range capturePaths {
-		t.Run(path.name, func(t *testing.T) { testDialledNeverLeaves(t, path) })
-	}
+	onEachCapturePath(t, testDialledNeverLeaves)
 }
 
 func testDialledNeverLeaves(t *testing.T, path capturePath) {
-	topo := netnstest.New(t, 1)
-	node := topo.Nodes[0]
-	server, client := node.AddPod("server"), node.AddPod("client")
-	root := loadertest.TempBPFFS(t)
-	l := loadertest.LoadPacketPath(t, root, !path.local)
+	node, server, client, l := capturingNode(t, path, "server", "client")
 	defer l.Close()
 	ctx := context.Background()
 	if _, err := l.AttachPod(ctx, loadertest.PodOf(server, true)); err != nil {

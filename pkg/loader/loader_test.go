@@ -244,20 +244,26 @@ func TestRestartAndUninstall(t *testing.T) {
 				return fmt.Errorf("%d tcx %s programs left on eth0", len(res.Programs), attach)
 			}
 		}
-		rules, err := netlink.RuleList(netlink.FAMILY_ALL)
-		if err != nil {
-			return err
-		}
-		for _, r := range rules {
-			if r.Table == loader.DefaultSettings().RouteTable {
-				return fmt.Errorf("rule left behind: %v", r)
-			}
-		}
-		return nil
+		return captureRuleLeft()
 	})
 	if err != nil {
 		t.Error(err)
 	}
+}
+
+// captureRuleLeft fails if the current namespace holds a routing rule to the
+// capture's table: an uninstall, or an attach that failed, must leave none.
+func captureRuleLeft() error {
+	rules, err := netlink.RuleList(netlink.FAMILY_ALL)
+	if err != nil {
+		return err
+	}
+	for _, r := range rules {
+		if r.Table == loader.DefaultSettings().RouteTable {
+			return fmt.Errorf("rule left behind: %v", r)
+		}
+	}
+	return nil
 }
 
 func TestAttachBadInput(t *testing.T) {
@@ -293,19 +299,7 @@ func TestAttachBadInput(t *testing.T) {
 		})
 	}
 	// Nothing in the pod either.
-	err := netns.Do(pod.Path(), func() error {
-		rules, err := netlink.RuleList(netlink.FAMILY_ALL)
-		if err != nil {
-			return err
-		}
-		for _, r := range rules {
-			if r.Table == loader.DefaultSettings().RouteTable {
-				return fmt.Errorf("rule left behind: %v", r)
-			}
-		}
-		return nil
-	})
-	if err != nil {
+	if err := netns.Do(pod.Path(), captureRuleLeft); err != nil {
 		t.Error(err)
 	}
 	// Detaching twice is fine.

@@ -85,9 +85,7 @@ func connect6(dst netip.AddrPort) func(fd int) error {
 // captured IPv4 connections listed among the IPv6 sockets, and ended the
 // same; its uncaptured ones are left alone.
 func TestDestroyTCPMapped(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
-	accepted := serveHold(t, b, 9300)
+	a, b, accepted := heldPair(t)
 	storage, sm := newStorage(t)
 	dst := netip.AddrPortFrom(netip.AddrFrom16(b.IPv4.As16()), 9300)
 	marked := rawConn(t, a, unix.AF_INET6, testReinject, connect6(dst))
@@ -103,11 +101,7 @@ func TestDestroyTCPMapped(t *testing.T) {
 		t.Fatalf("the app's socket is at %s, want an IPv4 address of an AF_INET6 socket", l)
 	}
 
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	var seen []netns.TCPSocket
 	res, err := h.DestroyTCP(context.Background(), netns.DestroyOptions{Storage: sm, Match: func(s netns.TCPSocket) bool {
 		seen = append(seen, s)
@@ -135,9 +129,7 @@ func TestDestroyTCPMapped(t *testing.T) {
 // by a new connection, before its turn (here, while the listing is still
 // read) is gone: the new socket is not ended, whatever it carries.
 func TestDestroyTCPTupleReused(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
-	accepted := serveHold(t, b, 9300)
+	a, b, accepted := heldPair(t)
 	dst := netip.AddrPortFrom(b.IPv6, 9300)
 	const port = 41234
 	bindConnect := func(fd int) error {
@@ -153,11 +145,7 @@ func TestDestroyTCPTupleReused(t *testing.T) {
 	defer (<-accepted).Close()
 	var reused net.Conn
 	var reuseErr error
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	res, err := h.DestroyTCP(context.Background(), netns.DestroyOptions{Match: func(s netns.TCPSocket) bool {
 		if s.Local.Port() != port || reused != nil || reuseErr != nil {
 			return false
@@ -194,9 +182,7 @@ func TestDestroyTCPTupleReused(t *testing.T) {
 // A captured connection already in TIME_WAIT has nothing left to send and
 // is not listed.
 func TestDestroyTCPClosingStates(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
-	accepted := serveHold(t, b, 9300)
+	a, b, accepted := heldPair(t)
 	dst := netip.AddrPortFrom(b.IPv6, 9300)
 	state := func(c net.Conn) uint8 {
 		info, err := unix.GetsockoptTCPInfo(connFD(t, c), unix.IPPROTO_TCP, unix.TCP_INFO)
@@ -231,11 +217,7 @@ func TestDestroyTCPClosingStates(t *testing.T) {
 		}
 		return nil
 	})
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	res, err := h.DestroyTCP(context.Background(), netns.DestroyOptions{Match: captured})
 	if err != nil || res.Destroyed != 2 {
 		t.Fatalf("%+v %v, want both ended", res, err)
@@ -294,11 +276,7 @@ func TestDestroyTCPBound(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	listed := 0
 	match := func(s netns.TCPSocket) bool {
 		listed++

@@ -130,11 +130,7 @@ func TestDestroyTCP(t *testing.T) {
 	}
 	time.Sleep(100 * time.Millisecond) // the FINs arrive
 
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	var seen []netns.TCPSocket
 	match := func(s netns.TCPSocket) bool {
 		seen = append(seen, s)
@@ -211,9 +207,7 @@ func TestDestroyTCP(t *testing.T) {
 // (not socket storage) is reported, and the sockets are matched on the
 // rest, not left alone.
 func TestDestroyTCPWithoutStorage(t *testing.T) {
-	topo := netnstest.New(t, 1)
-	a, b := topo.Nodes[0].AddPod("a"), topo.Nodes[0].AddPod("b")
-	accepted := serveHold(t, b, 9300)
+	a, b, accepted := heldPair(t)
 	notStorage, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 4, MaxEntries: 1})
 	if err != nil {
 		t.Fatal(err)
@@ -227,11 +221,7 @@ func TestDestroyTCPWithoutStorage(t *testing.T) {
 	}
 	defer c.Close()
 	defer (<-accepted).Close()
-	h, err := netns.Open(a.Path())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
+	h := openHandle(t, a)
 	res, err := h.DestroyTCP(ctx, netns.DestroyOptions{Storage: &netns.StorageMap{FD: notStorage.FD(), ID: 1},
 		Match: func(s netns.TCPSocket) bool { return s.Mark&testMask == testReinject }})
 	if err != nil {
@@ -291,6 +281,28 @@ func serveHold(t *testing.T, pod *netnstest.Pod, port int) <-chan net.Conn {
 		}
 	}()
 	return out
+}
+
+// heldPair is a node with two pods: a, whose sockets a test ends, and b,
+// which holds open every connection to its port 9300 (handed on accepted),
+// so that only a's side can end one.
+func heldPair(t *testing.T) (a, b *netnstest.Pod, accepted <-chan net.Conn) {
+	t.Helper()
+	node := netnstest.New(t, 1).Nodes[0]
+	a, b = node.AddPod("a"), node.AddPod("b")
+	return a, b, serveHold(t, b, 9300)
+}
+
+// openHandle opens pod's namespace, where DestroyTCP lists and ends
+// sockets; the handle closes when the test ends.
+func openHandle(t *testing.T, pod *netnstest.Pod) *netns.Handle {
+	t.Helper()
+	h, err := netns.Open(pod.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h
 }
 
 // connFD is c's socket descriptor (valid while c is open).

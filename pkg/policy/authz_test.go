@@ -614,18 +614,24 @@ spec: {provider: {name: my-authz}, rules: [{}]}`,
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			aps := decodeAll[AuthorizationPolicy](t, tc.policies)
-			for peer, want := range tc.allowed {
-				v := Authorize(aps, tc.root, tc.dst, *peer)
-				if v.Allowed != want {
-					t.Errorf("peer %s@%s authenticated=%v: allowed=%v (%s), want %v",
-						peer.Principal, peer.Addr, peer.Authenticated, v.Allowed, v.Reason, want)
-				}
-				if v.Reason == "" {
-					t.Errorf("peer %s: empty reason", peer.Principal)
-				}
-			}
+			checkVerdicts(t, decodeAll[AuthorizationPolicy](t, tc.policies), tc.root, tc.dst, tc.allowed)
 		})
+	}
+}
+
+// checkVerdicts authorizes each peer of allowed to dst under aps and fails
+// where the verdict is not the one listed, or gives no reason.
+func checkVerdicts(t *testing.T, aps []AuthorizationPolicy, root string, dst Target, allowed map[*Peer]bool) {
+	t.Helper()
+	for peer, want := range allowed {
+		v := Authorize(aps, root, dst, *peer)
+		if v.Allowed != want {
+			t.Errorf("peer %s@%s authenticated=%v: allowed=%v (%s), want %v",
+				peer.Principal, peer.Addr, peer.Authenticated, v.Allowed, v.Reason, want)
+		}
+		if v.Reason == "" {
+			t.Errorf("peer %s: empty reason", peer.Principal)
+		}
 	}
 }
 
@@ -767,13 +773,7 @@ spec: {selector: {matchLabels: {app: web}}, action: DENY, rules: [{from: [{sourc
 		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			aps := decodeAll[AuthorizationPolicy](t, tc.policies)
-			for peer, want := range tc.allowed {
-				if v := Authorize(aps, "", tc.dst, *peer); v.Allowed != want {
-					t.Errorf("peer %s@%s authenticated=%v: allowed=%v (%s), want %v",
-						peer.Principal, peer.Addr, peer.Authenticated, v.Allowed, v.Reason, want)
-				}
-			}
+			checkVerdicts(t, decodeAll[AuthorizationPolicy](t, tc.policies), "", tc.dst, tc.allowed)
 		})
 	}
 }

@@ -38,14 +38,7 @@ func TestProbeNATTranslatesOnlyNodePackets(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	app, attacker := node.AddPod("app"), node.AddPod("attacker")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root})
-	const id = 5
-	enroll(t, root, app, id)
-	if err := attachHost(a, app, id); err != nil {
-		t.Fatal(err)
-	}
+	got, root, _ := probedApp(t, app, 5)
 	for _, f := range families(node, probe.DefaultSNATv4, probe.DefaultSNATv6) {
 		t.Run(f.name, func(t *testing.T) {
 			dst := netip.AddrPortFrom(f.pod(app), holdPort)
@@ -104,19 +97,11 @@ func TestProbeAnswerOnlyFromTheProbedPodsVeth(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	app, forger := node.AddPod("app"), node.AddPod("forger")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root})
-	const appID, forgerID = 5, 6
-	enroll(t, root, app, appID)
+	got, root, a := probedApp(t, app, 5)
+	const forgerID = 6
 	enroll(t, root, forger, forgerID)
-	for _, p := range []struct {
-		pod *netnstest.Pod
-		id  uint32
-	}{{app, appID}, {forger, forgerID}} {
-		if err := attachHost(a, p.pod, p.id); err != nil {
-			t.Fatal(err)
-		}
+	if err := attachHost(a, forger, forgerID); err != nil {
+		t.Fatal(err)
 	}
 	for _, f := range families(node, probe.DefaultSNATv4, probe.DefaultSNATv6) {
 		t.Run(f.name, func(t *testing.T) {
@@ -160,6 +145,22 @@ func TestProbeAnswerOnlyFromTheProbedPodsVeth(t *testing.T) {
 			}
 		})
 	}
+}
+
+// probedApp serves holdPort in app, loads the probe programs into a fresh
+// bpffs, enrols app as id and attaches the host programs to its veth: the
+// pod whose probes every test here watches. It returns what the app
+// receives, the pin root and the attacher.
+func probedApp(t *testing.T, app *netnstest.Pod, id uint32) (got *received, root string, a *probe.Attacher) {
+	t.Helper()
+	got = holdApp(t, app)
+	root = tempBPFFS(t)
+	a = load(t, probe.Config{PinRoot: root})
+	enroll(t, root, app, id)
+	if err := attachHost(a, app, id); err != nil {
+		t.Fatal(err)
+	}
+	return got, root, a
 }
 
 // readFor reads from c until it holds want bytes or d passed, and returns
@@ -293,14 +294,7 @@ func TestProbeNATStaleEntryLeavesTunnelConnection(t *testing.T) {
 	topo := netnstest.New(t, 1)
 	node := topo.Nodes[0]
 	app := node.AddPod("app")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root})
-	const id = 6
-	enroll(t, root, app, id)
-	if err := attachHost(a, app, id); err != nil {
-		t.Fatal(err)
-	}
+	got, _, _ := probedApp(t, app, 6)
 	for _, f := range families(node, probe.DefaultSNATv4, probe.DefaultSNATv6) {
 		t.Run(f.name, func(t *testing.T) {
 			dst := netip.AddrPortFrom(f.pod(app), holdPort)
@@ -382,14 +376,7 @@ func TestProbeSNATAddressNeverLeavesTheNode(t *testing.T) {
 	topo := netnstest.New(t, 2)
 	node, far := topo.Nodes[0], topo.Nodes[1]
 	app := node.AddPod("app")
-	got := holdApp(t, app)
-	root := tempBPFFS(t)
-	a := load(t, probe.Config{PinRoot: root})
-	const id = 8
-	enroll(t, root, app, id)
-	if err := attachHost(a, app, id); err != nil {
-		t.Fatal(err)
-	}
+	got, root, _ := probedApp(t, app, 8)
 	for _, f := range []struct {
 		name      string
 		snat, via netip.Addr

@@ -57,6 +57,41 @@ func newPlainWitness(t *testing.T, addr string) *plainWitness {
 
 func (w *plainWitness) port() uint16 { return uint16(w.l.Addr().(*net.TCPAddr).Port) }
 
+// clientConnTo is what the capture hands the outbound listener when the
+// client pod (10.1.0.1) connects to dst: c, the tunnel's side, and app, the
+// app's end of the same pipe.
+func clientConnTo(dst string) (app net.Conn, c *fakeConn) {
+	app, tunnelSide := net.Pipe()
+	return app, &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(dst)),
+		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+}
+
+// outboundClient is the client pod (uid-client, 10.1.0.1) of tun serving
+// outbound connections in this process's namespace; it stops, with 5 s to
+// end its connections, when the test ends.
+func outboundClient(t *testing.T, tun *Tunnel) *pod {
+	t.Helper()
+	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
+	inOwnNamespace(t, p)
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		p.stop(ctx)
+	})
+	return p
+}
+
+// setDirectory gives tun the directory of these workloads and services,
+// which must all be valid.
+func setDirectory(t *testing.T, tun *Tunnel, workloads []*workload.Workload, services []*workload.Service) {
+	t.Helper()
+	dir, errs := workload.NewDirectory(workloads, services)
+	if len(errs) > 0 {
+		t.Fatal(errs)
+	}
+	tun.Update(&State{Dir: dir})
+}
+
 // tunnelWithPool is a test tunnel that can open HBONE: certificates and a
 // pool (its dials fail before any handshake when nothing listens).
 func tunnelWithPool(t *testing.T) *Tunnel {
@@ -95,13 +130,8 @@ func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
 		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.20")},
 		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
 		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true}}}
-	dir, errs := workload.NewDirectory([]*workload.Workload{client, remote}, []*workload.Service{svc})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
-	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
-	inOwnNamespace(t, p)
+	setDirectory(t, tun, []*workload.Workload{client, remote}, []*workload.Service{svc})
+	p := outboundClient(t, tun)
 	for _, dst := range []string{
 		"127.0.0.2:" + strconv.Itoa(int(witness.port())), // the pod's own address
 		"10.96.0.20:80", // its service
@@ -109,9 +139,7 @@ func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
 		"[::ffff:127.0.0.2]:" + strconv.Itoa(int(witness.port())),
 		"[::ffff:10.96.0.20]:80",
 	} {
-		app, tunnelSide := net.Pipe()
-		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort(dst)),
-			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		app, c := clientConnTo(dst)
 		go func() {
 			_, _ = app.Write([]byte("secret request"))
 			_, _ = io.Copy(io.Discard, app)
@@ -133,9 +161,6 @@ func TestOutboundToCapturedPodNeverPlaintext(t *testing.T) {
 		app.Close()
 		c.Close()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	p.stop(ctx)
 }
 
 // TestInboundJudgedOnlyAsTheServedPod: an inbound connection is decided
@@ -233,17 +258,10 @@ func TestServiceEndpointInTheVIPsFamily(t *testing.T) {
 		VIPs:      []netip.Addr{netip.MustParseAddr("10.96.0.30"), netip.MustParseAddr("fd00:96::30")},
 		Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
 		Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("::1"), Ready: true}}}
-	dir, errs := workload.NewDirectory([]*workload.Workload{client, server}, []*workload.Service{svc})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
-	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
-	inOwnNamespace(t, p)
-	app, tunnelSide := net.Pipe()
+	setDirectory(t, tun, []*workload.Workload{client, server}, []*workload.Service{svc})
+	p := outboundClient(t, tun)
+	app, c := clientConnTo("10.96.0.30:80")
 	defer app.Close()
-	c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.30:80")),
-		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
 	go func() { _, _ = app.Write([]byte("hello")) }()
 	p.handleOutbound(c)
 	select {
@@ -261,9 +279,6 @@ func TestServiceEndpointInTheVIPsFamily(t *testing.T) {
 		t.Errorf("%d endpoints marked failed, want none", failed)
 	}
 	c.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	p.stop(ctx)
 }
 
 // TestServiceEndpointFamilyAddressIsTheWorkloadsOwn: a connection to an
@@ -293,12 +308,9 @@ func TestServiceEndpointFamilyAddressIsTheWorkloadsOwn(t *testing.T) {
 		t.Fatalf("::1 is %v's in the directory, want mesh/new's", w)
 	}
 	tun.Update(&State{Dir: dir})
-	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
-	inOwnNamespace(t, p)
-	app, tunnelSide := net.Pipe()
+	p := outboundClient(t, tun)
+	app, c := clientConnTo("[fd00:96::30]:80")
 	defer app.Close()
-	c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("[fd00:96::30]:80")),
-		remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
 	go func() { _, _ = app.Write([]byte("hello")) }()
 	done := make(chan struct{})
 	go func() { p.handleOutbound(c); close(done) }()
@@ -314,9 +326,6 @@ func TestServiceEndpointFamilyAddressIsTheWorkloadsOwn(t *testing.T) {
 	}
 	c.Close()
 	<-done
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	p.stop(ctx)
 }
 
 // inFamilyOf maps dual-stack workloads to the destination's family, drops
@@ -362,15 +371,12 @@ func TestServiceEndpointOfUnseenPodNeverPlaintext(t *testing.T) {
 			Endpoints: []workload.Endpoint{{Addr: netip.MustParseAddr("127.0.0.2"), Ready: true,
 				PodNamespace: "fresh", PodName: pod}}}
 	}
-	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
-	inOwnNamespace(t, p)
+	p := outboundClient(t, tun)
 	// connect opens a connection to the service and returns what reached
 	// the endpoint's plaintext server within wait, if anything.
 	connect := func(wait time.Duration) ([]byte, bool) {
 		t.Helper()
-		app, tunnelSide := net.Pipe()
-		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.20:80")),
-			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		app, c := clientConnTo("10.96.0.20:80")
 		defer func() { app.Close(); c.Close() }()
 		go func() {
 			_, _ = app.Write([]byte("secret request"))
@@ -385,11 +391,7 @@ func TestServiceEndpointOfUnseenPodNeverPlaintext(t *testing.T) {
 		}
 	}
 
-	dir, errs := workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service("server")})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
+	setDirectory(t, tun, []*workload.Workload{client, hostPod}, []*workload.Service{service("server")})
 	if b, ok := connect(time.Second); ok {
 		t.Errorf("%q reached an endpoint naming an unseen pod in plaintext", b)
 	}
@@ -399,17 +401,10 @@ func TestServiceEndpointOfUnseenPodNeverPlaintext(t *testing.T) {
 
 	// The same endpoint naming a pod known outside the mesh: plain TCP.
 	hostPod.Namespace = "fresh"
-	dir, errs = workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service("agent")})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
+	setDirectory(t, tun, []*workload.Workload{client, hostPod}, []*workload.Service{service("agent")})
 	if b, ok := connect(5 * time.Second); !ok || string(b) != "secret request" {
 		t.Errorf("an endpoint naming a pod known outside the mesh got %q (%v), want the request in plain TCP", b, ok)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	p.stop(ctx)
 }
 
 // TestUnresolvedEndpointsSpendNoAttempts: a service whose endpoints name
@@ -438,18 +433,10 @@ func TestUnresolvedEndpointsSpendNoAttempts(t *testing.T) {
 			Ports:     []workload.ServicePort{{Name: "tcp", Port: 80, TargetPort: int32(witness.port())}},
 			Endpoints: eps}
 	}
-	p := testPod(tun, "uid-client", netip.MustParseAddr("10.1.0.1"))
-	inOwnNamespace(t, p)
-	defer func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		p.stop(ctx)
-	}()
+	p := outboundClient(t, tun)
 	connect := func() bool {
 		t.Helper()
-		app, tunnelSide := net.Pipe()
-		c := &fakeConn{Conn: tunnelSide, local: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.96.0.20:80")),
-			remote: net.TCPAddrFromAddrPort(netip.MustParseAddrPort("10.1.0.1:40000"))}
+		app, c := clientConnTo("10.96.0.20:80")
 		defer func() { app.Close(); c.Close() }()
 		go func() {
 			_, _ = app.Write([]byte("request"))
@@ -477,11 +464,7 @@ func TestUnresolvedEndpointsSpendNoAttempts(t *testing.T) {
 		return testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved"))
 	}
 
-	dir, errs := workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service(append(slices.Clone(eps), good))})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
+	setDirectory(t, tun, []*workload.Workload{client, hostPod}, []*workload.Service{service(append(slices.Clone(eps), good))})
 	// Every start of the rotation, the unresolved endpoints' included.
 	for i := range len(eps) + 1 {
 		if !connect() {
@@ -492,11 +475,7 @@ func TestUnresolvedEndpointsSpendNoAttempts(t *testing.T) {
 		t.Errorf("fail_closed{endpoint_unresolved} = %v with a good endpoint there, want 0", got)
 	}
 
-	dir, errs = workload.NewDirectory([]*workload.Workload{client, hostPod}, []*workload.Service{service(eps)})
-	if len(errs) > 0 {
-		t.Fatal(errs)
-	}
-	tun.Update(&State{Dir: dir})
+	setDirectory(t, tun, []*workload.Workload{client, hostPod}, []*workload.Service{service(eps)})
 	if connect() {
 		t.Error("a service of unresolved endpoints only was carried")
 	}

@@ -70,12 +70,7 @@ func BenchmarkTCPCopy(b *testing.B) {
 // BenchmarkTLSCopy is the ceiling for one TLS connection: TLS 1.3 over
 // loopback, no HTTP/2, no relay.
 func BenchmarkTLSCopy(b *testing.B) {
-	good, _ := pkis()
-	l, err := tls.Listen("tcp", "127.0.0.1:0", good.serverTLS())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
+	l, clientTLS := tlsLoopback(b)
 	go func() {
 		c, err := l.Accept()
 		if err != nil {
@@ -85,7 +80,7 @@ func BenchmarkTLSCopy(b *testing.B) {
 		n, _ := io.Copy(io.Discard, c)
 		_ = binary.Write(c, binary.BigEndian, n)
 	}()
-	c, err := tls.Dial("tcp", l.Addr().String(), good.clientTLS())
+	c, err := tls.Dial("tcp", l.Addr().String(), clientTLS)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -111,12 +106,7 @@ func BenchmarkStreamCopy(b *testing.B) {
 // Transport and Server (request body through io.Pipe, large windows and
 // frames), the "naive" design this package replaces.
 func BenchmarkXNetStreamCopy(b *testing.B) {
-	good, _ := pkis()
-	l, err := tls.Listen("tcp", "127.0.0.1:0", good.serverTLS())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
+	l, clientTLS := tlsLoopback(b)
 	h2s := &http2.Server{MaxReadFrameSize: maxReadFrameSize, MaxUploadBufferPerConnection: connWindow, MaxUploadBufferPerStream: streamWindow}
 	handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusOK)
@@ -132,7 +122,7 @@ func BenchmarkXNetStreamCopy(b *testing.B) {
 		_ = c.(*tls.Conn).Handshake()
 		h2s.ServeConn(c, &http2.ServeConnOpts{Handler: handler})
 	}()
-	tr := &http2.Transport{TLSClientConfig: good.clientTLS(), MaxReadFrameSize: maxReadFrameSize}
+	tr := &http2.Transport{TLSClientConfig: clientTLS, MaxReadFrameSize: maxReadFrameSize}
 	defer tr.CloseIdleConnections()
 	pr, pw := io.Pipe()
 	req, _ := http.NewRequest(http.MethodConnect, "https://"+l.Addr().String(), pr)
@@ -143,6 +133,20 @@ func BenchmarkXNetStreamCopy(b *testing.B) {
 	}
 	defer resp.Body.Close()
 	pump(b, pw, pw.Close, resp.Body)
+}
+
+// tlsLoopback listens on loopback with the good PKI's server certificate,
+// for the baselines that measure TLS without this package's server; the
+// listener closes when b ends. It returns the client config to dial it with.
+func tlsLoopback(b *testing.B) (net.Listener, *tls.Config) {
+	b.Helper()
+	good, _ := pkis()
+	l, err := tls.Listen("tcp", "127.0.0.1:0", good.serverTLS())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { l.Close() })
+	return l, good.clientTLS()
 }
 
 // sinkConn is an in-memory upstream: it discards what it is sent and,
@@ -192,28 +196,13 @@ func (c *sinkConn) SetWriteDeadline(time.Time) error { return nil }
 func BenchmarkPairCopy(b *testing.B) {
 	e := newEnv(b, dialTarget, ServerOptions{}, PoolOptions{})
 	app := startUpstream(b, sink)
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
+	c := viaRelay(b, func() (io.ReadWriteCloser, error) {
 		s, err := e.connect(context.Background(), app)
 		if err != nil {
-			c.Close()
-			return
+			return nil, err
 		}
-		_, _, _ = Relay(c, s)
-	}()
-	c, err := net.DialTCP("tcp", nil, l.Addr().(*net.TCPAddr))
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer c.Close()
+		return s, nil
+	})
 	pump(b, c, c.CloseWrite, c)
 }
 
@@ -229,6 +218,14 @@ func BenchmarkTCPRelayCopy(b *testing.B) {
 // (splice) on loopback, closed with its listener when b ends.
 func viaTCPRelay(b *testing.B, app netip.AddrPort) *net.TCPConn {
 	b.Helper()
+	return viaRelay(b, func() (io.ReadWriteCloser, error) { return net.Dial("tcp", app.String()) })
+}
+
+// viaRelay returns a loopback connection whose accepted end a Relay joins
+// to what dial opens then, as a proxy does; the connection and its listener
+// close when b ends.
+func viaRelay(b *testing.B, dial func() (io.ReadWriteCloser, error)) *net.TCPConn {
+	b.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
@@ -239,7 +236,7 @@ func viaTCPRelay(b *testing.B, app netip.AddrPort) *net.TCPConn {
 		if err != nil {
 			return
 		}
-		u, err := net.Dial("tcp", app.String())
+		u, err := dial()
 		if err != nil {
 			c.Close()
 			return
