@@ -215,8 +215,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	c, client, r, asAgent := installAsAgent(t, renderOpts{set: []string{"profile=strict"}, apiVersions: []string{peerAuthnAPI}})
 	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
 	defer cancel()
-	src, err := k8ssource.New(k8ssource.Config{RestConfig: asAgent, NodeName: "node-a",
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	src, err := k8ssource.New(k8ssource.Config{RestConfig: asAgent, NodeName: "node-a", Logger: warnLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -225,20 +224,10 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 		len(s.PeerAuthentications) != 1 || s.PeerAuthentications[0].Name != "default" {
 		t.Errorf("first snapshot as the agent: workloads %d, PeerAuthentications %v", len(s.Workloads), s.PeerAuthentications)
 	}
-
-	annotator, err := k8ssource.NewAnnotator(asAgent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := annotator.SetRedirection(ctx, "apps", "web", "", true); err != nil {
-		t.Errorf("annotate a pod as the agent: %v", err)
-	}
+	checkAnnotatesAsAgent(ctx, t, asAgent)
 
 	// Least privilege: neighbouring verbs and resources stay forbidden.
-	agentClient, err := kubernetes.NewForConfig(asAgent)
-	if err != nil {
-		t.Fatal(err)
-	}
+	agentClient := clientFor(t, asAgent)
 	agentDyn, err := dynamic.NewForConfig(asAgent)
 	if err != nil {
 		t.Fatal(err)
@@ -247,7 +236,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	if _, err := crds.Get(ctx, "peerauthentications.security.istio.io", metav1.GetOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		t.Errorf("the source cannot read the PeerAuthentication CRD: %v", err)
 	}
-	for what, call := range map[string]func() error{
+	checkForbidden(t, "the agent", map[string]func() error{
 		"delete a pod": func() error { return agentClient.CoreV1().Pods("apps").Delete(ctx, "web", metav1.DeleteOptions{}) },
 		"patch a pod itself (its spec)": func() error {
 			_, err := agentClient.CoreV1().Pods("apps").Patch(ctx, "web", k8stypes.MergePatchType,
@@ -281,11 +270,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 			_, err := agentClient.AppsV1().DaemonSets(releaseNamespace).List(ctx, metav1.ListOptions{})
 			return err
 		},
-	} {
-		if err := call(); !apierrors.IsForbidden(err) {
-			t.Errorf("%s as the agent: %v, want forbidden", what, err)
-		}
-	}
+	})
 	// node-setup's one read: its own DaemonSet. Deleting it would turn the mesh off on every
 	// node: that is the pre-delete hook's alone, under an account no agent pod has.
 	if _, err := agentClient.AppsV1().DaemonSets(releaseNamespace).Get(ctx, r.DaemonSet.Name, metav1.GetOptions{}); err != nil {
@@ -299,11 +284,7 @@ func TestRBACIsEnoughForTheAgent(t *testing.T) {
 	asHook.Impersonate = rest.ImpersonationConfig{
 		UserName: fmt.Sprintf("system:serviceaccount:%s:%s", releaseNamespace, r.UninstallServiceAccount.Name),
 	}
-	hookClient, err := kubernetes.NewForConfig(asHook)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := hookClient.AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name, dryRun); err != nil {
+	if err := clientFor(t, asHook).AppsV1().DaemonSets(releaseNamespace).Delete(ctx, r.DaemonSet.Name, dryRun); err != nil {
 		t.Errorf("the pre-delete hook cannot delete its DaemonSet: %v", err)
 	}
 }
@@ -315,25 +296,16 @@ func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
 	_, _, _, asAgent := installAsAgent(t, renderOpts{set: []string{"source=xds"}})
 	ctx, cancel := context.WithTimeout(t.Context(), clusterTimeout)
 	defer cancel()
-	w, err := nodepods.New(asAgent, "node-a", slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})), nil)
+	w, err := nodepods.New(asAgent, "node-a", warnLogger(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s := firstUpdate(ctx, t, "node-pod state", w.Run); !slices.ContainsFunc(s.Pods, func(p corev1.Pod) bool { return p.Name == "web" }) {
 		t.Errorf("first node-pod state as the agent has no pod web: %d pods", len(s.Pods))
 	}
-	annotator, err := k8ssource.NewAnnotator(asAgent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := annotator.SetRedirection(ctx, "apps", "web", "", true); err != nil {
-		t.Errorf("annotate a pod as the agent: %v", err)
-	}
-	agentClient, err := kubernetes.NewForConfig(asAgent)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for what, call := range map[string]func() error{
+	checkAnnotatesAsAgent(ctx, t, asAgent)
+	agentClient := clientFor(t, asAgent)
+	checkForbidden(t, "the xDS agent (istiod sends the mesh)", map[string]func() error{
 		"list Services": func() error {
 			_, err := agentClient.CoreV1().Services("").List(ctx, metav1.ListOptions{})
 			return err
@@ -346,9 +318,45 @@ func TestRBACIsEnoughForTheXDSAgent(t *testing.T) {
 			_, err := agentClient.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 			return err
 		},
-	} {
+	})
+}
+
+// warnLogger logs warnings and errors of the agent's code run as the agent: what tells why
+// a watch stalls.
+func warnLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// clientFor is a clientset authenticating as cfg does (an impersonated account).
+func clientFor(t *testing.T, cfg *rest.Config) kubernetes.Interface {
+	t.Helper()
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
+}
+
+// checkAnnotatesAsAgent checks the agent's one write to pods, which both sources need: its
+// annotator marks the pod apps/web redirected, as the chart's ServiceAccount.
+func checkAnnotatesAsAgent(ctx context.Context, t *testing.T, asAgent *rest.Config) {
+	t.Helper()
+	annotator, err := k8ssource.NewAnnotator(asAgent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := annotator.SetRedirection(ctx, "apps", "web", "", true); err != nil {
+		t.Errorf("annotate a pod as the agent: %v", err)
+	}
+}
+
+// checkForbidden checks that the API server forbids every call (named by what it does) made
+// as who: the chart grants least privilege.
+func checkForbidden(t *testing.T, who string, calls map[string]func() error) {
+	t.Helper()
+	for what, call := range calls {
 		if err := call(); !apierrors.IsForbidden(err) {
-			t.Errorf("%s as the xDS agent: %v, want forbidden (istiod sends the mesh)", what, err)
+			t.Errorf("%s as %s: %v, want forbidden", what, who, err)
 		}
 	}
 }

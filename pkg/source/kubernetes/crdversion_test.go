@@ -10,13 +10,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source"
 	"github.com/redirector-mesh/redirector/pkg/source/kubernetes"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // installCRDsServing installs the stand-in Istio CRDs serving only version (instead of v1).
@@ -43,27 +41,12 @@ func installCRDsServing(t *testing.T, dyn dynamic.Interface, version string) {
 // plaintext admitted) without an error.
 func TestSourceReadsV1beta1OnlyCRDs(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDsServing(t, dyn, "v1beta1")
+	c, client, dyn := startWithPolicyCRDs(t, "v1beta1")
 	createNamespace(t, client, "shop", ambient)
-	paV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "peerauthentications"}
-	azV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "authorizationpolicies"}
-	createObject(t, dyn, paV1beta1, `
-apiVersion: security.istio.io/v1beta1
-kind: PeerAuthentication
-metadata: {namespace: shop, name: strict}
-spec: {mtls: {mode: STRICT}}
-`)
-	createObject(t, dyn, azV1beta1, `
-apiVersion: security.istio.io/v1beta1
-kind: AuthorizationPolicy
-metadata: {namespace: shop, name: deny-all}
-spec: {action: DENY, rules: [{}]}
-`)
-	waitServed(t, c.Config, paV1beta1)
-	waitServed(t, c.Config, azV1beta1)
+	createStrictPeerAuthentication(t, dyn, "v1beta1", "shop")
+	createDenyAll(t, dyn, "v1beta1", "shop", "deny-all")
+	waitServed(t, c.Config, policyGVR("v1beta1", "peerauthentications"))
+	waitServed(t, c.Config, policyGVR("v1beta1", "authorizationpolicies"))
 
 	w := runSource(t, c.Config)
 	first := w.first(t)
@@ -79,12 +62,7 @@ spec: {action: DENY, rules: [{}]}
 	}
 
 	// A change made in v1beta1 reaches snapshots too.
-	createObject(t, dyn, azV1beta1, `
-apiVersion: security.istio.io/v1beta1
-kind: AuthorizationPolicy
-metadata: {namespace: shop, name: deny-more}
-spec: {action: DENY, rules: [{}]}
-`)
+	createDenyAll(t, dyn, "v1beta1", "shop", "deny-more")
 	w.waitFor(t, "the second DENY policy", func(s source.Snapshot) bool {
 		return slices.ContainsFunc(s.AuthorizationPolicies, named[policy.AuthorizationPolicy]("shop", "deny-more"))
 	})
@@ -96,19 +74,10 @@ spec: {action: DENY, rules: [{}]}
 // with the discovery error counted, until a version it reads is served.
 func TestSourceRefusesCRDsOfUnknownVersion(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDsServing(t, dyn, "v2alpha1")
+	c, client, dyn := startWithPolicyCRDs(t, "v2alpha1")
 	createNamespace(t, client, "shop", ambient)
-	paV2 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v2alpha1", Resource: "peerauthentications"}
-	createObject(t, dyn, paV2, `
-apiVersion: security.istio.io/v2alpha1
-kind: PeerAuthentication
-metadata: {namespace: shop, name: strict}
-spec: {mtls: {mode: STRICT}}
-`)
-	waitServed(t, c.Config, paV2)
+	createStrictPeerAuthentication(t, dyn, "v2alpha1", "shop")
+	waitServed(t, c.Config, policyGVR("v2alpha1", "peerauthentications"))
 
 	m := source.NewMetrics(nil)
 	w := runSourceWith(t, kubernetes.Config{RestConfig: c.Config, Metrics: m, PolicyRecheck: 200 * time.Millisecond})
@@ -128,10 +97,7 @@ spec: {mtls: {mode: STRICT}}
 // Only istio.io/dry-run is read; the rest is dropped before the cache, as for pods.
 func TestSourceTrimsPolicies(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDs(t, dyn)
+	c, client, dyn := startWithPolicyCRDs(t, "v1")
 	createNamespace(t, client, "shop", ambient)
 	big := strings.Repeat("x", 200<<10)
 	createObject(t, dyn, authzGVR, `
@@ -190,20 +156,11 @@ func serveOnly(t *testing.T, dyn dynamic.Interface, version string) {
 // in force, with only a list error counted. The kind is looked up again and watched in v1.
 func TestSourceFollowsPolicyVersionChange(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDsServing(t, dyn, "v1beta1")
+	c, client, dyn := startWithPolicyCRDs(t, "v1beta1")
 	createNamespace(t, client, "shop", ambient)
-	azV1beta1 := schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "authorizationpolicies"}
-	createObject(t, dyn, azV1beta1, `
-apiVersion: security.istio.io/v1beta1
-kind: AuthorizationPolicy
-metadata: {namespace: shop, name: deny-old}
-spec: {action: DENY, rules: [{}]}
-`)
-	waitServed(t, c.Config, azV1beta1)
-	waitServed(t, c.Config, schema.GroupVersionResource{Group: "security.istio.io", Version: "v1beta1", Resource: "peerauthentications"})
+	createDenyAll(t, dyn, "v1beta1", "shop", "deny-old")
+	waitServed(t, c.Config, policyGVR("v1beta1", "authorizationpolicies"))
+	waitServed(t, c.Config, policyGVR("v1beta1", "peerauthentications"))
 
 	w := runSource(t, c.Config)
 	w.waitFor(t, "the v1beta1 DENY policy", func(s source.Snapshot) bool {
@@ -213,12 +170,7 @@ spec: {action: DENY, rules: [{}]}
 	serveOnly(t, dyn, "v1")
 	waitServed(t, c.Config, authzGVR)
 	waitServed(t, c.Config, peerAuthGVR)
-	createObject(t, dyn, peerAuthGVR, `
-apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {namespace: shop, name: strict}
-spec: {mtls: {mode: STRICT}}
-`)
+	createStrictPeerAuthentication(t, dyn, "v1", "shop")
 	if err := dyn.Resource(authzGVR).Namespace("shop").Delete(t.Context(), "deny-old", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -208,18 +208,10 @@ func TestSourceUnreachableAtStart(t *testing.T) {
 // and no snapshot ever lacked an object.
 func TestSourceOutageKeepsLastState(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDs(t, dyn)
+	c, client, dyn := startWithPolicyCRDs(t, "v1")
 	createNamespace(t, client, "shop", ambient)
 	createRunningPod(t, client, "shop", "web", "node-a", "10.244.1.5", "")
-	createObject(t, dyn, peerAuthGVR, `
-apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {namespace: shop, name: strict}
-spec: {mtls: {mode: STRICT}}
-`)
+	createStrictPeerAuthentication(t, dyn, "v1", "shop")
 	waitServed(t, c.Config, authzGVR)
 	waitServed(t, c.Config, peerAuthGVR)
 
@@ -269,17 +261,9 @@ spec: {mtls: {mode: STRICT}}
 // with the PeerAuthentication.
 func TestSourceWaitsForInstalledCRDs(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDs(t, dyn)
+	c, client, dyn := startWithPolicyCRDs(t, "v1")
 	createNamespace(t, client, "shop", nil)
-	createObject(t, dyn, peerAuthGVR, `
-apiVersion: security.istio.io/v1
-kind: PeerAuthentication
-metadata: {namespace: shop, name: strict}
-spec: {mtls: {mode: STRICT}}
-`)
+	createStrictPeerAuthentication(t, dyn, "v1", "shop")
 	waitServed(t, c.Config, peerAuthGVR)
 
 	p := newOutageProxy(t, c)
@@ -335,17 +319,9 @@ func TestSlowPolicyDiscoveryHoldsNoSnapshotBack(t *testing.T) {
 // force (a DENY kept denying). The kind is looked up again: its CRD gone, it has no policies.
 func TestSourceDropsPoliciesOfDeletedCRD(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDs(t, dyn)
+	c, client, dyn := startWithPolicyCRDs(t, "v1")
 	createNamespace(t, client, "shop", ambient)
-	createObject(t, dyn, authzGVR, `
-apiVersion: security.istio.io/v1
-kind: AuthorizationPolicy
-metadata: {namespace: shop, name: deny-all}
-spec: {action: DENY, rules: [{}]}
-`)
+	createDenyAll(t, dyn, "v1", "shop", "deny-all")
 	waitServed(t, c.Config, authzGVR)
 	waitServed(t, c.Config, peerAuthGVR)
 

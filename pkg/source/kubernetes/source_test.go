@@ -427,10 +427,7 @@ spec:
 // CRDs are there before the source starts, so the first snapshot must hold the policies.
 func TestSourceSurvivesRestart(t *testing.T) {
 	t.Parallel()
-	c := kubetest.Start(t)
-	client := c.Client(t)
-	dyn := dynamicClient(t, c.Config)
-	installCRDs(t, dyn)
+	c, client, dyn := startWithPolicyCRDs(t, "v1")
 	createNamespace(t, client, "before", nil)
 	createObject(t, dyn, authzGVR, `
 apiVersion: security.istio.io/v1
@@ -670,8 +667,8 @@ func sameModel(a, b source.Snapshot) bool {
 }
 
 var (
-	peerAuthGVR = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "peerauthentications"}
-	authzGVR    = schema.GroupVersionResource{Group: "security.istio.io", Version: "v1", Resource: "authorizationpolicies"}
+	peerAuthGVR = policyGVR("v1", "peerauthentications")
+	authzGVR    = policyGVR("v1", "authorizationpolicies")
 	crdGVR      = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 )
 
@@ -694,6 +691,53 @@ func installCRDs(t *testing.T, dyn dynamic.Interface) {
 		}
 		createObject(t, dyn, crdGVR, string(b))
 	}
+}
+
+// startWithPolicyCRDs starts an API server with the stand-in Istio policy CRDs installed,
+// serving version of security.istio.io ("v1", as testdata has them, or another one a
+// cluster may serve instead), and returns it with a typed and a dynamic client: the start
+// of every test of how the source reads policies.
+func startWithPolicyCRDs(t *testing.T, version string) (*kubetest.Cluster, k8s.Interface, dynamic.Interface) {
+	t.Helper()
+	c := kubetest.Start(t)
+	client := c.Client(t)
+	dyn := dynamicClient(t, c.Config)
+	if version == "v1" {
+		installCRDs(t, dyn)
+	} else {
+		installCRDsServing(t, dyn, version)
+	}
+	return c, client, dyn
+}
+
+// policyGVR is the resource of an Istio security policy kind ("peerauthentications",
+// "authorizationpolicies") in version of security.istio.io.
+func policyGVR(version, resource string) schema.GroupVersionResource {
+	return schema.GroupVersionResource{Group: "security.istio.io", Version: version, Resource: resource}
+}
+
+// createStrictPeerAuthentication creates the PeerAuthentication ns/strict (mTLS STRICT) in
+// version of security.istio.io: the policy whose loss would admit plaintext.
+func createStrictPeerAuthentication(t *testing.T, dyn dynamic.Interface, version, ns string) {
+	t.Helper()
+	createObject(t, dyn, policyGVR(version, "peerauthentications"), `
+apiVersion: security.istio.io/`+version+`
+kind: PeerAuthentication
+metadata: {namespace: `+ns+`, name: strict}
+spec: {mtls: {mode: STRICT}}
+`)
+}
+
+// createDenyAll creates the AuthorizationPolicy ns/name that denies every request, in version
+// of security.istio.io: the policy whose loss would allow everything.
+func createDenyAll(t *testing.T, dyn dynamic.Interface, version, ns, name string) {
+	t.Helper()
+	createObject(t, dyn, policyGVR(version, "authorizationpolicies"), `
+apiVersion: security.istio.io/`+version+`
+kind: AuthorizationPolicy
+metadata: {namespace: `+ns+`, name: `+name+`}
+spec: {action: DENY, rules: [{}]}
+`)
 }
 
 // createObject creates the YAML manifest as a gvr object.

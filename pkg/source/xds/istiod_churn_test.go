@@ -26,13 +26,11 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/util/retry"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/source/xds"
 	"github.com/redirector-mesh/redirector/test/istiotest"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // TestIstiodChurnAcrossReconnects: a client whose stream to a real istiod
@@ -45,9 +43,6 @@ import (
 // not removed on resume, or a change istiod skipped as already held,
 // would stay in the long-lived client's model for good.
 func TestIstiodChurnAcrossReconnects(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs kube-apiserver and istiod")
-	}
 	rounds := 8
 	if s := os.Getenv("XDS_CHURN_ROUNDS"); s != "" {
 		rounds, _ = strconv.Atoi(s)
@@ -59,25 +54,15 @@ func TestIstiodChurnAcrossReconnects(t *testing.T) {
 	t.Logf("seed %d (XDS_CHURN_SEED)", seed)
 	rng := rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))
 
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs, dyn, istiod := cp.Client, cp.Dynamic, cp.Istiod
 	ctx := context.Background()
-	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dyn, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	const ns = "churn"
 	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns,
 		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	token := istiotest.AgentToken(t, cs, agentAccount, "node1", istiotest.Audience)
+	token := istiotest.AgentToken(t, cs, istiotest.AgentAccount, "node1", istiotest.Audience)
 	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
 	if err != nil {
 		t.Fatal(err)

@@ -9,17 +9,12 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
-	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/source/nodepods"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/test/istiotest"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // TestIstiodPodsAtOneAddress: what TestMergeEndpointIsTheWorkloadIstiodNames
@@ -30,13 +25,8 @@ import (
 // does, and so is one of another node's pod at this node's pod's address.
 // A ServiceEntry's endpoint at a pod's address is that pod.
 func TestIstiodPodsAtOneAddress(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs kube-apiserver and istiod")
-	}
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs := cp.Client
 	ctx := context.Background()
 	for _, ns := range []*corev1.Namespace{
 		{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}},
@@ -72,30 +62,16 @@ func TestIstiodPodsAtOneAddress(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dyn, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	se := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
-		"metadata": map[string]any{"name": "ext", "namespace": "shop"},
-		"spec": map[string]any{"hosts": []any{"ext.example.com"}, "addresses": []any{"240.1.1.9"}, "resolution": "STATIC",
-			"ports":     []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP"}},
-			"endpoints": []any{map[string]any{"address": "10.244.2.5"}}},
-	}}
-	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}).Namespace("shop").Create(ctx, se, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createServiceEntry(t, cp.Dynamic, "shop", "ext", map[string]any{
+		"hosts": []any{"ext.example.com"}, "addresses": []any{"240.1.1.9"}, "resolution": "STATIC",
+		"ports":     []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP"}},
+		"endpoints": []any{map[string]any{"address": "10.244.2.5"}}})
 	state := nodepods.State{
 		Namespaces: []corev1.Namespace{{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}},
 		Pods:       []corev1.Pod{*local},
 	}
 
-	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
+	snaps := istiodSnapshots(t, cp)
 	endpoints := func(dir *workload.Directory, vip string) (map[string]*workload.Endpoint, error) {
 		svc, ok := dir.ServiceByVIP(netip.MustParseAddr(vip))
 		if !ok {
@@ -147,18 +123,7 @@ func TestIstiodPodsAtOneAddress(t *testing.T) {
 		}
 		return nil
 	}
-	deadline := time.After(60 * time.Second)
-	var last error
-	for {
-		select {
-		case s := <-snaps:
-			if last = check(s); last == nil {
-				return
-			}
-		case <-deadline:
-			t.Fatalf("istiod's state never came out as wanted: %v", last)
-		}
-	}
+	waitForIstiodState(t, snaps, check)
 }
 
 // TestIstiodEndpointsOfHonestPods: what TestMergeHonestEndpointsResolve
@@ -170,13 +135,8 @@ func TestIstiodPodsAtOneAddress(t *testing.T) {
 // another, and a ServiceEntry selecting the pods (its endpoints are
 // theirs), resolve too.
 func TestIstiodEndpointsOfHonestPods(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs kube-apiserver and istiod")
-	}
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs := cp.Client
 	ctx := context.Background()
 	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}
 	if _, err := cs.CoreV1().Namespaces().Create(ctx, ns, metav1.CreateOptions{}); err != nil {
@@ -218,27 +178,13 @@ func TestIstiodEndpointsOfHonestPods(t *testing.T) {
 			Ports: []corev1.ServicePort{{Name: "http", Port: 80, TargetPort: intstr.FromInt32(8080)}}}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dyn, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	se := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
-		"metadata": map[string]any{"name": "selected", "namespace": "shop"},
-		"spec": map[string]any{"hosts": []any{"selected.example.com"}, "addresses": []any{"240.1.1.10"}, "resolution": "STATIC",
-			"ports":            []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP", "targetPort": int64(9090)}},
-			"workloadSelector": map[string]any{"labels": map[string]any{"app": "web"}}},
-	}}
-	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}).Namespace("shop").Create(ctx, se, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createServiceEntry(t, cp.Dynamic, "shop", "selected", map[string]any{
+		"hosts": []any{"selected.example.com"}, "addresses": []any{"240.1.1.10"}, "resolution": "STATIC",
+		"ports":            []any{map[string]any{"number": int64(80), "name": "tcp", "protocol": "TCP", "targetPort": int64(9090)}},
+		"workloadSelector": map[string]any{"labels": map[string]any{"app": "web"}}})
 	state := nodepods.State{Namespaces: []corev1.Namespace{*ns}, Pods: []corev1.Pod{*local, *localHost}}
 
-	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
+	snaps := istiodSnapshots(t, cp)
 	uid := func(name string) string { return istiotest.ClusterID + "//Pod/shop/" + name }
 	check := func(s *Snapshot) error {
 		snap, _ := merge(state, s, "node1", selection.Config{}, nil)
@@ -274,6 +220,14 @@ func TestIstiodEndpointsOfHonestPods(t *testing.T) {
 		}
 		return nil
 	}
+	waitForIstiodState(t, snaps, check)
+}
+
+// waitForIstiodState waits up to a minute for a snapshot from snaps that check accepts
+// (returns nil for), failing t with check's last complaint: istiod sends the cluster's
+// state over several pushes, so early snapshots may lack part of it.
+func waitForIstiodState(t *testing.T, snaps <-chan *Snapshot, check func(*Snapshot) error) {
+	t.Helper()
 	deadline := time.After(60 * time.Second)
 	var last error
 	for {

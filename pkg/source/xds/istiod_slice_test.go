@@ -15,14 +15,11 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/selection"
 	"github.com/redirector-mesh/redirector/pkg/workload"
 	"github.com/redirector-mesh/redirector/test/istiotest"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // TestIstiodEndpointSliceRange: what TestMergeRangeKeptOverEndpointSliceAddress
@@ -30,22 +27,9 @@ import (
 // EndpointSlice at an address in a ServiceEntry's range is sent as a
 // HOST_NETWORK workload, and the range stays.
 func TestIstiodEndpointSliceRange(t *testing.T) {
-	if testing.Short() {
-		t.Skip("runs kube-apiserver and istiod")
-	}
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs := cp.Client
 	ctx := context.Background()
-	rc, err := clientcmd.BuildConfigFromFlags("", cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dyn, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	for _, ns := range []string{"shop", "egress"} {
 		if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
@@ -64,18 +48,12 @@ func TestIstiodEndpointSliceRange(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	se := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
-		"metadata": map[string]any{"name": "partners", "namespace": "egress"},
-		"spec": map[string]any{"hosts": []any{"partners.example"}, "addresses": []any{"203.0.113.0/24"}, "resolution": "STATIC",
-			"ports":     []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP"}},
-			"endpoints": []any{map[string]any{"address": "198.51.100.7"}}},
-	}}
-	if _, err := dyn.Resource(schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}).Namespace("egress").Create(ctx, se, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createServiceEntry(t, cp.Dynamic, "egress", "partners", map[string]any{
+		"hosts": []any{"partners.example"}, "addresses": []any{"203.0.113.0/24"}, "resolution": "STATIC",
+		"ports":     []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP"}},
+		"endpoints": []any{map[string]any{"address": "198.51.100.7"}}})
 
-	snaps := istiodSnapshots(t, cs, istiod, agentAccount)
+	snaps := istiodSnapshots(t, cp)
 
 	deadline := time.After(60 * time.Second)
 	for {
@@ -115,16 +93,31 @@ func TestIstiodEndpointSliceRange(t *testing.T) {
 	}
 }
 
-// istiodSnapshots runs a client of istiod as node1's agent (account, its
-// service account, namespace/name) and returns the snapshots it delivers.
-func istiodSnapshots(t *testing.T, cs kubernetes.Interface, istiod *istiotest.Istiod, account string) <-chan *Snapshot {
+// createServiceEntry creates the ServiceEntry ns/name with spec, for istiod to send as a
+// service (and its endpoints as workloads).
+func createServiceEntry(t *testing.T, dyn dynamic.Interface, ns, name string, spec map[string]any) {
 	t.Helper()
-	token := istiotest.AgentToken(t, cs, account, "node1", istiotest.Audience)
-	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
+	se := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "networking.istio.io/v1", "kind": "ServiceEntry",
+		"metadata": map[string]any{"name": name, "namespace": ns},
+		"spec":     spec,
+	}}
+	gvr := schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}
+	if _, err := dyn.Resource(gvr).Namespace(ns).Create(context.Background(), se, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// istiodSnapshots runs a client of cp's istiod as node1's agent (istiotest.AgentAccount)
+// and returns the snapshots it delivers.
+func istiodSnapshots(t *testing.T, cp *istiotest.ControlPlane) <-chan *Snapshot {
+	t.Helper()
+	token := istiotest.AgentToken(t, cp.Client, istiotest.AgentAccount, "node1", istiotest.Audience)
+	bundle, err := identity.LoadBundle(cp.Istiod.RootCertFile, "cluster.local")
 	if err != nil {
 		t.Fatal(err)
 	}
-	conn, err := Dial(istiod.Addr, "", bundle)
+	conn, err := Dial(cp.Istiod.Addr, "", bundle)
 	if err != nil {
 		t.Fatal(err)
 	}
