@@ -38,16 +38,10 @@ import (
 //     a pod created meanwhile arrives once istiod is back, on the resumed
 //     stream, with what was already held still there.
 func TestIstiodXDSClient(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cluster, cs, istiod := startIstiodCluster(t)
 	ctx := context.Background()
 
-	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
-		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	// Pods an agent enrolled carry ambient.istio.io/redirection=enabled;
 	// istiod then describes them as HBONE peers.
 	for _, p := range []*corev1.Pod{
@@ -76,7 +70,7 @@ func TestIstiodXDSClient(t *testing.T) {
 		"endpoints": []any{map[string]any{"address": "10.244.2.5"}},
 	})
 
-	token := istiotest.AgentToken(t, cs, agentAccount, "node1", istiotest.Audience)
+	token := istiotest.AgentToken(t, cs, istiodAgentAccount, "node1", istiotest.Audience)
 	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
 	if err != nil {
 		t.Fatal(err)
@@ -259,26 +253,21 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // client's DNS is captured: its agent answers the Service's names and the
 // ServiceEntry hosts, one of them at the address istiod allocated.
 func TestIstiodXDSAgents(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cluster, cs, istiod := startIstiodCluster(t)
 	ctx := context.Background()
 
 	tp := New(t, 2)
 	client, other, plain := tp.Nodes[0].AddPod("client"), tp.Nodes[0].AddPod("other"), tp.Nodes[0].AddPod("plain")
 	server := tp.Nodes[1].AddPod("server")
 	for name, labels := range map[string]map[string]string{"mesh": {"istio.io/dataplane-mode": "ambient"}, "outside": nil} {
-		if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		createNamespace(t, cs, name, labels)
 	}
 	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "other", "other-sa", "node1", other.IPv4.String(), other.IPv6.String())
 	istiotest.CreatePod(t, cs, "outside", "plain", "plain-sa", "node1", plain.IPv4.String(), plain.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 
-	agents := startXDSAgents(t, tp, cluster, istiod, agentAccount)
+	agents := startXDSAgents(t, tp, cluster, istiod, istiodAgentAccount)
 	node1, node2 := agents[0], agents[1]
 	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
 	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
@@ -465,6 +454,29 @@ func labelReady(t *testing.T, cs kubernetes.Interface, pod *corev1.Pod, labels m
 	}
 }
 
+// istiodAgentAccount is the node agents' service account, which
+// startIstiodCluster's istiod trusts to ask for certificates on behalf of
+// the pods of the agent's node.
+const istiodAgentAccount = istiotest.Namespace + "/redirector"
+
+// startIstiodCluster starts a real kube-apiserver and a real istiod on it
+// that trusts istiodAgentAccount, as every test against istiod begins.
+func startIstiodCluster(t *testing.T) (*kubetest.Cluster, kubernetes.Interface, *istiotest.Istiod) {
+	t.Helper()
+	cluster := kubetest.Start(t)
+	cs := cluster.Client(t)
+	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{istiodAgentAccount}})
+	return cluster, cs, istiod
+}
+
+// createNamespace creates namespace name with labels in the API server.
+func createNamespace(t *testing.T, cs kubernetes.Interface, name string, labels map[string]string) {
+	t.Helper()
+	if _, err := cs.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // startXDSAgents starts an agent with --source xds on every node of tp,
 // each with its own node's token for account, and waits for their streams
 // to istiod to open.
@@ -473,15 +485,8 @@ func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istio
 	cs := cluster.Client(t)
 	var agents []*Agent
 	for _, n := range tp.Nodes {
-		forwardLoopback(t, n.Path(), cluster.Config.Host)
-		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		node := fmt.Sprintf("node%d", n.Index)
-		token := istiotest.AgentToken(t, cs, account, node, istiotest.Audience)
-		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
-			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
-			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
-			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
-		}}))
+		token := istiotest.AgentToken(t, cs, account, fmt.Sprintf("node%d", n.Index), istiotest.Audience)
+		agents = append(agents, startXDSAgent(t, n, cluster, istiod, token))
 	}
 	for _, a := range agents {
 		a.WaitLog(t, "xds stream to istiod open", 30*time.Second)
@@ -489,41 +494,43 @@ func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istio
 	return agents
 }
 
+// startXDSAgent starts an agent with --source xds on node n, reaching the
+// API server and istiod through loopback forwards and asking for
+// certificates with token (an istiodAgentAccount token bound to n).
+func startXDSAgent(t *testing.T, n *Node, cluster *kubetest.Cluster, istiod *istiotest.Istiod, token string) *Agent {
+	t.Helper()
+	forwardLoopback(t, n.Path(), cluster.Config.Host)
+	forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
+	node := fmt.Sprintf("node%d", n.Index)
+	return StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
+		"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
+		"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
+		"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
+	}})
+}
+
 // TestIstiodXDSEnrollsWithoutIstiod: with istiod down when the agents
 // start, pods are still enrolled (from each node's own pod watch), but
 // inbound connections are refused and the agents are not ready until
 // istiod's state arrives; then traffic flows.
 func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cluster, cs, istiod := startIstiodCluster(t)
 	ctx := context.Background()
 
 	tp := New(t, 2)
 	client, server := tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
-	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
-		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 	var tokens []string
 	for _, n := range tp.Nodes {
-		tokens = append(tokens, istiotest.AgentToken(t, cs, agentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
+		tokens = append(tokens, istiotest.AgentToken(t, cs, istiodAgentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
 	}
 	istiod.Stop()
 
 	var agents []*Agent
 	for i, n := range tp.Nodes {
-		forwardLoopback(t, n.Path(), cluster.Config.Host)
-		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		node := fmt.Sprintf("node%d", n.Index)
-		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
-			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
-			"--ca-address", istiod.Addr, "--ca-token-file", tokens[i], "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
-			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
-		}}))
+		agents = append(agents, startXDSAgent(t, n, cluster, istiod, tokens[i]))
 	}
 	waitEnrolled(t, agents[0].BPFRoot, 30*time.Second, "mesh/client")
 	waitEnrolled(t, agents[1].BPFRoot, 30*time.Second, "mesh/server")
