@@ -28,7 +28,8 @@ import (
 //   - the service's preference is in the agent's config dump as ztunnel
 //     writes it, and each workload's locality with it.
 func TestIstiodXDSTrafficDistribution(t *testing.T) {
-	cluster, cs, istiod := startIstiodCluster(t)
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 3)
@@ -57,7 +58,7 @@ func TestIstiodXDSTrafficDistribution(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	agents := startXDSAgents(t, tp, cluster, istiod, istiodAgentAccount)
+	agents := startXDSAgents(t, tp, cluster, istiod, istiotest.AgentAccount)
 	waitEnrolled(t, agents[0].BPFRoot, 30*time.Second, "mesh/client")
 	waitEnrolled(t, agents[1].BPFRoot, 30*time.Second, "mesh/near")
 	waitEnrolled(t, agents[2].BPFRoot, 30*time.Second, "mesh/far")

@@ -15,7 +15,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
@@ -38,7 +37,8 @@ import (
 //     a pod created meanwhile arrives once istiod is back, on the resumed
 //     stream, with what was already held still there.
 func TestIstiodXDSClient(t *testing.T) {
-	cluster, cs, istiod := startIstiodCluster(t)
+	cp := istiotest.StartControlPlane(t)
+	cs, istiod := cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
@@ -63,14 +63,14 @@ func TestIstiodXDSClient(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	dyn := dynamicClient(t, cluster)
+	dyn := cp.Dynamic
 	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
 		"hosts": []any{"db.example.com"}, "addresses": []any{"240.1.1.1"}, "resolution": "STATIC",
 		"ports":     []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(15432)}},
 		"endpoints": []any{map[string]any{"address": "10.244.2.5"}},
 	})
 
-	token := istiotest.AgentToken(t, cs, istiodAgentAccount, "node1", istiotest.Audience)
+	token := istiotest.AgentToken(t, cs, istiotest.AgentAccount, "node1", istiotest.Audience)
 	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
 	if err != nil {
 		t.Fatal(err)
@@ -215,19 +215,6 @@ func findService(s *xds.Snapshot, hostname string) *xds.Service {
 
 func ptr[T any](v T) *T { return &v }
 
-func dynamicClient(t *testing.T, c *kubetest.Cluster) dynamic.Interface {
-	t.Helper()
-	rc, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
-}
-
 // apply creates an Istio object of group/version/resource.
 func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name string, spec map[string]any) {
 	t.Helper()
@@ -253,7 +240,8 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // client's DNS is captured: its agent answers the Service's names and the
 // ServiceEntry hosts, one of them at the address istiod allocated.
 func TestIstiodXDSAgents(t *testing.T) {
-	cluster, cs, istiod := startIstiodCluster(t)
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 2)
@@ -267,7 +255,7 @@ func TestIstiodXDSAgents(t *testing.T) {
 	istiotest.CreatePod(t, cs, "outside", "plain", "plain-sa", "node1", plain.IPv4.String(), plain.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 
-	agents := startXDSAgents(t, tp, cluster, istiod, istiodAgentAccount)
+	agents := startXDSAgents(t, tp, cluster, istiod, istiotest.AgentAccount)
 	node1, node2 := agents[0], agents[1]
 	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
 	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
@@ -318,7 +306,7 @@ func TestIstiodXDSAgents(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	dyn := dynamicClient(t, cluster)
+	dyn := cp.Dynamic
 	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
 		"hosts": []any{"db.example.com"}, "addresses": []any{"10.97.0.1"}, "resolution": "STATIC",
 		"ports":            []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(8080)}},
@@ -454,21 +442,6 @@ func labelReady(t *testing.T, cs kubernetes.Interface, pod *corev1.Pod, labels m
 	}
 }
 
-// istiodAgentAccount is the node agents' service account, which
-// startIstiodCluster's istiod trusts to ask for certificates on behalf of
-// the pods of the agent's node.
-const istiodAgentAccount = istiotest.Namespace + "/redirector"
-
-// startIstiodCluster starts a real kube-apiserver and a real istiod on it
-// that trusts istiodAgentAccount, as every test against istiod begins.
-func startIstiodCluster(t *testing.T) (*kubetest.Cluster, kubernetes.Interface, *istiotest.Istiod) {
-	t.Helper()
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{istiodAgentAccount}})
-	return cluster, cs, istiod
-}
-
 // createNamespace creates namespace name with labels in the API server.
 func createNamespace(t *testing.T, cs kubernetes.Interface, name string, labels map[string]string) {
 	t.Helper()
@@ -496,7 +469,7 @@ func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istio
 
 // startXDSAgent starts an agent with --source xds on node n, reaching the
 // API server and istiod through loopback forwards and asking for
-// certificates with token (an istiodAgentAccount token bound to n).
+// certificates with token (an istiotest.AgentAccount token bound to n).
 func startXDSAgent(t *testing.T, n *Node, cluster *kubetest.Cluster, istiod *istiotest.Istiod, token string) *Agent {
 	t.Helper()
 	forwardLoopback(t, n.Path(), cluster.Config.Host)
@@ -514,7 +487,8 @@ func startXDSAgent(t *testing.T, n *Node, cluster *kubetest.Cluster, istiod *ist
 // inbound connections are refused and the agents are not ready until
 // istiod's state arrives; then traffic flows.
 func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
-	cluster, cs, istiod := startIstiodCluster(t)
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 2)
@@ -524,7 +498,7 @@ func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 	var tokens []string
 	for _, n := range tp.Nodes {
-		tokens = append(tokens, istiotest.AgentToken(t, cs, istiodAgentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
+		tokens = append(tokens, istiotest.AgentToken(t, cs, istiotest.AgentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
 	}
 	istiod.Stop()
 
