@@ -14,7 +14,7 @@ import (
 // dnsDocs is a Service reviews in namespace mesh at 10.96.0.20, served by
 // server's app on 8080.
 func dnsDocs(server *Pod) string {
-	return fmt.Sprintf(`apiVersion: v1
+	return `apiVersion: v1
 kind: Service
 metadata: {name: reviews, namespace: mesh}
 spec:
@@ -23,19 +23,7 @@ spec:
   ports:
   - {name: http, port: 9080, targetPort: 8080}
 ---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: reviews-1
-  namespace: mesh
-  labels: {kubernetes.io/service-name: reviews}
-addressType: IPv4
-ports:
-- {name: http, port: 8080}
-endpoints:
-- addresses: [%q]
-  conditions: {ready: true}
-`, server.IPv4)
+` + readyEndpointSlice("reviews", server.IPv4)
 }
 
 // startDnsmasq runs dnsmasq, a real resolver, in p's namespace as the

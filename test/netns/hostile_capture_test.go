@@ -465,21 +465,29 @@ func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {
 	return inetChecksum(pseudo, seg)
 }
 
+// strictServerWithSameNodePlainPod builds a STRICT meshed server pod and an
+// unmeshed pod called name on the same node (node 1), with the server's
+// HTTP app on 8080: the cases where a hostile neighbour shares the STRICT
+// pod's node start from it.
+func strictServerWithSameNodePlainPod(t *testing.T, name string) (ms *mesh, server, plain *Pod) {
+	ms = newMesh(t, func(tp *Topology, m *Manifest) {
+		server = tp.Nodes[1].AddPod("server")
+		plain = tp.Nodes[1].AddPod(name)
+		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+			Pod(server, "mesh", "server-sa").
+			Pod(plain, "plain", "default").
+			Raw(strictMesh)
+	})
+	HTTPApp(t, server, 8080, "server")
+	return ms, server, plain
+}
+
 // TestHostileProbeSourceSpoofed: a pod that gives itself the probe SNAT
 // address, on the STRICT pod's own node and with a route back through the
 // node, does not get through as a kubelet probe would. Before the fix the
 // pod-side capture passed any packet from that address.
 func TestHostileProbeSourceSpoofed(t *testing.T) {
-	var server, spoofer *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
-		server = tp.Nodes[1].AddPod("server")
-		spoofer = tp.Nodes[1].AddPod("spoofer")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-			Pod(server, "mesh", "server-sa").
-			Pod(spoofer, "plain", "default").
-			Raw(strictMesh)
-	})
-	HTTPApp(t, server, 8080, "server")
+	ms, server, spoofer := strictServerWithSameNodePlainPod(t, "spoofer")
 	app := recordingApp(t, server, hostileAppPort)
 	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
 	WaitRefused(t, spoofer, URL(server.IPv4, 8080), 10*time.Second)
@@ -538,16 +546,7 @@ func synSegment(sport, dport uint16, size int) []byte {
 // neighbour's SYN arrived without a socket: the test passed before that
 // check too, and guards the property.
 func TestHostileSameNodePodNotAProbe(t *testing.T) {
-	var server, neighbour *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
-		server = tp.Nodes[1].AddPod("server")
-		neighbour = tp.Nodes[1].AddPod("neighbour")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-			Pod(server, "mesh", "server-sa").
-			Pod(neighbour, "plain", "default").
-			Raw(strictMesh)
-	})
-	HTTPApp(t, server, 8080, "server")
+	ms, server, neighbour := strictServerWithSameNodePlainPod(t, "neighbour")
 	app := recordingApp(t, server, hostileAppPort)
 	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
 	// The host-probe programs are in place once the node itself gets
@@ -588,16 +587,7 @@ func TestHostileSameNodePodNotAProbe(t *testing.T) {
 // plaintext, past STRICT mTLS. Now the host-veth program drops it
 // (drop_probe_spoofed) and the node's connection goes on.
 func TestHostileSameNodePodForgesProbeSegment(t *testing.T) {
-	var server, neighbour *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
-		server = tp.Nodes[1].AddPod("server")
-		neighbour = tp.Nodes[1].AddPod("neighbour")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-			Pod(server, "mesh", "server-sa").
-			Pod(neighbour, "plain", "default").
-			Raw(strictMesh)
-	})
-	HTTPApp(t, server, 8080, "server")
+	ms, server, neighbour := strictServerWithSameNodePlainPod(t, "neighbour")
 	var mu sync.Mutex
 	read := map[netip.AddrPort]string{}
 	ServeTCP(t, server, hostileAppPort, func(c net.Conn) {

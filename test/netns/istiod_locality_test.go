@@ -13,7 +13,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/redirector-mesh/redirector/test/istiotest"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // TestIstiodXDSTrafficDistribution runs three nodes' agents against a real
@@ -29,10 +28,8 @@ import (
 //   - the service's preference is in the agent's config dump as ztunnel
 //     writes it, and each workload's locality with it.
 func TestIstiodXDSTrafficDistribution(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 3)
@@ -43,10 +40,7 @@ func TestIstiodXDSTrafficDistribution(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
-		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
 	for _, p := range []struct {
 		pod  *Pod
@@ -64,7 +58,7 @@ func TestIstiodXDSTrafficDistribution(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	agents := startXDSAgents(t, tp, cluster, istiod, agentAccount)
+	agents := startXDSAgents(t, tp, cluster, istiod, istiotest.AgentAccount)
 	waitEnrolled(t, agents[0].BPFRoot, 30*time.Second, "mesh/client")
 	waitEnrolled(t, agents[1].BPFRoot, 30*time.Second, "mesh/near")
 	waitEnrolled(t, agents[2].BPFRoot, 30*time.Second, "mesh/far")

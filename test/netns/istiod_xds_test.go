@@ -15,7 +15,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
@@ -38,16 +37,11 @@ import (
 //     a pod created meanwhile arrives once istiod is back, on the resumed
 //     stream, with what was already held still there.
 func TestIstiodXDSClient(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs, istiod := cp.Client, cp.Istiod
 	ctx := context.Background()
 
-	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
-		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	// Pods an agent enrolled carry ambient.istio.io/redirection=enabled;
 	// istiod then describes them as HBONE peers.
 	for _, p := range []*corev1.Pod{
@@ -69,14 +63,14 @@ func TestIstiodXDSClient(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	dyn := dynamicClient(t, cluster)
+	dyn := cp.Dynamic
 	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
 		"hosts": []any{"db.example.com"}, "addresses": []any{"240.1.1.1"}, "resolution": "STATIC",
 		"ports":     []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(15432)}},
 		"endpoints": []any{map[string]any{"address": "10.244.2.5"}},
 	})
 
-	token := istiotest.AgentToken(t, cs, agentAccount, "node1", istiotest.Audience)
+	token := istiotest.AgentToken(t, cs, istiotest.AgentAccount, "node1", istiotest.Audience)
 	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
 	if err != nil {
 		t.Fatal(err)
@@ -221,19 +215,6 @@ func findService(s *xds.Snapshot, hostname string) *xds.Service {
 
 func ptr[T any](v T) *T { return &v }
 
-func dynamicClient(t *testing.T, c *kubetest.Cluster) dynamic.Interface {
-	t.Helper()
-	rc, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := dynamic.NewForConfig(rc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
-}
-
 // apply creates an Istio object of group/version/resource.
 func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name string, spec map[string]any) {
 	t.Helper()
@@ -259,26 +240,22 @@ func apply(t *testing.T, d dynamic.Interface, group, version, resource, ns, name
 // client's DNS is captured: its agent answers the Service's names and the
 // ServiceEntry hosts, one of them at the address istiod allocated.
 func TestIstiodXDSAgents(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 2)
 	client, other, plain := tp.Nodes[0].AddPod("client"), tp.Nodes[0].AddPod("other"), tp.Nodes[0].AddPod("plain")
 	server := tp.Nodes[1].AddPod("server")
 	for name, labels := range map[string]map[string]string{"mesh": {"istio.io/dataplane-mode": "ambient"}, "outside": nil} {
-		if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		createNamespace(t, cs, name, labels)
 	}
 	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "other", "other-sa", "node1", other.IPv4.String(), other.IPv6.String())
 	istiotest.CreatePod(t, cs, "outside", "plain", "plain-sa", "node1", plain.IPv4.String(), plain.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 
-	agents := startXDSAgents(t, tp, cluster, istiod, agentAccount)
+	agents := startXDSAgents(t, tp, cluster, istiod, istiotest.AgentAccount)
 	node1, node2 := agents[0], agents[1]
 	waitEnrolled(t, node1.BPFRoot, 30*time.Second, "mesh/client", "mesh/other")
 	waitEnrolled(t, node2.BPFRoot, 30*time.Second, "mesh/server")
@@ -329,7 +306,7 @@ func TestIstiodXDSAgents(t *testing.T) {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	dyn := dynamicClient(t, cluster)
+	dyn := cp.Dynamic
 	apply(t, dyn, "networking.istio.io", "v1", "serviceentries", "mesh", "external", map[string]any{
 		"hosts": []any{"db.example.com"}, "addresses": []any{"10.97.0.1"}, "resolution": "STATIC",
 		"ports":            []any{map[string]any{"number": int64(5432), "name": "tcp", "protocol": "TCP", "targetPort": int64(8080)}},
@@ -465,6 +442,14 @@ func labelReady(t *testing.T, cs kubernetes.Interface, pod *corev1.Pod, labels m
 	}
 }
 
+// createNamespace creates namespace name with labels in the API server.
+func createNamespace(t *testing.T, cs kubernetes.Interface, name string, labels map[string]string) {
+	t.Helper()
+	if _, err := cs.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // startXDSAgents starts an agent with --source xds on every node of tp,
 // each with its own node's token for account, and waits for their streams
 // to istiod to open.
@@ -473,15 +458,8 @@ func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istio
 	cs := cluster.Client(t)
 	var agents []*Agent
 	for _, n := range tp.Nodes {
-		forwardLoopback(t, n.Path(), cluster.Config.Host)
-		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		node := fmt.Sprintf("node%d", n.Index)
-		token := istiotest.AgentToken(t, cs, account, node, istiotest.Audience)
-		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
-			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
-			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
-			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
-		}}))
+		token := istiotest.AgentToken(t, cs, account, fmt.Sprintf("node%d", n.Index), istiotest.Audience)
+		agents = append(agents, startXDSAgent(t, n, cluster, istiod, token))
 	}
 	for _, a := range agents {
 		a.WaitLog(t, "xds stream to istiod open", 30*time.Second)
@@ -489,41 +467,44 @@ func startXDSAgents(t *testing.T, tp *Topology, cluster *kubetest.Cluster, istio
 	return agents
 }
 
+// startXDSAgent starts an agent with --source xds on node n, reaching the
+// API server and istiod through loopback forwards and asking for
+// certificates with token (an istiotest.AgentAccount token bound to n).
+func startXDSAgent(t *testing.T, n *Node, cluster *kubetest.Cluster, istiod *istiotest.Istiod, token string) *Agent {
+	t.Helper()
+	forwardLoopback(t, n.Path(), cluster.Config.Host)
+	forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
+	node := fmt.Sprintf("node%d", n.Index)
+	return StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
+		"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
+		"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
+		"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
+	}})
+}
+
 // TestIstiodXDSEnrollsWithoutIstiod: with istiod down when the agents
 // start, pods are still enrolled (from each node's own pod watch), but
 // inbound connections are refused and the agents are not ready until
 // istiod's state arrives; then traffic flows.
 func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
 	ctx := context.Background()
 
 	tp := New(t, 2)
 	client, server := tp.Nodes[0].AddPod("client"), tp.Nodes[1].AddPod("server")
-	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "mesh",
-		Labels: map[string]string{"istio.io/dataplane-mode": "ambient"}}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createNamespace(t, cs, "mesh", map[string]string{"istio.io/dataplane-mode": "ambient"})
 	istiotest.CreatePod(t, cs, "mesh", "client", "client-sa", "node1", client.IPv4.String(), client.IPv6.String())
 	istiotest.CreatePod(t, cs, "mesh", "server", "server-sa", "node2", server.IPv4.String(), server.IPv6.String())
 	var tokens []string
 	for _, n := range tp.Nodes {
-		tokens = append(tokens, istiotest.AgentToken(t, cs, agentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
+		tokens = append(tokens, istiotest.AgentToken(t, cs, istiotest.AgentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience))
 	}
 	istiod.Stop()
 
 	var agents []*Agent
 	for i, n := range tp.Nodes {
-		forwardLoopback(t, n.Path(), cluster.Config.Host)
-		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		node := fmt.Sprintf("node%d", n.Index)
-		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Args: []string{
-			"--source", "xds", "--kubeconfig", cluster.Kubeconfig,
-			"--ca-address", istiod.Addr, "--ca-token-file", tokens[i], "--ca-root-cert", istiod.RootCertFile, "--cluster-id", istiotest.ClusterID,
-			"--pod-name", "redirector-" + node, "--pod-namespace", istiotest.Namespace, "--instance-ip", "127.0.0.1",
-		}}))
+		agents = append(agents, startXDSAgent(t, n, cluster, istiod, tokens[i]))
 	}
 	waitEnrolled(t, agents[0].BPFRoot, 30*time.Second, "mesh/client")
 	waitEnrolled(t, agents[1].BPFRoot, 30*time.Second, "mesh/server")

@@ -2,6 +2,7 @@ package netnstest
 
 import (
 	"fmt"
+	"net/netip"
 	"os"
 	"slices"
 	"strings"
@@ -65,6 +66,25 @@ status:
 func (m *Manifest) Raw(doc string) *Manifest {
 	m.docs = append(m.docs, strings.TrimSpace(doc)+"\n")
 	return m
+}
+
+// readyEndpointSlice is the EndpointSlice of Service svc in namespace mesh
+// with one ready IPv4 endpoint, addr, on the http port 8080: what the
+// EndpointSlice controller writes for a Service in front of one pod's app.
+func readyEndpointSlice(svc string, addr netip.Addr) string {
+	return fmt.Sprintf(`apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: %s-1
+  namespace: mesh
+  labels: {kubernetes.io/service-name: %s}
+addressType: IPv4
+ports:
+- {name: http, port: 8080}
+endpoints:
+- addresses: [%q]
+  conditions: {ready: true}
+`, svc, svc, addr)
 }
 
 // String is the multi-document stream.

@@ -92,14 +92,7 @@ func TestPolicyChangeClosesOpenConnections(t *testing.T) {
 
 	// DENY client-sa: its open HBONE connection is closed, the plaintext
 	// one (no principal) stays.
-	deny := `apiVersion: security.istio.io/v1
-kind: AuthorizationPolicy
-metadata: {name: deny-client, namespace: mesh}
-spec:
-  action: DENY
-  rules:
-  - from:
-    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	deny := clientPrincipalPolicy("deny-client", "DENY")
 	ms.rewrite(t, client, server, plain, deny)
 	if err := waitClosed(meshedConn, 10*time.Second); err != nil {
 		t.Errorf("meshed connection denied by the new policy: %v", err)
@@ -192,21 +185,10 @@ func holdsPerSource(t *testing.T, agent *Agent, listener string, conns []net.Con
 // one INFO line per refusal.
 func TestPlaintextFloodBoundedAndQuiet(t *testing.T) {
 	const perSource = 20
-	var client, server, plain *Pod
-	ms := newMeshWith(t, []string{"--max-connections-per-source", fmt.Sprint(perSource)}, func(tp *Topology, m *Manifest) {
-		client = tp.Nodes[0].AddPod("client")
-		server = tp.Nodes[1].AddPod("server")
-		plain = tp.Nodes[0].AddPod("plain")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-			Pod(client, "mesh", "client-sa", "app=client").
-			Pod(server, "mesh", "server-sa", "app=server").
-			Pod(plain, "plain", "default")
-	})
-	// Both pods enrolled: a client pod not yet enrolled reaches the server
-	// in plaintext, where the per-source limit resets its later connects.
-	for _, a := range ms.agents {
-		a.WaitLog(t, "pod enrolled", 10*time.Second)
-	}
+	// Both pods enrolled (meshedWith waits for it): a client pod not yet
+	// enrolled reaches the server in plaintext, where the per-source limit
+	// resets its later connects.
+	ms, client, server, plain := meshedWith(t, []string{"--max-connections-per-source", fmt.Sprint(perSource)})
 	var appConns atomic.Int64
 	ServeTCP(t, server, 9000, func(c net.Conn) { appConns.Add(1); _, _ = io.Copy(c, c) })
 	dst := netip.AddrPortFrom(server.IPv4, 9000)

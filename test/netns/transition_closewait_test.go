@@ -2,7 +2,6 @@ package netnstest
 
 import (
 	"bytes"
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -12,8 +11,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-
-	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // TestUnenrollEndsClosedRelaySockets: a meshed connection whose relay ended
@@ -36,31 +33,10 @@ func TestUnenrollEndsClosedRelaySockets(t *testing.T) {
 			ms, client, server, plain := meshed(t)
 			const marker = "closewait-plaintext-marker-3e8d"
 			payload := bytes.Repeat([]byte(marker), 8)
-			stopServer := make(chan struct{})
-			defer close(stopServer)
-			serverApp := make(chan net.Conn, 4)
-			ServeTCP(t, server, 9201, func(c net.Conn) {
-				serverApp <- c
-				<-stopServer
-			})
+			serverApp := heldServerApp(t, server, 9201)
 			var apps, srvs []net.Conn
 			for _, dst := range []netip.Addr{server.IPv4, server.IPv6} {
-				var app net.Conn
-				Eventually(t, 10*time.Second, func() error {
-					ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-					defer cancel()
-					var err error
-					app, err = netns.Dial(ctx, client.Path(), "tcp", netip.AddrPortFrom(dst, 9201).String(), netns.SocketOptions{})
-					return err
-				})
-				defer app.Close()
-				var srv net.Conn
-				select {
-				case srv = <-serverApp:
-				case <-time.After(5 * time.Second):
-					t.Fatal("the server app accepted no connection")
-				}
-				defer srv.Close()
+				app, srv := dialHeld(t, client, netip.AddrPortFrom(dst, 9201), serverApp)
 				if peer := srv.RemoteAddr().(*net.TCPAddr).AddrPort().Addr().Unmap(); peer != client.IPv4 && peer != client.IPv6 {
 					t.Fatalf("server app's peer %s, want the client's address (relayed by the tunnel)", srv.RemoteAddr())
 				}
@@ -92,27 +68,7 @@ func TestUnenrollEndsClosedRelaySockets(t *testing.T) {
 			time.Sleep(300 * time.Millisecond)
 
 			stopCapture := Capture(t, node.Path(), "uplink")
-			unenrolled := strings.Count(agent.Log(), "pod unenrolled")
-			clientLabels, serverLabels := []string{"app=client"}, []string{"app=server"}
-			if side == "client" {
-				clientLabels = append(clientLabels, "istio.io/dataplane-mode=none")
-			} else {
-				serverLabels = append(serverLabels, "istio.io/dataplane-mode=none")
-			}
-			m := &Manifest{}
-			m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-				Pod(client, "mesh", "client-sa", clientLabels...).
-				Pod(server, "mesh", "server-sa", serverLabels...).
-				Pod(plain, "plain", "default")
-			if err := m.Write(ms.manifest); err != nil {
-				t.Fatal(err)
-			}
-			Eventually(t, 15*time.Second, func() error {
-				if strings.Count(agent.Log(), "pod unenrolled") == unenrolled {
-					return fmt.Errorf("the %s pod is not reported unenrolled", side)
-				}
-				return nil
-			})
+			ms.optOut(t, agent, side, client, server, plain)
 			for i, w := range writers {
 				_ = w.SetWriteDeadline(time.Now().Add(2 * time.Second))
 				_, err := w.Write(payload)

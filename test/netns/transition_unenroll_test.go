@@ -33,42 +33,25 @@ func TestUnenrollNoPlaintext(t *testing.T) {
 			ms, client, server, plain := meshed(t)
 			const marker = "unenroll-plaintext-marker-5d2c"
 			payload := bytes.Repeat([]byte(marker), 8)
-			stopServer := make(chan struct{})
-			defer close(stopServer)
-			serverApp := make(chan net.Conn, 4)
-			ServeTCP(t, server, 9200, func(c net.Conn) {
-				serverApp <- c
-				// Read (and drop) whatever the client sends; the socket
-				// stays open until the test ends, whatever happens to it.
-				go func() {
-					buf := make([]byte, 4096)
-					for {
-						if _, err := c.Read(buf); err != nil {
-							return
-						}
-					}
-				}()
-				<-stopServer
-			})
+			serverApp := heldServerApp(t, server, 9200)
 			dst := netip.AddrPortFrom(server.IPv4, 9200)
 			// Two connections: one the app writes to all along, one it
 			// leaves idle until the pod is unenrolled (a pooled
 			// keep-alive connection, say), then writes to.
 			var apps, srvs [2]net.Conn
 			for i := range apps {
-				Eventually(t, 10*time.Second, func() error {
-					ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-					defer cancel()
-					var err error
-					apps[i], err = netns.Dial(ctx, client.Path(), "tcp", dst.String(), netns.SocketOptions{})
-					return err
-				})
-				defer apps[i].Close()
-				select {
-				case srvs[i] = <-serverApp:
-				case <-time.After(5 * time.Second):
-					t.Fatal("the server app accepted no connection")
-				}
+				apps[i], srvs[i] = dialHeld(t, client, dst, serverApp)
+				// The server app reads (and drops) whatever the client
+				// sends; the socket stays open until the test ends,
+				// whatever happens to it.
+				go func(c net.Conn) {
+					buf := make([]byte, 4096)
+					for {
+						if _, err := c.Read(buf); err != nil {
+							return
+						}
+					}
+				}(srvs[i])
 				if !strings.HasPrefix(srvs[i].RemoteAddr().String(), client.IPv4.String()+":") {
 					t.Fatalf("server app's peer %s, want the client's address (relayed by the tunnel)", srvs[i].RemoteAddr())
 				}
@@ -100,27 +83,7 @@ func TestUnenrollNoPlaintext(t *testing.T) {
 				done <- errors.New("writes never failed")
 			}()
 
-			unenrolled := strings.Count(agent.Log(), "pod unenrolled")
-			clientLabels, serverLabels := []string{"app=client"}, []string{"app=server"}
-			if side == "client" {
-				clientLabels = append(clientLabels, "istio.io/dataplane-mode=none")
-			} else {
-				serverLabels = append(serverLabels, "istio.io/dataplane-mode=none")
-			}
-			m := &Manifest{}
-			m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-				Pod(client, "mesh", "client-sa", clientLabels...).
-				Pod(server, "mesh", "server-sa", serverLabels...).
-				Pod(plain, "plain", "default")
-			if err := m.Write(ms.manifest); err != nil {
-				t.Fatal(err)
-			}
-			Eventually(t, 15*time.Second, func() error {
-				if strings.Count(agent.Log(), "pod unenrolled") == unenrolled {
-					return fmt.Errorf("the %s pod is not reported unenrolled", side)
-				}
-				return nil
-			})
+			ms.optOut(t, agent, side, client, server, plain)
 			err := <-done
 			t.Logf("the app's writes ended: %v", err)
 			// What the app sends after the end, on the connection it left
@@ -134,4 +97,67 @@ func TestUnenrollNoPlaintext(t *testing.T) {
 			}
 		})
 	}
+}
+
+// heldServerApp serves port on server and hands every connection it
+// accepts to the test, which owns it from then on: the handler holds it
+// open until the test ends, so the server app's socket outlives whatever
+// happens to the relay, as an app's would.
+func heldServerApp(t *testing.T, server *Pod, port int) <-chan net.Conn {
+	stop := make(chan struct{})
+	accepted := make(chan net.Conn, 4)
+	ServeTCP(t, server, port, func(c net.Conn) {
+		accepted <- c
+		<-stop
+	})
+	t.Cleanup(func() { close(stop) })
+	return accepted
+}
+
+// dialHeld connects client's app to dst through the mesh (retrying until
+// the capture is in place) and returns both app sockets: the client's and
+// the one the server app accepted from serverApp. Both are closed when the
+// test ends.
+func dialHeld(t *testing.T, client *Pod, dst netip.AddrPort, serverApp <-chan net.Conn) (app, srv net.Conn) {
+	t.Helper()
+	Eventually(t, 10*time.Second, func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
+		var err error
+		app, err = netns.Dial(ctx, client.Path(), "tcp", dst.String(), netns.SocketOptions{})
+		return err
+	})
+	t.Cleanup(func() { app.Close() })
+	select {
+	case srv = <-serverApp:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server app accepted no connection")
+	}
+	t.Cleanup(func() { srv.Close() })
+	return app, srv
+}
+
+// optOut sets the dataplane-mode of the side ("client" or "server") pod of
+// a meshed() setup to none in the cluster file and waits until agent
+// reports a pod unenrolled: the unenrollment the transition tests act
+// around.
+func (ms *mesh) optOut(t *testing.T, agent *Agent, side string, client, server, plain *Pod) {
+	t.Helper()
+	unenrolled := strings.Count(agent.Log(), "pod unenrolled")
+	clientLabels, serverLabels := []string{"app=client"}, []string{"app=server"}
+	if side == "client" {
+		clientLabels = append(clientLabels, "istio.io/dataplane-mode=none")
+	} else {
+		serverLabels = append(serverLabels, "istio.io/dataplane-mode=none")
+	}
+	m := meshedObjects(&Manifest{}, client, server, plain, clientLabels, serverLabels)
+	if err := m.Write(ms.manifest); err != nil {
+		t.Fatal(err)
+	}
+	Eventually(t, 15*time.Second, func() error {
+		if strings.Count(agent.Log(), "pod unenrolled") == unenrolled {
+			return fmt.Errorf("the %s pod is not reported unenrolled", side)
+		}
+		return nil
+	})
 }

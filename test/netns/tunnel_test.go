@@ -24,36 +24,63 @@ import (
 
 // meshed is the usual cluster: an ambient namespace "mesh" with client (node
 // 1) and server (node 2), and a plain namespace with a non-meshed pod "plain"
-// on node 1.
+// on node 1; the server's HTTPApp serves 8080.
 func meshed(t *testing.T, extra ...string) (*mesh, *Pod, *Pod, *Pod) {
-	var client, server, plain *Pod
-	ms := newMesh(t, func(tp *Topology, m *Manifest) {
+	t.Helper()
+	ms, client, server, plain := meshedWith(t, nil, extra...)
+	HTTPApp(t, server, 8080, "server")
+	return ms, client, server, plain
+}
+
+// meshedWith is meshed's cluster with extra agent arguments and no app in
+// the server pod yet, for tests that bring their own; both meshed pods are
+// enrolled when it returns.
+func meshedWith(t *testing.T, args []string, extra ...string) (ms *mesh, client, server, plain *Pod) {
+	t.Helper()
+	ms = newMeshWith(t, args, func(tp *Topology, m *Manifest) {
 		client = tp.Nodes[0].AddPod("client")
 		server = tp.Nodes[1].AddPod("server")
 		plain = tp.Nodes[0].AddPod("plain")
-		m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-			Pod(client, "mesh", "client-sa", "app=client").
-			Pod(server, "mesh", "server-sa", "app=server").
-			Pod(plain, "plain", "default")
+		meshedObjects(m, client, server, plain, []string{"app=client"}, []string{"app=server"})
 		for _, doc := range extra {
 			m.Raw(doc)
 		}
 	})
-	HTTPApp(t, server, 8080, "server")
 	ms.agents[0].WaitLog(t, "pod enrolled", 10*time.Second)
 	ms.agents[1].WaitLog(t, "pod enrolled", 10*time.Second)
 	return ms, client, server, plain
+}
+
+// clientPrincipalPolicy is a namespace-wide AuthorizationPolicy of mesh,
+// called name, whose one rule matches the principal of meshed()'s client
+// pod (mesh/client-sa) with action (DENY or ALLOW): the policy the tests
+// flip to refuse or admit exactly that client.
+func clientPrincipalPolicy(name, action string) string {
+	return fmt.Sprintf(`apiVersion: security.istio.io/v1
+kind: AuthorizationPolicy
+metadata: {name: %s, namespace: mesh}
+spec:
+  action: %s
+  rules:
+  - from:
+    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`, name, action)
+}
+
+// meshedObjects adds meshed's namespaces and pods to m, the client and
+// server pods with the labels given (meshed gives them app=client and
+// app=server): the base of every cluster file a meshed test writes.
+func meshedObjects(m *Manifest, client, server, plain *Pod, clientLabels, serverLabels []string) *Manifest {
+	return m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
+		Pod(client, "mesh", "client-sa", clientLabels...).
+		Pod(server, "mesh", "server-sa", serverLabels...).
+		Pod(plain, "plain", "default")
 }
 
 // rewrite replaces the cluster file with the base objects plus extra docs;
 // the agents pick it up through their file watch.
 func (ms *mesh) rewrite(t *testing.T, client, server, plain *Pod, extra ...string) {
 	t.Helper()
-	m := &Manifest{}
-	m.Namespace("mesh", "istio.io/dataplane-mode=ambient").Namespace("plain").
-		Pod(client, "mesh", "client-sa", "app=client").
-		Pod(server, "mesh", "server-sa", "app=server").
-		Pod(plain, "plain", "default")
+	m := meshedObjects(&Manifest{}, client, server, plain, []string{"app=client"}, []string{"app=server"})
 	for _, doc := range extra {
 		m.Raw(doc)
 	}
@@ -171,14 +198,7 @@ spec:
 	}
 
 	// DENY by principal blocks exactly that client.
-	deny := `apiVersion: security.istio.io/v1
-kind: AuthorizationPolicy
-metadata: {name: deny-client, namespace: mesh}
-spec:
-  action: DENY
-  rules:
-  - from:
-    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	deny := clientPrincipalPolicy("deny-client", "DENY")
 	ms.rewrite(t, client, server, plain, deny)
 	WaitRefused(t, client, URL(server.IPv4, 8080), 5*time.Second)
 	if _, err := Curl(plain, URL(server.IPv4, 8080)); err != nil {
@@ -186,14 +206,7 @@ spec:
 	}
 
 	// ALLOW admits only what it names: the client's principal, not the plain pod.
-	allow := `apiVersion: security.istio.io/v1
-kind: AuthorizationPolicy
-metadata: {name: allow-client, namespace: mesh}
-spec:
-  action: ALLOW
-  rules:
-  - from:
-    - source: {principals: ["cluster.local/ns/mesh/sa/client-sa"]}`
+	allow := clientPrincipalPolicy("allow-client", "ALLOW")
 	ms.rewrite(t, client, server, plain, allow)
 	Eventually(t, 5*time.Second, func() error { _, err := Curl(client, URL(server.IPv4, 8080)); return err })
 	if out, err := Curl(plain, URL(server.IPv4, 8080)); err == nil {

@@ -70,19 +70,7 @@ spec:
   ports:
   - {name: http, port: 80, targetPort: 8080}
 ---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: mesh
-  labels: {kubernetes.io/service-name: web}
-addressType: IPv4
-ports:
-- {name: http, port: 8080}
-endpoints:
-- addresses: [%q]
-  conditions: {ready: true}
----
+%s---
 apiVersion: security.istio.io/v1
 kind: AuthorizationPolicy
 metadata: {name: only-via-waypoint, namespace: mesh}
@@ -92,7 +80,7 @@ spec:
   rules:
   - from:
     - source: {principals: ["cluster.local/ns/mesh/sa/waypoint"]}
-`, waypointVIP, eps, webVIP, server.IPv4))
+`, waypointVIP, eps, webVIP, readyEndpointSlice("web", server.IPv4)))
 }
 
 // connectSeen is one CONNECT the stand-in waypoint received.
