@@ -26,10 +26,10 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 	kjson "sigs.k8s.io/json"
 
-	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source/xds"
 	"github.com/redirector-mesh/redirector/test/kubetest"
+	"github.com/redirector-mesh/redirector/test/xdstest"
 )
 
 // TestPolicyDifferential applies the same random PeerAuthentications and
@@ -152,46 +152,18 @@ func TestPolicyDifferential(t *testing.T) {
 type diffEnv struct {
 	cs    kubernetes.Interface
 	dyn   dynamic.Interface
-	snaps chan *xds.Snapshot
+	snaps <-chan *xds.Snapshot
 	last  *xds.Snapshot
 }
 
 func startDiff(t *testing.T) *diffEnv {
 	cluster := kubetest.Start(t)
 	istiod := Start(t, cluster, Options{TrustedNodeAccounts: []string{agentAccount}})
-	ctx := context.Background()
 	cs, dyn := diffClients(t, cluster)
 
 	token := AgentToken(t, cs, agentAccount, "node1", Audience)
-	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := xds.Dial(istiod.Addr, "", bundle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	c, err := xds.New(xds.Config{
-		Conn: conn, Token: xds.TokenFile(token), Metrics: xds.NewMetrics(nil),
-		Node: xds.Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: Namespace, NodeName: "node1", ClusterID: ClusterID},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	snaps := make(chan *xds.Snapshot, 1024)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		c.Run(runCtx, func(s *xds.Snapshot) {
-			select {
-			case snaps <- s:
-			case <-runCtx.Done():
-			}
-		})
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	snaps := xdstest.Watch(t, istiod.Addr, istiod.RootCertFile, token,
+		xds.Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: Namespace, NodeName: "node1", ClusterID: ClusterID})
 	return &diffEnv{cs: cs, dyn: dyn, snaps: snaps}
 }
 

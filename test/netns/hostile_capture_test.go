@@ -363,26 +363,13 @@ func fragmentedSYN(p *Pod, dst netip.Addr, port uint16) (synack bool, err error)
 				return fmt.Errorf("send fragment: %w", err)
 			}
 		}
-		tv := unix.NsecToTimeval(int64(300 * time.Millisecond))
-		unix.SetsockoptTimeval(recv, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-		deadline := time.Now().Add(3 * time.Second)
-		buf := make([]byte, 1500)
-		for time.Now().Before(deadline) {
-			n, _, err := unix.Recvfrom(recv, buf, 0)
-			if err != nil {
-				continue
-			}
-			pkt := buf[:n]
+		synack = awaitSynAck(recv, port, sport, func(pkt []byte, _ unix.Sockaddr) []byte {
 			ihl := int(pkt[0]&0xf) * 4
-			if n < ihl+20 || !bytes.Equal(pkt[12:16], dst.AsSlice()) {
-				continue
-			}
-			th := pkt[ihl:]
-			if binary.BigEndian.Uint16(th[0:]) == port && binary.BigEndian.Uint16(th[2:]) == sport && th[13]&0x12 == 0x12 {
-				synack = true
+			if len(pkt) < ihl+20 || !bytes.Equal(pkt[12:16], dst.AsSlice()) {
 				return nil
 			}
-		}
+			return pkt[ihl:]
+		})
 		return nil
 	})
 	return synack, err
@@ -436,27 +423,38 @@ func fragmentedSYN6(p *Pod, dst netip.Addr, port uint16) (synack bool, err error
 				return fmt.Errorf("send fragment: %w", err)
 			}
 		}
-		tv := unix.NsecToTimeval(int64(300 * time.Millisecond))
-		unix.SetsockoptTimeval(recv, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-		deadline := time.Now().Add(3 * time.Second)
-		buf := make([]byte, 1500)
-		for time.Now().Before(deadline) {
-			n, from, err := unix.Recvfrom(recv, buf, 0)
-			if err != nil || n < 20 {
-				continue
-			}
-			if f, ok := from.(*unix.SockaddrInet6); !ok || f.Addr != d16 {
-				continue
-			}
-			th := buf[:n] // IPv6 raw sockets deliver the payload only
-			if binary.BigEndian.Uint16(th[0:]) == port && binary.BigEndian.Uint16(th[2:]) == sport && th[13]&0x12 == 0x12 {
-				synack = true
+		synack = awaitSynAck(recv, port, sport, func(pkt []byte, from unix.Sockaddr) []byte {
+			if f, ok := from.(*unix.SockaddrInet6); len(pkt) < 20 || !ok || f.Addr != d16 {
 				return nil
 			}
-		}
+			return pkt // IPv6 raw sockets deliver the payload only
+		})
 		return nil
 	})
 	return synack, err
+}
+
+// awaitSynAck reads the raw TCP socket recv for 3 s and reports whether a
+// SYN-ACK from port to sport came in. tcpHeader finds the TCP header in
+// what recv delivered, from the peer from, or returns nil for a packet
+// that is not from the SYN's destination: the two families' raw sockets
+// deliver different things (IPv4 the IP header too, IPv6 the payload).
+func awaitSynAck(recv int, port, sport uint16, tcpHeader func(pkt []byte, from unix.Sockaddr) []byte) bool {
+	tv := unix.NsecToTimeval(int64(300 * time.Millisecond))
+	unix.SetsockoptTimeval(recv, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	deadline := time.Now().Add(3 * time.Second)
+	buf := make([]byte, 1500)
+	for time.Now().Before(deadline) {
+		n, from, err := unix.Recvfrom(recv, buf, 0)
+		if err != nil {
+			continue
+		}
+		th := tcpHeader(buf[:n], from)
+		if th != nil && binary.BigEndian.Uint16(th[0:]) == port && binary.BigEndian.Uint16(th[2:]) == sport && th[13]&0x12 == 0x12 {
+			return true
+		}
+	}
+	return false
 }
 
 func tcpChecksum4(src, dst netip.Addr, seg []byte) uint16 {

@@ -22,7 +22,6 @@ import (
 	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/netns"
 	"github.com/redirector-mesh/redirector/test/istiotest"
-	"github.com/redirector-mesh/redirector/test/kubetest"
 )
 
 // TestIstiodIdentity runs two nodes' agents with istiod as their CA (real istiod, real
@@ -39,10 +38,8 @@ import (
 //   - the last pod of an identity leaves: its certificate is no longer served (kept, in its
 //     grace period, for a replacement pod, then forgotten).
 func TestIstiodIdentity(t *testing.T) {
-	cluster := kubetest.Start(t)
-	cs := cluster.Client(t)
-	const agentAccount = istiotest.Namespace + "/redirector"
-	istiod := istiotest.Start(t, cluster, istiotest.Options{TrustedNodeAccounts: []string{agentAccount}})
+	cp := istiotest.StartControlPlane(t)
+	cs, istiod := cp.Client, cp.Istiod
 
 	tp := New(t, 2)
 	client, rogue, late := tp.Nodes[0].AddPod("client"), tp.Nodes[0].AddPod("rogue"), tp.Nodes[0].AddPod("late")
@@ -74,7 +71,7 @@ func TestIstiodIdentity(t *testing.T) {
 	var agents []*Agent
 	for _, n := range tp.Nodes {
 		forwardLoopback(t, n.Path(), "grpc://"+istiod.Addr)
-		token := istiotest.AgentToken(t, cs, agentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience)
+		token := istiotest.AgentToken(t, cs, istiotest.AgentAccount, fmt.Sprintf("node%d", n.Index), istiotest.Audience)
 		agents = append(agents, StartAgent(t, n, AgentOptions{Binary: redirectorBin(), Manifest: manifest, Args: []string{
 			"--ca-address", istiod.Addr, "--ca-token-file", token, "--ca-root-cert", istiod.RootCertFile,
 			"--cluster-id", istiotest.ClusterID, "--cert-ttl", "2m",

@@ -16,11 +16,11 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/redirector-mesh/redirector/pkg/identity"
 	"github.com/redirector-mesh/redirector/pkg/policy"
 	"github.com/redirector-mesh/redirector/pkg/source/xds"
 	"github.com/redirector-mesh/redirector/test/istiotest"
 	"github.com/redirector-mesh/redirector/test/kubetest"
+	"github.com/redirector-mesh/redirector/test/xdstest"
 )
 
 // TestIstiodXDSClient runs the xDS source's client against a real istiod
@@ -71,31 +71,8 @@ func TestIstiodXDSClient(t *testing.T) {
 	})
 
 	token := istiotest.AgentToken(t, cs, istiotest.AgentAccount, "node1", istiotest.Audience)
-	bundle, err := identity.LoadBundle(istiod.RootCertFile, "cluster.local")
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := xds.Dial(istiod.Addr, "", bundle)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	metrics := xds.NewMetrics(nil)
-	c, err := xds.New(xds.Config{
-		Conn: conn, Token: xds.TokenFile(token), Metrics: metrics,
-		Node: xds.Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: istiotest.Namespace, NodeName: "node1", ClusterID: istiotest.ClusterID},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	snaps := make(chan *xds.Snapshot, 64)
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		c.Run(runCtx, func(s *xds.Snapshot) { snaps <- s })
-	}()
-	t.Cleanup(func() { cancel(); <-done })
+	snaps := xdstest.Watch(t, istiod.Addr, istiod.RootCertFile, token,
+		xds.Node{IP: netip.MustParseAddr("127.0.0.1"), PodName: "redirector-node1", PodNamespace: istiotest.Namespace, NodeName: "node1", ClusterID: istiotest.ClusterID})
 
 	var last *xds.Snapshot
 	waitFor := func(what string, ok func(*xds.Snapshot) error) {

@@ -1,7 +1,6 @@
 package netnstest
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -10,8 +9,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/redirector-mesh/redirector/pkg/netns"
 )
 
 // TestUnenrollWithStuckRelay: a meshed app that writes to a plaintext
@@ -29,16 +26,7 @@ func TestUnenrollWithStuckRelay(t *testing.T) {
 		_ = c.(*net.TCPConn).SetReadBuffer(4 << 10)
 		<-stop
 	})
-	dst := netip.AddrPortFrom(plain.IPv4, 9100)
-	var app net.Conn
-	Eventually(t, 10*time.Second, func() error {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-		defer cancel()
-		var err error
-		app, err = netns.Dial(ctx, client.Path(), "tcp", dst.String(), netns.SocketOptions{})
-		return err
-	})
-	defer app.Close()
+	app := dialApp(t, client, netip.AddrPortFrom(plain.IPv4, 9100))
 	outbound := func() float64 {
 		return metricSum(scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics"), "redirector_tunnel_open_connections", `listener="outbound"`)
 	}

@@ -120,6 +120,22 @@ func heldServerApp(t *testing.T, server *Pod, port int) <-chan net.Conn {
 // test ends.
 func dialHeld(t *testing.T, client *Pod, dst netip.AddrPort, serverApp <-chan net.Conn) (app, srv net.Conn) {
 	t.Helper()
+	app = dialApp(t, client, dst)
+	select {
+	case srv = <-serverApp:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the server app accepted no connection")
+	}
+	t.Cleanup(func() { srv.Close() })
+	return app, srv
+}
+
+// dialApp connects client's app to dst over TCP, retrying for 10 s (3 s
+// a try) until the pod's capture is in place, and closes the connection
+// when the test ends.
+func dialApp(t *testing.T, client *Pod, dst netip.AddrPort) net.Conn {
+	t.Helper()
+	var app net.Conn
 	Eventually(t, 10*time.Second, func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		defer cancel()
@@ -128,13 +144,7 @@ func dialHeld(t *testing.T, client *Pod, dst netip.AddrPort, serverApp <-chan ne
 		return err
 	})
 	t.Cleanup(func() { app.Close() })
-	select {
-	case srv = <-serverApp:
-	case <-time.After(5 * time.Second):
-		t.Fatal("the server app accepted no connection")
-	}
-	t.Cleanup(func() { srv.Close() })
-	return app, srv
+	return app
 }
 
 // optOut sets the dataplane-mode of the side ("client" or "server") pod of
