@@ -311,9 +311,8 @@ static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pk
 
 /* foreign_dst reports (and counts as drop_foreign_dst, for the pod whose
  * interface it is) a SYN (or a SYN cookie's ACK, cookie_ack) from the wire
- * to an enrolled address of another
- * pod than the one whose interface it arrives on: a neighbour routed that
- * pod's address via this pod's MAC. The inbound listener is transparent and
+ * to an enrolled address of another pod than the one whose interface it
+ * arrives on: a neighbour routed that pod's address via this pod's MAC. The inbound listener is transparent and
  * the assignment does not look at the address, so the kernel, which drops
  * such a packet as not local, would instead hand it to this pod's tunnel,
  * which would then serve another pod's address. A frame the host would not
