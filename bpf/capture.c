@@ -310,14 +310,15 @@ static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pk
 }
 
 /* foreign_dst reports (and counts as drop_foreign_dst, for the pod whose
- * interface it is) a SYN from the wire to an enrolled address of another
- * pod than the one whose interface it arrives on: a neighbour routed that
- * pod's address via this pod's MAC. The inbound listener is transparent and
+ * interface it is) a SYN (or a SYN cookie's ACK, cookie_ack) from the wire
+ * to an enrolled address of another pod than the one whose interface it
+ * arrives on: a neighbour routed that pod's address via this pod's MAC. The inbound listener is transparent and
  * the assignment does not look at the address, so the kernel, which drops
  * such a packet as not local, would instead hand it to this pod's tunnel,
  * which would then serve another pod's address. A frame the host would not
  * take (one the bridge flooded) is left to the kernel, which drops it
- * uncounted. Only a SYN about to be assigned pays for the lookup. */
+ * uncounted. Only a SYN, or an ACK cookie_ack is about to assign, pays
+ * for the lookup. */
 static __always_inline int foreign_dst(struct __sk_buff *skb, const struct pod_settings *dst_pod)
 {
 	struct pod_settings *pod;
@@ -622,8 +623,12 @@ static __always_inline int take_syn(struct __sk_buff *skb, struct tcp_pkt *p, __
  * inbound listener instead, which checks the cookie (or answers with a RST,
  * as any listener does to an ACK it has no request for); with none, it is
  * dropped as a SYN would be. An ACK no socket would take is left to the
- * kernel, which resets it. */
-static __always_inline int cookie_ack(struct __sk_buff *skb, struct tcp_pkt *p)
+ * kernel, which resets it. One to another pod's address (foreign_dst) is
+ * dropped, as its SYN would have been: assigned, it would be delivered
+ * (the reinject mark routes it locally) where the kernel drops it as not
+ * local, and SYN cookies are checked with the host's secret, not the
+ * namespace's. */
+static __always_inline int cookie_ack(struct __sk_buff *skb, struct tcp_pkt *p, const struct pod_settings *pod)
 {
 	struct bpf_sock *sk = lookup_tcp(skb, p);
 	__u32 state;
@@ -635,6 +640,8 @@ static __always_inline int cookie_ack(struct __sk_buff *skb, struct tcp_pkt *p)
 	bpf_sk_release(sk);
 	if (state != BPF_TCP_LISTEN)
 		return TC_ACT_UNSPEC;
+	if (foreign_dst(skb, pod))
+		return TC_ACT_SHOT;
 	reason = assign_listener(skb, p, inbound_port);
 	if (reason) {
 		count(reason, &p->dst, CNT_DROPPED);
@@ -906,8 +913,9 @@ int rd_pod_egress(struct __sk_buff *skb)
  *                  or off): its own SYN was captured, so only a
  *                  simultaneous open by a sender on the wire could connect
  *                  it, in plaintext;
- *   TC_ACT_SHOT    a SYN to another pod's address than the one whose
- *                  interface this is (foreign_dst);
+ *   TC_ACT_SHOT    a SYN, or an ACK cookie_ack would assign, to another
+ *                  pod's address than the one whose interface this is
+ *                  (foreign_dst);
  *   TC_ACT_SHOT    when that listener is missing or is not the tunnel's:
  *                  fail closed. A SYN whose
  *                  tuple is in TIME_WAIT is never passed as is: the kernel
@@ -985,7 +993,7 @@ int rd_pod_ingress(struct __sk_buff *skb)
 	}
 	if (!(p.syn && !p.ack)) {
 		if (p.ack && !p.syn && !p.rst)
-			return cookie_ack(skb, &p);
+			return cookie_ack(skb, &p, pod);
 		/* the kernel's own demux finds the connection's socket */
 		return TC_ACT_UNSPEC;
 	}

@@ -719,6 +719,11 @@ func fuzzSeeds() []fuzzSeed {
 		// the pod's own and other pods' addresses, the app listener's
 		ip4(pod4, pod4, pTCP, 0, tcpSyn), ip4(pod4b, pod4, pUDP, 0, make([]byte, 8)),
 		ip4(peer4, pod4b, pTCP, 0, tcpSyn), ip4(nb4, pod4, pTCP, 0, tcpSyn), ip6(peer6, nb6, nil, pTCP, tcpSyn),
+		// ACKs a listener would take (SYN cookies'), on the pod's own
+		// interface and on another pod's (drop_foreign_dst)
+		forHost(ip4(peer4, pod4, pTCP, 0, tcpHdr(40000, 15006, fACK))),
+		forHost(ip6(peer6, pod6, nil, pTCP, tcpHdr(40000, 15006, fACK|0x08))),
+		forHost(ip4(peer4, pod4b, pTCP, 0, tcpHdr(40000, 15006, fACK))),
 		// the rig's connected tuples
 		ip4(pod4, peer4, pTCP, 0, tcpHdr(rigLocalPort, rigAppPort, fACK)),
 		ip4(pod4, peer4, pTCP, 0, tcpHdr(rigLocalPort, rigAppPort, fSYN)),

@@ -627,6 +627,10 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 		// take (a SYN cookie's), goes to the inbound listener, never to the
 		// app's own listener (nor the tunnel's others).
 		if p.ack && !p.syn && !p.rst && (own == sockTunnelListener || own == sockOtherListener) {
+			// to another pod's address, as its SYN would be
+			if p.forHost && onPod && nsPod.id != pod.id {
+				return one(actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_DST, &owner)
+			}
 			switch w.lookup(src, dst, p.sport, 15006) {
 			case sockTunnelListener:
 				return []outcome{{actOK, CaptureVerdictReasonREASON_IN_ASSIGN_COOKIE_ACK, &dst},

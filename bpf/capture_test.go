@@ -454,13 +454,27 @@ func TestHostProbeSpoofedSource(t *testing.T) {
 		{"v4 fragment from the probe address", 0, ip4(snat4, pod4, pTCP, 1, make([]byte, 8)), actShot, spoofed},
 		{"v6 syn from the probe address", 0, ip6(snat6, pod6, nil, pTCP, tcpSyn), actShot, spoofed},
 		{"v6 syn with destination options from the probe address", 0, ip6(snat6, pod6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actShot, spoofed},
+		// a tag still in the frame at tc (a second one: the kernel
+		// keeps the first in the skb) hides nothing from the check
+		{"802.1Q v4 udp from the probe address", 0, vlan(0x8100, ip4(snat4, pod4, pUDP, 0, make([]byte, 8))), actShot, spoofed},
+		{"802.1ad 802.1Q v6 icmp from the probe address", 0, vlan(0x88a8, vlan(0x8100, ip6(snat6, pod6, nil, pICMP6, make([]byte, 8)))), actShot, spoofed},
+		{"802.1Q v4 syn from the probe address", 0, vlan(0x8100, ip4(snat4, pod4, pTCP, 0, tcpSyn)), actShot, spoofed},
+		{"802.1Q v4 udp from elsewhere", 0, vlan(0x8100, ip4(peer4, pod4, pUDP, 0, make([]byte, 8))), actUnspec, noReason},
 		{"v4 syn from the probe address to an unenrolled pod", 0, ip4(snat4, other4, pTCP, 0, tcpSyn), actUnspec, noReason},
-		{"v4 syn from elsewhere, no local socket", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn), actUnspec, noReason},
+		// translated: BPF_PROG_TEST_RUN's socket stands for a node socket
+		{"v4 syn of a node socket", 0, ip4(peer4, pod4, pTCP, 0, tcpSyn), actUnspec, noReason},
 		{"v6 syn from elsewhere", 0, ip6(peer6, pod6, nil, pTCP, tcpSyn), actUnspec, noReason},
 	}
 	runTable(t, objs.RdHostEgress, objs.RdReasons, egress)
 	ingress := []progCase{
-		{"v4 reply to the probe address without a NAT entry", 0, ip4(pod4, snat4, pTCP, 0, tcpHdr(8080, 40000, fSYN|fACK)), actUnspec, noReason},
+		// BPF_PROG_TEST_RUN gives every packet a socket of the test's
+		// namespace, so the node's SYN to pod4:8080 above started SNAT:
+		// its reply is translated, another tuple's is no probe's
+		{"v4 reply to the probe address with a NAT entry", 0, ip4(pod4, snat4, pTCP, 0, tcpHdr(8080, 40000, fSYN|fACK)), actUnspec, noReason},
+		{"v4 reply to the probe address without a NAT entry", 0, ip4(pod4, snat4, pTCP, 0, tcpHdr(8081, 40000, fSYN|fACK)), actShot, CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED},
+		{"802.1Q v4 udp to the probe address", 0, vlan(0x8100, ip4(pod4, snat4, pUDP, 0, make([]byte, 8))), actShot, CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED},
+		{"802.1Q 802.1Q v6 udp to the probe address", 0, vlan(0x8100, vlan(0x8100, ip6(pod6, snat6, nil, pUDP, make([]byte, 8)))), actShot, CaptureVerdictReasonREASON_DROP_PROBE_UNMATCHED},
+		{"802.1Q v4 udp elsewhere", 0, vlan(0x8100, ip4(pod4, peer4, pUDP, 0, make([]byte, 8))), actUnspec, noReason},
 	}
 	runTable(t, objs.RdHostIngress, objs.RdReasons, ingress)
 }

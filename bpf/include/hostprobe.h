@@ -82,18 +82,33 @@ static __always_inline int parse_host_pkt(struct __sk_buff *skb, struct host_pkt
 }
 
 /* read_addrs reads the source and destination of an IPv4 or IPv6 packet,
- * whatever it carries (fragments and extension headers included). Returns
- * -1 for other frames and for packets too short to hold them. */
+ * whatever it carries (fragments and extension headers included), behind
+ * up to VLAN_MAX_TAGS VLAN tags still in the frame: the kernel keeps one
+ * tag in the skb, a second stays in the frame at tc, and the pod's kernel
+ * strips priority tags (VID 0) one after the other and delivers what they
+ * carry. Read at the fixed offsets only, a frame a neighbour with a packet
+ * socket tagged twice passed the checks with any source, the probe SNAT
+ * address included (the pod-side capture drops tagged TCP, not the rest).
+ * Returns -1 for other frames, deeper stacks (which the pod-side capture
+ * drops unread on an enrolled pod's interface) and packets too short to
+ * hold the addresses. */
 static __always_inline int read_addrs(struct __sk_buff *skb, struct pod_addr *src, struct pod_addr *dst, __u8 *v6)
 {
+	__u32 l3 = ETH_HLEN;
 	__be16 proto;
 
 	if (bpf_skb_load_bytes(skb, offsetof(struct ethhdr, h_proto), &proto, sizeof(proto)) < 0)
 		return -1;
+	for (int i = 0; i < VLAN_MAX_TAGS && is_vlan(proto); i++) {
+		/* a tag: TCI, then the ethertype of what follows */
+		if (bpf_skb_load_bytes(skb, l3 + 2, &proto, sizeof(proto)) < 0)
+			return -1;
+		l3 += 4;
+	}
 	if (proto == bpf_htons(ETH_P_IP)) {
 		__be32 a[2];
 
-		if (bpf_skb_load_bytes(skb, IP4_SADDR_OFF, a, sizeof(a)) < 0)
+		if (bpf_skb_load_bytes(skb, l3 + offsetof(struct iphdr, saddr), a, sizeof(a)) < 0)
 			return -1;
 		map_v4(src, a[0]);
 		map_v4(dst, a[1]);
@@ -101,8 +116,8 @@ static __always_inline int read_addrs(struct __sk_buff *skb, struct pod_addr *sr
 		return 0;
 	}
 	if (proto == bpf_htons(ETH_P_IPV6)) {
-		if (bpf_skb_load_bytes(skb, IP6_SADDR_OFF, src->addr, 16) < 0 ||
-		    bpf_skb_load_bytes(skb, IP6_DADDR_OFF, dst->addr, 16) < 0)
+		if (bpf_skb_load_bytes(skb, l3 + offsetof(struct ipv6hdr, saddr), src->addr, 16) < 0 ||
+		    bpf_skb_load_bytes(skb, l3 + offsetof(struct ipv6hdr, daddr), dst->addr, 16) < 0)
 			return -1;
 		*v6 = 1;
 		return 0;
