@@ -1170,6 +1170,12 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		return &floodError{reason: fmt.Sprintf("SETTINGS frame with %d settings", f.NumSettings())}
 	}
 	c.mu.Lock()
+	// SETTINGS_INITIAL_WINDOW_SIZE is applied once per frame, at its last
+	// value: each change walks every open stream, and a frame repeating it
+	// up to maxSettingsPerFrame times made that many walks for one frame
+	// of the junk budget. Nothing is sent between a frame's settings, so
+	// only the last value can be seen.
+	initWindow, setInitWindow := uint32(0), false
 	err := f.ForeachSetting(func(s http2.Setting) error {
 		if err := s.Valid(); err != nil {
 			return err
@@ -1187,21 +1193,13 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		case http2.SettingHeaderTableSize:
 			c.peerTableSize.Store(s.Val)
 		case http2.SettingInitialWindowSize:
-			delta := int64(s.Val) - c.peerInitWindow
-			c.peerInitWindow = int64(s.Val)
-			for _, st := range c.streams {
-				was := st.sendWindow
-				st.sendWindow += delta
-				if st.sendWindow > maxWindow {
-					return http2.ConnectionError(http2.ErrCodeFlowControl)
-				}
-				if was <= 0 && st.sendWindow > 0 {
-					st.sendCond.Broadcast() // it sends once the ack is out
-				}
-			}
+			initWindow, setInitWindow = s.Val, true
 		}
 		return nil
 	})
+	if err == nil && setInitWindow {
+		err = c.setPeerInitWindowLocked(int64(initWindow))
+	}
 	c.sawSettings = true
 	if err == nil {
 		c.acksPending++
@@ -1224,6 +1222,28 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 			c.cfg.onZeroStreamLimit()
 		}
 		c.drain()
+	}
+	return nil
+}
+
+// setPeerInitWindowLocked applies the peer's new
+// SETTINGS_INITIAL_WINDOW_SIZE to every open stream's send window (RFC 9113
+// §6.9.2): one walk of the streams.
+func (c *conn) setPeerInitWindowLocked(v int64) error {
+	delta := v - c.peerInitWindow
+	c.peerInitWindow = v
+	if delta == 0 {
+		return nil
+	}
+	for _, st := range c.streams {
+		was := st.sendWindow
+		st.sendWindow += delta
+		if st.sendWindow > maxWindow {
+			return http2.ConnectionError(http2.ErrCodeFlowControl)
+		}
+		if was <= 0 && st.sendWindow > 0 {
+			st.sendCond.Broadcast() // it sends once the ack is out
+		}
 	}
 	return nil
 }
