@@ -17,10 +17,12 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"golang.org/x/sys/unix"
 )
 
 // HTTP/2 settings this package advertises, and related limits.
@@ -249,6 +251,11 @@ type connConfig struct {
 	// nothing arrived for pingInterval, and the conn closes when nothing,
 	// not even the PING's ack, arrived pingTimeout after it.
 	pingInterval, pingTimeout time.Duration
+	// writeStallTimeout (server; 0: none) closes the conn when one write
+	// to the peer made no progress for that long, at most half as long
+	// again (checkWriteStall); onWriteStall counts such closes.
+	writeStallTimeout time.Duration
+	onWriteStall      func()
 }
 
 // ctlFrame is a control frame queued for the control writer goroutine.
@@ -314,6 +321,11 @@ type conn struct {
 	// nobody holds it: a write that blocks for long means a peer that reads
 	// nothing of ours (keepalive closes the conn).
 	writing atomic.Int64
+	// writeSeq (with writeStallTimeout) counts takes and releases of wmu
+	// for writes: odd while a write is in progress. The stall check
+	// compares it between ticks, where writing would need a clock read per
+	// write.
+	writeSeq atomic.Uint64
 	// dataWaiters counts writeData calls waiting for wmu. While one waits,
 	// the holder leaves its frame in bw for the waiter to flush: frames of
 	// streams writing at the same moment share TLS records and syscalls.
@@ -378,6 +390,14 @@ type conn struct {
 	pingTimer    *time.Timer
 	pingSent     int64
 	pingsUnacked int
+	// stallTimer runs checkWriteStall every half writeStallTimeout;
+	// stallSeq is the writeSeq it saw last, stallTicks how many ticks in a
+	// row saw that same write in progress with no byte acknowledged,
+	// stallAcked the bytes the peer had acknowledged then. Under mu.
+	stallTimer *time.Timer
+	stallSeq   uint64
+	stallTicks int
+	stallAcked uint64
 
 	ctlWake chan struct{}
 	done    chan struct{}
@@ -593,7 +613,87 @@ func (c *conn) start() error {
 		}
 		c.mu.Unlock()
 	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.mu.Lock()
+		if c.err == nil {
+			c.stallTimer = time.AfterFunc(c.cfg.writeStallTimeout/2, c.checkWriteStall)
+		}
+		c.mu.Unlock()
+	}
 	return nil
+}
+
+// checkWriteStall runs on a timer (server) every half writeStallTimeout:
+// it closes the conn when the same write was in progress at three ticks in
+// a row, so for at least writeStallTimeout, and the peer acknowledged no
+// byte of ours meanwhile (on a TCP socket; a peer that reads slowly, with a
+// long write in progress, is not stalled). Such a peer reads nothing of
+// ours, while the writer holds the write lock: every stream's writes, every
+// response and refusal wait behind it, each holding its handler slot and
+// goroutine, and nothing else ends them while the peer keeps the
+// connection (a stream open keeps it from the idle timeout, and TCP keeps
+// probing a zero window for ever). Before, a client that opened a download,
+// stopped reading and sent CONNECTs that were refused held 200 handler
+// goroutines per connection for as long as it liked, with 1024 connections
+// per address. The pool's keepalive does the same for client conns.
+func (c *conn) checkWriteStall() {
+	seq := c.writeSeq.Load()
+	writing := seq%2 == 1
+	var acked uint64
+	known := false
+	if writing {
+		acked, known = c.bytesAcked()
+	}
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	switch {
+	case !writing || seq != c.stallSeq:
+		c.stallSeq, c.stallTicks = seq, 0
+	case known && acked != c.stallAcked:
+		c.stallTicks = 0 // the same write, but the peer takes our bytes
+	default:
+		c.stallTicks++
+	}
+	c.stallAcked = acked
+	stalled := c.stallTicks >= 2
+	if !stalled {
+		c.stallTimer.Reset(c.cfg.writeStallTimeout / 2)
+	}
+	c.mu.Unlock()
+	if !stalled {
+		return
+	}
+	if c.cfg.onWriteStall != nil {
+		c.cfg.onWriteStall()
+	}
+	c.cfg.log.Warn("hbone peer reads nothing of ours, closing its connection", "remote", c.nc.RemoteAddr(), "stalled", c.cfg.writeStallTimeout)
+	c.close(http2.ErrCodeNo, fmt.Errorf("%w: a write to the peer made no progress for %v", ErrConnClosed, c.cfg.writeStallTimeout), false)
+}
+
+// bytesAcked is how many bytes of ours the peer acknowledged on the conn's
+// TCP socket (TCP_INFO), and whether that is known.
+func (c *conn) bytesAcked() (uint64, bool) {
+	nc := c.nc
+	if c.cfg.batch != nil {
+		nc = c.cfg.batch.Conn
+	}
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return 0, false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return 0, false
+	}
+	var info *unix.TCPInfo
+	var ierr error
+	if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || ierr != nil {
+		return 0, false
+	}
+	return info.Bytes_acked, true
 }
 
 // keepalive runs on a timer (client): it sends a PING when nothing arrived
@@ -1613,12 +1713,18 @@ func (c *conn) lockWrite() {
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(monotonic())
 	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
+	}
 }
 
 // unlockWrite ends a write begun with lockWrite.
 func (c *conn) unlockWrite() {
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(0)
+	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
 	}
 	c.wmu.Unlock()
 }
@@ -1646,6 +1752,9 @@ func (c *conn) lockWriteCtx(ctx context.Context) error {
 	}
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(monotonic())
+	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
 	}
 	return nil
 }
@@ -2122,6 +2231,9 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	if c.pingTimer != nil {
 		c.pingTimer.Stop()
+	}
+	if c.stallTimer != nil {
+		c.stallTimer.Stop()
 	}
 	c.mu.Unlock()
 

@@ -95,6 +95,11 @@ type ServerOptions struct {
 	// Default 5m, longer than the client pool's, so clients normally close
 	// first and never race a server-side close.
 	IdleTimeout time.Duration
+	// WriteStallTimeout closes a connection when one write to the client
+	// has made no progress for this long (at most half as long again): a
+	// client that reads nothing of ours. Default 20s, as the pool's
+	// keepalive timeout.
+	WriteStallTimeout time.Duration
 	// PeerExpiry says when a client's chain stops verifying, which its
 	// connection is drained at; nil follows the presented chain by
 	// issuer names.
@@ -132,6 +137,9 @@ type ServerStats struct {
 	// body went out, because the client granted no send window for it
 	// within refuseWriteTimeout.
 	RefusalsCut uint64
+	// ConnsWriteStalled counts connections closed because a write to the
+	// client made no progress for WriteStallTimeout.
+	ConnsWriteStalled uint64
 	// OwnCertificateDrains counts connections drained because of the
 	// certificate the server presented on them: its chain ended, a new
 	// handshake would present another (renewed, replaced), or a trust
@@ -148,7 +156,7 @@ type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
-	refusalsCut, protocolErrors, ownDrains               atomic.Uint64
+	refusalsCut, protocolErrors, ownDrains, writeStalls  atomic.Uint64
 	handlersHeld, handlersQueued                         atomic.Int64
 }
 
@@ -203,6 +211,9 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if opts.IdleTimeout <= 0 {
 		opts.IdleTimeout = 5 * time.Minute
 	}
+	if opts.WriteStallTimeout <= 0 {
+		opts.WriteStallTimeout = 20 * time.Second
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -239,6 +250,7 @@ func (srv *Server) Stats() ServerStats {
 		ConnsProtocolError:   st.protocolErrors.Load(),
 		AcceptErrors:         st.acceptErrors.Load(),
 		RefusalsCut:          st.refusalsCut.Load(),
+		ConnsWriteStalled:    st.writeStalls.Load(),
 		OwnCertificateDrains: st.ownDrains.Load(),
 		HandlersHeld:         uint64(max(st.handlersHeld.Load(), 0)),
 		HandlersQueued:       uint64(max(st.handlersQueued.Load(), 0)),
@@ -397,6 +409,9 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, presented
 		onFlood:         func() { srv.stats.floods.Add(1) },
 		onProtocolError: func() { srv.stats.protocolErrors.Add(1) },
 		checkPresented:  func() { srv.checkPresented(c) },
+
+		writeStallTimeout: srv.opts.WriteStallTimeout,
+		onWriteStall:      func() { srv.stats.writeStalls.Add(1) },
 	})
 	c.tlsState = state
 	c.presented = presented
