@@ -63,6 +63,7 @@ const (
 	maxWindow          = 1<<31 - 1
 	maxStreamID        = 1<<31 - 1
 	maxQueuedControl   = 4096 // more pending control frames than this is a flood
+	maxKeptControl     = 64   // room for control frames the control writer keeps between batches
 	closeWriteDeadline = time.Second
 
 	// floodPeriod is the period of the flood budgets: a peer gets the
@@ -1659,7 +1660,13 @@ func (c *conn) ctlLoop() {
 		if releases {
 			clear(batch) // no stream kept reachable from the spare
 		}
-		c.ctlSpare = batch[:0]
+		if cap(batch) <= maxKeptControl {
+			// A batch grown by a burst (a peer that stopped reading
+			// and sent PINGs, up to maxQueuedControl of them) is
+			// dropped: kept as the spare, it stayed for the life of
+			// the conn.
+			c.ctlSpare = batch[:0]
+		}
 		c.mu.Unlock()
 		if err != nil {
 			c.close(http2.ErrCodeNo, fmt.Errorf("write control frame: %w", err), false)
