@@ -504,7 +504,7 @@ func runAgent(ctx context.Context, args []string) error {
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				RefusedHandshakeRate: lim.RefusedHandshakeRate,
 				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns, SourceResetFloods: lim.SourceResetFloods,
-				OwnCertificateDrains: st.OwnCertificateDrains}
+				SourceHandlerRefusals: lim.RefusedHandlers, OwnCertificateDrains: st.OwnCertificateDrains}
 		}),
 	)
 

@@ -265,6 +265,7 @@ type ServerStats struct {
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
 	EvictedConns                    uint64 // closed to admit one from a source holding fewer
 	SourceResetFloods               uint64 // closed: the source's early resets over all its connections
+	SourceHandlerRefusals           uint64 // streams refused: the source held its handlers over all its connections
 	// OwnCertificateDrains counts connections drained because of the
 	// certificate this node presented on them.
 	OwnCertificateDrains uint64
@@ -303,12 +304,14 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
 	sourceResetFloods := prometheus.NewDesc("redirector_hbone_source_reset_floods_total",
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because their client address reset more streams before their answer, over all its connections, than its budget (1000 per 10 s); also in redirector_hbone_flood_closes_total.", nil, nil)
+	sourceHandlers := prometheus.NewDesc("redirector_hbone_source_handler_refusals_total",
+		"Inbound HBONE streams refused with REFUSED_STREAM because their client address held 4096 streams with a handler (deciding, answering, refusing or relaying) over all its connections; also in redirector_hbone_streams_total{outcome=\"refused\"}.", nil, nil)
 	protocolErrors := prometheus.NewDesc("redirector_hbone_protocol_error_closes_total",
 		"Inbound HBONE connections closed because the client broke HTTP/2 (a malformed frame or header block, DATA beyond the window, frames on closed streams): GOAWAY with the error's code, naming the reason.", nil, nil)
 	ownCerts := prometheus.NewDesc("redirector_hbone_own_certificate_drains_total",
 		"Inbound HBONE connections drained (GOAWAY, new streams refused with REFUSED_STREAM, open ones run on) because of the certificate this node presented on them: its chain ended, it was replaced (renewed, or its root removed), or a trust bundle change refused it. The client's retry goes on a new connection, presenting the current certificate.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, protocolErrors, acceptErrors, refusalsCut, writeStalls, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods, ownCerts},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, protocolErrors, acceptErrors, refusalsCut, writeStalls, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods, sourceHandlers, ownCerts},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
@@ -327,6 +330,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- counter(evicted, s.EvictedHandshakes)
 			ch <- counter(evictedConns, s.EvictedConns)
 			ch <- counter(sourceResetFloods, s.SourceResetFloods)
+			ch <- counter(sourceHandlers, s.SourceHandlerRefusals)
 			ch <- counter(ownCerts, s.OwnCertificateDrains)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")

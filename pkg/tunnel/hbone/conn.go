@@ -1424,6 +1424,15 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 	return nil
 }
 
+// refuseOpened refuses s, a stream just opened, with REFUSED_STREAM (the
+// client may retry it, as one refused over SETTINGS_MAX_CONCURRENT_STREAMS)
+// and charges the peer junk for it, as for those. Reader only.
+func (c *conn) refuseOpened(s *Stream, why string) error {
+	c.sendReset(s, s.id, http2.ErrCodeRefusedStream)
+	s.abort(fmt.Errorf("%w: %w", errRetry, &ResetError{Code: http2.ErrCodeRefusedStream}))
+	return c.spendJunk(why)
+}
+
 // spendEarlyReset counts a reset of a stream not yet answered (server) and
 // takes it from the peer's early-reset budget; a peer that spent the budget
 // floods. Only the reader calls it.

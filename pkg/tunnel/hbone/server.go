@@ -504,6 +504,12 @@ func (srv *Server) onClose(c *conn) {
 // MaxConcurrentStreams handlers run per conn, counted until they end
 // whatever their stream did, and a bounded queue waits for them.
 func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) error {
+	// The stream counts toward its address's handlers from here until
+	// handlerDone, run or dropped from the queue.
+	if !srv.limiter.takeHandler(c.peer) {
+		srv.stats.refused.Add(1)
+		return c.refuseOpened(s, "streams over their address's handler limit")
+	}
 	p := pendingStream{s: s, fields: f.Fields, truncated: f.Truncated}
 	limit := int(srv.opts.MaxConcurrentStreams)
 	c.mu.Lock()
@@ -515,6 +521,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 	}
 	if len(c.pending) >= pendingPerStream*limit {
 		c.mu.Unlock()
+		srv.limiter.releaseHandler(c.peer)
 		return &floodError{reason: "handler queue full: streams reset faster than their handlers end"}
 	}
 	c.pending = append(c.pending, p)
@@ -555,6 +562,10 @@ func (srv *Server) handlerDone(c *conn) {
 		c.pending = nil
 	}
 	c.mu.Unlock()
+	srv.limiter.releaseHandler(c.peer) // the handler that ended
+	for range dropped {
+		srv.limiter.releaseHandler(c.peer)
+	}
 	srv.stats.handlersHeld.Add(-1)
 	srv.stats.handlersQueued.Add(-int64(i))
 	for _, s := range dropped {

@@ -20,6 +20,13 @@ import (
 // other target (403), with the given write stall timeout.
 func downloadServer(t *testing.T, stall time.Duration) (srv *Server, addr string, app string) {
 	t.Helper()
+	return downloadServerLimited(t, stall, nil)
+}
+
+// downloadServerLimited is downloadServer with the connection limiter lim
+// (nil: the server's own).
+func downloadServerLimited(t *testing.T, stall time.Duration, lim *ConnLimiter) (srv *Server, addr string, app string) {
+	t.Helper()
 	appAddr := startUpstream(t, func(c *net.TCPConn) {
 		buf := make([]byte, 64<<10)
 		for {
@@ -29,7 +36,7 @@ func downloadServer(t *testing.T, stall time.Duration) (srv *Server, addr string
 		}
 	})
 	good, _ := pkis()
-	srv, addr = serveLoopback(t, ServerOptions{TLSConfig: good.serverTLS(), WriteStallTimeout: stall,
+	srv, addr = serveLoopback(t, ServerOptions{TLSConfig: good.serverTLS(), WriteStallTimeout: stall, Limiter: lim,
 		Handler: func(ctx context.Context, req *ServerRequest) Response {
 			if req.Target == appAddr {
 				return dialTarget(ctx, req)
@@ -44,7 +51,17 @@ func downloadServer(t *testing.T, stall time.Duration) (srv *Server, addr string
 // large windows, and returns a framer on it.
 func h2Client(t *testing.T, addr string) (*tls.Conn, *http2.Framer) {
 	t.Helper()
+	return h2ClientFrom(t, addr, "", true)
+}
+
+// h2ClientFrom is h2Client from the local address local (any when empty),
+// with the smallest receive buffer only when small.
+func h2ClientFrom(t *testing.T, addr, local string, small bool) (*tls.Conn, *http2.Framer) {
+	t.Helper()
 	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		if !small {
+			return nil
+		}
 		var serr error
 		err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 1) })
 		if err != nil {
@@ -52,6 +69,9 @@ func h2Client(t *testing.T, addr string) (*tls.Conn, *http2.Framer) {
 		}
 		return serr
 	}}
+	if local != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(local)}
+	}
 	raw, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
@@ -152,4 +172,74 @@ func TestServerKeepsSlowReader(t *testing.T) {
 	if st.ConnsWriteStalled != 0 || st.ConnsActive != 1 {
 		t.Errorf("a slow reader's connection was closed as stalled (%d stalled, %d open)", st.ConnsWriteStalled, st.ConnsActive)
 	}
+}
+
+// TestHandlersBoundedPerSource: the streams one client address holds
+// handlers for are bounded over all its connections. A client that stops
+// reading two connections, each with a download filling its socket, and
+// sends 199 CONNECTs on each that are refused behind it, holds at most MaxHandlersPerSource
+// handlers (each a goroutine and a stream, until the write stall check);
+// its other streams are refused with REFUSED_STREAM and counted, and a
+// client at another address still opens a tunnel at once. Before, each
+// connection held 200, and the 1024 connections one address may open
+// some 1.5 GiB of goroutines and streams (about 1.5 MiB per connection,
+// measured), beyond the agent's memory limit.
+func TestHandlersBoundedPerSource(t *testing.T) {
+	checkGoroutines(t)
+	const limit = 50
+	lim := NewConnLimiter(ConnLimits{MaxHandlersPerSource: limit})
+	srv, addr, app := downloadServerLimited(t, time.Minute, lim)
+	var buf bytes.Buffer
+	var connects []func(id uint32, target string) error
+	for conn := range 2 {
+		_, fr := h2ClientFrom(t, addr, "127.0.0.1", true)
+		enc := hpack.NewEncoder(&buf)
+		connect := func(id uint32, target string) error {
+			return writeHeaderBlock(fr, enc, &buf, id, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: target}})
+		}
+		if err := connect(1, app); err != nil {
+			t.Fatal(err)
+		}
+		waitfor.Until(t, "the download established", func() bool { return srv.Stats().StreamsOK == uint64(conn+1) })
+		connects = append(connects, connect)
+	}
+	time.Sleep(200 * time.Millisecond)
+	for _, connect := range connects {
+		for i := range 199 {
+			if err := connect(uint32(3+2*i), "10.0.0.1:80"); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	waitfor.Until(t, "streams over the limit refused", func() bool {
+		return lim.Stats().RefusedHandlers >= 2*200-limit
+	})
+	time.Sleep(200 * time.Millisecond)
+	if held := srv.Stats().HandlersHeld; held > limit {
+		t.Errorf("one address holds %d handlers, want at most %d", held, limit)
+	}
+
+	// Another address is not held back.
+	tc, fr := h2ClientFrom(t, addr, "127.0.0.2", false)
+	enc := hpack.NewEncoder(&buf)
+	start := time.Now()
+	if err := writeHeaderBlock(fr, enc, &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = tc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			t.Fatalf("the other address's CONNECT: %v", err)
+		}
+		if h, ok := f.(*http2.MetaHeadersFrame); ok {
+			if st := h.PseudoValue("status"); st != "200" {
+				t.Fatalf("the other address's CONNECT got %s, want 200", st)
+			}
+			break
+		}
+	}
+	st := lim.Stats()
+	t.Logf("another address's tunnel in %v; refused over the limit %d; %+v", time.Since(start), st.RefusedHandlers, srv.Stats())
 }
