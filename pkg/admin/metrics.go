@@ -305,7 +305,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 	sourceResetFloods := prometheus.NewDesc("redirector_hbone_source_reset_floods_total",
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because their client address reset more streams before their answer, over all its connections, than its budget (1000 per 10 s); also in redirector_hbone_flood_closes_total.", nil, nil)
 	sourceHandlers := prometheus.NewDesc("redirector_hbone_source_handler_refusals_total",
-		"Inbound HBONE streams refused with REFUSED_STREAM because their client address held 4096 streams with a handler (deciding, answering, refusing or relaying) over all its connections; also in redirector_hbone_streams_total{outcome=\"refused\"}.", nil, nil)
+		"Inbound HBONE streams refused with REFUSED_STREAM because their client address held its bound (twice MAX_CONNECTIONS_PER_SOURCE, at least 4096) of streams with a handler (deciding, answering, refusing or relaying) over all its connections; also in redirector_hbone_streams_total{outcome=\"refused\"}.", nil, nil)
 	protocolErrors := prometheus.NewDesc("redirector_hbone_protocol_error_closes_total",
 		"Inbound HBONE connections closed because the client broke HTTP/2 (a malformed frame or header block, DATA beyond the window, frames on closed streams): GOAWAY with the error's code, naming the reason.", nil, nil)
 	ownCerts := prometheus.NewDesc("redirector_hbone_own_certificate_drains_total",

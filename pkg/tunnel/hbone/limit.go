@@ -110,13 +110,13 @@ type ConnLimits struct {
 	// stops reading blocks every answer of its connection behind the
 	// write in progress (until WriteStallTimeout), each with its handler's
 	// goroutine and stream: some 1.5 MiB per connection, 1.5 GiB for the
-	// 1024 connections of one address. Default 4096, twice the tunnels
-	// the agent relays per client address.
+	// 1024 connections of one address. Default 4096; the agent sets twice
+	// the tunnels it relays per client address, at least that.
 	MaxHandlersPerSource int
 }
 
-// defaultMaxHandlersPerSource is ConnLimits.MaxHandlersPerSource's default.
-const defaultMaxHandlersPerSource = 4096
+// DefaultMaxHandlersPerSource is ConnLimits.MaxHandlersPerSource's default.
+const DefaultMaxHandlersPerSource = 4096
 
 // defaultEarlyResetsPerSource is ConnLimits.EarlyResetsPerSource's default.
 const defaultEarlyResetsPerSource = 1000
@@ -222,7 +222,7 @@ func NewConnLimiter(limits ConnLimits) *ConnLimiter {
 		limits.EarlyResetsPerSource = defaultEarlyResetsPerSource
 	}
 	if limits.MaxHandlersPerSource <= 0 {
-		limits.MaxHandlersPerSource = defaultMaxHandlersPerSource
+		limits.MaxHandlersPerSource = DefaultMaxHandlersPerSource
 	}
 	return &ConnLimiter{
 		limits:   limits,
