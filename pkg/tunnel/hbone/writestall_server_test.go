@@ -147,7 +147,7 @@ func TestServerClosesConnWhoseClientReadsNothing(t *testing.T) {
 // not taken for one that reads nothing: its connection lives.
 func TestServerKeepsSlowReader(t *testing.T) {
 	checkGoroutines(t)
-	const stall = 500 * time.Millisecond
+	const stall = time.Second
 	srv, addr, app := downloadServer(t, stall)
 	tc, fr := h2Client(t, addr)
 	var buf bytes.Buffer
@@ -158,7 +158,7 @@ func TestServerKeepsSlowReader(t *testing.T) {
 	// About 40 KB/s, a few KiB at a time: a 256 KiB frame takes six
 	// seconds to go out.
 	var read int64
-	end := time.Now().Add(8 * stall)
+	end := time.Now().Add(5 * stall)
 	for time.Now().Before(end) {
 		n, err := io.CopyN(io.Discard, tc, 4<<10)
 		read += n
@@ -168,7 +168,7 @@ func TestServerKeepsSlowReader(t *testing.T) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	st := srv.Stats()
-	t.Logf("read %d bytes in %v; %+v", read, 8*stall, st)
+	t.Logf("read %d bytes in %v; %+v", read, 5*stall, st)
 	if st.ConnsWriteStalled != 0 || st.ConnsActive != 1 {
 		t.Errorf("a slow reader's connection was closed as stalled (%d stalled, %d open)", st.ConnsWriteStalled, st.ConnsActive)
 	}
