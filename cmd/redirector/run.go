@@ -500,11 +500,11 @@ func runAgent(ctx context.Context, args []string) error {
 			return admin.ServerStats{HandshakeFailures: st.HandshakeFailures, StreamsOK: st.StreamsOK,
 				StreamsBadRequest: st.StreamsBadRequest, StreamsDenied: st.StreamsDenied, StreamsRefused: st.StreamsRefused,
 				EarlyResets: st.StreamsEarlyReset, FloodCloses: st.ConnsFlood, ProtocolErrorCloses: st.ConnsProtocolError, AcceptErrors: st.AcceptErrors, RefusalsCut: st.RefusalsCut,
-				HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
+				WriteStallCloses: st.ConnsWriteStalled, HandlersHeld: st.HandlersHeld, HandlersQueued: st.HandlersQueued,
 				OpenConns: lim.Conns, Handshakes: lim.Handshakes, RefusedConns: lim.RefusedConns, RefusedHandshakes: lim.RefusedHandshakes,
 				RefusedHandshakeRate: lim.RefusedHandshakeRate,
 				EvictedHandshakes:    lim.EvictedHandshakes, EvictedConns: lim.EvictedConns, SourceResetFloods: lim.SourceResetFloods,
-				OwnCertificateDrains: st.OwnCertificateDrains}
+				SourceHandlerRefusals: lim.RefusedHandlers, OwnCertificateDrains: st.OwnCertificateDrains}
 		}),
 	)
 

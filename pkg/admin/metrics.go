@@ -255,6 +255,7 @@ type ServerStats struct {
 	ProtocolErrorCloses uint64 // connections closed because the client broke HTTP/2
 	AcceptErrors        uint64 // failed accepts (EMFILE, ...), each followed by a backoff
 	RefusalsCut         uint64 // refusals reset before their body: the client granted no window
+	WriteStallCloses    uint64 // connections closed: a write to the client made no progress for 20 s
 	// Streams holding a handler slot (to their relay's end) and waiting for one.
 	HandlersHeld, HandlersQueued uint64
 	// The node-wide bounds on open connections and TLS handshakes.
@@ -264,6 +265,7 @@ type ServerStats struct {
 	EvictedHandshakes               uint64 // the oldest closed to admit a new one
 	EvictedConns                    uint64 // closed to admit one from a source holding fewer
 	SourceResetFloods               uint64 // closed: the source's early resets over all its connections
+	SourceHandlerRefusals           uint64 // streams refused: the source held its handlers over all its connections
 	// OwnCertificateDrains counts connections drained because of the
 	// certificate this node presented on them.
 	OwnCertificateDrains uint64
@@ -284,6 +286,8 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Failed accepts on the HBONE listeners (EMFILE, ENFILE, ...), each followed by a backoff.", nil, nil)
 	refusalsCut := prometheus.NewDesc("redirector_hbone_refusals_cut_total",
 		"Inbound HBONE refusals (4xx, 5xx) whose stream was reset before its body went out, because the client granted no flow-control window for it in time.", nil, nil)
+	writeStalls := prometheus.NewDesc("redirector_hbone_write_stall_closes_total",
+		"Inbound HBONE connections closed because a write to the client made no progress (no byte acknowledged) for 20 s: a client that reads nothing of ours, whose streams' answers and refusals wait behind that write with their handler slots.", nil, nil)
 	handlers := prometheus.NewDesc("redirector_hbone_server_handlers",
 		"Inbound HBONE streams holding a handler slot (deciding, dialling, refusing or relaying; at most MaxConcurrentStreams per connection) or queued for one (at most 4 times as many), by state: held or queued.",
 		[]string{"state"}, nil)
@@ -300,12 +304,14 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 		"Inbound HBONE connections closed, the oldest of the source holding the most, to admit one from a source holding fewer when the node-wide connection bound was reached.", nil, nil)
 	sourceResetFloods := prometheus.NewDesc("redirector_hbone_source_reset_floods_total",
 		"Inbound HBONE connections closed with GOAWAY ENHANCE_YOUR_CALM because their client address reset more streams before their answer, over all its connections, than its budget (1000 per 10 s); also in redirector_hbone_flood_closes_total.", nil, nil)
+	sourceHandlers := prometheus.NewDesc("redirector_hbone_source_handler_refusals_total",
+		"Inbound HBONE streams refused with REFUSED_STREAM because their client address held its bound (twice MAX_CONNECTIONS_PER_SOURCE, at least 4096) of streams with a handler (deciding, answering, refusing or relaying) over all its connections; also in redirector_hbone_streams_total{outcome=\"refused\"}.", nil, nil)
 	protocolErrors := prometheus.NewDesc("redirector_hbone_protocol_error_closes_total",
 		"Inbound HBONE connections closed because the client broke HTTP/2 (a malformed frame or header block, DATA beyond the window, frames on closed streams): GOAWAY with the error's code, naming the reason.", nil, nil)
 	ownCerts := prometheus.NewDesc("redirector_hbone_own_certificate_drains_total",
 		"Inbound HBONE connections drained (GOAWAY, new streams refused with REFUSED_STREAM, open ones run on) because of the certificate this node presented on them: its chain ended, it was replaced (renewed, or its root removed), or a trust bundle change refused it. The client's retry goes on a new connection, presenting the current certificate.", nil, nil)
 	return scrapeCollector{
-		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, protocolErrors, acceptErrors, refusalsCut, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods, ownCerts},
+		descs: []*prometheus.Desc{handshakes, streams, earlyResets, floods, protocolErrors, acceptErrors, refusalsCut, writeStalls, handlers, open, inHandshake, refused, evicted, evictedConns, sourceResetFloods, sourceHandlers, ownCerts},
 		collect: func(ch chan<- prometheus.Metric) {
 			s := stats()
 			ch <- counter(earlyResets, s.EarlyResets)
@@ -313,6 +319,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- counter(protocolErrors, s.ProtocolErrorCloses)
 			ch <- counter(acceptErrors, s.AcceptErrors)
 			ch <- counter(refusalsCut, s.RefusalsCut)
+			ch <- counter(writeStalls, s.WriteStallCloses)
 			ch <- gauge(handlers, float64(s.HandlersHeld), "held")
 			ch <- gauge(handlers, float64(s.HandlersQueued), "queued")
 			ch <- gauge(open, float64(s.OpenConns))
@@ -323,6 +330,7 @@ func NewServerCollector(stats func() ServerStats) prometheus.Collector {
 			ch <- counter(evicted, s.EvictedHandshakes)
 			ch <- counter(evictedConns, s.EvictedConns)
 			ch <- counter(sourceResetFloods, s.SourceResetFloods)
+			ch <- counter(sourceHandlers, s.SourceHandlerRefusals)
 			ch <- counter(ownCerts, s.OwnCertificateDrains)
 			ch <- counter(handshakes, s.HandshakeFailures)
 			ch <- counter(streams, s.StreamsOK, "ok")

@@ -92,7 +92,7 @@ func TestHBONECollectors(t *testing.T) {
 	server := NewServerCollector(func() ServerStats {
 		return ServerStats{HandshakeFailures: 1, StreamsOK: 10, StreamsBadRequest: 2, StreamsDenied: 3, StreamsRefused: 4,
 			EarlyResets: 5, FloodCloses: 6, AcceptErrors: 7, OpenConns: 8, Handshakes: 9, RefusedConns: 11, RefusedHandshakes: 12, EvictedHandshakes: 13, RefusalsCut: 14,
-			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19, ProtocolErrorCloses: 20, OwnCertificateDrains: 21}
+			HandlersHeld: 15, HandlersQueued: 16, EvictedConns: 17, RefusedHandshakeRate: 18, SourceResetFloods: 19, ProtocolErrorCloses: 20, OwnCertificateDrains: 21, WriteStallCloses: 22, SourceHandlerRefusals: 23}
 	})
 	expect(t, promtest.Scrape(t, server), map[string]float64{
 		"redirector_hbone_tls_handshake_failures_total":                      1,
@@ -111,6 +111,8 @@ func TestHBONECollectors(t *testing.T) {
 		`redirector_hbone_connections_refused_total{limit="handshakes"}`:     12,
 		"redirector_hbone_handshakes_evicted_total":                          13,
 		"redirector_hbone_refusals_cut_total":                                14,
+		"redirector_hbone_write_stall_closes_total":                          22,
+		"redirector_hbone_source_handler_refusals_total":                     23,
 		`redirector_hbone_server_handlers{state="held"}`:                     15,
 		`redirector_hbone_server_handlers{state="queued"}`:                   16,
 		"redirector_hbone_connections_evicted_total":                         17,

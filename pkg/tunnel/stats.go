@@ -40,6 +40,7 @@ func addServerStats(sum *hbone.ServerStats, s hbone.ServerStats) {
 	sum.ConnsProtocolError += s.ConnsProtocolError
 	sum.AcceptErrors += s.AcceptErrors
 	sum.RefusalsCut += s.RefusalsCut
+	sum.ConnsWriteStalled += s.ConnsWriteStalled
 	sum.OwnCertificateDrains += s.OwnCertificateDrains
 }
 

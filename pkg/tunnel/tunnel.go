@@ -147,7 +147,7 @@ func New(cfg Config) *Tunnel {
 	if cfg.Limits.PerSource <= 0 {
 		cfg.Limits.PerSource = def.PerSource
 	}
-	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hbone.ConnLimits{}), handoverIdle: handoverTimeout,
+	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hboneLimitsFor(cfg.Limits)), handoverIdle: handoverTimeout,
 		refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.limits = newLimiter(cfg.Limits, cfg.Metrics, t.refusals)
 	t.state.Store(&State{Dir: &workload.Directory{}})
@@ -380,4 +380,12 @@ func sourceFailure(err error) string {
 
 func (t *Tunnel) identityOf(w *workload.Workload) identity.ID {
 	return identity.ID{TrustDomain: t.cfg.TrustDomain, Namespace: w.Namespace, ServiceAccount: w.ServiceAccount}
+}
+
+// hboneLimitsFor is the HBONE servers' connection limits under l: the
+// streams one client address may hold a handler for (relays among them) are
+// twice the tunnels relayed for it, at least the package's default, so
+// raising PerSource (an ingress's pools) never refuses its tunnels there.
+func hboneLimitsFor(l Limits) hbone.ConnLimits {
+	return hbone.ConnLimits{MaxHandlersPerSource: max(2*l.PerSource, hbone.DefaultMaxHandlersPerSource)}
 }

@@ -17,10 +17,12 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
+	"golang.org/x/sys/unix"
 )
 
 // HTTP/2 settings this package advertises, and related limits.
@@ -61,6 +63,7 @@ const (
 	maxWindow          = 1<<31 - 1
 	maxStreamID        = 1<<31 - 1
 	maxQueuedControl   = 4096 // more pending control frames than this is a flood
+	maxKeptControl     = 64   // room for control frames the control writer keeps between batches
 	closeWriteDeadline = time.Second
 
 	// floodPeriod is the period of the flood budgets: a peer gets the
@@ -249,6 +252,11 @@ type connConfig struct {
 	// nothing arrived for pingInterval, and the conn closes when nothing,
 	// not even the PING's ack, arrived pingTimeout after it.
 	pingInterval, pingTimeout time.Duration
+	// writeStallTimeout (server; 0: none) closes the conn when one write
+	// to the peer made no progress for that long, at most half as long
+	// again (checkWriteStall); onWriteStall counts such closes.
+	writeStallTimeout time.Duration
+	onWriteStall      func()
 }
 
 // ctlFrame is a control frame queued for the control writer goroutine.
@@ -314,6 +322,11 @@ type conn struct {
 	// nobody holds it: a write that blocks for long means a peer that reads
 	// nothing of ours (keepalive closes the conn).
 	writing atomic.Int64
+	// writeSeq (with writeStallTimeout) counts takes and releases of wmu
+	// for writes: odd while a write is in progress. The stall check
+	// compares it between ticks, where writing would need a clock read per
+	// write.
+	writeSeq atomic.Uint64
 	// dataWaiters counts writeData calls waiting for wmu. While one waits,
 	// the holder leaves its frame in bw for the waiter to flush: frames of
 	// streams writing at the same moment share TLS records and syscalls.
@@ -378,6 +391,14 @@ type conn struct {
 	pingTimer    *time.Timer
 	pingSent     int64
 	pingsUnacked int
+	// stallTimer runs checkWriteStall every half writeStallTimeout;
+	// stallSeq is the writeSeq it saw last, stallTicks how many ticks in a
+	// row saw that same write in progress with no byte acknowledged,
+	// stallAcked the bytes the peer had acknowledged then. Under mu.
+	stallTimer *time.Timer
+	stallSeq   uint64
+	stallTicks int
+	stallAcked uint64
 
 	ctlWake chan struct{}
 	done    chan struct{}
@@ -593,7 +614,87 @@ func (c *conn) start() error {
 		}
 		c.mu.Unlock()
 	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.mu.Lock()
+		if c.err == nil {
+			c.stallTimer = time.AfterFunc(c.cfg.writeStallTimeout/2, c.checkWriteStall)
+		}
+		c.mu.Unlock()
+	}
 	return nil
+}
+
+// checkWriteStall runs on a timer (server) every half writeStallTimeout:
+// it closes the conn when the same write was in progress at three ticks in
+// a row, so for at least writeStallTimeout, and the peer acknowledged no
+// byte of ours meanwhile (on a TCP socket; a peer that reads slowly, with a
+// long write in progress, is not stalled). Such a peer reads nothing of
+// ours, while the writer holds the write lock: every stream's writes, every
+// response and refusal wait behind it, each holding its handler slot and
+// goroutine, and nothing else ends them while the peer keeps the
+// connection (a stream open keeps it from the idle timeout, and TCP keeps
+// probing a zero window for ever). Before, a client that opened a download,
+// stopped reading and sent CONNECTs that were refused held 200 handler
+// goroutines per connection for as long as it liked, with 1024 connections
+// per address. The pool's keepalive does the same for client conns.
+func (c *conn) checkWriteStall() {
+	seq := c.writeSeq.Load()
+	writing := seq%2 == 1
+	var acked uint64
+	known := false
+	if writing {
+		acked, known = c.bytesAcked()
+	}
+	c.mu.Lock()
+	if c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	switch {
+	case !writing || seq != c.stallSeq:
+		c.stallSeq, c.stallTicks = seq, 0
+	case known && acked != c.stallAcked:
+		c.stallTicks = 0 // the same write, but the peer takes our bytes
+	default:
+		c.stallTicks++
+	}
+	c.stallAcked = acked
+	stalled := c.stallTicks >= 2
+	if !stalled {
+		c.stallTimer.Reset(c.cfg.writeStallTimeout / 2)
+	}
+	c.mu.Unlock()
+	if !stalled {
+		return
+	}
+	if c.cfg.onWriteStall != nil {
+		c.cfg.onWriteStall()
+	}
+	c.cfg.log.Warn("hbone peer reads nothing of ours, closing its connection", "remote", c.nc.RemoteAddr(), "stalled", c.cfg.writeStallTimeout)
+	c.close(http2.ErrCodeNo, fmt.Errorf("%w: a write to the peer made no progress for %v", ErrConnClosed, c.cfg.writeStallTimeout), false)
+}
+
+// bytesAcked is how many bytes of ours the peer acknowledged on the conn's
+// TCP socket (TCP_INFO), and whether that is known.
+func (c *conn) bytesAcked() (uint64, bool) {
+	nc := c.nc
+	if c.cfg.batch != nil {
+		nc = c.cfg.batch.Conn
+	}
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return 0, false
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return 0, false
+	}
+	var info *unix.TCPInfo
+	var ierr error
+	if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || ierr != nil {
+		return 0, false
+	}
+	return info.Bytes_acked, true
 }
 
 // keepalive runs on a timer (client): it sends a PING when nothing arrived
@@ -1170,6 +1271,12 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		return &floodError{reason: fmt.Sprintf("SETTINGS frame with %d settings", f.NumSettings())}
 	}
 	c.mu.Lock()
+	// SETTINGS_INITIAL_WINDOW_SIZE is applied once per frame, at its last
+	// value: each change walks every open stream, and a frame repeating it
+	// up to maxSettingsPerFrame times made that many walks for one frame
+	// of the junk budget. Nothing is sent between a frame's settings, so
+	// only the last value can be seen.
+	initWindow, setInitWindow := uint32(0), false
 	err := f.ForeachSetting(func(s http2.Setting) error {
 		if err := s.Valid(); err != nil {
 			return err
@@ -1187,21 +1294,13 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 		case http2.SettingHeaderTableSize:
 			c.peerTableSize.Store(s.Val)
 		case http2.SettingInitialWindowSize:
-			delta := int64(s.Val) - c.peerInitWindow
-			c.peerInitWindow = int64(s.Val)
-			for _, st := range c.streams {
-				was := st.sendWindow
-				st.sendWindow += delta
-				if st.sendWindow > maxWindow {
-					return http2.ConnectionError(http2.ErrCodeFlowControl)
-				}
-				if was <= 0 && st.sendWindow > 0 {
-					st.sendCond.Broadcast() // it sends once the ack is out
-				}
-			}
+			initWindow, setInitWindow = s.Val, true
 		}
 		return nil
 	})
+	if err == nil && setInitWindow {
+		err = c.setPeerInitWindowLocked(int64(initWindow))
+	}
 	c.sawSettings = true
 	if err == nil {
 		c.acksPending++
@@ -1224,6 +1323,28 @@ func (c *conn) onSettings(f *http2.SettingsFrame) error {
 			c.cfg.onZeroStreamLimit()
 		}
 		c.drain()
+	}
+	return nil
+}
+
+// setPeerInitWindowLocked applies the peer's new
+// SETTINGS_INITIAL_WINDOW_SIZE to every open stream's send window (RFC 9113
+// §6.9.2): one walk of the streams.
+func (c *conn) setPeerInitWindowLocked(v int64) error {
+	delta := v - c.peerInitWindow
+	c.peerInitWindow = v
+	if delta == 0 {
+		return nil
+	}
+	for _, st := range c.streams {
+		was := st.sendWindow
+		st.sendWindow += delta
+		if st.sendWindow > maxWindow {
+			return http2.ConnectionError(http2.ErrCodeFlowControl)
+		}
+		if was <= 0 && st.sendWindow > 0 {
+			st.sendCond.Broadcast() // it sends once the ack is out
+		}
 	}
 	return nil
 }
@@ -1301,6 +1422,15 @@ func (c *conn) onReset(f *http2.RSTStreamFrame) error {
 		return c.spendEarlyReset("too many streams reset before their response")
 	}
 	return nil
+}
+
+// refuseOpened refuses s, a stream just opened, with REFUSED_STREAM (the
+// client may retry it, as one refused over SETTINGS_MAX_CONCURRENT_STREAMS)
+// and charges the peer junk for it, as for those. Reader only.
+func (c *conn) refuseOpened(s *Stream, why string) error {
+	c.sendReset(s, s.id, http2.ErrCodeRefusedStream)
+	s.abort(fmt.Errorf("%w: %w", errRetry, &ResetError{Code: http2.ErrCodeRefusedStream}))
+	return c.spendJunk(why)
 }
 
 // spendEarlyReset counts a reset of a stream not yet answered (server) and
@@ -1539,7 +1669,13 @@ func (c *conn) ctlLoop() {
 		if releases {
 			clear(batch) // no stream kept reachable from the spare
 		}
-		c.ctlSpare = batch[:0]
+		if cap(batch) <= maxKeptControl {
+			// A batch grown by a burst (a peer that stopped reading
+			// and sent PINGs, up to maxQueuedControl of them) is
+			// dropped: kept as the spare, it stayed for the life of
+			// the conn.
+			c.ctlSpare = batch[:0]
+		}
 		c.mu.Unlock()
 		if err != nil {
 			c.close(http2.ErrCodeNo, fmt.Errorf("write control frame: %w", err), false)
@@ -1593,12 +1729,18 @@ func (c *conn) lockWrite() {
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(monotonic())
 	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
+	}
 }
 
 // unlockWrite ends a write begun with lockWrite.
 func (c *conn) unlockWrite() {
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(0)
+	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
 	}
 	c.wmu.Unlock()
 }
@@ -1626,6 +1768,9 @@ func (c *conn) lockWriteCtx(ctx context.Context) error {
 	}
 	if c.cfg.pingInterval > 0 {
 		c.writing.Store(monotonic())
+	}
+	if c.cfg.writeStallTimeout > 0 {
+		c.writeSeq.Add(1)
 	}
 	return nil
 }
@@ -2102,6 +2247,9 @@ func (c *conn) closeConn(code http2.ErrCode, cause error, sendGoAway, linger boo
 	}
 	if c.pingTimer != nil {
 		c.pingTimer.Stop()
+	}
+	if c.stallTimer != nil {
+		c.stallTimer.Stop()
 	}
 	c.mu.Unlock()
 

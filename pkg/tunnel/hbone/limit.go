@@ -101,7 +101,22 @@ type ConnLimits struct {
 	// the app. Default 1000: ten pooled connections whose CONNECTs all
 	// time out at once.
 	EarlyResetsPerSource int
+	// MaxHandlersPerSource bounds the streams of one client address that
+	// hold a handler (deciding, dialling, answering, refusing or
+	// relaying), over all its connections to the process's servers; a
+	// stream beyond is refused with REFUSED_STREAM (the client may retry
+	// it). Each connection holds at most its MaxConcurrentStreams, but an
+	// address may hold MaxConnsPerSource connections, and a client that
+	// stops reading blocks every answer of its connection behind the
+	// write in progress (until WriteStallTimeout), each with its handler's
+	// goroutine and stream: some 1.5 MiB per connection, 1.5 GiB for the
+	// 1024 connections of one address. Default 4096; the agent sets twice
+	// the tunnels it relays per client address, at least that.
+	MaxHandlersPerSource int
 }
+
+// DefaultMaxHandlersPerSource is ConnLimits.MaxHandlersPerSource's default.
+const DefaultMaxHandlersPerSource = 4096
 
 // defaultEarlyResetsPerSource is ConnLimits.EarlyResetsPerSource's default.
 const defaultEarlyResetsPerSource = 1000
@@ -129,7 +144,9 @@ type ConnLimiter struct {
 	// resets holds the per-source early-reset budgets, swept the same way.
 	resets      map[netip.Addr]*budget
 	resetsSwept int
-	now         func() int64 // UnixNano; a variable for the tests
+	// handlers counts the streams holding a handler, per source.
+	handlers map[netip.Addr]int
+	now      func() int64 // UnixNano; a variable for the tests
 
 	refusedConns      atomic.Uint64
 	refusedHandshakes atomic.Uint64
@@ -137,6 +154,7 @@ type ConnLimiter struct {
 	evictedHandshakes atomic.Uint64
 	evictedConns      atomic.Uint64
 	sourceResetFloods atomic.Uint64
+	refusedHandlers   atomic.Uint64
 }
 
 // sourceCount is what one client address holds: its connections (open
@@ -178,6 +196,9 @@ type ConnLimiterStats struct {
 	// SourceResetFloods counts connections closed because their source
 	// address spent EarlyResetsPerSource over all its connections.
 	SourceResetFloods uint64
+	// RefusedHandlers counts streams refused (REFUSED_STREAM) because
+	// their source address held MaxHandlersPerSource handlers.
+	RefusedHandlers uint64
 }
 
 // NewConnLimiter returns a limiter; zero fields of limits pick defaults.
@@ -200,11 +221,15 @@ func NewConnLimiter(limits ConnLimits) *ConnLimiter {
 	if limits.EarlyResetsPerSource <= 0 {
 		limits.EarlyResetsPerSource = defaultEarlyResetsPerSource
 	}
+	if limits.MaxHandlersPerSource <= 0 {
+		limits.MaxHandlersPerSource = DefaultMaxHandlersPerSource
+	}
 	return &ConnLimiter{
 		limits:   limits,
 		bySource: make(map[netip.Addr]*sourceCount),
 		rates:    make(map[netip.Addr]*budget),
 		resets:   make(map[netip.Addr]*budget),
+		handlers: make(map[netip.Addr]int),
 		now:      func() int64 { return time.Now().UnixNano() },
 	}
 }
@@ -222,6 +247,29 @@ func (l *ConnLimiter) Stats() ConnLimiterStats {
 		EvictedHandshakes:    l.evictedHandshakes.Load(),
 		EvictedConns:         l.evictedConns.Load(),
 		SourceResetFloods:    l.sourceResetFloods.Load(),
+		RefusedHandlers:      l.refusedHandlers.Load(),
+	}
+}
+
+// takeHandler counts a stream of src that takes a handler, or reports
+// false (counted) when src holds MaxHandlersPerSource.
+func (l *ConnLimiter) takeHandler(src netip.Addr) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.handlers[src] >= l.limits.MaxHandlersPerSource {
+		l.refusedHandlers.Add(1)
+		return false
+	}
+	l.handlers[src]++
+	return true
+}
+
+// releaseHandler gives back what takeHandler took.
+func (l *ConnLimiter) releaseHandler(src netip.Addr) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.handlers[src]--; l.handlers[src] <= 0 {
+		delete(l.handlers, src)
 	}
 }
 

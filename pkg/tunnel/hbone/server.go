@@ -95,6 +95,11 @@ type ServerOptions struct {
 	// Default 5m, longer than the client pool's, so clients normally close
 	// first and never race a server-side close.
 	IdleTimeout time.Duration
+	// WriteStallTimeout closes a connection when one write to the client
+	// has made no progress for this long (at most half as long again): a
+	// client that reads nothing of ours. Default 20s, as the pool's
+	// keepalive timeout.
+	WriteStallTimeout time.Duration
 	// PeerExpiry says when a client's chain stops verifying, which its
 	// connection is drained at; nil follows the presented chain by
 	// issuer names.
@@ -132,6 +137,9 @@ type ServerStats struct {
 	// body went out, because the client granted no send window for it
 	// within refuseWriteTimeout.
 	RefusalsCut uint64
+	// ConnsWriteStalled counts connections closed because a write to the
+	// client made no progress for WriteStallTimeout.
+	ConnsWriteStalled uint64
 	// OwnCertificateDrains counts connections drained because of the
 	// certificate the server presented on them: its chain ended, a new
 	// handshake would present another (renewed, replaced), or a trust
@@ -148,7 +156,7 @@ type serverCounters struct {
 	connsAccepted, connsActive, handshakeFailures        atomic.Uint64
 	streamsOK, streamsBadRequest, streamsDenied, refused atomic.Uint64
 	connsRefused, earlyResets, floods, acceptErrors      atomic.Uint64
-	refusalsCut, protocolErrors, ownDrains               atomic.Uint64
+	refusalsCut, protocolErrors, ownDrains, writeStalls  atomic.Uint64
 	handlersHeld, handlersQueued                         atomic.Int64
 }
 
@@ -203,6 +211,9 @@ func NewServer(opts ServerOptions) (*Server, error) {
 	if opts.IdleTimeout <= 0 {
 		opts.IdleTimeout = 5 * time.Minute
 	}
+	if opts.WriteStallTimeout <= 0 {
+		opts.WriteStallTimeout = 20 * time.Second
+	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -239,6 +250,7 @@ func (srv *Server) Stats() ServerStats {
 		ConnsProtocolError:   st.protocolErrors.Load(),
 		AcceptErrors:         st.acceptErrors.Load(),
 		RefusalsCut:          st.refusalsCut.Load(),
+		ConnsWriteStalled:    st.writeStalls.Load(),
 		OwnCertificateDrains: st.ownDrains.Load(),
 		HandlersHeld:         uint64(max(st.handlersHeld.Load(), 0)),
 		HandlersQueued:       uint64(max(st.handlersQueued.Load(), 0)),
@@ -397,6 +409,9 @@ func (srv *Server) serveHTTP2(nc net.Conn, state *tls.ConnectionState, presented
 		onFlood:         func() { srv.stats.floods.Add(1) },
 		onProtocolError: func() { srv.stats.protocolErrors.Add(1) },
 		checkPresented:  func() { srv.checkPresented(c) },
+
+		writeStallTimeout: srv.opts.WriteStallTimeout,
+		onWriteStall:      func() { srv.stats.writeStalls.Add(1) },
 	})
 	c.tlsState = state
 	c.presented = presented
@@ -489,6 +504,12 @@ func (srv *Server) onClose(c *conn) {
 // MaxConcurrentStreams handlers run per conn, counted until they end
 // whatever their stream did, and a bounded queue waits for them.
 func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) error {
+	// The stream counts toward its address's handlers from here until
+	// handlerDone, run or dropped from the queue.
+	if !srv.limiter.takeHandler(c.peer) {
+		srv.stats.refused.Add(1)
+		return c.refuseOpened(s, "streams over their address's handler limit")
+	}
 	p := pendingStream{s: s, fields: f.Fields, truncated: f.Truncated}
 	limit := int(srv.opts.MaxConcurrentStreams)
 	c.mu.Lock()
@@ -500,6 +521,7 @@ func (srv *Server) startStream(c *conn, s *Stream, f *http2.MetaHeadersFrame) er
 	}
 	if len(c.pending) >= pendingPerStream*limit {
 		c.mu.Unlock()
+		srv.limiter.releaseHandler(c.peer)
 		return &floodError{reason: "handler queue full: streams reset faster than their handlers end"}
 	}
 	c.pending = append(c.pending, p)
@@ -540,6 +562,10 @@ func (srv *Server) handlerDone(c *conn) {
 		c.pending = nil
 	}
 	c.mu.Unlock()
+	srv.limiter.releaseHandler(c.peer) // the handler that ended
+	for range dropped {
+		srv.limiter.releaseHandler(c.peer)
+	}
 	srv.stats.handlersHeld.Add(-1)
 	srv.stats.handlersQueued.Add(-int64(i))
 	for _, s := range dropped {
