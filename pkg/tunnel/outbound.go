@@ -39,6 +39,19 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	state := t.State()
+	if state.Compiled != nil && !state.Compiled.Synced {
+		// The control plane (istiod) has not answered yet: the directory
+		// holds only this node's pods (the source serves them from the
+		// node's watch meanwhile), so any other address, a meshed pod of
+		// another node or a service VIP, would read as outside the mesh
+		// and be reached in plaintext. Refused, as inbound is, until then.
+		if _, known := state.Dir.ByAddr(dst.Addr()); !known {
+			t.cfg.Metrics.failClosed.WithLabelValues("mesh_not_synced").Inc()
+			t.failures.note(ctx, "outbound refused: the control plane has not answered yet, so whether the destination is in the mesh is unknown", "pod", p.uid, "src", src, "dst", dst)
+			resetConn(c)
+			return
+		}
+	}
 	if via := waypointOf(state.Dir, &t.waypoints, srcW, dst.Addr()); via != nil {
 		p.handleWaypoint(ctx, c, state.Dir, via, srcW, srcID, src, dst)
 		return
