@@ -70,6 +70,9 @@
 //     writer that ends its files with "..." makes a cut at any line, even
 //     between two documents, visible. Once used, the marker stays required
 //     for that file while the agent runs;
+//   - a `kind: List` document has no items field, or items: null (reason
+//     "truncated"): a list cut at a line end after its header or right after
+//     "items:" parsed as a list of nothing, and unenrolled every pod;
 //   - PATH holds no document at all (an empty or comment-only file, a
 //     directory without manifests), or a file that had documents in the
 //     last applied load has none now (reason "empty"). This holds for the

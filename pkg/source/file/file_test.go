@@ -320,6 +320,11 @@ func TestRunNeverFailsOpen(t *testing.T) {
 		{"end marker lost at a document boundary", good + policy + ended, good, source.ReasonTruncated, "no longer ends with a \"...\" end marker"},
 		{"end marker lost at a line end mid-document", good + policy + ended, good + policy[:strings.Index(policy, "spec:")], source.ReasonTruncated, "end marker"},
 		{"end marker lost, zero bytes", good + ended, "", source.ReasonEmpty, "no documents"},
+		// A list cut after its header, at a line end: what is left parses as
+		// a list of nothing. An empty state on purpose writes items: [].
+		{"list cut before its items", good, "apiVersion: v1\nkind: List\n", source.ReasonTruncated, "no items field"},
+		{"list cut right after items:", good, "apiVersion: v1\nkind: List\nitems:\n", source.ReasonTruncated, "no items field"},
+		{"list cut before its items, with metadata", good, "apiVersion: v1\nkind: List\nmetadata:\n  resourceVersion: \"\"\n", source.ReasonTruncated, "no items field"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

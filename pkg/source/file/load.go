@@ -628,21 +628,33 @@ func (b *builder) addDocument(loc DocError, data []byte) (aliases int64) {
 }
 
 // addList adds the items of a `kind: List` document, what `kubectl get -o
-// yaml` prints, so a dump of a real cluster loads as it is.
+// yaml` prints, so a dump of a real cluster loads as it is. A list without
+// an items field, or with items: null, is refused as cut short (reason
+// "truncated"): a list cut at a line end after its header (apiVersion, kind,
+// metadata) or right after "items:" parsed as a list of nothing, and
+// applied an empty state, every pod unenrolled. kubectl and the API server
+// always write the field; an empty state on purpose is items: [].
 func (b *builder) addList(loc DocError, data []byte) {
 	var list struct {
 		metav1.TypeMeta `json:",inline"`
 		metav1.ListMeta `json:"metadata,omitempty"`
-		Items           []json.RawMessage `json:"items"`
+		Items           *[]json.RawMessage `json:"items"`
 	}
 	if err := decodeYAML(data, &list); err != nil {
 		b.fail(loc, err)
 		return
 	}
-	if len(list.Items) > 1 && !b.room(loc.File, len(list.Items)-1) {
+	if list.Items == nil {
+		loc.Reason = source.ReasonTruncated
+		b.fail(loc, errors.New("a List with no items field (or items: null): cut short after its header? "+
+			"to apply an empty state write items: []"))
 		return
 	}
-	for i, item := range list.Items {
+	items := *list.Items
+	if len(items) > 1 && !b.room(loc.File, len(items)-1) {
+		return
+	}
+	for i, item := range items {
 		loc.Item = i + 1
 		var tm metav1.TypeMeta
 		err := json.Unmarshal(item, &tm)
