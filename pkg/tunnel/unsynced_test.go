@@ -19,10 +19,12 @@ import (
 // answer the directory holds only this node's pods: every other address
 // read as no workload's, and the pods' connections to meshed pods of other
 // nodes and to service VIPs left in plaintext (for as long as istiod did
-// not answer). They are refused until the control plane has answered, as
-// inbound connections are; once it has, an address it does not know is
-// outside the mesh and reached directly.
+// not answer). Such a connection now waits for the control plane's first
+// answer, and is refused if it does not come in time; once it has come, an
+// address it does not know is outside the mesh and reached directly.
 func TestOutboundBeforeMeshSyncNeverPlaintext(t *testing.T) {
+	defer func(d time.Duration) { meshWait = d }(meshWait)
+	meshWait = 300 * time.Millisecond
 	tun := tunnelWithPool(t)
 	witness := newPlainWitness(t, "127.0.0.2:0")
 	dst := "127.0.0.2:" + strconv.Itoa(int(witness.port()))
@@ -66,8 +68,16 @@ func TestOutboundBeforeMeshSyncNeverPlaintext(t *testing.T) {
 		t.Errorf(`redirector_fail_closed_total{reason="mesh_not_synced"} = %v, want 1`, got)
 	}
 
-	tun.Update(&State{Dir: dir, Compiled: &policy.CompiledSet{Synced: true}})
+	// The answer comes while a connection waits: it goes on, delayed.
+	meshWait = 10 * time.Second
+	time.AfterFunc(200*time.Millisecond, func() { tun.Update(&State{Dir: dir, Compiled: &policy.CompiledSet{Synced: true}}) })
 	if !connect() {
 		t.Errorf("to %s, an address istiod does not know, once it answered: not reached", dst)
+	}
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("mesh_not_synced")); got != 1 {
+		t.Errorf(`redirector_fail_closed_total{reason="mesh_not_synced"} = %v, want still 1`, got)
+	}
+	if !connect() {
+		t.Errorf("to %s after istiod answered: not reached", dst)
 	}
 }
