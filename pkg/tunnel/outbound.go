@@ -39,6 +39,16 @@ func (p *pod) handleOutbound(c net.Conn) {
 		return
 	}
 	state := t.State()
+	if meshPending(state) {
+		if _, known := state.Dir.ByAddr(dst.Addr()); !known {
+			if state = t.awaitMesh(ctx); state == nil {
+				t.cfg.Metrics.failClosed.WithLabelValues("mesh_not_synced").Inc()
+				t.failures.note(ctx, "outbound refused: the control plane has not answered yet, so whether the destination is in the mesh is unknown", "pod", p.uid, "src", src, "dst", dst)
+				resetConn(c)
+				return
+			}
+		}
+	}
 	if via := waypointOf(state.Dir, &t.waypoints, srcW, dst.Addr()); via != nil {
 		p.handleWaypoint(ctx, c, state.Dir, via, srcW, srcID, src, dst)
 		return
@@ -192,6 +202,31 @@ func (p *pod) passthrough(ctx context.Context, c net.Conn, srcW, dstW *workload.
 	}
 	p.relayCounted(ctx, c, up, 0, t.cfg.Metrics.open(conn, ""))
 }
+
+// awaitMesh waits, at most meshWait, for the control plane's first answer
+// and returns the state then, nil if it did not come. Until it answers
+// (istiod, with SOURCE=xds) the directory holds only this node's pods (the
+// source serves them from the node's watch meanwhile, so a CNI ADD never
+// waits on istiod), and any other address, a meshed pod of another node
+// or a service VIP, would read as outside the mesh and be reached in
+// plaintext: an agent restarted or upgraded over meshed pods sent their
+// connections out so until istiod answered. A connection made in that
+// moment is delayed instead, and refused if the answer does not come.
+func (t *Tunnel) awaitMesh(ctx context.Context) *State {
+	timer := time.NewTimer(meshWait)
+	defer timer.Stop()
+	select {
+	case <-t.meshSynced:
+		return t.State()
+	case <-timer.C:
+	case <-ctx.Done():
+	}
+	return nil
+}
+
+// meshWait bounds how long an outbound connection waits for the control
+// plane's first answer (a variable for tests).
+var meshWait = connectTimeout
 
 // connectTimeout bounds establishing a connection: every dial the tunnel
 // makes (apps in the pod, plain TCP upstreams, service endpoints, and for

@@ -285,6 +285,12 @@ func (p *pod) handleService(ctx context.Context, c net.Conn, dir *workload.Direc
 		resetConn(c)
 		return
 	}
+	if svc.Rejected {
+		t.cfg.Metrics.failClosed.WithLabelValues("rejected_resource").Inc()
+		t.failures.note(ctx, "connection refused: the source rejected what it was sent for this address and holds no accepted version of it", "dst", dst, "resource", svc.Name)
+		resetConn(c)
+		return
+	}
 	if svc.Contested {
 		t.cfg.Metrics.failClosed.WithLabelValues("contested_vip").Inc()
 		t.failures.note(ctx, "service connection refused: services that cannot be told apart claim this VIP", "vip", dst)

@@ -79,9 +79,20 @@ func TestBalancerPrunesGoneServices(t *testing.T) {
 // counted, never sent in plaintext to the address as to no service's (and
 // past the waypoint of the service that should have it).
 func TestContestedVIPRefused(t *testing.T) {
+	t.Run("contested", func(t *testing.T) {
+		refusedStandIn(t, &workload.Service{Name: "contested 10.96.0.99", Contested: true}, "contested_vip")
+	})
+	// A workload or service the source rejected, of which it holds no
+	// accepted version (the xDS source's Rejected stand-in).
+	t.Run("rejected", func(t *testing.T) {
+		refusedStandIn(t, &workload.Service{Name: "rejected shop/future.shop.svc.cluster.local", Contested: true, Rejected: true}, "rejected_resource")
+	})
+}
+
+func refusedStandIn(t *testing.T, contested *workload.Service, reason string) {
 	tun := newTestTunnel(t, nil)
 	vip := netip.MustParseAddr("10.96.0.99")
-	contested := &workload.Service{Name: "contested 10.96.0.99", VIPs: []netip.Addr{vip}, Contested: true}
+	contested.VIPs = []netip.Addr{vip}
 	dir, errs := workload.NewDirectory([]*workload.Workload{podObj("mesh", "a", "a-sa", "127.0.0.1", nil)}, []*workload.Service{contested})
 	if len(errs) > 0 {
 		t.Fatal(errs)
@@ -97,8 +108,8 @@ func TestContestedVIPRefused(t *testing.T) {
 	if !c.closed.Load() {
 		t.Error("a connection to a contested VIP was not closed")
 	}
-	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("contested_vip")); got != 1 {
-		t.Errorf(`redirector_fail_closed_total{reason="contested_vip"} = %v, want 1`, got)
+	if got := testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues(reason)); got != 1 {
+		t.Errorf(`redirector_fail_closed_total{reason=%q} = %v, want 1`, reason, got)
 	}
 }
 

@@ -102,6 +102,12 @@ type Tunnel struct {
 	// updateMu orders Updates, so that open connections are re-decided
 	// against each state in the order the states were installed.
 	updateMu sync.Mutex
+	// meshSynced is closed by the first state whose control plane has
+	// answered (or that has none: State.Compiled nil), syncOnce closes it:
+	// an outbound connection to an address the directory does not have
+	// waits for it (see meshUnknown).
+	meshSynced chan struct{}
+	syncOnce   sync.Once
 
 	// handoverIdle is how long a connection to the hand-over socket may
 	// wait before its request (handoverTimeout; shorter in tests).
@@ -148,7 +154,8 @@ func New(cfg Config) *Tunnel {
 		cfg.Limits.PerSource = def.PerSource
 	}
 	t := &Tunnel{cfg: cfg, log: cfg.Logger, pods: map[string]*pod{}, lb: newBalancer(), hboneLimits: hbone.NewConnLimiter(hboneLimitsFor(cfg.Limits)), handoverIdle: handoverTimeout,
-		refusals: newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
+		meshSynced: make(chan struct{}),
+		refusals:   newRefusalLog(cfg.Logger, slog.LevelInfo), failures: newRefusalLog(cfg.Logger, slog.LevelWarn)}
 	t.limits = newLimiter(cfg.Limits, cfg.Metrics, t.refusals)
 	t.state.Store(&State{Dir: &workload.Directory{}})
 	if cfg.Certs != nil {
@@ -178,11 +185,18 @@ func (t *Tunnel) Update(s *State) {
 	t.updateMu.Lock()
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
+	if !meshPending(s) {
+		t.syncOnce.Do(func() { close(t.meshSynced) })
+	}
 	t.waypoints.cur.Store(nil) // holds no directory but the current one
 	t.cfg.Metrics.setLive(s.Dir)
 	t.lb.prune(s.Dir)
 	t.recheck(context.Background(), prev, s)
 }
+
+// meshPending reports whether s comes from a control plane that has not
+// answered yet: its directory holds only this node's pods.
+func meshPending(s *State) bool { return s.Compiled != nil && !s.Compiled.Synced }
 
 // State returns the current directory and policies.
 func (t *Tunnel) State() *State { return t.state.Load() }

@@ -153,6 +153,11 @@ type Service struct {
 	// no ports and no endpoints, and connections to it are refused rather
 	// than sent in plaintext to the address as if it were no service's.
 	Contested bool
+	// Rejected marks a Contested stand-in for a workload or service its
+	// source rejected and holds no accepted version of (the xDS client
+	// NACKed istiod's first version): its addresses are refused rather
+	// than reached in plaintext as addresses of no workload.
+	Rejected bool
 	// NodeLocal: a client reaches only the endpoints on its own node
 	// (Kubernetes' internalTrafficPolicy: Local), none if its node has
 	// none, as kube-proxy routes it. The node agent keeps those (see

@@ -461,8 +461,9 @@ func startXDSAgent(t *testing.T, n *Node, cluster *kubetest.Cluster, istiod *ist
 
 // TestIstiodXDSEnrollsWithoutIstiod: with istiod down when the agents
 // start, pods are still enrolled (from each node's own pod watch), but
-// inbound connections are refused and the agents are not ready until
-// istiod's state arrives; then traffic flows.
+// inbound connections are refused, outbound ones to other nodes' pods too
+// (not sent in plaintext), and the agents are not ready until istiod's
+// state arrives; then traffic flows.
 func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
 	cp := istiotest.StartControlPlane(t)
 	cluster, cs, istiod := cp.Cluster, cp.Client, cp.Istiod
@@ -493,6 +494,11 @@ func TestIstiodXDSEnrollsWithoutIstiod(t *testing.T) {
 	}
 	if out, err := Curl(client, url); err == nil {
 		t.Errorf("a connection got in before istiod's policies were known: %q", out)
+	}
+	// Refused on the client's node already: until istiod answered, the server's address was no
+	// workload's there, and the connection left in plaintext (the server's node refused it).
+	if log := agents[0].Log(); !strings.Contains(log, "outbound refused: the control plane has not answered yet") {
+		t.Errorf("the client's agent did not refuse its outbound connection before istiod answered; its log:\n%s", log)
 	}
 	for _, a := range agents {
 		if code := readiness(a); code == "200" {

@@ -70,6 +70,17 @@
 //     writer that ends its files with "..." makes a cut at any line, even
 //     between two documents, visible. Once used, the marker stays required
 //     for that file while the agent runs;
+//   - a file's last line (blanks and comments aside) opens a value that
+//     never comes: a mapping key with nothing after it ("labels:"), a list
+//     item's bare dash or a block scalar's header ("note: |") (reason
+//     "truncated"). YAML reads such a value as null, so a file cut at a line
+//     end right after one parsed with the value gone: a namespace without
+//     its labels (its pods unenrolled), a PeerAuthentication without its
+//     mtls (STRICT dropped). Write an empty value explicitly ({}, [], "");
+//     a block scalar whose last line ends with a colon is refused too;
+//   - a `kind: List` document has no items field, or items: null (reason
+//     "truncated"): a list cut at a line end after its header or right after
+//     "items:" parsed as a list of nothing, and unenrolled every pod;
 //   - PATH holds no document at all (an empty or comment-only file, a
 //     directory without manifests), or a file that had documents in the
 //     last applied load has none now (reason "empty"). This holds for the
@@ -82,7 +93,7 @@
 //
 // What cannot be told from an edit: a file cut exactly at a line end, without
 // the end marker, whose rest still parses (a document cut after a complete
-// field, or whole documents gone). Replace files atomically (write a new file
+// scalar field, or whole documents gone). Replace files atomically (write a new file
 // and rename it over the old one, as ConfigMap volumes and editors do), or
 // end them with "...". Removing a file from a watched directory is an edit,
 // not a truncation.

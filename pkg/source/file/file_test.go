@@ -320,6 +320,20 @@ func TestRunNeverFailsOpen(t *testing.T) {
 		{"end marker lost at a document boundary", good + policy + ended, good, source.ReasonTruncated, "no longer ends with a \"...\" end marker"},
 		{"end marker lost at a line end mid-document", good + policy + ended, good + policy[:strings.Index(policy, "spec:")], source.ReasonTruncated, "end marker"},
 		{"end marker lost, zero bytes", good + ended, "", source.ReasonEmpty, "no documents"},
+		// A list cut after its header, at a line end: what is left parses as
+		// a list of nothing. An empty state on purpose writes items: [].
+		{"list cut before its items", good, "apiVersion: v1\nkind: List\n", source.ReasonTruncated, "no items field"},
+		// Cut at a line end right after a key whose value was to follow on
+		// the next lines: what is left parses, the key null. A namespace
+		// without its labels unenrolls its pods, a PeerAuthentication
+		// without its mode drops STRICT.
+		{"cut after a key opening a block", good, good + "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: d\n  labels:\n", source.ReasonTruncated, "ends with"},
+		{"cut after a key opening a block, commented", good, good + "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: d\n  labels: # ambient\n\n# trailing comment\n", source.ReasonTruncated, "ends with"},
+		{"cut after mtls:", good, good + "---\napiVersion: security.istio.io/v1\nkind: PeerAuthentication\nmetadata: {name: strict, namespace: a}\nspec:\n  mtls:\n", source.ReasonTruncated, "ends with"},
+		{"cut after a list item's dash", good, "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: Namespace\n  metadata: {name: a}\n-\n", source.ReasonTruncated, "ends with"},
+		{"cut after a block scalar's header", good, good + "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: d\n  annotations:\n    note: |\n", source.ReasonTruncated, "ends with"},
+		{"list of items: null", good, "apiVersion: v1\nkind: List\nitems: null\n", source.ReasonTruncated, "no items field"},
+		{"list cut before its items, with metadata", good, "apiVersion: v1\nkind: List\nmetadata:\n  resourceVersion: \"\"\n", source.ReasonTruncated, "no items field"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

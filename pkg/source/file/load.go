@@ -496,6 +496,11 @@ func (b *builder) addStream(file string, data []byte) fileState {
 		b.errs = append(b.errs, &FileError{File: file, Reason: source.ReasonTruncated,
 			Err: errors.New("does not end with a newline: cut short, or still being written")})
 	}
+	if line, ok := danglingEnd(data); ok && data[len(data)-1] == '\n' {
+		b.errs = append(b.errs, &FileError{File: file, Reason: source.ReasonTruncated,
+			Err: fmt.Errorf("ends with %q, a key or list item whose value never comes: cut short at a line end? "+
+				"(write an empty value explicitly: {}, [], \"\" or null)", line)})
+	}
 	n, ended := splitDocuments(data, func(doc document) {
 		if !b.room(file, 1) {
 			return
@@ -508,6 +513,67 @@ func (b *builder) addStream(file string, data []byte) fileState {
 		b.addCached(loc, doc.data)
 	})
 	return fileState{docs: n, ended: ended}
+}
+
+// danglingEnd reports the last line of data holding more than blanks and
+// comments when it opens a value that never comes: a mapping key with
+// nothing after it ("labels:"), a list item's bare dash, or a block
+// scalar's header ("note: |"). YAML reads such a value as null (or ""),
+// so a file cut at a line end right after one still parses, the value
+// gone: a namespace's labels (its pods unenrolled), a
+// PeerAuthentication's mtls (STRICT dropped), a list's items. No writer
+// ends a file so; kubectl writes an empty value as {} or [].
+func danglingEnd(data []byte) (string, bool) {
+	rest := data
+	for len(rest) > 0 {
+		i := bytes.LastIndexByte(bytes.TrimRight(rest, "\r\n"), '\n')
+		line := rest[i+1:]
+		rest = rest[:max(i, 0)]
+		t := bytes.TrimSpace(line)
+		if len(t) == 0 || t[0] == '#' {
+			if i < 0 {
+				break
+			}
+			continue
+		}
+		if _, ok := marker(line, "---"); ok {
+			return "", false
+		}
+		if _, ok := marker(line, "..."); ok {
+			return "", false
+		}
+		// A comment after the value; not looked for past a quote, where
+		// " #" may be the value's own.
+		if j := bytes.Index(t, []byte(" #")); j >= 0 && !bytes.ContainsAny(t[:j], `"'`) {
+			t = bytes.TrimSpace(t[:j])
+		}
+		fields := strings.Fields(string(t))
+		last := fields[len(fields)-1]
+		switch {
+		case bytes.HasSuffix(t, []byte(":")), last == "-":
+			return string(bytes.TrimSpace(line)), true
+		case len(fields) > 1 && blockScalarHeader(last):
+			if prev := fields[len(fields)-2]; strings.HasSuffix(prev, ":") || prev == "-" {
+				return string(bytes.TrimSpace(line)), true
+			}
+		}
+		return "", false
+	}
+	return "", false
+}
+
+// blockScalarHeader reports whether s is a block scalar's header: | or >,
+// then at most a chomping indicator and an indentation digit.
+func blockScalarHeader(s string) bool {
+	if s == "" || (s[0] != '|' && s[0] != '>') {
+		return false
+	}
+	for _, c := range s[1:] {
+		if c != '+' && c != '-' && (c < '1' || c > '9') {
+			return false
+		}
+	}
+	return len(s) <= 3
 }
 
 // addCached adds one document: from the cache if the last load decoded the
@@ -628,21 +694,33 @@ func (b *builder) addDocument(loc DocError, data []byte) (aliases int64) {
 }
 
 // addList adds the items of a `kind: List` document, what `kubectl get -o
-// yaml` prints, so a dump of a real cluster loads as it is.
+// yaml` prints, so a dump of a real cluster loads as it is. A list without
+// an items field, or with items: null, is refused as cut short (reason
+// "truncated"): a list cut at a line end after its header (apiVersion, kind,
+// metadata) or right after "items:" parsed as a list of nothing, and
+// applied an empty state, every pod unenrolled. kubectl and the API server
+// always write the field; an empty state on purpose is items: [].
 func (b *builder) addList(loc DocError, data []byte) {
 	var list struct {
 		metav1.TypeMeta `json:",inline"`
 		metav1.ListMeta `json:"metadata,omitempty"`
-		Items           []json.RawMessage `json:"items"`
+		Items           *[]json.RawMessage `json:"items"`
 	}
 	if err := decodeYAML(data, &list); err != nil {
 		b.fail(loc, err)
 		return
 	}
-	if len(list.Items) > 1 && !b.room(loc.File, len(list.Items)-1) {
+	if list.Items == nil {
+		loc.Reason = source.ReasonTruncated
+		b.fail(loc, errors.New("a List with no items field (or items: null): cut short after its header? "+
+			"to apply an empty state write items: []"))
 		return
 	}
-	for i, item := range list.Items {
+	items := *list.Items
+	if len(items) > 1 && !b.room(loc.File, len(items)-1) {
+		return
+	}
+	for i, item := range items {
 		loc.Item = i + 1
 		var tm metav1.TypeMeta
 		err := json.Unmarshal(item, &tm)

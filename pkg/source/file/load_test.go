@@ -446,3 +446,35 @@ func TestLoadYAMLBombs(t *testing.T) {
 		t.Errorf("namespaces = %q, want a", got)
 	}
 }
+
+// TestDanglingEnd: a file whose last line opens a value that never comes
+// is cut short; every other ending is not.
+func TestDanglingEnd(t *testing.T) {
+	for data, want := range map[string]bool{
+		"metadata:\n  labels:\n":            true,
+		"metadata:\n  labels:\r\n":          true,
+		"metadata:\n  labels: # none\n\n":   true,
+		"items:\n- a\n-\n":                  true,
+		"items:\n- name:\n":                 true,
+		"annotations:\n  note: |\n":         true,
+		"annotations:\n  note: >-\n# end\n": true,
+		"metadata:\n  name: a\n":            false,
+		"spec: {}\n":                        false,
+		"items:\n- a\n":                     false,
+		"key: \"a #b:\"\n":                  false,
+		"key: 'x:'\n":                       false,
+		"url: http://x\n":                   false,
+		"kind: Namespace\n---\n":            false,
+		"kind: Namespace\n...\n":            false,
+		"kind: Namespace\n# a comment:\n":   false,
+		"note: |\n  text:\n  more\n":        false,
+		"note: a > b\n":                     false,
+		"":                                  false,
+		"\n\n":                              false,
+		"labels:":                           true, // without its newline: refused for that already
+	} {
+		if _, got := danglingEnd([]byte(data)); got != want {
+			t.Errorf("danglingEnd(%q) = %v, want %v", data, got, want)
+		}
+	}
+}

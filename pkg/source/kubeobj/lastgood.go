@@ -52,6 +52,16 @@ func (l *LastGood) Keep(snap *source.Snapshot, errs []error) []error {
 		}
 		out = append(out, err)
 	}
+	// A pod Undecided without an error (its namespace not in view: the
+	// view lags, since the API server removes a namespace only after its
+	// pods) keeps its last decision if it was enrolled: detached, its
+	// traffic would leave the mesh.
+	for _, w := range snap.Workloads {
+		why := w.Undecided
+		if old := l.pods[w.Key()]; why != "" && old != nil && KeepDecision(w, old) {
+			out = append(out, KeptError{Err: fmt.Errorf("pod %s cannot be judged now (%s)", w, why)})
+		}
+	}
 	if kept {
 		slices.SortStableFunc(snap.Workloads, func(a, b *workload.Workload) int {
 			return cmp.Or(cmp.Compare(a.Namespace, b.Namespace), cmp.Compare(a.Name, b.Name))

@@ -380,11 +380,18 @@ func (m *model) applyPod(key string) {
 		m.workloads.delete(k)
 		return
 	}
-	if old, had := m.workloads.m[k]; had && w != nil && errors.As(err, new(*selection.RuntimeClassError)) && kubeobj.KeepDecision(w, old) {
+	old, had := m.workloads.m[k]
+	if had && w != nil && errors.As(err, new(*selection.RuntimeClassError)) && kubeobj.KeepDecision(w, old) {
 		// Its RuntimeClass was deleted under it: the sandbox keeps its
 		// handler, so the pod keeps its enrollment.
 		m.log.Error("pod's runtime class is gone; its last decision (enrolled) is kept", "error", err)
 		err = nil
+	}
+	if why := undecided(w); had && why != "" && kubeobj.KeepDecision(w, old) {
+		// Its namespace left the view while the pod is there (the API
+		// server removes a namespace only after its pods): the view lags,
+		// and the pod keeps its enrollment rather than being detached.
+		m.log.Error("pod cannot be judged now; its last decision (enrolled) is kept", "pod", key, "reason", why)
 	}
 	if err != nil {
 		m.log.Error("pod left out or not enrolled", "error", err)
@@ -396,6 +403,14 @@ func (m *model) applyPod(key string) {
 	w.Waypoint = m.waypointRules().For(w.Namespace, "", w.Labels, kubeobj.WaypointForWorkload)
 	m.localities[w.Node].Set(w)
 	m.workloads.set(k, w)
+}
+
+// undecided is w's Undecided reason, "" for none or no w.
+func undecided(w *workload.Workload) string {
+	if w == nil {
+		return ""
+	}
+	return w.Undecided
 }
 
 func (m *model) applyService(key string) {

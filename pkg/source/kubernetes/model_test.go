@@ -273,3 +273,62 @@ func TestModelPodBeforeItsNamespaceUndecided(t *testing.T) {
 		t.Errorf("once its ambient namespace is seen: %+v; want selected (pending its address)", ws)
 	}
 }
+
+// TestModelKeepsEnrolledPodWhoseNamespaceLeavesView: the API server removes
+// a namespace only once its pods are gone, so a pod whose namespace is not
+// in the agent's view is one the view lags on (the two watches have no
+// order between them, a relist that lost it): such a pod is Undecided. An
+// enrolled pod keeps its enrollment then, as for a deleted RuntimeClass.
+// Before, it was unenrolled and detached (not sealed, as a pod gone from
+// the source is), and its traffic left the mesh in plaintext; a pod that
+// was never enrolled stays Undecided.
+func TestModelKeepsEnrolledPodWhoseNamespaceLeavesView(t *testing.T) {
+	inf := storeOnlyInformers()
+	var logs bytes.Buffer
+	m := newModel(selection.Config{}, slog.New(slog.NewTextHandler(&logs, nil)), inf)
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}
+	pod := func(name, uid, ip string) *kubeobj.CompactPod {
+		return kubeobj.NewCompactPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "shop", Name: name, UID: types.UID(uid)},
+			Spec: corev1.PodSpec{NodeName: "node-a"}, Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip}})
+	}
+	if err := inf.namespaces.GetStore().Add(ns); err != nil {
+		t.Fatal(err)
+	}
+	if err := inf.pods.GetStore().Add(pod("web", "u1", "10.0.0.5")); err != nil {
+		t.Fatal(err)
+	}
+	var first changes
+	first.add(kindNamespace, "shop")
+	first.add(kindPod, "shop/web")
+	m.apply(first)
+	get := func(name string) *workload.Workload {
+		for _, w := range m.snapshot().Workloads {
+			if w.Name == name {
+				return w
+			}
+		}
+		return nil
+	}
+	if w := get("web"); w == nil || !w.Enrolled {
+		t.Fatalf("web = %+v, want enrolled", w)
+	}
+	if err := inf.namespaces.GetStore().Delete(ns); err != nil {
+		t.Fatal(err)
+	}
+	if err := inf.pods.GetStore().Add(pod("new", "u2", "10.0.0.6")); err != nil {
+		t.Fatal(err)
+	}
+	var c changes
+	c.add(kindNamespace, "shop")
+	c.add(kindPod, "shop/new")
+	m.apply(c)
+	if w := get("web"); w == nil || !w.Enrolled || w.Undecided != "" {
+		t.Errorf("namespace out of view: web = %+v, want still enrolled", w)
+	}
+	if w := get("new"); w == nil || w.Enrolled || w.Undecided == "" {
+		t.Errorf("namespace out of view: new = %+v, want undecided (never enrolled)", w)
+	}
+	if out := logs.String(); !strings.Contains(out, "shop/web") || !strings.Contains(out, "last decision (enrolled) is kept") {
+		t.Errorf("log %q does not name the pod, or say its decision is kept", out)
+	}
+}

@@ -39,6 +39,7 @@ import (
 	"io"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -243,7 +244,16 @@ func decodeAddress(b []byte) (any, error) {
 	if err := proto.Unmarshal(b, &a); err != nil {
 		return nil, fmt.Errorf("decode istio.workload.Address: %w", err)
 	}
-	return translateAddress(&a)
+	v, err := translateAddress(&a)
+	if err != nil {
+		// Held in its place (if the client has no accepted version), its
+		// addresses are refused, not reached in plaintext (Rejected).
+		if r := rejectedAddress(&a); r != nil {
+			return r, err
+		}
+		return nil, err
+	}
+	return v, nil
 }
 
 func decodeAuthorization(b []byte) (any, error) {
@@ -566,8 +576,17 @@ func (c *Client) applyOne(t *resourceType, r *discoveryv3.Resource) (held bool, 
 		c.cfg.Metrics.reject(t.short, rejectInvalid)
 		return false, fmt.Errorf("resource name is not that of its content, %q (istiod names a workload by its uid, a service namespace/hostname, a policy namespace/name)", want)
 	}
+	if _, standIn := v.(*Rejected); standIn && had {
+		if _, was := old.value.(*Rejected); !was {
+			// A rejected update of an accepted workload or service: the
+			// accepted version stays in force, as in ztunnel.
+			return false, err
+		}
+	}
 	// Held even when err is set: a policy that cannot be applied as
-	// written is held in its fail-closed form (failClosed).
+	// written is held in its fail-closed form (failClosed), a workload or
+	// service rejected with no accepted version as a stand-in refusing
+	// its addresses (Rejected).
 	t.bytes += size - old.size
 	t.held[r.GetName()] = entry{version: r.GetVersion(), value: v, size: size}
 	return true, err
@@ -583,6 +602,8 @@ func resourceName(v any) string {
 		return v.Key()
 	case *policy.Compiled:
 		return v.Key()
+	case *Rejected:
+		return v.Name
 	}
 	return ""
 }
@@ -637,6 +658,7 @@ func (c *Client) snapshot() *Snapshot {
 	workloads := map[string]*Workload{}
 	services := map[string]*Service{}
 	policies := map[string]*policy.Compiled{}
+	var rejected []*Rejected
 	for _, t := range c.types {
 		for name, e := range t.held {
 			switch v := e.value.(type) {
@@ -646,11 +668,17 @@ func (c *Client) snapshot() *Snapshot {
 				services[name] = v
 			case *policy.Compiled:
 				policies[name] = v
+			case *Rejected:
+				if r := v.on(c.cfg.Network); r != nil {
+					rejected = append(rejected, r)
+				}
 			}
 		}
 	}
 	s := buildSnapshot(workloads, services, policies, c.cfg.Network)
 	s.Cluster = c.cfg.Node.ClusterID
+	slices.SortFunc(rejected, func(a, b *Rejected) int { return cmp.Compare(a.Name, b.Name) })
+	s.Rejected = rejected
 	c.cfg.Metrics.setOtherNetwork(s.OtherNetwork)
 	for _, t := range c.types {
 		names := make([]string, 0, len(t.unresolved))

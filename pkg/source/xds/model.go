@@ -158,6 +158,43 @@ type Snapshot struct {
 	Cluster string
 	// OtherNetwork counts the workloads on other networks.
 	OtherNetwork int
+	// Rejected are the workloads and services istiod sent that the client
+	// rejected and holds no accepted version of, with their addresses on
+	// the agent's network, sorted by name (see Rejected).
+	Rejected []*Rejected
+}
+
+// Rejected stands in for a workload or service istiod sent that does not
+// translate (a value a newer istiod added, a malformed field) and of which
+// the client holds no accepted version: it keeps the resource's addresses
+// that parse, so that connections to them are refused (merge makes it a
+// Contested, Rejected service). Left out, the addresses were no
+// workload's, and connections to them left the pod in plaintext, though
+// istiod meant them for the mesh. A version that translates, or istiod's
+// removal, replaces it; a rejected update of an accepted version keeps
+// that version instead (Client.applyOne).
+type Rejected struct {
+	// Name is istiod's resource name: a workload's uid, a service's
+	// namespace/hostname.
+	Name      string
+	Namespace string
+	Addrs     []netip.Addr
+	// networks holds, per address, the network istiod puts it on.
+	networks []string
+}
+
+// on is r with only its addresses on network, nil if none is.
+func (r *Rejected) on(network string) *Rejected {
+	c := &Rejected{Name: r.Name, Namespace: r.Namespace}
+	for i, a := range r.Addrs {
+		if r.networks[i] == network {
+			c.Addrs = append(c.Addrs, a)
+		}
+	}
+	if len(c.Addrs) == 0 {
+		return nil
+	}
+	return c
 }
 
 // portName is the name a service port gets in the directory: its number,

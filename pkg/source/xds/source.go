@@ -332,8 +332,48 @@ func merge(local nodepods.State, mesh *Snapshot, node string, cfg selection.Conf
 	}
 	services, shared := sharedVIPs(services, canonical)
 	errs = append(errs, shared...)
+	standIns, rejected := rejectedStandIns(mesh.Rejected, claimed, services)
+	services = append(services, standIns...)
+	errs = append(errs, rejected...)
 	snap.Services = append(snap.Services, services...)
 	return snap, errs
+}
+
+// rejectedStandIns makes a Contested, Rejected service of each rejected
+// resource (see Rejected) at its addresses that no workload claims and no
+// service lists as a VIP: connections to them are refused (the tunnel
+// looks VIPs up first), where as addresses of no workload they left the
+// pod in plaintext. An address a workload or service istiod sent has stays
+// theirs: a rejected resource takes nothing from the accepted ones. It
+// returns an error per stand-in, naming the addresses refused.
+func rejectedStandIns(list []*Rejected, claimed map[netip.Addr]claim, services []*workload.Service) ([]*workload.Service, []error) {
+	if len(list) == 0 {
+		return nil, nil
+	}
+	taken := map[netip.Addr]bool{}
+	for _, s := range services {
+		for _, a := range s.VIPs {
+			taken[a] = true
+		}
+	}
+	var out []*workload.Service
+	var errs []error
+	for _, r := range list {
+		var free []netip.Addr
+		for _, a := range r.Addrs {
+			if _, ok := claimed[a]; ok || taken[a] {
+				continue
+			}
+			taken[a] = true
+			free = append(free, a)
+		}
+		if len(free) == 0 {
+			continue
+		}
+		out = append(out, &workload.Service{Name: "rejected " + r.Name, Namespace: r.Namespace, VIPs: free, Contested: true, Rejected: true})
+		errs = append(errs, fmt.Errorf("istiod's %s was rejected (see the NACK) and no version of it is held: connections to %v are refused until istiod sends one that translates or removes it", r.Name, free))
+	}
+	return out, errs
 }
 
 // sharedVIPs settles the VIPs that more than one service lists where they

@@ -137,6 +137,34 @@ func TestMergeKeepsLocalPodWithMalformedAddress(t *testing.T) {
 	}
 }
 
+// TestMergeKeepsEnrolledPodWhoseNamespaceLeavesView: a local pod whose
+// namespace the node's watch no longer has (the API server removes a
+// namespace only after its pods, so the view lags) is Undecided; an
+// enrolled one keeps its enrollment, logged, rather than being detached
+// and its traffic leaving the mesh.
+func TestMergeKeepsEnrolledPodWhoseNamespaceLeavesView(t *testing.T) {
+	cfg := selection.Config{NamespaceViewLags: true}
+	pod := corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web-1", Namespace: "shop", UID: "u1"}, Spec: corev1.PodSpec{NodeName: "node-a"},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, PodIP: "10.1.0.5", PodIPs: []corev1.PodIP{{IP: "10.1.0.5"}}}}
+	ns := corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{selection.DataplaneModeLabel: "ambient"}}}
+	var last kubeobj.LastGood
+	if snap, _ := merge(nodepods.State{Namespaces: []corev1.Namespace{ns}, Pods: []corev1.Pod{pod}}, nil, "node-a", cfg, &last); len(snap.Workloads) != 1 || !snap.Workloads[0].Enrolled {
+		t.Fatalf("workloads %+v, want web-1 enrolled", snap.Workloads)
+	}
+	fresh := pod
+	fresh.Name, fresh.UID = "web-2", "u2"
+	snap, errs := merge(nodepods.State{Pods: []corev1.Pod{pod, fresh}}, nil, "node-a", cfg, &last)
+	if len(snap.Workloads) != 2 || !snap.Workloads[0].Enrolled || snap.Workloads[0].Undecided != "" {
+		t.Errorf("namespace out of view: workloads %+v, want web-1 still enrolled", snap.Workloads)
+	}
+	if len(snap.Workloads) == 2 && (snap.Workloads[1].Enrolled || snap.Workloads[1].Undecided == "") {
+		t.Errorf("namespace out of view: web-2 %+v, want undecided (never enrolled)", snap.Workloads[1])
+	}
+	if len(errs) != 1 || !strings.Contains(errs[0].Error(), "shop/web-1") || !strings.Contains(errs[0].Error(), "last good version") {
+		t.Errorf("errors %v, want one naming web-1 and saying it is kept", errs)
+	}
+}
+
 // TestMergeLocalPodsOwnTheirAddressesAndSelection: an istiod workload
 // listing a local pod's address besides one of its own does not take the
 // local pod's address (before, the directory gave it to whichever sorted

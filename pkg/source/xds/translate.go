@@ -40,6 +40,47 @@ func translateAddress(a *workloadapi.Address) (any, error) {
 	return nil, errors.New("address is neither a workload nor a service")
 }
 
+// rejectedAddress is the stand-in for a, which does not translate: its
+// name and the addresses of it that are a host's own (meshAddr), nil when
+// there is none or the name is unknown. A workload that is not known to
+// have addresses of its own (network mode other than STANDARD: a node's
+// addresses) stands for none: refusing a node's address would cut pods off
+// whatever else runs there. A service's ranges are left out.
+func rejectedAddress(a *workloadapi.Address) *Rejected {
+	var r *Rejected
+	switch t := a.GetType().(type) {
+	case *workloadapi.Address_Workload:
+		x := t.Workload
+		if x.GetUid() == "" || x.GetNetworkMode() != workloadapi.NetworkMode_STANDARD {
+			return nil
+		}
+		r = &Rejected{Name: x.GetUid(), Namespace: x.GetNamespace()}
+		for _, b := range x.GetAddresses()[:min(len(x.GetAddresses()), MaxWorkloadAddresses)] {
+			if ip, err := meshAddr(b); err == nil {
+				r.Addrs, r.networks = append(r.Addrs, ip), append(r.networks, x.GetNetwork())
+			}
+		}
+	case *workloadapi.Address_Service:
+		x := t.Service
+		if x.GetNamespace() == "" || x.GetHostname() == "" {
+			return nil
+		}
+		r = &Rejected{Name: x.GetNamespace() + "/" + x.GetHostname(), Namespace: x.GetNamespace()}
+		for _, na := range x.GetAddresses() {
+			if _, isRange, err := meshCIDR(na); err != nil || isRange {
+				continue
+			}
+			if ip, err := meshAddr(na.GetAddress()); err == nil {
+				r.Addrs, r.networks = append(r.Addrs, ip), append(r.networks, na.GetNetwork())
+			}
+		}
+	}
+	if r == nil || len(r.Addrs) == 0 {
+		return nil
+	}
+	return r
+}
+
 func translateWorkload(x *workloadapi.Workload) (*Workload, error) {
 	if x.GetUid() == "" || x.GetName() == "" || x.GetNamespace() == "" {
 		return nil, fmt.Errorf("workload %q (%s/%s): uid, name and namespace are required", x.GetUid(), x.GetNamespace(), x.GetName())
