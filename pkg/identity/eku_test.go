@@ -178,3 +178,41 @@ func TestVerifyPeerRejectsPathsRustlsDoesNotBuild(t *testing.T) {
 		t.Errorf("%d intermediates: own certificate: err = %v, want %s", maxIntermediates+1, err, ReasonUntrustedChain)
 	}
 }
+
+// TestHandshakeRefusesAnyExtendedKeyUsage: over a real handshake, a leaf
+// of the mesh's own CA whose extended key usage says only "any" is
+// refused by the server (as a client's) and by the client (as a
+// server's), as a ztunnel refuses it.
+func TestHandshakeRefusesAnyExtendedKeyUsage(t *testing.T) {
+	ca := newCA(t, "cluster.local")
+	m := newManager(t, ca, time.Hour)
+	anyOnly := func(c *x509.Certificate) { c.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageAny} }
+
+	client := &tls.Config{
+		MinVersion: tls.VersionTLS13, NextProtos: []string{ALPN}, InsecureSkipVerify: true,
+		Certificates: []tls.Certificate{*mint(t, ca, idWeb, anyOnly)},
+	}
+	r := handshake(t, client, ServerConfig(m, idCart))
+	if !errors.Is(r.serverErr, ErrUntrustedPeer) {
+		t.Errorf("server: err = %v, want ErrUntrustedPeer for a client whose usage is only any", r.serverErr)
+	}
+
+	server := &tls.Config{
+		MinVersion: tls.VersionTLS13, NextProtos: []string{ALPN}, ClientAuth: tls.RequireAnyClientCert,
+		Certificates: []tls.Certificate{*mint(t, ca, idCart, anyOnly)},
+	}
+	r = handshake(t, ClientConfig(m, idWeb, idCart), server)
+	if !errors.Is(r.clientErr, ErrUntrustedPeer) {
+		t.Errorf("client: err = %v, want ErrUntrustedPeer for a server whose usage is only any", r.clientErr)
+	}
+
+	// The same leaves with the usages written out pass both ways.
+	client.Certificates = []tls.Certificate{*mint(t, ca, idWeb, nil)}
+	if r := handshake(t, client, ServerConfig(m, idCart)); r.serverErr != nil {
+		t.Errorf("server refused a control client: %v", r.serverErr)
+	}
+	server.Certificates = []tls.Certificate{*mint(t, ca, idCart, nil)}
+	if r := handshake(t, ClientConfig(m, idWeb, idCart), server); r.clientErr != nil {
+		t.Errorf("client refused a control server: %v", r.clientErr)
+	}
+}
