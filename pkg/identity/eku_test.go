@@ -216,3 +216,81 @@ func TestHandshakeRefusesAnyExtendedKeyUsage(t *testing.T) {
 		t.Errorf("client refused a control server: %v", r.clientErr)
 	}
 }
+
+// TestVerifyPeerRejectsSignaturesRustlsDoesNotVerify: crypto/x509
+// verifies an ECDSA signature with SHA-512 by a P-256 or P-384 key;
+// rustls (aws-lc-rs, ztunnel) verifies SHA-512 signatures by P-521 keys
+// only. A leaf or an intermediate so signed is refused, from a peer and
+// from the CA; P-521 with SHA-512 and P-256 with SHA-256 pass.
+func TestVerifyPeerRejectsSignaturesRustlsDoesNotVerify(t *testing.T) {
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	usages := []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth}
+	key := func(c elliptic.Curve) *ecdsa.PrivateKey {
+		k, err := ecdsa.GenerateKey(c, rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return k
+	}
+	// chain: root (rootCurve) signs the intermediate with interAlg; the
+	// intermediate (interCurve) signs the leaf with leafAlg.
+	type shape struct {
+		rootCurve, interCurve elliptic.Curve
+		interAlg, leafAlg     x509.SignatureAlgorithm
+	}
+	build := func(s shape) (*Manager, *tls.Certificate, []*x509.Certificate) {
+		t.Helper()
+		rootKey, interKey, leafKey := key(s.rootCurve), key(s.interCurve), key(elliptic.P256())
+		root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
+		inter := identitytest.Sign(t, &x509.Certificate{
+			SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: "intermediate"},
+			NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+			KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true,
+			SignatureAlgorithm: s.interAlg,
+		}, interKey, root, rootKey)
+		leaf := identitytest.Sign(t, &x509.Certificate{
+			SerialNumber: big.NewInt(time.Now().UnixNano()),
+			NotBefore:    time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages,
+			URIs:               []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+			SignatureAlgorithm: s.leafAlg,
+		}, leafKey, inter, interKey)
+		pool := x509.NewCertPool()
+		pool.AddCert(root)
+		m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
+		t.Cleanup(m.Close)
+		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
+		return m, own, []*x509.Certificate{leaf, inter}
+	}
+	p256, p384, p521 := elliptic.P256(), elliptic.P384(), elliptic.P521()
+	for name, s := range map[string]shape{
+		"p-256 with sha-256":                 {p256, p256, x509.ECDSAWithSHA256, x509.ECDSAWithSHA256},
+		"p-521 with sha-512":                 {p521, p521, x509.ECDSAWithSHA512, x509.ECDSAWithSHA512},
+		"p-384 with sha-384, p-256 with 256": {p384, p256, x509.ECDSAWithSHA384, x509.ECDSAWithSHA256},
+	} {
+		m, own, peer := build(s)
+		for _, usage := range usages {
+			if id, err := verifyPeer(m, peer, usage); err != nil || id != want {
+				t.Errorf("%s (usage %v): %v %v, want %v", name, usage, id, err, want)
+			}
+		}
+		if _, err := m.check(want, own); err != nil {
+			t.Errorf("%s: own certificate refused: %v", name, err)
+		}
+	}
+	for name, s := range map[string]shape{
+		"leaf signed by p-256 with sha-512":         {p256, p256, x509.ECDSAWithSHA256, x509.ECDSAWithSHA512},
+		"intermediate signed by p-384 with sha-512": {p384, p256, x509.ECDSAWithSHA512, x509.ECDSAWithSHA256},
+	} {
+		m, own, peer := build(s)
+		for _, usage := range usages {
+			if _, err := verifyPeer(m, peer, usage); !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "SHA-512") {
+				t.Errorf("%s (usage %v): err = %v, want ErrUntrustedPeer naming SHA-512", name, usage, err)
+			}
+		}
+		var ce *CAError
+		if _, err := m.check(want, own); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+			t.Errorf("%s: own certificate: err = %v, want %s", name, err, ReasonUntrustedChain)
+		}
+	}
+}

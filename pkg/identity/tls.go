@@ -241,9 +241,10 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 // strongChain accepts verified chains when one of them is one rustls
 // (ztunnel) accepts too for usage (unusable): crypto/x509 verifies
 // signatures of RSA keys of 1024 bits or of P-224 keys anywhere in a
-// chain, takes the anyExtendedKeyUsage purpose for every usage and builds
-// paths of any depth, where rustls refuses all three, so such a chain
-// would work only between agents like this one.
+// chain and ECDSA signatures with SHA-512 by P-256 keys, takes the
+// anyExtendedKeyUsage purpose for every usage and builds paths of any
+// depth, where rustls refuses all of these, so such a chain would work
+// only between agents like this one.
 func strongChain(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) error {
 	var firstErr error
 	for _, chain := range chains {
@@ -268,7 +269,9 @@ func strongChain(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) error {
 // trust anchor, whose extensions rustls does not read; crypto/x509 has
 // checked its usages already) that has the extended key usage extension
 // must name usage itself: rustls does not read anyExtendedKeyUsage
-// (2.5.29.37.0) as allowing it, and refuses an empty extension.
+// (2.5.29.37.0) as allowing it, and refuses an empty extension. Each
+// signature along the chain must be one rustls verifies
+// (checkSignatureAlgorithm).
 //
 // Nor may more than maxIntermediates certificates stand between the leaf
 // and the root: rustls builds no longer path, where crypto/x509 has no
@@ -282,11 +285,32 @@ func unusable(chain []*x509.Certificate, usage x509.ExtKeyUsage) (*x509.Certific
 		if err := checkKey(c.PublicKey); err != nil {
 			return c, err
 		}
-		if i < len(chain)-1 && hasExtension(c, oidExtKeyUsage) && !slices.Contains(c.ExtKeyUsage, usage) {
+		if i == len(chain)-1 {
+			break // the root: its own signature is not relied on
+		}
+		if hasExtension(c, oidExtKeyUsage) && !slices.Contains(c.ExtKeyUsage, usage) {
 			return c, fmt.Errorf("extended key usage does not name %s", usageName(usage))
+		}
+		if err := checkSignatureAlgorithm(c, chain[i+1]); err != nil {
+			return c, err
 		}
 	}
 	return nil, nil
+}
+
+// checkSignatureAlgorithm refuses the signatures on c by issuer's key
+// that crypto/x509 verifies and rustls (aws-lc-rs) does not: ECDSA with
+// SHA-512 by a P-256 or P-384 key (rustls takes SHA-512 with P-521 only).
+// The other algorithms crypto/x509 verifies, rustls does too, with the
+// keys checkKey accepts.
+func checkSignatureAlgorithm(c, issuer *x509.Certificate) error {
+	if c.SignatureAlgorithm != x509.ECDSAWithSHA512 {
+		return nil
+	}
+	if k, ok := issuer.PublicKey.(*ecdsa.PublicKey); ok && k.Curve != elliptic.P521() {
+		return fmt.Errorf("signed with ECDSA and SHA-512 by a key on curve %s, which rustls does not verify", k.Curve.Params().Name)
+	}
+	return nil
 }
 
 // usageName names the usages verifyPeer checks, as the errors say them.
