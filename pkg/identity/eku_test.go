@@ -294,3 +294,86 @@ func TestVerifyPeerRejectsSignaturesRustlsDoesNotVerify(t *testing.T) {
 		}
 	}
 }
+
+// TestVerifyPeerRejectsURINameConstraints: an issuer constraining URI
+// names to the trust domain (permitted cluster.local, as a SPIFFE-aware
+// PKI may set) passes crypto/x509, which evaluates the constraint; rustls
+// (webpki, ztunnel) does not evaluate URI constraints and refuses every
+// URI under one, permitted or excluded. A peer or CA chain through such an
+// issuer, intermediate or root, is refused; a constraint on DNS names
+// only still passes (rustls skips it for a URI).
+func TestVerifyPeerRejectsURINameConstraints(t *testing.T) {
+	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
+	usages := []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth}
+	// build: a root edited by rootEdit signs an intermediate edited by
+	// interEdit, which signs the leaf.
+	build := func(rootEdit, interEdit func(*x509.Certificate)) (*Manager, *tls.Certificate, []*x509.Certificate) {
+		t.Helper()
+		caTmpl := func(cn string, edit func(*x509.Certificate)) *x509.Certificate {
+			c := &x509.Certificate{
+				SerialNumber: big.NewInt(time.Now().UnixNano()), Subject: pkix.Name{CommonName: cn},
+				NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
+				KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true,
+			}
+			if edit != nil {
+				edit(c)
+			}
+			return c
+		}
+		rootKey, interKey := identitytest.NewKey(t, "ecdsa"), identitytest.NewKey(t, "ecdsa")
+		rootTmpl := caTmpl("root", rootEdit)
+		root := identitytest.Sign(t, rootTmpl, rootKey, rootTmpl, rootKey)
+		inter := identitytest.Sign(t, caTmpl("intermediate", interEdit), interKey, root, rootKey)
+		leafKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leaf := identitytest.Sign(t, &x509.Certificate{
+			SerialNumber: big.NewInt(time.Now().UnixNano()),
+			NotBefore:    time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
+			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages,
+			URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+		}, leafKey, inter, interKey)
+		pool := x509.NewCertPool()
+		pool.AddCert(root)
+		m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
+		t.Cleanup(m.Close)
+		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
+		return m, own, []*x509.Certificate{leaf, inter}
+	}
+	permitTD := func(c *x509.Certificate) { c.PermittedURIDomains = []string{"cluster.local"} }
+	excludeOther := func(c *x509.Certificate) { c.ExcludedURIDomains = []string{"other.example"} }
+	dnsOnly := func(c *x509.Certificate) { c.PermittedDNSDomains = []string{"svc.cluster.local"} }
+
+	for name, edits := range map[string][2]func(*x509.Certificate){
+		"no constraints":                 {nil, nil},
+		"intermediate constrains dns":    {nil, dnsOnly},
+		"root and intermediate with dns": {dnsOnly, dnsOnly},
+	} {
+		m, own, peer := build(edits[0], edits[1])
+		for _, usage := range usages {
+			if id, err := verifyPeer(m, peer, usage); err != nil || id != want {
+				t.Errorf("%s (usage %v): %v %v, want %v", name, usage, id, err, want)
+			}
+		}
+		if _, err := m.check(want, own); err != nil {
+			t.Errorf("%s: own certificate refused: %v", name, err)
+		}
+	}
+	for name, edits := range map[string][2]func(*x509.Certificate){
+		"intermediate permits the trust domain": {nil, permitTD},
+		"intermediate excludes another domain":  {nil, excludeOther},
+		"root permits the trust domain":         {permitTD, nil},
+	} {
+		m, own, peer := build(edits[0], edits[1])
+		for _, usage := range usages {
+			if _, err := verifyPeer(m, peer, usage); !errors.Is(err, ErrUntrustedPeer) || !strings.Contains(err.Error(), "name constraints on URI") {
+				t.Errorf("%s (usage %v): err = %v, want ErrUntrustedPeer naming the URI name constraints", name, usage, err)
+			}
+		}
+		var ce *CAError
+		if _, err := m.check(want, own); !errors.As(err, &ce) || ce.Reason != ReasonUntrustedChain {
+			t.Errorf("%s: own certificate: err = %v, want %s", name, err, ReasonUntrustedChain)
+		}
+	}
+}

@@ -242,9 +242,9 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 // (ztunnel) accepts too for usage (unusable): crypto/x509 verifies
 // signatures of RSA keys of 1024 bits or of P-224 keys anywhere in a
 // chain and ECDSA signatures with SHA-512 by P-256 keys, takes the
-// anyExtendedKeyUsage purpose for every usage and builds paths of any
-// depth, where rustls refuses all of these, so such a chain would work
-// only between agents like this one.
+// anyExtendedKeyUsage purpose for every usage, builds paths of any depth
+// and evaluates name constraints on URIs, where rustls refuses all of
+// these, so such a chain would work only between agents like this one.
 func strongChain(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) error {
 	var firstErr error
 	for _, chain := range chains {
@@ -271,7 +271,9 @@ func strongChain(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) error {
 // must name usage itself: rustls does not read anyExtendedKeyUsage
 // (2.5.29.37.0) as allowing it, and refuses an empty extension. Each
 // signature along the chain must be one rustls verifies
-// (checkSignatureAlgorithm).
+// (checkSignatureAlgorithm). No issuer, the root included, may constrain
+// URI names: rustls does not evaluate such constraints and refuses every
+// URI under them, permitted or not, where crypto/x509 evaluates them.
 //
 // Nor may more than maxIntermediates certificates stand between the leaf
 // and the root: rustls builds no longer path, where crypto/x509 has no
@@ -284,6 +286,9 @@ func unusable(chain []*x509.Certificate, usage x509.ExtKeyUsage) (*x509.Certific
 	for i, c := range chain {
 		if err := checkKey(c.PublicKey); err != nil {
 			return c, err
+		}
+		if i > 0 && (len(c.PermittedURIDomains) > 0 || len(c.ExcludedURIDomains) > 0) {
+			return c, errors.New("name constraints on URI names, which rustls does not evaluate: it refuses every SPIFFE ID under them")
 		}
 		if i == len(chain)-1 {
 			break // the root: its own signature is not relied on
