@@ -141,6 +141,13 @@ func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 	serverOnlyKey := identitytest.NewKey(t, "ecdsa")
 	serverOnlyCA := identitytest.PKI{Root: root, RootKey: rootKey, Inter: identitytest.Sign(t, serverOnly, serverOnlyKey, root, rootKey), InterKey: serverOnlyKey}
 
+	// anyExtendedKeyUsage only, which crypto/x509 takes for every usage and
+	// rustls for none.
+	anyOnly := caTmpl("Any-usage issuing CA")
+	anyOnly.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageAny}
+	anyOnlyKey := identitytest.NewKey(t, "ecdsa")
+	anyOnlyCA := identitytest.PKI{Root: root, RootKey: rootKey, Inter: identitytest.Sign(t, anyOnly, anyOnlyKey, root, rootKey), InterKey: anyOnlyKey}
+
 	// Nine intermediates: with the leaf, ten certificates presented.
 	longChain := []*x509.Certificate{}
 	parent, parentKey := root, crypto.Signer(rootKey)
@@ -172,7 +179,8 @@ func TestLoadIstioCacertsThatIssueNothingAccepted(t *testing.T) {
 			}
 			return dir
 		}, "chain of 10 certificates, at most 8"},
-		"weak rsa root": {func() string { return identitytest.WriteCacerts(t, weakRootCA) }, "rsa key of 1024 bits"},
+		"weak rsa root":          {func() string { return identitytest.WriteCacerts(t, weakRootCA) }, "rsa key of 1024 bits"},
+		"any-usage intermediate": {func() string { return identitytest.WriteCacerts(t, anyOnlyCA) }, "extended key usage does not name"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			dir := tc.dir()

@@ -834,12 +834,12 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 		opts.KeyUsages = []x509.ExtKeyUsage{usage}
 		chains, err := cert.Leaf.Verify(opts)
 		if err == nil {
-			err = strongChain(chains)
+			err = strongChain(chains, usage)
 		}
 		if err != nil {
 			return time.Time{}, &CAError{Reason: ReasonUntrustedChain, Err: fmt.Errorf("%w: %w", ErrUntrustedPeer, err)}
 		}
-		if e := chainsEnd(chains); end.IsZero() || e.Before(end) {
+		if e := chainsEnd(chains, usage); end.IsZero() || e.Before(end) {
 			end = e
 		}
 	}
@@ -847,11 +847,12 @@ func checkIssued(id ID, cert *tls.Certificate, roots *x509.CertPool, now time.Ti
 }
 
 // chainsEnd is the latest of the ends of the verified chains that
-// strongChain accepts, each the first NotAfter among its certificates.
-func chainsEnd(chains [][]*x509.Certificate) time.Time {
+// strongChain accepts for usage, each the first NotAfter among its
+// certificates.
+func chainsEnd(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) time.Time {
 	var latest time.Time
 	for _, chain := range chains {
-		if c, _ := unusableKey(chain); c != nil {
+		if c, _ := unusable(chain, usage); c != nil {
 			continue
 		}
 		end := chain[0].NotAfter

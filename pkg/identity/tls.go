@@ -10,6 +10,7 @@ import (
 	"encoding/asn1"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -144,7 +145,7 @@ func verifyPeerChains(m *Manager, chain []*x509.Certificate, usage x509.ExtKeyUs
 	if err != nil {
 		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
-	if err := strongChain(chains); err != nil {
+	if err := strongChain(chains, usage); err != nil {
 		return ID{}, nil, fmt.Errorf("%w: %w", ErrUntrustedPeer, err)
 	}
 	id, err := idFromLeaf(leaf)
@@ -172,7 +173,7 @@ func (m *Manager) PeerChainEnd(cs tls.ConnectionState, usage x509.ExtKeyUsage) t
 	if err != nil {
 		return m.clock()
 	}
-	return chainsEnd(chains)
+	return chainsEnd(chains, usage)
 }
 
 // Reverify checks again, against the current roots at the Manager's time,
@@ -237,16 +238,17 @@ func idFromLeaf(leaf *x509.Certificate) (ID, error) {
 	return id, nil
 }
 
-// strongChain accepts verified chains when one of them holds only keys
-// checkKey accepts: every key in a chain, the root's included, signs
-// something the verifier relies on, and crypto/x509 verifies signatures of
-// RSA keys of 1024 bits or of P-224 keys anywhere in it. rustls (ztunnel)
-// refuses such signatures, so a chain through such an intermediate would
-// work only between agents like this one.
-func strongChain(chains [][]*x509.Certificate) error {
+// strongChain accepts verified chains when one of them is one rustls
+// (ztunnel) accepts too for usage (unusable): crypto/x509 verifies
+// signatures of RSA keys of 1024 bits or of P-224 keys anywhere in a
+// chain and ECDSA signatures with SHA-512 by P-256 keys, takes the
+// anyExtendedKeyUsage purpose for every usage, builds paths of any depth
+// and evaluates name constraints on URIs, where rustls refuses all of
+// these, so such a chain would work only between agents like this one.
+func strongChain(chains [][]*x509.Certificate, usage x509.ExtKeyUsage) error {
 	var firstErr error
 	for _, chain := range chains {
-		c, err := unusableKey(chain)
+		c, err := unusable(chain, usage)
 		if c == nil {
 			return nil
 		}
@@ -260,16 +262,89 @@ func strongChain(chains [][]*x509.Certificate) error {
 	return firstErr
 }
 
-// unusableKey returns the first certificate of chain whose key checkKey
-// refuses, and why; nil if there is none.
-func unusableKey(chain []*x509.Certificate) (*x509.Certificate, error) {
-	for _, c := range chain {
+// unusable returns the first certificate of a verified chain that rustls
+// would refuse for usage, and why; nil if there is none. Every key in the
+// chain, the root's included, signs something the verifier relies on, so
+// each must be one checkKey accepts. Every certificate but the root (a
+// trust anchor, whose extensions rustls does not read; crypto/x509 has
+// checked its usages already) that has the extended key usage extension
+// must name usage itself: rustls does not read anyExtendedKeyUsage
+// (2.5.29.37.0) as allowing it, and refuses an empty extension. Each
+// signature along the chain must be one rustls verifies
+// (checkSignatureAlgorithm). No issuer, the root included, may constrain
+// URI names: rustls does not evaluate such constraints and refuses every
+// URI under them, permitted or not, where crypto/x509 evaluates them.
+//
+// Nor may more than maxIntermediates certificates stand between the leaf
+// and the root: rustls builds no longer path, where crypto/x509 has no
+// bound of its own (MaxChainLen bounds what is presented, the root left
+// out, so a leaf and seven intermediates verified).
+func unusable(chain []*x509.Certificate, usage x509.ExtKeyUsage) (*x509.Certificate, error) {
+	if n := len(chain) - 2; n > maxIntermediates {
+		return chain[maxIntermediates+1], fmt.Errorf("%d intermediates between the leaf and the root, at most %d accepted", n, maxIntermediates)
+	}
+	for i, c := range chain {
 		if err := checkKey(c.PublicKey); err != nil {
+			return c, err
+		}
+		if i > 0 && (len(c.PermittedURIDomains) > 0 || len(c.ExcludedURIDomains) > 0) {
+			return c, errors.New("name constraints on URI names, which rustls does not evaluate: it refuses every SPIFFE ID under them")
+		}
+		if i == len(chain)-1 {
+			break // the root: its own signature is not relied on
+		}
+		if hasExtension(c, oidExtKeyUsage) && !slices.Contains(c.ExtKeyUsage, usage) {
+			return c, fmt.Errorf("extended key usage does not name %s", usageName(usage))
+		}
+		if err := checkSignatureAlgorithm(c, chain[i+1]); err != nil {
 			return c, err
 		}
 	}
 	return nil, nil
 }
+
+// checkSignatureAlgorithm refuses the signatures on c by issuer's key
+// that crypto/x509 verifies and rustls (aws-lc-rs) does not: ECDSA with
+// SHA-512 by a P-256 or P-384 key (rustls takes SHA-512 with P-521 only).
+// The other algorithms crypto/x509 verifies, rustls does too, with the
+// keys checkKey accepts.
+func checkSignatureAlgorithm(c, issuer *x509.Certificate) error {
+	if c.SignatureAlgorithm != x509.ECDSAWithSHA512 {
+		return nil
+	}
+	if k, ok := issuer.PublicKey.(*ecdsa.PublicKey); ok && k.Curve != elliptic.P521() {
+		return fmt.Errorf("signed with ECDSA and SHA-512 by a key on curve %s, which rustls does not verify", k.Curve.Params().Name)
+	}
+	return nil
+}
+
+// usageName names the usages verifyPeer checks, as the errors say them.
+func usageName(u x509.ExtKeyUsage) string {
+	switch u {
+	case x509.ExtKeyUsageClientAuth:
+		return "clientAuth"
+	case x509.ExtKeyUsageServerAuth:
+		return "serverAuth"
+	}
+	return fmt.Sprintf("usage %d", u)
+}
+
+// hasExtension reports whether c carries the extension id.
+func hasExtension(c *x509.Certificate, id asn1.ObjectIdentifier) bool {
+	for _, ext := range c.Extensions {
+		if ext.Id.Equal(id) {
+			return true
+		}
+	}
+	return false
+}
+
+// maxIntermediates is the most intermediates rustls-webpki puts in a path
+// (its MAX_SUB_CA_COUNT).
+const maxIntermediates = 6
+
+// oidExtKeyUsage is the X.509 extendedKeyUsage extension.
+var oidExtKeyUsage = asn1.ObjectIdentifier{2, 5, 29, 37}
 
 // checkKey accepts the public keys rustls verifies signatures of, as
 // ztunnel builds it (aws-lc-rs; ring lacks P-521): RSA of minRSABits to
