@@ -2,6 +2,7 @@ package tunnel
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -67,6 +68,17 @@ func (p *pod) handleOutbound(c net.Conn) {
 		srcAddr: src, dstAddr: netip.AddrPortFrom(dst.Addr(), t.cfg.HBONEPort), hboneAddr: dst}
 	trace := newTraceparent()
 	stream, early, err := p.dialHBONE(ctx, c, srcW, srcID, dstID, src, dst, "", trace)
+	for wait, start := refusedRetryFirst, time.Now(); err != nil && errors.Is(err, syscall.ECONNREFUSED) && time.Since(start)+wait <= refusedRetryFor; wait *= 2 {
+		// The destination's node does not serve its HBONE port (yet):
+		// see refusedRetryFor.
+		select {
+		case <-ctx.Done():
+		case <-time.After(wait):
+			stream, early, err = p.dialHBONE(ctx, c, srcW, srcID, dstID, src, dst, "", trace)
+			continue
+		}
+		break
+	}
 	if err != nil {
 		t.cfg.Metrics.failed(ctx, conn, traceIDOf(trace), err)
 		t.failures.note(ctx, "HBONE connect failed", "src", srcW, "dst", dstW, "authority", dst, "error", err)
@@ -227,6 +239,22 @@ func (t *Tunnel) awaitMesh(ctx context.Context) *State {
 // meshWait bounds how long an outbound connection waits for the control
 // plane's first answer (a variable for tests).
 var meshWait = connectTimeout
+
+// refusedRetryFor bounds how long a connection to a pod is retried while
+// the pod's HBONE port refuses the dial, first after refusedRetryFirst,
+// then twice as long each time. A client takes HBONE to a pod as soon as
+// its own agent's rules say the pod is enrolled, and the pod's node serves
+// the port only once its agent has acted on the same change (tens of
+// milliseconds later), or once its agent is back after a restart (about
+// half a second): in between, every new connection of a meshed client to
+// that pod was reset (TestHBONERefusedWhileServerNodeRestarts). A pod
+// whose node never serves it (not captured there) is still refused, that
+// much later. Service connections are not retried: they go on to their
+// next endpoint.
+const (
+	refusedRetryFirst = 25 * time.Millisecond
+	refusedRetryFor   = 2 * time.Second
+)
 
 // connectTimeout bounds establishing a connection: every dial the tunnel
 // makes (apps in the pod, plain TCP upstreams, service endpoints, and for

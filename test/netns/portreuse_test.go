@@ -183,3 +183,103 @@ func closeNow(c net.Conn) {
 	}
 	c.Close()
 }
+
+// TestResetClientLeavesNoTimeWait: a client that closes with a reset
+// (SO_LINGER 0, as load generators and connection pools do to keep their
+// ports free) leaves no TIME_WAIT anywhere without the mesh. The tunnel
+// closed its other socket of the relay with a FIN all the same, so that
+// socket closed first and stayed in TIME_WAIT for 60 s: for a meshed
+// client's plaintext destination, on a port of the client pod's own
+// ephemeral range towards that destination. Each connection then cost the
+// pod a port for a minute, and with a 64-port range the 64th and later
+// connections were reset (the tunnel's dial found no port) at a rate the
+// same client sustains without the mesh for ever. A plaintext client's
+// connection to a meshed pod left the tunnel's dial to the app in
+// TIME_WAIT in the server pod the same way. The reset now reaches the
+// other side as a reset.
+func TestResetClientLeavesNoTimeWait(t *testing.T) {
+	const (
+		port  = 9003
+		conns = 200
+	)
+	ms, client, server, plain := meshed(t)
+	for _, p := range []*Pod{server, plain} {
+		ServeTCP(t, p, port, func(c net.Conn) {
+			c.SetDeadline(time.Now().Add(5 * time.Second))
+			buf := make([]byte, 5)
+			if _, err := io.ReadFull(c, buf); err == nil {
+				c.Write([]byte("pong\n"))
+			}
+			io.Copy(io.Discard, c) // until the client's reset
+		})
+	}
+	ms.topo.sysctl(client.NS, "net.ipv4.ip_local_port_range", "40000 40063")
+	for _, tc := range []struct {
+		name          string
+		from, to, pod *Pod // pod: where the tunnel's socket would wait
+	}{
+		{"meshed client to plaintext destination", client, plain, client},
+		{"plaintext client to meshed pod", plain, server, server},
+	} {
+		for _, a := range []func(p *Pod) netip.Addr{func(p *Pod) netip.Addr { return p.IPv4 }, func(p *Pod) netip.Addr { return p.IPv6 }} {
+			dst := netip.AddrPortFrom(a(tc.to), port)
+			t.Run(tc.name+"/"+dst.Addr().String(), func(t *testing.T) {
+				Eventually(t, 10*time.Second, func() error { return resetOnce(tc.from, dst) })
+				var failures int
+				for i := 0; i < conns && failures < 10; i++ {
+					if err := resetOnce(tc.from, dst); err != nil {
+						failures++
+						t.Logf("connection %d: %v", i, err)
+					}
+				}
+				waiting := timeWaitTo(t, tc.pod, dst)
+				t.Logf("%d sockets of %s in TIME_WAIT towards %s after %d reset connections", waiting, tc.pod.Name, dst, conns)
+				if failures > 0 {
+					t.Errorf("%d connections failed, want none", failures)
+				}
+				if waiting > conns/10 {
+					t.Errorf("%d sockets of %s in TIME_WAIT after %d connections its clients reset, want (nearly) none: the tunnel closed its side first", waiting, tc.pod.Name, conns)
+				}
+			})
+		}
+	}
+}
+
+// resetOnce opens one connection from p to dst, exchanges a line and
+// closes it with a reset.
+func resetOnce(p *Pod, dst netip.AddrPort) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	c, err := netns.Dial(ctx, p.Path(), "tcp", dst.String(), netns.SocketOptions{})
+	if err != nil {
+		return err
+	}
+	defer closeNow(c)
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	if _, err := c.Write([]byte("ping\n")); err != nil {
+		return fmt.Errorf("from %s: write: %w", c.LocalAddr(), err)
+	}
+	got := make([]byte, 5)
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != "pong\n" {
+		return fmt.Errorf("from %s: answer %q, %v", c.LocalAddr(), got, err)
+	}
+	return nil
+}
+
+// timeWaitTo counts p's sockets in TIME_WAIT whose remote end is dst.
+func timeWaitTo(t *testing.T, p *Pod, dst netip.AddrPort) int {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	out, err := Exec(ctx, p.Path(), "ss", "-Htan", "state", "time-wait", "dst", dst.String())
+	if err != nil {
+		t.Fatalf("ss in %s: %v: %s", p.Name, err, out)
+	}
+	n := 0
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.TrimSpace(line) != "" {
+			n++
+		}
+	}
+	return n
+}

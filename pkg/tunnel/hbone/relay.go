@@ -1,10 +1,14 @@
 package hbone
 
 import (
+	"errors"
 	"io"
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // relayBufSize is the copy buffer for pairs with no zero-copy path: neither
@@ -69,6 +73,7 @@ func RelayCounting(a, b io.ReadWriteCloser, counts *Counts) (aToB, bToA int64, e
 	fail := func(e error) {
 		once.Do(func() {
 			firstErr = e
+			mirrorReset(e, a, b)
 			_ = a.Close()
 			_ = b.Close()
 		})
@@ -164,4 +169,61 @@ func addMoved(moved *atomic.Int64, n int) {
 	if moved != nil && n > 0 {
 		moved.Add(int64(n))
 	}
+}
+
+// lingerSocket is a TCP socket a relay can close with a reset: a
+// *net.TCPConn, or a wrapper of one that keeps its methods.
+type lingerSocket interface {
+	SetLinger(sec int) error
+	SyscallConn() (syscall.RawConn, error)
+}
+
+// mirrorReset passes a reset on: when err is one side's reset (ECONNRESET,
+// or EPIPE writing to a side already reset), each TCP side with nothing of
+// ours left unacknowledged in its send queue is closed with a reset
+// (SO_LINGER 0) instead of a FIN, as the reset would have reached that peer
+// without the relay. Closed with a FIN, the relay's socket was the side
+// that closed first, so it stayed in TIME_WAIT for 60 s on its local port:
+// a plain TCP upstream's is a port of the pod's own ephemeral range on the
+// pod's address, towards the destination the app just used, and a client
+// that closes with a reset (SO_LINGER 0, as load generators and connection
+// pools do to keep their ports free) had each connection leave one there.
+// Its next connections to that destination then found the range full: the
+// tunnel's dial failed (the app's connection reset) and so did the app's own
+// connect, at a rate the same client sustains without the mesh for ever
+// (TestResetClientLeavesNoTimeWait). The inbound dial to the app (plaintext
+// clients) left its TIME_WAIT on the client's address the same way. A side
+// that still has bytes of ours to deliver gets a FIN as before: a reset
+// would discard them.
+func mirrorReset(err error, sides ...io.ReadWriteCloser) {
+	if !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.EPIPE) {
+		return
+	}
+	for _, s := range sides {
+		ls, ok := s.(lingerSocket)
+		if !ok || unacked(ls) != 0 {
+			continue
+		}
+		_ = ls.SetLinger(0)
+	}
+}
+
+// unacked is how many bytes s has sent or queued that its peer has not
+// acknowledged (SIOCOUTQ; a FIN not yet acknowledged counts one); -1 when
+// it cannot be read.
+func unacked(s lingerSocket) int {
+	rc, err := s.SyscallConn()
+	if err != nil {
+		return -1
+	}
+	n := -1
+	if cerr := rc.Control(func(fd uintptr) {
+		v, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		if err == nil {
+			n = v
+		}
+	}); cerr != nil {
+		return -1
+	}
+	return n
 }
