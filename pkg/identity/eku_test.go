@@ -9,7 +9,6 @@ import (
 	"crypto/x509/pkix"
 	"errors"
 	"math/big"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -27,12 +26,7 @@ import (
 // refuse it. Both are refused here; the same chains with the purpose
 // written out, or with no extended key usage at all, pass.
 func TestVerifyPeerRejectsAnyExtendedKeyUsage(t *testing.T) {
-	rootKey := identitytest.NewKey(t, "ecdsa")
-	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-	t.Cleanup(m.Close)
+	m, root, rootKey := trustingManager(t)
 	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
 	both := []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth}
 	anyEKU := []x509.ExtKeyUsage{x509.ExtKeyUsageAny}
@@ -56,14 +50,7 @@ func TestVerifyPeerRejectsAnyExtendedKeyUsage(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		leaf := identitytest.Sign(t, &x509.Certificate{
-			SerialNumber: big.NewInt(time.Now().UnixNano()),
-			NotBefore:    time.Now().Add(-time.Minute),
-			NotAfter:     time.Now().Add(time.Hour),
-			KeyUsage:     x509.KeyUsageDigitalSignature,
-			ExtKeyUsage:  leafEKU,
-			URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
-		}, leafKey, inter, interKey)
+		leaf := identitytest.Sign(t, abLeafTemplate(leafEKU), leafKey, inter, interKey)
 		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
 		return own, []*x509.Certificate{leaf, inter}
 	}
@@ -115,12 +102,7 @@ func TestVerifyPeerRejectsAnyExtendedKeyUsage(t *testing.T) {
 // here, for a peer and for this node's own certificate, and would be
 // refused by every ztunnel. Six still pass.
 func TestVerifyPeerRejectsPathsRustlsDoesNotBuild(t *testing.T) {
-	rootKey := identitytest.NewKey(t, "ecdsa")
-	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-	t.Cleanup(m.Close)
+	m, root, rootKey := trustingManager(t)
 	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
 
 	// chain is a leaf under n intermediates under root, as presented.
@@ -138,14 +120,7 @@ func TestVerifyPeerRejectsPathsRustlsDoesNotBuild(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		leaf := identitytest.Sign(t, &x509.Certificate{
-			SerialNumber: big.NewInt(time.Now().UnixNano()),
-			NotBefore:    time.Now().Add(-time.Minute),
-			NotAfter:     time.Now().Add(time.Hour),
-			KeyUsage:     x509.KeyUsageDigitalSignature,
-			ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
-			URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
-		}, leafKey, issuer, issuerKey)
+		leaf := identitytest.Sign(t, abLeafTemplate(bothUsages), leafKey, issuer, issuerKey)
 		peer := append([]*x509.Certificate{leaf}, inters...)
 		own := &tls.Certificate{PrivateKey: leafKey, Leaf: leaf}
 		for _, c := range peer {
@@ -248,17 +223,10 @@ func TestVerifyPeerRejectsSignaturesRustlsDoesNotVerify(t *testing.T) {
 			KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true, IsCA: true,
 			SignatureAlgorithm: s.interAlg,
 		}, interKey, root, rootKey)
-		leaf := identitytest.Sign(t, &x509.Certificate{
-			SerialNumber: big.NewInt(time.Now().UnixNano()),
-			NotBefore:    time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages,
-			URIs:               []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
-			SignatureAlgorithm: s.leafAlg,
-		}, leafKey, inter, interKey)
-		pool := x509.NewCertPool()
-		pool.AddCert(root)
-		m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-		t.Cleanup(m.Close)
+		leafTmpl := abLeafTemplate(usages)
+		leafTmpl.SignatureAlgorithm = s.leafAlg
+		leaf := identitytest.Sign(t, leafTmpl, leafKey, inter, interKey)
+		m := managerTrusting(t, root)
 		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
 		return m, own, []*x509.Certificate{leaf, inter}
 	}
@@ -328,16 +296,8 @@ func TestVerifyPeerRejectsURINameConstraints(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		leaf := identitytest.Sign(t, &x509.Certificate{
-			SerialNumber: big.NewInt(time.Now().UnixNano()),
-			NotBefore:    time.Now().Add(-time.Minute), NotAfter: time.Now().Add(time.Hour),
-			KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: usages,
-			URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
-		}, leafKey, inter, interKey)
-		pool := x509.NewCertPool()
-		pool.AddCert(root)
-		m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-		t.Cleanup(m.Close)
+		leaf := identitytest.Sign(t, abLeafTemplate(usages), leafKey, inter, interKey)
+		m := managerTrusting(t, root)
 		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
 		return m, own, []*x509.Certificate{leaf, inter}
 	}

@@ -72,12 +72,7 @@ func signWithP224(t *testing.T, tmpl *x509.Certificate, pub any, issuer *x509.Ce
 // chain and in the CA's answer, naming the key; the same chain through a
 // P-256 intermediate passes.
 func TestVerifyPeerRejectsOddCurves(t *testing.T) {
-	rootKey := identitytest.NewKey(t, "ecdsa")
-	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-	t.Cleanup(m.Close)
+	m, root, rootKey := trustingManager(t)
 	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
 
 	interKey, err := ecdsa.GenerateKey(elliptic.P224(), rand.Reader)
@@ -99,7 +94,7 @@ func TestVerifyPeerRejectsOddCurves(t *testing.T) {
 		URIs: []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
 	}, &leafKey.PublicKey, inter, interKey)
 	// The premise: crypto/x509 takes the chain.
-	if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, Intermediates: poolOf(inter), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: poolOf(root), Intermediates: poolOf(inter), KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
 		t.Fatalf("crypto/x509 refuses the P-224 chain itself (%v): the test's premise is gone", err)
 	}
 

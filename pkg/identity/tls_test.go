@@ -2,6 +2,7 @@ package identity
 
 import (
 	"context"
+	"crypto"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
@@ -446,18 +447,48 @@ type poolTrust struct{ pool *x509.CertPool }
 func (poolTrust) TrustDomain() string     { return "cluster.local" }
 func (p poolTrust) Roots() *x509.CertPool { return p.pool }
 
+// trustingManager is a Manager, with its own CA for cluster.local, whose
+// peers' root is a fresh ECDSA root; it returns the root and its key too,
+// to sign the chains a test presents to it.
+func trustingManager(t *testing.T) (*Manager, *x509.Certificate, crypto.Signer) {
+	t.Helper()
+	rootKey := identitytest.NewKey(t, "ecdsa")
+	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
+	return managerTrusting(t, root), root, rootKey
+}
+
+// managerTrusting is a Manager, with its own CA for cluster.local, whose
+// peers' root is root.
+func managerTrusting(t *testing.T, root *x509.Certificate) *Manager {
+	t.Helper()
+	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{poolOf(root)}})
+	t.Cleanup(m.Close)
+	return m
+}
+
+// bothUsages are the extended key usages istiod's workload certificates carry.
+var bothUsages = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth}
+
+// abLeafTemplate is a leaf of spiffe://cluster.local/ns/a/sa/b, valid for
+// the next hour, with usages.
+func abLeafTemplate(usages []x509.ExtKeyUsage) *x509.Certificate {
+	return &x509.Certificate{
+		SerialNumber: big.NewInt(time.Now().UnixNano()),
+		NotBefore:    time.Now().Add(-time.Minute),
+		NotAfter:     time.Now().Add(time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  usages,
+		URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
+	}
+}
+
 // TestVerifyPeerRejectsWeakIntermediate: crypto/x509 verifies a chain
 // through an intermediate whose RSA key has 1024 bits; rustls (ztunnel)
 // does not, and neither may this agent, for a peer's chain or for what
 // its own CA answered. The same chain through a 2048-bit intermediate
 // passes, so the key size is what is refused.
 func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
-	rootKey := identitytest.NewKey(t, "ecdsa")
-	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-	t.Cleanup(m.Close)
+	m, root, rootKey := trustingManager(t)
 
 	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
 	chainVia := func(bits int) (*tls.Certificate, []*x509.Certificate) {
@@ -471,21 +502,7 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		der, err := x509.CreateCertificate(rand.Reader, &x509.Certificate{
-			SerialNumber: big.NewInt(7),
-			NotBefore:    time.Now().Add(-time.Minute),
-			NotAfter:     time.Now().Add(time.Hour),
-			KeyUsage:     x509.KeyUsageDigitalSignature,
-			ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth, x509.ExtKeyUsageServerAuth},
-			URIs:         []*url.URL{{Scheme: "spiffe", Host: "cluster.local", Path: "/ns/a/sa/b"}},
-		}, inter, &leafKey.PublicKey, interKey)
-		if err != nil {
-			t.Fatal(err)
-		}
-		leaf, err := x509.ParseCertificate(der)
-		if err != nil {
-			t.Fatal(err)
-		}
+		leaf := identitytest.Sign(t, abLeafTemplate(bothUsages), leafKey, inter, interKey)
 		own := &tls.Certificate{Certificate: [][]byte{leaf.Raw, inter.Raw}, PrivateKey: leafKey, Leaf: leaf}
 		return own, []*x509.Certificate{leaf, inter}
 	}
@@ -518,12 +535,7 @@ func TestVerifyPeerRejectsWeakIntermediate(t *testing.T) {
 // SANs beside its one SPIFFE URI is accepted (an X.509-SVID may carry
 // them; ztunnel accepts them too).
 func TestVerifyPeerKeepsX509Refusals(t *testing.T) {
-	rootKey := identitytest.NewKey(t, "ecdsa")
-	root := identitytest.MakeCACert(t, pkix.Name{CommonName: "root"}, rootKey, nil, nil)
-	pool := x509.NewCertPool()
-	pool.AddCert(root)
-	m := New(ManagerOptions{Signer: newCA(t, "cluster.local"), Trust: poolTrust{pool}})
-	t.Cleanup(m.Close)
+	m, root, rootKey := trustingManager(t)
 	want := ID{TrustDomain: "cluster.local", Namespace: "a", ServiceAccount: "b"}
 	critical := pkix.Extension{Id: asn1.ObjectIdentifier{1, 3, 6, 1, 4, 1, 99999, 1}, Critical: true, Value: []byte{5, 0}}
 

@@ -29,6 +29,38 @@ type plainWitness struct {
 	got chan []byte
 }
 
+// reachedFrom hands p an app connection to dst, as the pod's capture
+// would, the app writing a request, and reports whether the request
+// reached w. The handler returns once the relay ends, which w's close
+// (after it reported) also does, so its return alone says nothing: w gets
+// 300 ms more then. A handler that neither reached w nor returned within
+// wait fails the test.
+func (w *plainWitness) reachedFrom(t *testing.T, p *pod, dst string, wait time.Duration) bool {
+	t.Helper()
+	app, c := clientConnTo(dst)
+	defer app.Close()
+	defer c.Close()
+	go func() {
+		_, _ = app.Write([]byte("secret request"))
+		_, _ = io.Copy(io.Discard, app)
+	}()
+	done := make(chan struct{})
+	go func() { defer close(done); p.handleOutbound(c) }()
+	select {
+	case <-w.got:
+		return true
+	case <-done:
+	case <-time.After(wait):
+		t.Fatalf("outbound handler to %s neither reached it nor returned in %v", dst, wait)
+	}
+	select {
+	case <-w.got:
+		return true
+	case <-time.After(300 * time.Millisecond):
+		return false
+	}
+}
+
 func newPlainWitness(t *testing.T, addr string) *plainWitness {
 	t.Helper()
 	l, err := net.Listen("tcp", addr)
@@ -436,29 +468,7 @@ func TestUnresolvedEndpointsSpendNoAttempts(t *testing.T) {
 	p := outboundClient(t, tun)
 	connect := func() bool {
 		t.Helper()
-		app, c := clientConnTo("10.96.0.20:80")
-		defer func() { app.Close(); c.Close() }()
-		go func() {
-			_, _ = app.Write([]byte("request"))
-			_, _ = io.Copy(io.Discard, app)
-		}()
-		done := make(chan struct{})
-		go func() { defer close(done); p.handleOutbound(c) }()
-		// The handler returns once the relay ends, which the witness's
-		// close (after it reported) also does: done alone says nothing.
-		select {
-		case <-witness.got:
-			return true
-		case <-time.After(5 * time.Second):
-			return false
-		case <-done:
-		}
-		select {
-		case <-witness.got:
-			return true
-		case <-time.After(200 * time.Millisecond):
-			return false
-		}
+		return witness.reachedFrom(t, p, "10.96.0.20:80", 5*time.Second)
 	}
 	unresolved := func() float64 {
 		return testutil.ToFloat64(tun.cfg.Metrics.failClosed.WithLabelValues("endpoint_unresolved"))

@@ -1,7 +1,6 @@
 package tunnel
 
 import (
-	"io"
 	"strconv"
 	"testing"
 	"time"
@@ -35,29 +34,7 @@ func TestOutboundBeforeMeshSyncNeverPlaintext(t *testing.T) {
 	p := outboundClient(t, tun)
 	connect := func() (reached bool) {
 		t.Helper()
-		app, c := clientConnTo(dst)
-		defer app.Close()
-		defer c.Close()
-		go func() {
-			_, _ = app.Write([]byte("secret request"))
-			_, _ = io.Copy(io.Discard, app)
-		}()
-		done := make(chan struct{})
-		go func() { defer close(done); p.handleOutbound(c) }()
-		select {
-		case <-witness.got:
-			return true
-		case <-done:
-			select {
-			case <-witness.got:
-				return true
-			case <-time.After(300 * time.Millisecond):
-				return false
-			}
-		case <-time.After(10 * time.Second):
-			t.Fatal("outbound handler still running")
-			return false
-		}
+		return witness.reachedFrom(t, p, dst, 10*time.Second)
 	}
 
 	tun.Update(&State{Dir: dir, Compiled: &policy.CompiledSet{}})
