@@ -1,13 +1,11 @@
 package hbone
 
 import (
-	"bytes"
 	"testing"
 	"time"
 
 	"github.com/redirector-mesh/redirector/internal/waitfor"
 	"golang.org/x/net/http2"
-	"golang.org/x/net/http2/hpack"
 )
 
 // TestControlQueueNotKeptAfterBurst: a client that stops reading (a
@@ -24,8 +22,7 @@ func TestControlQueueNotKeptAfterBurst(t *testing.T) {
 	srv, addr, app := downloadServer(t, time.Minute)
 	tc, fr := h2Client(t, addr)
 	// A download fills the socket buffers, so that the answers queue.
-	var buf bytes.Buffer
-	if err := writeHeaderBlock(fr, hpack.NewEncoder(&buf), &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app}}); err != nil {
+	if err := connecter(fr)(1, app); err != nil {
 		t.Fatal(err)
 	}
 	waitfor.Until(t, "the download established", func() bool { return srv.Stats().StreamsOK == 1 })
@@ -36,15 +33,7 @@ func TestControlQueueNotKeptAfterBurst(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	var c *conn
-	waitfor.Until(t, "the server's connection", func() bool {
-		srv.mu.Lock()
-		defer srv.mu.Unlock()
-		for sc := range srv.conns {
-			c = sc
-		}
-		return c != nil
-	})
+	c := serverConnOf(t, srv)
 	// Let the answers queue behind the full socket, then read them all.
 	time.Sleep(200 * time.Millisecond)
 	_ = tc.SetReadDeadline(time.Now().Add(10 * time.Second))

@@ -98,6 +98,16 @@ func h2ClientFrom(t *testing.T, addr, local string, small bool) (*tls.Conn, *htt
 	return tc, fr
 }
 
+// connecter returns a function that writes on fr a CONNECT to target as
+// stream id, with an HPACK encoder of its own.
+func connecter(fr *http2.Framer) func(id uint32, target string) error {
+	var buf bytes.Buffer
+	enc := hpack.NewEncoder(&buf)
+	return func(id uint32, target string) error {
+		return writeHeaderBlock(fr, enc, &buf, id, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: target}})
+	}
+}
+
 // TestServerClosesConnWhoseClientReadsNothing: a client opens a download,
 // stops reading the connection (its socket's buffers fill and the server's
 // writer blocks in a write, holding the write lock), and sends CONNECTs
@@ -112,11 +122,7 @@ func TestServerClosesConnWhoseClientReadsNothing(t *testing.T) {
 	const stall = time.Second
 	srv, addr, app := downloadServer(t, stall)
 	_, fr := h2Client(t, addr)
-	var buf bytes.Buffer
-	enc := hpack.NewEncoder(&buf)
-	connect := func(id uint32, target string) error {
-		return writeHeaderBlock(fr, enc, &buf, id, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: target}})
-	}
+	connect := connecter(fr)
 	if err := connect(1, app); err != nil {
 		t.Fatal(err)
 	}
@@ -150,9 +156,7 @@ func TestServerKeepsSlowReader(t *testing.T) {
 	const stall = time.Second
 	srv, addr, app := downloadServer(t, stall)
 	tc, fr := h2Client(t, addr)
-	var buf bytes.Buffer
-	enc := hpack.NewEncoder(&buf)
-	if err := writeHeaderBlock(fr, enc, &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app}}); err != nil {
+	if err := connecter(fr)(1, app); err != nil {
 		t.Fatal(err)
 	}
 	// About 40 KB/s, a few KiB at a time: a 256 KiB frame takes six
@@ -189,14 +193,10 @@ func TestHandlersBoundedPerSource(t *testing.T) {
 	const limit = 50
 	lim := NewConnLimiter(ConnLimits{MaxHandlersPerSource: limit})
 	srv, addr, app := downloadServerLimited(t, time.Minute, lim)
-	var buf bytes.Buffer
 	var connects []func(id uint32, target string) error
 	for conn := range 2 {
 		_, fr := h2ClientFrom(t, addr, "127.0.0.1", true)
-		enc := hpack.NewEncoder(&buf)
-		connect := func(id uint32, target string) error {
-			return writeHeaderBlock(fr, enc, &buf, id, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: target}})
-		}
+		connect := connecter(fr)
 		if err := connect(1, app); err != nil {
 			t.Fatal(err)
 		}
@@ -221,9 +221,8 @@ func TestHandlersBoundedPerSource(t *testing.T) {
 
 	// Another address is not held back.
 	tc, fr := h2ClientFrom(t, addr, "127.0.0.2", false)
-	enc := hpack.NewEncoder(&buf)
 	start := time.Now()
-	if err := writeHeaderBlock(fr, enc, &buf, 1, []hpackField{{Name: ":method", Value: "CONNECT"}, {Name: ":authority", Value: app}}); err != nil {
+	if err := connecter(fr)(1, app); err != nil {
 		t.Fatal(err)
 	}
 	_ = tc.SetReadDeadline(time.Now().Add(5 * time.Second))
