@@ -44,7 +44,7 @@ func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
 			func() error { return os.Remove(notSocket) }},
 	} {
 		ctx, cancel := context.WithCancel(context.Background())
-		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, nil, log)
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, nil, func() bool { return true }, log)
 		waitfor.Until(t, "not ready naming the socket", func() bool {
 			ok, reason := ready()
 			return !ok && strings.Contains(reason, tc.want)
@@ -76,7 +76,9 @@ func TestServeCNIReinstall(t *testing.T) {
 	defer cancel()
 	reinstall := make(chan struct{}, 1)
 	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
-		10*time.Millisecond, reinstall, log)
+		// Not holding the node: only the take-back's reinstall puts the
+		// socket back, not the check of the path.
+		10*time.Millisecond, reinstall, func() bool { return false }, log)
 	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
 	// The newer agent's socket renamed over the path, then the newer agent
 	// gone: a stale socket nothing serves.
@@ -104,4 +106,38 @@ func TestServeCNIReinstall(t *testing.T) {
 	if ok, reason := ready(); !ok {
 		t.Errorf("not ready after the reinstall: %s", reason)
 	}
+}
+
+// TestServeCNIHolderTakesPathBack: while the agent holds the node, a socket
+// another agent renamed over the path, then removed (a yielded agent that
+// installed late and stopped), is replaced by the agent's own within a
+// check. Before, the path stayed empty and every CNI ADD failed.
+func TestServeCNIHolderTakesPathBack(t *testing.T) {
+	log := slog.New(slog.DiscardHandler)
+	path := filepath.Join(t.TempDir(), "cni.sock")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
+		10*time.Millisecond, nil, func() bool { return true }, log)
+	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
+	other, err := net.Listen("unix", path+".other")
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := os.Rename(path+".other", path); err != nil {
+		t.Fatal(err)
+	}
+	other.Close()
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	waitfor.Until(t, "the CNI socket installed again", func() bool {
+		c, err := net.Dial("unix", path)
+		if err != nil {
+			return false
+		}
+		c.Close()
+		return true
+	})
 }

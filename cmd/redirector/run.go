@@ -562,7 +562,7 @@ func runAgent(ctx context.Context, args []string) error {
 		// Before the socket: while the agent starts after a reboot (no
 		// hint on tmpfs), kube-system's pods must not wait for its source.
 		agent.WriteStartupHint()
-		cniReady = serveCNI(ctx, srv, cniRetryPeriod, cniReinstall, log)
+		cniReady = serveCNI(ctx, srv, cniRetryPeriod, cniReinstall, claim.Held, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -686,8 +686,14 @@ const releasePatience = 10 * time.Second
 //
 // A value on reinstall (nil: none) serves the socket anew, installed over
 // whatever is at the path: the agent took the node back from a newer one,
-// whose socket was put over this one's (see OnReclaim).
-func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinstall <-chan struct{}, log *slog.Logger) admin.Check {
+// whose socket was put over this one's (see OnReclaim). So does finding,
+// every cniOwnCheck, that the path no longer names the served socket while
+// held says this agent holds the node: the path is whoever renamed last's,
+// and an agent that yielded the node (one of two new agents racing, slower
+// to install than to claim) could put its socket over the holder's and
+// remove it as it stopped. Before, every CNI ADD on the node failed from
+// then on while the holder passed for ready.
+func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinstall <-chan struct{}, held func() bool, log *slog.Logger) admin.Check {
 	var mu sync.Mutex
 	failed := errors.New("not served yet")
 	set := func(err error) {
@@ -703,10 +709,25 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinsta
 				sctx, cancel := context.WithCancel(ctx)
 				served := make(chan struct{})
 				go func() {
-					select {
-					case <-reinstall:
-						cancel()
-					case <-served:
+					tick := time.NewTicker(cniOwnCheck)
+					defer tick.Stop()
+					for {
+						select {
+						case <-reinstall:
+							cancel()
+							return
+						case <-served:
+							return
+						case <-tick.C:
+							// The path first: an agent claims the node before
+							// it installs its socket, so one whose socket is
+							// seen here already holds the node.
+							if !srv.Installed() && held() {
+								log.Warn("CNI event socket at the path is not this agent's (another agent installed its own over it, or it was removed) while this agent holds the node: installing it again", "socket", srv.Path())
+								cancel()
+								return
+							}
+						}
 					}
 				}()
 				err = srv.Serve(sctx)
@@ -804,6 +825,10 @@ func checkSocketPath(path string) error {
 
 // cniRetryPeriod is how long serveCNI waits before serving again.
 const cniRetryPeriod = 5 * time.Second
+
+// cniOwnCheck is how often serveCNI checks that the CNI socket's path is
+// still the served socket (one lstat).
+const cniOwnCheck = time.Second
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
 // an interface) when the source has no API server to annotate.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redirector-mesh/redirector/pkg/unixsock"
@@ -54,6 +55,9 @@ type Server struct {
 	// l and ino are the socket Listen opened, for Serve.
 	l   net.Listener
 	ino uint64
+	// serving is the inode of the socket Serve serves (0: none), for
+	// Installed.
+	serving atomic.Uint64
 }
 
 // Bounds of the server. A real event is a few hundred bytes sent at once;
@@ -126,6 +130,8 @@ func (s *Server) Serve(ctx context.Context) error {
 	}
 	l, ino := s.l, s.ino
 	s.l = nil // a Serve after this one listens anew
+	s.serving.Store(ino)
+	defer s.serving.Store(0)
 	l = &guardedListener{Listener: l, s: s, slots: make(chan struct{}, s.maxConns), closed: make(chan struct{})}
 	srv := &http.Server{
 		Handler: http.HandlerFunc(s.serveEvent),
@@ -158,6 +164,16 @@ func (s *Server) Serve(ctx context.Context) error {
 	// the successor's socket.
 	unixsock.RemoveIfOwn(s.path, ino)
 	return nil
+}
+
+// Installed reports whether the path still names the socket Serve serves.
+// The path belongs to whoever renamed a socket over it last: another agent
+// that installed its own after this one (and may remove it as it stops), or
+// anything that removed it, leaves this server serving a socket no plugin
+// reaches.
+func (s *Server) Installed() bool {
+	ino := s.serving.Load()
+	return ino != 0 && unixsock.Names(s.path, ino)
 }
 
 // Listen opens the socket and installs it at the path (see Serve) without

@@ -117,9 +117,16 @@ func Check(what, path string) error {
 // RemoveIfOwn removes the socket at path if it is still the one Install
 // put there (inode ino), not a successor's.
 func RemoveIfOwn(path string, ino uint64) {
-	if fi, err := os.Lstat(path); err == nil && inodeOf(fi) == ino {
+	if Names(path, ino) {
 		_ = os.Remove(path)
 	}
+}
+
+// Names reports whether path is still the socket Install put there (inode
+// ino).
+func Names(path string, ino uint64) bool {
+	fi, err := os.Lstat(path)
+	return err == nil && inodeOf(fi) == ino
 }
 
 func inodeOf(fi os.FileInfo) uint64 {
