@@ -309,6 +309,29 @@ static __always_inline int own_source(struct __sk_buff *skb, const struct tcp_pk
 	return 1;
 }
 
+/* foreign_src reports (and counts as drop_foreign_src, for the pod whose
+ * interface it is) an egress packet from an enrolled address of another pod
+ * than the one whose interface it leaves (src_pod is that address's
+ * settings), when the interface's pod has flag on. IP_FREEBIND and
+ * IPV6_FREEBIND need no capability, and for IPv6 the kernel sends from the
+ * address so bound: without this the packet was judged by the other pod's
+ * settings and charged to it, so a DNS query of a pod with DNS capture
+ * "from" a neighbour without it left uncaptured, and a SYN was counted as
+ * the neighbour's connection. Off an enrolled pod's interface (no
+ * rd_pod_netns entry, or its kill switch) nothing changes. Only the
+ * verdicts that read the source's settings pay for the lookup. */
+static __always_inline int foreign_src(struct __sk_buff *skb, const struct pod_settings *src_pod, __u32 flag)
+{
+	struct pod_settings *pod;
+	struct pod_addr owner;
+
+	pod = netns_pod(skb, &owner);
+	if (!pod || pod->pod_id == src_pod->pod_id || !(pod->flags & flag))
+		return 0;
+	count(REASON_DROP_FOREIGN_SRC, &owner, CNT_DROPPED);
+	return 1;
+}
+
 /* foreign_dst reports (and counts as drop_foreign_dst, for the pod whose
  * interface it is) a SYN (or a SYN cookie's ACK, cookie_ack) from the wire
  * to an enrolled address of another pod than the one whose interface it
@@ -667,7 +690,8 @@ static __always_inline int dns_query(const struct tcp_pkt *p)
  * tunnel's own queries upstream (tunnel mark) pass. A query the programs
  * cannot steer cleanly (parse_tcp's unclean reasons), one to a loopback
  * address (a socket bound to the device), and one from an address of the
- * pod's interface that is not enrolled (link-local, SLAAC) is dropped: with
+ * pod's interface that is not enrolled (link-local, SLAAC) or that is
+ * another pod's (foreign_src) is dropped: with
  * DNS capture on, no query leaves the pod uncaptured. Everything else, and
  * everything of pods without DNS capture, passes as it always did. */
 static __always_inline int dns_egress(struct __sk_buff *skb, const struct tcp_pkt *p)
@@ -688,6 +712,8 @@ static __always_inline int dns_egress(struct __sk_buff *skb, const struct tcp_pk
 		count(is_link_local(&p->src) ? REASON_DROP_LINK_LOCAL : REASON_DROP_UNENROLLED_ADDR, &owner, CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
+	if (!tunnel && foreign_src(skb, pod, POD_CAPTURE_DNS))
+		return TC_ACT_SHOT;
 	if (!(pod->flags & POD_CAPTURE_DNS))
 		return TC_ACT_UNSPEC;
 	if (tunnel) {
@@ -790,6 +816,9 @@ static __always_inline int dns_ingress(struct __sk_buff *skb, struct tcp_pkt *p,
  *   TC_ACT_SHOT    a SYN-ACK from a pod whose inbound is captured that no
  *                  tunnel socket sent or owns: another member of the
  *                  tunnel's reuseport group answering (drop_foreign_listener);
+ *   TC_ACT_SHOT    a SYN or SYN-ACK, or a query dns_egress would judge,
+ *                  from an enrolled address of another pod than the one
+ *                  whose interface this is (foreign_src: IPV6_FREEBIND);
  *   TC_ACT_SHOT    an IP packet from or to an enrolled address, or on an
  *                  enrolled pod's interface, that parse_tcp cannot classify
  *                  (truncated or malformed headers, TCP in fragments, hidden
@@ -836,6 +865,10 @@ int rd_pod_egress(struct __sk_buff *skb)
 		count(REASON_DROP_LOOPBACK, &p.src, CNT_DROPPED);
 		return TC_ACT_SHOT;
 	}
+	/* A SYN or SYN-ACK is judged by its source pod's settings below: that
+	 * pod must be the one whose interface this is. */
+	if (p.syn && foreign_src(skb, pod, POD_CAPTURE_OUTBOUND))
+		return TC_ACT_SHOT;
 	if (is_probe_addr(&p.dst)) {
 		count(REASON_OUT_PASS_EXCLUDED, &p.src, CNT_BYPASSED);
 		return TC_ACT_UNSPEC;

@@ -124,7 +124,8 @@ const (
 	CaptureVerdictReasonREASON_DROP_FOREIGN_DNS_SOCKET CaptureVerdictReason = 39
 	CaptureVerdictReasonREASON_DROP_IP_OPTIONS         CaptureVerdictReason = 40
 	CaptureVerdictReasonREASON_HOST_POD_NOT_PROBE      CaptureVerdictReason = 41
-	CaptureVerdictReasonREASON_MAX                     CaptureVerdictReason = 42
+	CaptureVerdictReasonREASON_DROP_FOREIGN_SRC        CaptureVerdictReason = 42
+	CaptureVerdictReasonREASON_MAX                     CaptureVerdictReason = 43
 )
 
 // Names of all BPF objects in the ELF.

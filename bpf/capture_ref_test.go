@@ -466,6 +466,10 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 			return one(actShot, CaptureVerdictReasonREASON_DROP_LINK_LOCAL, &owner)
 		case !ok:
 			return one(actShot, CaptureVerdictReasonREASON_DROP_UNENROLLED_ADDR, &owner)
+		case !tunnelMarked && onPod && pod.id != nsPod.id && nsPod.flags&dnsFlag != 0:
+			// another pod's address (IPV6_FREEBIND): never judged
+			// by that pod's settings
+			return one(actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_SRC, &owner)
 		case pod.flags&dnsFlag == 0:
 			return pass
 		case tunnelMarked:
@@ -562,6 +566,10 @@ func (w *refWorld) expect(egress bool, mark uint32, p refPkt) []outcome {
 			return one(actUnspec, CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK, &src)
 		case refIsLoopback(dst):
 			return one(actShot, CaptureVerdictReasonREASON_DROP_LOOPBACK, &src)
+		case p.syn && onPod && pod.id != nsPod.id && nsPod.flags&uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND) != 0:
+			// a SYN or SYN-ACK from another pod's address, which
+			// would be judged by that pod's settings
+			return one(actShot, CaptureVerdictReasonREASON_DROP_FOREIGN_SRC, &owner)
 		case dst == refProbe4 || dst == refProbe6:
 			return one(actUnspec, CaptureVerdictReasonREASON_OUT_PASS_EXCLUDED, &src)
 		case pureSYN && pod.flags&uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND) == 0:

@@ -236,3 +236,53 @@ func TestCaptureDNSIngress(t *testing.T) {
 		{"v4 udp to 5353, tunnel socket", reinject, ip4(pod4, other4, pUDP, 0, query(5353)), actUnspec, noReason},
 	})
 }
+
+// TestCaptureEgressForeignSource: on pod 1's interface, a SYN, a SYN-ACK or
+// a DNS query from an enrolled address of pod 3 (an app bound it with
+// IPV6_FREEBIND) is dropped and counted for pod 1 (drop_foreign_src).
+// Before, it was judged by pod 3's settings: the query, pod 3 having no DNS
+// capture, passed uncaptured, the SYN-ACK (pod 3's inbound not captured
+// here) passed, and the SYN was steered as pod 3's. The tunnel's own
+// packets (tunnel mark: its dials keep the client's address), other
+// segments and pod 1's own packets keep their verdicts, and so does a query
+// when pod 1 has no DNS capture, or off an enrolled pod's interface.
+func TestCaptureEgressForeignSource(t *testing.T) {
+	needRoot(t)
+	objs := loadDNSCapture(t)
+	q := query(53)
+	tcpSyn, synAck := syn(8080), tcpHdr(8080, 40000, fSYN|fACK)
+	foreign := CaptureVerdictReasonREASON_DROP_FOREIGN_SRC
+	own := ownNetNS(t, objs, pod6, 1, dnsFlags)
+	// pod 3 with its inbound not captured: its own SYN-ACK would pass
+	inboundOff := func(ino uint32) {
+		own(ino)
+		for _, a := range []netip.Addr{plain4, plain6} {
+			k := CapturePodAddr{Addr: a.As16()}
+			if err := objs.RdPods.Put(&k, &CapturePodSettings{Flags: uint32(CapturePodFlagPOD_CAPTURE_OUTBOUND), PodId: 3}); err != nil {
+				t.Errorf("enroll %s: %v", a, err)
+			}
+		}
+	}
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, inboundOff, []progCase{
+		{"v6 syn from pod 3", 0, ip6(plain6, peer6, nil, pTCP, tcpSyn), actShot, foreign},
+		{"v4 syn from pod 3", 0, ip4(plain4, peer4, pTCP, 0, tcpSyn), actShot, foreign},
+		{"v6 syn from pod 3 behind destination options", 0, ip6(plain6, peer6, []ext{opts(pDst, 0)}, pTCP, tcpSyn), actShot, foreign},
+		{"v6 syn from pod 3 to the probe address", 0, ip6(plain6, snat6, nil, pTCP, tcpSyn), actShot, foreign},
+		{"v6 syn-ack from pod 3", 0, ip6(plain6, peer6, nil, pTCP, synAck), actShot, foreign},
+		{"v6 query from pod 3", 0, ip6(plain6, peer6, nil, pUDP, q), actShot, foreign},
+		{"v4 query from pod 3", 0, ip4(plain4, peer4, pUDP, 0, q), actShot, foreign},
+		{"v6 syn of the tunnel from pod 3's address", tunnelMark, ip6(plain6, peer6, nil, pTCP, tcpSyn), actUnspec, CaptureVerdictReasonREASON_OUT_PASS_TUNNEL_MARK},
+		{"v6 query of the tunnel from pod 3's address", tunnelMark, ip6(plain6, peer6, nil, pUDP, q), actUnspec, noReason},
+		{"v6 ack from pod 3", 0, ip6(plain6, peer6, nil, pTCP, tcpHdr(40000, 8080, fACK)), actUnspec, noReason},
+		{"v6 udp to 5353 from pod 3", 0, ip6(plain6, peer6, nil, pUDP, query(5353)), actUnspec, noReason},
+		{"v6 syn from pod 1", 0, ip6(pod6, peer6, nil, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+		{"v6 query from pod 1", 0, ip6(pod6, peer6, nil, pUDP, q), actRedirect, CaptureVerdictReasonREASON_OUT_DNS_STEERED},
+	})
+	runTableIn(t, objs.RdPodEgress, objs.RdReasons, ownNetNS(t, objs, pod6, 1, bothWays), []progCase{
+		{"v6 query from pod 3, pod 1 without DNS capture", 0, ip6(plain6, peer6, nil, pUDP, q), actUnspec, noReason},
+		{"v6 syn from pod 3, pod 1 without DNS capture", 0, ip6(plain6, peer6, nil, pTCP, tcpSyn), actShot, foreign},
+	})
+	runTable(t, objs.RdPodEgress, objs.RdReasons, []progCase{
+		{"v6 syn from pod 3, namespace unknown", 0, ip6(plain6, peer6, nil, pTCP, tcpSyn), actRedirect, CaptureVerdictReasonREASON_OUT_SYN_STEERED},
+	})
+}

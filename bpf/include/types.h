@@ -77,6 +77,7 @@ enum verdict_reason {
 	REASON_DROP_FOREIGN_DNS_SOCKET, /* fail closed: the UDP socket found on dns_port is not the tunnel's (no tunnel mark) */
 	REASON_DROP_IP_OPTIONS,      /* fail closed: a DNS query of a pod with DNS capture that carries IPv4 options (a source route would take it past the capture) */
 	REASON_HOST_POD_NOT_PROBE,   /* host veth: a SYN to a pod from a socket of a process in the pods' cgroup (a hostNetwork pod), left untranslated: not a kubelet probe */
+	REASON_DROP_FOREIGN_SRC,     /* fail closed: egress TCP SYN (or SYN-ACK), or a DNS-captured pod's UDP query to port 53, from an enrolled address of another pod than the one whose interface it leaves (IPV6_FREEBIND) */
 	REASON_MAX,
 };
 

@@ -130,6 +130,7 @@ var reasonNames = map[Reason]string{
 	bpf.CaptureVerdictReasonREASON_DROP_FOREIGN_DNS_SOCKET: "drop_foreign_dns_socket",
 	bpf.CaptureVerdictReasonREASON_DROP_IP_OPTIONS:         "drop_ip_options",
 	bpf.CaptureVerdictReasonREASON_HOST_POD_NOT_PROBE:      "host_pod_not_probe",
+	bpf.CaptureVerdictReasonREASON_DROP_FOREIGN_SRC:        "drop_foreign_src",
 }
 
 // ReasonName is the short, stable name of a reason used in metrics and the
