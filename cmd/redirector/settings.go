@@ -184,9 +184,11 @@ func sharePort(a, b string) (uint64, bool) {
 	return pa, isWildcardHost(hostA) || isWildcardHost(hostB) || sameHost(hostA, hostB)
 }
 
+// isWildcardHost: the IPv4-mapped ::ffff:0.0.0.0 is every address too (Go
+// listens on [::] for it), which ip.IsUnspecified alone does not say.
 func isWildcardHost(host string) bool {
 	ip, err := netip.ParseAddr(host)
-	return host == "" || err == nil && ip.IsUnspecified()
+	return host == "" || err == nil && ip.Unmap().IsUnspecified()
 }
 
 func sameHost(a, b string) bool {

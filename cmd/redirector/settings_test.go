@@ -160,6 +160,8 @@ func TestRunSettingsEndpointsNeedPortsApart(t *testing.T) {
 		{args: append(base, "--metrics-addr", "10.0.0.1:9000", "--readiness-addr", "10.0.0.1:09000"), want: "share port 9000"},
 		{args: append(base, "--metrics-addr", "[::ffff:10.0.0.1]:9000", "--readiness-addr", "10.0.0.1:9000"), want: "share port 9000"},
 		{args: append(base, "--metrics-addr", "Node-A:9000", "--readiness-addr", "node-a:9000"), want: "share port 9000"},
+		// Go listens on [::] for the mapped spelling of 0.0.0.0 (8 December).
+		{args: append(base, "--metrics-addr", "[::ffff:0.0.0.0]:15000"), want: `--admin-addr (ADMIN_ADDR) "127.0.0.1:15000" and --metrics-addr (METRICS_ADDR) "[::ffff:0.0.0.0]:15000"`},
 	} {
 		_, err := parseRunFlags(tc.args)
 		if err == nil || !strings.Contains(err.Error(), tc.want) {

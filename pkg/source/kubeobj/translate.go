@@ -141,20 +141,40 @@ func PodUID(pod *corev1.Pod) string {
 
 func namedPorts(pod *corev1.Pod) map[string]int32 {
 	var ports map[string]int32
-	for _, c := range slices.Concat(pod.Spec.InitContainers, pod.Spec.Containers) {
-		for _, p := range c.Ports {
-			if p.Name == "" {
-				continue
-			}
-			if ports == nil {
-				ports = map[string]int32{}
-			}
-			if _, dup := ports[p.Name]; !dup {
-				ports[p.Name] = p.ContainerPort
-			}
+	for _, p := range targetPorts(pod) {
+		if ports == nil {
+			ports = map[string]int32{}
 		}
+		ports[p.Name] = p.ContainerPort
 	}
 	return ports
+}
+
+// targetPorts are the pod's ports a Service's named targetPort may name,
+// found as Kubernetes' FindPort and istiod's FindPortName find them: named
+// TCP ports, of the containers first, then of the sidecars (init
+// containers restarted always); the first of a name only. An init
+// container that runs to completion serves nothing, and a UDP or SCTP port
+// is no target of a TCP service port (only TCP is meshed): until 8
+// December both were taken, an init container's first, so one shadowed
+// the app's port of its name, and either was dialled where Kubernetes said
+// the pod serves no such port (its EndpointSlice leaves the port out,
+// which is when the map is read, Endpoint.TargetPort).
+func targetPorts(pod *corev1.Pod) []corev1.ContainerPort {
+	var out []corev1.ContainerPort
+	sidecars := slices.DeleteFunc(slices.Clone(pod.Spec.InitContainers), func(c corev1.Container) bool {
+		return c.RestartPolicy == nil || *c.RestartPolicy != corev1.ContainerRestartPolicyAlways
+	})
+	for _, c := range slices.Concat(pod.Spec.Containers, sidecars) {
+		for _, p := range c.Ports {
+			if p.Name == "" || p.Protocol != "" && p.Protocol != corev1.ProtocolTCP ||
+				slices.ContainsFunc(out, func(q corev1.ContainerPort) bool { return q.Name == p.Name }) {
+				continue
+			}
+			out = append(out, corev1.ContainerPort{Name: p.Name, ContainerPort: p.ContainerPort})
+		}
+	}
+	return out
 }
 
 // Service translates a Service, without endpoints.

@@ -62,7 +62,7 @@ func TestBuildWorkloads(t *testing.T) {
 	web := pod("shop", "web", "node-a", "10.0.0.5", "fd00::5")
 	web.Spec.ServiceAccountName = "web-sa"
 	web.Annotations = map[string]string{selection.BypassInboundAnnotation: "true"}
-	web.Spec.InitContainers = []corev1.Container{{Name: "proxy", Ports: []corev1.ContainerPort{{Name: "admin", ContainerPort: 9000}}}}
+	web.Spec.InitContainers = []corev1.Container{{Name: "proxy", RestartPolicy: new(corev1.ContainerRestartPolicyAlways), Ports: []corev1.ContainerPort{{Name: "admin", ContainerPort: 9000}}}}
 	web.Spec.Containers = []corev1.Container{
 		{Name: "app", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}, {ContainerPort: 9090}}},
 		{Name: "other", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8081}}},
@@ -89,7 +89,7 @@ func TestBuildWorkloads(t *testing.T) {
 		t.Errorf("Addrs = %v", w.Addrs)
 	}
 	if want := map[string]int32{"admin": 9000, "http": 8080}; !mapsEqual(w.ContainerPorts, want) {
-		t.Errorf("ContainerPorts = %v, want %v (first container wins, unnamed ports left out)", w.ContainerPorts, want)
+		t.Errorf("ContainerPorts = %v, want %v (first container wins, a sidecar's kept, unnamed ports left out)", w.ContainerPorts, want)
 	}
 	if w.Identity("cluster.local") != "spiffe://cluster.local/ns/shop/sa/web-sa" {
 		t.Errorf("Identity = %s", w.Identity("cluster.local"))
@@ -519,5 +519,60 @@ func TestMirrorPodKeyedByName(t *testing.T) {
 	plain := pod("edge", "plain", "node-a", "10.0.0.10")
 	if w, _ := Pod(selection.Config{}, &ns, &plain, nil); w.UID != "uid-plain" || w.Key() != "uid-plain" {
 		t.Errorf("plain pod: uid %q, key %q; want its own uid", w.UID, w.Key())
+	}
+}
+
+// TestNamedTargetPortAsKubernetes: a Service's named targetPort resolves
+// to a pod's port as Kubernetes' FindPort (the EndpointSlice controller's,
+// for a TCP service port) and istiod's FindPortName resolve it, their
+// answers written out here: named TCP ports of the containers, then of
+// the sidecars (init containers restarted always), the first of a name.
+// The map is read where a pod's EndpointSlice leaves the port out, which
+// the controller does when it finds no such port: an init container that
+// runs to completion and a UDP port of the name were taken until 8
+// December, and the tunnel dialled them.
+func TestNamedTargetPortAsKubernetes(t *testing.T) {
+	always := new(corev1.ContainerRestartPolicyAlways)
+	tcp := func(name string, port int32) corev1.ContainerPort {
+		return corev1.ContainerPort{Name: name, ContainerPort: port, Protocol: corev1.ProtocolTCP}
+	}
+	for _, tc := range []struct {
+		name       string
+		init, main []corev1.Container
+		port       string
+		want       int32 // 0: no such port
+	}{
+		{"container", nil, []corev1.Container{{Ports: []corev1.ContainerPort{tcp("http", 8080)}}}, "http", 8080},
+		{"protocol defaulted", nil, []corev1.Container{{Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080}}}}, "http", 8080},
+		{"an init container's shadows nothing", []corev1.Container{{Ports: []corev1.ContainerPort{tcp("http", 9999)}}},
+			[]corev1.Container{{Ports: []corev1.ContainerPort{tcp("http", 8080)}}}, "http", 8080},
+		{"an init container's is none", []corev1.Container{{Ports: []corev1.ContainerPort{tcp("setup", 9999)}}}, nil, "setup", 0},
+		{"a sidecar's", []corev1.Container{{RestartPolicy: always, Ports: []corev1.ContainerPort{tcp("admin", 15000)}}}, nil, "admin", 15000},
+		{"containers before sidecars", []corev1.Container{{RestartPolicy: always, Ports: []corev1.ContainerPort{tcp("http", 15001)}}},
+			[]corev1.Container{{Ports: []corev1.ContainerPort{tcp("http", 8080)}}}, "http", 8080},
+		{"a UDP port is none", nil, []corev1.Container{{Ports: []corev1.ContainerPort{{Name: "dns", ContainerPort: 53, Protocol: corev1.ProtocolUDP}}}}, "dns", 0},
+		{"an SCTP port is none", nil, []corev1.Container{{Ports: []corev1.ContainerPort{{Name: "sig", ContainerPort: 3868, Protocol: corev1.ProtocolSCTP}}}}, "sig", 0},
+		{"the TCP port of a UDP port's name", nil, []corev1.Container{
+			{Ports: []corev1.ContainerPort{{Name: "dns", ContainerPort: 53, Protocol: corev1.ProtocolUDP}}},
+			{Ports: []corev1.ContainerPort{tcp("dns", 5353)}}}, "dns", 5353},
+	} {
+		p := pod("shop", "web", "n1", "10.0.0.5")
+		p.Spec.InitContainers, p.Spec.Containers = tc.init, tc.main
+		for _, compact := range []bool{false, true} {
+			in := &p
+			if compact {
+				in = NewCompactPod(&p).Pod()
+			}
+			w, err := Pod(selection.Config{}, nil, in, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The pod's EndpointSlice left the port out: the pod's ports decide.
+			ep := workload.Endpoint{Addr: w.Addrs[0], Workload: w}
+			got, ok := ep.TargetPort(workload.ServicePort{Name: "web", Port: 80, TargetPortName: tc.port})
+			if tc.want == 0 && ok || tc.want != 0 && (!ok || int32(got) != tc.want) {
+				t.Errorf("%s (compact %v): port %q resolves to %d, %v; want %d", tc.name, compact, tc.port, got, ok, tc.want)
+			}
+		}
 	}
 }

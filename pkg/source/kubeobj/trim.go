@@ -44,8 +44,7 @@ type CompactPod struct {
 	ServiceAccountName string
 	HostNetwork        bool
 	RuntimeClassName   *string
-	// NamedPorts are the named container ports, init containers first,
-	// the first of each name only (as namedPorts reads them).
+	// NamedPorts are the ports a named targetPort may name (targetPorts).
 	NamedPorts []corev1.ContainerPort
 	Phase      corev1.PodPhase
 	PodIP      string
@@ -64,13 +63,7 @@ func NewCompactPod(pod *corev1.Pod) *CompactPod {
 		HostNetwork: pod.Spec.HostNetwork, RuntimeClassName: pod.Spec.RuntimeClassName,
 		Phase: pod.Status.Phase, PodIP: pod.Status.PodIP, PodIPs: pod.Status.PodIPs,
 	}
-	for _, ct := range slices.Concat(pod.Spec.InitContainers, pod.Spec.Containers) {
-		for _, p := range ct.Ports {
-			if p.Name != "" && !slices.ContainsFunc(c.NamedPorts, func(q corev1.ContainerPort) bool { return q.Name == p.Name }) {
-				c.NamedPorts = append(c.NamedPorts, corev1.ContainerPort{Name: p.Name, ContainerPort: p.ContainerPort})
-			}
-		}
-	}
+	c.NamedPorts = targetPorts(pod)
 	// WorkloadMeta follows the first controller reference only.
 	for _, ref := range pod.OwnerReferences {
 		if ref.Controller != nil && *ref.Controller {

@@ -39,7 +39,10 @@ func fullPod() *corev1.Pod {
 	p.Spec.ServiceAccountName = "reviews"
 	p.Spec.RuntimeClassName = &kata
 	p.Spec.Volumes = []corev1.Volume{{Name: "token"}}
-	p.Spec.InitContainers = []corev1.Container{{Name: "init", Image: "init:1", Ports: []corev1.ContainerPort{{ContainerPort: 1}, {Name: "admin", ContainerPort: 9000, Protocol: corev1.ProtocolTCP}}}}
+	p.Spec.InitContainers = []corev1.Container{
+		{Name: "init", Image: "init:1", Ports: []corev1.ContainerPort{{Name: "setup", ContainerPort: 7000}}}, // runs to completion: no target
+		{Name: "side", Image: "side:1", RestartPolicy: new(corev1.ContainerRestartPolicyAlways), Ports: []corev1.ContainerPort{{ContainerPort: 1}, {Name: "admin", ContainerPort: 9000, Protocol: corev1.ProtocolTCP}}},
+	}
 	p.Spec.Containers = []corev1.Container{
 		{Name: "app", Image: "app:1", Command: []string{"/app"}, Env: []corev1.EnvVar{{Name: "A", Value: "b"}},
 			Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8080, HostPort: 80}, {ContainerPort: 9090}}},

@@ -514,7 +514,13 @@ func labelsOf(ns *corev1.Namespace) map[string]string {
 func waypointKey(labels map[string]string) string {
 	var b strings.Builder
 	for _, l := range kubeobj.WaypointLabels {
-		b.WriteString(labels[l])
+		// A label there with an empty value is not one that is not
+		// there: the rules read the object's own use-waypoint labels
+		// by presence.
+		if v, ok := labels[l]; ok {
+			b.WriteByte('=')
+			b.WriteString(v)
+		}
 		b.WriteByte(0)
 	}
 	return b.String()

@@ -323,6 +323,49 @@ spec:
 		w.waitFor(t, "no waypoint once its Service is gone", waypoints(nil, nil))
 	})
 
+	// istiod reads an object's own use-waypoint label when it is there, empty too:
+	// an empty one names no waypoint, and the namespace's is not taken. The source
+	// follows the label coming and going, though its value stays "" (until 8 December
+	// an empty label fell back to the namespace's waypoint, and the change was not
+	// seen at all).
+	t.Run("empty waypoint label as istiod", func(t *testing.T) {
+		createNamespace(t, client, "wpe", map[string]string{"istio.io/dataplane-mode": "ambient", "istio.io/use-waypoint": "ns-wp"})
+		svc := func(name string, labels map[string]string) *corev1.Service {
+			return &corev1.Service{ObjectMeta: metav1.ObjectMeta{Namespace: "wpe", Name: name, Labels: labels},
+				Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80}}}}
+		}
+		for _, s := range []*corev1.Service{svc("ns-wp", map[string]string{"istio.io/waypoint-for": "all"}), svc("web", nil)} {
+			if _, err := client.CoreV1().Services("wpe").Create(ctx, s, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		want := &workload.Waypoint{Namespace: "wpe", Hostname: "ns-wp.wpe.svc.cluster.local", HBONEPort: 15008}
+		webWaypoint := func(wp *workload.Waypoint) func(source.Snapshot) bool {
+			return func(s source.Snapshot) bool {
+				j := slices.IndexFunc(s.Services, isService("wpe", "web"))
+				return j >= 0 && reflect.DeepEqual(s.Services[j].Waypoint, wp)
+			}
+		}
+		w.waitFor(t, "web's waypoint from its namespace", webWaypoint(want))
+		empty := []byte(`{"metadata":{"labels":{"istio.io/use-waypoint":""}}}`)
+		if _, err := client.CoreV1().Services("wpe").Patch(ctx, "web", types.MergePatchType, empty, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "no waypoint for web labelled istio.io/use-waypoint=\"\"", webWaypoint(nil))
+		if _, err := client.CoreV1().Services("wpe").Patch(ctx, "web", types.MergePatchType, labelPatch("istio.io/use-waypoint", ""), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "web's waypoint from its namespace again once the label is gone", webWaypoint(want))
+		// On the namespace, an empty use-waypoint-namespace names no namespace.
+		emptyNS := []byte(`{"metadata":{"labels":{"istio.io/use-waypoint-namespace":""}}}`)
+		if _, err := client.CoreV1().Namespaces().Patch(ctx, "wpe", types.MergePatchType, emptyNS, metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		w.waitFor(t, "no waypoint for web once its namespace says istio.io/use-waypoint-namespace=\"\"", webWaypoint(nil))
+		setNamespaceLabel(t, client, "wpe", "istio.io/use-waypoint-namespace", "")
+		w.waitFor(t, "web's waypoint again once the namespace's label is gone", webWaypoint(want))
+	})
+
 	// A Service's trafficDistribution (kube-proxy honours it for unmeshed pods) and its
 	// namespace's Istio annotation give it a routing preference, as istiod derives it; pods
 	// take their node's locality labels, and follow a change of them.
