@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"iter"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -91,14 +92,25 @@ var l4WhenKeys = []string{"source.ip", "source.namespace", "source.principal", "
 // one with an unknown action, denies everything it selects; an invalid
 // ALLOW policy still counts as an applicable ALLOW but admits nothing.
 func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src Peer) Verdict {
+	return authorize(func(yield func(*AuthorizationPolicy) bool) {
+		for i := range aps {
+			if !yield(&aps[i]) {
+				return
+			}
+		}
+	}, rootNamespace, dst, src)
+}
+
+// authorize is Authorize over aps in order; an Index passes only the
+// policies of the root namespace and dst's.
+func authorize(aps iter.Seq[*AuthorizationPolicy], rootNamespace string, dst Target, src Peer) Verdict {
 	if rootNamespace == "" {
 		rootNamespace = DefaultRootNamespace
 	}
 	c := newConn(dst, src)
 
 	var allows []*AuthorizationPolicy
-	for i := range aps {
-		ap := &aps[i]
+	for ap := range aps {
 		if notEnforced(ap) || !appliesTo(ap, rootNamespace, dst) {
 			continue
 		}
@@ -123,10 +135,10 @@ func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src 
 	if len(allows) == 0 {
 		return Verdict{Allowed: true, Reason: "no ALLOW policy applies"}
 	}
-	var names []string
+	var names applicableNames
 	for _, ap := range allows {
 		if validate(ap) != nil {
-			names = append(names, key(ap)+" (invalid)")
+			names.add(key(ap) + " (invalid)")
 			continue
 		}
 		for r := range ap.Spec.Rules {
@@ -134,9 +146,38 @@ func Authorize(aps []AuthorizationPolicy, rootNamespace string, dst Target, src 
 				return Verdict{Allowed: true, Reason: "allowed by ALLOW policy " + key(ap) + " rule " + strconv.Itoa(r), Policy: key(ap)}
 			}
 		}
-		names = append(names, key(ap))
+		names.add(key(ap))
 	}
-	return Verdict{Reason: "no ALLOW policy matched (applicable: " + strings.Join(names, ", ") + ")"}
+	return Verdict{Reason: "no ALLOW policy matched (applicable: " + names.String() + ")"}
+}
+
+// maxNamedPolicies bounds the policies a refusal's reason names: a pod
+// selected by thousands of ALLOW policies made every refused connection
+// build a reason naming them all (160 KB at 10k), though a log line
+// keeps its first 512 bytes.
+const maxNamedPolicies = 20
+
+// applicableNames collects the names a refusal's reason lists, at most
+// maxNamedPolicies and a count of the rest.
+type applicableNames struct {
+	names []string
+	more  int
+}
+
+func (n *applicableNames) add(name string) {
+	if len(n.names) < maxNamedPolicies {
+		n.names = append(n.names, name)
+		return
+	}
+	n.more++
+}
+
+func (n *applicableNames) String() string {
+	s := strings.Join(n.names, ", ")
+	if n.more > 0 {
+		s += " and " + strconv.Itoa(n.more) + " more"
+	}
+	return s
 }
 
 func key(ap *AuthorizationPolicy) string { return ap.Namespace + "/" + ap.Name }

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"cmp"
+	"iter"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -119,10 +120,26 @@ func (p *Compiled) Key() string { return p.Namespace + "/" + p.Name }
 // DENY denies; otherwise, if any ALLOW applies, one must match; with no
 // ALLOW policy the connection is allowed.
 func AuthorizeCompiled(ps []*Compiled, dst Target, selected []string, src Peer) Verdict {
+	keys := make(map[string]bool, len(selected))
+	for _, k := range selected {
+		keys[k] = true
+	}
+	return decideCompiled(func(yield func(*Compiled) bool) {
+		for _, p := range ps {
+			if p.appliesTo(dst.Namespace, keys) && !yield(p) {
+				return
+			}
+		}
+	}, dst, src)
+}
+
+// decideCompiled decides a connection under ps, the policies that apply
+// to its destination, in order.
+func decideCompiled(ps iter.Seq[*Compiled], dst Target, src Peer) Verdict {
 	c := newConn(dst, src)
 	var allows []*Compiled
-	for _, p := range ps {
-		if p.DryRun || !p.appliesTo(dst.Namespace, selected) {
+	for p := range ps {
+		if p.DryRun {
 			continue
 		}
 		if p.Action != ActionDeny {
@@ -136,24 +153,24 @@ func AuthorizeCompiled(ps []*Compiled, dst Target, selected []string, src Peer) 
 	if len(allows) == 0 {
 		return Verdict{Allowed: true, Reason: "no ALLOW policy applies"}
 	}
-	names := make([]string, 0, len(allows))
+	var names applicableNames
 	for _, p := range allows {
 		if g, ok := p.matches(&c); ok {
 			return Verdict{Allowed: true, Reason: "allowed by ALLOW policy " + p.Key() + " rule " + strconv.Itoa(g), Policy: p.Key()}
 		}
-		names = append(names, p.Key())
+		names.add(p.Key())
 	}
-	return Verdict{Reason: "no ALLOW policy matched (applicable: " + strings.Join(names, ", ") + ")"}
+	return Verdict{Reason: "no ALLOW policy matched (applicable: " + names.String() + ")"}
 }
 
-func (p *Compiled) appliesTo(namespace string, selected []string) bool {
+func (p *Compiled) appliesTo(namespace string, selected map[string]bool) bool {
 	switch p.Scope {
 	case ScopeGlobal:
 		return true
 	case ScopeNamespace:
 		return p.Namespace == namespace
 	default:
-		return slices.Contains(selected, p.Key())
+		return selected[p.Key()]
 	}
 }
 
@@ -279,7 +296,16 @@ func ConvertedPeerAuthn(name string) bool {
 // AuthorizeCompiled). Whatever the set cannot decide exactly fails closed:
 // an unresolved policy, a workload whose selection is unknown, or a
 // selected policy the set does not hold.
+//
+// It indexes the set first, as much work as deciding every connection
+// against it used to be: a caller deciding many connections against one
+// set keeps an Index of it (NewIndex) instead.
 func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
+	return NewIndex(s, nil, nil, "").Authorize(dst, workload, src)
+}
+
+// authorize is Authorize with the set's policies indexed by x.
+func (s *CompiledSet) authorize(x *Index, dst Target, workload string, src Peer) Verdict {
 	if !s.Synced {
 		return Verdict{Reason: "no policies from the control plane yet (fails closed)"}
 	}
@@ -291,10 +317,10 @@ func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
 	}
 	selected := s.Selected[workload]
 	for _, k := range selected {
-		ns, name, _ := strings.Cut(k, "/")
-		if slices.ContainsFunc(s.Policies, func(p *Compiled) bool { return p.Namespace == ns && p.Name == name }) {
+		if x.holds(k) {
 			continue
 		}
+		_, name, _ := strings.Cut(k, "/")
 		if ConvertedPeerAuthn(name) && src.Authenticated {
 			// istiod's conversion of a PeerAuthentication only ever
 			// denies peers without mTLS, and istiod lists some such
@@ -306,5 +332,5 @@ func (s *CompiledSet) Authorize(dst Target, workload string, src Peer) Verdict {
 		}
 		return Verdict{Reason: "policy " + k + " selects " + workload + " but was not received or not applied (fails closed)", Policy: k}
 	}
-	return AuthorizeCompiled(s.Policies, dst, selected, src)
+	return decideCompiled(x.applicableCompiled(dst.Namespace, selected), dst, src)
 }

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"iter"
 	"strings"
 )
 
@@ -63,6 +64,18 @@ func (d Decision) Strict() bool { return d.Mode == ModeStrict }
 // So is a policy with a field this agent does not know (Unrecognized), at
 // its level and on every port, whatever mode it sets.
 func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string, podLabels map[string]string, port uint16) Decision {
+	return effectiveMode(func(yield func(*PeerAuthentication) bool) {
+		for i := range pas {
+			if !yield(&pas[i]) {
+				return
+			}
+		}
+	}, rootNamespace, podNamespace, podLabels, port)
+}
+
+// effectiveMode is EffectiveMode over pas in order; an Index passes only
+// the policies of the root namespace and the pod's.
+func effectiveMode(pas iter.Seq[*PeerAuthentication], rootNamespace, podNamespace string, podLabels map[string]string, port uint16) Decision {
 	if rootNamespace == "" {
 		rootNamespace = DefaultRootNamespace
 	}
@@ -71,8 +84,7 @@ func EffectiveMode(pas []PeerAuthentication, rootNamespace, podNamespace string,
 	// it (and ztunnel enforces the result), though it picks the namespace
 	// level among `selector: {}` policies too (see below).
 	var mesh, namespace, plainNamespace, workload *PeerAuthentication
-	for i := range pas {
-		pa := &pas[i]
+	for pa := range pas {
 		switch {
 		case !hasSelector(pa.Spec.Selector):
 			if pa.Namespace == rootNamespace {

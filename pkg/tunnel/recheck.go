@@ -123,7 +123,7 @@ func (t *Tunnel) inboundVerdict(st *State, p *pod, dst netip.AddrPort, client ne
 	}
 	// Compiled policies (istiod's) carry STRICT as a DENY of plaintext.
 	if !secure && st.Compiled == nil {
-		mode := policy.EffectiveMode(st.PeerAuthentications, t.cfg.RootNamespace, podW.Namespace, podW.Labels, dst.Port())
+		mode := st.index(t.cfg.RootNamespace).EffectiveMode(podW.Namespace, podW.Labels, dst.Port())
 		if mode.Strict() {
 			return podW, "strict_plaintext", "mTLS is STRICT", mode.Source
 		}
@@ -134,12 +134,7 @@ func (t *Tunnel) inboundVerdict(st *State, p *pod, dst netip.AddrPort, client ne
 		src.Namespace = peer.Namespace
 	}
 	target := policy.Target{Namespace: podW.Namespace, Labels: podW.Labels, Port: dst.Port(), Addr: dst.Addr()}
-	var v policy.Verdict
-	if st.Compiled != nil {
-		v = st.Compiled.Authorize(target, podW.Namespace+"/"+podW.Name, src)
-	} else {
-		v = policy.Authorize(st.AuthorizationPolicies, t.cfg.RootNamespace, target, src)
-	}
+	v := st.index(t.cfg.RootNamespace).Authorize(target, podW.Namespace+"/"+podW.Name, src)
 	if !v.Allowed {
 		return podW, "authorization", v.Reason, v.Policy
 	}

@@ -82,6 +82,19 @@ type State struct {
 	// Compiled, when set, decides inbound connections instead of the two
 	// lists above (istiod's compiled authorization, STRICT included).
 	Compiled *policy.CompiledSet
+
+	// policies indexes the policies above, once per state (Update), so a
+	// connection's decision walks only the policies that can apply to it.
+	policies *policy.Index
+}
+
+// index returns s's policy index, made by Update; a State that did not
+// pass through it is indexed on the spot.
+func (s *State) index(root string) *policy.Index {
+	if s.policies != nil {
+		return s.policies
+	}
+	return policy.NewIndex(s.Compiled, s.AuthorizationPolicies, s.PeerAuthentications, root)
 }
 
 // Tunnel serves the enrolled pods of one node.
@@ -177,11 +190,12 @@ func New(cfg Config) *Tunnel {
 // admits (see recheck), and starts the grace period of the metric series
 // of workloads that left.
 func (t *Tunnel) Update(s *State) {
-	if s.Dir == nil {
-		c := *s
+	c := *s
+	if c.Dir == nil {
 		c.Dir = &workload.Directory{}
-		s = &c
 	}
+	c.policies = policy.NewIndex(c.Compiled, c.AuthorizationPolicies, c.PeerAuthentications, t.cfg.RootNamespace)
+	s = &c
 	t.updateMu.Lock()
 	defer t.updateMu.Unlock()
 	prev := t.state.Swap(s)
