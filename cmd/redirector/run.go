@@ -526,7 +526,7 @@ func runAgent(ctx context.Context, args []string) error {
 	agent := nodeagent.New(nodeagent.Config{
 		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
 		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
-		Claim:     takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+		Claim: takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
 		// The pinned state is read again, and the links pointed at this
 		// agent's programs, under the claim's lock: the older agent went on
 		// changing the node since Load, and one taking the node back (a
