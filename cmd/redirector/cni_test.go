@@ -44,7 +44,7 @@ func TestServeCNIUnservableSocketIsNotReady(t *testing.T) {
 			func() error { return os.Remove(notSocket) }},
 	} {
 		ctx, cancel := context.WithCancel(context.Background())
-		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, nil, func() bool { return true }, log)
+		ready := serveCNI(ctx, cni.NewServer(tc.path, noAnswer, log), 10*time.Millisecond, nil, nil, func() bool { return true }, log)
 		waitfor.Until(t, "not ready naming the socket", func() bool {
 			ok, reason := ready()
 			return !ok && strings.Contains(reason, tc.want)
@@ -78,7 +78,7 @@ func TestServeCNIReinstall(t *testing.T) {
 	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
 		// Not holding the node: only the take-back's reinstall puts the
 		// socket back, not the check of the path.
-		10*time.Millisecond, reinstall, func() bool { return false }, log)
+		10*time.Millisecond, nil, reinstall, func() bool { return false }, log)
 	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
 	// The newer agent's socket renamed over the path, then the newer agent
 	// gone: a stale socket nothing serves.
@@ -118,7 +118,7 @@ func TestServeCNIHolderTakesPathBack(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
-		10*time.Millisecond, nil, func() bool { return true }, log)
+		10*time.Millisecond, nil, nil, func() bool { return true }, log)
 	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
 	other, err := net.Listen("unix", path+".other")
 	if err != nil {

@@ -353,12 +353,12 @@ func runAgent(ctx context.Context, args []string) error {
 		return err
 	}
 	defer ld.Close()
-	// An upgrade overlaps two agents on the node: from here on this one
-	// changes the enrollment, and an older one still running stops doing so.
-	// The pinned links are pointed at this agent's programs again under the
-	// claim's lock: an older agent taking the node back (a rollback) may
-	// have pointed them at its own since Load.
-	claim, err := maps.ClaimNodeThen(ctx, cfg.bpfRoot, log, func() { ld.Relink(ctx) })
+	// An upgrade overlaps two agents on the node. This one takes the node
+	// over (it changes the enrollment, and an older one still running stops
+	// doing so) only once its source delivered the first snapshot
+	// (nodeagent.Config.TakeNode): until then the older agent, with the last
+	// good state, goes on.
+	claim, err := maps.NewClaim(cfg.bpfRoot, log)
 	if err != nil {
 		return err
 	}
@@ -453,7 +453,6 @@ func runAgent(ctx context.Context, args []string) error {
 		defer repairMu.Unlock()
 		stopRepair()
 	}
-	startRepair()
 	defer endRepair()
 	reg.MustRegister(
 		loader.NewCollector(ld),
@@ -520,10 +519,26 @@ func runAgent(ctx context.Context, args []string) error {
 	// agent's, if that one gives the node back.
 	var servers *admin.Servers
 	cniReinstall := make(chan struct{}, 1)
+	// Closed once this agent holds the node: its CNI socket goes to the
+	// path only then, and until then the agent holding the node, with the
+	// last good state, answers the plugin.
+	nodeTaken := make(chan struct{})
 	agent := nodeagent.New(nodeagent.Config{
 		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
 		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
-		Claim:     takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+		Claim: takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+		// The pinned state is read again, and the links pointed at this
+		// agent's programs, under the claim's lock: the older agent went on
+		// changing the node since Load, and one taking the node back (a
+		// rollback) may have pointed them at its own.
+		TakeNode: func(ctx context.Context) error {
+			if err := claim.Take(ctx, func() { relinkNode(ctx, cfg, ld, acc, log) }); err != nil {
+				return err
+			}
+			startRepair()
+			close(nodeTaken)
+			return nil
+		},
 		Annotator: annotator(ann),
 		OnYield: func() {
 			endRepair()
@@ -562,7 +577,7 @@ func runAgent(ctx context.Context, args []string) error {
 		// Before the socket: while the agent starts after a reboot (no
 		// hint on tmpfs), kube-system's pods must not wait for its source.
 		agent.WriteStartupHint()
-		cniReady = serveCNI(ctx, srv, cniRetryPeriod, cniReinstall, claim.Held, log)
+		cniReady = serveCNI(ctx, srv, cniRetryPeriod, nodeTaken, cniReinstall, claim.Held, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -654,7 +669,7 @@ func relinkNode(ctx context.Context, cfg agentConfig, ld *loader.Loader, acc *ac
 	ld.Relink(ctx)
 	if acc != nil {
 		if err := acc.Relink(); err != nil {
-			log.ErrorContext(ctx, "sockops acceleration: this agent's programs not attached again after taking the node back", "error", err)
+			log.ErrorContext(ctx, "sockops acceleration: this agent's programs not attached again as it took the node", "error", err)
 		}
 	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
 		log.WarnContext(ctx, "remove sockops acceleration", "error", err)
@@ -684,6 +699,11 @@ const releasePatience = 10 * time.Second
 // enrolled pods keep their tunnel. Serving is tried again every retry, so
 // a directory put right is taken without a restart.
 //
+// It serves once taken is closed (nil: at once), when this agent holds the
+// node: an agent that installed its socket as it started took the plugin's
+// events from the agent holding the node before it had any state of its
+// own.
+//
 // A value on reinstall (nil: none) serves the socket anew, installed over
 // whatever is at the path: the agent took the node back from a newer one,
 // whose socket was put over this one's (see OnReclaim). So does finding,
@@ -693,7 +713,7 @@ const releasePatience = 10 * time.Second
 // to install than to claim) could put its socket over the holder's and
 // remove it as it stopped. Before, every CNI ADD on the node failed from
 // then on while the holder passed for ready.
-func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinstall <-chan struct{}, held func() bool, log *slog.Logger) admin.Check {
+func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, taken, reinstall <-chan struct{}, held func() bool, log *slog.Logger) admin.Check {
 	var mu sync.Mutex
 	failed := errors.New("not served yet")
 	set := func(err error) {
@@ -702,6 +722,13 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, reinsta
 		mu.Unlock()
 	}
 	go func() {
+		if taken != nil {
+			select {
+			case <-ctx.Done():
+				return
+			case <-taken:
+			}
+		}
 		for {
 			err := srv.Listen()
 			if err == nil {

@@ -208,16 +208,24 @@ func ClaimNode(ctx context.Context, root string, log *slog.Logger) (*Claim, erro
 	return ClaimNodeThen(ctx, root, log, nil)
 }
 
-// ClaimNodeThen is ClaimNode that runs then (if not nil) once the claim is
-// written, before the pin root's exclusive lock is let go: no other agent
-// changes the pinned state meanwhile, and an older agent taking the node
-// back (ReclaimThen) runs its own then either wholly before or not at all.
-// The agent points the pinned links at its programs there (loader.Relink):
-// a take-back's relink that came between the agent's load and its claim
-// left the pods on the older agent's programs, with the new agent holding
-// the node. then must not take a Guard or the lock: it would wait for
-// itself.
+// ClaimNodeThen is NewClaim followed by Take.
 func ClaimNodeThen(ctx context.Context, root string, log *slog.Logger, then func()) (*Claim, error) {
+	c, err := NewClaim(root, log)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.Take(ctx, then); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// NewClaim opens the node's claim for this agent without taking it: Held
+// is false, Guard refuses and Release leaves the node alone until Take.
+// An agent takes the node only once it has mesh state to apply
+// (nodeagent.Config.TakeNode); Close releases the map.
+func NewClaim(root string, log *slog.Logger) (*Claim, error) {
 	path := filepath.Join(root, LayoutName)
 	m, err := ebpf.LoadPinnedMap(path, nil)
 	if err != nil {
@@ -232,20 +240,33 @@ func ClaimNodeThen(ctx context.Context, root string, log *slog.Logger, then func
 		}
 		c.token = binary.LittleEndian.Uint32(b[:])
 	}
+	return c, nil
+}
+
+// Take makes the caller the agent that holds the node. It waits for
+// changes another agent has under way (see Claim), at most LockPatience and
+// while ctx lasts, logging who holds them up. then (if not nil) runs once
+// the claim is written, before the pin root's exclusive lock is let go: no
+// other agent changes the pinned state meanwhile, and an older agent taking
+// the node back (ReclaimThen) runs its own then either wholly before or not
+// at all. The agent reads the pinned state again and points the pinned
+// links at its programs there (loader.Relink): the older agent went on
+// attaching and detaching pods since this one's Load, and a take-back's
+// relink in that time left the pods on the older agent's programs. then
+// must not take a Guard or the lock: it would wait for itself.
+func (c *Claim) Take(ctx context.Context, then func()) error {
 	unlock, err := c.lock.take(ctx, unix.LOCK_EX, "claim the node")
 	if err != nil {
-		m.Close()
-		return nil, fmt.Errorf("claim the node: %w", err)
+		return fmt.Errorf("claim the node: %w", err)
 	}
 	defer unlock()
-	if err := m.Put(layoutSlotOwner, c.token); err != nil {
-		m.Close()
-		return nil, fmt.Errorf("claim the node: write %s: %w", path, err)
+	if err := c.m.Put(layoutSlotOwner, c.token); err != nil {
+		return fmt.Errorf("claim the node: write %s: %w", filepath.Join(c.lock.root, LayoutName), err)
 	}
 	if then != nil {
 		then()
 	}
-	return c, nil
+	return nil
 }
 
 // Held reports whether no other agent claimed the node since. A failed

@@ -9,6 +9,7 @@ package nodeagent
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -68,6 +69,15 @@ type Config struct {
 	// Annotator is nil for sources without an API server (the file).
 	Annotator Annotator
 	Claim     Claim
+	// TakeNode, if set, makes this agent the one holding the node
+	// (maps.Claim.Take), once, as the source's first snapshot arrives and
+	// before it is applied. An agent that took the node at start and then
+	// had nothing to apply (a manifest refused, an API server or istiod not
+	// answering) left it unmanaged: the older agent, which had the last
+	// good state, yielded, and no pod was enrolled, detached or repaired
+	// until the new source answered. Until it returns, the older agent goes
+	// on as before; an error ends Run. nil: the node is held already.
+	TakeNode func(ctx context.Context) error
 	// OnYield runs when a newer agent took the node over (again, after an
 	// OnReclaim).
 	OnYield func()
@@ -94,6 +104,9 @@ type Agent struct {
 	// by whichever worker or loop saw the claim first) and a take-back
 	// (OnReclaim, by the main loop) one after the other, never interleaved.
 	claimMu sync.Mutex
+	// taken is set once this agent holds the node (Config.TakeNode): before
+	// that, another agent's claim is not a successor's.
+	taken atomic.Bool
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -171,6 +184,7 @@ func New(cfg Config) *Agent {
 		podSynced:   make(chan struct{}),
 		annots:      newAnnotations(),
 	}
+	a.taken.Store(cfg.TakeNode == nil)
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
@@ -247,6 +261,13 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 		case err := <-srcErr:
 			return err
 		case s := <-snaps:
+			if !a.taken.Load() {
+				if err := a.cfg.TakeNode(ctx); err != nil {
+					return fmt.Errorf("take the node with the first snapshot: %w", err)
+				}
+				a.taken.Store(true)
+				a.log.Info("first snapshot from the source: this agent holds the node")
+			}
 			full = a.setSnapshot(s)
 		case <-ticker.C:
 			full = true
@@ -289,7 +310,7 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 // whether it took the node back; only the main loop (reclaim set) tries,
 // and then runs a full pass.
 func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
-	if a.cfg.Claim == nil || a.cfg.Claim.Held() {
+	if a.cfg.Claim == nil || !a.taken.Load() || a.cfg.Claim.Held() {
 		return false
 	}
 	a.claimMu.Lock()
