@@ -346,24 +346,47 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer closeCerts()
 
+	// The agent this one replaces, if it still runs, gives each pod's
+	// listeners over (tunnel/handover.go): connect before serving any pod,
+	// and before this agent puts its own socket at the path.
+	var pred *tunnel.Predecessor
+	if cfg.handoverSocket != "" {
+		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
+			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
+		} else if pred != nil {
+			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
+		}
+	}
+	// An upgrade overlaps two agents on the node. This one takes the node
+	// over (it changes the enrollment and points the pinned links at its
+	// programs, and an older one still running stops doing so) only once
+	// its source delivered state to apply (nodeagent.Config.TakeNode):
+	// until then the older agent, with the last good state, goes on. With
+	// no older agent to hand over from (a node's first start, a restart
+	// after a crash, no hand-over socket) nobody has better state, and it
+	// takes the node at once.
+	deferTake := pred != nil
 	logPodsCgroup(ctx, log, cfg)
 	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC,
-		CgroupPath: cfg.cgroupRoot, PodsCgroupID: cfg.podsCgroup.ID, PacketPathOnly: !cfg.localRoute, Logger: log})
+		CgroupPath: cfg.cgroupRoot, PodsCgroupID: cfg.podsCgroup.ID, PacketPathOnly: !cfg.localRoute, DeferRelink: deferTake, Logger: log})
 	if err != nil {
 		return err
 	}
 	defer ld.Close()
-	// An upgrade overlaps two agents on the node. This one takes the node
-	// over (it changes the enrollment, and an older one still running stops
-	// doing so) only once its source delivered the first snapshot
-	// (nodeagent.Config.TakeNode): until then the older agent, with the last
-	// good state, goes on.
 	claim, err := maps.NewClaim(cfg.bpfRoot, log)
 	if err != nil {
 		return err
 	}
 	defer claim.Close()
 	ld.SetClaim(claim)
+	if !deferTake {
+		// The links are pointed at this agent's programs again under the
+		// claim's lock: an older agent taking the node back (a rollback)
+		// may have pointed them at its own since Load.
+		if err := claim.Take(ctx, func() { ld.Relink(ctx) }); err != nil {
+			return err
+		}
+	}
 	// However this agent stops, an older one still running beside it (an
 	// upgrade rolled back, this start failed) takes the node back.
 	releaseClaim := sync.OnceFunc(func() { giveNodeUp(ctx, claim, log) })
@@ -373,16 +396,19 @@ func runAgent(ctx context.Context, args []string) error {
 	var wrapPodSocket func(net.Conn) net.Conn
 	var acc *accel.Accelerator
 	if cfg.accel {
-		acc, err = accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
+		acc, err = accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, DeferRelink: deferTake, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}
 		defer acc.Close()
 		wrapPodSocket = acc.Wrap
 		reg.MustRegister(acc.Collector())
-	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
-		// A previous run had it on: turn it off, as the setting says.
-		log.Warn("remove sockops acceleration", "error", err)
+	} else if !deferTake {
+		// A previous run had it on: turn it off, as the setting says
+		// (relinkNode does, with a deferred take).
+		if err := accel.Uninstall(cfg.bpfRoot); err != nil {
+			log.Warn("remove sockops acceleration", "error", err)
+		}
 	}
 
 	if err := hbone.SetReplyPoll(cfg.replyPoll); err != nil {
@@ -398,17 +424,6 @@ func runAgent(ctx context.Context, args []string) error {
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tunMetrics.SetCluster(cfg.ca.clusterID)
 	drainMetrics := tunnel.NewDrainMetrics(reg)
-	// The agent this one replaces, if it still runs, gives each pod's
-	// listeners over (tunnel/handover.go): connect before serving any pod,
-	// and before this agent puts its own socket at the path.
-	var pred *tunnel.Predecessor
-	if cfg.handoverSocket != "" {
-		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
-			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
-		} else if pred != nil {
-			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
-		}
-	}
 	var tun *tunnel.Tunnel
 	dns, err := newDNSProxy(cfg.dns, func() *workload.Directory { return tun.State().Dir }, reg, log)
 	if err != nil {
@@ -523,22 +538,28 @@ func runAgent(ctx context.Context, args []string) error {
 	// path only then, and until then the agent holding the node, with the
 	// last good state, answers the plugin.
 	nodeTaken := make(chan struct{})
-	agent := nodeagent.New(nodeagent.Config{
-		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
-		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
-		Claim: takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+	var takeNode func(context.Context) error
+	if deferTake {
 		// The pinned state is read again, and the links pointed at this
 		// agent's programs, under the claim's lock: the older agent went on
-		// changing the node since Load, and one taking the node back (a
-		// rollback) may have pointed them at its own.
-		TakeNode: func(ctx context.Context) error {
+		// changing the node since Load.
+		takeNode = func(ctx context.Context) error {
 			if err := claim.Take(ctx, func() { relinkNode(ctx, cfg, ld, acc, log) }); err != nil {
 				return err
 			}
 			startRepair()
 			close(nodeTaken)
 			return nil
-		},
+		}
+	} else {
+		startRepair()
+		close(nodeTaken)
+	}
+	agent := nodeagent.New(nodeagent.Config{
+		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
+		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
+		Claim:     takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+		TakeNode:  takeNode,
 		Annotator: annotator(ann),
 		OnYield: func() {
 			endRepair()
@@ -730,6 +751,17 @@ func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, taken, 
 			}
 		}
 		for {
+			if !held() {
+				// A newer agent took the node before this one installed
+				// its socket (again): the path is the holder's, and only
+				// taking the node back serves it here again.
+				select {
+				case <-ctx.Done():
+					return
+				case <-reinstall:
+					continue
+				}
+			}
 			err := srv.Listen()
 			if err == nil {
 				set(nil)

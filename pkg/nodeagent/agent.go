@@ -70,13 +70,15 @@ type Config struct {
 	Annotator Annotator
 	Claim     Claim
 	// TakeNode, if set, makes this agent the one holding the node
-	// (maps.Claim.Take), once, as the source's first snapshot arrives and
-	// before it is applied. An agent that took the node at start and then
-	// had nothing to apply (a manifest refused, an API server or istiod not
-	// answering) left it unmanaged: the older agent, which had the last
-	// good state, yielded, and no pod was enrolled, detached or repaired
-	// until the new source answered. Until it returns, the older agent goes
-	// on as before; an error ends Run. nil: the node is held already.
+	// (maps.Claim.Take), once, as the source's first complete snapshot
+	// arrives (with SOURCE=xds, one with istiod's answer) and before it is
+	// applied; snapshots before it are dropped. An agent that took the
+	// node at start and then had nothing to apply (a manifest refused, an
+	// API server or istiod not answering) left it unmanaged: the older
+	// agent, which had the last good state, yielded, and no pod was
+	// enrolled, detached or repaired until the new source answered. Until
+	// it returns, the older agent goes on as before; an error ends Run.
+	// nil: the node is held already.
 	TakeNode func(ctx context.Context) error
 	// OnYield runs when a newer agent took the node over (again, after an
 	// OnReclaim).
@@ -262,7 +264,13 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 			return err
 		case s := <-snaps:
 			if !a.taken.Load() {
+				if !complete(s) {
+					continue
+				}
 				if err := a.cfg.TakeNode(ctx); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
 					return fmt.Errorf("take the node with the first snapshot: %w", err)
 				}
 				a.taken.Store(true)
@@ -281,6 +289,15 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 			a.mu.Unlock()
 		}
 	}
+}
+
+// complete reports whether s is state an agent may take the node over
+// with (Config.TakeNode): the xDS source delivers the node's pods before
+// istiod's first answer, so that a CNI ADD never waits on istiod, and such
+// a snapshot has no policies yet (every connection of the node's pods
+// would be refused until istiod answered).
+func complete(s source.Snapshot) bool {
+	return s.Compiled == nil || s.Compiled.Synced
 }
 
 // setSnapshot records the newest snapshot; it reports whether it was the
