@@ -106,9 +106,10 @@ type Agent struct {
 	// by whichever worker or loop saw the claim first) and a take-back
 	// (OnReclaim, by the main loop) one after the other, never interleaved.
 	claimMu sync.Mutex
-	// taken is set once this agent holds the node (Config.TakeNode): before
-	// that, another agent's claim is not a successor's.
-	taken atomic.Bool
+	// waiting is set while this agent waits for a complete snapshot to
+	// take the node with (Config.TakeNode): another agent's claim is not a
+	// successor's then.
+	waiting atomic.Bool
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -186,7 +187,7 @@ func New(cfg Config) *Agent {
 		podSynced:   make(chan struct{}),
 		annots:      newAnnotations(),
 	}
-	a.taken.Store(cfg.TakeNode == nil)
+	a.waiting.Store(cfg.TakeNode != nil)
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
@@ -263,7 +264,7 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 		case err := <-srcErr:
 			return err
 		case s := <-snaps:
-			if !a.taken.Load() {
+			if a.waiting.Load() {
 				if !complete(s) {
 					continue
 				}
@@ -273,7 +274,7 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 					}
 					return fmt.Errorf("take the node with the first snapshot: %w", err)
 				}
-				a.taken.Store(true)
+				a.waiting.Store(false)
 				a.log.Info("first snapshot from the source: this agent holds the node")
 			}
 			full = a.setSnapshot(s)
@@ -327,7 +328,7 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 // whether it took the node back; only the main loop (reclaim set) tries,
 // and then runs a full pass.
 func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
-	if a.cfg.Claim == nil || !a.taken.Load() || a.cfg.Claim.Held() {
+	if a.cfg.Claim == nil || a.waiting.Load() || a.cfg.Claim.Held() {
 		return false
 	}
 	a.claimMu.Lock()
