@@ -269,7 +269,7 @@ func serveHandover(t *testing.T, tun *Tunnel) (sock string, stop func() error) {
 // look ended the wait: the holder was asked nothing more, and the
 // successor's pods waited for it to exit to bind their ports.
 func TestWaitGoneRidesOutPathTakenBack(t *testing.T) {
-	yielded := handoverTunnel(t, &testLog{}, nil)
+	yielded := handoverTunnel(t, newTestLog(), nil)
 	sock, stop := serveHandover(t, yielded)
 	pred := mustPredecessor(t, sock)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
@@ -286,7 +286,7 @@ func TestWaitGoneRidesOutPathTakenBack(t *testing.T) {
 		t.Fatalf("the stopped agent left its socket: %v", err)
 	}
 	time.Sleep(500 * time.Millisecond)
-	holder := handoverTunnel(t, &testLog{}, nil)
+	holder := handoverTunnel(t, newTestLog(), nil)
 	hctx, hcancel := context.WithCancel(context.Background())
 	held := make(chan error, 1)
 	go func() { held <- holder.ServeHandover(hctx, sock) }()
