@@ -76,14 +76,14 @@ func TestServeCNIReinstall(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	reinstall := make(chan struct{}, 1)
-	var held atomic.Bool
-	held.Store(true)
+	var holds atomic.Bool
+	holds.Store(true)
 	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
-		10*time.Millisecond, nil, reinstall, held.Load, log)
+		10*time.Millisecond, nil, reinstall, holds.Load, log)
 	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
-	// Yielded: only the take-back's reinstall puts the socket back, not the
-	// check of the path.
-	held.Store(false)
+	// Yielded since: only the take-back's reinstall puts the socket back,
+	// not the check of the path.
+	holds.Store(false)
 	// The newer agent's socket renamed over the path, then the newer agent
 	// gone: a stale socket nothing serves.
 	newer, err := net.Listen("unix", path+".newer")
@@ -98,7 +98,7 @@ func TestServeCNIReinstall(t *testing.T) {
 	if _, err := net.Dial("unix", path); err == nil {
 		t.Fatal("the stale socket answers")
 	}
-	held.Store(true)
+	holds.Store(true) // taken back
 	reinstall <- struct{}{}
 	waitfor.Until(t, "the CNI socket installed again", func() bool {
 		c, err := net.Dial("unix", path)
