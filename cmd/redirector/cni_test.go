@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -75,11 +76,14 @@ func TestServeCNIReinstall(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	reinstall := make(chan struct{}, 1)
+	var holds atomic.Bool
+	holds.Store(true)
 	ready := serveCNI(ctx, cni.NewServer(path, func(context.Context, cni.PodEvent) (cni.Response, error) { return cni.Response{}, nil }, log),
-		// Not holding the node: only the take-back's reinstall puts the
-		// socket back, not the check of the path.
-		10*time.Millisecond, nil, reinstall, func() bool { return false }, log)
+		10*time.Millisecond, nil, reinstall, holds.Load, log)
 	waitfor.Until(t, "served", func() bool { ok, _ := ready(); return ok })
+	// Yielded since: only the take-back's reinstall puts the socket back,
+	// not the check of the path.
+	holds.Store(false)
 	// The newer agent's socket renamed over the path, then the newer agent
 	// gone: a stale socket nothing serves.
 	newer, err := net.Listen("unix", path+".newer")
@@ -94,6 +98,7 @@ func TestServeCNIReinstall(t *testing.T) {
 	if _, err := net.Dial("unix", path); err == nil {
 		t.Fatal("the stale socket answers")
 	}
+	holds.Store(true) // taken back
 	reinstall <- struct{}{}
 	waitfor.Until(t, "the CNI socket installed again", func() bool {
 		c, err := net.Dial("unix", path)

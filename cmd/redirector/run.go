@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -346,24 +345,47 @@ func runAgent(ctx context.Context, args []string) error {
 	}
 	defer closeCerts()
 
+	// The agent this one replaces, if it still runs, gives each pod's
+	// listeners over (tunnel/handover.go): connect before serving any pod,
+	// and before this agent puts its own socket at the path.
+	var pred *tunnel.Predecessor
+	if cfg.handoverSocket != "" {
+		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
+			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
+		} else if pred != nil {
+			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
+		}
+	}
+	// An upgrade overlaps two agents on the node. This one takes the node
+	// over (it changes the enrollment and points the pinned links at its
+	// programs, and an older one still running stops doing so) only once
+	// its source delivered state to apply (nodeagent.Config.TakeNode):
+	// until then the older agent, with the last good state, goes on. With
+	// no older agent to hand over from (a node's first start, a restart
+	// after a crash, no hand-over socket) nobody has better state, and it
+	// takes the node at once.
+	deferTake := pred != nil
 	logPodsCgroup(ctx, log, cfg)
 	ld, err := loader.Load(ctx, loader.Config{PinRoot: cfg.bpfRoot, Settings: cfg.data, ForceLegacyTC: cfg.legacyTC,
-		CgroupPath: cfg.cgroupRoot, PodsCgroupID: cfg.podsCgroup.ID, PacketPathOnly: !cfg.localRoute, Logger: log})
+		CgroupPath: cfg.cgroupRoot, PodsCgroupID: cfg.podsCgroup.ID, PacketPathOnly: !cfg.localRoute, DeferRelink: deferTake, Logger: log})
 	if err != nil {
 		return err
 	}
 	defer ld.Close()
-	// An upgrade overlaps two agents on the node. This one takes the node
-	// over (it changes the enrollment, and an older one still running stops
-	// doing so) only once its source delivered the first snapshot
-	// (nodeagent.Config.TakeNode): until then the older agent, with the last
-	// good state, goes on.
 	claim, err := maps.NewClaim(cfg.bpfRoot, log)
 	if err != nil {
 		return err
 	}
 	defer claim.Close()
 	ld.SetClaim(claim)
+	if !deferTake {
+		// The links are pointed at this agent's programs again under the
+		// claim's lock: an older agent taking the node back (a rollback)
+		// may have pointed them at its own since Load.
+		if err := claim.Take(ctx, func() { ld.Relink(ctx) }); err != nil {
+			return err
+		}
+	}
 	// However this agent stops, an older one still running beside it (an
 	// upgrade rolled back, this start failed) takes the node back.
 	releaseClaim := sync.OnceFunc(func() { giveNodeUp(ctx, claim, log) })
@@ -373,16 +395,19 @@ func runAgent(ctx context.Context, args []string) error {
 	var wrapPodSocket func(net.Conn) net.Conn
 	var acc *accel.Accelerator
 	if cfg.accel {
-		acc, err = accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, Logger: log})
+		acc, err = accel.Load(ctx, accel.Config{PinRoot: cfg.bpfRoot, CgroupPath: cfg.cgroupRoot, TunnelMark: cfg.data.TunnelMark, MarkMask: cfg.data.MarkMask, HBONEPort: cfg.data.HBONEPort, DeferRelink: deferTake, Logger: log})
 		if err != nil {
 			return fmt.Errorf("--sockops-acceleration (SOCKOPS_ACCELERATION): %w", err)
 		}
 		defer acc.Close()
 		wrapPodSocket = acc.Wrap
 		reg.MustRegister(acc.Collector())
-	} else if err := accel.Uninstall(cfg.bpfRoot); err != nil {
-		// A previous run had it on: turn it off, as the setting says.
-		log.Warn("remove sockops acceleration", "error", err)
+	} else if !deferTake {
+		// A previous run had it on: turn it off, as the setting says
+		// (relinkNode does, with a deferred take).
+		if err := accel.Uninstall(cfg.bpfRoot); err != nil {
+			log.Warn("remove sockops acceleration", "error", err)
+		}
 	}
 
 	if err := hbone.SetReplyPoll(cfg.replyPoll); err != nil {
@@ -398,17 +423,6 @@ func runAgent(ctx context.Context, args []string) error {
 	tunMetrics.SetSeriesGrace(cfg.seriesGrace)
 	tunMetrics.SetCluster(cfg.ca.clusterID)
 	drainMetrics := tunnel.NewDrainMetrics(reg)
-	// The agent this one replaces, if it still runs, gives each pod's
-	// listeners over (tunnel/handover.go): connect before serving any pod,
-	// and before this agent puts its own socket at the path.
-	var pred *tunnel.Predecessor
-	if cfg.handoverSocket != "" {
-		if pred, err = tunnel.DialPredecessor(ctx, cfg.handoverSocket); err != nil {
-			log.Warn("no listener hand-over: the pods' ports are taken when the agent holding them lets go", "error", err)
-		} else if pred != nil {
-			log.Info("connected to the running agent's hand-over socket: taking its pods' listeners", "socket", cfg.handoverSocket)
-		}
-	}
 	var tun *tunnel.Tunnel
 	dns, err := newDNSProxy(cfg.dns, func() *workload.Directory { return tun.State().Dir }, reg, log)
 	if err != nil {
@@ -421,17 +435,13 @@ func runAgent(ctx context.Context, args []string) error {
 		TunnelMark: cfg.data.TunnelMark, Predecessor: pred, WrapPodSocket: wrapPodSocket, Certs: certs, Pool: pool, Metrics: tunMetrics, Logger: log,
 		Limits: cfg.limits, NoAccessLog: !cfg.telemetry.accessLog, AccessLogger: accessLog, HBONECongestion: cfg.hboneCongestion,
 	})
-	if cfg.handoverSocket != "" {
+	// The path stays the predecessor's until it is gone; this agent's own
+	// socket goes there once it holds the node (serveHandover, below).
+	if pred != nil {
 		go func() {
-			if pred != nil {
-				pred.WaitGone(ctx)
-				if ctx.Err() != nil {
-					return
-				}
-				log.Info("the predecessor agent is gone; serving the hand-over socket")
-			}
-			if err := tun.ServeHandover(ctx, cfg.handoverSocket); err != nil {
-				log.Error("listener hand-over socket not served: an agent replacing this one will wait for the pods' ports until this one exits", "error", err)
+			pred.WaitGone(ctx, 2*ownPathCheck)
+			if ctx.Err() == nil {
+				log.Info("the predecessor agent is gone; serving the hand-over socket once this agent holds the node")
 			}
 		}()
 	}
@@ -523,22 +533,28 @@ func runAgent(ctx context.Context, args []string) error {
 	// path only then, and until then the agent holding the node, with the
 	// last good state, answers the plugin.
 	nodeTaken := make(chan struct{})
-	agent := nodeagent.New(nodeagent.Config{
-		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
-		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
-		Claim: takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+	var takeNode func(context.Context) error
+	if deferTake {
 		// The pinned state is read again, and the links pointed at this
 		// agent's programs, under the claim's lock: the older agent went on
-		// changing the node since Load, and one taking the node back (a
-		// rollback) may have pointed them at its own.
-		TakeNode: func(ctx context.Context) error {
+		// changing the node since Load.
+		takeNode = func(ctx context.Context) error {
 			if err := claim.Take(ctx, func() { relinkNode(ctx, cfg, ld, acc, log) }); err != nil {
 				return err
 			}
 			startRepair()
 			close(nodeTaken)
 			return nil
-		},
+		}
+	} else {
+		startRepair()
+		close(nodeTaken)
+	}
+	agent := nodeagent.New(nodeagent.Config{
+		Node: cfg.node, TrustDomain: cfg.trustDomain, Selection: cfg.selection, DNSCapture: cfg.dns.capture, CNISocket: cfg.cniSocket, ProcDir: cfg.procDir,
+		ReconcilePeriod: cfg.reconcilePeriod, Tunnel: tun, Loader: ld, Reconciler: rec, Certs: certs, Registry: reg, Logger: log,
+		Claim:     takeBackClaim{claim, func(ctx context.Context) { relinkNode(ctx, cfg, ld, acc, log) }},
+		TakeNode:  takeNode,
 		Annotator: annotator(ann),
 		OnYield: func() {
 			endRepair()
@@ -578,6 +594,13 @@ func runAgent(ctx context.Context, args []string) error {
 		// hint on tmpfs), kube-system's pods must not wait for its source.
 		agent.WriteStartupHint()
 		cniReady = serveCNI(ctx, srv, cniRetryPeriod, nodeTaken, cniReinstall, claim.Held, log)
+	}
+	if cfg.handoverSocket != "" {
+		var gone <-chan struct{}
+		if pred != nil {
+			gone = pred.Gone()
+		}
+		serveHandover(ctx, tun.HandoverServer(cfg.handoverSocket), cniRetryPeriod, gone, nodeTaken, claim.Held, log)
 	}
 	// Ready: the BPF objects are loaded (Load returned), the first full
 	// reconcile finished, every enrolled pod has its listeners and a valid
@@ -702,90 +725,34 @@ const releasePatience = 10 * time.Second
 // It serves once taken is closed (nil: at once), when this agent holds the
 // node: an agent that installed its socket as it started took the plugin's
 // events from the agent holding the node before it had any state of its
-// own.
-//
-// A value on reinstall (nil: none) serves the socket anew, installed over
-// whatever is at the path: the agent took the node back from a newer one,
-// whose socket was put over this one's (see OnReclaim). So does finding,
-// every cniOwnCheck, that the path no longer names the served socket while
-// held says this agent holds the node: the path is whoever renamed last's,
-// and an agent that yielded the node (one of two new agents racing, slower
-// to install than to claim) could put its socket over the holder's and
-// remove it as it stopped. Before, every CNI ADD on the node failed from
-// then on while the holder passed for ready.
+// own. The path follows the agent holding the node (nodeSocket): before,
+// an agent that yielded the node (one of two new agents racing, slower to
+// install than to claim) could put its socket over the holder's and
+// remove it as it stopped, and every CNI ADD on the node failed from then
+// on while the holder passed for ready. A value on reinstall (nil: none)
+// serves the socket anew, installed over whatever is at the path: the
+// agent took the node back from a newer one, whose socket was put over
+// this one's (see OnReclaim).
 func serveCNI(ctx context.Context, srv *cni.Server, retry time.Duration, taken, reinstall <-chan struct{}, held func() bool, log *slog.Logger) admin.Check {
-	var mu sync.Mutex
-	failed := errors.New("not served yet")
-	set := func(err error) {
-		mu.Lock()
-		failed = err
-		mu.Unlock()
-	}
-	go func() {
-		if taken != nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-taken:
-			}
-		}
-		for {
-			err := srv.Listen()
-			if err == nil {
-				set(nil)
-				sctx, cancel := context.WithCancel(ctx)
-				served := make(chan struct{})
-				go func() {
-					tick := time.NewTicker(cniOwnCheck)
-					defer tick.Stop()
-					for {
-						select {
-						case <-reinstall:
-							cancel()
-							return
-						case <-served:
-							return
-						case <-tick.C:
-							// The path first: an agent claims the node before
-							// it installs its socket, so one whose socket is
-							// seen here already holds the node.
-							if !srv.Installed() && held() {
-								log.Warn("CNI event socket at the path is not this agent's (another agent installed its own over it, or it was removed) while this agent holds the node: installing it again", "socket", srv.Path())
-								cancel()
-								return
-							}
-						}
-					}
-				}()
-				err = srv.Serve(sctx)
-				close(served)
-				again := sctx.Err() != nil && ctx.Err() == nil
-				cancel()
-				if again {
-					log.Info("CNI event socket installed again", "socket", srv.Path())
-					continue
-				}
-			}
-			if ctx.Err() != nil {
-				return
-			}
-			log.Error("CNI event socket not served; retrying", "socket", srv.Path(), "error", err, "retry_in", retry)
-			set(fmt.Errorf("--cni-socket (CNI_SOCKET): %w", err))
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(retry):
-			}
-		}
-	}()
-	return func() (bool, string) {
-		mu.Lock()
-		defer mu.Unlock()
-		if failed != nil {
-			return false, "CNI event socket: " + failed.Error()
-		}
-		return true, ""
-	}
+	return nodeSocket{sock: srv, what: "CNI event socket", setting: "--cni-socket (CNI_SOCKET)", retry: retry,
+		after: []<-chan struct{}{taken}, reinstall: reinstall, held: held}.serve(ctx, log)
+}
+
+// serveHandover serves the listener hand-over socket until ctx ends, as
+// serveCNI the CNI socket: once the predecessor is gone (gone, nil: none)
+// and this agent took the node (taken), and only while it holds it (held).
+// Before, the socket went to the path as soon as the predecessor was gone,
+// held or not: of two new agents racing for the node, both waiting for
+// the old agent's socket to go, the one that yielded could install last,
+// and removed the path as it stopped; the next agent then found no
+// predecessor and bound the pods' ports beside the holder, which failed
+// until the holder exited (SYNs in that gap were sent again). Not a
+// readiness check: a successor waits for its predecessor to go before it
+// serves, and the predecessor goes only once the successor is ready.
+func serveHandover(ctx context.Context, hs *tunnel.HandoverServer, retry time.Duration, gone, taken <-chan struct{}, held func() bool, log *slog.Logger) {
+	nodeSocket{sock: hs, what: "listener hand-over socket", setting: "--handover-socket (HANDOVER_SOCKET)", retry: retry,
+		unserved: " (an agent replacing this one waits for the pods' ports until this one exits)",
+		after:    []<-chan struct{}{gone, taken}, held: held}.serve(ctx, log)
 }
 
 // endpointListen opens the HTTP endpoints' listeners in the node's
@@ -850,12 +817,9 @@ func checkSocketPath(path string) error {
 	return nil
 }
 
-// cniRetryPeriod is how long serveCNI waits before serving again.
+// cniRetryPeriod is how long serveCNI and serveHandover wait before
+// serving again.
 const cniRetryPeriod = 5 * time.Second
-
-// cniOwnCheck is how often serveCNI checks that the CNI socket's path is
-// still the served socket (one lstat).
-const cniOwnCheck = time.Second
 
 // annotator is ann as the node agent takes it: nil (not a nil pointer in
 // an interface) when the source has no API server to annotate.

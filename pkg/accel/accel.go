@@ -40,7 +40,10 @@ type Config struct {
 	TunnelMark, MarkMask uint32
 	// HBONEPort is left alone: its connections never pair.
 	HBONEPort uint16
-	Logger    *slog.Logger
+	// DeferRelink leaves the hooks on the programs they run until Relink
+	// (loader.Config.DeferRelink).
+	DeferRelink bool
+	Logger      *slog.Logger
 }
 
 // Accelerator holds the loaded programs.
@@ -97,9 +100,11 @@ func Load(ctx context.Context, cfg Config) (*Accelerator, error) {
 	if err != nil {
 		return nil, fmt.Errorf("load sockops programs: %w", err)
 	}
-	if err := a.Relink(); err != nil {
-		a.objs.Close()
-		return nil, err
+	if !cfg.DeferRelink {
+		if err := a.Relink(); err != nil {
+			a.objs.Close()
+			return nil, err
+		}
 	}
 	cfg.Logger.InfoContext(ctx, "sockops acceleration on", "cgroup", cfg.CgroupPath)
 	return a, nil

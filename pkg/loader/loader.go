@@ -51,7 +51,16 @@ type Config struct {
 	// agent attached): every packet of a captured connection takes the pod
 	// interface's programs.
 	PacketPathOnly bool
-	Logger         *slog.Logger
+	// DeferRelink leaves every pinned link on the program it runs, the
+	// local-routing link as it is and the host-probe veth map unbuilt,
+	// until Relink: an older agent still running holds the node, and this
+	// one takes it over (and relinks, under the claim's lock) only once its
+	// source has delivered state to apply. One that never does, and stops,
+	// leaves the node on the older agent's programs, where a relink at
+	// start left the pods on its own with nothing to put the older ones
+	// back.
+	DeferRelink bool
+	Logger      *slog.Logger
 }
 
 // Loader holds the loaded programs and pinned maps of one node.
@@ -184,7 +193,7 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 		l.capturedID, _ = info.ID()
 	}
 	l.probes, err = probe.Load(ctx, probe.Config{PinRoot: cfg.PinRoot, SNATv4: cfg.Settings.ProbeSNATv4, SNATv6: cfg.Settings.ProbeSNATv6,
-		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, PodsCgroupID: cfg.PodsCgroupID, Logger: cfg.Logger})
+		TunnelMark: cfg.Settings.TunnelMark, MarkMask: cfg.Settings.MarkMask, PodsCgroupID: cfg.PodsCgroupID, DeferRelink: cfg.DeferRelink, Logger: cfg.Logger})
 	if err != nil {
 		l.Close()
 		return nil, fmt.Errorf("load host-probe SNAT: %w", err)
@@ -195,11 +204,13 @@ func Load(ctx context.Context, cfg Config) (*Loader, error) {
 			return nil, err
 		}
 	}
-	if _, err := l.relinkPods(ctx); err != nil {
-		l.Close()
-		return nil, err
+	if !cfg.DeferRelink {
+		if _, err := l.relinkPods(ctx); err != nil {
+			l.Close()
+			return nil, err
+		}
+		l.attachLocalRoute(ctx)
 	}
-	l.attachLocalRoute(ctx)
 	if err := l.syncPodNetNS(ctx); err != nil {
 		l.Close()
 		return nil, err

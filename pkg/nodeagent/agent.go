@@ -70,13 +70,15 @@ type Config struct {
 	Annotator Annotator
 	Claim     Claim
 	// TakeNode, if set, makes this agent the one holding the node
-	// (maps.Claim.Take), once, as the source's first snapshot arrives and
-	// before it is applied. An agent that took the node at start and then
-	// had nothing to apply (a manifest refused, an API server or istiod not
-	// answering) left it unmanaged: the older agent, which had the last
-	// good state, yielded, and no pod was enrolled, detached or repaired
-	// until the new source answered. Until it returns, the older agent goes
-	// on as before; an error ends Run. nil: the node is held already.
+	// (maps.Claim.Take), once, as the source's first complete snapshot
+	// arrives (with SOURCE=xds, one with istiod's answer) and before it is
+	// applied; snapshots before it are dropped. An agent that took the
+	// node at start and then had nothing to apply (a manifest refused, an
+	// API server or istiod not answering) left it unmanaged: the older
+	// agent, which had the last good state, yielded, and no pod was
+	// enrolled, detached or repaired until the new source answered. Until
+	// it returns, the older agent goes on as before; an error ends Run.
+	// nil: the node is held already.
 	TakeNode func(ctx context.Context) error
 	// OnYield runs when a newer agent took the node over (again, after an
 	// OnReclaim).
@@ -104,9 +106,10 @@ type Agent struct {
 	// by whichever worker or loop saw the claim first) and a take-back
 	// (OnReclaim, by the main loop) one after the other, never interleaved.
 	claimMu sync.Mutex
-	// taken is set once this agent holds the node (Config.TakeNode): before
-	// that, another agent's claim is not a successor's.
-	taken atomic.Bool
+	// waiting is set while this agent waits for a complete snapshot to
+	// take the node with (Config.TakeNode): another agent's claim is not a
+	// successor's then.
+	waiting atomic.Bool
 
 	// mu guards everything below. The main loop and CNI events both apply
 	// the latest snapshot; workers read the desired state.
@@ -184,7 +187,7 @@ func New(cfg Config) *Agent {
 		podSynced:   make(chan struct{}),
 		annots:      newAnnotations(),
 	}
-	a.taken.Store(cfg.TakeNode == nil)
+	a.waiting.Store(cfg.TakeNode != nil)
 	if cfg.Reconciler != nil {
 		cfg.Reconciler.SetForeignNetNS(a.foreignNetNS)
 		cfg.Reconciler.SetListed(a.listedPod)
@@ -261,11 +264,17 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 		case err := <-srcErr:
 			return err
 		case s := <-snaps:
-			if !a.taken.Load() {
+			if a.waiting.Load() {
+				if !complete(s) {
+					continue
+				}
 				if err := a.cfg.TakeNode(ctx); err != nil {
+					if ctx.Err() != nil {
+						return nil
+					}
 					return fmt.Errorf("take the node with the first snapshot: %w", err)
 				}
-				a.taken.Store(true)
+				a.waiting.Store(false)
 				a.log.Info("first snapshot from the source: this agent holds the node")
 			}
 			full = a.setSnapshot(s)
@@ -281,6 +290,15 @@ func (a *Agent) Run(ctx context.Context, src source.Source) error {
 			a.mu.Unlock()
 		}
 	}
+}
+
+// complete reports whether s is state an agent may take the node over
+// with (Config.TakeNode): the xDS source delivers the node's pods before
+// istiod's first answer, so that a CNI ADD never waits on istiod, and such
+// a snapshot has no policies yet (every connection of the node's pods
+// would be refused until istiod answered).
+func complete(s source.Snapshot) bool {
+	return s.Compiled == nil || s.Compiled.Synced
 }
 
 // setSnapshot records the newest snapshot; it reports whether it was the
@@ -310,7 +328,7 @@ func (a *Agent) setSnapshot(s source.Snapshot) bool {
 // whether it took the node back; only the main loop (reclaim set) tries,
 // and then runs a full pass.
 func (a *Agent) checkClaim(ctx context.Context, reclaim bool) bool {
-	if a.cfg.Claim == nil || !a.taken.Load() || a.cfg.Claim.Held() {
+	if a.cfg.Claim == nil || a.waiting.Load() || a.cfg.Claim.Held() {
 		return false
 	}
 	a.claimMu.Lock()

@@ -52,7 +52,10 @@ type Config struct {
 	// SYNs from sockets below it are not probes. Zero: every process of
 	// the node's network namespace probes.
 	PodsCgroupID uint64
-	Logger       *slog.Logger
+	// DeferRelink leaves the pinned host links and the veth map as they are
+	// until Relink (loader.Config.DeferRelink).
+	DeferRelink bool
+	Logger      *slog.Logger
 }
 
 func (c *Config) setDefaults() {
@@ -152,6 +155,9 @@ func Load(ctx context.Context, cfg Config) (*Attacher, error) {
 			return nil, fmt.Errorf("load host probe programs: %+v", ve)
 		}
 		return nil, fmt.Errorf("load host probe programs (pin root %s): %w", cfg.PinRoot, err)
+	}
+	if cfg.DeferRelink {
+		return a, nil
 	}
 	if err := a.rebuildVeths(ctx); err != nil {
 		a.objs.Close()

@@ -119,11 +119,74 @@ var handoverResults = []string{handoverGiven, handoverTaken, handoverNotServed, 
 // it is gone: see Predecessor.WaitGone) and is removed at the end unless a
 // successor replaced it.
 func (t *Tunnel) ServeHandover(ctx context.Context, path string) error {
-	l, ino, err := unixsock.Install("hand-over socket", path, "unixpacket")
+	return t.HandoverServer(path).Serve(ctx)
+}
+
+// HandoverServer is the tunnel's hand-over socket at path, installed and
+// served in two steps as cni.Server does the CNI socket. The path is shared
+// by every agent of the node and names the socket of whoever installed
+// last: the tunnel knows no claim on the node, so the caller, which does,
+// asks Installed and serves again when the path is no longer this one's.
+type HandoverServer struct {
+	t    *Tunnel
+	path string
+	// l and ino are the socket Listen installed, for Serve.
+	l   net.Listener
+	ino uint64
+	// serving is the inode of the socket Serve serves (0: none), for
+	// Installed.
+	serving atomic.Uint64
+}
+
+// HandoverServer prepares the hand-over socket at path; nothing is opened
+// before Listen or Serve.
+func (t *Tunnel) HandoverServer(path string) *HandoverServer {
+	return &HandoverServer{t: t, path: path}
+}
+
+// Path is the socket's path.
+func (s *HandoverServer) Path() string { return s.path }
+
+// Listen installs the socket at the path (unixsock.Install) without
+// serving it yet; Serve, called next from the same goroutine, serves it.
+// Connections made in between wait in the socket's backlog.
+func (s *HandoverServer) Listen() error {
+	if s.l != nil {
+		return nil
+	}
+	l, ino, err := unixsock.Install("hand-over socket", s.path, "unixpacket")
 	if err != nil {
 		return err
 	}
-	defer unixsock.RemoveIfOwn(path, ino)
+	s.l, s.ino = l, ino
+	return nil
+}
+
+// Installed reports whether the path still names the socket Serve serves:
+// an agent that installed its own over it afterwards (and may remove it as
+// it stops), or anyone who removed it, leaves this one serving a socket no
+// successor reaches.
+func (s *HandoverServer) Installed() bool {
+	ino := s.serving.Load()
+	return ino != 0 && unixsock.Names(s.path, ino)
+}
+
+// Serve installs the socket if Listen did not, and serves it until ctx
+// ends, as ServeHandover.
+func (s *HandoverServer) Serve(ctx context.Context) error {
+	if err := s.Listen(); err != nil {
+		return err
+	}
+	l, ino := s.l, s.ino
+	s.l = nil // a Serve after this one installs anew
+	s.serving.Store(ino)
+	defer s.serving.Store(0)
+	defer unixsock.RemoveIfOwn(s.path, ino)
+	return s.t.serveHandover(ctx, l, s.path)
+}
+
+// serveHandover accepts on l, the hand-over socket at path, until ctx ends.
+func (t *Tunnel) serveHandover(ctx context.Context, l net.Listener, path string) error {
 	stop := context.AfterFunc(ctx, func() { l.Close() })
 	defer stop()
 	t.log.InfoContext(ctx, "listener hand-over socket listening", "socket", path)
@@ -450,22 +513,39 @@ func DialPredecessor(ctx context.Context, path string) (*Predecessor, error) {
 // predecessorPoll is how often WaitGone checks for the predecessor.
 const predecessorPoll = 250 * time.Millisecond
 
-// WaitGone returns once nothing serves the predecessor's hand-over socket
-// any more (it exited, or began to drain), or a socket not an agent's took
-// its place, or ctx ended. Until then this agent leaves the path to the
-// predecessor: an agent started next (this one restarted after a crash,
-// say) must reach the agent that still holds the pods' listeners. Any
-// other failure to connect (a predecessor slow to accept, this process
+// WaitGone returns once nothing has served the predecessor's hand-over
+// socket for absent (it exited, or began to drain), or a socket not an
+// agent's took its place, or ctx ended. Until then this agent leaves the
+// path to the predecessor: an agent started next (this one restarted after
+// a crash, say) must reach the agent that still holds the pods' listeners.
+// Any other failure to connect (a predecessor slow to accept, this process
 // short of descriptors) counts as the predecessor still there.
-func (pr *Predecessor) WaitGone(ctx context.Context) {
+//
+// The path follows the agent holding the node, which puts its socket back
+// when another agent's replaced it (cmd/redirector); absent covers the
+// moment between a yielded agent removing its socket as it stopped and the
+// holder putting its own back. Seen as gone, the holder was asked nothing
+// more, and this agent's pods waited for the holder to exit.
+func (pr *Predecessor) WaitGone(ctx context.Context, absent time.Duration) {
 	tick := time.NewTicker(predecessorPoll)
 	defer tick.Stop()
+	var since time.Time // when the path was first seen served by no agent
 	for {
 		c, err := dialHandover(ctx, pr.path)
+		gone := errors.Is(err, errUntrusted)
 		switch {
+		case errors.Is(err, errNoPredecessor):
+			if since.IsZero() {
+				since = time.Now()
+			}
+			gone = time.Since(since) >= absent
 		case err == nil:
 			c.Close()
-		case errors.Is(err, errNoPredecessor), errors.Is(err, errUntrusted):
+			fallthrough
+		default:
+			since = time.Time{}
+		}
+		if gone {
 			pr.gone.Store(true)
 			pr.goneOnce.Do(func() { close(pr.goneCh) })
 			return

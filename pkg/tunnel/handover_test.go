@@ -189,7 +189,7 @@ func TestListenerHandover(t *testing.T) {
 
 	// The predecessor is alive: WaitGone waits.
 	wctx, wcancel := context.WithTimeout(ctx, 3*predecessorPoll)
-	pred.WaitGone(wctx)
+	pred.WaitGone(wctx, 0)
 	if wctx.Err() == nil {
 		t.Error("WaitGone returned while the predecessor still served")
 	}
@@ -203,7 +203,7 @@ func TestListenerHandover(t *testing.T) {
 	defer cancel()
 	old.Drain(dctx, nil)
 	wctx, wcancel = context.WithTimeout(ctx, 5*time.Second)
-	pred.WaitGone(wctx)
+	pred.WaitGone(wctx, 0)
 	if wctx.Err() != nil {
 		t.Error("WaitGone still waiting 5 s after the predecessor stopped")
 	}
@@ -259,6 +259,62 @@ func serveHandover(t *testing.T, tun *Tunnel) (sock string, stop func() error) {
 	t.Cleanup(func() { _ = stop() })
 	waitForSocket(t, sock)
 	return sock, stop
+}
+
+// TestWaitGoneRidesOutPathTakenBack: a hand-over path found served by no
+// agent for less than WaitGone's absent (a yielded agent removed its socket
+// as it stopped, and the agent holding the node puts its own back within a
+// second) does not count as the predecessor gone: the successor goes on
+// asking at the path, which the holder answers. Before, the first empty
+// look ended the wait: the holder was asked nothing more, and the
+// successor's pods waited for it to exit to bind their ports.
+func TestWaitGoneRidesOutPathTakenBack(t *testing.T) {
+	yielded := handoverTunnel(t, newTestLog(), nil)
+	sock, stop := serveHandover(t, yielded)
+	pred := mustPredecessor(t, sock)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	waited := make(chan struct{})
+	go func() { pred.WaitGone(ctx, 2*time.Second); close(waited) }()
+
+	// The yielded agent stops and removes its socket; the holder puts its
+	// own back half a second later.
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(sock); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the stopped agent left its socket: %v", err)
+	}
+	time.Sleep(500 * time.Millisecond)
+	holder := handoverTunnel(t, newTestLog(), nil)
+	hctx, hcancel := context.WithCancel(context.Background())
+	held := make(chan error, 1)
+	go func() { held <- holder.ServeHandover(hctx, sock) }()
+	hstop := sync.OnceValue(func() error { hcancel(); return <-held })
+	defer hstop()
+
+	<-waited
+	select {
+	case <-pred.Gone():
+		t.Fatal("the predecessor counted as gone while the path was empty for half a second, then served again")
+	default:
+	}
+
+	// The holder stops too: the path stays empty, and the predecessor is
+	// gone once it was for absent.
+	if err := hstop(); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	pred.WaitGone(context.Background(), 200*time.Millisecond)
+	select {
+	case <-pred.Gone():
+	default:
+		t.Fatal("WaitGone returned with the predecessor not gone")
+	}
+	if d := time.Since(start); d < 200*time.Millisecond {
+		t.Errorf("gone after %s, less than absent", d)
+	}
 }
 
 // mustPredecessor is DialPredecessor at sock, which must find an agent.

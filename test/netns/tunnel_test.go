@@ -469,9 +469,11 @@ func TestPodsNeverShareHBONEConnections(t *testing.T) {
 
 // TestSpoofedLocalSourceFailsClosed: a pod that sends from another local
 // pod's address (here added to its own lo, as a pod with NET_ADMIN could;
-// raw sockets or IP_TRANSPARENT need only NET_RAW) is captured in its own
-// namespace, and the agent refuses the connection there rather than tunnel
-// it with the other pod's identity. Before, it left as the other pod.
+// raw sockets or IP_TRANSPARENT need only NET_RAW) is refused, never
+// tunnelled with the other pod's identity. Before, it left as the other
+// pod. Since 8 December the capture drops the SYN on the sending pod's
+// interface (drop_foreign_src); the agent's own check behind it
+// (fail_closed{foreign_source}) is tested in pkg/tunnel.
 func TestSpoofedLocalSourceFailsClosed(t *testing.T) {
 	var a, b, c *Pod
 	ms := newMesh(t, func(tp *Topology, m *Manifest) {
@@ -490,8 +492,8 @@ func TestSpoofedLocalSourceFailsClosed(t *testing.T) {
 		t.Fatalf("a reached c from b's address: %q", out)
 	}
 	text := scrape(t, ms.agents[0], "http://127.0.0.1:15020/metrics")
-	if got := metricSum(text, "redirector_fail_closed_total", `reason="foreign_source"`); got < 1 {
-		t.Errorf("fail_closed{foreign_source} = %v, want at least 1", got)
+	if got := metricSum(text, "redirector_bpf_packets_total", `reason="drop_foreign_src"`); got < 1 {
+		t.Errorf("redirector_bpf_packets_total{reason=drop_foreign_src} = %v, want at least 1", got)
 	}
 	if strings.Contains(ms.agents[1].Log(), "spiffe://cluster.local/ns/mesh/sa/b-sa") {
 		t.Errorf("c's agent saw a connection as b:\n%s", ms.agents[1].Log())
